@@ -1,0 +1,79 @@
+"""Attention over a ragged batch against the KV cache: SDPA everywhere, flash-attn varlen on CUDA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.models.batch import ForwardBatch
+
+try:  # optional GPU extra
+    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    return flash_attn_varlen_func is not None and device.type == "cuda"
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [S, H_kv, L, D]
+    v_cache: torch.Tensor,
+    k: torch.Tensor,  # [B, Q, H_kv, D]
+    v: torch.Tensor,
+    batch: ForwardBatch,
+) -> None:
+    k_flat = k.reshape(-1, *k.shape[2:])[batch.write_from]  # [N, H_kv, D]
+    v_flat = v.reshape(-1, *v.shape[2:])[batch.write_from]
+    k_cache[batch.write_slot, :, batch.write_pos] = k_flat
+    v_cache[batch.write_slot, :, batch.write_pos] = v_flat
+
+
+def read_kv(cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """[B, H_kv, K, D]: a view when the batch's slots are consecutive, a gather otherwise."""
+    k_len = batch.kv_len
+    if batch.slot_range is not None:
+        first, end = batch.slot_range
+        return cache[first:end, :, :k_len]
+    return cache[batch.slots, :, :k_len]
+
+
+def attention(
+    q: torch.Tensor,  # [B, H_q, Q, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    *,
+    use_flash: bool,
+) -> torch.Tensor:  # [B, H_q, Q, D]
+    if use_flash and batch.causal:
+        return _flash_varlen(q, k_cache, v_cache, batch)
+    k = read_kv(k_cache, batch)
+    v = read_kv(v_cache, batch)
+    is_causal = batch.attn_mask is None and q.shape[2] > 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=batch.attn_mask, is_causal=is_causal, enable_gqa=True)
+
+
+def _flash_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Causal ragged attention with flash-attn: packs each sequence's queries and its whole context."""
+    assert flash_attn_varlen_func is not None
+    b_size, h_q, q_len, d = q.shape
+    q_tok = q.transpose(1, 2).reshape(b_size * q_len, h_q, d)[batch.write_from]  # [N, H_q, D]
+    ks, vs = [], []
+    for b, slot in enumerate(batch.slots.tolist()):
+        end = batch.cache_start[b] + batch.num_new[b]
+        ks.append(k_cache[slot, :, :end].transpose(0, 1))
+        vs.append(v_cache[slot, :, :end].transpose(0, 1))
+    k = torch.cat(ks)  # [ΣK_b, H_kv, D]
+    v = torch.cat(vs)
+    dev = q.device
+    cu_q = torch.tensor([0, *torch.tensor(batch.num_new).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    lens_k = [s + n for s, n in zip(batch.cache_start, batch.num_new, strict=True)]
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    out = flash_attn_varlen_func(
+        q_tok, k, v, cu_q, cu_k, max(batch.num_new), max(lens_k), causal=True
+    )  # [N, H_q, D]; causal is aligned bottom-right, so each query sees its whole cache
+    padded = q.new_zeros(b_size * q_len, h_q, d)
+    padded[batch.write_from] = out
+    return padded.view(b_size, q_len, h_q, d).transpose(1, 2)

@@ -1,0 +1,104 @@
+"""The one data object a model forward takes: a ragged batch of new tokens, built on the host."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.models.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """B sequences; sequence b appends n_b new tokens to its KV slot (Q = max n_b, K = max total length)."""
+
+    slots: torch.Tensor  # [B] long
+    tokens: torch.Tensor  # [B, Q] long, 0-padded
+    positions: torch.Tensor  # [B, Q] long RoPE positions, 0-padded
+    write_slot: torch.Tensor  # [N] long slot of every real new token (N = Σ n_b)
+    write_pos: torch.Tensor  # [N] long cache index of every real new token
+    write_from: torch.Tensor  # [N] long flat index b*Q+q of every real new token
+    attn_mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None: B == 1, causal, no cache or Q == 1
+    logit_rows: torch.Tensor  # [R] long flat index b*Q+q of rows whose logits are returned, in order
+    num_new: tuple[int, ...]
+    num_logits: tuple[int, ...]
+    cache_start: tuple[int, ...]
+    slot_range: tuple[int, int] | None  # (first, end) when slots are consecutive: K/V are read as a view
+    causal: bool  # every sequence uses a plain causal mask (flash-attn varlen eligible)
+
+    @property
+    def kv_len(self) -> int:
+        return max(s + n for s, n in zip(self.cache_start, self.num_new, strict=True))
+
+    @staticmethod
+    def build(
+        cache: KVCache,
+        slots: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        *,
+        positions: Sequence[Sequence[int] | None] | None = None,
+        tree_masks: Sequence[torch.Tensor | None] | None = None,
+        num_logits: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Reserve KV room for every sequence's new tokens and lay out the padded step.
+
+        positions[b]: RoPE positions of the new tokens (default: cache length + 0..n_b-1).
+        tree_masks[b]: [n_b, n_b] bool, row j sees the new tokens it may attend to (itself and its
+        ancestors); None = causal. num_logits[b]: logits for the last m_b new tokens (default all).
+        """
+        b_size = len(slots)
+        num_new = [len(t) for t in tokens]
+        if b_size == 0 or min(num_new) < 1:
+            raise ValueError("a forward batch needs at least one sequence and one new token per sequence")
+        starts = cache.begin_append(list(slots), num_new)
+        q_len = max(num_new)
+        k_len = max(s + n for s, n in zip(starts, num_new, strict=True))
+        tok = torch.zeros(b_size, q_len, dtype=torch.long)
+        pos = torch.zeros(b_size, q_len, dtype=torch.long)
+        masks = tree_masks or [None] * b_size
+        causal = all(m is None for m in masks)
+        need_mask = b_size > 1 or not causal or (q_len > 1 and starts[0] > 0)
+        mask = torch.zeros(b_size, q_len, k_len, dtype=torch.bool) if need_mask else None
+        w_slot, w_pos, w_from, rows = [], [], [], []
+        m_list = list(num_logits) if num_logits is not None else num_new
+        for b, (slot, start, n) in enumerate(zip(slots, starts, num_new, strict=True)):
+            tok[b, :n] = torch.as_tensor(tokens[b], dtype=torch.long)
+            p = positions[b] if positions is not None else None
+            pos[b, :n] = torch.as_tensor(p, dtype=torch.long) if p is not None else torch.arange(start, start + n)
+            if mask is not None:
+                mask[b, :, :start] = True
+                tree = masks[b]
+                if tree is None:
+                    mask[b, :n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                else:
+                    if tree.shape != (n, n):
+                        raise ValueError(f"tree mask of sequence {b} has shape {tuple(tree.shape)}, want {(n, n)}")
+                    mask[b, :n, start : start + n] = tree
+                mask[b, n:, 0] = True  # padded rows attend somewhere so softmax stays finite
+            w_slot += [slot] * n
+            w_pos += range(start, start + n)
+            w_from += range(b * q_len, b * q_len + n)
+            m = m_list[b]
+            if not 1 <= m <= n:
+                raise ValueError(f"sequence {b}: num_logits {m} must be in [1, {n}]")
+            rows += range(b * q_len + n - m, b * q_len + n)
+        first = slots[0]
+        consecutive = list(slots) == list(range(first, first + b_size))
+        return ForwardBatch(
+            slots=torch.as_tensor(list(slots), dtype=torch.long, device=device),
+            tokens=tok.to(device),
+            positions=pos.to(device),
+            write_slot=torch.tensor(w_slot, dtype=torch.long, device=device),
+            write_pos=torch.tensor(w_pos, dtype=torch.long, device=device),
+            write_from=torch.tensor(w_from, dtype=torch.long, device=device),
+            attn_mask=None if mask is None else mask[:, None].to(device),
+            logit_rows=torch.tensor(rows, dtype=torch.long, device=device),
+            num_new=tuple(num_new),
+            num_logits=tuple(m_list),
+            cache_start=tuple(starts),
+            slot_range=(first, first + b_size) if consecutive else None,
+            causal=causal,
+        )

@@ -1,0 +1,235 @@
+"""Llama-family forward pass built for serving (Llama, Mistral, Qwen2, SmolLM).
+
+RMSNorm, RoPE (incl. the HF ``rope_scaling`` variants), GQA, SwiGLU, tied embeddings. One call runs a ragged
+batch (``ForwardBatch``) against per-sequence KV slots, with causal or tree masks. Q/K/V and gate/up are
+fused into single matmuls at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from specserve.errors import UnsupportedModelError
+from specserve.models.attention import attention, flash_attn_available, write_kv
+from specserve.models.batch import ForwardBatch
+from specserve.models.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @staticmethod
+    def from_hf(config: PretrainedConfig) -> ArchConfig:
+        model_type = config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; this runner implements {SUPPORTED_MODEL_TYPES}"
+            )
+        if config.hidden_act != "silu":
+            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported (SwiGLU needs 'silu')")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        max_pos = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", model_type == "mistral"):
+            max_pos = min(max_pos, window)  # within the window sliding attention equals full attention
+        return ArchConfig(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(config.tie_word_embeddings),
+            max_position_embeddings=max_pos,
+        )
+
+
+def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_positions, head_dim] (HF rotate-half layout, attention scaling folded in)."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "dynamic":
+        raise UnsupportedModelError("rope_type 'dynamic' changes RoPE with the sequence length; not supported")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        scaling = 1.0
+    elif rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    else:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, Q, H, D], cos/sin [B, Q, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, Q, hidden]
+        cos: torch.Tensor,  # [B, Q, 1, D]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [S, H_kv, L, D]
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        use_flash: bool,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        b_size, q_len, _ = x.shape
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        q, k, v = self.qkv(h).split(
+            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1
+        )
+        q = apply_rope(q.view(b_size, q_len, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(b_size, q_len, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(b_size, q_len, cfg.num_kv_heads, cfg.head_dim)
+        write_kv(k_cache, v_cache, k, v, batch)
+        out = attention(q.transpose(1, 2), k_cache, v_cache, batch, use_flash=use_flash)  # [B, H, Q, D]
+        x = x + self.o_proj(out.transpose(1, 2).reshape(b_size, q_len, -1))
+        gate, up = self.gate_up(rms_norm(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: PretrainedConfig, *, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.cfg = cfg = ArchConfig.from_hf(hf_config)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        cos, sin = rope_tables(hf_config, cfg.head_dim, self.max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.use_flash_attn = True  # switch: flash-attn varlen for causal batches on CUDA when installed
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, num_slots: int, max_len: int | None = None) -> KVCache:
+        cfg = self.cfg
+        return KVCache(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            num_slots=num_slots,
+            max_len=min(max_len or self.max_positions, self.max_positions),
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Append the batch's tokens to the cache; return float32 logits [R, V] for ``batch.logit_rows``."""
+        x = self.embed_tokens(batch.tokens)  # [B, Q, hidden]
+        cos = self.rope_cos[batch.positions].to(x.dtype).unsqueeze(2)  # [B, Q, 1, D]
+        sin = self.rope_sin[batch.positions].to(x.dtype).unsqueeze(2)
+        use_flash = self.use_flash_attn and flash_attn_available(x.device)
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
+            x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash)
+        x = x.reshape(-1, x.shape[-1])[batch.logit_rows]  # [R, hidden]
+        return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+
+    # -- weights ----------------------------------------------------------------------------------------
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
+        """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up."""
+
+        def get(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise UnsupportedModelError(f"checkpoint is missing tensor {name!r}")
+            return sd[name]
+
+        cfg = self.cfg
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+            self.norm.copy_(get("model.norm.weight"))
+            if not cfg.tie_word_embeddings:
+                self.lm_head.weight.copy_(get("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                att = p + "self_attn."
+                layer.input_norm.copy_(get(p + "input_layernorm.weight"))
+                layer.post_norm.copy_(get(p + "post_attention_layernorm.weight"))
+                layer.qkv.weight.copy_(torch.cat([get(att + f"{n}_proj.weight") for n in "qkv"]))
+                if cfg.qkv_bias:
+                    layer.qkv.bias.copy_(torch.cat([get(att + f"{n}_proj.bias") for n in "qkv"]))
+                layer.o_proj.weight.copy_(get(att + "o_proj.weight"))
+                if cfg.o_bias:
+                    layer.o_proj.bias.copy_(get(att + "o_proj.bias"))
+                layer.gate_up.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+                layer.down.weight.copy_(get(p + "mlp.down_proj.weight"))
+                if cfg.mlp_bias:
+                    layer.gate_up.bias.copy_(torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")]))
+                    layer.down.bias.copy_(get(p + "mlp.down_proj.bias"))
+
+
+def quantize_int8_dynamic(model: LlamaModel) -> LlamaModel:
+    """Dynamic int8 weights for every linear layer (a cheap CPU draft); embeddings stay in float."""
+    if model.dtype != torch.float32:
+        raise ValueError("dynamic int8 quantisation starts from a float32 model")
+    if model.cfg.tie_word_embeddings:  # untie so the embedding stays float while lm_head is quantised
+        model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.detach().clone())
+    return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)

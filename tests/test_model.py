@@ -1,0 +1,226 @@
+"""Model runner: parity with transformers, ragged and tree-masked batches, KV slot operations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve.errors import KVCapacityError, UnsupportedModelError
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel, quantize_int8_dynamic
+from specserve.models.tiny import hf_state_dict, tiny_config, tiny_model
+
+ROPE_VARIANTS = {
+    "default": {},
+    "linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
+    },
+    "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+}
+
+ARCHS = [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
+    ("llama", {"head_dim": 32}),
+    ("mistral", {"sliding_window": 4096}),
+    ("qwen2", {}),
+]
+
+
+def hf_twin(model: LlamaModel) -> torch.nn.Module:
+    hf = AutoModelForCausalLM.from_config(model.hf_config).eval()
+    hf.load_state_dict(hf_state_dict(model), strict=not model.cfg.tie_word_embeddings)
+    return hf
+
+
+def run_one(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, 256)
+    return model(ForwardBatch.build(cache, [cache.allocate()], [tokens]), cache)
+
+
+@pytest.mark.parametrize(("model_type", "extra"), ARCHS)
+def test_logits_match_transformers(model_type: str, extra: dict) -> None:
+    model = tiny_model(tiny_config(model_type, **extra), seed=1)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf_twin(model)(ids).logits[0]
+    assert (run_one(model, ids[0].tolist()) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_scaling_variants_match_transformers(variant: str) -> None:
+    model = tiny_model(tiny_config("llama", **ROPE_VARIANTS[variant]), seed=2)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf_twin(model)(ids).logits[0]
+    assert (run_one(model, ids[0].tolist()) - ref).abs().max().item() < 1e-4
+
+
+def test_dynamic_rope_is_a_clear_error() -> None:
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        LlamaModel(tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+
+
+def test_unsupported_architecture_is_a_clear_error() -> None:
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        LlamaModel(tiny_config("gpt2"))
+
+
+def test_incremental_decoding_equals_full_forward() -> None:
+    model = tiny_model(seed=3)
+    tokens = list(range(5, 45))
+    full = run_one(model, tokens)
+    cache = model.new_cache(2, 128)
+    slot = cache.allocate()
+    parts = [model(ForwardBatch.build(cache, [slot], [tokens[:17]]), cache)]
+    for t in tokens[17:]:
+        parts.append(model(ForwardBatch.build(cache, [slot], [[t]]), cache))
+    assert (torch.cat(parts) - full).abs().max().item() < 1e-4
+
+
+def test_ragged_batch_equals_sequences_run_alone() -> None:
+    model = tiny_model(seed=4)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (7, 19, 3, 12)]
+    extra = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (1, 4, 2, 3)]
+    cache = model.new_cache(6, 64)
+    cache.allocate()  # slot 0 busy: the batch below uses non-consecutive slots 1, 3, 4, 5
+    slots = [cache.allocate() for _ in range(5)]
+    cache.free(slots.pop(1))
+    first = model(ForwardBatch.build(cache, slots, prompts), cache)  # all logits of every prompt
+    second = model(ForwardBatch.build(cache, slots, extra), cache)
+    off1 = off2 = 0
+    for p, e in zip(prompts, extra, strict=True):
+        alone = run_one(model, p + e)
+        assert (first[off1 : off1 + len(p)] - alone[: len(p)]).abs().max() < 1e-4
+        assert (second[off2 : off2 + len(e)] - alone[len(p) :]).abs().max() < 1e-4
+        off1, off2 = off1 + len(p), off2 + len(e)
+
+
+def test_num_logits_returns_only_the_last_rows() -> None:
+    model = tiny_model(seed=5)
+    cache = model.new_cache(2, 64)
+    slots = [cache.allocate(), cache.allocate()]
+    out = model(ForwardBatch.build(cache, slots, [[3, 4, 5], [6, 7]], num_logits=[1, 2]), cache)
+    assert out.shape == (3, model.cfg.vocab_size)
+    assert (out[0] - run_one(model, [3, 4, 5])[-1]).abs().max() < 1e-4
+    assert (out[1:] - run_one(model, [6, 7])).abs().max() < 1e-4
+
+
+def tree_fixture() -> tuple[list[int], list[int]]:
+    """A tree of 7 nodes, parents precede children: 0 root; 1,2 children of 0; 3 of 1; 4,5 of 2; 6 of 4."""
+    return [10, 20, 30, 40, 50, 60, 70], [-1, 0, 0, 1, 2, 2, 4]
+
+
+def tree_mask(parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    for j, par in enumerate(parents):
+        mask[j, j] = True
+        if par >= 0:
+            mask[j] |= mask[par]
+            depth[j] = depth[par] + 1
+    return mask, depth
+
+
+def test_tree_mask_equals_each_path_run_alone_and_keep_commits_a_path() -> None:
+    model = tiny_model(seed=6)
+    context = [5, 6, 7, 8, 9]
+    tokens, parents = tree_fixture()
+    mask, depth = tree_mask(parents)
+    cache = model.new_cache(3, 64)
+    other = cache.allocate()
+    slot = cache.allocate()
+    model(ForwardBatch.build(cache, [other, slot], [[1, 2, 3], context]), cache)
+    positions = [len(context) + d for d in depth]
+    out = model(
+        ForwardBatch.build(cache, [other, slot], [[4], tokens], positions=[None, positions], tree_masks=[None, mask]),
+        cache,
+    )[1:]
+    for j in range(len(tokens)):
+        path = [i for i in range(len(tokens)) if mask[j, i]]
+        alone = run_one(model, context + [tokens[i] for i in path])
+        assert (out[j] - alone[-1]).abs().max() < 1e-4
+    # commit the path root -> 2 -> 4 -> 6 and continue decoding: equals the linear sequence
+    cache.keep(slot, len(context), [0, 2, 4, 6])
+    assert cache.length(slot) == len(context) + 4
+    nxt = model(ForwardBatch.build(cache, [slot], [[99]]), cache)
+    alone = run_one(model, [*context, 10, 30, 50, 70, 99])
+    assert (nxt[0] - alone[-1]).abs().max() < 1e-4
+
+
+def test_truncate_rolls_back_a_chain() -> None:
+    model = tiny_model(seed=7)
+    cache = model.new_cache(1, 64)
+    slot = cache.allocate()
+    model(ForwardBatch.build(cache, [slot], [[1, 2, 3, 4]]), cache)
+    model(ForwardBatch.build(cache, [slot], [[50, 51, 52]]), cache)
+    cache.truncate(slot, 5)  # keep only 50
+    out = model(ForwardBatch.build(cache, [slot], [[60]]), cache)
+    assert (out[0] - run_one(model, [1, 2, 3, 4, 50, 60])[-1]).abs().max() < 1e-4
+
+
+def test_kv_capacity_and_slot_errors() -> None:
+    model = tiny_model(seed=8)
+    cache = model.new_cache(1, 8)
+    slot = cache.allocate()
+    with pytest.raises(KVCapacityError, match="all 1 KV slots"):
+        cache.allocate()
+    with pytest.raises(KVCapacityError, match="capacity of 8"):
+        ForwardBatch.build(cache, [slot], [list(range(9))])
+    assert cache.length(slot) == 0  # a failed reservation reserves nothing
+    cache.free(slot)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.free(slot)
+    slot = cache.allocate()
+    ForwardBatch.build(cache, [slot], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="ascending"):
+        cache.keep(slot, 0, [2, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_copies_track_float32(dtype: torch.dtype) -> None:
+    model = tiny_model(seed=9)
+    low = tiny_model(seed=9).to(dtype)
+    tokens = list(range(3, 30))
+    ref = run_one(model, tokens).softmax(-1)
+    out = run_one(low, tokens)
+    assert out.dtype == torch.float32
+    assert (out.softmax(-1) - ref).abs().sum(-1).mean() / 2 < 0.1  # mean total variation distance
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_int8_dynamic_copy_runs_and_tracks_float32() -> None:
+    model = tiny_model(seed=10)
+    q = quantize_int8_dynamic(tiny_model(seed=10))
+    assert any("Quantized" in type(m).__name__ for m in q.modules())
+    tokens = list(range(3, 30))
+    ref, out = run_one(model, tokens), run_one(q, tokens)
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.5
+    assert not torch.equal(out, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_attn_varlen_matches_sdpa_on_cuda() -> None:
+    pytest.importorskip("flash_attn")
+    model = tiny_model(seed=11).to("cuda", torch.bfloat16)
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
+
+    def run(flash: bool) -> torch.Tensor:
+        model.use_flash_attn = flash
+        cache = model.new_cache(3, 64)
+        slots = [cache.allocate() for _ in prompts]
+        model(ForwardBatch.build(cache, slots, prompts, device="cuda"), cache)
+        return model(ForwardBatch.build(cache, slots, [[1, 2], [3], [4, 5, 6]], device="cuda"), cache)
+
+    assert (run(True) - run(False)).abs().max() < 5e-2
