@@ -52,3 +52,14 @@ class ModelSpec(BaseModel):
         if self.source.count("/") == 1 and not self.source.startswith((".", "/", "~")):
             return SourceKind.hub
         return SourceKind.hf_dir  # a path that does not exist: loading reports it clearly
+
+
+class EngineConfig(BaseModel):
+    """An in-process engine: which model, on which device, with what batch and context limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target: ModelSpec = ModelSpec()
+    device: str = "cpu"
+    max_batch_size: int = Field(default=16, ge=1, le=1024)
+    max_model_len: int = Field(default=2048, ge=16, le=1_048_576)

@@ -224,3 +224,19 @@ def test_flash_attn_varlen_matches_sdpa_on_cuda() -> None:
         return model(ForwardBatch.build(cache, slots, [[1, 2], [3], [4, 5, 6]], device="cuda"), cache)
 
     assert (run(True) - run(False)).abs().max() < 5e-2
+
+
+def test_window_mask_hides_cached_non_ancestors() -> None:
+    """Level-by-level tree drafting: cached sibling nodes must be invisible to a later level's nodes."""
+    model = tiny_model(seed=12)
+    context = [5, 6, 7]
+    cache = model.new_cache(1, 32)
+    slot = cache.allocate()
+    model(ForwardBatch.build(cache, [slot], [context]), cache)
+    siblings = torch.eye(2, dtype=torch.bool)  # A=20 and B=30 both children of the context's last token
+    model(ForwardBatch.build(cache, [slot], [[20, 30]], positions=[[3, 3]], tree_masks=[siblings]), cache)
+    window = torch.tensor([[False, True, True]])  # C=40 sees B (its parent) and itself, not A
+    out = model(ForwardBatch.build(cache, [slot], [[40]], positions=[[4]], tree_masks=[window]), cache)
+    assert (out[0] - run_one(model, [*context, 30, 40])[-1]).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="tree mask"):
+        ForwardBatch.build(cache, [slot], [[1]], tree_masks=[torch.ones(1, 99, dtype=torch.bool)])

@@ -46,8 +46,10 @@ class ForwardBatch:
         """Reserve KV room for every sequence's new tokens and lay out the padded step.
 
         positions[b]: RoPE positions of the new tokens (default: cache length + 0..n_b-1).
-        tree_masks[b]: [n_b, n_b] bool, row j sees the new tokens it may attend to (itself and its
-        ancestors); None = causal. num_logits[b]: logits for the last m_b new tokens (default all).
+        tree_masks[b]: [n_b, w_b] bool with w_b >= n_b over the last w_b keys (the newest w_b - n_b cached
+        entries, then the new tokens): row j sees those it may attend to (itself and its ancestors); every key
+        before that window is visible. None = causal. num_logits[b]: logits for the last m_b new tokens
+        (default all).
         """
         b_size = len(slots)
         num_new = [len(t) for t in tokens]
@@ -69,14 +71,16 @@ class ForwardBatch:
             p = positions[b] if positions is not None else None
             pos[b, :n] = torch.as_tensor(p, dtype=torch.long) if p is not None else torch.arange(start, start + n)
             if mask is not None:
-                mask[b, :, :start] = True
                 tree = masks[b]
+                mask[b, :, : start if tree is None else start + n - tree.shape[1]] = True
                 if tree is None:
                     mask[b, :n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
                 else:
-                    if tree.shape != (n, n):
-                        raise ValueError(f"tree mask of sequence {b} has shape {tuple(tree.shape)}, want {(n, n)}")
-                    mask[b, :n, start : start + n] = tree
+                    width = tree.shape[1]
+                    if tree.shape[0] != n or not n <= width <= start + n:
+                        shape = tuple(tree.shape)
+                        raise ValueError(f"tree mask {b} has shape {shape}; want ({n}, w), {n} <= w <= {start + n}")
+                    mask[b, :n, start + n - width : start + n] = tree
                 mask[b, n:, 0] = True  # padded rows attend somewhere so softmax stays finite
             w_slot += [slot] * n
             w_pos += range(start, start + n)

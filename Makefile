@@ -1,0 +1,39 @@
+# Set-up and everyday commands. torch is installed first, pinned here only: 2.13.0 resolves to the local
+# CPU wheel on the project machines; on a GPU box set TORCH_VERSION / TORCH_INDEX to a CUDA build.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+MODEL ?= smollm2-135m-instruct
+PROMPT ?= Explain speculative decoding in two sentences.
+
+.PHONY: install pull run test lint bench-ar clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install -q -e ".[dev,load]"
+	touch $@
+
+install: $(VENV)/.installed
+
+pull: install
+	$(VENV)/bin/specserve models pull $(MODEL)
+
+run: pull
+	$(VENV)/bin/specserve generate --model $(MODEL) "$(PROMPT)"
+
+test: pull
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench-ar: pull
+	$(VENV)/bin/specserve bench ar --out bench_out/ar
+
+clean:
+	rm -rf $(VENV) bench_out

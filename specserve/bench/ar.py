@@ -1,0 +1,87 @@
+"""`specserve bench ar`: greedy plain-decoding tokens/s of this runner vs transformers `generate`.
+
+Same weights, same prompts (MT-bench first turns, chat template), same number of new tokens (EOS ignored),
+both engines run alternately inside one process, medians over runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specserve.bench.prompts import mt_bench_prompts
+from specserve.bench.report import markdown_table, median, write_csv
+from specserve.config import DType, ModelSpec
+from specserve.engine import Engine
+from specserve.models.loader import load_model, load_tokenizer
+from specserve.models.sources import resolve
+from specserve.sampling import SamplingParams
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32", choices=[d.value for d in DType])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per run (run in groups of the batch size)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("bench_out/ar"))
+
+
+def _hf_generate(
+    model: torch.nn.Module, tok: PreTrainedTokenizerBase, prompts: list[list[int]], max_tokens: int
+) -> int:
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    return (out.shape[1] - width) * len(prompts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM
+
+    spec = ModelSpec(source=args.model, dtype=DType(args.dtype))
+    model = load_model(spec)
+    tok = load_tokenizer(spec)
+    hf = AutoModelForCausalLM.from_pretrained(resolve(spec), dtype=spec.dtype.torch).eval()
+    prompts = [p.text for p in mt_bench_prompts(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    rows = []
+    for run_idx in range(args.runs):
+        for bs in args.batch_sizes:
+            engine = Engine(model, tok, max_batch_size=bs)
+            encoded = [engine.encode(p, chat=True) for p in prompts]
+            groups = [encoded[i : i + bs] for i in range(0, len(encoded), bs)]
+            t0 = time.perf_counter()
+            ours = sum(len(c.token_ids) for g in groups for c in engine.generate(g, params))
+            t_ours = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            theirs = sum(_hf_generate(hf, tok, g, args.max_tokens) for g in groups)
+            t_hf = time.perf_counter() - t0
+            for name, n, t in (("specserve", ours, t_ours), ("transformers", theirs, t_hf)):
+                rows.append({"run": run_idx, "engine": name, "batch": bs, "tokens": n, "seconds": t, "tok_s": n / t})
+                print(f"run {run_idx} batch {bs:3d} {name:12s} {n:5d} tokens {t:7.2f} s {n / t:8.1f} tok/s", flush=True)
+    summary = []
+    for bs in args.batch_sizes:
+        ours = median([r["tok_s"] for r in rows if r["batch"] == bs and r["engine"] == "specserve"])
+        theirs = median([r["tok_s"] for r in rows if r["batch"] == bs and r["engine"] == "transformers"])
+        summary.append({"batch": bs, "specserve_tok_s": ours, "transformers_tok_s": theirs, "speedup": ours / theirs})
+    write_csv(args.out / "runs.csv", rows)
+    write_csv(args.out / "summary.csv", summary)
+    print(f"\nmedian of {args.runs} runs, {args.num_prompts} prompts x {args.max_tokens} new tokens, greedy")
+    print(markdown_table(summary))
+    return 0

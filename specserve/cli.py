@@ -1,0 +1,105 @@
+"""`specserve generate | models pull|list | bench ...`"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from specserve.config import DType, EngineConfig, ModelSpec
+from specserve.errors import SpecServeError
+from specserve.sampling import SamplingParams
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF dir, .gguf file or hub id")
+    p.add_argument("--dtype", default="float32", choices=[d.value for d in DType])
+    p.add_argument("--device", default="cpu")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specserve.engine import Engine
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+    engine = Engine.from_config(
+        EngineConfig(target=ModelSpec(source=args.model, dtype=DType(args.dtype)), device=args.device, max_batch_size=1)
+    )
+    last = None
+    for out in engine.stream(args.prompt, params, chat=not args.no_chat):
+        sys.stdout.write(out.text)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    if last is not None:
+        reason = last.finish_reason.value if last.finish_reason else None
+        print(f"[{last.num_output_tokens} tokens, finish_reason={reason}]", file=sys.stderr)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from specserve.models import sources
+
+    if args.models_cmd == "pull":
+        path = sources.resolve(ModelSpec(source=args.name))
+        print(path)
+    else:
+        for name, cached, path in sources.list_models():
+            print(f"{name:28s} {'cached' if cached else 'not pulled':10s} {path}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specserve.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion to the terminal")
+    g.add_argument("prompt")
+    _model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    g.set_defaults(func=_generate)
+
+    m = sub.add_parser("models", help="pull or list built-in models")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    pull = msub.add_parser("pull", help="download, verify and convert a model into the cache")
+    pull.add_argument("name")
+    msub.add_parser("list", help="list built-in models and whether they are cached")
+    m.set_defaults(func=_models)
+
+    b = sub.add_parser("bench", help="benchmarks (print a table, write CSV)")
+    from specserve.bench import add_bench_args
+
+    add_bench_args(b)
+    b.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SpecServeError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

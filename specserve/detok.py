@@ -1,0 +1,41 @@
+"""Incremental detokenisation with stop strings: streams only text that can no longer change."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+
+class IncrementalText:
+    """Turns a growing list of token ids into stable text deltas, stopping at the first stop string."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop: Sequence[str] = ()) -> None:
+        if stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.text = ""  # final text so far (after stop truncation)
+        self.emitted = 0  # characters of self.text already handed out
+        self.stopped = False
+
+    def update(self, token_ids: Sequence[int], *, final: bool = False) -> str:
+        """Feed all output token ids so far; return the new stable text (everything left when final)."""
+        if self.tokenizer is None or self.stopped:
+            return ""
+        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped, final = full[:cut], True, True
+        else:
+            self.text = full
+        stable = len(self.text)
+        if not final:
+            if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+                stable = len(self.text.rstrip("\ufffd"))
+            head = self.text[:stable]
+            hold = max((k for s in self.stop for k in range(1, len(s)) if head.endswith(s[:k])), default=0)
+            stable -= hold  # hold back a tail that may still become a stop string
+        delta = self.text[self.emitted : stable] if stable > self.emitted else ""
+        self.emitted = max(self.emitted, stable)
+        return delta

@@ -1,0 +1,153 @@
+"""In-process Engine: generate / stream over the same StepLoop and workers the server uses."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from specserve.config import EngineConfig
+from specserve.errors import InvalidRequestError
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_model, load_tokenizer
+from specserve.sampling import SamplingParams
+from specserve.scheduler import FinishReason, Request, RequestOutput, RequestStats, StepLoop
+from specserve.workers import TargetWorker
+
+Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: RequestStats
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        *,
+        max_batch_size: int = 16,
+        max_model_len: int = 2048,
+        eos_token_ids: set[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        max_model_len = min(max_model_len, model.max_positions)
+        if eos_token_ids is None:
+            eos = model.hf_config.eos_token_id
+            eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            if tokenizer is not None and tokenizer.eos_token_id is not None:
+                eos_token_ids.add(tokenizer.eos_token_id)
+        self.loop = StepLoop(
+            TargetWorker(model, num_slots=max_batch_size, max_len=max_model_len),
+            tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+        )
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        model = load_model(config.target, device=config.device, max_positions=config.max_model_len)
+        return cls(
+            model,
+            load_tokenizer(config.target),
+            max_batch_size=config.max_batch_size,
+            max_model_len=config.max_model_len,
+        )
+
+    # -- prompts ---------------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model.cfg.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+            return ids
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer: pass prompts as token id lists")
+        if isinstance(prompt, list):  # chat messages
+            return self._chat_ids(prompt)
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"a prompt is text, token ids or chat messages, not {type(prompt).__name__}")
+        if chat:
+            return self._chat_ids([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        assert self.tokenizer is not None
+        if self.tokenizer.chat_template is None:
+            raise InvalidRequestError("this model's tokenizer has no chat template")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja errors for malformed messages
+            raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # -- generation -------------------------------------------------------------------------------------
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False) -> str:
+        request_id = f"req-{next(self._ids)}"
+        self.loop.add_request(Request(request_id, self.encode(prompt, chat=chat), params or SamplingParams()))
+        return request_id
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+    ) -> list[Completion]:
+        """Generate for several prompts batched together; returns completions in prompt order."""
+        batch: list[Prompt] = [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
+        if len(plist) != len(batch):
+            raise InvalidRequestError(f"{len(batch)} prompts but {len(plist)} sampling parameter sets")
+        ids = [self.submit(p, sp, chat=chat) for p, sp in zip(batch, plist, strict=True)]
+        prompt_ids = {rid: self.loop.prompt_ids(rid) for rid in ids}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        text: dict[str, str] = {rid: "" for rid in ids}
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.loop.step():
+                tokens[out.request_id] += out.token_ids
+                text[out.request_id] += out.text
+                if out.finished:
+                    done[out.request_id] = out
+        return [
+            Completion(rid, prompt_ids[rid], tokens[rid], text[rid], done[rid].finish_reason, done[rid].stats)  # type: ignore[arg-type]
+            for rid in ids
+        ]
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
+    ) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput per step for this request (other queued requests keep running)."""
+        rid = self.submit(prompt, params, chat=chat)
+        try:
+            while True:
+                for out in self.loop.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.loop.abort(rid)  # a consumer that stops early frees the request's KV
+
+
+def _is_single(prompts: object) -> bool:
+    if isinstance(prompts, str):
+        return True
+    return isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int | dict))

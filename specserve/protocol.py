@@ -1,0 +1,30 @@
+"""The small data objects that cross between the scheduler (router) and the workers.
+
+Only token ids, small index lists and sparse top-K probabilities cross; never [B, SL, |V|] tensors.
+Cache convention shared by both workers: after a call, a worker's KV for a sequence holds every committed
+token except the last one, which is the root of the next step's tree. ``new_tokens`` carries the committed
+tokens the worker has not seen yet (the whole prompt on the first call, the whole token state after a
+worker restart), its last element being that root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    seq_id: int
+    new_tokens: list[int]
+    draft_tokens: list[int] = field(default_factory=list)  # tree nodes 1..T-1 (node 0 is the root)
+    draft_parents: list[int] = field(default_factory=list)  # parent node of each drafted node, 0 = root
+    q_idx: list[list[int]] | None = None  # sampled chain only: the draft's top-K ids per drafted token
+    q_prob: list[list[float]] | None = None  # ... and their probabilities (the distribution it sampled from)
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    seq_id: int
+    accepted: list[int]  # accepted drafted nodes (1-based node indices, root excluded), in depth order
+    tokens: list[int]  # accepted draft tokens + the correction or bonus token
+    kld: list[float] = field(default_factory=list)  # per verified position, when requested

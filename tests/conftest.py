@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LlamaModel:
+    return tiny_model(seed=0)
+
+
+def greedy_reference(model: LlamaModel, prompt: list[int], n: int, eos: int | None = None) -> list[int]:
+    """Plain greedy decoding by re-running the whole sequence every token (no cache reuse)."""
+    from specserve.models.batch import ForwardBatch
+
+    tokens = list(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        cache = model.new_cache(1, len(tokens) + 1)
+        logits = model(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)
+        tok = int(torch.argmax(logits[-1]))
+        if tok == eos:
+            break
+        out.append(tok)
+        tokens.append(tok)
+    return out

@@ -1,0 +1,158 @@
+"""Plain decoding engine: greedy equality, batching, sampling, limits, streaming, bad input."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+
+from specserve.detok import IncrementalText
+from specserve.engine import Engine
+from specserve.errors import InvalidRequestError
+from specserve.models.llama import LlamaModel
+from specserve.sampling import SamplingParams, process_logits
+from specserve.scheduler import FinishReason
+from tests.conftest import greedy_reference
+
+PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7]]
+
+
+def test_greedy_equals_reference_decoding(tiny: LlamaModel) -> None:
+    engine = Engine(tiny, None, eos_token_ids=set())
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(tiny, prompt, 12)
+        assert out.finish_reason == FinishReason.length
+        assert out.stats.target_forwards == 12
+
+
+def test_batched_equals_alone_and_respects_batch_limit(tiny: LlamaModel) -> None:
+    params = SamplingParams(max_tokens=10)
+    alone = [Engine(tiny, None, eos_token_ids=set()).generate([p], params)[0].token_ids for p in PROMPTS]
+    engine = Engine(tiny, None, max_batch_size=2, eos_token_ids=set())
+    batched = engine.generate(PROMPTS, [SamplingParams(max_tokens=n) for n in (10, 3, 10, 6)])
+    assert [b.token_ids for b in batched] == [alone[0], alone[1][:3], alone[2], alone[3][:6]]
+    assert engine.loop.target.cache.num_free == 2  # every slot returned
+
+
+def test_eos_stops_and_is_not_emitted(tiny: LlamaModel) -> None:
+    ref = greedy_reference(tiny, PROMPTS[1], 8)
+    eos = ref[4]
+    first = ref.index(eos)
+    out = Engine(tiny, None, eos_token_ids={eos}).generate(PROMPTS[1], SamplingParams(max_tokens=8))[0]
+    assert out.token_ids == ref[:first]
+    assert out.finish_reason == FinishReason.stop
+    ignoring = Engine(tiny, None, eos_token_ids={eos}).generate(
+        PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True)
+    )[0]
+    assert ignoring.token_ids == ref
+
+
+def test_context_limit_ends_with_length(tiny: LlamaModel) -> None:
+    engine = Engine(tiny, None, max_model_len=20, eos_token_ids=set())
+    out = engine.generate([list(range(1, 16))], SamplingParams(max_tokens=100))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == FinishReason.length
+
+
+def test_seeded_sampling_is_reproducible_and_follows_the_distribution(tiny: LlamaModel) -> None:
+    engine = Engine(tiny, None, eos_token_ids=set())
+    params = SamplingParams(temperature=1.0, seed=123, max_tokens=6)
+    a = engine.generate(PROMPTS[0], params)[0].token_ids
+    b = engine.generate(PROMPTS[0], params)[0].token_ids
+    assert a == b
+    # first-token frequencies over many seeds match the model's distribution (top-k 3 keeps it small)
+    from specserve.models.batch import ForwardBatch
+
+    cache = tiny.new_cache(1, 16)
+    logits = tiny(ForwardBatch.build(cache, [cache.allocate()], [PROMPTS[0]], num_logits=[1]), cache)
+    sp = SamplingParams(temperature=0.8, top_k=3, max_tokens=1)
+    p = process_logits(logits, sp)[0]
+    n = 600
+    outs = engine.generate([PROMPTS[0]] * n, [sp.model_copy(update={"seed": s}) for s in range(n)])
+    counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=p.numel()).float()
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(torch.nonzero(p).flatten().tolist())
+    assert (counts / n - p).abs().max() < 0.07
+
+
+def test_top_k_one_is_greedy(tiny: LlamaModel) -> None:
+    engine = Engine(tiny, None, eos_token_ids=set())
+    sampled = engine.generate(PROMPTS[1], SamplingParams(temperature=1.5, top_k=1, seed=1, max_tokens=8))[0]
+    assert sampled.token_ids == greedy_reference(tiny, PROMPTS[1], 8)
+
+
+def test_process_logits_top_p_keeps_smallest_prefix() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.allclose(p, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]]))
+    p = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]]))
+
+
+def test_stream_yields_steps_and_an_abandoned_stream_frees_its_slot(tiny: LlamaModel) -> None:
+    engine = Engine(tiny, None, eos_token_ids=set())
+    outs = list(engine.stream(PROMPTS[0], SamplingParams(max_tokens=5)))
+    assert [len(o.token_ids) for o in outs] == [1] * 5 and outs[-1].finished
+    stream = engine.stream(PROMPTS[1], SamplingParams(max_tokens=50))
+    next(stream)
+    assert engine.loop.target.cache.num_free == engine.loop.target.cache.num_slots - 1
+    stream.close()
+    assert engine.loop.target.cache.num_free == engine.loop.target.cache.num_slots
+    assert not engine.loop.has_work
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -0.1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": 0},
+        {"max_tokens": 0},
+        {"seed": -1},
+        {"stop": [""]},
+        {"nonsense": 1},
+    ],
+)
+def test_invalid_sampling_values_raise_naming_the_field(bad: dict) -> None:
+    with pytest.raises(pydantic.ValidationError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_bad_prompts_raise_clear_errors(tiny: LlamaModel) -> None:
+    engine = Engine(tiny, None, max_model_len=32, eos_token_ids=set())
+    with pytest.raises(InvalidRequestError, match="context limit is 32"):
+        engine.generate([list(range(40))])
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="token ids must be in"):
+        engine.generate([[10**6]])
+    with pytest.raises(InvalidRequestError, match="no tokenizer"):
+        engine.generate("hello")
+    assert not engine.loop.has_work
+
+
+class CharTokenizer:
+    """decode() only: token id i is chr(i)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_incremental_text_holds_back_possible_stop_prefixes() -> None:
+    text = IncrementalText(CharTokenizer(), stop=["END", "xy"])  # type: ignore[arg-type]
+    ids: list[int] = []
+    deltas = []
+    for ch in "abcENxENDzzz":
+        ids.append(ord(ch))
+        deltas.append(text.update(ids))
+        if text.stopped:
+            break
+    assert "".join(deltas) == "abcENx"
+    assert deltas[3] == "" and deltas[4] == ""  # "E", "EN" held back
+    assert text.stopped
+
+
+def test_incremental_text_final_flushes_everything() -> None:
+    text = IncrementalText(CharTokenizer(), stop=["END"])  # type: ignore[arg-type]
+    assert text.update([ord("a"), ord("E")]) == "a"
+    assert text.update([ord("a"), ord("E")], final=True) == "E"
