@@ -63,3 +63,36 @@ class EngineConfig(BaseModel):
     device: str = "cpu"
     max_batch_size: int = Field(default=16, ge=1, le=1024)
     max_model_len: int = Field(default=2048, ge=16, le=1_048_576)
+
+
+class SpecMethod(str, Enum):
+    none = "none"  # plain decoding
+    chain = "chain"  # a chain of SL drafted tokens
+    eagle2 = "eagle2"  # EAGLE-2 dynamic tree, fixed depth
+    ddd = "ddd"  # EAGLE-2 tree with DDD dynamic depth
+
+
+class ChainDraft(str, Enum):
+    greedy = "greedy"  # draft takes argmax q; verified with the deterministic-child rule (1.2)
+    sampled = "sampled"  # draft samples from its top-K truncated q; verified with Leviathan/Chen (1.1)
+
+
+class SpecConfig(BaseModel):
+    """Speculation settings (algorithms.md sections 1-3). Defaults follow the papers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: SpecMethod = SpecMethod.chain
+    sl: int = Field(default=4, ge=1, le=64, description="chain length / EAGLE-2 depth (a DSDE plan overrides)")
+    chain_draft: ChainDraft = ChainDraft.sampled  # for temperature > 0; greedy requests draft greedily
+    q_top_k: int = Field(default=64, ge=1, description="K of the shipped sparse draft distribution")
+    beam_width: int = Field(default=10, ge=1, le=64, description="EAGLE-2 w (top_k)")
+    budget: int = Field(default=60, ge=2, le=1024, description="EAGLE-2 T: verified nodes incl. the root")
+    ddd_max_depth: int = Field(default=11, ge=1, le=64, description="DDD n")
+    ddd_check_steps: tuple[int, ...] = (5, 7, 9)
+    ddd_threshold: float = Field(default=-0.3, le=0.0, description="DDD x: stop when H_d < x at a check step")
+    ddd_check_every_step: bool = False  # read H on the host after every level (for comparison)
+
+    @property
+    def max_depth(self) -> int:
+        return self.ddd_max_depth if self.method == SpecMethod.ddd else self.sl

@@ -17,9 +17,9 @@ from specserve.verify import DraftTree, verify_chain_sampled, verify_tree
 
 def step_layout(tree: DraftTree, num_pending: int, start: int) -> tuple[torch.Tensor | None, list[int] | None]:
     """Mask and positions for ``num_pending`` causal tokens followed by a tree; (None, None) = plain causal."""
-    if len(tree) == 1:
+    if tree.num_nodes == 1:
         return None, None
-    n = num_pending + len(tree)
+    n = num_pending + tree.num_nodes
     mask = torch.zeros(n, n, dtype=torch.bool)
     mask[:num_pending, :num_pending] = torch.ones(num_pending, num_pending, dtype=torch.bool).tril()
     mask[num_pending:, :num_pending] = True
@@ -92,10 +92,10 @@ class TargetWorker:
             tokens,
             positions=positions,
             tree_masks=masks,
-            num_logits=[len(t) for t in trees],
+            num_logits=[t.num_nodes for t in trees],
             device=self.model.device,
         )
-        logits = self.model(batch, self.cache).split([len(t) for t in trees])  # per sequence [T, V]
+        logits = self.model(batch, self.cache).split([t.num_nodes for t in trees])  # per sequence [T, V]
         outputs = []
         for it, tree, slot, start, lg in zip(items, trees, slots, starts, logits, strict=True):
             p = process_logits(lg, self.params[it.seq_id])

@@ -1,0 +1,464 @@
+"""DSDE: per-sequence speculation length from KLD stability (docs/algorithms.md, section 4).
+
+Host-side and pure: no model code, no Ray. The router/scheduler owns one state object per sequence and,
+per step (section 4.8, the signal is post-hoc: step t's KLD sets step t+1's SL):
+
+    plan = policy.plan(states, max_sls)        # SL_i per sequence, then SL_cap, then per-request max_sl
+    ... draft plan.sls[i] tokens per sequence, verify, compute KLDs for the verified positions ...
+    policy.observe(states[i], klds_i, num_drafted_i, num_accepted_i)   # history -> next SL_i
+
+Every **[choice]** of the spec is a `DSDEConfig` field whose default is the spec's choice;
+`DSDEConfig.reference()` gives the published reference code's variants so both can be measured.
+
+Notation: h = KLD history of a sequence (newest last), SL_min/SL_max = calibrated per-sequence bounds,
+WVIR = weighted variance intensity ratio, SF = scale factor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+# ───────────────────────────── config ─────────────────────────────
+
+
+class FlatKLD(str, Enum):
+    """WVIR when the long-window weighted variance is below `flat_var_eps` (spec 4.3)."""
+
+    stable = "stable"  # [choice] flat KLD is stable: WVIR = 1.0
+    reference = "reference"  # reference code: WVIR = 20.0 (forces SL_min forever on a near-perfect draft)
+
+    @property
+    def wvir(self) -> float:
+        return 1.0 if self is FlatKLD.stable else 20.0
+
+
+class ShortWindow(str, Enum):
+    """Which history values form the short window of WVIR (spec 4.2)."""
+
+    paper = "paper"  # newest n_short values (all of h while len(h) <= n_short)
+    reference = "reference"  # newest max(1, floor(len(h) / 3)) values, as the reference code does
+
+
+class SLMinRule(str, Enum):
+    """How the calibrated SL_min is chosen at the end of warm-up (spec 4.6)."""
+
+    paper = "paper"  # SL_min = cfg.sl_min (paper: 2)
+    reference = "reference"  # SL_min = min(SL_max, max(cfg.sl_min, ceil(0.1 * SL_max))) (cfg.sl_min is the floor)
+
+
+class DSDEConfig(BaseModel):
+    """DSDE parameters. Defaults are the paper's values and the spec's [choice]s."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    delta: float = Field(default=0.85, gt=0.0, le=1.0, description="decay of the weights delta^age (reference: 0.9)")
+    n_short: int = Field(default=10, ge=1, description="short window size for ShortWindow.paper")
+    n_long: int = Field(
+        default=30, ge=2, description="history length kept (long window) and warm-up length in verified positions"
+    )
+    alpha: float = Field(default=2.0, ge=0.0, description="SF = exp(alpha * mean KLD of the last step) - 1")
+    sl_init: int = Field(default=4, ge=1, description="warm-up starting SL")
+    sl_hard_max: int = Field(default=16, ge=1, description="absolute SL ceiling (warm-up doubling and calibration)")
+    sl_min: int = Field(default=2, ge=1, description="SL_min (paper rule) or its floor (reference rule)")
+    calibration_c: float = Field(
+        default=1.0, ge=0.0, description="SL_max = round(A_max (1 + c mu / (M + 1e-8))) (reference: 0.5)"
+    )
+    flat_var_eps: float = Field(default=1e-6, gt=0.0, description="long-window variance below this counts as flat")
+    flat_kld: FlatKLD = Field(default=FlatKLD.stable, description="WVIR for a flat history: stable=1.0, reference=20.0")
+    short_window: ShortWindow = ShortWindow.paper
+    sl_min_rule: SLMinRule = SLMinRule.paper
+    record_past_rejection: bool = Field(
+        default=False,
+        description="[choice] False: KLD at the accepted positions plus the first rejected one; True (reference "
+        "code): at every drafted position. Read by the caller that computes the KLDs.",
+    )
+    cap_enabled: bool = Field(default=True, description="apply the batch cap SL_cap (spec 4.7)")
+    cap_warmup: bool = Field(default=False, description="also cap sequences still in warm-up (spec 4.7 option)")
+
+    @model_validator(mode="after")
+    def _check(self) -> DSDEConfig:
+        if self.n_short > self.n_long:
+            raise ValueError(f"n_short ({self.n_short}) must be <= n_long ({self.n_long})")
+        if self.sl_min > self.sl_hard_max:
+            raise ValueError(f"sl_min ({self.sl_min}) must be <= sl_hard_max ({self.sl_hard_max})")
+        if self.sl_init > self.sl_hard_max:
+            raise ValueError(f"sl_init ({self.sl_init}) must be <= sl_hard_max ({self.sl_hard_max})")
+        return self
+
+    @classmethod
+    def reference(cls, **overrides: object) -> DSDEConfig:
+        """The published reference code's variants of every [choice] (delta 0.9, short = n // 3, flat WVIR 20,
+        c 0.5, SL_min = ceil(0.1 SL_max) with floor 1, KLD recorded past the first rejection).
+        The floor 1 is this package's reading of the code's configured k_min; override it if needed."""
+        values: dict[str, object] = {
+            "delta": 0.9,
+            "short_window": ShortWindow.reference,
+            "flat_kld": FlatKLD.reference,
+            "calibration_c": 0.5,
+            "sl_min_rule": SLMinRule.reference,
+            "sl_min": 1,
+            "record_past_rejection": True,
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+# ───────────────────────── pure functions ─────────────────────────
+
+CALIBRATION_EPS = 1e-8
+
+
+def _floats(x: Tensor | Sequence[float]) -> list[float]:
+    if isinstance(x, Tensor):
+        return [float(v) for v in x.detach().reshape(-1).tolist()]
+    return [float(v) for v in x]
+
+
+def weighted_variance(x: Tensor | Sequence[float], delta: float) -> float:
+    """Var_w(x) = sum w_j (x_j - m)^2 / sum w_j, m = sum w_j x_j / sum w_j, w_j = delta^age_j.
+
+    x: [n], oldest first (the newest value is the last element and has age 0). Empty -> 0.
+    """
+    xs = _floats(x)
+    n = len(xs)
+    if n == 0:
+        return 0.0
+    w = [delta ** (n - 1 - j) for j in range(n)]
+    sw = sum(w)
+    m = sum(wj * xj for wj, xj in zip(w, xs, strict=True)) / sw
+    return sum(wj * (xj - m) ** 2 for wj, xj in zip(w, xs, strict=True)) / sw
+
+
+def short_window_size(n: int, cfg: DSDEConfig) -> int:
+    """Number of newest history values in the short window for a history of n values."""
+    if cfg.short_window is ShortWindow.paper:
+        return min(cfg.n_short, n)
+    return max(1, n // 3)
+
+
+def wvir(history: Tensor | Sequence[float], cfg: DSDEConfig) -> float:
+    """WVIR = Var_w(short) / Var_w(long) over the newest n_long values of `history` (oldest first).
+
+    Fewer than 2 values -> 0. Var_w(long) < flat_var_eps -> cfg.flat_kld.wvir (1.0, or 20.0 for the reference).
+    """
+    h = _floats(history)[-cfg.n_long :]
+    n = len(h)
+    if n < 2:
+        return 0.0
+    var_long = weighted_variance(h, cfg.delta)
+    if var_long < cfg.flat_var_eps:
+        return cfg.flat_kld.wvir
+    var_short = weighted_variance(h[n - short_window_size(n, cfg) :], cfg.delta)
+    return var_short / var_long
+
+
+def scale_factor(mean_kld_last_step: float, alpha: float) -> float:
+    """SF = exp(alpha * m) - 1, m = mean KLD of the last step (spec 4.4)."""
+    return math.expm1(min(alpha * mean_kld_last_step, 700.0))
+
+
+def predict_sl(wvir_value: float, sf: float, sl_min: int, sl_max: int) -> int:
+    """Spec 4.5: WVIR*SF <= 1 -> ceil((SL_max - SL_min)(1 - WVIR*SF) + SL_min); else SL_min (fallback).
+
+    The result is clamped to [sl_min, sl_max] (guards against a slightly negative SF from rounding).
+    """
+    if sl_min > sl_max:
+        raise ValueError(f"sl_min ({sl_min}) > sl_max ({sl_max})")
+    r = wvir_value * sf
+    if not r <= 1.0:  # also catches NaN
+        return sl_min
+    sl = math.ceil((sl_max - sl_min) * (1.0 - r) + sl_min)
+    return max(sl_min, min(sl_max, sl))
+
+
+def calibrate(a_max: int, mu: float, m_max: float, cfg: DSDEConfig) -> tuple[int, int]:
+    """End of warm-up (spec 4.6): SL_max = round(A_max (1 + c mu / (M + 1e-8))) clamped to
+    [cfg.sl_min, sl_hard_max]; SL_min per `cfg.sl_min_rule`. Returns (sl_min, sl_max).
+
+    `round` is Python's (half to even), as in the reference code.
+    """
+    raw = round(a_max * (1.0 + cfg.calibration_c * mu / (m_max + CALIBRATION_EPS)))
+    sl_max = max(cfg.sl_min, min(cfg.sl_hard_max, raw))
+    if cfg.sl_min_rule is SLMinRule.paper:
+        sl_min = cfg.sl_min
+    else:
+        sl_min = min(sl_max, max(cfg.sl_min, math.ceil(0.1 * sl_max)))
+    return sl_min, sl_max
+
+
+def sl_cap(sls: Sequence[int], post_warmup: Sequence[bool]) -> int | None:
+    """SL_cap = ceil(mean of SL_i over the post-warm-up sequences); None when there is none (spec 4.7)."""
+    if len(sls) != len(post_warmup):
+        raise ValueError("sls and post_warmup differ in length")
+    vals = [s for s, post in zip(sls, post_warmup, strict=True) if post]
+    if not vals:
+        return None
+    return math.ceil(sum(vals) / len(vals))
+
+
+def apply_cap(sls: Sequence[int], cap: int | None, warmup_flags: Sequence[bool], cap_warmup: bool) -> list[int]:
+    """min(SL_i, cap) per sequence; sequences in warm-up are left uncapped unless cap_warmup."""
+    if len(sls) != len(warmup_flags):
+        raise ValueError("sls and warmup_flags differ in length")
+    if cap is None:
+        return list(sls)
+    return [s if (warm and not cap_warmup) else min(s, cap) for s, warm in zip(sls, warmup_flags, strict=True)]
+
+
+def verified_positions(num_drafted: int, num_accepted: int) -> int:
+    """Positions verified on a chain (spec 4.1): the accepted ones plus the first rejected one, if any."""
+    return min(num_drafted, num_accepted + 1)
+
+
+def kld_positions(num_drafted: int, num_accepted: int, record_past_rejection: bool) -> int:
+    """How many leading drafted positions of a chain the caller should compute KLD for."""
+    return num_drafted if record_past_rejection else verified_positions(num_drafted, num_accepted)
+
+
+def _check_counts(num_drafted: int, num_accepted: int) -> None:
+    if num_drafted < 0 or not 0 <= num_accepted <= num_drafted:
+        raise ValueError(f"need 0 <= num_accepted <= num_drafted, got {num_accepted=} {num_drafted=}")
+
+
+# ───────────────────────── per-sequence state ─────────────────────────
+
+
+class SequenceDSDE:
+    """DSDE state of one sequence.
+
+    Warm-up (spec 4.6): SL starts at sl_init and doubles (up to sl_hard_max) after every step in which all
+    drafted tokens were accepted (num_drafted > 0 and num_accepted == num_drafted); otherwise it stays.
+    Warm-up lasts for the first n_long *verified positions* (accepted + the first rejected, see
+    `verified_positions`), counted over steps, independent of how many KLD values the caller records.
+    During warm-up it tracks A_max (most tokens accepted in one step) and the mean mu and max M of the
+    warm-up KLDs. The step whose positions reach n_long still counts as warm-up; right after it, SL_min and
+    SL_max are calibrated and from then on SL_i = predict_sl(WVIR(h), SF(mean KLD of the last step)).
+
+    Every observed KLD is appended to the history h (deque, maxlen n_long), warm-up included.
+    Non-finite KLD values are dropped (and counted in `dropped_klds`).
+    """
+
+    __slots__ = (
+        "_a_max",
+        "_cfg",
+        "_kld_max",
+        "_kld_n",
+        "_kld_sum",
+        "_last_mean",
+        "_sl",
+        "dropped_klds",
+        "history",
+        "positions",
+        "sl_max",
+        "sl_min",
+        "steps",
+    )
+
+    def __init__(self, cfg: DSDEConfig) -> None:
+        self._cfg = cfg
+        self.history: deque[float] = deque(maxlen=cfg.n_long)
+        self.positions = 0  # verified positions so far
+        self.steps = 0  # observed steps
+        self.dropped_klds = 0
+        self._sl = cfg.sl_init  # SL for the next step (uncapped)
+        self._a_max = 0
+        self._kld_sum = 0.0
+        self._kld_n = 0
+        self._kld_max = 0.0
+        self._last_mean = 0.0
+        self.sl_min: int | None = None  # calibrated at the end of warm-up
+        self.sl_max: int | None = None
+
+    @property
+    def cfg(self) -> DSDEConfig:
+        return self._cfg
+
+    @property
+    def in_warmup(self) -> bool:
+        return self.sl_max is None
+
+    @property
+    def a_max(self) -> int:
+        return self._a_max
+
+    @property
+    def warmup_kld_mean(self) -> float:
+        return self._kld_sum / self._kld_n if self._kld_n else 0.0
+
+    @property
+    def warmup_kld_max(self) -> float:
+        return self._kld_max
+
+    @property
+    def last_step_mean_kld(self) -> float:
+        return self._last_mean
+
+    def next_sl(self) -> int:
+        """The uncapped SL_i for the next step."""
+        return self._sl
+
+    def observe(self, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None:
+        """Feed one verified step: its KLD values (one per verified position, or per drafted position with
+        record_past_rejection), the number of drafted tokens and of accepted drafted tokens (bonus excluded).
+        Updates the history and the SL for the next step."""
+        _check_counts(num_drafted, num_accepted)
+        vals = [float(v) for v in klds]
+        finite = [v for v in vals if math.isfinite(v)]
+        self.dropped_klds += len(vals) - len(finite)
+        self.history.extend(finite)
+        if finite:
+            self._last_mean = sum(finite) / len(finite)
+        self.steps += 1
+        self.positions += verified_positions(num_drafted, num_accepted)
+
+        cfg = self._cfg
+        if self.in_warmup:
+            self._a_max = max(self._a_max, num_accepted)
+            if finite:
+                self._kld_sum += sum(finite)
+                self._kld_n += len(finite)
+                self._kld_max = max(self._kld_max, max(finite))
+            if num_drafted > 0 and num_accepted == num_drafted:
+                self._sl = min(self._sl * 2, cfg.sl_hard_max)
+            if self.positions < cfg.n_long:
+                return
+            self.sl_min, self.sl_max = calibrate(self._a_max, self.warmup_kld_mean, self._kld_max, cfg)
+        assert self.sl_min is not None and self.sl_max is not None
+        self._sl = predict_sl(wvir(self.history, cfg), scale_factor(self._last_mean, cfg.alpha), self.sl_min, self.sl_max)
+
+
+class SequenceStatic:
+    """State of a sequence under a static SL: nothing to learn."""
+
+    __slots__ = ("sl",)
+
+    def __init__(self, sl: int) -> None:
+        self.sl = sl
+
+    @property
+    def in_warmup(self) -> bool:
+        return False
+
+    def next_sl(self) -> int:
+        return self.sl
+
+    def observe(self, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None:
+        _check_counts(num_drafted, num_accepted)
+
+
+# ───────────────────────── policies ─────────────────────────
+
+
+@dataclass(frozen=True)
+class SLPlan:
+    """One step's plan for a batch that drafts in lock-step.
+
+    sls: SL per sequence after the batch cap and the per-request max_sl (each >= 1);
+    uncapped: SL_i per sequence before both; cap: SL_cap (None when not applied / no post-warm-up sequence).
+    """
+
+    sls: list[int]
+    uncapped: list[int]
+    cap: int | None
+
+
+@runtime_checkable
+class SLState(Protocol):
+    @property
+    def in_warmup(self) -> bool: ...
+
+    def next_sl(self) -> int: ...
+
+
+@runtime_checkable
+class SLPolicy(Protocol):
+    """What the scheduler needs from a speculation-length policy."""
+
+    @property
+    def needs_kld(self) -> bool:
+        """Whether observe() uses KLD values (the caller may skip computing them otherwise)."""
+        ...
+
+    @property
+    def record_past_rejection(self) -> bool:
+        """Whether KLD is wanted past the first rejected position too (see `kld_positions`)."""
+        ...
+
+    def new_sequence(self) -> SLState: ...
+
+    def plan(self, states: Sequence[SLState], max_sls: Sequence[int | None] | None = None) -> SLPlan: ...
+
+    def observe(self, state: SLState, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None: ...
+
+
+def _apply_max_sl(sls: list[int], max_sls: Sequence[int | None] | None) -> list[int]:
+    if max_sls is None:
+        return [max(1, s) for s in sls]
+    if len(max_sls) != len(sls):
+        raise ValueError("max_sls and states differ in length")
+    return [max(1, s if m is None else min(s, m)) for s, m in zip(sls, max_sls, strict=True)]
+
+
+class StaticPolicy:
+    """Every sequence drafts `sl` tokens every step."""
+
+    def __init__(self, sl: int) -> None:
+        if sl < 1:
+            raise ValueError(f"static SL must be >= 1, got {sl}")
+        self.sl = sl
+
+    @property
+    def needs_kld(self) -> bool:
+        return False
+
+    @property
+    def record_past_rejection(self) -> bool:
+        return False
+
+    def new_sequence(self) -> SequenceStatic:
+        return SequenceStatic(self.sl)
+
+    def plan(self, states: Sequence[SLState], max_sls: Sequence[int | None] | None = None) -> SLPlan:
+        uncapped = [self.sl] * len(states)
+        return SLPlan(sls=_apply_max_sl(uncapped, max_sls), uncapped=uncapped, cap=None)
+
+    def observe(self, state: SLState, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None:
+        _check_counts(num_drafted, num_accepted)
+
+
+class DSDEPolicy:
+    """DSDE: SL_i per sequence from its KLD history, then SL_cap over the lock-step batch (spec 4.7)."""
+
+    def __init__(self, cfg: DSDEConfig | None = None) -> None:
+        self.cfg = cfg if cfg is not None else DSDEConfig()
+
+    @property
+    def needs_kld(self) -> bool:
+        return True
+
+    @property
+    def record_past_rejection(self) -> bool:
+        return self.cfg.record_past_rejection
+
+    def new_sequence(self) -> SequenceDSDE:
+        return SequenceDSDE(self.cfg)
+
+    def plan(self, states: Sequence[SLState], max_sls: Sequence[int | None] | None = None) -> SLPlan:
+        uncapped = [s.next_sl() for s in states]
+        warm = [s.in_warmup for s in states]
+        cap = sl_cap(uncapped, [not w for w in warm]) if self.cfg.cap_enabled else None
+        capped = apply_cap(uncapped, cap, warm, self.cfg.cap_warmup)
+        return SLPlan(sls=_apply_max_sl(capped, max_sls), uncapped=uncapped, cap=cap)
+
+    def observe(self, state: SLState, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None:
+        if not isinstance(state, SequenceDSDE):
+            raise TypeError(f"DSDEPolicy.observe needs a SequenceDSDE, got {type(state).__name__}")
+        state.observe(klds, num_drafted, num_accepted)

@@ -1,0 +1,98 @@
+"""KL-divergence signal for DSDE (docs/algorithms.md, section 4.1).
+
+KLD_j = sum_v p_j(v) (log p_j(v) - log q_j(v)), p = target, q = draft, both softmaxed at temperature 1
+(the signal measures draft/target disagreement, not the sampling setting) and both clamped at >= 1e-8.
+
+Across actors the draft ships q sparsely: its top-K temperature-1 probabilities, NOT renormalised, so the
+receiver knows the leftover mass 1 - sum(top-K) and spreads it uniformly over the other V - K tokens.
+(Verification uses the renormalised top-K distribution q_K, section 1.1; the receiver renormalises the
+same shipped numbers for that.)
+
+All functions are pure, batched over rows, and work on any device; inputs in half precision are computed
+in float32, float64 inputs stay float64.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+PROB_FLOOR = 1e-8
+
+
+def _softmax(logits: Tensor) -> Tensor:
+    # [N, V] -> [N, V], temperature 1, computed in at least float32
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    return torch.softmax(x, dim=-1)
+
+
+def _kl_dense(p: Tensor, q: Tensor, eps: float) -> Tensor:
+    # p, q: [N, V] probabilities -> [N]
+    p = p.clamp_min(eps)
+    q = q.clamp_min(eps)
+    return (p * (p.log() - q.log())).sum(dim=-1)
+
+
+def kld_exact(p_logits: Tensor, q_logits: Tensor, eps: float = PROB_FLOOR) -> Tensor:
+    """KL(p || q) per row from dense logits.
+
+    p_logits: [N, V] target logits; q_logits: [N, V] draft logits (same vocabulary) -> [N].
+    """
+    if p_logits.shape != q_logits.shape:
+        raise ValueError(f"shape mismatch: p {tuple(p_logits.shape)} vs q {tuple(q_logits.shape)}")
+    p = _softmax(p_logits)  # [N, V]
+    q = _softmax(q_logits).to(p.dtype)  # [N, V]
+    return _kl_dense(p, q, eps)  # [N]
+
+
+def sparse_topk_q(q_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-K of the temperature-1 draft distribution, for shipping q across actors.
+
+    q_logits: [N, V] -> (idx [N, K] long, prob [N, K]); K = min(k, V). The probabilities are NOT
+    renormalised: 1 - prob.sum(-1) is the leftover mass that `kld_sparse` spreads over the other tokens.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    probs = _softmax(q_logits)  # [N, V]
+    prob, idx = probs.topk(min(k, probs.shape[-1]), dim=-1)  # [N, K], [N, K]
+    return idx, prob
+
+
+def dense_from_sparse(q_idx: Tensor, q_prob: Tensor, vocab_size: int) -> Tensor:
+    """Rebuild the dense approximation of q: the top-K probabilities at their indices, the leftover mass
+    (1 - sum top-K, floored at 0) spread uniformly over the other V - K tokens.
+
+    q_idx: [N, K] long (distinct per row), q_prob: [N, K] -> [N, V].
+    """
+    n, k = q_idx.shape
+    if k > vocab_size:
+        raise ValueError(f"K={k} > V={vocab_size}")
+    leftover = (1.0 - q_prob.sum(dim=-1)).clamp_min(0.0)  # [N]
+    fill = leftover / (vocab_size - k) if vocab_size > k else torch.zeros_like(leftover)  # [N]
+    q = fill.unsqueeze(-1).expand(n, vocab_size).clone()  # [N, V]
+    return q.scatter_(-1, q_idx, q_prob)  # [N, V]
+
+
+def kld_sparse(
+    p_logits: Tensor,
+    q_idx: Tensor,
+    q_prob: Tensor,
+    eps: float = PROB_FLOOR,
+    *,
+    q_is_log: bool = False,
+) -> Tensor:
+    """KL(p || q~) per row, q~ = sparse top-K of q plus its leftover mass spread uniformly (see module doc).
+
+    p_logits: [N, V] target logits; q_idx: [N, K] long; q_prob: [N, K] temperature-1 probabilities
+    (or log-probabilities with q_is_log=True), not renormalised -> [N]. With K = V this equals `kld_exact`.
+    """
+    if q_idx.shape != q_prob.shape or q_idx.dim() != 2 or p_logits.dim() != 2 or q_idx.shape[0] != p_logits.shape[0]:
+        raise ValueError(
+            f"bad shapes: p_logits {tuple(p_logits.shape)}, q_idx {tuple(q_idx.shape)}, q_prob {tuple(q_prob.shape)}"
+        )
+    p = _softmax(p_logits)  # [N, V]
+    qk = q_prob.to(device=p.device, dtype=p.dtype)  # [N, K]
+    if q_is_log:
+        qk = qk.exp()
+    q = dense_from_sparse(q_idx.to(p.device).long(), qk, p.shape[-1])  # [N, V]
+    return _kl_dense(p, q, eps)  # [N]

