@@ -6,7 +6,7 @@ from enum import Enum
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class DType(str, Enum):
@@ -54,17 +54,6 @@ class ModelSpec(BaseModel):
         return SourceKind.hf_dir  # a path that does not exist: loading reports it clearly
 
 
-class EngineConfig(BaseModel):
-    """An in-process engine: which model, on which device, with what batch and context limits."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    target: ModelSpec = ModelSpec()
-    device: str = "cpu"
-    max_batch_size: int = Field(default=16, ge=1, le=1024)
-    max_model_len: int = Field(default=2048, ge=16, le=1_048_576)
-
-
 class SpecMethod(str, Enum):
     none = "none"  # plain decoding
     chain = "chain"  # a chain of SL drafted tokens
@@ -83,7 +72,8 @@ class SpecConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     method: SpecMethod = SpecMethod.chain
-    sl: int = Field(default=4, ge=1, le=64, description="chain length / EAGLE-2 depth (a DSDE plan overrides)")
+    sl: int = Field(default=4, ge=1, le=64, description="chain length (a DSDE plan overrides it)")
+    tree_depth: int = Field(default=6, ge=1, le=64, description="EAGLE-2 fixed depth D")
     chain_draft: ChainDraft = ChainDraft.sampled  # for temperature > 0; greedy requests draft greedily
     q_top_k: int = Field(default=64, ge=1, description="K of the shipped sparse draft distribution")
     beam_width: int = Field(default=10, ge=1, le=64, description="EAGLE-2 w (top_k)")
@@ -95,4 +85,55 @@ class SpecConfig(BaseModel):
 
     @property
     def max_depth(self) -> int:
-        return self.ddd_max_depth if self.method == SpecMethod.ddd else self.sl
+        """Levels drafted per step at most (0 = no speculation)."""
+        return {
+            SpecMethod.none: 0,
+            SpecMethod.chain: self.sl,
+            SpecMethod.eagle2: self.tree_depth,
+            SpecMethod.ddd: self.ddd_max_depth,
+        }[self.method]
+
+    @property
+    def max_verify_tokens(self) -> int:
+        """Tokens one verification appends at most: the root plus the drafted nodes."""
+        if self.method in (SpecMethod.eagle2, SpecMethod.ddd):
+            return self.budget
+        return self.max_depth + 1
+
+
+class EngineConfig(BaseModel):
+    """An in-process engine: which model, on which device, with what batch and context limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    target: ModelSpec = ModelSpec()
+    draft: ModelSpec | None = None
+    speculation: SpecConfig = SpecConfig(method=SpecMethod.none)
+    device: str = "cpu"
+    max_batch_size: int = Field(default=16, ge=1, le=1024)
+    max_model_len: int = Field(default=2048, ge=16, le=1_048_576)
+
+    @model_validator(mode="after")
+    def _draft_for_speculation(self) -> EngineConfig:
+        if self.speculation.method != SpecMethod.none and self.draft is None:
+            raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
+        return self
+
+
+def derived_draft(target: ModelSpec, kind: str) -> ModelSpec:
+    """A draft derived from the target: 'bf16', 'fp16' (lower-precision copies) or 'int8' (dynamic int8)."""
+    variants = {
+        "bf16": {"dtype": DType.bfloat16},
+        "fp16": {"dtype": DType.float16},
+        "int8": {"dtype": DType.float32, "int8_dynamic": True},
+    }
+    if kind not in variants:
+        raise ValueError(f"unknown derived draft {kind!r}; choose one of {sorted(variants)}")
+    return target.model_copy(update=variants[kind])
+
+
+MODEL_PAIRS: dict[str, tuple[ModelSpec, ModelSpec]] = {
+    "smollm2-int8": (ModelSpec(), derived_draft(ModelSpec(), "int8")),
+    "smollm2-bf16": (ModelSpec(), derived_draft(ModelSpec(), "bf16")),
+    "smollm2-fp16": (ModelSpec(), derived_draft(ModelSpec(), "fp16")),
+}

@@ -9,13 +9,13 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from specserve.config import EngineConfig
-from specserve.errors import InvalidRequestError
+from specserve.config import EngineConfig, SpecConfig, SpecMethod
+from specserve.errors import InvalidRequestError, UnsupportedModelError
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_model, load_tokenizer
 from specserve.sampling import SamplingParams
 from specserve.scheduler import FinishReason, Request, RequestOutput, RequestStats, StepLoop
-from specserve.workers import TargetWorker
+from specserve.workers import DraftWorker, TargetWorker
 
 Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
 
@@ -36,20 +36,36 @@ class Engine:
         model: LlamaModel,
         tokenizer: PreTrainedTokenizerBase | None,
         *,
+        draft: LlamaModel | None = None,
+        speculation: SpecConfig | None = None,
         max_batch_size: int = 16,
         max_model_len: int = 2048,
+        spec_headroom: int = 64,
         eos_token_ids: set[int] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        max_model_len = min(max_model_len, model.max_positions)
+        if draft is not None and draft.cfg.vocab_size != model.cfg.vocab_size:
+            raise UnsupportedModelError(
+                f"draft vocabulary ({draft.cfg.vocab_size}) differs from the target's ({model.cfg.vocab_size}); "
+                "speculative decoding needs the same tokenizer"
+            )
+        speculation = speculation or SpecConfig(method=SpecMethod.none)
+        spec_headroom = max(spec_headroom, speculation.max_verify_tokens) if draft is not None else 1
+        max_model_len = min(max_model_len, model.max_positions - spec_headroom)
+        if draft is not None:
+            max_model_len = min(max_model_len, draft.max_positions - spec_headroom)
         if eos_token_ids is None:
             eos = model.hf_config.eos_token_id
             eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
             if tokenizer is not None and tokenizer.eos_token_id is not None:
                 eos_token_ids.add(tokenizer.eos_token_id)
+        kv_len = max_model_len + spec_headroom
         self.loop = StepLoop(
-            TargetWorker(model, num_slots=max_batch_size, max_len=max_model_len),
+            TargetWorker(model, num_slots=max_batch_size, max_len=kv_len),
+            None if draft is None else DraftWorker(draft, num_slots=max_batch_size, max_len=kv_len),
+            speculation=speculation,
+            spec_headroom=spec_headroom,
             tokenizer=tokenizer,
             eos_token_ids=eos_token_ids,
             max_batch_size=max_batch_size,
@@ -59,10 +75,13 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        model = load_model(config.target, device=config.device, max_positions=config.max_model_len)
+        model = load_model(config.target, device=config.device)
+        draft = None if config.draft is None else load_model(config.draft, device=config.device)
         return cls(
             model,
             load_tokenizer(config.target),
+            draft=draft,
+            speculation=config.speculation,
             max_batch_size=config.max_batch_size,
             max_model_len=config.max_model_len,
         )
@@ -98,9 +117,17 @@ class Engine:
         return list(ids)
 
     # -- generation -------------------------------------------------------------------------------------
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False) -> str:
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        speculation: SpecConfig | None = None,
+    ) -> str:
         request_id = f"req-{next(self._ids)}"
-        self.loop.add_request(Request(request_id, self.encode(prompt, chat=chat), params or SamplingParams()))
+        ids = self.encode(prompt, chat=chat)
+        self.loop.add_request(Request(request_id, ids, params or SamplingParams(), speculation))
         return request_id
 
     def generate(
@@ -109,13 +136,14 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat: bool = False,
+        speculation: SpecConfig | None = None,
     ) -> list[Completion]:
         """Generate for several prompts batched together; returns completions in prompt order."""
         batch: list[Prompt] = [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item]
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise InvalidRequestError(f"{len(batch)} prompts but {len(plist)} sampling parameter sets")
-        ids = [self.submit(p, sp, chat=chat) for p, sp in zip(batch, plist, strict=True)]
+        ids = [self.submit(p, sp, chat=chat, speculation=speculation) for p, sp in zip(batch, plist, strict=True)]
         prompt_ids = {rid: self.loop.prompt_ids(rid) for rid in ids}
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         text: dict[str, str] = {rid: "" for rid in ids}

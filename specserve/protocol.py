@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.config import SpecConfig
+
 
 @dataclass(frozen=True)
 class VerifyItem:
@@ -28,3 +30,22 @@ class VerifyOutput:
     accepted: list[int]  # accepted drafted nodes (1-based node indices, root excluded), in depth order
     tokens: list[int]  # accepted draft tokens + the correction or bonus token
     kld: list[float] = field(default_factory=list)  # per verified position, when requested
+
+
+@dataclass(frozen=True)
+class ProposeItem:
+    seq_id: int
+    new_tokens: list[int]
+    accepted: list[int]  # accepted nodes of this worker's previous proposal for the sequence
+    depth: int  # SL: chain length, or the tree's maximum depth (after the batch cap); 0 = no drafting
+    spec: SpecConfig = field(default_factory=SpecConfig)  # method and its parameters for this sequence
+
+
+@dataclass(frozen=True)
+class Proposal:
+    seq_id: int
+    tokens: list[int]  # drafted nodes 1..T-1
+    parents: list[int]  # parent node of each, 0 = root
+    q_idx: list[list[int]] | None = None  # sampled chain: the sparse q each token was drawn from
+    q_prob: list[list[float]] | None = None
+    depth: int = 0  # levels drafted (draft forwards after the first)

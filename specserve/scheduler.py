@@ -12,11 +12,12 @@ from enum import Enum
 
 from transformers import PreTrainedTokenizerBase
 
+from specserve.config import SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.errors import InvalidRequestError
-from specserve.protocol import VerifyItem, VerifyOutput
+from specserve.protocol import Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.sampling import SamplingParams
-from specserve.workers import TargetWorker
+from specserve.workers import DraftWorker, TargetWorker
 
 
 class FinishReason(str, Enum):
@@ -30,13 +31,20 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    speculation: SpecConfig | None = None  # None: the loop's default
 
 
 @dataclass
 class RequestStats:
     target_forwards: int = 0  # verification steps this request took part in
-    drafted: int = 0
+    drafted: int = 0  # drafted tokens (tree nodes) sent for verification
     accepted: int = 0
+    draft_steps: int = 0  # steps in which this request drafted
+    depth_sum: int = 0  # draft levels over those steps
+
+    @property
+    def mean_depth(self) -> float:
+        return 0.0 if self.draft_steps == 0 else self.depth_sum / self.draft_steps
 
     @property
     def tokens_per_forward(self) -> float:  # tau, incl. the bonus token
@@ -69,8 +77,11 @@ class Sequence:
     seq_id: int
     request: Request
     text: IncrementalText
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(method=SpecMethod.none))
     output: list[int] = field(default_factory=list)
     target_seen: int = 0  # committed tokens the target worker has been sent
+    draft_seen: int = 0  # ... and the draft worker
+    last_accepted: list[int] = field(default_factory=list)  # accepted nodes of the last proposal
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
 
@@ -78,21 +89,27 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.output
 
-    def unsent(self) -> list[int]:
-        return self.tokens[self.target_seen :]
+    def unsent(self, seen: int) -> list[int]:
+        return self.tokens[seen:]
 
 
 class StepLoop:
     def __init__(
         self,
         target: TargetWorker,
+        draft: DraftWorker | None = None,
         *,
+        speculation: SpecConfig | None = None,
+        spec_headroom: int = 0,
         tokenizer: PreTrainedTokenizerBase | None,
         eos_token_ids: set[int],
         max_batch_size: int,
         max_model_len: int,
     ) -> None:
         self.target = target
+        self.draft = draft
+        self.speculation = speculation or SpecConfig(method=SpecMethod.none)
+        self.spec_headroom = spec_headroom  # KV room beyond max_model_len for one step's drafted tokens
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
@@ -113,7 +130,17 @@ class StepLoop:
                 f"the prompt has {len(request.prompt_ids)} tokens; the context limit is {self.max_model_len} "
                 "and leaves no room to generate"
             )
-        seq = Sequence(next(self._ids), request, IncrementalText(self.tokenizer, request.params.stop))
+        spec = request.speculation or self.speculation
+        if spec.method != SpecMethod.none:
+            if self.draft is None:
+                raise InvalidRequestError(f"speculation {spec.method.value!r} needs a draft model; none is loaded")
+            if spec.max_verify_tokens > self.spec_headroom:
+                raise InvalidRequestError(
+                    f"speculation verifies up to {spec.max_verify_tokens} tokens per step; "
+                    f"this engine reserves room for {self.spec_headroom}"
+                )
+        text = IncrementalText(self.tokenizer, request.params.stop)
+        seq = Sequence(next(self._ids), request, text, spec=spec)
         self._by_request[request.request_id] = seq
         self.waiting.append(seq)
 
@@ -125,7 +152,7 @@ class StepLoop:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
-            self.target.release([seq.seq_id])
+            self._release([seq])
         return True
 
     def prompt_ids(self, request_id: str) -> list[int]:
@@ -137,12 +164,15 @@ class StepLoop:
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """plan SL -> propose -> verify -> commit/stream -> retire."""
         self._admit()
         if not self.running:
             return []
         batch = list(self.running)
-        verified = self.target.verify([VerifyItem(s.seq_id, s.unsent()) for s in batch])
-        outputs = [self._commit(seq, out) for seq, out in zip(batch, verified, strict=True)]
+        depths = self._plan(batch)
+        proposals = self._propose(batch, depths)
+        verified = self.target.verify([self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)])
+        outputs = [self._commit(*args) for args in zip(batch, proposals, verified, strict=True)]
         self._retire()
         return outputs
 
@@ -150,12 +180,47 @@ class StepLoop:
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting.popleft()
             self.target.add(seq.seq_id, seq.request.params)
+            if self.draft is not None and seq.spec.method != SpecMethod.none:
+                self.draft.add(seq.seq_id, seq.request.params)
             self.running.append(seq)
 
-    def _commit(self, seq: Sequence, out: VerifyOutput) -> RequestOutput:
+    def _plan(self, batch: list[Sequence]) -> list[int]:
+        """Per-sequence draft depth (chain length / tree depth) for this step."""
+        return [s.spec.max_depth for s in batch]
+
+    def _propose(self, batch: list[Sequence], depths: list[int]) -> list[Proposal | None]:
+        drafting = [(s, d) for s, d in zip(batch, depths, strict=True) if d > 0]
+        if not drafting:
+            return [None] * len(batch)
+        assert self.draft is not None
+        items = [ProposeItem(s.seq_id, s.unsent(s.draft_seen), s.last_accepted, d, s.spec) for s, d in drafting]
+        by_seq = {p.seq_id: p for p in self.draft.propose(items)}
+        for s, _ in drafting:
+            s.draft_seen = len(s.tokens)
+        return [by_seq.get(s.seq_id) for s in batch]
+
+    @staticmethod
+    def _verify_item(seq: Sequence, proposal: Proposal | None) -> VerifyItem:
+        if proposal is None:
+            return VerifyItem(seq.seq_id, seq.unsent(seq.target_seen))
+        return VerifyItem(
+            seq.seq_id,
+            seq.unsent(seq.target_seen),
+            proposal.tokens,
+            proposal.parents,
+            proposal.q_idx,
+            proposal.q_prob,
+        )
+
+    def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
         seq.target_seen = len(seq.tokens)
+        seq.last_accepted = out.accepted
         seq.stats.target_forwards += 1
         seq.stats.accepted += len(out.accepted)
+        if proposal is not None:
+            seq.stats.drafted += len(proposal.tokens)
+            seq.stats.draft_steps += 1
+            seq.stats.depth_sum += proposal.depth
         params = seq.request.params
         new: list[int] = []
         for tok in out.tokens:
@@ -183,7 +248,13 @@ class StepLoop:
     def _retire(self) -> None:
         done = [s for s in self.running if s.finish_reason is not None]
         if done:
-            self.target.release([s.seq_id for s in done])
+            self._release(done)
             self.running = [s for s in self.running if s.finish_reason is None]
             for s in done:
                 self._by_request.pop(s.request.request_id, None)
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        ids = [s.seq_id for s in seqs]
+        self.target.release(ids)
+        if self.draft is not None:
+            self.draft.release(ids)

@@ -23,7 +23,7 @@ from specserve.policy.dsde import (
     weighted_variance,
     wvir,
 )
-from specserve.policy.kld import PROB_FLOOR, dense_from_sparse, kld_exact, kld_sparse, sparse_topk_q
+from specserve.policy.kld import PROB_FLOOR, SparseTail, dense_from_sparse, kld_exact, kld_sparse, sparse_topk_q
 
 __all__ = [
     "PROB_FLOOR",
@@ -37,6 +37,7 @@ __all__ = [
     "SequenceDSDE",
     "SequenceStatic",
     "ShortWindow",
+    "SparseTail",
     "StaticPolicy",
     "apply_cap",
     "calibrate",

@@ -187,11 +187,9 @@ def calibrate(a_max: int, mu: float, m_max: float, cfg: DSDEConfig) -> tuple[int
     """
     raw = round(a_max * (1.0 + cfg.calibration_c * mu / (m_max + CALIBRATION_EPS)))
     sl_max = max(cfg.sl_min, min(cfg.sl_hard_max, raw))
-    if cfg.sl_min_rule is SLMinRule.paper:
-        sl_min = cfg.sl_min
-    else:
-        sl_min = min(sl_max, max(cfg.sl_min, math.ceil(0.1 * sl_max)))
-    return sl_min, sl_max
+    if cfg.sl_min_rule is SLMinRule.reference:
+        return min(sl_max, max(cfg.sl_min, math.ceil(0.1 * sl_max))), sl_max
+    return cfg.sl_min, sl_max
 
 
 def sl_cap(sls: Sequence[int], post_warmup: Sequence[bool]) -> int | None:
@@ -332,7 +330,9 @@ class SequenceDSDE:
                 return
             self.sl_min, self.sl_max = calibrate(self._a_max, self.warmup_kld_mean, self._kld_max, cfg)
         assert self.sl_min is not None and self.sl_max is not None
-        self._sl = predict_sl(wvir(self.history, cfg), scale_factor(self._last_mean, cfg.alpha), self.sl_min, self.sl_max)
+        self._sl = predict_sl(
+            wvir(self.history, cfg), scale_factor(self._last_mean, cfg.alpha), self.sl_min, self.sl_max
+        )
 
 
 class SequenceStatic:
