@@ -279,7 +279,8 @@ class DraftWorker:
         seq_id = s.item.seq_id
         if s.builder is not None and s.row_of is not None:
             tree = s.builder.rerank(s.item.spec.budget)
-            rows = s.row_of[torch.tensor(tree.candidates, dtype=torch.long) + 1].tolist()  # host sync
+            row_of = torch.nn.functional.pad(s.row_of, (0, s.builder.num_candidates + 1 - s.row_of.numel()))
+            rows = row_of[torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device) + 1].tolist()  # host sync
             self.last_nodes[seq_id] = [s.root_idx] + [s.root_idx + r if r > 0 else None for r in rows]
             return Proposal(seq_id, tree.tokens, tree.parents, depth=s.depth)
         n = len(s.tokens)

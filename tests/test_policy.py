@@ -118,15 +118,16 @@ def test_wvir_flat_history_both_variants():
     flat = [0.2] * 12
     assert wvir(flat, DSDEConfig()) == 1.0
     assert wvir(flat, DSDEConfig(flat_kld=FlatKLD.reference)) == 20.0
-    # nearly flat: long variance ~ 2.5e-7 < 1e-6 still counts as flat
-    almost = [0.2, 0.2005, 0.2, 0.2005, 0.2, 0.2005]
+    # nearly flat: long variance ~ 6e-8 < 1e-6 still counts as flat
+    ref = DSDEConfig(flat_kld=FlatKLD.reference)
+    almost = [0.2, 0.2005] * 6
     assert weighted_variance(almost, 0.85) < 1e-6
-    assert wvir(almost, DSDEConfig()) == 1.0
-    # just above the threshold it is a real ratio
-    wobbly = [0.2, 0.203, 0.2, 0.203, 0.2, 0.203]
+    assert wvir(almost, DSDEConfig()) == 1.0 and wvir(almost, ref) == 20.0
+    # just above the threshold it is a real ratio (close to 1: the same pattern in both windows), not 20
+    wobbly = [0.2, 0.203] * 6
     assert weighted_variance(wobbly, 0.85) > 1e-6
-    assert wvir(wobbly, DSDEConfig()) == pytest.approx(1.0, abs=0.05)  # same pattern in both windows
-    assert wvir(wobbly, DSDEConfig()) != 1.0
+    assert wvir(wobbly, ref) == pytest.approx(1.0, abs=0.05)
+    assert wvir(wobbly, ref) == wvir(wobbly, DSDEConfig())
 
 
 def test_wvir_detects_recent_instability():
