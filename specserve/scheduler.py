@@ -213,7 +213,7 @@ class StepLoop:
         )
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
-        seq.target_seen = len(seq.tokens)
+        seq.target_seen = len(seq.tokens) + len(out.accepted)  # the target cached the accepted path
         seq.last_accepted = out.accepted
         seq.stats.target_forwards += 1
         seq.stats.accepted += len(out.accepted)
