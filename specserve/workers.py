@@ -272,7 +272,7 @@ class DraftWorker:
         assert s.builder is not None
         h = float(beam_mass(s.builder.beam_scores))  # host sync: DDD's check, only at check steps
         self.h_reads += 1
-        return ddd_should_stop(h, s.depth, spec.ddd_check_steps, spec.ddd_threshold)
+        return ddd_should_stop(h, s.depth, spec.ddd_check_steps, spec.ddd_threshold, spec.ddd_check_every_step)
 
     # -- results ----------------------------------------------------------------------------------------
     def _proposal(self, s: _Drafting) -> Proposal:
@@ -280,7 +280,9 @@ class DraftWorker:
         if s.builder is not None and s.row_of is not None:
             tree = s.builder.rerank(s.item.spec.budget)
             row_of = torch.nn.functional.pad(s.row_of, (0, s.builder.num_candidates + 1 - s.row_of.numel()))
-            rows = row_of[torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device) + 1].tolist()  # host sync
+            rows = row_of[
+                torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device) + 1
+            ].tolist()  # host sync
             self.last_nodes[seq_id] = [s.root_idx] + [s.root_idx + r if r > 0 else None for r in rows]
             return Proposal(seq_id, tree.tokens, tree.parents, depth=s.depth)
         n = len(s.tokens)

@@ -15,6 +15,7 @@ from specserve.verify import (
     DraftTree,
     VerifyResult,
     draft_sample_sparse,
+    inverse_cdf_sample,
     sparse_topk,
     verify_chain_sampled,
     verify_tree,
@@ -287,6 +288,17 @@ def test_all_zero_residual_falls_back_to_p() -> None:
     for _ in range(200):
         res = verify_chain_sampled(torch.tensor([2]), q_idx, q_prob, p, gen)
         assert 0 <= res.next_token < vocab
+
+
+def test_inverse_cdf_sample_edges() -> None:
+    """u = 0 and the largest u below 1 land on the first and last tokens with mass, never on a zero one."""
+    row = torch.tensor([0.0, 0.3, 0.0, 0.7, 0.0, 0.0])
+    probs = torch.stack([row, row, 5.0 * row])  # rows need not be normalised
+    u = torch.tensor([0.0, np.nextafter(1.0, 0.0), np.nextafter(1.0, 0.0)], dtype=torch.float64)
+    assert inverse_cdf_sample(probs, u).tolist() == [1, 3, 3]
+    assert inverse_cdf_sample(torch.zeros(1, 6), u[:1]).tolist() == [6]  # no mass: out of range, callers raise
+    with pytest.raises(ValueError):
+        verify_tree(DraftTree.chain(0, [1]), torch.tensor([[0.0, 0.0], [0.5, 0.5]]), None)
 
 
 def _one_hot_rows(argmaxes: list[int], vocab: int, gen: torch.Generator) -> torch.Tensor:

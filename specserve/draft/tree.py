@@ -16,13 +16,14 @@ def beam_mass(beam_scores: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(beam_scores, dim=-1)
 
 
-def ddd_should_stop(h: float, depth: int, check_steps: tuple[int, ...], threshold: float) -> bool:
-    return depth in check_steps and h < threshold
-
-
 def is_check_step(depth: int, check_steps: tuple[int, ...], every_step: bool) -> bool:
-    """Whether DDD reads H on the host after this expansion step (only these steps may sync)."""
+    """Whether DDD reads H on the host after expansion step ``depth`` (only these steps may sync)."""
     return every_step or depth in check_steps
+
+
+def ddd_should_stop(h: float, depth: int, check_steps: tuple[int, ...], threshold: float, every_step: bool) -> bool:
+    """DDD's rule: at a check step, stop expanding when the beam's mass H_d is below the threshold x."""
+    return is_check_step(depth, check_steps, every_step) and h < threshold
 
 
 @dataclass

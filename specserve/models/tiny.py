@@ -70,3 +70,14 @@ def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
             sd[p + "mlp.gate_proj.bias"], sd[p + "mlp.up_proj.bias"] = gb, ub
             sd[p + "mlp.down_proj.bias"] = layer.down.bias
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}
+
+
+def noisy_copy(model: LlamaModel, noise: float, *, seed: int = 1) -> LlamaModel:
+    """A draft = the target plus Gaussian noise (relative to each weight's std): tunable acceptance."""
+    draft = LlamaModel(model.hf_config)
+    draft.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
+    return draft.eval()

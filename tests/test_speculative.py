@@ -1,0 +1,149 @@
+"""Speculative decoding end to end: lossless greedy output for every method, DDD stopping, statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import ChainDraft, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.errors import InvalidRequestError, UnsupportedModelError
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.protocol import ProposeItem
+from specserve.sampling import SamplingParams
+from specserve.workers import DraftWorker
+from tests.conftest import greedy_reference
+
+PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7, 1, 2]]
+METHODS = [
+    SpecConfig(method=SpecMethod.chain, sl=3),
+    SpecConfig(method=SpecMethod.chain, sl=6, chain_draft=ChainDraft.greedy),
+    SpecConfig(method=SpecMethod.eagle2, tree_depth=4, beam_width=3, budget=12),
+    SpecConfig(method=SpecMethod.ddd, beam_width=3, budget=12, ddd_max_depth=7, ddd_check_steps=(2, 4, 6)),
+]
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_model(seed=0)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02, 0.1])
+@pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method.value}-{s.chain_draft.value}")
+def test_greedy_output_equals_plain_greedy(target: LlamaModel, spec: SpecConfig, noise: float) -> None:
+    draft = noisy_copy(target, noise, seed=3)
+    engine = Engine(target, None, draft=draft, speculation=spec, max_batch_size=3, eos_token_ids=set())
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=16))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 16)
+        assert out.stats.draft_steps == out.stats.target_forwards
+    if noise == 0.0:  # a draft identical to the target gets every token accepted (chains: tau = SL + 1)
+        for out in outs:
+            assert out.stats.accepted + out.stats.target_forwards >= 16
+            if spec.method == SpecMethod.chain:
+                assert out.stats.accepted == out.stats.drafted - (out.stats.drafted - out.stats.accepted)
+                assert out.stats.tokens_per_forward >= min(16, spec.sl + 1) * 0.75
+    assert engine.loop.target.cache.num_free == 3 and engine.loop.draft.cache.num_free == 3  # type: ignore[union-attr]
+
+
+def test_acceptance_falls_with_draft_noise(target: LlamaModel) -> None:
+    taus = []
+    for noise in (0.0, 0.02, 0.1):
+        engine = Engine(target, None, draft=noisy_copy(target, noise), speculation=METHODS[0], eos_token_ids=set())
+        stats = [o.stats for o in engine.generate(PROMPTS, SamplingParams(max_tokens=24))]
+        taus.append(sum(s.accepted for s in stats) / sum(s.drafted for s in stats))
+    assert taus[0] == 1.0 and taus[0] > taus[1] > taus[2]
+
+
+def test_mixed_methods_in_one_batch_and_per_request_override(target: LlamaModel) -> None:
+    engine = Engine(target, None, draft=noisy_copy(target, 0.3), speculation=METHODS[0], eos_token_ids=set())
+    rids = [
+        engine.submit(p, SamplingParams(max_tokens=12), speculation=s) for p, s in zip(PROMPTS, METHODS, strict=True)
+    ]
+    rids.append(
+        engine.submit(PROMPTS[0], SamplingParams(max_tokens=12), speculation=SpecConfig(method=SpecMethod.none))
+    )
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    while engine.loop.has_work:
+        for out in engine.loop.step():
+            got[out.request_id] += out.token_ids
+    for rid, prompt in zip(rids, [*PROMPTS, PROMPTS[0]], strict=True):
+        assert got[rid] == greedy_reference(target, prompt, 12)
+
+
+def test_sampling_with_speculation_is_seeded_and_valid(target: LlamaModel) -> None:
+    draft = noisy_copy(target, 0.3)
+    for spec in METHODS:
+        engine = Engine(target, None, draft=draft, speculation=spec, eos_token_ids=set())
+        params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=20)
+        a = engine.generate(PROMPTS[:2], params)
+        b = engine.generate(PROMPTS[:2], params)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert all(len(o.token_ids) == 20 for o in a)
+        assert all(0 <= t < target.cfg.vocab_size for o in a for t in o.token_ids)
+
+
+def test_vocab_mismatch_and_missing_draft_are_clear_errors(target: LlamaModel) -> None:
+    other = tiny_model(tiny_config(vocab_size=300))
+    with pytest.raises(UnsupportedModelError, match="vocabulary"):
+        Engine(target, None, draft=other)
+    plain = Engine(target, None, eos_token_ids=set())
+    with pytest.raises(InvalidRequestError, match="needs a draft model"):
+        plain.generate(PROMPTS[0], speculation=METHODS[0])
+    small = Engine(target, None, draft=target, spec_headroom=8, eos_token_ids=set())
+    with pytest.raises(InvalidRequestError, match="reserves room for"):
+        small.generate(PROMPTS[0], speculation=SpecConfig(method=SpecMethod.eagle2, budget=60))
+
+
+class ScriptedDraft(LlamaModel):
+    """A draft that puts mass ``top`` on token 10 and spreads the rest thinly: the beam's mass is H_d ~ d log(top)."""
+
+    def __init__(self, base: LlamaModel, top: float) -> None:
+        super().__init__(base.hf_config)
+        self.load_state_dict(base.state_dict())
+        self.top = top
+
+    def forward(self, batch, cache):  # type: ignore[no-untyped-def, override]
+        out = super().forward(batch, cache)  # keeps the KV bookkeeping real
+        vocab = out.shape[-1]
+        logits = torch.full_like(out, float(torch.log(torch.tensor((1 - self.top) / (vocab - 1)))))
+        logits[:, 10] = float(torch.log(torch.tensor(self.top)))
+        return logits
+
+
+def propose_once(draft: LlamaModel, spec: SpecConfig) -> tuple[int, int]:
+    worker = DraftWorker(draft, num_slots=1, max_len=128)
+    worker.add(0, SamplingParams())
+    prop = worker.propose([ProposeItem(0, [1, 2, 3, 4], [], spec.max_depth, spec)])[0]
+    return prop.depth, worker.h_reads
+
+
+def test_ddd_stops_exactly_where_h_crosses_the_threshold(target: LlamaModel) -> None:
+    # H_d = d log 0.9 = -0.105 d (plus ~1e-3): first below x = -0.3 at d = 3. Checked at {2, 4, 6}: stop at 4.
+    draft = ScriptedDraft(target, top=0.9)
+    spec = SpecConfig(
+        method=SpecMethod.ddd, beam_width=2, budget=60, ddd_max_depth=9, ddd_check_steps=(2, 4, 6), ddd_threshold=-0.3
+    )
+    assert propose_once(draft, spec) == (4, 2)  # H read on the host at depths 2 and 4 only
+    every = spec.model_copy(update={"ddd_check_every_step": True})
+    assert propose_once(draft, every) == (3, 3)  # read after every level: stops at the first crossing
+    assert propose_once(draft, spec.model_copy(update={"ddd_threshold": -5.0})) == (9, 3)  # never crosses
+    assert propose_once(ScriptedDraft(target, top=0.5), spec) == (2, 1)  # H_2 = -1.39: stops at the first check
+    eagle2 = SpecConfig(method=SpecMethod.eagle2, beam_width=2, budget=60, tree_depth=5)
+    assert propose_once(draft, eagle2) == (5, 0)  # fixed depth never reads H
+
+
+def test_ddd_sequences_stop_independently_in_one_batch(target: LlamaModel) -> None:
+    draft = noisy_copy(target, 0.5)
+    worker = DraftWorker(draft, num_slots=4, max_len=128)
+    spec = SpecConfig(method=SpecMethod.ddd, beam_width=3, budget=30, ddd_max_depth=8, ddd_check_steps=(2, 4, 6))
+    for i in range(4):
+        worker.add(i, SamplingParams())
+    props = worker.propose(
+        [ProposeItem(i, p, [], d, spec) for i, (p, d) in enumerate(zip(PROMPTS, [8, 3, 8, 1], strict=True))]
+    )
+    assert props[1].depth <= 3 and props[3].depth == 1
+    for p in props:
+        assert len(p.tokens) == len(p.parents) <= spec.budget - 1
+        assert all(0 <= par <= i for i, par in enumerate(p.parents))  # parents precede children
