@@ -1,0 +1,53 @@
+"""EAGLE-2 tree building: beam selection, scores, rerank closed under ancestors."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specserve.draft.tree import TreeBuilder, beam_mass, ddd_should_stop
+
+
+def logq_rows(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:
+    out = torch.full((len(rows), vocab), -1e9)
+    for i, row in enumerate(rows):
+        for tok, p in row.items():
+            out[i, tok] = math.log(p)
+    return out
+
+
+def test_expand_scores_beam_and_rerank() -> None:
+    b = TreeBuilder(width=2)
+    b.expand(logq_rows([{1: 0.6, 2: 0.3, 3: 0.1}]))  # depth 1: candidates 1 (0.6), 2 (0.3)
+    assert b.beam_tokens().tolist() == [1, 2]
+    assert torch.allclose(beam_mass(b.beam_scores), torch.tensor(math.log(0.9)))
+    # children of 1: 4 (0.5), 5 (0.5); children of 2: 6 (0.9), 7 (0.05)
+    b.expand(logq_rows([{4: 0.5, 5: 0.5}, {6: 0.9, 7: 0.05}]))
+    # path scores: 1-4 0.30, 1-5 0.30, 2-6 0.27, 2-7 0.015 -> beam = 1-4, 1-5
+    assert b.beam_tokens().tolist() == [4, 5]
+    tree = b.rerank(budget=5)  # keep 4 best of 6: 1 (.6), 2 (.3), 4 (.3), 5 (.3)
+    assert tree.tokens == [1, 2, 4, 5]
+    assert tree.parents == [0, 0, 1, 1]
+    tree = b.rerank(budget=3)  # 1 and then the tie at 0.3 goes to the shallower node 2
+    assert tree.tokens == [1, 2] and tree.parents == [0, 0]
+
+
+def test_rerank_is_closed_under_ancestors_on_random_trees() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        b = TreeBuilder(width=3)
+        b.expand(torch.log_softmax(torch.randn(1, 30, generator=gen) * 3, -1))
+        for _ in range(4):
+            b.expand(torch.log_softmax(torch.randn(b.beam.numel(), 30, generator=gen) * 3, -1))
+        tree = b.rerank(budget=2 + trial)
+        assert len(tree.tokens) == min(1 + trial, b.num_candidates)
+        for j, par in enumerate(tree.parents, start=1):
+            assert 0 <= par < j  # parents precede children and are in the tree
+
+
+def test_ddd_rule_only_fires_at_check_steps() -> None:
+    assert ddd_should_stop(-1.0, 5, (5, 7, 9), -0.3, every_step=False)
+    assert not ddd_should_stop(-1.0, 6, (5, 7, 9), -0.3, every_step=False)
+    assert ddd_should_stop(-1.0, 6, (5, 7, 9), -0.3, every_step=True)
+    assert not ddd_should_stop(-0.2, 5, (5, 7, 9), -0.3, every_step=False)
