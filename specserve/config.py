@@ -35,6 +35,9 @@ class ModelSpec(BaseModel):
     kind: SourceKind | None = Field(default=None, description="inferred from `source` when not given")
     dtype: DType = DType.float32
     int8_dynamic: bool = Field(default=False, description="dynamic int8 quantisation of the linear layers")
+    gemv_copies: bool = Field(
+        default=True, description="CPU: transposed weight copies for 1-3 row products (faster decode, 2x weights)"
+    )
     revision: str | None = None
 
     def resolved_kind(self) -> SourceKind:

@@ -48,4 +48,5 @@ class Proposal:
     parents: list[int]  # parent node of each, 0 = root
     q_idx: list[list[int]] | None = None  # sampled chain: the sparse q each token was drawn from
     q_prob: list[list[float]] | None = None
-    depth: int = 0  # levels drafted (draft forwards after the first)
+    depth: int = 0  # levels drafted
+    ranks: list[int] | None = None  # trees: score rank of each node (for the budget auto-tune)

@@ -67,8 +67,3 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     else:
         gen.manual_seed(seed)
     return gen
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """probs [N, V] -> token ids [N]; with a one-hot (greedy) row this is its argmax."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

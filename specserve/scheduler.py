@@ -6,6 +6,7 @@ The scheduler owns the authoritative token state of every request; workers hold 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -53,6 +54,29 @@ class RequestStats:
     @property
     def acceptance_rate(self) -> float:
         return 0.0 if self.drafted == 0 else self.accepted / self.drafted
+
+
+@dataclass(frozen=True)
+class SeqStepRecord:
+    """What one sequence did in one step (kept when ``StepLoop.record_steps`` is on)."""
+
+    seq_id: int
+    depth: int  # draft levels (0: not drafting)
+    drafted: int
+    accepted: int
+    path_ranks: list[int]  # trees: score rank of each accepted node
+
+
+@dataclass
+class StepTiming:
+    steps: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        return self.total_s - self.draft_s - self.verify_s
 
 
 @dataclass(frozen=True)
@@ -118,6 +142,9 @@ class StepLoop:
         self.running: list[Sequence] = []
         self._ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
+        self.timing = StepTiming()
+        self.record_steps = False
+        self.step_records: list[list[SeqStepRecord]] = []
 
     # -- requests in and out --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -165,16 +192,33 @@ class StepLoop:
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """plan SL -> propose -> verify -> commit/stream -> retire."""
+        t0 = time.perf_counter()
         self._admit()
         if not self.running:
             return []
         batch = list(self.running)
         depths = self._plan(batch)
         proposals = self._propose(batch, depths)
+        t1 = time.perf_counter()
         verified = self.target.verify([self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)])
+        t2 = time.perf_counter()
         outputs = [self._commit(*args) for args in zip(batch, proposals, verified, strict=True)]
+        if self.record_steps:
+            self.step_records.append([self._record(*args) for args in zip(batch, proposals, verified, strict=True)])
         self._retire()
+        timing = self.timing
+        timing.steps += 1
+        timing.draft_s += t1 - t0 if any(p is not None for p in proposals) else 0.0
+        timing.verify_s += t2 - t1
+        timing.total_s += time.perf_counter() - t0
         return outputs
+
+    @staticmethod
+    def _record(seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> SeqStepRecord:
+        if proposal is None:
+            return SeqStepRecord(seq.seq_id, 0, 0, 0, [])
+        ranks = [proposal.ranks[a - 1] for a in out.accepted] if proposal.ranks is not None else []
+        return SeqStepRecord(seq.seq_id, proposal.depth, len(proposal.tokens), len(out.accepted), ranks)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:

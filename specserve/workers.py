@@ -284,7 +284,7 @@ class DraftWorker:
                 torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device) + 1
             ].tolist()  # host sync
             self.last_nodes[seq_id] = [s.root_idx] + [s.root_idx + r if r > 0 else None for r in rows]
-            return Proposal(seq_id, tree.tokens, tree.parents, depth=s.depth)
+            return Proposal(seq_id, tree.tokens, tree.parents, depth=s.depth, ranks=tree.ranks)
         n = len(s.tokens)
         self.last_nodes[seq_id] = [s.root_idx + i for i in range(n)] + [None]  # the last draft was never fed
         sampled = bool(s.q_idx)

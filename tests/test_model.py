@@ -240,3 +240,15 @@ def test_window_mask_hides_cached_non_ancestors() -> None:
     assert (out[0] - run_one(model, [*context, 30, 40])[-1]).abs().max() < 1e-4
     with pytest.raises(ValueError, match="tree mask"):
         ForwardBatch.build(cache, [slot], [[1]], tree_masks=[torch.ones(1, 99, dtype=torch.bool)])
+
+
+def test_gemv_copies_give_the_same_logits() -> None:
+    from specserve.models.llama import attach_gemv_copies
+
+    model = tiny_model(seed=13)
+    tokens = list(range(3, 20))
+    ref = [run_one(model, tokens[:n]) for n in (1, 2, 3, 4, 17)]
+    attach_gemv_copies(model)
+    assert model.layers[0].qkv.weight_t.shape == model.layers[0].qkv.weight.t().shape
+    for n, r in zip((1, 2, 3, 4, 17), ref, strict=True):
+        assert (run_one(model, tokens[:n]) - r).abs().max() < 1e-4

@@ -7,9 +7,10 @@ import argparse
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_cmd", required=True)
-    from specserve.bench import ar
+    from specserve.bench import ar, spec
 
     ar.add_args(sub.add_parser("ar", help="plain decoding: this runner vs transformers generate"))
+    spec.add_args(sub.add_parser("spec", help="speculative methods vs plain decoding vs transformers assisted"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -17,4 +18,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from specserve.bench import ar
 
         return ar.run(args)
+    if args.bench_cmd == "spec":
+        from specserve.bench import spec
+
+        return spec.run(args)
     raise ValueError(f"unknown benchmark {args.bench_cmd!r}")

@@ -31,6 +31,7 @@ class DraftTreeOut:
     tokens: list[int]  # drafted nodes 1..T-1 (root excluded)
     parents: list[int]  # parent node of each, 0 = root
     candidates: list[int]  # candidate index of each node (to map back to cache entries)
+    ranks: list[int]  # score rank of each node (0 = best): the top-(T-1) ranks form the tree at budget T
 
 
 @dataclass
@@ -82,7 +83,9 @@ class TreeBuilder:
         order = order[torch.sort(-scores[order], stable=True).indices]
         kept = order[:n]
         kept = kept[torch.sort(depth[kept] * scores.numel() + kept).indices]  # by depth: parents first
-        kept_list, parent_list = kept.tolist(), parents[kept].tolist()
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device)
+        kept_list, parent_list, rank_list = kept.tolist(), parents[kept].tolist(), rank[kept].tolist()
         node_of = {c: i + 1 for i, c in enumerate(kept_list)}
         out_parents = [0 if par < 0 else node_of[par] for par in parent_list]
-        return DraftTreeOut(tokens=tokens[kept].tolist(), parents=out_parents, candidates=kept_list)
+        return DraftTreeOut(tokens[kept].tolist(), out_parents, kept_list, rank_list)

@@ -22,6 +22,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+GEMV_MAX_ROWS = 3  # see ``linear``
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``mod(x)``; with at most GEMV_MAX_ROWS rows and a transposed weight copy attached
+    (``attach_gemv_copies``), a row-major product over that copy instead: measured on a 2-core x86 CPU it
+    reads the weights 1.3-1.4x faster at 1-3 rows, and slower from 4 rows on."""
+    wt: torch.Tensor | None = getattr(mod, "weight_t", None)
+    if wt is not None and x.numel() <= GEMV_MAX_ROWS * wt.shape[0]:
+        y = x @ wt
+        return y if mod.bias is None else y + mod.bias
+    return mod(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
@@ -131,7 +143,7 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         b_size, q_len, _ = x.shape
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        q, k, v = self.qkv(h).split(
+        q, k, v = linear(self.qkv, h).split(
             [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1
         )
         q = apply_rope(q.view(b_size, q_len, cfg.num_heads, cfg.head_dim), cos, sin)
@@ -139,9 +151,9 @@ class DecoderLayer(nn.Module):
         v = v.view(b_size, q_len, cfg.num_kv_heads, cfg.head_dim)
         write_kv(k_cache, v_cache, k, v, batch)
         out = attention(q.transpose(1, 2), k_cache, v_cache, batch, use_flash=use_flash)  # [B, H, Q, D]
-        x = x + self.o_proj(out.transpose(1, 2).reshape(b_size, q_len, -1))
-        gate, up = self.gate_up(rms_norm(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + linear(self.o_proj, out.transpose(1, 2).reshape(b_size, q_len, -1))
+        gate, up = linear(self.gate_up, rms_norm(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return x + linear(self.down, F.silu(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -191,7 +203,7 @@ class LlamaModel(nn.Module):
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash)
         x = x.reshape(-1, x.shape[-1])[batch.logit_rows]  # [R, hidden]
-        return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+        return linear(self.lm_head, rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
 
     # -- weights ----------------------------------------------------------------------------------------
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
@@ -224,6 +236,16 @@ class LlamaModel(nn.Module):
                 if cfg.mlp_bias:
                     layer.gate_up.bias.copy_(torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")]))
                     layer.down.bias.copy_(get(p + "mlp.down_proj.bias"))
+
+
+def attach_gemv_copies(model: LlamaModel) -> None:
+    """Switch: keep a transposed copy of every linear weight for 1-2 row GEMVs (CPU decode and short drafts).
+
+    Doubles the weight memory; call after the final ``.to(dtype, device)``. Quantised linears are skipped.
+    """
+    for mod in model.modules():
+        if type(mod) is nn.Linear:
+            mod.weight_t = mod.weight.detach().t().contiguous()  # type: ignore[assignment]
 
 
 def quantize_int8_dynamic(model: LlamaModel) -> LlamaModel:

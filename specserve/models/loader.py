@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from specserve.config import DType, ModelSpec
 from specserve.errors import CorruptModelError, ModelSourceError
-from specserve.models.llama import LlamaModel, quantize_int8_dynamic
+from specserve.models.llama import LlamaModel, attach_gemv_copies, quantize_int8_dynamic
 from specserve.models.sources import resolve
 
 
@@ -41,7 +41,10 @@ def load_model_dir(
         if spec.dtype != DType.float32 or torch.device(device).type != "cpu":
             raise ValueError("int8_dynamic models run on the CPU from float32 weights")
         return quantize_int8_dynamic(model)
-    return model.to(device=device, dtype=spec.dtype.torch)
+    model = model.to(device=device, dtype=spec.dtype.torch)
+    if spec.gemv_copies and model.device.type == "cpu":
+        attach_gemv_copies(model)
+    return model
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:

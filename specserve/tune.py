@@ -1,0 +1,149 @@
+"""Verify-budget auto-tune (algorithms.md 2.5): profile the target's step time against the number of verified
+tokens on this device, estimate the accepted tokens at each budget from one calibration run, and pick the
+budget T (trees) or chain length SL that maximises expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.config import ChainDraft, SpecConfig, SpecMethod
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.sources import cache_dir
+
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+
+
+def time_verify(model: LlamaModel, sizes: Sequence[int], *, context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one batch-1 target forward over T new tokens (tree-masked) after ``context`` tokens."""
+    cache = model.new_cache(1, context + max(sizes) + 1)
+    slot = cache.allocate()
+    gen = torch.Generator().manual_seed(0)
+    model(ForwardBatch.build(cache, [slot], [torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)]), cache)
+    out: dict[int, float] = {}
+    for t in sizes:
+        tokens = torch.randint(0, model.cfg.vocab_size, (t,), generator=gen)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            batch = ForwardBatch.build(
+                cache, [slot], [tokens], tree_masks=[mask], positions=[list(range(context, context + t))]
+            )
+            model(batch, cache)
+            times.append(time.perf_counter() - t0)
+            cache.truncate(slot, context)
+        out[t] = statistics.median(times[1:])
+    return out
+
+
+def profile_key(model: LlamaModel, context: int) -> str:
+    cfg = model.cfg
+    ident = f"{cfg}|{model.dtype}|{model.device}|{torch.get_num_threads()}|{context}|{torch.__version__}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def verify_profile(model: LlamaModel, sizes: Sequence[int] = DEFAULT_SIZES, *, context: int = 256) -> dict[int, float]:
+    """time_verify, cached on disk per model shape, dtype, device, thread count and torch version."""
+    path = cache_dir() / "profiles" / f"verify-{profile_key(model, context)}.json"
+    if path.exists():
+        cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
+        if all(t in cached for t in sizes):
+            return {t: cached[t] for t in sizes}
+    prof = time_verify(model, sizes, context=context)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prof))
+    return prof
+
+
+def tau_at_budget(path_ranks: Sequence[Sequence[int]], budget: int) -> float:
+    """Mean tokens per step had the tree kept only its best budget-1 nodes (greedy verification).
+
+    Exact for greedy: the kept set is a prefix of the score order and closed under ancestors, so the accepted
+    path is cut at its first node ranked >= budget-1.
+    """
+    total = 0
+    for ranks in path_ranks:
+        n = 0
+        while n < len(ranks) and ranks[n] < budget - 1:
+            n += 1
+        total += n + 1
+    return total / max(1, len(path_ranks))
+
+
+def tau_at_length(accepted: Sequence[int], sl: int) -> float:
+    """Mean tokens per step of a greedy chain of length sl, from runs at a longer length."""
+    return sum(min(a, sl) + 1 for a in accepted) / max(1, len(accepted))
+
+
+@dataclass(frozen=True)
+class TuneRow:
+    size: int  # T for trees, SL for chains
+    tau: float
+    draft_s: float
+    verify_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tau / (self.draft_s + self.verify_s)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    method: SpecMethod
+    best: int
+    rows: list[TuneRow]
+
+    def to_json(self) -> str:
+        return json.dumps({"method": self.method.value, "best": self.best, "rows": [asdict(r) for r in self.rows]})
+
+
+def autotune(
+    target: LlamaModel,
+    draft: LlamaModel,
+    prompts: Sequence[list[int]],
+    spec: SpecConfig,
+    *,
+    candidates: Sequence[int] | None = None,
+    max_tokens: int = 48,
+) -> TuneResult:
+    """Calibrate on ``prompts`` at the largest candidate, then predict tokens/s for every candidate."""
+    from specserve.engine import Engine
+    from specserve.sampling import SamplingParams
+
+    is_chain = spec.method == SpecMethod.chain
+    cands = sorted(candidates or ((1, 2, 3, 4, 5, 6, 8, 10, 12) if is_chain else (4, 6, 8, 10, 12, 16, 24, 32, 48, 64)))
+    biggest = cands[-1]
+    calib = (
+        spec.model_copy(update={"sl": biggest, "chain_draft": ChainDraft.greedy})
+        if is_chain
+        else spec.model_copy(update={"budget": biggest})
+    )
+    engine = Engine(target, None, draft=draft, speculation=calib, max_batch_size=1, spec_headroom=biggest + 1)
+    engine.loop.record_steps = True
+    engine.generate(list(prompts), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    records = [r for step in engine.loop.step_records for r in step if r.depth > 0]
+    draft_per_step = engine.loop.timing.draft_s / max(1, engine.loop.timing.steps)
+    verify = verify_profile(target, sorted({c + 1 for c in cands} if is_chain else set(cands)))
+    rows = []
+    for c in cands:
+        if is_chain:
+            per_level = draft_per_step / biggest
+            rows.append(TuneRow(c, tau_at_length([r.accepted for r in records], c), per_level * c, verify[c + 1]))
+        else:
+            rows.append(TuneRow(c, tau_at_budget([r.path_ranks for r in records], c), draft_per_step, verify[c]))
+    best = max(rows, key=lambda r: r.tokens_per_s).size
+    return TuneResult(spec.method, best, rows)
+
+
+def tuned_path(name: str) -> Path:
+    return cache_dir() / "profiles" / f"tuned-{name}.json"
