@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specserve.policy import DSDEConfig, SparseTail
+
 
 class DType(str, Enum):
     float32 = "float32"
@@ -69,12 +71,33 @@ class ChainDraft(str, Enum):
     sampled = "sampled"  # draft samples from its top-K truncated q; verified with Leviathan/Chen (1.1)
 
 
+class SLPolicyKind(str, Enum):
+    static = "static"  # chain length `sl` / tree depth every step
+    dsde = "dsde"  # per-sequence SL from KLD stability, under the batch cap SL_cap (algorithms.md 4)
+
+
+class KLDMode(str, Enum):
+    exact = "exact"  # dense draft distribution: draft and target share a process
+    sparse = "sparse"  # top-K of q plus the leftover mass (what crosses actors)
+
+
 class SpecConfig(BaseModel):
-    """Speculation settings (algorithms.md sections 1-3). Defaults follow the papers."""
+    """Speculation settings (algorithms.md sections 1-4). Defaults follow the papers."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     method: SpecMethod = SpecMethod.chain
+    policy: SLPolicyKind = SLPolicyKind.static
+    dsde: DSDEConfig = DSDEConfig()
+    max_sl: int | None = Field(default=None, ge=1, le=64, description="per-request ceiling on SL / depth")
+    kld_mode: KLDMode = KLDMode.sparse
+    kld_tail: SparseTail = SparseTail.uniform
+    synthetic_accept: float | None = Field(
+        default=None,
+        gt=0.0,
+        lt=1.0,
+        description="SYNTHETIC benchmark mode, never a default: accept each drafted token with this probability",
+    )
     sl: int = Field(default=4, ge=1, le=64, description="chain length (a DSDE plan overrides it)")
     tree_depth: int = Field(default=6, ge=1, le=64, description="EAGLE-2 fixed depth D")
     chain_draft: ChainDraft = ChainDraft.sampled  # for temperature > 0; greedy requests draft greedily
@@ -87,8 +110,8 @@ class SpecConfig(BaseModel):
     ddd_check_every_step: bool = False  # read H on the host after every level (for comparison)
 
     @property
-    def max_depth(self) -> int:
-        """Levels drafted per step at most (0 = no speculation)."""
+    def static_depth(self) -> int:
+        """Levels drafted per step under the static policy (0 = no speculation)."""
         return {
             SpecMethod.none: 0,
             SpecMethod.chain: self.sl,
@@ -97,11 +120,22 @@ class SpecConfig(BaseModel):
         }[self.method]
 
     @property
+    def is_tree(self) -> bool:
+        return self.method in (SpecMethod.eagle2, SpecMethod.ddd)
+
+    def depth_for(self, sl: int) -> int:
+        """Draft depth for a policy's SL: the chain length, or min(tree depth / DDD n, SL) for trees."""
+        depth = sl if self.method == SpecMethod.chain else min(self.static_depth, sl)
+        return depth if self.max_sl is None else min(depth, self.max_sl)
+
+    @property
     def max_verify_tokens(self) -> int:
         """Tokens one verification appends at most: the root plus the drafted nodes."""
-        if self.method in (SpecMethod.eagle2, SpecMethod.ddd):
+        if self.is_tree:
             return self.budget
-        return self.max_depth + 1
+        if self.method == SpecMethod.none:
+            return 1
+        return (self.dsde.sl_hard_max if self.policy == SLPolicyKind.dsde else self.sl) + 1
 
 
 class EngineConfig(BaseModel):
@@ -115,6 +149,9 @@ class EngineConfig(BaseModel):
     device: str = "cpu"
     max_batch_size: int = Field(default=16, ge=1, le=1024)
     max_model_len: int = Field(default=2048, ge=16, le=1_048_576)
+    max_step_tokens: int | None = Field(
+        default=None, ge=1, description="guard: cap on drafted tokens + batch size verified per step (None = off)"
+    )
 
     @model_validator(mode="after")
     def _draft_for_speculation(self) -> EngineConfig:

@@ -11,7 +11,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specserve.config import SpecConfig
+import torch
+
+from specserve.config import KLDMode, SpecConfig
+from specserve.policy import SparseTail
+
+
+@dataclass(frozen=True)
+class DraftQ:
+    """The draft's temperature-1 next-token distribution at some tree nodes (node 0 = the root).
+
+    Sparse (top-K probabilities, not renormalised) crosses actors; dense logits only within one process.
+    """
+
+    nodes: list[int]
+    idx: list[list[int]] | None = None  # [n, K]
+    prob: list[list[float]] | None = None  # [n, K]
+    dense_logits: torch.Tensor | None = None  # [n, V], KLDMode.exact only
+
+    @property
+    def mode(self) -> KLDMode:
+        return KLDMode.exact if self.dense_logits is not None else KLDMode.sparse
 
 
 @dataclass(frozen=True)
@@ -22,6 +42,10 @@ class VerifyItem:
     draft_parents: list[int] = field(default_factory=list)  # parent node of each drafted node, 0 = root
     q_idx: list[list[int]] | None = None  # sampled chain only: the draft's top-K ids per drafted token
     q_prob: list[list[float]] | None = None  # ... and their probabilities (the distribution it sampled from)
+    kld: DraftQ | None = None  # the draft's temperature-1 distributions, when the policy needs the KLD signal
+    kld_past_rejection: bool = False  # chains: also score drafted positions after the first rejection
+    kld_tail: SparseTail = SparseTail.uniform  # how a sparse q's leftover mass is spread
+    synthetic_accept: float | None = None  # SYNTHETIC benchmark mode (see SpecConfig.synthetic_accept)
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,7 @@ class ProposeItem:
     accepted: list[int]  # accepted nodes of this worker's previous proposal for the sequence
     depth: int  # SL: chain length, or the tree's maximum depth (after the batch cap); 0 = no drafting
     spec: SpecConfig = field(default_factory=SpecConfig)  # method and its parameters for this sequence
+    kld_mode: KLDMode | None = None  # ship the draft's distributions for the KLD signal (None: not needed)
 
 
 @dataclass(frozen=True)
@@ -50,3 +75,4 @@ class Proposal:
     q_prob: list[list[float]] | None = None
     depth: int = 0  # levels drafted
     ranks: list[int] | None = None  # trees: score rank of each node (for the budget auto-tune)
+    kld: DraftQ | None = None  # when ProposeItem.kld_mode asked for it

@@ -8,14 +8,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from enum import Enum
 
 from transformers import PreTrainedTokenizerBase
 
-from specserve.config import SpecConfig, SpecMethod
+from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.errors import InvalidRequestError
+from specserve.policy import SequenceDSDE, apply_cap, sl_cap
 from specserve.protocol import Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.sampling import SamplingParams
 from specserve.workers import DraftWorker, TargetWorker
@@ -67,6 +69,35 @@ class SeqStepRecord:
     path_ranks: list[int]  # trees: score rank of each accepted node
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    depths: list[int]  # draft depth per sequence this step (0 = not drafting)
+    uncapped: list[int]  # the policy's SL_i before SL_cap, the per-request max_sl and the guard
+    cap: int | None  # SL_cap over the lock-step batch (None: no DSDE sequence past warm-up, or cap off)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """Straggler metrics of one step of a lock-step batch."""
+
+    batch_size: int
+    depths: list[int]  # levels each sequence actually drafted (DDD may stop before its budget)
+    planned: list[int]  # planned depth per sequence
+    cap: int | None
+    levels: int  # draft levels the batch ran (the deepest sequence)
+    idle_fraction: float  # 1 - sum(depth_i) / (B * max depth_i): draft slots spent waiting for the deepest
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    emitted: int  # tokens committed this step (all sequences)
+    synthetic: bool  # any sequence used SYNTHETIC acceptance
+
+
+def idle_fraction(depths: Seq[int]) -> float:
+    deepest = max(depths, default=0)
+    return 0.0 if deepest == 0 else 1.0 - sum(depths) / (len(depths) * deepest)
+
+
 @dataclass
 class StepTiming:
     steps: int = 0
@@ -102,6 +133,7 @@ class Sequence:
     request: Request
     text: IncrementalText
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(method=SpecMethod.none))
+    sl_state: SequenceDSDE | None = None  # DSDE history and calibration (None under the static policy)
     output: list[int] = field(default_factory=list)
     target_seen: int = 0  # committed tokens the target worker has been sent
     draft_seen: int = 0  # ... and the draft worker
@@ -129,6 +161,8 @@ class StepLoop:
         eos_token_ids: set[int],
         max_batch_size: int,
         max_model_len: int,
+        max_step_tokens: int | None = None,
+        metrics_window: int = 10_000,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -138,6 +172,7 @@ class StepLoop:
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
+        self.max_step_tokens = max_step_tokens  # guard: drafted tokens + batch size verified per step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
@@ -145,6 +180,7 @@ class StepLoop:
         self.timing = StepTiming()
         self.record_steps = False
         self.step_records: list[list[SeqStepRecord]] = []
+        self.metrics: deque[StepMetrics] = deque(maxlen=metrics_window)
 
     # -- requests in and out --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -168,6 +204,8 @@ class StepLoop:
                 )
         text = IncrementalText(self.tokenizer, request.params.stop)
         seq = Sequence(next(self._ids), request, text, spec=spec)
+        if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
+            seq.sl_state = SequenceDSDE(spec.dsde)
         self._by_request[request.request_id] = seq
         self.waiting.append(seq)
 
@@ -181,6 +219,18 @@ class StepLoop:
             self.running.remove(seq)
             self._release([seq])
         return True
+
+    def recover(self, *, target: bool, draft: bool) -> None:
+        """After a worker was replaced by a fresh one: re-register every running sequence with it and resend
+        its whole token state on the next step (the new worker re-prefills from the router's tokens)."""
+        for seq in self.running:
+            if target:
+                self.target.add(seq.seq_id, seq.request.params)
+                seq.target_seen = 0
+            if draft and self.draft is not None and seq.spec.method != SpecMethod.none:
+                self.draft.add(seq.seq_id, seq.request.params)
+                seq.draft_seen = 0
+                seq.last_accepted = []
 
     def prompt_ids(self, request_id: str) -> list[int]:
         return self._by_request[request_id].request.prompt_ids
@@ -197,21 +247,54 @@ class StepLoop:
         if not self.running:
             return []
         batch = list(self.running)
-        depths = self._plan(batch)
-        proposals = self._propose(batch, depths)
+        plan = self._plan(batch)
+        proposals = self._propose(batch, plan.depths)
         t1 = time.perf_counter()
         verified = self.target.verify([self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)])
         t2 = time.perf_counter()
         outputs = [self._commit(*args) for args in zip(batch, proposals, verified, strict=True)]
+        for seq, prop, out in zip(batch, proposals, verified, strict=True):
+            self._observe(seq, prop, out)
         if self.record_steps:
             self.step_records.append([self._record(*args) for args in zip(batch, proposals, verified, strict=True)])
         self._retire()
+        self._account(batch, plan, proposals, outputs, t0, t1, t2)
+        return outputs
+
+    def _account(
+        self,
+        batch: list[Sequence],
+        plan: StepPlan,
+        proposals: list[Proposal | None],
+        outputs: list[RequestOutput],
+        t0: float,
+        t1: float,
+        t2: float,
+    ) -> None:
+        total = time.perf_counter() - t0
+        drafted = any(p is not None for p in proposals)
+        draft_s = t1 - t0 if drafted else 0.0
+        depths = [0 if p is None else p.depth for p in proposals]
+        self.metrics.append(
+            StepMetrics(
+                batch_size=len(batch),
+                depths=depths,
+                planned=plan.depths,
+                cap=plan.cap,
+                levels=max(depths, default=0),
+                idle_fraction=idle_fraction(depths),
+                draft_s=draft_s,
+                verify_s=t2 - t1,
+                overhead_s=total - draft_s - (t2 - t1),
+                emitted=sum(len(o.token_ids) for o in outputs),
+                synthetic=any(s.spec.synthetic_accept is not None for s in batch),
+            )
+        )
         timing = self.timing
         timing.steps += 1
-        timing.draft_s += t1 - t0 if any(p is not None for p in proposals) else 0.0
+        timing.draft_s += draft_s
         timing.verify_s += t2 - t1
-        timing.total_s += time.perf_counter() - t0
-        return outputs
+        timing.total_s += total
 
     @staticmethod
     def _record(seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> SeqStepRecord:
@@ -228,16 +311,57 @@ class StepLoop:
                 self.draft.add(seq.seq_id, seq.request.params)
             self.running.append(seq)
 
-    def _plan(self, batch: list[Sequence]) -> list[int]:
-        """Per-sequence draft depth (chain length / tree depth) for this step."""
-        return [s.spec.max_depth for s in batch]
+    def _plan(self, batch: list[Sequence]) -> StepPlan:
+        """Per-sequence SL (static or DSDE), SL_cap over the lock-step batch, max_sl, then the token guard."""
+        uncapped = [s.sl_state.next_sl() if s.sl_state is not None else s.spec.static_depth for s in batch]
+        sls = list(uncapped)
+        dsde = [i for i, s in enumerate(batch) if s.sl_state is not None]
+        cap = None
+        if dsde:
+            cfg = self.speculation.dsde
+            warm = [batch[i].sl_state.in_warmup for i in dsde]  # type: ignore[union-attr]
+            own = [uncapped[i] for i in dsde]
+            cap = sl_cap(own, [not w for w in warm]) if cfg.cap_enabled else None
+            for i, sl in zip(dsde, apply_cap(own, cap, warm, cfg.cap_warmup), strict=True):
+                sls[i] = sl
+        depths = [
+            0 if s.spec.method == SpecMethod.none else s.spec.depth_for(sl) for s, sl in zip(batch, sls, strict=True)
+        ]
+        return StepPlan(self._guard(batch, depths), uncapped, cap)
+
+    def _guard(self, batch: list[Sequence], depths: list[int]) -> list[int]:
+        """Shrink speculation until drafted tokens + one per sequence fit ``max_step_tokens``: at large batch a
+        CPU forward is compute-bound, and verifying tokens that are likely rejected slows everyone."""
+        if self.max_step_tokens is None:
+            return depths
+        depths = list(depths)
+
+        def cost(i: int) -> int:
+            spec = batch[i].spec
+            return 0 if depths[i] == 0 else (spec.budget - 1 if spec.is_tree else depths[i])
+
+        allowance = self.max_step_tokens - len(batch)
+        while sum(cost(i) for i in range(len(batch))) > max(0, allowance):
+            i = max(range(len(batch)), key=cost)
+            depths[i] = depths[i] - 1 if not batch[i].spec.is_tree else 0
+        return depths
 
     def _propose(self, batch: list[Sequence], depths: list[int]) -> list[Proposal | None]:
         drafting = [(s, d) for s, d in zip(batch, depths, strict=True) if d > 0]
         if not drafting:
             return [None] * len(batch)
         assert self.draft is not None
-        items = [ProposeItem(s.seq_id, s.unsent(s.draft_seen), s.last_accepted, d, s.spec) for s, d in drafting]
+        items = [
+            ProposeItem(
+                s.seq_id,
+                s.unsent(s.draft_seen),
+                s.last_accepted,
+                d,
+                s.spec,
+                kld_mode=None if s.sl_state is None else s.spec.kld_mode,
+            )
+            for s, d in drafting
+        ]
         by_seq = {p.seq_id: p for p in self.draft.propose(items)}
         for s, _ in drafting:
             s.draft_seen = len(s.tokens)
@@ -247,6 +371,7 @@ class StepLoop:
     def _verify_item(seq: Sequence, proposal: Proposal | None) -> VerifyItem:
         if proposal is None:
             return VerifyItem(seq.seq_id, seq.unsent(seq.target_seen))
+        spec = seq.spec
         return VerifyItem(
             seq.seq_id,
             seq.unsent(seq.target_seen),
@@ -254,7 +379,19 @@ class StepLoop:
             proposal.parents,
             proposal.q_idx,
             proposal.q_prob,
+            kld=proposal.kld,
+            kld_past_rejection=spec.dsde.record_past_rejection and not spec.is_tree,
+            kld_tail=spec.kld_tail,
+            synthetic_accept=spec.synthetic_accept,
         )
+
+    @staticmethod
+    def _observe(seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> None:
+        """Policy update: this step's KLD values set the sequence's next SL (algorithms.md 4.8)."""
+        if seq.sl_state is None or proposal is None:
+            return
+        drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)
+        seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
         seq.target_seen = len(seq.tokens) + len(out.accepted)  # the target cached the accepted path

@@ -9,13 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.config import ChainDraft, SpecMethod
+from specserve.config import ChainDraft, KLDMode, SpecMethod
 from specserve.draft.tree import TreeBuilder, beam_mass, ddd_should_stop, is_check_step
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
-from specserve.protocol import Proposal, ProposeItem, VerifyItem, VerifyOutput
+from specserve.policy import kld_exact, kld_sparse, sparse_topk_q
+from specserve.protocol import DraftQ, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.sampling import SamplingParams, make_generator, process_logits
+from specserve.synthetic import synthetic_kld, synthetic_verify
 from specserve.verify import DraftTree, draft_sample_sparse, sparse_topk, verify_chain_sampled, verify_tree
 
 
@@ -30,6 +32,14 @@ def step_layout(tree: DraftTree, num_pending: int, start: int) -> tuple[torch.Te
     mask[num_pending:, num_pending:] = tree.ancestor_mask()
     positions = list(range(start, start + num_pending)) + (start + num_pending + tree.depths()).tolist()
     return mask, positions
+
+
+def kld_nodes(accepted: list[int], num_nodes: int, past_rejection: bool) -> list[int]:
+    """Nodes whose next-token distributions were verified: the root and each accepted node (the last of them is
+    where the first rejection, or the bonus, happened); with past_rejection (chains) every drafted position."""
+    if past_rejection:
+        return list(range(num_nodes))
+    return [0, *accepted]
 
 
 class SlotTable:
@@ -74,6 +84,23 @@ class TargetWorker:
             self.params.pop(seq_id, None)
             self.generators.pop(seq_id, None)
 
+    @staticmethod
+    def _kld(it: VerifyItem, logits: torch.Tensor, accepted: list[int]) -> list[float]:
+        """KL(p || q) at the verified positions that the draft sent q for (temperature 1). logits: [T, V]."""
+        assert it.kld is not None
+        row_of = {node: i for i, node in enumerate(it.kld.nodes)}
+        nodes = [n for n in kld_nodes(accepted, len(it.draft_tokens) + 1, it.kld_past_rejection) if n in row_of]
+        if not nodes:
+            return []
+        rows = [row_of[n] for n in nodes]
+        p_logits = logits[nodes]  # [n, V]
+        if it.kld.dense_logits is not None:
+            return kld_exact(p_logits, it.kld.dense_logits[rows].to(p_logits.device)).tolist()
+        assert it.kld.idx is not None and it.kld.prob is not None
+        idx = torch.tensor([it.kld.idx[r] for r in rows])
+        prob = torch.tensor([it.kld.prob[r] for r in rows])
+        return kld_sparse(p_logits, idx, prob, tail=it.kld_tail).tolist()  # host sync
+
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         trees, slots, tokens, positions, masks, starts = [], [], [], [], [], []
         for it in items:
@@ -104,13 +131,19 @@ class TargetWorker:
         for it, tree, slot, start, lg in zip(items, trees, slots, starts, logits, strict=True):
             p = process_logits(lg, self.params[it.seq_id])
             gen = self.generators[it.seq_id]
-            if it.q_idx is not None and it.q_prob is not None:
+            if it.synthetic_accept is not None:
+                tokens_h = [it.new_tokens[-1], *it.draft_tokens]
+                res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
+            elif it.q_idx is not None and it.q_prob is not None:
                 res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
             else:
                 res = verify_tree(tree, p, gen)
             num_pending = len(it.new_tokens) - 1
             self.cache.keep(slot, start, [*range(num_pending + 1), *(num_pending + a for a in res.accepted_nodes)])
-            outputs.append(VerifyOutput(seq_id=it.seq_id, accepted=res.accepted_nodes, tokens=res.tokens))
+            kld = self._kld(it, lg, res.accepted_nodes) if it.kld is not None else []
+            if it.synthetic_accept is not None and kld:
+                kld = synthetic_kld(it.synthetic_accept, len(kld), gen)
+            outputs.append(VerifyOutput(seq_id=it.seq_id, accepted=res.accepted_nodes, tokens=res.tokens, kld=kld))
         return outputs
 
 
@@ -126,6 +159,7 @@ class _Drafting:
     q_idx: list[torch.Tensor] = field(default_factory=list)
     q_prob: list[torch.Tensor] = field(default_factory=list)
     builder: TreeBuilder | None = None  # tree modes
+    q_logits: list[torch.Tensor] = field(default_factory=list)  # draft logits per fed node row, in row order
     anc: torch.Tensor | None = None  # [F+1, F+1] ancestor rows of the root and the F forwarded beam nodes
     row_of: torch.Tensor | None = None  # [1 + candidates] forwarded row of each candidate (index 0: root)
     depth: int = 0  # levels drafted
@@ -212,6 +246,7 @@ class DraftWorker:
         active = [(s, lg) for s, lg in chains if s.item.depth > 0]
         while active:
             for s, lg in active:
+                s.q_logits.append(lg[-1:])
                 s.tokens.append(self._chain_token(s, lg))
                 s.depth += 1
             active = [(s, lg) for s, lg in active if s.depth < s.item.depth]
@@ -235,6 +270,7 @@ class DraftWorker:
             if s.item.depth == 0:
                 continue
             s.builder = TreeBuilder(width=s.item.spec.beam_width)
+            s.q_logits.append(lg)
             s.builder.expand(torch.log_softmax(lg, dim=-1))
             s.anc = torch.ones(1, 1, dtype=torch.bool, device=dev)
             s.row_of = torch.zeros(1 + s.builder.num_candidates, dtype=torch.long, device=dev)
@@ -258,6 +294,7 @@ class DraftWorker:
             out = self._forward(active, tokens, positions=positions, masks=masks)
             for s, lg in zip(active, out, strict=True):
                 assert s.builder is not None
+                s.q_logits.append(lg)
                 s.builder.expand(torch.log_softmax(lg, dim=-1))
                 s.depth += 1
             active = [s for s in active if not self._tree_done(s)]
@@ -280,11 +317,13 @@ class DraftWorker:
         if s.builder is not None and s.row_of is not None:
             tree = s.builder.rerank(s.item.spec.budget)
             row_of = torch.nn.functional.pad(s.row_of, (0, s.builder.num_candidates + 1 - s.row_of.numel()))
-            rows = row_of[
-                torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device) + 1
-            ].tolist()  # host sync
+            cand = torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device)
+            rows = row_of[cand + 1].tolist()  # host sync
             self.last_nodes[seq_id] = [s.root_idx] + [s.root_idx + r if r > 0 else None for r in rows]
-            return Proposal(seq_id, tree.tokens, tree.parents, depth=s.depth, ranks=tree.ranks)
+            fed = [(0, 0)] + [(node, r) for node, r in enumerate(rows, start=1) if r > 0]  # (node, logits row)
+            return Proposal(
+                seq_id, tree.tokens, tree.parents, depth=s.depth, ranks=tree.ranks, kld=self._draft_q(s, fed)
+            )
         n = len(s.tokens)
         self.last_nodes[seq_id] = [s.root_idx + i for i in range(n)] + [None]  # the last draft was never fed
         sampled = bool(s.q_idx)
@@ -295,4 +334,18 @@ class DraftWorker:
             q_idx=torch.stack(s.q_idx).tolist() if sampled else None,
             q_prob=torch.stack(s.q_prob).tolist() if sampled else None,
             depth=s.depth,
+            kld=self._draft_q(s, [(i, i) for i in range(n)]),
         )
+
+    @staticmethod
+    def _draft_q(s: _Drafting, fed: list[tuple[int, int]]) -> DraftQ | None:
+        """The draft's distribution at each fed node (node, logits row), for the target's KLD signal."""
+        mode = s.item.kld_mode
+        if mode is None or not fed or not s.q_logits:
+            return None
+        logits = torch.cat(s.q_logits)[torch.tensor([r for _, r in fed])]  # [n, V]
+        nodes = [node for node, _ in fed]
+        if mode == KLDMode.exact:
+            return DraftQ(nodes, dense_logits=logits)
+        idx, prob = sparse_topk_q(logits, s.item.spec.q_top_k)
+        return DraftQ(nodes, idx=idx.tolist(), prob=prob.tolist())  # host sync

@@ -115,7 +115,7 @@ class ScriptedDraft(LlamaModel):
 def propose_once(draft: LlamaModel, spec: SpecConfig) -> tuple[int, int]:
     worker = DraftWorker(draft, num_slots=1, max_len=128)
     worker.add(0, SamplingParams())
-    prop = worker.propose([ProposeItem(0, [1, 2, 3, 4], [], spec.max_depth, spec)])[0]
+    prop = worker.propose([ProposeItem(0, [1, 2, 3, 4], [], spec.static_depth, spec)])[0]
     return prop.depth, worker.h_reads
 
 
@@ -147,3 +147,23 @@ def test_ddd_sequences_stop_independently_in_one_batch(target: LlamaModel) -> No
     for p in props:
         assert len(p.tokens) == len(p.parents) <= spec.budget - 1
         assert all(0 <= par <= i for i, par in enumerate(p.parents))  # parents precede children
+
+
+def test_recover_after_worker_restart_continues_the_same_greedy_output(target: LlamaModel) -> None:
+    from specserve.workers import TargetWorker
+
+    draft = noisy_copy(target, 0.02)
+    engine = Engine(target, None, draft=draft, speculation=METHODS[2], eos_token_ids=set())
+    rid = engine.submit(PROMPTS[1], SamplingParams(max_tokens=20))
+    tokens: list[int] = []
+    for step in range(40):
+        if step == 2:  # both workers die: fresh ones with empty caches take over
+            engine.loop.target = TargetWorker(target, num_slots=16, max_len=256)
+            engine.loop.draft = DraftWorker(draft, num_slots=16, max_len=256)
+            engine.loop.recover(target=True, draft=True)
+        for out in engine.loop.step():
+            if out.request_id == rid:
+                tokens += out.token_ids
+        if not engine.loop.has_work:
+            break
+    assert tokens == greedy_reference(target, PROMPTS[1], 20)

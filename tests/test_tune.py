@@ -1,0 +1,53 @@
+"""Budget auto-tune: the tau estimators, the cached verify profile and an end-to-end pick on a tiny pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specserve.config import SpecConfig, SpecMethod
+from specserve.models.tiny import noisy_copy, tiny_model
+from specserve.tune import autotune, tau_at_budget, tau_at_length, verify_profile
+
+
+def test_tau_at_budget_cuts_paths_at_the_first_dropped_rank() -> None:
+    paths = [[0, 1, 5], [2], []]  # ranks of accepted nodes, in depth order
+    assert tau_at_budget(paths, 2) == pytest.approx((2 + 1 + 1) / 3)  # keeps rank 0 only
+    assert tau_at_budget(paths, 4) == pytest.approx((3 + 2 + 1) / 3)  # ranks 0..2
+    assert tau_at_budget(paths, 7) == pytest.approx((4 + 2 + 1) / 3)
+
+
+def test_tau_at_length_truncates_chains() -> None:
+    assert tau_at_length([0, 3, 8], 2) == pytest.approx((1 + 3 + 3) / 3)
+    assert tau_at_length([0, 3, 8], 8) == pytest.approx((1 + 4 + 9) / 3)
+
+
+def test_verify_profile_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import specserve.tune as tune
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    model = tiny_model(seed=0)
+    first = verify_profile(model, (1, 4))
+    assert set(first) == {1, 4} and all(v > 0 for v in first.values())
+
+    def boom(*args: object, **kwargs: object) -> dict[int, float]:
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(tune, "time_verify", boom)
+    assert verify_profile(model, (1, 4)) == first
+    assert list((tmp_path / "profiles").glob("verify-*.json"))
+
+
+@pytest.mark.parametrize("method", [SpecMethod.chain, SpecMethod.eagle2])
+def test_autotune_picks_a_candidate_and_tau_grows_with_size(
+    method: SpecMethod, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    target = tiny_model(seed=0)
+    spec = SpecConfig(method=method, beam_width=3, tree_depth=4)
+    result = autotune(target, noisy_copy(target, 0.02), [[5, 9, 13], [42, 7]], spec, max_tokens=12)
+    sizes = [r.size for r in result.rows]
+    assert result.best in sizes
+    taus = [r.tau for r in result.rows]
+    assert taus == sorted(taus) and taus[-1] > 1.0
