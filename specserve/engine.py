@@ -41,6 +41,7 @@ class Engine:
         max_batch_size: int = 16,
         max_model_len: int = 2048,
         spec_headroom: int = 64,
+        max_step_tokens: int | None = None,
         eos_token_ids: set[int] | None = None,
     ) -> None:
         self.model = model
@@ -70,6 +71,7 @@ class Engine:
             eos_token_ids=eos_token_ids,
             max_batch_size=max_batch_size,
             max_model_len=max_model_len,
+            max_step_tokens=max_step_tokens,
         )
         self._ids = itertools.count()
 
@@ -84,6 +86,7 @@ class Engine:
             speculation=config.speculation,
             max_batch_size=config.max_batch_size,
             max_model_len=config.max_model_len,
+            max_step_tokens=config.max_step_tokens,
         )
 
     # -- prompts ---------------------------------------------------------------------------------------

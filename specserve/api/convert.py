@@ -1,0 +1,65 @@
+"""API requests -> engine objects (SamplingParams, SpecConfig), engine results -> API usage."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from specserve.api.errors import APIError
+from specserve.api.protocol import GenerationRequest, SpeculationOptions, SpeculationUsage, SpecPolicy, Usage
+from specserve.config import SpecConfig, SpecMethod
+from specserve.sampling import SamplingParams
+from specserve.scheduler import RequestOutput
+
+
+def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> SamplingParams:
+    """The request's sampling values; values the engine rejects become a 400 naming the parameter."""
+    try:
+        return SamplingParams(
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            seed=request.seed,
+            max_tokens=max_tokens,
+            stop=request.stop or (),
+            ignore_eos=request.ignore_eos,
+        )
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(f"{param}: {first['msg']}" if param else first["msg"], param=param) from e
+
+
+def speculation_for(options: SpeculationOptions | None, default: SpecConfig) -> SpecConfig | None:
+    """A request's speculation options applied to the server default; None keeps the default.
+
+    ``enabled: false`` or ``policy: none`` turn speculation off; ``max_sl`` caps the chain length and the tree
+    depths. Asking for speculation where the default is plain decoding selects chain drafting.
+    """
+    if options is None:
+        return None
+    if not options.enabled or options.policy == SpecPolicy.none:
+        return SpecConfig(method=SpecMethod.none)
+    spec = default if default.method != SpecMethod.none else default.model_copy(update={"method": SpecMethod.chain})
+    if options.max_sl is not None:
+        cap = options.max_sl
+        spec = spec.model_copy(
+            update={"sl": min(spec.sl, cap), "tree_depth": min(spec.tree_depth, cap), "ddd_max_depth": min(spec.ddd_max_depth, cap)}
+        )
+    return None if spec == default else spec
+
+
+def usage_for(out: RequestOutput) -> Usage:
+    stats = out.stats
+    speculation = SpeculationUsage(
+        target_forwards=stats.target_forwards,
+        drafted=stats.drafted,
+        accepted=stats.accepted,
+        acceptance_rate=stats.acceptance_rate,
+        mean_accepted_length=stats.tokens_per_forward,
+    )
+    return Usage(
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=out.num_output_tokens,
+        total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+        speculation=speculation,
+    )

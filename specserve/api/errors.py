@@ -1,0 +1,53 @@
+"""Errors the HTTP layer maps to OpenAI-style error bodies; each carries its status and error type."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from specserve.api.protocol import ErrorCode, ErrorDetail, ErrorResponse, ErrorType
+from specserve.errors import SpecServeError
+
+
+class APIError(SpecServeError):
+    status: HTTPStatus = HTTPStatus.BAD_REQUEST
+    type: ErrorType = ErrorType.invalid_request
+    code: ErrorCode | None = ErrorCode.invalid_value
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def body(self) -> ErrorResponse:
+        return error_body(str(self), self.type, code=self.code, param=self.param)
+
+
+class ModelNotFoundError(APIError):
+    status = HTTPStatus.NOT_FOUND
+    type = ErrorType.not_found
+    code = ErrorCode.model_not_found
+
+
+class OverloadedError(APIError):
+    """The router's queue is full: the client should retry after ``retry_after_s``."""
+
+    status = HTTPStatus.TOO_MANY_REQUESTS
+    type = ErrorType.rate_limit
+    code = ErrorCode.rate_limit_exceeded
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class WorkerFailedError(APIError):
+    """A lane lost a worker and could not bring it back."""
+
+    status = HTTPStatus.SERVICE_UNAVAILABLE
+    type = ErrorType.unavailable
+    code = ErrorCode.worker_failed
+
+
+def error_body(
+    message: str, type_: ErrorType, *, code: ErrorCode | None = None, param: str | None = None
+) -> ErrorResponse:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code))

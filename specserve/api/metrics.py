@@ -1,0 +1,134 @@
+"""Prometheus metrics of one router replica, in a registry of its own (``GET /metrics``).
+
+Fed by the HTTP layer (requests, TTFT/TPOT, tokens, per-request acceptance) and by the lanes (batch, queue,
+step time, speculation length per sequence and step, worker restarts). ``specserve_sl_cap`` and
+``specserve_straggler_idle_fraction`` are set through ``set_sl_cap`` / ``set_idle_fraction`` once the scheduler
+exposes them (see the lanes); until then they have no samples.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specserve.scheduler import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
+DEPTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+TAU_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+
+
+class RequestStatus(str, Enum):
+    ok = "ok"
+    invalid = "invalid"  # 4xx for bad input
+    rejected = "rejected"  # 429: queue full
+    aborted = "aborted"  # the client went away
+    failed = "failed"  # 5xx
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specserve_requests", "Finished HTTP generation requests", ["status"], registry=r)
+        self.running = Gauge("specserve_running_sequences", "Sequences in the lane's batch", ["lane"], registry=r)
+        self.queue_depth = Gauge("specserve_queue_depth", "Requests waiting for a batch slot", ["lane"], registry=r)
+        self.ttft = Histogram(
+            "specserve_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "specserve_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("specserve_generation_tokens", "Generated tokens", registry=r)
+        self.target_forwards = Counter(
+            "specserve_target_forwards", "Verification steps, summed over sequences", registry=r
+        )
+        self.drafted = Counter("specserve_draft_tokens", "Drafted tokens sent for verification", registry=r)
+        self.accepted = Counter("specserve_accepted_tokens", "Drafted tokens accepted", registry=r)
+        self.acceptance_rate = Histogram(
+            "specserve_request_acceptance_rate", "Accepted / drafted, per request", buckets=RATE_BUCKETS, registry=r
+        )
+        self.mean_accepted_length = Histogram(
+            "specserve_request_mean_accepted_length",
+            "tau: tokens per target forward incl. the bonus token, per request",
+            buckets=TAU_BUCKETS,
+            registry=r,
+        )
+        self.speculation_length = Histogram(
+            "specserve_speculation_length",
+            "Draft depth (SL) per drafting sequence per step",
+            ["lane"],
+            buckets=DEPTH_BUCKETS,
+            registry=r,
+        )
+        self.sl_cap = Gauge("specserve_sl_cap", "Batch-wide speculation length cap SL_cap", ["lane"], registry=r)
+        self.idle_fraction = Gauge(
+            "specserve_straggler_idle_fraction",
+            "Fraction of drafted levels a sequence waits for longer drafts in its batch",
+            ["lane"],
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "specserve_step_seconds", "Wall time of one lane step", ["lane"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "specserve_batch_size", "Sequences per lane step", ["lane"], buckets=BATCH_BUCKETS, registry=r
+        )
+        self.worker_restarts = Counter(
+            "specserve_worker_restarts", "Worker actors recreated after they died", ["lane", "role"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- HTTP layer -------------------------------------------------------------------------------------
+    def request_done(self, status: RequestStatus) -> None:
+        self.requests.labels(status.value).inc()
+
+    def request_finished(self, out: RequestOutput, *, ttft_s: float | None, tpot_s: float | None) -> None:
+        self.request_done(RequestStatus.ok)
+        self.prompt_tokens.inc(out.num_prompt_tokens)
+        self.generation_tokens.inc(out.num_output_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        stats = out.stats
+        self.target_forwards.inc(stats.target_forwards)
+        if stats.drafted:
+            self.drafted.inc(stats.drafted)
+            self.accepted.inc(stats.accepted)
+            self.acceptance_rate.observe(stats.acceptance_rate)
+            self.mean_accepted_length.observe(stats.tokens_per_forward)
+
+    # -- lanes ------------------------------------------------------------------------------------------
+    def lane_step(self, lane: int, *, batch: int, waiting: int, step_s: float, depths: list[int]) -> None:
+        label = str(lane)
+        self.running.labels(label).set(batch)
+        self.queue_depth.labels(label).set(waiting)
+        self.step_seconds.labels(label).observe(step_s)
+        self.batch_size.labels(label).observe(batch)
+        histogram = self.speculation_length.labels(label)
+        for depth in depths:
+            histogram.observe(depth)
+
+    def lane_queue(self, lane: int, *, running: int, waiting: int) -> None:
+        self.running.labels(str(lane)).set(running)
+        self.queue_depth.labels(str(lane)).set(waiting)
+
+    def set_sl_cap(self, lane: int, value: float) -> None:
+        self.sl_cap.labels(str(lane)).set(value)
+
+    def set_idle_fraction(self, lane: int, value: float) -> None:
+        self.idle_fraction.labels(str(lane)).set(value)
+
+    def worker_restarted(self, lane: int, role: str) -> None:
+        self.worker_restarts.labels(str(lane), role).inc()

@@ -1,0 +1,178 @@
+"""Continuous batching with DSDE: lossless under any SL, SL adaptation, SL_cap, guard, metrics, no leaks."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from specserve.config import KLDMode, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_model
+from specserve.policy import DSDEConfig
+from specserve.sampling import SamplingParams
+from specserve.scheduler import idle_fraction
+from tests.conftest import greedy_reference
+
+PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7, 1, 2], [300, 301], [11, 12, 13, 14]]
+DSDE_CHAIN = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde, dsde=DSDEConfig(n_long=8, n_short=3))
+DSDE_DDD = SpecConfig(
+    method=SpecMethod.ddd,
+    policy=SLPolicyKind.dsde,
+    dsde=DSDEConfig(n_long=8, n_short=3),
+    beam_width=3,
+    budget=12,
+    ddd_max_depth=8,
+    ddd_check_steps=(2, 4, 6),
+)
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_model(seed=0)
+
+
+@pytest.mark.parametrize("spec", [DSDE_CHAIN, DSDE_DDD], ids=["dsde-chain", "dsde-ddd"])
+@pytest.mark.parametrize("mode", [KLDMode.exact, KLDMode.sparse])
+def test_dsde_output_equals_plain_greedy(target: LlamaModel, spec: SpecConfig, mode: KLDMode) -> None:
+    engine = Engine(
+        target,
+        None,
+        draft=noisy_copy(target, 0.02),
+        speculation=spec.model_copy(update={"kld_mode": mode}),
+        max_batch_size=4,
+        eos_token_ids=set(),
+    )
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=30))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 30)
+    assert any(m.cap is not None for m in engine.loop.metrics)  # sequences left warm-up and were capped
+
+
+def test_dsde_grows_sl_for_a_perfect_draft_and_shrinks_it_for_a_bad_one(target: LlamaModel) -> None:
+    paper = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde)  # n_long 30: 4 + 8 + 16 in warm-up
+    perfect = Engine(target, None, draft=target, speculation=paper, eos_token_ids=set())
+    perfect.generate(PROMPTS[:1], SamplingParams(max_tokens=60))
+    planned = [m.planned[0] for m in perfect.loop.metrics]
+    assert planned[:3] == [4, 8, 16]  # warm-up doubles after fully accepted steps
+    assert max(planned) == 16
+    bad = Engine(target, None, draft=noisy_copy(target, 0.3), speculation=DSDE_CHAIN, eos_token_ids=set())
+    bad.generate(PROMPTS[:1], SamplingParams(max_tokens=40))
+    planned = [m.planned[0] for m in bad.loop.metrics]
+    assert planned[0] == 4 and planned[-1] <= 3  # calibrated down after warm-up (A_max small)
+
+
+def test_sl_cap_is_the_ceiled_mean_of_post_warmup_sls(target: LlamaModel) -> None:
+    engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, eos_token_ids=set())
+    engine.generate(PROMPTS, SamplingParams(max_tokens=40))
+    capped_steps = [m for m in engine.loop.metrics if m.cap is not None]
+    assert capped_steps
+    for m in capped_steps:
+        assert max(m.planned) <= max(m.cap, DSDE_CHAIN.dsde.sl_hard_max)
+    no_cap = DSDE_CHAIN.model_copy(update={"dsde": DSDEConfig(n_long=8, n_short=3, cap_enabled=False)})
+    engine2 = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=no_cap, eos_token_ids=set())
+    engine2.generate(PROMPTS, SamplingParams(max_tokens=40))
+    assert all(m.cap is None for m in engine2.loop.metrics)
+
+
+def test_plan_applies_the_cap_to_post_warmup_sequences_only(target: LlamaModel) -> None:
+    from specserve.policy import SequenceDSDE
+
+    engine = Engine(target, None, draft=target, speculation=DSDE_CHAIN, eos_token_ids=set())
+    for p in PROMPTS[:3]:
+        engine.submit(p, SamplingParams(max_tokens=5))
+    engine.loop._admit()
+    seqs = engine.loop.running
+    states = [SequenceDSDE(DSDEConfig(n_long=8, n_short=3)) for _ in seqs]
+    for st in states[:2]:  # two calibrated sequences (SL 9 and 2), one still warming up at SL 16
+        st.sl_min, st.sl_max = 2, 16
+    states[0]._sl, states[1]._sl, states[2]._sl = 9, 2, 16
+    for seq, st in zip(seqs, states, strict=True):
+        seq.sl_state = st
+    plan = engine.loop._plan(seqs)
+    assert plan.uncapped == [9, 2, 16] and plan.cap == math.ceil((9 + 2) / 2) and plan.depths == [6, 2, 16]
+
+
+def test_max_sl_override_and_the_token_guard(target: LlamaModel) -> None:
+    spec = SpecConfig(method=SpecMethod.chain, sl=8, max_sl=3)
+    engine = Engine(target, None, draft=target, speculation=spec, eos_token_ids=set())
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=10))
+    assert all(max(m.planned) <= 3 for m in engine.loop.metrics)
+    guarded = Engine(
+        target,
+        None,
+        draft=target,
+        speculation=SpecConfig(method=SpecMethod.chain, sl=8),
+        max_step_tokens=10,
+        eos_token_ids=set(),
+    )
+    outs = guarded.generate(PROMPTS[:4], SamplingParams(max_tokens=12))
+    for m in guarded.loop.metrics:
+        assert sum(m.planned) + m.batch_size <= 10 or sum(m.planned) == 0
+    for prompt, out in zip(PROMPTS[:4], outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 12)
+
+
+def test_synthetic_acceptance_follows_the_configured_rates(target: LlamaModel) -> None:
+    engine = Engine(
+        target, None, draft=target, speculation=SpecConfig(method=SpecMethod.chain, sl=6), eos_token_ids=set()
+    )
+    rates = {}
+    for a in (0.9, 0.3):
+        spec = SpecConfig(method=SpecMethod.chain, sl=6, synthetic_accept=a)
+        outs = engine.generate([PROMPTS[0]] * 4, SamplingParams(max_tokens=200), speculation=spec)
+        rates[a] = sum(o.stats.accepted for o in outs) / sum(o.stats.drafted for o in outs)
+    # accepted prefix of 6 Bernoulli(a): E[accepted] = sum_{k=1..6} a^k
+    for a, got in rates.items():
+        expected = sum(a**k for k in range(1, 7)) / 6
+        assert abs(got - expected) < 0.08, (a, got, expected)
+    assert engine.loop.metrics[-1].synthetic
+
+
+def test_idle_fraction() -> None:
+    assert idle_fraction([4, 4, 4]) == 0.0
+    assert idle_fraction([8, 2, 2]) == pytest.approx(1 - 12 / 24)
+    assert idle_fraction([0, 0]) == 0.0
+
+
+def test_continuous_batching_arrivals_cancellations_and_no_leaks(target: LlamaModel) -> None:
+    """200 random requests arriving at random steps, some cancelled mid-flight, mixed methods and policies."""
+    rng = random.Random(0)
+    draft = noisy_copy(target, 0.02)
+    engine = Engine(target, None, draft=draft, speculation=DSDE_CHAIN, max_batch_size=6, eos_token_ids=set())
+    specs = [
+        DSDE_CHAIN,
+        DSDE_DDD,
+        SpecConfig(method=SpecMethod.none),
+        SpecConfig(method=SpecMethod.eagle2, beam_width=2, budget=8, tree_depth=3),
+    ]
+    pending = [
+        ([rng.randrange(1, 500) for _ in range(rng.randint(1, 12))], rng.randint(1, 10), rng.choice(specs))
+        for _ in range(200)
+    ]
+    got: dict[str, list[int]] = {}
+    meta: dict[str, tuple[list[int], int]] = {}
+    cancelled: set[str] = set()
+    while pending or engine.loop.has_work:
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                prompt, n, spec = pending.pop()
+                rid = engine.submit(prompt, SamplingParams(max_tokens=n), speculation=spec)
+                got[rid], meta[rid] = [], (prompt, n)
+        for out in engine.loop.step():
+            got[out.request_id] += out.token_ids
+        if rng.random() < 0.05 and engine.loop.running:
+            victim = rng.choice(engine.loop.running).request.request_id
+            assert engine.loop.abort(victim)
+            cancelled.add(victim)
+    checked = 0
+    for rid, (prompt, n) in meta.items():
+        if rid not in cancelled and checked < 40:  # spot-check outputs against plain greedy decoding
+            assert got[rid] == greedy_reference(target, prompt, n)
+            checked += 1
+    assert cancelled
+    assert engine.loop.target.cache.num_free == engine.loop.target.cache.num_slots
+    assert engine.loop.draft.cache.num_free == engine.loop.draft.cache.num_slots  # type: ignore[union-attr]
+    assert not engine.loop.target.params and not engine.loop.draft.params  # type: ignore[union-attr]
