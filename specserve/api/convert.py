@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from specserve.api.errors import APIError
-from specserve.api.protocol import GenerationRequest, SpeculationOptions, SpeculationUsage, SpecPolicy, Usage
+from specserve.api.protocol import GenerationRequest, SpecPolicy, SpeculationOptions, SpeculationUsage, Usage
 from specserve.config import SpecConfig, SpecMethod
 from specserve.sampling import SamplingParams
 from specserve.scheduler import RequestOutput
@@ -43,7 +43,11 @@ def speculation_for(options: SpeculationOptions | None, default: SpecConfig) -> 
     if options.max_sl is not None:
         cap = options.max_sl
         spec = spec.model_copy(
-            update={"sl": min(spec.sl, cap), "tree_depth": min(spec.tree_depth, cap), "ddd_max_depth": min(spec.ddd_max_depth, cap)}
+            update={
+                "sl": min(spec.sl, cap),
+                "tree_depth": min(spec.tree_depth, cap),
+                "ddd_max_depth": min(spec.ddd_max_depth, cap),
+            }
         )
     return None if spec == default else spec
 

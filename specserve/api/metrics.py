@@ -110,9 +110,12 @@ class ServeMetrics:
             self.mean_accepted_length.observe(stats.tokens_per_forward)
 
     # -- lanes ------------------------------------------------------------------------------------------
-    def lane_step(self, lane: int, *, batch: int, waiting: int, step_s: float, depths: list[int]) -> None:
+    def lane_step(
+        self, lane: int, *, batch: int, running: int, waiting: int, step_s: float, depths: list[int]
+    ) -> None:
+        """One step of ``batch`` sequences; ``running`` / ``waiting`` after it retired and admitted."""
         label = str(lane)
-        self.running.labels(label).set(batch)
+        self.running.labels(label).set(running)
         self.queue_depth.labels(label).set(waiting)
         self.step_seconds.labels(label).observe(step_s)
         self.batch_size.labels(label).observe(batch)

@@ -168,12 +168,16 @@ def _now() -> int:
     return int(time.time())
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReasonOut | None = None
     logprobs: None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -195,7 +199,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     finish_reason: FinishReasonOut | None = None
     logprobs: None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -208,8 +212,8 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):
@@ -217,7 +221,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     finish_reason: FinishReasonOut | None = None
     logprobs: None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):

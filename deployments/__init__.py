@@ -1,0 +1,1 @@
+"""Ray Serve deployment of specserve: app builder, router ingress, lanes, worker actors."""

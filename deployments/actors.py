@@ -1,0 +1,188 @@
+"""Ray actors hosting a TargetWorker or DraftWorker, and proxies that let a StepLoop drive them like local workers.
+
+An actor builds its model itself from a ``ModelRecipe``, so weights never cross the network. Per step only the
+protocol objects (token ids, small index lists, sparse top-K probabilities) travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deployments.config import AppArgs, ModelRecipe, WorkerRole
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_model
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.protocol import Proposal, ProposeItem, VerifyItem, VerifyOutput
+from specserve.sampling import SamplingParams
+from specserve.workers import DraftWorker, TargetWorker
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the router needs to know about a worker's model without loading it."""
+
+    vocab_size: int
+    max_positions: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_slots: int  # sequences at once (the lane's max batch size)
+    max_len: int  # tokens per sequence, incl. one step's drafted tokens
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    node_id: str
+    kv_slots_in_use: int
+
+
+def build_model(recipe: ModelRecipe, device: str) -> LlamaModel:
+    if recipe.tiny is not None:
+        target = tiny_model(tiny_config(), seed=recipe.tiny.seed)
+        model = (
+            target
+            if recipe.role == WorkerRole.target
+            else noisy_copy(target, recipe.tiny.draft_noise, seed=recipe.tiny.draft_seed)
+        )
+        return model.to(device)
+    assert recipe.spec is not None
+    return load_model(recipe.spec, device=device)
+
+
+class _WorkerHost:
+    """Loads the model at construction; ``start`` then sizes the KV cache (the router decides the geometry)."""
+
+    def __init__(self, recipe: ModelRecipe, device: str, torch_threads: int | None) -> None:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        self.model = build_model(recipe, device)
+        self.worker: TargetWorker | DraftWorker | None = None
+
+    def info(self) -> ModelInfo:
+        eos = self.model.hf_config.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        return ModelInfo(self.model.cfg.vocab_size, self.model.max_positions, frozenset(eos_ids))
+
+    def add(self, seq_id: int, params: SamplingParams) -> None:
+        self._worker().add(seq_id, params)
+
+    def release(self, seq_ids: list[int]) -> None:
+        self._worker().release(seq_ids)
+
+    def state(self) -> WorkerState:
+        slots = 0 if self.worker is None else len(self.worker.table.slots)
+        return WorkerState(ray.get_runtime_context().get_node_id(), slots)
+
+    def _worker(self) -> TargetWorker | DraftWorker:
+        if self.worker is None:
+            raise RuntimeError("the worker is not started: call start(geometry) first")
+        return self.worker
+
+
+class TargetActor(_WorkerHost):
+    def start(self, geometry: KVGeometry) -> None:
+        self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
+
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        worker = self._worker()
+        assert isinstance(worker, TargetWorker)
+        return worker.verify(items)
+
+
+class DraftActor(_WorkerHost):
+    def start(self, geometry: KVGeometry) -> None:
+        self.worker = DraftWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
+
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        worker = self._worker()
+        assert isinstance(worker, DraftWorker)
+        return worker.propose(items)
+
+
+ACTOR_CLASSES: dict[WorkerRole, type[_WorkerHost]] = {WorkerRole.target: TargetActor, WorkerRole.draft: DraftActor}
+
+
+class RemoteWorker:
+    """One worker actor behind the worker's own method names.
+
+    ``add``, ``release`` and ``start`` do not wait: one caller's calls to an actor run in submission order, so they
+    are done before the next ``propose`` / ``verify`` returns. A call that finds the actor dead marks this proxy
+    ``dead`` and raises RayActorError; the lane then replaces the actor.
+    """
+
+    def __init__(self, handle: ActorHandle, name: str, role: WorkerRole) -> None:
+        self.handle = handle
+        self.name = name
+        self.role = role
+        self.dead = False
+
+    def start(self, geometry: KVGeometry) -> None:
+        self.handle.start.remote(geometry)
+
+    def add(self, seq_id: int, params: SamplingParams) -> None:
+        self.handle.add.remote(seq_id, params)
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.handle.release.remote(seq_ids)
+
+    def _call(self, method: Any, items: list[ProposeItem] | list[VerifyItem]) -> Any:
+        try:
+            return ray.get(method.remote(items))
+        except RayActorError:
+            self.dead = True
+            raise
+
+
+class RemoteTarget(RemoteWorker):
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        return self._call(self.handle.verify, items)
+
+
+class RemoteDraft(RemoteWorker):
+    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        return self._call(self.handle.propose, items)
+
+
+PROXY_CLASSES: dict[WorkerRole, type[RemoteWorker]] = {WorkerRole.target: RemoteTarget, WorkerRole.draft: RemoteDraft}
+
+
+class WorkerFactory:
+    """Creates the worker actors of a replica's lanes, each in its own bundle of the replica's placement group.
+
+    A replacement actor gets the same recipe and the same bundle (the dead actor's resources are back in it).
+    Names are ``<prefix>:lane<i>:<role>:<generation>`` in the replica's namespace, unique across restarts.
+    """
+
+    def __init__(self, args: AppArgs, placement_group: PlacementGroup | None, name_prefix: str) -> None:
+        self.args = args
+        self.placement_group = placement_group
+        self.name_prefix = name_prefix
+
+    def create(self, lane: int, role: WorkerRole, generation: int) -> RemoteWorker:
+        recipe = self.args.recipe(role)
+        if recipe is None:
+            raise ValueError(f"no {role.value} model is configured")
+        resources = self.args.resources(role)
+        name = f"{self.name_prefix}:lane{lane}:{role.value}:{generation}"
+        options = resources.actor_options()
+        if self.placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group,
+                placement_group_bundle_index=self.args.bundle_index(lane, role),
+            )
+        handle = (
+            ray.remote(ACTOR_CLASSES[role])
+            .options(name=name, max_restarts=0, max_task_retries=0, **options)
+            .remote(recipe, resources.device, resources.torch_threads)
+        )
+        return PROXY_CLASSES[role](handle, name, role)

@@ -1,0 +1,180 @@
+"""The Serve application's arguments (``args`` in app.yaml), validated before anything starts."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specserve.config import MODEL_PAIRS, ModelSpec, SpecConfig, SpecMethod
+
+DEFAULT_PAIR = "smollm2-int8"
+TINY_MODEL_NAME = "tiny"
+
+
+class WorkerRole(str, Enum):
+    target = "target"
+    draft = "draft"
+
+
+class PlacementStrategy(str, Enum):
+    """Ray placement-group strategies for a replica's bundles (router + its lanes' actors)."""
+
+    pack = "PACK"
+    spread = "SPREAD"
+    strict_pack = "STRICT_PACK"
+    strict_spread = "STRICT_SPREAD"
+
+
+class ActorResources(BaseModel):
+    """Resources one actor reserves (its placement-group bundle); GPUs select the CUDA device."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_cpus: float = Field(default=1.0, ge=0.0)
+    num_gpus: float = Field(default=0.0, ge=0.0)
+    resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. a node label")
+    torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: Ray's default")
+
+    @model_validator(mode="after")
+    def _reserves_something(self) -> ActorResources:
+        if not any(v > 0 for v in self.bundle().values()):
+            raise ValueError("an actor must reserve some resource (num_cpus, num_gpus or a custom resource)")
+        return self
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.num_gpus > 0 else "cpu"
+
+    def bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: v for k, v in bundle.items() if v > 0}
+
+    def actor_options(self) -> dict[str, Any]:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources)}
+
+
+class TinyModels(BaseModel):
+    """Tiny random-weight models built inside the actors (for tests): ``tiny_model(seed)`` as the target and
+    ``noisy_copy(target, draft_noise, seed=draft_seed)`` as the draft; text goes through a byte-level tokenizer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seed: int = 0
+    draft_noise: float = Field(default=0.05, ge=0.0)
+    draft_seed: int = 1
+
+
+class ModelRecipe(BaseModel):
+    """How an actor builds its model: small and picklable, so weights are built where they run and never travel."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: WorkerRole
+    spec: ModelSpec | None = None
+    tiny: TinyModels | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelRecipe:
+        if (self.spec is None) == (self.tiny is None):
+            raise ValueError("a model recipe has either a ModelSpec or tiny settings")
+        return self
+
+
+class AppArgs(BaseModel):
+    """Which models, how speculation runs by default, and how a router replica is laid out.
+
+    Models: ``pair`` (a name in MODEL_PAIRS), or ``target`` (+ optional ``draft``) ModelSpecs, or ``tiny``;
+    nothing given means the ``smollm2-int8`` pair. A replica owns ``num_lanes`` lanes; each lane is one target and
+    one draft actor with its own continuous-batching loop. Per replica, ``num_lanes * max_batch_size`` requests
+    run and ``max_queued_requests`` more wait; beyond that requests get a 429.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pair: str | None = None
+    target: ModelSpec | None = None
+    draft: ModelSpec | None = None
+    tiny: TinyModels | None = None
+    served_model_name: str | None = None
+    speculation: SpecConfig = SpecConfig()
+    num_lanes: int = Field(default=1, ge=1, le=64)
+    max_batch_size: int = Field(default=16, ge=1, le=1024)
+    max_model_len: int = Field(default=2048, ge=16, le=1_048_576)
+    spec_headroom: int = Field(default=64, ge=1, le=1024, description="KV room for one step's drafted tokens")
+    max_queued_requests: int = Field(default=64, ge=0)
+    retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")
+    router_resources: ActorResources = ActorResources(num_cpus=0.5)
+    target_resources: ActorResources = ActorResources(num_cpus=1.0)
+    draft_resources: ActorResources = ActorResources(num_cpus=0.5)
+    placement_strategy: PlacementStrategy = PlacementStrategy.pack
+    max_worker_restarts: int = Field(default=3, ge=0, description="consecutive failed steps a lane recovers from")
+    debug_step_delay_s: float = Field(default=0.0, ge=0.0, le=10.0, description="debug: sleep after each lane step")
+
+    @model_validator(mode="after")
+    def _one_model_source(self) -> AppArgs:
+        sources = [self.pair is not None, self.target is not None, self.tiny is not None]
+        if sum(sources) > 1:
+            raise ValueError("give one of `pair`, `target` (+ `draft`) or `tiny`")
+        if self.draft is not None and self.target is None:
+            raise ValueError("`draft` needs a `target`")
+        if self.pair is not None and self.pair not in MODEL_PAIRS:
+            raise ValueError(f"unknown model pair {self.pair!r}; choose one of {sorted(MODEL_PAIRS)}")
+        if self.speculation.method != SpecMethod.none and not self.has_draft:
+            raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
+        return self
+
+    @property
+    def pair_name(self) -> str | None:
+        if self.pair is not None:
+            return self.pair
+        return DEFAULT_PAIR if self.target is None and self.tiny is None else None
+
+    @property
+    def has_draft(self) -> bool:
+        return self.target is None or self.draft is not None
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name is not None:
+            return self.served_model_name
+        if self.tiny is not None:
+            return TINY_MODEL_NAME
+        if self.target is not None:
+            return self.target.source
+        assert self.pair_name is not None
+        return self.pair_name
+
+    def recipe(self, role: WorkerRole) -> ModelRecipe | None:
+        if self.tiny is not None:
+            return ModelRecipe(role=role, tiny=self.tiny)
+        if self.target is not None:
+            spec = self.target if role == WorkerRole.target else self.draft
+        else:
+            assert self.pair_name is not None
+            target, draft = MODEL_PAIRS[self.pair_name]
+            spec = target if role == WorkerRole.target else draft
+        return None if spec is None else ModelRecipe(role=role, spec=spec)
+
+    def resources(self, role: WorkerRole) -> ActorResources:
+        return self.target_resources if role == WorkerRole.target else self.draft_resources
+
+    @property
+    def roles(self) -> list[WorkerRole]:
+        return [WorkerRole.target, WorkerRole.draft] if self.has_draft else [WorkerRole.target]
+
+    @property
+    def capacity(self) -> int:
+        """Requests one replica holds at once: running plus queued."""
+        return self.num_lanes * self.max_batch_size + self.max_queued_requests
+
+    def placement_bundles(self) -> list[dict[str, float]]:
+        """Bundle 0: the router replica; then per lane one bundle per actor, in ``bundle_index`` order."""
+        bundles = [self.router_resources.bundle()]
+        for _ in range(self.num_lanes):
+            bundles += [self.resources(role).bundle() for role in self.roles]
+        return bundles
+
+    def bundle_index(self, lane: int, role: WorkerRole) -> int:
+        return 1 + lane * len(self.roles) + self.roles.index(role)

@@ -1,0 +1,169 @@
+"""The Ray Serve ingress deployment: the OpenAI-compatible HTTP API in front of a replica's lanes.
+
+A replica reserves its resources through the deployment's placement group (bundle 0: this router; then one
+bundle per worker actor, see ``AppArgs.placement_bundles``) and creates its lanes' actors in those bundles.
+Requests go to the least-loaded lane; beyond ``AppArgs.capacity`` they get a 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+from ray import serve
+from ray.util import get_current_placement_group
+from transformers import PreTrainedTokenizerBase
+
+from deployments.actors import KVGeometry, ModelInfo, RemoteWorker, WorkerFactory
+from deployments.config import AppArgs, WorkerRole
+from deployments.lane import Lane, LaneDebug, LaneStream
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.api.errors import OverloadedError, WorkerFailedError
+from specserve.api.metrics import ServeMetrics
+from specserve.api.prompts import PromptEncoder
+from specserve.api.protocol import Health, HealthStatus
+from specserve.api.server import build_api
+from specserve.config import SpecConfig, SpecMethod
+from specserve.errors import UnsupportedModelError
+from specserve.models.loader import load_tokenizer
+from specserve.scheduler import Request, StepLoop
+
+
+class RouterDebug(BaseModel):
+    model: str
+    capacity: int
+    lanes: list[LaneDebug]
+
+
+@dataclass(frozen=True)
+class LaneLimits:
+    """The context and KV sizes every lane uses, derived as the in-process Engine derives them."""
+
+    max_model_len: int
+    spec_headroom: int
+    geometry: KVGeometry
+
+
+def lane_limits(args: AppArgs, target: ModelInfo, draft: ModelInfo | None) -> LaneLimits:
+    if draft is not None and draft.vocab_size != target.vocab_size:
+        raise UnsupportedModelError(
+            f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
+            "speculative decoding needs the same tokenizer"
+        )
+    headroom = max(args.spec_headroom, args.speculation.max_verify_tokens) if draft is not None else 1
+    max_model_len = min(args.max_model_len, target.max_positions - headroom)
+    if draft is not None:
+        max_model_len = min(max_model_len, draft.max_positions - headroom)
+    return LaneLimits(max_model_len, headroom, KVGeometry(args.max_batch_size, max_model_len + headroom))
+
+
+@serve.deployment
+@serve.ingress()
+class Router:
+    async def __init__(self, args: AppArgs) -> None:
+        self.args = args
+        self.lanes: list[Lane] = []
+        self._metrics = ServeMetrics()
+        context = serve.get_replica_context()
+        prefix = f"specserve:{context.app_name}:{context.replica_tag}"
+        factory = WorkerFactory(args, get_current_placement_group(), prefix)
+        workers = [{role: factory.create(i, role, 0) for role in args.roles} for i in range(args.num_lanes)]
+        self.tokenizer = self._load_tokenizer()  # while the actors load their models
+        target_info, draft_info = await self._model_infos(workers[0])
+        limits = lane_limits(args, target_info, draft_info)
+        self._max_model_len = limits.max_model_len
+        self._encoder = PromptEncoder(self.tokenizer, target_info.vocab_size)
+        eos = set(target_info.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        for i, lane_workers in enumerate(workers):
+            for worker in lane_workers.values():
+                worker.start(limits.geometry)
+            loop = StepLoop(
+                lane_workers[WorkerRole.target],  # type: ignore[arg-type]
+                lane_workers.get(WorkerRole.draft),  # type: ignore[arg-type]
+                speculation=args.speculation,
+                spec_headroom=limits.spec_headroom,
+                tokenizer=self.tokenizer,
+                eos_token_ids=eos,
+                max_batch_size=args.max_batch_size,
+                max_model_len=limits.max_model_len,
+            )
+            lane = Lane(
+                i,
+                loop,
+                factory,
+                limits.geometry,
+                metrics=self._metrics,
+                max_worker_restarts=args.max_worker_restarts,
+                step_delay_s=args.debug_step_delay_s,
+            )
+            self.lanes.append(lane)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self)
+
+    def _load_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.args.tiny is not None:
+            return tiny_tokenizer()
+        recipe = self.args.recipe(WorkerRole.target)
+        assert recipe is not None and recipe.spec is not None
+        return load_tokenizer(recipe.spec)
+
+    @staticmethod
+    async def _model_infos(workers: dict[WorkerRole, RemoteWorker]) -> tuple[ModelInfo, ModelInfo | None]:
+        roles = list(workers)
+        infos = dict(zip(roles, await asyncio.gather(*(workers[r].handle.info.remote() for r in roles)), strict=True))
+        return infos[WorkerRole.target], infos.get(WorkerRole.draft)
+
+    # -- the Backend the HTTP API runs on ---------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.args.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def encoder(self) -> PromptEncoder:
+        return self._encoder
+
+    @property
+    def default_speculation(self) -> SpecConfig:
+        return self.args.speculation if self.args.has_draft else SpecConfig(method=SpecMethod.none)
+
+    @property
+    def metrics(self) -> ServeMetrics:
+        return self._metrics
+
+    async def submit(self, request: Request) -> LaneStream:
+        if sum(lane.in_flight for lane in self.lanes) >= self.args.capacity:
+            raise OverloadedError(
+                f"the server is at capacity ({self.args.capacity} requests running or queued); retry later",
+                retry_after_s=self.args.retry_after_s,
+            )
+        lane = min((lane for lane in self.lanes if lane.alive), key=lambda lane: lane.in_flight, default=None)
+        if lane is None:
+            raise WorkerFailedError("no lane of this replica is running")
+        return await lane.submit(request)
+
+    def health(self) -> Health:
+        alive = sum(lane.alive for lane in self.lanes)
+        status = HealthStatus.ok if alive == len(self.lanes) else HealthStatus.degraded
+        return Health(status=status, lanes=len(self.lanes), lanes_alive=alive)
+
+    async def debug_state(self) -> RouterDebug:
+        lanes = await asyncio.gather(*(lane.debug() for lane in self.lanes))
+        return RouterDebug(model=self.model_name, capacity=self.args.capacity, lanes=list(lanes))
+
+    # -- Serve hooks ------------------------------------------------------------------------------------
+    def check_health(self) -> None:
+        if self.health().status != HealthStatus.ok:
+            raise RuntimeError("a lane thread has stopped")
+
+    def __del__(self) -> None:
+        for lane in self.lanes:
+            lane.stop()

@@ -1,0 +1,393 @@
+"""The OpenAI-compatible HTTP API over any generation backend (the Ray Serve router is one).
+
+Every error a client can cause is a 4xx with OpenAI's error body; a full queue is a 429 with Retry-After.
+A stream (SSE) whose client goes away is closed, which aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Protocol
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specserve.api.convert import sampling_params_for, speculation_for, usage_for
+from specserve.api.errors import APIError, ModelNotFoundError, OverloadedError, error_body
+from specserve.api.metrics import RequestStatus, ServeMetrics
+from specserve.api.prompts import PromptEncoder
+from specserve.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorCode,
+    ErrorType,
+    FinishReasonOut,
+    GenerationRequest,
+    Health,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from specserve.config import SpecConfig
+from specserve.errors import InvalidRequestError
+from specserve.scheduler import FinishReason, Request, RequestOutput
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_MEDIA_TYPE = "text/event-stream"
+PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class OutputStream(Protocol):
+    """One admitted request's outputs; closing it before the end aborts the request."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Backend(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def encoder(self) -> PromptEncoder: ...
+
+    @property
+    def default_speculation(self) -> SpecConfig: ...
+
+    @property
+    def metrics(self) -> ServeMetrics: ...
+
+    async def submit(self, request: Request) -> OutputStream:
+        """Admit a request; raises OverloadedError when full, InvalidRequestError when the loop rejects it."""
+        ...
+
+    def health(self) -> Health: ...
+
+    async def debug_state(self) -> BaseModel: ...
+
+
+def build_api(backend: Backend) -> FastAPI:
+    api = FastAPI(title="specserve", description="OpenAI-compatible LLM serving with speculative decoding")
+    routes = _Routes(backend)
+    api.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
+    api.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
+    api.add_api_route("/v1/models", routes.models, methods=["GET"])
+    api.add_api_route("/health", routes.health, methods=["GET"], response_model=None)
+    api.add_api_route("/metrics", routes.metrics, methods=["GET"], response_model=None)
+    api.add_api_route(
+        "/debug/lanes", routes.debug, methods=["GET"], response_model=None, description="debug: lane and KV state"
+    )
+    _install_error_handlers(api, backend.metrics)
+    return api
+
+
+# -- routes ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tracker:
+    """Latency of one request, for TTFT / TPOT."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+
+    def see(self, out: RequestOutput) -> None:
+        if out.token_ids:
+            now = time.perf_counter()
+            self.first = now if self.first is None else self.first
+            self.last = now
+
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.arrival
+
+    def tpot(self, num_tokens: int) -> float | None:
+        if self.first is None or self.last is None or num_tokens < 2:
+            return None
+        return (self.last - self.first) / (num_tokens - 1)
+
+
+class _Routes:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    async def completions(self, body: CompletionRequest) -> Response:
+        tracker = _Tracker()
+        encoder = self.backend.encoder
+
+        def encode() -> list[int]:
+            return encoder.text(body.prompt) if isinstance(body.prompt, str) else encoder.token_ids(body.prompt)
+
+        return await self._generate(body, encode, body.max_tokens, _CompletionFormat(self._model()), tracker)
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        tracker = _Tracker()
+        encoder = self.backend.encoder
+
+        def encode() -> list[int]:
+            return encoder.chat([{"role": m.role.value, "content": m.text} for m in body.messages])
+
+        return await self._generate(body, encode, body.token_limit, _ChatFormat(self._model()), tracker)
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.backend.model_name, max_model_len=self.backend.max_model_len)])
+
+    async def health(self) -> JSONResponse:
+        health = self.backend.health()
+        status = HTTPStatus.OK if health.status == HealthStatus.ok else HTTPStatus.SERVICE_UNAVAILABLE
+        return JSONResponse(health.model_dump(mode="json"), status_code=status)
+
+    async def metrics(self) -> Response:
+        return Response(self.backend.metrics.render(), media_type=PROMETHEUS_MEDIA_TYPE)
+
+    async def debug(self) -> JSONResponse:
+        return JSONResponse((await self.backend.debug_state()).model_dump(mode="json"))
+
+    def _model(self) -> str:
+        return self.backend.model_name
+
+    async def _generate(
+        self,
+        body: GenerationRequest,
+        encode: Callable[[], list[int]],
+        max_tokens: int | None,
+        fmt: _Format,
+        tracker: _Tracker,
+    ) -> Response:
+        metrics = self.backend.metrics
+        try:
+            if body.model != self.backend.model_name:
+                raise ModelNotFoundError(
+                    f"the model {body.model!r} does not exist; this server serves {self.backend.model_name!r}",
+                    param="model",
+                )
+            prompt_ids = encode()
+            if max_tokens is None:  # chat without a limit: up to the context
+                max_tokens = max(1, self.backend.max_model_len - len(prompt_ids))
+            params = sampling_params_for(body, max_tokens=max_tokens)
+            spec = speculation_for(body.speculation, self.backend.default_speculation)
+            stream = await self.backend.submit(Request(fmt.request_id, prompt_ids, params, spec))
+        except OverloadedError:
+            metrics.request_done(RequestStatus.rejected)
+            raise
+        except (APIError, InvalidRequestError):
+            metrics.request_done(RequestStatus.invalid)
+            raise
+        if body.stream:
+            events = self._events(stream, body, fmt, tracker)
+            return StreamingResponse(events, media_type=SSE_MEDIA_TYPE)
+        return await self._collect(stream, body, fmt, tracker)
+
+    async def _collect(
+        self, stream: OutputStream, body: GenerationRequest, fmt: _Format, tracker: _Tracker
+    ) -> JSONResponse:
+        text: list[str] = []
+        ids: list[int] = []
+        status = RequestStatus.aborted
+        try:
+            async for out in stream:
+                tracker.see(out)
+                text.append(out.text)
+                ids += out.token_ids
+                if out.finished:
+                    status = RequestStatus.ok
+                    self._finished(out, tracker)
+                    response = fmt.response("".join(text), ids if body.return_token_ids else None, out)
+                    return JSONResponse(response.model_dump(mode="json"))
+            raise RuntimeError("the output stream ended before the request finished")
+        except APIError:
+            status = RequestStatus.failed
+            raise
+        finally:
+            await stream.aclose()
+            if status != RequestStatus.ok:
+                self.backend.metrics.request_done(status)
+
+    async def _events(
+        self, stream: OutputStream, body: GenerationRequest, fmt: _Format, tracker: _Tracker
+    ) -> AsyncIterator[str]:
+        status = RequestStatus.aborted
+        try:
+            first = fmt.first_chunk()
+            if first is not None:
+                yield _sse(first)
+            async for out in stream:
+                tracker.see(out)
+                if out.text or (body.return_token_ids and out.token_ids) or out.finished:
+                    yield _sse(fmt.chunk(out, out.token_ids if body.return_token_ids else None))
+                if out.finished:
+                    status = RequestStatus.ok
+                    self._finished(out, tracker)
+                    if body.include_usage_in_stream:
+                        yield _sse(fmt.usage_chunk(usage_for(out)))
+                    yield SSE_DONE
+                    return
+        except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
+            status = RequestStatus.failed
+            yield _sse(e.body())
+        finally:
+            await stream.aclose()
+            if status != RequestStatus.ok:
+                self.backend.metrics.request_done(status)
+
+    def _finished(self, out: RequestOutput, tracker: _Tracker) -> None:
+        self.backend.metrics.request_finished(out, ttft_s=tracker.ttft(), tpot_s=tracker.tpot(out.num_output_tokens))
+
+
+def _sse(obj: BaseModel) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+def _finish(reason: FinishReason | None) -> FinishReasonOut | None:
+    if reason is None or reason == FinishReason.abort:
+        return None
+    return FinishReasonOut(reason.value)
+
+
+# -- response shapes ----------------------------------------------------------------------------------
+
+
+class _Format(Protocol):
+    request_id: str
+
+    def first_chunk(self) -> BaseModel | None: ...
+
+    def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel: ...
+
+    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+    def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel: ...
+
+
+class _CompletionFormat:
+    def __init__(self, model: str) -> None:
+        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.model = model
+
+    def first_chunk(self) -> BaseModel | None:
+        return None
+
+    def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
+        choice = CompletionChoice(text=out.text, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
+        return CompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return CompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
+
+    def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
+        choice = CompletionChoice(text=text, finish_reason=_finish(last.finish_reason), token_ids=token_ids)
+        return CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage_for(last))
+
+
+class _ChatFormat:
+    def __init__(self, model: str) -> None:
+        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.model = model
+
+    def first_chunk(self) -> BaseModel | None:
+        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+
+    def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
+        delta = ChatDelta(content=out.text or None)
+        choice = ChatChunkChoice(delta=delta, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
+
+    def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
+        choice = ChatChoice(
+            message=AssistantMessage(content=text), finish_reason=_finish(last.finish_reason), token_ids=token_ids
+        )
+        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage_for(last))
+
+
+# -- errors -------------------------------------------------------------------------------------------
+
+
+def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
+    """Bad input of any kind becomes a 4xx with OpenAI's error body; anything else a 500 with the same shape."""
+
+    async def request_validation(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        metrics.request_done(RequestStatus.invalid)
+        errors = [dict(e) for e in exc.errors()]
+        if any(e.get("type") == "json_invalid" for e in errors):
+            body = error_body(
+                "the request body is not valid JSON", ErrorType.invalid_request, code=ErrorCode.invalid_json
+            )
+            return _error(HTTPStatus.BAD_REQUEST, body)
+        return _error(HTTPStatus.BAD_REQUEST, _validation_body(errors))
+
+    async def validation(_: HTTPRequest, exc: ValidationError) -> JSONResponse:
+        metrics.request_done(RequestStatus.invalid)
+        return _error(HTTPStatus.BAD_REQUEST, _validation_body([dict(e) for e in exc.errors()]))
+
+    async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, OverloadedError) else None
+        return _error(exc.status, exc.body(), headers)
+
+    async def invalid_request(_: HTTPRequest, exc: InvalidRequestError) -> JSONResponse:
+        body = error_body(str(exc), ErrorType.invalid_request, code=ErrorCode.invalid_value)
+        return _error(HTTPStatus.BAD_REQUEST, body)
+
+    async def http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        status = HTTPStatus(exc.status_code)
+        codes = {HTTPStatus.NOT_FOUND: ErrorCode.not_found, HTTPStatus.METHOD_NOT_ALLOWED: ErrorCode.method_not_allowed}
+        type_ = ErrorType.not_found if status == HTTPStatus.NOT_FOUND else ErrorType.invalid_request
+        if status >= HTTPStatus.INTERNAL_SERVER_ERROR:
+            type_ = ErrorType.server
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return _error(status, error_body(message, type_, code=codes.get(status)), dict(exc.headers or {}))
+
+    async def internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        metrics.request_done(RequestStatus.failed)
+        body = error_body(f"internal error: {type(exc).__name__}", ErrorType.server, code=ErrorCode.internal_error)
+        return _error(HTTPStatus.INTERNAL_SERVER_ERROR, body)
+
+    api.add_exception_handler(RequestValidationError, request_validation)  # type: ignore[arg-type]
+    api.add_exception_handler(ValidationError, validation)  # type: ignore[arg-type]
+    api.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
+    api.add_exception_handler(InvalidRequestError, invalid_request)  # type: ignore[arg-type]
+    api.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    api.add_exception_handler(Exception, internal_error)
+
+
+def _error(status: HTTPStatus, body: BaseModel, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
+
+
+def _validation_body(errors: list[dict[str, Any]]) -> BaseModel:
+    def where(error: dict[str, Any]) -> str:
+        return ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+
+    param = where(errors[0]) if errors else ""
+    message = "; ".join(
+        f"{where(e)}: {e.get('msg', 'invalid value')}" if where(e) else str(e.get("msg")) for e in errors[:5]
+    )
+    return error_body(
+        message or "invalid request", ErrorType.invalid_request, code=ErrorCode.invalid_value, param=param or None
+    )
