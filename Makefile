@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 MODEL ?= smollm2-135m-instruct
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: install pull run test lint bench-ar clean
+.PHONY: install pull run test lint bench-ar bench-spec bench-batch clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -34,6 +34,12 @@ lint: install
 
 bench-ar: pull
 	$(VENV)/bin/specserve bench ar --out bench_out/ar
+
+bench-spec: pull
+	$(VENV)/bin/specserve bench spec --pair smollm2-int8 --out bench_out/spec
+
+bench-batch: pull
+	$(VENV)/bin/specserve bench batch --out bench_out/batch
 
 clean:
 	rm -rf $(VENV) bench_out
