@@ -24,6 +24,8 @@ from specserve.protocol import Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.sampling import SamplingParams
 from specserve.workers import DraftWorker, TargetWorker
 
+ACTOR_NAMESPACE = "specserve"  # where worker actors are named (``ray.get_actor(name, namespace=ACTOR_NAMESPACE)``)
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -160,7 +162,7 @@ class WorkerFactory:
     """Creates the worker actors of a replica's lanes, each in its own bundle of the replica's placement group.
 
     A replacement actor gets the same recipe and the same bundle (the dead actor's resources are back in it).
-    Names are ``<prefix>:lane<i>:<role>:<generation>`` in the replica's namespace, unique across restarts.
+    Names are ``<prefix>:lane<i>:<role>:<generation>`` in ACTOR_NAMESPACE, unique across restarts.
     """
 
     def __init__(self, args: AppArgs, placement_group: PlacementGroup | None, name_prefix: str) -> None:
@@ -182,7 +184,7 @@ class WorkerFactory:
             )
         handle = (
             ray.remote(ACTOR_CLASSES[role])
-            .options(name=name, max_restarts=0, max_task_retries=0, **options)
+            .options(name=name, namespace=ACTOR_NAMESPACE, max_restarts=0, max_task_retries=0, **options)
             .remote(recipe, resources.device, resources.torch_threads)
         )
         return PROXY_CLASSES[role](handle, name, role)

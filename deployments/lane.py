@@ -23,7 +23,7 @@ import ray
 from pydantic import BaseModel
 from ray.exceptions import RayActorError
 
-from deployments.actors import KVGeometry, RemoteWorker, WorkerFactory
+from deployments.actors import ACTOR_NAMESPACE, KVGeometry, RemoteWorker, WorkerFactory
 from deployments.config import WorkerRole
 from specserve.api.errors import WorkerFailedError
 from specserve.api.metrics import ServeMetrics
@@ -38,6 +38,7 @@ STOP_JOIN_TIMEOUT_S = 10.0
 class WorkerDebug(BaseModel):
     role: WorkerRole
     actor_name: str
+    namespace: str
     node_id: str | None  # None: the actor is not reachable right now
     kv_slots_in_use: int | None
     restarts: int
@@ -188,6 +189,7 @@ class Lane:
                 WorkerDebug(
                     role=role,
                     actor_name=worker.name,
+                    namespace=ACTOR_NAMESPACE,
                     node_id=node_id,
                     kv_slots_in_use=slots,
                     restarts=self.generations[role],

@@ -20,12 +20,12 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
             top_p=request.top_p,
             seed=request.seed,
             max_tokens=max_tokens,
-            stop=request.stop or (),
+            stop=() if request.stop is None else request.stop,
             ignore_eos=request.ignore_eos,
         )
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = str(first["loc"][0]) if first["loc"] else None
         raise APIError(f"{param}: {first['msg']}" if param else first["msg"], param=param) from e
 
 

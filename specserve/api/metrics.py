@@ -110,9 +110,7 @@ class ServeMetrics:
             self.mean_accepted_length.observe(stats.tokens_per_forward)
 
     # -- lanes ------------------------------------------------------------------------------------------
-    def lane_step(
-        self, lane: int, *, batch: int, running: int, waiting: int, step_s: float, depths: list[int]
-    ) -> None:
+    def lane_step(self, lane: int, *, batch: int, running: int, waiting: int, step_s: float, depths: list[int]) -> None:
         """One step of ``batch`` sequences; ``running`` / ``waiting`` after it retired and admitted."""
         label = str(lane)
         self.running.labels(label).set(running)

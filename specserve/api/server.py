@@ -381,13 +381,15 @@ def _error(status: HTTPStatus, body: BaseModel, headers: dict[str, str] | None =
 
 
 def _validation_body(errors: list[dict[str, Any]]) -> BaseModel:
-    def where(error: dict[str, Any]) -> str:
-        return ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    """All messages name their full location; ``param`` is the top-level request field of the first error."""
 
-    param = where(errors[0]) if errors else ""
-    message = "; ".join(
-        f"{where(e)}: {e.get('msg', 'invalid value')}" if where(e) else str(e.get("msg")) for e in errors[:5]
-    )
-    return error_body(
-        message or "invalid request", ErrorType.invalid_request, code=ErrorCode.invalid_value, param=param or None
-    )
+    def where(error: dict[str, Any]) -> list[str]:
+        return [str(p) for p in error.get("loc", ()) if p != "body"]
+
+    def describe(error: dict[str, Any]) -> str:
+        loc = ".".join(where(error))
+        return f"{loc}: {error.get('msg', 'invalid value')}" if loc else str(error.get("msg", "invalid value"))
+
+    param = where(errors[0])[0] if errors and where(errors[0]) else None
+    message = "; ".join(describe(e) for e in errors[:5]) or "invalid request"
+    return error_body(message, ErrorType.invalid_request, code=ErrorCode.invalid_value, param=param)

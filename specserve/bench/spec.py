@@ -97,25 +97,49 @@ def run(args: argparse.Namespace) -> int:
         (f"DDD x={x} T={budget}", SpecConfig(method=SpecMethod.ddd, budget=budget, ddd_threshold=x, **tree))
         for x in args.ddd_x
     ]
+    engines = [
+        Engine(
+            target,
+            tok,
+            draft=draft,
+            speculation=spec,
+            max_batch_size=1,
+            max_model_len=1024,
+            spec_headroom=max(64, budget),
+        )
+        for _, spec in methods
+    ]
+    seconds = [0.0] * len(methods)
+    outs: list[list] = [[] for _ in methods]
+    for i, p in enumerate(prompts):  # interleaved: load changes on a shared machine hit every method alike
+        for m, engine in enumerate(engines):
+            t0 = time.perf_counter()
+            outs[m].append(engine.generate(p, params)[0])
+            seconds[m] += time.perf_counter() - t0
+        print(
+            f"prompt {i + 1}/{len(prompts)}: "
+            + "  ".join(
+                f"{name.split()[0]} {sum(len(o.token_ids) for o in outs[m]) / seconds[m]:.1f}"
+                for m, (name, _) in enumerate(methods)
+            ),
+            flush=True,
+        )
     rows = []
-    reference: list[list[int]] | None = None
-    for name, spec in methods:
-        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=1, spec_headroom=max(64, budget))
-        t0 = time.perf_counter()
-        outs = [engine.generate(p, params)[0] for p in prompts]  # batch 1, one prompt after another
-        seconds = time.perf_counter() - t0
-        tokens = [o.token_ids for o in outs]
-        reference = reference or tokens
+    reference = [o.token_ids for o in outs[0]]
+    for (name, _), engine, method_outs, secs in zip(methods, engines, outs, seconds, strict=True):
+        tokens = [o.token_ids for o in method_outs]
         n = sum(len(t) for t in tokens)
         timing = engine.loop.timing
-        forwards = sum(o.stats.target_forwards for o in outs)
+        forwards = sum(o.stats.target_forwards for o in method_outs)
         rows.append(
             {
                 "method": name,
                 "tau": n / forwards,
-                "accept_rate": sum(o.stats.accepted for o in outs) / max(1, sum(o.stats.drafted for o in outs)),
-                "mean_depth": sum(o.stats.depth_sum for o in outs) / max(1, sum(o.stats.draft_steps for o in outs)),
-                "tok_s": n / seconds,
+                "accept_rate": sum(o.stats.accepted for o in method_outs)
+                / max(1, sum(o.stats.drafted for o in method_outs)),
+                "mean_depth": sum(o.stats.depth_sum for o in method_outs)
+                / max(1, sum(o.stats.draft_steps for o in method_outs)),
+                "tok_s": n / secs,
                 "speedup": 0.0,
                 "draft_ms_step": 1e3 * timing.draft_s / timing.steps,
                 "verify_ms_step": 1e3 * timing.verify_s / timing.steps,
@@ -123,26 +147,25 @@ def run(args: argparse.Namespace) -> int:
                 "greedy_equal": sum(a == b for a, b in zip(tokens, reference, strict=True)) / len(tokens),
             }
         )
-        print(f"{name:28s} tau {rows[-1]['tau']:.2f}  {rows[-1]['tok_s']:.1f} tok/s", flush=True)
     if not args.no_assisted:
         path = resolve(target_spec)
         hf_t, hf_d = _hf_twin(target, path, False), _hf_twin(draft, path, draft_spec.int8_dynamic)
         if draft_spec.int8_dynamic is False:
             hf_d = hf_d.to(draft_spec.dtype.torch)
-        outs, seconds = _assisted(hf_t, hf_d, prompts, args.max_tokens)
-        n = sum(len(o) for o in outs)
+        hf_outs, hf_seconds = _assisted(hf_t, hf_d, prompts, args.max_tokens)
+        n = sum(len(o) for o in hf_outs)
         rows.append(
             {
                 "method": "transformers assisted",
                 "tau": float("nan"),
                 "accept_rate": float("nan"),
                 "mean_depth": float("nan"),
-                "tok_s": n / seconds,
+                "tok_s": n / hf_seconds,
                 "speedup": 0.0,
                 "draft_ms_step": float("nan"),
                 "verify_ms_step": float("nan"),
                 "other_ms_step": float("nan"),
-                "greedy_equal": sum(a == b for a, b in zip(outs, reference or outs, strict=True)) / len(outs),
+                "greedy_equal": sum(a == b for a, b in zip(hf_outs, reference, strict=True)) / len(hf_outs),
             }
         )
         print(f"{'transformers assisted':28s} {rows[-1]['tok_s']:.1f} tok/s", flush=True)

@@ -1,0 +1,181 @@
+"""Pure helpers shared by the Locust users and the HTTP sweep: OpenAI SSE parsing, per-request latency
+statistics, and the loopback guard. Nothing here imports Locust (which monkey-patches the process)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from urllib.parse import urlsplit
+
+ALLOW_REMOTE_ENV = "SPECSERVE_ALLOW_REMOTE"
+DONE_SENTINEL = "[DONE]"
+DATA_PREFIX = "data:"
+
+
+class EventKind(str, Enum):
+    content = "content"  # a chunk with choices[0].delta.content (or .text for completions)
+    usage = "usage"  # the last chunk with stream_options.include_usage
+    done = "done"  # data: [DONE]
+    error = "error"  # an error body sent in-stream after the status line
+    other = "other"  # role-only first chunk, finish_reason-only chunk, comments, keep-alives
+
+
+@dataclass(frozen=True)
+class SSEEvent:
+    kind: EventKind
+    text: str = ""
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def parse_sse_line(line: str | bytes) -> SSEEvent | None:
+    """One line of an OpenAI-style SSE stream; None for blank lines and non-data fields."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8", errors="replace")
+    line = line.strip()
+    if not line.startswith(DATA_PREFIX):
+        return None
+    payload = line[len(DATA_PREFIX) :].strip()
+    if payload == DONE_SENTINEL:
+        return SSEEvent(EventKind.done)
+    try:
+        obj = json.loads(payload)
+    except json.JSONDecodeError:
+        return SSEEvent(EventKind.error, error=f"malformed SSE payload: {payload[:120]!r}")
+    if not isinstance(obj, dict):
+        return SSEEvent(EventKind.error, error=f"unexpected SSE payload: {payload[:120]!r}")
+    if "error" in obj:
+        err = obj["error"]
+        return SSEEvent(EventKind.error, error=str(err.get("message", err) if isinstance(err, dict) else err))
+    usage = obj.get("usage")
+    choices = obj.get("choices") or []
+    if not choices and isinstance(usage, dict):
+        return SSEEvent(
+            EventKind.usage,
+            completion_tokens=usage.get("completion_tokens"),
+            prompt_tokens=usage.get("prompt_tokens"),
+        )
+    if not choices:
+        return SSEEvent(EventKind.other)
+    choice = choices[0]
+    delta = choice.get("delta") or {}
+    text = delta.get("content") if "delta" in choice else choice.get("text")
+    finish = choice.get("finish_reason")
+    if text:
+        return SSEEvent(EventKind.content, text=text, finish_reason=finish)
+    return SSEEvent(EventKind.other, finish_reason=finish)
+
+
+@dataclass
+class StreamStats:
+    """Latency of one streamed request. Times are seconds relative to when the request was sent."""
+
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    text: str = ""
+    completion_tokens: int | None = None  # from the usage chunk
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    done: bool = False
+    error: str | None = None
+    end_s: float | None = None  # arrival of [DONE] (or of the last event seen)
+
+    def add(self, event: SSEEvent, t: float) -> None:
+        self.end_s = t
+        if event.kind == EventKind.content:
+            self.chunk_times.append(t)
+            self.text += event.text
+        elif event.kind == EventKind.usage:
+            self.completion_tokens = event.completion_tokens
+            self.prompt_tokens = event.prompt_tokens
+        elif event.kind == EventKind.done:
+            self.done = True
+        elif event.kind == EventKind.error and self.error is None:
+            self.error = event.error
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens from the usage chunk; without one, the number of content chunks (a lower bound)."""
+        return self.completion_tokens if self.completion_tokens is not None else len(self.chunk_times)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (the server's definition)."""
+        n = self.output_tokens
+        if len(self.chunk_times) < 2 or n < 2:
+            return None
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (n - 1)
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between content chunks (one chunk may carry several tokens under speculation)."""
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+    def failure(self) -> str | None:
+        """Why this stream counts as failed, or None."""
+        if self.error is not None:
+            return self.error
+        if not self.done:
+            return "the stream ended without data: [DONE]"
+        if not self.chunk_times and self.output_tokens > 0:
+            return "no content chunk arrived"
+        return None
+
+
+def parse_sse(lines: Iterable[tuple[float, str | bytes]]) -> StreamStats:
+    """Fold (arrival time, line) pairs of one stream into its statistics."""
+    stats = StreamStats()
+    for t, line in lines:
+        event = parse_sse_line(line)
+        if event is not None:
+            stats.add(event, t)
+    return stats
+
+
+def parse_sse_text(text: str, *, dt: float = 0.0) -> StreamStats:
+    """Parse a whole stream body; the n-th line is stamped n * dt (for tests and offline parsing)."""
+    return parse_sse((i * dt, line) for i, line in enumerate(text.splitlines()))
+
+
+class RemoteHostError(ValueError):
+    pass
+
+
+def is_loopback_host(host: str) -> bool:
+    """Loopback by address (127.0.0.0/8, ::1) or the name ``localhost``; other names are not resolved."""
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_loopback(url: str | None, *, allow_remote: bool | None = None) -> str:
+    """Return the URL if it targets this machine; raise RemoteHostError otherwise (unless overridden by
+    ``allow_remote`` or the SPECSERVE_ALLOW_REMOTE=1 environment variable)."""
+    if not url:
+        raise RemoteHostError("no target host given: pass --host http://127.0.0.1:8000")
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RemoteHostError(f"cannot read a host from {url!r}; expected e.g. http://127.0.0.1:8000")
+    if allow_remote is None:
+        allow_remote = os.environ.get(ALLOW_REMOTE_ENV, "") == "1"
+    if not allow_remote and not is_loopback_host(parts.hostname):
+        raise RemoteHostError(
+            f"refusing to send load to {parts.hostname!r}: only loopback targets (127.0.0.1, ::1, localhost) are "
+            f"allowed. Set {ALLOW_REMOTE_ENV}=1 to load a host you own."
+        )
+    return url

@@ -1,0 +1,374 @@
+"""Per-step traces of engine runs (JSONL, one ``RunTrace`` per line) and what the simulator takes from them:
+per-sequence acceptance/KLD streams and per-step cost samples.
+
+Recording wraps an Engine's StepLoop and its target worker without changing them: ``StepRecorder`` delegates
+every call, timestamps each step's outputs and reads the step's ``StepMetrics``; ``VerifyTap`` keeps the last
+verify call's items and outputs (the KLD values per verified position are not in ``SeqStepRecord``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specserve.bench import batch
+from specserve.config import SpecConfig
+from specserve.engine import Engine
+from specserve.protocol import VerifyItem, VerifyOutput
+from specserve.scheduler import Request, RequestOutput, StepLoop
+
+
+class WorkloadKind(str, Enum):
+    real = "real"  # MT-bench prompts, acceptance from the models
+    synthetic = "synthetic"  # SYNTHETIC acceptance mix (SpecConfig.synthetic_accept): measures the system only
+
+
+class PolicyName(str, Enum):
+    """The study's policies; ``bench_key`` is the name in ``specserve.bench.batch.policies``."""
+
+    plain = "plain"
+    static = "static"
+    dsde_nocap = "dsde_nocap"
+    dsde_cap = "dsde_cap"
+    ddd = "ddd"
+    dsde_ddd = "dsde_ddd"
+
+    def bench_key(self, static_sl: int) -> str:
+        return {
+            PolicyName.plain: "plain",
+            PolicyName.static: f"static SL={static_sl}",
+            PolicyName.dsde_nocap: "DSDE no cap",
+            PolicyName.dsde_cap: "DSDE + SL_cap",
+            PolicyName.ddd: "DDD",
+            PolicyName.dsde_ddd: "DSDE+DDD",
+        }[self]
+
+    @property
+    def label(self) -> str:
+        return {
+            PolicyName.plain: "plain",
+            PolicyName.static: "static SL",
+            PolicyName.dsde_nocap: "DSDE no cap",
+            PolicyName.dsde_cap: "DSDE + SL_cap",
+            PolicyName.ddd: "DDD",
+            PolicyName.dsde_ddd: "DSDE+DDD",
+        }[self]
+
+    @property
+    def is_chain(self) -> bool:
+        return self in (PolicyName.static, PolicyName.dsde_nocap, PolicyName.dsde_cap)
+
+    @property
+    def is_dsde(self) -> bool:
+        return self in (PolicyName.dsde_nocap, PolicyName.dsde_cap, PolicyName.dsde_ddd)
+
+
+SIMULATED_POLICIES = (PolicyName.plain, PolicyName.static, PolicyName.dsde_nocap, PolicyName.dsde_cap)
+
+
+def policy_specs(*, static_sl: int = 4, beam_width: int = 4, budget: int = 16) -> dict[PolicyName, SpecConfig]:
+    """The lead's batch-benchmark policy table (``specserve.bench.batch.policies``), keyed by PolicyName."""
+    table = batch.policies(argparse.Namespace(static_sl=static_sl, beam_width=beam_width, budget=budget, policies=None))
+    return {p: table[p.bench_key(static_sl)] for p in PolicyName}
+
+
+class SeqStep(BaseModel):
+    """One sequence in one step."""
+
+    model_config = ConfigDict(frozen=True)
+
+    req: int  # index of the request in its run
+    fed: int  # committed tokens the target was sent (the prompt on the first step, then 1)
+    depth: int  # draft levels (0: not drafting)
+    drafted: int  # drafted tokens (tree nodes) verified
+    accepted: int  # accepted drafted tokens (bonus excluded)
+    kld: list[float] = Field(default_factory=list)  # per verified position, when the policy asked for KLD
+
+
+class StepTrace(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    t_end: float  # seconds since the run started
+    batch: int
+    levels: int
+    cap: int | None
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    emitted: int
+    seqs: list[SeqStep]
+
+    @property
+    def step_s(self) -> float:
+        return self.draft_s + self.verify_s + self.overhead_s
+
+
+class RequestTrace(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    category: str  # MT-bench category, or "synthetic a=<p>"
+    prompt_len: int
+    max_tokens: int
+    synthetic_accept: float | None = None
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    latency_s: float | None = None
+
+
+class RunTrace(BaseModel):
+    """One engine run: a policy at one batch size on one workload (all requests submitted at t = 0)."""
+
+    pair: str
+    workload: WorkloadKind
+    synthetic: bool  # SYNTHETIC acceptance: never read as model quality
+    policy: PolicyName
+    spec: SpecConfig  # the run's speculation (per-request SYNTHETIC acceptance is in `requests`)
+    batch: int
+    seconds: float
+    tokens: int
+    requests: list[RequestTrace]
+    steps: list[StepTrace]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def has_kld(self) -> bool:
+        return any(s.kld for st in self.steps for s in st.seqs)
+
+
+def write_traces(path: Path, runs: Iterable[RunTrace]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for run in runs:
+            f.write(run.model_dump_json() + "\n")
+
+
+def append_trace(path: Path, run: RunTrace) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(run.model_dump_json() + "\n")
+
+
+def read_traces(path: Path) -> list[RunTrace]:
+    return [RunTrace.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ─────────────────────────── recording ───────────────────────────
+
+
+class VerifyTap:
+    """A TargetWorker stand-in that remembers the last verify call (items, outputs) and delegates the rest."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.last: list[tuple[VerifyItem, VerifyOutput]] = []
+
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        outputs = self.inner.verify(items)
+        self.last = list(zip(items, outputs, strict=True))
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _ReqClock:
+    __slots__ = ("first", "index", "last", "submitted", "tokens")
+
+    def __init__(self, index: int, submitted: float) -> None:
+        self.index = index
+        self.submitted = submitted
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first is None or self.last is None or self.tokens < 2:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+
+class StepRecorder:
+    """Wraps a StepLoop: records every step (``StepTrace``) and per-request TTFT/TPOT; delegates the rest.
+
+    Install with ``StepRecorder.install(engine)``; ``engine.loop`` is then the recorder.
+    """
+
+    def __init__(self, loop: StepLoop) -> None:
+        self.inner = loop
+        self.tap = VerifyTap(loop.target)
+        loop.target = self.tap  # type: ignore[assignment]
+        self.t0: float | None = None
+        self.steps: list[StepTrace] = []
+        self.clocks: dict[str, _ReqClock] = {}
+        self.order: list[Request] = []
+
+    @classmethod
+    def install(cls, engine: Engine) -> StepRecorder:
+        rec = cls(engine.loop)
+        engine.loop = rec  # type: ignore[assignment]
+        return rec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def add_request(self, request: Request) -> None:
+        now = time.perf_counter()
+        self.t0 = now if self.t0 is None else self.t0
+        self.inner.add_request(request)
+        self.clocks[request.request_id] = _ReqClock(len(self.order), now)
+        self.order.append(request)
+
+    def step(self) -> list[RequestOutput]:
+        loop = self.inner
+        req_of = {s.seq_id: s.request.request_id for s in [*loop.waiting, *loop.running]}
+        self.tap.last = []
+        outputs = loop.step()
+        now = time.perf_counter()
+        for out in outputs:
+            clock = self.clocks[out.request_id]
+            if out.token_ids:
+                clock.first = now if clock.first is None else clock.first
+                clock.last = now
+                clock.tokens += len(out.token_ids)
+        if self.tap.last and loop.metrics:
+            m = loop.metrics[-1]
+            seqs = [
+                SeqStep(
+                    req=self.clocks[req_of[item.seq_id]].index,
+                    fed=len(item.new_tokens),
+                    depth=depth,
+                    drafted=len(item.draft_tokens),
+                    accepted=len(out.accepted),
+                    kld=[float(v) for v in out.kld],
+                )
+                for (item, out), depth in zip(self.tap.last, m.depths, strict=True)
+            ]
+            self.steps.append(
+                StepTrace(
+                    t_end=now - (self.t0 or now),
+                    batch=m.batch_size,
+                    levels=m.levels,
+                    cap=m.cap,
+                    draft_s=m.draft_s,
+                    verify_s=m.verify_s,
+                    overhead_s=m.overhead_s,
+                    emitted=m.emitted,
+                    seqs=seqs,
+                )
+            )
+        return outputs
+
+    def request_traces(self, categories: Sequence[str]) -> list[RequestTrace]:
+        out = []
+        for req, category in zip(self.order, categories, strict=True):
+            c = self.clocks[req.request_id]
+            spec = req.speculation
+            out.append(
+                RequestTrace(
+                    category=category,
+                    prompt_len=len(req.prompt_ids),
+                    max_tokens=req.params.max_tokens,
+                    synthetic_accept=None if spec is None else spec.synthetic_accept,
+                    output_tokens=c.tokens,
+                    ttft_s=None if c.first is None else c.first - c.submitted,
+                    tpot_s=c.tpot,
+                    latency_s=None if c.last is None else c.last - c.submitted,
+                )
+            )
+        return out
+
+
+# ─────────────────────────── what the simulator replays ───────────────────────────
+
+
+class SeqTrace(BaseModel):
+    """One recorded sequence as a stream of drafted-position outcomes: ``accepts[j]`` whether the j-th verified
+    drafted position was accepted and ``klds[j]`` its KLD (NaN where none was recorded). A step that drafts SL
+    tokens consumes the leading accepts up to SL plus the first rejection, independent of the SL it was recorded
+    at: per-sequence heterogeneity and its time order are kept."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cls: str  # the workload class: MT-bench category or "synthetic a=<p>"
+    prompt_len: int
+    max_tokens: int
+    accepts: list[bool]
+    klds: list[float]
+
+    @property
+    def acceptance(self) -> float:
+        return sum(self.accepts) / len(self.accepts) if self.accepts else 0.0
+
+
+def request_class(req: RequestTrace) -> str:
+    return req.category if req.synthetic_accept is None else f"synthetic a={req.synthetic_accept:g}"
+
+
+def sequence_traces(run: RunTrace) -> list[SeqTrace]:
+    """Acceptance/KLD streams of a chain run's sequences (trees and plain runs give none)."""
+    if not run.policy.is_chain:
+        return []
+    accepts: list[list[bool]] = [[] for _ in run.requests]
+    klds: list[list[float]] = [[] for _ in run.requests]
+    for step in run.steps:
+        for s in step.seqs:
+            if s.drafted == 0:
+                continue
+            verified = min(s.accepted + 1, s.drafted)
+            accepts[s.req] += [True] * s.accepted + ([False] if s.accepted < s.drafted else [])
+            vals = list(s.kld[:verified]) + [math.nan] * max(0, verified - len(s.kld))
+            klds[s.req] += vals
+    return [
+        SeqTrace(cls=request_class(r), prompt_len=r.prompt_len, max_tokens=r.max_tokens, accepts=a, klds=k)
+        for r, a, k in zip(run.requests, accepts, klds, strict=True)
+        if a
+    ]
+
+
+class CostSample(BaseModel):
+    """Features and measured times of one recorded step (chain or plain runs)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    batch: int  # rows verified
+    levels: int  # draft levels the batch ran
+    depth_sum: int  # sum over rows of draft levels = sum over levels of rows still drafting
+    drafting_rows: int
+    draft_extra_fed: int  # tokens drafting rows fed beyond one at level 0 (prompts of newly admitted rows, mostly)
+    verify_tokens: int  # all tokens in the verify forward (fed + drafted)
+    emitted: int
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+
+
+def cost_samples(runs: Iterable[RunTrace]) -> Iterator[CostSample]:
+    for run in runs:
+        if run.policy not in SIMULATED_POLICIES:
+            continue
+        for st in run.steps:
+            drafting = [s for s in st.seqs if s.depth > 0]
+            yield CostSample(
+                batch=st.batch,
+                levels=st.levels,
+                depth_sum=sum(s.depth for s in drafting),
+                drafting_rows=len(drafting),
+                draft_extra_fed=sum(s.fed - 1 for s in drafting),
+                verify_tokens=sum(s.fed + s.drafted for s in st.seqs),
+                emitted=st.emitted,
+                draft_s=st.draft_s,
+                verify_s=st.verify_s,
+                overhead_s=st.overhead_s,
+            )

@@ -1,0 +1,446 @@
+"""The Ray Serve deployment end to end, over HTTP, on tiny models.
+
+One simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``) and two Serve applications for the whole module:
+- ``main``: 2 lanes, a close draft; checked against the in-process Engine on the same weights;
+- ``small``: 1 lane of batch 1 with a queue of 1 (429s), a slow step (fault injection lands mid-stream), and
+  custom node resources that force its target and draft actors onto different nodes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+from ray.job_config import JobConfig
+
+from deployments.app import app_builder
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.config import SpecConfig
+from specserve.engine import Engine
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.sampling import SamplingParams
+
+HEAD_RESOURCE, WORKER_RESOURCE = "node_head", "node_worker"
+SPEC = {"method": "chain", "sl": 4}
+SMALL_CPU = {"num_cpus": 0.1}
+MAIN_ARGS: dict[str, Any] = {
+    "tiny": {"seed": 0, "draft_noise": 0.02},
+    "speculation": SPEC,
+    "num_lanes": 2,
+    "max_batch_size": 4,
+    "max_queued_requests": 8,
+    "router_resources": SMALL_CPU,
+    "target_resources": SMALL_CPU,
+    "draft_resources": SMALL_CPU,
+}
+SMALL_ARGS: dict[str, Any] = {
+    "tiny": {"seed": 0, "draft_noise": 0.3},
+    "speculation": {"method": "chain", "sl": 3},
+    "num_lanes": 1,
+    "max_batch_size": 1,
+    "max_queued_requests": 1,
+    "retry_after_s": 2,
+    "router_resources": SMALL_CPU,
+    "target_resources": {"num_cpus": 0.1, "resources": {HEAD_RESOURCE: 1}},
+    "draft_resources": {"num_cpus": 0.1, "resources": {WORKER_RESOURCE: 1}},
+    "debug_step_delay_s": 0.03,
+}
+MODEL = "tiny"
+REPO = Path(__file__).resolve().parents[1]  # workers import `deployments` from here
+TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 8, "resources": {HEAD_RESOURCE: 4}, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=4, resources={WORKER_RESOURCE: 4})
+    port = _free_port()
+    try:
+        ray.init(address=cluster.address, job_config=JobConfig(code_search_path=[str(REPO)]))
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        serve.run_many(
+            [
+                serve.RunTarget(app_builder(MAIN_ARGS), name="main", route_prefix="/main"),
+                serve.RunTarget(app_builder(SMALL_ARGS), name="small", route_prefix="/small"),
+            ]
+        )
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def main_url(base_url: str) -> str:
+    return f"{base_url}/main"
+
+
+@pytest.fixture(scope="module")
+def small_url(base_url: str) -> str:
+    return f"{base_url}/small"
+
+
+@pytest.fixture(scope="module")
+def client(main_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{main_url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    """The in-process engine on the main app's weights and settings."""
+    target = tiny_model(tiny_config(), seed=0)
+    draft = noisy_copy(target, MAIN_ARGS["tiny"]["draft_noise"], seed=1)
+    return Engine(target, tiny_tokenizer(), draft=draft, speculation=SpecConfig(**SPEC), max_batch_size=4)
+
+
+def _lanes(url: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{url}/debug/lanes", timeout=TIMEOUT_S).json()["lanes"]
+
+
+def _wait_idle(url: str) -> list[dict[str, Any]]:
+    """Wait until no lane holds a request or a KV slot on any worker."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        lanes = _lanes(url)
+        busy = [
+            lane
+            for lane in lanes
+            if lane["in_flight"] or lane["running"] or any(w["kv_slots_in_use"] != 0 for w in lane["workers"])
+        ]
+        if not busy:
+            return lanes
+        assert time.monotonic() < deadline, f"lanes still busy: {busy}"
+        time.sleep(0.1)
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+# -- the OpenAI client, and equality with the in-process engine ------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_completions_equal_engine(client: openai.OpenAI, engine: Engine, stream: bool) -> None:
+    prompt = "The quick brown fox"
+    ref = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    if stream:
+        chunks = list(
+            client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body=extra
+            )
+        )
+        text = "".join(c.choices[0].text for c in chunks)
+        ids = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+        text, ids, finish = out.choices[0].text, out.choices[0].model_extra["token_ids"], out.choices[0].finish_reason
+        assert out.usage is not None and out.usage.completion_tokens == 24
+        assert out.usage.prompt_tokens == len(ref.prompt_ids)
+        spec = out.usage.model_extra["speculation"]
+        assert spec["target_forwards"] == ref.stats.target_forwards and spec["accepted"] == ref.stats.accepted
+        assert spec["mean_accepted_length"] > 1.0
+    assert ids == ref.token_ids and text == ref.text and finish == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_chat_equals_engine(client: openai.OpenAI, engine: Engine, stream: bool) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    ref = engine.generate(messages, SamplingParams(max_tokens=20), chat=True)[0]
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=20,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        usage = chunks[-1].usage
+        assert not chunks[-1].choices and usage is not None
+    else:
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)  # type: ignore[arg-type]
+        text, finish, usage = out.choices[0].message.content, out.choices[0].finish_reason, out.usage
+        assert out.choices[0].message.role == "assistant"
+    assert text == ref.text and finish == ref.finish_reason.value
+    assert usage is not None and usage.completion_tokens == len(ref.token_ids)
+    assert usage.prompt_tokens == len(ref.prompt_ids) and usage.total_tokens == usage.prompt_tokens + len(ref.token_ids)
+
+
+def test_concurrent_requests_batch_across_lanes(client: openai.OpenAI, engine: Engine, main_url: str) -> None:
+    prompts = [[5, 9, 13], [100, 200, 300, 400, 7], [42], [7, 7, 7, 7], [300, 1, 2, 3], [11, 12], [99, 98, 97]]
+    refs = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+
+    def one(prompt: list[int]) -> list[int]:
+        out = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        return out.choices[0].model_extra["token_ids"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(one, prompts))
+    assert outs == [r.token_ids for r in refs]
+    _wait_idle(main_url)
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": "abc", "max_tokens": 16, "temperature": 0.9, "seed": 7}
+    a = client.completions.create(**kwargs, extra_body={"return_token_ids": True, "top_k": 20})
+    b = client.completions.create(**kwargs, extra_body={"return_token_ids": True, "top_k": 20})
+    assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
+
+
+def test_speculation_options(client: openai.OpenAI, engine: Engine) -> None:
+    ref = engine.generate([1, 2, 3], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+
+    def run(speculation: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+        out = client.completions.create(
+            model=MODEL,
+            prompt=[1, 2, 3],
+            max_tokens=24,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True, "speculation": speculation},
+        )
+        return out.choices[0].model_extra["token_ids"], out.usage.model_extra["speculation"]  # type: ignore[union-attr]
+
+    for options in ({"enabled": False}, {"policy": "none"}):
+        ids, spec = run(options)
+        assert ids == ref.token_ids and spec["drafted"] == 0 and spec["target_forwards"] == 24
+    ids, spec = run({"max_sl": 2, "policy": "static"})
+    assert ids == ref.token_ids and 0 < spec["drafted"] <= 2 * spec["target_forwards"]
+    ids, spec = run({"policy": "dsde"})
+    assert ids == ref.token_ids and spec["drafted"] > 0
+
+
+# -- bad input: a 4xx with OpenAI's error body, never a 500 ----------------------------------------------
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
+    # (name, path, JSON body or raw bytes, status, param)
+    ("malformed-json", COMPLETIONS, b'{"model": "tiny", "prompt": ', 400, None),
+    ("not-an-object", COMPLETIONS, [1, 2, 3], 400, None),
+    ("missing-prompt", COMPLETIONS, {"model": MODEL}, 400, "prompt"),
+    ("prompt-wrong-type", COMPLETIONS, {"model": MODEL, "prompt": {"text": "x"}}, 400, "prompt"),
+    ("max-tokens-string", COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("max-tokens-negative", COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("max-tokens-absurd", COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
+    ("temperature-negative", COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("temperature-huge", COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": 1e9}, 400, "temperature"),
+    ("top-p-zero", COMPLETIONS, {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top-k-zero", COMPLETIONS, {"model": MODEL, "prompt": "x", "top_k": 0}, 400, "top_k"),
+    ("seed-negative", COMPLETIONS, {"model": MODEL, "prompt": "x", "seed": -5}, 400, "seed"),
+    ("stop-empty", COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop"),
+    ("stop-wrong-type", COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop"),
+    ("n-two", COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("unknown-field", COMPLETIONS, {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ("empty-prompt", COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, None),
+    ("token-out-of-vocab", COMPLETIONS, {"model": MODEL, "prompt": [1, 99999]}, 400, None),
+    ("prompt-too-long", COMPLETIONS, {"model": MODEL, "prompt": [5] * 1000}, 400, None),
+    ("stream-options-no-stream", COMPLETIONS, {"model": MODEL, "prompt": "x", "stream_options": {}}, 400, None),
+    ("spec-max-sl-zero", COMPLETIONS, {"model": MODEL, "prompt": "x", "speculation": {"max_sl": 0}}, 400, None),
+    ("spec-bad-policy", COMPLETIONS, {"model": MODEL, "prompt": "x", "speculation": {"policy": "x"}}, 400, None),
+    ("unknown-model", COMPLETIONS, {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("chat-missing-messages", CHAT, {"model": MODEL}, 400, "messages"),
+    ("chat-messages-string", CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("chat-empty-messages", CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
+    ("chat-bad-role", CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("chat-n-three", CHAT, {**OK_CHAT, "n": 3}, 400, "n"),
+    ("chat-unknown-model", CHAT, {**OK_CHAT, "model": "nope"}, 404, "model"),
+    ("chat-long", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "word " * 800}]}, 400, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS]
+)
+def test_bad_input_is_4xx_with_openai_error(
+    main_url: str, path: str, body: Any, status: int, param: str | None
+) -> None:
+    if isinstance(body, bytes):
+        r = httpx.post(main_url + path, content=body, headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+    else:
+        r = httpx.post(main_url + path, json=body, timeout=TIMEOUT_S)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_unknown_route_and_method(main_url: str) -> None:
+    r = httpx.get(f"{main_url}/v1/nothing", timeout=TIMEOUT_S)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{main_url}{COMPLETIONS}", timeout=TIMEOUT_S)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", n=2)
+    assert info.value.body["param"] == "n"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+
+
+# -- cancellation and overload ---------------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_kv_on_both_workers(small_url: str) -> None:
+    """The small app steps slowly: left alone, this request would run for many seconds; the abort frees it at once."""
+    _wait_idle(small_url)
+    body = {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{small_url}{COMPLETIONS}", json=body, timeout=TIMEOUT_S) as r:
+        assert r.status_code == 200
+        events = _sse_events(r.iter_lines())
+        next(events), next(events)
+        (lane,) = _lanes(small_url)
+        assert lane["running"] == 1 and [w["kv_slots_in_use"] for w in lane["workers"]] == [1, 1]
+    closed = time.monotonic()
+    lanes = _wait_idle(small_url)  # the abort released the sequence on the target and on the draft
+    assert time.monotonic() - closed < 3.0
+    assert all(w["kv_slots_in_use"] == 0 for lane in lanes for w in lane["workers"])
+    metrics = httpx.get(f"{small_url}/metrics", timeout=TIMEOUT_S).text
+    assert 'specserve_requests_total{status="aborted"}' in metrics
+    assert "specserve_generation_tokens_total 0.0" in metrics  # it never finished
+
+
+def _open_stream(url: str, stack: list[Any], max_tokens: int = 300) -> httpx.Response:
+    body = {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    cm = httpx.stream("POST", f"{url}{COMPLETIONS}", json=body, timeout=TIMEOUT_S)
+    stack.append(cm)
+    return cm.__enter__()
+
+
+def test_full_queue_is_429_with_retry_after(small_url: str) -> None:
+    _wait_idle(small_url)
+    opened: list[Any] = []
+    try:
+        running, queued = _open_stream(small_url, opened), _open_stream(small_url, opened)  # batch 1 + queue 1
+        assert running.status_code == 200 and queued.status_code == 200
+        r = httpx.post(f"{small_url}{COMPLETIONS}", json={"model": MODEL, "prompt": "x"}, timeout=TIMEOUT_S)
+        assert r.status_code == 429 and r.headers["retry-after"] == "2"
+        assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        for cm in reversed(opened):
+            cm.__exit__(None, None, None)
+    _wait_idle(small_url)
+    ok = httpx.post(
+        f"{small_url}{COMPLETIONS}", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=TIMEOUT_S
+    )
+    assert ok.status_code == 200
+    assert 'specserve_requests_total{status="rejected"} 1.0' in httpx.get(f"{small_url}/metrics").text
+
+
+# -- faults: a killed worker actor is recreated and the streams go on ------------------------------------
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_killed_worker_mid_stream_is_recovered(small_url: str, engine: Engine, role: str) -> None:
+    _wait_idle(small_url)
+    before = {w["role"]: w for w in _lanes(small_url)[0]["workers"]}
+    prompts = [[3, 4, 5], [8, 9]]
+    refs = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))  # same target weights
+    client = openai.OpenAI(base_url=f"{small_url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT_S)
+    streams = [
+        client.completions.create(
+            model=MODEL,
+            prompt=p,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        for p in prompts  # the first runs, the second waits in the queue
+    ]
+    first = iter(streams[0])
+    ids = [next(first).choices[0].model_extra["token_ids"] for _ in range(2)]
+    ray.kill(ray.get_actor(before[role]["actor_name"], namespace=before[role]["namespace"]))
+    ids += [c.choices[0].model_extra["token_ids"] for c in first]
+    got = [[t for chunk in ids for t in chunk], [t for c in streams[1] for t in c.choices[0].model_extra["token_ids"]]]
+    assert got == [r.token_ids for r in refs]
+    after = {w["role"]: w for w in _wait_idle(small_url)[0]["workers"]}
+    assert after[role]["restarts"] == before[role]["restarts"] + 1
+    assert after[role]["actor_name"] != before[role]["actor_name"]
+    assert after[role]["node_id"] == before[role]["node_id"]  # same placement bundle
+
+
+# -- placement -------------------------------------------------------------------------------------------
+
+
+def test_draft_and_target_are_separate_actors_on_their_nodes(small_url: str, main_url: str) -> None:
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2
+    workers = {w["role"]: w for w in _lanes(small_url)[0]["workers"]}
+    assert workers["target"]["actor_name"] != workers["draft"]["actor_name"]
+    assert HEAD_RESOURCE in nodes[workers["target"]["node_id"]]
+    assert WORKER_RESOURCE in nodes[workers["draft"]["node_id"]]
+    main_lanes = _lanes(main_url)
+    names = {w["actor_name"] for lane in main_lanes for w in lane["workers"]}
+    assert len(main_lanes) == 2 and len(names) == 4  # one target and one draft actor per lane
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    assert {n for n in names} <= {a["name"] for a in actors}
+
+
+# -- observability (last: counts what the tests above did) -----------------------------------------------
+
+
+def test_models_health_metrics(client: openai.OpenAI, main_url: str) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == 512 - 64
+    health = httpx.get(f"{main_url}/health", timeout=TIMEOUT_S)
+    assert health.status_code == 200 and health.json() == {"status": "ok", "lanes": 2, "lanes_alive": 2}
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=8, temperature=0)
+    metrics = httpx.get(f"{main_url}/metrics", timeout=TIMEOUT_S)
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    for name in (
+        'specserve_requests_total{status="ok"}',
+        'specserve_requests_total{status="invalid"}',
+        "specserve_time_to_first_token_seconds_count",
+        "specserve_time_per_output_token_seconds_count",
+        "specserve_generation_tokens_total",
+        "specserve_accepted_tokens_total",
+        "specserve_request_acceptance_rate_count",
+        "specserve_request_mean_accepted_length_count",
+        'specserve_speculation_length_count{lane="0"}',
+        'specserve_queue_depth{lane="0"}',
+        'specserve_step_seconds_count{lane="1"}',
+    ):
+        assert name in text, name
