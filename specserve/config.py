@@ -152,6 +152,9 @@ class EngineConfig(BaseModel):
     max_step_tokens: int | None = Field(
         default=None, ge=1, description="guard: cap on drafted tokens + batch size verified per step (None = off)"
     )
+    throughput_guard: bool = Field(
+        default=False, description="speculate only at batch sizes where it measured faster than plain decoding"
+    )
 
     @model_validator(mode="after")
     def _draft_for_speculation(self) -> EngineConfig:

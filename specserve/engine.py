@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.config import EngineConfig, SpecConfig, SpecMethod
 from specserve.errors import InvalidRequestError, UnsupportedModelError
+from specserve.guard import ThroughputGuard
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_model, load_tokenizer
 from specserve.sampling import SamplingParams
@@ -42,6 +43,7 @@ class Engine:
         max_model_len: int = 2048,
         spec_headroom: int = 64,
         max_step_tokens: int | None = None,
+        throughput_guard: bool = False,
         eos_token_ids: set[int] | None = None,
     ) -> None:
         self.model = model
@@ -72,6 +74,7 @@ class Engine:
             max_batch_size=max_batch_size,
             max_model_len=max_model_len,
             max_step_tokens=max_step_tokens,
+            guard=ThroughputGuard() if throughput_guard else None,
         )
         self._ids = itertools.count()
 
@@ -87,6 +90,7 @@ class Engine:
             max_batch_size=config.max_batch_size,
             max_model_len=config.max_model_len,
             max_step_tokens=config.max_step_tokens,
+            throughput_guard=config.throughput_guard,
         )
 
     # -- prompts ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.errors import InvalidRequestError
+from specserve.guard import ThroughputGuard
 from specserve.policy import SequenceDSDE, apply_cap, sl_cap
 from specserve.protocol import Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.sampling import SamplingParams
@@ -162,6 +163,7 @@ class StepLoop:
         max_batch_size: int,
         max_model_len: int,
         max_step_tokens: int | None = None,
+        guard: ThroughputGuard | None = None,
         metrics_window: int = 10_000,
     ) -> None:
         self.target = target
@@ -173,6 +175,7 @@ class StepLoop:
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.max_step_tokens = max_step_tokens  # guard: drafted tokens + batch size verified per step
+        self.guard = guard  # None: always speculate as planned
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
@@ -290,6 +293,8 @@ class StepLoop:
                 synthetic=any(s.spec.synthetic_accept is not None for s in batch),
             )
         )
+        if self.guard is not None and any(s.spec.method != SpecMethod.none for s in batch):
+            self.guard.record(len(batch), drafted, sum(len(o.token_ids) for o in outputs), total)
         timing = self.timing
         timing.steps += 1
         timing.draft_s += draft_s

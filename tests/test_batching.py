@@ -176,3 +176,36 @@ def test_continuous_batching_arrivals_cancellations_and_no_leaks(target: LlamaMo
     assert engine.loop.target.cache.num_free == engine.loop.target.cache.num_slots
     assert engine.loop.draft.cache.num_free == engine.loop.draft.cache.num_slots  # type: ignore[union-attr]
     assert not engine.loop.target.params and not engine.loop.draft.params  # type: ignore[union-attr]
+
+
+def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
+    from specserve.guard import ThroughputGuard, bucket
+
+    assert [bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+    guard = ThroughputGuard(explore_every=5)
+    assert guard.speculate(8)  # nothing measured: try speculation first
+    guard.record(8, True, tokens=10, seconds=1.0)
+    assert not guard.speculate(8)  # then plain decoding
+    guard.record(8, False, tokens=40, seconds=1.0)
+    choices = []
+    for _ in range(10):
+        s = guard.speculate(8)
+        choices.append(s)
+        guard.record(8, s, tokens=10 if s else 40, seconds=1.0)
+    assert choices.count(True) == 2  # plain is 4x faster: speculation only on exploration steps
+    assert guard.speculate(1)  # other buckets are independent
+
+
+def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
+    engine = Engine(
+        target,
+        None,
+        draft=noisy_copy(target, 0.02),
+        speculation=DSDE_CHAIN,
+        throughput_guard=True,
+        eos_token_ids=set(),
+    )
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=30))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 30)
+    assert engine.loop.guard is not None and len(engine.loop.guard.rates) >= 2  # both modes were measured

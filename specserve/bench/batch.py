@@ -34,7 +34,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=16, help="tree verify budget T")
     p.add_argument("--beam-width", type=int, default=4)
     p.add_argument("--synthetic-mix", type=float, nargs="+", default=[0.9, 0.3])
-    p.add_argument("--max-step-tokens", type=int, default=0, help="speculation guard (0 = off)")
+    p.add_argument("--max-step-tokens", type=int, default=0, help="cap on tokens verified per step (0 = off)")
+    p.add_argument("--guard", action="store_true", help="throughput guard: speculate only where it pays")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_out/batch"))
 
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
                     max_batch_size=bs,
                     max_model_len=1024,
                     max_step_tokens=args.max_step_tokens or None,
+                    throughput_guard=args.guard,
                 )
                 res = run_one(engine, prompts, lengths, spec, accepts)
                 label = "SYNTHETIC " + "/".join(map(str, mix)) if workload == "synthetic" else "real"

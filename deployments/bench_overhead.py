@@ -1,0 +1,201 @@
+"""Overhead of the Ray Serve deployment over the in-process Engine, on the same models and settings.
+
+For each batch size B, B requests (MT-bench prompts; token ids in tiny mode) run at once with greedy decoding and
+``ignore_eos``, so both sides generate exactly B * max_tokens tokens: first through ``Engine.generate`` in this
+process, then through HTTP against a local Serve app (router + one lane of target and draft actors). Prints a
+table and writes a CSV; ``slowdown`` = Engine tokens/s / Serve tokens/s (goal <= 1.15).
+
+    .venv/bin/python -m deployments.bench_overhead --pair smollm2-int8 --batch 1 16 --max-tokens 32
+    .venv/bin/python -m deployments.bench_overhead --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import socket
+import time
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+from ray import serve
+
+from deployments.app import app_builder
+from deployments.config import AppArgs, WorkerRole
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.bench.prompts import mt_bench_prompts
+from specserve.bench.report import markdown_table, write_csv
+from specserve.config import SpecConfig
+from specserve.engine import Engine
+from specserve.models.loader import load_model, load_tokenizer
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.sampling import SamplingParams
+
+STEP_SECONDS = "specserve_step_seconds"
+HTTP_TIMEOUT_S = 600.0
+
+
+class Mode(str, Enum):
+    engine = "engine"  # Engine.generate in this process
+    serve = "serve"  # HTTP through the Serve app
+
+
+@dataclass(frozen=True)
+class Row:
+    models: str
+    mode: Mode
+    batch: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    steps: int
+    ms_per_step: float
+    slowdown: float | None = None
+
+
+def _engine(args: AppArgs) -> Engine:
+    target_recipe, draft_recipe = args.recipe(WorkerRole.target), args.recipe(WorkerRole.draft)
+    assert target_recipe is not None
+    if args.tiny is not None:
+        target = tiny_model(tiny_config(), seed=args.tiny.seed)
+        draft = noisy_copy(target, args.tiny.draft_noise, seed=args.tiny.draft_seed) if draft_recipe else None
+        tokenizer = tiny_tokenizer()
+    else:
+        assert target_recipe.spec is not None
+        target = load_model(target_recipe.spec)
+        draft = None if draft_recipe is None or draft_recipe.spec is None else load_model(draft_recipe.spec)
+        tokenizer = load_tokenizer(target_recipe.spec)
+    return Engine(
+        target,
+        tokenizer,
+        draft=draft,
+        speculation=args.speculation,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        spec_headroom=args.spec_headroom,
+    )
+
+
+def _prompts(args: AppArgs, n: int) -> list[Any]:
+    texts = [p.text for p in mt_bench_prompts()]
+    if args.tiny is not None:
+        return [[(7 * i + j) % 500 + 3 for j in range(12)] for i in range(n)]
+    return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(n)]
+
+
+def bench_engine(engine: Engine, prompts: list[Any], max_tokens: int, *, chat: bool) -> tuple[float, int, float]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), chat=chat)  # warm-up
+    steps0, total0 = engine.loop.timing.steps, engine.loop.timing.total_s
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, chat=chat)
+    seconds = time.perf_counter() - t0
+    assert all(len(o.token_ids) == max_tokens for o in outs)
+    steps = engine.loop.timing.steps - steps0
+    return seconds, steps, (engine.loop.timing.total_s - total0) / max(steps, 1)
+
+
+def _step_seconds(url: str) -> tuple[float, int]:
+    total, count = 0.0, 0
+    for line in httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT_S).text.splitlines():
+        if line.startswith(STEP_SECONDS + "_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith(STEP_SECONDS + "_count"):
+            count += int(float(line.split()[-1]))
+    return total, count
+
+
+def bench_serve(url: str, model: str, prompts: list[Any], max_tokens: int, *, chat: bool) -> tuple[float, int, float]:
+    def one(client: httpx.Client, prompt: Any, n: int) -> int:
+        body: dict[str, Any] = {"model": model, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        body.update({"messages": prompt} if chat else {"prompt": prompt})
+        r = client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    with (
+        httpx.Client(base_url=url, timeout=HTTP_TIMEOUT_S) as client,
+        concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool,
+    ):
+        one(client, prompts[0], 4)  # warm-up
+        sum0, count0 = _step_seconds(url)
+        t0 = time.perf_counter()
+        tokens = list(pool.map(lambda p: one(client, p, max_tokens), prompts))
+        seconds = time.perf_counter() - t0
+        sum1, count1 = _step_seconds(url)
+    assert all(t == max_tokens for t in tokens)
+    steps = count1 - count0
+    return seconds, steps, (sum1 - sum0) / max(steps, 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--pair", default="smollm2-int8", help="a MODEL_PAIRS name")
+    group.add_argument("--tiny", action="store_true", help="tiny random models (no download)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--sl", type=int, default=4, help="chain speculation length")
+    p.add_argument("--torch-threads", type=int, default=2, help="per worker actor (the Engine uses torch's default)")
+    p.add_argument("--out", type=Path, default=Path("bench_out/serve_overhead.csv"))
+    a = p.parse_args(argv)
+
+    threads = {"num_cpus": 0.5, "torch_threads": a.torch_threads}
+    raw: dict[str, Any] = {
+        "speculation": SpecConfig(sl=a.sl).model_dump(),
+        "max_batch_size": max(a.batch),
+        "max_model_len": 1024,
+        "router_resources": {"num_cpus": 0.1},
+        "target_resources": threads,
+        "draft_resources": threads,
+        **({"tiny": {}} if a.tiny else {"pair": a.pair}),
+    }
+    args = AppArgs.model_validate(raw)
+    chat = args.tiny is None
+    prompts = _prompts(args, max(a.batch))
+
+    engine = _engine(args)  # first, before Ray starts its processes
+    results: dict[tuple[Mode, int], tuple[float, int, float]] = {}
+    for b in a.batch:
+        results[Mode.engine, b] = bench_engine(engine, prompts[:b], a.max_tokens, chat=chat)
+    del engine
+
+    port = _free_port()
+    ray.init(include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app_builder(raw), name="bench", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        for b in a.batch:
+            results[Mode.serve, b] = bench_serve(url, args.model_name, prompts[:b], a.max_tokens, chat=chat)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    rows: list[Row] = []
+    for b in a.batch:
+        tps: dict[Mode, float] = {}
+        for mode in Mode:
+            seconds, steps, step_s = results[mode, b]
+            tps[mode] = b * a.max_tokens / seconds
+            slowdown = tps[Mode.engine] / tps[mode] if mode == Mode.serve else None
+            row = Row(args.model_name, mode, b, b * a.max_tokens, seconds, tps[mode], steps, 1000 * step_s, slowdown)
+            rows.append(row)
+    table = [{**asdict(r), "mode": r.mode.value} for r in rows]
+    print(markdown_table(table))
+    write_csv(a.out, table)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,806 @@
+"""Discrete-event simulation of ONE lane (one lock-step draft batch) at batch sizes past this machine.
+
+Each step runs the real policy code (``specserve.policy``: StaticPolicy, or DSDEPolicy = SequenceDSDE per sequence
+then sl_cap / apply_cap over the batch), replays each sequence's acceptance and KLD outcomes from a recorded
+sequence (``load.trace.SeqTrace``, one whole recorded sequence per simulated one), and advances the clock by a
+device cost model: all rows draft in lock-step, so the draft takes one forward per level over the rows still
+drafting; the verify is one forward over all tokens; plus host overhead.
+
+    .venv/bin/python -m load.simulate --traces bench_out/straggler/traces.jsonl --validate \
+        --batch-sizes 1 16 64 128 256 512 --out bench_out/sim
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import itertools
+import math
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from load.trace import (
+    SIMULATED_POLICIES,
+    CostSample,
+    PolicyName,
+    RunTrace,
+    SeqTrace,
+    WorkloadKind,
+    cost_samples,
+    policy_specs,
+    read_traces,
+    request_class,
+    sequence_traces,
+)
+from specserve.config import SpecConfig
+from specserve.policy import DSDEPolicy, SLPolicy, SLState, StaticPolicy
+from specserve.scheduler import idle_fraction
+
+# ─────────────────────────── device cost model ───────────────────────────
+
+
+class Curve(BaseModel):
+    """Piecewise-linear seconds(x) through ``points`` (x ascending), extended linearly past both ends, >= 0."""
+
+    model_config = ConfigDict(frozen=True)
+
+    points: list[tuple[float, float]]
+
+    @field_validator("points")
+    @classmethod
+    def _sorted(cls, pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        if not pts:
+            raise ValueError("a curve needs at least one point")
+        xs = [x for x, _ in pts]
+        if any(b <= a for a, b in itertools.pairwise(xs)):
+            raise ValueError("curve x values must be strictly ascending")
+        return pts
+
+    @classmethod
+    def linear(cls, intercept: float, slope: float) -> Curve:
+        return cls(points=[(0.0, intercept), (1.0, intercept + slope)])
+
+    @classmethod
+    def constant(cls, value: float) -> Curve:
+        return cls(points=[(0.0, value)])
+
+    def __call__(self, x: float) -> float:
+        pts = self.points
+        if len(pts) == 1:
+            return max(0.0, pts[0][1])
+        i = min(max(bisect.bisect_right([p[0] for p in pts], x) - 1, 0), len(pts) - 2)
+        (x0, y0), (x1, y1) = pts[i], pts[i + 1]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class CostModel(BaseModel):
+    """Seconds of one lane step.
+
+    draft  = sum over levels k of draft_level(rows still drafting at level k)
+             + draft_row_s * drafting rows + draft_prefill_token_s * tokens fed at level 0 beyond one per row
+    verify = verify(total tokens in the forward) + verify_row_s * rows
+    host   = overhead(rows) + emit_token_s * tokens emitted
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    source: str
+    draft_level: Curve
+    draft_row_s: float = 0.0
+    draft_prefill_token_s: float = 0.0
+    verify: Curve
+    verify_row_s: float = 0.0
+    overhead: Curve = Curve.constant(0.0)
+    emit_token_s: float = 0.0
+
+    def draft_s(self, depths: Sequence[int], extra_fed: int = 0) -> float:
+        drafting = sorted(d for d in depths if d > 0)
+        if not drafting:
+            return 0.0
+        # lock-step: level k is one forward over the rows still drafting there (those with depth >= k)
+        levels = sum(
+            self.draft_level(len(drafting) - bisect.bisect_left(drafting, k)) for k in range(1, drafting[-1] + 1)
+        )
+        return levels + self.draft_row_s * len(drafting) + self.draft_prefill_token_s * extra_fed
+
+    def verify_s(self, rows: int, tokens: int) -> float:
+        return self.verify(tokens) + self.verify_row_s * rows
+
+    def overhead_s(self, rows: int, emitted: int) -> float:
+        return self.overhead(rows) + self.emit_token_s * emitted
+
+    def predict(self, s: CostSample, depths: Sequence[int] | None = None) -> tuple[float, float, float]:
+        """(draft, verify, host) seconds for a recorded step; ``depths`` exact, else spread as evenly as recorded."""
+        if depths is None:
+            depths = _even_depths(s.levels, s.depth_sum, s.drafting_rows)
+        return (
+            self.draft_s(depths, s.draft_extra_fed),
+            self.verify_s(s.batch, s.verify_tokens),
+            self.overhead_s(s.batch, s.emitted),
+        )
+
+    @classmethod
+    def fit(cls, samples: Iterable[CostSample], source: str = "fit") -> CostModel:
+        """Least squares with non-negative coefficients, per component, on recorded steps."""
+        samples = list(samples)
+        if not samples:
+            raise ValueError("no recorded steps to fit a cost model on")
+        drafting = [s for s in samples if s.levels > 0]
+        if drafting:
+            # draft_s = a * levels + b * sum_k rows_k + c * extra fed + d * drafting rows
+            a, b, c, d = _nnls(
+                [[s.levels, s.depth_sum, s.draft_extra_fed, s.drafting_rows] for s in drafting],
+                [s.draft_s for s in drafting],
+            )
+        else:
+            a = b = c = d = 0.0
+        v0, v_row, v_tok = _nnls([[1.0, s.batch, s.verify_tokens] for s in samples], [s.verify_s for s in samples])
+        o0, o_row, o_tok = _nnls([[1.0, s.batch, s.emitted] for s in samples], [s.overhead_s for s in samples])
+        return cls(
+            source=f"{source} ({len(samples)} steps)",
+            draft_level=Curve.linear(a, b),
+            draft_row_s=d,
+            draft_prefill_token_s=c,
+            verify=Curve.linear(v0, v_tok),
+            verify_row_s=v_row,
+            overhead=Curve.linear(o0, o_row),
+            emit_token_s=o_tok,
+        )
+
+    @classmethod
+    def roofline(
+        cls,
+        *,
+        target_params: float,
+        draft_params: float,
+        bytes_per_param: float = 2.0,
+        hbm_bytes_per_s: float = 3.35e12,
+        flops_per_s: float = 4.0e14,
+        target_launch_s: float = 2e-3,
+        draft_launch_s: float = 1e-3,
+        host_row_s: float = 2e-5,
+        source: str = "roofline",
+    ) -> CostModel:
+        """A GPU estimate, NOT a measurement: one forward costs max(weights / bandwidth, 2 params tokens / FLOP/s)
+        plus a fixed launch cost; KV-cache reads and attention are ignored. Defaults: H100 SXM (3.35 TB/s HBM,
+        ~40% of the 989 dense bf16 TFLOP/s), bf16 weights."""
+
+        def forward(params: float, launch: float) -> Curve:
+            floor = params * bytes_per_param / hbm_bytes_per_s
+            knee = floor * flops_per_s / (2.0 * params)  # tokens where compute catches up with weight reads
+            return Curve(points=[(0.0, floor + launch), (knee, floor + launch), (2 * knee, 2 * floor + launch)])
+
+        return cls(
+            source=source,
+            draft_level=forward(draft_params, draft_launch_s),
+            verify=forward(target_params, target_launch_s),
+            overhead=Curve.linear(0.0, host_row_s),
+        )
+
+
+def _even_depths(levels: int, depth_sum: int, rows: int) -> list[int]:
+    if rows == 0 or levels == 0:
+        return []
+    base, extra = divmod(depth_sum, rows)
+    depths = [base + (i < extra) for i in range(rows)]
+    depths[0] = max(depths[0], levels)
+    return depths
+
+
+def _nnls(x: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares, dropping the most negative coefficient until all are >= 0 (a small active-set NNLS)."""
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return [float(c) for c in coef]
+
+
+def fit_quality(model: CostModel, samples: Sequence[CostSample]) -> dict[str, float]:
+    """Relative error of the summed predicted time per component over the samples (0 = exact in total)."""
+    pred = [model.predict(s) for s in samples]
+    out = {}
+    for i, name in enumerate(("draft", "verify", "host")):
+        measured = sum((s.draft_s, s.verify_s, s.overhead_s)[i] for s in samples)
+        out[name] = sum(p[i] for p in pred) / measured - 1.0 if measured > 0 else 0.0
+    total = sum(s.draft_s + s.verify_s + s.overhead_s for s in samples)
+    out["step"] = sum(sum(p) for p in pred) / total - 1.0 if total > 0 else 0.0
+    return out
+
+
+# ─────────────────────────── workload and settings ───────────────────────────
+
+
+class ArrivalKind(str, Enum):
+    closed = "closed"  # every request arrives at t = 0 (as the engine sweep submits them)
+    poisson = "poisson"  # open loop at `rate_per_s`
+
+
+class WorkloadSpec(BaseModel):
+    """Simulated requests: classes assigned round robin (as the engine sweep interleaves them), a whole recorded
+    sequence of that class drawn per request; output lengths from the trace unless min/max tokens are given."""
+
+    model_config = ConfigDict(frozen=True)
+
+    num_requests: int = Field(ge=1)
+    classes: list[str] = Field(min_length=1)
+    min_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    arrival: ArrivalKind = ArrivalKind.closed
+    rate_per_s: float | None = Field(default=None, gt=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkloadSpec:
+        if self.arrival == ArrivalKind.poisson and self.rate_per_s is None:
+            raise ValueError("poisson arrivals need rate_per_s")
+        if (self.min_tokens is None) != (self.max_tokens is None):
+            raise ValueError("give both min_tokens and max_tokens, or neither")
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens > max_tokens")
+        return self
+
+
+class SimConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    batch_size: int = Field(ge=1)
+    policy: PolicyName
+    spec: SpecConfig  # speculation settings of the policy (static SL, DSDE parameters incl. cap_enabled)
+    seed: int = 0
+
+    @field_validator("policy")
+    @classmethod
+    def _simulated(cls, p: PolicyName) -> PolicyName:
+        if p not in SIMULATED_POLICIES:
+            raise ValueError(f"the simulator covers {[x.value for x in SIMULATED_POLICIES]}, not {p.value!r}")
+        return p
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    trace: SeqTrace
+    max_tokens: int
+    prompt_len: int
+    arrival: float = 0.0
+
+
+def make_requests(pool: dict[str, list[SeqTrace]], spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
+    missing = [c for c in spec.classes if not pool.get(c)]
+    if missing:
+        raise ValueError(f"no recorded sequences of class {missing}; have {sorted(pool)}")
+    out, t = [], 0.0
+    for i in range(spec.num_requests):
+        trace = rng.choice(pool[spec.classes[i % len(spec.classes)]])
+        n = trace.max_tokens if spec.min_tokens is None else rng.randint(spec.min_tokens, spec.max_tokens or 1)
+        if spec.arrival == ArrivalKind.poisson:
+            assert spec.rate_per_s is not None
+            t += rng.expovariate(spec.rate_per_s)
+        out.append(SimRequest(trace, n, trace.prompt_len, t))
+    return out
+
+
+def trace_pool(runs: Iterable[RunTrace]) -> dict[str, list[SeqTrace]]:
+    """Recorded sequences by class, from chain runs that recorded KLD (the DSDE runs)."""
+    pool: dict[str, list[SeqTrace]] = {}
+    for run in runs:
+        if run.has_kld:
+            for seq in sequence_traces(run):
+                pool.setdefault(seq.cls, []).append(seq)
+    return pool
+
+
+# ─────────────────────────── the event loop ───────────────────────────
+
+
+@dataclass
+class _Seq:
+    req: SimRequest
+    state: SLState | None
+    cursor: int = 0
+    emitted: int = 0
+    fed: int = 0  # tokens the next step feeds (the prompt first)
+    first: float | None = None
+    last: float | None = None
+
+    def outcome(self, depth: int) -> tuple[int, list[float]]:
+        """Accepted drafted tokens for a draft of ``depth`` and the KLDs of the verified positions."""
+        acc, klds = self.req.trace.accepts, self.req.trace.klds
+        n = len(acc)
+        a = 0
+        while a < depth and acc[(self.cursor + a) % n]:
+            a += 1
+        verified = min(a + 1, depth)
+        kld = [klds[(self.cursor + i) % n] for i in range(verified)]
+        self.cursor += verified
+        return a, kld
+
+
+@dataclass
+class SimResult:
+    tokens: int
+    seconds: float
+    steps: int
+    idle_fraction: float  # mean over drafting steps
+    mean_sl: float  # mean drafted depth over drafting rows
+    mean_cap: float
+    ttft_s: list[float]
+    tpot_s: list[float]
+    latency_s: list[float]
+    draft_s: float
+    verify_s: float
+    host_s: float
+    sl_hist: Counter[int] = field(default_factory=Counter)  # drafted depth per row and step
+    uncapped_hist: Counter[int] = field(default_factory=Counter)  # SL_i before the cap
+    cap_hist: Counter[int] = field(default_factory=Counter)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "tok_s": self.tok_s,
+            "seconds": self.seconds,
+            "steps": self.steps,
+            "idle_fraction": self.idle_fraction,
+            "mean_sl": self.mean_sl,
+            "mean_cap": self.mean_cap,
+            "p50_ttft_s": percentile(self.ttft_s, 50),
+            "p99_ttft_s": percentile(self.ttft_s, 99),
+            "p50_tpot_s": percentile(self.tpot_s, 50),
+            "p99_tpot_s": percentile(self.tpot_s, 99),
+            "draft_frac": self.draft_s / self.seconds if self.seconds else 0.0,
+            "verify_frac": self.verify_s / self.seconds if self.seconds else 0.0,
+        }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (as ``specserve.bench.batch`` reports p99); NaN for no values."""
+    if not values:
+        return math.nan
+    v = sorted(values)
+    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
+
+
+def _policy(cfg: SimConfig) -> SLPolicy | None:
+    if cfg.policy == PolicyName.plain:
+        return None
+    if cfg.policy == PolicyName.static:
+        return StaticPolicy(cfg.spec.sl)
+    return DSDEPolicy(cfg.spec.dsde)
+
+
+def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) -> SimResult:
+    policy = _policy(cfg)
+    arrivals = [(r.arrival, i, r) for i, r in enumerate(requests)]
+    heapq.heapify(arrivals)
+    waiting: list[_Seq] = []
+    running: list[_Seq] = []
+    done: list[_Seq] = []
+    t = 0.0
+    steps = tokens = 0
+    draft_total = verify_total = host_total = 0.0
+    idles: list[float] = []
+    caps: list[int] = []
+    res = SimResult(0, 0.0, 0, 0.0, 0.0, 0.0, [], [], [], 0.0, 0.0, 0.0)
+    while arrivals or waiting or running:
+        while arrivals and arrivals[0][0] <= t:
+            _, _, r = heapq.heappop(arrivals)
+            waiting.append(_Seq(r, None if policy is None else policy.new_sequence(), fed=r.prompt_len))
+        while waiting and len(running) < cfg.batch_size:
+            running.append(waiting.pop(0))
+        if not running:
+            t = arrivals[0][0]
+            continue
+        # plan: the real policy code (SL_i per sequence, then SL_cap over the lock-step batch)
+        if policy is None:
+            depths, uncapped, cap = [0] * len(running), [], None
+        else:
+            plan = policy.plan([s.state for s in running])  # type: ignore[misc]
+            depths, uncapped, cap = [cfg.spec.depth_for(sl) for sl in plan.sls], plan.uncapped, plan.cap
+        verify_tokens = sum(s.fed + d for s, d in zip(running, depths, strict=True))
+        extra_fed = sum(s.fed - 1 for s, d in zip(running, depths, strict=True) if d > 0)
+        emitted_step = 0
+        emits: list[int] = []
+        for s, d in zip(running, depths, strict=True):
+            a, kld = (0, []) if d == 0 else s.outcome(d)
+            if d > 0 and policy is not None and s.state is not None:
+                policy.observe(s.state, kld, d, a)
+            n = min(a + 1, s.req.max_tokens - s.emitted)
+            emits.append(n)
+            emitted_step += n
+            s.fed = 1
+        dr = cost.draft_s(depths, extra_fed)
+        vr = cost.verify_s(len(running), verify_tokens)
+        ho = cost.overhead_s(len(running), emitted_step)
+        t += dr + vr + ho
+        draft_total, verify_total, host_total = draft_total + dr, verify_total + vr, host_total + ho
+        steps += 1
+        tokens += emitted_step
+        if any(depths):
+            idles.append(idle_fraction(depths))
+            res.sl_hist.update(d for d in depths if d > 0)
+            res.uncapped_hist.update(uncapped)
+        if cap is not None:
+            caps.append(cap)
+            res.cap_hist[cap] += 1
+        for s, n in zip(running, emits, strict=True):
+            if n > 0:
+                s.first = t if s.first is None else s.first
+                s.last = t
+                s.emitted += n
+        finished = [s for s in running if s.emitted >= s.req.max_tokens]
+        if finished:
+            done += finished
+            running = [s for s in running if s.emitted < s.req.max_tokens]
+    rows_drafted = sum(res.sl_hist.values())
+    res.tokens, res.seconds, res.steps = tokens, t, steps
+    res.idle_fraction = statistics.mean(idles) if idles else 0.0
+    res.mean_sl = sum(d * c for d, c in res.sl_hist.items()) / rows_drafted if rows_drafted else 0.0
+    res.mean_cap = statistics.mean(caps) if caps else 0.0
+    res.draft_s, res.verify_s, res.host_s = draft_total, verify_total, host_total
+    for s in done:
+        assert s.first is not None and s.last is not None
+        res.ttft_s.append(s.first - s.req.arrival)
+        res.latency_s.append(s.last - s.req.arrival)
+        if s.emitted > 1:
+            res.tpot_s.append((s.last - s.first) / (s.emitted - 1))
+    return res
+
+
+# ─────────────────────────── validation against engine runs ───────────────────────────
+
+
+class ValidationMode(str, Enum):
+    in_sample = "in_sample"  # cost model and sequence pool from all runs
+    leave_batch_out = "leave_batch_out"  # ... from runs at other batch sizes only (extrapolation test)
+
+
+def validate(
+    runs: Sequence[RunTrace], mode: ValidationMode, *, seed: int = 0, repeats: int = 3
+) -> list[dict[str, Any]]:
+    """Simulate every measured chain/plain run with its own requests (class, prompt and output lengths) and
+    compare throughput and idle fraction. Sequence outcomes come from the pool of the same workload."""
+    rows = []
+    for run in runs:
+        if run.policy not in SIMULATED_POLICIES:
+            continue
+        train = list(runs)
+        if mode == ValidationMode.leave_batch_out and any(r.batch != run.batch for r in runs):
+            train = [r for r in runs if r.batch != run.batch]
+        cost = CostModel.fit(cost_samples(train))
+        pool = trace_pool(r for r in train if r.workload == run.workload)
+        if not pool:
+            pool = trace_pool(r for r in runs if r.workload == run.workload)
+        sims = []
+        for k in range(repeats):
+            rng = random.Random(seed * 7919 + k)
+            reqs = []
+            for q in run.requests:
+                cands = pool.get(request_class(q)) or [s for v in pool.values() for s in v]
+                reqs.append(SimRequest(rng.choice(cands), q.max_tokens, q.prompt_len))
+            sims.append(simulate(reqs, SimConfig(batch_size=run.batch, policy=run.policy, spec=run.spec), cost))
+        sim_tok_s = statistics.mean(s.tok_s for s in sims)
+        drafting = [st for st in run.steps if st.levels > 0]
+        rows.append(
+            {
+                "mode": mode.value,
+                "workload": _workload_label(run),
+                "policy": run.policy.label,
+                "batch": run.batch,
+                "measured_tok_s": run.tok_s,
+                "sim_tok_s": sim_tok_s,
+                "error": sim_tok_s / run.tok_s - 1.0,
+                "measured_idle": _mean_idle(drafting),
+                "sim_idle": statistics.mean(s.idle_fraction for s in sims),
+            }
+        )
+    return rows
+
+
+def _mean_idle(steps: Sequence[Any]) -> float:
+    return statistics.mean(idle_fraction([s.depth for s in st.seqs]) for st in steps) if steps else 0.0
+
+
+def _workload_label(run: RunTrace) -> str:
+    if run.workload == WorkloadKind.synthetic:
+        mix = sorted({q.synthetic_accept for q in run.requests if q.synthetic_accept is not None}, reverse=True)
+        return "SYNTHETIC " + "/".join(f"{a:g}" for a in mix)
+    return "real " + "+".join(dict.fromkeys(q.category for q in run.requests))
+
+
+# ─────────────────────────── CLI ───────────────────────────
+
+
+class SimStudy(BaseModel):
+    """Settings of ``python -m load.simulate``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    traces: Path
+    out: Path = Path("bench_out/sim")
+    batch_sizes: list[int] = [1, 16, 64, 128, 256, 512]
+    policies: list[PolicyName] = list(SIMULATED_POLICIES)
+    workloads: list[WorkloadKind] = [WorkloadKind.real, WorkloadKind.synthetic]
+    requests_per_slot: int = Field(default=2, ge=1)
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+    cost: Path | None = None  # a CostModel JSON (e.g. a GPU profile); None: fit on the traces' steps
+    validate_runs: bool = False
+    repeats: int = Field(default=3, ge=1)
+    seed: int = 0
+
+    @field_validator("policies")
+    @classmethod
+    def _simulated(cls, ps: list[PolicyName]) -> list[PolicyName]:
+        bad = [p.value for p in ps if p not in SIMULATED_POLICIES]
+        if bad:
+            raise ValueError(f"the simulator covers {[p.value for p in SIMULATED_POLICIES]}; not {bad}")
+        return ps
+
+
+def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[dict[str, Any]]:
+    specs = _specs_from_runs(runs)
+    rows = []
+    todo = [(w, b, p) for w in study.workloads for b in study.batch_sizes for p in study.policies]
+    start = time.perf_counter()
+    for i, (workload, bs, pol) in enumerate(todo, 1):
+        wruns = [r for r in runs if r.workload == workload]
+        pool = trace_pool(wruns)
+        if not pool:
+            print(f"  no recorded DSDE sequences for workload {workload.value}; skipped", file=sys.stderr)
+            continue
+        classes = list(dict.fromkeys(request_class(q) for r in wruns for q in r.requests if request_class(q) in pool))
+        wl = WorkloadSpec(
+            num_requests=bs * study.requests_per_slot,
+            classes=classes,
+            min_tokens=study.min_tokens,
+            max_tokens=study.max_tokens,
+        )
+        sims = []
+        for k in range(study.repeats):
+            rng = random.Random(study.seed * 7919 + k)
+            cfg = SimConfig(batch_size=bs, policy=pol, spec=specs[pol], seed=study.seed)
+            sims.append(simulate(make_requests(pool, wl, rng), cfg, cost))
+        summary = {k: statistics.mean(s.summary()[k] for s in sims) for k in sims[0].summary()}
+        label = (
+            "SYNTHETIC " + "/".join(c.split("=")[1] for c in classes)
+            if workload == WorkloadKind.synthetic
+            else ("real " + "+".join(classes))
+        )
+        rows.append({"workload": label, "batch": bs, "policy": pol.label, **summary, "_sims": sims})
+        print(
+            f"[{i}/{len(todo)}] {label:24s} B={bs:4d} {pol.label:14s} {summary['tok_s']:9.1f} tok/s  "
+            f"idle {summary['idle_fraction']:.3f}  ({time.perf_counter() - start:.0f}s)",
+            flush=True,
+        )
+    return rows
+
+
+def _specs_from_runs(runs: Sequence[RunTrace]) -> dict[PolicyName, SpecConfig]:
+    specs = policy_specs()
+    for r in runs:  # the settings the engine actually ran with (static SL, DSDE parameters)
+        specs[r.policy] = r.spec
+    return specs
+
+
+def cap_gains(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Throughput of DSDE + SL_cap over DSDE without cap, and each one's scaling over batch 1."""
+    out = []
+    by = {(r["workload"], r["batch"], r["policy"]): r for r in rows}
+    cap, nocap = PolicyName.dsde_cap.label, PolicyName.dsde_nocap.label
+    for w, b in dict.fromkeys((r["workload"], r["batch"]) for r in rows):
+        if (w, b, cap) in by and (w, b, nocap) in by:
+            row = {"workload": w, "batch": b, "cap_gain": by[w, b, cap]["tok_s"] / by[w, b, nocap]["tok_s"] - 1.0}
+            for pol, key in ((cap, "scaling_cap"), (nocap, "scaling_nocap")):
+                base = by.get((w, 1, pol))
+                row[key] = by[w, b, pol]["tok_s"] / base["tok_s"] if base else math.nan
+            out.append(row)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m load.simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", type=Path, required=True, help="traces.jsonl written by load.straggler")
+    p.add_argument("--out", type=Path, default=Path("bench_out/sim"))
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
+    p.add_argument("--policies", nargs="+", default=[x.value for x in SIMULATED_POLICIES])
+    p.add_argument("--workloads", nargs="+", default=[w.value for w in WorkloadKind])
+    p.add_argument("--requests-per-slot", type=int, default=2)
+    p.add_argument("--min-tokens", type=int, default=None, help="output lengths (default: the recorded ones)")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--cost", type=Path, default=None, help="CostModel JSON (a GPU profile); default: fit here")
+    p.add_argument("--write-cost", type=Path, default=None, help="write the cost model used as JSON")
+    p.add_argument("--roofline", choices=sorted(ROOFLINES), default=None, help="use a named roofline estimate")
+    p.add_argument("--validate", action="store_true", help="compare with the measured runs in the traces")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    study = SimStudy(
+        traces=args.traces,
+        out=args.out,
+        batch_sizes=args.batch_sizes,
+        policies=args.policies,
+        workloads=args.workloads,
+        requests_per_slot=args.requests_per_slot,
+        min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens,
+        cost=args.cost,
+        validate_runs=args.validate,
+        repeats=args.repeats,
+        seed=args.seed,
+    )
+    runs = read_traces(study.traces)
+    study.out.mkdir(parents=True, exist_ok=True)
+    report: list[str] = [f"# Simulated lane: {study.traces}", ""]
+    if study.validate_runs:
+        val = []
+        for mode in ValidationMode:
+            val += validate(runs, mode, seed=study.seed, repeats=study.repeats)
+        _write_csv(study.out / "validation.csv", val)
+        table = _md(
+            val,
+            (
+                "mode",
+                "workload",
+                "policy",
+                "batch",
+                "measured_tok_s",
+                "sim_tok_s",
+                "error",
+                "measured_idle",
+                "sim_idle",
+            ),
+        )
+        print(table)
+        errs = {m.value: [abs(r["error"]) for r in val if r["mode"] == m.value] for m in ValidationMode}
+        summary = ", ".join(
+            f"{m}: mean |error| {statistics.mean(e):.1%}, max {max(e):.1%}, within 15%: "
+            f"{sum(x <= 0.15 for x in e)}/{len(e)}"
+            for m, e in errs.items()
+            if e
+        )
+        print(summary)
+        report += ["## Validation against the engine runs", "", summary, "", table, ""]
+    if args.roofline:
+        cost = ROOFLINES[args.roofline]()
+    elif study.cost is not None:
+        cost = CostModel.model_validate_json(study.cost.read_text())
+    else:
+        samples = list(cost_samples(runs))
+        cost = CostModel.fit(samples, source=f"fit on {study.traces}")
+        q = fit_quality(cost, samples)
+        report += [
+            "Cost model fit, summed-time error per component: " + ", ".join(f"{k} {v:+.1%}" for k, v in q.items()),
+            "",
+        ]
+    if args.write_cost:
+        args.write_cost.parent.mkdir(parents=True, exist_ok=True)
+        args.write_cost.write_text(cost.model_dump_json(indent=2))
+    report += [f"Cost model: `{cost.source}`", "", "```json", cost.model_dump_json(indent=1), "```", ""]
+    rows = sweep(study, runs, cost)
+    plain_rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    _write_csv(study.out / "sim.csv", plain_rows)
+    gains = cap_gains(plain_rows)
+    if gains:
+        _write_csv(study.out / "cap_gain.csv", gains)
+        report += [
+            "## SL_cap gain (DSDE + SL_cap vs DSDE no cap) and scaling over batch 1",
+            "",
+            _md(gains, tuple(gains[0])),
+            "",
+        ]
+    cols = (
+        "workload",
+        "batch",
+        "policy",
+        "tok_s",
+        "idle_fraction",
+        "mean_sl",
+        "mean_cap",
+        "p50_ttft_s",
+        "p99_ttft_s",
+        "p50_tpot_s",
+        "p99_tpot_s",
+    )
+    report += ["## Simulated throughput and latency", "", _md(plain_rows, cols), ""]
+    plot_sim(rows, study.out)
+    (study.out / "report.md").write_text("\n".join(report))
+    print(f"wrote {study.out}/report.md, sim.csv, sim_*.png")
+    return 0
+
+
+ROOFLINES = {
+    # Llama-3.1-8B-Instruct target (8.03e9 params) + Llama-3.2-1B-Instruct draft (1.24e9), bf16, one H100 SXM
+    "h100-llama8b-1b": lambda: CostModel.roofline(
+        target_params=8.03e9, draft_params=1.24e9, source="roofline estimate: H100, Llama-3.1-8B + Llama-3.2-1B"
+    ),
+}
+
+
+def _write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    from specserve.bench.report import write_csv
+
+    if rows:
+        write_csv(path, rows)
+
+
+def _md(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
+    from specserve.bench.report import markdown_table
+
+    return markdown_table([{c: r[c] for c in cols} for r in rows]) if rows else ""
+
+
+def plot_sim(rows: Sequence[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        sub = [r for r in rows if r["workload"] == workload]
+        fig, axes = plt.subplots(1, 4, figsize=(15, 3.4))
+        for metric, ax in zip(("tok_s", "idle_fraction", "p99_ttft_s", "p99_tpot_s"), axes, strict=True):
+            for pol in dict.fromkeys(r["policy"] for r in sub):
+                pts = [(r["batch"], r[metric]) for r in sub if r["policy"] == pol]
+                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", ms=3, label=pol)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size")
+            ax.set_title(metric, fontsize=9)
+        axes[0].legend(fontsize=7)
+        fig.suptitle(f"simulated lane: {workload}", fontsize=10)
+        fig.tight_layout()
+        name = "synthetic" if workload.startswith("SYNTHETIC") else "real"
+        fig.savefig(out / f"sim_{name}.png", dpi=72)
+        plt.close(fig)
+        _plot_sl(sub, out / f"sim_sl_{name}.png", workload)
+
+
+def _plot_sl(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    big = max(r["batch"] for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+    for r in rows:
+        if r["batch"] != big or "_sims" not in r:
+            continue
+        hist: Counter[int] = sum((s.sl_hist for s in r["_sims"]), Counter())
+        if hist:
+            xs = sorted(hist)
+            total = sum(hist.values())
+            axes[0].plot(xs, [hist[x] / total for x in xs], marker="o", ms=3, label=r["policy"])
+        caps: Counter[int] = sum((s.cap_hist for s in r["_sims"]), Counter())
+        if caps:
+            xs = sorted(caps)
+            total = sum(caps.values())
+            axes[1].bar(xs, [caps[x] / total for x in xs], alpha=0.6, label=r["policy"])
+    axes[0].set_title(f"drafted SL per row and step (B={big})", fontsize=9)
+    axes[1].set_title(f"SL_cap per step (B={big})", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("SL")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"simulated: {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
