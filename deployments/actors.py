@@ -7,7 +7,7 @@ protocol objects (token ids, small index lists, sparse top-K probabilities) trav
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -187,4 +187,4 @@ class WorkerFactory:
             .options(name=name, namespace=ACTOR_NAMESPACE, max_restarts=0, max_task_retries=0, **options)
             .remote(recipe, resources.device, resources.torch_threads)
         )
-        return PROXY_CLASSES[role](handle, name, role)
+        return PROXY_CLASSES[role](cast(ActorHandle, handle), name, role)

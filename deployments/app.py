@@ -14,7 +14,7 @@ CONTROL_REQUEST_HEADROOM = 16  # /health, /metrics and /debug requests beyond th
 
 def app_builder(args: dict[str, Any]) -> Application:
     app_args = AppArgs.model_validate(args)
-    return Router.options(
+    return Router.options(  # type: ignore[attr-defined]  # a Serve Deployment
         ray_actor_options=app_args.router_resources.actor_options(),
         placement_group_bundles=app_args.placement_bundles(),
         placement_group_strategy=app_args.placement_strategy.value,

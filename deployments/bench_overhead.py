@@ -1,9 +1,10 @@
 """Overhead of the Ray Serve deployment over the in-process Engine, on the same models and settings.
 
 For each batch size B, B requests (MT-bench prompts; token ids in tiny mode) run at once with greedy decoding and
-``ignore_eos``, so both sides generate exactly B * max_tokens tokens: first through ``Engine.generate`` in this
-process, then through HTTP against a local Serve app (router + one lane of target and draft actors). Prints a
-table and writes a CSV; ``slowdown`` = Engine tokens/s / Serve tokens/s (goal <= 1.15).
+``ignore_eos``, so both sides generate exactly B * max_tokens tokens: through ``Engine.generate`` in this process,
+and through HTTP against a local Serve app (router + one lane of target and draft actors). Prints a
+table and writes a CSV; ``slowdown`` = Engine tokens/s / Serve tokens/s (goal <= 1.15). Engine and Serve runs
+alternate (``--repeats`` times, median reported), so that other load on the machine hits both alike.
 
     .venv/bin/python -m deployments.bench_overhead --pair smollm2-int8 --batch 1 16 --max-tokens 32
     .venv/bin/python -m deployments.bench_overhead --tiny
@@ -15,6 +16,7 @@ import argparse
 import concurrent.futures
 import socket
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 import ray
 from ray import serve
+from transformers import PreTrainedTokenizerBase
 
 from deployments.app import app_builder
 from deployments.config import AppArgs, WorkerRole
@@ -58,6 +61,7 @@ class Row:
 
 
 def _engine(args: AppArgs) -> Engine:
+    tokenizer: PreTrainedTokenizerBase
     target_recipe, draft_recipe = args.recipe(WorkerRole.target), args.recipe(WorkerRole.draft)
     assert target_recipe is not None
     if args.tiny is not None:
@@ -147,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--sl", type=int, default=4, help="chain speculation length")
     p.add_argument("--torch-threads", type=int, default=2, help="per worker actor (the Engine uses torch's default)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per setting (the median is reported)")
     p.add_argument("--out", type=Path, default=Path("bench_out/serve_overhead.csv"))
     a = p.parse_args(argv)
 
@@ -164,23 +169,22 @@ def main(argv: list[str] | None = None) -> None:
     chat = args.tiny is None
     prompts = _prompts(args, max(a.batch))
 
-    engine = _engine(args)  # first, before Ray starts its processes
-    results: dict[tuple[Mode, int], tuple[float, int, float]] = {}
-    for b in a.batch:
-        results[Mode.engine, b] = bench_engine(engine, prompts[:b], a.max_tokens, chat=chat)
-    del engine
-
     port = _free_port()
     ray.init(include_dashboard=False)
+    runs: dict[tuple[Mode, int], list[tuple[float, int, float]]] = defaultdict(list)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app_builder(raw), name="bench", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        for b in a.batch:
-            results[Mode.serve, b] = bench_serve(url, args.model_name, prompts[:b], a.max_tokens, chat=chat)
+        engine = _engine(args)
+        for _ in range(a.repeats):  # alternate, so that load from elsewhere on the machine hits both alike
+            for b in a.batch:
+                runs[Mode.engine, b].append(bench_engine(engine, prompts[:b], a.max_tokens, chat=chat))
+                runs[Mode.serve, b].append(bench_serve(url, args.model_name, prompts[:b], a.max_tokens, chat=chat))
     finally:
         serve.shutdown()
         ray.shutdown()
+    results = {key: sorted(values)[len(values) // 2] for key, values in runs.items()}  # the median run
 
     rows: list[Row] = []
     for b in a.batch:

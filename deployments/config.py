@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specserve.config import MODEL_PAIRS, ModelSpec, SpecConfig, SpecMethod
+from specserve.config import MODEL_PAIRS, KLDMode, ModelSpec, SpecConfig, SpecMethod
 
 DEFAULT_PAIR = "smollm2-int8"
 TINY_MODEL_NAME = "tiny"
@@ -103,6 +103,12 @@ class AppArgs(BaseModel):
     max_batch_size: int = Field(default=16, ge=1, le=1024)
     max_model_len: int = Field(default=2048, ge=16, le=1_048_576)
     spec_headroom: int = Field(default=64, ge=1, le=1024, description="KV room for one step's drafted tokens")
+    max_step_tokens: int | None = Field(
+        default=None, ge=1, description="guard: cap on drafted tokens + batch size verified per step (None = off)"
+    )
+    throughput_guard: bool = Field(
+        default=False, description="speculate only at batch sizes where it measured faster than plain decoding"
+    )
     max_queued_requests: int = Field(default=64, ge=0)
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")
     router_resources: ActorResources = ActorResources(num_cpus=0.5)
@@ -123,6 +129,8 @@ class AppArgs(BaseModel):
             raise ValueError(f"unknown model pair {self.pair!r}; choose one of {sorted(MODEL_PAIRS)}")
         if self.speculation.method != SpecMethod.none and not self.has_draft:
             raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
+        if self.speculation.kld_mode != KLDMode.sparse:
+            raise ValueError("draft and target run in separate actors: the KLD signal must use kld_mode 'sparse'")
         return self
 
     @property

@@ -27,7 +27,7 @@ from deployments.actors import ACTOR_NAMESPACE, KVGeometry, RemoteWorker, Worker
 from deployments.config import WorkerRole
 from specserve.api.errors import WorkerFailedError
 from specserve.api.metrics import ServeMetrics
-from specserve.scheduler import Request, RequestOutput, RequestStats, StepLoop
+from specserve.scheduler import Request, RequestOutput, StepLoop
 from specserve.workers import DraftWorker, TargetWorker
 
 logger = logging.getLogger(__name__)
@@ -109,12 +109,9 @@ class LaneStream:
             yield item
 
     async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if not self._done:
+        if not (self._closed or self._done):
             self._lane.abort(self._request_id)
-        self._lane.in_flight -= 1
+        self._closed = True
 
 
 class Lane:
@@ -136,15 +133,14 @@ class Lane:
         self.metrics = metrics
         self.max_worker_restarts = max_worker_restarts
         self.step_delay_s = step_delay_s
-        self.in_flight = 0  # admitted, not yet closed; touched only on the event loop
         self.workers: dict[WorkerRole, RemoteWorker] = {
             WorkerRole.target: cast(RemoteWorker, loop.target),
             **({} if loop.draft is None else {WorkerRole.draft: cast(RemoteWorker, loop.draft)}),
         }
         self.generations = dict.fromkeys(self.workers, 0)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._active: set[str] = set()  # submitted and not yet finished or aborted (added on submit, else lane thread)
         self._sinks: dict[str, _Sink] = {}  # lane thread only
-        self._last_stats: dict[str, RequestStats] = {}  # lane thread only
         self._failures = 0  # consecutive failed steps
         self._thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
         self._thread.start()
@@ -154,17 +150,20 @@ class Lane:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
     async def submit(self, request: Request) -> LaneStream:
         """Queue the request on the lane; returns once the StepLoop accepted it (raises what add_request raises)."""
         sink = _Sink(asyncio.get_running_loop())
         admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.in_flight += 1
+        self._active.add(request.request_id)
         self._commands.put(_Submit(request, sink, admitted))
         try:
             await asyncio.wrap_future(admitted)
-        except BaseException:
-            self.in_flight -= 1
-            self._commands.put(_Abort(request.request_id))  # in case it was admitted as we were cancelled
+        except asyncio.CancelledError:
+            self.abort(request.request_id)  # it may be admitted after all
             raise
         return LaneStream(self, request.request_id, sink)
 
@@ -233,13 +232,13 @@ class Lane:
 
     def _apply(self, command: _Submit | _Abort) -> None:
         if isinstance(command, _Abort):
-            self._sinks.pop(command.request_id, None)
-            self._last_stats.pop(command.request_id, None)
+            self._forget(command.request_id)
             self.loop.abort(command.request_id)
             return
         try:
             self.loop.add_request(command.request)
         except Exception as e:
+            self._forget(command.request.request_id)
             command.admitted.set_exception(e)
             return
         self._sinks[command.request.request_id] = command.sink
@@ -258,27 +257,20 @@ class Lane:
             return
         self._failures = 0
         step_s = time.perf_counter() - t0
-        depths = []
         for out in outputs:
-            stats = dataclasses.replace(out.stats)  # a snapshot: the loop keeps mutating its own
-            last = self._last_stats.get(out.request_id, RequestStats())
-            if stats.draft_steps > last.draft_steps:
-                depths.append(stats.depth_sum - last.depth_sum)
-            self._last_stats[out.request_id] = stats
             sink = self._sinks.get(out.request_id)
-            if sink is not None:
-                sink.put(dataclasses.replace(out, stats=stats))
+            if sink is not None:  # a snapshot of the stats: the loop keeps mutating its own
+                sink.put(dataclasses.replace(out, stats=dataclasses.replace(out.stats)))
             if out.finished:
-                self._sinks.pop(out.request_id, None)
-                self._last_stats.pop(out.request_id, None)
-        self.metrics.lane_step(
-            self.index,
-            batch=len(outputs),
-            running=len(self.loop.running),
-            waiting=len(self.loop.waiting),
-            step_s=step_s,
-            depths=depths,
-        )
+                self._forget(out.request_id)
+        if outputs:  # the loop recorded this step
+            self.metrics.lane_step(
+                self.index,
+                self.loop.metrics[-1],
+                running=len(self.loop.running),
+                waiting=len(self.loop.waiting),
+                step_s=step_s,
+            )
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
 
@@ -317,6 +309,9 @@ class Lane:
                 self.loop.abort(request_id)
             except Exception:
                 logger.exception("lane %d: abort of %s failed", self.index, request_id)
-        self._sinks.clear()
-        self._last_stats.clear()
+            self._forget(request_id)
         self._failures = 0
+
+    def _forget(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        self._active.discard(request_id)

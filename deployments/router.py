@@ -27,6 +27,7 @@ from specserve.api.protocol import Health, HealthStatus
 from specserve.api.server import build_api
 from specserve.config import SpecConfig, SpecMethod
 from specserve.errors import UnsupportedModelError
+from specserve.guard import ThroughputGuard
 from specserve.models.loader import load_tokenizer
 from specserve.scheduler import Request, StepLoop
 
@@ -62,7 +63,7 @@ def lane_limits(args: AppArgs, target: ModelInfo, draft: ModelInfo | None) -> La
 @serve.deployment
 @serve.ingress()
 class Router:
-    async def __init__(self, args: AppArgs) -> None:
+    async def __init__(self, args: AppArgs) -> None:  # type: ignore[misc]  # Serve awaits async constructors
         self.args = args
         self.lanes: list[Lane] = []
         self._metrics = ServeMetrics()
@@ -90,6 +91,8 @@ class Router:
                 eos_token_ids=eos,
                 max_batch_size=args.max_batch_size,
                 max_model_len=limits.max_model_len,
+                max_step_tokens=args.max_step_tokens,
+                guard=ThroughputGuard() if args.throughput_guard else None,
             )
             lane = Lane(
                 i,
@@ -115,7 +118,8 @@ class Router:
     @staticmethod
     async def _model_infos(workers: dict[WorkerRole, RemoteWorker]) -> tuple[ModelInfo, ModelInfo | None]:
         roles = list(workers)
-        infos = dict(zip(roles, await asyncio.gather(*(workers[r].handle.info.remote() for r in roles)), strict=True))
+        found: list[ModelInfo] = await asyncio.gather(*(workers[r].handle.info.remote() for r in roles))
+        infos = dict(zip(roles, found, strict=True))
         return infos[WorkerRole.target], infos.get(WorkerRole.draft)
 
     # -- the Backend the HTTP API runs on ---------------------------------------------------------------

@@ -41,9 +41,9 @@ def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         raise ValueError(f"a byte-level vocabulary needs at least {len(vocab)} ids, not {vocab_size}")
     alphabet = [byte_char[ord(c)] for c in MERGE_ALPHABET]
     merges: list[tuple[str, str]] = []
-    for a, b in itertools.islice(itertools.product(alphabet, repeat=2), vocab_size - len(vocab)):
-        merges.append((a, b))
-        vocab[a + b] = len(vocab)
+    for left, right in itertools.islice(itertools.product(alphabet, repeat=2), vocab_size - len(vocab)):
+        merges.append((left, right))
+        vocab[left + right] = len(vocab)
     if len(vocab) != vocab_size:
         raise ValueError(f"vocab_size {vocab_size} exceeds the {len(vocab)} ids this tokenizer can define")
     core = Tokenizer(models.BPE(vocab=vocab, merges=merges))

@@ -14,7 +14,6 @@ columns (so its percentiles are token-count percentiles). Names are the MT-bench
 from __future__ import annotations
 
 import logging
-import os
 import random
 import sys
 import time
@@ -23,10 +22,9 @@ from typing import Any
 
 from locust import HttpUser, between, events, task
 from locust.env import Environment
-from pydantic import BaseModel, ConfigDict, Field
 
-from load.sse import RemoteHostError, StreamStats, check_loopback, parse_sse_line
-from specserve.bench.prompts import BenchPrompt, mt_bench_prompts
+from load.client import LoadSettings, RemoteHostError, StreamStats, check_loopback, parse_sse_line
+from specserve.bench.prompts import BenchPrompt
 
 DEFAULT_HOST = "http://127.0.0.1:8000"
 CHAT_PATH = "/v1/chat/completions"
@@ -38,78 +36,6 @@ class Metric(str, Enum):
     itl = "ITL"
     e2e = "E2E"
     tokens = "TOKENS"
-
-
-class SpecPolicyOverride(str, Enum):
-    """Per-request ``speculation`` extension; ``server`` sends none (the deployment's default applies)."""
-
-    server = "server"
-    none = "none"
-    static = "static"
-    dsde = "dsde"
-
-
-class LoadSettings(BaseModel):
-    """What each simulated user sends. ``from_env`` reads SPECSERVE_<FIELD> (upper case) variables."""
-
-    model_config = ConfigDict(frozen=True)
-
-    categories: dict[str, float] = Field(default_factory=dict, description="category -> weight; empty: all")
-    max_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    ignore_eos: bool = True  # fixed output lengths make runs comparable
-    model: str | None = None  # None: the first id of GET /v1/models
-    policy: SpecPolicyOverride = SpecPolicyOverride.server
-    record_itl: bool = True
-    seed: int = 0
-    timeout_s: float = Field(default=300.0, gt=0.0)
-    wait_min_s: float = Field(default=0.0, ge=0.0)
-    wait_max_s: float = Field(default=0.5, ge=0.0)
-
-    @staticmethod
-    def parse_categories(spec: str) -> dict[str, float]:
-        """``coding,math`` (equal weights) or ``coding:3,writing:1``."""
-        out: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, _, weight = part.partition(":")
-            out[name.strip()] = float(weight) if weight else 1.0
-        return out
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> LoadSettings:
-        env = dict(os.environ) if env is None else env
-        values: dict[str, Any] = {}
-        for name in cls.model_fields:
-            raw = env.get(f"SPECSERVE_{name.upper()}")
-            if raw is None or raw == "":
-                continue
-            values[name] = cls.parse_categories(raw) if name == "categories" else raw
-        return cls.model_validate(values)
-
-    def prompt_pool(self) -> dict[str, list[BenchPrompt]]:
-        prompts = mt_bench_prompts(categories=list(self.categories) or None)
-        pool: dict[str, list[BenchPrompt]] = {}
-        for p in prompts:
-            pool.setdefault(p.category, []).append(p)
-        unknown = set(self.categories) - set(pool)
-        if unknown:
-            known = sorted({p.category for p in mt_bench_prompts()})
-            raise ValueError(f"unknown MT-bench categories {sorted(unknown)}; known: {known}")
-        return pool
-
-    def body(self, prompt: BenchPrompt, model: str) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": [{"role": "user", "content": prompt.text}],
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "ignore_eos": self.ignore_eos,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self.policy != SpecPolicyOverride.server:
-            body["speculation"] = {"policy": self.policy.value}
-        return body
 
 
 @events.init.add_listener
@@ -127,6 +53,12 @@ def _fire(env: Environment, metric: Metric, name: str, value: float, length: int
     )
 
 
+def _http_error(resp: Any) -> str:
+    if resp.status_code == 0:  # no response at all
+        return f"connection failed: {resp.error}"
+    return f"HTTP {resp.status_code}: {resp.text[:200]}"
+
+
 class SpecServeUser(HttpUser):
     host = DEFAULT_HOST
     wait_time = between(0.0, 0.5)
@@ -140,6 +72,9 @@ class SpecServeUser(HttpUser):
 
     def _served_model(self) -> str:
         with self.client.get("/v1/models", name="/v1/models", catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(_http_error(resp))
+                return "default"
             try:
                 return str(resp.json()["data"][0]["id"])
             except (ValueError, KeyError, IndexError) as e:
@@ -166,7 +101,7 @@ class SpecServeUser(HttpUser):
             timeout=self.settings.timeout_s,
         ) as resp:
             if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                resp.failure(_http_error(resp))
                 return
             try:
                 for line in resp.iter_lines():

@@ -2,7 +2,7 @@
 
 Each step runs the real policy code (``specserve.policy``: StaticPolicy, or DSDEPolicy = SequenceDSDE per sequence
 then sl_cap / apply_cap over the batch), replays each sequence's acceptance and KLD outcomes from a recorded
-sequence (``load.trace.SeqTrace``, one whole recorded sequence per simulated one), and advances the clock by a
+sequence (``load.traces.SeqTrace``, one whole recorded sequence per simulated one), and advances the clock by a
 device cost model: all rows draft in lock-step, so the draft takes one forward per level over the rows still
 drafting; the verify is one forward over all tokens; plus host overhead.
 
@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from load.trace import (
+from load.traces import (
     SIMULATED_POLICIES,
     CostSample,
     PolicyName,
@@ -45,6 +46,7 @@ from load.trace import (
     sequence_traces,
 )
 from specserve.config import SpecConfig
+from specserve.models.llama import LlamaModel
 from specserve.policy import DSDEPolicy, SLPolicy, SLState, StaticPolicy
 from specserve.scheduler import idle_fraction
 
@@ -77,12 +79,36 @@ class Curve(BaseModel):
         return cls(points=[(0.0, value)])
 
     def __call__(self, x: float) -> float:
-        pts = self.points
-        if len(pts) == 1:
-            return max(0.0, pts[0][1])
-        i = min(max(bisect.bisect_right([p[0] for p in pts], x) - 1, 0), len(pts) - 2)
-        (x0, y0), (x1, y1) = pts[i], pts[i + 1]
-        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+        return max(0.0, _interp(self.points, x))
+
+
+def _interp(pts: Sequence[tuple[float, float]], x: float) -> float:
+    if len(pts) == 1:
+        return pts[0][1]
+    i = min(max(bisect.bisect_right([p[0] for p in pts], x) - 1, 0), len(pts) - 2)
+    (x0, y0), (x1, y1) = pts[i], pts[i + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _hat(knots: Sequence[float], j: int, x: float) -> float:
+    """The piecewise-linear basis function that is 1 at knot j and 0 at the others (extended linearly)."""
+    return _interp([(k, 1.0 if i == j else 0.0) for i, k in enumerate(knots)], x)
+
+
+def _knots(lo: float, hi: float) -> list[float]:
+    """lo, the powers of two between, and hi."""
+    lo, hi = max(1.0, lo), max(1.0, hi)
+    knots = [lo]
+    while 2 ** math.floor(math.log2(knots[-1]) + 1) < hi:
+        knots.append(2.0 ** math.floor(math.log2(knots[-1]) + 1))
+    if hi > knots[-1]:
+        knots.append(hi)
+    return knots
+
+
+class FitKind(str, Enum):
+    linear = "linear"  # draft level and verify costs linear in rows / tokens: robust far past the data
+    piecewise = "piecewise"  # piecewise-linear over power-of-two knots: follows non-monotonic CPU costs
 
 
 class CostModel(BaseModel):
@@ -90,8 +116,10 @@ class CostModel(BaseModel):
 
     draft  = sum over levels k of draft_level(rows still drafting at level k)
              + draft_row_s * drafting rows + draft_prefill_token_s * tokens fed at level 0 beyond one per row
-    verify = verify(total tokens in the forward) + verify_row_s * rows
-    host   = overhead(rows) + emit_token_s * tokens emitted
+    verify = verify(total tokens in the forward) + verify_row_s * rows + verify_drafting_row_s * drafting rows
+    host   = overhead(rows) + host_drafting_row_s * drafting rows + emit_token_s * tokens emitted
+
+    The per-row terms are host work (sampling, acceptance, KLD, DSDE updates): on a small model they dominate.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -102,60 +130,79 @@ class CostModel(BaseModel):
     draft_prefill_token_s: float = 0.0
     verify: Curve
     verify_row_s: float = 0.0
+    verify_drafting_row_s: float = 0.0
     overhead: Curve = Curve.constant(0.0)
+    host_drafting_row_s: float = 0.0
     emit_token_s: float = 0.0
 
     def draft_s(self, depths: Sequence[int], extra_fed: int = 0) -> float:
-        drafting = sorted(d for d in depths if d > 0)
-        if not drafting:
+        rows = level_rows(depths)
+        return self.draft_levels_s(rows, rows[0] if rows else 0, extra_fed)
+
+    def draft_levels_s(self, rows_per_level: Sequence[int], drafting_rows: int, extra_fed: int = 0) -> float:
+        """Lock-step: level k is one forward over the rows still drafting there."""
+        if not rows_per_level:
             return 0.0
-        # lock-step: level k is one forward over the rows still drafting there (those with depth >= k)
-        levels = sum(
-            self.draft_level(len(drafting) - bisect.bisect_left(drafting, k)) for k in range(1, drafting[-1] + 1)
-        )
-        return levels + self.draft_row_s * len(drafting) + self.draft_prefill_token_s * extra_fed
+        levels = sum(self.draft_level(n) for n in rows_per_level)
+        return levels + self.draft_row_s * drafting_rows + self.draft_prefill_token_s * extra_fed
 
-    def verify_s(self, rows: int, tokens: int) -> float:
-        return self.verify(tokens) + self.verify_row_s * rows
+    def verify_s(self, rows: int, tokens: int, drafting_rows: int = 0) -> float:
+        return self.verify(tokens) + self.verify_row_s * rows + self.verify_drafting_row_s * drafting_rows
 
-    def overhead_s(self, rows: int, emitted: int) -> float:
-        return self.overhead(rows) + self.emit_token_s * emitted
+    def overhead_s(self, rows: int, emitted: int, drafting_rows: int = 0) -> float:
+        return self.overhead(rows) + self.host_drafting_row_s * drafting_rows + self.emit_token_s * emitted
 
-    def predict(self, s: CostSample, depths: Sequence[int] | None = None) -> tuple[float, float, float]:
-        """(draft, verify, host) seconds for a recorded step; ``depths`` exact, else spread as evenly as recorded."""
-        if depths is None:
-            depths = _even_depths(s.levels, s.depth_sum, s.drafting_rows)
+    def predict(self, s: CostSample) -> tuple[float, float, float]:
+        """(draft, verify, host) seconds of a recorded step."""
         return (
-            self.draft_s(depths, s.draft_extra_fed),
-            self.verify_s(s.batch, s.verify_tokens),
-            self.overhead_s(s.batch, s.emitted),
+            self.draft_levels_s(s.level_rows, s.drafting_rows, s.draft_extra_fed),
+            self.verify_s(s.batch, s.verify_tokens, s.drafting_rows),
+            self.overhead_s(s.batch, s.emitted, s.drafting_rows),
         )
 
     @classmethod
-    def fit(cls, samples: Iterable[CostSample], source: str = "fit") -> CostModel:
+    def fit(cls, samples: Iterable[CostSample], kind: FitKind = FitKind.linear, source: str = "fit") -> CostModel:
         """Least squares with non-negative coefficients, per component, on recorded steps."""
         samples = list(samples)
         if not samples:
             raise ValueError("no recorded steps to fit a cost model on")
         drafting = [s for s in samples if s.levels > 0]
+        max_rows = max((s.drafting_rows for s in drafting), default=1)
+        row_knots = [0.0, 1.0] if kind == FitKind.linear else _knots(1, max_rows)
+        draft_level, c, d = Curve.constant(0.0), 0.0, 0.0
         if drafting:
-            # draft_s = a * levels + b * sum_k rows_k + c * extra fed + d * drafting rows
-            a, b, c, d = _nnls(
-                [[s.levels, s.depth_sum, s.draft_extra_fed, s.drafting_rows] for s in drafting],
-                [s.draft_s for s in drafting],
-            )
-        else:
-            a = b = c = d = 0.0
-        v0, v_row, v_tok = _nnls([[1.0, s.batch, s.verify_tokens] for s in samples], [s.verify_s for s in samples])
-        o0, o_row, o_tok = _nnls([[1.0, s.batch, s.emitted] for s in samples], [s.overhead_s for s in samples])
+            # draft_s = sum_k f(rows at level k) + c * extra fed + d * drafting rows, f piecewise-linear on knots
+            x = [
+                [sum(_hat(row_knots, j, n) for n in s.level_rows) for j in range(len(row_knots))]
+                + [s.draft_extra_fed, s.drafting_rows]
+                for s in drafting
+            ]
+            coef = _nnls(x, [s.draft_s for s in drafting])
+            draft_level = Curve(points=list(zip(row_knots, coef[: len(row_knots)], strict=True)))
+            c, d = coef[-2:]
+        tok = [s.verify_tokens for s in samples]
+        tok_knots = [0.0, 1.0] if kind == FitKind.linear else _knots(min(tok), max(tok))
+        coef = _nnls(
+            [
+                [_hat(tok_knots, j, s.verify_tokens) for j in range(len(tok_knots))] + [s.batch, s.drafting_rows]
+                for s in samples
+            ],
+            [s.verify_s for s in samples],
+        )
+        verify, (v_row, v_drow) = Curve(points=list(zip(tok_knots, coef[:-2], strict=True))), coef[-2:]
+        o0, o_row, o_drow, o_tok = _nnls(
+            [[1.0, s.batch, s.drafting_rows, s.emitted] for s in samples], [s.overhead_s for s in samples]
+        )
         return cls(
-            source=f"{source} ({len(samples)} steps)",
-            draft_level=Curve.linear(a, b),
+            source=f"{source} ({kind.value}, {len(samples)} steps)",
+            draft_level=draft_level,
             draft_row_s=d,
             draft_prefill_token_s=c,
-            verify=Curve.linear(v0, v_tok),
+            verify=verify,
             verify_row_s=v_row,
+            verify_drafting_row_s=v_drow,
             overhead=Curve.linear(o0, o_row),
+            host_drafting_row_s=o_drow,
             emit_token_s=o_tok,
         )
 
@@ -190,18 +237,68 @@ class CostModel(BaseModel):
         )
 
 
-def _even_depths(levels: int, depth_sum: int, rows: int) -> list[int]:
-    if rows == 0 or levels == 0:
-        return []
-    base, extra = divmod(depth_sum, rows)
-    depths = [base + (i < extra) for i in range(rows)]
-    depths[0] = max(depths[0], levels)
-    return depths
+def time_forward(model: LlamaModel, rows: int, tokens_per_row: int, *, context: int = 256, repeats: int = 3) -> float:
+    """Median seconds of one batched forward: ``rows`` sequences with ``context`` cached tokens each append
+    ``tokens_per_row`` causal tokens (a draft level: 1; a chain verify: SL + 1)."""
+    from specserve.models.batch import ForwardBatch
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.cfg.vocab_size
+    cache = model.new_cache(rows, context + tokens_per_row + 1)
+    slots = [cache.allocate() for _ in range(rows)]
+    ctx = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in slots]
+    model(ForwardBatch.build(cache, slots, ctx, num_logits=[1] * rows, device=model.device), cache)
+    times = []
+    for _ in range(repeats + 1):  # the first one warms up
+        new = [torch.randint(0, vocab, (tokens_per_row,), generator=gen).tolist() for _ in slots]
+        _sync(model)
+        t0 = time.perf_counter()
+        model(ForwardBatch.build(cache, slots, new, device=model.device), cache)
+        _sync(model)
+        times.append(time.perf_counter() - t0)
+        for slot in slots:
+            cache.truncate(slot, context)
+    return statistics.median(times[1:])
 
 
-def _nnls(x: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares, dropping the most negative coefficient until all are >= 0 (a small active-set NNLS)."""
+def _sync(model: LlamaModel) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
+def measure_cost_model(
+    target: LlamaModel,
+    draft: LlamaModel,
+    rows: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    *,
+    verify_tokens_per_row: int = 5,
+    context: int = 256,
+    source: str = "measured",
+) -> CostModel:
+    """Draft level vs rows and verify vs total tokens from timed batched forwards on this device (model time only:
+    the host overhead of the scheduler is not in it)."""
+    draft_pts = [(float(r), time_forward(draft, r, 1, context=context)) for r in rows]
+    verify_pts = [
+        (float(r * verify_tokens_per_row), time_forward(target, r, verify_tokens_per_row, context=context))
+        for r in rows
+    ]
+    return CostModel(source=source, draft_level=Curve(points=draft_pts), verify=Curve(points=verify_pts))
+
+
+def level_rows(depths: Sequence[int]) -> list[int]:
+    """Rows still drafting at each level 1..max(depths): the batch drafts in lock-step."""
+    drafting = sorted(d for d in depths if d > 0)
+    return [len(drafting) - bisect.bisect_left(drafting, k) for k in range(1, (drafting[-1] if drafting else 0) + 1)]
+
+
+def _nnls(x: list[list[float]], y: list[float], *, relative: bool = False) -> list[float]:
+    """Least squares, dropping the most negative coefficient until all are >= 0 (a small active-set NNLS).
+    ``relative``: minimise relative instead of absolute errors (validated worse on the tiny sweep: the few large
+    prefill steps matter for the totals)."""
     a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if relative:
+        w = 1.0 / np.maximum(b, max(float(np.median(b)) * 1e-3, 1e-9))
+        a, b = a * w[:, None], b * w
     active = list(range(a.shape[1]))
     coef = np.zeros(a.shape[1])
     while active:
@@ -223,6 +320,15 @@ def fit_quality(model: CostModel, samples: Sequence[CostSample]) -> dict[str, fl
     total = sum(s.draft_s + s.verify_s + s.overhead_s for s in samples)
     out["step"] = sum(sum(p) for p in pred) / total - 1.0 if total > 0 else 0.0
     return out
+
+
+class RooflineName(str, Enum):
+    h100_llama8b_1b = "h100-llama8b-1b"  # Llama-3.1-8B (8.03e9 params) + Llama-3.2-1B (1.24e9), bf16, H100 SXM
+
+    def cost_model(self) -> CostModel:
+        return CostModel.roofline(
+            target_params=8.03e9, draft_params=1.24e9, source="roofline estimate: H100, Llama-3.1-8B + Llama-3.2-1B"
+        )
 
 
 # ─────────────────────────── workload and settings ───────────────────────────
@@ -427,9 +533,10 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
             emits.append(n)
             emitted_step += n
             s.fed = 1
+        drafting_rows = sum(d > 0 for d in depths)
         dr = cost.draft_s(depths, extra_fed)
-        vr = cost.verify_s(len(running), verify_tokens)
-        ho = cost.overhead_s(len(running), emitted_step)
+        vr = cost.verify_s(len(running), verify_tokens, drafting_rows)
+        ho = cost.overhead_s(len(running), emitted_step, drafting_rows)
         t += dr + vr + ho
         draft_total, verify_total, host_total = draft_total + dr, verify_total + vr, host_total + ho
         steps += 1
@@ -474,7 +581,12 @@ class ValidationMode(str, Enum):
 
 
 def validate(
-    runs: Sequence[RunTrace], mode: ValidationMode, *, seed: int = 0, repeats: int = 3
+    runs: Sequence[RunTrace],
+    mode: ValidationMode,
+    *,
+    fit: FitKind = FitKind.linear,
+    seed: int = 0,
+    repeats: int = 3,
 ) -> list[dict[str, Any]]:
     """Simulate every measured chain/plain run with its own requests (class, prompt and output lengths) and
     compare throughput and idle fraction. Sequence outcomes come from the pool of the same workload."""
@@ -485,7 +597,7 @@ def validate(
         train = list(runs)
         if mode == ValidationMode.leave_batch_out and any(r.batch != run.batch for r in runs):
             train = [r for r in runs if r.batch != run.batch]
-        cost = CostModel.fit(cost_samples(train))
+        cost = CostModel.fit(cost_samples(train), fit)
         pool = trace_pool(r for r in train if r.workload == run.workload)
         if not pool:
             pool = trace_pool(r for r in runs if r.workload == run.workload)
@@ -502,6 +614,7 @@ def validate(
         rows.append(
             {
                 "mode": mode.value,
+                "fit": fit.value,
                 "workload": _workload_label(run),
                 "policy": run.policy.label,
                 "batch": run.batch,
@@ -520,6 +633,8 @@ def _mean_idle(steps: Sequence[Any]) -> float:
 
 
 def _workload_label(run: RunTrace) -> str:
+    if run.label:
+        return run.label
     if run.workload == WorkloadKind.synthetic:
         mix = sorted({q.synthetic_accept for q in run.requests if q.synthetic_accept is not None}, reverse=True)
         return "SYNTHETIC " + "/".join(f"{a:g}" for a in mix)
@@ -543,6 +658,13 @@ class SimStudy(BaseModel):
     min_tokens: int | None = None
     max_tokens: int | None = None
     cost: Path | None = None  # a CostModel JSON (e.g. a GPU profile); None: fit on the traces' steps
+    roofline: RooflineName | None = None  # a named roofline estimate instead (overrides `cost`)
+    measure_target: str | None = None  # time batched forwards of this target (a ModelSpec source, or "tiny") ...
+    measure_draft: str | None = None  # ... and this draft on `device` to build the cost model
+    measure_dtype: str = "float32"
+    device: str = "cpu"
+    profile_rows: list[int] = [1, 2, 4, 8, 16, 32, 64]
+    fit: FitKind = FitKind.piecewise
     validate_runs: bool = False
     repeats: int = Field(default=3, ge=1)
     seed: int = 0
@@ -580,11 +702,7 @@ def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[di
             cfg = SimConfig(batch_size=bs, policy=pol, spec=specs[pol], seed=study.seed)
             sims.append(simulate(make_requests(pool, wl, rng), cfg, cost))
         summary = {k: statistics.mean(s.summary()[k] for s in sims) for k in sims[0].summary()}
-        label = (
-            "SYNTHETIC " + "/".join(c.split("=")[1] for c in classes)
-            if workload == WorkloadKind.synthetic
-            else ("real " + "+".join(classes))
-        )
+        label = _workload_label(wruns[0])
         rows.append({"workload": label, "batch": bs, "policy": pol.label, **summary, "_sims": sims})
         print(
             f"[{i}/{len(todo)}] {label:24s} B={bs:4d} {pol.label:14s} {summary['tok_s']:9.1f} tok/s  "
@@ -628,8 +746,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--cost", type=Path, default=None, help="CostModel JSON (a GPU profile); default: fit here")
     p.add_argument("--write-cost", type=Path, default=None, help="write the cost model used as JSON")
-    p.add_argument("--roofline", choices=sorted(ROOFLINES), default=None, help="use a named roofline estimate")
+    p.add_argument("--roofline", choices=[r.value for r in RooflineName], default=None, help="a roofline estimate")
+    p.add_argument("--measure-target", default=None, help="time batched forwards: target source (or 'tiny')")
+    p.add_argument("--measure-draft", default=None, help="... and draft source (or 'tiny')")
+    p.add_argument("--measure-dtype", default="float32", help="dtype of the timed models, e.g. bfloat16")
+    p.add_argument("--device", default="cpu", help="device of the timed models, e.g. cuda")
+    p.add_argument("--profile-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--fit", choices=[f.value for f in FitKind], default=FitKind.piecewise.value)
     p.add_argument("--validate", action="store_true", help="compare with the measured runs in the traces")
+    p.add_argument("--validate-only", action="store_true", help="skip the sweep")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -643,7 +768,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         min_tokens=args.min_tokens,
         max_tokens=args.max_tokens,
         cost=args.cost,
-        validate_runs=args.validate,
+        roofline=args.roofline,
+        measure_target=args.measure_target,
+        measure_draft=args.measure_draft,
+        measure_dtype=args.measure_dtype,
+        device=args.device,
+        profile_rows=args.profile_rows,
+        fit=args.fit,
+        validate_runs=args.validate or args.validate_only,
         repeats=args.repeats,
         seed=args.seed,
     )
@@ -653,12 +785,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if study.validate_runs:
         val = []
         for mode in ValidationMode:
-            val += validate(runs, mode, seed=study.seed, repeats=study.repeats)
+            for fit in FitKind:
+                val += validate(runs, mode, fit=fit, seed=study.seed, repeats=study.repeats)
         _write_csv(study.out / "validation.csv", val)
         table = _md(
             val,
             (
                 "mode",
+                "fit",
                 "workload",
                 "policy",
                 "batch",
@@ -670,8 +804,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
         )
         print(table)
-        errs = {m.value: [abs(r["error"]) for r in val if r["mode"] == m.value] for m in ValidationMode}
-        summary = ", ".join(
+        errs = {
+            f"{m.value}/{f.value}": [abs(r["error"]) for r in val if r["mode"] == m.value and r["fit"] == f.value]
+            for m in ValidationMode
+            for f in FitKind
+        }
+        summary = "; ".join(
             f"{m}: mean |error| {statistics.mean(e):.1%}, max {max(e):.1%}, within 15%: "
             f"{sum(x <= 0.15 for x in e)}/{len(e)}"
             for m, e in errs.items()
@@ -679,13 +817,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(summary)
         report += ["## Validation against the engine runs", "", summary, "", table, ""]
-    if args.roofline:
-        cost = ROOFLINES[args.roofline]()
+    if study.roofline is not None:
+        cost = study.roofline.cost_model()
+    elif study.measure_target is not None:
+        cost = _measured(study, CostModel.fit(cost_samples(runs), study.fit))
     elif study.cost is not None:
         cost = CostModel.model_validate_json(study.cost.read_text())
     else:
         samples = list(cost_samples(runs))
-        cost = CostModel.fit(samples, source=f"fit on {study.traces}")
+        cost = CostModel.fit(samples, study.fit, source=f"fit on {study.traces}")
         q = fit_quality(cost, samples)
         report += [
             "Cost model fit, summed-time error per component: " + ", ".join(f"{k} {v:+.1%}" for k, v in q.items()),
@@ -695,6 +835,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.write_cost.parent.mkdir(parents=True, exist_ok=True)
         args.write_cost.write_text(cost.model_dump_json(indent=2))
     report += [f"Cost model: `{cost.source}`", "", "```json", cost.model_dump_json(indent=1), "```", ""]
+    if args.validate_only:
+        (study.out / "report.md").write_text("\n".join(report))
+        return 0
     rows = sweep(study, runs, cost)
     plain_rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     _write_csv(study.out / "sim.csv", plain_rows)
@@ -727,12 +870,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-ROOFLINES = {
-    # Llama-3.1-8B-Instruct target (8.03e9 params) + Llama-3.2-1B-Instruct draft (1.24e9), bf16, one H100 SXM
-    "h100-llama8b-1b": lambda: CostModel.roofline(
-        target_params=8.03e9, draft_params=1.24e9, source="roofline estimate: H100, Llama-3.1-8B + Llama-3.2-1B"
-    ),
-}
+def _measured(study: SimStudy, fitted: CostModel) -> CostModel:
+    """Batched-forward timings of the given models; the host terms (overhead, per emitted token) from the fit."""
+    from specserve.config import DType, ModelSpec
+    from specserve.models.loader import load_model
+    from specserve.models.tiny import noisy_copy, tiny_model
+
+    def load(source: str) -> LlamaModel:
+        if source == "tiny":
+            return tiny_model().to(study.device)
+        return load_model(ModelSpec(source=source, dtype=DType(study.measure_dtype)), device=study.device)
+
+    target = load(study.measure_target or "tiny")
+    draft = (
+        noisy_copy(target, 0.1).to(study.device)
+        if study.measure_draft in (None, "tiny")
+        else load(study.measure_draft or "")
+    )
+    source = f"measured on {study.device}: {study.measure_target} + {study.measure_draft} ({study.measure_dtype})"
+    measured = measure_cost_model(target, draft, study.profile_rows, source=source)
+    host = ("overhead", "host_drafting_row_s", "emit_token_s")
+    return measured.model_copy(update={k: getattr(fitted, k) for k in host})
 
 
 def _write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
@@ -795,7 +953,8 @@ def _plot_sl(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     axes[1].set_title(f"SL_cap per step (B={big})", fontsize=9)
     for ax in axes:
         ax.set_xlabel("SL")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(f"simulated: {title}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=72)

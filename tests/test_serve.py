@@ -18,16 +18,23 @@ from typing import Any
 
 import httpx
 import openai
+import pydantic
 import pytest
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.job_config import JobConfig
 
+from deployments.actors import ModelInfo
 from deployments.app import app_builder
+from deployments.config import ActorResources, AppArgs, TinyModels, WorkerRole
+from deployments.router import lane_limits
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.config import SpecConfig
+from specserve.api.convert import speculation_for
+from specserve.api.protocol import SpecPolicy, SpeculationOptions
+from specserve.config import ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.errors import UnsupportedModelError
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams
 
@@ -149,6 +156,61 @@ def _sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
         if line.startswith("data: "):
             payload = line.removeprefix("data: ")
             yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+# -- configuration and mapping (no cluster) ---------------------------------------------------------------
+
+
+def test_speculation_options_map_onto_the_default() -> None:
+    default = SpecConfig(sl=5)
+    assert speculation_for(None, default) is None
+    assert speculation_for(SpeculationOptions(), default) is None  # nothing to change
+    for off in (SpeculationOptions(enabled=False), SpeculationOptions(policy=SpecPolicy.none)):
+        assert speculation_for(off, default) == SpecConfig(method=SpecMethod.none)
+    dsde = speculation_for(SpeculationOptions(policy=SpecPolicy.dsde, max_sl=3), default)
+    assert dsde is not None and dsde.policy == SLPolicyKind.dsde and dsde.max_sl == 3 and dsde.sl == 5
+    ceiling = default.model_copy(update={"max_sl": 6})
+    assert speculation_for(SpeculationOptions(max_sl=9), ceiling) is None  # a request cannot raise the ceiling
+    lower = speculation_for(SpeculationOptions(max_sl=2), ceiling)
+    assert lower is not None and lower.max_sl == 2
+    plain = speculation_for(SpeculationOptions(), SpecConfig(method=SpecMethod.none))
+    assert plain is not None and plain.method == SpecMethod.chain
+
+
+def test_app_args_layout_and_validation() -> None:
+    args = AppArgs()
+    assert args.pair_name == "smollm2-int8" and args.model_name == "smollm2-int8" and args.has_draft
+    lanes = AppArgs(tiny=TinyModels(), num_lanes=2, router_resources=ActorResources(num_cpus=0.5))
+    assert lanes.placement_bundles() == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}]
+    assert [lanes.bundle_index(1, r) for r in (WorkerRole.target, WorkerRole.draft)] == [3, 4]
+    gpu = ActorResources(num_cpus=2, num_gpus=1, resources={"a100": 1})
+    assert gpu.device == "cuda" and gpu.bundle() == {"CPU": 2, "GPU": 1, "a100": 1}
+    solo = AppArgs(target=ModelSpec(), speculation=SpecConfig(method=SpecMethod.none))
+    assert solo.roles == [WorkerRole.target] and solo.recipe(WorkerRole.draft) is None
+    for bad in (
+        {"tiny": {}, "pair": "smollm2-bf16"},
+        {"pair": "no-such-pair"},
+        {"draft": {}},
+        {"target": {}},  # speculation by default, but no draft
+        {"speculation": {"kld_mode": "exact"}},  # dense draft logits must not cross actors
+        {"target_resources": {"num_cpus": 0}},
+        {"max_batch_size": 0},
+    ):
+        with pytest.raises(pydantic.ValidationError):
+            AppArgs.model_validate(bad)
+
+
+def test_lane_limits_match_the_engine() -> None:
+    target = tiny_model(tiny_config(), seed=0)
+    info = ModelInfo(target.cfg.vocab_size, target.max_positions, frozenset({2}))
+    for spec in (SpecConfig(), SpecConfig(method=SpecMethod.ddd, budget=80), SpecConfig(policy=SLPolicyKind.dsde)):
+        args = AppArgs(tiny=TinyModels(), speculation=spec, max_model_len=300)
+        limits = lane_limits(args, info, info)
+        loop = Engine(target, None, draft=target, speculation=spec, max_model_len=300).loop
+        assert (limits.max_model_len, limits.spec_headroom) == (loop.max_model_len, loop.spec_headroom)
+        assert limits.geometry.max_len == loop.target.cache.max_len
+    with pytest.raises(UnsupportedModelError):
+        lane_limits(AppArgs(tiny=TinyModels()), info, ModelInfo(100, 512, frozenset()))
 
 
 # -- the OpenAI client, and equality with the in-process engine ------------------------------------------
@@ -436,7 +498,8 @@ def test_models_health_metrics(client: openai.OpenAI, main_url: str) -> None:
     assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == 512 - 64
     health = httpx.get(f"{main_url}/health", timeout=TIMEOUT_S)
     assert health.status_code == 200 and health.json() == {"status": "ok", "lanes": 2, "lanes_alive": 2}
-    client.completions.create(model=MODEL, prompt="metrics", max_tokens=8, temperature=0)
+    dsde = {"speculation": {"policy": "dsde"}, "ignore_eos": True}  # long enough to leave DSDE's warm-up
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=150, temperature=0, extra_body=dsde)
     metrics = httpx.get(f"{main_url}/metrics", timeout=TIMEOUT_S)
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text
@@ -452,5 +515,7 @@ def test_models_health_metrics(client: openai.OpenAI, main_url: str) -> None:
         'specserve_speculation_length_count{lane="0"}',
         'specserve_queue_depth{lane="0"}',
         'specserve_step_seconds_count{lane="1"}',
+        "specserve_sl_cap{lane=",
+        "specserve_straggler_idle_fraction{lane=",
     ):
         assert name in text, name

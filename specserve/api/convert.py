@@ -6,7 +6,7 @@ from pydantic import ValidationError
 
 from specserve.api.errors import APIError
 from specserve.api.protocol import GenerationRequest, SpecPolicy, SpeculationOptions, SpeculationUsage, Usage
-from specserve.config import SpecConfig, SpecMethod
+from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
 from specserve.sampling import SamplingParams
 from specserve.scheduler import RequestOutput
 
@@ -20,7 +20,7 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
             top_p=request.top_p,
             seed=request.seed,
             max_tokens=max_tokens,
-            stop=() if request.stop is None else request.stop,
+            stop=(request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
             ignore_eos=request.ignore_eos,
         )
     except ValidationError as e:
@@ -32,23 +32,22 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
 def speculation_for(options: SpeculationOptions | None, default: SpecConfig) -> SpecConfig | None:
     """A request's speculation options applied to the server default; None keeps the default.
 
-    ``enabled: false`` or ``policy: none`` turn speculation off; ``max_sl`` caps the chain length and the tree
-    depths. Asking for speculation where the default is plain decoding selects chain drafting.
+    ``enabled: false`` or ``policy: none`` turn speculation off; ``static`` / ``dsde`` select the SL policy;
+    ``max_sl`` caps the speculation length (chain length, tree depth) below the server's own ceiling. Asking for
+    speculation where the default is plain decoding selects chain drafting.
     """
     if options is None:
         return None
     if not options.enabled or options.policy == SpecPolicy.none:
         return SpecConfig(method=SpecMethod.none)
-    spec = default if default.method != SpecMethod.none else default.model_copy(update={"method": SpecMethod.chain})
+    update: dict[str, object] = {}
+    if default.method == SpecMethod.none:
+        update["method"] = SpecMethod.chain
+    if options.policy is not None:
+        update["policy"] = SLPolicyKind(options.policy.value)
     if options.max_sl is not None:
-        cap = options.max_sl
-        spec = spec.model_copy(
-            update={
-                "sl": min(spec.sl, cap),
-                "tree_depth": min(spec.tree_depth, cap),
-                "ddd_max_depth": min(spec.ddd_max_depth, cap),
-            }
-        )
+        update["max_sl"] = options.max_sl if default.max_sl is None else min(default.max_sl, options.max_sl)
+    spec = default.model_copy(update=update)
     return None if spec == default else spec
 
 

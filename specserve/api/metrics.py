@@ -1,9 +1,8 @@
 """Prometheus metrics of one router replica, in a registry of its own (``GET /metrics``).
 
-Fed by the HTTP layer (requests, TTFT/TPOT, tokens, per-request acceptance) and by the lanes (batch, queue,
-step time, speculation length per sequence and step, worker restarts). ``specserve_sl_cap`` and
-``specserve_straggler_idle_fraction`` are set through ``set_sl_cap`` / ``set_idle_fraction`` once the scheduler
-exposes them (see the lanes); until then they have no samples.
+Fed by the HTTP layer (requests, TTFT/TPOT, tokens, per-request acceptance) and by the lanes from the StepLoop's
+per-step StepMetrics (batch, queue, step time, drafted depth per sequence, SL_cap of the last DSDE step, straggler
+idle fraction of the last drafting step) and worker restarts.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from enum import Enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specserve.scheduler import RequestOutput
+from specserve.scheduler import RequestOutput, StepMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
@@ -110,26 +109,25 @@ class ServeMetrics:
             self.mean_accepted_length.observe(stats.tokens_per_forward)
 
     # -- lanes ------------------------------------------------------------------------------------------
-    def lane_step(self, lane: int, *, batch: int, running: int, waiting: int, step_s: float, depths: list[int]) -> None:
-        """One step of ``batch`` sequences; ``running`` / ``waiting`` after it retired and admitted."""
+    def lane_step(self, lane: int, step: StepMetrics, *, running: int, waiting: int, step_s: float) -> None:
+        """One lane step as the StepLoop recorded it; ``running`` / ``waiting`` after it retired and admitted."""
         label = str(lane)
         self.running.labels(label).set(running)
         self.queue_depth.labels(label).set(waiting)
         self.step_seconds.labels(label).observe(step_s)
-        self.batch_size.labels(label).observe(batch)
+        self.batch_size.labels(label).observe(step.batch_size)
         histogram = self.speculation_length.labels(label)
-        for depth in depths:
-            histogram.observe(depth)
+        for depth in step.depths:
+            if depth > 0:
+                histogram.observe(depth)
+        if step.cap is not None:
+            self.sl_cap.labels(label).set(step.cap)
+        if step.levels > 0:
+            self.idle_fraction.labels(label).set(step.idle_fraction)
 
     def lane_queue(self, lane: int, *, running: int, waiting: int) -> None:
         self.running.labels(str(lane)).set(running)
         self.queue_depth.labels(str(lane)).set(waiting)
-
-    def set_sl_cap(self, lane: int, value: float) -> None:
-        self.sl_cap.labels(str(lane)).set(value)
-
-    def set_idle_fraction(self, lane: int, value: float) -> None:
-        self.idle_fraction.labels(str(lane)).set(value)
 
     def worker_restarted(self, lane: int, role: str) -> None:
         self.worker_restarts.labels(str(lane), role).inc()

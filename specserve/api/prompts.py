@@ -3,6 +3,7 @@ the tokenizer's chat template with the generation prompt), so HTTP and in-proces
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -28,12 +29,10 @@ class PromptEncoder:
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as e:  # jinja errors for malformed messages
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
     def _tokenizer(self) -> PreTrainedTokenizerBase:
         if self.tokenizer is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from specserve.api.convert import sampling_params_for, speculation_for, usage_for
 from specserve.api.errors import APIError, ModelNotFoundError, OverloadedError, error_body
@@ -130,6 +131,40 @@ class _Tracker:
         return (self.last - self.first) / (num_tokens - 1)
 
 
+@dataclass
+class _Outcome:
+    """Closes a request's stream exactly once (aborting it if unfinished) and counts how it ended."""
+
+    stream: OutputStream
+    metrics: ServeMetrics
+    status: RequestStatus = RequestStatus.aborted
+    closed: bool = False
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self.stream.aclose()
+        if self.status != RequestStatus.ok:
+            self.metrics.request_done(self.status)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Runs ``on_close`` however the response ends: also when the client left before the body was iterated."""
+
+    def __init__(
+        self, content: AsyncIterator[str], *, on_close: Callable[[], Awaitable[None]], media_type: str
+    ) -> None:
+        super().__init__(content, media_type=media_type)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
 class _Routes:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -190,71 +225,73 @@ class _Routes:
             params = sampling_params_for(body, max_tokens=max_tokens)
             spec = speculation_for(body.speculation, self.backend.default_speculation)
             stream = await self.backend.submit(Request(fmt.request_id, prompt_ids, params, spec))
-        except OverloadedError:
-            metrics.request_done(RequestStatus.rejected)
-            raise
-        except (APIError, InvalidRequestError):
+        except InvalidRequestError:
             metrics.request_done(RequestStatus.invalid)
             raise
+        except APIError as e:
+            metrics.request_done(_status_of(e))
+            raise
         if body.stream:
-            events = self._events(stream, body, fmt, tracker)
-            return StreamingResponse(events, media_type=SSE_MEDIA_TYPE)
+            outcome = _Outcome(stream, metrics)
+            events = self._events(outcome, body, fmt, tracker)
+            return _ClosingStreamingResponse(events, on_close=outcome.close, media_type=SSE_MEDIA_TYPE)
         return await self._collect(stream, body, fmt, tracker)
 
     async def _collect(
         self, stream: OutputStream, body: GenerationRequest, fmt: _Format, tracker: _Tracker
     ) -> JSONResponse:
+        outcome = _Outcome(stream, self.backend.metrics)
         text: list[str] = []
         ids: list[int] = []
-        status = RequestStatus.aborted
         try:
             async for out in stream:
                 tracker.see(out)
                 text.append(out.text)
                 ids += out.token_ids
                 if out.finished:
-                    status = RequestStatus.ok
+                    outcome.status = RequestStatus.ok
                     self._finished(out, tracker)
                     response = fmt.response("".join(text), ids if body.return_token_ids else None, out)
                     return JSONResponse(response.model_dump(mode="json"))
             raise RuntimeError("the output stream ended before the request finished")
         except APIError:
-            status = RequestStatus.failed
+            outcome.status = RequestStatus.failed
             raise
         finally:
-            await stream.aclose()
-            if status != RequestStatus.ok:
-                self.backend.metrics.request_done(status)
+            await outcome.close()
 
     async def _events(
-        self, stream: OutputStream, body: GenerationRequest, fmt: _Format, tracker: _Tracker
+        self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker
     ) -> AsyncIterator[str]:
-        status = RequestStatus.aborted
         try:
             first = fmt.first_chunk()
             if first is not None:
                 yield _sse(first)
-            async for out in stream:
+            async for out in outcome.stream:
                 tracker.see(out)
                 if out.text or (body.return_token_ids and out.token_ids) or out.finished:
                     yield _sse(fmt.chunk(out, out.token_ids if body.return_token_ids else None))
                 if out.finished:
-                    status = RequestStatus.ok
+                    outcome.status = RequestStatus.ok
                     self._finished(out, tracker)
                     if body.include_usage_in_stream:
                         yield _sse(fmt.usage_chunk(usage_for(out)))
                     yield SSE_DONE
                     return
         except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
-            status = RequestStatus.failed
+            outcome.status = RequestStatus.failed
             yield _sse(e.body())
         finally:
-            await stream.aclose()
-            if status != RequestStatus.ok:
-                self.backend.metrics.request_done(status)
+            await outcome.close()
 
     def _finished(self, out: RequestOutput, tracker: _Tracker) -> None:
         self.backend.metrics.request_finished(out, ttft_s=tracker.ttft(), tpot_s=tracker.tpot(out.num_output_tokens))
+
+
+def _status_of(error: APIError) -> RequestStatus:
+    if isinstance(error, OverloadedError):
+        return RequestStatus.rejected
+    return RequestStatus.failed if error.status >= HTTPStatus.INTERNAL_SERVER_ERROR else RequestStatus.invalid
 
 
 def _sse(obj: BaseModel) -> str:

@@ -1,5 +1,6 @@
 """Pure helpers shared by the Locust users and the HTTP sweep: OpenAI SSE parsing, per-request latency
-statistics, and the loopback guard. Nothing here imports Locust (which monkey-patches the process)."""
+statistics, the users' settings and the loopback guard. Nothing here imports Locust (it monkey-patches the
+process with gevent on import)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specserve.bench.prompts import BenchPrompt, mt_bench_prompts
 
 ALLOW_REMOTE_ENV = "SPECSERVE_ALLOW_REMOTE"
 DONE_SENTINEL = "[DONE]"
@@ -179,3 +185,76 @@ def check_loopback(url: str | None, *, allow_remote: bool | None = None) -> str:
             f"allowed. Set {ALLOW_REMOTE_ENV}=1 to load a host you own."
         )
     return url
+
+
+class SpecPolicyOverride(str, Enum):
+    """Per-request ``speculation`` extension; ``server`` sends none (the deployment's default applies)."""
+
+    server = "server"
+    none = "none"
+    static = "static"
+    dsde = "dsde"
+
+
+class LoadSettings(BaseModel):
+    """What each simulated user sends. ``from_env`` reads SPECSERVE_<FIELD> (upper case) variables."""
+
+    model_config = ConfigDict(frozen=True)
+
+    categories: dict[str, float] = Field(default_factory=dict, description="category -> weight; empty: all")
+    max_tokens: int = Field(default=64, ge=1)
+    max_prompt_chars: int | None = Field(default=None, ge=1, description="truncate prompts (tiny deployments)")
+    temperature: float = Field(default=0.0, ge=0.0)
+    ignore_eos: bool = True  # fixed output lengths make runs comparable
+    model: str | None = None  # None: the first id of GET /v1/models
+    policy: SpecPolicyOverride = SpecPolicyOverride.server
+    record_itl: bool = True
+    seed: int = 0
+    timeout_s: float = Field(default=300.0, gt=0.0)
+    wait_min_s: float = Field(default=0.0, ge=0.0)
+    wait_max_s: float = Field(default=0.5, ge=0.0)
+
+    @staticmethod
+    def parse_categories(spec: str) -> dict[str, float]:
+        """``coding,math`` (equal weights) or ``coding:3,writing:1``."""
+        out: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, _, weight = part.partition(":")
+            out[name.strip()] = float(weight) if weight else 1.0
+        return out
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> LoadSettings:
+        env = dict(os.environ) if env is None else env
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            raw = env.get(f"SPECSERVE_{name.upper()}")
+            if raw is None or raw == "":
+                continue
+            values[name] = cls.parse_categories(raw) if name == "categories" else raw
+        return cls.model_validate(values)
+
+    def prompt_pool(self) -> dict[str, list[BenchPrompt]]:
+        prompts = mt_bench_prompts(categories=list(self.categories) or None)
+        pool: dict[str, list[BenchPrompt]] = {}
+        for p in prompts:
+            pool.setdefault(p.category, []).append(p)
+        unknown = set(self.categories) - set(pool)
+        if unknown:
+            known = sorted({p.category for p in mt_bench_prompts()})
+            raise ValueError(f"unknown MT-bench categories {sorted(unknown)}; known: {known}")
+        return pool
+
+    def body(self, prompt: BenchPrompt, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt.text[: self.max_prompt_chars]}],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "ignore_eos": self.ignore_eos,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.policy != SpecPolicyOverride.server:
+            body["speculation"] = {"policy": self.policy.value}
+        return body

@@ -128,6 +128,7 @@ class RunTrace(BaseModel):
 
     pair: str
     workload: WorkloadKind
+    label: str = ""  # e.g. "real coding+writing", "SYNTHETIC 0.9/0.3"
     synthetic: bool  # SYNTHETIC acceptance: never read as model quality
     policy: PolicyName
     spec: SpecConfig  # the run's speculation (per-request SYNTHETIC acceptance is in `requests`)
@@ -345,6 +346,7 @@ class CostSample(BaseModel):
     batch: int  # rows verified
     levels: int  # draft levels the batch ran
     depth_sum: int  # sum over rows of draft levels = sum over levels of rows still drafting
+    level_rows: list[int]  # rows still drafting at each level 1..levels (the batch drafts in lock-step)
     drafting_rows: int
     draft_extra_fed: int  # tokens drafting rows fed beyond one at level 0 (prompts of newly admitted rows, mostly)
     verify_tokens: int  # all tokens in the verify forward (fed + drafted)
@@ -364,6 +366,7 @@ def cost_samples(runs: Iterable[RunTrace]) -> Iterator[CostSample]:
                 batch=st.batch,
                 levels=st.levels,
                 depth_sum=sum(s.depth for s in drafting),
+                level_rows=[sum(s.depth >= k for s in drafting) for k in range(1, st.levels + 1)],
                 drafting_rows=len(drafting),
                 draft_extra_fed=sum(s.fed - 1 for s in drafting),
                 verify_tokens=sum(s.fed + s.drafted for s in st.seqs),

@@ -1,0 +1,573 @@
+"""Straggler study: concurrency (batch size) x policy sweeps on a heterogeneous workload.
+
+(a) in-process engine (default): per-step straggler metrics and per-step traces (``traces.jsonl``, replayed by
+    ``load.simulate``), CSV, PNG plots and a markdown report;
+(b) ``--url``: a running deployment over HTTP (streaming chat completions): request-level TTFT/TPOT and
+    throughput, plus the lane metrics ``GET /metrics`` exposes (SL histogram, SL_cap, idle fraction).
+
+    .venv/bin/python -m load.straggler --pair tiny --batch-sizes 1 4 16 --out bench_out/straggler
+
+Workloads: ``real`` interleaves MT-bench categories with different acceptance (default coding + writing);
+``synthetic`` is the SYNTHETIC acceptance mix (default 0.9 / 0.3), labelled SYNTHETIC everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from load.client import StreamStats, check_loopback, parse_sse_line
+from load.traces import (
+    PolicyName,
+    RunTrace,
+    StepRecorder,
+    WorkloadKind,
+    append_trace,
+    policy_specs,
+)
+from specserve.bench.batch import run_one
+from specserve.bench.prompts import mt_bench_prompts
+from specserve.bench.report import markdown_table, write_csv
+from specserve.config import MODEL_PAIRS, SpecConfig
+from specserve.engine import Engine
+from specserve.models.llama import LlamaModel
+
+TINY_PAIR = "tiny"
+TINY_BYTE_OFFSET = 3  # the tiny byte-level tokenizer's ids 3..258 are the 256 bytes (deployments/tiny_tokenizer.py)
+
+
+class StudyConfig(BaseModel):
+    """Settings of one sweep (``python -m load.straggler``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pair: str = TINY_PAIR  # "tiny" (random weights + noisy copy) or a name in specserve.config.MODEL_PAIRS
+    tiny_noise: float = Field(default=0.01, ge=0.0, description="tiny draft = target + this relative noise")
+    batch_sizes: list[int] = [1, 4, 16]
+    policies: list[PolicyName] = list(PolicyName)
+    workloads: list[WorkloadKind] = [WorkloadKind.real, WorkloadKind.synthetic]
+    categories: list[str] = ["coding", "writing"]
+    synthetic_mix: list[float] = [0.9, 0.3]
+    requests_per_slot: int = Field(default=2, ge=1, description="requests per run = this x batch size")
+    min_tokens: int = Field(default=32, ge=1)
+    max_tokens: int = Field(default=96, ge=1)
+    max_prompt_tokens: int | None = Field(default=None, ge=1, description="keep the last N prompt tokens")
+    static_sl: int = Field(default=4, ge=1)
+    budget: int = Field(default=16, ge=2)
+    beam_width: int = Field(default=4, ge=1)
+    max_step_tokens: int = Field(default=0, ge=0, description="speculation guard (0 = off)")
+    seed: int = 0
+    threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (None: torch's default)")
+    out: Path = Path("bench_out/straggler")
+    http_max_prompt_chars: int | None = Field(default=None, ge=1, description="HTTP mode: truncate prompt text")
+    url: str | None = None  # HTTP mode: a deployment's base URL (loopback only unless SPECSERVE_ALLOW_REMOTE=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> StudyConfig:
+        if self.pair != TINY_PAIR and self.pair not in MODEL_PAIRS:
+            raise ValueError(f"unknown pair {self.pair!r}; choose {TINY_PAIR!r} or one of {sorted(MODEL_PAIRS)}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens > max_tokens")
+        if not all(0.0 < a < 1.0 for a in self.synthetic_mix):
+            raise ValueError("synthetic acceptance values must be in (0, 1)")
+        known = {p.category for p in mt_bench_prompts()}
+        if set(self.categories) - known:
+            raise ValueError(f"unknown categories {sorted(set(self.categories) - known)}; known: {sorted(known)}")
+        return self
+
+    @property
+    def prompt_limit(self) -> int | None:
+        return self.max_prompt_tokens if self.max_prompt_tokens is not None or self.pair != TINY_PAIR else 96
+
+    def specs(self) -> dict[PolicyName, SpecConfig]:
+        table = policy_specs(static_sl=self.static_sl, beam_width=self.beam_width, budget=self.budget)
+        return {p: table[p] for p in self.policies}
+
+
+# ─────────────────────────── models and workload ───────────────────────────
+
+
+@dataclass
+class Models:
+    target: LlamaModel
+    draft: LlamaModel
+    tokenizer: Any  # a PreTrainedTokenizerBase, or None for the tiny pair (prompts are byte ids)
+    encode: Callable[[str], list[int]]
+
+
+def load_models(cfg: StudyConfig) -> Models:
+    if cfg.pair == TINY_PAIR:
+        from specserve.models.tiny import noisy_copy, tiny_model
+
+        target = tiny_model(seed=cfg.seed)
+        vocab = target.cfg.vocab_size
+        return Models(
+            target,
+            noisy_copy(target, cfg.tiny_noise, seed=cfg.seed + 1),
+            None,
+            lambda text: [TINY_BYTE_OFFSET + b % (vocab - TINY_BYTE_OFFSET) for b in text.encode()],
+        )
+    from specserve.models.loader import load_model, load_tokenizer
+
+    target_spec, draft_spec = MODEL_PAIRS[cfg.pair]
+    target, draft = load_model(target_spec), load_model(draft_spec)
+    tok = load_tokenizer(target_spec)
+    encoder = Engine(target, tok, max_batch_size=1)
+    return Models(target, draft, tok, lambda text: encoder.encode(text, chat=True))
+
+
+@dataclass(frozen=True)
+class Workload:
+    kind: WorkloadKind
+    label: str
+    prompts: list[list[int]]
+    lengths: list[int]
+    accepts: list[float | None]  # SYNTHETIC acceptance per request (None: from the models)
+    categories: list[str]
+
+
+def make_workload(cfg: StudyConfig, kind: WorkloadKind, n: int, encode: Callable[[str], list[int]]) -> Workload:
+    """n requests interleaving the categories (real) or the SYNTHETIC acceptance values."""
+    rng = random.Random(cfg.seed * 31 + n)
+    by_cat = {c: mt_bench_prompts(categories=[c]) for c in cfg.categories}
+    for prompts in by_cat.values():
+        rng.shuffle(prompts)
+    limit = cfg.prompt_limit
+    prompts, cats, accepts = [], [], []
+    for i in range(n):
+        cat = cfg.categories[i % len(cfg.categories)]
+        ids = encode(by_cat[cat][(i // len(cfg.categories)) % len(by_cat[cat])].text)
+        prompts.append(ids[-limit:] if limit else ids)
+        if kind == WorkloadKind.synthetic:
+            a = cfg.synthetic_mix[i % len(cfg.synthetic_mix)]
+            accepts.append(a)
+            cats.append(f"synthetic a={a:g}")
+        else:
+            accepts.append(None)
+            cats.append(cat)
+    lengths = [rng.randint(cfg.min_tokens, cfg.max_tokens) for _ in range(n)]
+    label = (
+        "SYNTHETIC " + "/".join(f"{a:g}" for a in cfg.synthetic_mix)
+        if kind == WorkloadKind.synthetic
+        else "real " + "+".join(cfg.categories)
+    )
+    return Workload(kind, label, prompts, lengths, accepts, cats)
+
+
+# ─────────────────────────── engine sweep ───────────────────────────
+
+
+def run_engine_point(
+    cfg: StudyConfig, models: Models, wl: Workload, batch: int, policy: PolicyName, spec: SpecConfig
+) -> tuple[dict[str, Any], RunTrace]:
+    engine = Engine(
+        models.target,
+        models.tokenizer,
+        draft=models.draft,
+        speculation=spec,
+        max_batch_size=batch,
+        max_model_len=1024,
+        max_step_tokens=cfg.max_step_tokens or None,
+    )
+    rec = StepRecorder.install(engine)
+    res = run_one(engine, wl.prompts, wl.lengths, spec, wl.accepts)  # the lead's batch benchmark loop
+    requests = rec.request_traces(wl.categories)
+    trace = RunTrace(
+        pair=cfg.pair,
+        workload=wl.kind,
+        label=wl.label,
+        synthetic=wl.kind == WorkloadKind.synthetic,
+        policy=policy,
+        spec=spec,
+        batch=batch,
+        seconds=res["seconds"],
+        tokens=sum(r.output_tokens for r in requests),
+        requests=requests,
+        steps=rec.steps,
+    )
+    ttft = [r.ttft_s for r in requests if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in requests if r.tpot_s is not None]
+    drafted = sum(s.drafted for st in trace.steps for s in st.seqs)
+    accepted = sum(s.accepted for st in trace.steps for s in st.seqs)
+    row = {
+        "workload": wl.label,
+        "batch": batch,
+        "policy": policy.label,
+        "tok_s": res["tok_s"],
+        "idle_fraction": res["idle_fraction"],
+        "mean_sl": res["mean_sl"],
+        "mean_cap": res["mean_cap"],
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "p50_ttft_s": _pct(ttft, 50),
+        "p99_ttft_s": _pct(ttft, 99),
+        "p50_tpot_s": _pct(tpot, 50),
+        "p99_tpot_s": _pct(tpot, 99),
+        "p50_latency_s": res["p50_latency_s"],
+        "p99_latency_s": res["p99_latency_s"],
+        "draft_frac": res["draft_frac"],
+        "verify_frac": res["verify_frac"],
+        "steps": res["steps"],
+        "seconds": res["seconds"],
+    }
+    return row, trace
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
+
+
+def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]]:
+    models = load_models(cfg)
+    specs = cfg.specs()
+    traces_path = cfg.out / "traces.jsonl"
+    traces_path.unlink(missing_ok=True)
+    todo = [(w, b, p) for w in cfg.workloads for b in cfg.batch_sizes for p in specs]
+    rows: list[dict[str, Any]] = []
+    traces: list[RunTrace] = []
+    start = time.perf_counter()
+    workloads: dict[tuple[WorkloadKind, int], Workload] = {}
+    for i, (kind, batch, policy) in enumerate(todo, 1):
+        key = (kind, batch)
+        if key not in workloads:
+            workloads[key] = make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode)
+        wl = workloads[key]
+        row, trace = run_engine_point(cfg, models, wl, batch, policy, specs[policy])
+        rows.append(row)
+        traces.append(trace)
+        append_trace(traces_path, trace)  # a long sweep keeps what it measured if it is stopped
+        elapsed = time.perf_counter() - start
+        eta = elapsed / i * (len(todo) - i)
+        print(
+            f"[{i}/{len(todo)}] {wl.label:24s} B={batch:3d} {policy.label:14s} {row['tok_s']:8.1f} tok/s  "
+            f"idle {row['idle_fraction']:.3f}  SL {row['mean_sl']:.2f}  p99 TTFT {row['p99_ttft_s']:.2f}s  "
+            f"TPOT {row['p50_tpot_s'] * 1e3:.1f}ms  [{elapsed:.0f}s, ~{eta:.0f}s left]",
+            flush=True,
+        )
+    for r in rows:
+        base = next((x for x in rows if x["workload"] == r["workload"] and x["batch"] == r["batch"]
+                     and x["policy"] == PolicyName.plain.label), None)  # fmt: skip
+        r["vs_plain"] = r["tok_s"] / base["tok_s"] if base else float("nan")
+    return rows, traces
+
+
+# ─────────────────────────── HTTP sweep ───────────────────────────
+
+
+class HttpPolicy(BaseModel):
+    """A request-level policy over HTTP: the ``speculation`` extension (None = the deployment's default)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    speculation: dict[str, Any] | None
+
+
+HTTP_POLICIES = [
+    HttpPolicy(name="server default", speculation=None),
+    HttpPolicy(name="plain", speculation={"enabled": False}),
+    HttpPolicy(name="static", speculation={"policy": "static"}),
+    HttpPolicy(name="DSDE (server SL_cap setting)", speculation={"policy": "dsde"}),
+]
+LANE_METRICS = ("specserve_speculation_length", "specserve_step_seconds", "specserve_batch_size")
+
+
+def scrape(client: Any, url: str) -> dict[str, float]:
+    """Prometheus samples of /metrics summed over labels: name -> value (histograms as _sum / _count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = client.get(f"{url}/metrics")
+    resp.raise_for_status()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")) or family.type in ("gauge", "counter"):
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+def _stream_one(client: Any, url: str, body: dict[str, Any]) -> StreamStats:
+    stats = StreamStats()
+    t0 = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            stats.error = f"HTTP {resp.status_code}"
+            return stats
+        for line in resp.iter_lines():
+            event = parse_sse_line(line)
+            if event is not None:
+                stats.add(event, time.perf_counter() - t0)
+    return stats
+
+
+def http_sweep(cfg: StudyConfig) -> list[dict[str, Any]]:
+    import httpx
+
+    assert cfg.url is not None
+    url = check_loopback(cfg.url).rstrip("/")
+    prompts = [p.text for c in cfg.categories for p in mt_bench_prompts(categories=[c])]
+    rng = random.Random(cfg.seed)
+    rows = []
+    limits = httpx.Limits(max_connections=max(cfg.batch_sizes) + 4)
+    with httpx.Client(timeout=600.0, limits=limits) as client:
+        model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+        todo = [(c, p) for c in cfg.batch_sizes for p in HTTP_POLICIES]
+        for i, (conc, pol) in enumerate(todo, 1):
+            before = scrape(client, url)
+            bodies = []
+            for _ in range(conc * cfg.requests_per_slot):
+                body: dict[str, Any] = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": rng.choice(prompts)[: cfg.http_max_prompt_chars]}],
+                    "max_tokens": rng.randint(cfg.min_tokens, cfg.max_tokens),
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                if pol.speculation is not None:
+                    body["speculation"] = pol.speculation
+                bodies.append(body)
+            t0 = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(conc) as pool:
+                results = list(pool.map(lambda b: _stream_one(client, url, b), bodies))
+            seconds = time.perf_counter() - t0
+            after = scrape(client, url)
+            ok = [r for r in results if r.failure() is None]
+
+            def delta(name: str, after: dict[str, float] = after, before: dict[str, float] = before) -> float:
+                return after.get(name, 0.0) - before.get(name, 0.0)
+
+            sl_n = delta("specserve_speculation_length_count")
+            steps = delta("specserve_step_seconds_count")
+            row = {
+                "concurrency": conc,
+                "policy": pol.name,
+                "requests": len(results),
+                "failures": len(results) - len(ok),
+                "tok_s": sum(r.output_tokens for r in ok) / seconds,
+                "p50_ttft_s": _pct([r.ttft_s for r in ok if r.ttft_s is not None], 50),
+                "p99_ttft_s": _pct([r.ttft_s for r in ok if r.ttft_s is not None], 99),
+                "p50_tpot_s": _pct([r.tpot_s for r in ok if r.tpot_s is not None], 50),
+                "p99_tpot_s": _pct([r.tpot_s for r in ok if r.tpot_s is not None], 99),
+                "steps": steps,
+                "mean_step_s": delta("specserve_step_seconds_sum") / steps if steps else float("nan"),
+                "mean_batch": delta("specserve_batch_size_sum") / steps if steps else float("nan"),
+                "mean_sl": delta("specserve_speculation_length_sum") / sl_n if sl_n else float("nan"),
+                "sl_cap_last": after.get("specserve_sl_cap", float("nan")),
+                "idle_fraction_last": after.get("specserve_straggler_idle_fraction", float("nan")),
+            }
+            rows.append(row)
+            print(
+                f"[{i}/{len(todo)}] HTTP C={conc:3d} {pol.name:28s} {row['tok_s']:8.1f} tok/s  "
+                f"failures {row['failures']}  p99 TTFT {row['p99_ttft_s']:.2f}s  mean SL {row['mean_sl']:.2f}",
+                flush=True,
+            )
+    return rows
+
+
+# ─────────────────────────── plots and report ───────────────────────────
+
+PANELS = ("tok_s", "idle_fraction", "p50_ttft_s", "p99_ttft_s", "p50_tpot_s", "p99_tpot_s")
+
+
+def plot_sweep(rows: Sequence[dict[str, Any]], out: Path, prefix: str = "straggler") -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        sub = [r for r in rows if r["workload"] == workload]
+        fig, axes = plt.subplots(2, 3, figsize=(13, 6))
+        for metric, ax in zip(PANELS, axes.flat, strict=True):
+            for pol in dict.fromkeys(r["policy"] for r in sub):
+                pts = [(r["batch"], r[metric]) for r in sub if r["policy"] == pol]
+                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", ms=3, label=pol)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch size (concurrency)")
+            ax.set_title(metric, fontsize=9)
+        axes.flat[0].legend(fontsize=7)
+        fig.suptitle(f"engine sweep: {workload}", fontsize=10)
+        fig.tight_layout()
+        path = out / f"{prefix}_{'synthetic' if workload.startswith('SYNTHETIC') else 'real'}.png"
+        fig.savefig(path, dpi=72)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_sl(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") -> list[Path]:
+    """Drafted SL per row and step, and SL_cap per step, for the DSDE chain policies at the largest batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for kind in dict.fromkeys(t.workload for t in traces):
+        runs = [t for t in traces if t.workload == kind and t.policy in (PolicyName.dsde_nocap, PolicyName.dsde_cap)]
+        if not runs:
+            continue
+        big = max(t.batch for t in runs)
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+        for t in (t for t in runs if t.batch == big):
+            hist = Counter(s.depth for st in t.steps for s in st.seqs if s.depth > 0)
+            total = sum(hist.values()) or 1
+            xs = sorted(hist)
+            axes[0].plot(xs, [hist[x] / total for x in xs], marker="o", ms=3, label=t.policy.label)
+            caps = Counter(st.cap for st in t.steps if st.cap is not None)
+            if caps:
+                xs = sorted(caps)
+                axes[1].bar(xs, [caps[x] / sum(caps.values()) for x in xs], alpha=0.6, label=t.policy.label)
+        axes[0].set_title(f"drafted SL per row and step (B={big})", fontsize=9)
+        axes[1].set_title(f"SL_cap per step (B={big})", fontsize=9)
+        for ax in axes:
+            ax.set_xlabel("SL")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        name = "synthetic" if kind == WorkloadKind.synthetic else "real"
+        fig.suptitle(f"SL distributions: {'SYNTHETIC' if name == 'synthetic' else 'real'} workload", fontsize=10)
+        fig.tight_layout()
+        path = out / f"{prefix}_sl_{name}.png"
+        fig.savefig(path, dpi=72)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+REPORT_COLS = (
+    "workload",
+    "batch",
+    "policy",
+    "tok_s",
+    "vs_plain",
+    "idle_fraction",
+    "mean_sl",
+    "mean_cap",
+    "acceptance",
+    "p50_ttft_s",
+    "p99_ttft_s",
+    "p50_tpot_s",
+    "p99_tpot_s",
+)
+
+
+def cap_gain_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {(r["workload"], r["batch"], r["policy"]): r for r in rows}
+    cap, nocap = PolicyName.dsde_cap.label, PolicyName.dsde_nocap.label
+    return [
+        {
+            "workload": w,
+            "batch": b,
+            "nocap_tok_s": by[w, b, nocap]["tok_s"],
+            "cap_tok_s": by[w, b, cap]["tok_s"],
+            "cap_gain": by[w, b, cap]["tok_s"] / by[w, b, nocap]["tok_s"] - 1.0,
+            "nocap_idle": by[w, b, nocap]["idle_fraction"],
+            "cap_idle": by[w, b, cap]["idle_fraction"],
+        }
+        for w, b in dict.fromkeys((r["workload"], r["batch"]) for r in rows)
+        if (w, b, cap) in by and (w, b, nocap) in by
+    ]
+
+
+def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Sequence[Path]) -> Path:
+    lines = [
+        "# Straggler study (in-process engine)",
+        "",
+        f"Pair `{cfg.pair}`, batch sizes {cfg.batch_sizes}, {cfg.requests_per_slot} requests per batch slot, "
+        f"{cfg.min_tokens}-{cfg.max_tokens} output tokens (EOS ignored), all requests submitted at t = 0. "
+        "Rows labelled SYNTHETIC use forced acceptance probabilities: they measure the system, never quality.",
+        "",
+        markdown_table([{c: r[c] for c in REPORT_COLS} for r in rows]),
+        "",
+    ]
+    gains = cap_gain_rows(rows)
+    if gains:
+        lines += ["## SL_cap: DSDE + SL_cap vs DSDE without cap", "", markdown_table(gains), ""]
+    lines += [f"![{p.stem}]({p.name})" for p in images]
+    path = cfg.out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ─────────────────────────── CLI ───────────────────────────
+
+
+def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
+    d = StudyConfig()
+    p = argparse.ArgumentParser(prog="python -m load.straggler", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", default=d.pair, help=f"{TINY_PAIR!r} or one of {sorted(MODEL_PAIRS)}")
+    p.add_argument("--tiny-noise", type=float, default=d.tiny_noise)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=d.batch_sizes)
+    p.add_argument(
+        "--policies", nargs="+", default=[x.value for x in d.policies], choices=[x.value for x in PolicyName]
+    )
+    p.add_argument(
+        "--workloads", nargs="+", default=[w.value for w in d.workloads], choices=[w.value for w in WorkloadKind]
+    )
+    p.add_argument("--categories", nargs="+", default=d.categories)
+    p.add_argument("--synthetic-mix", type=float, nargs="+", default=d.synthetic_mix)
+    p.add_argument("--requests-per-slot", type=int, default=d.requests_per_slot)
+    p.add_argument("--min-tokens", type=int, default=d.min_tokens)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: 96 for tiny, unlimited otherwise")
+    p.add_argument("--static-sl", type=int, default=d.static_sl)
+    p.add_argument("--budget", type=int, default=d.budget)
+    p.add_argument("--beam-width", type=int, default=d.beam_width)
+    p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared machine)")
+    p.add_argument("--out", type=Path, default=d.out)
+    p.add_argument("--url", default=None, help="also sweep a deployment over HTTP, e.g. http://127.0.0.1:8000")
+    p.add_argument("--http-only", action="store_true", help="skip the in-process engine sweep")
+    p.add_argument("--http-max-prompt-chars", type=int, default=None, help="truncate prompts (tiny deployments)")
+    args = vars(p.parse_args(argv))
+    http_only = args.pop("http_only")
+    cfg = StudyConfig.model_validate(args)
+    if http_only and cfg.url is None:
+        p.error("--http-only needs --url")
+    return cfg.model_copy(update={"workloads": [] if http_only else cfg.workloads})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    if cfg.url is not None:
+        check_loopback(cfg.url)  # fail before the engine sweep, not after it
+    if cfg.workloads:
+        rows, traces = engine_sweep(cfg)
+        write_csv(cfg.out / "straggler.csv", rows)
+        images = plot_sweep(rows, cfg.out) + plot_sl(traces, cfg.out)
+        print(markdown_table([{c: r[c] for c in REPORT_COLS} for r in rows]))
+        gains = cap_gain_rows(rows)
+        if gains:
+            print(markdown_table(gains))
+        print(f"wrote {write_report(cfg, rows, images)}, straggler.csv, traces.jsonl and {len(images)} plots")
+    if cfg.url is not None:
+        http_rows = http_sweep(cfg)
+        write_csv(cfg.out / "http.csv", http_rows)
+        print(markdown_table(http_rows))
+        if any(r["failures"] for r in http_rows):
+            print("some HTTP requests failed", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
