@@ -8,7 +8,6 @@ Requests go to the least-loaded lane; beyond ``AppArgs.capacity`` they get a 429
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from fastapi import FastAPI
 from pydantic import BaseModel
@@ -22,13 +21,13 @@ from deployments.lane import Lane, LaneDebug, LaneStream
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.errors import OverloadedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
-from specserve.api.prompts import PromptEncoder
 from specserve.api.protocol import Health, HealthStatus
 from specserve.api.server import build_api
 from specserve.config import SpecConfig, SpecMethod
-from specserve.errors import UnsupportedModelError
 from specserve.guard import ThroughputGuard
+from specserve.limits import ContextLimits, context_limits
 from specserve.models.loader import load_tokenizer
+from specserve.prompts import PromptEncoder
 from specserve.scheduler import Request, StepLoop
 
 
@@ -38,26 +37,16 @@ class RouterDebug(BaseModel):
     lanes: list[LaneDebug]
 
 
-@dataclass(frozen=True)
-class LaneLimits:
-    """The context and KV sizes every lane uses, derived as the in-process Engine derives them."""
-
-    max_model_len: int
-    spec_headroom: int
-    geometry: KVGeometry
-
-
-def lane_limits(args: AppArgs, target: ModelInfo, draft: ModelInfo | None) -> LaneLimits:
-    if draft is not None and draft.vocab_size != target.vocab_size:
-        raise UnsupportedModelError(
-            f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
-            "speculative decoding needs the same tokenizer"
-        )
-    headroom = max(args.spec_headroom, args.speculation.max_verify_tokens) if draft is not None else 1
-    max_model_len = min(args.max_model_len, target.max_positions - headroom)
-    if draft is not None:
-        max_model_len = min(max_model_len, draft.max_positions - headroom)
-    return LaneLimits(max_model_len, headroom, KVGeometry(args.max_batch_size, max_model_len + headroom))
+def lane_limits(args: AppArgs, target: ModelInfo, draft: ModelInfo | None) -> ContextLimits:
+    return context_limits(
+        max_model_len=args.max_model_len,
+        spec_headroom=args.spec_headroom,
+        speculation=args.speculation,
+        target_positions=target.max_positions,
+        target_vocab=target.vocab_size,
+        draft_positions=None if draft is None else draft.max_positions,
+        draft_vocab=None if draft is None else draft.vocab_size,
+    )
 
 
 @serve.deployment
@@ -74,6 +63,7 @@ class Router:
         self.tokenizer = self._load_tokenizer()  # while the actors load their models
         target_info, draft_info = await self._model_infos(workers[0])
         limits = lane_limits(args, target_info, draft_info)
+        geometry = KVGeometry(args.max_batch_size, limits.kv_len)
         self._max_model_len = limits.max_model_len
         self._encoder = PromptEncoder(self.tokenizer, target_info.vocab_size)
         eos = set(target_info.eos_token_ids)
@@ -81,7 +71,7 @@ class Router:
             eos.add(self.tokenizer.eos_token_id)
         for i, lane_workers in enumerate(workers):
             for worker in lane_workers.values():
-                worker.start(limits.geometry)
+                worker.start(geometry)
             loop = StepLoop(
                 lane_workers[WorkerRole.target],  # type: ignore[arg-type]
                 lane_workers.get(WorkerRole.draft),  # type: ignore[arg-type]
@@ -98,7 +88,7 @@ class Router:
                 i,
                 loop,
                 factory,
-                limits.geometry,
+                geometry,
                 metrics=self._metrics,
                 max_worker_restarts=args.max_worker_restarts,
                 step_delay_s=args.debug_step_delay_s,

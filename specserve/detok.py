@@ -6,13 +6,15 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from specserve.errors import InvalidRequestError
+
 
 class IncrementalText:
     """Turns a growing list of token ids into stable text deltas, stopping at the first stop string."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop: Sequence[str] = ()) -> None:
         if stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+            raise InvalidRequestError("stop strings need a tokenizer")
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.text = ""  # final text so far (after stop truncation)

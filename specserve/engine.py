@@ -10,10 +10,12 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from specserve.config import EngineConfig, SpecConfig, SpecMethod
-from specserve.errors import InvalidRequestError, UnsupportedModelError
+from specserve.errors import InvalidRequestError
 from specserve.guard import ThroughputGuard
+from specserve.limits import context_limits
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_model, load_tokenizer
+from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
 from specserve.scheduler import FinishReason, Request, RequestOutput, RequestStats, StepLoop
 from specserve.workers import DraftWorker, TargetWorker
@@ -48,22 +50,24 @@ class Engine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        if draft is not None and draft.cfg.vocab_size != model.cfg.vocab_size:
-            raise UnsupportedModelError(
-                f"draft vocabulary ({draft.cfg.vocab_size}) differs from the target's ({model.cfg.vocab_size}); "
-                "speculative decoding needs the same tokenizer"
-            )
         speculation = speculation or SpecConfig(method=SpecMethod.none)
-        spec_headroom = max(spec_headroom, speculation.max_verify_tokens) if draft is not None else 1
-        max_model_len = min(max_model_len, model.max_positions - spec_headroom)
-        if draft is not None:
-            max_model_len = min(max_model_len, draft.max_positions - spec_headroom)
+        limits = context_limits(
+            max_model_len=max_model_len,
+            spec_headroom=spec_headroom,
+            speculation=speculation,
+            target_positions=model.max_positions,
+            target_vocab=model.cfg.vocab_size,
+            draft_positions=None if draft is None else draft.max_positions,
+            draft_vocab=None if draft is None else draft.cfg.vocab_size,
+        )
+        self.encoder = PromptEncoder(tokenizer, model.cfg.vocab_size)
         if eos_token_ids is None:
             eos = model.hf_config.eos_token_id
             eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
             if tokenizer is not None and tokenizer.eos_token_id is not None:
                 eos_token_ids.add(tokenizer.eos_token_id)
-        kv_len = max_model_len + spec_headroom
+        kv_len = limits.kv_len
+        max_model_len, spec_headroom = limits.max_model_len, limits.spec_headroom
         self.loop = StepLoop(
             TargetWorker(model, num_slots=max_batch_size, max_len=kv_len),
             None if draft is None else DraftWorker(draft, num_slots=max_batch_size, max_len=kv_len),
@@ -96,32 +100,14 @@ class Engine:
     # -- prompts ---------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-            vocab = self.model.cfg.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-            return ids
-        if self.tokenizer is None:
-            raise InvalidRequestError("this engine has no tokenizer: pass prompts as token id lists")
+            return self.encoder.token_ids(prompt)  # type: ignore[arg-type]
         if isinstance(prompt, list):  # chat messages
-            return self._chat_ids(prompt)
+            return self.encoder.chat(prompt)  # type: ignore[arg-type]
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"a prompt is text, token ids or chat messages, not {type(prompt).__name__}")
         if chat:
-            return self._chat_ids([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
-
-    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        assert self.tokenizer is not None
-        if self.tokenizer.chat_template is None:
-            raise InvalidRequestError("this model's tokenizer has no chat template")
-        try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # jinja errors for malformed messages
-            raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+            return self.encoder.chat([{"role": "user", "content": prompt}])
+        return self.encoder.text(prompt)
 
     # -- generation -------------------------------------------------------------------------------------
     def submit(

@@ -208,7 +208,7 @@ def test_lane_limits_match_the_engine() -> None:
         limits = lane_limits(args, info, info)
         loop = Engine(target, None, draft=target, speculation=spec, max_model_len=300).loop
         assert (limits.max_model_len, limits.spec_headroom) == (loop.max_model_len, loop.spec_headroom)
-        assert limits.geometry.max_len == loop.target.cache.max_len
+        assert limits.kv_len == loop.target.cache.max_len
     with pytest.raises(UnsupportedModelError):
         lane_limits(AppArgs(tiny=TinyModels()), info, ModelInfo(100, 512, frozenset()))
 

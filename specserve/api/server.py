@@ -25,7 +25,6 @@ from starlette.types import Receive, Scope, Send
 from specserve.api.convert import sampling_params_for, speculation_for, usage_for
 from specserve.api.errors import APIError, ModelNotFoundError, OverloadedError, error_body
 from specserve.api.metrics import RequestStatus, ServeMetrics
-from specserve.api.prompts import PromptEncoder
 from specserve.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -50,6 +49,7 @@ from specserve.api.protocol import (
 )
 from specserve.config import SpecConfig
 from specserve.errors import InvalidRequestError
+from specserve.prompts import PromptEncoder
 from specserve.scheduler import FinishReason, Request, RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
