@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 MODEL ?= smollm2-135m-instruct
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: install pull run test lint bench-ar bench-spec bench-batch clean
+.PHONY: install pull serve run test lint bench-ar bench-spec bench-batch clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -21,6 +21,9 @@ install: $(VENV)/.installed
 
 pull: install
 	$(VENV)/bin/specserve models pull $(MODEL)
+
+serve: pull
+	$(VENV)/bin/serve run deployments/app.yaml
 
 run: pull
 	$(VENV)/bin/specserve generate --model $(MODEL) "$(PROMPT)"
