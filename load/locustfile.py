@@ -20,7 +20,7 @@ import time
 from enum import Enum
 from typing import Any
 
-from locust import HttpUser, between, events, task
+from locust import HttpUser, events, task
 from locust.env import Environment
 
 from load.client import LoadSettings, RemoteHostError, StreamStats, check_loopback, parse_sse_line
@@ -61,14 +61,15 @@ def _http_error(resp: Any) -> str:
 
 class SpecServeUser(HttpUser):
     host = DEFAULT_HOST
-    wait_time = between(0.0, 0.5)
 
     def on_start(self) -> None:
         self.settings = LoadSettings.from_env()
-        self.wait_time = between(self.settings.wait_min_s, self.settings.wait_max_s)
         self.pool = self.settings.prompt_pool()
         self.rng = random.Random(self.settings.seed * 1_000_003 + id(self) % 1_000_003)
         self.model = self.settings.model or self._served_model()
+
+    def wait_time(self) -> float:
+        return self.rng.uniform(self.settings.wait_min_s, self.settings.wait_max_s)
 
     def _served_model(self) -> str:
         with self.client.get("/v1/models", name="/v1/models", catch_response=True) as resp:

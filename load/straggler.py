@@ -279,9 +279,11 @@ class HttpPolicy(BaseModel):
 HTTP_POLICIES = [
     HttpPolicy(name="server default", speculation=None),
     HttpPolicy(name="plain", speculation={"enabled": False}),
-    HttpPolicy(name="static", speculation={"policy": "static"}),
-    HttpPolicy(name="DSDE (server SL_cap setting)", speculation={"policy": "dsde"}),
+    HttpPolicy(name="max_sl=2", speculation={"max_sl": 2}),
 ]
+# Not swept: `speculation.policy` static/dsde is accepted by the API but not applied by
+# specserve.api.convert.speculation_for (only enabled/none/max_sl take effect), and SL_cap is a deployment setting;
+# compare cap on/off with two deployments (speculation.dsde.cap_enabled in app.yaml).
 LANE_METRICS = ("specserve_speculation_length", "specserve_step_seconds", "specserve_batch_size")
 
 

@@ -36,6 +36,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-mix", type=float, nargs="+", default=[0.9, 0.3])
     p.add_argument("--max-step-tokens", type=int, default=0, help="cap on tokens verified per step (0 = off)")
     p.add_argument("--guard", action="store_true", help="throughput guard: speculate only where it pays")
+    p.add_argument("--repeats", type=int, default=2, help="round-robin repeats per batch size; medians reported")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_out/batch"))
 
@@ -113,19 +114,23 @@ def run(args: argparse.Namespace) -> int:
             accepts: list[float | None] = (
                 [mix[i % len(mix)] for i in range(n_req)] if workload == "synthetic" else [None] * n_req
             )
-            for name, spec in table.items():
-                engine = Engine(
-                    target,
-                    tok,
-                    draft=draft,
-                    speculation=spec,
-                    max_batch_size=bs,
-                    max_model_len=1024,
-                    max_step_tokens=args.max_step_tokens or None,
-                    throughput_guard=args.guard,
-                )
-                res = run_one(engine, prompts, lengths, spec, accepts)
-                label = "SYNTHETIC " + "/".join(map(str, mix)) if workload == "synthetic" else "real"
+            label = "SYNTHETIC " + "/".join(map(str, mix)) if workload == "synthetic" else "real"
+            results: dict[str, list[dict[str, float]]] = {name: [] for name in table}
+            for _ in range(args.repeats):  # round robin: load changes on a shared machine hit every policy alike
+                for name, spec in table.items():
+                    engine = Engine(
+                        target,
+                        tok,
+                        draft=draft,
+                        speculation=spec,
+                        max_batch_size=bs,
+                        max_model_len=1024,
+                        max_step_tokens=args.max_step_tokens or None,
+                        throughput_guard=args.guard,
+                    )
+                    results[name].append(run_one(engine, prompts, lengths, spec, accepts))
+            for name, runs in results.items():
+                res = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 rows.append({"workload": label, "batch": bs, "policy": name, **res})
                 print(
                     f"{label:22s} B={bs:3d} {name:14s} {res['tok_s']:7.1f} tok/s  idle {res['idle_fraction']:.3f}  "
