@@ -588,19 +588,23 @@ def validate(
     seed: int = 0,
     repeats: int = 3,
 ) -> list[dict[str, Any]]:
-    """Simulate every measured chain/plain run with its own requests (class, prompt and output lengths) and
-    compare throughput and idle fraction. Sequence outcomes come from the pool of the same workload."""
-    rows = []
+    """Simulate every measured chain/plain point with its own requests (class, prompt and output lengths) and
+    compare throughput and idle fraction with the median over the sweep's repeats of that point. Sequence
+    outcomes come from the pool of the same workload."""
+    groups: dict[tuple[str, PolicyName, int], list[RunTrace]] = {}
     for run in runs:
-        if run.policy not in SIMULATED_POLICIES:
-            continue
+        if run.policy in SIMULATED_POLICIES:
+            groups.setdefault((_workload_label(run), run.policy, run.batch), []).append(run)
+    rows = []
+    for (label, policy, batch), measured in groups.items():
+        run = measured[0]
         train = list(runs)
-        if mode == ValidationMode.leave_batch_out and any(r.batch != run.batch for r in runs):
-            train = [r for r in runs if r.batch != run.batch]
+        if mode == ValidationMode.leave_batch_out and any(r.batch != batch for r in runs):
+            train = [r for r in runs if r.batch != batch]
         cost = CostModel.fit(cost_samples(train), fit)
-        pool = trace_pool(r for r in train if r.workload == run.workload)
-        if not pool:
-            pool = trace_pool(r for r in runs if r.workload == run.workload)
+        pool = trace_pool(r for r in train if r.workload == run.workload) or trace_pool(
+            r for r in runs if r.workload == run.workload
+        )
         sims = []
         for k in range(repeats):
             rng = random.Random(seed * 7919 + k)
@@ -608,20 +612,21 @@ def validate(
             for q in run.requests:
                 cands = pool.get(request_class(q)) or [s for v in pool.values() for s in v]
                 reqs.append(SimRequest(rng.choice(cands), q.max_tokens, q.prompt_len))
-            sims.append(simulate(reqs, SimConfig(batch_size=run.batch, policy=run.policy, spec=run.spec), cost))
+            sims.append(simulate(reqs, SimConfig(batch_size=batch, policy=policy, spec=run.spec), cost))
         sim_tok_s = statistics.mean(s.tok_s for s in sims)
-        drafting = [st for st in run.steps if st.levels > 0]
+        measured_tok_s = statistics.median(r.tok_s for r in measured)
         rows.append(
             {
                 "mode": mode.value,
                 "fit": fit.value,
-                "workload": _workload_label(run),
-                "policy": run.policy.label,
-                "batch": run.batch,
-                "measured_tok_s": run.tok_s,
+                "workload": label,
+                "policy": policy.label,
+                "batch": batch,
+                "runs": len(measured),
+                "measured_tok_s": measured_tok_s,
                 "sim_tok_s": sim_tok_s,
-                "error": sim_tok_s / run.tok_s - 1.0,
-                "measured_idle": _mean_idle(drafting),
+                "error": sim_tok_s / measured_tok_s - 1.0,
+                "measured_idle": statistics.median(_mean_idle(r.steps) for r in measured),
                 "sim_idle": statistics.mean(s.idle_fraction for s in sims),
             }
         )
@@ -629,7 +634,9 @@ def validate(
 
 
 def _mean_idle(steps: Sequence[Any]) -> float:
-    return statistics.mean(idle_fraction([s.depth for s in st.seqs]) for st in steps) if steps else 0.0
+    """Mean idle fraction over the drafting steps (as ``specserve.bench.batch`` reports it)."""
+    drafting = [st for st in steps if st.levels > 0]
+    return statistics.mean(idle_fraction([s.depth for s in st.seqs]) for st in drafting) if drafting else 0.0
 
 
 def _workload_label(run: RunTrace) -> str:
@@ -864,7 +871,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "p99_tpot_s",
     )
     report += ["## Simulated throughput and latency", "", _md(plain_rows, cols), ""]
-    plot_sim(rows, study.out)
+    plot_sim(rows, study.out, cost.source)
     (study.out / "report.md").write_text("\n".join(report))
     print(f"wrote {study.out}/report.md, sim.csv, sim_*.png")
     return 0
@@ -906,7 +913,7 @@ def _md(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
     return markdown_table([{c: r[c] for c in cols} for r in rows]) if rows else ""
 
 
-def plot_sim(rows: Sequence[dict[str, Any]], out: Path) -> None:
+def plot_sim(rows: Sequence[dict[str, Any]], out: Path, cost_source: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -923,7 +930,7 @@ def plot_sim(rows: Sequence[dict[str, Any]], out: Path) -> None:
             ax.set_xlabel("batch size")
             ax.set_title(metric, fontsize=9)
         axes[0].legend(fontsize=7)
-        fig.suptitle(f"simulated lane: {workload}", fontsize=10)
+        fig.suptitle(f"simulated lane: {workload}; cost model: {cost_source}", fontsize=9)
         fig.tight_layout()
         name = "synthetic" if workload.startswith("SYNTHETIC") else "real"
         fig.savefig(out / f"sim_{name}.png", dpi=72)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import random
+import statistics
 import sys
 import time
 from collections import Counter
@@ -60,13 +61,15 @@ class StudyConfig(BaseModel):
     categories: list[str] = ["coding", "writing"]
     synthetic_mix: list[float] = [0.9, 0.3]
     requests_per_slot: int = Field(default=2, ge=1, description="requests per run = this x batch size")
+    repeats: int = Field(default=1, ge=1, description="round-robin passes over the policies; medians reported")
     min_tokens: int = Field(default=32, ge=1)
     max_tokens: int = Field(default=96, ge=1)
     max_prompt_tokens: int | None = Field(default=None, ge=1, description="keep the last N prompt tokens")
     static_sl: int = Field(default=4, ge=1)
     budget: int = Field(default=16, ge=2)
     beam_width: int = Field(default=4, ge=1)
-    max_step_tokens: int = Field(default=0, ge=0, description="speculation guard (0 = off)")
+    max_step_tokens: int = Field(default=0, ge=0, description="cap on tokens verified per step (0 = off)")
+    guard: bool = Field(default=False, description="the engine's throughput guard (speculate only where it pays)")
     seed: int = 0
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (None: torch's default)")
     out: Path = Path("bench_out/straggler")
@@ -169,7 +172,7 @@ def make_workload(cfg: StudyConfig, kind: WorkloadKind, n: int, encode: Callable
 
 
 def run_engine_point(
-    cfg: StudyConfig, models: Models, wl: Workload, batch: int, policy: PolicyName, spec: SpecConfig
+    cfg: StudyConfig, models: Models, wl: Workload, batch: int, policy: PolicyName, spec: SpecConfig, repeat: int = 0
 ) -> tuple[dict[str, Any], RunTrace]:
     engine = Engine(
         models.target,
@@ -179,6 +182,7 @@ def run_engine_point(
         max_batch_size=batch,
         max_model_len=1024,
         max_step_tokens=cfg.max_step_tokens or None,
+        throughput_guard=cfg.guard,
     )
     rec = StepRecorder.install(engine)
     res = run_one(engine, wl.prompts, wl.lengths, spec, wl.accepts)  # the lead's batch benchmark loop
@@ -191,6 +195,7 @@ def run_engine_point(
         policy=policy,
         spec=spec,
         batch=batch,
+        repeat=repeat,
         seconds=res["seconds"],
         tokens=sum(r.output_tokens for r in requests),
         requests=requests,
@@ -231,37 +236,56 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 
 def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]]:
+    """Per (workload, batch size), ``repeats`` round-robin passes over the policies (load changes on a shared
+    machine then hit every policy alike); rows hold the medians, ``traces.jsonl`` every run."""
     models = load_models(cfg)
     specs = cfg.specs()
     traces_path = cfg.out / "traces.jsonl"
     traces_path.unlink(missing_ok=True)
-    todo = [(w, b, p) for w in cfg.workloads for b in cfg.batch_sizes for p in specs]
+    total = len(cfg.workloads) * len(cfg.batch_sizes) * cfg.repeats * len(specs)
     rows: list[dict[str, Any]] = []
     traces: list[RunTrace] = []
     start = time.perf_counter()
-    workloads: dict[tuple[WorkloadKind, int], Workload] = {}
-    for i, (kind, batch, policy) in enumerate(todo, 1):
-        key = (kind, batch)
-        if key not in workloads:
-            workloads[key] = make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode)
-        wl = workloads[key]
-        row, trace = run_engine_point(cfg, models, wl, batch, policy, specs[policy])
-        rows.append(row)
-        traces.append(trace)
-        append_trace(traces_path, trace)  # a long sweep keeps what it measured if it is stopped
-        elapsed = time.perf_counter() - start
-        eta = elapsed / i * (len(todo) - i)
-        print(
-            f"[{i}/{len(todo)}] {wl.label:24s} B={batch:3d} {policy.label:14s} {row['tok_s']:8.1f} tok/s  "
-            f"idle {row['idle_fraction']:.3f}  SL {row['mean_sl']:.2f}  p99 TTFT {row['p99_ttft_s']:.2f}s  "
-            f"TPOT {row['p50_tpot_s'] * 1e3:.1f}ms  [{elapsed:.0f}s, ~{eta:.0f}s left]",
-            flush=True,
-        )
+    done = 0
+    for kind in cfg.workloads:
+        for batch in cfg.batch_sizes:
+            wl = make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode)
+            runs: dict[PolicyName, list[dict[str, Any]]] = {p: [] for p in specs}
+            for repeat in range(cfg.repeats):
+                for policy, spec in specs.items():
+                    row, trace = run_engine_point(cfg, models, wl, batch, policy, spec, repeat)
+                    runs[policy].append(row)
+                    traces.append(trace)
+                    append_trace(traces_path, trace)  # a long sweep keeps what it measured if it is stopped
+                    done += 1
+                    _progress(done, total, wl, batch, policy, row, time.perf_counter() - start)
+            for policy_runs in runs.values():
+                rows.append(_median_row(policy_runs))
     for r in rows:
         base = next((x for x in rows if x["workload"] == r["workload"] and x["batch"] == r["batch"]
                      and x["policy"] == PolicyName.plain.label), None)  # fmt: skip
         r["vs_plain"] = r["tok_s"] / base["tok_s"] if base else float("nan")
     return rows, traces
+
+
+def _progress(
+    done: int, total: int, wl: Workload, batch: int, policy: PolicyName, row: dict[str, Any], elapsed: float
+) -> None:
+    print(
+        f"[{done}/{total}] {wl.label:24s} B={batch:3d} {policy.label:14s} {row['tok_s']:8.1f} tok/s  "
+        f"idle {row['idle_fraction']:.3f}  SL {row['mean_sl']:.2f}  p99 TTFT {row['p99_ttft_s']:.2f}s  "
+        f"TPOT {row['p50_tpot_s'] * 1e3:.1f}ms  [{elapsed:.0f}s, ~{elapsed / done * (total - done):.0f}s left]",
+        flush=True,
+    )
+
+
+def _median_row(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, int | float) and k != "batch":
+            out[k] = statistics.median(r[k] for r in runs)
+    out["repeats"] = len(runs)
+    return out
 
 
 # ─────────────────────────── HTTP sweep ───────────────────────────
@@ -276,15 +300,14 @@ class HttpPolicy(BaseModel):
     speculation: dict[str, Any] | None
 
 
-HTTP_POLICIES = [
+HTTP_POLICIES = (
     HttpPolicy(name="server default", speculation=None),
     HttpPolicy(name="plain", speculation={"enabled": False}),
     HttpPolicy(name="max_sl=2", speculation={"max_sl": 2}),
-]
+)
 # Not swept: `speculation.policy` static/dsde is accepted by the API but not applied by
 # specserve.api.convert.speculation_for (only enabled/none/max_sl take effect), and SL_cap is a deployment setting;
 # compare cap on/off with two deployments (speculation.dsde.cap_enabled in app.yaml).
-LANE_METRICS = ("specserve_speculation_length", "specserve_step_seconds", "specserve_batch_size")
 
 
 def scrape(client: Any, url: str) -> dict[str, float]:
@@ -421,7 +444,11 @@ def plot_sl(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") ->
 
     paths = []
     for kind in dict.fromkeys(t.workload for t in traces):
-        runs = [t for t in traces if t.workload == kind and t.policy in (PolicyName.dsde_nocap, PolicyName.dsde_cap)]
+        runs = [
+            t
+            for t in traces
+            if t.workload == kind and t.repeat == 0 and t.policy in (PolicyName.dsde_nocap, PolicyName.dsde_cap)
+        ]
         if not runs:
             continue
         big = max(t.batch for t in runs)
@@ -524,6 +551,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--categories", nargs="+", default=d.categories)
     p.add_argument("--synthetic-mix", type=float, nargs="+", default=d.synthetic_mix)
     p.add_argument("--requests-per-slot", type=int, default=d.requests_per_slot)
+    p.add_argument("--repeats", type=int, default=d.repeats, help="round-robin passes; medians reported")
     p.add_argument("--min-tokens", type=int, default=d.min_tokens)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: 96 for tiny, unlimited otherwise")
@@ -531,6 +559,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--budget", type=int, default=d.budget)
     p.add_argument("--beam-width", type=int, default=d.beam_width)
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
+    p.add_argument("--guard", action="store_true", help="the engine's throughput guard")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared machine)")
     p.add_argument("--out", type=Path, default=d.out)

@@ -133,6 +133,7 @@ class RunTrace(BaseModel):
     policy: PolicyName
     spec: SpecConfig  # the run's speculation (per-request SYNTHETIC acceptance is in `requests`)
     batch: int
+    repeat: int = 0  # round-robin pass of the sweep
     seconds: float
     tokens: int
     requests: list[RequestTrace]

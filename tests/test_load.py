@@ -384,9 +384,12 @@ def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
     out = tmp_path / "study"
     argv = ["--pair", "tiny", "--batch-sizes", "1", "2", "--policies", "plain", "static", "dsde_nocap", "dsde_cap"]
     argv += ["--workloads", "synthetic", "--requests-per-slot", "1", "--min-tokens", "8", "--max-tokens", "16"]
+    argv += ["--repeats", "2"]
     assert straggler.main([*argv, "--out", str(out)]) == 0
     assert {"straggler.csv", "traces.jsonl", "report.md", "straggler_synthetic.png"} <= {p.name for p in out.iterdir()}
     assert "SYNTHETIC" in (out / "report.md").read_text()
+    assert len(read_traces(out / "traces.jsonl")) == 2 * 2 * 4  # batch sizes x repeats x policies
+    assert all(row["repeats"] == "2" for row in csv.DictReader((out / "straggler.csv").open()))
     sim_out = tmp_path / "sim"
     assert sim_cli.main(["--traces", str(out / "traces.jsonl"), "--validate", "--batch-sizes", "1", "8",
                          "--workloads", "synthetic", "--repeats", "1", "--out", str(sim_out)]) == 0  # fmt: skip
