@@ -29,7 +29,7 @@ run: pull
 	$(VENV)/bin/specserve generate --model $(MODEL) "$(PROMPT)"
 
 test: pull
-	$(PY) -m pytest -q
+	SPECSERVE_LOAD_TEST=1 $(PY) -m pytest -q --durations=10
 
 lint: install
 	$(VENV)/bin/ruff check .
