@@ -20,14 +20,12 @@ def flash_attn_available(device: torch.device) -> bool:
 def write_kv(
     k_cache: torch.Tensor,  # [S, H_kv, L, D]
     v_cache: torch.Tensor,
-    k: torch.Tensor,  # [B, Q, H_kv, D]
+    k: torch.Tensor,  # [N, H_kv, D] packed new tokens
     v: torch.Tensor,
     batch: ForwardBatch,
 ) -> None:
-    k_flat = k.reshape(-1, *k.shape[2:])[batch.write_from]  # [N, H_kv, D]
-    v_flat = v.reshape(-1, *v.shape[2:])[batch.write_from]
-    k_cache[batch.write_slot, :, batch.write_pos] = k_flat
-    v_cache[batch.write_slot, :, batch.write_pos] = v_flat
+    k_cache[batch.write_slot, :, batch.write_pos] = k
+    v_cache[batch.write_slot, :, batch.write_pos] = v
 
 
 def read_kv(cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -40,26 +38,36 @@ def read_kv(cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
 
 
 def attention(
-    q: torch.Tensor,  # [B, H_q, Q, D]
+    q: torch.Tensor,  # [N, H_q, D] packed new tokens
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     *,
     use_flash: bool,
-) -> torch.Tensor:  # [B, H_q, Q, D]
+) -> torch.Tensor:  # [N, H_q, D]
     if use_flash and batch.causal:
         return _flash_varlen(q, k_cache, v_cache, batch)
+    n_tok, h_q, d = q.shape
+    b_size, q_len = len(batch.num_new), max(batch.num_new)
+    if b_size * q_len == n_tok:  # no padding (one sequence, or equal lengths): a view
+        q_pad = q.view(b_size, q_len, h_q, d)
+    else:
+        q_pad = q.new_zeros(b_size * q_len, h_q, d)
+        q_pad[batch.write_from] = q
+        q_pad = q_pad.view(b_size, q_len, h_q, d)
     k = read_kv(k_cache, batch)
     v = read_kv(v_cache, batch)
-    is_causal = batch.attn_mask is None and q.shape[2] > 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=batch.attn_mask, is_causal=is_causal, enable_gqa=True)
+    is_causal = batch.attn_mask is None and q_len > 1
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k, v, attn_mask=batch.attn_mask, is_causal=is_causal, enable_gqa=True
+    )  # [B, H_q, Q, D]
+    out = out.transpose(1, 2).reshape(b_size * q_len, h_q, d)
+    return out if b_size * q_len == n_tok else out[batch.write_from]
 
 
 def _flash_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """Causal ragged attention with flash-attn: packs each sequence's queries and its whole context."""
+    """Causal ragged attention with flash-attn over packed queries and each sequence's whole context."""
     assert flash_attn_varlen_func is not None
-    b_size, h_q, q_len, d = q.shape
-    q_tok = q.transpose(1, 2).reshape(b_size * q_len, h_q, d)[batch.write_from]  # [N, H_q, D]
     ks, vs = [], []
     for b, slot in enumerate(batch.slots.tolist()):
         end = batch.cache_start[b] + batch.num_new[b]
@@ -71,9 +79,5 @@ def _flash_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cu_q = torch.tensor([0, *torch.tensor(batch.num_new).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     lens_k = [s + n for s, n in zip(batch.cache_start, batch.num_new, strict=True)]
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    out = flash_attn_varlen_func(
-        q_tok, k, v, cu_q, cu_k, max(batch.num_new), max(lens_k), causal=True
-    )  # [N, H_q, D]; causal is aligned bottom-right, so each query sees its whole cache
-    padded = q.new_zeros(b_size * q_len, h_q, d)
-    padded[batch.write_from] = out
-    return padded.view(b_size, q_len, h_q, d).transpose(1, 2)
+    # [N, H_q, D]; causal is aligned bottom-right, so each query sees its whole cache
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(batch.num_new), max(lens_k), causal=True)

@@ -21,7 +21,7 @@ class ForwardBatch:
     write_pos: torch.Tensor  # [N] long cache index of every real new token
     write_from: torch.Tensor  # [N] long flat index b*Q+q of every real new token
     attn_mask: torch.Tensor | None  # [B, 1, Q, K] bool, True = may attend; None: B == 1, causal, no cache or Q == 1
-    logit_rows: torch.Tensor  # [R] long flat index b*Q+q of rows whose logits are returned, in order
+    logit_rows: torch.Tensor  # [R] long packed index of the tokens whose logits are returned, in order
     num_new: tuple[int, ...]
     num_logits: tuple[int, ...]
     cache_start: tuple[int, ...]
@@ -58,18 +58,19 @@ class ForwardBatch:
         starts = cache.begin_append(list(slots), num_new)
         q_len = max(num_new)
         k_len = max(s + n for s, n in zip(starts, num_new, strict=True))
-        tok = torch.zeros(b_size, q_len, dtype=torch.long)
-        pos = torch.zeros(b_size, q_len, dtype=torch.long)
+        tok_parts: list[torch.Tensor] = []
+        pos_parts: list[torch.Tensor] = []
         masks = tree_masks or [None] * b_size
         causal = all(m is None for m in masks)
         need_mask = b_size > 1 or not causal or (q_len > 1 and starts[0] > 0)
         mask = torch.zeros(b_size, q_len, k_len, dtype=torch.bool) if need_mask else None
         w_slot, w_pos, w_from, rows = [], [], [], []
         m_list = list(num_logits) if num_logits is not None else num_new
+        offset = 0
         for b, (slot, start, n) in enumerate(zip(slots, starts, num_new, strict=True)):
-            tok[b, :n] = torch.as_tensor(tokens[b], dtype=torch.long)
+            tok_parts.append(torch.as_tensor(tokens[b], dtype=torch.long).to(device))
             p = positions[b] if positions is not None else None
-            pos[b, :n] = torch.as_tensor(p, dtype=torch.long) if p is not None else torch.arange(start, start + n)
+            pos_parts.append(torch.as_tensor(p, dtype=torch.long) if p is not None else torch.arange(start, start + n))
             if mask is not None:
                 tree = masks[b]
                 mask[b, :, : start if tree is None else start + n - tree.shape[1]] = True
@@ -88,13 +89,14 @@ class ForwardBatch:
             m = m_list[b]
             if not 1 <= m <= n:
                 raise ValueError(f"sequence {b}: num_logits {m} must be in [1, {n}]")
-            rows += range(b * q_len + n - m, b * q_len + n)
+            rows += range(offset + n - m, offset + n)
+            offset += n
         first = slots[0]
         consecutive = list(slots) == list(range(first, first + b_size))
         return ForwardBatch(
             slots=torch.as_tensor(list(slots), dtype=torch.long, device=device),
-            tokens=tok.to(device),
-            positions=pos.to(device),
+            tokens=torch.cat(tok_parts),
+            positions=torch.cat(pos_parts).to(device),
             write_slot=torch.tensor(w_slot, dtype=torch.long, device=device),
             write_pos=torch.tensor(w_pos, dtype=torch.long, device=device),
             write_from=torch.tensor(w_from, dtype=torch.long, device=device),

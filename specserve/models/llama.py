@@ -97,7 +97,7 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, Q, H, D], cos/sin [B, Q, 1, D]."""
+    """x [N, H, D], cos/sin [N, 1, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -132,8 +132,8 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, Q, hidden]
-        cos: torch.Tensor,  # [B, Q, 1, D]
+        x: torch.Tensor,  # [N, hidden] packed new tokens
+        cos: torch.Tensor,  # [N, 1, D]
         sin: torch.Tensor,
         k_cache: torch.Tensor,  # [S, H_kv, L, D]
         v_cache: torch.Tensor,
@@ -141,17 +141,16 @@ class DecoderLayer(nn.Module):
         use_flash: bool,
     ) -> torch.Tensor:
         cfg = self.cfg
-        b_size, q_len, _ = x.shape
+        n_tok = x.shape[0]
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         q, k, v = linear(self.qkv, h).split(
             [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1
         )
-        q = apply_rope(q.view(b_size, q_len, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(b_size, q_len, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.view(b_size, q_len, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(k_cache, v_cache, k, v, batch)
-        out = attention(q.transpose(1, 2), k_cache, v_cache, batch, use_flash=use_flash)  # [B, H, Q, D]
-        x = x + linear(self.o_proj, out.transpose(1, 2).reshape(b_size, q_len, -1))
+        q = apply_rope(q.view(n_tok, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(n_tok, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        write_kv(k_cache, v_cache, k, v.view(n_tok, cfg.num_kv_heads, cfg.head_dim), batch)
+        out = attention(q, k_cache, v_cache, batch, use_flash=use_flash)  # [N, H, D]
+        x = x + linear(self.o_proj, out.reshape(n_tok, -1))
         gate, up = linear(self.gate_up, rms_norm(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
         return x + linear(self.down, F.silu(gate) * up)
 
@@ -196,13 +195,13 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Append the batch's tokens to the cache; return float32 logits [R, V] for ``batch.logit_rows``."""
-        x = self.embed_tokens(batch.tokens)  # [B, Q, hidden]
-        cos = self.rope_cos[batch.positions].to(x.dtype).unsqueeze(2)  # [B, Q, 1, D]
-        sin = self.rope_sin[batch.positions].to(x.dtype).unsqueeze(2)
+        x = self.embed_tokens(batch.tokens)  # [N, hidden]
+        cos = self.rope_cos[batch.positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
+        sin = self.rope_sin[batch.positions].to(x.dtype).unsqueeze(1)
         use_flash = self.use_flash_attn and flash_attn_available(x.device)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash)
-        x = x.reshape(-1, x.shape[-1])[batch.logit_rows]  # [R, hidden]
+        x = x[batch.logit_rows]  # [R, hidden]
         return linear(self.lm_head, rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
 
     # -- weights ----------------------------------------------------------------------------------------
