@@ -79,7 +79,7 @@ def test_speculative_greedy_equals_plain_on_mt_bench(target: LlamaModel, pair: s
     """20 MT-bench prompts x 64 new tokens: every method emits exactly plain greedy decoding's tokens."""
     tok = load_tokenizer(ModelSpec())
     draft = load_model(MODEL_PAIRS[pair][1])
-    plain = Engine(target, tok, max_batch_size=10)
+    plain = Engine(target, tok, max_batch_size=10, max_model_len=512)
     prompts = [plain.encode(p.text, chat=True) for p in mt_bench_prompts(20)]
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, params)]
@@ -89,7 +89,7 @@ def test_speculative_greedy_equals_plain_on_mt_bench(target: LlamaModel, pair: s
         SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=12, ddd_max_depth=8, ddd_check_steps=(3, 5, 7)),
     ]
     for spec in specs:
-        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=10)
+        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=10, max_model_len=512)
         outs = engine.generate(prompts, params)
         mismatches = [i for i, (o, r) in enumerate(zip(outs, ref, strict=True)) if o.token_ids != r]
         assert not mismatches, f"{pair} {spec.method.value}: prompts {mismatches} differ from plain greedy"
