@@ -45,6 +45,7 @@ from load.traces import (
     request_class,
     sequence_traces,
 )
+from specserve.bench.report import plot_by_batch
 from specserve.config import SpecConfig
 from specserve.models.llama import LlamaModel
 from specserve.policy import DSDEPolicy, SLPolicy, SLState, StaticPolicy
@@ -923,12 +924,7 @@ def plot_sim(rows: Sequence[dict[str, Any]], out: Path, cost_source: str = "") -
         sub = [r for r in rows if r["workload"] == workload]
         fig, axes = plt.subplots(1, 4, figsize=(15, 3.4))
         for metric, ax in zip(("tok_s", "idle_fraction", "p99_ttft_s", "p99_tpot_s"), axes, strict=True):
-            for pol in dict.fromkeys(r["policy"] for r in sub):
-                pts = [(r["batch"], r[metric]) for r in sub if r["policy"] == pol]
-                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", ms=3, label=pol)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("batch size")
-            ax.set_title(metric, fontsize=9)
+            plot_by_batch(ax, sub, metric)
         axes[0].legend(fontsize=7)
         fig.suptitle(f"simulated lane: {workload}; cost model: {cost_source}", fontsize=9)
         fig.tight_layout()

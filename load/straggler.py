@@ -39,7 +39,7 @@ from load.traces import (
 )
 from specserve.bench.batch import run_one
 from specserve.bench.prompts import mt_bench_prompts
-from specserve.bench.report import markdown_table, write_csv
+from specserve.bench.report import markdown_table, plot_by_batch, write_csv
 from specserve.config import MODEL_PAIRS, SpecConfig
 from specserve.engine import Engine
 from specserve.models.llama import LlamaModel
@@ -419,12 +419,7 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out: Path, prefix: str = "straggl
         sub = [r for r in rows if r["workload"] == workload]
         fig, axes = plt.subplots(2, 3, figsize=(13, 6))
         for metric, ax in zip(PANELS, axes.flat, strict=True):
-            for pol in dict.fromkeys(r["policy"] for r in sub):
-                pts = [(r["batch"], r[metric]) for r in sub if r["policy"] == pol]
-                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", ms=3, label=pol)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("batch size (concurrency)")
-            ax.set_title(metric, fontsize=9)
+            plot_by_batch(ax, sub, metric, "batch size (concurrency)")
         axes.flat[0].legend(fontsize=7)
         fig.suptitle(f"engine sweep: {workload}", fontsize=10)
         fig.tight_layout()

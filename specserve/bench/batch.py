@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from specserve.bench.prompts import mt_bench_prompts
-from specserve.bench.report import markdown_table, write_csv
+from specserve.bench.report import markdown_table, plot_by_batch, write_csv
 from specserve.config import MODEL_PAIRS, ChainDraft, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.models.loader import load_model, load_tokenizer
@@ -185,12 +185,7 @@ def plot(rows: list[dict], out: Path) -> None:
         sub = [r for r in rows if r["workload"] == workload]
         fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
         for metric, ax in zip(("tok_s", "idle_fraction", "p50_latency_s", "p99_latency_s"), axes, strict=True):
-            for pol in dict.fromkeys(r["policy"] for r in sub):
-                pts = [(r["batch"], r[metric]) for r in sub if r["policy"] == pol]
-                ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=pol)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("batch size")
-            ax.set_title(metric)
+            plot_by_batch(ax, sub, metric)
         axes[0].legend(fontsize=8)
         fig.suptitle(f"specserve bench batch: {workload}")
         fig.tight_layout()

@@ -30,3 +30,13 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+def plot_by_batch(ax: Any, rows: Sequence[dict[str, Any]], metric: str, xlabel: str = "batch size") -> None:
+    """On a matplotlib axis: one line per policy of ``metric`` against batch size (log2 x axis)."""
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        pts = [(r["batch"], r[metric]) for r in rows if r["policy"] == pol]
+        ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", ms=3, label=pol)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_title(metric, fontsize=9)
