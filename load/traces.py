@@ -87,6 +87,8 @@ class SeqStep(BaseModel):
     req: int  # index of the request in its run
     fed: int  # committed tokens the target was sent (the prompt on the first step, then 1)
     depth: int  # draft levels (0: not drafting)
+    planned: int | None = None  # the depth planned for it (DDD may stop earlier); None in older traces
+    uncapped: int | None = None  # the policy's SL before SL_cap; None in older traces
     drafted: int  # drafted tokens (tree nodes) verified
     accepted: int  # accepted drafted tokens (bonus excluded)
     kld: list[float] = Field(default_factory=list)  # per verified position, when the policy asked for KLD
@@ -251,11 +253,15 @@ class StepRecorder:
                     req=self.clocks[req_of[item.seq_id]].index,
                     fed=len(item.new_tokens),
                     depth=depth,
+                    planned=planned,
+                    uncapped=uncapped,
                     drafted=len(item.draft_tokens),
                     accepted=len(out.accepted),
                     kld=[float(v) for v in out.kld],
                 )
-                for (item, out), depth in zip(self.tap.last, m.depths, strict=True)
+                for (item, out), depth, planned, uncapped in zip(
+                    self.tap.last, m.depths, m.planned, m.uncapped, strict=True
+                )
             ]
             self.steps.append(
                 StepTrace(

@@ -84,6 +84,7 @@ class StepMetrics:
     batch_size: int
     depths: list[int]  # levels each sequence actually drafted (DDD may stop before its budget)
     planned: list[int]  # planned depth per sequence
+    uncapped: list[int]  # the policy's SL_i before SL_cap, max_sl and the guard (static: its depth)
     cap: int | None
     levels: int  # draft levels the batch ran (the deepest sequence)
     idle_fraction: float  # 1 - sum(depth_i) / (B * max depth_i): draft slots spent waiting for the deepest
@@ -283,6 +284,7 @@ class StepLoop:
                 batch_size=len(batch),
                 depths=depths,
                 planned=plan.depths,
+                uncapped=plan.uncapped,
                 cap=plan.cap,
                 levels=max(depths, default=0),
                 idle_fraction=idle_fraction(depths),
