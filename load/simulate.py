@@ -33,20 +33,24 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from load.traces import (
+    CAP_PAIRS,
     SIMULATED_POLICIES,
     CostSample,
     PolicyName,
     RunTrace,
     SeqTrace,
+    TreeSeqTrace,
     WorkloadKind,
     cost_samples,
+    level_tokens,
     policy_specs,
     read_traces,
     request_class,
     sequence_traces,
+    tree_sequence_traces,
 )
 from specserve.bench.report import plot_by_batch
-from specserve.config import SpecConfig
+from specserve.config import SLPolicyKind, SpecConfig
 from specserve.models.llama import LlamaModel
 from specserve.policy import DSDEPolicy, SLPolicy, SLState, StaticPolicy
 from specserve.scheduler import idle_fraction
@@ -107,6 +111,9 @@ def _knots(lo: float, hi: float) -> list[float]:
     return knots
 
 
+PLAIN_FIT_MIN_STEPS = 8  # plain decoding steps needed for their own cost model (else the joint fit covers them)
+
+
 class FitKind(str, Enum):
     linear = "linear"  # draft level and verify costs linear in rows / tokens: robust far past the data
     piecewise = "piecewise"  # piecewise-linear over power-of-two knots: follows non-monotonic CPU costs
@@ -115,12 +122,16 @@ class FitKind(str, Enum):
 class CostModel(BaseModel):
     """Seconds of one lane step.
 
-    draft  = sum over levels k of draft_level(rows still drafting at level k)
-             + draft_row_s * drafting rows + draft_prefill_token_s * tokens fed at level 0 beyond one per row
+    draft  = sum over levels k of draft_level(tokens in level k's forward: one per row still drafting, a tree
+             row's beam width after level 1) + draft_row_s * drafting rows + draft_prefill_token_s * tokens fed
+             at level 1 beyond one per row + tree_row_s * tree rows + tree_level_row_s * tree rows x later levels
     verify = verify(total tokens in the forward) + verify_row_s * rows + verify_drafting_row_s * drafting rows
+             + verify_tree_row_s * tree rows
     host   = overhead(rows) + host_drafting_row_s * drafting rows + emit_token_s * tokens emitted
 
-    The per-row terms are host work (sampling, acceptance, KLD, DSDE updates): on a small model they dominate.
+    The per-row terms are host work (sampling, acceptance, KLD, DSDE updates, tree masks and reranking): on a
+    small model they dominate. A step where nothing drafts uses ``plain`` when it is set (fitted on plain
+    decoding steps alone: their cost is not the speculative steps' cost minus the draft).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -135,29 +146,71 @@ class CostModel(BaseModel):
     overhead: Curve = Curve.constant(0.0)
     host_drafting_row_s: float = 0.0
     emit_token_s: float = 0.0
+    tree_row_s: float = 0.0
+    tree_level_row_s: float = 0.0
+    verify_tree_row_s: float = 0.0
+    plain: CostModel | None = None  # steps where no row drafts (None: the terms above with no drafting rows)
 
-    def draft_s(self, depths: Sequence[int], extra_fed: int = 0) -> float:
+    def draft_s(self, depths: Sequence[int], extra_fed: int = 0, widths: Sequence[int] | None = None) -> float:
+        """Draft seconds of one lock-step batch; ``widths``: each row's beam width (1: a chain, the default)."""
+        widths = [1] * len(depths) if widths is None else widths
         rows = level_rows(depths)
-        return self.draft_levels_s(rows, rows[0] if rows else 0, extra_fed)
+        trees = [d for d, w in zip(depths, widths, strict=True) if d > 0 and w > 1]
+        return self.draft_levels_s(
+            level_tokens(depths, widths),
+            rows[0] if rows else 0,
+            extra_fed,
+            tree_rows=len(trees),
+            tree_row_levels=sum(d - 1 for d in trees),
+        )
 
-    def draft_levels_s(self, rows_per_level: Sequence[int], drafting_rows: int, extra_fed: int = 0) -> float:
+    def draft_levels_s(
+        self,
+        tokens_per_level: Sequence[int],
+        drafting_rows: int,
+        extra_fed: int = 0,
+        *,
+        tree_rows: int = 0,
+        tree_row_levels: int = 0,
+    ) -> float:
         """Lock-step: level k is one forward over the rows still drafting there."""
-        if not rows_per_level:
+        if not tokens_per_level:
             return 0.0
-        levels = sum(self.draft_level(n) for n in rows_per_level)
-        return levels + self.draft_row_s * drafting_rows + self.draft_prefill_token_s * extra_fed
+        levels = sum(self.draft_level(n) for n in tokens_per_level)
+        return (
+            levels
+            + self.draft_row_s * drafting_rows
+            + self.draft_prefill_token_s * extra_fed
+            + self.tree_row_s * tree_rows
+            + self.tree_level_row_s * tree_row_levels
+        )
 
-    def verify_s(self, rows: int, tokens: int, drafting_rows: int = 0) -> float:
-        return self.verify(tokens) + self.verify_row_s * rows + self.verify_drafting_row_s * drafting_rows
+    def verify_s(self, rows: int, tokens: int, drafting_rows: int = 0, tree_rows: int = 0) -> float:
+        if drafting_rows == 0 and self.plain is not None:
+            return self.plain.verify_s(rows, tokens)
+        return (
+            self.verify(tokens)
+            + self.verify_row_s * rows
+            + self.verify_drafting_row_s * drafting_rows
+            + self.verify_tree_row_s * tree_rows
+        )
 
     def overhead_s(self, rows: int, emitted: int, drafting_rows: int = 0) -> float:
+        if drafting_rows == 0 and self.plain is not None:
+            return self.plain.overhead_s(rows, emitted)
         return self.overhead(rows) + self.host_drafting_row_s * drafting_rows + self.emit_token_s * emitted
 
     def predict(self, s: CostSample) -> tuple[float, float, float]:
         """(draft, verify, host) seconds of a recorded step."""
         return (
-            self.draft_levels_s(s.level_rows, s.drafting_rows, s.draft_extra_fed),
-            self.verify_s(s.batch, s.verify_tokens, s.drafting_rows),
+            self.draft_levels_s(
+                s.level_tokens or s.level_rows,
+                s.drafting_rows,
+                s.draft_extra_fed,
+                tree_rows=s.tree_rows,
+                tree_row_levels=s.tree_row_levels,
+            ),
+            self.verify_s(s.batch, s.verify_tokens, s.drafting_rows, s.tree_rows),
             self.overhead_s(s.batch, s.emitted, s.drafting_rows),
         )
 
@@ -168,29 +221,40 @@ class CostModel(BaseModel):
         if not samples:
             raise ValueError("no recorded steps to fit a cost model on")
         drafting = [s for s in samples if s.levels > 0]
-        max_rows = max((s.drafting_rows for s in drafting), default=1)
-        row_knots = [0.0, 1.0] if kind == FitKind.linear else _knots(1, max_rows)
-        draft_level, c, d = Curve.constant(0.0), 0.0, 0.0
+        plain = [s for s in samples if s.drafting_rows == 0]
+        if drafting and len(plain) >= PLAIN_FIT_MIN_STEPS:
+            sub = cls.fit(plain, kind, source="plain decoding steps")
+            return cls.fit(drafting, kind, source).model_copy(
+                update={"plain": sub, "source": f"{source} ({kind.value}, {len(samples)} steps)"}
+            )
+        max_tokens = max((n for s in drafting for n in (s.level_tokens or s.level_rows)), default=1)
+        level_knots = [0.0, 1.0] if kind == FitKind.linear else _knots(1, max_tokens)
+        draft_level, c, d, tr, tl = Curve.constant(0.0), 0.0, 0.0, 0.0, 0.0
         if drafting:
-            # draft_s = sum_k f(rows at level k) + c * extra fed + d * drafting rows, f piecewise-linear on knots
+            # draft_s = sum_k f(tokens at level k) + c * extra fed + d * drafting rows + tree terms,
+            # f piecewise-linear on knots
             x = [
-                [sum(_hat(row_knots, j, n) for n in s.level_rows) for j in range(len(row_knots))]
-                + [s.draft_extra_fed, s.drafting_rows]
+                [
+                    sum(_hat(level_knots, j, n) for n in (s.level_tokens or s.level_rows))
+                    for j in range(len(level_knots))
+                ]
+                + [s.draft_extra_fed, s.drafting_rows, s.tree_rows, s.tree_row_levels]
                 for s in drafting
             ]
             coef = _nnls(x, [s.draft_s for s in drafting])
-            draft_level = Curve(points=list(zip(row_knots, coef[: len(row_knots)], strict=True)))
-            c, d = coef[-2:]
+            draft_level = Curve(points=list(zip(level_knots, coef[: len(level_knots)], strict=True)))
+            c, d, tr, tl = coef[-4:]
         tok = [s.verify_tokens for s in samples]
         tok_knots = [0.0, 1.0] if kind == FitKind.linear else _knots(min(tok), max(tok))
         coef = _nnls(
             [
-                [_hat(tok_knots, j, s.verify_tokens) for j in range(len(tok_knots))] + [s.batch, s.drafting_rows]
+                [_hat(tok_knots, j, s.verify_tokens) for j in range(len(tok_knots))]
+                + [s.batch, s.drafting_rows, s.tree_rows]
                 for s in samples
             ],
             [s.verify_s for s in samples],
         )
-        verify, (v_row, v_drow) = Curve(points=list(zip(tok_knots, coef[:-2], strict=True))), coef[-2:]
+        verify, (v_row, v_drow, v_tree) = Curve(points=list(zip(tok_knots, coef[:-3], strict=True))), coef[-3:]
         o0, o_row, o_drow, o_tok = _nnls(
             [[1.0, s.batch, s.drafting_rows, s.emitted] for s in samples], [s.overhead_s for s in samples]
         )
@@ -199,9 +263,12 @@ class CostModel(BaseModel):
             draft_level=draft_level,
             draft_row_s=d,
             draft_prefill_token_s=c,
+            tree_row_s=tr,
+            tree_level_row_s=tl,
             verify=verify,
             verify_row_s=v_row,
             verify_drafting_row_s=v_drow,
+            verify_tree_row_s=v_tree,
             overhead=Curve.linear(o0, o_row),
             host_drafting_row_s=o_drow,
             emit_token_s=o_tok,
@@ -382,13 +449,16 @@ class SimConfig(BaseModel):
 
 @dataclass(frozen=True)
 class SimRequest:
-    trace: SeqTrace
+    trace: SeqTrace | TreeSeqTrace  # a position stream (chains) or a step stream (trees)
     max_tokens: int
     prompt_len: int
     arrival: float = 0.0
 
 
-def make_requests(pool: dict[str, list[SeqTrace]], spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
+Pool = dict[str, list[SeqTrace | TreeSeqTrace]]
+
+
+def make_requests(pool: Pool, spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
     missing = [c for c in spec.classes if not pool.get(c)]
     if missing:
         raise ValueError(f"no recorded sequences of class {missing}; have {sorted(pool)}")
@@ -403,14 +473,31 @@ def make_requests(pool: dict[str, list[SeqTrace]], spec: WorkloadSpec, rng: rand
     return out
 
 
-def trace_pool(runs: Iterable[RunTrace]) -> dict[str, list[SeqTrace]]:
-    """Recorded sequences by class, from chain runs that recorded KLD (the DSDE runs)."""
-    pool: dict[str, list[SeqTrace]] = {}
+def trace_pool(runs: Iterable[RunTrace], policy: PolicyName = PolicyName.dsde_cap) -> Pool:
+    """Recorded sequences by class for simulating ``policy``: chains and plain decoding replay the DSDE chain
+    runs (they recorded KLD); DDD replays the DDD runs (depths DDD chose under its own depth limit); DSDE+DDD
+    replays the DSDE+DDD runs (they recorded KLD along the tree)."""
+    runs = list(runs)
+    if not policy.is_tree:
+        chains: Pool = {}
+        for run in runs:
+            if run.has_kld:
+                for seq in sequence_traces(run):
+                    chains.setdefault(seq.cls, []).append(seq)
+        return chains
+    sources = [PolicyName.ddd] if policy == PolicyName.ddd else [PolicyName.dsde_ddd, PolicyName.dsde_ddd_nocap]
+    trees: Pool = {}
     for run in runs:
-        if run.has_kld:
-            for seq in sequence_traces(run):
-                pool.setdefault(seq.cls, []).append(seq)
-    return pool
+        if run.policy in sources:
+            for tseq in tree_sequence_traces(run):
+                trees.setdefault(tseq.cls, []).append(tseq)
+    return trees
+
+
+def tree_nodes(depth: int, width: int, budget: int) -> int:
+    """Nodes EAGLE-2 reranking keeps from a tree of ``depth`` levels: the root's w children, then w x w
+    candidates per later level, at most budget - 1."""
+    return min(budget - 1, width + (depth - 1) * width * width) if depth > 0 else 0
 
 
 # ─────────────────────────── the event loop ───────────────────────────
@@ -427,8 +514,10 @@ class _Seq:
     last: float | None = None
 
     def outcome(self, depth: int) -> tuple[int, list[float]]:
-        """Accepted drafted tokens for a draft of ``depth`` and the KLDs of the verified positions."""
-        acc, klds = self.req.trace.accepts, self.req.trace.klds
+        """Accepted drafted tokens for a chain draft of ``depth`` and the KLDs of the verified positions."""
+        trace = self.req.trace
+        assert isinstance(trace, SeqTrace), "a chain policy replays chain traces"
+        acc, klds = trace.accepts, trace.klds
         n = len(acc)
         a = 0
         while a < depth and acc[(self.cursor + a) % n]:
@@ -437,6 +526,19 @@ class _Seq:
         kld = [klds[(self.cursor + i) % n] for i in range(verified)]
         self.cursor += verified
         return a, kld
+
+    def tree_outcome(self, budget: int, spec: SpecConfig) -> tuple[int, int, int, list[float]]:
+        """(depth, nodes, accepted, KLDs) of a tree step with depth budget ``budget``: the next recorded step,
+        cut to ``budget`` levels. A recorded depth that hit its own budget is a lower bound of what the tree
+        would have grown; the replay never grows a tree deeper than recorded."""
+        trace = self.req.trace
+        assert isinstance(trace, TreeSeqTrace), "a tree policy replays tree traces"
+        r = trace.steps[self.cursor % len(trace.steps)]
+        self.cursor += 1
+        depth = min(r.depth, budget)
+        nodes = r.drafted if depth == r.depth else tree_nodes(depth, spec.beam_width, spec.budget)
+        accepted = min(r.accepted, depth)
+        return depth, nodes, accepted, r.kld[: accepted + 1]
 
 
 @dataclass
@@ -489,13 +591,15 @@ def percentile(values: Sequence[float], q: float) -> float:
 def _policy(cfg: SimConfig) -> SLPolicy | None:
     if cfg.policy == PolicyName.plain:
         return None
-    if cfg.policy == PolicyName.static:
-        return StaticPolicy(cfg.spec.sl)
+    if cfg.spec.policy == SLPolicyKind.static:
+        return StaticPolicy(cfg.spec.static_depth)  # a chain's SL, DDD's maximum depth n
     return DSDEPolicy(cfg.spec.dsde)
 
 
 def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) -> SimResult:
     policy = _policy(cfg)
+    tree = cfg.policy.is_tree
+    width = cfg.spec.beam_width if tree else 1
     arrivals = [(r.arrival, i, r) for i, r in enumerate(requests)]
     heapq.heapify(arrivals)
     waiting: list[_Seq] = []
@@ -518,25 +622,34 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
             continue
         # plan: the real policy code (SL_i per sequence, then SL_cap over the lock-step batch)
         if policy is None:
-            depths, uncapped, cap = [0] * len(running), [], None
+            planned, uncapped, cap = [0] * len(running), [], None
         else:
             plan = policy.plan([s.state for s in running])  # type: ignore[misc]
-            depths, uncapped, cap = [cfg.spec.depth_for(sl) for sl in plan.sls], plan.uncapped, plan.cap
-        verify_tokens = sum(s.fed + d for s, d in zip(running, depths, strict=True))
-        extra_fed = sum(s.fed - 1 for s, d in zip(running, depths, strict=True) if d > 0)
-        emitted_step = 0
+            planned, uncapped, cap = [cfg.spec.depth_for(sl) for sl in plan.sls], plan.uncapped, plan.cap
+        extra_fed = sum(s.fed - 1 for s, d in zip(running, planned, strict=True) if d > 0)
+        verify_tokens = emitted_step = 0
         emits: list[int] = []
-        for s, d in zip(running, depths, strict=True):
-            a, kld = (0, []) if d == 0 else s.outcome(d)
-            if d > 0 and policy is not None and s.state is not None:
-                policy.observe(s.state, kld, d, a)
+        depths: list[int] = []  # levels each row drafted (a DDD tree may stop before its planned depth)
+        for s, d in zip(running, planned, strict=True):
+            kld: list[float] = []
+            if d == 0:
+                depth = nodes = a = 0
+            elif tree:
+                depth, nodes, a, kld = s.tree_outcome(d, cfg.spec)
+            else:
+                a, kld = s.outcome(d)
+                depth = nodes = d
+            if depth > 0 and policy is not None and s.state is not None:
+                policy.observe(s.state, kld, depth, a)
             n = min(a + 1, s.req.max_tokens - s.emitted)
             emits.append(n)
+            depths.append(depth)
             emitted_step += n
+            verify_tokens += s.fed + nodes
             s.fed = 1
         drafting_rows = sum(d > 0 for d in depths)
-        dr = cost.draft_s(depths, extra_fed)
-        vr = cost.verify_s(len(running), verify_tokens, drafting_rows)
+        dr = cost.draft_s(depths, extra_fed, [width] * len(depths))
+        vr = cost.verify_s(len(running), verify_tokens, drafting_rows, drafting_rows if tree else 0)
         ho = cost.overhead_s(len(running), emitted_step, drafting_rows)
         t += dr + vr + ho
         draft_total, verify_total, host_total = draft_total + dr, verify_total + vr, host_total + ho
@@ -589,7 +702,7 @@ def validate(
     seed: int = 0,
     repeats: int = 3,
 ) -> list[dict[str, Any]]:
-    """Simulate every measured chain/plain point with its own requests (class, prompt and output lengths) and
+    """Simulate every measured point with its own requests (class, prompt and output lengths) and
     compare throughput and idle fraction with the median over the sweep's repeats of that point. Sequence
     outcomes come from the pool of the same workload."""
     groups: dict[tuple[str, PolicyName, int], list[RunTrace]] = {}
@@ -603,8 +716,8 @@ def validate(
         if mode == ValidationMode.leave_batch_out and any(r.batch != batch for r in runs):
             train = [r for r in runs if r.batch != batch]
         cost = CostModel.fit(cost_samples(train), fit)
-        pool = trace_pool(r for r in train if r.workload == run.workload) or trace_pool(
-            r for r in runs if r.workload == run.workload
+        pool = trace_pool((r for r in train if r.workload == run.workload), policy) or trace_pool(
+            (r for r in runs if r.workload == run.workload), policy
         )
         sims = []
         for k in range(repeats):
@@ -693,9 +806,9 @@ def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[di
     start = time.perf_counter()
     for i, (workload, bs, pol) in enumerate(todo, 1):
         wruns = [r for r in runs if r.workload == workload]
-        pool = trace_pool(wruns)
+        pool = trace_pool(wruns, pol)
         if not pool:
-            print(f"  no recorded DSDE sequences for workload {workload.value}; skipped", file=sys.stderr)
+            print(f"  no recorded sequences to replay {pol.label} on {workload.value}; skipped", file=sys.stderr)
             continue
         classes = list(dict.fromkeys(request_class(q) for r in wruns for q in r.requests if request_class(q) in pool))
         wl = WorkloadSpec(
@@ -728,17 +841,20 @@ def _specs_from_runs(runs: Sequence[RunTrace]) -> dict[PolicyName, SpecConfig]:
 
 
 def cap_gains(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Throughput of DSDE + SL_cap over DSDE without cap, and each one's scaling over batch 1."""
+    """Throughput of DSDE with SL_cap over DSDE without, for chains and DDD trees, and each one's scaling over
+    batch 1."""
     out = []
     by = {(r["workload"], r["batch"], r["policy"]): r for r in rows}
-    cap, nocap = PolicyName.dsde_cap.label, PolicyName.dsde_nocap.label
-    for w, b in dict.fromkeys((r["workload"], r["batch"]) for r in rows):
-        if (w, b, cap) in by and (w, b, nocap) in by:
-            row = {"workload": w, "batch": b, "cap_gain": by[w, b, cap]["tok_s"] / by[w, b, nocap]["tok_s"] - 1.0}
-            for pol, key in ((cap, "scaling_cap"), (nocap, "scaling_nocap")):
-                base = by.get((w, 1, pol))
-                row[key] = by[w, b, pol]["tok_s"] / base["tok_s"] if base else math.nan
-            out.append(row)
+    for drafting, (cap_p, nocap_p) in CAP_PAIRS.items():
+        cap, nocap = cap_p.label, nocap_p.label
+        for w, b in dict.fromkeys((r["workload"], r["batch"]) for r in rows):
+            if (w, b, cap) in by and (w, b, nocap) in by:
+                gain = by[w, b, cap]["tok_s"] / by[w, b, nocap]["tok_s"] - 1.0
+                row = {"workload": w, "drafting": drafting, "batch": b, "cap_gain": gain}
+                for pol, key in ((cap, "scaling_cap"), (nocap, "scaling_nocap")):
+                    base = by.get((w, 1, pol))
+                    row[key] = by[w, b, pol]["tok_s"] / base["tok_s"] if base else math.nan
+                out.append(row)
     return out
 
 

@@ -30,6 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from load.client import StreamStats, check_loopback, parse_sse_line
 from load.traces import (
+    CAP_PAIRS,
+    STUDY_POLICIES,
     PolicyName,
     RunTrace,
     StepRecorder,
@@ -56,7 +58,7 @@ class StudyConfig(BaseModel):
     pair: str = TINY_PAIR  # "tiny" (random weights + noisy copy) or a name in specserve.config.MODEL_PAIRS
     tiny_noise: float = Field(default=0.01, ge=0.0, description="tiny draft = target + this relative noise")
     batch_sizes: list[int] = [1, 4, 16]
-    policies: list[PolicyName] = list(PolicyName)
+    policies: list[PolicyName] = list(STUDY_POLICIES)
     workloads: list[WorkloadKind] = [WorkloadKind.real, WorkloadKind.synthetic]
     categories: list[str] = ["coding", "writing"]
     synthetic_mix: list[float] = [0.9, 0.3]
@@ -492,20 +494,24 @@ REPORT_COLS = (
 
 def cap_gain_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     by = {(r["workload"], r["batch"], r["policy"]): r for r in rows}
-    cap, nocap = PolicyName.dsde_cap.label, PolicyName.dsde_nocap.label
-    return [
-        {
-            "workload": w,
-            "batch": b,
-            "nocap_tok_s": by[w, b, nocap]["tok_s"],
-            "cap_tok_s": by[w, b, cap]["tok_s"],
-            "cap_gain": by[w, b, cap]["tok_s"] / by[w, b, nocap]["tok_s"] - 1.0,
-            "nocap_idle": by[w, b, nocap]["idle_fraction"],
-            "cap_idle": by[w, b, cap]["idle_fraction"],
-        }
-        for w, b in dict.fromkeys((r["workload"], r["batch"]) for r in rows)
-        if (w, b, cap) in by and (w, b, nocap) in by
-    ]
+    out = []
+    for drafting, (cap_p, nocap_p) in CAP_PAIRS.items():
+        cap, nocap = cap_p.label, nocap_p.label
+        out += [
+            {
+                "workload": w,
+                "drafting": drafting,
+                "batch": b,
+                "nocap_tok_s": by[w, b, nocap]["tok_s"],
+                "cap_tok_s": by[w, b, cap]["tok_s"],
+                "cap_gain": by[w, b, cap]["tok_s"] / by[w, b, nocap]["tok_s"] - 1.0,
+                "nocap_idle": by[w, b, nocap]["idle_fraction"],
+                "cap_idle": by[w, b, cap]["idle_fraction"],
+            }
+            for w, b in dict.fromkeys((r["workload"], r["batch"]) for r in rows)
+            if (w, b, cap) in by and (w, b, nocap) in by
+        ]
+    return out
 
 
 def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Sequence[Path]) -> Path:
@@ -521,7 +527,7 @@ def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Seque
     ]
     gains = cap_gain_rows(rows)
     if gains:
-        lines += ["## SL_cap: DSDE + SL_cap vs DSDE without cap", "", markdown_table(gains), ""]
+        lines += ["## SL_cap: DSDE with SL_cap vs DSDE without", "", markdown_table(gains), ""]
     lines += [f"![{p.stem}]({p.name})" for p in images]
     path = cfg.out / "report.md"
     path.write_text("\n".join(lines) + "\n")

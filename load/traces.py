@@ -39,6 +39,7 @@ class PolicyName(str, Enum):
     dsde_cap = "dsde_cap"
     ddd = "ddd"
     dsde_ddd = "dsde_ddd"
+    dsde_ddd_nocap = "dsde_ddd_nocap"  # not in the study's default sweep; the simulator's tree cap comparison
 
     def bench_key(self, static_sl: int) -> str:
         return {
@@ -48,6 +49,7 @@ class PolicyName(str, Enum):
             PolicyName.dsde_cap: "DSDE + SL_cap",
             PolicyName.ddd: "DDD",
             PolicyName.dsde_ddd: "DSDE+DDD",
+            PolicyName.dsde_ddd_nocap: "DSDE+DDD no cap",  # derived in policy_specs (cap off)
         }[self]
 
     @property
@@ -59,6 +61,7 @@ class PolicyName(str, Enum):
             PolicyName.dsde_cap: "DSDE + SL_cap",
             PolicyName.ddd: "DDD",
             PolicyName.dsde_ddd: "DSDE+DDD",
+            PolicyName.dsde_ddd_nocap: "DSDE+DDD no cap",
         }[self]
 
     @property
@@ -66,17 +69,31 @@ class PolicyName(str, Enum):
         return self in (PolicyName.static, PolicyName.dsde_nocap, PolicyName.dsde_cap)
 
     @property
+    def is_tree(self) -> bool:
+        return self in (PolicyName.ddd, PolicyName.dsde_ddd, PolicyName.dsde_ddd_nocap)
+
+    @property
     def is_dsde(self) -> bool:
-        return self in (PolicyName.dsde_nocap, PolicyName.dsde_cap, PolicyName.dsde_ddd)
+        return self in (PolicyName.dsde_nocap, PolicyName.dsde_cap, PolicyName.dsde_ddd, PolicyName.dsde_ddd_nocap)
 
 
-SIMULATED_POLICIES = (PolicyName.plain, PolicyName.static, PolicyName.dsde_nocap, PolicyName.dsde_cap)
+CAP_PAIRS = {  # drafting -> (DSDE with SL_cap, DSDE without)
+    "chain": (PolicyName.dsde_cap, PolicyName.dsde_nocap),
+    "tree (DDD)": (PolicyName.dsde_ddd, PolicyName.dsde_ddd_nocap),
+}
+STUDY_POLICIES = tuple(p for p in PolicyName if p != PolicyName.dsde_ddd_nocap)  # the issue's six
+SIMULATED_POLICIES = tuple(PolicyName)
 
 
 def policy_specs(*, static_sl: int = 4, beam_width: int = 4, budget: int = 16) -> dict[PolicyName, SpecConfig]:
     """The lead's batch-benchmark policy table (``specserve.bench.batch.policies``), keyed by PolicyName."""
     table = batch.policies(argparse.Namespace(static_sl=static_sl, beam_width=beam_width, budget=budget, policies=None))
-    return {p: table[p.bench_key(static_sl)] for p in PolicyName}
+    specs: dict[PolicyName, SpecConfig] = {p: table[p.bench_key(static_sl)] for p in STUDY_POLICIES}
+    tree = specs[PolicyName.dsde_ddd]
+    specs[PolicyName.dsde_ddd_nocap] = tree.model_copy(
+        update={"dsde": tree.dsde.model_copy(update={"cap_enabled": False})}
+    )
+    return specs
 
 
 class SeqStep(BaseModel):
@@ -345,6 +362,63 @@ def sequence_traces(run: RunTrace) -> list[SeqTrace]:
     ]
 
 
+class TreeStep(BaseModel):
+    """One recorded draft-tree step of a sequence (DDD or DSDE+DDD runs)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    depth: int  # levels drafted
+    stopped: bool  # DDD stopped before the planned depth: ``depth`` is the tree's own depth (else a lower bound)
+    drafted: int  # tree nodes verified
+    accepted: int  # accepted nodes (a path from the root; bonus excluded)
+    kld: list[float] = Field(default_factory=list)  # at the root and each accepted node, when DSDE asked for KLD
+
+
+class TreeSeqTrace(BaseModel):
+    """One recorded sequence of a tree run as its stream of steps. A simulated step with depth budget b replays
+    the next recorded step truncated to b levels: depth min(recorded, b), accepted min(recorded, depth)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cls: str
+    prompt_len: int
+    max_tokens: int
+    steps: list[TreeStep]
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(s.accepted for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+
+def tree_sequence_traces(run: RunTrace) -> list[TreeSeqTrace]:
+    """Per-step tree outcomes of a tree run's sequences (chain and plain runs give none)."""
+    if not run.policy.is_tree:
+        return []
+    steps: list[list[TreeStep]] = [[] for _ in run.requests]
+    for st in run.steps:
+        for s in st.seqs:
+            if s.depth == 0:
+                continue
+            planned = run.spec.static_depth if s.planned is None and not run.policy.is_dsde else s.planned
+            stopped = planned is not None and s.depth < planned
+            steps[s.req].append(TreeStep(depth=s.depth, stopped=stopped, drafted=s.drafted, accepted=s.accepted,
+                                         kld=list(s.kld)))  # fmt: skip
+    return [
+        TreeSeqTrace(cls=request_class(r), prompt_len=r.prompt_len, max_tokens=r.max_tokens, steps=st)
+        for r, st in zip(run.requests, steps, strict=True)
+        if st
+    ]
+
+
+def level_tokens(depths: Sequence[int], widths: Sequence[int]) -> list[int]:
+    """Tokens in each lock-step draft forward (levels 1..max depth): one per row still drafting at level 1 (the
+    fed forward) and for chains; a tree row feeds its beam (``width`` nodes) at every later level."""
+    levels = max(depths, default=0)
+    return [
+        sum(1 if k == 1 else w for d, w in zip(depths, widths, strict=True) if d >= k) for k in range(1, levels + 1)
+    ]
+
+
 class CostSample(BaseModel):
     """Features and measured times of one recorded step (chain or plain runs)."""
 
@@ -354,6 +428,9 @@ class CostSample(BaseModel):
     levels: int  # draft levels the batch ran
     depth_sum: int  # sum over rows of draft levels = sum over levels of rows still drafting
     level_rows: list[int]  # rows still drafting at each level 1..levels (the batch drafts in lock-step)
+    level_tokens: list[int] | None = None  # tokens in each level's forward (None: = level_rows, chains)
+    tree_rows: int = 0  # drafting rows that grow trees
+    tree_row_levels: int = 0  # sum over tree rows of their levels after the first (beam forwards)
     drafting_rows: int
     draft_extra_fed: int  # tokens drafting rows fed beyond one at level 0 (prompts of newly admitted rows, mostly)
     verify_tokens: int  # all tokens in the verify forward (fed + drafted)
@@ -367,13 +444,18 @@ def cost_samples(runs: Iterable[RunTrace]) -> Iterator[CostSample]:
     for run in runs:
         if run.policy not in SIMULATED_POLICIES:
             continue
+        width = run.spec.beam_width if run.spec.is_tree else 1
         for st in run.steps:
             drafting = [s for s in st.seqs if s.depth > 0]
+            depths = [s.depth for s in drafting]
             yield CostSample(
                 batch=st.batch,
                 levels=st.levels,
-                depth_sum=sum(s.depth for s in drafting),
-                level_rows=[sum(s.depth >= k for s in drafting) for k in range(1, st.levels + 1)],
+                depth_sum=sum(depths),
+                level_rows=[sum(d >= k for d in depths) for k in range(1, st.levels + 1)],
+                level_tokens=level_tokens(depths, [width] * len(depths)) if width > 1 else None,
+                tree_rows=len(drafting) if width > 1 else 0,
+                tree_row_levels=sum(d - 1 for d in depths) if width > 1 else 0,
                 drafting_rows=len(drafting),
                 draft_extra_fed=sum(s.fed - 1 for s in drafting),
                 verify_tokens=sum(s.fed + s.drafted for s in st.seqs),

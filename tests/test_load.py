@@ -42,6 +42,7 @@ from load.simulate import (
     measure_cost_model,
     simulate,
     trace_pool,
+    tree_nodes,
     validate,
 )
 from load.traces import (
@@ -50,11 +51,15 @@ from load.traces import (
     RunTrace,
     SeqTrace,
     StepRecorder,
+    TreeSeqTrace,
+    TreeStep,
     WorkloadKind,
     cost_samples,
+    level_tokens,
     policy_specs,
     read_traces,
     sequence_traces,
+    tree_sequence_traces,
     write_traces,
 )
 from specserve.bench.batch import run_one
@@ -237,22 +242,75 @@ def test_sl_cap_lowers_idle_fraction_on_heterogeneous_batch() -> None:
     assert again.tok_s == cap.tok_s  # deterministic
 
 
-def _samples(truth: CostModel, n: int, seed: int = 0) -> list[CostSample]:
+def _tree(steps: list[tuple[int, int, float]], cls: str = "t", max_tokens: int = 48) -> TreeSeqTrace:
+    """A tree trace from (depth, accepted, kld) steps; 15 nodes per tree, the DDD stop rule's own depth."""
+    return TreeSeqTrace(
+        cls=cls,
+        prompt_len=8,
+        max_tokens=max_tokens,
+        steps=[TreeStep(depth=d, stopped=True, drafted=15, accepted=a, kld=[k] * (a + 1)) for d, a, k in steps],
+    )
+
+
+def test_tree_replay_matches_analytic_throughput() -> None:
+    # every recorded DDD step: 3 levels, 2 of its nodes accepted -> 3 tokens per row and step
+    trace = _tree([(3, 2, 0.1)] * 20, max_tokens=30)
+    spec = policy_specs(beam_width=4, budget=16)[PolicyName.ddd]
+    reqs = [SimRequest(trace, 30, 8) for _ in range(4)]
+    res = simulate(reqs, SimConfig(batch_size=4, policy=PolicyName.ddd, spec=spec), _constant_cost())
+    step_s = 3 * 0.002 + 0.01 + 0.001
+    assert res.steps == 10 and res.tokens == 120 and res.mean_sl == 3 and res.idle_fraction == 0.0
+    assert res.tok_s == pytest.approx(120 / (10 * step_s))
+    # a depth budget below the recorded depth cuts the tree: 2 levels, at most 2 accepted
+    shallow = spec.model_copy(update={"ddd_max_depth": 2})
+    res2 = simulate(reqs, SimConfig(batch_size=4, policy=PolicyName.ddd, spec=shallow), _constant_cost())
+    assert res2.mean_sl == 2 and res2.steps == 10  # accepted 2 of the recorded 2: still 3 tokens per step
+    deep = _tree([(3, 3, 0.1)] * 20, max_tokens=30)
+    res3 = simulate([SimRequest(deep, 30, 8)], SimConfig(batch_size=1, policy=PolicyName.ddd, spec=shallow),
+                    _constant_cost())  # fmt: skip
+    assert res3.steps == 10  # cut to 2 levels: 2 accepted + bonus instead of 3 + bonus (8 steps)
+    assert [tree_nodes(d, 4, 16) for d in (0, 1, 2, 5)] == [0, 4, 15, 15]
+
+
+def test_tree_sl_cap_lowers_idle_fraction() -> None:
+    # DSDE as DDD's depth budget: confident sequences grow deep trees, hopeless ones shallow ones
+    good = _tree([(11, 11, 0.02)] * 300, "good", 400)
+    bad = _tree([(11, 0, 1.0)] * 300, "bad", 100)
+    reqs = [SimRequest(good, 400, 8) if i % 2 else SimRequest(bad, 100, 8) for i in range(64)]
+    cost = CostModel(source="t", draft_level=Curve.constant(0.002), verify=Curve.constant(0.01))
+    specs = policy_specs(beam_width=4, budget=16)
+    nocap, cap = (
+        simulate(reqs, SimConfig(batch_size=16, policy=p, spec=specs[p]), cost)
+        for p in (PolicyName.dsde_ddd_nocap, PolicyName.dsde_ddd)
+    )
+    assert cap.cap_hist and not nocap.cap_hist
+    assert cap.idle_fraction < nocap.idle_fraction - 0.03 and cap.mean_sl < nocap.mean_sl
+    assert max(nocap.sl_hist) == 11  # never deeper than recorded (DDD's n)
+
+
+def _samples(truth: CostModel, n: int, seed: int = 0, trees: bool = False, plain: float = 0.0) -> list[CostSample]:
+    """Random steps priced by ``truth``: chains, trees of width 4 when ``trees`` (half of them), and plain
+    decoding steps with probability ``plain``."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         b = rng.randint(1, 32)
-        depths = [rng.randint(0, 8) for _ in range(b)]
+        is_plain = rng.random() < plain
+        depths = [0] * b if is_plain else [rng.randint(0, 8) for _ in range(b)]
         drafting = [d for d in depths if d > 0]
+        width = 4 if trees and rng.random() < 0.5 else 1
         extra = rng.choice([0, 0, 0, rng.randint(10, 200)])
         s = CostSample(
             batch=b,
             levels=max(depths),
             depth_sum=sum(drafting),
             level_rows=level_rows(depths),
+            level_tokens=level_tokens(depths, [width] * b) if width > 1 else None,
+            tree_rows=len(drafting) if width > 1 else 0,
+            tree_row_levels=sum(d - 1 for d in drafting) if width > 1 else 0,
             drafting_rows=len(drafting),
             draft_extra_fed=extra,
-            verify_tokens=b + sum(depths) + extra,
+            verify_tokens=b + (15 * len(drafting) if width > 1 else sum(depths)) + extra,
             emitted=rng.randint(b, 3 * b),
             draft_s=0,
             verify_s=0,
@@ -278,6 +336,31 @@ def test_cost_model_fit_recovers_coefficients() -> None:
     assert all(abs(e) < 1e-6 for e in fit_quality(fitted, samples).values())
     assert fitted.verify(100) == pytest.approx(truth.verify(100), rel=1e-4)
     assert fitted.draft_level(10) == pytest.approx(truth.draft_level(10), rel=1e-4)
+
+
+def test_fit_recovers_tree_terms_and_a_separate_plain_model() -> None:
+    truth = CostModel(
+        source="truth",
+        draft_level=Curve.linear(0.003, 0.0004),
+        tree_row_s=2e-4,
+        tree_level_row_s=5e-5,
+        verify=Curve.linear(0.004, 0.0002),
+        verify_tree_row_s=3e-4,
+        overhead=Curve.linear(0.0005, 5e-5),
+        plain=CostModel(
+            source="plain truth", draft_level=Curve.constant(0.0), verify=Curve.linear(0.002, 0.0001),
+            overhead=Curve.linear(0.0002, 1e-5),
+        ),
+    )  # fmt: skip
+    samples = _samples(truth, 500, seed=2, trees=True, plain=0.2)
+    fitted = CostModel.fit(samples)
+    assert fitted.plain is not None and all(abs(e) < 1e-6 for e in fit_quality(fitted, samples).values())
+    assert fitted.tree_level_row_s == pytest.approx(5e-5, rel=1e-3)
+    assert fitted.verify_tree_row_s == pytest.approx(3e-4, rel=1e-3)
+    assert fitted.verify_s(8, 8) == pytest.approx(truth.plain.verify_s(8, 8), rel=1e-4)  # type: ignore[union-attr]
+    # without its own model, plain steps are priced as speculative steps with no drafting rows: off here
+    joint = CostModel.fit([s for s in samples if s.drafting_rows == 0][:5] + [s for s in samples if s.levels])
+    assert joint.plain is None
 
 
 def test_piecewise_fit_follows_non_monotonic_costs() -> None:
@@ -359,6 +442,30 @@ def test_trace_recording_from_engine(tiny_pair: tuple[Any, Any], tmp_path: Path)
     assert read_traces(path)[0] == run
     samples = list(cost_samples([run]))
     assert len(samples) == len(run.steps) and samples[0].draft_extra_fed > 0  # prompts fed at level 0
+
+
+def test_tree_traces_from_engine(tiny_pair: tuple[Any, Any]) -> None:
+    ddd = _record(tiny_pair, PolicyName.ddd, 3, [None] * 6)
+    spec = ddd.spec
+    seqs = [s for st in ddd.steps for s in st.seqs if s.depth > 0]
+    assert seqs and all(s.planned == spec.ddd_max_depth and s.uncapped == spec.ddd_max_depth for s in seqs)
+    trees = tree_sequence_traces(ddd)
+    assert len(trees) == 6 and not sequence_traces(ddd)
+    steps = [t for tr in trees for t in tr.steps]
+    assert all(t.stopped == (t.depth < spec.ddd_max_depth) and t.accepted <= t.depth for t in steps)
+    assert all(t.drafted == tree_nodes(t.depth, spec.beam_width, spec.budget) for t in steps)
+    samples = list(cost_samples([ddd]))
+    drafting = [x for x in samples if x.levels > 0]
+    assert drafting and all(x.level_tokens and x.level_tokens[0] == x.drafting_rows for x in drafting)
+    assert all(x.level_tokens[1:] == [spec.beam_width * n for n in x.level_rows[1:]] for x in drafting)  # type: ignore[index]
+    both = _record(tiny_pair, PolicyName.dsde_ddd, 3, [None] * 6)
+    assert both.has_kld
+    pool = trace_pool([ddd, both], PolicyName.dsde_ddd)
+    assert pool and all(t.kld for tr in pool["x"] for t in tr.steps)  # type: ignore[union-attr]
+    assert trace_pool([ddd, both], PolicyName.ddd)["x"] == trees
+    rows = validate([ddd, both], ValidationMode.in_sample, repeats=1)
+    assert {r["policy"] for r in rows} == {"DDD", "DSDE+DDD"}
+    assert all(r["sim_tok_s"] > 0 and math.isfinite(r["error"]) for r in rows)
 
 
 def test_simulator_replays_recorded_traces(tiny_pair: tuple[Any, Any]) -> None:
