@@ -146,10 +146,12 @@ def make_workload(cfg: StudyConfig, kind: WorkloadKind, n: int, encode: Callable
     """n requests interleaving the categories (real) or the SYNTHETIC acceptance values."""
     rng = random.Random(cfg.seed * 31 + n)
     by_cat = {c: mt_bench_prompts(categories=[c]) for c in cfg.categories}
-    for prompts in by_cat.values():
-        rng.shuffle(prompts)
+    for pool in by_cat.values():
+        rng.shuffle(pool)
     limit = cfg.prompt_limit
-    prompts, cats, accepts = [], [], []
+    prompts: list[list[int]] = []
+    cats: list[str] = []
+    accepts: list[float | None] = []
     for i in range(n):
         cat = cfg.categories[i % len(cfg.categories)]
         ids = encode(by_cat[cat][(i // len(cfg.categories)) % len(by_cat[cat])].text)
