@@ -34,6 +34,7 @@ test: pull
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy specserve deployments
 
 bench-ar: pull
 	$(VENV)/bin/specserve bench ar --out bench_out/ar

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -165,7 +166,7 @@ class EngineConfig(BaseModel):
 
 def derived_draft(target: ModelSpec, kind: str) -> ModelSpec:
     """A draft derived from the target: 'bf16', 'fp16' (lower-precision copies) or 'int8' (dynamic int8)."""
-    variants = {
+    variants: dict[str, dict[str, Any]] = {
         "bf16": {"dtype": DType.bfloat16},
         "fp16": {"dtype": DType.float16},
         "int8": {"dtype": DType.float32, "int8_dynamic": True},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -25,7 +26,7 @@ class IncrementalText:
         """Feed all output token ids so far; return the new stable text (everything left when final)."""
         if self.tokenizer is None or self.stopped:
             return ""
-        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        full = cast(str, self.tokenizer.decode(cast(list[int], token_ids), skip_special_tokens=True))
         cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.stopped, final = full[:cut], True, True

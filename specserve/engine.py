@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -132,7 +132,7 @@ class Engine:
         speculation: SpecConfig | None = None,
     ) -> list[Completion]:
         """Generate for several prompts batched together; returns completions in prompt order."""
-        batch: list[Prompt] = [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item]
+        batch: list[Prompt] = [cast(Prompt, prompts)] if _is_single(prompts) else list(cast(Sequence[Prompt], prompts))
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise InvalidRequestError(f"{len(batch)} prompts but {len(plist)} sampling parameter sets")

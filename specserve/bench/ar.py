@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -39,8 +41,9 @@ def _hf_generate(
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    generate = cast(Callable[..., torch.Tensor], model.generate)  # an HF model: returns the token ids
     with torch.inference_mode():
-        out = model.generate(
+        out = generate(
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=max_tokens,
@@ -67,12 +70,12 @@ def run(args: argparse.Namespace) -> int:
             encoded = [engine.encode(p, chat=True) for p in prompts]
             groups = [encoded[i : i + bs] for i in range(0, len(encoded), bs)]
             t0 = time.perf_counter()
-            ours = sum(len(c.token_ids) for g in groups for c in engine.generate(g, params))
+            n_ours = sum(len(c.token_ids) for g in groups for c in engine.generate(g, params))
             t_ours = time.perf_counter() - t0
             t0 = time.perf_counter()
-            theirs = sum(_hf_generate(hf, tok, g, args.max_tokens) for g in groups)
+            n_theirs = sum(_hf_generate(hf, tok, g, args.max_tokens) for g in groups)
             t_hf = time.perf_counter() - t0
-            for name, n, t in (("specserve", ours, t_ours), ("transformers", theirs, t_hf)):
+            for name, n, t in (("specserve", n_ours, t_ours), ("transformers", n_theirs, t_hf)):
                 rows.append({"run": run_idx, "engine": name, "batch": bs, "tokens": n, "seconds": t, "tok_s": n / t})
                 print(f"run {run_idx} batch {bs:3d} {name:12s} {n:5d} tokens {t:7.2f} s {n / t:8.1f} tok/s", flush=True)
     summary = []

@@ -36,7 +36,7 @@ class ForwardBatch:
     def build(
         cache: KVCache,
         slots: Sequence[int],
-        tokens: Sequence[Sequence[int]],
+        tokens: Sequence[Sequence[int] | torch.Tensor],
         *,
         positions: Sequence[Sequence[int] | None] | None = None,
         tree_masks: Sequence[torch.Tensor | None] | None = None,
@@ -64,7 +64,10 @@ class ForwardBatch:
         causal = all(m is None for m in masks)
         need_mask = b_size > 1 or not causal or (q_len > 1 and starts[0] > 0)
         mask = torch.zeros(b_size, q_len, k_len, dtype=torch.bool) if need_mask else None
-        w_slot, w_pos, w_from, rows = [], [], [], []
+        w_slot: list[int] = []
+        w_pos: list[int] = []
+        w_from: list[int] = []
+        rows: list[int] = []
         m_list = list(num_logits) if num_logits is not None else num_new
         offset = 0
         for b, (slot, start, n) in enumerate(zip(slots, starts, num_new, strict=True)):

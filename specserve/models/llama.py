@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +157,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, hf_config: PretrainedConfig, *, max_positions: int | None = None) -> None:
         super().__init__()
         self.hf_config = hf_config
@@ -179,6 +183,9 @@ class LlamaModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def new_cache(self, num_slots: int, max_len: int | None = None) -> KVCache:
         cfg = self.cfg
@@ -219,7 +226,7 @@ class LlamaModel(nn.Module):
             self.norm.copy_(get("model.norm.weight"))
             if not cfg.tie_word_embeddings:
                 self.lm_head.weight.copy_(get("lm_head.weight"))
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.decoder_layers()):
                 p = f"model.layers.{i}."
                 att = p + "self_attn."
                 layer.input_norm.copy_(get(p + "input_layernorm.weight"))

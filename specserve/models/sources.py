@@ -506,7 +506,8 @@ def _hf_config(
     layers = int(_field(reader, f"{arch}.block_count"))
     head_dim = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return LlamaConfig(
+    # rope_theta (for transformers 4.x) is not in 5.x's signature, but 5.x still folds it into rope_parameters
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=int(vocab_size),
         hidden_size=int(hidden),
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),

@@ -50,7 +50,7 @@ def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
         "model.norm.weight": model.norm,
         "lm_head.weight": model.lm_head.weight,
     }
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers()):
         p, att = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         sd[p + "input_layernorm.weight"] = layer.input_norm
         sd[p + "post_attention_layernorm.weight"] = layer.post_norm
