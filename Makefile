@@ -34,7 +34,7 @@ test: pull
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy specserve deployments
+	$(VENV)/bin/mypy specserve deployments load
 
 bench-ar: pull
 	$(VENV)/bin/specserve bench ar --out bench_out/ar
