@@ -307,11 +307,11 @@ class HttpPolicy(BaseModel):
 HTTP_POLICIES = (
     HttpPolicy(name="server default", speculation=None),
     HttpPolicy(name="plain", speculation={"enabled": False}),
+    HttpPolicy(name="static SL", speculation={"policy": "static"}),
+    HttpPolicy(name="DSDE", speculation={"policy": "dsde"}),
     HttpPolicy(name="max_sl=2", speculation={"max_sl": 2}),
 )
-# Not swept: `speculation.policy` static/dsde is accepted by the API but not applied by
-# specserve.api.convert.speculation_for (only enabled/none/max_sl take effect), and SL_cap is a deployment setting;
-# compare cap on/off with two deployments (speculation.dsde.cap_enabled in app.yaml).
+# SL_cap is a deployment setting (speculation.dsde.cap_enabled in app.yaml): compare cap on/off with two deployments.
 
 
 def scrape(client: Any, url: str) -> dict[str, float]:

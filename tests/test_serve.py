@@ -21,9 +21,11 @@ import openai
 import pydantic
 import pytest
 import ray
+import yaml
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.job_config import JobConfig
+from ray.serve.schema import ServeDeploySchema
 
 from deployments.actors import ModelInfo
 from deployments.app import app_builder
@@ -198,6 +200,23 @@ def test_app_args_layout_and_validation() -> None:
     ):
         with pytest.raises(pydantic.ValidationError):
             AppArgs.model_validate(bad)
+
+
+@pytest.mark.parametrize(
+    "path", ["deployments/app.yaml", "deployments/app-tiny.yaml", "cluster/serve-gpu.yaml", "cluster/rayservice.yaml"]
+)
+def test_shipped_serve_configs_validate(path: str) -> None:
+    """Every shipped Serve config passes Serve's own schema and our AppArgs (what `serve run` would check)."""
+    doc = yaml.safe_load((REPO / path).read_text())
+    if doc.get("kind") == "RayService":
+        doc = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    apps = doc["applications"]
+    assert len(ServeDeploySchema.model_validate(doc).applications) == len(apps)
+    for app in apps:
+        assert app["import_path"] == "deployments.app:app_builder"
+        args = AppArgs.model_validate(app["args"])
+        assert args.speculation.policy == SLPolicyKind.dsde  # the product: DSDE sets SL under SL_cap
+        assert args.speculation.dsde.cap_enabled
 
 
 def test_lane_limits_match_the_engine() -> None:
