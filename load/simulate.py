@@ -37,6 +37,7 @@ from load.traces import (
     SIMULATED_POLICIES,
     CostSample,
     PolicyName,
+    RequestTrace,
     RunTrace,
     SeqTrace,
     TreeSeqTrace,
@@ -100,17 +101,23 @@ def _hat(knots: Sequence[float], j: int, x: float) -> float:
     return _interp([(k, 1.0 if i == j else 0.0) for i, k in enumerate(knots)], x)
 
 
-def _knots(lo: float, hi: float) -> list[float]:
-    """lo, the powers of two between, and hi."""
+def fit_knots(lo: float, hi: float, xs: Sequence[float] | None = None) -> list[float]:
+    """lo, the powers of two between, and hi; with ``xs`` (the data), only the interior knots that have at least
+    KNOT_MIN_SAMPLES values within a factor sqrt(2): a knot with no data near it would be fitted to noise (the
+    curve then interpolates linearly across the gap)."""
     lo, hi = max(1.0, lo), max(1.0, hi)
     knots = [lo]
     while 2 ** math.floor(math.log2(knots[-1]) + 1) < hi:
         knots.append(2.0 ** math.floor(math.log2(knots[-1]) + 1))
+    if xs is not None:
+        near = [sum(k / math.sqrt(2) <= x <= k * math.sqrt(2) for x in xs) for k in knots]
+        knots = [knots[0]] + [k for k, n in zip(knots[1:], near[1:], strict=True) if n >= KNOT_MIN_SAMPLES]
     if hi > knots[-1]:
         knots.append(hi)
     return knots
 
 
+KNOT_MIN_SAMPLES = 3
 PLAIN_FIT_MIN_STEPS = 8  # plain decoding steps needed for their own cost model (else the joint fit covers them)
 
 
@@ -228,7 +235,8 @@ class CostModel(BaseModel):
                 update={"plain": sub, "source": f"{source} ({kind.value}, {len(samples)} steps)"}
             )
         max_tokens = max((n for s in drafting for n in (s.level_tokens or s.level_rows)), default=1)
-        level_knots = [0.0, 1.0] if kind == FitKind.linear else _knots(1, max_tokens)
+        level_x = [n for s in drafting for n in (s.level_tokens or s.level_rows)]
+        level_knots = [0.0, 1.0] if kind == FitKind.linear else fit_knots(1, max_tokens, level_x)
         draft_level, c, d, tr, tl = Curve.constant(0.0), 0.0, 0.0, 0.0, 0.0
         if drafting:
             # draft_s = sum_k f(tokens at level k) + c * extra fed + d * drafting rows + tree terms,
@@ -241,11 +249,11 @@ class CostModel(BaseModel):
                 + [s.draft_extra_fed, s.drafting_rows, s.tree_rows, s.tree_row_levels]
                 for s in drafting
             ]
-            coef = _nnls(x, [s.draft_s for s in drafting])
+            coef = _nnls(x, [s.draft_s for s in drafting], run_weights(drafting))
             draft_level = Curve(points=list(zip(level_knots, coef[: len(level_knots)], strict=True)))
             c, d, tr, tl = coef[-4:]
         tok = [s.verify_tokens for s in samples]
-        tok_knots = [0.0, 1.0] if kind == FitKind.linear else _knots(min(tok), max(tok))
+        tok_knots = [0.0, 1.0] if kind == FitKind.linear else fit_knots(min(tok), max(tok), tok)
         coef = _nnls(
             [
                 [_hat(tok_knots, j, s.verify_tokens) for j in range(len(tok_knots))]
@@ -253,10 +261,13 @@ class CostModel(BaseModel):
                 for s in samples
             ],
             [s.verify_s for s in samples],
+            run_weights(samples),
         )
         verify, (v_row, v_drow, v_tree) = Curve(points=list(zip(tok_knots, coef[:-3], strict=True))), coef[-3:]
         o0, o_row, o_drow, o_tok = _nnls(
-            [[1.0, s.batch, s.drafting_rows, s.emitted] for s in samples], [s.overhead_s for s in samples]
+            [[1.0, s.batch, s.drafting_rows, s.emitted] for s in samples],
+            [s.overhead_s for s in samples],
+            run_weights(samples),
         )
         return cls(
             source=f"{source} ({kind.value}, {len(samples)} steps)",
@@ -359,13 +370,19 @@ def level_rows(depths: Sequence[int]) -> list[int]:
     return [len(drafting) - bisect.bisect_left(drafting, k) for k in range(1, (drafting[-1] if drafting else 0) + 1)]
 
 
-def _nnls(x: list[list[float]], y: list[float], *, relative: bool = False) -> list[float]:
-    """Least squares, dropping the most negative coefficient until all are >= 0 (a small active-set NNLS).
-    ``relative``: minimise relative instead of absolute errors (validated worse on the tiny sweep: the few large
-    prefill steps matter for the totals)."""
+def run_weights(samples: Sequence[CostSample]) -> list[float] | None:
+    """1 / run seconds per step (None when a sample does not know its run: unweighted)."""
+    runs = [s.run_s for s in samples]
+    return [1.0 / r for r in runs if r] if all(runs) else None
+
+
+def _nnls(x: list[list[float]], y: list[float], weights: Sequence[float] | None = None) -> list[float]:
+    """Weighted least squares, dropping the most negative coefficient until all are >= 0 (a small active-set NNLS).
+    Per-step relative weights were validated worse on the tiny sweep (the few large prefill steps matter for the
+    totals); weighting a run's steps by 1 / its duration makes each run's relative time error count alike."""
     a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if relative:
-        w = 1.0 / np.maximum(b, max(float(np.median(b)) * 1e-3, 1e-9))
+    if weights is not None:
+        w = np.asarray(weights, dtype=float)
         a, b = a * w[:, None], b * w
     active = list(range(a.shape[1]))
     coef = np.zeros(a.shape[1])
@@ -724,9 +741,11 @@ def validate(
             rng = random.Random(seed * 7919 + k)
             reqs = []
             for q in run.requests:
+                same = _same_prompt(pool, q)
                 cands = pool.get(request_class(q)) or [s for v in pool.values() for s in v]
-                reqs.append(SimRequest(rng.choice(cands), q.max_tokens, q.prompt_len))
+                reqs.append(SimRequest(same or rng.choice(cands), q.max_tokens, q.prompt_len))
             sims.append(simulate(reqs, SimConfig(batch_size=batch, policy=policy, spec=run.spec), cost))
+        matched = sum(_same_prompt(pool, q) is not None for q in run.requests) / len(run.requests)
         sim_tok_s = statistics.mean(s.tok_s for s in sims)
         measured_tok_s = statistics.median(r.tok_s for r in measured)
         rows.append(
@@ -742,9 +761,23 @@ def validate(
                 "error": sim_tok_s / measured_tok_s - 1.0,
                 "measured_idle": statistics.median(_mean_idle(r.steps) for r in measured),
                 "sim_idle": statistics.mean(s.idle_fraction for s in sims),
+                "same_prompt": matched,
             }
         )
     return rows
+
+
+def _same_prompt(pool: Pool, q: RequestTrace) -> SeqTrace | TreeSeqTrace | None:
+    """The longest recorded sequence of the same prompt (class and prompt length), if the pool has one. Greedy
+    decoding is lossless, so a prompt's outputs, and the draft's agreement with them, are the same under every
+    policy: replaying its own recording isolates the simulator's mechanics and costs from prompt-to-prompt
+    acceptance variance (a batch-1 run is a single prompt)."""
+    same = [t for t in pool.get(request_class(q), []) if t.prompt_len == q.prompt_len]
+    return max(same, key=_recorded_length, default=None)
+
+
+def _recorded_length(t: SeqTrace | TreeSeqTrace) -> int:
+    return len(t.accepts) if isinstance(t, SeqTrace) else len(t.steps)
 
 
 def _mean_idle(steps: Sequence[Any]) -> float:

@@ -438,6 +438,7 @@ class CostSample(BaseModel):
     draft_s: float
     verify_s: float
     overhead_s: float
+    run_s: float | None = None  # the recorded run's seconds: fits weight each run's relative time error alike
 
 
 def cost_samples(runs: Iterable[RunTrace]) -> Iterator[CostSample]:
@@ -463,4 +464,5 @@ def cost_samples(runs: Iterable[RunTrace]) -> Iterator[CostSample]:
                 draft_s=st.draft_s,
                 verify_s=st.verify_s,
                 overhead_s=st.overhead_s,
+                run_s=run.seconds,
             )

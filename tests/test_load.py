@@ -37,9 +37,11 @@ from load.simulate import (
     SimConfig,
     SimRequest,
     ValidationMode,
+    fit_knots,
     fit_quality,
     level_rows,
     measure_cost_model,
+    run_weights,
     simulate,
     trace_pool,
     tree_nodes,
@@ -375,6 +377,18 @@ def test_piecewise_fit_follows_non_monotonic_costs() -> None:
     assert abs(linear.draft_level(2) - bumpy(2)) > 0.001
 
 
+def test_knots_only_where_there_is_data_and_runs_weigh_alike() -> None:
+    xs = [1.0] * 5 + [2.0] * 5 + [4.0] * 5 + [1000.0] * 5  # decode steps and a few big prefills
+    assert fit_knots(1, 1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000]
+    assert fit_knots(1, 1000, xs) == [1, 2, 4, 1000]  # no knot where nothing was measured
+    truth = CostModel(source="t", draft_level=Curve.linear(0.003, 0.0004), verify=Curve.linear(0.004, 0.0002))
+    samples = _samples(truth, 40)
+    assert run_weights(samples) is None  # samples that do not know their run: unweighted
+    timed = [s.model_copy(update={"run_s": 2.0 if i % 2 else 50.0}) for i, s in enumerate(samples)]
+    assert run_weights(timed) == [0.02 if i % 2 == 0 else 0.5 for i in range(40)]
+    assert CostModel.fit(timed).verify(64) == pytest.approx(truth.verify(64), rel=1e-4)  # exact data: same fit
+
+
 def test_measure_cost_model_times_batched_forwards() -> None:
     target = tiny_model(seed=0)
     cost = measure_cost_model(target, noisy_copy(target, 0.1), rows=(1, 4), context=16)
@@ -482,6 +496,7 @@ def test_simulator_replays_recorded_traces(tiny_pair: tuple[Any, Any]) -> None:
     assert len(rows) == len(runs)
     for r in rows:
         assert r["sim_tok_s"] > 0 and math.isfinite(r["error"])
+        assert r["same_prompt"] == 1.0  # every request replays its own prompt's recording (greedy: exact)
 
 
 def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
