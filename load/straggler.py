@@ -435,7 +435,8 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out: Path, prefix: str = "straggl
 
 
 def plot_sl(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") -> list[Path]:
-    """Drafted SL per row and step, and SL_cap per step, for the DSDE chain policies at the largest batch."""
+    """Drafted SL (tree depth) per row and step, the policy's SL before SL_cap where recorded, and SL_cap per step,
+    for the DSDE policies at the largest batch."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -443,11 +444,7 @@ def plot_sl(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") ->
 
     paths = []
     for kind in dict.fromkeys(t.workload for t in traces):
-        runs = [
-            t
-            for t in traces
-            if t.workload == kind and t.repeat == 0 and t.policy in (PolicyName.dsde_nocap, PolicyName.dsde_cap)
-        ]
+        runs = [t for t in traces if t.workload == kind and t.repeat == 0 and t.policy.is_dsde]
         if not runs:
             continue
         big = max(t.batch for t in runs)
@@ -456,12 +453,18 @@ def plot_sl(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") ->
             hist = Counter(s.depth for st in t.steps for s in st.seqs if s.depth > 0)
             total = sum(hist.values()) or 1
             xs = sorted(hist)
-            axes[0].plot(xs, [hist[x] / total for x in xs], marker="o", ms=3, label=t.policy.label)
+            line = axes[0].plot(xs, [hist[x] / total for x in xs], marker="o", ms=3, label=t.policy.label)
+            wanted = Counter(s.uncapped for st in t.steps for s in st.seqs if s.depth > 0 and s.uncapped)
+            if wanted and _has_cap(t):
+                xs = sorted(wanted)
+                n = sum(wanted.values())
+                axes[0].plot(xs, [wanted[x] / n for x in xs], ls="--", color=line[0].get_color(), lw=1,
+                             label=f"{t.policy.label}: SL before the cap")  # fmt: skip
             caps = Counter(st.cap for st in t.steps if st.cap is not None)
             if caps:
                 xs = sorted(caps)
                 axes[1].bar(xs, [caps[x] / sum(caps.values()) for x in xs], alpha=0.6, label=t.policy.label)
-        axes[0].set_title(f"drafted SL per row and step (B={big})", fontsize=9)
+        axes[0].set_title(f"drafted SL / tree depth per row and step (B={big})", fontsize=9)
         axes[1].set_title(f"SL_cap per step (B={big})", fontsize=9)
         for ax in axes:
             ax.set_xlabel("SL")
@@ -475,6 +478,10 @@ def plot_sl(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") ->
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _has_cap(run: RunTrace) -> bool:
+    return any(st.cap is not None for st in run.steps)
 
 
 REPORT_COLS = (
