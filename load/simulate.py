@@ -493,7 +493,8 @@ def make_requests(pool: Pool, spec: WorkloadSpec, rng: random.Random) -> list[Si
 def trace_pool(runs: Iterable[RunTrace], policy: PolicyName = PolicyName.dsde_cap) -> Pool:
     """Recorded sequences by class for simulating ``policy``: chains and plain decoding replay the DSDE chain
     runs (they recorded KLD); DDD replays the DDD runs (depths DDD chose under its own depth limit); DSDE+DDD
-    replays the DSDE+DDD runs (they recorded KLD along the tree)."""
+    with or without the cap replays the DSDE+DDD runs without the cap where there are any (else those with it):
+    they recorded KLD along the tree, and depths no cap cut short."""
     runs = list(runs)
     if not policy.is_tree:
         chains: Pool = {}
@@ -502,7 +503,10 @@ def trace_pool(runs: Iterable[RunTrace], policy: PolicyName = PolicyName.dsde_ca
                 for seq in sequence_traces(run):
                     chains.setdefault(seq.cls, []).append(seq)
         return chains
-    sources = [PolicyName.ddd] if policy == PolicyName.ddd else [PolicyName.dsde_ddd, PolicyName.dsde_ddd_nocap]
+    sources = [PolicyName.ddd]
+    if policy != PolicyName.ddd:  # prefer recordings without SL_cap: its depths are not cut by the cap
+        uncut = any(r.policy == PolicyName.dsde_ddd_nocap for r in runs)
+        sources = [PolicyName.dsde_ddd_nocap] if uncut else [PolicyName.dsde_ddd]
     trees: Pool = {}
     for run in runs:
         if run.policy in sources:

@@ -477,6 +477,9 @@ def test_tree_traces_from_engine(tiny_pair: tuple[Any, Any]) -> None:
     pool = trace_pool([ddd, both], PolicyName.dsde_ddd)
     assert pool and all(t.kld for tr in pool["x"] for t in tr.steps)  # type: ignore[union-attr]
     assert trace_pool([ddd, both], PolicyName.ddd)["x"] == trees
+    nocap = _record(tiny_pair, PolicyName.dsde_ddd_nocap, 3, [None] * 6)
+    assert all(st.cap is None for st in nocap.steps) and any(st.cap is not None for st in both.steps)
+    assert trace_pool([both, nocap], PolicyName.dsde_ddd)["x"] == tree_sequence_traces(nocap)  # depths not cut
     rows = validate([ddd, both], ValidationMode.in_sample, repeats=1)
     assert {r["policy"] for r in rows} == {"DDD", "DSDE+DDD"}
     assert all(r["sim_tok_s"] > 0 and math.isfinite(r["error"]) for r in rows)
