@@ -30,18 +30,20 @@ from load.client import (
     parse_sse_line,
     parse_sse_text,
 )
-from load.simulate import (
+from load.cost import (
     CostModel,
     Curve,
     FitKind,
-    SimConfig,
-    SimRequest,
-    ValidationMode,
     fit_knots,
     fit_quality,
     level_rows,
     measure_cost_model,
     run_weights,
+)
+from load.simulate import (
+    SimConfig,
+    SimRequest,
+    ValidationMode,
     simulate,
     trace_pool,
     tree_nodes,
