@@ -3,9 +3,11 @@
 (a) in-process engine (default): per-step straggler metrics and per-step traces (``traces.jsonl``, replayed by
     ``load.simulate``), CSV, PNG plots and a markdown report;
 (b) ``--url``: a running deployment over HTTP (streaming chat completions): request-level TTFT/TPOT and
-    throughput, plus the lane metrics ``GET /metrics`` exposes (SL histogram, SL_cap, idle fraction).
+    throughput, plus the lane metrics ``GET /metrics`` exposes (SL histogram, SL_cap, idle fraction);
+(c) ``report``: merge saved sweeps (their ``traces.jsonl``) into one table, plots and report.
 
     .venv/bin/python -m load.straggler --pair tiny --batch-sizes 1 4 16 --out bench_out/straggler
+    .venv/bin/python -m load.straggler report bench_out/a/traces.jsonl bench_out/b/traces.jsonl --out bench_out/ab
 
 Workloads: ``real`` interleaves MT-bench categories with different acceptance (default coding + writing);
 ``synthetic`` is the SYNTHETIC acceptance mix (default 0.9 / 0.3), labelled SYNTHETIC everywhere.
@@ -38,6 +40,7 @@ from load.traces import (
     WorkloadKind,
     append_trace,
     policy_specs,
+    read_traces,
 )
 from specserve.bench.batch import run_one
 from specserve.bench.prompts import mt_bench_prompts
@@ -45,6 +48,7 @@ from specserve.bench.report import markdown_table, plot_by_batch, write_csv
 from specserve.config import MODEL_PAIRS, SpecConfig
 from specserve.engine import Engine
 from specserve.models.llama import LlamaModel
+from specserve.scheduler import idle_fraction
 
 TINY_PAIR = "tiny"
 TINY_BYTE_OFFSET = 3  # the tiny byte-level tokenizer's ids 3..258 are the 256 bytes (deployments/tiny_tokenizer.py)
@@ -189,7 +193,7 @@ def run_engine_point(
         throughput_guard=cfg.guard,
     )
     rec = StepRecorder.install(engine)
-    res = run_one(engine, wl.prompts, wl.lengths, spec, wl.accepts)  # the lead's batch benchmark loop
+    res = run_one(engine, wl.prompts, wl.lengths, spec, wl.accepts)  # the batch benchmark's loop
     requests = rec.request_traces(wl.categories)
     trace = RunTrace(
         pair=cfg.pair,
@@ -205,31 +209,41 @@ def run_engine_point(
         requests=requests,
         steps=rec.steps,
     )
-    ttft = [r.ttft_s for r in requests if r.ttft_s is not None]
-    tpot = [r.tpot_s for r in requests if r.tpot_s is not None]
-    drafted = sum(s.drafted for st in trace.steps for s in st.seqs)
-    accepted = sum(s.accepted for st in trace.steps for s in st.seqs)
-    row = {
-        "workload": wl.label,
-        "batch": batch,
-        "policy": policy.label,
-        "tok_s": res["tok_s"],
-        "idle_fraction": res["idle_fraction"],
-        "mean_sl": res["mean_sl"],
-        "mean_cap": res["mean_cap"],
+    return row_from_trace(trace), trace
+
+
+def row_from_trace(run: RunTrace) -> dict[str, Any]:
+    """One run's figures, from its trace alone (so saved traces can be re-reported and merged)."""
+    ttft = [r.ttft_s for r in run.requests if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in run.requests if r.tpot_s is not None]
+    latency = [r.latency_s for r in run.requests if r.latency_s is not None]
+    drafted = sum(s.drafted for st in run.steps for s in st.seqs)
+    accepted = sum(s.accepted for st in run.steps for s in st.seqs)
+    drafting = [st for st in run.steps if st.levels > 0]
+    caps = [st.cap for st in run.steps if st.cap is not None]
+    seconds = run.seconds or float("nan")
+    return {
+        "workload": run.label,
+        "batch": run.batch,
+        "policy": run.policy.label,
+        "tok_s": run.tok_s,
+        "idle_fraction": statistics.mean(idle_fraction([s.depth for s in st.seqs]) for st in drafting)
+        if drafting
+        else 0.0,
+        "mean_sl": statistics.mean(s.depth for st in drafting for s in st.seqs) if drafting else 0.0,
+        "mean_cap": statistics.mean(caps) if caps else 0.0,
         "acceptance": accepted / drafted if drafted else 0.0,
         "p50_ttft_s": _pct(ttft, 50),
         "p99_ttft_s": _pct(ttft, 99),
         "p50_tpot_s": _pct(tpot, 50),
         "p99_tpot_s": _pct(tpot, 99),
-        "p50_latency_s": res["p50_latency_s"],
-        "p99_latency_s": res["p99_latency_s"],
-        "draft_frac": res["draft_frac"],
-        "verify_frac": res["verify_frac"],
-        "steps": res["steps"],
-        "seconds": res["seconds"],
+        "p50_latency_s": _pct(latency, 50),
+        "p99_latency_s": _pct(latency, 99),
+        "draft_frac": sum(st.draft_s for st in run.steps) / seconds,
+        "verify_frac": sum(st.verify_s for st in run.steps) / seconds,
+        "steps": len(run.steps),
+        "seconds": run.seconds,
     }
-    return row, trace
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -247,29 +261,35 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
     traces_path = cfg.out / "traces.jsonl"
     traces_path.unlink(missing_ok=True)
     total = len(cfg.workloads) * len(cfg.batch_sizes) * cfg.repeats * len(specs)
-    rows: list[dict[str, Any]] = []
     traces: list[RunTrace] = []
     start = time.perf_counter()
     done = 0
     for kind in cfg.workloads:
         for batch in cfg.batch_sizes:
             wl = make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode)
-            runs: dict[PolicyName, list[dict[str, Any]]] = {p: [] for p in specs}
             for repeat in range(cfg.repeats):
                 for policy, spec in specs.items():
                     row, trace = run_engine_point(cfg, models, wl, batch, policy, spec, repeat)
-                    runs[policy].append(row)
                     traces.append(trace)
                     append_trace(traces_path, trace)  # a long sweep keeps what it measured if it is stopped
                     done += 1
                     _progress(done, total, wl, batch, policy, row, time.perf_counter() - start)
-            for policy_runs in runs.values():
-                rows.append(_median_row(policy_runs))
+    return summarize(traces), traces
+
+
+def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
+    """Per (workload, batch size, policy) the medians over its runs, and the throughput ratio to plain."""
+    points: dict[tuple[str, int, PolicyName], list[dict[str, Any]]] = {}
+    for t in traces:
+        points.setdefault((t.label, t.batch, t.policy), []).append(row_from_trace(t))
+    order = {p: i for i, p in enumerate(PolicyName)}
+    keys = sorted(points, key=lambda k: (k[0], k[1], order[k[2]]))
+    rows = [_median_row(points[k]) for k in keys]
     for r in rows:
         base = next((x for x in rows if x["workload"] == r["workload"] and x["batch"] == r["batch"]
                      and x["policy"] == PolicyName.plain.label), None)  # fmt: skip
         r["vs_plain"] = r["tok_s"] / base["tok_s"] if base else float("nan")
-    return rows, traces
+    return rows
 
 
 def _progress(
@@ -523,13 +543,16 @@ def cap_gain_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Sequence[Path]) -> Path:
+def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Sequence[Path], setup: str = "") -> Path:
+    setup = setup or (
+        f"Pair `{cfg.pair}`, batch sizes {cfg.batch_sizes}, {cfg.requests_per_slot} requests per batch slot, "
+        f"{cfg.min_tokens}-{cfg.max_tokens} output tokens (EOS ignored), all requests submitted at t = 0."
+    )
     lines = [
         "# Straggler study (in-process engine)",
         "",
-        f"Pair `{cfg.pair}`, batch sizes {cfg.batch_sizes}, {cfg.requests_per_slot} requests per batch slot, "
-        f"{cfg.min_tokens}-{cfg.max_tokens} output tokens (EOS ignored), all requests submitted at t = 0. "
-        "Rows labelled SYNTHETIC use forced acceptance probabilities: they measure the system, never quality.",
+        f"{setup} Medians over the runs of each point. Rows labelled SYNTHETIC use forced acceptance "
+        "probabilities: they measure the system, never quality.",
         "",
         markdown_table([{c: r[c] for c in REPORT_COLS} for r in rows]),
         "",
@@ -584,7 +607,33 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     return cfg.model_copy(update={"workloads": [] if http_only else cfg.workloads})
 
 
+def report_from_traces(paths: Sequence[Path], out: Path) -> Path:
+    """Merge saved sweeps (their traces.jsonl) into one table, plots and report, without running anything."""
+    traces = [t for path in paths for t in read_traces(path)]
+    if not traces:
+        raise ValueError(f"no runs in {[str(p) for p in paths]}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(traces)
+    write_csv(out / "straggler.csv", rows)
+    images = plot_sweep(rows, out) + plot_sl(traces, out)
+    pairs = sorted({t.pair for t in traces})
+    setup = (
+        f"Merged from {', '.join(f'`{p}`' for p in paths)}: pair {', '.join(pairs)}, batch sizes "
+        f"{sorted({t.batch for t in traces})}, {len(traces)} runs."
+    )
+    return write_report(StudyConfig(out=out), rows, images, setup)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "report":
+        p = argparse.ArgumentParser(prog="python -m load.straggler report", description=report_from_traces.__doc__)
+        p.add_argument("traces", type=Path, nargs="+", help="traces.jsonl files of earlier sweeps")
+        p.add_argument("--out", type=Path, required=True)
+        args = p.parse_args(argv[1:])
+        print(f"wrote {report_from_traces(args.traces, args.out)}")
+        return 0
     cfg = parse_args(argv)
     cfg.out.mkdir(parents=True, exist_ok=True)
     if cfg.threads is not None:

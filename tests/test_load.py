@@ -516,7 +516,11 @@ def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
     assert {"straggler.csv", "traces.jsonl", "report.md", "straggler_synthetic.png"} <= {p.name for p in out.iterdir()}
     assert "SYNTHETIC" in (out / "report.md").read_text()
     assert len(read_traces(out / "traces.jsonl")) == 2 * 2 * 4  # batch sizes x repeats x policies
-    assert all(row["repeats"] == "2" for row in csv.DictReader((out / "straggler.csv").open()))
+    study_rows = list(csv.DictReader((out / "straggler.csv").open()))
+    assert all(row["repeats"] == "2" for row in study_rows)
+    merged = tmp_path / "merged"  # re-reported from the saved traces alone: the same table
+    assert straggler.main(["report", str(out / "traces.jsonl"), "--out", str(merged)]) == 0
+    assert list(csv.DictReader((merged / "straggler.csv").open())) == study_rows
     sim_out = tmp_path / "sim"
     assert sim_cli.main(["--traces", str(out / "traces.jsonl"), "--validate", "--batch-sizes", "1", "8",
                          "--workloads", "synthetic", "--repeats", "1", "--out", str(sim_out)]) == 0  # fmt: skip
