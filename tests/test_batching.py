@@ -9,6 +9,7 @@ import pytest
 
 from specserve.config import KLDMode, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.guard import ThroughputGuard
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy import DSDEConfig
@@ -179,7 +180,7 @@ def test_continuous_batching_arrivals_cancellations_and_no_leaks(target: LlamaMo
 
 
 def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
-    from specserve.guard import ThroughputGuard, bucket
+    from specserve.guard import bucket
 
     assert [bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
     guard = ThroughputGuard(explore_every=5)
@@ -208,4 +209,33 @@ def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=30))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(target, prompt, 30)
-    assert engine.loop.guard is not None and len(engine.loop.guard.rates) >= 2  # both modes were measured
+    guard = engine.loop.guard
+    assert guard is not None
+    full = max(b for b, _ in guard.rates)  # the full batch's bucket ran long enough to measure both modes
+    assert (full, True) in guard.rates and (full, False) in guard.rates
+    drafting = [m.levels > 0 for m in engine.loop.metrics]
+    assert any(drafting) and not all(drafting)
+
+
+class _FixedGuard(ThroughputGuard):
+    def __init__(self, answer: bool) -> None:
+        super().__init__()
+        self.answer = answer
+        self.asked = 0
+
+    def speculate(self, batch_size: int) -> bool:
+        self.asked += 1
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [False, True])
+def test_guard_decision_gates_drafting(target: LlamaModel, answer: bool) -> None:
+    """The StepLoop asks the guard every step and drafts only when it says so; output is plain greedy either way."""
+    engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, eos_token_ids=set())
+    guard = engine.loop.guard = _FixedGuard(answer)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=20))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 20)
+    steps = list(engine.loop.metrics)
+    assert guard.asked == len(steps)
+    assert all((m.levels > 0) == answer for m in steps)
