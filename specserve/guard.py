@@ -18,23 +18,39 @@ def bucket(batch_size: int) -> int:
 
 @dataclass
 class ThroughputGuard:
-    explore_every: int = 20
+    explore_every: int = 20  # steps of a bucket between tries of the slower mode ...
+    max_explore_every: int = 640  # ... doubling up to this while the tries confirm the choice (back to the start
+    # when one flips it): a try costs a slow step, and after plain steps the draft first re-reads what it missed
     smoothing: float = 0.3  # weight of the newest step in the moving average
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s
     steps: dict[int, int] = field(default_factory=dict)  # steps seen per bucket
+    intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
+    next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
+
+    def faster(self, batch_size: int) -> bool | None:
+        """Whether speculation measured faster at this batch size (None: not both modes measured yet)."""
+        b = bucket(batch_size)
+        spec, plain = self.rates.get((b, True)), self.rates.get((b, False))
+        return None if spec is None or plain is None else spec >= plain
 
     def speculate(self, batch_size: int) -> bool:
         b = bucket(batch_size)
-        spec, plain = self.rates.get((b, True)), self.rates.get((b, False))
-        if spec is None or plain is None:
-            return spec is None  # measure speculation first, then plain decoding
-        better = spec >= plain
-        explore = self.steps.get(b, 0) % self.explore_every == self.explore_every - 1
+        better = self.faster(batch_size)
+        if better is None:
+            return (b, True) not in self.rates  # measure speculation first, then plain decoding
+        explore = self.steps.get(b, 0) >= self.next_try.get(b, self.explore_every - 1)
         return better != explore
 
     def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
         b = bucket(batch_size)
+        before = self.faster(batch_size)
         self.steps[b] = self.steps.get(b, 0) + 1
         rate = tokens / max(seconds, 1e-9)
         old = self.rates.get((b, speculative))
         self.rates[(b, speculative)] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+        if before is not None and speculative != before:  # that was a try of the slower mode
+            after = self.faster(batch_size)
+            interval = self.intervals.get(b, self.explore_every)
+            interval = self.explore_every if after != before else min(2 * interval, self.max_explore_every)
+            self.intervals[b] = interval
+            self.next_try[b] = self.steps[b] + interval - 1

@@ -188,13 +188,27 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     guard.record(8, True, tokens=10, seconds=1.0)
     assert not guard.speculate(8)  # then plain decoding
     guard.record(8, False, tokens=40, seconds=1.0)
-    choices = []
-    for _ in range(10):
+    tries = []
+    for step in range(2, 40):
         s = guard.speculate(8)
-        choices.append(s)
+        if s:
+            tries.append(step)
         guard.record(8, s, tokens=10 if s else 40, seconds=1.0)
-    assert choices.count(True) == 2  # plain is 4x faster: speculation only on exploration steps
+    # plain is 4x faster: speculation only on exploration steps, each confirming try doubles the interval
+    assert tries == [4, 14, 34]
     assert guard.speculate(1)  # other buckets are independent
+    # speculation becomes much faster: the next try flips the choice and the interval starts over
+    flipped = ThroughputGuard(explore_every=5, smoothing=1.0)
+    for spec, tokens in ((True, 10), (False, 40)):
+        flipped.record(8, spec, tokens, seconds=1.0)
+    choices = []
+    for _ in range(12):
+        s = flipped.speculate(8)
+        choices.append(s)
+        flipped.record(8, s, tokens=80 if s else 40, seconds=1.0)
+    assert choices[:3] == [False, False, True] and all(choices[3:7])  # from the flip on, speculate
+    assert choices[7] is False and all(choices[8:])  # ... re-try plain 5 steps after the flip (interval reset)
+    assert flipped.intervals[8] == 10  # that try confirmed speculation: the interval doubles again
 
 
 def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
