@@ -36,8 +36,8 @@ class ThroughputGuard:
     def speculate(self, batch_size: int) -> bool:
         b = bucket(batch_size)
         better = self.faster(batch_size)
-        if better is None:
-            return (b, True) not in self.rates  # measure speculation first, then plain decoding
+        if better is None:  # measure plain decoding first (it needs no draft prefill), then speculation
+            return (b, False) in self.rates
         explore = self.steps.get(b, 0) >= self.next_try.get(b, self.explore_every - 1)
         return better != explore
 

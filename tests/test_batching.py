@@ -184,10 +184,10 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
 
     assert [bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
     guard = ThroughputGuard(explore_every=5)
-    assert guard.speculate(8)  # nothing measured: try speculation first
-    guard.record(8, True, tokens=10, seconds=1.0)
-    assert not guard.speculate(8)  # then plain decoding
+    assert not guard.speculate(8)  # nothing measured: plain decoding first (no draft prefill needed)
     guard.record(8, False, tokens=40, seconds=1.0)
+    assert guard.speculate(8)  # then speculation
+    guard.record(8, True, tokens=10, seconds=1.0)
     tries = []
     for step in range(2, 40):
         s = guard.speculate(8)
@@ -196,7 +196,7 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
         guard.record(8, s, tokens=10 if s else 40, seconds=1.0)
     # plain is 4x faster: speculation only on exploration steps, each confirming try doubles the interval
     assert tries == [4, 14, 34]
-    assert guard.speculate(1)  # other buckets are independent
+    assert not guard.speculate(1)  # other buckets are independent
     # speculation becomes much faster: the next try flips the choice and the interval starts over
     flipped = ThroughputGuard(explore_every=5, smoothing=1.0)
     for spec, tokens in ((True, 10), (False, 40)):
