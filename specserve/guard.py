@@ -2,8 +2,9 @@
 
 Speculation costs draft forwards and wider verification; on a CPU, or at large batch where the forward is
 compute-bound, that can cost more than the accepted tokens save. The guard keeps an exponential moving average
-of tokens/s for speculative and plain steps per batch-size bucket, runs the faster mode, and re-tries the other
-every ``explore_every`` steps of the bucket so the estimates follow changing acceptance and load.
+of tokens/s for speculative and plain steps per batch-size bucket (plain decoding measured first), runs the
+faster mode, and re-tries the other after ``explore_every`` steps of the bucket, doubling the interval while the
+tries confirm the choice, so the estimates follow changing acceptance and load at a bounded cost.
 """
 
 from __future__ import annotations
