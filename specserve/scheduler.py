@@ -254,7 +254,8 @@ class StepLoop:
         plan = self._plan(batch)
         proposals = self._propose(batch, plan.depths)
         t1 = time.perf_counter()
-        verified = self.target.verify([self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)])
+        items = [self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)]
+        verified = self.target.verify(items)
         t2 = time.perf_counter()
         outputs = [self._commit(*args) for args in zip(batch, proposals, verified, strict=True)]
         for seq, prop, out in zip(batch, proposals, verified, strict=True):
@@ -262,7 +263,8 @@ class StepLoop:
         if self.record_steps:
             self.step_records.append([self._record(*args) for args in zip(batch, proposals, verified, strict=True)])
         self._retire()
-        self._account(batch, plan, proposals, outputs, t0, t1, t2)
+        prefill = any(len(it.new_tokens) > 1 for it in items)  # a (re-)prefill: its rate says nothing of decoding
+        self._account(batch, plan, proposals, outputs, t0, t1, t2, prefill=prefill)
         return outputs
 
     def _account(
@@ -274,6 +276,8 @@ class StepLoop:
         t0: float,
         t1: float,
         t2: float,
+        *,
+        prefill: bool = False,
     ) -> None:
         total = time.perf_counter() - t0
         drafted = any(p is not None for p in proposals)
@@ -295,7 +299,7 @@ class StepLoop:
                 synthetic=any(s.spec.synthetic_accept is not None for s in batch),
             )
         )
-        if self.guard is not None and any(s.spec.method != SpecMethod.none for s in batch):
+        if self.guard is not None and not prefill and any(s.spec.method != SpecMethod.none for s in batch):
             self.guard.record(len(batch), drafted, sum(len(o.token_ids) for o in outputs), total)
         timing = self.timing
         timing.steps += 1

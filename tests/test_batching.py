@@ -229,6 +229,7 @@ def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
     assert (full, True) in guard.rates and (full, False) in guard.rates
     drafting = [m.levels > 0 for m in engine.loop.metrics]
     assert any(drafting) and not all(drafting)
+    assert sum(guard.steps.values()) == len(drafting) - 1  # all prompts prefill in step 1: not a decoding rate
 
 
 class _FixedGuard(ThroughputGuard):
