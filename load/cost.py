@@ -195,9 +195,8 @@ class CostModel(BaseModel):
             return cls.fit(drafting, kind, source).model_copy(
                 update={"plain": sub, "source": f"{source} ({kind.value}, {len(samples)} steps)"}
             )
-        max_tokens = max((n for s in drafting for n in (s.level_tokens or s.level_rows)), default=1)
         level_x = [n for s in drafting for n in (s.level_tokens or s.level_rows)]
-        level_knots = [0.0, 1.0] if kind == FitKind.linear else fit_knots(1, max_tokens, level_x)
+        level_knots = [0.0, 1.0] if kind == FitKind.linear else fit_knots(1, max(level_x, default=1), level_x)
         draft_level, c, d, tr, tl = Curve.constant(0.0), 0.0, 0.0, 0.0, 0.0
         if drafting:
             # draft_s = sum_k f(tokens at level k) + c * extra fed + d * drafting rows + tree terms,

@@ -39,13 +39,14 @@ from load.traces import (
     TreeSeqTrace,
     WorkloadKind,
     cost_samples,
+    mean_idle,
     policy_specs,
     read_traces,
     request_class,
     sequence_traces,
     tree_sequence_traces,
 )
-from specserve.bench.report import plot_by_batch
+from specserve.bench.report import plot_by_batch, plot_shares
 from specserve.config import SLPolicyKind, SpecConfig
 from specserve.models.llama import LlamaModel
 from specserve.policy import DSDEPolicy, SLPolicy, SLState, StaticPolicy
@@ -366,25 +367,26 @@ def validate(
         if run.policy in SIMULATED_POLICIES:
             groups.setdefault((_workload_label(run), run.policy, run.batch), []).append(run)
     rows = []
+    costs: dict[int | None, CostModel] = {}  # by the batch size left out of the fit (None: in-sample)
     for (label, policy, batch), measured in groups.items():
         run = measured[0]
-        train = list(runs)
-        if mode == ValidationMode.leave_batch_out and any(r.batch != batch for r in runs):
-            train = [r for r in runs if r.batch != batch]
-        cost = CostModel.fit(cost_samples(train), fit)
+        left_out = batch if mode == ValidationMode.leave_batch_out and any(r.batch != batch for r in runs) else None
+        train = [r for r in runs if r.batch != left_out]
+        if left_out not in costs:  # one fit per training set, not per point
+            costs[left_out] = CostModel.fit(cost_samples(train), fit)
         pool = trace_pool((r for r in train if r.workload == run.workload), policy) or trace_pool(
             (r for r in runs if r.workload == run.workload), policy
         )
+        own = [_same_prompt(pool, q) for q in run.requests]
         sims = []
         for k in range(repeats):
             rng = random.Random(seed * 7919 + k)
             reqs = []
-            for q in run.requests:
-                same = _same_prompt(pool, q)
+            for q, same in zip(run.requests, own, strict=True):
                 cands = pool.get(request_class(q)) or [s for v in pool.values() for s in v]
                 reqs.append(SimRequest(same or rng.choice(cands), q.max_tokens, q.prompt_len))
-            sims.append(simulate(reqs, SimConfig(batch_size=batch, policy=policy, spec=run.spec), cost))
-        matched = sum(_same_prompt(pool, q) is not None for q in run.requests) / len(run.requests)
+            sims.append(simulate(reqs, SimConfig(batch_size=batch, policy=policy, spec=run.spec), costs[left_out]))
+        matched = sum(t is not None for t in own) / len(own)
         sim_tok_s = statistics.mean(s.tok_s for s in sims)
         measured_tok_s = statistics.median(r.tok_s for r in measured)
         rows.append(
@@ -398,7 +400,7 @@ def validate(
                 "measured_tok_s": measured_tok_s,
                 "sim_tok_s": sim_tok_s,
                 "error": sim_tok_s / measured_tok_s - 1.0,
-                "measured_idle": statistics.median(_mean_idle(r.steps) for r in measured),
+                "measured_idle": statistics.median(mean_idle(r.steps) for r in measured),
                 "sim_idle": statistics.mean(s.idle_fraction for s in sims),
                 "same_prompt": matched,
             }
@@ -417,12 +419,6 @@ def _same_prompt(pool: Pool, q: RequestTrace) -> SeqTrace | TreeSeqTrace | None:
 
 def _recorded_length(t: SeqTrace | TreeSeqTrace) -> int:
     return len(t.accepts) if isinstance(t, SeqTrace) else len(t.steps)
-
-
-def _mean_idle(steps: Sequence[Any]) -> float:
-    """Mean idle fraction over the drafting steps (as ``specserve.bench.batch`` reports it)."""
-    drafting = [st for st in steps if st.levels > 0]
-    return statistics.mean(idle_fraction([s.depth for s in st.seqs]) for st in drafting) if drafting else 0.0
 
 
 def _workload_label(run: RunTrace) -> str:
@@ -732,14 +728,10 @@ def _plot_sl(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
             continue
         hist: Counter[int] = sum((s.sl_hist for s in r["_sims"]), Counter())
         if hist:
-            xs = sorted(hist)
-            total = sum(hist.values())
-            axes[0].plot(xs, [hist[x] / total for x in xs], marker="o", ms=3, label=r["policy"])
+            plot_shares(axes[0], hist, r["policy"], marker="o", ms=3)
         caps: Counter[int] = sum((s.cap_hist for s in r["_sims"]), Counter())
         if caps:
-            xs = sorted(caps)
-            total = sum(caps.values())
-            axes[1].bar(xs, [caps[x] / total for x in xs], alpha=0.6, label=r["policy"])
+            plot_shares(axes[1], caps, r["policy"], bar=True)
     axes[0].set_title(f"drafted SL per row and step (B={big})", fontsize=9)
     axes[1].set_title(f"SL_cap per step (B={big})", fontsize=9)
     for ax in axes:

@@ -39,16 +39,16 @@ from load.traces import (
     StepRecorder,
     WorkloadKind,
     append_trace,
+    mean_idle,
     policy_specs,
     read_traces,
 )
 from specserve.bench.batch import run_one
 from specserve.bench.prompts import mt_bench_prompts
-from specserve.bench.report import markdown_table, plot_by_batch, write_csv
+from specserve.bench.report import markdown_table, plot_by_batch, plot_shares, write_csv
 from specserve.config import MODEL_PAIRS, SpecConfig
 from specserve.engine import Engine
 from specserve.models.llama import LlamaModel
-from specserve.scheduler import idle_fraction
 
 TINY_PAIR = "tiny"
 TINY_BYTE_OFFSET = 3  # the tiny byte-level tokenizer's ids 3..258 are the 256 bytes (deployments/tiny_tokenizer.py)
@@ -227,9 +227,7 @@ def row_from_trace(run: RunTrace) -> dict[str, Any]:
         "batch": run.batch,
         "policy": run.policy.label,
         "tok_s": run.tok_s,
-        "idle_fraction": statistics.mean(idle_fraction([s.depth for s in st.seqs]) for st in drafting)
-        if drafting
-        else 0.0,
+        "idle_fraction": mean_idle(run.steps),
         "mean_sl": statistics.mean(s.depth for st in drafting for s in st.seqs) if drafting else 0.0,
         "mean_cap": statistics.mean(caps) if caps else 0.0,
         "acceptance": accepted / drafted if drafted else 0.0,
@@ -471,19 +469,14 @@ def plot_sl(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") ->
         fig, axes = plt.subplots(1, 2, figsize=(9, 3))
         for t in (t for t in runs if t.batch == big):
             hist = Counter(s.depth for st in t.steps for s in st.seqs if s.depth > 0)
-            total = sum(hist.values()) or 1
-            xs = sorted(hist)
-            line = axes[0].plot(xs, [hist[x] / total for x in xs], marker="o", ms=3, label=t.policy.label)
-            wanted = Counter(s.uncapped for st in t.steps for s in st.seqs if s.depth > 0 and s.uncapped)
-            if wanted and _has_cap(t):
-                xs = sorted(wanted)
-                n = sum(wanted.values())
-                axes[0].plot(xs, [wanted[x] / n for x in xs], ls="--", color=line[0].get_color(), lw=1,
-                             label=f"{t.policy.label}: SL before the cap")  # fmt: skip
+            line = plot_shares(axes[0], hist, t.policy.label, marker="o", ms=3)
             caps = Counter(st.cap for st in t.steps if st.cap is not None)
+            wanted = Counter(s.uncapped for st in t.steps for s in st.seqs if s.depth > 0 and s.uncapped)
+            if wanted and caps:
+                plot_shares(axes[0], wanted, f"{t.policy.label}: SL before the cap", ls="--", lw=1,
+                            color=line[0].get_color())  # fmt: skip
             if caps:
-                xs = sorted(caps)
-                axes[1].bar(xs, [caps[x] / sum(caps.values()) for x in xs], alpha=0.6, label=t.policy.label)
+                plot_shares(axes[1], caps, t.policy.label, bar=True)
         axes[0].set_title(f"drafted SL / tree depth per row and step (B={big})", fontsize=9)
         axes[1].set_title(f"SL_cap per step (B={big})", fontsize=9)
         for ax in axes:
@@ -498,10 +491,6 @@ def plot_sl(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") ->
         plt.close(fig)
         paths.append(path)
     return paths
-
-
-def _has_cap(run: RunTrace) -> bool:
-    return any(st.cap is not None for st in run.steps)
 
 
 REPORT_COLS = (

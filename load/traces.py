@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from enum import Enum
@@ -22,7 +23,7 @@ from specserve.bench import batch
 from specserve.config import SpecConfig
 from specserve.engine import Engine
 from specserve.protocol import VerifyItem, VerifyOutput
-from specserve.scheduler import Request, RequestOutput, StepLoop
+from specserve.scheduler import Request, RequestOutput, StepLoop, idle_fraction
 
 
 class WorkloadKind(str, Enum):
@@ -165,6 +166,12 @@ class RunTrace(BaseModel):
     @property
     def has_kld(self) -> bool:
         return any(s.kld for st in self.steps for s in st.seqs)
+
+
+def mean_idle(steps: Sequence[StepTrace]) -> float:
+    """Mean straggler idle fraction over the drafting steps (as ``specserve.bench.batch`` reports it)."""
+    drafting = [st for st in steps if st.levels > 0]
+    return statistics.mean(idle_fraction([s.depth for s in st.seqs]) for st in drafting) if drafting else 0.0
 
 
 def write_traces(path: Path, runs: Iterable[RunTrace]) -> None:

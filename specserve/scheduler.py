@@ -263,7 +263,8 @@ class StepLoop:
         if self.record_steps:
             self.step_records.append([self._record(*args) for args in zip(batch, proposals, verified, strict=True)])
         self._retire()
-        prefill = any(len(it.new_tokens) > 1 for it in items)  # a (re-)prefill: its rate says nothing of decoding
+        # a (re-)prefill step's rate says nothing of decoding: the guard skips it (checked only with a guard)
+        prefill = self.guard is not None and any(len(it.new_tokens) > 1 for it in items)
         self._account(batch, plan, proposals, outputs, t0, t1, t2, prefill=prefill)
         return outputs
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,3 +41,11 @@ def plot_by_batch(ax: Any, rows: Sequence[dict[str, Any]], metric: str, xlabel: 
     ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_title(metric, fontsize=9)
+
+
+def plot_shares(ax: Any, counts: Counter[int], label: str, *, bar: bool = False, **style: Any) -> Any:
+    """On a matplotlib axis: each value's share of ``counts`` (a line, or bars); returns the artists drawn."""
+    xs = sorted(counts)
+    total = sum(counts.values()) or 1
+    ys = [counts[x] / total for x in xs]
+    return ax.bar(xs, ys, alpha=0.6, label=label, **style) if bar else ax.plot(xs, ys, label=label, **style)
