@@ -202,14 +202,23 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Append the batch's tokens to the cache; return float32 logits [R, V] for ``batch.logit_rows``."""
+        return self.logits(self.final_hidden(batch, cache)[batch.logit_rows])
+
+    @torch.inference_mode()
+    def final_hidden(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Append the batch's tokens to the cache; the last hidden state after the final norm, [N, hidden] for
+        every new token (packed order): the feature an EAGLE head drafts from."""
         x = self.embed_tokens(batch.tokens)  # [N, hidden]
         cos = self.rope_cos[batch.positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
         sin = self.rope_sin[batch.positions].to(x.dtype).unsqueeze(1)
         use_flash = self.use_flash_attn and flash_attn_available(x.device)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash)
-        x = x[batch.logit_rows]  # [R, hidden]
-        return linear(self.lm_head, rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [R, V] from final-norm hidden states [R, hidden]."""
+        return linear(self.lm_head, hidden).float()
 
     # -- weights ----------------------------------------------------------------------------------------
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
