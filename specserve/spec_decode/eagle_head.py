@@ -1,0 +1,475 @@
+"""EAGLE draft heads: one decoder layer over the target's own features (docs/algorithms.md §8.3).
+
+Two published layouts, both loaded in their own tensor names:
+
+EAGLE-1/2 (``HeadKind.eagle``): for a token t at position j with feature f (the target's last hidden state
+after its final norm at position j-1, or the head's own output there while drafting)
+    x = fc([embed(t); f])                     fc: [H, 2H] (+ bias)
+    h = x + attn(x)                           layer 0 has no input norm
+    h = h + mlp(post_norm(h))
+    logits = lm_head(h)                       the target's frozen embedding and LM head; h is the next feature
+EAGLE-3 (``HeadKind.eagle3``): target features are three of its layers' outputs, fused first
+    f = fc([h_low; h_mid; h_high])            fc: [H, 3H]; the head's own outputs skip it
+    a = [input_norm(embed(t)); hidden_norm(f)]            [2H] into q/k/v
+    h = f + attn(a);  h = h + mlp(post_norm(h))           h is the next feature
+    logits = lm_head(norm(h))                 its own [V_d, H] head; draft id i is target id i + d2t[i]
+
+A reduced draft vocabulary (FR-Spec) restricts an EAGLE-1/2 head's logits to the target ids in ``draft_ids``
+(rows of the target's LM head); drafting stays lossless because the target verifies over the full vocabulary.
+The head keeps its own one-layer KV cache (``new_cache``); pair j of that cache holds (token j+1, feature j)
+at RoPE position j, so the row fed with the root predicts the first drafted token.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+
+from specserve.errors import UnsupportedModelError
+from specserve.models.attention import attention, write_kv
+from specserve.models.batch import ForwardBatch
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import LlamaModel, apply_rope, linear, rms_norm, rope_tables
+
+
+class HeadKind(str, Enum):
+    eagle = "eagle"  # EAGLE-1 / EAGLE-2 layout
+    eagle3 = "eagle3"
+
+
+class EagleHeadConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: HeadKind = HeadKind.eagle
+    hidden_size: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    rms_norm_eps: float = 1e-5
+    vocab_size: int = Field(ge=2, description="the target's vocabulary")
+    draft_vocab_size: int | None = Field(default=None, description="reduced draft vocabulary (None = the target's)")
+    fc_bias: bool = False
+    qkv_bias: bool = False
+    aux_layers: tuple[int, ...] = Field(default=(), description="EAGLE-3: target layers whose outputs are fused")
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 8192
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the head takes: H, or 3H for EAGLE-3 (before its fc)."""
+        return self.hidden_size * max(1, len(self.aux_layers)) if self.kind == HeadKind.eagle3 else self.hidden_size
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=1,
+            rms_norm_eps=self.rms_norm_eps,
+            vocab_size=self.vocab_size,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+    @staticmethod
+    def for_target(target: LlamaModel, **overrides: Any) -> EagleHeadConfig:
+        """A head shaped like one of the target's layers (the EAGLE-1/2 recipe)."""
+        cfg, hf = target.cfg, target.hf_config
+        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        fields: dict[str, Any] = {
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_heads": cfg.num_heads,
+            "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "vocab_size": cfg.vocab_size,
+            "rope_theta": float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
+            "max_position_embeddings": cfg.max_position_embeddings,
+        }
+        return EagleHeadConfig(**(fields | overrides))
+
+
+class HeadLayer(nn.Module):
+    """The head's one decoder layer; q/k/v read ``in_size`` inputs (H, or 2H for EAGLE-3)."""
+
+    def __init__(self, cfg: EagleHeadConfig, in_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(in_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def qkv_split(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """a [N, in] -> q [N, H_q, D], k [N, H_kv, D], v [N, H_kv, D] (before RoPE)."""
+        cfg = self.cfg
+        n = a.shape[0]
+        q, k, v = linear(self.qkv, a).split(
+            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1
+        )
+        return (
+            q.view(n, cfg.num_heads, cfg.head_dim),
+            k.view(n, cfg.num_kv_heads, cfg.head_dim),
+            v.view(n, cfg.num_kv_heads, cfg.head_dim),
+        )
+
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """residual [N, H] + o_proj(attention) [N, H_q*D], then the MLP block."""
+        h = residual + linear(self.o_proj, attn_out)
+        gate, up = linear(self.gate_up, rms_norm(h, self.post_norm, self.cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return h + linear(self.down, F.silu(gate) * up)
+
+
+class EagleHead(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    draft_ids: torch.Tensor  # [V_d] target id of each draft-vocabulary row (arange(V) for the full vocabulary)
+
+    def __init__(self, cfg: EagleHeadConfig, target: LlamaModel | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        eagle3 = cfg.kind == HeadKind.eagle3
+        self.fc = nn.Linear(cfg.feature_size if eagle3 else 2 * h, h, bias=cfg.fc_bias)
+        self.layer = HeadLayer(cfg, 2 * h if eagle3 else h)
+        v_d = cfg.draft_vocab_size or cfg.vocab_size
+        if eagle3:
+            self.input_norm = nn.Parameter(torch.ones(h))
+            self.hidden_norm = nn.Parameter(torch.ones(h))
+            self.norm = nn.Parameter(torch.ones(h))
+            self.lm_head = nn.Linear(h, v_d, bias=False)
+        self.register_buffer("draft_ids", torch.arange(v_d), persistent=False)
+        positions = min(cfg.max_position_embeddings, 1 << 16)
+        cos, sin = rope_tables(cfg.llama_config(), cfg.head_dim, positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.embed_weight: torch.Tensor | None = None  # the target's embedding, frozen (bound, never owned or saved)
+        self.target_lm_head: torch.Tensor | None = None  # EAGLE-1/2: the target's LM head rows of draft_ids
+        self._target_lm_full: torch.Tensor | None = None
+        self.trained_for: str | None = None  # the target a specserve-trained head was distilled from
+        if target is not None:
+            self.bind(target)
+
+    # -- the target's shared pieces ----------------------------------------------------------------------
+    def bind(self, target: LlamaModel) -> None:
+        """Share the target's embedding (and, for EAGLE-1/2, its LM head rows of the draft vocabulary)."""
+        check_compatible(self.cfg, target)
+        self.embed_weight = target.embed_tokens.weight.detach()
+        if self.cfg.kind == HeadKind.eagle:
+            self._target_lm_full = _dense_weight(target.lm_head)
+            self._slice_lm_head()
+
+    def _slice_lm_head(self) -> None:
+        w = self._target_lm_full
+        if w is not None:
+            self.target_lm_head = w[self.draft_ids.to(w.device)].to(self.fc.weight.dtype).contiguous()
+
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """Restrict an EAGLE-1/2 head's logits to these target ids ([V_d] long, ascending)."""
+        if self.cfg.kind != HeadKind.eagle:
+            raise ValueError("an EAGLE-3 head's draft vocabulary is fixed by its own lm_head and d2t")
+        if draft_ids.ndim != 1 or int(draft_ids.max()) >= self.cfg.vocab_size or int(draft_ids.min()) < 0:
+            raise ValueError(f"draft ids must be a 1-D tensor of target ids in [0, {self.cfg.vocab_size})")
+        self.draft_ids = draft_ids.to(torch.long)
+        self.cfg = self.cfg.model_copy(update={"draft_vocab_size": int(draft_ids.numel())})
+        self._slice_lm_head()
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.draft_ids.numel())
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache(
+            num_layers=1,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            num_slots=num_slots,
+            max_len=min(max_len, self.rope_cos.shape[0]),
+            dtype=self.fc.weight.dtype,
+            device=self.device,
+        )
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Target features [N, feature_size] -> the head's feature space [N, H] (EAGLE-3's fc; else as is)."""
+        x = target_features.to(self.fc.weight.dtype)
+        return linear(self.fc, x) if self.cfg.kind == HeadKind.eagle3 else x
+
+    def layer_input(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input [N, in], residual [N, H]) for tokens [N] and head-space features [N, H]."""
+        if self.embed_weight is None:
+            raise RuntimeError("the head is not bound to a target: call bind(target) first")
+        e = F.embedding(tokens, self.embed_weight).to(features.dtype)
+        eps = self.cfg.rms_norm_eps
+        if self.cfg.kind == HeadKind.eagle3:
+            a = torch.cat([rms_norm(e, self.input_norm, eps), rms_norm(features, self.hidden_norm, eps)], dim=-1)
+            return a, features
+        x = linear(self.fc, torch.cat([e, features], dim=-1))
+        return x, x
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, features: torch.Tensor, batch: ForwardBatch, cache: KVCache
+    ) -> torch.Tensor:
+        """Append (token, feature) pairs to the head's cache; their outputs [N, H] (the next features).
+
+        tokens [N] and features [N, H] in the batch's packed order; positions and masks come from ``batch``.
+        """
+        a, residual = self.layer_input(tokens, features)
+        q, k, v = self.layer.qkv_split(a)
+        cos = self.rope_cos[batch.positions].to(a.dtype).unsqueeze(1)  # [N, 1, D]
+        sin = self.rope_sin[batch.positions].to(a.dtype).unsqueeze(1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(cache.k[0], cache.v[0], k, v, batch)
+        out = attention(q, cache.k[0], cache.v[0], batch, use_flash=False)  # [N, H_q, D]
+        return self.layer.finish(residual, out.reshape(out.shape[0], -1))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [R, V_d] over the draft vocabulary; ``draft_ids`` maps a column to its target id."""
+        if self.cfg.kind == HeadKind.eagle3:
+            return linear(self.lm_head, rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+        if self.target_lm_head is None:
+            raise RuntimeError("the head is not bound to a target: call bind(target) first")
+        return (hidden @ self.target_lm_head.t()).float()
+
+
+def _dense_weight(mod: nn.Module) -> torch.Tensor:
+    w = mod.weight
+    return w().dequantize() if callable(w) else w.detach()  # a dynamic-int8 linear keeps a packed weight
+
+
+def check_compatible(cfg: EagleHeadConfig, target: LlamaModel) -> None:
+    t = target.cfg
+    if cfg.vocab_size != t.vocab_size:
+        raise UnsupportedModelError(f"the head's vocabulary has {cfg.vocab_size} tokens; the target's {t.vocab_size}")
+    if cfg.kind == HeadKind.eagle and cfg.hidden_size != t.hidden_size:
+        raise UnsupportedModelError(f"the head's hidden size is {cfg.hidden_size}; the target's is {t.hidden_size}")
+    if cfg.kind == HeadKind.eagle3:
+        if cfg.feature_size != t.hidden_size * len(cfg.aux_layers):
+            raise UnsupportedModelError(
+                f"the head fuses {cfg.feature_size} feature channels; the target gives {t.hidden_size} per layer "
+                f"x {len(cfg.aux_layers)} layers"
+            )
+        bad = [i for i in cfg.aux_layers if not 0 <= i < t.num_layers]
+        if bad:
+            raise UnsupportedModelError(f"aux layers {bad} do not exist in the {t.num_layers}-layer target")
+
+
+# -- checkpoints in the published layouts ---------------------------------------------------------------
+_MLP = ("gate_proj", "up_proj")
+
+
+def _layer_tensors(layer: HeadLayer, prefix: str) -> dict[str, torch.Tensor]:
+    cfg = layer.cfg
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, k, v = layer.qkv.weight.detach().split([q_size, kv_size, kv_size])
+    gate, up = layer.gate_up.weight.detach().chunk(2)
+    out = {
+        f"{prefix}self_attn.q_proj.weight": q,
+        f"{prefix}self_attn.k_proj.weight": k,
+        f"{prefix}self_attn.v_proj.weight": v,
+        f"{prefix}self_attn.o_proj.weight": layer.o_proj.weight.detach(),
+        f"{prefix}post_attention_layernorm.weight": layer.post_norm.detach(),
+        f"{prefix}mlp.gate_proj.weight": gate,
+        f"{prefix}mlp.up_proj.weight": up,
+        f"{prefix}mlp.down_proj.weight": layer.down.weight.detach(),
+    }
+    if cfg.qkv_bias:
+        qb, kb, vb = layer.qkv.bias.detach().split([q_size, kv_size, kv_size])
+        out |= {f"{prefix}self_attn.q_proj.bias": qb, f"{prefix}self_attn.k_proj.bias": kb}
+        out[f"{prefix}self_attn.v_proj.bias"] = vb
+    return out
+
+
+def head_state_dict(head: EagleHead) -> dict[str, torch.Tensor]:
+    """The head's tensors under the published names (EAGLE-1/2: ``fc``, ``layers.0.*``; EAGLE-3: ``midlayer.*``,
+    ``norm``, ``lm_head``, ``d2t``, ``t2d``). A reduced EAGLE-1/2 vocabulary is saved as ``d2t`` too."""
+    cfg = head.cfg
+    sd = {"fc.weight": head.fc.weight.detach()}
+    if cfg.fc_bias:
+        sd["fc.bias"] = head.fc.bias.detach()
+    if cfg.kind == HeadKind.eagle3:
+        sd |= _layer_tensors(head.layer, "midlayer.")
+        sd["midlayer.input_layernorm.weight"] = head.input_norm.detach()
+        sd["midlayer.hidden_norm.weight"] = head.hidden_norm.detach()
+        sd["norm.weight"] = head.norm.detach()
+        sd["lm_head.weight"] = head.lm_head.weight.detach()
+    else:
+        sd |= _layer_tensors(head.layer, "layers.0.")
+    if cfg.kind == HeadKind.eagle3 or head.draft_vocab_size < cfg.vocab_size:
+        ids = head.draft_ids.cpu()
+        sd["d2t"] = ids - torch.arange(ids.numel())
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        sd["t2d"] = t2d
+    return sd
+
+
+def hf_config_dict(cfg: EagleHeadConfig, **extra: Any) -> dict[str, Any]:
+    """config.json in the published form: a one-layer Llama config plus EAGLE's keys."""
+    d: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3" if cfg.kind == HeadKind.eagle3 else "LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "bias": cfg.fc_bias,
+        "attention_bias": cfg.qkv_bias,
+    }
+    if cfg.kind == HeadKind.eagle3:
+        d["draft_vocab_size"] = cfg.draft_vocab_size or cfg.vocab_size
+        d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers)}
+    return d | extra
+
+
+def save_eagle_head(
+    head: EagleHead, out: Path, *, dtype: torch.dtype = torch.bfloat16, extra_config: dict[str, Any] | None = None
+) -> Path:
+    """``model.safetensors`` + ``config.json`` in the published layout; returns the weights file."""
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {
+        k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in head_state_dict(head).items()
+    }
+    weights = out / "model.safetensors"
+    save_file(sd, weights)
+    (out / "config.json").write_text(json.dumps(hf_config_dict(head.cfg, **(extra_config or {})), indent=1) + "\n")
+    return weights
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").exists():
+        return load_file(path / "model.safetensors")
+    if (path / "pytorch_model.bin").exists():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise UnsupportedModelError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], target: LlamaModel) -> EagleHeadConfig:
+    kind = HeadKind.eagle3 if any(k.startswith("midlayer.") for k in sd) else HeadKind.eagle
+    prefix = "midlayer." if kind == HeadKind.eagle3 else "layers.0."
+    if f"{prefix}self_attn.q_proj.weight" not in sd or "fc.weight" not in sd:
+        raise UnsupportedModelError("not an EAGLE head: want fc.weight and layers.0.* (EAGLE-1/2) or midlayer.*")
+    hidden = int(raw.get("hidden_size", sd["fc.weight"].shape[0]))
+    heads = int(raw["num_attention_heads"])
+    rope = dict(raw.get("rope_parameters") or {})
+    aux: tuple[int, ...] = ()
+    if kind == HeadKind.eagle3:
+        eagle_cfg = raw.get("eagle_config") or {}
+        ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or raw.get("eagle_aux_hidden_state_layer_ids")
+        n = target.cfg.num_layers
+        aux = tuple(int(i) for i in ids) if ids else (2, n // 2, n - 3)
+    return EagleHeadConfig(
+        kind=kind,
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        vocab_size=int(raw["vocab_size"]),
+        draft_vocab_size=int(raw["draft_vocab_size"]) if raw.get("draft_vocab_size") else None,
+        fc_bias="fc.bias" in sd,
+        qkv_bias=f"{prefix}self_attn.q_proj.bias" in sd,
+        aux_layers=aux,
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rope_scaling=raw.get("rope_scaling"),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
+    )
+
+
+def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None = None) -> EagleHead:
+    """A head from a directory in either published layout, bound to ``target`` (shapes checked, clear errors)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise UnsupportedModelError(f"no config.json in {path}")
+    raw = json.loads((path / "config.json").read_text())
+    sd = _read_tensors(path)
+    cfg = config_from_checkpoint(raw, sd, target)
+    check_compatible(cfg, target)
+    emb = sd.get("embed_tokens.weight")
+    if emb is not None and tuple(emb.shape) != tuple(target.embed_tokens.weight.shape):
+        raise UnsupportedModelError(
+            f"the head was trained with an embedding of shape {tuple(emb.shape)}; "
+            f"the target's is {tuple(target.embed_tokens.weight.shape)}"
+        )
+    trained_for = raw.get("specserve_target")
+    head = EagleHead(cfg)
+    _load_tensors(head, sd)
+    if trained_for is not None:
+        head.trained_for = str(trained_for)
+    head = head.to(dtype=dtype or target.dtype)
+    head.eval()
+    head.bind(target)
+    return head
+
+
+def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
+    cfg = head.cfg
+    prefix = "midlayer." if cfg.kind == HeadKind.eagle3 else "layers.0."
+    want = head_state_dict(head)
+    missing = sorted(k for k in want if k not in sd and k not in ("d2t", "t2d"))
+    if missing:
+        raise UnsupportedModelError(f"the head checkpoint is missing {missing}")
+    for name, t in want.items():
+        if name in sd and name not in ("d2t", "t2d") and tuple(sd[name].shape) != tuple(t.shape):
+            raise UnsupportedModelError(f"{name} has shape {tuple(sd[name].shape)}; the config implies {tuple(t.shape)}")
+    layer = head.layer
+    att = prefix + "self_attn."
+    with torch.no_grad():
+        head.fc.weight.copy_(sd["fc.weight"])
+        if cfg.fc_bias:
+            head.fc.bias.copy_(sd["fc.bias"])
+        layer.qkv.weight.copy_(torch.cat([sd[att + f"{n}_proj.weight"] for n in "qkv"]))
+        if cfg.qkv_bias:
+            layer.qkv.bias.copy_(torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"]))
+        layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
+        layer.post_norm.copy_(sd[prefix + "post_attention_layernorm.weight"])
+        layer.gate_up.weight.copy_(torch.cat([sd[prefix + f"mlp.{n}.weight"] for n in _MLP]))
+        layer.down.weight.copy_(sd[prefix + "mlp.down_proj.weight"])
+        if cfg.kind == HeadKind.eagle3:
+            head.input_norm.copy_(sd[prefix + "input_layernorm.weight"])
+            head.hidden_norm.copy_(sd[prefix + "hidden_norm.weight"])
+            head.norm.copy_(sd["norm.weight"])
+            head.lm_head.weight.copy_(sd["lm_head.weight"])
+    if "d2t" in sd:
+        d2t = sd["d2t"].long()
+        ids = d2t + torch.arange(d2t.numel())
+        if cfg.kind == HeadKind.eagle3 and d2t.numel() != head.lm_head.weight.shape[0]:
+            raise UnsupportedModelError(f"d2t has {d2t.numel()} entries; lm_head has {head.lm_head.weight.shape[0]} rows")
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+            raise UnsupportedModelError(f"d2t maps draft ids outside the target's {cfg.vocab_size}-token vocabulary")
+        head.draft_ids = ids
+        head.cfg = cfg.model_copy(update={"draft_vocab_size": int(ids.numel())})
+    elif cfg.kind == HeadKind.eagle3 and head.lm_head.weight.shape[0] != cfg.vocab_size:
+        raise UnsupportedModelError("an EAGLE-3 head with a reduced vocabulary needs its d2t map")

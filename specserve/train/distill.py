@@ -1,0 +1,127 @@
+"""Self-distillation data for a draft head: the target answers seed prompts through its chat template
+(greedy, as it serves them; answers end in EOS when the target finished), then one prefill over each whole conversation records the target's features.
+
+The data set is a directory of chunk files ``chunk_NNNNN.safetensors``, each holding
+``tokens`` [N] int32 (conversations concatenated), ``offsets`` [S+1] int64, ``prompt_lens`` [S] int64 and
+``features`` [N, H] float16 (the target's last hidden state after the final norm, one row per token).
+Chunks already on disk are skipped, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerBase
+
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+
+ProgressFn = Callable[[int, int], None]  # (done, total) conversations
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    num_prompts: int = 2048
+    seed: int = 0
+    max_new_tokens: int = 256
+    chunk_size: int = 64  # conversations per chunk file
+
+
+@dataclass
+class Conversation:
+    tokens: list[int]  # chat-formatted prompt + the target's answer (ending in EOS when it finished)
+    prompt_len: int
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)  # type: ignore[arg-type]
+
+
+AnswerFn = Callable[[list[list[int]]], list[list[int]]]  # chat-formatted prompt ids -> answer ids
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)  # type: ignore[arg-type]
+
+
+@torch.inference_mode()
+def final_features(model: LlamaModel, convs: list[Conversation]) -> list[torch.Tensor]:
+    """The target's last hidden state (after the final norm) at every token of each conversation, [n_i, H]:
+    the same rows the serving target computes, from one prefill per conversation."""
+    feats = []
+    for conv in convs:
+        cache = model.new_cache(1, len(conv.tokens))
+        slot = cache.allocate()
+        batch = ForwardBatch.build(cache, [slot], [conv.tokens], device=model.device)
+        feats.append(model.final_hidden(batch, cache).to(torch.float16))
+    return feats
+def build_dataset(
+    model: LlamaModel,
+    tokenizer: PreTrainedTokenizerBase,
+    answer: AnswerFn,
+    out: Path,
+    prompts: list[str],
+    cfg: DistillConfig,
+    progress: ProgressFn | None = None,
+) -> Path:
+    """Generate answers and features chunk by chunk into ``out`` (resumable)."""
+    out.mkdir(parents=True, exist_ok=True)
+    chunks = [prompts[i : i + cfg.chunk_size] for i in range(0, len(prompts), cfg.chunk_size)]
+    for n, chunk in enumerate(chunks):
+        path = out / f"chunk_{n:05d}.safetensors"
+        if not path.exists():
+            ids = [chat_ids(tokenizer, p) for p in chunk]
+            convs = [Conversation(p + a, len(p)) for p, a in zip(ids, answer(ids), strict=True)]
+            write_chunk(path, convs, final_features(model, convs))
+        if progress is not None:
+            progress(min((n + 1) * cfg.chunk_size, len(prompts)), len(prompts))
+    (out / "meta.json").write_text(
+        json.dumps({"num_prompts": len(prompts), "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens}, indent=1)
+    )
+    return out
+
+
+def write_chunk(path: Path, convs: list[Conversation], feats: list[torch.Tensor]) -> None:
+    lens = [len(c.tokens) for c in convs]
+    offsets = torch.tensor([0, *lens]).cumsum(0)
+    tmp = path.with_suffix(".tmp")
+    save_file(
+        {
+            "tokens": torch.tensor([t for c in convs for t in c.tokens], dtype=torch.int32),
+            "offsets": offsets.to(torch.int64),
+            "prompt_lens": torch.tensor([c.prompt_len for c in convs], dtype=torch.int64),
+            "features": torch.cat(feats).contiguous(),
+        },
+        tmp,
+    )
+    tmp.rename(path)  # a chunk exists only when complete
+
+
+@dataclass(frozen=True)
+class Sample:
+    tokens: torch.Tensor  # [n] long
+    features: torch.Tensor  # [n, H] float16
+    prompt_len: int
+
+
+def iter_samples(data_dir: Path) -> Iterator[Sample]:
+    files = sorted(data_dir.glob("chunk_*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no chunk_*.safetensors in {data_dir}: run the data step first")
+    for f in files:
+        d = load_file(f)
+        off = d["offsets"].tolist()
+        for i, plen in enumerate(d["prompt_lens"].tolist()):
+            a, b = off[i], off[i + 1]
+            yield Sample(d["tokens"][a:b].long(), d["features"][a:b], plen)

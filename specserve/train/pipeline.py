@@ -1,0 +1,137 @@
+"""``specserve train-draft``: self-distilled data -> reduced vocabulary -> EAGLE head -> a shippable directory.
+
+Every stage resumes: data chunks on disk are skipped, training continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specserve.models.llama import LlamaModel
+from specserve.spec_decode.eagle_head import EagleHead, save_eagle_head
+from specserve.train.distill import AnswerFn, DistillConfig, build_dataset, chat_ids, iter_samples
+from specserve.train.seed_prompts import seed_prompts
+from specserve.train.trainer import TrainConfig, train_head, write_provenance
+from specserve.train.vocab import coverage, token_counts, top_vocab
+
+
+@dataclass(frozen=True)
+class TrainDraftConfig:
+    target_name: str
+    data: DistillConfig = field(default_factory=DistillConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    draft_vocab: int = 8192
+    quick: bool = False
+
+    @staticmethod
+    def quick_mode(target_name: str) -> TrainDraftConfig:
+        """Seconds, not hours: a handful of prompts and steps (for tests and a first look)."""
+        return TrainDraftConfig(
+            target_name,
+            DistillConfig(num_prompts=8, max_new_tokens=16, chunk_size=4),
+            TrainConfig(epochs=1, batch_tokens=256, max_len=128, warmup_steps=2, checkpoint_every=2),
+            draft_vocab=512,
+            quick=True,
+        )
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
+    """EOS and the chat template's special tokens: always in the draft vocabulary."""
+    if tokenizer is None:
+        return []
+    ids = set(tokenizer.all_special_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def system_prefix_len(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Tokens every chat prompt starts with (the template's system turn): no loss is taken there."""
+    a, b = chat_ids(tokenizer, "a"), chat_ids(tokenizer, "zzz qqq")
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def train_draft(
+    target: LlamaModel,
+    tokenizer: PreTrainedTokenizerBase,
+    answer: AnswerFn,
+    cfg: TrainDraftConfig,
+    work_dir: Path,
+    out_dir: Path,
+    *,
+    command: str = "",
+    log: Callable[[str], None] = print,
+) -> EagleHead:
+    t0 = time.perf_counter()
+    data_dir = work_dir / "data"
+    prompts = seed_prompts(cfg.data.num_prompts, cfg.data.seed)
+    build_dataset(
+        target, tokenizer, answer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations")
+    )
+    t_data = time.perf_counter() - t0
+    samples = list(iter_samples(data_dir))
+    counts = token_counts((s.tokens for s in samples), target.cfg.vocab_size)
+    size = min(cfg.draft_vocab, target.cfg.vocab_size)
+    draft_ids = top_vocab(counts, size, special_ids(tokenizer))
+    log(f"draft vocabulary: {size} tokens cover {coverage(counts, draft_ids):.2%} of the training tokens")
+    bar = _progress(log)
+    head = train_head(
+        target, samples, draft_ids, cfg.train, work_dir / "train", system_len=system_prefix_len(tokenizer), log=bar
+    )
+    t_train = time.perf_counter() - t0 - t_data
+    weights = save_eagle_head(head, out_dir, extra_config={"specserve_target": cfg.target_name})
+    digest = sha256(weights)
+    (out_dir / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
+    write_provenance(
+        out_dir,
+        {
+            "target": cfg.target_name,
+            "command": command,
+            "data": {
+                **asdict(cfg.data),
+                "source": "specserve.train.seed_prompts (templates + Python stdlib docs), answered greedily by the "
+                "target through its chat template; never MT-bench",
+                "conversations": len(samples),
+                "tokens": int(sum(len(s.tokens) for s in samples)),
+            },
+            "train": asdict(cfg.train),
+            "draft_vocab": {"size": size, "coverage": coverage(counts, draft_ids)},
+            "seconds": {"data": round(t_data), "train": round(t_train)},
+            "sha256": digest,
+            "torch": torch.__version__,
+        },
+    )
+    return head
+
+
+def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str, float]], None]:
+    t0 = time.perf_counter()
+
+    def bar(step: int, total: int, loss: float, stats: dict[str, float]) -> None:
+        if step == 1 or step % 10 == 0 or step == total:
+            rate = (time.perf_counter() - t0) / step
+            acc = " ".join(f"{k}={v:.3f}" for k, v in stats.items() if k.startswith("acc"))
+            eta = rate * (total - step)
+            log(f"train: step {step}/{total} loss {loss:.4f} {acc} ({rate:.1f}s/step, {eta / 60:.0f} min left)")
+            sys.stdout.flush()
+
+    return bar

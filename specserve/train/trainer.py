@@ -1,0 +1,242 @@
+"""Train an EAGLE-1/2 head on self-distilled features (docs/algorithms.md §8.3).
+
+Loss per unrolled step k = 0..K-1 (training-time test, as EAGLE-3 / HASS): the head's prediction at pair j
+(token j+1, feature j) is scored against the target's next-token distribution p_{j+1} (soft cross-entropy
+over the draft vocabulary, renormalised there) and against the target's feature f_{j+1} (smooth L1). Step 0
+feeds the target's features; step k feeds, at pair j, the head's own output of step k-1 at pair j-1, and
+attends to the true pairs up to j-k plus its own chain of earlier unrolled pairs: exactly what a node at
+depth k sees when the tree is drafted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.models.llama import LlamaModel, apply_rope
+from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig
+from specserve.train.distill import Sample
+from specserve.train.vocab import column_of
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 4
+    batch_tokens: int = 2048  # padded tokens per optimiser step
+    max_len: int = 640  # conversations are cut to this many tokens
+    lr: float = 6e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    unroll: int = 3  # K training-time-test steps
+    unroll_decay: float = 0.8  # weight of step k: decay**k
+    feature_weight: float = 0.2  # smooth-L1 feature loss next to the soft cross-entropy
+    prompt_weight: float = 0.3  # loss weight of rows that predict prompt tokens (answers weigh 1)
+    noise: float = 0.0  # uniform noise on the true input features (EAGLE's augmentation), as a share of their std
+    seed: int = 0
+    init_from_last_layer: bool = False  # start the decoder layer from the target's last layer (measured: worse)
+    checkpoint_every: int = 50
+
+
+def ttt_mask(n: int, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n, (k+1)n] bool: row j of unroll step k sees true pairs 0..j-k and pair j-(k-m) of each step m=1..k."""
+    j = torch.arange(n, device=device)
+    blocks = [j[None, :] <= (j[:, None] - k)]  # true pairs, causal shifted by k
+    for m in range(1, k + 1):
+        blocks.append(j[None, :] == (j[:, None] - (k - m)))
+    return torch.cat(blocks, dim=1)
+
+
+def ttt_loss(
+    head: EagleHead,
+    tokens: torch.Tensor,  # [B, n] long
+    feats: torch.Tensor,  # [B, n, H] float32: the target's features
+    weight: torch.Tensor,  # [B, n] float: loss weight of the row predicting token j+2 (0 = none)
+    lm_w: torch.Tensor,  # [V_d, H] the target's LM head rows of the draft vocabulary
+    cfg: TrainConfig,
+    gen: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    tok_in, f_true, f_next = tokens[:, 1:], feats[:, :-1], feats[:, 1:]  # pairs j = 0..n-2
+    w = weight[:, :-1]
+    b, n, _ = f_true.shape
+    layer, hcfg = head.layer, head.cfg
+    with torch.no_grad():
+        p_next = torch.softmax(f_next @ lm_w.t(), dim=-1)  # [B, n, V_d] target distribution of token j+2
+    pos = torch.arange(n)
+    cos, sin = head.rope_cos[pos][:, None], head.rope_sin[pos][:, None]  # [n, 1, D]
+    feat_in = f_true
+    if cfg.noise > 0:
+        scale = cfg.noise * f_true.std()
+        feat_in = f_true + (torch.rand(f_true.shape, generator=gen) * 2 - 1) * scale
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    total = torch.zeros(())
+    stats: dict[str, float] = {}
+    for k in range(cfg.unroll):
+        a, residual = head.layer_input(tok_in, feat_in)  # [B, n, in], [B, n, H]
+        q, kk, v = layer.qkv_split(a.reshape(b * n, -1))
+        q = apply_rope(q.view(b, n, hcfg.num_heads, -1), cos, sin)
+        kk = apply_rope(kk.view(b, n, hcfg.num_kv_heads, -1), cos, sin)
+        keys.append(kk)
+        values.append(v.view(b, n, hcfg.num_kv_heads, -1))
+        mask = ttt_mask(n, k)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            torch.cat(keys, dim=1).transpose(1, 2),
+            torch.cat(values, dim=1).transpose(1, 2),
+            attn_mask=mask,
+            enable_gqa=True,
+        )  # [B, heads, n, D]
+        h = layer.finish(residual, out.transpose(1, 2).reshape(b, n, -1))  # [B, n, H]
+        logq = torch.log_softmax(h @ lm_w.t(), dim=-1)
+        wk = w * (pos >= k).to(w.dtype)  # pair j of step k needs a root at j-k >= 0
+        denom = wk.sum().clamp_min(1e-6)
+        ce = -(p_next * logq).sum(-1)
+        reg = F.smooth_l1_loss(h, f_next, reduction="none").mean(-1)
+        loss_k = ((ce + cfg.feature_weight * reg) * wk).sum() / denom
+        total = total + cfg.unroll_decay**k * loss_k
+        with torch.no_grad():
+            hit = (logq.argmax(-1) == p_next.argmax(-1)).to(w.dtype)
+            stats[f"acc{k}"] = float((hit * (wk > 0)).sum() / (wk > 0).sum().clamp_min(1))
+            stats[f"ce{k}"] = float((ce * wk).sum() / denom)
+        feat_in = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # step k+1 feeds pair j with h_{j-1}
+    return total, stats
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, n] long
+    feats: torch.Tensor  # [B, n, H] float32
+    weight: torch.Tensor  # [B, n] loss weight of the row predicting token j+2
+
+
+def batch_groups(samples: list[Sample], cfg: TrainConfig, rng: random.Random) -> list[list[int]]:
+    """Length-bucketed groups of about ``batch_tokens`` padded tokens, in a seeded random order."""
+    order = sorted(range(len(samples)), key=lambda i: (len(samples[i].tokens), i))
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        n = min(len(samples[i].tokens), cfg.max_len)
+        if cur and (len(cur) + 1) * n > cfg.batch_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    rng.shuffle(groups)
+    return groups
+
+
+def make_batch(samples: list[Sample], group: list[int], cfg: TrainConfig, system_len: int) -> Batch:
+    n = max(min(len(samples[i].tokens), cfg.max_len) for i in group)
+    hidden = samples[group[0]].features.shape[1]
+    tokens = torch.zeros(len(group), n, dtype=torch.long)
+    feats = torch.zeros(len(group), n, hidden)
+    weight = torch.zeros(len(group), n)
+    for r, i in enumerate(group):
+        s = samples[i]
+        m = min(len(s.tokens), cfg.max_len)
+        tokens[r, :m] = s.tokens[:m]
+        feats[r, :m] = s.features[:m].float()
+        target = torch.arange(m) + 2  # row j predicts token j+2
+        wrow = torch.where(target >= s.prompt_len, 1.0, cfg.prompt_weight)
+        weight[r, :m] = torch.where((target >= system_len) & (target < m), wrow, 0.0)
+    return Batch(tokens, feats, weight)
+
+
+def init_head(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> EagleHead:
+    torch.manual_seed(cfg.seed)
+    head = EagleHead(EagleHeadConfig.for_target(target, fc_bias=True), target=None)
+    with torch.no_grad():
+        head.fc.weight.normal_(0.0, 0.02)  # EAGLE's initialisation: small logits, no head start
+        head.fc.bias.zero_()
+        for lin in (head.layer.qkv, head.layer.o_proj, head.layer.gate_up, head.layer.down):
+            lin.weight.normal_(0.0, 0.02)
+        if cfg.init_from_last_layer:
+            last = target.decoder_layers()[-1]
+            head.layer.qkv.weight.copy_(last.qkv.weight)
+            head.layer.o_proj.weight.copy_(last.o_proj.weight)
+            head.layer.post_norm.copy_(last.post_norm)
+            head.layer.gate_up.weight.copy_(last.gate_up.weight)
+            head.layer.down.weight.copy_(last.down.weight)
+    head.bind(target)
+    head.set_draft_vocab(draft_ids)
+    return head
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+LogFn = Callable[[int, int, float, dict[str, float]], None]  # step, total, loss, stats
+
+
+def train_head(
+    target: LlamaModel,
+    samples: list[Sample],
+    draft_ids: torch.Tensor,
+    cfg: TrainConfig,
+    work_dir: Path,
+    *,
+    system_len: int,
+    log: LogFn | None = None,
+    max_steps: int | None = None,
+) -> EagleHead:
+    """Train (or resume from ``work_dir/ckpt.pt``) and return the head in float32."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    head = init_head(target, draft_ids, cfg)
+    params = [p for n, p in head.named_parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    lm_w = head.target_lm_head
+    assert lm_w is not None
+    lm_w = lm_w.float()
+    plan = [g for e in range(cfg.epochs) for g in batch_groups(samples, cfg, random.Random(cfg.seed * 1000 + e))]
+    total = len(plan) if max_steps is None else min(len(plan), max_steps)
+    step = 0
+    ckpt = work_dir / "ckpt.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        if state["config"] != asdict(cfg):
+            raise ValueError(f"{ckpt} was written with other settings; remove it or use the same ones")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+    head.train()
+    while step < total:
+        batch = make_batch(samples, plan[step], cfg, system_len)
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumes bit for bit
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, cfg)
+        loss, stats = ttt_loss(head, batch.tokens, batch.feats, batch.weight, lm_w, cfg, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        if log is not None:
+            log(step, total, float(loss.detach()), stats)
+        if step % cfg.checkpoint_every == 0 or step == total:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": asdict(cfg)}, tmp)
+            tmp.rename(ckpt)
+    head.eval()
+    return head
+
+
+def write_provenance(out: Path, info: dict[str, object]) -> None:
+    info = {"written": time.strftime("%Y-%m-%d %H:%M:%S"), **info}
+    (out / "provenance.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
+
+
+__all__ = ["TrainConfig", "column_of", "train_head", "ttt_loss", "ttt_mask", "write_provenance"]

@@ -1,0 +1,236 @@
+"""EAGLE heads in the published layouts: written with the official names and shapes, loaded, and compared with
+a reference forward written here from the layer equations (not from the module under test)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specserve.errors import UnsupportedModelError
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import tiny_config, tiny_model
+from specserve.spec_decode.eagle_head import HeadKind, load_eagle_head
+
+H, I, NH, NKV, D, V = 64, 160, 4, 2, 16, 512  # the tiny target's shapes
+THETA = 10000.0
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_model(seed=3)
+
+
+def _rand(gen: torch.Generator, *shape: int, scale: float = 0.2) -> torch.Tensor:
+    return torch.randn(shape, generator=gen) * scale
+
+
+def eagle1_tensors(seed: int, *, fc_bias: bool, d2t: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd = {
+        "fc.weight": _rand(g, H, 2 * H),
+        "layers.0.self_attn.q_proj.weight": _rand(g, NH * D, H),
+        "layers.0.self_attn.k_proj.weight": _rand(g, NKV * D, H),
+        "layers.0.self_attn.v_proj.weight": _rand(g, NKV * D, H),
+        "layers.0.self_attn.o_proj.weight": _rand(g, H, NH * D),
+        "layers.0.post_attention_layernorm.weight": 1 + _rand(g, H, scale=0.1),
+        "layers.0.mlp.gate_proj.weight": _rand(g, I, H),
+        "layers.0.mlp.up_proj.weight": _rand(g, I, H),
+        "layers.0.mlp.down_proj.weight": _rand(g, H, I),
+    }
+    if fc_bias:
+        sd["fc.bias"] = _rand(g, H)
+    if d2t is not None:
+        sd["d2t"] = d2t
+    return sd
+
+
+def eagle3_tensors(seed: int, vd: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.sort(torch.randperm(V, generator=g)[:vd]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return {
+        "fc.weight": _rand(g, H, 3 * H),
+        "midlayer.self_attn.q_proj.weight": _rand(g, NH * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": _rand(g, NKV * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": _rand(g, NKV * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": _rand(g, H, NH * D),
+        "midlayer.input_layernorm.weight": 1 + _rand(g, H, scale=0.1),
+        "midlayer.hidden_norm.weight": 1 + _rand(g, H, scale=0.1),
+        "midlayer.post_attention_layernorm.weight": 1 + _rand(g, H, scale=0.1),
+        "midlayer.mlp.gate_proj.weight": _rand(g, I, H),
+        "midlayer.mlp.up_proj.weight": _rand(g, I, H),
+        "midlayer.mlp.down_proj.weight": _rand(g, H, I),
+        "norm.weight": 1 + _rand(g, H, scale=0.1),
+        "lm_head.weight": _rand(g, vd, H),
+        "d2t": ids - torch.arange(vd),
+        "t2d": t2d,
+    }
+
+
+def write_head(path: Path, sd: dict[str, torch.Tensor], config: dict[str, object], *, bin_format: bool = False) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    if bin_format:
+        torch.save(sd, path / "pytorch_model.bin")
+    else:
+        save_file(sd, path / "model.safetensors")
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": H,
+        "intermediate_size": I,
+        "num_attention_heads": NH,
+        "num_key_value_heads": NKV,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": V,
+        "rope_theta": THETA,
+        "max_position_embeddings": 512,
+        "hidden_act": "silu",
+    }
+    (path / "config.json").write_text(json.dumps(base | config))
+    return path
+
+
+# -- the reference forward, from the equations --------------------------------------------------------------
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, D] rotated by position (rotate-half convention)."""
+    inv = 1.0 / THETA ** (torch.arange(0, D, 2).float() / D)
+    ang = pos[:, None].float() * inv[None]  # [n, D/2]
+    cos, sin = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def reference_layer(sd: dict[str, torch.Tensor], p: str, a: torch.Tensor, res: torch.Tensor, pos: torch.Tensor):
+    n = a.shape[0]
+    q = rope((a @ sd[p + "self_attn.q_proj.weight"].T).view(n, NH, D), pos)
+    k = rope((a @ sd[p + "self_attn.k_proj.weight"].T).view(n, NKV, D), pos)
+    v = (a @ sd[p + "self_attn.v_proj.weight"].T).view(n, NKV, D)
+    rep = NH // NKV
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, NH * D)
+    h = res + att @ sd[p + "self_attn.o_proj.weight"].T
+    m = rms(h, sd[p + "post_attention_layernorm.weight"])
+    gate, up = m @ sd[p + "mlp.gate_proj.weight"].T, m @ sd[p + "mlp.up_proj.weight"].T
+    return h + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
+
+
+def reference_eagle1(sd, emb, lm_head, tokens, feats):
+    x = torch.cat([emb[tokens], feats], dim=-1) @ sd["fc.weight"].T
+    if "fc.bias" in sd:
+        x = x + sd["fc.bias"]
+    h = reference_layer(sd, "layers.0.", x, x, torch.arange(len(tokens)))
+    return h, h @ lm_head.T
+
+
+def reference_eagle3(sd, emb, tokens, aux_feats):
+    f = aux_feats @ sd["fc.weight"].T
+    a = torch.cat([rms(emb[tokens], sd["midlayer.input_layernorm.weight"]), rms(f, sd["midlayer.hidden_norm.weight"])], -1)
+    h = reference_layer(sd, "midlayer.", a, f, torch.arange(len(tokens)))
+    return h, rms(h, sd["norm.weight"]) @ sd["lm_head.weight"].T
+
+
+def run_head(head, tokens: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = head.new_cache(1, 64)
+    batch = ForwardBatch.build(cache, [cache.allocate()], [tokens.tolist()])
+    hidden = head(tokens, head.fuse(feats), batch, cache)
+    return hidden, head.logits(hidden)
+
+
+@pytest.mark.parametrize("bin_format", [False, True])
+@pytest.mark.parametrize("fc_bias", [False, True])
+def test_eagle1_layout_matches_reference(tmp_path: Path, target: LlamaModel, fc_bias: bool, bin_format: bool) -> None:
+    sd = eagle1_tensors(1, fc_bias=fc_bias)
+    path = write_head(tmp_path / "h", sd, {"bias": fc_bias}, bin_format=bin_format)
+    head = load_eagle_head(path, target)
+    assert head.cfg.kind == HeadKind.eagle and head.draft_vocab_size == V
+    g = torch.Generator().manual_seed(5)
+    tokens, feats = torch.randint(0, V, (9,), generator=g), torch.randn(9, H, generator=g)
+    hidden, logits = run_head(head, tokens, feats)
+    emb, lm = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    ref_h, ref_logits = reference_eagle1(sd, emb, lm, tokens, feats)
+    torch.testing.assert_close(hidden, ref_h, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_eagle1_reduced_vocabulary(tmp_path: Path, target: LlamaModel) -> None:
+    ids = torch.tensor([0, 1, 2, 7, 30, 100, 311, 511])
+    sd = eagle1_tensors(2, fc_bias=True, d2t=ids - torch.arange(len(ids)))
+    head = load_eagle_head(write_head(tmp_path / "h", sd, {"bias": True}), target)
+    assert head.draft_ids.tolist() == ids.tolist()
+    tokens, feats = torch.tensor([5, 9, 13]), torch.randn(3, H, generator=torch.Generator().manual_seed(0))
+    _, logits = run_head(head, tokens, feats)
+    _, full = reference_eagle1(sd, target.embed_tokens.weight.detach(), target.lm_head.weight.detach(), tokens, feats)
+    torch.testing.assert_close(logits, full[:, ids], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_layout_matches_reference(tmp_path: Path) -> None:
+    target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    sd = eagle3_tensors(3, vd=96)
+    cfg = {"draft_vocab_size": 96, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
+    head = load_eagle_head(write_head(tmp_path / "h3", sd, cfg), target)
+    assert head.cfg.kind == HeadKind.eagle3 and head.cfg.aux_layers == (1, 3, 4)
+    ids = sd["d2t"] + torch.arange(96)
+    assert head.draft_ids.tolist() == ids.tolist()
+    g = torch.Generator().manual_seed(6)
+    tokens, aux = torch.randint(0, V, (7,), generator=g), torch.randn(7, 3 * H, generator=g)
+    hidden, logits = run_head(head, tokens, aux)
+    ref_h, ref_logits = reference_eagle3(sd, target.embed_tokens.weight.detach(), tokens, aux)
+    torch.testing.assert_close(hidden, ref_h, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_default_aux_layers(tmp_path: Path) -> None:
+    target = tiny_model(tiny_config(num_hidden_layers=8), seed=4)
+    head = load_eagle_head(write_head(tmp_path / "h3", eagle3_tensors(3, vd=96), {"draft_vocab_size": 96}), target)
+    assert head.cfg.aux_layers == (2, 4, 5)  # EAGLE-3's default: low, middle and third-from-last layers
+
+
+def test_mismatches_are_named(tmp_path: Path, target: LlamaModel) -> None:
+    sd = eagle1_tensors(1, fc_bias=False)
+    with pytest.raises(UnsupportedModelError, match="vocabulary"):
+        load_eagle_head(write_head(tmp_path / "v", sd, {"vocab_size": 1000}), target)
+    wide = tiny_model(tiny_config(hidden_size=96, num_attention_heads=6, num_key_value_heads=2), seed=0)
+    with pytest.raises(UnsupportedModelError, match="hidden size"):
+        load_eagle_head(write_head(tmp_path / "h", sd, {}), wide)
+    bad = dict(sd)
+    bad["layers.0.mlp.down_proj.weight"] = torch.zeros(H, I + 1)
+    with pytest.raises(UnsupportedModelError, match="down_proj"):
+        load_eagle_head(write_head(tmp_path / "s", bad, {}), target)
+    missing = {k: v for k, v in sd.items() if "o_proj" not in k}
+    with pytest.raises(UnsupportedModelError, match="missing"):
+        load_eagle_head(write_head(tmp_path / "m", missing, {}), target)
+    emb = dict(sd, **{"embed_tokens.weight": torch.zeros(V + 5, H)})
+    with pytest.raises(UnsupportedModelError, match="embedding"):
+        load_eagle_head(write_head(tmp_path / "e", emb, {}), target)
+    with pytest.raises(UnsupportedModelError, match="aux layers"):
+        sd3 = eagle3_tensors(3, vd=96)
+        load_eagle_head(
+            write_head(tmp_path / "a", sd3, {"draft_vocab_size": 96, "eagle_aux_hidden_state_layer_ids": [0, 1, 9]}),
+            target,
+        )
+
+
+def test_save_then_load_roundtrip(tmp_path: Path, target: LlamaModel) -> None:
+    from specserve.spec_decode.eagle_head import save_eagle_head
+
+    sd = eagle1_tensors(7, fc_bias=True)
+    head = load_eagle_head(write_head(tmp_path / "a", sd, {"bias": True}), target)
+    head.set_draft_vocab(torch.arange(0, V, 2))
+    save_eagle_head(head, tmp_path / "b", dtype=torch.float32)
+    again = load_eagle_head(tmp_path / "b", target)
+    assert again.draft_ids.tolist() == list(range(0, V, 2))
+    tokens, feats = torch.tensor([3, 4, 5, 6]), torch.randn(4, H, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(run_head(again, tokens, feats)[1], run_head(head, tokens, feats)[1])
