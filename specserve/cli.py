@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     msub.add_parser("list", help="list built-in models and whether they are cached")
     m.set_defaults(func=_models)
 
+    t = sub.add_parser("train-draft", help="train an EAGLE draft head for a target on this machine")
+    from specserve.train import pipeline
+
+    pipeline.add_args(t)
+    t.set_defaults(func=pipeline.run)
+
     b = sub.add_parser("bench", help="benchmarks (print a table, write CSV)")
     from specserve.bench import add_bench_args
 

@@ -17,7 +17,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
 from specserve.spec_decode.eagle_head import HeadKind, load_eagle_head
 
-H, I, NH, NKV, D, V = 64, 160, 4, 2, 16, 512  # the tiny target's shapes
+H, FF, NH, NKV, D, V = 64, 160, 4, 2, 16, 512  # the tiny target's shapes
 THETA = 10000.0
 
 
@@ -39,9 +39,9 @@ def eagle1_tensors(seed: int, *, fc_bias: bool, d2t: torch.Tensor | None = None)
         "layers.0.self_attn.v_proj.weight": _rand(g, NKV * D, H),
         "layers.0.self_attn.o_proj.weight": _rand(g, H, NH * D),
         "layers.0.post_attention_layernorm.weight": 1 + _rand(g, H, scale=0.1),
-        "layers.0.mlp.gate_proj.weight": _rand(g, I, H),
-        "layers.0.mlp.up_proj.weight": _rand(g, I, H),
-        "layers.0.mlp.down_proj.weight": _rand(g, H, I),
+        "layers.0.mlp.gate_proj.weight": _rand(g, FF, H),
+        "layers.0.mlp.up_proj.weight": _rand(g, FF, H),
+        "layers.0.mlp.down_proj.weight": _rand(g, H, FF),
     }
     if fc_bias:
         sd["fc.bias"] = _rand(g, H)
@@ -64,9 +64,9 @@ def eagle3_tensors(seed: int, vd: int) -> dict[str, torch.Tensor]:
         "midlayer.input_layernorm.weight": 1 + _rand(g, H, scale=0.1),
         "midlayer.hidden_norm.weight": 1 + _rand(g, H, scale=0.1),
         "midlayer.post_attention_layernorm.weight": 1 + _rand(g, H, scale=0.1),
-        "midlayer.mlp.gate_proj.weight": _rand(g, I, H),
-        "midlayer.mlp.up_proj.weight": _rand(g, I, H),
-        "midlayer.mlp.down_proj.weight": _rand(g, H, I),
+        "midlayer.mlp.gate_proj.weight": _rand(g, FF, H),
+        "midlayer.mlp.up_proj.weight": _rand(g, FF, H),
+        "midlayer.mlp.down_proj.weight": _rand(g, H, FF),
         "norm.weight": 1 + _rand(g, H, scale=0.1),
         "lm_head.weight": _rand(g, vd, H),
         "d2t": ids - torch.arange(vd),
@@ -83,7 +83,7 @@ def write_head(path: Path, sd: dict[str, torch.Tensor], config: dict[str, object
     base = {
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": H,
-        "intermediate_size": I,
+        "intermediate_size": FF,
         "num_attention_heads": NH,
         "num_key_value_heads": NKV,
         "num_hidden_layers": 1,
@@ -137,7 +137,9 @@ def reference_eagle1(sd, emb, lm_head, tokens, feats):
 
 def reference_eagle3(sd, emb, tokens, aux_feats):
     f = aux_feats @ sd["fc.weight"].T
-    a = torch.cat([rms(emb[tokens], sd["midlayer.input_layernorm.weight"]), rms(f, sd["midlayer.hidden_norm.weight"])], -1)
+    a = torch.cat(
+        [rms(emb[tokens], sd["midlayer.input_layernorm.weight"]), rms(f, sd["midlayer.hidden_norm.weight"])], -1
+    )
     h = reference_layer(sd, "midlayer.", a, f, torch.arange(len(tokens)))
     return h, rms(h, sd["norm.weight"]) @ sd["lm_head.weight"].T
 
@@ -206,7 +208,7 @@ def test_mismatches_are_named(tmp_path: Path, target: LlamaModel) -> None:
     with pytest.raises(UnsupportedModelError, match="hidden size"):
         load_eagle_head(write_head(tmp_path / "h", sd, {}), wide)
     bad = dict(sd)
-    bad["layers.0.mlp.down_proj.weight"] = torch.zeros(H, I + 1)
+    bad["layers.0.mlp.down_proj.weight"] = torch.zeros(H, FF + 1)
     with pytest.raises(UnsupportedModelError, match="down_proj"):
         load_eagle_head(write_head(tmp_path / "s", bad, {}), target)
     missing = {k: v for k, v in sd.items() if "o_proj" not in k}

@@ -71,7 +71,9 @@ class EagleHeadConfig(BaseModel):
         return self.hidden_size * max(1, len(self.aux_layers)) if self.kind == HeadKind.eagle3 else self.hidden_size
 
     def llama_config(self) -> LlamaConfig:
+        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         return LlamaConfig(
+            rope_parameters=rope,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_attention_heads=self.num_heads,
@@ -80,8 +82,6 @@ class EagleHeadConfig(BaseModel):
             num_hidden_layers=1,
             rms_norm_eps=self.rms_norm_eps,
             vocab_size=self.vocab_size,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings,
         )
 
@@ -256,7 +256,7 @@ class EagleHead(nn.Module):
 
 
 def _dense_weight(mod: nn.Module) -> torch.Tensor:
-    w = mod.weight
+    w: Any = mod.weight
     return w().dequantize() if callable(w) else w.detach()  # a dynamic-int8 linear keeps a packed weight
 
 
@@ -358,9 +358,7 @@ def save_eagle_head(
 ) -> Path:
     """``model.safetensors`` + ``config.json`` in the published layout; returns the weights file."""
     out.mkdir(parents=True, exist_ok=True)
-    sd = {
-        k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in head_state_dict(head).items()
-    }
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in head_state_dict(head).items()}
     weights = out / "model.safetensors"
     save_file(sd, weights)
     (out / "config.json").write_text(json.dumps(hf_config_dict(head.cfg, **(extra_config or {})), indent=1) + "\n")
@@ -443,7 +441,9 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
         raise UnsupportedModelError(f"the head checkpoint is missing {missing}")
     for name, t in want.items():
         if name in sd and name not in ("d2t", "t2d") and tuple(sd[name].shape) != tuple(t.shape):
-            raise UnsupportedModelError(f"{name} has shape {tuple(sd[name].shape)}; the config implies {tuple(t.shape)}")
+            raise UnsupportedModelError(
+                f"{name} has shape {tuple(sd[name].shape)}; the config implies {tuple(t.shape)}"
+            )
     layer = head.layer
     att = prefix + "self_attn."
     with torch.no_grad():
@@ -466,7 +466,9 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
         d2t = sd["d2t"].long()
         ids = d2t + torch.arange(d2t.numel())
         if cfg.kind == HeadKind.eagle3 and d2t.numel() != head.lm_head.weight.shape[0]:
-            raise UnsupportedModelError(f"d2t has {d2t.numel()} entries; lm_head has {head.lm_head.weight.shape[0]} rows")
+            raise UnsupportedModelError(
+                f"d2t has {d2t.numel()} entries; lm_head has {head.lm_head.weight.shape[0]} rows"
+            )
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
             raise UnsupportedModelError(f"d2t maps draft ids outside the target's {cfg.vocab_size}-token vocabulary")
         head.draft_ids = ids

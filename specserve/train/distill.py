@@ -1,5 +1,6 @@
 """Self-distillation data for a draft head: the target answers seed prompts through its chat template
-(greedy, as it serves them; answers end in EOS when the target finished), then one prefill over each whole conversation records the target's features.
+(greedy, as it serves them; answers end in EOS when the target finished), then one prefill over each whole
+conversation records the target's features.
 
 The data set is a directory of chunk files ``chunk_NNNNN.safetensors``, each holding
 ``tokens`` [N] int32 (conversations concatenated), ``offsets`` [S+1] int64, ``prompt_lens`` [S] int64 and
@@ -48,13 +49,6 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 AnswerFn = Callable[[list[list[int]]], list[list[int]]]  # chat-formatted prompt ids -> answer ids
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids)  # type: ignore[arg-type]
-
-
 @torch.inference_mode()
 def final_features(model: LlamaModel, convs: list[Conversation]) -> list[torch.Tensor]:
     """The target's last hidden state (after the final norm) at every token of each conversation, [n_i, H]:
@@ -66,6 +60,8 @@ def final_features(model: LlamaModel, convs: list[Conversation]) -> list[torch.T
         batch = ForwardBatch.build(cache, [slot], [conv.tokens], device=model.device)
         feats.append(model.final_hidden(batch, cache).to(torch.float16))
     return feats
+
+
 def build_dataset(
     model: LlamaModel,
     tokenizer: PreTrainedTokenizerBase,

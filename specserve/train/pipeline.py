@@ -5,11 +5,12 @@ Every stage resumes: data chunks on disk are skipped, training continues from it
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -135,3 +136,54 @@ def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str
             sys.stdout.flush()
 
     return bar
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the target: built-in name, HF dir or .gguf")
+    p.add_argument("--out", type=Path, required=True, help="directory for the head (model.safetensors, config.json)")
+    p.add_argument("--work-dir", type=Path, default=None, help="data and checkpoints (default: OUT/work)")
+    p.add_argument("--prompts", type=int, default=None, help="self-distillation prompts (default 1280)")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default 8192)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64, help="conversations generated together")
+    p.add_argument("--quick", action="store_true", help="a few prompts and steps: seconds, for tests")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.config import ModelSpec
+    from specserve.engine import Engine
+    from specserve.models.loader import load_model, load_tokenizer
+    from specserve.sampling import SamplingParams
+
+    spec = ModelSpec(source=args.model, gemv_copies=False)
+    target = load_model(spec)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tokenizer = load_tokenizer(spec)
+    cfg = TrainDraftConfig.quick_mode(args.model) if args.quick else TrainDraftConfig(args.model)
+    data = {"seed": args.seed}
+    if args.prompts is not None:
+        data["num_prompts"] = args.prompts
+    if args.max_new_tokens is not None:
+        data["max_new_tokens"] = args.max_new_tokens
+    train = {"seed": args.seed} | ({"epochs": args.epochs} if args.epochs is not None else {})
+    cfg = replace(
+        cfg,
+        data=replace(cfg.data, **data),
+        train=replace(cfg.train, **train),
+        draft_vocab=args.draft_vocab or cfg.draft_vocab,
+    )
+    engine = Engine(target, tokenizer, max_batch_size=args.batch_size, max_model_len=1024)
+    eos = tokenizer.eos_token_id
+
+    def answer(prompts: list[list[int]]) -> list[list[int]]:
+        params = SamplingParams(max_tokens=cfg.data.max_new_tokens, temperature=0.0)
+        done = engine.generate(prompts, params)
+        return [c.token_ids + ([eos] if c.finish_reason.value == "stop" else []) for c in done]
+
+    command = "specserve train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])
+    train_draft(target, tokenizer, answer, cfg, args.work_dir or args.out / "work", args.out, command=command)
+    print(f"wrote {args.out}")
+    return 0

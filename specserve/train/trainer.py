@@ -202,7 +202,8 @@ def train_head(
     assert lm_w is not None
     lm_w = lm_w.float()
     plan = [g for e in range(cfg.epochs) for g in batch_groups(samples, cfg, random.Random(cfg.seed * 1000 + e))]
-    total = len(plan) if max_steps is None else min(len(plan), max_steps)
+    total = len(plan)  # the schedule's length; max_steps only stops early (a later call resumes)
+    stop = total if max_steps is None else min(total, max_steps)
     step = 0
     ckpt = work_dir / "ckpt.pt"
     if ckpt.exists():
@@ -213,7 +214,7 @@ def train_head(
         opt.load_state_dict(state["opt"])
         step = state["step"]
     head.train()
-    while step < total:
+    while step < stop:
         batch = make_batch(samples, plan[step], cfg, system_len)
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumes bit for bit
         for group in opt.param_groups:
@@ -226,7 +227,7 @@ def train_head(
         step += 1
         if log is not None:
             log(step, total, float(loss.detach()), stats)
-        if step % cfg.checkpoint_every == 0 or step == total:
+        if step % cfg.checkpoint_every == 0 or step == stop:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": asdict(cfg)}, tmp)
             tmp.rename(ckpt)

@@ -1,0 +1,112 @@
+"""Draft-head training: the training-time-test mask, vocabulary selection, determinism and resume, the seed
+prompts' independence from the evaluation set, and `specserve train-draft --quick` end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.models.tiny import tiny_model
+from specserve.spec_decode.eagle_head import load_eagle_head
+from specserve.train.distill import Sample
+from specserve.train.seed_prompts import seed_prompts
+from specserve.train.trainer import TrainConfig, train_head, ttt_mask
+from specserve.train.vocab import column_of, coverage, token_counts, top_vocab
+
+
+def test_ttt_mask_matches_what_a_tree_node_sees() -> None:
+    n = 6
+    # step 0: plain causal over the true pairs
+    assert torch.equal(ttt_mask(n, 0), torch.ones(n, n, dtype=torch.bool).tril())
+    m = ttt_mask(n, 2)  # depth-2 node at pair j: true pairs <= j-2, its parent (step 1, pair j-1), itself (step 2, j)
+    j = 4
+    assert m[j, :n].nonzero().flatten().tolist() == [0, 1, 2]
+    assert m[j, n : 2 * n].nonzero().flatten().tolist() == [3]
+    assert m[j, 2 * n :].nonzero().flatten().tolist() == [4]
+    assert m.shape == (n, 3 * n)
+
+
+def test_top_vocab_forces_specials_and_orders_by_frequency() -> None:
+    counts = token_counts([torch.tensor([5, 5, 5, 3, 3, 9, 1]), torch.tensor([3, 7])], vocab_size=12)
+    assert counts[3] == 3 and counts[5] == 3 and counts[11] == 0
+    ids = top_vocab(counts, 3, forced=[11])
+    assert ids.tolist() == [3, 5, 11]  # 3 and 5 most frequent (tie: lower id first), 11 forced
+    assert coverage(counts, ids) == pytest.approx(6 / 9)
+    col = column_of(ids, 12)
+    assert col[5] == 1 and col[4] == -1
+    with pytest.raises(ValueError):
+        top_vocab(counts, 1, forced=[0, 1])
+
+
+def _samples(n: int, seed: int, hidden: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 20 + 3 * i
+        out.append(Sample(torch.randint(0, 512, (length,), generator=g), torch.randn(length, hidden, generator=g), 6))
+    return out
+
+
+def _head_bytes(head: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in head.parameters()]
+
+
+def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    target = tiny_model(seed=0)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    samples = _samples(12, 0, target.cfg.hidden_size)
+    ids = torch.arange(0, 512, 2)
+    cfg = TrainConfig(epochs=2, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=3, noise=0.1)
+    losses: list[float] = []
+    a = train_head(
+        target, samples, ids, cfg, tmp_path / "a", system_len=2, log=lambda s, t, loss, st: losses.append(loss)
+    )
+    b = train_head(target, samples, ids, cfg, tmp_path / "b", system_len=2)
+    for x, y in zip(_head_bytes(a), _head_bytes(b), strict=True):
+        assert torch.equal(x, y)
+    assert losses[-1] < losses[0]  # it learns something even here
+    train_head(target, samples, ids, cfg, tmp_path / "c", system_len=2, max_steps=4)  # interrupted ...
+    c = train_head(target, samples, ids, cfg, tmp_path / "c", system_len=2)  # ... and resumed
+    for x, y in zip(_head_bytes(a), _head_bytes(c), strict=True):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="other settings"):
+        train_head(target, samples, ids, TrainConfig(epochs=3), tmp_path / "c", system_len=2)
+
+
+def test_seed_prompts_are_not_the_evaluation_set() -> None:
+    raw = resources.files("specserve.bench").joinpath("data/mt_bench.jsonl").read_text()
+    turns = [t for line in raw.splitlines() if line.strip() for t in json.loads(line)["turns"]]
+
+    def shingles(text: str) -> set[tuple[str, ...]]:
+        words = re.findall(r"[a-z0-9']+", text.lower())
+        return {tuple(words[i : i + 6]) for i in range(len(words) - 5)}
+
+    bench = set().union(*(shingles(t) for t in turns))
+    prompts = seed_prompts(3000, seed=0)
+    assert len(set(prompts)) == 3000
+    assert seed_prompts(50, seed=0) == prompts[:50]  # deterministic for a seed
+    assert seed_prompts(50, seed=1) != prompts[:50]
+    shared = [p for p in prompts if shingles(p) & bench]
+    assert not shared, shared[:3]
+
+
+@pytest.mark.real_model
+def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
+    from specserve.cli import main
+    from specserve.config import ModelSpec
+    from specserve.models.loader import load_model
+
+    out = tmp_path / "head"
+    assert main(["train-draft", "--quick", "--out", str(out)]) == 0
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["data"]["conversations"] == 8 and prov["sha256"] in (out / "model.safetensors.sha256").read_text()
+    target = load_model(ModelSpec())
+    head = load_eagle_head(out, target)
+    assert head.trained_for == "smollm2-135m-instruct"
+    assert head.draft_vocab_size == 512 and 2 in head.draft_ids.tolist()  # EOS forced into the draft vocabulary
