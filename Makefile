@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PIP) install -q -e ".[dev,load]"
+	$(PIP) install -q -e ".[dev,bench,load]"
 	touch $@
 
 install: $(VENV)/.installed
