@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 MODEL ?= smollm2-135m-instruct
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: install pull serve run test lint bench-ar bench-spec bench-batch clean
+.PHONY: install pull serve run test lint bench-ar bench-spec bench-batch bench-overhead clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -44,6 +44,9 @@ bench-spec: pull
 
 bench-batch: pull
 	$(VENV)/bin/specserve bench batch --out bench_out/batch
+
+bench-overhead: pull
+	$(VENV)/bin/specserve bench overhead --pair smollm2-int8 --batch 1 16 --max-tokens 32 --repeats 2
 
 clean:
 	rm -rf $(VENV) bench_out

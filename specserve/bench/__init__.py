@@ -1,30 +1,33 @@
-"""Benchmarks: each prints a table and writes CSV (and PNG where it plots)."""
+"""Benchmarks (`specserve bench NAME`): each prints a table and writes CSV (and PNG where it plots).
+
+Each benchmark is a module with ``add_args(parser)`` and ``run(args) -> int``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+from types import ModuleType
+
+BENCHMARKS = {  # subcommand -> (module, help)
+    "ar": ("specserve.bench.ar", "plain decoding: this runner vs transformers generate"),
+    "spec": ("specserve.bench.spec", "speculative methods vs plain decoding vs transformers assisted"),
+    "batch": ("specserve.bench.batch", "policies x batch sizes: throughput, idle fraction, latency"),
+    "overhead": ("specserve.bench.overhead", "the Ray Serve deployment vs the in-process Engine: tokens/s"),
+}
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(BENCHMARKS[name][0])
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_cmd", required=True)
-    from specserve.bench import ar, batch, spec
-
-    ar.add_args(sub.add_parser("ar", help="plain decoding: this runner vs transformers generate"))
-    spec.add_args(sub.add_parser("spec", help="speculative methods vs plain decoding vs transformers assisted"))
-    batch.add_args(sub.add_parser("batch", help="policies x batch sizes: throughput, idle fraction, latency"))
+    for name, (_, help_text) in BENCHMARKS.items():
+        _module(name).add_args(sub.add_parser(name, help=help_text))
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.bench_cmd == "ar":
-        from specserve.bench import ar
-
-        return ar.run(args)
-    if args.bench_cmd == "batch":
-        from specserve.bench import batch
-
-        return batch.run(args)
-    if args.bench_cmd == "spec":
-        from specserve.bench import spec
-
-        return spec.run(args)
-    raise ValueError(f"unknown benchmark {args.bench_cmd!r}")
+    if args.bench_cmd not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {args.bench_cmd!r}")
+    return int(_module(args.bench_cmd).run(args))

@@ -1,4 +1,5 @@
-"""Overhead of the Ray Serve deployment over the in-process Engine, on the same models and settings.
+"""`specserve bench overhead`: the Ray Serve deployment's overhead over the in-process Engine, on the same models
+and settings.
 
 For each batch size B, B requests (MT-bench prompts; token ids in tiny mode) run at once with greedy decoding and
 ``ignore_eos``, so both sides generate exactly B * max_tokens tokens: through ``Engine.generate`` in this process,
@@ -6,8 +7,8 @@ and through HTTP against a local Serve app (router + one lane of target and draf
 table and writes a CSV; ``slowdown`` = Engine tokens/s / Serve tokens/s (goal <= 1.15). Engine and Serve runs
 alternate (``--repeats`` times, median reported), so that other load on the machine hits both alike.
 
-    .venv/bin/python -m deployments.bench_overhead --pair smollm2-int8 --batch 1 16 --max-tokens 32
-    .venv/bin/python -m deployments.bench_overhead --tiny
+    .venv/bin/specserve bench overhead --pair smollm2-int8 --batch 1 16 --max-tokens 32
+    .venv/bin/specserve bench overhead --tiny
 """
 
 from __future__ import annotations
@@ -20,14 +21,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-import ray
-from ray import serve
 from transformers import PreTrainedTokenizerBase
 
-from deployments.app import app_builder
 from deployments.config import AppArgs, WorkerRole
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.bench.prompts import mt_bench_prompts
@@ -37,6 +34,9 @@ from specserve.engine import Engine
 from specserve.models.loader import load_model, load_tokenizer
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import httpx
 
 STEP_SECONDS = "specserve_step_seconds"
 HTTP_TIMEOUT_S = 600.0
@@ -104,6 +104,8 @@ def bench_engine(engine: Engine, prompts: list[Any], max_tokens: int, *, chat: b
 
 
 def _step_seconds(url: str) -> tuple[float, int]:
+    import httpx
+
     total, count = 0.0, 0
     for line in httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT_S).text.splitlines():
         if line.startswith(STEP_SECONDS + "_sum"):
@@ -114,6 +116,8 @@ def _step_seconds(url: str) -> tuple[float, int]:
 
 
 def bench_serve(url: str, model: str, prompts: list[Any], max_tokens: int, *, chat: bool) -> tuple[float, int, float]:
+    import httpx
+
     def one(client: httpx.Client, prompt: Any, n: int) -> int:
         body: dict[str, Any] = {"model": model, "max_tokens": n, "temperature": 0, "ignore_eos": True}
         body.update({"messages": prompt} if chat else {"prompt": prompt})
@@ -142,8 +146,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--pair", default="smollm2-int8", help="a MODEL_PAIRS name")
     group.add_argument("--tiny", action="store_true", help="tiny random models (no download)")
@@ -153,7 +156,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--torch-threads", type=int, default=2, help="per worker actor (the Engine uses torch's default)")
     p.add_argument("--repeats", type=int, default=3, help="runs per setting (the median is reported)")
     p.add_argument("--out", type=Path, default=Path("bench_out/serve_overhead.csv"))
-    a = p.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int:
+    import ray  # Ray and the Serve app load only when the benchmark runs
+    from ray import serve
+
+    from deployments.app import app_builder
 
     threads = {"num_cpus": 0.5, "torch_threads": a.torch_threads}
     raw: dict[str, Any] = {
@@ -199,7 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(table))
     write_csv(a.out, table)
     print(f"wrote {a.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
