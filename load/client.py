@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.bench.prompts import BenchPrompt, mt_bench_prompts
+from specserve.bench.stats import tpot
 
 ALLOW_REMOTE_ENV = "SPECSERVE_ALLOW_REMOTE"
 DONE_SENTINEL = "[DONE]"
@@ -118,10 +119,9 @@ class StreamStats:
     @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (the server's definition)."""
-        n = self.output_tokens
-        if len(self.chunk_times) < 2 or n < 2:
+        if len(self.chunk_times) < 2:
             return None
-        return (self.chunk_times[-1] - self.chunk_times[0]) / (n - 1)
+        return tpot(self.chunk_times[0], self.chunk_times[-1], self.output_tokens)
 
     @property
     def itl_s(self) -> list[float]:

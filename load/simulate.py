@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import math
 import random
 import statistics
 import sys
@@ -30,9 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from load.cost import CostModel, FitKind, RooflineName, fit_quality, measure_cost_model
 from load.traces import (
-    CAP_PAIRS,
     SIMULATED_POLICIES,
-    PolicyName,
     RequestTrace,
     RunTrace,
     SeqTrace,
@@ -40,13 +37,25 @@ from load.traces import (
     WorkloadKind,
     cost_samples,
     mean_idle,
-    policy_specs,
     read_traces,
     request_class,
     sequence_traces,
     tree_sequence_traces,
 )
-from specserve.bench.report import plot_by_batch, plot_shares
+from specserve.bench.policies import CAP_LABELS, PolicyName, policy_specs
+from specserve.bench.stats import (
+    SWEEP_COLS,
+    TTFT_TPOT_COLS,
+    add_vs_baseline,
+    cap_gains,
+    markdown_table,
+    p50_p99,
+    plot_sl,
+    plot_workloads,
+    tpot,
+    workload_slug,
+    write_csv,
+)
 from specserve.config import SLPolicyKind, SpecConfig
 from specserve.models.llama import LlamaModel
 from specserve.policy import DSDEPolicy, SLPolicy, SLState, StaticPolicy
@@ -228,21 +237,11 @@ class SimResult:
             "idle_fraction": self.idle_fraction,
             "mean_sl": self.mean_sl,
             "mean_cap": self.mean_cap,
-            "p50_ttft_s": percentile(self.ttft_s, 50),
-            "p99_ttft_s": percentile(self.ttft_s, 99),
-            "p50_tpot_s": percentile(self.tpot_s, 50),
-            "p99_tpot_s": percentile(self.tpot_s, 99),
+            **p50_p99("ttft_s", self.ttft_s),
+            **p50_p99("tpot_s", self.tpot_s),
             "draft_frac": self.draft_s / self.seconds if self.seconds else 0.0,
             "verify_frac": self.verify_s / self.seconds if self.seconds else 0.0,
         }
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (as ``specserve.bench.batch`` reports p99); NaN for no values."""
-    if not values:
-        return math.nan
-    v = sorted(values)
-    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
 
 
 def _policy(cfg: SimConfig) -> SLPolicy | None:
@@ -338,8 +337,9 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
         assert s.first is not None and s.last is not None
         res.ttft_s.append(s.first - s.req.arrival)
         res.latency_s.append(s.last - s.req.arrival)
-        if s.emitted > 1:
-            res.tpot_s.append((s.last - s.first) / (s.emitted - 1))
+        per_token = tpot(s.first, s.last, s.emitted)
+        if per_token is not None:
+            res.tpot_s.append(per_token)
     return res
 
 
@@ -508,24 +508,6 @@ def _specs_from_runs(runs: Sequence[RunTrace]) -> dict[PolicyName, SpecConfig]:
     return specs
 
 
-def cap_gains(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Throughput of DSDE with SL_cap over DSDE without, for chains and DDD trees, and each one's scaling over
-    batch 1."""
-    out = []
-    by = {(r["workload"], r["batch"], r["policy"]): r for r in rows}
-    for drafting, (cap_p, nocap_p) in CAP_PAIRS.items():
-        cap, nocap = cap_p.label, nocap_p.label
-        for w, b in dict.fromkeys((r["workload"], r["batch"]) for r in rows):
-            if (w, b, cap) in by and (w, b, nocap) in by:
-                gain = by[w, b, cap]["tok_s"] / by[w, b, nocap]["tok_s"] - 1.0
-                row = {"workload": w, "drafting": drafting, "batch": b, "cap_gain": gain}
-                for pol, key in ((cap, "scaling_cap"), (nocap, "scaling_nocap")):
-                    base = by.get((w, 1, pol))
-                    row[key] = by[w, b, pol]["tok_s"] / base["tok_s"] if base else math.nan
-                out.append(row)
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m load.simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, required=True, help="traces.jsonl written by load.straggler")
@@ -579,8 +561,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for mode in ValidationMode:
             for fit in FitKind:
                 val += validate(runs, mode, fit=fit, seed=study.seed, repeats=study.repeats)
-        _write_csv(study.out / "validation.csv", val)
-        table = _md(
+        write_csv(study.out / "validation.csv", val)
+        table = markdown_table(
             val,
             (
                 "mode",
@@ -632,30 +614,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     rows = sweep(study, runs, cost)
     plain_rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-    _write_csv(study.out / "sim.csv", plain_rows)
-    gains = cap_gains(plain_rows)
+    add_vs_baseline(plain_rows, PolicyName.plain.label)
+    write_csv(study.out / "sim.csv", plain_rows)
+    gains = cap_gains(plain_rows, CAP_LABELS)
     if gains:
-        _write_csv(study.out / "cap_gain.csv", gains)
+        write_csv(study.out / "cap_gain.csv", gains)
         report += [
             "## SL_cap gain (DSDE + SL_cap vs DSDE no cap) and scaling over batch 1",
             "",
-            _md(gains, tuple(gains[0])),
+            markdown_table(gains),
             "",
         ]
-    cols = (
-        "workload",
-        "batch",
-        "policy",
-        "tok_s",
-        "idle_fraction",
-        "mean_sl",
-        "mean_cap",
-        "p50_ttft_s",
-        "p99_ttft_s",
-        "p50_tpot_s",
-        "p99_tpot_s",
-    )
-    report += ["## Simulated throughput and latency", "", _md(plain_rows, cols), ""]
+    report += [
+        "## Simulated throughput and latency",
+        "",
+        markdown_table(plain_rows, (*SWEEP_COLS, *TTFT_TPOT_COLS)),
+        "",
+    ]
     plot_sim(rows, study.out, cost.source)
     (study.out / "report.md").write_text("\n".join(report))
     print(f"wrote {study.out}/report.md, sim.csv, sim_*.png")
@@ -685,63 +660,31 @@ def _measured(study: SimStudy, fitted: CostModel) -> CostModel:
     return measured.model_copy(update={k: getattr(fitted, k) for k in host})
 
 
-def _write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    from specserve.bench.report import write_csv
-
-    if rows:
-        write_csv(path, rows)
-
-
-def _md(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
-    from specserve.bench.report import markdown_table
-
-    return markdown_table([{c: r[c] for c in cols} for r in rows]) if rows else ""
-
-
 def plot_sim(rows: Sequence[dict[str, Any]], out: Path, cost_source: str = "") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plot_workloads(
+        rows,
+        ("tok_s", "idle_fraction", "p99_ttft_s", "p99_tpot_s"),
+        out,
+        prefix="sim",
+        title=f"simulated lane: {{workload}}; cost model: {cost_source}",
+    )
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        sub = [r for r in rows if r["workload"] == workload]
-        fig, axes = plt.subplots(1, 4, figsize=(15, 3.4))
-        for metric, ax in zip(("tok_s", "idle_fraction", "p99_ttft_s", "p99_tpot_s"), axes, strict=True):
-            plot_by_batch(ax, sub, metric)
-        axes[0].legend(fontsize=7)
-        fig.suptitle(f"simulated lane: {workload}; cost model: {cost_source}", fontsize=9)
-        fig.tight_layout()
-        name = "synthetic" if workload.startswith("SYNTHETIC") else "real"
-        fig.savefig(out / f"sim_{name}.png", dpi=72)
-        plt.close(fig)
-        _plot_sl(sub, out / f"sim_sl_{name}.png", workload)
-
-
-def _plot_sl(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib.pyplot as plt
-
-    big = max(r["batch"] for r in rows)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3))
-    for r in rows:
-        if r["batch"] != big or "_sims" not in r:
+        sub = [r for r in rows if r["workload"] == workload and "_sims" in r]
+        if not sub:
             continue
-        hist: Counter[int] = sum((s.sl_hist for s in r["_sims"]), Counter())
-        if hist:
-            plot_shares(axes[0], hist, r["policy"], marker="o", ms=3)
-        caps: Counter[int] = sum((s.cap_hist for s in r["_sims"]), Counter())
-        if caps:
-            plot_shares(axes[1], caps, r["policy"], bar=True)
-    axes[0].set_title(f"drafted SL per row and step (B={big})", fontsize=9)
-    axes[1].set_title(f"SL_cap per step (B={big})", fontsize=9)
-    for ax in axes:
-        ax.set_xlabel("SL")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.suptitle(f"simulated: {title}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
+        big = max(r["batch"] for r in sub)
+        series: list[tuple[str, Counter[int], Counter[int] | None, Counter[int]]] = [
+            (
+                r["policy"],
+                sum((s.sl_hist for s in r["_sims"]), Counter()),
+                None,
+                sum((s.cap_hist for s in r["_sims"]), Counter()),
+            )
+            for r in sub
+            if r["batch"] == big
+        ]
+        path = out / f"sim_sl_{workload_slug(workload)}.png"
+        plot_sl(series, path, batch=big, title=f"simulated: {workload}")
 
 
 if __name__ == "__main__":

@@ -31,21 +31,22 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from load.client import StreamStats, check_loopback, parse_sse_line
-from load.traces import (
-    CAP_PAIRS,
-    STUDY_POLICIES,
-    PolicyName,
-    RunTrace,
-    StepRecorder,
-    WorkloadKind,
-    append_trace,
-    mean_idle,
-    policy_specs,
-    read_traces,
-)
+from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
 from specserve.bench.batch import run_one
+from specserve.bench.policies import CAP_LABELS, STUDY_POLICIES, PolicyName, policy_specs
 from specserve.bench.prompts import mt_bench_prompts
-from specserve.bench.report import markdown_table, plot_by_batch, plot_shares, write_csv
+from specserve.bench.stats import (
+    SWEEP_COLS,
+    TTFT_TPOT_COLS,
+    add_vs_baseline,
+    cap_gains,
+    markdown_table,
+    median_row,
+    p50_p99,
+    plot_sl,
+    plot_workloads,
+    write_csv,
+)
 from specserve.config import MODEL_PAIRS, SpecConfig
 from specserve.engine import Engine
 from specserve.models.llama import LlamaModel
@@ -231,24 +232,14 @@ def row_from_trace(run: RunTrace) -> dict[str, Any]:
         "mean_sl": statistics.mean(s.depth for st in drafting for s in st.seqs) if drafting else 0.0,
         "mean_cap": statistics.mean(caps) if caps else 0.0,
         "acceptance": accepted / drafted if drafted else 0.0,
-        "p50_ttft_s": _pct(ttft, 50),
-        "p99_ttft_s": _pct(ttft, 99),
-        "p50_tpot_s": _pct(tpot, 50),
-        "p99_tpot_s": _pct(tpot, 99),
-        "p50_latency_s": _pct(latency, 50),
-        "p99_latency_s": _pct(latency, 99),
+        **p50_p99("ttft_s", ttft),
+        **p50_p99("tpot_s", tpot),
+        **p50_p99("latency_s", latency),
         "draft_frac": sum(st.draft_s for st in run.steps) / seconds,
         "verify_frac": sum(st.verify_s for st in run.steps) / seconds,
         "steps": len(run.steps),
         "seconds": run.seconds,
     }
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
 
 
 def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]]:
@@ -282,11 +273,8 @@ def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
         points.setdefault((t.label, t.batch, t.policy), []).append(row_from_trace(t))
     order = {p: i for i, p in enumerate(PolicyName)}
     keys = sorted(points, key=lambda k: (k[0], k[1], order[k[2]]))
-    rows = [_median_row(points[k]) for k in keys]
-    for r in rows:
-        base = next((x for x in rows if x["workload"] == r["workload"] and x["batch"] == r["batch"]
-                     and x["policy"] == PolicyName.plain.label), None)  # fmt: skip
-        r["vs_plain"] = r["tok_s"] / base["tok_s"] if base else float("nan")
+    rows = [{**median_row(points[k]), "repeats": len(points[k])} for k in keys]
+    add_vs_baseline(rows, PolicyName.plain.label)
     return rows
 
 
@@ -299,15 +287,6 @@ def _progress(
         f"TPOT {row['p50_tpot_s'] * 1e3:.1f}ms  [{elapsed:.0f}s, ~{elapsed / done * (total - done):.0f}s left]",
         flush=True,
     )
-
-
-def _median_row(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    out = dict(runs[0])
-    for k, v in runs[0].items():
-        if isinstance(v, int | float) and k != "batch":
-            out[k] = statistics.median(r[k] for r in runs)
-    out["repeats"] = len(runs)
-    return out
 
 
 # ─────────────────────────── HTTP sweep ───────────────────────────
@@ -405,10 +384,8 @@ def http_sweep(cfg: StudyConfig) -> list[dict[str, Any]]:
                 "requests": len(results),
                 "failures": len(results) - len(ok),
                 "tok_s": sum(r.output_tokens for r in ok) / seconds,
-                "p50_ttft_s": _pct([r.ttft_s for r in ok if r.ttft_s is not None], 50),
-                "p99_ttft_s": _pct([r.ttft_s for r in ok if r.ttft_s is not None], 99),
-                "p50_tpot_s": _pct([r.tpot_s for r in ok if r.tpot_s is not None], 50),
-                "p99_tpot_s": _pct([r.tpot_s for r in ok if r.tpot_s is not None], 99),
+                **p50_p99("ttft_s", [r.ttft_s for r in ok if r.ttft_s is not None]),
+                **p50_p99("tpot_s", [r.tpot_s for r in ok if r.tpot_s is not None]),
                 "steps": steps,
                 "mean_step_s": delta("specserve_step_seconds_sum") / steps if steps else float("nan"),
                 "mean_batch": delta("specserve_batch_size_sum") / steps if steps else float("nan"),
@@ -428,108 +405,46 @@ def http_sweep(cfg: StudyConfig) -> list[dict[str, Any]]:
 # ─────────────────────────── plots and report ───────────────────────────
 
 PANELS = ("tok_s", "idle_fraction", "p50_ttft_s", "p99_ttft_s", "p50_tpot_s", "p99_tpot_s")
+REPORT_COLS = (*SWEEP_COLS, "acceptance", *TTFT_TPOT_COLS)
 
 
 def plot_sweep(rows: Sequence[dict[str, Any]], out: Path, prefix: str = "straggler") -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for workload in dict.fromkeys(r["workload"] for r in rows):
-        sub = [r for r in rows if r["workload"] == workload]
-        fig, axes = plt.subplots(2, 3, figsize=(13, 6))
-        for metric, ax in zip(PANELS, axes.flat, strict=True):
-            plot_by_batch(ax, sub, metric, "batch size (concurrency)")
-        axes.flat[0].legend(fontsize=7)
-        fig.suptitle(f"engine sweep: {workload}", fontsize=10)
-        fig.tight_layout()
-        path = out / f"{prefix}_{'synthetic' if workload.startswith('SYNTHETIC') else 'real'}.png"
-        fig.savefig(path, dpi=72)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    return plot_workloads(
+        rows,
+        PANELS,
+        out,
+        prefix=prefix,
+        title="engine sweep: {workload}",
+        grid=(2, 3),
+        panel_size=(13 / 3, 3.0),
+        xlabel="batch size (concurrency)",
+    )
 
 
-def plot_sl(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") -> list[Path]:
+def plot_sl_traces(traces: Sequence[RunTrace], out: Path, prefix: str = "straggler") -> list[Path]:
     """Drafted SL (tree depth) per row and step, the policy's SL before SL_cap where recorded, and SL_cap per step,
     for the DSDE policies at the largest batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     paths = []
     for kind in dict.fromkeys(t.workload for t in traces):
         runs = [t for t in traces if t.workload == kind and t.repeat == 0 and t.policy.is_dsde]
         if not runs:
             continue
         big = max(t.batch for t in runs)
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3))
-        for t in (t for t in runs if t.batch == big):
-            hist = Counter(s.depth for st in t.steps for s in st.seqs if s.depth > 0)
-            line = plot_shares(axes[0], hist, t.policy.label, marker="o", ms=3)
-            caps = Counter(st.cap for st in t.steps if st.cap is not None)
-            wanted = Counter(s.uncapped for st in t.steps for s in st.seqs if s.depth > 0 and s.uncapped)
-            if wanted and caps:
-                plot_shares(axes[0], wanted, f"{t.policy.label}: SL before the cap", ls="--", lw=1,
-                            color=line[0].get_color())  # fmt: skip
-            if caps:
-                plot_shares(axes[1], caps, t.policy.label, bar=True)
-        axes[0].set_title(f"drafted SL / tree depth per row and step (B={big})", fontsize=9)
-        axes[1].set_title(f"SL_cap per step (B={big})", fontsize=9)
-        for ax in axes:
-            ax.set_xlabel("SL")
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-        name = "synthetic" if kind == WorkloadKind.synthetic else "real"
-        fig.suptitle(f"SL distributions: {'SYNTHETIC' if name == 'synthetic' else 'real'} workload", fontsize=10)
-        fig.tight_layout()
-        path = out / f"{prefix}_sl_{name}.png"
-        fig.savefig(path, dpi=72)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
-REPORT_COLS = (
-    "workload",
-    "batch",
-    "policy",
-    "tok_s",
-    "vs_plain",
-    "idle_fraction",
-    "mean_sl",
-    "mean_cap",
-    "acceptance",
-    "p50_ttft_s",
-    "p99_ttft_s",
-    "p50_tpot_s",
-    "p99_tpot_s",
-)
-
-
-def cap_gain_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    by = {(r["workload"], r["batch"], r["policy"]): r for r in rows}
-    out = []
-    for drafting, (cap_p, nocap_p) in CAP_PAIRS.items():
-        cap, nocap = cap_p.label, nocap_p.label
-        out += [
-            {
-                "workload": w,
-                "drafting": drafting,
-                "batch": b,
-                "nocap_tok_s": by[w, b, nocap]["tok_s"],
-                "cap_tok_s": by[w, b, cap]["tok_s"],
-                "cap_gain": by[w, b, cap]["tok_s"] / by[w, b, nocap]["tok_s"] - 1.0,
-                "nocap_idle": by[w, b, nocap]["idle_fraction"],
-                "cap_idle": by[w, b, cap]["idle_fraction"],
-            }
-            for w, b in dict.fromkeys((r["workload"], r["batch"]) for r in rows)
-            if (w, b, cap) in by and (w, b, nocap) in by
+        series = [
+            (
+                t.policy.label,
+                Counter(s.depth for st in t.steps for s in st.seqs if s.depth > 0),
+                Counter(s.uncapped for st in t.steps for s in st.seqs if s.depth > 0 and s.uncapped),
+                Counter(st.cap for st in t.steps if st.cap is not None),
+            )
+            for t in runs
+            if t.batch == big
         ]
-    return out
+        name = "synthetic" if kind == WorkloadKind.synthetic else "real"
+        title = f"SL distributions: {'SYNTHETIC' if name == 'synthetic' else 'real'} workload"
+        path = out / f"{prefix}_sl_{name}.png"
+        paths.append(plot_sl(series, path, batch=big, title=title, sl_title="drafted SL / tree depth per row and step"))
+    return paths
 
 
 def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Sequence[Path], setup: str = "") -> Path:
@@ -543,10 +458,10 @@ def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Seque
         f"{setup} Medians over the runs of each point. Rows labelled SYNTHETIC use forced acceptance "
         "probabilities: they measure the system, never quality.",
         "",
-        markdown_table([{c: r[c] for c in REPORT_COLS} for r in rows]),
+        markdown_table(rows, REPORT_COLS),
         "",
     ]
-    gains = cap_gain_rows(rows)
+    gains = cap_gains(rows, CAP_LABELS)
     if gains:
         lines += ["## SL_cap: DSDE with SL_cap vs DSDE without", "", markdown_table(gains), ""]
     lines += [f"![{p.stem}]({p.name})" for p in images]
@@ -604,7 +519,7 @@ def report_from_traces(paths: Sequence[Path], out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(traces)
     write_csv(out / "straggler.csv", rows)
-    images = plot_sweep(rows, out) + plot_sl(traces, out)
+    images = plot_sweep(rows, out) + plot_sl_traces(traces, out)
     pairs = sorted({t.pair for t in traces})
     setup = (
         f"Merged from {', '.join(f'`{p}`' for p in paths)}: pair {', '.join(pairs)}, batch sizes "
@@ -632,9 +547,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.workloads:
         rows, traces = engine_sweep(cfg)
         write_csv(cfg.out / "straggler.csv", rows)
-        images = plot_sweep(rows, cfg.out) + plot_sl(traces, cfg.out)
-        print(markdown_table([{c: r[c] for c in REPORT_COLS} for r in rows]))
-        gains = cap_gain_rows(rows)
+        images = plot_sweep(rows, cfg.out) + plot_sl_traces(traces, cfg.out)
+        print(markdown_table(rows, REPORT_COLS))
+        gains = cap_gains(rows, CAP_LABELS)
         if gains:
             print(markdown_table(gains))
         print(f"wrote {write_report(cfg, rows, images)}, straggler.csv, traces.jsonl and {len(images)} plots")

@@ -8,7 +8,6 @@ verify call's items and outputs (the KLD values per verified position are not in
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -19,7 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specserve.bench import batch
+from specserve.bench.policies import PolicyName
+from specserve.bench.stats import tpot
 from specserve.config import SpecConfig
 from specserve.engine import Engine
 from specserve.protocol import VerifyItem, VerifyOutput
@@ -31,70 +31,7 @@ class WorkloadKind(str, Enum):
     synthetic = "synthetic"  # SYNTHETIC acceptance mix (SpecConfig.synthetic_accept): measures the system only
 
 
-class PolicyName(str, Enum):
-    """The study's policies; ``bench_key`` is the name in ``specserve.bench.batch.policies``."""
-
-    plain = "plain"
-    static = "static"
-    dsde_nocap = "dsde_nocap"
-    dsde_cap = "dsde_cap"
-    ddd = "ddd"
-    dsde_ddd = "dsde_ddd"
-    dsde_ddd_nocap = "dsde_ddd_nocap"  # not in the study's default sweep; the simulator's tree cap comparison
-
-    def bench_key(self, static_sl: int) -> str:
-        return {
-            PolicyName.plain: "plain",
-            PolicyName.static: f"static SL={static_sl}",
-            PolicyName.dsde_nocap: "DSDE no cap",
-            PolicyName.dsde_cap: "DSDE + SL_cap",
-            PolicyName.ddd: "DDD",
-            PolicyName.dsde_ddd: "DSDE+DDD",
-            PolicyName.dsde_ddd_nocap: "DSDE+DDD no cap",  # derived in policy_specs (cap off)
-        }[self]
-
-    @property
-    def label(self) -> str:
-        return {
-            PolicyName.plain: "plain",
-            PolicyName.static: "static SL",
-            PolicyName.dsde_nocap: "DSDE no cap",
-            PolicyName.dsde_cap: "DSDE + SL_cap",
-            PolicyName.ddd: "DDD",
-            PolicyName.dsde_ddd: "DSDE+DDD",
-            PolicyName.dsde_ddd_nocap: "DSDE+DDD no cap",
-        }[self]
-
-    @property
-    def is_chain(self) -> bool:
-        return self in (PolicyName.static, PolicyName.dsde_nocap, PolicyName.dsde_cap)
-
-    @property
-    def is_tree(self) -> bool:
-        return self in (PolicyName.ddd, PolicyName.dsde_ddd, PolicyName.dsde_ddd_nocap)
-
-    @property
-    def is_dsde(self) -> bool:
-        return self in (PolicyName.dsde_nocap, PolicyName.dsde_cap, PolicyName.dsde_ddd, PolicyName.dsde_ddd_nocap)
-
-
-CAP_PAIRS = {  # drafting -> (DSDE with SL_cap, DSDE without)
-    "chain": (PolicyName.dsde_cap, PolicyName.dsde_nocap),
-    "tree (DDD)": (PolicyName.dsde_ddd, PolicyName.dsde_ddd_nocap),
-}
-STUDY_POLICIES = tuple(p for p in PolicyName if p != PolicyName.dsde_ddd_nocap)  # the issue's six
 SIMULATED_POLICIES = tuple(PolicyName)
-
-
-def policy_specs(*, static_sl: int = 4, beam_width: int = 4, budget: int = 16) -> dict[PolicyName, SpecConfig]:
-    """The lead's batch-benchmark policy table (``specserve.bench.batch.policies``), keyed by PolicyName."""
-    table = batch.policies(argparse.Namespace(static_sl=static_sl, beam_width=beam_width, budget=budget, policies=None))
-    specs: dict[PolicyName, SpecConfig] = {p: table[p.bench_key(static_sl)] for p in STUDY_POLICIES}
-    tree = specs[PolicyName.dsde_ddd]
-    specs[PolicyName.dsde_ddd_nocap] = tree.model_copy(
-        update={"dsde": tree.dsde.model_copy(update={"cap_enabled": False})}
-    )
-    return specs
 
 
 class SeqStep(BaseModel):
@@ -222,9 +159,7 @@ class _ReqClock:
 
     @property
     def tpot(self) -> float | None:
-        if self.first is None or self.last is None or self.tokens < 2:
-            return None
-        return (self.last - self.first) / (self.tokens - 1)
+        return tpot(self.first, self.last, self.tokens)
 
 
 class StepRecorder:

@@ -51,7 +51,6 @@ from load.simulate import (
 )
 from load.traces import (
     CostSample,
-    PolicyName,
     RunTrace,
     SeqTrace,
     StepRecorder,
@@ -60,13 +59,13 @@ from load.traces import (
     WorkloadKind,
     cost_samples,
     level_tokens,
-    policy_specs,
     read_traces,
     sequence_traces,
     tree_sequence_traces,
     write_traces,
 )
 from specserve.bench.batch import run_one
+from specserve.bench.policies import PolicyName, policy_specs
 from specserve.config import SpecConfig
 from specserve.engine import Engine
 from specserve.models.tiny import noisy_copy, tiny_model

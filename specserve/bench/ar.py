@@ -7,6 +7,7 @@ both engines run alternately inside one process, medians over runs.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specserve.bench.prompts import mt_bench_prompts
-from specserve.bench.report import markdown_table, median, write_csv
+from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DType, ModelSpec
 from specserve.engine import Engine
 from specserve.models.loader import load_model, load_tokenizer
@@ -80,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"run {run_idx} batch {bs:3d} {name:12s} {n:5d} tokens {t:7.2f} s {n / t:8.1f} tok/s", flush=True)
     summary = []
     for bs in args.batch_sizes:
-        ours = median([r["tok_s"] for r in rows if r["batch"] == bs and r["engine"] == "specserve"])
-        theirs = median([r["tok_s"] for r in rows if r["batch"] == bs and r["engine"] == "transformers"])
+        ours = statistics.median([r["tok_s"] for r in rows if r["batch"] == bs and r["engine"] == "specserve"])
+        theirs = statistics.median([r["tok_s"] for r in rows if r["batch"] == bs and r["engine"] == "transformers"])
         summary.append({"batch": bs, "specserve_tok_s": ours, "transformers_tok_s": theirs, "speedup": ours / theirs})
     write_csv(args.out / "runs.csv", rows)
     write_csv(args.out / "summary.csv", summary)

@@ -11,12 +11,20 @@ import statistics
 import time
 from pathlib import Path
 
+from specserve.bench.policies import STUDY_POLICIES, PolicyName, policy_specs
 from specserve.bench.prompts import mt_bench_prompts
-from specserve.bench.report import markdown_table, plot_by_batch, write_csv
-from specserve.config import MODEL_PAIRS, ChainDraft, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.bench.stats import (
+    SWEEP_COLS,
+    add_vs_baseline,
+    markdown_table,
+    median_row,
+    p50_p99,
+    plot_workloads,
+    write_csv,
+)
+from specserve.config import MODEL_PAIRS, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.models.loader import load_model, load_tokenizer
-from specserve.policy import DSDEConfig
 from specserve.sampling import SamplingParams
 
 WORKLOADS = ("real", "synthetic")
@@ -26,7 +34,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default="smollm2-bf16", choices=sorted(MODEL_PAIRS))
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--policies", nargs="+", default=None, help="subset of the policy names (default: all)")
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=[x.value for x in STUDY_POLICIES],
+        choices=[x.value for x in PolicyName],
+        help="policies to compare (default: all but dsde_ddd_nocap)",
+    )
     p.add_argument("--requests-per-slot", type=int, default=2, help="requests per run = this x batch size")
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=48)
@@ -41,22 +55,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench_out/batch"))
 
 
-def policies(args: argparse.Namespace) -> dict[str, SpecConfig]:
-    tree = {"beam_width": args.beam_width, "budget": args.budget}
-    dsde = SLPolicyKind.dsde
-    table = {
-        "plain": SpecConfig(method=SpecMethod.none),
-        f"static SL={args.static_sl}": SpecConfig(method=SpecMethod.chain, sl=args.static_sl),
-        "DSDE no cap": SpecConfig(method=SpecMethod.chain, policy=dsde, dsde=DSDEConfig(cap_enabled=False)),
-        "DSDE + SL_cap": SpecConfig(method=SpecMethod.chain, policy=dsde),
-        "DDD": SpecConfig(method=SpecMethod.ddd, **tree),
-        "DSDE+DDD": SpecConfig(method=SpecMethod.ddd, policy=dsde, **tree),
-    }
-    for spec in table.values():
-        assert spec.chain_draft == ChainDraft.sampled  # greedy requests draft greedily anyway
-    if args.policies:
-        table = {k: v for k, v in table.items() if k in args.policies}
-    return table
+def policies(args: argparse.Namespace) -> dict[PolicyName, SpecConfig]:
+    """The policies selected on the command line, with their speculation settings."""
+    table = policy_specs(static_sl=args.static_sl, beam_width=args.beam_width, budget=args.budget)
+    return {PolicyName(p): table[PolicyName(p)] for p in args.policies}
 
 
 def run_one(
@@ -80,7 +82,6 @@ def run_one(
     steps = list(engine.loop.metrics)
     drafting = [m for m in steps if m.levels > 0]
     caps = [m.cap for m in steps if m.cap is not None]
-    lat = sorted(finish.values())
     return {
         "tok_s": tokens / seconds,
         "seconds": seconds,
@@ -88,8 +89,7 @@ def run_one(
         "idle_fraction": statistics.mean(m.idle_fraction for m in drafting) if drafting else 0.0,
         "mean_sl": statistics.mean(d for m in drafting for d in m.depths) if drafting else 0.0,
         "mean_cap": statistics.mean(caps) if caps else 0.0,
-        "p50_latency_s": lat[len(lat) // 2],
-        "p99_latency_s": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
+        **p50_p99("latency_s", list(finish.values())),
         "draft_frac": sum(m.draft_s for m in steps) / seconds,
         "verify_frac": sum(m.verify_s for m in steps) / seconds,
     }
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                 [mix[i % len(mix)] for i in range(n_req)] if workload == "synthetic" else [None] * n_req
             )
             label = "SYNTHETIC " + "/".join(map(str, mix)) if workload == "synthetic" else "real"
-            results: dict[str, list[dict[str, float]]] = {name: [] for name in table}
+            results: dict[PolicyName, list[dict[str, float]]] = {name: [] for name in table}
             for _ in range(args.repeats):  # round robin: load changes on a shared machine hit every policy alike
                 for name, spec in table.items():
                     engine = Engine(
@@ -130,65 +130,25 @@ def run(args: argparse.Namespace) -> int:
                     )
                     results[name].append(run_one(engine, prompts, lengths, spec, accepts))
             for name, runs in results.items():
-                res = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                rows.append({"workload": label, "batch": bs, "policy": name, **res})
+                res = median_row(runs)
+                rows.append({"workload": label, "batch": bs, "policy": name.label, **res})
                 print(
-                    f"{label:22s} B={bs:3d} {name:14s} {res['tok_s']:7.1f} tok/s  idle {res['idle_fraction']:.3f}  "
+                    f"{label:22s} B={bs:3d} {name.label:14s} {res['tok_s']:7.1f} tok/s  "
+                    f"idle {res['idle_fraction']:.3f}  "
                     f"p50 {res['p50_latency_s']:.2f}s p99 {res['p99_latency_s']:.2f}s",
                     flush=True,
                 )
-    for r in rows:
-        base = (
-            next(
-                x
-                for x in rows
-                if x["workload"] == r["workload"] and x["batch"] == r["batch"] and x["policy"] == "plain"
-            )
-            if "plain" in table
-            else None
-        )
-        r["vs_plain"] = r["tok_s"] / base["tok_s"] if base else float("nan")
+    add_vs_baseline(rows, PolicyName.plain.label)
     write_csv(args.out / "batch.csv", rows)
-    plot(rows, args.out)
-    print(
-        markdown_table(
-            [
-                {
-                    k: r[k]
-                    for k in (
-                        "workload",
-                        "batch",
-                        "policy",
-                        "tok_s",
-                        "vs_plain",
-                        "idle_fraction",
-                        "mean_sl",
-                        "mean_cap",
-                        "p50_latency_s",
-                        "p99_latency_s",
-                    )
-                }
-                for r in rows
-            ]
-        )
+    plot_workloads(
+        rows,
+        ("tok_s", "idle_fraction", "p50_latency_s", "p99_latency_s"),
+        args.out,
+        prefix="batch",
+        title="specserve bench batch: {workload}",
+        panel_size=(5.0, 4.5),
+        dpi=110,
     )
+    print(f"static SL = {args.static_sl}; trees: beam width {args.beam_width}, budget {args.budget}")
+    print(markdown_table(rows, (*SWEEP_COLS, "p50_latency_s", "p99_latency_s")))
     return 0
-
-
-def plot(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for workload in sorted({r["workload"] for r in rows}):
-        sub = [r for r in rows if r["workload"] == workload]
-        fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
-        for metric, ax in zip(("tok_s", "idle_fraction", "p50_latency_s", "p99_latency_s"), axes, strict=True):
-            plot_by_batch(ax, sub, metric)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(f"specserve bench batch: {workload}")
-        fig.tight_layout()
-        name = "synthetic" if workload.startswith("SYNTHETIC") else "real"
-        fig.savefig(out / f"batch_{name}.png", dpi=110)
-        plt.close(fig)

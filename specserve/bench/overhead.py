@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from deployments.config import AppArgs, WorkerRole
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.bench.prompts import mt_bench_prompts
-from specserve.bench.report import markdown_table, write_csv
+from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import SpecConfig
 from specserve.engine import Engine
 from specserve.models.loader import load_model, load_tokenizer

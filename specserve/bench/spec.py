@@ -17,7 +17,7 @@ from typing import cast
 import torch
 
 from specserve.bench.prompts import mt_bench_prompts
-from specserve.bench.report import markdown_table, write_csv
+from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, ChainDraft, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.models.llama import LlamaModel
