@@ -68,13 +68,13 @@ class SpecMethod(str, Enum):
 
 
 class ChainDraft(str, Enum):
-    greedy = "greedy"  # draft takes argmax q; verified with the deterministic-child rule (1.2)
-    sampled = "sampled"  # draft samples from its top-K truncated q; verified with Leviathan/Chen (1.1)
+    greedy = "greedy"  # draft takes argmax q; verified by docs/algorithms.md §1.2
+    sampled = "sampled"  # draft samples from its top-K truncated q; verified by docs/algorithms.md §1.1
 
 
 class SLPolicyKind(str, Enum):
     static = "static"  # chain length `sl` / tree depth every step
-    dsde = "dsde"  # per-sequence SL from KLD stability, under the batch cap SL_cap (algorithms.md 4)
+    dsde = "dsde"  # per-sequence SL from KLD stability, under the batch cap SL_cap (docs/algorithms.md §4, §5)
 
 
 class KLDMode(str, Enum):
@@ -83,7 +83,7 @@ class KLDMode(str, Enum):
 
 
 class SpecConfig(BaseModel):
-    """Speculation settings (algorithms.md sections 1-4). Defaults follow the papers."""
+    """Speculation settings (docs/algorithms.md §1 to §5). Defaults follow the papers."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -402,7 +402,7 @@ class StepLoop:
 
     @staticmethod
     def _observe(seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> None:
-        """Policy update: this step's KLD values set the sequence's next SL (algorithms.md 4.8)."""
+        """Policy update: this step's KLD values set the sequence's next SL (docs/algorithms.md §4.6)."""
         if seq.sl_state is None or proposal is None:
             return
         drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)

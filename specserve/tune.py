@@ -1,4 +1,4 @@
-"""Verify-budget auto-tune (algorithms.md 2.5): profile the target's step time against the number of verified
+"""Verify-budget auto-tune (docs/algorithms.md §2.5): profile the target's step time against the number of verified
 tokens on this device, estimate the accepted tokens at each budget from one calibration run, and pick the
 budget T (trees) or chain length SL that maximises expected tokens per second.
 """

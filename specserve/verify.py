@@ -1,4 +1,4 @@
-"""Lossless verification of drafted tokens (algorithms.md section 1): deterministic chains and trees, sampled chains.
+"""Lossless verification of drafted tokens (docs/algorithms.md §1): deterministic chains and trees, sampled chains.
 
 All distributions are probabilities after ``sampling.process_logits`` (the same processing for draft and target);
 greedy is the one-hot case and goes through the same code. Each function does at most one device->host
@@ -20,7 +20,7 @@ class DraftTree:
 
     Node 0 is the root (not a draft); nodes 1..T-1 are drafted tokens, ordered so that ``parents[j] < j``.
     The root is its own parent (``parents[0] == ROOT``) so that parent lookups never need a sentinel.
-    Children of a node are tried in index order (algorithms.md 1.2).
+    Children of a node are tried in index order (docs/algorithms.md §1.2).
     """
 
     tokens: torch.Tensor  # [T] long
@@ -92,7 +92,7 @@ class VerifyResult:
 
 
 def verify_tree(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
-    """Deterministic-children rule (algorithms.md 1.2), single-draw form.
+    """Deterministic-children rule (docs/algorithms.md §1.2), single-draw form.
 
     ``p[j]`` ([T, V]) is the target's next-token distribution after the context plus the path to node j.
     At node j draw y ~ p[j]; if y is one of j's children, descend into it and repeat, else emit y and stop (at a
@@ -135,7 +135,7 @@ def verify_chain_sampled(
     p: torch.Tensor,  # [SL+1, V] float, p[i] = target after the context and drafted[:i]
     generator: torch.Generator | None,
 ) -> VerifyResult:
-    """Sampled-draft chain (algorithms.md 1.1): accept x_i w.p. min(1, p_i(x_i)/q_i(x_i)); at the first rejection
+    """Sampled-draft chain (docs/algorithms.md §1.1): accept x_i w.p. min(1, p_i(x_i)/q_i(x_i)); at the first rejection
     emit a token from norm(max(p_i - q_i, 0)); if all are accepted emit a bonus token from p[SL].
 
     ``accepted_nodes`` uses DraftTree.chain numbering: drafted[i] is node i + 1.

@@ -444,7 +444,7 @@ def test_trace_recording_from_engine(tiny_pair: tuple[Any, Any], tmp_path: Path)
     for st in run.steps:
         for s in st.seqs:
             assert s.drafted == s.depth and 0 <= s.accepted <= s.drafted
-            assert len(s.kld) == min(s.accepted + 1, s.drafted)  # the verified positions (algorithms.md 4.1)
+            assert len(s.kld) == min(s.accepted + 1, s.drafted)  # the verified positions (docs/algorithms.md §6)
     # each request emitted accepted + 1 tokens per step until max_tokens
     for i, r in enumerate(run.requests):
         steps = [s for st in run.steps for s in st.seqs if s.req == i]

@@ -120,8 +120,8 @@ def test_tree_validation() -> None:
 
 
 def _sequential_rule(p: torch.Tensor, children: list[int]) -> tuple[list[float], torch.Tensor]:
-    """Exact outcome of the sequential rule of algorithms.md 1.2 at one node: p [V] -> (probability that each child
-    is accepted, distribution [V] of the token that follows the node, accepted child or residual)."""
+    """Exact outcome of the sequential rule of docs/algorithms.md §1.2 at one node: p [V] -> (probability that each
+    child is accepted, distribution [V] of the token that follows the node, accepted child or residual)."""
     residual = p.double().clone()
     reach = 1.0  # probability that every earlier child was rejected
     accept_probs = []

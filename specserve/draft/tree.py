@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic draft trees (algorithms.md 2) and DDD's stop rule (3), as small tensor functions.
+"""EAGLE-2 dynamic draft trees (docs/algorithms.md §2) and DDD's stop rule (§3.1), as small tensor functions.
 
 A ``TreeBuilder`` collects one sequence's candidates level by level; the draft worker runs the forwards.
 Scores are log draft probabilities at temperature 1 summed along the path (they only decrease with depth).

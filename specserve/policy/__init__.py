@@ -1,4 +1,4 @@
-"""Speculation-length policies: static SL and DSDE (docs/algorithms.md, section 4). Host-side and pure."""
+"""Speculation-length policies: static SL and DSDE (docs/algorithms.md §4). Host-side and pure."""
 
 from specserve.policy.dsde import (
     DSDEConfig,

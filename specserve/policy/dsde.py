@@ -1,13 +1,13 @@
-"""DSDE: per-sequence speculation length from KLD stability (docs/algorithms.md, section 4).
+"""DSDE: per-sequence speculation length from KLD stability (docs/algorithms.md §4).
 
 Host-side and pure: no model code, no Ray. The router/scheduler owns one state object per sequence and,
-per step (section 4.8, the signal is post-hoc: step t's KLD sets step t+1's SL):
+per step (docs/algorithms.md §4.6, the signal is post-hoc: step t's KLD sets step t+1's SL):
 
     plan = policy.plan(states, max_sls)        # SL_i per sequence, then SL_cap, then per-request max_sl
     ... draft plan.sls[i] tokens per sequence, verify, compute KLDs for the verified positions ...
     policy.observe(states[i], klds_i, num_drafted_i, num_accepted_i)   # history -> next SL_i
 
-Every **[choice]** of the spec is a `DSDEConfig` field whose default is the spec's choice;
+Every **[choice]** between the paper and the reference code is a `DSDEConfig` field (docs/algorithms.md §4.9);
 `DSDEConfig.reference()` gives the published reference code's variants so both can be measured.
 
 Notation: h = KLD history of a sequence (newest last), SL_min/SL_max = calibrated per-sequence bounds,
@@ -30,7 +30,7 @@ from torch import Tensor
 
 
 class FlatKLD(str, Enum):
-    """WVIR when the long-window weighted variance is below `flat_var_eps` (spec 4.3)."""
+    """WVIR when the long-window weighted variance is below `flat_var_eps` (docs/algorithms.md §4.3)."""
 
     stable = "stable"  # [choice] flat KLD is stable: WVIR = 1.0
     reference = "reference"  # reference code: WVIR = 20.0 (forces SL_min forever on a near-perfect draft)
@@ -41,21 +41,21 @@ class FlatKLD(str, Enum):
 
 
 class ShortWindow(str, Enum):
-    """Which history values form the short window of WVIR (spec 4.2)."""
+    """Which history values form the short window of WVIR (docs/algorithms.md §4.2)."""
 
     paper = "paper"  # newest n_short values (all of h while len(h) <= n_short)
     reference = "reference"  # newest max(1, floor(len(h) / 3)) values, as the reference code does
 
 
 class SLMinRule(str, Enum):
-    """How the calibrated SL_min is chosen at the end of warm-up (spec 4.6)."""
+    """How the calibrated SL_min is chosen at the end of warm-up (docs/algorithms.md §4.5)."""
 
     paper = "paper"  # SL_min = cfg.sl_min (paper: 2)
     reference = "reference"  # SL_min = min(SL_max, max(cfg.sl_min, ceil(0.1 * SL_max))) (cfg.sl_min is the floor)
 
 
 class DSDEConfig(BaseModel):
-    """DSDE parameters. Defaults are the paper's values and the spec's [choice]s."""
+    """DSDE parameters. Defaults: the paper's values and the [choice]s of docs/algorithms.md §4.9."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -80,8 +80,8 @@ class DSDEConfig(BaseModel):
         description="[choice] False: KLD at the accepted positions plus the first rejected one; True (reference "
         "code): at every drafted position. Read by the caller that computes the KLDs.",
     )
-    cap_enabled: bool = Field(default=True, description="apply the batch cap SL_cap (spec 4.7)")
-    cap_warmup: bool = Field(default=False, description="also cap sequences still in warm-up (spec 4.7 option)")
+    cap_enabled: bool = Field(default=True, description="apply the batch cap SL_cap (docs/algorithms.md §5)")
+    cap_warmup: bool = Field(default=False, description="also cap sequences still in warm-up (docs/algorithms.md §5)")
 
     @model_validator(mode="after")
     def _check(self) -> DSDEConfig:
@@ -161,12 +161,12 @@ def wvir(history: Tensor | Sequence[float], cfg: DSDEConfig) -> float:
 
 
 def scale_factor(mean_kld_last_step: float, alpha: float) -> float:
-    """SF = exp(alpha * m) - 1, m = mean KLD of the last step (spec 4.4)."""
+    """SF = exp(alpha * m) - 1, m = mean KLD of the last step (docs/algorithms.md §4.4)."""
     return math.expm1(min(alpha * mean_kld_last_step, 700.0))
 
 
 def predict_sl(wvir_value: float, sf: float, sl_min: int, sl_max: int) -> int:
-    """Spec 4.5: WVIR*SF <= 1 -> ceil((SL_max - SL_min)(1 - WVIR*SF) + SL_min); else SL_min (fallback).
+    """docs/algorithms.md §4.4: WVIR*SF <= 1 -> ceil((SL_max - SL_min)(1 - WVIR*SF) + SL_min); else SL_min (fallback).
 
     The result is clamped to [sl_min, sl_max] (guards against a slightly negative SF from rounding).
     """
@@ -180,7 +180,7 @@ def predict_sl(wvir_value: float, sf: float, sl_min: int, sl_max: int) -> int:
 
 
 def calibrate(a_max: int, mu: float, m_max: float, cfg: DSDEConfig) -> tuple[int, int]:
-    """End of warm-up (spec 4.6): SL_max = round(A_max (1 + c mu / (M + 1e-8))) clamped to
+    """End of warm-up (docs/algorithms.md §4.5): SL_max = round(A_max (1 + c mu / (M + 1e-8))) clamped to
     [cfg.sl_min, sl_hard_max]; SL_min per `cfg.sl_min_rule`. Returns (sl_min, sl_max).
 
     `round` is Python's (half to even), as in the reference code.
@@ -193,7 +193,7 @@ def calibrate(a_max: int, mu: float, m_max: float, cfg: DSDEConfig) -> tuple[int
 
 
 def sl_cap(sls: Sequence[int], post_warmup: Sequence[bool]) -> int | None:
-    """SL_cap = ceil(mean of SL_i over the post-warm-up sequences); None when there is none (spec 4.7)."""
+    """SL_cap = ceil(mean of SL_i over the post-warm-up sequences); None when there is none (docs/algorithms.md §5)."""
     if len(sls) != len(post_warmup):
         raise ValueError("sls and post_warmup differ in length")
     vals = [s for s, post in zip(sls, post_warmup, strict=True) if post]
@@ -212,7 +212,7 @@ def apply_cap(sls: Sequence[int], cap: int | None, warmup_flags: Sequence[bool],
 
 
 def verified_positions(num_drafted: int, num_accepted: int) -> int:
-    """Positions verified on a chain (spec 4.1): the accepted ones plus the first rejected one, if any."""
+    """Positions verified on a chain (docs/algorithms.md §6): the accepted ones plus the first rejected one, if any."""
     return min(num_drafted, num_accepted + 1)
 
 
@@ -232,8 +232,8 @@ def _check_counts(num_drafted: int, num_accepted: int) -> None:
 class SequenceDSDE:
     """DSDE state of one sequence.
 
-    Warm-up (spec 4.6): SL starts at sl_init and doubles (up to sl_hard_max) after every step in which all
-    drafted tokens were accepted (num_drafted > 0 and num_accepted == num_drafted); otherwise it stays.
+    Warm-up (docs/algorithms.md §4.5): SL starts at sl_init and doubles (up to sl_hard_max) after every step in which
+    all drafted tokens were accepted (num_drafted > 0 and num_accepted == num_drafted); otherwise it stays.
     Warm-up lasts for the first n_long *verified positions* (accepted + the first rejected, see
     `verified_positions`), counted over steps, independent of how many KLD values the caller records.
     During warm-up it tracks A_max (most tokens accepted in one step) and the mean mu and max M of the
@@ -435,7 +435,7 @@ class StaticPolicy:
 
 
 class DSDEPolicy:
-    """DSDE: SL_i per sequence from its KLD history, then SL_cap over the lock-step batch (spec 4.7)."""
+    """DSDE: SL_i per sequence from its KLD history, then SL_cap over the lock-step batch (docs/algorithms.md §5)."""
 
     def __init__(self, cfg: DSDEConfig | None = None) -> None:
         self.cfg = cfg if cfg is not None else DSDEConfig()

@@ -1,14 +1,14 @@
-"""KL-divergence signal for DSDE (docs/algorithms.md, section 4.1).
+"""KL-divergence signal for DSDE (docs/algorithms.md §4.1).
 
 KLD_j = sum_v p_j(v) (log p_j(v) - log q_j(v)), p = target, q = draft, both softmaxed at temperature 1
 (the signal measures draft/target disagreement, not the sampling setting) and both clamped at >= 1e-8.
 
 Across actors the draft ships q sparsely: its top-K temperature-1 probabilities, NOT renormalised, so the
 receiver knows the leftover mass 1 - sum(top-K) and spreads it uniformly over the other V - K tokens.
-(Verification uses the renormalised top-K distribution q_K, section 1.1; the receiver renormalises the
+(Verification uses the renormalised top-K distribution q_K, docs/algorithms.md §1.1; the receiver renormalises the
 same shipped numbers for that.)
 
-How the leftover mass is modelled is `SparseTail`: `uniform` is the spec's rule; `lumped` treats all
+How the leftover mass is modelled is `SparseTail`: `uniform` is the paper's rule; `lumped` treats all
 non-top-K tokens as one outcome (KL over the partition {each top-K token, "the rest"}), which by the data
 processing inequality is a lower bound on the exact KLD, is exactly 0 when p = q, and on draft-like pairs
 (p = q + noise) is far closer to the exact value (see tests/test_policy.py for the measured errors).
@@ -30,7 +30,7 @@ PROB_FLOOR = 1e-8
 class SparseTail(str, Enum):
     """How `kld_sparse` models q outside the shipped top-K."""
 
-    uniform = "uniform"  # spec 4.1: leftover mass spread uniformly over the other V - K tokens
+    uniform = "uniform"  # docs/algorithms.md §4.1: leftover mass spread uniformly over the other V - K tokens
     lumped = "lumped"  # leftover mass as one outcome against p's mass outside the top-K (lower bound)
 
 
