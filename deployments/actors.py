@@ -16,13 +16,16 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.config import AppArgs, ModelRecipe, WorkerRole
+from deployments.app_args import AppArgs, ModelRecipe, WorkerRole
+from specserve.build import local_draft_worker
+from specserve.config import HeadSpec
+from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
-from specserve.models.loader import load_model
+from specserve.models.loader import load_draft, load_model
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
-from specserve.protocol import Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.sampling import SamplingParams
-from specserve.workers import DraftWorker, TargetWorker
+from specserve.spec_decode.eagle_head import EagleHead
+from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
 
 ACTOR_NAMESPACE = "specserve"  # where worker actors are named (``ray.get_actor(name, namespace=ACTOR_NAMESPACE)``)
 
@@ -34,6 +37,7 @@ class ModelInfo:
     vocab_size: int
     max_positions: int
     eos_token_ids: frozenset[int]
+    features: FeatureRequest | None = None  # a draft head: the target hidden states it reads
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class WorkerState:
     kv_slots_in_use: int
 
 
-def build_model(recipe: ModelRecipe, device: str) -> LlamaModel:
+def build_model(recipe: ModelRecipe, device: str) -> LlamaModel | EagleHead:
     if recipe.tiny is not None:
         target = tiny_model(tiny_config(), seed=recipe.tiny.seed)
         model = (
@@ -58,6 +62,9 @@ def build_model(recipe: ModelRecipe, device: str) -> LlamaModel:
         )
         return model.to(device)
     assert recipe.spec is not None
+    if isinstance(recipe.spec, HeadSpec):
+        assert recipe.head_target is not None
+        return load_draft(recipe.spec, load_model(recipe.head_target, device=device), device=device)
     return load_model(recipe.spec, device=device)
 
 
@@ -68,9 +75,12 @@ class _WorkerHost:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.model = build_model(recipe, device)
-        self.worker: TargetWorker | DraftWorker | None = None
+        self.worker: TargetWorker | DraftWorker | HeadDraftWorker | None = None
 
     def info(self) -> ModelInfo:
+        if isinstance(self.model, EagleHead):
+            features = HeadDraftWorker(self.model, num_slots=1, max_len=1).features
+            return ModelInfo(self.model.cfg.vocab_size, self.model.max_positions, frozenset(), features)
         eos = self.model.hf_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         return ModelInfo(self.model.cfg.vocab_size, self.model.max_positions, frozenset(eos_ids))
@@ -82,10 +92,10 @@ class _WorkerHost:
         self._worker().release(seq_ids)
 
     def state(self) -> WorkerState:
-        slots = 0 if self.worker is None else len(self.worker.table.slots)
+        slots = 0 if self.worker is None else len(self.worker.cache.in_use())
         return WorkerState(ray.get_runtime_context().get_node_id(), slots)
 
-    def _worker(self) -> TargetWorker | DraftWorker:
+    def _worker(self) -> TargetWorker | DraftWorker | HeadDraftWorker:
         if self.worker is None:
             raise RuntimeError("the worker is not started: call start(geometry) first")
         return self.worker
@@ -93,6 +103,7 @@ class _WorkerHost:
 
 class TargetActor(_WorkerHost):
     def start(self, geometry: KVGeometry) -> None:
+        assert isinstance(self.model, LlamaModel)
         self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
@@ -103,11 +114,11 @@ class TargetActor(_WorkerHost):
 
 class DraftActor(_WorkerHost):
     def start(self, geometry: KVGeometry) -> None:
-        self.worker = DraftWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
+        self.worker = local_draft_worker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
 
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         worker = self._worker()
-        assert isinstance(worker, DraftWorker)
+        assert isinstance(worker, DraftWorker | HeadDraftWorker)
         return worker.propose(items)
 
 

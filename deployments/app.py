@@ -6,7 +6,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from deployments.config import AppArgs
+from deployments.app_args import AppArgs
 from deployments.router import Router
 
 CONTROL_REQUEST_HEADROOM = 16  # /health, /metrics and /debug requests beyond the generation capacity

@@ -17,18 +17,17 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import cast
 
 import ray
 from pydantic import BaseModel
 from ray.exceptions import RayActorError
 
-from deployments.actors import ACTOR_NAMESPACE, KVGeometry, RemoteWorker, WorkerFactory
-from deployments.config import WorkerRole
-from specserve.api.errors import WorkerFailedError
+from deployments.actors import ACTOR_NAMESPACE, KVGeometry, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
+from deployments.app_args import WorkerRole
+from specserve.api.error_bodies import WorkerFailedError
 from specserve.api.metrics import ServeMetrics
-from specserve.scheduler import Request, RequestOutput, StepLoop
-from specserve.workers import DraftWorker, TargetWorker
+from specserve.sequence import Request, RequestOutput
+from specserve.step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +118,7 @@ class Lane:
         self,
         index: int,
         loop: StepLoop,
+        workers: dict[WorkerRole, RemoteWorker],
         factory: WorkerFactory,
         geometry: KVGeometry,
         *,
@@ -133,10 +133,7 @@ class Lane:
         self.metrics = metrics
         self.max_worker_restarts = max_worker_restarts
         self.step_delay_s = step_delay_s
-        self.workers: dict[WorkerRole, RemoteWorker] = {
-            WorkerRole.target: cast(RemoteWorker, loop.target),
-            **({} if loop.draft is None else {WorkerRole.draft: cast(RemoteWorker, loop.draft)}),
-        }
+        self.workers = dict(workers)  # the proxies the loop drives (replaced in both on a restart)
         self.generations = dict.fromkeys(self.workers, 0)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: set[str] = set()  # submitted and not yet finished or aborted (added on submit, else lane thread)
@@ -266,7 +263,7 @@ class Lane:
         if outputs:  # the loop recorded this step
             self.metrics.lane_step(
                 self.index,
-                self.loop.metrics[-1],
+                self.loop.stats.metrics[-1],
                 running=len(self.loop.running),
                 waiting=len(self.loop.waiting),
                 step_s=step_s,
@@ -296,10 +293,10 @@ class Lane:
         worker = self.factory.create(self.index, role, self.generations[role])
         worker.start(self.geometry)
         self.workers[role] = worker
-        if role == WorkerRole.target:
-            self.loop.target = cast(TargetWorker, worker)
-        else:
-            self.loop.draft = cast(DraftWorker, worker)
+        if isinstance(worker, RemoteTarget):
+            self.loop.target = worker
+        elif isinstance(worker, RemoteDraft):
+            self.loop.draft = worker
         self.metrics.worker_restarted(self.index, role.value)
 
     def _fail_all(self, reason: str) -> None:

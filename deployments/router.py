@@ -15,20 +15,20 @@ from ray import serve
 from ray.util import get_current_placement_group
 from transformers import PreTrainedTokenizerBase
 
-from deployments.actors import KVGeometry, ModelInfo, RemoteWorker, WorkerFactory
-from deployments.config import AppArgs, WorkerRole
+from deployments.actors import KVGeometry, ModelInfo, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
+from deployments.app_args import AppArgs, WorkerRole
 from deployments.lane import Lane, LaneDebug, LaneStream
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.api.errors import OverloadedError, WorkerFailedError
+from specserve.api.error_bodies import OverloadedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
-from specserve.api.protocol import Health, HealthStatus
+from specserve.api.schemas import Health, HealthStatus
 from specserve.api.server import build_api
-from specserve.config import SpecConfig, SpecMethod
-from specserve.guard import ThroughputGuard
+from specserve.build import build_step_loop, eos_ids_of
+from specserve.config import ModelSpec, SpecConfig, SpecMethod
 from specserve.limits import ContextLimits, context_limits
 from specserve.models.loader import load_tokenizer
 from specserve.prompts import PromptEncoder
-from specserve.scheduler import Request, StepLoop
+from specserve.sequence import Request
 
 
 class RouterDebug(BaseModel):
@@ -66,27 +66,19 @@ class Router:
         geometry = KVGeometry(args.max_batch_size, limits.kv_len)
         self._max_model_len = limits.max_model_len
         self._encoder = PromptEncoder(self.tokenizer, target_info.vocab_size)
-        eos = set(target_info.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        eos = eos_ids_of(list(target_info.eos_token_ids), self.tokenizer)
         for i, lane_workers in enumerate(workers):
             for worker in lane_workers.values():
                 worker.start(geometry)
-            loop = StepLoop(
-                lane_workers[WorkerRole.target],  # type: ignore[arg-type]
-                lane_workers.get(WorkerRole.draft),  # type: ignore[arg-type]
-                speculation=args.speculation,
-                spec_headroom=limits.spec_headroom,
-                tokenizer=self.tokenizer,
-                eos_token_ids=eos,
-                max_batch_size=args.max_batch_size,
-                max_model_len=limits.max_model_len,
-                max_step_tokens=args.max_step_tokens,
-                guard=ThroughputGuard() if args.throughput_guard else None,
-            )
+            target = lane_workers[WorkerRole.target]
+            draft = lane_workers.get(WorkerRole.draft)
+            assert isinstance(target, RemoteTarget) and (draft is None or isinstance(draft, RemoteDraft))
+            features = None if draft_info is None else draft_info.features
+            loop = build_step_loop(target, draft, args, limits, self.tokenizer, eos, features)
             lane = Lane(
                 i,
                 loop,
+                lane_workers,
                 factory,
                 geometry,
                 metrics=self._metrics,
@@ -102,7 +94,7 @@ class Router:
         if self.args.tiny is not None:
             return tiny_tokenizer()
         recipe = self.args.recipe(WorkerRole.target)
-        assert recipe is not None and recipe.spec is not None
+        assert recipe is not None and isinstance(recipe.spec, ModelSpec)
         return load_tokenizer(recipe.spec)
 
     @staticmethod

@@ -15,8 +15,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specserve.bench.prompts import BenchPrompt, mt_bench_prompts
+from specserve.bench.prompt_sets import BenchPrompt, mt_bench_prompts
 from specserve.bench.stats import tpot
+from specserve.config import SLPolicyKind
 
 ALLOW_REMOTE_ENV = "SPECSERVE_ALLOW_REMOTE"
 DONE_SENTINEL = "[DONE]"
@@ -187,15 +188,6 @@ def check_loopback(url: str | None, *, allow_remote: bool | None = None) -> str:
     return url
 
 
-class SpecPolicyOverride(str, Enum):
-    """Per-request ``speculation`` extension; ``server`` sends none (the deployment's default applies)."""
-
-    server = "server"
-    none = "none"
-    static = "static"
-    dsde = "dsde"
-
-
 class LoadSettings(BaseModel):
     """What each simulated user sends. ``from_env`` reads SPECSERVE_<FIELD> (upper case) variables."""
 
@@ -207,7 +199,8 @@ class LoadSettings(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0)
     ignore_eos: bool = True  # fixed output lengths make runs comparable
     model: str | None = None  # None: the first id of GET /v1/models
-    policy: SpecPolicyOverride = SpecPolicyOverride.server
+    speculate: bool = True  # False: ask for plain decoding
+    policy: SLPolicyKind | None = None  # None: the deployment's default SL policy
     record_itl: bool = True
     seed: int = 0
     timeout_s: float = Field(default=300.0, gt=0.0)
@@ -225,6 +218,7 @@ class LoadSettings(BaseModel):
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> LoadSettings:
+        """SPECSERVE_POLICY takes ``static`` / ``dsde``, ``none`` (plain decoding) or ``server`` (the default)."""
         env = dict(os.environ) if env is None else env
         values: dict[str, Any] = {}
         for name in cls.model_fields:
@@ -232,6 +226,10 @@ class LoadSettings(BaseModel):
             if raw is None or raw == "":
                 continue
             values[name] = cls.parse_categories(raw) if name == "categories" else raw
+        if values.get("policy") == "none":
+            values["policy"], values["speculate"] = None, False
+        elif values.get("policy") == "server":
+            values["policy"] = None
         return cls.model_validate(values)
 
     def prompt_pool(self) -> dict[str, list[BenchPrompt]]:
@@ -255,6 +253,8 @@ class LoadSettings(BaseModel):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.policy != SpecPolicyOverride.server:
+        if not self.speculate:
+            body["speculation"] = {"enabled": False}
+        elif self.policy is not None:
             body["speculation"] = {"policy": self.policy.value}
         return body

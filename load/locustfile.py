@@ -24,7 +24,7 @@ from locust import HttpUser, events, task
 from locust.env import Environment
 
 from load.client import LoadSettings, RemoteHostError, StreamStats, check_loopback, parse_sse_line
-from specserve.bench.prompts import BenchPrompt
+from specserve.bench.prompt_sets import BenchPrompt
 
 DEFAULT_HOST = "http://127.0.0.1:8000"
 CHAT_PATH = "/v1/chat/completions"

@@ -1,7 +1,8 @@
 """Discrete-event simulation of ONE lane (one lock-step draft batch) at batch sizes past this machine.
 
-Each step runs the real policy code (``specserve.policy``: StaticPolicy, or DSDEPolicy = SequenceDSDE per sequence
-then sl_cap / apply_cap over the batch), replays each sequence's acceptance and KLD outcomes from a recorded
+Each step runs the serving planner (``specserve.policy.planner.SLPlanner``: SequenceDSDE per sequence or the
+static depth, then SL_cap over the batch and max_sl, as the step loop calls it), replays each sequence's
+acceptance and KLD outcomes from a recorded
 sequence (``load.traces.SeqTrace``, one whole recorded sequence per simulated one), and advances the clock by a
 device cost model: all rows draft in lock-step, so the draft takes one forward per level over the rows still
 drafting; the verify is one forward over all tokens; plus host overhead.
@@ -58,8 +59,9 @@ from specserve.bench.stats import (
 )
 from specserve.config import SLPolicyKind, SpecConfig
 from specserve.models.llama import LlamaModel
-from specserve.policy import DSDEPolicy, SLPolicy, SLState, StaticPolicy
-from specserve.scheduler import idle_fraction
+from specserve.policy import SequenceDSDE, verified_positions
+from specserve.policy.planner import SLPlanner
+from specserve.step_events import idle_fraction
 
 # ─────────────────────────── workload and settings ───────────────────────────
 
@@ -172,7 +174,8 @@ def tree_nodes(depth: int, width: int, budget: int) -> int:
 @dataclass
 class _Seq:
     req: SimRequest
-    state: SLState | None
+    spec: SpecConfig
+    sl_state: SequenceDSDE | None  # None: static SL
     cursor: int = 0
     emitted: int = 0
     fed: int = 0  # tokens the next step feeds (the prompt first)
@@ -188,7 +191,7 @@ class _Seq:
         a = 0
         while a < depth and acc[(self.cursor + a) % n]:
             a += 1
-        verified = min(a + 1, depth)
+        verified = verified_positions(depth, a)
         kld = [klds[(self.cursor + i) % n] for i in range(verified)]
         self.cursor += verified
         return a, kld
@@ -244,16 +247,12 @@ class SimResult:
         }
 
 
-def _policy(cfg: SimConfig) -> SLPolicy | None:
-    if cfg.policy == PolicyName.plain:
-        return None
-    if cfg.spec.policy == SLPolicyKind.static:
-        return StaticPolicy(cfg.spec.static_depth)  # a chain's SL, DDD's maximum depth n
-    return DSDEPolicy(cfg.spec.dsde)
+def _sl_state(cfg: SimConfig) -> SequenceDSDE | None:
+    return SequenceDSDE(cfg.spec.dsde) if cfg.spec.policy == SLPolicyKind.dsde else None
 
 
 def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) -> SimResult:
-    policy = _policy(cfg)
+    planner = None if cfg.policy == PolicyName.plain else SLPlanner(cfg.spec.dsde)
     tree = cfg.policy.is_tree
     width = cfg.spec.beam_width if tree else 1
     arrivals = [(r.arrival, i, r) for i, r in enumerate(requests)]
@@ -270,18 +269,18 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
     while arrivals or waiting or running:
         while arrivals and arrivals[0][0] <= t:
             _, _, r = heapq.heappop(arrivals)
-            waiting.append(_Seq(r, None if policy is None else policy.new_sequence(), fed=r.prompt_len))
+            waiting.append(_Seq(r, cfg.spec, _sl_state(cfg), fed=r.prompt_len))
         while waiting and len(running) < cfg.batch_size:
             running.append(waiting.pop(0))
         if not running:
             t = arrivals[0][0]
             continue
-        # plan: the real policy code (SL_i per sequence, then SL_cap over the lock-step batch)
-        if policy is None:
+        # plan: the serving planner (SL_i per sequence, SL_cap over the lock-step batch, max_sl)
+        if planner is None:
             planned, uncapped, cap = [0] * len(running), [], None
         else:
-            plan = policy.plan([s.state for s in running])  # type: ignore[misc]
-            planned, uncapped, cap = [cfg.spec.depth_for(sl) for sl in plan.sls], plan.uncapped, plan.cap
+            plan = planner.plan(running)
+            planned, uncapped, cap = plan.depths, plan.uncapped, plan.cap
         extra_fed = sum(s.fed - 1 for s, d in zip(running, planned, strict=True) if d > 0)
         verify_tokens = emitted_step = 0
         emits: list[int] = []
@@ -295,8 +294,8 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
             else:
                 a, kld = s.outcome(d)
                 depth = nodes = d
-            if depth > 0 and policy is not None and s.state is not None:
-                policy.observe(s.state, kld, depth, a)
+            if depth > 0 and s.sl_state is not None:
+                s.sl_state.observe(kld, depth, a)
             n = min(a + 1, s.req.max_tokens - s.emitted)
             emits.append(n)
             depths.append(depth)

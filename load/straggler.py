@@ -32,9 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from load.client import StreamStats, check_loopback, parse_sse_line
 from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
-from specserve.bench.batch import run_one
+from specserve.bench.batch_sweep import run_one
 from specserve.bench.policies import CAP_LABELS, STUDY_POLICIES, PolicyName, policy_specs
-from specserve.bench.prompts import mt_bench_prompts
+from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import (
     SWEEP_COLS,
     TTFT_TPOT_COLS,
@@ -50,6 +50,7 @@ from specserve.bench.stats import (
 from specserve.config import MODEL_PAIRS, SpecConfig
 from specserve.engine import Engine
 from specserve.models.llama import LlamaModel
+from specserve.spec_decode.eagle_head import EagleHead
 
 TINY_PAIR = "tiny"
 TINY_BYTE_OFFSET = 3  # the tiny byte-level tokenizer's ids 3..258 are the 256 bytes (deployments/tiny_tokenizer.py)
@@ -111,7 +112,7 @@ class StudyConfig(BaseModel):
 @dataclass
 class Models:
     target: LlamaModel
-    draft: LlamaModel
+    draft: LlamaModel | EagleHead
     tokenizer: Any  # a PreTrainedTokenizerBase, or None for the tiny pair (prompts are byte ids)
     encode: Callable[[str], list[int]]
 
@@ -128,10 +129,11 @@ def load_models(cfg: StudyConfig) -> Models:
             None,
             lambda text: [TINY_BYTE_OFFSET + b % (vocab - TINY_BYTE_OFFSET) for b in text.encode()],
         )
-    from specserve.models.loader import load_model, load_tokenizer
+    from specserve.models.loader import load_draft, load_model, load_tokenizer
 
     target_spec, draft_spec = MODEL_PAIRS[cfg.pair]
-    target, draft = load_model(target_spec), load_model(draft_spec)
+    target = load_model(target_spec)
+    draft = load_draft(draft_spec, target)
     tok = load_tokenizer(target_spec)
     encoder = Engine(target, tok, max_batch_size=1)
     return Models(target, draft, tok, lambda text: encoder.encode(text, chat=True))

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,8 +20,10 @@ from specserve.bench.policies import PolicyName
 from specserve.bench.stats import tpot
 from specserve.config import SpecConfig
 from specserve.engine import Engine
-from specserve.protocol import VerifyItem, VerifyOutput
-from specserve.scheduler import Request, RequestOutput, StepLoop, idle_fraction
+from specserve.policy import verified_positions
+from specserve.sequence import Request
+from specserve.sequence import Sequence as LoopSequence
+from specserve.step_events import StepEvent, idle_fraction
 
 
 class WorkloadKind(str, Enum):
@@ -106,7 +106,7 @@ class RunTrace(BaseModel):
 
 
 def mean_idle(steps: Sequence[StepTrace]) -> float:
-    """Mean straggler idle fraction over the drafting steps (as ``specserve.bench.batch`` reports it)."""
+    """Mean straggler idle fraction over the drafting steps (as ``specserve.bench.batch_sweep`` reports it)."""
     drafting = [st for st in steps if st.levels > 0]
     return statistics.mean(idle_fraction([s.depth for s in st.seqs]) for st in drafting) if drafting else 0.0
 
@@ -131,22 +131,6 @@ def read_traces(path: Path) -> list[RunTrace]:
 # ─────────────────────────── recording ───────────────────────────
 
 
-class VerifyTap:
-    """A TargetWorker stand-in that remembers the last verify call (items, outputs) and delegates the rest."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.last: list[tuple[VerifyItem, VerifyOutput]] = []
-
-    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
-        outputs = self.inner.verify(items)
-        self.last = list(zip(items, outputs, strict=True))
-        return outputs
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 class _ReqClock:
     __slots__ = ("first", "index", "last", "submitted", "tokens")
 
@@ -163,84 +147,69 @@ class _ReqClock:
 
 
 class StepRecorder:
-    """Wraps a StepLoop: records every step (``StepTrace``) and per-request TTFT/TPOT; delegates the rest.
+    """A step-loop observer: records every step (``StepTrace``) and per-request TTFT/TPOT.
 
-    Install with ``StepRecorder.install(engine)``; ``engine.loop`` is then the recorder.
+    Subscribe with ``StepRecorder.install(engine)`` (it joins ``engine.loop.observers``).
     """
 
-    def __init__(self, loop: StepLoop) -> None:
-        self.inner = loop
-        self.tap = VerifyTap(loop.target)
-        loop.target = self.tap  # type: ignore[assignment]
+    def __init__(self) -> None:
         self.t0: float | None = None
         self.steps: list[StepTrace] = []
-        self.clocks: dict[str, _ReqClock] = {}
+        self.clocks: dict[int, _ReqClock] = {}  # seq_id -> clock
         self.order: list[Request] = []
 
     @classmethod
     def install(cls, engine: Engine) -> StepRecorder:
-        rec = cls(engine.loop)
-        engine.loop = rec  # type: ignore[assignment]
+        rec = cls()
+        engine.loop.observers.append(rec)
         return rec
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    def on_request(self, seq: LoopSequence) -> None:
+        self.t0 = seq.arrived if self.t0 is None else self.t0
+        self.clocks[seq.seq_id] = _ReqClock(len(self.order), seq.arrived)
+        self.order.append(seq.request)
 
-    def add_request(self, request: Request) -> None:
-        now = time.perf_counter()
-        self.t0 = now if self.t0 is None else self.t0
-        self.inner.add_request(request)
-        self.clocks[request.request_id] = _ReqClock(len(self.order), now)
-        self.order.append(request)
-
-    def step(self) -> list[RequestOutput]:
-        loop = self.inner
-        req_of = {s.seq_id: s.request.request_id for s in [*loop.waiting, *loop.running]}
-        self.tap.last = []
-        outputs = loop.step()
-        now = time.perf_counter()
-        for out in outputs:
-            clock = self.clocks[out.request_id]
+    def on_step(self, event: StepEvent) -> None:
+        now = event.ended
+        for seq, out in zip(event.batch, event.outputs, strict=True):
+            clock = self.clocks[seq.seq_id]
             if out.token_ids:
                 clock.first = now if clock.first is None else clock.first
                 clock.last = now
                 clock.tokens += len(out.token_ids)
-        if self.tap.last and loop.metrics:
-            m = loop.metrics[-1]
-            seqs = [
-                SeqStep(
-                    req=self.clocks[req_of[item.seq_id]].index,
-                    fed=len(item.new_tokens),
-                    depth=depth,
-                    planned=planned,
-                    uncapped=uncapped,
-                    drafted=len(item.draft_tokens),
-                    accepted=len(out.accepted),
-                    kld=[float(v) for v in out.kld],
-                )
-                for (item, out), depth, planned, uncapped in zip(
-                    self.tap.last, m.depths, m.planned, m.uncapped, strict=True
-                )
-            ]
-            self.steps.append(
-                StepTrace(
-                    t_end=now - (self.t0 or now),
-                    batch=m.batch_size,
-                    levels=m.levels,
-                    cap=m.cap,
-                    draft_s=m.draft_s,
-                    verify_s=m.verify_s,
-                    overhead_s=m.overhead_s,
-                    emitted=m.emitted,
-                    seqs=seqs,
-                )
+        plan, depths = event.plan, event.depths
+        seqs = [
+            SeqStep(
+                req=self.clocks[seq.seq_id].index,
+                fed=len(item.new_tokens),
+                depth=depths[i],
+                planned=plan.depths[i],
+                uncapped=plan.uncapped[i],
+                drafted=len(item.draft_tokens),
+                accepted=len(out.accepted),
+                kld=[float(v) for v in out.kld],
             )
-        return outputs
+            for i, (seq, item, out) in enumerate(zip(event.batch, event.items, event.verified, strict=True))
+        ]
+        self.steps.append(
+            StepTrace(
+                t_end=now - (self.t0 or now),
+                batch=len(event.batch),
+                levels=max(depths, default=0),
+                cap=plan.cap,
+                draft_s=event.draft_s,
+                verify_s=event.verify_s,
+                overhead_s=event.total_s - event.draft_s - event.verify_s,
+                emitted=event.emitted,
+                seqs=seqs,
+            )
+        )
 
     def request_traces(self, categories: Sequence[str]) -> list[RequestTrace]:
+        by_request = {r.request_id: self.clocks[seq_id] for seq_id, r in zip(self.clocks, self.order, strict=True)}
         out = []
         for req, category in zip(self.order, categories, strict=True):
-            c = self.clocks[req.request_id]
+            c = by_request[req.request_id]
             spec = req.speculation
             out.append(
                 RequestTrace(
@@ -293,7 +262,7 @@ def sequence_traces(run: RunTrace) -> list[SeqTrace]:
         for s in step.seqs:
             if s.drafted == 0:
                 continue
-            verified = min(s.accepted + 1, s.drafted)
+            verified = verified_positions(s.drafted, s.accepted)
             accepts[s.req] += [True] * s.accepted + ([False] if s.accepted < s.drafted else [])
             vals = list(s.kld[:verified]) + [math.nan] * max(0, verified - len(s.kld))
             klds[s.req] += vals

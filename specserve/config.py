@@ -60,6 +60,28 @@ class ModelSpec(BaseModel):
         return SourceKind.hf_dir  # a path that does not exist: loading reports it clearly
 
 
+BUILTIN_HEADS_DIR = Path(__file__).parent / "heads"  # heads shipped with the package: heads/<name>/
+
+
+class HeadSpec(BaseModel):
+    """An EAGLE draft head for the target: a directory (config.json + weights, either published layout) or the
+    name of a head shipped in ``specserve/heads/``. It shares the target's embedding (and EAGLE-1/2 LM head)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    head: str = "smollm2-eagle"
+    dtype: DType = DType.float32  # compute dtype (the shipped weights are bf16)
+
+    def path(self) -> Path:
+        builtin = BUILTIN_HEADS_DIR / self.head
+        if "/" not in self.head and builtin.is_dir():
+            return builtin
+        return Path(self.head).expanduser()
+
+
+DraftSpec = HeadSpec | ModelSpec  # a draft head, or a draft model (a smaller model or a quantised copy)
+
+
 class SpecMethod(str, Enum):
     none = "none"  # plain decoding
     chain = "chain"  # a chain of SL drafted tokens
@@ -124,11 +146,6 @@ class SpecConfig(BaseModel):
     def is_tree(self) -> bool:
         return self.method in (SpecMethod.eagle2, SpecMethod.ddd)
 
-    def depth_for(self, sl: int) -> int:
-        """Draft depth for a policy's SL: the chain length, or min(tree depth / DDD n, SL) for trees."""
-        depth = sl if self.method == SpecMethod.chain else min(self.static_depth, sl)
-        return depth if self.max_sl is None else min(depth, self.max_sl)
-
     @property
     def max_verify_tokens(self) -> int:
         """Tokens one verification appends at most: the root plus the drafted nodes."""
@@ -139,23 +156,30 @@ class SpecConfig(BaseModel):
         return (self.dsde.sl_hard_max if self.policy == SLPolicyKind.dsde else self.sl) + 1
 
 
-class EngineConfig(BaseModel):
-    """An in-process engine: which model, on which device, with what batch and context limits."""
+class LoopConfig(BaseModel):
+    """How one continuous-batching loop runs: the in-process ``EngineConfig`` and the Serve app's ``AppArgs``
+    both extend it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    target: ModelSpec = ModelSpec()
-    draft: ModelSpec | None = None
     speculation: SpecConfig = SpecConfig(method=SpecMethod.none)
-    device: str = "cpu"
     max_batch_size: int = Field(default=16, ge=1, le=1024)
     max_model_len: int = Field(default=2048, ge=16, le=1_048_576)
+    spec_headroom: int = Field(default=64, ge=1, le=1024, description="KV room for one step's drafted tokens")
     max_step_tokens: int | None = Field(
         default=None, ge=1, description="guard: cap on drafted tokens + batch size verified per step (None = off)"
     )
     throughput_guard: bool = Field(
         default=False, description="speculate only at batch sizes where it measured faster than plain decoding"
     )
+
+
+class EngineConfig(LoopConfig):
+    """An in-process engine: which models, on which device, and its loop settings."""
+
+    target: ModelSpec = ModelSpec()
+    draft: DraftSpec | None = None
+    device: str = "cpu"
 
     @model_validator(mode="after")
     def _draft_for_speculation(self) -> EngineConfig:
@@ -176,7 +200,8 @@ def derived_draft(target: ModelSpec, kind: str) -> ModelSpec:
     return target.model_copy(update=variants[kind])
 
 
-MODEL_PAIRS: dict[str, tuple[ModelSpec, ModelSpec]] = {
+MODEL_PAIRS: dict[str, tuple[ModelSpec, DraftSpec]] = {
+    "smollm2-eagle": (ModelSpec(), HeadSpec(head="smollm2-eagle")),
     "smollm2-int8": (ModelSpec(), derived_draft(ModelSpec(), "int8")),
     "smollm2-bf16": (ModelSpec(), derived_draft(ModelSpec(), "bf16")),
     "smollm2-fp16": (ModelSpec(), derived_draft(ModelSpec(), "fp16")),

@@ -9,16 +9,17 @@ from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
-from specserve.config import EngineConfig, SpecConfig, SpecMethod
+from specserve.build import build_step_loop, draft_geometry, eos_ids_of, local_draft_worker
+from specserve.config import EngineConfig, LoopConfig, SpecConfig, SpecMethod
 from specserve.errors import InvalidRequestError
-from specserve.guard import ThroughputGuard
 from specserve.limits import context_limits
 from specserve.models.llama import LlamaModel
-from specserve.models.loader import load_model, load_tokenizer
+from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
-from specserve.scheduler import FinishReason, Request, RequestOutput, RequestStats, StepLoop
-from specserve.workers import DraftWorker, TargetWorker
+from specserve.sequence import FinishReason, Request, RequestOutput, RequestStats
+from specserve.spec_decode.eagle_head import EagleHead
+from specserve.workers import HeadDraftWorker, TargetWorker
 
 Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
 
@@ -39,7 +40,7 @@ class Engine:
         model: LlamaModel,
         tokenizer: PreTrainedTokenizerBase | None,
         *,
-        draft: LlamaModel | None = None,
+        draft: LlamaModel | EagleHead | None = None,
         speculation: SpecConfig | None = None,
         max_batch_size: int = 16,
         max_model_len: int = 2048,
@@ -50,42 +51,36 @@ class Engine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        speculation = speculation or SpecConfig(method=SpecMethod.none)
+        cfg = LoopConfig(
+            speculation=speculation or SpecConfig(method=SpecMethod.none),
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            spec_headroom=spec_headroom,
+            max_step_tokens=max_step_tokens,
+            throughput_guard=throughput_guard,
+        )
+        draft_positions, draft_vocab = draft_geometry(draft)
         limits = context_limits(
             max_model_len=max_model_len,
             spec_headroom=spec_headroom,
-            speculation=speculation,
+            speculation=cfg.speculation,
             target_positions=model.max_positions,
             target_vocab=model.cfg.vocab_size,
-            draft_positions=None if draft is None else draft.max_positions,
-            draft_vocab=None if draft is None else draft.cfg.vocab_size,
+            draft_positions=draft_positions,
+            draft_vocab=draft_vocab,
         )
         self.encoder = PromptEncoder(tokenizer, model.cfg.vocab_size)
-        if eos_token_ids is None:
-            eos = model.hf_config.eos_token_id
-            eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-            if tokenizer is not None and tokenizer.eos_token_id is not None:
-                eos_token_ids.add(tokenizer.eos_token_id)
-        kv_len = limits.kv_len
-        max_model_len, spec_headroom = limits.max_model_len, limits.spec_headroom
-        self.loop = StepLoop(
-            TargetWorker(model, num_slots=max_batch_size, max_len=kv_len),
-            None if draft is None else DraftWorker(draft, num_slots=max_batch_size, max_len=kv_len),
-            speculation=speculation,
-            spec_headroom=spec_headroom,
-            tokenizer=tokenizer,
-            eos_token_ids=eos_token_ids,
-            max_batch_size=max_batch_size,
-            max_model_len=max_model_len,
-            max_step_tokens=max_step_tokens,
-            guard=ThroughputGuard() if throughput_guard else None,
-        )
+        eos = eos_ids_of(model.hf_config.eos_token_id, tokenizer) if eos_token_ids is None else eos_token_ids
+        slots = {"num_slots": max_batch_size, "max_len": limits.kv_len}
+        draft_worker = None if draft is None else local_draft_worker(draft, **slots)
+        features = draft_worker.features if isinstance(draft_worker, HeadDraftWorker) else None
+        self.loop = build_step_loop(TargetWorker(model, **slots), draft_worker, cfg, limits, tokenizer, eos, features)
         self._ids = itertools.count()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         model = load_model(config.target, device=config.device)
-        draft = None if config.draft is None else load_model(config.draft, device=config.device)
+        draft = None if config.draft is None else load_draft(config.draft, model, device=config.device)
         return cls(
             model,
             load_tokenizer(config.target),

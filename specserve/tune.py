@@ -19,6 +19,7 @@ from specserve.config import ChainDraft, SpecConfig, SpecMethod
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.sources import cache_dir
+from specserve.spec_decode.eagle_head import EagleHead
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
@@ -109,7 +110,7 @@ class TuneResult:
 
 def autotune(
     target: LlamaModel,
-    draft: LlamaModel,
+    draft: LlamaModel | EagleHead,
     prompts: Sequence[list[int]],
     spec: SpecConfig,
     *,
@@ -129,10 +130,10 @@ def autotune(
         else spec.model_copy(update={"budget": biggest})
     )
     engine = Engine(target, None, draft=draft, speculation=calib, max_batch_size=1, spec_headroom=biggest + 1)
-    engine.loop.record_steps = True
+    engine.loop.stats.record_steps = True
     engine.generate(list(prompts), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    records = [r for step in engine.loop.step_records for r in step if r.depth > 0]
-    draft_per_step = engine.loop.timing.draft_s / max(1, engine.loop.timing.steps)
+    records = [r for step in engine.loop.stats.records for r in step if r.depth > 0]
+    draft_per_step = engine.loop.stats.timing.draft_s / max(1, engine.loop.stats.timing.steps)
     verify = verify_profile(target, sorted({c + 1 for c in cands} if is_chain else set(cands)))
     rows = []
     for c in cands:

@@ -14,7 +14,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy import DSDEConfig
 from specserve.sampling import SamplingParams
-from specserve.scheduler import idle_fraction
+from specserve.step_events import idle_fraction
 from tests.conftest import greedy_reference
 
 PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7, 1, 2], [300, 301], [11, 12, 13, 14]]
@@ -49,33 +49,33 @@ def test_dsde_output_equals_plain_greedy(target: LlamaModel, spec: SpecConfig, m
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=30))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(target, prompt, 30)
-    assert any(m.cap is not None for m in engine.loop.metrics)  # sequences left warm-up and were capped
+    assert any(m.cap is not None for m in engine.loop.stats.metrics)  # sequences left warm-up and were capped
 
 
 def test_dsde_grows_sl_for_a_perfect_draft_and_shrinks_it_for_a_bad_one(target: LlamaModel) -> None:
     paper = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde)  # n_long 30: 4 + 8 + 16 in warm-up
     perfect = Engine(target, None, draft=target, speculation=paper, eos_token_ids=set())
     perfect.generate(PROMPTS[:1], SamplingParams(max_tokens=60))
-    planned = [m.planned[0] for m in perfect.loop.metrics]
+    planned = [m.planned[0] for m in perfect.loop.stats.metrics]
     assert planned[:3] == [4, 8, 16]  # warm-up doubles after fully accepted steps
     assert max(planned) == 16
     bad = Engine(target, None, draft=noisy_copy(target, 0.3), speculation=DSDE_CHAIN, eos_token_ids=set())
     bad.generate(PROMPTS[:1], SamplingParams(max_tokens=40))
-    planned = [m.planned[0] for m in bad.loop.metrics]
+    planned = [m.planned[0] for m in bad.loop.stats.metrics]
     assert planned[0] == 4 and planned[-1] <= 3  # calibrated down after warm-up (A_max small)
 
 
 def test_sl_cap_is_the_ceiled_mean_of_post_warmup_sls(target: LlamaModel) -> None:
     engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, eos_token_ids=set())
     engine.generate(PROMPTS, SamplingParams(max_tokens=40))
-    capped_steps = [m for m in engine.loop.metrics if m.cap is not None]
+    capped_steps = [m for m in engine.loop.stats.metrics if m.cap is not None]
     assert capped_steps
     for m in capped_steps:
         assert max(m.planned) <= max(m.cap, DSDE_CHAIN.dsde.sl_hard_max)
     no_cap = DSDE_CHAIN.model_copy(update={"dsde": DSDEConfig(n_long=8, n_short=3, cap_enabled=False)})
     engine2 = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=no_cap, eos_token_ids=set())
     engine2.generate(PROMPTS, SamplingParams(max_tokens=40))
-    assert all(m.cap is None for m in engine2.loop.metrics)
+    assert all(m.cap is None for m in engine2.loop.stats.metrics)
 
 
 def test_plan_applies_the_cap_to_post_warmup_sequences_only(target: LlamaModel) -> None:
@@ -92,7 +92,7 @@ def test_plan_applies_the_cap_to_post_warmup_sequences_only(target: LlamaModel) 
     states[0]._sl, states[1]._sl, states[2]._sl = 9, 2, 16
     for seq, st in zip(seqs, states, strict=True):
         seq.sl_state = st
-    plan = engine.loop._plan(seqs)
+    plan = engine.loop.planner.plan(seqs)
     assert plan.uncapped == [9, 2, 16] and plan.cap == math.ceil((9 + 2) / 2) and plan.depths == [6, 2, 16]
 
 
@@ -100,7 +100,7 @@ def test_max_sl_override_and_the_token_guard(target: LlamaModel) -> None:
     spec = SpecConfig(method=SpecMethod.chain, sl=8, max_sl=3)
     engine = Engine(target, None, draft=target, speculation=spec, eos_token_ids=set())
     engine.generate(PROMPTS[:2], SamplingParams(max_tokens=10))
-    assert all(max(m.planned) <= 3 for m in engine.loop.metrics)
+    assert all(max(m.planned) <= 3 for m in engine.loop.stats.metrics)
     guarded = Engine(
         target,
         None,
@@ -110,7 +110,7 @@ def test_max_sl_override_and_the_token_guard(target: LlamaModel) -> None:
         eos_token_ids=set(),
     )
     outs = guarded.generate(PROMPTS[:4], SamplingParams(max_tokens=12))
-    for m in guarded.loop.metrics:
+    for m in guarded.loop.stats.metrics:
         assert sum(m.planned) + m.batch_size <= 10 or sum(m.planned) == 0
     for prompt, out in zip(PROMPTS[:4], outs, strict=True):
         assert out.token_ids == greedy_reference(target, prompt, 12)
@@ -129,7 +129,7 @@ def test_synthetic_acceptance_follows_the_configured_rates(target: LlamaModel) -
     for a, got in rates.items():
         expected = sum(a**k for k in range(1, 7)) / 6
         assert abs(got - expected) < 0.08, (a, got, expected)
-    assert engine.loop.metrics[-1].synthetic
+    assert engine.loop.stats.metrics[-1].synthetic
 
 
 def test_idle_fraction() -> None:
@@ -223,11 +223,11 @@ def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=30))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(target, prompt, 30)
-    guard = engine.loop.guard
+    guard = engine.loop.planner.guard
     assert guard is not None
     full = max(b for b, _ in guard.rates)  # the full batch's bucket ran long enough to measure both modes
     assert (full, True) in guard.rates and (full, False) in guard.rates
-    drafting = [m.levels > 0 for m in engine.loop.metrics]
+    drafting = [m.levels > 0 for m in engine.loop.stats.metrics]
     assert any(drafting) and not all(drafting)
     assert sum(guard.steps.values()) == len(drafting) - 1  # all prompts prefill in step 1: not a decoding rate
 
@@ -247,10 +247,10 @@ class _FixedGuard(ThroughputGuard):
 def test_guard_decision_gates_drafting(target: LlamaModel, answer: bool) -> None:
     """The StepLoop asks the guard every step and drafts only when it says so; output is plain greedy either way."""
     engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, eos_token_ids=set())
-    guard = engine.loop.guard = _FixedGuard(answer)
+    guard = engine.loop.planner.guard = _FixedGuard(answer)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=20))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(target, prompt, 20)
-    steps = list(engine.loop.metrics)
+    steps = list(engine.loop.stats.metrics)
     assert guard.asked == len(steps)
     assert all((m.levels > 0) == answer for m in steps)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from specserve.draft.tree import TreeBuilder, beam_mass, ddd_should_stop
+from specserve.spec_decode.eagle2 import TreeBuilder, beam_mass, ddd_should_stop
 
 
 def logq_rows(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:

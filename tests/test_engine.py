@@ -11,7 +11,7 @@ from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
 from specserve.models.llama import LlamaModel
 from specserve.sampling import SamplingParams, process_logits
-from specserve.scheduler import FinishReason
+from specserve.sequence import FinishReason
 from tests.conftest import greedy_reference
 
 PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7]]

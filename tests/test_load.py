@@ -25,7 +25,6 @@ from load.client import (
     EventKind,
     LoadSettings,
     RemoteHostError,
-    SpecPolicyOverride,
     check_loopback,
     parse_sse_line,
     parse_sse_text,
@@ -64,9 +63,9 @@ from load.traces import (
     tree_sequence_traces,
     write_traces,
 )
-from specserve.bench.batch import run_one
+from specserve.bench.batch_sweep import run_one
 from specserve.bench.policies import PolicyName, policy_specs
-from specserve.config import SpecConfig
+from specserve.config import SLPolicyKind, SpecConfig
 from specserve.engine import Engine
 from specserve.models.tiny import noisy_copy, tiny_model
 
@@ -158,7 +157,7 @@ def test_load_settings_from_env() -> None:
         {"SPECSERVE_CATEGORIES": "coding:3, writing", "SPECSERVE_MAX_TOKENS": "32", "SPECSERVE_POLICY": "dsde"}
     )
     assert s.categories == {"coding": 3.0, "writing": 1.0} and s.max_tokens == 32
-    assert s.policy == SpecPolicyOverride.dsde
+    assert s.policy == SLPolicyKind.dsde
     pool = s.prompt_pool()
     assert set(pool) == {"coding", "writing"} and all(pool.values())
     body = s.body(pool["coding"][0], "tiny")

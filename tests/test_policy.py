@@ -9,19 +9,18 @@ import pydantic
 import pytest
 import torch
 
+from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
 from specserve.policy import (
     DSDEConfig,
-    DSDEPolicy,
     FlatKLD,
     SequenceDSDE,
     ShortWindow,
     SLMinRule,
-    SLPolicy,
     SparseTail,
-    StaticPolicy,
     apply_cap,
     calibrate,
     kld_exact,
+    kld_nodes,
     kld_positions,
     kld_sparse,
     predict_sl,
@@ -31,6 +30,7 @@ from specserve.policy import (
     weighted_variance,
     wvir,
 )
+from specserve.policy.planner import SLPlanner
 
 # ───────────────────────── config ─────────────────────────
 
@@ -209,34 +209,64 @@ class FakeState:
         return self.sl
 
 
-def test_dsde_policy_plan():
+@dataclass
+class Row:
+    spec: SpecConfig
+    sl_state: FakeState | SequenceDSDE | None
+
+
+DSDE_CHAIN = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde)
+
+
+def _dsde_rows(states: list[FakeState], max_sls: list[int | None] | None = None) -> list[Row]:
+    max_sls = max_sls or [None] * len(states)
+    return [Row(DSDE_CHAIN.model_copy(update={"max_sl": m}), s) for s, m in zip(states, max_sls, strict=True)]
+
+
+def test_planner_dsde_cap():
     states = [FakeState(16, True), FakeState(4, False), FakeState(9, False), FakeState(2, False)]
-    plan = DSDEPolicy().plan(states)
-    assert (plan.sls, plan.uncapped, plan.cap) == ([16, 4, 5, 2], [16, 4, 9, 2], 5)
-    plan = DSDEPolicy(DSDEConfig(cap_warmup=True)).plan(states)
-    assert plan.sls == [5, 4, 5, 2]
-    plan = DSDEPolicy(DSDEConfig(cap_enabled=False)).plan(states)
-    assert (plan.sls, plan.cap) == ([16, 4, 9, 2], None)
+    plan = SLPlanner().plan(_dsde_rows(states))
+    assert (plan.depths, plan.uncapped, plan.cap) == ([16, 4, 5, 2], [16, 4, 9, 2], 5)
+    plan = SLPlanner(DSDEConfig(cap_warmup=True)).plan(_dsde_rows(states))
+    assert plan.depths == [5, 4, 5, 2]
+    plan = SLPlanner(DSDEConfig(cap_enabled=False)).plan(_dsde_rows(states))
+    assert (plan.depths, plan.cap) == ([16, 4, 9, 2], None)
     # per-request max_sl applies after the cap, and SL stays >= 1
-    plan = DSDEPolicy().plan(states, [3, None, 0, 8])
-    assert plan.sls == [3, 4, 1, 2]
-    assert DSDEPolicy().plan([]).sls == []
+    plan = SLPlanner().plan(_dsde_rows(states, [3, None, 1, 8]))
+    assert plan.depths == [3, 4, 1, 2]
+    assert SLPlanner().plan([]).depths == []
     # only warm-up sequences: no cap
-    assert DSDEPolicy(DSDEConfig(cap_warmup=True)).plan([FakeState(8, True), FakeState(4, True)]).cap is None
-    with pytest.raises(ValueError):
-        DSDEPolicy().plan(states, [1])
+    warm = [FakeState(8, True), FakeState(4, True)]
+    assert SLPlanner(DSDEConfig(cap_warmup=True)).plan(_dsde_rows(warm)).cap is None
 
 
-def test_static_policy():
-    pol = StaticPolicy(5)
-    assert isinstance(pol, SLPolicy) and isinstance(DSDEPolicy(), SLPolicy)
-    assert not pol.needs_kld and DSDEPolicy().needs_kld
-    states = [pol.new_sequence() for _ in range(3)]
-    pol.observe(states[0], [9.0, 9.0], 2, 0)
-    plan = pol.plan(states, [None, 2, None])
-    assert (plan.sls, plan.uncapped, plan.cap) == ([5, 2, 5], [5, 5, 5], None)
-    with pytest.raises(ValueError):
-        StaticPolicy(0)
+def test_planner_static_and_trees():
+    spec = SpecConfig(method=SpecMethod.chain, sl=5)
+    rows = [Row(spec, None), Row(spec.model_copy(update={"max_sl": 2}), None), Row(spec, None)]
+    plan = SLPlanner().plan(rows)
+    assert (plan.depths, plan.uncapped, plan.cap) == ([5, 2, 5], [5, 5, 5], None)
+    with pytest.raises(pydantic.ValidationError):
+        SpecConfig(sl=0)
+    # trees: the DSDE SL bounds the depth budget, never beyond the method's own depth; plain rows draft nothing
+    ddd = SpecConfig(method=SpecMethod.ddd, policy=SLPolicyKind.dsde, ddd_max_depth=6)
+    rows = [Row(ddd, FakeState(9, True)), Row(ddd, FakeState(3, True)), Row(SpecConfig(method=SpecMethod.none), None)]
+    assert SLPlanner().plan(rows).depths == [6, 3, 0]
+
+
+def test_planner_token_guard():
+    spec = SpecConfig(method=SpecMethod.chain, sl=6)
+    rows = [Row(spec, None), Row(spec.model_copy(update={"sl": 2}), None)]
+    # 2 rows + 8 drafted fit 10; at 7 the longest chain shrinks first
+    assert SLPlanner(max_step_tokens=10).plan(rows).depths == [6, 2]
+    assert SLPlanner(max_step_tokens=7).plan(rows).depths == [3, 2]
+    tree = SpecConfig(method=SpecMethod.eagle2, budget=8)
+    assert SLPlanner(max_step_tokens=9).plan([Row(tree, None), Row(tree, None)]).depths == [0, 6]
+
+
+def test_kld_nodes():
+    assert kld_nodes([3, 7], 9, past_rejection=False) == [0, 3, 7]  # the root and the accepted path
+    assert kld_nodes([], 5, past_rejection=False) == [0]
+    assert kld_nodes([1], 4, past_rejection=True) == [0, 1, 2, 3]
 
 
 def test_kld_positions():
@@ -331,19 +361,18 @@ def test_unstable_history_drops_to_sl_min():
 
 
 def test_dsde_policy_end_to_end_cap():
-    pol = DSDEPolicy()
-    states = [pol.new_sequence() for _ in range(3)]
+    states = [SequenceDSDE(DSDEConfig()) for _ in range(3)]
     # sequence 0 leaves warm-up with a good draft, sequence 1 with a poor one, sequence 2 stays in warm-up
     for _ in range(5):
-        pol.observe(states[0], [0.01] * states[0].next_sl(), states[0].next_sl(), states[0].next_sl())
+        states[0].observe([0.01] * states[0].next_sl(), states[0].next_sl(), states[0].next_sl())
     for _ in range(30):
-        pol.observe(states[1], [1.0], 4, 0)
-    plan = pol.plan(states)
+        states[1].observe([1.0], 4, 0)
+    plan = SLPlanner().plan([Row(DSDE_CHAIN, st) for st in states])
     assert [s.in_warmup for s in states] == [False, False, True]
     hi, lo = plan.uncapped[0], plan.uncapped[1]
     assert hi == 16 and lo == 2
     assert plan.cap == 9  # ceil((16 + 2) / 2)
-    assert plan.sls == [9, 2, 4]
+    assert plan.depths == [9, 2, 4]
 
 
 # ───────────────────────── KLD ─────────────────────────

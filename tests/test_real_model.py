@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.bench.prompts import mt_bench_prompts
+from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.config import MODEL_PAIRS, ChainDraft, ModelSpec, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.models.batch import ForwardBatch

@@ -29,11 +29,11 @@ from ray.serve.schema import ServeDeploySchema
 
 from deployments.actors import ModelInfo
 from deployments.app import app_builder
-from deployments.config import ActorResources, AppArgs, TinyModels, WorkerRole
+from deployments.app_args import ActorResources, AppArgs, TinyModels, WorkerRole
 from deployments.router import lane_limits
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.convert import speculation_for
-from specserve.api.protocol import SpecPolicy, SpeculationOptions
+from specserve.api.schemas import SpeculationOptions
 from specserve.config import ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import UnsupportedModelError
@@ -167,9 +167,9 @@ def test_speculation_options_map_onto_the_default() -> None:
     default = SpecConfig(sl=5)
     assert speculation_for(None, default) is None
     assert speculation_for(SpeculationOptions(), default) is None  # nothing to change
-    for off in (SpeculationOptions(enabled=False), SpeculationOptions(policy=SpecPolicy.none)):
+    for off in (SpeculationOptions(enabled=False), SpeculationOptions.model_validate({"policy": "none"})):
         assert speculation_for(off, default) == SpecConfig(method=SpecMethod.none)
-    dsde = speculation_for(SpeculationOptions(policy=SpecPolicy.dsde, max_sl=3), default)
+    dsde = speculation_for(SpeculationOptions(policy=SLPolicyKind.dsde, max_sl=3), default)
     assert dsde is not None and dsde.policy == SLPolicyKind.dsde and dsde.max_sl == 3 and dsde.sl == 5
     ceiling = default.model_copy(update={"max_sl": 6})
     assert speculation_for(SpeculationOptions(max_sl=9), ceiling) is None  # a request cannot raise the ceiling

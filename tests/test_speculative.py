@@ -8,9 +8,9 @@ import torch
 from specserve.config import ChainDraft, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError, UnsupportedModelError
+from specserve.messages import ProposeItem
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
-from specserve.protocol import ProposeItem
 from specserve.sampling import SamplingParams
 from specserve.workers import DraftWorker
 from tests.conftest import greedy_reference

@@ -10,16 +10,9 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.sampling import SamplingParams, process_logits
-from specserve.verify import (
-    ROOT,
-    DraftTree,
-    VerifyResult,
-    draft_sample_sparse,
-    inverse_cdf_sample,
-    sparse_topk,
-    verify_chain_sampled,
-    verify_tree,
-)
+from specserve.spec_decode.draft_sampling import draft_sample_sparse, sparse_topk
+from specserve.spec_decode.draft_tree import ROOT, DraftTree
+from specserve.spec_decode.verify import VerifyResult, inverse_cdf_sample, verify_chain_sampled, verify_tree
 
 NUM_DRAWS = 100_000
 P_THRESHOLD = 1e-3  # a correct implementation fails one check with probability 1e-3

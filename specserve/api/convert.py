@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from specserve.api.errors import APIError
-from specserve.api.protocol import GenerationRequest, SpecPolicy, SpeculationOptions, SpeculationUsage, Usage
-from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
+from specserve.api.error_bodies import APIError
+from specserve.api.schemas import GenerationRequest, SpeculationOptions, SpeculationUsage, Usage
+from specserve.config import SpecConfig, SpecMethod
 from specserve.sampling import SamplingParams
-from specserve.scheduler import RequestOutput
+from specserve.sequence import RequestOutput
 
 
 def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> SamplingParams:
@@ -38,13 +38,13 @@ def speculation_for(options: SpeculationOptions | None, default: SpecConfig) -> 
     """
     if options is None:
         return None
-    if not options.enabled or options.policy == SpecPolicy.none:
+    if not options.enabled:
         return SpecConfig(method=SpecMethod.none)
     update: dict[str, object] = {}
     if default.method == SpecMethod.none:
         update["method"] = SpecMethod.chain
     if options.policy is not None:
-        update["policy"] = SLPolicyKind(options.policy.value)
+        update["policy"] = options.policy
     if options.max_sl is not None:
         update["max_sl"] = options.max_sl if default.max_sl is None else min(default.max_sl, options.max_sl)
     spec = default.model_copy(update=update)

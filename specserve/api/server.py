@@ -23,9 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from specserve.api.convert import sampling_params_for, speculation_for, usage_for
-from specserve.api.errors import APIError, ModelNotFoundError, OverloadedError, error_body
+from specserve.api.error_bodies import APIError, ModelNotFoundError, OverloadedError, error_body
 from specserve.api.metrics import RequestStatus, ServeMetrics
-from specserve.api.protocol import (
+from specserve.api.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -50,7 +50,7 @@ from specserve.api.protocol import (
 from specserve.config import SpecConfig
 from specserve.errors import InvalidRequestError
 from specserve.prompts import PromptEncoder
-from specserve.scheduler import FinishReason, Request, RequestOutput
+from specserve.sequence import FinishReason, Request, RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_MEDIA_TYPE = "text/event-stream"

@@ -12,7 +12,7 @@ from types import ModuleType
 BENCHMARKS = {  # subcommand -> (module, help)
     "ar": ("specserve.bench.ar", "plain decoding: this runner vs transformers generate"),
     "spec": ("specserve.bench.spec", "speculative methods vs plain decoding vs transformers assisted"),
-    "batch": ("specserve.bench.batch", "policies x batch sizes: throughput, idle fraction, latency"),
+    "batch": ("specserve.bench.batch_sweep", "policies x batch sizes: throughput, idle fraction, latency"),
     "overhead": ("specserve.bench.overhead", "the Ray Serve deployment vs the in-process Engine: tokens/s"),
 }
 

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specserve.bench.prompts import mt_bench_prompts
+from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DType, ModelSpec
 from specserve.engine import Engine

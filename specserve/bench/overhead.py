@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
-from deployments.config import AppArgs, WorkerRole
+from deployments.app_args import AppArgs, WorkerRole
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.bench.prompts import mt_bench_prompts
+from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
-from specserve.config import SpecConfig
+from specserve.config import ModelSpec, SpecConfig
 from specserve.engine import Engine
-from specserve.models.loader import load_model, load_tokenizer
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams
+from specserve.spec_decode.eagle_head import EagleHead
 
 if TYPE_CHECKING:
     import httpx
@@ -64,14 +66,15 @@ def _engine(args: AppArgs) -> Engine:
     tokenizer: PreTrainedTokenizerBase
     target_recipe, draft_recipe = args.recipe(WorkerRole.target), args.recipe(WorkerRole.draft)
     assert target_recipe is not None
+    draft: LlamaModel | EagleHead | None
     if args.tiny is not None:
         target = tiny_model(tiny_config(), seed=args.tiny.seed)
         draft = noisy_copy(target, args.tiny.draft_noise, seed=args.tiny.draft_seed) if draft_recipe else None
         tokenizer = tiny_tokenizer()
     else:
-        assert target_recipe.spec is not None
+        assert isinstance(target_recipe.spec, ModelSpec)
         target = load_model(target_recipe.spec)
-        draft = None if draft_recipe is None or draft_recipe.spec is None else load_model(draft_recipe.spec)
+        draft = None if draft_recipe is None or draft_recipe.spec is None else load_draft(draft_recipe.spec, target)
         tokenizer = load_tokenizer(target_recipe.spec)
     return Engine(
         target,
@@ -94,13 +97,13 @@ def _prompts(args: AppArgs, n: int) -> list[Any]:
 def bench_engine(engine: Engine, prompts: list[Any], max_tokens: int, *, chat: bool) -> tuple[float, int, float]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), chat=chat)  # warm-up
-    steps0, total0 = engine.loop.timing.steps, engine.loop.timing.total_s
+    steps0, total0 = engine.loop.stats.timing.steps, engine.loop.stats.timing.total_s
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, chat=chat)
     seconds = time.perf_counter() - t0
     assert all(len(o.token_ids) == max_tokens for o in outs)
-    steps = engine.loop.timing.steps - steps0
-    return seconds, steps, (engine.loop.timing.total_s - total0) / max(steps, 1)
+    steps = engine.loop.stats.timing.steps - steps0
+    return seconds, steps, (engine.loop.stats.timing.total_s - total0) / max(steps, 1)
 
 
 def _step_seconds(url: str) -> tuple[float, int]:

@@ -1,9 +1,10 @@
-"""`specserve bench spec`: speculative methods vs plain decoding vs transformers assisted generation.
+"""`specserve bench spec`: speculative methods vs plain decoding (and transformers assisted generation).
 
-Batch 1, greedy (T = 0), MT-bench first turns with the chat template, the same number of new tokens for every
-method (EOS ignored), all methods side by side in one process. Reports tau (tokens per target forward, incl.
-the bonus), tokens/s, speedup over plain decoding, draft and verify time per step, and checks that every
-method's output equals plain greedy decoding token for token.
+Batch 1, greedy (T = 0), the first turn of each prompt through the chat template, the same number of new tokens
+for every method (EOS ignored), every method side by side in one process, interleaved prompt by prompt so a
+noisy machine hits all of them alike. Per method: whether its output equals plain greedy decoding token for
+token, tau (tokens per target forward incl. the bonus), mean draft depth, tokens/s and the ratio to plain.
+Drafts: every ``--pairs`` entry that shares the target (an EAGLE head, a quantised copy).
 """
 
 from __future__ import annotations
@@ -11,33 +12,87 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import torch
 
-from specserve.bench.prompts import mt_bench_prompts
+from specserve.bench.machine import cpu_summary
+from specserve.bench.prompt_sets import load_prompts, mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
-from specserve.config import MODEL_PAIRS, ChainDraft, SpecConfig, SpecMethod
-from specserve.engine import Engine
+from specserve.config import MODEL_PAIRS, ChainDraft, HeadSpec, ModelSpec, SpecConfig, SpecMethod
+from specserve.engine import Completion, Engine
+from specserve.errors import InvalidRequestError
 from specserve.models.llama import LlamaModel
-from specserve.models.loader import load_model, load_tokenizer
+from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.sources import resolve
 from specserve.sampling import SamplingParams
+from specserve.spec_decode.eagle_head import EagleHead
 from specserve.tune import autotune
+
+METHODS = ("chain", "eagle2", "ddd")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pair", default="smollm2-bf16", choices=sorted(MODEL_PAIRS))
+    p.add_argument("--prompts", type=Path, default=None, help="JSONL in the MT-bench layout (default: MT-bench)")
+    p.add_argument("--pairs", nargs="+", default=["smollm2-eagle"], choices=sorted(MODEL_PAIRS), help="drafts")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--chain-sl", type=int, nargs="+", default=[2, 4, 6, 8])
-    p.add_argument("--ddd-x", type=float, nargs="+", default=[-0.1, -0.3, -0.6, -1.0], help="DDD threshold sweep")
-    p.add_argument("--beam-width", type=int, default=4)
-    p.add_argument("--budget", type=int, default=0, help="tree verify budget T; 0 = auto-tune on this machine")
-    p.add_argument("--tree-depth", type=int, default=6)
-    p.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
+    p.add_argument("--chain-sl", type=int, nargs="+", default=[4])
+    p.add_argument("--ddd-x", type=float, nargs="+", default=[None], help="DDD threshold(s) x (default: config)")
+    p.add_argument("--beam-width", type=int, default=None, help="EAGLE-2 w (default: SpecConfig)")
+    p.add_argument("--budget", type=int, nargs="+", default=[0], help="tree verify budget(s) T; 0 = auto-tune")
+    p.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 depth D (default: SpecConfig)")
+    p.add_argument("--ddd-max-depth", type=int, default=None, help="DDD n (default: SpecConfig)")
+    p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
     p.add_argument("--out", type=Path, default=Path("bench_out/spec"))
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    draft: str  # the pair whose draft it uses ("" for plain decoding)
+    spec: SpecConfig
+
+
+def _tree_fields(args: argparse.Namespace) -> dict[str, object]:
+    fields = {"beam_width": args.beam_width, "tree_depth": args.tree_depth, "ddd_max_depth": args.ddd_max_depth}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def methods_for(
+    args: argparse.Namespace, pair: str, target: LlamaModel, draft: LlamaModel | EagleHead, prompts: list[list[int]]
+) -> list[Method]:
+    out = []
+    if "chain" in args.methods:
+        for sl in args.chain_sl:
+            spec = SpecConfig(method=SpecMethod.chain, sl=sl, chain_draft=ChainDraft.greedy)
+            out.append(Method(f"chain SL={sl}", pair, spec))
+    tree = SpecConfig(method=SpecMethod.eagle2, **_tree_fields(args))  # type: ignore[arg-type]
+    for budget in args.budget:
+        t = budget
+        if t == 0:
+            tuned = autotune(target, draft, prompts[:3], tree, max_tokens=32)
+            t = tuned.best
+            print(f"{pair}: auto-tuned verify budget T = {t}")
+            for r in tuned.rows:
+                print(
+                    f"  T={r.size:3d} tau={r.tau:.2f} draft={r.draft_s * 1e3:.1f}ms verify={r.verify_s * 1e3:.1f}ms "
+                    f"-> {r.tokens_per_s:.1f} tok/s predicted"
+                )
+        label = f"T={t}" + (" (auto)" if budget == 0 else "")
+        if "eagle2" in args.methods:
+            out.append(Method(f"EAGLE-2 D={tree.tree_depth} {label}", pair, tree.model_copy(update={"budget": t})))
+        if "ddd" in args.methods:
+            for x in args.ddd_x:
+                update: dict[str, object] = {"method": SpecMethod.ddd, "budget": t}
+                if x is not None:
+                    update["ddd_threshold"] = x
+                spec = tree.model_copy(update=update)
+                out.append(Method(f"DDD x={spec.ddd_threshold:g} {label}", pair, spec))
+    return out
 
 
 def _hf_twin(model: LlamaModel, path: Path, int8: bool) -> torch.nn.Module:
@@ -70,112 +125,82 @@ def _assisted(
     return outs, time.perf_counter() - t0
 
 
+def _row(method: Method, outs: list[Completion], secs: float, reference: list[list[int]]) -> dict[str, object]:
+    tokens = [o.token_ids for o in outs]
+    n = sum(len(t) for t in tokens)
+    forwards = sum(o.stats.target_forwards for o in outs)
+    return {
+        "method": method.name,
+        "draft": method.draft or "-",
+        "greedy_equal": sum(a == b for a, b in zip(tokens, reference, strict=True)) / len(tokens),
+        "tau": n / max(1, forwards),
+        "mean_depth": sum(o.stats.depth_sum for o in outs) / max(1, sum(o.stats.draft_steps for o in outs)),
+        "tok_s": n / secs,
+        "ratio": 0.0,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
-    target_spec, draft_spec = MODEL_PAIRS[args.pair]
-    target, draft = load_model(target_spec), load_model(draft_spec)
+    targets = {MODEL_PAIRS[p][0] for p in args.pairs}
+    if len(targets) != 1:
+        raise InvalidRequestError(f"the pairs {args.pairs} do not share one target")
+    target_spec: ModelSpec = targets.pop()
+    target = load_model(target_spec)
     tok = load_tokenizer(target_spec)
-    plain_engine = Engine(target, tok, max_batch_size=1)
-    prompts = [plain_engine.encode(p.text, chat=True) for p in mt_bench_prompts(args.num_prompts)]
+    plain = Engine(target, tok, max_batch_size=1)
+    bench = load_prompts(args.prompts, args.num_prompts) if args.prompts else mt_bench_prompts(args.num_prompts)
+    prompts = [plain.encode(p.text, chat=True) for p in bench]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    tree = {"beam_width": args.beam_width, "tree_depth": args.tree_depth}
-    budget = args.budget
-    if budget == 0:
-        tuned = autotune(target, draft, prompts[:3], SpecConfig(method=SpecMethod.eagle2, **tree), max_tokens=32)
-        budget = tuned.best
-        print("auto-tuned verify budget T =", budget)
-        for r in tuned.rows:
-            print(
-                f"  T={r.size:3d} tau={r.tau:.2f} draft={r.draft_s * 1e3:.1f}ms verify={r.verify_s * 1e3:.1f}ms "
-                f"-> {r.tokens_per_s:.1f} tok/s predicted"
-            )
-    methods: list[tuple[str, SpecConfig]] = [("plain", SpecConfig(method=SpecMethod.none))]
-    methods += [
-        (f"chain SL={sl}", SpecConfig(method=SpecMethod.chain, sl=sl, chain_draft=ChainDraft.greedy))
-        for sl in args.chain_sl
-    ]
-    methods.append(
-        (f"EAGLE-2 D={args.tree_depth} T={budget}", SpecConfig(method=SpecMethod.eagle2, budget=budget, **tree))
-    )
-    methods += [
-        (f"DDD x={x} T={budget}", SpecConfig(method=SpecMethod.ddd, budget=budget, ddd_threshold=x, **tree))
-        for x in args.ddd_x
-    ]
-    engines = [
+    drafts = {pair: load_draft(MODEL_PAIRS[pair][1], target) for pair in args.pairs}
+    methods = [Method("plain", "", SpecConfig(method=SpecMethod.none))]
+    for pair, draft in drafts.items():
+        methods += methods_for(args, pair, target, draft, prompts)
+    engines = [plain] + [
         Engine(
             target,
             tok,
-            draft=draft,
-            speculation=spec,
+            draft=drafts[m.draft],
+            speculation=m.spec,
             max_batch_size=1,
             max_model_len=1024,
-            spec_headroom=max(64, budget),
+            spec_headroom=max(64, m.spec.budget),
         )
-        for _, spec in methods
+        for m in methods[1:]
     ]
     seconds = [0.0] * len(methods)
-    outs: list[list] = [[] for _ in methods]
+    outs: list[list[Completion]] = [[] for _ in methods]
     for i, p in enumerate(prompts):  # interleaved: load changes on a shared machine hit every method alike
         for m, engine in enumerate(engines):
             t0 = time.perf_counter()
             outs[m].append(engine.generate(p, params)[0])
             seconds[m] += time.perf_counter() - t0
-        print(
-            f"prompt {i + 1}/{len(prompts)}: "
-            + "  ".join(
-                f"{name.split()[0]} {sum(len(o.token_ids) for o in outs[m]) / seconds[m]:.1f}"
-                for m, (name, _) in enumerate(methods)
-            ),
-            flush=True,
-        )
-    rows = []
+        rates = [sum(len(o.token_ids) for o in outs[m]) / seconds[m] for m in range(len(methods))]
+        print(f"prompt {i + 1}/{len(prompts)}: " + "  ".join(f"{r:.1f}" for r in rates) + " tok/s", flush=True)
     reference = [o.token_ids for o in outs[0]]
-    for (name, _), engine, method_outs, secs in zip(methods, engines, outs, seconds, strict=True):
-        tokens = [o.token_ids for o in method_outs]
-        n = sum(len(t) for t in tokens)
-        timing = engine.loop.timing
-        forwards = sum(o.stats.target_forwards for o in method_outs)
-        rows.append(
-            {
-                "method": name,
-                "tau": n / forwards,
-                "accept_rate": sum(o.stats.accepted for o in method_outs)
-                / max(1, sum(o.stats.drafted for o in method_outs)),
-                "mean_depth": sum(o.stats.depth_sum for o in method_outs)
-                / max(1, sum(o.stats.draft_steps for o in method_outs)),
-                "tok_s": n / secs,
-                "speedup": 0.0,
-                "draft_ms_step": 1e3 * timing.draft_s / timing.steps,
-                "verify_ms_step": 1e3 * timing.verify_s / timing.steps,
-                "other_ms_step": 1e3 * timing.overhead_s / timing.steps,
-                "greedy_equal": sum(a == b for a, b in zip(tokens, reference, strict=True)) / len(tokens),
-            }
-        )
-    if not args.no_assisted:
-        path = resolve(target_spec)
-        hf_t, hf_d = _hf_twin(target, path, False), _hf_twin(draft, path, draft_spec.int8_dynamic)
-        if draft_spec.int8_dynamic is False:
-            hf_d = hf_d.to(draft_spec.dtype.torch)
-        hf_outs, hf_seconds = _assisted(hf_t, hf_d, prompts, args.max_tokens)
-        n = sum(len(o) for o in hf_outs)
-        rows.append(
-            {
-                "method": "transformers assisted",
-                "tau": float("nan"),
-                "accept_rate": float("nan"),
-                "mean_depth": float("nan"),
-                "tok_s": n / hf_seconds,
-                "speedup": 0.0,
-                "draft_ms_step": float("nan"),
-                "verify_ms_step": float("nan"),
-                "other_ms_step": float("nan"),
-                "greedy_equal": sum(a == b for a, b in zip(hf_outs, reference, strict=True)) / len(hf_outs),
-            }
-        )
-        print(f"{'transformers assisted':28s} {rows[-1]['tok_s']:.1f} tok/s", flush=True)
-    base = rows[0]["tok_s"]
+    rows = [_row(m, o, s, reference) for m, o, s in zip(methods, outs, seconds, strict=True)]
+    if args.assisted:
+        for pair in args.pairs:
+            draft_spec = MODEL_PAIRS[pair][1]
+            if isinstance(draft_spec, HeadSpec):
+                continue  # transformers has no EAGLE heads
+            path = resolve(target_spec)
+            hf_t, hf_d = _hf_twin(target, path, False), _hf_twin(target, path, draft_spec.int8_dynamic)
+            if not draft_spec.int8_dynamic:
+                hf_d = hf_d.to(draft_spec.dtype.torch)
+            hf_outs, hf_seconds = _assisted(hf_t, hf_d, prompts, args.max_tokens)
+            n = sum(len(o) for o in hf_outs)
+            equal = sum(a == b for a, b in zip(hf_outs, reference, strict=True)) / len(hf_outs)
+            nan = float("nan")
+            rows.append(
+                {"method": "transformers assisted", "draft": pair, "greedy_equal": equal, "tau": nan}
+                | {"mean_depth": nan, "tok_s": n / hf_seconds, "ratio": 0.0}
+            )
+    base = float(cast(float, rows[0]["tok_s"]))
     for row in rows:
-        row["speedup"] = row["tok_s"] / base
+        row["ratio"] = float(cast(float, row["tok_s"])) / base
     write_csv(args.out / "spec.csv", rows)
-    print(f"\n{args.pair}, {len(prompts)} MT-bench prompts x {args.max_tokens} new tokens, batch 1, greedy")
+    source = args.prompts or "MT-bench"
+    print(f"\n{len(prompts)} prompts from {source} x {args.max_tokens} new tokens, batch 1, greedy")
+    print(f"CPU: {cpu_summary()}")
     print(markdown_table(rows))
     return 0

@@ -207,14 +207,25 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def final_hidden(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Append the batch's tokens to the cache; the last hidden state after the final norm, [N, hidden] for
-        every new token (packed order): the feature an EAGLE head drafts from."""
+        every new token (packed order): the feature an EAGLE-1/2 head drafts from."""
+        return self.hidden_states(batch, cache)[0]
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, batch: ForwardBatch, cache: KVCache, aux_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final-norm hidden [N, hidden], the inputs of decoder layers ``aux_layers`` concatenated
+        [N, len(aux_layers) * hidden], or None without aux layers): EAGLE-3 fuses the latter."""
         x = self.embed_tokens(batch.tokens)  # [N, hidden]
         cos = self.rope_cos[batch.positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
         sin = self.rope_sin[batch.positions].to(x.dtype).unsqueeze(1)
         use_flash = self.use_flash_attn and flash_attn_available(x.device)
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
+        aux: list[torch.Tensor] = []
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v, strict=True)):
+            if i in aux_layers:
+                aux.append(x)
             x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps), torch.cat(aux, dim=-1) if aux else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, V] from final-norm hidden states [R, hidden]."""

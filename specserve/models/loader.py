@@ -1,4 +1,4 @@
-"""Load a ModelSpec into a ready LlamaModel (dtype, int8 variant) and its tokenizer."""
+"""Load a ModelSpec into a ready LlamaModel (dtype, int8 variant) and its tokenizer; a draft model or head."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from specserve.config import DType, ModelSpec
+from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec
 from specserve.errors import CorruptModelError, ModelSourceError
 from specserve.models.llama import LlamaModel, attach_gemv_copies, quantize_int8_dynamic
 from specserve.models.sources import resolve
+from specserve.spec_decode.eagle_head import EagleHead, load_eagle_head
 
 
 def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_positions: int | None = None) -> LlamaModel:
@@ -45,6 +46,13 @@ def load_model_dir(
     if spec.gemv_copies and model.device.type == "cpu":
         attach_gemv_copies(model)
     return model
+
+
+def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.device = "cpu") -> LlamaModel | EagleHead:
+    """A draft model, or a draft head bound to ``target`` (whose embedding it shares)."""
+    if isinstance(spec, HeadSpec):
+        return load_eagle_head(spec.path(), target, dtype=spec.dtype.torch).to(device)
+    return load_model(spec, device=device)
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:

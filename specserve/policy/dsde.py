@@ -1,11 +1,11 @@
 """DSDE: per-sequence speculation length from KLD stability (docs/algorithms.md §4).
 
-Host-side and pure: no model code, no Ray. The router/scheduler owns one state object per sequence and,
-per step (docs/algorithms.md §4.6, the signal is post-hoc: step t's KLD sets step t+1's SL):
+Host-side and pure: no model code, no Ray. The step loop owns one ``SequenceDSDE`` per sequence and, per step
+(docs/algorithms.md §4.6, the signal is post-hoc: step t's KLD sets step t+1's SL):
 
-    plan = policy.plan(states, max_sls)        # SL_i per sequence, then SL_cap, then per-request max_sl
-    ... draft plan.sls[i] tokens per sequence, verify, compute KLDs for the verified positions ...
-    policy.observe(states[i], klds_i, num_drafted_i, num_accepted_i)   # history -> next SL_i
+    plan = planner.plan(rows)                  # policy/planner.py: SL_i per sequence, SL_cap, max_sl, guards
+    ... draft, verify, compute KLDs at ``kld_nodes`` ...
+    state.observe(klds, num_drafted, num_accepted)   # history -> next SL_i
 
 Every **[choice]** between the paper and the reference code is a `DSDEConfig` field (docs/algorithms.md §4.9);
 `DSDEConfig.reference()` gives the published reference code's variants so both can be measured.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
@@ -216,9 +215,20 @@ def verified_positions(num_drafted: int, num_accepted: int) -> int:
     return min(num_drafted, num_accepted + 1)
 
 
+def kld_nodes(accepted: Sequence[int], num_nodes: int, past_rejection: bool) -> list[int]:
+    """The one rule for where the KLD signal is taken (docs/algorithms.md §6): the tree nodes whose next-token
+    distributions the target verified, i.e. the root and each accepted node (the last of them is where the first
+    rejection, or the bonus, happened); with ``past_rejection`` (the reference code, chains only) every node."""
+    if past_rejection:
+        return list(range(num_nodes))
+    return [0, *accepted]
+
+
 def kld_positions(num_drafted: int, num_accepted: int, record_past_rejection: bool) -> int:
-    """How many leading drafted positions of a chain the caller should compute KLD for."""
-    return num_drafted if record_past_rejection else verified_positions(num_drafted, num_accepted)
+    """How many leading drafted positions of a chain get a KLD: ``kld_nodes`` on a chain, whose draft
+    distributions exist at nodes 0..SL-1 (the last drafted token is never fed back to the draft)."""
+    nodes = kld_nodes(range(1, num_accepted + 1), num_drafted + 1, record_past_rejection)
+    return sum(1 for n in nodes if n < num_drafted)
 
 
 def _check_counts(num_drafted: int, num_accepted: int) -> None:
@@ -335,39 +345,7 @@ class SequenceDSDE:
         )
 
 
-class SequenceStatic:
-    """State of a sequence under a static SL: nothing to learn."""
-
-    __slots__ = ("sl",)
-
-    def __init__(self, sl: int) -> None:
-        self.sl = sl
-
-    @property
-    def in_warmup(self) -> bool:
-        return False
-
-    def next_sl(self) -> int:
-        return self.sl
-
-    def observe(self, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None:
-        _check_counts(num_drafted, num_accepted)
-
-
-# ───────────────────────── policies ─────────────────────────
-
-
-@dataclass(frozen=True)
-class SLPlan:
-    """One step's plan for a batch that drafts in lock-step.
-
-    sls: SL per sequence after the batch cap and the per-request max_sl (each >= 1);
-    uncapped: SL_i per sequence before both; cap: SL_cap (None when not applied / no post-warm-up sequence).
-    """
-
-    sls: list[int]
-    uncapped: list[int]
-    cap: int | None
+# ───────────────────────── what the planner reads ─────────────────────────
 
 
 @runtime_checkable
@@ -376,89 +354,3 @@ class SLState(Protocol):
     def in_warmup(self) -> bool: ...
 
     def next_sl(self) -> int: ...
-
-
-@runtime_checkable
-class SLPolicy(Protocol):
-    """What the scheduler needs from a speculation-length policy."""
-
-    @property
-    def needs_kld(self) -> bool:
-        """Whether observe() uses KLD values (the caller may skip computing them otherwise)."""
-        ...
-
-    @property
-    def record_past_rejection(self) -> bool:
-        """Whether KLD is wanted past the first rejected position too (see `kld_positions`)."""
-        ...
-
-    def new_sequence(self) -> SLState: ...
-
-    def plan(self, states: Sequence[SLState], max_sls: Sequence[int | None] | None = None) -> SLPlan: ...
-
-    def observe(self, state: SLState, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None: ...
-
-
-def _apply_max_sl(sls: list[int], max_sls: Sequence[int | None] | None) -> list[int]:
-    if max_sls is None:
-        return [max(1, s) for s in sls]
-    if len(max_sls) != len(sls):
-        raise ValueError("max_sls and states differ in length")
-    return [max(1, s if m is None else min(s, m)) for s, m in zip(sls, max_sls, strict=True)]
-
-
-class StaticPolicy:
-    """Every sequence drafts `sl` tokens every step."""
-
-    def __init__(self, sl: int) -> None:
-        if sl < 1:
-            raise ValueError(f"static SL must be >= 1, got {sl}")
-        self.sl = sl
-
-    @property
-    def needs_kld(self) -> bool:
-        return False
-
-    @property
-    def record_past_rejection(self) -> bool:
-        return False
-
-    def new_sequence(self) -> SequenceStatic:
-        return SequenceStatic(self.sl)
-
-    def plan(self, states: Sequence[SLState], max_sls: Sequence[int | None] | None = None) -> SLPlan:
-        uncapped = [self.sl] * len(states)
-        return SLPlan(sls=_apply_max_sl(uncapped, max_sls), uncapped=uncapped, cap=None)
-
-    def observe(self, state: SLState, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None:
-        _check_counts(num_drafted, num_accepted)
-
-
-class DSDEPolicy:
-    """DSDE: SL_i per sequence from its KLD history, then SL_cap over the lock-step batch (docs/algorithms.md §5)."""
-
-    def __init__(self, cfg: DSDEConfig | None = None) -> None:
-        self.cfg = cfg if cfg is not None else DSDEConfig()
-
-    @property
-    def needs_kld(self) -> bool:
-        return True
-
-    @property
-    def record_past_rejection(self) -> bool:
-        return self.cfg.record_past_rejection
-
-    def new_sequence(self) -> SequenceDSDE:
-        return SequenceDSDE(self.cfg)
-
-    def plan(self, states: Sequence[SLState], max_sls: Sequence[int | None] | None = None) -> SLPlan:
-        uncapped = [s.next_sl() for s in states]
-        warm = [s.in_warmup for s in states]
-        cap = sl_cap(uncapped, [not w for w in warm]) if self.cfg.cap_enabled else None
-        capped = apply_cap(uncapped, cap, warm, self.cfg.cap_warmup)
-        return SLPlan(sls=_apply_max_sl(capped, max_sls), uncapped=uncapped, cap=cap)
-
-    def observe(self, state: SLState, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None:
-        if not isinstance(state, SequenceDSDE):
-            raise TypeError(f"DSDEPolicy.observe needs a SequenceDSDE, got {type(state).__name__}")
-        state.observe(klds, num_drafted, num_accepted)

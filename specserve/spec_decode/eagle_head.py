@@ -196,6 +196,10 @@ class EagleHead(nn.Module):
         return self.fc.weight.device
 
     @property
+    def max_positions(self) -> int:
+        return int(self.rope_cos.shape[0])
+
+    @property
     def draft_vocab_size(self) -> int:
         return int(self.draft_ids.numel())
 
@@ -427,7 +431,7 @@ def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None
     if trained_for is not None:
         head.trained_for = str(trained_for)
     head = head.to(dtype=dtype or target.dtype)
-    head.eval()
+    head.eval().requires_grad_(False)
     head.bind(target)
     return head
 

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from specserve.verify import ROOT, VerifyResult, inverse_cdf_sample
+from specserve.spec_decode.draft_tree import ROOT
+from specserve.spec_decode.verify import VerifyResult, inverse_cdf_sample
 
 
 def synthetic_verify(

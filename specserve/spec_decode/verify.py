@@ -11,64 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROOT = 0  # node index of the root (the last committed token) in a DraftTree
-
-
-@dataclass(frozen=True)
-class DraftTree:
-    """Drafted tokens as a tree rooted at the last committed token; a chain is the tree with ``parents[j] = j - 1``.
-
-    Node 0 is the root (not a draft); nodes 1..T-1 are drafted tokens, ordered so that ``parents[j] < j``.
-    The root is its own parent (``parents[0] == ROOT``) so that parent lookups never need a sentinel.
-    Children of a node are tried in index order (docs/algorithms.md §1.2).
-    """
-
-    tokens: torch.Tensor  # [T] long
-    parents: torch.Tensor  # [T] long; parents[0] == ROOT, parents[j] < j for j >= 1
-
-    def __post_init__(self) -> None:
-        if self.tokens.ndim != 1 or self.tokens.shape[0] < 1:
-            raise ValueError(f"tokens must have shape [T] with T >= 1, got {tuple(self.tokens.shape)}")
-        if self.parents.shape != self.tokens.shape:
-            raise ValueError(f"parents shape {tuple(self.parents.shape)} != tokens shape {tuple(self.tokens.shape)}")
-        if self.tokens.dtype != torch.long or self.parents.dtype != torch.long:
-            raise ValueError("tokens and parents must be torch.long")
-
-    @classmethod
-    def chain(cls, root_token: int, drafted: list[int] | torch.Tensor) -> DraftTree:
-        drafted_t = torch.as_tensor(drafted, dtype=torch.long).reshape(-1)  # [SL]
-        tokens = torch.cat([drafted_t.new_tensor([root_token]), drafted_t])  # [SL+1]
-        parents = (torch.arange(tokens.shape[0], device=tokens.device) - 1).clamp_min(ROOT)  # [SL+1]
-        return cls(tokens=tokens, parents=parents)
-
-    @property
-    def num_nodes(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def num_drafted(self) -> int:
-        return self.num_nodes - 1
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """[T, T] bool; row j is True at j itself and at all its ancestors, the root included.
-
-        Pointer doubling on the device (no host sync): after k squarings a row covers ancestors up to 2^k levels up.
-        """
-        n = self.num_nodes
-        eye = torch.eye(n, dtype=torch.bool, device=self.parents.device)  # [T, T]
-        parent_hot = torch.nn.functional.one_hot(self.parents, n).bool()  # [T, T]
-        reach = (eye | parent_hot).float()  # [T, T]
-        for _ in range((n - 1).bit_length()):
-            reach = ((reach @ reach) > 0).float()
-        return reach.bool()
-
-    def depths(self) -> torch.Tensor:
-        """[T] long; the root has depth 0."""
-        return self.ancestor_mask().sum(-1) - 1
-
-    def is_chain(self) -> bool:
-        expected = (torch.arange(self.num_nodes, device=self.parents.device) - 1).clamp_min(ROOT)  # [T]
-        return bool(torch.equal(self.parents, expected))  # host sync
+from specserve.spec_decode.draft_tree import ROOT, DraftTree
 
 
 @dataclass(frozen=True)
@@ -189,16 +132,3 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _check_token(token: int, vocab: int, node: int) -> None:
     if not 0 <= token < vocab:
         raise ValueError(f"target distribution at node {node} has no mass (drew {token}, vocabulary {vocab})")
-
-
-def sparse_topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs [N, V] -> (idx [N, K], prob [N, K]): the top-K truncated, renormalised distribution q_K (K = min(k, V)),
-    which is what the draft samples from and ships to the verifier."""
-    values, idx = probs.topk(min(k, probs.shape[-1]), dim=-1)  # [N, K], [N, K]
-    return idx, values / values.sum(-1, keepdim=True)
-
-
-def draft_sample_sparse(idx: torch.Tensor, prob: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """(idx [N, K], prob [N, K]) -> token ids [N] drawn from the sparse distribution."""
-    pos = torch.multinomial(prob, 1, generator=generator)  # [N, 1]
-    return idx.gather(-1, pos).squeeze(-1)

@@ -8,23 +8,29 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-
-class SpecPolicy(str, Enum):
-    none = "none"  # plain decoding
-    static = "static"  # a fixed speculation length
-    dsde = "dsde"  # per-sequence length from KLD stability, capped batch-wide
+from specserve.config import SLPolicyKind
 
 
 class SpeculationOptions(BaseModel):
+    """Per-request speculation: ``policy`` is the SL policy (``static`` or ``dsde``); ``"none"`` is accepted as
+    another way to say ``enabled: false``."""
+
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    policy: SpecPolicy | None = None
+    policy: SLPolicyKind | None = None
     max_sl: int | None = Field(default=None, ge=1, le=64, description="caps the chain length / tree depth")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_none_is_off(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("policy") == "none":
+            return {**data, "policy": None, "enabled": False}
+        return data
 
 
 class StreamOptions(BaseModel):

@@ -35,6 +35,14 @@ class DraftQ:
 
 
 @dataclass(frozen=True)
+class FeatureRequest:
+    """Which target hidden states a draft head reads (docs/algorithms.md §8.3)."""
+
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3: inputs of these decoder layers, concatenated
+    # (None: the final-norm hidden state, EAGLE-1/2)
+
+
+@dataclass(frozen=True)
 class VerifyItem:
     seq_id: int
     new_tokens: list[int]
@@ -42,10 +50,11 @@ class VerifyItem:
     draft_parents: list[int] = field(default_factory=list)  # parent node of each drafted node, 0 = root
     q_idx: list[list[int]] | None = None  # sampled chain only: the draft's top-K ids per drafted token
     q_prob: list[list[float]] | None = None  # ... and their probabilities (the distribution it sampled from)
-    kld: DraftQ | None = None  # the draft's temperature-1 distributions, when the policy needs the KLD signal
+    draft_q: DraftQ | None = None  # the draft's temperature-1 distributions, when the policy needs the KLD signal
     kld_past_rejection: bool = False  # chains: also score drafted positions after the first rejection
     kld_tail: SparseTail = SparseTail.uniform  # how a sparse q's leftover mass is spread
     synthetic_accept: float | None = None  # SYNTHETIC benchmark mode (see SpecConfig.synthetic_accept)
+    features: FeatureRequest | None = None  # return the hidden states of the positions this step caches
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,9 @@ class VerifyOutput:
     seq_id: int
     accepted: list[int]  # accepted drafted nodes (1-based node indices, root excluded), in depth order
     tokens: list[int]  # accepted draft tokens + the correction or bonus token
-    kld: list[float] = field(default_factory=list)  # per verified position, when requested
+    kld: list[float] = field(default_factory=list)  # KL(p || q) per verified position, when draft_q was sent
+    features: torch.Tensor | None = None  # [n, F] hidden states of the positions cached this step, in order
+    # (the pending tokens, the root, the accepted path), when VerifyItem.features asked for them
 
 
 @dataclass(frozen=True)
@@ -61,9 +72,11 @@ class ProposeItem:
     seq_id: int
     new_tokens: list[int]
     accepted: list[int]  # accepted nodes of this worker's previous proposal for the sequence
-    depth: int  # SL: chain length, or the tree's maximum depth (after the batch cap); 0 = no drafting
+    depth: int  # draft levels allowed: the chain's SL, or the tree's depth budget (after SL_cap); >= 1
     spec: SpecConfig = field(default_factory=SpecConfig)  # method and its parameters for this sequence
     kld_mode: KLDMode | None = None  # ship the draft's distributions for the KLD signal (None: not needed)
+    features: torch.Tensor | None = None  # draft heads: [n, F] target hidden states of positions feature_start..
+    feature_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,4 +88,4 @@ class Proposal:
     q_prob: list[list[float]] | None = None
     depth: int = 0  # levels drafted
     ranks: list[int] | None = None  # trees: score rank of each node (for the budget auto-tune)
-    kld: DraftQ | None = None  # when ProposeItem.kld_mode asked for it
+    draft_q: DraftQ | None = None  # when ProposeItem.kld_mode asked for it

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specserve.config import MODEL_PAIRS, KLDMode, ModelSpec, SpecConfig, SpecMethod
+from specserve.config import MODEL_PAIRS, DraftSpec, HeadSpec, KLDMode, LoopConfig, ModelSpec, SpecConfig, SpecMethod
 
 DEFAULT_PAIR = "smollm2-int8"
 TINY_MODEL_NAME = "tiny"
@@ -72,17 +72,20 @@ class ModelRecipe(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     role: WorkerRole
-    spec: ModelSpec | None = None
+    spec: DraftSpec | None = None  # a model, or (draft role) an EAGLE head
+    head_target: ModelSpec | None = None  # the target a head binds to (its embedding and LM head)
     tiny: TinyModels | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelRecipe:
         if (self.spec is None) == (self.tiny is None):
             raise ValueError("a model recipe has either a ModelSpec or tiny settings")
+        if isinstance(self.spec, HeadSpec) and (self.role != WorkerRole.draft or self.head_target is None):
+            raise ValueError("a draft head runs in the draft role and needs its target's ModelSpec")
         return self
 
 
-class AppArgs(BaseModel):
+class AppArgs(LoopConfig):
     """Which models, how speculation runs by default, and how a router replica is laid out.
 
     Models: ``pair`` (a name in MODEL_PAIRS), or ``target`` (+ optional ``draft``) ModelSpecs, or ``tiny``;
@@ -95,20 +98,11 @@ class AppArgs(BaseModel):
 
     pair: str | None = None
     target: ModelSpec | None = None
-    draft: ModelSpec | None = None
+    draft: DraftSpec | None = None
     tiny: TinyModels | None = None
     served_model_name: str | None = None
-    speculation: SpecConfig = SpecConfig()
+    speculation: SpecConfig = SpecConfig()  # the loop settings (LoopConfig) speculate by default here
     num_lanes: int = Field(default=1, ge=1, le=64)
-    max_batch_size: int = Field(default=16, ge=1, le=1024)
-    max_model_len: int = Field(default=2048, ge=16, le=1_048_576)
-    spec_headroom: int = Field(default=64, ge=1, le=1024, description="KV room for one step's drafted tokens")
-    max_step_tokens: int | None = Field(
-        default=None, ge=1, description="guard: cap on drafted tokens + batch size verified per step (None = off)"
-    )
-    throughput_guard: bool = Field(
-        default=False, description="speculate only at batch sizes where it measured faster than plain decoding"
-    )
     max_queued_requests: int = Field(default=64, ge=0)
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")
     router_resources: ActorResources = ActorResources(num_cpus=0.5)
@@ -158,12 +152,13 @@ class AppArgs(BaseModel):
         if self.tiny is not None:
             return ModelRecipe(role=role, tiny=self.tiny)
         if self.target is not None:
-            spec = self.target if role == WorkerRole.target else self.draft
+            target, draft = self.target, self.draft
         else:
             assert self.pair_name is not None
             target, draft = MODEL_PAIRS[self.pair_name]
-            spec = target if role == WorkerRole.target else draft
-        return None if spec is None else ModelRecipe(role=role, spec=spec)
+        spec = target if role == WorkerRole.target else draft
+        head_target = target if isinstance(spec, HeadSpec) else None
+        return None if spec is None else ModelRecipe(role=role, spec=spec, head_target=head_target)
 
     def resources(self, role: WorkerRole) -> ActorResources:
         return self.target_resources if role == WorkerRole.target else self.draft_resources

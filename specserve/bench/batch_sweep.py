@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from specserve.bench.policies import STUDY_POLICIES, PolicyName, policy_specs
-from specserve.bench.prompts import mt_bench_prompts
+from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import (
     SWEEP_COLS,
     add_vs_baseline,
@@ -24,7 +24,7 @@ from specserve.bench.stats import (
 )
 from specserve.config import MODEL_PAIRS, SpecConfig, SpecMethod
 from specserve.engine import Engine
-from specserve.models.loader import load_model, load_tokenizer
+from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.sampling import SamplingParams
 
 WORKLOADS = ("real", "synthetic")
@@ -64,7 +64,7 @@ def policies(args: argparse.Namespace) -> dict[PolicyName, SpecConfig]:
 def run_one(
     engine: Engine, prompts: list[list[int]], lengths: list[int], spec: SpecConfig, accepts: list[float | None]
 ) -> dict[str, float]:
-    engine.loop.metrics.clear()
+    engine.loop.stats.metrics.clear()
     start = time.perf_counter()
     finish: dict[str, float] = {}
     tokens = 0
@@ -79,7 +79,7 @@ def run_one(
             if out.finished:
                 finish[out.request_id] = time.perf_counter() - start
     seconds = time.perf_counter() - start
-    steps = list(engine.loop.metrics)
+    steps = list(engine.loop.stats.metrics)
     drafting = [m for m in steps if m.levels > 0]
     caps = [m.cap for m in steps if m.cap is not None]
     return {
@@ -97,7 +97,8 @@ def run_one(
 
 def run(args: argparse.Namespace) -> int:
     target_spec, draft_spec = MODEL_PAIRS[args.pair]
-    target, draft = load_model(target_spec), load_model(draft_spec)
+    target = load_model(target_spec)
+    draft = load_draft(draft_spec, target)
     tok = load_tokenizer(target_spec)
     rng = random.Random(args.seed)
     pool = mt_bench_prompts()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-from specserve.api.protocol import ErrorCode, ErrorDetail, ErrorResponse, ErrorType
+from specserve.api.schemas import ErrorCode, ErrorDetail, ErrorResponse, ErrorType
 from specserve.errors import SpecServeError
 
 

@@ -1,0 +1,56 @@
+"""Benchmark prompts: MT-bench (80 questions, Apache-2.0, from lm-sys/FastChat; see data/LICENSE.fastchat), or any
+file in its layout (one JSON object per line with ``question_id``, ``category`` and ``turns``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from specserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    question_id: int
+    category: str
+    text: str  # the first turn
+
+
+def mt_bench_prompts(limit: int | None = None, categories: list[str] | None = None) -> list[BenchPrompt]:
+    raw = resources.files("specserve.bench").joinpath("data/mt_bench.jsonl").read_text()
+    out = parse_prompts(raw, "mt_bench.jsonl")
+    if categories:
+        out = [p for p in out if p.category in categories]
+    return out[:limit] if limit is not None else out
+
+
+def load_prompts(path: Path, limit: int | None = None) -> list[BenchPrompt]:
+    """Prompts from a JSONL file in the MT-bench layout (the first turn of each)."""
+    try:
+        raw = Path(path).read_text()
+    except OSError as e:
+        raise InvalidRequestError(f"cannot read the prompts file {path}: {e}") from e
+    out = parse_prompts(raw, str(path))
+    return out[:limit] if limit is not None else out
+
+
+def parse_prompts(raw: str, name: str) -> list[BenchPrompt]:
+    out = []
+    for n, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            turns = r["turns"]
+            if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+                raise ValueError("'turns' must be a non-empty list of strings")
+            out.append(BenchPrompt(int(r["question_id"]), str(r["category"]), turns[0]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidRequestError(
+                f"{name} line {n}: want a JSON object with question_id, category and turns ({e})"
+            ) from e
+    if not out:
+        raise InvalidRequestError(f"{name} holds no prompts")
+    return out

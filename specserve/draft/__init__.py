@@ -1,1 +1,0 @@
-"""Draft-side algorithms: chain proposals, EAGLE-2 dynamic trees and DDD's dynamic depth (no model code)."""

@@ -1,0 +1,92 @@
+"""The one speculation-length planner: per-sequence SL -> SL_cap -> max_sl -> guards (docs/algorithms.md §4, §5).
+
+The step loop and the simulator (``load/simulate.py``) both call ``SLPlanner.plan`` once per step, so what the
+simulator replays is what serving runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from specserve.config import SpecConfig, SpecMethod
+from specserve.guard import ThroughputGuard
+from specserve.policy.dsde import DSDEConfig, SLState, apply_cap, sl_cap
+
+
+class PlanRow(Protocol):
+    """What the planner reads of one sequence: its speculation settings and its DSDE state (None: static SL)."""
+
+    @property
+    def spec(self) -> SpecConfig: ...
+
+    @property
+    def sl_state(self) -> SLState | None: ...
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    depths: list[int]  # draft levels allowed per sequence this step (0 = not drafting)
+    uncapped: list[int]  # the policy's SL_i before SL_cap, max_sl and the guards (static: its depth)
+    cap: int | None  # SL_cap over the lock-step batch (None: no DSDE sequence past warm-up, or the cap is off)
+
+
+class SLPlanner:
+    def __init__(
+        self,
+        dsde: DSDEConfig | None = None,
+        *,
+        guard: ThroughputGuard | None = None,
+        max_step_tokens: int | None = None,
+    ) -> None:
+        self.dsde = dsde or DSDEConfig()  # SL_cap settings for the lock-step batch
+        self.guard = guard  # None: always speculate as planned
+        self.max_step_tokens = max_step_tokens  # drafted tokens + batch size verified per step (None: no limit)
+
+    def plan(self, rows: Sequence[PlanRow]) -> StepPlan:
+        uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
+        sls, cap = self._cap(rows, uncapped)
+        depths = [self._depth(r.spec, sl) for r, sl in zip(rows, sls, strict=True)]
+        return StepPlan(self._guard(rows, depths), uncapped, cap)
+
+    def _cap(self, rows: Sequence[PlanRow], uncapped: list[int]) -> tuple[list[int], int | None]:
+        """SL_cap over the DSDE sequences of the batch (docs/algorithms.md §5)."""
+        sls = list(uncapped)
+        dsde = [i for i, r in enumerate(rows) if r.sl_state is not None]
+        if not dsde:
+            return sls, None
+        warm = [rows[i].sl_state.in_warmup for i in dsde]  # type: ignore[union-attr]
+        own = [uncapped[i] for i in dsde]
+        cap = sl_cap(own, [not w for w in warm]) if self.dsde.cap_enabled else None
+        for i, sl in zip(dsde, apply_cap(own, cap, warm, self.dsde.cap_warmup), strict=True):
+            sls[i] = sl
+        return sls, cap
+
+    @staticmethod
+    def _depth(spec: SpecConfig, sl: int) -> int:
+        """Draft levels for an SL: the chain length, or min(tree depth / DDD n, SL); then the request's max_sl."""
+        if spec.method == SpecMethod.none:
+            return 0
+        depth = sl if spec.method == SpecMethod.chain else min(spec.static_depth, sl)
+        return max(1, depth if spec.max_sl is None else min(depth, spec.max_sl))
+
+    def _guard(self, rows: Sequence[PlanRow], depths: list[int]) -> list[int]:
+        """The throughput guard first: plain decoding where it measured faster at this batch size. Then shrink
+        speculation until drafted tokens + one per sequence fit ``max_step_tokens``: at large batch a CPU
+        forward is compute-bound, and verifying tokens that are likely rejected slows everyone."""
+        if self.guard is not None and any(depths) and not self.guard.speculate(len(rows)):
+            return [0] * len(depths)
+        if self.max_step_tokens is None:
+            return depths
+        depths = list(depths)
+
+        def cost(i: int) -> int:
+            spec = rows[i].spec
+            return 0 if depths[i] == 0 else (spec.budget - 1 if spec.is_tree else depths[i])
+
+        allowance = self.max_step_tokens - len(rows)
+        while sum(cost(i) for i in range(len(rows))) > max(0, allowance):
+            i = max(range(len(rows)), key=cost)
+            depths[i] = depths[i] - 1 if not rows[i].spec.is_tree else 0
+        return depths

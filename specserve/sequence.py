@@ -1,0 +1,102 @@
+"""A request, the step loop's record of it while it runs (``Sequence``), and what each step reports back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from specserve.config import SpecConfig, SpecMethod
+from specserve.detok import IncrementalText
+from specserve.policy import SequenceDSDE
+from specserve.sampling import SamplingParams
+
+
+class FinishReason(str, Enum):
+    stop = "stop"  # EOS or a stop string
+    length = "length"  # max_tokens or the context limit
+    abort = "abort"  # cancelled
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculation: SpecConfig | None = None  # None: the loop's default
+
+
+@dataclass
+class RequestStats:
+    target_forwards: int = 0  # verification steps this request took part in
+    drafted: int = 0  # drafted tokens (tree nodes) sent for verification
+    accepted: int = 0
+    draft_steps: int = 0  # steps in which this request drafted
+    depth_sum: int = 0  # draft levels over those steps
+
+    @property
+    def mean_depth(self) -> float:
+        return 0.0 if self.draft_steps == 0 else self.depth_sum / self.draft_steps
+
+    @property
+    def tokens_per_forward(self) -> float:  # tau, incl. the bonus token
+        return 0.0 if self.target_forwards == 0 else (self.accepted + self.target_forwards) / self.target_forwards
+
+    @property
+    def acceptance_rate(self) -> float:
+        return 0.0 if self.drafted == 0 else self.accepted / self.drafted
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One step's news for one request: the new tokens and text, and whether it finished."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stats: RequestStats
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Sequence:
+    """The authoritative token state of one request (the step loop owns it; workers hold only caches)."""
+
+    seq_id: int
+    request: Request
+    text: IncrementalText
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(method=SpecMethod.none))
+    sl_state: SequenceDSDE | None = None  # DSDE history and calibration (None under the static policy)
+    output: list[int] = field(default_factory=list)
+    target_seen: int = 0  # committed tokens the target worker has been sent
+    draft_seen: int = 0  # ... and the draft worker
+    last_accepted: list[int] = field(default_factory=list)  # accepted nodes of the last proposal
+    finish_reason: FinishReason | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    arrived: float = field(default_factory=time.perf_counter)  # when the loop accepted the request
+    features: list[torch.Tensor] = field(default_factory=list)  # target hidden states not yet sent to a draft head
+    features_from: int = 0  # position of the first of them
+
+    def add_features(self, rows: torch.Tensor, start: int) -> None:
+        """Queue the hidden states [n, F] of positions start..start+n-1; a non-contiguous start (the target
+        re-prefilled after a restart) drops the queue first."""
+        if self.features and self.features_from + sum(f.shape[0] for f in self.features) != start:
+            self.features = []
+        if not self.features:
+            self.features_from = start
+        self.features.append(rows)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.output
+
+    def unsent(self, seen: int) -> list[int]:
+        return self.tokens[seen:]

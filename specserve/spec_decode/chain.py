@@ -1,0 +1,51 @@
+"""Chain drafting: SL tokens one after another, greedy or sampled from the draft's top-K (docs/algorithms.md §1.1)."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.config import ChainDraft
+from specserve.messages import Proposal
+from specserve.sampling import process_logits
+from specserve.spec_decode.draft_sampling import draft_sample_sparse, sparse_topk
+from specserve.spec_decode.draft_state import DraftForward, DraftState, draft_q, target_ids
+
+
+def draft_chains(chains: list[tuple[DraftState, torch.Tensor]], forward: DraftForward) -> None:
+    """Grow every chain to its SL (``item.depth``) in lock-step; ``chains`` pairs each state with its level-0 logits."""
+    active = [(s, lg) for s, lg in chains if s.item.depth > 0]
+    while active:
+        for s, lg in active:
+            s.q_logits.append(lg[-1:])
+            s.tokens.append(_next_token(s, lg))
+            s.depth += 1
+        active = [(s, lg) for s, lg in active if s.depth < s.item.depth]
+        if active:
+            out = forward([s for s, _ in active], [[s.tokens[-1]] for s, _ in active])
+            active = [(s, lg) for (s, _), lg in zip(active, out, strict=True)]
+
+
+def _next_token(s: DraftState, logits: torch.Tensor) -> int:
+    if s.params.greedy or s.item.spec.chain_draft == ChainDraft.greedy:
+        return int(target_ids(s, logits[-1].argmax()))  # host sync: the next level's input
+    idx, prob = sparse_topk(process_logits(logits[-1:], s.params), s.item.spec.q_top_k)
+    idx = target_ids(s, idx)
+    s.q_idx.append(idx[0])
+    s.q_prob.append(prob[0])
+    return int(draft_sample_sparse(idx, prob, s.generator)[0])  # host sync
+
+
+def chain_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
+    """The proposal, and the cache index of each node (root first; the last draft was never fed: None)."""
+    n = len(s.tokens)
+    sampled = bool(s.q_idx)
+    proposal = Proposal(
+        s.item.seq_id,
+        s.tokens,
+        list(range(n)),
+        q_idx=torch.stack(s.q_idx).tolist() if sampled else None,
+        q_prob=torch.stack(s.q_prob).tolist() if sampled else None,
+        depth=s.depth,
+        draft_q=draft_q(s, [(i, i) for i in range(n)]),
+    )
+    return proposal, [s.root_idx + i for i in range(n)] + [None]

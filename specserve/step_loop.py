@@ -1,0 +1,251 @@
+"""StepLoop: continuous batching over a target worker (and, with speculation, a draft worker).
+
+One step: plan SL -> propose -> verify -> commit/stream -> policy update. The loop owns every request's token
+state (``Sequence``); workers hold only caches. Observers see each step through one channel (``step_events``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
+from specserve.detok import IncrementalText
+from specserve.errors import InvalidRequestError
+from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
+from specserve.policy import SequenceDSDE
+from specserve.policy.planner import SLPlanner
+from specserve.sequence import FinishReason, Request, RequestOutput, Sequence
+from specserve.step_events import StepEvent, StepObserver, StepStats
+from specserve.workers.base import DraftWorkerAPI, TargetWorkerAPI
+
+
+class StepLoop:
+    def __init__(
+        self,
+        target: TargetWorkerAPI,
+        draft: DraftWorkerAPI | None = None,
+        *,
+        speculation: SpecConfig | None = None,
+        spec_headroom: int = 0,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos_token_ids: set[int],
+        max_batch_size: int,
+        max_model_len: int,
+        planner: SLPlanner | None = None,
+        features: FeatureRequest | None = None,
+        metrics_window: int = 10_000,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.speculation = speculation or SpecConfig(method=SpecMethod.none)
+        self.spec_headroom = spec_headroom  # KV room beyond max_model_len for one step's drafted tokens
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.planner = planner or SLPlanner(self.speculation.dsde)
+        self.features = features  # the target hidden states a draft head reads (None: a draft model needs none)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count()
+        self._by_request: dict[str, Sequence] = {}
+        self.stats = StepStats(metrics_window)
+        self.observers: list[StepObserver] = [self.stats]
+
+    # -- requests in and out --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._by_request:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        if not request.prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(request.prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(request.prompt_ids)} tokens; the context limit is {self.max_model_len} "
+                "and leaves no room to generate"
+            )
+        spec = request.speculation or self.speculation
+        if spec.method != SpecMethod.none:
+            if self.draft is None:
+                raise InvalidRequestError(f"speculation {spec.method.value!r} needs a draft model; none is loaded")
+            if spec.max_verify_tokens > self.spec_headroom:
+                raise InvalidRequestError(
+                    f"speculation verifies up to {spec.max_verify_tokens} tokens per step; "
+                    f"this engine reserves room for {self.spec_headroom}"
+                )
+        text = IncrementalText(self.tokenizer, request.params.stop)
+        seq = Sequence(next(self._ids), request, text, spec=spec)
+        if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
+            seq.sl_state = SequenceDSDE(spec.dsde)
+        self._by_request[request.request_id] = seq
+        self.waiting.append(seq)
+        for obs in self.observers:
+            obs.on_request(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._by_request.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self._release([seq])
+        return True
+
+    def recover(self, *, target: bool, draft: bool) -> None:
+        """After a worker was replaced by a fresh one: re-register every running sequence with it and resend
+        its whole token state on the next step (the new worker re-prefills from the router's tokens)."""
+        for seq in self.running:
+            if target:
+                self.target.add(seq.seq_id, seq.request.params)
+                seq.target_seen = 0
+            if draft and self.draft is not None and seq.spec.method != SpecMethod.none:
+                self.draft.add(seq.seq_id, seq.request.params)
+                seq.draft_seen = 0
+                seq.last_accepted = []
+
+    def prompt_ids(self, request_id: str) -> list[int]:
+        return self._by_request[request_id].request.prompt_ids
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """plan SL -> propose -> verify -> commit/stream -> policy update."""
+        t0 = time.perf_counter()
+        self._admit()
+        if not (batch := list(self.running)):
+            return []
+        plan = self.planner.plan(batch)
+        proposals = self._propose(batch, plan.depths)
+        t1 = time.perf_counter()
+        items = [self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)]
+        verified = self.target.verify(items)
+        t2 = time.perf_counter()
+        outputs = [self._commit(*row) for row in zip(batch, proposals, verified, strict=True)]
+        self._retire()
+        event = StepEvent(batch, plan, proposals, items, verified, outputs, t0, t1, t2, time.perf_counter())
+        self._update_policy(event)
+        for obs in self.observers:
+            obs.on_step(event)
+        return outputs
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            self.target.add(seq.seq_id, seq.request.params)
+            if self.draft is not None and seq.spec.method != SpecMethod.none:
+                self.draft.add(seq.seq_id, seq.request.params)
+            self.running.append(seq)
+
+    def _propose(self, batch: list[Sequence], depths: list[int]) -> list[Proposal | None]:
+        drafting = [(s, d) for s, d in zip(batch, depths, strict=True) if d > 0]
+        if not drafting:
+            return [None] * len(batch)
+        assert self.draft is not None
+        items = [
+            ProposeItem(
+                s.seq_id,
+                s.unsent(s.draft_seen),
+                s.last_accepted,
+                d,
+                s.spec,
+                kld_mode=None if s.sl_state is None else s.spec.kld_mode,
+                features=torch.cat(s.features) if s.features else None,
+                feature_start=s.features_from,
+            )
+            for s, d in drafting
+        ]
+        by_seq = {p.seq_id: p for p in self.draft.propose(items)}
+        for s, _ in drafting:
+            s.draft_seen = len(s.tokens)
+            s.features = []
+        # a draft head without features for a sequence yet (its first step) drafts nothing: a plain step
+        return [p if (p := by_seq.get(s.seq_id)) is not None and p.tokens else None for s in batch]
+
+    def _verify_item(self, seq: Sequence, proposal: Proposal | None) -> VerifyItem:
+        spec = seq.spec
+        features = self.features if spec.method != SpecMethod.none else None
+        if proposal is None:
+            return VerifyItem(seq.seq_id, seq.unsent(seq.target_seen), features=features)
+        return VerifyItem(
+            seq.seq_id,
+            seq.unsent(seq.target_seen),
+            proposal.tokens,
+            proposal.parents,
+            proposal.q_idx,
+            proposal.q_prob,
+            draft_q=proposal.draft_q,
+            kld_past_rejection=spec.dsde.record_past_rejection and not spec.is_tree,
+            kld_tail=spec.kld_tail,
+            synthetic_accept=spec.synthetic_accept,
+            features=features,
+        )
+
+    def _update_policy(self, event: StepEvent) -> None:
+        """This step's KLD values set each DSDE sequence's next SL (docs/algorithms.md §4.6); the throughput guard
+        records the step's rate (a (re-)prefill step's rate says nothing of decoding: skipped)."""
+        for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
+            if seq.sl_state is not None and proposal is not None:
+                drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)
+                seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))
+        guard = self.planner.guard
+        if guard is not None and not event.prefill and any(s.spec.method != SpecMethod.none for s in event.batch):
+            drafted_any = any(p is not None for p in event.proposals)
+            guard.record(len(event.batch), drafted_any, event.emitted, event.total_s)
+
+    def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
+        if out.features is not None:
+            seq.add_features(out.features, start=seq.target_seen)  # rows from the target's old cache length on
+        seq.target_seen = len(seq.tokens) + len(out.accepted)  # the target cached the accepted path
+        seq.last_accepted = out.accepted
+        seq.stats.target_forwards += 1
+        seq.stats.accepted += len(out.accepted)
+        if proposal is not None:
+            seq.stats.drafted += len(proposal.tokens)
+            seq.stats.draft_steps += 1
+            seq.stats.depth_sum += proposal.depth
+        params = seq.request.params
+        new: list[int] = []
+        for tok in out.tokens:
+            if tok in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = FinishReason.stop
+                break
+            new.append(tok)
+            if len(seq.output) + len(new) >= params.max_tokens or len(seq.tokens) + len(new) >= self.max_model_len:
+                seq.finish_reason = FinishReason.length
+                break
+        seq.output += new
+        text = seq.text.update(seq.output, final=seq.finish_reason is not None)
+        if seq.text.stopped:
+            seq.finish_reason = FinishReason.stop
+        return RequestOutput(
+            request_id=seq.request.request_id,
+            token_ids=new,
+            text=text,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.request.prompt_ids),
+            num_output_tokens=len(seq.output),
+            stats=seq.stats,
+        )
+
+    def _retire(self) -> None:
+        done = [s for s in self.running if s.finish_reason is not None]
+        if done:
+            self._release(done)
+            self.running = [s for s in self.running if s.finish_reason is None]
+            for s in done:
+                self._by_request.pop(s.request.request_id, None)
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        ids = [s.seq_id for s in seqs]
+        self.target.release(ids)
+        if self.draft is not None:
+            self.draft.release(ids)

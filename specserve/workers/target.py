@@ -1,0 +1,123 @@
+"""The target worker: prefill and verification of every sequence's draft in one ragged forward."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from specserve.messages import VerifyItem, VerifyOutput
+from specserve.models.batch import ForwardBatch
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import LlamaModel
+from specserve.policy import kld_exact, kld_nodes, kld_sparse
+from specserve.sampling import SamplingParams, make_generator, process_logits
+from specserve.spec_decode.draft_tree import DraftTree, step_layout
+from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
+from specserve.spec_decode.verify import verify_chain_sampled, verify_tree
+from specserve.workers.base import SlotTable
+
+
+class TargetWorker:
+    def __init__(self, model: LlamaModel, *, num_slots: int, max_len: int) -> None:
+        self.model = model
+        self.table = SlotTable(model, num_slots, max_len)
+        self.params: dict[int, SamplingParams] = {}
+        self.generators: dict[int, torch.Generator] = {}
+
+    @property
+    def cache(self) -> KVCache:
+        return self.table.cache
+
+    def add(self, seq_id: int, params: SamplingParams) -> None:
+        self.params[seq_id] = params
+        self.generators[seq_id] = make_generator(params.seed)
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.table.release(seq_ids)
+        for seq_id in seq_ids:
+            self.params.pop(seq_id, None)
+            self.generators.pop(seq_id, None)
+
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        trees, slots, tokens, positions, masks, starts = [], [], [], [], [], []
+        for it in items:
+            slot = self.table.slot(it.seq_id)
+            tree = DraftTree(
+                tokens=torch.tensor([it.new_tokens[-1], *it.draft_tokens]),
+                parents=torch.tensor([0, *it.draft_parents]),
+            )
+            start = self.cache.length(slot)
+            mask, pos = step_layout(tree, len(it.new_tokens) - 1, start)
+            trees.append(tree)
+            slots.append(slot)
+            starts.append(start)
+            tokens.append(it.new_tokens[:-1] + tree.tokens.tolist())
+            positions.append(pos)
+            masks.append(mask)
+        batch = ForwardBatch.build(
+            self.cache,
+            slots,
+            tokens,
+            positions=positions,
+            tree_masks=masks,
+            num_logits=[t.num_nodes for t in trees],
+            device=self.model.device,
+        )
+        logits, features = self._forward(batch, items)
+        logits_per_seq = logits.split([t.num_nodes for t in trees])  # per sequence [T, V]
+        offsets = [0, *itertools.accumulate(batch.num_new)]
+        outputs = []
+        for b, (it, tree, slot, start, lg) in enumerate(zip(items, trees, slots, starts, logits_per_seq, strict=True)):
+            p = process_logits(lg, self.params[it.seq_id])
+            gen = self.generators[it.seq_id]
+            if it.synthetic_accept is not None:
+                tokens_h = [it.new_tokens[-1], *it.draft_tokens]
+                res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
+            elif it.q_idx is not None and it.q_prob is not None:
+                res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
+            else:
+                res = verify_tree(tree, p, gen)
+            num_pending = len(it.new_tokens) - 1
+            self._rollback(slot, start, num_pending, res.accepted_nodes)
+            kld = self._kld(it, lg, res.accepted_nodes) if it.draft_q is not None else []
+            if it.synthetic_accept is not None and kld:
+                kld = synthetic_kld(it.synthetic_accept, len(kld), gen)
+            feats = None
+            if features is not None and it.features is not None:
+                rows = [*range(num_pending + 1), *(num_pending + a for a in res.accepted_nodes)]
+                feats = features[offsets[b] + torch.tensor(rows)]  # [n, F]
+            outputs.append(VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens, kld, feats))
+        return outputs
+
+    def _forward(self, batch: ForwardBatch, items: list[VerifyItem]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, V] of the batch's logit rows, and the hidden states [N, F] of every new token when an item
+        asked for features (one request kind per batch: the lane's draft head decides it)."""
+        want = next((it.features for it in items if it.features is not None), None)
+        if want is None:
+            return self.model(batch, self.cache), None
+        final, aux = self.model.hidden_states(batch, self.cache, want.aux_layers or ())
+        features = final if want.aux_layers is None else aux
+        return self.model.logits(final[batch.logit_rows]), features
+
+    def _rollback(self, slot: int, start: int, num_pending: int, accepted: list[int]) -> None:
+        """Keep the pending tokens, the root and the accepted path; drop the rejected nodes' KV."""
+        self.cache.keep(slot, start, [*range(num_pending + 1), *(num_pending + a for a in accepted)])
+
+    @staticmethod
+    def _kld(it: VerifyItem, logits: torch.Tensor, accepted: list[int]) -> list[float]:
+        """KL(p || q) at the verified positions that the draft sent q for (temperature 1). logits: [T, V]."""
+        q = it.draft_q
+        assert q is not None
+        row_of = {node: i for i, node in enumerate(q.nodes)}
+        nodes = [n for n in kld_nodes(accepted, len(it.draft_tokens) + 1, it.kld_past_rejection) if n in row_of]
+        if not nodes:
+            return []
+        rows = [row_of[n] for n in nodes]
+        p_logits = logits[nodes]  # [n, V]
+        if q.dense_logits is not None:
+            return kld_exact(p_logits, q.dense_logits[rows].to(p_logits.device)).tolist()
+        assert q.idx is not None and q.prob is not None
+        idx = torch.tensor([q.idx[r] for r in rows])
+        prob = torch.tensor([q.prob[r] for r in rows])
+        return kld_sparse(p_logits, idx, prob, tail=it.kld_tail).tolist()  # host sync

@@ -1,0 +1,121 @@
+"""The EAGLE-head drafter inside the engine: lossless for every drafting method, and fed with the target's own
+hidden states at the right positions (docs/algorithms.md §8.3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import ChainDraft, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import tiny_model
+from specserve.sampling import SamplingParams
+from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind
+from specserve.workers import HeadDraftWorker
+
+METHODS = [
+    SpecConfig(method=SpecMethod.chain, sl=4, chain_draft=ChainDraft.greedy),
+    SpecConfig(method=SpecMethod.eagle2, beam_width=8, budget=30, tree_depth=5),
+    SpecConfig(method=SpecMethod.ddd, beam_width=8, budget=30),
+    SpecConfig(method=SpecMethod.ddd, beam_width=8, budget=30, policy=SLPolicyKind.dsde),
+]
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_model(seed=0)
+
+
+def random_head(target: LlamaModel, kind: HeadKind = HeadKind.eagle, std: float = 0.2) -> EagleHead:
+    extra = {"kind": kind, "aux_layers": (0, 1)} if kind == HeadKind.eagle3 else {}
+    if kind == HeadKind.eagle3:
+        extra["draft_vocab_size"] = target.cfg.vocab_size // 2
+    head = EagleHead(EagleHeadConfig.for_target(target, **extra), target)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    if kind == HeadKind.eagle3:  # d2t: draft row i is target id 2i
+        head.draft_ids = torch.arange(0, target.cfg.vocab_size, 2)
+    return head.eval()
+
+
+PROMPTS = [[5, 9, 33, 71, 2 + i] for i in range(4)]
+
+
+def _plain(target: LlamaModel, params: SamplingParams) -> list[list[int]]:
+    return [c.token_ids for c in Engine(target, None, eos_token_ids=set()).generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method.value}-{s.policy.value}")
+def test_head_drafting_is_greedy_equal(target: LlamaModel, spec: SpecConfig) -> None:
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    head = random_head(target)
+    engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+    out = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == _plain(target, params)
+    assert all(o.stats.draft_steps >= 30 for o in out)  # it drafted on every step after the first
+
+
+def test_reduced_vocabulary_and_eagle3_heads_stay_lossless(target: LlamaModel) -> None:
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    reduced = random_head(target)
+    reduced.set_draft_vocab(torch.arange(1, target.cfg.vocab_size, 3))
+    for head in (reduced, random_head(target, HeadKind.eagle3)):
+        engine = Engine(target, None, draft=head, speculation=METHODS[2], eos_token_ids=set(), max_batch_size=4)
+        out = engine.generate(PROMPTS, params)
+        assert [o.token_ids for o in out] == _plain(target, params)
+        drafted = {t for o in out for t in o.token_ids}
+        assert drafted  # and every drafted node was a draft-vocabulary token:
+        worker = engine.loop.draft
+        assert isinstance(worker, HeadDraftWorker) and worker.token_ids is not None
+
+
+def test_sampled_chains_with_a_reduced_vocabulary_run(target: LlamaModel) -> None:
+    head = random_head(target)
+    head.set_draft_vocab(torch.arange(0, target.cfg.vocab_size, 2))
+    spec = SpecConfig(method=SpecMethod.chain, sl=3)
+    engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=1.0, seed=1, ignore_eos=True))
+    assert all(len(o.token_ids) == 20 for o in out)
+
+
+@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
+def test_head_cache_holds_pairs_of_the_targets_own_features(target: LlamaModel, kind: HeadKind) -> None:
+    """After several speculative steps, the head's cached keys equal a from-scratch head forward over the pairs
+    (t_{j+1}, f_j), f_j from one plain target forward over the committed tokens: positions line up."""
+    head = random_head(target, kind)
+    engine = Engine(target, None, draft=head, speculation=METHODS[1], eos_token_ids=set(), max_batch_size=4)
+    for p in PROMPTS:
+        engine.submit(p, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(8):
+        engine.loop.step()
+    worker = engine.loop.draft
+    assert isinstance(worker, HeadDraftWorker)
+    checked = 0
+    for seq in engine.loop.running:
+        st = worker.seqs[seq.seq_id]
+        n = st.pairs
+        assert st.pos0 == 0 and n >= len(seq.request.prompt_ids)
+        tokens = seq.tokens[: n + 1]
+        want = _reference_keys(target, head, kind, tokens, n)
+        got = worker.cache.k[0][st.slot, :, :n]
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+        checked += 1
+    assert checked == len(PROMPTS)
+
+
+@torch.inference_mode()
+def _reference_keys(target: LlamaModel, head: EagleHead, kind: HeadKind, tokens: list[int], n: int) -> torch.Tensor:
+    cache = target.new_cache(1, 128)
+    slot = cache.allocate()
+    final, aux = target.hidden_states(ForwardBatch.build(cache, [slot], [tokens]), cache, (0, 1))
+    feats = head.fuse(aux if kind == HeadKind.eagle3 else final)[:n]  # f_0 .. f_{n-1}
+    hcache = head.new_cache(1, 128)
+    hslot = hcache.allocate()
+    batch = ForwardBatch.build(hcache, [hslot], [tokens[1 : n + 1]])
+    head(batch.tokens, feats, batch, hcache)
+    return hcache.k[0][hslot, :, :n].clone()
