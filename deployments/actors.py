@@ -22,7 +22,7 @@ from specserve.config import HeadSpec
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model
-from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
@@ -54,13 +54,13 @@ class WorkerState:
 
 def build_model(recipe: ModelRecipe, device: str) -> LlamaModel | EagleHead:
     if recipe.tiny is not None:
-        target = tiny_model(tiny_config(), seed=recipe.tiny.seed)
-        model = (
-            target
-            if recipe.role == WorkerRole.target
-            else noisy_copy(target, recipe.tiny.draft_noise, seed=recipe.tiny.draft_seed)
-        )
-        return model.to(device)
+        tiny = recipe.tiny
+        target = tiny_model(tiny_config(), seed=tiny.seed)
+        if recipe.role == WorkerRole.target:
+            return target.to(device)
+        if tiny.draft_head:
+            return tiny_head(target.to(device), seed=tiny.draft_seed)
+        return noisy_copy(target, tiny.draft_noise, seed=tiny.draft_seed).to(device)
     assert recipe.spec is not None
     if isinstance(recipe.spec, HeadSpec):
         assert recipe.head_target is not None

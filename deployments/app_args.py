@@ -7,9 +7,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specserve.config import MODEL_PAIRS, DraftSpec, HeadSpec, KLDMode, LoopConfig, ModelSpec, SpecConfig, SpecMethod
+from specserve.config import (
+    DEFAULT_PAIR,
+    MODEL_PAIRS,
+    DraftSpec,
+    HeadSpec,
+    KLDMode,
+    LoopConfig,
+    ModelSpec,
+    SpecConfig,
+    SpecMethod,
+)
 
-DEFAULT_PAIR = "smollm2-int8"
 TINY_MODEL_NAME = "tiny"
 
 
@@ -64,6 +73,7 @@ class TinyModels(BaseModel):
     seed: int = 0
     draft_noise: float = Field(default=0.05, ge=0.0)
     draft_seed: int = 1
+    draft_head: bool = Field(default=False, description="draft with a random EAGLE head over the target instead")
 
 
 class ModelRecipe(BaseModel):

@@ -6,7 +6,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specserve.config import DType, EngineConfig, ModelSpec
+from specserve.config import (
+    DEFAULT_PAIR,
+    MODEL_PAIRS,
+    SERVING_SPECULATION,
+    DraftSpec,
+    DType,
+    EngineConfig,
+    HeadSpec,
+    ModelSpec,
+    SpecConfig,
+    SpecMethod,
+)
 from specserve.errors import SpecServeError
 from specserve.sampling import SamplingParams
 
@@ -28,8 +39,13 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
     )
+    target = ModelSpec(source=args.model, dtype=DType(args.dtype))
+    draft = _draft_for(args.draft, target)
+    speculation = SERVING_SPECULATION if draft is not None else SpecConfig(method=SpecMethod.none)
+    if draft is not None and args.method is not None:
+        speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
     engine = Engine.from_config(
-        EngineConfig(target=ModelSpec(source=args.model, dtype=DType(args.dtype)), device=args.device, max_batch_size=1)
+        EngineConfig(target=target, draft=draft, speculation=speculation, device=args.device, max_batch_size=1)
     )
     last = None
     for out in engine.stream(args.prompt, params, chat=not args.no_chat):
@@ -41,6 +57,19 @@ def _generate(args: argparse.Namespace) -> int:
         reason = last.finish_reason.value if last.finish_reason else None
         print(f"[{last.num_output_tokens} tokens, finish_reason={reason}]", file=sys.stderr)
     return 0
+
+
+def _draft_for(name: str, target: ModelSpec) -> DraftSpec | None:
+    """'auto': the shipped head of a built-in pair whose target this is (else none); 'none'; a pair name; or a
+    head directory."""
+    if name == "none":
+        return None
+    if name == "auto":
+        pair = MODEL_PAIRS[DEFAULT_PAIR]
+        return pair[1] if pair[0] == target else None
+    if name in MODEL_PAIRS:
+        return MODEL_PAIRS[name][1]
+    return HeadSpec(head=name)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -75,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    g.add_argument(
+        "--draft", default="auto", help="'auto' (the shipped head for the built-in target), 'none', a pair, a head dir"
+    )
+    g.add_argument("--method", default=None, choices=[m.value for m in SpecMethod if m != SpecMethod.none])
     g.set_defaults(func=_generate)
 
     m = sub.add_parser("models", help="pull or list built-in models")

@@ -71,6 +71,9 @@ class HeadSpec(BaseModel):
 
     head: str = "smollm2-eagle"
     dtype: DType = DType.float32  # compute dtype (the shipped weights are bf16)
+    draft_vocab: int | None = Field(
+        default=None, ge=2, description="EAGLE-1/2: keep the N most frequent ids of the head's vocab_map.json"
+    )
 
     def path(self) -> Path:
         builtin = BUILTIN_HEADS_DIR / self.head
@@ -206,3 +209,9 @@ MODEL_PAIRS: dict[str, tuple[ModelSpec, DraftSpec]] = {
     "smollm2-bf16": (ModelSpec(), derived_draft(ModelSpec(), "bf16")),
     "smollm2-fp16": (ModelSpec(), derived_draft(ModelSpec(), "fp16")),
 }
+
+DEFAULT_PAIR = "smollm2-eagle"  # what `serve run deployments/app.yaml` and `specserve generate` speculate with
+
+# The fastest lossless mode measured on the CPU (docs/benchmarks.md, "EAGLE head"): `deployments/app.yaml` states
+# the same values (a test checks it) and `specserve generate` uses them.
+SERVING_SPECULATION = SpecConfig(method=SpecMethod.ddd, policy=SLPolicyKind.dsde, beam_width=4, budget=16)

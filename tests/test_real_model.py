@@ -10,7 +10,7 @@ from specserve.config import MODEL_PAIRS, ChainDraft, ModelSpec, SpecConfig, Spe
 from specserve.engine import Engine
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.loader import load_model, load_tokenizer
+from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.sources import resolve
 from specserve.sampling import SamplingParams
 
@@ -74,11 +74,12 @@ def test_prompt_longer_than_context_is_a_clear_error(target: LlamaModel) -> None
         small.generate("word " * 200)
 
 
-@pytest.mark.parametrize("pair", ["smollm2-bf16", "smollm2-int8"])
+@pytest.mark.parametrize("pair", ["smollm2-bf16", "smollm2-int8", "smollm2-eagle"])
 def test_speculative_greedy_equals_plain_on_mt_bench(target: LlamaModel, pair: str) -> None:
-    """20 MT-bench prompts x 64 new tokens: every method emits exactly plain greedy decoding's tokens."""
+    """20 MT-bench prompts x 64 new tokens: every method emits exactly plain greedy decoding's tokens (with draft
+    models, and with the shipped EAGLE head)."""
     tok = load_tokenizer(ModelSpec())
-    draft = load_model(MODEL_PAIRS[pair][1])
+    draft = load_draft(MODEL_PAIRS[pair][1], target)
     plain = Engine(target, tok, max_batch_size=10, max_model_len=512)
     prompts = [plain.encode(p.text, chat=True) for p in mt_bench_prompts(20)]
     params = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -113,7 +114,9 @@ def test_sparse_kld_tracks_exact_kld_on_real_distributions(target: LlamaModel) -
 
     p_logits = logits(target)
     for pair in ("smollm2-int8", "smollm2-bf16"):
-        q_logits = logits(load_model(MODEL_PAIRS[pair][1]))
+        draft_spec = MODEL_PAIRS[pair][1]
+        assert isinstance(draft_spec, ModelSpec)
+        q_logits = logits(load_model(draft_spec))
         exact = kld_exact(p_logits, q_logits)
         idx, prob = sparse_topk_q(q_logits, 64)
         uniform = kld_sparse(p_logits, idx, prob, tail=SparseTail.uniform)

@@ -65,6 +65,14 @@ SMALL_ARGS: dict[str, Any] = {
     "draft_resources": {"num_cpus": 0.1, "resources": {WORKER_RESOURCE: 1}},
     "debug_step_delay_s": 0.03,
 }
+HEAD_ARGS: dict[str, Any] = {  # a random EAGLE head: features travel target actor -> router -> draft actor
+    "tiny": {"seed": 0, "draft_head": True, "draft_seed": 3},
+    "speculation": {"method": "ddd", "beam_width": 4, "budget": 12, "policy": "dsde"},
+    "max_batch_size": 2,
+    "router_resources": SMALL_CPU,
+    "target_resources": SMALL_CPU,
+    "draft_resources": SMALL_CPU,
+}
 MODEL = "tiny"
 REPO = Path(__file__).resolve().parents[1]  # workers import `deployments` from here
 TIMEOUT_S = 60.0
@@ -91,6 +99,7 @@ def base_url() -> Iterator[str]:
             [
                 serve.RunTarget(app_builder(MAIN_ARGS), name="main", route_prefix="/main"),
                 serve.RunTarget(app_builder(SMALL_ARGS), name="small", route_prefix="/small"),
+                serve.RunTarget(app_builder(HEAD_ARGS), name="head", route_prefix="/head"),
             ]
         )
         yield f"http://127.0.0.1:{port}"
@@ -181,7 +190,7 @@ def test_speculation_options_map_onto_the_default() -> None:
 
 def test_app_args_layout_and_validation() -> None:
     args = AppArgs()
-    assert args.pair_name == "smollm2-int8" and args.model_name == "smollm2-int8" and args.has_draft
+    assert args.pair_name == "smollm2-eagle" and args.model_name == "smollm2-eagle" and args.has_draft
     lanes = AppArgs(tiny=TinyModels(), num_lanes=2, router_resources=ActorResources(num_cpus=0.5))
     assert lanes.placement_bundles() == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}]
     assert [lanes.bundle_index(1, r) for r in (WorkerRole.target, WorkerRole.draft)] == [3, 4]
@@ -490,6 +499,32 @@ def test_killed_worker_mid_stream_is_recovered(small_url: str, engine: Engine, r
     assert after[role]["restarts"] == before[role]["restarts"] + 1
     assert after[role]["actor_name"] != before[role]["actor_name"]
     assert after[role]["node_id"] == before[role]["node_id"]  # same placement bundle
+
+
+def test_eagle_head_deployment_is_lossless_and_survives_a_draft_restart(base_url: str, engine: Engine) -> None:
+    """The head drafts from target features shipped through the router; killing its actor mid-stream loses
+    them (the new head restarts from later features) and the output still equals plain greedy decoding."""
+    url = f"{base_url}/head"
+    _wait_idle(url)
+    prompts = [[3, 4, 5, 6], [8, 9, 10]]
+    refs = Engine(engine.model, None, eos_token_ids=set()).generate(
+        prompts, SamplingParams(max_tokens=30, ignore_eos=True)
+    )
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT_S)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    full = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=30, temperature=0, extra_body=extra)
+    assert full.choices[0].model_extra["token_ids"] == refs[1].token_ids
+    assert full.usage.model_extra["speculation"]["drafted"] > 0
+    draft = next(w for w in _lanes(url)[0]["workers"] if w["role"] == "draft")
+    stream = iter(
+        client.completions.create(
+            model=MODEL, prompt=prompts[0], max_tokens=30, temperature=0, stream=True, extra_body=extra
+        )
+    )
+    ids = [next(stream).choices[0].model_extra["token_ids"] for _ in range(3)]
+    ray.kill(ray.get_actor(draft["actor_name"], namespace=draft["namespace"]))
+    ids += [c.choices[0].model_extra["token_ids"] for c in stream]
+    assert [t for chunk in ids for t in chunk] == refs[0].token_ids
 
 
 # -- placement -------------------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, nargs="+", default=[0], help="tree verify budget(s) T; 0 = auto-tune")
     p.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 depth D (default: SpecConfig)")
     p.add_argument("--ddd-max-depth", type=int, default=None, help="DDD n (default: SpecConfig)")
+    p.add_argument(
+        "--draft-vocab", type=int, nargs="+", default=None, help="heads: reduced vocabulary size(s) V_d to compare"
+    )
     p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
     p.add_argument("--out", type=Path, default=Path("bench_out/spec"))
 
@@ -125,7 +128,10 @@ def _assisted(
     return outs, time.perf_counter() - t0
 
 
-def _row(method: Method, outs: list[Completion], secs: float, reference: list[list[int]]) -> dict[str, object]:
+def _row(
+    method: Method, engine: Engine, outs: list[Completion], secs: float, reference: list[list[int]]
+) -> dict[str, object]:
+    timing = engine.loop.stats.timing
     tokens = [o.token_ids for o in outs]
     n = sum(len(t) for t in tokens)
     forwards = sum(o.stats.target_forwards for o in outs)
@@ -137,6 +143,8 @@ def _row(method: Method, outs: list[Completion], secs: float, reference: list[li
         "mean_depth": sum(o.stats.depth_sum for o in outs) / max(1, sum(o.stats.draft_steps for o in outs)),
         "tok_s": n / secs,
         "ratio": 0.0,
+        "draft_ms_step": 1e3 * timing.draft_s / max(1, timing.steps),
+        "verify_ms_step": 1e3 * timing.verify_s / max(1, timing.steps),
     }
 
 
@@ -151,10 +159,17 @@ def run(args: argparse.Namespace) -> int:
     bench = load_prompts(args.prompts, args.num_prompts) if args.prompts else mt_bench_prompts(args.num_prompts)
     prompts = [plain.encode(p.text, chat=True) for p in bench]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    drafts = {pair: load_draft(MODEL_PAIRS[pair][1], target) for pair in args.pairs}
+    drafts = {}
+    for pair in args.pairs:
+        spec = MODEL_PAIRS[pair][1]
+        if isinstance(spec, HeadSpec) and args.draft_vocab:
+            for v in args.draft_vocab:
+                drafts[f"{pair} V={v}"] = load_draft(spec.model_copy(update={"draft_vocab": v}), target)
+        else:
+            drafts[pair] = load_draft(spec, target)
     methods = [Method("plain", "", SpecConfig(method=SpecMethod.none))]
-    for pair, draft in drafts.items():
-        methods += methods_for(args, pair, target, draft, prompts)
+    for label, draft in drafts.items():
+        methods += methods_for(args, label, target, draft, prompts)
     engines = [plain] + [
         Engine(
             target,
@@ -177,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         rates = [sum(len(o.token_ids) for o in outs[m]) / seconds[m] for m in range(len(methods))]
         print(f"prompt {i + 1}/{len(prompts)}: " + "  ".join(f"{r:.1f}" for r in rates) + " tok/s", flush=True)
     reference = [o.token_ids for o in outs[0]]
-    rows = [_row(m, o, s, reference) for m, o, s in zip(methods, outs, seconds, strict=True)]
+    rows = [_row(*r, reference) for r in zip(methods, engines, outs, seconds, strict=True)]
     if args.assisted:
         for pair in args.pairs:
             draft_spec = MODEL_PAIRS[pair][1]
@@ -193,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
             nan = float("nan")
             rows.append(
                 {"method": "transformers assisted", "draft": pair, "greedy_equal": equal, "tau": nan}
-                | {"mean_depth": nan, "tok_s": n / hf_seconds, "ratio": 0.0}
+                | {"mean_depth": nan, "tok_s": n / hf_seconds, "ratio": 0.0, "draft_ms_step": nan}
+                | {"verify_ms_step": nan}
             )
     base = float(cast(float, rows[0]["tok_s"]))
     for row in rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -51,8 +52,26 @@ def load_model_dir(
 def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.device = "cpu") -> LlamaModel | EagleHead:
     """A draft model, or a draft head bound to ``target`` (whose embedding it shares)."""
     if isinstance(spec, HeadSpec):
-        return load_eagle_head(spec.path(), target, dtype=spec.dtype.torch).to(device)
+        head = load_eagle_head(spec.path(), target, dtype=spec.dtype.torch).to(device)
+        if spec.draft_vocab is not None:
+            head.set_draft_vocab(frequent_ids(spec.path(), spec.draft_vocab, head.cfg.vocab_size))
+        return head
     return load_model(spec, device=device)
+
+
+def frequent_ids(head_dir: Path, size: int, vocab_size: int) -> torch.Tensor:
+    """[size] ascending ids: the first ``size`` of the head's vocabulary map (see specserve/train/pipeline.py),
+    then ids never seen in training, lowest first."""
+    path = head_dir / "vocab_map.json"
+    try:
+        order = json.loads(path.read_text())["by_frequency"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelSourceError(f"draft_vocab needs the head's vocabulary map {path}: {e}") from e
+    if size > vocab_size:
+        raise ModelSourceError(f"draft_vocab {size} exceeds the target's {vocab_size}-token vocabulary")
+    seen = set(order)
+    order = order + [i for i in range(vocab_size) if i not in seen]
+    return torch.tensor(order[:size], dtype=torch.long).sort().values
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:

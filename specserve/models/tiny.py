@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from specserve.models.llama import LlamaModel
+from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig
 
 TINY_DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
@@ -81,3 +82,14 @@ def noisy_copy(model: LlamaModel, noise: float, *, seed: int = 1) -> LlamaModel:
         for p in draft.parameters():
             p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
     return draft.eval()
+
+
+def tiny_head(target: LlamaModel, *, seed: int = 1, std: float = 0.2) -> EagleHead:
+    """A random-weight EAGLE-1/2 head bound to ``target`` (for tests of the head's plumbing, not its acceptance)."""
+    head = EagleHead(EagleHeadConfig.for_target(target), target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return head.eval().requires_grad_(False)

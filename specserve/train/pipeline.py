@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from specserve.spec_decode.eagle_head import EagleHead, save_eagle_head
 from specserve.train.distill import AnswerFn, DistillConfig, build_dataset, chat_ids, iter_samples
 from specserve.train.seed_prompts import seed_prompts
 from specserve.train.trainer import TrainConfig, train_head, write_provenance
-from specserve.train.vocab import coverage, token_counts, top_vocab
+from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,18 @@ def system_prefix_len(tokenizer: PreTrainedTokenizerBase) -> int:
     return n
 
 
+VOCAB_MAP = "vocab_map.json"
+
+
+def write_vocab_map(out_dir: Path, counts: torch.Tensor, forced: list[int]) -> None:
+    """The target ids seen in training, most frequent first (forced ids first): any prefix is a draft vocabulary
+    (``HeadSpec.draft_vocab`` picks one at load time)."""
+    order = frequency_order(counts, forced)
+    seen = int((counts > 0).sum()) + len([i for i in forced if counts[i] == 0])
+    body = {"forced": forced, "by_frequency": order[:seen].tolist(), "counts": counts[order[:seen]].tolist()}
+    (out_dir / VOCAB_MAP).write_text(json.dumps(body))
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -100,6 +113,7 @@ def train_draft(
     )
     t_train = time.perf_counter() - t0 - t_data
     weights = save_eagle_head(head, out_dir, extra_config={"specserve_target": cfg.target_name})
+    write_vocab_map(out_dir, counts, special_ids(tokenizer))
     digest = sha256(weights)
     (out_dir / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
     write_provenance(

@@ -19,13 +19,22 @@ def top_vocab(counts: torch.Tensor, size: int, forced: Iterable[int] = ()) -> to
     """[size] ascending target ids: every forced id, then the most frequent others (ties: lower id first)."""
     vocab_size = counts.numel()
     forced_ids = sorted({int(i) for i in forced})
-    if not 0 < size <= vocab_size or len(forced_ids) > size or any(not 0 <= i < vocab_size for i in forced_ids):
+    if not 0 < size <= vocab_size or len(forced_ids) > size:
         raise ValueError(f"draft vocabulary of {size} with {len(forced_ids)} forced ids over {vocab_size} tokens")
+    return frequency_order(counts, forced_ids)[:size].sort().values
+
+
+def frequency_order(counts: torch.Tensor, forced: Iterable[int] = ()) -> torch.Tensor:
+    """[V] every target id: the forced ones first, then by falling count (ties: lower id first). Its first V_d
+    entries are the draft vocabulary of size V_d (shipped as the head's vocabulary map)."""
+    vocab_size = counts.numel()
+    forced_ids = sorted({int(i) for i in forced})
+    if any(not 0 <= i < vocab_size for i in forced_ids):
+        raise ValueError(f"forced ids outside the {vocab_size}-token vocabulary")
     score = counts.double().clone()
     score[forced_ids] = float("inf")
     order = torch.sort(torch.arange(vocab_size), stable=True).indices  # lower id first among ties
-    order = order[torch.sort(-score[order], stable=True).indices]
-    return order[:size].sort().values
+    return order[torch.sort(-score[order], stable=True).indices]
 
 
 def column_of(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""`specserve bench spec --prompts FILE.jsonl`: the prompts file format and one small real run."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from specserve.bench.prompt_sets import load_prompts
+from specserve.errors import InvalidRequestError
+
+
+def _write(path: Path, rows: list[object]) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_prompts_file_in_the_mt_bench_layout(tmp_path: Path) -> None:
+    rows = [
+        {"question_id": 7, "category": "quoting", "turns": ["Summarise: the cat sat.", "Again."]},
+        {"question_id": 8, "category": "coding", "turns": ["Write a loop."]},
+    ]
+    prompts = load_prompts(_write(tmp_path / "p.jsonl", rows))
+    assert [(p.question_id, p.category, p.text) for p in prompts] == [
+        (7, "quoting", "Summarise: the cat sat."),
+        (8, "coding", "Write a loop."),
+    ]
+    assert len(load_prompts(tmp_path / "p.jsonl", limit=1)) == 1
+
+
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        (['{"question_id": 1, "category": "x"}'], "line 1"),
+        (['{"question_id": 1, "category": "x", "turns": ["a"]}', "not json"], "line 2"),
+        (['{"question_id": 1, "category": "x", "turns": []}'], "non-empty list"),
+        ([""], "no prompts"),
+    ],
+)
+def test_bad_prompts_files_name_the_problem(tmp_path: Path, rows: list[str], match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        load_prompts(_write(tmp_path / "bad.jsonl", rows))
+    with pytest.raises(InvalidRequestError, match="cannot read"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.real_model
+def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path) -> None:
+    from specserve.cli import main
+
+    prompts = _write(
+        tmp_path / "p.jsonl",
+        [
+            {"question_id": 1, "category": "a", "turns": ["Name three rivers in Europe."]},
+            {"question_id": 2, "category": "b", "turns": ["What is 12 times 7?"]},
+        ],
+    )
+    out = tmp_path / "out"
+    argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--max-tokens", "12"]
+    argv += ["--methods", "chain", "ddd", "--budget", "8", "--out", str(out)]
+    assert main(argv) == 0
+    rows = list(csv.DictReader((out / "spec.csv").open()))
+    assert [r["method"] for r in rows] == ["plain", "chain SL=4", "DDD x=-0.3 T=8"]
+    assert all(float(r["greedy_equal"]) == 1.0 for r in rows)
+    assert float(rows[0]["ratio"]) == 1.0 and all(float(r["tau"]) >= 1.0 for r in rows)
