@@ -14,7 +14,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
     top_k: int | None = Field(default=None, ge=1, description="keep the k most likely tokens; None = off")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="any 64-bit signed integer")
     max_tokens: int = Field(default=128, ge=1, le=1_000_000)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -47,7 +47,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # shift the maximum to 0 first: at any temperature the scaled logits are <= 0 (tiny temperatures give -inf
+    # below the maximum, never inf or nan), so the softmax stays a distribution
+    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -60,10 +62,12 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logits.softmax(-1)
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+def make_generator(seed: int | None, device: torch.device | str = "cpu", *, stream: int = 0) -> torch.Generator:
+    """A generator for one request's ``stream`` (0: the target's draws, 1: the draft's); any 64-bit seed maps
+    into the range torch accepts."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(seed)
+        gen.manual_seed((seed + stream) % 2**63)
     return gen

@@ -108,7 +108,7 @@ def test_stream_yields_steps_and_an_abandoned_stream_frees_its_slot(tiny: LlamaM
         {"top_p": 1.5},
         {"top_k": 0},
         {"max_tokens": 0},
-        {"seed": -1},
+        {"seed": 2**64},
         {"stop": [""]},
         {"nonsense": 1},
     ],
@@ -156,3 +156,37 @@ def test_incremental_text_final_flushes_everything() -> None:
     text = IncrementalText(CharTokenizer(), stop=["END"])  # type: ignore[arg-type]
     assert text.update([ord("a"), ord("E")]) == "a"
     assert text.update([ord("a"), ord("E")], final=True) == "E"
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-8])
+def test_tiny_temperatures_are_numerically_safe(tiny: LlamaModel, temperature: float) -> None:
+    """A temperature the schema accepts but that overflows a naive logits / T: probabilities stay a distribution
+    (no inf or nan) and decoding, plain or speculative with sampled drafts, is the greedy one."""
+    from specserve.config import SpecConfig, SpecMethod
+    from specserve.models.tiny import noisy_copy
+
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 5
+    p = process_logits(logits, SamplingParams(temperature=temperature, seed=0))
+    assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(4))
+    assert torch.equal(p.argmax(-1), logits.argmax(-1)) and (p.max(-1).values > 0.99).all()
+    greedy = Engine(tiny, None, eos_token_ids=set()).generate([[1, 2, 3]], SamplingParams(max_tokens=12))[0]
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=1)
+    spec = SpecConfig(method=SpecMethod.chain, sl=3)  # sampled drafts: the draft samples at T too
+    for engine in (Engine(tiny, None), Engine(tiny, None, draft=noisy_copy(tiny, 0.2), speculation=spec)):
+        out = engine.generate([[1, 2, 3]], params)[0]
+        assert out.token_ids == greedy.token_ids
+
+
+def test_every_64_bit_seed_works_and_larger_ones_are_rejected(tiny: LlamaModel) -> None:
+    from specserve.config import SpecConfig, SpecMethod
+    from specserve.models.tiny import noisy_copy
+
+    spec = SpecConfig(method=SpecMethod.chain, sl=3)
+    engine = Engine(tiny, None, draft=noisy_copy(tiny, 0.2), speculation=spec)
+    for seed in (2**63 - 1, -(2**63), 0):
+        params = SamplingParams(max_tokens=8, temperature=0.8, seed=seed)
+        first, again = engine.generate([[1, 2]], params)[0], engine.generate([[1, 2]], params)[0]
+        assert first.token_ids == again.token_ids and len(first.token_ids) == 8
+    for seed in (2**63, 2**70, -(2**63) - 1):
+        with pytest.raises(pydantic.ValidationError, match="seed"):
+            SamplingParams(seed=seed)

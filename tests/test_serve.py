@@ -382,6 +382,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("chat-bad-role", CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("chat-n-three", CHAT, {**OK_CHAT, "n": 3}, 400, "n"),
     ("chat-unknown-model", CHAT, {**OK_CHAT, "model": "nope"}, 404, "model"),
+    ("lone-surrogate", COMPLETIONS, b'{"model": "tiny", "prompt": "ab\\ud800cd"}', 400, None),
+    ("chat-surrogate", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
     ("chat-long", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "word " * 800}]}, 400, None),
 ]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.config import SLPolicyKind
 
@@ -49,7 +49,7 @@ class GenerationRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     top_k: int | None = Field(default=None, description="extension: keep the k most likely tokens")
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="a 64-bit signed integer")
     stop: str | list[str] | None = Field(default=None)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -101,8 +101,20 @@ class GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _utf8(text: str) -> str:
+    """JSON may carry lone surrogates (\\ud800) that no tokenizer can encode: reject them as bad input."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text is not valid Unicode ({e.reason} at position {e.start})") from None
+    return text
+
+
+Utf8Str = Annotated[str, AfterValidator(_utf8)]
+
+
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int]
+    prompt: Utf8Str | list[int]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
@@ -121,14 +133,14 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
-    text: str
+    text: Utf8Str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: ChatRole
-    content: str | list[TextPart] | None = None
+    content: Utf8Str | list[TextPart] | None = None
     name: str | None = None
 
     @property

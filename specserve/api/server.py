@@ -6,6 +6,7 @@ A stream (SSE) whose client goes away is closed, which aborts the request and fr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -219,7 +220,7 @@ class _Routes:
                     f"the model {body.model!r} does not exist; this server serves {self.backend.model_name!r}",
                     param="model",
                 )
-            prompt_ids = encode()
+            prompt_ids = await asyncio.to_thread(encode)  # a huge prompt must not stall every other stream
             if max_tokens is None:  # chat without a limit: up to the context
                 max_tokens = max(1, self.backend.max_model_len - len(prompt_ids))
             params = sampling_params_for(body, max_tokens=max_tokens)
