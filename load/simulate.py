@@ -252,7 +252,7 @@ def _sl_state(cfg: SimConfig) -> SequenceDSDE | None:
 
 
 def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) -> SimResult:
-    planner = None if cfg.policy == PolicyName.plain else SLPlanner(cfg.spec.dsde)
+    planner = None if cfg.policy == PolicyName.plain else SLPlanner()
     tree = cfg.policy.is_tree
     width = cfg.spec.beam_width if tree else 1
     arrivals = [(r.arrival, i, r) for i, r in enumerate(requests)]

@@ -35,11 +35,7 @@ def build_step_loop(
     features: FeatureRequest | None = None,
 ) -> StepLoop:
     """``features``: the target hidden states the draft head reads (None for a draft model)."""
-    planner = SLPlanner(
-        cfg.speculation.dsde,
-        guard=ThroughputGuard() if cfg.throughput_guard else None,
-        max_step_tokens=cfg.max_step_tokens,
-    )
+    planner = SLPlanner(guard=ThroughputGuard() if cfg.throughput_guard else None, max_step_tokens=cfg.max_step_tokens)
     return StepLoop(
         target,
         draft,

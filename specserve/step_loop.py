@@ -48,7 +48,7 @@ class StepLoop:
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
-        self.planner = planner or SLPlanner(self.speculation.dsde)
+        self.planner = planner or SLPlanner()
         self.features = features  # the target hidden states a draft head reads (None: a draft model needs none)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -218,18 +218,21 @@ class Row:
 DSDE_CHAIN = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde)
 
 
-def _dsde_rows(states: list[FakeState], max_sls: list[int | None] | None = None) -> list[Row]:
+def _dsde_rows(
+    states: list[FakeState], max_sls: list[int | None] | None = None, dsde: DSDEConfig | None = None
+) -> list[Row]:
     max_sls = max_sls or [None] * len(states)
-    return [Row(DSDE_CHAIN.model_copy(update={"max_sl": m}), s) for s, m in zip(states, max_sls, strict=True)]
+    update = {"dsde": dsde or DSDEConfig()}
+    return [Row(DSDE_CHAIN.model_copy(update=update | {"max_sl": m}), s) for s, m in zip(states, max_sls, strict=True)]
 
 
 def test_planner_dsde_cap():
     states = [FakeState(16, True), FakeState(4, False), FakeState(9, False), FakeState(2, False)]
     plan = SLPlanner().plan(_dsde_rows(states))
     assert (plan.depths, plan.uncapped, plan.cap) == ([16, 4, 5, 2], [16, 4, 9, 2], 5)
-    plan = SLPlanner(DSDEConfig(cap_warmup=True)).plan(_dsde_rows(states))
+    plan = SLPlanner().plan(_dsde_rows(states, dsde=DSDEConfig(cap_warmup=True)))
     assert plan.depths == [5, 4, 5, 2]
-    plan = SLPlanner(DSDEConfig(cap_enabled=False)).plan(_dsde_rows(states))
+    plan = SLPlanner().plan(_dsde_rows(states, dsde=DSDEConfig(cap_enabled=False)))
     assert (plan.depths, plan.cap) == ([16, 4, 9, 2], None)
     # per-request max_sl applies after the cap, and SL stays >= 1
     plan = SLPlanner().plan(_dsde_rows(states, [3, None, 1, 8]))
@@ -237,7 +240,23 @@ def test_planner_dsde_cap():
     assert SLPlanner().plan([]).depths == []
     # only warm-up sequences: no cap
     warm = [FakeState(8, True), FakeState(4, True)]
-    assert SLPlanner(DSDEConfig(cap_warmup=True)).plan(_dsde_rows(warm)).cap is None
+    assert SLPlanner().plan(_dsde_rows(warm, dsde=DSDEConfig(cap_warmup=True))).cap is None
+
+
+def test_planner_reads_each_requests_own_cap_settings_and_caps_chains_and_trees_apart():
+    # a request that turned the cap off is neither capped nor counted; one that caps warm-up is capped in warm-up
+    off = DSDE_CHAIN.model_copy(update={"dsde": DSDEConfig(cap_enabled=False)})
+    warm = DSDE_CHAIN.model_copy(update={"dsde": DSDEConfig(cap_warmup=True)})
+    rows = [Row(off, FakeState(16, False)), Row(DSDE_CHAIN, FakeState(2, False)), Row(DSDE_CHAIN, FakeState(8, False))]
+    rows.append(Row(warm, FakeState(12, True)))
+    plan = SLPlanner().plan(rows)
+    assert plan.cap == 5 and plan.depths == [16, 2, 5, 5]  # ceil((2 + 8) / 2) = 5
+    # chains and trees draft in separate loops: each kind has its own cap
+    tree = SpecConfig(method=SpecMethod.ddd, policy=SLPolicyKind.dsde, ddd_max_depth=16)
+    rows = [Row(DSDE_CHAIN, FakeState(2, False)), Row(DSDE_CHAIN, FakeState(4, False))]
+    rows += [Row(tree, FakeState(12, False)), Row(tree, FakeState(16, False))]
+    plan = SLPlanner().plan(rows)
+    assert plan.depths == [2, 3, 12, 14] and plan.cap == 14
 
 
 def test_planner_static_and_trees():

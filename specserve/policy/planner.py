@@ -12,7 +12,7 @@ from typing import Protocol
 
 from specserve.config import SpecConfig, SpecMethod
 from specserve.guard import ThroughputGuard
-from specserve.policy.dsde import DSDEConfig, SLState, apply_cap, sl_cap
+from specserve.policy.dsde import SLState, apply_cap, sl_cap
 
 
 class PlanRow(Protocol):
@@ -33,14 +33,7 @@ class StepPlan:
 
 
 class SLPlanner:
-    def __init__(
-        self,
-        dsde: DSDEConfig | None = None,
-        *,
-        guard: ThroughputGuard | None = None,
-        max_step_tokens: int | None = None,
-    ) -> None:
-        self.dsde = dsde or DSDEConfig()  # SL_cap settings for the lock-step batch
+    def __init__(self, *, guard: ThroughputGuard | None = None, max_step_tokens: int | None = None) -> None:
         self.guard = guard  # None: always speculate as planned
         self.max_step_tokens = max_step_tokens  # drafted tokens + batch size verified per step (None: no limit)
 
@@ -50,18 +43,29 @@ class SLPlanner:
         depths = [self._depth(r.spec, sl) for r, sl in zip(rows, sls, strict=True)]
         return StepPlan(self._guard(rows, depths), uncapped, cap)
 
-    def _cap(self, rows: Sequence[PlanRow], uncapped: list[int]) -> tuple[list[int], int | None]:
-        """SL_cap over the DSDE sequences of the batch (docs/algorithms.md §5)."""
+    @staticmethod
+    def _cap(rows: Sequence[PlanRow], uncapped: list[int]) -> tuple[list[int], int | None]:
+        """SL_cap (docs/algorithms.md §5), one per drafting loop: chains and trees draft in separate lock-step
+        loops, so each kind gets the cap of its own DSDE sequences. Each sequence's own ``cap_enabled`` /
+        ``cap_warmup`` decide whether it counts and is capped. Returns the SLs and the larger cap (reported)."""
         sls = list(uncapped)
-        dsde = [i for i, r in enumerate(rows) if r.sl_state is not None]
-        if not dsde:
-            return sls, None
-        warm = [rows[i].sl_state.in_warmup for i in dsde]  # type: ignore[union-attr]
-        own = [uncapped[i] for i in dsde]
-        cap = sl_cap(own, [not w for w in warm]) if self.dsde.cap_enabled else None
-        for i, sl in zip(dsde, apply_cap(own, cap, warm, self.dsde.cap_warmup), strict=True):
-            sls[i] = sl
-        return sls, cap
+        caps: list[int] = []
+        for tree in (False, True):
+            group = [
+                i
+                for i, r in enumerate(rows)
+                if r.sl_state is not None and r.spec.is_tree == tree and r.spec.dsde.cap_enabled
+            ]
+            if not group:
+                continue
+            warm = [rows[i].sl_state.in_warmup for i in group]  # type: ignore[union-attr]
+            cap = sl_cap([uncapped[i] for i in group], [not w for w in warm])
+            if cap is None:
+                continue
+            caps.append(cap)
+            for i, w in zip(group, warm, strict=True):
+                sls[i] = apply_cap([uncapped[i]], cap, [w], rows[i].spec.dsde.cap_warmup)[0]
+        return sls, max(caps, default=None)
 
     @staticmethod
     def _depth(spec: SpecConfig, sl: int) -> int:
