@@ -134,6 +134,11 @@ class SpecConfig(BaseModel):
     ddd_check_steps: tuple[int, ...] = (5, 7, 9)
     ddd_threshold: float = Field(default=-0.3, le=0.0, description="DDD x: stop when H_d < x at a check step")
     ddd_check_every_step: bool = False  # read H on the host after every level (for comparison)
+    ddd_count_first_forward: bool = Field(
+        default=True,
+        description="check step d = the d-th draft forward, the first (the root's) included; False: count the "
+        "forwards after it, as EAGLE-2's depth loop does (every check then happens one level deeper)",
+    )
 
     @property
     def static_depth(self) -> int:

@@ -80,7 +80,7 @@ class StepLoop:
         text = IncrementalText(self.tokenizer, request.params.stop)
         seq = Sequence(next(self._ids), request, text, spec=spec)
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
-            seq.sl_state = SequenceDSDE(spec.dsde)
+            seq.sl_state = SequenceDSDE(spec.dsde, request.params.temperature)
         self._by_request[request.request_id] = seq
         self.waiting.append(seq)
         for obs in self.observers:

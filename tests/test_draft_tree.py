@@ -6,7 +6,9 @@ import math
 
 import torch
 
-from specserve.spec_decode.eagle2 import TreeBuilder, beam_mass, ddd_should_stop
+from specserve.config import SpecConfig, SpecMethod
+from specserve.spec_decode.draft_state import DraftState
+from specserve.spec_decode.eagle2 import TreeBuilder, beam_mass, ddd_should_stop, grow_trees
 
 
 def logq_rows(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:
@@ -51,3 +53,49 @@ def test_ddd_rule_only_fires_at_check_steps() -> None:
     assert not ddd_should_stop(-1.0, 6, (5, 7, 9), -0.3, every_step=False)
     assert ddd_should_stop(-1.0, 6, (5, 7, 9), -0.3, every_step=True)
     assert not ddd_should_stop(-0.2, 5, (5, 7, 9), -0.3, every_step=False)
+
+
+def _states(specs: list[SpecConfig], depth: int) -> list[DraftState]:
+    from specserve.messages import ProposeItem
+    from specserve.sampling import SamplingParams
+
+    return [
+        DraftState(ProposeItem(i, [1], [], depth, spec), SamplingParams(), None, feed=[1], root_idx=0)
+        for i, spec in enumerate(specs)
+    ]
+
+
+def _run_trees(states: list[DraftState], peaked: list[bool], vocab: int = 50) -> int:
+    """grow_trees over a fake draft: a peaked sequence's q puts 0.999 on one token (H stays near 0), the others'
+    q is uniform (H drops by log(1/V) a level)."""
+
+    def logits_for(i: int, rows: int) -> torch.Tensor:
+        if not peaked[i]:
+            return torch.zeros(rows, vocab)
+        out = torch.full((rows, vocab), -20.0)
+        out[:, 7] = 0.0
+        return out
+
+    def forward(sts, tokens, *, num_logits=None, positions=None, masks=None, parent_rows=None):  # type: ignore[no-untyped-def]
+        return [logits_for(s.item.seq_id, len(t)) for s, t in zip(sts, tokens, strict=True)]
+
+    return grow_trees([(s, logits_for(s.item.seq_id, 1)) for s in states], forward, torch.device("cpu"))
+
+
+def test_ddd_stops_each_sequence_on_its_own_h_and_syncs_only_at_check_steps() -> None:
+    spec = SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=20, ddd_check_steps=(3, 5), ddd_threshold=-0.5)
+    states = _states([spec, spec], depth=8)
+    reads = _run_trees(states, peaked=[False, True])
+    assert [s.depth for s in states] == [3, 8]  # uniform q: H_3 ~ -11 < x; peaked: H stays ~0 until the budget
+    assert reads == 1 + 2  # the stopped one read H once; the other at both check steps
+
+
+def test_ddd_check_step_counting_switch() -> None:
+    """Default: check step d = the d-th forward (the root's included); the EAGLE-2 reading checks a level later."""
+    spec = SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=20, ddd_check_steps=(3,), ddd_threshold=-0.5)
+    later = spec.model_copy(update={"ddd_count_first_forward": False})
+    states = _states([spec, later], depth=8)
+    _run_trees(states, peaked=[False, False])
+    assert [s.depth for s in states] == [3, 4]
+    eagle2 = _states([SpecConfig(method=SpecMethod.eagle2, beam_width=2, budget=20, tree_depth=8)], depth=6)
+    assert _run_trees(eagle2, peaked=[False]) == 0 and eagle2[0].depth == 6  # EAGLE-2: the budget, no H reads

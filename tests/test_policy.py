@@ -513,3 +513,24 @@ def test_kld_sparse_error_on_peaked_random_distributions():
     same_l = kld_sparse(q, idx, prob, tail=SparseTail.lumped)
     assert same_u.mean().item() > 0.02
     assert same_l.abs().max().item() < 1e-9
+
+
+def test_kld_over_temperature_switch_scales_the_signal_before_sf():
+    """The reference variant divides the last step's mean KLD by the temperature before SF: at T = 0.5 a KLD
+    of 0.1 acts like 0.2 (a lower SL); at T = 0 (greedy) nothing changes; the default ignores T."""
+    cfg = DSDEConfig(n_long=4, n_short=2)
+    ref = cfg.model_copy(update={"kld_over_temperature": True})
+
+    def sl_after(c: DSDEConfig, temperature: float) -> int:
+        s = SequenceDSDE(c, temperature)
+        s.observe([0.1, 0.1], 2, 2)
+        s.observe([0.1, 0.1, 0.1, 0.1], 4, 4)  # leaves warm-up: A_max 4, SL_max = round(4 (1 + 0.1 / 0.1)) = 8
+        for _ in range(3):
+            s.observe([0.1, 0.1], 2, 1)
+        return s.next_sl()
+
+    base = sl_after(cfg, 0.5)
+    assert sl_after(cfg, 2.0) == base  # the default ignores the temperature
+    assert sl_after(ref, 0.0) == base and sl_after(ref, 1.0) == base
+    assert sl_after(ref, 0.5) < base  # doubled KLD: a larger SF
+    assert not cfg.kld_over_temperature and DSDEConfig.reference().kld_over_temperature

@@ -74,6 +74,11 @@ class DSDEConfig(BaseModel):
     flat_kld: FlatKLD = Field(default=FlatKLD.stable, description="WVIR for a flat history: stable=1.0, reference=20.0")
     short_window: ShortWindow = ShortWindow.paper
     sl_min_rule: SLMinRule = SLMinRule.paper
+    kld_over_temperature: bool = Field(
+        default=False,
+        description="[choice] the reference code divides the last step's mean KLD by the sampling temperature "
+        "before SF (greedy requests: unchanged); the paper does not",
+    )
     record_past_rejection: bool = Field(
         default=False,
         description="[choice] False: KLD at the accepted positions plus the first rejected one; True (reference "
@@ -95,7 +100,8 @@ class DSDEConfig(BaseModel):
     @classmethod
     def reference(cls, **overrides: object) -> DSDEConfig:
         """The published reference code's variants of every [choice] (delta 0.9, short = n // 3, flat WVIR 20,
-        c 0.5, SL_min = ceil(0.1 SL_max) with floor 1, KLD recorded past the first rejection).
+        c 0.5, SL_min = ceil(0.1 SL_max) with floor 1, KLD recorded past the first rejection, KLD / temperature
+        before SF).
         The floor 1 is this package's reading of the code's configured k_min; override it if needed."""
         values: dict[str, object] = {
             "delta": 0.9,
@@ -105,6 +111,7 @@ class DSDEConfig(BaseModel):
             "sl_min_rule": SLMinRule.reference,
             "sl_min": 1,
             "record_past_rejection": True,
+            "kld_over_temperature": True,
         }
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
@@ -262,6 +269,7 @@ class SequenceDSDE:
         "_kld_sum",
         "_last_mean",
         "_sl",
+        "_temperature",
         "dropped_klds",
         "history",
         "positions",
@@ -270,8 +278,9 @@ class SequenceDSDE:
         "steps",
     )
 
-    def __init__(self, cfg: DSDEConfig) -> None:
+    def __init__(self, cfg: DSDEConfig, temperature: float = 1.0) -> None:
         self._cfg = cfg
+        self._temperature = temperature  # the request's sampling temperature (kld_over_temperature)
         self.history: deque[float] = deque(maxlen=cfg.n_long)
         self.positions = 0  # verified positions so far
         self.steps = 0  # observed steps
@@ -340,9 +349,10 @@ class SequenceDSDE:
                 return
             self.sl_min, self.sl_max = calibrate(self._a_max, self.warmup_kld_mean, self._kld_max, cfg)
         assert self.sl_min is not None and self.sl_max is not None
-        self._sl = predict_sl(
-            wvir(self.history, cfg), scale_factor(self._last_mean, cfg.alpha), self.sl_min, self.sl_max
-        )
+        m = self._last_mean
+        if cfg.kld_over_temperature and self._temperature > 0:  # the reference code's variant (§4.4)
+            m /= self._temperature
+        self._sl = predict_sl(wvir(self.history, cfg), scale_factor(m, cfg.alpha), self.sl_min, self.sl_max)
 
 
 # ───────────────────────── what the planner reads ─────────────────────────

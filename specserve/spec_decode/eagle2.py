@@ -177,11 +177,12 @@ def _tree_done(s: DraftState) -> tuple[bool, int]:
     if s.depth >= s.item.depth:
         return True, 0
     spec = s.item.spec
-    if spec.method != SpecMethod.ddd or not is_check_step(s.depth, spec.ddd_check_steps, spec.ddd_check_every_step):
+    step = s.depth if spec.ddd_count_first_forward else s.depth - 1  # docs/algorithms.md §3.2
+    if spec.method != SpecMethod.ddd or not is_check_step(step, spec.ddd_check_steps, spec.ddd_check_every_step):
         return False, 0
     assert s.tree is not None
     h = float(beam_mass(s.tree.builder.beam_scores))  # host sync: DDD's check, only at check steps
-    return ddd_should_stop(h, s.depth, spec.ddd_check_steps, spec.ddd_threshold, spec.ddd_check_every_step), 1
+    return ddd_should_stop(h, step, spec.ddd_check_steps, spec.ddd_threshold, spec.ddd_check_every_step), 1
 
 
 def tree_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
