@@ -15,7 +15,7 @@ from specserve.errors import UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
-from specserve.spec_decode.eagle_head import HeadKind, load_eagle_head
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
 
 H, FF, NH, NKV, D, V = 64, 160, 4, 2, 16, 512  # the tiny target's shapes
 THETA = 10000.0
@@ -236,3 +236,43 @@ def test_save_then_load_roundtrip(tmp_path: Path, target: LlamaModel) -> None:
     assert again.draft_ids.tolist() == list(range(0, V, 2))
     tokens, feats = torch.tensor([3, 4, 5, 6]), torch.randn(4, H, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(run_head(again, tokens, feats)[1], run_head(head, tokens, feats)[1])
+
+
+def test_shipped_head_is_intact_and_documented() -> None:
+    """The committed SmolLM2 head: weights match their sha256, at most 20 MB, with provenance and a vocabulary map."""
+    import hashlib
+
+    from specserve.config import HeadSpec
+
+    d = HeadSpec(head="smollm2-eagle").path()
+    weights = d / "model.safetensors"
+    assert weights.stat().st_size <= 20 * 1024 * 1024
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert (d / "model.safetensors.sha256").read_text().split()[0] == digest
+    prov = json.loads((d / "provenance.json").read_text())
+    assert prov["sha256"] == digest and prov["command"].startswith("specserve train-draft")
+    assert {"data", "train", "draft_vocab", "seconds"} <= set(prov) and prov["train"]["seed"] == 0
+    assert "never MT-bench" in prov["data"]["source"]
+    vocab = json.loads((d / "vocab_map.json").read_text())
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["specserve_target"] == "smollm2-135m-instruct"
+    assert len(vocab["by_frequency"]) >= prov["draft_vocab"]["size"] and set(vocab["forced"]) <= set(
+        vocab["by_frequency"][: len(vocab["forced"])]
+    )
+
+
+@pytest.mark.real_model
+def test_shipped_head_loads_on_its_target_with_any_vocabulary_prefix() -> None:
+    from specserve.config import MODEL_PAIRS, HeadSpec
+    from specserve.models.loader import load_draft, load_model
+
+    target_spec, head_spec = MODEL_PAIRS["smollm2-eagle"]
+    assert isinstance(head_spec, HeadSpec)
+    target = load_model(target_spec)
+    head = load_draft(head_spec, target)
+    assert isinstance(head, EagleHead) and head.trained_for == "smollm2-135m-instruct"
+    small = load_draft(head_spec.model_copy(update={"draft_vocab": 1024}), target)
+    assert isinstance(small, EagleHead) and small.draft_vocab_size == 1024
+    assert set(small.draft_ids.tolist()) < set(head.draft_ids.tolist())  # a prefix of the trained vocabulary
+    full = load_draft(head_spec.model_copy(update={"draft_vocab": target.cfg.vocab_size}), target)
+    assert isinstance(full, EagleHead) and full.draft_vocab_size == target.cfg.vocab_size

@@ -63,7 +63,8 @@ class ForwardBatch:
         masks = tree_masks or [None] * b_size
         causal = all(m is None for m in masks)
         need_mask = b_size > 1 or not causal or (q_len > 1 and starts[0] > 0)
-        mask = torch.zeros(b_size, q_len, k_len, dtype=torch.bool) if need_mask else None
+        # built where the forward runs: tree masks made on the device are copied in without a host round trip
+        mask = torch.zeros(b_size, q_len, k_len, dtype=torch.bool, device=device) if need_mask else None
         w_slot: list[int] = []
         w_pos: list[int] = []
         w_from: list[int] = []

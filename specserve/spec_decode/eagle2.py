@@ -66,8 +66,10 @@ class TreeBuilder:
         top_logq, top_tok = logq.topk(self.width, dim=-1)  # [n_beam, w]
         if token_ids is not None:
             top_tok = token_ids[top_tok]
-        parent_ids = self.beam if self.depth > 0 else torch.tensor([-1])
-        scores = (self.beam_scores[:, None] + top_logq).flatten()  # [n_beam * w]
+        dev = logq.device
+        parent_ids = self.beam if self.depth > 0 else torch.full((1,), -1, dtype=torch.long, device=dev)
+        beam_scores = self.beam_scores if self.depth > 0 else torch.zeros(1, device=dev)  # the root's score: 0
+        scores = (beam_scores[:, None] + top_logq).flatten()  # [n_beam * w]
         self.tokens.append(top_tok.flatten())
         self.parents.append(parent_ids.repeat_interleave(self.width))
         self.scores.append(scores)

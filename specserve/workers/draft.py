@@ -32,7 +32,7 @@ class DraftWorker:
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
         self.params[seq_id] = params
-        self.generators[seq_id] = make_generator(params.seed, stream=1)
+        self.generators[seq_id] = make_generator(params.seed, self.model.device, stream=1)
 
     def release(self, seq_ids: list[int]) -> None:
         self.table.release(seq_ids)

@@ -59,7 +59,7 @@ class HeadDraftWorker:
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
         self.params[seq_id] = params
-        self.generators[seq_id] = make_generator(params.seed, stream=1)
+        self.generators[seq_id] = make_generator(params.seed, self.head.device, stream=1)
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

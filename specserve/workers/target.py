@@ -31,7 +31,7 @@ class TargetWorker:
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
         self.params[seq_id] = params
-        self.generators[seq_id] = make_generator(params.seed)
+        self.generators[seq_id] = make_generator(params.seed, self.model.device)
 
     def release(self, seq_ids: list[int]) -> None:
         self.table.release(seq_ids)
