@@ -88,6 +88,32 @@ def build_dataset(
     return out
 
 
+def build_text_dataset(
+    model: LlamaModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: Path,
+    pairs: list[tuple[str, str]],
+    chunk_size: int = 64,
+    progress: ProgressFn | None = None,
+) -> Path:
+    """Teacher-forced conversations (prompt, an offline text as the answer): features from one prefill each, no
+    generation, so ~6x cheaper per token than ``build_dataset``. The head still learns the target's own
+    next-token distributions (the trainer computes them from the features)."""
+    out.mkdir(parents=True, exist_ok=True)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for n in range(0, len(pairs), chunk_size):
+        path = out / f"chunk_{n // chunk_size:05d}.safetensors"
+        if not path.exists():
+            convs = []
+            for prompt, text in pairs[n : n + chunk_size]:
+                ids = chat_ids(tokenizer, prompt)
+                convs.append(Conversation(ids + tokenizer.encode(text, add_special_tokens=False) + eos, len(ids)))
+            write_chunk(path, convs, final_features(model, convs))
+        if progress is not None:
+            progress(min(n + chunk_size, len(pairs)), len(pairs))
+    return out
+
+
 def write_chunk(path: Path, convs: list[Conversation], feats: list[torch.Tensor]) -> None:
     lens = [len(c.tokens) for c in convs]
     offsets = torch.tensor([0, *lens]).cumsum(0)

@@ -19,8 +19,15 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.models.llama import LlamaModel
 from specserve.spec_decode.eagle_head import EagleHead, save_eagle_head
-from specserve.train.distill import AnswerFn, DistillConfig, build_dataset, chat_ids, iter_samples
-from specserve.train.seed_prompts import seed_prompts
+from specserve.train.distill import (
+    AnswerFn,
+    DistillConfig,
+    build_dataset,
+    build_text_dataset,
+    chat_ids,
+    iter_samples,
+)
+from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.trainer import TrainConfig, train_head, write_provenance
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
@@ -31,6 +38,7 @@ class TrainDraftConfig:
     data: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     draft_vocab: int = 8192
+    text_passages: int = 0  # teacher-forced offline texts (stdlib docstrings) next to the distilled answers
     quick: bool = False
 
     @staticmethod
@@ -101,8 +109,13 @@ def train_draft(
     build_dataset(
         target, tokenizer, answer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations")
     )
-    t_data = time.perf_counter() - t0
     samples = list(iter_samples(data_dir))
+    if cfg.text_passages:
+        pairs = text_passages(cfg.text_passages, cfg.data.seed)
+        text_dir = work_dir / "text"
+        build_text_dataset(target, tokenizer, text_dir, pairs, progress=lambda d, n: log(f"text: {d}/{n} passages"))
+        samples += list(iter_samples(text_dir))
+    t_data = time.perf_counter() - t0
     counts = token_counts((s.tokens for s in samples), target.cfg.vocab_size)
     size = min(cfg.draft_vocab, target.cfg.vocab_size)
     draft_ids = top_vocab(counts, size, special_ids(tokenizer))
@@ -125,6 +138,9 @@ def train_draft(
                 **asdict(cfg.data),
                 "source": "specserve.train.seed_prompts (templates + Python stdlib docs), answered greedily by the "
                 "target through its chat template; never MT-bench",
+                "text_passages": cfg.text_passages,
+                "text_source": "specserve.train.seed_prompts.text_passages: Python standard-library docstrings as "
+                "teacher-forced answers",
                 "conversations": len(samples),
                 "tokens": int(sum(len(s.tokens) for s in samples)),
             },
@@ -160,6 +176,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default 8192)")
+    p.add_argument("--text-passages", type=int, default=0, help="teacher-forced stdlib docstrings to add")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64, help="conversations generated together")
     p.add_argument("--quick", action="store_true", help="a few prompts and steps: seconds, for tests")
@@ -188,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         data=replace(cfg.data, **data),
         train=replace(cfg.train, **train),
         draft_vocab=args.draft_vocab or cfg.draft_vocab,
+        text_passages=args.text_passages,
     )
     engine = Engine(target, tokenizer, max_batch_size=args.batch_size, max_model_len=1024)
     eos = tokenizer.eos_token_id

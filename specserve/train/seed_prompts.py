@@ -334,3 +334,71 @@ def seed_prompts(n: int, seed: int = 0) -> list[str]:
             seen.add(prompt)
             out.append(prompt)
     return out
+
+
+SKIP_MODULES = (
+    "antigravity",
+    "this",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "__main__",
+    "pydoc_data",
+    "lib2to3",
+)
+
+
+def docstring_passages(min_chars: int = 150, max_chars: int = 3000) -> list[tuple[str, str]]:
+    """(name, text) of standard-library modules, their public classes, functions and methods, and the help
+    topics: offline English text about code, answered "in the target's voice" by teacher forcing
+    (``distill.build_text_dataset``)."""
+    import inspect
+    import sys
+    import warnings
+
+    out: list[tuple[str, str]] = []
+    for mod_name in sorted(sys.stdlib_module_names):
+        if mod_name.startswith("_") or mod_name.startswith(SKIP_MODULES):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mod = importlib.import_module(mod_name)
+        except Exception:  # platform-specific or optional modules
+            continue
+        objects = [(mod_name, mod)] + [
+            (f"{mod_name}.{k}", v)
+            for k, v in sorted(vars(mod).items())
+            if not k.startswith("_") and (inspect.isclass(v) or inspect.isfunction(v)) and v.__module__ == mod_name
+        ]
+        objects += [
+            (f"{name}.{k}", v)
+            for name, cls in list(objects[1:])
+            if inspect.isclass(cls)
+            for k, v in sorted(vars(cls).items())
+            if not k.startswith("_") and inspect.isfunction(v)
+        ]
+        for name, obj in objects:
+            doc = inspect.getdoc(obj)
+            if doc and min_chars <= len(doc) <= max_chars:
+                out.append((name, doc))
+    try:
+        from pydoc_data.topics import topics  # type: ignore[import-not-found]
+    except ImportError:
+        return out
+    for key in sorted(topics):
+        text = topics[key]
+        for i in range(0, len(text), max_chars):
+            if len(text[i : i + max_chars]) >= min_chars:
+                out.append((f"the Python topic '{key}'", text[i : i + max_chars]))
+    return out
+
+
+def text_passages(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """``n`` (prompt, answer text) pairs for teacher-forced features, deterministic for a seed."""
+    pairs = docstring_passages()
+    rng = random.Random(seed)
+    rng.shuffle(pairs)
+    asks = ["Explain {name}.", "What does {name} do?", "Describe {name} in Python.", "How do I use {name}?"]
+    return [(rng.choice(asks).format(name=name), doc) for name, doc in pairs[:n]]
