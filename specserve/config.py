@@ -210,6 +210,8 @@ def derived_draft(target: ModelSpec, kind: str) -> ModelSpec:
 
 MODEL_PAIRS: dict[str, tuple[ModelSpec, DraftSpec]] = {
     "smollm2-eagle": (ModelSpec(), HeadSpec(head="smollm2-eagle")),
+    # bf16 target: on CPUs with AMX-BF16 a 16-token verify costs ~1.2 plain steps instead of ~2.4 (fp32)
+    "smollm2-eagle-bf16": (ModelSpec(dtype=DType.bfloat16), HeadSpec(head="smollm2-eagle")),
     "smollm2-int8": (ModelSpec(), derived_draft(ModelSpec(), "int8")),
     "smollm2-bf16": (ModelSpec(), derived_draft(ModelSpec(), "bf16")),
     "smollm2-fp16": (ModelSpec(), derived_draft(ModelSpec(), "fp16")),

@@ -13,6 +13,8 @@ from specserve.detok import IncrementalText
 from specserve.policy import SequenceDSDE
 from specserve.sampling import SamplingParams
 
+MAX_QUEUED_FEATURES = 2048  # rows of target features a sequence holds for its draft head between proposals
+
 
 class FinishReason(str, Enum):
     stop = "stop"  # EOS or a stop string
@@ -87,8 +89,10 @@ class Sequence:
 
     def add_features(self, rows: torch.Tensor, start: int) -> None:
         """Queue the hidden states [n, F] of positions start..start+n-1; a non-contiguous start (the target
-        re-prefilled after a restart) drops the queue first."""
-        if self.features and self.features_from + sum(f.shape[0] for f in self.features) != start:
+        re-prefilled after a restart) drops the queue first, and so does a queue past MAX_QUEUED_FEATURES rows
+        (a sequence the guard kept on plain steps for long: the head restarts from the newer features)."""
+        queued = sum(f.shape[0] for f in self.features)
+        if self.features and (self.features_from + queued != start or queued > MAX_QUEUED_FEATURES):
             self.features = []
         if not self.features:
             self.features_from = start

@@ -119,3 +119,21 @@ def _reference_keys(target: LlamaModel, head: EagleHead, kind: HeadKind, tokens:
     batch = ForwardBatch.build(hcache, [hslot], [tokens[1 : n + 1]])
     head(batch.tokens, feats, batch, hcache)
     return hcache.k[0][hslot, :, :n].clone()
+
+
+def test_feature_queue_is_bounded_and_restarts_on_a_gap() -> None:
+    from specserve.detok import IncrementalText
+    from specserve.sequence import MAX_QUEUED_FEATURES, Request, Sequence
+
+    seq = Sequence(0, Request("r", [1, 2, 3], SamplingParams()), IncrementalText(None, ()))
+    seq.add_features(torch.zeros(3, 4), start=0)
+    seq.add_features(torch.ones(2, 4), start=3)  # contiguous: queued behind
+    assert seq.features_from == 0 and sum(f.shape[0] for f in seq.features) == 5
+    seq.add_features(torch.ones(1, 4), start=9)  # a gap: the queue restarts there
+    assert seq.features_from == 9 and len(seq.features) == 1
+    start = 10
+    while sum(f.shape[0] for f in seq.features) <= MAX_QUEUED_FEATURES:
+        seq.add_features(torch.ones(256, 4), start=start)
+        start += 256
+    seq.add_features(torch.ones(1, 4), start=start)  # over the bound: only the newest rows stay
+    assert seq.features_from == start and sum(f.shape[0] for f in seq.features) == 1

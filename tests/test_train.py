@@ -14,7 +14,7 @@ import torch
 from specserve.models.tiny import tiny_model
 from specserve.spec_decode.eagle_head import load_eagle_head
 from specserve.train.distill import Sample
-from specserve.train.seed_prompts import seed_prompts
+from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.trainer import TrainConfig, train_head, ttt_mask
 from specserve.train.vocab import column_of, coverage, token_counts, top_vocab
 
@@ -94,6 +94,10 @@ def test_seed_prompts_are_not_the_evaluation_set() -> None:
     assert seed_prompts(50, seed=1) != prompts[:50]
     shared = [p for p in prompts if shingles(p) & bench]
     assert not shared, shared[:3]
+    texts = text_passages(400, seed=0)
+    assert texts == text_passages(400, seed=0) and len(texts) == 400
+    leaked = [q for q, a in texts if (shingles(q) | shingles(a)) & bench]
+    assert not leaked, leaked[:3]
 
 
 @pytest.mark.real_model
@@ -103,9 +107,12 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
     from specserve.models.loader import load_model
 
     out = tmp_path / "head"
-    assert main(["train-draft", "--quick", "--out", str(out)]) == 0
+    assert main(["train-draft", "--quick", "--text-passages", "3", "--out", str(out)]) == 0
     prov = json.loads((out / "provenance.json").read_text())
-    assert prov["data"]["conversations"] == 8 and prov["sha256"] in (out / "model.safetensors.sha256").read_text()
+    assert prov["data"]["conversations"] == 8 + 3 and prov["data"]["text_passages"] == 3
+    assert prov["sha256"] in (out / "model.safetensors.sha256").read_text()
+    vocab = json.loads((out / "vocab_map.json").read_text())
+    assert vocab["by_frequency"][: len(vocab["forced"])] == vocab["forced"]
     target = load_model(ModelSpec())
     head = load_eagle_head(out, target)
     assert head.trained_for == "smollm2-135m-instruct"

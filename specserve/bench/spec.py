@@ -23,7 +23,6 @@ from specserve.bench.prompt_sets import load_prompts, mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, ChainDraft, HeadSpec, ModelSpec, SpecConfig, SpecMethod
 from specserve.engine import Completion, Engine
-from specserve.errors import InvalidRequestError
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.sources import resolve
@@ -149,39 +148,48 @@ def _row(
 
 
 def run(args: argparse.Namespace) -> int:
-    targets = {MODEL_PAIRS[p][0] for p in args.pairs}
-    if len(targets) != 1:
-        raise InvalidRequestError(f"the pairs {args.pairs} do not share one target")
-    target_spec: ModelSpec = targets.pop()
-    target = load_model(target_spec)
-    tok = load_tokenizer(target_spec)
-    plain = Engine(target, tok, max_batch_size=1)
-    bench = load_prompts(args.prompts, args.num_prompts) if args.prompts else mt_bench_prompts(args.num_prompts)
-    prompts = [plain.encode(p.text, chat=True) for p in bench]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    drafts = {}
+    """Every target of ``--pairs`` gets its own plain row (its greedy reference); ratios are to the first plain."""
+    target_specs: list[ModelSpec] = []
     for pair in args.pairs:
-        spec = MODEL_PAIRS[pair][1]
-        if isinstance(spec, HeadSpec) and args.draft_vocab:
-            for v in args.draft_vocab:
-                drafts[f"{pair} V={v}"] = load_draft(spec.model_copy(update={"draft_vocab": v}), target)
-        else:
-            drafts[pair] = load_draft(spec, target)
-    methods = [Method("plain", "", SpecConfig(method=SpecMethod.none))]
-    for label, draft in drafts.items():
-        methods += methods_for(args, label, target, draft, prompts)
-    engines = [plain] + [
-        Engine(
-            target,
-            tok,
-            draft=drafts[m.draft],
-            speculation=m.spec,
-            max_batch_size=1,
-            max_model_len=1024,
-            spec_headroom=max(64, m.spec.budget),
-        )
-        for m in methods[1:]
-    ]
+        if MODEL_PAIRS[pair][0] not in target_specs:
+            target_specs.append(MODEL_PAIRS[pair][0])
+    targets = {t: load_model(t) for t in target_specs}
+    tok = load_tokenizer(target_specs[0])
+    first = Engine(targets[target_specs[0]], tok, max_batch_size=1)
+    bench = load_prompts(args.prompts, args.num_prompts) if args.prompts else mt_bench_prompts(args.num_prompts)
+    prompts = [first.encode(p.text, chat=True) for p in bench]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    methods: list[Method] = []
+    engines: list[Engine] = []
+    plain_of: list[int] = []  # index of each method's plain row (its greedy reference)
+    for t_spec in target_specs:
+        target = targets[t_spec]
+        t_label = "" if len(target_specs) == 1 else f" ({t_spec.dtype.value})"
+        plain_row = len(methods)
+        methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))
+        engines.append(first if plain_row == 0 else Engine(target, tok, max_batch_size=1))
+        plain_of.append(plain_row)
+        for pair in (p for p in args.pairs if MODEL_PAIRS[p][0] == t_spec):
+            spec = MODEL_PAIRS[pair][1]
+            drafts = {pair: spec}
+            if isinstance(spec, HeadSpec) and args.draft_vocab:
+                drafts = {f"{pair} V={v}": spec.model_copy(update={"draft_vocab": v}) for v in args.draft_vocab}
+            for label, d_spec in drafts.items():
+                draft = load_draft(d_spec, target)
+                for method in methods_for(args, label, target, draft, prompts):
+                    methods.append(method)
+                    engines.append(
+                        Engine(
+                            target,
+                            tok,
+                            draft=draft,
+                            speculation=method.spec,
+                            max_batch_size=1,
+                            max_model_len=1024,
+                            spec_headroom=max(64, method.spec.budget),
+                        )
+                    )
+                    plain_of.append(plain_row)
     seconds = [0.0] * len(methods)
     outs: list[list[Completion]] = [[] for _ in methods]
     for i, p in enumerate(prompts):  # interleaved: load changes on a shared machine hit every method alike
@@ -191,13 +199,18 @@ def run(args: argparse.Namespace) -> int:
             seconds[m] += time.perf_counter() - t0
         rates = [sum(len(o.token_ids) for o in outs[m]) / seconds[m] for m in range(len(methods))]
         print(f"prompt {i + 1}/{len(prompts)}: " + "  ".join(f"{r:.1f}" for r in rates) + " tok/s", flush=True)
+    rows = [
+        _row(m, e, o, s, [c.token_ids for c in outs[plain_of[i]]])
+        for i, (m, e, o, s) in enumerate(zip(methods, engines, outs, seconds, strict=True))
+    ]
     reference = [o.token_ids for o in outs[0]]
-    rows = [_row(*r, reference) for r in zip(methods, engines, outs, seconds, strict=True)]
+    target_spec = target_specs[0]
+    target = targets[target_spec]
     if args.assisted:
         for pair in args.pairs:
             draft_spec = MODEL_PAIRS[pair][1]
-            if isinstance(draft_spec, HeadSpec):
-                continue  # transformers has no EAGLE heads
+            if isinstance(draft_spec, HeadSpec) or MODEL_PAIRS[pair][0] != target_spec:
+                continue  # transformers has no EAGLE heads; the first target only
             path = resolve(target_spec)
             hf_t, hf_d = _hf_twin(target, path, False), _hf_twin(target, path, draft_spec.int8_dynamic)
             if not draft_spec.int8_dynamic:
