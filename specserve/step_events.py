@@ -82,6 +82,7 @@ class StepMetrics:
     planned: list[int]  # planned depth per sequence
     uncapped: list[int]  # the policy's SL_i before SL_cap, max_sl and the guard (static: its depth)
     cap: int | None
+    post_warmup: list[bool]  # DSDE sequences past warm-up when the step was planned
     levels: int  # draft levels the batch ran (the deepest sequence)
     idle_fraction: float  # 1 - sum(depth_i) / (B * max depth_i): draft slots spent waiting for the deepest
     draft_s: float
@@ -128,6 +129,7 @@ class StepStats:
                 planned=event.plan.depths,
                 uncapped=event.plan.uncapped,
                 cap=event.plan.cap,
+                post_warmup=event.plan.post_warmup,
                 levels=max(depths, default=0),
                 idle_fraction=idle_fraction(depths),
                 draft_s=draft_s,

@@ -70,8 +70,12 @@ def test_sl_cap_is_the_ceiled_mean_of_post_warmup_sls(target: LlamaModel) -> Non
     engine.generate(PROMPTS, SamplingParams(max_tokens=40))
     capped_steps = [m for m in engine.loop.stats.metrics if m.cap is not None]
     assert capped_steps
-    for m in capped_steps:
-        assert max(m.planned) <= max(m.cap, DSDE_CHAIN.dsde.sl_hard_max)
+    for m in capped_steps:  # SL_cap = ceil(mean SL_i over the post-warm-up rows), which it bounds; warm-up exempt
+        post = [u for u, p in zip(m.uncapped, m.post_warmup, strict=True) if p]
+        assert m.cap == math.ceil(sum(post) / len(post))
+        for u, planned, p in zip(m.uncapped, m.planned, m.post_warmup, strict=True):
+            assert planned == (min(u, m.cap) if p else u)
+    assert any(p < u for m in capped_steps for u, p in zip(m.uncapped, m.planned, strict=True))
     no_cap = DSDE_CHAIN.model_copy(update={"dsde": DSDEConfig(n_long=8, n_short=3, cap_enabled=False)})
     engine2 = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=no_cap, eos_token_ids=set())
     engine2.generate(PROMPTS, SamplingParams(max_tokens=40))

@@ -42,7 +42,7 @@ def test_greedy_output_equals_plain_greedy(target: LlamaModel, spec: SpecConfig,
         for out in outs:
             assert out.stats.accepted + out.stats.target_forwards >= 16
             if spec.method == SpecMethod.chain:
-                assert out.stats.accepted == out.stats.drafted - (out.stats.drafted - out.stats.accepted)
+                assert out.stats.accepted == out.stats.drafted  # an identical draft is never rejected
                 assert out.stats.tokens_per_forward >= min(16, spec.sl + 1) * 0.75
     assert engine.loop.target.cache.num_free == 3 and engine.loop.draft.cache.num_free == 3  # type: ignore[union-attr]
 

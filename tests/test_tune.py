@@ -40,14 +40,21 @@ def test_verify_profile_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("method", [SpecMethod.chain, SpecMethod.eagle2])
-def test_autotune_picks_a_candidate_and_tau_grows_with_size(
+def test_autotune_picks_the_hand_computed_optimum(
     method: SpecMethod, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With a verify cost that grows quadratically in the verified tokens, the best size is interior; the pick
+    equals argmax tau / (draft + verify) computed here from the calibrated taus."""
+    import specserve.tune as tune
+
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(tune, "verify_profile", lambda model, sizes, **kw: {t: 1e-3 * t * t for t in sizes})
     target = tiny_model(seed=0)
     spec = SpecConfig(method=method, beam_width=3, tree_depth=4)
     result = autotune(target, noisy_copy(target, 0.02), [[5, 9, 13], [42, 7]], spec, max_tokens=12)
-    sizes = [r.size for r in result.rows]
-    assert result.best in sizes
     taus = [r.tau for r in result.rows]
-    assert taus == sorted(taus) and taus[-1] > 1.0
+    assert taus == sorted(taus) and taus[-1] > 1.0  # more room never accepts fewer tokens
+    verified = [r.size + 1 if method == SpecMethod.chain else r.size for r in result.rows]
+    rates = [r.tau / (r.draft_s + 1e-3 * v * v) for r, v in zip(result.rows, verified, strict=True)]
+    assert result.best == result.rows[rates.index(max(rates))].size
+    assert result.best != result.rows[-1].size  # the quadratic cost makes the largest candidate lose

@@ -30,6 +30,7 @@ class StepPlan:
     depths: list[int]  # draft levels allowed per sequence this step (0 = not drafting)
     uncapped: list[int]  # the policy's SL_i before SL_cap, max_sl and the guards (static: its depth)
     cap: int | None  # SL_cap over the lock-step batch (None: no DSDE sequence past warm-up, or the cap is off)
+    post_warmup: list[bool]  # DSDE sequences past warm-up (static ones: False)
 
 
 class SLPlanner:
@@ -41,7 +42,8 @@ class SLPlanner:
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
         sls, cap = self._cap(rows, uncapped)
         depths = [self._depth(r.spec, sl) for r, sl in zip(rows, sls, strict=True)]
-        return StepPlan(self._guard(rows, depths), uncapped, cap)
+        post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
+        return StepPlan(self._guard(rows, depths), uncapped, cap, post)
 
     @staticmethod
     def _cap(rows: Sequence[PlanRow], uncapped: list[int]) -> tuple[list[int], int | None]:
