@@ -10,6 +10,7 @@ from specserve.config import (
     DEFAULT_PAIR,
     MODEL_PAIRS,
     SERVING_SPECULATION,
+    SERVING_THROUGHPUT_GUARD,
     DraftSpec,
     DType,
     EngineConfig,
@@ -45,7 +46,14 @@ def _generate(args: argparse.Namespace) -> int:
     if draft is not None and args.method is not None:
         speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
     engine = Engine.from_config(
-        EngineConfig(target=target, draft=draft, speculation=speculation, device=args.device, max_batch_size=1)
+        EngineConfig(
+            target=target,
+            draft=draft,
+            speculation=speculation,
+            throughput_guard=draft is not None and SERVING_THROUGHPUT_GUARD,
+            device=args.device,
+            max_batch_size=1,
+        )
     )
     last = None
     for out in engine.stream(args.prompt, params, chat=not args.no_chat):

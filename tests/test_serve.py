@@ -228,6 +228,18 @@ def test_shipped_serve_configs_validate(path: str) -> None:
         assert args.speculation.dsde.cap_enabled
 
 
+def test_default_app_serves_the_shipped_head_with_the_serving_defaults() -> None:
+    from specserve.config import DEFAULT_PAIR, SERVING_SPECULATION, SERVING_THROUGHPUT_GUARD, HeadSpec
+
+    args = AppArgs.model_validate(
+        yaml.safe_load((REPO / "deployments/app.yaml").read_text())["applications"][0]["args"]
+    )
+    assert args.pair == DEFAULT_PAIR == "smollm2-eagle" and args.model_name == "smollm2-eagle"
+    assert args.speculation == SERVING_SPECULATION and args.throughput_guard == SERVING_THROUGHPUT_GUARD
+    recipe = args.recipe(WorkerRole.draft)
+    assert recipe is not None and isinstance(recipe.spec, HeadSpec) and recipe.head_target == ModelSpec()
+
+
 def test_lane_limits_match_the_engine() -> None:
     target = tiny_model(tiny_config(), seed=0)
     info = ModelInfo(target.cfg.vocab_size, target.max_positions, frozenset({2}))
@@ -364,7 +376,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("temperature-huge", COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": 1e9}, 400, "temperature"),
     ("top-p-zero", COMPLETIONS, {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top-k-zero", COMPLETIONS, {"model": MODEL, "prompt": "x", "top_k": 0}, 400, "top_k"),
-    ("seed-negative", COMPLETIONS, {"model": MODEL, "prompt": "x", "seed": -5}, 400, "seed"),
+    ("seed-beyond-int64", COMPLETIONS, {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),  # OpenAI: int64
     ("stop-empty", COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop"),
     ("stop-wrong-type", COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop"),
     ("n-two", COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),

@@ -21,7 +21,7 @@ import torch
 from specserve.bench.machine import cpu_summary
 from specserve.bench.prompt_sets import load_prompts, mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
-from specserve.config import MODEL_PAIRS, ChainDraft, HeadSpec, ModelSpec, SpecConfig, SpecMethod
+from specserve.config import MODEL_PAIRS, ChainDraft, HeadSpec, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Completion, Engine
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
@@ -48,6 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-vocab", type=int, nargs="+", default=None, help="heads: reduced vocabulary size(s) V_d to compare"
     )
+    p.add_argument("--dsde", action="store_true", help="also run each chain / DDD method under DSDE + SL_cap")
     p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
     p.add_argument("--out", type=Path, default=Path("bench_out/spec"))
 
@@ -94,6 +95,12 @@ def methods_for(
                     update["ddd_threshold"] = x
                 spec = tree.model_copy(update=update)
                 out.append(Method(f"DDD x={spec.ddd_threshold:g} {label}", pair, spec))
+    if args.dsde:  # DSDE sets each sequence's SL (chains) or depth budget (DDD) per step
+        out += [
+            Method(m.name + " +DSDE", pair, m.spec.model_copy(update={"policy": SLPolicyKind.dsde}))
+            for m in list(out)
+            if m.spec.method in (SpecMethod.chain, SpecMethod.ddd)
+        ]
     return out
 
 
