@@ -248,7 +248,11 @@ def test_gemv_copies_give_the_same_logits() -> None:
     model = tiny_model(seed=13)
     tokens = list(range(3, 20))
     ref = [run_one(model, tokens[:n]) for n in (1, 2, 3, 4, 17)]
-    attach_gemv_copies(model)
+    assert attach_gemv_copies(model, rows=3) == 3  # every 1-3 row product takes the copy path
     assert model.layers[0].qkv.weight_t.shape == model.layers[0].qkv.weight.t().shape
     for n, r in zip((1, 2, 3, 4, 17), ref, strict=True):
         assert (run_one(model, tokens[:n]) - r).abs().max() < 1e-4
+    bare = tiny_model(seed=13)
+    assert attach_gemv_copies(bare, rows=0) == 0 and not hasattr(bare.layers[0].qkv, "weight_t")
+    measured = attach_gemv_copies(tiny_model(seed=13))  # the threshold this machine measures
+    assert 0 <= measured <= 3

@@ -7,7 +7,7 @@ fused into single matmuls at load time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -23,7 +23,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-GEMV_MAX_ROWS = 3  # see ``linear``
+GEMV_MAX_ROWS = 3  # at most this many rows take the transposed-copy path (``linear``, ``gemv_rows_for``)
 
 
 @dataclass(frozen=True)
@@ -105,14 +105,43 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``mod(x)``; with at most GEMV_MAX_ROWS rows and a transposed weight copy attached
-    (``attach_gemv_copies``), a row-major product over that copy instead: measured on a 2-core x86 CPU it
-    reads the weights 1.3-1.4x faster at 1-3 rows, and slower from 4 rows on."""
+    """``mod(x)``; with at most ``mod.gemv_rows`` rows and a transposed weight copy attached
+    (``attach_gemv_copies``), a row-major product over that copy instead: on some CPUs it reads the weights
+    1.3-1.4x faster at 1-3 rows (a 2-core AMD EPYC), on others only at 1 row (an AMX Xeon): measured at load."""
     wt: torch.Tensor | None = getattr(mod, "weight_t", None)
-    if wt is not None and x.numel() <= GEMV_MAX_ROWS * wt.shape[0]:
+    if wt is not None and x.numel() <= getattr(mod, "gemv_rows", GEMV_MAX_ROWS) * wt.shape[0]:
         y = x @ wt
         return y if mod.bias is None else y + mod.bias
     return mod(x)
+
+
+def gemv_rows_for(weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS, repeats: int = 15) -> int:
+    """The most rows r (0..max_rows) such that ``x @ W.T-copy`` beat ``F.linear(x, W)`` at every 1..r rows on
+    this machine (median of ``repeats`` timings, 5% margin): the instruction set decides, so measure."""
+    import statistics
+    import time
+
+    wt = weight.detach().t().contiguous()
+
+    def median_s(fn: Callable[[], torch.Tensor]) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(3):
+                fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    best = 0
+    with torch.inference_mode():
+        for rows in range(1, max_rows + 1):
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            median_s(lambda x=x: x @ wt)  # warm-up
+            copy, plain = median_s(lambda x=x: x @ wt), median_s(lambda x=x: F.linear(x, weight))
+            if copy > 0.95 * plain:
+                break
+            best = rows
+    return best
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -264,14 +293,23 @@ class LlamaModel(nn.Module):
                     layer.down.bias.copy_(get(p + "mlp.down_proj.bias"))
 
 
-def attach_gemv_copies(model: LlamaModel) -> None:
-    """Switch: keep a transposed copy of every linear weight for 1-2 row GEMVs (CPU decode and short drafts).
-
-    Doubles the weight memory; call after the final ``.to(dtype, device)``. Quantised linears are skipped.
+def attach_gemv_copies(model: LlamaModel, rows: int | None = None) -> int:
+    """Switch: keep a transposed copy of every linear weight for GEMVs of up to ``rows`` rows (CPU decode and
+    short verifies); ``rows=None`` measures the threshold on this machine per weight shape (``gemv_rows_for``),
+    and 0 attaches nothing. Up to 2x weight memory; call after the final ``.to(dtype, device)``. Quantised
+    linears are skipped. Returns the largest threshold used.
     """
-    for mod in model.modules():
-        if type(mod) is nn.Linear:
+    linears = [mod for mod in model.modules() if type(mod) is nn.Linear]
+    by_shape: dict[tuple[int, ...], int] = {}  # one measurement per weight shape (qkv, o, gate_up, down, lm_head)
+    for mod in linears:
+        shape = tuple(mod.weight.shape)
+        if shape not in by_shape:
+            by_shape[shape] = gemv_rows_for(mod.weight) if rows is None else rows
+        mod_rows = by_shape[shape]
+        if mod_rows > 0:
             mod.weight_t = mod.weight.detach().t().contiguous()  # type: ignore[assignment]
+        mod.gemv_rows = mod_rows  # type: ignore[assignment]
+    return max(by_shape.values(), default=0)
 
 
 def quantize_int8_dynamic(model: LlamaModel) -> LlamaModel:
