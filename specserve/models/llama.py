@@ -136,8 +136,15 @@ def gemv_rows_for(weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS, repeats: 
     with torch.inference_mode():
         for rows in range(1, max_rows + 1):
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            median_s(lambda x=x: x @ wt)  # warm-up
-            copy, plain = median_s(lambda x=x: x @ wt), median_s(lambda x=x: F.linear(x, weight))
+
+            def by_copy(x: torch.Tensor = x) -> torch.Tensor:
+                return x @ wt
+
+            def by_linear(x: torch.Tensor = x) -> torch.Tensor:
+                return F.linear(x, weight)
+
+            median_s(by_copy)  # warm-up
+            copy, plain = median_s(by_copy), median_s(by_linear)
             if copy > 0.95 * plain:
                 break
             best = rows
