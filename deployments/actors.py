@@ -26,6 +26,7 @@ from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
+from specserve.workers.head_draft import feature_request
 
 ACTOR_NAMESPACE = "specserve"  # where worker actors are named (``ray.get_actor(name, namespace=ACTOR_NAMESPACE)``)
 
@@ -79,7 +80,7 @@ class _WorkerHost:
 
     def info(self) -> ModelInfo:
         if isinstance(self.model, EagleHead):
-            features = HeadDraftWorker(self.model, num_slots=1, max_len=1).features
+            features = feature_request(self.model)
             return ModelInfo(self.model.cfg.vocab_size, self.model.max_positions, frozenset(), features)
         eos = self.model.hf_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]

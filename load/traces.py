@@ -23,7 +23,7 @@ from specserve.engine import Engine
 from specserve.policy import verified_positions
 from specserve.sequence import Request
 from specserve.sequence import Sequence as LoopSequence
-from specserve.step_events import StepEvent, idle_fraction
+from specserve.step_events import StepEvent, StepObserver, idle_fraction
 
 
 class WorkloadKind(str, Enum):
@@ -146,7 +146,7 @@ class _ReqClock:
         return tpot(self.first, self.last, self.tokens)
 
 
-class StepRecorder:
+class StepRecorder(StepObserver):
     """A step-loop observer: records every step (``StepTrace``) and per-request TTFT/TPOT.
 
     Subscribe with ``StepRecorder.install(engine)`` (it joins ``engine.loop.observers``).
@@ -206,10 +206,8 @@ class StepRecorder:
         )
 
     def request_traces(self, categories: Sequence[str]) -> list[RequestTrace]:
-        by_request = {r.request_id: self.clocks[seq_id] for seq_id, r in zip(self.clocks, self.order, strict=True)}
         out = []
-        for req, category in zip(self.order, categories, strict=True):
-            c = by_request[req.request_id]
+        for req, c, category in zip(self.order, self.clocks.values(), categories, strict=True):
             spec = req.speculation
             out.append(
                 RequestTrace(

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
 
 from specserve.messages import Proposal, VerifyItem, VerifyOutput
 from specserve.policy.planner import StepPlan
@@ -56,10 +55,14 @@ class StepEvent:
         return any(len(it.new_tokens) > 1 for it in self.items)
 
 
-class StepObserver(Protocol):
-    def on_request(self, seq: Sequence) -> None: ...
+class StepObserver:
+    """Subscribe to a loop with ``loop.observers.append(obs)``; override what you need."""
 
-    def on_step(self, event: StepEvent) -> None: ...
+    def on_request(self, seq: Sequence) -> None:
+        """Called when the loop accepts a request (default: nothing)."""
+
+    def on_step(self, event: StepEvent) -> None:
+        """Called after every step that ran a batch (default: nothing)."""
 
 
 @dataclass(frozen=True)
@@ -109,15 +112,12 @@ class StepTiming:
         return self.total_s - self.draft_s - self.verify_s
 
 
-class StepStats:
+class StepStats(StepObserver):
     def __init__(self, window: int = 10_000) -> None:
         self.timing = StepTiming()
         self.metrics: deque[StepMetrics] = deque(maxlen=window)
         self.record_steps = False
         self.records: list[list[SeqStepRecord]] = []
-
-    def on_request(self, seq: Sequence) -> None:
-        pass
 
     def on_step(self, event: StepEvent) -> None:
         depths = event.depths

@@ -25,6 +25,11 @@ from specserve.spec_decode.eagle2 import grow_trees, tree_proposal
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind
 
 
+def feature_request(head: EagleHead) -> FeatureRequest:
+    """What the target must return for this head: its final-norm hidden state, or EAGLE-3's aux layers."""
+    return FeatureRequest(aux_layers=head.cfg.aux_layers if head.cfg.kind == HeadKind.eagle3 else None)
+
+
 @dataclass
 class _HeadSeq:
     slot: int
@@ -53,9 +58,7 @@ class HeadDraftWorker:
 
     @property
     def features(self) -> FeatureRequest:
-        """What the target must return for this head."""
-        aux = self.head.cfg.aux_layers if self.head.cfg.kind == HeadKind.eagle3 else None
-        return FeatureRequest(aux_layers=aux)
+        return feature_request(self.head)
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
         self.params[seq_id] = params
