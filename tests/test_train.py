@@ -96,8 +96,10 @@ def test_seed_prompts_are_not_the_evaluation_set() -> None:
     assert not shared, shared[:3]
     # the teacher-forced docstrings (every one the shipped head saw) share no 8-word run with MT-bench; 6-word
     # runs do occur, all the API phrase "value is a list of strings", so 8 is the check here
-    texts = text_passages(1354, seed=0)
-    assert texts[:400] == text_passages(400, seed=0) and len(texts) == 1354
+    # the passages come from the running interpreter's stdlib: 1354 on the machine that trained the head, a few
+    # fewer where an optional module (curses, readline, dbm.gnu, ...) does not import
+    texts = text_passages(10_000, seed=0)
+    assert texts[:400] == text_passages(400, seed=0) and 1300 <= len(texts) <= 1400
     bench8 = set().union(*(shingles(t, 8) for t in turns))
     leaked = [q for q, a in texts if (shingles(q, 8) | shingles(a, 8)) & bench8]
     assert not leaked, leaked[:3]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -149,6 +150,7 @@ def train_draft(
             "seconds": {"data": round(t_data), "train": round(t_train)},
             "sha256": digest,
             "torch": torch.__version__,
+            "python": platform.python_version(),  # the text passages come from this interpreter's stdlib
         },
     )
     return head
