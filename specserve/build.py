@@ -11,6 +11,8 @@ from specserve.messages import FeatureRequest
 from specserve.models.llama import LlamaModel
 from specserve.policy.planner import SLPlanner
 from specserve.spec_decode.eagle_head import EagleHead
+from specserve.spec_decode.model_free import ModelFreeDrafter
+from specserve.spec_decode.suffix_tree import SuffixCache
 from specserve.step_loop import StepLoop
 from specserve.workers.base import DraftWorkerAPI, TargetWorkerAPI
 from specserve.workers.draft import DraftWorker
@@ -33,8 +35,12 @@ def build_step_loop(
     tokenizer: PreTrainedTokenizerBase | None,
     eos: set[int],
     features: FeatureRequest | None = None,
+    suffix_cache: SuffixCache | None = None,
 ) -> StepLoop:
-    """``features``: the target hidden states the draft head reads (None for a draft model)."""
+    """``features``: the target hidden states the draft head reads (None for a draft model); ``suffix_cache``: the
+    replica's cache of recent outputs, shared by its lanes (None: a new one of ``cfg.suffix_cache_tokens``)."""
+    if suffix_cache is None:
+        suffix_cache = new_suffix_cache(cfg)
     planner = SLPlanner(guard=ThroughputGuard() if cfg.throughput_guard else None, max_step_tokens=cfg.max_step_tokens)
     return StepLoop(
         target,
@@ -47,7 +53,12 @@ def build_step_loop(
         max_model_len=limits.max_model_len,
         planner=planner,
         features=features,
+        model_free=ModelFreeDrafter(suffix_cache),
     )
+
+
+def new_suffix_cache(cfg: LoopConfig) -> SuffixCache:
+    return SuffixCache(cfg.suffix_cache_tokens, cfg.speculation.model_free.suffix_depth)
 
 
 def local_draft_worker(draft: LlamaModel | EagleHead, *, num_slots: int, max_len: int) -> DraftWorker | HeadDraftWorker:

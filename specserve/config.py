@@ -99,6 +99,36 @@ class ChainDraft(str, Enum):
     sampled = "sampled"  # draft samples from its top-K truncated q; verified by docs/algorithms.md §1.1
 
 
+class Drafter(str, Enum):
+    model = "model"  # the loaded draft model or EAGLE head
+    lookup = "lookup"  # prompt lookup: n-gram matches in the request's own tokens (docs/algorithms.md §9.1)
+    suffix = "suffix"  # suffix trees over the request's tokens and recent outputs (docs/algorithms.md §9.2)
+
+
+class ModelFreeConfig(BaseModel):
+    """Model-free drafting (docs/algorithms.md §9). Defaults: prompt lookup as vLLM's n-gram drafter runs it
+    (match 4 down to 2 tokens), suffix decoding's minimum token probability 0.1."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ngram_max: int = Field(default=4, ge=1, le=32, description="longest suffix of the tokens to match")
+    ngram_min: int = Field(default=2, ge=1, le=32, description="shortest match that may propose")
+    max_matches: int = Field(default=8, ge=1, le=256, description="lookup: most recent matches merged into a tree")
+    min_score: float = Field(
+        default=0.1, ge=0.0, le=1.0, description="drop nodes whose empirical path probability is below this"
+    )
+    suffix_depth: int = Field(default=24, ge=2, le=128, description="suffix trie depth: match + continuation")
+    alpha: float = Field(default=1.0, gt=0.0, description="DSDE's empirical q: count / (total + alpha)")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> ModelFreeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min {self.ngram_min} > ngram_max {self.ngram_max}")
+        if self.ngram_max >= self.suffix_depth:
+            raise ValueError(f"ngram_max {self.ngram_max} leaves no continuation in a depth-{self.suffix_depth} trie")
+        return self
+
+
 class SLPolicyKind(str, Enum):
     static = "static"  # chain length `sl` / tree depth every step
     dsde = "dsde"  # per-sequence SL from KLD stability, under the batch cap SL_cap (docs/algorithms.md §4, §5)
@@ -115,6 +145,11 @@ class SpecConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     method: SpecMethod = SpecMethod.chain
+    drafter: Drafter = Drafter.model
+    model_fallback: bool = Field(
+        default=True, description="model-free drafters: the draft model drafts where they find no match (if loaded)"
+    )
+    model_free: ModelFreeConfig = ModelFreeConfig()
     policy: SLPolicyKind = SLPolicyKind.static
     dsde: DSDEConfig = DSDEConfig()
     max_sl: int | None = Field(default=None, ge=1, le=64, description="per-request ceiling on SL / depth")
@@ -153,6 +188,11 @@ class SpecConfig(BaseModel):
         }[self.method]
 
     @property
+    def uses_model(self) -> bool:
+        """Whether the draft model (or head) may draft for this request."""
+        return self.method != SpecMethod.none and (self.drafter == Drafter.model or self.model_fallback)
+
+    @property
     def is_tree(self) -> bool:
         return self.method in (SpecMethod.eagle2, SpecMethod.ddd)
 
@@ -182,6 +222,9 @@ class LoopConfig(BaseModel):
     throughput_guard: bool = Field(
         default=False, description="speculate only at batch sizes where it measured faster than plain decoding"
     )
+    suffix_cache_tokens: int = Field(
+        default=16384, ge=0, le=1 << 22, description="suffix drafter: recent outputs kept per replica (0 = none)"
+    )
 
 
 class EngineConfig(LoopConfig):
@@ -193,7 +236,8 @@ class EngineConfig(LoopConfig):
 
     @model_validator(mode="after")
     def _draft_for_speculation(self) -> EngineConfig:
-        if self.speculation.method != SpecMethod.none and self.draft is None:
+        spec = self.speculation
+        if spec.method != SpecMethod.none and spec.drafter == Drafter.model and self.draft is None:
             raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
         return self
 

@@ -47,6 +47,7 @@ class Engine:
         spec_headroom: int = 64,
         max_step_tokens: int | None = None,
         throughput_guard: bool = False,
+        suffix_cache_tokens: int = LoopConfig.model_fields["suffix_cache_tokens"].default,
         eos_token_ids: set[int] | None = None,
     ) -> None:
         self.model = model
@@ -58,6 +59,7 @@ class Engine:
             spec_headroom=spec_headroom,
             max_step_tokens=max_step_tokens,
             throughput_guard=throughput_guard,
+            suffix_cache_tokens=suffix_cache_tokens,
         )
         draft_positions, draft_vocab = draft_geometry(draft)
         limits = context_limits(
@@ -90,6 +92,7 @@ class Engine:
             max_model_len=config.max_model_len,
             max_step_tokens=config.max_step_tokens,
             throughput_guard=config.throughput_guard,
+            suffix_cache_tokens=config.suffix_cache_tokens,
         )
 
     # -- prompts ---------------------------------------------------------------------------------------

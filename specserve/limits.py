@@ -30,8 +30,7 @@ def context_limits(
             f"draft vocabulary ({draft_vocab}) differs from the target's ({target_vocab}); "
             "speculative decoding needs the same tokenizer"
         )
-    has_draft = draft_positions is not None
-    headroom = max(spec_headroom, speculation.max_verify_tokens) if has_draft else 1
+    headroom = max(spec_headroom, speculation.max_verify_tokens)  # model-free drafting needs no draft model
     limit = min(max_model_len, target_positions - headroom)
     if draft_positions is not None:
         limit = min(limit, draft_positions - headroom)

@@ -80,7 +80,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     target_seen: int = 0  # committed tokens the target worker has been sent
     draft_seen: int = 0  # ... and the draft worker
-    last_accepted: list[int] = field(default_factory=list)  # accepted nodes of the last proposal
+    last_accepted: list[int] = field(default_factory=list)  # accepted nodes of the draft model's last proposal
+    model_proposed: bool = False  # this step's proposal came from the draft model (not a model-free drafter)
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     arrived: float = field(default_factory=time.perf_counter)  # when the loop accepted the request

@@ -13,13 +13,14 @@ from collections import deque
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
+from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.errors import InvalidRequestError
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.policy import SequenceDSDE
 from specserve.policy.planner import SLPlanner
 from specserve.sequence import FinishReason, Request, RequestOutput, Sequence
+from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver, StepStats
 from specserve.workers.base import DraftWorkerAPI, TargetWorkerAPI
 
@@ -38,6 +39,7 @@ class StepLoop:
         max_model_len: int,
         planner: SLPlanner | None = None,
         features: FeatureRequest | None = None,
+        model_free: ModelFreeDrafter | None = None,
         metrics_window: int = 10_000,
     ) -> None:
         self.target = target
@@ -50,6 +52,7 @@ class StepLoop:
         self.max_model_len = max_model_len
         self.planner = planner or SLPlanner()
         self.features = features  # the target hidden states a draft head reads (None: a draft model needs none)
+        self.model_free = model_free or ModelFreeDrafter()  # prompt lookup / suffix trees, here in the loop's process
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
@@ -70,7 +73,7 @@ class StepLoop:
             )
         spec = request.speculation or self.speculation
         if spec.method != SpecMethod.none:
-            if self.draft is None:
+            if self.draft is None and spec.drafter == Drafter.model:
                 raise InvalidRequestError(f"speculation {spec.method.value!r} needs a draft model; none is loaded")
             if spec.max_verify_tokens > self.spec_headroom:
                 raise InvalidRequestError(
@@ -104,7 +107,7 @@ class StepLoop:
             if target:
                 self.target.add(seq.seq_id, seq.request.params)
                 seq.target_seen = 0
-            if draft and self.draft is not None and seq.spec.method != SpecMethod.none:
+            if draft and self.draft is not None and seq.spec.uses_model:
                 self.draft.add(seq.seq_id, seq.request.params)
                 seq.draft_seen = 0
                 seq.last_accepted = []
@@ -141,34 +144,50 @@ class StepLoop:
         while self.waiting and len(self.running) < self.max_batch_size:
             seq = self.waiting.popleft()
             self.target.add(seq.seq_id, seq.request.params)
-            if self.draft is not None and seq.spec.method != SpecMethod.none:
+            if self.draft is not None and seq.spec.uses_model:
                 self.draft.add(seq.seq_id, seq.request.params)
             self.running.append(seq)
 
     def _propose(self, batch: list[Sequence], depths: list[int]) -> list[Proposal | None]:
-        drafting = [(s, d) for s, d in zip(batch, depths, strict=True) if d > 0]
-        if not drafting:
-            return [None] * len(batch)
-        assert self.draft is not None
-        items = [
-            ProposeItem(
-                s.seq_id,
-                s.unsent(s.draft_seen),
-                s.last_accepted,
-                d,
-                s.spec,
-                kld_mode=None if s.sl_state is None else s.spec.kld_mode,
-                features=torch.cat(s.features) if s.features else None,
-                feature_start=s.features_from,
-            )
-            for s, d in drafting
-        ]
-        by_seq = {p.seq_id: p for p in self.draft.propose(items)}
-        for s, _ in drafting:
-            s.draft_seen = len(s.tokens)
-            s.features = []
+        """Model-free drafters first (where a sequence asks for one); the draft model for the rest, and where they
+        found no match (``model_fallback``)."""
+        proposals: dict[int, Proposal] = {}
+        to_model: list[tuple[Sequence, int]] = []
+        for s, d in zip(batch, depths, strict=True):
+            s.model_proposed = False
+            if d == 0:
+                continue
+            if s.spec.drafter != Drafter.model:
+                p = self.model_free.propose(
+                    s.seq_id, s.tokens, len(s.request.prompt_ids), s.spec, d, want_q=s.sl_state is not None
+                )
+                if p is not None:
+                    proposals[s.seq_id] = p
+                    continue
+            if self.draft is not None and s.spec.uses_model:
+                to_model.append((s, d))
+        if to_model:
+            assert self.draft is not None
+            items = [
+                ProposeItem(
+                    s.seq_id,
+                    s.unsent(s.draft_seen),
+                    s.last_accepted,
+                    d,
+                    s.spec,
+                    kld_mode=None if s.sl_state is None else s.spec.kld_mode,
+                    features=torch.cat(s.features) if s.features else None,
+                    feature_start=s.features_from,
+                )
+                for s, d in to_model
+            ]
+            proposals.update((p.seq_id, p) for p in self.draft.propose(items))
+            for s, _ in to_model:
+                s.draft_seen = len(s.tokens)
+                s.features = []
+                s.model_proposed = True
         # a draft head without features for a sequence yet (its first step) drafts nothing: a plain step
-        return [p if (p := by_seq.get(s.seq_id)) is not None and p.tokens else None for s in batch]
+        return [p if (p := proposals.get(s.seq_id)) is not None and p.tokens else None for s in batch]
 
     def _verify_item(self, seq: Sequence, proposal: Proposal | None) -> VerifyItem:
         spec = seq.spec
@@ -205,7 +224,8 @@ class StepLoop:
         if out.features is not None:
             seq.add_features(out.features, start=seq.target_seen)  # rows from the target's old cache length on
         seq.target_seen = len(seq.tokens) + len(out.accepted)  # the target cached the accepted path
-        seq.last_accepted = out.accepted
+        if seq.model_proposed:  # the draft model's cache holds its own proposal's accepted nodes
+            seq.last_accepted = out.accepted
         seq.stats.target_forwards += 1
         seq.stats.accepted += len(out.accepted)
         if proposal is not None:
@@ -247,5 +267,6 @@ class StepLoop:
     def _release(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
         self.target.release(ids)
+        self.model_free.release(ids)
         if self.draft is not None:
             self.draft.release(ids)

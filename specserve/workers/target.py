@@ -118,6 +118,15 @@ class TargetWorker:
         if q.dense_logits is not None:
             return kld_exact(p_logits, q.dense_logits[rows].to(p_logits.device)).tolist()
         assert q.idx is not None and q.prob is not None
+        if len({len(q.idx[r]) for r in rows}) > 1:  # ragged top-K (a model-free drafter's counts): row by row
+            return [
+                float(
+                    kld_sparse(
+                        p_logits[i : i + 1], torch.tensor([q.idx[r]]), torch.tensor([q.prob[r]]), tail=it.kld_tail
+                    )
+                )
+                for i, r in enumerate(rows)
+            ]  # host sync
         idx = torch.tensor([q.idx[r] for r in rows])
         prob = torch.tensor([q.prob[r] for r in rows])
         return kld_sparse(p_logits, idx, prob, tail=it.kld_tail).tolist()  # host sync

@@ -1,0 +1,47 @@
+"""Prompt lookup (docs/algorithms.md §9.1): find the last n tokens (n from ``ngram_max`` down to ``ngram_min``)
+earlier in the request's prompt and output, and propose what followed them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specserve.spec_decode.suffix_tree import CountNode
+
+
+def match_starts(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> tuple[int, np.ndarray]:
+    """(n, starts): the longest n in [ngram_min, ngram_max] whose last-n-gram occurs earlier in ``tokens`` [L], and
+    where the continuation after each earlier occurrence starts (ascending); (0, []) without a match.
+
+    Candidates are narrowed one token further back at a time, so the cost is O(L) for the first token and
+    O(matches) after it.
+    """
+    n_tok = tokens.shape[0]
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if n_tok > 1 else np.empty(0, dtype=np.int64)  # [m]
+    best_n, best = 0, np.empty(0, dtype=np.int64)
+    n = 1
+    while ends.size and n <= ngram_max:
+        if n >= ngram_min:
+            best_n, best = n, ends
+        if n >= n_tok - 1:
+            break
+        ends = ends[ends >= n]
+        ends = ends[tokens[ends - n] == tokens[n_tok - 1 - n]]
+        n += 1
+    return best_n, best + 1
+
+
+def continuation_trie(tokens: np.ndarray, starts: np.ndarray, max_len: int, max_matches: int) -> CountNode:
+    """The continuations after the ``max_matches`` most recent matches, merged into a trie whose counts say how
+    many of them pass through each node; the most recent is inserted first (it wins ties)."""
+    root = CountNode()
+    for s in starts[::-1][:max_matches].tolist():
+        node = root
+        for tok in tokens[s : s + max_len].tolist():
+            if node.children is None:
+                node.children = {}
+            child = node.children.get(tok)
+            if child is None:
+                child = node.children[tok] = CountNode()
+            child.count += 1
+            node = child
+    return root

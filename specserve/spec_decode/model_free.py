@@ -1,0 +1,84 @@
+"""The model-free drafter (docs/algorithms.md §9): prompt lookup and suffix trees, in the router's process.
+
+It needs no model and no KV cache: per sequence it keeps an index of the tokens the step loop passes in (a token
+array for lookup, a suffix trie for the suffix drafter), and on release it adds the request's output to the
+replica's ``SuffixCache``. A proposal is a ``Proposal`` like any drafter's, verified by the same lossless rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specserve.config import Drafter, SpecConfig
+from specserve.messages import Proposal
+from specserve.spec_decode.count_tree import count_draft_q, draft_from_counts
+from specserve.spec_decode.lookup import continuation_trie, match_starts
+from specserve.spec_decode.suffix_tree import CountNode, SuffixCache, SuffixStream, SuffixTrie
+
+
+@dataclass
+class _SeqIndex:
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)
+    stream: SuffixStream | None = None  # the suffix drafter's trie over this request's tokens
+
+
+class ModelFreeDrafter:
+    def __init__(self, cache: SuffixCache | None = None) -> None:
+        self.cache = cache  # recent outputs across requests (None: the request's own tokens only)
+        self.seqs: dict[int, _SeqIndex] = {}
+
+    def propose(
+        self, seq_id: int, tokens: list[int], prompt_len: int, spec: SpecConfig, depth: int, *, want_q: bool
+    ) -> Proposal | None:
+        """A draft of at most ``depth`` levels after ``tokens`` (the committed tokens, ending with the root), or
+        None where nothing matches; ``want_q``: ship the empirical q for DSDE's KLD."""
+        st = self.seqs.get(seq_id)
+        if st is None:
+            st = self.seqs[seq_id] = _SeqIndex(prompt_len)
+        st.tokens = tokens
+        if spec.drafter == Drafter.lookup:
+            return _proposal(seq_id, self._lookup(st, spec, depth), spec, depth, want_q)
+        n_own, own = self._own_match(st, spec)
+        if self.cache is not None:
+            cfg = spec.model_free
+            with self.cache.lock:  # the cache's nodes may change under another lane's thread
+                n_cached, cached = self.cache.trie.match(st.tokens, cfg.ngram_max, cfg.ngram_min)
+                if n_cached > n_own:  # the longer match wins; ties go to the request's own tokens
+                    return _proposal(seq_id, cached, spec, depth, want_q)
+        return _proposal(seq_id, own, spec, depth, want_q)
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget the sequences; their outputs join the cross-request cache."""
+        for seq_id in seq_ids:
+            st = self.seqs.pop(seq_id, None)
+            if st is not None and self.cache is not None:
+                self.cache.add(st.tokens[st.prompt_len :])
+
+    @staticmethod
+    def _lookup(st: _SeqIndex, spec: SpecConfig, depth: int) -> CountNode | None:
+        cfg = spec.model_free
+        arr = np.asarray(st.tokens, dtype=np.int64)
+        n, starts = match_starts(arr, cfg.ngram_max, cfg.ngram_min)
+        return continuation_trie(arr, starts, depth, cfg.max_matches) if n else None
+
+    @staticmethod
+    def _own_match(st: _SeqIndex, spec: SpecConfig) -> tuple[int, CountNode | None]:
+        cfg = spec.model_free
+        if st.stream is None or st.stream.trie.depth != cfg.suffix_depth:
+            st.stream = SuffixStream(SuffixTrie(cfg.suffix_depth))
+        st.stream.extend(st.tokens)
+        return st.stream.trie.match(st.tokens, cfg.ngram_max, cfg.ngram_min)
+
+
+def _proposal(seq_id: int, root: CountNode | None, spec: SpecConfig, depth: int, want_q: bool) -> Proposal | None:
+    if root is None:
+        return None
+    cfg = spec.model_free
+    draft = draft_from_counts(root, spec.method, depth, spec.budget, cfg, spec.ddd_threshold)
+    if not draft.tokens:
+        return None
+    q = count_draft_q(draft, cfg.alpha, spec.q_top_k) if want_q else None
+    return Proposal(seq_id, draft.tokens, draft.parents, depth=draft.depth, draft_q=q)

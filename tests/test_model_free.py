@@ -1,0 +1,339 @@
+"""Model-free drafting: prompt lookup and suffix tries (the maths, the bounded cache), lossless in the engine."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specserve.config import Drafter, EngineConfig, ModelFreeConfig, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.errors import InvalidRequestError
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.sampling import SamplingParams
+from specserve.spec_decode.count_tree import (
+    chain_from_counts,
+    count_draft_q,
+    depth_mass,
+    empirical_q,
+    tree_from_counts,
+)
+from specserve.spec_decode.lookup import continuation_trie, match_starts
+from specserve.spec_decode.suffix_tree import CountNode, SuffixCache, SuffixStream, SuffixTrie
+
+from .conftest import greedy_reference
+
+# --- prompt lookup ---------------------------------------------------------------------------------------------------
+
+
+def test_match_starts_finds_the_longest_ngram_and_every_earlier_occurrence() -> None:
+    #                 0  1  2  3  4  5  6  7  8  9 10
+    tokens = np.array([7, 1, 2, 3, 9, 1, 2, 3, 5, 2, 3])
+    n, starts = match_starts(tokens, ngram_max=4, ngram_min=1)
+    assert n == 2 and starts.tolist() == [4, 8]  # "2 3" occurs at 2-3 and 6-7; "1 2 3" is not the suffix
+    n, starts = match_starts(tokens, ngram_max=1, ngram_min=1)
+    assert n == 1 and starts.tolist() == [4, 8]  # "3" at 3 and 7
+    assert match_starts(np.array([1, 2, 3, 4]), 4, 1)[0] == 0  # nothing repeats
+    assert match_starts(tokens, ngram_max=4, ngram_min=3)[0] == 0  # the longest match (2) is below the minimum
+    n, starts = match_starts(np.array([4, 4, 4, 4]), 3, 1)  # overlapping occurrences count
+    assert n == 3 and starts.tolist() == [3]
+
+
+def test_continuation_trie_counts_matches_and_the_most_recent_wins_ties() -> None:
+    tokens = np.array([1, 2, 8, 9, 1, 2, 5, 6, 1, 2, 8, 4, 1, 2])
+    n, starts = match_starts(tokens, 2, 2)
+    assert n == 2 and starts.tolist() == [2, 6, 10]
+    root = continuation_trie(tokens, starts, max_len=2, max_matches=8)
+    assert root.as_dict() == {8: (2, {9: (1, {}), 4: (1, {})}), 5: (1, {6: (1, {})})}
+    chain = chain_from_counts(root, max_depth=4, min_score=0.0)
+    assert chain.tokens == [8, 4]  # 8 is the most frequent; below it 9 and 4 tie and 4 is the more recent
+    assert chain.scores == pytest.approx([2 / 3, 1 / 3])
+    assert chain_from_counts(root, 4, min_score=0.5).tokens == [8]  # 2/3 * 1/2 < 0.5
+    recent = continuation_trie(tokens, starts, max_len=2, max_matches=1)
+    assert recent.as_dict() == {8: (1, {4: (1, {})})}
+
+
+# --- trees from counts -----------------------------------------------------------------------------------------------
+
+
+def _counts(spec: dict[int, tuple[int, dict]]) -> CountNode:
+    node = CountNode()
+    for tok, (count, sub) in spec.items():
+        child = _counts(sub)
+        child.count = count
+        node.children = node.children or {}
+        node.children[tok] = child
+    return node
+
+
+# root -> a (6) -> c (6) -> e (3), f (3); root -> b (2) -> d (2)
+TREE = _counts({10: (6, {12: (6, {14: (3, {}), 15: (3, {})})}), 11: (2, {13: (2, {})})})
+
+
+def test_tree_from_counts_keeps_the_best_paths_parents_first() -> None:
+    t = tree_from_counts(TREE, max_depth=5, budget=10, min_score=0.0, ddd_threshold=None)
+    assert t.tokens == [10, 12, 14, 15, 11, 13]  # best first: 0.75, 0.75, 0.375, 0.375, 0.25, 0.25
+    assert t.parents == [0, 1, 2, 2, 0, 5]
+    assert t.scores == pytest.approx([0.75, 0.75, 0.375, 0.375, 0.25, 0.25])
+    assert t.depth == 3
+    small = tree_from_counts(TREE, max_depth=5, budget=4, min_score=0.0, ddd_threshold=None)
+    assert small.tokens == [10, 12, 14]  # the budget counts the root
+    shallow = tree_from_counts(TREE, max_depth=1, budget=10, min_score=0.0, ddd_threshold=None)
+    assert shallow.tokens == [10, 11]
+    pruned = tree_from_counts(TREE, max_depth=5, budget=10, min_score=0.3, ddd_threshold=None)
+    assert pruned.tokens == [10, 12, 14, 15]
+
+
+def test_ddd_stop_on_counts_cuts_below_the_first_light_depth() -> None:
+    # root -> 10 (4) -> 12 (4) -> 14 (2) -> 16, 15 (2) -> 17; root -> 11 (4). Depth masses 1, .5, .5, .5
+    tree = _counts({10: (4, {12: (4, {14: (2, {16: (2, {})}), 15: (2, {17: (2, {})})})}), 11: (4, {})})
+    full = tree_from_counts(tree, max_depth=8, budget=20, min_score=0.0, ddd_threshold=None)
+    assert full.tokens == [10, 11, 12, 14, 15, 16, 17] and full.depth == 4
+    depths = [1, 1, 2, 3, 3, 4, 4]
+    assert depth_mass(full.scores, depths, 1) == pytest.approx(0.0)
+    assert depth_mass(full.scores, depths, 2) == pytest.approx(math.log(0.5))
+    assert depth_mass(full.scores, depths, 5) == -math.inf
+    assert tree_from_counts(tree, 8, 20, 0.0, ddd_threshold=-0.8).tokens == full.tokens  # log .5 >= -0.8
+    cut = tree_from_counts(tree, 8, 20, 0.0, ddd_threshold=-0.5)  # H_2 < x: depth 2 stays, deeper goes
+    assert cut.tokens == [10, 11, 12] and cut.parents == [0, 0, 1] and cut.depth == 2
+
+
+def test_empirical_q_leaves_alpha_for_unseen_tokens() -> None:
+    idx, prob = empirical_q(TREE, alpha=1.0, k=8)
+    assert idx == [10, 11] and prob == pytest.approx([6 / 9, 2 / 9])
+    q = count_draft_q(chain_from_counts(TREE, 3, 0.0), alpha=1.0, k=1)
+    assert q.nodes == [0, 1, 2]  # the last node (14) has no continuation: no q there
+    assert q.idx == [[10], [12], [14]] and q.prob is not None
+    assert [r[0] for r in q.prob] == pytest.approx([6 / 9, 6 / 7, 3 / 7])
+
+
+# --- suffix tries ----------------------------------------------------------------------------------------------------
+
+
+def _substring_counts(seqs: list[list[int]], depth: int) -> Counter[tuple[int, ...]]:
+    out: Counter[tuple[int, ...]] = Counter()
+    for s in seqs:
+        for i in range(len(s)):
+            for j in range(i + 1, min(len(s), i + depth) + 1):
+                out[tuple(s[i:j])] += 1
+    return out
+
+
+def _trie_counts(trie: SuffixTrie) -> Counter[tuple[int, ...]]:
+    out: Counter[tuple[int, ...]] = Counter()
+
+    def walk(node: CountNode, path: tuple[int, ...]) -> None:
+        for tok, child in node.items():
+            out[(*path, tok)] = child.count
+            walk(child, (*path, tok))
+
+    walk(trie.root, ())
+    return out
+
+
+def test_suffix_trie_counts_every_substring_and_streams_equal_batch_inserts() -> None:
+    rng = random.Random(0)
+    seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
+    trie = SuffixTrie(depth=5)
+    for s in seqs:
+        trie.add(s)
+    assert _trie_counts(trie) == _substring_counts(seqs, 5)
+    assert trie.num_nodes == len(_substring_counts(seqs, 5))
+    streamed = SuffixTrie(depth=5)
+    stream = SuffixStream(streamed)
+    grown: list[int] = []
+    for tok in seqs[0]:
+        grown.append(tok)
+        stream.extend(grown)
+    assert _trie_counts(streamed) == _substring_counts(seqs[:1], 5)
+    for s in seqs[1:]:
+        trie.remove(s)
+    assert trie.root.as_dict() == streamed.root.as_dict() and trie.num_nodes == streamed.num_nodes
+
+
+def test_suffix_match_is_the_longest_suffix_with_a_continuation() -> None:
+    trie = SuffixTrie(depth=6)
+    trie.add([1, 2, 3, 4, 9, 2, 3, 5])
+    n, node = trie.match([7, 1, 2, 3], max_len=4, min_len=1)
+    assert n == 3 and node is not None and node.as_dict() == {4: (1, {9: (1, {2: (1, {})})})}
+    n, node = trie.match([8, 2, 3], max_len=4, min_len=1)
+    assert n == 2 and node is not None and set(node.as_dict()) == {4, 5}
+    assert trie.match([8, 2, 3], max_len=4, min_len=3) == (0, None)
+    assert trie.match([5], max_len=4, min_len=1) == (0, None)  # 5 occurs, but nothing followed it
+
+
+def test_suffix_cache_stays_within_its_bound_and_evicts_oldest_first() -> None:
+    rng = random.Random(1)
+    cache = SuffixCache(max_tokens=300, depth=8)
+    added = []
+    for _ in range(400):  # a long run: ~12k tokens through a 300-token cache
+        out = [rng.randrange(50) for _ in range(rng.randrange(1, 60))]
+        cache.add(out)
+        added.append(out)
+        assert cache.tokens <= 300 and cache.trie.num_nodes <= cache.max_nodes
+    kept = list(cache.entries)
+    assert kept == added[-len(kept) :]  # the newest ones, in order
+    fresh = SuffixTrie(depth=8)
+    for out in kept:
+        fresh.add(out)
+    assert cache.trie.root.as_dict() == fresh.root.as_dict() and cache.trie.num_nodes == fresh.num_nodes
+    big = SuffixCache(max_tokens=10, depth=4)
+    big.add(list(range(25)))  # longer than the whole cache: its last 10 tokens
+    assert list(big.entries) == [list(range(15, 25))]
+    SuffixCache(max_tokens=0, depth=4).add([1, 2])  # a disabled cache takes nothing
+
+
+def test_model_free_config_validates() -> None:
+    with pytest.raises(ValueError, match="ngram_min"):
+        ModelFreeConfig(ngram_min=5, ngram_max=3)
+    with pytest.raises(ValueError, match="continuation"):
+        ModelFreeConfig(ngram_max=8, suffix_depth=8)
+
+
+# --- in the engine ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocab() -> LlamaModel:
+    """Vocabulary 8: greedy output falls into repeats quickly, so lookup finds matches."""
+    return tiny_model(tiny_config(vocab_size=8), seed=0)
+
+
+PROMPTS = [[1, 2, 3, i % 8, 4] for i in range(4)]
+SPECS = [
+    SpecConfig(method=SpecMethod.chain, sl=6),
+    SpecConfig(method=SpecMethod.eagle2, tree_depth=6, budget=16),
+    SpecConfig(method=SpecMethod.ddd, budget=16),
+    SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde),
+    SpecConfig(method=SpecMethod.ddd, budget=16, policy=SLPolicyKind.dsde),
+]
+
+
+@pytest.mark.parametrize("drafter", [Drafter.lookup, Drafter.suffix])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.method.value}-{s.policy.value}")
+def test_model_free_drafting_is_greedy_equal_without_a_draft_model(
+    small_vocab: LlamaModel, drafter: Drafter, spec: SpecConfig
+) -> None:
+    spec = spec.model_copy(update={"drafter": drafter})
+    engine = Engine(small_vocab, None, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(small_vocab, prompt, 60)
+    assert sum(o.stats.accepted for o in outs) >= 40  # it drafted, and drafts were accepted
+    assert engine.loop.target.cache.num_free == 4 and not engine.loop.model_free.seqs
+
+
+def test_lookup_falls_back_to_the_draft_model_and_both_stay_in_step(small_vocab: LlamaModel) -> None:
+    """Lookup where it matches, the draft model elsewhere: the model's cache skips the steps lookup drafted."""
+    draft = noisy_copy(small_vocab, 0.05, seed=2)
+    calls: Counter[str] = Counter()
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.lookup)
+    engine = Engine(small_vocab, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+    model_propose, lookup_propose = engine.loop.draft.propose, engine.loop.model_free.propose  # type: ignore[union-attr]
+
+    def count_model(items):  # type: ignore[no-untyped-def]
+        calls["model"] += len(items)
+        return model_propose(items)
+
+    def count_lookup(*a, **k):  # type: ignore[no-untyped-def]
+        p = lookup_propose(*a, **k)
+        calls["lookup"] += p is not None
+        return p
+
+    engine.loop.draft.propose = count_model  # type: ignore[union-attr,method-assign]
+    engine.loop.model_free.propose = count_lookup  # type: ignore[method-assign]
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(small_vocab, prompt, 60)
+    assert calls["model"] >= 10 and calls["lookup"] >= 10
+    no_fallback = spec.model_copy(update={"model_fallback": False})
+    calls.clear()
+    engine.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), speculation=no_fallback)
+    assert calls["model"] == 0 and calls["lookup"] >= 5
+
+
+def test_per_request_model_free_drafting_on_a_plain_engine(small_vocab: LlamaModel) -> None:
+    engine = Engine(small_vocab, None, eos_token_ids=set())
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix)
+    out = engine.generate(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True), speculation=spec)[0]
+    assert out.token_ids == greedy_reference(small_vocab, PROMPTS[0], 40) and out.stats.accepted > 0
+    with pytest.raises(InvalidRequestError, match="needs a draft model"):
+        engine.submit(PROMPTS[0], speculation=SpecConfig(method=SpecMethod.chain))
+    EngineConfig(speculation=spec)  # no draft model needed
+    with pytest.raises(ValueError, match="needs a draft model"):
+        EngineConfig(speculation=SpecConfig(method=SpecMethod.chain))
+
+
+def test_the_cross_request_cache_drafts_a_repeated_request() -> None:
+    """A vocabulary of 64 rarely repeats within one answer; the same request again is drafted from the cache."""
+    target = tiny_model(tiny_config(vocab_size=64), seed=0)
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    spec = SpecConfig(method=SpecMethod.chain, sl=8, drafter=Drafter.suffix)
+    engine = Engine(target, None, speculation=spec, eos_token_ids=set())
+    first = engine.generate(prompt, params)[0]
+    second = engine.generate(prompt, params)[0]
+    assert first.token_ids == second.token_ids == greedy_reference(target, prompt, 40)
+    assert first.stats.accepted <= 10 and second.stats.accepted >= 30
+    assert second.stats.target_forwards <= 10
+    alone = Engine(target, None, speculation=spec, eos_token_ids=set(), suffix_cache_tokens=0)
+    assert alone.generate(prompt, params)[0].stats.accepted == alone.generate(prompt, params)[0].stats.accepted
+
+
+def test_lookup_sampling_keeps_the_targets_distribution(small_vocab: LlamaModel) -> None:
+    """Chi-square of the first two sampled tokens against the target's exact distributions, with lookup drafts
+    (deterministic, q = 1) accepted on the way."""
+    prompt = PROMPTS[0] + greedy_reference(small_vocab, PROMPTS[0], 10)  # ends in a run of 2s: lookup drafts 2s
+    n = 3000
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, drafter=Drafter.lookup)
+    engine = Engine(small_vocab, None, speculation=spec, eos_token_ids=set(), max_batch_size=64)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=2, ignore_eos=True) for i in range(n)]
+    outs = engine.generate([prompt] * n, params)
+    accepted = sum(o.stats.accepted for o in outs)
+    assert accepted > n // 10, accepted  # drafts were accepted, so the test sees verification
+    first = np.zeros(8)
+    pairs = np.zeros((8, 8))
+    for o in outs:
+        first[o.token_ids[0]] += 1
+        pairs[o.token_ids[0], o.token_ids[1]] += 1
+    p1 = _next_probs(small_vocab, [prompt])[0]
+    p2 = _next_probs(small_vocab, [[*prompt, t] for t in range(8)])
+    assert chisquare(first, p1 * n).pvalue > 1e-3
+    cells = [_lumped(pairs[t], pairs[t].sum() * p2[t]) for t in range(8) if pairs[t].sum() >= 50]
+    assert len(cells) >= 2
+    obs = np.concatenate([o for o, _ in cells])
+    exp = np.concatenate([e for _, e in cells])
+    assert chisquare(obs, exp, ddof=len(cells) - 1).pvalue > 1e-3
+
+
+def _lumped(obs: np.ndarray, exp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cells expecting fewer than 5 draws merged into one (and that into the smallest other if still below 5)."""
+    small = exp < 5
+    o, e = list(obs[~small]), list(exp[~small])
+    if small.any():
+        o.append(obs[small].sum())
+        e.append(exp[small].sum())
+        if e[-1] < 5:
+            i = int(np.argmin(e[:-1]))
+            o[i] += o.pop()
+            e[i] += e.pop()
+    return np.array(o), np.array(e)
+
+
+def _next_probs(model: LlamaModel, contexts: list[list[int]]) -> np.ndarray:
+    rows = []
+    for ctx in contexts:
+        cache = model.new_cache(1, 64)
+        slot = cache.allocate()
+        with torch.inference_mode():
+            logits = model(ForwardBatch.build(cache, [slot], [ctx], device=model.device), cache)
+        rows.append(torch.softmax(logits[-1].double(), -1).numpy())
+    p = np.stack(rows)
+    return p / p.sum(-1, keepdims=True)
