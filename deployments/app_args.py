@@ -16,7 +16,6 @@ from specserve.config import (
     LoopConfig,
     ModelSpec,
     SpecConfig,
-    SpecMethod,
 )
 
 TINY_MODEL_NAME = "tiny"
@@ -131,7 +130,7 @@ class AppArgs(LoopConfig):
             raise ValueError("`draft` needs a `target`")
         if self.pair is not None and self.pair not in MODEL_PAIRS:
             raise ValueError(f"unknown model pair {self.pair!r}; choose one of {sorted(MODEL_PAIRS)}")
-        if self.speculation.method != SpecMethod.none and not self.has_draft:
+        if self.speculation.needs_model and not self.has_draft:
             raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
         if self.speculation.kld_mode != KLDMode.sparse:
             raise ValueError("draft and target run in separate actors: the KLD signal must use kld_mode 'sparse'")

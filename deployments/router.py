@@ -23,8 +23,8 @@ from specserve.api.error_bodies import OverloadedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
 from specserve.api.schemas import Health, HealthStatus
 from specserve.api.server import build_api
-from specserve.build import build_step_loop, eos_ids_of
-from specserve.config import ModelSpec, SpecConfig, SpecMethod
+from specserve.build import build_step_loop, eos_ids_of, new_suffix_cache
+from specserve.config import Drafter, ModelSpec, SpecConfig, SpecMethod
 from specserve.limits import ContextLimits, context_limits
 from specserve.models.loader import load_tokenizer
 from specserve.prompts import PromptEncoder
@@ -67,6 +67,7 @@ class Router:
         self._max_model_len = limits.max_model_len
         self._encoder = PromptEncoder(self.tokenizer, target_info.vocab_size)
         eos = eos_ids_of(list(target_info.eos_token_ids), self.tokenizer)
+        self.suffix_cache = new_suffix_cache(args)  # recent outputs, shared by this replica's lanes
         for i, lane_workers in enumerate(workers):
             for worker in lane_workers.values():
                 worker.start(geometry)
@@ -74,7 +75,7 @@ class Router:
             draft = lane_workers.get(WorkerRole.draft)
             assert isinstance(target, RemoteTarget) and (draft is None or isinstance(draft, RemoteDraft))
             features = None if draft_info is None else draft_info.features
-            loop = build_step_loop(target, draft, args, limits, self.tokenizer, eos, features)
+            loop = build_step_loop(target, draft, args, limits, self.tokenizer, eos, features, self.suffix_cache)
             lane = Lane(
                 i,
                 loop,
@@ -119,7 +120,8 @@ class Router:
 
     @property
     def default_speculation(self) -> SpecConfig:
-        return self.args.speculation if self.args.has_draft else SpecConfig(method=SpecMethod.none)
+        spec = self.args.speculation
+        return spec if self.args.has_draft or spec.drafter != Drafter.model else SpecConfig(method=SpecMethod.none)
 
     @property
     def metrics(self) -> ServeMetrics:

@@ -188,6 +188,11 @@ class SpecConfig(BaseModel):
         }[self.method]
 
     @property
+    def needs_model(self) -> bool:
+        """Whether only the draft model (or head) can draft for this request."""
+        return self.method != SpecMethod.none and self.drafter == Drafter.model
+
+    @property
     def uses_model(self) -> bool:
         """Whether the draft model (or head) may draft for this request."""
         return self.method != SpecMethod.none and (self.drafter == Drafter.model or self.model_fallback)
@@ -236,8 +241,7 @@ class EngineConfig(LoopConfig):
 
     @model_validator(mode="after")
     def _draft_for_speculation(self) -> EngineConfig:
-        spec = self.speculation
-        if spec.method != SpecMethod.none and spec.drafter == Drafter.model and self.draft is None:
+        if self.speculation.needs_model and self.draft is None:
             raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
         return self
 

@@ -73,7 +73,7 @@ class StepLoop:
             )
         spec = request.speculation or self.speculation
         if spec.method != SpecMethod.none:
-            if self.draft is None and spec.drafter == Drafter.model:
+            if self.draft is None and spec.needs_model:
                 raise InvalidRequestError(f"speculation {spec.method.value!r} needs a draft model; none is loaded")
             if spec.max_verify_tokens > self.spec_headroom:
                 raise InvalidRequestError(

@@ -34,7 +34,7 @@ from deployments.router import lane_limits
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.convert import speculation_for
 from specserve.api.schemas import SpeculationOptions
-from specserve.config import ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.config import Drafter, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import UnsupportedModelError
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
@@ -186,6 +186,16 @@ def test_speculation_options_map_onto_the_default() -> None:
     assert lower is not None and lower.max_sl == 2
     plain = speculation_for(SpeculationOptions(), SpecConfig(method=SpecMethod.none))
     assert plain is not None and plain.method == SpecMethod.chain
+    lookup = speculation_for(
+        SpeculationOptions(method=SpecMethod.ddd, drafter=Drafter.lookup, model_fallback=False), default
+    )
+    assert lookup is not None and (lookup.method, lookup.drafter, lookup.model_fallback, lookup.sl) == (
+        SpecMethod.ddd,
+        Drafter.lookup,
+        False,
+        5,
+    )
+    assert speculation_for(SpeculationOptions(method=SpecMethod.none), default) == SpecConfig(method=SpecMethod.none)
 
 
 def test_app_args_layout_and_validation() -> None:
@@ -198,6 +208,8 @@ def test_app_args_layout_and_validation() -> None:
     assert gpu.device == "cuda" and gpu.bundle() == {"CPU": 2, "GPU": 1, "a100": 1}
     solo = AppArgs(target=ModelSpec(), speculation=SpecConfig(method=SpecMethod.none))
     assert solo.roles == [WorkerRole.target] and solo.recipe(WorkerRole.draft) is None
+    lookup_only = AppArgs(target=ModelSpec(), speculation=SpecConfig(drafter=Drafter.suffix))  # needs no draft
+    assert lookup_only.roles == [WorkerRole.target]
     for bad in (
         {"tiny": {}, "pair": "smollm2-bf16"},
         {"pair": "no-such-pair"},
@@ -357,6 +369,11 @@ def test_speculation_options(client: openai.OpenAI, engine: Engine) -> None:
     assert ids == ref.token_ids and 0 < spec["drafted"] <= 2 * spec["target_forwards"]
     ids, spec = run({"policy": "dsde"})
     assert ids == ref.token_ids and spec["drafted"] > 0
+    # model-free: the replica's suffix cache holds every earlier answer, so this repeat is drafted from it
+    ids, spec = run({"drafter": "suffix", "method": "ddd", "model_fallback": False, "policy": "static"})
+    assert ids == ref.token_ids and spec["accepted"] >= 12
+    ids, spec = run({"drafter": "lookup", "method": "chain", "model_fallback": False})
+    assert ids == ref.token_ids
 
 
 # -- bad input: a 4xx with OpenAI's error body, never a 500 ----------------------------------------------

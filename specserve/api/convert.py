@@ -32,17 +32,24 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
 def speculation_for(options: SpeculationOptions | None, default: SpecConfig) -> SpecConfig | None:
     """A request's speculation options applied to the server default; None keeps the default.
 
-    ``enabled: false`` or ``policy: none`` turn speculation off; ``static`` / ``dsde`` select the SL policy;
-    ``max_sl`` caps the speculation length (chain length, tree depth) below the server's own ceiling. Asking for
-    speculation where the default is plain decoding selects chain drafting.
+    ``enabled: false``, ``policy: none`` or ``method: none`` turn speculation off; ``method`` picks chains or trees,
+    ``drafter`` who drafts (the deployment's draft model, or the model-free lookup / suffix drafters);
+    ``static`` / ``dsde`` select the SL policy; ``max_sl`` caps the speculation length (chain length, tree depth)
+    below the server's own ceiling. Asking for speculation where the default is plain decoding selects chains.
     """
     if options is None:
         return None
-    if not options.enabled:
+    if not options.enabled or options.method == SpecMethod.none:
         return SpecConfig(method=SpecMethod.none)
     update: dict[str, object] = {}
     if default.method == SpecMethod.none:
         update["method"] = SpecMethod.chain
+    if options.method is not None:
+        update["method"] = options.method
+    if options.drafter is not None:
+        update["drafter"] = options.drafter
+    if options.model_fallback is not None:
+        update["model_fallback"] = options.model_fallback
     if options.policy is not None:
         update["policy"] = options.policy
     if options.max_sl is not None:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.config import SLPolicyKind
+from specserve.config import Drafter, SLPolicyKind, SpecMethod
 
 
 class SpeculationOptions(BaseModel):
@@ -22,6 +22,13 @@ class SpeculationOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
+    method: SpecMethod | None = Field(default=None, description="chain, eagle2 (tree) or ddd (tree, dynamic depth)")
+    drafter: Drafter | None = Field(
+        default=None, description="model (the deployment's draft), lookup (prompt lookup) or suffix (suffix trees)"
+    )
+    model_fallback: bool | None = Field(
+        default=None, description="lookup / suffix: let the draft model draft where they find no match"
+    )
     policy: SLPolicyKind | None = None
     max_sl: int | None = Field(default=None, ge=1, le=64, description="caps the chain length / tree depth")
 

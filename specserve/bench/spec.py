@@ -4,7 +4,10 @@ Batch 1, greedy (T = 0), the first turn of each prompt through the chat template
 for every method (EOS ignored), every method side by side in one process, interleaved prompt by prompt so a
 noisy machine hits all of them alike. Per method: whether its output equals plain greedy decoding token for
 token, tau (tokens per target forward incl. the bonus), mean draft depth, tokens/s and the ratio to plain.
-Drafts: every ``--pairs`` entry that shares the target (an EAGLE head, a quantised copy).
+Drafts: every ``--pairs`` entry that shares the target (an EAGLE head, a quantised copy), and with ``--drafters``
+the model-free drafters alone (``lookup``, ``suffix``) or leading the pair's draft (``lookup+model``,
+``suffix+model``). ``--by-category`` adds a table per prompt category; ``--passes 2`` runs the prompts again
+(a repeated-request workload: the suffix drafter's cross-request cache then holds the first pass's outputs).
 """
 
 from __future__ import annotations
@@ -21,7 +24,17 @@ import torch
 from specserve.bench.machine import cpu_summary
 from specserve.bench.prompt_sets import load_prompts, mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
-from specserve.config import MODEL_PAIRS, ChainDraft, HeadSpec, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.config import (
+    MODEL_PAIRS,
+    SERVING_SPECULATION,
+    ChainDraft,
+    Drafter,
+    HeadSpec,
+    ModelSpec,
+    SLPolicyKind,
+    SpecConfig,
+    SpecMethod,
+)
 from specserve.engine import Completion, Engine
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
@@ -31,6 +44,7 @@ from specserve.spec_decode.eagle_head import EagleHead
 from specserve.tune import autotune
 
 METHODS = ("chain", "eagle2", "ddd")
+DRAFTERS = ("model", "lookup", "suffix", "lookup+model", "suffix+model")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -50,14 +64,34 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dsde", action="store_true", help="also run each chain / DDD method under DSDE + SL_cap")
     p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
+    p.add_argument("--drafters", nargs="+", default=["model"], choices=DRAFTERS, help="who drafts each method")
+    p.add_argument("--by-category", action="store_true", help="also a table per prompt category")
+    p.add_argument("--passes", type=int, default=1, help="run the prompts this many times (rows per pass)")
+    p.add_argument("--stop-at-eos", action="store_true", help="end each answer at EOS (default: max-tokens each)")
+    p.add_argument("--guarded-default", action="store_true", help="add the serving default, throughput guard on")
     p.add_argument("--out", type=Path, default=Path("bench_out/spec"))
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
-    draft: str  # the pair whose draft it uses ("" for plain decoding)
+    draft: str  # the pair whose draft it uses ("" for plain decoding and model-free drafters alone)
     spec: SpecConfig
+    guard: bool = False  # the throughput guard on
+
+
+def with_drafters(methods: list[Method], drafters: list[str]) -> list[Method]:
+    """Each method once per drafter: ``model`` as given, ``lookup`` / ``suffix`` alone, ``X+model`` leading."""
+    out = []
+    for d in drafters:
+        for m in methods:
+            if d == "model":
+                out.append(m)
+                continue
+            kind, fallback = d.removesuffix("+model"), d.endswith("+model")
+            spec = m.spec.model_copy(update={"drafter": Drafter(kind), "model_fallback": fallback})
+            out.append(Method(f"{d}: {m.name}", m.draft if fallback else "", spec))
+    return out
 
 
 def _tree_fields(args: argparse.Namespace) -> dict[str, object]:
@@ -76,6 +110,8 @@ def methods_for(
     tree = SpecConfig(method=SpecMethod.eagle2, **_tree_fields(args))  # type: ignore[arg-type]
     for budget in args.budget:
         t = budget
+        if t == 0 and not ({"eagle2", "ddd"} & set(args.methods)):
+            break  # no trees: nothing to tune
         if t == 0:
             tuned = autotune(target, draft, prompts[:3], tree, max_tokens=32)
             t = tuned.best
@@ -101,6 +137,9 @@ def methods_for(
             for m in list(out)
             if m.spec.method in (SpecMethod.chain, SpecMethod.ddd)
         ]
+    out = with_drafters(out, args.drafters)
+    if args.guarded_default:
+        out.append(Method("serving default (guarded)", pair, SERVING_SPECULATION, guard=True))
     return out
 
 
@@ -135,12 +174,14 @@ def _assisted(
 
 
 def _row(
-    method: Method, engine: Engine, outs: list[Completion], secs: float, reference: list[list[int]]
+    method: Method, outs: list[Completion], secs: float, reference: list[list[int]], engine: Engine | None
 ) -> dict[str, object]:
-    timing = engine.loop.stats.timing
+    """``engine``: its per-step draft / verify times (whole-run rows only)."""
     tokens = [o.token_ids for o in outs]
     n = sum(len(t) for t in tokens)
     forwards = sum(o.stats.target_forwards for o in outs)
+    timing = engine.loop.stats.timing if engine is not None else None
+    nan = float("nan")
     return {
         "method": method.name,
         "draft": method.draft or "-",
@@ -149,9 +190,35 @@ def _row(
         "mean_depth": sum(o.stats.depth_sum for o in outs) / max(1, sum(o.stats.draft_steps for o in outs)),
         "tok_s": n / secs,
         "ratio": 0.0,
-        "draft_ms_step": 1e3 * timing.draft_s / max(1, timing.steps),
-        "verify_ms_step": 1e3 * timing.verify_s / max(1, timing.steps),
+        "draft_ms_step": nan if timing is None else 1e3 * timing.draft_s / max(1, timing.steps),
+        "verify_ms_step": nan if timing is None else 1e3 * timing.verify_s / max(1, timing.steps),
     }
+
+
+def _grouped_rows(
+    methods: list[Method],
+    engines: list[Engine],
+    outs: list[list[Completion]],
+    secs: list[list[float]],
+    plain_of: list[int],
+    keep: list[int],
+    whole: bool,
+) -> list[dict[str, object]]:
+    """One row per method over the prompts ``keep``; ratios to the first plain row of the same prompts."""
+    rows = [
+        _row(
+            m,
+            [outs[i][k] for k in keep],
+            sum(secs[i][k] for k in keep),
+            [outs[plain_of[i]][k].token_ids for k in keep],
+            engines[i] if whole else None,
+        )
+        for i, m in enumerate(methods)
+    ]
+    base = float(cast(float, rows[0]["tok_s"]))
+    for row in rows:
+        row["ratio"] = float(cast(float, row["tok_s"])) / base
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     first = Engine(targets[target_specs[0]], tok, max_batch_size=1)
     bench = load_prompts(args.prompts, args.num_prompts) if args.prompts else mt_bench_prompts(args.num_prompts)
     prompts = [first.encode(p.text, chat=True) for p in bench]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
     methods: list[Method] = []
     engines: list[Engine] = []
     plain_of: list[int] = []  # index of each method's plain row (its greedy reference)
@@ -189,28 +256,39 @@ def run(args: argparse.Namespace) -> int:
                         Engine(
                             target,
                             tok,
-                            draft=draft,
+                            draft=draft if method.draft else None,
                             speculation=method.spec,
                             max_batch_size=1,
                             max_model_len=1024,
                             spec_headroom=max(64, method.spec.budget),
+                            throughput_guard=method.guard,
                         )
                     )
                     plain_of.append(plain_row)
-    seconds = [0.0] * len(methods)
+    n_runs = len(prompts) * args.passes
+    secs: list[list[float]] = [[] for _ in methods]  # per method, per (pass, prompt)
     outs: list[list[Completion]] = [[] for _ in methods]
-    for i, p in enumerate(prompts):  # interleaved: load changes on a shared machine hit every method alike
+    for r in range(n_runs):  # interleaved: load changes on a shared machine hit every method alike
+        p = prompts[r % len(prompts)]
         for m, engine in enumerate(engines):
             t0 = time.perf_counter()
             outs[m].append(engine.generate(p, params)[0])
-            seconds[m] += time.perf_counter() - t0
-        rates = [sum(len(o.token_ids) for o in outs[m]) / seconds[m] for m in range(len(methods))]
-        print(f"prompt {i + 1}/{len(prompts)}: " + "  ".join(f"{r:.1f}" for r in rates) + " tok/s", flush=True)
-    rows = [
-        _row(m, e, o, s, [c.token_ids for c in outs[plain_of[i]]])
-        for i, (m, e, o, s) in enumerate(zip(methods, engines, outs, seconds, strict=True))
-    ]
-    reference = [o.token_ids for o in outs[0]]
+            secs[m].append(time.perf_counter() - t0)
+        rates = [sum(len(o.token_ids) for o in outs[m]) / sum(secs[m]) for m in range(len(methods))]
+        print(f"run {r + 1}/{n_runs}: " + "  ".join(f"{x:.1f}" for x in rates) + " tok/s", flush=True)
+    rows = []
+    categories = sorted({b.category for b in bench}) if args.by_category else []
+    for pass_i in range(args.passes):
+        runs = range(pass_i * len(prompts), (pass_i + 1) * len(prompts))
+        groups = [("all", list(runs))] + [
+            (c, [k for k in runs if bench[k % len(prompts)].category == c]) for c in categories
+        ]
+        for cat, keep in groups:
+            for row in _grouped_rows(
+                methods, engines, outs, secs, plain_of, keep, whole=args.passes == 1 and cat == "all"
+            ):
+                rows.append({"pass": pass_i + 1, "category": cat} | row)
+    reference = [o.token_ids for o in outs[0][: len(prompts)]]
     target_spec = target_specs[0]
     target = targets[target_spec]
     if args.assisted:
@@ -227,16 +305,16 @@ def run(args: argparse.Namespace) -> int:
             equal = sum(a == b for a, b in zip(hf_outs, reference, strict=True)) / len(hf_outs)
             nan = float("nan")
             rows.append(
-                {"method": "transformers assisted", "draft": pair, "greedy_equal": equal, "tau": nan}
+                {"pass": 1, "category": "all", "method": "transformers assisted", "draft": pair}
+                | {"greedy_equal": equal, "tau": nan}
                 | {"mean_depth": nan, "tok_s": n / hf_seconds, "ratio": 0.0, "draft_ms_step": nan}
                 | {"verify_ms_step": nan}
             )
-    base = float(cast(float, rows[0]["tok_s"]))
-    for row in rows:
-        row["ratio"] = float(cast(float, row["tok_s"])) / base
+            rows[-1]["ratio"] = float(cast(float, rows[-1]["tok_s"])) / float(cast(float, rows[0]["tok_s"]))
     write_csv(args.out / "spec.csv", rows)
     source = args.prompts or "MT-bench"
-    print(f"\n{len(prompts)} prompts from {source} x {args.max_tokens} new tokens, batch 1, greedy")
+    passes = f" x {args.passes} passes" if args.passes > 1 else ""
+    print(f"\n{len(prompts)} prompts from {source}{passes} x {args.max_tokens} new tokens, batch 1, greedy")
     print(f"CPU: {cpu_summary()}")
     print(markdown_table(rows))
     return 0
