@@ -101,12 +101,12 @@ class ChainDraft(str, Enum):
 
 class Drafter(str, Enum):
     model = "model"  # the loaded draft model or EAGLE head
-    lookup = "lookup"  # prompt lookup: n-gram matches in the request's own tokens (docs/algorithms.md §9.1)
-    suffix = "suffix"  # suffix trees over the request's tokens and recent outputs (docs/algorithms.md §9.2)
+    lookup = "lookup"  # prompt lookup: n-gram matches in the request's own tokens (docs/algorithms.md §10.1)
+    suffix = "suffix"  # suffix trees over the request's tokens and recent outputs (docs/algorithms.md §10.2)
 
 
 class ModelFreeConfig(BaseModel):
-    """Model-free drafting (docs/algorithms.md §9). Defaults: prompt lookup as vLLM's n-gram drafter runs it
+    """Model-free drafting (docs/algorithms.md §10). Defaults: prompt lookup as vLLM's n-gram drafter runs it
     (match 4 down to 2 tokens), suffix decoding's minimum token probability 0.1."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -1,4 +1,4 @@
-"""Draft trees from occurrence counts (docs/algorithms.md §9.3): what the model-free drafters propose.
+"""Draft trees from occurrence counts (docs/algorithms.md §10.3): what the model-free drafters propose.
 
 A ``CountNode`` whose children are the tokens seen after the matched context (with their counts) stands for the
 root. A node's score is its empirical path probability: the product of count(child) / sum(counts of its

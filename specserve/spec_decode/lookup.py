@@ -1,4 +1,4 @@
-"""Prompt lookup (docs/algorithms.md §9.1): find the last n tokens (n from ``ngram_max`` down to ``ngram_min``)
+"""Prompt lookup (docs/algorithms.md §10.1): find the last n tokens (n from ``ngram_max`` down to ``ngram_min``)
 earlier in the request's prompt and output, and propose what followed them."""
 
 from __future__ import annotations

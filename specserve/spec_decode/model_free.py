@@ -1,4 +1,4 @@
-"""The model-free drafter (docs/algorithms.md §9): prompt lookup and suffix trees, in the router's process.
+"""The model-free drafter (docs/algorithms.md §10): prompt lookup and suffix trees, in the router's process.
 
 It needs no model and no KV cache: per sequence it keeps an index of the tokens the step loop passes in (a token
 array for lookup, a suffix trie for the suffix drafter), and on release it adds the request's output to the

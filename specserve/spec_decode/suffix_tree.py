@@ -1,4 +1,4 @@
-"""Suffix tries with occurrence counts (docs/algorithms.md §9.2): one over a request's own tokens, grown a token at
+"""Suffix tries with occurrence counts (docs/algorithms.md §10.2): one over a request's own tokens, grown a token at
 a time, and a bounded cache of recent requests' outputs shared by a replica's lanes.
 
 A depth-D trie holds every substring of length <= D of what was inserted; a node's ``count`` is the number of
