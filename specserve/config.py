@@ -153,6 +153,9 @@ class SpecConfig(BaseModel):
     policy: SLPolicyKind = SLPolicyKind.static
     dsde: DSDEConfig = DSDEConfig()
     max_sl: int | None = Field(default=None, ge=1, le=64, description="per-request ceiling on SL / depth")
+    model_max_sl: int | None = Field(
+        default=None, ge=1, le=64, description="ceiling on the draft model's SL / depth (model-free drafts: max_sl)"
+    )
     kld_mode: KLDMode = KLDMode.sparse
     kld_tail: SparseTail = SparseTail.uniform
     synthetic_accept: float | None = Field(

@@ -234,17 +234,21 @@ def test_lookup_falls_back_to_the_draft_model_and_both_stay_in_step(small_vocab:
     """Lookup where it matches, the draft model elsewhere: the model's cache skips the steps lookup drafted."""
     draft = noisy_copy(small_vocab, 0.05, seed=2)
     calls: Counter[str] = Counter()
-    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.lookup)
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.lookup, model_max_sl=2)
     engine = Engine(small_vocab, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=4)
     model_propose, lookup_propose = engine.loop.draft.propose, engine.loop.model_free.propose  # type: ignore[union-attr]
+    depths: dict[str, set[int]] = {"model": set(), "lookup": set()}
 
     def count_model(items):  # type: ignore[no-untyped-def]
         calls["model"] += len(items)
+        depths["model"] |= {it.depth for it in items}
         return model_propose(items)
 
     def count_lookup(*a, **k):  # type: ignore[no-untyped-def]
         p = lookup_propose(*a, **k)
         calls["lookup"] += p is not None
+        if p is not None:
+            depths["lookup"].add(len(p.tokens))
         return p
 
     engine.loop.draft.propose = count_model  # type: ignore[union-attr,method-assign]
@@ -253,6 +257,7 @@ def test_lookup_falls_back_to_the_draft_model_and_both_stay_in_step(small_vocab:
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(small_vocab, prompt, 60)
     assert calls["model"] >= 10 and calls["lookup"] >= 10
+    assert depths["model"] == {2} and max(depths["lookup"]) == 4  # model_max_sl caps the model alone
     no_fallback = spec.model_copy(update={"model_fallback": False})
     calls.clear()
     engine.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), speculation=no_fallback)

@@ -10,7 +10,16 @@ import time
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from specserve.config import Drafter, SLPolicyKind, SpecMethod
 
@@ -43,7 +52,29 @@ class SpeculationOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+# JSON types are strict (``"stream": "yes"`` and ``"max_tokens": "10"`` are 400s, not coerced); numbers may be given
+# as integers where a float is expected. Every constraint below is one the server enforces, so /openapi.json (built
+# from these models) documents exactly what is accepted.
+StrictFloat = Annotated[float, Field(strict=True)]
+MAX_STOP_CHARS = 1024  # the step loop looks for every stop string's prefixes at the end of the text each step
+
+
+class ResponseFormat(BaseModel):
+    """Only plain text: SDK wrappers send ``{"type": "text"}`` by default; structured output is not supported."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, v: object) -> object:
+        if v != "text":
+            raise ValueError(f"response_format type {v!r} is not supported; only 'text'")
+        return v
 
 
 class GenerationRequest(BaseModel):
@@ -52,41 +83,45 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
-    top_k: int | None = Field(default=None, description="extension: keep the k most likely tokens")
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="a 64-bit signed integer")
-    stop: str | list[str] | None = Field(default=None)
-    stream: bool = False
+    max_tokens: StrictInt | None = Field(default=None, ge=1, description="at most the context length minus the prompt")
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=1, description="extension: keep the k most likely tokens")
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="a 64-bit signed integer")
+    stop: (
+        Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+        | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]]
+        | None
+    ) = Field(default=None, description="up to 4 non-empty stop strings")
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    n: StrictInt = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    presence_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    logprobs: Literal[False, 0] | None = Field(default=None, description="not supported: only false, 0 or null")
     user: str | None = None
-    ignore_eos: bool = Field(default=False, description="extension: keep generating past EOS")
-    return_token_ids: bool = Field(default=False, description="extension: token ids alongside the text")
+    ignore_eos: StrictBool = Field(default=False, description="extension: keep generating past EOS")
+    return_token_ids: StrictBool = Field(default=False, description="extension: token ids alongside the text")
     speculation: SpeculationOptions | None = Field(default=None, description="extension: speculative decoding")
 
-    @field_validator("n")
+    @field_validator("n", mode="before")
     @classmethod
-    def _single_choice(cls, v: int) -> int:
-        if v != 1:
+    def _single_choice(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool) and v != 1:
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
     @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
+    def _no_penalty(cls, v: object) -> object:
+        if isinstance(v, int | float) and not isinstance(v, bool) and v != 0:
             raise ValueError("presence and frequency penalties are not supported; use 0")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", mode="before")
     @classmethod
-    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
-        if v:
+    def _no_logprobs(cls, v: object) -> object:
+        if v is True or (isinstance(v, int) and v > 0):
             raise ValueError("logprobs are not supported")
         return v
 
@@ -121,8 +156,8 @@ Utf8Str = Annotated[str, AfterValidator(_utf8)]
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: Utf8Str | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: Utf8Str | list[StrictInt] = Field(description="text, or token ids")
+    max_tokens: StrictInt | None = Field(default=16, ge=1, description="at most the context length minus the prompt")
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
@@ -159,11 +194,24 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, description="OpenAI's newer name of max_tokens")
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, description="OpenAI's newer name of max_tokens")
+    response_format: ResponseFormat | None = Field(default=None, description="only the no-op {'type': 'text'}")
+    store: Literal[False] | None = Field(default=None, description="only the no-op false: nothing is stored")
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _nothing_stored(cls, v: object) -> object:
+        if v is True:
+            raise ValueError("store: true is not supported; this server stores no completions")
+        return v
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def token_limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 # -- responses ----------------------------------------------------------------------------------------
@@ -295,6 +343,9 @@ class ErrorCode(str, Enum):
     invalid_json = "invalid_json"
     context_length_exceeded = "context_length_exceeded"
     model_not_found = "model_not_found"
+    invalid_api_key = "invalid_api_key"
+    request_too_large = "request_too_large"
+    request_timeout = "request_timeout"
     not_found = "not_found"
     method_not_allowed = "method_not_allowed"
     rate_limit_exceeded = "rate_limit_exceeded"
