@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
 from specserve.config import (
     DEFAULT_PAIR,
     MODEL_PAIRS,
@@ -19,6 +22,7 @@ from specserve.config import (
 )
 
 TINY_MODEL_NAME = "tiny"
+_HTTP_DEFAULTS = HTTPOptions()
 
 
 class WorkerRole(str, Enum):
@@ -113,7 +117,18 @@ class AppArgs(LoopConfig):
     speculation: SpecConfig = SpecConfig()  # the loop settings (LoopConfig) speculate by default here
     num_lanes: int = Field(default=1, ge=1, le=64)
     max_queued_requests: int = Field(default=64, ge=0)
-    retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")
+    retry_after_s: int = Field(
+        default=1, ge=1, description="the least Retry-After of a 429 (estimated from the queue and step rate above it)"
+    )
+    max_request_bytes: int = Field(default=_HTTP_DEFAULTS.max_request_bytes, ge=1, description="larger bodies: 413")
+    body_timeout_s: float = Field(
+        default=_HTTP_DEFAULTS.body_timeout_s, gt=0.0, description="a body not received within this: 408"
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description=f"require `Authorization: Bearer <key>`; unset: the {API_KEY_ENV} environment variable",
+    )
+    debug_routes: bool = Field(default=False, description="serve /debug/lanes (actor names, node ids, KV slots)")
     router_resources: ActorResources = ActorResources(num_cpus=0.5)
     target_resources: ActorResources = ActorResources(num_cpus=1.0)
     draft_resources: ActorResources = ActorResources(num_cpus=0.5)
@@ -135,6 +150,16 @@ class AppArgs(LoopConfig):
         if self.speculation.kld_mode != KLDMode.sparse:
             raise ValueError("draft and target run in separate actors: the KLD signal must use kld_mode 'sparse'")
         return self
+
+    def http_options(self, environ: Mapping[str, str] = os.environ) -> HTTPOptions:
+        """The HTTP layer's limits; the API key from the args, else from the environment of the replica."""
+        key = self.api_key or (SecretStr(environ[API_KEY_ENV]) if environ.get(API_KEY_ENV) else None)
+        return HTTPOptions(
+            max_request_bytes=self.max_request_bytes,
+            body_timeout_s=self.body_timeout_s,
+            api_key=key,
+            debug_routes=self.debug_routes,
+        )
 
     @property
     def pair_name(self) -> str | None:

@@ -224,8 +224,11 @@ class Lane:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                self.metrics.lane_queue(self.index, running=len(self.loop.running), waiting=len(self.loop.waiting))
+                self._report_queue()
                 return True
+
+    def _report_queue(self) -> None:
+        self.metrics.lane_queue(self.index, running=len(self.loop.running), waiting=len(self.loop.waiting))
 
     def _apply(self, command: _Submit | _Abort) -> None:
         if isinstance(command, _Abort):
@@ -247,10 +250,12 @@ class Lane:
             outputs = self.loop.step()
         except RayActorError as e:
             self._recover(e)
+            self._report_queue()
             return
         except Exception:  # a bug, not a lost worker: drop the batch rather than the lane
             logger.exception("lane %d: step failed", self.index)
             self._fail_all("the step failed")
+            self._report_queue()  # the dropped requests left the queue and the batch
             return
         self._failures = 0
         step_s = time.perf_counter() - t0

@@ -8,6 +8,7 @@ Requests go to the least-loaded lane; beyond ``AppArgs.capacity`` they get a 429
 from __future__ import annotations
 
 import asyncio
+import math
 
 from fastapi import FastAPI
 from pydantic import BaseModel
@@ -29,6 +30,8 @@ from specserve.limits import ContextLimits, context_limits
 from specserve.models.loader import load_tokenizer
 from specserve.prompts import PromptEncoder
 from specserve.sequence import Request
+
+MAX_RETRY_AFTER_S = 3600
 
 
 class RouterDebug(BaseModel):
@@ -89,7 +92,7 @@ class Router:
             self.lanes.append(lane)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self)
+        return build_api(self, self.args.http_options())
 
     def _load_tokenizer(self) -> PreTrainedTokenizerBase:
         if self.args.tiny is not None:
@@ -128,15 +131,24 @@ class Router:
         return self._metrics
 
     async def submit(self, request: Request) -> LaneStream:
-        if sum(lane.in_flight for lane in self.lanes) >= self.args.capacity:
+        in_flight = sum(lane.in_flight for lane in self.lanes)
+        if in_flight >= self.args.capacity:
             raise OverloadedError(
                 f"the server is at capacity ({self.args.capacity} requests running or queued); retry later",
-                retry_after_s=self.args.retry_after_s,
+                retry_after_s=self.retry_after_s(in_flight),
             )
         lane = min((lane for lane in self.lanes if lane.alive), key=lambda lane: lane.in_flight, default=None)
         if lane is None:
             raise WorkerFailedError("no lane of this replica is running")
         return await lane.submit(request)
+
+    def retry_after_s(self, in_flight: int) -> int:
+        """Seconds until the requests queued now (and one more) should have run, from the measured step time and
+        steps per request; at least ``args.retry_after_s``, which also stands in before anything was measured."""
+        slots = self.args.num_lanes * self.args.max_batch_size
+        wait = self._metrics.load.wait_s(queued=max(0, in_flight - slots), slots=slots)
+        floor = self.args.retry_after_s
+        return floor if wait is None else min(MAX_RETRY_AFTER_S, max(floor, math.ceil(wait)))
 
     def health(self) -> Health:
         alive = sum(lane.alive for lane in self.lanes)

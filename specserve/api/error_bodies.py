@@ -27,6 +27,12 @@ class ModelNotFoundError(APIError):
     code = ErrorCode.model_not_found
 
 
+class ContextLengthError(APIError):
+    """The prompt, or the prompt plus max_tokens, does not fit the model's context (``param`` names which)."""
+
+    code = ErrorCode.context_length_exceeded
+
+
 class OverloadedError(APIError):
     """The router's queue is full: the client should retry after ``retry_after_s``."""
 

@@ -30,8 +30,37 @@ class RequestStatus(str, Enum):
     failed = "failed"  # 5xx
 
 
+class LoadEstimate:
+    """How long a request turned away now would wait for a batch slot, for a 429's Retry-After.
+
+    The ``queued`` requests ahead of it, and one more, must finish first; the replica's ``slots`` (lanes x batch)
+    finish ``slots / (steps_per_request * step_s)`` requests a second. Both rates are measured (exponential moving
+    averages of lane step times and of finished requests' target forwards); None until both were seen.
+    """
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight  # of the newest observation
+        self.step_s: float | None = None
+        self.steps_per_request: float | None = None
+
+    def observe_step(self, step_s: float) -> None:
+        self.step_s = self._average(self.step_s, step_s)
+
+    def observe_request(self, steps: int) -> None:
+        self.steps_per_request = self._average(self.steps_per_request, float(max(1, steps)))
+
+    def wait_s(self, *, queued: int, slots: int) -> float | None:
+        if self.step_s is None or self.steps_per_request is None:
+            return None
+        return (queued + 1) * self.steps_per_request * self.step_s / max(1, slots)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.weight * (new - old)
+
+
 class ServeMetrics:
     def __init__(self) -> None:
+        self.load = LoadEstimate()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("specserve_requests", "Finished HTTP generation requests", ["status"], registry=r)
@@ -95,6 +124,7 @@ class ServeMetrics:
 
     def request_finished(self, out: RequestOutput, *, ttft_s: float | None, tpot_s: float | None) -> None:
         self.request_done(RequestStatus.ok)
+        self.load.observe_request(out.stats.target_forwards)
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.generation_tokens.inc(out.num_output_tokens)
         if ttft_s is not None:
@@ -116,6 +146,7 @@ class ServeMetrics:
         self.running.labels(label).set(running)
         self.queue_depth.labels(label).set(waiting)
         self.step_seconds.labels(label).observe(step_s)
+        self.load.observe_step(step_s)
         self.batch_size.labels(label).observe(step.batch_size)
         histogram = self.speculation_length.labels(label)
         for depth in step.depths:

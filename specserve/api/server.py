@@ -2,6 +2,8 @@
 
 Every error a client can cause is a 4xx with OpenAI's error body; a full queue is a 429 with Retry-After.
 A stream (SSE) whose client goes away is closed, which aborts the request and frees its KV.
+Before any route, ``RequestGuard`` checks the API key, the body size (413) and the body-read time (408).
+/openapi.json is built from the same models the routes validate with, and documents the 400s they send.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from specserve.api.convert import sampling_params_for, speculation_for, usage_for
-from specserve.api.error_bodies import APIError, ModelNotFoundError, OverloadedError, error_body
+from specserve.api.error_bodies import APIError, ContextLengthError, ModelNotFoundError, OverloadedError, error_body
+from specserve.api.http_guard import HTTPOptions, RequestGuard
 from specserve.api.metrics import RequestStatus, ServeMetrics
 from specserve.api.schemas import (
     AssistantMessage,
@@ -39,6 +44,7 @@ from specserve.api.schemas import (
     CompletionRequest,
     CompletionResponse,
     ErrorCode,
+    ErrorResponse,
     ErrorType,
     FinishReasonOut,
     GenerationRequest,
@@ -91,18 +97,51 @@ class Backend(Protocol):
     async def debug_state(self) -> BaseModel: ...
 
 
-def build_api(backend: Backend) -> FastAPI:
+def build_api(backend: Backend, options: HTTPOptions | None = None) -> FastAPI:
+    options = options or HTTPOptions()
     api = FastAPI(title="specserve", description="OpenAI-compatible LLM serving with speculative decoding")
     routes = _Routes(backend)
-    api.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
-    api.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
-    api.add_api_route("/v1/models", routes.models, methods=["GET"])
-    api.add_api_route("/health", routes.health, methods=["GET"], response_model=None)
-    api.add_api_route("/metrics", routes.metrics, methods=["GET"], response_model=None)
+    generation = _error_responses(options, 400, 404, 408, 413, 429, 500, 503)
     api.add_api_route(
-        "/debug/lanes", routes.debug, methods=["GET"], response_model=None, description="debug: lane and KV state"
+        "/v1/completions",
+        routes.completions,
+        methods=["POST"],
+        response_model=None,
+        responses={200: _generation_response(CompletionResponse, CompletionChunk), **generation},
     )
+    api.add_api_route(
+        "/v1/chat/completions",
+        routes.chat_completions,
+        methods=["POST"],
+        response_model=None,
+        responses={200: _generation_response(ChatCompletionResponse, ChatCompletionChunk), **generation},
+    )
+    api.add_api_route("/v1/models", routes.models, methods=["GET"], responses=_error_responses(options))
+    api.add_api_route(
+        "/v1/models/{model:path}", routes.model, methods=["GET"], responses=_error_responses(options, 404)
+    )
+    api.add_api_route(
+        "/health",
+        routes.health,
+        methods=["GET"],
+        response_model=Health,
+        responses={503: {"model": Health, "description": "a lane is down"}},
+    )
+    api.add_api_route(
+        "/metrics",
+        routes.metrics,
+        methods=["GET"],
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text format", "content": {PROMETHEUS_MEDIA_TYPE: {}}}},
+        description="Prometheus metrics of this replica",
+    )
+    if options.debug_routes:
+        api.add_api_route(
+            "/debug/lanes", routes.debug, methods=["GET"], response_model=None, description="debug: lane and KV state"
+        )
     _install_error_handlers(api, backend.metrics)
+    api.add_middleware(RequestGuard, options=options, metrics=backend.metrics)
+    api.openapi = lambda: _openapi(api, options)  # type: ignore[method-assign]
     return api
 
 
@@ -177,7 +216,8 @@ class _Routes:
         def encode() -> list[int]:
             return encoder.text(body.prompt) if isinstance(body.prompt, str) else encoder.token_ids(body.prompt)
 
-        return await self._generate(body, encode, body.max_tokens, _CompletionFormat(self._model()), tracker)
+        limit = _TokenLimit(body.max_tokens, "max_tokens", "prompt")
+        return await self._generate(body, encode, limit, _CompletionFormat(self._model()), tracker)
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         tracker = _Tracker()
@@ -186,10 +226,21 @@ class _Routes:
         def encode() -> list[int]:
             return encoder.chat([{"role": m.role.value, "content": m.text} for m in body.messages])
 
-        return await self._generate(body, encode, body.token_limit, _ChatFormat(self._model()), tracker)
+        limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
+        return await self._generate(body, encode, limit, _ChatFormat(self._model()), tracker)
 
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.backend.model_name, max_model_len=self.backend.max_model_len)])
+        return ModelList(data=[self._card()])
+
+    async def model(self, model: str) -> ModelCard:
+        if model != self.backend.model_name:
+            raise ModelNotFoundError(
+                f"the model {model!r} does not exist; this server serves {self.backend.model_name!r}", param="model"
+            )
+        return self._card()
+
+    def _card(self) -> ModelCard:
+        return ModelCard(id=self.backend.model_name, max_model_len=self.backend.max_model_len)
 
     async def health(self) -> JSONResponse:
         health = self.backend.health()
@@ -197,7 +248,7 @@ class _Routes:
         return JSONResponse(health.model_dump(mode="json"), status_code=status)
 
     async def metrics(self) -> Response:
-        return Response(self.backend.metrics.render(), media_type=PROMETHEUS_MEDIA_TYPE)
+        return PlainTextResponse(self.backend.metrics.render(), media_type=PROMETHEUS_MEDIA_TYPE)
 
     async def debug(self) -> JSONResponse:
         return JSONResponse((await self.backend.debug_state()).model_dump(mode="json"))
@@ -209,7 +260,7 @@ class _Routes:
         self,
         body: GenerationRequest,
         encode: Callable[[], list[int]],
-        max_tokens: int | None,
+        limit: _TokenLimit,
         fmt: _Format,
         tracker: _Tracker,
     ) -> Response:
@@ -221,8 +272,7 @@ class _Routes:
                     param="model",
                 )
             prompt_ids = await asyncio.to_thread(encode)  # a huge prompt must not stall every other stream
-            if max_tokens is None:  # chat without a limit: up to the context
-                max_tokens = max(1, self.backend.max_model_len - len(prompt_ids))
+            max_tokens = limit.check(len(prompt_ids), self.backend.max_model_len)
             params = sampling_params_for(body, max_tokens=max_tokens)
             spec = speculation_for(body.speculation, self.backend.default_speculation)
             stream = await self.backend.submit(Request(fmt.request_id, prompt_ids, params, spec))
@@ -231,6 +281,9 @@ class _Routes:
             raise
         except APIError as e:
             metrics.request_done(_status_of(e))
+            raise
+        except asyncio.CancelledError:  # the client went away before the request was admitted
+            metrics.request_done(RequestStatus.aborted)
             raise
         if body.stream:
             outcome = _Outcome(stream, metrics)
@@ -287,6 +340,37 @@ class _Routes:
 
     def _finished(self, out: RequestOutput, tracker: _Tracker) -> None:
         self.backend.metrics.request_finished(out, ttft_s=tracker.ttft(), tpot_s=tracker.tpot(out.num_output_tokens))
+
+
+@dataclass(frozen=True)
+class _TokenLimit:
+    """A request's max_tokens (None: up to the context) and the parameters that name it and its prompt."""
+
+    max_tokens: int | None
+    max_tokens_param: str
+    prompt_param: str
+
+    def check(self, prompt_tokens: int, context: int) -> int:
+        """The max_tokens to generate; a 400 context_length_exceeded when the prompt or prompt + max_tokens does
+        not fit (OpenAI's behaviour: never silently clamped)."""
+        if prompt_tokens >= context:
+            raise ContextLengthError(
+                f"This model's maximum context length is {context} tokens. However, your {self.prompt_param} "
+                f"resulted in {prompt_tokens} tokens, which leaves no room to generate. Please reduce the length "
+                f"of the {self.prompt_param}.",
+                param=self.prompt_param,
+            )
+        if self.max_tokens is None:
+            return context - prompt_tokens
+        if prompt_tokens + self.max_tokens > context:
+            raise ContextLengthError(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_tokens + self.max_tokens} tokens ({prompt_tokens} in the {self.prompt_param}, "
+                f"{self.max_tokens} in the completion). Please reduce the length of the {self.prompt_param} "
+                f"or {self.max_tokens_param}.",
+                param=self.max_tokens_param,
+            )
+        return self.max_tokens
 
 
 def _status_of(error: APIError) -> RequestStatus:
@@ -431,3 +515,59 @@ def _validation_body(errors: list[dict[str, Any]]) -> BaseModel:
     param = where(errors[0])[0] if errors and where(errors[0]) else None
     message = "; ".join(describe(e) for e in errors[:5]) or "invalid request"
     return error_body(message, ErrorType.invalid_request, code=ErrorCode.invalid_value, param=param)
+
+
+# -- OpenAPI ------------------------------------------------------------------------------------------
+
+_ERROR_DESCRIPTIONS = {
+    400: "invalid request: a field's type or value, or a prompt beyond the context (context_length_exceeded)",
+    401: "missing or wrong API key (`Authorization: Bearer <key>`)",
+    404: "the model does not exist",
+    408: "the request body was not received in time",
+    413: "the request body is larger than the server's limit",
+    429: "the server is at capacity; retry after the Retry-After header's seconds",
+    500: "internal error",
+    503: "the lane serving the request lost its workers",
+}
+_CHUNK_MODELS: tuple[type[BaseModel], ...] = (CompletionChunk, ChatCompletionChunk)
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _error_responses(options: HTTPOptions, *statuses: int) -> dict[int | str, dict[str, Any]]:
+    codes = (401, *statuses) if options.api_key is not None else statuses
+    return {code: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]} for code in sorted(codes)}
+
+
+def _generation_response(response: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+    stream = {"schema": {"$ref": _SCHEMA_REF.format(model=chunk.__name__)}}
+    return {
+        "model": response,
+        "description": f"a {response.__name__}, or with `stream: true` server-sent events: one {chunk.__name__} "
+        "per `data:` line, then `data: [DONE]`",
+        "content": {SSE_MEDIA_TYPE: stream},
+    }
+
+
+def _openapi(api: FastAPI, options: HTTPOptions) -> dict[str, Any]:
+    """FastAPI's document from the request models, without the 422 it assumes: validation errors here are 400s
+    with OpenAI's error body, documented on each route."""
+    if api.openapi_schema is not None:
+        return api.openapi_schema
+    doc = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
+    for item in doc["paths"].values():
+        for operation in item.values():
+            operation.get("responses", {}).pop("422", None)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    _, extra = models_json_schema([(m, "serialization") for m in _CHUNK_MODELS], ref_template=_SCHEMA_REF)
+    for name, schema in extra.get("$defs", {}).items():
+        schemas.setdefault(name, schema)
+    if options.api_key is not None:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+        for path in ("/health",):
+            for operation in doc["paths"].get(path, {}).values():
+                operation["security"] = []
+    api.openapi_schema = doc
+    return doc

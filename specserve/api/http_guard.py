@@ -1,0 +1,172 @@
+"""What the HTTP layer checks before a request reaches a route: the API key, the body's size and how long the
+client may take to send it. A pure ASGI middleware, so a slow or huge body never reaches JSON parsing and never
+holds the event loop: ``/health`` answers whatever the other connections send.
+
+It also turns a failing ``receive`` (Ray Serve raises when its proxy dropped a request whose client went away)
+into the ``http.disconnect`` the ASGI spec promises, so a client that leaves is an abort, not a server error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from http import HTTPStatus
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specserve.api.error_bodies import error_body
+from specserve.api.metrics import RequestStatus, ServeMetrics
+from specserve.api.schemas import ErrorCode, ErrorType
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "SPECSERVE_API_KEY"
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})  # no key needed
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+class HTTPOptions(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_request_bytes: int = Field(default=4 * 2**20, ge=1, description="larger request bodies get a 413")
+    body_timeout_s: float = Field(
+        default=10.0, gt=0.0, description="a request body not fully received this long after the request started: 408"
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="clients send `Authorization: Bearer <key>`; None: no authentication"
+    )
+    debug_routes: bool = Field(default=False, description="serve /debug/* (actor names, node ids, KV slots)")
+
+
+class RequestGuard:
+    """ASGI middleware enforcing HTTPOptions; rejections are OpenAI-style error bodies."""
+
+    def __init__(self, app: ASGIApp, options: HTTPOptions, metrics: ServeMetrics) -> None:
+        self.app = app
+        self.options = options
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        receive = _disconnect_on_error(receive)
+        if not self._authorized(scope):
+            body = error_body(
+                "a valid API key is required: send `Authorization: Bearer <key>`",
+                ErrorType.invalid_request,
+                code=ErrorCode.invalid_api_key,
+            )
+            await _send_error(send, HTTPStatus.UNAUTHORIZED, body, [(b"www-authenticate", b"Bearer")])
+            return
+        if scope["method"] in BODY_METHODS:
+            try:
+                content = await self._read_body(scope, receive)
+            except _Rejected as rejected:
+                self.metrics.request_done(RequestStatus.invalid)
+                await _send_error(send, rejected.status, rejected.body)
+                return
+            if content is None:  # the client left before it finished sending
+                return
+            receive = _replay(content, receive)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.options.api_key is None or _route_path(scope) in OPEN_PATHS:
+            return True
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        expected = self.options.api_key.get_secret_value().encode()
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        limit = self.options.max_request_bytes
+        too_large = _Rejected(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"the request body is larger than this server's limit of {limit} bytes",
+            ErrorCode.request_too_large,
+        )
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large  # before reading a byte of it
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.options.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise _Rejected(
+                HTTPStatus.REQUEST_TIMEOUT,
+                f"the request body was not received within {self.options.body_timeout_s:g} s",
+                ErrorCode.request_timeout,
+            ) from None
+
+
+class _Rejected(Exception):
+    def __init__(self, status: HTTPStatus, message: str, code: ErrorCode) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(message, ErrorType.invalid_request, code=code)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path inside the app: Serve mounts an application under its route prefix (the ASGI root_path)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return (path[len(root) :] or "/") if root and path.startswith(root) else path
+
+
+def _disconnect_on_error(receive: Receive) -> Receive:
+    async def guarded() -> Message:
+        try:
+            return await receive()
+        except Exception as e:  # the transport to the client is gone: for the app, the client disconnected
+            logger.debug("receive failed (%s): treating it as a client disconnect", type(e).__name__)
+            return {"type": "http.disconnect"}
+
+    return guarded
+
+
+def _replay(content: bytes, receive: Receive) -> Receive:
+    """The body read up front, then the client's own messages (a streaming response listens for its disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": content, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_error(
+    send: Send, status: HTTPStatus, body: BaseModel, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    payload = body.model_dump_json().encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": int(status),
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                (b"connection", b"close"),  # the rest of an unread body must not be parsed as the next request
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,128 @@
+"""The HTTP API in-process: a Backend over one Lane (the Serve router's StepLoop thread) on tiny models, served by
+uvicorn on a free loopback port, so tests talk real HTTP (partial bodies, disconnects) without Ray."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from deployments.lane import Lane, LaneStream
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.api.error_bodies import OverloadedError
+from specserve.api.http_guard import HTTPOptions
+from specserve.api.metrics import ServeMetrics
+from specserve.api.schemas import Health, HealthStatus
+from specserve.api.server import build_api
+from specserve.config import SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.prompts import PromptEncoder
+from specserve.sequence import Request
+
+MODEL = "tiny"
+SPEC = SpecConfig(method=SpecMethod.chain, sl=4)
+
+
+class LocalDebug(BaseModel):
+    running: int
+    waiting: int
+
+
+class LocalBackend:
+    def __init__(
+        self, *, max_model_len: int = 128, max_batch_size: int = 2, capacity: int = 8, step_delay_s: float = 0.0
+    ) -> None:
+        target = tiny_model(tiny_config(), seed=0)
+        draft = noisy_copy(target, 0.02, seed=1)
+        self.engine = Engine(
+            target,
+            tiny_tokenizer(),
+            draft=draft,
+            speculation=SPEC,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+        )
+        self.capacity = capacity
+        self._metrics = ServeMetrics()
+        self.lane = Lane(
+            0,
+            self.engine.loop,
+            {},
+            None,  # type: ignore[arg-type]  # no worker actors to recreate in-process
+            None,  # type: ignore[arg-type]
+            metrics=self._metrics,
+            max_worker_restarts=0,
+            step_delay_s=step_delay_s,
+        )
+
+    @property
+    def model_name(self) -> str:
+        return MODEL
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.loop.max_model_len
+
+    @property
+    def encoder(self) -> PromptEncoder:
+        return self.engine.encoder
+
+    @property
+    def default_speculation(self) -> SpecConfig:
+        return SPEC
+
+    @property
+    def metrics(self) -> ServeMetrics:
+        return self._metrics
+
+    async def submit(self, request: Request) -> LaneStream:
+        if self.lane.in_flight >= self.capacity:
+            raise OverloadedError("at capacity", retry_after_s=1)
+        return await self.lane.submit(request)
+
+    def health(self) -> Health:
+        return Health(status=HealthStatus.ok, lanes=1, lanes_alive=1)
+
+    async def debug_state(self) -> LocalDebug:
+        return LocalDebug(running=len(self.engine.loop.running), waiting=len(self.engine.loop.waiting))
+
+    def stop(self) -> None:
+        self.lane.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a thread; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@contextmanager
+def api_server(backend: LocalBackend, **options: Any) -> Iterator[str]:
+    with serving(build_api(backend, HTTPOptions(**options))) as url:
+        yield url

@@ -1,0 +1,153 @@
+"""The HTTP guard in front of the routes: body size (413), body-read timeout (408), API key (401), debug routes,
+and /health staying fast whatever other clients send. Real HTTP against the in-process API (tests/api_backend)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from pydantic import SecretStr
+
+from deployments.app_args import AppArgs
+from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
+from tests.api_backend import MODEL, LocalBackend, api_server
+
+REPO = Path(__file__).resolve().parents[1]
+COMPLETIONS = "/v1/completions"
+OK_BODY = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[LocalBackend]:
+    backend = LocalBackend()
+    yield backend
+    backend.stop()
+
+
+def _error(r: httpx.Response, status: int, code: str) -> dict[str, object]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == code
+    return error
+
+
+def test_body_over_the_size_limit_is_413(backend: LocalBackend) -> None:
+    with api_server(backend, max_request_bytes=2048) as url:
+        assert httpx.post(url + COMPLETIONS, json=OK_BODY).status_code == 200
+        declared = httpx.post(url + COMPLETIONS, json={**OK_BODY, "prompt": "x" * 4000})
+        _error(declared, 413, "request_too_large")
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the guard counts what arrives
+            yield b'{"model": "tiny", "prompt": "'
+            for _ in range(3):
+                yield b"y" * 1000
+            yield b'"}'
+
+        chunked = httpx.post(url + COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
+        _error(chunked, 413, "request_too_large")
+    assert 'specserve_requests_total{status="invalid"}' in backend.metrics.render().decode()
+
+
+def _health_latencies(url: str, seconds: float) -> list[float]:
+    latencies = []
+    deadline = time.monotonic() + seconds
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            assert client.get(url + "/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+    return latencies
+
+
+def test_partial_body_gets_408_in_time_and_health_stays_fast(backend: LocalBackend) -> None:
+    timeout_s = 0.6
+    with api_server(backend, body_timeout_s=timeout_s) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            t0 = time.monotonic()
+            sock.sendall(head.encode() + b'{"model": "tiny", "pro')  # ...and never the rest
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                health = pool.submit(_health_latencies, url, timeout_s + 0.3)
+                response = b""
+                while b"\r\n\r\n" not in response or not response.rstrip().endswith(b"}"):
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        break
+                    response += chunk
+                elapsed = time.monotonic() - t0
+                latencies = health.result()
+    status_line, _, rest = response.partition(b"\r\n")
+    assert status_line.split()[1] == b"408", response
+    assert b'"code":"request_timeout"' in rest
+    assert timeout_s - 0.05 <= elapsed < timeout_s + 1.0
+    assert latencies and max(latencies) < 1.0
+
+
+def test_health_answers_within_a_second_while_a_large_prompt_is_tokenised(backend: LocalBackend) -> None:
+    """A prompt just under the default size limit is tokenised off the event loop (then refused: it does not fit)."""
+    limit = HTTPOptions().max_request_bytes
+    body = {"model": MODEL, "prompt": "the quick brown fox " * ((limit - 200) // 20)}
+    with api_server(backend) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, url + COMPLETIONS, json=body, timeout=120.0)
+        time.sleep(0.2)
+        latencies = _health_latencies(url, 1.5)
+        error = _error(big.result(), 400, "context_length_exceeded")
+    assert error["param"] == "prompt"
+    assert max(latencies) < 1.0
+
+
+def test_api_key(backend: LocalBackend) -> None:
+    with api_server(backend, api_key=SecretStr("s3cret")) as url:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            r = httpx.post(url + COMPLETIONS, json=OK_BODY, headers=headers)
+            _error(r, 401, "invalid_api_key")
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(url + "/metrics").status_code == 401
+        auth = {"authorization": "Bearer s3cret"}
+        assert httpx.post(url + COMPLETIONS, json=OK_BODY, headers=auth).status_code == 200
+        assert httpx.get(url + "/v1/models", headers=auth).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200  # load balancers and Serve probe without a key
+        doc = httpx.get(url + "/openapi.json").json()
+        assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+        assert "401" in doc["paths"][COMPLETIONS]["post"]["responses"]
+    with api_server(backend) as url:  # no key configured: no authentication
+        assert httpx.post(url + COMPLETIONS, json=OK_BODY).status_code == 200
+
+
+def test_api_key_from_app_args_or_environment() -> None:
+    assert AppArgs().http_options(environ={}).api_key is None
+    assert AppArgs().http_options(environ={API_KEY_ENV: ""}).api_key is None
+    from_env = AppArgs().http_options(environ={API_KEY_ENV: "env-key"}).api_key
+    assert from_env is not None and from_env.get_secret_value() == "env-key"
+    args = AppArgs.model_validate({"api_key": "arg-key"})
+    key = args.http_options(environ={API_KEY_ENV: "env-key"}).api_key
+    assert key is not None and key.get_secret_value() == "arg-key"
+    assert "arg-key" not in repr(args)
+
+
+def test_debug_routes_only_when_enabled(backend: LocalBackend) -> None:
+    with api_server(backend) as url:
+        assert httpx.get(url + "/debug/lanes").status_code == 404
+        assert "/debug/lanes" not in httpx.get(url + "/openapi.json").json()["paths"]
+    with api_server(backend, debug_routes=True) as url:
+        assert httpx.get(url + "/debug/lanes").json() == {"running": 0, "waiting": 0}
+    assert not AppArgs().debug_routes
+
+
+def test_single_machine_configs_bind_loopback() -> None:
+    """`serve run` on one machine listens on 127.0.0.1; only the cluster configs bind every interface."""
+    for path in ("deployments/app.yaml", "deployments/app-tiny.yaml"):
+        doc = yaml.safe_load((REPO / path).read_text())
+        assert doc["http_options"]["host"] == "127.0.0.1", path
+        for app in doc["applications"]:
+            args = AppArgs.model_validate(app["args"])
+            assert not args.debug_routes and args.api_key is None, path
