@@ -21,17 +21,21 @@ class IncrementalText:
         self.text = ""  # final text so far (after stop truncation)
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
+        self.stop_tokens: int | None = None  # once stopped: output tokens through the one completing the stop string
+        self._seen = 0  # tokens of the last update that found no stop string
 
     def update(self, token_ids: Sequence[int], *, final: bool = False) -> str:
         """Feed all output token ids so far; return the new stable text (everything left when final)."""
         if self.tokenizer is None or self.stopped:
             return ""
-        full = cast(str, self.tokenizer.decode(cast(list[int], token_ids), skip_special_tokens=True))
+        full = self._decode(token_ids)
         cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.stopped, final = full[:cut], True, True
+            self.stop_tokens = self._tokens_through_stop(token_ids)
         else:
             self.text = full
+            self._seen = len(token_ids)
         stable = len(self.text)
         if not final:
             if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
@@ -42,3 +46,16 @@ class IncrementalText:
         delta = self.text[self.emitted : stable] if stable > self.emitted else ""
         self.emitted = max(self.emitted, stable)
         return delta
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        assert self.tokenizer is not None
+        return cast(str, self.tokenizer.decode(cast(list[int], list(token_ids)), skip_special_tokens=True))
+
+    def _tokens_through_stop(self, token_ids: Sequence[int]) -> int:
+        """The shortest prefix whose text holds a stop string: a step that emitted several tokens (speculation)
+        may have gone past it, and those tokens are not part of the output."""
+        for n in range(self._seen + 1, len(token_ids)):
+            prefix = self._decode(token_ids[:n])
+            if any(s in prefix for s in self.stop):
+                return n
+        return len(token_ids)

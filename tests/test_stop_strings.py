@@ -1,0 +1,60 @@
+"""Tokens past a stop string are not output (issue 16 item 5): with speculation a step emits several tokens, and
+the ones after the token that completed the stop string must not be counted or returned."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.config import SpecConfig, SpecMethod
+from specserve.detok import IncrementalText
+from specserve.engine import Engine
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.sampling import SamplingParams
+
+PROMPTS = ("The quick brown fox", "hello world")
+
+
+def test_incremental_text_counts_tokens_through_the_stop_string() -> None:
+    tok = tiny_tokenizer()
+    ids = tok.encode("say: hello STOP and more words", add_special_tokens=False)
+    through = next(n for n in range(1, len(ids) + 1) if "STOP" in tok.decode(ids[:n]))
+    assert through < len(ids)
+    one_by_one = IncrementalText(tok, ["STOP"])
+    for n in range(1, len(ids) + 1):
+        one_by_one.update(ids[:n])
+        if one_by_one.stopped:
+            break
+    assert one_by_one.stop_tokens == n == through
+    in_steps = IncrementalText(tok, ["STOP"])  # a speculative step emits several tokens, past the stop string
+    in_steps.update(ids[: through - 2])
+    assert not in_steps.stopped and in_steps.stop_tokens is None
+    in_steps.update(ids)
+    assert in_steps.stopped and in_steps.stop_tokens == through
+    assert in_steps.text == one_by_one.text == "say: hello "
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs StepLoop._commit to drop the tokens after IncrementalText.stop_tokens (see the issue 16 item 5 "
+    "report); remove this mark with that change",
+)
+def test_speculation_returns_no_tokens_past_a_stop_string() -> None:
+    target = tiny_model(tiny_config(), seed=0)
+    tok = tiny_tokenizer()
+    plain = Engine(target, tok, eos_token_ids=set())
+    spec = Engine(
+        target,
+        tok,
+        draft=noisy_copy(target, 0.02, seed=1),
+        speculation=SpecConfig(method=SpecMethod.chain, sl=4),
+        eos_token_ids=set(),
+    )
+    for prompt in PROMPTS:
+        text = plain.generate(prompt, SamplingParams(max_tokens=40))[0].text
+        for i in (5, 10, 15, 20):
+            params = SamplingParams(max_tokens=40, stop=(text[i : i + 2],))
+            alone = plain.generate(prompt, params)[0]
+            drafted = spec.generate(prompt, params)[0]
+            assert drafted.stats.accepted > 0 and drafted.text == alone.text
+            assert drafted.token_ids == alone.token_ids  # the usage count and return_token_ids
