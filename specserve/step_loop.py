@@ -246,6 +246,11 @@ class StepLoop:
         text = seq.text.update(seq.output, final=seq.finish_reason is not None)
         if seq.text.stopped:
             seq.finish_reason = FinishReason.stop
+            if seq.text.stop_tokens is not None and seq.text.stop_tokens < len(seq.output):
+                # a speculative step can accept tokens past the stop string: they are not output
+                drop = len(seq.output) - seq.text.stop_tokens
+                del seq.output[-drop:]
+                new = new[: max(0, len(new) - drop)]
         return RequestOutput(
             request_id=seq.request.request_id,
             token_ids=new,

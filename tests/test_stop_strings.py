@@ -3,8 +3,6 @@ the ones after the token that completed the stop string must not be counted or r
 
 from __future__ import annotations
 
-import pytest
-
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.config import SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
@@ -34,11 +32,6 @@ def test_incremental_text_counts_tokens_through_the_stop_string() -> None:
     assert in_steps.text == one_by_one.text == "say: hello "
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs StepLoop._commit to drop the tokens after IncrementalText.stop_tokens (see the issue 16 item 5 "
-    "report); remove this mark with that change",
-)
 def test_speculation_returns_no_tokens_past_a_stop_string() -> None:
     target = tiny_model(tiny_config(), seed=0)
     tok = tiny_tokenizer()
