@@ -153,10 +153,13 @@ def _utf8(text: str) -> str:
 
 
 Utf8Str = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[StrictInt, Field(ge=0)]  # below the vocabulary size, which the model decides
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: Utf8Str | list[StrictInt] = Field(description="text, or token ids")
+    prompt: Annotated[Utf8Str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
+        description="text, or token ids"
+    )
     max_tokens: StrictInt | None = Field(default=16, ge=1, description="at most the context length minus the prompt")
     echo: Literal[False] = False
     best_of: Literal[1] | None = None

@@ -1,0 +1,292 @@
+"""What an OpenAI user sees (issue 16 items 7 and 9): context errors with ``param``, the SDKs' no-op defaults,
+models.retrieve, strict JSON types; Retry-After from the queue, disconnects counted as aborts, a fresh queue gauge
+after a failed step. Real HTTP against the in-process API (tests/api_backend) with the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from deployments.app_args import AppArgs, TinyModels
+from deployments.lane import Lane
+from deployments.router import Router
+from specserve.api.error_bodies import OverloadedError, WorkerFailedError
+from specserve.api.metrics import LoadEstimate, ServeMetrics
+from specserve.api.server import build_api
+from specserve.sampling import SamplingParams
+from specserve.sequence import Request, RequestOutput, RequestStats
+from specserve.step_events import StepMetrics
+from tests.api_backend import MODEL, LocalBackend, api_server
+
+CONTEXT = 128
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[LocalBackend]:
+    backend = LocalBackend(max_model_len=CONTEXT)
+    yield backend
+    backend.stop()
+
+
+@pytest.fixture(scope="module")
+def url(backend: LocalBackend) -> Iterator[str]:
+    with api_server(backend) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30.0)
+
+
+def _error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error: dict[str, Any] = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def _counts(backend: LocalBackend) -> dict[str, float]:
+    found = {}
+    for line in backend.metrics.render().decode().splitlines():
+        if line.startswith('specserve_requests_total{status="'):
+            found[line.split('"')[1]] = float(line.split()[-1])
+    return found
+
+
+# -- item 7 ------------------------------------------------------------------------------------------------
+
+
+def test_context_length_exceeded_names_the_parameter(url: str) -> None:
+    prompt = [5] * 100
+    fits = httpx.post(
+        url + COMPLETIONS,
+        json={"model": MODEL, "prompt": prompt, "max_tokens": CONTEXT - 100, "temperature": 0, "ignore_eos": True},
+    )
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == CONTEXT - 100
+    cases = [
+        (COMPLETIONS, {"prompt": prompt, "max_tokens": CONTEXT - 99}, "max_tokens"),
+        (COMPLETIONS, {"prompt": [5] * CONTEXT, "max_tokens": 1}, "prompt"),
+        (CHAT, {"messages": USER, "max_tokens": CONTEXT}, "max_tokens"),
+        (CHAT, {"messages": USER, "max_completion_tokens": CONTEXT}, "max_completion_tokens"),
+        (CHAT, {"messages": [{"role": "user", "content": "word " * CONTEXT}]}, "messages"),
+    ]
+    for path, body, param in cases:
+        error = _error(httpx.post(url + path, json={"model": MODEL, **body}))
+        assert (error["code"], error["param"], error["type"]) == (
+            "context_length_exceeded",
+            param,
+            "invalid_request_error",
+        )
+        assert f"maximum context length is {CONTEXT} tokens" in error["message"]
+
+
+def test_chat_without_a_limit_generates_up_to_the_context(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=USER, temperature=0, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+    assert out.usage is not None and out.usage.total_tokens == CONTEXT and out.choices[0].finish_reason == "length"
+
+
+def test_sdk_default_no_op_fields_are_accepted(client: openai.OpenAI, url: str) -> None:
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_tokens=3,
+        temperature=0,
+        response_format={"type": "text"},
+        store=False,  # type: ignore[arg-type]
+    )
+    assert out.choices[0].message.role == "assistant"
+    for field, value in (("response_format", {"type": "json_object"}), ("store", True), ("store", "no")):
+        body = {"model": MODEL, "messages": USER, field: value}
+        error = _error(httpx.post(url + CHAT, json=body))
+        assert error["param"] == field and error["code"] == "invalid_value"
+    assert (
+        "not supported"
+        in _error(httpx.post(url + CHAT, json={"model": MODEL, "messages": USER, "store": True}))["message"]
+    )
+
+
+def test_models_retrieve(client: openai.OpenAI, url: str) -> None:
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model" and model.model_extra["max_model_len"] == CONTEXT
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    error = _error(httpx.get(url + "/v1/models/org/some-model"), 404)  # ids may hold a slash
+    assert (error["type"], error["code"], error["param"]) == ("not_found_error", "model_not_found", "model")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stream", "yes"),
+        ("max_tokens", "10"),
+        ("max_tokens", 10.5),
+        ("temperature", "0.5"),
+        ("ignore_eos", "true"),
+        ("return_token_ids", 1),
+        ("n", True),
+        ("seed", "7"),
+        ("top_k", "5"),
+        ("prompt", [False]),
+        ("prompt", [1, True]),
+        ("prompt", [1.0]),
+        ("prompt", [-1]),
+    ],
+)
+def test_json_types_are_strict(url: str, field: str, value: Any) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, field: value}
+    assert _error(httpx.post(url + COMPLETIONS, json=body))["param"] == field
+
+
+# -- item 9 ------------------------------------------------------------------------------------------------
+
+
+def test_load_estimate_follows_the_measured_rates() -> None:
+    load = LoadEstimate(weight=0.5)
+    assert load.wait_s(queued=3, slots=2) is None  # nothing measured yet
+    load.observe_step(0.2)
+    load.observe_request(30)
+    assert load.wait_s(queued=3, slots=2) == pytest.approx(4 * 30 * 0.2 / 2)
+    load.observe_step(0.4)  # slower steps: a longer wait
+    assert load.wait_s(queued=3, slots=2) == pytest.approx(4 * 30 * 0.3 / 2)
+
+
+def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
+    class BusyLane:
+        alive = True
+        in_flight = 12  # batch 4 running + 8 queued: the router is full
+
+    class Admission:  # the router's own admission code, without Ray
+        submit = Router.func_or_class.submit
+        retry_after_s = Router.func_or_class.retry_after_s
+
+    router: Any = Admission()
+    router.args = AppArgs(tiny=TinyModels(), max_batch_size=4, max_queued_requests=8, retry_after_s=1)
+    router._metrics = metrics = ServeMetrics()
+    router.lanes = [BusyLane()]
+    request = Request("r", [1, 2], SamplingParams())
+
+    def retry_after() -> int:
+        with pytest.raises(OverloadedError) as info:
+            asyncio.run(router.submit(request))
+        return info.value.retry_after_s
+
+    assert retry_after() == 1  # nothing measured: the configured floor
+    for _ in range(3):  # fed as the lanes and the HTTP layer feed it
+        step = StepMetrics(4, [0] * 4, [0] * 4, [0] * 4, None, [False] * 4, 0, 0.0, 0.0, 0.4, 0.1, 4, False)
+        metrics.lane_step(0, step, running=4, waiting=8, step_s=0.5)
+        out = RequestOutput("x", [7], "", None, 2, 40, RequestStats(target_forwards=40))
+        metrics.request_finished(out, ttft_s=None, tpot_s=None)
+    assert retry_after() == 45  # (8 queued + 1) requests x 40 steps x 0.5 s / 4 slots
+
+
+def test_client_disconnect_mid_stream_is_an_abort(backend: LocalBackend, url: str) -> None:
+    before = _counts(backend)
+    body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 10
+    while _counts(backend).get("aborted", 0) == before.get("aborted", 0):
+        assert time.monotonic() < deadline, _counts(backend)
+        time.sleep(0.05)
+    after = _counts(backend)
+    assert after.get("aborted", 0) == before.get("aborted", 0) + 1
+    assert after.get("failed", 0) == before.get("failed", 0)
+
+
+def test_failing_receive_is_a_disconnect_not_a_failure(caplog: pytest.LogCaptureFixture) -> None:
+    """Ray Serve's receive raises (TaskCancelledError) when its proxy dropped the request of a client that left."""
+    backend = LocalBackend(max_model_len=CONTEXT, step_delay_s=0.05)  # 120 tokens take seconds
+    app = build_api(backend)
+    body = json.dumps({"model": MODEL, "prompt": [3, 4], "max_tokens": 120, "ignore_eos": True, "stream": True})
+    sent: list[dict[str, Any]] = []
+    calls = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": body.encode(), "more_body": False}
+        await asyncio.sleep(0.3)  # a few events go out first
+        raise RuntimeError("the proxy no longer knows this request")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": COMPLETIONS,
+        "raw_path": COMPLETIONS.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "scheme": "http",
+        "http_version": "1.1",
+    }
+    before = _counts(backend)
+    try:
+        with caplog.at_level(logging.WARNING):
+            asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
+    finally:
+        backend.stop()
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    events = b"".join(m.get("body", b"") for m in sent[1:])
+    assert events.startswith(b"data: ") and b"[DONE]" not in events  # cut off, not finished
+    after = _counts(backend)
+    assert after.get("failed", 0) == before.get("failed", 0)
+    assert after.get("aborted", 0) == before.get("aborted", 0) + 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_queue_gauge_is_refreshed_after_a_failed_step() -> None:
+    class FailingLoop:
+        def __init__(self) -> None:
+            self.waiting: list[Request] = []
+            self.running: list[Request] = []
+
+        @property
+        def has_work(self) -> bool:
+            return bool(self.waiting)
+
+        def add_request(self, request: Request) -> None:
+            self.waiting.append(request)
+
+        def abort(self, request_id: str) -> None:
+            self.waiting = [r for r in self.waiting if r.request_id != request_id]
+
+        def step(self) -> list[RequestOutput]:
+            time.sleep(0.05)  # the gauge reads 1 waiting before the step
+            raise RuntimeError("a step that fails")
+
+    metrics = ServeMetrics()
+    lane = Lane(0, FailingLoop(), {}, None, None, metrics=metrics, max_worker_restarts=0)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        stream = await lane.submit(Request("r", [1, 2], SamplingParams()))
+        with pytest.raises(WorkerFailedError):
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(run())
+        gauge = metrics.queue_depth.labels("0")
+        deadline = time.monotonic() + 5
+        while gauge._value.get() != 0:
+            assert time.monotonic() < deadline, "queue_depth still counts the dropped request"
+            time.sleep(0.02)
+    finally:
+        lane.stop()
