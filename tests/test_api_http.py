@@ -72,7 +72,8 @@ def test_partial_body_gets_408_in_time_and_health_stays_fast(backend: LocalBacke
     with api_server(backend, body_timeout_s=timeout_s) as url:
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            head += "Content-Length: 1000\r\n\r\n"
             t0 = time.monotonic()
             sock.sendall(head.encode() + b'{"model": "tiny", "pro')  # ...and never the rest
             with concurrent.futures.ThreadPoolExecutor(1) as pool:

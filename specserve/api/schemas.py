@@ -87,10 +87,11 @@ class GenerationRequest(BaseModel):
     temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=1, description="extension: keep the k most likely tokens")
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="a 64-bit signed integer")
+    # lt 2**63 rather than le 2**63 - 1: OpenAPI bounds are floats, and 2**63 - 1 is not one
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**63, description="a 64-bit signed integer")
     stop: (
         Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-        | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]]
+        | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=4)]
         | None
     ) = Field(default=None, description="up to 4 non-empty stop strings")
     stream: StrictBool = False
@@ -123,13 +124,6 @@ class GenerationRequest(BaseModel):
     def _no_logprobs(cls, v: object) -> object:
         if v is True or (isinstance(v, int) and v > 0):
             raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _at_most_four_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
         return v
 
     @model_validator(mode="after")

@@ -1,0 +1,99 @@
+"""/openapi.json matches the server (issue 16 item 8): the statuses and bodies it documents are the ones sent, and a
+value the documented request schema allows is accepted while one it forbids is a 400."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from jsonschema import Draft202012Validator
+
+from tests.api_backend import MODEL, LocalBackend, api_server
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+BASE = {"model": MODEL, "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
+PROBES: dict[str, list[Any]] = {  # values on both sides of each documented constraint
+    "top_p": [0, 1e-3, 0.5, 1, 1.01],
+    "temperature": [-0.1, 0, 2, 2.01, "1", True],
+    "top_k": [0, 1, 50, "5"],
+    "n": [0, 1, 2, True],
+    "seed": [-(2**63) - 1, -(2**63), 7, 2**63 - 1, 2**63],
+    "max_tokens": [0, 1, "2", None],
+    "logprobs": [True, 1, 0, False, None],
+    "presence_penalty": [0, 0.0, 0.5, -1],
+    "stream": [True, False, "yes", 0],
+    "stop": ["", "x", ["a", "b"], ["a"] * 5, "y" * 1024, "y" * 1025],
+    "prompt": ["", "hello", [], [1, 2], [False], [-1], [1.5]],
+    "echo": [False, True],
+    "stream_options": [{"include_usage": True}],
+}
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    backend = LocalBackend()
+    with api_server(backend) as url:
+        yield url
+    backend.stop()
+
+
+@pytest.fixture(scope="module")
+def doc(url: str) -> dict[str, Any]:
+    r = httpx.get(url + "/openapi.json")
+    assert r.status_code == 200
+    return dict(r.json())
+
+
+def _validator(doc: dict[str, Any], name: str) -> Draft202012Validator:
+    return Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
+
+
+@pytest.mark.parametrize("field", list(PROBES))
+def test_documented_request_schema_is_what_the_server_accepts(url: str, doc: dict[str, Any], field: str) -> None:
+    body_schema = doc["paths"][COMPLETIONS]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body_schema == {"$ref": "#/components/schemas/CompletionRequest"}
+    request = _validator(doc, "CompletionRequest")
+    error = _validator(doc, "ErrorResponse")
+    for value in PROBES[field]:
+        body = {**BASE, field: value}
+        if field == "stream_options":
+            body["stream"] = True
+        r = httpx.post(url + COMPLETIONS, json=body, timeout=30)
+        documented = request.is_valid(body)
+        assert (r.status_code == 200) == documented, (field, value, r.status_code, r.text[:300])
+        if not documented:
+            assert r.status_code == 400 and error.is_valid(r.json()), r.text
+            assert r.json()["error"]["param"] == field
+
+
+def test_documented_statuses_are_the_ones_sent(url: str, doc: dict[str, Any]) -> None:
+    assert not any("422" in op["responses"] for item in doc["paths"].values() for op in item.values())
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path in (COMPLETIONS, CHAT):
+        responses = doc["paths"][path]["post"]["responses"]
+        for status in ("400", "404", "408", "413", "429"):
+            assert responses[status]["content"]["application/json"]["schema"] == error_ref, (path, status)
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    model = doc["paths"]["/v1/models/{model}"]["get"]["responses"]
+    assert model["404"]["content"]["application/json"]["schema"] == error_ref
+    assert "ModelCard" in model["200"]["content"]["application/json"]["schema"]["$ref"]
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "application/json" not in metrics and any(t.startswith("text/plain") for t in metrics)
+    assert httpx.get(url + "/metrics").headers["content-type"].startswith("text/plain")
+    for chunk in ("CompletionChunk", "ChatCompletionChunk"):
+        assert chunk in doc["components"]["schemas"]
+    # what the server sends for the documented statuses validates against the documented body
+    error = _validator(doc, "ErrorResponse")
+    sent = [
+        httpx.post(url + COMPLETIONS, json={**BASE, "top_p": 0}),
+        httpx.post(url + COMPLETIONS, json={**BASE, "model": "nope"}),
+        httpx.get(url + "/v1/models/nope"),
+        httpx.post(url + COMPLETIONS, content=b"{", headers={"content-type": "application/json"}),
+    ]
+    assert [r.status_code for r in sent] == [400, 404, 404, 400]
+    assert all(error.is_valid(r.json()) for r in sent)
+    card = httpx.get(url + f"/v1/models/{MODEL}").json()
+    assert _validator(doc, "ModelCard").is_valid(card)
