@@ -141,6 +141,10 @@ def test_models_retrieve(client: openai.OpenAI, url: str) -> None:
         ("prompt", [1, True]),
         ("prompt", [1.0]),
         ("prompt", [-1]),
+        ("speculation", {"enabled": "yes"}),
+        ("speculation", {"max_sl": "3"}),
+        ("speculation", {"model_fallback": 1}),
+        ("speculation", {"drafter": "ngram"}),
     ],
 )
 def test_json_types_are_strict(url: str, field: str, value: Any) -> None:

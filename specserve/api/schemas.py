@@ -30,16 +30,16 @@ class SpeculationOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
+    enabled: StrictBool = True
     method: SpecMethod | None = Field(default=None, description="chain, eagle2 (tree) or ddd (tree, dynamic depth)")
     drafter: Drafter | None = Field(
         default=None, description="model (the deployment's draft), lookup (prompt lookup) or suffix (suffix trees)"
     )
-    model_fallback: bool | None = Field(
+    model_fallback: StrictBool | None = Field(
         default=None, description="lookup / suffix: let the draft model draft where they find no match"
     )
     policy: SLPolicyKind | None = None
-    max_sl: int | None = Field(default=None, ge=1, le=64, description="caps the chain length / tree depth")
+    max_sl: StrictInt | None = Field(default=None, ge=1, le=64, description="caps the chain length / tree depth")
 
     @model_validator(mode="before")
     @classmethod
