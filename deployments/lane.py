@@ -4,6 +4,11 @@ All StepLoop calls happen on the lane thread. The router's event loop talks to i
 (submit, abort) and receives outputs through per-request asyncio queues (``call_soon_threadsafe``). When a worker
 actor dies, the lane recreates it in the same bundle, re-registers the running sequences (``StepLoop.recover``)
 and retries the step: the router holds every sequence's tokens, so streams continue and nothing is lost.
+
+Any other failed step is isolated: its sequences' worker caches are reset (they re-prefill from the router's tokens);
+a failure that names its sequence (``SequenceError``, also as the cause of Ray's RayTaskError) fails that request
+alone; one that names none is retried with the step's sequences split in halves, each half stepped alone (the rest
+wait), until the failing sequence is found and failed. The others continue with the tokens they would have had.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import ray
@@ -24,14 +30,17 @@ from ray.exceptions import RayActorError
 
 from deployments.actors import ACTOR_NAMESPACE, KVGeometry, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
 from deployments.app_args import WorkerRole
-from specserve.api.error_bodies import WorkerFailedError
+from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
+from specserve.errors import blamed_sequence
 from specserve.sequence import Request, RequestOutput
 from specserve.step_loop import StepLoop
 
 logger = logging.getLogger(__name__)
 
 STOP_JOIN_TIMEOUT_S = 10.0
+MAX_BISECTION_SPLITS = 16  # splits one isolation may make before it fails the sequences still suspected
+MAX_FAILED_STEPS = 3  # full steps in a row that fail while every part of them passes alone: then the batch is dropped
 
 
 class WorkerDebug(BaseModel):
@@ -70,7 +79,7 @@ class _Stop:
 
 
 _Command = _Submit | _Abort | _Stop
-_Item = RequestOutput | WorkerFailedError
+_Item = RequestOutput | APIError
 
 
 class _Sink:
@@ -101,7 +110,7 @@ class LaneStream:
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
         while not self._done:
             item = await self._sink.queue.get()
-            if isinstance(item, WorkerFailedError):
+            if isinstance(item, APIError):
                 self._done = True
                 raise item
             self._done = item.finished
@@ -125,6 +134,8 @@ class Lane:
         metrics: ServeMetrics,
         max_worker_restarts: int,
         step_delay_s: float = 0.0,
+        max_bisection_splits: int = MAX_BISECTION_SPLITS,
+        max_failed_steps: int = MAX_FAILED_STEPS,
     ) -> None:
         self.index = index
         self.loop = loop
@@ -133,12 +144,17 @@ class Lane:
         self.metrics = metrics
         self.max_worker_restarts = max_worker_restarts
         self.step_delay_s = step_delay_s
+        self.max_bisection_splits = max_bisection_splits
+        self.max_failed_steps = max_failed_steps
         self.workers = dict(workers)  # the proxies the loop drives (replaced in both on a restart)
         self.generations = dict.fromkeys(self.workers, 0)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: set[str] = set()  # submitted and not yet finished or aborted (added on submit, else lane thread)
         self._sinks: dict[str, _Sink] = {}  # lane thread only
         self._failures = 0  # consecutive failed steps
+        self._probes: deque[frozenset[int]] = deque()  # suspect groups (seq ids) to step alone, the first next
+        self._splits = 0  # splits made by the isolation under way
+        self._failed_steps = 0  # consecutive failed full steps (not counting a worker's death)
         self._thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
         self._thread.start()
 
@@ -245,19 +261,27 @@ class Lane:
         command.admitted.set_result(None)
 
     def _step(self) -> None:
+        only = self._next_probe()
         t0 = time.perf_counter()
         try:
-            outputs = self.loop.step()
+            outputs = self.loop.step(only)
         except RayActorError as e:
             self._recover(e)
             self._report_queue()
             return
-        except Exception:  # a bug, not a lost worker: drop the batch rather than the lane
-            logger.exception("lane %d: step failed", self.index)
-            self._fail_all("the step failed")
-            self._report_queue()  # the dropped requests left the queue and the batch
+        except Exception as e:  # one request's bad input, or a bug: not a lost worker
+            try:
+                self._isolate(e, only)
+            except Exception:
+                logger.exception("lane %d: isolating a failed step failed", self.index)
+                self._fail_all("the step failed")
+            self._report_queue()  # failed requests left the queue and the batch
             return
         self._failures = 0
+        if only is None:
+            self._failed_steps = 0
+        else:
+            self._probes.popleft()  # the group passed
         step_s = time.perf_counter() - t0
         for out in outputs:
             sink = self._sinks.get(out.request_id)
@@ -275,6 +299,50 @@ class Lane:
             )
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+
+    def _next_probe(self) -> frozenset[int] | None:
+        """The suspect group to step next, less its sequences that finished or were aborted (None: a full step)."""
+        running = {s.seq_id for s in self.loop.running}
+        while self._probes:
+            if group := self._probes[0] & running:
+                self._probes[0] = group
+                return group
+            self._probes.popleft()
+        return None
+
+    def _isolate(self, error: Exception, only: frozenset[int] | None) -> None:
+        """Reset the failed step's sequences on the workers, then fail the one the error names; with none named,
+        queue the step's sequences in halves to step alone (a lone sequence that fails alone is failed)."""
+        group = only or frozenset(s.seq_id for s in self.loop.running)
+        if not group:  # nothing ran: nothing to pin it on
+            logger.error("lane %d: step failed", self.index, exc_info=error)
+            self._fail_all("the step failed")
+            return
+        self.loop.reset(group)
+        if only is None:
+            self._failed_steps += 1
+            self._splits = 0
+        else:
+            self._probes.popleft()
+        blamed = blamed_sequence(error)
+        if blamed not in group and only is not None and len(group) == 1:  # it failed with others and again alone
+            blamed = next(iter(group))
+        if blamed in group:
+            self._fail_sequence(blamed, error)
+            self._failed_steps = 0  # found
+        elif only is None and self._failed_steps > self.max_failed_steps:
+            logger.error("lane %d: %d steps failed in a row", self.index, self._failed_steps, exc_info=error)
+            self._fail_all(f"{self._failed_steps} steps failed in a row")
+        elif self._splits >= self.max_bisection_splits:
+            logger.error("lane %d: no culprit after %d splits", self.index, self._splits, exc_info=error)
+            for seq_id in group:
+                self._fail_sequence(seq_id, error)
+        else:
+            logger.warning("lane %d: step of %d failed; splitting it", self.index, len(group), exc_info=error)
+            self._splits += 1
+            ids = sorted(group)
+            halves = [frozenset(h) for h in (ids[: len(ids) // 2], ids[len(ids) // 2 :]) if h]
+            self._probes.extendleft(reversed(halves))  # a lone sequence: retried alone
 
     def _recover(self, error: RayActorError) -> None:
         """Replace dead workers, reset any worker whose state ran ahead of the failed step, and let the loop
@@ -304,15 +372,29 @@ class Lane:
             self.loop.draft = worker
         self.metrics.worker_restarted(self.index, role.value)
 
+    def _fail_sequence(self, seq_id: int, error: Exception) -> None:
+        request_id = self.loop.request_id(seq_id)
+        if request_id is None:
+            return
+        logger.warning("lane %d: request %s failed on its own: %s", self.index, request_id, error)
+        self._drop(request_id, RequestFailedError("the request failed while generating; it was dropped"))
+
     def _fail_all(self, reason: str) -> None:
-        for request_id, sink in list(self._sinks.items()):
-            sink.put(WorkerFailedError(f"{reason}; the request was dropped"))
-            try:
-                self.loop.abort(request_id)
-            except Exception:
-                logger.exception("lane %d: abort of %s failed", self.index, request_id)
-            self._forget(request_id)
+        for request_id in list(self._sinks):
+            self._drop(request_id, WorkerFailedError(f"{reason}; the request was dropped"))
         self._failures = 0
+        self._failed_steps = 0
+        self._probes.clear()
+
+    def _drop(self, request_id: str, error: APIError) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None:
+            sink.put(error)
+        try:
+            self.loop.abort(request_id)
+        except Exception:
+            logger.exception("lane %d: abort of %s failed", self.index, request_id)
+        self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)

@@ -1,5 +1,10 @@
 """Exceptions the library raises for bad input; each message names the problem."""
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class SpecServeError(Exception):
     """Base class of every error specserve raises on purpose."""
@@ -31,3 +36,43 @@ class KVCapacityError(SpecServeError):
 
 class InvalidRequestError(SpecServeError, ValueError):
     """A request's prompt or sampling values are invalid."""
+
+
+class SequenceError(SpecServeError):
+    """A worker's failure pinned on one sequence: that sequence alone is failed; the rest of its batch goes on."""
+
+    def __init__(self, seq_id: int, message: str) -> None:
+        super().__init__(f"sequence {seq_id}: {message}")
+        self.seq_id = seq_id
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[SequenceError], tuple[int, str]]:  # pickles across Ray with its seq_id
+        return (SequenceError, (self.seq_id, self.message))
+
+
+MAX_CAUSE_DEPTH = 8
+
+
+def blamed_sequence(error: BaseException) -> int | None:
+    """The seq_id a failure names: a SequenceError itself, or one carried as the cause of a wrapper (Ray's
+    RayTaskError keeps it in ``.cause``; ``raise ... from`` in ``__cause__``); None when nothing names one."""
+    seen: BaseException | None = error
+    for _ in range(MAX_CAUSE_DEPTH):
+        if seen is None:
+            return None
+        if isinstance(seen, SequenceError):
+            return seen.seq_id
+        cause = getattr(seen, "cause", None)
+        seen = cause if isinstance(cause, BaseException) else seen.__cause__
+    return None
+
+
+@contextmanager
+def blame(seq_id: int) -> Iterator[None]:
+    """Pin any exception raised inside on ``seq_id``: it leaves as a SequenceError chained to the original."""
+    try:
+        yield
+    except SequenceError:
+        raise
+    except Exception as e:
+        raise SequenceError(seq_id, f"{type(e).__name__}: {e}") from e

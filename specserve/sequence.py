@@ -78,6 +78,7 @@ class Sequence:
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(method=SpecMethod.none))
     sl_state: SequenceDSDE | None = None  # DSDE history and calibration (None under the static policy)
     output: list[int] = field(default_factory=list)
+    registered: bool = False  # added to the workers (False: on its next step, after admission or a reset)
     target_seen: int = 0  # committed tokens the target worker has been sent
     draft_seen: int = 0  # ... and the draft worker
     last_accepted: list[int] = field(default_factory=list)  # accepted nodes of the draft model's last proposal

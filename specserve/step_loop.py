@@ -9,13 +9,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Collection
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
-from specserve.errors import InvalidRequestError
+from specserve.errors import InvalidRequestError, blame
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.policy import SequenceDSDE
 from specserve.policy.planner import SLPlanner
@@ -112,6 +113,21 @@ class StepLoop:
                 seq.draft_seen = 0
                 seq.last_accepted = []
 
+    def reset(self, seq_ids: Collection[int]) -> None:
+        """After a failed step: drop what the workers cached for these running sequences (part of that step may be
+        in it) and register them afresh, so their next step re-prefills from the loop's tokens."""
+        seqs = [s for s in self.running if s.seq_id in seq_ids]
+        ids = [s.seq_id for s in seqs]
+        self.target.release(ids)
+        if self.draft is not None:
+            self.draft.release(ids)
+        for seq in seqs:
+            seq.registered = False
+
+    def request_id(self, seq_id: int) -> str | None:
+        """The running request whose sequence this is (None: none is running)."""
+        return next((s.request.request_id for s in self.running if s.seq_id == seq_id), None)
+
     def prompt_ids(self, request_id: str) -> list[int]:
         return self._by_request[request_id].request.prompt_ids
 
@@ -120,12 +136,17 @@ class StepLoop:
         return bool(self.waiting or self.running)
 
     # -- one step -------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """plan SL -> propose -> verify -> commit/stream -> policy update."""
+    def step(self, only: Collection[int] | None = None) -> list[RequestOutput]:
+        """plan SL -> propose -> verify -> commit/stream -> policy update.
+
+        ``only``: step just these running sequences (by seq_id); the rest wait and no new request is admitted.
+        """
         t0 = time.perf_counter()
-        self._admit()
-        if not (batch := list(self.running)):
+        if only is None:
+            self._admit()
+        if not (batch := [s for s in self.running if only is None or s.seq_id in only]):
             return []
+        self._register(batch)
         plan = self.planner.plan(batch)
         proposals = self._propose(batch, plan.depths)
         t1 = time.perf_counter()
@@ -142,11 +163,21 @@ class StepLoop:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
-            seq = self.waiting.popleft()
-            self.target.add(seq.seq_id, seq.request.params)
-            if self.draft is not None and seq.spec.uses_model:
-                self.draft.add(seq.seq_id, seq.request.params)
-            self.running.append(seq)
+            self.running.append(self.waiting.popleft())
+
+    def _register(self, batch: list[Sequence]) -> None:
+        """Add newly admitted (or reset) sequences to the workers; their first step sends all their tokens."""
+        for seq in batch:
+            if seq.registered:
+                continue
+            with blame(seq.seq_id):
+                self.target.add(seq.seq_id, seq.request.params)
+                seq.target_seen = 0
+                if self.draft is not None and seq.spec.uses_model:
+                    self.draft.add(seq.seq_id, seq.request.params)
+                    seq.draft_seen = 0
+                    seq.last_accepted = []
+            seq.registered = True
 
     def _propose(self, batch: list[Sequence], depths: list[int]) -> list[Proposal | None]:
         """Model-free drafters first (where a sequence asks for one); the draft model for the rest, and where they

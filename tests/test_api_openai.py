@@ -272,7 +272,7 @@ def test_queue_gauge_is_refreshed_after_a_failed_step() -> None:
         def abort(self, request_id: str) -> None:
             self.waiting = [r for r in self.waiting if r.request_id != request_id]
 
-        def step(self) -> list[RequestOutput]:
+        def step(self, only: frozenset[int] | None = None) -> list[RequestOutput]:
             time.sleep(0.05)  # the gauge reads 1 waiting before the step
             raise RuntimeError("a step that fails")
 

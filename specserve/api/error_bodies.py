@@ -53,6 +53,14 @@ class WorkerFailedError(APIError):
     code = ErrorCode.worker_failed
 
 
+class RequestFailedError(APIError):
+    """This request alone failed while generating (the requests beside it go on)."""
+
+    status = HTTPStatus.INTERNAL_SERVER_ERROR
+    type = ErrorType.server
+    code = ErrorCode.internal_error
+
+
 def error_body(
     message: str, type_: ErrorType, *, code: ErrorCode | None = None, param: str | None = None
 ) -> ErrorResponse:

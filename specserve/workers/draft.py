@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SpecMethod
+from specserve.errors import blame
 from specserve.messages import Proposal, ProposeItem
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
@@ -43,7 +44,10 @@ class DraftWorker:
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
-        states = [self._rollback(it) for it in items]
+        states = []
+        for it in items:
+            with blame(it.seq_id):
+                states.append(self._rollback(it))
         logits = self._forward(states, [s.feed for s in states], num_logits=[1] * len(states))
         pairs = list(zip(states, logits, strict=True))
         draft_chains([(s, lg) for s, lg in pairs if s.item.spec.method == SpecMethod.chain], self._forward)
@@ -52,7 +56,8 @@ class DraftWorker:
         )
         proposals = []
         for s in states:
-            proposal, cached = tree_proposal(s) if s.tree is not None else chain_proposal(s)
+            with blame(s.item.seq_id):
+                proposal, cached = tree_proposal(s) if s.tree is not None else chain_proposal(s)
             self.cached_nodes[s.item.seq_id] = cached
             proposals.append(proposal)
         return proposals

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import SpecMethod
+from specserve.errors import blame
 from specserve.messages import FeatureRequest, Proposal, ProposeItem
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
@@ -77,7 +78,8 @@ class HeadDraftWorker:
         ready: list[tuple[DraftState, list[int], torch.Tensor, list[int]]] = []
         states = []
         for it in items:
-            s, feed = self._rollback(it)
+            with blame(it.seq_id):
+                s, feed = self._rollback(it)
             states.append(s)
             if feed is not None:
                 ready.append((s, *feed))
@@ -87,7 +89,11 @@ class HeadDraftWorker:
             draft_chains([(s, lg) for s, lg in pairs if s.item.spec.method == SpecMethod.chain], self._forward)
             trees = [(s, lg) for s, lg in pairs if s.item.spec.method != SpecMethod.chain]
             self.h_reads += grow_trees(trees, self._forward, self.head.device)
-        return [(tree_proposal(s) if s.tree is not None else chain_proposal(s))[0] for s in states]
+        proposals = []
+        for s in states:
+            with blame(s.item.seq_id):
+                proposals.append((tree_proposal(s) if s.tree is not None else chain_proposal(s))[0])
+        return proposals
 
     # -- cache state -----------------------------------------------------------------------------------
     def _rollback(self, it: ProposeItem) -> tuple[DraftState, tuple[list[int], torch.Tensor, list[int]] | None]:

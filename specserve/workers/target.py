@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from specserve.errors import blame
 from specserve.messages import VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
@@ -42,13 +43,14 @@ class TargetWorker:
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         trees, slots, tokens, positions, masks, starts = [], [], [], [], [], []
         for it in items:
-            slot = self.table.slot(it.seq_id)
-            tree = DraftTree(
-                tokens=torch.tensor([it.new_tokens[-1], *it.draft_tokens]),
-                parents=torch.tensor([0, *it.draft_parents]),
-            )
-            start = self.cache.length(slot)
-            mask, pos = step_layout(tree, len(it.new_tokens) - 1, start)
+            with blame(it.seq_id):
+                slot = self.table.slot(it.seq_id)
+                tree = DraftTree(
+                    tokens=torch.tensor([it.new_tokens[-1], *it.draft_tokens]),
+                    parents=torch.tensor([0, *it.draft_parents]),
+                )
+                start = self.cache.length(slot)
+                mask, pos = step_layout(tree, len(it.new_tokens) - 1, start)
             trees.append(tree)
             slots.append(slot)
             starts.append(start)
@@ -69,26 +71,41 @@ class TargetWorker:
         offsets = [0, *itertools.accumulate(batch.num_new)]
         outputs = []
         for b, (it, tree, slot, start, lg) in enumerate(zip(items, trees, slots, starts, logits_per_seq, strict=True)):
-            p = process_logits(lg, self.params[it.seq_id])
-            gen = self.generators[it.seq_id]
-            if it.synthetic_accept is not None:
-                tokens_h = [it.new_tokens[-1], *it.draft_tokens]
-                res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
-            elif it.q_idx is not None and it.q_prob is not None:
-                res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
-            else:
-                res = verify_tree(tree, p, gen)
-            num_pending = len(it.new_tokens) - 1
-            self._rollback(slot, start, num_pending, res.accepted_nodes)
-            kld = self._kld(it, lg, res.accepted_nodes) if it.draft_q is not None else []
-            if it.synthetic_accept is not None and kld:
-                kld = synthetic_kld(it.synthetic_accept, len(kld), gen)
-            feats = None
-            if features is not None and it.features is not None:
-                rows = [*range(num_pending + 1), *(num_pending + a for a in res.accepted_nodes)]
-                feats = features[offsets[b] + torch.tensor(rows)]  # [n, F]
-            outputs.append(VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens, kld, feats))
+            with blame(it.seq_id):
+                outputs.append(self._verify_one(it, tree, slot, start, lg, features, offsets[b]))
         return outputs
+
+    def _verify_one(
+        self,
+        it: VerifyItem,
+        tree: DraftTree,
+        slot: int,
+        start: int,
+        logits: torch.Tensor,
+        features: torch.Tensor | None,
+        offset: int,
+    ) -> VerifyOutput:
+        """Sample-verify one sequence's draft from its logits [T, V], roll its KV back to the accepted path, and
+        read its KLD and features (``offset``: its first row in the batch's features)."""
+        p = process_logits(logits, self.params[it.seq_id])
+        gen = self.generators[it.seq_id]
+        if it.synthetic_accept is not None:
+            tokens_h = [it.new_tokens[-1], *it.draft_tokens]
+            res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
+        elif it.q_idx is not None and it.q_prob is not None:
+            res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
+        else:
+            res = verify_tree(tree, p, gen)
+        num_pending = len(it.new_tokens) - 1
+        self._rollback(slot, start, num_pending, res.accepted_nodes)
+        kld = self._kld(it, logits, res.accepted_nodes) if it.draft_q is not None else []
+        if it.synthetic_accept is not None and kld:
+            kld = synthetic_kld(it.synthetic_accept, len(kld), gen)
+        feats = None
+        if features is not None and it.features is not None:
+            rows = [*range(num_pending + 1), *(num_pending + a for a in res.accepted_nodes)]
+            feats = features[offset + torch.tensor(rows)]  # [n, F]
+        return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens, kld, feats)
 
     def _forward(self, batch: ForwardBatch, items: list[VerifyItem]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [R, V] of the batch's logit rows, and the hidden states [N, F] of every new token when an item
