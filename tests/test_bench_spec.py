@@ -60,8 +60,14 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
     out = tmp_path / "out"
     argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--max-tokens", "12"]
     argv += ["--methods", "chain", "ddd", "--budget", "8", "--out", str(out)]
+    argv += ["--drafters", "model", "lookup+model", "--free-sl", "3", "--free-budget", "6", "--guarded-default"]
+    argv += ["--by-category"]
     assert main(argv) == 0
     rows = list(csv.DictReader((out / "spec.csv").open()))
-    assert [r["method"] for r in rows] == ["plain", "chain SL=4", "DDD x=-0.3 T=8"]
+    methods = ["plain", "chain SL=4", "DDD x=-0.3 T=8", "lookup+model: chain SL=3", "lookup+model: DDD T=6"]
+    methods.append("serving default (guarded)")
+    assert [r["method"] for r in rows if r["category"] == "all"] == methods
+    assert [r["category"] for r in rows] == ["all"] * 6 + ["a"] * 6 + ["b"] * 6  # one row per method and category
     assert all(float(r["greedy_equal"]) == 1.0 for r in rows)
-    assert float(rows[0]["ratio"]) == 1.0 and all(float(r["tau"]) >= 1.0 for r in rows)
+    assert all(float(r["ratio"]) == 1.0 for r in rows if r["method"] == "plain")
+    assert all(float(r["tau"]) >= 1.0 for r in rows)

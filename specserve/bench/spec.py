@@ -64,7 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dsde", action="store_true", help="also run each chain / DDD method under DSDE + SL_cap")
     p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
-    p.add_argument("--drafters", nargs="+", default=["model"], choices=DRAFTERS, help="who drafts each method")
+    p.add_argument("--drafters", nargs="+", default=["model"], choices=DRAFTERS, help="who drafts")
+    p.add_argument("--free-sl", type=int, nargs="+", default=[5], help="model-free drafters: chain SL(s)")
+    p.add_argument("--free-budget", type=int, nargs="+", default=[8], help="model-free drafters: DDD budget(s) T")
     p.add_argument("--by-category", action="store_true", help="also a table per prompt category")
     p.add_argument("--passes", type=int, default=1, help="run the prompts this many times (rows per pass)")
     p.add_argument("--stop-at-eos", action="store_true", help="end each answer at EOS (default: max-tokens each)")
@@ -80,20 +82,6 @@ class Method:
     guard: bool = False  # the throughput guard on
 
 
-def with_drafters(methods: list[Method], drafters: list[str]) -> list[Method]:
-    """Each method once per drafter: ``model`` as given, ``lookup`` / ``suffix`` alone, ``X+model`` leading."""
-    out = []
-    for d in drafters:
-        for m in methods:
-            if d == "model":
-                out.append(m)
-                continue
-            kind, fallback = d.removesuffix("+model"), d.endswith("+model")
-            spec = m.spec.model_copy(update={"drafter": Drafter(kind), "model_fallback": fallback})
-            out.append(Method(f"{d}: {m.name}", m.draft if fallback else "", spec))
-    return out
-
-
 def _tree_fields(args: argparse.Namespace) -> dict[str, object]:
     fields = {"beam_width": args.beam_width, "tree_depth": args.tree_depth, "ddd_max_depth": args.ddd_max_depth}
     return {k: v for k, v in fields.items() if v is not None}
@@ -102,11 +90,14 @@ def _tree_fields(args: argparse.Namespace) -> dict[str, object]:
 def methods_for(
     args: argparse.Namespace, pair: str, target: LlamaModel, draft: LlamaModel | EagleHead, prompts: list[list[int]]
 ) -> list[Method]:
-    out = []
+    out = model_free_methods(args, pair)
+    if "model" not in args.drafters:
+        return out + _guarded(args, pair)
+    model: list[Method] = []
     if "chain" in args.methods:
         for sl in args.chain_sl:
             spec = SpecConfig(method=SpecMethod.chain, sl=sl, chain_draft=ChainDraft.greedy)
-            out.append(Method(f"chain SL={sl}", pair, spec))
+            model.append(Method(f"chain SL={sl}", pair, spec))
     tree = SpecConfig(method=SpecMethod.eagle2, **_tree_fields(args))  # type: ignore[arg-type]
     for budget in args.budget:
         t = budget
@@ -123,23 +114,47 @@ def methods_for(
                 )
         label = f"T={t}" + (" (auto)" if budget == 0 else "")
         if "eagle2" in args.methods:
-            out.append(Method(f"EAGLE-2 D={tree.tree_depth} {label}", pair, tree.model_copy(update={"budget": t})))
+            model.append(Method(f"EAGLE-2 D={tree.tree_depth} {label}", pair, tree.model_copy(update={"budget": t})))
         if "ddd" in args.methods:
             for x in args.ddd_x:
                 update: dict[str, object] = {"method": SpecMethod.ddd, "budget": t}
                 if x is not None:
                     update["ddd_threshold"] = x
                 spec = tree.model_copy(update=update)
-                out.append(Method(f"DDD x={spec.ddd_threshold:g} {label}", pair, spec))
-    if args.dsde:  # DSDE sets each sequence's SL (chains) or depth budget (DDD) per step
-        out += [
-            Method(m.name + " +DSDE", pair, m.spec.model_copy(update={"policy": SLPolicyKind.dsde}))
-            for m in list(out)
-            if m.spec.method in (SpecMethod.chain, SpecMethod.ddd)
-        ]
-    out = with_drafters(out, args.drafters)
-    if args.guarded_default:
-        out.append(Method("serving default (guarded)", pair, SERVING_SPECULATION, guard=True))
+                model.append(Method(f"DDD x={spec.ddd_threshold:g} {label}", pair, spec))
+    return _with_dsde(args, model) + out + _guarded(args, pair)
+
+
+def _with_dsde(args: argparse.Namespace, methods: list[Method]) -> list[Method]:
+    """With ``--dsde``, each chain / DDD method again under DSDE (it sets each sequence's SL or depth budget)."""
+    if not args.dsde:
+        return methods
+    return methods + [
+        Method(m.name + " +DSDE", m.draft, m.spec.model_copy(update={"policy": SLPolicyKind.dsde}))
+        for m in methods
+        if m.spec.method in (SpecMethod.chain, SpecMethod.ddd)
+    ]
+
+
+def _guarded(args: argparse.Namespace, pair: str) -> list[Method]:
+    return [Method("serving default (guarded)", pair, SERVING_SPECULATION, guard=True)] if args.guarded_default else []
+
+
+def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
+    """The model-free drafters of ``--drafters``: chains of ``--free-sl``, DDD trees of ``--free-budget``; the
+    ``X+model`` forms fall back to the pair's draft capped at the first ``--chain-sl`` (``model_max_sl``)."""
+    out = []
+    for d in (d for d in args.drafters if d != "model"):
+        kind, fallback = d.removesuffix("+model"), d.endswith("+model")
+        base = {"drafter": Drafter(kind), "model_fallback": fallback, "chain_draft": ChainDraft.greedy}
+        if fallback:
+            base["model_max_sl"] = args.chain_sl[0]
+        specs = []
+        if "chain" in args.methods:
+            specs += [(f"chain SL={sl}", SpecConfig(method=SpecMethod.chain, sl=sl, **base)) for sl in args.free_sl]
+        if "ddd" in args.methods:
+            specs += [(f"DDD T={t}", SpecConfig(method=SpecMethod.ddd, budget=t, **base)) for t in args.free_budget]
+        out += _with_dsde(args, [Method(f"{d}: {name}", pair if fallback else "", spec) for name, spec in specs])
     return out
 
 
