@@ -376,7 +376,7 @@ class Lane:
         request_id = self.loop.request_id(seq_id)
         if request_id is None:
             return
-        logger.warning("lane %d: request %s failed on its own: %s", self.index, request_id, error)
+        logger.warning("lane %d: request %s failed on its own: %s", self.index, request_id, error, exc_info=error)
         self._drop(request_id, RequestFailedError("the request failed while generating; it was dropped"))
 
     def _fail_all(self, reason: str) -> None:

@@ -1,0 +1,359 @@
+"""Per-sequence fault isolation (issue 16): a failure pinned on one sequence fails it alone; an unattributed one is
+bisected until a lone sequence fails; transient failures lose nobody; every other request finishes with the tokens
+it has alone. The lane runs in-process over an Engine's StepLoop on tiny models (its workers wrapped to fail)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import pickle
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+from ray.exceptions import RayTaskError
+
+from deployments.lane import Lane
+from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
+from specserve.api.metrics import ServeMetrics
+from specserve.config import SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.errors import SequenceError, blamed_sequence
+from specserve.messages import ProposeItem, VerifyItem, VerifyOutput
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
+from specserve.sampling import SamplingParams
+from specserve.sequence import Request, RequestOutput
+from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
+from specserve.workers.base import TargetWorkerAPI
+from tests.api_backend import MODEL, LocalBackend, api_server
+
+SPEC = SpecConfig(method=SpecMethod.chain, sl=4)
+PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42, 43], [7, 7, 7, 7, 7]]
+MAX_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+Fault = Callable[[set[int], set[int]], Exception | None]  # (the step's seq ids, the poisoned ones) -> what to raise
+Result = list[int] | APIError
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[LlamaModel, LlamaModel]:
+    target = tiny_model(tiny_config(), seed=0)
+    return target, noisy_copy(target, 0.02, seed=1)
+
+
+def _engine(models: tuple[LlamaModel, LlamaModel]) -> Engine:
+    target, draft = models
+    return Engine(target, None, draft=draft, speculation=SPEC, max_batch_size=4, max_model_len=64, eos_token_ids=set())
+
+
+@pytest.fixture(scope="module")
+def alone(models: tuple[LlamaModel, LlamaModel]) -> list[list[int]]:
+    """Each prompt's greedy tokens when it runs alone."""
+    return [_engine(models).generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+
+
+class FaultyTarget:
+    """The loop's target worker, raising what ``fault`` returns for a step after the worker verified it (its cache
+    then holds part of the failed step, as a real mid-step failure may leave it). Sequences added with params
+    that ``poison`` holds true of are the poisoned ones."""
+
+    def __init__(self, worker: TargetWorkerAPI, poison: Callable[[SamplingParams], bool], fault: Fault) -> None:
+        self.worker = worker
+        self.poison = poison
+        self.fault = fault
+        self.poisoned: set[int] = set()
+        self.failed: list[list[int]] = []  # the seq ids of each failed step
+
+    def add(self, seq_id: int, params: SamplingParams) -> None:
+        if self.poison(params):
+            self.poisoned.add(seq_id)
+        self.worker.add(seq_id, params)
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.worker.release(seq_ids)
+
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        outputs = self.worker.verify(items)
+        batch = {it.seq_id for it in items}
+        error = self.fault(batch, self.poisoned)
+        if error is not None:
+            self.failed.append(sorted(batch))
+            raise error
+        return outputs
+
+
+def _faulty(engine: Engine, poison: SamplingParams | None, fault: Fault) -> FaultyTarget:
+    """Wrap the engine's target; ``poison``: the params object (by identity) of the poisoned requests."""
+    faulty = FaultyTarget(engine.loop.target, lambda params: params is poison, fault)
+    engine.loop.target = faulty
+    return faulty
+
+
+def _run_lane(engine: Engine, requests: list[Request], **options: int) -> list[Result]:
+    """Submit every request to a lane over the engine's loop at once; each one's tokens, or the error it got."""
+    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0, **options)  # type: ignore[arg-type]
+
+    async def one(request: Request) -> Result:
+        stream = await lane.submit(request)
+        tokens: list[int] = []
+        try:
+            async for out in stream:
+                tokens += out.token_ids
+        except APIError as e:
+            return e
+        return tokens
+
+    async def run() -> list[Result]:
+        return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 120)
+
+    try:
+        results = asyncio.run(run())
+        _settle(lane)
+    finally:
+        lane.stop()
+    return results
+
+
+def _settle(lane: Lane) -> None:
+    """Wait for the lane thread to forget the finished requests (it does so just after handing out their end)."""
+    deadline = time.monotonic() + 5
+    while lane.in_flight:
+        assert time.monotonic() < deadline, f"{lane.in_flight} requests still in flight"
+        time.sleep(0.01)
+    assert lane.alive
+
+
+def _requests(poisoned: int | None, poison: SamplingParams) -> list[Request]:
+    return [Request(f"r{i}", p, poison if i == poisoned else GREEDY) for i, p in enumerate(PROMPTS)]
+
+
+def _assert_kv_free(engine: Engine, faulty: FaultyTarget) -> None:
+    assert isinstance(faulty.worker, TargetWorker) and isinstance(engine.loop.draft, DraftWorker)
+    assert faulty.worker.cache.num_free == engine.loop.max_batch_size and not faulty.worker.params
+    assert engine.loop.draft.cache.num_free == engine.loop.max_batch_size and not engine.loop.draft.params
+
+
+def _named(seq_id: int, *, ray: bool) -> Exception:
+    error = SequenceError(seq_id, "poisoned")
+    return RayTaskError("verify", "traceback", error).as_instanceof_cause() if ray else error
+
+
+@pytest.mark.parametrize("ray", [False, True], ids=["in-process", "ray-task-error"])
+def test_attributed_failure_fails_that_request_alone(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], ray: bool
+) -> None:
+    engine = _engine(models)
+    poison = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    faulty = _faulty(engine, poison, lambda batch, bad: _named(min(bad & batch), ray=ray) if bad & batch else None)
+    results = _run_lane(engine, _requests(2, poison))
+    assert isinstance(results[2], RequestFailedError) and results[2].status == 500
+    assert [results[i] for i in (0, 1, 3)] == [alone[i] for i in (0, 1, 3)]
+    assert len(faulty.failed) == 1  # named at once: no bisection
+    _assert_kv_free(engine, faulty)
+
+
+def test_unattributed_failure_is_bisected_to_its_request(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    engine = _engine(models)
+    poison = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    faulty = _faulty(engine, poison, lambda batch, bad: RuntimeError("no mass") if bad & batch else None)
+    results = _run_lane(engine, _requests(3, poison))
+    assert isinstance(results[3], RequestFailedError)
+    assert results[:3] == alone[:3]
+    (bad,) = faulty.poisoned
+    assert len(faulty.failed[0]) > 1 and faulty.failed[-1] == [bad]  # split until it failed alone
+    assert len(faulty.failed) <= 4  # 4 sequences: the batch, a half, the culprit alone
+    _assert_kv_free(engine, faulty)
+
+
+def test_transient_failure_loses_nobody(models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]) -> None:
+    engine = _engine(models)
+    raised: list[bool] = []
+
+    def once(batch: set[int], _: set[int]) -> Exception | None:
+        if len(batch) < 2 or raised:
+            return None
+        raised.append(True)
+        return RuntimeError("a glitch")
+
+    faulty = _faulty(engine, None, once)
+    assert _run_lane(engine, _requests(None, GREEDY)) == alone
+    assert len(faulty.failed) == 1
+    _assert_kv_free(engine, faulty)
+
+
+def test_bisection_gives_up_after_its_split_limit(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    """One split allowed: the half still failing after it is failed whole; the other half goes on."""
+    engine = _engine(models)
+    poison = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    faulty = _faulty(engine, poison, lambda batch, bad: RuntimeError("no mass") if bad & batch else None)
+    results = _run_lane(engine, _requests(3, poison), max_bisection_splits=1)
+    (bad,) = faulty.poisoned
+    failed_half = {i for i, r in enumerate(results) if isinstance(r, RequestFailedError)}
+    assert 3 in failed_half and len(failed_half) == 2
+    assert all(results[i] == alone[i] for i in range(4) if i not in failed_half)
+    assert len(faulty.failed) == 2 and bad in faulty.failed[-1]
+
+
+def test_a_failure_no_sequence_causes_alone_drops_the_batch_after_a_bounded_number_of_steps(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    """A step fails whenever it holds two sequences and passes for each alone: bisection finds no culprit; after
+    max_failed_steps full steps in a row the batch is dropped (503), and the lane goes on serving."""
+    engine = _engine(models)
+    faulty = _faulty(engine, None, lambda batch, _: RuntimeError("batched") if len(batch) > 1 else None)
+    results = _run_lane(engine, _requests(None, GREEDY), max_failed_steps=2)
+    assert all(isinstance(r, WorkerFailedError) for r in results)
+    assert sum(len(f) > 1 for f in faulty.failed) <= 3 * 4  # 3 rounds of at most 4 failing groups each
+    assert _run_lane(engine, [Request("again", PROMPTS[0], GREEDY)]) == [alone[0]]
+    _assert_kv_free(engine, faulty)
+
+
+# -- the pieces ------------------------------------------------------------------------------------------
+
+
+def test_sequence_error_names_its_sequence_in_process_and_through_ray() -> None:
+    error = pickle.loads(pickle.dumps(SequenceError(7, "boom")))
+    assert isinstance(error, SequenceError) and error.seq_id == 7 and "boom" in str(error)
+    assert blamed_sequence(error) == 7
+    assert blamed_sequence(RayTaskError("verify", "tb", error)) == 7  # .cause
+    assert blamed_sequence(RayTaskError("verify", "tb", error).as_instanceof_cause()) == 7
+    assert blamed_sequence(RayTaskError("verify", "tb", RuntimeError("x")).as_instanceof_cause()) is None
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = error
+    assert blamed_sequence(wrapped) == 7
+    assert blamed_sequence(RuntimeError("plain")) is None
+
+
+def test_workers_pin_per_item_failures_on_the_sequence(models: tuple[LlamaModel, LlamaModel]) -> None:
+    target, draft = models
+    worker = TargetWorker(target, num_slots=2, max_len=32)
+    for seq_id in (0, 1):
+        worker.add(seq_id, GREEDY)
+    worker.params[1] = None  # type: ignore[assignment]  # its per-item processing fails
+    with pytest.raises(SequenceError) as caught:
+        worker.verify([VerifyItem(0, [5, 9, 13]), VerifyItem(1, [42, 43])])
+    assert caught.value.seq_id == 1 and isinstance(caught.value.__cause__, AttributeError)
+
+    drafts: list[DraftWorker | HeadDraftWorker] = [
+        DraftWorker(draft, num_slots=2, max_len=32),
+        HeadDraftWorker(tiny_head(target, seed=1), num_slots=2, max_len=32),
+    ]
+    for drafter in drafts:
+        drafter.add(0, GREEDY)  # sequence 1 was never added: its item cannot be drafted
+        with pytest.raises(SequenceError) as caught:
+            drafter.propose([ProposeItem(0, [5, 9, 13], [], 2, SPEC), ProposeItem(1, [42, 43], [], 2, SPEC)])
+        assert caught.value.seq_id == 1
+
+
+def test_step_over_a_subset_leaves_the_others_waiting(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    engine = _engine(models)
+    ids = [engine.submit(p, GREEDY) for p in PROMPTS[:3]]
+    tokens: dict[str, list[int]] = {}
+
+    def collect(outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+
+    collect(engine.loop.step())
+    seq_of = {s.request.request_id: s.seq_id for s in engine.loop.running}
+    late = engine.submit(PROMPTS[3], GREEDY)
+    before = {s.seq_id: len(s.output) for s in engine.loop.running}
+    outputs = engine.loop.step(only={seq_of[ids[1]]})
+    collect(outputs)
+    assert [o.request_id for o in outputs] == [ids[1]]
+    after = {s.seq_id: len(s.output) for s in engine.loop.running}
+    assert after[seq_of[ids[1]]] > before[seq_of[ids[1]]]
+    assert {k: v for k, v in after.items() if k != seq_of[ids[1]]} == {
+        k: v for k, v in before.items() if k != seq_of[ids[1]]
+    }
+    assert [s.request.request_id for s in engine.loop.waiting] == [late]  # a subset step admits nobody
+    engine.loop.reset(set(seq_of.values()))  # their caches dropped: rebuilt from the loop's tokens, same output
+    while engine.loop.has_work:
+        collect(engine.loop.step())
+    assert [tokens[r] for r in [*ids, late]] == alone
+    assert engine.loop.target.cache.num_free == 4  # type: ignore[attr-defined]
+
+
+# -- the API under hostile requests ------------------------------------------------------------------------
+
+VICTIMS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42, 43]]
+HOSTILE: list[tuple[str, dict[str, object]]] = [
+    ("/v1/completions", {"prompt": "hello there", "max_tokens": 8, "temperature": 1e-45}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 1e-45}),
+    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0.7, "seed": 2**63 - 1}),
+    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 2.0, "seed": -(2**63), "top_p": 1e-9}),
+    ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2**62}),
+    ("/v1/completions", {"prompt": "ab\ud800cd", "max_tokens": 4}),
+    ("/v1/completions", {"prompt": [5, 6], "max_tokens": 24, "stop": ["x" * 1024, "yz" * 512, "\ud800", "a"]}),
+    ("/v1/completions", {"prompt": [9] * 100, "max_tokens": 27, "ignore_eos": True, "stream": True}),
+    ("/v1/completions", {"prompt": [3, 4], "max_tokens": 16, "temperature": 2.0, "top_k": 1, "stream": True}),
+]
+
+
+def _victim(url: str, prompt: list[int]) -> tuple[list[int], str]:
+    """A streamed greedy completion: its token ids and how it finished."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    tokens: list[int] = []
+    finish = "none"
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True, "return_token_ids": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            assert "error" not in chunk, chunk
+            tokens += chunk["choices"][0].get("token_ids") or []
+            finish = chunk["choices"][0]["finish_reason"] or finish
+    return tokens, finish
+
+
+def _hostile(url: str, path: str, body: dict[str, object]) -> int:
+    content = json.dumps({"model": MODEL, **body})  # ASCII: a lone surrogate travels as its escape
+    r = httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60.0)
+    return r.status_code
+
+
+@pytest.fixture(scope="module")
+def hostile_backend() -> Iterator[LocalBackend]:
+    backend = LocalBackend(max_batch_size=8, capacity=64)
+    yield backend
+    backend.stop()
+
+
+def test_hostile_requests_leave_every_victim_its_own_output(hostile_backend: LocalBackend) -> None:
+    """Schema-valid hostile requests beside victim streams; the tiny temperatures are also made to break the step
+    unattributed (as item 1's "no mass" did), so they must be isolated. Every victim ends with its solo tokens."""
+    backend = hostile_backend
+    with api_server(backend) as url:
+        solo = [_victim(url, p) for p in VICTIMS]
+        assert all(finish == "length" and len(tokens) == 24 for tokens, finish in solo)
+        faulty = FaultyTarget(
+            backend.engine.loop.target,
+            lambda params: 0 < params.temperature < 1e-30,
+            lambda batch, bad: RuntimeError("target distribution has no mass") if bad & batch else None,
+        )
+        backend.engine.loop.target = faulty
+        try:
+            with concurrent.futures.ThreadPoolExecutor(len(VICTIMS) + len(HOSTILE)) as pool:
+                victims = [pool.submit(_victim, url, p) for p in VICTIMS]
+                hostile = [pool.submit(_hostile, url, path, body) for path, body in HOSTILE]
+                statuses = [h.result() for h in hostile]
+                assert [v.result() for v in victims] == solo
+        finally:
+            backend.engine.loop.target = faulty.worker
+        assert statuses[:2] == [500, 500]  # the poisoned ones failed alone
+        assert all(s < 500 for s in statuses[2:]), statuses
+        assert len(faulty.poisoned) == 2 and faulty.failed
+        assert all(faulty.poisoned & set(f) for f in faulty.failed)
+        assert httpx.get(url + "/health").status_code == 200
+        _settle(backend.lane)
+        assert isinstance(faulty.worker, TargetWorker) and faulty.worker.cache.num_free == 8
