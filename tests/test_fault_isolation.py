@@ -13,14 +13,15 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from ray.exceptions import RayTaskError
+import ray
+from ray.exceptions import RayActorError, RayTaskError
 
 from deployments.lane import Lane
 from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
 from specserve.config import SpecConfig, SpecMethod
 from specserve.engine import Engine
-from specserve.errors import SequenceError, blamed_sequence
+from specserve.errors import SequenceError, blame, blamed_sequence
 from specserve.messages import ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
@@ -229,6 +230,26 @@ def test_sequence_error_names_its_sequence_in_process_and_through_ray() -> None:
     wrapped.__cause__ = error
     assert blamed_sequence(wrapped) == 7
     assert blamed_sequence(RuntimeError("plain")) is None
+
+
+class _Blaming:
+    def fail(self, seq_id: int) -> None:
+        with blame(seq_id):
+            raise KeyError("missing")
+
+
+def test_sequence_error_arrives_through_a_ray_actor() -> None:
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+    try:
+        actor = ray.remote(_Blaming).remote()
+        with pytest.raises(RayTaskError) as caught:
+            ray.get(actor.fail.remote(5))
+        assert blamed_sequence(caught.value) == 5 and not isinstance(caught.value, RayActorError)
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def test_workers_pin_per_item_failures_on_the_sequence(models: tuple[LlamaModel, LlamaModel]) -> None:
