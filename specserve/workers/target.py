@@ -40,6 +40,7 @@ class TargetWorker:
             self.params.pop(seq_id, None)
             self.generators.pop(seq_id, None)
 
+    @torch.inference_mode()
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         trees, slots, tokens, positions, masks, starts = [], [], [], [], [], []
         for it in items:
