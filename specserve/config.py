@@ -271,10 +271,13 @@ MODEL_PAIRS: dict[str, tuple[ModelSpec, DraftSpec]] = {
 
 DEFAULT_PAIR = "smollm2-eagle"  # what `serve run deployments/app.yaml` and `specserve generate` speculate with
 
-# The serving default (docs/benchmarks.md, "EAGLE head"): on the 2-core CPU chains of at most 2 drafted tokens are
-# the only speculative mode that measured at or above plain decoding at batch 1 (verifying 4+ tokens costs ~1.8
-# plain steps there), so DSDE chains capped at SL 2, behind the throughput guard, which keeps plain decoding
-# wherever speculation measures slower. `deployments/app.yaml` states the same values (a test checks it) and
+# The serving default (docs/benchmarks.md, "Model-free drafting"): suffix-trie chains where the
+# request's own tokens or recent outputs predict the continuation (they cost no forward), the shipped head's chains
+# of at most 2 tokens elsewhere (verifying 4+ tokens costs ~1.8 plain steps on the 2-core CPU), each sequence's SL
+# set by DSDE under SL_cap, behind the throughput guard, which keeps plain decoding at batch sizes where
+# speculation measures slower. `deployments/app.yaml` states the same values (a test checks it) and
 # `specserve generate` uses them.
-SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde, max_sl=2)
+SERVING_SPECULATION = SpecConfig(
+    method=SpecMethod.chain, policy=SLPolicyKind.dsde, drafter=Drafter.suffix, model_max_sl=2
+)
 SERVING_THROUGHPUT_GUARD = True

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import cast
 import torch
 
 from specserve.bench.machine import cpu_summary
-from specserve.bench.prompt_sets import load_prompts, mt_bench_prompts
+from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import (
     MODEL_PAIRS,
@@ -50,7 +51,10 @@ DRAFTERS = ("model", "lookup", "suffix", "lookup+model", "suffix+model")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", type=Path, default=None, help="JSONL in the MT-bench layout (default: MT-bench)")
+    p.add_argument(
+        "--prompts", nargs="+", default=["mt-bench"], help="JSONL files in the MT-bench layout, or 'mt-bench'"
+    )
+    p.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
     p.add_argument("--pairs", nargs="+", default=["smollm2-eagle"], choices=sorted(MODEL_PAIRS), help="drafts")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--num-prompts", type=int, default=80)
@@ -220,6 +224,19 @@ def _row(
     }
 
 
+def _prompt_set(sources: list[str], per_category: int | None) -> list[BenchPrompt]:
+    prompts = [p for src in sources for p in (mt_bench_prompts() if src == "mt-bench" else load_prompts(Path(src)))]
+    if per_category is None:
+        return prompts
+    seen: Counter[str] = Counter()
+    keep = []
+    for p in prompts:
+        seen[p.category] += 1
+        if seen[p.category] <= per_category:
+            keep.append(p)
+    return keep
+
+
 def _timed(engine: Engine, prompt: list[int], params: SamplingParams, repeats: int) -> tuple[Completion, float]:
     """The completion and the fastest of ``repeats`` back-to-back runs (the least disturbed on a shared
     machine). The suffix drafter's cross-request cache takes the output once, after the last repeat, so every
@@ -287,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     targets = {t: load_model(t) for t in target_specs}
     tok = load_tokenizer(target_specs[0])
     first = Engine(targets[target_specs[0]], tok, max_batch_size=1)
-    bench = load_prompts(args.prompts, args.num_prompts) if args.prompts else mt_bench_prompts(args.num_prompts)
+    bench = _prompt_set(args.prompts, args.per_category)[: args.num_prompts]
     prompts = [first.encode(p.text, chat=True) for p in bench]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
     methods: list[Method] = []
@@ -369,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
             )
             rows[-1]["ratio"] = float(cast(float, rows[-1]["tok_s"])) / float(cast(float, rows[0]["tok_s"]))
     write_csv(args.out / "spec.csv", rows)
-    source = args.prompts or "MT-bench"
+    source = " + ".join(args.prompts)
     passes = f" x {args.passes} passes" if args.passes > 1 else ""
     print(f"\n{len(prompts)} prompts from {source}{passes} x {args.max_tokens} new tokens, batch 1, greedy")
     print(f"CPU: {cpu_summary()}")
