@@ -189,9 +189,7 @@ class StepLoop:
             if d == 0:
                 continue
             if s.spec.drafter != Drafter.model:
-                p = self.model_free.propose(
-                    s.seq_id, s.tokens, len(s.request.prompt_ids), s.spec, d, want_q=s.sl_state is not None
-                )
+                p = self.model_free.propose(s.seq_id, s.tokens, s.spec, d, want_q=s.sl_state is not None)
                 if p is not None:
                     proposals[s.seq_id] = p
                     continue
@@ -304,5 +302,7 @@ class StepLoop:
         ids = [s.seq_id for s in seqs]
         self.target.release(ids)
         self.model_free.release(ids)
+        for s in seqs:
+            self.model_free.remember(s.output)
         if self.draft is not None:
             self.draft.release(ids)

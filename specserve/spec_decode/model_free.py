@@ -1,8 +1,8 @@
 """The model-free drafter (docs/algorithms.md §10): prompt lookup and suffix trees, in the router's process.
 
 It needs no model and no KV cache: per sequence it keeps an index of the tokens the step loop passes in (a token
-array for lookup, a suffix trie for the suffix drafter), and on release it adds the request's output to the
-replica's ``SuffixCache``. A proposal is a ``Proposal`` like any drafter's, verified by the same lossless rule.
+array for lookup, a suffix trie for the suffix drafter); every finished request's output joins the replica's
+``SuffixCache`` (``remember``). A proposal is a ``Proposal`` like any drafter's, verified by the same lossless rule.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from specserve.spec_decode.suffix_tree import CountNode, SuffixCache, SuffixStre
 
 @dataclass
 class _SeqIndex:
-    prompt_len: int
     tokens: list[int] = field(default_factory=list)
     stream: SuffixStream | None = None  # the suffix drafter's trie over this request's tokens
 
@@ -30,14 +29,12 @@ class ModelFreeDrafter:
         self.cache = cache  # recent outputs across requests (None: the request's own tokens only)
         self.seqs: dict[int, _SeqIndex] = {}
 
-    def propose(
-        self, seq_id: int, tokens: list[int], prompt_len: int, spec: SpecConfig, depth: int, *, want_q: bool
-    ) -> Proposal | None:
+    def propose(self, seq_id: int, tokens: list[int], spec: SpecConfig, depth: int, *, want_q: bool) -> Proposal | None:
         """A draft of at most ``depth`` levels after ``tokens`` (the committed tokens, ending with the root), or
         None where nothing matches; ``want_q``: ship the empirical q for DSDE's KLD."""
         st = self.seqs.get(seq_id)
         if st is None:
-            st = self.seqs[seq_id] = _SeqIndex(prompt_len)
+            st = self.seqs[seq_id] = _SeqIndex()
         st.tokens = tokens
         if spec.drafter == Drafter.lookup:
             return _proposal(seq_id, self._lookup(st, spec, depth), spec, depth, want_q)
@@ -51,11 +48,13 @@ class ModelFreeDrafter:
         return _proposal(seq_id, own, spec, depth, want_q)
 
     def release(self, seq_ids: list[int]) -> None:
-        """Forget the sequences; their outputs join the cross-request cache."""
         for seq_id in seq_ids:
-            st = self.seqs.pop(seq_id, None)
-            if st is not None and self.cache is not None:
-                self.cache.add(st.tokens[st.prompt_len :])
+            self.seqs.pop(seq_id, None)
+
+    def remember(self, output: list[int]) -> None:
+        """A finished (or aborted) request's output joins the cross-request cache, whoever drafted it."""
+        if self.cache is not None:
+            self.cache.add(output)
 
     @staticmethod
     def _lookup(st: _SeqIndex, spec: SpecConfig, depth: int) -> CountNode | None:
