@@ -8,7 +8,6 @@ import bisect
 import itertools
 import math
 import statistics
-import time
 from collections.abc import Iterable, Sequence
 from enum import Enum
 
@@ -17,7 +16,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from load.traces import CostSample, level_tokens
+from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
+from specserve.timing import timed
 
 
 class Curve(BaseModel):
@@ -290,19 +291,16 @@ def time_forward(model: LlamaModel, rows: int, tokens_per_row: int, *, context: 
     times = []
     for _ in range(repeats + 1):  # the first one warms up
         new = [torch.randint(0, vocab, (tokens_per_row,), generator=gen).tolist() for _ in slots]
-        _sync(model)
-        t0 = time.perf_counter()
-        model(ForwardBatch.build(cache, slots, new, device=model.device), cache)
-        _sync(model)
-        times.append(time.perf_counter() - t0)
+        times.append(timed(model.device, _forward, model, cache, slots, new))
         for slot in slots:
             cache.truncate(slot, context)
     return statistics.median(times[1:])
 
 
-def _sync(model: LlamaModel) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+def _forward(model: LlamaModel, cache: KVCache, slots: list[int], new: list[list[int]]) -> None:
+    from specserve.models.batch import ForwardBatch
+
+    model(ForwardBatch.build(cache, slots, new, device=model.device), cache)
 
 
 def measure_cost_model(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,9 +16,11 @@ import torch
 
 from specserve.config import ChainDraft, SpecConfig, SpecMethod
 from specserve.models.batch import ForwardBatch
+from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
 from specserve.models.sources import cache_dir
 from specserve.spec_decode.eagle_head import EagleHead
+from specserve.timing import timed
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
@@ -29,22 +30,27 @@ def time_verify(model: LlamaModel, sizes: Sequence[int], *, context: int = 256, 
     cache = model.new_cache(1, context + max(sizes) + 1)
     slot = cache.allocate()
     gen = torch.Generator().manual_seed(0)
-    model(ForwardBatch.build(cache, [slot], [torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)]), cache)
+    prefix = torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)
+    model(ForwardBatch.build(cache, [slot], [prefix], device=model.device), cache)
     out: dict[int, float] = {}
     for t in sizes:
         tokens = torch.randint(0, model.cfg.vocab_size, (t,), generator=gen)
         mask = torch.ones(t, t, dtype=torch.bool).tril()
+        positions = [list(range(context, context + t))]
         times = []
         for _ in range(repeats + 1):  # the first run warms up
-            t0 = time.perf_counter()
-            batch = ForwardBatch.build(
-                cache, [slot], [tokens], tree_masks=[mask], positions=[list(range(context, context + t))]
-            )
-            model(batch, cache)
-            times.append(time.perf_counter() - t0)
+            times.append(timed(model.device, _forward, model, cache, slot, tokens, mask, positions))
             cache.truncate(slot, context)
         out[t] = statistics.median(times[1:])
     return out
+
+
+def _forward(
+    model: LlamaModel, cache: KVCache, slot: int, tokens: torch.Tensor, mask: torch.Tensor, positions: list[list[int]]
+) -> None:
+    model(
+        ForwardBatch.build(cache, [slot], [tokens], tree_masks=[mask], positions=positions, device=model.device), cache
+    )
 
 
 def profile_key(model: LlamaModel, context: int) -> str:

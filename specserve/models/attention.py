@@ -13,8 +13,11 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = None
 
 
-def flash_attn_available(device: torch.device) -> bool:
-    return flash_attn_varlen_func is not None and device.type == "cuda"
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn's kernels take nothing else (fp32 raises)
+
+
+def flash_attn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return flash_attn_varlen_func is not None and device.type == "cuda" and dtype in FLASH_DTYPES
 
 
 def write_kv(

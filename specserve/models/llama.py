@@ -255,7 +255,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.tokens)  # [N, hidden]
         cos = self.rope_cos[batch.positions].to(x.dtype).unsqueeze(1)  # [N, 1, D]
         sin = self.rope_sin[batch.positions].to(x.dtype).unsqueeze(1)
-        use_flash = self.use_flash_attn and flash_attn_available(x.device)
+        use_flash = self.use_flash_attn and flash_attn_available(x.device, x.dtype)
         aux: list[torch.Tensor] = []
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v, strict=True)):
             if i in aux_layers:

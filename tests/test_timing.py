@@ -1,0 +1,46 @@
+"""Device timing synchronises on GPUs (issue 13 item 5) and flash-attn is used only where its kernels run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specserve.tune as tune
+from specserve.models import attention
+from specserve.models.tiny import tiny_model
+from specserve.timing import timed
+
+
+def test_timed_synchronises_a_cuda_device_before_and_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    assert timed(torch.device("cuda"), lambda: calls.append("work")) >= 0.0
+    assert calls == ["sync", "work", "sync"]  # queued work before is excluded, the work's own is included
+    calls.clear()
+    timed(torch.device("cpu"), lambda: calls.append("work"))
+    assert calls == ["work"]
+
+
+def test_the_verify_profiler_times_through_the_synchronising_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    devices: list[torch.device] = []
+
+    def spy(device: torch.device, fn, *args):  # type: ignore[no-untyped-def]
+        devices.append(device)
+        fn(*args)
+        return 1.0
+
+    monkeypatch.setattr(tune, "timed", spy)
+    model = tiny_model(seed=0)
+    assert tune.time_verify(model, [1, 3], context=8, repeats=2) == {1: 1.0, 3: 1.0}
+    assert devices == [model.device] * 6  # (repeats + 1 warm-up) per size
+
+
+def test_flash_attn_only_for_half_precision_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", object())  # as if flash-attn were installed
+    cuda = torch.device("cuda")
+    assert attention.flash_attn_available(cuda, torch.bfloat16)
+    assert attention.flash_attn_available(cuda, torch.float16)
+    assert not attention.flash_attn_available(cuda, torch.float32)  # its kernels raise on fp32
+    assert not attention.flash_attn_available(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", None)
+    assert not attention.flash_attn_available(cuda, torch.bfloat16)
