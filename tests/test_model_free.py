@@ -227,7 +227,7 @@ def test_model_free_drafting_is_greedy_equal_without_a_draft_model(
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(small_vocab, prompt, 60)
     assert sum(o.stats.accepted for o in outs) >= 40  # it drafted, and drafts were accepted
-    assert engine.loop.target.cache.num_free == 4 and not engine.loop.model_free.seqs
+    assert engine.loop.target.cache.num_free == 4 and not engine.loop.model_free.streams
 
 
 def test_lookup_falls_back_to_the_draft_model_and_both_stay_in_step(small_vocab: LlamaModel) -> None:

@@ -37,11 +37,5 @@ def continuation_trie(tokens: np.ndarray, starts: np.ndarray, max_len: int, max_
     for s in starts[::-1][:max_matches].tolist():
         node = root
         for tok in tokens[s : s + max_len].tolist():
-            if node.children is None:
-                node.children = {}
-            child = node.children.get(tok)
-            if child is None:
-                child = node.children[tok] = CountNode()
-            child.count += 1
-            node = child
+            node, _ = node.bump(tok)
     return root

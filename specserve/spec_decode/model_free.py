@@ -7,8 +7,6 @@ array for lookup, a suffix trie for the suffix drafter); every finished request'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from specserve.config import Drafter, SpecConfig
@@ -18,58 +16,40 @@ from specserve.spec_decode.lookup import continuation_trie, match_starts
 from specserve.spec_decode.suffix_tree import CountNode, SuffixCache, SuffixStream, SuffixTrie
 
 
-@dataclass
-class _SeqIndex:
-    tokens: list[int] = field(default_factory=list)
-    stream: SuffixStream | None = None  # the suffix drafter's trie over this request's tokens
-
-
 class ModelFreeDrafter:
     def __init__(self, cache: SuffixCache | None = None) -> None:
         self.cache = cache  # recent outputs across requests (None: the request's own tokens only)
-        self.seqs: dict[int, _SeqIndex] = {}
+        self.streams: dict[int, SuffixStream] = {}  # the suffix drafter's trie over each request's tokens
 
     def propose(self, seq_id: int, tokens: list[int], spec: SpecConfig, depth: int, *, want_q: bool) -> Proposal | None:
         """A draft of at most ``depth`` levels after ``tokens`` (the committed tokens, ending with the root), or
         None where nothing matches; ``want_q``: ship the empirical q for DSDE's KLD."""
-        st = self.seqs.get(seq_id)
-        if st is None:
-            st = self.seqs[seq_id] = _SeqIndex()
-        st.tokens = tokens
+        cfg = spec.model_free
         if spec.drafter == Drafter.lookup:
-            return _proposal(seq_id, self._lookup(st, spec, depth), spec, depth, want_q)
-        n_own, own = self._own_match(st, spec)
+            arr = np.asarray(tokens, dtype=np.int64)
+            n, starts = match_starts(arr, cfg.ngram_max, cfg.ngram_min)
+            root = continuation_trie(arr, starts, depth, cfg.max_matches) if n else None
+            return _proposal(seq_id, root, spec, depth, want_q)
+        stream = self.streams.get(seq_id)
+        if stream is None or stream.trie.depth != cfg.suffix_depth:
+            stream = self.streams[seq_id] = SuffixStream(SuffixTrie(cfg.suffix_depth))
+        stream.extend(tokens)
+        n_own, own = stream.trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
         if self.cache is not None:
-            cfg = spec.model_free
             with self.cache.lock:  # the cache's nodes may change under another lane's thread
-                n_cached, cached = self.cache.trie.match(st.tokens, cfg.ngram_max, cfg.ngram_min)
+                n_cached, cached = self.cache.trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
                 if n_cached > n_own:  # the longer match wins; ties go to the request's own tokens
                     return _proposal(seq_id, cached, spec, depth, want_q)
         return _proposal(seq_id, own, spec, depth, want_q)
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
-            self.seqs.pop(seq_id, None)
+            self.streams.pop(seq_id, None)
 
     def remember(self, output: list[int]) -> None:
         """A finished (or aborted) request's output joins the cross-request cache, whoever drafted it."""
         if self.cache is not None:
             self.cache.add(output)
-
-    @staticmethod
-    def _lookup(st: _SeqIndex, spec: SpecConfig, depth: int) -> CountNode | None:
-        cfg = spec.model_free
-        arr = np.asarray(st.tokens, dtype=np.int64)
-        n, starts = match_starts(arr, cfg.ngram_max, cfg.ngram_min)
-        return continuation_trie(arr, starts, depth, cfg.max_matches) if n else None
-
-    @staticmethod
-    def _own_match(st: _SeqIndex, spec: SpecConfig) -> tuple[int, CountNode | None]:
-        cfg = spec.model_free
-        if st.stream is None or st.stream.trie.depth != cfg.suffix_depth:
-            st.stream = SuffixStream(SuffixTrie(cfg.suffix_depth))
-        st.stream.extend(st.tokens)
-        return st.stream.trie.match(st.tokens, cfg.ngram_max, cfg.ngram_min)
 
 
 def _proposal(seq_id: int, root: CountNode | None, spec: SpecConfig, depth: int, want_q: bool) -> Proposal | None:

@@ -23,6 +23,17 @@ class CountNode:
     def child(self, token: int) -> CountNode | None:
         return None if self.children is None else self.children.get(token)
 
+    def bump(self, token: int) -> tuple[CountNode, bool]:
+        """Count one more occurrence of ``token`` after this node: (its child, whether the child is new)."""
+        if self.children is None:
+            self.children = {}
+        child = self.children.get(token)
+        created = child is None
+        if child is None:
+            child = self.children[token] = CountNode()
+        child.count += 1
+        return child, created
+
     def items(self) -> Iterator[tuple[int, CountNode]]:
         return iter(()) if self.children is None else iter(self.children.items())
 
@@ -40,13 +51,8 @@ class SuffixTrie:
         self.num_nodes = 0
 
     def _inc(self, node: CountNode, token: int) -> CountNode:
-        if node.children is None:
-            node.children = {}
-        child = node.children.get(token)
-        if child is None:
-            child = node.children[token] = CountNode()
-            self.num_nodes += 1
-        child.count += 1
+        child, created = node.bump(token)
+        self.num_nodes += created
         return child
 
     def add(self, tokens: Sequence[int]) -> None:
