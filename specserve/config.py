@@ -96,6 +96,7 @@ class SpecMethod(str, Enum):
 
 class ChainDraft(str, Enum):
     greedy = "greedy"  # draft takes argmax q; verified by docs/algorithms.md §1.2
+    keyed = "keyed"  # draft takes its own keyed draw (the target's noise at that position); §1.2 and §1.4
     sampled = "sampled"  # draft samples from its top-K truncated q; verified by docs/algorithms.md §1.1
 
 
@@ -166,7 +167,7 @@ class SpecConfig(BaseModel):
     )
     sl: int = Field(default=4, ge=1, le=64, description="chain length (a DSDE plan overrides it)")
     tree_depth: int = Field(default=6, ge=1, le=64, description="EAGLE-2 fixed depth D")
-    chain_draft: ChainDraft = ChainDraft.sampled  # for temperature > 0; greedy requests draft greedily
+    chain_draft: ChainDraft = ChainDraft.keyed  # for temperature > 0; greedy requests draft greedily
     q_top_k: int = Field(default=64, ge=1, description="K of the shipped sparse draft distribution")
     beam_width: int = Field(default=10, ge=1, le=64, description="EAGLE-2 w (top_k)")
     budget: int = Field(default=60, ge=2, le=1024, description="EAGLE-2 T: verified nodes incl. the root")

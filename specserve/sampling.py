@@ -62,6 +62,53 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logits.softmax(-1)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_key(seed: int, position: int) -> int:
+    """The 64-bit key of a request's random draw for the token at ``position`` (its index in prompt + output)."""
+    return _splitmix64((seed & _MASK64) ^ _splitmix64(position))
+
+
+def keyed_exponentials(seed: int, positions: list[int], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """[N, V] float32 Exp(1) noise; row i is a function of (seed, positions[i]) alone (docs/algorithms.md §1.4)."""
+    rows = []
+    for pos in positions:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(position_key(seed, pos))
+        rows.append(torch.empty(vocab, device=device).exponential_(generator=gen))  # [V]
+    return torch.stack(rows)
+
+
+def keyed_sample(
+    probs: torch.Tensor,  # [N, V'] float, rows with positive mass (need not be normalised)
+    seed: int,
+    positions: list[int],  # [N] the index in the sequence of the token each row draws
+    vocab: int,  # V, the target's vocabulary: the noise is drawn over it
+    columns: torch.Tensor | None = None,  # [V'] long, target id of each column of probs (None: V' == V, identity)
+) -> torch.Tensor:
+    """Exponential-race (Gumbel-max) draw: argmax_v p(v) / E_v with E_v ~ Exp(1) keyed by (seed, position).
+
+    Exactly a sample of p, and the same token for the same (seed, position, p) whatever else runs in the batch:
+    a drafter that draws with the same key is coupled to the target (it proposes the target's own draw whenever
+    its distribution puts that token first in the race). A row without mass gives V' (out of range).
+    """
+    noise = keyed_exponentials(seed, positions, vocab, probs.device)  # [N, V]
+    if columns is not None:
+        noise = noise[:, columns.to(probs.device)]  # [N, V']
+    race = probs.float() / noise  # [N, V']; p = 0 never wins a row with mass
+    best = race.argmax(-1)  # [N]
+    no_mass = probs.sum(-1) <= 0  # [N]
+    return torch.where(no_mass, torch.full_like(best, probs.shape[-1]), best)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu", *, stream: int = 0) -> torch.Generator:
     """A generator for one request's ``stream`` (0: the target's draws, 1: the draft's); any 64-bit seed maps
     into the range torch accepts."""

@@ -7,9 +7,11 @@ state (``Sequence``); workers hold only caches. Observers see each step through 
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import Collection
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -72,6 +74,9 @@ class StepLoop:
                 f"the prompt has {len(request.prompt_ids)} tokens; the context limit is {self.max_model_len} "
                 "and leaves no room to generate"
             )
+        if not request.params.greedy and request.params.seed is None:
+            # every sampled request draws by (seed, position) (docs/algorithms.md §1.4): give it one
+            request = replace(request, params=request.params.model_copy(update={"seed": secrets.randbits(63)}))
         spec = request.speculation or self.speculation
         if spec.method != SpecMethod.none:
             if self.draft is None and spec.needs_model:
@@ -207,6 +212,7 @@ class StepLoop:
                     kld_mode=None if s.sl_state is None else s.spec.kld_mode,
                     features=torch.cat(s.features) if s.features else None,
                     feature_start=s.features_from,
+                    root_position=len(s.tokens) - 1,
                 )
                 for s, d in to_model
             ]

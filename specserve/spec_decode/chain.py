@@ -6,7 +6,7 @@ import torch
 
 from specserve.config import ChainDraft
 from specserve.messages import Proposal
-from specserve.sampling import process_logits
+from specserve.sampling import keyed_sample, process_logits
 from specserve.spec_decode.draft_sampling import draft_sample_sparse, sparse_topk
 from specserve.spec_decode.draft_state import DraftForward, DraftState, draft_q, target_ids
 
@@ -26,8 +26,16 @@ def draft_chains(chains: list[tuple[DraftState, torch.Tensor]], forward: DraftFo
 
 
 def _next_token(s: DraftState, logits: torch.Tensor) -> int:
-    if s.params.greedy or s.item.spec.chain_draft == ChainDraft.greedy:
+    mode = s.item.spec.chain_draft
+    if s.params.greedy or mode == ChainDraft.greedy:
         return int(target_ids(s, logits[-1].argmax()))  # host sync: the next level's input
+    if mode == ChainDraft.keyed and s.params.seed is not None and s.item.root_position >= 0:
+        # the draft's own race with the target's noise for this position: it proposes the target's draw whenever
+        # its distribution ranks that token first under the same noise (docs/algorithms.md §1.4)
+        vocab = s.vocab_size or logits.shape[-1]
+        position = s.item.root_position + s.depth + 1
+        column = keyed_sample(process_logits(logits[-1:], s.params), s.params.seed, [position], vocab, s.token_ids)
+        return int(target_ids(s, column)[0])  # host sync
     idx, prob = sparse_topk(process_logits(logits[-1:], s.params), s.item.spec.q_top_k)
     idx = target_ids(s, idx)
     s.q_idx.append(idx[0])

@@ -46,7 +46,18 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | N
     if p.ndim != 2 or p.shape[0] != tree.num_nodes:
         raise ValueError(f"p must have shape [{tree.num_nodes}, V], got {tuple(p.shape)}")
     u = torch.rand(tree.num_nodes, generator=generator, device=p.device, dtype=torch.float64)  # [T]
-    draws = inverse_cdf_sample(p, u)  # [T]
+    return accept_tree(tree, inverse_cdf_sample(p, u), p.shape[-1])
+
+
+def accept_tree(tree: DraftTree, draws: torch.Tensor, vocab: int) -> VerifyResult:
+    """The walk of ``verify_tree`` given the target's draw at every node (``draws`` [T] long, each an exact sample
+    of that node's p, independent across depths): descend while the draw is a child, emit the draw where it is not.
+
+    The draws may come from a per-request stream or be keyed by position (``sampling.keyed_sample``); greedy
+    passes the argmaxes.
+    """
+    if draws.shape != (tree.num_nodes,):
+        raise ValueError(f"draws must have shape [{tree.num_nodes}], got {tuple(draws.shape)}")
     packed = torch.stack([draws, tree.tokens.to(draws.device), tree.parents.to(draws.device)])  # [3, T]
     draws_h, tokens_h, parents_h = packed.tolist()  # host sync
 
@@ -62,7 +73,7 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | N
     while (child := child_by_token[node].get(draws_h[node])) is not None:
         accepted.append(child)
         node = child
-    _check_token(draws_h[node], p.shape[-1], node)
+    _check_token(draws_h[node], vocab, node)
     return VerifyResult(
         accepted_nodes=accepted,
         accepted_tokens=[tokens_h[j] for j in accepted],

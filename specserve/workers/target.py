@@ -12,10 +12,10 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
 from specserve.policy import kld_exact, kld_nodes, kld_sparse
-from specserve.sampling import SamplingParams, make_generator, process_logits
+from specserve.sampling import SamplingParams, keyed_sample, make_generator, process_logits
 from specserve.spec_decode.draft_tree import DraftTree, step_layout
 from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
-from specserve.spec_decode.verify import verify_chain_sampled, verify_tree
+from specserve.spec_decode.verify import accept_tree, verify_chain_sampled, verify_tree
 from specserve.workers.base import SlotTable
 
 
@@ -42,7 +42,7 @@ class TargetWorker:
 
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
-        trees, slots, tokens, positions, masks, starts = [], [], [], [], [], []
+        trees, slots, tokens, positions, masks, starts, draw_positions = [], [], [], [], [], [], []
         for it in items:
             with blame(it.seq_id):
                 slot = self.table.slot(it.seq_id)
@@ -52,6 +52,9 @@ class TargetWorker:
                 )
                 start = self.cache.length(slot)
                 mask, pos = step_layout(tree, len(it.new_tokens) - 1, start)
+            # the index in the sequence of the token drawn at each node: one past the node's own position
+            node_pos = pos[len(it.new_tokens) - 1 :] if pos else [start + len(it.new_tokens) - 1]
+            draw_positions.append([q + 1 for q in node_pos])
             trees.append(tree)
             slots.append(slot)
             starts.append(start)
@@ -71,9 +74,10 @@ class TargetWorker:
         logits_per_seq = logits.split([t.num_nodes for t in trees])  # per sequence [T, V]
         offsets = [0, *itertools.accumulate(batch.num_new)]
         outputs = []
-        for b, (it, tree, slot, start, lg) in enumerate(zip(items, trees, slots, starts, logits_per_seq, strict=True)):
+        rows = zip(items, trees, slots, starts, draw_positions, logits_per_seq, strict=True)
+        for b, (it, tree, slot, start, draw_pos, lg) in enumerate(rows):
             with blame(it.seq_id):
-                outputs.append(self._verify_one(it, tree, slot, start, lg, features, offsets[b]))
+                outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, features, offsets[b]))
         return outputs
 
     def _verify_one(
@@ -82,19 +86,25 @@ class TargetWorker:
         tree: DraftTree,
         slot: int,
         start: int,
+        draw_positions: list[int],
         logits: torch.Tensor,
         features: torch.Tensor | None,
         offset: int,
     ) -> VerifyOutput:
         """Sample-verify one sequence's draft from its logits [T, V], roll its KV back to the accepted path, and
         read its KLD and features (``offset``: its first row in the batch's features)."""
-        p = process_logits(logits, self.params[it.seq_id])
+        params = self.params[it.seq_id]
+        p = process_logits(logits, params)
         gen = self.generators[it.seq_id]
         if it.synthetic_accept is not None:
             tokens_h = [it.new_tokens[-1], *it.draft_tokens]
             res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
         elif it.q_idx is not None and it.q_prob is not None:
             res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
+        elif params.greedy:
+            res = accept_tree(tree, p.argmax(-1), p.shape[-1])
+        elif params.seed is not None:  # drawn by position: the same tokens alone, in any batch, any drafter
+            res = accept_tree(tree, keyed_sample(p, params.seed, draw_positions, p.shape[-1]), p.shape[-1])
         else:
             res = verify_tree(tree, p, gen)
         num_pending = len(it.new_tokens) - 1

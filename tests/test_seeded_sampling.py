@@ -1,0 +1,181 @@
+"""Sampling keyed by (seed, position) (docs/algorithms.md §1.4): a seeded request's text is a function of the request
+alone -- alone, in any batch, with or without speculation, with any drafter -- and the engine's samples have the
+target's distribution (chi-square over enumerated continuations, for every route a draft takes to the target)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specserve.config import ChainDraft, Drafter, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_model
+from specserve.sampling import SamplingParams, keyed_exponentials, keyed_sample, process_logits
+from specserve.workers import target as target_module
+from tests.test_head_drafter import random_head
+
+PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7, 1, 2]]
+SPECS = {
+    "off": SpecConfig(method=SpecMethod.none),
+    "chain-keyed": SpecConfig(method=SpecMethod.chain, sl=3),
+    "chain-greedy-drafts": SpecConfig(method=SpecMethod.chain, sl=5, chain_draft=ChainDraft.greedy),
+    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=4, beam_width=3, budget=12),
+    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=3, budget=12, ddd_max_depth=7, ddd_check_steps=(2, 4, 6)),
+    "lookup": SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.lookup, model_fallback=False),
+}
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=2**63 - 5, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target: LlamaModel) -> LlamaModel:
+    return noisy_copy(target, 0.3, seed=3)
+
+
+def _alone(target: LlamaModel, draft: LlamaModel, spec: SpecConfig, prompt: list[int]) -> list[int]:
+    engine = Engine(target, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=1)
+    return engine.generate(prompt, SEEDED)[0].token_ids
+
+
+def test_keyed_noise_is_a_function_of_seed_and_position() -> None:
+    a = keyed_exponentials(11, [3, 4, 3], 50, "cpu")  # [3, 50]
+    assert torch.equal(a[0], a[2]) and not torch.equal(a[0], a[1])
+    assert torch.equal(keyed_exponentials(11, [4], 50, "cpu")[0], a[1])  # the same alone as among other rows
+    assert not torch.equal(keyed_exponentials(12, [3], 50, "cpu")[0], a[0])
+    assert (a > 0).all()
+
+
+def test_keyed_sample_draws_from_p_and_maps_reduced_columns() -> None:
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    draws = torch.cat([keyed_sample(p[None], seed, [9], 4) for seed in range(20_000)])  # one draw per seed
+    counts = np.bincount(draws.numpy(), minlength=4)
+    assert counts[3] == 0
+    assert chisquare(counts[:3], 20_000 * p[:3].numpy()).pvalue > 1e-3
+    # a reduced vocabulary races with the noise of its columns' target ids: the same token as the full race
+    full = torch.tensor([[0.0, 0.4, 0.0, 0.6]])
+    for seed in range(50):
+        column = keyed_sample(full[:, [1, 3]], seed, [2], 4, columns=torch.tensor([1, 3]))
+        assert [1, 3][int(column)] == int(keyed_sample(full, seed, [2], 4))
+    assert int(keyed_sample(torch.zeros(1, 4), 0, [0], 4)) == 4  # no mass: out of range, for the caller to reject
+
+
+def test_seeded_output_is_the_same_alone_batched_and_with_any_drafter(target: LlamaModel, draft: LlamaModel) -> None:
+    prompt = PROMPTS[1]
+    reference = _alone(target, draft, SPECS["off"], prompt)
+    assert len(reference) == 24
+    for name, spec in SPECS.items():
+        assert _alone(target, draft, spec, prompt) == reference, name
+    # in a batch of 8 beside other requests (greedy, other seeds, unseeded, other drafters), each drafting differently
+    for name, spec in SPECS.items():
+        engine = Engine(target, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=8)
+        others = [SamplingParams(max_tokens=30), SamplingParams(temperature=1.0, seed=1, max_tokens=10)]
+        others += [SamplingParams(temperature=0.7, max_tokens=40)] * 2
+        other_specs = itertools.cycle(SPECS.values())
+        ids = [engine.submit(PROMPTS[i % 4], p, speculation=next(other_specs)) for i, p in enumerate(others)]
+        seeded_id = engine.submit(prompt, SEEDED)  # the engine's own speculation
+        ids += [engine.submit(PROMPTS[i % 4], p, speculation=next(other_specs)) for i, p in enumerate(others[:3])]
+        assert len(ids) == 7
+        got: list[int] = []
+        while engine.loop.has_work:
+            got += [t for out in engine.loop.step() if out.request_id == seeded_id for t in out.token_ids]
+        assert got == reference, name
+
+
+def test_keyed_chains_draw_the_targets_token_from_an_identical_draft(target: LlamaModel) -> None:
+    """Coupling: an identical draft racing with the target's noise proposes exactly the target's draws, so every
+    drafted token is accepted even at temperature 1 (an off-by-one in the draft's key would reject most)."""
+    spec = SpecConfig(method=SpecMethod.chain, sl=4)
+    engine = Engine(target, None, draft=noisy_copy(target, 0.0), speculation=spec, eos_token_ids=set())
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True)
+    stats = [c.stats for c in engine.generate(PROMPTS, params)]
+    assert sum(s.accepted for s in stats) == sum(s.drafted for s in stats) > 60
+
+
+# -- the engine's samples have the target's distribution -------------------------------------------------------
+
+CHI_PROMPT = [5, 9, 13, 21]
+CHI_PARAMS = {"temperature": 1.0, "top_k": 3, "max_tokens": 2, "ignore_eos": True}
+N_SAMPLES = 2400
+
+
+def _exact_pairs(target: LlamaModel) -> dict[tuple[int, int], float]:
+    """P(x1, x2) of the next two tokens under top-k 3 at temperature 1, by enumeration."""
+    params = SamplingParams(**CHI_PARAMS)
+
+    def next_probs(tokens: list[int]) -> torch.Tensor:
+        cache = target.new_cache(1, len(tokens) + 1)
+        logits = target(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)
+        return process_logits(logits[-1:], params)[0].double()
+
+    p1 = next_probs(CHI_PROMPT)
+    table = {}
+    for x1 in p1.nonzero().flatten().tolist():
+        p2 = next_probs([*CHI_PROMPT, x1])
+        for x2 in p2.nonzero().flatten().tolist():
+            table[(x1, x2)] = float(p1[x1] * p2[x2])
+    return table
+
+
+def _engine_pairs(engine: Engine) -> list[tuple[int, int]]:
+    params = [SamplingParams(**CHI_PARAMS, seed=seed) for seed in range(N_SAMPLES)]
+    outs = engine.generate([CHI_PROMPT] * N_SAMPLES, params)
+    return [(o.token_ids[0], o.token_ids[1]) for o in outs]
+
+
+def _pvalue(pairs: list[tuple[int, int]], table: dict[tuple[int, int], float]) -> float:
+    cells = sorted(table)
+    if not set(pairs) <= set(cells):  # a token outside the target's support has probability 0
+        return 0.0
+    obs = np.array([sum(1 for x in pairs if x == c) for c in cells], dtype=float)
+    exp = np.array([table[c] for c in cells]) * len(pairs)
+    return float(chisquare(obs, exp / exp.sum() * obs.sum()).pvalue)
+
+
+CHI_SPECS = {
+    "chain-keyed": SpecConfig(method=SpecMethod.chain, sl=2),
+    "chain-sampled": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
+    "tree": SpecConfig(method=SpecMethod.eagle2, tree_depth=2, beam_width=3, budget=8),
+    "head-chain": SpecConfig(method=SpecMethod.chain, sl=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CHI_SPECS))
+def test_engine_samples_have_the_targets_distribution(target: LlamaModel, name: str) -> None:
+    draft = random_head(target) if name.startswith("head") else noisy_copy(target, 0.5, seed=4)
+    engine = Engine(target, None, draft=draft, speculation=CHI_SPECS[name], eos_token_ids=set(), max_batch_size=64)
+    pairs = _engine_pairs(engine)
+    assert _pvalue(pairs, _exact_pairs(target)) > 1e-3
+    if name != "chain-sampled":  # keyed draws: the same seeds give the same samples with speculation off
+        plain = Engine(target, None, eos_token_ids=set(), max_batch_size=64)
+        assert _engine_pairs(plain) == pairs
+
+
+def test_the_chi_square_catches_a_lossy_acceptance(target: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accepting the first drafted child whatever the target drew makes the first token the draft's argmax (an
+    identical draft keeps it inside the target's support): the same test must fail on the distribution."""
+    real = target_module.accept_tree
+
+    def lossy(tree, draws, vocab):  # type: ignore[no-untyped-def]
+        if tree.num_nodes > 1:
+            draws = draws.clone()
+            draws[0] = tree.tokens[1]
+        return real(tree, draws, vocab)
+
+    monkeypatch.setattr(target_module, "accept_tree", lossy)
+    spec = SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.greedy)
+    engine = Engine(
+        target, None, draft=noisy_copy(target, 0.0), speculation=spec, eos_token_ids=set(), max_batch_size=64
+    )
+    pairs, table = _engine_pairs(engine), _exact_pairs(target)
+    assert set(pairs) <= set(table)
+    assert _pvalue(pairs, table) < 1e-3
