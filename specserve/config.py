@@ -158,7 +158,8 @@ class SpecConfig(BaseModel):
         default=None, ge=1, le=64, description="ceiling on the draft model's SL / depth (model-free drafts: max_sl)"
     )
     kld_mode: KLDMode = KLDMode.sparse
-    kld_tail: SparseTail = SparseTail.uniform
+    kld_tail: SparseTail = SparseTail.lumped  # the paper spreads the tail uniformly: biased, docs/algorithms.md §4.1
+    kld_top_k: int = Field(default=256, ge=1, description="K of the draft distribution shipped for the KLD signal")
     synthetic_accept: float | None = Field(
         default=None,
         gt=0.0,

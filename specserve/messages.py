@@ -52,7 +52,7 @@ class VerifyItem:
     q_prob: list[list[float]] | None = None  # ... and their probabilities (the distribution it sampled from)
     draft_q: DraftQ | None = None  # the draft's temperature-1 distributions, when the policy needs the KLD signal
     kld_past_rejection: bool = False  # chains: also score drafted positions after the first rejection
-    kld_tail: SparseTail = SparseTail.uniform  # how a sparse q's leftover mass is spread
+    kld_tail: SparseTail = SparseTail.lumped  # how a sparse q's leftover mass is modelled
     synthetic_accept: float | None = None  # SYNTHETIC benchmark mode (see SpecConfig.synthetic_accept)
     features: FeatureRequest | None = None  # return the hidden states of the positions this step caches
 

@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from specserve.bench.prompt_sets import mt_bench_prompts
-from specserve.config import MODEL_PAIRS, ChainDraft, ModelSpec, SpecConfig, SpecMethod
+from specserve.config import MODEL_PAIRS, ChainDraft, KLDMode, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.messages import VerifyItem
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.sources import resolve
+from specserve.policy import kld_nodes
 from specserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_model
@@ -97,35 +99,44 @@ def test_speculative_greedy_equals_plain_on_mt_bench(target: LlamaModel, pair: s
         assert sum(o.stats.accepted for o in outs) > 0
 
 
-def test_sparse_kld_tracks_exact_kld_on_real_distributions(target: LlamaModel) -> None:
-    """The KLD shipped across actors (top-64 q + leftover mass) vs the exact one on one MT-bench prompt.
-
-    Measured (docs/benchmarks.md): int8 draft (mean KLD ~2.1): uniform tail Pearson 0.91, rank 0.94, mean abs err
-    0.78; bf16 draft (mean KLD ~0.002): the uniform tail adds a bias of ~0.34 nats, the lumped tail errs by 3e-4.
+def test_serving_kld_tracks_the_exact_kld_where_dsde_reads_it(
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KLD shipped across actors (top-K q + leftover mass) vs the exact one at the positions DSDE scores while
+    the int8 copy drafts chains for three MT-bench prompts (the engine runs with dense q; each scored position is
+    recomputed sparse). The serving default (lumped tail, K = ``kld_top_k``) must stay within 0.05 nats on
+    average (issue 13); the paper's uniform tail over K = 64 is biased upward, which pushes SL toward SL_min for
+    good drafts (docs/algorithms.md §4.1).
     """
     from specserve.policy import SparseTail, kld_exact, kld_sparse, sparse_topk_q
+    from specserve.workers import target as target_module
 
-    engine = Engine(target, load_tokenizer(ModelSpec()))
-    ids = engine.encode(mt_bench_prompts(1)[0].text, chat=True)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real_kld = target_module.TargetWorker._kld
 
-    def logits(model: LlamaModel) -> torch.Tensor:
-        cache = model.new_cache(1, 512)
-        return model(ForwardBatch.build(cache, [cache.allocate()], [ids]), cache)
+    def spy(it: VerifyItem, logits: torch.Tensor, accepted: list[int]) -> list[float]:
+        out = real_kld(it, logits, accepted)
+        q = it.draft_q
+        assert q is not None and q.dense_logits is not None
+        nodes = [n for n in kld_nodes(accepted, len(it.draft_tokens) + 1, it.kld_past_rejection) if n in q.nodes]
+        seen.append((logits[nodes], q.dense_logits[[q.nodes.index(n) for n in nodes]]))
+        return out
 
-    p_logits = logits(target)
-    for pair in ("smollm2-int8", "smollm2-bf16"):
-        draft_spec = MODEL_PAIRS[pair][1]
-        assert isinstance(draft_spec, ModelSpec)
-        q_logits = logits(load_model(draft_spec))
-        exact = kld_exact(p_logits, q_logits)
-        idx, prob = sparse_topk_q(q_logits, 64)
-        uniform = kld_sparse(p_logits, idx, prob, tail=SparseTail.uniform)
-        lumped = kld_sparse(p_logits, idx, prob, tail=SparseTail.lumped)
-        if pair == "smollm2-int8":
-            assert torch.corrcoef(torch.stack([exact, uniform]))[0, 1] > 0.85
-            ranks = torch.stack([exact.argsort().argsort(), uniform.argsort().argsort()]).float()
-            assert torch.corrcoef(ranks)[0, 1] > 0.9
-            assert (uniform - exact).abs().mean() < 0.5 * exact.mean()
-        else:
-            assert (lumped - exact).abs().mean() < 0.005
-            assert (uniform - exact).mean() > 0.1  # the spec's uniform tail is biased on near-identical drafts
+    monkeypatch.setattr(target_module.TargetWorker, "_kld", staticmethod(spy))
+    draft_spec = MODEL_PAIRS["smollm2-int8"][1]
+    assert isinstance(draft_spec, ModelSpec)
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, policy=SLPolicyKind.dsde, kld_mode=KLDMode.exact)
+    engine = Engine(target, load_tokenizer(ModelSpec()), draft=load_model(draft_spec), speculation=spec)
+    for prompt in mt_bench_prompts(3):
+        engine.generate(prompt.text, SamplingParams(max_tokens=40), chat=True)
+    p_logits = torch.cat([p for p, _ in seen]).float()
+    q_logits = torch.cat([q for _, q in seen]).float()
+    assert p_logits.shape[0] > 100
+    exact = kld_exact(p_logits, q_logits)
+    default = SpecConfig()
+    serving = kld_sparse(p_logits, *sparse_topk_q(q_logits, default.kld_top_k), tail=default.kld_tail)
+    assert (serving - exact).abs().mean() < 0.05
+    ranks = torch.stack([exact.argsort().argsort(), serving.argsort().argsort()]).float()
+    assert torch.corrcoef(ranks)[0, 1] > 0.9
+    paper = kld_sparse(p_logits, *sparse_topk_q(q_logits, 64), tail=SparseTail.uniform)
+    assert (paper - exact).mean() > 0.1

@@ -59,5 +59,5 @@ def _proposal(seq_id: int, root: CountNode | None, spec: SpecConfig, depth: int,
     draft = draft_from_counts(root, spec.method, depth, spec.budget, cfg, spec.ddd_threshold)
     if not draft.tokens:
         return None
-    q = count_draft_q(draft, cfg.alpha, spec.q_top_k) if want_q else None
+    q = count_draft_q(draft, cfg.alpha, spec.kld_top_k) if want_q else None
     return Proposal(seq_id, draft.tokens, draft.parents, depth=draft.depth, draft_q=q)
