@@ -199,7 +199,7 @@ def test_client_disconnect_mid_stream_is_an_abort(backend: LocalBackend, url: st
     body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 100, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=30) as r:
         lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
+        assert next(lines).startswith("id: ")  # each event: its resume id, then its data
     deadline = time.monotonic() + 10
     while _counts(backend).get("aborted", 0) == before.get("aborted", 0):
         assert time.monotonic() < deadline, _counts(backend)
@@ -249,7 +249,7 @@ def test_failing_receive_is_a_disconnect_not_a_failure(caplog: pytest.LogCapture
         backend.stop()
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     events = b"".join(m.get("body", b"") for m in sent[1:])
-    assert events.startswith(b"data: ") and b"[DONE]" not in events  # cut off, not finished
+    assert events.startswith(b"id: ") and b"\ndata: " in events and b"[DONE]" not in events  # cut off, not finished
     after = _counts(backend)
     assert after.get("failed", 0) == before.get("failed", 0)
     assert after.get("aborted", 0) == before.get("aborted", 0) + 1

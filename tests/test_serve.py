@@ -32,6 +32,7 @@ from deployments.app import app_builder
 from deployments.app_args import ActorResources, AppArgs, TinyModels, WorkerRole
 from deployments.router import lane_limits
 from deployments.tiny_tokenizer import tiny_tokenizer
+from load.resumable import ResumableStream
 from specserve.api.convert import speculation_for
 from specserve.api.schemas import SpeculationOptions
 from specserve.config import Drafter, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
@@ -609,3 +610,56 @@ def test_models_health_metrics(client: openai.OpenAI, main_url: str) -> None:
         "specserve_straggler_idle_fraction{lane=",
     ):
         assert name in text, name
+
+
+# -- the Router itself killed mid-stream (last: its replica is replaced) ------------------------------------
+
+
+def _router_replica(app: str) -> ray.actor.ActorHandle:
+    replicas = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#Router#")
+    ]
+    assert len(replicas) == 1, replicas
+    return ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
+
+
+def test_router_killed_mid_stream_every_resumed_stream_equals_the_fault_free_run(
+    small_url: str, engine: Engine
+) -> None:
+    """kill -9 of the Router replica cuts its streams without [DONE]; Serve starts a new replica (with new worker
+    actors) and the client helper resends each request after its last event id: the text and tokens equal the
+    fault-free run, for a sampled stream cut mid-way (resent with the seed the server returned and its last event
+    id) and for a greedy one cut while it waited in the queue."""
+    _wait_idle(small_url)
+    n = 150  # tokens: seconds of generation at the small app's step delay, so the kill lands mid-stream
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": n, "return_token_ids": True, "ignore_eos": True}
+    greedy = {**body, "prompt": [3, 4, 5], "temperature": 0}
+    sampled = {**body, "prompt": [8, 9], "temperature": 0.8, "top_k": 30}
+    fault_free = ResumableStream(small_url, "/v1/completions", sampled)
+    reference = {"sampled": list(fault_free.deltas())}
+    assert fault_free.seed is not None and fault_free.resumes == 0
+    reference["greedy"] = list(ResumableStream(small_url, "/v1/completions", greedy).deltas())
+    ref_ids = engine.generate([3, 4, 5], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+    assert [t for d in reference["greedy"] for t in d.token_ids] == ref_ids
+
+    streams = {  # the sampled one runs (batch 1), the greedy one waits in the queue
+        "sampled": ResumableStream(small_url, "/v1/completions", {**sampled, "seed": fault_free.seed}),
+        "greedy": ResumableStream(small_url, "/v1/completions", greedy),
+    }
+    iters = {name: s.deltas() for name, s in streams.items()}
+    got = {"sampled": [next(iters["sampled"]) for _ in range(3)], "greedy": []}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(next, iters["greedy"])  # sends the greedy request, which queues behind the sampled one
+        time.sleep(0.5)
+        ray.kill(_router_replica("small"), no_restart=True)
+        got["greedy"].append(queued.result())
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        rest = dict(zip(iters, pool.map(list, iters.values()), strict=True))
+    for name in streams:
+        deltas = got[name] + rest[name]
+        assert "".join(d.text for d in deltas) == "".join(d.text for d in reference[name]), name
+        assert [t for d in deltas for t in d.token_ids] == [t for d in reference[name] for t in d.token_ids], name
+        assert streams[name].resumes >= 1, name
+    assert httpx.get(f"{small_url}/health", timeout=TIMEOUT_S).status_code == 200

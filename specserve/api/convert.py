@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 from pydantic import ValidationError
 
 from specserve.api.error_bodies import APIError
@@ -12,13 +14,20 @@ from specserve.sequence import RequestOutput
 
 
 def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> SamplingParams:
-    """The request's sampling values; values the engine rejects become a 400 naming the parameter."""
+    """The request's sampling values; values the engine rejects become a 400 naming the parameter.
+
+    A sampled request without a seed gets one here (and the response names it): its output is then a function of
+    the request alone, which is what lets a cut stream resume (docs/algorithms.md §1.4).
+    """
+    seed = request.seed
+    if seed is None and request.temperature > 0:
+        seed = secrets.randbits(63)
     try:
         return SamplingParams(
             temperature=request.temperature,
             top_k=request.top_k,
             top_p=request.top_p,
-            seed=request.seed,
+            seed=seed,
             max_tokens=max_tokens,
             stop=(request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
             ignore_eos=request.ignore_eos,

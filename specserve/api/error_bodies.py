@@ -53,6 +53,13 @@ class WorkerFailedError(APIError):
     code = ErrorCode.worker_failed
 
 
+class ResumeMismatchError(APIError):
+    """A resumed stream's regenerated text does not continue what the stream sent (the request was changed)."""
+
+    status = HTTPStatus.CONFLICT
+    code = ErrorCode.resume_mismatch
+
+
 class RequestFailedError(APIError):
     """This request alone failed while generating (the requests beside it go on)."""
 

@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response schemas (completions, chat completions, models, errors).
 
-Extensions beyond OpenAI's API: ``top_k``, ``ignore_eos``, ``return_token_ids`` (as vLLM names them) and
-``speculation`` (per-request speculative decoding options); ``usage.speculation`` reports what speculation did.
+Extensions beyond OpenAI's API: ``top_k``, ``ignore_eos``, ``return_token_ids`` (as vLLM names them),
+``speculation`` (per-request speculative decoding options) and ``resume_from`` (resume a stream);
+``usage.speculation`` reports what speculation did, ``seed`` the seed a sampled request drew with.
 """
 
 from __future__ import annotations
@@ -104,6 +105,12 @@ class GenerationRequest(BaseModel):
     ignore_eos: StrictBool = Field(default=False, description="extension: keep generating past EOS")
     return_token_ids: StrictBool = Field(default=False, description="extension: token ids alongside the text")
     speculation: SpeculationOptions | None = Field(default=None, description="extension: speculative decoding")
+    resume_from: str | None = Field(
+        default=None,
+        max_length=64,
+        description="extension: the id of the last SSE event received (as the Last-Event-ID header); the stream "
+        "continues after it. Send the same request, with the seed the server returned when it sampled.",
+    )
 
     @field_validator("n", mode="before")
     @classmethod
@@ -257,6 +264,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    seed: int | None = Field(default=None, exclude_if=_is_none)  # extension: the seed a sampled request drew with
 
 
 class AssistantMessage(BaseModel):
@@ -279,6 +287,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    seed: int | None = Field(default=None, exclude_if=_is_none)  # extension: the seed a sampled request drew with
 
 
 class ChatDelta(BaseModel):
@@ -301,6 +310,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    seed: int | None = Field(default=None, exclude_if=_is_none)  # extension: the seed a sampled request drew with
 
 
 class CompletionChunk(BaseModel):
@@ -312,6 +322,7 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    seed: int | None = Field(default=None, exclude_if=_is_none)  # extension: the seed a sampled request drew with
 
 
 class ModelCard(BaseModel):
@@ -348,6 +359,7 @@ class ErrorCode(str, Enum):
     rate_limit_exceeded = "rate_limit_exceeded"
     internal_error = "internal_error"
     worker_failed = "worker_failed"
+    resume_mismatch = "resume_mismatch"
 
 
 class ErrorDetail(BaseModel):

@@ -15,9 +15,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Header
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -31,6 +31,7 @@ from specserve.api.convert import sampling_params_for, speculation_for, usage_fo
 from specserve.api.error_bodies import APIError, ContextLengthError, ModelNotFoundError, OverloadedError, error_body
 from specserve.api.http_guard import HTTPOptions, RequestGuard
 from specserve.api.metrics import RequestStatus, ServeMetrics
+from specserve.api.resume import RESUME_PARAM, StreamCursor, StreamMark
 from specserve.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -209,7 +210,7 @@ class _Routes:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, last_event_id: LastEventID = None) -> Response:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
@@ -217,9 +218,10 @@ class _Routes:
             return encoder.text(body.prompt) if isinstance(body.prompt, str) else encoder.token_ids(body.prompt)
 
         limit = _TokenLimit(body.max_tokens, "max_tokens", "prompt")
-        return await self._generate(body, encode, limit, _CompletionFormat(self._model()), tracker)
+        fmt = _CompletionFormat(self._model())
+        return await self._generate(body, encode, limit, fmt, tracker, last_event_id)
 
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(self, body: ChatCompletionRequest, last_event_id: LastEventID = None) -> Response:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
@@ -227,7 +229,7 @@ class _Routes:
             return encoder.chat([{"role": m.role.value, "content": m.text} for m in body.messages])
 
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
-        return await self._generate(body, encode, limit, _ChatFormat(self._model()), tracker)
+        return await self._generate(body, encode, limit, _ChatFormat(self._model()), tracker, last_event_id)
 
     async def models(self) -> ModelList:
         return ModelList(data=[self._card()])
@@ -263,9 +265,11 @@ class _Routes:
         limit: _TokenLimit,
         fmt: _Format,
         tracker: _Tracker,
+        last_event_id: str | None = None,
     ) -> Response:
         metrics = self.backend.metrics
         try:
+            resume = _resume_mark(body, last_event_id)
             if body.model != self.backend.model_name:
                 raise ModelNotFoundError(
                     f"the model {body.model!r} does not exist; this server serves {self.backend.model_name!r}",
@@ -274,6 +278,7 @@ class _Routes:
             prompt_ids = await asyncio.to_thread(encode)  # a huge prompt must not stall every other stream
             max_tokens = limit.check(len(prompt_ids), self.backend.max_model_len)
             params = sampling_params_for(body, max_tokens=max_tokens)
+            fmt.seed = params.seed
             spec = speculation_for(body.speculation, self.backend.default_speculation)
             stream = await self.backend.submit(Request(fmt.request_id, prompt_ids, params, spec))
         except InvalidRequestError:
@@ -287,7 +292,7 @@ class _Routes:
             raise
         if body.stream:
             outcome = _Outcome(stream, metrics)
-            events = self._events(outcome, body, fmt, tracker)
+            events = self._events(outcome, body, fmt, tracker, StreamCursor(resume))
             return _ClosingStreamingResponse(events, on_close=outcome.close, media_type=SSE_MEDIA_TYPE)
         return await self._collect(stream, body, fmt, tracker)
 
@@ -315,21 +320,27 @@ class _Routes:
             await outcome.close()
 
     async def _events(
-        self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker
+        self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker, cursor: StreamCursor
     ) -> AsyncIterator[str]:
+        """SSE events, each with an id a client can resume after (``specserve.api.resume``); a resumed stream
+        regenerates the request and sends only what follows the client's last id."""
         try:
             first = fmt.first_chunk()
-            if first is not None:
-                yield _sse(first)
+            if first is not None and not cursor.resuming:
+                yield _sse(first, cursor.mark)
             async for out in outcome.stream:
                 tracker.see(out)
-                if out.text or (body.return_token_ids and out.token_ids) or out.finished:
-                    yield _sse(fmt.chunk(out, out.token_ids if body.return_token_ids else None))
+                part = cursor.advance(out)
+                if part is None:  # delivered before the resume point
+                    continue
+                if part.text or (body.return_token_ids and part.token_ids) or part.finished:
+                    yield _sse(fmt.chunk(part, part.token_ids if body.return_token_ids else None), cursor.mark)
                 if out.finished:
+                    cursor.check_reached()
                     outcome.status = RequestStatus.ok
                     self._finished(out, tracker)
                     if body.include_usage_in_stream:
-                        yield _sse(fmt.usage_chunk(usage_for(out)))
+                        yield _sse(fmt.usage_chunk(usage_for(out)), cursor.mark)
                     yield SSE_DONE
                     return
         except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
@@ -379,8 +390,30 @@ def _status_of(error: APIError) -> RequestStatus:
     return RequestStatus.failed if error.status >= HTTPStatus.INTERNAL_SERVER_ERROR else RequestStatus.invalid
 
 
-def _sse(obj: BaseModel) -> str:
-    return f"data: {obj.model_dump_json()}\n\n"
+def _sse(obj: BaseModel, mark: StreamMark | None = None) -> str:
+    event_id = "" if mark is None else f"id: {mark.render()}\n"
+    return f"{event_id}data: {obj.model_dump_json()}\n\n"
+
+
+LastEventID = Annotated[
+    str | None,
+    Header(alias="Last-Event-ID", description="resume a stream after this event id (as the resume_from field)"),
+]
+
+
+def _resume_mark(body: GenerationRequest, last_event_id: str | None) -> StreamMark | None:
+    """Where a resumed stream continues (None: a new stream). The request must be the one that was cut: for a
+    sampled request that includes the seed the server returned."""
+    value = body.resume_from if body.resume_from is not None else last_event_id
+    if value is None:
+        return None
+    if not body.stream:
+        raise APIError(f"{RESUME_PARAM} is only allowed when stream is true", param=RESUME_PARAM)
+    if body.temperature > 0 and body.seed is None:
+        raise APIError(
+            "resuming a sampled stream needs the seed it drew with (the `seed` field of its chunks)", param="seed"
+        )
+    return StreamMark.parse(value)
 
 
 def _finish(reason: FinishReason | None) -> FinishReasonOut | None:
@@ -394,6 +427,7 @@ def _finish(reason: FinishReason | None) -> FinishReasonOut | None:
 
 class _Format(Protocol):
     request_id: str
+    seed: int | None
 
     def first_chunk(self) -> BaseModel | None: ...
 
@@ -408,44 +442,50 @@ class _CompletionFormat:
     def __init__(self, model: str) -> None:
         self.request_id = f"cmpl-{uuid.uuid4().hex}"
         self.model = model
+        self.seed: int | None = None
 
     def first_chunk(self) -> BaseModel | None:
         return None
 
     def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
         choice = CompletionChoice(text=out.text, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
-        return CompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+        return CompletionChunk(id=self.request_id, model=self.model, choices=[choice], seed=self.seed)
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
-        return CompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
+        return CompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage, seed=self.seed)
 
     def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
         choice = CompletionChoice(text=text, finish_reason=_finish(last.finish_reason), token_ids=token_ids)
-        return CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage_for(last))
+        return CompletionResponse(
+            id=self.request_id, model=self.model, choices=[choice], usage=usage_for(last), seed=self.seed
+        )
 
 
 class _ChatFormat:
     def __init__(self, model: str) -> None:
         self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.model = model
+        self.seed: int | None = None
 
     def first_chunk(self) -> BaseModel | None:
         choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice], seed=self.seed)
 
     def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
         delta = ChatDelta(content=out.text or None)
         choice = ChatChunkChoice(delta=delta, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
-        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice], seed=self.seed)
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
-        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
+        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage, seed=self.seed)
 
     def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
         choice = ChatChoice(
             message=AssistantMessage(content=text), finish_reason=_finish(last.finish_reason), token_ids=token_ids
         )
-        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage_for(last))
+        return ChatCompletionResponse(
+            id=self.request_id, model=self.model, choices=[choice], usage=usage_for(last), seed=self.seed
+        )
 
 
 # -- errors -------------------------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""A streaming client that survives a lost connection: it remembers the last SSE event id and the seed the server
+returned, and on a cut (connection error, a 5xx or 429 while the server heals, a stream that ends without
+``[DONE]``) resends the same request with ``resume_from`` set, until the stream completes.
+
+    for delta in ResumableStream(url, "/v1/chat/completions", body).deltas():
+        print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # a restarting replica answers these while it heals
+
+
+class StreamFailedError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class ResumableStream:
+    base_url: str
+    route: str  # "/v1/completions" or "/v1/chat/completions"
+    body: dict[str, Any]
+    api_key: str | None = None
+    timeout_s: float = 60.0
+    heal_timeout_s: float = 90.0  # how long to keep resending while the server is down
+    retry_interval_s: float = 0.5
+    client: httpx.Client | None = None
+    last_event_id: str | None = None
+    seed: int | None = None
+    resumes: int = 0
+    usage: dict[str, Any] | None = field(default=None, repr=False)
+
+    def deltas(self) -> Iterator[Delta]:
+        """The stream's content, exactly once, however often the connection is lost on the way."""
+        client = self.client or httpx.Client(timeout=self.timeout_s)
+        deadline: float | None = None
+        try:
+            while True:
+                try:
+                    yield from self._one_connection(client)
+                    return
+                except (httpx.TransportError, _Retryable) as e:
+                    now = time.monotonic()
+                    deadline = deadline or now + self.heal_timeout_s
+                    if now > deadline:
+                        raise StreamFailedError(f"the stream could not be resumed: {e}") from e
+                    self.resumes += 1
+                    time.sleep(self.retry_interval_s)
+        finally:
+            if self.client is None:
+                client.close()
+
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas())
+
+    def _request_body(self) -> dict[str, Any]:
+        body = {**self.body, "stream": True}
+        if self.last_event_id is not None:
+            body["resume_from"] = self.last_event_id
+            if self.seed is not None:
+                body["seed"] = self.seed
+        return body
+
+    def _one_connection(self, client: httpx.Client) -> Iterator[Delta]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with client.stream("POST", self.base_url + self.route, json=self._request_body(), headers=headers) as r:
+            if r.status_code in RETRYABLE_STATUS:
+                raise _Retryable(f"HTTP {r.status_code}")
+            if r.status_code != 200:
+                raise StreamFailedError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}")
+            event_id: str | None = None
+            for line in r.iter_lines():
+                if line.startswith("id:"):
+                    event_id = line[3:].strip()
+                elif line.startswith("data:"):
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    delta = self._parse(json.loads(payload))
+                    if event_id is not None:
+                        self.last_event_id = event_id
+                    if delta is not None:
+                        yield delta
+                elif not line:
+                    event_id = None
+        raise _Retryable("the stream ended without [DONE]")
+
+    def _parse(self, chunk: dict[str, Any]) -> Delta | None:
+        if "error" in chunk:
+            error = chunk["error"]
+            if error.get("code") == "worker_failed":  # the lane is healing: resume
+                raise _Retryable(error.get("message", "worker failed"))
+            raise StreamFailedError(f"error in stream: {error}")
+        if chunk.get("seed") is not None:
+            self.seed = chunk["seed"]
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not choices:
+            return None
+        choice = choices[0]
+        text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+        return Delta(text or "", choice.get("token_ids") or [], choice.get("finish_reason"))
+
+
+class _Retryable(Exception):
+    pass

@@ -1,0 +1,191 @@
+"""Resumable streams (issue 16 item 11): SSE event ids, the seed the server drew with, resuming after any event id
+(``resume_from`` or ``Last-Event-ID``) gives the rest token-identical, a changed request is refused rather than
+spliced, and the client helper in load/ resumes across cut connections. Real HTTP against the in-process API."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from load.resumable import ResumableStream
+from specserve.api.resume import StreamMark
+from tests.api_backend import MODEL, LocalBackend, api_server
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+SAMPLED: dict[str, Any] = {"model": MODEL, "prompt": "the cat", "max_tokens": 40, "temperature": 0.9, "top_p": 0.95}
+CHAT_BODY: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hello there"}],
+    "max_tokens": 30,
+    "temperature": 0,
+    "ignore_eos": True,
+}
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[LocalBackend]:
+    backend = LocalBackend(max_model_len=256, max_batch_size=4)
+    yield backend
+    backend.stop()
+
+
+@pytest.fixture(scope="module")
+def url(backend: LocalBackend) -> Iterator[str]:
+    with api_server(backend) as url:
+        yield url
+
+
+def _events(url: str, route: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Every SSE event as {"id": ..., "data": parsed JSON or "[DONE]"}."""
+    events: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    with httpx.stream("POST", url + route, json={**body, "stream": True}, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                current["id"] = line[4:]
+            elif line.startswith("data: "):
+                payload = line[6:]
+                current["data"] = payload if payload == "[DONE]" else json.loads(payload)
+                events.append(current)
+                current = {}
+    return events
+
+
+def _content(events: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    text, ids = "", []
+    for e in events:
+        if e["data"] == "[DONE]" or not e["data"]["choices"]:
+            continue
+        choice = e["data"]["choices"][0]
+        text += (choice.get("delta") or {}).get("content") or "" if "delta" in choice else choice["text"]
+        ids += choice.get("token_ids") or []
+    return text, ids
+
+
+def test_events_carry_ids_and_the_seed_drawn_with(url: str) -> None:
+    events = _events(url, COMPLETIONS, {**SAMPLED, "return_token_ids": True})
+    data = [e for e in events if e["data"] != "[DONE]"]
+    assert all("id" in e for e in data) and "id" not in events[-1]
+    seeds = {e["data"]["seed"] for e in data}
+    assert len(seeds) == 1 and isinstance(next(iter(seeds)), int)  # a sampled request without a seed gets one
+    text, ids = _content(events)
+    last = StreamMark.parse(data[-1]["id"])
+    assert (last.tokens, last.text_bytes) == (len(ids), len(text.encode()))
+    # the same request with the returned seed regenerates the same tokens, in a non-streamed response too
+    seed = next(iter(seeds))
+    full = httpx.post(url + COMPLETIONS, json={**SAMPLED, "seed": seed, "return_token_ids": True}, timeout=60).json()
+    assert full["choices"][0]["token_ids"] == ids and full["seed"] == seed
+    greedy = _events(url, COMPLETIONS, {**SAMPLED, "temperature": 0})
+    assert all("seed" not in e["data"] for e in greedy if e["data"] != "[DONE]")
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+def test_resuming_after_any_event_gives_the_rest_token_identical(url: str, route: str) -> None:
+    body = {**(SAMPLED if route == COMPLETIONS else CHAT_BODY), "return_token_ids": True}
+    if route == COMPLETIONS:
+        body.pop("prompt")
+        body["prompt"] = "once upon"
+    full = _events(url, route, body)
+    seed = full[-2]["data"].get("seed")
+    if seed is not None:
+        body["seed"] = seed
+    text, ids = _content(full)
+    assert len(ids) >= 20
+    marks = [e["id"] for e in full if "id" in e]
+    for k in (0, 1, len(marks) // 2, len(marks) - 2, len(marks) - 1):
+        head_text, head_ids = _content(full[: k + 1])
+        by_field = _events(url, route, {**body, "resume_from": marks[k]})
+        by_header = _events(url, route, body, headers={"Last-Event-ID": marks[k]})
+        for rest in (by_field, by_header):
+            rest_text, rest_ids = _content(rest)
+            assert head_text + rest_text == text and head_ids + rest_ids == ids, k
+            assert rest[-1]["data"] == "[DONE]"
+            assert all(e["data"]["choices"][0].get("delta", {}).get("role") is None for e in rest if _is_choice(e))
+
+
+def _is_choice(e: dict[str, Any]) -> bool:
+    return e["data"] != "[DONE]" and bool(e["data"]["choices"])
+
+
+def test_a_changed_request_is_refused_not_spliced(url: str) -> None:
+    body = {**SAMPLED, "seed": 11}
+    full = _events(url, COMPLETIONS, body)
+    mark = full[len(full) // 2]["id"]
+    changed = _events(url, COMPLETIONS, {**body, "seed": 12, "resume_from": mark})
+    errors = [e["data"]["error"] for e in changed if e["data"] != "[DONE]" and "error" in e["data"]]
+    assert errors and errors[0]["code"] == "resume_mismatch" and errors[0]["param"] == "resume_from"
+    beyond = StreamMark.parse(full[-2]["id"])
+    far = StreamMark(beyond.tokens + 5, beyond.text_bytes + 5, beyond.crc).render()
+    past_end = _events(url, COMPLETIONS, {**body, "resume_from": far})
+    assert any("error" in e["data"] for e in past_end if e["data"] != "[DONE]")
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "param"),
+    [
+        ({**SAMPLED, "seed": 1, "stream": True, "resume_from": "12-x-00"}, None, "resume_from"),
+        ({**SAMPLED, "seed": 1, "resume_from": "1-2-0000abcd"}, None, "resume_from"),  # stream false
+        ({**SAMPLED, "stream": True, "resume_from": "1-2-0000abcd"}, None, "seed"),  # sampled, seed missing
+        ({**SAMPLED, "seed": 1, "stream": True}, {"Last-Event-ID": "nonsense"}, "resume_from"),
+    ],
+)
+def test_bad_resume_requests_are_400(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None, param: str
+) -> None:
+    r = httpx.post(url + COMPLETIONS, json=body, headers=headers, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+class _CuttingTransport(httpx.BaseTransport):
+    """Delivers each response's body only up to ``cut_after`` SSE events, then breaks the connection, the first
+    ``cuts`` times; later connections get through."""
+
+    def __init__(self, cut_after: int, cuts: int) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.cut_after, self.cuts = cut_after, cuts
+        self.connections = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self.inner.handle_request(request)
+        self.connections += 1
+        if self.connections > self.cuts:
+            return response
+        return httpx.Response(response.status_code, headers=response.headers, stream=_Cut(response, self.cut_after))
+
+
+class _Cut(httpx.SyncByteStream):
+    def __init__(self, response: httpx.Response, events: int) -> None:
+        self.response, self.events = response, events
+
+    def __iter__(self) -> Iterator[bytes]:
+        seen = 0
+        for chunk in self.response.stream:  # type: ignore[union-attr]
+            yield chunk
+            seen += chunk.count(b"\n\n")
+            if seen >= self.events:
+                self.response.close()
+                raise httpx.ReadError("connection cut by the test")
+
+    def close(self) -> None:
+        self.response.close()
+
+
+def test_the_client_helper_resumes_across_cut_connections(url: str) -> None:
+    body = {**SAMPLED, "max_tokens": 60, "return_token_ids": True, "ignore_eos": True}
+    reference = ResumableStream(url, COMPLETIONS, body)
+    ref = list(reference.deltas())
+    assert reference.resumes == 0 and reference.seed is not None
+    transport = _CuttingTransport(cut_after=3, cuts=4)
+    stream = ResumableStream(
+        url, COMPLETIONS, {**body, "seed": reference.seed}, client=httpx.Client(transport=transport, timeout=60)
+    )
+    got = list(stream.deltas())
+    assert stream.resumes == 4 and transport.connections == 5
+    assert "".join(d.text for d in got) == "".join(d.text for d in ref)
+    assert [t for d in got for t in d.token_ids] == [t for d in ref for t in d.token_ids]
