@@ -32,7 +32,7 @@ from deployments.actors import ACTOR_NAMESPACE, KVGeometry, RemoteDraft, RemoteT
 from deployments.app_args import WorkerRole
 from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
-from specserve.errors import blamed_sequence
+from specserve.errors import PartialStepError, SequenceError, blamed_sequence
 from specserve.sequence import Request, RequestOutput
 from specserve.step_loop import StepLoop
 
@@ -263,8 +263,11 @@ class Lane:
     def _step(self) -> None:
         only = self._next_probe()
         t0 = time.perf_counter()
+        failures: dict[int, SequenceError] = {}
         try:
             outputs = self.loop.step(only)
+        except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
+            outputs, failures = e.outputs, e.failures
         except RayActorError as e:
             self._recover(e)
             self._report_queue()
@@ -297,6 +300,10 @@ class Lane:
                 waiting=len(self.loop.waiting),
                 step_s=step_s,
             )
+        for seq_id, error in failures.items():
+            self._fail_sequence(seq_id, error)
+        if failures:
+            self._report_queue()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
 

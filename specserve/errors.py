@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specserve.sequence import RequestOutput
 
 
 class SpecServeError(Exception):
@@ -48,6 +52,16 @@ class SequenceError(SpecServeError):
 
     def __reduce__(self) -> tuple[type[SequenceError], tuple[int, str]]:  # pickles across Ray with its seq_id
         return (SequenceError, (self.seq_id, self.message))
+
+
+class PartialStepError(SpecServeError):
+    """A step that verified every sequence but failed to commit some (their detokenisation, say): ``outputs`` are
+    the others' news, committed and to be delivered; ``failures`` the sequences to fail alone."""
+
+    def __init__(self, outputs: list[RequestOutput], failures: dict[int, SequenceError]) -> None:
+        super().__init__(f"{len(failures)} sequence(s) failed to commit: " + "; ".join(map(str, failures.values())))
+        self.outputs = outputs
+        self.failures = failures
 
 
 MAX_CAUSE_DEPTH = 8

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
-from specserve.errors import InvalidRequestError, blame
+from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blame
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.policy import SequenceDSDE
 from specserve.policy.planner import SLPlanner
@@ -158,12 +158,19 @@ class StepLoop:
         items = [self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)]
         verified = self.target.verify(items)
         t2 = time.perf_counter()
-        outputs = [self._commit(*row) for row in zip(batch, proposals, verified, strict=True)]
+        outputs, failures = self._commit_rows(batch, proposals, verified)
         self._retire()
+        if failures:  # the step as the committed rows saw it
+            ok = [i for i, s in enumerate(batch) if s.seq_id not in failures]
+            batch, plan = [batch[i] for i in ok], plan.select(ok)
+            proposals, items = [proposals[i] for i in ok], [items[i] for i in ok]
+            verified = [verified[i] for i in ok]
         event = StepEvent(batch, plan, proposals, items, verified, outputs, t0, t1, t2, time.perf_counter())
         self._update_policy(event)
         for obs in self.observers:
             obs.on_step(event)
+        if failures:
+            raise PartialStepError(outputs, failures)
         return outputs
 
     def _admit(self) -> None:
@@ -242,6 +249,20 @@ class StepLoop:
             synthetic_accept=spec.synthetic_accept,
             features=features,
         )
+
+    def _commit_rows(
+        self, batch: list[Sequence], proposals: list[Proposal | None], verified: list[VerifyOutput]
+    ) -> tuple[list[RequestOutput], dict[int, SequenceError]]:
+        """Commit row by row: a sequence failing to commit leaves the others' news intact (issue 16)."""
+        outputs, failures = [], {}
+        for seq, proposal, out in zip(batch, proposals, verified, strict=True):
+            try:
+                with blame(seq.seq_id):
+                    outputs.append(self._commit(seq, proposal, out))
+            except SequenceError as e:
+                seq.finish_reason = None  # not retired with the finished ones: its request is failed instead
+                failures[seq.seq_id] = e
+        return outputs, failures
 
     def _update_policy(self, event: StepEvent) -> None:
         """This step's KLD values set each DSDE sequence's next SL (docs/algorithms.md §4.6); the throughput guard

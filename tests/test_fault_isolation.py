@@ -22,11 +22,12 @@ from specserve.api.metrics import ServeMetrics
 from specserve.config import SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import SequenceError, blame, blamed_sequence
-from specserve.messages import ProposeItem, VerifyItem, VerifyOutput
+from specserve.messages import Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
 from specserve.sampling import SamplingParams
-from specserve.sequence import Request, RequestOutput
+from specserve.sequence import Request, RequestOutput, Sequence
+from specserve.step_loop import StepLoop
 from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
 from specserve.workers.base import TargetWorkerAPI
 from tests.api_backend import MODEL, LocalBackend, api_server
@@ -154,6 +155,34 @@ def test_attributed_failure_fails_that_request_alone(
     assert [results[i] for i in (0, 1, 3)] == [alone[i] for i in (0, 1, 3)]
     assert len(faulty.failed) == 1  # named at once: no bisection
     _assert_kv_free(engine, faulty)
+
+
+@pytest.mark.parametrize("poisoned", [0, 2])
+def test_a_commit_failure_fails_that_request_and_the_others_keep_every_token(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], poisoned: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence whose commit raises (its detokenisation, say) after the step verified the whole batch, on its
+    third step: the requests committed beside it in that step keep their tokens (delivered, not re-run)."""
+    engine = _engine(models)
+    poison = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    real = StepLoop._commit
+    commits: dict[int, int] = {}
+
+    def commit(self: StepLoop, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
+        result = real(self, seq, proposal, out)  # state already advanced: the worst case for the others
+        commits[seq.seq_id] = commits.get(seq.seq_id, 0) + 1
+        if seq.request.params is poison and commits[seq.seq_id] == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "poisoned token")
+        return result
+
+    monkeypatch.setattr(StepLoop, "_commit", commit)
+    results = _run_lane(engine, _requests(poisoned, poison))
+    assert isinstance(results[poisoned], RequestFailedError) and results[poisoned].status == 500
+    others = [i for i in range(len(PROMPTS)) if i != poisoned]
+    assert [results[i] for i in others] == [alone[i] for i in others]
+    assert isinstance(engine.loop.target, TargetWorker) and isinstance(engine.loop.draft, DraftWorker)
+    assert engine.loop.target.cache.num_free == engine.loop.max_batch_size
+    assert engine.loop.draft.cache.num_free == engine.loop.max_batch_size
 
 
 def test_unattributed_failure_is_bisected_to_its_request(

@@ -32,6 +32,10 @@ class StepPlan:
     cap: int | None  # SL_cap over the lock-step batch (None: no DSDE sequence past warm-up, or the cap is off)
     post_warmup: list[bool]  # DSDE sequences past warm-up (static ones: False)
 
+    def select(self, rows: list[int]) -> StepPlan:
+        pick = [self.depths[i] for i in rows], [self.uncapped[i] for i in rows], [self.post_warmup[i] for i in rows]
+        return StepPlan(pick[0], pick[1], self.cap, pick[2])
+
 
 class SLPlanner:
     def __init__(self, *, guard: ThroughputGuard | None = None, max_step_tokens: int | None = None) -> None:
