@@ -236,7 +236,10 @@ class Lane:
         while True:
             if isinstance(command, _Stop):
                 return False
-            self._apply(command)
+            try:
+                self._apply(command)
+            except Exception:  # one request's command must not take the lane (and every request on it) down
+                logger.exception("lane %d: a command failed", self.index)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -250,6 +253,9 @@ class Lane:
         if isinstance(command, _Abort):
             self._forget(command.request_id)
             self.loop.abort(command.request_id)
+            return
+        if not command.admitted.set_running_or_notify_cancel():  # the client left before it was admitted
+            self._forget(command.request.request_id)
             return
         try:
             self.loop.add_request(command.request)

@@ -185,6 +185,35 @@ def test_a_commit_failure_fails_that_request_and_the_others_keep_every_token(
     assert engine.loop.draft.cache.num_free == engine.loop.max_batch_size
 
 
+def test_a_client_gone_before_admission_leaves_the_lane_running(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    """A request whose client left while it waited to be admitted (its admission future cancelled) is dropped;
+    the lane and the request it was stepping go on (this once killed the lane, failing every request on it)."""
+    engine = _engine(models)
+    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0, step_delay_s=0.2)  # type: ignore[arg-type]
+
+    async def tokens(request: Request) -> list[int]:
+        return [t async for out in await lane.submit(request) for t in out.token_ids]
+
+    async def run() -> list[int]:
+        victim = asyncio.create_task(tokens(Request("victim", PROMPTS[0], GREEDY)))
+        await asyncio.sleep(0.3)  # the lane is stepping the victim, then sleeping its step delay
+        gone = asyncio.create_task(lane.submit(Request("gone", PROMPTS[1], GREEDY)))
+        await asyncio.sleep(0.01)  # queued, awaiting admission
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return await asyncio.wait_for(victim, 60)
+
+    try:
+        assert asyncio.run(run()) == alone[0]
+        _settle(lane)
+        assert not engine.loop.has_work
+    finally:
+        lane.stop()
+
+
 def test_unattributed_failure_is_bisected_to_its_request(
     models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
 ) -> None:
