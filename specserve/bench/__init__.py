@@ -14,6 +14,7 @@ BENCHMARKS = {  # subcommand -> (module, help)
     "spec": ("specserve.bench.spec", "speculative methods vs plain decoding vs transformers assisted"),
     "batch": ("specserve.bench.batch_sweep", "policies x batch sizes: throughput, idle fraction, latency"),
     "overhead": ("specserve.bench.overhead", "the Ray Serve deployment vs the in-process Engine: tokens/s"),
+    "runner": ("specserve.bench.runner", "the runner's forward vs the bare matmuls of its weights"),
 }
 
 

@@ -1,0 +1,138 @@
+"""`specserve bench runner`: how close the runner's forward is to the hardware (issue 14).
+
+For each row count r it times, interleaved repeat by repeat in one process: the runner's batch-1 forward over r new
+tokens after ``--context`` cached ones (r = 1 is a decode step, r > 1 a chain verification, tree-masked as the
+target verifies), and the bare matmuls of the same weights (every linear of every layer and the LM head, ``x @
+W.T`` over r rows, nothing else). ``overhead`` = runner / bare: what norms, RoPE, attention, dispatch and Python
+add to the weight reads. Also the floor one step cannot beat: the weight bytes over the read bandwidth measured
+here (``x.sum()`` over 1 GiB). Prints a table and writes a CSV.
+
+    .venv/bin/specserve bench runner --rows 1 4 16 --out bench_out/runner
+    .venv/bin/specserve bench runner --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.bench.machine import cpu_summary
+from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_model
+from specserve.timing import timed
+
+BANDWIDTH_BYTES = 1 << 30
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="default: the pair's target")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="new tokens per forward")
+    p.add_argument("--context", type=int, default=256, help="cached tokens before them")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--out", type=Path, default=Path("bench_out/runner"))
+
+
+def weight_linears(model: LlamaModel) -> list[torch.Tensor]:
+    """Every matmul weight one forward reads, in order (fused QKV / gate-up as the runner holds them)."""
+    weights = [
+        m.weight for layer in model.decoder_layers() for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    ]
+    return [*weights, model.lm_head.weight]
+
+
+def bare_matmuls(weights: list[torch.Tensor], rows: int) -> Callable[[], None]:
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+
+    def run() -> None:
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+
+    return run
+
+
+def runner_forward(model: LlamaModel, rows: int, context: int) -> Callable[[], None]:
+    """One batch-1 forward over ``rows`` new tokens after ``context`` cached ones; the cache is cut back after."""
+    cache = model.new_cache(1, context + rows + 1)
+    slot = cache.allocate()
+    gen = torch.Generator().manual_seed(0)
+    model(ForwardBatch.build(cache, [slot], [torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)]), cache)
+    tokens = torch.randint(0, model.cfg.vocab_size, (rows,), generator=gen)
+    masks = None if rows == 1 else [torch.ones(rows, rows, dtype=torch.bool).tril()]
+    positions = [list(range(context, context + rows))]
+
+    def run() -> None:
+        batch = ForwardBatch.build(cache, [slot], [tokens], tree_masks=masks, positions=positions, device=model.device)
+        model(batch, cache)
+        cache.truncate(slot, context)
+
+    return run
+
+
+def read_bandwidth(device: torch.device, repeats: int = 5) -> float:
+    """Bytes per second of a streaming read (``x.sum()`` over 1 GiB of float32)."""
+    x = torch.ones(BANDWIDTH_BYTES // 4, device=device)
+    x.sum()
+    best = min(timed(device, x.sum) for _ in range(repeats))
+    return BANDWIDTH_BYTES / best
+
+
+def run(args: argparse.Namespace) -> int:
+    target = MODEL_PAIRS[DEFAULT_PAIR][0]
+    spec = target if args.dtype is None else target.model_copy(update={"dtype": DType(args.dtype)})
+    model = load_model(spec)
+    nn.Module.eval(model)
+    weights = weight_linears(model)
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    print(cpu_summary())
+    print(f"{spec.source} {model.dtype}: {weight_bytes / 1e6:.0f} MB of matmul weights per forward")
+    fns = {
+        (kind, r): make(r)
+        for r in args.rows
+        for kind, make in (
+            ("bare", lambda r: bare_matmuls(weights, r)),
+            ("runner", lambda r: runner_forward(model, r, args.context)),
+        )
+    }
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
+    with torch.inference_mode():
+        for fn in fns.values():
+            fn()  # warm-up
+        for _ in range(args.repeats):  # interleaved: machine noise hits both alike
+            for key, fn in fns.items():
+                times[key].append(timed(model.device, fn))
+        bandwidth = read_bandwidth(model.device)
+    floor_ms = weight_bytes / bandwidth * 1e3
+    rows_out = []
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s -> floor {floor_ms:.1f} ms per forward (weights once)")
+    print(f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13}")
+    for r in args.rows:
+        bare, runner = (statistics.median(times[(k, r)]) * 1e3 for k in ("bare", "runner"))
+        rows_out.append(
+            {
+                "rows": r,
+                "bare_ms": bare,
+                "runner_ms": runner,
+                "overhead": runner / bare,
+                "floor_ms": floor_ms,
+                "dtype": str(model.dtype),
+                "cpu": cpu_summary(),
+            }
+        )
+        print(f"{r:>5} {bare:>9.1f} {runner:>10.1f} {runner / bare:>8.2f}x {runner / floor_ms:>12.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
+        writer.writeheader()
+        writer.writerows(rows_out)
+    print(f"wrote {path}")
+    return 0
