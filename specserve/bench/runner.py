@@ -59,14 +59,17 @@ def bare_matmuls(weights: list[torch.Tensor], rows: int) -> Callable[[], None]:
     return run
 
 
-def runner_forward(model: LlamaModel, rows: int, context: int) -> Callable[[], None]:
-    """One batch-1 forward over ``rows`` new tokens after ``context`` cached ones; the cache is cut back after."""
+def runner_forward(model: LlamaModel, rows: int, context: int, *, tree_mask: bool = True) -> Callable[[], None]:
+    """One batch-1 forward over ``rows`` new tokens after ``context`` cached ones (with the explicit mask a
+    verification passes, or plainly causal as a prefill); the cache is cut back after."""
     cache = model.new_cache(1, context + rows + 1)
     slot = cache.allocate()
     gen = torch.Generator().manual_seed(0)
-    model(ForwardBatch.build(cache, [slot], [torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)]), cache)
+    if context:
+        prefix = torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)
+        model(ForwardBatch.build(cache, [slot], [prefix], device=model.device), cache)
     tokens = torch.randint(0, model.cfg.vocab_size, (rows,), generator=gen)
-    masks = None if rows == 1 else [torch.ones(rows, rows, dtype=torch.bool).tril()]
+    masks = None if rows == 1 or not tree_mask else [torch.ones(rows, rows, dtype=torch.bool).tril()]
     positions = [list(range(context, context + rows))]
 
     def run() -> None:

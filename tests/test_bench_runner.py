@@ -1,0 +1,70 @@
+"""The runner benchmarks' plumbing (issue 14): what `bench runner` times, and how `bench llamacpp` reads PyPI and
+llama-bench. The builds and timings themselves are benchmarks, not tests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.bench.llamacpp import parse_llama_bench, sdist_url
+from specserve.bench.runner import bare_matmuls, runner_forward, weight_linears
+from specserve.models.tiny import tiny_model
+
+
+def test_bare_matmuls_read_every_weight_the_forward_reads() -> None:
+    model = tiny_model(seed=0)
+    weights = weight_linears(model)
+    assert len(weights) == 4 * model.cfg.num_layers + 1  # qkv, o, gate_up, down per layer, and the LM head
+    n_params = sum(w.numel() for w in weights)
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert n_params == linear_params  # tied LM head counted once, as the forward reads it
+    calls: list[tuple[int, ...]] = []
+    real = torch.nn.functional.linear
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append((x.shape[0], *w.shape))
+        return real(x, w, b)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "linear", spy)
+        bare_matmuls(weights, 4)()
+    assert calls == [(4, *w.shape) for w in weights]
+
+
+@pytest.mark.parametrize("tree_mask", [True, False])
+def test_runner_forward_leaves_the_context_as_it_found_it(tree_mask: bool) -> None:
+    model = tiny_model(seed=0)
+    caches = []
+    real_new_cache = model.new_cache
+
+    def new_cache(num_slots: int, max_len: int | None = None):  # type: ignore[no-untyped-def]
+        caches.append(real_new_cache(num_slots, max_len))
+        return caches[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "new_cache", new_cache)
+        fn = runner_forward(model, 4, 10, tree_mask=tree_mask)
+    assert caches[0].length(0) == 10
+    for _ in range(2):  # repeatable: every call appends 4 tokens and cuts the cache back to the context
+        fn()
+        assert caches[0].length(0) == 10
+
+
+def test_llama_bench_json_and_pypi_sdist() -> None:
+    rows = [
+        {"n_prompt": 16, "n_gen": 0, "avg_ts": 812.5},
+        {"n_prompt": 0, "n_gen": 64, "avg_ts": 47.25},
+    ]
+    assert parse_llama_bench(json.dumps(rows)) == {"pp16": 812.5, "tg64": 47.25}
+    doc = {
+        "info": {"version": "11434.0.0"},
+        "urls": [
+            {"packagetype": "bdist_wheel", "url": "https://x/a.whl"},
+            {"packagetype": "sdist", "url": "../../packages/a.tar.gz"},
+        ],
+    }
+    assert sdist_url(doc) == ("11434.0.0", "../../packages/a.tar.gz")
+    with pytest.raises(RuntimeError, match="no sdist"):
+        sdist_url({"info": {"version": "1"}, "urls": []})
