@@ -122,7 +122,9 @@ def parse_llama_bench(output: str) -> dict[str, float]:
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, repeats: int) -> dict[str, float]:
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(PROMPT_TOKENS)]
-    cmd += ["-n", str(GEN_TOKENS), "-r", str(repeats), "-o", "json"]
+    # --repack 0: this llama.cpp release segfaults repacking SmolLM2's Q4_1 tensors for the AVX-512/AMX kernels
+    # (seen on an AMX Xeon); F32 tensors are never repacked, so both weights run the same plain CPU path
+    cmd += ["-n", str(GEN_TOKENS), "-r", str(repeats), "--repack", "0", "-o", "json"]
     return parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
