@@ -36,11 +36,11 @@ def test_the_verify_profiler_times_through_the_synchronising_timer(monkeypatch: 
 
 
 def test_flash_attn_only_for_half_precision_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "flash_attn_varlen_func", object())  # as if flash-attn were installed
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", object())  # as if flash-attn were installed
     cuda = torch.device("cuda")
     assert attention.flash_attn_available(cuda, torch.bfloat16)
     assert attention.flash_attn_available(cuda, torch.float16)
     assert not attention.flash_attn_available(cuda, torch.float32)  # its kernels raise on fp32
     assert not attention.flash_attn_available(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setattr(attention, "flash_attn_varlen_func", None)
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", None)
     assert not attention.flash_attn_available(cuda, torch.bfloat16)

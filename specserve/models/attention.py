@@ -1,4 +1,5 @@
-"""Attention over a ragged batch against the KV cache: SDPA everywhere, flash-attn varlen on CUDA."""
+"""Attention over a ragged batch against the KV cache: SDPA everywhere; flash-attn on CUDA for causal batches
+(prefill, plain decoding, chain verification), reading the KV slots in place. Trees keep SDPA with their mask."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ import torch.nn.functional as F
 from specserve.models.batch import ForwardBatch
 
 try:  # optional GPU extra
-    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+    from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - depends on the machine
-    flash_attn_varlen_func = None
+    flash_attn_with_kvcache = None
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn's kernels take nothing else (fp32 raises)
 
 
 def flash_attn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return flash_attn_varlen_func is not None and device.type == "cuda" and dtype in FLASH_DTYPES
+    return flash_attn_with_kvcache is not None and device.type == "cuda" and dtype in FLASH_DTYPES
 
 
 def write_kv(
@@ -49,7 +50,7 @@ def attention(
     use_flash: bool,
 ) -> torch.Tensor:  # [N, H_q, D]
     if use_flash and batch.causal:
-        return _flash_varlen(q, k_cache, v_cache, batch)
+        return _flash_kvcache(q, k_cache, v_cache, batch)
     n_tok, h_q, d = q.shape
     b_size, q_len = len(batch.num_new), max(batch.num_new)
     if b_size * q_len == n_tok:  # no padding (one sequence, or equal lengths): a view
@@ -68,19 +69,24 @@ def attention(
     return out if b_size * q_len == n_tok else out[batch.write_from]
 
 
-def _flash_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    """Causal ragged attention with flash-attn over packed queries and each sequence's whole context."""
-    assert flash_attn_varlen_func is not None
-    ks, vs = [], []
-    for b, slot in enumerate(batch.slots.tolist()):
-        end = batch.cache_start[b] + batch.num_new[b]
-        ks.append(k_cache[slot, :, :end].transpose(0, 1))
-        vs.append(v_cache[slot, :, :end].transpose(0, 1))
-    k = torch.cat(ks)  # [ΣK_b, H_kv, D]
-    v = torch.cat(vs)
-    dev = q.device
-    cu_q = torch.tensor([0, *torch.tensor(batch.num_new).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    lens_k = [s + n for s, n in zip(batch.cache_start, batch.num_new, strict=True)]
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-    # [N, H_q, D]; causal is aligned bottom-right, so each query sees its whole cache
-    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(batch.num_new), max(lens_k), causal=True)
+def _flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Causal ragged attention read in place from the KV slots (no copy of the context, no host sync).
+
+    flash-attn's causal mask is aligned bottom-right (query row r of Q sees keys up to r + len_k - Q), so each
+    sequence's n_b queries sit at the end of its padded row: its query i then sees keys 0..start_b + i. The
+    padding rows in front are computed and dropped.
+    """
+    assert flash_attn_with_kvcache is not None
+    h_q, d = q.shape[1:]
+    b_size, q_len = len(batch.num_new), max(batch.num_new)
+    q_pad = q.new_zeros(b_size * q_len, h_q, d)
+    q_pad[batch.flash_rows] = q
+    out = flash_attn_with_kvcache(
+        q_pad.view(b_size, q_len, h_q, d),
+        k_cache.transpose(1, 2),  # [S, L, H_kv, D] view: the kernel takes any strides but the last
+        v_cache.transpose(1, 2),
+        cache_seqlens=batch.kv_lens,
+        cache_batch_idx=batch.slots_i32,
+        causal=True,
+    )  # [B, Q, H_q, D]
+    return out.reshape(b_size * q_len, h_q, d)[batch.flash_rows]

@@ -26,7 +26,12 @@ class ForwardBatch:
     num_logits: tuple[int, ...]
     cache_start: tuple[int, ...]
     slot_range: tuple[int, int] | None  # (first, end) when slots are consecutive: K/V are read as a view
-    causal: bool  # every sequence uses a plain causal mask (flash-attn varlen eligible)
+    causal: bool  # every sequence uses a plain causal mask (the flash-attn path takes it)
+    # flash-attn inputs, made once per batch so that no layer reads the device: queries padded to [B, Q] with
+    # each sequence's n_b tokens at the END of its row (bottom-right causal alignment), and each slot's length
+    flash_rows: torch.Tensor  # [N] long index into [B * Q] of every real new token, right-aligned
+    kv_lens: torch.Tensor  # [B] int32 cache length of each sequence after this step (start + n_b)
+    slots_i32: torch.Tensor  # [B] int32 the slots again, as flash-attn's cache_batch_idx
 
     @property
     def kv_len(self) -> int:
@@ -68,6 +73,7 @@ class ForwardBatch:
         w_slot: list[int] = []
         w_pos: list[int] = []
         w_from: list[int] = []
+        f_rows: list[int] = []
         rows: list[int] = []
         m_list = list(num_logits) if num_logits is not None else num_new
         offset = 0
@@ -90,6 +96,7 @@ class ForwardBatch:
             w_slot += [slot] * n
             w_pos += range(start, start + n)
             w_from += range(b * q_len, b * q_len + n)
+            f_rows += range((b + 1) * q_len - n, (b + 1) * q_len)
             m = m_list[b]
             if not 1 <= m <= n:
                 raise ValueError(f"sequence {b}: num_logits {m} must be in [1, {n}]")
@@ -111,4 +118,9 @@ class ForwardBatch:
             cache_start=tuple(starts),
             slot_range=(first, first + b_size) if consecutive else None,
             causal=causal,
+            flash_rows=torch.tensor(f_rows, dtype=torch.long, device=device),
+            kv_lens=torch.tensor(
+                [s + n for s, n in zip(starts, num_new, strict=True)], dtype=torch.int32, device=device
+            ),
+            slots_i32=torch.as_tensor(list(slots), dtype=torch.int32, device=device),
         )

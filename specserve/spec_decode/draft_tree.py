@@ -71,8 +71,13 @@ class DraftTree:
 
 
 def step_layout(tree: DraftTree, num_pending: int, start: int) -> tuple[torch.Tensor | None, list[int] | None]:
-    """Mask and positions for ``num_pending`` causal tokens followed by a tree; (None, None) = plain causal."""
-    if tree.num_nodes == 1:
+    """Mask and positions for ``num_pending`` causal tokens followed by a tree; (None, None) = plain causal.
+
+    A chain after the pending tokens is just consecutive causal positions, so it gets (None, None) too: its
+    batch stays causal (flash-attn on CUDA) and the explicit mask is kept for real trees. ``tree`` lives on
+    the host here (the target worker builds it from the request's lists), so ``is_chain`` costs no device sync.
+    """
+    if tree.num_nodes == 1 or tree.is_chain():
         return None, None
     n = num_pending + tree.num_nodes
     mask = torch.zeros(n, n, dtype=torch.bool)

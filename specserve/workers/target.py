@@ -53,7 +53,8 @@ class TargetWorker:
                 start = self.cache.length(slot)
                 mask, pos = step_layout(tree, len(it.new_tokens) - 1, start)
             # the index in the sequence of the token drawn at each node: one past the node's own position
-            node_pos = pos[len(it.new_tokens) - 1 :] if pos else [start + len(it.new_tokens) - 1]
+            first = start + len(it.new_tokens) - 1  # the root's position
+            node_pos = pos[len(it.new_tokens) - 1 :] if pos else list(range(first, first + tree.num_nodes))
             draw_positions.append([q + 1 for q in node_pos])
             trees.append(tree)
             slots.append(slot)
