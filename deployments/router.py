@@ -66,7 +66,8 @@ class Router:
         self.tokenizer = self._load_tokenizer()  # while the actors load their models
         target_info, draft_info = await self._model_infos(workers[0])
         limits = lane_limits(args, target_info, draft_info)
-        geometry = KVGeometry(args.max_batch_size, limits.kv_len)
+        geometry = await self._fit_geometry(workers, KVGeometry(args.max_batch_size, limits.kv_len), limits)
+        loop_args = args.model_copy(update={"max_batch_size": geometry.num_slots})  # fewer fit: fewer at once
         self._max_model_len = limits.max_model_len
         self._encoder = PromptEncoder(self.tokenizer, target_info.vocab_size)
         eos = eos_ids_of(list(target_info.eos_token_ids), self.tokenizer)
@@ -78,7 +79,7 @@ class Router:
             draft = lane_workers.get(WorkerRole.draft)
             assert isinstance(target, RemoteTarget) and (draft is None or isinstance(draft, RemoteDraft))
             features = None if draft_info is None else draft_info.features
-            loop = build_step_loop(target, draft, args, limits, self.tokenizer, eos, features, self.suffix_cache)
+            loop = build_step_loop(target, draft, loop_args, limits, self.tokenizer, eos, features, self.suffix_cache)
             lane = Lane(
                 i,
                 loop,
@@ -100,6 +101,18 @@ class Router:
         recipe = self.args.recipe(WorkerRole.target)
         assert recipe is not None and isinstance(recipe.spec, ModelSpec)
         return load_tokenizer(recipe.spec)
+
+    async def _fit_geometry(
+        self, workers: list[dict[WorkerRole, RemoteWorker]], geometry: KVGeometry, limits: ContextLimits
+    ) -> KVGeometry:
+        """With ``gpu_memory_utilization``, as many slots as fit on every worker's device (each sizes its own)."""
+        util = self.args.gpu_memory_utilization
+        if util is None:
+            return geometry
+        fits: list[int] = await asyncio.gather(
+            *(w.handle.kv_slots.remote(geometry, limits.spec_headroom, util) for lane in workers for w in lane.values())
+        )
+        return KVGeometry(min(fits), geometry.max_len)
 
     @staticmethod
     async def _model_infos(workers: dict[WorkerRole, RemoteWorker]) -> tuple[ModelInfo, ModelInfo | None]:

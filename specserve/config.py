@@ -235,6 +235,13 @@ class LoopConfig(BaseModel):
     suffix_cache_tokens: int = Field(
         default=16384, ge=0, le=1 << 22, description="suffix drafter: recent outputs kept per replica (0 = none)"
     )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="CUDA: the fraction of the device the worker may fill; KV slots (<= max_batch_size) are sized "
+        "from the memory free after loading (specserve/limits.py device_kv_slots). None: max_batch_size slots",
+    )
 
 
 class EngineConfig(LoopConfig):

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from specserve.build import build_step_loop, draft_geometry, eos_ids_of, local_draft_worker
 from specserve.config import EngineConfig, LoopConfig, SpecConfig, SpecMethod
 from specserve.errors import InvalidRequestError
-from specserve.limits import context_limits
+from specserve.limits import context_limits, device_kv_slots
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.prompts import PromptEncoder
@@ -49,6 +49,7 @@ class Engine:
         throughput_guard: bool = False,
         suffix_cache_tokens: int = LoopConfig.model_fields["suffix_cache_tokens"].default,
         eos_token_ids: set[int] | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -60,6 +61,7 @@ class Engine:
             max_step_tokens=max_step_tokens,
             throughput_guard=throughput_guard,
             suffix_cache_tokens=suffix_cache_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         draft_positions, draft_vocab = draft_geometry(draft)
         limits = context_limits(
@@ -73,7 +75,15 @@ class Engine:
         )
         self.encoder = PromptEncoder(tokenizer, model.cfg.vocab_size)
         eos = eos_ids_of(model.hf_config.eos_token_id, tokenizer) if eos_token_ids is None else eos_token_ids
-        slots = {"num_slots": max_batch_size, "max_len": limits.kv_len}
+        num_slots = device_kv_slots(
+            [model] if draft is None else [model, draft],
+            requested=max_batch_size,
+            max_len=limits.kv_len,
+            step_tokens=limits.spec_headroom,
+            utilization=gpu_memory_utilization,
+        )
+        cfg = cfg.model_copy(update={"max_batch_size": num_slots})  # fewer slots fit: fewer sequences at once
+        slots = {"num_slots": num_slots, "max_len": limits.kv_len}
         draft_worker = None if draft is None else local_draft_worker(draft, **slots)
         features = draft_worker.features if isinstance(draft_worker, HeadDraftWorker) else None
         self.loop = build_step_loop(TargetWorker(model, **slots), draft_worker, cfg, limits, tokenizer, eos, features)
@@ -93,6 +103,7 @@ class Engine:
             max_step_tokens=config.max_step_tokens,
             throughput_guard=config.throughput_guard,
             suffix_cache_tokens=config.suffix_cache_tokens,
+            gpu_memory_utilization=config.gpu_memory_utilization,
         )
 
     # -- prompts ---------------------------------------------------------------------------------------

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from specserve.config import SpecConfig
 from specserve.errors import UnsupportedModelError
+from specserve.models.llama import LlamaModel
+from specserve.models.memory import ModelShape, activation_bytes, kv_bytes_per_slot, kv_slots_that_fit
+from specserve.spec_decode.eagle_head import EagleHead
+
+MemInfo = Callable[[torch.device], tuple[int, int]]  # (free, total) bytes, as torch.cuda.mem_get_info
 
 
 @dataclass(frozen=True)
@@ -35,3 +43,63 @@ def context_limits(
     if draft_positions is not None:
         limit = min(limit, draft_positions - headroom)
     return ContextLimits(limit, headroom, limit + headroom)
+
+
+def model_shape(model: LlamaModel | EagleHead) -> ModelShape:
+    if isinstance(model, LlamaModel):
+        layers, vocab, tied = model.cfg.num_layers, model.cfg.vocab_size, model.cfg.tie_word_embeddings
+    else:  # a head: one decoder layer over the target's features; its embedding and LM head are the target's
+        layers, vocab, tied = 1, model.cfg.draft_vocab_size or model.cfg.vocab_size, True
+    cfg = model.cfg
+    return ModelShape(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        qkv_bias=cfg.qkv_bias,
+    )
+
+
+def kv_dtype(model: LlamaModel | EagleHead) -> torch.dtype:
+    return model.dtype if isinstance(model, LlamaModel) else model.fc.weight.dtype
+
+
+def device_kv_slots(
+    models: Sequence[LlamaModel | EagleHead],
+    *,
+    requested: int,
+    max_len: int,
+    step_tokens: int,
+    utilization: float | None,
+    mem_info: MemInfo | None = None,
+) -> int:
+    """KV slots of ``max_len`` for ``models`` (on one device, weights loaded): ``requested`` on the CPU or
+    without a utilisation setting; on CUDA as many as fit (at most ``requested``), each reserving its KV in
+    every model and its share of the largest forward (a prefill of ``max_len`` or a step of ``step_tokens``)."""
+    device = models[0].device
+    if utilization is None or device.type != "cuda":
+        return requested
+    slot = act = 0
+    for model in models:
+        shape, size = model_shape(model), kv_dtype(model).itemsize
+        slot += kv_bytes_per_slot(shape, size, max_len)
+        act += max(
+            activation_bytes(shape, size, batch=1, q_len=max_len, kv_len=max_len, logit_rows=1),
+            activation_bytes(shape, size, batch=1, q_len=step_tokens, kv_len=max_len, logit_rows=step_tokens),
+        )
+    if mem_info is None:
+        torch.cuda.empty_cache()  # loading's freed blocks count as free
+        mem_info = torch.cuda.mem_get_info
+    free, total = mem_info(device)
+    return kv_slots_that_fit(
+        total_bytes=total,
+        free_bytes=free,
+        utilization=utilization,
+        slot_bytes=slot,
+        activation_bytes_per_slot=act,
+        requested=requested,
+    )

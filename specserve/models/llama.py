@@ -7,7 +7,7 @@ fused into single matmuls at load time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -156,16 +156,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size, device=device))
+        self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias, device=device)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias, device=device)
+        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size, device=device))
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, device=device)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, device=device)
 
     def forward(
         self,
@@ -196,14 +196,18 @@ class LlamaModel(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, hf_config: PretrainedConfig, *, max_positions: int | None = None) -> None:
+    def __init__(
+        self, hf_config: PretrainedConfig, *, max_positions: int | None = None, device: torch.device | str | None = None
+    ) -> None:
+        """``device="meta"`` allocates no weights (``from_hf_weights`` then assigns the loaded ones); the RoPE
+        tables are always made on the CPU."""
         super().__init__()
         self.hf_config = hf_config
         self.cfg = cfg = ArchConfig.from_hf(hf_config)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, device=device))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -269,35 +273,67 @@ class LlamaModel(nn.Module):
 
     # -- weights ----------------------------------------------------------------------------------------
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
-        """Load HF-named weights (``model.layers.N.self_attn.q_proj.weight`` ...), fusing q/k/v and gate/up."""
+        """Copy HF-named weights (``model.layers.N.self_attn.q_proj.weight`` ...) into this model, fusing q/k/v
+        and gate/up."""
 
         def get(name: str) -> torch.Tensor:
             if name not in sd:
                 raise UnsupportedModelError(f"checkpoint is missing tensor {name!r}")
             return sd[name]
 
-        cfg = self.cfg
+        params = dict(self.named_parameters())  # a tied lm_head is listed once, as embed_tokens.weight
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
-            self.norm.copy_(get("model.norm.weight"))
-            if not cfg.tie_word_embeddings:
-                self.lm_head.weight.copy_(get("lm_head.weight"))
-            for i, layer in enumerate(self.decoder_layers()):
-                p = f"model.layers.{i}."
-                att = p + "self_attn."
-                layer.input_norm.copy_(get(p + "input_layernorm.weight"))
-                layer.post_norm.copy_(get(p + "post_attention_layernorm.weight"))
-                layer.qkv.weight.copy_(torch.cat([get(att + f"{n}_proj.weight") for n in "qkv"]))
-                if cfg.qkv_bias:
-                    layer.qkv.bias.copy_(torch.cat([get(att + f"{n}_proj.bias") for n in "qkv"]))
-                layer.o_proj.weight.copy_(get(att + "o_proj.weight"))
-                if cfg.o_bias:
-                    layer.o_proj.bias.copy_(get(att + "o_proj.bias"))
-                layer.gate_up.weight.copy_(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
-                layer.down.weight.copy_(get(p + "mlp.down_proj.weight"))
-                if cfg.mlp_bias:
-                    layer.gate_up.bias.copy_(torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")]))
-                    layer.down.bias.copy_(get(p + "mlp.down_proj.bias"))
+            for name, tensor in fused_weights(self.cfg, get):
+                params[name].copy_(tensor)
+
+    @classmethod
+    def from_hf_weights(
+        cls,
+        hf_config: PretrainedConfig,
+        get: Callable[[str], torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_positions: int | None = None,
+    ) -> LlamaModel:
+        """A model whose weights are exactly the tensors ``get(hf_name)`` returns, fused: built on the meta
+        device, so no full-size copy exists anywhere else. ``get`` should return each tensor already in
+        ``dtype`` on ``device`` (loading then holds one checkpoint tensor at a time besides the model)."""
+        model = cls(hf_config, max_positions=max_positions, device="meta")
+        state = dict(fused_weights(model.cfg, get))
+        if model.cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        if model.cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rope_cos = model.rope_cos.to(device=device, dtype=dtype)  # as ``.to(device, dtype)`` would
+        model.rope_sin = model.rope_sin.to(device=device, dtype=dtype)
+        return model.eval()
+
+
+def fused_weights(cfg: ArchConfig, get: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(this model's parameter name, tensor) for every weight, from HF-named tensors: q/k/v and gate/up fused
+    (each fused tensor is made right after its parts are read, so only one layer's parts are alive at once)."""
+    yield "embed_tokens.weight", get("model.embed_tokens.weight")
+    yield "norm", get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", get("lm_head.weight")
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        att = hf + "self_attn."
+        yield ours + "input_norm", get(hf + "input_layernorm.weight")
+        yield ours + "post_norm", get(hf + "post_attention_layernorm.weight")
+        yield ours + "qkv.weight", torch.cat([get(att + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.qkv_bias:
+            yield ours + "qkv.bias", torch.cat([get(att + f"{n}_proj.bias") for n in "qkv"])
+        yield ours + "o_proj.weight", get(att + "o_proj.weight")
+        if cfg.o_bias:
+            yield ours + "o_proj.bias", get(att + "o_proj.bias")
+        yield ours + "gate_up.weight", torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")])
+        yield ours + "down.weight", get(hf + "mlp.down_proj.weight")
+        if cfg.mlp_bias:
+            yield ours + "gate_up.bias", torch.cat([get(hf + "mlp.gate_proj.bias"), get(hf + "mlp.up_proj.bias")])
+            yield ours + "down.bias", get(hf + "mlp.down_proj.bias")
 
 
 def attach_gemv_copies(model: LlamaModel, rows: int | None = None) -> int:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec
-from specserve.errors import CorruptModelError, ModelSourceError
+from specserve.errors import CorruptModelError, ModelSourceError, UnsupportedModelError
 from specserve.models.llama import LlamaModel, attach_gemv_copies, quantize_int8_dynamic
 from specserve.models.sources import resolve
 from specserve.spec_decode.eagle_head import EagleHead, load_eagle_head
@@ -23,27 +25,40 @@ def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_posit
 def load_model_dir(
     path: Path, spec: ModelSpec, *, device: str | torch.device = "cpu", max_positions: int | None = None
 ) -> LlamaModel:
+    """Weights go tensor by tensor from the safetensors files to ``device`` in the serving dtype: no full copy of
+    the model is ever built on the host (an 8B bf16 target needs 16 GB on its GPU and one tensor on the host)."""
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelSourceError(f"cannot read config.json in {path}: {e}") from e
-    model = LlamaModel(hf_config, max_positions=max_positions)
-    state: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelSourceError(f"no *.safetensors weights in {path}")
-    for f in files:
-        try:
-            state.update(load_file(f))
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise CorruptModelError(f"cannot read weights {f}: {e}") from e
-    model.load_hf_state_dict(state)
-    model.eval()
+    if spec.int8_dynamic and (spec.dtype != DType.float32 or torch.device(device).type != "cpu"):
+        raise ValueError("int8_dynamic models run on the CPU from float32 weights")
+    dtype = spec.dtype.torch
+    with ExitStack() as stack:
+        where: dict[str, tuple[Any, Path]] = {}  # tensor name -> (open file, its path)
+        for f in files:
+            try:
+                handle = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+            except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+                raise CorruptModelError(f"cannot read weights {f}: {e}") from e
+            where.update((name, (handle, f)) for name in handle.keys())  # noqa: SIM118 - not a dict
+
+        def get(name: str) -> torch.Tensor:
+            if name not in where:
+                raise UnsupportedModelError(f"checkpoint is missing tensor {name!r}")
+            handle, f = where[name]
+            try:
+                tensor = handle.get_tensor(name)
+            except Exception as e:
+                raise CorruptModelError(f"cannot read weights {f}: {e}") from e
+            return tensor.to(dtype=dtype).to(device)
+
+        model = LlamaModel.from_hf_weights(hf_config, get, dtype=dtype, device=device, max_positions=max_positions)
     if spec.int8_dynamic:
-        if spec.dtype != DType.float32 or torch.device(device).type != "cpu":
-            raise ValueError("int8_dynamic models run on the CPU from float32 weights")
         return quantize_int8_dynamic(model)
-    model = model.to(device=device, dtype=spec.dtype.torch)
     if spec.gemv_copies and model.device.type == "cpu":
         attach_gemv_copies(model)
     return model

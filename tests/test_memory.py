@@ -1,0 +1,209 @@
+"""Device memory: the arithmetic of specserve/models/memory.py against real allocations, KV sizing from free
+memory, loading straight to the serving dtype, and the shipped GPU configs against the GPUs they run on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from deployments.app_args import AppArgs, WorkerRole
+from specserve.config import ModelSpec
+from specserve.errors import KVCapacityError
+from specserve.limits import context_limits, model_shape
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_model_dir
+from specserve.models.memory import GIB, ModelShape, kv_bytes_per_slot, kv_slots_that_fit, plan, weight_bytes
+from specserve.models.tiny import hf_state_dict, tiny_config, tiny_head, tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+# The models cluster/serve-gpu.yaml serves are gated on the hub (not downloadable here): their shapes as published
+# in each repo's config.json (meta-llama/Llama-3.1-8B-Instruct, meta-llama/Llama-3.2-1B-Instruct).
+HUB_SHAPES: dict[str, ModelShape] = {
+    "meta-llama/Llama-3.1-8B-Instruct": ModelShape(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        max_positions=131072,
+    ),
+    "meta-llama/Llama-3.2-1B-Instruct": ModelShape(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        max_positions=131072,
+    ),
+}
+# GPU memory per GPU of the instance types cluster/gpu-cluster.yaml names (None: no GPU), as CUDA reports it
+# (torch.cuda.mem_get_info total): g5 = NVIDIA A10G 24 GB, p4d = NVIDIA A100-SXM4 40 GB.
+INSTANCE_GPU_BYTES: dict[str, int | None] = {
+    "m6i.2xlarge": None,
+    "g5.2xlarge": 23028 * MIB,
+    "p4d.24xlarge": 40536 * MIB,
+}
+
+
+def test_parameter_count_matches_the_models_and_the_published_sizes() -> None:
+    for model in (tiny_model(), tiny_model(tiny_config(tie_word_embeddings=True)), tiny_model(tiny_config("qwen2"))):
+        assert model_shape(model).num_params == sum(p.numel() for p in model.parameters())
+    assert round(HUB_SHAPES["meta-llama/Llama-3.1-8B-Instruct"].num_params / 1e9, 2) == 8.03  # "8B": 8.03e9
+    assert round(HUB_SHAPES["meta-llama/Llama-3.2-1B-Instruct"].num_params / 1e9, 2) == 1.24  # "1B": 1.24e9
+
+
+def test_kv_bytes_match_the_cache_allocation() -> None:
+    for model in (tiny_model().to(torch.bfloat16), tiny_head(tiny_model())):
+        cache = model.new_cache(3, 40)
+        allocated = sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v))
+        dtype_bytes = cache.k[0].element_size()
+        assert 3 * kv_bytes_per_slot(model_shape(model), dtype_bytes, 40) == allocated
+
+
+def test_slots_that_fit_follow_the_utilisation_setting() -> None:
+    common = {"slot_bytes": GIB, "activation_bytes_per_slot": GIB // 2}
+    # 80 GiB device, 30 GiB used by weights: 0.9 * 80 - 30 = 42 GiB -> 28 slots of 1.5 GiB
+    assert kv_slots_that_fit(total_bytes=80 * GIB, free_bytes=50 * GIB, utilization=0.9, requested=64, **common) == 28
+    assert kv_slots_that_fit(total_bytes=80 * GIB, free_bytes=50 * GIB, utilization=0.9, requested=16, **common) == 16
+    assert kv_slots_that_fit(total_bytes=80 * GIB, free_bytes=10 * GIB, utilization=0.9, requested=4, **common) == 1
+    with pytest.raises(KVCapacityError, match="not even one KV slot fits"):  # 72 - 71 = 1 GiB < 1.5 GiB
+        kv_slots_that_fit(total_bytes=80 * GIB, free_bytes=9 * GIB, utilization=0.9, requested=4, **common)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        kv_slots_that_fit(total_bytes=GIB, free_bytes=GIB, utilization=1.5, requested=1, **common)
+
+
+def test_cpu_keeps_max_batch_size_slots() -> None:
+    from specserve.engine import Engine
+
+    engine = Engine(
+        tiny_model(), None, max_batch_size=5, max_model_len=64, eos_token_ids=set(), gpu_memory_utilization=0.5
+    )
+    assert engine.loop.target.cache.num_slots == 5  # the setting sizes CUDA devices only
+
+
+def _write_hf_dir(model: LlamaModel, path: Path) -> Path:
+    path.mkdir()
+    save_file(hf_state_dict(model), path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(model.hf_config.to_dict()))
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_loading_builds_the_serving_dtype_directly(tmp_path: Path, dtype: str, tied: bool) -> None:
+    model = tiny_model(tiny_config(tie_word_embeddings=tied), seed=3)
+    spec = ModelSpec(source=str(tmp_path / "m"), dtype=dtype)  # type: ignore[arg-type]
+    loaded = load_model_dir(_write_hf_dir(model, tmp_path / "m"), spec, max_positions=256)
+    want = model.to(spec.dtype.torch)  # the old path: a float32 model, then .to(dtype)
+    assert {p.dtype for p in loaded.parameters()} == {spec.dtype.torch}
+    assert loaded.rope_cos.dtype == want.rope_cos.dtype
+    assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == tied
+    for (name, p), (_, q) in zip(loaded.state_dict().items(), want.state_dict().items(), strict=True):
+        assert torch.equal(p, q), name
+    assert torch.equal(_logits(loaded, [3, 4, 5, 6]), _logits(want, [3, 4, 5, 6]))
+
+
+def _logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, 32)
+    return model(ForwardBatch.build(cache, [cache.allocate()], [tokens]), cache)
+
+
+def test_weights_are_the_loaded_tensors_not_copies() -> None:
+    """``from_hf_weights`` assigns what the loader hands it: no second (e.g. float32 host) model exists."""
+    sd = {k: v.to(torch.bfloat16) for k, v in hf_state_dict(tiny_model(seed=4)).items()}
+    handed: dict[str, int] = {}
+
+    def get(name: str) -> torch.Tensor:
+        handed[name] = sd[name].data_ptr()
+        return sd[name]
+
+    model = LlamaModel.from_hf_weights(tiny_config(), get, dtype=torch.bfloat16, device="cpu")
+    assert model.embed_tokens.weight.data_ptr() == handed["model.embed_tokens.weight"]
+    assert model.layers[0].down.weight.data_ptr() == handed["model.layers.0.mlp.down_proj.weight"]
+    assert all(p.device.type == "cpu" for p in model.parameters())  # nothing left on the meta device
+
+
+def _shipped_apps() -> list[tuple[str, AppArgs]]:
+    out = []
+    for path in ("cluster/serve-gpu.yaml", "cluster/rayservice.yaml"):
+        doc = yaml.safe_load((REPO / path).read_text())
+        if doc.get("kind") == "RayService":
+            doc = yaml.safe_load(doc["spec"]["serveConfigV2"])
+        out += [(path, AppArgs.model_validate(app["args"])) for app in doc["applications"]]
+    return out
+
+
+def _gpu_node_bytes() -> dict[str, int]:
+    cluster = yaml.safe_load((REPO / "cluster/gpu-cluster.yaml").read_text())
+    types = [node["node_config"]["InstanceType"] for node in cluster["available_node_types"].values()]
+    assert set(types) <= set(INSTANCE_GPU_BYTES), f"add the GPU size of {set(types) - set(INSTANCE_GPU_BYTES)}"
+    return {t: b for t in types if (b := INSTANCE_GPU_BYTES[t]) is not None}
+
+
+def _worker_bytes(args: AppArgs, role: WorkerRole) -> int:
+    """Weights + KV + activations + CUDA context of one worker actor of ``args`` (one GPU each)."""
+    recipe = args.recipe(role)
+    assert recipe is not None and isinstance(recipe.spec, ModelSpec)
+    target = args.recipe(WorkerRole.target)
+    draft = args.recipe(WorkerRole.draft)
+    assert target is not None and target.spec is not None
+    t_shape = HUB_SHAPES[target.spec.source]
+    d_shape = None if draft is None or draft.spec is None else HUB_SHAPES[draft.spec.source]
+    limits = context_limits(
+        max_model_len=args.max_model_len,
+        spec_headroom=args.spec_headroom,
+        speculation=args.speculation,
+        target_positions=t_shape.max_positions,
+        target_vocab=t_shape.vocab_size,
+        draft_positions=None if d_shape is None else d_shape.max_positions,
+        draft_vocab=None if d_shape is None else d_shape.vocab_size,
+    )
+    shape = HUB_SHAPES[recipe.spec.source]
+    return plan(
+        shape,
+        recipe.spec.dtype.torch.itemsize,
+        num_slots=args.max_batch_size,
+        max_len=limits.kv_len,
+        step_tokens=limits.spec_headroom,
+        prefill_tokens=limits.max_model_len,
+    ).total
+
+
+def test_shipped_gpu_configs_fit_every_gpu_node_type() -> None:
+    nodes = _gpu_node_bytes()
+    assert nodes, "cluster/gpu-cluster.yaml names no GPU node type"
+    for path, args in _shipped_apps():
+        for role in args.roles:
+            resources = args.resources(role)
+            assert resources.num_gpus == 1, f"{path}: {role.value} is sized for a GPU of its own"
+            need = _worker_bytes(args, role)
+            util = args.gpu_memory_utilization or 1.0
+            for instance, gpu_bytes in nodes.items():
+                assert need <= util * gpu_bytes, (
+                    f"{path}: the {role.value} needs {need / GIB:.1f} GiB at {args.max_batch_size} x "
+                    f"{args.max_model_len} tokens; {instance} has {util:.2f} x {gpu_bytes / GIB:.1f} GiB"
+                )
+
+
+def test_the_fit_check_rejects_the_old_sizing() -> None:
+    """The check can fail: batch 64 at 8192 tokens (the configs before sizing) needs 64 GiB of KV alone."""
+    _, args = _shipped_apps()[0]
+    old = args.model_copy(update={"max_batch_size": 64, "max_model_len": 8192})
+    assert _worker_bytes(old, WorkerRole.target) > max(_gpu_node_bytes().values())
+    target = HUB_SHAPES["meta-llama/Llama-3.1-8B-Instruct"]
+    assert 64 * kv_bytes_per_slot(target, 2, 8192) == 64 * GIB
+    assert weight_bytes(target, 2) > 14.9 * GIB  # bf16 8B
