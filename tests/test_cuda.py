@@ -1,0 +1,214 @@
+"""The GPU path on a real CUDA device (every test skips without one):
+
+    .venv/bin/pytest -q tests/test_cuda.py
+
+workers on CUDA, plain and speculative greedy equality, the engine-level chi-square of sampled outputs, DDD tree
+drafting, flash-attn chain verification, KV sizing from free memory, loading straight to the device, and the
+Serve app with ``num_gpus``. Tiny random models (specserve/models/tiny.py) keep it to a minute or two.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.config import ChainDraft, ModelSpec, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.errors import KVCapacityError
+from specserve.limits import device_kv_slots
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_model_dir
+from specserve.models.tiny import hf_state_dict, noisy_copy, tiny_model
+from specserve.sampling import SamplingParams
+from specserve.workers import DraftWorker, TargetWorker
+from tests.conftest import greedy_reference
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = "cuda"
+PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7, 1, 2]]
+METHODS = {
+    "plain": SpecConfig(method=SpecMethod.none),
+    "chain": SpecConfig(method=SpecMethod.chain, sl=3),
+    "chain-greedy": SpecConfig(method=SpecMethod.chain, sl=6, chain_draft=ChainDraft.greedy),
+    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=4, beam_width=3, budget=12),
+    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=3, budget=12, ddd_max_depth=7, ddd_check_steps=(2, 4, 6)),
+}
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_model(seed=0).to(CUDA)
+
+
+@pytest.fixture(scope="module")
+def draft(target: LlamaModel) -> LlamaModel:
+    return noisy_copy(target, 0.05, seed=3).to(CUDA)
+
+
+@pytest.mark.parametrize("name", ["chain", "chain-sampled", "eagle2"])
+def test_workers_run_every_request_kind_on_the_device(target: LlamaModel, draft: LlamaModel, name: str) -> None:
+    """Greedy, seeded and unseeded sampled requests in one batch: caches, generators and drafts on CUDA."""
+    spec = METHODS.get(name) or SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.sampled)
+    engine = Engine(target, None, draft=draft, speculation=spec, max_batch_size=3, eos_token_ids=set())
+    t_worker, d_worker = engine.loop.target, engine.loop.draft
+    assert isinstance(t_worker, TargetWorker) and isinstance(d_worker, DraftWorker)
+    assert t_worker.cache.k[0].device.type == d_worker.cache.k[0].device.type == "cuda"
+    params = [
+        SamplingParams(max_tokens=10),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=10),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10),
+    ]
+    t_worker.add(99, params[2])
+    assert t_worker.generators[99].device.type == "cuda"
+    t_worker.release([99])
+    outs = engine.generate(PROMPTS[:3], params)
+    assert [len(o.token_ids) for o in outs] == [10, 10, 10]
+    assert t_worker.cache.num_free == 3
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_greedy_output_equals_plain_greedy(target: LlamaModel, draft: LlamaModel, name: str) -> None:
+    spec = METHODS[name]
+    engine = Engine(
+        target, None, draft=None if name == "plain" else draft, speculation=spec, max_batch_size=3, eos_token_ids=set()
+    )
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=16))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 16)
+    if name != "plain":
+        assert sum(o.stats.accepted for o in outs) > 0  # a close draft gets tokens accepted
+
+
+def test_ddd_trees_stop_by_their_mass_and_stay_lossless(target: LlamaModel) -> None:
+    """DDD with a draft far from the target: shallow trees (H falls early), still the target's greedy output."""
+    spec = SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=16, ddd_max_depth=8, ddd_check_steps=(1, 2, 4))
+    far = noisy_copy(target, 0.5, seed=5).to(CUDA)
+    engine = Engine(target, None, draft=far, speculation=spec, max_batch_size=4, eos_token_ids=set())
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 12)
+        assert out.stats.drafted > 0
+
+
+@pytest.mark.parametrize("name", ["chain-keyed", "chain-sampled", "tree"])
+def test_sampled_outputs_have_the_targets_distribution(target: LlamaModel, name: str) -> None:
+    """tests/test_seeded_sampling.py's engine-level chi-square, with the models on the GPU."""
+    from tests.test_seeded_sampling import CHI_SPECS, _engine_pairs, _exact_pairs, _pvalue
+
+    engine = Engine(
+        target,
+        None,
+        draft=noisy_copy(target, 0.5, seed=4).to(CUDA),
+        speculation=CHI_SPECS[name],
+        eos_token_ids=set(),
+        max_batch_size=64,
+    )
+    assert _pvalue(_engine_pairs(engine), _exact_pairs(target)) > 1e-3
+
+
+def test_flash_attn_chain_verification_matches_sdpa() -> None:
+    pytest.importorskip("flash_attn")
+    model = tiny_model(seed=11).to(CUDA, torch.bfloat16)
+    prompts, chains = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]], [[1, 2], [3], [4, 5, 6]]
+
+    def run(flash: bool) -> torch.Tensor:
+        model.use_flash_attn = flash
+        cache = model.new_cache(4, 64)
+        cache.allocate()  # the batch's slots are not 0..B-1
+        slots = [cache.allocate() for _ in prompts]
+        model(ForwardBatch.build(cache, slots, prompts, device=CUDA), cache)
+        batch = ForwardBatch.build(cache, slots[::-1], chains, device=CUDA)
+        assert batch.causal
+        return model(batch, cache)
+
+    assert (run(True) - run(False)).abs().max() < 5e-2
+    model.use_flash_attn = True
+
+
+def test_kv_slots_are_sized_from_free_memory(target: LlamaModel) -> None:
+    assert device_kv_slots([target], requested=4, max_len=256, step_tokens=16, utilization=0.9) == 4  # tiny fits
+    assert device_kv_slots([target], requested=4, max_len=256, step_tokens=16, utilization=None) == 4
+    free = torch.cuda.mem_get_info()[0]
+    huge = int(free / (2 * target.cfg.num_layers * target.cfg.num_kv_heads * target.cfg.head_dim * 4)) + 1
+    with pytest.raises(KVCapacityError, match="not even one KV slot fits"):  # one slot longer than the free memory
+        device_kv_slots([target], requested=1, max_len=huge, step_tokens=16, utilization=1.0)
+    engine = Engine(target, None, max_batch_size=4, max_model_len=128, gpu_memory_utilization=0.9)
+    assert engine.loop.target.cache.num_slots == 4
+
+
+def test_loading_goes_straight_to_the_device(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model = tiny_model(seed=7)
+    (tmp_path / "m").mkdir()
+    save_file(hf_state_dict(model), tmp_path / "m" / "model.safetensors")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(model.hf_config.to_dict()))
+    spec = ModelSpec(source=str(tmp_path / "m"), dtype="bfloat16")  # type: ignore[arg-type]
+    loaded = load_model_dir(tmp_path / "m", spec, device=CUDA)
+    assert {(p.device.type, p.dtype) for p in loaded.parameters()} == {("cuda", torch.bfloat16)}
+    want = model.to(CUDA, torch.bfloat16)
+    for (name, p), (_, q) in zip(loaded.state_dict().items(), want.state_dict().items(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gpu_app_url() -> Iterator[str]:
+    import ray
+    from ray import serve
+
+    from deployments.app import app_builder
+
+    args = {
+        "tiny": {"seed": 0, "draft_noise": 0.05, "draft_seed": 3},
+        "speculation": {"method": "chain", "sl": 3},
+        "max_batch_size": 4,
+        "gpu_memory_utilization": 0.9,
+        "router_resources": {"num_cpus": 0.5},
+        "target_resources": {"num_cpus": 0.5, "num_gpus": 0.5},  # both actors on the one GPU
+        "draft_resources": {"num_cpus": 0.5, "num_gpus": 0.5},
+    }
+    port = _free_port()
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app_builder(args), name="gpu", route_prefix="/gpu")
+        yield f"http://127.0.0.1:{port}/gpu"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_serve_app_on_gpus_answers_like_the_engine(gpu_app_url: str) -> None:
+    import httpx
+
+    from deployments.tiny_tokenizer import tiny_tokenizer
+
+    body = {"model": "tiny", "prompt": "the cache", "max_tokens": 12, "temperature": 0}
+    reply = httpx.post(f"{gpu_app_url}/v1/completions", json=body, timeout=120.0)
+    assert reply.status_code == 200, reply.text
+    target = tiny_model(seed=0).to(CUDA)
+    engine = Engine(
+        target,
+        tiny_tokenizer(),
+        draft=noisy_copy(tiny_model(seed=0), 0.05, seed=3).to(CUDA),
+        speculation=SpecConfig(method=SpecMethod.chain, sl=3),
+        max_batch_size=4,
+    )
+    want = engine.generate(["the cache"], SamplingParams(max_tokens=12))[0].text
+    assert reply.json()["choices"][0]["text"] == want
