@@ -183,8 +183,11 @@ def gpu_app_url() -> Iterator[str]:
         "target_resources": {"num_cpus": 0.5, "num_gpus": 0.5},  # both actors on the one GPU
         "draft_resources": {"num_cpus": 0.5, "num_gpus": 0.5},
     }
+    from ray.job_config import JobConfig
+
     port = _free_port()
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False)
+    repo = Path(__file__).resolve().parents[1]  # workers import `deployments` from here (as in tests/test_serve.py)
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, job_config=JobConfig(code_search_path=[str(repo)]))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app_builder(args), name="gpu", route_prefix="/gpu")
