@@ -1,11 +1,12 @@
 """`specserve bench runner`: how close the runner's forward is to the hardware (issue 14).
 
 For each row count r it times, interleaved repeat by repeat in one process: the runner's batch-1 forward over r new
-tokens after ``--context`` cached ones (r = 1 is a decode step, r > 1 a chain verification, tree-masked as the
-target verifies), and the bare matmuls of the same weights (every linear of every layer and the LM head, ``x @
-W.T`` over r rows, nothing else). ``overhead`` = runner / bare: what norms, RoPE, attention, dispatch and Python
-add to the weight reads. Also the floor one step cannot beat: the weight bytes over the read bandwidth measured
-here (``x.sum()`` over 1 GiB). Prints a table and writes a CSV.
+tokens after ``--context`` cached ones (r = 1 is a decode step, r > 1 a chain verification, causal as the target
+verifies chains; ``--tree-mask`` times the explicit-mask path trees take), and the bare matmuls of the same
+weights (every linear of every layer and the LM head, ``x @ W.T`` over r rows, nothing else). ``overhead`` =
+runner / bare: what norms, RoPE, attention, dispatch and Python add to the weight reads. Also the floor one step
+cannot beat: the weight bytes over the read bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and
+writes a CSV.
 
     .venv/bin/specserve bench runner --rows 1 4 16 --out bench_out/runner
     .venv/bin/specserve bench runner --dtype bfloat16
@@ -38,6 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="new tokens per forward")
     p.add_argument("--context", type=int, default=256, help="cached tokens before them")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--tree-mask", action="store_true", help="verify with an explicit mask, as trees do")
     p.add_argument("--out", type=Path, default=Path("bench_out/runner"))
 
 
@@ -59,9 +61,9 @@ def bare_matmuls(weights: list[torch.Tensor], rows: int) -> Callable[[], None]:
     return run
 
 
-def runner_forward(model: LlamaModel, rows: int, context: int, *, tree_mask: bool = True) -> Callable[[], None]:
-    """One batch-1 forward over ``rows`` new tokens after ``context`` cached ones (with the explicit mask a
-    verification passes, or plainly causal as a prefill); the cache is cut back after."""
+def runner_forward(model: LlamaModel, rows: int, context: int, *, tree_mask: bool = False) -> Callable[[], None]:
+    """One batch-1 forward over ``rows`` new tokens after ``context`` cached ones (causal, as a chain verifies or a
+    prompt prefills, or with the explicit mask a tree verification passes); the cache is cut back after."""
     cache = model.new_cache(1, context + rows + 1)
     slot = cache.allocate()
     gen = torch.Generator().manual_seed(0)
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         for r in args.rows
         for kind, make in (
             ("bare", lambda r: bare_matmuls(weights, r)),
-            ("runner", lambda r: runner_forward(model, r, args.context)),
+            ("runner", lambda r: runner_forward(model, r, args.context, tree_mask=args.tree_mask)),
         )
     }
     times: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
