@@ -153,6 +153,8 @@ def gemv_rows_for(weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS, repeats: 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == weight.dtype == torch.float32:  # one fused op (the same values: normalise, then scale)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -189,12 +191,12 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         n_tok = x.shape[0]
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        q, k, v = linear(self.qkv, h).split(
-            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1
-        )
-        q = apply_rope(q.view(n_tok, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(n_tok, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        write_kv(k_cache, v_cache, k, v.view(n_tok, cfg.num_kv_heads, cfg.head_dim), batch)
+        qkv = linear(self.qkv, h)  # [N, (H_q + 2 H_kv) D]
+        qk_size = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+        # RoPE once over q and k together (half the small ops; elementwise, so the same values)
+        qk = apply_rope(qkv[:, :qk_size].view(n_tok, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        write_kv(k_cache, v_cache, k, qkv[:, qk_size:].view(n_tok, cfg.num_kv_heads, cfg.head_dim), batch)
         out = attention(q, k_cache, v_cache, batch, use_flash=use_flash)  # [N, H, D]
         x = x + linear(self.o_proj, out.reshape(n_tok, -1))
         gate, up = linear(self.gate_up, rms_norm(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
