@@ -44,3 +44,34 @@ def test_flash_attn_only_for_half_precision_on_cuda(monkeypatch: pytest.MonkeyPa
     assert not attention.flash_attn_available(torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(attention, "flash_attn_with_kvcache", None)
     assert not attention.flash_attn_available(cuda, torch.bfloat16)
+
+
+# -- issue 13 item 1: each worker's random streams live on its model's device -----------------------------------
+
+
+@pytest.mark.parametrize("role", ["target", "draft", "head"])
+def test_workers_create_their_generators_on_the_models_device(role: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a CPU generator passed to a CUDA sampling op raises; here the model pretends to live on CUDA and
+    the worker must ask for its generators there (the mistake this catches: a hard-coded or default device)."""
+    from specserve.models.llama import LlamaModel
+    from specserve.models.tiny import tiny_head, tiny_model
+    from specserve.sampling import SamplingParams
+    from specserve.spec_decode.eagle_head import EagleHead
+    from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
+    from specserve.workers import draft as draft_module
+    from specserve.workers import head_draft as head_module
+    from specserve.workers import target as target_module
+
+    target = tiny_model(seed=0)
+    worker: TargetWorker | DraftWorker | HeadDraftWorker
+    if role == "target":
+        worker, module, cls = TargetWorker(target, num_slots=1, max_len=32), target_module, LlamaModel
+    elif role == "draft":
+        worker, module, cls = DraftWorker(target, num_slots=1, max_len=32), draft_module, LlamaModel
+    else:
+        worker, module, cls = HeadDraftWorker(tiny_head(target), num_slots=1, max_len=32), head_module, EagleHead
+    asked: list[torch.device] = []
+    monkeypatch.setattr(module, "make_generator", lambda seed, device, **_: asked.append(torch.device(device)))
+    monkeypatch.setattr(cls, "device", property(lambda self: torch.device("cuda", 0)))
+    worker.add(0, SamplingParams(temperature=0.7, seed=1))
+    assert asked == [torch.device("cuda", 0)]
