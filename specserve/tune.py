@@ -25,8 +25,11 @@ from specserve.timing import timed
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 
-def time_verify(model: LlamaModel, sizes: Sequence[int], *, context: int = 256, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one batch-1 target forward over T new tokens (tree-masked) after ``context`` tokens."""
+def time_verify(
+    model: LlamaModel, sizes: Sequence[int], *, context: int = 256, repeats: int = 5, causal: bool = False
+) -> dict[int, float]:
+    """Median seconds of one batch-1 target forward over T new tokens after ``context`` tokens: tree-masked, or
+    causal as a chain verifies (``causal``)."""
     cache = model.new_cache(1, context + max(sizes) + 1)
     slot = cache.allocate()
     gen = torch.Generator().manual_seed(0)
@@ -35,7 +38,7 @@ def time_verify(model: LlamaModel, sizes: Sequence[int], *, context: int = 256, 
     out: dict[int, float] = {}
     for t in sizes:
         tokens = torch.randint(0, model.cfg.vocab_size, (t,), generator=gen)
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = None if causal else torch.ones(t, t, dtype=torch.bool).tril()
         positions = [list(range(context, context + t))]
         times = []
         for _ in range(repeats + 1):  # the first run warms up
@@ -46,11 +49,16 @@ def time_verify(model: LlamaModel, sizes: Sequence[int], *, context: int = 256, 
 
 
 def _forward(
-    model: LlamaModel, cache: KVCache, slot: int, tokens: torch.Tensor, mask: torch.Tensor, positions: list[list[int]]
+    model: LlamaModel,
+    cache: KVCache,
+    slot: int,
+    tokens: torch.Tensor,
+    mask: torch.Tensor | None,
+    positions: list[list[int]],
 ) -> None:
-    model(
-        ForwardBatch.build(cache, [slot], [tokens], tree_masks=[mask], positions=positions, device=model.device), cache
-    )
+    masks = None if mask is None else [mask]
+    batch = ForwardBatch.build(cache, [slot], [tokens], tree_masks=masks, positions=positions, device=model.device)
+    model(batch, cache)
 
 
 def profile_key(model: LlamaModel, context: int) -> str:
@@ -59,14 +67,17 @@ def profile_key(model: LlamaModel, context: int) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def verify_profile(model: LlamaModel, sizes: Sequence[int] = DEFAULT_SIZES, *, context: int = 256) -> dict[int, float]:
-    """time_verify, cached on disk per model shape, dtype, device, thread count and torch version."""
-    path = cache_dir() / "profiles" / f"verify-{profile_key(model, context)}.json"
+def verify_profile(
+    model: LlamaModel, sizes: Sequence[int] = DEFAULT_SIZES, *, context: int = 256, causal: bool = False
+) -> dict[int, float]:
+    """time_verify, cached on disk per model shape, dtype, device, thread count, torch version and mask kind."""
+    kind = "-causal" if causal else ""
+    path = cache_dir() / "profiles" / f"verify-{profile_key(model, context)}{kind}.json"
     if path.exists():
         cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
         if all(t in cached for t in sizes):
             return {t: cached[t] for t in sizes}
-    prof = time_verify(model, sizes, context=context)
+    prof = time_verify(model, sizes, context=context, causal=causal)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(prof))
     return prof
@@ -140,7 +151,7 @@ def autotune(
     engine.generate(list(prompts), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     records = [r for step in engine.loop.stats.records for r in step if r.depth > 0]
     draft_per_step = engine.loop.stats.timing.draft_s / max(1, engine.loop.stats.timing.steps)
-    verify = verify_profile(target, sorted({c + 1 for c in cands} if is_chain else set(cands)))
+    verify = verify_profile(target, sorted({c + 1 for c in cands} if is_chain else set(cands)), causal=is_chain)
     rows = []
     for c in cands:
         if is_chain:

@@ -39,6 +39,27 @@ def test_verify_profile_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert list((tmp_path / "profiles").glob("verify-*.json"))
 
 
+def test_chains_are_profiled_causally_and_cached_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chains verify as a causal batch, trees with their mask: the profiler times each as it runs."""
+    from specserve.models.batch import ForwardBatch
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    model = tiny_model(seed=0)
+    masked: list[bool] = []
+    real_build = ForwardBatch.build
+
+    def build(*args: object, **kwargs: object) -> ForwardBatch:
+        masked.append(kwargs.get("tree_masks") is not None)
+        return real_build(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ForwardBatch, "build", staticmethod(build))
+    verify_profile(model, (4,), causal=True)
+    chain_calls, masked[:] = masked[1:], []  # the first build is the context's prefill
+    verify_profile(model, (4,))
+    assert chain_calls and not any(chain_calls) and all(masked[1:])
+    assert len(list((tmp_path / "profiles").glob("verify-*.json"))) == 2
+
+
 @pytest.mark.parametrize("method", [SpecMethod.chain, SpecMethod.eagle2])
 def test_autotune_picks_the_hand_computed_optimum(
     method: SpecMethod, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
