@@ -51,11 +51,14 @@ class ResumableStream:
         deadline: float | None = None
         try:
             while True:
+                seen = self.last_event_id
                 try:
                     yield from self._one_connection(client)
                     return
                 except (httpx.TransportError, _Retryable) as e:
                     now = time.monotonic()
+                    if self.last_event_id != seen:  # that connection made progress: a new outage starts now
+                        deadline = None
                     deadline = deadline or now + self.heal_timeout_s
                     if now > deadline:
                         raise StreamFailedError(f"the stream could not be resumed: {e}") from e

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.build import build_step_loop, draft_geometry, eos_ids_of, local_draft_worker
 from specserve.config import EngineConfig, LoopConfig, SpecConfig, SpecMethod
-from specserve.errors import InvalidRequestError
+from specserve.errors import InvalidRequestError, PartialStepError
 from specserve.limits import context_limits, device_kv_slots
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
@@ -151,7 +151,7 @@ class Engine:
         text: dict[str, str] = {rid: "" for rid in ids}
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
-            for out in self.loop.step():
+            for out in self._step():
                 tokens[out.request_id] += out.token_ids
                 text[out.request_id] += out.text
                 if out.finished:
@@ -161,6 +161,16 @@ class Engine:
             for rid in ids
         ]
 
+    def _step(self) -> list[RequestOutput]:
+        """One loop step; a request that failed to commit is aborted (its KV freed) before the error propagates."""
+        try:
+            return self.loop.step()
+        except PartialStepError as e:
+            for seq_id in e.failures:
+                if (request_id := self.loop.request_id(seq_id)) is not None:
+                    self.loop.abort(request_id)
+            raise
+
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
     ) -> Iterator[RequestOutput]:
@@ -168,7 +178,7 @@ class Engine:
         rid = self.submit(prompt, params, chat=chat)
         try:
             while True:
-                for out in self.loop.step():
+                for out in self._step():
                     if out.request_id == rid:
                         yield out
                         if out.finished:

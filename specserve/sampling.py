@@ -78,13 +78,19 @@ def position_key(seed: int, position: int) -> int:
 
 
 def keyed_exponentials(seed: int, positions: list[int], vocab: int, device: torch.device | str) -> torch.Tensor:
-    """[N, V] float32 Exp(1) noise; row i is a function of (seed, positions[i]) alone (docs/algorithms.md §1.4)."""
+    """[N, V] float32 Exp(1) noise; row i is a function of (seed, positions[i]) alone (docs/algorithms.md §1.4).
+    Drawn once per distinct position (a tree's nodes at one depth share it)."""
+    distinct = sorted(set(positions))
     rows = []
-    for pos in positions:
+    for pos in distinct:
         gen = torch.Generator(device=device)
         gen.manual_seed(position_key(seed, pos))
         rows.append(torch.empty(vocab, device=device).exponential_(generator=gen))  # [V]
-    return torch.stack(rows)
+    noise = torch.stack(rows)  # [P, V]
+    if len(distinct) == len(positions) and distinct == positions:
+        return noise
+    index = {pos: i for i, pos in enumerate(distinct)}
+    return noise[torch.tensor([index[p] for p in positions], device=noise.device)]  # [N, V]
 
 
 def keyed_sample(

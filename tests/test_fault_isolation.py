@@ -21,7 +21,7 @@ from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFaile
 from specserve.api.metrics import ServeMetrics
 from specserve.config import SpecConfig, SpecMethod
 from specserve.engine import Engine
-from specserve.errors import SequenceError, blame, blamed_sequence
+from specserve.errors import PartialStepError, SequenceError, blame, blamed_sequence
 from specserve.messages import Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
@@ -436,3 +436,28 @@ def test_hostile_requests_leave_every_victim_its_own_output(hostile_backend: Loc
         assert httpx.get(url + "/health").status_code == 200
         _settle(backend.lane)
         assert isinstance(faulty.worker, TargetWorker) and faulty.worker.cache.num_free == 8
+
+
+def test_the_engine_frees_a_request_that_failed_to_commit(
+    models: tuple[LlamaModel, LlamaModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process there is no lane to fail the request alone: the error reaches the caller, and the request is
+    gone from the loop with its KV freed (not left running with nobody to read it)."""
+    engine = _engine(models)
+    real = StepLoop._commit
+
+    def commit(self: StepLoop, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
+        result = real(self, seq, proposal, out)
+        if seq.request.prompt_ids == PROMPTS[1]:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "poisoned token")
+        return result
+
+    monkeypatch.setattr(StepLoop, "_commit", commit)
+    with pytest.raises(PartialStepError, match="poisoned"):
+        engine.generate(PROMPTS, GREEDY)
+    assert all(s.request.prompt_ids != PROMPTS[1] for s in engine.loop.running)
+    monkeypatch.setattr(StepLoop, "_commit", real)
+    while engine.loop.has_work:  # the others can still run to their end
+        engine.loop.step()
+    assert isinstance(engine.loop.target, TargetWorker)
+    assert engine.loop.target.cache.num_free == engine.loop.max_batch_size

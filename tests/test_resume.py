@@ -189,3 +189,36 @@ def test_the_client_helper_resumes_across_cut_connections(url: str) -> None:
     assert stream.resumes == 4 and transport.connections == 5
     assert "".join(d.text for d in got) == "".join(d.text for d in ref)
     assert [t for d in got for t in d.token_ids] == [t for d in ref for t in d.token_ids]
+
+
+def test_ids_are_unique_and_resuming_after_the_finish_or_usage_event_repeats_neither(url: str) -> None:
+    body = {**SAMPLED, "seed": 3, "stream_options": {"include_usage": True}}
+    full = _events(url, COMPLETIONS, body)
+    ids = [e["id"] for e in full if "id" in e]
+    assert len(ids) == len(set(ids))
+    finish = next(
+        e for e in full if e["data"] != "[DONE]" and e["data"]["choices"] and e["data"]["choices"][0]["finish_reason"]
+    )
+    usage = next(e for e in full if e["data"] != "[DONE]" and not e["data"]["choices"])
+    assert finish["id"].endswith("-f") and usage["id"].endswith("-u")
+    after_finish = _events(url, COMPLETIONS, {**body, "resume_from": finish["id"]})
+    assert [e["data"] if e["data"] == "[DONE]" else "usage" for e in after_finish] == ["usage", "[DONE]"]
+    after_usage = _events(url, COMPLETIONS, {**body, "resume_from": usage["id"]})
+    assert [e["data"] for e in after_usage] == ["[DONE]"]
+
+
+def test_the_heal_timeout_counts_each_outage_not_the_whole_stream(url: str) -> None:
+    """Four short outages, each shorter than the heal timeout, together longer: the stream still completes."""
+    body = {**SAMPLED, "seed": 9, "max_tokens": 60, "ignore_eos": True}
+    ref = "".join(d.text for d in ResumableStream(url, COMPLETIONS, body).deltas())
+    transport = _CuttingTransport(cut_after=3, cuts=4)
+    stream = ResumableStream(
+        url,
+        COMPLETIONS,
+        body,
+        client=httpx.Client(transport=transport, timeout=60),
+        heal_timeout_s=0.25,
+        retry_interval_s=0.1,
+    )
+    assert "".join(d.text for d in stream.deltas()) == ref
+    assert stream.resumes == 4

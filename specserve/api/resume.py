@@ -3,7 +3,9 @@ connection resends the same request with that id and gets the rest, token-identi
 output is a function of the request alone, so the server regenerates it and skips what was delivered).
 
 An id is ``<tokens>-<bytes>-<crc32>``: output tokens sent, UTF-8 bytes of text sent, and the CRC-32 of that text,
-so a replay that would not reproduce the delivered text is reported instead of spliced.
+so a replay that would not reproduce the delivered text is reported instead of spliced. The last events add the
+phase they close: ``-f`` on the event carrying ``finish_reason``, ``-u`` on the usage event, so that every id is
+unique and a resume after either sends neither again.
 """
 
 from __future__ import annotations
@@ -11,12 +13,25 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from specserve.api.error_bodies import APIError, ResumeMismatchError
 from specserve.sequence import RequestOutput
 
-_MARK = re.compile(r"(\d{1,12})-(\d{1,15})-([0-9a-f]{8})")
+_MARK = re.compile(r"(\d{1,12})-(\d{1,15})-([0-9a-f]{8})(?:-([fu]))?")
 RESUME_PARAM = "resume_from"
+
+
+class StreamPhase(str, Enum):
+    """What the stream has sent besides content, in order."""
+
+    content = ""
+    finished = "f"  # the event with finish_reason
+    usage = "u"  # the usage event (stream_options.include_usage)
+
+    @property
+    def rank(self) -> int:
+        return list(StreamPhase).index(self)
 
 
 @dataclass(frozen=True)
@@ -26,9 +41,11 @@ class StreamMark:
     tokens: int = 0
     text_bytes: int = 0
     crc: int = 0  # CRC-32 of the text's first ``text_bytes`` UTF-8 bytes
+    phase: StreamPhase = StreamPhase.content
 
     def render(self) -> str:
-        return f"{self.tokens}-{self.text_bytes}-{self.crc:08x}"
+        suffix = f"-{self.phase.value}" if self.phase != StreamPhase.content else ""
+        return f"{self.tokens}-{self.text_bytes}-{self.crc:08x}{suffix}"
 
     @classmethod
     def parse(cls, value: str) -> StreamMark:
@@ -36,13 +53,16 @@ class StreamMark:
         if m is None:
             raise APIError(
                 f"{RESUME_PARAM} / Last-Event-ID {value[:40]!r} is not an event id of this server "
-                "(<tokens>-<bytes>-<crc32>)",
+                "(<tokens>-<bytes>-<crc32>[-f|-u])",
                 param=RESUME_PARAM,
             )
-        return cls(int(m[1]), int(m[2]), int(m[3], 16))
+        return cls(int(m[1]), int(m[2]), int(m[3], 16), StreamPhase(m[4] or ""))
 
     def after(self, token_ids: list[int], text: bytes) -> StreamMark:
         return StreamMark(self.tokens + len(token_ids), self.text_bytes + len(text), zlib.crc32(text, self.crc))
+
+    def at(self, phase: StreamPhase) -> StreamMark:
+        return replace(self, phase=phase)
 
 
 class StreamCursor:
@@ -71,9 +91,13 @@ class StreamCursor:
                 )
         new_text = text[max(0, cut.text_bytes - before.text_bytes) :]
         new_ids = out.token_ids[max(0, cut.tokens - before.tokens) :]
-        if not new_text and not new_ids and not out.finished:
+        if not new_text and not new_ids and (not out.finished or self.sent(StreamPhase.finished)):
             return None
         return replace(out, token_ids=new_ids, text=new_text.decode(errors="replace"))
+
+    def sent(self, phase: StreamPhase) -> bool:
+        """Whether the client had this phase's event before it resumed."""
+        return self.resuming and self.resume.phase.rank >= phase.rank
 
     def check_reached(self) -> None:
         """At the end of a replay: a resume point beyond everything the request produces was never sent."""

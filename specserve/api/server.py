@@ -31,7 +31,7 @@ from specserve.api.convert import sampling_params_for, speculation_for, usage_fo
 from specserve.api.error_bodies import APIError, ContextLengthError, ModelNotFoundError, OverloadedError, error_body
 from specserve.api.http_guard import HTTPOptions, RequestGuard
 from specserve.api.metrics import RequestStatus, ServeMetrics
-from specserve.api.resume import RESUME_PARAM, StreamCursor, StreamMark
+from specserve.api.resume import RESUME_PARAM, StreamCursor, StreamMark, StreamPhase
 from specserve.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -330,21 +330,20 @@ class _Routes:
                 yield _sse(first, cursor.mark)
             async for out in outcome.stream:
                 tracker.see(out)
-                part = cursor.advance(out)
-                if part is None:  # delivered before the resume point
-                    continue
-                if part.text or (body.return_token_ids and part.token_ids) or part.finished:
-                    yield _sse(fmt.chunk(part, part.token_ids if body.return_token_ids else None), cursor.mark)
+                part = cursor.advance(out)  # None: delivered before the resume point
+                if part is not None and (part.text or (body.return_token_ids and part.token_ids) or part.finished):
+                    mark = cursor.mark.at(StreamPhase.finished) if part.finished else cursor.mark
+                    yield _sse(fmt.chunk(part, part.token_ids if body.return_token_ids else None), mark)
                 if out.finished:
                     cursor.check_reached()
                     outcome.status = RequestStatus.ok
                     self._finished(out, tracker)
-                    if body.include_usage_in_stream:
-                        yield _sse(fmt.usage_chunk(usage_for(out)), cursor.mark)
+                    if body.include_usage_in_stream and not cursor.sent(StreamPhase.usage):
+                        yield _sse(fmt.usage_chunk(usage_for(out)), cursor.mark.at(StreamPhase.usage))
                     yield SSE_DONE
                     return
         except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
-            outcome.status = RequestStatus.failed
+            outcome.status = _status_of(e)
             yield _sse(e.body())
         finally:
             await outcome.close()
