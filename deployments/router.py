@@ -105,12 +105,16 @@ class Router:
     async def _fit_geometry(
         self, workers: list[dict[WorkerRole, RemoteWorker]], geometry: KVGeometry, limits: ContextLimits
     ) -> KVGeometry:
-        """With ``gpu_memory_utilization``, as many slots as fit on every worker's device (each sizes its own)."""
-        util = self.args.gpu_memory_utilization
-        if util is None:
+        """With ``gpu_memory_utilization``, as many slots as fit on every worker's device (each sizes its own, within
+        its share of the GPU: ``AppArgs.memory_share``)."""
+        if self.args.gpu_memory_utilization is None:
             return geometry
         fits: list[int] = await asyncio.gather(
-            *(w.handle.kv_slots.remote(geometry, limits.spec_headroom, util) for lane in workers for w in lane.values())
+            *(
+                w.handle.kv_slots.remote(geometry, limits.spec_headroom, self.args.memory_share(role))
+                for lane in workers
+                for role, w in lane.items()
+            )
         )
         return KVGeometry(min(fits), geometry.max_len)
 

@@ -203,6 +203,15 @@ def test_speculation_options_map_onto_the_default() -> None:
     assert speculation_for(SpeculationOptions(method=SpecMethod.none), default) == SpecConfig(method=SpecMethod.none)
 
 
+def test_actors_sharing_a_gpu_size_their_kv_for_their_share() -> None:
+    half = ActorResources(num_cpus=1, num_gpus=0.5)
+    shared = AppArgs(gpu_memory_utilization=0.9, target_resources=half, draft_resources=half)
+    assert shared.memory_share(WorkerRole.target) == shared.memory_share(WorkerRole.draft) == pytest.approx(0.45)
+    whole = AppArgs(gpu_memory_utilization=0.9, target_resources=ActorResources(num_cpus=1, num_gpus=1))
+    assert whole.memory_share(WorkerRole.target) == pytest.approx(0.9)
+    assert AppArgs().memory_share(WorkerRole.target) is None
+
+
 def test_app_args_layout_and_validation() -> None:
     args = AppArgs()
     assert args.pair_name == "smollm2-eagle" and args.model_name == "smollm2-eagle" and args.has_draft
