@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,7 +16,6 @@ import torch
 
 from specserve.config import ChainDraft, SpecConfig, SpecMethod
 from specserve.models.batch import ForwardBatch
-from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
 from specserve.models.sources import cache_dir
 from specserve.spec_decode.eagle_head import EagleHead
@@ -30,35 +29,34 @@ def time_verify(
 ) -> dict[int, float]:
     """Median seconds of one batch-1 target forward over T new tokens after ``context`` tokens: tree-masked, or
     causal as a chain verifies (``causal``)."""
-    cache = model.new_cache(1, context + max(sizes) + 1)
-    slot = cache.allocate()
-    gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)
-    model(ForwardBatch.build(cache, [slot], [prefix], device=model.device), cache)
     out: dict[int, float] = {}
     for t in sizes:
-        tokens = torch.randint(0, model.cfg.vocab_size, (t,), generator=gen)
-        mask = None if causal else torch.ones(t, t, dtype=torch.bool).tril()
-        positions = [list(range(context, context + t))]
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            times.append(timed(model.device, _forward, model, cache, slot, tokens, mask, positions))
-            cache.truncate(slot, context)
+        forward = verify_forward(model, t, context=context, tree_mask=not causal)
+        times = [timed(model.device, forward) for _ in range(repeats + 1)]  # the first run warms up
         out[t] = statistics.median(times[1:])
     return out
 
 
-def _forward(
-    model: LlamaModel,
-    cache: KVCache,
-    slot: int,
-    tokens: torch.Tensor,
-    mask: torch.Tensor | None,
-    positions: list[list[int]],
-) -> None:
-    masks = None if mask is None else [mask]
-    batch = ForwardBatch.build(cache, [slot], [tokens], tree_masks=masks, positions=positions, device=model.device)
-    model(batch, cache)
+def verify_forward(model: LlamaModel, rows: int, *, context: int, tree_mask: bool) -> Callable[[], None]:
+    """One batch-1 forward over ``rows`` new tokens after ``context`` cached ones, as the profilers and benchmarks
+    time it: causal (a chain's verification, a prefill) or with the explicit mask a tree's verification passes
+    (``tree_mask``; one row is a plain step either way). Every call cuts the cache back to the context."""
+    cache = model.new_cache(1, context + rows + 1)
+    slot = cache.allocate()
+    gen = torch.Generator().manual_seed(0)
+    if context:
+        prefix = torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)
+        model(ForwardBatch.build(cache, [slot], [prefix], device=model.device), cache)
+    tokens = torch.randint(0, model.cfg.vocab_size, (rows,), generator=gen)
+    masks = [torch.ones(rows, rows, dtype=torch.bool).tril()] if tree_mask and rows > 1 else None
+    positions = [list(range(context, context + rows))]
+
+    def forward() -> None:
+        batch = ForwardBatch.build(cache, [slot], [tokens], tree_masks=masks, positions=positions, device=model.device)
+        model(batch, cache)
+        cache.truncate(slot, context)
+
+    return forward
 
 
 def profile_key(model: LlamaModel, context: int) -> str:

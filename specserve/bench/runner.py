@@ -26,10 +26,10 @@ from torch import nn
 
 from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
-from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_model
 from specserve.timing import timed
+from specserve.tune import verify_forward
 
 BANDWIDTH_BYTES = 1 << 30
 
@@ -61,27 +61,6 @@ def bare_matmuls(weights: list[torch.Tensor], rows: int) -> Callable[[], None]:
     return run
 
 
-def runner_forward(model: LlamaModel, rows: int, context: int, *, tree_mask: bool = False) -> Callable[[], None]:
-    """One batch-1 forward over ``rows`` new tokens after ``context`` cached ones (causal, as a chain verifies or a
-    prompt prefills, or with the explicit mask a tree verification passes); the cache is cut back after."""
-    cache = model.new_cache(1, context + rows + 1)
-    slot = cache.allocate()
-    gen = torch.Generator().manual_seed(0)
-    if context:
-        prefix = torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)
-        model(ForwardBatch.build(cache, [slot], [prefix], device=model.device), cache)
-    tokens = torch.randint(0, model.cfg.vocab_size, (rows,), generator=gen)
-    masks = None if rows == 1 or not tree_mask else [torch.ones(rows, rows, dtype=torch.bool).tril()]
-    positions = [list(range(context, context + rows))]
-
-    def run() -> None:
-        batch = ForwardBatch.build(cache, [slot], [tokens], tree_masks=masks, positions=positions, device=model.device)
-        model(batch, cache)
-        cache.truncate(slot, context)
-
-    return run
-
-
 def read_bandwidth(device: torch.device, repeats: int = 5) -> float:
     """Bytes per second of a streaming read (``x.sum()`` over 1 GiB of float32)."""
     x = torch.ones(BANDWIDTH_BYTES // 4, device=device)
@@ -104,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         for r in args.rows
         for kind, make in (
             ("bare", lambda r: bare_matmuls(weights, r)),
-            ("runner", lambda r: runner_forward(model, r, args.context, tree_mask=args.tree_mask)),
+            ("runner", lambda r: verify_forward(model, r, context=args.context, tree_mask=args.tree_mask)),
         )
     }
     times: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
