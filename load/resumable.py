@@ -20,7 +20,7 @@ RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # a restarting replica answers the
 
 
 class StreamFailedError(RuntimeError):
-    pass
+    """The stream cannot go on: a 4xx, an in-stream error other than a lost worker, or an outage past the timeout."""
 
 
 @dataclass(frozen=True)
@@ -122,4 +122,4 @@ class ResumableStream:
 
 
 class _Retryable(Exception):
-    pass
+    """A cut the server heals from (a 5xx / 429 while it restarts, a stream without [DONE]): resend and resume."""

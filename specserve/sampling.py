@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,6 +38,13 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def seeded(self) -> SamplingParams:
+        """These params with a seed: sampled requests draw by (seed, position) (docs/algorithms.md §1.4), so one
+        without a seed gets a random one (greedy ones need none)."""
+        if self.greedy or self.seed is not None:
+            return self
+        return self.model_copy(update={"seed": secrets.randbits(63)})
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

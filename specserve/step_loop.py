@@ -7,7 +7,6 @@ state (``Sequence``); workers hold only caches. Observers see each step through 
 from __future__ import annotations
 
 import itertools
-import secrets
 import time
 from collections import deque
 from collections.abc import Collection
@@ -74,9 +73,7 @@ class StepLoop:
                 f"the prompt has {len(request.prompt_ids)} tokens; the context limit is {self.max_model_len} "
                 "and leaves no room to generate"
             )
-        if not request.params.greedy and request.params.seed is None:
-            # every sampled request draws by (seed, position) (docs/algorithms.md §1.4): give it one
-            request = replace(request, params=request.params.model_copy(update={"seed": secrets.randbits(63)}))
+        request = replace(request, params=request.params.seeded())
         spec = request.speculation or self.speculation
         if spec.method != SpecMethod.none:
             if self.draft is None and spec.needs_model:

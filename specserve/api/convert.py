@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
-
 from pydantic import ValidationError
 
 from specserve.api.error_bodies import APIError
@@ -19,19 +17,16 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
     A sampled request without a seed gets one here (and the response names it): its output is then a function of
     the request alone, which is what lets a cut stream resume (docs/algorithms.md §1.4).
     """
-    seed = request.seed
-    if seed is None and request.temperature > 0:
-        seed = secrets.randbits(63)
     try:
         return SamplingParams(
             temperature=request.temperature,
             top_k=request.top_k,
             top_p=request.top_p,
-            seed=seed,
+            seed=request.seed,
             max_tokens=max_tokens,
             stop=(request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
             ignore_eos=request.ignore_eos,
-        )
+        ).seeded()
     except ValidationError as e:
         first = e.errors()[0]
         param = str(first["loc"][0]) if first["loc"] else None

@@ -95,19 +95,23 @@ class TargetWorker:
         """Sample-verify one sequence's draft from its logits [T, V], roll its KV back to the accepted path, and
         read its KLD and features (``offset``: its first row in the batch's features)."""
         params = self.params[it.seq_id]
-        p = process_logits(logits, params)
         gen = self.generators[it.seq_id]
+        vocab = logits.shape[-1]
         if it.synthetic_accept is not None:
             tokens_h = [it.new_tokens[-1], *it.draft_tokens]
+            p = process_logits(logits, params)
             res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
+        elif params.greedy:  # the argmaxes (process_logits would make their one-hot rows)
+            res = accept_tree(tree, logits.argmax(-1), vocab)
         elif it.q_idx is not None and it.q_prob is not None:
+            p = process_logits(logits, params)
             res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
-        elif params.greedy:
-            res = accept_tree(tree, p.argmax(-1), p.shape[-1])
         elif params.seed is not None:  # drawn by position: the same tokens alone, in any batch, any drafter
-            res = accept_tree(tree, keyed_sample(p, params.seed, draw_positions, p.shape[-1]), p.shape[-1])
+            res = accept_tree(
+                tree, keyed_sample(process_logits(logits, params), params.seed, draw_positions, vocab), vocab
+            )
         else:
-            res = verify_tree(tree, p, gen)
+            res = verify_tree(tree, process_logits(logits, params), gen)
         num_pending = len(it.new_tokens) - 1
         self._rollback(slot, start, num_pending, res.accepted_nodes)
         kld = self._kld(it, logits, res.accepted_nodes) if it.draft_q is not None else []
