@@ -28,6 +28,8 @@ from specserve.models.tiny import hf_state_dict, noisy_copy, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.workers import DraftWorker, TargetWorker
 from tests.conftest import greedy_reference
+from tests.test_speculative import METHODS as SPECULATIVE_METHODS
+from tests.test_speculative import PROMPTS
 
 pytestmark = [
     pytest.mark.cuda,
@@ -35,13 +37,9 @@ pytestmark = [
 ]
 
 CUDA = "cuda"
-PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7, 1, 2]]
-METHODS = {
+METHODS = {  # the CPU suite's methods (tests/test_speculative.py), by name, and plain decoding
     "plain": SpecConfig(method=SpecMethod.none),
-    "chain": SpecConfig(method=SpecMethod.chain, sl=3),
-    "chain-greedy": SpecConfig(method=SpecMethod.chain, sl=6, chain_draft=ChainDraft.greedy),
-    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=4, beam_width=3, budget=12),
-    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=3, budget=12, ddd_max_depth=7, ddd_check_steps=(2, 4, 6)),
+    **dict(zip(("chain", "chain-greedy", "eagle2", "ddd"), SPECULATIVE_METHODS, strict=True)),
 }
 
 

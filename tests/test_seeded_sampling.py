@@ -19,8 +19,8 @@ from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.sampling import SamplingParams, keyed_exponentials, keyed_sample, process_logits
 from specserve.workers import target as target_module
 from tests.test_head_drafter import random_head
+from tests.test_speculative import PROMPTS
 
-PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7, 1, 2]]
 SPECS = {
     "off": SpecConfig(method=SpecMethod.none),
     "chain-keyed": SpecConfig(method=SpecMethod.chain, sl=3),
