@@ -10,7 +10,6 @@ Serve app with ``num_gpus``. Tiny random models (specserve/models/tiny.py) keep 
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from specserve.models.tiny import hf_state_dict, noisy_copy, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.workers import DraftWorker, TargetWorker
 from tests.conftest import greedy_reference
+from tests.ports import start_serve_on_free_port
 from tests.test_speculative import METHODS as SPECULATIVE_METHODS
 from tests.test_speculative import PROMPTS
 
@@ -159,12 +159,6 @@ def test_loading_goes_straight_to_the_device(tmp_path: Path) -> None:
         assert torch.equal(p, q), name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gpu_app_url() -> Iterator[str]:
     import ray
@@ -183,11 +177,10 @@ def gpu_app_url() -> Iterator[str]:
     }
     from ray.job_config import JobConfig
 
-    port = _free_port()
     repo = Path(__file__).resolve().parents[1]  # workers import `deployments` from here (as in tests/test_serve.py)
     ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, job_config=JobConfig(code_search_path=[str(repo)]))
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve_on_free_port()
         serve.run(app_builder(args), name="gpu", route_prefix="/gpu")
         yield f"http://127.0.0.1:{port}/gpu"
     finally:

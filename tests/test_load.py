@@ -9,7 +9,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -68,6 +67,7 @@ from specserve.bench.policies import PolicyName, policy_specs
 from specserve.config import SLPolicyKind, SpecConfig
 from specserve.engine import Engine
 from specserve.models.tiny import noisy_copy, tiny_model
+from tests.ports import start_serve_on_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -538,12 +538,6 @@ TINY_APP_ARGS: dict[str, Any] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def tiny_deployment(request: pytest.FixtureRequest) -> Iterator[str]:
     if "load" not in (request.config.option.markexpr or "") and os.environ.get("SPECSERVE_LOAD_TEST") != "1":
@@ -558,11 +552,10 @@ def tiny_deployment(request: pytest.FixtureRequest) -> Iterator[str]:
     from ray import serve
     from ray.job_config import JobConfig
 
-    port = _free_port()
     # address="local": a fresh cluster of our own, never one another process on this machine is running
     ray.init(address="local", num_cpus=4, include_dashboard=False, job_config=JobConfig(code_search_path=[str(REPO)]))
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve_on_free_port()
         serve.run(app_builder(TINY_APP_ARGS), name="load-test", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ from specserve.engine import Engine
 from specserve.errors import UnsupportedModelError
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams
+from tests.ports import start_serve_on_free_port
 
 HEAD_RESOURCE, WORKER_RESOURCE = "node_head", "node_worker"
 SPEC = {"method": "chain", "sl": 4}
@@ -82,12 +82,6 @@ REPO = Path(__file__).resolve().parents[1]  # workers import `deployments` from 
 TIMEOUT_S = 60.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     cluster = Cluster(
@@ -95,10 +89,9 @@ def base_url() -> Iterator[str]:
         head_node_args={"num_cpus": 8, "resources": {HEAD_RESOURCE: 4}, "include_dashboard": False},
     )
     cluster.add_node(num_cpus=4, resources={WORKER_RESOURCE: 4})
-    port = _free_port()
     try:
         ray.init(address=cluster.address, job_config=JobConfig(code_search_path=[str(REPO)]))
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        port = start_serve_on_free_port(proxy_location="HeadOnly")
         serve.run_many(
             [
                 serve.RunTarget(app_builder(MAIN_ARGS), name="main", route_prefix="/main"),
