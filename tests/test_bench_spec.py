@@ -71,3 +71,20 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
     assert all(float(r["greedy_equal"]) == 1.0 for r in rows)
     assert all(float(r["ratio"]) == 1.0 for r in rows if r["method"] == "plain")
     assert all(float(r["tau"]) >= 1.0 for r in rows)
+
+
+def test_extra_heads_are_drafts_of_the_default_pair(tmp_path: Path) -> None:
+    import argparse
+
+    from specserve.bench.spec import add_args, draft_pairs
+    from specserve.config import MODEL_PAIRS, HeadSpec
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    pairs = draft_pairs(parser.parse_args(["--pairs", "smollm2-int8", "--heads", str(tmp_path / "v3")]))
+    assert [label for label, _, _ in pairs] == ["smollm2-int8", "head v3"]
+    target, head = MODEL_PAIRS["smollm2-eagle"]
+    assert pairs[1][1] == target
+    assert pairs[1][2] == HeadSpec(head=str(tmp_path / "v3"), draft_vocab=2048)
+    assert isinstance(head, HeadSpec) and head.draft_vocab == 2048
+    assert pairs[1][2].path() == tmp_path / "v3"  # type: ignore[union-attr]

@@ -27,10 +27,12 @@ from specserve.bench.machine import cpu_summary
 from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import (
+    DEFAULT_PAIR,
     MODEL_PAIRS,
     SERVING_SPECULATION,
     ChainDraft,
     Drafter,
+    DraftSpec,
     HeadSpec,
     ModelSpec,
     SLPolicyKind,
@@ -56,6 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
     p.add_argument("--pairs", nargs="+", default=["smollm2-eagle"], choices=sorted(MODEL_PAIRS), help="drafts")
+    p.add_argument(
+        "--heads", nargs="+", type=Path, default=[], help="more EAGLE head directories, as drafts of the default pair"
+    )
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -295,12 +300,24 @@ def _grouped_rows(
     return rows
 
 
+def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpec]]:
+    """(label, target, draft) for every ``--pairs`` entry and every ``--heads`` directory (loaded like the default
+    pair's head: same target, same draft vocabulary)."""
+    pairs: list[tuple[str, ModelSpec, DraftSpec]] = [(p, *MODEL_PAIRS[p]) for p in args.pairs]
+    target, head = MODEL_PAIRS[DEFAULT_PAIR]
+    assert isinstance(head, HeadSpec)
+    for d in args.heads:
+        pairs.append((f"head {d.name}", target, head.model_copy(update={"head": str(d.resolve())})))
+    return pairs
+
+
 def run(args: argparse.Namespace) -> int:
     """Every target of ``--pairs`` gets its own plain row (its greedy reference); ratios are to the first plain."""
+    pairs = draft_pairs(args)
     target_specs: list[ModelSpec] = []
-    for pair in args.pairs:
-        if MODEL_PAIRS[pair][0] not in target_specs:
-            target_specs.append(MODEL_PAIRS[pair][0])
+    for _, t_spec, _ in pairs:
+        if t_spec not in target_specs:
+            target_specs.append(t_spec)
     targets = {t: load_model(t) for t in target_specs}
     tok = load_tokenizer(target_specs[0])
     first = Engine(targets[target_specs[0]], tok, max_batch_size=1)
@@ -317,8 +334,7 @@ def run(args: argparse.Namespace) -> int:
         methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))
         engines.append(first if plain_row == 0 else Engine(target, tok, max_batch_size=1))
         plain_of.append(plain_row)
-        for pair in (p for p in args.pairs if MODEL_PAIRS[p][0] == t_spec):
-            spec = MODEL_PAIRS[pair][1]
+        for pair, _, spec in (p for p in pairs if p[1] == t_spec):
             drafts = {pair: spec}
             if isinstance(spec, HeadSpec) and args.draft_vocab:
                 drafts = {f"{pair} V={v}": spec.model_copy(update={"draft_vocab": v}) for v in args.draft_vocab}
