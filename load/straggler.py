@@ -47,8 +47,9 @@ from specserve.bench.stats import (
     plot_workloads,
     write_csv,
 )
-from specserve.config import MODEL_PAIRS, SpecConfig
+from specserve.config import MODEL_PAIRS, SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.guard import ThroughputGuard
 from specserve.models.llama import LlamaModel
 from specserve.spec_decode.eagle_head import EagleHead
 
@@ -78,6 +79,11 @@ class StudyConfig(BaseModel):
     beam_width: int = Field(default=4, ge=1)
     max_step_tokens: int = Field(default=0, ge=0, description="cap on tokens verified per step (0 = off)")
     guard: bool = Field(default=False, description="the engine's throughput guard (speculate only where it pays)")
+    warm_guard: bool = Field(
+        default=False,
+        description="each guarded policy keeps one guard across its runs, as a long-running server does, warmed by "
+        "one untimed run per batch size first (default: a fresh guard per run, which pays its exploration each time)",
+    )
     seed: int = 0
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (None: torch's default)")
     out: Path = Path("bench_out/straggler")
@@ -88,6 +94,8 @@ class StudyConfig(BaseModel):
     def _check(self) -> StudyConfig:
         if self.pair != TINY_PAIR and self.pair not in MODEL_PAIRS:
             raise ValueError(f"unknown pair {self.pair!r}; choose {TINY_PAIR!r} or one of {sorted(MODEL_PAIRS)}")
+        if self.warm_guard and not self.guard:
+            raise ValueError("warm_guard needs guard")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens > max_tokens")
         if not all(0.0 < a < 1.0 for a in self.synthetic_mix):
@@ -183,8 +191,16 @@ def make_workload(cfg: StudyConfig, kind: WorkloadKind, n: int, encode: Callable
 
 
 def run_engine_point(
-    cfg: StudyConfig, models: Models, wl: Workload, batch: int, policy: PolicyName, spec: SpecConfig, repeat: int = 0
+    cfg: StudyConfig,
+    models: Models,
+    wl: Workload,
+    batch: int,
+    policy: PolicyName,
+    spec: SpecConfig,
+    repeat: int = 0,
+    guard: ThroughputGuard | None = None,
 ) -> tuple[dict[str, Any], RunTrace]:
+    """One run on a fresh engine; ``guard``: a throughput guard whose measurements carry over from earlier runs."""
     engine = Engine(
         models.target,
         models.tokenizer,
@@ -195,6 +211,8 @@ def run_engine_point(
         max_step_tokens=cfg.max_step_tokens or None,
         throughput_guard=cfg.guard,
     )
+    if guard is not None:
+        engine.loop.planner.guard = guard
     rec = StepRecorder.install(engine)
     res = run_one(engine, wl.prompts, wl.lengths, spec, wl.accepts)  # the batch benchmark's loop
     requests = rec.request_traces(wl.categories)
@@ -252,15 +270,19 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
     traces_path = cfg.out / "traces.jsonl"
     traces_path.unlink(missing_ok=True)
     total = len(cfg.workloads) * len(cfg.batch_sizes) * cfg.repeats * len(specs)
+    guards = {p: ThroughputGuard() for p, s in specs.items() if s.method != SpecMethod.none} if cfg.warm_guard else {}
     traces: list[RunTrace] = []
     start = time.perf_counter()
     done = 0
     for kind in cfg.workloads:
         for batch in cfg.batch_sizes:
             wl = make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode)
+            for policy, spec in specs.items():
+                if policy in guards:  # untimed: what a server that has been serving this batch size knows
+                    run_engine_point(cfg, models, wl, batch, policy, spec, guard=guards[policy])
             for repeat in range(cfg.repeats):
                 for policy, spec in specs.items():
-                    row, trace = run_engine_point(cfg, models, wl, batch, policy, spec, repeat)
+                    row, trace = run_engine_point(cfg, models, wl, batch, policy, spec, repeat, guards.get(policy))
                     traces.append(trace)
                     append_trace(traces_path, trace)  # a long sweep keeps what it measured if it is stopped
                     done += 1
@@ -449,10 +471,17 @@ def plot_sl_traces(traces: Sequence[RunTrace], out: Path, prefix: str = "straggl
     return paths
 
 
+GUARD_STATE = {
+    False: "fresh per run",
+    True: "one per policy across its runs (warmed by an untimed run per batch size)",
+}
+
+
 def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Sequence[Path], setup: str = "") -> Path:
     setup = setup or (
         f"Pair `{cfg.pair}`, batch sizes {cfg.batch_sizes}, {cfg.requests_per_slot} requests per batch slot, "
         f"{cfg.min_tokens}-{cfg.max_tokens} output tokens (EOS ignored), all requests submitted at t = 0."
+        + (f" Throughput guard on, {GUARD_STATE[cfg.warm_guard]}." if cfg.guard else "")
     )
     lines = [
         "# Straggler study (in-process engine)",
@@ -499,6 +528,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--beam-width", type=int, default=d.beam_width)
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
     p.add_argument("--guard", action="store_true", help="the engine's throughput guard")
+    p.add_argument("--warm-guard", action="store_true", help="with --guard: one guard per policy across its runs")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared machine)")
     p.add_argument("--out", type=Path, default=d.out)

@@ -525,6 +525,34 @@ def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
     assert {"validation.csv", "sim.csv", "report.md", "sim_synthetic.png"} <= {p.name for p in sim_out.iterdir()}
 
 
+def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None:
+    from load import straggler
+    from specserve.guard import ThroughputGuard, bucket
+
+    cfg = straggler.StudyConfig(pair="tiny", batch_sizes=[2], policies=[PolicyName.dsde_cap], guard=True,
+                                workloads=[WorkloadKind.synthetic], requests_per_slot=1, min_tokens=40,
+                                max_tokens=40, out=tmp_path)  # fmt: skip
+    models = straggler.load_models(cfg)
+    wl = straggler.make_workload(cfg, WorkloadKind.synthetic, 2, models.encode)
+    spec = cfg.specs()[PolicyName.dsde_cap]
+    _, fresh = straggler.run_engine_point(cfg, models, wl, 2, PolicyName.dsde_cap, spec)
+    assert next(st.levels for st in fresh.steps if len(st.seqs) == 2) == 0  # a fresh guard measures plain first
+    known = ThroughputGuard(explore_every=1000)  # has measured speculation far faster at this batch size
+    known.rates = {(bucket(2), True): 1e9, (bucket(2), False): 1.0}
+    _, warm = straggler.run_engine_point(cfg, models, wl, 2, PolicyName.dsde_cap, spec, guard=known)
+    both = [st.levels for st in warm.steps if len(st.seqs) == 2]
+    assert len(both) >= 2 and all(levels > 0 for levels in both)  # it speculates from the first step
+    assert known.steps[bucket(2)] >= len(both) - 1  # its counts go on in the same guard (prefill steps are not timed)
+    with pytest.raises(ValueError, match="warm_guard needs guard"):
+        straggler.StudyConfig(pair="tiny", warm_guard=True)
+    out = tmp_path / "cli"
+    argv = ["--pair", "tiny", "--batch-sizes", "2", "--policies", "plain", "dsde_cap", "--workloads", "synthetic"]
+    argv += ["--requests-per-slot", "1", "--min-tokens", "8", "--max-tokens", "8", "--guard", "--warm-guard"]
+    assert straggler.main([*argv, "--out", str(out)]) == 0
+    assert len(read_traces(out / "traces.jsonl")) == 2  # the warm-up runs are not recorded
+    assert "one per policy across its runs" in (out / "report.md").read_text()
+
+
 # ─────────────────────────── a short Locust run against a tiny deployment ───────────────────────────
 
 TINY_APP_ARGS: dict[str, Any] = {
