@@ -277,9 +277,9 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
     for kind in cfg.workloads:
         for batch in cfg.batch_sizes:
             wl = make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode)
-            for policy, spec in specs.items():
-                if policy in guards:  # untimed: what a server that has been serving this batch size knows
-                    run_engine_point(cfg, models, wl, batch, policy, spec, guard=guards[policy])
+            if cfg.warm_guard:  # untimed, every policy alike: what a server that has served this batch size knows
+                for policy, spec in specs.items():
+                    run_engine_point(cfg, models, wl, batch, policy, spec, guard=guards.get(policy))
             for repeat in range(cfg.repeats):
                 for policy, spec in specs.items():
                     row, trace = run_engine_point(cfg, models, wl, batch, policy, spec, repeat, guards.get(policy))
