@@ -75,6 +75,7 @@ class StudyConfig(BaseModel):
     max_tokens: int = Field(default=96, ge=1)
     max_prompt_tokens: int | None = Field(default=None, ge=1, description="keep the last N prompt tokens")
     static_sl: int = Field(default=4, ge=1)
+    max_sl: int | None = Field(default=None, ge=1, description="every speculative policy's ceiling on SL / depth")
     budget: int = Field(default=16, ge=2)
     beam_width: int = Field(default=4, ge=1)
     max_step_tokens: int = Field(default=0, ge=0, description="cap on tokens verified per step (0 = off)")
@@ -111,7 +112,8 @@ class StudyConfig(BaseModel):
 
     def specs(self) -> dict[PolicyName, SpecConfig]:
         table = policy_specs(static_sl=self.static_sl, beam_width=self.beam_width, budget=self.budget)
-        return {p: table[p] for p in self.policies}
+        cap = {} if self.max_sl is None else {"max_sl": self.max_sl}
+        return {p: table[p] if p == PolicyName.plain else table[p].model_copy(update=cap) for p in self.policies}
 
 
 # ─────────────────────────── models and workload ───────────────────────────
@@ -524,6 +526,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: 96 for tiny, unlimited otherwise")
     p.add_argument("--static-sl", type=int, default=d.static_sl)
+    p.add_argument("--max-sl", type=int, default=None, help="ceiling on every speculative policy's SL / depth")
     p.add_argument("--budget", type=int, default=d.budget)
     p.add_argument("--beam-width", type=int, default=d.beam_width)
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)

@@ -525,6 +525,17 @@ def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
     assert {"validation.csv", "sim.csv", "report.md", "sim_synthetic.png"} <= {p.name for p in sim_out.iterdir()}
 
 
+def test_study_max_sl_caps_every_speculative_policy() -> None:
+    from load import straggler
+
+    specs = straggler.StudyConfig(pair="tiny", policies=list(PolicyName), max_sl=2).specs()
+    assert specs[PolicyName.plain].max_sl is None
+    assert {p: s.max_sl for p, s in specs.items() if p != PolicyName.plain} == {
+        p: 2 for p in PolicyName if p != PolicyName.plain
+    }
+    assert straggler.parse_args(["--pair", "tiny", "--max-sl", "3"]).specs()[PolicyName.dsde_cap].max_sl == 3
+
+
 def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None:
     from load import straggler
     from specserve.guard import ThroughputGuard, bucket
