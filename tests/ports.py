@@ -1,11 +1,15 @@
-"""Local ports for test servers."""
+"""Local ports for test servers, and a Serve app on one."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 BIND_ATTEMPTS = 5
+REPO = Path(__file__).resolve().parents[1]  # Ray workers import `deployments` from here
 
 
 def free_port() -> int:
@@ -32,3 +36,21 @@ def start_serve_on_free_port(**serve_options: Any) -> int:
                 raise
             serve.shutdown()
     raise AssertionError("unreachable")
+
+
+@contextmanager
+def serve_app(app: Any, *, name: str, route_prefix: str, **ray_init: Any) -> Iterator[str]:
+    """A fresh Ray (``ray.init(**ray_init)``), Serve on a free loopback port and ``app`` at ``route_prefix``;
+    yields the app's base URL and shuts both down after."""
+    import ray
+    from ray import serve
+    from ray.job_config import JobConfig
+
+    ray.init(include_dashboard=False, job_config=JobConfig(code_search_path=[str(REPO)]), **ray_init)
+    try:
+        port = start_serve_on_free_port()
+        serve.run(app, name=name, route_prefix=route_prefix)
+        yield f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

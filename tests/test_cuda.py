@@ -27,7 +27,7 @@ from specserve.models.tiny import hf_state_dict, noisy_copy, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.workers import DraftWorker, TargetWorker
 from tests.conftest import greedy_reference
-from tests.ports import start_serve_on_free_port
+from tests.ports import serve_app
 from tests.test_speculative import METHODS as SPECULATIVE_METHODS
 from tests.test_speculative import PROMPTS
 
@@ -161,9 +161,6 @@ def test_loading_goes_straight_to_the_device(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def gpu_app_url() -> Iterator[str]:
-    import ray
-    from ray import serve
-
     from deployments.app import app_builder
 
     args = {
@@ -175,17 +172,8 @@ def gpu_app_url() -> Iterator[str]:
         "target_resources": {"num_cpus": 0.5, "num_gpus": 0.5},  # both actors on the one GPU
         "draft_resources": {"num_cpus": 0.5, "num_gpus": 0.5},
     }
-    from ray.job_config import JobConfig
-
-    repo = Path(__file__).resolve().parents[1]  # workers import `deployments` from here (as in tests/test_serve.py)
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, job_config=JobConfig(code_search_path=[str(repo)]))
-    try:
-        port = start_serve_on_free_port()
-        serve.run(app_builder(args), name="gpu", route_prefix="/gpu")
-        yield f"http://127.0.0.1:{port}/gpu"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with serve_app(app_builder(args), name="gpu", route_prefix="/gpu", num_cpus=4, num_gpus=1) as url:
+        yield url
 
 
 def test_serve_app_on_gpus_answers_like_the_engine(gpu_app_url: str) -> None:

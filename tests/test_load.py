@@ -67,7 +67,7 @@ from specserve.bench.policies import PolicyName, policy_specs
 from specserve.config import SLPolicyKind, SpecConfig
 from specserve.engine import Engine
 from specserve.models.tiny import noisy_copy, tiny_model
-from tests.ports import start_serve_on_free_port
+from tests.ports import serve_app
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -587,19 +587,9 @@ def tiny_deployment(request: pytest.FixtureRequest) -> Iterator[str]:
         from deployments.app import app_builder
     except ImportError as e:
         pytest.skip(f"deployments.app is not importable yet: {e}")
-    import ray
-    from ray import serve
-    from ray.job_config import JobConfig
-
     # address="local": a fresh cluster of our own, never one another process on this machine is running
-    ray.init(address="local", num_cpus=4, include_dashboard=False, job_config=JobConfig(code_search_path=[str(REPO)]))
-    try:
-        port = start_serve_on_free_port()
-        serve.run(app_builder(TINY_APP_ARGS), name="load-test", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with serve_app(app_builder(TINY_APP_ARGS), name="load-test", route_prefix="/", address="local", num_cpus=4) as url:
+        yield url
 
 
 @pytest.mark.load
