@@ -473,17 +473,17 @@ def plot_sl_traces(traces: Sequence[RunTrace], out: Path, prefix: str = "straggl
     return paths
 
 
-GUARD_STATE = {
-    False: "fresh per run",
-    True: "one per policy across its runs (warmed by an untimed run per batch size)",
-}
+def _guard_state(cfg: StudyConfig) -> str:
+    if cfg.warm_guard:
+        return "one per policy across its runs (warmed by an untimed run per batch size)"
+    return "fresh per run"
 
 
 def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Sequence[Path], setup: str = "") -> Path:
     setup = setup or (
         f"Pair `{cfg.pair}`, batch sizes {cfg.batch_sizes}, {cfg.requests_per_slot} requests per batch slot, "
         f"{cfg.min_tokens}-{cfg.max_tokens} output tokens (EOS ignored), all requests submitted at t = 0."
-        + (f" Throughput guard on, {GUARD_STATE[cfg.warm_guard]}." if cfg.guard else "")
+        + (f" Throughput guard on, {_guard_state(cfg)}." if cfg.guard else "")
     )
     lines = [
         "# Straggler study (in-process engine)",
