@@ -1,5 +1,6 @@
 """Draft-head training: the training-time-test mask, vocabulary selection, determinism and resume, the seed
-prompts' independence from the evaluation set, and `specserve train-draft --quick` end to end."""
+prompts' and self-written requests' independence from the evaluation set, and `specserve train-draft --quick`
+end to end."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from specserve.models.tiny import tiny_model
 from specserve.spec_decode.eagle_head import load_eagle_head
 from specserve.train.distill import Sample
 from specserve.train.seed_prompts import seed_prompts, text_passages
+from specserve.train.self_prompts import keep_requests, mt_bench_shingles, self_prompts, user_turn_prefix
 from specserve.train.trainer import TrainConfig, train_head, ttt_mask
 from specserve.train.vocab import column_of, coverage, token_counts, top_vocab
 
@@ -105,6 +107,50 @@ def test_seed_prompts_are_not_the_evaluation_set() -> None:
     assert not leaked, leaked[:3]
 
 
+def test_self_written_requests_are_filtered_and_never_the_evaluation_set() -> None:
+    raw = resources.files("specserve.bench").joinpath("data/mt_bench.jsonl").read_text()
+    bench_turn = json.loads(raw.splitlines()[3])["turns"][0]
+    banned = mt_bench_shingles()
+    drawn = [
+        "  How do I repot a cactus without hurting my hands?\n",
+        None,  # did not finish
+        "Hi!",  # too short
+        "x" * 2000,  # too long
+        "Write a poem about tea.<|im_end|>",  # special-token text
+        "How do I repot a cactus without hurting my hands?",  # a duplicate once stripped
+        "Please answer this: " + bench_turn,  # MT-bench inside
+        "Which is heavier, a kilogram of feathers or a kilogram of iron?",
+    ]
+    kept = keep_requests(drawn, banned, ["<|im_end|>", "<|im_start|>"])
+    assert kept == [
+        "How do I repot a cactus without hurting my hands?",
+        "Which is heavier, a kilogram of feathers or a kilogram of iron?",
+    ]
+    assert keep_requests([bench_turn[: len(bench_turn) // 2 + 60]], banned, []) == []  # a part of one, too
+
+
+@pytest.mark.real_model
+def test_self_prompts_ask_from_the_user_header_of_the_chat_template() -> None:
+    from specserve.config import ModelSpec
+    from specserve.models.loader import load_tokenizer
+    from specserve.train.distill import chat_ids
+
+    tokenizer = load_tokenizer(ModelSpec())
+    prefix = user_turn_prefix(tokenizer)
+    assert tokenizer.decode(prefix).endswith("<|im_start|>user\n")
+    request = "Name three rivers in Africa."
+    body = tokenizer.encode(request, add_special_tokens=False)
+    assert chat_ids(tokenizer, request)[: len(prefix) + len(body)] == prefix + body  # the user's text follows it
+    asked: list[tuple[list[int], int, int]] = []
+
+    def ask(prefix_ids: list[int], n: int, seed: int) -> list[list[int] | None]:
+        asked.append((prefix_ids, n, seed))
+        return [body, None, tokenizer.encode(" " + request + " ", add_special_tokens=False)][:n]
+
+    assert self_prompts(tokenizer, ask, 3, 7, set()) == [request]
+    assert asked == [(prefix, 3, 7)]
+
+
 @pytest.mark.real_model
 def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
     from specserve.cli import main
@@ -112,9 +158,12 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
     from specserve.models.loader import load_model
 
     out = tmp_path / "head"
-    assert main(["train-draft", "--quick", "--text-passages", "3", "--out", str(out)]) == 0
+    assert main(["train-draft", "--quick", "--text-passages", "3", "--self-prompts", "5", "--out", str(out)]) == 0
     prov = json.loads((out / "provenance.json").read_text())
-    assert prov["data"]["conversations"] == 8 + 3 and prov["data"]["text_passages"] == 3
+    kept = prov["data"]["self_prompts_kept"]
+    assert prov["data"]["self_prompts_asked"] == 5 and 1 <= kept <= 5
+    assert prov["data"]["conversations"] == 8 + 3 + kept and prov["data"]["text_passages"] == 3
+    assert len(list((out / "work" / "self").glob("chunk_*.safetensors"))) == 2  # 5 requests in chunks of 4
     assert prov["sha256"] in (out / "model.safetensors.sha256").read_text()
     vocab = json.loads((out / "vocab_map.json").read_text())
     assert vocab["by_frequency"][: len(vocab["forced"])] == vocab["forced"]

@@ -88,6 +88,33 @@ def build_dataset(
     return out
 
 
+def build_self_dataset(
+    model: LlamaModel,
+    tokenizer: PreTrainedTokenizerBase,
+    requests: Callable[[int, int], list[str]],
+    answer: AnswerFn,
+    out: Path,
+    num_requests: int,
+    cfg: DistillConfig,
+    progress: ProgressFn | None = None,
+) -> Path:
+    """``build_dataset`` over requests the target writes itself (``specserve.train.self_prompts``): chunk ``n``
+    asks ``requests(chunk_size, seed)`` for its prompts with a seed of its own, so chunks are independent and an
+    interrupted run resumes. A chunk holds the requests that survived filtering (fewer than asked)."""
+    out.mkdir(parents=True, exist_ok=True)
+    num_chunks = -(-num_requests // cfg.chunk_size)
+    for n in range(num_chunks):
+        path = out / f"chunk_{n:05d}.safetensors"
+        if not path.exists():
+            asked = min(cfg.chunk_size, num_requests - n * cfg.chunk_size)
+            ids = [chat_ids(tokenizer, p) for p in requests(asked, (cfg.seed << 20) + n)]
+            convs = [Conversation(p + a, len(p)) for p, a in zip(ids, answer(ids), strict=True)]
+            write_chunk(path, convs, final_features(model, convs))
+        if progress is not None:
+            progress(min((n + 1) * cfg.chunk_size, num_requests), num_requests)
+    return out
+
+
 def build_text_dataset(
     model: LlamaModel,
     tokenizer: PreTrainedTokenizerBase,

@@ -24,11 +24,13 @@ from specserve.train.distill import (
     AnswerFn,
     DistillConfig,
     build_dataset,
+    build_self_dataset,
     build_text_dataset,
     chat_ids,
     iter_samples,
 )
 from specserve.train.seed_prompts import seed_prompts, text_passages
+from specserve.train.self_prompts import AskFn, mt_bench_shingles, self_prompts
 from specserve.train.trainer import TrainConfig, train_head, write_provenance
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
@@ -40,6 +42,7 @@ class TrainDraftConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     draft_vocab: int = 8192
     text_passages: int = 0  # teacher-forced offline texts (stdlib docstrings) next to the distilled answers
+    self_prompts: int = 0  # requests the target writes itself (Magpie), answered like the seed prompts
     quick: bool = False
 
     @staticmethod
@@ -74,6 +77,7 @@ def system_prefix_len(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 VOCAB_MAP = "vocab_map.json"
+ASK_MAX_TOKENS = 128  # a self-written request longer than this is dropped
 
 
 def write_vocab_map(out_dir: Path, counts: torch.Tensor, forced: list[int]) -> None:
@@ -101,6 +105,7 @@ def train_draft(
     work_dir: Path,
     out_dir: Path,
     *,
+    ask: AskFn | None = None,
     command: str = "",
     log: Callable[[str], None] = print,
 ) -> EagleHead:
@@ -116,6 +121,29 @@ def train_draft(
         text_dir = work_dir / "text"
         build_text_dataset(target, tokenizer, text_dir, pairs, progress=lambda d, n: log(f"text: {d}/{n} passages"))
         samples += list(iter_samples(text_dir))
+    num_self = 0
+    if cfg.self_prompts:
+        if ask is None:
+            raise ValueError("self_prompts needs an ask function (the target sampling user requests)")
+        banned = mt_bench_shingles()
+
+        def requests(n: int, seed: int) -> list[str]:
+            return self_prompts(tokenizer, ask, n, seed, banned)
+
+        self_dir = work_dir / "self"
+        build_self_dataset(
+            target,
+            tokenizer,
+            requests,
+            answer,
+            self_dir,
+            cfg.self_prompts,
+            cfg.data,
+            lambda d, n: log(f"self: {d}/{n} requests asked"),
+        )
+        self_samples = list(iter_samples(self_dir))
+        num_self = len(self_samples)
+        samples += self_samples
     t_data = time.perf_counter() - t0
     counts = token_counts((s.tokens for s in samples), target.cfg.vocab_size)
     size = min(cfg.draft_vocab, target.cfg.vocab_size)
@@ -142,6 +170,11 @@ def train_draft(
                 "text_passages": cfg.text_passages,
                 "text_source": "specserve.train.seed_prompts.text_passages: Python standard-library docstrings as "
                 "teacher-forced answers",
+                "self_prompts_asked": cfg.self_prompts,
+                "self_prompts_kept": num_self,
+                "self_source": "specserve.train.self_prompts: user requests the target sampled from its chat "
+                "template's user header (Magpie; temperature 1, top-p 0.95, at most 128 tokens, finished ones kept, "
+                "none sharing an 8-word run with MT-bench), answered greedily",
                 "conversations": len(samples),
                 "tokens": int(sum(len(s.tokens) for s in samples)),
             },
@@ -179,6 +212,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default 8192)")
     p.add_argument("--text-passages", type=int, default=0, help="teacher-forced stdlib docstrings to add")
+    p.add_argument("--self-prompts", type=int, default=0, help="user requests the target writes itself to ask")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64, help="conversations generated together")
     p.add_argument("--quick", action="store_true", help="a few prompts and steps: seconds, for tests")
@@ -189,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.engine import Engine
     from specserve.models.loader import load_model, load_tokenizer
     from specserve.sampling import SamplingParams
+    from specserve.sequence import FinishReason
 
     spec = ModelSpec(source=args.model, gemv_copies=False)
     target = load_model(spec)
@@ -208,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         train=replace(cfg.train, **train),
         draft_vocab=args.draft_vocab or cfg.draft_vocab,
         text_passages=args.text_passages,
+        self_prompts=args.self_prompts,
     )
     engine = Engine(target, tokenizer, max_batch_size=args.batch_size, max_model_len=1024)
     eos = tokenizer.eos_token_id
@@ -217,7 +253,14 @@ def run(args: argparse.Namespace) -> int:
         done = engine.generate(prompts, params)
         return [c.token_ids + ([eos] if c.finish_reason.value == "stop" else []) for c in done]
 
+    def ask(prefix: list[int], n: int, seed: int) -> list[list[int] | None]:
+        sample = SamplingParams(max_tokens=ASK_MAX_TOKENS, temperature=1.0, top_p=0.95)
+        params = [sample.model_copy(update={"seed": (seed << 12) + i}) for i in range(n)]
+        done = engine.generate([prefix] * n, params)
+        return [c.token_ids if c.finish_reason is FinishReason.stop else None for c in done]
+
     command = "specserve train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])
-    train_draft(target, tokenizer, answer, cfg, args.work_dir or args.out / "work", args.out, command=command)
+    work = args.work_dir or args.out / "work"
+    train_draft(target, tokenizer, answer, cfg, work, args.out, ask=ask, command=command)
     print(f"wrote {args.out}")
     return 0
