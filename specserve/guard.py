@@ -2,9 +2,11 @@
 
 Speculation costs draft forwards and wider verification; on a CPU, or at large batch where the forward is
 compute-bound, that can cost more than the accepted tokens save. The guard keeps an exponential moving average
-of tokens/s for speculative and plain steps per batch-size bucket (plain decoding measured first), runs the
-faster mode, and re-tries the other after ``explore_every`` steps of the bucket, doubling the interval while the
-tries confirm the choice, so the estimates follow changing acceptance and load at a bounded cost.
+of tokens/s for speculative and plain steps per batch-size bucket, runs the faster mode, and re-tries the other
+after ``explore_every`` steps of the bucket, doubling the interval while the tries confirm the choice, so the
+estimates follow changing acceptance and load at a bounded cost. Before its first decision in a bucket it
+measures ``warmup`` steps of plain decoding, then as many speculative ones, and starts each average from their
+mean: one noisy first step (a page fault, another process) does not set the choice.
 """
 
 from __future__ import annotations
@@ -23,22 +25,29 @@ class ThroughputGuard:
     max_explore_every: int = 640  # ... doubling up to this while the tries confirm the choice (back to the start
     # when one flips it): a try costs a slow step, and after plain steps the draft first re-reads what it missed
     smoothing: float = 0.3  # weight of the newest step in the moving average
+    warmup: int = 3  # steps of each mode per bucket before the first decision (their mean starts the average)
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s
+    samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     steps: dict[int, int] = field(default_factory=dict)  # steps seen per bucket
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
 
+    def __post_init__(self) -> None:
+        if self.warmup < 1:
+            raise ValueError(f"warmup must be at least 1 step per mode, got {self.warmup}")
+
     def faster(self, batch_size: int) -> bool | None:
-        """Whether speculation measured faster at this batch size (None: not both modes measured yet)."""
+        """Whether speculation measured faster at this batch size (None: either mode not yet warmed up)."""
         b = bucket(batch_size)
-        spec, plain = self.rates.get((b, True)), self.rates.get((b, False))
-        return None if spec is None or plain is None else spec >= plain
+        if min(self.samples.get((b, True), 0), self.samples.get((b, False), 0)) < self.warmup:
+            return None
+        return self.rates[(b, True)] >= self.rates[(b, False)]
 
     def speculate(self, batch_size: int) -> bool:
         b = bucket(batch_size)
         better = self.faster(batch_size)
         if better is None:  # measure plain decoding first (it needs no draft prefill), then speculation
-            return (b, False) in self.rates
+            return self.samples.get((b, False), 0) >= self.warmup
         explore = self.steps.get(b, 0) >= self.next_try.get(b, self.explore_every - 1)
         return better != explore
 
@@ -47,8 +56,10 @@ class ThroughputGuard:
         before = self.faster(batch_size)
         self.steps[b] = self.steps.get(b, 0) + 1
         rate = tokens / max(seconds, 1e-9)
-        old = self.rates.get((b, speculative))
-        self.rates[(b, speculative)] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+        key = (b, speculative)
+        n = self.samples[key] = self.samples.get(key, 0) + 1
+        weight = 1 / n if n <= self.warmup else self.smoothing  # the warm-up's mean, then the moving average
+        self.rates[key] = (1 - weight) * self.rates.get(key, 0.0) + weight * rate
         if before is not None and speculative != before:  # that was a try of the slower mode
             after = self.faster(batch_size)
             interval = self.intervals.get(b, self.explore_every)

@@ -187,7 +187,7 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     from specserve.guard import bucket
 
     assert [bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
-    guard = ThroughputGuard(explore_every=5)
+    guard = ThroughputGuard(explore_every=5, warmup=1)
     assert not guard.speculate(8)  # nothing measured: plain decoding first (no draft prefill needed)
     guard.record(8, False, tokens=40, seconds=1.0)
     assert guard.speculate(8)  # then speculation
@@ -202,7 +202,7 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert tries == [4, 14, 34]
     assert not guard.speculate(1)  # other buckets are independent
     # speculation becomes much faster: the next try flips the choice and the interval starts over
-    flipped = ThroughputGuard(explore_every=5, smoothing=1.0)
+    flipped = ThroughputGuard(explore_every=5, smoothing=1.0, warmup=1)
     for spec, tokens in ((True, 10), (False, 40)):
         flipped.record(8, spec, tokens, seconds=1.0)
     choices = []
@@ -213,6 +213,25 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert choices[:3] == [False, False, True] and all(choices[3:7])  # from the flip on, speculate
     assert choices[7] is False and all(choices[8:])  # ... re-try plain 5 steps after the flip (interval reset)
     assert flipped.intervals[8] == 10  # that try confirmed speculation: the interval doubles again
+
+
+def test_throughput_guard_decides_on_the_mean_of_its_warmup_steps() -> None:
+    # plain decoding runs at 40 tok/s and speculation at 20, but the very first plain step was slow (a page
+    # fault): judged on one step per mode the guard would speculate; on the mean of three it keeps plain
+    def choices(guard: ThroughputGuard, steps: int) -> list[bool]:
+        out, plain_steps = [], 0
+        for _ in range(steps):
+            s = guard.speculate(1)
+            out.append(s)
+            plain_steps += not s
+            guard.record(1, s, tokens=20 if s else 40, seconds=10.0 if plain_steps == 1 and not s else 1.0)
+        return out
+
+    warm = choices(ThroughputGuard(explore_every=100), 10)
+    assert warm == [False] * 3 + [True] * 3 + [False] * 4  # 3 plain, 3 speculative, then the faster: plain
+    assert choices(ThroughputGuard(explore_every=100, warmup=1), 10)[2:] == [True] * 8  # one step each: misled
+    with pytest.raises(ValueError, match="warmup"):
+        ThroughputGuard(warmup=0)
 
 
 def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:

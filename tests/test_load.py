@@ -550,6 +550,7 @@ def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None
     assert next(st.levels for st in fresh.steps if len(st.seqs) == 2) == 0  # a fresh guard measures plain first
     known = ThroughputGuard(explore_every=1000)  # has measured speculation far faster at this batch size
     known.rates = {(bucket(2), True): 1e9, (bucket(2), False): 1.0}
+    known.samples = {(bucket(2), True): known.warmup, (bucket(2), False): known.warmup}
     _, warm = straggler.run_engine_point(cfg, models, wl, 2, PolicyName.dsde_cap, spec, guard=known)
     both = [st.levels for st in warm.steps if len(st.seqs) == 2]
     assert len(both) >= 2 and all(levels > 0 for levels in both)  # it speculates from the first step
