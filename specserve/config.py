@@ -48,6 +48,12 @@ class ModelSpec(BaseModel):
         description="CPU: transposed weight copies for the 1-3 row products where they measure faster on this "
         "machine at load (up to 2x weights)",
     )
+    mkl_packed_widths: tuple[int, ...] = Field(
+        default=(),
+        description="CPU float32: weight copies in MKL's packed layout for these row counts: the first width "
+        "serves exactly its rows, each later width w the rows above the previous one, zero-padded to w (2-5x "
+        "the weights per width; e.g. (4, 16): 4 rows, and 5-16 rows, packed)",
+    )
     revision: str | None = None
 
     def resolved_kind(self) -> SourceKind:

@@ -256,3 +256,27 @@ def test_gemv_copies_give_the_same_logits() -> None:
     assert attach_gemv_copies(bare, rows=0) == 0 and not hasattr(bare.layers[0].qkv, "weight_t")
     measured = attach_gemv_copies(tiny_model(seed=13))  # the threshold this machine measures
     assert 0 <= measured <= 3
+
+
+def test_mkl_packed_weights_serve_their_row_ranges_with_the_same_products() -> None:
+    from torch import nn
+
+    from specserve.models.llama import attach_mkl_packed, linear, mkl_packing_available
+
+    if not mkl_packing_available():
+        pytest.skip("torch without MKL")
+    model = tiny_model(seed=0)
+    assert attach_mkl_packed(model, (16, 4))
+    mod = model.decoder_layers()[0].gate_up
+    assert [(lo, hi) for lo, hi, _ in mod.mkl_packed] == [(4, 4), (5, 16)]  # exactly 4 rows; then 5-16
+    assert all(hasattr(m, "mkl_packed") for m in model.modules() if type(m) is nn.Linear)
+    torch.manual_seed(1)
+    for rows in range(1, 21):
+        x = torch.randn(rows, mod.in_features)
+        want = x @ mod.weight.t() + (0 if mod.bias is None else mod.bias)
+        got = linear(mod, x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # zero-row padding changes no real row
+    x = torch.randn(7, mod.in_features)
+    assert torch.equal(linear(mod, x), linear(mod, torch.cat([x, torch.randn(3, mod.in_features)]))[:7])
+    assert not attach_mkl_packed(tiny_model(seed=0).to(torch.bfloat16), (4,))  # float32 only

@@ -99,6 +99,30 @@ def test_speculative_greedy_equals_plain_on_mt_bench(target: LlamaModel, pair: s
         assert sum(o.stats.accepted for o in outs) > 0
 
 
+def test_speculation_on_a_target_with_mkl_packed_weights_equals_its_plain_greedy() -> None:
+    """Verification runs 4 and 5-16 row products through MKL's packed weights: chains of 3 and trees stay equal to
+    the same target's plain greedy decoding."""
+    from specserve.models.llama import mkl_packing_available
+
+    if not mkl_packing_available():
+        pytest.skip("torch without MKL")
+    packed = load_model(ModelSpec(mkl_packed_widths=(4, 16)))
+    assert any(getattr(m, "mkl_packed", ()) for m in packed.modules())
+    tok = load_tokenizer(ModelSpec())
+    draft = load_draft(MODEL_PAIRS["smollm2-eagle"][1], packed)
+    plain = Engine(packed, tok, max_batch_size=1, max_model_len=512)
+    prompts = [plain.encode(p.text, chat=True) for p in mt_bench_prompts(6)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    for spec in (
+        SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.greedy),
+        SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=12, ddd_max_depth=6),
+    ):
+        engine = Engine(packed, tok, draft=draft, speculation=spec, max_batch_size=1, max_model_len=512)
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == ref, spec.method.value
+
+
 def test_serving_kld_tracks_the_exact_kld_where_dsde_reads_it(
     target: LlamaModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
-from specserve.models.llama import LlamaModel
+from specserve.models.llama import LlamaModel, attach_mkl_packed
 from specserve.models.loader import load_model
 from specserve.timing import timed
 from specserve.tune import verify_forward
@@ -40,6 +40,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens before them")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--tree-mask", action="store_true", help="verify with an explicit mask, as trees do")
+    p.add_argument(
+        "--mkl-packed",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the runner with MKL-packed weights for these widths (ModelSpec.mkl_packed_widths)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_out/runner"))
 
 
@@ -78,14 +85,27 @@ def run(args: argparse.Namespace) -> int:
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     print(cpu_summary())
     print(f"{spec.source} {model.dtype}: {weight_bytes / 1e6:.0f} MB of matmul weights per forward")
-    fns = {
-        (kind, r): make(r)
-        for r in args.rows
-        for kind, make in (
-            ("bare", lambda r: bare_matmuls(weights, r)),
-            ("runner", lambda r: verify_forward(model, r, context=args.context, tree_mask=args.tree_mask)),
-        )
-    }
+    packed = attach_mkl_packed(model, tuple(args.mkl_packed))
+    linears = [m for m in model.modules() if hasattr(m, "mkl_packed")]
+    stash = {id(m): m.mkl_packed for m in linears}
+
+    def runner(r: int, with_packed: bool) -> Callable[[], None]:
+        fwd = verify_forward(model, r, context=args.context, tree_mask=args.tree_mask)
+
+        def run() -> None:
+            for m in linears:  # the same model with and without its packed copies, interleaved
+                m.mkl_packed = stash[id(m)] if with_packed else ()  # type: ignore[assignment]
+            fwd()
+
+        return run
+
+    kinds: list[tuple[str, Callable[[int], Callable[[], None]]]] = [
+        ("bare", lambda r: bare_matmuls(weights, r)),
+        ("runner", lambda r: runner(r, False)),
+    ]
+    if packed:
+        kinds.append(("packed", lambda r: runner(r, True)))
+    fns = {(kind, r): make(r) for r in args.rows for kind, make in kinds}
     times: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
     with torch.inference_mode():
         for fn in fns.values():
@@ -97,21 +117,25 @@ def run(args: argparse.Namespace) -> int:
     floor_ms = weight_bytes / bandwidth * 1e3
     rows_out = []
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s -> floor {floor_ms:.1f} ms per forward (weights once)")
-    print(f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13}")
+    print(f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'packed ms':>10}")
     for r in args.rows:
-        bare, runner = (statistics.median(times[(k, r)]) * 1e3 for k in ("bare", "runner"))
+        bare, eager = (statistics.median(times[(k, r)]) * 1e3 for k in ("bare", "runner"))
+        packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
         rows_out.append(
             {
                 "rows": r,
                 "bare_ms": bare,
-                "runner_ms": runner,
-                "overhead": runner / bare,
+                "runner_ms": eager,
+                "overhead": eager / bare,
+                "packed_ms": packed_ms,
+                "packed_widths": " ".join(map(str, args.mkl_packed)) if packed else "",
                 "floor_ms": floor_ms,
                 "dtype": str(model.dtype),
                 "cpu": cpu_summary(),
             }
         )
-        print(f"{r:>5} {bare:>9.1f} {runner:>10.1f} {runner / bare:>8.2f}x {runner / floor_ms:>12.2f}x")
+        line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
+        print(line + f" {packed_ms:>10.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}.csv"
     with path.open("w", newline="") as f:

@@ -83,6 +83,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=_positive, default=1, help="time each prompt R times in a row; keep the min")
     p.add_argument("--stop-at-eos", action="store_true", help="end each answer at EOS (default: max-tokens each)")
     p.add_argument("--guarded-default", action="store_true", help="add the serving default, throughput guard on")
+    p.add_argument(
+        "--mkl-packed", type=int, nargs="*", default=[], help="targets with MKL-packed weights for these row counts"
+    )
     p.add_argument("--out", type=Path, default=Path("bench_out/spec"))
 
 
@@ -318,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
     for _, t_spec, _ in pairs:
         if t_spec not in target_specs:
             target_specs.append(t_spec)
-    targets = {t: load_model(t) for t in target_specs}
+    packed = {"mkl_packed_widths": tuple(args.mkl_packed)}
+    targets = {t: load_model(t.model_copy(update=packed)) for t in target_specs}
     tok = load_tokenizer(target_specs[0])
     first = Engine(targets[target_specs[0]], tok, max_batch_size=1)
     bench = _prompt_set(args.prompts, args.per_category)[: args.num_prompts]

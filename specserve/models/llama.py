@@ -113,6 +113,12 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if wt is not None and x.numel() <= getattr(mod, "gemv_rows", GEMV_MAX_ROWS) * wt.shape[0]:
         y = x @ wt
         return y if mod.bias is None else y + mod.bias
+    packed: tuple[tuple[int, int, torch.Tensor], ...] = getattr(mod, "mkl_packed", ())
+    rows = x.shape[0]
+    for low, width, weight in packed:  # MKL's packed sgemm for the row counts it was packed for (zero rows pad)
+        if low <= rows <= width:
+            xp = x if rows == width else torch.cat([x, x.new_zeros(width - rows, x.shape[1])])
+            return torch.ops.mkl._mkl_linear(xp, weight, mod.weight, mod.bias, width)[:rows]
     return mod(x)
 
 
@@ -364,6 +370,33 @@ def attach_gemv_copies(model: LlamaModel, rows: int | None = None) -> int:
             mod.weight_t = mod.weight.detach().t().contiguous()  # type: ignore[assignment]
         mod.gemv_rows = mod_rows  # type: ignore[assignment]
     return max(by_shape.values(), default=0)
+
+
+def mkl_packing_available() -> bool:
+    try:
+        w = torch.ones(2, 2)
+        return bool(torch.ops.mkl._mkl_linear(w, torch.ops.mkl._mkl_reorder_linear_weight(w, 2), w, None, 2).sum() == 8)
+    except (AttributeError, RuntimeError):  # a torch built without MKL (e.g. aarch64)
+        return False
+
+
+def attach_mkl_packed(model: LlamaModel, widths: tuple[int, ...]) -> bool:
+    """Switch: for each width w (ascending), a copy of every float32 linear weight in MKL's packed sgemm layout
+    for w rows; the first width serves products of exactly w rows, each later one those of (previous width, w]
+    rows, padded with zero rows to w (``linear``). On the AMX
+    Xeon MKL's packed product over 4 rows took SmolLM2's matmuls from 36 to 24 ms and over 16 from 47 to 36 ms
+    (2-3 rows gained nothing), at 2-5x the weight memory per width (docs/benchmarks.md). Returns False (nothing
+    attached) where torch has no MKL or the model is not float32 on the CPU."""
+    if not widths or model.device.type != "cpu" or model.dtype != torch.float32 or not mkl_packing_available():
+        return False
+    bounds = sorted(set(widths))
+    ranges = [(lo + 1, hi) for lo, hi in zip([bounds[0] - 1, *bounds[:-1]], bounds, strict=True)]
+    for mod in (m for m in model.modules() if type(m) is nn.Linear):
+        w = mod.weight.detach()
+        mod.mkl_packed = tuple(  # type: ignore[assignment]
+            (lo, hi, torch.ops.mkl._mkl_reorder_linear_weight(w, hi)) for lo, hi in ranges
+        )
+    return True
 
 
 def quantize_int8_dynamic(model: LlamaModel) -> LlamaModel:
