@@ -28,13 +28,23 @@ class ThroughputGuard:
     warmup: int = 3  # steps of each mode per bucket before the first decision (their mean starts the average)
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
-    steps: dict[int, int] = field(default_factory=dict)  # steps seen per bucket
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
 
     def __post_init__(self) -> None:
         if self.warmup < 1:
             raise ValueError(f"warmup must be at least 1 step per mode, got {self.warmup}")
+
+    @property
+    def steps(self) -> dict[int, int]:
+        """Steps measured per bucket, both modes."""
+        out: dict[int, int] = {}
+        for (b, _), n in self.samples.items():
+            out[b] = out.get(b, 0) + n
+        return out
+
+    def _steps(self, b: int) -> int:
+        return self.samples.get((b, True), 0) + self.samples.get((b, False), 0)
 
     def faster(self, batch_size: int) -> bool | None:
         """Whether speculation measured faster at this batch size (None: either mode not yet warmed up)."""
@@ -48,13 +58,12 @@ class ThroughputGuard:
         better = self.faster(batch_size)
         if better is None:  # measure plain decoding first (it needs no draft prefill), then speculation
             return self.samples.get((b, False), 0) >= self.warmup
-        explore = self.steps.get(b, 0) >= self.next_try.get(b, self.explore_every - 1)
+        explore = self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
         return better != explore
 
     def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
         b = bucket(batch_size)
         before = self.faster(batch_size)
-        self.steps[b] = self.steps.get(b, 0) + 1
         rate = tokens / max(seconds, 1e-9)
         key = (b, speculative)
         n = self.samples[key] = self.samples.get(key, 0) + 1
@@ -65,4 +74,4 @@ class ThroughputGuard:
             interval = self.intervals.get(b, self.explore_every)
             interval = self.explore_every if after != before else min(2 * interval, self.max_explore_every)
             self.intervals[b] = interval
-            self.next_try[b] = self.steps[b] + interval - 1
+            self.next_try[b] = self._steps(b) + interval - 1

@@ -383,10 +383,10 @@ def mkl_packing_available() -> bool:
 def attach_mkl_packed(model: LlamaModel, widths: tuple[int, ...]) -> bool:
     """Switch: for each width w (ascending), a copy of every float32 linear weight in MKL's packed sgemm layout
     for w rows; the first width serves products of exactly w rows, each later one those of (previous width, w]
-    rows, padded with zero rows to w (``linear``). On the AMX
-    Xeon MKL's packed product over 4 rows took SmolLM2's matmuls from 36 to 24 ms and over 16 from 47 to 36 ms
-    (2-3 rows gained nothing), at 2-5x the weight memory per width (docs/benchmarks.md). Returns False (nothing
-    attached) where torch has no MKL or the model is not float32 on the CPU."""
+    rows, padded with zero rows to w (``linear``). On the AMX Xeon MKL's packed product over 4 rows took
+    SmolLM2's matmuls from 36 to 24 ms and over 16 from 47 to 36 ms (2-3 rows gained nothing), at 2-5x the weight
+    memory per width (docs/benchmarks.md). Returns False (nothing attached) where torch has no MKL or the model is
+    not float32 on the CPU."""
     if not widths or model.device.type != "cpu" or model.dtype != torch.float32 or not mkl_packing_available():
         return False
     bounds = sorted(set(widths))

@@ -72,16 +72,10 @@ def build_dataset(
     progress: ProgressFn | None = None,
 ) -> Path:
     """Generate answers and features chunk by chunk into ``out`` (resumable)."""
-    out.mkdir(parents=True, exist_ok=True)
-    chunks = [prompts[i : i + cfg.chunk_size] for i in range(0, len(prompts), cfg.chunk_size)]
-    for n, chunk in enumerate(chunks):
-        path = out / f"chunk_{n:05d}.safetensors"
-        if not path.exists():
-            ids = [chat_ids(tokenizer, p) for p in chunk]
-            convs = [Conversation(p + a, len(p)) for p, a in zip(ids, answer(ids), strict=True)]
-            write_chunk(path, convs, final_features(model, convs))
-        if progress is not None:
-            progress(min((n + 1) * cfg.chunk_size, len(prompts)), len(prompts))
+    size = cfg.chunk_size
+    _distill_chunks(
+        model, tokenizer, answer, out, len(prompts), size, lambda n: prompts[n * size : (n + 1) * size], progress
+    )
     (out / "meta.json").write_text(
         json.dumps({"num_prompts": len(prompts), "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens}, indent=1)
     )
@@ -101,18 +95,36 @@ def build_self_dataset(
     """``build_dataset`` over requests the target writes itself (``specserve.train.self_prompts``): chunk ``n``
     asks ``requests(chunk_size, seed)`` for its prompts with a seed of its own, so chunks are independent and an
     interrupted run resumes. A chunk holds the requests that survived filtering (fewer than asked)."""
+    size = cfg.chunk_size
+
+    def prompts_of(n: int) -> list[str]:
+        return requests(min(size, num_requests - n * size), (cfg.seed << 20) + n)
+
+    _distill_chunks(model, tokenizer, answer, out, num_requests, size, prompts_of, progress)
+    return out
+
+
+def _distill_chunks(
+    model: LlamaModel,
+    tokenizer: PreTrainedTokenizerBase,
+    answer: AnswerFn,
+    out: Path,
+    total: int,
+    chunk_size: int,
+    prompts_of: Callable[[int], list[str]],
+    progress: ProgressFn | None,
+) -> None:
+    """Chunk ``n`` of ``ceil(total / chunk_size)``: ``prompts_of(n)`` answered by the target, with its features;
+    chunks already on disk are skipped (``prompts_of`` is not called for them)."""
     out.mkdir(parents=True, exist_ok=True)
-    num_chunks = -(-num_requests // cfg.chunk_size)
-    for n in range(num_chunks):
+    for n in range(-(-total // chunk_size)):
         path = out / f"chunk_{n:05d}.safetensors"
         if not path.exists():
-            asked = min(cfg.chunk_size, num_requests - n * cfg.chunk_size)
-            ids = [chat_ids(tokenizer, p) for p in requests(asked, (cfg.seed << 20) + n)]
+            ids = [chat_ids(tokenizer, p) for p in prompts_of(n)]
             convs = [Conversation(p + a, len(p)) for p, a in zip(ids, answer(ids), strict=True)]
             write_chunk(path, convs, final_features(model, convs))
         if progress is not None:
-            progress(min((n + 1) * cfg.chunk_size, num_requests), num_requests)
-    return out
+            progress(min((n + 1) * chunk_size, total), total)
 
 
 def build_text_dataset(
