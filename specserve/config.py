@@ -275,6 +275,7 @@ def derived_draft(target: ModelSpec, kind: str) -> ModelSpec:
         "bf16": {"dtype": DType.bfloat16},
         "fp16": {"dtype": DType.float16},
         "int8": {"dtype": DType.float32, "int8_dynamic": True},
+        "q4": {"dtype": DType.float32, "native_q4": True},
     }
     if kind not in variants:
         raise ValueError(f"unknown derived draft {kind!r}; choose one of {sorted(variants)}")
@@ -287,6 +288,7 @@ MODEL_PAIRS: dict[str, tuple[ModelSpec, DraftSpec]] = {
     "smollm2-int8": (ModelSpec(), derived_draft(ModelSpec(), "int8")),
     "smollm2-bf16": (ModelSpec(), derived_draft(ModelSpec(), "bf16")),
     "smollm2-fp16": (ModelSpec(), derived_draft(ModelSpec(), "fp16")),
+    "smollm2-q4": (ModelSpec(), derived_draft(ModelSpec(), "q4")),
 }
 
 DEFAULT_PAIR = "smollm2-eagle"  # what `serve run deployments/app.yaml` and `specserve generate` speculate with

@@ -6,7 +6,10 @@ of tokens/s for speculative and plain steps per batch-size bucket, runs the fast
 after ``explore_every`` steps of the bucket, doubling the interval while the tries confirm the choice, so the
 estimates follow changing acceptance and load at a bounded cost. Before its first decision in a bucket it
 measures ``warmup`` steps of plain decoding, then as many speculative ones, and starts each average from their
-mean: one noisy first step (a page fault, another process) does not set the choice.
+mean: one noisy first step (a page fault, another process) does not set the choice. A speculative step right after
+plain ones (or the first) is not measured: the draft spends it re-reading every token it missed while the target
+decoded alone (a draft model's catch-up costs several of its steps), a one-time cost of switching, not the rate
+speculation runs at. A try of speculation is therefore that switch step and one measured step.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class ThroughputGuard:
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
+    last_speculative: bool | None = None  # the mode of the last step recorded (None: none yet)
 
     def __post_init__(self) -> None:
         if self.warmup < 1:
@@ -62,6 +66,10 @@ class ThroughputGuard:
         return better != explore
 
     def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
+        switched = speculative and self.last_speculative is not True
+        self.last_speculative = speculative
+        if switched:  # the draft's catch-up after plain steps: not speculation's rate (module docstring)
+            return
         b = bucket(batch_size)
         before = self.faster(batch_size)
         rate = tokens / max(seconds, 1e-9)

@@ -191,27 +191,30 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert not guard.speculate(8)  # nothing measured: plain decoding first (no draft prefill needed)
     guard.record(8, False, tokens=40, seconds=1.0)
     assert guard.speculate(8)  # then speculation
+    guard.record(8, True, tokens=1, seconds=1.0)  # the switch: the draft catches up (slow), not measured
+    assert guard.speculate(8) and guard.faster(8) is None  # so speculation is measured on the next step
     guard.record(8, True, tokens=10, seconds=1.0)
     tries = []
-    for step in range(2, 40):
+    for step in range(3, 40):
         s = guard.speculate(8)
         if s:
             tries.append(step)
         guard.record(8, s, tokens=10 if s else 40, seconds=1.0)
-    # plain is 4x faster: speculation only on exploration steps, each confirming try doubles the interval
-    assert tries == [4, 14, 34]
+    # plain is 4x faster: speculation only on exploration tries (the switch step, then a measured step); the
+    # interval counts measured steps (5, then 10, 20: the switch steps are not counted) and doubles per confirmation
+    assert tries == [5, 6, 16, 17, 37, 38]
     assert not guard.speculate(1)  # other buckets are independent
     # speculation becomes much faster: the next try flips the choice and the interval starts over
     flipped = ThroughputGuard(explore_every=5, smoothing=1.0, warmup=1)
-    for spec, tokens in ((True, 10), (False, 40)):
+    for spec, tokens in ((False, 40), (True, 10), (True, 10)):  # plain; the switch; speculation measured
         flipped.record(8, spec, tokens, seconds=1.0)
     choices = []
     for _ in range(12):
         s = flipped.speculate(8)
         choices.append(s)
         flipped.record(8, s, tokens=80 if s else 40, seconds=1.0)
-    assert choices[:3] == [False, False, True] and all(choices[3:7])  # from the flip on, speculate
-    assert choices[7] is False and all(choices[8:])  # ... re-try plain 5 steps after the flip (interval reset)
+    assert choices[:3] == [False, False, True] and all(choices[3:8])  # the try (switch + measured step) flips it
+    assert choices[8] is False and all(choices[9:])  # ... re-try plain 5 measured steps after the flip (reset)
     assert flipped.intervals[8] == 10  # that try confirmed speculation: the interval doubles again
 
 
@@ -228,7 +231,7 @@ def test_throughput_guard_decides_on_the_mean_of_its_warmup_steps() -> None:
         return out
 
     warm = choices(ThroughputGuard(explore_every=100), 10)
-    assert warm == [False] * 3 + [True] * 3 + [False] * 4  # 3 plain, 3 speculative, then the faster: plain
+    assert warm == [False] * 3 + [True] * 4 + [False] * 3  # 3 plain, the switch + 3 speculative, then plain
     assert choices(ThroughputGuard(explore_every=100, warmup=1), 10)[2:] == [True] * 8  # one step each: misled
     with pytest.raises(ValueError, match="warmup"):
         ThroughputGuard(warmup=0)
@@ -252,7 +255,10 @@ def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
     assert (full, True) in guard.rates and (full, False) in guard.rates
     drafting = [m.levels > 0 for m in engine.loop.stats.metrics]
     assert any(drafting) and not all(drafting)
-    assert sum(guard.steps.values()) == len(drafting) - 1  # all prompts prefill in step 1: not a decoding rate
+    # all prompts prefill in step 1 (not a decoding rate); each switch to speculation is the draft's catch-up
+    switches = sum(d and (i == 1 or not drafting[i - 1]) for i, d in enumerate(drafting) if i >= 1)
+    assert switches >= 1
+    assert sum(guard.steps.values()) == len(drafting) - 1 - switches
 
 
 class _FixedGuard(ThroughputGuard):
