@@ -9,11 +9,15 @@ measures ``warmup`` steps of plain decoding, then as many speculative ones, and 
 mean: one noisy first step (a page fault, another process) does not set the choice. A speculative step right after
 plain ones (or the first) is not measured: the draft spends it re-reading every token it missed while the target
 decoded alone (a draft model's catch-up costs several of its steps), a one-time cost of switching, not the rate
-speculation runs at. A try of speculation is therefore that switch step and one measured step.
+speculation runs at. A try of speculation is therefore that switch step and one measured step. Its cost is
+bounded: after a try that confirms plain decoding, the next one waits at least until the plain steps in between
+took 1 / ``explore_cost`` times that switch step (a 4-bit draft model catching up 16 sequences' prompts costs
+~35 plain steps, which a try every 20 steps would pay again and again).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -29,15 +33,20 @@ class ThroughputGuard:
     # when one flips it): a try costs a slow step, and after plain steps the draft first re-reads what it missed
     smoothing: float = 0.3  # weight of the newest step in the moving average
     warmup: int = 3  # steps of each mode per bucket before the first decision (their mean starts the average)
+    explore_cost: float = 0.05  # a try's switch step costs at most this share of the plain time before the next
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
     last_speculative: bool | None = None  # the mode of the last step recorded (None: none yet)
+    plain_step_s: dict[int, float] = field(default_factory=dict)  # bucket -> moving average of a plain step's time
+    switch_s: dict[int, float] = field(default_factory=dict)  # bucket -> time of its last switch to speculation
 
     def __post_init__(self) -> None:
         if self.warmup < 1:
             raise ValueError(f"warmup must be at least 1 step per mode, got {self.warmup}")
+        if not 0 < self.explore_cost <= 1:
+            raise ValueError(f"explore_cost must be in (0, 1], got {self.explore_cost}")
 
     @property
     def steps(self) -> dict[int, int]:
@@ -68,18 +77,30 @@ class ThroughputGuard:
     def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
         switched = speculative and self.last_speculative is not True
         self.last_speculative = speculative
-        if switched:  # the draft's catch-up after plain steps: not speculation's rate (module docstring)
-            return
         b = bucket(batch_size)
+        if switched:  # the draft's catch-up after plain steps: not speculation's rate (module docstring)
+            self.switch_s[b] = seconds
+            return
         before = self.faster(batch_size)
-        rate = tokens / max(seconds, 1e-9)
+        rate = tokens / max(seconds, 1e-9) / batch_size  # per sequence: a bucket spans batch sizes b/2+1..b
         key = (b, speculative)
         n = self.samples[key] = self.samples.get(key, 0) + 1
         weight = 1 / n if n <= self.warmup else self.smoothing  # the warm-up's mean, then the moving average
         self.rates[key] = (1 - weight) * self.rates.get(key, 0.0) + weight * rate
+        if not speculative:
+            self.plain_step_s[b] = (1 - weight) * self.plain_step_s.get(b, 0.0) + weight * seconds
+        if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try
+            self.next_try[b] = max(self.explore_every, self._steps(b) + self._amortising_steps(b)) - 1
         if before is not None and speculative != before:  # that was a try of the slower mode
             after = self.faster(batch_size)
             interval = self.intervals.get(b, self.explore_every)
             interval = self.explore_every if after != before else min(2 * interval, self.max_explore_every)
             self.intervals[b] = interval
-            self.next_try[b] = self._steps(b) + interval - 1
+            self.next_try[b] = self._steps(b) + max(interval, self._amortising_steps(b) if not after else 0) - 1
+
+    def _amortising_steps(self, b: int) -> int:
+        """Plain steps of bucket ``b`` that make its last switch step ``explore_cost`` of the time between tries."""
+        step_s = self.plain_step_s.get(b, 0.0)
+        if b not in self.switch_s or step_s <= 0:
+            return 0
+        return math.ceil(self.switch_s[b] / (self.explore_cost * step_s))

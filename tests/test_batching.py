@@ -187,7 +187,7 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     from specserve.guard import bucket
 
     assert [bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
-    guard = ThroughputGuard(explore_every=5, warmup=1)
+    guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=1.0)  # switches as cheap as a step: no spacing
     assert not guard.speculate(8)  # nothing measured: plain decoding first (no draft prefill needed)
     guard.record(8, False, tokens=40, seconds=1.0)
     assert guard.speculate(8)  # then speculation
@@ -205,7 +205,7 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert tries == [5, 6, 16, 17, 37, 38]
     assert not guard.speculate(1)  # other buckets are independent
     # speculation becomes much faster: the next try flips the choice and the interval starts over
-    flipped = ThroughputGuard(explore_every=5, smoothing=1.0, warmup=1)
+    flipped = ThroughputGuard(explore_every=5, smoothing=1.0, warmup=1, explore_cost=1.0)
     for spec, tokens in ((False, 40), (True, 10), (True, 10)):  # plain; the switch; speculation measured
         flipped.record(8, spec, tokens, seconds=1.0)
     choices = []
@@ -216,6 +216,36 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert choices[:3] == [False, False, True] and all(choices[3:8])  # the try (switch + measured step) flips it
     assert choices[8] is False and all(choices[9:])  # ... re-try plain 5 measured steps after the flip (reset)
     assert flipped.intervals[8] == 10  # that try confirmed speculation: the interval doubles again
+    # a bucket spans batch sizes 9-16: rates are per sequence, so a step of 9 sequences emitting 12 tokens beats
+    # one of 16 emitting 16 in the same time
+    mixed = ThroughputGuard(warmup=1)
+    for batch, spec, tokens in ((16, False, 16), (9, True, 0), (9, True, 12)):
+        mixed.record(batch, spec, tokens, seconds=1.0)
+    assert mixed.faster(16) is True
+
+
+def test_throughput_guard_spaces_its_tries_by_what_the_switch_costs() -> None:
+    # plain steps take 0.125 s; switching to speculation costs a 10 s catch-up (the draft re-reads what it
+    # missed), then speculation measures slower: each try waits until the plain time since the last one is
+    # 1 / explore_cost times that switch
+    def switch_steps(explore_cost: float, steps: int) -> list[int]:
+        guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=explore_cost)
+        out = []
+        for i in range(steps):
+            s = guard.speculate(8)
+            switch = s and guard.last_speculative is not True
+            if switch:
+                out.append(i)
+            guard.record(8, s, tokens=0 if switch else 10 if s else 40, seconds=10.0 if switch else 1 if s else 0.125)
+        assert guard.switch_s[8] == 10.0 and guard.plain_step_s[8] == 0.125
+        return out
+
+    # explore_cost 1: 10 s / 0.125 s = 80 plain steps between tries (not 5, 10, 20): the warm-up's switch at
+    # step 1, its measured step 2 (decision: plain, next try after 80 measured steps), tries at 82 and 163
+    assert switch_steps(1.0, 200) == [1, 82, 163]
+    assert switch_steps(0.25, 200) == [1]  # 320 plain steps before the first try
+    with pytest.raises(ValueError, match="explore_cost"):
+        ThroughputGuard(explore_cost=0.0)
 
 
 def test_throughput_guard_decides_on_the_mean_of_its_warmup_steps() -> None:

@@ -207,7 +207,7 @@ def test_actors_sharing_a_gpu_size_their_kv_for_their_share() -> None:
 
 def test_app_args_layout_and_validation() -> None:
     args = AppArgs()
-    assert args.pair_name == "smollm2-eagle" and args.model_name == "smollm2-eagle" and args.has_draft
+    assert args.pair_name == "smollm2-q4" and args.model_name == "smollm2-q4" and args.has_draft
     lanes = AppArgs(tiny=TinyModels(), num_lanes=2, router_resources=ActorResources(num_cpus=0.5))
     assert lanes.placement_bundles() == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}]
     assert [lanes.bundle_index(1, r) for r in (WorkerRole.target, WorkerRole.draft)] == [3, 4]
@@ -247,16 +247,18 @@ def test_shipped_serve_configs_validate(path: str) -> None:
         assert args.speculation.dsde.cap_enabled
 
 
-def test_default_app_serves_the_shipped_head_with_the_serving_defaults() -> None:
-    from specserve.config import DEFAULT_PAIR, SERVING_SPECULATION, SERVING_THROUGHPUT_GUARD, HeadSpec
+def test_default_app_serves_the_4_bit_draft_with_the_serving_defaults() -> None:
+    from specserve.config import DEFAULT_PAIR, SERVING_SPECULATION, SERVING_THROUGHPUT_GUARD
 
     args = AppArgs.model_validate(
         yaml.safe_load((REPO / "deployments/app.yaml").read_text())["applications"][0]["args"]
     )
-    assert args.pair == DEFAULT_PAIR == "smollm2-eagle" and args.model_name == "smollm2-eagle"
+    assert args.pair == DEFAULT_PAIR == "smollm2-q4" and args.model_name == "smollm2-135m-instruct"
     assert args.speculation == SERVING_SPECULATION and args.throughput_guard == SERVING_THROUGHPUT_GUARD
     recipe = args.recipe(WorkerRole.draft)
-    assert recipe is not None and isinstance(recipe.spec, HeadSpec) and recipe.head_target == ModelSpec()
+    assert recipe is not None and recipe.spec == ModelSpec(native_q4=True)  # the target's own Q4_1 blocks
+    target = args.recipe(WorkerRole.target)
+    assert target is not None and target.spec == ModelSpec()
 
 
 def test_lane_limits_match_the_engine() -> None:
