@@ -102,9 +102,9 @@ class AppArgs(LoopConfig):
     """Which models, how speculation runs by default, and how a router replica is laid out.
 
     Models: ``pair`` (a name in MODEL_PAIRS), or ``target`` (+ optional ``draft``) ModelSpecs, or ``tiny``;
-    nothing given means ``specserve.config.DEFAULT_PAIR``. A replica owns ``num_lanes`` lanes; each lane is one target and
-    one draft actor with its own continuous-batching loop. Per replica, ``num_lanes * max_batch_size`` requests
-    run and ``max_queued_requests`` more wait; beyond that requests get a 429.
+    nothing given means ``specserve.config.DEFAULT_PAIR``. A replica owns ``num_lanes`` lanes; each lane is one
+    target and one draft actor with its own continuous-batching loop. Per replica, ``num_lanes * max_batch_size``
+    requests run and ``max_queued_requests`` more wait; beyond that requests get a 429.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
