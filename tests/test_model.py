@@ -258,6 +258,32 @@ def test_gemv_copies_give_the_same_logits() -> None:
     assert 0 <= measured <= 3
 
 
+def test_row_padding_runs_10_to_15_row_products_at_16_rows_with_the_same_products() -> None:
+    from specserve.models.llama import PAD_WIDTH, attach_row_padding, linear
+
+    model = tiny_model(seed=0)
+    assert attach_row_padding(model, 10) == 10
+    mod = model.decoder_layers()[0].gate_up
+    seen: list[int] = []
+    mod.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+    torch.manual_seed(1)
+    for rows in range(1, 21):
+        x = torch.randn(rows, mod.in_features)
+        want = x @ mod.weight.t() + (0 if mod.bias is None else mod.bias)
+        got = linear(mod, x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # zero rows change no real row
+    assert seen == [*range(1, 10), *[PAD_WIDTH] * 6, *range(16, 21)]  # 10-15 rows ran as 16
+    off = tiny_model(seed=0)
+    assert attach_row_padding(off, 0) == 0
+    seen.clear()
+    off.decoder_layers()[0].gate_up.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+    linear(off.decoder_layers()[0].gate_up, torch.randn(12, mod.in_features))
+    assert seen == [12]
+    measured = attach_row_padding(tiny_model(seed=0))  # measured over the model's weights: a candidate or none
+    assert measured in (0, 10, 12, 15)
+
+
 def test_mkl_packed_weights_serve_their_row_ranges_with_the_same_products() -> None:
     from torch import nn
 

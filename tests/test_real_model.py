@@ -120,6 +120,29 @@ def test_the_4_bit_copy_drafts_what_the_target_decodes(target: LlamaModel) -> No
     assert sum(o.stats.accepted for o in outs) / drafted > 0.7
 
 
+def test_speculation_with_every_verify_padded_to_16_rows_equals_plain_greedy() -> None:
+    """Row padding (``ModelSpec.pad_rows``) from 2 rows on: every verify of 2-15 tokens runs as 16 rows; chains
+    of 3, DSDE chains (verifies up to 13 rows) and trees stay equal to plain greedy decoding."""
+    from specserve.models.llama import attach_row_padding
+
+    target = load_model(ModelSpec(pad_rows=False))
+    assert attach_row_padding(target, 2) == 2
+    tok = load_tokenizer(ModelSpec())
+    draft = load_draft(MODEL_PAIRS["smollm2-q4"][1], target) if native_q4_available() else target
+    plain = Engine(target, tok, max_batch_size=1, max_model_len=512)
+    prompts = [plain.encode(p.text, chat=True) for p in mt_bench_prompts(4)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    for spec in (
+        SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.greedy),
+        SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde),
+        SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=12, ddd_max_depth=6),
+    ):
+        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=1, max_model_len=512)
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == ref, spec.method.value
+
+
 def test_speculation_on_a_target_with_mkl_packed_weights_equals_its_plain_greedy() -> None:
     """Verification runs 4 and 5-16 row products through MKL's packed weights: chains of 3 and trees stay equal to
     the same target's plain greedy decoding."""

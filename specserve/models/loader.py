@@ -13,7 +13,13 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec, SourceKind
 from specserve.errors import CorruptModelError, ModelSourceError, UnsupportedModelError
-from specserve.models.llama import LlamaModel, attach_gemv_copies, attach_mkl_packed, quantize_int8_dynamic
+from specserve.models.llama import (
+    LlamaModel,
+    attach_gemv_copies,
+    attach_mkl_packed,
+    attach_row_padding,
+    quantize_int8_dynamic,
+)
 from specserve.models.q4 import Q4Blocks, Q4Linear, gguf_layer_blocks, native_q4_available
 from specserve.models.sources import builtin_gguf_path, resolve
 from specserve.spec_decode.eagle_head import EagleHead, load_eagle_head
@@ -94,6 +100,8 @@ def load_model_dir(
         return quantize_int8_dynamic(model)
     if spec.gemv_copies and model.device.type == "cpu":
         attach_gemv_copies(model)
+    if spec.pad_rows and model.device.type == "cpu":
+        attach_row_padding(model)
     attach_mkl_packed(model, spec.mkl_packed_widths)
     return model
 
