@@ -43,6 +43,12 @@ class ModelSpec(BaseModel):
         description="CPU: the decoder layers' matmuls read the GGUF's packed Q4_1 weights (int4 kernel, bf16 "
         "activations) instead of their float32 dequantisation; GGUF sources only",
     )
+    q4_dense_from: int | None = Field(
+        default=None,
+        ge=1,
+        description="with native_q4: products of at least this many rows use a bf16 copy of the dequantised "
+        "weights (far faster at 16+ rows; 4x the packed bytes; no longer batch-invariant: for drafts)",
+    )
     gemv_copies: bool = Field(
         default=True,
         description="CPU: transposed weight copies for the 1-3 row products where they measure faster on this "
@@ -60,6 +66,12 @@ class ModelSpec(BaseModel):
         "the weights per width; e.g. (4, 16): 4 rows, and 5-16 rows, packed)",
     )
     revision: str | None = None
+
+    @model_validator(mode="after")
+    def _dense_rows_need_native_q4(self) -> ModelSpec:
+        if self.q4_dense_from is not None and not self.native_q4:
+            raise ValueError("q4_dense_from applies to native_q4 weights")
+        return self
 
     def resolved_kind(self) -> SourceKind:
         if self.kind is not None:
@@ -281,7 +293,7 @@ def derived_draft(target: ModelSpec, kind: str) -> ModelSpec:
         "bf16": {"dtype": DType.bfloat16},
         "fp16": {"dtype": DType.float16},
         "int8": {"dtype": DType.float32, "int8_dynamic": True},
-        "q4": {"dtype": DType.float32, "native_q4": True},
+        "q4": {"dtype": DType.float32, "native_q4": True, "q4_dense_from": 16},
     }
     if kind not in variants:
         raise ValueError(f"unknown derived draft {kind!r}; choose one of {sorted(variants)}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.config import ModelSpec, SourceKind
@@ -55,6 +56,22 @@ def test_int4_kernel_matches_the_dequantised_matmul(rows: int) -> None:
     assert got.dtype == x.dtype and got.shape == ref.shape
     # bf16 activations and bf16 scale / zero: relative error of a few bf16 ulps of the output's scale
     assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_a_dense_copy_serves_products_of_many_rows() -> None:
+    blocks = _random_blocks(96, 192)
+    lin, kernel = Q4Linear(blocks, dense_from=8), Q4Linear(blocks)
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 7, 8, 20):
+        x = torch.randn(rows, 192, generator=gen)
+        ref = x @ blocks.dequantize().t()
+        got = lin(x)
+        assert got.dtype == x.dtype and (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+        dense = F.linear(x.bfloat16(), blocks.dequantize().bfloat16()).float()
+        assert torch.equal(got, dense) == (rows >= 8)  # the bf16 copy from 8 rows on, the int4 kernel below
+        assert torch.equal(got, kernel(x)) == (rows < 8)
+    with pytest.raises(ValueError, match="native_q4"):
+        ModelSpec(q4_dense_from=16)
 
 
 def test_rows_do_not_change_each_others_results() -> None:

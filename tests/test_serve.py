@@ -256,7 +256,7 @@ def test_default_app_serves_the_4_bit_draft_with_the_serving_defaults() -> None:
     assert args.pair == DEFAULT_PAIR == "smollm2-q4" and args.model_name == "smollm2-135m-instruct"
     assert args.speculation == SERVING_SPECULATION and args.throughput_guard == SERVING_THROUGHPUT_GUARD
     recipe = args.recipe(WorkerRole.draft)
-    assert recipe is not None and recipe.spec == ModelSpec(native_q4=True)  # the target's own Q4_1 blocks
+    assert recipe is not None and recipe.spec == ModelSpec(native_q4=True, q4_dense_from=16)  # the target's Q4_1
     target = args.recipe(WorkerRole.target)
     assert target is not None and target.spec == ModelSpec()
 

@@ -49,7 +49,7 @@ def use_native_q4(model: LlamaModel, spec: ModelSpec) -> None:
         missing = [n for n in names if n not in blocks]
         if missing:
             raise UnsupportedModelError(f"native_q4: {gguf.name} has no Q4_1 tensor {missing[0]!r}")
-        return Q4Linear(Q4Blocks.cat([blocks[n] for n in names]))
+        return Q4Linear(Q4Blocks.cat([blocks[n] for n in names]), dense_from=spec.q4_dense_from)
 
     for i, layer in enumerate(model.decoder_layers()):
         p, att = f"model.layers.{i}.", f"model.layers.{i}.self_attn."

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specserve.errors import UnsupportedModelError
@@ -68,15 +69,22 @@ def q4_1_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q4Blocks:
 
 
 class Q4Linear(nn.Module):
-    """y = x W^T with W held as packed int4 (no bias: Llama's projections have none)."""
+    """y = x W^T with W held as packed int4 (no bias: Llama's projections have none). With ``dense_from``, products
+    of at least that many rows use a bf16 copy of the dequantised weights instead: the int4 kernel is the faster
+    one for a few rows, but at 16+ rows (a draft's catch-up, a large batch) bf16 products on the CPU's matrix units
+    win by up to 9x. That copy costs 4x the packed bytes and makes a row's result depend on how many rows came
+    with it (no longer batch-invariant): for drafts, not targets."""
 
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
+    dense: torch.Tensor | None
 
-    def __init__(self, blocks: Q4Blocks) -> None:
+    def __init__(self, blocks: Q4Blocks, dense_from: int | None = None) -> None:
         super().__init__()
         n, k = blocks.shape
         self.in_features, self.out_features = k, n
+        self.dense_from = dense_from
+        self.register_buffer("dense", None if dense_from is None else blocks.dequantize().to(torch.bfloat16))
         packed = torch._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), INNER_K_TILES)
         scale = blocks.d.t()  # [K / 32, N]
         zero = (blocks.m + 8 * blocks.d).t()
@@ -85,7 +93,10 @@ class Q4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
-        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scales_and_zeros)  # [M, N]
+        if self.dense is not None and self.dense_from is not None and flat.shape[0] >= self.dense_from:
+            y = F.linear(flat, self.dense)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scales_and_zeros)  # [M, N]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
