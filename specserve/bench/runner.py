@@ -26,7 +26,7 @@ from torch import nn
 
 from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
-from specserve.models.llama import LlamaModel, attach_mkl_packed
+from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed
 from specserve.models.loader import load_model
 from specserve.timing import timed
 from specserve.tune import verify_forward
@@ -86,15 +86,18 @@ def run(args: argparse.Namespace) -> int:
     print(cpu_summary())
     print(f"{spec.source} {model.dtype}: {weight_bytes / 1e6:.0f} MB of matmul weights per forward")
     packed = attach_mkl_packed(model, tuple(args.mkl_packed))
-    linears = [m for m in model.modules() if hasattr(m, "mkl_packed")]
-    stash = {id(m): m.mkl_packed for m in linears}
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    stash = {id(m): getattr(m, "mkl_packed", ()) for m in linears}
+    pad_from = {id(m): getattr(m, "pad_from", 0) for m in linears}  # as measured at load (ModelSpec.pad_rows)
+    print(f"row padding to {PAD_WIDTH} from {max(pad_from.values(), default=0) or '-'} rows (measured at load)")
 
-    def runner(r: int, with_packed: bool) -> Callable[[], None]:
+    def runner(r: int, with_packed: bool, padded: bool = True) -> Callable[[], None]:
         fwd = verify_forward(model, r, context=args.context, tree_mask=args.tree_mask)
 
         def run() -> None:
-            for m in linears:  # the same model with and without its packed copies, interleaved
+            for m in linears:  # the same model with and without packed copies / padding, interleaved
                 m.mkl_packed = stash[id(m)] if with_packed else ()  # type: ignore[assignment]
+                m.pad_from = pad_from[id(m)] if padded else 0  # type: ignore[assignment]
             fwd()
 
         return run
@@ -102,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     kinds: list[tuple[str, Callable[[int], Callable[[], None]]]] = [
         ("bare", lambda r: bare_matmuls(weights, r)),
         ("runner", lambda r: runner(r, False)),
+        ("unpadded", lambda r: runner(r, False, padded=False)),
     ]
     if packed:
         kinds.append(("packed", lambda r: runner(r, True)))
@@ -117,9 +121,12 @@ def run(args: argparse.Namespace) -> int:
     floor_ms = weight_bytes / bandwidth * 1e3
     rows_out = []
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s -> floor {floor_ms:.1f} ms per forward (weights once)")
-    print(f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'packed ms':>10}")
+    print(
+        f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'unpadded ms':>12}"
+        f" {'packed ms':>10}"
+    )
     for r in args.rows:
-        bare, eager = (statistics.median(times[(k, r)]) * 1e3 for k in ("bare", "runner"))
+        bare, eager, unpadded = (statistics.median(times[(k, r)]) * 1e3 for k in ("bare", "runner", "unpadded"))
         packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
         rows_out.append(
             {
@@ -127,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
                 "bare_ms": bare,
                 "runner_ms": eager,
                 "overhead": eager / bare,
+                "unpadded_ms": unpadded,
+                "pad_from": max(pad_from.values(), default=0),
                 "packed_ms": packed_ms,
                 "packed_widths": " ".join(map(str, args.mkl_packed)) if packed else "",
                 "floor_ms": floor_ms,
@@ -135,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
-        print(line + f" {packed_ms:>10.1f}")
+        print(line + f" {unpadded:>12.1f} {packed_ms:>10.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}.csv"
     with path.open("w", newline="") as f:
