@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
 from specserve.config import (
-    DEFAULT_PAIR,
     MODEL_PAIRS,
     DraftSpec,
     HeadSpec,
@@ -19,6 +18,7 @@ from specserve.config import (
     LoopConfig,
     ModelSpec,
     SpecConfig,
+    default_pair,
 )
 
 TINY_MODEL_NAME = "tiny"
@@ -102,9 +102,10 @@ class AppArgs(LoopConfig):
     """Which models, how speculation runs by default, and how a router replica is laid out.
 
     Models: ``pair`` (a name in MODEL_PAIRS), or ``target`` (+ optional ``draft``) ModelSpecs, or ``tiny``;
-    nothing given means ``specserve.config.DEFAULT_PAIR``. A replica owns ``num_lanes`` lanes; each lane is one
-    target and one draft actor with its own continuous-batching loop. Per replica, ``num_lanes * max_batch_size``
-    requests run and ``max_queued_requests`` more wait; beyond that requests get a 429.
+    nothing given means ``specserve.config.default_pair`` for the draft's device. A replica owns ``num_lanes``
+    lanes; each lane is one target and one draft actor with its own continuous-batching loop. Per replica,
+    ``num_lanes * max_batch_size`` requests run and ``max_queued_requests`` more wait; beyond that requests get a
+    429.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -165,7 +166,7 @@ class AppArgs(LoopConfig):
     def pair_name(self) -> str | None:
         if self.pair is not None:
             return self.pair
-        return DEFAULT_PAIR if self.target is None and self.tiny is None else None
+        return default_pair(self.draft_resources.device) if self.target is None and self.tiny is None else None
 
     @property
     def has_draft(self) -> bool:

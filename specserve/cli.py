@@ -7,7 +7,6 @@ import sys
 from collections.abc import Sequence
 
 from specserve.config import (
-    DEFAULT_PAIR,
     MODEL_PAIRS,
     SERVING_SPECULATION,
     SERVING_THROUGHPUT_GUARD,
@@ -18,6 +17,7 @@ from specserve.config import (
     ModelSpec,
     SpecConfig,
     SpecMethod,
+    default_pair,
 )
 from specserve.errors import SpecServeError
 from specserve.sampling import SamplingParams
@@ -41,7 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     target = ModelSpec(source=args.model, dtype=DType(args.dtype))
-    draft = _draft_for(args.draft, target)
+    draft = _draft_for(args.draft, target, args.device)
     speculation = SERVING_SPECULATION if draft is not None else SpecConfig(method=SpecMethod.none)
     if draft is not None and args.method is not None:
         speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
@@ -67,13 +67,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draft_for(name: str, target: ModelSpec) -> DraftSpec | None:
-    """'auto': the shipped head of a built-in pair whose target this is (else none); 'none'; a pair name; or a
-    head directory."""
+def _draft_for(name: str, target: ModelSpec, device: str = "cpu") -> DraftSpec | None:
+    """'auto': the default pair's draft for this device when its target is this one (else none); 'none'; a pair
+    name; or a head directory."""
     if name == "none":
         return None
     if name == "auto":
-        pair = MODEL_PAIRS[DEFAULT_PAIR]
+        pair = MODEL_PAIRS[default_pair(device)]
         return pair[1] if pair[0] == target else None
     if name in MODEL_PAIRS:
         return MODEL_PAIRS[name][1]

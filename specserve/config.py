@@ -311,6 +311,12 @@ MODEL_PAIRS: dict[str, tuple[ModelSpec, DraftSpec]] = {
 }
 
 DEFAULT_PAIR = "smollm2-q4"  # what `serve run deployments/app.yaml` and `specserve generate` speculate with
+DEFAULT_GPU_PAIR = "smollm2-eagle"  # ... on a GPU, where the 4-bit kernel does not run
+
+
+def default_pair(device: str) -> str:
+    return DEFAULT_PAIR if torch.device(device).type == "cpu" else DEFAULT_GPU_PAIR
+
 
 # The serving default (docs/benchmarks.md, "A 4-bit copy of the target as the draft"): chains of the default pair's
 # 4-bit draft, each sequence's SL set by DSDE under SL_cap (its KLD stays low, so SL climbs to ~12 at batch 1),

@@ -208,6 +208,8 @@ def test_actors_sharing_a_gpu_size_their_kv_for_their_share() -> None:
 def test_app_args_layout_and_validation() -> None:
     args = AppArgs()
     assert args.pair_name == "smollm2-q4" and args.model_name == "smollm2-q4" and args.has_draft
+    on_gpu = AppArgs(draft_resources=ActorResources(num_cpus=1, num_gpus=1))
+    assert on_gpu.pair_name == "smollm2-eagle"  # the 4-bit kernel is CPU only: a GPU draft is the shipped head
     lanes = AppArgs(tiny=TinyModels(), num_lanes=2, router_resources=ActorResources(num_cpus=0.5))
     assert lanes.placement_bundles() == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}]
     assert [lanes.bundle_index(1, r) for r in (WorkerRole.target, WorkerRole.draft)] == [3, 4]
@@ -259,6 +261,16 @@ def test_default_app_serves_the_4_bit_draft_with_the_serving_defaults() -> None:
     assert recipe is not None and recipe.spec == ModelSpec(native_q4=True, q4_dense_from=16)  # the target's Q4_1
     target = args.recipe(WorkerRole.target)
     assert target is not None and target.spec == ModelSpec()
+
+
+def test_generate_drafts_with_the_default_pair_of_its_device() -> None:
+    from specserve.cli import _draft_for
+    from specserve.config import MODEL_PAIRS, HeadSpec
+
+    assert _draft_for("auto", ModelSpec(), "cpu") == MODEL_PAIRS["smollm2-q4"][1]
+    assert isinstance(_draft_for("auto", ModelSpec(), "cuda:0"), HeadSpec)  # no 4-bit kernel there
+    assert _draft_for("auto", ModelSpec(source="/some/other/model"), "cpu") is None
+    assert _draft_for("none", ModelSpec()) is None
 
 
 def test_lane_limits_match_the_engine() -> None:

@@ -27,7 +27,7 @@ from specserve.bench.machine import cpu_summary
 from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import (
-    DEFAULT_PAIR,
+    DEFAULT_GPU_PAIR,
     MODEL_PAIRS,
     SERVING_SPECULATION,
     ChainDraft,
@@ -59,7 +59,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
     p.add_argument("--pairs", nargs="+", default=["smollm2-eagle"], choices=sorted(MODEL_PAIRS), help="drafts")
     p.add_argument(
-        "--heads", nargs="+", type=Path, default=[], help="more EAGLE head directories, as drafts of the default pair"
+        "--heads", nargs="+", type=Path, default=[], help="more EAGLE head directories, drafting as smollm2-eagle's"
     )
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--num-prompts", type=int, default=80)
@@ -303,11 +303,14 @@ def _grouped_rows(
     return rows
 
 
+HEAD_PAIR = DEFAULT_GPU_PAIR  # the shipped head's pair: ``--heads`` load like it
+
+
 def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpec]]:
-    """(label, target, draft) for every ``--pairs`` entry and every ``--heads`` directory (loaded like the default
-    pair's head: same target, same draft vocabulary)."""
+    """(label, target, draft) for every ``--pairs`` entry and every ``--heads`` directory (loaded like the
+    ``smollm2-eagle`` pair's head: same target, same draft vocabulary)."""
     pairs: list[tuple[str, ModelSpec, DraftSpec]] = [(p, *MODEL_PAIRS[p]) for p in args.pairs]
-    target, head = MODEL_PAIRS[DEFAULT_PAIR]
+    target, head = MODEL_PAIRS[HEAD_PAIR]
     assert isinstance(head, HeadSpec)
     for d in args.heads:
         pairs.append((f"head {d.name}", target, head.model_copy(update={"head": str(d.resolve())})))
