@@ -6,10 +6,11 @@ of tokens/s for speculative and plain steps per batch-size bucket, runs the fast
 after ``explore_every`` steps of the bucket, doubling the interval while the tries confirm the choice, so the
 estimates follow changing acceptance and load at a bounded cost. Before its first decision in a bucket it
 measures ``warmup`` steps of plain decoding, then as many speculative ones, and starts each average from their
-mean: one noisy first step (a page fault, another process) does not set the choice. A speculative step right after
-plain ones (or the first) is not measured: the draft spends it re-reading every token it missed while the target
-decoded alone (a draft model's catch-up costs several of its steps), a one-time cost of switching, not the rate
-speculation runs at. A try of speculation is therefore that switch step and one measured step. Its cost is
+mean: one noisy first step (a page fault, another process) does not set the choice. A speculative step in which the
+draft catches up (``catch_up``: it re-reads tokens it missed while the target decoded alone, or a new request's
+prompt) is not measured: for a draft model that costs several of its steps, a one-time cost of switching or of
+admitting a request, not the rate speculation runs at. A try of speculation is therefore that switch step and
+one measured step. Its cost is
 bounded: after a try that confirms plain decoding, the next one waits at least until the plain steps in between
 took 1 / ``explore_cost`` times that switch step (a 4-bit draft model catching up 16 sequences' prompts costs
 ~35 plain steps, which a try every 20 steps would pay again and again).
@@ -38,7 +39,6 @@ class ThroughputGuard:
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
-    last_speculative: bool | None = None  # the mode of the last step recorded (None: none yet)
     plain_step_s: dict[int, float] = field(default_factory=dict)  # bucket -> moving average of a plain step's time
     switch_s: dict[int, float] = field(default_factory=dict)  # bucket -> time of its last switch to speculation
 
@@ -74,11 +74,11 @@ class ThroughputGuard:
         explore = self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
         return better != explore
 
-    def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float) -> None:
-        switched = speculative and self.last_speculative is not True
-        self.last_speculative = speculative
+    def record(
+        self, batch_size: int, speculative: bool, tokens: int, seconds: float, *, catch_up: bool = False
+    ) -> None:
         b = bucket(batch_size)
-        if switched:  # the draft's catch-up after plain steps: not speculation's rate (module docstring)
+        if speculative and catch_up:  # the draft re-reading what it missed: not speculation's rate (module docstring)
             self.switch_s[b] = seconds
             return
         before = self.faster(batch_size)

@@ -83,6 +83,7 @@ class Sequence:
     draft_seen: int = 0  # ... and the draft worker
     last_accepted: list[int] = field(default_factory=list)  # accepted nodes of the draft model's last proposal
     model_proposed: bool = False  # this step's proposal came from the draft model (not a model-free drafter)
+    draft_catch_up: bool = False  # ... and the draft model first re-read tokens it missed (its prompt, plain steps)
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     arrived: float = field(default_factory=time.perf_counter)  # when the loop accepted the request

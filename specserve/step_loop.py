@@ -193,8 +193,9 @@ class StepLoop:
         found no match (``model_fallback``)."""
         proposals: dict[int, Proposal] = {}
         to_model: list[tuple[Sequence, int]] = []
+        current = {s.seq_id: s.model_proposed for s in batch}  # the draft model saw each one's last step
         for s, d in zip(batch, depths, strict=True):
-            s.model_proposed = False
+            s.model_proposed = s.draft_catch_up = False
             if d == 0:
                 continue
             if s.spec.drafter != Drafter.model:
@@ -225,6 +226,7 @@ class StepLoop:
                 s.draft_seen = len(s.tokens)
                 s.features = []
                 s.model_proposed = True
+                s.draft_catch_up = not current[s.seq_id]
         # a draft head without features for a sequence yet (its first step) drafts nothing: a plain step
         return [p if (p := proposals.get(s.seq_id)) is not None and p.tokens else None for s in batch]
 
@@ -271,7 +273,8 @@ class StepLoop:
         guard = self.planner.guard
         if guard is not None and not event.prefill and any(s.spec.method != SpecMethod.none for s in event.batch):
             drafted_any = any(p is not None for p in event.proposals)
-            guard.record(len(event.batch), drafted_any, event.emitted, event.total_s)
+            catch_up = any(s.draft_catch_up for s in event.batch)
+            guard.record(len(event.batch), drafted_any, event.emitted, event.total_s, catch_up=catch_up)
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
         if out.features is not None:

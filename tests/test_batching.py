@@ -191,28 +191,30 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert not guard.speculate(8)  # nothing measured: plain decoding first (no draft prefill needed)
     guard.record(8, False, tokens=40, seconds=1.0)
     assert guard.speculate(8)  # then speculation
-    guard.record(8, True, tokens=1, seconds=1.0)  # the switch: the draft catches up (slow), not measured
+    guard.record(8, True, tokens=1, seconds=1.0, catch_up=True)  # the switch: the draft catches up, not measured
     assert guard.speculate(8) and guard.faster(8) is None  # so speculation is measured on the next step
     guard.record(8, True, tokens=10, seconds=1.0)
-    tries = []
+    tries, prev = [], True
     for step in range(3, 40):
         s = guard.speculate(8)
         if s:
             tries.append(step)
-        guard.record(8, s, tokens=10 if s else 40, seconds=1.0)
+        guard.record(8, s, tokens=10 if s else 40, seconds=1.0, catch_up=s and not prev)
+        prev = s
     # plain is 4x faster: speculation only on exploration tries (the switch step, then a measured step); the
     # interval counts measured steps (5, then 10, 20: the switch steps are not counted) and doubles per confirmation
     assert tries == [5, 6, 16, 17, 37, 38]
     assert not guard.speculate(1)  # other buckets are independent
     # speculation becomes much faster: the next try flips the choice and the interval starts over
     flipped = ThroughputGuard(explore_every=5, smoothing=1.0, warmup=1, explore_cost=1.0)
-    for spec, tokens in ((False, 40), (True, 10), (True, 10)):  # plain; the switch; speculation measured
-        flipped.record(8, spec, tokens, seconds=1.0)
-    choices = []
+    for spec, tokens, catch_up in ((False, 40, False), (True, 10, True), (True, 10, False)):  # plain; switch; measured
+        flipped.record(8, spec, tokens, seconds=1.0, catch_up=catch_up)
+    choices, prev = [], True
     for _ in range(12):
         s = flipped.speculate(8)
         choices.append(s)
-        flipped.record(8, s, tokens=80 if s else 40, seconds=1.0)
+        flipped.record(8, s, tokens=80 if s else 40, seconds=1.0, catch_up=s and not prev)
+        prev = s
     assert choices[:3] == [False, False, True] and all(choices[3:8])  # the try (switch + measured step) flips it
     assert choices[8] is False and all(choices[9:])  # ... re-try plain 5 measured steps after the flip (reset)
     assert flipped.intervals[8] == 10  # that try confirmed speculation: the interval doubles again
@@ -220,7 +222,7 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     # one of 16 emitting 16 in the same time
     mixed = ThroughputGuard(warmup=1)
     for batch, spec, tokens in ((16, False, 16), (9, True, 0), (9, True, 12)):
-        mixed.record(batch, spec, tokens, seconds=1.0)
+        mixed.record(batch, spec, tokens, seconds=1.0, catch_up=tokens == 0)
     assert mixed.faster(16) is True
 
 
@@ -230,13 +232,15 @@ def test_throughput_guard_spaces_its_tries_by_what_the_switch_costs() -> None:
     # 1 / explore_cost times that switch
     def switch_steps(explore_cost: float, steps: int) -> list[int]:
         guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=explore_cost)
-        out = []
+        out, prev = [], False
         for i in range(steps):
             s = guard.speculate(8)
-            switch = s and guard.last_speculative is not True
+            switch = s and not prev
             if switch:
                 out.append(i)
-            guard.record(8, s, tokens=0 if switch else 10 if s else 40, seconds=10.0 if switch else 1 if s else 0.125)
+            seconds = 10.0 if switch else 1 if s else 0.125
+            guard.record(8, s, tokens=0 if switch else 10 if s else 40, seconds=seconds, catch_up=switch)
+            prev = s
         assert guard.switch_s[8] == 10.0 and guard.plain_step_s[8] == 0.125
         return out
 
@@ -252,12 +256,14 @@ def test_throughput_guard_decides_on_the_mean_of_its_warmup_steps() -> None:
     # plain decoding runs at 40 tok/s and speculation at 20, but the very first plain step was slow (a page
     # fault): judged on one step per mode the guard would speculate; on the mean of three it keeps plain
     def choices(guard: ThroughputGuard, steps: int) -> list[bool]:
-        out, plain_steps = [], 0
+        out, plain_steps, prev = [], 0, False
         for _ in range(steps):
             s = guard.speculate(1)
             out.append(s)
             plain_steps += not s
-            guard.record(1, s, tokens=20 if s else 40, seconds=10.0 if plain_steps == 1 and not s else 1.0)
+            seconds = 10.0 if plain_steps == 1 and not s else 1.0
+            guard.record(1, s, tokens=20 if s else 40, seconds=seconds, catch_up=s and not prev)
+            prev = s
         return out
 
     warm = choices(ThroughputGuard(explore_every=100), 10)
@@ -289,6 +295,7 @@ def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
     switches = sum(d and (i == 1 or not drafting[i - 1]) for i, d in enumerate(drafting) if i >= 1)
     assert switches >= 1
     assert sum(guard.steps.values()) == len(drafting) - 1 - switches
+    assert guard.switch_s  # the switch steps' times, kept to space the tries
 
 
 class _FixedGuard(ThroughputGuard):
@@ -313,3 +320,37 @@ def test_guard_decision_gates_drafting(target: LlamaModel, answer: bool) -> None
     steps = list(engine.loop.stats.metrics)
     assert guard.asked == len(steps)
     assert all((m.levels > 0) == answer for m in steps)
+
+
+class _ScriptedGuard(ThroughputGuard):
+    """Answers from a script (then True) and keeps what the loop records."""
+
+    def __init__(self, script: list[bool]) -> None:
+        super().__init__()
+        self.script = list(script)
+        self.recorded: list[tuple[bool, bool]] = []  # (speculative, catch_up) per recorded step
+
+    def speculate(self, batch_size: int) -> bool:
+        return self.script.pop(0) if self.script else True
+
+    def record(
+        self, batch_size: int, speculative: bool, tokens: int, seconds: float, *, catch_up: bool = False
+    ) -> None:
+        self.recorded.append((speculative, catch_up))
+
+
+def test_the_loop_tells_the_guard_when_the_draft_catches_up(target: LlamaModel) -> None:
+    """A speculative step in which the draft model first re-reads what it missed (the prompt, or plain steps) is
+    reported as a catch-up; one that follows a speculative step is not."""
+    engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, eos_token_ids=set())
+    guard = engine.loop.planner.guard = _ScriptedGuard([False, True, True, False, False, True, True, True])
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=12))
+    # step 1 (prefill, plain) is not recorded; then spec after the prompt, spec, plain x2, spec after plain, spec ...
+    assert guard.recorded[:6] == [
+        (True, True),
+        (True, False),
+        (False, False),
+        (False, False),
+        (True, True),
+        (True, False),
+    ]
