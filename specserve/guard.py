@@ -1,19 +1,22 @@
 """Throughput guard: speculate only where it pays on this device at this batch size.
 
 Speculation costs draft forwards and wider verification; on a CPU, or at large batch where the forward is
-compute-bound, that can cost more than the accepted tokens save. The guard keeps an exponential moving average
-of tokens/s for speculative and plain steps per batch-size bucket, runs the faster mode, and re-tries the other
-after ``explore_every`` steps of the bucket, doubling the interval while the tries confirm the choice, so the
-estimates follow changing acceptance and load at a bounded cost. Before its first decision in a bucket it
-measures ``warmup`` steps of plain decoding, then as many speculative ones, and starts each average from their
-mean: one noisy first step (a page fault, another process) does not set the choice. A speculative step in which the
-draft catches up (``catch_up``: it re-reads tokens it missed while the target decoded alone, or a new request's
-prompt) is not measured: for a draft model that costs several of its steps, a one-time cost of switching or of
-admitting a request, not the rate speculation runs at. A try of speculation is therefore that switch step and
-one measured step. Its cost is
-bounded: after a try that confirms plain decoding, the next one waits at least until the plain steps in between
-took 1 / ``explore_cost`` times that switch step (a 4-bit draft model catching up 16 sequences' prompts costs
-~35 plain steps, which a try every 20 steps would pay again and again).
+compute-bound, that can cost more than the accepted tokens save. Per power-of-two batch-size bucket and mode the
+guard keeps moving averages of a step's tokens (per sequence in the batch: a bucket spans b/2+1..b) and of its
+seconds, and compares their ratios, so a slow step (one that also prefills a newly admitted request, and for
+speculation drafts its prompt) counts by its time, as it does in throughput. It runs the faster mode and re-tries
+the other after ``explore_every`` steps of the bucket, doubling the interval while the tries confirm the choice.
+Before its first decision in a bucket it measures ``warmup`` steps of plain decoding, then as many speculative
+ones, and starts each average from their median step: one noisy first step (a page fault, another process) does
+not set the choice.
+
+A speculative step in which the draft catches up on a sequence it had already seen (``catch_up``: it re-reads
+the tokens the target decoded alone while the guard kept plain steps) is not measured: for a draft model that
+costs several of its steps, a cost of switching, not the rate speculation runs at. A try of speculation is
+therefore that switch step and one measured step, and its cost is bounded: after a try that confirms plain
+decoding, the next one waits until the plain steps in between took 1 / ``explore_cost`` times that switch step
+(a 4-bit draft model catching up 16 sequences costs ~10-35 plain steps, which a try every 20 steps would pay
+again and again).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ class ThroughputGuard:
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
-    plain_step_s: dict[int, float] = field(default_factory=dict)  # bucket -> moving average of a plain step's time
+    work: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)  # -> avg (tokens/seq, s) a step
+    warm: dict[tuple[int, bool], list[tuple[float, float]]] = field(default_factory=dict)  # the warm-up's steps
     switch_s: dict[int, float] = field(default_factory=dict)  # bucket -> time of its last switch to speculation
 
     def __post_init__(self) -> None:
@@ -55,6 +59,11 @@ class ThroughputGuard:
         for (b, _), n in self.samples.items():
             out[b] = out.get(b, 0) + n
         return out
+
+    @property
+    def plain_step_s(self) -> dict[int, float]:
+        """Average time of a plain step per bucket."""
+        return {b: sec for (b, spec), (_, sec) in self.work.items() if not spec}
 
     def _steps(self, b: int) -> int:
         return self.samples.get((b, True), 0) + self.samples.get((b, False), 0)
@@ -82,13 +91,18 @@ class ThroughputGuard:
             self.switch_s[b] = seconds
             return
         before = self.faster(batch_size)
-        rate = tokens / max(seconds, 1e-9) / batch_size  # per sequence: a bucket spans batch sizes b/2+1..b
         key = (b, speculative)
+        step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1
-        weight = 1 / n if n <= self.warmup else self.smoothing  # the warm-up's mean, then the moving average
-        self.rates[key] = (1 - weight) * self.rates.get(key, 0.0) + weight * rate
-        if not speculative:
-            self.plain_step_s[b] = (1 - weight) * self.plain_step_s.get(b, 0.0) + weight * seconds
+        if n <= self.warmup:  # the warm-up's median step starts the averages: one slow first step does not
+            self.warm[key] = [*self.warm.get(key, []), step]
+            start = sorted(self.warm[key], key=lambda ts: ts[0] / max(ts[1], 1e-9))[(n - 1) // 2]
+            self.work[key] = start
+        else:  # moving averages of tokens and of seconds per step: their ratio weighs a slow step by its time
+            tok, sec = self.work.get(key, step)  # (rates seeded from outside start from this step)
+            self.work[key] = (tok + self.smoothing * (step[0] - tok), sec + self.smoothing * (step[1] - sec))
+        tok, sec = self.work[key]
+        self.rates[key] = tok / max(sec, 1e-9)
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try
             self.next_try[b] = max(self.explore_every, self._steps(b) + self._amortising_steps(b)) - 1
         if before is not None and speculative != before:  # that was a try of the slower mode

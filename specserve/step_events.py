@@ -54,6 +54,11 @@ class StepEvent:
         """A (re-)prefill step: some sequence fed more than its root."""
         return any(len(it.new_tokens) > 1 for it in self.items)
 
+    @property
+    def only_prefill(self) -> bool:
+        """Every sequence of the step fed more than its root (nothing in it was a decoding step)."""
+        return all(len(it.new_tokens) > 1 for it in self.items)
+
 
 class StepObserver:
     """Subscribe to a loop with ``loop.observers.append(obs)``; override what you need."""

@@ -226,7 +226,7 @@ class StepLoop:
                 s.draft_seen = len(s.tokens)
                 s.features = []
                 s.model_proposed = True
-                s.draft_catch_up = not current[s.seq_id]
+                s.draft_catch_up = not current[s.seq_id] and s.target_seen > 0  # missed steps, not a new prompt
         # a draft head without features for a sequence yet (its first step) drafts nothing: a plain step
         return [p if (p := proposals.get(s.seq_id)) is not None and p.tokens else None for s in batch]
 
@@ -265,13 +265,14 @@ class StepLoop:
 
     def _update_policy(self, event: StepEvent) -> None:
         """This step's KLD values set each DSDE sequence's next SL (docs/algorithms.md §4.6); the throughput guard
-        records the step's rate (a (re-)prefill step's rate says nothing of decoding: skipped)."""
+        records the step (one that only (re-)prefills says nothing of decoding: skipped; one that also decodes
+        costs what admitting requests costs in that mode: recorded)."""
         for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
             if seq.sl_state is not None and proposal is not None:
                 drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)
                 seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))
         guard = self.planner.guard
-        if guard is not None and not event.prefill and any(s.spec.method != SpecMethod.none for s in event.batch):
+        if guard is not None and not event.only_prefill and any(s.spec.method != SpecMethod.none for s in event.batch):
             drafted_any = any(p is not None for p in event.proposals)
             catch_up = any(s.draft_catch_up for s in event.batch)
             guard.record(len(event.batch), drafted_any, event.emitted, event.total_s, catch_up=catch_up)
