@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from specserve.config import (
     MODEL_PAIRS,
+    SERVING_MAX_STEP_TOKENS,
     SERVING_SPECULATION,
     SERVING_THROUGHPUT_GUARD,
     DraftSpec,
@@ -51,6 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
             draft=draft,
             speculation=speculation,
             throughput_guard=draft is not None and SERVING_THROUGHPUT_GUARD,
+            max_step_tokens=SERVING_MAX_STEP_TOKENS if draft is not None else None,
             device=args.device,
             max_batch_size=1,
         )

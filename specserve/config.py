@@ -324,3 +324,6 @@ def default_pair(device: str) -> str:
 # `deployments/app.yaml` states the same values (a test checks it) and `specserve generate` uses them.
 SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde)
 SERVING_THROUGHPUT_GUARD = True
+# At batch 16 DSDE's ~12-token chains make each step draft ~12 levels for every row; a 64-token step budget
+# keeps SL ~3 there (1.38x plain in steady state) and does not bind at batch 1-4 (docs/benchmarks.md).
+SERVING_MAX_STEP_TOKENS = 64

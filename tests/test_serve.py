@@ -250,13 +250,19 @@ def test_shipped_serve_configs_validate(path: str) -> None:
 
 
 def test_default_app_serves_the_4_bit_draft_with_the_serving_defaults() -> None:
-    from specserve.config import DEFAULT_PAIR, SERVING_SPECULATION, SERVING_THROUGHPUT_GUARD
+    from specserve.config import (
+        DEFAULT_PAIR,
+        SERVING_MAX_STEP_TOKENS,
+        SERVING_SPECULATION,
+        SERVING_THROUGHPUT_GUARD,
+    )
 
     args = AppArgs.model_validate(
         yaml.safe_load((REPO / "deployments/app.yaml").read_text())["applications"][0]["args"]
     )
     assert args.pair == DEFAULT_PAIR == "smollm2-q4" and args.model_name == "smollm2-135m-instruct"
     assert args.speculation == SERVING_SPECULATION and args.throughput_guard == SERVING_THROUGHPUT_GUARD
+    assert args.max_step_tokens == SERVING_MAX_STEP_TOKENS == 64
     recipe = args.recipe(WorkerRole.draft)
     assert recipe is not None and recipe.spec == ModelSpec(native_q4=True, q4_dense_from=16)  # the target's Q4_1
     target = args.recipe(WorkerRole.target)
