@@ -50,11 +50,6 @@ class StepEvent:
         return sum(len(o.token_ids) for o in self.outputs)
 
     @property
-    def prefill(self) -> bool:
-        """A (re-)prefill step: some sequence fed more than its root."""
-        return any(len(it.new_tokens) > 1 for it in self.items)
-
-    @property
     def only_prefill(self) -> bool:
         """Every sequence of the step fed more than its root (nothing in it was a decoding step)."""
         return all(len(it.new_tokens) > 1 for it in self.items)
