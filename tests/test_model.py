@@ -258,6 +258,19 @@ def test_gemv_copies_give_the_same_logits() -> None:
     assert 0 <= measured <= 3
 
 
+def _assert_products_at_1_to_20_rows(mod: torch.nn.Linear) -> None:
+    """``linear(mod, x)`` equals ``x W^T + b`` for 1..20 rows, whichever path serves each row count."""
+    from specserve.models.llama import linear
+
+    torch.manual_seed(1)
+    for rows in range(1, 21):
+        x = torch.randn(rows, mod.in_features)
+        want = x @ mod.weight.t() + (0 if mod.bias is None else mod.bias)
+        got = linear(mod, x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_row_padding_runs_10_to_15_row_products_at_16_rows_with_the_same_products() -> None:
     from specserve.models.llama import PAD_WIDTH, attach_row_padding, linear
 
@@ -266,13 +279,7 @@ def test_row_padding_runs_10_to_15_row_products_at_16_rows_with_the_same_product
     mod = model.decoder_layers()[0].gate_up
     seen: list[int] = []
     mod.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
-    torch.manual_seed(1)
-    for rows in range(1, 21):
-        x = torch.randn(rows, mod.in_features)
-        want = x @ mod.weight.t() + (0 if mod.bias is None else mod.bias)
-        got = linear(mod, x)
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # zero rows change no real row
+    _assert_products_at_1_to_20_rows(mod)  # zero rows change no real row
     assert seen == [*range(1, 10), *[PAD_WIDTH] * 6, *range(16, 21)]  # 10-15 rows ran as 16
     off = tiny_model(seed=0)
     assert attach_row_padding(off, 0) == 0
@@ -296,13 +303,7 @@ def test_mkl_packed_weights_serve_their_row_ranges_with_the_same_products() -> N
     mod = model.decoder_layers()[0].gate_up
     assert [(lo, hi) for lo, hi, _ in mod.mkl_packed] == [(4, 4), (5, 16)]  # exactly 4 rows; then 5-16
     assert all(hasattr(m, "mkl_packed") for m in model.modules() if type(m) is nn.Linear)
-    torch.manual_seed(1)
-    for rows in range(1, 21):
-        x = torch.randn(rows, mod.in_features)
-        want = x @ mod.weight.t() + (0 if mod.bias is None else mod.bias)
-        got = linear(mod, x)
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # zero-row padding changes no real row
+    _assert_products_at_1_to_20_rows(mod)  # zero-row padding changes no real row
     x = torch.randn(7, mod.in_features)
     assert torch.equal(linear(mod, x), linear(mod, torch.cat([x, torch.randn(3, mod.in_features)]))[:7])
     assert not attach_mkl_packed(tiny_model(seed=0).to(torch.bfloat16), (4,))  # float32 only

@@ -16,6 +16,7 @@ from specserve.models.q4 import native_q4_available
 from specserve.models.sources import resolve
 from specserve.policy import kld_nodes
 from specserve.sampling import SamplingParams
+from specserve.spec_decode.eagle_head import EagleHead
 
 pytestmark = pytest.mark.real_model
 
@@ -120,6 +121,21 @@ def test_the_4_bit_copy_drafts_what_the_target_decodes(target: LlamaModel) -> No
     assert sum(o.stats.accepted for o in outs) / drafted > 0.7
 
 
+def _assert_each_equals_plain_greedy(
+    target: LlamaModel, draft: LlamaModel | EagleHead, specs: tuple[SpecConfig, ...], *, num_prompts: int
+) -> None:
+    """Batch 1, MT-bench first turns x 48 tokens: each speculation emits exactly the target's plain greedy tokens."""
+    tok = load_tokenizer(ModelSpec())
+    plain = Engine(target, tok, max_batch_size=1, max_model_len=512)
+    prompts = [plain.encode(p.text, chat=True) for p in mt_bench_prompts(num_prompts)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    for spec in specs:
+        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=1, max_model_len=512)
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == ref, spec.method.value
+
+
 def test_speculation_with_every_verify_padded_to_16_rows_equals_plain_greedy() -> None:
     """Row padding (``ModelSpec.pad_rows``) from 2 rows on: every verify of 2-15 tokens runs as 16 rows; chains
     of 3, DSDE chains (verifies up to 13 rows) and trees stay equal to plain greedy decoding."""
@@ -127,20 +143,13 @@ def test_speculation_with_every_verify_padded_to_16_rows_equals_plain_greedy() -
 
     target = load_model(ModelSpec(pad_rows=False))
     assert attach_row_padding(target, 2) == 2
-    tok = load_tokenizer(ModelSpec())
     draft = load_draft(MODEL_PAIRS["smollm2-q4"][1], target) if native_q4_available() else target
-    plain = Engine(target, tok, max_batch_size=1, max_model_len=512)
-    prompts = [plain.encode(p.text, chat=True) for p in mt_bench_prompts(4)]
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-    ref = [o.token_ids for o in plain.generate(prompts, params)]
-    for spec in (
+    specs = (
         SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.greedy),
         SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde),
         SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=12, ddd_max_depth=6),
-    ):
-        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=1, max_model_len=512)
-        outs = engine.generate(prompts, params)
-        assert [o.token_ids for o in outs] == ref, spec.method.value
+    )
+    _assert_each_equals_plain_greedy(target, draft, specs, num_prompts=4)
 
 
 def test_speculation_on_a_target_with_mkl_packed_weights_equals_its_plain_greedy() -> None:
@@ -152,19 +161,12 @@ def test_speculation_on_a_target_with_mkl_packed_weights_equals_its_plain_greedy
         pytest.skip("torch without MKL")
     packed = load_model(ModelSpec(mkl_packed_widths=(4, 16)))
     assert any(getattr(m, "mkl_packed", ()) for m in packed.modules())
-    tok = load_tokenizer(ModelSpec())
     draft = load_draft(MODEL_PAIRS["smollm2-eagle"][1], packed)
-    plain = Engine(packed, tok, max_batch_size=1, max_model_len=512)
-    prompts = [plain.encode(p.text, chat=True) for p in mt_bench_prompts(6)]
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-    ref = [o.token_ids for o in plain.generate(prompts, params)]
-    for spec in (
+    specs = (
         SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.greedy),
         SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=12, ddd_max_depth=6),
-    ):
-        engine = Engine(packed, tok, draft=draft, speculation=spec, max_batch_size=1, max_model_len=512)
-        outs = engine.generate(prompts, params)
-        assert [o.token_ids for o in outs] == ref, spec.method.value
+    )
+    _assert_each_equals_plain_greedy(packed, draft, specs, num_prompts=6)
 
 
 def test_serving_kld_tracks_the_exact_kld_where_dsde_reads_it(
