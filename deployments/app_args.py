@@ -150,6 +150,10 @@ class AppArgs(LoopConfig):
             raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
         if self.speculation.kld_mode != KLDMode.sparse:
             raise ValueError("draft and target run in separate actors: the KLD signal must use kld_mode 'sparse'")
+        recipe = None if self.tiny is not None else self.recipe(WorkerRole.draft)
+        q4_draft = recipe is not None and isinstance(recipe.spec, ModelSpec) and recipe.spec.native_q4
+        if q4_draft and self.draft_resources.device != "cpu":
+            raise ValueError("a native_q4 draft (e.g. pair smollm2-q4) runs on the CPU; on a GPU draft with a head")
         return self
 
     def http_options(self, environ: Mapping[str, str] = os.environ) -> HTTPOptions:

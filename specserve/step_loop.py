@@ -114,6 +114,7 @@ class StepLoop:
                 self.draft.add(seq.seq_id, seq.request.params)
                 seq.draft_seen = 0
                 seq.last_accepted = []
+                seq.model_proposed = False  # its next step re-reads everything: a catch-up, untimed by the guard
 
     def reset(self, seq_ids: Collection[int]) -> None:
         """After a failed step: drop what the workers cached for these running sequences (part of that step may be
@@ -221,12 +222,14 @@ class StepLoop:
                 )
                 for s, d in to_model
             ]
+            for s, _ in to_model:  # the draft missed 2+ steps' tokens (not a new prompt, not one cheap step)
+                missed = len(s.tokens) - s.draft_seen - len(s.last_accepted)
+                s.draft_catch_up = not current[s.seq_id] and s.target_seen > 0 and missed > 2
             proposals.update((p.seq_id, p) for p in self.draft.propose(items))
             for s, _ in to_model:
                 s.draft_seen = len(s.tokens)
                 s.features = []
                 s.model_proposed = True
-                s.draft_catch_up = not current[s.seq_id] and s.target_seen > 0  # missed steps, not a new prompt
         # a draft head without features for a sequence yet (its first step) drafts nothing: a plain step
         return [p if (p := proposals.get(s.seq_id)) is not None and p.tokens else None for s in batch]
 

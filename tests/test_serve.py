@@ -210,6 +210,8 @@ def test_app_args_layout_and_validation() -> None:
     assert args.pair_name == "smollm2-q4" and args.model_name == "smollm2-q4" and args.has_draft
     on_gpu = AppArgs(draft_resources=ActorResources(num_cpus=1, num_gpus=1))
     assert on_gpu.pair_name == "smollm2-eagle"  # the 4-bit kernel is CPU only: a GPU draft is the shipped head
+    with pytest.raises(ValueError, match="native_q4"):
+        AppArgs(pair="smollm2-q4", draft_resources=ActorResources(num_cpus=1, num_gpus=1))
     lanes = AppArgs(tiny=TinyModels(), num_lanes=2, router_resources=ActorResources(num_cpus=0.5))
     assert lanes.placement_bundles() == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}]
     assert [lanes.bundle_index(1, r) for r in (WorkerRole.target, WorkerRole.draft)] == [3, 4]
