@@ -74,6 +74,15 @@ def test_a_dense_copy_serves_products_of_many_rows() -> None:
         ModelSpec(q4_dense_from=16)
 
 
+def test_the_dense_copy_is_kept_only_where_bf16_products_are_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specserve.models import q4
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert q4.dense_rows_on_this_cpu(16) is None
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert q4.dense_rows_on_this_cpu(16) == 16 and q4.dense_rows_on_this_cpu(None) is None
+
+
 def test_rows_do_not_change_each_others_results() -> None:
     lin = Q4Linear(_random_blocks(96, 192))
     x = torch.randn(32, 192)

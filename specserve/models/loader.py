@@ -20,7 +20,7 @@ from specserve.models.llama import (
     attach_row_padding,
     quantize_int8_dynamic,
 )
-from specserve.models.q4 import Q4Blocks, Q4Linear, gguf_layer_blocks, native_q4_available
+from specserve.models.q4 import Q4Blocks, Q4Linear, dense_rows_on_this_cpu, gguf_layer_blocks, native_q4_available
 from specserve.models.sources import builtin_gguf_path, resolve
 from specserve.spec_decode.eagle_head import EagleHead, load_eagle_head
 
@@ -44,12 +44,13 @@ def use_native_q4(model: LlamaModel, spec: ModelSpec) -> None:
     gguf = builtin_gguf_path(spec.source) if kind == SourceKind.builtin else Path(spec.source).expanduser()
     cfg = model.cfg
     blocks = gguf_layer_blocks(gguf, cfg.num_heads, cfg.num_kv_heads)
+    dense_from = dense_rows_on_this_cpu(spec.q4_dense_from)
 
     def take(*names: str) -> Q4Linear:
         missing = [n for n in names if n not in blocks]
         if missing:
             raise UnsupportedModelError(f"native_q4: {gguf.name} has no Q4_1 tensor {missing[0]!r}")
-        return Q4Linear(Q4Blocks.cat([blocks[n] for n in names]), dense_from=spec.q4_dense_from)
+        return Q4Linear(Q4Blocks.cat([blocks[n] for n in names]), dense_from=dense_from)
 
     for i, layer in enumerate(model.decoder_layers()):
         p, att = f"model.layers.{i}.", f"model.layers.{i}.self_attn."

@@ -100,6 +100,16 @@ class Q4Linear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+def dense_rows_on_this_cpu(dense_from: int | None) -> int | None:
+    """``dense_from`` where the CPU multiplies bf16 fast (oneDNN's bf16 path: AVX512-BF16 or AMX), else None: without
+    it a bf16 copy would be slower than the int4 kernel at any row count."""
+    try:
+        fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        fast = False
+    return dense_from if fast else None
+
+
 def native_q4_available() -> bool:
     return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
 
