@@ -36,9 +36,9 @@ class ThroughputGuard:
     max_explore_every: int = 640  # ... doubling up to this while the tries confirm the choice (back to the start
     # when one flips it): a try costs a slow step, and after plain steps the draft first re-reads what it missed
     smoothing: float = 0.3  # weight of the newest step in the moving average
-    warmup: int = 3  # steps of each mode per bucket before the first decision (their mean starts the average)
+    warmup: int = 3  # steps of each mode per bucket before the first decision (their median step starts it)
     explore_cost: float = 0.05  # a try's switch step costs at most this share of the plain time before the next
-    rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s
+    rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s/seq
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
@@ -55,10 +55,7 @@ class ThroughputGuard:
     @property
     def steps(self) -> dict[int, int]:
         """Steps measured per bucket, both modes."""
-        out: dict[int, int] = {}
-        for (b, _), n in self.samples.items():
-            out[b] = out.get(b, 0) + n
-        return out
+        return {b: self._steps(b) for b, _ in self.samples}
 
     @property
     def plain_step_s(self) -> dict[int, float]:

@@ -118,31 +118,37 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     for low, width, weight in packed:  # MKL's packed sgemm for the row counts it was packed for (zero rows pad)
         if low <= rows <= width:
-            xp = x if rows == width else torch.cat([x, x.new_zeros(width - rows, x.shape[1])])
-            return torch.ops.mkl._mkl_linear(xp, weight, mod.weight, mod.bias, width)[:rows]
+            return torch.ops.mkl._mkl_linear(pad_rows(x, width), weight, mod.weight, mod.bias, width)[:rows]
     pad_from: int = getattr(mod, "pad_from", 0)
     if 0 < pad_from <= rows < PAD_WIDTH:  # zero rows change no real row; MKL's kernel for 16 rows is the faster
-        return mod(torch.cat([x, x.new_zeros(PAD_WIDTH - rows, x.shape[1])]))[:rows]
+        return mod(pad_rows(x, PAD_WIDTH))[:rows]
     return mod(x)
+
+
+def pad_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, K] -> [width, K] with zero rows after x's (x itself when it has width rows)."""
+    return x if x.shape[0] == width else torch.cat([x, x.new_zeros(width - x.shape[0], x.shape[1])])
+
+
+def _median_s(fn: Callable[[], object], repeats: int, calls: int = 1) -> float:
+    """Median seconds of ``repeats`` timings of ``calls`` calls each, after one untimed call."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def gemv_rows_for(weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS, repeats: int = 15) -> int:
     """The most rows r (0..max_rows) such that ``x @ W.T-copy`` beat ``F.linear(x, W)`` at every 1..r rows on
     this machine (median of ``repeats`` timings, 5% margin): the instruction set decides, so measure."""
-    import statistics
-    import time
-
     wt = weight.detach().t().contiguous()
-
-    def median_s(fn: Callable[[], torch.Tensor]) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(3):
-                fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
     best = 0
     with torch.inference_mode():
         for rows in range(1, max_rows + 1):
@@ -154,8 +160,7 @@ def gemv_rows_for(weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS, repeats: 
             def by_linear(x: torch.Tensor = x) -> torch.Tensor:
                 return F.linear(x, weight)
 
-            median_s(by_copy)  # warm-up
-            copy, plain = median_s(by_copy), median_s(by_linear)
+            copy, plain = _median_s(by_copy, repeats, calls=3), _median_s(by_linear, repeats, calls=3)
             if copy > 0.95 * plain:
                 break
             best = rows
@@ -167,29 +172,22 @@ def pad_rows_for(weights: list[torch.Tensor], width: int = PAD_WIDTH, repeats: i
     unpadded products at r and at every larger candidate, timed over all ``weights`` in one pass (a model's
     weights together, as a step reads them: one weight timed alone would sit in cache); median of ``repeats``,
     5% margin; 0: none. On the AMX Xeon SmolLM2's matmuls took 43-44 ms at 12-15 rows and 36 ms at 16."""
-    import statistics
-    import time
 
-    def median_s(rows: int, padded: bool) -> float:
-        xs = {
-            k: torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
-            for k in {w.shape[1] for w in weights}
-        }
-        pads = {k: x.new_zeros(width - rows, k) for k, x in xs.items()}
-        times = []
-        for i in range(repeats + 1):  # the first pass warms up
-            t0 = time.perf_counter()
+    def products(rows: int, padded: bool) -> Callable[[], None]:
+        ref = weights[0]
+        xs = {k: torch.randn(rows, k, dtype=ref.dtype, device=ref.device) for k in {w.shape[1] for w in weights}}
+
+        def run() -> None:
             for w in weights:
                 x = xs[w.shape[1]]
-                F.linear(torch.cat([x, pads[w.shape[1]]]), w)[:rows] if padded else F.linear(x, w)
-            if i:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+                F.linear(pad_rows(x, width), w)[:rows] if padded else F.linear(x, w)
+
+        return run
 
     best = 0
     with torch.inference_mode():
         for rows in (r for r in (15, 12, 10) if r < width):
-            if median_s(rows, padded=True) > 0.95 * median_s(rows, padded=False):
+            if _median_s(products(rows, True), repeats) > 0.95 * _median_s(products(rows, False), repeats):
                 break
             best = rows
     return best

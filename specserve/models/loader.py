@@ -29,6 +29,7 @@ def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_posit
     model = load_model_dir(resolve(spec), spec, device=device, max_positions=max_positions)
     if spec.native_q4:
         use_native_q4(model, spec)
+        attach_cpu_paths(model, spec)  # over the float linears left (the LM head), not the ones just replaced
     return model
 
 
@@ -99,12 +100,19 @@ def load_model_dir(
         model = LlamaModel.from_hf_weights(hf_config, get, dtype=dtype, device=device, max_positions=max_positions)
     if spec.int8_dynamic:
         return quantize_int8_dynamic(model)
-    if spec.gemv_copies and model.device.type == "cpu":
-        attach_gemv_copies(model)
-    if spec.pad_rows and model.device.type == "cpu":
-        attach_row_padding(model)
-    attach_mkl_packed(model, spec.mkl_packed_widths)
+    if not spec.native_q4:  # native_q4 replaces the decoder's linears first (load_model)
+        attach_cpu_paths(model, spec)
     return model
+
+
+def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
+    """The spec's CPU switches for the model's float linears: GEMV copies, row padding, MKL-packed copies."""
+    if model.device.type == "cpu":
+        if spec.gemv_copies:
+            attach_gemv_copies(model)
+        if spec.pad_rows:
+            attach_row_padding(model)
+    attach_mkl_packed(model, spec.mkl_packed_widths)
 
 
 def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.device = "cpu") -> LlamaModel | EagleHead:
