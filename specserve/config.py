@@ -57,7 +57,7 @@ class ModelSpec(BaseModel):
     pad_rows: bool = Field(
         default=True,
         description="CPU: products of 10-15 rows (verifies, batches) padded with zero rows to 16 where that measures "
-        "faster at load (MKL's 16-row kernel; 43 -> 36 ms for SmolLM2's matmuls on the AMX Xeon)",
+        "faster at load (MKL's 16-row kernel; docs/benchmarks.md, 'Row padding to 16')",
     )
     mkl_packed_widths: tuple[int, ...] = Field(
         default=(),

@@ -171,7 +171,8 @@ def pad_rows_for(weights: list[torch.Tensor], width: int = PAD_WIDTH, repeats: i
     """The fewest rows r among 15, 12, 10 (below ``width``) such that padding with zero rows to ``width`` beat the
     unpadded products at r and at every larger candidate, timed over all ``weights`` in one pass (a model's
     weights together, as a step reads them: one weight timed alone would sit in cache); median of ``repeats``,
-    5% margin; 0: none. On the AMX Xeon SmolLM2's matmuls took 43-44 ms at 12-15 rows and 36 ms at 16."""
+    5% margin; 0: none. On the AMX Xeon SmolLM2's matmuls took 72.5 ms at 13 rows and 50.1 at 16 (docs/benchmarks.md,
+    "Row padding to 16")."""
 
     def products(rows: int, padded: bool) -> Callable[[], None]:
         ref = weights[0]

@@ -72,7 +72,7 @@ class Q4Linear(nn.Module):
     """y = x W^T with W held as packed int4 (no bias: Llama's projections have none). With ``dense_from``, products
     of at least that many rows use a bf16 copy of the dequantised weights instead: the int4 kernel is the faster
     one for a few rows, but at 16+ rows (a draft's catch-up, a large batch) bf16 products on the CPU's matrix units
-    win by up to 9x. That copy costs 4x the packed bytes and makes a row's result depend on how many rows came
+    win by far. That copy costs 4x the packed bytes and makes a row's result depend on how many rows came
     with it (no longer batch-invariant): for drafts, not targets."""
 
     packed: torch.Tensor
