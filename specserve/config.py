@@ -65,6 +65,12 @@ class ModelSpec(BaseModel):
         "serves exactly its rows, each later width w the rows above the previous one, zero-padded to w (2-5x "
         "the weights per width; e.g. (4, 16): 4 rows, and 5-16 rows, packed)",
     )
+    native_stack: bool = Field(
+        default=True,
+        description="CPU: the decoder layers run from C++ (the same ATen ops in the same order: the same values), "
+        "built once per machine with the local compiler; the Python loop where it cannot be built or with "
+        "int8_dynamic (docs/benchmarks.md, 'Decoder layers from C++')",
+    )
     revision: str | None = None
 
     @model_validator(mode="after")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -268,6 +268,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.use_flash_attn = True  # switch: flash-attn varlen for causal batches on CUDA when installed
+        self.native_stack: Any = None  # switch: the decoder layers from C++ (``native_stack.attach_native_stack``)
 
     @property
     def device(self) -> torch.device:
@@ -314,11 +315,31 @@ class LlamaModel(nn.Module):
         sin = self.rope_sin[batch.positions].to(x.dtype).unsqueeze(1)
         use_flash = self.use_flash_attn and flash_attn_available(x.device, x.dtype)
         aux: list[torch.Tensor] = []
-        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v, strict=True)):
-            if i in aux_layers:
-                aux.append(x)
-            x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash)
+        if self.native_stack is not None and not use_flash:
+            x, aux = self._native_layers(x, cos, sin, batch, cache, aux_layers)
+        else:
+            for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v, strict=True)):
+                if i in aux_layers:
+                    aux.append(x)
+                x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps), torch.cat(aux, dim=-1) if aux else None
+
+    def _native_layers(
+        self,
+        x: torch.Tensor,  # [N, hidden]
+        cos: torch.Tensor,  # [N, 1, D]
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        aux_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layer loop above, in C++: (last layer's output, the inputs of ``aux_layers`` in layer order)."""
+        first, end = batch.slot_range if batch.slot_range is not None else (-1, -1)
+        out = self.native_stack.forward(
+            x, cos, sin, cache.k, cache.v, batch.write_slot, batch.write_pos, batch.write_from, batch.attn_mask,
+            batch.slots, first, end, len(batch.num_new), max(batch.num_new), batch.kv_len, sorted(set(aux_layers)),
+        )  # fmt: skip
+        return out[0], out[1:]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, V] from final-norm hidden states [R, hidden]."""

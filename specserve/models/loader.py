@@ -20,6 +20,7 @@ from specserve.models.llama import (
     attach_row_padding,
     quantize_int8_dynamic,
 )
+from specserve.models.native_stack import attach_native_stack
 from specserve.models.q4 import Q4Blocks, Q4Linear, dense_rows_on_this_cpu, gguf_layer_blocks, native_q4_available
 from specserve.models.sources import builtin_gguf_path, resolve
 from specserve.spec_decode.eagle_head import EagleHead, load_eagle_head
@@ -106,13 +107,16 @@ def load_model_dir(
 
 
 def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
-    """The spec's CPU switches for the model's float linears: GEMV copies, row padding, MKL-packed copies."""
+    """The spec's CPU switches for the model's float linears (GEMV copies, row padding, MKL-packed copies), then
+    the C++ layer stack over the projections as they now are."""
     if model.device.type == "cpu":
         if spec.gemv_copies:
             attach_gemv_copies(model)
         if spec.pad_rows:
             attach_row_padding(model)
     attach_mkl_packed(model, spec.mkl_packed_widths)
+    if spec.native_stack and model.device.type == "cpu":
+        attach_native_stack(model)
 
 
 def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.device = "cpu") -> LlamaModel | EagleHead:

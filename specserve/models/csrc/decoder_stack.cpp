@@ -1,0 +1,197 @@
+// The decoder layers of specserve.models.llama run from C++: the same ATen ops in the same order as
+// DecoderLayer.forward / linear() / attention() (so the same values, bit for bit), without the Python
+// interpreter between them. Built once per machine by specserve/models/native_stack.py.
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using at::indexing::Slice;
+
+constexpr int64_t kQ4Group = 32;
+
+// [R, K] -> [width, K]: zero rows after x's (x itself when it has width rows), as llama.pad_rows.
+Tensor pad(const Tensor& x, int64_t width) {
+  const int64_t rows = x.size(0);
+  return rows == width ? x : at::cat({x, x.new_zeros({width - rows, x.size(1)})});
+}
+
+using MklLinear = Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t);
+
+// torch.ops.mkl._mkl_linear (registered only in torch builds with MKL; looked up on first use).
+c10::TypedOperatorHandle<MklLinear> mkl_linear() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkl::_mkl_linear", "").typed<MklLinear>();
+  return op;
+}
+
+// One projection: a float nn.Linear (with the CPU paths llama.linear() takes) or a packed Q4Linear.
+struct Proj {
+  Tensor weight;                 // float [N, K]; undefined for q4
+  std::optional<Tensor> bias;
+  std::optional<Tensor> weight_t;  // [K, N] copy for GEMVs of up to gemv_rows rows
+  int64_t gemv_rows = 0;
+  // MKL-packed copies (low, width, packed weight): products of low .. width rows, zero-padded to width
+  std::vector<std::tuple<int64_t, int64_t, Tensor>> mkl_packed;
+  int64_t pad_from = 0;          // products of pad_from .. pad_width-1 rows padded to pad_width
+  int64_t pad_width = 16;
+  bool q4 = false;
+  Tensor packed, scales_and_zeros;
+  std::optional<Tensor> dense;   // bf16 copy for products of at least dense_from rows
+  int64_t dense_from = 0;
+  int64_t out_features = 0, in_features = 0;
+
+  Tensor operator()(const Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (q4) {
+      Tensor flat = x.reshape({-1, in_features}).to(at::kBFloat16);
+      Tensor y = (dense.has_value() && dense_from > 0 && flat.size(0) >= dense_from)
+                     ? at::linear(flat, *dense)
+                     : at::_weight_int4pack_mm_for_cpu(flat, packed, kQ4Group, scales_and_zeros);
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+      shape.push_back(out_features);
+      return y.to(x.scalar_type()).reshape(shape);
+    }
+    if (weight_t.has_value() && x.numel() <= gemv_rows * weight_t->size(0)) {
+      Tensor y = at::matmul(x, *weight_t);
+      return bias.has_value() ? y + *bias : y;
+    }
+    for (const auto& [low, width, packed_w] : mkl_packed) {
+      if (low <= rows && rows <= width) {
+        return mkl_linear().call(pad(x, width), packed_w, weight, bias, width).index({Slice(0, rows)});
+      }
+    }
+    if (pad_from > 0 && pad_from <= rows && rows < pad_width) {
+      return at::linear(pad(x, pad_width), weight, bias).index({Slice(0, rows)});
+    }
+    return at::linear(x, weight, bias);
+  }
+};
+
+struct Layer {
+  Tensor input_norm, post_norm;
+  Proj qkv, o_proj, gate_up, down;
+};
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const int64_t h = x.size(-1);
+  if (x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat) {
+    return at::rms_norm(x, {h}, weight, eps);
+  }
+  return weight * at::rms_norm(x.to(at::kFloat), {h}, std::nullopt, eps).to(x.scalar_type());
+}
+
+Tensor apply_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  Tensor rotated = at::cat({-x.index({"...", Slice(half, at::indexing::None)}), x.index({"...", Slice(0, half)})}, -1);
+  return x * cos + rotated * sin;
+}
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {}
+
+  void add_layer(Tensor input_norm, Tensor post_norm, Proj qkv, Proj o_proj, Proj gate_up, Proj down) {
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o_proj),
+                            std::move(gate_up), std::move(down)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [N, hidden], cos/sin [N, 1, D]; per-step batch layout as ForwardBatch holds it. Returns the last layer's
+  // output [N, hidden] and the inputs of layers aux_layers (in order).
+  std::vector<Tensor> forward(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& k_caches,
+                              const std::vector<Tensor>& v_caches, const Tensor& write_slot, const Tensor& write_pos,
+                              const Tensor& write_from, const std::optional<Tensor>& attn_mask,
+                              const Tensor& slots, int64_t slot_first, int64_t slot_end, int64_t b_size,
+                              int64_t q_len, int64_t kv_len, const std::vector<int64_t>& aux_layers) const {
+    c10::InferenceMode guard;
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers() &&
+                    static_cast<int64_t>(v_caches.size()) == num_layers(),
+                "one K and one V cache per layer");
+    std::vector<Tensor> out;
+    out.reserve(aux_layers.size() + 1);
+    const int64_t n_tok = x.size(0);
+    const int64_t qk_heads = num_heads_ + num_kv_heads_;
+    const int64_t qk_size = qk_heads * head_dim_;
+    const bool padded = b_size * q_len != n_tok;
+    const bool is_causal = !attn_mask.has_value() && q_len > 1;
+    size_t next_aux = 0;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      if (next_aux < aux_layers.size() && aux_layers[next_aux] == i) {
+        out.push_back(x);
+        ++next_aux;
+      }
+      const Layer& layer = layers_[i];
+      Tensor h = rms_norm(x, layer.input_norm, eps_);
+      Tensor qkv = layer.qkv(h);
+      Tensor qk = apply_rope(qkv.index({Slice(), Slice(0, qk_size)}).view({n_tok, qk_heads, head_dim_}), cos, sin);
+      auto parts = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
+      Tensor v = qkv.index({Slice(), Slice(qk_size, at::indexing::None)}).view({n_tok, num_kv_heads_, head_dim_});
+      Tensor k_cache = k_caches[i];
+      Tensor v_cache = v_caches[i];
+      k_cache.index_put_({write_slot, Slice(), write_pos}, parts[1]);
+      v_cache.index_put_({write_slot, Slice(), write_pos}, v);
+      Tensor q_pad;
+      if (!padded) {
+        q_pad = parts[0].view({b_size, q_len, num_heads_, head_dim_});
+      } else {
+        q_pad = parts[0].new_zeros({b_size * q_len, num_heads_, head_dim_});
+        q_pad.index_put_({write_from}, parts[0]);
+        q_pad = q_pad.view({b_size, q_len, num_heads_, head_dim_});
+      }
+      Tensor k, vv;
+      if (slot_first >= 0) {
+        k = k_cache.index({Slice(slot_first, slot_end), Slice(), Slice(0, kv_len)});
+        vv = v_cache.index({Slice(slot_first, slot_end), Slice(), Slice(0, kv_len)});
+      } else {
+        k = k_cache.index({slots, Slice(), Slice(0, kv_len)});
+        vv = v_cache.index({slots, Slice(), Slice(0, kv_len)});
+      }
+      Tensor att = at::scaled_dot_product_attention(q_pad.transpose(1, 2), k, vv, attn_mask, 0.0, is_causal,
+                                                    std::nullopt, /*enable_gqa=*/true);
+      att = att.transpose(1, 2).reshape({b_size * q_len, num_heads_, head_dim_});
+      if (padded) att = att.index({write_from});
+      x = x + layer.o_proj(att.reshape({n_tok, -1}));
+      auto gu = layer.gate_up(rms_norm(x, layer.post_norm, eps_)).chunk(2, -1);
+      x = x + layer.down(at::silu(gu[0]) * gu[1]);
+    }
+    out.insert(out.begin(), x);
+    return out;
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Proj>(m, "Proj")
+      .def(py::init<>())
+      .def_readwrite("weight", &Proj::weight)
+      .def_readwrite("bias", &Proj::bias)
+      .def_readwrite("weight_t", &Proj::weight_t)
+      .def_readwrite("gemv_rows", &Proj::gemv_rows)
+      .def_readwrite("mkl_packed", &Proj::mkl_packed)
+      .def_readwrite("pad_from", &Proj::pad_from)
+      .def_readwrite("pad_width", &Proj::pad_width)
+      .def_readwrite("q4", &Proj::q4)
+      .def_readwrite("packed", &Proj::packed)
+      .def_readwrite("scales_and_zeros", &Proj::scales_and_zeros)
+      .def_readwrite("dense", &Proj::dense)
+      .def_readwrite("dense_from", &Proj::dense_from)
+      .def_readwrite("in_features", &Proj::in_features)
+      .def_readwrite("out_features", &Proj::out_features)
+      .def("__call__", &Proj::operator());
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward);
+}

@@ -1,0 +1,121 @@
+"""Switch: a model's decoder layers run from C++ (``csrc/decoder_stack.cpp``) instead of the Python loop.
+
+The C++ stack calls the same ATen ops in the same order as ``DecoderLayer.forward`` (``linear``, ``rms_norm``,
+``apply_rope``, ``write_kv``, ``attention``), so it gives the same values bit for bit; what it removes is the
+Python interpreter between ~25 ops per layer, which on a 2-core CPU costs as much as a third of a decode step
+(docs/benchmarks.md, "Decoder layers from C++"). It is built once per machine with the torch it runs against
+(``torch.utils.cpp_extension``, ~20-60 s with gcc and ninja) and cached; where it cannot be built, or a model
+uses something it does not cover (CUDA, int8 dynamic layers), the Python loop runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.models.llama import PAD_WIDTH, LlamaModel
+from specserve.models.q4 import Q4_GROUP, Q4Linear
+from specserve.models.sources import cache_dir
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
+
+
+class NativeStackUnavailable(RuntimeError):
+    """The C++ stack could not be built or does not cover this model."""
+
+
+@functools.cache
+def _build() -> ModuleType | NativeStackUnavailable:
+    """The compiled extension, built on first use into the specserve cache (``SPECSERVE_CACHE``) and loaded from
+    there afterwards (torch's file lock keeps concurrent builders apart). The name carries a hash of the source and
+    the torch version, so a changed source or torch never loads a stale build."""
+    from torch.utils.cpp_extension import load
+
+    ident = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"specserve_decoder_stack_{ident}"
+    build_dir = cache_dir() / "extensions" / name
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        return load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=["-O2"],
+            build_directory=str(build_dir),
+            verbose=os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1",
+        )
+    except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
+        return NativeStackUnavailable(f"building {SOURCE.name} failed: {e}")
+
+
+def extension() -> ModuleType:
+    """The extension, or NativeStackUnavailable (a failed build is tried once per process)."""
+    built = _build()
+    if isinstance(built, NativeStackUnavailable):
+        raise built
+    return built
+
+
+def native_stack_available() -> bool:
+    try:
+        extension()
+    except NativeStackUnavailable as e:
+        log.warning("%s; the decoder layers run in Python", e)
+        return False
+    return True
+
+
+def _proj(ext: ModuleType, mod: nn.Module) -> Any:
+    proj = ext.Proj()
+    if isinstance(mod, Q4Linear):
+        proj.q4 = True
+        proj.packed, proj.scales_and_zeros = mod.packed, mod.scales_and_zeros
+        proj.dense, proj.dense_from = mod.dense, mod.dense_from or 0
+        proj.in_features, proj.out_features = mod.in_features, mod.out_features
+        return proj
+    if type(mod) is not nn.Linear:
+        raise NativeStackUnavailable(f"the C++ stack does not cover a {type(mod).__name__} projection")
+    proj.weight, proj.bias = mod.weight.detach(), None if mod.bias is None else mod.bias.detach()
+    proj.weight_t, proj.gemv_rows = getattr(mod, "weight_t", None), getattr(mod, "gemv_rows", 0)
+    proj.mkl_packed = list(getattr(mod, "mkl_packed", ()))
+    proj.pad_from, proj.pad_width = getattr(mod, "pad_from", 0), PAD_WIDTH
+    return proj
+
+
+def build_stack(model: LlamaModel) -> Any:
+    """A C++ ``DecoderStack`` holding (not copying) the model's layer weights, as the Python path would use them:
+    call after every switch that changes a projection (native_q4, GEMV copies, row padding)."""
+    if model.device.type != "cpu":
+        raise NativeStackUnavailable("the C++ stack is for the CPU (on a GPU the step is kernel-bound)")
+    if Q4_GROUP != 32:  # the C++ side hard-codes the kernel's group size
+        raise NativeStackUnavailable("Q4 group size changed")
+    ext = extension()
+    cfg = model.cfg
+    stack = ext.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    for layer in model.decoder_layers():
+        stack.add_layer(
+            layer.input_norm.detach(),
+            layer.post_norm.detach(),
+            *(_proj(ext, getattr(layer, name)) for name in ("qkv", "o_proj", "gate_up", "down")),
+        )
+    return stack
+
+
+def attach_native_stack(model: LlamaModel) -> bool:
+    """Switch on: ``model.hidden_states`` runs its layers through the C++ stack. False (nothing attached, a logged
+    reason) where it cannot be built or does not cover the model."""
+    try:
+        model.native_stack = build_stack(model)
+    except NativeStackUnavailable as e:
+        log.warning("%s; the decoder layers run in Python", e)
+        model.native_stack = None
+        return False
+    return True

@@ -1,0 +1,185 @@
+"""The C++ decoder stack gives the Python layer loop's values bit for bit, for every batch layout and CPU path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specserve.config import ModelSpec
+from specserve.models.batch import ForwardBatch
+from specserve.models.kv_cache import KVCache
+from specserve.models.llama import LlamaModel, attach_gemv_copies, attach_mkl_packed, quantize_int8_dynamic
+from specserve.models.native_stack import NativeStackUnavailable, attach_native_stack, build_stack, extension
+from specserve.models.q4 import Q4Blocks, Q4Linear
+from specserve.models.tiny import tiny_config, tiny_model
+
+try:
+    extension()
+except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C++ compiler
+    pytest.skip(f"the C++ stack cannot be built here: {e}", allow_module_level=True)
+
+Step = Callable[[LlamaModel, KVCache], list[torch.Tensor]]
+
+
+class DispatchedOps(TorchDispatchMode):
+    """Every ATen op that reaches the dispatcher, from Python or from C++, with its tensor arguments' shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        flat = [a for arg in args for a in (arg if isinstance(arg, list | tuple) else [arg])]
+        self.ops.append((str(func), tuple(tuple(a.shape) for a in flat if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def both_paths(model: LlamaModel, step: Step, num_slots: int = 4) -> None:
+    """Run ``step`` on fresh caches through the Python loop and the C++ stack: the same ATen ops on the same
+    shapes in the same order, and every output and every KV entry identical (not close)."""
+    stack = build_stack(model)
+    results = []
+    for native in (None, stack):
+        model.native_stack = native
+        cache = model.new_cache(num_slots, 64)
+        with DispatchedOps() as dispatched:
+            outs = step(model, cache)
+        results.append((outs, cache, dispatched.ops))
+    (ref, ref_cache, ref_ops), (got, got_cache, got_ops) = results
+    assert got_ops == ref_ops
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(a, b)
+    for layer in range(model.cfg.num_layers):
+        assert torch.equal(ref_cache.k[layer], got_cache.k[layer])
+        assert torch.equal(ref_cache.v[layer], got_cache.v[layer])
+
+
+def ragged_then_decode(model: LlamaModel, cache: KVCache) -> list[torch.Tensor]:
+    """A ragged prefill (padded queries), a decode step, a chain verify of one sequence after its cache."""
+    gen = torch.Generator().manual_seed(3)
+    slots = [cache.allocate() for _ in range(3)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=gen) for n in (7, 3, 12)]
+    outs = [model(ForwardBatch.build(cache, slots, prompts), cache)]
+    outs.append(model(ForwardBatch.build(cache, slots, [[5], [6], [7]]), cache))
+    outs.append(model(ForwardBatch.build(cache, slots[:1], [[8, 9, 10, 11]]), cache))
+    return outs
+
+
+def non_consecutive_slots(model: LlamaModel, cache: KVCache) -> list[torch.Tensor]:
+    slots = [cache.allocate() for _ in range(4)]
+    outs = [model(ForwardBatch.build(cache, slots, [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]), cache)]
+    pair = [slots[3], slots[0]]  # gathered, out of order
+    outs.append(model(ForwardBatch.build(cache, pair, [[11, 12], [13]]), cache))
+    return outs
+
+
+def tree_verify(model: LlamaModel, cache: KVCache) -> list[torch.Tensor]:
+    slots = [cache.allocate() for _ in range(2)]
+    model(ForwardBatch.build(cache, slots, [list(range(1, 9)), list(range(9, 14))]), cache)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    batch = ForwardBatch.build(
+        cache, slots, [[20, 21, 22, 23], [24, 25]], positions=[[8, 9, 9, 10], [5, 6]], tree_masks=[tree, None]
+    )
+    return [model(batch, cache)]
+
+
+def hidden_with_aux(model: LlamaModel, cache: KVCache) -> list[torch.Tensor]:
+    """EAGLE-3's inputs: the final hidden states and the inputs of three layers (given out of order)."""
+    slot = cache.allocate()
+    final, aux = model.hidden_states(ForwardBatch.build(cache, [slot], [[3, 1, 4, 1, 5]]), cache, (2, 0, 1))
+    assert aux is not None
+    return [final, aux]
+
+
+STEPS = [ragged_then_decode, non_consecutive_slots, tree_verify, hidden_with_aux]
+
+
+@pytest.mark.parametrize("step", STEPS, ids=lambda s: s.__name__)
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [("llama", {}), ("qwen2", {}), ("llama", {"attention_bias": True, "mlp_bias": True, "head_dim": 32})],
+)
+def test_stack_equals_python_loop(step: Step, model_type: str, extra: dict) -> None:
+    model = tiny_model(tiny_config(model_type, num_hidden_layers=3, **extra), seed=4)
+    both_paths(model, step)
+
+
+def test_stack_equals_python_loop_in_bfloat16() -> None:
+    model = tiny_model(tiny_config("llama", num_hidden_layers=3), seed=5).to(torch.bfloat16)
+    both_paths(model, ragged_then_decode)
+
+
+def test_stack_takes_the_gemv_padding_and_packed_paths_as_python_does() -> None:
+    """GEMV copies at 1-3 rows, zero-row padding for 10-15 rows and MKL-packed weights: the C++ stack must pick
+    the same path per row count (the dispatched ops show which)."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=2), seed=6)
+    attach_gemv_copies(model, rows=3)
+    for mod in model.modules():
+        if type(mod) is torch.nn.Linear:
+            mod.pad_from = 10  # type: ignore[assignment]
+
+    def rows_1_to_16(model: LlamaModel, cache: KVCache) -> list[torch.Tensor]:
+        outs = []
+        for rows in (1, 2, 3, 4, 11, 13, 16):
+            slot = cache.allocate()
+            outs.append(model(ForwardBatch.build(cache, [slot], [list(range(1, rows + 1))]), cache))
+        return outs
+
+    both_paths(model, rows_1_to_16, num_slots=8)
+    if attach_mkl_packed(model, (4, 16)):
+        both_paths(model, rows_1_to_16, num_slots=8)
+
+
+def test_stack_runs_packed_4bit_projections_as_python_does() -> None:
+    """Q4Linear projections (the int4 kernel, and the bf16 dense copy from 4 rows) inside the C++ stack."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=2), seed=9)
+    gen = torch.Generator().manual_seed(0)
+
+    def q4(out_features: int, in_features: int) -> Q4Linear:
+        q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=gen)
+        d = (torch.rand(out_features, in_features // 32, generator=gen) * 0.05 + 1e-3).half().float()
+        m = (-torch.rand(out_features, in_features // 32, generator=gen) * 0.3).half().float()
+        return Q4Linear(Q4Blocks(q, d, m), dense_from=4)
+
+    for layer in model.decoder_layers():
+        layer.swap_projections(
+            **{name: q4(*getattr(layer, name).weight.shape) for name in ("qkv", "o_proj", "gate_up", "down")}
+        )
+    both_paths(model, ragged_then_decode)
+    both_paths(model, non_consecutive_slots)
+
+
+def test_stack_sees_in_place_weight_changes() -> None:
+    """The stack holds the model's tensors, not copies: an in-place update reaches both paths alike."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=2), seed=7)
+    model.native_stack = build_stack(model)
+    cache = model.new_cache(1, 16)
+    slot = cache.allocate()
+    before = model(ForwardBatch.build(cache, [slot], [[1, 2, 3]]), cache)
+    with torch.no_grad():
+        model.decoder_layers()[0].gate_up.weight.mul_(2.0)
+    cache.truncate(slot, 0)
+    after = model(ForwardBatch.build(cache, [slot], [[1, 2, 3]]), cache)
+    assert not torch.equal(before, after)
+    both_paths(model, ragged_then_decode)
+
+
+def test_uncovered_models_keep_the_python_loop() -> None:
+    int8 = quantize_int8_dynamic(tiny_model(tiny_config("llama", num_hidden_layers=2), seed=8))
+    with pytest.raises(NativeStackUnavailable, match="does not cover"):
+        build_stack(int8)
+    assert attach_native_stack(int8) is False
+    assert int8.native_stack is None
+    meta = LlamaModel(tiny_config("llama", num_hidden_layers=2), device="meta")
+    with pytest.raises(NativeStackUnavailable, match="CPU"):
+        build_stack(meta)
+
+
+def test_model_spec_switch() -> None:
+    assert ModelSpec(source="smollm2-135m-instruct").native_stack is True
+    assert ModelSpec(source="smollm2-135m-instruct", native_stack=False).native_stack is False
