@@ -4,7 +4,8 @@ For each row count r it times, interleaved repeat by repeat in one process: the 
 tokens after ``--context`` cached ones (r = 1 is a decode step, r > 1 a chain verification, causal as the target
 verifies chains; ``--tree-mask`` times the explicit-mask path trees take), and the bare matmuls of the same
 weights (every linear of every layer and the LM head, ``x @ W.T`` over r rows, nothing else). ``overhead`` =
-runner / bare: what norms, RoPE, attention, dispatch and Python add to the weight reads. Also the floor one step
+runner / bare: what norms, RoPE, attention, dispatch and Python add to the weight reads; ``python`` is the same
+forward with the C++ layer stack switched off (``ModelSpec.native_stack``). Also the floor one step
 cannot beat: the weight bytes over the read bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and
 writes a CSV.
 
@@ -28,6 +29,7 @@ from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
 from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed
 from specserve.models.loader import load_model
+from specserve.models.native_stack import build_stack
 from specserve.timing import timed
 from specserve.tune import verify_forward
 
@@ -91,13 +93,24 @@ def run(args: argparse.Namespace) -> int:
     pad_from = {id(m): getattr(m, "pad_from", 0) for m in linears}  # as measured at load (ModelSpec.pad_rows)
     print(f"row padding to {PAD_WIDTH} from {max(pad_from.values(), default=0) or '-'} rows (measured at load)")
 
-    def runner(r: int, with_packed: bool, padded: bool = True) -> Callable[[], None]:
+    def set_paths(with_packed: bool, padded: bool) -> None:
+        for m in linears:
+            m.mkl_packed = stash[id(m)] if with_packed else ()  # type: ignore[assignment]
+            m.pad_from = pad_from[id(m)] if padded else 0  # type: ignore[assignment]
+
+    stacks: dict[tuple[bool, bool], object] = {}  # (packed, padded) -> a C++ stack built over those paths
+    if model.native_stack is not None:
+        for paths in ((False, True), (False, False), (True, True)):
+            set_paths(*paths)
+            stacks[paths] = build_stack(model)
+    print(f"decoder layers from C++: {'yes' if stacks else 'no (the Python loop)'}")
+
+    def runner(r: int, with_packed: bool, padded: bool = True, native: bool = True) -> Callable[[], None]:
         fwd = verify_forward(model, r, context=args.context, tree_mask=args.tree_mask)
 
-        def run() -> None:
-            for m in linears:  # the same model with and without packed copies / padding, interleaved
-                m.mkl_packed = stash[id(m)] if with_packed else ()  # type: ignore[assignment]
-                m.pad_from = pad_from[id(m)] if padded else 0  # type: ignore[assignment]
+        def run() -> None:  # the same model with and without packed copies / padding / the C++ stack, interleaved
+            set_paths(with_packed, padded)
+            model.native_stack = stacks.get((with_packed, padded)) if native else None
             fwd()
 
         return run
@@ -105,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     kinds: list[tuple[str, Callable[[int], Callable[[], None]]]] = [
         ("bare", lambda r: bare_matmuls(weights, r)),
         ("runner", lambda r: runner(r, False)),
+        ("python", lambda r: runner(r, False, native=False)),
         ("unpadded", lambda r: runner(r, False, padded=False)),
     ]
     if packed:
@@ -122,11 +136,13 @@ def run(args: argparse.Namespace) -> int:
     rows_out = []
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s -> floor {floor_ms:.1f} ms per forward (weights once)")
     print(
-        f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'unpadded ms':>12}"
-        f" {'packed ms':>10}"
+        f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'python ms':>10}"
+        f" {'unpadded ms':>12} {'packed ms':>10}"
     )
     for r in args.rows:
-        bare, eager, unpadded = (statistics.median(times[(k, r)]) * 1e3 for k in ("bare", "runner", "unpadded"))
+        bare, eager, python, unpadded = (
+            statistics.median(times[(k, r)]) * 1e3 for k in ("bare", "runner", "python", "unpadded")
+        )
         packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
         rows_out.append(
             {
@@ -134,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
                 "bare_ms": bare,
                 "runner_ms": eager,
                 "overhead": eager / bare,
+                "native_stack": bool(stacks),
+                "python_ms": python,
+                "python_overhead": python / bare,
                 "unpadded_ms": unpadded,
                 "pad_from": max(pad_from.values(), default=0),
                 "packed_ms": packed_ms,
@@ -144,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             }
         )
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
-        print(line + f" {unpadded:>12.1f} {packed_ms:>10.1f}")
+        print(line + f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}.csv"
     with path.open("w", newline="") as f:

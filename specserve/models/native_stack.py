@@ -48,7 +48,7 @@ def _build() -> ModuleType | NativeStackUnavailable:
         return load(
             name=name,
             sources=[str(SOURCE)],
-            extra_cflags=["-O2"],
+            extra_cflags=["-O3", "-ffp-contract=off"],
             build_directory=str(build_dir),
             verbose=os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1",
         )
@@ -90,16 +90,18 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     return proj
 
 
-def build_stack(model: LlamaModel) -> Any:
+def build_stack(model: LlamaModel, *, fused: bool = True) -> Any:
     """A C++ ``DecoderStack`` holding (not copying) the model's layer weights, as the Python path would use them:
-    call after every switch that changes a projection (native_q4, GEMV copies, row padding)."""
+    call after every switch that changes a projection (native_q4, GEMV copies, row padding). ``fused``: float32
+    norms with their residual adds, RoPE with the KV write, and SiLU-mul as one pass each (norms and SiLU agree
+    with the ATen ops to float rounding); without it, exactly the Python loop's ATen ops."""
     if model.device.type != "cpu":
         raise NativeStackUnavailable("the C++ stack is for the CPU (on a GPU the step is kernel-bound)")
     if Q4_GROUP != 32:  # the C++ side hard-codes the kernel's group size
         raise NativeStackUnavailable("Q4 group size changed")
     ext = extension()
     cfg = model.cfg
-    stack = ext.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+    stack = ext.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, fused)
     for layer in model.decoder_layers():
         stack.add_layer(
             layer.input_norm.detach(),

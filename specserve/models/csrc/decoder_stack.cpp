@@ -3,7 +3,11 @@
 // interpreter between them. Built once per machine by specserve/models/native_stack.py.
 #include <torch/extension.h>
 
+#include <cmath>
+#include <cstring>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -89,10 +93,92 @@ Tensor apply_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   return x * cos + rotated * sin;
 }
 
+// ---- fused float32 kernels (the `fused` stack): one pass where the ATen path takes 2-7 dispatched ops ----
+
+bool fusable(const Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(); }
+
+// (x + delta, rms_norm(x + delta) * weight) for x, delta [N, H] (delta undefined: x itself, then the norm). The sum
+// is the same float add as at::add; the norm's sum of squares is accumulated in double (ATen: float lanes), so
+// normed rows agree with at::rms_norm to float rounding, not bit for bit.
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), h = x.size(1);
+  Tensor sum = delta.defined() ? at::empty_like(x) : x;
+  Tensor normed = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* dp = delta.defined() ? delta.data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* np = normed.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * h;
+    float* sr = sp + r * h;
+    double squares = 0.0;
+    for (int64_t j = 0; j < h; ++j) {
+      const float v = dp ? xr[j] + dp[r * h + j] : xr[j];
+      if (dp) sr[j] = v;
+      squares += static_cast<double>(v) * v;
+    }
+    const float rstd = 1.0f / std::sqrt(static_cast<float>(squares / h) + static_cast<float>(eps));
+    float* nr = np + r * h;
+    for (int64_t j = 0; j < h; ++j) nr[j] = (sr[j] * rstd) * wp[j];
+  }
+  return {sum, normed};
+}
+
+// RoPE over q and k of a fused qkv [N, (Hq + 2 Hkv) D] (rotate-half: x cos + rotate(x) sin, each product rounded
+// on its own as in apply_rope: built with -ffp-contract=off, so bit for bit), k and v written straight into their
+// cache rows [S, Hkv, L, D] at (write_slot[n], write_pos[n]); returns q [N, Hq, D].
+Tensor rope_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin, Tensor& k_cache, Tensor& v_cache,
+                     const Tensor& write_slot, const Tensor& write_pos, int64_t hq, int64_t hkv, int64_t d) {
+  const int64_t n_tok = qkv.size(0), width = qkv.size(1), half = d / 2;
+  const int64_t len = k_cache.size(2);
+  Tensor q = at::empty({n_tok, hq, d}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = write_slot.data_ptr<int64_t>();
+  const int64_t* pos = write_pos.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  for (int64_t n = 0; n < n_tok; ++n) {
+    const float* row = src + n * width;
+    const float* c = cp + n * d;
+    const float* s = sp + n * d;
+    for (int64_t h = 0; h < hq + hkv; ++h) {
+      const float* x = row + h * d;
+      float* out = h < hq ? qp + (n * hq + h) * d : kp + ((slot[n] * hkv + (h - hq)) * len + pos[n]) * d;
+      for (int64_t j = 0; j < half; ++j) out[j] = x[j] * c[j] + (-x[j + half]) * s[j];
+      for (int64_t j = half; j < d; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
+    }
+    for (int64_t h = 0; h < hkv; ++h) {
+      std::memcpy(vp + ((slot[n] * hkv + h) * len + pos[n]) * d, row + (hq + hkv + h) * d, d * sizeof(float));
+    }
+  }
+  return q;
+}
+
+// silu(gate) * up for gate_up [N, 2I] -> [N, I] (std::exp against ATen's vectorised exp: float rounding apart).
+Tensor silu_mul(const Tensor& gate_up) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  Tensor out = at::empty({rows, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gp + r * 2 * inter;
+    const float* u = g + inter;
+    float* o = op + r * inter;
+    for (int64_t j = 0; j < inter; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+  }
+  return out;
+}
+
 class DecoderStack {
  public:
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {}
+  // fused: the float32 kernels above for norms (with the residual add), RoPE + KV write and SiLU-mul, where every
+  // tensor is float32 and contiguous; otherwise exactly DecoderLayer.forward's ATen ops.
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, bool fused)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), fused_(fused) {}
 
   void add_layer(Tensor input_norm, Tensor post_norm, Proj qkv, Proj o_proj, Proj gate_up, Proj down) {
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o_proj),
@@ -120,27 +206,41 @@ class DecoderStack {
     const bool padded = b_size * q_len != n_tok;
     const bool is_causal = !attn_mask.has_value() && q_len > 1;
     size_t next_aux = 0;
+    bool fused = fused_ && fusable(x) && fusable(cos) && fusable(sin);
+    for (int64_t i = 0; fused && i < num_layers(); ++i) {
+      fused = fusable(k_caches[i]) && fusable(v_caches[i]) && fusable(layers_[i].input_norm) &&
+              fusable(layers_[i].post_norm);
+    }
+    Tensor h;  // the fused path: the current layer's normed input, made together with the residual add before it
+    if (fused && num_layers() > 0) h = add_rms_norm(x, Tensor(), layers_[0].input_norm, eps_).second;
     for (int64_t i = 0; i < num_layers(); ++i) {
       if (next_aux < aux_layers.size() && aux_layers[next_aux] == i) {
         out.push_back(x);
         ++next_aux;
       }
       const Layer& layer = layers_[i];
-      Tensor h = rms_norm(x, layer.input_norm, eps_);
-      Tensor qkv = layer.qkv(h);
-      Tensor qk = apply_rope(qkv.index({Slice(), Slice(0, qk_size)}).view({n_tok, qk_heads, head_dim_}), cos, sin);
-      auto parts = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
-      Tensor v = qkv.index({Slice(), Slice(qk_size, at::indexing::None)}).view({n_tok, num_kv_heads_, head_dim_});
       Tensor k_cache = k_caches[i];
       Tensor v_cache = v_caches[i];
-      k_cache.index_put_({write_slot, Slice(), write_pos}, parts[1]);
-      v_cache.index_put_({write_slot, Slice(), write_pos}, v);
+      Tensor q;
+      if (fused) {
+        Tensor qkv = layer.qkv(h).contiguous();
+        q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, write_slot, write_pos, num_heads_, num_kv_heads_,
+                          head_dim_);
+      } else {
+        Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_));
+        Tensor qk = apply_rope(qkv.index({Slice(), Slice(0, qk_size)}).view({n_tok, qk_heads, head_dim_}), cos, sin);
+        auto parts = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
+        Tensor v = qkv.index({Slice(), Slice(qk_size, at::indexing::None)}).view({n_tok, num_kv_heads_, head_dim_});
+        k_cache.index_put_({write_slot, Slice(), write_pos}, parts[1]);
+        v_cache.index_put_({write_slot, Slice(), write_pos}, v);
+        q = parts[0];
+      }
       Tensor q_pad;
       if (!padded) {
-        q_pad = parts[0].view({b_size, q_len, num_heads_, head_dim_});
+        q_pad = q.view({b_size, q_len, num_heads_, head_dim_});
       } else {
-        q_pad = parts[0].new_zeros({b_size * q_len, num_heads_, head_dim_});
-        q_pad.index_put_({write_from}, parts[0]);
+        q_pad = q.new_zeros({b_size * q_len, num_heads_, head_dim_});
+        q_pad.index_put_({write_from}, q);
         q_pad = q_pad.view({b_size, q_len, num_heads_, head_dim_});
       }
       Tensor k, vv;
@@ -155,7 +255,20 @@ class DecoderStack {
                                                     std::nullopt, /*enable_gqa=*/true);
       att = att.transpose(1, 2).reshape({b_size * q_len, num_heads_, head_dim_});
       if (padded) att = att.index({write_from});
-      x = x + layer.o_proj(att.reshape({n_tok, -1}));
+      Tensor o = layer.o_proj(att.reshape({n_tok, -1}));
+      if (fused) {
+        o = o.contiguous();
+        auto [sum, normed] = add_rms_norm(x, o, layer.post_norm, eps_);
+        Tensor gate_up = layer.gate_up(normed).contiguous();
+        Tensor d = layer.down(silu_mul(gate_up)).contiguous();
+        if (i + 1 < num_layers()) {
+          std::tie(x, h) = add_rms_norm(sum, d, layers_[i + 1].input_norm, eps_);
+        } else {
+          x = sum + d;
+        }
+        continue;
+      }
+      x = x + o;
       auto gu = layer.gate_up(rms_norm(x, layer.post_norm, eps_)).chunk(2, -1);
       x = x + layer.down(at::silu(gu[0]) * gu[1]);
     }
@@ -166,6 +279,7 @@ class DecoderStack {
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
+  bool fused_;
   std::vector<Layer> layers_;
 };
 
@@ -190,7 +304,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("out_features", &Proj::out_features)
       .def("__call__", &Proj::operator());
   py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<int64_t, int64_t, int64_t, double>())
+      .def(py::init<int64_t, int64_t, int64_t, double, bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward);
