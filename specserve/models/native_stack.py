@@ -93,8 +93,8 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
 def build_stack(model: LlamaModel, *, fused: bool = True) -> Any:
     """A C++ ``DecoderStack`` holding (not copying) the model's layer weights, as the Python path would use them:
     call after every switch that changes a projection (native_q4, GEMV copies, row padding). ``fused``: float32
-    norms with their residual adds, RoPE with the KV write, and SiLU-mul as one pass each (norms and SiLU agree
-    with the ATen ops to float rounding); without it, exactly the Python loop's ATen ops."""
+    norms with their residual adds and RoPE with the KV write as one pass each (the norms agree with ATen's to
+    float rounding); without it, exactly the Python loop's ATen ops."""
     if model.device.type != "cpu":
         raise NativeStackUnavailable("the C++ stack is for the CPU (on a GPU the step is kernel-bound)")
     if Q4_GROUP != 32:  # the C++ side hard-codes the kernel's group size
