@@ -59,6 +59,26 @@ def verify_forward(model: LlamaModel, rows: int, *, context: int, tree_mask: boo
     return forward
 
 
+def batch_decode_forward(model: LlamaModel, batch: int, *, context: int) -> Callable[[], None]:
+    """One plain decoding step of ``batch`` sequences (one new token each) after ``context`` cached tokens each, in
+    consecutive KV slots, as a batch of that size decodes. Every call cuts the caches back to the context."""
+    cache = model.new_cache(batch, context + 2)
+    slots = [cache.allocate() for _ in range(batch)]
+    gen = torch.Generator().manual_seed(0)
+    if context:
+        for slot in slots:  # one prefill per sequence: the KV of a long batched prefill is the same
+            prefix = torch.randint(0, model.cfg.vocab_size, (context,), generator=gen)
+            model(ForwardBatch.build(cache, [slot], [prefix], device=model.device), cache)
+    tokens = [torch.randint(0, model.cfg.vocab_size, (1,), generator=gen) for _ in slots]
+
+    def forward() -> None:
+        model(ForwardBatch.build(cache, slots, tokens, device=model.device), cache)
+        for slot in slots:
+            cache.truncate(slot, context)
+
+    return forward
+
+
 def profile_key(model: LlamaModel, context: int) -> str:
     cfg = model.cfg
     ident = f"{cfg}|{model.dtype}|{model.device}|{torch.get_num_threads()}|{context}|{torch.__version__}"

@@ -10,8 +10,9 @@ import torch
 
 from specserve.bench.llamacpp import parse_llama_bench, sdist_url
 from specserve.bench.runner import bare_matmuls, weight_linears
+from specserve.models.batch import ForwardBatch
 from specserve.models.tiny import tiny_model
-from specserve.tune import verify_forward
+from specserve.tune import batch_decode_forward, verify_forward
 
 
 def test_bare_matmuls_read_every_weight_the_forward_reads() -> None:
@@ -51,6 +52,32 @@ def test_verify_forward_leaves_the_context_as_it_found_it(tree_mask: bool) -> No
     for _ in range(2):  # repeatable: every call appends 4 tokens and cuts the cache back to the context
         fn()
         assert caches[0].length(0) == 10
+
+
+def test_batch_decode_forward_steps_every_sequence_once_and_cuts_back() -> None:
+    model = tiny_model(seed=0)
+    caches = []
+    real_new_cache = model.new_cache
+    batches: list[ForwardBatch] = []
+    real_forward = model.forward
+
+    def new_cache(num_slots: int, max_len: int | None = None):  # type: ignore[no-untyped-def]
+        caches.append(real_new_cache(num_slots, max_len))
+        return caches[-1]
+
+    def forward(batch: ForwardBatch, cache):  # type: ignore[no-untyped-def]
+        batches.append(batch)
+        return real_forward(batch, cache)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "new_cache", new_cache)
+        fn = batch_decode_forward(model, 3, context=10)
+        mp.setattr(model, "forward", forward)
+        for _ in range(2):
+            fn()
+            assert [caches[0].length(s) for s in range(3)] == [10, 10, 10]
+    assert [b.num_new for b in batches] == [(1, 1, 1)] * 2
+    assert batches[0].slot_range == (0, 3)
 
 
 def test_llama_bench_json_and_pypi_sdist() -> None:

@@ -10,6 +10,7 @@ cannot beat: the weight bytes over the read bandwidth measured here (``x.sum()``
 writes a CSV.
 
     .venv/bin/specserve bench runner --rows 1 4 16 --out bench_out/runner
+    .venv/bin/specserve bench runner --batch --rows 16 32 --out bench_out/runner_batch   # plain decoding at batch r
     .venv/bin/specserve bench runner --dtype bfloat16
 """
 
@@ -31,7 +32,7 @@ from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed
 from specserve.models.loader import load_model
 from specserve.models.native_stack import build_stack
 from specserve.timing import timed
-from specserve.tune import verify_forward
+from specserve.tune import batch_decode_forward, verify_forward
 
 BANDWIDTH_BYTES = 1 << 30
 
@@ -42,6 +43,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens before them")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--tree-mask", action="store_true", help="verify with an explicit mask, as trees do")
+    p.add_argument(
+        "--batch",
+        action="store_true",
+        help="rows are sequences: a plain decoding step of that many sequences, one new token each after --context",
+    )
     p.add_argument(
         "--mkl-packed",
         type=int,
@@ -106,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"decoder layers from C++: {'yes' if stacks else 'no (the Python loop)'}")
 
     def runner(r: int, with_packed: bool, padded: bool = True, native: bool = True) -> Callable[[], None]:
-        fwd = verify_forward(model, r, context=args.context, tree_mask=args.tree_mask)
+        if args.batch:
+            fwd = batch_decode_forward(model, r, context=args.context)
+        else:
+            fwd = verify_forward(model, r, context=args.context, tree_mask=args.tree_mask)
 
         def run() -> None:  # the same model with and without packed copies / padding / the C++ stack, interleaved
             set_paths(with_packed, padded)
@@ -147,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         rows_out.append(
             {
                 "rows": r,
+                "mode": "batch decode" if args.batch else "tree verify" if args.tree_mask else "causal verify",
                 "bare_ms": bare,
                 "runner_ms": eager,
                 "overhead": eager / bare,
@@ -165,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
         print(line + f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}.csv"
+    mode = "_batch" if args.batch else ""
+    path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}{mode}.csv"
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
         writer.writeheader()

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,6 +28,7 @@ from specserve.models.sources import cache_dir
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
+CFLAGS = ["-O3", "-ffp-contract=off"]  # no -march: portable code; no contraction: RoPE rounds as the Python loop
 
 
 class NativeStackUnavailable(RuntimeError):
@@ -37,23 +39,26 @@ class NativeStackUnavailable(RuntimeError):
 def _build() -> ModuleType | NativeStackUnavailable:
     """The compiled extension, built on first use into the specserve cache (``SPECSERVE_CACHE``) and loaded from
     there afterwards (torch's file lock keeps concurrent builders apart). The name carries a hash of the source and
-    the torch version, so a changed source or torch never loads a stale build."""
+    the torch version and flags, so a changed source or torch never loads a stale build."""
     from torch.utils.cpp_extension import load
 
-    ident = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    ident = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {CFLAGS}".encode()).hexdigest()[:12]
     name = f"specserve_decoder_stack_{ident}"
     build_dir = cache_dir() / "extensions" / name
+    start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        return load(
+        module = load(
             name=name,
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-ffp-contract=off"],
+            extra_cflags=CFLAGS,
             build_directory=str(build_dir),
             verbose=os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1",
         )
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
         return NativeStackUnavailable(f"building {SOURCE.name} failed: {e}")
+    log.info("C++ decoder stack ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
+    return module
 
 
 def extension() -> ModuleType:
@@ -62,15 +67,6 @@ def extension() -> ModuleType:
     if isinstance(built, NativeStackUnavailable):
         raise built
     return built
-
-
-def native_stack_available() -> bool:
-    try:
-        extension()
-    except NativeStackUnavailable as e:
-        log.warning("%s; the decoder layers run in Python", e)
-        return False
-    return True
 
 
 def _proj(ext: ModuleType, mod: nn.Module) -> Any:

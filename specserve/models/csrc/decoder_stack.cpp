@@ -93,34 +93,45 @@ Tensor apply_rope(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   return x * cos + rotated * sin;
 }
 
-// ---- fused float32 kernels (the `fused` stack): one pass where the ATen path takes 2-7 dispatched ops ----
+// ---- fused kernels (the `fused` stack), float32 or bfloat16: one pass where the ATen path takes 2-7 dispatched ops.
+// Arithmetic in float; a bfloat16 result is rounded wherever the ATen op sequence rounds it.
 
-bool fusable(const Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(); }
+template <typename T>
+float round_as(float v) {
+  return static_cast<float>(static_cast<T>(v));  // float: no-op; bfloat16: the rounding an ATen op's output gets
+}
+
+bool fusable(const Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu();
+}
 
 // (x + delta, rms_norm(x + delta) * weight) for x, delta [N, H] (delta undefined: x itself, then the norm). The sum
-// is the same float add as at::add; the norm's sum of squares is accumulated in double (ATen: float lanes), so
-// normed rows agree with at::rms_norm to float rounding, not bit for bit.
+// is the same add as at::add; the norm's sum of squares is accumulated in double (ATen: float lanes), so normed rows
+// agree with llama.rms_norm to rounding, not bit for bit.
+template <typename T>
 std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps) {
   const int64_t rows = x.size(0), h = x.size(1);
   Tensor sum = delta.defined() ? at::empty_like(x) : x;
   Tensor normed = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* dp = delta.defined() ? delta.data_ptr<float>() : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  float* sp = sum.data_ptr<float>();
-  float* np = normed.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  const T* dp = delta.defined() ? delta.data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* sp = sum.data_ptr<T>();
+  T* np = normed.data_ptr<T>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xp + r * h;
-    float* sr = sp + r * h;
+    T* sr = sp + r * h;
     double squares = 0.0;
     for (int64_t j = 0; j < h; ++j) {
-      const float v = dp ? xr[j] + dp[r * h + j] : xr[j];
-      if (dp) sr[j] = v;
+      if (dp) sr[j] = static_cast<T>(static_cast<float>(xp[r * h + j]) + static_cast<float>(dp[r * h + j]));
+      const float v = static_cast<float>(sr[j]);
       squares += static_cast<double>(v) * v;
     }
     const float rstd = 1.0f / std::sqrt(static_cast<float>(squares / h) + static_cast<float>(eps));
-    float* nr = np + r * h;
-    for (int64_t j = 0; j < h; ++j) nr[j] = (sr[j] * rstd) * wp[j];
+    T* nr = np + r * h;
+    for (int64_t j = 0; j < h; ++j) {
+      // float: (x * rstd) * w as F.rms_norm; bfloat16: w * bf16(x.float() * rstd) as llama.rms_norm
+      nr[j] = static_cast<T>(round_as<T>(static_cast<float>(sr[j]) * rstd) * static_cast<float>(wp[j]));
+    }
   }
   return {sum, normed};
 }
@@ -128,40 +139,56 @@ std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, con
 // RoPE over q and k of a fused qkv [N, (Hq + 2 Hkv) D] (rotate-half: x cos + rotate(x) sin, each product rounded
 // on its own as in apply_rope: built with -ffp-contract=off, so bit for bit), k and v written straight into their
 // cache rows [S, Hkv, L, D] at (write_slot[n], write_pos[n]); returns q [N, Hq, D].
+template <typename T>
 Tensor rope_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin, Tensor& k_cache, Tensor& v_cache,
                      const Tensor& write_slot, const Tensor& write_pos, int64_t hq, int64_t hkv, int64_t d) {
   const int64_t n_tok = qkv.size(0), width = qkv.size(1), half = d / 2;
   const int64_t len = k_cache.size(2);
   Tensor q = at::empty({n_tok, hq, d}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
   const int64_t* slot = write_slot.data_ptr<int64_t>();
   const int64_t* pos = write_pos.data_ptr<int64_t>();
-  float* qp = q.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
+  T* qp = q.data_ptr<T>();
+  T* kp = k_cache.data_ptr<T>();
+  T* vp = v_cache.data_ptr<T>();
+  auto rot = [](float x, float c, float rotated, float s) {
+    return static_cast<T>(round_as<T>(x * c) + round_as<T>(rotated * s));
+  };
   for (int64_t n = 0; n < n_tok; ++n) {
-    const float* row = src + n * width;
-    const float* c = cp + n * d;
-    const float* s = sp + n * d;
+    const T* row = src + n * width;
+    const T* c = cp + n * d;
+    const T* s = sp + n * d;
     for (int64_t h = 0; h < hq + hkv; ++h) {
-      const float* x = row + h * d;
-      float* out = h < hq ? qp + (n * hq + h) * d : kp + ((slot[n] * hkv + (h - hq)) * len + pos[n]) * d;
-      for (int64_t j = 0; j < half; ++j) out[j] = x[j] * c[j] + (-x[j + half]) * s[j];
-      for (int64_t j = half; j < d; ++j) out[j] = x[j] * c[j] + x[j - half] * s[j];
+      const T* x = row + h * d;
+      T* out = h < hq ? qp + (n * hq + h) * d : kp + ((slot[n] * hkv + (h - hq)) * len + pos[n]) * d;
+      for (int64_t j = 0; j < half; ++j) out[j] = rot(x[j], c[j], -static_cast<float>(x[j + half]), s[j]);
+      for (int64_t j = half; j < d; ++j) out[j] = rot(x[j], c[j], x[j - half], s[j]);
     }
     for (int64_t h = 0; h < hkv; ++h) {
-      std::memcpy(vp + ((slot[n] * hkv + h) * len + pos[n]) * d, row + (hq + hkv + h) * d, d * sizeof(float));
+      std::memcpy(vp + ((slot[n] * hkv + h) * len + pos[n]) * d, row + (hq + hkv + h) * d, d * sizeof(T));
     }
   }
   return q;
 }
 
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps) {
+  return x.scalar_type() == at::kFloat ? add_rms_norm<float>(x, delta, weight, eps)
+                                       : add_rms_norm<at::BFloat16>(x, delta, weight, eps);
+}
+
+Tensor rope_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin, Tensor& k_cache, Tensor& v_cache,
+                     const Tensor& write_slot, const Tensor& write_pos, int64_t hq, int64_t hkv, int64_t d) {
+  return qkv.scalar_type() == at::kFloat
+             ? rope_write_kv<float>(qkv, cos, sin, k_cache, v_cache, write_slot, write_pos, hq, hkv, d)
+             : rope_write_kv<at::BFloat16>(qkv, cos, sin, k_cache, v_cache, write_slot, write_pos, hq, hkv, d);
+}
+
 class DecoderStack {
  public:
-  // fused: the float32 kernels above for norms (with the residual add) and RoPE + KV write, where every tensor is
-  // float32 and contiguous; otherwise exactly DecoderLayer.forward's ATen ops.
+  // fused: the kernels above for norms (with the residual add) and RoPE + KV write, where every tensor is float32
+  // or bfloat16 (one dtype) and contiguous; otherwise exactly DecoderLayer.forward's ATen ops.
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, bool fused)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), fused_(fused) {}
 
@@ -191,10 +218,12 @@ class DecoderStack {
     const bool padded = b_size * q_len != n_tok;
     const bool is_causal = !attn_mask.has_value() && q_len > 1;
     size_t next_aux = 0;
-    bool fused = fused_ && fusable(x) && fusable(cos) && fusable(sin);
+    const at::ScalarType dtype = x.scalar_type();
+    bool fused = fused_ && (dtype == at::kFloat || dtype == at::kBFloat16) && fusable(x, dtype) &&
+                 fusable(cos, dtype) && fusable(sin, dtype);
     for (int64_t i = 0; fused && i < num_layers(); ++i) {
-      fused = fusable(k_caches[i]) && fusable(v_caches[i]) && fusable(layers_[i].input_norm) &&
-              fusable(layers_[i].post_norm);
+      fused = fusable(k_caches[i], dtype) && fusable(v_caches[i], dtype) && fusable(layers_[i].input_norm, dtype) &&
+              fusable(layers_[i].post_norm, dtype);
     }
     std::optional<Tensor> mask = attn_mask;
     if (fused && mask.has_value() && mask->scalar_type() == at::kBool) {
