@@ -224,3 +224,26 @@ def test_uncovered_models_keep_the_python_loop() -> None:
 def test_model_spec_switch() -> None:
     assert ModelSpec(source="smollm2-135m-instruct").native_stack is True
     assert ModelSpec(source="smollm2-135m-instruct", native_stack=False).native_stack is False
+
+
+@pytest.mark.real_model
+def test_the_loaded_target_runs_the_fused_stack_and_agrees_with_the_python_loop() -> None:
+    """The real model as `load_model` serves it: the stack is attached (so the real-model greedy and transformers
+    tests exercise it), and a prefill plus decode steps give the Python loop's argmax at every position."""
+    from specserve.models.loader import load_model
+
+    target = load_model(ModelSpec())
+    assert target.native_stack is not None
+    prompt = torch.randint(0, target.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for native in (target.native_stack, None):
+        target.native_stack = native
+        cache = target.new_cache(1, 64)
+        slot = cache.allocate()
+        steps = [target(ForwardBatch.build(cache, [slot], [prompt]), cache)]
+        steps += [target(ForwardBatch.build(cache, [slot], [[t]]), cache) for t in (5, 17, 99)]
+        logits.append(torch.cat(steps))
+    fused, python = logits
+    assert torch.equal(fused.argmax(-1), python.argmax(-1))
+    torch.testing.assert_close(fused, python, rtol=1e-4, atol=1e-4 * python.abs().max().item())
+    assert load_model(ModelSpec(native_stack=False)).native_stack is None
