@@ -17,6 +17,9 @@ therefore that switch step and one measured step, and its cost is bounded: after
 decoding, the next one waits until the plain steps in between took 1 / ``explore_cost`` times that switch step
 (a 4-bit draft model catching up 16 sequences costs ~10-35 plain steps, which a try every 20 steps would pay
 again and again).
+
+A try's step replaces the average of the mode it measures (that average is as old as the mode's last run), and a
+choice flipped by the running mode's own step (a slow admission) is re-checked soon (docs/algorithms.md §7).
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ class ThroughputGuard:
             self.warm[key] = [*self.warm.get(key, []), step]
             start = sorted(self.warm[key], key=lambda ts: ts[0] / max(ts[1], 1e-9))[(n - 1) // 2]
             self.work[key] = start
+        elif before is not None and speculative != before:  # a try: the mode's average is as old as its last run,
+            self.work[key] = step  # so the fresh step replaces it (blended, one stale slow step would outlive tries)
         else:  # moving averages of tokens and of seconds per step: their ratio weighs a slow step by its time
             tok, sec = self.work.get(key, step)  # (rates seeded from outside start from this step)
             self.work[key] = (tok + self.smoothing * (step[0] - tok), sec + self.smoothing * (step[1] - sec))
@@ -102,12 +107,17 @@ class ThroughputGuard:
         self.rates[key] = tok / max(sec, 1e-9)
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try
             self.next_try[b] = max(self.explore_every, self._steps(b) + self._amortising_steps(b)) - 1
+        after = self.faster(batch_size)
         if before is not None and speculative != before:  # that was a try of the slower mode
-            after = self.faster(batch_size)
             interval = self.intervals.get(b, self.explore_every)
             interval = self.explore_every if after != before else min(2 * interval, self.max_explore_every)
             self.intervals[b] = interval
             self.next_try[b] = self._steps(b) + max(interval, self._amortising_steps(b) if not after else 0) - 1
+        elif before is not None and after != before:  # the running mode's own step flipped the choice (a slow
+            # admission, say): the other mode's average is old, so re-check the mode just left soon, plain after
+            # ``warmup`` steps, speculation once its switch is amortised
+            self.intervals[b] = self.explore_every
+            self.next_try[b] = self._steps(b) + (self.warmup if after else max(1, self._amortising_steps(b))) - 1
 
     def _amortising_steps(self, b: int) -> int:
         """Plain steps of bucket ``b`` that make its last switch step ``explore_cost`` of the time between tries."""

@@ -234,6 +234,31 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert timed.faster(1) is False and timed.rates[(1, True)] == pytest.approx(100 / 5.5)
 
 
+def test_one_slow_step_that_flips_the_guard_is_re_checked_at_once() -> None:
+    """Plain decoding is 2x faster; one plain step that also admits a long prompt (10x a step) flips the choice to
+    speculation. The guard re-tries plain after ``warmup`` steps (here 1: at once), and that try's fresh step
+    replaces plain's average (blended, the slow step would keep plain looking slower for many tries): plain again,
+    and since a try flipped the choice, the try interval starts over (speculation re-tried 5 steps later)."""
+    guard = ThroughputGuard(explore_every=5, max_explore_every=640, warmup=1, explore_cost=1.0)
+    guard.record(1, False, tokens=1, seconds=0.02)
+    guard.record(1, True, tokens=0, seconds=0.02, catch_up=True)
+    guard.record(1, True, tokens=1, seconds=0.04)
+    assert guard.faster(1) is False
+    for _ in range(400):  # long enough that the try interval has grown well past warmup
+        s = guard.speculate(1)
+        guard.record(1, s, tokens=1, seconds=0.04 if s else 0.02)
+    assert guard.intervals[1] > 100
+    guard.record(1, False, tokens=1, seconds=0.2)  # the admission step
+    assert guard.faster(1) is True  # flipped by the running mode's own slow step
+    choices = []
+    for _ in range(6):
+        s = guard.speculate(1)
+        choices.append(s)
+        guard.record(1, s, tokens=1, seconds=0.04 if s else 0.02)
+    assert choices == [False, False, False, False, False, True]
+    assert guard.faster(1) is False and guard.rates[(1, False)] == pytest.approx(50.0)
+
+
 def test_throughput_guard_spaces_its_tries_by_what_the_switch_costs() -> None:
     # plain steps take 0.125 s; switching to speculation costs a 10 s catch-up (the draft re-reads what it
     # missed), then speculation measures slower: each try waits until the plain time since the last one is
