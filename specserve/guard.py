@@ -18,8 +18,9 @@ decoding, the next one waits until the plain steps in between took 1 / ``explore
 (a 4-bit draft model catching up 16 sequences costs ~10-35 plain steps, which a try every 20 steps would pay
 again and again).
 
-A try's step replaces the average of the mode it measures (that average is as old as the mode's last run), and a
-choice flipped by the running mode's own step (a slow admission) is re-checked soon (docs/algorithms.md §7).
+A try's step time replaces the average step time of the mode it measures (that average is as old as the mode's
+last run), and a choice flipped by the running mode's own step (a slow admission) is re-checked soon
+(docs/algorithms.md §7).
 """
 
 from __future__ import annotations
@@ -98,8 +99,11 @@ class ThroughputGuard:
             self.warm[key] = [*self.warm.get(key, []), step]
             start = sorted(self.warm[key], key=lambda ts: ts[0] / max(ts[1], 1e-9))[(n - 1) // 2]
             self.work[key] = start
-        elif before is not None and speculative != before:  # a try: the mode's average is as old as its last run,
-            self.work[key] = step  # so the fresh step replaces it (blended, one stale slow step would outlive tries)
+        elif before is not None and speculative != before:  # a try: the mode's step time is as old as its last run,
+            # so the fresh step's time replaces it (blended, one stale slow step would outlive tries); its tokens per
+            # step, an acceptance statistic that one step estimates poorly, are blended as usual
+            tok, _ = self.work.get(key, step)
+            self.work[key] = (tok + self.smoothing * (step[0] - tok), step[1])
         else:  # moving averages of tokens and of seconds per step: their ratio weighs a slow step by its time
             tok, sec = self.work.get(key, step)  # (rates seeded from outside start from this step)
             self.work[key] = (tok + self.smoothing * (step[0] - tok), sec + self.smoothing * (step[1] - sec))
