@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -247,3 +248,14 @@ def test_the_loaded_target_runs_the_fused_stack_and_agrees_with_the_python_loop(
     assert torch.equal(fused.argmax(-1), python.argmax(-1))
     torch.testing.assert_close(fused, python, rtol=1e-4, atol=1e-4 * python.abs().max().item())
     assert load_model(ModelSpec(native_stack=False)).native_stack is None
+
+
+def test_fused_kv_write_refuses_positions_outside_the_cache() -> None:
+    """The fused RoPE writes the cache through raw pointers: a bad index is an error, not a stray write."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=13)
+    model.native_stack = build_stack(model, fused=True)
+    cache = model.new_cache(1, 8)
+    batch = ForwardBatch.build(cache, [cache.allocate()], [[1, 2]])
+    bad = dataclasses.replace(batch, write_pos=torch.tensor([7, 8]))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        model(bad, cache)

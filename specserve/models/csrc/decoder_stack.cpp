@@ -156,7 +156,10 @@ Tensor rope_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin, Te
   auto rot = [](float x, float c, float rotated, float s) {
     return static_cast<T>(round_as<T>(x * c) + round_as<T>(rotated * s));
   };
+  const int64_t num_slots = k_cache.size(0);
   for (int64_t n = 0; n < n_tok; ++n) {
+    TORCH_CHECK(0 <= slot[n] && slot[n] < num_slots && 0 <= pos[n] && pos[n] < len, "KV write outside the cache: slot ",
+                slot[n], " position ", pos[n]);
     const T* row = src + n * width;
     const T* c = cp + n * d;
     const T* s = sp + n * d;
@@ -221,6 +224,9 @@ class DecoderStack {
     const at::ScalarType dtype = x.scalar_type();
     bool fused = fused_ && (dtype == at::kFloat || dtype == at::kBFloat16) && fusable(x, dtype) &&
                  fusable(cos, dtype) && fusable(sin, dtype);
+    for (const Tensor& index : {write_slot, write_pos}) {
+      fused = fused && index.scalar_type() == at::kLong && index.is_contiguous() && index.device().is_cpu();
+    }
     for (int64_t i = 0; fused && i < num_layers(); ++i) {
       fused = fusable(k_caches[i], dtype) && fusable(v_caches[i], dtype) && fusable(layers_[i].input_norm, dtype) &&
               fusable(layers_[i].post_norm, dtype);
