@@ -13,7 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specserve.config import ModelSpec
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import LlamaModel, attach_gemv_copies, attach_mkl_packed, quantize_int8_dynamic
+from specserve.models.llama import (
+    LlamaModel,
+    attach_gemv_copies,
+    attach_mkl_packed,
+    attach_row_padding,
+    quantize_int8_dynamic,
+)
 from specserve.models.native_stack import NativeStackUnavailable, attach_native_stack, build_stack, extension
 from specserve.models.q4 import Q4Blocks, Q4Linear
 from specserve.models.tiny import tiny_config, tiny_model
@@ -194,6 +200,19 @@ def test_stack_runs_packed_4bit_projections_as_python_does() -> None:
         )
     both_paths(model, ragged_then_decode)
     both_paths(model, non_consecutive_slots)
+
+
+def test_a_switch_that_changes_the_projections_drops_the_stack() -> None:
+    """GEMV copies, row padding or MKL-packed weights attached after the stack: the stack would not take them, so
+    the model falls back to the Python loop until the stack is attached again."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=14)
+    for switch in (lambda: attach_gemv_copies(model, rows=2), lambda: attach_row_padding(model, 10)):
+        assert attach_native_stack(model) and model.native_stack is not None
+        switch()
+        assert model.native_stack is None
+    assert attach_native_stack(model)
+    if attach_mkl_packed(model, (4,)):
+        assert model.native_stack is None
 
 
 def test_stack_sees_in_place_weight_changes() -> None:

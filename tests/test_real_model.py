@@ -140,9 +140,12 @@ def test_speculation_with_every_verify_padded_to_16_rows_equals_plain_greedy() -
     """Row padding (``ModelSpec.pad_rows``) from 2 rows on: every verify of 2-15 tokens runs as 16 rows; chains
     of 3, DSDE chains (verifies up to 13 rows) and trees stay equal to plain greedy decoding."""
     from specserve.models.llama import attach_row_padding
+    from specserve.models.native_stack import attach_native_stack
 
     target = load_model(ModelSpec(pad_rows=False))
     assert attach_row_padding(target, 2) == 2
+    assert target.native_stack is None  # dropped: built over the unpadded paths
+    attach_native_stack(target)  # rebuilt over the padded ones (if it builds here)
     draft = load_draft(MODEL_PAIRS["smollm2-q4"][1], target) if native_q4_available() else target
     specs = (
         SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.greedy),

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     print(cpu_summary())
     print(f"{spec.source} {model.dtype}: {weight_bytes / 1e6:.0f} MB of matmul weights per forward")
+    native = model.native_stack is not None  # as loaded (attaching packed copies drops it: rebuilt below)
     packed = attach_mkl_packed(model, tuple(args.mkl_packed))
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     stash = {id(m): getattr(m, "mkl_packed", ()) for m in linears}
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             m.pad_from = pad_from[id(m)] if padded else 0  # type: ignore[assignment]
 
     stacks: dict[tuple[bool, bool], object] = {}  # (packed, padded) -> a C++ stack built over those paths
-    if model.native_stack is not None:
+    if native:
         for paths in ((False, True), (False, False), (True, True)):
             set_paths(*paths)
             stacks[paths] = build_stack(model)

@@ -410,6 +410,12 @@ def fused_weights(cfg: ArchConfig, get: Callable[[str], torch.Tensor]) -> Iterat
             yield ours + "down.bias", get(hf + "mlp.down_proj.bias")
 
 
+def drop_native_stack(model: LlamaModel) -> None:
+    """A C++ layer stack was built over the projections' paths as they were: after a switch changes them the model
+    runs the Python loop until ``native_stack.attach_native_stack`` builds it again (never a stale stack)."""
+    model.native_stack = None
+
+
 def attach_gemv_copies(model: LlamaModel, rows: int | None = None) -> int:
     """Switch: keep a transposed copy of every linear weight for GEMVs of up to ``rows`` rows (CPU decode and
     short verifies); ``rows=None`` measures the threshold on this machine per weight shape (``gemv_rows_for``),
@@ -426,6 +432,7 @@ def attach_gemv_copies(model: LlamaModel, rows: int | None = None) -> int:
         if mod_rows > 0:
             mod.weight_t = mod.weight.detach().t().contiguous()  # type: ignore[assignment]
         mod.gemv_rows = mod_rows  # type: ignore[assignment]
+    drop_native_stack(model)
     return max(by_shape.values(), default=0)
 
 
@@ -442,6 +449,7 @@ def attach_row_padding(model: LlamaModel, pad_from: int | None = None) -> int:
         pad_from = pad_rows_for(list(unique.values()))
     for mod in linears:
         mod.pad_from = pad_from  # type: ignore[assignment]
+    drop_native_stack(model)
     return pad_from
 
 
@@ -469,6 +477,7 @@ def attach_mkl_packed(model: LlamaModel, widths: tuple[int, ...]) -> bool:
         mod.mkl_packed = tuple(  # type: ignore[assignment]
             (lo, hi, torch.ops.mkl._mkl_reorder_linear_weight(w, hi)) for lo, hi in ranges
         )
+    drop_native_stack(model)
     return True
 
 
