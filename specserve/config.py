@@ -67,9 +67,10 @@ class ModelSpec(BaseModel):
     )
     native_stack: bool = Field(
         default=True,
-        description="CPU: the decoder layers run from C++ (the same ATen ops in the same order: the same values), "
-        "built once per machine with the local compiler; the Python loop where it cannot be built or with "
-        "int8_dynamic (docs/benchmarks.md, 'Decoder layers from C++')",
+        description="CPU: the decoder layers run from C++ (the Python loop's matmuls and attention; RMSNorm with its "
+        "residual add and RoPE with the KV write as single passes: the same values up to float rounding), built "
+        "once per machine with the local compiler; the Python loop where it cannot be built or with int8_dynamic "
+        "(docs/benchmarks.md, 'Decoder layers from C++')",
     )
     revision: str | None = None
 

@@ -1,9 +1,10 @@
 """Switch: a model's decoder layers run from C++ (``csrc/decoder_stack.cpp``) instead of the Python loop.
 
-The C++ stack calls the same ATen ops in the same order as ``DecoderLayer.forward`` (``linear``, ``rms_norm``,
-``apply_rope``, ``write_kv``, ``attention``), so it gives the same values bit for bit; what it removes is the
-Python interpreter between ~25 ops per layer, which on a 2-core CPU costs as much as a third of a decode step
-(docs/benchmarks.md, "Decoder layers from C++"). It is built once per machine with the torch it runs against
+The C++ stack calls the ATen ops of ``DecoderLayer.forward`` (``linear``, ``attention``) without the Python
+interpreter between ~25 ops per layer, which on a 2-core CPU cost as much as a third of a decode step
+(docs/benchmarks.md, "Decoder layers from C++"). By default (``fused``) RMSNorm with its residual add and RoPE with
+the KV write are single passes (float32 or bfloat16): the same values up to float rounding; built with
+``fused=False`` it runs exactly the Python loop's ATen ops, bit for bit (the tests' reference). It is built once per machine with the torch it runs against
 (``torch.utils.cpp_extension``, ~20-60 s with gcc and ninja) and cached; where it cannot be built, or a model
 uses something it does not cover (CUDA, int8 dynamic layers), the Python loop runs.
 """
@@ -88,9 +89,9 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
 
 def build_stack(model: LlamaModel, *, fused: bool = True) -> Any:
     """A C++ ``DecoderStack`` holding (not copying) the model's layer weights, as the Python path would use them:
-    call after every switch that changes a projection (native_q4, GEMV copies, row padding). ``fused``: float32
-    norms with their residual adds and RoPE with the KV write as one pass each (the norms agree with ATen's to
-    float rounding); without it, exactly the Python loop's ATen ops."""
+    call after every switch that changes a projection (native_q4, GEMV copies, row padding; those switches drop
+    an attached stack). ``fused``: float32 / bfloat16 norms with their residual adds and RoPE with the KV write as
+    one pass each (the norms agree with ATen's to float rounding); without it, exactly the Python loop's ATen ops."""
     if model.device.type != "cpu":
         raise NativeStackUnavailable("the C++ stack is for the CPU (on a GPU the step is kernel-bound)")
     if Q4_GROUP != 32:  # the C++ side hard-codes the kernel's group size
