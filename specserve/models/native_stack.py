@@ -4,9 +4,10 @@ The C++ stack calls the ATen ops of ``DecoderLayer.forward`` (``linear``, ``atte
 interpreter between ~25 ops per layer, which on a 2-core CPU cost as much as a third of a decode step
 (docs/benchmarks.md, "Decoder layers from C++"). By default (``fused``) RMSNorm with its residual add and RoPE with
 the KV write are single passes (float32 or bfloat16): the same values up to float rounding; built with
-``fused=False`` it runs exactly the Python loop's ATen ops, bit for bit (the tests' reference). It is built once per machine with the torch it runs against
-(``torch.utils.cpp_extension``, ~20-60 s with gcc and ninja) and cached; where it cannot be built, or a model
-uses something it does not cover (CUDA, int8 dynamic layers), the Python loop runs.
+``fused=False`` it runs exactly the Python loop's ATen ops, bit for bit (the tests' reference). It is built once
+per machine with the torch it runs against (``torch.utils.cpp_extension``, ~20-60 s with gcc and ninja) and
+cached; where it cannot be built, or a model uses something it does not cover (CUDA, int8 dynamic layers), the
+Python loop runs.
 """
 
 from __future__ import annotations
