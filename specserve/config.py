@@ -49,6 +49,13 @@ class ModelSpec(BaseModel):
         description="with native_q4: products of at least this many rows use a bf16 copy of the dequantised "
         "weights (far faster at 16+ rows; 4x the packed bytes; no longer batch-invariant: for drafts)",
     )
+    small_gemm: bool = Field(
+        default=True,
+        description="CPU float32: products of 1-16 rows (decode steps, verifies, small batches) through specserve's "
+        "own kernel (models/csrc/small_gemm.cpp, AVX-512F or AVX2 + FMA, detected): each weight row read once for "
+        "all rows, and batch-invariant, so a token verified among 16 gets the logits it gets decoded alone; where "
+        "it is on, gemv_copies and pad_rows are not needed and not attached (docs/benchmarks.md, 'Small products')",
+    )
     gemv_copies: bool = Field(
         default=True,
         description="CPU: transposed weight copies for the 1-3 row products where they measure faster on this "

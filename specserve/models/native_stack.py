@@ -24,12 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from specserve.models.llama import PAD_WIDTH, LlamaModel
+from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
 from specserve.models.q4 import Q4_GROUP, Q4Linear
 from specserve.models.sources import cache_dir
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
+SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp")
+SMALL_GEMM_ROWS = 16  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 CFLAGS = ["-O3", "-ffp-contract=off"]  # no -march: portable code; no contraction: RoPE rounds as the Python loop
 
 
@@ -44,7 +46,8 @@ def _build() -> ModuleType | NativeStackUnavailable:
     the torch version and flags, so a changed source or torch never loads a stale build."""
     from torch.utils.cpp_extension import load
 
-    ident = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {CFLAGS}".encode()).hexdigest()[:12]
+    code = b"".join(path.read_bytes() for path in SOURCES)
+    ident = hashlib.sha256(code + f"{torch.__version__} {CFLAGS}".encode()).hexdigest()[:12]
     name = f"specserve_decoder_stack_{ident}"
     build_dir = cache_dir() / "extensions" / name
     start = time.perf_counter()
@@ -52,7 +55,7 @@ def _build() -> ModuleType | NativeStackUnavailable:
         build_dir.mkdir(parents=True, exist_ok=True)
         module = load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=CFLAGS,
             build_directory=str(build_dir),
             verbose=os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1",
@@ -85,6 +88,7 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     proj.weight_t, proj.gemv_rows = getattr(mod, "weight_t", None), getattr(mod, "gemv_rows", 0)
     proj.mkl_packed = list(getattr(mod, "mkl_packed", ()))
     proj.pad_from, proj.pad_width = getattr(mod, "pad_from", 0), PAD_WIDTH
+    proj.small_rows = getattr(mod, "small_rows", 0) if getattr(mod, "small_gemm", None) is not None else 0
     return proj
 
 
@@ -107,6 +111,34 @@ def build_stack(model: LlamaModel, *, fused: bool = True) -> Any:
             *(_proj(ext, getattr(layer, name)) for name in ("qkv", "o_proj", "gate_up", "down")),
         )
     return stack
+
+
+def small_gemm_available() -> bool:
+    """True where the extension builds and the CPU has AVX-512F or AVX2 + FMA (detected, not assumed)."""
+    try:
+        return bool(extension().small_gemm_supported())
+    except NativeStackUnavailable:
+        return False
+
+
+def attach_small_gemm(model: LlamaModel, rows: int = SMALL_GEMM_ROWS) -> bool:
+    """Switch: float32 products of 1..``rows`` rows (decode steps, verifies of up to 16 tokens, small batches) run
+    through ``csrc/small_gemm.cpp``: each weight row read once for all rows, and batch-invariant (a row's result is
+    the same bit for bit whatever the other rows). False (nothing attached, a logged reason) where the extension
+    cannot be built, the CPU has no AVX-512F / AVX2 + FMA, or the model is not float32 on the CPU. Call before
+    ``attach_native_stack`` (a switch drops an attached stack)."""
+    if not 1 <= rows <= SMALL_GEMM_ROWS:
+        raise ValueError(f"small_gemm serves 1..{SMALL_GEMM_ROWS} rows, not {rows}")
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    if not small_gemm_available():
+        log.warning("the small-product kernel is not available here (no extension or no AVX-512F / AVX2 + FMA)")
+        return False
+    kernel = extension().small_linear
+    for mod in (m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32):
+        mod.small_gemm, mod.small_rows = kernel, rows  # type: ignore[assignment]
+    drop_native_stack(model)
+    return True
 
 
 def attach_native_stack(model: LlamaModel) -> bool:

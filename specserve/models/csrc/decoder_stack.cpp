@@ -6,9 +6,18 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
+
+namespace specserve_small_gemm {  // small_gemm.cpp
+bool supported();
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                      const std::string& name);
+std::vector<std::string> isas();
+}  // namespace specserve_small_gemm
 
 namespace {
 
@@ -41,6 +50,7 @@ struct Proj {
   std::vector<std::tuple<int64_t, int64_t, Tensor>> mkl_packed;
   int64_t pad_from = 0;          // products of pad_from .. pad_width-1 rows padded to pad_width
   int64_t pad_width = 16;
+  int64_t small_rows = 0;        // products of up to small_rows rows through small_gemm.cpp (batch-invariant)
   bool q4 = false;
   Tensor packed, scales_and_zeros;
   std::optional<Tensor> dense;   // bf16 copy for products of at least dense_from rows
@@ -57,6 +67,9 @@ struct Proj {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
       shape.push_back(out_features);
       return y.to(x.scalar_type()).reshape(shape);
+    }
+    if (small_rows > 0 && x.dim() == 2 && rows <= small_rows) {
+      return specserve_small_gemm::linear(x, weight, bias);
     }
     if (weight_t.has_value() && x.numel() <= gemv_rows * weight_t->size(0)) {
       Tensor y = at::matmul(x, *weight_t);
@@ -321,6 +334,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("mkl_packed", &Proj::mkl_packed)
       .def_readwrite("pad_from", &Proj::pad_from)
       .def_readwrite("pad_width", &Proj::pad_width)
+      .def_readwrite("small_rows", &Proj::small_rows)
       .def_readwrite("q4", &Proj::q4)
       .def_readwrite("packed", &Proj::packed)
       .def_readwrite("scales_and_zeros", &Proj::scales_and_zeros)
@@ -329,6 +343,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("in_features", &Proj::in_features)
       .def_readwrite("out_features", &Proj::out_features)
       .def("__call__", &Proj::operator());
+  m.def("small_gemm_supported", &specserve_small_gemm::supported);
+  m.def("small_linear", &specserve_small_gemm::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("small_linear_isa", &specserve_small_gemm::linear_isa, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("isa"));
+  m.def("small_gemm_isas", &specserve_small_gemm::isas);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, bool>())
       .def("add_layer", &DecoderStack::add_layer)

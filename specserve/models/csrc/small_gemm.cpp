@@ -1,0 +1,200 @@
+// Float32 products of a few rows with a row-major weight, y[M, N] = x[M, K] @ w[N, K]^T (+ b), for the 1-16 rows of
+// decoding and verification. On a 2-core CPU BLAS handles these shapes far from the memory bound (an AMD EPYC: a
+// 1-row product of SmolLM2's layers at 18 GB/s against 50 GB/s of read bandwidth, 2 rows costing 1.45x one): here
+// each weight row is read once for all M rows, as the memory bound wants.
+//
+// Batch-invariant by construction: every y[m, n] is computed by the same instruction sequence whatever M is and
+// wherever n falls in a block (16-lane partial sums over k ascending, a masked last chunk, a fixed lane reduction,
+// then the bias), so a token's logits verified among 16 rows equal the same token's decoded alone, bit for bit.
+//
+// The instruction set is detected at run time (AVX-512F, else AVX2 + FMA); without either the caller falls back to
+// at::linear (small_gemm_supported() says which).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace specserve_small_gemm {
+
+constexpr int64_t kMaxRows = 16;
+
+enum class Isa { none, avx2, avx512 };
+
+Isa detect() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+  return Isa::none;
+}
+
+Isa isa() {
+  static const Isa found = detect();
+  return found;
+}
+
+// ---- AVX-512: blocks of NB weight rows x MB activation rows, 16 lanes.
+template <int NB, int MB>
+__attribute__((target("avx512f"))) void block512(const float* x, const float* w, float* y, int64_t K, int64_t N,
+                                                 int64_t ldx, int64_t n0, int64_t m0) {
+  __m512 acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* wr[NB];
+  for (int i = 0; i < NB; ++i) wr[i] = w + (n0 + i) * K;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NB];
+    for (int i = 0; i < NB; ++i) wv[i] = _mm512_loadu_ps(wr[i] + k);
+    for (int j = 0; j < MB; ++j) {
+      const __m512 xv = _mm512_loadu_ps(x + (m0 + j) * ldx + k);
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
+    __m512 wv[NB];
+    for (int i = 0; i < NB; ++i) wv[i] = _mm512_maskz_loadu_ps(mask, wr[i] + k);
+    for (int j = 0; j < MB; ++j) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + j) * ldx + k);
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// ---- AVX2 + FMA: the same with 8 lanes (16 registers: blocks of 2 activation rows).
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  __m128 s = _mm_add_ps(lo, hi);
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+  return _mm_cvtss_f32(s);
+}
+
+template <int NB, int MB>
+__attribute__((target("avx2,fma"))) void block256(const float* x, const float* w, float* y, int64_t K, int64_t N,
+                                                  int64_t ldx, int64_t n0, int64_t m0) {
+  __m256 acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  const float* wr[NB];
+  for (int i = 0; i < NB; ++i) wr[i] = w + (n0 + i) * K;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NB];
+    for (int i = 0; i < NB; ++i) wv[i] = _mm256_loadu_ps(wr[i] + k);
+    for (int j = 0; j < MB; ++j) {
+      const __m256 xv = _mm256_loadu_ps(x + (m0 + j) * ldx + k);
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  if (k < K) {
+    alignas(32) int32_t lanes[8];
+    for (int l = 0; l < 8; ++l) lanes[l] = (k + l < K) ? -1 : 0;
+    const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+    __m256 wv[NB];
+    for (int i = 0; i < NB; ++i) wv[i] = _mm256_maskload_ps(wr[i] + k, mask);
+    for (int j = 0; j < MB; ++j) {
+      const __m256 xv = _mm256_maskload_ps(x + (m0 + j) * ldx + k, mask);
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + i] = hsum256(acc[i][j]);
+}
+
+using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+template <int NB, int MB>
+struct Block512 {
+  static void run(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t ldx, int64_t n0,
+                  int64_t m0) {
+    block512<NB, MB>(x, w, y, K, N, ldx, n0, m0);
+  }
+};
+
+template <int NB, int MB>
+struct Block256 {
+  static void run(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t ldx, int64_t n0,
+                  int64_t m0) {
+    block256<NB, MB>(x, w, y, K, N, ldx, n0, m0);
+  }
+};
+
+template <template <int, int> class B, int NB>
+BlockFn pick(int64_t mb) {
+  switch (mb) {
+    case 1: return &B<NB, 1>::run;
+    case 2: return &B<NB, 2>::run;
+    case 3: return &B<NB, 3>::run;
+    default: return &B<NB, 4>::run;
+  }
+}
+
+bool supported() { return isa() != Isa::none; }
+
+// The instruction sets this CPU runs, best first ("avx512", "avx2"): a test runs each path by name.
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+  if (isa() == Isa::avx512) out.emplace_back("avx512");
+  if (isa() != Isa::none && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.emplace_back("avx2");
+  return out;
+}
+
+at::Tensor linear_with(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use);
+
+// y = x @ w^T (+ bias): x [M, K] (1 <= M <= 16), w [N, K], float32, CPU, contiguous rows; the best detected path.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
+  return linear_with(x, w, bias, isa());
+}
+
+// The same through a named path ("avx512" or "avx2"), which this CPU must run (isas()).
+at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                      const std::string& name) {
+  const auto ok = isas();
+  TORCH_CHECK(std::find(ok.begin(), ok.end(), name) != ok.end(), "small_gemm: this CPU does not run ", name);
+  return linear_with(x, w, bias, name == "avx512" ? Isa::avx512 : Isa::avx2);
+}
+
+at::Tensor linear_with(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use) {
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "small_gemm: want x [M, K], w [N, K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_gemm: float32 only");
+  TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(), "small_gemm: contiguous CPU");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = w.size(0);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "small_gemm: 1..16 rows, got ", M);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool wide = use == Isa::avx512;
+  constexpr int64_t NB = 4;  // weight rows per block (both paths); the N tail runs blocks of one row
+  const int64_t MB = wide ? 4 : 2;  // accumulators: 16 of 32 zmm registers, 8 of 16 ymm
+  const int64_t blocks = N / NB;
+  // Both kernels are chosen once per call from (chunk rows); each y[m, n] then follows one fixed sequence.
+  auto run_rows = [&](int64_t n0, int64_t n1, int64_t nb_rows) {
+    for (int64_t n = n0; n < n1; n += nb_rows) {
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = std::min(MB, M - m0);
+        BlockFn fn = wide ? (nb_rows == NB ? pick<Block512, 4>(mb) : pick<Block512, 1>(mb))
+                          : (nb_rows == NB ? pick<Block256, 4>(mb) : pick<Block256, 1>(mb));
+        fn(xp, wp, yp, K, N, K, n, m0);
+      }
+    }
+  };
+  // ~16 KB of weights per grain step: enough work per task to hide at::parallel_for's cost.
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_rows(b0 * NB, b1 * NB, NB); });
+  if (blocks * NB < N) run_rows(blocks * NB, N, 1);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+}  // namespace specserve_small_gemm

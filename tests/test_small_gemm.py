@@ -1,0 +1,129 @@
+"""The small-product kernel (models/csrc/small_gemm.cpp): right values, the same bits for a row whatever the other
+rows, every instruction-set path this CPU runs, clear errors, and the loader's switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import linear
+from specserve.models.native_stack import (
+    NativeStackUnavailable,
+    attach_native_stack,
+    attach_small_gemm,
+    extension,
+    small_gemm_available,
+)
+from specserve.models.tiny import tiny_config, tiny_model
+
+try:
+    extension()
+except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C++ compiler
+    pytest.skip(f"the C++ extension cannot be built here: {e}", allow_module_level=True)
+if not small_gemm_available():  # pragma: no cover - a CPU without AVX2 + FMA
+    pytest.skip("this CPU runs no small_gemm path", allow_module_level=True)
+
+ISAS = list(extension().small_gemm_isas())
+# (K, N): SmolLM2's layer shapes, a K with a partial last chunk of lanes, an N that is not a multiple of the block
+SHAPES = [(576, 960), (1536, 576), (37, 13), (64, 7), (200, 1030)]
+
+
+def ref_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_values_match_a_float64_reference(isa: str, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(16, k, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16):
+        for bias in (b, None):
+            got = extension().small_linear_isa(x[:rows], w, bias, isa)
+            assert got.shape == (rows, n) and got.dtype == torch.float32
+            # float32 sums of k products of N(0, 1) values: error ~ k * eps * sqrt(k) at worst
+            torch.testing.assert_close(got.double(), ref_linear(x[:rows], w, bias), rtol=0, atol=1e-5 * k**1.5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_a_row_gets_the_same_bits_whatever_the_other_rows(isa: str, k: int, n: int) -> None:
+    """Batch invariance: row i of a product of r rows equals the product of row i alone, for every r and i, and
+    does not depend on what the other rows hold."""
+    gen = torch.Generator().manual_seed(n)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(16, k, generator=gen)
+    alone = torch.cat([extension().small_linear_isa(x[i : i + 1], w, b, isa) for i in range(16)])
+    for rows in range(1, 17):
+        assert torch.equal(extension().small_linear_isa(x[:rows], w, b, isa), alone[:rows])
+    other = x.clone()
+    other[1:] = torch.randn(15, k, generator=gen) * 100
+    assert torch.equal(extension().small_linear_isa(other, w, b, isa)[0], alone[0])
+
+
+def test_the_default_path_is_the_best_detected() -> None:
+    w, x = torch.randn(40, 96), torch.randn(3, 96)
+    assert torch.equal(extension().small_linear(x, w), extension().small_linear_isa(x, w, None, ISAS[0]))
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    ext = extension()
+    w = torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match="1..16 rows"):
+        ext.small_linear(torch.randn(17, 32), w)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.small_linear(torch.randn(2, 32, dtype=torch.float64), w.double())
+    with pytest.raises(RuntimeError, match="want x"):
+        ext.small_linear(torch.randn(2, 31), w)
+    with pytest.raises(RuntimeError, match="does not run"):
+        ext.small_linear_isa(torch.randn(2, 32), w, None, "neon")
+    with pytest.raises(ValueError, match="1..16"):
+        attach_small_gemm(tiny_model(), rows=17)
+
+
+def test_the_switch_attaches_to_float_linears_and_the_stack_uses_it() -> None:
+    model = tiny_model(tiny_config("llama", num_hidden_layers=2), seed=4)
+    cache = model.new_cache(1, 32)
+    slot = cache.allocate()
+    before = model(ForwardBatch.build(cache, [slot], [[3, 1, 4, 1, 5]]), cache)
+    assert attach_small_gemm(model)
+    lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert lins and all(m.small_rows == 16 for m in lins)
+    x = torch.randn(5, model.cfg.hidden_size)
+    assert torch.equal(linear(model.lm_head, x), extension().small_linear(x, model.lm_head.weight))
+    assert torch.equal(linear(model.lm_head, x.repeat(4, 1)), F.linear(x.repeat(4, 1), model.lm_head.weight))  # 20 rows
+    outs = []
+    for native in (False, True):
+        if native:
+            assert attach_native_stack(model)
+        cache.truncate(slot, 0)
+        outs.append(model(ForwardBatch.build(cache, [slot], [[3, 1, 4, 1, 5]]), cache))
+    torch.testing.assert_close(outs[0], before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[1], before, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(outs[0], before)  # the kernel really ran (another summation order than BLAS)
+    bf16 = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=4).to(torch.bfloat16)
+    assert not attach_small_gemm(bf16)
+
+
+@pytest.mark.real_model
+def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
+    from specserve.config import ModelSpec
+    from specserve.models.loader import load_model
+
+    target = load_model(ModelSpec())
+    blas = load_model(ModelSpec(small_gemm=False, gemv_copies=False, pad_rows=False))
+    assert target.lm_head.small_rows == 16 and getattr(blas.lm_head, "small_gemm", None) is None
+    assert getattr(target.lm_head, "weight_t", None) is None  # no GEMV copies beside the kernel
+    prompt = torch.randint(0, target.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for model in (target, blas):
+        cache = model.new_cache(1, 64)
+        slot = cache.allocate()
+        model(ForwardBatch.build(cache, [slot], [prompt]), cache)
+        steps = [model(ForwardBatch.build(cache, [slot], [[t]]), cache) for t in (5, 17, 99)]
+        steps.append(model(ForwardBatch.build(cache, [slot], [[7, 8, 9, 10, 11, 12]]), cache))
+        logits.append(torch.cat(steps))
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4 * logits[1].abs().max().item())
