@@ -71,7 +71,7 @@ def test_the_default_path_is_the_best_detected() -> None:
 def test_bad_arguments_are_clear_errors() -> None:
     ext = extension()
     w = torch.randn(8, 32)
-    with pytest.raises(RuntimeError, match="1..16 rows"):
+    with pytest.raises(RuntimeError, match=r"1\.\.16 rows"):
         ext.small_linear(torch.randn(17, 32), w)
     with pytest.raises(RuntimeError, match="float32"):
         ext.small_linear(torch.randn(2, 32, dtype=torch.float64), w.double())
@@ -79,7 +79,7 @@ def test_bad_arguments_are_clear_errors() -> None:
         ext.small_linear(torch.randn(2, 31), w)
     with pytest.raises(RuntimeError, match="does not run"):
         ext.small_linear_isa(torch.randn(2, 32), w, None, "neon")
-    with pytest.raises(ValueError, match="1..16"):
+    with pytest.raises(ValueError, match=r"1\.\.16"):
         attach_small_gemm(tiny_model(), rows=17)
 
 
