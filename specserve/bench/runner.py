@@ -3,9 +3,11 @@
 For each row count r it times, interleaved repeat by repeat in one process: the runner's batch-1 forward over r new
 tokens after ``--context`` cached ones (r = 1 is a decode step, r > 1 a chain verification, causal as the target
 verifies chains; ``--tree-mask`` times the explicit-mask path trees take), and the bare matmuls of the same
-weights (every linear of every layer and the LM head, ``x @ W.T`` over r rows, nothing else). ``overhead`` =
-runner / bare: what norms, RoPE, attention, dispatch and Python add to the weight reads; ``python`` is the same
-forward with the C++ layer stack switched off (``ModelSpec.native_stack``). Also the floor one step
+weights (every linear of every layer and the LM head over r rows, nothing else, through the paths the runner takes:
+the small-product kernel where it is on). ``overhead`` = runner / bare: what norms, RoPE, attention, dispatch and
+Python add to the weight reads; ``python`` is the same forward with the C++ layer stack switched off
+(``ModelSpec.native_stack``); ``blas bare`` / ``blas runner`` the bare products and the runner with the
+small-product kernel off (``ModelSpec.small_gemm``: BLAS, ``F.linear``). Also the floor one step
 cannot beat: the weight bytes over the read bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and
 writes a CSV.
 
@@ -28,13 +30,14 @@ from torch import nn
 
 from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
-from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed
+from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed, linear
 from specserve.models.loader import load_model
 from specserve.models.native_stack import build_stack
 from specserve.timing import timed
 from specserve.tune import batch_decode_forward, verify_forward
 
 BANDWIDTH_BYTES = 1 << 30
+Fn = Callable[[], None]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -67,11 +70,25 @@ def weight_linears(model: LlamaModel) -> list[torch.Tensor]:
 
 
 def bare_matmuls(weights: list[torch.Tensor], rows: int) -> Callable[[], None]:
+    """The weights' products through BLAS (``F.linear``)."""
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
 
     def run() -> None:
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
+
+    return run
+
+
+def path_matmuls(linears: list[nn.Linear], rows: int) -> Callable[[], None]:
+    """The same products through the paths the runner takes (``llama.linear``: the small-product kernel, ...)."""
+    inputs = {
+        m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in linears
+    }
+
+    def run() -> None:
+        for m in linears:
+            linear(m, inputs[m.in_features])
 
     return run
 
@@ -100,36 +117,57 @@ def run(args: argparse.Namespace) -> int:
     pad_from = {id(m): getattr(m, "pad_from", 0) for m in linears}  # as measured at load (ModelSpec.pad_rows)
     print(f"row padding to {PAD_WIDTH} from {max(pad_from.values(), default=0) or '-'} rows (measured at load)")
 
-    def set_paths(with_packed: bool, padded: bool) -> None:
+    small = {id(m): getattr(m, "small_gemm", None) for m in linears}  # as loaded (ModelSpec.small_gemm)
+    print(f"small-product kernel: {'yes' if any(small.values()) else 'no'}")
+
+    def set_paths(with_packed: bool, padded: bool, with_small: bool = True) -> None:
         for m in linears:
             m.mkl_packed = stash[id(m)] if with_packed else ()  # type: ignore[assignment]
             m.pad_from = pad_from[id(m)] if padded else 0  # type: ignore[assignment]
+            m.small_gemm = small[id(m)] if with_small else None  # type: ignore[assignment]
 
-    stacks: dict[tuple[bool, bool], object] = {}  # (packed, padded) -> a C++ stack built over those paths
+    Paths = tuple[bool, bool, bool]  # (packed, padded, small kernel)
+    stacks: dict[Paths, object] = {}  # a C++ stack built over each combination of paths
     if native:
-        for paths in ((False, True), (False, False), (True, True)):
+        for paths in ((False, True, True), (False, False, True), (True, True, True), (False, True, False)):
             set_paths(*paths)
             stacks[paths] = build_stack(model)
+    set_paths(False, True)
     print(f"decoder layers from C++: {'yes' if stacks else 'no (the Python loop)'}")
 
-    def runner(r: int, with_packed: bool, padded: bool = True, native: bool = True) -> Callable[[], None]:
+    def runner(r: int, with_packed: bool, padded: bool = True, native: bool = True, with_small: bool = True) -> Fn:
         if args.batch:
             fwd = batch_decode_forward(model, r, context=args.context)
         else:
             fwd = verify_forward(model, r, context=args.context, tree_mask=args.tree_mask)
 
-        def run() -> None:  # the same model with and without packed copies / padding / the C++ stack, interleaved
-            set_paths(with_packed, padded)
-            model.native_stack = stacks.get((with_packed, padded)) if native else None
+        def run() -> None:  # the same model with and without each path / the C++ stack, interleaved
+            set_paths(with_packed, padded, with_small)
+            model.native_stack = stacks.get((with_packed, padded, with_small)) if native else None
             fwd()
 
         return run
 
-    kinds: list[tuple[str, Callable[[int], Callable[[], None]]]] = [
-        ("bare", lambda r: bare_matmuls(weights, r)),
+    def paths_bare(r: int) -> Fn:
+        run = path_matmuls(linears_in_order, r)
+
+        def bare() -> None:
+            set_paths(False, True)
+            run()
+
+        return bare
+
+    linears_in_order = [
+        *(m for layer in model.decoder_layers() for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
+        model.lm_head,
+    ]
+    kinds: list[tuple[str, Callable[[int], Fn]]] = [
+        ("bare", paths_bare),
         ("runner", lambda r: runner(r, False)),
         ("python", lambda r: runner(r, False, native=False)),
         ("unpadded", lambda r: runner(r, False, padded=False)),
+        ("blas_bare", lambda r: bare_matmuls(weights, r)),
+        ("blas", lambda r: runner(r, False, with_small=False)),
     ]
     if packed:
         kinds.append(("packed", lambda r: runner(r, True)))
@@ -147,11 +185,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s -> floor {floor_ms:.1f} ms per forward (weights once)")
     print(
         f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'python ms':>10}"
-        f" {'unpadded ms':>12} {'packed ms':>10}"
+        f" {'unpadded ms':>12} {'packed ms':>10} {'blas bare ms':>13} {'blas runner ms':>15}"
     )
     for r in args.rows:
-        bare, eager, python, unpadded = (
-            statistics.median(times[(k, r)]) * 1e3 for k in ("bare", "runner", "python", "unpadded")
+        bare, eager, python, unpadded, blas_bare, blas = (
+            statistics.median(times[(k, r)]) * 1e3
+            for k in ("bare", "runner", "python", "unpadded", "blas_bare", "blas")
         )
         packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
         rows_out.append(
@@ -168,13 +207,16 @@ def run(args: argparse.Namespace) -> int:
                 "pad_from": max(pad_from.values(), default=0),
                 "packed_ms": packed_ms,
                 "packed_widths": " ".join(map(str, args.mkl_packed)) if packed else "",
+                "small_gemm": any(small.values()),
+                "blas_bare_ms": blas_bare,
+                "blas_runner_ms": blas,
                 "floor_ms": floor_ms,
                 "dtype": str(model.dtype),
                 "cpu": cpu_summary(),
             }
         )
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
-        print(line + f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f}")
+        print(line + f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f} {blas_bare:>13.1f} {blas:>15.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     mode = "_batch" if args.batch else ""
     path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}{mode}.csv"

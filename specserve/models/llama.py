@@ -112,7 +112,7 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     (``attach_gemv_copies``), a row-major product over that copy instead: on some CPUs it reads the weights
     1.3-1.4x faster at 1-3 rows (a 2-core AMD EPYC), on others only at 1 row (an AMX Xeon): measured at load."""
     small = getattr(mod, "small_gemm", None)  # switch: native_stack.attach_small_gemm
-    if small is not None and x.dim() == 2 and x.shape[0] <= mod.small_rows:
+    if small is not None and x.dim() == 2 and x.shape[0] <= getattr(mod, "small_rows", 0):
         return small(x, mod.weight, mod.bias)
     wt: torch.Tensor | None = getattr(mod, "weight_t", None)
     if wt is not None and x.numel() <= getattr(mod, "gemv_rows", GEMV_MAX_ROWS) * wt.shape[0]:
