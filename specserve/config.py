@@ -226,12 +226,13 @@ class SpecConfig(BaseModel):
 
     @property
     def static_depth(self) -> int:
-        """Levels drafted per step under the static policy (0 = no speculation)."""
+        """Levels drafted per step under the static policy (0 = no speculation). A tree verified with budget T keeps
+        T - 1 nodes closed under ancestors, so no node deeper than T - 1 can be kept: deeper levels are not drafted."""
         return {
             SpecMethod.none: 0,
             SpecMethod.chain: self.sl,
-            SpecMethod.eagle2: self.tree_depth,
-            SpecMethod.ddd: self.ddd_max_depth,
+            SpecMethod.eagle2: min(self.tree_depth, self.budget - 1),
+            SpecMethod.ddd: min(self.ddd_max_depth, self.budget - 1),
         }[self.method]
 
     @property

@@ -99,3 +99,22 @@ def test_ddd_check_step_counting_switch() -> None:
     assert [s.depth for s in states] == [3, 4]
     eagle2 = _states([SpecConfig(method=SpecMethod.eagle2, beam_width=2, budget=20, tree_depth=8)], depth=6)
     assert _run_trees(eagle2, peaked=[False]) == 0 and eagle2[0].depth == 6  # EAGLE-2: the budget, no H reads
+
+
+def test_levels_below_the_budget_cannot_enter_the_tree():
+    """Budget T keeps T - 1 nodes closed under ancestors: a tree grown T - 1 levels deep reranks to the same tree as
+    one grown deeper, so the planner drafts no deeper (SpecConfig.static_depth)."""
+    gen = torch.Generator().manual_seed(0)
+    levels = [torch.log_softmax(torch.randn(4, 50, generator=gen) * 3, dim=-1) for _ in range(7)]
+    for budget in (2, 3, 4, 5, 8):
+        trees = []
+        for depth in (budget - 1, 7):
+            b = TreeBuilder(width=4)
+            b.expand(levels[0][:1])
+            for d in range(1, depth):
+                b.expand(levels[d][: b.beam.numel()])
+            trees.append(b.rerank(budget))
+        assert trees[0] == trees[1]
+    for method, field in ((SpecMethod.ddd, "ddd_max_depth"), (SpecMethod.eagle2, "tree_depth")):
+        assert SpecConfig(method=method, budget=4, **{field: 6}).static_depth == 3
+        assert SpecConfig(method=method, budget=16, **{field: 6}).static_depth == 6

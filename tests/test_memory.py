@@ -106,8 +106,8 @@ def _write_hf_dir(model: LlamaModel, path: Path) -> Path:
 @pytest.mark.parametrize("tied", [False, True])
 def test_loading_builds_the_serving_dtype_directly(tmp_path: Path, dtype: str, tied: bool) -> None:
     model = tiny_model(tiny_config(tie_word_embeddings=tied), seed=3)
-    # the Python layer loop on both sides: this compares weights; the C++ stack has its own tests
-    spec = ModelSpec(source=str(tmp_path / "m"), dtype=dtype, native_stack=False)  # type: ignore[arg-type]
+    # the Python layer loop and BLAS on both sides: this compares weights; the C++ stack and kernel have their own tests
+    spec = ModelSpec(source=str(tmp_path / "m"), dtype=dtype, native_stack=False, small_gemm=False)  # type: ignore[arg-type]
     loaded = load_model_dir(_write_hf_dir(model, tmp_path / "m"), spec, max_positions=256)
     want = model.to(spec.dtype.torch)  # the old path: a float32 model, then .to(dtype)
     assert {p.dtype for p in loaded.parameters()} == {spec.dtype.torch}

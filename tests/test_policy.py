@@ -270,6 +270,9 @@ def test_planner_static_and_trees():
     ddd = SpecConfig(method=SpecMethod.ddd, policy=SLPolicyKind.dsde, ddd_max_depth=6)
     rows = [Row(ddd, FakeState(9, True)), Row(ddd, FakeState(3, True)), Row(SpecConfig(method=SpecMethod.none), None)]
     assert SLPlanner().plan(rows).depths == [6, 3, 0]
+    # a tree verified with budget T drafts at most T - 1 levels, whatever the DSDE SL
+    small = ddd.model_copy(update={"budget": 4})
+    assert SLPlanner().plan([Row(small, FakeState(9, True)), Row(small, FakeState(2, True))]).depths == [3, 2]
 
 
 def test_planner_token_guard():
