@@ -127,3 +127,35 @@ def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
         logits.append(torch.cat(steps))
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4 * logits[1].abs().max().item())
+
+
+def test_a_head_takes_the_kernel_for_its_layer_and_its_lm_head_slice() -> None:
+    from specserve.models.tiny import tiny_head
+
+    target = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=2)
+    head = tiny_head(target, seed=3)
+    head.set_draft_vocab(torch.arange(0, 512, 2))
+    h = torch.randn(4, target.cfg.hidden_size)
+    x = torch.randn(3, head.fc.in_features)
+    before_logits, before_fc = head.logits(h), linear(head.fc, x)
+    assert attach_small_gemm(head)
+    assert head.small_rows == 16 and head.fc.small_rows == 16 and head.layer.down.small_rows == 16
+    got = head.logits(h)
+    assert torch.equal(got, extension().small_linear(h, head.target_lm_head))
+    torch.testing.assert_close(got, before_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(head.fc, x), before_fc, rtol=1e-5, atol=1e-5)
+    assert torch.equal(head.logits(h.repeat(5, 1)), (h.repeat(5, 1) @ head.target_lm_head.t()).float())  # 20 rows
+
+
+@pytest.mark.real_model
+def test_the_shipped_head_follows_its_targets_switch() -> None:
+    from specserve.config import MODEL_PAIRS, ModelSpec
+    from specserve.models.loader import load_draft, load_model
+
+    target_spec, head_spec = MODEL_PAIRS["smollm2-eagle"]
+    for small in (True, False):
+        target = load_model(target_spec.model_copy(update={"small_gemm": small}))
+        head = load_draft(head_spec, target)
+        assert (head.small_gemm is not None) == small
+        assert (getattr(head.fc, "small_gemm", None) is not None) == small
+    assert ModelSpec().small_gemm

@@ -127,6 +127,8 @@ def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.devic
         head = load_eagle_head(spec.path(), target, dtype=spec.dtype.torch).to(device)
         if spec.draft_vocab is not None:
             head.set_draft_vocab(frequent_ids(spec.path(), spec.draft_vocab, head.cfg.vocab_size))
+        if getattr(target.lm_head, "small_gemm", None) is not None:  # the target's ModelSpec.small_gemm
+            attach_small_gemm(head)
         return head
     return load_model(spec, device=device)
 

@@ -27,6 +27,7 @@ from torch import nn
 from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
 from specserve.models.q4 import Q4_GROUP, Q4Linear
 from specserve.models.sources import cache_dir
+from specserve.spec_decode.eagle_head import EagleHead
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
@@ -121,23 +122,30 @@ def small_gemm_available() -> bool:
         return False
 
 
-def attach_small_gemm(model: LlamaModel, rows: int = SMALL_GEMM_ROWS) -> bool:
-    """Switch: float32 products of 1..``rows`` rows (decode steps, verifies of up to 16 tokens, small batches) run
-    through ``csrc/small_gemm.cpp``: each weight row read once for all rows, and batch-invariant (a row's result is
-    the same bit for bit whatever the other rows). False (nothing attached, a logged reason) where the extension
-    cannot be built, the CPU has no AVX-512F / AVX2 + FMA, or the model is not float32 on the CPU. Call before
-    ``attach_native_stack`` (a switch drops an attached stack)."""
+def attach_small_gemm(model: nn.Module, rows: int = SMALL_GEMM_ROWS) -> bool:
+    """Switch: float32 products of 1..``rows`` rows (decode steps, verifies of up to 16 tokens, small batches, a
+    draft head's levels) run through ``csrc/small_gemm.cpp``: each weight row read once for all rows, and
+    batch-invariant (a row's result is the same bit for bit whatever the other rows). Attached to every float32
+    ``nn.Linear`` on the CPU, and to an EAGLE head's LM-head slice. False (nothing attached, a logged reason) where
+    the extension cannot be built, the CPU has no AVX-512F / AVX2 + FMA, or nothing is float32 on the CPU. On a
+    LlamaModel call it before ``attach_native_stack`` (a switch drops an attached stack)."""
     if not 1 <= rows <= SMALL_GEMM_ROWS:
         raise ValueError(f"small_gemm serves 1..{SMALL_GEMM_ROWS} rows, not {rows}")
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+    lins = [
+        m
+        for m in model.modules()
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    ]
+    if not lins:
         return False
     if not small_gemm_available():
         log.warning("the small-product kernel is not available here (no extension or no AVX-512F / AVX2 + FMA)")
         return False
     kernel = extension().small_linear
-    for mod in (m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32):
+    for mod in [*lins, *([model] if isinstance(model, EagleHead) else [])]:
         mod.small_gemm, mod.small_rows = kernel, rows  # type: ignore[assignment]
-    drop_native_stack(model)
+    if isinstance(model, LlamaModel):
+        drop_native_stack(model)
     return True
 
 

@@ -164,6 +164,8 @@ class EagleHead(nn.Module):
         self.target_lm_head: torch.Tensor | None = None  # EAGLE-1/2: the target's LM head rows of draft_ids
         self._target_lm_full: torch.Tensor | None = None
         self.trained_for: str | None = None  # the target a specserve-trained head was distilled from
+        self.small_gemm: Any = None  # the small-product kernel for the LM-head slice (native_stack.attach_small_gemm)
+        self.small_rows = 0
         if target is not None:
             self.bind(target)
 
@@ -256,6 +258,10 @@ class EagleHead(nn.Module):
             return linear(self.lm_head, rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
         if self.target_lm_head is None:
             raise RuntimeError("the head is not bound to a target: call bind(target) first")
+        kernel = self.small_gemm  # switch: native_stack.attach_small_gemm
+        rows_ok = hidden.dim() == 2 and hidden.shape[0] <= self.small_rows
+        if kernel is not None and rows_ok and hidden.dtype == self.target_lm_head.dtype == torch.float32:
+            return kernel(hidden, self.target_lm_head, None)
         return (hidden @ self.target_lm_head.t()).float()
 
 
