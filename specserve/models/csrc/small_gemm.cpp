@@ -22,10 +22,10 @@
 namespace specserve_small_gemm {
 
 constexpr int64_t kMaxRows = 16;
-// Products of 2+ rows prefetch each weight row this many floats ahead (1 KB): with the FMAs of several rows per
-// load the hardware prefetcher falls behind (a 2-core EPYC: 8 rows 29 -> 19 ms over SmolLM2's layers); one row
-// runs faster without.
-constexpr int64_t kPrefetch = 256;
+// Products of 2+ rows prefetch, while a block of weight rows is multiplied, the same offsets in the next block's
+// rows (the next NB * K floats): with the FMAs of several activation rows per load the hardware prefetcher alone
+// leaves the loads waiting (a 2-core EPYC over SmolLM2's layers: 8 rows 25 -> 13 ms, 16 rows 37 -> 22 ms; a
+// prefetch 1 KB ahead inside the block reached only 22 and 31). One row streams faster without.
 
 enum class Isa { none, avx2, avx512 };
 
@@ -54,7 +54,7 @@ __attribute__((target("avx512f"))) void block512(const float* x, const float* w,
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NB];
     for (int i = 0; i < NB; ++i) {
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + k + kPrefetch), _MM_HINT_T0);
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + NB * K + k), _MM_HINT_T0);
       wv[i] = _mm512_loadu_ps(wr[i] + k);
     }
     for (int j = 0; j < MB; ++j) {
@@ -96,7 +96,7 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const float* w
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NB];
     for (int i = 0; i < NB; ++i) {
-      if (PF && (k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + k + kPrefetch), _MM_HINT_T0);
+      if (PF && (k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + NB * K + k), _MM_HINT_T0);
       wv[i] = _mm256_loadu_ps(wr[i] + k);
     }
     for (int j = 0; j < MB; ++j) {
