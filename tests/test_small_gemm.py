@@ -38,8 +38,8 @@ def ref_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 @pytest.mark.parametrize(("k", "n"), SHAPES)
 def test_values_match_a_float64_reference(isa: str, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(k * 1000 + n)
-    w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(16, k, generator=gen)
-    for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16):
+    w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(64, k, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16, 33, 64):
         for bias in (b, None):
             got = extension().small_linear_isa(x[:rows], w, bias, isa)
             assert got.shape == (rows, n) and got.dtype == torch.float32
@@ -54,12 +54,12 @@ def test_a_row_gets_the_same_bits_whatever_the_other_rows(isa: str, k: int, n: i
     does not depend on what the other rows hold."""
     gen = torch.Generator().manual_seed(n)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    x = torch.randn(16, k, generator=gen)
-    alone = torch.cat([extension().small_linear_isa(x[i : i + 1], w, b, isa) for i in range(16)])
-    for rows in range(1, 17):
+    x = torch.randn(64, k, generator=gen)
+    alone = torch.cat([extension().small_linear_isa(x[i : i + 1], w, b, isa) for i in range(64)])
+    for rows in [*range(1, 18), 31, 47, 64]:
         assert torch.equal(extension().small_linear_isa(x[:rows], w, b, isa), alone[:rows])
     other = x.clone()
-    other[1:] = torch.randn(15, k, generator=gen) * 100
+    other[1:] = torch.randn(63, k, generator=gen) * 100
     assert torch.equal(extension().small_linear_isa(other, w, b, isa)[0], alone[0])
 
 
@@ -71,16 +71,16 @@ def test_the_default_path_is_the_best_detected() -> None:
 def test_bad_arguments_are_clear_errors() -> None:
     ext = extension()
     w = torch.randn(8, 32)
-    with pytest.raises(RuntimeError, match=r"1\.\.16 rows"):
-        ext.small_linear(torch.randn(17, 32), w)
+    with pytest.raises(RuntimeError, match=r"1\.\.64 rows"):
+        ext.small_linear(torch.randn(65, 32), w)
     with pytest.raises(RuntimeError, match="float32"):
         ext.small_linear(torch.randn(2, 32, dtype=torch.float64), w.double())
     with pytest.raises(RuntimeError, match="want x"):
         ext.small_linear(torch.randn(2, 31), w)
     with pytest.raises(RuntimeError, match="does not run"):
         ext.small_linear_isa(torch.randn(2, 32), w, None, "neon")
-    with pytest.raises(ValueError, match=r"1\.\.16"):
-        attach_small_gemm(tiny_model(), rows=17)
+    with pytest.raises(ValueError, match=r"1\.\.64"):
+        attach_small_gemm(tiny_model(), rows=65)
 
 
 def test_the_switch_attaches_to_float_linears_and_the_stack_uses_it() -> None:
@@ -90,10 +90,10 @@ def test_the_switch_attaches_to_float_linears_and_the_stack_uses_it() -> None:
     before = model(ForwardBatch.build(cache, [slot], [[3, 1, 4, 1, 5]]), cache)
     assert attach_small_gemm(model)
     lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    assert lins and all(m.small_rows == 16 for m in lins)
+    assert lins and all(m.small_rows == 64 for m in lins)
     x = torch.randn(5, model.cfg.hidden_size)
     assert torch.equal(linear(model.lm_head, x), extension().small_linear(x, model.lm_head.weight))
-    assert torch.equal(linear(model.lm_head, x.repeat(4, 1)), F.linear(x.repeat(4, 1), model.lm_head.weight))  # 20 rows
+    assert torch.equal(linear(model.lm_head, x.repeat(14, 1)), F.linear(x.repeat(14, 1), model.lm_head.weight))  # 70
     outs = []
     for native in (False, True):
         if native:
@@ -114,7 +114,7 @@ def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
 
     target = load_model(ModelSpec())
     blas = load_model(ModelSpec(small_gemm=False, gemv_copies=False, pad_rows=False))
-    assert target.lm_head.small_rows == 16 and getattr(blas.lm_head, "small_gemm", None) is None
+    assert target.lm_head.small_rows == 64 and getattr(blas.lm_head, "small_gemm", None) is None
     assert getattr(target.lm_head, "weight_t", None) is None  # no GEMV copies beside the kernel
     prompt = torch.randint(0, target.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
     logits = []
@@ -139,12 +139,12 @@ def test_a_head_takes_the_kernel_for_its_layer_and_its_lm_head_slice() -> None:
     x = torch.randn(3, head.fc.in_features)
     before_logits, before_fc = head.logits(h), linear(head.fc, x)
     assert attach_small_gemm(head)
-    assert head.small_rows == 16 and head.fc.small_rows == 16 and head.layer.down.small_rows == 16
+    assert head.small_rows == 64 and head.fc.small_rows == 64 and head.layer.down.small_rows == 64
     got = head.logits(h)
     assert torch.equal(got, extension().small_linear(h, head.target_lm_head))
     torch.testing.assert_close(got, before_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(head.fc, x), before_fc, rtol=1e-5, atol=1e-5)
-    assert torch.equal(head.logits(h.repeat(5, 1)), (h.repeat(5, 1) @ head.target_lm_head.t()).float())  # 20 rows
+    assert torch.equal(head.logits(h.repeat(17, 1)), (h.repeat(17, 1) @ head.target_lm_head.t()).float())  # 68 rows
 
 
 @pytest.mark.real_model

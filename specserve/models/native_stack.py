@@ -32,7 +32,7 @@ from specserve.spec_decode.eagle_head import EagleHead
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
 SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp")
-SMALL_GEMM_ROWS = 16  # the kernel's most rows (small_gemm.cpp: kMaxRows)
+SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 CFLAGS = ["-O3", "-ffp-contract=off"]  # no -march: portable code; no contraction: RoPE rounds as the Python loop
 
 
@@ -123,7 +123,7 @@ def small_gemm_available() -> bool:
 
 
 def attach_small_gemm(model: nn.Module, rows: int = SMALL_GEMM_ROWS) -> bool:
-    """Switch: float32 products of 1..``rows`` rows (decode steps, verifies of up to 16 tokens, small batches, a
+    """Switch: float32 products of 1..``rows`` rows (decode steps, verifies, batches of up to 64 rows, a
     draft head's levels) run through ``csrc/small_gemm.cpp``: each weight row read once for all rows, and
     batch-invariant (a row's result is the same bit for bit whatever the other rows). Attached to every float32
     ``nn.Linear`` on the CPU, and to an EAGLE head's LM-head slice. False (nothing attached, a logged reason) where
