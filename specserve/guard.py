@@ -3,8 +3,9 @@
 Speculation costs draft forwards and wider verification; on a CPU, or at large batch where the forward is
 compute-bound, that can cost more than the accepted tokens save. Per power-of-two batch-size bucket and mode the
 guard keeps moving averages of a step's tokens (per sequence in the batch: a bucket spans b/2+1..b) and of its
-seconds, and compares their ratios, so a slow step (one that also prefills a newly admitted request, and for
-speculation drafts its prompt) counts by its time, as it does in throughput. It runs the faster mode and re-tries
+seconds, and compares their ratios, so a slow step counts by its time, as it does in throughput (the loop records
+only steps in which every sequence decodes: an admitted prompt's prefill costs both modes alike and would swamp
+either average). It runs the faster mode and re-tries
 the other after ``explore_every`` steps of the bucket, doubling the interval while the tries confirm the choice.
 Before its first decision in a bucket it measures ``warmup`` steps of plain decoding, then as many speculative
 ones, and starts each average from their median step: one noisy first step (a page fault, another process) does

@@ -54,6 +54,11 @@ class StepEvent:
         """Every sequence of the step fed more than its root (nothing in it was a decoding step)."""
         return all(len(it.new_tokens) > 1 for it in self.items)
 
+    @property
+    def prefills(self) -> bool:
+        """Some sequence of the step fed more than its root (an admission, or a re-prefill after a recovery)."""
+        return any(len(it.new_tokens) > 1 for it in self.items)
+
 
 class StepObserver:
     """Subscribe to a loop with ``loop.observers.append(obs)``; override what you need."""

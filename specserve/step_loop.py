@@ -268,14 +268,15 @@ class StepLoop:
 
     def _update_policy(self, event: StepEvent) -> None:
         """This step's KLD values set each DSDE sequence's next SL (docs/algorithms.md §4.6); the throughput guard
-        records the step (one that only (re-)prefills says nothing of decoding: skipped; one that also decodes
-        costs what admitting requests costs in that mode: recorded)."""
+        records the step unless some sequence (re-)prefilled in it: a prompt's prefill costs both modes alike and
+        takes several decode steps' time, so a mode's average would say more about admissions than about its
+        decoding (docs/algorithms.md §7)."""
         for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
             if seq.sl_state is not None and proposal is not None:
                 drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)
                 seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))
         guard = self.planner.guard
-        if guard is not None and not event.only_prefill and any(s.spec.method != SpecMethod.none for s in event.batch):
+        if guard is not None and not event.prefills and any(s.spec.method != SpecMethod.none for s in event.batch):
             drafted_any = any(p is not None for p in event.proposals)
             catch_up = any(s.draft_catch_up for s in event.batch)
             guard.record(len(event.batch), drafted_any, event.emitted, event.total_s, catch_up=catch_up)

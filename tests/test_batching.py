@@ -14,7 +14,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy import DSDEConfig
 from specserve.sampling import SamplingParams
-from specserve.step_events import idle_fraction
+from specserve.step_events import StepEvent, StepObserver, idle_fraction
 from tests.conftest import greedy_reference
 
 PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7, 1, 2], [300, 301], [11, 12, 13, 14]]
@@ -325,12 +325,12 @@ def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
     assert (full, True) in guard.rates and (full, False) in guard.rates
     drafting = [m.levels > 0 for m in engine.loop.stats.metrics]
     assert any(drafting) and not all(drafting)
-    # all prompts prefill in step 1: recorded as a plain step only because the 1-token prompt [42] "prefills" as a
-    # decoding row does (a step is skipped when every row prefills); each switch to speculation is a catch-up
+    # all prompts prefill in step 1 (not recorded: a step in which any row prefills is skipped, the 1-token prompt
+    # [42] included); each switch to speculation is a catch-up
     assert any(len(p) == 1 for p in PROMPTS) and not drafting[0]
     switches = sum(d and (i == 1 or not drafting[i - 1]) for i, d in enumerate(drafting) if i >= 1)
     assert switches >= 1
-    assert sum(guard.steps.values()) == len(drafting) - switches
+    assert sum(guard.steps.values()) == len(drafting) - switches - 1
     assert guard.switch_s  # the switch steps' times, kept to space the tries
 
 
@@ -390,3 +390,29 @@ def test_the_loop_tells_the_guard_when_the_draft_catches_up(target: LlamaModel) 
         (True, True),
         (True, False),
     ]
+
+
+def test_the_guard_times_no_step_in_which_a_request_is_admitted(target: LlamaModel) -> None:
+    """A step that prefills an admitted prompt beside decoding rows costs several decode steps in either mode: the
+    guard records only steps in which every sequence decodes (docs/algorithms.md §7)."""
+
+    class Events(StepObserver):
+        def __init__(self) -> None:
+            self.prefills: list[bool] = []
+            self.mixed = 0  # steps that admitted a prompt beside a decoding row
+
+        def on_step(self, event: StepEvent) -> None:
+            self.prefills.append(event.prefills)
+            self.mixed += event.prefills and not event.only_prefill
+
+    engine = Engine(
+        target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, max_batch_size=2, eos_token_ids=set()
+    )
+    guard = engine.loop.planner.guard = _ScriptedGuard([])
+    events = Events()
+    engine.loop.observers.append(events)
+    lengths = [2, 60, 6, 30]
+    outs = engine.generate(PROMPTS[:4], [SamplingParams(max_tokens=n) for n in lengths])
+    assert [len(o.token_ids) for o in outs] == lengths
+    assert events.mixed >= 1  # a later prompt admitted beside the long one decoding
+    assert len(guard.recorded) == events.prefills.count(False) > 0
