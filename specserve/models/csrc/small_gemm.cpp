@@ -12,7 +12,13 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define SPECSERVE_X86 1
 #include <immintrin.h>
+#else
+#define SPECSERVE_X86 0  // other CPUs keep BLAS (supported() is false)
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -31,9 +37,11 @@ constexpr int64_t kMaxRows = 64;
 enum class Isa { none, avx2, avx512 };
 
 Isa detect() {
+#if SPECSERVE_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+#endif
   return Isa::none;
 }
 
@@ -42,7 +50,11 @@ Isa isa() {
   return found;
 }
 
-// ---- AVX-512: blocks of NB weight rows x MB activation rows, 16 lanes.
+using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+#if SPECSERVE_X86
+// ---- AVX-512: blocks of NB weight rows x MB activation rows, 16 lanes. (The last block's prefetch may point past
+// the weights: a prefetch never faults.)
 template <int NB, int MB, bool PF>
 __attribute__((target("avx512f"))) void block512(const float* x, const float* w, float* y, int64_t K, int64_t N,
                                                  int64_t ldx, int64_t n0, int64_t m0) {
@@ -120,8 +132,6 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const float* w
     for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + i] = hsum256(acc[i][j]);
 }
 
-using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
-
 // The kernel for a block of NB weight rows x mb activation rows (1 <= mb <= 6).
 template <int NB, bool PF>
 BlockFn pick512(int64_t mb) {
@@ -149,13 +159,19 @@ BlockFn pick(bool wide, bool full_block, int64_t mb, bool prefetch) {
   return prefetch ? pick256<1, true>(mb) : pick256<1, false>(mb);
 }
 
+#else
+BlockFn pick(bool, bool, int64_t, bool) { return nullptr; }  // never called: supported() is false
+#endif
+
 bool supported() { return isa() != Isa::none; }
 
 // The instruction sets this CPU runs, best first ("avx512", "avx2"): a test runs each path by name.
 std::vector<std::string> isas() {
   std::vector<std::string> out;
+#if SPECSERVE_X86
   if (isa() == Isa::avx512) out.emplace_back("avx512");
   if (isa() != Isa::none && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.emplace_back("avx2");
+#endif
   return out;
 }
 
