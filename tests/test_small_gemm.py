@@ -159,3 +159,11 @@ def test_the_shipped_head_follows_its_targets_switch() -> None:
         assert (head.small_gemm is not None) == small
         assert (getattr(head.fc, "small_gemm", None) is not None) == small
     assert ModelSpec().small_gemm
+
+
+def test_a_model_converted_after_attaching_falls_back_to_blas() -> None:
+    model = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=8)
+    assert attach_small_gemm(model)
+    model.to(torch.bfloat16)
+    x = torch.randn(3, model.cfg.hidden_size, dtype=torch.bfloat16)
+    assert torch.equal(linear(model.lm_head, x), F.linear(x, model.lm_head.weight))

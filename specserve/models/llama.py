@@ -111,8 +111,9 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     with at most ``mod.gemv_rows`` rows and a transposed weight copy attached
     (``attach_gemv_copies``), a row-major product over that copy instead: on some CPUs it reads the weights
     1.3-1.4x faster at 1-3 rows (a 2-core AMD EPYC), on others only at 1 row (an AMX Xeon): measured at load."""
-    small = getattr(mod, "small_gemm", None)  # switch: native_stack.attach_small_gemm
-    if small is not None and x.dim() == 2 and x.shape[0] <= getattr(mod, "small_rows", 0):
+    small = getattr(mod, "small_gemm", None)  # switch: native_stack.attach_small_gemm (float32 CPU products)
+    fits = x.dim() == 2 and x.shape[0] <= getattr(mod, "small_rows", 0) and x.device.type == "cpu"
+    if small is not None and fits and x.dtype == mod.weight.dtype == torch.float32:
         return small(x, mod.weight, mod.bias)
     wt: torch.Tensor | None = getattr(mod, "weight_t", None)
     if wt is not None and x.numel() <= getattr(mod, "gemv_rows", GEMV_MAX_ROWS) * wt.shape[0]:
