@@ -53,9 +53,9 @@ class ModelSpec(BaseModel):
         default=True,
         description="CPU float32: products of 1-64 rows (decode steps, verifies, batches) through specserve's "
         "own kernel (models/csrc/small_gemm.cpp, AVX-512F or AVX2 + FMA, detected): each weight row read once for "
-        "all rows, and batch-invariant, so a token verified among others gets the products it gets decoded alone; "
-        "where it is on, gemv_copies and pad_rows are not needed and not attached (docs/benchmarks.md, 'Small "
-        "products')",
+        "all rows, and batch-invariant, so a token verified in a step of <= 64 rows gets the products it gets "
+        "decoded alone; where it is on, gemv_copies and pad_rows are not needed and not attached "
+        "(docs/benchmarks.md, 'Small products')",
     )
     gemv_copies: bool = Field(
         default=True,

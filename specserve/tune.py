@@ -175,8 +175,10 @@ def autotune(
         if is_chain:
             per_level = draft_per_step / biggest
             rows.append(TuneRow(c, tau_at_length([r.accepted for r in records], c), per_level * c, verify[c + 1]))
-        else:
-            rows.append(TuneRow(c, tau_at_budget([r.path_ranks for r in records], c), draft_per_step, verify[c]))
+        else:  # a budget-c tree drafts at most c - 1 levels (SpecConfig.static_depth): its share of the drafting
+            levels = spec.model_copy(update={"budget": c}).static_depth / max(1, calib.static_depth)
+            tau = tau_at_budget([r.path_ranks for r in records], c)
+            rows.append(TuneRow(c, tau, draft_per_step * min(1.0, levels), verify[c]))
     best = max(rows, key=lambda r: r.tokens_per_s).size
     return TuneResult(spec.method, best, rows)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve.bench.llamacpp import parse_llama_bench, sdist_url
-from specserve.bench.runner import bare_matmuls, weight_linears
+from specserve.bench.runner import in_order, path_matmuls, weight_linears
 from specserve.models.batch import ForwardBatch
 from specserve.models.tiny import tiny_model
 from specserve.tune import batch_decode_forward, verify_forward
@@ -31,7 +31,7 @@ def test_bare_matmuls_read_every_weight_the_forward_reads() -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.nn.functional, "linear", spy)
-        bare_matmuls(weights, 4)()
+        path_matmuls(in_order(model), 4)()
     assert calls == [(4, *w.shape) for w in weights]
 
 

@@ -83,6 +83,7 @@ def test_bad_arguments_are_clear_errors() -> None:
         attach_small_gemm(tiny_model(), rows=65)
 
 
+@torch.no_grad()  # the tiny model's weights require grad; serving runs without autograd
 def test_the_switch_attaches_to_float_linears_and_the_stack_uses_it() -> None:
     model = tiny_model(tiny_config("llama", num_hidden_layers=2), seed=4)
     cache = model.new_cache(1, 32)
@@ -129,6 +130,7 @@ def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4 * logits[1].abs().max().item())
 
 
+@torch.no_grad()
 def test_a_head_takes_the_kernel_for_its_layer_and_its_lm_head_slice() -> None:
     from specserve.models.tiny import tiny_head
 
@@ -167,3 +169,20 @@ def test_a_model_converted_after_attaching_falls_back_to_blas() -> None:
     model.to(torch.bfloat16)
     x = torch.randn(3, model.cfg.hidden_size, dtype=torch.bfloat16)
     assert torch.equal(linear(model.lm_head, x), F.linear(x, model.lm_head.weight))
+
+
+def test_the_kernel_is_skipped_where_it_cannot_serve() -> None:
+    """No rows, a non-contiguous weight, or autograd (the kernel has no backward): BLAS, and gradients flow."""
+    model = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=9)
+    assert attach_small_gemm(model)
+    lin = model.lm_head
+    assert linear(lin, torch.randn(0, model.cfg.hidden_size)).shape == (0, model.cfg.vocab_size)
+    x = torch.randn(2, model.cfg.hidden_size, requires_grad=True)
+    linear(lin, x).sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, lin.weight.detach().sum(0).expand(2, -1))
+    t = torch.nn.Linear(8, 6, bias=False)
+    t.weight = torch.nn.Parameter(torch.randn(6, 8).t().contiguous().t(), requires_grad=False)  # non-contiguous
+    t.small_gemm, t.small_rows = extension().small_linear, 64
+    with torch.no_grad():
+        assert torch.equal(linear(t, torch.ones(2, 8)), F.linear(torch.ones(2, 8), t.weight))

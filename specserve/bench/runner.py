@@ -7,7 +7,8 @@ weights (every linear of every layer and the LM head over r rows, nothing else, 
 the small-product kernel where it is on). ``overhead`` = runner / bare: what norms, RoPE, attention, dispatch and
 Python add to the weight reads; ``python`` is the same forward with the C++ layer stack switched off
 (``ModelSpec.native_stack``); ``blas bare`` / ``blas runner`` the bare products and the runner with the
-small-product kernel off (``ModelSpec.small_gemm``: BLAS, ``F.linear``). Also the floor one step
+small-product kernel off (the same model loaded with ``ModelSpec.small_gemm=False``: BLAS, with the GEMV
+copies and row padding that setting attaches where they measure faster). Also the floor one step
 cannot beat: the weight bytes over the read bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and
 writes a CSV.
 
@@ -25,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.bench.machine import cpu_summary
@@ -69,19 +69,15 @@ def weight_linears(model: LlamaModel) -> list[torch.Tensor]:
     return [*weights, model.lm_head.weight]
 
 
-def bare_matmuls(weights: list[torch.Tensor], rows: int) -> Callable[[], None]:
-    """The weights' products through BLAS (``F.linear``)."""
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
-
-    def run() -> None:
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
-
-    return run
+def in_order(model: LlamaModel) -> list[nn.Linear]:
+    """Every linear one forward runs, in order (the LM head last)."""
+    layers = [m for layer in model.decoder_layers() for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    return [*layers, model.lm_head]
 
 
 def path_matmuls(linears: list[nn.Linear], rows: int) -> Callable[[], None]:
-    """The same products through the paths the runner takes (``llama.linear``: the small-product kernel, ...)."""
+    """The linears' products over ``rows`` rows through the paths the runner takes (``llama.linear``: the
+    small-product kernel, GEMV copies, padding, ... as attached), nothing else."""
     inputs = {
         m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in linears
     }
@@ -117,39 +113,43 @@ def run(args: argparse.Namespace) -> int:
     pad_from = {id(m): getattr(m, "pad_from", 0) for m in linears}  # as measured at load (ModelSpec.pad_rows)
     print(f"row padding to {PAD_WIDTH} from {max(pad_from.values(), default=0) or '-'} rows (measured at load)")
 
-    small = {id(m): getattr(m, "small_gemm", None) for m in linears}  # as loaded (ModelSpec.small_gemm)
-    print(f"small-product kernel: {'yes' if any(small.values()) else 'no'}")
+    # the same model loaded with the small-product kernel off (BLAS, with the GEMV copies and row padding that
+    # ModelSpec.small_gemm=False attaches where they measure faster), timed interleaved
+    small = any(getattr(m, "small_gemm", None) is not None for m in linears)
+    blas_model = load_model(spec.model_copy(update={"small_gemm": False})) if small else model
+    nn.Module.eval(blas_model)
+    print(f"small-product kernel: {'yes' if small else 'no'}")
 
-    def set_paths(with_packed: bool, padded: bool, with_small: bool = True) -> None:
+    def set_paths(with_packed: bool, padded: bool) -> None:
         for m in linears:
             m.mkl_packed = stash[id(m)] if with_packed else ()  # type: ignore[assignment]
             m.pad_from = pad_from[id(m)] if padded else 0  # type: ignore[assignment]
-            m.small_gemm = small[id(m)] if with_small else None  # type: ignore[assignment]
 
-    Paths = tuple[bool, bool, bool]  # (packed, padded, small kernel)
-    stacks: dict[Paths, object] = {}  # a C++ stack built over each combination of paths
+    stacks: dict[tuple[bool, bool], object] = {}  # (packed, padded) -> a C++ stack built over those paths
     if native:
-        for paths in ((False, True, True), (False, False, True), (True, True, True), (False, True, False)):
+        for paths in ((False, True), (False, False), (True, True)):
             set_paths(*paths)
             stacks[paths] = build_stack(model)
     set_paths(False, True)
     print(f"decoder layers from C++: {'yes' if stacks else 'no (the Python loop)'}")
 
-    def runner(r: int, with_packed: bool, padded: bool = True, native: bool = True, with_small: bool = True) -> Fn:
+    def forward_of(m: LlamaModel, r: int) -> Fn:
         if args.batch:
-            fwd = batch_decode_forward(model, r, context=args.context)
-        else:
-            fwd = verify_forward(model, r, context=args.context, tree_mask=args.tree_mask)
+            return batch_decode_forward(m, r, context=args.context)
+        return verify_forward(m, r, context=args.context, tree_mask=args.tree_mask)
 
-        def run() -> None:  # the same model with and without each path / the C++ stack, interleaved
-            set_paths(with_packed, padded, with_small)
-            model.native_stack = stacks.get((with_packed, padded, with_small)) if native else None
+    def runner(r: int, with_packed: bool, padded: bool = True, native: bool = True) -> Fn:
+        fwd = forward_of(model, r)
+
+        def run() -> None:  # the same model with and without packed copies / padding / the C++ stack, interleaved
+            set_paths(with_packed, padded)
+            model.native_stack = stacks.get((with_packed, padded)) if native else None
             fwd()
 
         return run
 
     def paths_bare(r: int) -> Fn:
-        run = path_matmuls(linears_in_order, r)
+        run = path_matmuls(in_order(model), r)
 
         def bare() -> None:
             set_paths(False, True)
@@ -157,20 +157,14 @@ def run(args: argparse.Namespace) -> int:
 
         return bare
 
-    linears_in_order = [
-        *(m for layer in model.decoder_layers() for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
-        model.lm_head,
-    ]
     kinds: list[tuple[str, Callable[[int], Fn]]] = [
         ("bare", paths_bare),
         ("runner", lambda r: runner(r, False)),
         ("python", lambda r: runner(r, False, native=False)),
         ("unpadded", lambda r: runner(r, False, padded=False)),
-        ("blas_bare", lambda r: bare_matmuls(weights, r)),
-        ("blas", lambda r: runner(r, False, with_small=False)),
+        ("blas_bare", lambda r: path_matmuls(in_order(blas_model), r)),
+        ("blas", lambda r: forward_of(blas_model, r)),
     ]
-    if packed:
-        kinds.append(("packed", lambda r: runner(r, True)))
     fns = {(kind, r): make(r) for r in args.rows for kind, make in kinds}
     times: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
     with torch.inference_mode():
@@ -207,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
                 "pad_from": max(pad_from.values(), default=0),
                 "packed_ms": packed_ms,
                 "packed_widths": " ".join(map(str, args.mkl_packed)) if packed else "",
-                "small_gemm": any(small.values()),
+                "small_gemm": small,
                 "blas_bare_ms": blas_bare,
                 "blas_runner_ms": blas,
                 "floor_ms": floor_ms,

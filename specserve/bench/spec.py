@@ -136,7 +136,8 @@ def methods_for(
                 )
         label = f"T={t}" + (" (auto)" if budget == 0 else "")
         if "eagle2" in args.methods:
-            model.append(Method(f"EAGLE-2 D={tree.tree_depth} {label}", pair, tree.model_copy(update={"budget": t})))
+            capped = tree.model_copy(update={"budget": t})  # drafts at most T - 1 levels
+            model.append(Method(f"EAGLE-2 D={capped.static_depth} {label}", pair, capped))
         if "ddd" in args.methods:
             for x in args.ddd_x:
                 update: dict[str, object] = {"method": SpecMethod.ddd, "budget": t}

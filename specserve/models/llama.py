@@ -111,9 +111,8 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     with at most ``mod.gemv_rows`` rows and a transposed weight copy attached
     (``attach_gemv_copies``), a row-major product over that copy instead: on some CPUs it reads the weights
     1.3-1.4x faster at 1-3 rows (a 2-core AMD EPYC), on others only at 1 row (an AMX Xeon): measured at load."""
-    small = getattr(mod, "small_gemm", None)  # switch: native_stack.attach_small_gemm (float32 CPU products)
-    fits = x.dim() == 2 and x.shape[0] <= getattr(mod, "small_rows", 0) and x.device.type == "cpu"
-    if small is not None and fits and x.dtype == mod.weight.dtype == torch.float32:
+    small = getattr(mod, "small_gemm", None)  # switch: native_stack.attach_small_gemm
+    if small is not None and small_gemm_fits(x, mod.weight, getattr(mod, "small_rows", 0)):
         return small(x, mod.weight, mod.bias)
     wt: torch.Tensor | None = getattr(mod, "weight_t", None)
     if wt is not None and x.numel() <= getattr(mod, "gemv_rows", GEMV_MAX_ROWS) * wt.shape[0]:
@@ -128,6 +127,15 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if 0 < pad_from <= rows < PAD_WIDTH:  # zero rows change no real row; MKL's kernel for 16 rows is the faster
         return mod(pad_rows(x, PAD_WIDTH))[:rows]
     return mod(x)
+
+
+def small_gemm_fits(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Whether the small-product kernel takes x [R, K] @ weight.T: 1..rows float32 CPU rows, a contiguous weight, no
+    autograd (the kernel has no backward)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= rows or x.device.type != "cpu" or not weight.is_contiguous():
+        return False
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return x.dtype == weight.dtype == torch.float32 and not grad
 
 
 def pad_rows(x: torch.Tensor, width: int) -> torch.Tensor:

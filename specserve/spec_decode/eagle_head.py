@@ -38,7 +38,7 @@ from specserve.errors import UnsupportedModelError
 from specserve.models.attention import attention, write_kv
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import LlamaModel, apply_rope, linear, rms_norm, rope_tables
+from specserve.models.llama import LlamaModel, apply_rope, linear, rms_norm, rope_tables, small_gemm_fits
 
 
 class HeadKind(str, Enum):
@@ -259,8 +259,7 @@ class EagleHead(nn.Module):
         if self.target_lm_head is None:
             raise RuntimeError("the head is not bound to a target: call bind(target) first")
         kernel = self.small_gemm  # switch: native_stack.attach_small_gemm
-        rows_ok = hidden.dim() == 2 and hidden.shape[0] <= self.small_rows
-        if kernel is not None and rows_ok and hidden.dtype == self.target_lm_head.dtype == torch.float32:
+        if kernel is not None and small_gemm_fits(hidden, self.target_lm_head, self.small_rows):
             return kernel(hidden, self.target_lm_head, None)
         return (hidden @ self.target_lm_head.t()).float()
 

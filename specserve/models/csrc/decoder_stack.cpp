@@ -68,8 +68,8 @@ struct Proj {
       shape.push_back(out_features);
       return y.to(x.scalar_type()).reshape(shape);
     }
-    if (small_rows > 0 && x.dim() == 2 && rows <= small_rows && x.scalar_type() == at::kFloat &&
-        weight.scalar_type() == at::kFloat) {
+    if (small_rows > 0 && x.dim() == 2 && rows >= 1 && rows <= small_rows && x.scalar_type() == at::kFloat &&
+        weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
       return specserve_small_gemm::linear(x, weight, bias);
     }
     if (weight_t.has_value() && x.numel() <= gemv_rows * weight_t->size(0)) {

@@ -5,7 +5,8 @@
 //
 // Batch-invariant by construction: every y[m, n] is computed by the same instruction sequence whatever M is and
 // wherever n falls in a block (16-lane partial sums over k ascending, a masked last chunk, a fixed lane reduction,
-// then the bias), so a token's products verified among other rows equal the same token's decoded alone, bit for bit.
+// then the bias), so a token's products verified among other rows equal the same token's decoded alone, bit for bit
+// (for a caller whose steps all stay within kMaxRows rows).
 //
 // The instruction set is detected at run time (AVX-512F, else AVX2 + FMA); without either the caller falls back to
 // at::linear (small_gemm_supported() says which).
