@@ -71,7 +71,8 @@ class ModelSpec(BaseModel):
         default=(),
         description="CPU float32: weight copies in MKL's packed layout for these row counts: the first width "
         "serves exactly its rows, each later width w the rows above the previous one, zero-padded to w (2-5x "
-        "the weights per width; e.g. (4, 16): 4 rows, and 5-16 rows, packed)",
+        "the weights per width; e.g. (4, 16): 4 rows, and 5-16 rows, packed); rows the small_gemm kernel serves "
+        "(1-64) take the kernel instead",
     )
     native_stack: bool = Field(
         default=True,

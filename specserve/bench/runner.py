@@ -165,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         ("blas_bare", lambda r: path_matmuls(in_order(blas_model), r)),
         ("blas", lambda r: forward_of(blas_model, r)),
     ]
+    if packed:
+        kinds.append(("packed", lambda r: runner(r, True)))
     fns = {(kind, r): make(r) for r in args.rows for kind, make in kinds}
     times: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
     with torch.inference_mode():
