@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
-from specserve.spec_decode.eagle_head import load_eagle_head
+from specserve.spec_decode.eagle_head import HeadKind, dense_weight, load_eagle_head
 from specserve.train.distill import Sample
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import keep_requests, mt_bench_shingles, self_prompts, user_turn_prefix
-from specserve.train.trainer import TrainConfig, train_head, ttt_mask
+from specserve.train.trainer import TrainConfig, init_head, train_head, ttt_loss, ttt_mask
 from specserve.train.vocab import column_of, coverage, token_counts, top_vocab
 
 
@@ -45,26 +47,84 @@ def test_top_vocab_forces_specials_and_orders_by_frequency() -> None:
         top_vocab(counts, 1, forced=[0, 1])
 
 
-def _samples(n: int, seed: int, hidden: int) -> list[Sample]:
+def _samples(n: int, seed: int, hidden: int, aux_width: int = 0) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         length = 20 + 3 * i
-        out.append(Sample(torch.randint(0, 512, (length,), generator=g), torch.randn(length, hidden, generator=g), 6))
+        tokens, feats = torch.randint(0, 512, (length,), generator=g), torch.randn(length, hidden, generator=g)
+        aux = torch.randn(length, aux_width, generator=g) if aux_width else None
+        out.append(Sample(tokens, feats, 6, aux))
     return out
+
+
+def _frozen_target() -> LlamaModel:
+    target = tiny_model(seed=0)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target
+
+
+def _ttt_config(kind: HeadKind, **kw: object) -> TrainConfig:
+    return TrainConfig(kind=kind, aux_layers=(0, 1) if kind == HeadKind.eagle3 else (), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
+def test_unrolled_training_scores_what_the_drafting_head_computes(kind: HeadKind) -> None:
+    """ttt_loss (one masked pass per unrolled step) against the serving head run pair by pair through its own KV
+    cache: step 0 appends the true pairs (token j+1, target feature j); step 1 at pair j drafts from the cache
+    of true pairs 0..j-1 with (token j+1, the head's step-0 output at j-1), as a depth-1 tree node does."""
+    target = _frozen_target()
+    cfg = _ttt_config(kind, unroll=2, unroll_decay=0.5, feature_weight=0.0)
+    ids = torch.arange(0, 512, 2)
+    head = init_head(target, ids, cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # away from the initialisation (fc = identity, zero blocks) so every input matters
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    n = 12
+    tokens = torch.randint(3, 512, (n,), generator=gen)
+    cache = target.new_cache(1, n)
+    batch = ForwardBatch.build(cache, [cache.allocate()], [tokens])
+    final, aux = target.hidden_states(batch, cache, cfg.aux_layers)
+    final = final.clone()  # out of inference mode
+    aux = aux.clone() if aux is not None else None
+    lm_w = dense_weight(target.lm_head)[ids]
+    aux_b = aux[None] if aux is not None else None
+    loss, _ = ttt_loss(head, tokens[None], final[None], torch.ones(1, n), lm_w, cfg, aux=aux_b)
+
+    with torch.no_grad():
+        feats = head.fuse(aux if aux is not None else final)  # [n, H] the head's view of f_0..f_{n-1}
+    p_next = torch.softmax(final[1:] @ lm_w.t(), dim=-1)  # [n-1, V_d] the target's distribution of token j+2
+
+    def ce(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return -(p * torch.log_softmax(head.logits(h), dim=-1)).sum(-1)
+
+    hc = head.new_cache(1, n)
+    slot = hc.allocate()
+    h0 = head.forward(tokens[1:], feats[:-1], ForwardBatch.build(hc, [slot], [tokens[1:]]), hc)  # [n-1, H]
+    step1 = []
+    for j in range(1, n - 1):
+        hc = head.new_cache(1, n)
+        s1 = hc.allocate()
+        head.forward(tokens[1 : j + 1], feats[:j], ForwardBatch.build(hc, [s1], [tokens[1 : j + 1]]), hc)
+        node = ForwardBatch.build(hc, [s1], [tokens[j + 1 : j + 2]])
+        step1.append(head.forward(tokens[j + 1 : j + 2], h0[j - 1 : j], node, hc))
+    ref = ce(h0, p_next).mean() + 0.5 * ce(torch.cat(step1), p_next[1:]).mean()
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-4, atol=1e-5)
 
 
 def _head_bytes(head: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in head.parameters()]
 
 
-def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path) -> None:
-    target = tiny_model(seed=0)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    samples = _samples(12, 0, target.cfg.hidden_size)
+@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
+def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path, kind: HeadKind) -> None:
+    target = _frozen_target()
+    aux_width = 2 * target.cfg.hidden_size if kind == HeadKind.eagle3 else 0
+    samples = _samples(12, 0, target.cfg.hidden_size, aux_width)
     ids = torch.arange(0, 512, 2)
-    cfg = TrainConfig(epochs=2, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=3, noise=0.1)
+    cfg = _ttt_config(kind, epochs=2, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=3, noise=0.1)
     losses: list[float] = []
     a = train_head(
         target, samples, ids, cfg, tmp_path / "a", system_len=2, log=lambda s, t, loss, st: losses.append(loss)
@@ -78,7 +138,11 @@ def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path) -> No
     for x, y in zip(_head_bytes(a), _head_bytes(c), strict=True):
         assert torch.equal(x, y)
     with pytest.raises(ValueError, match="other settings"):
-        train_head(target, samples, ids, TrainConfig(epochs=3), tmp_path / "c", system_len=2)
+        train_head(target, samples, ids, _ttt_config(kind, epochs=3), tmp_path / "c", system_len=2)
+    if kind == HeadKind.eagle3:
+        assert a.cfg.kind == HeadKind.eagle3 and torch.equal(a.draft_ids, ids)
+        with pytest.raises(ValueError, match="aux"):  # EAGLE-3 data without its fused features
+            train_head(target, _samples(4, 0, target.cfg.hidden_size), ids, cfg, tmp_path / "d", system_len=2)
 
 
 def test_seed_prompts_are_not_the_evaluation_set() -> None:
@@ -171,3 +235,31 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
     head = load_eagle_head(out, target)
     assert head.trained_for == "smollm2-135m-instruct"
     assert head.draft_vocab_size == 512 and 2 in head.draft_ids.tolist()  # EOS forced into the draft vocabulary
+
+
+@pytest.mark.real_model
+def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(tmp_path: Path) -> None:
+    from specserve.cli import main
+    from specserve.config import ModelSpec, SpecConfig, SpecMethod
+    from specserve.engine import Engine
+    from specserve.models.loader import load_model, load_tokenizer
+    from specserve.sampling import SamplingParams
+
+    out = tmp_path / "head3"
+    assert main(["train-draft", "--quick", "--kind", "eagle3", "--out", str(out)]) == 0
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["train"]["kind"] == "eagle3" and prov["train"]["aux_layers"] == [2, 15, 27]
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    target = load_model(ModelSpec())
+    head = load_eagle_head(out, target)
+    assert head.cfg.kind == HeadKind.eagle3 and head.cfg.aux_layers == (2, 15, 27)
+    assert head.draft_vocab_size == 512 and 2 in head.draft_ids.tolist()  # EOS forced in, through d2t
+    tok = load_tokenizer(ModelSpec())
+    prompts = [[{"role": "user", "content": "Name two rivers."}]]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = Engine(target, tok).generate(prompts, params)
+    spec = SpecConfig(method=SpecMethod.ddd, budget=8)
+    drafted = Engine(target, tok, draft=head, speculation=spec).generate(prompts, params)
+    assert drafted[0].token_ids == plain[0].token_ids
+    assert drafted[0].stats.draft_steps > 0

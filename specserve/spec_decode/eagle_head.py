@@ -175,7 +175,7 @@ class EagleHead(nn.Module):
         check_compatible(self.cfg, target)
         self.embed_weight = target.embed_tokens.weight.detach()
         if self.cfg.kind == HeadKind.eagle:
-            self._target_lm_full = _dense_weight(target.lm_head)
+            self._target_lm_full = dense_weight(target.lm_head)
             self._slice_lm_head()
 
     def _slice_lm_head(self) -> None:
@@ -264,7 +264,12 @@ class EagleHead(nn.Module):
         return (hidden @ self.target_lm_head.t()).float()
 
 
-def _dense_weight(mod: nn.Module) -> torch.Tensor:
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high feature layers of a ``num_layers``-layer target."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def dense_weight(mod: nn.Module) -> torch.Tensor:
     w: Any = mod.weight
     return w().dequantize() if callable(w) else w.detach()  # a dynamic-int8 linear keeps a packed weight
 
@@ -394,8 +399,7 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
     if kind == HeadKind.eagle3:
         eagle_cfg = raw.get("eagle_config") or {}
         ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or raw.get("eagle_aux_hidden_state_layer_ids")
-        n = target.cfg.num_layers
-        aux = tuple(int(i) for i in ids) if ids else (2, n // 2, n - 3)
+        aux = tuple(int(i) for i in ids) if ids else default_aux_layers(target.cfg.num_layers)
     return EagleHeadConfig(
         kind=kind,
         hidden_size=hidden,

@@ -4,7 +4,9 @@ conversation records the target's features.
 
 The data set is a directory of chunk files ``chunk_NNNNN.safetensors``, each holding
 ``tokens`` [N] int32 (conversations concatenated), ``offsets`` [S+1] int64, ``prompt_lens`` [S] int64 and
-``features`` [N, H] float16 (the target's last hidden state after the final norm, one row per token).
+``features`` [N, H] float16 (the target's last hidden state after the final norm, one row per token), and for an
+EAGLE-3 head ``aux_features`` [N, A*H] float16 (the inputs of the target's decoder layers ``aux_layers``, the
+features the head fuses; the final features still give the target's next-token distributions).
 Chunks already on disk are skipped, so an interrupted run resumes where it stopped.
 """
 
@@ -31,6 +33,7 @@ class DistillConfig:
     seed: int = 0
     max_new_tokens: int = 256
     chunk_size: int = 64  # conversations per chunk file
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3: also record the inputs of these target layers
 
 
 @dataclass
@@ -49,17 +52,27 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 AnswerFn = Callable[[list[list[int]]], list[list[int]]]  # chat-formatted prompt ids -> answer ids
 
 
+@dataclass
+class Features:
+    final: list[torch.Tensor]  # per conversation [n_i, H] float16
+    aux: list[torch.Tensor] | None = None  # per conversation [n_i, A*H] float16 (EAGLE-3)
+
+
 @torch.inference_mode()
-def final_features(model: LlamaModel, convs: list[Conversation]) -> list[torch.Tensor]:
-    """The target's last hidden state (after the final norm) at every token of each conversation, [n_i, H]:
-    the same rows the serving target computes, from one prefill per conversation."""
-    feats = []
+def target_features(model: LlamaModel, convs: list[Conversation], aux_layers: tuple[int, ...] = ()) -> Features:
+    """The target's last hidden state (after the final norm) at every token of each conversation, and the inputs
+    of ``aux_layers``: the same rows the serving target computes, from one prefill per conversation."""
+    final: list[torch.Tensor] = []
+    aux: list[torch.Tensor] = []
     for conv in convs:
         cache = model.new_cache(1, len(conv.tokens))
         slot = cache.allocate()
         batch = ForwardBatch.build(cache, [slot], [conv.tokens], device=model.device)
-        feats.append(model.final_hidden(batch, cache).to(torch.float16))
-    return feats
+        f, a = model.hidden_states(batch, cache, aux_layers)
+        final.append(f.to(torch.float16))
+        if a is not None:
+            aux.append(a.to(torch.float16))
+    return Features(final, aux if aux_layers else None)
 
 
 def build_dataset(
@@ -74,7 +87,15 @@ def build_dataset(
     """Generate answers and features chunk by chunk into ``out`` (resumable)."""
     size = cfg.chunk_size
     _distill_chunks(
-        model, tokenizer, answer, out, len(prompts), size, lambda n: prompts[n * size : (n + 1) * size], progress
+        model,
+        tokenizer,
+        answer,
+        out,
+        len(prompts),
+        size,
+        lambda n: prompts[n * size : (n + 1) * size],
+        progress,
+        cfg.aux_layers,
     )
     (out / "meta.json").write_text(
         json.dumps({"num_prompts": len(prompts), "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens}, indent=1)
@@ -100,7 +121,7 @@ def build_self_dataset(
     def prompts_of(n: int) -> list[str]:
         return requests(min(size, num_requests - n * size), (cfg.seed << 20) + n)
 
-    _distill_chunks(model, tokenizer, answer, out, num_requests, size, prompts_of, progress)
+    _distill_chunks(model, tokenizer, answer, out, num_requests, size, prompts_of, progress, cfg.aux_layers)
     return out
 
 
@@ -113,6 +134,7 @@ def _distill_chunks(
     chunk_size: int,
     prompts_of: Callable[[int], list[str]],
     progress: ProgressFn | None,
+    aux_layers: tuple[int, ...] = (),
 ) -> None:
     """Chunk ``n`` of ``ceil(total / chunk_size)``: ``prompts_of(n)`` answered by the target, with its features;
     chunks already on disk are skipped (``prompts_of`` is not called for them)."""
@@ -122,7 +144,7 @@ def _distill_chunks(
         if not path.exists():
             ids = [chat_ids(tokenizer, p) for p in prompts_of(n)]
             convs = [Conversation(p + a, len(p)) for p, a in zip(ids, answer(ids), strict=True)]
-            write_chunk(path, convs, final_features(model, convs))
+            write_chunk(path, convs, target_features(model, convs, aux_layers))
         if progress is not None:
             progress(min((n + 1) * chunk_size, total), total)
 
@@ -134,6 +156,7 @@ def build_text_dataset(
     pairs: list[tuple[str, str]],
     chunk_size: int = 64,
     progress: ProgressFn | None = None,
+    aux_layers: tuple[int, ...] = (),
 ) -> Path:
     """Teacher-forced conversations (prompt, an offline text as the answer): features from one prefill each, no
     generation, so ~6x cheaper per token than ``build_dataset``. The head still learns the target's own
@@ -147,25 +170,25 @@ def build_text_dataset(
             for prompt, text in pairs[n : n + chunk_size]:
                 ids = chat_ids(tokenizer, prompt)
                 convs.append(Conversation(ids + tokenizer.encode(text, add_special_tokens=False) + eos, len(ids)))
-            write_chunk(path, convs, final_features(model, convs))
+            write_chunk(path, convs, target_features(model, convs, aux_layers))
         if progress is not None:
             progress(min(n + chunk_size, len(pairs)), len(pairs))
     return out
 
 
-def write_chunk(path: Path, convs: list[Conversation], feats: list[torch.Tensor]) -> None:
+def write_chunk(path: Path, convs: list[Conversation], feats: Features) -> None:
     lens = [len(c.tokens) for c in convs]
     offsets = torch.tensor([0, *lens]).cumsum(0)
+    tensors = {
+        "tokens": torch.tensor([t for c in convs for t in c.tokens], dtype=torch.int32),
+        "offsets": offsets.to(torch.int64),
+        "prompt_lens": torch.tensor([c.prompt_len for c in convs], dtype=torch.int64),
+        "features": torch.cat(feats.final).contiguous(),
+    }
+    if feats.aux is not None:
+        tensors["aux_features"] = torch.cat(feats.aux).contiguous()
     tmp = path.with_suffix(".tmp")
-    save_file(
-        {
-            "tokens": torch.tensor([t for c in convs for t in c.tokens], dtype=torch.int32),
-            "offsets": offsets.to(torch.int64),
-            "prompt_lens": torch.tensor([c.prompt_len for c in convs], dtype=torch.int64),
-            "features": torch.cat(feats).contiguous(),
-        },
-        tmp,
-    )
+    save_file(tensors, tmp)
     tmp.rename(path)  # a chunk exists only when complete
 
 
@@ -174,15 +197,20 @@ class Sample:
     tokens: torch.Tensor  # [n] long
     features: torch.Tensor  # [n, H] float16
     prompt_len: int
+    aux: torch.Tensor | None = None  # [n, A*H] float16 (EAGLE-3 data)
 
 
-def iter_samples(data_dir: Path) -> Iterator[Sample]:
+def iter_samples(data_dir: Path, *, aux: bool = False) -> Iterator[Sample]:
+    """The conversations of a data directory; ``aux``: with their EAGLE-3 features (a clear error without)."""
     files = sorted(data_dir.glob("chunk_*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no chunk_*.safetensors in {data_dir}: run the data step first")
     for f in files:
         d = load_file(f)
+        if aux and "aux_features" not in d:
+            raise ValueError(f"{f} holds no aux_features (written for an EAGLE-1/2 head): use another work dir")
         off = d["offsets"].tolist()
         for i, plen in enumerate(d["prompt_lens"].tolist()):
             a, b = off[i], off[i + 1]
-            yield Sample(d["tokens"][a:b].long(), d["features"][a:b], plen)
+            extra = d["aux_features"][a:b] if aux else None
+            yield Sample(d["tokens"][a:b].long(), d["features"][a:b], plen, extra)

@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specserve.models.llama import LlamaModel
-from specserve.spec_decode.eagle_head import EagleHead, save_eagle_head
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers, save_eagle_head
 from specserve.train.distill import (
     AnswerFn,
     DistillConfig,
@@ -110,17 +110,29 @@ def train_draft(
     log: Callable[[str], None] = print,
 ) -> EagleHead:
     t0 = time.perf_counter()
+    if cfg.train.kind == HeadKind.eagle3 and not cfg.train.aux_layers:
+        cfg = replace(cfg, train=replace(cfg.train, aux_layers=default_aux_layers(target.cfg.num_layers)))
+    aux_layers = cfg.train.aux_layers if cfg.train.kind == HeadKind.eagle3 else ()
+    cfg = replace(cfg, data=replace(cfg.data, aux_layers=aux_layers))
+    eagle3 = bool(aux_layers)
     data_dir = work_dir / "data"
     prompts = seed_prompts(cfg.data.num_prompts, cfg.data.seed)
     build_dataset(
         target, tokenizer, answer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations")
     )
-    samples = list(iter_samples(data_dir))
+    samples = list(iter_samples(data_dir, aux=eagle3))
     if cfg.text_passages:
         pairs = text_passages(cfg.text_passages, cfg.data.seed)
         text_dir = work_dir / "text"
-        build_text_dataset(target, tokenizer, text_dir, pairs, progress=lambda d, n: log(f"text: {d}/{n} passages"))
-        samples += list(iter_samples(text_dir))
+        build_text_dataset(
+            target,
+            tokenizer,
+            text_dir,
+            pairs,
+            progress=lambda d, n: log(f"text: {d}/{n} passages"),
+            aux_layers=aux_layers,
+        )
+        samples += list(iter_samples(text_dir, aux=eagle3))
     num_self = 0
     if cfg.self_prompts:
         if ask is None:
@@ -141,7 +153,7 @@ def train_draft(
             cfg.data,
             lambda d, n: log(f"self: {d}/{n} requests asked"),
         )
-        self_samples = list(iter_samples(self_dir))
+        self_samples = list(iter_samples(self_dir, aux=eagle3))
         num_self = len(self_samples)
         samples += self_samples
     t_data = time.perf_counter() - t0
@@ -213,6 +225,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default 8192)")
     p.add_argument("--text-passages", type=int, default=0, help="teacher-forced stdlib docstrings to add")
     p.add_argument("--self-prompts", type=int, default=0, help="user requests the target writes itself to ask")
+    p.add_argument(
+        "--kind",
+        choices=[k.value for k in HeadKind],
+        default=HeadKind.eagle.value,
+        help="eagle: EAGLE-1/2 over the last hidden state; eagle3: fused low/mid/high layer features, own LM head",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64, help="conversations generated together")
     p.add_argument("--quick", action="store_true", help="a few prompts and steps: seconds, for tests")
@@ -236,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
         data["num_prompts"] = args.prompts
     if args.max_new_tokens is not None:
         data["max_new_tokens"] = args.max_new_tokens
-    train = {"seed": args.seed} | ({"epochs": args.epochs} if args.epochs is not None else {})
+    train = {"seed": args.seed, "kind": HeadKind(args.kind)}
+    if args.epochs is not None:
+        train["epochs"] = args.epochs
     cfg = replace(
         cfg,
         data=replace(cfg.data, **data),

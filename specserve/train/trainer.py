@@ -1,4 +1,5 @@
-"""Train an EAGLE-1/2 head on self-distilled features (docs/algorithms.md §8.3).
+"""Train an EAGLE head (EAGLE-1/2, or EAGLE-3 over fused features) on self-distilled features
+(docs/algorithms.md §8.3).
 
 Loss per unrolled step k = 0..K-1 (training-time test, as EAGLE-3 / HASS): the head's prediction at pair j
 (token j+1, feature j) is scored against the target's next-token distribution p_{j+1} (soft cross-entropy
@@ -6,6 +7,10 @@ over the draft vocabulary, renormalised there) and against the target's feature 
 feeds the target's features; step k feeds, at pair j, the head's own output of step k-1 at pair j-1, and
 attends to the true pairs up to j-k plus its own chain of earlier unrolled pairs: exactly what a node at
 depth k sees when the tree is drafted.
+
+An EAGLE-3 head takes ``fc`` over the target's aux-layer features at step 0 and its own outputs (which skip
+``fc``) after; its outputs live in its own space, so it is scored by the cross-entropy alone, through its own
+norm and LM head (initialised from the target's final norm and LM-head rows of the draft vocabulary).
 """
 
 from __future__ import annotations
@@ -21,14 +26,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.models.llama import LlamaModel, apply_rope
-from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig
+from specserve.models.llama import LlamaModel, apply_rope, rms_norm
+from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, dense_weight
 from specserve.train.distill import Sample
 from specserve.train.vocab import column_of
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    kind: HeadKind = HeadKind.eagle
     epochs: int = 4
     batch_tokens: int = 2048  # padded tokens per optimiser step
     max_len: int = 640  # conversations are cut to this many tokens
@@ -38,9 +44,10 @@ class TrainConfig:
     grad_clip: float = 0.5
     unroll: int = 3  # K training-time-test steps
     unroll_decay: float = 0.8  # weight of step k: decay**k
-    feature_weight: float = 0.2  # smooth-L1 feature loss next to the soft cross-entropy
+    feature_weight: float = 0.2  # smooth-L1 feature loss next to the soft cross-entropy (EAGLE-1/2 only)
     prompt_weight: float = 0.3  # loss weight of rows that predict prompt tokens (answers weigh 1)
     noise: float = 0.0  # uniform noise on the true input features (EAGLE's augmentation), as a share of their std
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers whose inputs the head fuses
     seed: int = 0
     init_from_last_layer: bool = False  # start the decoder layer from the target's last layer (measured: worse)
     checkpoint_every: int = 50
@@ -58,13 +65,18 @@ def ttt_mask(n: int, k: int, device: torch.device | str = "cpu") -> torch.Tensor
 def ttt_loss(
     head: EagleHead,
     tokens: torch.Tensor,  # [B, n] long
-    feats: torch.Tensor,  # [B, n, H] float32: the target's features
+    feats: torch.Tensor,  # [B, n, H] float32: the target's final features
     weight: torch.Tensor,  # [B, n] float: loss weight of the row predicting token j+2 (0 = none)
     lm_w: torch.Tensor,  # [V_d, H] the target's LM head rows of the draft vocabulary
     cfg: TrainConfig,
     gen: torch.Generator | None = None,
+    aux: torch.Tensor | None = None,  # [B, n, A*H] float32: EAGLE-3's aux-layer features
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    tok_in, f_true, f_next = tokens[:, 1:], feats[:, :-1], feats[:, 1:]  # pairs j = 0..n-2
+    eagle3 = head.cfg.kind == HeadKind.eagle3
+    if eagle3 and aux is None:
+        raise ValueError("an EAGLE-3 head trains on aux-layer features: pass aux")
+    tok_in, f_next = tokens[:, 1:], feats[:, 1:]  # pairs j = 0..n-2
+    f_true = aux[:, :-1] if eagle3 and aux is not None else feats[:, :-1]
     w = weight[:, :-1]
     b, n, _ = f_true.shape
     layer, hcfg = head.layer, head.cfg
@@ -76,6 +88,8 @@ def ttt_loss(
     if cfg.noise > 0:
         scale = cfg.noise * f_true.std()
         feat_in = f_true + (torch.rand(f_true.shape, generator=gen) * 2 - 1) * scale
+    if eagle3:
+        feat_in = head.fc(feat_in)  # [B, n, H]: fused into the head's space (its own outputs skip fc)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     total = torch.zeros(())
@@ -96,12 +110,18 @@ def ttt_loss(
             enable_gqa=True,
         )  # [B, heads, n, D]
         h = layer.finish(residual, out.transpose(1, 2).reshape(b, n, -1))  # [B, n, H]
-        logq = torch.log_softmax(h @ lm_w.t(), dim=-1)
+        if eagle3:
+            logq = torch.log_softmax(head.lm_head(rms_norm(h, head.norm, hcfg.rms_norm_eps)), dim=-1)
+        else:
+            logq = torch.log_softmax(h @ lm_w.t(), dim=-1)
         wk = w * (pos >= k).to(w.dtype)  # pair j of step k needs a root at j-k >= 0
         denom = wk.sum().clamp_min(1e-6)
         ce = -(p_next * logq).sum(-1)
-        reg = F.smooth_l1_loss(h, f_next, reduction="none").mean(-1)
-        loss_k = ((ce + cfg.feature_weight * reg) * wk).sum() / denom
+        if eagle3:
+            loss_k = (ce * wk).sum() / denom
+        else:
+            reg = F.smooth_l1_loss(h, f_next, reduction="none").mean(-1)
+            loss_k = ((ce + cfg.feature_weight * reg) * wk).sum() / denom
         total = total + cfg.unroll_decay**k * loss_k
         with torch.no_grad():
             hit = (logq.argmax(-1) == p_next.argmax(-1)).to(w.dtype)
@@ -116,6 +136,7 @@ class Batch:
     tokens: torch.Tensor  # [B, n] long
     feats: torch.Tensor  # [B, n, H] float32
     weight: torch.Tensor  # [B, n] loss weight of the row predicting token j+2
+    aux: torch.Tensor | None = None  # [B, n, A*H] float32 (EAGLE-3)
 
 
 def batch_groups(samples: list[Sample], cfg: TrainConfig, rng: random.Random) -> list[list[int]]:
@@ -141,19 +162,27 @@ def make_batch(samples: list[Sample], group: list[int], cfg: TrainConfig, system
     tokens = torch.zeros(len(group), n, dtype=torch.long)
     feats = torch.zeros(len(group), n, hidden)
     weight = torch.zeros(len(group), n)
+    first_aux = samples[group[0]].aux
+    aux = None if first_aux is None else torch.zeros(len(group), n, first_aux.shape[1])
     for r, i in enumerate(group):
         s = samples[i]
         m = min(len(s.tokens), cfg.max_len)
         tokens[r, :m] = s.tokens[:m]
         feats[r, :m] = s.features[:m].float()
+        if aux is not None:
+            if s.aux is None:
+                raise ValueError("a sample without aux features among EAGLE-3 data")
+            aux[r, :m] = s.aux[:m].float()
         target = torch.arange(m) + 2  # row j predicts token j+2
         wrow = torch.where(target >= s.prompt_len, 1.0, cfg.prompt_weight)
         weight[r, :m] = torch.where((target >= system_len) & (target < m), wrow, 0.0)
-    return Batch(tokens, feats, weight)
+    return Batch(tokens, feats, weight, aux)
 
 
 def init_head(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> EagleHead:
     torch.manual_seed(cfg.seed)
+    if cfg.kind == HeadKind.eagle3:
+        return _init_eagle3(target, draft_ids, cfg)
     head = EagleHead(EagleHeadConfig.for_target(target, fc_bias=True), target=None)
     with torch.no_grad():
         head.fc.weight.normal_(0.0, 0.02)  # EAGLE's initialisation: small logits, no head start
@@ -169,6 +198,28 @@ def init_head(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> 
             head.layer.down.weight.copy_(last.down.weight)
     head.bind(target)
     head.set_draft_vocab(draft_ids)
+    return head
+
+
+def _init_eagle3(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> EagleHead:
+    if not cfg.aux_layers:
+        raise ValueError("an EAGLE-3 head needs the target layers it fuses (TrainConfig.aux_layers)")
+    hcfg = EagleHeadConfig.for_target(
+        target, kind=HeadKind.eagle3, aux_layers=tuple(cfg.aux_layers), draft_vocab_size=int(draft_ids.numel())
+    )
+    head = EagleHead(hcfg, target=None)
+    h = hcfg.hidden_size
+    with torch.no_grad():
+        for lin in (head.layer.qkv, head.layer.o_proj, head.layer.gate_up, head.layer.down):
+            lin.weight.normal_(0.0, 0.02)
+        # fc starts as the highest aux layer's residual stream (its other inputs at zero) and the output goes
+        # through the target's own final norm and LM-head rows: sane logits from step 0, not noise at scale
+        head.fc.weight.zero_()
+        head.fc.weight[:, -h:].copy_(torch.eye(h))
+        head.norm.copy_(target.norm.detach().float())
+        head.lm_head.weight.copy_(dense_weight(target.lm_head).float()[draft_ids])
+    head.draft_ids = draft_ids.to(torch.long)
+    head.bind(target)
     return head
 
 
@@ -198,9 +249,7 @@ def train_head(
     head = init_head(target, draft_ids, cfg)
     params = [p for n, p in head.named_parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    lm_w = head.target_lm_head
-    assert lm_w is not None
-    lm_w = lm_w.float()
+    lm_w = dense_weight(target.lm_head).float()[head.draft_ids].contiguous()  # [V_d, H] the target's rows
     plan = [g for e in range(cfg.epochs) for g in batch_groups(samples, cfg, random.Random(cfg.seed * 1000 + e))]
     total = len(plan)  # the schedule's length; max_steps only stops early (a later call resumes)
     stop = total if max_steps is None else min(total, max_steps)
@@ -219,7 +268,7 @@ def train_head(
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumes bit for bit
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, cfg)
-        loss, stats = ttt_loss(head, batch.tokens, batch.feats, batch.weight, lm_w, cfg, gen)
+        loss, stats = ttt_loss(head, batch.tokens, batch.feats, batch.weight, lm_w, cfg, gen, batch.aux)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
