@@ -240,10 +240,12 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
 @pytest.mark.real_model
 def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(tmp_path: Path) -> None:
     from specserve.cli import main
-    from specserve.config import ModelSpec, SpecConfig, SpecMethod
+    from specserve.config import HeadSpec, ModelSpec, SpecConfig, SpecMethod
     from specserve.engine import Engine
-    from specserve.models.loader import load_model, load_tokenizer
+    from specserve.errors import ModelSourceError
+    from specserve.models.loader import load_draft, load_model, load_tokenizer
     from specserve.sampling import SamplingParams
+    from specserve.spec_decode.eagle_head import checkpoint_kind
 
     out = tmp_path / "head3"
     assert main(["train-draft", "--quick", "--kind", "eagle3", "--out", str(out)]) == 0
@@ -254,6 +256,9 @@ def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(tmp_path: Pat
     target = load_model(ModelSpec())
     head = load_eagle_head(out, target)
     assert head.cfg.kind == HeadKind.eagle3 and head.cfg.aux_layers == (2, 15, 27)
+    assert checkpoint_kind(out) == HeadKind.eagle3 and checkpoint_kind(HeadSpec().path()) == HeadKind.eagle
+    with pytest.raises(ModelSourceError, match="EAGLE-3"):  # its vocabulary is its own LM head's
+        load_draft(HeadSpec(head=str(out), draft_vocab=256), target)
     assert head.draft_vocab_size == 512 and 2 in head.draft_ids.tolist()  # EOS forced in, through d2t
     tok = load_tokenizer(ModelSpec())
     prompts = [[{"role": "user", "content": "Name two rivers."}]]

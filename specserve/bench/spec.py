@@ -44,7 +44,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.sources import resolve
 from specserve.sampling import SamplingParams
-from specserve.spec_decode.eagle_head import EagleHead
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind, checkpoint_kind
 from specserve.spec_decode.suffix_tree import SuffixCache
 from specserve.tune import autotune
 
@@ -309,12 +309,14 @@ HEAD_PAIR = DEFAULT_GPU_PAIR  # the shipped head's pair: ``--heads`` load like i
 
 def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpec]]:
     """(label, target, draft) for every ``--pairs`` entry and every ``--heads`` directory (loaded like the
-    ``smollm2-eagle`` pair's head: same target, same draft vocabulary)."""
+    ``smollm2-eagle`` pair's head: same target, same draft vocabulary for an EAGLE-1/2 head)."""
     pairs: list[tuple[str, ModelSpec, DraftSpec]] = [(p, *MODEL_PAIRS[p]) for p in args.pairs]
     target, head = MODEL_PAIRS[HEAD_PAIR]
     assert isinstance(head, HeadSpec)
     for d in args.heads:
-        pairs.append((f"head {d.name}", target, head.model_copy(update={"head": str(d.resolve())})))
+        vocab = None if checkpoint_kind(d) == HeadKind.eagle3 else head.draft_vocab  # EAGLE-3: its own LM head
+        spec = head.model_copy(update={"head": str(d.resolve()), "draft_vocab": vocab})
+        pairs.append((f"head {d.name}", target, spec))
     return pairs
 
 

@@ -23,7 +23,7 @@ from specserve.models.llama import (
 from specserve.models.native_stack import attach_native_stack, attach_small_gemm
 from specserve.models.q4 import Q4Blocks, Q4Linear, dense_rows_on_this_cpu, gguf_layer_blocks, native_q4_available
 from specserve.models.sources import builtin_gguf_path, resolve
-from specserve.spec_decode.eagle_head import EagleHead, load_eagle_head
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
 
 
 def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_positions: int | None = None) -> LlamaModel:
@@ -125,6 +125,11 @@ def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.devic
     """A draft model, or a draft head bound to ``target`` (whose embedding it shares)."""
     if isinstance(spec, HeadSpec):
         head = load_eagle_head(spec.path(), target, dtype=spec.dtype.torch).to(device)
+        if spec.draft_vocab is not None and head.cfg.kind == HeadKind.eagle3:
+            raise ModelSourceError(
+                f"draft_vocab applies to EAGLE-1/2 heads; the EAGLE-3 head {spec.path()} drafts over its own "
+                f"{head.draft_vocab_size}-token LM head (leave draft_vocab unset)"
+            )
         if spec.draft_vocab is not None:
             head.set_draft_vocab(frequent_ids(spec.path(), spec.draft_vocab, head.cfg.vocab_size))
         if getattr(target.lm_head, "small_gemm", None) is not None:  # the target's ModelSpec.small_gemm

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
@@ -377,6 +378,17 @@ def save_eagle_head(
     save_file(sd, weights)
     (out / "config.json").write_text(json.dumps(hf_config_dict(head.cfg, **(extra_config or {})), indent=1) + "\n")
     return weights
+
+
+def checkpoint_kind(path: Path) -> HeadKind:
+    """The layout of the head in ``path`` from its tensor names (read from the safetensors header when there)."""
+    path = Path(path)
+    if (path / "model.safetensors").exists():
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            names = list(f.keys())
+    else:
+        names = list(_read_tensors(path))
+    return HeadKind.eagle3 if any(n.startswith("midlayer.") for n in names) else HeadKind.eagle
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
