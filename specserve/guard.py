@@ -15,9 +15,10 @@ A speculative step in which the draft catches up on a sequence it had already se
 the tokens the target decoded alone while the guard kept plain steps) is not measured: for a draft model that
 costs several of its steps, a cost of switching, not the rate speculation runs at. A try of speculation is
 therefore that switch step and one measured step, and its cost is bounded: after a try that confirms plain
-decoding, the next one waits until the plain steps in between took 1 / ``explore_cost`` times that switch step
-(a 4-bit draft model catching up 16 sequences costs ~10-35 plain steps, which a try every 20 steps would pay
-again and again).
+decoding, the next one waits until the plain steps in between took 1 / ``explore_cost`` times what the try cost
+(the switch step, plus the measured step's time beyond plain decoding's for the tokens it emitted: a 4-bit draft
+model catching up 16 sequences costs ~10-35 plain steps, an EAGLE head's catch-up and 2.4x-slower step at batch
+16 ~7, which a try every 20 steps would pay again and again).
 
 A try's step time replaces the average step time of the mode it measures (that average is as old as the mode's
 last run), and a choice flipped by the running mode's own step (a slow admission) is re-checked soon
@@ -42,14 +43,17 @@ class ThroughputGuard:
     # when one flips it): a try costs a slow step, and after plain steps the draft first re-reads what it missed
     smoothing: float = 0.3  # weight of the newest step in the moving average
     warmup: int = 3  # steps of each mode per bucket before the first decision (their median step starts it)
-    explore_cost: float = 0.05  # a try's switch step costs at most this share of the plain time before the next
+    explore_cost: float = 0.03  # a try (switch step + its measured step's excess) costs at most this share of the
+    # plain time before the next
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s/seq
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
     work: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)  # -> avg (tokens/seq, s) a step
     warm: dict[tuple[int, bool], list[tuple[float, float]]] = field(default_factory=dict)  # the warm-up's steps
-    switch_s: dict[int, float] = field(default_factory=dict)  # bucket -> time of its last switch to speculation
+    switch_s: dict[int, float] = field(default_factory=dict)  # bucket -> cost of its last try of speculation: the
+    # switch step's time plus what its measured step took beyond plain decoding's time for the same tokens
+    catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> its switch step not yet in a try's cost
 
     def __post_init__(self) -> None:
         if self.warmup < 1:
@@ -77,12 +81,15 @@ class ThroughputGuard:
             return None
         return self.rates[(b, True)] >= self.rates[(b, False)]
 
-    def speculate(self, batch_size: int) -> bool:
+    def speculate(self, batch_size: int, *, measured: bool = True) -> bool:
+        """The mode of the next step. ``measured=False``: a step the loop will not record (it admits a prompt):
+        it runs the mode measured faster, or plain decoding before the first decision, and never starts a try
+        (a try's step would go unrecorded, so every such step until a recorded one would run the slower mode)."""
         b = bucket(batch_size)
         better = self.faster(batch_size)
         if better is None:  # measure plain decoding first (it needs no draft prefill), then speculation
-            return self.samples.get((b, False), 0) >= self.warmup
-        explore = self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
+            return measured and self.samples.get((b, False), 0) >= self.warmup
+        explore = measured and self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
         return better != explore
 
     def record(
@@ -90,7 +97,7 @@ class ThroughputGuard:
     ) -> None:
         b = bucket(batch_size)
         if speculative and catch_up:  # the draft re-reading what it missed: not speculation's rate (module docstring)
-            self.switch_s[b] = seconds
+            self.switch_s[b] = self.catch_up_s[b] = seconds
             return
         before = self.faster(batch_size)
         key = (b, speculative)
@@ -101,6 +108,8 @@ class ThroughputGuard:
             start = sorted(self.warm[key], key=lambda ts: ts[0] / max(ts[1], 1e-9))[(n - 1) // 2]
             self.work[key] = start
         elif before is not None and speculative != before:  # a try: the mode's step time is as old as its last run,
+            if speculative:  # what the try cost beyond plain decoding spaces the next one (with its switch step)
+                self.switch_s[b] = self.catch_up_s.pop(b, 0.0) + self._excess_over_plain(b, step)
             # so the fresh step's time replaces it (blended, one stale slow step would outlive tries); its tokens per
             # step, an acceptance statistic that one step estimates poorly, are blended as usual
             tok, _ = self.work.get(key, step)
@@ -124,8 +133,15 @@ class ThroughputGuard:
             self.intervals[b] = self.explore_every
             self.next_try[b] = self._steps(b) + (self.warmup if after else max(1, self._amortising_steps(b))) - 1
 
+    def _excess_over_plain(self, b: int, step: tuple[float, float]) -> float:
+        """Seconds a (tokens per sequence, seconds) step took beyond plain decoding's average for those tokens."""
+        plain_tok, plain_s = self.work.get((b, False), (0.0, 0.0))
+        if plain_tok <= 0:
+            return 0.0
+        return max(0.0, step[1] - step[0] / plain_tok * plain_s)
+
     def _amortising_steps(self, b: int) -> int:
-        """Plain steps of bucket ``b`` that make its last switch step ``explore_cost`` of the time between tries."""
+        """Plain steps of bucket ``b`` that make its last try's cost ``explore_cost`` of the time between tries."""
         step_s = self.plain_step_s.get(b, 0.0)
         if b not in self.switch_s or step_s <= 0:
             return 0

@@ -260,10 +260,11 @@ def test_one_slow_step_that_flips_the_guard_is_re_checked_at_once() -> None:
     assert guard.faster(1) is False and guard.rates[(1, False)] == pytest.approx(50.0)
 
 
-def test_throughput_guard_spaces_its_tries_by_what_the_switch_costs() -> None:
-    # plain steps take 0.125 s; switching to speculation costs a 10 s catch-up (the draft re-reads what it
-    # missed), then speculation measures slower: each try waits until the plain time since the last one is
-    # 1 / explore_cost times that switch
+def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
+    # plain steps take 0.125 s for 5 tokens a sequence; switching to speculation costs a 10 s catch-up (the draft
+    # re-reads what it missed), then speculation measures slower (1 s for 1.25 tokens a sequence, where plain
+    # decoding takes 0.03125 s: 0.96875 s more): each try waits until the plain time since the last one is
+    # 1 / explore_cost times what the last try cost
     def switch_steps(explore_cost: float, steps: int) -> list[int]:
         guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=explore_cost)
         out, prev = [], False
@@ -275,13 +276,13 @@ def test_throughput_guard_spaces_its_tries_by_what_the_switch_costs() -> None:
             seconds = 10.0 if switch else 1 if s else 0.125
             guard.record(8, s, tokens=0 if switch else 10 if s else 40, seconds=seconds, catch_up=switch)
             prev = s
-        assert guard.switch_s[8] == 10.0 and guard.plain_step_s[8] == 0.125
-        return out
+        assert guard.plain_step_s[8] == 0.125
+        return out, guard.switch_s[8]
 
-    # explore_cost 1: 10 s / 0.125 s = 80 plain steps between tries (not 5, 10, 20): the warm-up's switch at
-    # step 1, its measured step 2 (decision: plain, next try after 80 measured steps), tries at 82 and 163
-    assert switch_steps(1.0, 200) == [1, 82, 163]
-    assert switch_steps(0.25, 200) == [1]  # 320 plain steps before the first try
+    # explore_cost 1: the warm-up's switch at step 1 (10 s), its measured step 2 (decision: plain; next try after
+    # 10 / 0.125 = 80 measured steps, not 5, 10, 20), a try at 82 costing 10.96875 s: the next after 88 steps
+    assert switch_steps(1.0, 200) == ([1, 82, 171], 10.0 + 0.96875)
+    assert switch_steps(0.25, 200) == ([1], 10.0)  # 320 plain steps before the first try
     with pytest.raises(ValueError, match="explore_cost"):
         ThroughputGuard(explore_cost=0.0)
 
@@ -340,7 +341,7 @@ class _FixedGuard(ThroughputGuard):
         self.answer = answer
         self.asked = 0
 
-    def speculate(self, batch_size: int) -> bool:
+    def speculate(self, batch_size: int, *, measured: bool = True) -> bool:
         self.asked += 1
         return self.answer
 
@@ -365,8 +366,10 @@ class _ScriptedGuard(ThroughputGuard):
         super().__init__()
         self.script = list(script)
         self.recorded: list[tuple[bool, bool]] = []  # (speculative, catch_up) per recorded step
+        self.measured: list[bool] = []  # per step asked: whether the loop will record it
 
-    def speculate(self, batch_size: int) -> bool:
+    def speculate(self, batch_size: int, *, measured: bool = True) -> bool:
+        self.measured.append(measured)
         return self.script.pop(0) if self.script else True
 
     def record(
@@ -416,3 +419,21 @@ def test_the_guard_times_no_step_in_which_a_request_is_admitted(target: LlamaMod
     assert [len(o.token_ids) for o in outs] == lengths
     assert events.mixed >= 1  # a later prompt admitted beside the long one decoding
     assert len(guard.recorded) == events.prefills.count(False) > 0
+    assert guard.measured == [not p for p in events.prefills]  # the guard is told which steps go unrecorded
+
+
+def test_the_guard_starts_no_try_in_a_step_it_will_not_time() -> None:
+    """A try is one recorded step; begun in an admission step (unrecorded), it would run the slower mode until the
+    next recorded step. Unrecorded steps run the mode measured faster (plain before the first decision)."""
+    guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=1.0)
+    assert guard.speculate(4, measured=False) is False  # nothing measured yet: plain
+    guard.record(4, False, tokens=4, seconds=0.1)
+    assert guard.speculate(4) is True and guard.speculate(4, measured=False) is False  # warm-up's spec step
+    guard.record(4, True, tokens=4, seconds=0.3)  # speculation slower: plain, the first try at step 5
+    for _ in range(2):
+        assert guard.speculate(4) is False
+        guard.record(4, False, tokens=4, seconds=0.1)
+    assert guard.speculate(4) is True  # the try is due ...
+    assert guard.speculate(4, measured=False) is False  # ... but not in a step the loop will not time
+    guard.record(4, True, tokens=4, seconds=0.05)  # the try: speculation now faster
+    assert guard.speculate(4, measured=False) is True  # unrecorded steps run the faster mode

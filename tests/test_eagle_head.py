@@ -238,13 +238,15 @@ def test_save_then_load_roundtrip(tmp_path: Path, target: LlamaModel) -> None:
     torch.testing.assert_close(run_head(again, tokens, feats)[1], run_head(head, tokens, feats)[1])
 
 
-def test_shipped_head_is_intact_and_documented() -> None:
-    """The committed SmolLM2 head: weights match their sha256, at most 20 MB, with provenance and a vocabulary map."""
+@pytest.mark.parametrize("name", ["smollm2-eagle3", "smollm2-eagle1"])
+def test_shipped_head_is_intact_and_documented(name: str) -> None:
+    """The committed SmolLM2 heads: weights match their sha256, at most 20 MB, with provenance and a vocabulary
+    map."""
     import hashlib
 
     from specserve.config import HeadSpec
 
-    d = HeadSpec(head="smollm2-eagle").path()
+    d = HeadSpec(head=name).path()
     weights = d / "model.safetensors"
     assert weights.stat().st_size <= 20 * 1024 * 1024
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
@@ -266,7 +268,7 @@ def test_shipped_head_loads_on_its_target_with_any_vocabulary_prefix() -> None:
     from specserve.config import MODEL_PAIRS, HeadSpec
     from specserve.models.loader import load_draft, load_model
 
-    target_spec, head_spec = MODEL_PAIRS["smollm2-eagle"]
+    target_spec, head_spec = MODEL_PAIRS["smollm2-eagle1"]  # the EAGLE-1/2 head (EAGLE-3 fixes its vocabulary)
     assert isinstance(head_spec, HeadSpec)
     target = load_model(target_spec)
     head = load_draft(head_spec, target)
