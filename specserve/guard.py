@@ -45,6 +45,7 @@ class ThroughputGuard:
     warmup: int = 3  # steps of each mode per bucket before the first decision (their median step starts it)
     explore_cost: float = 0.03  # a try (switch step + its measured step's excess) costs at most this share of the
     # plain time before the next
+    outlier_clip: float = 2.0  # a running mode's step counts as at most this many times its average step time
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s/seq
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
@@ -60,6 +61,8 @@ class ThroughputGuard:
             raise ValueError(f"warmup must be at least 1 step per mode, got {self.warmup}")
         if not 0 < self.explore_cost <= 1:
             raise ValueError(f"explore_cost must be in (0, 1], got {self.explore_cost}")
+        if self.outlier_clip < 1:
+            raise ValueError(f"outlier_clip must be at least 1, got {self.outlier_clip}")
 
     @property
     def steps(self) -> dict[int, int]:
@@ -114,9 +117,12 @@ class ThroughputGuard:
             # step, an acceptance statistic that one step estimates poorly, are blended as usual
             tok, _ = self.work.get(key, step)
             self.work[key] = (tok + self.smoothing * (step[0] - tok), step[1])
-        else:  # moving averages of tokens and of seconds per step: their ratio weighs a slow step by its time
+        else:  # moving averages of tokens and of seconds per step: their ratio weighs a slow step by its time,
+            # up to ``outlier_clip`` times the average (a GC pause or another process's burst, 6x a step, would
+            # flip the choice for several steps; a real slowdown still moves the average within a few steps)
             tok, sec = self.work.get(key, step)  # (rates seeded from outside start from this step)
-            self.work[key] = (tok + self.smoothing * (step[0] - tok), sec + self.smoothing * (step[1] - sec))
+            seconds = min(step[1], self.outlier_clip * sec)
+            self.work[key] = (tok + self.smoothing * (step[0] - tok), sec + self.smoothing * (seconds - sec))
         tok, sec = self.work[key]
         self.rates[key] = tok / max(sec, 1e-9)
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try

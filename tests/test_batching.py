@@ -225,9 +225,10 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     for batch, spec, tokens in ((16, False, 16), (9, True, 0), (9, True, 12)):
         mixed.record(batch, spec, tokens, seconds=1.0, catch_up=tokens == 0)
     assert mixed.faster(16) is True
-    # a step's time weighs as it does in throughput: one speculative step 10x slower (it also admitted a request)
-    # outweighs a fast one (a moving average of rates would say 55 tok/s per sequence, still above plain's 40)
-    timed = ThroughputGuard(warmup=1, smoothing=0.5)
+    # a step's time weighs as it does in throughput: one speculative step 10x slower outweighs a fast one (a
+    # moving average of rates would say 55 tok/s per sequence, still above plain's 40); unclipped here, since
+    # by default one step counts as at most 2x the average (test_one_slow_step_counts_as_at_most_twice_...)
+    timed = ThroughputGuard(warmup=1, smoothing=0.5, outlier_clip=100.0)
     for spec, tokens, seconds, catch_up in ((False, 40, 1, False), (True, 0, 1, True), (True, 100, 1, False)):
         timed.record(1, spec, tokens, seconds, catch_up=catch_up)
     assert timed.faster(1) is True
@@ -239,8 +240,9 @@ def test_one_slow_step_that_flips_the_guard_is_re_checked_at_once() -> None:
     """Plain decoding is 2x faster; one plain step that also admits a long prompt (10x a step) flips the choice to
     speculation. The guard re-tries plain after ``warmup`` steps (here 1: at once), and that try's fresh step
     replaces plain's average (blended, the slow step would keep plain looking slower for many tries): plain again,
-    and since a try flipped the choice, the try interval starts over (speculation re-tried 5 steps later)."""
-    guard = ThroughputGuard(explore_every=5, max_explore_every=640, warmup=1, explore_cost=1.0)
+    and since a try flipped the choice, the try interval starts over (speculation re-tried 5 steps later). (The
+    slow step is not clipped here; by default one this slow counts as 2x the average: the next test.)"""
+    guard = ThroughputGuard(explore_every=5, max_explore_every=640, warmup=1, explore_cost=1.0, outlier_clip=100.0)
     guard.record(1, False, tokens=1, seconds=0.02)
     guard.record(1, True, tokens=0, seconds=0.02, catch_up=True)
     guard.record(1, True, tokens=1, seconds=0.04)
@@ -258,6 +260,24 @@ def test_one_slow_step_that_flips_the_guard_is_re_checked_at_once() -> None:
         guard.record(1, s, tokens=1, seconds=0.04 if s else 0.02)
     assert choices == [False, False, False, False, False, True]
     assert guard.faster(1) is False and guard.rates[(1, False)] == pytest.approx(50.0)
+
+
+def test_one_slow_step_counts_as_at_most_twice_the_average() -> None:
+    """Plain decoding 2x faster than speculation: one plain step 13x slower (a GC pause) counts as 2x plain's
+    average and leaves the choice; a real slowdown (every step 3x slower) flips it within a few steps."""
+    guard = ThroughputGuard(explore_every=1000, warmup=1)
+    guard.record(1, False, tokens=1, seconds=0.02)
+    guard.record(1, True, tokens=1, seconds=0.04)
+    guard.record(1, False, tokens=1, seconds=0.26)
+    assert guard.work[(1, False)][1] == pytest.approx(0.02 + 0.3 * 0.02)  # clipped at 2 x 0.02
+    assert guard.faster(1) is False
+    slow = 0
+    while guard.faster(1) is False:
+        guard.record(1, False, tokens=1, seconds=0.06)
+        slow += 1
+    assert slow <= 4
+    with pytest.raises(ValueError, match="outlier_clip"):
+        ThroughputGuard(outlier_clip=0.5)
 
 
 def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
