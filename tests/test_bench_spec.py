@@ -73,18 +73,27 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
     assert all(float(r["tau"]) >= 1.0 for r in rows)
 
 
-def test_extra_heads_are_drafts_of_the_default_pair(tmp_path: Path) -> None:
+def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) -> None:
     import argparse
 
     from specserve.bench.spec import add_args, draft_pairs
     from specserve.config import MODEL_PAIRS, HeadSpec
+    from specserve.errors import UnsupportedModelError
 
+    for name in ("smollm2-eagle1", "smollm2-eagle3"):  # copies of the shipped heads' files (links)
+        (tmp_path / name).mkdir()
+        for f in HeadSpec(head=name).path().iterdir():
+            (tmp_path / name / f.name).symlink_to(f)
     parser = argparse.ArgumentParser()
     add_args(parser)
-    pairs = draft_pairs(parser.parse_args(["--pairs", "smollm2-int8", "--heads", str(tmp_path / "v3")]))
-    assert [label for label, _, _ in pairs] == ["smollm2-int8", "head v3"]
-    target, head = MODEL_PAIRS["smollm2-eagle"]
-    assert pairs[1][1] == target
-    assert pairs[1][2] == HeadSpec(head=str(tmp_path / "v3"), draft_vocab=2048)
-    assert isinstance(head, HeadSpec) and head.draft_vocab == 2048
-    assert pairs[1][2].path() == tmp_path / "v3"  # type: ignore[union-attr]
+    args = ["--pairs", "smollm2-int8", "--heads", str(tmp_path / "smollm2-eagle1"), str(tmp_path / "smollm2-eagle3")]
+    pairs = draft_pairs(parser.parse_args(args))
+    assert [label for label, _, _ in pairs] == ["smollm2-int8", "head smollm2-eagle1", "head smollm2-eagle3"]
+    target, _ = MODEL_PAIRS["smollm2-eagle"]
+    assert pairs[1][1] == pairs[2][1] == target
+    # the EAGLE-1/2 head keeps smollm2-eagle1's 2048 ids; the EAGLE-3 head drafts over its own LM head
+    assert pairs[1][2] == HeadSpec(head=str(tmp_path / "smollm2-eagle1"), draft_vocab=2048)
+    assert pairs[2][2] == HeadSpec(head=str(tmp_path / "smollm2-eagle3"), draft_vocab=None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedModelError, match=r"no model\.safetensors"):
+        draft_pairs(parser.parse_args(["--heads", str(tmp_path / "empty")]))

@@ -27,7 +27,6 @@ from specserve.bench.machine import cpu_summary
 from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import (
-    DEFAULT_GPU_PAIR,
     MODEL_PAIRS,
     SERVING_SPECULATION,
     ChainDraft,
@@ -59,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
     p.add_argument("--pairs", nargs="+", default=["smollm2-eagle"], choices=sorted(MODEL_PAIRS), help="drafts")
     p.add_argument(
-        "--heads", nargs="+", type=Path, default=[], help="more EAGLE head directories, drafting as smollm2-eagle's"
+        "--heads", nargs="+", type=Path, default=[], help="more EAGLE head directories, loaded like the shipped head"
     )
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--num-prompts", type=int, default=80)
@@ -304,19 +303,18 @@ def _grouped_rows(
     return rows
 
 
-HEAD_PAIR = DEFAULT_GPU_PAIR  # the shipped head's pair: ``--heads`` load like it
+HEAD_PAIRS = {HeadKind.eagle3: "smollm2-eagle", HeadKind.eagle: "smollm2-eagle1"}  # ``--heads`` load like these
 
 
 def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpec]]:
-    """(label, target, draft) for every ``--pairs`` entry and every ``--heads`` directory (loaded like the
-    ``smollm2-eagle`` pair's head: same target, same draft vocabulary for an EAGLE-1/2 head)."""
+    """(label, target, draft) for every ``--pairs`` entry and every ``--heads`` directory, loaded like the shipped
+    head of its layout: same target, and for an EAGLE-1/2 head the same reduced draft vocabulary (``smollm2-eagle1``);
+    an EAGLE-3 head drafts over its own LM head (``smollm2-eagle``)."""
     pairs: list[tuple[str, ModelSpec, DraftSpec]] = [(p, *MODEL_PAIRS[p]) for p in args.pairs]
-    target, head = MODEL_PAIRS[HEAD_PAIR]
-    assert isinstance(head, HeadSpec)
     for d in args.heads:
-        vocab = None if checkpoint_kind(d) == HeadKind.eagle3 else head.draft_vocab  # EAGLE-3: its own LM head
-        spec = head.model_copy(update={"head": str(d.resolve()), "draft_vocab": vocab})
-        pairs.append((f"head {d.name}", target, spec))
+        target, head = MODEL_PAIRS[HEAD_PAIRS[checkpoint_kind(d)]]
+        assert isinstance(head, HeadSpec)
+        pairs.append((f"head {d.name}", target, head.model_copy(update={"head": str(d.resolve())})))
     return pairs
 
 
