@@ -107,3 +107,9 @@ class Sequence:
 
     def unsent(self, seen: int) -> list[int]:
         return self.tokens[seen:]
+
+    @property
+    def prefills(self) -> bool:
+        """Its next step feeds the target more than its root (an admitted prompt, or a re-prefill after a recovery);
+        counted without building ``tokens``."""
+        return len(self.request.prompt_ids) + len(self.output) - self.target_seen > 1

@@ -150,7 +150,7 @@ class StepLoop:
         if not (batch := [s for s in self.running if only is None or s.seq_id in only]):
             return []
         self._register(batch)
-        plan = self.planner.plan(batch, prefills=any(len(s.tokens) - s.target_seen > 1 for s in batch))
+        plan = self.planner.plan(batch, prefills=any(s.prefills for s in batch))
         proposals = self._propose(batch, plan.depths)
         t1 = time.perf_counter()
         items = [self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)]

@@ -110,11 +110,9 @@ def train_draft(
     log: Callable[[str], None] = print,
 ) -> EagleHead:
     t0 = time.perf_counter()
-    if cfg.train.kind == HeadKind.eagle3 and not cfg.train.aux_layers:
-        cfg = replace(cfg, train=replace(cfg.train, aux_layers=default_aux_layers(target.cfg.num_layers)))
-    aux_layers = cfg.train.aux_layers if cfg.train.kind == HeadKind.eagle3 else ()
-    cfg = replace(cfg, data=replace(cfg.data, aux_layers=aux_layers))
-    eagle3 = bool(aux_layers)
+    eagle3 = cfg.train.kind == HeadKind.eagle3
+    aux_layers = (cfg.train.aux_layers or default_aux_layers(target.cfg.num_layers)) if eagle3 else ()
+    cfg = replace(cfg, train=replace(cfg.train, aux_layers=aux_layers), data=replace(cfg.data, aux_layers=aux_layers))
     data_dir = work_dir / "data"
     prompts = seed_prompts(cfg.data.num_prompts, cfg.data.seed)
     build_dataset(
