@@ -16,7 +16,8 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
 from specserve.spec_decode.eagle_head import HeadKind, dense_weight, load_eagle_head
-from specserve.train.distill import Sample
+from specserve.train.distill import Sample, iter_samples
+from specserve.train.lexicon_prompts import WORDNET_DIR, WordNetMissing, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import keep_requests, mt_bench_shingles, self_prompts, user_turn_prefix
 from specserve.train.trainer import TrainConfig, init_head, train_head, ttt_loss, ttt_mask
@@ -193,6 +194,66 @@ def test_self_written_requests_are_filtered_and_never_the_evaluation_set() -> No
     assert keep_requests([bench_turn[: len(bench_turn) // 2 + 60]], banned, []) == []  # a part of one, too
 
 
+def _mini_wordnet(root: Path, planted_gloss: str) -> Path:
+    """A WordNet dict directory in the wndb(5WN) format with a handful of nouns; ``cape`` carries ``planted_gloss``."""
+    nouns = [  # (lemma, lexicographer file, tagged count, gloss)
+        ("kettle", 6, 4, "a metal pot for boiling water"),
+        ("cape", 6, 3, planted_gloss),
+        ("otter", 5, 2, "freshwater carnivorous mammal; webbed feet"),
+        ("barley", 13, 5, "a grain used as food"),
+        ("erosion", 22, 7, "the wearing away of rock by water or wind"),
+        ("patience", 7, 3, "good-natured tolerance of delay"),
+        ("carpenter", 18, 6, "a woodworker who makes or repairs wooden objects"),
+        ("nurse", 18, 9, "one skilled in caring for the sick"),
+        ("Lisbon", 15, 2, "capital and largest city of Portugal"),
+        ("obscure_thing", 6, 0, "never seen in the tagged corpus"),
+    ]
+    root.mkdir()
+    lines = ["  1 This software and database is being provided ... (licence header)"]
+    cnt = []
+    for i, (lemma, lexfile, count, gloss) in enumerate(nouns):
+        lines.append(f"{1000 + i:08d} {lexfile:02d} n 01 {lemma} 0 000 | {gloss}  ")
+        cnt.append(f"{lemma.lower()}%1:{lexfile:02d}:00:: 1 {count}")
+    (root / "data.noun").write_text("\n".join(lines) + "\n")
+    (root / "cntlist.rev").write_text("\n".join(cnt) + "\n")
+    return root
+
+
+def test_lexicon_prompts_draw_on_wordnet_and_never_the_evaluation_set(tmp_path: Path) -> None:
+    raw = resources.files("specserve.bench").joinpath("data/mt_bench.jsonl").read_text()
+    words = re.findall(r"[A-Za-z']+", json.loads(raw.splitlines()[5])["turns"][0])
+    planted = " ".join(words[:12])  # an MT-bench turn's first 12 words as a gloss
+    wn = _mini_wordnet(tmp_path / "wn", planted)
+    nouns = {n.lemma: n for n in load_nouns(wn)}
+    assert "obscure thing" not in nouns and "Lisbon" in nouns  # only nouns seen twice or more in the corpus
+    assert nouns["otter"].gloss == "freshwater carnivorous mammal" and nouns["nurse"].count == 9
+    prompts = lexicon_prompts(300, seed=3, wordnet_dir=wn)
+    assert len(set(prompts)) == 300 and prompts[:40] == lexicon_prompts(40, seed=3, wordnet_dir=wn)
+    assert lexicon_prompts(40, seed=4, wordnet_dir=wn) != prompts[:40]
+    assert any("kettle" in p for p in prompts) and any("Lisbon" in p for p in prompts)
+    assert not [p for p in prompts if planted in p]  # the glosses show up, but never the planted MT-bench text
+    assert any("a metal pot for boiling water" in p for p in prompts)
+    with pytest.raises(WordNetMissing, match="wordnet-base"):
+        lexicon_prompts(5, wordnet_dir=tmp_path / "nowhere")
+
+
+@pytest.mark.skipif(not (WORDNET_DIR / "data.noun").exists(), reason="the Debian package wordnet-base is not installed")
+def test_lexicon_prompts_from_the_installed_wordnet_are_varied() -> None:
+    prompts = lexicon_prompts(4800, seed=0)
+    assert len(set(prompts)) == 4800
+    bench = mt_bench_shingles(6)  # stricter than the generator's own 8-word filter
+    assert not [p for p in prompts if set(_shingles(p, 6)) & bench]
+    vocab = {w for p in prompts for w in re.findall(r"[a-z]+", p.lower())}
+    assert len(vocab) > 4000  # thousands of distinct words, against ~300 in the templated seed prompts
+    seeds = {w for p in seed_prompts(4800, 0) for w in re.findall(r"[a-z]+", p.lower())}
+    assert len(vocab) > 2 * len(seeds)  # the seed prompts include stdlib docstrings
+
+
+def _shingles(text: str, n: int) -> list[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
 @pytest.mark.real_model
 def test_self_prompts_ask_from_the_user_header_of_the_chat_template() -> None:
     from specserve.config import ModelSpec
@@ -222,12 +283,20 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
     from specserve.models.loader import load_model
 
     out = tmp_path / "head"
-    assert main(["train-draft", "--quick", "--text-passages", "3", "--self-prompts", "5", "--out", str(out)]) == 0
+    wn = _mini_wordnet(tmp_path / "wn", "a sleeveless garment")
+    args = ["--text-passages", "3", "--self-prompts", "5", "--lexicon-prompts", "6", "--lexicon-max-new-tokens", "3"]
+    assert main(["train-draft", "--quick", *args, "--wordnet-dir", str(wn), "--out", str(out)]) == 0
     prov = json.loads((out / "provenance.json").read_text())
     kept = prov["data"]["self_prompts_kept"]
     assert prov["data"]["self_prompts_asked"] == 5 and 1 <= kept <= 5
-    assert prov["data"]["conversations"] == 8 + 3 + kept and prov["data"]["text_passages"] == 3
+    assert prov["data"]["conversations"] == 8 + 3 + 6 + kept and prov["data"]["text_passages"] == 3
+    assert prov["data"]["lexicon_prompts"] == 6
     assert len(list((out / "work" / "self").glob("chunk_*.safetensors"))) == 2  # 5 requests in chunks of 4
+    answer_lens = {
+        name: [len(s.tokens) - s.prompt_len for s in iter_samples(out / "work" / name)] for name in ("data", "lexicon")
+    }
+    assert len(answer_lens["lexicon"]) == 6 and max(answer_lens["lexicon"]) <= 3  # their own answer length
+    assert max(answer_lens["data"]) > 3  # the seed prompts' answers run to the quick mode's 16 tokens
     assert prov["sha256"] in (out / "model.safetensors.sha256").read_text()
     vocab = json.loads((out / "vocab_map.json").read_text())
     assert vocab["by_frequency"][: len(vocab["forced"])] == vocab["forced"]

@@ -49,7 +49,7 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     return list(ids)  # type: ignore[arg-type]
 
 
-AnswerFn = Callable[[list[list[int]]], list[list[int]]]  # chat-formatted prompt ids -> answer ids
+AnswerFn = Callable[[list[list[int]], int], list[list[int]]]  # (chat-formatted prompt ids, max new tokens) -> answers
 
 
 @dataclass
@@ -96,6 +96,7 @@ def build_dataset(
         lambda n: prompts[n * size : (n + 1) * size],
         progress,
         cfg.aux_layers,
+        cfg.max_new_tokens,
     )
     (out / "meta.json").write_text(
         json.dumps({"num_prompts": len(prompts), "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens}, indent=1)
@@ -121,7 +122,9 @@ def build_self_dataset(
     def prompts_of(n: int) -> list[str]:
         return requests(min(size, num_requests - n * size), (cfg.seed << 20) + n)
 
-    _distill_chunks(model, tokenizer, answer, out, num_requests, size, prompts_of, progress, cfg.aux_layers)
+    _distill_chunks(
+        model, tokenizer, answer, out, num_requests, size, prompts_of, progress, cfg.aux_layers, cfg.max_new_tokens
+    )
     return out
 
 
@@ -135,6 +138,7 @@ def _distill_chunks(
     prompts_of: Callable[[int], list[str]],
     progress: ProgressFn | None,
     aux_layers: tuple[int, ...] = (),
+    max_new_tokens: int = 256,
 ) -> None:
     """Chunk ``n`` of ``ceil(total / chunk_size)``: ``prompts_of(n)`` answered by the target, with its features;
     chunks already on disk are skipped (``prompts_of`` is not called for them)."""
@@ -143,7 +147,7 @@ def _distill_chunks(
         path = out / f"chunk_{n:05d}.safetensors"
         if not path.exists():
             ids = [chat_ids(tokenizer, p) for p in prompts_of(n)]
-            convs = [Conversation(p + a, len(p)) for p, a in zip(ids, answer(ids), strict=True)]
+            convs = [Conversation(p + a, len(p)) for p, a in zip(ids, answer(ids, max_new_tokens), strict=True)]
             write_chunk(path, convs, target_features(model, convs, aux_layers))
         if progress is not None:
             progress(min((n + 1) * chunk_size, total), total)

@@ -29,6 +29,7 @@ from specserve.train.distill import (
     chat_ids,
     iter_samples,
 )
+from specserve.train.lexicon_prompts import WORDNET_DIR, lexicon_prompts
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import AskFn, mt_bench_shingles, self_prompts
 from specserve.train.trainer import TrainConfig, train_head, write_provenance
@@ -43,6 +44,9 @@ class TrainDraftConfig:
     draft_vocab: int = 8192
     text_passages: int = 0  # teacher-forced offline texts (stdlib docstrings) next to the distilled answers
     self_prompts: int = 0  # requests the target writes itself (Magpie), answered like the seed prompts
+    lexicon_prompts: int = 0  # task templates over WordNet's nouns (specserve.train.lexicon_prompts)
+    lexicon_max_new_tokens: int = 128  # their answers: shorter, for more prompts per hour
+    wordnet_dir: Path = WORDNET_DIR
     quick: bool = False
 
     @staticmethod
@@ -131,6 +135,18 @@ def train_draft(
             aux_layers=aux_layers,
         )
         samples += list(iter_samples(text_dir, aux=eagle3))
+    if cfg.lexicon_prompts:
+        lexicon_dir = work_dir / "lexicon"
+        build_dataset(
+            target,
+            tokenizer,
+            answer,
+            lexicon_dir,
+            lexicon_prompts(cfg.lexicon_prompts, cfg.data.seed, cfg.wordnet_dir),
+            replace(cfg.data, max_new_tokens=cfg.lexicon_max_new_tokens),
+            lambda d, n: log(f"lexicon: {d}/{n} conversations"),
+        )
+        samples += list(iter_samples(lexicon_dir, aux=eagle3))
     num_self = 0
     if cfg.self_prompts:
         if ask is None:
@@ -180,6 +196,11 @@ def train_draft(
                 "text_passages": cfg.text_passages,
                 "text_source": "specserve.train.seed_prompts.text_passages: Python standard-library docstrings as "
                 "teacher-forced answers",
+                "lexicon_prompts": cfg.lexicon_prompts,
+                "lexicon_max_new_tokens": cfg.lexicon_max_new_tokens,
+                "lexicon_source": "specserve.train.lexicon_prompts: task templates filled with WordNet 3.0 nouns "
+                "(Debian wordnet-base, /usr/share/wordnet) seen in its tagged corpus, and their glosses; answered "
+                "greedily; none sharing an 8-word run with MT-bench",
                 "self_prompts_asked": cfg.self_prompts,
                 "self_prompts_kept": num_self,
                 "self_source": "specserve.train.self_prompts: user requests the target sampled from its chat "
@@ -224,6 +245,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-passages", type=int, default=0, help="teacher-forced stdlib docstrings to add")
     p.add_argument("--self-prompts", type=int, default=0, help="user requests the target writes itself to ask")
     p.add_argument(
+        "--lexicon-prompts", type=int, default=0, help="task templates over WordNet's nouns (needs wordnet-base)"
+    )
+    p.add_argument("--lexicon-max-new-tokens", type=int, default=128)
+    p.add_argument("--wordnet-dir", type=Path, default=WORDNET_DIR, help="WordNet's dict files (data.noun, ...)")
+    p.add_argument(
         "--kind",
         choices=[k.value for k in HeadKind],
         default=HeadKind.eagle.value,
@@ -262,12 +288,15 @@ def run(args: argparse.Namespace) -> int:
         draft_vocab=args.draft_vocab or cfg.draft_vocab,
         text_passages=args.text_passages,
         self_prompts=args.self_prompts,
+        lexicon_prompts=args.lexicon_prompts,
+        lexicon_max_new_tokens=args.lexicon_max_new_tokens,
+        wordnet_dir=args.wordnet_dir,
     )
     engine = Engine(target, tokenizer, max_batch_size=args.batch_size, max_model_len=1024)
     eos = tokenizer.eos_token_id
 
-    def answer(prompts: list[list[int]]) -> list[list[int]]:
-        params = SamplingParams(max_tokens=cfg.data.max_new_tokens, temperature=0.0)
+    def answer(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
         done = engine.generate(prompts, params)
         return [c.token_ids + ([eos] if c.finish_reason.value == "stop" else []) for c in done]
 
