@@ -235,6 +235,12 @@ def test_lexicon_prompts_draw_on_wordnet_and_never_the_evaluation_set(tmp_path: 
     assert any("a metal pot for boiling water" in p for p in prompts)
     with pytest.raises(WordNetMissing, match="wordnet-base"):
         lexicon_prompts(5, wordnet_dir=tmp_path / "nowhere")
+    thin = tmp_path / "thin"
+    thin.mkdir()
+    (thin / "data.noun").write_text("00001000 06 n 01 kettle 0 000 | a pot  \n")
+    (thin / "cntlist.rev").write_text("kettle%1:06:00:: 1 4\n")
+    with pytest.raises(ValueError, match="no ideas, people, four nouns"):
+        lexicon_prompts(5, wordnet_dir=thin)
 
 
 @pytest.mark.skipif(not (WORDNET_DIR / "data.noun").exists(), reason="the Debian package wordnet-base is not installed")

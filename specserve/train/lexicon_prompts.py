@@ -233,9 +233,10 @@ class _Pools:
         self.people = [n for n in common if n.lexfile == PERSON]
         self.places = [n for n in nouns if n.lexfile == LOCATION and n.lemma[0].isupper()]
         self.all = common
-        for name, pool in (("things", self.things), ("ideas", self.ideas), ("people", self.people)):
-            if not pool:
-                raise ValueError(f"no {name} among the WordNet nouns: is {WORDNET_DIR} complete?")
+        pools = (("things", self.things), ("ideas", self.ideas), ("people", self.people))
+        missing = [name for name, pool in pools if not pool] + (["four nouns"] if len(common) < 4 else [])
+        if missing:  # (the extraction templates list four definitions)
+            raise ValueError(f"the WordNet files hold no {', '.join(missing)}: are they complete?")
         if not self.places:
             self.places = [Noun("a small town", "", LOCATION, 1)]
 
