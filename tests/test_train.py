@@ -16,7 +16,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
 from specserve.spec_decode.eagle_head import HeadKind, dense_weight, load_eagle_head
-from specserve.train.distill import Sample, iter_samples
+from specserve.train.distill import Sample, generate_with_features, greedy_distiller, iter_samples, target_features
 from specserve.train.lexicon_prompts import WORDNET_DIR, WordNetMissing, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import keep_requests, mt_bench_shingles, self_prompts, user_turn_prefix
@@ -68,6 +68,43 @@ def _frozen_target() -> LlamaModel:
 
 def _ttt_config(kind: HeadKind, **kw: object) -> TrainConfig:
     return TrainConfig(kind=kind, aux_layers=(0, 1) if kind == HeadKind.eagle3 else (), **kw)  # type: ignore[arg-type]
+
+
+def _greedy_by_recompute(model: LlamaModel, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    """Reference: every token from a fresh forward over the whole sequence so far (no KV cache reuse, no batch)."""
+    seq = list(prompt)
+    while len(seq) - len(prompt) < max_new and (len(seq) == len(prompt) or seq[-1] not in eos):
+        cache = model.new_cache(1, len(seq))
+        batch = ForwardBatch.build(cache, [cache.allocate()], [seq], num_logits=[1])
+        seq.append(int(model(batch, cache)[-1].argmax()))
+    return seq[len(prompt) :]
+
+
+def test_generating_with_features_gives_greedy_answers_and_the_prefills_features() -> None:
+    model = tiny_model(seed=3)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 9, 2, 7)]
+    free = [_greedy_by_recompute(model, p, 12, set()) for p in prompts]
+    eos = {free[1][3]}  # the second prompt's answer stops at its 4th token; others may stop at it too, or run to 12
+    expected = [_greedy_by_recompute(model, p, 12, eos) for p in prompts]
+    assert len(expected[1]) == 4 and {len(e) for e in expected} != {4}
+    convs, feats = generate_with_features(model, prompts, 12, eos, aux_layers=(0, 1))
+    assert [c.tokens[c.prompt_len :] for c in convs] == expected
+    assert [c.tokens[: c.prompt_len] for c in convs] == prompts
+    ref = target_features(model, convs, (0, 1))
+    assert feats.aux is not None and ref.aux is not None
+    for c, f, a, rf, ra in zip(convs, feats.final, feats.aux, ref.final, ref.aux, strict=True):
+        assert f.shape == (len(c.tokens), 64) and a.shape == (len(c.tokens), 128) and f.dtype == torch.float16
+        torch.testing.assert_close(f, rf, atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(a, ra, atol=2e-2, rtol=1e-2)
+    # in batches of 3 (a batch of 1 left over): the same conversations; EAGLE-1/2 data carries no aux features
+    convs3, feats3 = greedy_distiller(model, eos, batch_size=3)(prompts, 12, ())
+    assert [c.tokens for c in convs3] == [c.tokens for c in convs] and feats3.aux is None
+    assert [f.shape for f in feats3.final] == [f.shape for f in feats.final]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_with_features(model, prompts, 0, eos)
+    with pytest.raises(ValueError, match="positions"):
+        generate_with_features(model, [[5] * 500], 12, eos)  # the tiny model has 512
 
 
 @pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])

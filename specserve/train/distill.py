@@ -1,6 +1,7 @@
 """Self-distillation data for a draft head: the target answers seed prompts through its chat template
-(greedy, as it serves them; answers end in EOS when the target finished), then one prefill over each whole
-conversation records the target's features.
+(greedy; answers end in EOS when the target finished) and its features are recorded, either from the very
+forwards that generate the answers (``greedy_distiller``: nothing computed twice) or, for answers written by any
+other function, from one prefill over each whole conversation afterwards (``prefill_distiller``).
 
 The data set is a directory of chunk files ``chunk_NNNNN.safetensors``, each holding
 ``tokens`` [N] int32 (conversations concatenated), ``offsets`` [S+1] int64, ``prompt_lens`` [S] int64 and
@@ -16,6 +17,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -58,6 +60,101 @@ class Features:
     aux: list[torch.Tensor] | None = None  # per conversation [n_i, A*H] float16 (EAGLE-3)
 
 
+class Distiller(Protocol):
+    """Chat-formatted prompts -> the target's conversations (prompt + answer) and their features."""
+
+    def __call__(
+        self, prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]
+    ) -> tuple[list[Conversation], Features]: ...
+
+
+def prefill_distiller(model: LlamaModel, answer: AnswerFn) -> Distiller:
+    """Answers from ``answer``, then one prefill per conversation for the features."""
+
+    def distill(
+        prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]
+    ) -> tuple[list[Conversation], Features]:
+        convs = [Conversation(p + a, len(p)) for p, a in zip(prompts, answer(prompts, max_new_tokens), strict=True)]
+        return convs, target_features(model, convs, aux_layers)
+
+    return distill
+
+
+def greedy_distiller(model: LlamaModel, eos_ids: set[int], batch_size: int = 64) -> Distiller:
+    """The target's greedy answers with their features from the same forwards (``generate_with_features``),
+    ``batch_size`` conversations at a time."""
+
+    def distill(
+        prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]
+    ) -> tuple[list[Conversation], Features]:
+        convs: list[Conversation] = []
+        feats = Features([], [] if aux_layers else None)
+        for i in range(0, len(prompts), batch_size):
+            c, f = generate_with_features(model, prompts[i : i + batch_size], max_new_tokens, eos_ids, aux_layers)
+            convs += c
+            feats.final += f.final
+            if feats.aux is not None and f.aux is not None:
+                feats.aux += f.aux
+        return convs, feats
+
+    return distill
+
+
+@torch.inference_mode()
+def generate_with_features(
+    model: LlamaModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    aux_layers: tuple[int, ...] = (),
+) -> tuple[list[Conversation], Features]:
+    """Greedy answers to all ``prompts`` at once (one ragged prefill, then one decode row per unfinished answer a
+    step), keeping every forward's hidden states: the features of each conversation's tokens come from the
+    forwards that generated them, so no second prefill. A finished answer (EOS or ``max_new_tokens``) is fed one
+    last time for its final token's features. Rows equal ``target_features``' up to float rounding (a different
+    grouping of the same products)."""
+    if not prompts or min(len(p) for p in prompts) < 1 or max_new_tokens < 1:
+        raise ValueError("generate_with_features needs prompts of at least one token and max_new_tokens >= 1")
+    need = max(len(p) for p in prompts) + max_new_tokens + 1
+    if need > model.max_positions:
+        raise ValueError(f"a prompt and its answer need {need} positions, the model has {model.max_positions}")
+    cache = model.new_cache(len(prompts), need)
+    slots = [cache.allocate() for _ in prompts]
+    answers: list[list[int]] = [[] for _ in prompts]
+    final: list[list[torch.Tensor]] = [[] for _ in prompts]
+    aux: list[list[torch.Tensor]] = [[] for _ in prompts]
+    feed = [list(p) for p in prompts]  # each sequence's tokens not yet through the model
+    active = list(range(len(prompts)))
+    while active:
+        batch = ForwardBatch.build(
+            cache,
+            [slots[i] for i in active],
+            [feed[i] for i in active],
+            num_logits=[1] * len(active),
+            device=model.device,
+        )
+        f, a = model.hidden_states(batch, cache, aux_layers)  # [N, H], [N, A*H] | None
+        nxt = model.logits(f[batch.logit_rows]).argmax(-1).tolist()  # host sync: one per step
+        sizes = list(batch.num_new)
+        a_rows = a.split(sizes) if a is not None else [None] * len(active)
+        still = []
+        for i, fi, ai, tok in zip(active, f.split(sizes), a_rows, nxt, strict=True):
+            final[i].append(fi.to(torch.float16))
+            if ai is not None:
+                aux[i].append(ai.to(torch.float16))
+            ans = answers[i]
+            if ans and (ans[-1] in eos_ids or len(ans) >= max_new_tokens):
+                continue  # that was its last token's feed
+            ans.append(tok)
+            feed[i] = [tok]
+            still.append(i)
+        active = still
+    convs = [Conversation(p + ans, len(p)) for p, ans in zip(prompts, answers, strict=True)]
+    return convs, Features(
+        [torch.cat(rows) for rows in final], [torch.cat(rows) for rows in aux] if aux_layers else None
+    )
+
+
 @torch.inference_mode()
 def target_features(model: LlamaModel, convs: list[Conversation], aux_layers: tuple[int, ...] = ()) -> Features:
     """The target's last hidden state (after the final norm) at every token of each conversation, and the inputs
@@ -76,9 +173,8 @@ def target_features(model: LlamaModel, convs: list[Conversation], aux_layers: tu
 
 
 def build_dataset(
-    model: LlamaModel,
+    distill: Distiller,
     tokenizer: PreTrainedTokenizerBase,
-    answer: AnswerFn,
     out: Path,
     prompts: list[str],
     cfg: DistillConfig,
@@ -86,18 +182,7 @@ def build_dataset(
 ) -> Path:
     """Generate answers and features chunk by chunk into ``out`` (resumable)."""
     size = cfg.chunk_size
-    _distill_chunks(
-        model,
-        tokenizer,
-        answer,
-        out,
-        len(prompts),
-        size,
-        lambda n: prompts[n * size : (n + 1) * size],
-        progress,
-        cfg.aux_layers,
-        cfg.max_new_tokens,
-    )
+    _distill_chunks(distill, tokenizer, out, len(prompts), lambda n: prompts[n * size : (n + 1) * size], cfg, progress)
     (out / "meta.json").write_text(
         json.dumps({"num_prompts": len(prompts), "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens}, indent=1)
     )
@@ -105,10 +190,9 @@ def build_dataset(
 
 
 def build_self_dataset(
-    model: LlamaModel,
+    distill: Distiller,
     tokenizer: PreTrainedTokenizerBase,
     requests: Callable[[int, int], list[str]],
-    answer: AnswerFn,
     out: Path,
     num_requests: int,
     cfg: DistillConfig,
@@ -122,35 +206,30 @@ def build_self_dataset(
     def prompts_of(n: int) -> list[str]:
         return requests(min(size, num_requests - n * size), (cfg.seed << 20) + n)
 
-    _distill_chunks(
-        model, tokenizer, answer, out, num_requests, size, prompts_of, progress, cfg.aux_layers, cfg.max_new_tokens
-    )
+    _distill_chunks(distill, tokenizer, out, num_requests, prompts_of, cfg, progress)
     return out
 
 
 def _distill_chunks(
-    model: LlamaModel,
+    distill: Distiller,
     tokenizer: PreTrainedTokenizerBase,
-    answer: AnswerFn,
     out: Path,
     total: int,
-    chunk_size: int,
     prompts_of: Callable[[int], list[str]],
+    cfg: DistillConfig,
     progress: ProgressFn | None,
-    aux_layers: tuple[int, ...] = (),
-    max_new_tokens: int = 256,
 ) -> None:
-    """Chunk ``n`` of ``ceil(total / chunk_size)``: ``prompts_of(n)`` answered by the target, with its features;
-    chunks already on disk are skipped (``prompts_of`` is not called for them)."""
+    """Chunk ``n`` of ``ceil(total / cfg.chunk_size)``: ``prompts_of(n)`` answered by the target, with its
+    features; chunks already on disk are skipped (``prompts_of`` is not called for them)."""
     out.mkdir(parents=True, exist_ok=True)
-    for n in range(-(-total // chunk_size)):
+    for n in range(-(-total // cfg.chunk_size)):
         path = out / f"chunk_{n:05d}.safetensors"
         if not path.exists():
             ids = [chat_ids(tokenizer, p) for p in prompts_of(n)]
-            convs = [Conversation(p + a, len(p)) for p, a in zip(ids, answer(ids, max_new_tokens), strict=True)]
-            write_chunk(path, convs, target_features(model, convs, aux_layers))
+            if ids:  # (a chunk of self-written requests may have none left after filtering)
+                write_chunk(path, *distill(ids, cfg.max_new_tokens, cfg.aux_layers))
         if progress is not None:
-            progress(min((n + 1) * chunk_size, total), total)
+            progress(min((n + 1) * cfg.chunk_size, total), total)
 
 
 def build_text_dataset(

@@ -21,12 +21,13 @@ from transformers import PreTrainedTokenizerBase
 from specserve.models.llama import LlamaModel
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers, save_eagle_head
 from specserve.train.distill import (
-    AnswerFn,
     DistillConfig,
+    Distiller,
     build_dataset,
     build_self_dataset,
     build_text_dataset,
     chat_ids,
+    greedy_distiller,
     iter_samples,
 )
 from specserve.train.lexicon_prompts import WORDNET_DIR, lexicon_prompts
@@ -104,7 +105,7 @@ def sha256(path: Path) -> str:
 def train_draft(
     target: LlamaModel,
     tokenizer: PreTrainedTokenizerBase,
-    answer: AnswerFn,
+    distill: Distiller,
     cfg: TrainDraftConfig,
     work_dir: Path,
     out_dir: Path,
@@ -119,9 +120,7 @@ def train_draft(
     cfg = replace(cfg, train=replace(cfg.train, aux_layers=aux_layers), data=replace(cfg.data, aux_layers=aux_layers))
     data_dir = work_dir / "data"
     prompts = seed_prompts(cfg.data.num_prompts, cfg.data.seed)
-    build_dataset(
-        target, tokenizer, answer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations")
-    )
+    build_dataset(distill, tokenizer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations"))
     samples = list(iter_samples(data_dir, aux=eagle3))
     if cfg.text_passages:
         pairs = text_passages(cfg.text_passages, cfg.data.seed)
@@ -138,9 +137,8 @@ def train_draft(
     if cfg.lexicon_prompts:
         lexicon_dir = work_dir / "lexicon"
         build_dataset(
-            target,
+            distill,
             tokenizer,
-            answer,
             lexicon_dir,
             lexicon_prompts(cfg.lexicon_prompts, cfg.data.seed, cfg.wordnet_dir),
             replace(cfg.data, max_new_tokens=cfg.lexicon_max_new_tokens),
@@ -158,10 +156,9 @@ def train_draft(
 
         self_dir = work_dir / "self"
         build_self_dataset(
-            target,
+            distill,
             tokenizer,
             requests,
-            answer,
             self_dir,
             cfg.self_prompts,
             cfg.data,
@@ -261,6 +258,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specserve.build import eos_ids_of
     from specserve.config import ModelSpec
     from specserve.engine import Engine
     from specserve.models.loader import load_model, load_tokenizer
@@ -293,12 +291,7 @@ def run(args: argparse.Namespace) -> int:
         wordnet_dir=args.wordnet_dir,
     )
     engine = Engine(target, tokenizer, max_batch_size=args.batch_size, max_model_len=1024)
-    eos = tokenizer.eos_token_id
-
-    def answer(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-        done = engine.generate(prompts, params)
-        return [c.token_ids + ([eos] if c.finish_reason.value == "stop" else []) for c in done]
+    distill = greedy_distiller(target, eos_ids_of(target.hf_config.eos_token_id, tokenizer), args.batch_size)
 
     def ask(prefix: list[int], n: int, seed: int) -> list[list[int] | None]:
         sample = SamplingParams(max_tokens=ASK_MAX_TOKENS, temperature=1.0, top_p=0.95)
@@ -308,6 +301,6 @@ def run(args: argparse.Namespace) -> int:
 
     command = "specserve train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])
     work = args.work_dir or args.out / "work"
-    train_draft(target, tokenizer, answer, cfg, work, args.out, ask=ask, command=command)
+    train_draft(target, tokenizer, distill, cfg, work, args.out, ask=ask, command=command)
     print(f"wrote {args.out}")
     return 0
