@@ -381,3 +381,15 @@ def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(tmp_path: Pat
     drafted = Engine(target, tok, draft=head, speculation=spec).generate(prompts, params)
     assert drafted[0].token_ids == plain[0].token_ids
     assert drafted[0].stats.draft_steps > 0
+
+
+def test_bench_distill_both_data_steps_write_the_engines_greedy_conversations(tmp_path: Path) -> None:
+    import csv
+
+    from specserve.cli import main
+
+    assert main(["bench", "distill", "--tiny", "--prompts", "6", "--max-new-tokens", "16", "--repeats", "1",
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    rows = list(csv.DictReader((tmp_path / "distill.csv").open()))
+    assert [r["data step"] for r in rows] == ["answers, then a prefill each", "features from generation"]
+    assert [int(r["same conversations"]) for r in rows] == [6, 6]
