@@ -217,7 +217,9 @@ class SpecConfig(BaseModel):
     beam_width: int = Field(default=10, ge=1, le=64, description="EAGLE-2 w (top_k)")
     budget: int = Field(default=60, ge=2, le=1024, description="EAGLE-2 T: verified nodes incl. the root")
     ddd_max_depth: int = Field(default=11, ge=1, le=64, description="DDD n")
-    ddd_check_steps: tuple[int, ...] = (5, 7, 9)
+    ddd_check_steps: tuple[int, ...] = Field(
+        default=(5, 7, 9), description="DDD S: the draft forwards after which H is read (increasing, >= 1)"
+    )
     ddd_threshold: float = Field(default=-0.3, le=0.0, description="DDD x: stop when H_d < x at a check step")
     ddd_check_every_step: bool = False  # read H on the host after every level (for comparison)
     ddd_count_first_forward: bool = Field(
@@ -225,6 +227,13 @@ class SpecConfig(BaseModel):
         description="check step d = the d-th draft forward, the first (the root's) included; False: count the "
         "forwards after it, as EAGLE-2's depth loop does (every check then happens one level deeper)",
     )
+
+    @model_validator(mode="after")
+    def _check_steps_increasing(self) -> SpecConfig:
+        steps = self.ddd_check_steps
+        if not steps or min(steps) < 1 or list(steps) != sorted(set(steps)):
+            raise ValueError(f"ddd_check_steps must be increasing draft forwards >= 1, got {list(steps)}")
+        return self
 
     @property
     def static_depth(self) -> int:

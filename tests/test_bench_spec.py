@@ -97,3 +97,39 @@ def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) 
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnsupportedModelError, match=r"no model\.safetensors"):
         draft_pairs(parser.parse_args(["--heads", str(tmp_path / "empty")]))
+
+
+def test_tree_depths_and_ddd_check_steps_become_methods() -> None:
+    import argparse
+
+    from specserve.bench.spec import add_args, methods_for
+    from specserve.config import SpecMethod
+    from specserve.models.tiny import tiny_model
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    argv = [
+        "--methods",
+        "eagle2",
+        "ddd",
+        "--budget",
+        "8",
+        "--tree-depth",
+        "2",
+        "3",
+        "9",
+        "--ddd-checks",
+        "2,3,4",
+        "5,7,9",
+    ]
+    model = tiny_model(seed=0)
+    methods = methods_for(parser.parse_args(argv), "smollm2-eagle", model, model, [])
+    names = ["EAGLE-2 D=2 T=8", "EAGLE-2 D=3 T=8", "EAGLE-2 D=7 T=8"]  # a depth past T - 1 is capped
+    names += ["DDD x=-0.3 checks=2,3,4 T=8", "DDD x=-0.3 checks=5,7,9 T=8"]
+    assert [m.name for m in methods] == names
+    assert [m.spec.tree_depth for m in methods[:3]] == [2, 3, 9]
+    assert [m.spec.ddd_check_steps for m in methods[3:]] == [(2, 3, 4), (5, 7, 9)]
+    assert all(m.spec.method == SpecMethod.ddd and m.spec.budget == 8 for m in methods[3:])
+    for bad in ("3,2", "0,1", "a,b"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--ddd-checks", bad])

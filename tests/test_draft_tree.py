@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from specserve.config import SpecConfig, SpecMethod
@@ -80,6 +81,12 @@ def _run_trees(states: list[DraftState], peaked: list[bool], vocab: int = 50) ->
         return [logits_for(s.item.seq_id, len(t)) for s, t in zip(sts, tokens, strict=True)]
 
     return grow_trees([(s, logits_for(s.item.seq_id, 1)) for s in states], forward, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("steps", [(), (0, 3), (5, 3), (3, 3)])
+def test_ddd_check_steps_must_be_increasing_forwards(steps: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="ddd_check_steps"):
+        SpecConfig(method=SpecMethod.ddd, ddd_check_steps=steps)
 
 
 def test_ddd_stops_each_sequence_on_its_own_h_and_syncs_only_at_check_steps() -> None:

@@ -67,7 +67,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ddd-x", type=float, nargs="+", default=[None], help="DDD threshold(s) x (default: config)")
     p.add_argument("--beam-width", type=int, default=None, help="EAGLE-2 w (default: SpecConfig)")
     p.add_argument("--budget", type=int, nargs="+", default=[0], help="tree verify budget(s) T; 0 = auto-tune")
-    p.add_argument("--tree-depth", type=int, default=None, help="EAGLE-2 depth D (default: SpecConfig)")
+    p.add_argument("--tree-depth", type=int, nargs="+", default=[None], help="EAGLE-2 depth(s) D (default: SpecConfig)")
+    p.add_argument(
+        "--ddd-checks",
+        type=_check_steps,
+        nargs="+",
+        default=[None],
+        help="DDD check steps to compare, each comma-separated, e.g. 5,7,9 2,3,4 (default: SpecConfig)",
+    )
     p.add_argument("--ddd-max-depth", type=int, default=None, help="DDD n (default: SpecConfig)")
     p.add_argument(
         "--draft-vocab", type=int, nargs="+", default=None, help="heads: reduced vocabulary size(s) V_d to compare"
@@ -103,8 +110,18 @@ class Method:
     guard: bool = False  # the throughput guard on
 
 
+def _check_steps(text: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"check steps are comma-separated integers, got {text!r}") from None
+    if not steps or min(steps) < 1 or list(steps) != sorted(set(steps)):
+        raise argparse.ArgumentTypeError(f"check steps must be increasing and >= 1, got {text!r}")
+    return steps
+
+
 def _tree_fields(args: argparse.Namespace) -> dict[str, object]:
-    fields = {"beam_width": args.beam_width, "tree_depth": args.tree_depth, "ddd_max_depth": args.ddd_max_depth}
+    fields = {"beam_width": args.beam_width, "ddd_max_depth": args.ddd_max_depth}
     return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -135,15 +152,21 @@ def methods_for(
                 )
         label = f"T={t}" + (" (auto)" if budget == 0 else "")
         if "eagle2" in args.methods:
-            capped = tree.model_copy(update={"budget": t})  # drafts at most T - 1 levels
-            model.append(Method(f"EAGLE-2 D={capped.static_depth} {label}", pair, capped))
+            for depth in args.tree_depth:
+                depth_field = {} if depth is None else {"tree_depth": depth}
+                capped = tree.model_copy(update={"budget": t, **depth_field})  # drafts at most T - 1 levels
+                model.append(Method(f"EAGLE-2 D={capped.static_depth} {label}", pair, capped))
         if "ddd" in args.methods:
-            for x in args.ddd_x:
-                update: dict[str, object] = {"method": SpecMethod.ddd, "budget": t}
-                if x is not None:
-                    update["ddd_threshold"] = x
-                spec = tree.model_copy(update=update)
-                model.append(Method(f"DDD x={spec.ddd_threshold:g} {label}", pair, spec))
+            for checks in args.ddd_checks:
+                for x in args.ddd_x:
+                    update: dict[str, object] = {"method": SpecMethod.ddd, "budget": t}
+                    if x is not None:
+                        update["ddd_threshold"] = x
+                    if checks is not None:
+                        update["ddd_check_steps"] = checks
+                    spec = tree.model_copy(update=update)
+                    shown = "" if checks is None else f" checks={','.join(map(str, checks))}"
+                    model.append(Method(f"DDD x={spec.ddd_threshold:g}{shown} {label}", pair, spec))
     return _with_dsde(args, model) + out + _guarded(args, pair)
 
 
