@@ -108,23 +108,11 @@ def test_tree_depths_and_ddd_check_steps_become_methods() -> None:
 
     parser = argparse.ArgumentParser()
     add_args(parser)
-    argv = [
-        "--methods",
-        "eagle2",
-        "ddd",
-        "--budget",
-        "8",
-        "--tree-depth",
-        "2",
-        "3",
-        "9",
-        "--ddd-checks",
-        "2,3,4",
-        "5,7,9",
-    ]
+    argv = ["--methods", "eagle2", "ddd", "--budget", "8", "--tree-depth", "2", "3", "9", "12"]
+    argv += ["--ddd-checks", "2,3,4", "5,7,9"]
     model = tiny_model(seed=0)
     methods = methods_for(parser.parse_args(argv), "smollm2-eagle", model, model, [])
-    names = ["EAGLE-2 D=2 T=8", "EAGLE-2 D=3 T=8", "EAGLE-2 D=7 T=8"]  # a depth past T - 1 is capped
+    names = ["EAGLE-2 D=2 T=8", "EAGLE-2 D=3 T=8", "EAGLE-2 D=7 T=8"]  # depths past T - 1 are capped (once)
     names += ["DDD x=-0.3 checks=2,3,4 T=8", "DDD x=-0.3 checks=5,7,9 T=8"]
     assert [m.name for m in methods] == names
     assert [m.spec.tree_depth for m in methods[:3]] == [2, 3, 9]

@@ -152,10 +152,13 @@ def methods_for(
                 )
         label = f"T={t}" + (" (auto)" if budget == 0 else "")
         if "eagle2" in args.methods:
+            depths: list[int] = []
             for depth in args.tree_depth:
                 depth_field = {} if depth is None else {"tree_depth": depth}
                 capped = tree.model_copy(update={"budget": t, **depth_field})  # drafts at most T - 1 levels
-                model.append(Method(f"EAGLE-2 D={capped.static_depth} {label}", pair, capped))
+                if capped.static_depth not in depths:  # two depths past T - 1 draft the same tree
+                    depths.append(capped.static_depth)
+                    model.append(Method(f"EAGLE-2 D={capped.static_depth} {label}", pair, capped))
         if "ddd" in args.methods:
             for checks in args.ddd_checks:
                 for x in args.ddd_x:
