@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from specserve.config import (
     MODEL_PAIRS,
     SERVING_MAX_STEP_TOKENS,
-    SERVING_SPECULATION,
     SERVING_THROUGHPUT_GUARD,
     DraftSpec,
     DType,
@@ -19,6 +18,7 @@ from specserve.config import (
     SpecConfig,
     SpecMethod,
     default_pair,
+    serving_speculation,
 )
 from specserve.errors import SpecServeError
 from specserve.sampling import SamplingParams
@@ -43,7 +43,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     target = ModelSpec(source=args.model, dtype=DType(args.dtype))
     draft = _draft_for(args.draft, target, args.device)
-    speculation = SERVING_SPECULATION if draft is not None else SpecConfig(method=SpecMethod.none)
+    pair = _pair_for(args.draft, target, args.device)
+    speculation = serving_speculation(pair) if draft is not None else SpecConfig(method=SpecMethod.none)
     if draft is not None and args.method is not None:
         speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
     engine = Engine.from_config(
@@ -69,16 +70,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair_for(name: str, target: ModelSpec, device: str = "cpu") -> str | None:
+    """The built-in pair a --draft value names: 'auto' is the default pair of this device when its target is this
+    one; None for 'none', a head directory, or another target."""
+    if name == "auto":
+        pair = default_pair(device)
+        return pair if MODEL_PAIRS[pair][0] == target else None
+    return name if name in MODEL_PAIRS else None
+
+
 def _draft_for(name: str, target: ModelSpec, device: str = "cpu") -> DraftSpec | None:
     """'auto': the default pair's draft for this device when its target is this one (else none); 'none'; a pair
     name; or a head directory."""
-    if name == "none":
-        return None
-    if name == "auto":
-        pair = MODEL_PAIRS[default_pair(device)]
-        return pair[1] if pair[0] == target else None
-    if name in MODEL_PAIRS:
-        return MODEL_PAIRS[name][1]
+    if name in ("none", "auto") or name in MODEL_PAIRS:
+        pair = _pair_for(name, target, device)
+        return None if pair is None else MODEL_PAIRS[pair][1]
     return HeadSpec(head=name)
 
 
@@ -115,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     g.add_argument(
-        "--draft", default="auto", help="'auto' (the shipped head for the built-in target), 'none', a pair, a head dir"
+        "--draft",
+        default="auto",
+        help="'auto' (the device's default pair for the built-in target), 'none', a pair, a head dir",
     )
     g.add_argument("--method", default=None, choices=[m.value for m in SpecMethod if m != SpecMethod.none])
     g.set_defaults(func=_generate)

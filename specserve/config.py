@@ -351,6 +351,18 @@ def default_pair(device: str) -> str:
 # behind the throughput guard, which keeps plain decoding at batch sizes where speculation measures slower.
 # `deployments/app.yaml` states the same values (a test checks it) and `specserve generate` uses them.
 SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde)
+# Pairs whose fastest lossless mode measured here is another: the SmolLM2 EAGLE-3 head's trees pay for 2 levels,
+# not for the 5 that DDD's paper check steps draft (docs/benchmarks.md, "Tree shape"; `specserve generate`).
+PAIR_SPECULATION: dict[str, SpecConfig] = {
+    "smollm2-eagle": SpecConfig(method=SpecMethod.ddd, budget=8, ddd_check_steps=(2, 3, 4)),
+}
+
+
+def serving_speculation(pair: str | None) -> SpecConfig:
+    """What a pair speculates with by default (``SERVING_SPECULATION`` unless measured otherwise)."""
+    return PAIR_SPECULATION.get(pair or "", SERVING_SPECULATION)
+
+
 SERVING_THROUGHPUT_GUARD = True
 # At batch 16 DSDE's ~12-token chains make each step draft ~12 levels for every row; a 64-token step budget
 # keeps SL ~3 there (1.38x plain in steady state) and does not bind at batch 1-4 (docs/benchmarks.md).

@@ -281,6 +281,19 @@ def test_generate_drafts_with_the_default_pair_of_its_device() -> None:
     assert _draft_for("none", ModelSpec()) is None
 
 
+def test_generate_speculates_as_measured_fastest_for_its_pair() -> None:
+    from specserve.cli import _pair_for
+    from specserve.config import SERVING_SPECULATION, serving_speculation
+
+    assert _pair_for("auto", ModelSpec(), "cpu") == "smollm2-q4"
+    assert serving_speculation("smollm2-q4") == SERVING_SPECULATION  # DSDE chains of the 4-bit copy
+    head = serving_speculation(_pair_for("auto", ModelSpec(), "cuda:0"))  # the EAGLE-3 head: shallow DDD trees
+    assert head.method == SpecMethod.ddd and head.ddd_check_steps == (2, 3, 4) and head.budget == 8
+    assert _pair_for("smollm2-eagle", ModelSpec()) == "smollm2-eagle"
+    assert _pair_for("/some/head/dir", ModelSpec()) is None and _pair_for("none", ModelSpec()) is None
+    assert serving_speculation(None) == SERVING_SPECULATION  # a head directory: the serving default
+
+
 def test_lane_limits_match_the_engine() -> None:
     target = tiny_model(tiny_config(), seed=0)
     info = ModelInfo(target.cfg.vocab_size, target.max_positions, frozenset({2}))
