@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from load.client import StreamStats, check_loopback, parse_sse_line
 from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
 from specserve.bench.batch_sweep import run_one
-from specserve.bench.policies import CAP_LABELS, STUDY_POLICIES, PolicyName, policy_specs
+from specserve.bench.policies import CAP_LABELS, STUDY_POLICIES, PolicyName, check_steps_arg, policy_specs
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import (
     SWEEP_COLS,
@@ -78,6 +78,7 @@ class StudyConfig(BaseModel):
     max_sl: int | None = Field(default=None, ge=1, description="every speculative policy's ceiling on SL / depth")
     budget: int = Field(default=16, ge=2)
     beam_width: int = Field(default=4, ge=1)
+    ddd_check_steps: tuple[int, ...] | None = Field(default=None, description="DDD's check steps (None: the paper's)")
     max_step_tokens: int = Field(default=0, ge=0, description="cap on tokens verified per step (0 = off)")
     guard: bool = Field(default=False, description="the engine's throughput guard (speculate only where it pays)")
     warm_guard: bool = Field(
@@ -111,7 +112,12 @@ class StudyConfig(BaseModel):
         return self.max_prompt_tokens if self.max_prompt_tokens is not None or self.pair != TINY_PAIR else 96
 
     def specs(self) -> dict[PolicyName, SpecConfig]:
-        table = policy_specs(static_sl=self.static_sl, beam_width=self.beam_width, budget=self.budget)
+        table = policy_specs(
+            static_sl=self.static_sl,
+            beam_width=self.beam_width,
+            budget=self.budget,
+            ddd_check_steps=self.ddd_check_steps,
+        )
         cap = {} if self.max_sl is None else {"max_sl": self.max_sl}
         return {p: table[p] if p == PolicyName.plain else table[p].model_copy(update=cap) for p in self.policies}
 
@@ -529,6 +535,13 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--max-sl", type=int, default=None, help="ceiling on every speculative policy's SL / depth")
     p.add_argument("--budget", type=int, default=d.budget)
     p.add_argument("--beam-width", type=int, default=d.beam_width)
+    p.add_argument(
+        "--ddd-checks",
+        dest="ddd_check_steps",
+        type=check_steps_arg,
+        default=None,
+        help="DDD's check steps, comma-separated (default: the paper's 5,7,9)",
+    )
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
     p.add_argument("--guard", action="store_true", help="the engine's throughput guard")
     p.add_argument("--warm-guard", action="store_true", help="with --guard: one guard per policy across its runs")

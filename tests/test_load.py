@@ -534,6 +534,14 @@ def test_study_max_sl_caps_every_speculative_policy() -> None:
         p: 2 for p in PolicyName if p != PolicyName.plain
     }
     assert straggler.parse_args(["--pair", "tiny", "--max-sl", "3"]).specs()[PolicyName.dsde_cap].max_sl == 3
+    trees = straggler.parse_args(["--pair", "tiny", "--ddd-checks", "2,3,4", "--budget", "8"]).specs()
+    assert trees[PolicyName.ddd].ddd_check_steps == trees[PolicyName.dsde_ddd].ddd_check_steps == (2, 3, 4)
+    assert trees[PolicyName.ddd].budget == 8
+    assert straggler.parse_args(["--pair", "tiny"]).specs()[PolicyName.ddd].ddd_check_steps == (5, 7, 9)
+    with pytest.raises(SystemExit):
+        straggler.parse_args(["--pair", "tiny", "--ddd-checks", "4,2"])
+    with pytest.raises(ValueError, match="ddd_check_steps"):
+        straggler.StudyConfig(pair="tiny", ddd_check_steps=(0, 2)).specs()
 
 
 def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None:

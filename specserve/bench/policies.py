@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 from enum import Enum
 
 from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
@@ -56,11 +57,15 @@ CAP_PAIRS = {  # drafting -> (DSDE with SL_cap, DSDE without)
 CAP_LABELS = {drafting: (cap.label, nocap.label) for drafting, (cap, nocap) in CAP_PAIRS.items()}  # for tables
 
 
-def policy_specs(*, static_sl: int = 4, beam_width: int = 4, budget: int = 16) -> dict[PolicyName, SpecConfig]:
+def policy_specs(
+    *, static_sl: int = 4, beam_width: int = 4, budget: int = 16, ddd_check_steps: tuple[int, ...] | None = None
+) -> dict[PolicyName, SpecConfig]:
     """Every policy's speculation settings. Chains keep ``chain_draft = sampled`` (greedy requests draft greedily
-    anyway); trees use beam width ``beam_width`` and verify budget ``budget``."""
+    anyway); trees use beam width ``beam_width``, verify budget ``budget`` and DDD's check steps (None: the
+    paper's)."""
     dsde, no_cap = SLPolicyKind.dsde, DSDEConfig(cap_enabled=False)
-    ddd = SpecConfig(method=SpecMethod.ddd, beam_width=beam_width, budget=budget)
+    checks = SpecConfig().ddd_check_steps if ddd_check_steps is None else ddd_check_steps
+    ddd = SpecConfig(method=SpecMethod.ddd, beam_width=beam_width, budget=budget, ddd_check_steps=checks)
     return {
         PolicyName.plain: SpecConfig(method=SpecMethod.none),
         PolicyName.static: SpecConfig(method=SpecMethod.chain, sl=static_sl),
@@ -70,3 +75,14 @@ def policy_specs(*, static_sl: int = 4, beam_width: int = 4, budget: int = 16) -
         PolicyName.dsde_ddd: ddd.model_copy(update={"policy": dsde}),
         PolicyName.dsde_ddd_nocap: ddd.model_copy(update={"policy": dsde, "dsde": no_cap}),
     }
+
+
+def check_steps_arg(text: str) -> tuple[int, ...]:
+    """A command line's DDD check steps: comma-separated increasing forwards, e.g. 2,3,4."""
+    try:
+        steps = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"check steps are comma-separated integers, got {text!r}") from None
+    if not steps or min(steps) < 1 or list(steps) != sorted(set(steps)):
+        raise argparse.ArgumentTypeError(f"check steps must be increasing and >= 1, got {text!r}")
+    return steps

@@ -24,6 +24,7 @@ from typing import cast
 import torch
 
 from specserve.bench.machine import cpu_summary
+from specserve.bench.policies import check_steps_arg
 from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import (
@@ -70,7 +71,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=int, nargs="+", default=[None], help="EAGLE-2 depth(s) D (default: SpecConfig)")
     p.add_argument(
         "--ddd-checks",
-        type=_check_steps,
+        type=check_steps_arg,
         nargs="+",
         default=[None],
         help="DDD check steps to compare, each comma-separated, e.g. 5,7,9 2,3,4 (default: SpecConfig)",
@@ -108,16 +109,6 @@ class Method:
     draft: str  # the pair whose draft it uses ("" for plain decoding and model-free drafters alone)
     spec: SpecConfig
     guard: bool = False  # the throughput guard on
-
-
-def _check_steps(text: str) -> tuple[int, ...]:
-    try:
-        steps = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"check steps are comma-separated integers, got {text!r}") from None
-    if not steps or min(steps) < 1 or list(steps) != sorted(set(steps)):
-        raise argparse.ArgumentTypeError(f"check steps must be increasing and >= 1, got {text!r}")
-    return steps
 
 
 def _tree_fields(args: argparse.Namespace) -> dict[str, object]:
