@@ -393,3 +393,35 @@ def test_bench_distill_both_data_steps_write_the_engines_greedy_conversations(tm
     rows = list(csv.DictReader((tmp_path / "distill.csv").open()))
     assert [r["data step"] for r in rows] == ["answers, then a prefill each", "features from generation"]
     assert [int(r["same conversations"]) for r in rows] == [6, 6]
+
+
+def test_depth_zero_agreement_is_the_serving_heads_top_1_against_the_targets() -> None:
+    """bench agreement at depth 0 against the head run the way drafting runs it (its own KV cache over the true
+    pairs), its argmax mapped to target ids, compared with the target's argmax; out-of-vocabulary tokens miss."""
+    from specserve.bench.agreement import depth_agreement
+    from specserve.models.tiny import tiny_head
+
+    target = tiny_model(seed=2)
+    head = tiny_head(target, seed=3, std=0.5)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 512, (30,), generator=gen)
+    prompt_len = 9
+    cache = target.new_cache(1, 30)
+    final = target.final_hidden(ForwardBatch.build(cache, [cache.allocate()], [tokens.tolist()]), cache)  # [30, H]
+    lm = dense_weight(target.lm_head).float()
+    target_next = (final @ lm.t()).argmax(-1)  # the target's token after each position
+    # a few-token draft vocabulary holding every 4th scored target token: a random head then hits some of them,
+    # and the other scored tokens cannot be drafted at all
+    vocab = sorted({int(target_next[j + 1]) for j in range(prompt_len - 2, 28, 4)})
+    head.set_draft_vocab(torch.tensor(vocab))
+    hcache = head.new_cache(1, 30)
+    batch = ForwardBatch.build(hcache, [hcache.allocate()], [tokens[1:].tolist()], positions=[list(range(29))])
+    drafted = head.draft_ids[head.logits(head(batch.tokens, head.fuse(final[:-1]), batch, hcache)).argmax(-1)]
+    # pair j (token j+1, feature j) drafts token j+2; scored: the answer's tokens after its first
+    hits = [int(drafted[j] == target_next[j + 1]) for j in range(prompt_len - 2, 28)]
+    in_vocab = [int(int(target_next[j + 1]) in vocab) for j in range(prompt_len - 2, 28)]
+    rate, agree = depth_agreement(head, lm, tokens, final, None, prompt_len, depths=2)
+    assert 0 < sum(in_vocab) < len(in_vocab) and sum(hits) > 0  # both kinds of position occur
+    assert rate == pytest.approx(sum(in_vocab) / len(in_vocab))
+    assert agree[0] == pytest.approx(sum(hits) / len(hits))
+    assert 0 <= agree[1] <= rate

@@ -1,0 +1,118 @@
+"""`specserve bench agreement`: how often an EAGLE head's top-1 draft is the target's own next token, per draft
+depth, teacher-forced on answers the target wrote greedily (MT-bench first turns, held-out seed prompts, held-out
+lexicon prompts). Depth d is the head's d-th unrolled step from a root whose earlier pairs are the target's: what
+a chain or tree node at depth d drafts. A position whose target token lies outside the head's draft vocabulary
+counts as a miss; the table also gives how often the target's token is in that vocabulary.
+
+    .venv/bin/specserve bench agreement --heads smollm2-eagle3 /path/to/other/head --per-set 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from specserve.bench.prompt_sets import mt_bench_prompts
+from specserve.bench.stats import markdown_table, write_csv
+from specserve.config import MODEL_PAIRS, HeadSpec
+from specserve.engine import Engine
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_draft, load_model, load_tokenizer
+from specserve.sampling import SamplingParams
+from specserve.spec_decode.eagle_head import EagleHead, dense_weight
+from specserve.train.distill import Conversation, chat_ids, target_features
+from specserve.train.lexicon_prompts import lexicon_prompts
+from specserve.train.seed_prompts import seed_prompts
+from specserve.train.trainer import TrainConfig, ttt_loss
+
+SETS = ("mt-bench", "seeds", "lexicon")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heads", nargs="+", default=["smollm2-eagle3"], help="shipped head names or head directories")
+    p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
+    p.add_argument("--per-set", type=int, default=10, help="prompts per set")
+    p.add_argument("--max-tokens", type=int, default=128, help="greedy answer tokens per prompt")
+    p.add_argument("--depths", type=int, default=3)
+    p.add_argument("--seed-offset", type=int, default=3900, help="held-out seed prompts start here")
+    p.add_argument("--lexicon-offset", type=int, default=9600, help="held-out lexicon prompts start here")
+    p.add_argument("--out", type=Path, default=Path("bench_out/agreement"))
+
+
+@torch.inference_mode()
+def depth_agreement(
+    head: EagleHead,
+    lm_full: torch.Tensor,  # [V, H] the target's LM head
+    tokens: torch.Tensor,  # [n] long: prompt + answer
+    final: torch.Tensor,  # [n, H] the target's final-norm hidden states
+    aux: torch.Tensor | None,  # [n, A*H] EAGLE-3 aux features
+    prompt_len: int,
+    depths: int,
+) -> tuple[float, list[float]]:
+    """(share of answer positions whose target token is in the draft vocabulary, agreement at depth 0..depths-1)
+    over the answer tokens after the first."""
+    n = tokens.shape[0]
+    target_next = (final.float() @ lm_full.t()).argmax(-1)  # [n] the target's token after position i
+    in_vocab = torch.zeros(lm_full.shape[0], dtype=torch.bool)
+    in_vocab[head.draft_ids] = True
+    inv = in_vocab[target_next].float()  # [n]
+    weight = torch.zeros(1, n)
+    weight[0, prompt_len - 2 : n - 2] = 1.0  # row j predicts token j + 2: the answer's tokens after its first
+    weight[0, : n - 1] *= inv[1:]  # scored where the target's token is one the head can draft
+    feats = None if aux is None else aux.float()[None]
+    _, stats = ttt_loss(
+        head, tokens[None], final.float()[None], weight, lm_full[head.draft_ids], TrainConfig(unroll=depths), aux=feats
+    )
+    rate = float(inv[prompt_len - 1 : n - 1].mean())
+    return rate, [stats[f"acc{d}"] * rate for d in range(depths)]
+
+
+def _prompts(name: str, args: argparse.Namespace) -> list[str]:
+    n = args.per_set
+    if name == "mt-bench":
+        turns = [p.text for p in mt_bench_prompts()]
+        return turns[:: max(1, len(turns) // n)][:n]
+    if name == "seeds":
+        return seed_prompts(args.seed_offset + n, 0)[args.seed_offset :]
+    return lexicon_prompts(args.lexicon_offset + n, 0)[args.lexicon_offset :]
+
+
+def run(args: argparse.Namespace) -> int:
+    target_spec = MODEL_PAIRS["smollm2-eagle"][0]
+    target: LlamaModel = load_model(target_spec)
+    tokenizer = load_tokenizer(target_spec)
+    heads = {h: load_draft(HeadSpec(head=h, draft_vocab=None), target) for h in args.heads}
+    engine = Engine(target, tokenizer, max_batch_size=args.per_set, max_model_len=1024)
+    lm_full = dense_weight(target.lm_head).float()
+    rows = []
+    for name in args.sets:
+        ids = [chat_ids(tokenizer, p) for p in _prompts(name, args)]
+        done = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+        convs = [Conversation(p + c.token_ids, len(p)) for p, c in zip(ids, done, strict=True)]
+        for label, head in heads.items():
+            assert isinstance(head, EagleHead)
+            feats = target_features(target, convs, head.cfg.aux_layers)
+            per_conv = [
+                depth_agreement(
+                    head,
+                    lm_full,
+                    torch.tensor(c.tokens),
+                    feats.final[i],
+                    None if feats.aux is None else feats.aux[i],
+                    c.prompt_len,
+                    args.depths,
+                )
+                for i, c in enumerate(convs)
+            ]
+            row: dict[str, object] = {"set": name, "head": label, "prompts": len(convs)}
+            row["in_vocab"] = statistics.mean(r for r, _ in per_conv)
+            for d in range(args.depths):
+                row[f"agree_d{d}"] = statistics.mean(a[d] for _, a in per_conv)
+            rows.append(row)
+            print(markdown_table([row]).splitlines()[-1], flush=True)
+    print(markdown_table(rows))
+    write_csv(args.out / "agreement.csv", rows)
+    return 0
