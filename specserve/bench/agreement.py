@@ -23,7 +23,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead, dense_weight
-from specserve.train.distill import Conversation, chat_ids, target_features
+from specserve.train.distill import Conversation, Features, chat_ids, target_features
 from specserve.train.lexicon_prompts import lexicon_prompts
 from specserve.train.seed_prompts import seed_prompts
 from specserve.train.trainer import TrainConfig, ttt_loss
@@ -92,9 +92,13 @@ def run(args: argparse.Namespace) -> int:
         ids = [chat_ids(tokenizer, p) for p in _prompts(name, args)]
         done = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
         convs = [Conversation(p + c.token_ids, len(p)) for p, c in zip(ids, done, strict=True)]
+        features: dict[tuple[int, ...], Features] = {}  # one prefill per set and kind of feature, for all heads
         for label, head in heads.items():
             assert isinstance(head, EagleHead)
-            feats = target_features(target, convs, head.cfg.aux_layers)
+            aux_layers = head.cfg.aux_layers
+            if aux_layers not in features:
+                features[aux_layers] = target_features(target, convs, aux_layers)
+            feats = features[aux_layers]
             per_conv = [
                 depth_agreement(
                     head,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from enum import Enum
 
+from pydantic import ValidationError
+
 from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
 from specserve.policy import DSDEConfig
 
@@ -78,11 +80,13 @@ def policy_specs(
 
 
 def check_steps_arg(text: str) -> tuple[int, ...]:
-    """A command line's DDD check steps: comma-separated increasing forwards, e.g. 2,3,4."""
+    """A command line's DDD check steps: comma-separated increasing forwards, e.g. 2,3,4 (SpecConfig's rule)."""
     try:
         steps = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"check steps are comma-separated integers, got {text!r}") from None
-    if not steps or min(steps) < 1 or list(steps) != sorted(set(steps)):
-        raise argparse.ArgumentTypeError(f"check steps must be increasing and >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"DDD check steps are comma-separated integers, got {text!r}") from None
+    try:
+        SpecConfig(method=SpecMethod.ddd, ddd_check_steps=steps)
+    except ValidationError as e:
+        raise argparse.ArgumentTypeError(e.errors()[0]["msg"]) from None
     return steps
