@@ -47,7 +47,7 @@ from specserve.bench.stats import (
     plot_workloads,
     write_csv,
 )
-from specserve.config import MODEL_PAIRS, SpecConfig, SpecMethod
+from specserve.config import MODEL_PAIRS, Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.guard import ThroughputGuard
 from specserve.models.llama import LlamaModel
@@ -76,6 +76,13 @@ class StudyConfig(BaseModel):
     max_prompt_tokens: int | None = Field(default=None, ge=1, description="keep the last N prompt tokens")
     static_sl: int = Field(default=4, ge=1)
     max_sl: int | None = Field(default=None, ge=1, description="every speculative policy's ceiling on SL / depth")
+    drafter: Drafter = Field(
+        default=Drafter.model,
+        description="who drafts for every speculative policy (lookup / suffix: the pair's "
+        "draft where they find no match)",
+    )
+    model_max_sl: int | None = Field(default=None, ge=1, description="ceiling on the draft model's SL / depth")
+    model_budget: int | None = Field(default=None, ge=2, description="ceiling on the draft model's tree budget T")
     budget: int = Field(default=16, ge=2)
     beam_width: int = Field(default=4, ge=1)
     ddd_check_steps: tuple[int, ...] | None = Field(default=None, description="DDD's check steps (None: the paper's)")
@@ -118,7 +125,10 @@ class StudyConfig(BaseModel):
             budget=self.budget,
             ddd_check_steps=self.ddd_check_steps,
         )
-        cap = {} if self.max_sl is None else {"max_sl": self.max_sl}
+        cap: dict[str, object] = {"drafter": self.drafter, "model_max_sl": self.model_max_sl}
+        cap["model_budget"] = self.model_budget
+        if self.max_sl is not None:
+            cap["max_sl"] = self.max_sl
         return {p: table[p] if p == PolicyName.plain else table[p].model_copy(update=cap) for p in self.policies}
 
 
@@ -533,6 +543,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: 96 for tiny, unlimited otherwise")
     p.add_argument("--static-sl", type=int, default=d.static_sl)
     p.add_argument("--max-sl", type=int, default=None, help="ceiling on every speculative policy's SL / depth")
+    p.add_argument("--drafter", default=d.drafter.value, choices=[x.value for x in Drafter], help="who drafts")
+    p.add_argument("--model-max-sl", type=int, default=None, help="ceiling on the draft model's SL / depth")
+    p.add_argument("--model-budget", type=int, default=None, help="ceiling on the draft model's tree budget T")
     p.add_argument("--budget", type=int, default=d.budget)
     p.add_argument("--beam-width", type=int, default=d.beam_width)
     p.add_argument(

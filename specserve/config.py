@@ -201,6 +201,9 @@ class SpecConfig(BaseModel):
     model_max_sl: int | None = Field(
         default=None, ge=1, le=64, description="ceiling on the draft model's SL / depth (model-free drafts: max_sl)"
     )
+    model_budget: int | None = Field(
+        default=None, ge=2, le=1024, description="ceiling on the draft model's tree budget T (model-free trees: budget)"
+    )
     kld_mode: KLDMode = KLDMode.sparse
     kld_tail: SparseTail = SparseTail.lumped  # the paper spreads the tail uniformly: biased, docs/algorithms.md §4.1
     kld_top_k: int = Field(default=256, ge=1, description="K of the draft distribution shipped for the KLD signal")
@@ -245,6 +248,18 @@ class SpecConfig(BaseModel):
             SpecMethod.eagle2: min(self.tree_depth, self.budget - 1),
             SpecMethod.ddd: min(self.ddd_max_depth, self.budget - 1),
         }[self.method]
+
+    @property
+    def model_tree_budget(self) -> int:
+        """The verify budget T of the draft model's trees (``model_budget`` caps it below ``budget``)."""
+        return self.budget if self.model_budget is None else min(self.budget, self.model_budget)
+
+    def model_depth(self, depth: int) -> int:
+        """The draft model's share of a planned depth: ``model_max_sl`` caps it, and a tree's needs no level past its
+        budget's T - 1 (see ``static_depth``)."""
+        if self.is_tree:
+            depth = min(depth, self.model_tree_budget - 1)
+        return depth if self.model_max_sl is None else min(depth, self.model_max_sl)
 
     @property
     def needs_model(self) -> bool:

@@ -205,7 +205,7 @@ class StepLoop:
                     proposals[s.seq_id] = p
                     continue
             if self.draft is not None and s.spec.uses_model:
-                to_model.append((s, d if s.spec.model_max_sl is None else min(d, s.spec.model_max_sl)))
+                to_model.append((s, s.spec.model_depth(d)))
         if to_model:
             assert self.draft is not None
             items = [

@@ -121,3 +121,31 @@ def test_tree_depths_and_ddd_check_steps_become_methods() -> None:
     for bad in ("3,2", "0,1", "a,b"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--ddd-checks", bad])
+
+
+def test_model_free_trees_take_the_tree_options_and_fall_back_to_a_capped_model() -> None:
+    import argparse
+
+    from specserve.bench.spec import add_args, methods_for
+    from specserve.config import Drafter, SpecMethod
+    from specserve.models.tiny import tiny_model
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    argv = ["--methods", "ddd", "--drafters", "lookup+model", "suffix", "--free-budget", "6", "8"]
+    argv += ["--ddd-checks", "2,3,4", "--beam-width", "5", "--chain-sl", "2"]
+    model = tiny_model(seed=0)
+    methods = methods_for(parser.parse_args(argv), "smollm2-eagle", model, model, [])
+    assert [m.name for m in methods] == [
+        "lookup+model: DDD T=6",
+        "lookup+model: DDD T=8",
+        "suffix: DDD T=6",
+        "suffix: DDD T=8",
+    ]
+    assert [m.spec.budget for m in methods] == [6, 8, 6, 8]
+    assert all(m.spec.method == SpecMethod.ddd and m.spec.ddd_check_steps == (2, 3, 4) for m in methods)
+    assert all(m.spec.beam_width == 5 for m in methods)
+    assert [(m.spec.drafter, m.spec.model_fallback, m.spec.model_max_sl, m.draft) for m in methods[1:3]] == [
+        (Drafter.lookup, True, 2, "smollm2-eagle"),
+        (Drafter.suffix, False, None, ""),
+    ]

@@ -64,7 +64,7 @@ from load.traces import (
 )
 from specserve.bench.batch_sweep import run_one
 from specserve.bench.policies import PolicyName, policy_specs
-from specserve.config import SLPolicyKind, SpecConfig
+from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.models.tiny import noisy_copy, tiny_model
 from tests.ports import serve_app
@@ -542,6 +542,23 @@ def test_study_max_sl_caps_every_speculative_policy() -> None:
         straggler.parse_args(["--pair", "tiny", "--ddd-checks", "4,2"])
     with pytest.raises(ValueError, match="ddd_check_steps"):
         straggler.StudyConfig(pair="tiny", ddd_check_steps=(0, 2)).specs()
+
+
+def test_study_drafter_applies_to_every_speculative_policy() -> None:
+    from load import straggler
+    from specserve.config import Drafter
+
+    argv = ["--pair", "tiny", "--drafter", "lookup", "--model-max-sl", "2", "--model-budget", "6"]
+    specs = straggler.parse_args(argv).specs()
+    assert specs[PolicyName.plain].method == SpecMethod.none
+    spec_policies = [s for p, s in specs.items() if p != PolicyName.plain]
+    assert len(spec_policies) == len(specs) - 1 >= 5
+    assert all(s.drafter == Drafter.lookup and s.model_fallback and s.model_max_sl == 2 for s in spec_policies)
+    assert specs[PolicyName.ddd].model_tree_budget == 6 and specs[PolicyName.ddd].budget == 16
+    default = straggler.parse_args(["--pair", "tiny"]).specs()
+    assert {s.drafter for s in default.values()} == {Drafter.model}
+    with pytest.raises(SystemExit):
+        straggler.parse_args(["--pair", "tiny", "--drafter", "ngram"])
 
 
 def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None:

@@ -264,6 +264,38 @@ def test_lookup_falls_back_to_the_draft_model_and_both_stay_in_step(small_vocab:
     assert calls["model"] == 0 and calls["lookup"] >= 5
 
 
+def test_the_model_budget_caps_the_draft_models_trees_alone(small_vocab: LlamaModel) -> None:
+    """Lookup trees up to ``budget``, the draft model's fallback trees up to ``model_budget``: both lossless."""
+    draft = noisy_copy(small_vocab, 0.05, seed=2)
+    spec = SpecConfig(method=SpecMethod.ddd, budget=12, model_budget=4, beam_width=3, drafter=Drafter.lookup)
+    assert (spec.model_tree_budget, spec.model_depth(11), spec.static_depth) == (4, 3, 11)
+    engine = Engine(small_vocab, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+    model_propose, lookup_propose = engine.loop.draft.propose, engine.loop.model_free.propose  # type: ignore[union-attr]
+    sizes: dict[str, list[int]] = {"model": [], "lookup": []}
+
+    def model(items):  # type: ignore[no-untyped-def]
+        out = model_propose(items)
+        sizes["model"] += [len(p.tokens) for p in out]
+        assert all(it.depth <= 3 for it in items)
+        return out
+
+    def lookup(*a, **k):  # type: ignore[no-untyped-def]
+        p = lookup_propose(*a, **k)
+        if p is not None:
+            sizes["lookup"].append(len(p.tokens))
+        return p
+
+    engine.loop.draft.propose = model  # type: ignore[union-attr,method-assign]
+    engine.loop.model_free.propose = lookup  # type: ignore[method-assign]
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(small_vocab, prompt, 60)
+    assert len(sizes["model"]) >= 10 and max(sizes["model"]) == 3  # T = 4: the root and 3 drafted nodes
+    assert len(sizes["lookup"]) >= 10 and max(sizes["lookup"]) > 3
+    with pytest.raises(ValueError, match="model_budget"):
+        SpecConfig(model_budget=1)
+
+
 def test_per_request_model_free_drafting_on_a_plain_engine(small_vocab: LlamaModel) -> None:
     engine = Engine(small_vocab, None, eos_token_ids=set())
     spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix)

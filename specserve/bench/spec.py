@@ -85,6 +85,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", nargs="+", default=["model"], choices=DRAFTERS, help="who drafts")
     p.add_argument("--free-sl", type=int, nargs="+", default=[5], help="model-free drafters: chain SL(s)")
     p.add_argument("--free-budget", type=int, nargs="+", default=[8], help="model-free drafters: DDD budget(s) T")
+    p.add_argument(
+        "--model-budget", type=int, default=None, help="X+model DDD: the model's tree budget T (default: --free-budget)"
+    )
     p.add_argument("--by-category", action="store_true", help="also a table per prompt category")
     p.add_argument("--passes", type=int, default=1, help="run the prompts this many times (rows per pass)")
     p.add_argument("--repeats", type=_positive, default=1, help="time each prompt R times in a row; keep the min")
@@ -180,21 +183,32 @@ def _guarded(args: argparse.Namespace, pair: str) -> list[Method]:
 
 
 def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
-    """The model-free drafters of ``--drafters``: chains of ``--free-sl``, DDD trees of ``--free-budget``; the
-    ``X+model`` forms fall back to the pair's draft capped at the first ``--chain-sl`` (``model_max_sl``)."""
+    """The model-free drafters of ``--drafters``: chains of ``--free-sl``, DDD trees of ``--free-budget`` (with the
+    tree options given and the first ``--ddd-checks``); the ``X+model`` forms fall back to the pair's draft capped
+    at the first ``--chain-sl`` (``model_max_sl``) and, in trees, at ``--model-budget``."""
     out = []
     for d in (d for d in args.drafters if d != "model"):
         kind, fallback = d.removesuffix("+model"), d.endswith("+model")
-        base = {"drafter": Drafter(kind), "model_fallback": fallback, "chain_draft": ChainDraft.greedy}
+        base: dict[str, object] = {"drafter": Drafter(kind), "model_fallback": fallback}
+        base["chain_draft"] = ChainDraft.greedy
         if fallback:
             base["model_max_sl"] = args.chain_sl[0]
+        tree = {**base, **_tree_fields(args)}
+        if args.ddd_checks[0] is not None:
+            tree["ddd_check_steps"] = args.ddd_checks[0]
+        if fallback and args.model_budget is not None:
+            tree["model_budget"] = args.model_budget
         specs = []
         if "chain" in args.methods:
-            specs += [(f"chain SL={sl}", SpecConfig(method=SpecMethod.chain, sl=sl, **base)) for sl in args.free_sl]
+            specs += [(f"chain SL={sl}", _spec(base, method=SpecMethod.chain, sl=sl)) for sl in args.free_sl]
         if "ddd" in args.methods:
-            specs += [(f"DDD T={t}", SpecConfig(method=SpecMethod.ddd, budget=t, **base)) for t in args.free_budget]
+            specs += [(f"DDD T={t}", _spec(tree, method=SpecMethod.ddd, budget=t)) for t in args.free_budget]
         out += _with_dsde(args, [Method(f"{d}: {name}", pair if fallback else "", spec) for name, spec in specs])
     return out
+
+
+def _spec(fields: dict[str, object], **more: object) -> SpecConfig:
+    return SpecConfig.model_validate({**fields, **more})
 
 
 def _hf_twin(model: LlamaModel, path: Path, int8: bool) -> torch.nn.Module:

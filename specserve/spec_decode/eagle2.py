@@ -191,7 +191,7 @@ def tree_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
     """The budget-T tree, and the cache index of each node (root first; None where the node was never fed)."""
     assert s.tree is not None
     t = s.tree
-    tree = t.builder.rerank(s.item.spec.budget)
+    tree = t.builder.rerank(s.item.spec.model_tree_budget)
     row_of = torch.nn.functional.pad(t.row_of, (0, t.builder.num_candidates + 1 - t.row_of.numel()))
     cand = torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device)
     rows = row_of[cand + 1].tolist()  # host sync
