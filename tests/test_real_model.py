@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from specserve.bench.prompt_sets import mt_bench_prompts
-from specserve.config import MODEL_PAIRS, ChainDraft, KLDMode, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.config import (
+    MODEL_PAIRS,
+    PAIR_SPECULATION,
+    ChainDraft,
+    KLDMode,
+    ModelSpec,
+    SLPolicyKind,
+    SpecConfig,
+    SpecMethod,
+)
 from specserve.engine import Engine
 from specserve.messages import VerifyItem
 from specserve.models.batch import ForwardBatch
@@ -95,6 +104,8 @@ def test_speculative_greedy_equals_plain_on_mt_bench(target: LlamaModel, pair: s
         SpecConfig(method=SpecMethod.eagle2, beam_width=4, budget=12, tree_depth=5),
         SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=12, ddd_max_depth=8, ddd_check_steps=(3, 5, 7)),
     ]
+    if pair in PAIR_SPECULATION:  # what the pair serves with (the head: prompt lookup, its DDD trees elsewhere)
+        specs.append(PAIR_SPECULATION[pair])
     for spec in specs:
         engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=10, max_model_len=512)
         outs = engine.generate(prompts, params)

@@ -29,7 +29,6 @@ from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prom
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import (
     MODEL_PAIRS,
-    SERVING_SPECULATION,
     ChainDraft,
     Drafter,
     DraftSpec,
@@ -38,6 +37,7 @@ from specserve.config import (
     SLPolicyKind,
     SpecConfig,
     SpecMethod,
+    serving_speculation,
 )
 from specserve.engine import Completion, Engine
 from specserve.models.llama import LlamaModel
@@ -179,7 +179,10 @@ def _with_dsde(args: argparse.Namespace, methods: list[Method]) -> list[Method]:
 
 
 def _guarded(args: argparse.Namespace, pair: str) -> list[Method]:
-    return [Method("serving default (guarded)", pair, SERVING_SPECULATION, guard=True)] if args.guarded_default else []
+    """With ``--guarded-default``, what the pair serves with by default (``serving_speculation``), guard on."""
+    if not args.guarded_default:
+        return []
+    return [Method("serving default (guarded)", pair, serving_speculation(pair), guard=True)]
 
 
 def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
