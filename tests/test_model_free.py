@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -230,38 +231,56 @@ def test_model_free_drafting_is_greedy_equal_without_a_draft_model(
     assert engine.loop.target.cache.num_free == 4 and not engine.loop.model_free.streams
 
 
+@dataclass
+class _DraftLog:
+    """What each drafter was asked and gave in an engine's steps (``_spy_on_drafters``)."""
+
+    model_depths: list[int] = field(default_factory=list)  # the depth of every ProposeItem the draft model got
+    model_sizes: list[int] = field(default_factory=list)  # drafted nodes of each of its proposals
+    free_sizes: list[int] = field(default_factory=list)  # drafted nodes of each model-free proposal (matches only)
+
+    def clear(self) -> None:
+        self.model_depths.clear()
+        self.model_sizes.clear()
+        self.free_sizes.clear()
+
+
+def _spy_on_drafters(engine: Engine) -> _DraftLog:
+    log = _DraftLog()
+    model_propose, free_propose = engine.loop.draft.propose, engine.loop.model_free.propose  # type: ignore[union-attr]
+
+    def model(items):  # type: ignore[no-untyped-def]
+        log.model_depths.extend(it.depth for it in items)
+        out = model_propose(items)
+        log.model_sizes.extend(len(p.tokens) for p in out)
+        return out
+
+    def free(*a, **k):  # type: ignore[no-untyped-def]
+        p = free_propose(*a, **k)
+        if p is not None:
+            log.free_sizes.append(len(p.tokens))
+        return p
+
+    engine.loop.draft.propose = model  # type: ignore[union-attr,method-assign]
+    engine.loop.model_free.propose = free  # type: ignore[method-assign]
+    return log
+
+
 def test_lookup_falls_back_to_the_draft_model_and_both_stay_in_step(small_vocab: LlamaModel) -> None:
     """Lookup where it matches, the draft model elsewhere: the model's cache skips the steps lookup drafted."""
     draft = noisy_copy(small_vocab, 0.05, seed=2)
-    calls: Counter[str] = Counter()
     spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.lookup, model_max_sl=2)
     engine = Engine(small_vocab, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=4)
-    model_propose, lookup_propose = engine.loop.draft.propose, engine.loop.model_free.propose  # type: ignore[union-attr]
-    depths: dict[str, set[int]] = {"model": set(), "lookup": set()}
-
-    def count_model(items):  # type: ignore[no-untyped-def]
-        calls["model"] += len(items)
-        depths["model"] |= {it.depth for it in items}
-        return model_propose(items)
-
-    def count_lookup(*a, **k):  # type: ignore[no-untyped-def]
-        p = lookup_propose(*a, **k)
-        calls["lookup"] += p is not None
-        if p is not None:
-            depths["lookup"].add(len(p.tokens))
-        return p
-
-    engine.loop.draft.propose = count_model  # type: ignore[union-attr,method-assign]
-    engine.loop.model_free.propose = count_lookup  # type: ignore[method-assign]
+    log = _spy_on_drafters(engine)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(small_vocab, prompt, 60)
-    assert calls["model"] >= 10 and calls["lookup"] >= 10
-    assert depths["model"] == {2} and max(depths["lookup"]) == 4  # model_max_sl caps the model alone
+    assert len(log.model_depths) >= 10 and len(log.free_sizes) >= 10
+    assert set(log.model_depths) == {2} and max(log.free_sizes) == 4  # model_max_sl caps the model alone
     no_fallback = spec.model_copy(update={"model_fallback": False})
-    calls.clear()
+    log.clear()
     engine.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), speculation=no_fallback)
-    assert calls["model"] == 0 and calls["lookup"] >= 5
+    assert not log.model_depths and len(log.free_sizes) >= 5
 
 
 def test_the_model_budget_caps_the_draft_models_trees_alone(small_vocab: LlamaModel) -> None:
@@ -270,28 +289,13 @@ def test_the_model_budget_caps_the_draft_models_trees_alone(small_vocab: LlamaMo
     spec = SpecConfig(method=SpecMethod.ddd, budget=12, model_budget=4, beam_width=3, drafter=Drafter.lookup)
     assert (spec.model_tree_budget, spec.model_depth(11), spec.static_depth) == (4, 3, 11)
     engine = Engine(small_vocab, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=4)
-    model_propose, lookup_propose = engine.loop.draft.propose, engine.loop.model_free.propose  # type: ignore[union-attr]
-    sizes: dict[str, list[int]] = {"model": [], "lookup": []}
-
-    def model(items):  # type: ignore[no-untyped-def]
-        out = model_propose(items)
-        sizes["model"] += [len(p.tokens) for p in out]
-        assert all(it.depth <= 3 for it in items)
-        return out
-
-    def lookup(*a, **k):  # type: ignore[no-untyped-def]
-        p = lookup_propose(*a, **k)
-        if p is not None:
-            sizes["lookup"].append(len(p.tokens))
-        return p
-
-    engine.loop.draft.propose = model  # type: ignore[union-attr,method-assign]
-    engine.loop.model_free.propose = lookup  # type: ignore[method-assign]
+    log = _spy_on_drafters(engine)
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(small_vocab, prompt, 60)
-    assert len(sizes["model"]) >= 10 and max(sizes["model"]) == 3  # T = 4: the root and 3 drafted nodes
-    assert len(sizes["lookup"]) >= 10 and max(sizes["lookup"]) > 3
+    assert max(log.model_depths) <= 3  # no level past T - 1
+    assert len(log.model_sizes) >= 10 and max(log.model_sizes) == 3  # T = 4: the root and 3 drafted nodes
+    assert len(log.free_sizes) >= 10 and max(log.free_sizes) > 3
     with pytest.raises(ValueError, match="model_budget"):
         SpecConfig(model_budget=1)
 
