@@ -125,11 +125,11 @@ class StudyConfig(BaseModel):
             budget=self.budget,
             ddd_check_steps=self.ddd_check_steps,
         )
-        cap: dict[str, object] = {"drafter": self.drafter, "model_max_sl": self.model_max_sl}
-        cap["model_budget"] = self.model_budget
+        shared: dict[str, object] = {"drafter": self.drafter, "model_max_sl": self.model_max_sl}
+        shared["model_budget"] = self.model_budget
         if self.max_sl is not None:
-            cap["max_sl"] = self.max_sl
-        return {p: table[p] if p == PolicyName.plain else table[p].model_copy(update=cap) for p in self.policies}
+            shared["max_sl"] = self.max_sl
+        return {p: table[p] if p == PolicyName.plain else table[p].model_copy(update=shared) for p in self.policies}
 
 
 # ─────────────────────────── models and workload ───────────────────────────
