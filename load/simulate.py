@@ -57,7 +57,7 @@ from specserve.bench.stats import (
     workload_slug,
     write_csv,
 )
-from specserve.config import SLPolicyKind, SpecConfig
+from specserve.config import Drafter, SLPolicyKind, SpecConfig
 from specserve.models.llama import LlamaModel
 from specserve.policy import SequenceDSDE, verified_positions
 from specserve.policy.planner import SLPlanner
@@ -109,6 +109,13 @@ class SimConfig(BaseModel):
         if p not in SIMULATED_POLICIES:
             raise ValueError(f"the simulator covers {[x.value for x in SIMULATED_POLICIES]}, not {p.value!r}")
         return p
+
+    @field_validator("spec")
+    @classmethod
+    def _model_drafts(cls, spec: SpecConfig) -> SpecConfig:
+        if spec.drafter != Drafter.model:
+            raise ValueError(f"the simulator replays draft-model steps; drafter {spec.drafter.value!r} is not covered")
+        return spec
 
 
 @dataclass(frozen=True)

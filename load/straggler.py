@@ -125,8 +125,11 @@ class StudyConfig(BaseModel):
             budget=self.budget,
             ddd_check_steps=self.ddd_check_steps,
         )
-        shared: dict[str, object] = {"drafter": self.drafter, "model_max_sl": self.model_max_sl}
-        shared["model_budget"] = self.model_budget
+        shared: dict[str, object] = {
+            "drafter": self.drafter,
+            "model_max_sl": self.model_max_sl,
+            "model_budget": self.model_budget,
+        }
         if self.max_sl is not None:
             shared["max_sl"] = self.max_sl
         return {p: table[p] if p == PolicyName.plain else table[p].model_copy(update=shared) for p in self.policies}
@@ -311,8 +314,12 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
 def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
     """Per (workload, batch size, policy) the medians over its runs, and the throughput ratio to plain."""
     points: dict[tuple[str, int, PolicyName], list[dict[str, Any]]] = {}
+    specs: dict[tuple[str, int, PolicyName], SpecConfig] = {}
     for t in traces:
-        points.setdefault((t.label, t.batch, t.policy), []).append(row_from_trace(t))
+        key = (t.label, t.batch, t.policy)
+        if specs.setdefault(key, t.spec) != t.spec:  # e.g. sweeps with different --drafter merged by `report`
+            raise ValueError(f"runs of {t.policy.value} at batch {t.batch} ({t.label}) with different settings")
+        points.setdefault(key, []).append(row_from_trace(t))
     order = {p: i for i, p in enumerate(PolicyName)}
     keys = sorted(points, key=lambda k: (k[0], k[1], order[k[2]]))
     rows = [{**median_row(points[k]), "repeats": len(points[k])} for k in keys]

@@ -368,7 +368,7 @@ def default_pair(device: str) -> str:
 SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde)
 # Pairs whose fastest lossless mode measured here is another: the SmolLM2 EAGLE-3 head's trees pay for 2 levels,
 # not for the 5 that DDD's paper check steps draft (docs/benchmarks.md, "Tree shape"; `specserve generate`). Prompt
-# lookup in front of it is faster at batch 1-4 but lost 3-7% at batch 32 under the guard, so it is not the default
+# lookup in front of it is faster at batch 1-4 but lost 3-8% at batch 32 under the guard, so it is not the default
 # (docs/benchmarks.md, "Prompt lookup in front of the EAGLE head").
 PAIR_SPECULATION: dict[str, SpecConfig] = {
     "smollm2-eagle": SpecConfig(method=SpecMethod.ddd, budget=8, ddd_check_steps=(2, 3, 4)),

@@ -44,7 +44,8 @@ class ThroughputGuard:
     smoothing: float = 0.3  # weight of the newest step in the moving average
     warmup: int = 3  # steps of each mode per bucket before the first decision (their median step starts it)
     explore_cost: float = 0.015  # a try (switch step + its measured step's excess) costs at most this share of the
-    # plain time before the next (3% had left the guarded EAGLE head at 0.96-0.99x plain at batch 16: the bar is 0.97)
+    # plain time before the next (at 3% the guarded EAGLE head measured 0.96-0.99x plain at batch 16, where plain
+    # decoding wins: the tries' share is part of that, against a bar of 0.97)
     outlier_clip: float = 2.0  # a running mode's step counts as at most this many times its average step time
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s/seq
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured

@@ -162,7 +162,7 @@ def autotune(
     calib = (
         spec.model_copy(update={"sl": biggest, "chain_draft": ChainDraft.greedy})
         if is_chain
-        else spec.model_copy(update={"budget": biggest})
+        else spec.model_copy(update={"budget": biggest, "model_budget": None})
     )
     engine = Engine(target, None, draft=draft, speculation=calib, max_batch_size=1, spec_headroom=biggest + 1)
     engine.loop.stats.record_steps = True

@@ -127,21 +127,26 @@ def test_model_free_trees_take_the_tree_options_and_fall_back_to_a_capped_model(
     import argparse
 
     from specserve.bench.spec import add_args, methods_for
-    from specserve.config import Drafter, SpecMethod
+    from specserve.config import SERVING_SPECULATION, Drafter, SpecMethod, serving_speculation
     from specserve.models.tiny import tiny_model
 
     parser = argparse.ArgumentParser()
     add_args(parser)
     argv = ["--methods", "ddd", "--drafters", "lookup+model", "suffix", "--free-budget", "6", "8"]
-    argv += ["--ddd-checks", "2,3,4", "--beam-width", "5", "--chain-sl", "2"]
+    argv += ["--ddd-checks", "2,3,4", "--beam-width", "5", "--chain-sl", "2", "--model-budget", "4"]
+    argv += ["--guarded-default"]
     model = tiny_model(seed=0)
     methods = methods_for(parser.parse_args(argv), "smollm2-eagle", model, model, [])
+    default = methods.pop()  # the pair's own serving default, guarded
+    assert (default.spec, default.guard, default.draft) == (serving_speculation("smollm2-eagle"), True, "smollm2-eagle")
+    assert default.spec != SERVING_SPECULATION
     assert [m.name for m in methods] == [
-        "lookup+model: DDD T=6",
-        "lookup+model: DDD T=8",
+        "lookup+model: DDD T=6 (model T=4)",
+        "lookup+model: DDD T=8 (model T=4)",
         "suffix: DDD T=6",
         "suffix: DDD T=8",
     ]
+    assert [(m.spec.model_budget, m.spec.model_tree_budget) for m in methods] == [(4, 4), (4, 4), (None, 6), (None, 8)]
     assert [m.spec.budget for m in methods] == [6, 8, 6, 8]
     assert all(m.spec.method == SpecMethod.ddd and m.spec.ddd_check_steps == (2, 3, 4) for m in methods)
     assert all(m.spec.beam_width == 5 for m in methods)

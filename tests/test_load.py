@@ -64,7 +64,7 @@ from load.traces import (
 )
 from specserve.bench.batch_sweep import run_one
 from specserve.bench.policies import PolicyName, policy_specs
-from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
+from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.models.tiny import noisy_copy, tiny_model
 from tests.ports import serve_app
@@ -523,6 +523,15 @@ def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
     assert sim_cli.main(["--traces", str(out / "traces.jsonl"), "--validate", "--batch-sizes", "1", "8",
                          "--workloads", "synthetic", "--repeats", "1", "--out", str(sim_out)]) == 0  # fmt: skip
     assert {"validation.csv", "sim.csv", "report.md", "sim_synthetic.png"} <= {p.name for p in sim_out.iterdir()}
+    # runs of one policy under other settings (a sweep with --drafter lookup) are not pooled as its repeats
+    runs = read_traces(out / "traces.jsonl")
+    lookup = SpecConfig(method=SpecMethod.chain, drafter=Drafter.lookup)
+    odd = runs[0].model_copy(update={"spec": lookup})
+    with pytest.raises(ValueError, match="different settings"):
+        straggler.summarize([*runs, odd])
+    assert straggler.summarize(runs) == straggler.summarize(list(reversed(runs)))
+    with pytest.raises(ValueError, match="drafter"):  # the simulator replays draft-model steps only
+        sim_cli.SimConfig(batch_size=1, policy=PolicyName.static, spec=lookup)
 
 
 def test_study_max_sl_caps_every_speculative_policy() -> None:
@@ -546,7 +555,6 @@ def test_study_max_sl_caps_every_speculative_policy() -> None:
 
 def test_study_drafter_applies_to_every_speculative_policy() -> None:
     from load import straggler
-    from specserve.config import Drafter
 
     argv = ["--pair", "tiny", "--drafter", "lookup", "--model-max-sl", "2", "--model-budget", "6"]
     specs = straggler.parse_args(argv).specs()

@@ -9,7 +9,7 @@ import pydantic
 import pytest
 import torch
 
-from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
+from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.policy import (
     DSDEConfig,
     FlatKLD,
@@ -283,6 +283,11 @@ def test_planner_token_guard():
     assert SLPlanner(max_step_tokens=7).plan(rows).depths == [3, 2]
     tree = SpecConfig(method=SpecMethod.eagle2, budget=8)
     assert SLPlanner(max_step_tokens=9).plan([Row(tree, None), Row(tree, None)]).depths == [0, 6]
+    # a tree only the draft model grows counts its own budget; one a model-free drafter may grow, the whole budget
+    capped = tree.model_copy(update={"model_budget": 5})
+    assert SLPlanner(max_step_tokens=10).plan([Row(capped, None), Row(capped, None)]).depths == [6, 6]
+    lookup = capped.model_copy(update={"drafter": Drafter.lookup})
+    assert SLPlanner(max_step_tokens=10).plan([Row(lookup, None), Row(lookup, None)]).depths == [0, 6]
 
 
 def test_kld_nodes():

@@ -10,6 +10,7 @@ from specserve.config import (
     MODEL_PAIRS,
     PAIR_SPECULATION,
     ChainDraft,
+    Drafter,
     KLDMode,
     ModelSpec,
     SLPolicyKind,
@@ -104,8 +105,14 @@ def test_speculative_greedy_equals_plain_on_mt_bench(target: LlamaModel, pair: s
         SpecConfig(method=SpecMethod.eagle2, beam_width=4, budget=12, tree_depth=5),
         SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=12, ddd_max_depth=8, ddd_check_steps=(3, 5, 7)),
     ]
-    if pair in PAIR_SPECULATION:  # what the pair serves with (the head: prompt lookup, its DDD trees elsewhere)
+    if pair in PAIR_SPECULATION:  # what the pair serves with (the head: shallow DDD trees)
         specs.append(PAIR_SPECULATION[pair])
+    if pair == "smollm2-eagle":  # prompt lookup's trees, the head's (model_budget) where lookup finds nothing
+        specs.append(
+            SpecConfig(
+                method=SpecMethod.ddd, budget=8, model_budget=6, ddd_check_steps=(2, 3, 4), drafter=Drafter.lookup
+            )
+        )
     for spec in specs:
         engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=10, max_model_len=512)
         outs = engine.generate(prompts, params)

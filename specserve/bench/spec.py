@@ -192,8 +192,11 @@ def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
     out = []
     for d in (d for d in args.drafters if d != "model"):
         kind, fallback = d.removesuffix("+model"), d.endswith("+model")
-        base: dict[str, object] = {"drafter": Drafter(kind), "model_fallback": fallback}
-        base["chain_draft"] = ChainDraft.greedy
+        base: dict[str, object] = {
+            "drafter": Drafter(kind),
+            "model_fallback": fallback,
+            "chain_draft": ChainDraft.greedy,
+        }
         if fallback:
             base["model_max_sl"] = args.chain_sl[0]
         tree = {**base, **_tree_fields(args)}
@@ -205,7 +208,8 @@ def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
         if "chain" in args.methods:
             specs += [(f"chain SL={sl}", _spec(base, method=SpecMethod.chain, sl=sl)) for sl in args.free_sl]
         if "ddd" in args.methods:
-            specs += [(f"DDD T={t}", _spec(tree, method=SpecMethod.ddd, budget=t)) for t in args.free_budget]
+            shown = "" if "model_budget" not in tree else f" (model T={args.model_budget})"
+            specs += [(f"DDD T={t}{shown}", _spec(tree, method=SpecMethod.ddd, budget=t)) for t in args.free_budget]
         out += _with_dsde(args, [Method(f"{d}: {name}", pair if fallback else "", spec) for name, spec in specs])
     return out
 
