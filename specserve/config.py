@@ -254,6 +254,12 @@ class SpecConfig(BaseModel):
         """The verify budget T of the draft model's trees (``model_budget`` caps it below ``budget``)."""
         return self.budget if self.model_budget is None else min(self.budget, self.model_budget)
 
+    @property
+    def max_tree_nodes(self) -> int:
+        """Drafted nodes a tree may hold: ``budget - 1``, or the draft model's own cap where only it drafts (a
+        model-free drafter may fill the whole budget)."""
+        return (self.model_tree_budget if self.needs_model else self.budget) - 1
+
     def model_depth(self, depth: int) -> int:
         """The draft model's share of a planned depth: ``model_max_sl`` caps it, and a tree's needs no level past its
         budget's T - 1 (see ``static_depth``)."""

@@ -95,8 +95,7 @@ class SLPlanner:
 
         def cost(i: int) -> int:
             spec = rows[i].spec
-            budget = spec.model_tree_budget if spec.needs_model else spec.budget  # a model-free tree may use budget
-            return 0 if depths[i] == 0 else (budget - 1 if spec.is_tree else depths[i])
+            return 0 if depths[i] == 0 else (spec.max_tree_nodes if spec.is_tree else depths[i])
 
         allowance = self.max_step_tokens - len(rows)
         while sum(cost(i) for i in range(len(rows))) > max(0, allowance):
