@@ -57,6 +57,12 @@ class ModelSpec(BaseModel):
         "decoded alone; where it is on, gemv_copies and pad_rows are not needed and not attached "
         "(docs/benchmarks.md, 'Small products')",
     )
+    small_gemm_packed: bool = Field(
+        default=True,
+        description="with small_gemm: the kernel reads its own copy of each weight laid out as one sequential "
+        "stream per block of 4 rows (the same products bit for bit; one more copy of the weights in memory; "
+        "docs/benchmarks.md, 'Packed weights for the small-product kernel')",
+    )
     gemv_copies: bool = Field(
         default=True,
         description="CPU: transposed weight copies for the 1-3 row products where they measure faster on this "

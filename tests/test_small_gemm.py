@@ -63,6 +63,21 @@ def test_a_row_gets_the_same_bits_whatever_the_other_rows(isa: str, k: int, n: i
     assert torch.equal(extension().small_linear_isa(other, w, b, isa)[0], alone[0])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_the_packed_layout_gives_the_row_major_bits(isa: str, k: int, n: int) -> None:
+    """The packed copy (blocks of 4 rows side by side, K padded to 16, the N % 4 last rows after) is read as the
+    weight it came from: every product equal bit for bit, at every row count, with and without a bias."""
+    gen = torch.Generator().manual_seed(7 * n + k)
+    w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(64, k, generator=gen)
+    packed = extension().small_pack(w)
+    assert (packed.n, packed.k) == (n, k) and packed.data.numel() == n * ((k + 15) // 16 * 16)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 33, 64):
+        for bias in (b, None):
+            want = extension().small_linear_isa(x[:rows], w, bias, isa)
+            assert torch.equal(extension().small_linear_packed_isa(x[:rows], packed, bias, isa), want)
+
+
 def test_the_default_path_is_the_best_detected() -> None:
     w, x = torch.randn(40, 96), torch.randn(3, 96)
     assert torch.equal(extension().small_linear(x, w), extension().small_linear_isa(x, w, None, ISAS[0]))
@@ -81,6 +96,10 @@ def test_bad_arguments_are_clear_errors() -> None:
         ext.small_linear_isa(torch.randn(2, 32), w, None, "neon")
     with pytest.raises(ValueError, match=r"1\.\.64"):
         attach_small_gemm(tiny_model(), rows=65)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.small_pack(w.double())
+    with pytest.raises(RuntimeError, match=r"want x \[M, 32\]"):
+        ext.small_linear_packed(torch.randn(2, 31), ext.small_pack(w))
 
 
 @torch.no_grad()  # the tiny model's weights require grad; serving runs without autograd
@@ -108,6 +127,37 @@ def test_the_switch_attaches_to_float_linears_and_the_stack_uses_it() -> None:
     assert not attach_small_gemm(bf16)
 
 
+@torch.no_grad()
+def test_packed_copies_change_no_bit_of_a_forward() -> None:
+    """A model whose kernel reads packed copies (ModelSpec.small_gemm_packed) computes the logits of the same model
+    reading its row-major weights, bit for bit, through the Python loop and the C++ stack, at 1-64 rows."""
+    ragged = tiny_config("llama", num_hidden_layers=2, hidden_size=72, intermediate_size=100)  # K % 16 != 0
+    models = [tiny_model(ragged, seed=6) for _ in range(2)]
+    assert attach_small_gemm(models[0]) and attach_small_gemm(models[1], packed=True)
+    assert models[0].lm_head.small_packed is None and models[1].lm_head.small_packed is not None
+    assert all(getattr(m, "small_packed", None) is not None for m in models[1].modules() if type(m) is torch.nn.Linear)
+    prompt = [int(t) for t in torch.randint(0, ragged.vocab_size, (40,), generator=torch.Generator().manual_seed(1))]
+    for native in (False, True):
+        outs = []
+        for model in models:
+            if native:
+                assert attach_native_stack(model)
+            cache = model.new_cache(1, 128)
+            slot = cache.allocate()
+            steps = [model(ForwardBatch.build(cache, [slot], [prompt]), cache)]  # 40 rows
+            steps += [model(ForwardBatch.build(cache, [slot], [[t]]), cache) for t in (5, 17)]
+            steps.append(model(ForwardBatch.build(cache, [slot], [list(range(3, 67))]), cache))  # 64 rows
+            outs.append(torch.cat(steps))
+        assert torch.equal(outs[0], outs[1])
+    cache = models[1].new_cache(1, 8)
+    models[1].lm_head.small_packed.data.zero_()  # the copy is what the kernel reads
+    assert not models[1](ForwardBatch.build(cache, [cache.allocate()], [prompt[:3]]), cache).any()
+    with pytest.raises(ValueError, match="frozen"):
+        from specserve.models.tiny import tiny_head
+
+        attach_small_gemm(tiny_head(models[0], seed=1), packed=True)
+
+
 @pytest.mark.real_model
 def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
     from specserve.config import ModelSpec
@@ -116,6 +166,7 @@ def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
     target = load_model(ModelSpec())
     blas = load_model(ModelSpec(small_gemm=False, gemv_copies=False, pad_rows=False))
     assert target.lm_head.small_rows == 64 and getattr(blas.lm_head, "small_gemm", None) is None
+    assert target.lm_head.small_packed is not None  # ModelSpec.small_gemm_packed, on by default
     assert getattr(target.lm_head, "weight_t", None) is None  # no GEMV copies beside the kernel
     prompt = torch.randint(0, target.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
     logits = []

@@ -8,7 +8,9 @@ the small-product kernel where it is on). ``overhead`` = runner / bare: what nor
 Python add to the weight reads; ``python`` is the same forward with the C++ layer stack switched off
 (``ModelSpec.native_stack``); ``blas bare`` / ``blas runner`` the bare products and the runner with the
 small-product kernel off (the same model loaded with ``ModelSpec.small_gemm=False``: BLAS, with the GEMV
-copies and row padding that setting attaches where they measure faster). Also the floor one step
+copies and row padding that setting attaches where they measure faster); ``rowmajor bare`` / ``rowmajor runner`` the
+same with the kernel reading the row-major weights instead of its packed copies (``ModelSpec.small_gemm_packed``
+off; the same bits). Also the floor one step
 cannot beat: the weight bytes over the read bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and
 writes a CSV.
 
@@ -119,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
     blas_model = load_model(spec.model_copy(update={"small_gemm": False})) if small else model
     nn.Module.eval(blas_model)
     print(f"small-product kernel: {'yes' if small else 'no'}")
+    own = any(getattr(m, "small_packed", None) is not None for m in linears)
+    rowmajor_model = load_model(spec.model_copy(update={"small_gemm_packed": False})) if own else model
+    nn.Module.eval(rowmajor_model)
+    print(f"the kernel reads packed copies: {'yes' if own else 'no'}")
 
     def set_paths(with_packed: bool, padded: bool) -> None:
         for m in linears:
@@ -164,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         ("unpadded", lambda r: runner(r, False, padded=False)),
         ("blas_bare", lambda r: path_matmuls(in_order(blas_model), r)),
         ("blas", lambda r: forward_of(blas_model, r)),
+        ("rowmajor_bare", lambda r: path_matmuls(in_order(rowmajor_model), r)),
+        ("rowmajor", lambda r: forward_of(rowmajor_model, r)),
     ]
     if packed:
         kinds.append(("packed", lambda r: runner(r, True)))
@@ -182,11 +190,12 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'python ms':>10}"
         f" {'unpadded ms':>12} {'packed ms':>10} {'blas bare ms':>13} {'blas runner ms':>15}"
+        f" {'rowmajor bare ms':>17} {'rowmajor runner ms':>19}"
     )
     for r in args.rows:
-        bare, eager, python, unpadded, blas_bare, blas = (
+        bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm = (
             statistics.median(times[(k, r)]) * 1e3
-            for k in ("bare", "runner", "python", "unpadded", "blas_bare", "blas")
+            for k in ("bare", "runner", "python", "unpadded", "blas_bare", "blas", "rowmajor_bare", "rowmajor")
         )
         packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
         rows_out.append(
@@ -206,13 +215,17 @@ def run(args: argparse.Namespace) -> int:
                 "small_gemm": small,
                 "blas_bare_ms": blas_bare,
                 "blas_runner_ms": blas,
+                "kernel_packed": own,
+                "rowmajor_bare_ms": rm_bare,
+                "rowmajor_runner_ms": rm,
                 "floor_ms": floor_ms,
                 "dtype": str(model.dtype),
                 "cpu": cpu_summary(),
             }
         )
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
-        print(line + f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f} {blas_bare:>13.1f} {blas:>15.1f}")
+        line += f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f} {blas_bare:>13.1f} {blas:>15.1f}"
+        print(line + f" {rm_bare:>17.1f} {rm:>19.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     mode = "_batch" if args.batch else ""
     path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}{mode}.csv"

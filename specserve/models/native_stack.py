@@ -32,6 +32,7 @@ from specserve.spec_decode.eagle_head import EagleHead
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
 SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp")
+HEADERS = (SOURCE.parent / "small_gemm.h",)
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 CFLAGS = ["-O3", "-ffp-contract=off"]  # no -march: portable code; no contraction: RoPE rounds as the Python loop
 
@@ -47,7 +48,7 @@ def _build() -> ModuleType | NativeStackUnavailable:
     the torch version and flags, so a changed source or torch never loads a stale build."""
     from torch.utils.cpp_extension import load
 
-    code = b"".join(path.read_bytes() for path in SOURCES)
+    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     ident = hashlib.sha256(code + f"{torch.__version__} {CFLAGS}".encode()).hexdigest()[:12]
     name = f"specserve_decoder_stack_{ident}"
     build_dir = cache_dir() / "extensions" / name
@@ -90,6 +91,7 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     proj.mkl_packed = list(getattr(mod, "mkl_packed", ()))
     proj.pad_from, proj.pad_width = getattr(mod, "pad_from", 0), PAD_WIDTH
     proj.small_rows = getattr(mod, "small_rows", 0) if getattr(mod, "small_gemm", None) is not None else 0
+    proj.small_packed = getattr(mod, "small_packed", None)
     return proj
 
 
@@ -122,15 +124,20 @@ def small_gemm_available() -> bool:
         return False
 
 
-def attach_small_gemm(model: nn.Module, rows: int = SMALL_GEMM_ROWS) -> bool:
+def attach_small_gemm(model: nn.Module, rows: int = SMALL_GEMM_ROWS, *, packed: bool = False) -> bool:
     """Switch: float32 products of 1..``rows`` rows (decode steps, verifies, batches of up to 64 rows, a
     draft head's levels) run through ``csrc/small_gemm.cpp``: each weight row read once for all rows, and
     batch-invariant (a row's result is the same bit for bit whatever the other rows). Attached to every float32
-    ``nn.Linear`` on the CPU, and to an EAGLE head's LM-head slice. False (nothing attached, a logged reason) where
+    ``nn.Linear`` on the CPU, and to an EAGLE head's LM-head slice. ``packed`` (a LlamaModel's frozen weights
+    only): the kernel reads a copy of each weight in its packed layout (blocks of 4 rows as one sequential stream;
+    the same products bit for bit, one more copy of the weights in memory; ``ModelSpec.small_gemm_packed``).
+    False (nothing attached, a logged reason) where
     the extension cannot be built, the CPU has no AVX-512F / AVX2 + FMA, or nothing is float32 on the CPU. On a
     LlamaModel call it before ``attach_native_stack`` (a switch drops an attached stack)."""
     if not 1 <= rows <= SMALL_GEMM_ROWS:
         raise ValueError(f"small_gemm serves 1..{SMALL_GEMM_ROWS} rows, not {rows}")
+    if packed and not isinstance(model, LlamaModel):
+        raise ValueError("packed copies are for a target's frozen weights (a LlamaModel), not a trainable head")
     lins = [
         m
         for m in model.modules()
@@ -141,9 +148,12 @@ def attach_small_gemm(model: nn.Module, rows: int = SMALL_GEMM_ROWS) -> bool:
     if not small_gemm_available():
         log.warning("the small-product kernel is not available here (no extension or no AVX-512F / AVX2 + FMA)")
         return False
-    kernel = extension().small_linear
+    ext = extension()
     for mod in [*lins, *([model] if isinstance(model, EagleHead) else [])]:
-        mod.small_gemm, mod.small_rows = kernel, rows  # type: ignore[assignment]
+        mod.small_gemm, mod.small_rows = ext.small_linear, rows  # type: ignore[assignment]
+        mod.small_packed = None  # type: ignore[assignment]
+    for mod in lins if packed else ():
+        mod.small_gemm, mod.small_packed = ext.small_linear_packed, ext.small_pack(mod.weight.detach())  # type: ignore[assignment]
     if isinstance(model, LlamaModel):
         drop_native_stack(model)
     return True

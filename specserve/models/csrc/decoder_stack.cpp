@@ -1,6 +1,8 @@
 // The decoder layers of specserve.models.llama run from C++: the same ATen ops in the same order as
 // DecoderLayer.forward / linear() / attention() (so the same values, bit for bit), without the Python
 // interpreter between them. Built once per machine by specserve/models/native_stack.py.
+#include "small_gemm.h"
+
 #include <torch/extension.h>
 
 #include <cmath>
@@ -11,13 +13,7 @@
 #include <utility>
 #include <vector>
 
-namespace specserve_small_gemm {  // small_gemm.cpp
-bool supported();
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
-at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                      const std::string& name);
-std::vector<std::string> isas();
-}  // namespace specserve_small_gemm
+
 
 namespace {
 
@@ -51,6 +47,7 @@ struct Proj {
   int64_t pad_from = 0;          // products of pad_from .. pad_width-1 rows padded to pad_width
   int64_t pad_width = 16;
   int64_t small_rows = 0;        // products of up to small_rows rows through small_gemm.cpp (batch-invariant)
+  std::optional<specserve_small_gemm::Packed> small_packed;  // the weight in its packed layout, where attached
   bool q4 = false;
   Tensor packed, scales_and_zeros;
   std::optional<Tensor> dense;   // bf16 copy for products of at least dense_from rows
@@ -70,7 +67,8 @@ struct Proj {
     }
     if (small_rows > 0 && x.dim() == 2 && rows >= 1 && rows <= small_rows && x.scalar_type() == at::kFloat &&
         weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
-      return specserve_small_gemm::linear(x, weight, bias);
+      return small_packed.has_value() ? specserve_small_gemm::linear_packed(x, *small_packed, bias)
+                                      : specserve_small_gemm::linear(x, weight, bias);
     }
     if (weight_t.has_value() && x.numel() <= gemv_rows * weight_t->size(0)) {
       Tensor y = at::matmul(x, *weight_t);
@@ -336,6 +334,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("pad_from", &Proj::pad_from)
       .def_readwrite("pad_width", &Proj::pad_width)
       .def_readwrite("small_rows", &Proj::small_rows)
+      .def_readwrite("small_packed", &Proj::small_packed)
       .def_readwrite("q4", &Proj::q4)
       .def_readwrite("packed", &Proj::packed)
       .def_readwrite("scales_and_zeros", &Proj::scales_and_zeros)
@@ -349,6 +348,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_isa", &specserve_small_gemm::linear_isa, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("isa"));
   m.def("small_gemm_isas", &specserve_small_gemm::isas);
+  py::class_<specserve_small_gemm::Packed>(m, "SmallPacked")
+      .def_readonly("n", &specserve_small_gemm::Packed::n)
+      .def_readonly("k", &specserve_small_gemm::Packed::k)
+      .def_readonly("data", &specserve_small_gemm::Packed::data);
+  m.def("small_pack", &specserve_small_gemm::pack, py::arg("weight"));
+  m.def("small_linear_packed", &specserve_small_gemm::linear_packed, py::arg("x"), py::arg("packed"),
+        py::arg("bias") = py::none());
+  m.def("small_linear_packed_isa", &specserve_small_gemm::linear_packed_isa, py::arg("x"), py::arg("packed"),
+        py::arg("bias"), py::arg("isa"));
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, bool>())
       .def("add_layer", &DecoderStack::add_layer)

@@ -10,6 +10,8 @@
 //
 // The instruction set is detected at run time (AVX-512F, else AVX2 + FMA); without either the caller falls back to
 // at::linear (small_gemm_supported() says which).
+#include "small_gemm.h"
+
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -51,25 +53,39 @@ Isa isa() {
   return found;
 }
 
+// A block's weights start at w (weight row n0); element (i, k) of the block lies at
+// w + i * row + (k / 16) * chunk + k % 16, and the same element of the next block NB * kp floats on, kp = K rounded up
+// to 16. Row-major [N, K]: row = K, chunk = 16 (and kp = K). PACKED (pack() below): row = 16, chunk = 16 * NB.
+// (Everything but w is known at compile time or from K: the strides passed at run time in a struct measured 1.5-2x
+// slower for one row on a 2-core EPYC, with the same inner loop.)
+template <int NB, bool PACKED>
+struct Layout {
+  static constexpr int64_t row(int64_t K) { return PACKED ? 16 : K; }
+  static constexpr int64_t chunk = PACKED ? 16 * NB : 16;
+  static constexpr int64_t next(int64_t K) { return PACKED ? NB * ((K + 15) / 16 * 16) : NB * K; }
+};
+
 using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 #if SPECSERVE_X86
 // ---- AVX-512: blocks of NB weight rows x MB activation rows, 16 lanes. (The last block's prefetch may point past
 // the weights: a prefetch never faults.)
-template <int NB, int MB, bool PF>
+template <int NB, int MB, bool PF, bool PACKED>
 __attribute__((target("avx512f"))) void block512(const float* x, const float* w, float* y, int64_t K, int64_t N,
                                                  int64_t ldx, int64_t n0, int64_t m0) {
+  using L = Layout<NB, PACKED>;
   __m512 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const float* wr[NB];
-  for (int i = 0; i < NB; ++i) wr[i] = w + (n0 + i) * K;
+  const float* wr[NB];  // each row's current 16-float chunk
+  for (int i = 0; i < NB; ++i) wr[i] = w + i * L::row(K);
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NB];
     for (int i = 0; i < NB; ++i) {
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + NB * K + k), _MM_HINT_T0);
-      wv[i] = _mm512_loadu_ps(wr[i] + k);
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + L::next(K)), _MM_HINT_T0);
+      wv[i] = _mm512_loadu_ps(wr[i]);
+      wr[i] += L::chunk;
     }
     for (int j = 0; j < MB; ++j) {
       const __m512 xv = _mm512_loadu_ps(x + (m0 + j) * ldx + k);
@@ -79,7 +95,7 @@ __attribute__((target("avx512f"))) void block512(const float* x, const float* w,
   if (k < K) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
     __m512 wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = _mm512_maskz_loadu_ps(mask, wr[i] + k);
+    for (int i = 0; i < NB; ++i) wv[i] = _mm512_maskz_loadu_ps(mask, wr[i]);
     for (int j = 0; j < MB; ++j) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + j) * ldx + k);
       for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
@@ -98,20 +114,23 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int NB, int MB, bool PF>
+template <int NB, int MB, bool PF, bool PACKED>
 __attribute__((target("avx2,fma"))) void block256(const float* x, const float* w, float* y, int64_t K, int64_t N,
                                                   int64_t ldx, int64_t n0, int64_t m0) {
+  using L = Layout<NB, PACKED>;
   __m256 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const float* wr[NB];
-  for (int i = 0; i < NB; ++i) wr[i] = w + (n0 + i) * K;
+  const float* wr[NB];  // each row's current 16-float chunk (two 8-lane halves)
+  for (int i = 0; i < NB; ++i) wr[i] = w + i * L::row(K);
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
+    const int64_t half = k & 15;
     __m256 wv[NB];
     for (int i = 0; i < NB; ++i) {
-      if (PF && (k & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + NB * K + k), _MM_HINT_T0);
-      wv[i] = _mm256_loadu_ps(wr[i] + k);
+      if (PF && half == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + L::next(K)), _MM_HINT_T0);
+      wv[i] = _mm256_loadu_ps(wr[i] + half);
+      if (half == 8) wr[i] += L::chunk;
     }
     for (int j = 0; j < MB; ++j) {
       const __m256 xv = _mm256_loadu_ps(x + (m0 + j) * ldx + k);
@@ -123,7 +142,7 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const float* w
     for (int l = 0; l < 8; ++l) lanes[l] = (k + l < K) ? -1 : 0;
     const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
     __m256 wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = _mm256_maskload_ps(wr[i] + k, mask);
+    for (int i = 0; i < NB; ++i) wv[i] = _mm256_maskload_ps(wr[i] + (k & 15), mask);
     for (int j = 0; j < MB; ++j) {
       const __m256 xv = _mm256_maskload_ps(x + (m0 + j) * ldx + k, mask);
       for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
@@ -134,34 +153,36 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const float* w
 }
 
 // The kernel for a block of NB weight rows x mb activation rows (1 <= mb <= 6).
-template <int NB, bool PF>
+template <int NB, bool PF, bool PACKED>
 BlockFn pick512(int64_t mb) {
   switch (mb) {
-    case 1: return &block512<NB, 1, PF>;
-    case 2: return &block512<NB, 2, PF>;
-    case 3: return &block512<NB, 3, PF>;
-    case 4: return &block512<NB, 4, PF>;
-    case 5: return &block512<NB, 5, PF>;
-    default: return &block512<NB, 6, PF>;
+    case 1: return &block512<NB, 1, PF, PACKED>;
+    case 2: return &block512<NB, 2, PF, PACKED>;
+    case 3: return &block512<NB, 3, PF, PACKED>;
+    case 4: return &block512<NB, 4, PF, PACKED>;
+    case 5: return &block512<NB, 5, PF, PACKED>;
+    default: return &block512<NB, 6, PF, PACKED>;
   }
 }
 
-template <int NB, bool PF>
+template <int NB, bool PF, bool PACKED>
 BlockFn pick256(int64_t mb) {
-  return mb == 1 ? &block256<NB, 1, PF> : &block256<NB, 2, PF>;
+  return mb == 1 ? &block256<NB, 1, PF, PACKED> : &block256<NB, 2, PF, PACKED>;
 }
 
-BlockFn pick(bool wide, bool full_block, int64_t mb, bool prefetch) {
-  if (wide) {
-    if (full_block) return prefetch ? pick512<4, true>(mb) : pick512<4, false>(mb);
-    return prefetch ? pick512<1, true>(mb) : pick512<1, false>(mb);
-  }
-  if (full_block) return prefetch ? pick256<4, true>(mb) : pick256<4, false>(mb);
-  return prefetch ? pick256<1, true>(mb) : pick256<1, false>(mb);
+template <int NB, bool PACKED>
+BlockFn pick_rows(bool wide, int64_t mb, bool prefetch) {
+  if (wide) return prefetch ? pick512<NB, true, PACKED>(mb) : pick512<NB, false, PACKED>(mb);
+  return prefetch ? pick256<NB, true, PACKED>(mb) : pick256<NB, false, PACKED>(mb);
+}
+
+BlockFn pick(bool wide, bool packed, bool full_block, int64_t mb, bool prefetch) {
+  if (packed) return full_block ? pick_rows<4, true>(wide, mb, prefetch) : pick_rows<1, true>(wide, mb, prefetch);
+  return full_block ? pick_rows<4, false>(wide, mb, prefetch) : pick_rows<1, false>(wide, mb, prefetch);
 }
 
 #else
-BlockFn pick(bool, bool, int64_t, bool) { return nullptr; }  // never called: supported() is false
+BlockFn pick(bool, bool, bool, int64_t, bool) { return nullptr; }  // never called: supported() is false
 #endif
 
 bool supported() { return isa() != Isa::none; }
@@ -176,7 +197,52 @@ std::vector<std::string> isas() {
   return out;
 }
 
-at::Tensor linear_with(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use);
+constexpr int64_t kBlockRows = 4;  // weight rows per block (both paths and the packed layout); the N tail runs blocks of one
+
+// y = x @ w^T (+ bias) for w [N, K] at wp, row-major or packed (then the block of rows from n starts at wp + n * kp).
+at::Tensor run(const at::Tensor& x_in, const float* wp, bool packed, int64_t N, int64_t K,
+               const std::optional<at::Tensor>& bias, Isa use) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "small_gemm: want x [M, ", K, "]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "small_gemm: float32 CPU rows");
+  const int64_t M = x_in.size(0), kp = packed ? (K + 15) / 16 * 16 : K;
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "small_gemm: 1..64 rows, got ", M);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool wide = use == Isa::avx512;
+  const int64_t MB = wide ? 6 : 2;  // accumulators: 24 of 32 zmm registers, 8 of 16 ymm
+  const bool prefetch = M > 1;
+  const int64_t blocks = N / kBlockRows;
+  // Both kernels are chosen once per call from (chunk rows); each y[m, n] then follows one fixed sequence.
+  auto run_rows = [&](int64_t n0, int64_t n1, int64_t nb_rows) {
+    for (int64_t n = n0; n < n1; n += nb_rows) {
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = std::min(MB, M - m0);
+        pick(wide, packed, nb_rows == kBlockRows, mb, prefetch)(xp, wp + n * kp, yp, K, N, K, n, m0);
+      }
+    }
+  };
+  // ~16 KB of weights per grain step: enough work per task to hide at::parallel_for's cost.
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_rows(b0 * kBlockRows, b1 * kBlockRows, kBlockRows); });
+  if (blocks * kBlockRows < N) run_rows(blocks * kBlockRows, N, 1);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+Isa named(const std::string& name) {
+  const auto ok = isas();
+  TORCH_CHECK(std::find(ok.begin(), ok.end(), name) != ok.end(), "small_gemm: this CPU does not run ", name);
+  return name == "avx512" ? Isa::avx512 : Isa::avx2;
+}
+
+at::Tensor linear_with(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use) {
+  TORCH_CHECK(w.dim() == 2, "small_gemm: want w [N, K]");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu() && w.is_contiguous(),
+              "small_gemm: a contiguous float32 CPU weight");
+  return run(x, w.data_ptr<float>(), false, w.size(0), w.size(1), bias, use);
+}
 
 // y = x @ w^T (+ bias): x [M, K] (1 <= M <= 64), w [N, K], float32, CPU, contiguous rows; the best detected path.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
@@ -187,42 +253,40 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 // The same through a named path ("avx512" or "avx2"), which this CPU must run (isas()).
 at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                       const std::string& name) {
-  const auto ok = isas();
-  TORCH_CHECK(std::find(ok.begin(), ok.end(), name) != ok.end(), "small_gemm: this CPU does not run ", name);
-  return linear_with(x, w, bias, name == "avx512" ? Isa::avx512 : Isa::avx2);
+  return linear_with(x, w, bias, named(name));
 }
 
-at::Tensor linear_with(const at::Tensor& x_in, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use) {
-  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "small_gemm: want x [M, K], w [N, K]");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_gemm: float32 only");
-  TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(), "small_gemm: contiguous CPU");
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "small_gemm: 1..64 rows, got ", M);
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const bool wide = use == Isa::avx512;
-  constexpr int64_t NB = 4;  // weight rows per block (both paths); the N tail runs blocks of one row
-  const int64_t MB = wide ? 6 : 2;  // accumulators: 24 of 32 zmm registers, 8 of 16 ymm
-  const bool prefetch = M > 1;
-  const int64_t blocks = N / NB;
-  // Both kernels are chosen once per call from (chunk rows); each y[m, n] then follows one fixed sequence.
-  auto run_rows = [&](int64_t n0, int64_t n1, int64_t nb_rows) {
-    for (int64_t n = n0; n < n1; n += nb_rows) {
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t mb = std::min(MB, M - m0);
-        pick(wide, nb_rows == NB, mb, prefetch)(xp, wp, yp, K, N, K, n, m0);
-      }
-    }
-  };
-  // ~16 KB of weights per grain step: enough work per task to hide at::parallel_for's cost.
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_rows(b0 * NB, b1 * NB, NB); });
-  if (blocks * NB < N) run_rows(blocks * NB, N, 1);
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
-  return y;
+// ---- The packed layout. A row-major weight makes a block four interleaved streams, each jumping at the block's
+// end (a 2-core EPYC over SmolLM2's weights: one row 16 ms, two 19). Packed, a block of 4 rows is one sequential
+// stream of 16-float chunks side by side: [N / 4][kp / 16][4][16], then the N % 4 last rows [kp] each, with kp = K
+// rounded up to 16 and zeros after K (a masked load of the last chunk reads the same zeros either way). Every
+// product is the same sequence of operations as over the row-major weight, so the same bits.
+Packed pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "small_gemm: pack wants a float32 CPU weight [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), kp = (K + 15) / 16 * 16, blocks = N / kBlockRows;
+  const at::Tensor padded = at::constant_pad_nd(w, {0, kp - K}).contiguous();
+  const at::Tensor head =
+      padded.narrow(0, 0, blocks * kBlockRows).view({blocks, kBlockRows, kp / 16, 16}).permute({0, 2, 1, 3}).reshape({-1});
+  const at::Tensor tail = padded.narrow(0, blocks * kBlockRows, N - blocks * kBlockRows).reshape({-1});
+  return Packed{at::cat({head, tail}).contiguous(), N, K};
+}
+
+at::Tensor linear_packed_with(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias, Isa use) {
+  const int64_t kp = (w.k + 15) / 16 * 16;
+  TORCH_CHECK(w.data.defined() && w.data.numel() == w.n * kp && w.data.scalar_type() == at::kFloat,
+              "small_gemm: not a packed weight (small_pack)");
+  return run(x, w.data.data_ptr<float>(), true, w.n, w.k, bias, use);
+}
+
+at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
+  return linear_packed_with(x, w, bias, isa());
+}
+
+at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
+                             const std::string& name) {
+  return linear_packed_with(x, w, bias, named(name));
 }
 
 }  // namespace specserve_small_gemm

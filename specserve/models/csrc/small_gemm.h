@@ -1,0 +1,28 @@
+// The small-product kernel's interface (small_gemm.cpp), shared with decoder_stack.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace specserve_small_gemm {
+
+// A weight [n, k] in the kernel's packed layout (pack()): `data` holds n * (k rounded up to 16) floats.
+struct Packed {
+  at::Tensor data;
+  int64_t n = 0, k = 0;
+};
+
+bool supported();
+std::vector<std::string> isas();
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                      const std::string& name);
+Packed pack(const at::Tensor& w);
+at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias);
+at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
+                             const std::string& name);
+
+}  // namespace specserve_small_gemm
