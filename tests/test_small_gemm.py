@@ -3,6 +3,10 @@ rows, every instruction-set path this CPU runs, clear errors, and the loader's s
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,6 +85,28 @@ def test_the_packed_layout_gives_the_row_major_bits(isa: str, k: int, n: int) ->
 def test_the_default_path_is_the_best_detected() -> None:
     w, x = torch.randn(40, 96), torch.randn(3, 96)
     assert torch.equal(extension().small_linear(x, w), extension().small_linear_isa(x, w, None, ISAS[0]))
+
+
+@pytest.mark.skipif("avx2" not in ISAS, reason="this CPU has no AVX2 + FMA path")
+def test_the_path_can_be_chosen_by_name_for_benchmarks() -> None:
+    """SPECSERVE_SMALL_GEMM_ISA=avx2 runs the AVX2 path on any CPU with it (an AVX-512 one included); a name the
+    CPU lacks, or no ISA at all, is a clear error at the first product."""
+    code = (
+        "import torch\n"
+        "from specserve.models.native_stack import extension\n"
+        "ext = extension()\n"
+        "w, x = torch.randn(40, 100), torch.randn(3, 100)\n"
+        "assert ext.small_gemm_isa() == 'avx2', ext.small_gemm_isa()\n"
+        "assert torch.equal(ext.small_linear(x, w), ext.small_linear_isa(x, w, None, 'avx2'))\n"
+    )
+    env = {**os.environ, "SPECSERVE_SMALL_GEMM_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    env["SPECSERVE_SMALL_GEMM_ISA"] = "neon"
+    bad = "from specserve.models.native_stack import extension\nextension().small_gemm_isa()\n"
+    done = subprocess.run([sys.executable, "-c", bad], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "avx512 or avx2, not neon" in done.stderr
+    assert extension().small_gemm_isa() == ISAS[0]  # unset here: the best detected
 
 
 def test_bad_arguments_are_clear_errors() -> None:

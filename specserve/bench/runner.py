@@ -34,7 +34,7 @@ from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
 from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed, linear
 from specserve.models.loader import load_model
-from specserve.models.native_stack import build_stack
+from specserve.models.native_stack import build_stack, extension
 from specserve.timing import timed
 from specserve.tune import batch_decode_forward, verify_forward
 
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     small = any(getattr(m, "small_gemm", None) is not None for m in linears)
     blas_model = load_model(spec.model_copy(update={"small_gemm": False})) if small else model
     nn.Module.eval(blas_model)
-    print(f"small-product kernel: {'yes' if small else 'no'}")
+    print(f"small-product kernel: {'yes (' + extension().small_gemm_isa() + ')' if small else 'no'}")
     own = any(getattr(m, "small_packed", None) is not None for m in linears)
     rowmajor_model = load_model(spec.model_copy(update={"small_gemm_packed": False})) if own else model
     nn.Module.eval(rowmajor_model)
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                 "pad_from": max(pad_from.values(), default=0),
                 "packed_ms": packed_ms,
                 "packed_widths": " ".join(map(str, args.mkl_packed)) if packed else "",
-                "small_gemm": small,
+                "small_gemm": extension().small_gemm_isa() if small else "",
                 "blas_bare_ms": blas_bare,
                 "blas_runner_ms": blas,
                 "kernel_packed": own,

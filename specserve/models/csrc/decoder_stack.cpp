@@ -348,6 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_isa", &specserve_small_gemm::linear_isa, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("isa"));
   m.def("small_gemm_isas", &specserve_small_gemm::isas);
+  m.def("small_gemm_isa", &specserve_small_gemm::isa_in_use);
   py::class_<specserve_small_gemm::Packed>(m, "SmallPacked")
       .def_readonly("n", &specserve_small_gemm::Packed::n)
       .def_readonly("k", &specserve_small_gemm::Packed::k)

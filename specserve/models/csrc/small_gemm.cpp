@@ -24,6 +24,7 @@
 #endif
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -48,8 +49,21 @@ Isa detect() {
   return Isa::none;
 }
 
+// The detected path, or the one SPECSERVE_SMALL_GEMM_ISA names ("avx2" on an AVX-512 CPU: benchmarks of the other
+// path); naming one this CPU lacks is an error at the first product.
+Isa chosen() {
+  const Isa best = detect();
+  const char* name = std::getenv("SPECSERVE_SMALL_GEMM_ISA");
+  if (name == nullptr || *name == '\0') return best;
+  const std::string want(name);
+  TORCH_CHECK(want == "avx512" || want == "avx2", "SPECSERVE_SMALL_GEMM_ISA: avx512 or avx2, not ", want);
+  const Isa asked = want == "avx512" ? Isa::avx512 : Isa::avx2;
+  TORCH_CHECK(asked <= best, "SPECSERVE_SMALL_GEMM_ISA=", want, ": this CPU does not run it");
+  return asked;
+}
+
 Isa isa() {
-  static const Isa found = detect();
+  static const Isa found = chosen();
   return found;
 }
 
@@ -186,6 +200,8 @@ BlockFn pick(bool, bool, bool, int64_t, bool) { return nullptr; }  // never call
 #endif
 
 bool supported() { return isa() != Isa::none; }
+
+std::string isa_in_use() { return isa() == Isa::avx512 ? "avx512" : isa() == Isa::avx2 ? "avx2" : "none"; }
 
 // The instruction sets this CPU runs, best first ("avx512", "avx2"): a test runs each path by name.
 std::vector<std::string> isas() {
