@@ -1,5 +1,5 @@
-// Float32 products of a few rows with a row-major weight, y[M, N] = x[M, K] @ w[N, K]^T (+ b), for the 1-64 rows of
-// decoding, verification and batched decoding. On a 2-core CPU BLAS handles these shapes far from the memory bound
+// Float32 products of a few rows with a row-major or packed weight, y[M, N] = x[M, K] @ w[N, K]^T (+ b), for the
+// 1-64 rows of decoding, verification and batched decoding. On a 2-core CPU BLAS handles these shapes far from the memory bound
 // (an AMD EPYC: a 1-row product of SmolLM2's layers at 18 GB/s against 50 GB/s of read bandwidth, 2 rows costing
 // 1.45x one): here each weight row is read once for all M rows, as the memory bound wants.
 //
@@ -8,8 +8,9 @@
 // then the bias), so a token's products verified among other rows equal the same token's decoded alone, bit for bit
 // (for a caller whose steps all stay within kMaxRows rows).
 //
-// The instruction set is detected at run time (AVX-512F, else AVX2 + FMA); without either the caller falls back to
-// at::linear (small_gemm_supported() says which).
+// The instruction set is detected at run time (AVX-512F, else AVX2 + FMA; SPECSERVE_SMALL_GEMM_ISA=avx2 picks the
+// second on a CPU with both); without either the caller falls back to at::linear (small_gemm_supported() says which).
+// A weight may be packed once (pack(): each block of 4 rows one sequential stream); the products are the same bits.
 #include "small_gemm.h"
 
 #include <torch/extension.h>
@@ -213,7 +214,8 @@ std::vector<std::string> isas() {
   return out;
 }
 
-constexpr int64_t kBlockRows = 4;  // weight rows per block (both paths and the packed layout); the N tail runs blocks of one
+// Weight rows per block (both paths and the packed layout); the N % 4 last rows run blocks of one.
+constexpr int64_t kBlockRows = 4;
 
 // y = x @ w^T (+ bias) for w [N, K] at wp, row-major or packed (then the block of rows from n starts at wp + n * kp).
 at::Tensor run(const at::Tensor& x_in, const float* wp, bool packed, int64_t N, int64_t K,
@@ -241,7 +243,8 @@ at::Tensor run(const at::Tensor& x_in, const float* wp, bool packed, int64_t N, 
   };
   // ~16 KB of weights per grain step: enough work per task to hide at::parallel_for's cost.
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { run_rows(b0 * kBlockRows, b1 * kBlockRows, kBlockRows); });
+  at::parallel_for(0, blocks, grain,
+                   [&](int64_t b0, int64_t b1) { run_rows(b0 * kBlockRows, b1 * kBlockRows, kBlockRows); });
   if (blocks * kBlockRows < N) run_rows(blocks * kBlockRows, N, 1);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
@@ -282,8 +285,10 @@ Packed pack(const at::Tensor& w) {
               "small_gemm: pack wants a float32 CPU weight [N, K]");
   const int64_t N = w.size(0), K = w.size(1), kp = (K + 15) / 16 * 16, blocks = N / kBlockRows;
   const at::Tensor padded = at::constant_pad_nd(w, {0, kp - K}).contiguous();
-  const at::Tensor head =
-      padded.narrow(0, 0, blocks * kBlockRows).view({blocks, kBlockRows, kp / 16, 16}).permute({0, 2, 1, 3}).reshape({-1});
+  const at::Tensor head = padded.narrow(0, 0, blocks * kBlockRows)
+                              .view({blocks, kBlockRows, kp / 16, 16})
+                              .permute({0, 2, 1, 3})
+                              .reshape({-1});
   const at::Tensor tail = padded.narrow(0, blocks * kBlockRows, N - blocks * kBlockRows).reshape({-1});
   return Packed{at::cat({head, tail}).contiguous(), N, K};
 }
