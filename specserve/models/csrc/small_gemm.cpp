@@ -1,7 +1,7 @@
 // Float32 products of a few rows with a row-major or packed weight, y[M, N] = x[M, K] @ w[N, K]^T (+ b), for the
-// 1-64 rows of decoding, verification and batched decoding. On a 2-core CPU BLAS handles these shapes far from the memory bound
-// (an AMD EPYC: a 1-row product of SmolLM2's layers at 18 GB/s against 50 GB/s of read bandwidth, 2 rows costing
-// 1.45x one): here each weight row is read once for all M rows, as the memory bound wants.
+// 1-64 rows of decoding, verification and batched decoding. On a 2-core CPU BLAS handles these shapes far from the
+// memory bound (an AMD EPYC: a 1-row product of SmolLM2's layers at 18 GB/s against 50 GB/s of read bandwidth, 2
+// rows costing 1.45x one): here each weight row is read once for all M rows, as the memory bound wants.
 //
 // Batch-invariant by construction: every y[m, n] is computed by the same instruction sequence whatever M is and
 // wherever n falls in a block (16-lane partial sums over k ascending, a masked last chunk, a fixed lane reduction,
