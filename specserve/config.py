@@ -61,7 +61,7 @@ class ModelSpec(BaseModel):
         default=True,
         description="with small_gemm: the kernel reads its own copy of each weight laid out as one sequential "
         "stream per block of 4 rows (the same products bit for bit; one more copy of the weights in memory; "
-        "docs/benchmarks.md, 'Packed weights for the small-product kernel')",
+        "docs/benchmarks.md, 'Packed weights for the kernel')",
     )
     gemv_copies: bool = Field(
         default=True,

@@ -107,7 +107,7 @@ def test_the_path_can_be_chosen_by_name_for_benchmarks() -> None:
     bad = "from specserve.models.native_stack import extension\nextension().small_gemm_isa()\n"
     done = subprocess.run([sys.executable, "-c", bad], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "avx512 or avx2, not neon" in done.stderr
-    assert extension().small_gemm_isa() == ISAS[0]  # unset here: the best detected
+    assert extension().small_gemm_isa() == (os.environ.get("SPECSERVE_SMALL_GEMM_ISA") or ISAS[0])  # unset: the best
 
 
 def test_bad_arguments_are_clear_errors() -> None:
@@ -176,9 +176,17 @@ def test_packed_copies_change_no_bit_of_a_forward() -> None:
             steps.append(model(ForwardBatch.build(cache, [slot], [list(range(3, 67))]), cache))  # 64 rows
             outs.append(torch.cat(steps))
         assert torch.equal(outs[0], outs[1])
+    # the copies are what runs: zero a layer's in the C++ stack (attached above), then the Python loop's LM head's
     cache = models[1].new_cache(1, 8)
-    models[1].lm_head.small_packed.data.zero_()  # the copy is what the kernel reads
-    assert not models[1](ForwardBatch.build(cache, [cache.allocate()], [prompt[:3]]), cache).any()
+    slot = cache.allocate()
+    before = models[1](ForwardBatch.build(cache, [slot], [prompt[:3]]), cache)
+    models[1].layers[0].down.small_packed.data.zero_()
+    cache.truncate(slot, 0)
+    assert not torch.equal(models[1](ForwardBatch.build(cache, [slot], [prompt[:3]]), cache), before)
+    models[1].native_stack = None
+    models[1].lm_head.small_packed.data.zero_()
+    cache.truncate(slot, 0)
+    assert not models[1](ForwardBatch.build(cache, [slot], [prompt[:3]]), cache).any()
     with pytest.raises(ValueError, match="frozen"):
         from specserve.models.tiny import tiny_head
 

@@ -13,8 +13,6 @@
 #include <utility>
 #include <vector>
 
-
-
 namespace {
 
 using at::Tensor;

@@ -34,7 +34,7 @@ namespace specserve_small_gemm {
 
 constexpr int64_t kMaxRows = 64;
 // Products of 2+ rows prefetch, while a block of weight rows is multiplied, the same offsets in the next block's
-// rows (the next NB * K floats): with the FMAs of several activation rows per load the hardware prefetcher alone
+// rows (NB * K floats on; NB * kp packed): with the FMAs of several activation rows per load the hardware prefetcher alone
 // leaves the loads waiting (a 2-core EPYC over SmolLM2's layers: 8 rows 25 -> 13 ms, 16 rows 37 -> 22 ms; a
 // prefetch 1 KB ahead inside the block reached only 22 and 31). One row streams faster without. Past 16 rows the
 // product is compute-bound and still beats MKL here (32 rows 40 against 52 ms, 64 rows 74 against 83).
@@ -51,7 +51,8 @@ Isa detect() {
 }
 
 // The detected path, or the one SPECSERVE_SMALL_GEMM_ISA names ("avx2" on an AVX-512 CPU: benchmarks of the other
-// path); naming one this CPU lacks is an error at the first product.
+// path); a name this CPU lacks, or any other, is an error the first time the kernel is asked for (loading a model
+// with the kernel on then fails with it, rather than silently running another path).
 Isa chosen() {
   const Isa best = detect();
   const char* name = std::getenv("SPECSERVE_SMALL_GEMM_ISA");
