@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     small = any(getattr(m, "small_gemm", None) is not None for m in linears)
     blas_model = load_model(spec.model_copy(update={"small_gemm": False})) if small else model
     nn.Module.eval(blas_model)
-    print(f"small-product kernel: {'yes (' + extension().small_gemm_isa() + ')' if small else 'no'}")
+    isa = extension().small_gemm_isa() if small else ""  # the kernel's instruction-set path
+    print(f"small-product kernel: {'yes (' + isa + ')' if small else 'no'}")
     own = any(getattr(m, "small_packed", None) is not None for m in linears)
     rowmajor_model = load_model(spec.model_copy(update={"small_gemm_packed": False})) if own else model
     nn.Module.eval(rowmajor_model)
@@ -212,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                 "pad_from": max(pad_from.values(), default=0),
                 "packed_ms": packed_ms,
                 "packed_widths": " ".join(map(str, args.mkl_packed)) if packed else "",
-                "small_gemm": extension().small_gemm_isa() if small else "",
+                "small_gemm": isa,
                 "blas_bare_ms": blas_bare,
                 "blas_runner_ms": blas,
                 "kernel_packed": own,

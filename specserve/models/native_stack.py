@@ -150,10 +150,9 @@ def attach_small_gemm(model: nn.Module, rows: int = SMALL_GEMM_ROWS, *, packed: 
         return False
     ext = extension()
     for mod in [*lins, *([model] if isinstance(model, EagleHead) else [])]:
-        mod.small_gemm, mod.small_rows = ext.small_linear, rows  # type: ignore[assignment]
-        mod.small_packed = None  # type: ignore[assignment]
-    for mod in lins if packed else ():
-        mod.small_gemm, mod.small_packed = ext.small_linear_packed, ext.small_pack(mod.weight.detach())  # type: ignore[assignment]
+        own = ext.small_pack(mod.weight.detach()) if packed and isinstance(mod, nn.Linear) else None
+        mod.small_gemm = ext.small_linear if own is None else ext.small_linear_packed  # type: ignore[assignment]
+        mod.small_rows, mod.small_packed = rows, own  # type: ignore[assignment]
     if isinstance(model, LlamaModel):
         drop_native_stack(model)
     return True

@@ -34,10 +34,11 @@ namespace specserve_small_gemm {
 
 constexpr int64_t kMaxRows = 64;
 // Products of 2+ rows prefetch, while a block of weight rows is multiplied, the same offsets in the next block's
-// rows (NB * K floats on; NB * kp packed): with the FMAs of several activation rows per load the hardware prefetcher alone
-// leaves the loads waiting (a 2-core EPYC over SmolLM2's layers: 8 rows 25 -> 13 ms, 16 rows 37 -> 22 ms; a
-// prefetch 1 KB ahead inside the block reached only 22 and 31). One row streams faster without. Past 16 rows the
-// product is compute-bound and still beats MKL here (32 rows 40 against 52 ms, 64 rows 74 against 83).
+// rows (NB * K floats on; NB * kp packed): with the FMAs of several activation rows per load the hardware
+// prefetcher alone leaves the loads waiting (a 2-core EPYC over SmolLM2's layers: 8 rows 25 -> 13 ms, 16 rows
+// 37 -> 22 ms; a prefetch 1 KB ahead inside the block reached only 22 and 31). One row streams faster without.
+// Past 16 rows the product is compute-bound and still beats MKL here (32 rows 40 against 52 ms, 64 rows 74
+// against 83).
 
 enum class Isa { none, avx2, avx512 };
 
@@ -74,11 +75,13 @@ Isa isa() {
 // to 16. Row-major [N, K]: row = K, chunk = 16 (and kp = K). PACKED (pack() below): row = 16, chunk = 16 * NB.
 // (Everything but w is known at compile time or from K: the strides passed at run time in a struct measured 1.5-2x
 // slower for one row on a 2-core EPYC, with the same inner loop.)
+constexpr int64_t padded_k(int64_t K) { return (K + 15) / 16 * 16; }  // kp: the packed layout's row length
+
 template <int NB, bool PACKED>
 struct Layout {
   static constexpr int64_t row(int64_t K) { return PACKED ? 16 : K; }
   static constexpr int64_t chunk = PACKED ? 16 * NB : 16;
-  static constexpr int64_t next(int64_t K) { return PACKED ? NB * ((K + 15) / 16 * 16) : NB * K; }
+  static constexpr int64_t next(int64_t K) { return PACKED ? NB * padded_k(K) : NB * K; }
 };
 
 using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
@@ -223,7 +226,7 @@ at::Tensor run(const at::Tensor& x_in, const float* wp, bool packed, int64_t N, 
                const std::optional<at::Tensor>& bias, Isa use) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "small_gemm: want x [M, ", K, "]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "small_gemm: float32 CPU rows");
-  const int64_t M = x_in.size(0), kp = packed ? (K + 15) / 16 * 16 : K;
+  const int64_t M = x_in.size(0), kp = packed ? padded_k(K) : K;
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "small_gemm: 1..64 rows, got ", M);
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -284,7 +287,7 @@ at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optio
 Packed pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
               "small_gemm: pack wants a float32 CPU weight [N, K]");
-  const int64_t N = w.size(0), K = w.size(1), kp = (K + 15) / 16 * 16, blocks = N / kBlockRows;
+  const int64_t N = w.size(0), K = w.size(1), kp = padded_k(K), blocks = N / kBlockRows;
   const at::Tensor padded = at::constant_pad_nd(w, {0, kp - K}).contiguous();
   const at::Tensor head = padded.narrow(0, 0, blocks * kBlockRows)
                               .view({blocks, kBlockRows, kp / 16, 16})
@@ -295,7 +298,7 @@ Packed pack(const at::Tensor& w) {
 }
 
 at::Tensor linear_packed_with(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias, Isa use) {
-  const int64_t kp = (w.k + 15) / 16 * 16;
+  const int64_t kp = padded_k(w.k);
   TORCH_CHECK(w.data.defined() && w.data.numel() == w.n * kp && w.data.scalar_type() == at::kFloat,
               "small_gemm: not a packed weight (small_pack)");
   return run(x, w.data.data_ptr<float>(), true, w.n, w.k, bias, use);
