@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.app_args import AppArgs, ModelRecipe, WorkerRole
 from specserve.build import local_draft_worker
 from specserve.config import HeadSpec
+from specserve.heap import freeze_loaded_objects
 from specserve.limits import device_kv_slots
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
@@ -73,10 +74,12 @@ def build_model(recipe: ModelRecipe, device: str) -> LlamaModel | EagleHead:
 class _WorkerHost:
     """Loads the model at construction; ``start`` then sizes the KV cache (the router decides the geometry)."""
 
-    def __init__(self, recipe: ModelRecipe, device: str, torch_threads: int | None) -> None:
+    def __init__(self, recipe: ModelRecipe, device: str, torch_threads: int | None, freeze_gc: bool) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.model = build_model(recipe, device)
+        if freeze_gc:
+            freeze_loaded_objects()
         self.worker: TargetWorker | DraftWorker | HeadDraftWorker | None = None
 
     def info(self) -> ModelInfo:
@@ -208,6 +211,6 @@ class WorkerFactory:
         handle = (
             ray.remote(ACTOR_CLASSES[role])
             .options(name=name, namespace=ACTOR_NAMESPACE, max_restarts=0, max_task_retries=0, **options)
-            .remote(recipe, resources.device, resources.torch_threads)
+            .remote(recipe, resources.device, resources.torch_threads, self.args.freeze_gc)
         )
         return PROXY_CLASSES[role](cast(ActorHandle, handle), name, role)

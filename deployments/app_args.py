@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
 from specserve.config import (
+    FREEZE_GC_HELP,
     MODEL_PAIRS,
     DraftSpec,
     HeadSpec,
@@ -130,6 +131,7 @@ class AppArgs(LoopConfig):
         description=f"require `Authorization: Bearer <key>`; unset: the {API_KEY_ENV} environment variable",
     )
     debug_routes: bool = Field(default=False, description="serve /debug/lanes (actor names, node ids, KV slots)")
+    freeze_gc: bool = Field(default=True, description=FREEZE_GC_HELP + "; in the router and in each worker actor")
     router_resources: ActorResources = ActorResources(num_cpus=0.5)
     target_resources: ActorResources = ActorResources(num_cpus=1.0)
     draft_resources: ActorResources = ActorResources(num_cpus=0.5)

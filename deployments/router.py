@@ -26,6 +26,7 @@ from specserve.api.schemas import Health, HealthStatus
 from specserve.api.server import build_api
 from specserve.build import build_step_loop, eos_ids_of, new_suffix_cache
 from specserve.config import Drafter, ModelSpec, SpecConfig, SpecMethod
+from specserve.heap import freeze_loaded_objects
 from specserve.limits import ContextLimits, context_limits
 from specserve.models.loader import load_tokenizer
 from specserve.prompts import PromptEncoder
@@ -91,6 +92,8 @@ class Router:
                 step_delay_s=args.debug_step_delay_s,
             )
             self.lanes.append(lane)
+        if args.freeze_gc:
+            freeze_loaded_objects()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self, self.args.http_options())

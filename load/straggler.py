@@ -50,6 +50,7 @@ from specserve.bench.stats import (
 from specserve.config import MODEL_PAIRS, Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.guard import ThroughputGuard
+from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
 from specserve.spec_decode.eagle_head import EagleHead
 
@@ -93,6 +94,7 @@ class StudyConfig(BaseModel):
         description="each guarded policy keeps one guard across its runs, as a long-running server does, warmed by "
         "one untimed run per batch size first (default: a fresh guard per run, which pays its exploration each time)",
     )
+    freeze_gc: bool = Field(default=True, description="after loading, as serving does (specserve/heap.py)")
     seed: int = 0
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (None: torch's default)")
     out: Path = Path("bench_out/straggler")
@@ -287,6 +289,8 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
     """Per (workload, batch size), ``repeats`` round-robin passes over the policies (load changes on a shared
     machine then hit every policy alike); rows hold the medians, ``traces.jsonl`` every run."""
     models = load_models(cfg)
+    if cfg.freeze_gc:
+        freeze_loaded_objects()
     specs = cfg.specs()
     traces_path = cfg.out / "traces.jsonl"
     traces_path.unlink(missing_ok=True)
@@ -507,6 +511,7 @@ def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Seque
         f"Pair `{cfg.pair}`, batch sizes {cfg.batch_sizes}, {cfg.requests_per_slot} requests per batch slot, "
         f"{cfg.min_tokens}-{cfg.max_tokens} output tokens (EOS ignored), all requests submitted at t = 0."
         + (f" Throughput guard on, {_guard_state(cfg)}." if cfg.guard else "")
+        + ("" if cfg.freeze_gc else " Garbage collector not frozen after loading.")
     )
     lines = [
         "# Straggler study (in-process engine)",
@@ -565,6 +570,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
     p.add_argument("--guard", action="store_true", help="the engine's throughput guard")
     p.add_argument("--warm-guard", action="store_true", help="with --guard: one guard per policy across its runs")
+    p.add_argument(
+        "--no-freeze-gc", dest="freeze_gc", action="store_false", help="leave the collector alone (serving freezes)"
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared machine)")
     p.add_argument("--out", type=Path, default=d.out)

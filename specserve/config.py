@@ -297,6 +297,12 @@ class SpecConfig(BaseModel):
         return (self.dsde.sl_hard_max if self.policy == SLPolicyKind.dsde else self.sl) + 1
 
 
+FREEZE_GC_HELP = (
+    "once the models are loaded, exempt every live object from Python's cyclic collector (a process-wide step: "
+    "full collections then walk only what serving allocates; specserve/heap.py)"
+)
+
+
 class LoopConfig(BaseModel):
     """How one continuous-batching loop runs: the in-process ``EngineConfig`` and the Serve app's ``AppArgs``
     both extend it."""
@@ -331,6 +337,7 @@ class EngineConfig(LoopConfig):
     target: ModelSpec = ModelSpec()
     draft: DraftSpec | None = None
     device: str = "cpu"
+    freeze_gc: bool = Field(default=True, description=FREEZE_GC_HELP)
 
     @model_validator(mode="after")
     def _draft_for_speculation(self) -> EngineConfig:

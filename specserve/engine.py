@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from specserve.build import build_step_loop, draft_geometry, eos_ids_of, local_draft_worker
 from specserve.config import EngineConfig, LoopConfig, SpecConfig, SpecMethod
 from specserve.errors import InvalidRequestError, PartialStepError
+from specserve.heap import freeze_loaded_objects
 from specserve.limits import context_limits, device_kv_slots
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
@@ -93,7 +94,7 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> Engine:
         model = load_model(config.target, device=config.device)
         draft = None if config.draft is None else load_draft(config.draft, model, device=config.device)
-        return cls(
+        engine = cls(
             model,
             load_tokenizer(config.target),
             draft=draft,
@@ -105,6 +106,9 @@ class Engine:
             suffix_cache_tokens=config.suffix_cache_tokens,
             gpu_memory_utilization=config.gpu_memory_utilization,
         )
+        if config.freeze_gc:
+            freeze_loaded_objects()
+        return engine
 
     # -- prompts ---------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:

@@ -1,10 +1,21 @@
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _thaw_gc() -> Iterator[None]:
+    """Entry points freeze the collector once per process (specserve/heap.py); one test process runs many, so
+    each test hands frozen objects back to the collector (a cycle frozen by one test would never be freed)."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

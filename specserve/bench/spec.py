@@ -40,6 +40,7 @@ from specserve.config import (
     serving_speculation,
 )
 from specserve.engine import Completion, Engine
+from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.sources import resolve
@@ -401,6 +402,7 @@ def run(args: argparse.Namespace) -> int:
                         )
                     )
                     plain_of.append(plain_row)
+    freeze_loaded_objects()  # as serving does after loading (specserve/heap.py): no full collection mid-run
     n_runs = len(prompts) * args.passes
     secs: list[list[float]] = [[] for _ in methods]  # per method, per (pass, prompt)
     outs: list[list[Completion]] = [[] for _ in methods]
