@@ -20,6 +20,10 @@ decoding, the next one waits until the plain steps in between took 1 / ``explore
 model catching up 16 sequences costs ~10-35 plain steps, an EAGLE head's catch-up and 2.4x-slower step at batch
 16 ~7, which a try every 20 steps would pay again and again).
 
+Switching to speculation where the batch cannot pay the draft's catch-up back is avoided: the loop says before
+each step how many tokens the draft would first re-read and how many the batch may still emit (``Outlook``), and
+the guard speculates only if those remaining tokens would save more than the catch-up costs (``switch_pays``).
+
 A try's step time replaces the average step time of the mode it measures (that average is as old as the mode's
 last run), and a choice flipped by the running mode's own step (a slow admission) is re-checked soon
 (docs/algorithms.md §7).
@@ -29,6 +33,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """A step's batch as the guard weighs a switch to speculation: what the draft must read first, and how much
+    the batch can still emit for it to pay that back."""
+
+    draft_missed: int  # tokens the draft would read before drafting (after plain steps; prompts it never saw)
+    horizon: int  # tokens the sequences may still emit (max_tokens, the context limit), summed over the batch
 
 
 def bucket(batch_size: int) -> int:
@@ -56,6 +69,8 @@ class ThroughputGuard:
     switch_s: dict[int, float] = field(default_factory=dict)  # bucket -> cost of its last try of speculation: the
     # switch step's time plus what its measured step took beyond plain decoding's time for the same tokens
     catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> its switch step not yet in a try's cost
+    catch_up_work: tuple[float, float] | None = None  # avg (tokens re-read, seconds beyond a measured step) of a
+    # catch-up: their ratio weighs each by its size (a catch-up of 3 tokens costs about a step, nothing per token)
 
     def __post_init__(self) -> None:
         if self.warmup < 1:
@@ -75,6 +90,14 @@ class ThroughputGuard:
         """Average time of a plain step per bucket."""
         return {b: sec for (b, spec), (_, sec) in self.work.items() if not spec}
 
+    @property
+    def missed_token_s(self) -> float | None:
+        """A catch-up's seconds per token the draft re-reads (None: no catch-up measured yet)."""
+        if self.catch_up_work is None:
+            return None
+        tok, sec = self.catch_up_work
+        return sec / tok
+
     def _steps(self, b: int) -> int:
         return self.samples.get((b, True), 0) + self.samples.get((b, False), 0)
 
@@ -85,23 +108,55 @@ class ThroughputGuard:
             return None
         return self.rates[(b, True)] >= self.rates[(b, False)]
 
-    def speculate(self, batch_size: int, *, measured: bool = True) -> bool:
+    def speculate(self, batch_size: int, *, measured: bool = True, outlook: Outlook | None = None) -> bool:
         """The mode of the next step. ``measured=False``: a step the loop will not record (it admits a prompt):
         it runs the mode measured faster, or plain decoding before the first decision, and never starts a try
-        (a try's step would go unrecorded, so every such step until a recorded one would run the slower mode)."""
+        (a try's step would go unrecorded, so every such step until a recorded one would run the slower mode).
+        ``outlook``: speculation that must first catch the draft up happens only if the batch's remaining tokens
+        can pay for that (``switch_pays``); a try put off stays due."""
         b = bucket(batch_size)
         better = self.faster(batch_size)
         if better is None:  # measure plain decoding first (it needs no draft prefill), then speculation
-            return measured and self.samples.get((b, False), 0) >= self.warmup
-        explore = measured and self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
-        return better != explore
+            go = measured and self.samples.get((b, False), 0) >= self.warmup
+        else:
+            explore = measured and self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
+            go = better != explore
+        return go and (outlook is None or self.switch_pays(batch_size, outlook, expected=better is True))
+
+    def switch_pays(self, batch_size: int, outlook: Outlook, *, expected: bool) -> bool:
+        """Whether the time the batch's remaining tokens would save by speculating exceeds the draft's catch-up
+        (its measured seconds per re-read token x the tokens it missed). ``expected``: the saving at the two modes'
+        measured rates; otherwise (a try, a first measurement) the most any speculation could save, all of plain
+        decoding's time. True while the catch-up's cost or plain decoding's rate is unmeasured."""
+        b = bucket(batch_size)
+        plain_rate = self.rates.get((b, False), 0.0)  # tokens/s per sequence
+        if outlook.draft_missed <= 0 or self.missed_token_s is None or plain_rate <= 0:
+            return True
+        per_seq = outlook.horizon / batch_size  # a step advances every sequence of the batch
+        saved = per_seq / plain_rate
+        spec_rate = self.rates.get((b, True), 0.0)
+        if expected and spec_rate > 0:
+            saved -= per_seq / spec_rate
+        return saved > outlook.draft_missed * self.missed_token_s
 
     def record(
-        self, batch_size: int, speculative: bool, tokens: int, seconds: float, *, catch_up: bool = False
+        self,
+        batch_size: int,
+        speculative: bool,
+        tokens: int,
+        seconds: float,
+        *,
+        catch_up: bool = False,
+        caught_up_tokens: int = 0,
     ) -> None:
+        """One step. ``catch_up``: the draft first re-read ``caught_up_tokens`` tokens it had missed."""
         b = bucket(batch_size)
         if speculative and catch_up:  # the draft re-reading what it missed: not speculation's rate (module docstring)
             self.switch_s[b] = self.catch_up_s[b] = seconds
+            if caught_up_tokens > 0:  # beyond what a measured speculative step of the bucket takes
+                new = (float(caught_up_tokens), max(0.0, seconds - self.work.get((b, True), (0.0, 0.0))[1]))
+                tok, sec = self.catch_up_work or new
+                self.catch_up_work = (tok + self.smoothing * (new[0] - tok), sec + self.smoothing * (new[1] - sec))
             return
         before = self.faster(batch_size)
         key = (b, speculative)

@@ -83,7 +83,7 @@ class Sequence:
     draft_seen: int = 0  # ... and the draft worker
     last_accepted: list[int] = field(default_factory=list)  # accepted nodes of the draft model's last proposal
     model_proposed: bool = False  # this step's proposal came from the draft model (not a model-free drafter)
-    draft_catch_up: bool = False  # ... and the draft model first re-read tokens it missed (its prompt, plain steps)
+    draft_caught_up: int = 0  # ... and the draft model first re-read this many tokens it had missed (plain steps)
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     arrived: float = field(default_factory=time.perf_counter)  # when the loop accepted the request
@@ -107,6 +107,16 @@ class Sequence:
 
     def unsent(self, seen: int) -> list[int]:
         return self.tokens[seen:]
+
+    def draft_behind(self) -> int:
+        """Tokens the draft model has not read: all of them before its first step, after plain steps those steps'
+        (its last proposal's accepted nodes are in its cache already)."""
+        return len(self.request.prompt_ids) + len(self.output) - self.draft_seen - len(self.last_accepted)
+
+    def remaining(self, max_model_len: int) -> int:
+        """Tokens it may still emit: its max_tokens, or the context limit if that comes first."""
+        room = max_model_len - len(self.request.prompt_ids) - len(self.output)
+        return max(0, min(self.request.params.max_tokens - len(self.output), room))
 
     @property
     def prefills(self) -> bool:

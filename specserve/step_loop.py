@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blame
+from specserve.guard import Outlook
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.policy import SequenceDSDE
 from specserve.policy.planner import SLPlanner
@@ -25,6 +26,8 @@ from specserve.sequence import FinishReason, Request, RequestOutput, Sequence
 from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver, StepStats
 from specserve.workers.base import DraftWorkerAPI, TargetWorkerAPI
+
+CATCH_UP = 2  # a draft model more tokens than this behind a sequence it drafted for before catches up first
 
 
 class StepLoop:
@@ -150,7 +153,7 @@ class StepLoop:
         if not (batch := [s for s in self.running if only is None or s.seq_id in only]):
             return []
         self._register(batch)
-        plan = self.planner.plan(batch, prefills=any(s.prefills for s in batch))
+        plan = self.planner.plan(batch, prefills=any(s.prefills for s in batch), outlook=self._outlook(batch))
         proposals = self._propose(batch, plan.depths)
         t1 = time.perf_counter()
         items = [self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)]
@@ -170,6 +173,14 @@ class StepLoop:
         if failures:
             raise PartialStepError(outputs, failures)
         return outputs
+
+    def _outlook(self, batch: list[Sequence]) -> Outlook | None:
+        """For the guard (None: no guard): the tokens the draft model would read before drafting (sequences it is
+        more than ``CATCH_UP`` behind: after plain steps, or never seen) and those the batch may still emit."""
+        if self.planner.guard is None:
+            return None
+        behind = (s.draft_behind() for s in batch if self.draft is not None and s.spec.uses_model)
+        return Outlook(sum(m for m in behind if m > CATCH_UP), sum(s.remaining(self.max_model_len) for s in batch))
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
@@ -196,7 +207,7 @@ class StepLoop:
         to_model: list[tuple[Sequence, int]] = []
         current = {s.seq_id: s.model_proposed for s in batch}  # the draft model saw each one's last step
         for s, d in zip(batch, depths, strict=True):
-            s.model_proposed = s.draft_catch_up = False
+            s.model_proposed, s.draft_caught_up = False, 0
             if d == 0:
                 continue
             if s.spec.drafter != Drafter.model:
@@ -223,8 +234,8 @@ class StepLoop:
                 for s, d in to_model
             ]
             for s, _ in to_model:  # the draft missed 2+ steps' tokens (not a new prompt, not one cheap step)
-                missed = len(s.tokens) - s.draft_seen - len(s.last_accepted)
-                s.draft_catch_up = not current[s.seq_id] and s.target_seen > 0 and missed > 2
+                missed = s.draft_behind()
+                s.draft_caught_up = missed if not current[s.seq_id] and s.target_seen > 0 and missed > CATCH_UP else 0
             proposals.update((p.seq_id, p) for p in self.draft.propose(items))
             for s, _ in to_model:
                 s.draft_seen = len(s.tokens)
@@ -278,8 +289,15 @@ class StepLoop:
         guard = self.planner.guard
         if guard is not None and not event.prefills and any(s.spec.method != SpecMethod.none for s in event.batch):
             drafted_any = any(p is not None for p in event.proposals)
-            catch_up = any(s.draft_catch_up for s in event.batch)
-            guard.record(len(event.batch), drafted_any, event.emitted, event.total_s, catch_up=catch_up)
+            caught_up = sum(s.draft_caught_up for s in event.batch)
+            guard.record(
+                len(event.batch),
+                drafted_any,
+                event.emitted,
+                event.total_s,
+                catch_up=caught_up > 0,
+                caught_up_tokens=caught_up,
+            )
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
         if out.features is not None:

@@ -9,7 +9,7 @@ import pytest
 
 from specserve.config import KLDMode, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
-from specserve.guard import ThroughputGuard
+from specserve.guard import Outlook, ThroughputGuard
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy import DSDEConfig
@@ -361,7 +361,7 @@ class _FixedGuard(ThroughputGuard):
         self.answer = answer
         self.asked = 0
 
-    def speculate(self, batch_size: int, *, measured: bool = True) -> bool:
+    def speculate(self, batch_size: int, *, measured: bool = True, outlook: Outlook | None = None) -> bool:
         self.asked += 1
         return self.answer
 
@@ -386,16 +386,27 @@ class _ScriptedGuard(ThroughputGuard):
         super().__init__()
         self.script = list(script)
         self.recorded: list[tuple[bool, bool]] = []  # (speculative, catch_up) per recorded step
+        self.caught_up: list[int] = []  # tokens the draft re-read, per recorded step
         self.measured: list[bool] = []  # per step asked: whether the loop will record it
+        self.outlooks: list[Outlook | None] = []  # per step asked
 
-    def speculate(self, batch_size: int, *, measured: bool = True) -> bool:
+    def speculate(self, batch_size: int, *, measured: bool = True, outlook: Outlook | None = None) -> bool:
         self.measured.append(measured)
+        self.outlooks.append(outlook)
         return self.script.pop(0) if self.script else True
 
     def record(
-        self, batch_size: int, speculative: bool, tokens: int, seconds: float, *, catch_up: bool = False
+        self,
+        batch_size: int,
+        speculative: bool,
+        tokens: int,
+        seconds: float,
+        *,
+        catch_up: bool = False,
+        caught_up_tokens: int = 0,
     ) -> None:
         self.recorded.append((speculative, catch_up))
+        self.caught_up.append(caught_up_tokens)
 
 
 def test_the_loop_tells_the_guard_when_the_draft_catches_up(target: LlamaModel) -> None:
@@ -413,6 +424,14 @@ def test_the_loop_tells_the_guard_when_the_draft_catches_up(target: LlamaModel) 
         (True, True),
         (True, False),
     ]
+    # how many tokens: each prompt and its first token after the prefill step, then two plain steps' tokens and
+    # the bonus token of the speculative step before them (its accepted drafts are in the draft's cache)
+    assert guard.caught_up[:6] == [sum(len(p) + 1 for p in PROMPTS[:2]), 0, 0, 0, 2 * 3, 0]
+    # and what the guard was told before each step: the draft has read nothing at admission; 12 tokens each to go
+    assert guard.outlooks[0] == Outlook(sum(len(p) for p in PROMPTS[:2]), 2 * 12)
+    assert guard.outlooks[1] == Outlook(sum(len(p) + 1 for p in PROMPTS[:2]), 2 * 11)
+    # then the draft is 1 token behind (the bonus), 1, 2 (no catch-up yet: not counted), 3 after two plain steps
+    assert [o.draft_missed for o in guard.outlooks[2:6] if o is not None] == [0, 0, 0, 2 * 3]
 
 
 def test_the_guard_times_no_step_in_which_a_request_is_admitted(target: LlamaModel) -> None:
@@ -457,3 +476,40 @@ def test_the_guard_starts_no_try_in_a_step_it_will_not_time() -> None:
     assert guard.speculate(4, measured=False) is False  # ... but not in a step the loop will not time
     guard.record(4, True, tokens=4, seconds=0.05)  # the try: speculation now faster
     assert guard.speculate(4, measured=False) is True  # unrecorded steps run the faster mode
+
+
+def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> None:
+    """Before speculating, a draft model re-reads what it missed (its catch-up, here ~0.01 s a token, measured
+    beyond a speculative step's time). With 50 tokens to re-read (~0.5 s), speculation that saves 1/15 s per token
+    of each sequence pays only past 7.5 tokens each; a try (or a first measurement), which might find any saving,
+    only if plain decoding of what remains takes longer than the catch-up (5 tokens at 10 per second)."""
+    guard = ThroughputGuard(warmup=1, explore_every=5, explore_cost=1.0)
+    guard.record(8, False, tokens=8, seconds=0.1)  # plain: 10 tokens/s per sequence
+    assert guard.missed_token_s is None
+    guard.record(8, True, tokens=8, seconds=1.0, catch_up=True, caught_up_tokens=100)  # 1 s: 0.01 s a token
+    assert guard.missed_token_s == pytest.approx(0.01)
+    guard.record(8, True, tokens=24, seconds=0.1)  # speculation: 30 tokens/s per sequence
+    assert guard.faster(8) is True
+    guard.record(8, True, tokens=24, seconds=0.2, catch_up=True, caught_up_tokens=3)  # 3 tokens: 0.1 s more
+    assert guard.missed_token_s == pytest.approx(0.73 / 70.9)  # weighed by size (not 0.033 a token blended in)
+    catch_up = 50
+    assert guard.speculate(8)  # nothing to catch up: speculation
+    assert guard.speculate(8, outlook=Outlook(0, 8))
+    assert not guard.speculate(8, outlook=Outlook(catch_up, 8 * 7))  # saves 7/15 s < 0.5 s
+    assert guard.speculate(8, outlook=Outlook(catch_up, 8 * 8))  # 8/15 s > 0.5 s
+    assert guard.speculate(6, outlook=Outlook(catch_up, 6 * 8))  # per sequence: the bucket's 8 is 5-8 sequences
+    # speculation measured slower: plain, then a try when due, put off while the batch could not pay a catch-up
+    slow = ThroughputGuard(warmup=1, explore_every=5, explore_cost=1.0)
+    slow.record(8, False, tokens=8, seconds=0.1)
+    slow.record(8, True, tokens=8, seconds=1.0, catch_up=True, caught_up_tokens=100)
+    slow.record(8, True, tokens=8, seconds=0.2)
+    assert slow.faster(8) is False
+    while not slow.speculate(8):
+        slow.record(8, False, tokens=8, seconds=0.1)
+    assert not slow.speculate(8, outlook=Outlook(catch_up, 8 * 4))  # 0.4 s of plain decoding left < 0.5 s
+    assert slow.speculate(8, outlook=Outlook(catch_up, 8 * 6))  # 0.6 s
+    assert slow.speculate(8)  # a query: the try stays due, not spent
+    # with no catch-up measured yet, the outlook changes nothing
+    fresh = ThroughputGuard(warmup=1)
+    fresh.record(8, False, tokens=8, seconds=0.1)
+    assert fresh.speculate(8, outlook=Outlook(10_000, 8))

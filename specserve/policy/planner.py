@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specserve.config import SpecConfig, SpecMethod
-from specserve.guard import ThroughputGuard
+from specserve.guard import Outlook, ThroughputGuard
 from specserve.policy.dsde import SLState, apply_cap, sl_cap
 
 
@@ -42,13 +42,14 @@ class SLPlanner:
         self.guard = guard  # None: always speculate as planned
         self.max_step_tokens = max_step_tokens  # drafted tokens + batch size verified per step (None: no limit)
 
-    def plan(self, rows: Sequence[PlanRow], *, prefills: bool = False) -> StepPlan:
-        """``prefills``: some row feeds a prompt this step (the guard does not time such a step)."""
+    def plan(self, rows: Sequence[PlanRow], *, prefills: bool = False, outlook: Outlook | None = None) -> StepPlan:
+        """``prefills``: some row feeds a prompt this step (the guard does not time such a step); ``outlook``: what
+        speculating would first cost the draft and what the batch can still emit (the guard's switch rule)."""
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
         sls, cap = self._cap(rows, uncapped)
         depths = [self._depth(r.spec, sl) for r, sl in zip(rows, sls, strict=True)]
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
-        return StepPlan(self._guard(rows, depths, prefills), uncapped, cap, post)
+        return StepPlan(self._guard(rows, depths, prefills, outlook), uncapped, cap, post)
 
     @staticmethod
     def _cap(rows: Sequence[PlanRow], uncapped: list[int]) -> tuple[list[int], int | None]:
@@ -82,12 +83,13 @@ class SLPlanner:
         depth = sl if spec.method == SpecMethod.chain else min(spec.static_depth, sl)
         return max(1, depth if spec.max_sl is None else min(depth, spec.max_sl))
 
-    def _guard(self, rows: Sequence[PlanRow], depths: list[int], prefills: bool) -> list[int]:
+    def _guard(self, rows: Sequence[PlanRow], depths: list[int], prefills: bool, outlook: Outlook | None) -> list[int]:
         """The throughput guard first: plain decoding where it measured faster at this batch size (no try of
         the other mode in a step that prefills). Then shrink speculation until drafted tokens + one per sequence
         fit ``max_step_tokens``: at large batch a CPU forward is compute-bound, and verifying tokens that are
         likely rejected slows everyone."""
-        if self.guard is not None and any(depths) and not self.guard.speculate(len(rows), measured=not prefills):
+        guard = self.guard
+        if guard is not None and any(depths) and not guard.speculate(len(rows), measured=not prefills, outlook=outlook):
             return [0] * len(depths)
         if self.max_step_tokens is None:
             return depths
