@@ -54,7 +54,9 @@ class ThroughputGuard:
     explore_every: int = 20  # steps of a bucket between tries of the slower mode ...
     max_explore_every: int = 640  # ... doubling up to this while the tries confirm the choice (back to the start
     # when one flips it): a try costs a slow step, and after plain steps the draft first re-reads what it missed
-    smoothing: float = 0.3  # weight of the newest step in the moving average
+    smoothing: float = 0.3  # weight of the newest step in the moving averages of step time
+    token_smoothing: float = 0.05  # ... and of tokens per step: an acceptance statistic, 1-4 tokens from one step
+    # to the next at batch 1 (at 0.3 two short steps in a row took the head's 2.1-token average below break-even)
     warmup: int = 3  # steps of each mode per bucket before the first decision (their median step starts it)
     explore_cost: float = 0.015  # a try (switch step + its measured step's excess) costs at most this share of the
     # plain time before the next (at 3% the guarded EAGLE head measured 0.96-0.99x plain at batch 16, where plain
@@ -75,6 +77,8 @@ class ThroughputGuard:
     def __post_init__(self) -> None:
         if self.warmup < 1:
             raise ValueError(f"warmup must be at least 1 step per mode, got {self.warmup}")
+        if not (0 < self.smoothing <= 1 and 0 < self.token_smoothing <= 1):
+            raise ValueError(f"smoothing weights must be in (0, 1], got {self.smoothing}, {self.token_smoothing}")
         if not 0 < self.explore_cost <= 1:
             raise ValueError(f"explore_cost must be in (0, 1], got {self.explore_cost}")
         if self.outlier_clip < 1:
@@ -172,13 +176,13 @@ class ThroughputGuard:
             # so the fresh step's time replaces it (blended, one stale slow step would outlive tries); its tokens per
             # step, an acceptance statistic that one step estimates poorly, are blended as usual
             tok, _ = self.work.get(key, step)
-            self.work[key] = (tok + self.smoothing * (step[0] - tok), step[1])
+            self.work[key] = (tok + self.token_smoothing * (step[0] - tok), step[1])
         else:  # moving averages of tokens and of seconds per step: their ratio weighs a slow step by its time,
             # up to ``outlier_clip`` times the average (a GC pause or another process's burst, 6x a step, would
             # flip the choice for several steps; a real slowdown still moves the average within a few steps)
             tok, sec = self.work.get(key, step)  # (rates seeded from outside start from this step)
             seconds = min(step[1], self.outlier_clip * sec)
-            self.work[key] = (tok + self.smoothing * (step[0] - tok), sec + self.smoothing * (seconds - sec))
+            self.work[key] = (tok + self.token_smoothing * (step[0] - tok), sec + self.smoothing * (seconds - sec))
         tok, sec = self.work[key]
         self.rates[key] = tok / max(sec, 1e-9)
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try
