@@ -55,8 +55,9 @@ class ThroughputGuard:
     max_explore_every: int = 640  # ... doubling up to this while the tries confirm the choice (back to the start
     # when one flips it): a try costs a slow step, and after plain steps the draft first re-reads what it missed
     smoothing: float = 0.3  # weight of the newest step in the moving averages of step time
-    token_smoothing: float = 0.05  # ... and of tokens per step: an acceptance statistic, 1-4 tokens from one step
-    # to the next at batch 1 (at 0.3 two short steps in a row took the head's 2.1-token average below break-even)
+    token_smoothing: float = 0.05  # ... and of tokens per step (after a plain mean of the first 1 / this steps): an
+    # acceptance statistic, 1-4 tokens from one step to the next at batch 1 (at 0.3 two short steps in a row took
+    # the head's 2.1-token average below break-even)
     warmup: int = 3  # steps of each mode per bucket before the first decision (their median step starts it)
     explore_cost: float = 0.015  # a try (switch step + its measured step's excess) costs at most this share of the
     # plain time before the next (at 3% the guarded EAGLE head measured 0.96-0.99x plain at batch 16, where plain
@@ -71,6 +72,8 @@ class ThroughputGuard:
     switch_s: dict[int, float] = field(default_factory=dict)  # bucket -> cost of its last try of speculation: the
     # switch step's time plus what its measured step took beyond plain decoding's time for the same tokens
     catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> its switch step not yet in a try's cost
+    deferred: set[int] = field(default_factory=set)  # buckets whose last answer was plain decoding only because
+    # the catch-up would not pay: their plain steps are measurements, not tries of plain decoding
     catch_up_work: tuple[float, float] | None = None  # avg (tokens re-read, seconds beyond a measured step) of a
     # catch-up: their ratio weighs each by its size (a catch-up of 3 tokens costs about a step, nothing per token)
 
@@ -125,7 +128,12 @@ class ThroughputGuard:
         else:
             explore = measured and self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
             go = better != explore
-        return go and (outlook is None or self.switch_pays(batch_size, outlook, expected=better is True))
+        pays = not go or outlook is None or self.switch_pays(batch_size, outlook, expected=better is True)
+        if go and not pays:
+            self.deferred.add(b)
+        else:
+            self.deferred.discard(b)
+        return go and pays
 
     def switch_pays(self, batch_size: int, outlook: Outlook, *, expected: bool) -> bool:
         """Whether the time the batch's remaining tokens would save by speculating exceeds the draft's catch-up
@@ -163,6 +171,7 @@ class ThroughputGuard:
                 self.catch_up_work = (tok + self.smoothing * (new[0] - tok), sec + self.smoothing * (new[1] - sec))
             return
         before = self.faster(batch_size)
+        tried = before is not None and speculative != before and not (b in self.deferred and not speculative)
         key = (b, speculative)
         step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1
@@ -170,25 +179,25 @@ class ThroughputGuard:
             self.warm[key] = [*self.warm.get(key, []), step]
             start = sorted(self.warm[key], key=lambda ts: ts[0] / max(ts[1], 1e-9))[(n - 1) // 2]
             self.work[key] = start
-        elif before is not None and speculative != before:  # a try: the mode's step time is as old as its last run,
+        elif tried:  # a try: the mode's step time is as old as its last run,
             if speculative:  # what the try cost beyond plain decoding spaces the next one (with its switch step)
                 self.switch_s[b] = self.catch_up_s.pop(b, 0.0) + self._excess_over_plain(b, step)
             # so the fresh step's time replaces it (blended, one stale slow step would outlive tries); its tokens per
             # step, an acceptance statistic that one step estimates poorly, are blended as usual
             tok, _ = self.work.get(key, step)
-            self.work[key] = (tok + self.token_smoothing * (step[0] - tok), step[1])
+            self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), step[1])
         else:  # moving averages of tokens and of seconds per step: their ratio weighs a slow step by its time,
             # up to ``outlier_clip`` times the average (a GC pause or another process's burst, 6x a step, would
             # flip the choice for several steps; a real slowdown still moves the average within a few steps)
             tok, sec = self.work.get(key, step)  # (rates seeded from outside start from this step)
             seconds = min(step[1], self.outlier_clip * sec)
-            self.work[key] = (tok + self.token_smoothing * (step[0] - tok), sec + self.smoothing * (seconds - sec))
+            self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), sec + self.smoothing * (seconds - sec))
         tok, sec = self.work[key]
         self.rates[key] = tok / max(sec, 1e-9)
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try
             self.next_try[b] = max(self.explore_every, self._steps(b) + self._amortising_steps(b)) - 1
         after = self.faster(batch_size)
-        if before is not None and speculative != before:  # that was a try of the slower mode
+        if tried:  # that was a try of the slower mode
             interval = self.intervals.get(b, self.explore_every)
             interval = self.explore_every if after != before else min(2 * interval, self.max_explore_every)
             self.intervals[b] = interval
@@ -198,6 +207,12 @@ class ThroughputGuard:
             # ``warmup`` steps, speculation once its switch is amortised
             self.intervals[b] = self.explore_every
             self.next_try[b] = self._steps(b) + (self.warmup if after else max(1, self._amortising_steps(b))) - 1
+
+    def _token_weight(self, n: int) -> float:
+        """Weight of the n-th measured step in its mode's tokens-per-step average: the plain mean of the steps so far
+        until ``token_smoothing`` takes over (a moving average from the warm-up's median alone would need ~1 /
+        token_smoothing steps to leave it: the 4-bit copy's 9-token start against its ~12-token mean)."""
+        return max(self.token_smoothing, 1.0 / n)
 
     def _excess_over_plain(self, b: int, step: tuple[float, float]) -> float:
         """Seconds a (tokens per sequence, seconds) step took beyond plain decoding's average for those tokens."""

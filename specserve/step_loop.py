@@ -27,7 +27,7 @@ from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver, StepStats
 from specserve.workers.base import DraftWorkerAPI, TargetWorkerAPI
 
-CATCH_UP = 2  # a draft model more tokens than this behind a sequence it drafted for before catches up first
+CATCH_UP = 2  # a draft model more tokens than this behind a sequence (it missed plain steps) first catches up
 
 
 class StepLoop:

@@ -531,3 +531,38 @@ def test_two_short_speculative_steps_do_not_flip_a_long_held_choice() -> None:
         assert guard.faster(1) is (not flips)
     with pytest.raises(ValueError, match="smoothing"):
         ThroughputGuard(token_smoothing=0.0)
+
+
+def test_tokens_per_step_start_as_the_plain_mean_of_the_steps_so_far() -> None:
+    """Until 1 / token_smoothing steps are measured, tokens per step are their plain mean: a slow moving average
+    started from a low first step would stay low for dozens of steps (the 4-bit copy's 9-token first step
+    against its ~12-token mean: tied with plain decoding, so the guard never ran it long enough to learn)."""
+    guard = ThroughputGuard(warmup=1, token_smoothing=0.05)
+    guard.record(1, False, tokens=1, seconds=0.015)
+    steps = [9, 17, 17, 17, 17, 3, 12]
+    for tokens in steps:
+        guard.record(1, True, tokens=tokens, seconds=0.15)
+    assert guard.work[(1, True)][0] == pytest.approx(sum(steps) / len(steps))
+    for _ in range(40):  # past 20 steps the newest weighs 0.05
+        guard.record(1, True, tokens=10, seconds=0.15)
+    before = guard.work[(1, True)][0]
+    guard.record(1, True, tokens=30, seconds=0.15)
+    assert guard.work[(1, True)][0] == pytest.approx(before + 0.05 * (30 - before))
+
+
+def test_plain_steps_run_because_a_catch_up_would_not_pay_are_measurements_not_tries() -> None:
+    """Speculation is the faster mode but the catch-up would not pay: the plain steps that follow are ordinary
+    measurements of plain decoding (blended into its average), not tries whose one step replaces it: one slow step
+    there had made plain decoding look 20% slower and turned the 4-bit copy on at batch 4."""
+    guard = ThroughputGuard(warmup=1)
+    guard.record(4, False, tokens=4, seconds=0.1)
+    guard.record(4, True, tokens=4, seconds=1.0, catch_up=True, caught_up_tokens=100)
+    guard.record(4, True, tokens=24, seconds=0.2)
+    assert guard.faster(4) is True
+    assert not guard.speculate(4, outlook=Outlook(100, 4))  # 1 token each to go: the catch-up would not pay
+    guard.record(4, False, tokens=4, seconds=0.15)
+    assert guard.work[(4, False)][1] == pytest.approx(0.1 + 0.3 * (0.15 - 0.1))  # blended, not replaced
+    assert 4 not in guard.intervals  # and no try was counted
+    assert guard.speculate(4)  # a batch with nothing to catch up speculates
+    guard.record(4, False, tokens=4, seconds=0.15)  # a plain step now is a try of plain decoding
+    assert guard.work[(4, False)][1] == pytest.approx(0.15) and guard.intervals[4] == 2 * guard.explore_every
