@@ -23,6 +23,10 @@ model catching up 16 sequences costs ~10-35 plain steps, an EAGLE head's catch-u
 Switching to speculation where the batch cannot pay the draft's catch-up back is avoided: the loop says before
 each step how many tokens the draft would first re-read and how many the batch may still emit (``Outlook``), and
 the guard speculates only if those remaining tokens would save more than the catch-up costs (``switch_pays``).
+Plain steps run for that reason are measurements of plain decoding, not tries of it.
+
+Tokens per step are averaged with a longer memory (``token_smoothing``) than step time, starting as the plain
+mean of the steps so far: they are acceptance, which jumps between 1 and 4 from one step to the next at batch 1.
 
 A try's step time replaces the average step time of the mode it measures (that average is as old as the mode's
 last run), and a choice flipped by the running mode's own step (a slow admission) is re-checked soon
