@@ -56,6 +56,7 @@ def _generate(args: argparse.Namespace) -> int:
             max_step_tokens=SERVING_MAX_STEP_TOKENS if draft is not None else None,
             device=args.device,
             max_batch_size=1,
+            freeze_gc=True,  # this process serves one engine until it exits
         )
     )
     last = None

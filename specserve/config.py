@@ -337,7 +337,7 @@ class EngineConfig(LoopConfig):
     target: ModelSpec = ModelSpec()
     draft: DraftSpec | None = None
     device: str = "cpu"
-    freeze_gc: bool = Field(default=True, description=FREEZE_GC_HELP)
+    freeze_gc: bool = Field(default=False, description=FREEZE_GC_HELP + "; `specserve generate` turns it on")
 
     @model_validator(mode="after")
     def _draft_for_speculation(self) -> EngineConfig:

@@ -131,6 +131,8 @@ class ThroughputGuard:
             go = measured and self.samples.get((b, False), 0) >= self.warmup
         else:
             explore = measured and self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
+            if better and explore and b in self.deferred:  # plain decoding runs anyway, measured, while
+                return False  # speculation waits for a catch-up that pays: no try of it is needed
             go = better != explore
         pays = not go or outlook is None or self.switch_pays(batch_size, outlook, expected=better is True)
         if go and not pays:
@@ -169,8 +171,10 @@ class ThroughputGuard:
         b = bucket(batch_size)
         if speculative and catch_up:  # the draft re-reading what it missed: not speculation's rate (module docstring)
             self.switch_s[b] = self.catch_up_s[b] = seconds
-            if caught_up_tokens > 0:  # beyond what a measured speculative step of the bucket takes
-                new = (float(caught_up_tokens), max(0.0, seconds - self.work.get((b, True), (0.0, 0.0))[1]))
+            if caught_up_tokens > 0:  # beyond what a measured speculative step of the bucket takes (before the
+                # first, a plain one: the catch-up that begins speculation's warm-up)
+                base = self.work.get((b, True)) or self.work.get((b, False)) or (0.0, 0.0)
+                new = (float(caught_up_tokens), max(0.0, seconds - base[1]))
                 tok, sec = self.catch_up_work or new
                 self.catch_up_work = (tok + self.smoothing * (new[0] - tok), sec + self.smoothing * (new[1] - sec))
             return
@@ -213,9 +217,10 @@ class ThroughputGuard:
             self.next_try[b] = self._steps(b) + (self.warmup if after else max(1, self._amortising_steps(b))) - 1
 
     def _token_weight(self, n: int) -> float:
-        """Weight of the n-th measured step in its mode's tokens-per-step average: the plain mean of the steps so far
-        until ``token_smoothing`` takes over (a moving average from the warm-up's median alone would need ~1 /
-        token_smoothing steps to leave it: the 4-bit copy's 9-token start against its ~12-token mean)."""
+        """Weight of the n-th measured step in its mode's tokens-per-step average: 1 / n, a plain mean of the steps
+        so far (the warm-up's counted as their median), until ``token_smoothing`` takes over (a moving average
+        from the warm-up's median alone would need ~1 / token_smoothing steps to leave it: the 4-bit copy's 9-token
+        start against its ~12-token mean)."""
         return max(self.token_smoothing, 1.0 / n)
 
     def _excess_over_plain(self, b: int, step: tuple[float, float]) -> float:

@@ -6,7 +6,8 @@ several batch-16 steps that the cyclic collector triggers from allocation counts
 of the step loop. None of those objects is garbage, so after loading they are moved into the collector's permanent
 generation (``gc.freeze``, as serving engines do after start-up): later collections walk only what serving
 allocates. Frozen objects are still freed by reference counting; only a reference cycle among them is never
-collected, so this is a once-per-process step, not a per-engine one (docs/algorithms.md §7.4).
+collected, so this is a step for a process that serves until it exits (the Serve actors, ``specserve generate``, a
+benchmark), not for a library user who builds and drops engines (docs/algorithms.md §7).
 """
 
 from __future__ import annotations

@@ -176,10 +176,12 @@ class StepLoop:
 
     def _outlook(self, batch: list[Sequence]) -> Outlook | None:
         """For the guard (None: no guard): the tokens the draft model would read before drafting (sequences it is
-        more than ``CATCH_UP`` behind: after plain steps, or never seen) and those the batch may still emit."""
+        more than ``CATCH_UP`` behind: after plain steps, or never seen) and those the batch may still emit. Only
+        sequences the draft model alone drafts for count: one a model-free drafter serves falls behind the draft
+        model whenever the drafter finds a match, and the model reads that only if it falls back."""
         if self.planner.guard is None:
             return None
-        behind = (s.draft_behind() for s in batch if self.draft is not None and s.spec.uses_model)
+        behind = (s.draft_behind() for s in batch if self.draft is not None and s.spec.needs_model)
         return Outlook(sum(m for m in behind if m > CATCH_UP), sum(s.remaining(self.max_model_len) for s in batch))
 
     def _admit(self) -> None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specserve.config import KLDMode, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.config import Drafter, KLDMode, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.guard import Outlook, ThroughputGuard
 from specserve.models.llama import LlamaModel
@@ -434,6 +434,21 @@ def test_the_loop_tells_the_guard_when_the_draft_catches_up(target: LlamaModel) 
     assert [o.draft_missed for o in guard.outlooks[2:6] if o is not None] == [0, 0, 0, 2 * 3]
 
 
+def test_sequences_a_model_free_drafter_serves_put_no_catch_up_in_the_outlook(target: LlamaModel) -> None:
+    """With prompt lookup in front (the draft model only its fallback), the draft model falls behind whenever
+    lookup finds a match; that backlog is read only if it falls back, so it is no switching cost for the guard."""
+    lookup = DSDE_CHAIN.model_copy(update={"drafter": Drafter.lookup})
+    engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=lookup, eos_token_ids=set())
+    guard = engine.loop.planner.guard = _ScriptedGuard([])
+    engine.generate([[5, 6, 7, 8] * 6], SamplingParams(max_tokens=12))  # repetitive: lookup matches
+    assert guard.outlooks and all(o is not None and o.draft_missed == 0 for o in guard.outlooks)
+    model = DSDE_CHAIN
+    engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=model, eos_token_ids=set())
+    guard = engine.loop.planner.guard = _ScriptedGuard([])
+    engine.generate([[5, 6, 7, 8] * 6], SamplingParams(max_tokens=12))
+    assert guard.outlooks[0] is not None and guard.outlooks[0].draft_missed == 24  # the prompt, for the model
+
+
 def test_the_guard_times_no_step_in_which_a_request_is_admitted(target: LlamaModel) -> None:
     """A step that prefills an admitted prompt beside decoding rows costs several decode steps in either mode: the
     guard records only steps in which every sequence decodes (docs/algorithms.md §7)."""
@@ -486,8 +501,8 @@ def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> Non
     guard = ThroughputGuard(warmup=1, explore_every=5, explore_cost=1.0)
     guard.record(8, False, tokens=8, seconds=0.1)  # plain: 10 tokens/s per sequence
     assert guard.missed_token_s is None
-    guard.record(8, True, tokens=8, seconds=1.0, catch_up=True, caught_up_tokens=100)  # 1 s: 0.01 s a token
-    assert guard.missed_token_s == pytest.approx(0.01)
+    guard.record(8, True, tokens=8, seconds=1.1, catch_up=True, caught_up_tokens=100)  # 1 s beyond a plain step
+    assert guard.missed_token_s == pytest.approx(0.01)  # (before any speculative step, the catch-up's base)
     guard.record(8, True, tokens=24, seconds=0.1)  # speculation: 30 tokens/s per sequence
     assert guard.faster(8) is True
     guard.record(8, True, tokens=24, seconds=0.2, catch_up=True, caught_up_tokens=3)  # 3 tokens: 0.1 s more
@@ -506,8 +521,8 @@ def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> Non
     assert slow.faster(8) is False
     while not slow.speculate(8):
         slow.record(8, False, tokens=8, seconds=0.1)
-    assert not slow.speculate(8, outlook=Outlook(catch_up, 8 * 4))  # 0.4 s of plain decoding left < 0.5 s
-    assert slow.speculate(8, outlook=Outlook(catch_up, 8 * 6))  # 0.6 s
+    assert not slow.speculate(8, outlook=Outlook(catch_up, 8 * 4))  # 0.4 s of plain decoding left < 0.45 s
+    assert slow.speculate(8, outlook=Outlook(catch_up, 8 * 5))  # 0.5 s
     assert slow.speculate(8)  # a query: the try stays due, not spent
     # with no catch-up measured yet, the outlook changes nothing
     fresh = ThroughputGuard(warmup=1)
@@ -563,6 +578,14 @@ def test_plain_steps_run_because_a_catch_up_would_not_pay_are_measurements_not_t
     guard.record(4, False, tokens=4, seconds=0.15)
     assert guard.work[(4, False)][1] == pytest.approx(0.1 + 0.3 * (0.15 - 0.1))  # blended, not replaced
     assert 4 not in guard.intervals  # and no try was counted
+    assert not guard.speculate(4, measured=False, outlook=Outlook(100, 4))  # an admission step: no switch either
+    guard.next_try[4] = guard._steps(4)  # a try of plain decoding comes due during the deferral: plain runs
+    assert not guard.speculate(4, outlook=Outlook(100, 4))  # anyway, measured, so it is not a try
+    guard.record(4, False, tokens=4, seconds=0.1)
+    assert 4 not in guard.intervals and guard.work[(4, False)][1] < 0.115  # blended again
+    guard.next_try[4] = 10**6
     assert guard.speculate(4)  # a batch with nothing to catch up speculates
-    guard.record(4, False, tokens=4, seconds=0.15)  # a plain step now is a try of plain decoding
+    guard.next_try[4] = guard._steps(4)
+    assert not guard.speculate(4)  # and outside a deferral a due try of plain decoding is one
+    guard.record(4, False, tokens=4, seconds=0.15)
     assert guard.work[(4, False)][1] == pytest.approx(0.15) and guard.intervals[4] == 2 * guard.explore_every

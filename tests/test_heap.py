@@ -55,13 +55,14 @@ def test_worker_actor_freezes_after_loading_its_model(freeze: bool) -> None:
 
 
 @pytest.mark.parametrize("freeze", [True, False])
-def test_engine_from_config_freezes_after_loading(freeze: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_from_config_freezes_after_loading_if_asked(freeze: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_module, "load_model", lambda spec, device: tiny_model(seed=0))
     monkeypatch.setattr(engine_module, "load_tokenizer", lambda spec: None)
     gc.unfreeze()
     engine = Engine.from_config(EngineConfig(freeze_gc=freeze, max_batch_size=1))
     assert tracked(engine.model) is not freeze
     assert tracked(engine.loop) is not freeze
+    assert not EngineConfig().freeze_gc  # a library user may build and drop engines: off unless asked
 
 
 @pytest.mark.parametrize("flags", [[], ["--no-freeze-gc"]])
@@ -70,4 +71,22 @@ def test_straggler_sweep_freezes_unless_told_not_to(flags: list[str], tmp_path: 
     argv = ["--pair", "tiny", "--batch-sizes", "1", "--policies", "plain", "--workloads", "synthetic"]
     argv += ["--requests-per-slot", "1", "--min-tokens", "2", "--max-tokens", "2", "--out", str(tmp_path), *flags]
     assert straggler.main(argv) == 0
-    assert (gc.get_freeze_count() > 0) is not flags
+    assert (gc.get_freeze_count() > 0) == (not flags)
+
+
+def test_specserve_generate_asks_its_engine_to_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specserve.cli import main
+
+    class Built(Exception):
+        pass
+
+    configs: list[EngineConfig] = []
+
+    def capture(config: EngineConfig) -> Engine:
+        configs.append(config)
+        raise Built
+
+    monkeypatch.setattr(Engine, "from_config", staticmethod(capture))
+    with pytest.raises(Built):
+        main(["generate", "hello", "--max-tokens", "1"])
+    assert configs[0].freeze_gc
