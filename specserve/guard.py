@@ -131,8 +131,9 @@ class ThroughputGuard:
             go = measured and self.samples.get((b, False), 0) >= self.warmup
         else:
             explore = measured and self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
-            if better and explore and b in self.deferred:  # plain decoding runs anyway, measured, while
-                return False  # speculation waits for a catch-up that pays: no try of it is needed
+            waiting = better and explore and b in self.deferred  # speculation waits for a catch-up that pays:
+            if waiting and outlook is not None and not self.switch_pays(batch_size, outlook, expected=True):
+                return False  # plain decoding runs anyway, measured, so no try of it is needed
             go = better != explore
         pays = not go or outlook is None or self.switch_pays(batch_size, outlook, expected=better is True)
         if go and not pays:

@@ -583,6 +583,8 @@ def test_plain_steps_run_because_a_catch_up_would_not_pay_are_measurements_not_t
     assert not guard.speculate(4, outlook=Outlook(100, 4))  # anyway, measured, so it is not a try
     guard.record(4, False, tokens=4, seconds=0.1)
     assert 4 not in guard.intervals and guard.work[(4, False)][1] < 0.115  # blended again
+    assert not guard.speculate(4, outlook=Outlook(100, 4 * 100))  # the batch could now pay: the due try runs
+    assert 4 not in guard.deferred  # (once it is recorded, speculation follows: below)
     guard.next_try[4] = 10**6
     assert guard.speculate(4)  # a batch with nothing to catch up speculates
     guard.next_try[4] = guard._steps(4)
