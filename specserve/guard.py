@@ -128,19 +128,17 @@ class ThroughputGuard:
         b = bucket(batch_size)
         better = self.faster(batch_size)
         if better is None:  # measure plain decoding first (it needs no draft prefill), then speculation
-            go = measured and self.samples.get((b, False), 0) >= self.warmup
+            go, hold = measured and self.samples.get((b, False), 0) >= self.warmup, False
         else:
             explore = measured and self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
-            waiting = better and explore and b in self.deferred  # speculation waits for a catch-up that pays:
-            if waiting and outlook is not None and not self.switch_pays(batch_size, outlook, expected=True):
-                return False  # plain decoding runs anyway, measured, so no try of it is needed
             go = better != explore
-        pays = not go or outlook is None or self.switch_pays(batch_size, outlook, expected=better is True)
-        if go and not pays:
+            hold = better and explore and b in self.deferred  # a try of plain decoding due while speculation waits
+            # for a catch-up that pays: plain decoding runs anyway, measured, so the try is moot until it pays
+        if (go or hold) and outlook is not None and not self.switch_pays(batch_size, outlook, expected=better is True):
             self.deferred.add(b)
-        else:
-            self.deferred.discard(b)
-        return go and pays
+            return False
+        self.deferred.discard(b)
+        return go
 
     def switch_pays(self, batch_size: int, outlook: Outlook, *, expected: bool) -> bool:
         """Whether the time the batch's remaining tokens would save by speculating exceeds the draft's catch-up

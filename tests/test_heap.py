@@ -78,7 +78,7 @@ def test_specserve_generate_asks_its_engine_to_freeze(monkeypatch: pytest.Monkey
     from specserve.cli import main
 
     class Built(Exception):
-        pass
+        """Raised in place of building the engine: the config is what this test reads."""
 
     configs: list[EngineConfig] = []
 
