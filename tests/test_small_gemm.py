@@ -88,6 +88,19 @@ def test_the_default_path_is_the_best_detected() -> None:
     assert torch.equal(extension().small_linear(x, w), extension().small_linear_isa(x, w, None, ISAS[0]))
 
 
+def test_products_are_split_over_torchs_threads() -> None:
+    """The kernel's parallel loop is ATen's header template, serial unless the extension is built with OpenMP: built
+    without it every product ran on one core. It follows torch's thread setting (a worker given one thread keeps
+    to one)."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            assert extension().small_gemm_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif("avx2" not in ISAS, reason="this CPU has no AVX2 + FMA path")
 def test_the_path_can_be_chosen_by_name_for_benchmarks() -> None:
     """SPECSERVE_SMALL_GEMM_ISA=avx2 runs the AVX2 path on any CPU with it (an AVX-512 one included); a name the

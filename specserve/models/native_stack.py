@@ -34,7 +34,11 @@ SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
 SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp")
 HEADERS = (SOURCE.parent / "small_gemm.h",)
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
-CFLAGS = ["-O3", "-ffp-contract=off"]  # no -march: portable code; no contraction: RoPE rounds as the Python loop
+# No -march: portable code. No contraction: RoPE rounds as the Python loop. OpenMP: at::parallel_for is a header
+# template that runs serially without it, and the kernel's products then used one core (small_gemm.cpp,
+# parallel_threads); linked by soname, it is the libgomp torch already loaded, so one runtime and torch's thread count.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 class NativeStackUnavailable(RuntimeError):
@@ -49,7 +53,7 @@ def _build() -> ModuleType | NativeStackUnavailable:
     from torch.utils.cpp_extension import load
 
     code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    ident = hashlib.sha256(code + f"{torch.__version__} {CFLAGS}".encode()).hexdigest()[:12]
+    ident = hashlib.sha256(code + f"{torch.__version__} {CFLAGS} {LDFLAGS}".encode()).hexdigest()[:12]
     name = f"specserve_decoder_stack_{ident}"
     build_dir = cache_dir() / "extensions" / name
     start = time.perf_counter()
@@ -59,6 +63,7 @@ def _build() -> ModuleType | NativeStackUnavailable:
             name=name,
             sources=[str(path) for path in SOURCES],
             extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
             build_directory=str(build_dir),
             verbose=os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1",
         )

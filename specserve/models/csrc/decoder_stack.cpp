@@ -347,6 +347,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa"));
   m.def("small_gemm_isas", &specserve_small_gemm::isas);
   m.def("small_gemm_isa", &specserve_small_gemm::isa_in_use);
+  m.def("small_gemm_threads", &specserve_small_gemm::parallel_threads);
   py::class_<specserve_small_gemm::Packed>(m, "SmallPacked")
       .def_readonly("n", &specserve_small_gemm::Packed::n)
       .def_readonly("k", &specserve_small_gemm::Packed::k)

@@ -18,6 +18,7 @@ struct Packed {
 bool supported();
 std::string isa_in_use();  // the path products take: "avx512", "avx2" or "none"
 std::vector<std::string> isas();
+int64_t parallel_threads();  // threads a product is split over (1 when built without OpenMP)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                       const std::string& name);
