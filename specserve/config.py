@@ -126,6 +126,7 @@ class HeadSpec(BaseModel):
     draft_vocab: int | None = Field(
         default=None, ge=2, description="EAGLE-1/2: keep the N most frequent ids of the head's vocab_map.json"
     )
+    bf16_reads: bool = True  # switch: the kernel reads weights that bf16 holds exactly (shipped bf16) as bf16
 
     def path(self) -> Path:
         builtin = BUILTIN_HEADS_DIR / self.head

@@ -83,6 +83,45 @@ def test_the_packed_layout_gives_the_row_major_bits(isa: str, k: int, n: int) ->
             assert torch.equal(extension().small_linear_packed_isa(x[:rows], packed, bias, isa), want)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_bf16_weights_give_the_bits_of_their_float32_values(isa: str, k: int, n: int) -> None:
+    """A bfloat16 weight is widened lane by lane to the float32 it holds: every product equals the kernel's over the
+    float32 copy bit for bit (ragged K: the tail chunk too), at every row count, with and without a bias."""
+    gen = torch.Generator().manual_seed(11 * n + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b, x = torch.randn(n, generator=gen), torch.randn(64, k, generator=gen)
+    for rows in (1, 2, 3, 5, 6, 7, 8, 13, 33, 64):
+        for bias in (b, None):
+            want = extension().small_linear_isa(x[:rows], w.float(), bias, isa)
+            assert torch.equal(extension().small_linear_bf16_isa(x[:rows], w, bias, isa), want)
+
+
+def test_bf16_reads_only_where_bf16_holds_the_weight_exactly() -> None:
+    """``bf16_reads`` gives a head's bf16-exact weights (shipped in bf16, computed in float32) a bf16 copy and leaves
+    any other weight on its float32 values; the head's outputs do not change by a bit."""
+    from specserve.models.native_stack import bf16_exact
+    from specserve.models.tiny import tiny_head
+
+    target = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=2)
+    head = tiny_head(target, seed=3)
+    with torch.no_grad():
+        for mod in (head.fc, head.layer.qkv, head.layer.down):
+            mod.weight.copy_(mod.weight.to(torch.bfloat16).float())
+    assert bf16_exact(head.fc.weight) and not bf16_exact(head.layer.o_proj.weight)
+    h, x = torch.randn(4, target.cfg.hidden_size), torch.randn(3, head.fc.in_features)
+    a = torch.randn(5, head.layer.qkv.in_features)
+    assert attach_small_gemm(head)
+    want = linear(head.fc, x), linear(head.layer.qkv, a), linear(head.layer.o_proj, h), head.logits(h)
+    assert attach_small_gemm(head, bf16_reads=True)
+    for mod in (head.fc, head.layer.qkv, head.layer.down):
+        assert mod.small_packed.dtype == torch.bfloat16 and mod.small_gemm == extension().small_linear_bf16
+    assert head.layer.o_proj.small_packed is None  # not bf16-exact: read as float32
+    got = linear(head.fc, x), linear(head.layer.qkv, a), linear(head.layer.o_proj, h), head.logits(h)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 def test_the_default_path_is_the_best_detected() -> None:
     w, x = torch.randn(40, 96), torch.randn(3, 96)
     assert torch.equal(extension().small_linear(x, w), extension().small_linear_isa(x, w, None, ISAS[0]))
@@ -140,6 +179,8 @@ def test_bad_arguments_are_clear_errors() -> None:
         ext.small_pack(w.double())
     with pytest.raises(RuntimeError, match=r"want x \[M, 32\]"):
         ext.small_linear_packed(torch.randn(2, 31), ext.small_pack(w))
+    with pytest.raises(RuntimeError, match="bfloat16 CPU weight"):
+        ext.small_linear_bf16(torch.randn(2, 32), w)
 
 
 @torch.no_grad()  # the tiny model's weights require grad; serving runs without autograd
@@ -259,6 +300,12 @@ def test_the_shipped_head_follows_its_targets_switch() -> None:
         head = load_draft(head_spec, target)
         assert (head.small_gemm is not None) == small
         assert (getattr(head.fc, "small_gemm", None) is not None) == small
+        if small:  # shipped in bf16: every linear read from a bf16 copy (HeadSpec.bf16_reads)
+            lins = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+            assert lins and all(m.small_packed.dtype == torch.bfloat16 for m in lins)
+    target = load_model(target_spec)
+    head = load_draft(head_spec.model_copy(update={"bf16_reads": False}), target)
+    assert head.fc.small_gemm is not None and head.fc.small_packed is None
     assert ModelSpec().small_gemm
 
 

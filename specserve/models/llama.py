@@ -113,7 +113,7 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     1.3-1.4x faster at 1-3 rows (a 2-core AMD EPYC), on others only at 1 row (an AMX Xeon): measured at load."""
     small = getattr(mod, "small_gemm", None)  # switch: native_stack.attach_small_gemm
     if small is not None and small_gemm_fits(x, mod.weight, getattr(mod, "small_rows", 0)):
-        own = getattr(mod, "small_packed", None)  # the kernel's own layout of the weight, where attached
+        own = getattr(mod, "small_packed", None)  # the kernel's own copy of the weight (packed, or bf16), if any
         return small(x, mod.weight if own is None else own, mod.bias)
     wt: torch.Tensor | None = getattr(mod, "weight_t", None)
     if wt is not None and x.numel() <= getattr(mod, "gemv_rows", GEMV_MAX_ROWS) * wt.shape[0]:

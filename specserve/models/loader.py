@@ -133,7 +133,7 @@ def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.devic
         if spec.draft_vocab is not None:
             head.set_draft_vocab(frequent_ids(spec.path(), spec.draft_vocab, head.cfg.vocab_size))
         if getattr(target.lm_head, "small_gemm", None) is not None:  # the target's ModelSpec.small_gemm
-            attach_small_gemm(head)
+            attach_small_gemm(head, bf16_reads=spec.bf16_reads)
         return head
     return load_model(spec, device=device)
 

@@ -129,13 +129,18 @@ def small_gemm_available() -> bool:
         return False
 
 
-def attach_small_gemm(model: nn.Module, rows: int = SMALL_GEMM_ROWS, *, packed: bool = False) -> bool:
+def attach_small_gemm(
+    model: nn.Module, rows: int = SMALL_GEMM_ROWS, *, packed: bool = False, bf16_reads: bool = False
+) -> bool:
     """Switch: float32 products of 1..``rows`` rows (decode steps, verifies, batches of up to 64 rows, a
     draft head's levels) run through ``csrc/small_gemm.cpp``: each weight row read once for all rows, and
     batch-invariant (a row's result is the same bit for bit whatever the other rows). Attached to every float32
     ``nn.Linear`` on the CPU, and to an EAGLE head's LM-head slice. ``packed`` (a LlamaModel's frozen weights
     only): the kernel reads a copy of each weight in its packed layout (blocks of 4 rows as one sequential stream;
     the same products bit for bit, one more copy of the weights in memory; ``ModelSpec.small_gemm_packed``).
+    ``bf16_reads`` (frozen weights, e.g. a loaded draft head): a weight whose every value bfloat16 holds exactly (a
+    head shipped in bf16, computed in float32) is read from a bfloat16 copy, each element widened to the same float32
+    in a register: the same products bit for bit from half the bytes (``HeadSpec.bf16_reads``).
     False (nothing attached, a logged reason) where
     the extension cannot be built, the CPU has no AVX-512F / AVX2 + FMA, or nothing is float32 on the CPU. On a
     LlamaModel call it before ``attach_native_stack`` (a switch drops an attached stack)."""
@@ -155,12 +160,22 @@ def attach_small_gemm(model: nn.Module, rows: int = SMALL_GEMM_ROWS, *, packed: 
         return False
     ext = extension()
     for mod in [*lins, *([model] if isinstance(model, EagleHead) else [])]:
-        own = ext.small_pack(mod.weight.detach()) if packed and isinstance(mod, nn.Linear) else None
-        mod.small_gemm = ext.small_linear if own is None else ext.small_linear_packed  # type: ignore[assignment]
+        own: Any = None
+        mod.small_gemm = ext.small_linear  # type: ignore[assignment]
+        if packed and isinstance(mod, nn.Linear):
+            own, mod.small_gemm = ext.small_pack(mod.weight.detach()), ext.small_linear_packed
+        elif bf16_reads and isinstance(mod, nn.Linear) and bf16_exact(mod.weight):
+            own, mod.small_gemm = mod.weight.detach().to(torch.bfloat16), ext.small_linear_bf16
         mod.small_rows, mod.small_packed = rows, own  # type: ignore[assignment]
     if isinstance(model, LlamaModel):
         drop_native_stack(model)
     return True
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether bfloat16 holds every value of this float32 weight exactly (widening it back changes no bit)."""
+    w = weight.detach()
+    return bool(torch.equal(w.to(torch.bfloat16).to(w.dtype), w))
 
 
 def attach_native_stack(model: LlamaModel) -> bool:

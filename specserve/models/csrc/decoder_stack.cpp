@@ -345,6 +345,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &specserve_small_gemm::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("small_linear_isa", &specserve_small_gemm::linear_isa, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("isa"));
+  m.def("small_linear_bf16", &specserve_small_gemm::linear_bf16, py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none());
+  m.def("small_linear_bf16_isa", &specserve_small_gemm::linear_bf16_isa, py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("isa"));
   m.def("small_gemm_isas", &specserve_small_gemm::isas);
   m.def("small_gemm_isa", &specserve_small_gemm::isa_in_use);
   m.def("small_gemm_threads", &specserve_small_gemm::parallel_threads);

@@ -11,6 +11,8 @@
 // The instruction set is detected at run time (AVX-512F, else AVX2 + FMA; SPECSERVE_SMALL_GEMM_ISA=avx2 picks the
 // second on a CPU with both); without either the caller falls back to at::linear (small_gemm_supported() says which).
 // A weight may be packed once (pack(): each block of 4 rows one sequential stream); the products are the same bits.
+// A weight whose values bfloat16 holds exactly (a draft head shipped in bf16) may be read as bfloat16 (linear_bf16):
+// each element widened to the same float32 in a register, so the same products, bit for bit, from half the bytes.
 #include "small_gemm.h"
 
 #include <torch/extension.h>
@@ -29,6 +31,8 @@
 #include <bitset>
 #include <cstdlib>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -86,26 +90,56 @@ struct Layout {
   static constexpr int64_t next(int64_t K) { return PACKED ? NB * padded_k(K) : NB * K; }
 };
 
-using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+template <typename W>
+using BlockFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+using bf16_t = uint16_t;  // a bfloat16 weight element: the high half of its float32
 
 #if SPECSERVE_X86
+// ---- Weight loads: 16 (8) float32 lanes from float32 or bfloat16 elements; `n` < 16 (8) lanes with zeros after.
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx512f"))) inline __m512 load16_tail(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+}
+__attribute__((target("avx512f"))) inline __m512 load16_tail(const bf16_t* p, int64_t n) {
+  alignas(32) bf16_t tail[16] = {};
+  std::memcpy(tail, p, static_cast<size_t>(n) * sizeof(bf16_t));
+  return load16(tail);
+}
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const bf16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx2,fma"))) inline __m256 load8_tail(const float* p, __m256i mask, int64_t) {
+  return _mm256_maskload_ps(p, mask);
+}
+__attribute__((target("avx2,fma"))) inline __m256 load8_tail(const bf16_t* p, __m256i, int64_t n) {
+  alignas(16) bf16_t tail[8] = {};
+  std::memcpy(tail, p, static_cast<size_t>(n) * sizeof(bf16_t));
+  return load8(tail);
+}
+
 // ---- AVX-512: blocks of NB weight rows x MB activation rows, 16 lanes. (The last block's prefetch may point past
 // the weights: a prefetch never faults.)
-template <int NB, int MB, bool PF, bool PACKED>
-__attribute__((target("avx512f"))) void block512(const float* x, const float* w, float* y, int64_t K, int64_t N,
+template <int NB, int MB, bool PF, bool PACKED, typename W>
+__attribute__((target("avx512f"))) void block512(const float* x, const W* w, float* y, int64_t K, int64_t N,
                                                  int64_t ldx, int64_t n0, int64_t m0) {
   using L = Layout<NB, PACKED>;
   __m512 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const float* wr[NB];  // each row's current 16-float chunk
+  const W* wr[NB];  // each row's current 16-element chunk
   for (int i = 0; i < NB; ++i) wr[i] = w + i * L::row(K);
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NB];
     for (int i = 0; i < NB; ++i) {
       if (PF) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + L::next(K)), _MM_HINT_T0);
-      wv[i] = _mm512_loadu_ps(wr[i]);
+      wv[i] = load16(wr[i]);
       wr[i] += L::chunk;
     }
     for (int j = 0; j < MB; ++j) {
@@ -116,7 +150,7 @@ __attribute__((target("avx512f"))) void block512(const float* x, const float* w,
   if (k < K) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
     __m512 wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = _mm512_maskz_loadu_ps(mask, wr[i]);
+    for (int i = 0; i < NB; ++i) wv[i] = load16_tail(wr[i], K - k);
     for (int j = 0; j < MB; ++j) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, x + (m0 + j) * ldx + k);
       for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
@@ -135,14 +169,14 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int NB, int MB, bool PF, bool PACKED>
-__attribute__((target("avx2,fma"))) void block256(const float* x, const float* w, float* y, int64_t K, int64_t N,
+template <int NB, int MB, bool PF, bool PACKED, typename W>
+__attribute__((target("avx2,fma"))) void block256(const float* x, const W* w, float* y, int64_t K, int64_t N,
                                                   int64_t ldx, int64_t n0, int64_t m0) {
   using L = Layout<NB, PACKED>;
   __m256 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const float* wr[NB];  // each row's current 16-float chunk (two 8-lane halves)
+  const W* wr[NB];  // each row's current 16-element chunk (two 8-lane halves)
   for (int i = 0; i < NB; ++i) wr[i] = w + i * L::row(K);
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
@@ -150,7 +184,7 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const float* w
     __m256 wv[NB];
     for (int i = 0; i < NB; ++i) {
       if (PF && half == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + L::next(K)), _MM_HINT_T0);
-      wv[i] = _mm256_loadu_ps(wr[i] + half);
+      wv[i] = load8(wr[i] + half);
       if (half == 8) wr[i] += L::chunk;
     }
     for (int j = 0; j < MB; ++j) {
@@ -163,7 +197,7 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const float* w
     for (int l = 0; l < 8; ++l) lanes[l] = (k + l < K) ? -1 : 0;
     const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
     __m256 wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = _mm256_maskload_ps(wr[i] + (k & 15), mask);
+    for (int i = 0; i < NB; ++i) wv[i] = load8_tail(wr[i] + (k & 15), mask, K - k);
     for (int j = 0; j < MB; ++j) {
       const __m256 xv = _mm256_maskload_ps(x + (m0 + j) * ldx + k, mask);
       for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
@@ -174,36 +208,43 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const float* w
 }
 
 // The kernel for a block of NB weight rows x mb activation rows (1 <= mb <= 6).
-template <int NB, bool PF, bool PACKED>
-BlockFn pick512(int64_t mb) {
+template <int NB, bool PF, bool PACKED, typename W>
+BlockFn<W> pick512(int64_t mb) {
   switch (mb) {
-    case 1: return &block512<NB, 1, PF, PACKED>;
-    case 2: return &block512<NB, 2, PF, PACKED>;
-    case 3: return &block512<NB, 3, PF, PACKED>;
-    case 4: return &block512<NB, 4, PF, PACKED>;
-    case 5: return &block512<NB, 5, PF, PACKED>;
-    default: return &block512<NB, 6, PF, PACKED>;
+    case 1: return &block512<NB, 1, PF, PACKED, W>;
+    case 2: return &block512<NB, 2, PF, PACKED, W>;
+    case 3: return &block512<NB, 3, PF, PACKED, W>;
+    case 4: return &block512<NB, 4, PF, PACKED, W>;
+    case 5: return &block512<NB, 5, PF, PACKED, W>;
+    default: return &block512<NB, 6, PF, PACKED, W>;
   }
 }
 
-template <int NB, bool PF, bool PACKED>
-BlockFn pick256(int64_t mb) {
-  return mb == 1 ? &block256<NB, 1, PF, PACKED> : &block256<NB, 2, PF, PACKED>;
+template <int NB, bool PF, bool PACKED, typename W>
+BlockFn<W> pick256(int64_t mb) {
+  return mb == 1 ? &block256<NB, 1, PF, PACKED, W> : &block256<NB, 2, PF, PACKED, W>;
 }
 
-template <int NB, bool PACKED>
-BlockFn pick_rows(bool wide, int64_t mb, bool prefetch) {
-  if (wide) return prefetch ? pick512<NB, true, PACKED>(mb) : pick512<NB, false, PACKED>(mb);
-  return prefetch ? pick256<NB, true, PACKED>(mb) : pick256<NB, false, PACKED>(mb);
+template <int NB, bool PACKED, typename W>
+BlockFn<W> pick_rows(bool wide, int64_t mb, bool prefetch) {
+  if (wide) return prefetch ? pick512<NB, true, PACKED, W>(mb) : pick512<NB, false, PACKED, W>(mb);
+  return prefetch ? pick256<NB, true, PACKED, W>(mb) : pick256<NB, false, PACKED, W>(mb);
 }
 
-BlockFn pick(bool wide, bool packed, bool full_block, int64_t mb, bool prefetch) {
-  if (packed) return full_block ? pick_rows<4, true>(wide, mb, prefetch) : pick_rows<1, true>(wide, mb, prefetch);
-  return full_block ? pick_rows<4, false>(wide, mb, prefetch) : pick_rows<1, false>(wide, mb, prefetch);
+// bfloat16 weights are row-major only (a head's, attached unpacked).
+template <typename W>
+BlockFn<W> pick(bool wide, bool packed, bool full_block, int64_t mb, bool prefetch) {
+  if constexpr (std::is_same_v<W, float>) {
+    if (packed) {
+      return full_block ? pick_rows<4, true, W>(wide, mb, prefetch) : pick_rows<1, true, W>(wide, mb, prefetch);
+    }
+  }
+  return full_block ? pick_rows<4, false, W>(wide, mb, prefetch) : pick_rows<1, false, W>(wide, mb, prefetch);
 }
 
 #else
-BlockFn pick(bool, bool, bool, int64_t, bool) { return nullptr; }  // never called: supported() is false
+template <typename W>
+BlockFn<W> pick(bool, bool, bool, int64_t, bool) { return nullptr; }  // never called: supported() is false
 #endif
 
 bool supported() { return isa() != Isa::none; }
@@ -224,7 +265,8 @@ std::vector<std::string> isas() {
 constexpr int64_t kBlockRows = 4;
 
 // y = x @ w^T (+ bias) for w [N, K] at wp, row-major or packed (then the block of rows from n starts at wp + n * kp).
-at::Tensor run(const at::Tensor& x_in, const float* wp, bool packed, int64_t N, int64_t K,
+template <typename W>
+at::Tensor run(const at::Tensor& x_in, const W* wp, bool packed, int64_t N, int64_t K,
                const std::optional<at::Tensor>& bias, Isa use) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "small_gemm: want x [M, ", K, "]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "small_gemm: float32 CPU rows");
@@ -243,7 +285,7 @@ at::Tensor run(const at::Tensor& x_in, const float* wp, bool packed, int64_t N, 
     for (int64_t n = n0; n < n1; n += nb_rows) {
       for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = std::min(MB, M - m0);
-        pick(wide, packed, nb_rows == kBlockRows, mb, prefetch)(xp, wp + n * kp, yp, K, N, K, n, m0);
+        pick<W>(wide, packed, nb_rows == kBlockRows, mb, prefetch)(xp, wp + n * kp, yp, K, N, K, n, m0);
       }
     }
   };
@@ -290,6 +332,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                       const std::string& name) {
   return linear_with(x, w, bias, named(name));
+}
+
+// ---- bfloat16 weights: y = x @ float32(w)^T (+ bias) for w [N, K] bfloat16, the same bits as over the float32 copy.
+at::Tensor linear_bf16_with(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use) {
+  TORCH_CHECK(w.dim() == 2, "small_gemm: want w [N, K]");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && w.is_contiguous(),
+              "small_gemm: a contiguous bfloat16 CPU weight");
+  const auto* wp = reinterpret_cast<const bf16_t*>(w.data_ptr<at::BFloat16>());
+  return run(x, wp, false, w.size(0), w.size(1), bias, use);
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
+  return linear_bf16_with(x, w, bias, isa());
+}
+
+at::Tensor linear_bf16_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                           const std::string& name) {
+  return linear_bf16_with(x, w, bias, named(name));
 }
 
 // ---- The packed layout. A row-major weight makes a block four interleaved streams, each jumping at the block's
