@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 from pathlib import Path
@@ -97,6 +98,23 @@ def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) 
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnsupportedModelError, match=r"no model\.safetensors"):
         draft_pairs(parser.parse_args(["--heads", str(tmp_path / "empty")]))
+
+
+def test_head_variants_by_vocabulary_and_weight_reads() -> None:
+    from specserve.bench.spec import add_args, draft_variants
+    from specserve.config import MODEL_PAIRS, HeadSpec
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    _, head = MODEL_PAIRS["smollm2-eagle1"]
+    args = parser.parse_args(["--draft-vocab", "1024", "2048", "--head-reads", "bf16", "f32"])
+    got = draft_variants(args, "p", head)
+    assert list(got) == ["p V=1024 bf16 reads", "p V=1024 f32 reads", "p V=2048 bf16 reads", "p V=2048 f32 reads"]
+    assert got["p V=2048 f32 reads"] == HeadSpec(head=head.head, draft_vocab=2048, bf16_reads=False)
+    assert all(isinstance(d, HeadSpec) and d.bf16_reads for k, d in got.items() if "bf16" in k)
+    q4 = MODEL_PAIRS["smollm2-q4"][1]
+    assert draft_variants(args, "q", q4) == {"q": q4}  # a draft model: no head variants
+    assert draft_variants(parser.parse_args([]), "p", head) == {"p": head}
 
 
 def test_tree_depths_and_ddd_check_steps_become_methods() -> None:

@@ -81,6 +81,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-vocab", type=int, nargs="+", default=None, help="heads: reduced vocabulary size(s) V_d to compare"
     )
+    p.add_argument(
+        "--head-reads",
+        nargs="+",
+        choices=["bf16", "f32"],
+        default=None,
+        help="heads: how the kernel reads bf16-exact weights, to compare (HeadSpec.bf16_reads; default: the spec's)",
+    )
     p.add_argument("--dsde", action="store_true", help="also run each chain / DDD method under DSDE + SL_cap")
     p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
     p.add_argument("--drafters", nargs="+", default=["model"], choices=DRAFTERS, help="who drafts")
@@ -357,6 +364,21 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
     return pairs
 
 
+def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict[str, DraftSpec]:
+    """The drafts to compare for one pair, by label: a head once per ``--draft-vocab`` size and ``--head-reads``."""
+    drafts: dict[str, DraftSpec] = {pair: spec}
+    if isinstance(spec, HeadSpec) and args.draft_vocab:
+        drafts = {f"{pair} V={v}": spec.model_copy(update={"draft_vocab": v}) for v in args.draft_vocab}
+    if isinstance(spec, HeadSpec) and args.head_reads:
+        drafts = {
+            f"{label} {reads} reads": d.model_copy(update={"bf16_reads": reads == "bf16"})
+            for label, d in drafts.items()
+            if isinstance(d, HeadSpec)
+            for reads in args.head_reads
+        }
+    return drafts
+
+
 def run(args: argparse.Namespace) -> int:
     """Every target of ``--pairs`` gets its own plain row (its greedy reference); ratios are to the first plain."""
     pairs = draft_pairs(args)
@@ -382,10 +404,7 @@ def run(args: argparse.Namespace) -> int:
         engines.append(first if plain_row == 0 else Engine(target, tok, max_batch_size=1))
         plain_of.append(plain_row)
         for pair, _, spec in (p for p in pairs if p[1] == t_spec):
-            drafts = {pair: spec}
-            if isinstance(spec, HeadSpec) and args.draft_vocab:
-                drafts = {f"{pair} V={v}": spec.model_copy(update={"draft_vocab": v}) for v in args.draft_vocab}
-            for label, d_spec in drafts.items():
+            for label, d_spec in draft_variants(args, pair, spec).items():
                 draft = load_draft(d_spec, target)
                 for method in methods_for(args, label, target, draft, prompts):
                     methods.append(method)
