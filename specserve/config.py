@@ -63,11 +63,6 @@ class ModelSpec(BaseModel):
         "stream per block of 4 rows (the same products bit for bit; one more copy of the weights in memory; "
         "docs/benchmarks.md, 'Packed weights for the kernel')",
     )
-    small_gemm_huge_pages: bool = Field(
-        default=True,
-        description="with small_gemm_packed: the packed copies in one 2 MB-aligned buffer advised for transparent huge "
-        "pages (Linux; 4 KB pages where THP is off): fewer TLB misses while a step streams the weights",
-    )
     gemv_copies: bool = Field(
         default=True,
         description="CPU: transposed weight copies for the 1-3 row products where they measure faster on this "

@@ -126,10 +126,6 @@ def run(args: argparse.Namespace) -> int:
     rowmajor_model = load_model(spec.model_copy(update={"small_gemm_packed": False})) if own else model
     nn.Module.eval(rowmajor_model)
     print(f"the kernel reads packed copies: {'yes' if own else 'no'}")
-    huge = own and spec.small_gemm_huge_pages  # the same model with its packed copies in 4 KB pages
-    small_pages_model = load_model(spec.model_copy(update={"small_gemm_huge_pages": False})) if huge else model
-    nn.Module.eval(small_pages_model)
-    print(f"packed copies in huge pages (advised): {'yes' if huge else 'no'}")
 
     def set_paths(with_packed: bool, padded: bool) -> None:
         for m in linears:
@@ -177,8 +173,6 @@ def run(args: argparse.Namespace) -> int:
         ("blas", lambda r: forward_of(blas_model, r)),
         ("rowmajor_bare", lambda r: path_matmuls(in_order(rowmajor_model), r)),
         ("rowmajor", lambda r: forward_of(rowmajor_model, r)),
-        ("pages4k_bare", lambda r: path_matmuls(in_order(small_pages_model), r)),
-        ("pages4k", lambda r: forward_of(small_pages_model, r)),
     ]
     if packed:
         kinds.append(("packed", lambda r: runner(r, True)))
@@ -197,23 +191,12 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'python ms':>10}"
         f" {'unpadded ms':>12} {'packed ms':>10} {'blas bare ms':>13} {'blas runner ms':>15}"
-        f" {'rowmajor bare ms':>17} {'rowmajor runner ms':>19} {'4k-pages bare ms':>17} {'4k-pages runner ms':>19}"
+        f" {'rowmajor bare ms':>17} {'rowmajor runner ms':>19}"
     )
     for r in args.rows:
-        bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm, pg_bare, pg = (
+        bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm = (
             statistics.median(times[(k, r)]) * 1e3
-            for k in (
-                "bare",
-                "runner",
-                "python",
-                "unpadded",
-                "blas_bare",
-                "blas",
-                "rowmajor_bare",
-                "rowmajor",
-                "pages4k_bare",
-                "pages4k",
-            )
+            for k in ("bare", "runner", "python", "unpadded", "blas_bare", "blas", "rowmajor_bare", "rowmajor")
         )
         packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
         rows_out.append(
@@ -236,9 +219,6 @@ def run(args: argparse.Namespace) -> int:
                 "kernel_packed": own,
                 "rowmajor_bare_ms": rm_bare,
                 "rowmajor_runner_ms": rm,
-                "huge_pages": huge,
-                "pages4k_bare_ms": pg_bare,
-                "pages4k_runner_ms": pg,
                 "floor_ms": floor_ms,
                 "dtype": str(model.dtype),
                 "cpu": cpu_summary(),
@@ -246,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         )
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
         line += f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f} {blas_bare:>13.1f} {blas:>15.1f}"
-        print(line + f" {rm_bare:>17.1f} {rm:>19.1f} {pg_bare:>17.1f} {pg:>19.1f}")
+        print(line + f" {rm_bare:>17.1f} {rm:>19.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     mode = "_batch" if args.batch else ""
     path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}{mode}.csv"

@@ -110,11 +110,7 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
     """The spec's CPU switches for the model's float linears (the small-product kernel, or else GEMV copies and
     row padding; MKL-packed copies), then
     the C++ layer stack over the projections as they now are."""
-    small = (
-        spec.small_gemm
-        and model.device.type == "cpu"
-        and attach_small_gemm(model, packed=spec.small_gemm_packed, huge_pages=spec.small_gemm_huge_pages)
-    )
+    small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model, packed=spec.small_gemm_packed)
     if model.device.type == "cpu" and not small:  # the kernel serves the rows these switches are for
         if spec.gemv_copies:
             attach_gemv_copies(model)

@@ -130,21 +130,14 @@ def small_gemm_available() -> bool:
 
 
 def attach_small_gemm(
-    model: nn.Module,
-    rows: int = SMALL_GEMM_ROWS,
-    *,
-    packed: bool = False,
-    huge_pages: bool = False,
-    bf16_reads: bool = False,
+    model: nn.Module, rows: int = SMALL_GEMM_ROWS, *, packed: bool = False, bf16_reads: bool = False
 ) -> bool:
     """Switch: float32 products of 1..``rows`` rows (decode steps, verifies, batches of up to 64 rows, a
     draft head's levels) run through ``csrc/small_gemm.cpp``: each weight row read once for all rows, and
     batch-invariant (a row's result is the same bit for bit whatever the other rows). Attached to every float32
     ``nn.Linear`` on the CPU, and to an EAGLE head's LM-head slice. ``packed`` (a LlamaModel's frozen weights
     only): the kernel reads a copy of each weight in its packed layout (blocks of 4 rows as one sequential stream;
-    the same products bit for bit, one more copy of the weights in memory; ``ModelSpec.small_gemm_packed``);
-    ``huge_pages`` (with ``packed``): the copies in one 2 MB-aligned buffer advised for transparent huge pages
-    (``ModelSpec.small_gemm_huge_pages``).
+    the same products bit for bit, one more copy of the weights in memory; ``ModelSpec.small_gemm_packed``).
     ``bf16_reads`` (frozen weights, e.g. a loaded draft head): a weight whose every value bfloat16 holds exactly (a
     head shipped in bf16, computed in float32) is read from a bfloat16 copy, each element widened to the same float32
     in a register: the same products bit for bit from half the bytes (``HeadSpec.bf16_reads``).
@@ -174,8 +167,6 @@ def attach_small_gemm(
         elif bf16_reads and isinstance(mod, nn.Linear) and bf16_exact(mod.weight):
             own, mod.small_gemm = mod.weight.detach().to(torch.bfloat16), ext.small_linear_bf16
         mod.small_rows, mod.small_packed = rows, own  # type: ignore[assignment]
-    if packed and huge_pages:
-        ext.small_packs_to_huge_pages([m.small_packed for m in lins if m.small_packed is not None])
     if isinstance(model, LlamaModel):
         drop_native_stack(model)
     return True

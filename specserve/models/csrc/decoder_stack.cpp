@@ -357,8 +357,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("k", &specserve_small_gemm::Packed::k)
       .def_readonly("data", &specserve_small_gemm::Packed::data);
   m.def("small_pack", &specserve_small_gemm::pack, py::arg("weight"));
-  m.def("small_huge_page_buffer", &specserve_small_gemm::huge_page_buffer, py::arg("numel"));
-  m.def("small_packs_to_huge_pages", &specserve_small_gemm::to_huge_pages, py::arg("packed"));
   m.def("small_linear_packed", &specserve_small_gemm::linear_packed, py::arg("x"), py::arg("packed"),
         py::arg("bias") = py::none());
   m.def("small_linear_packed_isa", &specserve_small_gemm::linear_packed_isa, py::arg("x"), py::arg("packed"),

@@ -19,10 +19,6 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #if defined(__x86_64__) || defined(__i386__)
 #define SPECSERVE_X86 1
 #include <immintrin.h>
@@ -31,7 +27,6 @@
 #endif
 
 #include <algorithm>
-#include <cstddef>
 #include <atomic>
 #include <bitset>
 #include <cstdlib>
@@ -374,40 +369,6 @@ Packed pack(const at::Tensor& w) {
                               .reshape({-1});
   const at::Tensor tail = padded.narrow(0, blocks * kBlockRows, N - blocks * kBlockRows).reshape({-1});
   return Packed{at::cat({head, tail}).contiguous(), N, K};
-}
-
-// ---- Huge pages. A step streams every packed weight once; in 4 KB pages that is a TLB miss every 4 KB (a page walk,
-// under a hypervisor a two-level one). A buffer on a 2 MB boundary advised for transparent huge pages (Linux; where
-// THP is off the advice does nothing and the pages stay 4 KB) holds them in 2 MB pages instead (a 2-core EPYC VM:
-// SmolLM2's products of one row ~10% faster, of 8 rows ~6%; docs/benchmarks.md "Huge pages for the packed weights").
-constexpr size_t kHugePage = size_t{2} << 20;
-
-at::Tensor huge_page_buffer(int64_t numel) {
-  TORCH_CHECK(numel > 0, "small_gemm: a huge-page buffer of ", numel, " floats");
-  const size_t bytes = (static_cast<size_t>(numel) * sizeof(float) + kHugePage - 1) / kHugePage * kHugePage;
-  void* p = nullptr;
-  TORCH_CHECK(posix_memalign(&p, kHugePage, bytes) == 0, "small_gemm: cannot allocate ", bytes, " bytes");
-#if defined(__linux__)
-  madvise(p, bytes, MADV_HUGEPAGE);  // advice: failing (no THP in this kernel) leaves 4 KB pages, the same bytes
-#endif
-  return at::from_blob(p, {numel}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kFloat));
-}
-
-// Moves packed weights into one huge-page buffer, each starting on a 64-byte boundary: their data become views of
-// it (the values unchanged; the buffer lives as long as any of them).
-void to_huge_pages(const std::vector<Packed*>& weights) {
-  auto span = [](const Packed* w) { return (w->data.numel() + 15) / 16 * 16; };
-  int64_t total = 0;
-  for (const Packed* w : weights) total += span(w);
-  if (total == 0) return;
-  const at::Tensor arena = huge_page_buffer(total);
-  int64_t off = 0;
-  for (Packed* w : weights) {
-    at::Tensor view = arena.narrow(0, off, w->data.numel());
-    view.copy_(w->data);
-    w->data = view;
-    off += span(w);
-  }
 }
 
 at::Tensor linear_packed_with(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias, Isa use) {

@@ -26,8 +26,6 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::opti
 at::Tensor linear_bf16_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                            const std::string& name);
 Packed pack(const at::Tensor& w);
-at::Tensor huge_page_buffer(int64_t numel);  // float32, on a 2 MB boundary, advised for transparent huge pages
-void to_huge_pages(const std::vector<Packed*>& weights);
 at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias);
 at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
                              const std::string& name);
