@@ -11,7 +11,7 @@ Before its first decision in a bucket it measures ``warmup`` steps of plain deco
 ones, and starts each average from their median step: one noisy first step (a page fault, another process) does
 not set the choice.
 
-A speculative step in which the draft catches up on a sequence it had already seen (``catch_up``: it re-reads
+A speculative step in which the draft catches up on a sequence it had already seen (``caught_up_tokens``: it re-reads
 the tokens the target decoded alone while the guard kept plain steps) is not measured: for a draft model that
 costs several of its steps, a cost of switching, not the rate speculation runs at. A try of speculation is
 therefore that switch step and one measured step, and its cost is bounded: after a try that confirms plain
@@ -163,19 +163,18 @@ class ThroughputGuard:
         tokens: int,
         seconds: float,
         *,
-        catch_up: bool = False,
         caught_up_tokens: int = 0,
     ) -> None:
-        """One step. ``catch_up``: the draft first re-read ``caught_up_tokens`` tokens it had missed."""
+        """One step. ``caught_up_tokens`` > 0: a catch-up, the draft first re-read that many tokens it had missed."""
         b = bucket(batch_size)
-        if speculative and catch_up:  # the draft re-reading what it missed: not speculation's rate (module docstring)
+        if speculative and caught_up_tokens > 0:  # the draft re-reading what it missed: not speculation's rate
+            # (module docstring); its cost beyond what a measured speculative step of the bucket takes (before the
+            # first, a plain one: the catch-up that begins speculation's warm-up)
             self.switch_s[b] = self.catch_up_s[b] = seconds
-            if caught_up_tokens > 0:  # beyond what a measured speculative step of the bucket takes (before the
-                # first, a plain one: the catch-up that begins speculation's warm-up)
-                base = self.work.get((b, True)) or self.work.get((b, False)) or (0.0, 0.0)
-                new = (float(caught_up_tokens), max(0.0, seconds - base[1]))
-                tok, sec = self.catch_up_work or new
-                self.catch_up_work = (tok + self.smoothing * (new[0] - tok), sec + self.smoothing * (new[1] - sec))
+            base = self.work.get((b, True)) or self.work.get((b, False)) or (0.0, 0.0)
+            new = (float(caught_up_tokens), max(0.0, seconds - base[1]))
+            tok, sec = self.catch_up_work or new
+            self.catch_up_work = (tok + self.smoothing * (new[0] - tok), sec + self.smoothing * (new[1] - sec))
             return
         before = self.faster(batch_size)
         tried = before is not None and speculative != before and not (b in self.deferred and not speculative)

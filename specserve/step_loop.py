@@ -292,14 +292,7 @@ class StepLoop:
         if guard is not None and not event.prefills and any(s.spec.method != SpecMethod.none for s in event.batch):
             drafted_any = any(p is not None for p in event.proposals)
             caught_up = sum(s.draft_caught_up for s in event.batch)
-            guard.record(
-                len(event.batch),
-                drafted_any,
-                event.emitted,
-                event.total_s,
-                catch_up=caught_up > 0,
-                caught_up_tokens=caught_up,
-            )
+            guard.record(len(event.batch), drafted_any, event.emitted, event.total_s, caught_up_tokens=caught_up)
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
         if out.features is not None:

@@ -17,6 +17,7 @@ from specserve.sampling import SamplingParams
 from specserve.step_events import StepEvent, StepObserver, idle_fraction
 from tests.conftest import greedy_reference
 
+MISSED = 50  # tokens the draft re-reads in a switch step of the guard tests below (a catch-up)
 PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7, 1, 2], [300, 301], [11, 12, 13, 14]]
 DSDE_CHAIN = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde, dsde=DSDEConfig(n_long=8, n_short=3))
 DSDE_DDD = SpecConfig(
@@ -192,7 +193,7 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert not guard.speculate(8)  # nothing measured: plain decoding first (no draft prefill needed)
     guard.record(8, False, tokens=40, seconds=1.0)
     assert guard.speculate(8)  # then speculation
-    guard.record(8, True, tokens=1, seconds=1.0, catch_up=True)  # the switch: the draft catches up, not measured
+    guard.record(8, True, tokens=1, seconds=1.0, caught_up_tokens=MISSED)  # the switch: a catch-up, not measured
     assert guard.speculate(8) and guard.faster(8) is None  # so speculation is measured on the next step
     guard.record(8, True, tokens=10, seconds=1.0)
     tries, prev = [], True
@@ -200,7 +201,7 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
         s = guard.speculate(8)
         if s:
             tries.append(step)
-        guard.record(8, s, tokens=10 if s else 40, seconds=1.0, catch_up=s and not prev)
+        guard.record(8, s, tokens=10 if s else 40, seconds=1.0, caught_up_tokens=MISSED if s and not prev else 0)
         prev = s
     # plain is 4x faster: speculation only on exploration tries (the switch step, then a measured step); the
     # interval counts measured steps (5, then 10, 20: the switch steps are not counted) and doubles per confirmation
@@ -208,13 +209,13 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert not guard.speculate(1)  # other buckets are independent
     # speculation becomes much faster: the next try flips the choice and the interval starts over
     flipped = ThroughputGuard(explore_every=5, smoothing=1.0, token_smoothing=1.0, warmup=1, explore_cost=1.0)
-    for spec, tokens, catch_up in ((False, 40, False), (True, 10, True), (True, 10, False)):  # plain; switch; measured
-        flipped.record(8, spec, tokens, seconds=1.0, catch_up=catch_up)
+    for spec, tokens, missed in ((False, 40, 0), (True, 10, MISSED), (True, 10, 0)):  # plain; switch; measured
+        flipped.record(8, spec, tokens, seconds=1.0, caught_up_tokens=missed)
     choices, prev = [], True
     for _ in range(12):
         s = flipped.speculate(8)
         choices.append(s)
-        flipped.record(8, s, tokens=80 if s else 40, seconds=1.0, catch_up=s and not prev)
+        flipped.record(8, s, tokens=80 if s else 40, seconds=1.0, caught_up_tokens=MISSED if s and not prev else 0)
         prev = s
     assert choices[:3] == [False, False, True] and all(choices[3:8])  # the try (switch + measured step) flips it
     assert choices[8] is False and all(choices[9:])  # ... re-try plain 5 measured steps after the flip (reset)
@@ -223,14 +224,14 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     # one of 16 emitting 16 in the same time
     mixed = ThroughputGuard(warmup=1)
     for batch, spec, tokens in ((16, False, 16), (9, True, 0), (9, True, 12)):
-        mixed.record(batch, spec, tokens, seconds=1.0, catch_up=tokens == 0)
+        mixed.record(batch, spec, tokens, seconds=1.0, caught_up_tokens=MISSED if tokens == 0 else 0)
     assert mixed.faster(16) is True
     # a step's time weighs as it does in throughput: one speculative step 10x slower outweighs a fast one (a
     # moving average of rates would say 55 tok/s per sequence, still above plain's 40); unclipped here, since
     # by default one step counts as at most 2x the average (test_one_slow_step_counts_as_at_most_twice_...)
     timed = ThroughputGuard(warmup=1, smoothing=0.5, outlier_clip=100.0)
-    for spec, tokens, seconds, catch_up in ((False, 40, 1, False), (True, 0, 1, True), (True, 100, 1, False)):
-        timed.record(1, spec, tokens, seconds, catch_up=catch_up)
+    for spec, tokens, seconds, missed in ((False, 40, 1, 0), (True, 0, 1, MISSED), (True, 100, 1, 0)):
+        timed.record(1, spec, tokens, seconds, caught_up_tokens=missed)
     assert timed.faster(1) is True
     timed.record(1, True, 100, 10.0)
     assert timed.faster(1) is False and timed.rates[(1, True)] == pytest.approx(100 / 5.5)
@@ -244,7 +245,7 @@ def test_one_slow_step_that_flips_the_guard_is_re_checked_at_once() -> None:
     slow step is not clipped here; by default one this slow counts as 2x the average: the next test.)"""
     guard = ThroughputGuard(explore_every=5, max_explore_every=640, warmup=1, explore_cost=1.0, outlier_clip=100.0)
     guard.record(1, False, tokens=1, seconds=0.02)
-    guard.record(1, True, tokens=0, seconds=0.02, catch_up=True)
+    guard.record(1, True, tokens=0, seconds=0.02, caught_up_tokens=MISSED)
     guard.record(1, True, tokens=1, seconds=0.04)
     assert guard.faster(1) is False
     for _ in range(400):  # long enough that the try interval has grown well past warmup
@@ -294,7 +295,8 @@ def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
             if switch:
                 out.append(i)
             seconds = 10.0 if switch else 1 if s else 0.125
-            guard.record(8, s, tokens=0 if switch else 10 if s else 40, seconds=seconds, catch_up=switch)
+            tokens = 0 if switch else 10 if s else 40
+            guard.record(8, s, tokens=tokens, seconds=seconds, caught_up_tokens=MISSED if switch else 0)
             prev = s
         assert guard.plain_step_s[8] == 0.125
         return out, guard.switch_s[8]
@@ -317,7 +319,8 @@ def test_throughput_guard_decides_on_the_mean_of_its_warmup_steps() -> None:
             out.append(s)
             plain_steps += not s
             seconds = 10.0 if plain_steps == 1 and not s else 1.0
-            guard.record(1, s, tokens=20 if s else 40, seconds=seconds, catch_up=s and not prev)
+            missed = MISSED if s and not prev else 0
+            guard.record(1, s, tokens=20 if s else 40, seconds=seconds, caught_up_tokens=missed)
             prev = s
         return out
 
@@ -385,7 +388,7 @@ class _ScriptedGuard(ThroughputGuard):
     def __init__(self, script: list[bool]) -> None:
         super().__init__()
         self.script = list(script)
-        self.recorded: list[tuple[bool, bool]] = []  # (speculative, catch_up) per recorded step
+        self.recorded: list[tuple[bool, bool]] = []  # (speculative, a catch-up) per recorded step
         self.caught_up: list[int] = []  # tokens the draft re-read, per recorded step
         self.measured: list[bool] = []  # per step asked: whether the loop will record it
         self.outlooks: list[Outlook | None] = []  # per step asked
@@ -402,10 +405,9 @@ class _ScriptedGuard(ThroughputGuard):
         tokens: int,
         seconds: float,
         *,
-        catch_up: bool = False,
         caught_up_tokens: int = 0,
     ) -> None:
-        self.recorded.append((speculative, catch_up))
+        self.recorded.append((speculative, caught_up_tokens > 0))
         self.caught_up.append(caught_up_tokens)
 
 
@@ -501,11 +503,11 @@ def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> Non
     guard = ThroughputGuard(warmup=1, explore_every=5, explore_cost=1.0)
     guard.record(8, False, tokens=8, seconds=0.1)  # plain: 10 tokens/s per sequence
     assert guard.missed_token_s is None
-    guard.record(8, True, tokens=8, seconds=1.1, catch_up=True, caught_up_tokens=100)  # 1 s beyond a plain step
+    guard.record(8, True, tokens=8, seconds=1.1, caught_up_tokens=100)  # 1 s beyond a plain step
     assert guard.missed_token_s == pytest.approx(0.01)  # (before any speculative step, the catch-up's base)
     guard.record(8, True, tokens=24, seconds=0.1)  # speculation: 30 tokens/s per sequence
     assert guard.faster(8) is True
-    guard.record(8, True, tokens=24, seconds=0.2, catch_up=True, caught_up_tokens=3)  # 3 tokens: 0.1 s more
+    guard.record(8, True, tokens=24, seconds=0.2, caught_up_tokens=3)  # 3 tokens: 0.1 s more
     assert guard.missed_token_s == pytest.approx(0.73 / 70.9)  # weighed by size (not 0.033 a token blended in)
     catch_up = 50
     assert guard.speculate(8)  # nothing to catch up: speculation
@@ -516,7 +518,7 @@ def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> Non
     # speculation measured slower: plain, then a try when due, put off while the batch could not pay a catch-up
     slow = ThroughputGuard(warmup=1, explore_every=5, explore_cost=1.0)
     slow.record(8, False, tokens=8, seconds=0.1)
-    slow.record(8, True, tokens=8, seconds=1.0, catch_up=True, caught_up_tokens=100)
+    slow.record(8, True, tokens=8, seconds=1.0, caught_up_tokens=100)
     slow.record(8, True, tokens=8, seconds=0.2)
     assert slow.faster(8) is False
     while not slow.speculate(8):
@@ -571,7 +573,7 @@ def test_plain_steps_run_because_a_catch_up_would_not_pay_are_measurements_not_t
     there had made plain decoding look 20% slower and turned the 4-bit copy on at batch 4."""
     guard = ThroughputGuard(warmup=1)
     guard.record(4, False, tokens=4, seconds=0.1)
-    guard.record(4, True, tokens=4, seconds=1.0, catch_up=True, caught_up_tokens=100)
+    guard.record(4, True, tokens=4, seconds=1.0, caught_up_tokens=100)
     guard.record(4, True, tokens=24, seconds=0.2)
     assert guard.faster(4) is True
     assert not guard.speculate(4, outlook=Outlook(100, 4))  # 1 token each to go: the catch-up would not pay

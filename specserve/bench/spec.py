@@ -366,17 +366,18 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
 
 def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict[str, DraftSpec]:
     """The drafts to compare for one pair, by label: a head once per ``--draft-vocab`` size and ``--head-reads``."""
-    drafts: dict[str, DraftSpec] = {pair: spec}
-    if isinstance(spec, HeadSpec) and args.draft_vocab:
-        drafts = {f"{pair} V={v}": spec.model_copy(update={"draft_vocab": v}) for v in args.draft_vocab}
-    if isinstance(spec, HeadSpec) and args.head_reads:
-        drafts = {
-            f"{label} {reads} reads": d.model_copy(update={"bf16_reads": reads == "bf16"})
-            for label, d in drafts.items()
-            if isinstance(d, HeadSpec)
+    if not isinstance(spec, HeadSpec):
+        return {pair: spec}
+    heads = [(pair, spec)]
+    if args.draft_vocab:
+        heads = [(f"{pair} V={v}", spec.model_copy(update={"draft_vocab": v})) for v in args.draft_vocab]
+    if args.head_reads:
+        heads = [
+            (f"{label} {reads} reads", head.model_copy(update={"bf16_reads": reads == "bf16"}))
+            for label, head in heads
             for reads in args.head_reads
-        }
-    return drafts
+        ]
+    return dict(heads)
 
 
 def run(args: argparse.Namespace) -> int:
