@@ -57,11 +57,13 @@ class ModelSpec(BaseModel):
         "decoded alone; where it is on, gemv_copies and pad_rows are not needed and not attached "
         "(docs/benchmarks.md, 'Small products')",
     )
-    small_gemm_packed: bool = Field(
-        default=True,
+    small_gemm_packed: bool | None = Field(
+        default=None,
         description="with small_gemm: the kernel reads its own copy of each weight laid out as one sequential "
         "stream per block of 4 rows (the same products bit for bit; one more copy of the weights in memory; "
-        "docs/benchmarks.md, 'Packed weights for the kernel')",
+        "docs/benchmarks.md, 'Packed weights for the kernel'): True for products of every row count, False never, "
+        "None for the row counts where it measures faster at load on this machine (none: the copy is dropped; "
+        "'The kernel's weight layout, measured at load')",
     )
     gemv_copies: bool = Field(
         default=True,

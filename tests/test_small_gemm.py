@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.batch import ForwardBatch
-from specserve.models.llama import linear
+from specserve.models.llama import linear, reads_copy
 from specserve.models.native_stack import (
     NativeStackUnavailable,
     attach_native_stack,
@@ -115,7 +115,7 @@ def test_bf16_reads_only_where_bf16_holds_the_weight_exactly() -> None:
     want = linear(head.fc, x), linear(head.layer.qkv, a), linear(head.layer.o_proj, h), head.logits(h)
     assert attach_small_gemm(head, bf16_reads=True)
     for mod in (head.fc, head.layer.qkv, head.layer.down):
-        assert mod.small_packed.dtype == torch.bfloat16 and mod.small_gemm == extension().small_linear_bf16
+        assert mod.small_packed.dtype == torch.bfloat16 and mod.small_copy_gemm == extension().small_linear_bf16
     assert head.layer.o_proj.small_packed is None  # not bf16-exact: read as float32
     got = linear(head.fc, x), linear(head.layer.qkv, a), linear(head.layer.o_proj, h), head.logits(h)
     for g, w in zip(got, want, strict=True):
@@ -247,6 +247,63 @@ def test_packed_copies_change_no_bit_of_a_forward() -> None:
         attach_small_gemm(tiny_head(models[0], seed=1), packed=True)
 
 
+def test_probe_mask_gives_each_winning_probe_its_rows_up_to_the_next() -> None:
+    from specserve.models.native_stack import EVERY_ROW, describe_rows, probe_mask
+
+    probes = (1, 2, 4, 8, 16, 32)
+    assert probe_mask(probes, [True] * 6) == EVERY_ROW
+    assert probe_mask(probes, [False] * 6) == 0
+    mask = probe_mask(probes, [True, True, True, True, False, False])
+    assert [r for r in range(1, 65) if reads_copy(mask, r)] == list(range(1, 16))
+    mask = probe_mask(probes, [True, False, False, True, False, True])
+    assert [r for r in range(1, 65) if reads_copy(mask, r)] == [1, *range(8, 16), *range(32, 65)]
+    assert describe_rows(mask) == "1, 8-15, 32-64 rows" and describe_rows(0) == "no rows"
+    for bad in ((2, 4), (1, 4, 2), (1, 65), ()):
+        with pytest.raises(ValueError, match="ascend"):
+            probe_mask(bad, [True] * len(bad))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("wins", [(True, False, True), (False, False, False)])
+def test_the_measured_layout_is_what_each_row_count_reads(monkeypatch: pytest.MonkeyPatch, wins: tuple) -> None:
+    """packed_rows_for sets its measured row mask on every packed linear, and both the Python loop and the C++ stack
+    read the packed copies for exactly those row counts (a zeroed copy shows which path ran); where no count gains,
+    the copies are dropped."""
+    from specserve.models import native_stack
+
+    probes = (1, 2, 4)
+    verdicts = iter(wins)
+    monkeypatch.setattr(native_stack, "time_layouts", lambda lins, rows, repeats: (0.5 if next(verdicts) else 1.0, 1.0))
+    model = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=6)
+    assert attach_small_gemm(model, packed=True)
+    mask = native_stack.packed_rows_for(model, probes)
+    lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert all(m.small_copy_rows == mask for m in lins)
+    if not any(wins):
+        assert mask == 0 and all(m.small_packed is None for m in lins)
+        return
+    assert [r for r in range(1, 65) if reads_copy(mask, r)] == [1, *range(4, 65)]
+    # the C++ stack: a layer's zeroed copy changes the logits of 1 and 4 rows, not of 2 or 3
+    assert attach_native_stack(model)
+    cache = model.new_cache(1, 32)
+    slot = cache.allocate()
+
+    def logits(tokens: list[int]) -> torch.Tensor:
+        cache.truncate(slot, 0)
+        return model(ForwardBatch.build(cache, [slot], [tokens]), cache)
+
+    before = {r: logits(list(range(3, 3 + r))) for r in (1, 2, 3, 4)}
+    model.layers[0].down.small_packed.data.zero_()
+    for r, b in before.items():
+        assert torch.equal(logits(list(range(3, 3 + r))), b) == (not reads_copy(mask, r))
+    # the Python path: the LM head's zeroed copy makes a product that reads it zero
+    x = torch.randn(64, model.cfg.hidden_size)
+    want = {r: linear(model.lm_head, x[:r]) for r in (1, 2, 3, 4, 9)}
+    model.lm_head.small_packed.data.zero_()
+    for r, w in want.items():
+        assert torch.equal(linear(model.lm_head, x[:r]), torch.zeros_like(w) if reads_copy(mask, r) else w)
+
+
 @pytest.mark.real_model
 def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
     from specserve.config import ModelSpec
@@ -255,7 +312,8 @@ def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
     target = load_model(ModelSpec())
     blas = load_model(ModelSpec(small_gemm=False, gemv_copies=False, pad_rows=False))
     assert target.lm_head.small_rows == 64 and getattr(blas.lm_head, "small_gemm", None) is None
-    assert target.lm_head.small_packed is not None  # ModelSpec.small_gemm_packed, on by default
+    # ModelSpec.small_gemm_packed: measured at load (packed_rows_for); the copies stay only where they serve rows
+    assert (target.lm_head.small_packed is not None) == (target.lm_head.small_copy_rows != 0)
     assert getattr(target.lm_head, "weight_t", None) is None  # no GEMV copies beside the kernel
     prompt = torch.randint(0, target.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
     logits = []

@@ -9,8 +9,9 @@ Python add to the weight reads; ``python`` is the same forward with the C++ laye
 (``ModelSpec.native_stack``); ``blas bare`` / ``blas runner`` the bare products and the runner with the
 small-product kernel off (the same model loaded with ``ModelSpec.small_gemm=False``: BLAS, with the GEMV
 copies and row padding that setting attaches where they measure faster); ``rowmajor bare`` / ``rowmajor runner`` the
-same with the kernel reading the row-major weights instead of its packed copies (``ModelSpec.small_gemm_packed``
-off; the same bits). Also the floor one step
+same with the kernel reading the row-major weights at every row count (``ModelSpec.small_gemm_packed`` False; the
+same bits), ``kpacked`` its packed copies at every row count (True); the runner itself reads them where they measured
+faster at load (None, the default). Also the floor one step
 cannot beat: the weight bytes over the read bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and
 writes a CSV.
 
@@ -34,7 +35,7 @@ from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
 from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed, linear
 from specserve.models.loader import load_model
-from specserve.models.native_stack import build_stack, extension
+from specserve.models.native_stack import build_stack, describe_rows, extension
 from specserve.timing import timed
 from specserve.tune import batch_decode_forward, verify_forward
 
@@ -122,10 +123,15 @@ def run(args: argparse.Namespace) -> int:
     nn.Module.eval(blas_model)
     isa = extension().small_gemm_isa() if small else ""  # the kernel's instruction-set path
     print(f"small-product kernel: {'yes (' + isa + ')' if small else 'no'}")
-    own = any(getattr(m, "small_packed", None) is not None for m in linears)
-    rowmajor_model = load_model(spec.model_copy(update={"small_gemm_packed": False})) if own else model
+    own = describe_rows(getattr(model.lm_head, "small_copy_rows", 0)) if small else "-"
+    # the same model with the kernel reading its row-major weights, and its packed copies, at every row count
+    rowmajor_model, packed_model = (
+        load_model(spec.model_copy(update={"small_gemm_packed": layout})) if small else model
+        for layout in (False, True)
+    )
     nn.Module.eval(rowmajor_model)
-    print(f"the kernel reads packed copies: {'yes' if own else 'no'}")
+    nn.Module.eval(packed_model)
+    print(f"the kernel reads packed copies for: {own} (ModelSpec.small_gemm_packed={spec.small_gemm_packed})")
 
     def set_paths(with_packed: bool, padded: bool) -> None:
         for m in linears:
@@ -173,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         ("blas", lambda r: forward_of(blas_model, r)),
         ("rowmajor_bare", lambda r: path_matmuls(in_order(rowmajor_model), r)),
         ("rowmajor", lambda r: forward_of(rowmajor_model, r)),
+        ("kpacked_bare", lambda r: path_matmuls(in_order(packed_model), r)),
+        ("kpacked", lambda r: forward_of(packed_model, r)),
     ]
     if packed:
         kinds.append(("packed", lambda r: runner(r, True)))
@@ -191,12 +199,23 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'python ms':>10}"
         f" {'unpadded ms':>12} {'packed ms':>10} {'blas bare ms':>13} {'blas runner ms':>15}"
-        f" {'rowmajor bare ms':>17} {'rowmajor runner ms':>19}"
+        f" {'rowmajor bare ms':>17} {'rowmajor runner ms':>19} {'kpacked bare ms':>16} {'kpacked runner ms':>18}"
     )
     for r in args.rows:
-        bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm = (
+        bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm, kp_bare, kp = (
             statistics.median(times[(k, r)]) * 1e3
-            for k in ("bare", "runner", "python", "unpadded", "blas_bare", "blas", "rowmajor_bare", "rowmajor")
+            for k in (
+                "bare",
+                "runner",
+                "python",
+                "unpadded",
+                "blas_bare",
+                "blas",
+                "rowmajor_bare",
+                "rowmajor",
+                "kpacked_bare",
+                "kpacked",
+            )
         )
         packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
         rows_out.append(
@@ -216,9 +235,11 @@ def run(args: argparse.Namespace) -> int:
                 "small_gemm": isa,
                 "blas_bare_ms": blas_bare,
                 "blas_runner_ms": blas,
-                "kernel_packed": own,
+                "kernel_packed_rows": own,
                 "rowmajor_bare_ms": rm_bare,
                 "rowmajor_runner_ms": rm,
+                "kpacked_bare_ms": kp_bare,
+                "kpacked_runner_ms": kp,
                 "floor_ms": floor_ms,
                 "dtype": str(model.dtype),
                 "cpu": cpu_summary(),
@@ -226,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         )
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
         line += f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f} {blas_bare:>13.1f} {blas:>15.1f}"
-        print(line + f" {rm_bare:>17.1f} {rm:>19.1f}")
+        print(line + f" {rm_bare:>17.1f} {rm:>19.1f} {kp_bare:>16.1f} {kp:>18.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     mode = "_batch" if args.batch else ""
     path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}{mode}.csv"

@@ -114,7 +114,10 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     small = getattr(mod, "small_gemm", None)  # switch: native_stack.attach_small_gemm
     if small is not None and small_gemm_fits(x, mod.weight, getattr(mod, "small_rows", 0)):
         own = getattr(mod, "small_packed", None)  # the kernel's own copy of the weight (packed, or bf16), if any
-        return small(x, mod.weight if own is None else own, mod.bias)
+        read_own: Any = getattr(mod, "small_copy_gemm", None)  # the kernel's entry for that copy
+        if own is not None and reads_copy(getattr(mod, "small_copy_rows", 0), x.shape[0]):
+            return read_own(x, own, mod.bias)
+        return small(x, mod.weight, mod.bias)
     wt: torch.Tensor | None = getattr(mod, "weight_t", None)
     if wt is not None and x.numel() <= getattr(mod, "gemv_rows", GEMV_MAX_ROWS) * wt.shape[0]:
         y = x @ wt
@@ -128,6 +131,11 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if 0 < pad_from <= rows < PAD_WIDTH:  # zero rows change no real row; MKL's kernel for 16 rows is the faster
         return mod(pad_rows(x, PAD_WIDTH))[:rows]
     return mod(x)
+
+
+def reads_copy(row_mask: int, rows: int) -> bool:
+    """Whether a product of ``rows`` rows reads the kernel's own copy: bit r - 1 of ``row_mask`` (rows 1..64)."""
+    return bool(row_mask >> (rows - 1) & 1)
 
 
 def small_gemm_fits(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:

@@ -20,7 +20,7 @@ from specserve.models.llama import (
     attach_row_padding,
     quantize_int8_dynamic,
 )
-from specserve.models.native_stack import attach_native_stack, attach_small_gemm
+from specserve.models.native_stack import attach_native_stack, attach_small_gemm, packed_rows_for
 from specserve.models.q4 import Q4Blocks, Q4Linear, dense_rows_on_this_cpu, gguf_layer_blocks, native_q4_available
 from specserve.models.sources import builtin_gguf_path, resolve
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
@@ -110,7 +110,10 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
     """The spec's CPU switches for the model's float linears (the small-product kernel, or else GEMV copies and
     row padding; MKL-packed copies), then
     the C++ layer stack over the projections as they now are."""
-    small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model, packed=spec.small_gemm_packed)
+    packed = spec.small_gemm_packed is not False
+    small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model, packed=packed)
+    if small and spec.small_gemm_packed is None:
+        packed_rows_for(model)
     if model.device.type == "cpu" and not small:  # the kernel serves the rows these switches are for
         if spec.gemv_copies:
             attach_gemv_copies(model)

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import statistics
 import time
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +35,9 @@ SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
 SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp")
 HEADERS = (SOURCE.parent / "small_gemm.h",)
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
+EVERY_ROW = (1 << SMALL_GEMM_ROWS) - 1  # a row mask (llama.reads_copy): products of 1..64 rows read the copy
+# Row counts at which packed_rows_for times the two layouts; a count's choice holds up to the next probe.
+PACKED_PROBES = (1, 2, 4, 8, 16)
 # No -march: portable code. No contraction: RoPE rounds as the Python loop. OpenMP: at::parallel_for is a header
 # template that runs serially without it, and the kernel's products then used one core (small_gemm.cpp,
 # parallel_threads); linked by soname, it is the libgomp torch already loaded, so one runtime and torch's thread count.
@@ -97,6 +101,7 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     proj.pad_from, proj.pad_width = getattr(mod, "pad_from", 0), PAD_WIDTH
     proj.small_rows = getattr(mod, "small_rows", 0) if getattr(mod, "small_gemm", None) is not None else 0
     proj.small_packed = getattr(mod, "small_packed", None)
+    proj.small_packed_rows = getattr(mod, "small_copy_rows", 0) if proj.small_packed is not None else 0
     return proj
 
 
@@ -161,15 +166,91 @@ def attach_small_gemm(
     ext = extension()
     for mod in [*lins, *([model] if isinstance(model, EagleHead) else [])]:
         own: Any = None
-        mod.small_gemm = ext.small_linear  # type: ignore[assignment]
+        mod.small_gemm, mod.small_copy_gemm = ext.small_linear, None  # type: ignore[assignment]
         if packed and isinstance(mod, nn.Linear):
-            own, mod.small_gemm = ext.small_pack(mod.weight.detach()), ext.small_linear_packed
+            own, mod.small_copy_gemm = ext.small_pack(mod.weight.detach()), ext.small_linear_packed
         elif bf16_reads and isinstance(mod, nn.Linear) and bf16_exact(mod.weight):
-            own, mod.small_gemm = mod.weight.detach().to(torch.bfloat16), ext.small_linear_bf16
+            own, mod.small_copy_gemm = mod.weight.detach().to(torch.bfloat16), ext.small_linear_bf16
         mod.small_rows, mod.small_packed = rows, own  # type: ignore[assignment]
+        mod.small_copy_rows = EVERY_ROW if own is not None else 0  # type: ignore[assignment]
     if isinstance(model, LlamaModel):
         drop_native_stack(model)
     return True
+
+
+def packed_rows_for(model: LlamaModel, probes: tuple[int, ...] = PACKED_PROBES, repeats: int = 3) -> int:
+    """Which products of the kernel read the packed copies on this machine, as a row mask (``llama.reads_copy``),
+    measured over the model's own weights and set on each of them; where no row count gains, the copies are
+    dropped (a float32 copy of the weights freed). At each probe r (``time_layouts``) the copies serve r .. (next
+    probe - 1) rows where they beat the row-major weights by 3%. An AMD EPYC read them 8-15% faster at 1-8 rows, an
+    AMX Xeon 8-15% slower at 2-8 (docs/benchmarks.md, "The kernel's weight layout, measured at load")."""
+    ext = extension()
+    lins = [
+        m
+        for m in model.modules()
+        if type(m) is nn.Linear and isinstance(getattr(m, "small_packed", None), ext.SmallPacked)
+    ]
+    if not lins:
+        return 0
+    wins = []
+    for rows in probes:
+        packed_s, rowmajor_s = time_layouts(lins, rows, repeats)
+        wins.append(packed_s < 0.97 * rowmajor_s)
+    mask = probe_mask(probes, wins)
+    for m in lins:
+        m.small_copy_rows = mask  # type: ignore[assignment]
+        if not mask:
+            m.small_packed, m.small_copy_gemm = None, None  # type: ignore[assignment]
+    drop_native_stack(model)
+    log.info("the kernel reads packed copies for %s (measured at load)", describe_rows(mask))
+    return mask
+
+
+@torch.inference_mode()
+def time_layouts(lins: list[nn.Linear], rows: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of the kernel's products of ``rows`` rows over every linear in one pass (as a step reads
+    them), over the packed copies and over the row-major weights, interleaved, after one untimed pass each."""
+    ext = extension()
+    xs = {k: torch.randn(rows, k) for k in {m.in_features for m in lins}}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for run in range(repeats + 1):
+        for packed in (True, False):
+            start = time.perf_counter()
+            for m in lins:
+                if packed:
+                    ext.small_linear_packed(xs[m.in_features], m.small_packed, m.bias)
+                else:
+                    ext.small_linear(xs[m.in_features], m.weight.detach(), m.bias)
+            if run:
+                times[packed].append(time.perf_counter() - start)
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+def probe_mask(probes: tuple[int, ...], wins: list[bool]) -> int:
+    """A row mask (bit r - 1: r rows) holding, for each probe that won, its rows up to the next probe (the last: to
+    64). probes ascending from 1."""
+    if not probes or probes[0] != 1 or list(probes) != sorted(set(probes)) or probes[-1] > SMALL_GEMM_ROWS:
+        raise ValueError(f"probes must ascend from 1 to at most {SMALL_GEMM_ROWS}, not {probes}")
+    mask = 0
+    for rows, end, won in zip(probes, [*probes[1:], SMALL_GEMM_ROWS + 1], wins, strict=True):
+        if won:
+            mask |= ((1 << (end - 1)) - 1) ^ ((1 << (rows - 1)) - 1)  # bits rows - 1 .. end - 2
+    return mask
+
+
+def describe_rows(mask: int) -> str:
+    """A row mask as row ranges, e.g. '1-15 rows', 'no rows'."""
+    spans, row = [], 1
+    while row <= SMALL_GEMM_ROWS:
+        if mask >> (row - 1) & 1:
+            end = row
+            while end < SMALL_GEMM_ROWS and mask >> end & 1:
+                end += 1
+            spans.append(f"{row}-{end}" if end > row else f"{row}")
+            row = end + 1
+        else:
+            row += 1
+    return f"{', '.join(spans)} rows" if spans else "no rows"
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:

@@ -46,6 +46,7 @@ struct Proj {
   int64_t pad_width = 16;
   int64_t small_rows = 0;        // products of up to small_rows rows through small_gemm.cpp (batch-invariant)
   std::optional<specserve_small_gemm::Packed> small_packed;  // the weight in its packed layout, where attached
+  uint64_t small_packed_rows = 0;  // products of r rows read small_packed where bit r - 1 is set (measured at load)
   bool q4 = false;
   Tensor packed, scales_and_zeros;
   std::optional<Tensor> dense;   // bf16 copy for products of at least dense_from rows
@@ -65,8 +66,9 @@ struct Proj {
     }
     if (small_rows > 0 && x.dim() == 2 && rows >= 1 && rows <= small_rows && x.scalar_type() == at::kFloat &&
         weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
-      return small_packed.has_value() ? specserve_small_gemm::linear_packed(x, *small_packed, bias)
-                                      : specserve_small_gemm::linear(x, weight, bias);
+      return small_packed.has_value() && (small_packed_rows >> (rows - 1) & 1)
+                 ? specserve_small_gemm::linear_packed(x, *small_packed, bias)
+                 : specserve_small_gemm::linear(x, weight, bias);
     }
     if (weight_t.has_value() && x.numel() <= gemv_rows * weight_t->size(0)) {
       Tensor y = at::matmul(x, *weight_t);
@@ -333,6 +335,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("pad_width", &Proj::pad_width)
       .def_readwrite("small_rows", &Proj::small_rows)
       .def_readwrite("small_packed", &Proj::small_packed)
+      .def_readwrite("small_packed_rows", &Proj::small_packed_rows)
       .def_readwrite("q4", &Proj::q4)
       .def_readwrite("packed", &Proj::packed)
       .def_readwrite("scales_and_zeros", &Proj::scales_and_zeros)
