@@ -360,6 +360,7 @@ class LlamaModel(nn.Module):
         out = self.native_stack.forward(
             x, cos, sin, cache.k, cache.v, batch.write_slot, batch.write_pos, batch.write_from, batch.attn_mask,
             batch.slots, first, end, len(batch.num_new), max(batch.num_new), batch.kv_len, sorted(set(aux_layers)),
+            None,
         )  # fmt: skip
         return out[0], out[1:]
 

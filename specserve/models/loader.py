@@ -20,7 +20,12 @@ from specserve.models.llama import (
     attach_row_padding,
     quantize_int8_dynamic,
 )
-from specserve.models.native_stack import attach_native_stack, attach_small_gemm, packed_rows_for
+from specserve.models.native_stack import (
+    attach_head_stack,
+    attach_native_stack,
+    attach_small_gemm,
+    packed_rows_for,
+)
 from specserve.models.q4 import Q4Blocks, Q4Linear, dense_rows_on_this_cpu, gguf_layer_blocks, native_q4_available
 from specserve.models.sources import builtin_gguf_path, resolve
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
@@ -137,6 +142,8 @@ def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.devic
             head.set_draft_vocab(frequent_ids(spec.path(), spec.draft_vocab, head.cfg.vocab_size))
         if getattr(target.lm_head, "small_gemm", None) is not None:  # the target's ModelSpec.small_gemm
             attach_small_gemm(head, bf16_reads=spec.bf16_reads)
+        if target.native_stack is not None:  # the target's ModelSpec.native_stack
+            attach_head_stack(head)
         return head
     return load_model(spec, device=device)
 

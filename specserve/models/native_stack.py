@@ -100,8 +100,11 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     proj.mkl_packed = list(getattr(mod, "mkl_packed", ()))
     proj.pad_from, proj.pad_width = getattr(mod, "pad_from", 0), PAD_WIDTH
     proj.small_rows = getattr(mod, "small_rows", 0) if getattr(mod, "small_gemm", None) is not None else 0
-    proj.small_packed = getattr(mod, "small_packed", None)
-    proj.small_packed_rows = getattr(mod, "small_copy_rows", 0) if proj.small_packed is not None else 0
+    own = getattr(mod, "small_packed", None)  # the kernel's own copy: packed float32, or bf16 (a draft head's)
+    if isinstance(own, torch.Tensor):
+        proj.small_bf16 = own
+    elif own is not None:
+        proj.small_packed, proj.small_packed_rows = own, getattr(mod, "small_copy_rows", 0)
     return proj
 
 
@@ -257,6 +260,34 @@ def bf16_exact(weight: torch.Tensor) -> bool:
     """Whether bfloat16 holds every value of this float32 weight exactly (widening it back changes no bit)."""
     w = weight.detach()
     return bool(torch.equal(w.to(torch.bfloat16).to(w.dtype), w))
+
+
+def attach_head_stack(head: EagleHead) -> bool:
+    """Switch on: a frozen draft head's decoder layer runs from the C++ stack (its attention input, the embedding
+    and feature halves it builds in Python, passed as the layer's first input; RoPE with the KV write and the post
+    norm fused), and its norms through the stack's fused norm: the same values up to float rounding, ~0.4 ms less
+    per head forward on a 2-core CPU (docs/benchmarks.md, "The draft head's layer from C++"). For drafting only
+    (no autograd); attach after ``attach_small_gemm`` so the stack reads its weight copies. False (nothing attached,
+    a logged reason) where the extension cannot be built or the head is not on the CPU."""
+    if head.device.type != "cpu":
+        head.native_stack = None
+        return False
+    try:
+        ext = extension()
+    except NativeStackUnavailable as e:
+        log.warning("%s; the draft head's layer runs in Python", e)
+        head.native_stack = None
+        return False
+    cfg, layer = head.cfg, head.layer
+    stack = ext.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, True)
+    unused_norm = torch.ones_like(layer.post_norm.detach())  # the layer's input comes normed (first_input)
+    stack.add_layer(
+        unused_norm,
+        layer.post_norm.detach(),
+        *(_proj(ext, getattr(layer, n)) for n in ("qkv", "o_proj", "gate_up", "down")),
+    )
+    head.native_stack, head.native_norm = stack, ext.rms_norm
+    return True
 
 
 def attach_native_stack(model: LlamaModel) -> bool:

@@ -167,6 +167,8 @@ class EagleHead(nn.Module):
         self.trained_for: str | None = None  # the target a specserve-trained head was distilled from
         self.small_gemm: Any = None  # the small-product kernel for the LM-head slice (native_stack.attach_small_gemm)
         self.small_rows = 0
+        self.native_stack: Any = None  # the layer from C++, for drafting (native_stack.attach_head_stack)
+        self.native_norm: Any = None  # with it, the stack's fused norm
         if target is not None:
             self.bind(target)
 
@@ -229,9 +231,8 @@ class EagleHead(nn.Module):
         if self.embed_weight is None:
             raise RuntimeError("the head is not bound to a target: call bind(target) first")
         e = F.embedding(tokens, self.embed_weight).to(features.dtype)
-        eps = self.cfg.rms_norm_eps
         if self.cfg.kind == HeadKind.eagle3:
-            a = torch.cat([rms_norm(e, self.input_norm, eps), rms_norm(features, self.hidden_norm, eps)], dim=-1)
+            a = torch.cat([self._norm(e, self.input_norm), self._norm(features, self.hidden_norm)], dim=-1)
             return a, features
         x = linear(self.fc, torch.cat([e, features], dim=-1))
         return x, x
@@ -245,9 +246,16 @@ class EagleHead(nn.Module):
         tokens [N] and features [N, H] in the batch's packed order; positions and masks come from ``batch``.
         """
         a, residual = self.layer_input(tokens, features)
-        q, k, v = self.layer.qkv_split(a)
         cos = self.rope_cos[batch.positions].to(a.dtype).unsqueeze(1)  # [N, 1, D]
         sin = self.rope_sin[batch.positions].to(a.dtype).unsqueeze(1)
+        if self.native_stack is not None:  # switch: the same layer from C++ (native_stack.attach_head_stack)
+            first, end = batch.slot_range if batch.slot_range is not None else (-1, -1)
+            return self.native_stack.forward(
+                residual.contiguous(), cos, sin, cache.k, cache.v, batch.write_slot, batch.write_pos,
+                batch.write_from, batch.attn_mask, batch.slots, first, end, len(batch.num_new), max(batch.num_new),
+                batch.kv_len, [], a,
+            )[0]  # fmt: skip
+        q, k, v = self.layer.qkv_split(a)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(cache.k[0], cache.v[0], k, v, batch)
         out = attention(q, cache.k[0], cache.v[0], batch, use_flash=False)  # [N, H_q, D]
@@ -256,13 +264,20 @@ class EagleHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, V_d] over the draft vocabulary; ``draft_ids`` maps a column to its target id."""
         if self.cfg.kind == HeadKind.eagle3:
-            return linear(self.lm_head, rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+            return linear(self.lm_head, self._norm(hidden, self.norm)).float()
         if self.target_lm_head is None:
             raise RuntimeError("the head is not bound to a target: call bind(target) first")
         kernel = self.small_gemm  # switch: native_stack.attach_small_gemm
         if kernel is not None and small_gemm_fits(hidden, self.target_lm_head, self.small_rows):
             return kernel(hidden, self.target_lm_head, None)
         return (hidden @ self.target_lm_head.t()).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """rms_norm(x) * weight: the C++ stack's fused norm where attached (drafting, no autograd; the same values
+        to float rounding), else the target's."""
+        if self.native_norm is not None and not torch.is_grad_enabled() and x.dim() == 2:
+            return self.native_norm(x.contiguous(), weight, self.cfg.rms_norm_eps)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

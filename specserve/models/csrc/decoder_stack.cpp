@@ -47,6 +47,7 @@ struct Proj {
   int64_t small_rows = 0;        // products of up to small_rows rows through small_gemm.cpp (batch-invariant)
   std::optional<specserve_small_gemm::Packed> small_packed;  // the weight in its packed layout, where attached
   uint64_t small_packed_rows = 0;  // products of r rows read small_packed where bit r - 1 is set (measured at load)
+  std::optional<Tensor> small_bf16;  // a bf16 copy of a bf16-exact weight (a draft head's): the same products
   bool q4 = false;
   Tensor packed, scales_and_zeros;
   std::optional<Tensor> dense;   // bf16 copy for products of at least dense_from rows
@@ -66,6 +67,7 @@ struct Proj {
     }
     if (small_rows > 0 && x.dim() == 2 && rows >= 1 && rows <= small_rows && x.scalar_type() == at::kFloat &&
         weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
+      if (small_bf16.has_value()) return specserve_small_gemm::linear_bf16(x, *small_bf16, bias);
       return small_packed.has_value() && (small_packed_rows >> (rows - 1) & 1)
                  ? specserve_small_gemm::linear_packed(x, *small_packed, bias)
                  : specserve_small_gemm::linear(x, weight, bias);
@@ -200,6 +202,15 @@ Tensor rope_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin, Te
              : rope_write_kv<at::BFloat16>(qkv, cos, sin, k_cache, v_cache, write_slot, write_pos, hq, hkv, d);
 }
 
+// rms_norm(x) * weight for x [N, H]: the fused stack's norm on its own (a draft head's norms).
+Tensor checked_rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && fusable(x, dtype) &&
+                  fusable(weight, dtype) && weight.numel() == x.size(1),
+              "rms_norm: want a contiguous float32 / bfloat16 CPU x [N, H] and a weight [H] of its dtype");
+  return add_rms_norm(x, Tensor(), weight, eps).second;
+}
+
 class DecoderStack {
  public:
   // fused: the kernels above for norms (with the residual add) and RoPE + KV write, where every tensor is float32
@@ -215,12 +226,14 @@ class DecoderStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x [N, hidden], cos/sin [N, 1, D]; per-step batch layout as ForwardBatch holds it. Returns the last layer's
-  // output [N, hidden] and the inputs of layers aux_layers (in order).
+  // output [N, hidden] and the inputs of layers aux_layers (in order). first_input: the first layer's attention
+  // input [N, K] in place of its input norm of x (x then is the residual alone), as an EAGLE head's layer takes it.
   std::vector<Tensor> forward(Tensor x, const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& k_caches,
                               const std::vector<Tensor>& v_caches, const Tensor& write_slot, const Tensor& write_pos,
                               const Tensor& write_from, const std::optional<Tensor>& attn_mask,
                               const Tensor& slots, int64_t slot_first, int64_t slot_end, int64_t b_size,
-                              int64_t q_len, int64_t kv_len, const std::vector<int64_t>& aux_layers) const {
+                              int64_t q_len, int64_t kv_len, const std::vector<int64_t>& aux_layers,
+                              const std::optional<Tensor>& first_input) const {
     c10::InferenceMode guard;
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers() &&
                     static_cast<int64_t>(v_caches.size()) == num_layers(),
@@ -235,6 +248,7 @@ class DecoderStack {
     size_t next_aux = 0;
     const at::ScalarType dtype = x.scalar_type();
     bool fused = fused_ && (dtype == at::kFloat || dtype == at::kBFloat16) && fusable(x, dtype) &&
+                 (!first_input.has_value() || first_input->scalar_type() == dtype) &&
                  fusable(cos, dtype) && fusable(sin, dtype);
     for (const Tensor& index : {write_slot, write_pos}) {
       fused = fused && index.scalar_type() == at::kLong && index.is_contiguous() && index.device().is_cpu();
@@ -249,7 +263,10 @@ class DecoderStack {
       mask = at::zeros(mask->sizes(), x.options()).masked_fill_(mask->logical_not(), -INFINITY);
     }
     Tensor h;  // the fused path: the current layer's normed input, made together with the residual add before it
-    if (fused && num_layers() > 0) h = add_rms_norm(x, Tensor(), layers_[0].input_norm, eps_).second;
+    if (fused && num_layers() > 0) {
+      h = first_input.has_value() ? first_input->contiguous()
+                                  : add_rms_norm(x, Tensor(), layers_[0].input_norm, eps_).second;
+    }
     for (int64_t i = 0; i < num_layers(); ++i) {
       if (next_aux < aux_layers.size() && aux_layers[next_aux] == i) {
         out.push_back(x);
@@ -264,7 +281,7 @@ class DecoderStack {
         q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, write_slot, write_pos, num_heads_, num_kv_heads_,
                           head_dim_);
       } else {
-        Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_));
+        Tensor qkv = layer.qkv(i == 0 && first_input.has_value() ? *first_input : rms_norm(x, layer.input_norm, eps_));
         Tensor qk = apply_rope(qkv.index({Slice(), Slice(0, qk_size)}).view({n_tok, qk_heads, head_dim_}), cos, sin);
         auto parts = qk.split_with_sizes({num_heads_, num_kv_heads_}, 1);
         Tensor v = qkv.index({Slice(), Slice(qk_size, at::indexing::None)}).view({n_tok, num_kv_heads_, head_dim_});
@@ -336,6 +353,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("small_rows", &Proj::small_rows)
       .def_readwrite("small_packed", &Proj::small_packed)
       .def_readwrite("small_packed_rows", &Proj::small_packed_rows)
+      .def_readwrite("small_bf16", &Proj::small_bf16)
       .def_readwrite("q4", &Proj::q4)
       .def_readwrite("packed", &Proj::packed)
       .def_readwrite("scales_and_zeros", &Proj::scales_and_zeros)
@@ -344,6 +362,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("in_features", &Proj::in_features)
       .def_readwrite("out_features", &Proj::out_features)
       .def("__call__", &Proj::operator());
+  m.def("rms_norm", &checked_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("small_gemm_supported", &specserve_small_gemm::supported);
   m.def("small_linear", &specserve_small_gemm::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("small_linear_isa", &specserve_small_gemm::linear_isa, py::arg("x"), py::arg("weight"), py::arg("bias"),
