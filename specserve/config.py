@@ -62,8 +62,15 @@ class ModelSpec(BaseModel):
         description="with small_gemm: the kernel reads its own copy of each weight laid out as one sequential "
         "stream per block of 4 rows (the same products bit for bit; one more copy of the weights in memory; "
         "docs/benchmarks.md, 'Packed weights for the kernel'): True for products of every row count, False never, "
-        "None for the row counts where it measures faster at load on this machine (none: the copy is dropped; "
-        "'The kernel's weight layout, measured at load')",
+        "None for the row counts where it measures faster at load on this machine (small_gemm_plan; none: the "
+        "copy is dropped; without the plan, every row count)",
+    )
+    small_gemm_plan: bool = Field(
+        default=True,
+        description="with small_gemm: at load, time the kernel's variants (weight layout, prefetch into L1 or L2) "
+        "over the model's own weights at 1-16 rows and run each row count with the fastest (the same bits "
+        "either way; ~1-2 s at load; docs/benchmarks.md, 'The kernel's plan, measured at load'); off: packed "
+        "copies per small_gemm_packed and the built-in prefetch (none for one row, L1 for more)",
     )
     gemv_copies: bool = Field(
         default=True,

@@ -247,6 +247,23 @@ def test_packed_copies_change_no_bit_of_a_forward() -> None:
         attach_small_gemm(tiny_head(models[0], seed=1), packed=True)
 
 
+def test_every_prefetch_gives_the_same_bits() -> None:
+    ext = extension()
+    gen = torch.Generator().manual_seed(3)
+    w, b, x = (
+        torch.randn(1030, 200, generator=gen),
+        torch.randn(1030, generator=gen),
+        torch.randn(64, 200, generator=gen),
+    )
+    packed, w16 = ext.small_pack(w), w.to(torch.bfloat16)
+    for rows in (1, 2, 5, 8, 13, 64):
+        want, want16 = ext.small_linear(x[:rows], w, b), ext.small_linear_bf16(x[:rows], w16, b)
+        for pf in (ext.Prefetch.none, ext.Prefetch.l1, ext.Prefetch.l2):
+            assert torch.equal(ext.small_linear(x[:rows], w, b, pf), want)
+            assert torch.equal(ext.small_linear_packed(x[:rows], packed, b, pf), want)
+            assert torch.equal(ext.small_linear_bf16(x[:rows], w16, b, pf), want16)
+
+
 def test_probe_mask_gives_each_winning_probe_its_rows_up_to_the_next() -> None:
     from specserve.models.native_stack import EVERY_ROW, describe_rows, probe_mask
 
@@ -265,22 +282,35 @@ def test_probe_mask_gives_each_winning_probe_its_rows_up_to_the_next() -> None:
 
 @torch.no_grad()
 @pytest.mark.parametrize("wins", [(True, False, True), (False, False, False)])
-def test_the_measured_layout_is_what_each_row_count_reads(monkeypatch: pytest.MonkeyPatch, wins: tuple) -> None:
-    """packed_rows_for sets its measured row mask on every packed linear, and both the Python loop and the C++ stack
-    read the packed copies for exactly those row counts (a zeroed copy shows which path ran); where no count gains,
-    the copies are dropped."""
+def test_the_measured_plan_is_what_each_row_count_runs(monkeypatch: pytest.MonkeyPatch, wins: tuple) -> None:
+    """kernel_plan_for sets its measured plan on every kernel linear: both the Python loop and the C++ stack read
+    the packed copies for exactly the row counts whose probe chose them (a zeroed copy shows which path ran), and
+    take each count's prefetch; where no count gains, the copies are dropped."""
     from specserve.models import native_stack
 
+    ext = extension()
     probes = (1, 2, 4)
-    verdicts = iter(wins)
-    monkeypatch.setattr(native_stack, "time_layouts", lambda lins, rows, repeats: (0.5 if next(verdicts) else 1.0, 1.0))
+    fastest = {1: ext.Prefetch.l2, 2: ext.Prefetch.l1, 4: ext.Prefetch.l2}
+    verdicts = dict(zip(probes, wins, strict=True))
+
+    def fake_times(lins: list, rows: int, variants: list, repeats: int) -> list[float]:
+        return [
+            (0.5 if packed and verdicts[rows] else 1.0) + (0.0 if pf == fastest[rows] else 0.1)
+            for packed, pf in variants
+        ]
+
+    monkeypatch.setattr(native_stack, "time_variants", fake_times)
     model = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=6)
     assert attach_small_gemm(model, packed=True)
-    mask = native_stack.packed_rows_for(model, probes)
+    plan = native_stack.kernel_plan_for(model, (True, False), probes)
+    mask = plan.packed_rows
+    assert plan.prefetch == (ext.Prefetch.l2, ext.Prefetch.l1, ext.Prefetch.l1, *[ext.Prefetch.l2] * 61)
     lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    assert all(m.small_copy_rows == mask for m in lins)
+    assert all(m.small_copy_rows == mask and m.small_prefetch == plan.prefetch for m in lins)
+    assert native_stack._proj(ext, model.lm_head).small_prefetch == list(plan.prefetch)
     if not any(wins):
         assert mask == 0 and all(m.small_packed is None for m in lins)
+        assert plan.describe() == "packed copies for no rows; prefetch l1 for 2-3 rows; prefetch l2 for 1, 4-64 rows"
         return
     assert [r for r in range(1, 65) if reads_copy(mask, r)] == [1, *range(4, 65)]
     # the C++ stack: a layer's zeroed copy changes the logits of 1 and 4 rows, not of 2 or 3
@@ -312,7 +342,7 @@ def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
     target = load_model(ModelSpec())
     blas = load_model(ModelSpec(small_gemm=False, gemv_copies=False, pad_rows=False))
     assert target.lm_head.small_rows == 64 and getattr(blas.lm_head, "small_gemm", None) is None
-    # ModelSpec.small_gemm_packed: measured at load (packed_rows_for); the copies stay only where they serve rows
+    # ModelSpec.small_gemm_packed: measured at load (kernel_plan_for); the copies stay only where they serve rows
     assert (target.lm_head.small_packed is not None) == (target.lm_head.small_copy_rows != 0)
     assert getattr(target.lm_head, "weight_t", None) is None  # no GEMV copies beside the kernel
     prompt = torch.randint(0, target.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(0))

@@ -113,11 +113,14 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     1.3-1.4x faster at 1-3 rows (a 2-core AMD EPYC), on others only at 1 row (an AMX Xeon): measured at load."""
     small = getattr(mod, "small_gemm", None)  # switch: native_stack.attach_small_gemm
     if small is not None and small_gemm_fits(x, mod.weight, getattr(mod, "small_rows", 0)):
+        rows = x.shape[0]
+        plan = getattr(mod, "small_prefetch", None)  # the kernel's prefetch per row count, measured at load
+        prefetch = None if plan is None else plan[rows - 1]
         own = getattr(mod, "small_packed", None)  # the kernel's own copy of the weight (packed, or bf16), if any
         read_own: Any = getattr(mod, "small_copy_gemm", None)  # the kernel's entry for that copy
-        if own is not None and reads_copy(getattr(mod, "small_copy_rows", 0), x.shape[0]):
-            return read_own(x, own, mod.bias)
-        return small(x, mod.weight, mod.bias)
+        if own is not None and reads_copy(getattr(mod, "small_copy_rows", 0), rows):
+            return read_own(x, own, mod.bias, prefetch)
+        return small(x, mod.weight, mod.bias, prefetch)
     wt: torch.Tensor | None = getattr(mod, "weight_t", None)
     if wt is not None and x.numel() <= getattr(mod, "gemv_rows", GEMV_MAX_ROWS) * wt.shape[0]:
         y = x @ wt

@@ -18,6 +18,7 @@ import logging
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -36,8 +37,8 @@ SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp")
 HEADERS = (SOURCE.parent / "small_gemm.h",)
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 EVERY_ROW = (1 << SMALL_GEMM_ROWS) - 1  # a row mask (llama.reads_copy): products of 1..64 rows read the copy
-# Row counts at which packed_rows_for times the two layouts; a count's choice holds up to the next probe.
-PACKED_PROBES = (1, 2, 4, 8, 16)
+# Row counts at which kernel_plan_for times the kernel's variants; a count's choice holds up to the next probe.
+PLAN_PROBES = (1, 2, 4, 8, 16)
 # No -march: portable code. No contraction: RoPE rounds as the Python loop. OpenMP: at::parallel_for is a header
 # template that runs serially without it, and the kernel's products then used one core (small_gemm.cpp,
 # parallel_threads); linked by soname, it is the libgomp torch already loaded, so one runtime and torch's thread count.
@@ -100,6 +101,7 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     proj.mkl_packed = list(getattr(mod, "mkl_packed", ()))
     proj.pad_from, proj.pad_width = getattr(mod, "pad_from", 0), PAD_WIDTH
     proj.small_rows = getattr(mod, "small_rows", 0) if getattr(mod, "small_gemm", None) is not None else 0
+    proj.small_prefetch = list(getattr(mod, "small_prefetch", ()))  # the kernel's plan (kernel_plan_for)
     own = getattr(mod, "small_packed", None)  # the kernel's own copy: packed float32, or bf16 (a draft head's)
     if isinstance(own, torch.Tensor):
         proj.small_bf16 = own
@@ -181,64 +183,97 @@ def attach_small_gemm(
     return True
 
 
-def packed_rows_for(model: LlamaModel, probes: tuple[int, ...] = PACKED_PROBES, repeats: int = 3) -> int:
-    """Which products of the kernel read the packed copies on this machine, as a row mask (``llama.reads_copy``),
-    measured over the model's own weights and set on each of them; where no row count gains, the copies are
-    dropped (a float32 copy of the weights freed). At each probe r (``time_layouts``) the copies serve r .. (next
-    probe - 1) rows where they beat the row-major weights by 3%. An AMD EPYC read them 8-15% faster at 1-8 rows, an
-    AMX Xeon 8-15% slower at 2-8 (docs/benchmarks.md, "The kernel's weight layout, measured at load")."""
+@dataclass(frozen=True)
+class KernelPlan:
+    """How the kernel runs a model's products of each row count on this machine (the same bits either way):
+    ``packed_rows`` a row mask (``llama.reads_copy``) of the counts that read the packed copies, ``prefetch`` [r - 1]
+    what a product of r rows prefetches (``ext.Prefetch``)."""
+
+    packed_rows: int
+    prefetch: tuple[Any, ...]
+
+    def describe(self) -> str:
+        names = sorted({p.name for p in self.prefetch})
+        masks = {n: sum(1 << r for r, p in enumerate(self.prefetch) if p.name == n) for n in names}
+        parts = [f"prefetch {n} for {describe_rows(mask)}" for n, mask in masks.items()]
+        return "; ".join([f"packed copies for {describe_rows(self.packed_rows)}", *parts])
+
+
+def kernel_plan_for(
+    model: LlamaModel,
+    layouts: tuple[bool, ...] = (True, False),
+    probes: tuple[int, ...] = PLAN_PROBES,
+    repeats: int = 3,
+) -> KernelPlan:
+    """Measure and set how the kernel runs the model's products on this machine: at each probe r (``time_variants``:
+    every kernel product of the model in one pass, as a step reads them) each layout in ``layouts`` (True: the
+    packed copies, which the model must hold) with each prefetch (one row: none or l2; more: l1 or l2); the fastest
+    serves r .. (next probe - 1) rows, the packed copies only where they beat the row-major weights by 3%. Copies no
+    count reads are dropped (a float32 copy of the weights freed). An AMD EPYC read the packed copies 8-15% faster
+    at 1-8 rows with l1; an AMX Xeon read both layouts 8-25% faster at 4-8 rows with l2 than with l1, and the
+    row-major ones as fast as the packed (docs/benchmarks.md, "The kernel's plan, measured at load")."""
     ext = extension()
-    lins = [
-        m
-        for m in model.modules()
-        if type(m) is nn.Linear and isinstance(getattr(m, "small_packed", None), ext.SmallPacked)
-    ]
+    lins = [m for m in model.modules() if type(m) is nn.Linear and getattr(m, "small_gemm", None) is not None]
     if not lins:
-        return 0
-    wins = []
+        return KernelPlan(0, ())
+    if True in layouts and not all(isinstance(getattr(m, "small_packed", None), ext.SmallPacked) for m in lins):
+        raise ValueError("measuring the packed layout needs every kernel linear's packed copy (attach_small_gemm)")
+    wins, prefetch = [], []
     for rows in probes:
-        packed_s, rowmajor_s = time_layouts(lins, rows, repeats)
-        wins.append(packed_s < 0.97 * rowmajor_s)
-    mask = probe_mask(probes, wins)
+        pfs = (ext.Prefetch.none, ext.Prefetch.l2) if rows == 1 else (ext.Prefetch.l1, ext.Prefetch.l2)
+        variants = [(packed, pf) for packed in layouts for pf in pfs]
+        times = dict(zip(variants, time_variants(lins, rows, variants, repeats), strict=True))
+        best = {packed: min((t, i) for i, ((p, _), t) in enumerate(times.items()) if p == packed) for packed in layouts}
+        packed = True in best and (False not in best or best[True][0] < 0.97 * best[False][0])
+        wins.append(packed)
+        prefetch.append(variants[best[packed][1]][1])
+    plan = KernelPlan(probe_mask(probes, wins), tuple(spread(probes, prefetch)))
     for m in lins:
-        m.small_copy_rows = mask  # type: ignore[assignment]
-        if not mask:
-            m.small_packed, m.small_copy_gemm = None, None  # type: ignore[assignment]
+        m.small_prefetch = plan.prefetch  # type: ignore[assignment]
+        if isinstance(getattr(m, "small_packed", None), ext.SmallPacked):
+            m.small_copy_rows = plan.packed_rows  # type: ignore[assignment]
+            if not plan.packed_rows:
+                m.small_packed, m.small_copy_gemm = None, None  # type: ignore[assignment]
     drop_native_stack(model)
-    log.info("the kernel reads packed copies for %s (measured at load)", describe_rows(mask))
-    return mask
+    log.info("the kernel's plan, measured at load: %s", plan.describe())
+    return plan
 
 
 @torch.inference_mode()
-def time_layouts(lins: list[nn.Linear], rows: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of the kernel's products of ``rows`` rows over every linear in one pass (as a step reads
-    them), over the packed copies and over the row-major weights, interleaved, after one untimed pass each."""
+def time_variants(lins: list[nn.Linear], rows: int, variants: list[tuple[bool, Any]], repeats: int) -> list[float]:
+    """Median seconds of the kernel's products of ``rows`` rows over every linear in one pass, per (packed layout,
+    prefetch) variant, interleaved, after one untimed pass each."""
     ext = extension()
     xs = {k: torch.randn(rows, k) for k in {m.in_features for m in lins}}
-    times: dict[bool, list[float]] = {True: [], False: []}
+    times: list[list[float]] = [[] for _ in variants]
     for run in range(repeats + 1):
-        for packed in (True, False):
+        for (packed, pf), out in zip(variants, times, strict=True):
             start = time.perf_counter()
             for m in lins:
                 if packed:
-                    ext.small_linear_packed(xs[m.in_features], m.small_packed, m.bias)
+                    ext.small_linear_packed(xs[m.in_features], m.small_packed, m.bias, pf)
                 else:
-                    ext.small_linear(xs[m.in_features], m.weight.detach(), m.bias)
+                    ext.small_linear(xs[m.in_features], m.weight.detach(), m.bias, pf)
             if run:
-                times[packed].append(time.perf_counter() - start)
-    return statistics.median(times[True]), statistics.median(times[False])
+                out.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def spread(probes: tuple[int, ...], per_probe: list[Any]) -> list[Any]:
+    """[64]: each row count's value, that of the largest probe at or below it."""
+    check_probes(probes)
+    return [per_probe[max(i for i, p in enumerate(probes) if p <= rows)] for rows in range(1, SMALL_GEMM_ROWS + 1)]
+
+
+def check_probes(probes: tuple[int, ...]) -> None:
+    if not probes or probes[0] != 1 or list(probes) != sorted(set(probes)) or probes[-1] > SMALL_GEMM_ROWS:
+        raise ValueError(f"probes must ascend from 1 to at most {SMALL_GEMM_ROWS}, not {probes}")
 
 
 def probe_mask(probes: tuple[int, ...], wins: list[bool]) -> int:
     """A row mask (bit r - 1: r rows) holding, for each probe that won, its rows up to the next probe (the last: to
     64). probes ascending from 1."""
-    if not probes or probes[0] != 1 or list(probes) != sorted(set(probes)) or probes[-1] > SMALL_GEMM_ROWS:
-        raise ValueError(f"probes must ascend from 1 to at most {SMALL_GEMM_ROWS}, not {probes}")
-    mask = 0
-    for rows, end, won in zip(probes, [*probes[1:], SMALL_GEMM_ROWS + 1], wins, strict=True):
-        if won:
-            mask |= ((1 << (end - 1)) - 1) ^ ((1 << (rows - 1)) - 1)  # bits rows - 1 .. end - 2
-    return mask
+    return sum(1 << r for r, won in enumerate(spread(probes, wins)) if won)
 
 
 def describe_rows(mask: int) -> str:

@@ -47,6 +47,7 @@ struct Proj {
   int64_t small_rows = 0;        // products of up to small_rows rows through small_gemm.cpp (batch-invariant)
   std::optional<specserve_small_gemm::Packed> small_packed;  // the weight in its packed layout, where attached
   uint64_t small_packed_rows = 0;  // products of r rows read small_packed where bit r - 1 is set (measured at load)
+  std::vector<specserve_small_gemm::Prefetch> small_prefetch;  // [r - 1]: the prefetch for r rows (measured at load)
   std::optional<Tensor> small_bf16;  // a bf16 copy of a bf16-exact weight (a draft head's): the same products
   bool q4 = false;
   Tensor packed, scales_and_zeros;
@@ -67,10 +68,12 @@ struct Proj {
     }
     if (small_rows > 0 && x.dim() == 2 && rows >= 1 && rows <= small_rows && x.scalar_type() == at::kFloat &&
         weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
-      if (small_bf16.has_value()) return specserve_small_gemm::linear_bf16(x, *small_bf16, bias);
+      std::optional<specserve_small_gemm::Prefetch> pf;
+      if (static_cast<int64_t>(small_prefetch.size()) >= rows) pf = small_prefetch[rows - 1];
+      if (small_bf16.has_value()) return specserve_small_gemm::linear_bf16(x, *small_bf16, bias, pf);
       return small_packed.has_value() && (small_packed_rows >> (rows - 1) & 1)
-                 ? specserve_small_gemm::linear_packed(x, *small_packed, bias)
-                 : specserve_small_gemm::linear(x, weight, bias);
+                 ? specserve_small_gemm::linear_packed(x, *small_packed, bias, pf)
+                 : specserve_small_gemm::linear(x, weight, bias, pf);
     }
     if (weight_t.has_value() && x.numel() <= gemv_rows * weight_t->size(0)) {
       Tensor y = at::matmul(x, *weight_t);
@@ -354,6 +357,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("small_packed", &Proj::small_packed)
       .def_readwrite("small_packed_rows", &Proj::small_packed_rows)
       .def_readwrite("small_bf16", &Proj::small_bf16)
+      .def_readwrite("small_prefetch", &Proj::small_prefetch)
       .def_readwrite("q4", &Proj::q4)
       .def_readwrite("packed", &Proj::packed)
       .def_readwrite("scales_and_zeros", &Proj::scales_and_zeros)
@@ -364,11 +368,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &Proj::operator());
   m.def("rms_norm", &checked_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("small_gemm_supported", &specserve_small_gemm::supported);
-  m.def("small_linear", &specserve_small_gemm::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  py::enum_<specserve_small_gemm::Prefetch>(m, "Prefetch")
+      .value("none", specserve_small_gemm::Prefetch::none)
+      .value("l1", specserve_small_gemm::Prefetch::l1)
+      .value("l2", specserve_small_gemm::Prefetch::l2);
+  m.def("small_linear", &specserve_small_gemm::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::arg("prefetch") = py::none());
   m.def("small_linear_isa", &specserve_small_gemm::linear_isa, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("isa"));
   m.def("small_linear_bf16", &specserve_small_gemm::linear_bf16, py::arg("x"), py::arg("weight"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("prefetch") = py::none());
   m.def("small_linear_bf16_isa", &specserve_small_gemm::linear_bf16_isa, py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("isa"));
   m.def("small_gemm_isas", &specserve_small_gemm::isas);
@@ -380,7 +389,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("data", &specserve_small_gemm::Packed::data);
   m.def("small_pack", &specserve_small_gemm::pack, py::arg("weight"));
   m.def("small_linear_packed", &specserve_small_gemm::linear_packed, py::arg("x"), py::arg("packed"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("prefetch") = py::none());
   m.def("small_linear_packed_isa", &specserve_small_gemm::linear_packed_isa, py::arg("x"), py::arg("packed"),
         py::arg("bias"), py::arg("isa"));
   py::class_<DecoderStack>(m, "DecoderStack")

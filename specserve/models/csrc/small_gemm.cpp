@@ -39,10 +39,13 @@
 namespace specserve_small_gemm {
 
 constexpr int64_t kMaxRows = 64;
-// Products of 2+ rows prefetch, while a block of weight rows is multiplied, the same offsets in the next block's
-// rows (NB * K floats on; NB * kp packed): with the FMAs of several activation rows per load the hardware
-// prefetcher alone leaves the loads waiting (a 2-core EPYC over SmolLM2's layers: 8 rows 25 -> 13 ms, 16 rows
-// 37 -> 22 ms; a prefetch 1 KB ahead inside the block reached only 22 and 31). One row streams faster without.
+// Prefetch (Prefetch in small_gemm.h), while a block of weight rows is multiplied: l1 the same offsets in the next
+// block's rows (NB * K floats on; NB * kp packed) into L1, l2 those two blocks on into L2. With the FMAs of several
+// activation rows per load the hardware prefetcher alone leaves the loads waiting: a 2-core EPYC over SmolLM2's
+// layers, l1: 8 rows 25 -> 13 ms, 16 rows 37 -> 22 ms (a prefetch 1 KB ahead inside the block reached only 22 and
+// 31), one row streams faster without; a 2-core AMX Xeon, l2 against l1: 8 rows 31 -> 23 ms packed, 26 -> 24
+// row-major. Which one a model's products take is measured at load (native_stack.kernel_plan_for); without a
+// choice: none for one row, l1 for more (by_default).
 // Past 16 rows the product is compute-bound and still beats MKL here (32 rows 40 against 52 ms, 64 rows 74
 // against 83).
 
@@ -125,7 +128,17 @@ __attribute__((target("avx2,fma"))) inline __m256 load8_tail(const bf16_t* p, __
 
 // ---- AVX-512: blocks of NB weight rows x MB activation rows, 16 lanes. (The last block's prefetch may point past
 // the weights: a prefetch never faults.)
-template <int NB, int MB, bool PF, bool PACKED, typename W>
+template <int NB, bool PACKED, int PF, typename W>
+__attribute__((always_inline)) inline void prefetch_next(const W* row, int64_t K) {
+  using L = Layout<NB, PACKED>;
+  if constexpr (PF == static_cast<int>(Prefetch::l1)) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + L::next(K)), _MM_HINT_T0);
+  } else if constexpr (PF == static_cast<int>(Prefetch::l2)) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + 2 * L::next(K)), _MM_HINT_T1);
+  }
+}
+
+template <int NB, int MB, int PF, bool PACKED, typename W>
 __attribute__((target("avx512f"))) void block512(const float* x, const W* w, float* y, int64_t K, int64_t N,
                                                  int64_t ldx, int64_t n0, int64_t m0) {
   using L = Layout<NB, PACKED>;
@@ -138,7 +151,7 @@ __attribute__((target("avx512f"))) void block512(const float* x, const W* w, flo
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NB];
     for (int i = 0; i < NB; ++i) {
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + L::next(K)), _MM_HINT_T0);
+      prefetch_next<NB, PACKED, PF>(wr[i], K);
       wv[i] = load16(wr[i]);
       wr[i] += L::chunk;
     }
@@ -169,7 +182,7 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int NB, int MB, bool PF, bool PACKED, typename W>
+template <int NB, int MB, int PF, bool PACKED, typename W>
 __attribute__((target("avx2,fma"))) void block256(const float* x, const W* w, float* y, int64_t K, int64_t N,
                                                   int64_t ldx, int64_t n0, int64_t m0) {
   using L = Layout<NB, PACKED>;
@@ -183,7 +196,7 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const W* w, fl
     const int64_t half = k & 15;
     __m256 wv[NB];
     for (int i = 0; i < NB; ++i) {
-      if (PF && half == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + L::next(K)), _MM_HINT_T0);
+      if (half == 0) prefetch_next<NB, PACKED, PF>(wr[i], K);
       wv[i] = load8(wr[i] + half);
       if (half == 8) wr[i] += L::chunk;
     }
@@ -208,7 +221,7 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const W* w, fl
 }
 
 // The kernel for a block of NB weight rows x mb activation rows (1 <= mb <= 6).
-template <int NB, bool PF, bool PACKED, typename W>
+template <int NB, int PF, bool PACKED, typename W>
 BlockFn<W> pick512(int64_t mb) {
   switch (mb) {
     case 1: return &block512<NB, 1, PF, PACKED, W>;
@@ -220,20 +233,25 @@ BlockFn<W> pick512(int64_t mb) {
   }
 }
 
-template <int NB, bool PF, bool PACKED, typename W>
+template <int NB, int PF, bool PACKED, typename W>
 BlockFn<W> pick256(int64_t mb) {
   return mb == 1 ? &block256<NB, 1, PF, PACKED, W> : &block256<NB, 2, PF, PACKED, W>;
 }
 
 template <int NB, bool PACKED, typename W>
-BlockFn<W> pick_rows(bool wide, int64_t mb, bool prefetch) {
-  if (wide) return prefetch ? pick512<NB, true, PACKED, W>(mb) : pick512<NB, false, PACKED, W>(mb);
-  return prefetch ? pick256<NB, true, PACKED, W>(mb) : pick256<NB, false, PACKED, W>(mb);
+BlockFn<W> pick_rows(bool wide, int64_t mb, Prefetch prefetch) {
+  constexpr int none = static_cast<int>(Prefetch::none), l1 = static_cast<int>(Prefetch::l1),
+                l2 = static_cast<int>(Prefetch::l2);
+  switch (prefetch) {
+    case Prefetch::l1: return wide ? pick512<NB, l1, PACKED, W>(mb) : pick256<NB, l1, PACKED, W>(mb);
+    case Prefetch::l2: return wide ? pick512<NB, l2, PACKED, W>(mb) : pick256<NB, l2, PACKED, W>(mb);
+    default: return wide ? pick512<NB, none, PACKED, W>(mb) : pick256<NB, none, PACKED, W>(mb);
+  }
 }
 
 // bfloat16 weights are row-major only (a head's, attached unpacked).
 template <typename W>
-BlockFn<W> pick(bool wide, bool packed, bool full_block, int64_t mb, bool prefetch) {
+BlockFn<W> pick(bool wide, bool packed, bool full_block, int64_t mb, Prefetch prefetch) {
   if constexpr (std::is_same_v<W, float>) {
     if (packed) {
       return full_block ? pick_rows<4, true, W>(wide, mb, prefetch) : pick_rows<1, true, W>(wide, mb, prefetch);
@@ -244,7 +262,7 @@ BlockFn<W> pick(bool wide, bool packed, bool full_block, int64_t mb, bool prefet
 
 #else
 template <typename W>
-BlockFn<W> pick(bool, bool, bool, int64_t, bool) { return nullptr; }  // never called: supported() is false
+BlockFn<W> pick(bool, bool, bool, int64_t, Prefetch) { return nullptr; }  // never called: supported() is false
 #endif
 
 bool supported() { return isa() != Isa::none; }
@@ -265,9 +283,11 @@ std::vector<std::string> isas() {
 constexpr int64_t kBlockRows = 4;
 
 // y = x @ w^T (+ bias) for w [N, K] at wp, row-major or packed (then the block of rows from n starts at wp + n * kp).
+Prefetch by_default(int64_t rows) { return rows > 1 ? Prefetch::l1 : Prefetch::none; }
+
 template <typename W>
 at::Tensor run(const at::Tensor& x_in, const W* wp, bool packed, int64_t N, int64_t K,
-               const std::optional<at::Tensor>& bias, Isa use) {
+               const std::optional<at::Tensor>& bias, Isa use, std::optional<Prefetch> pf) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "small_gemm: want x [M, ", K, "]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "small_gemm: float32 CPU rows");
   const int64_t M = x_in.size(0), kp = packed ? padded_k(K) : K;
@@ -278,7 +298,7 @@ at::Tensor run(const at::Tensor& x_in, const W* wp, bool packed, int64_t N, int6
   float* yp = y.data_ptr<float>();
   const bool wide = use == Isa::avx512;
   const int64_t MB = wide ? 6 : 2;  // accumulators: 24 of 32 zmm registers, 8 of 16 ymm
-  const bool prefetch = M > 1;
+  const Prefetch prefetch = pf.value_or(by_default(M));
   const int64_t blocks = N / kBlockRows;
   // Both kernels are chosen once per call from (chunk rows); each y[m, n] then follows one fixed sequence.
   auto run_rows = [&](int64_t n0, int64_t n1, int64_t nb_rows) {
@@ -315,17 +335,20 @@ Isa named(const std::string& name) {
   return name == "avx512" ? Isa::avx512 : Isa::avx2;
 }
 
-at::Tensor linear_with(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use) {
+at::Tensor linear_with(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use,
+                       std::optional<Prefetch> pf = std::nullopt) {
   TORCH_CHECK(w.dim() == 2, "small_gemm: want w [N, K]");
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.device().is_cpu() && w.is_contiguous(),
               "small_gemm: a contiguous float32 CPU weight");
-  return run(x, w.data_ptr<float>(), false, w.size(0), w.size(1), bias, use);
+  return run(x, w.data_ptr<float>(), false, w.size(0), w.size(1), bias, use, pf);
 }
 
 // y = x @ w^T (+ bias): x [M, K] (1 <= M <= 64), w [N, K], float32, CPU, contiguous rows; the best detected path.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+// prefetch: as chosen for this row count (kernel_plan_for), else by_default.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                  std::optional<Prefetch> prefetch) {
   TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
-  return linear_with(x, w, bias, isa());
+  return linear_with(x, w, bias, isa(), prefetch);
 }
 
 // The same through a named path ("avx512" or "avx2"), which this CPU must run (isas()).
@@ -335,17 +358,19 @@ at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optio
 }
 
 // ---- bfloat16 weights: y = x @ float32(w)^T (+ bias) for w [N, K] bfloat16, the same bits as over the float32 copy.
-at::Tensor linear_bf16_with(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use) {
+at::Tensor linear_bf16_with(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Isa use,
+                            std::optional<Prefetch> pf = std::nullopt) {
   TORCH_CHECK(w.dim() == 2, "small_gemm: want w [N, K]");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && w.is_contiguous(),
               "small_gemm: a contiguous bfloat16 CPU weight");
   const auto* wp = reinterpret_cast<const bf16_t*>(w.data_ptr<at::BFloat16>());
-  return run(x, wp, false, w.size(0), w.size(1), bias, use);
+  return run(x, wp, false, w.size(0), w.size(1), bias, use, pf);
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       std::optional<Prefetch> prefetch) {
   TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
-  return linear_bf16_with(x, w, bias, isa());
+  return linear_bf16_with(x, w, bias, isa(), prefetch);
 }
 
 at::Tensor linear_bf16_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
@@ -371,16 +396,18 @@ Packed pack(const at::Tensor& w) {
   return Packed{at::cat({head, tail}).contiguous(), N, K};
 }
 
-at::Tensor linear_packed_with(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias, Isa use) {
+at::Tensor linear_packed_with(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias, Isa use,
+                              std::optional<Prefetch> pf = std::nullopt) {
   const int64_t kp = padded_k(w.k);
   TORCH_CHECK(w.data.defined() && w.data.numel() == w.n * kp && w.data.scalar_type() == at::kFloat,
               "small_gemm: not a packed weight (small_pack)");
-  return run(x, w.data.data_ptr<float>(), true, w.n, w.k, bias, use);
+  return run(x, w.data.data_ptr<float>(), true, w.n, w.k, bias, use, pf);
 }
 
-at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias) {
+at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
+                         std::optional<Prefetch> prefetch) {
   TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
-  return linear_packed_with(x, w, bias, isa());
+  return linear_packed_with(x, w, bias, isa(), prefetch);
 }
 
 at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,

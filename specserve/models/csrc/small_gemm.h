@@ -9,6 +9,10 @@
 
 namespace specserve_small_gemm {
 
+// What the kernel prefetches while it multiplies a block of weight rows (small_gemm.cpp): nothing, the next block
+// into L1, or the block after it into L2. Every choice gives the same bits.
+enum class Prefetch : int64_t { none = 0, l1 = 1, l2 = 2 };
+
 // A weight [n, k] in the kernel's packed layout (pack()): `data` holds n * (k rounded up to 16) floats.
 struct Packed {
   at::Tensor data;
@@ -19,14 +23,17 @@ bool supported();
 std::string isa_in_use();  // the path products take: "avx512", "avx2" or "none"
 std::vector<std::string> isas();
 int64_t parallel_threads();  // threads a product is split over (1 when built without OpenMP)
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                  std::optional<Prefetch> prefetch = std::nullopt);
 at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                       const std::string& name);
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       std::optional<Prefetch> prefetch = std::nullopt);
 at::Tensor linear_bf16_isa(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                            const std::string& name);
 Packed pack(const at::Tensor& w);
-at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias);
+at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
+                         std::optional<Prefetch> prefetch = std::nullopt);
 at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
                              const std::string& name);
 
