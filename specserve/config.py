@@ -136,6 +136,7 @@ class HeadSpec(BaseModel):
         default=None, ge=2, description="EAGLE-1/2: keep the N most frequent ids of the head's vocab_map.json"
     )
     bf16_reads: bool = True  # switch: the kernel reads weights that bf16 holds exactly (shipped bf16) as bf16
+    native_layer: bool = True  # switch: with the target's C++ stack, the head's layer runs from it too
 
     def path(self) -> Path:
         builtin = BUILTIN_HEADS_DIR / self.head

@@ -112,6 +112,11 @@ def test_head_variants_by_vocabulary_and_weight_reads() -> None:
     assert list(got) == ["p V=1024 bf16 reads", "p V=1024 f32 reads", "p V=2048 bf16 reads", "p V=2048 f32 reads"]
     assert got["p V=2048 f32 reads"] == HeadSpec(head=head.head, draft_vocab=2048, bf16_reads=False)
     assert all(isinstance(d, HeadSpec) and d.bf16_reads for k, d in got.items() if "bf16" in k)
+    layers = draft_variants(parser.parse_args(["--head-layer", "native", "python"]), "p", head)
+    assert layers == {
+        "p native layer": head.model_copy(update={"native_layer": True}),
+        "p python layer": head.model_copy(update={"native_layer": False}),
+    }
     q4 = MODEL_PAIRS["smollm2-q4"][1]
     assert draft_variants(args, "q", q4) == {"q": q4}  # a draft model: no head variants
     assert draft_variants(parser.parse_args([]), "p", head) == {"p": head}

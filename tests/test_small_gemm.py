@@ -394,6 +394,11 @@ def test_the_shipped_head_follows_its_targets_switch() -> None:
     target = load_model(target_spec)
     head = load_draft(head_spec.model_copy(update={"bf16_reads": False}), target)
     assert head.fc.small_gemm is not None and head.fc.small_packed is None
+    # the head's layer from the C++ stack where the target has one (HeadSpec.native_layer, on)
+    assert target.native_stack is not None and head.native_stack is not None
+    assert load_draft(head_spec.model_copy(update={"native_layer": False}), target).native_stack is None
+    no_stack = load_model(target_spec.model_copy(update={"native_stack": False}))
+    assert load_draft(head_spec, no_stack).native_stack is None
     assert ModelSpec().small_gemm
 
 

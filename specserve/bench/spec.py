@@ -88,6 +88,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="heads: how the kernel reads bf16-exact weights, to compare (HeadSpec.bf16_reads; default: the spec's)",
     )
+    p.add_argument(
+        "--head-layer",
+        nargs="+",
+        choices=["native", "python"],
+        default=None,
+        help="heads: whether the head's layer runs from the C++ stack, to compare (HeadSpec.native_layer)",
+    )
     p.add_argument("--dsde", action="store_true", help="also run each chain / DDD method under DSDE + SL_cap")
     p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
     p.add_argument("--drafters", nargs="+", default=["model"], choices=DRAFTERS, help="who drafts")
@@ -365,7 +372,8 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
 
 
 def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict[str, DraftSpec]:
-    """The drafts to compare for one pair, by label: a head once per ``--draft-vocab`` size and ``--head-reads``."""
+    """The drafts to compare for one pair, by label: a head once per ``--draft-vocab`` size, ``--head-reads`` and
+    ``--head-layer``."""
     if not isinstance(spec, HeadSpec):
         return {pair: spec}
     heads = [(pair, spec)]
@@ -376,6 +384,12 @@ def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict
             (f"{label} {reads} reads", head.model_copy(update={"bf16_reads": reads == "bf16"}))
             for label, head in heads
             for reads in args.head_reads
+        ]
+    if args.head_layer:
+        heads = [
+            (f"{label} {layer} layer", head.model_copy(update={"native_layer": layer == "native"}))
+            for label, head in heads
+            for layer in args.head_layer
         ]
     return dict(heads)
 
