@@ -68,9 +68,10 @@ class ModelSpec(BaseModel):
     small_gemm_plan: bool = Field(
         default=True,
         description="with small_gemm: at load, time the kernel's variants (weight layout, prefetch into L1 or L2) "
-        "over the model's own weights at 1-16 rows and run each row count with the fastest (the same bits "
-        "either way; ~1-2 s at load; docs/benchmarks.md, 'The kernel's plan, measured at load'); off: packed "
-        "copies per small_gemm_packed and the built-in prefetch (none for one row, L1 for more)",
+        "over the model's own weights at 1-16 rows and run each row count with the fastest, a variant other than "
+        "the built-in one only where it wins by 3% (the same bits either way; 2-5 s at load, by the CPU; "
+        "docs/benchmarks.md, 'The kernel's plan, measured at load'); off: packed copies per small_gemm_packed and "
+        "the built-in prefetch (none for one row, L1 for more)",
     )
     gemv_copies: bool = Field(
         default=True,

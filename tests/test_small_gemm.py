@@ -334,6 +334,66 @@ def test_the_measured_plan_is_what_each_row_count_runs(monkeypatch: pytest.Monke
         assert torch.equal(linear(model.lm_head, x[:r]), torch.zeros_like(w) if reads_copy(mask, r) else w)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize(("gain", "chosen"), [(0.99, False), (0.95, True)])
+def test_a_variant_replaces_the_built_in_one_only_by_the_margin(
+    monkeypatch: pytest.MonkeyPatch, gain: float, chosen: bool
+) -> None:
+    """Packed copies and the l2 prefetch that measure 1% faster than the row-major weights with the built-in prefetch
+    are noise and not taken; 5% faster they are."""
+    from specserve.models import native_stack
+
+    ext = extension()
+    built_in = {1: ext.Prefetch.none, 2: ext.Prefetch.l1}
+
+    def fake_times(lins: list, rows: int, variants: list, repeats: int) -> list[float]:
+        return [(gain if packed else 1.0) * (1.0 if pf == built_in[rows] else gain) for packed, pf in variants]
+
+    monkeypatch.setattr(native_stack, "time_variants", fake_times)
+    model = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=6)
+    assert attach_small_gemm(model, packed=True)
+    plan = native_stack.kernel_plan_for(model, (True, False), (1, 2))
+    assert plan.packed_rows == (native_stack.EVERY_ROW if chosen else 0)
+    want = (ext.Prefetch.l2,) * 64 if chosen else (ext.Prefetch.none, *[ext.Prefetch.l1] * 63)
+    assert plan.prefetch == want
+
+
+@torch.no_grad()
+def test_time_variants_times_each_variant_in_rotated_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The passes rotate the variants' order, and each time still lands on its own variant: the one whose products
+    are slowed down measures slower in whichever slot it runs."""
+    import time
+
+    from specserve.models import native_stack
+
+    ext = extension()
+    order: list[str] = []
+
+    class SlowPacked:
+        def __getattr__(self, name: str) -> object:
+            return getattr(ext, name)
+
+        def small_linear_packed(self, *args: object) -> torch.Tensor:
+            order.append("packed")
+            time.sleep(0.002)
+            return ext.small_linear_packed(*args)
+
+        def small_linear(self, *args: object) -> torch.Tensor:
+            order.append("rowmajor")
+            return ext.small_linear(*args)
+
+    monkeypatch.setattr(native_stack, "extension", lambda: SlowPacked())
+    model = tiny_model(tiny_config("llama", num_hidden_layers=1), seed=6)
+    assert attach_small_gemm(model, packed=True)
+    lins = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    variants = [(True, ext.Prefetch.l1), (False, ext.Prefetch.l1), (False, ext.Prefetch.l2)]
+    times = native_stack.time_variants(lins, 2, variants, repeats=3)
+    assert times[0] > 2 * max(times[1:]) and times[0] >= 0.002 * len(lins)
+    # pass by pass, the packed variant ran first, then last, then second...
+    firsts = [order[i * 3 * len(lins)] for i in range(4)]
+    assert firsts == ["packed", "rowmajor", "rowmajor", "packed"]
+
+
 @pytest.mark.real_model
 def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
     from specserve.config import ModelSpec
@@ -342,8 +402,12 @@ def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
     target = load_model(ModelSpec())
     blas = load_model(ModelSpec(small_gemm=False, gemv_copies=False, pad_rows=False))
     assert target.lm_head.small_rows == 64 and getattr(blas.lm_head, "small_gemm", None) is None
-    # ModelSpec.small_gemm_packed: measured at load (kernel_plan_for); the copies stay only where they serve rows
-    assert (target.lm_head.small_packed is not None) == (target.lm_head.small_copy_rows != 0)
+    # ModelSpec.small_gemm_plan: the plan was measured at load and set on every kernel product (one prefetch per row
+    # count; without it no product carries one), and with no row count reading the copies they were dropped
+    lins = [m for m in target.modules() if getattr(m, "small_gemm", None) is not None]
+    assert all(len(m.small_prefetch) == 64 and m.small_prefetch == target.lm_head.small_prefetch for m in lins)
+    assert getattr(blas.lm_head, "small_prefetch", None) is None
+    assert target.lm_head.small_copy_rows != 0 or target.lm_head.small_packed is None
     assert getattr(target.lm_head, "weight_t", None) is None  # no GEMV copies beside the kernel
     prompt = torch.randint(0, target.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
     logits = []
