@@ -69,9 +69,9 @@ class ModelSpec(BaseModel):
         default=True,
         description="with small_gemm: at load, time the kernel's variants (weight layout, prefetch into L1 or L2) "
         "over the model's own weights at 1-16 rows and run each row count with the fastest, a variant other than "
-        "the built-in one only where it wins by 3% (the same bits either way; 2-5 s at load, by the CPU; "
-        "docs/benchmarks.md, 'The kernel's plan, measured at load'); off: packed copies per small_gemm_packed and "
-        "the built-in prefetch (none for one row, L1 for more)",
+        "the built-in one only where it wins by 3% (the same bits either way; 2-5 s on the first load on a machine, "
+        "then kept in the cache's profiles/; docs/benchmarks.md, 'The kernel's plan, measured at load'); off: packed "
+        "copies per small_gemm_packed and the built-in prefetch (none for one row, L1 for more)",
     )
     gemv_copies: bool = Field(
         default=True,

@@ -3,9 +3,11 @@ rows, every instruction-set path this CPU runs, clear errors, and the loader's s
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -356,6 +358,58 @@ def test_a_variant_replaces_the_built_in_one_only_by_the_margin(
     assert plan.packed_rows == (native_stack.EVERY_ROW if chosen else 0)
     want = (ext.Prefetch.l2,) * 64 if chosen else (ext.Prefetch.none, *[ext.Prefetch.l1] * 63)
     assert plan.prefetch == want
+
+
+@torch.no_grad()
+def test_the_kernel_plan_is_measured_once_per_machine_and_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The loader's plan is timed on the first load and kept in the cache; a later load of the same model sets the
+    same plan without timing; another model shape or set of layouts is timed anew; an unreadable file is timed
+    again and replaced."""
+    from specserve.config import ModelSpec
+    from specserve.models import native_stack
+    from specserve.models.loader import attach_cpu_paths
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    ext = extension()
+    timed: list[int] = []
+
+    def fake_times(lins: list, rows: int, variants: list, repeats: int) -> list[float]:
+        timed.append(rows)  # packed copies win at 2 rows only, l2 wins at 4
+        return [(0.5 if packed and rows == 2 else 1.0) * (0.5 if pf == ext.Prefetch.l2 and rows == 4 else 1.0)
+                for packed, pf in variants]  # fmt: skip
+
+    monkeypatch.setattr(native_stack, "time_variants", fake_times)
+
+    def load(layers: int = 1, spec: ModelSpec | None = None) -> torch.nn.Module:
+        model = tiny_model(tiny_config("llama", num_hidden_layers=layers), seed=6)
+        attach_cpu_paths(model, spec or ModelSpec())
+        return model
+
+    first = load()
+    assert timed == list(native_stack.PLAN_PROBES)
+    stored = list((tmp_path / "profiles").glob("kernel-plan-*.json"))
+    assert len(stored) == 1
+    timed.clear()
+    again = load()
+    assert timed == []  # set from the cache
+    for a, b in zip(native_stack.kernel_linears(first), native_stack.kernel_linears(again), strict=True):
+        assert a.small_prefetch == b.small_prefetch and a.small_copy_rows == b.small_copy_rows
+    lm = again.lm_head
+    assert [r for r in range(1, 65) if reads_copy(lm.small_copy_rows, r)] == [2, 3]
+    assert lm.small_prefetch[3] == ext.Prefetch.l2 and lm.small_prefetch[1] == ext.Prefetch.l1
+    assert again.native_stack is not None  # the C++ stack was built over the planned projections
+    load(layers=2)
+    assert timed == list(native_stack.PLAN_PROBES)  # another model: its own plan
+    timed.clear()
+    load(spec=ModelSpec(small_gemm_packed=False))
+    assert timed == list(native_stack.PLAN_PROBES)  # other layouts measured: another plan
+    timed.clear()
+    stored[0].write_text("{not json")
+    load()
+    assert timed == list(native_stack.PLAN_PROBES)
+    assert json.loads(stored[0].read_text())["packed_rows"] == lm.small_copy_rows
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from specserve.models.native_stack import (
     attach_head_stack,
     attach_native_stack,
     attach_small_gemm,
-    kernel_plan_for,
+    cached_kernel_plan,
 )
 from specserve.models.q4 import Q4Blocks, Q4Linear, dense_rows_on_this_cpu, gguf_layer_blocks, native_q4_available
 from specserve.models.sources import builtin_gguf_path, resolve
@@ -118,7 +118,7 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
     packed = spec.small_gemm_packed is not False
     small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model, packed=packed)
     if small and spec.small_gemm_plan:  # layouts and prefetches timed on this machine (the same bits either way)
-        kernel_plan_for(model, (True, False) if spec.small_gemm_packed is None else (spec.small_gemm_packed,))
+        cached_kernel_plan(model, (True, False) if spec.small_gemm_packed is None else (spec.small_gemm_packed,))
     if model.device.type == "cpu" and not small:  # the kernel serves the rows these switches are for
         if spec.gemv_copies:
             attach_gemv_copies(model)

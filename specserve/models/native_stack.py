@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import statistics
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specserve.cpu import cpu_info
 from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
 from specserve.models.q4 import Q4_GROUP, Q4Linear
 from specserve.models.sources import cache_dir
@@ -202,6 +204,11 @@ class KernelPlan:
         return "; ".join([f"packed copies for {describe_rows(self.packed_rows)}", *parts])
 
 
+def kernel_linears(model: nn.Module) -> list[nn.Linear]:
+    """The model's products that run on the kernel (attach_small_gemm)."""
+    return [m for m in model.modules() if type(m) is nn.Linear and getattr(m, "small_gemm", None) is not None]
+
+
 def kernel_plan_for(
     model: LlamaModel,
     layouts: tuple[bool, ...] = (True, False),
@@ -217,7 +224,7 @@ def kernel_plan_for(
     faster at 8-16 rows with l2 than with l1, and the row-major ones as fast as the packed (docs/benchmarks.md,
     "The kernel's plan, measured at load")."""
     ext = extension()
-    lins = [m for m in model.modules() if type(m) is nn.Linear and getattr(m, "small_gemm", None) is not None]
+    lins = kernel_linears(model)
     if not lins:
         return KernelPlan(0, ())
     if True in layouts and not all(isinstance(getattr(m, "small_packed", None), ext.SmallPacked) for m in lins):
@@ -233,15 +240,81 @@ def kernel_plan_for(
         wins.append(packed)
         prefetch.append(pfs[best[packed][0]])
     plan = KernelPlan(probe_mask(probes, wins), tuple(spread(probes, prefetch)))
-    for m in lins:
+    apply_plan(model, plan)
+    log.info("the kernel's plan, measured at load: %s", plan.describe())
+    return plan
+
+
+def apply_plan(model: LlamaModel, plan: KernelPlan) -> None:
+    """Set ``plan`` on every kernel product of the model; packed copies no row count reads are dropped."""
+    ext = extension()
+    for m in kernel_linears(model):
         m.small_prefetch = plan.prefetch  # type: ignore[assignment]
         if isinstance(getattr(m, "small_packed", None), ext.SmallPacked):
             m.small_copy_rows = plan.packed_rows  # type: ignore[assignment]
             if not plan.packed_rows:
                 m.small_packed, m.small_copy_gemm = None, None  # type: ignore[assignment]
     drop_native_stack(model)
-    log.info("the kernel's plan, measured at load: %s", plan.describe())
+
+
+def cached_kernel_plan(
+    model: LlamaModel, layouts: tuple[bool, ...] = (True, False), probes: tuple[int, ...] = PLAN_PROBES
+) -> KernelPlan:
+    """``kernel_plan_for``, measured once per machine and model: kept in the specserve cache (``profiles/``, as the
+    verify profile is) under a key of the CPU, the kernel's build and instruction set, torch's version and thread
+    count, the products' shapes and the variants measured; later loads set it without timing anything (2-5 s a
+    load). Delete the file to measure again; an unreadable one is measured again and replaced."""
+    lins = kernel_linears(model)
+    if not lins:
+        return KernelPlan(0, ())
+    path = cache_dir() / "profiles" / f"kernel-plan-{plan_key(lins, layouts, probes)}.json"
+    plan = read_plan(path)
+    if plan is not None:
+        apply_plan(model, plan)
+        log.info("the kernel's plan, measured on this machine before (%s): %s", path, plan.describe())
+        return plan
+    plan = kernel_plan_for(model, layouts, probes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"packed_rows": plan.packed_rows, "prefetch": [p.name for p in plan.prefetch]}))
+    os.replace(tmp, path)  # whole or not at all, for a process loading beside this one
     return plan
+
+
+def plan_key(lins: list[nn.Linear], layouts: tuple[bool, ...], probes: tuple[int, ...]) -> str:
+    ext = extension()
+    model_name, flags = cpu_info()
+    ident = [
+        model_name,
+        sorted(flags),
+        ext.__name__,  # the kernel's source, torch version and flags (_build)
+        ext.small_gemm_isa(),
+        torch.__version__,
+        torch.get_num_threads(),
+        [[m.out_features, m.in_features, m.bias is not None] for m in lins],
+        list(layouts),
+        list(probes),
+        PLAN_MARGIN,
+    ]
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+
+def read_plan(path: Path) -> KernelPlan | None:
+    """The plan stored at ``path``, or None where there is none or it does not parse as one."""
+    try:
+        raw = json.loads(path.read_text())
+        members = extension().Prefetch.__members__
+        prefetch = tuple(members[name] for name in raw["prefetch"])
+        packed_rows = int(raw["packed_rows"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("the kernel's stored plan %s is unreadable (%s); measuring it again", path, e)
+        return None
+    if len(prefetch) != SMALL_GEMM_ROWS or not 0 <= packed_rows <= EVERY_ROW:
+        log.warning("the kernel's stored plan %s does not cover 1-%d rows; measuring it again", path, SMALL_GEMM_ROWS)
+        return None
+    return KernelPlan(packed_rows, prefetch)
 
 
 def faster(default_s: float, other_s: float) -> tuple[int, float]:
