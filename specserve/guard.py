@@ -7,9 +7,12 @@ seconds, and compares their ratios, so a slow step counts by its time, as it doe
 only steps in which every sequence decodes: an admitted prompt's prefill costs both modes alike and would swamp
 either average). It runs the faster mode and re-tries
 the other after ``explore_every`` steps of the bucket, doubling the interval while the tries confirm the choice.
-Before its first decision in a bucket it measures ``warmup`` steps of plain decoding, then as many speculative
-ones, and starts each average from their median step: one noisy first step (a page fault, another process) does
-not set the choice.
+Before its first decision in a bucket it measures ``warmup`` steps of plain decoding, then speculative ones, and
+starts each average from their mean tokens and median seconds: one noisy first step (a page fault, another process)
+does not set the choice. Speculation's warm-up goes on, up to ``max_warmup`` steps, while its mean tokens per step
+lie within ``warmup_z`` standard errors of the tokens a step of its time must emit to match plain decoding: at batch
+1 a step emits 1-4 tokens, and three of them chose plain decoding for a draft head that runs 1.2x faster (each step
+of a large batch averages over its sequences and decides after ``warmup``).
 
 A speculative step in which the draft catches up on a sequence it had already seen (``caught_up_tokens``: it re-reads
 the tokens the target decoded alone while the guard kept plain steps) is not measured: for a draft model that
@@ -36,6 +39,7 @@ last run), and a choice flipped by the running mode's own step (a slow admission
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -62,7 +66,9 @@ class ThroughputGuard:
     token_smoothing: float = 0.05  # ... and of tokens per step (after a plain mean of the first 1 / this steps): an
     # acceptance statistic, 1-4 tokens from one step to the next at batch 1 (at 0.3 two short steps in a row took
     # the head's 2.1-token average below break-even)
-    warmup: int = 3  # steps of each mode per bucket before the first decision (their median step starts it)
+    warmup: int = 3  # steps of each mode per bucket before the first decision (they start the averages) ...
+    max_warmup: int = 12  # ... and of speculation at most, while its tokens per step cannot yet tell the modes apart
+    warmup_z: float = 1.0  # standard errors of the warm-up's mean tokens per step that tell them apart
     explore_cost: float = 0.015  # a try (switch step + its measured step's excess) costs at most this share of the
     # plain time before the next (at 3% the guarded EAGLE head measured 0.96-0.99x plain at batch 16, where plain
     # decoding wins: the tries' share is part of that, against a bar of 0.97)
@@ -72,7 +78,8 @@ class ThroughputGuard:
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
     work: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)  # -> avg (tokens/seq, s) a step
-    warm: dict[tuple[int, bool], list[tuple[float, float]]] = field(default_factory=dict)  # the warm-up's steps
+    warm: dict[tuple[int, bool], list[tuple[float, float]]] = field(default_factory=dict)  # warm-ups' steps so far
+    warmed: set[tuple[int, bool]] = field(default_factory=set)  # (bucket, speculative) whose warm-up is over
     switch_s: dict[int, float] = field(default_factory=dict)  # bucket -> cost of its last try of speculation: the
     # switch step's time plus what its measured step took beyond plain decoding's time for the same tokens
     catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> its switch step not yet in a try's cost
@@ -82,8 +89,10 @@ class ThroughputGuard:
     # catch-up: their ratio weighs each by its size (a catch-up of 3 tokens costs about a step, nothing per token)
 
     def __post_init__(self) -> None:
-        if self.warmup < 1:
-            raise ValueError(f"warmup must be at least 1 step per mode, got {self.warmup}")
+        if not 1 <= self.warmup <= self.max_warmup:
+            raise ValueError(f"warmup must be 1 to max_warmup ({self.max_warmup}) steps per mode, got {self.warmup}")
+        if self.warmup_z < 0:
+            raise ValueError(f"warmup_z must be at least 0, got {self.warmup_z}")
         if not (0 < self.smoothing <= 1 and 0 < self.token_smoothing <= 1):
             raise ValueError(f"smoothing weights must be in (0, 1], got {self.smoothing}, {self.token_smoothing}")
         if not 0 < self.explore_cost <= 1:
@@ -115,9 +124,27 @@ class ThroughputGuard:
     def faster(self, batch_size: int) -> bool | None:
         """Whether speculation measured faster at this batch size (None: either mode not yet warmed up)."""
         b = bucket(batch_size)
-        if min(self.samples.get((b, True), 0), self.samples.get((b, False), 0)) < self.warmup:
+        if (b, True) not in self.warmed or (b, False) not in self.warmed:
             return None
         return self.rates[(b, True)] >= self.rates[(b, False)]
+
+    def _warm_over(self, b: int, speculative: bool) -> bool:
+        """Whether a mode's warm-up in bucket ``b`` ends with the steps it has: ``warmup`` steps, and for speculation
+        then until its mean tokens per step lies ``warmup_z`` standard errors from break-even with plain decoding
+        (the tokens a step of its median time must emit to match plain's rate), or ``max_warmup`` steps."""
+        steps = self.warm[(b, speculative)]
+        n = len(steps)
+        if n < self.warmup:
+            return False
+        if not speculative or n >= self.max_warmup or (b, False) not in self.warmed:
+            return True
+        tokens = [t for t, _ in steps]
+        plain_tok, plain_s = self.work[(b, False)]
+        even = plain_tok / plain_s * statistics.median(sec for _, sec in steps)
+        # a step's tokens per sequence vary by at least half a token at batch 1 (its first draft token taken or not),
+        # by 1/sqrt(b) of that over b sequences: three equal steps do not make a certainty
+        spread = max(statistics.stdev(tokens) if n > 1 else 0.0, 0.5 / math.sqrt(b)) / math.sqrt(n)
+        return abs(statistics.fmean(tokens) - even) >= self.warmup_z * spread
 
     def speculate(self, batch_size: int, *, measured: bool = True, outlook: Outlook | None = None) -> bool:
         """The mode of the next step. ``measured=False``: a step the loop will not record (it admits a prompt):
@@ -181,10 +208,14 @@ class ThroughputGuard:
         key = (b, speculative)
         step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1
-        if n <= self.warmup:  # the warm-up's median step starts the averages: one slow first step does not
-            self.warm[key] = [*self.warm.get(key, []), step]
-            start = sorted(self.warm[key], key=lambda ts: ts[0] / max(ts[1], 1e-9))[(n - 1) // 2]
-            self.work[key] = start
+        if key not in self.warmed:  # the warm-up's mean tokens and median seconds start the averages: one slow
+            # first step does not set them
+            steps = self.warm.setdefault(key, [])
+            steps.append(step)
+            self.work[key] = (statistics.fmean(t for t, _ in steps), statistics.median(sec for _, sec in steps))
+            if self._warm_over(b, speculative):
+                self.warmed.add(key)
+                del self.warm[key]
         elif tried:  # a try: the mode's step time is as old as its last run,
             if speculative:  # what the try cost beyond plain decoding spaces the next one (with its switch step)
                 self.switch_s[b] = self.catch_up_s.pop(b, 0.0) + self._excess_over_plain(b, step)
@@ -216,7 +247,7 @@ class ThroughputGuard:
 
     def _token_weight(self, n: int) -> float:
         """Weight of the n-th measured step in its mode's tokens-per-step average: 1 / n, a plain mean of the steps
-        so far (the warm-up's counted as their median), until ``token_smoothing`` takes over (a moving average
+        so far (the warm-up's among them), until ``token_smoothing`` takes over (a moving average
         from the warm-up's median alone would need ~1 / token_smoothing steps to leave it: the 4-bit copy's 9-token
         start against its ~12-token mean)."""
         return max(self.token_smoothing, 1.0 / n)

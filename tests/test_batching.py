@@ -331,6 +331,42 @@ def test_throughput_guard_decides_on_the_mean_of_its_warmup_steps() -> None:
         ThroughputGuard(warmup=0)
 
 
+def drive(guard: ThroughputGuard, batch: int, spec_tokens: list[int], steps: int) -> list[bool]:
+    """The guard's choices over ``steps`` steps: plain steps emit one token per sequence in 10 ms, speculative ones
+    the next of ``spec_tokens`` per sequence in 12 ms (the first after plain steps is a catch-up)."""
+    out, prev, spec_steps = [], False, iter(spec_tokens)
+    for _ in range(steps):
+        s = guard.speculate(batch)
+        out.append(s)
+        if s and not prev:
+            guard.record(batch, True, tokens=batch, seconds=0.03, caught_up_tokens=MISSED)
+        else:
+            guard.record(batch, s, tokens=batch * (next(spec_steps) if s else 1), seconds=0.012 if s else 0.01)
+        prev = s
+    return out
+
+
+def test_speculations_warmup_runs_until_its_acceptance_tells_the_modes_apart() -> None:
+    """Batch 1, speculation 1.6-1.7x faster than plain decoding but its first three steps take 1 token each: a
+    three-step warm-up chooses plain; the guard measures on until the mean tokens per step stands a standard error
+    from break-even (1.2 tokens in 12 ms), and speculates. Where every step takes 1 token it chooses plain within
+    ``max_warmup`` steps; at batch 16, whose steps average over the batch, three steps decide."""
+    lucky = [1, 1, 1, 3, 2, 4, 1, 3, 2, 2] * 10
+    short = drive(ThroughputGuard(explore_every=1000, max_warmup=3), 1, lucky, 20)
+    assert short == [False] * 3 + [True] * 4 + [False] * 13
+    guard = ThroughputGuard(explore_every=1000)
+    assert drive(guard, 1, lucky, 20) == [False] * 3 + [True] * 17
+    assert guard.samples[(1, True)] == 16 and guard.faster(1) is True
+    never = ThroughputGuard(explore_every=1000)
+    choices = drive(never, 1, [1] * 100, 20)
+    assert never.faster(1) is False and 3 + 1 + 3 < choices.index(False, 3) <= 3 + 1 + never.max_warmup
+    assert choices[choices.index(False, 3) :] == [False] * (20 - choices.index(False, 3))
+    wide = ThroughputGuard(explore_every=1000)
+    assert drive(wide, 16, [1] * 100, 10) == [False] * 3 + [True] * 4 + [False] * 3
+    with pytest.raises(ValueError, match="max_warmup"):
+        ThroughputGuard(warmup=4, max_warmup=3)
+
+
 def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
     engine = Engine(
         target,
