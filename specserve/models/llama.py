@@ -150,6 +150,25 @@ def small_gemm_fits(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
     return x.dtype == weight.dtype == torch.float32 and not grad
 
 
+def stack_forward(
+    stack: Any,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    batch: ForwardBatch,
+    cache: KVCache,
+    aux_layers: list[int],
+    first_input: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """One forward of a C++ ``DecoderStack`` (native_stack) over a ragged batch: [last layer's output, the inputs of
+    ``aux_layers``...]; ``first_input``: the first layer's attention input, given instead of its normed residual."""
+    first, end = batch.slot_range if batch.slot_range is not None else (-1, -1)
+    return stack.forward(
+        x, cos, sin, cache.k, cache.v, batch.write_slot, batch.write_pos, batch.write_from, batch.attn_mask,
+        batch.slots, first, end, len(batch.num_new), max(batch.num_new), batch.kv_len, aux_layers, first_input,
+    )  # fmt: skip
+
+
 def pad_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """[R, K] -> [width, K] with zero rows after x's (x itself when it has width rows)."""
     return x if x.shape[0] == width else torch.cat([x, x.new_zeros(width - x.shape[0], x.shape[1])])
@@ -359,12 +378,7 @@ class LlamaModel(nn.Module):
         aux_layers: tuple[int, ...],
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The layer loop above, in C++: (last layer's output, the inputs of ``aux_layers`` in layer order)."""
-        first, end = batch.slot_range if batch.slot_range is not None else (-1, -1)
-        out = self.native_stack.forward(
-            x, cos, sin, cache.k, cache.v, batch.write_slot, batch.write_pos, batch.write_from, batch.attn_mask,
-            batch.slots, first, end, len(batch.num_new), max(batch.num_new), batch.kv_len, sorted(set(aux_layers)),
-            None,
-        )  # fmt: skip
+        out = stack_forward(self.native_stack, x, cos, sin, batch, cache, sorted(set(aux_layers)))
         return out[0], out[1:]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

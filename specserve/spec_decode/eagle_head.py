@@ -39,7 +39,15 @@ from specserve.errors import UnsupportedModelError
 from specserve.models.attention import attention, write_kv
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
-from specserve.models.llama import LlamaModel, apply_rope, linear, rms_norm, rope_tables, small_gemm_fits
+from specserve.models.llama import (
+    LlamaModel,
+    apply_rope,
+    linear,
+    rms_norm,
+    rope_tables,
+    small_gemm_fits,
+    stack_forward,
+)
 
 
 class HeadKind(str, Enum):
@@ -249,12 +257,7 @@ class EagleHead(nn.Module):
         cos = self.rope_cos[batch.positions].to(a.dtype).unsqueeze(1)  # [N, 1, D]
         sin = self.rope_sin[batch.positions].to(a.dtype).unsqueeze(1)
         if self.native_stack is not None:  # switch: the same layer from C++ (native_stack.attach_head_stack)
-            first, end = batch.slot_range if batch.slot_range is not None else (-1, -1)
-            return self.native_stack.forward(
-                residual.contiguous(), cos, sin, cache.k, cache.v, batch.write_slot, batch.write_pos,
-                batch.write_from, batch.attn_mask, batch.slots, first, end, len(batch.num_new), max(batch.num_new),
-                batch.kv_len, [], a,
-            )[0]  # fmt: skip
+            return stack_forward(self.native_stack, residual.contiguous(), cos, sin, batch, cache, [], a)[0]
         q, k, v = self.layer.qkv_split(a)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(cache.k[0], cache.v[0], k, v, batch)
