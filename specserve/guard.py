@@ -78,8 +78,8 @@ class ThroughputGuard:
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
     next_try: dict[int, int] = field(default_factory=dict)  # step count of the bucket's next exploration
     work: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)  # -> avg (tokens/seq, s) a step
-    warm: dict[tuple[int, bool], list[tuple[float, float]]] = field(default_factory=dict)  # warm-ups' steps so far
-    warmed: set[tuple[int, bool]] = field(default_factory=set)  # (bucket, speculative) whose warm-up is over
+    warm: dict[tuple[int, bool], list[tuple[float, float]]] = field(default_factory=dict)  # the steps of warm-ups
+    # in progress (a mode's warm-up is over once it has ``warmup`` samples and no entry here)
     switch_s: dict[int, float] = field(default_factory=dict)  # bucket -> cost of its last try of speculation: the
     # switch step's time plus what its measured step took beyond plain decoding's time for the same tokens
     catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> its switch step not yet in a try's cost
@@ -124,9 +124,13 @@ class ThroughputGuard:
     def faster(self, batch_size: int) -> bool | None:
         """Whether speculation measured faster at this batch size (None: either mode not yet warmed up)."""
         b = bucket(batch_size)
-        if (b, True) not in self.warmed or (b, False) not in self.warmed:
+        if not (self._warmed((b, True)) and self._warmed((b, False))):
             return None
         return self.rates[(b, True)] >= self.rates[(b, False)]
+
+    def _warmed(self, key: tuple[int, bool]) -> bool:
+        """Whether a (bucket, speculative) mode's warm-up is over (``warm`` holds the steps of one in progress)."""
+        return self.samples.get(key, 0) >= self.warmup and key not in self.warm
 
     def _warm_over(self, b: int, speculative: bool) -> bool:
         """Whether a mode's warm-up in bucket ``b`` ends with the steps it has: ``warmup`` steps, and for speculation
@@ -136,7 +140,7 @@ class ThroughputGuard:
         n = len(steps)
         if n < self.warmup:
             return False
-        if not speculative or n >= self.max_warmup or (b, False) not in self.warmed:
+        if not speculative or n >= self.max_warmup or not self._warmed((b, False)):
             return True
         tokens = [t for t, _ in steps]
         plain_tok, plain_s = self.work[(b, False)]
@@ -208,13 +212,12 @@ class ThroughputGuard:
         key = (b, speculative)
         step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1
-        if key not in self.warmed:  # the warm-up's mean tokens and median seconds start the averages: one slow
-            # first step does not set them
+        if key in self.warm or n <= self.warmup:  # the warm-up's mean tokens and median seconds start the
+            # averages: one slow first step does not set them
             steps = self.warm.setdefault(key, [])
             steps.append(step)
             self.work[key] = (statistics.fmean(t for t, _ in steps), statistics.median(sec for _, sec in steps))
             if self._warm_over(b, speculative):
-                self.warmed.add(key)
                 del self.warm[key]
         elif tried:  # a try: the mode's step time is as old as its last run,
             if speculative:  # what the try cost beyond plain decoding spaces the next one (with its switch step)
