@@ -140,10 +140,11 @@ class ThroughputGuard:
         n = len(steps)
         if n < self.warmup:
             return False
-        if not speculative or n >= self.max_warmup or not self._warmed((b, False)):
+        plain = self.work.get((b, False))  # (absent where a guard's rates were seeded from outside)
+        if not speculative or n >= self.max_warmup or not self._warmed((b, False)) or plain is None:
             return True
         tokens = [t for t, _ in steps]
-        plain_tok, plain_s = self.work[(b, False)]
+        plain_tok, plain_s = plain
         even = plain_tok / plain_s * statistics.median(sec for _, sec in steps)
         # a step's tokens per sequence vary by at least half a token at batch 1 (its first draft token taken or not),
         # by 1/sqrt(b) of that over b sequences: three equal steps do not make a certainty
