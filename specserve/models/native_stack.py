@@ -287,9 +287,8 @@ def plan_key(lins: list[nn.Linear], layouts: tuple[bool, ...], probes: tuple[int
     ident = [
         model_name,
         sorted(flags),
-        ext.__name__,  # the kernel's source, torch version and flags (_build)
+        ext.__name__,  # a hash of the kernel's source, torch's version and the build flags (_build)
         ext.small_gemm_isa(),
-        torch.__version__,
         torch.get_num_threads(),
         [[m.out_features, m.in_features, m.bias is not None] for m in lins],
         list(layouts),
