@@ -10,7 +10,6 @@ import json
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -181,7 +180,3 @@ def autotune(
             rows.append(TuneRow(c, tau, draft_per_step * min(1.0, levels), verify[c]))
     best = max(rows, key=lambda r: r.tokens_per_s).size
     return TuneResult(spec.method, best, rows)
-
-
-def tuned_path(name: str) -> Path:
-    return cache_dir() / "profiles" / f"tuned-{name}.json"

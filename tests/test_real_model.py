@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.bench.prompt_sets import mt_bench_prompts
+from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.config import (
     MODEL_PAIRS,
     PAIR_SPECULATION,
@@ -88,18 +88,27 @@ def test_prompt_longer_than_context_is_a_clear_error(target: LlamaModel) -> None
         small.generate("word " * 200)
 
 
+@pytest.fixture(scope="module")
+def mt_bench_greedy(target: LlamaModel) -> tuple[list[list[int]], list[list[int]]]:
+    """Two MT-bench first turns of each category (chat-templated ids) and plain greedy decoding's 64 tokens for each."""
+    plain = Engine(target, load_tokenizer(ModelSpec()), max_batch_size=8, max_model_len=512)
+    prompts = [plain.encode(p.text, chat=True) for p in per_category(mt_bench_prompts(), 2)]
+    outs = plain.generate(prompts, SamplingParams(max_tokens=64, ignore_eos=True))
+    return prompts, [o.token_ids for o in outs]
+
+
 @pytest.mark.parametrize("pair", ["smollm2-bf16", "smollm2-int8", "smollm2-q4", "smollm2-eagle"])
-def test_speculative_greedy_equals_plain_on_mt_bench(target: LlamaModel, pair: str) -> None:
-    """20 MT-bench prompts x 64 new tokens: every method emits exactly plain greedy decoding's tokens (with draft
-    models, and with the shipped EAGLE head)."""
+def test_speculative_greedy_equals_plain_on_mt_bench(
+    target: LlamaModel, mt_bench_greedy: tuple[list[list[int]], list[list[int]]], pair: str
+) -> None:
+    """Two MT-bench prompts of each of its 8 categories x 64 new tokens: every method emits exactly plain greedy
+    decoding's tokens (with draft models, and with the shipped EAGLE head)."""
     if MODEL_PAIRS[pair][1] == MODEL_PAIRS["smollm2-q4"][1] and not native_q4_available():
         pytest.skip("torch without the int4 CPU kernel")
     tok = load_tokenizer(ModelSpec())
     draft = load_draft(MODEL_PAIRS[pair][1], target)
-    plain = Engine(target, tok, max_batch_size=10, max_model_len=512)
-    prompts = [plain.encode(p.text, chat=True) for p in mt_bench_prompts(20)]
+    prompts, ref = mt_bench_greedy
     params = SamplingParams(max_tokens=64, ignore_eos=True)
-    ref = [o.token_ids for o in plain.generate(prompts, params)]
     specs = [
         SpecConfig(method=SpecMethod.chain, sl=4, chain_draft=ChainDraft.greedy),
         SpecConfig(method=SpecMethod.eagle2, beam_width=4, budget=12, tree_depth=5),
@@ -114,7 +123,7 @@ def test_speculative_greedy_equals_plain_on_mt_bench(target: LlamaModel, pair: s
             )
         )
     for spec in specs:
-        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=10, max_model_len=512)
+        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=8, max_model_len=512)
         outs = engine.generate(prompts, params)
         mismatches = [i for i, (o, r) in enumerate(zip(outs, ref, strict=True)) if o.token_ids != r]
         assert not mismatches, f"{pair} {spec.method.value}: prompts {mismatches} differ from plain greedy"
@@ -142,10 +151,11 @@ def test_the_4_bit_copy_drafts_what_the_target_decodes(target: LlamaModel) -> No
 def _assert_each_equals_plain_greedy(
     target: LlamaModel, draft: LlamaModel | EagleHead, specs: tuple[SpecConfig, ...], *, num_prompts: int
 ) -> None:
-    """Batch 1, MT-bench first turns x 48 tokens: each speculation emits exactly the target's plain greedy tokens."""
+    """Batch 1, the first MT-bench turn of ``num_prompts`` categories x 48 tokens: each speculation emits exactly
+    the target's plain greedy tokens."""
     tok = load_tokenizer(ModelSpec())
     plain = Engine(target, tok, max_batch_size=1, max_model_len=512)
-    prompts = [plain.encode(p.text, chat=True) for p in mt_bench_prompts(num_prompts)]
+    prompts = [plain.encode(p.text, chat=True) for p in per_category(mt_bench_prompts(), 1)[:num_prompts]]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, params)]
     for spec in specs:

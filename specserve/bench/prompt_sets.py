@@ -4,6 +4,7 @@ file in its layout (one JSON object per line with ``question_id``, ``category`` 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,6 +25,17 @@ def mt_bench_prompts(limit: int | None = None, categories: list[str] | None = No
     if categories:
         out = [p for p in out if p.category in categories]
     return out[:limit] if limit is not None else out
+
+
+def per_category(prompts: list[BenchPrompt], n: int) -> list[BenchPrompt]:
+    """The first ``n`` prompts of each category, in file order."""
+    seen: Counter[str] = Counter()
+    keep = []
+    for p in prompts:
+        seen[p.category] += 1
+        if seen[p.category] <= n:
+            keep.append(p)
+    return keep
 
 
 def load_prompts(path: Path, limit: int | None = None) -> list[BenchPrompt]:

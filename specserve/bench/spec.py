@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from specserve.bench.machine import cpu_summary
 from specserve.bench.policies import check_steps_arg
-from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts
+from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import (
     MODEL_PAIRS,
@@ -285,17 +284,9 @@ def _row(
     }
 
 
-def _prompt_set(sources: list[str], per_category: int | None) -> list[BenchPrompt]:
+def _prompt_set(sources: list[str], each_category: int | None) -> list[BenchPrompt]:
     prompts = [p for src in sources for p in (mt_bench_prompts() if src == "mt-bench" else load_prompts(Path(src)))]
-    if per_category is None:
-        return prompts
-    seen: Counter[str] = Counter()
-    keep = []
-    for p in prompts:
-        seen[p.category] += 1
-        if seen[p.category] <= per_category:
-            keep.append(p)
-    return keep
+    return prompts if each_category is None else per_category(prompts, each_category)
 
 
 def _timed(engine: Engine, prompt: list[int], params: SamplingParams, repeats: int) -> tuple[Completion, float]:
