@@ -97,6 +97,13 @@ class ModelSpec(BaseModel):
         "once per machine with the local compiler; the Python loop where it cannot be built or with int8_dynamic "
         "(docs/benchmarks.md, 'Decoder layers from C++')",
     )
+    native_attention: bool = Field(
+        default=True,
+        description="CPU float32: attention of the new tokens reads the KV cache in place through csrc/attention.cpp "
+        "(one task per token and KV head, grouped query heads together; batch-invariant) instead of SDPA over a "
+        "padded, gathered batch; where the CPU has AVX2 + FMA and the head dim is 64 or 128 (docs/benchmarks.md, "
+        "'Attention from C++')",
+    )
     revision: str | None = None
 
     @model_validator(mode="after")

@@ -254,6 +254,7 @@ def test_the_loaded_target_runs_the_fused_stack_and_agrees_with_the_python_loop(
 
     target = load_model(ModelSpec())
     assert target.native_stack is not None
+    assert target.attention_kernel is not None  # csrc/attention.cpp, in both loops (tests/test_attention_kernel.py)
     prompt = torch.randint(0, target.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
     logits = []
     for native in (target.native_stack, None):
@@ -267,6 +268,7 @@ def test_the_loaded_target_runs_the_fused_stack_and_agrees_with_the_python_loop(
     assert torch.equal(fused.argmax(-1), python.argmax(-1))
     torch.testing.assert_close(fused, python, rtol=1e-4, atol=1e-4 * python.abs().max().item())
     assert load_model(ModelSpec(native_stack=False)).native_stack is None
+    assert load_model(ModelSpec(native_attention=False)).attention_kernel is None
 
 
 def test_fused_kv_write_refuses_positions_outside_the_cache() -> None:

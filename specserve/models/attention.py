@@ -1,12 +1,18 @@
 """Attention over a ragged batch against the KV cache: SDPA everywhere; flash-attn on CUDA for causal batches
-(prefill, plain decoding, chain verification), reading the KV slots in place. Trees keep SDPA with their mask."""
+(prefill, plain decoding, chain verification), reading the KV slots in place (trees keep SDPA with their mask); on
+the CPU a model's attention kernel where attached (``native_stack.attach_native_attention``: csrc/attention.cpp)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from specserve.models.batch import ForwardBatch
+
+# csrc/attention.cpp's attend(q, k_cache, v_cache, write_slot, write_pos, write_from, mask, q_len) -> [N, H_q, D]
+AttendKernel = Callable[..., torch.Tensor]
 
 try:  # optional GPU extra
     from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
@@ -48,9 +54,13 @@ def attention(
     batch: ForwardBatch,
     *,
     use_flash: bool,
+    kernel: AttendKernel | None = None,
 ) -> torch.Tensor:  # [N, H_q, D]
     if use_flash and batch.causal:
         return _flash_kvcache(q, k_cache, v_cache, batch)
+    if kernel is not None and q.dtype == torch.float32:
+        rows = (batch.write_slot, batch.write_pos, batch.write_from)
+        return kernel(q, k_cache, v_cache, *rows, batch.attn_mask, max(batch.num_new))
     n_tok, h_q, d = q.shape
     b_size, q_len = len(batch.num_new), max(batch.num_new)
     if b_size * q_len == n_tok:  # no padding (one sequence, or equal lengths): a view

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from specserve.errors import UnsupportedModelError
-from specserve.models.attention import attention, flash_attn_available, write_kv
+from specserve.models.attention import AttendKernel, attention, flash_attn_available, write_kv
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 
@@ -273,6 +273,7 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         use_flash: bool,
+        kernel: AttendKernel | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         n_tok = x.shape[0]
@@ -283,7 +284,7 @@ class DecoderLayer(nn.Module):
         qk = apply_rope(qkv[:, :qk_size].view(n_tok, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         write_kv(k_cache, v_cache, k, qkv[:, qk_size:].view(n_tok, cfg.num_kv_heads, cfg.head_dim), batch)
-        out = attention(q, k_cache, v_cache, batch, use_flash=use_flash)  # [N, H, D]
+        out = attention(q, k_cache, v_cache, batch, use_flash=use_flash, kernel=kernel)  # [N, H, D]
         x = x + linear(self.o_proj, out.reshape(n_tok, -1))
         gate, up = linear(self.gate_up, rms_norm(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
         return x + linear(self.down, F.silu(gate) * up)
@@ -313,6 +314,8 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.use_flash_attn = True  # switch: flash-attn varlen for causal batches on CUDA when installed
         self.native_stack: Any = None  # switch: the decoder layers from C++ (``native_stack.attach_native_stack``)
+        # switch: float32 attention from C++ (``native_stack.attach_native_attention``), in both layer loops
+        self.attention_kernel: AttendKernel | None = None
 
     @property
     def device(self) -> torch.device:
@@ -365,7 +368,7 @@ class LlamaModel(nn.Module):
             for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v, strict=True)):
                 if i in aux_layers:
                     aux.append(x)
-                x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash)
+                x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash, self.attention_kernel)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps), torch.cat(aux, dim=-1) if aux else None
 
     def _native_layers(

@@ -22,6 +22,7 @@ from specserve.models.llama import (
 )
 from specserve.models.native_stack import (
     attach_head_stack,
+    attach_native_attention,
     attach_native_stack,
     attach_small_gemm,
     cached_kernel_plan,
@@ -125,6 +126,8 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
         if spec.pad_rows:
             attach_row_padding(model)
     attach_mkl_packed(model, spec.mkl_packed_widths)
+    if spec.native_attention:
+        attach_native_attention(model)
     if spec.native_stack and model.device.type == "cpu":
         attach_native_stack(model)
 

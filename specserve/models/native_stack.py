@@ -35,8 +35,8 @@ from specserve.spec_decode.eagle_head import EagleHead
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
-SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp")
-HEADERS = (SOURCE.parent / "small_gemm.h",)
+SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp", SOURCE.parent / "attention.cpp")
+HEADERS = (SOURCE.parent / "small_gemm.h", SOURCE.parent / "attention.h")
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 EVERY_ROW = (1 << SMALL_GEMM_ROWS) - 1  # a row mask (llama.reads_copy): products of 1..64 rows read the copy
 # Row counts at which kernel_plan_for times the kernel's variants; a count's choice holds up to the next probe.
@@ -126,7 +126,8 @@ def build_stack(model: LlamaModel, *, fused: bool = True) -> Any:
         raise NativeStackUnavailable("Q4 group size changed")
     ext = extension()
     cfg = model.cfg
-    stack = ext.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, fused)
+    native_attention = model.attention_kernel is not None
+    stack = ext.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, fused, native_attention)
     for layer in model.decoder_layers():
         stack.add_layer(
             layer.input_norm.detach(),
@@ -399,7 +400,7 @@ def attach_head_stack(head: EagleHead) -> bool:
         head.native_stack = None
         return False
     cfg, layer = head.cfg, head.layer
-    stack = ext.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, True)
+    stack = ext.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, True, False)
     unused_norm = torch.ones_like(layer.post_norm.detach())  # the layer's input comes normed (first_input)
     stack.add_layer(
         unused_norm,
@@ -407,6 +408,27 @@ def attach_head_stack(head: EagleHead) -> bool:
         *(_proj(ext, getattr(layer, n)) for n in ("qkv", "o_proj", "gate_up", "down")),
     )
     head.native_stack, head.native_norm = stack, ext.rms_norm
+    return True
+
+
+def attach_native_attention(model: LlamaModel) -> bool:
+    """Switch on: the model's float32 attention (the Python layer loop's and the C++ stack's) runs through
+    ``csrc/attention.cpp``: each new token's keys read in place from its KV slot, its query heads grouped per KV head,
+    the same bits whatever else is in the batch. False (nothing attached, a logged reason) where the extension cannot
+    be built, the CPU lacks AVX2 + FMA, the head dim is not 64 or 128, or the model is not float32 on the CPU. Call
+    before ``attach_native_stack`` (attaching drops a built stack)."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return False
+    try:
+        ext = extension()
+    except NativeStackUnavailable as e:
+        log.warning("%s; attention runs through SDPA", e)
+        return False
+    if not ext.attention_supported(model.cfg.head_dim):
+        log.warning("the attention kernel does not serve head dim %d on this CPU; SDPA runs", model.cfg.head_dim)
+        return False
+    model.attention_kernel = ext.attend
+    drop_native_stack(model)
     return True
 
 

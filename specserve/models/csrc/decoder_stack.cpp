@@ -1,6 +1,7 @@
 // The decoder layers of specserve.models.llama run from C++: the same ATen ops in the same order as
 // DecoderLayer.forward / linear() / attention() (so the same values, bit for bit), without the Python
 // interpreter between them. Built once per machine by specserve/models/native_stack.py.
+#include "attention.h"
 #include "small_gemm.h"
 
 #include <torch/extension.h>
@@ -217,9 +218,16 @@ Tensor checked_rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 class DecoderStack {
  public:
   // fused: the kernels above for norms (with the residual add) and RoPE + KV write, where every tensor is float32
-  // or bfloat16 (one dtype) and contiguous; otherwise exactly DecoderLayer.forward's ATen ops.
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, bool fused)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), fused_(fused) {}
+  // or bfloat16 (one dtype) and contiguous; otherwise exactly DecoderLayer.forward's ATen ops. native_attention:
+  // float32 attention through attention.cpp (as llama.attention with the model's attention kernel), else SDPA.
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, bool fused,
+               bool native_attention)
+      : num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        eps_(eps),
+        fused_(fused),
+        native_attention_(native_attention) {}
 
   void add_layer(Tensor input_norm, Tensor post_norm, Proj qkv, Proj o_proj, Proj gate_up, Proj down) {
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o_proj),
@@ -260,8 +268,11 @@ class DecoderStack {
       fused = fusable(k_caches[i], dtype) && fusable(v_caches[i], dtype) && fusable(layers_[i].input_norm, dtype) &&
               fusable(layers_[i].post_norm, dtype);
     }
+    const bool native_attention = native_attention_ && dtype == at::kFloat &&
+                                  specserve_attention::supported(head_dim_) &&
+                                  (!attn_mask.has_value() || attn_mask->scalar_type() == at::kBool);
     std::optional<Tensor> mask = attn_mask;
-    if (fused && mask.has_value() && mask->scalar_type() == at::kBool) {
+    if (fused && !native_attention && mask.has_value() && mask->scalar_type() == at::kBool) {
       // SDPA turns a bool mask into an additive one (0 / -inf) in every layer; once per step here, the same values
       mask = at::zeros(mask->sizes(), x.options()).masked_fill_(mask->logical_not(), -INFINITY);
     }
@@ -292,26 +303,31 @@ class DecoderStack {
         v_cache.index_put_({write_slot, Slice(), write_pos}, v);
         q = parts[0];
       }
-      Tensor q_pad;
-      if (!padded) {
-        q_pad = q.view({b_size, q_len, num_heads_, head_dim_});
+      Tensor att;  // [N, Hq, D]
+      if (native_attention) {
+        att = specserve_attention::attend(q, k_cache, v_cache, write_slot, write_pos, write_from, attn_mask, q_len);
       } else {
-        q_pad = q.new_zeros({b_size * q_len, num_heads_, head_dim_});
-        q_pad.index_put_({write_from}, q);
-        q_pad = q_pad.view({b_size, q_len, num_heads_, head_dim_});
+        Tensor q_pad;
+        if (!padded) {
+          q_pad = q.view({b_size, q_len, num_heads_, head_dim_});
+        } else {
+          q_pad = q.new_zeros({b_size * q_len, num_heads_, head_dim_});
+          q_pad.index_put_({write_from}, q);
+          q_pad = q_pad.view({b_size, q_len, num_heads_, head_dim_});
+        }
+        Tensor k, vv;
+        if (slot_first >= 0) {
+          k = k_cache.index({Slice(slot_first, slot_end), Slice(), Slice(0, kv_len)});
+          vv = v_cache.index({Slice(slot_first, slot_end), Slice(), Slice(0, kv_len)});
+        } else {
+          k = k_cache.index({slots, Slice(), Slice(0, kv_len)});
+          vv = v_cache.index({slots, Slice(), Slice(0, kv_len)});
+        }
+        att = at::scaled_dot_product_attention(q_pad.transpose(1, 2), k, vv, mask, 0.0, is_causal, std::nullopt,
+                                               /*enable_gqa=*/true);
+        att = att.transpose(1, 2).reshape({b_size * q_len, num_heads_, head_dim_});
+        if (padded) att = att.index({write_from});
       }
-      Tensor k, vv;
-      if (slot_first >= 0) {
-        k = k_cache.index({Slice(slot_first, slot_end), Slice(), Slice(0, kv_len)});
-        vv = v_cache.index({Slice(slot_first, slot_end), Slice(), Slice(0, kv_len)});
-      } else {
-        k = k_cache.index({slots, Slice(), Slice(0, kv_len)});
-        vv = v_cache.index({slots, Slice(), Slice(0, kv_len)});
-      }
-      Tensor att = at::scaled_dot_product_attention(q_pad.transpose(1, 2), k, vv, mask, 0.0, is_causal,
-                                                    std::nullopt, /*enable_gqa=*/true);
-      att = att.transpose(1, 2).reshape({b_size * q_len, num_heads_, head_dim_});
-      if (padded) att = att.index({write_from});
       Tensor o = layer.o_proj(att.reshape({n_tok, -1}));
       if (fused) {
         o = o.contiguous();
@@ -337,7 +353,7 @@ class DecoderStack {
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
-  bool fused_;
+  bool fused_, native_attention_;
   std::vector<Layer> layers_;
 };
 
@@ -368,6 +384,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &Proj::operator());
   m.def("rms_norm", &checked_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("small_gemm_supported", &specserve_small_gemm::supported);
+  m.def("attention_supported", &specserve_attention::supported, py::arg("head_dim"));
+  m.def("attend", &specserve_attention::attend, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("write_slot"), py::arg("write_pos"), py::arg("write_from"), py::arg("mask"), py::arg("q_len"));
   py::enum_<specserve_small_gemm::Prefetch>(m, "Prefetch")
       .value("none", specserve_small_gemm::Prefetch::none)
       .value("l1", specserve_small_gemm::Prefetch::l1)
@@ -393,7 +412,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_packed_isa", &specserve_small_gemm::linear_packed_isa, py::arg("x"), py::arg("packed"),
         py::arg("bias"), py::arg("isa"));
   py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, bool>())
+      .def(py::init<int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward);
