@@ -12,7 +12,8 @@ copies and row padding that setting attaches where they measure faster); ``rowma
 same with the kernel reading the row-major weights at every row count (``ModelSpec.small_gemm_packed`` False; the
 same bits), ``kpacked`` its packed copies at every row count (True); the runner itself reads them where they measured
 faster at load (None, the default); ``unplanned`` the model without the kernel's plan measured at load
-(``ModelSpec.small_gemm_plan`` off: packed copies at every row count, the built-in prefetch). Also the floor one step
+(``ModelSpec.small_gemm_plan`` off: packed copies at every row count, the built-in prefetch); ``sdpa`` the model
+with SDPA's attention in place of the C++ kernel (``ModelSpec.native_attention`` off). Also the floor one step
 cannot beat: the weight bytes over the read bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and
 writes a CSV.
 
@@ -132,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
     )
     # and without the plan measured at load: packed copies at every row count, the built-in prefetch
     unplanned_model = load_model(spec.model_copy(update={"small_gemm_plan": False})) if small else model
-    for m in (rowmajor_model, packed_model, unplanned_model):
+    # and with SDPA's attention instead of csrc/attention.cpp
+    sdpa_model = load_model(spec.model_copy(update={"native_attention": False}))
+    for m in (rowmajor_model, packed_model, unplanned_model, sdpa_model):
         nn.Module.eval(m)
     print(f"the kernel reads packed copies for: {own} (ModelSpec.small_gemm_packed={spec.small_gemm_packed})")
     plan = getattr(model.lm_head, "small_prefetch", None)
@@ -191,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         ("kpacked", lambda r: forward_of(packed_model, r)),
         ("unplanned_bare", lambda r: path_matmuls(in_order(unplanned_model), r)),
         ("unplanned", lambda r: forward_of(unplanned_model, r)),
+        ("sdpa", lambda r: forward_of(sdpa_model, r)),
     ]
     if packed:
         kinds.append(("packed", lambda r: runner(r, True)))
@@ -210,10 +214,10 @@ def run(args: argparse.Namespace) -> int:
         f"{'rows':>5} {'bare ms':>9} {'runner ms':>10} {'overhead':>9} {'runner/floor':>13} {'python ms':>10}"
         f" {'unpadded ms':>12} {'packed ms':>10} {'blas bare ms':>13} {'blas runner ms':>15}"
         f" {'rowmajor bare ms':>17} {'rowmajor runner ms':>19} {'kpacked bare ms':>16} {'kpacked runner ms':>18}"
-        f" {'unplanned bare ms':>18} {'unplanned runner ms':>20}"
+        f" {'unplanned bare ms':>18} {'unplanned runner ms':>20} {'sdpa runner ms':>15}"
     )
     for r in args.rows:
-        bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm, kp_bare, kp, up_bare, up = (
+        bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm, kp_bare, kp, up_bare, up, sdpa = (
             statistics.median(times[(k, r)]) * 1e3
             for k in (
                 "bare",
@@ -228,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
                 "kpacked",
                 "unplanned_bare",
                 "unplanned",
+                "sdpa",
             )
         )
         packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
@@ -255,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
                 "kpacked_runner_ms": kp,
                 "unplanned_bare_ms": up_bare,
                 "unplanned_runner_ms": up,
+                "sdpa_runner_ms": sdpa,
                 "floor_ms": floor_ms,
                 "dtype": str(model.dtype),
                 "cpu": cpu_summary(),
@@ -262,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
         )
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
         line += f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f} {blas_bare:>13.1f} {blas:>15.1f}"
-        print(line + f" {rm_bare:>17.1f} {rm:>19.1f} {kp_bare:>16.1f} {kp:>18.1f} {up_bare:>18.1f} {up:>20.1f}")
+        line += f" {rm_bare:>17.1f} {rm:>19.1f} {kp_bare:>16.1f} {kp:>18.1f} {up_bare:>18.1f} {up:>20.1f}"
+        print(line + f" {sdpa:>15.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     mode = "_batch" if args.batch else ""
     path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}{mode}.csv"
