@@ -36,7 +36,7 @@ from specserve.spec_decode.eagle_head import EagleHead
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
 SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp", SOURCE.parent / "attention.cpp")
-HEADERS = (SOURCE.parent / "small_gemm.h", SOURCE.parent / "attention.h")
+HEADERS = tuple(SOURCE.parent / name for name in ("small_gemm.h", "attention.h", "simd.h"))
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 EVERY_ROW = (1 << SMALL_GEMM_ROWS) - 1  # a row mask (llama.reads_copy): products of 1..64 rows read the copy
 # Row counts at which kernel_plan_for times the kernel's variants; a count's choice holds up to the next probe.

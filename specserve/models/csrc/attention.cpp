@@ -17,6 +17,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #define SPECSERVE_ATTENTION_X86 1
 #include <immintrin.h>
+
+#include "simd.h"
 #else
 #define SPECSERVE_ATTENTION_X86 0  // other CPUs keep SDPA (supported() is false)
 #endif
@@ -33,14 +35,6 @@ namespace {
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 
 #if SPECSERVE_ATTENTION_X86
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-  return _mm_cvtss_f32(s);
-}
-
 // exp(x) for 8 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), within
 // ~2 ulp of the true value over the softmax's range (x <= 0); -inf (a padding lane) gives 0.
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
@@ -106,7 +100,7 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, const floa
       _mm256_storeu_ps(s + i, e);
       sum8 = _mm256_add_ps(sum8, e);
     }
-    const float sum = hsum(sum8);
+    const float sum = specserve_simd::hsum256(sum8);
     __m256 acc[CH];
     for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {

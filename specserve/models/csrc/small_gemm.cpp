@@ -22,6 +22,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #define SPECSERVE_X86 1
 #include <immintrin.h>
+
+#include "simd.h"
 #else
 #define SPECSERVE_X86 0  // other CPUs keep BLAS (supported() is false)
 #endif
@@ -174,13 +176,7 @@ __attribute__((target("avx512f"))) void block512(const float* x, const W* w, flo
 }
 
 // ---- AVX2 + FMA: the same with 8 lanes (16 registers: blocks of 2 activation rows).
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
-  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-  return _mm_cvtss_f32(s);
-}
+using specserve_simd::hsum256;
 
 template <int NB, int MB, int PF, bool PACKED, typename W>
 __attribute__((target("avx2,fma"))) void block256(const float* x, const W* w, float* y, int64_t K, int64_t N,
