@@ -10,7 +10,7 @@ from specserve.config import ModelSpec
 from specserve.models.attention import attention
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
-from specserve.models.native_stack import NativeStackUnavailable, attach_native_attention, extension
+from specserve.models.native_stack import NativeStackUnavailable, attach_native_attention, build_stack, extension
 from specserve.models.tiny import tiny_config, tiny_model
 from tests.test_native_stack import STEPS, Step, both_paths
 
@@ -94,6 +94,21 @@ def test_both_layer_loops_run_the_kernel_bit_for_bit(step: Step) -> None:
     both_paths(model, step)
     for got, want in zip(step(model, model.new_cache(4, 64)), sdpa, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_fused_stack_runs_the_kernel_to_rounding() -> None:
+    """The serving stack (fused norms and RoPE) with the kernel against the Python loop with it: the loop's values to
+    float rounding (the fused norms are not bit for bit), on a ragged step, a tree verify and out-of-order slots."""
+    model = tiny_model(tiny_config("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2), seed=6)
+    assert attach_native_attention(model)
+    fused = build_stack(model, fused=True)
+    for step in STEPS:
+        outs = []
+        for stack in (None, fused):
+            model.native_stack = stack
+            outs.append(step(model, model.new_cache(4, 64)))
+        for got, want in zip(outs[1], outs[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_input_is_a_clear_error() -> None:

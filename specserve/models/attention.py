@@ -58,9 +58,10 @@ def attention(
 ) -> torch.Tensor:  # [N, H_q, D]
     if use_flash and batch.causal:
         return _flash_kvcache(q, k_cache, v_cache, batch)
-    if kernel is not None and q.dtype == torch.float32:
+    mask = batch.attn_mask
+    if kernel is not None and q.dtype == torch.float32 and (mask is None or mask.dtype == torch.bool):  # as in C++
         rows = (batch.write_slot, batch.write_pos, batch.write_from)
-        return kernel(q, k_cache, v_cache, *rows, batch.attn_mask, max(batch.num_new))
+        return kernel(q, k_cache, v_cache, *rows, mask, max(batch.num_new))
     n_tok, h_q, d = q.shape
     b_size, q_len = len(batch.num_new), max(batch.num_new)
     if b_size * q_len == n_tok:  # no padding (one sequence, or equal lengths): a view

@@ -3,8 +3,9 @@
 // mask, gathers the KV rows of non-consecutive slots into a copy every layer, and its flash kernel parallelises
 // over (sequence, head, query block): at batch 32 it took a quarter of a plain decode step on a 2-core EPYC
 // (docs/benchmarks.md, "Attention from C++"). Here every (token, KV head) is one task: its slot's keys are read in
-// place, once for the KV head's Hq / Hkv query heads (grouped-query attention without expanding K and V), over the
-// keys the mask lets it see and no others.
+// place for the KV head's Hq / Hkv query heads in turn (grouped-query attention without expanding K and V; the
+// second and later heads find them in cache), over the keys the mask lets it see and no others. Long prefills run
+// here too: the same work as SDPA's, unblocked.
 //
 // Batch-invariant by construction: a token's output is computed by the same instruction sequence whatever else is
 // in the batch (8-lane dot products over the head dim, a fixed lane reduction, the softmax's sums in key order), so
@@ -31,8 +32,6 @@
 namespace specserve_attention {
 
 namespace {
-
-constexpr int64_t kMaxGroup = 16;  // query heads per KV head
 
 #if SPECSERVE_ATTENTION_X86
 // exp(x) for 8 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), within
@@ -150,23 +149,24 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
   const int64_t n_tok = q_in.size(0), hq = q_in.size(1), d = q_in.size(2);
   const int64_t slots = k_cache.size(0), hkv = k_cache.size(1), len = k_cache.size(2);
   TORCH_CHECK(supported(d) && k_cache.size(3) == d, "attend: head dim ", d, " is not served here");
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && hq / hkv <= kMaxGroup, "attend: ", hq, " query heads over ", hkv, " KV heads");
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "attend: ", hq, " query heads over ", hkv, " KV heads");
   for (const at::Tensor* t : {&q_in, &k_cache, &v_cache}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "attend: float32 CPU tensors");
   }
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attend: contiguous caches");
   for (const at::Tensor* t : {&write_slot, &write_pos, &write_from}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == n_tok && t->is_contiguous(),
-                "attend: one long index per token");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == n_tok && t->is_contiguous() &&
+                    t->device().is_cpu(),
+                "attend: one long CPU index per token");
   }
   TORCH_CHECK(q_len >= 1, "attend: q_len >= 1");
   const at::Tensor q = q_in.contiguous();
   std::optional<at::Tensor> mask;
   int64_t keys_seen = 0;  // the mask's key count K
   if (mask_in.has_value() && mask_in->defined()) {
-    TORCH_CHECK(mask_in->scalar_type() == at::kBool && mask_in->dim() == 4 && mask_in->size(1) == 1 &&
-                    mask_in->size(2) == q_len && mask_in->size(3) <= len,
-                "attend: want a bool mask [B, 1, q_len, K <= L]");
+    TORCH_CHECK(mask_in->scalar_type() == at::kBool && mask_in->device().is_cpu() && mask_in->dim() == 4 &&
+                    mask_in->size(1) == 1 && mask_in->size(2) == q_len && mask_in->size(3) <= len,
+                "attend: want a bool CPU mask [B, 1, q_len, K <= L]");
     mask = mask_in->contiguous();
     keys_seen = mask->size(3);
   }
