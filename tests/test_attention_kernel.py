@@ -3,6 +3,10 @@ float rounding, the same bits whatever else is in the batch, in both layer loops
 
 from __future__ import annotations
 
+import argparse
+import csv
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -134,3 +138,17 @@ def test_the_switch_and_where_it_does_not_apply() -> None:
     assert ModelSpec().native_attention is True
     bf16 = tiny_model(tiny_config("llama", hidden_size=256), seed=2).to(torch.bfloat16)
     assert attach_native_attention(bf16) is False and bf16.attention_kernel is None
+
+
+def test_the_attention_benchmark_writes_a_row_per_shape(tmp_path: Path) -> None:
+    from specserve.bench.attention import add_args, run
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--batch-sizes", "1", "3", "--tokens", "1", "4", "--context", "16", "--repeats", "1"])
+    args.out = tmp_path
+    assert run(args) == 0
+    with (tmp_path / "attention.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["batch"], r["tokens"]) for r in rows] == [("1", "1"), ("1", "4"), ("3", "1"), ("3", "4")]
+    assert all(float(r["sdpa_us"]) > 0 and float(r["kernel_us"]) > 0 for r in rows)
