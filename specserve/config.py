@@ -104,6 +104,13 @@ class ModelSpec(BaseModel):
         "padded, gathered batch; where the CPU has AVX2 + FMA and the head dim is 64 or 128 (docs/benchmarks.md, "
         "'Attention from C++')",
     )
+    bounded_argmax: bool = Field(
+        default=True,
+        description="CPU float32: a greedy step of at most 8 rows takes its tokens from a bfloat16 copy of the LM "
+        "head (half the bytes) and recomputes in float32 only the tokens whose rounding bound reaches the best: the "
+        "full logits' argmax exactly, for ~56 MB more memory (specserve/models/lm_head.py; docs/benchmarks.md, "
+        "'Greedy tokens from a bfloat16 LM head')",
+    )
     revision: str | None = None
 
     @model_validator(mode="after")

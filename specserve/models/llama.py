@@ -316,6 +316,7 @@ class LlamaModel(nn.Module):
         self.native_stack: Any = None  # switch: the decoder layers from C++ (``native_stack.attach_native_stack``)
         # switch: float32 attention from C++ (``native_stack.attach_native_attention``), in both layer loops
         self.attention_kernel: AttendKernel | None = None
+        self.bounded_argmax: Any = None  # switch: greedy steps read a bf16 copy of the LM head (lm_head.py)
 
     @property
     def device(self) -> torch.device:

@@ -20,6 +20,7 @@ from specserve.models.llama import (
     attach_row_padding,
     quantize_int8_dynamic,
 )
+from specserve.models.lm_head import attach_bounded_argmax
 from specserve.models.native_stack import (
     attach_head_stack,
     attach_native_attention,
@@ -126,6 +127,8 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
         if spec.pad_rows:
             attach_row_padding(model)
     attach_mkl_packed(model, spec.mkl_packed_widths)
+    if small and spec.bounded_argmax:
+        attach_bounded_argmax(model)
     if spec.native_attention:
         attach_native_attention(model)
     if spec.native_stack and model.device.type == "cpu":

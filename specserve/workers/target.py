@@ -11,6 +11,7 @@ from specserve.messages import VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
+from specserve.models.lm_head import greedy_ids
 from specserve.policy import kld_exact, kld_nodes, kld_sparse
 from specserve.sampling import SamplingParams, keyed_sample, make_generator, process_logits
 from specserve.spec_decode.draft_tree import DraftTree, step_layout
@@ -71,14 +72,16 @@ class TargetWorker:
             num_logits=[t.num_nodes for t in trees],
             device=self.model.device,
         )
-        logits, features = self._forward(batch, items)
-        logits_per_seq = logits.split([t.num_nodes for t in trees])  # per sequence [T, V]
+        logits, greedy, features = self._forward(batch, items)
+        sizes = [t.num_nodes for t in trees]
+        logits_per_seq = [None] * len(items) if logits is None else logits.split(sizes)  # per sequence [T, V]
         offsets = [0, *itertools.accumulate(batch.num_new)]
         outputs = []
-        rows = zip(items, trees, slots, starts, draw_positions, logits_per_seq, strict=True)
-        for b, (it, tree, slot, start, draw_pos, lg) in enumerate(rows):
+        ids_per_seq = [None] * len(items) if greedy is None else greedy.split(sizes)  # per sequence [T]
+        rows = zip(items, trees, slots, starts, draw_positions, logits_per_seq, ids_per_seq, strict=True)
+        for b, (it, tree, slot, start, draw_pos, lg, ids) in enumerate(rows):
             with blame(it.seq_id):
-                outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, features, offsets[b]))
+                outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, ids, features, offsets[b]))
         return outputs
 
     def _verify_one(
@@ -88,21 +91,26 @@ class TargetWorker:
         slot: int,
         start: int,
         draw_positions: list[int],
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
+        greedy: torch.Tensor | None,
         features: torch.Tensor | None,
         offset: int,
     ) -> VerifyOutput:
-        """Sample-verify one sequence's draft from its logits [T, V], roll its KV back to the accepted path, and
-        read its KLD and features (``offset``: its first row in the batch's features)."""
+        """Sample-verify one sequence's draft from its logits [T, V] (None where every item of the step is greedy
+        and needs no KLD: only their argmaxes ``greedy`` [T] were computed), roll its KV back to the accepted path,
+        and read its KLD and features (``offset``: its first row in the batch's features)."""
         params = self.params[it.seq_id]
         gen = self.generators[it.seq_id]
-        vocab = logits.shape[-1]
-        if it.synthetic_accept is not None:
+        vocab = self.model.cfg.vocab_size
+        if params.greedy and it.synthetic_accept is None:  # the argmaxes (process_logits would make their one-hot rows)
+            assert greedy is not None
+            res = accept_tree(tree, greedy, vocab)
+        elif logits is None:
+            raise AssertionError("a sampled or synthetic item in a step verified by argmax only")
+        elif it.synthetic_accept is not None:
             tokens_h = [it.new_tokens[-1], *it.draft_tokens]
             p = process_logits(logits, params)
             res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
-        elif params.greedy:  # the argmaxes (process_logits would make their one-hot rows)
-            res = accept_tree(tree, logits.argmax(-1), vocab)
         elif it.q_idx is not None and it.q_prob is not None:
             p = process_logits(logits, params)
             res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
@@ -114,7 +122,7 @@ class TargetWorker:
             res = verify_tree(tree, process_logits(logits, params), gen)
         num_pending = len(it.new_tokens) - 1
         self._rollback(slot, start, num_pending, res.accepted_nodes)
-        kld = self._kld(it, logits, res.accepted_nodes) if it.draft_q is not None else []
+        kld = self._kld(it, logits, res.accepted_nodes) if it.draft_q is not None and logits is not None else []
         if it.synthetic_accept is not None and kld:
             kld = synthetic_kld(it.synthetic_accept, len(kld), gen)
         feats = None
@@ -123,15 +131,23 @@ class TargetWorker:
             feats = features[offset + torch.tensor(rows)]  # [n, F]
         return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens, kld, feats)
 
-    def _forward(self, batch: ForwardBatch, items: list[VerifyItem]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [R, V] of the batch's logit rows, and the hidden states [N, F] of every new token when an item
-        asked for features (one request kind per batch: the lane's draft head decides it)."""
+    def _forward(
+        self, batch: ForwardBatch, items: list[VerifyItem]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Logits [R, V] of the batch's logit rows (None where every item is greedy and sends no draft q for a
+        KLD: then only the argmaxes are computed, ``lm_head.greedy_ids``), their argmaxes [R] (None where no item is
+        greedy), and the hidden states
+        [N, F] of every new token when an item asked for features (one request kind per batch: the lane's draft
+        head decides it)."""
         want = next((it.features for it in items if it.features is not None), None)
-        if want is None:
-            return self.model(batch, self.cache), None
-        final, aux = self.model.hidden_states(batch, self.cache, want.aux_layers or ())
-        features = final if want.aux_layers is None else aux
-        return self.model.logits(final[batch.logit_rows]), features
+        final, aux = self.model.hidden_states(batch, self.cache, () if want is None else want.aux_layers or ())
+        features = None if want is None else final if want.aux_layers is None else aux
+        hidden = final[batch.logit_rows]
+        if all(self.params[it.seq_id].greedy and it.synthetic_accept is None and it.draft_q is None for it in items):
+            return None, greedy_ids(self.model, hidden), features
+        logits = self.model.logits(hidden)
+        greedy = any(self.params[it.seq_id].greedy for it in items)
+        return logits, logits.argmax(-1) if greedy else None, features
 
     def _rollback(self, slot: int, start: int, num_pending: int, accepted: list[int]) -> None:
         """Keep the pending tokens, the root and the accepted path; drop the rejected nodes' KV."""

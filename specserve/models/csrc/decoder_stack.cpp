@@ -407,6 +407,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("k", &specserve_small_gemm::Packed::k)
       .def_readonly("data", &specserve_small_gemm::Packed::data);
   m.def("small_pack", &specserve_small_gemm::pack, py::arg("weight"));
+  m.def("small_bounded_argmax", &specserve_small_gemm::bounded_argmax, py::arg("x"), py::arg("approx"),
+        py::arg("weight"), py::arg("row_norms"), py::arg("bound"));
   m.def("small_linear_packed", &specserve_small_gemm::linear_packed, py::arg("x"), py::arg("packed"),
         py::arg("bias") = py::none(), py::arg("prefetch") = py::none());
   m.def("small_linear_packed_isa", &specserve_small_gemm::linear_packed_isa, py::arg("x"), py::arg("packed"),

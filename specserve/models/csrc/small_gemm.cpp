@@ -29,6 +29,9 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
 #include <atomic>
 #include <bitset>
 #include <cstdlib>
@@ -245,13 +248,10 @@ BlockFn<W> pick_rows(bool wide, int64_t mb, Prefetch prefetch) {
   }
 }
 
-// bfloat16 weights are row-major only (a head's, attached unpacked).
 template <typename W>
 BlockFn<W> pick(bool wide, bool packed, bool full_block, int64_t mb, Prefetch prefetch) {
-  if constexpr (std::is_same_v<W, float>) {
-    if (packed) {
-      return full_block ? pick_rows<4, true, W>(wide, mb, prefetch) : pick_rows<1, true, W>(wide, mb, prefetch);
-    }
+  if (packed) {
+    return full_block ? pick_rows<4, true, W>(wide, mb, prefetch) : pick_rows<1, true, W>(wide, mb, prefetch);
   }
   return full_block ? pick_rows<4, false, W>(wide, mb, prefetch) : pick_rows<1, false, W>(wide, mb, prefetch);
 }
@@ -380,8 +380,9 @@ at::Tensor linear_bf16_isa(const at::Tensor& x, const at::Tensor& w, const std::
 // rounded up to 16 and zeros after K (a masked load of the last chunk reads the same zeros either way). Every
 // product is the same sequence of operations as over the row-major weight, so the same bits.
 Packed pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              "small_gemm: pack wants a float32 CPU weight [N, K]");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) &&
+                  w.device().is_cpu(),
+              "small_gemm: pack wants a float32 or bfloat16 CPU weight [N, K]");
   const int64_t N = w.size(0), K = w.size(1), kp = padded_k(K), blocks = N / kBlockRows;
   const at::Tensor padded = at::constant_pad_nd(w, {0, kp - K}).contiguous();
   const at::Tensor head = padded.narrow(0, 0, blocks * kBlockRows)
@@ -395,8 +396,12 @@ Packed pack(const at::Tensor& w) {
 at::Tensor linear_packed_with(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias, Isa use,
                               std::optional<Prefetch> pf = std::nullopt) {
   const int64_t kp = padded_k(w.k);
-  TORCH_CHECK(w.data.defined() && w.data.numel() == w.n * kp && w.data.scalar_type() == at::kFloat,
+  TORCH_CHECK(w.data.defined() && w.data.numel() == w.n * kp &&
+                  (w.data.scalar_type() == at::kFloat || w.data.scalar_type() == at::kBFloat16),
               "small_gemm: not a packed weight (small_pack)");
+  if (w.data.scalar_type() == at::kBFloat16) {
+    return run(x, reinterpret_cast<const bf16_t*>(w.data.data_ptr<at::BFloat16>()), true, w.n, w.k, bias, use, pf);
+  }
   return run(x, w.data.data_ptr<float>(), true, w.n, w.k, bias, use, pf);
 }
 
@@ -409,6 +414,62 @@ at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::option
 at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
                              const std::string& name) {
   return linear_packed_with(x, w, bias, named(name));
+}
+
+// ---- Greedy tokens through a bfloat16 copy (models/lm_head.py): for each row m of x, the first maximum of the
+// float32 product x[m] @ w^T, computed exactly only for the columns whose approximate value (over `approx`, the
+// bfloat16 copy packed) lies within bound * ||x[m]|| * row_norms[v] of the best lower bound. Each exact value is the
+// same block kernel over the same row as in the full product, so the same bits. ok = false (and no ids) where an
+// approximate value is not finite: the caller then takes the full product.
+std::tuple<at::Tensor, bool> bounded_argmax(const at::Tensor& x_in, const Packed& approx, const at::Tensor& w,
+                                            const at::Tensor& row_norms, double bound) {
+  TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
+  TORCH_CHECK(approx.data.defined() && approx.data.scalar_type() == at::kBFloat16, "bounded_argmax: a bf16 packed copy");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == approx.n &&
+                  w.size(1) == approx.k,
+              "bounded_argmax: the float32 weight [N, K] the copy was made from");
+  TORCH_CHECK(row_norms.scalar_type() == at::kFloat && row_norms.dim() == 1 && row_norms.size(0) == approx.n &&
+                  row_norms.is_contiguous(),
+              "bounded_argmax: one float32 norm per weight row");
+  const at::Tensor y = linear_packed(x_in, approx, std::nullopt, std::nullopt);  // [M, N] approximate
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), N = approx.n, K = approx.k;
+  const float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* np = row_norms.data_ptr<float>();
+  at::Tensor ids = at::empty({M}, at::kLong);
+  int64_t* out = ids.data_ptr<int64_t>();
+  const BlockFn<float> exact = pick<float>(isa() == Isa::avx512, false, false, 1, Prefetch::none);
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = xp + m * K;
+      const float* a = yp + m * N;
+      double sq = 0.0;
+      for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xr[k]) * xr[k];
+      const double slack = bound * std::sqrt(sq);
+      double low = -std::numeric_limits<double>::infinity();
+      for (int64_t v = 0; v < N; ++v) {
+        if (!std::isfinite(a[v])) {
+          finite = false;
+          return;
+        }
+        low = std::max(low, a[v] - slack * np[v]);
+      }
+      int64_t best = -1;
+      float best_val = 0.0f;
+      for (int64_t v = 0; v < N; ++v) {
+        if (a[v] + slack * np[v] < low) continue;
+        float val = 0.0f;
+        exact(xr, wp + v * K, &val, K, 1, K, 0, 0);  // row v's product: the full product's block sequence
+        if (best < 0 || val > best_val) best = v, best_val = val;
+      }
+      out[m] = best;
+    }
+  });
+  if (!finite) return {at::Tensor(), false};
+  return {ids, true};
 }
 
 }  // namespace specserve_small_gemm

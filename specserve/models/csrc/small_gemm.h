@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace specserve_small_gemm {
@@ -36,5 +37,8 @@ at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::option
                          std::optional<Prefetch> prefetch = std::nullopt);
 at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
                              const std::string& name);
+// Greedy tokens [M] of x @ w^T from the bfloat16 packed copy `approx` and exact recomputation (small_gemm.cpp).
+std::tuple<at::Tensor, bool> bounded_argmax(const at::Tensor& x, const Packed& approx, const at::Tensor& w,
+                                            const at::Tensor& row_norms, double bound);
 
 }  // namespace specserve_small_gemm

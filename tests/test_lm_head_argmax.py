@@ -1,0 +1,110 @@
+"""models/lm_head.py: greedy tokens from a bfloat16 copy of the LM head equal the full float32 logits' argmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.config import ModelSpec
+from specserve.models.lm_head import BF16_ROUNDING, attach_bounded_argmax, greedy_ids, rounding_bound
+from specserve.models.native_stack import NativeStackUnavailable, attach_small_gemm, extension
+from specserve.models.tiny import tiny_config, tiny_model
+
+try:
+    ext = extension()
+except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C++ compiler
+    pytest.skip(f"the C++ extension cannot be built here: {e}", allow_module_level=True)
+if not ext.small_gemm_supported():  # pragma: no cover - a CPU without AVX-512F or AVX2 + FMA
+    pytest.skip("the small-product kernel is not available on this CPU", allow_module_level=True)
+
+
+def bounded(weight: torch.Tensor) -> tuple[object, torch.Tensor, float]:
+    return (
+        ext.small_pack(weight.to(torch.bfloat16)),
+        (weight.double().norm(dim=1) * (1 + 2.0**-20)).float(),
+        rounding_bound(weight.shape[1]),
+    )
+
+
+def test_the_bound_holds_where_the_rounding_is_worst() -> None:
+    """Weights just under halfway between two bfloat16 values (each rounds by ~2^-8 of itself, all the same way)
+    against equal activations: Cauchy-Schwarz is tight and the error nearly reaches the bound, never past it."""
+    k = 576
+    w = torch.full((4, k), 1 + 2.0**-8 - 2.0**-20)  # bf16 step at 1 is 2^-7: these round down by ~2^-8
+    w[1] *= -1
+    w[2, ::2] = 3.0  # exact in bf16
+    x = torch.ones(3, k)
+    x[1] = 0.5
+    exact = ext.small_linear(x, w)
+    approx = ext.small_linear_bf16(x, w.to(torch.bfloat16))
+    bound = rounding_bound(k) * x.norm(dim=1)[:, None] * w.norm(dim=1)[None, :]
+    err = (approx - exact).abs()
+    assert (err <= bound).all()
+    assert (err[:, 0] >= 0.95 * bound[:, 0]).all()  # the worst case is reached: a looser bound would still pass,
+    assert rounding_bound(k) < 1.05 * BF16_ROUNDING  # a tighter one (say 2^-9) would fail the line above
+
+
+def test_near_ties_and_exact_ties_give_the_full_argmax() -> None:
+    """Rows a float32 ulp apart (the same in bfloat16), exact ties (the first one wins, as argmax), random rows."""
+    gen = torch.Generator().manual_seed(0)
+    v, k = 1001, 64
+    w = torch.randn(v, k, generator=gen) * 0.1
+    x = torch.randn(8, k, generator=gen)
+    best = ext.small_linear(x, w).argmax(-1)
+    for r in range(8):  # near-ties: copies of each row's winner nudged by one float32 ulp, either way
+        j = int(best[r])
+        for t, step in [(900 + r, 1.0), (950 + r, -1.0)]:
+            w[t] = w[j]
+            i = int(x[r].abs().argmax())
+            w[t, i] = torch.nextafter(w[j, i], torch.tensor(step * float(x[r, i].sign()) * float("inf")))
+    w[990] = w[int(best[0])]  # an exact tie of row 0's winner, later in the vocabulary
+    packed, norms, c = bounded(w)
+    full = ext.small_linear(x, w)
+    ids, ok = ext.small_bounded_argmax(x, packed, w, norms, c)
+    assert ok
+    assert torch.equal(ids, full.argmax(-1))
+    assert {int(i) for i in ids} & set(range(900, 958))  # the nudged-up copies won somewhere: near-ties were hit
+
+
+def test_an_overflowing_logit_hands_back_to_the_full_product() -> None:
+    w = torch.ones(16, 8)
+    w[3] = 3e38
+    packed, norms, c = bounded(w)
+    _, ok = ext.small_bounded_argmax(torch.full((1, 8), 10.0), packed, w, norms, c)
+    assert not ok
+
+
+def test_greedy_ids_on_a_model_with_and_without_the_switch() -> None:
+    model = tiny_model(tiny_config("llama", hidden_size=128, vocab_size=3000), seed=3)
+    model.requires_grad_(False)
+    hidden = torch.randn(12, 128, generator=torch.Generator().manual_seed(5))
+    assert attach_bounded_argmax(model) is False  # no kernel on its LM head yet
+    assert attach_small_gemm(model)
+    assert attach_bounded_argmax(model) is True
+    want = model.logits(hidden).argmax(-1)
+    for rows in (1, 3, 8, 12):  # 12: past ARGMAX_ROWS, the full logits
+        assert torch.equal(greedy_ids(model, hidden[:rows]), want[:rows])
+    nan = hidden[:2].clone()
+    nan[1, 0] = float("nan")
+    assert torch.equal(greedy_ids(model, nan), model.logits(nan).argmax(-1))
+    assert ModelSpec().bounded_argmax is True
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_tokens_equal_the_full_logits() -> None:
+    """SmolLM2's hidden states over random tokens: every position's token from the bounded copy equals the full
+    logits' argmax (the MT-bench greedy-equality tests run every pair with the switch on)."""
+    from specserve.models.batch import ForwardBatch
+    from specserve.models.loader import load_model
+
+    model = load_model(ModelSpec())
+    assert model.bounded_argmax is not None
+    cache = model.new_cache(1, 300)
+    slot = cache.allocate()
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.cfg.vocab_size, (40,), generator=gen)
+    with torch.inference_mode():
+        hidden = model.final_hidden(ForwardBatch.build(cache, [slot], [tokens]), cache)
+        for start in range(0, 40, 8):
+            rows = hidden[start : start + 8]
+            assert torch.equal(greedy_ids(model, rows), model.logits(rows).argmax(-1))
