@@ -95,6 +95,12 @@ def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) 
     # the EAGLE-1/2 head keeps smollm2-eagle1's 2048 ids; the EAGLE-3 head drafts over its own LM head
     assert pairs[1][2] == HeadSpec(head=str(tmp_path / "smollm2-eagle1"), draft_vocab=2048)
     assert pairs[2][2] == HeadSpec(head=str(tmp_path / "smollm2-eagle3"), draft_vocab=None)
+    both = draft_pairs(parser.parse_args(["--pairs", "smollm2-eagle", "--target-argmax", "bounded", "full"]))
+    assert [(label, t.bounded_argmax) for label, t, _ in both] == [
+        ("smollm2-eagle bounded argmax", True),
+        ("smollm2-eagle full argmax", False),
+    ]
+    assert both[0][1].model_copy(update={"bounded_argmax": False}) == both[1][1] and both[0][2] == both[1][2]
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnsupportedModelError, match=r"no model\.safetensors"):
         draft_pairs(parser.parse_args(["--heads", str(tmp_path / "empty")]))

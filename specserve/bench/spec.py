@@ -110,6 +110,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mkl-packed", type=int, nargs="*", default=[], help="targets with MKL-packed weights for these row counts"
     )
+    p.add_argument(
+        "--target-argmax",
+        nargs="+",
+        choices=["bounded", "full"],
+        default=None,
+        help="each target once per choice: greedy tokens from the bf16 LM-head copy or the full logits, to compare "
+        "(ModelSpec.bounded_argmax; default: the spec's)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_out/spec"))
 
 
@@ -359,6 +367,12 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
         target, head = MODEL_PAIRS[HEAD_PAIRS[checkpoint_kind(d)]]
         assert isinstance(head, HeadSpec)
         pairs.append((f"head {d.name}", target, head.model_copy(update={"head": str(d.resolve())})))
+    if args.target_argmax:
+        pairs = [
+            (f"{label} {how} argmax", t.model_copy(update={"bounded_argmax": how == "bounded"}), d)
+            for how in args.target_argmax
+            for label, t, d in pairs
+        ]
     return pairs
 
 
@@ -404,7 +418,8 @@ def run(args: argparse.Namespace) -> int:
     plain_of: list[int] = []  # index of each method's plain row (its greedy reference)
     for t_spec in target_specs:
         target = targets[t_spec]
-        t_label = "" if len(target_specs) == 1 else f" ({t_spec.dtype.value})"
+        argmax = " full argmax" if not t_spec.bounded_argmax else ""
+        t_label = "" if len(target_specs) == 1 else f" ({t_spec.dtype.value}{argmax})"
         plain_row = len(methods)
         methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))
         engines.append(first if plain_row == 0 else Engine(target, tok, max_batch_size=1))

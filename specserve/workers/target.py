@@ -44,8 +44,11 @@ class TargetWorker:
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         trees, slots, tokens, positions, masks, starts, draw_positions = [], [], [], [], [], [], []
-        for it in items:
+        greedy = [False] * len(items)  # per item: its tokens are the argmaxes of its logits (no KLD, not synthetic)
+        for i, it in enumerate(items):
             with blame(it.seq_id):
+                params = self.params[it.seq_id]
+                greedy[i] = params.greedy and it.synthetic_accept is None
                 slot = self.table.slot(it.seq_id)
                 tree = DraftTree(
                     tokens=torch.tensor([it.new_tokens[-1], *it.draft_tokens]),
@@ -72,12 +75,13 @@ class TargetWorker:
             num_logits=[t.num_nodes for t in trees],
             device=self.model.device,
         )
-        logits, greedy, features = self._forward(batch, items)
+        argmax_only = all(g and it.draft_q is None for g, it in zip(greedy, items, strict=True))
+        logits, ids, features = self._forward(batch, items, argmax_only=argmax_only, any_greedy=any(greedy))
         sizes = [t.num_nodes for t in trees]
         logits_per_seq = [None] * len(items) if logits is None else logits.split(sizes)  # per sequence [T, V]
         offsets = [0, *itertools.accumulate(batch.num_new)]
         outputs = []
-        ids_per_seq = [None] * len(items) if greedy is None else greedy.split(sizes)  # per sequence [T]
+        ids_per_seq = [None] * len(items) if ids is None else ids.split(sizes)  # per sequence [T]
         rows = zip(items, trees, slots, starts, draw_positions, logits_per_seq, ids_per_seq, strict=True)
         for b, (it, tree, slot, start, draw_pos, lg, ids) in enumerate(rows):
             with blame(it.seq_id):
@@ -132,22 +136,20 @@ class TargetWorker:
         return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens, kld, feats)
 
     def _forward(
-        self, batch: ForwardBatch, items: list[VerifyItem]
+        self, batch: ForwardBatch, items: list[VerifyItem], *, argmax_only: bool, any_greedy: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Logits [R, V] of the batch's logit rows (None where every item is greedy and sends no draft q for a
-        KLD: then only the argmaxes are computed, ``lm_head.greedy_ids``), their argmaxes [R] (None where no item is
-        greedy), and the hidden states
-        [N, F] of every new token when an item asked for features (one request kind per batch: the lane's draft
-        head decides it)."""
+        """Logits [R, V] of the batch's logit rows (None with ``argmax_only``: every item greedy and sending no
+        draft q for a KLD, so only the argmaxes are computed, ``lm_head.greedy_ids``), their argmaxes [R] (None
+        where no item is greedy), and the hidden states [N, F] of every new token when an item asked for features
+        (one request kind per batch: the lane's draft head decides it)."""
         want = next((it.features for it in items if it.features is not None), None)
         final, aux = self.model.hidden_states(batch, self.cache, () if want is None else want.aux_layers or ())
         features = None if want is None else final if want.aux_layers is None else aux
         hidden = final[batch.logit_rows]
-        if all(self.params[it.seq_id].greedy and it.synthetic_accept is None and it.draft_q is None for it in items):
+        if argmax_only:
             return None, greedy_ids(self.model, hidden), features
         logits = self.model.logits(hidden)
-        greedy = any(self.params[it.seq_id].greedy for it in items)
-        return logits, logits.argmax(-1) if greedy else None, features
+        return logits, logits.argmax(-1) if any_greedy else None, features
 
     def _rollback(self, slot: int, start: int, num_pending: int, accepted: list[int]) -> None:
         """Keep the pending tokens, the root and the accepted path; drop the rejected nodes' KV."""
