@@ -108,3 +108,36 @@ def test_real_model_greedy_tokens_equal_the_full_logits() -> None:
         for start in range(0, 40, 8):
             rows = hidden[start : start + 8]
             assert torch.equal(greedy_ids(model, rows), model.logits(rows).argmax(-1))
+
+
+def test_the_target_worker_decodes_greedy_steps_without_full_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain greedy steps and a drafted chain through the worker: with the copy attached the full logits are never
+    computed (model.logits would raise), and the tokens equal those of the same model without the switch."""
+    from specserve.messages import VerifyItem
+    from specserve.sampling import SamplingParams
+    from specserve.workers import TargetWorker
+
+    cfg = tiny_config("llama", hidden_size=128, vocab_size=3000)
+    fast, full = tiny_model(cfg, seed=4), tiny_model(cfg, seed=4)
+    for m in (fast, full):
+        m.requires_grad_(False)
+        assert attach_small_gemm(m)
+    assert attach_bounded_argmax(fast)
+
+    def no_logits(hidden: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a greedy step computed the full logits")
+
+    monkeypatch.setattr(fast, "logits", no_logits)
+    tokens: dict[str, list[int]] = {}
+    for name, m in (("fast", fast), ("full", full)):
+        worker = TargetWorker(m, num_slots=1, max_len=64)
+        worker.add(0, SamplingParams(temperature=0.0, max_tokens=32))
+        seq = [5, 17, 29, 4]
+        out = worker.verify([VerifyItem(0, seq)])[0]
+        seq += out.tokens
+        for _ in range(6):
+            out = worker.verify([VerifyItem(0, [seq[-1]])])[0]
+            seq += out.tokens
+        out = worker.verify([VerifyItem(0, [seq[-1]], draft_tokens=[7, 8, 9], draft_parents=[0, 1, 2])])[0]
+        tokens[name] = seq + out.tokens
+    assert tokens["fast"] == tokens["full"]
