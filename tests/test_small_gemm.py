@@ -88,15 +88,19 @@ def test_the_packed_layout_gives_the_row_major_bits(isa: str, k: int, n: int) ->
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("k", "n"), SHAPES)
 def test_bf16_weights_give_the_bits_of_their_float32_values(isa: str, k: int, n: int) -> None:
-    """A bfloat16 weight is widened lane by lane to the float32 it holds: every product equals the kernel's over the
-    float32 copy bit for bit (ragged K: the tail chunk too), at every row count, with and without a bias."""
+    """A bfloat16 weight, row-major or packed, is widened lane by lane to the float32 it holds: every product equals
+    the kernel's over the float32 copy bit for bit (ragged K: the tail chunk too), at every row count, with and
+    without a bias."""
     gen = torch.Generator().manual_seed(11 * n + k)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     b, x = torch.randn(n, generator=gen), torch.randn(64, k, generator=gen)
+    packed = extension().small_pack(w)
+    assert packed.data.dtype == torch.bfloat16 and (packed.n, packed.k) == (n, k)
     for rows in (1, 2, 3, 5, 6, 7, 8, 13, 33, 64):
         for bias in (b, None):
             want = extension().small_linear_isa(x[:rows], w.float(), bias, isa)
             assert torch.equal(extension().small_linear_bf16_isa(x[:rows], w, bias, isa), want)
+            assert torch.equal(extension().small_linear_packed_isa(x[:rows], packed, bias, isa), want)  # packed bf16
 
 
 def test_bf16_reads_only_where_bf16_holds_the_weight_exactly() -> None:
@@ -117,7 +121,7 @@ def test_bf16_reads_only_where_bf16_holds_the_weight_exactly() -> None:
     want = linear(head.fc, x), linear(head.layer.qkv, a), linear(head.layer.o_proj, h), head.logits(h)
     assert attach_small_gemm(head, bf16_reads=True)
     for mod in (head.fc, head.layer.qkv, head.layer.down):
-        assert mod.small_packed.dtype == torch.bfloat16 and mod.small_copy_gemm == extension().small_linear_bf16
+        assert mod.small_packed.data.dtype == torch.bfloat16 and mod.small_copy_gemm == extension().small_linear_packed
     assert head.layer.o_proj.small_packed is None  # not bf16-exact: read as float32
     got = linear(head.fc, x), linear(head.layer.qkv, a), linear(head.layer.o_proj, h), head.logits(h)
     for g, w in zip(got, want, strict=True):
@@ -506,9 +510,9 @@ def test_the_shipped_head_follows_its_targets_switch() -> None:
         head = load_draft(head_spec, target)
         assert (head.small_gemm is not None) == small
         assert (getattr(head.fc, "small_gemm", None) is not None) == small
-        if small:  # shipped in bf16: every linear read from a bf16 copy (HeadSpec.bf16_reads)
+        if small:  # shipped in bf16: every linear read from a packed bf16 copy (HeadSpec.bf16_reads)
             lins = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
-            assert lins and all(m.small_packed.dtype == torch.bfloat16 for m in lins)
+            assert lins and all(m.small_packed.data.dtype == torch.bfloat16 for m in lins)
     target = load_model(target_spec)
     head = load_draft(head_spec.model_copy(update={"bf16_reads": False}), target)
     assert head.fc.small_gemm is not None and head.fc.small_packed is None

@@ -107,10 +107,8 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     proj.pad_from, proj.pad_width = getattr(mod, "pad_from", 0), PAD_WIDTH
     proj.small_rows = getattr(mod, "small_rows", 0) if getattr(mod, "small_gemm", None) is not None else 0
     proj.small_prefetch = list(getattr(mod, "small_prefetch", ()))  # the kernel's plan (kernel_plan_for)
-    own = getattr(mod, "small_packed", None)  # the kernel's own copy: packed float32, or bf16 (a draft head's)
-    if isinstance(own, torch.Tensor):
-        proj.small_bf16 = own
-    elif own is not None:
+    own = getattr(mod, "small_packed", None)  # the kernel's own packed copy: float32, or bf16 (a draft head's)
+    if own is not None:
         proj.small_packed, proj.small_packed_rows = own, getattr(mod, "small_copy_rows", 0)
     return proj
 
@@ -155,8 +153,8 @@ def attach_small_gemm(
     only): the kernel reads a copy of each weight in its packed layout (blocks of 4 rows as one sequential stream;
     the same products bit for bit, one more copy of the weights in memory; ``ModelSpec.small_gemm_packed``).
     ``bf16_reads`` (frozen weights, e.g. a loaded draft head): a weight whose every value bfloat16 holds exactly (a
-    head shipped in bf16, computed in float32) is read from a bfloat16 copy, each element widened to the same float32
-    in a register: the same products bit for bit from half the bytes (``HeadSpec.bf16_reads``).
+    head shipped in bf16, computed in float32) is read from a bfloat16 copy in the packed layout, each element widened
+    to the same float32 in a register: the same products bit for bit from half the bytes (``HeadSpec.bf16_reads``).
     False (nothing attached, a logged reason) where
     the extension cannot be built, the CPU has no AVX-512F / AVX2 + FMA, or nothing is float32 on the CPU. On a
     LlamaModel call it before ``attach_native_stack`` (a switch drops an attached stack)."""
@@ -181,7 +179,7 @@ def attach_small_gemm(
         if packed and isinstance(mod, nn.Linear):
             own, mod.small_copy_gemm = ext.small_pack(mod.weight.detach()), ext.small_linear_packed
         elif bf16_reads and isinstance(mod, nn.Linear) and bf16_exact(mod.weight):
-            own, mod.small_copy_gemm = mod.weight.detach().to(torch.bfloat16), ext.small_linear_bf16
+            own, mod.small_copy_gemm = ext.small_pack(mod.weight.detach().to(torch.bfloat16)), ext.small_linear_packed
         mod.small_rows, mod.small_packed = rows, own  # type: ignore[assignment]
         mod.small_copy_rows = EVERY_ROW if own is not None else 0  # type: ignore[assignment]
     if isinstance(model, LlamaModel):

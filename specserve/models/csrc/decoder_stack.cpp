@@ -49,7 +49,6 @@ struct Proj {
   std::optional<specserve_small_gemm::Packed> small_packed;  // the weight in its packed layout, where attached
   uint64_t small_packed_rows = 0;  // products of r rows read small_packed where bit r - 1 is set (measured at load)
   std::vector<specserve_small_gemm::Prefetch> small_prefetch;  // [r - 1]: the prefetch for r rows (measured at load)
-  std::optional<Tensor> small_bf16;  // a bf16 copy of a bf16-exact weight (a draft head's): the same products
   bool q4 = false;
   Tensor packed, scales_and_zeros;
   std::optional<Tensor> dense;   // bf16 copy for products of at least dense_from rows
@@ -71,7 +70,6 @@ struct Proj {
         weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
       std::optional<specserve_small_gemm::Prefetch> pf;
       if (static_cast<int64_t>(small_prefetch.size()) >= rows) pf = small_prefetch[rows - 1];
-      if (small_bf16.has_value()) return specserve_small_gemm::linear_bf16(x, *small_bf16, bias, pf);
       return small_packed.has_value() && (small_packed_rows >> (rows - 1) & 1)
                  ? specserve_small_gemm::linear_packed(x, *small_packed, bias, pf)
                  : specserve_small_gemm::linear(x, weight, bias, pf);
@@ -372,7 +370,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("small_rows", &Proj::small_rows)
       .def_readwrite("small_packed", &Proj::small_packed)
       .def_readwrite("small_packed_rows", &Proj::small_packed_rows)
-      .def_readwrite("small_bf16", &Proj::small_bf16)
       .def_readwrite("small_prefetch", &Proj::small_prefetch)
       .def_readwrite("q4", &Proj::q4)
       .def_readwrite("packed", &Proj::packed)
