@@ -46,11 +46,12 @@ class BoundedArgmax:
 
 
 def attach_bounded_argmax(model: LlamaModel) -> bool:
-    """Switch on (``ModelSpec.bounded_argmax``): where the small-product kernel computes the float32 LM head."""
+    """Switch on (``ModelSpec.bounded_argmax``): where the small-product kernel computes the float32 LM head (no
+    bias, as Llama's)."""
     from specserve.models.native_stack import extension
 
     head = model.lm_head
-    if getattr(head, "small_gemm", None) is None or head.weight.dtype != torch.float32:
+    if getattr(head, "small_gemm", None) is None or head.weight.dtype != torch.float32 or head.bias is not None:
         return False
     w = head.weight.detach()
     model.bounded_argmax = BoundedArgmax(

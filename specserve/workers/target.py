@@ -83,9 +83,9 @@ class TargetWorker:
         outputs = []
         ids_per_seq = [None] * len(items) if ids is None else ids.split(sizes)  # per sequence [T]
         rows = zip(items, trees, slots, starts, draw_positions, logits_per_seq, ids_per_seq, strict=True)
-        for b, (it, tree, slot, start, draw_pos, lg, ids) in enumerate(rows):
+        for b, (it, tree, slot, start, draw_pos, lg, top) in enumerate(rows):
             with blame(it.seq_id):
-                outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, ids, features, offsets[b]))
+                outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, top, features, offsets[b]))
         return outputs
 
     def _verify_one(
