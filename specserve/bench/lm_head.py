@@ -1,0 +1,96 @@
+"""`specserve bench lm-head`: a greedy step's LM head, the full float32 logits and their argmax against the bounded
+argmax over the bfloat16 copy (``ModelSpec.bounded_argmax``, specserve/models/lm_head.py).
+
+For each row count it times both on the same hidden states (the target's final-norm states over random tokens),
+interleaved repeat by repeat, each call after a ``--evict-mb`` read that pushes the LM head out of cache as a decode
+step's layers do; checks that both give the same tokens; prints the medians and writes a CSV.
+
+    .venv/bin/specserve bench lm-head --rows 1 2 4 6 8 10 --out bench_out/lm_head
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from specserve.bench.machine import cpu_summary
+from specserve.bench.stats import markdown_table, write_csv
+from specserve.config import DEFAULT_PAIR, MODEL_PAIRS
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.lm_head import ARGMAX_ROWS, attach_bounded_argmax, greedy_ids
+from specserve.models.loader import load_model
+from specserve.models.native_stack import attach_small_gemm
+from specserve.timing import timed
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", default=DEFAULT_PAIR, choices=sorted(MODEL_PAIRS), help="whose target's LM head")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--evict-mb", type=int, default=256, help="read this much memory before each call (0: warm)")
+    p.add_argument("--tiny", action="store_true", help="a small random model instead (tests)")
+    p.add_argument("--out", type=Path, default=Path("bench_out/lm_head"))
+
+
+def _model(args: argparse.Namespace) -> LlamaModel:
+    if args.tiny:
+        from specserve.models.tiny import tiny_config, tiny_model
+
+        model = tiny_model(tiny_config("llama", hidden_size=128, vocab_size=4096), seed=0)
+        model.requires_grad_(False)
+        attach_small_gemm(model)
+        attach_bounded_argmax(model)
+        return model
+    return load_model(MODEL_PAIRS[args.pair][0])
+
+
+def _full_argmax(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+    return model.logits(hidden).argmax(-1)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = _model(args)
+    if model.bounded_argmax is None:
+        print("the bounded argmax is not attached here (no small-product kernel, or not float32)")
+        return 1
+    if max(args.rows) > ARGMAX_ROWS:
+        print(f"note: past {ARGMAX_ROWS} rows greedy_ids computes the full logits (both columns the same path)")
+    print(cpu_summary())
+    cache = model.new_cache(1, max(args.rows) + 1)
+    slot = cache.allocate()
+    tokens = torch.randint(0, model.cfg.vocab_size, (max(args.rows),), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        hidden_all = model.final_hidden(ForwardBatch.build(cache, [slot], [tokens]), cache)
+    junk = torch.ones(max(1, args.evict_mb) << 18)  # float32: 4 bytes each
+
+    def cold(fn: Callable[[], object]) -> float:
+        if args.evict_mb:
+            junk.sum()
+        return timed(model.device, fn)
+
+    rows = []
+    with torch.inference_mode():
+        for r in args.rows:
+            hidden = hidden_all[:r].contiguous()
+            full_ids = model.logits(hidden).argmax(-1)
+            if not torch.equal(greedy_ids(model, hidden), full_ids):
+                raise AssertionError(f"{r} rows: the bounded argmax differs from the full logits' argmax")
+            times: dict[str, list[float]] = {"full": [], "bounded": []}
+            fns = {"full": partial(_full_argmax, model, hidden), "bounded": partial(greedy_ids, model, hidden)}
+            for _ in range(args.repeats):  # interleaved: machine noise hits both alike
+                for name, fn in fns.items():
+                    times[name].append(cold(fn))
+            full, bounded = (statistics.median(times[k]) * 1e3 for k in ("full", "bounded"))
+            rows.append({"rows": r, "full_ms": full, "bounded_ms": bounded, "full_over_bounded": full / bounded,
+                         "cpu": cpu_summary()})  # fmt: skip
+    print(markdown_table(rows, ["rows", "full_ms", "bounded_ms", "full_over_bounded"]))
+    path = args.out / "lm_head.csv"
+    write_csv(path, rows)
+    print(f"wrote {path}")
+    return 0
