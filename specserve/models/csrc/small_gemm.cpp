@@ -419,8 +419,8 @@ at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::op
 // ---- Greedy tokens through a bfloat16 copy (models/lm_head.py): for each row m of x, the first maximum of the
 // float32 product x[m] @ w^T, computed exactly only for the columns whose approximate value (over `approx`, the
 // bfloat16 copy packed) lies within bound * ||x[m]|| * row_norms[v] of the best lower bound. Each exact value is the
-// same block kernel over the same row as in the full product, so the same bits. ok = false (and no ids) where an
-// approximate value is not finite: the caller then takes the full product.
+// same block kernel over the same row as in the full product, so the same bits. ok = false (and no ids) where a row
+// of x or an approximate value is not finite: the caller then takes the full product.
 std::tuple<at::Tensor, bool> bounded_argmax(const at::Tensor& x_in, const Packed& approx, const at::Tensor& w,
                                             const at::Tensor& row_norms, double bound) {
   TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
@@ -448,6 +448,10 @@ std::tuple<at::Tensor, bool> bounded_argmax(const at::Tensor& x_in, const Packed
       const float* a = yp + m * N;
       double sq = 0.0;
       for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xr[k]) * xr[k];
+      if (!std::isfinite(sq)) {  // a NaN or infinite state: the full logits decide, as without the copy
+        finite = false;
+        return;
+      }
       const double slack = bound * std::sqrt(sq);
       double low = -std::numeric_limits<double>::infinity();
       for (int64_t v = 0; v < N; ++v) {
