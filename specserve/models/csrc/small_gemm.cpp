@@ -178,7 +178,7 @@ __attribute__((target("avx512f"))) void block512(const float* x, const W* w, flo
     for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + i] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-// ---- AVX2 + FMA: the same with 8 lanes (16 registers: blocks of 2 activation rows).
+// ---- AVX2 + FMA: the same with 8 lanes (16 registers: blocks of up to 3 activation rows).
 using specserve_simd::hsum256;
 
 template <int NB, int MB, int PF, bool PACKED, typename W>
@@ -190,29 +190,30 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const W* w, fl
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
   const W* wr[NB];  // each row's current 16-element chunk (two 8-lane halves)
   for (int i = 0; i < NB; ++i) wr[i] = w + i * L::row(K);
+  // The MB activation chunks stay in registers and each weight chunk is loaded once and used MB times: with NB = 4,
+  // MB = 3 that is 12 accumulators + 3 + 1 = all 16 ymm registers, and 12 independent FMA chains hide the FMA
+  // latency (8 chains, MB = 2, leave a Zen 3 core's two FMA pipes idle part of the time).
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     const int64_t half = k & 15;
-    __m256 wv[NB];
+    __m256 xv[MB];
+    for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(x + (m0 + j) * ldx + k);
     for (int i = 0; i < NB; ++i) {
       if (half == 0) prefetch_next<NB, PACKED, PF>(wr[i], K);
-      wv[i] = load8(wr[i] + half);
+      const __m256 wv = load8(wr[i] + half);
       if (half == 8) wr[i] += L::chunk;
-    }
-    for (int j = 0; j < MB; ++j) {
-      const __m256 xv = _mm256_loadu_ps(x + (m0 + j) * ldx + k);
-      for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+      for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
     }
   }
   if (k < K) {
     alignas(32) int32_t lanes[8];
     for (int l = 0; l < 8; ++l) lanes[l] = (k + l < K) ? -1 : 0;
     const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-    __m256 wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = load8_tail(wr[i] + (k & 15), mask, K - k);
-    for (int j = 0; j < MB; ++j) {
-      const __m256 xv = _mm256_maskload_ps(x + (m0 + j) * ldx + k, mask);
-      for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+    __m256 xv[MB];
+    for (int j = 0; j < MB; ++j) xv[j] = _mm256_maskload_ps(x + (m0 + j) * ldx + k, mask);
+    for (int i = 0; i < NB; ++i) {
+      const __m256 wv = load8_tail(wr[i] + (k & 15), mask, K - k);
+      for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < NB; ++i)
@@ -234,7 +235,11 @@ BlockFn<W> pick512(int64_t mb) {
 
 template <int NB, int PF, bool PACKED, typename W>
 BlockFn<W> pick256(int64_t mb) {
-  return mb == 1 ? &block256<NB, 1, PF, PACKED, W> : &block256<NB, 2, PF, PACKED, W>;
+  switch (mb) {
+    case 1: return &block256<NB, 1, PF, PACKED, W>;
+    case 2: return &block256<NB, 2, PF, PACKED, W>;
+    default: return &block256<NB, 3, PF, PACKED, W>;
+  }
 }
 
 template <int NB, bool PACKED, typename W>
@@ -275,6 +280,14 @@ std::vector<std::string> isas() {
   return out;
 }
 
+// Activation rows for the next call out of `rest`: MB, except where that would leave one row alone (a block of one
+// activation row has NB FMA chains, too few to hide the FMA latency): 4 rows run as 2 + 2 on AVX2, 7 as 3 + 2 + 2.
+// Which rows share a call changes no bit (each y[m, n] is its own chain).
+int64_t rows_at(int64_t MB, int64_t rest) {
+  if (rest <= MB) return rest;
+  return rest - MB == 1 && MB > 1 ? MB - 1 : MB;
+}
+
 // Weight rows per block (both paths and the packed layout); the N % 4 last rows run blocks of one.
 constexpr int64_t kBlockRows = 4;
 
@@ -293,14 +306,16 @@ at::Tensor run(const at::Tensor& x_in, const W* wp, bool packed, int64_t N, int6
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool wide = use == Isa::avx512;
-  const int64_t MB = wide ? 6 : 2;  // accumulators: 24 of 32 zmm registers, 8 of 16 ymm
+  // accumulators: 24 of 32 zmm registers, 12 of 16 ymm (2 rows, 8 chains, measured 4-9% slower for 6-8 rows on a
+  // 2-core Zen 3 EPYC: docs/benchmarks.md, "Three activation rows per AVX2 block")
+  const int64_t MB = wide ? 6 : 3;
   const Prefetch prefetch = pf.value_or(by_default(M));
   const int64_t blocks = N / kBlockRows;
   // Both kernels are chosen once per call from (chunk rows); each y[m, n] then follows one fixed sequence.
   auto run_rows = [&](int64_t n0, int64_t n1, int64_t nb_rows) {
     for (int64_t n = n0; n < n1; n += nb_rows) {
-      for (int64_t m0 = 0; m0 < M; m0 += MB) {
-        const int64_t mb = std::min(MB, M - m0);
+      for (int64_t m0 = 0, mb = 0; m0 < M; m0 += mb) {
+        mb = rows_at(MB, M - m0);
         pick<W>(wide, packed, nb_rows == kBlockRows, mb, prefetch)(xp, wp + n * kp, yp, K, N, K, n, m0);
       }
     }
