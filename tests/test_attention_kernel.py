@@ -53,7 +53,9 @@ def kernel_and_sdpa(cache: KVCache, batch: ForwardBatch, q: torch.Tensor) -> tup
     return attention(q, k, v, batch, use_flash=False, kernel=ext.attend), attention(q, k, v, batch, use_flash=False)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 128), (4, 4, 64), (8, 2, 64), (10, 1, 64)]
+)
 def test_the_kernel_gives_sdpas_values(heads: int, kv_heads: int, head_dim: int) -> None:
     """Ragged causal steps over non-consecutive, out-of-order slots (SDPA gathers and pads them), a tree verify beside
     a decode step, and one sequence's chain alone (SDPA's unmasked causal path)."""

@@ -54,37 +54,75 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), _mm256_setzero_ps(), pad);
 }
 
-// One token and one KV head: the G query heads q [G, D] over the n keys listed in `keys` (cache rows of k, v [L, D];
-// the list padded to a multiple of 8 with repeats of a listed key); scores [G, n rounded up to 8] scratch; out
-// [G, D]. CH = D / 8 lanes of 8. Each key's score is the same sum in the same order wherever it falls in a group.
-template <int CH>
-__attribute__((target("avx2,fma"))) void attend_group(const float* q, const float* k, const float* v,
-                                                      const int32_t* keys, int64_t n, int64_t G, float scale,
-                                                      float* scores, float* out) {
+// Scores of GS query heads (q: head g's row at q + g * D) against four keys k0..k3 [D]: GS x 4 independent sums (12
+// chains for GS = 3, enough to keep both FMA pipes busy; each key chunk is loaded once for all GS heads), each
+// reduced as (0+1)+(2+3) and (4+5)+(6+7), then the halves added, and scaled into s + g * stride.
+template <int CH, int GS>
+__attribute__((target("avx2,fma"))) inline void scores4(const float* q, const float* k0, const float* k1,
+                                                        const float* k2, const float* k3, float scale, float* s,
+                                                        int64_t stride) {
+  constexpr int64_t D = CH * 8;
+  __m256 a[GS][4];
+  for (int g = 0; g < GS; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
+  for (int c = 0; c < CH; ++c) {
+    __m256 qv[GS];
+    for (int g = 0; g < GS; ++g) qv[g] = _mm256_loadu_ps(q + g * D + 8 * c);
+    const float* keys[4] = {k0, k1, k2, k3};
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(keys[j] + 8 * c);
+      for (int g = 0; g < GS; ++g) a[g][j] = _mm256_fmadd_ps(qv[g], kv, a[g][j]);
+    }
+  }
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int g = 0; g < GS; ++g) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(s + g * stride, _mm_mul_ps(sums, scale4));
+  }
+}
+
+// out[g] (unnormalised, lanes 8 * c0 .. 8 * (c0 + 4) of each head) = sum over the n keys of p[g][i] * v[key i], for
+// GS heads: each value chunk loaded once for all GS heads, 4 x GS chains in key order.
+template <int CH, int GS>
+__attribute__((target("avx2,fma"))) inline void weighted_values4(const float* p, int64_t stride, const float* v,
+                                                                 const int32_t* keys, int64_t n, int c0,
+                                                                 const float* inv, float* out) {
+  constexpr int64_t D = CH * 8;
+  __m256 acc[GS][4];
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* vr = v + static_cast<int64_t>(keys[i]) * D + 8 * c0;
+    __m256 pv[GS];
+    for (int g = 0; g < GS; ++g) pv[g] = _mm256_broadcast_ss(p + g * stride + i);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 vv = _mm256_loadu_ps(vr + 8 * c);
+      for (int g = 0; g < GS; ++g) acc[g][c] = _mm256_fmadd_ps(pv[g], vv, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GS; ++g) {
+    const __m256 scale = _mm256_set1_ps(inv[g]);
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + g * D + 8 * (c0 + c), _mm256_mul_ps(acc[g][c], scale));
+  }
+}
+
+// GS query heads q [GS, D] of one token over the n keys listed in `keys` (padded to a multiple of 8 with repeats of a
+// listed key); scores [GS, padded] scratch; out [GS, D].
+template <int CH, int GS>
+__attribute__((target("avx2,fma"))) void attend_heads(const float* q, const float* k, const float* v,
+                                                      const int32_t* keys, int64_t n, float scale, float* scores,
+                                                      float* out) {
   constexpr int64_t D = CH * 8;
   const int64_t padded = (n + 7) / 8 * 8;
-  const __m128 scale4 = _mm_set1_ps(scale);
-  for (int64_t g = 0; g < G; ++g) {
-    const float* qg = q + g * D;
+  for (int64_t i = 0; i < padded; i += 4) {
+    scores4<CH, GS>(q, k + static_cast<int64_t>(keys[i]) * D, k + static_cast<int64_t>(keys[i + 1]) * D,
+                    k + static_cast<int64_t>(keys[i + 2]) * D, k + static_cast<int64_t>(keys[i + 3]) * D, scale,
+                    scores + i, padded);
+  }
+  float inv[GS];
+  for (int g = 0; g < GS; ++g) {
     float* s = scores + g * padded;
-    for (int64_t i = 0; i < padded; i += 4) {  // four keys at a time: four independent sums
-      const float* k0 = k + static_cast<int64_t>(keys[i]) * D;
-      const float* k1 = k + static_cast<int64_t>(keys[i + 1]) * D;
-      const float* k2 = k + static_cast<int64_t>(keys[i + 2]) * D;
-      const float* k3 = k + static_cast<int64_t>(keys[i + 3]) * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      for (int c = 0; c < CH; ++c) {
-        const __m256 qv = _mm256_loadu_ps(qg + 8 * c);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 8 * c), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + 8 * c), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + 8 * c), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + 8 * c), a3);
-      }
-      // lanes (0+1)+(2+3) and (4+5)+(6+7) of each sum, then the halves added: the same order for all four
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      _mm_storeu_ps(s + i, _mm_mul_ps(sums, scale4));
-    }
     for (int64_t i = n; i < padded; ++i) s[i] = -std::numeric_limits<float>::infinity();
     __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t i = 0; i < padded; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + i));
@@ -99,16 +137,27 @@ __attribute__((target("avx2,fma"))) void attend_group(const float* q, const floa
       _mm256_storeu_ps(s + i, e);
       sum8 = _mm256_add_ps(sum8, e);
     }
-    const float sum = specserve_simd::hsum256(sum8);
-    __m256 acc[CH];
-    for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const __m256 p = _mm256_set1_ps(s[i]);
-      const float* vr = v + static_cast<int64_t>(keys[i]) * D;
-      for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (int c = 0; c < CH; ++c) _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(acc[c], inv));
+    inv[g] = 1.0f / specserve_simd::hsum256(sum8);
+  }
+  for (int c0 = 0; c0 < CH; c0 += 4) weighted_values4<CH, GS>(scores, padded, v, keys, n, c0, inv, out);
+}
+
+// One token and one KV head: its G query heads q [G, D] in groups of up to 3 (12 accumulators of 16 registers).
+// Each score and each output lane is the same chain of operations whatever heads share its group, so a token's
+// output does not depend on the grouping, nor on the other tokens of the batch.
+template <int CH>
+__attribute__((target("avx2,fma"))) void attend_group(const float* q, const float* k, const float* v,
+                                                      const int32_t* keys, int64_t n, int64_t G, float scale,
+                                                      float* scores, float* out) {
+  constexpr int64_t D = CH * 8;
+  const int64_t padded = (n + 7) / 8 * 8;
+  for (int64_t g = 0; g < G;) {
+    const int64_t gs = std::min<int64_t>(3, G - g);
+    float* s = scores + g * padded;
+    if (gs == 3) attend_heads<CH, 3>(q + g * D, k, v, keys, n, scale, s, out + g * D);
+    else if (gs == 2) attend_heads<CH, 2>(q + g * D, k, v, keys, n, scale, s, out + g * D);
+    else attend_heads<CH, 1>(q + g * D, k, v, keys, n, scale, s, out + g * D);
+    g += gs;
   }
 }
 #endif
