@@ -82,8 +82,8 @@ __attribute__((target("avx2,fma"))) inline void scores4(const float* q, const fl
   }
 }
 
-// out[g] (unnormalised, lanes 8 * c0 .. 8 * (c0 + 4) of each head) = sum over the n keys of p[g][i] * v[key i], for
-// GS heads: each value chunk loaded once for all GS heads, 4 x GS chains in key order.
+// Lanes 8 * c0 .. 8 * (c0 + 4) of out[g] = inv[g] * (sum over the n keys of p[g][i] * v[key i]) for GS heads (CH a
+// multiple of 4): each value chunk loaded once for all GS heads, 4 x GS chains in key order.
 template <int CH, int GS>
 __attribute__((target("avx2,fma"))) inline void weighted_values4(const float* p, int64_t stride, const float* v,
                                                                  const int32_t* keys, int64_t n, int c0,
