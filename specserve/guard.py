@@ -19,7 +19,7 @@ the tokens the target decoded alone while the guard kept plain steps) is not mea
 costs several of its steps, a cost of switching, not the rate speculation runs at. A try of speculation is
 therefore that switch step and one measured step, and its cost is bounded: after a try that confirms plain
 decoding, the next one waits until the plain steps in between took 1 / ``explore_cost`` times what the try cost
-(the switch step, plus the measured step's time beyond plain decoding's for the tokens it emitted: a 4-bit draft
+(the time of the switch step and of the measured step beyond plain decoding's for the tokens they emitted: a 4-bit draft
 model catching up 16 sequences costs ~10-35 plain steps, an EAGLE head's catch-up and 2.4x-slower step at batch
 16 ~7, which a try every 20 steps would pay again and again).
 
@@ -200,9 +200,13 @@ class ThroughputGuard:
         """One step. ``caught_up_tokens`` > 0: a catch-up, the draft first re-read that many tokens it had missed."""
         b = bucket(batch_size)
         if speculative and caught_up_tokens > 0:  # the draft re-reading what it missed: not speculation's rate
-            # (module docstring); its cost beyond what a measured speculative step of the bucket takes (before the
-            # first, a plain one: the catch-up that begins speculation's warm-up)
-            self.switch_s[b] = self.catch_up_s[b] = seconds
+            # (module docstring). As a try's switch it costs its time beyond plain decoding's for the tokens it
+            # emitted (the whole step while plain decoding is unmeasured); for the catch-up rate, its time beyond
+            # what a measured speculative step of the bucket takes (before the first, a plain one: the catch-up
+            # that begins speculation's warm-up)
+            plain_known = self.work.get((b, False), (0.0, 0.0))[0] > 0
+            switch = self._excess_over_plain(b, (tokens / batch_size, seconds)) if plain_known else seconds
+            self.switch_s[b] = self.catch_up_s[b] = switch
             base = self.work.get((b, True)) or self.work.get((b, False)) or (0.0, 0.0)
             new = (float(caught_up_tokens), max(0.0, seconds - base[1]))
             tok, sec = self.catch_up_work or new

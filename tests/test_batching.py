@@ -309,6 +309,32 @@ def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
         ThroughputGuard(explore_cost=0.0)
 
 
+def test_a_switch_step_costs_its_time_beyond_plain_decoding_for_what_it_emitted() -> None:
+    # plain steps 0.125 s for 40 tokens (5 a sequence); the switch step (a catch-up) takes 1 s, and the measured step
+    # after it 1 s for 10 tokens (0.96875 s beyond plain decoding). A switch step that emits nothing costs its second;
+    # one that emits 320 tokens (what plain decoding emits in 1 s, as an EAGLE head's catch-up step at batch 1 emits
+    # its accepted tokens) costs nothing, so the tries come as often as their measured steps' cost allows
+    def switches(switch_tokens: int) -> tuple[list[int], float]:
+        guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=1.0)
+        out, prev = [], False
+        for i in range(30):
+            s = guard.speculate(8)
+            switch = s and not prev
+            if switch:
+                out.append(i)
+            tokens = switch_tokens if switch else 10 if s else 40
+            guard.record(8, s, tokens=tokens, seconds=1.0 if s else 0.125, caught_up_tokens=MISSED if switch else 0)
+            prev = s
+        return out, guard.switch_s[8]
+
+    # nothing emitted: after the warm-up (steps 0-2) the first try waits 1 / 0.125 = 8 steps (next at step count 9,
+    # i = 10); that try cost 1 + 0.96875 s, 16 plain steps, so the next comes at step count 25 (i = 27)
+    assert switches(0) == ([1, 10, 27], 1.0 + 0.96875)
+    # 320 tokens: the warm-up's switch costs nothing (next at step count max(5, 2) - 1 = 4, i = 5); that try costs
+    # 0.96875 s, 8 plain steps, fewer than the doubled interval of 10 (next at step count 14, i = 16)
+    assert switches(320) == ([1, 5, 16], 0.96875)
+
+
 def test_throughput_guard_decides_on_the_mean_of_its_warmup_steps() -> None:
     # plain decoding runs at 40 tok/s and speculation at 20, but the very first plain step was slow (a page
     # fault): judged on one step per mode the guard would speculate; on the mean of three it keeps plain
