@@ -204,8 +204,7 @@ class ThroughputGuard:
             # emitted (the whole step while plain decoding is unmeasured); for the catch-up rate, its time beyond
             # what a measured speculative step of the bucket takes (before the first, a plain one: the catch-up
             # that begins speculation's warm-up)
-            plain_known = self.work.get((b, False), (0.0, 0.0))[0] > 0
-            switch = self._excess_over_plain(b, (tokens / batch_size, seconds)) if plain_known else seconds
+            switch = self._excess_over_plain(b, (tokens / batch_size, seconds), unmeasured=seconds)
             self.switch_s[b] = self.catch_up_s[b] = switch
             base = self.work.get((b, True)) or self.work.get((b, False)) or (0.0, 0.0)
             new = (float(caught_up_tokens), max(0.0, seconds - base[1]))
@@ -260,11 +259,12 @@ class ThroughputGuard:
         start against its ~12-token mean)."""
         return max(self.token_smoothing, 1.0 / n)
 
-    def _excess_over_plain(self, b: int, step: tuple[float, float]) -> float:
-        """Seconds a (tokens per sequence, seconds) step took beyond plain decoding's average for those tokens."""
+    def _excess_over_plain(self, b: int, step: tuple[float, float], *, unmeasured: float = 0.0) -> float:
+        """Seconds a (tokens per sequence, seconds) step took beyond plain decoding's average for those tokens
+        (``unmeasured`` while plain decoding has no average in the bucket)."""
         plain_tok, plain_s = self.work.get((b, False), (0.0, 0.0))
         if plain_tok <= 0:
-            return 0.0
+            return unmeasured
         return max(0.0, step[1] - step[0] / plain_tok * plain_s)
 
     def _amortising_steps(self, b: int) -> int:
