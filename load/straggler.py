@@ -87,6 +87,7 @@ class StudyConfig(BaseModel):
     budget: int = Field(default=16, ge=2)
     beam_width: int = Field(default=4, ge=1)
     ddd_check_steps: tuple[int, ...] | None = Field(default=None, description="DDD's check steps (None: the paper's)")
+    ddd_threshold: float | None = Field(default=None, le=0.0, description="DDD's threshold x (None: the paper's)")
     max_step_tokens: int = Field(default=0, ge=0, description="cap on tokens verified per step (0 = off)")
     guard: bool = Field(default=False, description="the engine's throughput guard (speculate only where it pays)")
     warm_guard: bool = Field(
@@ -126,6 +127,7 @@ class StudyConfig(BaseModel):
             beam_width=self.beam_width,
             budget=self.budget,
             ddd_check_steps=self.ddd_check_steps,
+            ddd_threshold=self.ddd_threshold,
         )
         shared: dict[str, object] = {
             "drafter": self.drafter,
@@ -567,6 +569,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
         default=None,
         help="DDD's check steps, comma-separated (default: the paper's 5,7,9)",
     )
+    p.add_argument("--ddd-x", dest="ddd_threshold", type=float, default=None, help="DDD's threshold x (default -0.3)")
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
     p.add_argument("--guard", action="store_true", help="the engine's throughput guard")
     p.add_argument("--warm-guard", action="store_true", help="with --guard: one guard per policy across its runs")

@@ -411,12 +411,13 @@ def default_pair(device: str) -> str:
 # behind the throughput guard, which keeps plain decoding at batch sizes where speculation measures slower.
 # `deployments/app.yaml` states the same values (a test checks it) and `specserve generate` uses them.
 SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde)
-# Pairs whose fastest lossless mode measured here is another: the SmolLM2 EAGLE-3 head's trees pay for 2 levels,
-# not for the 5 that DDD's paper check steps draft (docs/benchmarks.md, "Tree shape"; `specserve generate`). Prompt
-# lookup in front of it is faster at batch 1-4 but lost 3-8% at batch 32 under the guard, so it is not the default
-# (docs/benchmarks.md, "Prompt lookup in front of the EAGLE head").
+# Pairs whose fastest lossless mode measured here is another: the SmolLM2 EAGLE-3 head's trees pay for a second
+# level only where the head is sure of its first (its root's top-10 mass above e^-0.03 = 97%), not for the 5 levels
+# DDD's paper check steps draft (docs/benchmarks.md, "Tree shape" and "DDD's first check at the root's forward";
+# `specserve generate`). Prompt lookup in front of it is faster at batch 1-4 but lost 3-8% at batch 32 under the
+# guard, so it is not the default (docs/benchmarks.md, "Prompt lookup in front of the EAGLE head").
 PAIR_SPECULATION: dict[str, SpecConfig] = {
-    "smollm2-eagle": SpecConfig(method=SpecMethod.ddd, budget=8, ddd_check_steps=(2, 3, 4)),
+    "smollm2-eagle": SpecConfig(method=SpecMethod.ddd, budget=6, ddd_check_steps=(1, 2, 3), ddd_threshold=-0.03),
 }
 
 

@@ -9,7 +9,7 @@ import torch
 
 from specserve.config import SpecConfig, SpecMethod
 from specserve.spec_decode.draft_state import DraftState
-from specserve.spec_decode.eagle2 import TreeBuilder, beam_mass, ddd_should_stop, grow_trees
+from specserve.spec_decode.eagle2 import TreeBuilder, beam_mass, ddd_should_stop, grow_trees, tree_proposal
 
 
 def logq_rows(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:
@@ -66,21 +66,23 @@ def _states(specs: list[SpecConfig], depth: int) -> list[DraftState]:
     ]
 
 
-def _run_trees(states: list[DraftState], peaked: list[bool], vocab: int = 50) -> int:
-    """grow_trees over a fake draft: a peaked sequence's q puts 0.999 on one token (H stays near 0), the others'
-    q is uniform (H drops by log(1/V) a level)."""
+def _logits(peaked: bool, rows: int, vocab: int = 50) -> torch.Tensor:
+    """A fake draft's logits: peaked puts ~all mass on one token (H stays near 0), else uniform (H drops by
+    log(1/V) a level)."""
+    if not peaked:
+        return torch.zeros(rows, vocab)
+    out = torch.full((rows, vocab), -20.0)
+    out[:, 7] = 0.0
+    return out
 
-    def logits_for(i: int, rows: int) -> torch.Tensor:
-        if not peaked[i]:
-            return torch.zeros(rows, vocab)
-        out = torch.full((rows, vocab), -20.0)
-        out[:, 7] = 0.0
-        return out
+
+def _run_trees(states: list[DraftState], peaked: list[bool]) -> int:
+    """grow_trees over a fake draft, sequence i peaked or uniform as ``peaked[i]``."""
 
     def forward(sts, tokens, *, num_logits=None, positions=None, masks=None, parent_rows=None):  # type: ignore[no-untyped-def]
-        return [logits_for(s.item.seq_id, len(t)) for s, t in zip(sts, tokens, strict=True)]
+        return [_logits(peaked[s.item.seq_id], len(t)) for s, t in zip(sts, tokens, strict=True)]
 
-    return grow_trees([(s, logits_for(s.item.seq_id, 1)) for s in states], forward, torch.device("cpu"))
+    return grow_trees([(s, _logits(peaked[s.item.seq_id], 1)) for s in states], forward, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("steps", [(), (0, 3), (5, 3), (3, 3)])
@@ -106,6 +108,25 @@ def test_ddd_check_step_counting_switch() -> None:
     assert [s.depth for s in states] == [3, 4]
     eagle2 = _states([SpecConfig(method=SpecMethod.eagle2, beam_width=2, budget=20, tree_depth=8)], depth=6)
     assert _run_trees(eagle2, peaked=[False]) == 0 and eagle2[0].depth == 6  # EAGLE-2: the budget, no H reads
+
+
+def test_a_check_at_the_roots_forward_stops_unsure_trees_before_any_level_forward() -> None:
+    """Check step 1 reads H_1, the mass of the root's top-w children, after the catch-up forward alone: a flat root
+    (top-2 of 50 uniform tokens: H_1 = log(2/50)) keeps a depth-1 tree and the worker forwards no level for it; a
+    sure one (H_1 ~ 0) goes on to the next check."""
+    spec = SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=6, ddd_check_steps=(1, 2), ddd_threshold=-0.03)
+    states = _states([spec, spec], depth=5)
+    forwarded: list[list[int]] = []
+
+    def forward(sts, tokens, *, num_logits=None, positions=None, masks=None, parent_rows=None):  # type: ignore[no-untyped-def]
+        forwarded.append([s.item.seq_id for s in sts])
+        return [_logits(s.item.seq_id == 1, len(t)) for s, t in zip(sts, tokens, strict=True)]
+
+    reads = grow_trees([(s, _logits(s.item.seq_id == 1, 1)) for s in states], forward, torch.device("cpu"))
+    assert [s.depth for s in states] == [1, 5]  # the sure tree's H stays above x at check 2 and runs to its budget
+    assert forwarded == [[1]] * 4  # the unsure tree never reached a level forward
+    assert reads == 1 + 2
+    assert [p.depth for p in (tree_proposal(s)[0] for s in states)] == [1, 5]
 
 
 def test_levels_below_the_budget_cannot_enter_the_tree():

@@ -60,14 +60,25 @@ CAP_LABELS = {drafting: (cap.label, nocap.label) for drafting, (cap, nocap) in C
 
 
 def policy_specs(
-    *, static_sl: int = 4, beam_width: int = 4, budget: int = 16, ddd_check_steps: tuple[int, ...] | None = None
+    *,
+    static_sl: int = 4,
+    beam_width: int = 4,
+    budget: int = 16,
+    ddd_check_steps: tuple[int, ...] | None = None,
+    ddd_threshold: float | None = None,
 ) -> dict[PolicyName, SpecConfig]:
     """Every policy's speculation settings. Chains keep ``chain_draft = sampled`` (greedy requests draft greedily
-    anyway); trees use beam width ``beam_width``, verify budget ``budget`` and DDD's check steps (None: the
-    paper's)."""
+    anyway); trees use beam width ``beam_width``, verify budget ``budget`` and DDD's check steps and threshold x
+    (None: the paper's)."""
     dsde, no_cap = SLPolicyKind.dsde, DSDEConfig(cap_enabled=False)
-    checks = SpecConfig().ddd_check_steps if ddd_check_steps is None else ddd_check_steps
-    ddd = SpecConfig(method=SpecMethod.ddd, beam_width=beam_width, budget=budget, ddd_check_steps=checks)
+    paper = SpecConfig()
+    ddd = SpecConfig(
+        method=SpecMethod.ddd,
+        beam_width=beam_width,
+        budget=budget,
+        ddd_check_steps=paper.ddd_check_steps if ddd_check_steps is None else ddd_check_steps,
+        ddd_threshold=paper.ddd_threshold if ddd_threshold is None else ddd_threshold,
+    )
     return {
         PolicyName.plain: SpecConfig(method=SpecMethod.none),
         PolicyName.static: SpecConfig(method=SpecMethod.chain, sl=static_sl),
