@@ -76,10 +76,13 @@ def _logits(peaked: bool, rows: int, vocab: int = 50) -> torch.Tensor:
     return out
 
 
-def _run_trees(states: list[DraftState], peaked: list[bool]) -> int:
-    """grow_trees over a fake draft, sequence i peaked or uniform as ``peaked[i]``."""
+def _run_trees(states: list[DraftState], peaked: list[bool], forwarded: list[list[int]] | None = None) -> int:
+    """grow_trees over a fake draft, sequence i peaked or uniform as ``peaked[i]``; ``forwarded`` collects the
+    sequences of each level forward."""
 
     def forward(sts, tokens, *, num_logits=None, positions=None, masks=None, parent_rows=None):  # type: ignore[no-untyped-def]
+        if forwarded is not None:
+            forwarded.append([s.item.seq_id for s in sts])
         return [_logits(peaked[s.item.seq_id], len(t)) for s, t in zip(sts, tokens, strict=True)]
 
     return grow_trees([(s, _logits(peaked[s.item.seq_id], 1)) for s in states], forward, torch.device("cpu"))
@@ -117,12 +120,7 @@ def test_a_check_at_the_roots_forward_stops_unsure_trees_before_any_level_forwar
     spec = SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=6, ddd_check_steps=(1, 2), ddd_threshold=-0.03)
     states = _states([spec, spec], depth=5)
     forwarded: list[list[int]] = []
-
-    def forward(sts, tokens, *, num_logits=None, positions=None, masks=None, parent_rows=None):  # type: ignore[no-untyped-def]
-        forwarded.append([s.item.seq_id for s in sts])
-        return [_logits(s.item.seq_id == 1, len(t)) for s, t in zip(sts, tokens, strict=True)]
-
-    reads = grow_trees([(s, _logits(s.item.seq_id == 1, 1)) for s in states], forward, torch.device("cpu"))
+    reads = _run_trees(states, peaked=[False, True], forwarded=forwarded)
     assert [s.depth for s in states] == [1, 5]  # the sure tree's H stays above x at check 2 and runs to its budget
     assert forwarded == [[1]] * 4  # the unsure tree never reached a level forward
     assert reads == 1 + 2
