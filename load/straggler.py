@@ -569,7 +569,10 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
         default=None,
         help="DDD's check steps, comma-separated (default: the paper's 5,7,9)",
     )
-    p.add_argument("--ddd-x", dest="ddd_threshold", type=float, default=None, help="DDD's threshold x (default -0.3)")
+    paper_x = SpecConfig.model_fields["ddd_threshold"].default
+    p.add_argument(
+        "--ddd-x", dest="ddd_threshold", type=float, default=None, help=f"DDD's threshold x (default {paper_x})"
+    )
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
     p.add_argument("--guard", action="store_true", help="the engine's throughput guard")
     p.add_argument("--warm-guard", action="store_true", help="with --guard: one guard per policy across its runs")
