@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from load.client import StreamStats, check_loopback, parse_sse_line
 from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
 from specserve.bench.batch_sweep import run_one
+from specserve.bench.machine import device_summary
 from specserve.bench.policies import CAP_LABELS, STUDY_POLICIES, PolicyName, check_steps_arg, policy_specs
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import (
@@ -47,7 +48,7 @@ from specserve.bench.stats import (
     plot_workloads,
     write_csv,
 )
-from specserve.config import MODEL_PAIRS, Drafter, SpecConfig, SpecMethod
+from specserve.config import MODEL_PAIRS, Drafter, DType, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.guard import ThroughputGuard
 from specserve.heap import freeze_loaded_objects
@@ -98,6 +99,8 @@ class StudyConfig(BaseModel):
     freeze_gc: bool = Field(default=True, description="after loading, as serving does (specserve/heap.py)")
     seed: int = 0
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (None: torch's default)")
+    device: str = Field(default="cpu", description="where the models run, e.g. cuda")
+    dtype: DType | None = Field(default=None, description="every model's dtype (None: the pair's)")
     out: Path = Path("bench_out/straggler")
     http_max_prompt_chars: int | None = Field(default=None, ge=1, description="HTTP mode: truncate prompt text")
     url: str | None = None  # HTTP mode: a deployment's base URL (loopback only unless SPECSERVE_ALLOW_REMOTE=1)
@@ -154,19 +157,24 @@ def load_models(cfg: StudyConfig) -> Models:
     if cfg.pair == TINY_PAIR:
         from specserve.models.tiny import noisy_copy, tiny_model
 
+        dtype = None if cfg.dtype is None else cfg.dtype.torch
         target = tiny_model(seed=cfg.seed)
+        draft = noisy_copy(target, cfg.tiny_noise, seed=cfg.seed + 1)
         vocab = target.cfg.vocab_size
         return Models(
-            target,
-            noisy_copy(target, cfg.tiny_noise, seed=cfg.seed + 1),
+            target.to(cfg.device, dtype),
+            draft.to(cfg.device, dtype),
             None,
             lambda text: [TINY_BYTE_OFFSET + b % (vocab - TINY_BYTE_OFFSET) for b in text.encode()],
         )
     from specserve.models.loader import load_draft, load_model, load_tokenizer
 
     target_spec, draft_spec = MODEL_PAIRS[cfg.pair]
-    target = load_model(target_spec)
-    draft = load_draft(draft_spec, target)
+    if cfg.dtype is not None:
+        target_spec = target_spec.model_copy(update={"dtype": cfg.dtype})
+        draft_spec = draft_spec.model_copy(update={"dtype": cfg.dtype})
+    target = load_model(target_spec, device=cfg.device)
+    draft = load_draft(draft_spec, target, device=cfg.device)
     tok = load_tokenizer(target_spec)
     encoder = Engine(target, tok, max_batch_size=1)
     return Models(target, draft, tok, lambda text: encoder.encode(text, chat=True))
@@ -514,6 +522,7 @@ def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Seque
         f"{cfg.min_tokens}-{cfg.max_tokens} output tokens (EOS ignored), all requests submitted at t = 0."
         + (f" Throughput guard on, {_guard_state(cfg)}." if cfg.guard else "")
         + ("" if cfg.freeze_gc else " Garbage collector not frozen after loading.")
+        + f" {device_summary(cfg.device)}."
     )
     lines = [
         "# Straggler study (in-process engine)",
@@ -581,6 +590,8 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared machine)")
+    p.add_argument("--device", default=d.device, help="where the models run, e.g. cuda")
+    p.add_argument("--dtype", default=None, choices=[x.value for x in DType], help="every model's dtype")
     p.add_argument("--out", type=Path, default=d.out)
     p.add_argument("--url", default=None, help="also sweep a deployment over HTTP, e.g. http://127.0.0.1:8000")
     p.add_argument("--http-only", action="store_true", help="skip the in-process engine sweep")

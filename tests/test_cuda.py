@@ -3,8 +3,9 @@
     .venv/bin/pytest -q tests/test_cuda.py
 
 workers on CUDA, plain and speculative greedy equality, the engine-level chi-square of sampled outputs, DDD tree
-drafting, flash-attn chain verification, KV sizing from free memory, loading straight to the device, and the
-Serve app with ``num_gpus``. Tiny random models (specserve/models/tiny.py) keep it to a minute or two.
+drafting, EAGLE heads (EAGLE-1/2 and EAGLE-3) drafting on the device, flash-attn chain verification, KV sizing from
+free memory, loading straight to the device, and the Serve app with ``num_gpus``. Tiny random models
+(specserve/models/tiny.py) keep it to a minute or two.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.config import ChainDraft, ModelSpec, SpecConfig, SpecMethod
+from specserve.config import PAIR_SPECULATION, ChainDraft, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import KVCapacityError
 from specserve.limits import device_kv_slots
@@ -25,9 +26,11 @@ from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_model_dir
 from specserve.models.tiny import hf_state_dict, noisy_copy, tiny_model
 from specserve.sampling import SamplingParams
-from specserve.workers import DraftWorker, TargetWorker
+from specserve.spec_decode.eagle_head import HeadKind
+from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
 from tests.conftest import greedy_reference
 from tests.ports import serve_app
+from tests.test_head_drafter import random_head
 from tests.test_speculative import METHODS as SPECULATIVE_METHODS
 from tests.test_speculative import PROMPTS
 
@@ -96,6 +99,30 @@ def test_ddd_trees_stop_by_their_mass_and_stay_lossless(target: LlamaModel) -> N
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(target, prompt, 12)
         assert out.stats.drafted > 0
+
+
+HEAD_METHODS = {
+    "chain": METHODS["chain-greedy"],
+    "eagle2": METHODS["eagle2"],
+    "ddd": METHODS["ddd"],
+    "ddd-dsde": METHODS["ddd"].model_copy(update={"policy": SLPolicyKind.dsde}),
+    "shipped-default": PAIR_SPECULATION["smollm2-eagle"],  # a check at the root's forward, shallow trees
+}
+
+
+@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
+@pytest.mark.parametrize("name", list(HEAD_METHODS))
+def test_eagle_heads_draft_on_the_device_and_stay_greedy_equal(target: LlamaModel, kind: HeadKind, name: str) -> None:
+    """The head's weights, its KV cache and the target's features it drafts from all on CUDA; every method lossless."""
+    head = random_head(target, kind).to(CUDA)
+    assert {p.device.type for p in head.parameters()} == {"cuda"} and head.draft_ids.device.type == "cuda"
+    engine = Engine(target, None, draft=head, speculation=HEAD_METHODS[name], max_batch_size=3, eos_token_ids=set())
+    worker = engine.loop.draft
+    assert isinstance(worker, HeadDraftWorker) and worker.cache.k[0].device.type == "cuda"
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=16))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 16)
+    assert all(o.stats.drafted > 0 for o in outs)
 
 
 @pytest.mark.parametrize("name", ["chain-keyed", "chain-sampled", "tree"])

@@ -17,3 +17,12 @@ def cpu_summary() -> str:
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2/AVX-512 flags seen"
     cores = os.cpu_count()
     return f"{model}, {cores} cores, {isa}, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def device_summary(device: str | torch.device) -> str:
+    """The CPU summary, led by the accelerator's name and CUDA version where ``device`` is one."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"CPU: {cpu_summary()}"
+    name = torch.cuda.get_device_name(dev)
+    return f"GPU: {name}, CUDA {torch.version.cuda}; host CPU: {cpu_summary()}"

@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from specserve.bench.machine import cpu_summary
+from specserve.bench.machine import device_summary
 from specserve.bench.policies import check_steps_arg
 from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
@@ -31,6 +31,7 @@ from specserve.config import (
     ChainDraft,
     Drafter,
     DraftSpec,
+    DType,
     HeadSpec,
     ModelSpec,
     SLPolicyKind,
@@ -117,6 +118,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="each target once per choice: greedy tokens from the bf16 LM-head copy or the full logits, to compare "
         "(ModelSpec.bounded_argmax; default: the spec's)",
+    )
+    p.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: cpu)")
+    p.add_argument(
+        "--dtype", choices=[d.value for d in DType], default=None, help="every model's dtype (default: the pair's)"
     )
     p.add_argument("--out", type=Path, default=Path("bench_out/spec"))
 
@@ -367,6 +372,9 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
         target, head = MODEL_PAIRS[HEAD_PAIRS[checkpoint_kind(d)]]
         assert isinstance(head, HeadSpec)
         pairs.append((f"head {d.name}", target, head.model_copy(update={"head": str(d.resolve())})))
+    if args.dtype:
+        retype = {"dtype": DType(args.dtype)}
+        pairs = [(label, t.model_copy(update=retype), d.model_copy(update=retype)) for label, t, d in pairs]
     if args.target_argmax:
         pairs = [
             (f"{label} {how} argmax", t.model_copy(update={"bounded_argmax": how == "bounded"}), d)
@@ -401,13 +409,15 @@ def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict
 
 def run(args: argparse.Namespace) -> int:
     """Every target of ``--pairs`` gets its own plain row (its greedy reference); ratios are to the first plain."""
+    if args.assisted and torch.device(args.device).type != "cpu":
+        raise ValueError("--assisted (transformers assisted generation) runs on the CPU only")
     pairs = draft_pairs(args)
     target_specs: list[ModelSpec] = []
     for _, t_spec, _ in pairs:
         if t_spec not in target_specs:
             target_specs.append(t_spec)
     packed = {"mkl_packed_widths": tuple(args.mkl_packed)}
-    targets = {t: load_model(t.model_copy(update=packed)) for t in target_specs}
+    targets = {t: load_model(t.model_copy(update=packed), device=args.device) for t in target_specs}
     tok = load_tokenizer(target_specs[0])
     first = Engine(targets[target_specs[0]], tok, max_batch_size=1)
     bench = _prompt_set(args.prompts, args.per_category)[: args.num_prompts]
@@ -426,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
         plain_of.append(plain_row)
         for pair, _, spec in (p for p in pairs if p[1] == t_spec):
             for label, d_spec in draft_variants(args, pair, spec).items():
-                draft = load_draft(d_spec, target)
+                draft = load_draft(d_spec, target, device=args.device)
                 for method in methods_for(args, label, target, draft, prompts):
                     methods.append(method)
                     engines.append(
@@ -493,6 +503,6 @@ def run(args: argparse.Namespace) -> int:
     source = " + ".join(args.prompts)
     passes = f" x {args.passes} passes" if args.passes > 1 else ""
     print(f"\n{len(prompts)} prompts from {source}{passes} x {args.max_tokens} new tokens, batch 1, greedy")
-    print(f"CPU: {cpu_summary()}")
+    print(device_summary(args.device))
     print(markdown_table(rows))
     return 0
