@@ -159,11 +159,11 @@ def load_models(cfg: StudyConfig) -> Models:
 
         dtype = None if cfg.dtype is None else cfg.dtype.torch
         target = tiny_model(seed=cfg.seed)
-        draft = noisy_copy(target, cfg.tiny_noise, seed=cfg.seed + 1)
+        copy = noisy_copy(target, cfg.tiny_noise, seed=cfg.seed + 1)
         vocab = target.cfg.vocab_size
         return Models(
             target.to(cfg.device, dtype),
-            draft.to(cfg.device, dtype),
+            copy.to(cfg.device, dtype),
             None,
             lambda text: [TINY_BYTE_OFFSET + b % (vocab - TINY_BYTE_OFFSET) for b in text.encode()],
         )
