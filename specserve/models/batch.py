@@ -46,7 +46,7 @@ class ForwardBatch:
         positions: Sequence[Sequence[int] | None] | None = None,
         tree_masks: Sequence[torch.Tensor | None] | None = None,
         num_logits: Sequence[int] | None = None,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
     ) -> ForwardBatch:
         """Reserve KV room for every sequence's new tokens and lay out the padded step.
 
@@ -54,8 +54,9 @@ class ForwardBatch:
         tree_masks[b]: [n_b, w_b] bool with w_b >= n_b over the last w_b keys (the newest w_b - n_b cached
         entries, then the new tokens): row j sees those it may attend to (itself and its ancestors); every key
         before that window is visible. None = causal. num_logits[b]: logits for the last m_b new tokens
-        (default all).
+        (default all). ``device``: where the forward runs (default: the cache's device).
         """
+        device = cache.device if device is None else device
         b_size = len(slots)
         num_new = [len(t) for t in tokens]
         if b_size == 0 or min(num_new) < 1:

@@ -33,6 +33,10 @@ class KVCache:
         self._lengths = [0] * num_slots
         self._free = list(range(num_slots))  # kept sorted: lowest slot first keeps batches contiguous
 
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
     # -- slot lifecycle -------------------------------------------------------------------------------
     def allocate(self) -> int:
         if not self._free:

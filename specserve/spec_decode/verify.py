@@ -100,9 +100,10 @@ def verify_chain_sampled(
             f"shapes: drafted {tuple(drafted.shape)}, q_idx {tuple(q_idx.shape)}, q_prob {tuple(q_prob.shape)}, "
             f"p {tuple(p.shape)}; want [SL], [SL, K], [SL, K], [SL+1, V]"
         )
+    drafted, q_idx = drafted.to(p.device), q_idx.to(p.device)  # the host's draft ids, the device's logits
     # The row after the last draft keeps q = 0, so its "residual" is p[SL] itself: the bonus.
     q = torch.zeros_like(p)  # [SL+1, V]
-    q[:sl].scatter_(-1, q_idx, q_prob.to(p.dtype))
+    q[:sl].scatter_(-1, q_idx, q_prob.to(p.device, p.dtype))
     p_x = p[:sl].gather(-1, drafted[:, None]).squeeze(-1)  # [SL]
     q_x = q[:sl].gather(-1, drafted[:, None]).squeeze(-1)  # [SL]
     u = torch.rand(sl + 1, generator=generator, device=p.device, dtype=torch.float64)  # [SL+1]; the last one samples
@@ -115,7 +116,7 @@ def verify_chain_sampled(
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)  # [1, V]
     next_token = inverse_cdf_sample(residual, u[sl:])  # [1]
 
-    packed = torch.cat([num_accepted, next_token, drafted.to(p.device)]).tolist()  # host sync
+    packed = torch.cat([num_accepted, next_token, drafted]).tolist()  # host sync
     n_acc, next_tok, drafted_h = packed[0], packed[1], packed[2:]
     _check_token(next_tok, p.shape[-1], n_acc)
     return VerifyResult(
