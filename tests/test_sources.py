@@ -479,6 +479,25 @@ def smollm2() -> Path:
     return path
 
 
+def test_the_gguf_names_the_special_tokens_whatever_the_loader_says(
+    tiny: tuple[LlamaForCausalLM, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers 5.17 loads SmolLM2's GGUF tokenizer with '<|im_start|>' (1) as its eos; the GGUF says 2."""
+    load = AutoTokenizer.from_pretrained
+
+    def misreading(*args: object, **kwargs: object) -> object:
+        tokenizer = load(*args, **kwargs)
+        tokenizer.eos_token, tokenizer.bos_token = "<|im_start|>", "<|im_end|>"
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", misreading)
+    out = convert_gguf(tiny[1], tmp_path / "hf")
+    monkeypatch.undo()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+    assert (tokenizer.bos_token, tokenizer.bos_token_id) == ("<|im_start|>", 1)
+
+
 @pytest.mark.real_model
 def test_real_builtin_pulls(smollm2: Path) -> None:
     assert smollm2 == cache_dir() / "smollm2-135m-instruct"

@@ -551,11 +551,16 @@ def _save_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, max_leng
     template = _field(reader, "tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = template
-    eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
-    if eos_id is not None and tokenizer.eos_token_id != eos_id:
-        raise CorruptModelError(
-            f"{gguf_path.name}: tokenizer eos {tokenizer.eos_token!r} ({tokenizer.eos_token_id}) is not token {eos_id}"
-        )
+    for role in ("bos", "eos"):  # the GGUF names its special ids; some transformers releases map them otherwise
+        want = _field(reader, f"tokenizer.ggml.{role}_token_id")
+        have = getattr(tokenizer, f"{role}_token_id")
+        if want is None or have == want:
+            continue
+        if not 0 <= int(want) < len(tokenizer):
+            raise CorruptModelError(f"{gguf_path.name}: {role} id {want} is outside the {len(tokenizer)}-id vocabulary")
+        token = tokenizer.convert_ids_to_tokens(int(want))
+        logger.warning("%s: the tokenizer loader made id %r the %s; the GGUF: %r", gguf_path.name, have, role, token)
+        setattr(tokenizer, f"{role}_token", token)
     tokenizer.model_max_length = max_length
     for key in ("is_local", "local_files_only"):  # about where it was loaded from, not about the tokenizer
         tokenizer.init_kwargs.pop(key, None)
