@@ -44,7 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
     target = ModelSpec(source=args.model, dtype=DType(args.dtype))
     draft = _draft_for(args.draft, target, args.device)
     pair = _pair_for(args.draft, target, args.device)
-    speculation = serving_speculation(pair) if draft is not None else SpecConfig(method=SpecMethod.none)
+    speculation = serving_speculation(pair, args.device) if draft is not None else SpecConfig(method=SpecMethod.none)
     if draft is not None and args.method is not None:
         speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
     engine = Engine.from_config(

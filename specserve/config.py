@@ -421,9 +421,18 @@ PAIR_SPECULATION: dict[str, SpecConfig] = {
 }
 
 
-def serving_speculation(pair: str | None) -> SpecConfig:
-    """What a pair speculates with by default (``SERVING_SPECULATION`` unless measured otherwise)."""
-    return PAIR_SPECULATION.get(pair or "", SERVING_SPECULATION)
+# On a GPU a verify row costs little next to the launches of a step (the H200's fp32 SmolLM2 step is ~12 ms of them),
+# so larger trees pay: DDD T = 32 with checks (2, 3, 4) measured 1.25x plain at batch 1 there, the CPU shape above
+# 1.07x (docs/benchmarks.md, "GPU").
+PAIR_SPECULATION_CUDA: dict[str, SpecConfig] = {
+    "smollm2-eagle": SpecConfig(method=SpecMethod.ddd, budget=32, ddd_check_steps=(2, 3, 4), ddd_threshold=-0.03),
+}
+
+
+def serving_speculation(pair: str | None, device: str | torch.device = "cpu") -> SpecConfig:
+    """What a pair speculates with by default on this device (``SERVING_SPECULATION`` unless measured otherwise)."""
+    table = PAIR_SPECULATION_CUDA if torch.device(device).type == "cuda" else PAIR_SPECULATION
+    return table.get(pair or "", PAIR_SPECULATION.get(pair or "", SERVING_SPECULATION))
 
 
 SERVING_THROUGHPUT_GUARD = True

@@ -169,6 +169,8 @@ def test_model_free_trees_take_the_tree_options_and_fall_back_to_a_capped_model(
     default = methods.pop()  # the pair's own serving default, guarded
     assert (default.spec, default.guard, default.draft) == (serving_speculation("smollm2-eagle"), True, "smollm2-eagle")
     assert default.spec != SERVING_SPECULATION
+    on_gpu = methods_for(parser.parse_args([*argv, "--device", "cuda"]), "smollm2-eagle", model, model, [])[-1]
+    assert on_gpu.spec == serving_speculation("smollm2-eagle", "cuda") != default.spec  # the device's own default
     assert [m.name for m in methods] == [
         "lookup+model: DDD T=6 (model T=4)",
         "lookup+model: DDD T=8 (model T=4)",

@@ -287,9 +287,14 @@ def test_generate_speculates_as_measured_fastest_for_its_pair() -> None:
 
     assert _pair_for("auto", ModelSpec(), "cpu") == "smollm2-q4"
     assert serving_speculation("smollm2-q4") == SERVING_SPECULATION  # DSDE chains of the 4-bit copy
-    head = serving_speculation(_pair_for("auto", ModelSpec(), "cuda:0"))  # the EAGLE-3 head: shallow DDD trees
+    pair = _pair_for("auto", ModelSpec(), "cuda:0")
+    assert pair == "smollm2-eagle"
+    head = serving_speculation(pair)  # the EAGLE-3 head on the CPU: shallow DDD trees
     assert head.method == SpecMethod.ddd and head.ddd_check_steps == (1, 2, 3) and head.budget == 6
     assert head.ddd_threshold == -0.03
+    gpu = serving_speculation(pair, "cuda:0")  # on a GPU, where verify rows are cheap: wider, deeper trees
+    assert gpu.method == SpecMethod.ddd and gpu.ddd_check_steps == (2, 3, 4) and gpu.budget == 32
+    assert serving_speculation("smollm2-q4", "cuda") == SERVING_SPECULATION  # no GPU measurement: the CPU's
     assert _pair_for("smollm2-eagle", ModelSpec()) == "smollm2-eagle"
     assert _pair_for("/some/head/dir", ModelSpec()) is None and _pair_for("none", ModelSpec()) is None
     assert serving_speculation(None) == SERVING_SPECULATION  # a head directory: the serving default

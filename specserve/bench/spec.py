@@ -209,7 +209,7 @@ def _guarded(args: argparse.Namespace, pair: str) -> list[Method]:
     """With ``--guarded-default``, what the pair serves with by default (``serving_speculation``), guard on."""
     if not args.guarded_default:
         return []
-    return [Method("serving default (guarded)", pair, serving_speculation(pair), guard=True)]
+    return [Method("serving default (guarded)", pair, serving_speculation(pair, args.device), guard=True)]
 
 
 def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
