@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/benchmarks.md ("GPU"), in priority order, on a CUDA machine where specserve is installed:
+# the CUDA suite, then the shipped EAGLE-3 pair at batch 1 on MT-bench (fp32, then bf16), then the guarded straggler
+# sweep at batch 1-32. Each stage writes under OUT_DIR as it ends, so a run cut short keeps what it finished.
+#
+#   cluster/gpu_checks.sh [OUT_DIR]        # default bench_out/gpu
+#
+# Environment: PYTHON (default: .venv/bin/python of this repo, else python3), STAGES (default "suite spec bf16
+# straggler"; any subset, in that order).
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${1:-$REPO/bench_out/gpu}"
+PY="${PYTHON:-$REPO/.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+STAGES="${STAGES:-suite spec bf16 straggler}"
+mkdir -p "$OUT_DIR"
+cd "$REPO" || exit 1
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" || exit 1
+specserve() { "$PY" -c 'import sys; from specserve.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+status=0
+for stage in $STAGES; do
+  case "$stage" in
+    suite)
+      "$PY" -m pytest -q -rs tests/test_cuda.py tests/test_model.py::test_flash_attn_varlen_matches_sdpa_on_cuda \
+        2>&1 | tee "$OUT_DIR/suite.log" || status=1 ;;
+    spec)
+      specserve bench spec --device cuda --pairs smollm2-eagle --methods chain eagle2 ddd --chain-sl 1 4 \
+        --budget 6 16 32 --ddd-checks 1,2,3 2,3,4 --ddd-x -0.03 -0.3 --guarded-default --per-category 1 \
+        --max-tokens 64 --repeats 2 --out "$OUT_DIR/spec_fp32" || status=1 ;;
+    bf16)
+      specserve bench spec --device cuda --dtype bfloat16 --pairs smollm2-eagle --methods ddd --budget 6 16 32 \
+        --ddd-checks 1,2,3 --ddd-x -0.03 --guarded-default --per-category 1 --max-tokens 64 --repeats 2 \
+        --out "$OUT_DIR/spec_bf16" || status=1 ;;
+    straggler)
+      "$PY" -m load.straggler --pair smollm2-eagle --device cuda --requests-per-slot 2 --repeats 3 \
+        --categories coding writing --min-tokens 48 --max-tokens 64 --workloads real --batch-sizes 1 4 16 32 \
+        --policies plain ddd --budget 32 --beam-width 10 --ddd-checks 2,3,4 --ddd-x -0.03 --guard --warm-guard \
+        --max-step-tokens 64 --out "$OUT_DIR/straggler_guarded" || status=1 ;;
+    *) echo "unknown stage $stage (suite, spec, bf16, straggler)" >&2; status=2 ;;
+  esac
+done
+exit $status
