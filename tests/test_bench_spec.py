@@ -74,6 +74,13 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
     assert all(float(r["tau"]) >= 1.0 for r in rows)
 
 
+def test_assisted_generation_is_refused_off_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from specserve.cli import main
+
+    assert main(["bench", "spec", "--assisted", "--device", "cuda", "--pairs", "smollm2-int8"]) != 0
+    assert "--assisted (transformers assisted generation) runs on the CPU only" in capsys.readouterr().err
+
+
 def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) -> None:
     import argparse
 

@@ -40,6 +40,7 @@ from specserve.config import (
     serving_speculation,
 )
 from specserve.engine import Completion, Engine
+from specserve.errors import SpecServeError
 from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
@@ -410,7 +411,7 @@ def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict
 def run(args: argparse.Namespace) -> int:
     """Every target of ``--pairs`` gets its own plain row (its greedy reference); ratios are to the first plain."""
     if args.assisted and torch.device(args.device).type != "cpu":
-        raise ValueError("--assisted (transformers assisted generation) runs on the CPU only")
+        raise SpecServeError("--assisted (transformers assisted generation) runs on the CPU only")
     pairs = draft_pairs(args)
     target_specs: list[ModelSpec] = []
     for _, t_spec, _ in pairs:
