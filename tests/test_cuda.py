@@ -3,8 +3,8 @@
     .venv/bin/pytest -q tests/test_cuda.py
 
 workers on CUDA, plain and speculative greedy equality, the engine-level chi-square of sampled outputs, DDD tree
-drafting, EAGLE heads (EAGLE-1/2 and EAGLE-3) drafting on the device, flash-attn chain verification, KV sizing from
-free memory, loading straight to the device, and the Serve app with ``num_gpus``. Tiny random models
+drafting, EAGLE heads (EAGLE-1/2 and EAGLE-3) drafting and training on the device, flash-attn chain verification,
+KV sizing from free memory, loading straight to the device, and the Serve app with ``num_gpus``. Tiny random models
 (specserve/models/tiny.py) keep it to a minute or two.
 """
 
@@ -27,6 +27,8 @@ from specserve.models.loader import load_model_dir
 from specserve.models.tiny import hf_state_dict, noisy_copy, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import HeadKind
+from specserve.train.distill import Sample, generate_with_features, target_features
+from specserve.train.trainer import TrainConfig, train_head
 from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
 from tests.conftest import greedy_reference
 from tests.ports import serve_app
@@ -222,3 +224,45 @@ def test_serve_app_on_gpus_answers_like_the_engine(gpu_app_url: str) -> None:
     )
     want = engine.generate(["the cache"], SamplingParams(max_tokens=12))[0].text
     assert reply.json()["choices"][0]["text"] == want
+
+
+@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
+def test_a_head_trains_on_the_device_from_the_devices_features(tmp_path: Path, kind: HeadKind) -> None:
+    target = tiny_model(seed=0).to(CUDA)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 9, 2, 7, 4, 6)]
+    aux_layers = (0, 1) if kind == HeadKind.eagle3 else ()
+    convs, feats = generate_with_features(target, prompts, 16, set(), aux_layers)
+    alone = [generate_with_features(target, [p], 16, set())[0][0].tokens for p in prompts]
+    assert [c.tokens for c in convs] == alone  # the batch's greedy answers are each prompt's own
+    ref = target_features(target, convs, aux_layers)
+    for f, rf in zip(feats.final, ref.final, strict=True):
+        assert f.device.type == "cpu" and f.dtype == torch.float16  # kept on the host for the data files
+        torch.testing.assert_close(f, rf, atol=2e-2, rtol=1e-2)
+    aux = feats.aux if feats.aux is not None else [None] * len(convs)
+    rows = zip(convs, feats.final, aux, strict=True)
+    samples = [Sample(torch.tensor(c.tokens), f, c.prompt_len, a) for c, f, a in rows]
+    ids = torch.arange(0, 512, 2)
+    cfg = TrainConfig(
+        kind=kind,
+        aux_layers=aux_layers,
+        epochs=3,
+        batch_tokens=96,
+        max_len=64,
+        warmup_steps=2,
+        checkpoint_every=3,
+        noise=0.1,
+    )
+    losses: list[float] = []
+    head = train_head(target, samples, ids, cfg, tmp_path / "a", system_len=2, log=lambda s, t, x, st: losses.append(x))
+    assert head.device == target.device and losses[-1] < losses[0]
+    train_head(target, samples, ids, cfg, tmp_path / "b", system_len=2, max_steps=4)  # interrupted on the device ...
+    resumed = train_head(target, samples, ids, cfg, tmp_path / "b", system_len=2)  # ... and resumed
+    for x, y in zip(head.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)  # (cuBLAS may pick other kernels on a resume)
+    engine = Engine(target, None, draft=head, speculation=PAIR_SPECULATION["smollm2-eagle"], eos_token_ids=set())
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    for prompt in PROMPTS:
+        assert engine.generate([prompt], params)[0].token_ids == greedy_reference(target, prompt, 16)

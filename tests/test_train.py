@@ -360,8 +360,13 @@ def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(tmp_path: Pat
     from specserve.spec_decode.eagle_head import checkpoint_kind
 
     out = tmp_path / "head3"
-    assert main(["train-draft", "--quick", "--kind", "eagle3", "--out", str(out)]) == 0
+    assert (
+        main(["train-draft", "--quick", "--kind", "eagle3", "--batch-size", "8", "--device", "cpu", "--out", str(out)])
+        == 0
+    )
+    assert len(list((out / "work" / "data").glob("chunk_*.safetensors"))) == 1  # a given batch size is the chunk's
     prov = json.loads((out / "provenance.json").read_text())
+    assert prov["device"].startswith("CPU: ")
     assert prov["train"]["kind"] == "eagle3" and prov["train"]["aux_layers"] == [2, 15, 27]
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]

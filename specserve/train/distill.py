@@ -136,12 +136,13 @@ def generate_with_features(
         f, a = model.hidden_states(batch, cache, aux_layers)  # [N, H], [N, A*H] | None
         nxt = model.logits(f[batch.logit_rows]).argmax(-1).tolist()  # host sync: one per step
         sizes = list(batch.num_new)
-        a_rows = a.split(sizes) if a is not None else [None] * len(active)
+        f_host = f.to(torch.float16).cpu()  # one copy a step, then split on the host
+        a_rows = a.to(torch.float16).cpu().split(sizes) if a is not None else [None] * len(active)
         still = []
-        for i, fi, ai, tok in zip(active, f.split(sizes), a_rows, nxt, strict=True):
-            final[i].append(fi.to(torch.float16))
+        for i, fi, ai, tok in zip(active, f_host.split(sizes), a_rows, nxt, strict=True):
+            final[i].append(fi)
             if ai is not None:
-                aux[i].append(ai.to(torch.float16))
+                aux[i].append(ai)
             ans = answers[i]
             if ans and (ans[-1] in eos_ids or len(ans) >= max_new_tokens):
                 continue  # that was its last token's feed
@@ -166,9 +167,9 @@ def target_features(model: LlamaModel, convs: list[Conversation], aux_layers: tu
         slot = cache.allocate()
         batch = ForwardBatch.build(cache, [slot], [conv.tokens], device=model.device)
         f, a = model.hidden_states(batch, cache, aux_layers)
-        final.append(f.to(torch.float16))
+        final.append(f.to(torch.float16).cpu())
         if a is not None:
-            aux.append(a.to(torch.float16))
+            aux.append(a.to(torch.float16).cpu())
     return Features(final, aux if aux_layers else None)
 
 

@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specserve.bench.machine import device_summary
 from specserve.models.llama import LlamaModel
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers, save_eagle_head
 from specserve.train.distill import (
@@ -82,6 +84,7 @@ def system_prefix_len(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 VOCAB_MAP = "vocab_map.json"
+DEFAULT_BATCH = 64  # conversations generated together
 ASK_MAX_TOKENS = 128  # a self-written request longer than this is dropped
 
 
@@ -210,6 +213,7 @@ def train_draft(
             "draft_vocab": {"size": size, "coverage": coverage(counts, draft_ids)},
             "seconds": {"data": round(t_data), "train": round(t_train)},
             "sha256": digest,
+            "device": device_summary(target.device),
             "torch": torch.__version__,
             "python": platform.python_version(),  # the text passages come from this interpreter's stdlib
         },
@@ -253,7 +257,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="eagle: EAGLE-1/2 over the last hidden state; eagle3: fused low/mid/high layer features, own LM head",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=64, help="conversations generated together")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"conversations generated together (default {DEFAULT_BATCH}); if given, also per data chunk",
+    )
+    p.add_argument("--device", default="cpu", help="where the target answers and the head trains, e.g. cuda")
     p.add_argument("--quick", action="store_true", help="a few prompts and steps: seconds, for tests")
 
 
@@ -266,12 +276,15 @@ def run(args: argparse.Namespace) -> int:
     from specserve.sequence import FinishReason
 
     spec = ModelSpec(source=args.model, gemv_copies=False)
-    target = load_model(spec)
+    target = load_model(spec, device=args.device)
     for p in target.parameters():
         p.requires_grad_(False)
     tokenizer = load_tokenizer(spec)
     cfg = TrainDraftConfig.quick_mode(args.model) if args.quick else TrainDraftConfig(args.model)
-    data = {"seed": args.seed}
+    data: dict[str, Any] = {"seed": args.seed}
+    if args.batch_size is not None:
+        data["chunk_size"] = args.batch_size  # one chunk file per generating batch
+    batch_size = args.batch_size or DEFAULT_BATCH
     if args.prompts is not None:
         data["num_prompts"] = args.prompts
     if args.max_new_tokens is not None:
@@ -290,13 +303,15 @@ def run(args: argparse.Namespace) -> int:
         lexicon_max_new_tokens=args.lexicon_max_new_tokens,
         wordnet_dir=args.wordnet_dir,
     )
-    engine = Engine(target, tokenizer, max_batch_size=args.batch_size, max_model_len=1024)
-    distill = greedy_distiller(target, eos_ids_of(target.hf_config.eos_token_id, tokenizer), args.batch_size)
+    distill = greedy_distiller(target, eos_ids_of(target.hf_config.eos_token_id, tokenizer), batch_size)
+    engines: list[Engine] = []  # built on the first request asked (its KV cache is sized for the whole batch)
 
     def ask(prefix: list[int], n: int, seed: int) -> list[list[int] | None]:
+        if not engines:
+            engines.append(Engine(target, tokenizer, max_batch_size=batch_size, max_model_len=1024))
         sample = SamplingParams(max_tokens=ASK_MAX_TOKENS, temperature=1.0, top_p=0.95)
         params = [sample.model_copy(update={"seed": (seed << 12) + i}) for i in range(n)]
-        done = engine.generate([prefix] * n, params)
+        done = engines[0].generate([prefix] * n, params)
         return [c.token_ids if c.finish_reason is FinishReason.stop else None for c in done]
 
     command = "specserve train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])

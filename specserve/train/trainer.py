@@ -80,19 +80,21 @@ def ttt_loss(
     w = weight[:, :-1]
     b, n, _ = f_true.shape
     layer, hcfg = head.layer, head.cfg
+    device = tokens.device
     with torch.no_grad():
         p_next = torch.softmax(f_next @ lm_w.t(), dim=-1)  # [B, n, V_d] target distribution of token j+2
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=device)
     cos, sin = head.rope_cos[pos][:, None], head.rope_sin[pos][:, None]  # [n, 1, D]
     feat_in = f_true
     if cfg.noise > 0:
         scale = cfg.noise * f_true.std()
-        feat_in = f_true + (torch.rand(f_true.shape, generator=gen) * 2 - 1) * scale
+        u = torch.rand(f_true.shape, generator=gen).to(device)  # drawn on the host: the same noise on any device
+        feat_in = f_true + (u * 2 - 1) * scale
     if eagle3:
         feat_in = head.fc(feat_in)  # [B, n, H]: fused into the head's space (its own outputs skip fc)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    total = torch.zeros(())
+    total = torch.zeros((), device=device)
     stats: dict[str, float] = {}
     for k in range(cfg.unroll):
         a, residual = head.layer_input(tok_in, feat_in)  # [B, n, in], [B, n, H]
@@ -101,7 +103,7 @@ def ttt_loss(
         kk = apply_rope(kk.view(b, n, hcfg.num_kv_heads, -1), cos, sin)
         keys.append(kk)
         values.append(v.view(b, n, hcfg.num_kv_heads, -1))
-        mask = ttt_mask(n, k)
+        mask = ttt_mask(n, k, device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             torch.cat(keys, dim=1).transpose(1, 2),
@@ -137,6 +139,13 @@ class Batch:
     feats: torch.Tensor  # [B, n, H] float32
     weight: torch.Tensor  # [B, n] loss weight of the row predicting token j+2
     aux: torch.Tensor | None = None  # [B, n, A*H] float32 (EAGLE-3)
+
+    def to(self, device: torch.device) -> Batch:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        aux = None if self.aux is None else move(self.aux)
+        return Batch(move(self.tokens), move(self.feats), move(self.weight), aux)
 
 
 def batch_groups(samples: list[Sample], cfg: TrainConfig, rng: random.Random) -> list[list[int]]:
@@ -244,9 +253,11 @@ def train_head(
     log: LogFn | None = None,
     max_steps: int | None = None,
 ) -> EagleHead:
-    """Train (or resume from ``work_dir/ckpt.pt``) and return the head in float32."""
+    """Train (or resume from ``work_dir/ckpt.pt``) and return the head in float32, on the target's device (the
+    batches are built on the host and moved there; a GPU trains the same steps as the CPU, rounded differently)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    head = init_head(target, draft_ids, cfg)
+    device = target.device
+    head = init_head(target, draft_ids, cfg).to(device)
     params = [p for n, p in head.named_parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     lm_w = dense_weight(target.lm_head).float()[head.draft_ids].contiguous()  # [V_d, H] the target's rows
@@ -256,7 +267,7 @@ def train_head(
     step = 0
     ckpt = work_dir / "ckpt.pt"
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=False, map_location=device)
         if state["config"] != asdict(cfg):
             raise ValueError(f"{ckpt} was written with other settings; remove it or use the same ones")
         head.load_state_dict(state["head"])
@@ -264,7 +275,7 @@ def train_head(
         step = state["step"]
     head.train()
     while step < stop:
-        batch = make_batch(samples, plan[step], cfg, system_len)
+        batch = make_batch(samples, plan[step], cfg, system_len).to(device)
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # resumes bit for bit
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, cfg)
