@@ -387,7 +387,7 @@ def derived_draft(target: ModelSpec, kind: str) -> ModelSpec:
 
 
 MODEL_PAIRS: dict[str, tuple[ModelSpec, DraftSpec]] = {
-    # the shipped EAGLE-3 head (fused low/mid/high features, its own 4096-id LM head, lexicon data): accepts best
+    # the shipped EAGLE-3 head (fused low/mid/high features, its own 8192-id LM head, lexicon data): accepts best
     "smollm2-eagle": (ModelSpec(), HeadSpec(head="smollm2-eagle3")),
     # the EAGLE-1/2 head on the seed data; the 2048 most frequent ids of its 8192, measured faster than 8192
     "smollm2-eagle1": (ModelSpec(), HeadSpec(head="smollm2-eagle1", draft_vocab=2048)),
