@@ -6,6 +6,7 @@ Every stage resumes: data chunks on disk are skipped, training continues from it
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import platform
@@ -304,14 +305,15 @@ def run(args: argparse.Namespace) -> int:
         wordnet_dir=args.wordnet_dir,
     )
     distill = greedy_distiller(target, eos_ids_of(target.hf_config.eos_token_id, tokenizer), batch_size)
-    engines: list[Engine] = []  # built on the first request asked (its KV cache is sized for the whole batch)
+
+    @functools.cache
+    def asking_engine() -> Engine:  # built on the first request asked: its KV cache is sized for the whole batch
+        return Engine(target, tokenizer, max_batch_size=batch_size, max_model_len=1024)
 
     def ask(prefix: list[int], n: int, seed: int) -> list[list[int] | None]:
-        if not engines:
-            engines.append(Engine(target, tokenizer, max_batch_size=batch_size, max_model_len=1024))
         sample = SamplingParams(max_tokens=ASK_MAX_TOKENS, temperature=1.0, top_p=0.95)
         params = [sample.model_copy(update={"seed": (seed << 12) + i}) for i in range(n)]
-        done = engines[0].generate([prefix] * n, params)
+        done = asking_engine().generate([prefix] * n, params)
         return [c.token_ids if c.finish_reason is FinishReason.stop else None for c in done]
 
     command = "specserve train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])
