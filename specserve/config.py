@@ -257,6 +257,13 @@ class SpecConfig(BaseModel):
     )
     ddd_threshold: float = Field(default=-0.3, le=0.0, description="DDD x: stop when H_d < x at a check step")
     ddd_check_every_step: bool = False  # read H on the host after every level (for comparison)
+    tree_min_prob: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="EAGLE-2 / DDD: verify only drafted nodes whose path draft probability is at least this "
+        "(0: the budget T alone sizes the tree; docs/algorithms.md §2.4)",
+    )
     ddd_count_first_forward: bool = Field(
         default=True,
         description="check step d = the d-th draft forward, the first (the root's) included; False: count the "

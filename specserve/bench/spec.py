@@ -69,6 +69,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chain-sl", type=int, nargs="+", default=[4])
     p.add_argument("--ddd-x", type=float, nargs="+", default=[None], help="DDD threshold(s) x (default: config)")
     p.add_argument("--beam-width", type=int, default=None, help="EAGLE-2 w (default: SpecConfig)")
+    p.add_argument(
+        "--tree-min-prob", type=float, nargs="+", default=[None], help="trees: the least path draft probability kept"
+    )
     p.add_argument("--budget", type=int, nargs="+", default=[0], help="tree verify budget(s) T; 0 = auto-tune")
     p.add_argument("--tree-depth", type=int, nargs="+", default=[None], help="EAGLE-2 depth(s) D (default: SpecConfig)")
     p.add_argument(
@@ -180,7 +183,9 @@ def methods_for(
                 capped = tree.model_copy(update={"budget": t, **depth_field})  # drafts at most T - 1 levels
                 if capped.static_depth not in depths:  # two depths past T - 1 draft the same tree
                     depths.append(capped.static_depth)
-                    model.append(Method(f"EAGLE-2 D={capped.static_depth} {label}", pair, capped))
+                    for pruned in _min_prob_variants(args, capped):
+                        name = f"EAGLE-2 D={capped.static_depth} {label}{_min_prob_label(pruned)}"
+                        model.append(Method(name, pair, pruned))
         if "ddd" in args.methods:
             for checks in args.ddd_checks:
                 for x in args.ddd_x:
@@ -189,10 +194,19 @@ def methods_for(
                         update["ddd_threshold"] = x
                     if checks is not None:
                         update["ddd_check_steps"] = checks
-                    spec = tree.model_copy(update=update)
                     shown = "" if checks is None else f" checks={','.join(map(str, checks))}"
-                    model.append(Method(f"DDD x={spec.ddd_threshold:g}{shown} {label}", pair, spec))
+                    for spec in _min_prob_variants(args, tree.model_copy(update=update)):
+                        name = f"DDD x={spec.ddd_threshold:g}{shown} {label}{_min_prob_label(spec)}"
+                        model.append(Method(name, pair, spec))
     return _with_dsde(args, model) + out + _guarded(args, pair)
+
+
+def _min_prob_variants(args: argparse.Namespace, spec: SpecConfig) -> list[SpecConfig]:
+    return [spec if p is None else spec.model_copy(update={"tree_min_prob": p}) for p in args.tree_min_prob]
+
+
+def _min_prob_label(spec: SpecConfig) -> str:
+    return f" p>={spec.tree_min_prob:g}" if spec.tree_min_prob > 0 else ""
 
 
 def _with_dsde(args: argparse.Namespace, methods: list[Method]) -> list[Method]:

@@ -9,6 +9,7 @@ only decrease with depth).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -84,11 +85,14 @@ class TreeBuilder:
     def beam_parents(self) -> torch.Tensor:
         return torch.cat(self.parents)[self.beam]
 
-    def rerank(self, budget: int) -> DraftTreeOut:
-        """Keep the budget-1 best candidates (closed under ancestors), ordered by depth: parents first."""
+    def rerank(self, budget: int, min_score: float = -math.inf) -> DraftTreeOut:
+        """Keep the budget-1 best candidates whose score is at least ``min_score`` (closed under ancestors),
+        ordered by depth: parents first."""
         tokens, parents, scores = torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores)
         depth = torch.cat([torch.full_like(t, d) for d, t in enumerate(self.tokens)])
         n = min(budget - 1, scores.numel())
+        if min_score > -math.inf:
+            n = min(n, int((scores >= min_score).sum()))  # host sync (the tree's size)
         # order by score, ties towards shallower then earlier candidates: a parent always outranks its
         # children (scores never increase along a path), so every prefix of the order is closed under ancestors
         order = torch.sort(depth, stable=True).indices
@@ -191,7 +195,9 @@ def tree_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
     """The budget-T tree, and the cache index of each node (root first; None where the node was never fed)."""
     assert s.tree is not None
     t = s.tree
-    tree = t.builder.rerank(s.item.spec.model_tree_budget)
+    spec = s.item.spec
+    min_score = math.log(spec.tree_min_prob) if spec.tree_min_prob > 0 else -math.inf
+    tree = t.builder.rerank(spec.model_tree_budget, min_score)
     row_of = torch.nn.functional.pad(t.row_of, (0, t.builder.num_candidates + 1 - t.row_of.numel()))
     cand = torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device)
     rows = row_of[cand + 1].tolist()  # host sync
