@@ -49,6 +49,33 @@ def test_rerank_is_closed_under_ancestors_on_random_trees() -> None:
             assert 0 <= par < j  # parents precede children and are in the tree
 
 
+def test_rerank_drops_nodes_below_the_least_path_probability() -> None:
+    b = TreeBuilder(width=2)
+    b.expand(logq_rows([{1: 0.6, 2: 0.3, 3: 0.1}]))
+    b.expand(logq_rows([{4: 0.5, 5: 0.5}, {6: 0.9, 7: 0.05}]))  # paths 1-4 .30, 1-5 .30, 2-6 .27, 2-7 .015
+    tree = b.rerank(budget=8, min_score=math.log(0.29))
+    assert tree.tokens == [1, 2, 4, 5] and tree.parents == [0, 0, 1, 1]  # 2-6 (.27) and 2-7 fall below
+    assert b.rerank(budget=3, min_score=math.log(0.29)).tokens == [1, 2]  # the budget still binds first
+    assert b.rerank(budget=8, min_score=math.log(0.5)).tokens == [1]
+    empty = b.rerank(budget=8, min_score=math.log(0.7))  # nothing sure enough: the step verifies the root alone
+    assert empty.tokens == [] and empty.parents == []
+
+
+def test_pruned_trees_stay_closed_under_ancestors_on_random_trees() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(20):
+        b = TreeBuilder(width=3)
+        b.expand(torch.log_softmax(torch.randn(1, 30, generator=gen) * 3, -1))
+        for _ in range(3):
+            b.expand(torch.log_softmax(torch.randn(b.beam.numel(), 30, generator=gen) * 3, -1))
+        floor = math.log(0.01 + 0.02 * trial)
+        tree = b.rerank(budget=64, min_score=floor)
+        scores = torch.cat(b.scores)
+        assert len(tree.tokens) == min(63, int((scores >= floor).sum()))
+        for j, par in enumerate(tree.parents, start=1):
+            assert 0 <= par < j
+
+
 def test_ddd_rule_only_fires_at_check_steps() -> None:
     assert ddd_should_stop(-1.0, 5, (5, 7, 9), -0.3, every_step=False)
     assert not ddd_should_stop(-1.0, 6, (5, 7, 9), -0.3, every_step=False)

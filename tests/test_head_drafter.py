@@ -60,6 +60,22 @@ def test_head_drafting_is_greedy_equal(target: LlamaModel, spec: SpecConfig) -> 
     assert all(o.stats.draft_steps >= 30 for o in out)  # it drafted on every step after the first
 
 
+def test_trees_pruned_by_path_probability_stay_greedy_equal(target: LlamaModel) -> None:
+    """``tree_min_prob`` verifies fewer nodes, some steps only the root, alongside sequences with full trees."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    head = random_head(target)
+    drafted, steps = [], []
+    for floor in (0.0, 0.6):
+        spec = METHODS[2].model_copy(update={"tree_min_prob": floor})
+        engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+        out = engine.generate(PROMPTS, params)
+        assert [o.token_ids for o in out] == _plain(target, params)
+        drafted.append(sum(o.stats.drafted for o in out))
+        steps.append(sum(o.stats.draft_steps for o in out))
+    assert 0 < drafted[1] < drafted[0]
+    assert steps[1] < steps[0]  # steps whose tree kept no node verified the root alone
+
+
 def test_reduced_vocabulary_and_eagle3_heads_stay_lossless(target: LlamaModel) -> None:
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     reduced = random_head(target)
