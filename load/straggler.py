@@ -89,6 +89,9 @@ class StudyConfig(BaseModel):
     beam_width: int = Field(default=4, ge=1)
     ddd_check_steps: tuple[int, ...] | None = Field(default=None, description="DDD's check steps (None: the paper's)")
     ddd_threshold: float | None = Field(default=None, le=0.0, description="DDD's threshold x (None: the paper's)")
+    tree_min_prob: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="trees: the least path draft probability verified (0: off)"
+    )
     max_step_tokens: int = Field(default=0, ge=0, description="cap on tokens verified per step (0 = off)")
     guard: bool = Field(default=False, description="the engine's throughput guard (speculate only where it pays)")
     warm_guard: bool = Field(
@@ -136,6 +139,7 @@ class StudyConfig(BaseModel):
             "drafter": self.drafter,
             "model_max_sl": self.model_max_sl,
             "model_budget": self.model_budget,
+            "tree_min_prob": self.tree_min_prob,
         }
         if self.max_sl is not None:
             shared["max_sl"] = self.max_sl
@@ -581,6 +585,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     paper_x = SpecConfig.model_fields["ddd_threshold"].default
     p.add_argument(
         "--ddd-x", dest="ddd_threshold", type=float, default=None, help=f"DDD's threshold x (default {paper_x})"
+    )
+    p.add_argument(
+        "--tree-min-prob", type=float, default=d.tree_min_prob, help="trees: the least path draft probability kept"
     )
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
     p.add_argument("--guard", action="store_true", help="the engine's throughput guard")

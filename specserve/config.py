@@ -262,7 +262,7 @@ class SpecConfig(BaseModel):
         ge=0.0,
         lt=1.0,
         description="EAGLE-2 / DDD: verify only drafted nodes whose path draft probability is at least this "
-        "(0: the budget T alone sizes the tree; docs/algorithms.md §2.4)",
+        "(0: the budget T alone sizes the tree; docs/algorithms.md §2.3)",
     )
     ddd_count_first_forward: bool = Field(
         default=True,
@@ -421,10 +421,14 @@ SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.ds
 # Pairs whose fastest lossless mode measured here is another: the SmolLM2 EAGLE-3 head's trees pay for a second
 # level only where the head is sure of its first (its root's top-10 mass above e^-0.03 = 97%), not for the 5 levels
 # DDD's paper check steps draft (docs/benchmarks.md, "Tree shape" and "DDD's first check at the root's forward";
-# `specserve generate`). Prompt lookup in front of it is faster at batch 1-4 but lost 3-8% at batch 32 under the
-# guard, so it is not the default (docs/benchmarks.md, "Prompt lookup in front of the EAGLE head").
+# `specserve generate`), and each tree keeps only the nodes whose path probability under the head is at least 6%,
+# about what a verify row costs of a step on a 2-core CPU (docs/benchmarks.md, "Trees sized by the head's
+# confidence"). Prompt lookup in front of it is faster at batch 1-4 but lost 3-8% at batch 32 under the guard, so it
+# is not the default (docs/benchmarks.md, "Prompt lookup in front of the EAGLE head").
 PAIR_SPECULATION: dict[str, SpecConfig] = {
-    "smollm2-eagle": SpecConfig(method=SpecMethod.ddd, budget=6, ddd_check_steps=(1, 2, 3), ddd_threshold=-0.03),
+    "smollm2-eagle": SpecConfig(
+        method=SpecMethod.ddd, budget=6, ddd_check_steps=(1, 2, 3), ddd_threshold=-0.03, tree_min_prob=0.06
+    ),
 }
 
 
