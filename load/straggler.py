@@ -73,6 +73,11 @@ class StudyConfig(BaseModel):
     synthetic_mix: list[float] = [0.9, 0.3]
     requests_per_slot: int = Field(default=2, ge=1, description="requests per run = this x batch size")
     repeats: int = Field(default=1, ge=1, description="round-robin passes over the policies; medians reported")
+    alternate: bool = Field(
+        default=True,
+        description="odd repeats run the policies in reverse order (A B, B A, ...): a run's position in its pass "
+        "then favours no policy",
+    )
     min_tokens: int = Field(default=32, ge=1)
     max_tokens: int = Field(default=96, ge=1)
     max_prompt_tokens: int | None = Field(default=None, ge=1, description="keep the last N prompt tokens")
@@ -320,13 +325,22 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
                 for policy, spec in specs.items():
                     run_engine_point(cfg, models, wl, batch, policy, spec, guard=guards.get(policy))
             for repeat in range(cfg.repeats):
-                for policy, spec in specs.items():
+                for policy, spec in pass_order(specs, repeat, cfg.alternate):
                     row, trace = run_engine_point(cfg, models, wl, batch, policy, spec, repeat, guards.get(policy))
                     traces.append(trace)
                     append_trace(traces_path, trace)  # a long sweep keeps what it measured if it is stopped
                     done += 1
                     _progress(done, total, wl, batch, policy, row, time.perf_counter() - start)
     return summarize(traces), traces
+
+
+def pass_order(
+    specs: dict[PolicyName, SpecConfig], repeat: int, alternate: bool
+) -> list[tuple[PolicyName, SpecConfig]]:
+    """The policies of one round-robin pass: as given, reversed on odd passes with ``alternate`` (on a host whose
+    speed drifts within a pass, or where the run after another is slower, each policy then runs first as often)."""
+    order = list(specs.items())
+    return order[::-1] if alternate and repeat % 2 == 1 else order
 
 
 def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
@@ -591,6 +605,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     )
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
     p.add_argument("--guard", action="store_true", help="the engine's throughput guard")
+    p.add_argument(
+        "--same-order", dest="alternate", action="store_false", help="every repeat runs the policies in one order"
+    )
     p.add_argument("--warm-guard", action="store_true", help="with --guard: one guard per policy across its runs")
     p.add_argument(
         "--no-freeze-gc", dest="freeze_gc", action="store_false", help="leave the collector alone (serving freezes)"

@@ -159,6 +159,22 @@ def test_tree_depths_and_ddd_check_steps_become_methods() -> None:
             parser.parse_args(["--ddd-checks", bad])
 
 
+def test_path_probability_floors_become_methods() -> None:
+    import argparse
+
+    from specserve.bench.spec import add_args, methods_for
+    from specserve.models.tiny import tiny_model
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    argv = ["--methods", "eagle2", "ddd", "--budget", "6", "--tree-depth", "2", "--tree-min-prob", "0", "0.06"]
+    model = tiny_model(seed=0)
+    methods = methods_for(parser.parse_args(argv), "smollm2-eagle", model, model, [])
+    names = ["EAGLE-2 D=2 T=6", "EAGLE-2 D=2 T=6 p>=0.06", "DDD x=-0.3 T=6", "DDD x=-0.3 T=6 p>=0.06"]
+    assert [m.name for m in methods] == names
+    assert [m.spec.tree_min_prob for m in methods] == [0.0, 0.06, 0.0, 0.06]
+
+
 def test_model_free_trees_take_the_tree_options_and_fall_back_to_a_capped_model() -> None:
     import argparse
 

@@ -547,6 +547,11 @@ def test_study_max_sl_caps_every_speculative_policy() -> None:
     assert trees[PolicyName.ddd].ddd_check_steps == trees[PolicyName.dsde_ddd].ddd_check_steps == (2, 3, 4)
     assert trees[PolicyName.ddd].budget == 8
     assert straggler.parse_args(["--pair", "tiny"]).specs()[PolicyName.ddd].ddd_check_steps == (5, 7, 9)
+    floored = straggler.parse_args(["--pair", "tiny", "--tree-min-prob", "0.06"]).specs()
+    assert floored[PolicyName.ddd].tree_min_prob == floored[PolicyName.dsde_ddd].tree_min_prob == 0.06
+    assert straggler.parse_args(["--pair", "tiny"]).specs()[PolicyName.ddd].tree_min_prob == 0.0
+    with pytest.raises(ValueError, match="tree_min_prob"):
+        straggler.StudyConfig(pair="tiny", tree_min_prob=1.5)
     with pytest.raises(SystemExit):
         straggler.parse_args(["--pair", "tiny", "--ddd-checks", "4,2"])
     with pytest.raises(ValueError, match="ddd_check_steps"):
