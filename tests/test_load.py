@@ -558,6 +558,18 @@ def test_study_max_sl_caps_every_speculative_policy() -> None:
         straggler.StudyConfig(pair="tiny", ddd_check_steps=(0, 2)).specs()
 
 
+def test_odd_repeats_run_the_policies_in_reverse_order() -> None:
+    from load import straggler
+
+    specs = straggler.parse_args(["--pair", "tiny", "--policies", "plain", "ddd", "dsde_cap"]).specs()
+    names = [[p for p, _ in straggler.pass_order(specs, r, alternate=True)] for r in range(4)]
+    forward = [PolicyName.plain, PolicyName.ddd, PolicyName.dsde_cap]
+    assert names == [forward, forward[::-1], forward, forward[::-1]]
+    assert [p for p, _ in straggler.pass_order(specs, 1, alternate=False)] == forward
+    assert straggler.parse_args(["--pair", "tiny"]).alternate
+    assert not straggler.parse_args(["--pair", "tiny", "--same-order"]).alternate
+
+
 def test_study_drafter_applies_to_every_speculative_policy() -> None:
     from load import straggler
 
