@@ -36,13 +36,18 @@ def test_expand_scores_beam_and_rerank() -> None:
     assert tree.tokens == [1, 2] and tree.parents == [0, 0]
 
 
+def random_builder(gen: torch.Generator, levels: int) -> TreeBuilder:
+    """A width-3 tree over 30 tokens grown ``levels`` levels from peaked random draft distributions."""
+    b = TreeBuilder(width=3)
+    for _ in range(levels):
+        b.expand(torch.log_softmax(torch.randn(max(1, b.beam.numel()), 30, generator=gen) * 3, -1))
+    return b
+
+
 def test_rerank_is_closed_under_ancestors_on_random_trees() -> None:
     gen = torch.Generator().manual_seed(0)
     for trial in range(20):
-        b = TreeBuilder(width=3)
-        b.expand(torch.log_softmax(torch.randn(1, 30, generator=gen) * 3, -1))
-        for _ in range(4):
-            b.expand(torch.log_softmax(torch.randn(b.beam.numel(), 30, generator=gen) * 3, -1))
+        b = random_builder(gen, levels=5)
         tree = b.rerank(budget=2 + trial)
         assert len(tree.tokens) == min(1 + trial, b.num_candidates)
         for j, par in enumerate(tree.parents, start=1):
@@ -64,10 +69,7 @@ def test_rerank_drops_nodes_below_the_least_path_probability() -> None:
 def test_pruned_trees_stay_closed_under_ancestors_on_random_trees() -> None:
     gen = torch.Generator().manual_seed(1)
     for trial in range(20):
-        b = TreeBuilder(width=3)
-        b.expand(torch.log_softmax(torch.randn(1, 30, generator=gen) * 3, -1))
-        for _ in range(3):
-            b.expand(torch.log_softmax(torch.randn(b.beam.numel(), 30, generator=gen) * 3, -1))
+        b = random_builder(gen, levels=4)
         floor = math.log(0.01 + 0.02 * trial)
         tree = b.rerank(budget=64, min_score=floor)
         scores = torch.cat(b.scores)
