@@ -173,6 +173,8 @@ def test_path_probability_floors_become_methods() -> None:
     names = ["EAGLE-2 D=2 T=6", "EAGLE-2 D=2 T=6 p>=0.06", "DDD x=-0.3 T=6", "DDD x=-0.3 T=6 p>=0.06"]
     assert [m.name for m in methods] == names
     assert [m.spec.tree_min_prob for m in methods] == [0.0, 0.06, 0.0, 0.06]
+    with pytest.raises(ValueError, match="tree_min_prob"):
+        methods_for(parser.parse_args([*argv, "1.5"]), "smollm2-eagle", model, model, [])
 
 
 def test_model_free_trees_take_the_tree_options_and_fall_back_to_a_capped_model() -> None:

@@ -202,7 +202,7 @@ def methods_for(
 
 
 def _min_prob_variants(args: argparse.Namespace, spec: SpecConfig) -> list[SpecConfig]:
-    return [spec if p is None else spec.model_copy(update={"tree_min_prob": p}) for p in args.tree_min_prob]
+    return [spec if p is None else _spec(spec.model_dump(), tree_min_prob=p) for p in args.tree_min_prob]
 
 
 def _min_prob_label(spec: SpecConfig) -> str:
