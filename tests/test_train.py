@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
-from specserve.spec_decode.eagle_head import HeadKind, dense_weight, load_eagle_head
+from specserve.spec_decode.eagle_head import HeadKind, dense_weight, load_eagle_head, save_eagle_head
 from specserve.train.distill import Sample, generate_with_features, greedy_distiller, iter_samples, target_features
 from specserve.train.lexicon_prompts import WORDNET_DIR, WordNetMissing, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
@@ -181,6 +182,45 @@ def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path, kind:
         assert a.cfg.kind == HeadKind.eagle3 and torch.equal(a.draft_ids, ids)
         with pytest.raises(ValueError, match="aux"):  # EAGLE-3 data without its fused features
             train_head(target, _samples(4, 0, target.cfg.hidden_size), ids, cfg, tmp_path / "d", system_len=2)
+
+
+@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
+def test_fine_tuning_starts_from_the_given_head(tmp_path: Path, kind: HeadKind) -> None:
+    target = _frozen_target()
+    aux_width = 2 * target.cfg.hidden_size if kind == HeadKind.eagle3 else 0
+    samples = _samples(12, 0, target.cfg.hidden_size, aux_width)
+    ids = torch.arange(0, 512, 2)
+    cfg = _ttt_config(kind, epochs=2, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=100)
+    scratch: list[float] = []
+    base = train_head(
+        target, samples, ids, cfg, tmp_path / "base", system_len=2, log=lambda s, t, loss, st: scratch.append(loss)
+    )
+    save_eagle_head(base, tmp_path / "head", dtype=torch.float32)
+    other_ids = torch.arange(1, 512, 2)
+    tuned_cfg = replace(cfg, init_head=tmp_path / "head", lr=1e-4)
+    start = train_head(target, samples, other_ids, tuned_cfg, tmp_path / "t0", system_len=2, max_steps=0)
+    for x, y in zip(_head_bytes(base), _head_bytes(start), strict=True):
+        assert torch.equal(x, y)  # the trained head's weights, not a fresh initialisation
+    # an EAGLE-3 head keeps the vocabulary its LM head was trained on; an EAGLE-1/2 head takes the one asked for
+    assert torch.equal(start.draft_ids, ids if kind == HeadKind.eagle3 else other_ids)
+    tuned: list[float] = []
+    train_head(
+        target, samples, ids, tuned_cfg, tmp_path / "t1", system_len=2, log=lambda s, t, loss, st: tuned.append(loss)
+    )
+    assert tuned[0] < scratch[0]  # it starts where the base training got to
+    other_kind = HeadKind.eagle3 if kind == HeadKind.eagle else HeadKind.eagle
+    with pytest.raises(ValueError, match=f"holds an {kind.value} head"):
+        train_head(
+            target,
+            samples,
+            ids,
+            replace(_ttt_config(other_kind), init_head=tmp_path / "head"),
+            tmp_path / "x",
+            system_len=2,
+        )
+    if kind == HeadKind.eagle3:
+        with pytest.raises(ValueError, match=r"fuses target layers \[0, 1\]"):
+            train_head(target, samples, ids, replace(tuned_cfg, aux_layers=(1, 0)), tmp_path / "y", system_len=2)
 
 
 def test_seed_prompts_are_not_the_evaluation_set() -> None:
@@ -386,6 +426,31 @@ def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(tmp_path: Pat
     drafted = Engine(target, tok, draft=head, speculation=spec).generate(prompts, params)
     assert drafted[0].token_ids == plain[0].token_ids
     assert drafted[0].stats.draft_steps > 0
+    # fine-tuned on other data (teacher-forced passages alone): it starts from this head and keeps its vocabulary
+    tuned = tmp_path / "tuned"
+    ft_args = [
+        "train-draft",
+        "--quick",
+        "--kind",
+        "eagle3",
+        "--init-head",
+        str(out),
+        "--lr",
+        "1e-4",
+        "--out",
+        str(tuned),
+    ]
+    assert main([*ft_args, "--prompts", "0", "--text-passages", "2"]) == 0
+    prov = json.loads((tuned / "provenance.json").read_text())
+    assert prov["train"]["init_head"] == str(out.resolve()) and prov["train"]["lr"] == 1e-4
+    assert prov["init_head_sha256"] in (out / "model.safetensors.sha256").read_text()
+    assert prov["data"]["conversations"] == 2
+    assert (tuned / "vocab_map.json").read_text() == (out / "vocab_map.json").read_text()
+    assert torch.equal(load_eagle_head(tuned, target).draft_ids, head.draft_ids)
+    with pytest.raises(ValueError, match="no training data"):
+        main([*ft_args, "--prompts", "0", "--out", str(tmp_path / "none")])
+    with pytest.raises(SystemExit):
+        main([*ft_args, "--lr", "0"])
 
 
 def test_bench_distill_both_data_steps_write_the_engines_greedy_conversations(tmp_path: Path) -> None:

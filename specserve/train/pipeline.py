@@ -26,6 +26,7 @@ from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_la
 from specserve.train.distill import (
     DistillConfig,
     Distiller,
+    Sample,
     build_dataset,
     build_self_dataset,
     build_text_dataset,
@@ -98,6 +99,11 @@ def write_vocab_map(out_dir: Path, counts: torch.Tensor, forced: list[int]) -> N
     (out_dir / VOCAB_MAP).write_text(json.dumps(body))
 
 
+def weights_file(head_dir: Path) -> Path:
+    safetensors = head_dir / "model.safetensors"
+    return safetensors if safetensors.exists() else head_dir / "pytorch_model.bin"
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -123,9 +129,11 @@ def train_draft(
     aux_layers = (cfg.train.aux_layers or default_aux_layers(target.cfg.num_layers)) if eagle3 else ()
     cfg = replace(cfg, train=replace(cfg.train, aux_layers=aux_layers), data=replace(cfg.data, aux_layers=aux_layers))
     data_dir = work_dir / "data"
-    prompts = seed_prompts(cfg.data.num_prompts, cfg.data.seed)
-    build_dataset(distill, tokenizer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations"))
-    samples = list(iter_samples(data_dir, aux=eagle3))
+    samples: list[Sample] = []
+    if cfg.data.num_prompts:
+        prompts = seed_prompts(cfg.data.num_prompts, cfg.data.seed)
+        build_dataset(distill, tokenizer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations"))
+        samples += iter_samples(data_dir, aux=eagle3)
     if cfg.text_passages:
         pairs = text_passages(cfg.text_passages, cfg.data.seed)
         text_dir = work_dir / "text"
@@ -174,15 +182,26 @@ def train_draft(
     t_data = time.perf_counter() - t0
     counts = token_counts((s.tokens for s in samples), target.cfg.vocab_size)
     size = min(cfg.draft_vocab, target.cfg.vocab_size)
-    draft_ids = top_vocab(counts, size, special_ids(tokenizer))
-    log(f"draft vocabulary: {size} tokens cover {coverage(counts, draft_ids):.2%} of the training tokens")
+    if not samples:
+        raise ValueError("no training data: ask for seed prompts, text passages, lexicon or self-written prompts")
+    source = cfg.train.init_head
+    inherited = None if source is None or not (source / VOCAB_MAP).exists() else (source / VOCAB_MAP).read_text()
+    if inherited is not None:  # fine-tuning keeps the vocabulary the head was trained with
+        draft_ids = torch.tensor(json.loads(inherited)["by_frequency"][:size]).sort().values
+    else:
+        draft_ids = top_vocab(counts, size, special_ids(tokenizer))
     bar = _progress(log)
     head = train_head(
         target, samples, draft_ids, cfg.train, work_dir / "train", system_len=system_prefix_len(tokenizer), log=bar
     )
+    draft_ids = head.draft_ids.cpu()  # an EAGLE-3 head fine-tuned keeps its own
+    log(f"draft vocabulary: {draft_ids.numel()} tokens cover {coverage(counts, draft_ids):.2%} of the training tokens")
     t_train = time.perf_counter() - t0 - t_data
     weights = save_eagle_head(head, out_dir, extra_config={"specserve_target": cfg.target_name})
-    write_vocab_map(out_dir, counts, special_ids(tokenizer))
+    if inherited is not None:
+        (out_dir / VOCAB_MAP).write_text(inherited)
+    else:
+        write_vocab_map(out_dir, counts, special_ids(tokenizer))
     digest = sha256(weights)
     (out_dir / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
     write_provenance(
@@ -211,7 +230,8 @@ def train_draft(
                 "tokens": int(sum(len(s.tokens) for s in samples)),
             },
             "train": asdict(cfg.train),
-            "draft_vocab": {"size": size, "coverage": coverage(counts, draft_ids)},
+            "draft_vocab": {"size": int(draft_ids.numel()), "coverage": coverage(counts, draft_ids)},
+            "init_head_sha256": None if source is None else sha256(weights_file(source)),
             "seconds": {"data": round(t_data), "train": round(t_train)},
             "sha256": digest,
             "device": device_summary(target.device),
@@ -236,6 +256,13 @@ def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str
     return bar
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="the target: built-in name, HF dir or .gguf")
     p.add_argument("--out", type=Path, required=True, help="directory for the head (model.safetensors, config.json)")
@@ -257,6 +284,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=HeadKind.eagle.value,
         help="eagle: EAGLE-1/2 over the last hidden state; eagle3: fused low/mid/high layer features, own LM head",
     )
+    p.add_argument(
+        "--init-head",
+        default=None,
+        help="fine-tune this head (shipped name or directory) instead of starting from scratch; keeps its vocabulary",
+    )
+    p.add_argument(
+        "--lr", type=_positive_float, default=None, help="peak learning rate (default 6e-4; lower to fine-tune)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--batch-size",
@@ -270,7 +305,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specserve.build import eos_ids_of
-    from specserve.config import ModelSpec
+    from specserve.config import HeadSpec, ModelSpec
     from specserve.engine import Engine
     from specserve.models.loader import load_model, load_tokenizer
     from specserve.sampling import SamplingParams
@@ -293,6 +328,10 @@ def run(args: argparse.Namespace) -> int:
     train = {"seed": args.seed, "kind": HeadKind(args.kind)}
     if args.epochs is not None:
         train["epochs"] = args.epochs
+    if args.lr is not None:
+        train["lr"] = args.lr
+    if args.init_head is not None:
+        train["init_head"] = HeadSpec(head=args.init_head).path().resolve()
     cfg = replace(
         cfg,
         data=replace(cfg.data, **data),

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models.llama import LlamaModel, apply_rope, rms_norm
-from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, dense_weight
+from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, dense_weight, load_eagle_head
 from specserve.train.distill import Sample
 from specserve.train.vocab import column_of
 
@@ -50,6 +50,7 @@ class TrainConfig:
     aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers whose inputs the head fuses
     seed: int = 0
     init_from_last_layer: bool = False  # start the decoder layer from the target's last layer (measured: worse)
+    init_head: Path | None = None  # fine-tune: start from this head (same kind, target and features; its vocabulary)
     checkpoint_every: int = 50
 
 
@@ -190,6 +191,8 @@ def make_batch(samples: list[Sample], group: list[int], cfg: TrainConfig, system
 
 def init_head(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> EagleHead:
     torch.manual_seed(cfg.seed)
+    if cfg.init_head is not None:
+        return _pretrained(target, draft_ids, cfg, cfg.init_head)
     if cfg.kind == HeadKind.eagle3:
         return _init_eagle3(target, draft_ids, cfg)
     head = EagleHead(EagleHeadConfig.for_target(target, fc_bias=True), target=None)
@@ -208,6 +211,21 @@ def init_head(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> 
     head.bind(target)
     head.set_draft_vocab(draft_ids)
     return head
+
+
+def _pretrained(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig, path: Path) -> EagleHead:
+    """A trained head to fine-tune, in float32. An EAGLE-3 head keeps its own draft vocabulary (its LM head's rows);
+    an EAGLE-1/2 head's logits are restricted to ``draft_ids`` as when training from scratch."""
+    head = load_eagle_head(path, target, dtype=torch.float32)
+    if head.cfg.kind != cfg.kind:
+        raise ValueError(f"{path} holds an {head.cfg.kind.value} head; training asks for {cfg.kind.value}")
+    if cfg.kind == HeadKind.eagle3 and tuple(head.cfg.aux_layers) != tuple(cfg.aux_layers):
+        raise ValueError(
+            f"{path} fuses target layers {list(head.cfg.aux_layers)}; the training data has {list(cfg.aux_layers)}"
+        )
+    if cfg.kind == HeadKind.eagle:
+        head.set_draft_vocab(draft_ids)
+    return head.requires_grad_(True)
 
 
 def _init_eagle3(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> EagleHead:
