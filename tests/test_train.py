@@ -157,12 +157,16 @@ def _head_bytes(head: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in head.parameters()]
 
 
-@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
-def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path, kind: HeadKind) -> None:
+def _training_setup(kind: HeadKind) -> tuple[LlamaModel, list[Sample], torch.Tensor]:
+    """The tiny target, 12 random samples (with aux features for EAGLE-3) and a 256-id draft vocabulary."""
     target = _frozen_target()
     aux_width = 2 * target.cfg.hidden_size if kind == HeadKind.eagle3 else 0
-    samples = _samples(12, 0, target.cfg.hidden_size, aux_width)
-    ids = torch.arange(0, 512, 2)
+    return target, _samples(12, 0, target.cfg.hidden_size, aux_width), torch.arange(0, 512, 2)
+
+
+@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
+def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path, kind: HeadKind) -> None:
+    target, samples, ids = _training_setup(kind)
     cfg = _ttt_config(kind, epochs=2, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=3, noise=0.1)
     losses: list[float] = []
     a = train_head(
@@ -186,10 +190,7 @@ def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path, kind:
 
 @pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
 def test_fine_tuning_starts_from_the_given_head(tmp_path: Path, kind: HeadKind) -> None:
-    target = _frozen_target()
-    aux_width = 2 * target.cfg.hidden_size if kind == HeadKind.eagle3 else 0
-    samples = _samples(12, 0, target.cfg.hidden_size, aux_width)
-    ids = torch.arange(0, 512, 2)
+    target, samples, ids = _training_setup(kind)
     cfg = _ttt_config(kind, epochs=2, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=100)
     scratch: list[float] = []
     base = train_head(
