@@ -448,6 +448,9 @@ def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(tmp_path: Pat
     assert prov["data"]["conversations"] == 2
     assert (tuned / "vocab_map.json").read_text() == (out / "vocab_map.json").read_text()
     assert torch.equal(load_eagle_head(tuned, target).draft_ids, head.draft_ids)
+    with pytest.raises(ValueError, match="holds an eagle3 head"):  # an EAGLE-1/2 run: refused before any data
+        main(["train-draft", "--quick", "--init-head", str(out), "--out", str(tmp_path / "wrong")])
+    assert not (tmp_path / "wrong").exists()
     with pytest.raises(ValueError, match="no training data"):
         main([*ft_args, "--prompts", "0", "--out", str(tmp_path / "none")])
     with pytest.raises(SystemExit):

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.bench.machine import device_summary
 from specserve.models.llama import LlamaModel
-from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers, save_eagle_head
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers, load_eagle_head, save_eagle_head
 from specserve.train.distill import (
     DistillConfig,
     Distiller,
@@ -37,7 +37,7 @@ from specserve.train.distill import (
 from specserve.train.lexicon_prompts import WORDNET_DIR, lexicon_prompts
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import AskFn, mt_bench_shingles, self_prompts
-from specserve.train.trainer import TrainConfig, train_head, write_provenance
+from specserve.train.trainer import TrainConfig, starting_head, train_head, write_provenance
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
 
@@ -126,8 +126,13 @@ def train_draft(
 ) -> EagleHead:
     t0 = time.perf_counter()
     eagle3 = cfg.train.kind == HeadKind.eagle3
-    aux_layers = (cfg.train.aux_layers or default_aux_layers(target.cfg.num_layers)) if eagle3 else ()
+    default_aux = default_aux_layers(target.cfg.num_layers)
+    if cfg.train.init_head is not None and eagle3:  # the data feeds a head being fine-tuned its own layers
+        default_aux = load_eagle_head(cfg.train.init_head, target).cfg.aux_layers
+    aux_layers = (cfg.train.aux_layers or default_aux) if eagle3 else ()
     cfg = replace(cfg, train=replace(cfg.train, aux_layers=aux_layers), data=replace(cfg.data, aux_layers=aux_layers))
+    if cfg.train.init_head is not None:
+        starting_head(target, cfg.train)  # a mismatch fails now, not after hours of data
     data_dir = work_dir / "data"
     samples: list[Sample] = []
     if cfg.data.num_prompts:

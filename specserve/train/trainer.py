@@ -192,7 +192,10 @@ def make_batch(samples: list[Sample], group: list[int], cfg: TrainConfig, system
 def init_head(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> EagleHead:
     torch.manual_seed(cfg.seed)
     if cfg.init_head is not None:
-        return _pretrained(target, draft_ids, cfg, cfg.init_head)
+        head = starting_head(target, cfg)
+        if cfg.kind == HeadKind.eagle:  # an EAGLE-3 head keeps the vocabulary its LM head was trained on
+            head.set_draft_vocab(draft_ids)
+        return head
     if cfg.kind == HeadKind.eagle3:
         return _init_eagle3(target, draft_ids, cfg)
     head = EagleHead(EagleHeadConfig.for_target(target, fc_bias=True), target=None)
@@ -213,18 +216,18 @@ def init_head(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> 
     return head
 
 
-def _pretrained(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig, path: Path) -> EagleHead:
-    """A trained head to fine-tune, in float32. An EAGLE-3 head keeps its own draft vocabulary (its LM head's rows);
-    an EAGLE-1/2 head's logits are restricted to ``draft_ids`` as when training from scratch."""
-    head = load_eagle_head(path, target, dtype=torch.float32)
+def starting_head(target: LlamaModel, cfg: TrainConfig) -> EagleHead:
+    """The trained head ``cfg.init_head`` to fine-tune, in float32, checked against the run's kind and fused layers."""
+    if cfg.init_head is None:
+        raise ValueError("no head to start from (TrainConfig.init_head)")
+    head = load_eagle_head(cfg.init_head, target, dtype=torch.float32)
     if head.cfg.kind != cfg.kind:
-        raise ValueError(f"{path} holds an {head.cfg.kind.value} head; training asks for {cfg.kind.value}")
+        raise ValueError(f"{cfg.init_head} holds an {head.cfg.kind.value} head; training asks for {cfg.kind.value}")
     if cfg.kind == HeadKind.eagle3 and tuple(head.cfg.aux_layers) != tuple(cfg.aux_layers):
         raise ValueError(
-            f"{path} fuses target layers {list(head.cfg.aux_layers)}; the training data has {list(cfg.aux_layers)}"
+            f"{cfg.init_head} fuses target layers {list(head.cfg.aux_layers)}; "
+            f"the training data has {list(cfg.aux_layers)}"
         )
-    if cfg.kind == HeadKind.eagle:
-        head.set_draft_vocab(draft_ids)
     return head.requires_grad_(True)
 
 
@@ -318,4 +321,4 @@ def write_provenance(out: Path, info: dict[str, object]) -> None:
     (out / "provenance.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
 
 
-__all__ = ["TrainConfig", "column_of", "train_head", "ttt_loss", "ttt_mask", "write_provenance"]
+__all__ = ["TrainConfig", "column_of", "starting_head", "train_head", "ttt_loss", "ttt_mask", "write_provenance"]
