@@ -398,11 +398,19 @@ def save_eagle_head(
     return weights
 
 
+def weights_path(path: Path) -> Path:
+    """The head's weights file in ``path``: ``model.safetensors``, else ``pytorch_model.bin``."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (Path(path) / name).exists():
+            return Path(path) / name
+    raise UnsupportedModelError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
 def checkpoint_kind(path: Path) -> HeadKind:
     """The layout of the head in ``path`` from its tensor names (read from the safetensors header when there)."""
-    path = Path(path)
-    if (path / "model.safetensors").exists():
-        with safe_open(path / "model.safetensors", framework="pt") as f:
+    weights = weights_path(path)
+    if weights.suffix == ".safetensors":
+        with safe_open(weights, framework="pt") as f:
             names = list(f.keys())
     else:
         names = list(_read_tensors(path))
@@ -410,11 +418,10 @@ def checkpoint_kind(path: Path) -> HeadKind:
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    if (path / "model.safetensors").exists():
-        return load_file(path / "model.safetensors")
-    if (path / "pytorch_model.bin").exists():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise UnsupportedModelError(f"no model.safetensors or pytorch_model.bin in {path}")
+    weights = weights_path(path)
+    if weights.suffix == ".safetensors":
+        return load_file(weights)
+    return torch.load(weights, map_location="cpu", weights_only=True)
 
 
 def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], target: LlamaModel) -> EagleHeadConfig:

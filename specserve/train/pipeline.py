@@ -22,7 +22,14 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.bench.machine import device_summary
 from specserve.models.llama import LlamaModel
-from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers, load_eagle_head, save_eagle_head
+from specserve.spec_decode.eagle_head import (
+    EagleHead,
+    HeadKind,
+    default_aux_layers,
+    load_eagle_head,
+    save_eagle_head,
+    weights_path,
+)
 from specserve.train.distill import (
     DistillConfig,
     Distiller,
@@ -37,7 +44,7 @@ from specserve.train.distill import (
 from specserve.train.lexicon_prompts import WORDNET_DIR, lexicon_prompts
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import AskFn, mt_bench_shingles, self_prompts
-from specserve.train.trainer import TrainConfig, starting_head, train_head, write_provenance
+from specserve.train.trainer import TrainConfig, check_starting_head, train_head, write_provenance
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
 
@@ -99,11 +106,6 @@ def write_vocab_map(out_dir: Path, counts: torch.Tensor, forced: list[int]) -> N
     (out_dir / VOCAB_MAP).write_text(json.dumps(body))
 
 
-def weights_file(head_dir: Path) -> Path:
-    safetensors = head_dir / "model.safetensors"
-    return safetensors if safetensors.exists() else head_dir / "pytorch_model.bin"
-
-
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -126,13 +128,12 @@ def train_draft(
 ) -> EagleHead:
     t0 = time.perf_counter()
     eagle3 = cfg.train.kind == HeadKind.eagle3
-    default_aux = default_aux_layers(target.cfg.num_layers)
-    if cfg.train.init_head is not None and eagle3:  # the data feeds a head being fine-tuned its own layers
-        default_aux = load_eagle_head(cfg.train.init_head, target).cfg.aux_layers
+    start = None if cfg.train.init_head is None else load_eagle_head(cfg.train.init_head, target)
+    default_aux = default_aux_layers(target.cfg.num_layers) if start is None else start.cfg.aux_layers
     aux_layers = (cfg.train.aux_layers or default_aux) if eagle3 else ()
     cfg = replace(cfg, train=replace(cfg.train, aux_layers=aux_layers), data=replace(cfg.data, aux_layers=aux_layers))
-    if cfg.train.init_head is not None:
-        starting_head(target, cfg.train)  # a mismatch fails now, not after hours of data
+    if start is not None:
+        check_starting_head(start, cfg.train)  # a mismatch fails now, not after hours of data
     data_dir = work_dir / "data"
     samples: list[Sample] = []
     if cfg.data.num_prompts:
@@ -184,11 +185,11 @@ def train_draft(
         self_samples = list(iter_samples(self_dir, aux=eagle3))
         num_self = len(self_samples)
         samples += self_samples
+    if not samples:
+        raise ValueError("no training data: ask for seed prompts, text passages, lexicon or self-written prompts")
     t_data = time.perf_counter() - t0
     counts = token_counts((s.tokens for s in samples), target.cfg.vocab_size)
     size = min(cfg.draft_vocab, target.cfg.vocab_size)
-    if not samples:
-        raise ValueError("no training data: ask for seed prompts, text passages, lexicon or self-written prompts")
     source = cfg.train.init_head
     inherited = None if source is None or not (source / VOCAB_MAP).exists() else (source / VOCAB_MAP).read_text()
     if inherited is not None:  # fine-tuning keeps the vocabulary the head was trained with
@@ -236,7 +237,7 @@ def train_draft(
             },
             "train": asdict(cfg.train),
             "draft_vocab": {"size": int(draft_ids.numel()), "coverage": coverage(counts, draft_ids)},
-            "init_head_sha256": None if source is None else sha256(weights_file(source)),
+            "init_head_sha256": None if source is None else sha256(weights_path(source)),
             "seconds": {"data": round(t_data), "train": round(t_train)},
             "sha256": digest,
             "device": device_summary(target.device),

@@ -221,6 +221,11 @@ def starting_head(target: LlamaModel, cfg: TrainConfig) -> EagleHead:
     if cfg.init_head is None:
         raise ValueError("no head to start from (TrainConfig.init_head)")
     head = load_eagle_head(cfg.init_head, target, dtype=torch.float32)
+    check_starting_head(head, cfg)
+    return head.requires_grad_(True)
+
+
+def check_starting_head(head: EagleHead, cfg: TrainConfig) -> None:
     if head.cfg.kind != cfg.kind:
         raise ValueError(f"{cfg.init_head} holds an {head.cfg.kind.value} head; training asks for {cfg.kind.value}")
     if cfg.kind == HeadKind.eagle3 and tuple(head.cfg.aux_layers) != tuple(cfg.aux_layers):
@@ -228,7 +233,6 @@ def starting_head(target: LlamaModel, cfg: TrainConfig) -> EagleHead:
             f"{cfg.init_head} fuses target layers {list(head.cfg.aux_layers)}; "
             f"the training data has {list(cfg.aux_layers)}"
         )
-    return head.requires_grad_(True)
 
 
 def _init_eagle3(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> EagleHead:
@@ -321,4 +325,4 @@ def write_provenance(out: Path, info: dict[str, object]) -> None:
     (out / "provenance.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
 
 
-__all__ = ["TrainConfig", "column_of", "starting_head", "train_head", "ttt_loss", "ttt_mask", "write_provenance"]
+__all__ = ["TrainConfig", "column_of", "train_head", "ttt_loss", "ttt_mask", "write_provenance"]
