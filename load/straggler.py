@@ -53,6 +53,7 @@ from specserve.engine import Engine
 from specserve.guard import ThroughputGuard
 from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
+from specserve.policy.tree_floor import TreeFloor
 from specserve.spec_decode.eagle_head import EagleHead
 
 TINY_PAIR = "tiny"
@@ -96,6 +97,9 @@ class StudyConfig(BaseModel):
     ddd_threshold: float | None = Field(default=None, le=0.0, description="DDD's threshold x (None: the paper's)")
     tree_min_prob: float = Field(
         default=0.0, ge=0.0, lt=1.0, description="trees: the least path draft probability verified (0: off)"
+    )
+    adaptive_floor: bool = Field(
+        default=False, description="trees: the floor measured as the engine runs, from tree_min_prob (SpecConfig)"
     )
     max_step_tokens: int = Field(default=0, ge=0, description="cap on tokens verified per step (0 = off)")
     guard: bool = Field(default=False, description="the engine's throughput guard (speculate only where it pays)")
@@ -145,6 +149,7 @@ class StudyConfig(BaseModel):
             "model_max_sl": self.model_max_sl,
             "model_budget": self.model_budget,
             "tree_min_prob": self.tree_min_prob,
+            "adaptive_floor": self.adaptive_floor,
         }
         if self.max_sl is not None:
             shared["max_sl"] = self.max_sl
@@ -241,8 +246,10 @@ def run_engine_point(
     spec: SpecConfig,
     repeat: int = 0,
     guard: ThroughputGuard | None = None,
+    floor: TreeFloor | None = None,
 ) -> tuple[dict[str, Any], RunTrace]:
-    """One run on a fresh engine; ``guard``: a throughput guard whose measurements carry over from earlier runs."""
+    """One run on a fresh engine; ``guard`` / ``floor``: a throughput guard / tree floor fit whose measurements
+    carry over from earlier runs."""
     engine = Engine(
         models.target,
         models.tokenizer,
@@ -255,6 +262,8 @@ def run_engine_point(
     )
     if guard is not None:
         engine.loop.planner.guard = guard
+    if floor is not None:
+        engine.loop.planner.floor = floor
     rec = StepRecorder.install(engine)
     res = run_one(engine, wl.prompts, wl.lengths, spec, wl.accepts)  # the batch benchmark's loop
     requests = rec.request_traces(wl.categories)
@@ -315,6 +324,7 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
     traces_path.unlink(missing_ok=True)
     total = len(cfg.workloads) * len(cfg.batch_sizes) * cfg.repeats * len(specs)
     guards = {p: ThroughputGuard() for p, s in specs.items() if s.method != SpecMethod.none} if cfg.warm_guard else {}
+    floors = {p: TreeFloor() for p, s in specs.items() if s.adaptive_floor and s.is_tree} if cfg.warm_guard else {}
     traces: list[RunTrace] = []
     start = time.perf_counter()
     done = 0
@@ -323,10 +333,14 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
             wl = make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode)
             if cfg.warm_guard:  # untimed, every policy alike: what a server that has served this batch size knows
                 for policy, spec in specs.items():
-                    run_engine_point(cfg, models, wl, batch, policy, spec, guard=guards.get(policy))
+                    run_engine_point(
+                        cfg, models, wl, batch, policy, spec, guard=guards.get(policy), floor=floors.get(policy)
+                    )
             for repeat in range(cfg.repeats):
                 for policy, spec in pass_order(specs, repeat, cfg.alternate):
-                    row, trace = run_engine_point(cfg, models, wl, batch, policy, spec, repeat, guards.get(policy))
+                    row, trace = run_engine_point(
+                        cfg, models, wl, batch, policy, spec, repeat, guards.get(policy), floors.get(policy)
+                    )
                     traces.append(trace)
                     append_trace(traces_path, trace)  # a long sweep keeps what it measured if it is stopped
                     done += 1
@@ -602,6 +616,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     )
     p.add_argument(
         "--tree-min-prob", type=float, default=d.tree_min_prob, help="trees: the least path draft probability kept"
+    )
+    p.add_argument(
+        "--adaptive-floor", action="store_true", help="trees: measure the floor as they run, from --tree-min-prob"
     )
     p.add_argument("--max-step-tokens", type=int, default=d.max_step_tokens)
     p.add_argument("--guard", action="store_true", help="the engine's throughput guard")

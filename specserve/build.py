@@ -10,6 +10,7 @@ from specserve.limits import ContextLimits
 from specserve.messages import FeatureRequest
 from specserve.models.llama import LlamaModel
 from specserve.policy.planner import SLPlanner
+from specserve.policy.tree_floor import TreeFloor
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.spec_decode.suffix_tree import SuffixCache
@@ -41,7 +42,8 @@ def build_step_loop(
     replica's cache of recent outputs, shared by its lanes (None: a new one of ``cfg.suffix_cache_tokens``)."""
     if suffix_cache is None:
         suffix_cache = new_suffix_cache(cfg)
-    planner = SLPlanner(guard=ThroughputGuard() if cfg.throughput_guard else None, max_step_tokens=cfg.max_step_tokens)
+    guard = ThroughputGuard() if cfg.throughput_guard else None
+    planner = SLPlanner(guard=guard, max_step_tokens=cfg.max_step_tokens, floor=TreeFloor())
     return StepLoop(
         target,
         draft,

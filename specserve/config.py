@@ -264,6 +264,11 @@ class SpecConfig(BaseModel):
         description="EAGLE-2 / DDD: verify only drafted nodes whose path draft probability is at least this "
         "(0: the budget T alone sizes the tree; docs/algorithms.md §2.3)",
     )
+    adaptive_floor: bool = Field(
+        default=False,
+        description="EAGLE-2 / DDD: set the floor each step to the loop's measured seconds per verify row times its "
+        "tokens per second (tree_min_prob until both are measured; docs/algorithms.md §2.3)",
+    )
     ddd_count_first_forward: bool = Field(
         default=True,
         description="check step d = the d-th draft forward, the first (the root's) included; False: count the "

@@ -78,6 +78,7 @@ class ProposeItem:
     features: torch.Tensor | None = None  # draft heads: [n, F] target hidden states of positions feature_start..
     feature_start: int = 0
     root_position: int = -1  # index of the root in the sequence (keyed chains draw the token after it at +1)
+    min_prob: float | None = None  # trees: this step's measured floor, in place of spec.tree_min_prob (None: that)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from specserve.errors import InvalidRequestError, PartialStepError, SequenceErro
 from specserve.guard import Outlook
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.policy import SequenceDSDE
-from specserve.policy.planner import SLPlanner
+from specserve.policy.planner import SLPlanner, StepPlan
 from specserve.sequence import FinishReason, Request, RequestOutput, Sequence
 from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver, StepStats
@@ -154,7 +154,7 @@ class StepLoop:
             return []
         self._register(batch)
         plan = self.planner.plan(batch, prefills=any(s.prefills for s in batch), outlook=self._outlook(batch))
-        proposals = self._propose(batch, plan.depths)
+        proposals = self._propose(batch, plan)
         t1 = time.perf_counter()
         items = [self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)]
         verified = self.target.verify(items)
@@ -202,13 +202,13 @@ class StepLoop:
                     seq.last_accepted = []
             seq.registered = True
 
-    def _propose(self, batch: list[Sequence], depths: list[int]) -> list[Proposal | None]:
+    def _propose(self, batch: list[Sequence], plan: StepPlan) -> list[Proposal | None]:
         """Model-free drafters first (where a sequence asks for one); the draft model for the rest, and where they
         found no match (``model_fallback``)."""
         proposals: dict[int, Proposal] = {}
         to_model: list[tuple[Sequence, int]] = []
         current = {s.seq_id: s.model_proposed for s in batch}  # the draft model saw each one's last step
-        for s, d in zip(batch, depths, strict=True):
+        for s, d in zip(batch, plan.depths, strict=True):
             s.model_proposed, s.draft_caught_up = False, 0
             if d == 0:
                 continue
@@ -232,6 +232,7 @@ class StepLoop:
                     features=torch.cat(s.features) if s.features else None,
                     feature_start=s.features_from,
                     root_position=len(s.tokens) - 1,
+                    min_prob=plan.min_prob if s.spec.adaptive_floor else None,
                 )
                 for s, d in to_model
             ]
@@ -283,16 +284,24 @@ class StepLoop:
         """This step's KLD values set each DSDE sequence's next SL (docs/algorithms.md §4.6); the throughput guard
         records the step unless some sequence (re-)prefilled in it: a prompt's prefill costs both modes alike and
         takes several decode steps' time, so a mode's average would say more about admissions than about its
-        decoding (docs/algorithms.md §7)."""
+        decoding (docs/algorithms.md §7). The tree floor's fit takes the same steps: their verify seconds against
+        verified rows, and speculative steps' tokens a second (docs/algorithms.md §2.3)."""
         for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
             if seq.sl_state is not None and proposal is not None:
                 drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)
                 seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))
-        guard = self.planner.guard
-        if guard is not None and not event.prefills and any(s.spec.method != SpecMethod.none for s in event.batch):
-            drafted_any = any(p is not None for p in event.proposals)
-            caught_up = sum(s.draft_caught_up for s in event.batch)
+        if event.prefills or not any(s.spec.method != SpecMethod.none for s in event.batch):
+            return
+        drafted_any = any(p is not None for p in event.proposals)
+        caught_up = sum(s.draft_caught_up for s in event.batch)
+        guard, floor = self.planner.guard, self.planner.floor
+        if guard is not None:
             guard.record(len(event.batch), drafted_any, event.emitted, event.total_s, caught_up_tokens=caught_up)
+        if floor is not None and self.planner.adaptive(event.batch):  # docs/algorithms.md §2.3
+            rows = sum(len(it.new_tokens) + len(it.draft_tokens) for it in event.items)
+            floor.record_verify(len(event.batch), rows, event.verify_s)
+            if drafted_any and not caught_up:
+                floor.record_rate(len(event.batch), event.emitted, event.total_s)
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
         if out.features is not None:

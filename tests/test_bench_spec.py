@@ -175,6 +175,17 @@ def test_path_probability_floors_become_methods() -> None:
     assert [m.spec.tree_min_prob for m in methods] == [0.0, 0.06, 0.0, 0.06]
     with pytest.raises(ValueError, match="tree_min_prob"):
         methods_for(parser.parse_args([*argv, "1.5"]), "smollm2-eagle", model, model, [])
+    measured = methods_for(parser.parse_args([*argv, "--adaptive-floor"]), "smollm2-eagle", model, model, [])
+    assert [m.name for m in measured][-2:] == [
+        "DDD x=-0.3 T=6 p>=measured (from 0)",
+        "DDD x=-0.3 T=6 p>=measured (from 0.06)",
+    ]
+    assert [(m.spec.adaptive_floor, m.spec.tree_min_prob) for m in measured] == [
+        (False, 0.0),
+        (False, 0.06),
+        (True, 0.0),
+        (True, 0.06),
+    ] * 2
 
 
 def test_model_free_trees_take_the_tree_options_and_fall_back_to_a_capped_model() -> None:

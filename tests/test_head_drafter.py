@@ -11,6 +11,7 @@ from specserve.engine import Engine
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
+from specserve.policy.tree_floor import TreeFloor
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind
 from specserve.workers import HeadDraftWorker
@@ -74,6 +75,31 @@ def test_trees_pruned_by_path_probability_stay_greedy_equal(target: LlamaModel) 
         steps.append(sum(o.stats.draft_steps for o in out))
     assert 0 < drafted[1] < drafted[0]
     assert steps[1] < steps[0]  # steps whose tree kept no node verified the root alone
+
+
+class _FixedFloor(TreeFloor):
+    def floor(self, batch_size: int) -> float | None:
+        return 0.6
+
+
+def test_a_measured_floor_reaches_the_drafter_and_stays_greedy_equal(target: LlamaModel) -> None:
+    """The loop's measured floor prunes trees exactly as the same fixed floor does; a real fit measures the steps."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    head = random_head(target)
+    fixed = METHODS[2].model_copy(update={"tree_min_prob": 0.6})
+    adaptive = METHODS[2].model_copy(update={"adaptive_floor": True})  # from tree_min_prob 0
+    runs = []
+    for spec, floor in ((fixed, None), (adaptive, _FixedFloor()), (adaptive, None)):
+        engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+        if floor is not None:
+            engine.loop.planner.floor = floor
+        out = engine.generate(PROMPTS, params)
+        assert [o.token_ids for o in out] == _plain(target, params)
+        runs.append((sum(o.stats.drafted for o in out), sum(o.stats.draft_steps for o in out)))
+        measured = engine.loop.planner.floor
+    assert runs[1] == runs[0]
+    assert measured is not None and measured.fits[4].steps >= 30  # every decoding step of the batch of 4
+    assert measured.row_cost(4) is not None and measured.tokens_per_s(4) is not None
 
 
 def test_reduced_vocabulary_and_eagle3_heads_stay_lossless(target: LlamaModel) -> None:

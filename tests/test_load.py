@@ -550,6 +550,9 @@ def test_study_max_sl_caps_every_speculative_policy() -> None:
     floored = straggler.parse_args(["--pair", "tiny", "--tree-min-prob", "0.06"]).specs()
     assert floored[PolicyName.ddd].tree_min_prob == floored[PolicyName.dsde_ddd].tree_min_prob == 0.06
     assert straggler.parse_args(["--pair", "tiny"]).specs()[PolicyName.ddd].tree_min_prob == 0.0
+    measured = straggler.parse_args(["--pair", "tiny", "--tree-min-prob", "0.06", "--adaptive-floor"]).specs()
+    assert measured[PolicyName.ddd].adaptive_floor and measured[PolicyName.ddd].tree_min_prob == 0.06
+    assert not straggler.parse_args(["--pair", "tiny"]).specs()[PolicyName.ddd].adaptive_floor
     with pytest.raises(ValueError, match="tree_min_prob"):
         straggler.StudyConfig(pair="tiny", tree_min_prob=1.5)
     with pytest.raises(SystemExit):

@@ -72,6 +72,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tree-min-prob", type=float, nargs="+", default=[None], help="trees: the least path draft probability kept"
     )
+    p.add_argument(
+        "--adaptive-floor",
+        action="store_true",
+        help="trees: also each floor measured as the engine runs, starting from each --tree-min-prob "
+        "(SpecConfig.adaptive_floor)",
+    )
     p.add_argument("--budget", type=int, nargs="+", default=[0], help="tree verify budget(s) T; 0 = auto-tune")
     p.add_argument("--tree-depth", type=int, nargs="+", default=[None], help="EAGLE-2 depth(s) D (default: SpecConfig)")
     p.add_argument(
@@ -202,11 +208,32 @@ def methods_for(
 
 
 def _min_prob_variants(args: argparse.Namespace, spec: SpecConfig) -> list[SpecConfig]:
-    return [spec if p is None else _spec(spec.model_dump(), tree_min_prob=p) for p in args.tree_min_prob]
+    fixed = [spec if p is None else _spec(spec.model_dump(), tree_min_prob=p) for p in args.tree_min_prob]
+    adaptive = [s.model_copy(update={"adaptive_floor": True}) for s in fixed] if args.adaptive_floor else []
+    return fixed + adaptive
 
 
 def _min_prob_label(spec: SpecConfig) -> str:
+    if spec.adaptive_floor:
+        return f" p>=measured (from {spec.tree_min_prob:g})"
     return f" p>={spec.tree_min_prob:g}" if spec.tree_min_prob > 0 else ""
+
+
+def measured_floors(methods: list[Method], engines: list[Engine]) -> list[str]:
+    """What each method with a measured tree floor ended on: seconds a verify row, tokens a second, the floor."""
+    lines = []
+    for method, engine in zip(methods, engines, strict=True):
+        floor = engine.loop.planner.floor
+        if not method.spec.adaptive_floor or floor is None:
+            continue
+        cost, rate, p = floor.row_cost(1), floor.tokens_per_s(1), floor.floor(1)
+        shown = (
+            "not measured"
+            if cost is None or rate is None or p is None
+            else (f"a verify row {cost * 1e3:.2f} ms x {rate:.1f} tok/s -> floor {p:.3f}")
+        )
+        lines.append(f"{method.name}: {shown}")
+    return lines
 
 
 def _with_dsde(args: argparse.Namespace, methods: list[Method]) -> list[Method]:
@@ -520,4 +547,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{len(prompts)} prompts from {source}{passes} x {args.max_tokens} new tokens, batch 1, greedy")
     print(device_summary(args.device))
     print(markdown_table(rows))
+    for line in measured_floors(methods, engines):
+        print(line)
     return 0

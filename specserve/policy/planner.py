@@ -13,6 +13,7 @@ from typing import Protocol
 from specserve.config import SpecConfig, SpecMethod
 from specserve.guard import Outlook, ThroughputGuard
 from specserve.policy.dsde import SLState, apply_cap, sl_cap
+from specserve.policy.tree_floor import TreeFloor
 
 
 class PlanRow(Protocol):
@@ -31,16 +32,24 @@ class StepPlan:
     uncapped: list[int]  # the policy's SL_i before SL_cap, max_sl and the guards (static: its depth)
     cap: int | None  # SL_cap over the lock-step batch (None: no DSDE sequence past warm-up, or the cap is off)
     post_warmup: list[bool]  # DSDE sequences past warm-up (static ones: False)
+    min_prob: float | None = None  # the measured tree floor for sequences with ``adaptive_floor`` (None: their own)
 
     def select(self, rows: list[int]) -> StepPlan:
         pick = [self.depths[i] for i in rows], [self.uncapped[i] for i in rows], [self.post_warmup[i] for i in rows]
-        return StepPlan(pick[0], pick[1], self.cap, pick[2])
+        return StepPlan(pick[0], pick[1], self.cap, pick[2], self.min_prob)
 
 
 class SLPlanner:
-    def __init__(self, *, guard: ThroughputGuard | None = None, max_step_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        guard: ThroughputGuard | None = None,
+        max_step_tokens: int | None = None,
+        floor: TreeFloor | None = None,
+    ) -> None:
         self.guard = guard  # None: always speculate as planned
         self.max_step_tokens = max_step_tokens  # drafted tokens + batch size verified per step (None: no limit)
+        self.floor = floor  # measures the tree floor for sequences with ``adaptive_floor`` (None: never measured)
 
     def plan(self, rows: Sequence[PlanRow], *, prefills: bool = False, outlook: Outlook | None = None) -> StepPlan:
         """``prefills``: some row feeds a prompt this step (the guard does not time such a step); ``outlook``: what
@@ -49,7 +58,13 @@ class SLPlanner:
         sls, cap = self._cap(rows, uncapped)
         depths = [self._depth(r.spec, sl) for r, sl in zip(rows, sls, strict=True)]
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
-        return StepPlan(self._guard(rows, depths, prefills, outlook), uncapped, cap, post)
+        min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
+        return StepPlan(self._guard(rows, depths, prefills, outlook), uncapped, cap, post, min_prob)
+
+    @staticmethod
+    def adaptive(rows: Sequence[PlanRow]) -> bool:
+        """Whether some sequence takes the measured tree floor (and so the loop measures it)."""
+        return any(r.spec.adaptive_floor and r.spec.is_tree for r in rows)
 
     @staticmethod
     def _cap(rows: Sequence[PlanRow], uncapped: list[int]) -> tuple[list[int], int | None]:

@@ -196,7 +196,8 @@ def tree_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
     assert s.tree is not None
     t = s.tree
     spec = s.item.spec
-    min_score = math.log(spec.tree_min_prob) if spec.tree_min_prob > 0 else -math.inf
+    floor = spec.tree_min_prob if s.item.min_prob is None else s.item.min_prob
+    min_score = math.log(floor) if floor > 0 else -math.inf
     tree = t.builder.rerank(spec.model_tree_budget, min_score)
     row_of = torch.nn.functional.pad(t.row_of, (0, t.builder.num_candidates + 1 - t.row_of.numel()))
     cand = torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device)

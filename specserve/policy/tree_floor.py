@@ -1,0 +1,122 @@
+"""The tree floor from the loop's own step times (docs/algorithms.md §2.3).
+
+A verified tree node adds its acceptance probability p in tokens and one verify row, c seconds, to a step; at the
+loop's rate of R tokens a second the node pays where p >= c * R. Both sides are measured as the loop runs, per
+power-of-two batch-size bucket: c as the slope of an exponentially weighted least-squares fit of a step's verify
+seconds on its verified rows (trees pruned by the floor, DDD's early stops and plain steps vary the rows from step to
+step), R as the weighted ratio of tokens to seconds over speculative steps. A fit, not a profile timed at load: the
+host's speed drifts (a memory-bound one-row step moved 14-20 ms within an hour on one CPU), and each step's own
+time follows it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specserve.guard import bucket
+
+
+@dataclass
+class RowFit:
+    """Exponentially weighted least squares of y (a step's verify seconds) on x (its verified rows)."""
+
+    weight: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    steps: int = 0
+
+    def add(self, x: float, y: float, keep: float) -> None:
+        """Add one step; every earlier one's weight is first multiplied by ``keep``."""
+        self.weight = keep * self.weight + 1.0
+        self.sx = keep * self.sx + x
+        self.sy = keep * self.sy + y
+        self.sxx = keep * self.sxx + x * x
+        self.sxy = keep * self.sxy + x * y
+        self.steps += 1
+
+    @property
+    def spread(self) -> float:
+        """Weighted standard deviation of x."""
+        if self.weight <= 0:
+            return 0.0
+        mean = self.sx / self.weight
+        return math.sqrt(max(0.0, self.sxx / self.weight - mean * mean))
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept, slope) of the fit (None: x has not varied)."""
+        if self.weight <= 0:
+            return None
+        mx, my = self.sx / self.weight, self.sy / self.weight
+        var = self.sxx / self.weight - mx * mx
+        if var <= 1e-9 * (1.0 + mx * mx):  # x constant up to rounding
+            return None
+        slope = (self.sxy / self.weight - mx * my) / var
+        return my - slope * mx, slope
+
+
+@dataclass
+class TreeFloor:
+    memory: float = 64.0  # steps: each step's weight in the fits decays by 1 - 1 / memory a step
+    min_steps: int = 16  # steps of a bucket before its floor is used
+    min_spread: float = 0.5  # verified rows must vary by this much (weighted std) for the slope to be read
+    outlier_clip: float = 2.0  # a step counts as at most this many times the fit's prediction (a GC pause, a burst
+    # of another process: six times a step once would move the slope for a whole memory)
+    max_floor: float = 0.9  # above this no node would be verified: the guard's decision to make, not the floor's
+    fits: dict[int, RowFit] = field(default_factory=dict)  # bucket -> verify seconds on rows
+    rates: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> weighted (tokens, seconds)
+    # of speculative steps
+    slopes: dict[int, float] = field(default_factory=dict)  # bucket -> the last slope read with enough spread
+
+    def __post_init__(self) -> None:
+        if self.memory < 1:
+            raise ValueError(f"memory must be at least 1 step, got {self.memory}")
+        if self.min_steps < 2:
+            raise ValueError(f"min_steps must be at least 2, got {self.min_steps}")
+        if self.min_spread < 0 or self.outlier_clip < 1:
+            raise ValueError(f"min_spread >= 0 and outlier_clip >= 1, got {self.min_spread}, {self.outlier_clip}")
+        if not 0 < self.max_floor < 1:
+            raise ValueError(f"max_floor must be in (0, 1), got {self.max_floor}")
+
+    @property
+    def keep(self) -> float:
+        return 1.0 - 1.0 / self.memory
+
+    def record_verify(self, batch_size: int, rows: int, seconds: float) -> None:
+        """One step's verification: ``rows`` tokens verified over the batch (roots included) in ``seconds``."""
+        b = bucket(batch_size)
+        fit = self.fits.setdefault(b, RowFit())
+        line = fit.line() if fit.steps >= self.min_steps else None
+        if line is not None and (predicted := line[0] + line[1] * rows) > 0:
+            seconds = min(seconds, self.outlier_clip * predicted)
+        fit.add(float(rows), seconds, self.keep)
+        if fit.spread >= self.min_spread and (line := fit.line()) is not None:
+            self.slopes[b] = line[1]
+
+    def record_rate(self, batch_size: int, tokens: int, seconds: float) -> None:
+        """One speculative step: ``tokens`` emitted over the batch in ``seconds`` (drafting and verifying)."""
+        b = bucket(batch_size)
+        tok, sec = self.rates.get(b, (0.0, 0.0))
+        self.rates[b] = (self.keep * tok + tokens, self.keep * sec + seconds)
+
+    def row_cost(self, batch_size: int) -> float | None:
+        """Seconds a verified row adds to a step in this bucket (None: not measured yet)."""
+        b = bucket(batch_size)
+        fit = self.fits.get(b)
+        if fit is None or fit.steps < self.min_steps or b not in self.slopes:
+            return None
+        return max(0.0, self.slopes[b])
+
+    def tokens_per_s(self, batch_size: int) -> float | None:
+        tok, sec = self.rates.get(bucket(batch_size), (0.0, 0.0))
+        return tok / sec if sec > 0 else None
+
+    def floor(self, batch_size: int) -> float | None:
+        """The path probability a node needs to pay for its row: c * R, at most ``max_floor`` (None: c or R not
+        measured yet; the sequence's own ``tree_min_prob`` applies meanwhile)."""
+        cost, rate = self.row_cost(batch_size), self.tokens_per_s(batch_size)
+        if cost is None or rate is None:
+            return None
+        return min(self.max_floor, cost * rate)

@@ -1,0 +1,122 @@
+"""The tree floor measured from the loop's own steps (specserve/policy/tree_floor.py, docs/algorithms.md §2.3)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.config import SpecConfig, SpecMethod
+from specserve.policy.planner import SLPlanner
+from specserve.policy.tree_floor import RowFit, TreeFloor
+
+
+def _steps(floor: TreeFloor, n: int, *, base: float, per_row: float, batch: int = 1, seed: int = 0) -> None:
+    """``n`` steps verifying 1-6 rows a sequence, each ``base + per_row * rows`` seconds with 3% noise."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        rows = batch * rng.randint(1, 6)
+        floor.record_verify(batch, rows, (base + per_row * rows) * rng.uniform(0.97, 1.03))
+
+
+def test_row_fit_recovers_a_line() -> None:
+    fit = RowFit()
+    for x in (1, 2, 3, 4, 5, 6, 1, 6):
+        fit.add(float(x), 0.5 + 0.25 * x, keep=1.0)
+    line = fit.line()
+    assert line is not None
+    assert line[0] == pytest.approx(0.5) and line[1] == pytest.approx(0.25)
+    flat = RowFit()
+    for _ in range(5):
+        flat.add(3.0, 1.0, keep=0.9)
+    assert flat.spread == pytest.approx(0.0, abs=1e-6) and flat.line() is None
+
+
+def test_floor_is_row_cost_times_tokens_per_second() -> None:
+    floor = TreeFloor()
+    _steps(floor, 15, base=0.015, per_row=0.002)
+    assert floor.row_cost(1) is None  # fewer than min_steps
+    _steps(floor, 60, base=0.015, per_row=0.002, seed=1)
+    cost = floor.row_cost(1)
+    assert cost == pytest.approx(0.002, rel=0.15)
+    assert floor.floor(1) is None  # no speculative step's rate yet
+    for _ in range(10):
+        floor.record_rate(1, 3, 0.05)  # 60 tokens a second
+    assert floor.tokens_per_s(1) == pytest.approx(60.0)
+    assert floor.floor(1) == pytest.approx(cost * 60.0)
+
+
+def test_the_fit_follows_a_drifting_row_cost() -> None:
+    floor = TreeFloor(memory=32)
+    _steps(floor, 100, base=0.015, per_row=0.001)
+    assert floor.row_cost(1) == pytest.approx(0.001, rel=0.2)
+    _steps(floor, 200, base=0.020, per_row=0.003, seed=2)  # the host slowed down
+    assert floor.row_cost(1) == pytest.approx(0.003, rel=0.15)
+
+
+def test_one_stalled_step_barely_moves_the_slope() -> None:
+    floor = TreeFloor()
+    _steps(floor, 64, base=0.015, per_row=0.002)
+    before = floor.row_cost(1)
+    floor.record_verify(1, 6, 0.5)  # a 20x step at the widest tree (a GC pause, another process)
+    after = floor.row_cost(1)
+    assert before is not None and after is not None
+    assert after == pytest.approx(before, rel=0.3)
+    unclipped = TreeFloor(outlier_clip=1e9)
+    _steps(unclipped, 64, base=0.015, per_row=0.002)
+    unclipped.record_verify(1, 6, 0.5)
+    assert unclipped.row_cost(1) > 2 * after  # type: ignore[operator]
+
+
+def test_rows_that_stop_varying_keep_the_last_slope() -> None:
+    floor = TreeFloor()
+    _steps(floor, 64, base=0.015, per_row=0.002)
+    cost = floor.row_cost(1)
+    for _ in range(300):  # the floor pruned every tree to its root: no spread left to read a slope from
+        floor.record_verify(1, 1, 0.017)
+    assert floor.fits[1].spread < floor.min_spread
+    frozen = floor.row_cost(1)
+    assert frozen == pytest.approx(cost, rel=0.05)
+    for _ in range(100):  # ... while those steps get slower (the line through them alone is undefined)
+        floor.record_verify(1, 1, 0.030)
+    assert floor.row_cost(1) == frozen
+
+
+def test_buckets_and_bounds() -> None:
+    floor = TreeFloor(max_floor=0.5)
+    _steps(floor, 64, base=0.060, per_row=0.002, batch=16)
+    assert floor.row_cost(1) is None and floor.row_cost(16) is not None
+    assert floor.row_cost(12) == floor.row_cost(16)  # one bucket spans 9-16
+    floor.record_rate(16, 400, 0.1)  # 4000 tokens a second: 8 a row's worth -> capped
+    assert floor.floor(16) == 0.5
+    negative = TreeFloor()
+    for i in range(64):
+        rows = 1 + i % 6
+        negative.record_verify(1, rows, 0.02 - 0.001 * rows)
+    negative.record_rate(1, 2, 0.02)
+    assert negative.row_cost(1) == 0.0 and negative.floor(1) == 0.0
+    with pytest.raises(ValueError, match="max_floor"):
+        TreeFloor(max_floor=1.0)
+    with pytest.raises(ValueError, match="memory"):
+        TreeFloor(memory=0.5)
+
+
+class _Row:
+    def __init__(self, spec: SpecConfig) -> None:
+        self.spec = spec
+        self.sl_state = None
+
+
+def test_the_plan_carries_the_floor_only_where_a_tree_asks_for_it() -> None:
+    floor = TreeFloor()
+    _steps(floor, 64, base=0.015, per_row=0.002)
+    floor.record_rate(1, 2, 0.02)
+    planner = SLPlanner(floor=floor)
+    ddd = SpecConfig(method=SpecMethod.ddd, budget=6, tree_min_prob=0.06)
+    assert planner.plan([_Row(ddd)]).min_prob is None
+    plan = planner.plan([_Row(ddd.model_copy(update={"adaptive_floor": True}))])
+    assert plan.min_prob == pytest.approx(floor.floor(1))
+    assert plan.select([0]).min_prob == plan.min_prob
+    chain = SpecConfig(method=SpecMethod.chain, sl=2, adaptive_floor=True)
+    assert planner.plan([_Row(chain)]).min_prob is None  # chains have no floor to set
+    assert SLPlanner().plan([_Row(ddd.model_copy(update={"adaptive_floor": True}))]).min_prob is None
