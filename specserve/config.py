@@ -426,13 +426,21 @@ SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.ds
 # Pairs whose fastest lossless mode measured here is another: the SmolLM2 EAGLE-3 head's trees pay for a second
 # level only where the head is sure of its first (its root's top-10 mass above e^-0.03 = 97%), not for the 5 levels
 # DDD's paper check steps draft (docs/benchmarks.md, "Tree shape" and "DDD's first check at the root's forward";
-# `specserve generate`), and each tree keeps only the nodes whose path probability under the head is at least 6%,
-# about what a verify row costs of a step on a 2-core CPU (docs/benchmarks.md, "Trees sized by the head's
-# confidence"). Prompt lookup in front of it is faster at batch 1-4 but lost 3-8% at batch 32 under the guard, so it
-# is not the default (docs/benchmarks.md, "Prompt lookup in front of the EAGLE head").
+# `specserve generate`), and each tree keeps only the nodes whose path probability under the head pays for their
+# verify rows: the seconds a row adds times the tokens a second the loop makes, both measured as it runs, 6% until
+# they are (about what a row costs of a step on the 2-core Zen 3; on a Zen 4 it measured ~0.06-0.2 as the host's
+# speed moved, 1-5% faster than a fixed 6% in six runs of six: docs/benchmarks.md, "Trees sized by the head's
+# confidence" and "The tree floor measured as the loop runs"). Prompt lookup in front of it is faster at batch 1-4
+# but lost 3-8% at batch 32 under the guard, so it is not the default (docs/benchmarks.md, "Prompt lookup in front of
+# the EAGLE head").
 PAIR_SPECULATION: dict[str, SpecConfig] = {
     "smollm2-eagle": SpecConfig(
-        method=SpecMethod.ddd, budget=6, ddd_check_steps=(1, 2, 3), ddd_threshold=-0.03, tree_min_prob=0.06
+        method=SpecMethod.ddd,
+        budget=6,
+        ddd_check_steps=(1, 2, 3),
+        ddd_threshold=-0.03,
+        tree_min_prob=0.06,
+        adaptive_floor=True,
     ),
 }
 
