@@ -284,23 +284,26 @@ class StepLoop:
         """This step's KLD values set each DSDE sequence's next SL (docs/algorithms.md §4.6); the throughput guard
         records the step unless some sequence (re-)prefilled in it: a prompt's prefill costs both modes alike and
         takes several decode steps' time, so a mode's average would say more about admissions than about its
-        decoding (docs/algorithms.md §7). The tree floor's fit takes the same steps: their verify seconds against
-        verified rows, and speculative steps' tokens a second (docs/algorithms.md §2.3)."""
+        decoding (docs/algorithms.md §7). The tree floor's fit takes the same steps where they were planned to
+        speculate: their verify seconds against verified rows, their tokens a second (docs/algorithms.md §2.3)."""
         for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
             if seq.sl_state is not None and proposal is not None:
                 drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)
                 seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))
         if event.prefills or not any(s.spec.method != SpecMethod.none for s in event.batch):
             return
-        drafted_any = any(p is not None for p in event.proposals)
+        # the draft model drafted for some sequence (its tree may have kept no node: still a speculative step's
+        # cost), or a model-free drafter found a match
+        drafted_any = any(p is not None for p in event.proposals) or any(s.model_proposed for s in event.batch)
         caught_up = sum(s.draft_caught_up for s in event.batch)
         guard, floor = self.planner.guard, self.planner.floor
         if guard is not None:
             guard.record(len(event.batch), drafted_any, event.emitted, event.total_s, caught_up_tokens=caught_up)
-        if floor is not None and self.planner.adaptive(event.batch):  # docs/algorithms.md §2.3
+        if floor is not None and any(event.plan.depths) and self.planner.adaptive(event.batch):  # a step planned
+            # to speculate (its trees may have kept no node), not a plain one: docs/algorithms.md §2.3
             rows = sum(len(it.new_tokens) + len(it.draft_tokens) for it in event.items)
             floor.record_verify(len(event.batch), rows, event.verify_s)
-            if drafted_any and not caught_up:
+            if not caught_up:
                 floor.record_rate(len(event.batch), event.emitted, event.total_s)
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:

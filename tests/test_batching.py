@@ -498,6 +498,29 @@ def test_the_loop_tells_the_guard_when_the_draft_catches_up(target: LlamaModel) 
     assert [o.draft_missed for o in guard.outlooks[2:6] if o is not None] == [0, 0, 0, 2 * 3]
 
 
+def test_trees_pruned_to_their_root_count_as_speculation_and_plain_steps_stay_out_of_the_floor(
+    target: LlamaModel,
+) -> None:
+    """A step the guard let speculate whose trees kept no node (the floor above every path) still paid for drafting:
+    the guard records it as speculative. The measured tree floor fits speculative steps only: the guard's plain
+    steps cost what the guard weighs, not what a verify row costs a speculative step."""
+    pruned = SpecConfig(method=SpecMethod.ddd, budget=8, ddd_check_steps=(1, 2), tree_min_prob=0.999)
+    engine = Engine(target, None, draft=noisy_copy(target, 0.5), speculation=pruned, eos_token_ids=set())
+    guard = engine.loop.planner.guard = _ScriptedGuard([])
+    out = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert sum(o.stats.draft_steps for o in out) == 0  # no tree kept a node ...
+    assert guard.recorded and all(spec for spec, _ in guard.recorded)  # ... and every step was speculative
+    for plain in (True, False):  # plain throughout, or speculative
+        adaptive = pruned.model_copy(update={"adaptive_floor": True, "tree_min_prob": 0.0})
+        engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=adaptive, eos_token_ids=set())
+        guard = engine.loop.planner.guard = _ScriptedGuard([not plain] * 40)
+        floor = engine.loop.planner.floor
+        assert floor is not None
+        engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True))
+        assert len(guard.recorded) >= 3 and all(spec != plain for spec, _ in guard.recorded)
+        assert sum(f.steps for f in floor.fits.values()) == (0 if plain else len(guard.recorded))
+
+
 def test_sequences_a_model_free_drafter_serves_put_no_catch_up_in_the_outlook(target: LlamaModel) -> None:
     """With prompt lookup in front (the draft model only its fallback), the draft model falls behind whenever
     lookup finds a match; that backlog is read only if it falls back, so it is no switching cost for the guard."""

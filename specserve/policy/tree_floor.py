@@ -2,11 +2,12 @@
 
 A verified tree node adds its acceptance probability p in tokens and one verify row, c seconds, to a step; at the
 loop's rate of R tokens a second the node pays where p >= c * R. Both sides are measured as the loop runs, per
-power-of-two batch-size bucket: c as the slope of an exponentially weighted least-squares fit of a step's verify
-seconds on its verified rows (trees pruned by the floor, DDD's early stops and plain steps vary the rows from step to
-step), R as the weighted ratio of tokens to seconds over speculative steps. A fit, not a profile timed at load: the
-host's speed drifts (a memory-bound one-row step moved 14-20 ms within an hour on one CPU), and each step's own
-time follows it.
+power-of-two batch-size bucket: c as the slope of an exponentially weighted least-squares fit of a speculative step's
+verify seconds on its verified rows (trees pruned by the floor, to the root alone at times, and DDD's early stops vary
+the rows from step to step), R as the weighted ratio of tokens to seconds over those steps. The guard's plain steps
+are in neither: the floor sizes speculative steps, and a plain step's cost is the guard's to weigh. A fit, not a
+profile timed at load: the host's speed drifts (a memory-bound one-row step moved 14-20 ms within an hour on one CPU),
+and each step's own time follows it.
 """
 
 from __future__ import annotations
