@@ -429,7 +429,7 @@ SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.ds
 # `specserve generate`), and each tree keeps only the nodes whose path probability under the head pays for their
 # verify rows: the seconds a row adds times the tokens a second the loop makes, both measured as it runs, 6% until
 # they are (about what a row costs of a step on the 2-core Zen 3; on a Zen 4 it measured ~0.06-0.2 as the host's
-# speed moved, 1-5% faster than a fixed 6% in six runs of six: docs/benchmarks.md, "Trees sized by the head's
+# speed moved, faster than a fixed 6% in eleven batch-1 runs of twelve: docs/benchmarks.md, "Trees sized by the head's
 # confidence" and "The tree floor measured as the loop runs"). Prompt lookup in front of it is faster at batch 1-4
 # but lost 3-8% at batch 32 under the guard, so it is not the default (docs/benchmarks.md, "Prompt lookup in front of
 # the EAGLE head").
