@@ -89,17 +89,23 @@ class Sequence:
     arrived: float = field(default_factory=time.perf_counter)  # when the loop accepted the request
     features: list[torch.Tensor] = field(default_factory=list)  # target hidden states not yet sent to a draft head
     features_from: int = 0  # position of the first of them
+    features_queued: int = 0  # rows in ``features`` (counted as they come: a plain step adds one, every step)
 
     def add_features(self, rows: torch.Tensor, start: int) -> None:
         """Queue the hidden states [n, F] of positions start..start+n-1; a non-contiguous start (the target
         re-prefilled after a restart) drops the queue first, and so does a queue past MAX_QUEUED_FEATURES rows
         (a sequence the guard kept on plain steps for long: the head restarts from the newer features)."""
-        queued = sum(f.shape[0] for f in self.features)
+        queued = self.features_queued
         if self.features and (self.features_from + queued != start or queued > MAX_QUEUED_FEATURES):
-            self.features = []
+            self.drop_features()
         if not self.features:
             self.features_from = start
         self.features.append(rows)
+        self.features_queued += rows.shape[0]
+
+    def drop_features(self) -> None:
+        """Empty the queue (its features went to the draft head, or are of no use)."""
+        self.features, self.features_queued = [], 0
 
     @property
     def tokens(self) -> list[int]:

@@ -242,7 +242,7 @@ class StepLoop:
             proposals.update((p.seq_id, p) for p in self.draft.propose(items))
             for s, _ in to_model:
                 s.draft_seen = len(s.tokens)
-                s.features = []
+                s.drop_features()
                 s.model_proposed = True
         # a draft head without features for a sequence yet (its first step) drafts nothing: a plain step
         return [p if (p := proposals.get(s.seq_id)) is not None and p.tokens else None for s in batch]

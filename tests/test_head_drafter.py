@@ -178,4 +178,8 @@ def test_feature_queue_is_bounded_and_restarts_on_a_gap() -> None:
         seq.add_features(torch.ones(256, 4), start=start)
         start += 256
     seq.add_features(torch.ones(1, 4), start=start)  # over the bound: only the newest rows stay
-    assert seq.features_from == start and sum(f.shape[0] for f in seq.features) == 1
+    assert seq.features_from == start and sum(f.shape[0] for f in seq.features) == seq.features_queued == 1
+    seq.drop_features()  # sent to the head: the next rows start a queue wherever they are
+    seq.add_features(torch.ones(2, 4), start=start + 5)
+    seq.add_features(torch.ones(1, 4), start=start + 7)
+    assert seq.features_from == start + 5 and seq.features_queued == 3 and len(seq.features) == 2
