@@ -105,8 +105,9 @@ class StudyConfig(BaseModel):
     guard: bool = Field(default=False, description="the engine's throughput guard (speculate only where it pays)")
     warm_guard: bool = Field(
         default=False,
-        description="each guarded policy keeps one guard across its runs, as a long-running server does, warmed by "
-        "one untimed run per batch size first (default: a fresh guard per run, which pays its exploration each time)",
+        description="each guarded policy keeps one guard (and, with adaptive_floor, one tree floor fit) across its "
+        "runs, as a long-running server does, warmed by one untimed run per batch size first (default: a fresh guard "
+        "per run, which pays its exploration each time)",
     )
     freeze_gc: bool = Field(default=True, description="after loading, as serving does (specserve/heap.py)")
     seed: int = 0
@@ -625,7 +626,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument(
         "--same-order", dest="alternate", action="store_false", help="every repeat runs the policies in one order"
     )
-    p.add_argument("--warm-guard", action="store_true", help="with --guard: one guard per policy across its runs")
+    p.add_argument(
+        "--warm-guard", action="store_true", help="with --guard: one guard (and floor fit) per policy across its runs"
+    )
     p.add_argument(
         "--no-freeze-gc", dest="freeze_gc", action="store_false", help="leave the collector alone (serving freezes)"
     )
