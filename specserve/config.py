@@ -65,6 +65,13 @@ class ModelSpec(BaseModel):
         "None for the row counts where it measures faster at load on this machine (small_gemm_plan; none: the "
         "copy is dropped; without the plan, every row count)",
     )
+    q4_reads: bool = Field(
+        default=True,
+        description="with small_gemm, from a GGUF whose decoder weights are Q4_1 blocks (the builtin): the kernel "
+        "reads each projection's 4-bit blocks and forms its float32 weights in registers by the dequantisation's own "
+        "arithmetic, the same products bit for bit from 0.19x the bytes, for the row counts where that measures "
+        "faster at load (in place of small_gemm_packed's copies; docs/benchmarks.md, 'Q4_1 records for the kernel')",
+    )
     small_gemm_plan: bool = Field(
         default=True,
         description="with small_gemm: at load, time the kernel's variants (weight layout, prefetch into L1 or L2) "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,15 @@ from specserve.models.native_stack import (
     attach_head_stack,
     attach_native_attention,
     attach_native_stack,
+    attach_q4_reads,
     attach_small_gemm,
     cached_kernel_plan,
 )
 from specserve.models.q4 import Q4Blocks, Q4Linear, dense_rows_on_this_cpu, gguf_layer_blocks, native_q4_available
 from specserve.models.sources import builtin_gguf_path, resolve
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
+
+log = logging.getLogger(__name__)
 
 
 def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_positions: int | None = None) -> LlamaModel:
@@ -117,10 +121,13 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
     """The spec's CPU switches for the model's float linears (the small-product kernel, or else GEMV copies and
     row padding; MKL-packed copies), then
     the C++ layer stack over the projections as they now are."""
-    packed = spec.small_gemm_packed is not False
-    small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model, packed=packed)
+    blocks = q4_source_blocks(model, spec)
+    small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model)
+    q4 = small and blocks is not None and attach_q4_reads(model, blocks)
+    if small and not q4 and spec.small_gemm_packed is not False:
+        attach_small_gemm(model, packed=True)
     if small and spec.small_gemm_plan:  # layouts and prefetches timed on this machine (the same bits either way)
-        cached_kernel_plan(model, (True, False) if spec.small_gemm_packed is None else (spec.small_gemm_packed,))
+        cached_kernel_plan(model, (True, False) if q4 or spec.small_gemm_packed is None else (spec.small_gemm_packed,))
     if model.device.type == "cpu" and not small:  # the kernel serves the rows these switches are for
         if spec.gemv_copies:
             attach_gemv_copies(model)
@@ -133,6 +140,22 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
         attach_native_attention(model)
     if spec.native_stack and model.device.type == "cpu":
         attach_native_stack(model)
+
+
+def q4_source_blocks(model: LlamaModel, spec: ModelSpec) -> dict[str, Q4Blocks] | None:
+    """The Q4_1 blocks of the spec's GGUF (``ModelSpec.q4_reads``), where it is on, the model float32 on the CPU and
+    its source a GGUF still on disk; else None."""
+    kind = spec.resolved_kind()
+    if not spec.q4_reads or not spec.small_gemm or spec.native_q4 or kind not in (SourceKind.builtin, SourceKind.gguf):
+        return None
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return None
+    gguf = builtin_gguf_path(spec.source) if kind == SourceKind.builtin else Path(spec.source).expanduser()
+    if not gguf.is_file():
+        log.warning("Q4_1 reads: %s is not on disk; the kernel reads float32 weights", gguf)
+        return None
+    blocks = gguf_layer_blocks(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)
+    return blocks or None
 
 
 def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.device = "cpu") -> LlamaModel | EagleHead:

@@ -29,7 +29,7 @@ from torch import nn
 
 from specserve.cpu import cpu_info
 from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
-from specserve.models.q4 import Q4_GROUP, Q4Linear
+from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear
 from specserve.models.sources import cache_dir
 from specserve.spec_decode.eagle_head import EagleHead
 
@@ -187,6 +187,57 @@ def attach_small_gemm(
     return True
 
 
+def layer_q4_blocks(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> dict[nn.Linear, Q4Blocks] | None:
+    """Each decoder projection of ``model`` -> its Q4_1 blocks from ``blocks`` (a GGUF's, by HF tensor name;
+    ``gguf_layer_blocks``), fused as the runner holds them (q/k/v, gate/up), or None unless every projection has them."""
+    out = {}
+    for i, layer in enumerate(model.decoder_layers()):
+        p, att = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        for name, parts in (
+            ("qkv", (att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight")),
+            ("o_proj", (att + "o_proj.weight",)),
+            ("gate_up", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+            ("down", (p + "mlp.down_proj.weight",)),
+        ):
+            mod = getattr(layer, name)
+            if type(mod) is not nn.Linear or any(n not in blocks for n in parts):
+                return None
+            out[mod] = Q4Blocks.cat([blocks[n] for n in parts])
+    return out
+
+
+def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
+    """Switch: the kernel reads each decoder projection from its Q4_1 blocks (``small_pack_q4``: 4-bit values and
+    their group's scale and minimum, 0.19x the float32 bytes), forming each float32 weight in a register by the
+    dequantisation's own arithmetic: the same products bit for bit as over the float32 weights, which the model holds
+    only because they are the GGUF's Q4_1 blocks dequantised (``ModelSpec.q4_reads``; docs/benchmarks.md, "Q4_1
+    records for the kernel"). All or nothing: False (nothing attached, a logged reason) unless every projection is
+    on the kernel and its blocks dequantise to exactly its float32 weight. The records sit where the kernel's packed
+    copy would (``small_packed``; the other kernel products, the LM head, get that float32 copy), read for every row
+    count until ``kernel_plan_for`` measures which counts win. Call
+    after ``attach_small_gemm`` and before the plan and ``attach_native_stack``."""
+    ext = extension()
+    found = layer_q4_blocks(model, blocks)
+    if found is None:
+        log.warning("Q4_1 reads: the GGUF does not hold every decoder projection as Q4_1 blocks")
+        return False
+    for mod, b in found.items():
+        if getattr(mod, "small_gemm", None) is None or mod.bias is not None:
+            log.warning("Q4_1 reads: a decoder projection is not on the small-product kernel or has a bias")
+            return False
+        if not torch.equal(b.dequantize(), mod.weight.detach()):
+            log.warning("Q4_1 reads: the GGUF's blocks do not dequantise to the loaded weights; reading float32")
+            return False
+    for mod in kernel_linears(model):  # the decoder's projections read their records, the rest (the LM head) the
+        b = found.get(mod)  # float32 packed copy, so that the plan weighs both layouts for every product
+        mod.small_packed = (  # type: ignore[assignment]
+            ext.small_pack(mod.weight.detach()) if b is None else ext.small_pack_q4(b.q, b.d.float(), b.m.float())
+        )
+        mod.small_copy_gemm, mod.small_copy_rows = ext.small_linear_packed, EVERY_ROW  # type: ignore[assignment]
+    drop_native_stack(model)
+    return True
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """How the kernel runs a model's products of each row count on this machine (the same bits either way):
@@ -290,6 +341,7 @@ def plan_key(lins: list[nn.Linear], layouts: tuple[bool, ...], probes: tuple[int
         ext.small_gemm_isa(),
         torch.get_num_threads(),
         [[m.out_features, m.in_features, m.bias is not None] for m in lins],
+        sorted({str(copy.data.dtype) for m in lins if (copy := getattr(m, "small_packed", None)) is not None}),
         list(layouts),
         list(probes),
         PLAN_MARGIN,

@@ -404,6 +404,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("k", &specserve_small_gemm::Packed::k)
       .def_readonly("data", &specserve_small_gemm::Packed::data);
   m.def("small_pack", &specserve_small_gemm::pack, py::arg("weight"));
+  m.def("small_pack_q4", &specserve_small_gemm::pack_q4, py::arg("q"), py::arg("d"), py::arg("m"));
   m.def("small_bounded_argmax", &specserve_small_gemm::bounded_argmax, py::arg("x"), py::arg("approx"),
         py::arg("weight"), py::arg("row_norms"), py::arg("bound"));
   m.def("small_linear_packed", &specserve_small_gemm::linear_packed, py::arg("x"), py::arg("packed"),

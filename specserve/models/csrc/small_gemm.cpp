@@ -220,6 +220,138 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const W* w, fl
     for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + i] = hsum256(acc[i][j]);
 }
 
+// ---- Q4_1 weights (pack_q4 below): each weight w = d * q + m of its 32-element group (q 0..15; d, m the float16
+// scale and minimum as float32), formed in a register by one FMA, which equals the float32 dequantisation d * q + m
+// exactly (d * q has at most 11 + 4 significant bits, so the product is exact and the FMA rounds once, as the add
+// does). Each weight chunk then meets the activations in the same FMA sequence as block256 / block512 over the
+// dequantised float32 weight: the same products, bit for bit, from ~0.19x the bytes.
+// A block of NB rows is one record per group: NB x 16 bytes of nibbles (byte b: element b low, element b + 16 high,
+// as ggml stores them), then NB (d, m) float pairs; records for k ascending, the blocks of 4 rows, then the N % 4
+// last rows alone.
+constexpr int64_t kQ4Group = 32;
+constexpr int64_t q4_record(int64_t nb) { return nb * (16 + 2 * static_cast<int64_t>(sizeof(float))); }
+
+template <int NB, int PF>
+__attribute__((always_inline)) inline void prefetch_q4(const uint8_t* rec, int64_t block_bytes) {
+  if constexpr (PF == static_cast<int>(Prefetch::l1)) {
+    _mm_prefetch(reinterpret_cast<const char*>(rec + block_bytes), _MM_HINT_T0);
+    if constexpr (NB > 2) _mm_prefetch(reinterpret_cast<const char*>(rec + block_bytes + 64), _MM_HINT_T0);
+  } else if constexpr (PF == static_cast<int>(Prefetch::l2)) {
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * block_bytes), _MM_HINT_T1);
+    if constexpr (NB > 2) _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * block_bytes + 64), _MM_HINT_T1);
+  }
+}
+
+template <int NB, int MB, int PF>
+__attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N,
+                                                     int64_t ldx, int64_t n0, int64_t m0) {
+  __m256 acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t block_bytes = K / kQ4Group * q4_record(NB);
+  const __m256i low = _mm256_set1_epi32(15);
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
+    prefetch_q4<NB, PF>(w, block_bytes);
+    const float* dm = reinterpret_cast<const float*>(w + NB * 16);
+    for (int h = 0; h < 4; ++h) {  // elements 8h .. 8h + 7 of the group: bytes (h & 1) * 8 .., low nibbles for h < 2
+      const int64_t k = k0 + 8 * h;
+      __m256 xv[MB];
+      for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(x + (m0 + j) * ldx + k);
+      for (int i = 0; i < NB; ++i) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 * i + (h & 1) * 8));
+        const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+        const __m256i q = h < 2 ? _mm256_and_si256(wide, low) : _mm256_srli_epi32(wide, 4);
+        const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_broadcast_ss(dm + 2 * i),
+                                          _mm256_broadcast_ss(dm + 2 * i + 1));
+        for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + i] = hsum256(acc[i][j]);
+}
+
+template <int NB, int MB, int PF>
+__attribute__((target("avx512f"))) void block512_q4(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N,
+                                                   int64_t ldx, int64_t n0, int64_t m0) {
+  __m512 acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t block_bytes = K / kQ4Group * q4_record(NB);
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
+    prefetch_q4<NB, PF>(w, block_bytes);
+    const float* dm = reinterpret_cast<const float*>(w + NB * 16);
+    for (int h = 0; h < 2; ++h) {  // elements 16h .. 16h + 15: every byte, low nibbles then high
+      const int64_t k = k0 + 16 * h;
+      __m512 xv[MB];
+      for (int j = 0; j < MB; ++j) xv[j] = _mm512_loadu_ps(x + (m0 + j) * ldx + k);
+      for (int i = 0; i < NB; ++i) {
+        const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * i)));
+        const __m512i q = h == 0 ? _mm512_and_si512(wide, low) : _mm512_srli_epi32(wide, 4);
+        const __m512 wv =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(dm[2 * i]), _mm512_set1_ps(dm[2 * i + 1]));
+        for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// A block of NB rows' records -> their float32 weights in the packed layout (Layout<NB, true>: [K / 16][NB][16]),
+// each value by the same FMA as block256_q4 forms it, so that products of more rows than one call takes run the
+// float32 kernel over the block once dequantised, instead of dequantising it again for every MB activation rows.
+template <int NB>
+__attribute__((target("avx2,fma"))) void dequant_block_q4(const uint8_t* w, int64_t K, float* out) {
+  const __m256i low = _mm256_set1_epi32(15);
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
+    const float* dm = reinterpret_cast<const float*>(w + NB * 16);
+    float* chunk = out + (k0 / 16) * NB * 16;  // elements 0..15 of the group in this chunk, 16..31 in the next
+    for (int i = 0; i < NB; ++i) {
+      const __m256 d = _mm256_broadcast_ss(dm + 2 * i), m = _mm256_broadcast_ss(dm + 2 * i + 1);
+      for (int h = 0; h < 4; ++h) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 * i + (h & 1) * 8));
+        const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+        const __m256i q = h < 2 ? _mm256_and_si256(wide, low) : _mm256_srli_epi32(wide, 4);
+        _mm256_storeu_ps(chunk + (h / 2) * NB * 16 + i * 16 + (h & 1) * 8,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+      }
+    }
+  }
+}
+
+using Q4Fn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+template <int NB, int PF>
+Q4Fn pick_q4_rows(bool wide, int64_t mb) {
+  if (wide) {
+    switch (mb) {
+      case 1: return &block512_q4<NB, 1, PF>;
+      case 2: return &block512_q4<NB, 2, PF>;
+      case 3: return &block512_q4<NB, 3, PF>;
+      case 4: return &block512_q4<NB, 4, PF>;
+      case 5: return &block512_q4<NB, 5, PF>;
+      default: return &block512_q4<NB, 6, PF>;
+    }
+  }
+  switch (mb) {
+    case 1: return &block256_q4<NB, 1, PF>;
+    case 2: return &block256_q4<NB, 2, PF>;
+    default: return &block256_q4<NB, 3, PF>;
+  }
+}
+
+Q4Fn pick_q4(bool wide, bool full_block, int64_t mb, Prefetch prefetch) {
+  constexpr int none = static_cast<int>(Prefetch::none), l1 = static_cast<int>(Prefetch::l1),
+                l2 = static_cast<int>(Prefetch::l2);
+  switch (prefetch) {
+    case Prefetch::l1: return full_block ? pick_q4_rows<4, l1>(wide, mb) : pick_q4_rows<1, l1>(wide, mb);
+    case Prefetch::l2: return full_block ? pick_q4_rows<4, l2>(wide, mb) : pick_q4_rows<1, l2>(wide, mb);
+    default: return full_block ? pick_q4_rows<4, none>(wide, mb) : pick_q4_rows<1, none>(wide, mb);
+  }
+}
+
 // The kernel for a block of NB weight rows x mb activation rows (1 <= mb <= 6).
 template <int NB, int PF, bool PACKED, typename W>
 BlockFn<W> pick512(int64_t mb) {
@@ -264,6 +396,12 @@ BlockFn<W> pick(bool wide, bool packed, bool full_block, int64_t mb, Prefetch pr
 #else
 template <typename W>
 BlockFn<W> pick(bool, bool, bool, int64_t, Prefetch) { return nullptr; }  // never called: supported() is false
+using Q4Fn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+Q4Fn pick_q4(bool, bool, int64_t, Prefetch) { return nullptr; }
+template <int NB>
+void dequant_block_q4(const uint8_t*, int64_t, float*) {}
+constexpr int64_t kQ4Group = 32;
+constexpr int64_t q4_record(int64_t nb) { return nb * (16 + 2 * static_cast<int64_t>(sizeof(float))); }
 #endif
 
 bool supported() { return isa() != Isa::none; }
@@ -408,8 +546,97 @@ Packed pack(const at::Tensor& w) {
   return Packed{at::cat({head, tail}).contiguous(), N, K};
 }
 
+// ---- Q4_1 weights in the kernel's record layout (block256_q4 above). q [N, K] uint8 0..15, d and m [N, K / 32] float32
+// (float16 values): the weight row n is d[n, g] * q[n, k] + m[n, g] for k in group g = k / 32.
+Packed pack_q4(const at::Tensor& q_in, const at::Tensor& d_in, const at::Tensor& m_in) {
+  TORCH_CHECK(q_in.dim() == 2 && q_in.scalar_type() == at::kByte && q_in.device().is_cpu(),
+              "small_gemm: pack_q4 wants q [N, K] uint8 on the CPU");
+  const int64_t N = q_in.size(0), K = q_in.size(1), groups = K / kQ4Group;
+  TORCH_CHECK(K % kQ4Group == 0 && K > 0 && N > 0, "small_gemm: pack_q4 wants K a multiple of 32, got ", K);
+  for (const at::Tensor* t : {&d_in, &m_in}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == groups && t->scalar_type() == at::kFloat &&
+                    t->device().is_cpu(),
+                "small_gemm: pack_q4 wants d and m [N, K / 32] float32 on the CPU");
+  }
+  TORCH_CHECK(q_in.max().item<int64_t>() <= 15, "small_gemm: pack_q4 wants 4-bit values (0..15)");
+  const at::Tensor q = q_in.contiguous(), d = d_in.contiguous(), m = m_in.contiguous();
+  at::Tensor data = at::zeros({N * groups * q4_record(1)}, at::kByte);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  uint8_t* out = data.data_ptr<uint8_t>();
+  // a record of nb rows from row r0 at group g: nb x 16 nibble bytes, then nb (d, m) pairs
+  auto write = [&](int64_t r0, int64_t nb) {
+    uint8_t* rec = out + r0 * groups * q4_record(1);
+    for (int64_t g = 0; g < groups; ++g, rec += q4_record(nb)) {
+      float* dm = reinterpret_cast<float*>(rec + nb * 16);
+      for (int64_t i = 0; i < nb; ++i) {
+        const uint8_t* qr = qp + (r0 + i) * K + g * kQ4Group;
+        for (int64_t b = 0; b < 16; ++b) rec[16 * i + b] = static_cast<uint8_t>(qr[b] | (qr[b + 16] << 4));
+        dm[2 * i] = dp[(r0 + i) * groups + g];
+        dm[2 * i + 1] = mp[(r0 + i) * groups + g];
+      }
+    }
+  };
+  const int64_t blocks = N / kBlockRows;
+  for (int64_t b = 0; b < blocks; ++b) write(b * kBlockRows, kBlockRows);
+  for (int64_t r = blocks * kBlockRows; r < N; ++r) write(r, 1);
+  return Packed{data, N, K};
+}
+
+at::Tensor run_q4(const at::Tensor& x_in, const Packed& w, const std::optional<at::Tensor>& bias, Isa use,
+                  std::optional<Prefetch> pf) {
+  const int64_t N = w.n, K = w.k, groups = K / kQ4Group;
+  TORCH_CHECK(K % kQ4Group == 0 && w.data.numel() == N * groups * q4_record(1), "small_gemm: not a Q4 record weight");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "small_gemm: want x [M, ", K, "]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "small_gemm: float32 CPU rows");
+  const int64_t M = x_in.size(0);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "small_gemm: 1..64 rows, got ", M);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = w.data.data_ptr<uint8_t>();
+  const bool wide = use == Isa::avx512;
+  const int64_t MB = wide ? 6 : 3;
+  const Prefetch prefetch = pf.value_or(by_default(M));
+  const int64_t blocks = N / kBlockRows;
+  // Rows in one call dequantise in registers; more rows than that dequantise each block once into a buffer the
+  // float32 kernel then reads for all of them (the same weights, so the same bits either way).
+  const bool buffered = M > MB;
+  auto run_rows = [&](int64_t n0, int64_t n1, int64_t nb_rows) {
+    thread_local std::vector<float> buf;  // kept per thread: no allocation per task
+    if (buffered && buf.size() < static_cast<size_t>(nb_rows * K)) buf.resize(static_cast<size_t>(nb_rows * K));
+    for (int64_t n = n0; n < n1; n += nb_rows) {
+      const uint8_t* rec = wp + n * groups * q4_record(1);  // every row before n takes groups records' share
+      if (buffered) {
+        if (nb_rows == kBlockRows) {
+          dequant_block_q4<kBlockRows>(rec, K, buf.data());
+        } else {
+          dequant_block_q4<1>(rec, K, buf.data());
+        }
+      }
+      for (int64_t m0 = 0, mb = 0; m0 < M; m0 += mb) {
+        mb = rows_at(MB, M - m0);
+        if (buffered) {
+          pick<float>(wide, true, nb_rows == kBlockRows, mb, Prefetch::none)(xp, buf.data(), yp, K, N, K, n, m0);
+        } else {
+          pick_q4(wide, nb_rows == kBlockRows, mb, prefetch)(xp, rec, yp, K, N, K, n, m0);
+        }
+      }
+    }
+  };
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, K));
+  at::parallel_for(0, blocks, grain,
+                   [&](int64_t b0, int64_t b1) { run_rows(b0 * kBlockRows, b1 * kBlockRows, kBlockRows); });
+  if (blocks * kBlockRows < N) run_rows(blocks * kBlockRows, N, 1);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
 at::Tensor linear_packed_with(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias, Isa use,
                               std::optional<Prefetch> pf = std::nullopt) {
+  if (w.data.defined() && w.data.scalar_type() == at::kByte) return run_q4(x, w, bias, use, pf);
   const int64_t kp = padded_k(w.k);
   TORCH_CHECK(w.data.defined() && w.data.numel() == w.n * kp &&
                   (w.data.scalar_type() == at::kFloat || w.data.scalar_type() == at::kBFloat16),
