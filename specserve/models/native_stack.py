@@ -189,7 +189,7 @@ def attach_small_gemm(
 
 def layer_q4_blocks(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> dict[nn.Linear, Q4Blocks] | None:
     """Each decoder projection of ``model`` -> its Q4_1 blocks from ``blocks`` (a GGUF's, by HF tensor name;
-    ``gguf_layer_blocks``), fused as the runner holds them (q/k/v, gate/up), or None unless every projection has them."""
+    ``gguf_layer_blocks``), fused as the runner holds them (q/k/v, gate/up); None unless every projection has them."""
     out = {}
     for i, layer in enumerate(model.decoder_layers()):
         p, att = f"model.layers.{i}.", f"model.layers.{i}.self_attn."

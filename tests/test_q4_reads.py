@@ -1,0 +1,179 @@
+"""Q4_1 records for the small-product kernel (ModelSpec.q4_reads): the kernel forms each float32 weight from its
+4-bit block in a register and must give the float32 path's bits for every row count, instruction set and prefetch;
+the loader attaches the records only where the GGUF's blocks dequantise to exactly the loaded weights."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.config import ModelSpec, SourceKind
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_model, q4_source_blocks
+from specserve.models.native_stack import (
+    NativeStackUnavailable,
+    attach_native_stack,
+    attach_q4_reads,
+    attach_small_gemm,
+    extension,
+    small_gemm_available,
+)
+from specserve.models.q4 import Q4Blocks
+from specserve.models.tiny import tiny_config, tiny_model
+
+try:
+    extension()
+except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C++ compiler
+    pytest.skip(f"the C++ extension cannot be built here: {e}", allow_module_level=True)
+if not small_gemm_available():  # pragma: no cover - a CPU without AVX2 + FMA
+    pytest.skip("this CPU runs no small_gemm path", allow_module_level=True)
+
+ISAS = list(extension().small_gemm_isas())
+# (N, K): SmolLM2's fused q/k/v and down projections, an N with rows past the last block of 4, one group only
+SHAPES = [(960, 576), (576, 1536), (7, 64), (5, 32), (13, 96)]
+
+
+def random_blocks(n: int, k: int, seed: int) -> Q4Blocks:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half().float()  # float16 values, as ggml stores them
+    m = (-torch.rand(n, k // 32, generator=gen) * 0.1).half().float()
+    return Q4Blocks(q, d, m)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_records_give_the_float32_kernels_bits(isa: str, n: int, k: int) -> None:
+    """Every row count 1-64 (one call's rows in registers, more through the dequantised block), with and without a
+    bias: the same bits as the float32 kernel over the dequantised weight, and within float32 rounding of float64."""
+    ext = extension()
+    blocks = random_blocks(n, k, seed=n * 100 + k)
+    w, records = blocks.dequantize().contiguous(), ext.small_pack_q4(blocks.q, blocks.d, blocks.m)
+    gen = torch.Generator().manual_seed(k)
+    x, b = torch.randn(64, k, generator=gen), torch.randn(n, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 33, 64):
+        for bias in (b, None):
+            got = ext.small_linear_packed_isa(x[:rows], records, bias, isa)
+            assert torch.equal(got, ext.small_linear_isa(x[:rows], w, bias, isa)), (rows, bias is None)
+        ref = x[:rows].double() @ w.double().T
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * k**1.5)
+
+
+def test_every_prefetch_and_batch_gives_a_row_the_same_bits() -> None:
+    ext = extension()
+    blocks = random_blocks(1030, 192, seed=3)
+    records, w = ext.small_pack_q4(blocks.q, blocks.d, blocks.m), blocks.dequantize()
+    x = torch.randn(64, 192, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([ext.small_linear(x[i : i + 1], w, None) for i in range(64)])
+    for rows in (1, 2, 3, 5, 8, 64):
+        for pf in (ext.Prefetch.none, ext.Prefetch.l1, ext.Prefetch.l2):
+            assert torch.equal(ext.small_linear_packed(x[:rows], records, None, pf), alone[:rows])
+
+
+def test_records_are_a_fifth_of_the_float32_bytes_and_bad_blocks_are_clear_errors() -> None:
+    ext = extension()
+    blocks = random_blocks(8, 64, seed=1)
+    records = ext.small_pack_q4(blocks.q, blocks.d, blocks.m)
+    assert records.data.dtype == torch.uint8 and records.data.numel() == 8 * 64 * 3 // 4  # 0.1875x of float32
+    assert (records.n, records.k) == (8, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ext.small_pack_q4(blocks.q[:, :48], blocks.d[:, :1], blocks.m[:, :1])
+    with pytest.raises(RuntimeError, match="4-bit"):
+        ext.small_pack_q4(blocks.q + 16, blocks.d, blocks.m)
+    with pytest.raises(RuntimeError, match="d and m"):
+        ext.small_pack_q4(blocks.q, blocks.d[:, :1], blocks.m)
+    with pytest.raises(RuntimeError, match="64"):
+        ext.small_linear_packed(torch.randn(3, 32), records, None)
+
+
+def q4_tiny_model(seed: int) -> tuple[LlamaModel, dict[str, Q4Blocks]]:
+    """A tiny model whose decoder projections are Q4_1 blocks dequantised (as a GGUF's load), and those blocks by HF
+    tensor name, split as a GGUF holds them (q, k, v and gate, up apart)."""
+    cfg = tiny_config()
+    model = tiny_model(cfg, seed=seed)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    q_size, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    blocks: dict[str, Q4Blocks] = {}
+    parts = {
+        "qkv": [("self_attn.q_proj", q_size), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
+        "o_proj": [("self_attn.o_proj", cfg.hidden_size)],
+        "gate_up": [("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)],
+        "down": [("mlp.down_proj", cfg.hidden_size)],
+    }
+    with torch.no_grad():
+        for i, layer in enumerate(model.decoder_layers()):
+            for attr, names in parts.items():
+                mod = getattr(layer, attr)
+                for j, (name, rows) in enumerate(names):
+                    blocks[f"model.layers.{i}.{name}.weight"] = random_blocks(
+                        rows, mod.in_features, seed * 97 + i * 7 + j
+                    )
+                fused = Q4Blocks.cat([blocks[f"model.layers.{i}.{name}.weight"] for name, _ in names])
+                mod.weight.copy_(fused.dequantize())
+    return model, blocks
+
+
+def forwards(model: LlamaModel, prompt: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, 160)
+    slot = cache.allocate()
+    steps = [model(ForwardBatch.build(cache, [slot], [prompt]), cache)]  # 40 rows
+    steps += [model(ForwardBatch.build(cache, [slot], [[t]]), cache) for t in (5, 17)]
+    steps += [model(ForwardBatch.build(cache, [slot], [list(range(3, 3 + r))]), cache) for r in (2, 3, 6, 64)]
+    return torch.cat(steps)
+
+
+def test_a_model_reading_its_q4_blocks_computes_the_float32_models_logits() -> None:
+    """Through the Python loop and the C++ stack, at 1-64 rows; and the records are what runs."""
+    (plain, blocks), (q4, _) = q4_tiny_model(seed=2), q4_tiny_model(seed=2)
+    assert attach_small_gemm(plain) and attach_small_gemm(q4) and attach_q4_reads(q4, blocks)
+    layer = q4.decoder_layers()[1]
+    assert all(getattr(layer, p).small_packed.data.dtype == torch.uint8 for p in ("qkv", "o_proj", "gate_up", "down"))
+    assert q4.lm_head.small_packed.data.dtype == torch.float32  # not a Q4_1 tensor: its float32 packed copy
+    prompt = [int(t) for t in torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))]
+    for native in (False, True):
+        if native:
+            assert attach_native_stack(plain) and attach_native_stack(q4)
+        assert torch.equal(forwards(plain, prompt), forwards(q4, prompt))
+    layer.down.small_packed.data.zero_()
+    assert not torch.equal(forwards(plain, prompt), forwards(q4, prompt))
+
+
+def test_blocks_that_do_not_match_the_weights_attach_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    model, blocks = q4_tiny_model(seed=3)
+    assert attach_small_gemm(model)
+    with torch.no_grad():
+        model.decoder_layers()[0].o_proj.weight[0, 0] += 1e-3
+    with caplog.at_level(logging.WARNING):
+        assert not attach_q4_reads(model, blocks)
+    assert "do not dequantise" in caplog.text
+    assert all(getattr(m, "small_packed", None) is None for m in model.modules() if type(m) is torch.nn.Linear)
+    del blocks["model.layers.1.mlp.up_proj.weight"]
+    with caplog.at_level(logging.WARNING):
+        assert not attach_q4_reads(q4_tiny_model(seed=3)[0], blocks)
+    assert "every decoder projection" in caplog.text
+
+
+def test_the_loader_reads_blocks_only_from_a_gguf_on_disk(tmp_path: Path) -> None:
+    model = tiny_model(seed=0)
+    assert q4_source_blocks(model, ModelSpec(source=str(tmp_path), kind=SourceKind.hf_dir)) is None
+    assert q4_source_blocks(model, ModelSpec(source=str(tmp_path / "x.gguf"))) is None  # not there: float32 reads
+    assert q4_source_blocks(model, ModelSpec(source=str(tmp_path / "x.gguf"), q4_reads=False)) is None
+
+
+@pytest.mark.real_model
+def test_the_builtin_target_reads_its_q4_blocks_and_keeps_its_logits() -> None:
+    """SmolLM2 from its Q4_1 GGUF: every decoder projection on records, the logits of the float32 reads bit for bit
+    (a prompt, single steps and verifies of 2-8 rows)."""
+    q4, f32 = load_model(ModelSpec()), load_model(ModelSpec(q4_reads=False))
+    layers = q4.decoder_layers()
+    assert all(layer.down.small_packed.data.dtype == torch.uint8 for layer in layers)
+    assert not any(
+        getattr(m, "small_packed", None) is not None and m.small_packed.data.dtype == torch.uint8 for m in f32.modules()
+    )
+    prompt = [int(t) for t in torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(5))]
+    with torch.inference_mode():
+        assert torch.equal(forwards(q4, prompt), forwards(f32, prompt))
