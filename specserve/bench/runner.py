@@ -13,9 +13,10 @@ same with the kernel reading the row-major weights at every row count (``ModelSp
 same bits), ``kpacked`` its packed copies at every row count (True); the runner itself reads them where they measured
 faster at load (None, the default); ``unplanned`` the model without the kernel's plan measured at load
 (``ModelSpec.small_gemm_plan`` off: packed copies at every row count, the built-in prefetch); ``sdpa`` the model
-with SDPA's attention in place of the C++ kernel (``ModelSpec.native_attention`` off). Also the floor one step
-cannot beat: the weight bytes over the read bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and
-writes a CSV.
+with SDPA's attention in place of the C++ kernel (``ModelSpec.native_attention`` off); ``f32 reads`` the kernel
+reading float32 weights only (``ModelSpec.q4_reads`` off; ``rowmajor`` and ``kpacked`` read float32 too). Also the
+floor one step cannot beat: the bytes a one-row forward reads (Q4_1 records where it reads them) over the read
+bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and writes a CSV.
 
     .venv/bin/specserve bench runner --rows 1 4 16 --out bench_out/runner
     .venv/bin/specserve bench runner --batch --rows 16 32 --out bench_out/runner_batch   # plain decoding at batch r
@@ -109,8 +110,18 @@ def run(args: argparse.Namespace) -> int:
     nn.Module.eval(model)
     weights = weight_linears(model)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    # what a one-row forward reads: a projection's kernel copy where one row reads it (Q4_1 records: 0.19x)
+    read_bytes = sum(
+        c.data.numel() * c.data.element_size()
+        if (c := getattr(m, "small_packed", None)) is not None and getattr(m, "small_copy_rows", 0) & 1
+        else m.weight.numel() * m.weight.element_size()
+        for m in in_order(model)
+    )
     print(cpu_summary())
-    print(f"{spec.source} {model.dtype}: {weight_bytes / 1e6:.0f} MB of matmul weights per forward")
+    print(
+        f"{spec.source} {model.dtype}: {weight_bytes / 1e6:.0f} MB of matmul weights per forward, "
+        f"{read_bytes / 1e6:.0f} MB read by a one-row forward"
+    )
     native = model.native_stack is not None  # as loaded (attaching packed copies drops it: rebuilt below)
     packed = attach_mkl_packed(model, tuple(args.mkl_packed))
     linears = [m for m in model.modules() if type(m) is nn.Linear]
@@ -127,17 +138,27 @@ def run(args: argparse.Namespace) -> int:
     print(f"small-product kernel: {'yes (' + isa + ')' if small else 'no'}")
     own = describe_rows(getattr(model.lm_head, "small_copy_rows", 0)) if small else "-"
     # the same model with the kernel reading its row-major weights, and its packed copies, at every row count
+    # (float32 reads, as these settings were measured before ModelSpec.q4_reads)
     rowmajor_model, packed_model = (
-        load_model(spec.model_copy(update={"small_gemm_packed": layout})) if small else model
+        load_model(spec.model_copy(update={"small_gemm_packed": layout, "q4_reads": False})) if small else model
         for layout in (False, True)
     )
+    # and the kernel reading float32 weights only (ModelSpec.q4_reads off), as planned at load
+    f32_model = load_model(spec.model_copy(update={"q4_reads": False})) if small else model
     # and without the plan measured at load: packed copies at every row count, the built-in prefetch
     unplanned_model = load_model(spec.model_copy(update={"small_gemm_plan": False})) if small else model
     # and with SDPA's attention instead of csrc/attention.cpp
     sdpa_model = load_model(spec.model_copy(update={"native_attention": False}))
-    for m in (rowmajor_model, packed_model, unplanned_model, sdpa_model):
+    for m in (rowmajor_model, packed_model, unplanned_model, sdpa_model, f32_model):
         nn.Module.eval(m)
     print(f"the kernel reads packed copies for: {own} (ModelSpec.small_gemm_packed={spec.small_gemm_packed})")
+    records = [
+        c for m in linears if (c := getattr(m, "small_packed", None)) is not None and c.data.dtype == torch.uint8
+    ]
+    if records:
+        q4_rows = describe_rows(model.layers[0].down.small_copy_rows)
+        mb = sum(c.data.numel() for c in records) / 1e6
+        print(f"Q4_1 records for {len(records)} projections, {mb:.0f} MB, read for {q4_rows} (ModelSpec.q4_reads)")
     plan = getattr(model.lm_head, "small_prefetch", None)
     if plan is not None:
         print(
@@ -195,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
         ("unplanned_bare", lambda r: path_matmuls(in_order(unplanned_model), r)),
         ("unplanned", lambda r: forward_of(unplanned_model, r)),
         ("sdpa", lambda r: forward_of(sdpa_model, r)),
+        ("f32_bare", lambda r: path_matmuls(in_order(f32_model), r)),
+        ("f32", lambda r: forward_of(f32_model, r)),
     ]
     if packed:
         kinds.append(("packed", lambda r: runner(r, True)))
@@ -207,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             for key, fn in fns.items():
                 times[key].append(timed(model.device, fn))
         bandwidth = read_bandwidth(model.device)
-    floor_ms = weight_bytes / bandwidth * 1e3
+    floor_ms = read_bytes / bandwidth * 1e3
     rows_out = []
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s -> floor {floor_ms:.1f} ms per forward (weights once)")
     print(
@@ -215,9 +238,10 @@ def run(args: argparse.Namespace) -> int:
         f" {'unpadded ms':>12} {'packed ms':>10} {'blas bare ms':>13} {'blas runner ms':>15}"
         f" {'rowmajor bare ms':>17} {'rowmajor runner ms':>19} {'kpacked bare ms':>16} {'kpacked runner ms':>18}"
         f" {'unplanned bare ms':>18} {'unplanned runner ms':>20} {'sdpa runner ms':>15}"
+        f" {'f32 reads bare ms':>18} {'f32 reads runner ms':>20}"
     )
     for r in args.rows:
-        bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm, kp_bare, kp, up_bare, up, sdpa = (
+        bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm, kp_bare, kp, up_bare, up, sdpa, f_bare, f32r = (
             statistics.median(times[(k, r)]) * 1e3
             for k in (
                 "bare",
@@ -233,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
                 "unplanned_bare",
                 "unplanned",
                 "sdpa",
+                "f32_bare",
+                "f32",
             )
         )
         packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
@@ -260,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
                 "kpacked_runner_ms": kp,
                 "unplanned_bare_ms": up_bare,
                 "unplanned_runner_ms": up,
+                "f32_reads_bare_ms": f_bare,
+                "f32_reads_runner_ms": f32r,
                 "sdpa_runner_ms": sdpa,
                 "floor_ms": floor_ms,
                 "dtype": str(model.dtype),
@@ -269,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
         line += f" {python:>10.1f} {unpadded:>12.1f} {packed_ms:>10.1f} {blas_bare:>13.1f} {blas:>15.1f}"
         line += f" {rm_bare:>17.1f} {rm:>19.1f} {kp_bare:>16.1f} {kp:>18.1f} {up_bare:>18.1f} {up:>20.1f}"
-        print(line + f" {sdpa:>15.1f}")
+        print(line + f" {sdpa:>15.1f} {f_bare:>18.1f} {f32r:>20.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     mode = "_batch" if args.batch else ""
     path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}{mode}.csv"

@@ -253,6 +253,30 @@ __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8
   for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
     prefetch_q4<NB, PF>(w, block_bytes);
     const float* dm = reinterpret_cast<const float*>(w + NB * 16);
+    if constexpr (MB > 1) {
+      // Several rows: the group's weights formed first into a stack buffer, then the float32 kernel's loop over it
+      // (NB x MB accumulators and MB activations fill the 16 registers; forming weights beside them would spill).
+      alignas(32) float wbuf[NB][kQ4Group];
+      for (int i = 0; i < NB; ++i) {
+        const __m256 d = _mm256_broadcast_ss(dm + 2 * i), m = _mm256_broadcast_ss(dm + 2 * i + 1);
+        for (int h = 0; h < 4; ++h) {
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 * i + (h & 1) * 8));
+          const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+          const __m256i q = h < 2 ? _mm256_and_si256(wide, low) : _mm256_srli_epi32(wide, 4);
+          _mm256_store_ps(wbuf[i] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+        }
+      }
+      for (int h = 0; h < 4; ++h) {
+        const int64_t k = k0 + 8 * h;
+        __m256 xv[MB];
+        for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(x + (m0 + j) * ldx + k);
+        for (int i = 0; i < NB; ++i) {
+          const __m256 wv = _mm256_load_ps(wbuf[i] + 8 * h);
+          for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+        }
+      }
+      continue;
+    }
     for (int h = 0; h < 4; ++h) {  // elements 8h .. 8h + 7 of the group: bytes (h & 1) * 8 .., low nibbles for h < 2
       const int64_t k = k0 + 8 * h;
       __m256 xv[MB];
