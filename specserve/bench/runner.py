@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         c for m in linears if (c := getattr(m, "small_packed", None)) is not None and c.data.dtype == torch.uint8
     ]
     if records:
-        q4_rows = describe_rows(model.layers[0].down.small_copy_rows)
+        q4_rows = describe_rows(int(getattr(model.decoder_layers()[0].down, "small_copy_rows", 0)))
         mb = sum(c.data.numel() for c in records) / 1e6
         print(f"Q4_1 records for {len(records)} projections, {mb:.0f} MB, read for {q4_rows} (ModelSpec.q4_reads)")
     plan = getattr(model.lm_head, "small_prefetch", None)

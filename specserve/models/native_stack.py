@@ -229,9 +229,9 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
             log.warning("Q4_1 reads: the GGUF's blocks do not dequantise to the loaded weights; reading float32")
             return False
     for mod in kernel_linears(model):  # the decoder's projections read their records, the rest (the LM head) the
-        b = found.get(mod)  # float32 packed copy, so that the plan weighs both layouts for every product
+        blk = found.get(mod)  # float32 packed copy, so that the plan weighs both layouts for every product
         mod.small_packed = (  # type: ignore[assignment]
-            ext.small_pack(mod.weight.detach()) if b is None else ext.small_pack_q4(b.q, b.d.float(), b.m.float())
+            ext.small_pack(mod.weight.detach()) if blk is None else ext.small_pack_q4(blk.q, blk.d, blk.m)
         )
         mod.small_copy_gemm, mod.small_copy_rows = ext.small_linear_packed, EVERY_ROW  # type: ignore[assignment]
     drop_native_stack(model)
