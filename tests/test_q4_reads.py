@@ -131,14 +131,14 @@ def test_a_model_reading_its_q4_blocks_computes_the_float32_models_logits() -> N
     (plain, blocks), (q4, _) = q4_tiny_model(seed=2), q4_tiny_model(seed=2)
     assert attach_small_gemm(plain) and attach_small_gemm(q4) and attach_q4_reads(q4, blocks)
     layer = q4.decoder_layers()[1]
-    assert all(getattr(layer, p).small_packed.data.dtype == torch.uint8 for p in ("qkv", "o_proj", "gate_up", "down"))
-    assert q4.lm_head.small_packed.data.dtype == torch.float32  # not a Q4_1 tensor: its float32 packed copy
+    assert all(getattr(layer, p).small_q4.data.dtype == torch.uint8 for p in ("qkv", "o_proj", "gate_up", "down"))
+    assert getattr(q4.lm_head, "small_q4", None) is None  # not a Q4_1 tensor
     prompt = [int(t) for t in torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))]
     for native in (False, True):
         if native:
             assert attach_native_stack(plain) and attach_native_stack(q4)
         assert torch.equal(forwards(plain, prompt), forwards(q4, prompt))
-    layer.down.small_packed.data.zero_()
+    layer.down.small_q4.data.zero_()
     assert not torch.equal(forwards(plain, prompt), forwards(q4, prompt))
 
 
@@ -150,7 +150,7 @@ def test_blocks_that_do_not_match_the_weights_attach_nothing(caplog: pytest.LogC
     with caplog.at_level(logging.WARNING):
         assert not attach_q4_reads(model, blocks)
     assert "do not dequantise" in caplog.text
-    assert all(getattr(m, "small_packed", None) is None for m in model.modules() if type(m) is torch.nn.Linear)
+    assert all(getattr(m, "small_q4", None) is None for m in model.modules() if type(m) is torch.nn.Linear)
     del blocks["model.layers.1.mlp.up_proj.weight"]
     with caplog.at_level(logging.WARNING):
         assert not attach_q4_reads(q4_tiny_model(seed=3)[0], blocks)
@@ -170,10 +170,65 @@ def test_the_builtin_target_reads_its_q4_blocks_and_keeps_its_logits() -> None:
     (a prompt, single steps and verifies of 2-8 rows)."""
     q4, f32 = load_model(ModelSpec()), load_model(ModelSpec(q4_reads=False))
     layers = q4.decoder_layers()
-    assert all(layer.down.small_packed.data.dtype == torch.uint8 for layer in layers)
-    assert not any(
-        getattr(m, "small_packed", None) is not None and m.small_packed.data.dtype == torch.uint8 for m in f32.modules()
-    )
+    assert all(layer.down.small_q4 is not None and layer.down.small_q4_rows & 1 for layer in layers)  # 1 row: 0.19x
+    assert not any(getattr(m, "small_q4", None) is not None for m in f32.modules())
     prompt = [int(t) for t in torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(5))]
     with torch.inference_mode():
         assert torch.equal(forwards(q4, prompt), forwards(f32, prompt))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("q4_probes", [(1, 2), ()])
+def test_the_plan_reads_records_where_they_measure_faster(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, q4_probes: tuple[int, ...]
+) -> None:
+    """kernel_plan_for times the records against the float32 variant it chose at each probe: they serve the probes
+    they win up to the next probe, in the Python loop and the C++ stack (a zeroed record shows which path ran); no
+    win drops them; the stored plan brings the same mask back without timing."""
+    from specserve.models import native_stack
+    from specserve.models.llama import linear, reads_copy
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    timed: list[int] = []
+
+    def fake_q4(lins: list, rows: int, packed: bool, prefetch: object, repeats: int) -> tuple[float, float]:
+        timed.append(rows)
+        return 1.0, 0.5 if rows in q4_probes else 2.0
+
+    monkeypatch.setattr(native_stack, "time_q4", fake_q4)
+    monkeypatch.setattr(native_stack, "time_variants", lambda lins, rows, variants, repeats: [1.0] * len(variants))
+    model, blocks = q4_tiny_model(seed=4)
+    assert attach_small_gemm(model, packed=True) and attach_q4_reads(model, blocks)
+    plan = native_stack.cached_kernel_plan(model, (True, False), (1, 2, 4))
+    assert timed == [1, 2, 4]
+    down = model.decoder_layers()[0].down
+    if not q4_probes:
+        assert plan.q4_rows == 0 and down.small_q4 is None
+        assert "Q4_1" not in plan.describe()
+        return
+    assert [r for r in range(1, 65) if reads_copy(plan.q4_rows, r)] == [1, 2, 3]
+    assert plan.describe().startswith("Q4_1 records for 1-3 rows")
+    assert down.small_q4_rows == plan.q4_rows and getattr(model.lm_head, "small_q4", None) is None
+    x = torch.randn(5, down.in_features)
+    want = {r: linear(down, x[:r]) for r in range(1, 6)}
+    assert attach_native_stack(model)
+    prompt = list(range(3, 8))
+    cache = model.new_cache(1, 16)
+    slot = cache.allocate()
+
+    def logits(rows: int) -> torch.Tensor:
+        cache.truncate(slot, 0)
+        return model(ForwardBatch.build(cache, [slot], [prompt[:rows]]), cache)
+
+    before = {r: logits(r) for r in (1, 3, 4)}
+    down.small_q4.data.zero_()
+    for r, b in before.items():
+        assert torch.equal(logits(r), b) == (r > 3)  # the stack read the zeroed records for 1-3 rows only
+    for r, w in want.items():
+        got = linear(down, x[:r])
+        assert torch.equal(got, torch.zeros_like(w)) if r <= 3 else torch.equal(got, w)
+    timed.clear()
+    again, blocks = q4_tiny_model(seed=4)
+    assert attach_small_gemm(again, packed=True) and attach_q4_reads(again, blocks)
+    assert native_stack.cached_kernel_plan(again, (True, False), (1, 2, 4)).q4_rows == plan.q4_rows
+    assert timed == []

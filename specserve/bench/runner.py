@@ -75,6 +75,15 @@ def weight_linears(model: LlamaModel) -> list[torch.Tensor]:
     return [*weights, model.lm_head.weight]
 
 
+def one_row_bytes(mod: nn.Linear) -> int:
+    """The bytes a one-row product reads: the Q4_1 records or the kernel's copy where one row reads them."""
+    for copy, rows in (("small_q4", "small_q4_rows"), ("small_packed", "small_copy_rows")):
+        c = getattr(mod, copy, None)
+        if c is not None and getattr(mod, rows, 0) & 1:
+            return int(c.data.numel() * c.data.element_size())
+    return mod.weight.numel() * mod.weight.element_size()
+
+
 def in_order(model: LlamaModel) -> list[nn.Linear]:
     """Every linear one forward runs, in order (the LM head last)."""
     layers = [m for layer in model.decoder_layers() for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
@@ -111,13 +120,7 @@ def run(args: argparse.Namespace) -> int:
     weights = weight_linears(model)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     # what a one-row forward reads: a projection's kernel copy where one row reads it (Q4_1 records: 0.19x)
-    read_bytes = sum(
-        c.data.numel() * c.data.element_size()
-        if (c := getattr(m, "small_packed", None)) is not None and getattr(m, "small_copy_rows", 0) & 1
-        else m.weight.numel() * m.weight.element_size()
-        for m in in_order(model)
-    )
-    print(cpu_summary())
+    read_bytes = sum(one_row_bytes(m) for m in in_order(model))
     print(
         f"{spec.source} {model.dtype}: {weight_bytes / 1e6:.0f} MB of matmul weights per forward, "
         f"{read_bytes / 1e6:.0f} MB read by a one-row forward"
@@ -152,11 +155,9 @@ def run(args: argparse.Namespace) -> int:
     for m in (rowmajor_model, packed_model, unplanned_model, sdpa_model, f32_model):
         nn.Module.eval(m)
     print(f"the kernel reads packed copies for: {own} (ModelSpec.small_gemm_packed={spec.small_gemm_packed})")
-    records = [
-        c for m in linears if (c := getattr(m, "small_packed", None)) is not None and c.data.dtype == torch.uint8
-    ]
+    records = [c for m in linears if (c := getattr(m, "small_q4", None)) is not None]
     if records:
-        q4_rows = describe_rows(int(getattr(model.decoder_layers()[0].down, "small_copy_rows", 0)))
+        q4_rows = describe_rows(int(getattr(model.decoder_layers()[0].down, "small_q4_rows", 0)))
         mb = sum(c.data.numel() for c in records) / 1e6
         print(f"Q4_1 records for {len(records)} projections, {mb:.0f} MB, read for {q4_rows} (ModelSpec.q4_reads)")
     plan = getattr(model.lm_head, "small_prefetch", None)

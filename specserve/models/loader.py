@@ -118,16 +118,16 @@ def load_model_dir(
 
 
 def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
-    """The spec's CPU switches for the model's float linears (the small-product kernel, or else GEMV copies and
-    row padding; MKL-packed copies), then
+    """The spec's CPU switches for the model's float linears (the small-product kernel with its copies and Q4_1
+    records, or else GEMV copies and row padding; MKL-packed copies), then
     the C++ layer stack over the projections as they now are."""
-    blocks = q4_source_blocks(model, spec)
-    small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model)
-    q4 = small and blocks is not None and attach_q4_reads(model, blocks)
-    if small and not q4 and spec.small_gemm_packed is not False:
-        attach_small_gemm(model, packed=True)
+    packed = spec.small_gemm_packed is not False
+    small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model, packed=packed)
+    blocks = q4_source_blocks(model, spec) if small else None
+    if blocks is not None:
+        attach_q4_reads(model, blocks)
     if small and spec.small_gemm_plan:  # layouts and prefetches timed on this machine (the same bits either way)
-        cached_kernel_plan(model, (True, False) if q4 or spec.small_gemm_packed is None else (spec.small_gemm_packed,))
+        cached_kernel_plan(model, (True, False) if spec.small_gemm_packed is None else (spec.small_gemm_packed,))
     if model.device.type == "cpu" and not small:  # the kernel serves the rows these switches are for
         if spec.gemv_copies:
             attach_gemv_copies(model)

@@ -110,6 +110,9 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     own = getattr(mod, "small_packed", None)  # the kernel's own packed copy: float32, or bf16 (a draft head's)
     if own is not None:
         proj.small_packed, proj.small_packed_rows = own, getattr(mod, "small_copy_rows", 0)
+    q4 = getattr(mod, "small_q4", None)  # Q4_1 records (attach_q4_reads)
+    if q4 is not None:
+        proj.small_q4, proj.small_q4_rows = q4, getattr(mod, "small_q4_rows", 0)
     return proj
 
 
@@ -212,10 +215,9 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
     dequantisation's own arithmetic: the same products bit for bit as over the float32 weights, which the model holds
     only because they are the GGUF's Q4_1 blocks dequantised (``ModelSpec.q4_reads``; docs/benchmarks.md, "Q4_1
     records for the kernel"). All or nothing: False (nothing attached, a logged reason) unless every projection is
-    on the kernel and its blocks dequantise to exactly its float32 weight. The records sit where the kernel's packed
-    copy would (``small_packed``; the other kernel products, the LM head, get that float32 copy), read for every row
-    count until ``kernel_plan_for`` measures which counts win. Call
-    after ``attach_small_gemm`` and before the plan and ``attach_native_stack``."""
+    on the kernel and its blocks dequantise to exactly its float32 weight. The records (``small_q4``) are read before
+    any other copy, for every row count until ``kernel_plan_for`` measures which counts they win (``small_q4_rows``).
+    Call after ``attach_small_gemm`` and before the plan and ``attach_native_stack``."""
     ext = extension()
     found = layer_q4_blocks(model, blocks)
     if found is None:
@@ -228,12 +230,9 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
         if not torch.equal(b.dequantize(), mod.weight.detach()):
             log.warning("Q4_1 reads: the GGUF's blocks do not dequantise to the loaded weights; reading float32")
             return False
-    for mod in kernel_linears(model):  # the decoder's projections read their records, the rest (the LM head) the
-        blk = found.get(mod)  # float32 packed copy, so that the plan weighs both layouts for every product
-        mod.small_packed = (  # type: ignore[assignment]
-            ext.small_pack(mod.weight.detach()) if blk is None else ext.small_pack_q4(blk.q, blk.d, blk.m)
-        )
-        mod.small_copy_gemm, mod.small_copy_rows = ext.small_linear_packed, EVERY_ROW  # type: ignore[assignment]
+    for mod, blk in found.items():
+        mod.small_q4 = ext.small_pack_q4(blk.q, blk.d, blk.m)  # type: ignore[assignment]
+        mod.small_q4_gemm, mod.small_q4_rows = ext.small_linear_packed, EVERY_ROW  # type: ignore[assignment]
     drop_native_stack(model)
     return True
 
@@ -242,16 +241,19 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
 class KernelPlan:
     """How the kernel runs a model's products of each row count on this machine (the same bits either way):
     ``packed_rows`` a row mask (``llama.reads_copy``) of the counts that read the packed copies, ``prefetch`` [r - 1]
-    what a product of r rows prefetches (``ext.Prefetch``)."""
+    what a product of r rows prefetches (``ext.Prefetch``), ``q4_rows`` the counts that read Q4_1 records (where a
+    projection holds them: ``attach_q4_reads``; before any other copy)."""
 
     packed_rows: int
     prefetch: tuple[Any, ...]
+    q4_rows: int = 0
 
     def describe(self) -> str:
         names = sorted({p.name for p in self.prefetch})
         masks = {n: sum(1 << r for r, p in enumerate(self.prefetch) if p.name == n) for n in names}
         parts = [f"prefetch {n} for {describe_rows(mask)}" for n, mask in masks.items()]
-        return "; ".join([f"packed copies for {describe_rows(self.packed_rows)}", *parts])
+        q4 = [f"Q4_1 records for {describe_rows(self.q4_rows)}"] if self.q4_rows else []
+        return "; ".join([*q4, f"packed copies for {describe_rows(self.packed_rows)}", *parts])
 
 
 def kernel_linears(model: nn.Module) -> list[nn.Linear]:
@@ -289,17 +291,53 @@ def kernel_plan_for(
         packed = True in best and (False not in best or best[True][1] < PLAN_MARGIN * best[False][1])
         wins.append(packed)
         prefetch.append(pfs[best[packed][0]])
-    plan = KernelPlan(probe_mask(probes, wins), tuple(spread(probes, prefetch)))
+    # Q4_1 records where the projections hold them: against the float32 variant just chosen, the same prefetch
+    q4_lins = [m for m in lins if getattr(m, "small_q4", None) is not None]
+    q4_wins = []
+    for rows, packed, pf in zip(probes, wins, prefetch, strict=True) if q4_lins else ():
+        f32_s, q4_s = time_q4(q4_lins, rows, packed, pf, repeats)
+        q4_wins.append(q4_s < f32_s)
+    q4_rows = probe_mask(probes, q4_wins) if q4_lins else 0
+    plan = KernelPlan(probe_mask(probes, wins), tuple(spread(probes, prefetch)), q4_rows)
     apply_plan(model, plan)
     log.info("the kernel's plan, measured at load: %s", plan.describe())
     return plan
 
 
+@torch.inference_mode()
+def time_q4(lins: list[nn.Linear], rows: int, packed: bool, prefetch: Any, repeats: int) -> tuple[float, float]:
+    """Median seconds of the products of ``rows`` rows over ``lins`` in one pass, (float32 weights in the layout
+    ``packed`` chose, their Q4_1 records), alternating, after one untimed pass each."""
+    ext = extension()
+    gen = torch.Generator().manual_seed(0)
+    xs = {k: torch.randn(rows, k, generator=gen) for k in {m.in_features for m in lins}}
+    times: tuple[list[float], list[float]] = ([], [])
+    for run in range(repeats + 1):
+        for q4 in (False, True) if run % 2 else (True, False):
+            start = time.perf_counter()
+            for m in lins:
+                x = xs[m.in_features]
+                if q4:
+                    ext.small_linear_packed(x, m.small_q4, m.bias, prefetch)
+                elif packed:
+                    ext.small_linear_packed(x, m.small_packed, m.bias, prefetch)
+                else:
+                    ext.small_linear(x, m.weight.detach(), m.bias, prefetch)
+            if run:
+                times[q4].append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def apply_plan(model: LlamaModel, plan: KernelPlan) -> None:
-    """Set ``plan`` on every kernel product of the model; packed copies no row count reads are dropped."""
+    """Set ``plan`` on every kernel product of the model; packed copies and Q4_1 records no row count reads are
+    dropped."""
     ext = extension()
     for m in kernel_linears(model):
         m.small_prefetch = plan.prefetch  # type: ignore[assignment]
+        if getattr(m, "small_q4", None) is not None:
+            m.small_q4_rows = plan.q4_rows  # type: ignore[assignment]
+            if not plan.q4_rows:
+                m.small_q4, m.small_q4_gemm = None, None  # type: ignore[assignment]
         if isinstance(getattr(m, "small_packed", None), ext.SmallPacked):
             m.small_copy_rows = plan.packed_rows  # type: ignore[assignment]
             if not plan.packed_rows:
@@ -326,7 +364,8 @@ def cached_kernel_plan(
     plan = kernel_plan_for(model, layouts, probes)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"packed_rows": plan.packed_rows, "prefetch": [p.name for p in plan.prefetch]}))
+    stored = {"packed_rows": plan.packed_rows, "prefetch": [p.name for p in plan.prefetch], "q4_rows": plan.q4_rows}
+    tmp.write_text(json.dumps(stored))
     os.replace(tmp, path)  # whole or not at all, for a process loading beside this one
     return plan
 
@@ -341,7 +380,7 @@ def plan_key(lins: list[nn.Linear], layouts: tuple[bool, ...], probes: tuple[int
         ext.small_gemm_isa(),
         torch.get_num_threads(),
         [[m.out_features, m.in_features, m.bias is not None] for m in lins],
-        sorted({str(copy.data.dtype) for m in lins if (copy := getattr(m, "small_packed", None)) is not None}),
+        [getattr(m, "small_q4", None) is not None for m in lins],  # which products hold Q4_1 records
         list(layouts),
         list(probes),
         PLAN_MARGIN,
@@ -356,6 +395,7 @@ def read_plan(path: Path) -> KernelPlan | None:
         members = extension().Prefetch.__members__
         prefetch = tuple(members[name] for name in raw["prefetch"])
         packed_rows = int(raw["packed_rows"])
+        q4_rows = int(raw.get("q4_rows", 0))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -364,7 +404,10 @@ def read_plan(path: Path) -> KernelPlan | None:
     if len(prefetch) != SMALL_GEMM_ROWS or not 0 <= packed_rows <= EVERY_ROW:
         log.warning("the kernel's stored plan %s does not cover 1-%d rows; measuring it again", path, SMALL_GEMM_ROWS)
         return None
-    return KernelPlan(packed_rows, prefetch)
+    if not 0 <= q4_rows <= EVERY_ROW:
+        log.warning("the kernel's stored plan %s has no valid row mask for Q4_1 records; measuring it again", path)
+        return None
+    return KernelPlan(packed_rows, prefetch, q4_rows)
 
 
 def faster(default_s: float, other_s: float) -> tuple[int, float]:
