@@ -108,6 +108,12 @@ def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) 
         ("smollm2-eagle full argmax", False),
     ]
     assert both[0][1].model_copy(update={"bounded_argmax": False}) == both[1][1] and both[0][2] == both[1][2]
+    reads = draft_pairs(parser.parse_args(["--pairs", "smollm2-eagle", "--target-reads", "q4", "f32"]))
+    assert [(label, t.q4_reads) for label, t, _ in reads] == [
+        ("smollm2-eagle q4 reads", True),
+        ("smollm2-eagle f32 reads", False),
+    ]
+    assert reads[0][1].model_copy(update={"q4_reads": False}) == reads[1][1] and reads[0][2] == reads[1][2]
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnsupportedModelError, match=r"no model\.safetensors"):
         draft_pairs(parser.parse_args(["--heads", str(tmp_path / "empty")]))

@@ -129,6 +129,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="each target once per choice: greedy tokens from the bf16 LM-head copy or the full logits, to compare "
         "(ModelSpec.bounded_argmax; default: the spec's)",
     )
+    p.add_argument(
+        "--target-reads",
+        nargs="+",
+        choices=["q4", "f32"],
+        default=None,
+        help="each target once per choice: the kernel reads the decoder weights' Q4_1 records where they measure "
+        "faster, or float32 only, to compare (ModelSpec.q4_reads; the same bits; default: the spec's)",
+    )
     p.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: cpu)")
     p.add_argument(
         "--dtype", choices=[d.value for d in DType], default=None, help="every model's dtype (default: the pair's)"
@@ -423,6 +431,12 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
             for how in args.target_argmax
             for label, t, d in pairs
         ]
+    if args.target_reads:
+        pairs = [
+            (f"{label} {how} reads", t.model_copy(update={"q4_reads": how == "q4"}), d)
+            for how in args.target_reads
+            for label, t, d in pairs
+        ]
     return pairs
 
 
@@ -471,7 +485,8 @@ def run(args: argparse.Namespace) -> int:
     for t_spec in target_specs:
         target = targets[t_spec]
         argmax = " full argmax" if not t_spec.bounded_argmax else ""
-        t_label = "" if len(target_specs) == 1 else f" ({t_spec.dtype.value}{argmax})"
+        reads = " f32 reads" if not t_spec.q4_reads else ""
+        t_label = "" if len(target_specs) == 1 else f" ({t_spec.dtype.value}{argmax}{reads})"
         plain_row = len(methods)
         methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))
         engines.append(first if plain_row == 0 else Engine(target, tok, max_batch_size=1))
