@@ -296,7 +296,7 @@ def kernel_plan_for(
     q4_wins = []
     for rows, packed, pf in zip(probes, wins, prefetch, strict=True) if q4_lins else ():
         f32_s, q4_s = time_q4(q4_lins, rows, packed, pf, repeats)
-        q4_wins.append(q4_s < f32_s)
+        q4_wins.append(q4_s < PLAN_MARGIN * f32_s)  # like any variant other than the built-in one: by the margin
     q4_rows = probe_mask(probes, q4_wins) if q4_lins else 0
     plan = KernelPlan(probe_mask(probes, wins), tuple(spread(probes, prefetch)), q4_rows)
     apply_plan(model, plan)
