@@ -74,6 +74,27 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
     assert all(float(r["tau"]) >= 1.0 for r in rows)
 
 
+def test_a_target_read_both_ways_decodes_the_same_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--target-reads: the target with Q4_1 records and with float32 reads, side by side; the second plain row
+    reports how many runs gave the first plain row's tokens: all of them (the same products, bit for bit)."""
+    from specserve.cli import main
+
+    prompts = _write(
+        tmp_path / "p.jsonl",
+        [
+            {"question_id": 1, "category": "a", "turns": ["Name three rivers in Europe."]},
+            {"question_id": 2, "category": "b", "turns": ["Write a haiku about rain."]},
+        ],
+    )
+    argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--max-tokens", "16"]
+    argv += ["--methods", "chain", "--chain-sl", "1", "--target-reads", "q4", "f32", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    rows = list(csv.DictReader((tmp_path / "o" / "spec.csv").open()))
+    assert [r["method"] for r in rows] == ["plain (float32)", "chain SL=1", "plain (float32 f32 reads)", "chain SL=1"]
+    assert all(float(r["greedy_equal"]) == 1.0 for r in rows)
+    assert "plain (float32 f32 reads): the first plain's tokens on 2 of 2 runs" in capsys.readouterr().out
+
+
 def test_assisted_generation_is_refused_off_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     from specserve.cli import main
 

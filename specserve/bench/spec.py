@@ -564,4 +564,7 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(rows))
     for line in measured_floors(methods, engines):
         print(line)
+    for other in sorted(set(plain_of) - {0}):  # another target's plain decoding against the first's
+        same = sum(a.token_ids == b.token_ids for a, b in zip(outs[other], outs[0], strict=True))
+        print(f"{methods[other].name}: the first plain's tokens on {same} of {len(outs[0])} runs")
     return 0
