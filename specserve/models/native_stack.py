@@ -40,7 +40,7 @@ HEADERS = tuple(SOURCE.parent / name for name in ("small_gemm.h", "attention.h",
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 EVERY_ROW = (1 << SMALL_GEMM_ROWS) - 1  # a row mask (llama.reads_copy): products of 1..64 rows read the copy
 # Row counts at which kernel_plan_for times the kernel's variants; a count's choice holds up to the next probe.
-PLAN_PROBES = (1, 2, 4, 8, 16)
+PLAN_PROBES = (1, 2, 4, 6, 8, 16)
 # A variant other than the built-in one (packed copies, another prefetch) must be this much faster to be chosen: the
 # variants at 1-3 rows measure within a few % of each other, and noise alone would flip them from load to load.
 PLAN_MARGIN = 0.97

@@ -295,6 +295,52 @@ __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8
     for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + i] = hsum256(acc[i][j]);
 }
 
+// 4-6 activation rows over a block of 4 weight rows: two passes of 2 weight rows each (2 x MB accumulators, the
+// two rows' formed weights and one activation chunk at a time: <= 15 registers), each forming its rows' weights of a
+// group into a stack buffer once for all MB activation rows. Each y[m, n] keeps block256's FMA sequence.
+template <int MB, int PF, int I0>
+__attribute__((target("avx2,fma"))) void block256_q4_pair(const float* x, const uint8_t* w, float* y, int64_t K,
+                                                          int64_t N, int64_t ldx, int64_t n0, int64_t m0) {
+  constexpr int NB = 4;
+  __m256 acc[2][MB];
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t block_bytes = K / kQ4Group * q4_record(NB);
+  const __m256i low = _mm256_set1_epi32(15);
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
+    if constexpr (I0 == 0) prefetch_q4<NB, PF>(w, block_bytes);
+    const float* dm = reinterpret_cast<const float*>(w + NB * 16);
+    alignas(32) float wbuf[2][kQ4Group];
+    for (int i = 0; i < 2; ++i) {
+      const __m256 d = _mm256_broadcast_ss(dm + 2 * (I0 + i)), m = _mm256_broadcast_ss(dm + 2 * (I0 + i) + 1);
+      for (int h = 0; h < 4; ++h) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 * (I0 + i) + (h & 1) * 8));
+        const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+        const __m256i q = h < 2 ? _mm256_and_si256(wide, low) : _mm256_srli_epi32(wide, 4);
+        _mm256_store_ps(wbuf[i] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+      }
+    }
+    for (int h = 0; h < 4; ++h) {
+      const int64_t k = k0 + 8 * h;
+      const __m256 w0 = _mm256_load_ps(wbuf[0] + 8 * h), w1 = _mm256_load_ps(wbuf[1] + 8 * h);
+      for (int j = 0; j < MB; ++j) {
+        const __m256 xv = _mm256_loadu_ps(x + (m0 + j) * ldx + k);
+        acc[0][j] = _mm256_fmadd_ps(w0, xv, acc[0][j]);
+        acc[1][j] = _mm256_fmadd_ps(w1, xv, acc[1][j]);
+      }
+    }
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + I0 + i] = hsum256(acc[i][j]);
+}
+
+template <int MB, int PF>
+__attribute__((target("avx2,fma"))) void block256_q4_pairs(const float* x, const uint8_t* w, float* y, int64_t K,
+                                                           int64_t N, int64_t ldx, int64_t n0, int64_t m0) {
+  block256_q4_pair<MB, PF, 0>(x, w, y, K, N, ldx, n0, m0);
+  block256_q4_pair<MB, PF, 2>(x, w, y, K, N, ldx, n0, m0);
+}
+
 template <int NB, int MB, int PF>
 __attribute__((target("avx512f"))) void block512_q4(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N,
                                                    int64_t ldx, int64_t n0, int64_t m0) {
@@ -357,6 +403,14 @@ Q4Fn pick_q4_rows(bool wide, int64_t mb) {
       case 4: return &block512_q4<NB, 4, PF>;
       case 5: return &block512_q4<NB, 5, PF>;
       default: return &block512_q4<NB, 6, PF>;
+    }
+  }
+  if constexpr (NB == 4) {
+    switch (mb) {
+      case 4: return &block256_q4_pairs<4, PF>;
+      case 5: return &block256_q4_pairs<5, PF>;
+      case 6: return &block256_q4_pairs<6, PF>;
+      default: break;
     }
   }
   switch (mb) {
@@ -622,7 +676,9 @@ at::Tensor run_q4(const at::Tensor& x_in, const Packed& w, const std::optional<a
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data.data_ptr<uint8_t>();
   const bool wide = use == Isa::avx512;
-  const int64_t MB = wide ? 6 : 3;
+  // Activation rows one call takes: 6 over a block of 4 weight rows (AVX2: block256_q4_pairs for 4-6), MBF over a
+  // single weight row and in the float32 kernel (AVX2: 3).
+  const int64_t MB = 6, MBF = wide ? 6 : 3;
   const Prefetch prefetch = pf.value_or(by_default(M));
   const int64_t blocks = N / kBlockRows;
   // Rows in one call dequantise in registers; more rows than that dequantise each block once into a buffer the
@@ -640,8 +696,9 @@ at::Tensor run_q4(const at::Tensor& x_in, const Packed& w, const std::optional<a
           dequant_block_q4<1>(rec, K, buf.data());
         }
       }
+      const int64_t cap = buffered || nb_rows != kBlockRows ? MBF : MB;
       for (int64_t m0 = 0, mb = 0; m0 < M; m0 += mb) {
-        mb = rows_at(MB, M - m0);
+        mb = rows_at(cap, M - m0);
         if (buffered) {
           pick<float>(wide, true, nb_rows == kBlockRows, mb, Prefetch::none)(xp, buf.data(), yp, K, N, K, n, m0);
         } else {
