@@ -67,7 +67,9 @@ def build_model(recipe: ModelRecipe, device: str) -> LlamaModel | EagleHead:
     assert recipe.spec is not None
     if isinstance(recipe.spec, HeadSpec):
         assert recipe.head_target is not None
-        return load_draft(recipe.spec, load_model(recipe.head_target, device=device), device=device)
+        # the head needs its target's embedding and LM head only: no Q4_1 records for the decoder it never runs
+        head_target = recipe.head_target.model_copy(update={"q4_reads": False})
+        return load_draft(recipe.spec, load_model(head_target, device=device), device=device)
     return load_model(recipe.spec, device=device)
 
 

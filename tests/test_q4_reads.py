@@ -39,10 +39,15 @@ SHAPES = [(960, 576), (576, 1536), (7, 64), (5, 32), (13, 96)]
 
 
 def random_blocks(n: int, k: int, seed: int) -> Q4Blocks:
+    """Float16 d and m as ggml stores them; a constant group (d = 0) and a float16-subnormal d where there are
+    groups enough."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half().float()  # float16 values, as ggml stores them
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half().float()
     m = (-torch.rand(n, k // 32, generator=gen) * 0.1).half().float()
+    if d.numel() > 2:
+        d.view(-1)[1] = 0.0
+        d.view(-1)[2] = torch.tensor(2.0**-20).half().float()  # subnormal in float16
     return Q4Blocks(q, d, m)
 
 
@@ -87,6 +92,8 @@ def test_records_are_a_fifth_of_the_float32_bytes_and_bad_blocks_are_clear_error
         ext.small_pack_q4(blocks.q + 16, blocks.d, blocks.m)
     with pytest.raises(RuntimeError, match="d and m"):
         ext.small_pack_q4(blocks.q, blocks.d[:, :1], blocks.m)
+    with pytest.raises(RuntimeError, match="float16 values in d"):  # d * q would round: not the dequantised value
+        ext.small_pack_q4(blocks.q, blocks.d + 1e-9, blocks.m)
     with pytest.raises(RuntimeError, match="64"):
         ext.small_linear_packed(torch.randn(3, 32), records, None)
 
@@ -234,3 +241,39 @@ def test_the_plan_reads_records_where_they_measure_faster(
     assert attach_small_gemm(again, packed=True) and attach_q4_reads(again, blocks)
     assert native_stack.cached_kernel_plan(again, (True, False), (1, 2, 4)).q4_rows == plan.q4_rows
     assert timed == []
+
+
+@torch.no_grad()
+def test_float32_copies_serve_only_the_row_counts_the_records_do_not() -> None:
+    """The records are read first, so a decoder projection's packed float32 copy keeps the other row counts only
+    (dropped where the records take them all); the LM head, without records, keeps the plan's packed rows."""
+    from specserve.models import native_stack
+
+    ext = extension()
+    model, blocks = q4_tiny_model(seed=5)
+    assert attach_small_gemm(model, packed=True) and attach_q4_reads(model, blocks)
+    prefetch = tuple([ext.Prefetch.l1] * 64)
+    native_stack.apply_plan(model, native_stack.KernelPlan(EVERY_ROW, prefetch, q4_rows=0b111))
+    down = model.decoder_layers()[0].down
+    assert down.small_copy_rows == EVERY_ROW & ~0b111 and down.small_q4_rows == 0b111
+    assert model.lm_head.small_copy_rows == EVERY_ROW
+    plan = native_stack.KernelPlan(0b111, prefetch, q4_rows=0b111)
+    assert plan.describe().startswith("Q4_1 records for 1-3 rows; packed copies for no rows (1-3 rows without records)")
+    native_stack.apply_plan(model, plan)
+    assert down.small_packed is None and down.small_q4 is not None
+    assert model.lm_head.small_packed is not None and model.lm_head.small_copy_rows == 0b111
+
+
+@torch.no_grad()
+def test_the_plan_times_the_records_for_real() -> None:
+    """kernel_plan_for with its own timing (one repeat): a valid mask for the records, and the model's logits
+    unchanged whichever row counts they took."""
+    from specserve.models import native_stack
+
+    (plain, _), (q4, blocks) = q4_tiny_model(seed=6), q4_tiny_model(seed=6)
+    assert attach_small_gemm(plain) and attach_small_gemm(q4, packed=True) and attach_q4_reads(q4, blocks)
+    plan = native_stack.kernel_plan_for(q4, (True, False), (1, 2, 4), repeats=1)
+    assert 0 <= plan.q4_rows <= EVERY_ROW
+    assert all((plan.q4_rows >> r & 1) == (plan.q4_rows >> 3 & 1) for r in range(3, 64))  # probe 4 serves 4-64
+    prompt = [int(t) for t in torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(2))]
+    assert torch.equal(forwards(plain, prompt), forwards(q4, prompt))

@@ -126,6 +126,7 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
     blocks = q4_source_blocks(model, spec) if small else None
     if blocks is not None:
         attach_q4_reads(model, blocks)
+        del blocks  # the records hold what they need
     if small and spec.small_gemm_plan:  # layouts and prefetches timed on this machine (the same bits either way)
         cached_kernel_plan(model, (True, False) if spec.small_gemm_packed is None else (spec.small_gemm_packed,))
     if model.device.type == "cpu" and not small:  # the kernel serves the rows these switches are for
@@ -154,7 +155,11 @@ def q4_source_blocks(model: LlamaModel, spec: ModelSpec) -> dict[str, Q4Blocks] 
     if not gguf.is_file():
         log.warning("Q4_1 reads: %s is not on disk; the kernel reads float32 weights", gguf)
         return None
-    blocks = gguf_layer_blocks(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)
+    try:
+        blocks = gguf_layer_blocks(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)
+    except Exception as e:  # an unreadable GGUF: the float32 weights are loaded already, and serve as they are
+        log.warning("Q4_1 reads: cannot read %s (%s); the kernel reads float32 weights", gguf, e)
+        return None
     return blocks or None
 
 

@@ -253,7 +253,10 @@ class KernelPlan:
         masks = {n: sum(1 << r for r, p in enumerate(self.prefetch) if p.name == n) for n in names}
         parts = [f"prefetch {n} for {describe_rows(mask)}" for n, mask in masks.items()]
         q4 = [f"Q4_1 records for {describe_rows(self.q4_rows)}"] if self.q4_rows else []
-        return "; ".join([*q4, f"packed copies for {describe_rows(self.packed_rows)}", *parts])
+        packed = f"packed copies for {describe_rows(self.packed_rows & ~self.q4_rows)}"
+        if self.q4_rows and self.packed_rows & self.q4_rows:  # products without records (the LM head) read them there
+            packed += f" ({describe_rows(self.packed_rows)} without records)"
+        return "; ".join([*q4, packed, *parts])
 
 
 def kernel_linears(model: nn.Module) -> list[nn.Linear]:
@@ -334,13 +337,15 @@ def apply_plan(model: LlamaModel, plan: KernelPlan) -> None:
     ext = extension()
     for m in kernel_linears(model):
         m.small_prefetch = plan.prefetch  # type: ignore[assignment]
+        packed_rows = plan.packed_rows
         if getattr(m, "small_q4", None) is not None:
             m.small_q4_rows = plan.q4_rows  # type: ignore[assignment]
+            packed_rows &= ~plan.q4_rows  # the records are read first: the copy serves the other counts only
             if not plan.q4_rows:
                 m.small_q4, m.small_q4_gemm = None, None  # type: ignore[assignment]
         if isinstance(getattr(m, "small_packed", None), ext.SmallPacked):
-            m.small_copy_rows = plan.packed_rows  # type: ignore[assignment]
-            if not plan.packed_rows:
+            m.small_copy_rows = packed_rows  # type: ignore[assignment]
+            if not packed_rows:
                 m.small_packed, m.small_copy_gemm = None, None  # type: ignore[assignment]
     drop_native_stack(model)
 

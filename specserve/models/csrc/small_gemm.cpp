@@ -637,6 +637,8 @@ Packed pack_q4(const at::Tensor& q_in, const at::Tensor& d_in, const at::Tensor&
                 "small_gemm: pack_q4 wants d and m [N, K / 32] float32 on the CPU");
   }
   TORCH_CHECK(q_in.max().item<int64_t>() <= 15, "small_gemm: pack_q4 wants 4-bit values (0..15)");
+  // d * q is exact in float32 only for a d that float16 holds: then the kernel's FMA is the dequantisation's value
+  TORCH_CHECK(at::equal(d_in, d_in.to(at::kHalf).to(at::kFloat)), "small_gemm: pack_q4 wants float16 values in d");
   const at::Tensor q = q_in.contiguous(), d = d_in.contiguous(), m = m_in.contiguous();
   at::Tensor data = at::zeros({N * groups * q4_record(1)}, at::kByte);
   const uint8_t* qp = q.data_ptr<uint8_t>();
