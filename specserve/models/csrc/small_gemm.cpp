@@ -242,6 +242,14 @@ __attribute__((always_inline)) inline void prefetch_q4(const uint8_t* rec, int64
   }
 }
 
+// Weights 8h .. 8h + 7 of one row's group, q * d + m in float32: the nibbles of bytes (h & 1) * 8 .. of the row's 16,
+// low ones for h < 2 (elements 0..15), high ones after (16..31).
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 form8(const uint8_t* row, int h, __m256 d, __m256 m) {
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (h & 1) * 8)));
+  const __m256i q = h < 2 ? _mm256_and_si256(wide, _mm256_set1_epi32(15)) : _mm256_srli_epi32(wide, 4);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+}
+
 template <int NB, int MB, int PF>
 __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N,
                                                      int64_t ldx, int64_t n0, int64_t m0) {
@@ -249,7 +257,6 @@ __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t block_bytes = K / kQ4Group * q4_record(NB);
-  const __m256i low = _mm256_set1_epi32(15);
   for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
     prefetch_q4<NB, PF>(w, block_bytes);
     const float* dm = reinterpret_cast<const float*>(w + NB * 16);
@@ -259,12 +266,7 @@ __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8
       alignas(32) float wbuf[NB][kQ4Group];
       for (int i = 0; i < NB; ++i) {
         const __m256 d = _mm256_broadcast_ss(dm + 2 * i), m = _mm256_broadcast_ss(dm + 2 * i + 1);
-        for (int h = 0; h < 4; ++h) {
-          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 * i + (h & 1) * 8));
-          const __m256i wide = _mm256_cvtepu8_epi32(bytes);
-          const __m256i q = h < 2 ? _mm256_and_si256(wide, low) : _mm256_srli_epi32(wide, 4);
-          _mm256_store_ps(wbuf[i] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
-        }
+        for (int h = 0; h < 4; ++h) _mm256_store_ps(wbuf[i] + 8 * h, form8(w + 16 * i, h, d, m));
       }
       for (int h = 0; h < 4; ++h) {
         const int64_t k = k0 + 8 * h;
@@ -282,11 +284,7 @@ __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8
       __m256 xv[MB];
       for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(x + (m0 + j) * ldx + k);
       for (int i = 0; i < NB; ++i) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 * i + (h & 1) * 8));
-        const __m256i wide = _mm256_cvtepu8_epi32(bytes);
-        const __m256i q = h < 2 ? _mm256_and_si256(wide, low) : _mm256_srli_epi32(wide, 4);
-        const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_broadcast_ss(dm + 2 * i),
-                                          _mm256_broadcast_ss(dm + 2 * i + 1));
+        const __m256 wv = form8(w + 16 * i, h, _mm256_broadcast_ss(dm + 2 * i), _mm256_broadcast_ss(dm + 2 * i + 1));
         for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
       }
     }
@@ -306,19 +304,13 @@ __attribute__((target("avx2,fma"))) void block256_q4_pair(const float* x, const 
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t block_bytes = K / kQ4Group * q4_record(NB);
-  const __m256i low = _mm256_set1_epi32(15);
   for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
     if constexpr (I0 == 0) prefetch_q4<NB, PF>(w, block_bytes);
     const float* dm = reinterpret_cast<const float*>(w + NB * 16);
     alignas(32) float wbuf[2][kQ4Group];
     for (int i = 0; i < 2; ++i) {
       const __m256 d = _mm256_broadcast_ss(dm + 2 * (I0 + i)), m = _mm256_broadcast_ss(dm + 2 * (I0 + i) + 1);
-      for (int h = 0; h < 4; ++h) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 * (I0 + i) + (h & 1) * 8));
-        const __m256i wide = _mm256_cvtepu8_epi32(bytes);
-        const __m256i q = h < 2 ? _mm256_and_si256(wide, low) : _mm256_srli_epi32(wide, 4);
-        _mm256_store_ps(wbuf[i] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
-      }
+      for (int h = 0; h < 4; ++h) _mm256_store_ps(wbuf[i] + 8 * h, form8(w + 16 * (I0 + i), h, d, m));
     }
     for (int h = 0; h < 4; ++h) {
       const int64_t k = k0 + 8 * h;
@@ -374,18 +366,13 @@ __attribute__((target("avx512f"))) void block512_q4(const float* x, const uint8_
 // float32 kernel over the block once dequantised, instead of dequantising it again for every MB activation rows.
 template <int NB>
 __attribute__((target("avx2,fma"))) void dequant_block_q4(const uint8_t* w, int64_t K, float* out) {
-  const __m256i low = _mm256_set1_epi32(15);
   for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
     const float* dm = reinterpret_cast<const float*>(w + NB * 16);
     float* chunk = out + (k0 / 16) * NB * 16;  // elements 0..15 of the group in this chunk, 16..31 in the next
     for (int i = 0; i < NB; ++i) {
       const __m256 d = _mm256_broadcast_ss(dm + 2 * i), m = _mm256_broadcast_ss(dm + 2 * i + 1);
       for (int h = 0; h < 4; ++h) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 16 * i + (h & 1) * 8));
-        const __m256i wide = _mm256_cvtepu8_epi32(bytes);
-        const __m256i q = h < 2 ? _mm256_and_si256(wide, low) : _mm256_srli_epi32(wide, 4);
-        _mm256_storeu_ps(chunk + (h / 2) * NB * 16 + i * 16 + (h & 1) * 8,
-                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+        _mm256_storeu_ps(chunk + (h / 2) * NB * 16 + i * 16 + (h & 1) * 8, form8(w + 16 * i, h, d, m));
       }
     }
   }
@@ -624,8 +611,8 @@ Packed pack(const at::Tensor& w) {
   return Packed{at::cat({head, tail}).contiguous(), N, K};
 }
 
-// ---- Q4_1 weights in the kernel's record layout (block256_q4 above). q [N, K] uint8 0..15, d and m [N, K / 32] float32
-// (float16 values): the weight row n is d[n, g] * q[n, k] + m[n, g] for k in group g = k / 32.
+// ---- Q4_1 weights in the kernel's record layout (block256_q4 above). q [N, K] uint8 0..15, d and m [N, K / 32]
+// float32 (float16 values): the weight row n is d[n, g] * q[n, k] + m[n, g] for k in group g = k / 32.
 Packed pack_q4(const at::Tensor& q_in, const at::Tensor& d_in, const at::Tensor& m_in) {
   TORCH_CHECK(q_in.dim() == 2 && q_in.scalar_type() == at::kByte && q_in.device().is_cpu(),
               "small_gemm: pack_q4 wants q [N, K] uint8 on the CPU");
