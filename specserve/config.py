@@ -70,7 +70,8 @@ class ModelSpec(BaseModel):
         description="with small_gemm, from a GGUF whose decoder weights are Q4_1 blocks (the builtin): the kernel "
         "reads each projection's 4-bit blocks and forms its float32 weights in registers by the dequantisation's own "
         "arithmetic, the same products bit for bit from 0.19x the bytes, for the row counts where that measures "
-        "faster at load (in place of small_gemm_packed's copies; docs/benchmarks.md, 'Q4_1 records for the kernel')",
+        "faster at load (read before small_gemm_packed's copies, which keep the other counts; docs/benchmarks.md, "
+        "'Q4_1 records for the kernel')",
     )
     small_gemm_plan: bool = Field(
         default=True,
