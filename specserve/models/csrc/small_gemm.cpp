@@ -250,6 +250,16 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 form8(const uin
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
 }
 
+// Rows i0 .. i0 + NI - 1 of a group's record formed into wbuf (one float32 row of 32 weights each).
+template <int NI>
+__attribute__((target("avx2,fma"), always_inline)) inline void form_group(const uint8_t* w, const float* dm, int i0,
+                                                                         float (*wbuf)[kQ4Group]) {
+  for (int i = 0; i < NI; ++i) {
+    const __m256 d = _mm256_broadcast_ss(dm + 2 * (i0 + i)), m = _mm256_broadcast_ss(dm + 2 * (i0 + i) + 1);
+    for (int h = 0; h < 4; ++h) _mm256_store_ps(wbuf[i] + 8 * h, form8(w + 16 * (i0 + i), h, d, m));
+  }
+}
+
 template <int NB, int MB, int PF>
 __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N,
                                                      int64_t ldx, int64_t n0, int64_t m0) {
@@ -264,10 +274,7 @@ __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8
       // Several rows: the group's weights formed first into a stack buffer, then the float32 kernel's loop over it
       // (NB x MB accumulators and MB activations fill the 16 registers; forming weights beside them would spill).
       alignas(32) float wbuf[NB][kQ4Group];
-      for (int i = 0; i < NB; ++i) {
-        const __m256 d = _mm256_broadcast_ss(dm + 2 * i), m = _mm256_broadcast_ss(dm + 2 * i + 1);
-        for (int h = 0; h < 4; ++h) _mm256_store_ps(wbuf[i] + 8 * h, form8(w + 16 * i, h, d, m));
-      }
+      form_group<NB>(w, dm, 0, wbuf);
       for (int h = 0; h < 4; ++h) {
         const int64_t k = k0 + 8 * h;
         __m256 xv[MB];
@@ -308,10 +315,7 @@ __attribute__((target("avx2,fma"))) void block256_q4_pair(const float* x, const 
     if constexpr (I0 == 0) prefetch_q4<NB, PF>(w, block_bytes);
     const float* dm = reinterpret_cast<const float*>(w + NB * 16);
     alignas(32) float wbuf[2][kQ4Group];
-    for (int i = 0; i < 2; ++i) {
-      const __m256 d = _mm256_broadcast_ss(dm + 2 * (I0 + i)), m = _mm256_broadcast_ss(dm + 2 * (I0 + i) + 1);
-      for (int h = 0; h < 4; ++h) _mm256_store_ps(wbuf[i] + 8 * h, form8(w + 16 * (I0 + i), h, d, m));
-    }
+    form_group<2>(w, dm, I0, wbuf);
     for (int h = 0; h < 4; ++h) {
       const int64_t k = k0 + 8 * h;
       const __m256 w0 = _mm256_load_ps(wbuf[0] + 8 * h), w1 = _mm256_load_ps(wbuf[1] + 8 * h);
