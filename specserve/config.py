@@ -73,6 +73,14 @@ class ModelSpec(BaseModel):
         "faster at load (read before small_gemm_packed's copies, which keep the other counts; docs/benchmarks.md, "
         "'Q4_1 records for the kernel')",
     )
+    q8_head_reads: bool = Field(
+        default=True,
+        description="with small_gemm, from a GGUF whose LM head (or the token embedding it shares) is Q8_0 blocks (the "
+        "builtin): the kernel reads those 8-bit blocks and forms the float32 weights by the dequantisation's own "
+        "multiply, the same logits bit for bit from 0.28x the bytes, for the row counts where that measures faster "
+        "at load; greedy steps of those counts take the exact argmax of those logits instead of bounded_argmax's "
+        "copy (docs/benchmarks.md, 'Q8_0 records for the LM head')",
+    )
     small_gemm_plan: bool = Field(
         default=True,
         description="with small_gemm: at load, time the kernel's variants (weight layout, prefetch into L1 or L2) "

@@ -75,8 +75,9 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
 
 
 def test_a_target_read_both_ways_decodes_the_same_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--target-reads: the target with Q4_1 records and with float32 reads, side by side; the second plain row
-    reports how many runs gave the first plain row's tokens: all of them (the same products, bit for bit)."""
+    """--target-reads: the target with Q4_1 and Q8_0 records, with Q4_1 records only and with float32 reads, side by
+    side; each later plain row reports how many runs gave the first plain row's tokens: all of them (the same
+    products, bit for bit)."""
     from specserve.cli import main
 
     prompts = _write(
@@ -87,12 +88,14 @@ def test_a_target_read_both_ways_decodes_the_same_tokens(tmp_path: Path, capsys:
         ],
     )
     argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--max-tokens", "16"]
-    argv += ["--methods", "chain", "--chain-sl", "1", "--target-reads", "q4", "f32", "--out", str(tmp_path / "o")]
-    assert main(argv) == 0
+    argv += ["--methods", "chain", "--chain-sl", "1", "--target-reads", "q4+q8", "q4", "f32"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 0
     rows = list(csv.DictReader((tmp_path / "o" / "spec.csv").open()))
-    assert [r["method"] for r in rows] == ["plain (float32)", "chain SL=1", "plain (float32 f32 reads)", "chain SL=1"]
+    plains = ["plain (float32)", "plain (float32 q4 reads)", "plain (float32 f32 reads)"]
+    assert [r["method"] for r in rows] == [m for p in plains for m in (p, "chain SL=1")]
     assert all(float(r["greedy_equal"]) == 1.0 for r in rows)
-    assert "plain (float32 f32 reads): the first plain's tokens on 2 of 2 runs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert all(f"{p}: the first plain's tokens on 2 of 2 runs" in out for p in plains[1:])
 
 
 def test_assisted_generation_is_refused_off_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
@@ -129,12 +132,14 @@ def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) 
         ("smollm2-eagle full argmax", False),
     ]
     assert both[0][1].model_copy(update={"bounded_argmax": False}) == both[1][1] and both[0][2] == both[1][2]
-    reads = draft_pairs(parser.parse_args(["--pairs", "smollm2-eagle", "--target-reads", "q4", "f32"]))
-    assert [(label, t.q4_reads) for label, t, _ in reads] == [
-        ("smollm2-eagle q4 reads", True),
-        ("smollm2-eagle f32 reads", False),
+    reads = draft_pairs(parser.parse_args(["--pairs", "smollm2-eagle", "--target-reads", "q4+q8", "q4", "f32"]))
+    assert [(label, t.q4_reads, t.q8_head_reads) for label, t, _ in reads] == [
+        ("smollm2-eagle q4+q8 reads", True, True),
+        ("smollm2-eagle q4 reads", True, False),
+        ("smollm2-eagle f32 reads", False, False),
     ]
-    assert reads[0][1].model_copy(update={"q4_reads": False}) == reads[1][1] and reads[0][2] == reads[1][2]
+    assert reads[0][1].model_copy(update={"q4_reads": False, "q8_head_reads": False}) == reads[2][1]
+    assert reads[0][2] == reads[1][2] == reads[2][2]
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnsupportedModelError, match=r"no model\.safetensors"):
         draft_pairs(parser.parse_args(["--heads", str(tmp_path / "empty")]))

@@ -13,7 +13,7 @@ import torch
 from specserve.config import ModelSpec, SourceKind
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.loader import load_model, q4_source_blocks
+from specserve.models.loader import load_model, record_source
 from specserve.models.native_stack import (
     EVERY_ROW,
     NativeStackUnavailable,
@@ -90,7 +90,7 @@ def test_records_are_a_fifth_of_the_float32_bytes_and_bad_blocks_are_clear_error
         ext.small_pack_q4(blocks.q[:, :48], blocks.d[:, :1], blocks.m[:, :1])
     with pytest.raises(RuntimeError, match="4-bit"):
         ext.small_pack_q4(blocks.q + 16, blocks.d, blocks.m)
-    with pytest.raises(RuntimeError, match="d and m"):
+    with pytest.raises(RuntimeError, match=r"scales \[N, K / 32\]"):
         ext.small_pack_q4(blocks.q, blocks.d[:, :1], blocks.m)
     with pytest.raises(RuntimeError, match="float16 values in d"):  # d * q would round: not the dequantised value
         ext.small_pack_q4(blocks.q, blocks.d + 1e-9, blocks.m)
@@ -139,14 +139,14 @@ def test_a_model_reading_its_q4_blocks_computes_the_float32_models_logits() -> N
     (plain, blocks), (q4, _) = q4_tiny_model(seed=2), q4_tiny_model(seed=2)
     assert attach_small_gemm(plain) and attach_small_gemm(q4) and attach_q4_reads(q4, blocks)
     layer = q4.decoder_layers()[1]
-    assert all(getattr(layer, p).small_q4.data.dtype == torch.uint8 for p in ("qkv", "o_proj", "gate_up", "down"))
-    assert getattr(q4.lm_head, "small_q4", None) is None  # not a Q4_1 tensor
+    assert all(getattr(layer, p).small_records.data.dtype == torch.uint8 for p in ("qkv", "o_proj", "gate_up", "down"))
+    assert getattr(q4.lm_head, "small_records", None) is None  # not a Q4_1 tensor
     prompt = [int(t) for t in torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))]
     for native in (False, True):
         if native:
             assert attach_native_stack(plain) and attach_native_stack(q4)
         assert torch.equal(forwards(plain, prompt), forwards(q4, prompt))
-    layer.down.small_q4.data.zero_()
+    layer.down.small_records.data.zero_()
     assert not torch.equal(forwards(plain, prompt), forwards(q4, prompt))
 
 
@@ -158,7 +158,7 @@ def test_blocks_that_do_not_match_the_weights_attach_nothing(caplog: pytest.LogC
     with caplog.at_level(logging.WARNING):
         assert not attach_q4_reads(model, blocks)
     assert "do not dequantise" in caplog.text
-    assert all(getattr(m, "small_q4", None) is None for m in model.modules() if type(m) is torch.nn.Linear)
+    assert all(getattr(m, "small_records", None) is None for m in model.modules() if type(m) is torch.nn.Linear)
     del blocks["model.layers.1.mlp.up_proj.weight"]
     with caplog.at_level(logging.WARNING):
         assert not attach_q4_reads(q4_tiny_model(seed=3)[0], blocks)
@@ -167,9 +167,14 @@ def test_blocks_that_do_not_match_the_weights_attach_nothing(caplog: pytest.LogC
 
 def test_the_loader_reads_blocks_only_from_a_gguf_on_disk(tmp_path: Path) -> None:
     model = tiny_model(seed=0)
-    assert q4_source_blocks(model, ModelSpec(source=str(tmp_path), kind=SourceKind.hf_dir)) is None
-    assert q4_source_blocks(model, ModelSpec(source=str(tmp_path / "x.gguf"))) is None  # not there: float32 reads
-    assert q4_source_blocks(model, ModelSpec(source=str(tmp_path / "x.gguf"), q4_reads=False)) is None
+    gguf = tmp_path / "x.gguf"
+    assert record_source(model, ModelSpec(source=str(tmp_path), kind=SourceKind.hf_dir)) is None
+    assert record_source(model, ModelSpec(source=str(gguf))) is None  # not there: float32 reads
+    gguf.write_bytes(b"")
+    assert record_source(model, ModelSpec(source=str(gguf))) == gguf
+    assert record_source(model, ModelSpec(source=str(gguf), q4_reads=False)) == gguf  # the LM head's Q8_0 blocks
+    assert record_source(model, ModelSpec(source=str(gguf), q4_reads=False, q8_head_reads=False)) is None
+    assert record_source(model.to(torch.bfloat16), ModelSpec(source=str(gguf))) is None  # the records are float32
 
 
 @pytest.mark.real_model
@@ -177,10 +182,11 @@ def test_the_builtin_target_reads_its_q4_blocks_and_keeps_its_logits() -> None:
     """SmolLM2 from its Q4_1 GGUF: every decoder projection on records (read at every row count: no plan, whose
     choice depends on the machine), the logits of the float32 reads bit for bit (a prompt, single steps and
     verifies of 2-64 rows)."""
-    q4 = load_model(ModelSpec(small_gemm_plan=False))
-    f32 = load_model(ModelSpec(q4_reads=False, small_gemm_plan=False))
-    assert all(layer.down.small_q4 is not None and layer.down.small_q4_rows == EVERY_ROW for layer in q4.layers)
-    assert not any(getattr(m, "small_q4", None) is not None for m in f32.modules())
+    q4 = load_model(ModelSpec(small_gemm_plan=False, q8_head_reads=False))
+    f32 = load_model(ModelSpec(q4_reads=False, q8_head_reads=False, small_gemm_plan=False))
+    downs = [layer.down for layer in q4.decoder_layers()]
+    assert all(d.small_records is not None and d.small_record_rows == EVERY_ROW for d in downs)
+    assert not any(getattr(m, "small_records", None) is not None for m in f32.modules())
     prompt = [int(t) for t in torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(5))]
     with torch.inference_mode():
         assert torch.equal(forwards(q4, prompt), forwards(f32, prompt))
@@ -204,7 +210,7 @@ def test_the_plan_reads_records_where_they_measure_faster(
         timed.append(rows)
         return 1.0, 0.5 if rows in q4_probes else 2.0
 
-    monkeypatch.setattr(native_stack, "time_q4", fake_q4)
+    monkeypatch.setattr(native_stack, "time_records", fake_q4)
     monkeypatch.setattr(native_stack, "time_variants", lambda lins, rows, variants, repeats: [1.0] * len(variants))
     model, blocks = q4_tiny_model(seed=4)
     assert attach_small_gemm(model, packed=True) and attach_q4_reads(model, blocks)
@@ -212,12 +218,12 @@ def test_the_plan_reads_records_where_they_measure_faster(
     assert timed == [1, 2, 4]
     down = model.decoder_layers()[0].down
     if not q4_probes:
-        assert plan.q4_rows == 0 and down.small_q4 is None
+        assert plan.q4_rows == 0 and down.small_records is None
         assert "Q4_1" not in plan.describe()
         return
     assert [r for r in range(1, 65) if reads_copy(plan.q4_rows, r)] == [1, 2, 3]
     assert plan.describe().startswith("Q4_1 records for 1-3 rows")
-    assert down.small_q4_rows == plan.q4_rows and getattr(model.lm_head, "small_q4", None) is None
+    assert down.small_record_rows == plan.q4_rows and getattr(model.lm_head, "small_records", None) is None
     x = torch.randn(5, down.in_features)
     want = {r: linear(down, x[:r]) for r in range(1, 6)}
     assert attach_native_stack(model)
@@ -230,7 +236,7 @@ def test_the_plan_reads_records_where_they_measure_faster(
         return model(ForwardBatch.build(cache, [slot], [prompt[:rows]]), cache)
 
     before = {r: logits(r) for r in (1, 3, 4)}
-    down.small_q4.data.zero_()
+    down.small_records.data.zero_()
     for r, b in before.items():
         assert torch.equal(logits(r), b) == (r > 3)  # the stack read the zeroed records for 1-3 rows only
     for r, w in want.items():
@@ -255,12 +261,12 @@ def test_float32_copies_serve_only_the_row_counts_the_records_do_not() -> None:
     prefetch = tuple([ext.Prefetch.l1] * 64)
     native_stack.apply_plan(model, native_stack.KernelPlan(EVERY_ROW, prefetch, q4_rows=0b111))
     down = model.decoder_layers()[0].down
-    assert down.small_copy_rows == EVERY_ROW & ~0b111 and down.small_q4_rows == 0b111
+    assert down.small_copy_rows == EVERY_ROW & ~0b111 and down.small_record_rows == 0b111
     assert model.lm_head.small_copy_rows == EVERY_ROW
     plan = native_stack.KernelPlan(0b111, prefetch, q4_rows=0b111)
     assert plan.describe().startswith("Q4_1 records for 1-3 rows; packed copies for no rows (1-3 rows without records)")
     native_stack.apply_plan(model, plan)
-    assert down.small_packed is None and down.small_q4 is not None
+    assert down.small_packed is None and down.small_records is not None
     assert model.lm_head.small_packed is not None and model.lm_head.small_copy_rows == 0b111
 
 

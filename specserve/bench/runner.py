@@ -14,8 +14,9 @@ same bits), ``kpacked`` its packed copies at every row count (True); the runner 
 faster at load (None, the default); ``unplanned`` the model without the kernel's plan measured at load
 (``ModelSpec.small_gemm_plan`` off: packed copies at every row count, the built-in prefetch); ``sdpa`` the model
 with SDPA's attention in place of the C++ kernel (``ModelSpec.native_attention`` off); ``f32 reads`` the kernel
-reading float32 weights only (``ModelSpec.q4_reads`` off; ``rowmajor`` and ``kpacked`` read float32 too). Also the
-floor one step cannot beat: the bytes a one-row forward reads (Q4_1 records where it reads them) over the read
+reading float32 weights only (``ModelSpec.q4_reads`` and ``q8_head_reads`` off; ``rowmajor`` and ``kpacked`` read
+float32 too). Also the floor one step cannot beat: the bytes a one-row forward reads (records where it reads them,
+the LM head's included) over the read
 bandwidth measured here (``x.sum()`` over 1 GiB). Prints a table and writes a CSV.
 
     .venv/bin/specserve bench runner --rows 1 4 16 --out bench_out/runner
@@ -43,6 +44,7 @@ from specserve.timing import timed
 from specserve.tune import batch_decode_forward, verify_forward
 
 BANDWIDTH_BYTES = 1 << 30
+F32_READS = {"q4_reads": False, "q8_head_reads": False}  # the kernel reads float32 weights only
 Fn = Callable[[], None]
 
 
@@ -77,7 +79,7 @@ def weight_linears(model: LlamaModel) -> list[torch.Tensor]:
 
 def one_row_bytes(mod: nn.Linear) -> int:
     """The bytes a one-row product reads: the Q4_1 records or the kernel's copy where one row reads them."""
-    for copy, rows in (("small_q4", "small_q4_rows"), ("small_packed", "small_copy_rows")):
+    for copy, rows in (("small_records", "small_record_rows"), ("small_packed", "small_copy_rows")):
         c = getattr(mod, copy, None)
         if c is not None and getattr(mod, rows, 0) & 1:
             return int(c.data.numel() * c.data.element_size())
@@ -143,11 +145,11 @@ def run(args: argparse.Namespace) -> int:
     # the same model with the kernel reading its row-major weights, and its packed copies, at every row count
     # (float32 reads, as these settings were measured before ModelSpec.q4_reads)
     rowmajor_model, packed_model = (
-        load_model(spec.model_copy(update={"small_gemm_packed": layout, "q4_reads": False})) if small else model
+        load_model(spec.model_copy(update={"small_gemm_packed": layout, **F32_READS})) if small else model
         for layout in (False, True)
     )
     # and the kernel reading float32 weights only (ModelSpec.q4_reads off), as planned at load
-    f32_model = load_model(spec.model_copy(update={"q4_reads": False})) if small else model
+    f32_model = load_model(spec.model_copy(update=F32_READS)) if small else model
     # and without the plan measured at load: packed copies at every row count, the built-in prefetch
     unplanned_model = load_model(spec.model_copy(update={"small_gemm_plan": False})) if small else model
     # and with SDPA's attention instead of csrc/attention.cpp
@@ -155,11 +157,16 @@ def run(args: argparse.Namespace) -> int:
     for m in (rowmajor_model, packed_model, unplanned_model, sdpa_model, f32_model):
         nn.Module.eval(m)
     print(f"the kernel reads packed copies for: {own} (ModelSpec.small_gemm_packed={spec.small_gemm_packed})")
-    records = [c for m in linears if (c := getattr(m, "small_q4", None)) is not None]
+    records = [c for m in linears if m is not model.lm_head and (c := getattr(m, "small_records", None)) is not None]
     if records:
-        q4_rows = describe_rows(int(getattr(model.decoder_layers()[0].down, "small_q4_rows", 0)))
+        q4_rows = describe_rows(int(getattr(model.decoder_layers()[0].down, "small_record_rows", 0)))
         mb = sum(c.data.numel() for c in records) / 1e6
         print(f"Q4_1 records for {len(records)} projections, {mb:.0f} MB, read for {q4_rows} (ModelSpec.q4_reads)")
+    head_records = getattr(model.lm_head, "small_records", None)
+    if head_records is not None:
+        q8_rows = describe_rows(int(getattr(model.lm_head, "small_record_rows", 0)))
+        mb = head_records.data.numel() / 1e6
+        print(f"the LM head's Q8_0 records, {mb:.0f} MB, read for {q8_rows} (ModelSpec.q8_head_reads)")
     plan = getattr(model.lm_head, "small_prefetch", None)
     if plan is not None:
         print(

@@ -132,10 +132,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target-reads",
         nargs="+",
-        choices=["q4", "f32"],
+        choices=["q4+q8", "q4", "f32"],
         default=None,
-        help="each target once per choice: the kernel reads the decoder weights' Q4_1 records where they measure "
-        "faster, or float32 only, to compare (ModelSpec.q4_reads; the same bits; default: the spec's)",
+        help="each target once per choice: the kernel reads the decoder weights' Q4_1 records and the LM head's Q8_0 "
+        "records where they measure faster, only the former, or float32 only, to compare (ModelSpec.q4_reads, "
+        "q8_head_reads; the same bits; default: the spec's)",
     )
     p.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: cpu)")
     p.add_argument(
@@ -433,7 +434,11 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
         ]
     if args.target_reads:
         pairs = [
-            (f"{label} {how} reads", t.model_copy(update={"q4_reads": how == "q4"}), d)
+            (
+                f"{label} {how} reads",
+                t.model_copy(update={"q4_reads": how != "f32", "q8_head_reads": how == "q4+q8"}),
+                d,
+            )
             for how in args.target_reads
             for label, t, d in pairs
         ]
@@ -485,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
     for t_spec in target_specs:
         target = targets[t_spec]
         argmax = " full argmax" if not t_spec.bounded_argmax else ""
-        reads = " f32 reads" if not t_spec.q4_reads else ""
+        reads = "" if t_spec.q8_head_reads else " q4 reads" if t_spec.q4_reads else " f32 reads"
         t_label = "" if len(target_specs) == 1 else f" ({t_spec.dtype.value}{argmax}{reads})"
         plain_row = len(methods)
         methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))

@@ -116,9 +116,9 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         plan = getattr(mod, "small_prefetch", None)  # the kernel's prefetch per row count, measured at load
         prefetch = None if plan is None else plan[rows - 1]
-        q4 = getattr(mod, "small_q4", None)  # the weight as Q4_1 records (native_stack.attach_q4_reads), if any
-        if q4 is not None and reads_copy(getattr(mod, "small_q4_rows", 0), rows):
-            return mod.small_q4_gemm(x, q4, mod.bias, prefetch)  # type: ignore[operator]
+        records = getattr(mod, "small_records", None)  # the weight as Q4_1 / Q8_0 records (native_stack), if any
+        if records is not None and reads_copy(getattr(mod, "small_record_rows", 0), rows):
+            return mod.small_records_gemm(x, records, mod.bias, prefetch)  # type: ignore[operator]
         own = getattr(mod, "small_packed", None)  # the kernel's own copy of the weight (packed, or bf16), if any
         read_own: Any = getattr(mod, "small_copy_gemm", None)  # the kernel's entry for that copy
         if own is not None and reads_copy(getattr(mod, "small_copy_rows", 0), rows):

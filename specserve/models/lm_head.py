@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specserve.models.llama import LlamaModel, small_gemm_fits
+from specserve.models.llama import LlamaModel, reads_copy, small_gemm_fits
 from specserve.models.native_stack import extension
 
 BF16_ROUNDING = 2.0**-8  # bfloat16 keeps 8 significant bits: round-to-nearest moves a value by at most 2^-8 of it
@@ -62,11 +62,15 @@ def attach_bounded_argmax(model: LlamaModel) -> bool:
 
 
 def greedy_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
-    """argmax of ``model.logits(hidden)`` per row: [R, hidden] -> [R] int64, through the bounded copy where
-    attached and the kernel computes these rows, else over the full logits."""
+    """argmax of ``model.logits(hidden)`` per row: [R, hidden] -> [R] int64: over the full logits where the kernel
+    reads the LM head's Q8_0 records for these rows (``native_stack.attach_q8_head``: 0.57x the bfloat16 copy's
+    bytes), else through the bounded copy where attached and the kernel computes these rows, else over the full
+    logits."""
     bounded: BoundedArgmax | None = getattr(model, "bounded_argmax", None)
     head = model.lm_head
     rows = hidden.shape[0]
+    if getattr(head, "small_records", None) is not None and reads_copy(getattr(head, "small_record_rows", 0), rows):
+        return model.logits(hidden).argmax(dim=-1)  # the exact logits from the head's Q8_0 records: fewer bytes still
     if (
         bounded is None
         or rows > ARGMAX_ROWS

@@ -27,10 +27,18 @@ from specserve.models.native_stack import (
     attach_native_attention,
     attach_native_stack,
     attach_q4_reads,
+    attach_q8_head,
     attach_small_gemm,
     cached_kernel_plan,
 )
-from specserve.models.q4 import Q4Blocks, Q4Linear, dense_rows_on_this_cpu, gguf_layer_blocks, native_q4_available
+from specserve.models.q4 import (
+    Q4Blocks,
+    Q4Linear,
+    dense_rows_on_this_cpu,
+    gguf_layer_blocks,
+    gguf_q8_blocks,
+    native_q4_available,
+)
 from specserve.models.sources import builtin_gguf_path, resolve
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
 
@@ -119,14 +127,13 @@ def load_model_dir(
 
 def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
     """The spec's CPU switches for the model's float linears (the small-product kernel with its copies and Q4_1
-    records, or else GEMV copies and row padding; MKL-packed copies), then
+    and Q8_0 records, or else GEMV copies and row padding; MKL-packed copies), then
     the C++ layer stack over the projections as they now are."""
     packed = spec.small_gemm_packed is not False
     small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model, packed=packed)
-    blocks = q4_source_blocks(model, spec) if small else None
-    if blocks is not None:
-        attach_q4_reads(model, blocks)
-        del blocks  # the records hold what they need
+    gguf = record_source(model, spec) if small else None
+    if gguf is not None:
+        attach_records(model, spec, gguf)
     if small and spec.small_gemm_plan:  # layouts and prefetches timed on this machine (the same bits either way)
         cached_kernel_plan(model, (True, False) if spec.small_gemm_packed is None else (spec.small_gemm_packed,))
     if model.device.type == "cpu" and not small:  # the kernel serves the rows these switches are for
@@ -143,24 +150,33 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
         attach_native_stack(model)
 
 
-def q4_source_blocks(model: LlamaModel, spec: ModelSpec) -> dict[str, Q4Blocks] | None:
-    """The Q4_1 blocks of the spec's GGUF (``ModelSpec.q4_reads``), where it is on, the model float32 on the CPU and
-    its source a GGUF still on disk; else None."""
+def record_source(model: LlamaModel, spec: ModelSpec) -> Path | None:
+    """The spec's GGUF, whose quantised blocks the kernel may read as records (``ModelSpec.q4_reads``,
+    ``q8_head_reads``), where either is on, the model float32 on the CPU and its source a GGUF still on disk; else
+    None."""
     kind = spec.resolved_kind()
-    if not spec.q4_reads or not spec.small_gemm or spec.native_q4 or kind not in (SourceKind.builtin, SourceKind.gguf):
+    if not (spec.q4_reads or spec.q8_head_reads) or not spec.small_gemm or spec.native_q4:
         return None
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+    if kind not in (SourceKind.builtin, SourceKind.gguf) or model.device.type != "cpu" or model.dtype != torch.float32:
         return None
     gguf = builtin_gguf_path(spec.source) if kind == SourceKind.builtin else Path(spec.source).expanduser()
     if not gguf.is_file():
-        log.warning("Q4_1 reads: %s is not on disk; the kernel reads float32 weights", gguf)
+        log.warning("quantised reads: %s is not on disk; the kernel reads float32 weights", gguf)
         return None
+    return gguf
+
+
+def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
+    """The GGUF's Q4_1 decoder blocks (``q4_reads``) and Q8_0 LM head blocks (``q8_head_reads``) as the kernel's
+    records, where the spec asks for them and they dequantise to the loaded weights; an unreadable GGUF leaves the
+    float32 weights serving as they are (a logged reason)."""
     try:
-        blocks = gguf_layer_blocks(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)
-    except Exception as e:  # an unreadable GGUF: the float32 weights are loaded already, and serve as they are
-        log.warning("Q4_1 reads: cannot read %s (%s); the kernel reads float32 weights", gguf, e)
-        return None
-    return blocks or None
+        if spec.q4_reads and (q4 := gguf_layer_blocks(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)):
+            attach_q4_reads(model, q4)
+        if spec.q8_head_reads and (q8 := gguf_q8_blocks(gguf)):
+            attach_q8_head(model, q8)
+    except Exception as e:  # the float32 weights are loaded already, and serve as they are
+        log.warning("quantised reads: cannot read %s (%s); the kernel reads float32 weights", gguf, e)
 
 
 def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.device = "cpu") -> LlamaModel | EagleHead:

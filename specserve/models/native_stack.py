@@ -29,7 +29,7 @@ from torch import nn
 
 from specserve.cpu import cpu_info
 from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
-from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear
+from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear, Q8Blocks
 from specserve.models.sources import cache_dir
 from specserve.spec_decode.eagle_head import EagleHead
 
@@ -110,9 +110,9 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     own = getattr(mod, "small_packed", None)  # the kernel's own packed copy: float32, or bf16 (a draft head's)
     if own is not None:
         proj.small_packed, proj.small_packed_rows = own, getattr(mod, "small_copy_rows", 0)
-    q4 = getattr(mod, "small_q4", None)  # Q4_1 records (attach_q4_reads)
-    if q4 is not None:
-        proj.small_q4, proj.small_q4_rows = q4, getattr(mod, "small_q4_rows", 0)
+    records = getattr(mod, "small_records", None)  # Q4_1 / Q8_0 records (attach_q4_reads, attach_q8_head)
+    if records is not None:
+        proj.small_records, proj.small_record_rows = records, getattr(mod, "small_record_rows", 0)
     return proj
 
 
@@ -215,9 +215,9 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
     dequantisation's own arithmetic: the same products bit for bit as over the float32 weights, which the model holds
     only because they are the GGUF's Q4_1 blocks dequantised (``ModelSpec.q4_reads``; docs/benchmarks.md, "Q4_1
     records for the kernel"). All or nothing: False (nothing attached, a logged reason) unless every projection is
-    on the kernel and its blocks dequantise to exactly its float32 weight. The records (``small_q4``) are read before
-    any other copy, for every row count until ``kernel_plan_for`` measures which counts they win (``small_q4_rows``).
-    Call after ``attach_small_gemm`` and before the plan and ``attach_native_stack``."""
+    on the kernel and its blocks dequantise to exactly its float32 weight. The records (``small_records``) are read
+    before any other copy, for every row count until ``kernel_plan_for`` measures which counts they win
+    (``small_record_rows``). Call after ``attach_small_gemm`` and before the plan and ``attach_native_stack``."""
     ext = extension()
     found = layer_q4_blocks(model, blocks)
     if found is None:
@@ -231,9 +231,34 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
             log.warning("Q4_1 reads: the GGUF's blocks do not dequantise to the loaded weights; reading float32")
             return False
     for mod, blk in found.items():
-        mod.small_q4 = ext.small_pack_q4(blk.q, blk.d, blk.m)  # type: ignore[assignment]
-        mod.small_q4_gemm, mod.small_q4_rows = ext.small_linear_packed, EVERY_ROW  # type: ignore[assignment]
+        mod.small_records = ext.small_pack_q4(blk.q, blk.d, blk.m)  # type: ignore[assignment]
+        mod.small_records_gemm, mod.small_record_rows = ext.small_linear_packed, EVERY_ROW  # type: ignore[assignment]
     drop_native_stack(model)
+    return True
+
+
+def attach_q8_head(model: LlamaModel, blocks: dict[str, Q8Blocks]) -> bool:
+    """Switch: the kernel reads the LM head from its Q8_0 blocks (``small_pack_q8``: 8-bit values and their group's
+    scale, 0.28x the float32 bytes), forming each float32 weight by the dequantisation's own multiply, exact in
+    float32: the same logits bit for bit (``ModelSpec.q8_head_reads``; docs/benchmarks.md, "Q8_0 records for the LM
+    head"). The blocks are the head's own (``lm_head.weight``) or, with tied embeddings, the token embedding's. False
+    (nothing attached, a logged reason) unless the head is on the kernel, has no bias and the blocks dequantise to
+    exactly its float32 weight. Read before any other copy until ``kernel_plan_for`` measures which row counts they
+    win (``KernelPlan.q8_rows``). Call after ``attach_small_gemm`` and before the plan and ``attach_native_stack``."""
+    head = model.lm_head
+    name = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
+    blk = blocks.get(name)
+    if blk is None:
+        log.info("Q8_0 head reads: the GGUF does not hold %s as Q8_0 blocks", name)
+        return False
+    if getattr(head, "small_gemm", None) is None or head.bias is not None:
+        log.warning("Q8_0 head reads: the LM head is not on the small-product kernel or has a bias")
+        return False
+    if blk.q.shape != head.weight.shape or not torch.equal(blk.dequantize(), head.weight.detach()):
+        log.warning("Q8_0 head reads: the GGUF's blocks do not dequantise to the loaded LM head; reading float32")
+        return False
+    head.small_records = extension().small_pack_q8(blk.q, blk.d)  # type: ignore[assignment]
+    head.small_records_gemm, head.small_record_rows = extension().small_linear_packed, EVERY_ROW  # type: ignore[assignment]
     return True
 
 
@@ -242,17 +267,20 @@ class KernelPlan:
     """How the kernel runs a model's products of each row count on this machine (the same bits either way):
     ``packed_rows`` a row mask (``llama.reads_copy``) of the counts that read the packed copies, ``prefetch`` [r - 1]
     what a product of r rows prefetches (``ext.Prefetch``), ``q4_rows`` the counts that read Q4_1 records (where a
-    projection holds them: ``attach_q4_reads``; before any other copy)."""
+    decoder projection holds them: ``attach_q4_reads``; before any other copy), ``q8_rows`` those that read the LM
+    head's Q8_0 records (``attach_q8_head``)."""
 
     packed_rows: int
     prefetch: tuple[Any, ...]
     q4_rows: int = 0
+    q8_rows: int = 0
 
     def describe(self) -> str:
         names = sorted({p.name for p in self.prefetch})
         masks = {n: sum(1 << r for r, p in enumerate(self.prefetch) if p.name == n) for n in names}
         parts = [f"prefetch {n} for {describe_rows(mask)}" for n, mask in masks.items()]
         q4 = [f"Q4_1 records for {describe_rows(self.q4_rows)}"] if self.q4_rows else []
+        q4 += [f"the LM head's Q8_0 records for {describe_rows(self.q8_rows)}"] if self.q8_rows else []
         packed = f"packed copies for {describe_rows(self.packed_rows & ~self.q4_rows)}"
         if self.q4_rows and self.packed_rows & self.q4_rows:  # products without records (the LM head) read them there
             packed += f" ({describe_rows(self.packed_rows)} without records)"
@@ -294,55 +322,59 @@ def kernel_plan_for(
         packed = True in best and (False not in best or best[True][1] < PLAN_MARGIN * best[False][1])
         wins.append(packed)
         prefetch.append(pfs[best[packed][0]])
-    # Q4_1 records where the projections hold them: against the float32 variant just chosen, the same prefetch
-    q4_lins = [m for m in lins if getattr(m, "small_q4", None) is not None]
-    q4_wins = []
-    for rows, packed, pf in zip(probes, wins, prefetch, strict=True) if q4_lins else ():
-        f32_s, q4_s = time_q4(q4_lins, rows, packed, pf, repeats)
-        q4_wins.append(q4_s < PLAN_MARGIN * f32_s)  # like any variant other than the built-in one: by the margin
-    q4_rows = probe_mask(probes, q4_wins) if q4_lins else 0
-    plan = KernelPlan(probe_mask(probes, wins), tuple(spread(probes, prefetch)), q4_rows)
+    # records where products hold them (the decoder projections' Q4_1, the LM head's Q8_0, each set timed on its own):
+    # against the float32 variant just chosen, the same prefetch
+    held = [m for m in lins if getattr(m, "small_records", None) is not None]
+    masks = []
+    for group in ([m for m in held if m is not model.lm_head], [m for m in held if m is model.lm_head]):
+        record_wins = []
+        for rows, packed, pf in zip(probes, wins, prefetch, strict=True) if group else ():
+            f32_s, record_s = time_records(group, rows, packed, pf, repeats)
+            record_wins.append(record_s < PLAN_MARGIN * f32_s)  # like any variant other than the built-in one
+        masks.append(probe_mask(probes, record_wins) if group else 0)
+    plan = KernelPlan(probe_mask(probes, wins), tuple(spread(probes, prefetch)), *masks)
     apply_plan(model, plan)
     log.info("the kernel's plan, measured at load: %s", plan.describe())
     return plan
 
 
 @torch.inference_mode()
-def time_q4(lins: list[nn.Linear], rows: int, packed: bool, prefetch: Any, repeats: int) -> tuple[float, float]:
+def time_records(lins: list[nn.Linear], rows: int, packed: bool, prefetch: Any, repeats: int) -> tuple[float, float]:
     """Median seconds of the products of ``rows`` rows over ``lins`` in one pass, (float32 weights in the layout
-    ``packed`` chose, their Q4_1 records), alternating, after one untimed pass each."""
+    ``packed`` chose, their records), alternating, after one untimed pass each."""
     ext = extension()
     gen = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(rows, k, generator=gen) for k in {m.in_features for m in lins}}
     times: tuple[list[float], list[float]] = ([], [])
     for run in range(repeats + 1):
-        for q4 in (False, True) if run % 2 else (True, False):
+        for records in (False, True) if run % 2 else (True, False):
             start = time.perf_counter()
             for m in lins:
                 x = xs[m.in_features]
-                if q4:
-                    ext.small_linear_packed(x, m.small_q4, m.bias, prefetch)
+                if records:
+                    ext.small_linear_packed(x, m.small_records, m.bias, prefetch)
                 elif packed:
                     ext.small_linear_packed(x, m.small_packed, m.bias, prefetch)
                 else:
                     ext.small_linear(x, m.weight.detach(), m.bias, prefetch)
             if run:
-                times[q4].append(time.perf_counter() - start)
+                times[records].append(time.perf_counter() - start)
     return statistics.median(times[0]), statistics.median(times[1])
 
 
 def apply_plan(model: LlamaModel, plan: KernelPlan) -> None:
-    """Set ``plan`` on every kernel product of the model; packed copies and Q4_1 records no row count reads are
+    """Set ``plan`` on every kernel product of the model; packed copies and records no row count reads are
     dropped."""
     ext = extension()
     for m in kernel_linears(model):
         m.small_prefetch = plan.prefetch  # type: ignore[assignment]
         packed_rows = plan.packed_rows
-        if getattr(m, "small_q4", None) is not None:
-            m.small_q4_rows = plan.q4_rows  # type: ignore[assignment]
-            packed_rows &= ~plan.q4_rows  # the records are read first: the copy serves the other counts only
-            if not plan.q4_rows:
-                m.small_q4, m.small_q4_gemm = None, None  # type: ignore[assignment]
+        if getattr(m, "small_records", None) is not None:
+            record_rows = plan.q8_rows if m is model.lm_head else plan.q4_rows
+            m.small_record_rows = record_rows  # type: ignore[assignment]
+            packed_rows &= ~record_rows  # the records are read first: the copy serves the other counts only
+            if not record_rows:
+                m.small_records, m.small_records_gemm = None, None  # type: ignore[assignment]
         if isinstance(getattr(m, "small_packed", None), ext.SmallPacked):
             m.small_copy_rows = packed_rows  # type: ignore[assignment]
             if not packed_rows:
@@ -369,7 +401,12 @@ def cached_kernel_plan(
     plan = kernel_plan_for(model, layouts, probes)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    stored = {"packed_rows": plan.packed_rows, "prefetch": [p.name for p in plan.prefetch], "q4_rows": plan.q4_rows}
+    stored = {
+        "packed_rows": plan.packed_rows,
+        "prefetch": [p.name for p in plan.prefetch],
+        "q4_rows": plan.q4_rows,
+        "q8_rows": plan.q8_rows,
+    }
     tmp.write_text(json.dumps(stored))
     os.replace(tmp, path)  # whole or not at all, for a process loading beside this one
     return plan
@@ -385,7 +422,7 @@ def plan_key(lins: list[nn.Linear], layouts: tuple[bool, ...], probes: tuple[int
         ext.small_gemm_isa(),
         torch.get_num_threads(),
         [[m.out_features, m.in_features, m.bias is not None] for m in lins],
-        [getattr(m, "small_q4", None) is not None for m in lins],  # which products hold Q4_1 records
+        [getattr(m, "small_records", None) is not None for m in lins],  # which products hold records
         list(layouts),
         list(probes),
         PLAN_MARGIN,
@@ -401,6 +438,7 @@ def read_plan(path: Path) -> KernelPlan | None:
         prefetch = tuple(members[name] for name in raw["prefetch"])
         packed_rows = int(raw["packed_rows"])
         q4_rows = int(raw.get("q4_rows", 0))
+        q8_rows = int(raw.get("q8_rows", 0))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -409,10 +447,10 @@ def read_plan(path: Path) -> KernelPlan | None:
     if len(prefetch) != SMALL_GEMM_ROWS or not 0 <= packed_rows <= EVERY_ROW:
         log.warning("the kernel's stored plan %s does not cover 1-%d rows; measuring it again", path, SMALL_GEMM_ROWS)
         return None
-    if not 0 <= q4_rows <= EVERY_ROW:
-        log.warning("the kernel's stored plan %s has no valid row mask for Q4_1 records; measuring it again", path)
+    if not (0 <= q4_rows <= EVERY_ROW and 0 <= q8_rows <= EVERY_ROW):
+        log.warning("the kernel's stored plan %s has no valid row mask for records; measuring it again", path)
         return None
-    return KernelPlan(packed_rows, prefetch, q4_rows)
+    return KernelPlan(packed_rows, prefetch, q4_rows, q8_rows)
 
 
 def faster(default_s: float, other_s: float) -> tuple[int, float]:

@@ -21,6 +21,7 @@ from specserve.errors import UnsupportedModelError
 
 Q4_GROUP = 32  # weights per Q4_1 block (and per scale/zero group of the kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of nibbles
+Q8_0_BLOCK_BYTES = 34  # float16 d, 32 int8 values
 INNER_K_TILES = 2  # the packing layout the CPU kernel reads
 
 
@@ -108,6 +109,46 @@ def dense_rows_on_this_cpu(dense_from: int | None) -> int | None:
     except (AttributeError, RuntimeError):  # a torch built without oneDNN
         fast = False
     return dense_from if fast else None
+
+
+@dataclass(frozen=True)
+class Q8Blocks:
+    """A [N, K] weight as Q8_0 blocks along K (the GGUF's token embedding, which SmolLM2's LM head shares)."""
+
+    q: torch.Tensor  # [N, K] int8
+    d: torch.Tensor  # [N, K / 32] float32 (exact float16 values)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32, exactly as llama.cpp (and this project's GGUF converter) dequantises Q8_0: d * q."""
+        n, k = self.q.shape
+        return (self.q.view(n, k // Q4_GROUP, Q4_GROUP).float() * self.d[..., None]).view(n, k)
+
+
+def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
+    """GGUF Q8_0 tensor bytes ([N, K / 32 * 34] uint8) -> Q8Blocks of ``shape`` [N, K]. Block layout (ggml): d
+    float16, then the 32 values as int8."""
+    n, k = shape
+    if k % Q4_GROUP:
+        raise UnsupportedModelError(f"a Q8_0 row of {k} weights is not a whole number of {Q4_GROUP}-blocks")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // Q4_GROUP, Q8_0_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return Q8Blocks(torch.from_numpy(q), torch.from_numpy(d))
+
+
+def gguf_q8_blocks(gguf_path: Path) -> dict[str, Q8Blocks]:
+    """HF names of the GGUF's Q8_0 tensors -> their blocks (rows in the GGUF's order: the converter permutes only
+    q and k projections' rows)."""
+    from gguf import GGMLQuantizationType
+
+    from specserve.models.sources import _open_gguf, hf_tensor_name
+
+    out = {}
+    for tensor in _open_gguf(gguf_path).tensors:
+        if tensor.tensor_type == GGMLQuantizationType.Q8_0:
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's order is reversed
+            out[hf_tensor_name(tensor.name)] = q8_0_blocks(np.asarray(tensor.data), shape)
+    return out
 
 
 def native_q4_available() -> bool:

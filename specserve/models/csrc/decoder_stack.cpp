@@ -49,8 +49,8 @@ struct Proj {
   std::optional<specserve_small_gemm::Packed> small_packed;  // the weight in its packed layout, where attached
   uint64_t small_packed_rows = 0;  // products of r rows read small_packed where bit r - 1 is set (measured at load)
   std::vector<specserve_small_gemm::Prefetch> small_prefetch;  // [r - 1]: the prefetch for r rows (measured at load)
-  std::optional<specserve_small_gemm::Packed> small_q4;  // the weight as Q4_1 records (pack_q4), where attached
-  uint64_t small_q4_rows = 0;  // products of r rows read small_q4 where bit r - 1 is set (before small_packed)
+  std::optional<specserve_small_gemm::Packed> small_records;  // the weight as Q4_1 / Q8_0 records, if attached
+  uint64_t small_record_rows = 0;  // products of r rows read small_records where bit r - 1 is set (first)
   bool q4 = false;
   Tensor packed, scales_and_zeros;
   std::optional<Tensor> dense;   // bf16 copy for products of at least dense_from rows
@@ -72,8 +72,8 @@ struct Proj {
         weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
       std::optional<specserve_small_gemm::Prefetch> pf;
       if (static_cast<int64_t>(small_prefetch.size()) >= rows) pf = small_prefetch[rows - 1];
-      if (small_q4.has_value() && (small_q4_rows >> (rows - 1) & 1)) {
-        return specserve_small_gemm::linear_packed(x, *small_q4, bias, pf);
+      if (small_records.has_value() && (small_record_rows >> (rows - 1) & 1)) {
+        return specserve_small_gemm::linear_packed(x, *small_records, bias, pf);
       }
       return small_packed.has_value() && (small_packed_rows >> (rows - 1) & 1)
                  ? specserve_small_gemm::linear_packed(x, *small_packed, bias, pf)
@@ -376,8 +376,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("small_packed", &Proj::small_packed)
       .def_readwrite("small_packed_rows", &Proj::small_packed_rows)
       .def_readwrite("small_prefetch", &Proj::small_prefetch)
-      .def_readwrite("small_q4", &Proj::small_q4)
-      .def_readwrite("small_q4_rows", &Proj::small_q4_rows)
+      .def_readwrite("small_records", &Proj::small_records)
+      .def_readwrite("small_record_rows", &Proj::small_record_rows)
       .def_readwrite("q4", &Proj::q4)
       .def_readwrite("packed", &Proj::packed)
       .def_readwrite("scales_and_zeros", &Proj::scales_and_zeros)
@@ -412,6 +412,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("data", &specserve_small_gemm::Packed::data);
   m.def("small_pack", &specserve_small_gemm::pack, py::arg("weight"));
   m.def("small_pack_q4", &specserve_small_gemm::pack_q4, py::arg("q"), py::arg("d"), py::arg("m"));
+  m.def("small_pack_q8", &specserve_small_gemm::pack_q8, py::arg("q"), py::arg("d"));
   m.def("small_bounded_argmax", &specserve_small_gemm::bounded_argmax, py::arg("x"), py::arg("approx"),
         py::arg("weight"), py::arg("row_norms"), py::arg("bound"));
   m.def("small_linear_packed", &specserve_small_gemm::linear_packed, py::arg("x"), py::arg("packed"),

@@ -220,61 +220,112 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const W* w, fl
     for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + i] = hsum256(acc[i][j]);
 }
 
-// ---- Q4_1 weights (pack_q4 below): each weight w = d * q + m of its 32-element group (q 0..15; d, m the float16
-// scale and minimum as float32), formed in a register by one FMA, which equals the float32 dequantisation d * q + m
-// exactly (d * q has at most 11 + 4 significant bits, so the product is exact and the FMA rounds once, as the add
-// does). Each weight chunk then meets the activations in the same FMA sequence as block256 / block512 over the
-// dequantised float32 weight: the same products, bit for bit, from ~0.19x the bytes.
-// A block of NB rows is one record per group: NB x 16 bytes of nibbles (byte b: element b low, element b + 16 high,
-// as ggml stores them), then NB (d, m) float pairs; records for k ascending, the blocks of 4 rows, then the N % 4
-// last rows alone.
+// ---- Quantised weights as records (pack_q4 / pack_q8 below), each weight formed in a register by the
+// dequantisation's own arithmetic, which is exact in float32:
+//   Q4_1: w = d * q + m of its 32-element group (q 0..15; d, m the float16 scale and minimum as float32), one FMA:
+//         d * q has at most 11 + 4 significant bits, so the product is exact and the FMA rounds once, as the add does;
+//   Q8_0: w = d * q (q -128..127; d float16 as float32), one multiply: at most 11 + 8 significant bits, exact.
+// Each weight chunk then meets the activations in the same FMA sequence as block256 / block512 over the dequantised
+// float32 weight: the same products, bit for bit, from 0.19x (Q4_1) or 0.31x (Q8_0) the bytes.
+// A block of NB rows is one record per group: NB x F::qbytes bytes of values (Q4_1: byte b holds element b low and
+// element b + 16 high, as ggml stores them; Q8_0: element b in byte b), then NB x F::scales floats (Q4_1: d, m; Q8_0:
+// d); records for k ascending, the blocks of 4 rows, then the N % 4 last rows alone.
 constexpr int64_t kQ4Group = 32;
-constexpr int64_t q4_record(int64_t nb) { return nb * (16 + 2 * static_cast<int64_t>(sizeof(float))); }
 
-template <int NB, int PF>
-__attribute__((always_inline)) inline void prefetch_q4(const uint8_t* rec, int64_t block_bytes) {
-  if constexpr (PF == static_cast<int>(Prefetch::l1)) {
-    _mm_prefetch(reinterpret_cast<const char*>(rec + block_bytes), _MM_HINT_T0);
-    if constexpr (NB > 2) _mm_prefetch(reinterpret_cast<const char*>(rec + block_bytes + 64), _MM_HINT_T0);
-  } else if constexpr (PF == static_cast<int>(Prefetch::l2)) {
-    _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * block_bytes), _MM_HINT_T1);
-    if constexpr (NB > 2) _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * block_bytes + 64), _MM_HINT_T1);
+struct Q4Fmt {
+  static constexpr int64_t qbytes = 16, scales = 2;
+  // Weights 8h .. 8h + 7 of one row's group: the nibbles of bytes (h & 1) * 8 .., low ones for h < 2 (elements
+  // 0..15), high ones after (16..31).
+  __attribute__((target("avx2,fma"), always_inline)) static inline __m256 form8(const uint8_t* row, int h, __m256 d,
+                                                                               __m256 m) {
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (h & 1) * 8)));
+    const __m256i q = h < 2 ? _mm256_and_si256(wide, _mm256_set1_epi32(15)) : _mm256_srli_epi32(wide, 4);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+  }
+  // Weights 16h .. 16h + 15: every byte, low nibbles for h = 0, high for h = 1.
+  __attribute__((target("avx512f"), always_inline)) static inline __m512 form16(const uint8_t* row, int h, float d,
+                                                                                float m) {
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+    const __m512i q = h == 0 ? _mm512_and_si512(wide, _mm512_set1_epi32(15)) : _mm512_srli_epi32(wide, 4);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d), _mm512_set1_ps(m));
+  }
+};
+
+struct Q8Fmt {
+  static constexpr int64_t qbytes = 32, scales = 1;
+  __attribute__((target("avx2,fma"), always_inline)) static inline __m256 form8(const uint8_t* row, int h, __m256 d,
+                                                                               __m256) {
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * h)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+  }
+  __attribute__((target("avx512f"), always_inline)) static inline __m512 form16(const uint8_t* row, int h, float d,
+                                                                                float) {
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * h)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(d));
+  }
+};
+
+template <typename F>
+constexpr int64_t record_bytes(int64_t nb) {
+  return nb * (F::qbytes + F::scales * static_cast<int64_t>(sizeof(float)));
+}
+
+// A group's scale and minimum of row i of a record (dm: the record's floats); Q8_0 has no minimum (unused: 0).
+template <typename F>
+__attribute__((always_inline)) inline float scale_of(const float* dm, int i) {
+  return dm[F::scales * i];
+}
+template <typename F>
+__attribute__((always_inline)) inline float min_of(const float* dm, int i) {
+  if constexpr (F::scales > 1) return dm[F::scales * i + 1];
+  return 0.0f;
+}
+
+template <typename F, int NB, int PF>
+__attribute__((always_inline)) inline void prefetch_record(const uint8_t* rec, int64_t block_bytes) {
+  constexpr int64_t bytes = record_bytes<F>(NB);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    if constexpr (PF == static_cast<int>(Prefetch::l1)) {
+      _mm_prefetch(reinterpret_cast<const char*>(rec + block_bytes + off), _MM_HINT_T0);
+    } else if constexpr (PF == static_cast<int>(Prefetch::l2)) {
+      _mm_prefetch(reinterpret_cast<const char*>(rec + 2 * block_bytes + off), _MM_HINT_T1);
+    }
   }
 }
 
-// Weights 8h .. 8h + 7 of one row's group, q * d + m in float32: the nibbles of bytes (h & 1) * 8 .. of the row's 16,
-// low ones for h < 2 (elements 0..15), high ones after (16..31).
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 form8(const uint8_t* row, int h, __m256 d, __m256 m) {
-  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (h & 1) * 8)));
-  const __m256i q = h < 2 ? _mm256_and_si256(wide, _mm256_set1_epi32(15)) : _mm256_srli_epi32(wide, 4);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+// Weights 8h .. 8h + 7 of row i of a group's record w.
+template <typename F>
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 form8(const uint8_t* w, const float* dm, int i,
+                                                                      int h) {
+  __m256 m = _mm256_setzero_ps();
+  if constexpr (F::scales > 1) m = _mm256_broadcast_ss(dm + F::scales * i + 1);
+  return F::form8(w + F::qbytes * i, h, _mm256_broadcast_ss(dm + F::scales * i), m);
 }
 
 // Rows i0 .. i0 + NI - 1 of a group's record formed into wbuf (one float32 row of 32 weights each).
-template <int NI>
+template <typename F, int NI>
 __attribute__((target("avx2,fma"), always_inline)) inline void form_group(const uint8_t* w, const float* dm, int i0,
                                                                          float (*wbuf)[kQ4Group]) {
   for (int i = 0; i < NI; ++i) {
-    const __m256 d = _mm256_broadcast_ss(dm + 2 * (i0 + i)), m = _mm256_broadcast_ss(dm + 2 * (i0 + i) + 1);
-    for (int h = 0; h < 4; ++h) _mm256_store_ps(wbuf[i] + 8 * h, form8(w + 16 * (i0 + i), h, d, m));
+    for (int h = 0; h < 4; ++h) _mm256_store_ps(wbuf[i] + 8 * h, form8<F>(w, dm, i0 + i, h));
   }
 }
 
-template <int NB, int MB, int PF>
-__attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N,
-                                                     int64_t ldx, int64_t n0, int64_t m0) {
+template <typename F, int NB, int MB, int PF>
+__attribute__((target("avx2,fma"))) void block256_rec(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N,
+                                                      int64_t ldx, int64_t n0, int64_t m0) {
   __m256 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const int64_t block_bytes = K / kQ4Group * q4_record(NB);
-  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
-    prefetch_q4<NB, PF>(w, block_bytes);
-    const float* dm = reinterpret_cast<const float*>(w + NB * 16);
+  const int64_t block_bytes = K / kQ4Group * record_bytes<F>(NB);
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += record_bytes<F>(NB)) {
+    prefetch_record<F, NB, PF>(w, block_bytes);
+    const float* dm = reinterpret_cast<const float*>(w + NB * F::qbytes);
     if constexpr (MB > 1) {
       // Several rows: the group's weights formed first into a stack buffer, then the float32 kernel's loop over it
       // (NB x MB accumulators and MB activations fill the 16 registers; forming weights beside them would spill).
       alignas(32) float wbuf[NB][kQ4Group];
-      form_group<NB>(w, dm, 0, wbuf);
+      form_group<F, NB>(w, dm, 0, wbuf);
       for (int h = 0; h < 4; ++h) {
         const int64_t k = k0 + 8 * h;
         __m256 xv[MB];
@@ -286,12 +337,12 @@ __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8
       }
       continue;
     }
-    for (int h = 0; h < 4; ++h) {  // elements 8h .. 8h + 7 of the group: bytes (h & 1) * 8 .., low nibbles for h < 2
+    for (int h = 0; h < 4; ++h) {  // elements 8h .. 8h + 7 of the group
       const int64_t k = k0 + 8 * h;
       __m256 xv[MB];
       for (int j = 0; j < MB; ++j) xv[j] = _mm256_loadu_ps(x + (m0 + j) * ldx + k);
       for (int i = 0; i < NB; ++i) {
-        const __m256 wv = form8(w + 16 * i, h, _mm256_broadcast_ss(dm + 2 * i), _mm256_broadcast_ss(dm + 2 * i + 1));
+        const __m256 wv = form8<F>(w, dm, i, h);
         for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
       }
     }
@@ -303,19 +354,19 @@ __attribute__((target("avx2,fma"))) void block256_q4(const float* x, const uint8
 // 4-6 activation rows over a block of 4 weight rows: two passes of 2 weight rows each (2 x MB accumulators, the
 // two rows' formed weights and one activation chunk at a time: <= 15 registers), each forming its rows' weights of a
 // group into a stack buffer once for all MB activation rows. Each y[m, n] keeps block256's FMA sequence.
-template <int MB, int PF, int I0>
-__attribute__((target("avx2,fma"))) void block256_q4_pair(const float* x, const uint8_t* w, float* y, int64_t K,
-                                                          int64_t N, int64_t ldx, int64_t n0, int64_t m0) {
+template <typename F, int MB, int PF, int I0>
+__attribute__((target("avx2,fma"))) void block256_rec_pair(const float* x, const uint8_t* w, float* y, int64_t K,
+                                                           int64_t N, int64_t ldx, int64_t n0, int64_t m0) {
   constexpr int NB = 4;
   __m256 acc[2][MB];
   for (int i = 0; i < 2; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const int64_t block_bytes = K / kQ4Group * q4_record(NB);
-  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
-    if constexpr (I0 == 0) prefetch_q4<NB, PF>(w, block_bytes);
-    const float* dm = reinterpret_cast<const float*>(w + NB * 16);
+  const int64_t block_bytes = K / kQ4Group * record_bytes<F>(NB);
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += record_bytes<F>(NB)) {
+    if constexpr (I0 == 0) prefetch_record<F, NB, PF>(w, block_bytes);
+    const float* dm = reinterpret_cast<const float*>(w + NB * F::qbytes);
     alignas(32) float wbuf[2][kQ4Group];
-    form_group<2>(w, dm, I0, wbuf);
+    form_group<F, 2>(w, dm, I0, wbuf);
     for (int h = 0; h < 4; ++h) {
       const int64_t k = k0 + 8 * h;
       const __m256 w0 = _mm256_load_ps(wbuf[0] + 8 * h), w1 = _mm256_load_ps(wbuf[1] + 8 * h);
@@ -330,33 +381,29 @@ __attribute__((target("avx2,fma"))) void block256_q4_pair(const float* x, const 
     for (int j = 0; j < MB; ++j) y[(m0 + j) * N + n0 + I0 + i] = hsum256(acc[i][j]);
 }
 
-template <int MB, int PF>
-__attribute__((target("avx2,fma"))) void block256_q4_pairs(const float* x, const uint8_t* w, float* y, int64_t K,
-                                                           int64_t N, int64_t ldx, int64_t n0, int64_t m0) {
-  block256_q4_pair<MB, PF, 0>(x, w, y, K, N, ldx, n0, m0);
-  block256_q4_pair<MB, PF, 2>(x, w, y, K, N, ldx, n0, m0);
+template <typename F, int MB, int PF>
+__attribute__((target("avx2,fma"))) void block256_rec_pairs(const float* x, const uint8_t* w, float* y, int64_t K,
+                                                            int64_t N, int64_t ldx, int64_t n0, int64_t m0) {
+  block256_rec_pair<F, MB, PF, 0>(x, w, y, K, N, ldx, n0, m0);
+  block256_rec_pair<F, MB, PF, 2>(x, w, y, K, N, ldx, n0, m0);
 }
 
-template <int NB, int MB, int PF>
-__attribute__((target("avx512f"))) void block512_q4(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N,
-                                                   int64_t ldx, int64_t n0, int64_t m0) {
+template <typename F, int NB, int MB, int PF>
+__attribute__((target("avx512f"))) void block512_rec(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N,
+                                                     int64_t ldx, int64_t n0, int64_t m0) {
   __m512 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t block_bytes = K / kQ4Group * q4_record(NB);
-  const __m512i low = _mm512_set1_epi32(15);
-  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
-    prefetch_q4<NB, PF>(w, block_bytes);
-    const float* dm = reinterpret_cast<const float*>(w + NB * 16);
-    for (int h = 0; h < 2; ++h) {  // elements 16h .. 16h + 15: every byte, low nibbles then high
+  const int64_t block_bytes = K / kQ4Group * record_bytes<F>(NB);
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += record_bytes<F>(NB)) {
+    prefetch_record<F, NB, PF>(w, block_bytes);
+    const float* dm = reinterpret_cast<const float*>(w + NB * F::qbytes);
+    for (int h = 0; h < 2; ++h) {  // elements 16h .. 16h + 15
       const int64_t k = k0 + 16 * h;
       __m512 xv[MB];
       for (int j = 0; j < MB; ++j) xv[j] = _mm512_loadu_ps(x + (m0 + j) * ldx + k);
       for (int i = 0; i < NB; ++i) {
-        const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * i)));
-        const __m512i q = h == 0 ? _mm512_and_si512(wide, low) : _mm512_srli_epi32(wide, 4);
-        const __m512 wv =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(dm[2 * i]), _mm512_set1_ps(dm[2 * i + 1]));
+        const __m512 wv = F::form16(w + F::qbytes * i, h, scale_of<F>(dm, i), min_of<F>(dm, i));
         for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
       }
     }
@@ -366,61 +413,62 @@ __attribute__((target("avx512f"))) void block512_q4(const float* x, const uint8_
 }
 
 // A block of NB rows' records -> their float32 weights in the packed layout (Layout<NB, true>: [K / 16][NB][16]),
-// each value by the same FMA as block256_q4 forms it, so that products of more rows than one call takes run the
-// float32 kernel over the block once dequantised, instead of dequantising it again for every MB activation rows.
-template <int NB>
-__attribute__((target("avx2,fma"))) void dequant_block_q4(const uint8_t* w, int64_t K, float* out) {
-  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += q4_record(NB)) {
-    const float* dm = reinterpret_cast<const float*>(w + NB * 16);
+// each value by the same operations as block256_rec forms it, so that products of more rows than one call takes run
+// the float32 kernel over the block once dequantised, instead of dequantising it again for every MB activation rows.
+template <typename F, int NB>
+__attribute__((target("avx2,fma"))) void dequant_block(const uint8_t* w, int64_t K, float* out) {
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Group, w += record_bytes<F>(NB)) {
+    const float* dm = reinterpret_cast<const float*>(w + NB * F::qbytes);
     float* chunk = out + (k0 / 16) * NB * 16;  // elements 0..15 of the group in this chunk, 16..31 in the next
     for (int i = 0; i < NB; ++i) {
-      const __m256 d = _mm256_broadcast_ss(dm + 2 * i), m = _mm256_broadcast_ss(dm + 2 * i + 1);
       for (int h = 0; h < 4; ++h) {
-        _mm256_storeu_ps(chunk + (h / 2) * NB * 16 + i * 16 + (h & 1) * 8, form8(w + 16 * i, h, d, m));
+        _mm256_storeu_ps(chunk + (h / 2) * NB * 16 + i * 16 + (h & 1) * 8, form8<F>(w, dm, i, h));
       }
     }
   }
 }
 
-using Q4Fn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+using RecordFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
-template <int NB, int PF>
-Q4Fn pick_q4_rows(bool wide, int64_t mb) {
+template <typename F, int NB, int PF>
+RecordFn pick_record_rows(bool wide, int64_t mb) {
   if (wide) {
     switch (mb) {
-      case 1: return &block512_q4<NB, 1, PF>;
-      case 2: return &block512_q4<NB, 2, PF>;
-      case 3: return &block512_q4<NB, 3, PF>;
-      case 4: return &block512_q4<NB, 4, PF>;
-      case 5: return &block512_q4<NB, 5, PF>;
-      default: return &block512_q4<NB, 6, PF>;
+      case 1: return &block512_rec<F, NB, 1, PF>;
+      case 2: return &block512_rec<F, NB, 2, PF>;
+      case 3: return &block512_rec<F, NB, 3, PF>;
+      case 4: return &block512_rec<F, NB, 4, PF>;
+      case 5: return &block512_rec<F, NB, 5, PF>;
+      default: return &block512_rec<F, NB, 6, PF>;
     }
   }
   if constexpr (NB == 4) {
     switch (mb) {
-      case 4: return &block256_q4_pairs<4, PF>;
-      case 5: return &block256_q4_pairs<5, PF>;
-      case 6: return &block256_q4_pairs<6, PF>;
+      case 4: return &block256_rec_pairs<F, 4, PF>;
+      case 5: return &block256_rec_pairs<F, 5, PF>;
+      case 6: return &block256_rec_pairs<F, 6, PF>;
       default: break;
     }
   }
   switch (mb) {
-    case 1: return &block256_q4<NB, 1, PF>;
-    case 2: return &block256_q4<NB, 2, PF>;
-    default: return &block256_q4<NB, 3, PF>;
+    case 1: return &block256_rec<F, NB, 1, PF>;
+    case 2: return &block256_rec<F, NB, 2, PF>;
+    default: return &block256_rec<F, NB, 3, PF>;
   }
 }
 
-Q4Fn pick_q4(bool wide, bool full_block, int64_t mb, Prefetch prefetch) {
+template <typename F>
+RecordFn pick_record(bool wide, bool full_block, int64_t mb, Prefetch prefetch) {
   constexpr int none = static_cast<int>(Prefetch::none), l1 = static_cast<int>(Prefetch::l1),
                 l2 = static_cast<int>(Prefetch::l2);
   switch (prefetch) {
-    case Prefetch::l1: return full_block ? pick_q4_rows<4, l1>(wide, mb) : pick_q4_rows<1, l1>(wide, mb);
-    case Prefetch::l2: return full_block ? pick_q4_rows<4, l2>(wide, mb) : pick_q4_rows<1, l2>(wide, mb);
-    default: return full_block ? pick_q4_rows<4, none>(wide, mb) : pick_q4_rows<1, none>(wide, mb);
+    case Prefetch::l1:
+      return full_block ? pick_record_rows<F, 4, l1>(wide, mb) : pick_record_rows<F, 1, l1>(wide, mb);
+    case Prefetch::l2:
+      return full_block ? pick_record_rows<F, 4, l2>(wide, mb) : pick_record_rows<F, 1, l2>(wide, mb);
+    default: return full_block ? pick_record_rows<F, 4, none>(wide, mb) : pick_record_rows<F, 1, none>(wide, mb);
   }
 }
-
 // The kernel for a block of NB weight rows x mb activation rows (1 <= mb <= 6).
 template <int NB, int PF, bool PACKED, typename W>
 BlockFn<W> pick512(int64_t mb) {
@@ -465,12 +513,22 @@ BlockFn<W> pick(bool wide, bool packed, bool full_block, int64_t mb, Prefetch pr
 #else
 template <typename W>
 BlockFn<W> pick(bool, bool, bool, int64_t, Prefetch) { return nullptr; }  // never called: supported() is false
-using Q4Fn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
-Q4Fn pick_q4(bool, bool, int64_t, Prefetch) { return nullptr; }
-template <int NB>
-void dequant_block_q4(const uint8_t*, int64_t, float*) {}
+using RecordFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+struct Q4Fmt {
+  static constexpr int64_t qbytes = 16, scales = 2;
+};
+struct Q8Fmt {
+  static constexpr int64_t qbytes = 32, scales = 1;
+};
+template <typename F>
+RecordFn pick_record(bool, bool, int64_t, Prefetch) { return nullptr; }
+template <typename F, int NB>
+void dequant_block(const uint8_t*, int64_t, float*) {}
 constexpr int64_t kQ4Group = 32;
-constexpr int64_t q4_record(int64_t nb) { return nb * (16 + 2 * static_cast<int64_t>(sizeof(float))); }
+template <typename F>
+constexpr int64_t record_bytes(int64_t nb) {
+  return nb * (F::qbytes + F::scales * static_cast<int64_t>(sizeof(float)));
+}
 #endif
 
 bool supported() { return isa() != Isa::none; }
@@ -615,50 +673,88 @@ Packed pack(const at::Tensor& w) {
   return Packed{at::cat({head, tail}).contiguous(), N, K};
 }
 
-// ---- Q4_1 weights in the kernel's record layout (block256_q4 above). q [N, K] uint8 0..15, d and m [N, K / 32]
-// float32 (float16 values): the weight row n is d[n, g] * q[n, k] + m[n, g] for k in group g = k / 32.
-Packed pack_q4(const at::Tensor& q_in, const at::Tensor& d_in, const at::Tensor& m_in) {
-  TORCH_CHECK(q_in.dim() == 2 && q_in.scalar_type() == at::kByte && q_in.device().is_cpu(),
-              "small_gemm: pack_q4 wants q [N, K] uint8 on the CPU");
-  const int64_t N = q_in.size(0), K = q_in.size(1), groups = K / kQ4Group;
-  TORCH_CHECK(K % kQ4Group == 0 && K > 0 && N > 0, "small_gemm: pack_q4 wants K a multiple of 32, got ", K);
-  for (const at::Tensor* t : {&d_in, &m_in}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == groups && t->scalar_type() == at::kFloat &&
-                    t->device().is_cpu(),
-                "small_gemm: pack_q4 wants d and m [N, K / 32] float32 on the CPU");
-  }
-  TORCH_CHECK(q_in.max().item<int64_t>() <= 15, "small_gemm: pack_q4 wants 4-bit values (0..15)");
-  // d * q is exact in float32 only for a d that float16 holds: then the kernel's FMA is the dequantisation's value
-  TORCH_CHECK(at::equal(d_in, d_in.to(at::kHalf).to(at::kFloat)), "small_gemm: pack_q4 wants float16 values in d");
-  const at::Tensor q = q_in.contiguous(), d = d_in.contiguous(), m = m_in.contiguous();
-  at::Tensor data = at::zeros({N * groups * q4_record(1)}, at::kByte);
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
-  uint8_t* out = data.data_ptr<uint8_t>();
-  // a record of nb rows from row r0 at group g: nb x 16 nibble bytes, then nb (d, m) pairs
+// ---- Quantised weights in the kernel's record layout (block256_rec above), written by pack_q4 / pack_q8.
+// A record of nb rows from row r0 at each group g: nb x F::qbytes value bytes (values(i, g, bytes) fills row r0 + i's),
+// then nb x F::scales floats (scales(i, g, floats)).
+template <typename F, typename Values, typename Scales>
+at::Tensor write_records(int64_t N, int64_t K, at::ScalarType dtype, Values values, Scales scales) {
+  const int64_t groups = K / kQ4Group;
+  at::Tensor data = at::zeros({N * groups * record_bytes<F>(1)}, dtype);
+  auto* out = static_cast<uint8_t*>(data.data_ptr());
   auto write = [&](int64_t r0, int64_t nb) {
-    uint8_t* rec = out + r0 * groups * q4_record(1);
-    for (int64_t g = 0; g < groups; ++g, rec += q4_record(nb)) {
-      float* dm = reinterpret_cast<float*>(rec + nb * 16);
+    uint8_t* rec = out + r0 * groups * record_bytes<F>(1);
+    for (int64_t g = 0; g < groups; ++g, rec += record_bytes<F>(nb)) {
+      float* dm = reinterpret_cast<float*>(rec + nb * F::qbytes);
       for (int64_t i = 0; i < nb; ++i) {
-        const uint8_t* qr = qp + (r0 + i) * K + g * kQ4Group;
-        for (int64_t b = 0; b < 16; ++b) rec[16 * i + b] = static_cast<uint8_t>(qr[b] | (qr[b + 16] << 4));
-        dm[2 * i] = dp[(r0 + i) * groups + g];
-        dm[2 * i + 1] = mp[(r0 + i) * groups + g];
+        values(r0 + i, g, rec + F::qbytes * i);
+        scales(r0 + i, g, dm + F::scales * i);
       }
     }
   };
   const int64_t blocks = N / kBlockRows;
   for (int64_t b = 0; b < blocks; ++b) write(b * kBlockRows, kBlockRows);
   for (int64_t r = blocks * kBlockRows; r < N; ++r) write(r, 1);
-  return Packed{data, N, K};
+  return data;
 }
 
-at::Tensor run_q4(const at::Tensor& x_in, const Packed& w, const std::optional<at::Tensor>& bias, Isa use,
-                  std::optional<Prefetch> pf) {
+// The groups' scales (and minima) [N, K / 32] as the records keep them: float32 values that float16 holds (d * q is
+// exact in float32 only for such a d: then the kernel's FMA or multiply is the dequantisation's value).
+void check_scales(const char* fn, const at::Tensor& t, int64_t N, int64_t groups, bool half_values) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == groups && t.scalar_type() == at::kFloat &&
+                  t.device().is_cpu(),
+              "small_gemm: ", fn, " wants its scales [N, K / 32] float32 on the CPU");
+  if (half_values) {
+    TORCH_CHECK(at::equal(t, t.to(at::kHalf).to(at::kFloat)), "small_gemm: ", fn, " wants float16 values in d");
+  }
+}
+
+// Q4_1 blocks: q [N, K] uint8 0..15, d and m [N, K / 32] float32 (float16 values): the weight row n is
+// d[n, g] * q[n, k] + m[n, g] for k in group g = k / 32. Records of uint8.
+Packed pack_q4(const at::Tensor& q_in, const at::Tensor& d_in, const at::Tensor& m_in) {
+  TORCH_CHECK(q_in.dim() == 2 && q_in.scalar_type() == at::kByte && q_in.device().is_cpu(),
+              "small_gemm: pack_q4 wants q [N, K] uint8 on the CPU");
+  const int64_t N = q_in.size(0), K = q_in.size(1), groups = K / kQ4Group;
+  TORCH_CHECK(K % kQ4Group == 0 && K > 0 && N > 0, "small_gemm: pack_q4 wants K a multiple of 32, got ", K);
+  check_scales("pack_q4", d_in, N, groups, true);
+  check_scales("pack_q4", m_in, N, groups, false);
+  TORCH_CHECK(q_in.max().item<int64_t>() <= 15, "small_gemm: pack_q4 wants 4-bit values (0..15)");
+  const at::Tensor q = q_in.contiguous(), d = d_in.contiguous(), m = m_in.contiguous();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  auto values = [&](int64_t r, int64_t g, uint8_t* out) {
+    const uint8_t* qr = qp + r * K + g * kQ4Group;
+    for (int64_t b = 0; b < 16; ++b) out[b] = static_cast<uint8_t>(qr[b] | (qr[b + 16] << 4));
+  };
+  auto scales = [&](int64_t r, int64_t g, float* out) {
+    out[0] = dp[r * groups + g];
+    out[1] = mp[r * groups + g];
+  };
+  return Packed{write_records<Q4Fmt>(N, K, at::kByte, values, scales), N, K};
+}
+
+// Q8_0 blocks: q [N, K] int8, d [N, K / 32] float32 (float16 values): the weight row n is d[n, g] * q[n, k]. Records
+// of int8 (the dtype says which format a packed weight holds).
+Packed pack_q8(const at::Tensor& q_in, const at::Tensor& d_in) {
+  TORCH_CHECK(q_in.dim() == 2 && q_in.scalar_type() == at::kChar && q_in.device().is_cpu(),
+              "small_gemm: pack_q8 wants q [N, K] int8 on the CPU");
+  const int64_t N = q_in.size(0), K = q_in.size(1), groups = K / kQ4Group;
+  TORCH_CHECK(K % kQ4Group == 0 && K > 0 && N > 0, "small_gemm: pack_q8 wants K a multiple of 32, got ", K);
+  check_scales("pack_q8", d_in, N, groups, true);
+  const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  auto values = [&](int64_t r, int64_t g, uint8_t* out) { std::memcpy(out, qp + r * K + g * kQ4Group, kQ4Group); };
+  auto scales = [&](int64_t r, int64_t g, float* out) { out[0] = dp[r * groups + g]; };
+  return Packed{write_records<Q8Fmt>(N, K, at::kChar, values, scales), N, K};
+}
+
+template <typename F>
+at::Tensor run_records(const at::Tensor& x_in, const Packed& w, const std::optional<at::Tensor>& bias, Isa use,
+                       std::optional<Prefetch> pf) {
   const int64_t N = w.n, K = w.k, groups = K / kQ4Group;
-  TORCH_CHECK(K % kQ4Group == 0 && w.data.numel() == N * groups * q4_record(1), "small_gemm: not a Q4 record weight");
+  TORCH_CHECK(K % kQ4Group == 0 && w.data.numel() == N * groups * record_bytes<F>(1),
+              "small_gemm: not a record weight (pack_q4, pack_q8)");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "small_gemm: want x [M, ", K, "]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "small_gemm: float32 CPU rows");
   const int64_t M = x_in.size(0);
@@ -667,9 +763,9 @@ at::Tensor run_q4(const at::Tensor& x_in, const Packed& w, const std::optional<a
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const uint8_t* wp = w.data.data_ptr<uint8_t>();
+  const auto* wp = static_cast<const uint8_t*>(w.data.data_ptr());
   const bool wide = use == Isa::avx512;
-  // Activation rows one call takes: 6 over a block of 4 weight rows (AVX2: block256_q4_pairs for 4-6), MBF over a
+  // Activation rows one call takes: 6 over a block of 4 weight rows (AVX2: block256_rec_pairs for 4-6), MBF over a
   // single weight row and in the float32 kernel (AVX2: 3).
   const int64_t MB = 6, MBF = wide ? 6 : 3;
   const Prefetch prefetch = pf.value_or(by_default(M));
@@ -681,12 +777,12 @@ at::Tensor run_q4(const at::Tensor& x_in, const Packed& w, const std::optional<a
     thread_local std::vector<float> buf;  // kept per thread: no allocation per task
     if (buffered && buf.size() < static_cast<size_t>(nb_rows * K)) buf.resize(static_cast<size_t>(nb_rows * K));
     for (int64_t n = n0; n < n1; n += nb_rows) {
-      const uint8_t* rec = wp + n * groups * q4_record(1);  // every row before n takes groups records' share
+      const uint8_t* rec = wp + n * groups * record_bytes<F>(1);  // every row before n takes groups records' share
       if (buffered) {
         if (nb_rows == kBlockRows) {
-          dequant_block_q4<kBlockRows>(rec, K, buf.data());
+          dequant_block<F, kBlockRows>(rec, K, buf.data());
         } else {
-          dequant_block_q4<1>(rec, K, buf.data());
+          dequant_block<F, 1>(rec, K, buf.data());
         }
       }
       const int64_t cap = buffered || nb_rows != kBlockRows ? MBF : MB;
@@ -695,7 +791,7 @@ at::Tensor run_q4(const at::Tensor& x_in, const Packed& w, const std::optional<a
         if (buffered) {
           pick<float>(wide, true, nb_rows == kBlockRows, mb, Prefetch::none)(xp, buf.data(), yp, K, N, K, n, m0);
         } else {
-          pick_q4(wide, nb_rows == kBlockRows, mb, prefetch)(xp, rec, yp, K, N, K, n, m0);
+          pick_record<F>(wide, nb_rows == kBlockRows, mb, prefetch)(xp, rec, yp, K, N, K, n, m0);
         }
       }
     }
@@ -710,7 +806,8 @@ at::Tensor run_q4(const at::Tensor& x_in, const Packed& w, const std::optional<a
 
 at::Tensor linear_packed_with(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias, Isa use,
                               std::optional<Prefetch> pf = std::nullopt) {
-  if (w.data.defined() && w.data.scalar_type() == at::kByte) return run_q4(x, w, bias, use, pf);
+  if (w.data.defined() && w.data.scalar_type() == at::kByte) return run_records<Q4Fmt>(x, w, bias, use, pf);
+  if (w.data.defined() && w.data.scalar_type() == at::kChar) return run_records<Q8Fmt>(x, w, bias, use, pf);
   const int64_t kp = padded_k(w.k);
   TORCH_CHECK(w.data.defined() && w.data.numel() == w.n * kp &&
                   (w.data.scalar_type() == at::kFloat || w.data.scalar_type() == at::kBFloat16),

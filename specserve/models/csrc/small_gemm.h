@@ -15,7 +15,8 @@ namespace specserve_small_gemm {
 enum class Prefetch : int64_t { none = 0, l1 = 1, l2 = 2 };
 
 // A weight [n, k] in the kernel's packed layout (pack()): `data` holds n * (k rounded up to 16) floats (float32 or
-// bfloat16), or, from pack_q4(), n * k * 3 / 4 bytes of Q4_1 records (uint8).
+// bfloat16), or, from pack_q4(), n * k * 3 / 4 bytes of Q4_1 records (uint8), or, from pack_q8(), n * k * 9 / 8
+// bytes of Q8_0 records (int8).
 struct Packed {
   at::Tensor data;
   int64_t n = 0, k = 0;
@@ -36,6 +37,8 @@ at::Tensor linear_bf16_isa(const at::Tensor& x, const at::Tensor& w, const std::
 Packed pack(const at::Tensor& w);
 // Q4_1 blocks (q [N, K] uint8 0..15, d and m [N, K / 32] float32) as records the kernel dequantises exactly.
 Packed pack_q4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m);
+// Q8_0 blocks (q [N, K] int8, d [N, K / 32] float32) as records the kernel dequantises exactly.
+Packed pack_q8(const at::Tensor& q, const at::Tensor& d);
 at::Tensor linear_packed(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
                          std::optional<Prefetch> prefetch = std::nullopt);
 at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
