@@ -159,3 +159,19 @@ def test_the_lm_head_benchmark_writes_a_row_per_row_count(tmp_path: Path) -> Non
         rows = list(csv.DictReader(f))
     assert [r["rows"] for r in rows] == ["1", "3"]
     assert all(float(r["full_ms"]) > 0 and float(r["bounded_ms"]) > 0 for r in rows)
+
+
+@pytest.mark.real_model
+def test_the_lm_head_benchmark_times_the_q8_records_of_the_builtin_target(tmp_path: Path) -> None:
+    """The builtin's LM head shares its GGUF's Q8_0 token embedding: the records' and the engine's greedy columns
+    are filled (run() raises where any column's tokens differ from the full logits' argmax)."""
+    from specserve.bench.lm_head import add_args, run
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--rows", "1", "4", "--repeats", "1", "--evict-mb", "1", "--out", str(tmp_path)])
+    assert run(args) == 0
+    with (tmp_path / "lm_head.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["rows"] for r in rows] == ["1", "4"]
+    assert all(float(r["q8_ms"]) > 0 and float(r["greedy_ms"]) > 0 for r in rows)

@@ -1,9 +1,12 @@
 """`specserve bench lm-head`: a greedy step's LM head, the full float32 logits and their argmax against the bounded
-argmax over the bfloat16 copy (``ModelSpec.bounded_argmax``, specserve/models/lm_head.py).
+argmax over the bfloat16 copy (``ModelSpec.bounded_argmax``, specserve/models/lm_head.py) and, where the target
+holds them, the logits from the LM head's Q8_0 records (``ModelSpec.q8_head_reads``) and the greedy path the
+engine takes with them (the records' argmax for the row counts the plan gave them, else the bounded copy).
 
-For each row count it times both on the same hidden states (the target's final-norm states over random tokens),
+For each row count it times them on the same hidden states (the target's final-norm states over random tokens),
 interleaved repeat by repeat, each call after a ``--evict-mb`` read that pushes the LM head out of cache as a decode
-step's layers do; checks that both give the same tokens; prints the medians and writes a CSV.
+step's layers do; the float32 and bounded columns read the same target loaded without the records. It checks that
+all give the same tokens; prints the medians and writes a CSV.
 
     .venv/bin/specserve bench lm-head --rows 1 2 4 6 8 10 --out bench_out/lm_head
 """
@@ -25,7 +28,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.lm_head import ARGMAX_ROWS, attach_bounded_argmax, greedy_ids
 from specserve.models.loader import load_model
-from specserve.models.native_stack import attach_small_gemm
+from specserve.models.native_stack import attach_small_gemm, extension
 from specserve.timing import timed
 
 
@@ -38,7 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench_out/lm_head"))
 
 
-def _model(args: argparse.Namespace) -> LlamaModel:
+def _model(args: argparse.Namespace, q8_head_reads: bool = False) -> LlamaModel:
     if args.tiny:
         from specserve.models.tiny import tiny_config, tiny_model
 
@@ -47,15 +50,24 @@ def _model(args: argparse.Namespace) -> LlamaModel:
         attach_small_gemm(model)
         attach_bounded_argmax(model)
         return model
-    return load_model(MODEL_PAIRS[args.pair][0])
+    return load_model(MODEL_PAIRS[args.pair][0].model_copy(update={"q8_head_reads": q8_head_reads}))
 
 
 def _full_argmax(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     return model.logits(hidden).argmax(-1)
 
 
+def _records_argmax(records: object, hidden: torch.Tensor) -> torch.Tensor:
+    """The argmax of the logits from the LM head's Q8_0 records, at any row count (the plan aside)."""
+    return extension().small_linear_packed(hidden, records, None, None).argmax(-1)
+
+
 def run(args: argparse.Namespace) -> int:
     model = _model(args)
+    with_q8 = None if args.tiny else _model(args, q8_head_reads=True)
+    records = None if with_q8 is None else getattr(with_q8.lm_head, "small_records", None)
+    if records is None:
+        print("no Q8_0 records for the LM head here (ModelSpec.q8_head_reads: a GGUF whose head is Q8_0 blocks)")
     if model.bounded_argmax is None:
         print("the bounded argmax is not attached here (no small-product kernel, or not float32)")
         return 1
@@ -81,15 +93,25 @@ def run(args: argparse.Namespace) -> int:
             full_ids = model.logits(hidden).argmax(-1)
             if not torch.equal(greedy_ids(model, hidden), full_ids):
                 raise AssertionError(f"{r} rows: the bounded argmax differs from the full logits' argmax")
-            times: dict[str, list[float]] = {"full": [], "bounded": []}
             fns = {"full": partial(_full_argmax, model, hidden), "bounded": partial(greedy_ids, model, hidden)}
-            for _ in range(args.repeats):  # interleaved: machine noise hits both alike
+            if with_q8 is not None and records is not None:
+                fns["q8"] = partial(_records_argmax, records, hidden)
+                fns["greedy"] = partial(greedy_ids, with_q8, hidden)
+            for name, fn in fns.items():
+                if not torch.equal(fn(), full_ids):
+                    raise AssertionError(f"{r} rows: {name} differs from the full logits' argmax")
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            for _ in range(args.repeats):  # interleaved: machine noise hits all alike
                 for name, fn in fns.items():
                     times[name].append(cold(fn))
-            full, bounded = (statistics.median(times[k]) * 1e3 for k in ("full", "bounded"))
-            rows.append({"rows": r, "full_ms": full, "bounded_ms": bounded, "full_over_bounded": full / bounded,
-                         "cpu": cpu_summary()})  # fmt: skip
-    print(markdown_table(rows, ["rows", "full_ms", "bounded_ms", "full_over_bounded"]))
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            row = {"rows": r, "full_ms": ms["full"], "bounded_ms": ms["bounded"]}
+            row["full_over_bounded"] = ms["full"] / ms["bounded"]
+            row["q8_ms"], row["greedy_ms"] = ms.get("q8", float("nan")), ms.get("greedy", float("nan"))
+            row["bounded_over_greedy"] = ms["bounded"] / row["greedy_ms"]
+            rows.append({**row, "cpu": cpu_summary()})
+    cols = ["rows", "full_ms", "bounded_ms", "full_over_bounded", "q8_ms", "greedy_ms", "bounded_over_greedy"]
+    print(markdown_table(rows, cols))
     path = args.out / "lm_head.csv"
     write_csv(path, rows)
     print(f"wrote {path}")
