@@ -94,6 +94,35 @@ def test_greedy_ids_on_a_model_with_and_without_the_switch() -> None:
     assert ModelSpec().bounded_argmax is True
 
 
+@torch.inference_mode()
+def test_the_copy_serves_the_row_counts_it_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attach_bounded_argmax(measure=True) times the copy against the full logits at the probes: a valid mask, the
+    same tokens; greedy_ids reads the copy exactly for the counts in the mask, the full logits elsewhere."""
+    from specserve.models import lm_head
+
+    model = tiny_model(tiny_config("llama", hidden_size=128, vocab_size=3000), seed=4)
+    model.requires_grad_(False)
+    assert attach_small_gemm(model) and attach_bounded_argmax(model, measure=True)
+    mask = model.bounded_argmax.rows
+    assert 0 <= mask <= lm_head.EVERY_BOUNDED
+    # probes 1, 2, 4, 6, 8: 3 rows follow 2, 5 follow 4, 7 follow 6 (bit r - 1 for r rows)
+    assert all((mask >> (r - 1) & 1) == (mask >> (r - 2) & 1) for r in (3, 5, 7))
+    hidden = torch.randn(8, 128, generator=torch.Generator().manual_seed(6))
+    want = model.logits(hidden).argmax(-1)
+    calls: list[int] = []
+    real = lm_head.bounded_ids
+
+    def spy(m: object, x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(m, x)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lm_head, "bounded_ids", spy)
+    model.bounded_argmax = lm_head.BoundedArgmax(**{**model.bounded_argmax.__dict__, "rows": 0b111})  # 1-3 rows
+    for rows in range(1, 9):
+        assert torch.equal(greedy_ids(model, hidden[:rows]), want[:rows])
+    assert calls == [1, 2, 3]
+
+
 @pytest.mark.real_model
 def test_real_model_greedy_tokens_equal_the_full_logits() -> None:
     """SmolLM2's hidden states over random tokens: every position's token from the bounded copy equals the full

@@ -26,7 +26,7 @@ from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.lm_head import ARGMAX_ROWS, attach_bounded_argmax, greedy_ids
+from specserve.models.lm_head import ARGMAX_ROWS, attach_bounded_argmax, bounded_ids, greedy_ids
 from specserve.models.loader import load_model
 from specserve.models.native_stack import attach_small_gemm, extension
 from specserve.timing import timed
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             full_ids = model.logits(hidden).argmax(-1)
             if not torch.equal(greedy_ids(model, hidden), full_ids):
                 raise AssertionError(f"{r} rows: the bounded argmax differs from the full logits' argmax")
-            fns = {"full": partial(_full_argmax, model, hidden), "bounded": partial(greedy_ids, model, hidden)}
+            fns = {"full": partial(_full_argmax, model, hidden), "bounded": partial(bounded_ids, model, hidden)}
             if with_q8 is not None and records is not None:
                 fns["q8"] = partial(_records_argmax, records, hidden)
                 fns["greedy"] = partial(greedy_ids, with_q8, hidden)

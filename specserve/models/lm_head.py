@@ -18,17 +18,25 @@ prompts one candidate is the median, 9 the most seen.
 
 from __future__ import annotations
 
+import logging
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel, reads_copy, small_gemm_fits
-from specserve.models.native_stack import extension
+from specserve.models.native_stack import PLAN_MARGIN, describe_rows, extension, probe_mask
+from specserve.timing import timed
+
+log = logging.getLogger(__name__)
 
 BF16_ROUNDING = 2.0**-8  # bfloat16 keeps 8 significant bits: round-to-nearest moves a value by at most 2^-8 of it
 FP32_UNIT = 2.0**-24
 ARGMAX_ROWS = 8  # bounded rows at most: from ~10 rows the products are compute-bound and the copy saves nothing
+EVERY_BOUNDED = (1 << ARGMAX_ROWS) - 1  # a row mask (llama.reads_copy) of 1..ARGMAX_ROWS
+ARGMAX_PROBES = (1, 2, 4, 6, 8)  # row counts timed at load; a count's choice holds up to the next probe
 
 
 def rounding_bound(k: int) -> float:
@@ -44,11 +52,14 @@ class BoundedArgmax:
     packed: Any  # ext.SmallPacked of bfloat16 [V, K]
     row_norms: torch.Tensor  # [V] float32, ||w_v||_2 * (1 + 2^-20)
     bound: float  # c_K
+    rows: int = EVERY_BOUNDED  # the row counts that read the copy (the others compute the full logits)
 
 
-def attach_bounded_argmax(model: LlamaModel) -> bool:
+def attach_bounded_argmax(model: LlamaModel, *, measure: bool = False) -> bool:
     """Switch on (``ModelSpec.bounded_argmax``): where the small-product kernel computes the float32 LM head (no
-    bias, as Llama's)."""
+    bias, as Llama's). ``measure``: time the copy against the full logits at ``ARGMAX_PROBES`` rows on this machine
+    and keep it only for the counts where it wins by the kernel plan's margin (``bounded_rows``); else every count
+    up to ``ARGMAX_ROWS``."""
     head = model.lm_head
     if getattr(head, "small_gemm", None) is None or head.weight.dtype != torch.float32 or head.bias is not None:
         return False
@@ -58,7 +69,37 @@ def attach_bounded_argmax(model: LlamaModel) -> bool:
         row_norms=(w.double().norm(dim=1) * (1 + 2.0**-20)).float(),
         bound=rounding_bound(w.shape[1]),
     )
+    if measure:
+        rows = bounded_rows(model)
+        model.bounded_argmax = BoundedArgmax(**{**model.bounded_argmax.__dict__, "rows": rows})
+        log.info("greedy tokens from the bfloat16 LM head for %s (measured at load)", describe_rows(rows))
     return True
+
+
+@torch.inference_mode()
+def bounded_rows(model: LlamaModel, repeats: int = 5) -> int:
+    """A row mask of the counts up to ``ARGMAX_ROWS`` where ``greedy_ids`` through the bounded copy beats the full
+    logits' argmax on this machine (each probe serves up to the next), timed alternately on the model's own
+    final-norm states over fixed tokens, as a decode step's are (random states would leave the bound many
+    candidates to recompute). On a 2-core Zen 4 EPYC the copy won at 1-3 rows and lost at 4-8, where the float32
+    product streams the head once for all rows (docs/benchmarks.md, "Q8_0 records for the LM head")."""
+    probes = [r for r in ARGMAX_PROBES if r <= ARGMAX_ROWS]
+    cache = model.new_cache(1, max(probes) + 1)
+    slot = cache.allocate()
+    tokens = torch.randint(0, model.cfg.vocab_size, (max(probes),), generator=torch.Generator().manual_seed(0))
+    hidden = model.final_hidden(ForwardBatch.build(cache, [slot], [tokens], device=model.device), cache)
+    wins = []
+    for r in probes:
+        states = hidden[:r].contiguous()
+        fns = (lambda x=states: model.logits(x).argmax(-1), lambda x=states: bounded_ids(model, x))
+        times: tuple[list[float], list[float]] = ([], [])
+        for run in range(repeats + 1):
+            for bounded in (False, True) if run % 2 else (True, False):
+                took = timed(model.device, fns[bounded])
+                if run:
+                    times[bounded].append(took)
+        wins.append(statistics.median(times[1]) < PLAN_MARGIN * statistics.median(times[0]))
+    return probe_mask(tuple(probes), wins) & EVERY_BOUNDED
 
 
 def greedy_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -74,10 +115,17 @@ def greedy_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     if (
         bounded is None
         or rows > ARGMAX_ROWS
+        or not reads_copy(bounded.rows, rows)
         or not small_gemm_fits(hidden, head.weight, getattr(head, "small_rows", 0))
     ):
         return model.logits(hidden).argmax(dim=-1)
+    return bounded_ids(model, hidden)
+
+
+def bounded_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The argmax per row through the bounded copy (attached), whatever the row count."""
+    bounded: BoundedArgmax = model.bounded_argmax
     ids, ok = extension().small_bounded_argmax(
-        hidden, bounded.packed, head.weight.detach(), bounded.row_norms, bounded.bound
+        hidden, bounded.packed, model.lm_head.weight.detach(), bounded.row_norms, bounded.bound
     )
     return ids if ok else model.logits(hidden).argmax(dim=-1)  # not ok: a NaN / infinite state, or an overflow

@@ -142,8 +142,8 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
         if spec.pad_rows:
             attach_row_padding(model)
     attach_mkl_packed(model, spec.mkl_packed_widths)
-    if small and spec.bounded_argmax:
-        attach_bounded_argmax(model)
+    if small and spec.bounded_argmax:  # the row counts it serves timed at load with the kernel's plan
+        attach_bounded_argmax(model, measure=spec.small_gemm_plan)
     if spec.native_attention:
         attach_native_attention(model)
     if spec.native_stack and model.device.type == "cpu":
