@@ -96,17 +96,21 @@ def test_greedy_ids_on_a_model_with_and_without_the_switch() -> None:
 
 @torch.inference_mode()
 def test_the_copy_serves_the_row_counts_it_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
-    """attach_bounded_argmax(measure=True) times the copy against the full logits at the probes: a valid mask, the
-    same tokens; greedy_ids reads the copy exactly for the counts in the mask, the full logits elsewhere."""
+    """attach_bounded_argmax(measure=True) times the copy against the full logits at the probes: a valid mask, or no
+    copy where it won no count; greedy_ids reads the copy exactly for the counts in the mask, the full logits
+    elsewhere, and the same tokens either way."""
     from specserve.models import lm_head
 
     model = tiny_model(tiny_config("llama", hidden_size=128, vocab_size=3000), seed=4)
     model.requires_grad_(False)
-    assert attach_small_gemm(model) and attach_bounded_argmax(model, measure=True)
-    mask = model.bounded_argmax.rows
-    assert 0 <= mask <= lm_head.EVERY_BOUNDED
-    # probes 1, 2, 4, 6, 8: 3 rows follow 2, 5 follow 4, 7 follow 6 (bit r - 1 for r rows)
-    assert all((mask >> (r - 1) & 1) == (mask >> (r - 2) & 1) for r in (3, 5, 7))
+    assert attach_small_gemm(model)
+    if attach_bounded_argmax(model, measure=True):
+        mask = model.bounded_argmax.rows
+        assert 0 < mask <= lm_head.EVERY_BOUNDED
+        # probes 1, 2, 4, 6, 8: 3 rows follow 2, 5 follow 4, 7 follow 6 (bit r - 1 for r rows)
+        assert all((mask >> (r - 1) & 1) == (mask >> (r - 2) & 1) for r in (3, 5, 7))
+    else:
+        assert model.bounded_argmax is None
     hidden = torch.randn(8, 128, generator=torch.Generator().manual_seed(6))
     want = model.logits(hidden).argmax(-1)
     calls: list[int] = []
@@ -116,6 +120,10 @@ def test_the_copy_serves_the_row_counts_it_measured_faster(monkeypatch: pytest.M
         calls.append(x.shape[0])
         return real(m, x)  # type: ignore[arg-type]
 
+    monkeypatch.setattr(lm_head, "bounded_rows", lambda m: 0)  # slower at every count: not kept
+    assert not attach_bounded_argmax(model, measure=True) and model.bounded_argmax is None
+    assert torch.equal(greedy_ids(model, hidden[:2]), want[:2])
+    assert attach_bounded_argmax(model)
     monkeypatch.setattr(lm_head, "bounded_ids", spy)
     model.bounded_argmax = lm_head.BoundedArgmax(**{**model.bounded_argmax.__dict__, "rows": 0b111})  # 1-3 rows
     for rows in range(1, 9):
@@ -130,8 +138,8 @@ def test_real_model_greedy_tokens_equal_the_full_logits() -> None:
     from specserve.models.batch import ForwardBatch
     from specserve.models.loader import load_model
 
-    model = load_model(ModelSpec())
-    assert model.bounded_argmax is not None
+    model = load_model(ModelSpec(q8_head_reads=False, small_gemm_plan=False))  # the copy for 1-8 rows, unmeasured
+    assert model.bounded_argmax is not None and model.bounded_argmax.rows == (1 << 8) - 1
     cache = model.new_cache(1, 300)
     slot = cache.allocate()
     gen = torch.Generator().manual_seed(0)

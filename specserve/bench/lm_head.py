@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     records = None if with_q8 is None else getattr(with_q8.lm_head, "small_records", None)
     if records is None:
         print("no Q8_0 records for the LM head here (ModelSpec.q8_head_reads: a GGUF whose head is Q8_0 blocks)")
+    if model.bounded_argmax is None:  # dropped at load where it measured slower at every count: timed here anyway
+        attach_bounded_argmax(model)
     if model.bounded_argmax is None:
         print("the bounded argmax is not attached here (no small-product kernel, or not float32)")
         return 1

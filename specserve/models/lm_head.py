@@ -58,8 +58,9 @@ class BoundedArgmax:
 def attach_bounded_argmax(model: LlamaModel, *, measure: bool = False) -> bool:
     """Switch on (``ModelSpec.bounded_argmax``): where the small-product kernel computes the float32 LM head (no
     bias, as Llama's). ``measure``: time the copy against the full logits at ``ARGMAX_PROBES`` rows on this machine
-    and keep it only for the counts where it wins by the kernel plan's margin (``bounded_rows``); else every count
-    up to ``ARGMAX_ROWS``."""
+    and keep it only for the counts where it wins by the kernel plan's margin (``bounded_rows``; against the logits
+    as the head computes them, from its Q8_0 records where the plan gave them the count), or not at all where it wins
+    none (False); else every count up to ``ARGMAX_ROWS``."""
     head = model.lm_head
     if getattr(head, "small_gemm", None) is None or head.weight.dtype != torch.float32 or head.bias is not None:
         return False
@@ -71,6 +72,10 @@ def attach_bounded_argmax(model: LlamaModel, *, measure: bool = False) -> bool:
     )
     if measure:
         rows = bounded_rows(model)
+        if not rows:  # the head's own logits (its Q8_0 records, or float32) won everywhere: the copy is not kept
+            model.bounded_argmax = None
+            log.info("greedy tokens from the bfloat16 LM head measured slower at every row count: copy dropped")
+            return False
         model.bounded_argmax = BoundedArgmax(**{**model.bounded_argmax.__dict__, "rows": rows})
         log.info("greedy tokens from the bfloat16 LM head for %s (measured at load)", describe_rows(rows))
     return True
