@@ -67,8 +67,9 @@ def build_model(recipe: ModelRecipe, device: str) -> LlamaModel | EagleHead:
     assert recipe.spec is not None
     if isinstance(recipe.spec, HeadSpec):
         assert recipe.head_target is not None
-        # the head needs its target's embedding and LM head only: no Q4_1 records for the decoder it never runs
-        head_target = recipe.head_target.model_copy(update={"q4_reads": False})
+        # the head needs its target's embedding and LM head weights only: no records for a decoder it never runs
+        # nor for an LM head whose rows it reads directly
+        head_target = recipe.head_target.model_copy(update={"q4_reads": False, "q8_head_reads": False})
         return load_draft(recipe.spec, load_model(head_target, device=device), device=device)
     return load_model(recipe.spec, device=device)
 

@@ -264,7 +264,9 @@ def test_float32_copies_serve_only_the_row_counts_the_records_do_not() -> None:
     assert down.small_copy_rows == EVERY_ROW & ~0b111 and down.small_record_rows == 0b111
     assert model.lm_head.small_copy_rows == EVERY_ROW
     plan = native_stack.KernelPlan(0b111, prefetch, q4_rows=0b111)
-    assert plan.describe().startswith("Q4_1 records for 1-3 rows; packed copies for no rows (1-3 rows without records)")
+    assert plan.describe().startswith(
+        "Q4_1 records for 1-3 rows; packed copies for no rows (the LM head's for 1-3 rows)"
+    )
     native_stack.apply_plan(model, plan)
     assert down.small_packed is None and down.small_records is not None
     assert model.lm_head.small_packed is not None and model.lm_head.small_copy_rows == 0b111

@@ -72,6 +72,8 @@ def attach_bounded_argmax(model: LlamaModel, *, measure: bool = False) -> bool:
     )
     if measure:
         rows = bounded_rows(model)
+        if getattr(head, "small_records", None) is not None:  # greedy reads the head's records first where it may
+            rows &= ~getattr(head, "small_record_rows", 0)
         if not rows:  # the head's own logits (its Q8_0 records, or float32) won everywhere: the copy is not kept
             model.bounded_argmax = None
             log.info("greedy tokens from the bfloat16 LM head measured slower at every row count: copy dropped")

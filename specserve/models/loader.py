@@ -23,6 +23,7 @@ from specserve.models.llama import (
 )
 from specserve.models.lm_head import attach_bounded_argmax
 from specserve.models.native_stack import (
+    Q8_HEAD_NAMES,
     attach_head_stack,
     attach_native_attention,
     attach_native_stack,
@@ -173,7 +174,7 @@ def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
     try:
         if spec.q4_reads and (q4 := gguf_layer_blocks(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)):
             attach_q4_reads(model, q4)
-        if spec.q8_head_reads and (q8 := gguf_q8_blocks(gguf)):
+        if spec.q8_head_reads and (q8 := gguf_q8_blocks(gguf, Q8_HEAD_NAMES)):
             attach_q8_head(model, q8)
     except Exception as e:  # the float32 weights are loaded already, and serve as they are
         log.warning("quantised reads: cannot read %s (%s); the kernel reads float32 weights", gguf, e)

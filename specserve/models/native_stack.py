@@ -44,6 +44,7 @@ PLAN_PROBES = (1, 2, 4, 6, 8, 16)
 # A variant other than the built-in one (packed copies, another prefetch) must be this much faster to be chosen: the
 # variants at 1-3 rows measure within a few % of each other, and noise alone would flip them from load to load.
 PLAN_MARGIN = 0.97
+Q8_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # the LM head's blocks: tied, or its own
 # No -march: portable code. No contraction: RoPE rounds as the Python loop. OpenMP: at::parallel_for is a header
 # template that runs serially without it, and the kernel's products then used one core (small_gemm.cpp,
 # parallel_threads); linked by soname, it is the libgomp torch already loaded, so one runtime and torch's thread count.
@@ -246,7 +247,7 @@ def attach_q8_head(model: LlamaModel, blocks: dict[str, Q8Blocks]) -> bool:
     exactly its float32 weight. Read before any other copy until ``kernel_plan_for`` measures which row counts they
     win (``KernelPlan.q8_rows``). Call after ``attach_small_gemm`` and before the plan and ``attach_native_stack``."""
     head = model.lm_head
-    name = "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else "lm_head.weight"
+    name = Q8_HEAD_NAMES[0] if model.cfg.tie_word_embeddings else Q8_HEAD_NAMES[1]
     blk = blocks.get(name)
     if blk is None:
         log.info("Q8_0 head reads: the GGUF does not hold %s as Q8_0 blocks", name)
@@ -282,8 +283,9 @@ class KernelPlan:
         q4 = [f"Q4_1 records for {describe_rows(self.q4_rows)}"] if self.q4_rows else []
         q4 += [f"the LM head's Q8_0 records for {describe_rows(self.q8_rows)}"] if self.q8_rows else []
         packed = f"packed copies for {describe_rows(self.packed_rows & ~self.q4_rows)}"
-        if self.q4_rows and self.packed_rows & self.q4_rows:  # products without records (the LM head) read them there
-            packed += f" ({describe_rows(self.packed_rows)} without records)"
+        head = self.packed_rows & ~self.q8_rows  # the LM head's copy: the counts its own records (if any) do not read
+        if head != self.packed_rows & ~self.q4_rows:
+            packed += f" (the LM head's for {describe_rows(head)})"
         return "; ".join([*q4, packed, *parts])
 
 

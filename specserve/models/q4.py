@@ -9,6 +9,7 @@ matmuls read 4-bit weights (4.5 bits each with the group scales: 0.14x the float
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,18 +137,20 @@ def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
     return Q8Blocks(torch.from_numpy(q), torch.from_numpy(d))
 
 
-def gguf_q8_blocks(gguf_path: Path) -> dict[str, Q8Blocks]:
-    """HF names of the GGUF's Q8_0 tensors -> their blocks (rows in the GGUF's order: the converter permutes only
-    q and k projections' rows)."""
+def gguf_q8_blocks(gguf_path: Path, names: Collection[str]) -> dict[str, Q8Blocks]:
+    """Those of the HF tensor ``names`` the GGUF holds as Q8_0 -> their blocks, decoded (only these: a GGUF may hold
+    every tensor as Q8_0), rows in the GGUF's order (the converter permutes only the q and k projections' rows, so
+    ask for neither)."""
     from gguf import GGMLQuantizationType
 
     from specserve.models.sources import _open_gguf, hf_tensor_name
 
     out = {}
     for tensor in _open_gguf(gguf_path).tensors:
-        if tensor.tensor_type == GGMLQuantizationType.Q8_0:
+        name = hf_tensor_name(tensor.name)
+        if tensor.tensor_type == GGMLQuantizationType.Q8_0 and name in names:
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's order is reversed
-            out[hf_tensor_name(tensor.name)] = q8_0_blocks(np.asarray(tensor.data), shape)
+            out[name] = q8_0_blocks(np.asarray(tensor.data), shape)
     return out
 
 

@@ -226,7 +226,7 @@ __attribute__((target("avx2,fma"))) void block256(const float* x, const W* w, fl
 //         d * q has at most 11 + 4 significant bits, so the product is exact and the FMA rounds once, as the add does;
 //   Q8_0: w = d * q (q -128..127; d float16 as float32), one multiply: at most 11 + 8 significant bits, exact.
 // Each weight chunk then meets the activations in the same FMA sequence as block256 / block512 over the dequantised
-// float32 weight: the same products, bit for bit, from 0.19x (Q4_1) or 0.31x (Q8_0) the bytes.
+// float32 weight: the same products, bit for bit, from 0.19x (Q4_1) or 0.28x (Q8_0) the bytes.
 // A block of NB rows is one record per group: NB x F::qbytes bytes of values (Q4_1: byte b holds element b low and
 // element b + 16 high, as ggml stores them; Q8_0: element b in byte b), then NB x F::scales floats (Q4_1: d, m; Q8_0:
 // d); records for k ascending, the blocks of 4 rows, then the N % 4 last rows alone.
