@@ -125,7 +125,8 @@ class ModelSpec(BaseModel):
         description="CPU float32: a greedy step of at most 8 rows takes its tokens from a bfloat16 copy of the LM "
         "head (half the bytes) and recomputes in float32 only the tokens whose rounding bound reaches the best: the "
         "full logits' argmax exactly, for ~56 MB more memory (specserve/models/lm_head.py; docs/benchmarks.md, "
-        "'Greedy tokens from a bfloat16 LM head')",
+        "'Greedy tokens from a bfloat16 LM head'); with small_gemm_plan only for the row counts where it measures "
+        "faster than the head's own logits at load, and not kept where it wins none",
     )
     revision: str | None = None
 
