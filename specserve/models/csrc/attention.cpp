@@ -4,8 +4,11 @@
 // over (sequence, head, query block): at batch 32 it took a quarter of a plain decode step on a 2-core EPYC
 // (docs/benchmarks.md, "Attention from C++"). Here every (token, KV head) is one task: its slot's keys are read in
 // place for the KV head's Hq / Hkv query heads in turn (grouped-query attention without expanding K and V; the
-// second and later heads find them in cache), over the keys the mask lets it see and no others. Long prefills run
-// here too: the same work as SDPA's, unblocked.
+// second and later heads find them in cache), over the keys the mask lets it see and no others. Tasks run KV head
+// first, so a thread's run of tasks takes one KV head's tokens in a row: a verify's later tokens find that head's
+// keys and values in cache, where a forward's weight reads had evicted them (2-3 row verifies 0.8-1 ms faster a
+// forward on a 2-core Zen 4; docs/benchmarks.md, "Q8_0 records for the LM head"). Long prefills run here too: the
+// same work as SDPA's, unblocked.
 //
 // Batch-invariant by construction: a token's output is computed by the same instruction sequence whatever else is
 // in the batch (8-lane dot products over the head dim, a fixed lane reduction, the softmax's sums in key order), so
@@ -241,7 +244,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
     std::vector<int32_t> keys;
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t / hkv, h = t % hkv;
+      const int64_t h = t / n_tok, n = t % n_tok;  // head-major: a thread takes consecutive tokens of one KV head
       keys.clear();
       if (mp != nullptr) {
         const bool* row = mp + from[n] * keys_seen;
