@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -18,7 +17,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.sources import cache_dir
 from specserve.spec_decode.eagle_head import EagleHead
-from specserve.timing import timed
+from specserve.timing import interleaved_medians
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
@@ -31,8 +30,7 @@ def time_verify(
     out: dict[int, float] = {}
     for t in sizes:
         forward = verify_forward(model, t, context=context, tree_mask=not causal)
-        times = [timed(model.device, forward) for _ in range(repeats + 1)]  # the first run warms up
-        out[t] = statistics.median(times[1:])
+        out[t] = interleaved_medians([forward], repeats, model.device)[0]  # after a warm-up run
     return out
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import specserve.timing
 import specserve.tune as tune
 from specserve.models import attention
 from specserve.models.tiny import tiny_model
-from specserve.timing import timed
+from specserve.timing import interleaved_medians, timed
 
 
 def test_timed_synchronises_a_cuda_device_before_and_after(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,10 +30,31 @@ def test_the_verify_profiler_times_through_the_synchronising_timer(monkeypatch: 
         fn(*args)
         return 1.0
 
-    monkeypatch.setattr(tune, "timed", spy)
+    monkeypatch.setattr(specserve.timing, "timed", spy)
     model = tiny_model(seed=0)
     assert tune.time_verify(model, [1, 3], context=8, repeats=2) == {1: 1.0, 3: 1.0}
     assert devices == [model.device] * 6  # (repeats + 1 warm-up) per size
+
+
+def test_interleaved_medians_rotate_the_order_and_leave_out_the_first_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fn's median over its own timings only, the untimed first pass left out, the order rotated each pass."""
+    calls: list[int] = []
+    seconds = {0: [100.0, 1.0, 5.0, 3.0], 1: [100.0, 2.0, 2.0, 9.0], 2: [100.0, 7.0, 4.0, 6.0]}  # per fn, per pass
+
+    def fn(i: int) -> float:
+        calls.append(i)
+        return seconds[i][calls.count(i) - 1]
+
+    devices: list[torch.device] = []
+    monkeypatch.setattr(specserve.timing, "timed", lambda device, f: devices.append(device) or f())
+    gpu = torch.device("cuda")
+    assert interleaved_medians([lambda: fn(0), lambda: fn(1), lambda: fn(2)], repeats=3, device=gpu) == [3.0, 2.0, 6.0]
+    assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]
+    assert devices == [gpu] * 12  # every call through the synchronising timer, on the given device
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        interleaved_medians([lambda: None], repeats=0)
+    with pytest.raises(ValueError, match="needs functions"):
+        interleaved_medians([], repeats=3)
 
 
 def test_flash_attn_only_for_half_precision_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

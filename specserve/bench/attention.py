@@ -11,7 +11,6 @@ repeat, and prints the medians. Writes a CSV.
 from __future__ import annotations
 
 import argparse
-import statistics
 from functools import partial
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from specserve.models.attention import attention
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.native_stack import extension
-from specserve.timing import timed
+from specserve.timing import interleaved_medians
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -64,13 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 "sdpa": partial(attention, q, k, v, batch, use_flash=False),
                 "kernel": partial(attention, q, k, v, batch, use_flash=False, kernel=ext.attend),
             }
-            times: dict[str, list[float]] = {name: [] for name in fns}
-            for fn in fns.values():
-                fn()  # warm-up
-            for _ in range(args.repeats):  # interleaved: machine noise hits both alike
-                for name, fn in fns.items():
-                    times[name].append(timed(torch.device("cpu"), fn))
-            sdpa, kernel = (statistics.median(times[name]) * 1e6 for name in ("sdpa", "kernel"))
+            sdpa, kernel = (s * 1e6 for s in interleaved_medians([fns["sdpa"], fns["kernel"]], args.repeats))
             rows.append({"batch": b, "tokens": q_len, "context": args.context, "sdpa_us": sdpa, "kernel_us": kernel,
                          "sdpa_over_kernel": sdpa / kernel, "cpu": cpu_summary()})  # fmt: skip
     print(markdown_table(rows, ["batch", "tokens", "context", "sdpa_us", "kernel_us", "sdpa_over_kernel"]))

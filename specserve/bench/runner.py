@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
 from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed, linear
 from specserve.models.loader import load_model
 from specserve.models.native_stack import build_stack, describe_rows, extension
-from specserve.timing import timed
+from specserve.timing import interleaved_medians, timed
 from specserve.tune import batch_decode_forward, verify_forward
 
 BANDWIDTH_BYTES = 1 << 30
@@ -230,13 +229,8 @@ def run(args: argparse.Namespace) -> int:
     if packed:
         kinds.append(("packed", lambda r: runner(r, True)))
     fns = {(kind, r): make(r) for r in args.rows for kind, make in kinds}
-    times: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
     with torch.inference_mode():
-        for fn in fns.values():
-            fn()  # warm-up
-        for _ in range(args.repeats):  # interleaved: machine noise hits both alike
-            for key, fn in fns.items():
-                times[key].append(timed(model.device, fn))
+        medians = dict(zip(fns, interleaved_medians(list(fns.values()), args.repeats, model.device), strict=True))
         bandwidth = read_bandwidth(model.device)
     floor_ms = read_bytes / bandwidth * 1e3
     rows_out = []
@@ -250,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for r in args.rows:
         bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm, kp_bare, kp, up_bare, up, sdpa, f_bare, f32r = (
-            statistics.median(times[(k, r)]) * 1e3
+            medians[(k, r)] * 1e3
             for k in (
                 "bare",
                 "runner",
@@ -269,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
                 "f32",
             )
         )
-        packed_ms = statistics.median(times[("packed", r)]) * 1e3 if packed else float("nan")
+        packed_ms = medians[("packed", r)] * 1e3 if packed else float("nan")
         rows_out.append(
             {
                 "rows": r,

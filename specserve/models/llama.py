@@ -21,6 +21,7 @@ from specserve.errors import UnsupportedModelError
 from specserve.models.attention import AttendKernel, attention, flash_attn_available, write_kv
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
+from specserve.timing import interleaved_medians
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's matmuls, fused as loaded
@@ -177,21 +178,6 @@ def pad_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[0] == width else torch.cat([x, x.new_zeros(width - x.shape[0], x.shape[1])])
 
 
-def _median_s(fn: Callable[[], object], repeats: int, calls: int = 1) -> float:
-    """Median seconds of ``repeats`` timings of ``calls`` calls each, after one untimed call."""
-    import statistics
-    import time
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def gemv_rows_for(weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS, repeats: int = 15) -> int:
     """The most rows r (0..max_rows) such that ``x @ W.T-copy`` beat ``F.linear(x, W)`` at every 1..r rows on
     this machine (median of ``repeats`` timings, 5% margin): the instruction set decides, so measure."""
@@ -207,7 +193,8 @@ def gemv_rows_for(weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS, repeats: 
             def by_linear(x: torch.Tensor = x) -> torch.Tensor:
                 return F.linear(x, weight)
 
-            copy, plain = _median_s(by_copy, repeats, calls=3), _median_s(by_linear, repeats, calls=3)
+            three = [lambda: [by_copy() for _ in range(3)], lambda: [by_linear() for _ in range(3)]]
+            copy, plain = interleaved_medians(three, repeats)  # three calls a timing: one is a few microseconds
             if copy > 0.95 * plain:
                 break
             best = rows
@@ -235,7 +222,8 @@ def pad_rows_for(weights: list[torch.Tensor], width: int = PAD_WIDTH, repeats: i
     best = 0
     with torch.inference_mode():
         for rows in (r for r in (15, 12, 10) if r < width):
-            if _median_s(products(rows, True), repeats) > 0.95 * _median_s(products(rows, False), repeats):
+            padded, unpadded = interleaved_medians([products(rows, True), products(rows, False)], repeats)
+            if padded > 0.95 * unpadded:
                 break
             best = rows
     return best

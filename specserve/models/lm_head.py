@@ -19,7 +19,6 @@ prompts one candidate is the median, 9 the most seen.
 from __future__ import annotations
 
 import logging
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel, reads_copy, small_gemm_fits
 from specserve.models.native_stack import PLAN_MARGIN, describe_rows, extension, probe_mask
-from specserve.timing import timed
+from specserve.timing import interleaved_medians
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ def attach_bounded_argmax(model: LlamaModel, *, measure: bool = False) -> bool:
 @torch.inference_mode()
 def bounded_rows(model: LlamaModel, repeats: int = 5) -> int:
     """A row mask of the counts up to ``ARGMAX_ROWS`` where ``greedy_ids`` through the bounded copy beats the full
-    logits' argmax on this machine (each probe serves up to the next), timed alternately on the model's own
+    logits' argmax on this machine (each probe serves up to the next), timed interleaved on the model's own
     final-norm states over fixed tokens, as a decode step's are (random states would leave the bound many
     candidates to recompute). On a 2-core Zen 4 EPYC the copy won at 1-3 rows and lost at 4-8, where the float32
     product streams the head once for all rows (docs/benchmarks.md, "Q8_0 records for the LM head")."""
@@ -98,14 +97,9 @@ def bounded_rows(model: LlamaModel, repeats: int = 5) -> int:
     wins = []
     for r in probes:
         states = hidden[:r].contiguous()
-        fns = (lambda x=states: model.logits(x).argmax(-1), lambda x=states: bounded_ids(model, x))
-        times: tuple[list[float], list[float]] = ([], [])
-        for run in range(repeats + 1):
-            for bounded in (False, True) if run % 2 else (True, False):
-                took = timed(model.device, fns[bounded])
-                if run:
-                    times[bounded].append(took)
-        wins.append(statistics.median(times[1]) < PLAN_MARGIN * statistics.median(times[0]))
+        fns = [lambda x=states: model.logits(x).argmax(-1), lambda x=states: bounded_ids(model, x)]
+        logits_s, bounded_s = interleaved_medians(fns, repeats, model.device)
+        wins.append(bounded_s < PLAN_MARGIN * logits_s)
     return probe_mask(tuple(probes), wins) & EVERY_BOUNDED
 
 

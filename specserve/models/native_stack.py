@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
 from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear, Q8Blocks
 from specserve.models.sources import cache_dir
 from specserve.spec_decode.eagle_head import EagleHead
+from specserve.timing import interleaved_medians
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
@@ -343,25 +343,23 @@ def kernel_plan_for(
 @torch.inference_mode()
 def time_records(lins: list[nn.Linear], rows: int, packed: bool, prefetch: Any, repeats: int) -> tuple[float, float]:
     """Median seconds of the products of ``rows`` rows over ``lins`` in one pass, (float32 weights in the layout
-    ``packed`` chose, their records), alternating, after one untimed pass each."""
+    ``packed`` chose, their records), interleaved (``interleaved_medians``)."""
     ext = extension()
     gen = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(rows, k, generator=gen) for k in {m.in_features for m in lins}}
-    times: tuple[list[float], list[float]] = ([], [])
-    for run in range(repeats + 1):
-        for records in (False, True) if run % 2 else (True, False):
-            start = time.perf_counter()
-            for m in lins:
-                x = xs[m.in_features]
-                if records:
-                    ext.small_linear_packed(x, m.small_records, m.bias, prefetch)
-                elif packed:
-                    ext.small_linear_packed(x, m.small_packed, m.bias, prefetch)
-                else:
-                    ext.small_linear(x, m.weight.detach(), m.bias, prefetch)
-            if run:
-                times[records].append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+
+    def products(records: bool) -> None:
+        for m in lins:
+            x = xs[m.in_features]
+            if records:
+                ext.small_linear_packed(x, m.small_records, m.bias, prefetch)
+            elif packed:
+                ext.small_linear_packed(x, m.small_packed, m.bias, prefetch)
+            else:
+                ext.small_linear(x, m.weight.detach(), m.bias, prefetch)
+
+    f32_s, records_s = interleaved_medians([lambda: products(False), lambda: products(True)], repeats)
+    return f32_s, records_s
 
 
 def apply_plan(model: LlamaModel, plan: KernelPlan) -> None:
@@ -463,24 +461,20 @@ def faster(default_s: float, other_s: float) -> tuple[int, float]:
 @torch.inference_mode()
 def time_variants(lins: list[nn.Linear], rows: int, variants: list[tuple[bool, Any]], repeats: int) -> list[float]:
     """Median seconds of the kernel's products of ``rows`` rows over every linear in one pass, per (packed layout,
-    prefetch) variant, interleaved, after one untimed pass each."""
+    prefetch) variant, interleaved (``interleaved_medians``: the order rotates each pass, so that no variant always
+    runs right after a pass over the same weights)."""
     ext = extension()
     gen = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(rows, k, generator=gen) for k in {m.in_features for m in lins}}
-    times: list[list[float]] = [[] for _ in variants]
-    for run in range(repeats + 1):
-        # the order rotates each pass, so that no variant always runs right after a pass over the same weights
-        shift = run % len(variants)
-        for (packed, pf), out in zip(variants[shift:] + variants[:shift], times[shift:] + times[:shift], strict=True):
-            start = time.perf_counter()
-            for m in lins:
-                if packed:
-                    ext.small_linear_packed(xs[m.in_features], m.small_packed, m.bias, pf)
-                else:
-                    ext.small_linear(xs[m.in_features], m.weight.detach(), m.bias, pf)
-            if run:
-                out.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+
+    def products(packed: bool, pf: Any) -> None:
+        for m in lins:
+            if packed:
+                ext.small_linear_packed(xs[m.in_features], m.small_packed, m.bias, pf)
+            else:
+                ext.small_linear(xs[m.in_features], m.weight.detach(), m.bias, pf)
+
+    return interleaved_medians([functools.partial(products, packed, pf) for packed, pf in variants], repeats)
 
 
 def spread(probes: tuple[int, ...], per_probe: list[Any]) -> list[Any]:
