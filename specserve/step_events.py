@@ -30,7 +30,10 @@ class StepEvent:
 
     @property
     def draft_s(self) -> float:
-        return self.drafted - self.started if any(p is not None for p in self.proposals) else 0.0
+        """The time to the verify where something drafted: a proposal, or a draft model whose trees kept no node
+        (a floor above every path still paid for the forwards); 0 for a plain step."""
+        drafted = any(p is not None for p in self.proposals) or any(s.model_proposed for s in self.batch)
+        return self.drafted - self.started if drafted else 0.0
 
     @property
     def verify_s(self) -> float:

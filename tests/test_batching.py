@@ -510,6 +510,9 @@ def test_trees_pruned_to_their_root_count_as_speculation_and_plain_steps_stay_ou
     out = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=12, ignore_eos=True))
     assert sum(o.stats.draft_steps for o in out) == 0  # no tree kept a node ...
     assert guard.recorded and all(spec for spec, _ in guard.recorded)  # ... and every step was speculative
+    planned = [any(m.planned) for m in engine.loop.stats.metrics]
+    assert any(planned)  # and where the draft ran, its time counts as drafting, not as the loop's overhead
+    assert [m.draft_s > 0 for m in engine.loop.stats.metrics] == planned
     for plain in (True, False):  # plain throughout, or speculative
         adaptive = pruned.model_copy(update={"adaptive_floor": True, "tree_min_prob": 0.0})
         engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=adaptive, eos_token_ids=set())
