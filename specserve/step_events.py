@@ -114,6 +114,7 @@ class StepTiming:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    prefill_s: float = 0.0  # of total_s: steps in which some sequence prefilled (every mode pays them alike)
 
     @property
     def overhead_s(self) -> float:
@@ -152,6 +153,8 @@ class StepStats(StepObserver):
         t.draft_s += draft_s
         t.verify_s += verify_s
         t.total_s += total_s
+        if event.prefills:
+            t.prefill_s += total_s
         if self.record_steps:
             rows = zip(event.batch, event.proposals, event.verified, strict=True)
             self.records.append([_record(s, p, o) for s, p, o in rows])

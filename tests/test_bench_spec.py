@@ -72,6 +72,12 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
     assert all(float(r["greedy_equal"]) == 1.0 for r in rows)
     assert all(float(r["ratio"]) == 1.0 for r in rows if r["method"] == "plain")
     assert all(float(r["tau"]) >= 1.0 for r in rows)
+    whole = {r["method"]: r for r in rows if r["category"] == "all"}
+    assert float(whole["plain"]["rows_step"]) == 0.0  # verified drafted nodes per step: none for plain decoding
+    assert 0.5 < float(whole["chain SL=4"]["rows_step"]) <= 4.0  # a chain of 4 verifies up to 4 (less at the end)
+    assert float(whole["DDD x=-0.3 T=8"]["rows_step"]) <= 7.0  # a tree of budget 8: the root and up to 7 nodes
+    # prefills: one step per prompt, tens of decoding steps' time each; not all of it
+    assert all(0.0 < float(r["prefill_share"]) < 0.9 for r in whole.values())
 
 
 def test_a_target_read_both_ways_decodes_the_same_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

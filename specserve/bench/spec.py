@@ -345,6 +345,8 @@ def _row(
         "ratio": 0.0,
         "draft_ms_step": nan if timing is None else 1e3 * timing.draft_s / max(1, timing.steps),
         "verify_ms_step": nan if timing is None else 1e3 * timing.verify_s / max(1, timing.steps),
+        "rows_step": sum(o.stats.drafted for o in outs) / max(1, forwards),  # drafted nodes verified per step
+        "prefill_share": nan if timing is None else timing.prefill_s / max(timing.total_s, 1e-9),
     }
 
 
@@ -558,7 +560,7 @@ def run(args: argparse.Namespace) -> int:
                 {"pass": 1, "category": "all", "method": "transformers assisted", "draft": pair}
                 | {"greedy_equal": equal, "tau": nan}
                 | {"mean_depth": nan, "tok_s": n / hf_seconds, "ratio": 0.0, "draft_ms_step": nan}
-                | {"verify_ms_step": nan}
+                | {"verify_ms_step": nan, "rows_step": nan, "prefill_share": nan}
             )
             rows[-1]["ratio"] = float(cast(float, rows[-1]["tok_s"])) / float(cast(float, rows[0]["tok_s"]))
     write_csv(args.out / "spec.csv", rows)
