@@ -286,6 +286,11 @@ class SpecConfig(BaseModel):
         description="EAGLE-2 / DDD: set the floor each step to the loop's measured seconds per verify row times its "
         "tokens per second (tree_min_prob until both are measured; docs/algorithms.md §2.3)",
     )
+    floor_beam: bool = Field(
+        default=True,
+        description="EAGLE-2 / DDD with a floor (tree_min_prob, adaptive_floor): forward only the beam nodes at or "
+        "above it, the only ones whose subtrees can enter the tree (docs/algorithms.md §2.3)",
+    )
     ddd_count_first_forward: bool = Field(
         default=True,
         description="check step d = the d-th draft forward, the first (the root's) included; False: count the "

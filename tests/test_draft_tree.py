@@ -173,3 +173,93 @@ def test_levels_below_the_budget_cannot_enter_the_tree():
     for method, field in ((SpecMethod.ddd, "ddd_max_depth"), (SpecMethod.eagle2, "tree_depth")):
         assert SpecConfig(method=method, budget=4, **{field: 6}).static_depth == 3
         assert SpecConfig(method=method, budget=16, **{field: 6}).static_depth == 6
+
+
+# -- a floor on the path probability bounds the beam (docs/algorithms.md §2.3) --------------------------------------
+
+
+def test_beam_nodes_below_the_floor_are_set_aside_not_forwarded() -> None:
+    b = TreeBuilder(width=3, min_score=math.log(0.25))
+    b.expand(logq_rows([{1: 0.6, 2: 0.3, 3: 0.1}]))
+    assert b.beam_tokens().tolist() == [1, 2]  # 3 (.1) cannot enter the tree, nor can its children
+    assert b.set_aside.exp().tolist() == pytest.approx([0.1])
+    assert float(b.mass()) == pytest.approx(math.log(1.0), abs=1e-6)  # the full beam's mass: .6 + .3 + .1
+    b.expand(logq_rows([{4: 0.5, 5: 0.4}, {6: 0.9, 7: 0.05}]))  # paths 1-4 .30, 1-5 .24, 2-6 .27, 2-7 .015
+    assert b.beam_tokens().tolist() == [4, 6]  # the top 3 are .30, .27, .24; 1-5 (.24) joins the set-aside
+    assert b.set_aside.exp().tolist() == pytest.approx([0.1, 0.24])
+    assert float(b.mass()) == pytest.approx(math.log(0.30 + 0.27 + 0.24 + 0.1), abs=1e-6)
+    tree = b.rerank(budget=8, min_score=math.log(0.25))
+    assert tree.tokens == [1, 2, 4, 6] and tree.parents == [0, 0, 1, 2]
+    b.expand(logq_rows([{3: 0.5, 5: 0.5}, {1: 0.2, 0: 0.1}]))  # every path now below .25
+    assert b.beam.numel() == 0  # nothing left to forward: the tree is complete
+
+
+def _path_logq(path: tuple[int, ...], vocab: int, seed: int) -> torch.Tensor:
+    """The fake draft's log-probabilities after a path of tokens: the same whichever builder asks."""
+    gen = torch.Generator().manual_seed(hash((seed, *path)) % 2**31)
+    return torch.log_softmax(torch.randn(vocab, generator=gen) * 3, dim=-1)
+
+
+def _grow(b: TreeBuilder, levels: int, vocab: int, seed: int) -> list[float]:
+    """Grow ``levels`` levels forwarding exactly the builder's beam; its mass after each level."""
+    masses = []
+    for _ in range(levels):
+        if b.depth and b.beam.numel() == 0:
+            break
+        beam = [()] if b.depth == 0 else [_path_of(b, int(c)) for c in b.beam]
+        b.expand(torch.stack([_path_logq(p, vocab, seed) for p in beam]))
+        masses.append(float(b.mass()))
+    return masses
+
+
+def _path_of(b: TreeBuilder, cand: int) -> tuple[int, ...]:
+    tokens, parents = torch.cat(b.tokens).tolist(), torch.cat(b.parents).tolist()
+    path = []
+    while cand >= 0:
+        path.append(tokens[cand])
+        cand = parents[cand]
+    return tuple(reversed(path))
+
+
+def _above(b: TreeBuilder, depth: int, min_score: float) -> set[tuple[int, ...]]:
+    """The paths of the builder's depth-``depth`` candidates (0: the root's children) scoring at least min_score."""
+    first = sum(t.numel() for t in b.tokens[:depth])
+    scores = b.scores[depth].tolist()
+    return {_path_of(b, first + i) for i, sc in enumerate(scores) if sc >= min_score}
+
+
+def test_a_bounded_beam_finds_every_candidate_above_the_floor_and_bounds_the_mass_from_above() -> None:
+    """Against EAGLE-2's full beam on random drafts: the same candidates at or above the floor at every depth (so the
+    same trees), at most 1 / floor rows forwarded a level, and a beam mass never below the full beam's (DDD, reading
+    it, stops no earlier)."""
+    for seed in range(12):
+        floor = (0.1, 0.2, 0.3)[seed % 3]
+        full, bounded = TreeBuilder(width=6), TreeBuilder(width=6, min_score=math.log(floor))
+        full_mass, bounded_mass = _grow(full, 5, 40, seed), _grow(bounded, 5, 40, seed)
+        for d in range(len(bounded_mass)):
+            above = [_above(b, d, math.log(floor)) for b in (full, bounded)]
+            assert above[0] == above[1]
+            assert bounded_mass[d] >= full_mass[d] - 1e-6
+        assert all(s.numel() <= 6 * int(1 / floor) for s in bounded.scores[1:])  # children of <= 1 / floor rows
+        for budget in (2, 4, 8, 16):
+            assert full.rerank(budget, math.log(floor)).tokens == bounded.rerank(budget, math.log(floor)).tokens
+
+
+def test_grow_trees_forwards_only_the_beam_rows_a_floor_lets_into_the_tree() -> None:
+    """A sure draft (one token ~1.0 a level) under a floor of 0.5: one row a level instead of the beam's four, and the
+    tree is that chain; unfloored, or with the switch off, every level forwards the whole beam."""
+    spec = SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=6, ddd_check_steps=(1, 2), ddd_threshold=-0.03)
+    floored = spec.model_copy(update={"tree_min_prob": 0.5})
+    switched_off = floored.model_copy(update={"floor_beam": False})
+    for s, rows_per_level in ((spec, 4), (switched_off, 4), (floored, 1)):
+        states = _states([s], depth=5)
+        rows: list[int] = []
+
+        def forward(sts, tokens, *, num_logits=None, positions=None, masks=None, parent_rows=None, rows=rows):  # type: ignore[no-untyped-def]
+            rows.extend(len(t) for t in tokens)
+            return [_logits(True, len(t)) for t in tokens]
+
+        grow_trees([(states[0], _logits(True, 1))], forward, torch.device("cpu"))
+        assert rows == [rows_per_level] * 4  # levels 2-5 of a depth-5 tree
+    proposal = tree_proposal(states[0])[0]
+    assert proposal.tokens == [7] * 5 and proposal.parents == [0, 1, 2, 3, 4]

@@ -44,14 +44,20 @@ class DraftTreeOut:
 
 @dataclass
 class TreeBuilder:
-    """Candidates of one sequence's tree. Candidate c: token, parent candidate (-1 = root), score, depth."""
+    """Candidates of one sequence's tree. Candidate c: token, parent candidate (-1 = root), score, depth.
+
+    ``min_score`` (log of the tree's floor, §2.3): a beam node below it can neither enter the tree nor have a
+    descendant that does (scores only decrease with depth), so it is set aside instead of forwarded (§2.3); its
+    score still counts in the beam's mass, standing for its descendants' mass, which it bounds."""
 
     width: int
+    min_score: float = -math.inf
     tokens: list[torch.Tensor] = field(default_factory=list)  # per level [w * n_parents]
     parents: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
     beam: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # candidate ids
     beam_scores: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
+    set_aside: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [s] scores of beam nodes below the floor
     num_candidates: int = 0
 
     @property
@@ -75,9 +81,17 @@ class TreeBuilder:
         self.parents.append(parent_ids.repeat_interleave(self.width))
         self.scores.append(scores)
         keep = scores.topk(min(self.width, scores.numel())).indices.sort().values  # next beam, in candidate order
+        if self.min_score > -math.inf:  # beam nodes below the floor: set aside, not forwarded
+            below = scores[keep] < self.min_score
+            self.set_aside = torch.cat([self.set_aside.to(dev), scores[keep[below]]])
+            keep = keep[~below]
         self.beam = keep + self.num_candidates
         self.beam_scores = scores[keep]
         self.num_candidates += scores.numel()
+
+    def mass(self) -> torch.Tensor:
+        """H_d: the beam's mass with the set-aside nodes' (at least the mass of the beam EAGLE-2 would have kept)."""
+        return beam_mass(torch.cat([self.beam_scores, self.set_aside.to(self.beam_scores.device)]))
 
     def beam_tokens(self) -> torch.Tensor:
         return torch.cat(self.tokens)[self.beam]
@@ -123,7 +137,8 @@ def grow_trees(trees: list[tuple[DraftState, torch.Tensor]], forward: DraftForwa
     for s, lg in trees:
         if s.item.depth == 0:
             continue
-        builder = TreeBuilder(width=s.item.spec.beam_width)
+        spec = s.item.spec
+        builder = TreeBuilder(spec.beam_width, min_score=floor_score(s) if spec.floor_beam else -math.inf)
         s.q_logits.append(lg)
         builder.expand(torch.log_softmax(lg, dim=-1), s.token_ids)
         s.tree = TreeGrowth(
@@ -180,25 +195,28 @@ def _grow_mask(t: TreeGrowth, device: torch.device) -> tuple[torch.Tensor, torch
 
 def _tree_done(s: DraftState) -> tuple[bool, int]:
     """After expansion step s.depth: stop at the depth budget, or where DDD's H falls below x. (done, H reads)"""
-    if s.depth >= s.item.depth:
+    assert s.tree is not None
+    if s.depth >= s.item.depth or s.tree.builder.beam.numel() == 0:  # no beam node left above the floor
         return True, 0
     spec = s.item.spec
     step = s.depth if spec.ddd_count_first_forward else s.depth - 1  # docs/algorithms.md §3.2
     if spec.method != SpecMethod.ddd or not is_check_step(step, spec.ddd_check_steps, spec.ddd_check_every_step):
         return False, 0
-    assert s.tree is not None
-    h = float(beam_mass(s.tree.builder.beam_scores))  # host sync: DDD's check, only at check steps
+    h = float(s.tree.builder.mass())  # host sync: DDD's check, only at check steps
     return ddd_should_stop(h, step, spec.ddd_check_steps, spec.ddd_threshold, spec.ddd_check_every_step), 1
+
+
+def floor_score(s: DraftState) -> float:
+    """log of the step's floor on a node's path probability (the loop's measured one, else the spec's; §2.3)."""
+    floor = s.item.spec.tree_min_prob if s.item.min_prob is None else s.item.min_prob
+    return math.log(floor) if floor > 0 else -math.inf
 
 
 def tree_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
     """The budget-T tree, and the cache index of each node (root first; None where the node was never fed)."""
     assert s.tree is not None
     t = s.tree
-    spec = s.item.spec
-    floor = spec.tree_min_prob if s.item.min_prob is None else s.item.min_prob
-    min_score = math.log(floor) if floor > 0 else -math.inf
-    tree = t.builder.rerank(spec.model_tree_budget, min_score)
+    tree = t.builder.rerank(s.item.spec.model_tree_budget, floor_score(s))
     row_of = torch.nn.functional.pad(t.row_of, (0, t.builder.num_candidates + 1 - t.row_of.numel()))
     cand = torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device)
     rows = row_of[cand + 1].tolist()  # host sync
