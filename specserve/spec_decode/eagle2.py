@@ -46,8 +46,8 @@ class DraftTreeOut:
 class TreeBuilder:
     """Candidates of one sequence's tree. Candidate c: token, parent candidate (-1 = root), score, depth.
 
-    ``min_score`` (log of the tree's floor, §2.3): a beam node below it can neither enter the tree nor have a
-    descendant that does (scores only decrease with depth), so it is set aside instead of forwarded (§2.3); its
+    ``min_score`` (log of the tree's floor, docs/algorithms.md §2.3): a beam node below it can neither enter the tree
+    nor have a descendant that does (scores only decrease with depth), so it is set aside instead of forwarded; its
     score still counts in the beam's mass, standing for its descendants' mass, which it bounds."""
 
     width: int
@@ -81,7 +81,7 @@ class TreeBuilder:
         self.parents.append(parent_ids.repeat_interleave(self.width))
         self.scores.append(scores)
         keep = scores.topk(min(self.width, scores.numel())).indices.sort().values  # next beam, in candidate order
-        if self.min_score > -math.inf:  # beam nodes below the floor: set aside, not forwarded
+        if self.min_score > -math.inf:  # beam nodes below the floor: set aside, not forwarded (a host sync on a GPU)
             below = scores[keep] < self.min_score
             self.set_aside = torch.cat([self.set_aside.to(dev), scores[keep[below]]])
             keep = keep[~below]
