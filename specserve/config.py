@@ -291,6 +291,14 @@ class SpecConfig(BaseModel):
         description="EAGLE-2 / DDD with a floor (tree_min_prob, adaptive_floor): forward only the beam nodes at or "
         "above it, the only ones whose subtrees can enter the tree (docs/algorithms.md §2.3)",
     )
+    catch_up_window: int = Field(
+        default=2048,
+        ge=1,
+        le=1 << 20,
+        description="a draft head reads at most this many of a sequence's newest target features at once (a prompt, "
+        "the tokens of plain steps the guard ran): older positions drop out of its context, so a switch to "
+        "speculation costs at most this many head rows a sequence (docs/algorithms.md §8.3)",
+    )
     ddd_count_first_forward: bool = Field(
         default=True,
         description="check step d = the d-th draft forward, the first (the root's) included; False: count the "

@@ -13,8 +13,6 @@ from specserve.detok import IncrementalText
 from specserve.policy import SequenceDSDE
 from specserve.sampling import SamplingParams
 
-MAX_QUEUED_FEATURES = 2048  # rows of target features a sequence holds for its draft head between proposals
-
 
 class FinishReason(str, Enum):
     stop = "stop"  # EOS or a stop string
@@ -93,15 +91,18 @@ class Sequence:
 
     def add_features(self, rows: torch.Tensor, start: int) -> None:
         """Queue the hidden states [n, F] of positions start..start+n-1; a non-contiguous start (the target
-        re-prefilled after a restart) drops the queue first, and so does a queue past MAX_QUEUED_FEATURES rows
-        (a sequence the guard kept on plain steps for long: the head restarts from the newer features)."""
-        queued = self.features_queued
-        if self.features and (self.features_from + queued != start or queued > MAX_QUEUED_FEATURES):
+        re-prefilled after a restart) drops the queue first. Only the newest ``spec.catch_up_window`` rows stay
+        (a prompt, or a sequence the guard kept on plain steps: the head restarts from them)."""
+        if self.features and self.features_from + self.features_queued != start:
             self.drop_features()
         if not self.features:
             self.features_from = start
         self.features.append(rows)
         self.features_queued += rows.shape[0]
+        if (excess := self.features_queued - self.spec.catch_up_window) > 0:
+            self.features = [torch.cat(self.features)[excess:]]
+            self.features_from += excess
+            self.features_queued -= excess
 
     def drop_features(self) -> None:
         """Empty the queue (its features went to the draft head, or are of no use)."""

@@ -181,8 +181,14 @@ class StepLoop:
         model whenever the drafter finds a match, and the model reads that only if it falls back."""
         if self.planner.guard is None:
             return None
-        behind = (s.draft_behind() for s in batch if self.draft is not None and s.spec.needs_model)
+        behind = (self._draft_reads(s) for s in batch if self.draft is not None and s.spec.needs_model)
         return Outlook(sum(m for m in behind if m > CATCH_UP), sum(s.remaining(self.max_model_len) for s in batch))
+
+    def _draft_reads(self, seq: Sequence) -> int:
+        """Tokens the draft would read before drafting: all it has not seen (a draft model), at most the newest
+        ``catch_up_window`` of them (a draft head, fed from the sequence's bounded feature queue)."""
+        behind = seq.draft_behind()
+        return behind if self.features is None else min(behind, seq.spec.catch_up_window)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:
@@ -237,7 +243,7 @@ class StepLoop:
                 for s, d in to_model
             ]
             for s, _ in to_model:  # the draft missed 2+ steps' tokens (not a new prompt, not one cheap step)
-                missed = s.draft_behind()
+                missed = self._draft_reads(s)
                 s.draft_caught_up = missed if not current[s.seq_id] and s.target_seen > 0 and missed > CATCH_UP else 0
             proposals.update((p.seq_id, p) for p in self.draft.propose(items))
             for s, _ in to_model:

@@ -8,6 +8,7 @@ import torch
 
 from specserve.config import ChainDraft, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.guard import Outlook, ThroughputGuard
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
@@ -151,35 +152,91 @@ def test_head_cache_holds_pairs_of_the_targets_own_features(target: LlamaModel, 
 
 
 @torch.inference_mode()
-def _reference_keys(target: LlamaModel, head: EagleHead, kind: HeadKind, tokens: list[int], n: int) -> torch.Tensor:
+def _reference_keys(
+    target: LlamaModel, head: EagleHead, kind: HeadKind, tokens: list[int], n: int, start: int = 0
+) -> torch.Tensor:
+    """The head's keys for pairs start..n-1 (t_{j+1}, f_j) at their own positions j, from one plain target forward."""
     cache = target.new_cache(1, 128)
     slot = cache.allocate()
     final, aux = target.hidden_states(ForwardBatch.build(cache, [slot], [tokens]), cache, (0, 1))
-    feats = head.fuse(aux if kind == HeadKind.eagle3 else final)[:n]  # f_0 .. f_{n-1}
+    feats = head.fuse(aux if kind == HeadKind.eagle3 else final)[start:n]  # f_start .. f_{n-1}
     hcache = head.new_cache(1, 128)
     hslot = hcache.allocate()
-    batch = ForwardBatch.build(hcache, [hslot], [tokens[1 : n + 1]])
+    batch = ForwardBatch.build(hcache, [hslot], [tokens[start + 1 : n + 1]], positions=[list(range(start, n))])
     head(batch.tokens, feats, batch, hcache)
-    return hcache.k[0][hslot, :, :n].clone()
+    return hcache.k[0][hslot, :, : n - start].clone()
 
 
-def test_feature_queue_is_bounded_and_restarts_on_a_gap() -> None:
+class _ScriptedGuard(ThroughputGuard):
+    """Speculates on the steps whose index is in ``spec_steps``, decodes plainly on the others."""
+
+    def __init__(self, spec_steps: set[int]) -> None:
+        super().__init__()
+        self.spec_steps = spec_steps
+        self.outlooks: list[Outlook | None] = []  # per step asked
+
+    def speculate(self, batch_size: int, *, measured: bool = True, outlook: Outlook | None = None) -> bool:
+        self.outlooks.append(outlook)
+        return len(self.outlooks) - 1 in self.spec_steps
+
+
+@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
+def test_a_catch_up_reads_only_the_newest_features_and_restarts_the_heads_cache(
+    target: LlamaModel, kind: HeadKind
+) -> None:
+    """Prompts longer than ``catch_up_window`` and plain steps between speculative ones: each catch-up feeds the
+    head only the newest W pairs (what the guard is told it costs), and its cache then holds exactly a from-scratch
+    forward over them at their own positions (no pair from before the restart stays); the output stays greedy-equal."""
+    window = 6
+    head = random_head(target, kind)
+    spec = METHODS[1].model_copy(update={"catch_up_window": window})
+    prompts = [[5 + i, *range(40, 52)] for i in range(3)]  # 13 tokens each
+    engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set(), max_batch_size=3)
+    guard = engine.loop.planner.guard = _ScriptedGuard({1, 2, 9, 10})  # step 0 prefills; plain steps 3-8
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ids = [engine.submit(p, params) for p in prompts]
+    worker = engine.loop.draft
+    assert isinstance(worker, HeadDraftWorker)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    starts: dict[int, list[int]] = {}
+    step = 0
+    while engine.loop.has_work:
+        for out in engine.loop.step():
+            tokens[out.request_id] += out.token_ids
+        if step in (1, 9):  # after the first speculative step, and after the catch-up following the plain steps
+            for seq in engine.loop.running:
+                st = worker.seqs[seq.seq_id]
+                end = st.next_pair
+                starts.setdefault(seq.seq_id, []).append(st.pos0)
+                assert st.pos0 == end - st.pairs > 0 and st.pairs <= window  # restarted late in the sequence
+                assert worker.cache.length(st.slot) >= st.pairs  # (and this step's tree nodes)
+                want = _reference_keys(target, head, kind, seq.tokens[: end + 1], end, st.pos0)
+                torch.testing.assert_close(worker.cache.k[0][st.slot, :, : st.pairs], want, atol=2e-4, rtol=2e-4)
+        step += 1
+    assert len(starts) == len(prompts) and all(late > first >= 7 for first, late in starts.values())
+    # the guard weighs a switch by what the head will read: the window of each sequence, not its 13-14 tokens
+    assert [o.draft_missed if o else None for o in guard.outlooks[:2]] == [len(prompts) * window] * 2
+    assert guard.outlooks[9] is not None and guard.outlooks[9].draft_missed == len(prompts) * window
+    assert [tokens[rid] for rid in ids] == [
+        c.token_ids for c in Engine(target, None, eos_token_ids=set()).generate(prompts, params)
+    ]
+
+
+def test_feature_queue_keeps_the_newest_window_and_restarts_on_a_gap() -> None:
     from specserve.detok import IncrementalText
-    from specserve.sequence import MAX_QUEUED_FEATURES, Request, Sequence
+    from specserve.sequence import Request, Sequence
 
-    seq = Sequence(0, Request("r", [1, 2, 3], SamplingParams()), IncrementalText(None, ()))
-    seq.add_features(torch.zeros(3, 4), start=0)
-    seq.add_features(torch.ones(2, 4), start=3)  # contiguous: queued behind
-    assert seq.features_from == 0 and sum(f.shape[0] for f in seq.features) == 5
-    seq.add_features(torch.ones(1, 4), start=9)  # a gap: the queue restarts there
-    assert seq.features_from == 9 and len(seq.features) == 1
-    start = 10
-    while sum(f.shape[0] for f in seq.features) <= MAX_QUEUED_FEATURES:
-        seq.add_features(torch.ones(256, 4), start=start)
-        start += 256
-    seq.add_features(torch.ones(1, 4), start=start)  # over the bound: only the newest rows stay
-    assert seq.features_from == start and sum(f.shape[0] for f in seq.features) == seq.features_queued == 1
+    spec = SpecConfig(method=SpecMethod.chain, catch_up_window=4)
+    seq = Sequence(0, Request("r", [1, 2, 3], SamplingParams()), IncrementalText(None, ()), spec=spec)
+    rows = torch.arange(12.0).unsqueeze(1)  # row i: the feature of position i
+    seq.add_features(rows[0:3], start=0)
+    seq.add_features(rows[3:5], start=3)  # contiguous: queued behind, past the window: position 0 drops out
+    assert seq.features_from == 1 and seq.features_queued == 4
+    assert torch.cat(seq.features).flatten().tolist() == [1.0, 2.0, 3.0, 4.0]
+    seq.add_features(rows[9:10], start=9)  # a gap: the queue restarts there
+    assert seq.features_from == 9 and seq.features_queued == 1 and len(seq.features) == 1
+    seq.add_features(rows[10:12], start=10)
+    assert seq.features_from == 9 and torch.cat(seq.features).flatten().tolist() == [9.0, 10.0, 11.0]
     seq.drop_features()  # sent to the head: the next rows start a queue wherever they are
-    seq.add_features(torch.ones(2, 4), start=start + 5)
-    seq.add_features(torch.ones(1, 4), start=start + 7)
-    assert seq.features_from == start + 5 and seq.features_queued == 3 and len(seq.features) == 2
+    seq.add_features(torch.ones(6, 1), start=20)  # more than the window at once
+    assert seq.features_from == 22 and seq.features_queued == 4 == sum(f.shape[0] for f in seq.features)

@@ -102,10 +102,10 @@ class HeadDraftWorker:
         st = self.seqs.get(it.seq_id)
         if st is None:
             st = self.seqs[it.seq_id] = _HeadSeq(self.cache.allocate())
-        self.cache.truncate(st.slot, st.pairs)
         st.tokens += it.new_tokens
         if it.features is not None:
             self._take_features(st, it.features, it.feature_start)
+        self.cache.truncate(st.slot, st.pairs)  # last step's tree nodes go (after a restart, every old pair)
         root = len(st.tokens) - 1
         s = DraftState(
             item=it,
