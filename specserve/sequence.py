@@ -91,18 +91,27 @@ class Sequence:
 
     def add_features(self, rows: torch.Tensor, start: int) -> None:
         """Queue the hidden states [n, F] of positions start..start+n-1; a non-contiguous start (the target
-        re-prefilled after a restart) drops the queue first. Only the newest ``spec.catch_up_window`` rows stay
-        (a prompt, or a sequence the guard kept on plain steps: the head restarts from them)."""
+        re-prefilled after a restart) drops the queue first. Rows older than the newest ``spec.catch_up_window``
+        leave it a whole tensor at a time (no copy a step; ``queued_features`` cuts the rest)."""
         if self.features and self.features_from + self.features_queued != start:
             self.drop_features()
         if not self.features:
             self.features_from = start
         self.features.append(rows)
         self.features_queued += rows.shape[0]
-        if (excess := self.features_queued - self.spec.catch_up_window) > 0:
-            self.features = [torch.cat(self.features)[excess:]]
-            self.features_from += excess
-            self.features_queued -= excess
+        while self.features_queued - (n := self.features[0].shape[0]) >= self.spec.catch_up_window:
+            del self.features[0]
+            self.features_from += n
+            self.features_queued -= n
+
+    def queued_features(self) -> tuple[int, torch.Tensor] | None:
+        """(the position of the first, the rows [n, F]) of at most the newest ``spec.catch_up_window`` queued
+        features: what a draft head reads before drafting (None: none queued)."""
+        if not self.features:
+            return None
+        rows = torch.cat(self.features)
+        excess = max(0, rows.shape[0] - self.spec.catch_up_window)
+        return self.features_from + excess, rows[excess:]
 
     def drop_features(self) -> None:
         """Empty the queue (its features went to the draft head, or are of no use)."""

@@ -12,7 +12,6 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import replace
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
@@ -227,6 +226,7 @@ class StepLoop:
                 to_model.append((s, s.spec.model_depth(d)))
         if to_model:
             assert self.draft is not None
+            queued = [s.queued_features() for s, _ in to_model]  # (first position, rows) or None
             items = [
                 ProposeItem(
                     s.seq_id,
@@ -235,12 +235,12 @@ class StepLoop:
                     d,
                     s.spec,
                     kld_mode=None if s.sl_state is None else s.spec.kld_mode,
-                    features=torch.cat(s.features) if s.features else None,
-                    feature_start=s.features_from,
+                    features=None if q is None else q[1],
+                    feature_start=s.features_from if q is None else q[0],
                     root_position=len(s.tokens) - 1,
                     min_prob=plan.min_prob if s.spec.adaptive_floor else None,
                 )
-                for s, d in to_model
+                for (s, d), q in zip(to_model, queued, strict=True)
             ]
             for s, _ in to_model:  # the draft missed 2+ steps' tokens (not a new prompt, not one cheap step)
                 missed = self._draft_reads(s)

@@ -228,15 +228,24 @@ def test_feature_queue_keeps_the_newest_window_and_restarts_on_a_gap() -> None:
 
     spec = SpecConfig(method=SpecMethod.chain, catch_up_window=4)
     seq = Sequence(0, Request("r", [1, 2, 3], SamplingParams()), IncrementalText(None, ()), spec=spec)
-    rows = torch.arange(12.0).unsqueeze(1)  # row i: the feature of position i
+    rows = torch.arange(20.0).unsqueeze(1)  # row i: the feature of position i
+
+    def queued() -> tuple[int, list[float]] | None:
+        q = seq.queued_features()
+        return None if q is None else (q[0], q[1].flatten().tolist())
+
+    assert queued() is None
     seq.add_features(rows[0:3], start=0)
     seq.add_features(rows[3:5], start=3)  # contiguous: queued behind, past the window: position 0 drops out
-    assert seq.features_from == 1 and seq.features_queued == 4
-    assert torch.cat(seq.features).flatten().tolist() == [1.0, 2.0, 3.0, 4.0]
-    seq.add_features(rows[9:10], start=9)  # a gap: the queue restarts there
-    assert seq.features_from == 9 and seq.features_queued == 1 and len(seq.features) == 1
-    seq.add_features(rows[10:12], start=10)
-    assert seq.features_from == 9 and torch.cat(seq.features).flatten().tolist() == [9.0, 10.0, 11.0]
+    assert queued() == (1, [1.0, 2.0, 3.0, 4.0])
+    for i in range(5, 9):  # one row a step (plain steps): the queue's memory stays bounded
+        seq.add_features(rows[i : i + 1], start=i)
+        assert seq.features_queued <= 4 + 2
+    assert queued() == (5, [5.0, 6.0, 7.0, 8.0])
+    seq.add_features(rows[12:13], start=12)  # a gap: the queue restarts there
+    assert queued() == (12, [12.0]) and seq.features_from == 12
+    seq.add_features(rows[13:15], start=13)
+    assert queued() == (12, [12.0, 13.0, 14.0])
     seq.drop_features()  # sent to the head: the next rows start a queue wherever they are
-    seq.add_features(torch.ones(6, 1), start=20)  # more than the window at once
-    assert seq.features_from == 22 and seq.features_queued == 4 == sum(f.shape[0] for f in seq.features)
+    seq.add_features(rows[14:20], start=14)  # more than the window at once
+    assert queued() == (16, [16.0, 17.0, 18.0, 19.0])

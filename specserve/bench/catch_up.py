@@ -1,0 +1,175 @@
+"""`specserve bench catch-up`: what ``SpecConfig.catch_up_window`` trades for an EAGLE head (docs/algorithms.md §8.3).
+
+Two tables. Acceptance: greedy runs over MT-bench first turns at batch 1, per window, once speculating on every
+step (the window bounds only the prompt's read) and once with stretches of ``--period`` plain steps between
+speculative ones (each switch a catch-up from the newest W features), for DDD with the pair's default tree shape
+(its floor fixed at ``--tree-min-prob``: the measured floor would follow the host's speed) and for chains of one.
+Switch cost: at ``--switch-batch`` sequences, ``--switch-after`` plain steps, then speculation: the switch step's
+time (the head's catch-up and a speculative step) next to a plain step's and the speculative steps' after it.
+
+    .venv/bin/specserve bench catch-up --per-category 2 --max-tokens 96 --out bench_out/catch_up
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from specserve.bench.prompt_sets import mt_bench_prompts, per_category
+from specserve.bench.stats import markdown_table, write_csv
+from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.guard import Outlook, ThroughputGuard
+from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_draft, load_model, load_tokenizer
+from specserve.sampling import SamplingParams
+from specserve.spec_decode.eagle_head import EagleHead
+
+PAIR = "smollm2-eagle"
+
+
+class ScriptedGuard(ThroughputGuard):
+    """Plain decoding on the first ``plain_first`` steps asked, then stretches of ``period`` speculative and
+    ``period`` plain steps (period 0: speculation throughout)."""
+
+    def __init__(self, *, period: int = 0, plain_first: int = 0) -> None:
+        super().__init__()
+        self.period, self.plain_first, self.asked = period, plain_first, 0
+
+    def speculate(self, batch_size: int, *, measured: bool = True, outlook: Outlook | None = None) -> bool:
+        n, self.asked = self.asked, self.asked + 1
+        if n < self.plain_first:
+            return False
+        return self.period == 0 or ((n - self.plain_first) // self.period) % 2 == 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--windows", type=int, nargs="+", default=[2048, 128, 64, 32, 16])
+    p.add_argument("--per-category", type=int, default=2, help="MT-bench first turns per category")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--period", type=int, default=16, help="plain / speculative stretch length (0: no stretches)")
+    p.add_argument("--tree-min-prob", type=float, default=0.06, help="DDD's fixed floor")
+    p.add_argument("--switch-batch", type=int, default=16)
+    p.add_argument("--switch-after", type=int, default=200, help="plain steps before the switch")
+    p.add_argument("--repeats", type=int, default=3, help="switch-cost runs per window (medians)")
+    p.add_argument("--out", type=Path, default=Path("bench_out/catch_up"))
+
+
+def methods(tree_min_prob: float) -> dict[str, SpecConfig]:
+    ddd = PAIR_SPECULATION[PAIR].model_copy(update={"adaptive_floor": False, "tree_min_prob": tree_min_prob})
+    return {"DDD": ddd, "chain 1": SpecConfig(method=SpecMethod.chain, sl=1)}
+
+
+def acceptance(
+    target: LlamaModel,
+    head: EagleHead,
+    prompts: Sequence[list[int]],
+    specs: dict[str, SpecConfig],
+    windows: Sequence[int],
+    periods: Sequence[int],
+    max_tokens: int,
+    *,
+    eos_token_ids: set[int],
+    max_model_len: int = 1024,
+) -> list[dict[str, object]]:
+    """Per (method, period, window): drafted tokens accepted per speculative step, summed over the prompts, one
+    at a time (greedy: deterministic)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    rows: list[dict[str, object]] = []
+    for name, spec in specs.items():
+        for period in periods:
+            for w in windows:
+                run = spec.model_copy(update={"catch_up_window": w})
+                accepted = steps = tokens = 0
+                for p in prompts:
+                    engine = Engine(
+                        target,
+                        None,
+                        draft=head,
+                        speculation=run,
+                        eos_token_ids=eos_token_ids,
+                        max_model_len=max_model_len,
+                    )
+                    engine.loop.planner.guard = ScriptedGuard(period=period)
+                    c = engine.generate([p], params)[0]
+                    accepted, steps = accepted + c.stats.accepted, steps + c.stats.draft_steps
+                    tokens += len(c.token_ids)
+                row = {"method": name, "period": period, "window": w, "draft_steps": steps, "accepted": accepted}
+                rows.append({**row, "tokens": tokens, "accepted_per_step": accepted / steps if steps else 0.0})
+    return rows
+
+
+def switch_cost(
+    target: LlamaModel,
+    head: EagleHead,
+    prompts: Sequence[list[int]],
+    spec: SpecConfig,
+    windows: Sequence[int],
+    after: int,
+    repeats: int,
+    *,
+    max_model_len: int = 1024,
+) -> list[dict[str, object]]:
+    """Per window, medians over ``repeats`` runs (windows interleaved): the switch step's seconds after ``after``
+    plain steps of the whole batch, a plain step's and a speculative step's after the switch."""
+    params = SamplingParams(max_tokens=after + 24, temperature=0.0, ignore_eos=True)
+    times: dict[int, list[tuple[float, float, float]]] = {w: [] for w in windows}
+    for _ in range(repeats):
+        for w in windows:
+            engine = Engine(
+                target,
+                None,
+                draft=head,
+                speculation=spec.model_copy(update={"catch_up_window": w}),
+                eos_token_ids=set(),
+                max_batch_size=len(prompts),
+                max_model_len=max_model_len,
+            )
+            engine.loop.planner.guard = ScriptedGuard(plain_first=after + 1)  # + the prefill step
+            for p in prompts:
+                engine.submit(p, params)
+            steps = []
+            while engine.loop.has_work:
+                t = time.perf_counter()
+                engine.loop.step()
+                steps.append(time.perf_counter() - t)
+            switch = after + 1
+            times[w].append((steps[switch], statistics.median(steps[1:switch]), statistics.median(steps[switch + 1 :])))
+    context = statistics.mean(len(p) for p in prompts) + after
+    return [
+        {
+            "batch": len(prompts),
+            "context": round(context),
+            "window": w,
+            "switch_ms": 1e3 * statistics.median(t[0] for t in ts),
+            "plain_ms": 1e3 * statistics.median(t[1] for t in ts),
+            "spec_ms": 1e3 * statistics.median(t[2] for t in ts),
+        }
+        for w, ts in times.items()
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    target_spec, head_spec = MODEL_PAIRS[PAIR]
+    target = load_model(target_spec)
+    head = load_draft(head_spec, target)
+    assert isinstance(head, EagleHead)
+    tokenizer = load_tokenizer(target_spec)
+    encoder = Engine(target, tokenizer, max_batch_size=1)
+    texts = [p.text for p in per_category(mt_bench_prompts(), args.per_category)]
+    prompts = [encoder.encode(t, chat=True) for t in texts]
+    specs = methods(args.tree_min_prob)
+    periods = sorted({0, args.period})
+    eos = encoder.loop.eos_token_ids
+    rows = acceptance(target, head, prompts, specs, args.windows, periods, args.max_tokens, eos_token_ids=eos)
+    print(markdown_table(rows))
+    batch = [encoder.encode(t, chat=True) for t in (texts * args.switch_batch)[: args.switch_batch]]
+    cost = switch_cost(target, head, batch, specs["DDD"], args.windows, args.switch_after, args.repeats)
+    print(markdown_table(cost))
+    write_csv(args.out / "acceptance.csv", rows)
+    write_csv(args.out / "switch.csv", cost)
+    print(f"wrote {args.out / 'acceptance.csv'} and {args.out / 'switch.csv'}")
+    return 0

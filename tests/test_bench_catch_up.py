@@ -1,0 +1,42 @@
+"""`specserve bench catch-up` on the tiny model with a random head: its scripted guard, and tables whose rows agree
+where the window binds nothing (greedy runs are deterministic)."""
+
+from __future__ import annotations
+
+from specserve.bench.catch_up import ScriptedGuard, acceptance, methods, switch_cost
+from specserve.models.tiny import tiny_model
+from tests.test_head_drafter import random_head
+
+
+def test_the_scripted_guard_runs_plain_steps_first_then_alternating_stretches() -> None:
+    guard = ScriptedGuard(period=2, plain_first=1)
+    assert [guard.speculate(1) for _ in range(8)] == [False, True, True, False, False, True, True, False]
+    always = ScriptedGuard()
+    assert all(always.speculate(4) for _ in range(5))
+
+
+def test_acceptance_rows_agree_where_the_window_binds_nothing() -> None:
+    target = tiny_model(seed=0)
+    head = random_head(target)
+    prompts = [[5, 9, 33, 71, 2 + i] * 3 for i in range(2)]  # 15 tokens; contexts stay below 15 + 20 < 64
+    rows = acceptance(target, head, prompts, methods(0.0), [512, 64, 4], [0, 4], 20, eos_token_ids=set())
+    assert len(rows) == 2 * 2 * 3
+    key = {(r["method"], r["period"], r["window"]): r for r in rows}
+    for method in ("DDD", "chain 1"):
+        for period in (0, 4):
+            wide, w64 = key[(method, period, 512)], key[(method, period, 64)]
+            assert {k: v for k, v in wide.items() if k != "window"} == {k: v for k, v in w64.items() if k != "window"}
+            assert wide["tokens"] == 2 * 20
+        # stretches of 4 plain steps: about half the steps speculate (the prefill step drafts nothing)
+        always, half = key[(method, 0, 512)]["draft_steps"], key[(method, 4, 512)]["draft_steps"]
+        assert isinstance(always, int) and isinstance(half, int) and 0 < half < always
+
+
+def test_switch_cost_reports_each_window() -> None:
+    target = tiny_model(seed=0)
+    head = random_head(target)
+    prompts = [[5, 9, 33, 71, 2 + i] * 3 for i in range(3)]
+    rows = switch_cost(target, head, prompts, methods(0.0)["DDD"], [64, 4], after=6, repeats=1, max_model_len=128)
+    assert [r["window"] for r in rows] == [64, 4]
+    assert all(r["batch"] == 3 and r["context"] == 21 for r in rows)
+    assert all(isinstance(r[k], float) and r[k] > 0 for r in rows for k in ("switch_ms", "plain_ms", "spec_ms"))
