@@ -52,6 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--period", type=int, default=16, help="plain / speculative stretch length (0: no stretches)")
     p.add_argument("--tree-min-prob", type=float, default=0.06, help="DDD's fixed floor")
+    p.add_argument("--switch-windows", type=int, nargs="+", default=[2048, 64], help="windows of the switch table")
     p.add_argument("--switch-batch", type=int, default=16)
     p.add_argument("--switch-after", type=int, default=200, help="plain steps before the switch")
     p.add_argument("--repeats", type=int, default=3, help="switch-cost runs per window (medians)")
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     rows = acceptance(target, head, prompts, specs, args.windows, periods, args.max_tokens, eos_token_ids=eos)
     print(markdown_table(rows))
     batch = [encoder.encode(t, chat=True) for t in (texts * args.switch_batch)[: args.switch_batch]]
-    cost = switch_cost(target, head, batch, specs["DDD"], args.windows, args.switch_after, args.repeats)
+    cost = switch_cost(target, head, batch, specs["DDD"], args.switch_windows, args.switch_after, args.repeats)
     print(markdown_table(cost))
     write_csv(args.out / "acceptance.csv", rows)
     write_csv(args.out / "switch.csv", cost)
