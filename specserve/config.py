@@ -292,8 +292,8 @@ class SpecConfig(BaseModel):
         "above it, the only ones whose subtrees can enter the tree (docs/algorithms.md §2.3)",
     )
     catch_up_window: int = Field(
-        default=64,  # the shipped head's acceptance on MT-bench with 64: -3% to +2% of 2048's (noise), with 32
-        # -9% to +1%, with 16 -27% to -3% (docs/benchmarks.md, "A bounded catch-up for the draft head")
+        default=64,  # the shipped head's acceptance on MT-bench with 64: +0.1% to +1.8% of 2048's, with 32 -3% to
+        # -6%, with 16 -3% to -20% (docs/benchmarks.md, "A bounded catch-up for the draft head")
         ge=1,
         le=1 << 20,
         description="a draft head reads at most this many of a sequence's newest target features at once (a prompt, "
