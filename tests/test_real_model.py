@@ -102,12 +102,15 @@ def test_speculative_greedy_equals_plain_on_mt_bench(
     target: LlamaModel, mt_bench_greedy: tuple[list[list[int]], list[list[int]]], pair: str
 ) -> None:
     """Two MT-bench prompts of each of its 8 categories x 64 new tokens: every method emits exactly plain greedy
-    decoding's tokens (with draft models, and with the shipped EAGLE head)."""
+    decoding's tokens (with draft models, and with the shipped EAGLE head). The bf16 and int8 copies, the slowest
+    drafts on a 2-core CPU and the same drafting code as the default 4-bit copy, take one prompt per category."""
     if MODEL_PAIRS[pair][1] == MODEL_PAIRS["smollm2-q4"][1] and not native_q4_available():
         pytest.skip("torch without the int4 CPU kernel")
     tok = load_tokenizer(ModelSpec())
     draft = load_draft(MODEL_PAIRS[pair][1], target)
     prompts, ref = mt_bench_greedy
+    if pair in ("smollm2-bf16", "smollm2-int8"):
+        prompts, ref = prompts[::2], ref[::2]  # the first prompt of each category (they come in pairs)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     specs = [
         SpecConfig(method=SpecMethod.chain, sl=4, chain_draft=ChainDraft.greedy),
