@@ -160,14 +160,13 @@ def run(args: argparse.Namespace) -> int:
     assert isinstance(head, EagleHead)
     tokenizer = load_tokenizer(target_spec)
     encoder = Engine(target, tokenizer, max_batch_size=1)
-    texts = [p.text for p in per_category(mt_bench_prompts(), args.per_category)]
-    prompts = [encoder.encode(t, chat=True) for t in texts]
+    prompts = [encoder.encode(p.text, chat=True) for p in per_category(mt_bench_prompts(), args.per_category)]
     specs = methods(args.tree_min_prob)
     periods = sorted({0, args.period})
     eos = encoder.loop.eos_token_ids
     rows = acceptance(target, head, prompts, specs, args.windows, periods, args.max_tokens, eos_token_ids=eos)
     print(markdown_table(rows))
-    batch = [encoder.encode(t, chat=True) for t in (texts * args.switch_batch)[: args.switch_batch]]
+    batch = (prompts * args.switch_batch)[: args.switch_batch]
     cost = switch_cost(target, head, batch, specs["DDD"], args.switch_windows, args.switch_after, args.repeats)
     print(markdown_table(cost))
     write_csv(args.out / "acceptance.csv", rows)
