@@ -127,11 +127,11 @@ def reference_layer(sd: dict[str, torch.Tensor], p: str, a: torch.Tensor, res: t
     return h + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
 
 
-def reference_eagle1(sd, emb, lm_head, tokens, feats):
+def reference_eagle1(sd, emb, lm_head, tokens, feats, positions=None):
     x = torch.cat([emb[tokens], feats], dim=-1) @ sd["fc.weight"].T
     if "fc.bias" in sd:
         x = x + sd["fc.bias"]
-    h = reference_layer(sd, "layers.0.", x, x, torch.arange(len(tokens)))
+    h = reference_layer(sd, "layers.0.", x, x, torch.arange(len(tokens)) if positions is None else positions)
     return h, h @ lm_head.T
 
 
@@ -320,6 +320,62 @@ def test_mismatches_are_named(tmp_path: Path, target: LlamaModel) -> None:
             write_head(tmp_path / "a", sd3, {"draft_vocab_size": 96, "eagle_aux_hidden_state_layer_ids": [0, 1, 9]}),
             target,
         )
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_scaling": {"type": "linear", "factor": 4.0}},  # the legacy key, as EAGLE's own configs write it
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": THETA}},  # transformers 5
+    ],
+)
+def test_rope_scaling_is_applied_in_every_spelling(tmp_path: Path, target: LlamaModel, rope: dict) -> None:
+    sd = eagle1_tensors(4, fc_bias=False)
+    head = load_eagle_head(write_head(tmp_path / "h", sd, rope), target)
+    g = torch.Generator().manual_seed(6)
+    tokens, feats = torch.randint(0, V, (9,), generator=g), torch.randn(9, H, generator=g)
+    hidden, _ = run_head(head, tokens, feats)
+    emb, lm = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    linear_positions = torch.arange(len(tokens)) / 4.0  # linear scaling: position t turns as t / factor
+    assert_close_to(hidden, reference_eagle1(sd, emb, lm, tokens, feats, linear_positions)[0], kernel=False)
+
+
+def test_dynamic_rope_in_the_legacy_key_is_refused(tmp_path: Path, target: LlamaModel) -> None:
+    config = {"rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        load_eagle_head(write_head(tmp_path / "h", eagle1_tensors(4, fc_bias=False), config), target)
+
+
+def test_tensors_of_a_deeper_or_other_head_are_refused(tmp_path: Path, target: LlamaModel) -> None:
+    sd = eagle1_tensors(5, fc_bias=False)
+    second = {k.replace("layers.0.", "layers.1."): v.clone() for k, v in sd.items() if k.startswith("layers.0.")}
+    with pytest.raises(UnsupportedModelError, match="one decoder layer"):
+        load_eagle_head(write_head(tmp_path / "two", sd | second, {"num_hidden_layers": 2}), target)
+    with pytest.raises(UnsupportedModelError, match=r"layers\.1\.mlp\.down_proj"):
+        load_eagle_head(write_head(tmp_path / "extra", sd | second, {}), target)
+    o_bias = {"layers.0.self_attn.o_proj.bias": torch.zeros(H)}
+    with pytest.raises(UnsupportedModelError, match=r"o_proj\.bias"):
+        load_eagle_head(write_head(tmp_path / "bias", sd | o_bias, {}), target)
+    inv_freq = {"layers.0.self_attn.rotary_emb.inv_freq": torch.ones(D // 2)}  # saved by old transformers
+    plain = load_eagle_head(write_head(tmp_path / "plain", sd, {}), target)
+    with_buffer = load_eagle_head(write_head(tmp_path / "buf", sd | inv_freq, {}), target)
+    tokens, feats = torch.tensor([3, 4, 5]), torch.randn(3, H, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(run_head(with_buffer, tokens, feats)[1], run_head(plain, tokens, feats)[1])
+
+
+def test_the_head_drafts_at_every_position_of_its_target(tmp_path: Path, target: LlamaModel) -> None:
+    """A published config's max_position_embeddings (EAGLE-3's LLaMA-3.1 heads say 2048) does not cap the context:
+    the head's RoPE table spans the target's positions."""
+    head = load_eagle_head(
+        write_head(tmp_path / "h", eagle1_tensors(6, fc_bias=False), {"max_position_embeddings": 64}), target
+    )
+    assert head.max_positions == target.max_positions == 512
+    pos = torch.tensor([0, 63, 64, 300, 511])
+    inv = 1.0 / THETA ** (torch.arange(0, D, 2).float() / D)
+    ang = pos[:, None].float() * inv[None]
+    torch.testing.assert_close(head.rope_cos[pos], torch.cat([ang.cos(), ang.cos()], -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(head.rope_sin[pos], torch.cat([ang.sin(), ang.sin()], -1), atol=1e-5, rtol=0)
 
 
 def test_save_then_load_roundtrip(tmp_path: Path, target: LlamaModel) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -74,6 +74,11 @@ class EagleHeadConfig(BaseModel):
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 8192
 
+    @field_validator("rope_scaling", mode="before")
+    @classmethod
+    def _normalise_rope(cls, value: Any) -> dict[str, Any] | None:
+        return rope_scaling_of({"rope_scaling": value})
+
     @property
     def feature_size(self) -> int:
         """Width of the target features the head takes: H, or 3H for EAGLE-3 (before its fc)."""
@@ -99,6 +104,7 @@ class EagleHeadConfig(BaseModel):
         """A head shaped like one of the target's layers (the EAGLE-1/2 recipe)."""
         cfg, hf = target.cfg, target.hf_config
         rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        scaling = {"rope_scaling": getattr(hf, "rope_scaling", None), "rope_parameters": rope}
         fields: dict[str, Any] = {
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
@@ -108,9 +114,20 @@ class EagleHeadConfig(BaseModel):
             "rms_norm_eps": cfg.rms_norm_eps,
             "vocab_size": cfg.vocab_size,
             "rope_theta": float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
+            "rope_scaling": rope_scaling_of(scaling),
             "max_position_embeddings": cfg.max_position_embeddings,
         }
         return EagleHeadConfig(**(fields | overrides))
+
+
+def rope_scaling_of(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """A config's RoPE scaling as ``rope_type`` plus its parameters, or None for plain RoPE: from ``rope_scaling``
+    (the legacy key ``type`` too) or transformers 5's ``rope_parameters``."""
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    params.pop("rope_theta", None)
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    return params if params.get("rope_type", "default") != "default" else None
 
 
 class HeadLayer(nn.Module):
@@ -165,8 +182,7 @@ class EagleHead(nn.Module):
             self.norm = nn.Parameter(torch.ones(h))
             self.lm_head = nn.Linear(h, v_d, bias=False)
         self.register_buffer("draft_ids", torch.arange(v_d), persistent=False)
-        positions = min(cfg.max_position_embeddings, 1 << 16)
-        cos, sin = rope_tables(cfg.llama_config(), cfg.head_dim, positions)
+        cos, sin = rope_tables(cfg.llama_config(), cfg.head_dim, min(cfg.max_position_embeddings, 1 << 16))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.embed_weight: torch.Tensor | None = None  # the target's embedding, frozen (bound, never owned or saved)
@@ -184,6 +200,11 @@ class EagleHead(nn.Module):
     def bind(self, target: LlamaModel) -> None:
         """Share the target's embedding (and, for EAGLE-1/2, its LM head rows of the draft vocabulary)."""
         check_compatible(self.cfg, target)
+        if target.max_positions != self.max_positions:
+            # the head drafts at the target's positions, whatever its own config's max_position_embeddings says
+            cos, sin = rope_tables(self.cfg.llama_config(), self.cfg.head_dim, target.max_positions)
+            like = self.rope_cos
+            self.rope_cos, self.rope_sin = cos.to(like), sin.to(like)
         self.embed_weight = target.embed_tokens.weight.detach()
         if self.cfg.kind == HeadKind.eagle:
             self._target_lm_full = dense_weight(target.lm_head)
@@ -429,6 +450,8 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
     prefix = "midlayer." if kind == HeadKind.eagle3 else "layers.0."
     if f"{prefix}self_attn.q_proj.weight" not in sd or "fc.weight" not in sd:
         raise UnsupportedModelError("not an EAGLE head: want fc.weight and layers.0.* (EAGLE-1/2) or midlayer.*")
+    if int(raw.get("num_hidden_layers", 1)) != 1:
+        raise UnsupportedModelError(f"an EAGLE head has one decoder layer; config.json says {raw['num_hidden_layers']}")
     hidden = int(raw.get("hidden_size", sd["fc.weight"].shape[0]))
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or {})
@@ -451,7 +474,7 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
         qkv_bias=f"{prefix}self_attn.q_proj.bias" in sd,
         aux_layers=aux,
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        rope_scaling=raw.get("rope_scaling"),
+        rope_scaling=rope_scaling_of(raw),
         max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
     )
 
@@ -482,6 +505,9 @@ def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None
     return head
 
 
+_NOT_WEIGHTS = ("d2t", "t2d", "embed_tokens.weight")
+
+
 def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
     cfg = head.cfg
     prefix = "midlayer." if cfg.kind == HeadKind.eagle3 else "layers.0."
@@ -489,6 +515,12 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
     missing = sorted(k for k in want if k not in sd and k not in ("d2t", "t2d"))
     if missing:
         raise UnsupportedModelError(f"the head checkpoint is missing {missing}")
+    # the target's embedding (some heads carry a copy) and RoPE tables saved by old transformers are not weights
+    unexpected = sorted(
+        k for k in sd if k not in want and k not in _NOT_WEIGHTS and not k.endswith("rotary_emb.inv_freq")
+    )
+    if unexpected:
+        raise UnsupportedModelError(f"the head checkpoint has tensors a one-layer EAGLE head does not: {unexpected}")
     for name, t in want.items():
         if name in sd and name not in ("d2t", "t2d") and tuple(sd[name].shape) != tuple(t.shape):
             raise UnsupportedModelError(
