@@ -499,3 +499,29 @@ def test_depth_zero_agreement_is_the_serving_heads_top_1_against_the_targets() -
     assert rate == pytest.approx(sum(in_vocab) / len(in_vocab))
     assert agree[0] == pytest.approx(sum(hits) / len(hits))
     assert 0 <= agree[1] <= rate
+
+
+def test_agreement_held_out_sets_start_past_the_heads_training_prompts(tmp_path: Path) -> None:
+    """The shipped EAGLE-3 head trained on the first 3072 seed and 14400 lexicon prompts (its provenance): the
+    held-out sets start past them, and an offset reaching into them is refused."""
+    from argparse import Namespace
+
+    from specserve.bench.agreement import held_out_offsets
+    from specserve.errors import InvalidRequestError
+
+    trained = json.loads(Path("specserve/heads/smollm2-eagle3/provenance.json").read_text())["data"]
+    assert (trained["num_prompts"], trained["lexicon_prompts"]) == (3072, 14400)
+    unrecorded = tmp_path / "head"  # a head directory without a provenance.json: the fixed least offsets
+    unrecorded.mkdir()
+    args = Namespace(heads=["smollm2-eagle3", str(unrecorded)], seed_offset=None, lexicon_offset=None)
+    assert held_out_offsets(args) == {"seeds": 3900, "lexicon": 14400}
+    assert held_out_offsets(Namespace(heads=[str(unrecorded)], seed_offset=None, lexicon_offset=None)) == {
+        "seeds": 3900,
+        "lexicon": 9600,
+    }
+    assert held_out_offsets(Namespace(heads=["smollm2-eagle3"], seed_offset=5000, lexicon_offset=20000)) == {
+        "seeds": 5000,
+        "lexicon": 20000,
+    }
+    with pytest.raises(InvalidRequestError, match="14400 training prompts"):
+        held_out_offsets(Namespace(heads=["smollm2-eagle3"], seed_offset=None, lexicon_offset=9600))

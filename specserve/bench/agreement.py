@@ -10,6 +10,7 @@ counts as a miss; the table also gives how often the target's token is in that v
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, HeadSpec
 from specserve.engine import Engine
+from specserve.errors import InvalidRequestError
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.sampling import SamplingParams
@@ -29,6 +31,7 @@ from specserve.train.seed_prompts import seed_prompts
 from specserve.train.trainer import TrainConfig, ttt_loss
 
 SETS = ("mt-bench", "seeds", "lexicon")
+FIRST_HELD_OUT = {"seeds": 3900, "lexicon": 9600}  # the least offsets, for heads whose data is not on record
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -37,8 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-set", type=int, default=10, help="prompts per set")
     p.add_argument("--max-tokens", type=int, default=128, help="greedy answer tokens per prompt")
     p.add_argument("--depths", type=int, default=3)
-    p.add_argument("--seed-offset", type=int, default=3900, help="held-out seed prompts start here")
-    p.add_argument("--lexicon-offset", type=int, default=9600, help="held-out lexicon prompts start here")
+    held_out = "; default: past every compared head's training prompts (its provenance.json)"
+    p.add_argument("--seed-offset", type=int, default=None, help="held-out seed prompts start here" + held_out)
+    p.add_argument("--lexicon-offset", type=int, default=None, help="held-out lexicon prompts start here" + held_out)
     p.add_argument("--out", type=Path, default=Path("bench_out/agreement"))
 
 
@@ -70,17 +74,45 @@ def depth_agreement(
     return rate, [stats[f"acc{d}"] * rate for d in range(depths)]
 
 
-def _prompts(name: str, args: argparse.Namespace) -> list[str]:
-    n = args.per_set
+def trained_prompts(heads: list[str]) -> dict[str, int]:
+    """How many of the seed and lexicon prompts (each set's first n, seed 0) any of ``heads`` trained on, from
+    their provenance.json; 0 for a head without one."""
+    counts = {"seeds": 0, "lexicon": 0}
+    for h in heads:
+        provenance = HeadSpec(head=h).path() / "provenance.json"
+        if provenance.exists():
+            data = json.loads(provenance.read_text()).get("data", {})
+            counts["seeds"] = max(counts["seeds"], int(data.get("num_prompts") or 0))
+            counts["lexicon"] = max(counts["lexicon"], int(data.get("lexicon_prompts") or 0))
+    return counts
+
+
+def held_out_offsets(args: argparse.Namespace) -> dict[str, int]:
+    """Where each held-out set starts: past every compared head's training prompts (a prompt set's first k prompts
+    are the same for any size >= k) and ``FIRST_HELD_OUT``, or the offset given, which may not reach into them."""
+    trained = trained_prompts(args.heads)
+    given = {"seeds": args.seed_offset, "lexicon": args.lexicon_offset}
+    for name, offset in given.items():
+        if offset is not None and offset < trained[name]:
+            raise InvalidRequestError(
+                f"--{'seed' if name == 'seeds' else name}-offset {offset} is inside a compared head's "
+                f"{trained[name]} training prompts: those prompts are not held out"
+            )
+    return {
+        name: max(trained[name], FIRST_HELD_OUT[name]) if offset is None else offset for name, offset in given.items()
+    }
+
+
+def _prompts(name: str, n: int, offsets: dict[str, int]) -> list[str]:
     if name == "mt-bench":
         turns = [p.text for p in mt_bench_prompts()]
         return turns[:: max(1, len(turns) // n)][:n]
-    if name == "seeds":
-        return seed_prompts(args.seed_offset + n, 0)[args.seed_offset :]
-    return lexicon_prompts(args.lexicon_offset + n, 0)[args.lexicon_offset :]
+    make = seed_prompts if name == "seeds" else lexicon_prompts
+    return make(offsets[name] + n, 0)[offsets[name] :]
 
 
 def run(args: argparse.Namespace) -> int:
+    offsets = held_out_offsets(args)
     target_spec = MODEL_PAIRS["smollm2-eagle"][0]
     target: LlamaModel = load_model(target_spec)
     tokenizer = load_tokenizer(target_spec)
@@ -89,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     lm_full = dense_weight(target.lm_head).float()
     rows = []
     for name in args.sets:
-        ids = [chat_ids(tokenizer, p) for p in _prompts(name, args)]
+        ids = [chat_ids(tokenizer, p) for p in _prompts(name, args.per_set, offsets)]
         done = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
         convs = [Conversation(p + c.token_ids, len(p)) for p, c in zip(ids, done, strict=True)]
         features: dict[tuple[int, ...], Features] = {}  # one prefill per set and kind of feature, for all heads
