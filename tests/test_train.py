@@ -182,6 +182,10 @@ def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path, kind:
         assert torch.equal(x, y)
     with pytest.raises(ValueError, match="other settings"):
         train_head(target, samples, ids, _ttt_config(kind, epochs=3), tmp_path / "c", system_len=2)
+    with pytest.raises(ValueError, match="other data"):  # a checkpoint resumes only on the data it trained on
+        train_head(target, samples[:-1], ids, cfg, tmp_path / "c", system_len=2)
+    with pytest.raises(ValueError, match="other draft vocabulary"):  # ... and with the ids its LM head rows are
+        train_head(target, samples, torch.arange(1, 512, 2), cfg, tmp_path / "c", system_len=2)
     if kind == HeadKind.eagle3:
         assert a.cfg.kind == HeadKind.eagle3 and torch.equal(a.draft_ids, ids)
         with pytest.raises(ValueError, match="aux"):  # EAGLE-3 data without its fused features
@@ -525,3 +529,38 @@ def test_agreement_held_out_sets_start_past_the_heads_training_prompts(tmp_path:
     }
     with pytest.raises(InvalidRequestError, match="14400 training prompts"):
         held_out_offsets(Namespace(heads=["smollm2-eagle3"], seed_offset=None, lexicon_offset=9600))
+
+
+class _ChatTokenizer:
+    """apply_chat_template as chat_ids calls it: a prompt's characters as ids."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: object) -> list[int]:
+        return [1, *(ord(c) % 500 + 3 for c in messages[0]["content"]), 2]
+
+
+def _echo_distiller(prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]):
+    from specserve.train.distill import Conversation, Features
+
+    convs = [Conversation(p + p[:max_new_tokens], len(p)) for p in prompts]
+    return convs, Features([torch.zeros(len(c.tokens), 4, dtype=torch.float16) for c in convs])
+
+
+def test_a_data_directory_is_reused_only_with_its_settings_and_only_its_chunks_are_read(tmp_path: Path) -> None:
+    from specserve.train.distill import DistillConfig, build_dataset, claim_data_dir
+
+    out, tok = tmp_path / "data", _ChatTokenizer()
+    prompts = [f"prompt number {i}" for i in range(10)]
+    settings = {"target": "t", "seed": 0, "aux_layers": (), "max_new_tokens": 4, "chunk_size": 4}
+    claim_data_dir(out, settings)
+    chunks = build_dataset(_echo_distiller, tok, out, prompts, DistillConfig(chunk_size=4, max_new_tokens=4))
+    assert len(chunks) == 3 and len(list(iter_samples(chunks))) == 10
+    claim_data_dir(out, dict(settings))  # the same settings: resumed, more or fewer prompts alike
+    fewer = build_dataset(_echo_distiller, tok, out, prompts[:5], DistillConfig(chunk_size=4, max_new_tokens=4))
+    assert fewer == chunks[:2] and len(list(iter_samples(fewer))) == 8  # its chunks, not every chunk on disk
+    for change in ({"seed": 1}, {"max_new_tokens": 8}, {"chunk_size": 8}, {"aux_layers": (1, 2, 3)}):
+        with pytest.raises(ValueError, match=f"{next(iter(change))}: .* there, .* now"):
+            claim_data_dir(out, settings | change)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "chunk_00000.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="without a manifest"):
+        claim_data_dir(tmp_path / "old", settings)

@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -180,14 +180,12 @@ def build_dataset(
     prompts: list[str],
     cfg: DistillConfig,
     progress: ProgressFn | None = None,
-) -> Path:
-    """Generate answers and features chunk by chunk into ``out`` (resumable)."""
+) -> list[Path]:
+    """Generate answers and features chunk by chunk into ``out`` (resumable); the chunks of these prompts."""
     size = cfg.chunk_size
-    _distill_chunks(distill, tokenizer, out, len(prompts), lambda n: prompts[n * size : (n + 1) * size], cfg, progress)
-    (out / "meta.json").write_text(
-        json.dumps({"num_prompts": len(prompts), "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens}, indent=1)
+    return _distill_chunks(
+        distill, tokenizer, out, len(prompts), lambda n: prompts[n * size : (n + 1) * size], cfg, progress
     )
-    return out
 
 
 def build_self_dataset(
@@ -198,7 +196,7 @@ def build_self_dataset(
     num_requests: int,
     cfg: DistillConfig,
     progress: ProgressFn | None = None,
-) -> Path:
+) -> list[Path]:
     """``build_dataset`` over requests the target writes itself (``specserve.train.self_prompts``): chunk ``n``
     asks ``requests(chunk_size, seed)`` for its prompts with a seed of its own, so chunks are independent and an
     interrupted run resumes. A chunk holds the requests that survived filtering (fewer than asked)."""
@@ -207,8 +205,7 @@ def build_self_dataset(
     def prompts_of(n: int) -> list[str]:
         return requests(min(size, num_requests - n * size), (cfg.seed << 20) + n)
 
-    _distill_chunks(distill, tokenizer, out, num_requests, prompts_of, cfg, progress)
-    return out
+    return _distill_chunks(distill, tokenizer, out, num_requests, prompts_of, cfg, progress)
 
 
 def _distill_chunks(
@@ -219,18 +216,22 @@ def _distill_chunks(
     prompts_of: Callable[[int], list[str]],
     cfg: DistillConfig,
     progress: ProgressFn | None,
-) -> None:
+) -> list[Path]:
     """Chunk ``n`` of ``ceil(total / cfg.chunk_size)``: ``prompts_of(n)`` answered by the target, with its
-    features; chunks already on disk are skipped (``prompts_of`` is not called for them)."""
+    features; chunks already on disk are skipped (``prompts_of`` is not called for them). Returns the chunks."""
     out.mkdir(parents=True, exist_ok=True)
+    chunks = []
     for n in range(-(-total // cfg.chunk_size)):
         path = out / f"chunk_{n:05d}.safetensors"
         if not path.exists():
             ids = [chat_ids(tokenizer, p) for p in prompts_of(n)]
             if ids:  # (a chunk of self-written requests may have none left after filtering)
                 write_chunk(path, *distill(ids, cfg.max_new_tokens, cfg.aux_layers))
+        if path.exists():
+            chunks.append(path)
         if progress is not None:
             progress(min((n + 1) * cfg.chunk_size, total), total)
+    return chunks
 
 
 def build_text_dataset(
@@ -241,14 +242,16 @@ def build_text_dataset(
     chunk_size: int = 64,
     progress: ProgressFn | None = None,
     aux_layers: tuple[int, ...] = (),
-) -> Path:
+) -> list[Path]:
     """Teacher-forced conversations (prompt, an offline text as the answer): features from one prefill each, no
     generation, so ~6x cheaper per token than ``build_dataset``. The head still learns the target's own
     next-token distributions (the trainer computes them from the features)."""
     out.mkdir(parents=True, exist_ok=True)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    chunks = []
     for n in range(0, len(pairs), chunk_size):
         path = out / f"chunk_{n // chunk_size:05d}.safetensors"
+        chunks.append(path)
         if not path.exists():
             convs = []
             for prompt, text in pairs[n : n + chunk_size]:
@@ -257,7 +260,7 @@ def build_text_dataset(
             write_chunk(path, convs, target_features(model, convs, aux_layers))
         if progress is not None:
             progress(min(n + chunk_size, len(pairs)), len(pairs))
-    return out
+    return chunks
 
 
 def write_chunk(path: Path, convs: list[Conversation], feats: Features) -> None:
@@ -284,11 +287,30 @@ class Sample:
     aux: torch.Tensor | None = None  # [n, A*H] float16 (EAGLE-3 data)
 
 
-def iter_samples(data_dir: Path, *, aux: bool = False) -> Iterator[Sample]:
-    """The conversations of a data directory; ``aux``: with their EAGLE-3 features (a clear error without)."""
-    files = sorted(data_dir.glob("chunk_*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no chunk_*.safetensors in {data_dir}: run the data step first")
+def claim_data_dir(out: Path, settings: dict[str, Any]) -> None:
+    """Record what a data directory's chunks were written with (``manifest.json``); a later run may reuse them
+    (resume, or more prompts of the same kind) only with the same settings."""
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = out / "manifest.json"
+    settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
+    if manifest.exists():
+        held = json.loads(manifest.read_text())
+        differ = sorted(k for k in held.keys() | settings.keys() if held.get(k) != settings.get(k))
+        if differ:
+            shown = ", ".join(f"{k}: {held.get(k)!r} there, {settings.get(k)!r} now" for k in differ)
+            raise ValueError(f"{out} holds data written with other settings ({shown}); use another work dir")
+    elif any(out.glob("chunk_*.safetensors")):
+        raise ValueError(f"{out} holds data chunks without a manifest.json (settings unknown); use another work dir")
+    else:
+        manifest.write_text(json.dumps(settings, indent=1) + "\n")
+
+
+def iter_samples(chunks: Path | list[Path], *, aux: bool = False) -> Iterator[Sample]:
+    """The conversations of these chunk files (a directory: all of its chunks); ``aux``: with their EAGLE-3
+    features (a clear error without)."""
+    files = sorted(chunks.glob("chunk_*.safetensors")) if isinstance(chunks, Path) else chunks
+    if isinstance(chunks, Path) and not files:
+        raise FileNotFoundError(f"no chunk_*.safetensors in {chunks}: run the data step first")
     for f in files:
         d = load_file(f)
         if aux and "aux_features" not in d:

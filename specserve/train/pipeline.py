@@ -38,6 +38,7 @@ from specserve.train.distill import (
     build_self_dataset,
     build_text_dataset,
     chat_ids,
+    claim_data_dir,
     greedy_distiller,
     iter_samples,
 )
@@ -93,6 +94,7 @@ def system_prefix_len(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 VOCAB_MAP = "vocab_map.json"
+TEXT_CHUNK = 64  # teacher-forced passages per chunk file
 DEFAULT_BATCH = 64  # conversations generated together
 ASK_MAX_TOKENS = 128  # a self-written request longer than this is dropped
 
@@ -136,25 +138,34 @@ def train_draft(
         check_starting_head(start, cfg.train)  # a mismatch fails now, not after hours of data
     data_dir = work_dir / "data"
     samples: list[Sample] = []
+    written = {"target": cfg.target_name, "seed": cfg.data.seed, "aux_layers": aux_layers}  # what a chunk depends on
+    answered = written | {"max_new_tokens": cfg.data.max_new_tokens, "chunk_size": cfg.data.chunk_size}
     if cfg.data.num_prompts:
+        claim_data_dir(data_dir, answered | {"prompts": "seed_prompts"})
         prompts = seed_prompts(cfg.data.num_prompts, cfg.data.seed)
-        build_dataset(distill, tokenizer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations"))
-        samples += iter_samples(data_dir, aux=eagle3)
+        chunks = build_dataset(
+            distill, tokenizer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations")
+        )
+        samples += iter_samples(chunks, aux=eagle3)
     if cfg.text_passages:
         pairs = text_passages(cfg.text_passages, cfg.data.seed)
         text_dir = work_dir / "text"
-        build_text_dataset(
+        claim_data_dir(text_dir, written | {"prompts": "text_passages", "chunk_size": TEXT_CHUNK})
+        chunks = build_text_dataset(
             target,
             tokenizer,
             text_dir,
             pairs,
+            TEXT_CHUNK,
             progress=lambda d, n: log(f"text: {d}/{n} passages"),
             aux_layers=aux_layers,
         )
-        samples += list(iter_samples(text_dir, aux=eagle3))
+        samples += list(iter_samples(chunks, aux=eagle3))
     if cfg.lexicon_prompts:
         lexicon_dir = work_dir / "lexicon"
-        build_dataset(
+        lexicon = answered | {"max_new_tokens": cfg.lexicon_max_new_tokens, "wordnet_dir": str(cfg.wordnet_dir)}
+        claim_data_dir(lexicon_dir, lexicon | {"prompts": "lexicon_prompts"})
+        chunks = build_dataset(
             distill,
             tokenizer,
             lexicon_dir,
@@ -162,7 +173,7 @@ def train_draft(
             replace(cfg.data, max_new_tokens=cfg.lexicon_max_new_tokens),
             lambda d, n: log(f"lexicon: {d}/{n} conversations"),
         )
-        samples += list(iter_samples(lexicon_dir, aux=eagle3))
+        samples += list(iter_samples(chunks, aux=eagle3))
     num_self = 0
     if cfg.self_prompts:
         if ask is None:
@@ -173,7 +184,8 @@ def train_draft(
             return self_prompts(tokenizer, ask, n, seed, banned)
 
         self_dir = work_dir / "self"
-        build_self_dataset(
+        claim_data_dir(self_dir, answered | {"prompts": "self_prompts"})
+        chunks = build_self_dataset(
             distill,
             tokenizer,
             requests,
@@ -182,7 +194,7 @@ def train_draft(
             cfg.data,
             lambda d, n: log(f"self: {d}/{n} requests asked"),
         )
-        self_samples = list(iter_samples(self_dir, aux=eagle3))
+        self_samples = list(iter_samples(chunks, aux=eagle3))
         num_self = len(self_samples)
         samples += self_samples
     if not samples:

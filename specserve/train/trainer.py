@@ -15,6 +15,7 @@ norm and LM head (initialised from the target's final norm and LM-head rows of t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -291,10 +292,17 @@ def train_head(
     stop = total if max_steps is None else min(total, max_steps)
     step = 0
     ckpt = work_dir / "ckpt.pt"
+    trained_on = {"data": data_fingerprint(samples), "draft_ids": head.draft_ids.tolist()}
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False, map_location=device)
         if state["config"] != asdict(cfg):
             raise ValueError(f"{ckpt} was written with other settings; remove it or use the same ones")
+        for key, now in trained_on.items():
+            if state.get(key) != now:
+                raise ValueError(
+                    f"{ckpt} was trained on other {'data' if key == 'data' else 'draft vocabulary ids'}; "
+                    "remove it or rebuild the same data"
+                )
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
@@ -314,10 +322,20 @@ def train_head(
             log(step, total, float(loss.detach()), stats)
         if step % cfg.checkpoint_every == 0 or step == stop:
             tmp = ckpt.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": asdict(cfg)}, tmp)
+            state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": asdict(cfg)}
+            torch.save(state | trained_on, tmp)
             tmp.rename(ckpt)
     head.eval()
     return head
+
+
+def data_fingerprint(samples: list[Sample]) -> str:
+    """sha256 over the samples' tokens and prompt lengths, in order: what a resumed run must train on again."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.prompt_len.to_bytes(8, "little"))
+        h.update(s.tokens.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()
 
 
 def write_provenance(out: Path, info: dict[str, object]) -> None:
