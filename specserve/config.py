@@ -357,6 +357,23 @@ class SpecConfig(BaseModel):
         return self.method in (SpecMethod.eagle2, SpecMethod.ddd)
 
     @property
+    def max_draft_rows(self) -> int:
+        """Rows one step's drafting appends to the draft's KV past a sequence's committed tokens: a tree's beam (w
+        rows) at each level after the root's, a chain's drafted tokens but its last."""
+        if not self.uses_model:
+            return 0
+        if self.is_tree:
+            return (self.model_depth(self.static_depth) - 1) * self.beam_width
+        return self.max_verify_tokens - 2
+
+    def fit_draft_rows(self, rows: int) -> SpecConfig:
+        """This config, its draft model's trees made shallow enough (``model_max_sl``) that a step's drafting
+        appends at most ``rows`` rows past the committed tokens (a KV slot's room beyond ``max_model_len``)."""
+        if self.max_draft_rows <= rows or not self.is_tree:
+            return self
+        return self.model_copy(update={"model_max_sl": max(1, 1 + rows // self.beam_width)})
+
+    @property
     def max_verify_tokens(self) -> int:
         """Tokens one verification appends at most: the root plus the drafted nodes."""
         if self.is_tree:

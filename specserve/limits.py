@@ -38,7 +38,8 @@ def context_limits(
             f"draft vocabulary ({draft_vocab}) differs from the target's ({target_vocab}); "
             "speculative decoding needs the same tokenizer"
         )
-    headroom = max(spec_headroom, speculation.max_verify_tokens)  # model-free drafting needs no draft model
+    # room past max_model_len for a step's verified tokens, and for the rows a draft's tree levels append
+    headroom = max(spec_headroom, speculation.max_verify_tokens, speculation.max_draft_rows)
     limit = min(max_model_len, target_positions - headroom)
     if draft_positions is not None:
         limit = min(limit, draft_positions - headroom)

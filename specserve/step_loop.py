@@ -85,6 +85,7 @@ class StepLoop:
                     f"speculation verifies up to {spec.max_verify_tokens} tokens per step; "
                     f"this engine reserves room for {self.spec_headroom}"
                 )
+            spec = spec.fit_draft_rows(self.spec_headroom)  # its trees no deeper than the KV slot's room
         text = IncrementalText(self.tokenizer, request.params.stop)
         seq = Sequence(next(self._ids), request, text, spec=spec)
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:

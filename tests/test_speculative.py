@@ -167,3 +167,44 @@ def test_recover_after_worker_restart_continues_the_same_greedy_output(target: L
         if not engine.loop.has_work:
             break
     assert tokens == greedy_reference(target, PROMPTS[1], 20)
+
+
+FULL_DEPTH_TREES = [  # an identical draft passes every depth check (x = -30): every step drafts the whole depth
+    SpecConfig(method=SpecMethod.ddd, ddd_threshold=-30.0),  # n = 11, w = 10: 100 rows past the root
+    SpecConfig(method=SpecMethod.eagle2, tree_depth=12, budget=60),
+]
+
+
+@pytest.mark.parametrize("spec", FULL_DEPTH_TREES, ids=lambda s: s.method.value)
+def test_full_depth_trees_run_to_the_end_of_the_context(target: LlamaModel, spec: SpecConfig) -> None:
+    """A tree's levels append w rows each to the draft's KV past the committed tokens; the slot has room for them
+    (the headroom counts them), so a sequence decodes up to max_model_len and ends with `length` as plain decoding
+    does, instead of overflowing its draft slot in its last steps."""
+    assert spec.max_draft_rows == (spec.static_depth - 1) * spec.beam_width > spec.max_verify_tokens
+    engine = Engine(target, None, draft=noisy_copy(target, 0.0), speculation=spec, max_model_len=200,
+                    eos_token_ids=set())  # fmt: skip
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=1000))[0]
+    assert out.finish_reason.value == "length" and out.token_ids == greedy_reference(target, PROMPTS[0], 197)
+    assert engine.loop.spec_headroom >= spec.max_draft_rows
+
+
+def test_a_requests_trees_are_cut_to_the_engines_room(target: LlamaModel) -> None:
+    """A request asking for deeper trees than the engine's KV slots have room for drafts shallower ones (its draft
+    model's depth capped), with the same output, to the end of the context."""
+    engine = Engine(target, None, draft=noisy_copy(target, 0.0), speculation=METHODS[0], max_model_len=200,
+                    eos_token_ids=set())  # fmt: skip
+    room = engine.loop.spec_headroom
+    deep = FULL_DEPTH_TREES[0]
+    assert deep.max_draft_rows > room
+    fitted = deep.fit_draft_rows(room)
+    assert fitted.max_draft_rows <= room and fitted.model_max_sl == 1 + room // deep.beam_width
+    assert deep.fit_draft_rows(deep.max_draft_rows) is deep and METHODS[0].fit_draft_rows(0) is METHODS[0]
+    rid = engine.submit(PROMPTS[1], SamplingParams(max_tokens=1000), speculation=deep)
+    tokens, finish = [], None
+    while engine.loop.has_work:
+        for out in engine.loop.step():
+            if out.request_id == rid:
+                tokens += out.token_ids
+                finish = out.finish_reason or finish
+    assert finish is not None and finish.value == "length"
+    assert tokens == greedy_reference(target, PROMPTS[1], 200 - len(PROMPTS[1]))
