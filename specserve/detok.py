@@ -29,10 +29,14 @@ class IncrementalText:
         if self.tokenizer is None or self.stopped:
             return ""
         full = self._decode(token_ids)
-        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.stopped, final = full[:cut], True, True
+        if any(s in full for s in self.stop):
+            # the text as decoding one token a step would stop it: at the first token that completes a stop
+            # string, cut at the earliest stop string in that prefix's text (a later, longer one that starts
+            # earlier was not complete yet), however many tokens this update brought
             self.stop_tokens = self._tokens_through_stop(token_ids)
+            through = self._decode(token_ids[: self.stop_tokens])
+            cut = min(i for i in (through.find(s) for s in self.stop) if i >= 0)
+            self.text, self.stopped, final = through[:cut], True, True
         else:
             self.text = full
             self._seen = len(token_ids)

@@ -51,3 +51,44 @@ def test_speculation_returns_no_tokens_past_a_stop_string() -> None:
             drafted = spec.generate(prompt, params)[0]
             assert drafted.stats.accepted > 0 and drafted.text == alone.text
             assert drafted.token_ids == alone.token_ids  # the usage count and return_token_ids
+
+
+def test_nested_stop_strings_cut_where_one_token_a_step_cuts() -> None:
+    """Stop strings one inside the other ("the end." holds "end"): decoding one token a step stops at the token
+    that completes "end", before "the end." is complete, and cuts at "end"; a step bringing every token at once
+    must cut the same text, not at "the end.", which starts earlier but completed later."""
+    tok = tiny_tokenizer()
+    ids = tok.encode("so the end. more", add_special_tokens=False)
+    stop = ["the end.", "end"]
+
+    def run(per_step: int) -> tuple[str, int | None]:
+        text, t = "", IncrementalText(tok, stop)
+        for n in range(per_step, len(ids) + per_step, per_step):
+            text += t.update(ids[:n])
+            if t.stopped:
+                break
+        return text, t.stop_tokens
+
+    one_by_one = run(1)
+    assert one_by_one[0] == "so the "
+    for per_step in (2, 3, 4, len(ids)):
+        assert run(per_step) == one_by_one
+
+
+def test_speculation_with_nested_stop_strings_returns_the_plain_text() -> None:
+    target = tiny_model(tiny_config(), seed=0)
+    tok = tiny_tokenizer()
+    plain = Engine(target, tok, eos_token_ids=set())
+    spec = Engine(target, tok, draft=noisy_copy(target, 0.0, seed=1),
+                  speculation=SpecConfig(method=SpecMethod.chain, sl=6), eos_token_ids=set())  # fmt: skip
+    nested = 0
+    for prompt in PROMPTS:
+        text = plain.generate(prompt, SamplingParams(max_tokens=40))[0].text
+        for i in (6, 12, 18):
+            stop = (text[i - 2 : i + 4], text[i : i + 2])  # the second inside the first, completing earlier
+            params = SamplingParams(max_tokens=40, stop=stop)
+            alone, drafted = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+            assert drafted.stats.accepted > 0
+            assert (drafted.text, drafted.token_ids) == (alone.text, alone.token_ids)
+            nested += 0 <= text.find(stop[0]) < len(alone.text)  # the longer one starts inside the kept text
+    assert nested > 0  # cases where cutting at the earliest start of any stop string would cut elsewhere
