@@ -57,8 +57,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     # shift the maximum to 0 first: at any temperature the scaled logits are <= 0 (tiny temperatures give -inf
-    # below the maximum, never inf or nan), so the softmax stays a distribution
-    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
+    # below the maximum, never inf or nan), so the softmax stays a distribution; a temperature below float32's
+    # smallest normal (it could round to 0, and 0 / 0 is nan) divides as that smallest one
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -66,6 +68,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
+        drop_sorted[..., 0] = False  # and always the most likely token (a top_p that rounds to 0 in float32)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

@@ -97,3 +97,13 @@ def test_documented_statuses_are_the_ones_sent(url: str, doc: dict[str, Any]) ->
     assert all(error.is_valid(r.json()) for r in sent)
     card = httpx.get(url + f"/v1/models/{MODEL}").json()
     assert _validator(doc, "ModelCard").is_valid(card)
+
+
+def test_logprobs_are_refused_in_every_form_that_asks_for_them(url: str) -> None:
+    """OpenAI answers logprobs=0 with the sampled tokens' log-probabilities; this server computes none, so 0 is a
+    400 like 1 or true, not a 200 whose logprobs are silently null."""
+    for value in (0, 1, True):
+        r = httpx.post(url + COMPLETIONS, json={**BASE, "logprobs": value}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", (value, r.text)
+    for value in (False, None):
+        assert httpx.post(url + COMPLETIONS, json={**BASE, "logprobs": value}, timeout=30).status_code == 200

@@ -158,7 +158,7 @@ def test_incremental_text_final_flushes_everything() -> None:
     assert text.update([ord("a"), ord("E")], final=True) == "E"
 
 
-@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-8])
+@pytest.mark.parametrize("temperature", [1e-300, 1e-50, 1e-45, 1e-38, 1e-8])
 def test_tiny_temperatures_are_numerically_safe(tiny: LlamaModel, temperature: float) -> None:
     """A temperature the schema accepts but that overflows a naive logits / T: probabilities stay a distribution
     (no inf or nan) and decoding, plain or speculative with sampled drafts, is the greedy one."""
@@ -175,6 +175,20 @@ def test_tiny_temperatures_are_numerically_safe(tiny: LlamaModel, temperature: f
     for engine in (Engine(tiny, None), Engine(tiny, None, draft=noisy_copy(tiny, 0.2), speculation=spec)):
         out = engine.generate([[1, 2, 3]], params)[0]
         assert out.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-50, 1e-9])
+def test_a_tiny_top_p_keeps_the_most_likely_token(tiny: LlamaModel, top_p: float) -> None:
+    """A top_p the schema accepts (> 0) but below float32's range keeps the smallest prefix reaching it: the most
+    likely token alone, so sampling is greedy, not a distribution of nans."""
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 5
+    p = process_logits(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=0))
+    assert torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 64).float())
+    greedy = Engine(tiny, None, eos_token_ids=set()).generate([[1, 2, 3]], SamplingParams(max_tokens=8))[0]
+    out = Engine(tiny, None, eos_token_ids=set()).generate(
+        [[1, 2, 3]], SamplingParams(max_tokens=8, temperature=1.0, top_p=top_p, seed=1)
+    )[0]
+    assert out.token_ids == greedy.token_ids
 
 
 def test_every_64_bit_seed_works_and_larger_ones_are_rejected(tiny: LlamaModel) -> None:

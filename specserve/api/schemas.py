@@ -100,7 +100,7 @@ class GenerationRequest(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=1, description="only 1 is supported")
     presence_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
     frequency_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
-    logprobs: Literal[False, 0] | None = Field(default=None, description="not supported: only false, 0 or null")
+    logprobs: Literal[False] | None = Field(default=None, description="not supported: only false or null")
     user: str | None = None
     ignore_eos: StrictBool = Field(default=False, description="extension: keep generating past EOS")
     return_token_ids: StrictBool = Field(default=False, description="extension: token ids alongside the text")
@@ -129,7 +129,7 @@ class GenerationRequest(BaseModel):
     @field_validator("logprobs", mode="before")
     @classmethod
     def _no_logprobs(cls, v: object) -> object:
-        if v is True or (isinstance(v, int) and v > 0):
+        if v is not None and v is not False:  # 0 too: OpenAI returns the sampled tokens' logprobs for it
             raise ValueError("logprobs are not supported")
         return v
 
