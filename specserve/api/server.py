@@ -331,11 +331,12 @@ class _Routes:
             async for out in outcome.stream:
                 tracker.see(out)
                 part = cursor.advance(out)  # None: delivered before the resume point
+                if out.finished:
+                    cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
                 if part is not None and (part.text or (body.return_token_ids and part.token_ids) or part.finished):
                     mark = cursor.mark.at(StreamPhase.finished) if part.finished else cursor.mark
                     yield _sse(fmt.chunk(part, part.token_ids if body.return_token_ids else None), mark)
                 if out.finished:
-                    cursor.check_reached()
                     outcome.status = RequestStatus.ok
                     self._finished(out, tracker)
                     if body.include_usage_in_stream and not cursor.sent(StreamPhase.usage):
