@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -89,6 +91,7 @@ class Engine:
         features = draft_worker.features if isinstance(draft_worker, HeadDraftWorker) else None
         self.loop = build_step_loop(TargetWorker(model, **slots), draft_worker, cfg, limits, tokenizer, eos, features)
         self._ids = itertools.count()
+        self._outbox: dict[str, collections.deque[RequestOutput]] = {}  # outputs of requests a caller consumes
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -151,19 +154,16 @@ class Engine:
             raise InvalidRequestError(f"{len(batch)} prompts but {len(plist)} sampling parameter sets")
         ids = [self.submit(p, sp, chat=chat, speculation=speculation) for p, sp in zip(batch, plist, strict=True)]
         prompt_ids = {rid: self.loop.prompt_ids(rid) for rid in ids}
-        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-        text: dict[str, str] = {rid: "" for rid in ids}
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self._step():
-                tokens[out.request_id] += out.token_ids
-                text[out.request_id] += out.text
-                if out.finished:
-                    done[out.request_id] = out
-        return [
-            Completion(rid, prompt_ids[rid], tokens[rid], text[rid], done[rid].finish_reason, done[rid].stats)  # type: ignore[arg-type]
-            for rid in ids
-        ]
+        completions = []
+        with self._consuming(ids):
+            for rid in ids:  # the others' outputs wait in their outboxes meanwhile
+                tokens, text = [], ""
+                for out in self._outputs(rid):
+                    tokens += out.token_ids
+                    text += out.text
+                assert out.finish_reason is not None
+                completions.append(Completion(rid, prompt_ids[rid], tokens, text, out.finish_reason, out.stats))
+        return completions
 
     def _step(self) -> list[RequestOutput]:
         """One loop step; a request that failed to commit is aborted (its KV freed) before the error propagates."""
@@ -178,17 +178,40 @@ class Engine:
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
     ) -> Iterator[RequestOutput]:
-        """Yield one RequestOutput per step for this request (other queued requests keep running)."""
+        """Yield one RequestOutput per step for this request (other queued requests keep running, and other
+        streams and ``generate`` calls of this engine may be consumed in between)."""
         rid = self.submit(prompt, params, chat=chat)
+        with self._consuming([rid]):
+            yield from self._outputs(rid)
+
+    @contextlib.contextmanager
+    def _consuming(self, request_ids: list[str]) -> Iterator[None]:
+        """An outbox for each request while a caller consumes its outputs; on leaving, the unfinished ones are
+        aborted (a consumer that stops early, or an error, frees their KV)."""
+        for rid in request_ids:
+            self._outbox[rid] = collections.deque()
         try:
-            while True:
-                for out in self._step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+            yield
         finally:
-            self.loop.abort(rid)  # a consumer that stops early frees the request's KV
+            for rid in request_ids:
+                del self._outbox[rid]
+                self.loop.abort(rid)
+
+    def _outputs(self, rid: str) -> Iterator[RequestOutput]:
+        """This request's outputs through its finished one, stepping the loop while none waits; a step's outputs
+        for other consumed requests go to their outboxes."""
+        box = self._outbox[rid]
+        while True:
+            while box:
+                out = box.popleft()
+                yield out
+                if out.finished:
+                    return
+            if not self.loop.has_work:
+                raise RuntimeError(f"request {rid} is no longer running and its outputs ended unfinished")
+            for out in self._step():
+                if (waiting := self._outbox.get(out.request_id)) is not None:
+                    waiting.append(out)
 
 
 def _is_single(prompts: object) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pydantic
 import pytest
 import torch
@@ -204,3 +206,26 @@ def test_every_64_bit_seed_works_and_larger_ones_are_rejected(tiny: LlamaModel) 
     for seed in (2**63, 2**70, -(2**63) - 1):
         with pytest.raises(pydantic.ValidationError, match="seed"):
             SamplingParams(seed=seed)
+
+
+def test_streams_and_generate_consumed_together_each_get_their_own_output(tiny: LlamaModel) -> None:
+    """Two streams read side by side, and a generate call while a stream is open: each step's outputs reach the
+    consumer of their request, none is dropped and no consumer waits for an output another one took."""
+    engine = Engine(tiny, None, max_batch_size=4, eos_token_ids=set())
+    params = SamplingParams(max_tokens=12)
+    alone = [greedy_reference(tiny, p, 12) for p in PROMPTS[:3]]
+    got: list[list[int]] = [[], []]
+    streams = [engine.stream(PROMPTS[0], params), engine.stream(PROMPTS[1], params)]
+    for outs in itertools.zip_longest(*streams):
+        for i, out in enumerate(outs):
+            if out is not None:
+                got[i] += out.token_ids
+    assert got == alone[:2]
+    stream = engine.stream(PROMPTS[0], params)
+    first = next(stream).token_ids
+    assert engine.generate([PROMPTS[2]], params)[0].token_ids == alone[2]
+    assert first + [t for out in stream for t in out.token_ids] == alone[0]
+    early = engine.stream(PROMPTS[1], params)
+    next(early)
+    early.close()  # a consumer that stops early frees its request
+    assert engine.loop.target.cache.num_free == 4 and not engine.loop.has_work
