@@ -6,6 +6,7 @@ protocol objects (token ids, small index lists, sparse top-K probabilities) trav
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -165,6 +166,11 @@ class RemoteWorker:
 
     def release(self, seq_ids: list[int]) -> None:
         self.handle.release.remote(seq_ids)
+
+    def kill(self) -> None:
+        """End the actor for good (a replaced one may only have been unreachable, and still holds its bundle)."""
+        with contextlib.suppress(ValueError):  # not an actor handle Ray knows (already gone)
+            ray.kill(self.handle, no_restart=True)
 
     def _call(self, method: Any, items: list[ProposeItem] | list[VerifyItem]) -> Any:
         try:

@@ -375,6 +375,9 @@ class Lane:
         self.loop.recover(target=target_reset, draft=draft_reset)
 
     def _replace(self, role: WorkerRole) -> None:
+        old = self.workers.get(role)
+        if old is not None:  # a worker taken for dead may only have been unreachable: its resources come back
+            old.kill()
         self.generations[role] += 1
         worker = self.factory.create(self.index, role, self.generations[role])
         worker.start(self.geometry)

@@ -581,6 +581,45 @@ def test_killed_worker_mid_stream_is_recovered(small_url: str, engine: Engine, r
     assert after[role]["node_id"] == before[role]["node_id"]  # same placement bundle
 
 
+def test_a_replaced_worker_is_ended_even_if_it_was_only_unreachable() -> None:
+    """A lane replaces a worker whose call raised RayActorError, which includes ActorUnavailableError (an actor
+    that was unreachable for a while and may still run, holding its bundle's resources): the old actor is killed
+    before its replacement is made, or the replacement could not be placed in that bundle."""
+    from types import SimpleNamespace
+
+    from deployments.actors import RemoteDraft, RemoteTarget
+    from deployments.lane import Lane
+
+    events: list[str] = []
+
+    class Handle:
+        def __init__(self, name: str) -> None:
+            self.start = SimpleNamespace(remote=lambda geometry: events.append(f"start {name}"))
+
+    class Old(RemoteTarget):
+        def kill(self) -> None:
+            events.append(f"kill {self.name}")
+
+    def create(lane: int, role: WorkerRole, generation: int) -> RemoteTarget:
+        events.append(f"create {generation}")
+        return RemoteTarget(Handle(f"new{generation}"), f"new{generation}", role)  # type: ignore[arg-type]
+
+    old = Old(Handle("old"), "old", WorkerRole.target)  # type: ignore[arg-type]
+    lane = SimpleNamespace(
+        workers={WorkerRole.target: old},
+        generations={WorkerRole.target: 0},
+        factory=SimpleNamespace(create=create),
+        geometry=None,
+        loop=SimpleNamespace(target=old, draft=None),
+        metrics=SimpleNamespace(worker_restarted=lambda index, role: events.append("counted")),
+        index=0,
+    )
+    Lane._replace(lane, WorkerRole.target)  # type: ignore[arg-type]
+    assert events == ["kill old", "create 1", "start new1", "counted"]
+    assert lane.loop.target is lane.workers[WorkerRole.target] and lane.loop.target.name == "new1"
+    assert not isinstance(lane.loop.draft, RemoteDraft)
+
+
 def test_eagle_head_deployment_is_lossless_and_survives_a_draft_restart(base_url: str, engine: Engine) -> None:
     """The head drafts from target features shipped through the router; killing its actor mid-stream loses
     them (the new head restarts from later features) and the output still equals plain greedy decoding."""
