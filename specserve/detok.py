@@ -9,6 +9,8 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.errors import InvalidRequestError
 
+CONTEXT = 4  # tokens decoded before the settled point with the ones after it (a token's text may depend on them)
+
 
 class IncrementalText:
     """Turns a growing list of token ids into stable text deltas, stopping at the first stop string."""
@@ -23,12 +25,14 @@ class IncrementalText:
         self.stopped = False
         self.stop_tokens: int | None = None  # once stopped: output tokens through the one completing the stop string
         self._seen = 0  # tokens of the last update that found no stop string
+        self._fixed = 0  # leading output tokens whose text is settled: decoded once, not again every update
+        self._fixed_text = ""  # their text
 
     def update(self, token_ids: Sequence[int], *, final: bool = False) -> str:
         """Feed all output token ids so far; return the new stable text (everything left when final)."""
         if self.tokenizer is None or self.stopped:
             return ""
-        full = self._decode(token_ids)
+        full = self._text_of(token_ids)
         if any(s in full for s in self.stop):
             # the text as decoding one token a step would stop it: at the first token that completes a stop
             # string, cut at the earliest stop string in that prefix's text (a later, longer one that starts
@@ -50,6 +54,28 @@ class IncrementalText:
         delta = self.text[self.emitted : stable] if stable > self.emitted else ""
         self.emitted = max(self.emitted, stable)
         return delta
+
+    def _text_of(self, token_ids: Sequence[int]) -> str:
+        """decode(token_ids) from the settled text and the tokens after it (decoded with CONTEXT tokens before
+        them, whose text is then cut off), so a long output is not decoded whole at every step. Falls back to
+        the whole decode where a character straddles the settled point."""
+        fixed = self._fixed
+        if fixed > len(token_ids):  # (outputs only grow; a caller feeding a shorter list starts over)
+            self._fixed, self._fixed_text, fixed = 0, "", 0
+        start = max(0, fixed - CONTEXT)
+        context = self._decode(token_ids[start:fixed])
+        tail = self._decode(token_ids[start:])
+        if not tail.startswith(context):
+            return self._decode(token_ids)
+        text = self._fixed_text + tail[len(context) :]
+        settle = len(token_ids) - CONTEXT  # the last tokens stay open: a later token may change their text
+        if settle - fixed >= CONTEXT:
+            head = self._decode(token_ids[start:settle])
+            settled = head[len(context) :]
+            whole = head.startswith(context) and not settled.endswith("\ufffd")  # no character cut at `settle`
+            if whole and text.startswith(settled, len(self._fixed_text)):
+                self._fixed, self._fixed_text = settle, self._fixed_text + settled
+        return text
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         assert self.tokenizer is not None

@@ -3,6 +3,10 @@ the ones after the token that completed the stop string must not be counted or r
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.config import SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
@@ -92,3 +96,40 @@ def test_speculation_with_nested_stop_strings_returns_the_plain_text() -> None:
             assert (drafted.text, drafted.token_ids) == (alone.text, alone.token_ids)
             nested += 0 <= text.find(stop[0]) < len(alone.text)  # the longer one starts inside the kept text
     assert nested > 0  # cases where cutting at the earliest start of any stop string would cut elsewhere
+
+
+TEXTS = (
+    "plain ascii words, then numbers 12345 and punctuation!?",
+    "naïve café — “quotes” and 日本語のテキスト, emoji 🎉🚀 and ünïcödé",
+    "  leading spaces\n\nnew lines\tand tabs  ",
+)
+
+
+def _check_incremental_text_is_the_whole_decode(tok: object, texts: tuple[str, ...]) -> None:
+    gen = random.Random(0)
+    for text in texts:
+        ids = tok.encode(text * 4, add_special_tokens=False)  # type: ignore[attr-defined]
+        for _ in range(8):
+            random_ids = [gen.randrange(3, 259) if gen.random() < 0.2 else t for t in ids]  # stray bytes: cut UTF-8
+            for seq in (ids, random_ids):
+                inc, n, streamed = IncrementalText(tok), 0, ""  # type: ignore[arg-type]
+                while n < len(seq):
+                    n = min(len(seq), n + gen.choice((1, 1, 2, 3, 7)))
+                    streamed += inc.update(seq[:n], final=n == len(seq))
+                    assert inc.text == tok.decode(seq[:n], skip_special_tokens=True)  # type: ignore[attr-defined]
+                assert streamed == inc.text
+                assert inc._fixed > len(seq) // 2  # most of the output was settled, not decoded again each time
+
+
+def test_incremental_text_is_the_whole_decode_at_every_update() -> None:
+    """The text an update holds is decode(all tokens so far), although only the tokens after the settled point
+    are decoded again: for any number of tokens per update, through multi-byte characters and stray bytes."""
+    _check_incremental_text_is_the_whole_decode(tiny_tokenizer(), TEXTS)
+
+
+@pytest.mark.real_model
+def test_incremental_text_is_the_whole_decode_with_smollm2s_tokenizer() -> None:
+    from specserve.config import ModelSpec
+    from specserve.models.loader import load_tokenizer
+
+    _check_incremental_text_is_the_whole_decode(load_tokenizer(ModelSpec()), TEXTS)
