@@ -408,7 +408,8 @@ HTTP_POLICIES = (
 
 
 def scrape(client: Any, url: str) -> dict[str, float]:
-    """Prometheus samples of /metrics summed over labels: name -> value (histograms as _sum / _count)."""
+    """Prometheus samples of /metrics: name -> value. Counters and histograms (as _sum / _count) are summed over
+    their labels (the lanes); a gauge, a per-lane state such as the SL cap, gives its largest value."""
     from prometheus_client.parser import text_string_to_metric_families
 
     resp = client.get(f"{url}/metrics")
@@ -416,22 +417,32 @@ def scrape(client: Any, url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(resp.text):
         for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")) or family.type in ("gauge", "counter"):
-                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+            value = float(sample.value)
+            if family.type == "gauge":
+                out[sample.name] = max(out.get(sample.name, value), value)
+            elif sample.name.endswith(("_sum", "_count")) or family.type == "counter":
+                out[sample.name] = out.get(sample.name, 0.0) + value
     return out
 
 
 def _stream_one(client: Any, url: str, body: dict[str, Any]) -> StreamStats:
+    """One streamed request's statistics; a connection refused, cut or timed out is this request's failure (the
+    sweep goes on and counts it)."""
+    import httpx
+
     stats = StreamStats()
     t0 = time.perf_counter()
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            stats.error = f"HTTP {resp.status_code}"
-            return stats
-        for line in resp.iter_lines():
-            event = parse_sse_line(line)
-            if event is not None:
-                stats.add(event, time.perf_counter() - t0)
+    try:
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                stats.error = f"HTTP {resp.status_code}"
+                return stats
+            for line in resp.iter_lines():
+                event = parse_sse_line(line)
+                if event is not None:
+                    stats.add(event, time.perf_counter() - t0)
+    except httpx.HTTPError as e:
+        stats.error = f"{type(e).__name__}: {e}"
     return stats
 
 

@@ -667,3 +667,58 @@ def test_locust_short_run_has_no_failures(tiny_deployment: str, tmp_path: Path) 
     assert {"POST", "TTFT", "TPOT", "TOKENS"} <= set(by_type), sorted(by_type)
     assert sum(int(r["Request Count"]) for r in by_type["POST"]) >= 4
     assert time.perf_counter() - t0 < 150
+
+
+def test_a_dropped_stream_is_that_requests_failure_not_the_sweeps() -> None:
+    """The HTTP sweep's per-request client: a connection cut mid-body, or refused, or a 429, is counted as the
+    request's failure; a complete stream is not."""
+    import httpx
+
+    from load.straggler import _stream_one
+
+    chunk = b'data: {"choices":[{"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+
+    class CutStream(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            yield chunk
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        kind = json.loads(request.content)["kind"]
+        if kind == "refused":
+            raise httpx.ConnectError("connection refused")
+        if kind == "busy":
+            return httpx.Response(429, headers={"Retry-After": "2"})
+        if kind == "cut":
+            return httpx.Response(200, stream=CutStream())
+        done = chunk + b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, content=done)
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        stats = {k: _stream_one(client, "http://127.0.0.1:1", {"kind": k}) for k in ("ok", "cut", "refused", "busy")}
+    assert stats["ok"].failure() is None
+    assert "RemoteProtocolError" in (stats["cut"].failure() or "")
+    assert "ConnectError" in (stats["refused"].failure() or "")
+    assert stats["busy"].failure() == "HTTP 429"
+
+
+def test_scrape_sums_counters_over_lanes_and_takes_a_gauges_largest() -> None:
+    import httpx
+
+    from load.straggler import scrape
+
+    metrics = (
+        "# TYPE specserve_sl_cap gauge\n"
+        'specserve_sl_cap{lane="0"} 4\nspecserve_sl_cap{lane="1"} 4\n'
+        "# TYPE specserve_straggler_idle_fraction gauge\n"
+        'specserve_straggler_idle_fraction{lane="0"} 0.6\nspecserve_straggler_idle_fraction{lane="1"} 0.7\n'
+        "# TYPE specserve_step_seconds histogram\n"
+        'specserve_step_seconds_bucket{lane="0",le="+Inf"} 3\nspecserve_step_seconds_sum{lane="0"} 0.5\n'
+        'specserve_step_seconds_count{lane="0"} 3\n'
+        'specserve_step_seconds_bucket{lane="1",le="+Inf"} 2\nspecserve_step_seconds_sum{lane="1"} 0.25\n'
+        'specserve_step_seconds_count{lane="1"} 2\n'
+    )
+    with httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(200, text=metrics))) as client:
+        got = scrape(client, "http://127.0.0.1:1")
+    assert got["specserve_sl_cap"] == 4 and got["specserve_straggler_idle_fraction"] == 0.7
+    assert got["specserve_step_seconds_count"] == 5 and got["specserve_step_seconds_sum"] == 0.75
