@@ -60,10 +60,11 @@ class ResumableStream:
                     if self.last_event_id != seen:  # that connection made progress: a new outage starts now
                         deadline = None
                     deadline = deadline or now + self.heal_timeout_s
-                    if now > deadline:
+                    wait = max(self.retry_interval_s, e.retry_after_s if isinstance(e, _Retryable) else 0.0)
+                    if now + wait > deadline:
                         raise StreamFailedError(f"the stream could not be resumed: {e}") from e
                     self.resumes += 1
-                    time.sleep(self.retry_interval_s)
+                    time.sleep(wait)
         finally:
             if self.client is None:
                 client.close()
@@ -83,7 +84,7 @@ class ResumableStream:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         with client.stream("POST", self.base_url + self.route, json=self._request_body(), headers=headers) as r:
             if r.status_code in RETRYABLE_STATUS:
-                raise _Retryable(f"HTTP {r.status_code}")
+                raise _Retryable(f"HTTP {r.status_code}", retry_after(r.headers.get("Retry-After")))
             if r.status_code != 200:
                 raise StreamFailedError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}")
             event_id: str | None = None
@@ -94,7 +95,11 @@ class ResumableStream:
                     payload = line[5:].strip()
                     if payload == "[DONE]":
                         return
-                    delta = self._parse(json.loads(payload))
+                    try:
+                        chunk = json.loads(payload)
+                    except json.JSONDecodeError as e:  # a connection closed in the middle of a line
+                        raise _Retryable(f"a cut event: {payload[:80]!r}") from e
+                    delta = self._parse(chunk)
                     if event_id is not None:
                         self.last_event_id = event_id
                     if delta is not None:
@@ -122,4 +127,17 @@ class ResumableStream:
 
 
 class _Retryable(Exception):
-    """A cut the server heals from (a 5xx / 429 while it restarts, a stream without [DONE]): resend and resume."""
+    """A cut the server heals from (a 5xx / 429 while it restarts, a stream without [DONE]): resend and resume,
+    not before the server's Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def retry_after(header: str | None) -> float:
+    """Seconds a Retry-After header asks for (its delta-seconds form; 0 when absent or a date)."""
+    try:
+        return max(0.0, float(header)) if header is not None else 0.0
+    except ValueError:
+        return 0.0

@@ -223,3 +223,32 @@ def test_the_heal_timeout_counts_each_outage_not_the_whole_stream(url: str) -> N
     )
     assert "".join(d.text for d in stream.deltas()) == ref
     assert stream.resumes == 4
+
+
+def test_the_client_helper_waits_as_asked_and_resumes_after_a_cut_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 429 with Retry-After is resent no sooner than asked; a connection closed in the middle of an event (the
+    partial line reaches the parser) is a cut to resume from, not a malformed stream."""
+    import load.resumable as resumable
+
+    first = b'id: 1-a\ndata: {"choices":[{"text":"Hel","finish_reason":null}]}\n\n'
+    rest = b'id: 1-b\ndata: {"choices":[{"text":"lo","finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+    answers = iter(
+        [
+            httpx.Response(429, headers={"Retry-After": "7"}),
+            httpx.Response(200, content=first + b'id: 1-b\ndata: {"choi'),  # closed mid-line
+            httpx.Response(200, content=rest),
+        ]
+    )
+    bodies: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return next(answers)
+
+    waits: list[float] = []
+    monkeypatch.setattr(resumable.time, "sleep", waits.append)
+    stream = ResumableStream("http://127.0.0.1:1", COMPLETIONS, {"prompt": "x"}, client=httpx.Client(
+        transport=httpx.MockTransport(handler)), heal_timeout_s=60, retry_interval_s=0.5)  # fmt: skip
+    assert stream.text() == "Hello" and stream.resumes == 2
+    assert waits == [7.0, 0.5]
+    assert "resume_from" not in bodies[1] and bodies[2]["resume_from"] == "1-a"
