@@ -19,11 +19,12 @@ from typing import Any
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile: the value at rank round(q/100 (n - 1)) of the sorted values; NaN for none."""
+    """Nearest-rank percentile: the smallest value with at least q% of the values at or below it (rank
+    ceil(q/100 n), from 1); NaN for none."""
     if not values:
         return math.nan
     v = sorted(values)
-    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
+    return v[min(len(v), max(1, math.ceil(q / 100 * len(v)))) - 1]
 
 
 def p50_p99(name: str, values: Sequence[float]) -> dict[str, float]:

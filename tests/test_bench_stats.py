@@ -1,0 +1,43 @@
+"""The statistics every benchmark and study reports through (``specserve.bench.stats``), against values worked
+out by hand."""
+
+from __future__ import annotations
+
+import math
+
+from specserve.bench.stats import add_vs_baseline, median_row, p50_p99, percentile
+
+
+def test_percentile_is_the_nearest_rank() -> None:
+    values = list(range(1, 152))  # 1..151, shuffled below: p99 is the value at rank ceil(0.99 * 151) = 150
+    shuffled = values[::2] + values[1::2]
+    assert percentile(shuffled, 99) == 150
+    assert percentile([4, 1, 3, 2], 50) == 2  # rank ceil(2) = 2: the lower middle, for any even count
+    assert percentile([6, 1, 5, 2, 4, 3], 50) == 3
+    assert percentile([3, 1, 2], 50) == 2
+    assert percentile([3, 1, 2], 0) == 1 and percentile([3, 1, 2], 100) == 3
+    assert percentile([7.5], 99) == 7.5
+    assert math.isnan(percentile([], 50))
+    assert p50_p99("ttft_s", [0.1, 0.4, 0.2, 0.3]) == {"p50_ttft_s": 0.2, "p99_ttft_s": 0.4}
+
+
+def test_median_row_takes_each_numeric_field_s_median_and_keeps_the_rest() -> None:
+    runs = [
+        {"batch": 4, "policy": "plain", "tok_s": 10.0, "steps": 5, "ok": True},
+        {"batch": 4, "policy": "plain", "tok_s": 30.0, "steps": 9, "ok": False},
+        {"batch": 4, "policy": "plain", "tok_s": 20.0, "steps": 1, "ok": False},
+    ]
+    assert median_row(runs) == {"batch": 4, "policy": "plain", "tok_s": 20.0, "steps": 5, "ok": True}
+
+
+def test_vs_baseline_divides_by_the_baseline_at_the_same_workload_and_batch() -> None:
+    rows = [
+        {"workload": "real", "batch": 1, "policy": "plain", "tok_s": 50.0},
+        {"workload": "real", "batch": 1, "policy": "ddd", "tok_s": 60.0},
+        {"workload": "real", "batch": 4, "policy": "plain", "tok_s": 100.0},
+        {"workload": "real", "batch": 4, "policy": "ddd", "tok_s": 90.0},
+        {"workload": "synthetic", "batch": 1, "policy": "ddd", "tok_s": 70.0},  # no plain row beside it
+    ]
+    add_vs_baseline(rows, "plain")
+    assert [r["vs_plain"] for r in rows[:4]] == [1.0, 1.2, 1.0, 0.9]
+    assert math.isnan(rows[4]["vs_plain"])
