@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import socket
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -57,7 +58,7 @@ class Row:
     tokens: int
     seconds: float
     tokens_per_s: float
-    steps: int
+    steps: float  # the median over the repeats
     ms_per_step: float
     slowdown: float | None = None
 
@@ -196,7 +197,10 @@ def run(a: argparse.Namespace) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
-    results = {key: sorted(values)[len(values) // 2] for key, values in runs.items()}  # the median run
+    # each field's median over the repeats (an even count: the mean of the middle two, not the slower run)
+    results = {
+        key: tuple(statistics.median(field) for field in zip(*values, strict=True)) for key, values in runs.items()
+    }
 
     rows: list[Row] = []
     for b in a.batch:
