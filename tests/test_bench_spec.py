@@ -259,3 +259,17 @@ def test_model_free_trees_take_the_tree_options_and_fall_back_to_a_capped_model(
         (Drafter.lookup, True, 2, "smollm2-eagle"),
         (Drafter.suffix, False, None, ""),
     ]
+
+
+def test_transformers_greedy_tokens_compare_up_to_the_first_eos() -> None:
+    """The engine emits an EOS it was told to ignore and goes on; transformers bans EOS below min_new_tokens (or
+    stops after it): the two agree when the tokens before either's first EOS agree, and only then."""
+    from specserve.bench.spec import _same_greedy
+
+    eos = {2}
+    assert _same_greedy([5, 6, 9, 9], [5, 6, 2, 7], eos)  # transformers banned the EOS the engine emitted
+    assert _same_greedy([5, 6, 2], [5, 6], eos)  # stopping at EOS: transformers keeps it, the engine does not
+    assert _same_greedy([5, 6, 7], [5, 6, 7], eos)
+    assert not _same_greedy([5, 8, 9, 9], [5, 6, 2, 7], eos)
+    assert not _same_greedy([5, 6, 2], [5, 6, 7], eos)
+    assert not _same_greedy([5, 6], [5, 6, 7], eos)

@@ -306,24 +306,57 @@ def _hf_twin(model: LlamaModel, path: Path, int8: bool) -> torch.nn.Module:
 
 
 def _assisted(
-    target: torch.nn.Module, draft: torch.nn.Module, prompts: list[list[int]], n: int
-) -> tuple[list[list[int]], float]:
-    outs = []
+    target: torch.nn.Module, draft: torch.nn.Module, prompt: list[int], n: int, repeats: int, *, stop_at_eos: bool
+) -> tuple[list[int], float]:
+    """transformers assisted generation of one prompt: its tokens and the fastest of ``repeats`` runs (as
+    ``_timed``). Without ``stop_at_eos`` it is held to n tokens (its EOS is then banned, so only the tokens before
+    the first EOS compare with an engine that emits EOS and goes on: ``_same_greedy``)."""
     generate = cast(Callable[..., torch.Tensor], target.generate)  # an HF model: returns the token ids
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
+    ids = torch.tensor([prompt])
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
             out = generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 assistant_model=draft,
                 max_new_tokens=n,
-                min_new_tokens=n,
+                min_new_tokens=0 if stop_at_eos else n,
                 do_sample=False,
             )
-            outs.append(out[0, len(p) :].tolist())
-    return outs, time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
+    return out[0, len(prompt) :].tolist(), min(times)
+
+
+def _same_greedy(theirs: list[int], ours: list[int], eos: set[int]) -> bool:
+    """Whether transformers' greedy tokens are the engine's: where the engine emitted an EOS it ignores (and went
+    on), transformers had to pick another token (it bans EOS below min_new_tokens), so the tokens before it are
+    compared; where the engine stopped at EOS (not emitted), transformers' answer holds that EOS last."""
+
+    def before_eos(tokens: list[int]) -> list[int]:
+        return tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))]
+
+    mine, other = before_eos(ours), before_eos(theirs)
+    return other[: len(mine)] == mine if len(mine) < len(ours) else other == mine
+
+
+def _assisted_twins(
+    args: argparse.Namespace, target_spec: ModelSpec, target: LlamaModel
+) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
+    """(pair, transformers target, transformers draft) for each ``--pairs`` entry transformers can run: a draft
+    model (no EAGLE head) of the first target."""
+    twins = []
+    for pair in args.pairs:
+        draft_spec = MODEL_PAIRS[pair][1]
+        if isinstance(draft_spec, HeadSpec) or MODEL_PAIRS[pair][0] != target_spec:
+            continue
+        path = resolve(target_spec)
+        hf_t, hf_d = _hf_twin(target, path, False), _hf_twin(target, path, draft_spec.int8_dynamic)
+        if not draft_spec.int8_dynamic:
+            hf_d = hf_d.to(draft_spec.dtype.torch)
+        twins.append((pair, hf_t, hf_d))
+    return twins
 
 
 def _row(
@@ -516,16 +549,23 @@ def run(args: argparse.Namespace) -> int:
                         )
                     )
                     plain_of.append(plain_row)
+    assisted = _assisted_twins(args, target_specs[0], targets[target_specs[0]]) if args.assisted else []
     freeze_loaded_objects()  # as serving does after loading (specserve/heap.py): no full collection mid-run
     n_runs = len(prompts) * args.passes
     secs: list[list[float]] = [[] for _ in methods]  # per method, per (pass, prompt)
     outs: list[list[Completion]] = [[] for _ in methods]
+    hf_secs: list[list[float]] = [[] for _ in assisted]
+    hf_outs: list[list[list[int]]] = [[] for _ in assisted]
     for r in range(n_runs):  # interleaved: load changes on a shared machine hit every method alike
         p = prompts[r % len(prompts)]
         for m, engine in enumerate(engines):
             out, seconds = _timed(engine, p, params, args.repeats)
             outs[m].append(out)
             secs[m].append(seconds)
+        for j, (_, hf_t, hf_d) in enumerate(assisted):
+            tokens, seconds = _assisted(hf_t, hf_d, p, args.max_tokens, args.repeats, stop_at_eos=args.stop_at_eos)
+            hf_outs[j].append(tokens)
+            hf_secs[j].append(seconds)
         rates = [sum(len(o.token_ids) for o in outs[m]) / sum(secs[m]) for m in range(len(methods))]
         print(f"run {r + 1}/{n_runs}: " + "  ".join(f"{x:.1f}" for x in rates) + " tok/s", flush=True)
     rows = []
@@ -540,29 +580,18 @@ def run(args: argparse.Namespace) -> int:
                 methods, engines, outs, secs, plain_of, keep, whole=args.passes == 1 and cat == "all"
             ):
                 rows.append({"pass": pass_i + 1, "category": cat} | row)
-    reference = [o.token_ids for o in outs[0][: len(prompts)]]
-    target_spec = target_specs[0]
-    target = targets[target_spec]
-    if args.assisted:
-        for pair in args.pairs:
-            draft_spec = MODEL_PAIRS[pair][1]
-            if isinstance(draft_spec, HeadSpec) or MODEL_PAIRS[pair][0] != target_spec:
-                continue  # transformers has no EAGLE heads; the first target only
-            path = resolve(target_spec)
-            hf_t, hf_d = _hf_twin(target, path, False), _hf_twin(target, path, draft_spec.int8_dynamic)
-            if not draft_spec.int8_dynamic:
-                hf_d = hf_d.to(draft_spec.dtype.torch)
-            hf_outs, hf_seconds = _assisted(hf_t, hf_d, prompts, args.max_tokens)
-            n = sum(len(o) for o in hf_outs)
-            equal = sum(a == b for a, b in zip(hf_outs, reference, strict=True)) / len(hf_outs)
-            nan = float("nan")
-            rows.append(
-                {"pass": 1, "category": "all", "method": "transformers assisted", "draft": pair}
-                | {"greedy_equal": equal, "tau": nan}
-                | {"mean_depth": nan, "tok_s": n / hf_seconds, "ratio": 0.0, "draft_ms_step": nan}
-                | {"verify_ms_step": nan, "rows_step": nan, "prefill_share": nan}
-            )
-            rows[-1]["ratio"] = float(cast(float, rows[-1]["tok_s"])) / float(cast(float, rows[0]["tok_s"]))
+    eos = first.loop.eos_token_ids
+    for j, (pair, _, _) in enumerate(assisted):  # side by side with the plain row over every run
+        n = sum(len(o) for o in hf_outs[j])
+        agree = [_same_greedy(h, o.token_ids, eos) for h, o in zip(hf_outs[j], outs[0], strict=True)]
+        nan = float("nan")
+        tok_s = n / sum(hf_secs[j])
+        rows.append(
+            {"pass": 1, "category": "all", "method": "transformers assisted", "draft": pair}
+            | {"greedy_equal": sum(agree) / len(agree), "tau": nan}
+            | {"mean_depth": nan, "tok_s": tok_s, "ratio": tok_s / float(cast(float, rows[0]["tok_s"]))}
+            | {"draft_ms_step": nan, "verify_ms_step": nan, "rows_step": nan, "prefill_share": nan}
+        )
     write_csv(args.out / "spec.csv", rows)
     source = " + ".join(args.prompts)
     passes = f" x {args.passes} passes" if args.passes > 1 else ""
