@@ -196,8 +196,11 @@ class ThroughputGuard:
         seconds: float,
         *,
         caught_up_tokens: int = 0,
+        planned: bool | None = None,
     ) -> None:
-        """One step. ``caught_up_tokens`` > 0: a catch-up, the draft first re-read that many tokens it had missed."""
+        """One step. ``caught_up_tokens`` > 0: a catch-up, the draft first re-read that many tokens it had missed.
+        ``planned``: the mode the step was planned in (None: ``speculative``). A step planned to speculate whose
+        drafters found nothing ran as a plain step: measured as one, but not a try of plain decoding."""
         b = bucket(batch_size)
         if speculative and caught_up_tokens > 0:  # the draft re-reading what it missed: not speculation's rate
             # (module docstring). As a try's switch it costs its time beyond plain decoding's for the tokens it
@@ -212,7 +215,8 @@ class ThroughputGuard:
             self.catch_up_work = (tok + self.smoothing * (new[0] - tok), sec + self.smoothing * (new[1] - sec))
             return
         before = self.faster(batch_size)
-        tried = before is not None and speculative != before and not (b in self.deferred and not speculative)
+        chosen = speculative if planned is None else planned
+        tried = before is not None and chosen != before and not (b in self.deferred and not chosen)
         key = (b, speculative)
         step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1

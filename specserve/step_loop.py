@@ -305,7 +305,10 @@ class StepLoop:
         caught_up = sum(s.draft_caught_up for s in event.batch)
         guard, floor = self.planner.guard, self.planner.floor
         if guard is not None:
-            guard.record(len(event.batch), drafted_any, event.emitted, event.total_s, caught_up_tokens=caught_up)
+            planned = any(event.plan.depths)  # a step planned to speculate may find no draft: then not a try
+            guard.record(
+                len(event.batch), drafted_any, event.emitted, event.total_s, caught_up_tokens=caught_up, planned=planned
+            )
         if floor is not None and any(event.plan.depths) and self.planner.adaptive(event.batch):  # a step planned
             # to speculate (its trees may have kept no node), not a plain one: docs/algorithms.md §2.3
             rows = sum(len(it.new_tokens) + len(it.draft_tokens) for it in event.items)

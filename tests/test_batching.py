@@ -454,6 +454,7 @@ class _ScriptedGuard(ThroughputGuard):
         self.caught_up: list[int] = []  # tokens the draft re-read, per recorded step
         self.measured: list[bool] = []  # per step asked: whether the loop will record it
         self.outlooks: list[Outlook | None] = []  # per step asked
+        self.planned: list[bool | None] = []  # per recorded step: the mode it was planned in
 
     def speculate(self, batch_size: int, *, measured: bool = True, outlook: Outlook | None = None) -> bool:
         self.measured.append(measured)
@@ -468,9 +469,11 @@ class _ScriptedGuard(ThroughputGuard):
         seconds: float,
         *,
         caught_up_tokens: int = 0,
+        planned: bool | None = None,
     ) -> None:
         self.recorded.append((speculative, caught_up_tokens > 0))
         self.caught_up.append(caught_up_tokens)
+        self.planned.append(planned)
 
 
 def test_the_loop_tells_the_guard_when_the_draft_catches_up(target: LlamaModel) -> None:
@@ -681,3 +684,39 @@ def test_plain_steps_run_because_a_catch_up_would_not_pay_are_measurements_not_t
     assert not guard.speculate(4)  # and outside a deferral a due try of plain decoding is one
     guard.record(4, False, tokens=4, seconds=0.15)
     assert guard.work[(4, False)][1] == pytest.approx(0.15) and guard.intervals[4] == 2 * guard.explore_every
+
+
+def test_a_planned_speculative_step_that_found_no_draft_is_plain_but_no_try() -> None:
+    """A step the guard let speculate in which no drafter found anything (prompt lookup without a match) ran as
+    plain decoding: it is measured as a plain step, blended and clipped like any, and is no try of plain decoding
+    (a try's one step replaces plain's average and respaces the tries; here one fast step flipped the choice)."""
+
+    def warmed() -> ThroughputGuard:
+        guard = ThroughputGuard()
+        for _ in range(3):
+            guard.record(1, False, 1, 0.020)
+        for _ in range(12):
+            guard.record(1, True, 2, 0.038)  # speculation 1.05x plain
+        assert guard.faster(1) is True
+        return guard
+
+    guard = warmed()
+    next_try, intervals = dict(guard.next_try), dict(guard.intervals)
+    guard.record(1, False, 1, 0.018, planned=True)
+    assert guard.faster(1) is True and guard.next_try == next_try and guard.intervals == intervals
+    assert guard.rates[1, False] == pytest.approx(1 / (0.020 + 0.3 * (0.018 - 0.020)))  # blended
+    guard.record(1, False, 1, 0.2, planned=True)  # a pause in such a step: clipped at twice the average
+    assert guard.rates[1, False] == pytest.approx(1 / (0.0194 + 0.3 * (2 * 0.0194 - 0.0194)))
+    tried = warmed()  # the same fast step as a try the guard asked for (planned plain): it replaces the average
+    tried.record(1, False, 1, 0.018, planned=False)
+    assert tried.faster(1) is False and tried.rates[1, False] == pytest.approx(1 / 0.018)
+
+
+def test_the_loop_tells_the_guard_a_step_was_planned_to_speculate(target: LlamaModel) -> None:
+    lookup = SpecConfig(method=SpecMethod.chain, sl=3, drafter=Drafter.lookup, model_fallback=False)
+    engine = Engine(target, None, speculation=lookup, eos_token_ids=set())
+    guard = engine.loop.planner.guard = _ScriptedGuard([])  # speculate on every step
+    engine.generate([[5, 9, 13, 21, 34]], SamplingParams(max_tokens=12, ignore_eos=True))
+    pairs = set(zip((spec for spec, _ in guard.recorded), guard.planned, strict=True))
+    assert (False, True) in pairs  # lookup found no match: a plain step, planned to speculate
+    assert all(planned for planned in guard.planned)
