@@ -273,3 +273,25 @@ def test_transformers_greedy_tokens_compare_up_to_the_first_eos() -> None:
     assert not _same_greedy([5, 8, 9, 9], [5, 6, 2, 7], eos)
     assert not _same_greedy([5, 6, 2], [5, 6, 7], eos)
     assert not _same_greedy([5, 6], [5, 6, 7], eos)
+
+
+def test_a_rows_greedy_column_and_tau_come_from_the_outputs_against_plain() -> None:
+    """A method's row against plain decoding's tokens: the share of runs whose tokens are plain's, tau as tokens
+    per target forward, drafted nodes per forward, tokens a second over the method's own time."""
+    from specserve.bench.spec import Method, _row
+    from specserve.config import SpecConfig, SpecMethod
+    from specserve.engine import Completion
+    from specserve.sequence import FinishReason, RequestStats
+
+    def done(tokens: list[int], forwards: int, drafted: int) -> Completion:
+        stats = RequestStats(
+            target_forwards=forwards, drafted=drafted, accepted=0, draft_steps=forwards, depth_sum=2 * forwards
+        )
+        return Completion("r", [1], tokens, "", FinishReason.length, stats)
+
+    plain = [[5, 6, 7, 8], [9, 9, 9, 9], [1, 2, 3, 4]]
+    outs = [done([5, 6, 7, 8], 2, 4), done([9, 9, 9, 3], 3, 3), done([1, 2, 3, 4], 1, 3)]
+    row = _row(Method("chain", "pair", SpecConfig(method=SpecMethod.chain, sl=3)), outs, 2.0, plain, None)
+    assert row["greedy_equal"] == pytest.approx(2 / 3)  # the second run's last token differs
+    assert row["tau"] == pytest.approx(12 / 6) and row["rows_step"] == pytest.approx(10 / 6)
+    assert row["tok_s"] == pytest.approx(6.0) and row["mean_depth"] == pytest.approx(2.0)
