@@ -32,7 +32,7 @@ class SourceKind(str, Enum):
 class ModelSpec(BaseModel):
     """Where a model comes from and how to run it."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     source: str = "smollm2-135m-instruct"
     kind: SourceKind | None = Field(default=None, description="inferred from `source` when not given")

@@ -745,3 +745,26 @@ def test_router_killed_mid_stream_every_resumed_stream_equals_the_fault_free_run
         assert [t for d in deltas for t in d.token_ids] == [t for d in reference[name] for t in d.token_ids], name
         assert streams[name].resumes >= 1, name
     assert httpx.get(f"{small_url}/health", timeout=TIMEOUT_S).status_code == 200
+
+
+def test_a_misspelt_model_or_head_field_is_refused_not_dropped() -> None:
+    """A draft head spec with a typo must not fall back to a whole draft model (the union's other member), nor a
+    target's misspelt dtype to float32."""
+    target = {"source": "smollm2-135m-instruct"}
+    head_typo = {
+        "target": target,
+        "draft": {"head": "smollm2-eagle3", "draft_vocb": 2048},
+        "speculation": {"method": "eagle2"},
+    }
+    with pytest.raises(pydantic.ValidationError, match="draft_vocb"):
+        AppArgs.model_validate(head_typo)
+    with pytest.raises(pydantic.ValidationError, match="dtpye"):
+        AppArgs.model_validate({"target": {"source": "smollm2-135m-instruct", "dtpye": "bfloat16"}})
+    ok = AppArgs.model_validate(
+        {
+            "target": target,
+            "draft": {"head": "smollm2-eagle3", "draft_vocab": 2048},
+            "speculation": {"method": "eagle2"},
+        }
+    )
+    assert ok.draft is not None and getattr(ok.draft, "head", None) == "smollm2-eagle3"
