@@ -15,15 +15,15 @@ from tests.api_backend import MODEL, LocalBackend, api_server
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BASE = {"model": MODEL, "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
 PROBES: dict[str, list[Any]] = {  # values on both sides of each documented constraint
-    "top_p": [0, 1e-3, 0.5, 1, 1.01],
-    "temperature": [-0.1, 0, 2, 2.01, "1", True],
+    "top_p": [0, 1e-3, 0.5, 1, 1.01, None],  # null: the default, as OpenAI SDKs send "unset"
+    "temperature": [-0.1, 0, 2, 2.01, "1", True, None],
     "top_k": [0, 1, 50, "5"],
-    "n": [0, 1, 2, True],
+    "n": [0, 1, 2, True, None],
     "seed": [-(2**63) - 1, -(2**63), 7, 2**63 - 1, 2**63],
     "max_tokens": [0, 1, "2", None],
     "logprobs": [True, 1, 0, False, None],
-    "presence_penalty": [0, 0.0, 0.5, -1],
-    "stream": [True, False, "yes", 0],
+    "presence_penalty": [0, 0.0, 0.5, -1, None],
+    "stream": [True, False, "yes", 0, None],
     "stop": ["", "x", ["a", "b"], ["a"] * 5, "y" * 1024, "y" * 1025],
     "prompt": ["", "hello", [], [1, 2], [False], [-1], [1.5]],
     "echo": [False, True],
@@ -107,3 +107,16 @@ def test_logprobs_are_refused_in_every_form_that_asks_for_them(url: str) -> None
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", (value, r.text)
     for value in (False, None):
         assert httpx.post(url + COMPLETIONS, json={**BASE, "logprobs": value}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_null_means_the_default_for_openais_nullable_fields(url: str, path: str) -> None:
+    """OpenAI's schema makes these nullable and its SDKs send null for "unset": a 200 with the default, not a 400."""
+    body = {**BASE} if path == COMPLETIONS else {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    body["max_tokens"] = 2
+    fields = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream", "ignore_eos")
+    for field in fields:
+        r = httpx.post(url + path, json={**body, field: None}, timeout=30)
+        assert r.status_code == 200, (field, r.text[:300])
+    everything = httpx.post(url + path, json={**body, **dict.fromkeys(fields)}, timeout=30)
+    assert everything.status_code == 200 and "choices" in everything.json()

@@ -78,10 +78,25 @@ class ResponseFormat(BaseModel):
         return v
 
 
+NULLABLE_DEFAULTS = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream", "ignore_eos")
+
+
+def _document_nullable(schema: dict[str, Any]) -> None:
+    """/openapi.json: the fields a null means the default for accept null."""
+    for name in NULLABLE_DEFAULTS:
+        prop = schema.get("properties", {}).get(name)
+        if prop is not None:
+            default = prop.pop("default", None)
+            desc = prop.pop("description", None)
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], "default": default} | (
+                {"description": desc} if desc else {}
+            )
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_nullable)
 
     model: str
     max_tokens: StrictInt | None = Field(default=None, ge=1, description="at most the context length minus the prompt")
@@ -111,6 +126,14 @@ class GenerationRequest(BaseModel):
         description="extension: the id of the last SSE event received (as the Last-Event-ID header); the stream "
         "continues after it. Send the same request, with the seed the server returned when it sampled.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: object) -> object:
+        """OpenAI's schema makes these fields nullable, and SDKs send null for "unset": the default then."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULLABLE_DEFAULTS)}
+        return data
 
     @field_validator("n", mode="before")
     @classmethod
