@@ -294,3 +294,18 @@ def test_queue_gauge_is_refreshed_after_a_failed_step() -> None:
             time.sleep(0.02)
     finally:
         lane.stop()
+
+
+def test_a_developer_message_is_the_system_prompt_and_tool_messages_carry_their_call_id(url: str) -> None:
+    """OpenAI's newer models take instructions as `developer` messages: the chat template gets them as its system
+    turn (the same prompt as a `system` message). A tool message carries the `tool_call_id` OpenAI requires."""
+
+    def prompt_tokens(messages: list[dict[str, str]]) -> int:
+        r = httpx.post(url + CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    as_system = prompt_tokens([{"role": "system", "content": "Answer in French."}, *USER])
+    assert prompt_tokens([{"role": "developer", "content": "Answer in French."}, *USER]) == as_system
+    tool = {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    assert prompt_tokens([*USER, {"role": "assistant", "content": "calling"}, tool]) > 0

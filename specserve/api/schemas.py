@@ -211,6 +211,12 @@ class ChatMessage(BaseModel):
     role: ChatRole
     content: Utf8Str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = Field(default=None, description="a tool message's call (OpenAI requires it; unused)")
+
+    @property
+    def template_role(self) -> str:
+        """The role the chat template knows: OpenAI's ``developer`` messages are the system prompt of newer models."""
+        return ChatRole.system.value if self.role == ChatRole.developer else self.role.value
 
     @property
     def text(self) -> str:

@@ -226,7 +226,7 @@ class _Routes:
         encoder = self.backend.encoder
 
         def encode() -> list[int]:
-            return encoder.chat([{"role": m.role.value, "content": m.text} for m in body.messages])
+            return encoder.chat([{"role": m.template_role, "content": m.text} for m in body.messages])
 
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
         return await self._generate(body, encode, limit, _ChatFormat(self._model()), tracker, last_event_id)
