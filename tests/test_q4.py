@@ -141,3 +141,19 @@ def test_packed_model_tracks_the_float32_model(models: tuple[LlamaModel, LlamaMo
 
     agree = (logits(f32).argmax(-1) == logits(q4).argmax(-1)).float().mean()
     assert agree >= 0.9  # measured 0.9+ on this prompt; the float32 path has no int4 rounding
+
+
+@pytest.mark.real_model
+def test_native_q4_reads_only_blocks_that_are_the_loaded_weights() -> None:
+    """The packed weights come from the GGUF file, the float ones from the converted folder: a GGUF that is not the
+    one they were converted from (damaged since, or replaced) is refused, not served."""
+    from specserve.errors import CorruptModelError
+    from specserve.models.loader import load_model_dir
+    from specserve.models.sources import resolve
+
+    spec = ModelSpec(native_q4=True)
+    model = load_model_dir(resolve(spec), spec)
+    with torch.no_grad():
+        model.decoder_layers()[3].down.weight[7, 5] += 2.0  # as if the file's block there held another value
+    with pytest.raises(CorruptModelError, match=r"model\.layers\.3\.mlp\.down_proj"):
+        use_native_q4(model, spec)

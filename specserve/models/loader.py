@@ -68,19 +68,24 @@ def use_native_q4(model: LlamaModel, spec: ModelSpec) -> None:
     blocks = gguf_layer_blocks(gguf, cfg.num_heads, cfg.num_kv_heads)
     dense_from = dense_rows_on_this_cpu(spec.q4_dense_from)
 
-    def take(*names: str) -> Q4Linear:
+    def take(layer: torch.nn.Module, projection: str, *names: str) -> Q4Linear:
         missing = [n for n in names if n not in blocks]
         if missing:
             raise UnsupportedModelError(f"native_q4: {gguf.name} has no Q4_1 tensor {missing[0]!r}")
-        return Q4Linear(Q4Blocks.cat([blocks[n] for n in names]), dense_from=dense_from)
+        joined = Q4Blocks.cat([blocks[n] for n in names])
+        loaded = getattr(layer, projection).weight.detach()
+        if joined.q.shape != loaded.shape or not torch.equal(joined.dequantize(), loaded):
+            # the GGUF read here is not the one the loaded weights were converted from (damaged, or replaced)
+            raise CorruptModelError(f"native_q4: {gguf} does not hold the loaded model's {names[0]}")
+        return Q4Linear(joined, dense_from=dense_from)
 
     for i, layer in enumerate(model.decoder_layers()):
         p, att = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         layer.swap_projections(
-            qkv=take(att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"),
-            o_proj=take(att + "o_proj.weight"),
-            gate_up=take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            down=take(p + "mlp.down_proj.weight"),
+            qkv=take(layer, "qkv", att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"),
+            o_proj=take(layer, "o_proj", att + "o_proj.weight"),
+            gate_up=take(layer, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=take(layer, "down", p + "mlp.down_proj.weight"),
         )
 
 
