@@ -64,9 +64,17 @@ def test_rope_scaling_variants_match_transformers(variant: str) -> None:
     assert (run_one(model, ids[0].tolist()) - ref).abs().max().item() < 1e-4
 
 
-def test_dynamic_rope_is_a_clear_error() -> None:
+def test_rope_that_changes_with_the_length_is_a_clear_error() -> None:
     with pytest.raises(UnsupportedModelError, match="dynamic"):
         LlamaModel(tiny_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    longrope = {  # Phi-3's: short factors up to the original context, long ones past it (one table cannot)
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 8,
+        "long_factor": [4.0] * 8,
+        "original_max_position_embeddings": 64,
+    }
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        LlamaModel(tiny_config("llama", rope_scaling=longrope))
 
 
 def test_unsupported_architecture_is_a_clear_error() -> None:
@@ -178,6 +186,12 @@ def test_kv_capacity_and_slot_errors() -> None:
     with pytest.raises(KVCapacityError, match="capacity of 8"):
         ForwardBatch.build(cache, [slot], [list(range(9))])
     assert cache.length(slot) == 0  # a failed reservation reserves nothing
+    ForwardBatch.build(cache, [slot], [[1, 2, 3]])
+    for start in (4, -1):  # past the entries, or before the first: stale entries would become visible
+        with pytest.raises(ValueError, match=f"keep from {start}"):
+            cache.keep(slot, start, [])
+    assert cache.length(slot) == 3
+    cache.truncate(slot, 0)
     cache.free(slot)
     with pytest.raises(ValueError, match="not allocated"):
         cache.free(slot)

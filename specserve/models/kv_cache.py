@@ -88,6 +88,8 @@ class KVCache:
         """Keep entries ``start + indices`` (ascending) compacted to ``start..start+len(indices)``; drop the rest."""
         self._check_slot(slot)
         end = self._lengths[slot]
+        if not 0 <= start <= end:
+            raise ValueError(f"keep from {start}: slot {slot} holds {end} entries")
         if any(not 0 <= i < end - start for i in indices) or sorted(set(indices)) != list(indices):
             raise ValueError(f"keep indices {indices} must be ascending and inside [0, {end - start})")
         m = len(indices)

@@ -84,8 +84,8 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> 
     """cos, sin tables [max_positions, head_dim] (HF rotate-half layout, attention scaling folded in)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "dynamic":
-        raise UnsupportedModelError("rope_type 'dynamic' changes RoPE with the sequence length; not supported")
+    if rope_type in ("dynamic", "longrope"):  # one table for every position cannot hold them
+        raise UnsupportedModelError(f"rope_type {rope_type!r} changes RoPE with the sequence length; not supported")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
