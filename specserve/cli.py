@@ -6,6 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import pydantic
+import torch
+
 from specserve.config import (
     MODEL_PAIRS,
     SERVING_MAX_STEP_TOKENS,
@@ -24,10 +27,21 @@ from specserve.errors import SpecServeError
 from specserve.sampling import SamplingParams
 
 
+def device_arg(text: str) -> str:
+    """``--device``: a torch device this machine has (a clear usage error otherwise, not a traceback later)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch has no CUDA device")
+    return text
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF dir, .gguf file or hub id")
     p.add_argument("--dtype", default="float32", choices=[d.value for d in DType])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -156,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except SpecServeError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    except pydantic.ValidationError as e:  # an argument out of a setting's range (--max-tokens 0, --top-p 2)
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
+        print(f"specserve: error: invalid arguments: {problems}", file=sys.stderr)
         return 2
 
 

@@ -26,6 +26,7 @@ from specserve.bench.machine import device_summary
 from specserve.bench.policies import check_steps_arg
 from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
+from specserve.cli import device_arg
 from specserve.config import (
     MODEL_PAIRS,
     ChainDraft,
@@ -138,7 +139,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "records where they measure faster, only the former, or float32 only, to compare (ModelSpec.q4_reads, "
         "q8_head_reads; the same bits; default: the spec's)",
     )
-    p.add_argument("--device", default="cpu", help="where the models run, e.g. cuda (default: cpu)")
+    p.add_argument("--device", default="cpu", type=device_arg, help="where the models run, e.g. cuda (default: cpu)")
     p.add_argument(
         "--dtype", choices=[d.value for d in DType], default=None, help="every model's dtype (default: the pair's)"
     )

@@ -276,7 +276,10 @@ def resolve_gguf(path: Path, *, force: bool = False) -> Path:
     """The converted directory of a local GGUF file, keyed by its sha256 and converted once."""
     if not path.is_file():
         raise ModelSourceError(f"GGUF file {str(path)!r} does not exist")
-    digest = sha256_file(path)
+    try:
+        digest = sha256_file(path)
+    except OSError as e:
+        raise ModelSourceError(f"cannot read GGUF file {str(path)!r}: {e.strerror or e}") from e
     root = cache_dir() / "gguf"
     target = root / digest[:16]
     if not force and _is_complete(target, digest):
