@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
 from specserve.config import (
@@ -40,6 +40,9 @@ class PlacementStrategy(str, Enum):
     strict_spread = "STRICT_SPREAD"
 
 
+RAY_RESOURCE_STEP = 1e-4  # the smallest quantity of a resource Ray schedules
+
+
 class ActorResources(BaseModel):
     """Resources one actor reserves (its placement-group bundle); GPUs select the CUDA device."""
 
@@ -50,8 +53,19 @@ class ActorResources(BaseModel):
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. a node label")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: Ray's default")
 
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(set(resources) & {"CPU", "GPU"})
+        if builtin:
+            raise ValueError(f"give {', '.join(builtin)} as num_cpus / num_gpus, not as custom resources")
+        return resources
+
     @model_validator(mode="after")
     def _reserves_something(self) -> ActorResources:
+        fine = [k for k, v in self.bundle().items() if v < RAY_RESOURCE_STEP]
+        if fine:
+            raise ValueError(f"Ray counts resources in steps of {RAY_RESOURCE_STEP}: {fine} ask for less than one")
         if not any(v > 0 for v in self.bundle().values()):
             raise ValueError("an actor must reserve some resource (num_cpus, num_gpus or a custom resource)")
         return self
@@ -152,10 +166,11 @@ class AppArgs(LoopConfig):
             raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
         if self.speculation.kld_mode != KLDMode.sparse:
             raise ValueError("draft and target run in separate actors: the KLD signal must use kld_mode 'sparse'")
-        recipe = None if self.tiny is not None else self.recipe(WorkerRole.draft)
-        q4_draft = recipe is not None and isinstance(recipe.spec, ModelSpec) and recipe.spec.native_q4
-        if q4_draft and self.draft_resources.device != "cpu":
-            raise ValueError("a native_q4 draft (e.g. pair smollm2-q4) runs on the CPU; on a GPU draft with a head")
+        for role in self.roles if self.tiny is None else []:
+            recipe = self.recipe(role)
+            q4 = recipe is not None and isinstance(recipe.spec, ModelSpec) and recipe.spec.native_q4
+            if q4 and self.resources(role).device != "cpu":
+                raise ValueError(f"a native_q4 {role.value} runs on the CPU; on a GPU, draft with a head")
         return self
 
     def http_options(self, environ: Mapping[str, str] = os.environ) -> HTTPOptions:

@@ -131,9 +131,13 @@ class ModelSpec(BaseModel):
     revision: str | None = None
 
     @model_validator(mode="after")
-    def _dense_rows_need_native_q4(self) -> ModelSpec:
+    def _native_q4_settings(self) -> ModelSpec:
         if self.q4_dense_from is not None and not self.native_q4:
             raise ValueError("q4_dense_from applies to native_q4 weights")
+        if self.native_q4 and self.resolved_kind() not in (SourceKind.builtin, SourceKind.gguf):
+            raise ValueError("native_q4 reads a GGUF's blocks: its source is a builtin model or a .gguf file")
+        if self.native_q4 and (self.dtype != DType.float32 or self.int8_dynamic):
+            raise ValueError("native_q4 serves float32 weights beside its blocks, without int8_dynamic")
         return self
 
     def resolved_kind(self) -> SourceKind:

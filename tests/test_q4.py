@@ -4,6 +4,7 @@ the dequantised matmul (and batch-invariant), the packed model against the float
 from __future__ import annotations
 
 import numpy as np
+import pydantic
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,8 +92,11 @@ def test_rows_do_not_change_each_others_results() -> None:
 
 
 def test_native_q4_needs_a_gguf_source() -> None:
-    with pytest.raises(UnsupportedModelError, match="GGUF source"):
-        use_native_q4(tiny_model(seed=0), ModelSpec(source="some/dir", kind=SourceKind.hf_dir, native_q4=True))
+    with pytest.raises(pydantic.ValidationError, match=r"builtin model or a \.gguf file"):
+        ModelSpec(source="some/dir", kind=SourceKind.hf_dir, native_q4=True)  # refused as a setting ...
+    unchecked = ModelSpec.model_construct(source="some/dir", kind=SourceKind.hf_dir, native_q4=True)
+    with pytest.raises(UnsupportedModelError, match="GGUF source"):  # ... and by the loader too
+        use_native_q4(tiny_model(seed=0), unchecked)
 
 
 # -- the real model ------------------------------------------------------------------------------------------

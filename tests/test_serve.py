@@ -768,3 +768,24 @@ def test_a_misspelt_model_or_head_field_is_refused_not_dropped() -> None:
         }
     )
     assert ok.draft is not None and getattr(ok.draft, "head", None) == "smollm2-eagle3"
+
+
+def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() -> None:
+    """native_q4 off its terms (a GPU actor, bfloat16, int8, a source without GGUF blocks), and CPU / GPU given as
+    custom resources or in quantities Ray cannot schedule, fail when the config is read, not in an actor later."""
+    q4 = {"source": "smollm2-135m-instruct", "native_q4": True}
+    gpu = {"num_cpus": 1, "num_gpus": 1}
+    with pytest.raises(pydantic.ValidationError, match="native_q4 target runs on the CPU"):
+        AppArgs.model_validate({"target": q4, "speculation": {"method": "none"}, "target_resources": gpu})
+    for bad, says in (({"dtype": "bfloat16"}, "float32"), ({"int8_dynamic": True}, "int8_dynamic")):
+        with pytest.raises(pydantic.ValidationError, match=says):
+            AppArgs.model_validate({"target": q4 | bad, "speculation": {"method": "none"}})
+    with pytest.raises(pydantic.ValidationError, match=r"builtin model or a \.gguf file"):
+        AppArgs.model_validate(
+            {"target": {"source": "org/model", "native_q4": True}, "speculation": {"method": "none"}}
+        )
+    with pytest.raises(pydantic.ValidationError, match="GPU as num_cpus / num_gpus"):
+        AppArgs.model_validate({"target_resources": {"num_cpus": 1, "resources": {"GPU": 1}}})
+    with pytest.raises(pydantic.ValidationError, match=r"steps of 0\.0001"):
+        AppArgs.model_validate({"target_resources": {"num_cpus": 0.00001}})
+    assert AppArgs.model_validate({"target": q4, "speculation": {"method": "none"}}).target == ModelSpec(**q4)
