@@ -252,8 +252,16 @@ def test_window_mask_hides_cached_non_ancestors() -> None:
     window = torch.tensor([[False, True, True]])  # C=40 sees B (its parent) and itself, not A
     out = model(ForwardBatch.build(cache, [slot], [[40]], positions=[[4]], tree_masks=[window]), cache)
     assert (out[0] - run_one(model, [*context, 30, 40])[-1]).abs().max() < 1e-4
-    with pytest.raises(ValueError, match="tree mask"):
-        ForwardBatch.build(cache, [slot], [[1]], tree_masks=[torch.ones(1, 99, dtype=torch.bool)])
+    length = cache.length(slot)
+    bad_layouts = [  # each refused before it reserves anything in the slot
+        ({"tree_masks": [torch.ones(1, 99, dtype=torch.bool)]}, "tree mask"),
+        ({"positions": [[7, 8]]}, "2 positions for 1 new tokens"),
+        ({"num_logits": [2]}, "num_logits 2"),
+    ]
+    for layout, says in bad_layouts:
+        with pytest.raises(ValueError, match=says):
+            ForwardBatch.build(cache, [slot], [[1]], **layout)  # type: ignore[arg-type]
+        assert cache.length(slot) == length
 
 
 def test_gemv_copies_give_the_same_logits() -> None:

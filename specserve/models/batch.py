@@ -61,6 +61,7 @@ class ForwardBatch:
         num_new = [len(t) for t in tokens]
         if b_size == 0 or min(num_new) < 1:
             raise ValueError("a forward batch needs at least one sequence and one new token per sequence")
+        _check_layout(cache, slots, num_new, positions, tree_masks, num_logits)  # before anything is reserved
         starts = cache.begin_append(list(slots), num_new)
         q_len = max(num_new)
         k_len = max(s + n for s, n in zip(starts, num_new, strict=True))
@@ -89,9 +90,6 @@ class ForwardBatch:
                     mask[b, :n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
                 else:
                     width = tree.shape[1]
-                    if tree.shape[0] != n or not n <= width <= start + n:
-                        shape = tuple(tree.shape)
-                        raise ValueError(f"tree mask {b} has shape {shape}; want ({n}, w), {n} <= w <= {start + n}")
                     mask[b, :n, start + n - width : start + n] = tree
                 mask[b, n:, 0] = True  # padded rows attend somewhere so softmax stays finite
             w_slot += [slot] * n
@@ -99,8 +97,6 @@ class ForwardBatch:
             w_from += range(b * q_len, b * q_len + n)
             f_rows += range((b + 1) * q_len - n, (b + 1) * q_len)
             m = m_list[b]
-            if not 1 <= m <= n:
-                raise ValueError(f"sequence {b}: num_logits {m} must be in [1, {n}]")
             rows += range(offset + n - m, offset + n)
             offset += n
         first = slots[0]
@@ -125,3 +121,26 @@ class ForwardBatch:
             ),
             slots_i32=torch.as_tensor(list(slots), dtype=torch.int32, device=device),
         )
+
+
+def _check_layout(
+    cache: KVCache,
+    slots: Sequence[int],
+    num_new: list[int],
+    positions: Sequence[Sequence[int] | None] | None,
+    tree_masks: Sequence[torch.Tensor | None] | None,
+    num_logits: Sequence[int] | None,
+) -> None:
+    """A clear error for a step laid out inconsistently (one position per new token, tree masks of (n, w) with
+    n <= w <= the sequence's keys, 1..n logits)."""
+    for b, (slot, n) in enumerate(zip(slots, num_new, strict=True)):
+        pos = None if positions is None else positions[b]
+        if pos is not None and len(pos) != n:
+            raise ValueError(f"sequence {b}: {len(pos)} positions for {n} new tokens")
+        tree = None if tree_masks is None else tree_masks[b]
+        keys = cache.length(slot) + n
+        if tree is not None and (tree.ndim != 2 or tree.shape[0] != n or not n <= tree.shape[1] <= keys):
+            raise ValueError(f"tree mask {b} has shape {tuple(tree.shape)}; want ({n}, w), {n} <= w <= {keys}")
+        m = n if num_logits is None else num_logits[b]
+        if not 1 <= m <= n:
+            raise ValueError(f"sequence {b}: num_logits {m} must be in [1, {n}]")

@@ -165,6 +165,10 @@ Tensor rope_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin, Te
                      const Tensor& write_slot, const Tensor& write_pos, int64_t hq, int64_t hkv, int64_t d) {
   const int64_t n_tok = qkv.size(0), width = qkv.size(1), half = d / 2;
   const int64_t len = k_cache.size(2);
+  TORCH_CHECK(cos.numel() == n_tok * d && sin.numel() == n_tok * d && write_slot.numel() == n_tok &&
+                  write_pos.numel() == n_tok,
+              "one RoPE row and one KV write per token: ", n_tok, " tokens, ", cos.numel() / d, " cos rows, ",
+              write_pos.numel(), " write positions");
   Tensor q = at::empty({n_tok, hq, d}, qkv.options());
   const T* src = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
