@@ -28,12 +28,17 @@ from specserve.sampling import SamplingParams
 
 
 def device_arg(text: str) -> str:
-    """``--device``: a torch device this machine has (a clear usage error otherwise, not a traceback later)."""
+    """``--device``: a torch device's name (a clear usage error otherwise, not a traceback later)."""
     try:
-        device = torch.device(text)
+        torch.device(text)
     except RuntimeError as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({e})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+    return text
+
+
+def present_device_arg(text: str) -> str:
+    """``--device`` for a command that runs models on it: one this machine has."""
+    if torch.device(device_arg(text)).type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: this torch has no CUDA device")
     return text
 
@@ -41,7 +46,7 @@ def device_arg(text: str) -> str:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name, HF dir, .gguf file or hub id")
     p.add_argument("--dtype", default="float32", choices=[d.value for d in DType])
-    p.add_argument("--device", default="cpu", type=device_arg)
+    p.add_argument("--device", default="cpu", type=present_device_arg)
 
 
 def _generate(args: argparse.Namespace) -> int:

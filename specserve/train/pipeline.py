@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specserve.bench.machine import device_summary
-from specserve.cli import device_arg
+from specserve.cli import present_device_arg
 from specserve.models.llama import LlamaModel
 from specserve.spec_decode.eagle_head import (
     EagleHead,
@@ -319,7 +319,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help=f"conversations generated together (default {DEFAULT_BATCH}); if given, also per data chunk",
     )
     p.add_argument(
-        "--device", default="cpu", type=device_arg, help="where the target answers and the head trains, e.g. cuda"
+        "--device",
+        default="cpu",
+        type=present_device_arg,
+        help="where the target answers and the head trains, e.g. cuda",
     )
     p.add_argument("--quick", action="store_true", help="a few prompts and steps: seconds, for tests")
 
