@@ -15,9 +15,11 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictInt,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -63,6 +65,36 @@ StrictFloat = Annotated[float, Field(strict=True)]
 MAX_STOP_CHARS = 1024  # the step loop looks for every stop string's prefixes at the end of the text each step
 
 
+def _json_kind(value: Any) -> str | None:
+    """Which member of a string-or-list union a JSON value is for: only that member's errors are reported."""
+    if isinstance(value, str):
+        return STRING_MEMBER
+    if isinstance(value, list):
+        return LIST_MEMBER
+    return None
+
+
+# Tags of a union's members appear in an error's location; they are written so that no field name can be one, and
+# the error body leaves them out (``prompt.0: ...``, not the member's type).
+STRING_MEMBER, LIST_MEMBER = "<string>", "<list>"
+
+
+def is_union_member(loc_part: object) -> bool:
+    return loc_part in (STRING_MEMBER, LIST_MEMBER)
+
+
+def by_json_type(expected: str) -> Discriminator:
+    """A ``string | list`` union's member chosen by the JSON type, with one error naming both if it is neither."""
+    return Discriminator(_json_kind, custom_error_type="union_type", custom_error_message=f"Input should be {expected}")
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopStrings = Annotated[
+    Annotated[StopString, Tag(STRING_MEMBER)] | Annotated[list[StopString], Field(max_length=4), Tag(LIST_MEMBER)],
+    by_json_type("a string or a list of up to 4 strings"),
+]
+
+
 class ResponseFormat(BaseModel):
     """Only plain text: SDK wrappers send ``{"type": "text"}`` by default; structured output is not supported."""
 
@@ -105,11 +137,7 @@ class GenerationRequest(BaseModel):
     top_k: StrictInt | None = Field(default=None, ge=1, description="extension: keep the k most likely tokens")
     # lt 2**63 rather than le 2**63 - 1: OpenAPI bounds are floats, and 2**63 - 1 is not one
     seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**63, description="a 64-bit signed integer")
-    stop: (
-        Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-        | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=4)]
-        | None
-    ) = Field(default=None, description="up to 4 non-empty stop strings")
+    stop: StopStrings | None = Field(default=None, description="up to 4 non-empty stop strings")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=1, description="only 1 is supported")
@@ -178,12 +206,15 @@ def _utf8(text: str) -> str:
 
 Utf8Str = Annotated[str, AfterValidator(_utf8)]
 TokenId = Annotated[StrictInt, Field(ge=0)]  # below the vocabulary size, which the model decides
+Prompt = Annotated[
+    Annotated[str, Field(min_length=1), AfterValidator(_utf8), Tag(STRING_MEMBER)]
+    | Annotated[list[TokenId], Field(min_length=1), Tag(LIST_MEMBER)],
+    by_json_type("text or a list of token ids"),
+]
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: Annotated[Utf8Str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
-        description="text, or token ids"
-    )
+    prompt: Prompt = Field(description="text, or token ids")
     max_tokens: StrictInt | None = Field(default=16, ge=1, description="at most the context length minus the prompt")
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
@@ -205,11 +236,17 @@ class TextPart(BaseModel):
     text: Utf8Str
 
 
+MessageContent = Annotated[
+    Annotated[Utf8Str, Tag(STRING_MEMBER)] | Annotated[list[TextPart], Tag(LIST_MEMBER)],
+    by_json_type("a string or a list of text parts"),
+]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: ChatRole
-    content: Utf8Str | list[TextPart] | None = None
+    content: MessageContent | None = None
     name: str | None = None
     tool_call_id: str | None = Field(default=None, description="a tool message's call (OpenAI requires it; unused)")
 

@@ -54,6 +54,7 @@ from specserve.api.schemas import (
     ModelCard,
     ModelList,
     Usage,
+    is_union_member,
 )
 from specserve.config import SpecConfig
 from specserve.errors import InvalidRequestError
@@ -546,7 +547,7 @@ def _validation_body(errors: list[dict[str, Any]]) -> BaseModel:
     """All messages name their full location; ``param`` is the top-level request field of the first error."""
 
     def where(error: dict[str, Any]) -> list[str]:
-        return [str(p) for p in error.get("loc", ()) if p != "body"]
+        return [str(p) for p in error.get("loc", ()) if p != "body" and not is_union_member(p)]
 
     def describe(error: dict[str, Any]) -> str:
         loc = ".".join(where(error))

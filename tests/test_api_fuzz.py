@@ -1,0 +1,158 @@
+"""Hostile and odd request bodies over real HTTP: every answer is a 200 that completes or a 4xx with OpenAI's error
+body that names the field in the request's own terms; none is a 5xx, a hang, or a stream cut without [DONE]; and
+the server serves ordinary requests afterwards with nothing left in its batch."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.api_backend import MODEL, LocalBackend, api_server
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+CONTEXT = 128
+VOCAB = 512  # the tiny model's
+# what a message may not show a user: pydantic's names for a union's members, function reprs, memory addresses
+INTERNALS = re.compile(r"function-after|function-plain|constrained-|list\[|<string>|<list>|0x[0-9a-f]{6,}|Tag|tagged")
+JUNK: list[Any] = [
+    None, True, False, 0, -1, 1, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30, 1e308, float("nan"), float("inf"), -0.0,
+    1e-320, "", " ", "\x00", "\ud800", "<|im_end|>", "a" * 3000, "é", [], [1], ["a"], {}, {"a": 1}, [None], [[]],
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    backend = LocalBackend(max_model_len=CONTEXT)
+    with api_server(backend) as url:
+        yield url
+    assert not backend.engine.loop.running and not backend.engine.loop.waiting, "requests left in the batch"
+    backend.stop()
+
+
+class Bodies:
+    """Mostly valid requests of every shape the API accepts, a third with one or two fields replaced by junk."""
+
+    def __init__(self, seed: int) -> None:
+        self.r = random.Random(seed)
+
+    def text(self) -> str:
+        return self.r.choice(
+            ["hi", "How are you?", "", " ", "\x00\x01", "<|im_end|>", "<|im_start|>user\nx<|im_end|>", "é€😀",
+             "a" * self.r.choice([1, 50, 400, 2000]), "\n" * 20, "\ud83d", '{"x": 1}', "the end."]
+        )  # fmt: skip
+
+    def pick(self, options: dict[str, Callable[[], Any]], p: float) -> dict[str, Any]:
+        return {k: make() for k, make in options.items() if self.r.random() < p}
+
+    def common(self) -> dict[str, Any]:
+        r = self.r
+        speculation = {
+            "enabled": lambda: r.choice([True, False]),
+            "method": lambda: r.choice(["chain", "eagle2", "ddd", "none"]),
+            "drafter": lambda: r.choice(["model", "lookup", "suffix"]),
+            "model_fallback": lambda: r.choice([True, False]),
+            "policy": lambda: r.choice(["static", "dsde", "none"]),
+            "max_sl": lambda: r.choice([1, 2, 8, 64]),
+        }
+        fields = {
+            "max_tokens": lambda: r.choice([1, 2, 8, 30, CONTEXT - 1, CONTEXT, 200]),
+            "temperature": lambda: r.choice([0, 0.0, 0.3, 1, 2, 1e-30]),
+            "top_p": lambda: r.choice([1, 0.95, 0.1, 1e-30]),
+            "top_k": lambda: r.choice([1, 5, VOCAB - 1, VOCAB, VOCAB + 1, 10**9]),
+            "seed": lambda: r.choice([0, 1, -1, 2**63 - 1, -(2**63)]),
+            "stop": lambda: r.choice([self.text() or "x", [self.text() or "x" for _ in range(r.randint(1, 4))]]),
+            "stream": lambda: r.choice([True, False]),
+            "user": self.text,
+            "ignore_eos": lambda: r.choice([True, False]),
+            "return_token_ids": lambda: r.choice([True, False]),
+            "speculation": lambda: self.pick(speculation, 0.4),
+            "n": lambda: 1,
+            "logprobs": lambda: r.choice([False, None]),
+        }  # fmt: skip
+        body = self.pick(fields, 0.35)
+        if body.get("stream") and r.random() < 0.5:
+            body["stream_options"] = {"include_usage": r.choice([True, False])}
+        return body
+
+    def message(self) -> dict[str, Any]:
+        r = self.r
+        message: dict[str, Any] = {"role": r.choice(["system", "developer", "user", "assistant", "tool", "user"])}
+        kind = r.random()
+        if kind < 0.7:
+            message["content"] = self.text()
+        elif kind < 0.85:
+            message["content"] = [{"type": "text", "text": self.text()} for _ in range(r.randint(0, 3))]
+        elif kind < 0.9:
+            message["content"] = None
+        return message | self.pick({"name": self.text, "tool_call_id": self.text}, 0.1)
+
+    def __call__(self) -> tuple[str, dict[str, Any]]:
+        r = self.r
+        if r.random() < 0.5:
+            path, body = CHAT, {"model": MODEL, "messages": [self.message() for _ in range(r.randint(1, 4))]}
+            body |= self.pick({"max_completion_tokens": lambda: r.choice([1, 5, 100])}, 0.1)
+        else:
+            prompt = r.choice([self.text() or "x", [r.randrange(VOCAB) for _ in range(r.randint(1, CONTEXT + 2))]])
+            path, body = COMPLETIONS, {"model": MODEL, "prompt": prompt}
+        body |= self.common()
+        if r.random() < 0.3:
+            for _ in range(r.randint(1, 2)):
+                body[r.choice([*body, "resume_from", "echo", "best_of", "suffix", "store", "unknown"])] = r.choice(JUNK)
+        return path, body
+
+
+def _check(path: str, body: dict[str, Any], status: int, content_type: str, raw: bytes) -> None:
+    where = f"{path} {json.dumps(body)[:300]}"
+    assert status < 500, f"{status} for {where}: {raw[:300]!r}"
+    if status >= 400:
+        error = json.loads(raw)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], where
+        assert not INTERNALS.search(error["message"]), f"{error['message']!r} for {where}"
+    elif content_type.startswith("text/event-stream"):
+        text = raw.decode()
+        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, f"{where}: {text[-300:]}"
+    else:
+        assert json.loads(raw)["choices"], where
+
+
+def test_random_bodies_never_fail_the_server(url: str) -> None:
+    bodies, statuses = Bodies(seed=0), set()
+    with httpx.Client(base_url=url, timeout=60, headers={"content-type": "application/json"}) as client:
+        for _ in range(300):
+            path, body = bodies()
+            with client.stream("POST", path, content=json.dumps(body, allow_nan=True)) as r:
+                raw = b"".join(r.iter_bytes())
+            _check(path, body, r.status_code, r.headers.get("content-type", ""), raw)
+            statuses.add(r.status_code)
+        r = client.post(COMPLETIONS, json={"model": MODEL, "prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert {200, 400} <= statuses  # the bodies reach generation as well as validation
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "message"),
+    [
+        (COMPLETIONS, {"prompt": 5}, "prompt", "prompt: Input should be text or a list of token ids"),
+        (COMPLETIONS, {"prompt": ""}, "prompt", "prompt: String should have at least 1 character"),
+        (COMPLETIONS, {"prompt": [3, -1]}, "prompt", "prompt.1: Input should be greater than or equal to 0"),
+        (COMPLETIONS, {"prompt": "hi", "stop": 3}, "stop",
+         "stop: Input should be a string or a list of up to 4 strings"),
+        (COMPLETIONS, {"prompt": "hi", "stop": ["x", ""]}, "stop", "stop.1: String should have at least 1 character"),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages",
+         "messages.0.content: Input should be a string or a list of text parts"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages",
+         "messages.0.content.0.text: Input should be a valid string"),
+    ],
+)  # fmt: skip
+def test_a_string_or_list_field_reports_the_member_its_json_type_chose(
+    url: str, path: str, fields: dict[str, Any], param: str, message: str
+) -> None:
+    r = httpx.post(f"{url}{path}", json={"model": MODEL, **fields}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == param
