@@ -415,11 +415,15 @@ def validate(
 
 
 def _same_prompt(pool: Pool, q: RequestTrace) -> SeqTrace | TreeSeqTrace | None:
-    """The longest recorded sequence of the same prompt (class and prompt length), if the pool has one. Greedy
-    decoding is lossless, so a prompt's outputs, and the draft's agreement with them, are the same under every
-    policy: replaying its own recording isolates the simulator's mechanics and costs from prompt-to-prompt
-    acceptance variance (a batch-1 run is a single prompt)."""
-    same = [t for t in pool.get(request_class(q), []) if t.prompt_len == q.prompt_len]
+    """The longest recorded sequence of the same prompt (its ``prompt_key``; class and prompt length in traces
+    without one), if the pool has one. Greedy decoding is lossless, so a prompt's outputs, and the draft's agreement
+    with them, are the same under every policy: replaying its own recording isolates the simulator's mechanics and
+    costs from prompt-to-prompt acceptance variance (a batch-1 run is a single prompt)."""
+    same = [
+        t
+        for t in pool.get(request_class(q), [])
+        if t.prompt_len == q.prompt_len and (q.prompt_key is None or t.prompt_key in (None, q.prompt_key))
+    ]
     return max(same, key=_recorded_length, default=None)
 
 

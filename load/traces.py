@@ -8,6 +8,7 @@ verify call's items and outputs (the KLD values per verified position are not in
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from collections.abc import Iterable, Iterator, Sequence
@@ -72,12 +73,18 @@ class RequestTrace(BaseModel):
 
     category: str  # MT-bench category, or "synthetic a=<p>"
     prompt_len: int
+    prompt_key: str | None = None  # ``prompt_key`` of its token ids; None in older traces
     max_tokens: int
     synthetic_accept: float | None = None
     output_tokens: int = 0
     ttft_s: float | None = None
     tpot_s: float | None = None
     latency_s: float | None = None
+
+
+def prompt_key(ids: Sequence[int]) -> str:
+    """Identifies a prompt across runs (prompts of one length are told apart): sha256 of its ids, 16 hex digits."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
 class RunTrace(BaseModel):
@@ -213,6 +220,7 @@ class StepRecorder(StepObserver):
                 RequestTrace(
                     category=category,
                     prompt_len=len(req.prompt_ids),
+                    prompt_key=prompt_key(req.prompt_ids),
                     max_tokens=req.params.max_tokens,
                     synthetic_accept=None if spec is None else spec.synthetic_accept,
                     output_tokens=c.tokens,
@@ -237,6 +245,7 @@ class SeqTrace(BaseModel):
 
     cls: str  # the workload class: MT-bench category or "synthetic a=<p>"
     prompt_len: int
+    prompt_key: str | None = None
     max_tokens: int
     accepts: list[bool]
     klds: list[float]
@@ -265,7 +274,14 @@ def sequence_traces(run: RunTrace) -> list[SeqTrace]:
             vals = list(s.kld[:verified]) + [math.nan] * max(0, verified - len(s.kld))
             klds[s.req] += vals
     return [
-        SeqTrace(cls=request_class(r), prompt_len=r.prompt_len, max_tokens=r.max_tokens, accepts=a, klds=k)
+        SeqTrace(
+            cls=request_class(r),
+            prompt_len=r.prompt_len,
+            prompt_key=r.prompt_key,
+            max_tokens=r.max_tokens,
+            accepts=a,
+            klds=k,
+        )
         for r, a, k in zip(run.requests, accepts, klds, strict=True)
         if a
     ]
@@ -291,6 +307,7 @@ class TreeSeqTrace(BaseModel):
 
     cls: str
     prompt_len: int
+    prompt_key: str | None = None
     max_tokens: int
     steps: list[TreeStep]
 
@@ -313,7 +330,9 @@ def tree_sequence_traces(run: RunTrace) -> list[TreeSeqTrace]:
             steps[s.req].append(TreeStep(depth=s.depth, stopped=stopped, drafted=s.drafted, accepted=s.accepted,
                                          kld=list(s.kld)))  # fmt: skip
     return [
-        TreeSeqTrace(cls=request_class(r), prompt_len=r.prompt_len, max_tokens=r.max_tokens, steps=st)
+        TreeSeqTrace(
+            cls=request_class(r), prompt_len=r.prompt_len, prompt_key=r.prompt_key, max_tokens=r.max_tokens, steps=st
+        )
         for r, st in zip(run.requests, steps, strict=True)
         if st
     ]

@@ -502,6 +502,39 @@ def test_simulator_replays_recorded_traces(tiny_pair: tuple[Any, Any]) -> None:
         assert r["same_prompt"] == 1.0  # every request replays its own prompt's recording (greedy: exact)
 
 
+def test_simulator_reproduces_runs_priced_by_a_known_cost_model(tiny_pair: tuple[Any, Any]) -> None:
+    """Engine runs whose every step is re-timed by a known linear cost model: the simulator, fitting its cost model
+    from those steps and replaying each request's own greedy recording, must give the runs' throughput and idle
+    fraction exactly, in-sample and at a batch size left out of the fit (interpolated)."""
+    truth = CostModel(
+        source="truth",
+        draft_level=Curve.linear(0.002, 0.0005),
+        verify=Curve.linear(0.008, 0.0003),
+        overhead=Curve.linear(0.0005, 0.0001),
+    )
+
+    def priced(run: RunTrace) -> RunTrace:
+        steps = []
+        for step, sample in zip(run.steps, cost_samples([run]), strict=True):
+            draft_s, verify_s, overhead_s = truth.predict(sample)
+            steps.append(step.model_copy(update={"draft_s": draft_s, "verify_s": verify_s, "overhead_s": overhead_s}))
+        return run.model_copy(update={"steps": steps, "seconds": sum(st.step_s for st in steps)})
+
+    policies = (PolicyName.plain, PolicyName.static, PolicyName.dsde_nocap, PolicyName.dsde_cap, PolicyName.ddd,
+                PolicyName.dsde_ddd)  # fmt: skip
+    runs = [priced(_record(tiny_pair, p, b, [None, None] * b)) for b in (1, 2, 4) for p in policies]
+    widest = runs[-1].requests
+    assert len({q.prompt_len for q in widest}) < len(widest)  # prompts of one length: told apart by their ids
+    in_sample = validate(runs, ValidationMode.in_sample, repeats=1)
+    left_out = [r for r in validate(runs, ValidationMode.leave_batch_out, repeats=1) if r["batch"] == 2]
+    assert len(in_sample) == len(runs) and len(left_out) == len(policies)
+    for r in in_sample + left_out:
+        assert r["same_prompt"] == 1.0
+        assert abs(r["error"]) < 1e-6, r
+        assert r["sim_idle"] == pytest.approx(r["measured_idle"], abs=1e-9), r
+    assert max(r["measured_idle"] for r in in_sample) > 0.03  # the lock-step draft's idle rows are replayed too
+
+
 def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
     from load import simulate as sim_cli
     from load import straggler
