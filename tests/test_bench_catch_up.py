@@ -3,8 +3,15 @@ where the window binds nothing (greedy runs are deterministic)."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+import pytest
+import torch
+
 from specserve.bench.catch_up import ScriptedGuard, acceptance, methods, switch_cost
 from specserve.models.tiny import tiny_model
+from specserve.workers.head_draft import HeadDraftWorker
 from tests.test_head_drafter import random_head
 
 
@@ -40,3 +47,26 @@ def test_switch_cost_reports_each_window() -> None:
     assert [r["window"] for r in rows] == [64, 4]
     assert all(r["batch"] == 3 and r["context"] == 21 for r in rows)
     assert all(isinstance(r[k], float) and r[k] > 0 for r in rows for k in ("switch_ms", "plain_ms", "spec_ms"))
+
+
+def test_switch_cost_times_the_catch_up_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head's catch-up made to cost 5 ms a fed row: the switch step carries the catch-up of the whole context
+    (prompt + plain steps) up to the window, a speculative step after it only its last step's rows, plain steps
+    none; so the columns must be apart by those sleeps, whatever this host's own step times."""
+    per_row = 0.005
+    catch_up = HeadDraftWorker._catch_up
+
+    def slow_catch_up(self: HeadDraftWorker, ready: list[Any]) -> list[torch.Tensor]:
+        time.sleep(per_row * sum(len(r[1]) for r in ready))
+        return catch_up(self, ready)
+
+    monkeypatch.setattr(HeadDraftWorker, "_catch_up", slow_catch_up)
+    target = tiny_model(seed=0)
+    head = random_head(target)
+    prompts = [[5, 9, 33, 71, 2 + i] * 3 for i in range(3)]  # 15 tokens each; 6 plain steps: a context of 21
+    spec = methods(0.0)["chain 1"]
+    rows = switch_cost(target, head, prompts, spec, [64, 4], after=6, repeats=1, max_model_len=128)
+    wide, narrow = rows
+    assert wide["switch_ms"] - narrow["switch_ms"] > 1e3 * per_row * 3 * (21 - 4) * 0.8  # 3 x 17 more rows caught up
+    assert narrow["switch_ms"] - narrow["spec_ms"] > 1e3 * per_row * 3 * (4 - 2) * 0.8  # 4 rows vs at most 2 a step
+    assert all(r["plain_ms"] < r["spec_ms"] for r in rows)  # no catch-up in plain steps
