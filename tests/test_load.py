@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -13,11 +14,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fastapi import FastAPI
 
 from load.client import (
     ALLOW_REMOTE_ENV,
@@ -700,6 +703,82 @@ def test_locust_short_run_has_no_failures(tiny_deployment: str, tmp_path: Path) 
     assert {"POST", "TTFT", "TPOT", "TOKENS"} <= set(by_type), sorted(by_type)
     assert sum(int(r["Request Count"]) for r in by_type["POST"]) >= 4
     assert time.perf_counter() - t0 < 150
+
+
+class Misbehaviour(str, Enum):
+    ok = "ok"
+    busy = "busy"  # a 429
+    error_event = "error event"  # an SSE error event after a chunk
+    no_done = "no [DONE]"  # the stream ends without the sentinel
+    cut = "cut"  # the connection drops mid-body
+
+
+def _misbehaving_api() -> FastAPI:
+    """A chat-completions endpoint that answers each request the next way of ``Misbehaviour`` in turn."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    api, turn = FastAPI(), itertools.count()
+    chunk = 'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+    usage = 'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
+
+    @api.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @api.post("/v1/chat/completions")
+    def chat() -> Any:
+        kind = list(Misbehaviour)[next(turn) % len(Misbehaviour)]
+        if kind == Misbehaviour.busy:
+            return JSONResponse({"error": {"message": "at capacity"}}, status_code=429, headers={"Retry-After": "1"})
+
+        def events() -> Iterator[str]:
+            yield chunk
+            if kind == Misbehaviour.error_event:
+                yield 'data: {"error":{"message":"the lane lost its workers","type":"server_error"}}\n\n'
+            if kind == Misbehaviour.cut:
+                raise RuntimeError("connection dropped")
+            yield chunk + usage
+            if kind != Misbehaviour.no_done:
+                yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return api
+
+
+def test_locust_counts_each_broken_answer_as_that_requests_failure(tmp_path: Path) -> None:
+    """The locustfile against a server that answers in turn a full stream, a 429, an error event, a stream without
+    [DONE] and a cut connection: each bad answer is a failure with its own reason; only full streams give latency."""
+    if importlib.util.find_spec("locust") is None:  # not imported here: Locust monkey-patches the process
+        pytest.skip("locust is not installed (pip install locust)")
+    from tests.api_backend import serving
+
+    prefix = tmp_path / "locust"
+    env = {**os.environ, "SPECSERVE_WAIT_MAX_S": "0.01", "SPECSERVE_CATEGORIES": "coding"}
+    env.pop(ALLOW_REMOTE_ENV, None)
+    with serving(_misbehaving_api()) as url:
+        cmd = [sys.executable, "-m", "locust", "-f", "load/locustfile.py", "--headless", "-u", "1", "-r", "1"]
+        cmd += ["-t", "6s", "--host", url, "--csv", str(prefix), "--only-summary", "--stop-timeout", "5"]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # Locust's exit code when requests failed
+    with open(f"{prefix}_stats.csv") as f:
+        stats = {(row["Type"], row["Name"]): row for row in csv.DictReader(f)}
+    with open(f"{prefix}_failures.csv") as f:
+        failures = {row["Error"]: int(row["Occurrences"]) for row in csv.DictReader(f)}
+    post = stats["POST", "/v1/chat/completions [stream]"]
+    sent, failed = int(post["Request Count"]), int(post["Failure Count"])
+    assert sent >= 2 * len(Misbehaviour)
+    reasons = {
+        "HTTP 429": Misbehaviour.busy,
+        "the lane lost its workers": Misbehaviour.error_event,
+        "the stream ended without data: [DONE]": Misbehaviour.no_done,
+        "stream broken": Misbehaviour.cut,
+    }
+    seen = {kind: sum(n for error, n in failures.items() if reason in error) for reason, kind in reasons.items()}
+    assert all(n >= 1 for n in seen.values()), failures
+    assert sum(seen.values()) == failed == sum(failures.values())
+    assert int(stats["TTFT", "coding"]["Request Count"]) == sent - failed  # latency from full streams only
+    assert float(stats["TOKENS", "coding"]["Min Response Time"]) == 2  # the usage chunk's completion tokens
 
 
 def test_a_dropped_stream_is_that_requests_failure_not_the_sweeps() -> None:
