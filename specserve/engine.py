@@ -153,6 +153,15 @@ class Engine:
         if len(plist) != len(batch):
             raise InvalidRequestError(f"{len(batch)} prompts but {len(plist)} sampling parameter sets")
         ids = [self.submit(p, sp, chat=chat, speculation=speculation) for p, sp in zip(batch, plist, strict=True)]
+        return self.collect(ids)
+
+    def collect(self, request_ids: Sequence[str]) -> list[Completion]:
+        """Run submitted requests to completion (batched with whatever else is queued); completions in the order
+        given."""
+        ids = list(request_ids)
+        unknown = [rid for rid in ids if not self.loop.knows(rid)]
+        if unknown:
+            raise InvalidRequestError(f"no running or queued request with id {unknown[0]!r}")
         prompt_ids = {rid: self.loop.prompt_ids(rid) for rid in ids}
         completions = []
         with self._consuming(ids):

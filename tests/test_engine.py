@@ -229,3 +229,15 @@ def test_streams_and_generate_consumed_together_each_get_their_own_output(tiny: 
     next(early)
     early.close()  # a consumer that stops early frees its request
     assert engine.loop.target.cache.num_free == 4 and not engine.loop.has_work
+
+
+def test_collect_runs_submitted_requests_in_the_order_given(tiny: LlamaModel) -> None:
+    engine = Engine(tiny, None, max_batch_size=4, eos_token_ids=set())
+    ids = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS[:3], (5, 9, 7), strict=True)]
+    done = engine.collect(ids[::-1])
+    assert [c.request_id for c in done] == ids[::-1]
+    want = [greedy_reference(tiny, p, n) for p, n in zip(PROMPTS[2::-1], (7, 9, 5), strict=True)]
+    assert [c.token_ids for c in done] == want
+    with pytest.raises(InvalidRequestError, match="req-0"):
+        engine.collect([ids[0]])  # finished and consumed
+    assert not engine.loop.has_work
