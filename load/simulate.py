@@ -518,7 +518,7 @@ def _specs_from_runs(runs: Sequence[RunTrace]) -> dict[PolicyName, SpecConfig]:
     return specs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m load.simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, required=True, help="traces.jsonl written by load.straggler")
     p.add_argument("--out", type=Path, default=Path("bench_out/sim"))
@@ -541,6 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--validate-only", action="store_true", help="skip the sweep")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     study = SimStudy(
         traces=args.traces,
