@@ -24,9 +24,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from load.cost import CostModel, FitKind, RooflineName, fit_quality, measure_cost_model
 from load.traces import (
@@ -58,6 +58,7 @@ from specserve.bench.stats import (
     write_csv,
 )
 from specserve.config import Drafter, SLPolicyKind, SpecConfig
+from specserve.errors import settings_problems
 from specserve.models.llama import LlamaModel
 from specserve.policy import SequenceDSDE, verified_positions
 from specserve.policy.planner import SLPlanner
@@ -450,9 +451,9 @@ class SimStudy(BaseModel):
 
     traces: Path
     out: Path = Path("bench_out/sim")
-    batch_sizes: list[int] = [1, 16, 64, 128, 256, 512]
-    policies: list[PolicyName] = list(SIMULATED_POLICIES)
-    workloads: list[WorkloadKind] = [WorkloadKind.real, WorkloadKind.synthetic]
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default=[1, 16, 64, 128, 256, 512], min_length=1)
+    policies: list[PolicyName] = Field(default=list(SIMULATED_POLICIES), min_length=1)
+    workloads: list[WorkloadKind] = Field(default=[WorkloadKind.real, WorkloadKind.synthetic], min_length=1)
     requests_per_slot: int = Field(default=2, ge=1)
     min_tokens: int | None = None
     max_tokens: int | None = None
@@ -547,27 +548,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    study = SimStudy(
-        traces=args.traces,
-        out=args.out,
-        batch_sizes=args.batch_sizes,
-        policies=args.policies,
-        workloads=args.workloads,
-        requests_per_slot=args.requests_per_slot,
-        min_tokens=args.min_tokens,
-        max_tokens=args.max_tokens,
-        cost=args.cost,
-        roofline=args.roofline,
-        measure_target=args.measure_target,
-        measure_draft=args.measure_draft,
-        measure_dtype=args.measure_dtype,
-        device=args.device,
-        profile_rows=args.profile_rows,
-        fit=args.fit,
-        validate_runs=args.validate or args.validate_only,
-        repeats=args.repeats,
-        seed=args.seed,
-    )
+    try:
+        study = SimStudy(
+            traces=args.traces,
+            out=args.out,
+            batch_sizes=args.batch_sizes,
+            policies=args.policies,
+            workloads=args.workloads,
+            requests_per_slot=args.requests_per_slot,
+            min_tokens=args.min_tokens,
+            max_tokens=args.max_tokens,
+            cost=args.cost,
+            roofline=args.roofline,
+            measure_target=args.measure_target,
+            measure_draft=args.measure_draft,
+            measure_dtype=args.measure_dtype,
+            device=args.device,
+            profile_rows=args.profile_rows,
+            fit=args.fit,
+            validate_runs=args.validate or args.validate_only,
+            repeats=args.repeats,
+            seed=args.seed,
+        )
+    except ValidationError as e:
+        p.error(settings_problems(e, as_flags=True))
     runs = read_traces(study.traces)
     study.out.mkdir(parents=True, exist_ok=True)
     report: list[str] = [f"# Simulated lane: {study.traces}", ""]

@@ -25,10 +25,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from load.client import StreamStats, check_loopback, parse_sse_line
 from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
@@ -50,6 +50,7 @@ from specserve.bench.stats import (
 )
 from specserve.config import MODEL_PAIRS, Drafter, DType, SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.errors import settings_problems
 from specserve.guard import ThroughputGuard
 from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
@@ -67,9 +68,9 @@ class StudyConfig(BaseModel):
 
     pair: str = TINY_PAIR  # "tiny" (random weights + noisy copy) or a name in specserve.config.MODEL_PAIRS
     tiny_noise: float = Field(default=0.01, ge=0.0, description="tiny draft = target + this relative noise")
-    batch_sizes: list[int] = [1, 4, 16]
-    policies: list[PolicyName] = list(STUDY_POLICIES)
-    workloads: list[WorkloadKind] = [WorkloadKind.real, WorkloadKind.synthetic]
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default=[1, 4, 16], min_length=1)
+    policies: list[PolicyName] = Field(default=list(STUDY_POLICIES), min_length=1)
+    workloads: list[WorkloadKind] = [WorkloadKind.real, WorkloadKind.synthetic]  # empty: the HTTP sweep only
     categories: list[str] = ["coding", "writing"]
     synthetic_mix: list[float] = [0.9, 0.3]
     requests_per_slot: int = Field(default=2, ge=1, description="requests per run = this x batch size")
@@ -653,7 +654,10 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--http-max-prompt-chars", type=int, default=None, help="truncate prompts (tiny deployments)")
     args = vars(p.parse_args(argv))
     http_only = args.pop("http_only")
-    cfg = StudyConfig.model_validate(args)
+    try:
+        cfg = StudyConfig.model_validate(args)
+    except ValidationError as e:
+        p.error(settings_problems(e, as_flags=True))
     if http_only and cfg.url is None:
         p.error("--http-only needs --url")
     return cfg.model_copy(update={"workloads": [] if http_only else cfg.workloads})

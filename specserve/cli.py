@@ -23,7 +23,7 @@ from specserve.config import (
     default_pair,
     serving_speculation,
 )
-from specserve.errors import SpecServeError
+from specserve.errors import SpecServeError, settings_problems
 from specserve.sampling import SamplingParams
 
 
@@ -177,8 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
     except pydantic.ValidationError as e:  # an argument out of a setting's range (--max-tokens 0, --top-p 2)
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
-        print(f"specserve: error: invalid arguments: {problems}", file=sys.stderr)
+        print(f"specserve: error: invalid arguments: {settings_problems(e)}", file=sys.stderr)
         return 2
 
 

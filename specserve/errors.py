@@ -7,7 +7,21 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pydantic import ValidationError
+
     from specserve.sequence import RequestOutput
+
+
+def settings_problems(e: ValidationError, *, as_flags: bool = False) -> str:
+    """A settings error on one line: each field (``--its-flag`` with ``as_flags``) and what is wrong with it."""
+
+    def describe(loc: tuple[int | str, ...], msg: str) -> str:
+        msg = msg.removeprefix("Value error, ")
+        if not loc:  # a check across fields: its message names them
+            return msg
+        return f"--{str(loc[0]).replace('_', '-')}: {msg}" if as_flags else f"{'.'.join(map(str, loc))}: {msg}"
+
+    return "; ".join(dict.fromkeys(describe(err["loc"], err["msg"]) for err in e.errors()))
 
 
 class SpecServeError(Exception):

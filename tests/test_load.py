@@ -570,6 +570,29 @@ def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
         sim_cli.SimConfig(batch_size=1, policy=PolicyName.static, spec=lookup)
 
 
+@pytest.mark.parametrize(
+    ("tool", "argv", "message"),
+    [
+        ("straggler", ["--batch-sizes", "4", "0"], "--batch-sizes: Input should be greater than or equal to 1"),
+        ("straggler", ["--repeats", "0"], "--repeats: Input should be greater than or equal to 1"),
+        ("straggler", ["--min-tokens", "9", "--max-tokens", "8"], "error: min_tokens > max_tokens"),
+        ("simulate", ["--traces", "t.jsonl", "--batch-sizes", "-1"], "--batch-sizes: Input should be greater than"),
+        ("simulate", ["--traces", "t.jsonl", "--repeats", "0"], "--repeats: Input should be greater than"),
+    ],
+)
+def test_study_settings_out_of_range_are_usage_errors(
+    tool: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from load import simulate as sim_cli
+    from load import straggler
+
+    with pytest.raises(SystemExit) as exit_:
+        (straggler.main if tool == "straggler" else sim_cli.main)(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
 def test_study_max_sl_caps_every_speculative_policy() -> None:
     from load import straggler
 
