@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
 from specserve.config import (
@@ -21,6 +21,7 @@ from specserve.config import (
     SpecConfig,
     default_pair,
 )
+from specserve.validated import Validated
 
 TINY_MODEL_NAME = "tiny"
 _HTTP_DEFAULTS = HTTPOptions()
@@ -43,7 +44,7 @@ class PlacementStrategy(str, Enum):
 RAY_RESOURCE_STEP = 1e-4  # the smallest quantity of a resource Ray schedules
 
 
-class ActorResources(BaseModel):
+class ActorResources(Validated):
     """Resources one actor reserves (its placement-group bundle); GPUs select the CUDA device."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -82,7 +83,7 @@ class ActorResources(BaseModel):
         return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources)}
 
 
-class TinyModels(BaseModel):
+class TinyModels(Validated):
     """Tiny random-weight models built inside the actors (for tests): ``tiny_model(seed)`` as the target and
     ``noisy_copy(target, draft_noise, seed=draft_seed)`` as the draft; text goes through a byte-level tokenizer."""
 
@@ -94,7 +95,7 @@ class TinyModels(BaseModel):
     draft_head: bool = Field(default=False, description="draft with a random EAGLE head over the target instead")
 
 
-class ModelRecipe(BaseModel):
+class ModelRecipe(Validated):
     """How an actor builds its model: small and picklable, so weights are built where they run and never travel."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -7,8 +7,8 @@ import sys
 from collections.abc import Sequence
 
 import pydantic
-import torch
 
+from specserve.arg_types import positive_int, present_device_arg
 from specserve.config import (
     MODEL_PAIRS,
     SERVING_MAX_STEP_TOKENS,
@@ -25,22 +25,6 @@ from specserve.config import (
 )
 from specserve.errors import SpecServeError, settings_problems
 from specserve.sampling import SamplingParams
-
-
-def device_arg(text: str) -> str:
-    """``--device``: a torch device's name (a clear usage error otherwise, not a traceback later)."""
-    try:
-        torch.device(text)
-    except RuntimeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({e})") from None
-    return text
-
-
-def present_device_arg(text: str) -> str:
-    """``--device`` for a command that runs models on it: one this machine has."""
-    if torch.device(device_arg(text)).type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: this torch has no CUDA device")
-    return text
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -133,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion to the terminal")
     g.add_argument("prompt")
     _model_args(g)
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=positive_int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-k", type=positive_int, default=None)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from specserve.policy import DSDEConfig, SparseTail
+from specserve.validated import Validated
 
 
 class DType(str, Enum):
@@ -29,7 +30,7 @@ class SourceKind(str, Enum):
     hub = "hub"  # a Hugging Face hub id ("org/name"); needs a reachable hub
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(Validated):
     """Where a model comes from and how to run it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -160,7 +161,7 @@ class ModelSpec(BaseModel):
 BUILTIN_HEADS_DIR = Path(__file__).parent / "heads"  # heads shipped with the package: heads/<name>/
 
 
-class HeadSpec(BaseModel):
+class HeadSpec(Validated):
     """An EAGLE draft head for the target: a directory (config.json + weights, either published layout) or the
     name of a head shipped in ``specserve/heads/``. It shares the target's embedding (and EAGLE-1/2 LM head)."""
 
@@ -203,7 +204,7 @@ class Drafter(str, Enum):
     suffix = "suffix"  # suffix trees over the request's tokens and recent outputs (docs/algorithms.md §10.2)
 
 
-class ModelFreeConfig(BaseModel):
+class ModelFreeConfig(Validated):
     """Model-free drafting (docs/algorithms.md §10). Defaults: prompt lookup as vLLM's n-gram drafter runs it
     (match 4 down to 2 tokens), suffix decoding's minimum token probability 0.1."""
 
@@ -237,7 +238,7 @@ class KLDMode(str, Enum):
     sparse = "sparse"  # top-K of q plus the leftover mass (what crosses actors)
 
 
-class SpecConfig(BaseModel):
+class SpecConfig(Validated):
     """Speculation settings (docs/algorithms.md §1 to §5). Defaults follow the papers."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -393,7 +394,7 @@ FREEZE_GC_HELP = (
 )
 
 
-class LoopConfig(BaseModel):
+class LoopConfig(Validated):
     """How one continuous-batching loop runs: the in-process ``EngineConfig`` and the Serve app's ``AppArgs``
     both extend it."""
 

@@ -52,6 +52,10 @@ class KVCapacityError(SpecServeError):
     """A sequence would exceed its KV slot, or no slot is free."""
 
 
+class SettingsError(SpecServeError, ValueError):
+    """Settings the library cannot run with, or that contradict each other; the message names them."""
+
+
 class InvalidRequestError(SpecServeError, ValueError):
     """A request's prompt or sampling values are invalid."""
 

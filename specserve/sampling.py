@@ -5,10 +5,12 @@ from __future__ import annotations
 import secrets
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from specserve.validated import Validated
 
 
-class SamplingParams(BaseModel):
+class SamplingParams(Validated):
     """Per-request sampling. temperature 0 = greedy."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

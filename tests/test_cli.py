@@ -14,7 +14,8 @@ from specserve.cli import main
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--max-tokens", "0"], "max_tokens: Input should be greater than or equal to 1"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be at least 1, not 0"),
+        (["--top-k", "x"], "argument --top-k: 'x' is not an integer"),
         (["--top-p", "2"], "top_p"),
         (["--temperature", "-1"], "temperature"),
         (["--device", "bogus"], "'bogus' is not a torch device"),
@@ -30,6 +31,42 @@ def test_bad_generate_arguments_are_usage_errors(
     assert status == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "spec", "--num-prompts", "0"], "argument --num-prompts: must be at least 1, not 0"),
+        (["bench", "spec", "--budget", "-1"], "argument --budget: must be at least 0, not -1"),
+        (["bench", "spec", "--budget", "1", "--num-prompts", "1"], "budget: Input should be greater than or equal"),
+        (["bench", "catch-up", "--switch-after", "0"], "argument --switch-after: must be at least 1, not 0"),
+        (["bench", "catch-up", "--windows", "0"], "argument --windows: must be at least 1, not 0"),
+        (["bench", "overhead", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
+        (["bench", "runner", "--rows", "4", "0"], "argument --rows: must be at least 1, not 0"),
+        (["bench", "agreement", "--per-set", "0"], "argument --per-set: must be at least 1, not 0"),
+        (["train-draft", "--out", "x", "--epochs", "0"], "argument --epochs: must be at least 1, not 0"),
+        (["train-draft", "--out", "x", "--prompts", "-1"], "argument --prompts: must be at least 0, not -1"),
+        (["train-draft", "--out", "x", "--prompts", "0"], "no training data"),
+    ],
+)
+def test_bad_bench_and_training_arguments_are_usage_errors(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import specserve.bench.spec
+    import specserve.models.loader
+
+    def no_model(*_: object, **__: object) -> None:
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    for module in (specserve.models.loader, specserve.bench.spec):
+        monkeypatch.setattr(module, "load_model", no_model)
+    try:
+        status = main(argv)
+    except SystemExit as e:
+        status = int(e.code or 0)
+    assert status == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA accepts --device cuda")

@@ -9,7 +9,7 @@ import pydantic
 import pytest
 import torch
 
-from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.config import Drafter, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.policy import (
     DSDEConfig,
     FlatKLD,
@@ -31,6 +31,7 @@ from specserve.policy import (
     wvir,
 )
 from specserve.policy.planner import SLPlanner
+from specserve.sampling import SamplingParams
 
 # ───────────────────────── config ─────────────────────────
 
@@ -73,6 +74,33 @@ def test_config_rejects_bad_values(kw):
 def test_config_is_frozen():
     with pytest.raises(pydantic.ValidationError):
         DSDEConfig().delta = 0.5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("settings", "update"),
+    [
+        (DSDEConfig(), {"n_short": 31}),  # a field's bound
+        (DSDEConfig(), {"sl_min": 17}),  # a check across fields
+        (SpecConfig(), {"catch_up_window": 0}),
+        (SpecConfig(), {"budget": 1}),
+        (SpecConfig(), {"ddd_check_steps": (3, 2)}),
+        (SpecConfig(), {"unknown_field": 1}),
+        (SamplingParams(), {"max_tokens": 0}),
+        (ModelSpec(), {"dtype": "float8"}),
+        (ModelSpec(), {"native_q4": True, "dtype": "bfloat16"}),  # native_q4 off its terms
+    ],
+)
+def test_a_settings_copy_is_checked_like_a_new_object(settings: pydantic.BaseModel, update: dict[str, object]) -> None:
+    with pytest.raises(pydantic.ValidationError):
+        settings.model_copy(update=update)
+
+
+def test_a_settings_copy_keeps_the_fields_it_does_not_change() -> None:
+    base = SpecConfig(method=SpecMethod.ddd, budget=6, ddd_check_steps=(1, 2, 3), dsde=DSDEConfig(sl_init=3))
+    assert base.model_copy(update={"budget": 8}) == SpecConfig(
+        method=SpecMethod.ddd, budget=8, ddd_check_steps=(1, 2, 3), dsde=DSDEConfig(sl_init=3)
+    )
+    assert base.model_copy() == base and base.model_copy(deep=True) == base
 
 
 # ───────────────────────── weighted variance / WVIR ─────────────────────────

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.arg_types import non_negative_int, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, HeadSpec
@@ -37,12 +38,16 @@ FIRST_HELD_OUT = {"seeds": 3900, "lexicon": 9600}  # the least offsets, for head
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", nargs="+", default=["smollm2-eagle3"], help="shipped head names or head directories")
     p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
-    p.add_argument("--per-set", type=int, default=10, help="prompts per set")
-    p.add_argument("--max-tokens", type=int, default=128, help="greedy answer tokens per prompt")
-    p.add_argument("--depths", type=int, default=3)
+    p.add_argument("--per-set", type=positive_int, default=10, help="prompts per set")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="greedy answer tokens per prompt")
+    p.add_argument("--depths", type=positive_int, default=3)
     held_out = "; default: past every compared head's training prompts (its provenance.json)"
-    p.add_argument("--seed-offset", type=int, default=None, help="held-out seed prompts start here" + held_out)
-    p.add_argument("--lexicon-offset", type=int, default=None, help="held-out lexicon prompts start here" + held_out)
+    p.add_argument(
+        "--seed-offset", type=non_negative_int, default=None, help="held-out seed prompts start here" + held_out
+    )
+    p.add_argument(
+        "--lexicon-offset", type=non_negative_int, default=None, help="held-out lexicon prompts start here" + held_out
+    )
     p.add_argument("--out", type=Path, default=Path("bench_out/agreement"))
 
 

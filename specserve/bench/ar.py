@@ -16,6 +16,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specserve.arg_types import positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DType, ModelSpec
@@ -28,10 +29,12 @@ from specserve.sampling import SamplingParams
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32", choices=[d.value for d in DType])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts per run (run in groups of the batch size)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8])
+    p.add_argument(
+        "--num-prompts", type=positive_int, default=8, help="prompts per run (run in groups of the batch size)"
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=64)
+    p.add_argument("--runs", type=positive_int, default=3)
     p.add_argument("--out", type=Path, default=Path("bench_out/ar"))
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.arg_types import non_negative_int, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.models.attention import attention
@@ -26,13 +27,13 @@ from specserve.timing import interleaved_medians
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 32])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8], help="new tokens per sequence")
-    p.add_argument("--context", type=int, default=256, help="cached tokens per sequence before them")
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4, 32])
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8], help="new tokens per sequence")
+    p.add_argument("--context", type=non_negative_int, default=256, help="cached tokens per sequence before them")
+    p.add_argument("--heads", type=positive_int, default=9)
+    p.add_argument("--kv-heads", type=positive_int, default=3)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=21)
     p.add_argument("--out", type=Path, default=Path("bench_out/attention"))
 
 

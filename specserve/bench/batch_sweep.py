@@ -11,6 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
+from specserve.arg_types import non_negative_int, positive_int
 from specserve.bench.policies import STUDY_POLICIES, PolicyName, policy_specs
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import (
@@ -32,7 +33,7 @@ WORKLOADS = ("real", "synthetic")
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default="smollm2-bf16", choices=sorted(MODEL_PAIRS))
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument(
         "--policies",
@@ -41,16 +42,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
         choices=[x.value for x in PolicyName],
         help="policies to compare (default: all but dsde_ddd_nocap)",
     )
-    p.add_argument("--requests-per-slot", type=int, default=2, help="requests per run = this x batch size")
-    p.add_argument("--min-tokens", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--static-sl", type=int, default=4, help="the best static SL (from bench spec)")
-    p.add_argument("--budget", type=int, default=16, help="tree verify budget T")
-    p.add_argument("--beam-width", type=int, default=4)
+    p.add_argument("--requests-per-slot", type=positive_int, default=2, help="requests per run = this x batch size")
+    p.add_argument("--min-tokens", type=positive_int, default=16)
+    p.add_argument("--max-tokens", type=positive_int, default=48)
+    p.add_argument("--static-sl", type=positive_int, default=4, help="the best static SL (from bench spec)")
+    p.add_argument("--budget", type=positive_int, default=16, help="tree verify budget T")
+    p.add_argument("--beam-width", type=positive_int, default=4)
     p.add_argument("--synthetic-mix", type=float, nargs="+", default=[0.9, 0.3])
-    p.add_argument("--max-step-tokens", type=int, default=0, help="cap on tokens verified per step (0 = off)")
+    p.add_argument(
+        "--max-step-tokens", type=non_negative_int, default=0, help="cap on tokens verified per step (0 = off)"
+    )
     p.add_argument("--guard", action="store_true", help="throughput guard: speculate only where it pays")
-    p.add_argument("--repeats", type=int, default=2, help="round-robin repeats per batch size; medians reported")
+    p.add_argument(
+        "--repeats", type=positive_int, default=2, help="round-robin repeats per batch size; medians reported"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_out/batch"))
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from specserve.arg_types import non_negative_int, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, SpecConfig, SpecMethod
@@ -47,15 +48,19 @@ class ScriptedGuard(ThroughputGuard):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--windows", type=int, nargs="+", default=[2048, 128, 64, 32, 16])
-    p.add_argument("--per-category", type=int, default=2, help="MT-bench first turns per category")
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--period", type=int, default=16, help="plain / speculative stretch length (0: no stretches)")
+    p.add_argument("--windows", type=positive_int, nargs="+", default=[2048, 128, 64, 32, 16])
+    p.add_argument("--per-category", type=positive_int, default=2, help="MT-bench first turns per category")
+    p.add_argument("--max-tokens", type=positive_int, default=96)
+    p.add_argument(
+        "--period", type=non_negative_int, default=16, help="plain / speculative stretch length (0: no stretches)"
+    )
     p.add_argument("--tree-min-prob", type=float, default=0.06, help="DDD's fixed floor")
-    p.add_argument("--switch-windows", type=int, nargs="+", default=[2048, 64], help="windows of the switch table")
-    p.add_argument("--switch-batch", type=int, default=16)
-    p.add_argument("--switch-after", type=int, default=200, help="plain steps before the switch")
-    p.add_argument("--repeats", type=int, default=3, help="switch-cost runs per window (medians)")
+    p.add_argument(
+        "--switch-windows", type=positive_int, nargs="+", default=[2048, 64], help="windows of the switch table"
+    )
+    p.add_argument("--switch-batch", type=positive_int, default=16)
+    p.add_argument("--switch-after", type=positive_int, default=200, help="plain steps before the switch")
+    p.add_argument("--repeats", type=positive_int, default=3, help="switch-cost runs per window (medians)")
     p.add_argument("--out", type=Path, default=Path("bench_out/catch_up"))
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.arg_types import positive_int
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.build import eos_ids_of
 from specserve.config import MODEL_PAIRS, ModelSpec
@@ -34,9 +35,9 @@ HELD_OUT = 100_000  # seed prompts are drawn from this index on: past any traini
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", type=int, default=64, help="conversations, generated together")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompts", type=positive_int, default=64, help="conversations, generated together")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--eagle1", action="store_true", help="final features only (default: EAGLE-3's aux layers too)")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and token-id prompts: seconds")
     p.add_argument("--out", type=Path, default=Path("bench_out/distill"))

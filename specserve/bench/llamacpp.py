@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.arg_types import positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.config import ModelSpec
 from specserve.models.llama import LlamaModel
@@ -51,9 +52,11 @@ class BenchRow:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--repeats", type=int, default=3, help="llama-bench repetitions per test (-r)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating llama.cpp / runner rounds; medians reported")
+    p.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    p.add_argument("--repeats", type=positive_int, default=3, help="llama-bench repetitions per test (-r)")
+    p.add_argument(
+        "--rounds", type=positive_int, default=3, help="alternating llama.cpp / runner rounds; medians reported"
+    )
     p.add_argument("--workdir", type=Path, default=None, help="default: <cache>/llamacpp")
     p.add_argument("--out", type=Path, default=Path("bench_out/llamacpp"))
 

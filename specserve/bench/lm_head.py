@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.arg_types import non_negative_int, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS
@@ -34,9 +35,11 @@ from specserve.timing import timed
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default=DEFAULT_PAIR, choices=sorted(MODEL_PAIRS), help="whose target's LM head")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8])
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--evict-mb", type=int, default=256, help="read this much memory before each call (0: warm)")
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 2, 4, 6, 8])
+    p.add_argument("--repeats", type=positive_int, default=15)
+    p.add_argument(
+        "--evict-mb", type=non_negative_int, default=256, help="read this much memory before each call (0: warm)"
+    )
     p.add_argument("--tiny", action="store_true", help="a small random model instead (tests)")
     p.add_argument("--out", type=Path, default=Path("bench_out/lm_head"))
 

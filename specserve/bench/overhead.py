@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deployments.app_args import AppArgs, WorkerRole
 from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.arg_types import positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import ModelSpec, SpecConfig
@@ -154,11 +155,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--pair", default="smollm2-int8", help="a MODEL_PAIRS name")
     group.add_argument("--tiny", action="store_true", help="tiny random models (no download)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--sl", type=int, default=4, help="chain speculation length")
-    p.add_argument("--torch-threads", type=int, default=2, help="per worker actor (the Engine uses torch's default)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per setting (the median is reported)")
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--sl", type=positive_int, default=4, help="chain speculation length")
+    p.add_argument(
+        "--torch-threads", type=positive_int, default=2, help="per worker actor (the Engine uses torch's default)"
+    )
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs per setting (the median is reported)")
     p.add_argument("--out", type=Path, default=Path("bench_out/serve_overhead.csv"))
 
 

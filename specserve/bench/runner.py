@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specserve.arg_types import non_negative_int, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
 from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed, linear
@@ -49,9 +50,9 @@ Fn = Callable[[], None]
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=[d.value for d in DType], default=None, help="default: the pair's target")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16], help="new tokens per forward")
-    p.add_argument("--context", type=int, default=256, help="cached tokens before them")
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 4, 16], help="new tokens per forward")
+    p.add_argument("--context", type=non_negative_int, default=256, help="cached tokens before them")
+    p.add_argument("--repeats", type=positive_int, default=15)
     p.add_argument("--tree-mask", action="store_true", help="verify with an explicit mask, as trees do")
     p.add_argument(
         "--batch",
@@ -60,7 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--mkl-packed",
-        type=int,
+        type=positive_int,
         nargs="*",
         default=[],
         help="also time the runner with MKL-packed weights for these widths (ModelSpec.mkl_packed_widths)",

@@ -22,11 +22,11 @@ from typing import cast
 
 import torch
 
+from specserve.arg_types import device_arg, non_negative_int, positive_int
 from specserve.bench.machine import device_summary
 from specserve.bench.policies import check_steps_arg
 from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
-from specserve.cli import device_arg
 from specserve.config import (
     MODEL_PAIRS,
     ChainDraft,
@@ -59,17 +59,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompts", nargs="+", default=["mt-bench"], help="JSONL files in the MT-bench layout, or 'mt-bench'"
     )
-    p.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
+    p.add_argument("--per-category", type=positive_int, default=None, help="the first N prompts of each category")
     p.add_argument("--pairs", nargs="+", default=["smollm2-eagle"], choices=sorted(MODEL_PAIRS), help="drafts")
     p.add_argument(
         "--heads", nargs="+", type=Path, default=[], help="more EAGLE head directories, loaded like the shipped head"
     )
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--num-prompts", type=int, default=80)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--chain-sl", type=int, nargs="+", default=[4])
+    p.add_argument("--num-prompts", type=positive_int, default=80)
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--chain-sl", type=positive_int, nargs="+", default=[4])
     p.add_argument("--ddd-x", type=float, nargs="+", default=[None], help="DDD threshold(s) x (default: config)")
-    p.add_argument("--beam-width", type=int, default=None, help="EAGLE-2 w (default: SpecConfig)")
+    p.add_argument("--beam-width", type=positive_int, default=None, help="EAGLE-2 w (default: SpecConfig)")
     p.add_argument(
         "--tree-min-prob", type=float, nargs="+", default=[None], help="trees: the least path draft probability kept"
     )
@@ -79,8 +79,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="trees: also each floor measured as the engine runs, starting from each --tree-min-prob "
         "(SpecConfig.adaptive_floor)",
     )
-    p.add_argument("--budget", type=int, nargs="+", default=[0], help="tree verify budget(s) T; 0 = auto-tune")
-    p.add_argument("--tree-depth", type=int, nargs="+", default=[None], help="EAGLE-2 depth(s) D (default: SpecConfig)")
+    p.add_argument(
+        "--budget", type=non_negative_int, nargs="+", default=[0], help="tree verify budget(s) T; 0 = auto-tune"
+    )
+    p.add_argument(
+        "--tree-depth", type=positive_int, nargs="+", default=[None], help="EAGLE-2 depth(s) D (default: SpecConfig)"
+    )
     p.add_argument(
         "--ddd-checks",
         type=check_steps_arg,
@@ -88,9 +92,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=[None],
         help="DDD check steps to compare, each comma-separated, e.g. 5,7,9 2,3,4 (default: SpecConfig)",
     )
-    p.add_argument("--ddd-max-depth", type=int, default=None, help="DDD n (default: SpecConfig)")
+    p.add_argument("--ddd-max-depth", type=positive_int, default=None, help="DDD n (default: SpecConfig)")
     p.add_argument(
-        "--draft-vocab", type=int, nargs="+", default=None, help="heads: reduced vocabulary size(s) V_d to compare"
+        "--draft-vocab",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        help="heads: reduced vocabulary size(s) V_d to compare",
     )
     p.add_argument(
         "--head-reads",
@@ -109,18 +117,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dsde", action="store_true", help="also run each chain / DDD method under DSDE + SL_cap")
     p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
     p.add_argument("--drafters", nargs="+", default=["model"], choices=DRAFTERS, help="who drafts")
-    p.add_argument("--free-sl", type=int, nargs="+", default=[5], help="model-free drafters: chain SL(s)")
-    p.add_argument("--free-budget", type=int, nargs="+", default=[8], help="model-free drafters: DDD budget(s) T")
+    p.add_argument("--free-sl", type=positive_int, nargs="+", default=[5], help="model-free drafters: chain SL(s)")
     p.add_argument(
-        "--model-budget", type=int, default=None, help="X+model DDD: the model's tree budget T (default: --free-budget)"
+        "--free-budget", type=positive_int, nargs="+", default=[8], help="model-free drafters: DDD budget(s) T"
+    )
+    p.add_argument(
+        "--model-budget",
+        type=positive_int,
+        default=None,
+        help="X+model DDD: the model's tree budget T (default: --free-budget)",
     )
     p.add_argument("--by-category", action="store_true", help="also a table per prompt category")
-    p.add_argument("--passes", type=int, default=1, help="run the prompts this many times (rows per pass)")
+    p.add_argument("--passes", type=positive_int, default=1, help="run the prompts this many times (rows per pass)")
     p.add_argument("--repeats", type=_positive, default=1, help="time each prompt R times in a row; keep the min")
     p.add_argument("--stop-at-eos", action="store_true", help="end each answer at EOS (default: max-tokens each)")
     p.add_argument("--guarded-default", action="store_true", help="add the serving default, throughput guard on")
     p.add_argument(
-        "--mkl-packed", type=int, nargs="*", default=[], help="targets with MKL-packed weights for these row counts"
+        "--mkl-packed",
+        type=positive_int,
+        nargs="*",
+        default=[],
+        help="targets with MKL-packed weights for these row counts",
     )
     p.add_argument(
         "--target-argmax",
@@ -504,10 +521,26 @@ def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict
     return dict(heads)
 
 
+def check_settings(args: argparse.Namespace) -> None:
+    """The methods' numbers checked as SpecConfig checks them, before any model loads (a pydantic error: a usage
+    error of the command line)."""
+    given = [
+        *({"sl": sl} for sl in [*args.chain_sl, *args.free_sl]),
+        *({"budget": t} for t in [*args.budget, *args.free_budget] if t),  # 0: auto-tuned
+        *({"ddd_threshold": x} for x in args.ddd_x if x is not None),
+        *({"tree_min_prob": f} for f in args.tree_min_prob if f is not None),
+        *({"tree_depth": d} for d in args.tree_depth if d is not None),
+        {"beam_width": args.beam_width, "ddd_max_depth": args.ddd_max_depth, "model_budget": args.model_budget},
+    ]
+    for fields in given:
+        SpecConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
 def run(args: argparse.Namespace) -> int:
     """Every target of ``--pairs`` gets its own plain row (its greedy reference); ratios are to the first plain."""
     if args.assisted and torch.device(args.device).type != "cpu":
         raise SpecServeError("--assisted (transformers assisted generation) runs on the CPU only")
+    check_settings(args)
     pairs = draft_pairs(args)
     target_specs: list[ModelSpec] = []
     for _, t_spec, _ in pairs:

@@ -22,8 +22,10 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from torch import Tensor
+
+from specserve.validated import Validated
 
 # ───────────────────────────── config ─────────────────────────────
 
@@ -53,7 +55,7 @@ class SLMinRule(str, Enum):
     reference = "reference"  # SL_min = min(SL_max, max(cfg.sl_min, ceil(0.1 * SL_max))) (cfg.sl_min is the floor)
 
 
-class DSDEConfig(BaseModel):
+class DSDEConfig(Validated):
     """DSDE parameters. Defaults: the paper's values and the [choice]s of docs/algorithms.md §4.9."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

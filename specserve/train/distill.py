@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
+from specserve.errors import SettingsError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 
@@ -298,9 +299,9 @@ def claim_data_dir(out: Path, settings: dict[str, Any]) -> None:
         differ = sorted(k for k in held.keys() | settings.keys() if held.get(k) != settings.get(k))
         if differ:
             shown = ", ".join(f"{k}: {held.get(k)!r} there, {settings.get(k)!r} now" for k in differ)
-            raise ValueError(f"{out} holds data written with other settings ({shown}); use another work dir")
+            raise SettingsError(f"{out} holds data written with other settings ({shown}); use another work dir")
     elif any(out.glob("chunk_*.safetensors")):
-        raise ValueError(f"{out} holds data chunks without a manifest.json (settings unknown); use another work dir")
+        raise SettingsError(f"{out} holds data chunks without a manifest.json (settings unknown); use another work dir")
     else:
         manifest.write_text(json.dumps(settings, indent=1) + "\n")
 
@@ -314,7 +315,7 @@ def iter_samples(chunks: Path | list[Path], *, aux: bool = False) -> Iterator[Sa
     for f in files:
         d = load_file(f)
         if aux and "aux_features" not in d:
-            raise ValueError(f"{f} holds no aux_features (written for an EAGLE-1/2 head): use another work dir")
+            raise SettingsError(f"{f} holds no aux_features (written for an EAGLE-1/2 head): use another work dir")
         off = d["offsets"].tolist()
         for i, plen in enumerate(d["prompt_lens"].tolist()):
             a, b = off[i], off[i + 1]

@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.errors import SettingsError, SpecServeError
 from specserve.train.self_prompts import mt_bench_shingles, shingles
 
 WORDNET_DIR = Path("/usr/share/wordnet")
@@ -36,7 +37,7 @@ class Noun:
     count: int  # tagged occurrences in WordNet's semantic concordance
 
 
-class WordNetMissing(FileNotFoundError):
+class WordNetMissing(SpecServeError, FileNotFoundError):
     pass
 
 
@@ -236,7 +237,7 @@ class _Pools:
         pools = (("things", self.things), ("ideas", self.ideas), ("people", self.people))
         missing = [name for name, pool in pools if not pool] + (["four nouns"] if len(common) < 4 else [])
         if missing:  # (the extraction templates list four definitions)
-            raise ValueError(f"the WordNet files hold no {', '.join(missing)}: are they complete?")
+            raise SettingsError(f"the WordNet files hold no {', '.join(missing)}: are they complete?")
         if not self.places:
             self.places = [Noun("a small town", "", LOCATION, 1)]
 
@@ -301,7 +302,7 @@ def lexicon_prompts(n: int, seed: int = 0, wordnet_dir: Path = WORDNET_DIR) -> l
     while len(out) < n:
         tries += 1
         if tries > 20 * n + 100:
-            raise ValueError(f"could not draw {n} distinct prompts from WordNet in {wordnet_dir}")
+            raise SettingsError(f"could not draw {n} distinct prompts from WordNet in {wordnet_dir}")
         kind = rng.choices(kinds, weights)[0]
         prompt = _fill(rng.choice(TEMPLATES[kind]), rng, pools)
         if prompt in seen or shingles(prompt) & banned:

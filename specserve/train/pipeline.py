@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specserve.arg_types import non_negative_int, positive_int, present_device_arg
 from specserve.bench.machine import device_summary
-from specserve.cli import present_device_arg
+from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
 from specserve.spec_decode.eagle_head import (
     EagleHead,
@@ -49,6 +50,8 @@ from specserve.train.self_prompts import AskFn, mt_bench_shingles, self_prompts
 from specserve.train.trainer import TrainConfig, check_starting_head, train_head, write_provenance
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
+NO_DATA = "no training data: ask for seed prompts, text passages, lexicon or self-written prompts"
+
 
 @dataclass(frozen=True)
 class TrainDraftConfig:
@@ -62,6 +65,10 @@ class TrainDraftConfig:
     lexicon_max_new_tokens: int = 128  # their answers: shorter, for more prompts per hour
     wordnet_dir: Path = WORDNET_DIR
     quick: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.data.num_prompts or self.text_passages or self.self_prompts or self.lexicon_prompts):
+            raise SettingsError(NO_DATA)  # before any model loads
 
     @staticmethod
     def quick_mode(target_name: str) -> TrainDraftConfig:
@@ -199,7 +206,7 @@ def train_draft(
         num_self = len(self_samples)
         samples += self_samples
     if not samples:
-        raise ValueError("no training data: ask for seed prompts, text passages, lexicon or self-written prompts")
+        raise SettingsError(NO_DATA)
     t_data = time.perf_counter() - t0
     counts = token_counts((s.tokens for s in samples), target.cfg.vocab_size)
     size = min(cfg.draft_vocab, target.cfg.vocab_size)
@@ -286,16 +293,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="the target: built-in name, HF dir or .gguf")
     p.add_argument("--out", type=Path, required=True, help="directory for the head (model.safetensors, config.json)")
     p.add_argument("--work-dir", type=Path, default=None, help="data and checkpoints (default: OUT/work)")
-    p.add_argument("--prompts", type=int, default=None, help="self-distillation prompts (default 1280)")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--draft-vocab", type=int, default=None, help="reduced draft vocabulary size (default 8192)")
-    p.add_argument("--text-passages", type=int, default=0, help="teacher-forced stdlib docstrings to add")
-    p.add_argument("--self-prompts", type=int, default=0, help="user requests the target writes itself to ask")
+    p.add_argument("--prompts", type=non_negative_int, default=None, help="self-distillation prompts (default 1280)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None)
+    p.add_argument("--epochs", type=positive_int, default=None)
     p.add_argument(
-        "--lexicon-prompts", type=int, default=0, help="task templates over WordNet's nouns (needs wordnet-base)"
+        "--draft-vocab", type=positive_int, default=None, help="reduced draft vocabulary size (default 8192)"
     )
-    p.add_argument("--lexicon-max-new-tokens", type=int, default=128)
+    p.add_argument("--text-passages", type=non_negative_int, default=0, help="teacher-forced stdlib docstrings to add")
+    p.add_argument(
+        "--self-prompts", type=non_negative_int, default=0, help="user requests the target writes itself to ask"
+    )
+    p.add_argument(
+        "--lexicon-prompts",
+        type=non_negative_int,
+        default=0,
+        help="task templates over WordNet's nouns (needs wordnet-base)",
+    )
+    p.add_argument("--lexicon-max-new-tokens", type=positive_int, default=128)
     p.add_argument("--wordnet-dir", type=Path, default=WORDNET_DIR, help="WordNet's dict files (data.noun, ...)")
     p.add_argument(
         "--kind",
@@ -314,7 +328,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"conversations generated together (default {DEFAULT_BATCH}); if given, also per data chunk",
     )
@@ -335,11 +349,6 @@ def run(args: argparse.Namespace) -> int:
     from specserve.sampling import SamplingParams
     from specserve.sequence import FinishReason
 
-    spec = ModelSpec(source=args.model, gemv_copies=False)
-    target = load_model(spec, device=args.device)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    tokenizer = load_tokenizer(spec)
     cfg = TrainDraftConfig.quick_mode(args.model) if args.quick else TrainDraftConfig(args.model)
     data: dict[str, Any] = {"seed": args.seed}
     if args.batch_size is not None:
@@ -367,6 +376,11 @@ def run(args: argparse.Namespace) -> int:
         lexicon_max_new_tokens=args.lexicon_max_new_tokens,
         wordnet_dir=args.wordnet_dir,
     )
+    spec = ModelSpec(source=args.model, gemv_copies=False)
+    target = load_model(spec, device=args.device)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tokenizer = load_tokenizer(spec)
     distill = greedy_distiller(target, eos_ids_of(target.hf_config.eos_token_id, tokenizer), batch_size)
 
     @functools.cache

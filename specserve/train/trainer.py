@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel, apply_rope, rms_norm
 from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, dense_weight, load_eagle_head
 from specserve.train.distill import Sample
@@ -228,9 +229,9 @@ def starting_head(target: LlamaModel, cfg: TrainConfig) -> EagleHead:
 
 def check_starting_head(head: EagleHead, cfg: TrainConfig) -> None:
     if head.cfg.kind != cfg.kind:
-        raise ValueError(f"{cfg.init_head} holds an {head.cfg.kind.value} head; training asks for {cfg.kind.value}")
+        raise SettingsError(f"{cfg.init_head} holds an {head.cfg.kind.value} head; training asks for {cfg.kind.value}")
     if cfg.kind == HeadKind.eagle3 and tuple(head.cfg.aux_layers) != tuple(cfg.aux_layers):
-        raise ValueError(
+        raise SettingsError(
             f"{cfg.init_head} fuses target layers {list(head.cfg.aux_layers)}; "
             f"the training data has {list(cfg.aux_layers)}"
         )
@@ -296,10 +297,10 @@ def train_head(
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False, map_location=device)
         if state["config"] != asdict(cfg):
-            raise ValueError(f"{ckpt} was written with other settings; remove it or use the same ones")
+            raise SettingsError(f"{ckpt} was written with other settings; remove it or use the same ones")
         for key, now in trained_on.items():
             if state.get(key) != now:
-                raise ValueError(
+                raise SettingsError(
                     f"{ckpt} was trained on other {'data' if key == 'data' else 'draft vocabulary ids'}; "
                     "remove it or rebuild the same data"
                 )
