@@ -24,7 +24,7 @@ class DType(str, Enum):
 
 
 class SourceKind(str, Enum):
-    builtin = "builtin"  # a name from specserve.models.sources.BUILTIN_MODELS
+    builtin = "builtin"  # a name from specserve.models.builtin.BUILTIN_MODELS
     hf_dir = "hf_dir"  # local directory with config.json + *.safetensors (+ tokenizer files)
     gguf = "gguf"  # a local .gguf file
     hub = "hub"  # a Hugging Face hub id ("org/name"); needs a reachable hub
@@ -144,7 +144,7 @@ class ModelSpec(Validated):
     def resolved_kind(self) -> SourceKind:
         if self.kind is not None:
             return self.kind
-        from specserve.models.sources import BUILTIN_MODELS
+        from specserve.models.builtin import BUILTIN_MODELS
 
         if self.source in BUILTIN_MODELS:
             return SourceKind.builtin

@@ -539,3 +539,21 @@ def test_real_builtin_matches_transformers_gguf(smollm2: Path) -> None:
         assert (ours(ids).logits - reference(ids).logits).abs().max().item() < 1e-4
         out = ours.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
+
+
+@pytest.mark.parametrize(
+    "first", ["specserve.models.sources", "specserve.models.native_stack", "specserve.models.loader", "specserve.cli"]
+)
+def test_a_module_imported_first_finds_the_configuration_whole(first: str) -> None:
+    """The configuration validates its built-in pairs when imported, which resolves the builtin models' names; a
+    module that imports the model sources first must not reach them half-initialised (an import cycle)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {first}\nimport specserve.config as c\nassert c.MODEL_PAIRS['smollm2-q4']"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
