@@ -9,6 +9,9 @@ Any other failed step is isolated: its sequences' worker caches are reset (they 
 a failure that names its sequence (``SequenceError``, also as the cause of Ray's RayTaskError) fails that request
 alone; one that names none is retried with the step's sequences split in halves, each half stepped alone (the rest
 wait), until the failing sequence is found and failed. The others continue with the tokens they would have had.
+A half steps without the throughput guard (``StepLoop.step(only)``): re-prefilling, it would otherwise decode plainly
+and never reach a drafting failure. What runs after a step committed (the SL update, the guard's records, observers)
+cannot lose its outputs: a sequence whose SL update fails fails alone, the rest is logged.
 """
 
 from __future__ import annotations

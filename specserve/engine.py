@@ -6,14 +6,14 @@ import collections
 import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
 from specserve.build import build_step_loop, draft_geometry, eos_ids_of, local_draft_worker
 from specserve.config import EngineConfig, LoopConfig, SpecConfig, SpecMethod
-from specserve.errors import InvalidRequestError, PartialStepError
+from specserve.errors import InvalidRequestError, PartialStepError, blamed_sequence
 from specserve.heap import freeze_loaded_objects
 from specserve.limits import context_limits, device_kv_slots
 from specserve.models.llama import LlamaModel
@@ -91,7 +91,8 @@ class Engine:
         features = draft_worker.features if isinstance(draft_worker, HeadDraftWorker) else None
         self.loop = build_step_loop(TargetWorker(model, **slots), draft_worker, cfg, limits, tokenizer, eos, features)
         self._ids = itertools.count()
-        self._outbox: dict[str, collections.deque[RequestOutput]] = {}  # outputs of requests a caller consumes
+        # every submitted request's outputs (or the error that ended it) until a caller has consumed them
+        self._outbox: dict[str, _Outbox] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -137,6 +138,7 @@ class Engine:
         request_id = f"req-{next(self._ids)}"
         ids = self.encode(prompt, chat=chat)
         self.loop.add_request(Request(request_id, ids, params or SamplingParams(), speculation))
+        self._outbox[request_id] = _Outbox(ids)
         return request_id
 
     def generate(
@@ -152,17 +154,23 @@ class Engine:
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise InvalidRequestError(f"{len(batch)} prompts but {len(plist)} sampling parameter sets")
-        ids = [self.submit(p, sp, chat=chat, speculation=speculation) for p, sp in zip(batch, plist, strict=True)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(batch, plist, strict=True):
+                ids.append(self.submit(p, sp, chat=chat, speculation=speculation))
+        except Exception:  # a prompt that fails to encode or validate: the ones before it are not left running
+            self._drop(ids)
+            raise
         return self.collect(ids)
 
     def collect(self, request_ids: Sequence[str]) -> list[Completion]:
         """Run submitted requests to completion (batched with whatever else is queued); completions in the order
         given."""
         ids = list(request_ids)
-        unknown = [rid for rid in ids if not self.loop.knows(rid)]
+        unknown = [rid for rid in ids if rid not in self._outbox]
         if unknown:
-            raise InvalidRequestError(f"no running or queued request with id {unknown[0]!r}")
-        prompt_ids = {rid: self.loop.prompt_ids(rid) for rid in ids}
+            raise InvalidRequestError(f"no submitted and unconsumed request with id {unknown[0]!r}")
+        prompt_ids = {rid: self._outbox[rid].prompt_ids for rid in ids}
         completions = []
         with self._consuming(ids):
             for rid in ids:  # the others' outputs wait in their outboxes meanwhile
@@ -175,14 +183,29 @@ class Engine:
         return completions
 
     def _step(self) -> list[RequestOutput]:
-        """One loop step; a request that failed to commit is aborted (its KV freed) before the error propagates."""
+        """One loop step. A request whose sequence failed is aborted (its KV freed) and its error waits in its
+        outbox for its consumer; the others keep every token the step committed. A failure that names no sequence
+        resets every running one (each re-prefills on its next step) and reaches the caller."""
         try:
             return self.loop.step()
         except PartialStepError as e:
-            for seq_id in e.failures:
-                if (request_id := self.loop.request_id(seq_id)) is not None:
-                    self.loop.abort(request_id)
-            raise
+            for seq_id, error in e.failures.items():
+                self._fail(seq_id, PartialStepError([], {seq_id: error}))
+            return e.outputs
+        except Exception as e:
+            running = {s.seq_id for s in self.loop.running}
+            self.loop.reset(running)  # part of the step may be in the workers' caches and the sequences' counters
+            if (blamed := blamed_sequence(e)) not in running:
+                raise
+            self._fail(blamed, e)
+            return []
+
+    def _fail(self, seq_id: int, error: Exception) -> None:
+        if (request_id := self.loop.request_id(seq_id)) is None:
+            return
+        self.loop.abort(request_id)
+        if (box := self._outbox.get(request_id)) is not None:
+            box.outputs.append(error)
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
@@ -195,24 +218,27 @@ class Engine:
 
     @contextlib.contextmanager
     def _consuming(self, request_ids: list[str]) -> Iterator[None]:
-        """An outbox for each request while a caller consumes its outputs; on leaving, the unfinished ones are
-        aborted (a consumer that stops early, or an error, frees their KV)."""
-        for rid in request_ids:
-            self._outbox[rid] = collections.deque()
+        """While a caller consumes these requests' outputs; on leaving, their outboxes go and the unfinished ones
+        are aborted (a consumer that stops early, or an error, frees their KV)."""
         try:
             yield
         finally:
-            for rid in request_ids:
-                del self._outbox[rid]
-                self.loop.abort(rid)
+            self._drop(request_ids)
+
+    def _drop(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._outbox.pop(rid, None)
+            self.loop.abort(rid)
 
     def _outputs(self, rid: str) -> Iterator[RequestOutput]:
-        """This request's outputs through its finished one, stepping the loop while none waits; a step's outputs
-        for other consumed requests go to their outboxes."""
-        box = self._outbox[rid]
+        """This request's outputs through its finished one (or the error that ended it), stepping the loop while
+        none waits; a step's outputs for other submitted requests go to their outboxes."""
+        box = self._outbox[rid].outputs
         while True:
             while box:
                 out = box.popleft()
+                if isinstance(out, Exception):
+                    raise out
                 yield out
                 if out.finished:
                     return
@@ -220,7 +246,13 @@ class Engine:
                 raise RuntimeError(f"request {rid} is no longer running and its outputs ended unfinished")
             for out in self._step():
                 if (waiting := self._outbox.get(out.request_id)) is not None:
-                    waiting.append(out)
+                    waiting.outputs.append(out)
+
+
+@dataclass
+class _Outbox:
+    prompt_ids: list[int]
+    outputs: collections.deque[RequestOutput | Exception] = field(default_factory=collections.deque)
 
 
 def _is_single(prompts: object) -> bool:

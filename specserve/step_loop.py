@@ -7,6 +7,7 @@ state (``Sequence``); workers hold only caches. Observers see each step through 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Collection
@@ -25,6 +26,8 @@ from specserve.sequence import FinishReason, Request, RequestOutput, Sequence
 from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver, StepStats
 from specserve.workers.base import DraftWorkerAPI, TargetWorkerAPI
+
+logger = logging.getLogger(__name__)
 
 CATCH_UP = 2  # a draft model more tokens than this behind a sequence (it missed plain steps) first catches up
 
@@ -148,7 +151,8 @@ class StepLoop:
     def step(self, only: Collection[int] | None = None) -> list[RequestOutput]:
         """plan SL -> propose -> verify -> commit/stream -> policy update.
 
-        ``only``: step just these running sequences (by seq_id); the rest wait and no new request is admitted.
+        ``only``: step just these running sequences (by seq_id), as drafted without the throughput guard; the rest
+        wait and no new request is admitted.
         """
         t0 = time.perf_counter()
         if only is None:
@@ -156,7 +160,10 @@ class StepLoop:
         if not (batch := [s for s in self.running if only is None or s.seq_id in only]):
             return []
         self._register(batch)
-        plan = self.planner.plan(batch, prefills=any(s.prefills for s in batch), outlook=self._outlook(batch))
+        # a step over ``only`` (a suspect group isolating a failed step) drafts as each sequence's SL says, whatever
+        # the guard would choose: its re-prefill would make the guard plan plain decoding and hide a drafting failure
+        prefills, guarded = any(s.prefills for s in batch), only is None
+        plan = self.planner.plan(batch, prefills=prefills, outlook=self._outlook(batch), guarded=guarded)
         proposals = self._propose(batch, plan)
         t1 = time.perf_counter()
         items = [self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)]
@@ -170,9 +177,7 @@ class StepLoop:
             proposals, items = [proposals[i] for i in ok], [items[i] for i in ok]
             verified = [verified[i] for i in ok]
         event = StepEvent(batch, plan, proposals, items, verified, outputs, t0, t1, t2, time.perf_counter())
-        self._update_policy(event)
-        for obs in self.observers:
-            obs.on_step(event)
+        failures |= self._after_commit(event)
         if failures:
             raise PartialStepError(outputs, failures)
         return outputs
@@ -290,16 +295,41 @@ class StepLoop:
                 failures[seq.seq_id] = e
         return outputs, failures
 
-    def _update_policy(self, event: StepEvent) -> None:
-        """This step's KLD values set each DSDE sequence's next SL (docs/algorithms.md §4.6); the throughput guard
-        records the step unless some sequence (re-)prefilled in it: a prompt's prefill costs both modes alike and
-        takes several decode steps' time, so a mode's average would say more about admissions than about its
-        decoding (docs/algorithms.md §7). The tree floor's fit takes the same steps where they were planned to
-        speculate: their verify seconds against verified rows, their tokens a second (docs/algorithms.md §2.3)."""
+    def _after_commit(self, event: StepEvent) -> dict[int, SequenceError]:
+        """The policy update, the guard's and floor's records and the observers, once the step committed: nothing
+        here may lose its outputs. An unfinished sequence whose SL update fails is returned to fail alone; a failed
+        record or observer is logged (a lost measurement, never lost tokens)."""
+        failures = self._update_sl(event)
+        for record in (self._record, *(obs.on_step for obs in self.observers)):
+            try:
+                record(event)
+            except Exception:
+                logger.exception("recording a committed step failed (%s); its outputs stand", record)
+        return failures
+
+    def _update_sl(self, event: StepEvent) -> dict[int, SequenceError]:
+        """This step's KLD values set each DSDE sequence's next SL (docs/algorithms.md §4.6)."""
+        failures: dict[int, SequenceError] = {}
         for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
-            if seq.sl_state is not None and proposal is not None:
-                drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)
-                seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))
+            if seq.sl_state is None or proposal is None:
+                continue
+            drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)
+            try:
+                with blame(seq.seq_id):
+                    seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))
+            except SequenceError as e:
+                if seq.finish_reason is None:
+                    failures[seq.seq_id] = e
+                else:  # its request is complete and delivered
+                    logger.exception("the SL update of a finished sequence failed: %s", e)
+        return failures
+
+    def _record(self, event: StepEvent) -> None:
+        """The throughput guard records the step unless some sequence (re-)prefilled in it: a prompt's prefill costs
+        both modes alike and takes several decode steps' time, so a mode's average would say more about admissions
+        than about its decoding (docs/algorithms.md §7). The tree floor's fit takes the same steps where they were
+        planned to speculate: their verify seconds against verified rows, their tokens a second
+        (docs/algorithms.md §2.3)."""
         if event.prefills or not any(s.spec.method != SpecMethod.none for s in event.batch):
             return
         # the draft model drafted for some sequence (its tree may have kept no node: still a speculative step's

@@ -19,16 +19,19 @@ from ray.exceptions import RayActorError, RayTaskError
 from deployments.lane import Lane
 from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
-from specserve.config import SpecConfig, SpecMethod
+from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
-from specserve.errors import PartialStepError, SequenceError, blame, blamed_sequence
+from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blame, blamed_sequence
 from specserve.messages import Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
+from specserve.policy import SequenceDSDE
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request, RequestOutput, Sequence
+from specserve.step_events import StepEvent, StepObserver
 from specserve.step_loop import StepLoop
 from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
+from specserve.workers import draft as draft_module
 from specserve.workers.base import TargetWorkerAPI
 from tests.api_backend import MODEL, LocalBackend, api_server
 
@@ -461,3 +464,137 @@ def test_the_engine_frees_a_request_that_failed_to_commit(
         engine.loop.step()
     assert isinstance(engine.loop.target, TargetWorker)
     assert engine.loop.target.cache.num_free == engine.loop.max_batch_size
+
+
+# -- failures the step loop's checks and the engine's consumers must survive -------------------------------------
+
+
+def test_an_unattributed_drafting_failure_is_found_with_the_throughput_guard_on(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft fails, naming no sequence, whenever it drafts for one request's settings. Isolating it steps
+    suspect groups that re-prefill, where the guard would plan plain decoding and never call the draft: the groups
+    passed, the full step failed again, and the lane dropped every request. A group now drafts as its SLs say."""
+    bad = SpecConfig(method=SpecMethod.chain, sl=5)
+    real = draft_module.draft_chains
+
+    def draft_chains(pairs, forward):  # type: ignore[no-untyped-def]
+        if any(s.item.spec == bad for s, _ in pairs):
+            raise RuntimeError("chain drafting failed")
+        return real(pairs, forward)
+
+    monkeypatch.setattr(draft_module, "draft_chains", draft_chains)
+    target, draft = models
+    engine = Engine(target, None, draft=draft, speculation=SpecConfig(method=SpecMethod.chain, sl=3),
+                    max_batch_size=4, max_model_len=64, eos_token_ids=set(), throughput_guard=True)  # fmt: skip
+    requests = [Request(f"r{i}", p, GREEDY, bad if i == 2 else None) for i, p in enumerate(PROMPTS)]
+    results = _run_lane(engine, requests)
+    assert isinstance(results[2], RequestFailedError)
+    assert [results[i] for i in (0, 1, 3)] == [alone[i] for i in (0, 1, 3)]
+
+
+def test_a_failed_sl_update_after_the_commit_fails_its_request_alone(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SL update runs after the step committed every row: a failure there used to discard the step's outputs
+    (every request missing that step's tokens, reported as finished) or leave a finished request's stream open."""
+    real = SequenceDSDE.observe
+    calls = []
+
+    def observe(self: SequenceDSDE, klds, drafted, accepted):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("accepted tokens exceed drafted tokens")
+        return real(self, klds, drafted, accepted)
+
+    monkeypatch.setattr(SequenceDSDE, "observe", observe)
+    dsde = SpecConfig(method=SpecMethod.chain, sl=3, policy=SLPolicyKind.dsde)
+    requests = [Request(f"r{i}", p, GREEDY, dsde if i == 2 else None) for i, p in enumerate(PROMPTS)]
+    results = _run_lane(_engine(models), requests)
+    assert isinstance(results[2], RequestFailedError)
+    assert [results[i] for i in (0, 1, 3)] == [alone[i] for i in (0, 1, 3)]
+
+
+def test_a_failing_step_observer_or_guard_record_loses_no_tokens(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Broken(StepObserver):
+        def on_step(self, event: StepEvent) -> None:
+            raise RuntimeError("a metrics bug")
+
+    engine = _engine(models)
+    engine.loop.observers.append(Broken())
+    monkeypatch.setattr(StepLoop, "_record", lambda self, event: 1 / 0)
+    assert _run_lane(engine, _requests(None, GREEDY)) == alone
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == alone
+
+
+def test_outputs_of_a_submitted_request_wait_until_it_is_collected(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    engine = _engine(models)
+    ids = [engine.submit(p, GREEDY) for p in PROMPTS]
+    got = [engine.collect([rid])[0].token_ids for rid in ids]  # the later ones ran (and some finished) meanwhile
+    assert got == alone
+    with pytest.raises(InvalidRequestError, match="no submitted"):
+        engine.collect(ids[:1])  # consumed
+
+
+def test_a_prompt_that_fails_to_encode_leaves_none_of_its_batch_running(models: tuple[LlamaModel, LlamaModel]) -> None:
+    engine = _engine(models)
+    with pytest.raises(InvalidRequestError):
+        engine.generate([PROMPTS[0], "text, but this engine has no tokenizer"], GREEDY)
+    assert not engine.loop.has_work
+
+
+@pytest.mark.parametrize("where", ["commit", "verify"])
+def test_one_streams_failure_leaves_the_interleaved_streams_every_token(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Three streams consumed in turn; the third one's sequence fails (committing, or in the target's verify before
+    anything committed). Its consumer gets the error; the others get every token they have alone (before: the commit
+    case dropped their tokens of that step, the verify case crashed them on the next step)."""
+    engine = _engine(models)
+    victim = "req-2"  # the third stream's request: ids are given as the streams start, in turn
+
+    def poisoned(seq: Sequence) -> bool:
+        return seq.request.request_id == victim and len(seq.output) > 3
+
+    if where == "commit":
+        real_commit = StepLoop._commit
+
+        def commit(self: StepLoop, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
+            result = real_commit(self, seq, proposal, out)
+            if poisoned(seq):
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "poisoned token")
+            return result
+
+        monkeypatch.setattr(StepLoop, "_commit", commit)
+    else:
+        real_verify = engine.loop.target.verify
+
+        def verify(items: list[VerifyItem]) -> list[VerifyOutput]:
+            out = real_verify(items)
+            for seq in engine.loop.running:
+                if poisoned(seq) and any(it.seq_id == seq.seq_id for it in items):
+                    raise SequenceError(seq.seq_id, "poisoned verify")
+            return out
+
+        monkeypatch.setattr(engine.loop.target, "verify", verify)
+    streams = [engine.stream(p, GREEDY) for p in PROMPTS[:3]]
+    tokens: list[list[int]] = [[], [], []]
+    errors: list[Exception | None] = [None, None, None]
+    live = [0, 1, 2]
+    while live:
+        for i in list(live):
+            try:
+                tokens[i] += next(streams[i]).token_ids
+            except StopIteration:
+                live.remove(i)
+            except (PartialStepError, SequenceError) as e:
+                errors[i] = e
+                live.remove(i)
+    assert errors[:2] == [None, None] and "poisoned" in str(errors[2])
+    assert tokens[:2] == alone[:2]
+    assert not engine.loop.has_work
+    assert isinstance(engine.loop.target, TargetWorker) and engine.loop.target.cache.num_free == 4

@@ -51,15 +51,18 @@ class SLPlanner:
         self.max_step_tokens = max_step_tokens  # drafted tokens + batch size verified per step (None: no limit)
         self.floor = floor  # measures the tree floor for sequences with ``adaptive_floor`` (None: never measured)
 
-    def plan(self, rows: Sequence[PlanRow], *, prefills: bool = False, outlook: Outlook | None = None) -> StepPlan:
+    def plan(
+        self, rows: Sequence[PlanRow], *, prefills: bool = False, outlook: Outlook | None = None, guarded: bool = True
+    ) -> StepPlan:
         """``prefills``: some row feeds a prompt this step (the guard does not time such a step); ``outlook``: what
-        speculating would first cost the draft and what the batch can still emit (the guard's switch rule)."""
+        speculating would first cost the draft and what the batch can still emit (the guard's switch rule);
+        ``guarded=False``: the throughput guard is not asked (each sequence drafts as its SL says)."""
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
         sls, cap = self._cap(rows, uncapped)
         depths = [self._depth(r.spec, sl) for r, sl in zip(rows, sls, strict=True)]
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
         min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
-        return StepPlan(self._guard(rows, depths, prefills, outlook), uncapped, cap, post, min_prob)
+        return StepPlan(self._guard(rows, depths, prefills, outlook, guarded), uncapped, cap, post, min_prob)
 
     @staticmethod
     def adaptive(rows: Sequence[PlanRow]) -> bool:
@@ -98,12 +101,14 @@ class SLPlanner:
         depth = sl if spec.method == SpecMethod.chain else min(spec.static_depth, sl)
         return max(1, depth if spec.max_sl is None else min(depth, spec.max_sl))
 
-    def _guard(self, rows: Sequence[PlanRow], depths: list[int], prefills: bool, outlook: Outlook | None) -> list[int]:
+    def _guard(
+        self, rows: Sequence[PlanRow], depths: list[int], prefills: bool, outlook: Outlook | None, guarded: bool
+    ) -> list[int]:
         """The throughput guard first: plain decoding where it measured faster at this batch size (no try of
         the other mode in a step that prefills). Then shrink speculation until drafted tokens + one per sequence
         fit ``max_step_tokens``: at large batch a CPU forward is compute-bound, and verifying tokens that are
         likely rejected slows everyone."""
-        guard = self.guard
+        guard = self.guard if guarded else None
         if guard is not None and any(depths) and not guard.speculate(len(rows), measured=not prefills, outlook=outlook):
             return [0] * len(depths)
         if self.max_step_tokens is None:
