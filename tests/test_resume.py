@@ -5,6 +5,8 @@ spliced, and the client helper in load/ resumes across cut connections. Real HTT
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -251,3 +253,45 @@ def test_the_client_helper_waits_as_asked_and_resumes_after_a_cut_line(monkeypat
     assert stream.text() == "Hello" and stream.resumes == 2
     assert waits == [7.0, 0.5]
     assert "resume_from" not in bodies[1] and bodies[2]["resume_from"] == "1-a"
+
+
+def _errors(events: list[dict[str, Any]]) -> list[str]:
+    return [e["data"]["error"]["code"] for e in events if e["data"] != "[DONE]" and "error" in e["data"]]
+
+
+def _sent(events: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    return _content([e for e in events if e["data"] == "[DONE]" or "error" not in e["data"]])
+
+
+def test_an_id_is_checked_on_its_tokens_and_its_text_before_anything_past_it_is_sent(url: str) -> None:
+    """The id's CRC covers the token ids as well as the text, and nothing past the resume point is sent before the
+    regenerated stream has reached it in both: a changed request resumed from an event that sent token ids but no
+    text (a held-back partial character) was spliced, and a forged token count re-sent or withheld token ids."""
+    base = {**SAMPLED, "max_tokens": 12, "temperature": 1.0, "ignore_eos": True, "return_token_ids": True}
+    body = {**base, "seed": 21}
+    full = _events(url, COMPLETIONS, body)
+    text, ids = _content(full)
+    marks = [StreamMark.parse(e["id"]) for e in full if "id" in e]
+    mid = marks[len(marks) // 2]
+    assert 0 < mid.tokens < len(ids)
+    for forged in (StreamMark(0, mid.text_bytes, mid.crc), StreamMark(mid.tokens + 3, mid.text_bytes, mid.crc)):
+        rest = _events(url, COMPLETIONS, {**body, "resume_from": forged.render()})
+        assert _errors(rest) == ["resume_mismatch"] and _sent(rest) == ("", [])
+    # a token-only point (no text): only the token ids can tell a changed request
+    token_only = StreamMark(2, 0, zlib.crc32(struct.pack("<2I", *ids[:2])))
+    rest = _events(url, COMPLETIONS, {**body, "resume_from": token_only.render()})
+    assert not _errors(rest) and _content(rest) == (text, ids[2:])
+    changed = _events(url, COMPLETIONS, {**body, "seed": 22, "resume_from": token_only.render()})
+    assert _errors(changed) == ["resume_mismatch"] and _sent(changed) == ("", [])
+
+
+def test_a_replay_that_goes_on_past_the_finish_event_is_refused(url: str) -> None:
+    """The same request with a larger max_tokens reproduces the text up to the finish event: the rest used to be
+    streamed after the finish_reason the client already had."""
+    body = {"model": MODEL, "prompt": "once upon", "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    full = _events(url, COMPLETIONS, body)
+    finish = next(e["id"] for e in full if "id" in e and e["id"].endswith("-f"))
+    longer = _events(url, COMPLETIONS, {**body, "max_tokens": 20, "resume_from": finish})
+    assert _errors(longer) == ["resume_mismatch"] and _sent(longer) == ("", [])
+    same = _events(url, COMPLETIONS, {**body, "resume_from": finish})
+    assert [e["data"] for e in same] == ["[DONE]"]
