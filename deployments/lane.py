@@ -35,7 +35,7 @@ from deployments.actors import ACTOR_NAMESPACE, KVGeometry, RemoteDraft, RemoteT
 from deployments.app_args import WorkerRole
 from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
-from specserve.errors import PartialStepError, SequenceError, blamed_sequence
+from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blamed_sequence
 from specserve.sequence import Request, RequestOutput
 from specserve.step_loop import StepLoop
 
@@ -172,6 +172,8 @@ class Lane:
 
     async def submit(self, request: Request) -> LaneStream:
         """Queue the request on the lane; returns once the StepLoop accepted it (raises what add_request raises)."""
+        if request.request_id in self._active:  # refused here: the lane thread would forget the live one's stream
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         sink = _Sink(asyncio.get_running_loop())
         admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._active.add(request.request_id)

@@ -93,6 +93,8 @@ class Engine:
         self._ids = itertools.count()
         # every submitted request's outputs (or the error that ended it) until a caller has consumed them
         self._outbox: dict[str, _Outbox] = {}
+        self._step_running = False
+        self._deferred_aborts: collections.deque[str] = collections.deque()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -187,18 +189,31 @@ class Engine:
         outbox for its consumer; the others keep every token the step committed. A failure that names no sequence
         resets every running one (each re-prefills on its next step) and reaches the caller."""
         try:
-            return self.loop.step()
+            with self._stepping():
+                return self.loop.step()
         except PartialStepError as e:
             for seq_id, error in e.failures.items():
                 self._fail(seq_id, PartialStepError([], {seq_id: error}))
             return e.outputs
-        except Exception as e:
+        except BaseException as e:  # KeyboardInterrupt too: the others must not keep the failed step's caches
             running = {s.seq_id for s in self.loop.running}
             self.loop.reset(running)  # part of the step may be in the workers' caches and the sequences' counters
-            if (blamed := blamed_sequence(e)) not in running:
+            if not isinstance(e, Exception) or (blamed := blamed_sequence(e)) not in running:
                 raise
             self._fail(blamed, e)
             return []
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[None]:
+        """Aborts asked for during a step (a stream generator finalised by the garbage collector inside it) wait
+        until the step is over: the step may be using the request's sequence."""
+        self._step_running = True
+        try:
+            yield
+        finally:
+            self._step_running = False
+            while self._deferred_aborts:
+                self.loop.abort(self._deferred_aborts.popleft())
 
     def _fail(self, seq_id: int, error: Exception) -> None:
         if (request_id := self.loop.request_id(seq_id)) is None:
@@ -228,7 +243,10 @@ class Engine:
     def _drop(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._outbox.pop(rid, None)
-            self.loop.abort(rid)
+            if self._step_running:
+                self._deferred_aborts.append(rid)
+            else:
+                self.loop.abort(rid)
 
     def _outputs(self, rid: str) -> Iterator[RequestOutput]:
         """This request's outputs through its finished one (or the error that ended it), stepping the loop while

@@ -598,3 +598,70 @@ def test_one_streams_failure_leaves_the_interleaved_streams_every_token(
     assert tokens[:2] == alone[:2]
     assert not engine.loop.has_work
     assert isinstance(engine.loop.target, TargetWorker) and engine.loop.target.cache.num_free == 4
+
+
+def test_a_stream_closed_during_another_callers_step_is_aborted_after_it(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A half-read stream finalised inside a step (the garbage collector may run there) used to abort its sequence
+    while the step still used it: the step failed and took the unrelated generate with it."""
+    engine = _engine(models)
+    dropped = engine.stream(PROMPTS[0], GREEDY)
+    next(dropped)
+    real_verify = engine.loop.target.verify
+
+    def verify(items: list[VerifyItem]) -> list[VerifyOutput]:
+        dropped.close()  # its finally asks to abort its request, mid-step
+        return real_verify(items)
+
+    monkeypatch.setattr(engine.loop.target, "verify", verify)
+    assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids == alone[1]
+    assert not engine.loop.has_work
+    target, draft = engine.loop.target, engine.loop.draft
+    assert isinstance(target, TargetWorker) and isinstance(draft, DraftWorker)
+    assert target.cache.num_free == draft.cache.num_free == engine.loop.max_batch_size
+
+
+def test_an_interrupted_step_leaves_the_other_requests_their_own_tokens(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C after the target's forward, before the commit: the interrupted caller's requests go, and the others
+    re-prefill instead of decoding on top of the uncommitted step (wrong tokens, or a crash in the draft)."""
+    engine = _engine(models)
+    real_verify = engine.loop.target.verify
+    calls = []
+
+    def verify(items: list[VerifyItem]) -> list[VerifyOutput]:
+        out = real_verify(items)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(engine.loop.target, "verify", verify)
+    first, second = engine.submit(PROMPTS[0], GREEDY), engine.submit(PROMPTS[1], GREEDY)
+    with pytest.raises(KeyboardInterrupt):
+        engine.collect([first])
+    assert engine.collect([second])[0].token_ids == alone[1]
+    assert not engine.loop.has_work
+
+
+def test_a_duplicate_request_id_is_refused_without_touching_the_live_request(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    lane = Lane(0, _engine(models).loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0)  # type: ignore[arg-type]
+
+    async def run() -> list[int]:
+        stream = await lane.submit(Request("r0", PROMPTS[0], GREEDY))
+        with pytest.raises(InvalidRequestError, match="duplicate"):
+            await lane.submit(Request("r0", PROMPTS[1], GREEDY))
+        tokens: list[int] = []
+        async for out in stream:
+            tokens += out.token_ids
+        return tokens
+
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), 60)) == alone[0]
+        _settle(lane)
+    finally:
+        lane.stop()
