@@ -137,12 +137,6 @@ class StepLoop:
         """The running request whose sequence this is (None: none is running)."""
         return next((s.request.request_id for s in self.running if s.seq_id == seq_id), None)
 
-    def knows(self, request_id: str) -> bool:
-        return request_id in self._by_request
-
-    def prompt_ids(self, request_id: str) -> list[int]:
-        return self._by_request[request_id].request.prompt_ids
-
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
