@@ -13,7 +13,18 @@ from typing import Any, cast
 import ray
 import torch
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import (
+    ActorPlacementGroupRemoved,
+    ActorUnschedulableError,
+    GetTimeoutError,
+    LocalRayletDiedError,
+    NodeDiedError,
+    OutOfMemoryError,
+    RayActorError,
+    RaySystemError,
+    RayTaskError,
+    WorkerCrashedError,
+)
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -144,22 +155,57 @@ class DraftActor(_WorkerHost):
 ACTOR_CLASSES: dict[WorkerRole, type[_WorkerHost]] = {WorkerRole.target: TargetActor, WorkerRole.draft: DraftActor}
 
 
+# Ray's errors that say the actor, its process or its node is gone, was never placed, or does not answer: not a
+# request's fault (an exception raised inside a worker's method arrives as a RayTaskError and is the request's)
+WORKER_FAULTS: tuple[type[Exception], ...] = (
+    RayActorError,  # ActorDiedError, ActorUnavailableError
+    ActorUnschedulableError,
+    ActorPlacementGroupRemoved,
+    OutOfMemoryError,  # Ray's memory monitor killed the worker's task
+    NodeDiedError,
+    LocalRayletDiedError,
+    WorkerCrashedError,
+    RaySystemError,
+    GetTimeoutError,  # a call past ``call_timeout_s``: a hung actor
+)
+
+
+START_FAULTS: tuple[type[Exception], ...] = (*WORKER_FAULTS, RayTaskError)
+
+
+class WorkerLostError(Exception):
+    """A worker actor died, failed to start, or stopped answering: the lane replaces it and its requests go on."""
+
+
 class RemoteWorker:
     """One worker actor behind the worker's own method names.
 
     ``add``, ``release`` and ``start`` do not wait: one caller's calls to an actor run in submission order, so they
-    are done before the next ``propose`` / ``verify`` returns. A call that finds the actor dead marks this proxy
-    ``dead`` and raises RayActorError; the lane then replaces the actor.
+    are done before the next ``propose`` / ``verify`` returns. The first ``propose`` / ``verify`` waits for
+    ``start`` (at most ``start_timeout_s``: a model that cannot load, a device out of memory), each call at most
+    ``call_timeout_s``. A call that finds the actor dead, unplaceable or hung, or its start failed, marks this proxy
+    ``dead`` and raises WorkerLostError; the lane then replaces the actor.
     """
 
-    def __init__(self, handle: ActorHandle, name: str, role: WorkerRole) -> None:
+    def __init__(
+        self,
+        handle: ActorHandle,
+        name: str,
+        role: WorkerRole,
+        *,
+        start_timeout_s: float | None = None,
+        call_timeout_s: float | None = None,
+    ) -> None:
         self.handle = handle
         self.name = name
         self.role = role
         self.dead = False
+        self.start_timeout_s = start_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self._started: Any = None  # the start call's ObjectRef until a call has seen it succeed
 
     def start(self, geometry: KVGeometry) -> None:
-        self.handle.start.remote(geometry)
+        self._started = self.handle.start.remote(geometry)
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
         self.handle.add.remote(seq_id, params)
@@ -173,11 +219,18 @@ class RemoteWorker:
             ray.kill(self.handle, no_restart=True)
 
     def _call(self, method: Any, items: list[ProposeItem] | list[VerifyItem]) -> Any:
+        if self._started is not None:
+            try:
+                ray.get(self._started, timeout=self.start_timeout_s)
+            except START_FAULTS as e:  # or start() itself raised: this actor cannot serve
+                self.dead = True
+                raise WorkerLostError(f"worker {self.name} did not start: {e!r}") from e
+            self._started = None
         try:
-            return ray.get(method.remote(items))
-        except RayActorError:
+            return ray.get(method.remote(items), timeout=self.call_timeout_s)
+        except WORKER_FAULTS as e:
             self.dead = True
-            raise
+            raise WorkerLostError(f"worker {self.name} was lost: {e!r}") from e
 
 
 class RemoteTarget(RemoteWorker):
@@ -222,4 +275,10 @@ class WorkerFactory:
             .options(name=name, namespace=ACTOR_NAMESPACE, max_restarts=0, max_task_retries=0, **options)
             .remote(recipe, resources.device, resources.torch_threads, self.args.freeze_gc)
         )
-        return PROXY_CLASSES[role](cast(ActorHandle, handle), name, role)
+        return PROXY_CLASSES[role](
+            cast(ActorHandle, handle),
+            name,
+            role,
+            start_timeout_s=self.args.worker_start_timeout_s,
+            call_timeout_s=self.args.worker_call_timeout_s,
+        )

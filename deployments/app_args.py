@@ -152,6 +152,12 @@ class AppArgs(LoopConfig):
     draft_resources: ActorResources = ActorResources(num_cpus=0.5)
     placement_strategy: PlacementStrategy = PlacementStrategy.pack
     max_worker_restarts: int = Field(default=3, ge=0, description="consecutive failed steps a lane recovers from")
+    worker_start_timeout_s: float = Field(
+        default=900.0, gt=0.0, description="a worker actor that has not loaded its model within this is replaced"
+    )
+    worker_call_timeout_s: float = Field(
+        default=600.0, gt=0.0, description="a worker whose step call has not returned within this is replaced"
+    )
     debug_step_delay_s: float = Field(default=0.0, ge=0.0, le=10.0, description="debug: sleep after each lane step")
 
     @model_validator(mode="after")

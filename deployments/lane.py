@@ -29,9 +29,18 @@ from collections.abc import AsyncIterator
 
 import ray
 from pydantic import BaseModel
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
-from deployments.actors import ACTOR_NAMESPACE, KVGeometry, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
+from deployments.actors import (
+    ACTOR_NAMESPACE,
+    KVGeometry,
+    RemoteDraft,
+    RemoteTarget,
+    RemoteWorker,
+    WorkerFactory,
+    WorkerLostError,
+    WorkerState,
+)
 from deployments.app_args import WorkerRole
 from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
@@ -42,6 +51,7 @@ from specserve.step_loop import StepLoop
 logger = logging.getLogger(__name__)
 
 STOP_JOIN_TIMEOUT_S = 10.0
+DEBUG_TIMEOUT_S = 5.0  # /debug/lanes waits this long for each worker's state
 MAX_BISECTION_SPLITS = 16  # splits one isolation may make before it fails the sequences still suspected
 MAX_FAILED_STEPS = 3  # full steps in a row that fail while every part of them passes alone: then the batch is dropped
 
@@ -174,10 +184,14 @@ class Lane:
         """Queue the request on the lane; returns once the StepLoop accepted it (raises what add_request raises)."""
         if request.request_id in self._active:  # refused here: the lane thread would forget the live one's stream
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
+        if not self.alive:
+            raise WorkerFailedError(f"lane {self.index} has stopped")
         sink = _Sink(asyncio.get_running_loop())
         admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._active.add(request.request_id)
         self._commands.put(_Submit(request, sink, admitted))
+        if not self.alive:  # it stopped after the check above and may have drained its queue before this put
+            self._fail_pending()
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:
@@ -197,10 +211,10 @@ class Lane:
     async def debug(self) -> LaneDebug:
         workers = []
         for role, worker in list(self.workers.items()):
-            try:
-                state = await worker.handle.state.remote()
+            try:  # a worker still loading its model, or one that cannot be placed, does not hold this up
+                state: WorkerState = await asyncio.wait_for(worker.handle.state.remote(), DEBUG_TIMEOUT_S)
                 node_id, slots = state.node_id, state.kv_slots_in_use
-            except RayActorError:
+            except (RayError, TimeoutError):
                 node_id, slots = None, None
             workers.append(
                 WorkerDebug(
@@ -231,6 +245,20 @@ class Lane:
             logger.exception("lane %d failed", self.index)
             self._fail_all("the lane failed")
             raise
+        finally:  # requests submitted but not yet admitted would otherwise wait for ever
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """Answer every queued submit of a stopped lane with WorkerFailedError (any thread: the lane's is gone)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Submit):
+                self._active.discard(command.request.request_id)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # the client left meanwhile
+                    command.admitted.set_exception(WorkerFailedError(f"lane {self.index} has stopped"))
 
     def _drain(self, *, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False once told to stop."""
@@ -266,6 +294,9 @@ class Lane:
             self.loop.add_request(command.request)
         except Exception as e:
             self._forget(command.request.request_id)
+            if not isinstance(e, APIError | InvalidRequestError):  # a bug, not the request: still an error body
+                logger.exception("lane %d: admitting %s failed", self.index, command.request.request_id)
+                e = RequestFailedError("the request could not be admitted")
             command.admitted.set_exception(e)
             return
         self._sinks[command.request.request_id] = command.sink
@@ -279,8 +310,13 @@ class Lane:
             outputs = self.loop.step(only)
         except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
             outputs, failures = e.outputs, e.failures
-        except RayActorError as e:
-            self._recover(e)
+        except (RayActorError, WorkerLostError) as e:
+            try:
+                self._recover(e)
+            except Exception:  # no replacement could be made (placement, a failed create): the lane stays up,
+                # answers its requests, and tries again with the next step's worker failure
+                logger.exception("lane %d: replacing its workers failed", self.index)
+                self._fail_all("the lane could not replace a lost worker")
             self._report_queue()
             return
         except Exception as e:  # one request's bad input, or a bug: not a lost worker
@@ -362,7 +398,7 @@ class Lane:
             halves = [frozenset(h) for h in (ids[: len(ids) // 2], ids[len(ids) // 2 :]) if h]
             self._probes.extendleft(reversed(halves))  # a lone sequence: retried alone
 
-    def _recover(self, error: RayActorError) -> None:
+    def _recover(self, error: Exception) -> None:
         """Replace dead workers, reset any worker whose state ran ahead of the failed step, and let the loop
         re-prefill its running sequences on the next step."""
         self._failures += 1

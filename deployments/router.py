@@ -2,7 +2,8 @@
 
 A replica reserves its resources through the deployment's placement group (bundle 0: this router; then one
 bundle per worker actor, see ``AppArgs.placement_bundles``) and creates its lanes' actors in those bundles.
-Requests go to the least-loaded lane; beyond ``AppArgs.capacity`` they get a 429.
+Requests go to the least-loaded lane; beyond ``Router.capacity`` (the KV slots that fit, plus the queue) they get
+a 429.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Router:
         limits = lane_limits(args, target_info, draft_info)
         geometry = await self._fit_geometry(workers, KVGeometry(args.max_batch_size, limits.kv_len), limits)
         loop_args = args.model_copy(update={"max_batch_size": geometry.num_slots})  # fewer fit: fewer at once
+        self._slots = args.num_lanes * geometry.num_slots  # requests running at once; the rest queue
         self._max_model_len = limits.max_model_len
         self._encoder = PromptEncoder(self.tokenizer, target_info.vocab_size)
         eos = eos_ids_of(list(target_info.eos_token_ids), self.tokenizer)
@@ -152,9 +154,9 @@ class Router:
 
     async def submit(self, request: Request) -> LaneStream:
         in_flight = sum(lane.in_flight for lane in self.lanes)
-        if in_flight >= self.args.capacity:
+        if in_flight >= self.capacity:
             raise OverloadedError(
-                f"the server is at capacity ({self.args.capacity} requests running or queued); retry later",
+                f"the server is at capacity ({self.capacity} requests running or queued); retry later",
                 retry_after_s=self.retry_after_s(in_flight),
             )
         lane = min((lane for lane in self.lanes if lane.alive), key=lambda lane: lane.in_flight, default=None)
@@ -165,10 +167,15 @@ class Router:
     def retry_after_s(self, in_flight: int) -> int:
         """Seconds until the requests queued now (and one more) should have run, from the measured step time and
         steps per request; at least ``args.retry_after_s``, which also stands in before anything was measured."""
-        slots = self.args.num_lanes * self.args.max_batch_size
+        slots = self._slots
         wait = self._metrics.load.wait_s(queued=max(0, in_flight - slots), slots=slots)
         floor = self.args.retry_after_s
         return floor if wait is None else min(MAX_RETRY_AFTER_S, max(floor, math.ceil(wait)))
+
+    @property
+    def capacity(self) -> int:
+        """Requests this replica holds at once: as many running as its lanes' KV slots fit, plus the queue."""
+        return self._slots + self.args.max_queued_requests
 
     def health(self) -> Health:
         alive = sum(lane.alive for lane in self.lanes)
@@ -177,7 +184,7 @@ class Router:
 
     async def debug_state(self) -> RouterDebug:
         lanes = await asyncio.gather(*(lane.debug() for lane in self.lanes))
-        return RouterDebug(model=self.model_name, capacity=self.args.capacity, lanes=list(lanes))
+        return RouterDebug(model=self.model_name, capacity=self.capacity, lanes=list(lanes))
 
     # -- Serve hooks ------------------------------------------------------------------------------------
     def check_health(self) -> None:

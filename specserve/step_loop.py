@@ -95,8 +95,13 @@ class StepLoop:
             seq.sl_state = SequenceDSDE(spec.dsde, request.params.temperature)
         self._by_request[request.request_id] = seq
         self.waiting.append(seq)
-        for obs in self.observers:
-            obs.on_request(seq)
+        try:
+            for obs in self.observers:
+                obs.on_request(seq)
+        except BaseException:  # not admitted after all: nothing may run it or count it
+            del self._by_request[request.request_id]
+            self.waiting.remove(seq)
+            raise
 
     def abort(self, request_id: str) -> bool:
         seq = self._by_request.pop(request_id, None)

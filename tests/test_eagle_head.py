@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specserve.errors import UnsupportedModelError
+from specserve.errors import CorruptModelError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
-from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers, load_eagle_head
 
 H, FF, NH, NKV, D, V = 64, 160, 4, 2, 16, 512  # the tiny target's shapes
 THETA = 10000.0
@@ -295,6 +295,62 @@ def test_eagle3_default_aux_layers(tmp_path: Path) -> None:
     target = tiny_model(tiny_config(num_hidden_layers=8), seed=4)
     head = load_eagle_head(write_head(tmp_path / "h3", eagle3_tensors(3, vd=96), {"draft_vocab_size": 96}), target)
     assert head.cfg.aux_layers == (2, 4, 5)  # EAGLE-3's default: low, middle and third-from-last layers
+
+
+def test_default_aux_layers_are_distinct_on_shallow_targets(tmp_path: Path) -> None:
+    for layers in range(1, 80):
+        aux = default_aux_layers(layers)
+        assert len(set(aux)) == min(3, layers) and all(0 <= i < layers for i in aux), (layers, aux)
+        assert list(aux) == sorted(aux)
+    shallow = tiny_model(tiny_config(num_hidden_layers=6), seed=5)  # (2, L/2, L-3) would fuse layer 3 twice
+    head = load_eagle_head(write_head(tmp_path / "h6", eagle3_tensors(3, vd=96), {"draft_vocab_size": 96}), shallow)
+    assert head.cfg.aux_layers == (0, 3, 5)  # the first, middle and last layers
+
+
+def test_malformed_checkpoints_get_clear_errors(tmp_path: Path) -> None:
+    target = tiny_model(tiny_config(num_hidden_layers=4), seed=6)  # room for three aux layers
+    sd1, sd3 = eagle1_tensors(1, fc_bias=False), eagle3_tensors(3, vd=96)
+    e3 = {"draft_vocab_size": 96}
+    cases: list[tuple[str, type[Exception], str]] = []
+
+    def case(name: str, sd: dict[str, torch.Tensor], config: dict[str, object], error: type[Exception], match: str):
+        write_head(tmp_path / name, sd, config)
+        cases.append((name, error, match))
+
+    case("json", sd1, {}, UnsupportedModelError, "not readable JSON")
+    (tmp_path / "json" / "config.json").write_text("{not json")
+    case("list", sd1, {}, UnsupportedModelError, "holds a list")
+    (tmp_path / "list" / "config.json").write_text("[1, 2]")
+    case("field", sd1, {}, UnsupportedModelError, "num_attention_heads")
+    raw = json.loads((tmp_path / "field" / "config.json").read_text())
+    (tmp_path / "field" / "config.json").write_text(
+        json.dumps({k: v for k, v in raw.items() if k != "num_attention_heads"})
+    )
+    case("kv", sd1, {"num_key_value_heads": 3}, UnsupportedModelError, "do not divide")
+    case("rope", sd1, {"rope_scaling": {"type": "linear"}}, UnsupportedModelError, "RoPE")
+    case("vd", sd3, {"draft_vocab_size": V + 1}, UnsupportedModelError, "exceeds")
+    aux = e3 | {"eagle_aux_hidden_state_layer_ids": [1, 1, 3]}
+    case("aux", sd3, aux, UnsupportedModelError, "distinct")
+    case(
+        "nan",
+        sd1 | {"fc.weight": sd1["fc.weight"].clone().index_fill_(0, torch.tensor([3]), float("nan"))},
+        {},
+        CorruptModelError,
+        "NaN",
+    )
+    dup = sd3["d2t"].clone()
+    dup[1] = dup[0] - 1  # draft ids 0 and 1 both map to target id ids[0]
+    case("dup", sd3 | {"d2t": dup}, e3, UnsupportedModelError, "another already has")
+    case("2d", sd3 | {"d2t": sd3["d2t"][:, None].contiguous()}, e3, UnsupportedModelError, "1-D")
+    case("empty", sd1, {}, CorruptModelError, "cannot read")
+    (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
+    for name, error, match in cases:
+        with pytest.raises(error, match=match):
+            load_eagle_head(tmp_path / name, target)
+    listed = write_head(tmp_path / "bin", sd1, {}, bin_format=True)
+    torch.save([1, 2], listed / "pytorch_model.bin")
+    with pytest.raises(CorruptModelError, match="not a mapping"):
+        load_eagle_head(listed, target)
 
 
 def test_mismatches_are_named(tmp_path: Path, target: LlamaModel) -> None:

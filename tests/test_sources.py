@@ -121,7 +121,15 @@ def make_tiny_model(tied: bool, vocab_size: int) -> LlamaForCausalLM:
     return model
 
 
-def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama") -> Path:
+def write_gguf(
+    model: LlamaForCausalLM,
+    path: Path,
+    *,
+    arch: str = "llama",
+    head_count: int | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """``head_count`` (0: none written) and ``tensors`` (GGUF names, as stored) replace the model's own."""
     import gguf
 
     cfg = model.config
@@ -131,7 +139,8 @@ def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama") -> P
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
+    if head_count != 0:
+        writer.add_head_count(cfg.num_attention_heads if head_count is None else head_count)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
@@ -155,7 +164,7 @@ def write_gguf(model: LlamaForCausalLM, path: Path, *, arch: str = "llama") -> P
             weights = llama_cpp_permute(weights, cfg.num_attention_heads)
         elif "k_proj" in name:
             weights = llama_cpp_permute(weights, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_name(name), weights)
+        writer.add_tensor(gguf_name(name), (tensors or {}).get(gguf_name(name), weights))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -292,6 +301,52 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(UnsupportedModelError, match="'gpt2'"):
         convert_gguf(tmp_path / "x.gguf", tmp_path / "out")
+
+
+def test_malformed_ggufs_are_refused_by_name(tmp_path: Path) -> None:
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    cases = {
+        "no-heads": ({"head_count": 0}, "head_count must be a positive integer, got None"),
+        "three-heads": ({"head_count": 3}, "do not divide into 2 KV heads"),
+        "short-q": ({"tensors": {"blk.0.attn_q.weight": np.zeros((32, 64), np.float32)}}, "metadata implies"),
+        "wide-up": (
+            {"tensors": {"blk.1.ffn_up.weight": np.zeros((96, 64), np.float32)}},
+            r"up_proj\.weight has shape \(96, 64\)",
+        ),
+    }
+    for name, (kwargs, match) in cases.items():
+        path = write_gguf(model, tmp_path / f"{name}.gguf", **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(CorruptModelError, match=match):
+            convert_gguf(path, tmp_path / name)
+
+
+def test_a_gguf_field_running_past_the_end_is_refused(tmp_path: Path) -> None:
+    """An array whose declared length (2**40) runs past the end of the file: gguf-py's reader alone goes on reading
+    empty slices for ever (run in a child process so that a regression fails by its timeout, not by hanging)."""
+    import struct
+    import subprocess
+    import sys
+
+    def text(t: str) -> bytes:
+        return struct.pack("<Q", len(t)) + t.encode()
+
+    path = tmp_path / "long.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + text("general.junk") + struct.pack("<IIQ", 9, 0, 1 << 40))
+    code = (
+        "import sys; from pathlib import Path; from specserve.errors import CorruptModelError\n"
+        "from specserve.models.sources import convert_gguf\n"
+        "try: convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))\n"
+        "except CorruptModelError as e: print('refused:', e)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(tmp_path / "out")], capture_output=True, text=True, timeout=120
+    )
+    assert "refused:" in out.stdout and "runs past the end" in out.stdout, out.stdout + out.stderr
+    dup = tmp_path / "dup.gguf"
+    arch = text("general.architecture") + struct.pack("<I", 8) + text("llama")
+    dup.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + arch * 2)
+    with pytest.raises(CorruptModelError, match="Duplicate"):
+        convert_gguf(dup, tmp_path / "dup")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

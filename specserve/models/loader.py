@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec, SourceKind
-from specserve.errors import CorruptModelError, ModelSourceError, UnsupportedModelError
+from specserve.errors import CorruptModelError, ModelSourceError, SpecServeError, UnsupportedModelError
 from specserve.models.llama import (
     LlamaModel,
     attach_gemv_copies,
@@ -96,8 +97,8 @@ def load_model_dir(
     the model is ever built on the host (an 8B bf16 target needs 16 GB on its GPU and one tensor on the host)."""
     try:
         hf_config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ModelSourceError(f"cannot read config.json in {path}: {e}") from e
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError, StrictDataclassError) as e:
+        raise ModelSourceError(f"cannot read config.json in {path}: {e!r}") from e
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelSourceError(f"no *.safetensors weights in {path}")
@@ -123,7 +124,13 @@ def load_model_dir(
                 raise CorruptModelError(f"cannot read weights {f}: {e}") from e
             return tensor.to(dtype=dtype).to(device)
 
-        model = LlamaModel.from_hf_weights(hf_config, get, dtype=dtype, device=device, max_positions=max_positions)
+        try:
+            model = LlamaModel.from_hf_weights(hf_config, get, dtype=dtype, device=device, max_positions=max_positions)
+        except (SpecServeError, torch.OutOfMemoryError):
+            raise
+        except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
+            # a tensor whose shape the config does not imply (torch's size mismatch), a malformed config field
+            raise UnsupportedModelError(f"the weights in {path} do not fit its config.json: {e!r}") from e
     if spec.int8_dynamic:
         return quantize_int8_dynamic(model)
     if not spec.native_q4:  # native_q4 replaces the decoder's linears first (load_model)
@@ -210,10 +217,14 @@ def frequent_ids(head_dir: Path, size: int, vocab_size: int) -> torch.Tensor:
     path = head_dir / "vocab_map.json"
     try:
         order = json.loads(path.read_text())["by_frequency"]
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelSourceError(f"draft_vocab needs the head's vocabulary map {path}: {e}") from e
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelSourceError(f"draft_vocab needs the head's vocabulary map {path}: {e!r}") from e
     if size > vocab_size:
         raise ModelSourceError(f"draft_vocab {size} exceeds the target's {vocab_size}-token vocabulary")
+    if not isinstance(order, list) or not all(type(i) is int and 0 <= i < vocab_size for i in order):
+        raise ModelSourceError(f"{path}: by_frequency must be a list of token ids in [0, {vocab_size})")
+    if len(set(order)) != len(order):
+        raise ModelSourceError(f"{path}: by_frequency lists {len(order) - len(set(order))} token ids twice")
     seen = set(order)
     order = order + [i for i in range(vocab_size) if i not in seen]
     return torch.tensor(order[:size], dtype=torch.long).sort().values
@@ -223,5 +234,5 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     path = resolve(spec)
     try:
         return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise ModelSourceError(f"cannot load the tokenizer in {path}: {e}") from e

@@ -416,14 +416,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     if _field(reader, "tokenizer.ggml.model") is None:
         raise UnsupportedModelError(f"{gguf_path.name} carries no tokenizer (no tokenizer.ggml.* metadata)")
 
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
-    state = _read_weights(reader, n_heads, n_kv_heads)
+    n_heads = _count(reader, gguf_path, f"{arch}.attention.head_count")
+    n_kv_heads = _count(reader, gguf_path, f"{arch}.attention.head_count_kv", n_heads)
+    layers = _count(reader, gguf_path, f"{arch}.block_count")
+    _count(reader, gguf_path, f"{arch}.feed_forward_length")
+    if n_heads % n_kv_heads:
+        raise CorruptModelError(f"{gguf_path.name}: {n_heads} attention heads do not divide into {n_kv_heads} KV heads")
+    state = _read_weights(reader, gguf_path, n_heads, n_kv_heads)
     tied = "lm_head.weight" not in state
-    config = _hf_config(reader, arch, state, n_heads, n_kv_heads, tied)
-    missing = _expected_names(config.num_hidden_layers, tied) - set(state)
+    missing = _expected_names(layers, tied) - set(state)
     if missing:
         raise CorruptModelError(f"{gguf_path.name} lacks tensors for {sorted(missing)[:5]} ({len(missing)} in all)")
+    config = _hf_config(reader, arch, state, n_heads, n_kv_heads, tied)
+    _check_shapes(gguf_path, state, config)
 
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -434,17 +439,38 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     ).save_pretrained(out_dir)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    _save_tokenizer(reader, gguf_path, out_dir, config.max_position_embeddings)
+    try:
+        _save_tokenizer(reader, gguf_path, out_dir, config.max_position_embeddings)
+    except (KeyError, IndexError, ValueError, TypeError, OSError) as exc:  # transformers' GGUF tokenizer reader
+        raise CorruptModelError(f"{gguf_path.name}: cannot build its tokenizer from its metadata: {exc!r}") from exc
     return out_dir
 
 
 def _open_gguf(gguf_path: Path) -> GGUFReader:
     from gguf import GGUFReader
 
+    class BoundedReader(GGUFReader):
+        """gguf-py's reader, refusing any read past the end of the file: for an array whose declared length runs
+        past it (2**40 elements, say) the plain reader goes on reading empty slices and never returns."""
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            out = super()._get(offset, dtype, count, override_order)
+            if len(out) != int(count):
+                raise ValueError(f"a field at byte {offset} runs past the end of the file")
+            return out
+
     try:
-        return GGUFReader(gguf_path)
-    except (ValueError, OSError, IndexError) as exc:
+        return BoundedReader(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError) as exc:  # KeyError: a metadata key given twice
         raise CorruptModelError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+
+
+def _count(reader: GGUFReader, gguf_path: Path, key: str, default: int | None = None) -> int:
+    """A positive integer field of the GGUF's metadata (CorruptModelError naming it where absent or not one)."""
+    value = _field(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CorruptModelError(f"{gguf_path.name}: metadata {key} must be a positive integer, got {value!r}")
+    return value
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -452,7 +478,7 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _read_weights(reader: GGUFReader, n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
+def _read_weights(reader: GGUFReader, gguf_path: Path, n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
     import numpy as np
     import torch
     from gguf.quants import dequantize
@@ -463,10 +489,13 @@ def _read_weights(reader: GGUFReader, n_heads: int, n_kv_heads: int) -> dict[str
         # `tensor.shape` is ggml's order (fastest-varying first); reversed, it is the HF / numpy shape.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        if name.endswith("q_proj.weight"):
-            values = unpermute_rope_rows(values, n_heads)
-        elif name.endswith("k_proj.weight"):
-            values = unpermute_rope_rows(values, n_kv_heads)
+        heads = n_heads if name.endswith("q_proj.weight") else n_kv_heads if name.endswith("k_proj.weight") else 0
+        if heads:
+            if values.ndim != 2 or values.shape[0] % (2 * heads):
+                raise CorruptModelError(
+                    f"{gguf_path.name}: {tensor.name} of shape {shape} does not split into {heads} RoPE heads"
+                )
+            values = unpermute_rope_rows(values, heads)
         state[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C"))  # own, writable copy
     return state
 
@@ -500,6 +529,37 @@ def _hf_config(
         architectures=["LlamaForCausalLM"],
         dtype="float32",
     )
+
+
+def _check_shapes(gguf_path: Path, state: dict[str, torch.Tensor], config: Any) -> None:
+    """Every tensor has the shape the metadata implies (a converted model would otherwise fail only at load)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    want = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if "lm_head.weight" in state:
+        want["lm_head.weight"] = (config.vocab_size, h)
+    leaf_shapes = {
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+        "input_layernorm": (h,),
+        "post_attention_layernorm": (h,),
+    }
+    for n in range(config.num_hidden_layers):
+        want |= {f"model.layers.{n}.{leaf}.weight": shape for leaf, shape in leaf_shapes.items()}
+    for name, tensor in state.items():
+        if name not in want:
+            raise CorruptModelError(
+                f"{gguf_path.name}: tensor {name} lies beyond its {config.num_hidden_layers} layers"
+            )
+        if tuple(tensor.shape) != want[name]:
+            raise CorruptModelError(
+                f"{gguf_path.name}: {name} has shape {tuple(tensor.shape)}; its metadata implies {want[name]}"
+            )
 
 
 def _f32(value: float) -> float:

@@ -23,19 +23,20 @@ at RoPE position j, so the row fed with the root predicts the first drafted toke
 from __future__ import annotations
 
 import json
+import pickle
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from safetensors import safe_open
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 
-from specserve.errors import UnsupportedModelError
+from specserve.errors import CorruptModelError, SpecServeError, UnsupportedModelError
 from specserve.models.attention import attention, write_kv
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
@@ -64,20 +65,36 @@ class EagleHeadConfig(BaseModel):
     num_heads: int = Field(ge=1)
     num_kv_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
     vocab_size: int = Field(ge=2, description="the target's vocabulary")
-    draft_vocab_size: int | None = Field(default=None, description="reduced draft vocabulary (None = the target's)")
+    draft_vocab_size: int | None = Field(
+        default=None, ge=1, description="reduced draft vocabulary (None = the target's)"
+    )
     fc_bias: bool = False
     qkv_bias: bool = False
     aux_layers: tuple[int, ...] = Field(default=(), description="EAGLE-3: target layers whose outputs are fused")
-    rope_theta: float = 10000.0
+    rope_theta: float = Field(default=10000.0, gt=0)
     rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 8192
+    max_position_embeddings: int = Field(default=8192, ge=1)
 
     @field_validator("rope_scaling", mode="before")
     @classmethod
     def _normalise_rope(cls, value: Any) -> dict[str, Any] | None:
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"rope_scaling must be a mapping or null, got {type(value).__name__}")
         return rope_scaling_of({"rope_scaling": value})
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EagleHeadConfig:
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} attention heads do not divide into {self.num_kv_heads} KV heads")
+        if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the {self.vocab_size}-token vocabulary")
+        if len(set(self.aux_layers)) != len(self.aux_layers) or any(i < 0 for i in self.aux_layers):
+            raise ValueError(f"aux layers must be distinct layer indices, got {list(self.aux_layers)}")
+        return self
 
     @property
     def feature_size(self) -> int:
@@ -219,8 +236,8 @@ class EagleHead(nn.Module):
         """Restrict an EAGLE-1/2 head's logits to these target ids ([V_d] long, ascending)."""
         if self.cfg.kind != HeadKind.eagle:
             raise ValueError("an EAGLE-3 head's draft vocabulary is fixed by its own lm_head and d2t")
-        if draft_ids.ndim != 1 or int(draft_ids.max()) >= self.cfg.vocab_size or int(draft_ids.min()) < 0:
-            raise ValueError(f"draft ids must be a 1-D tensor of target ids in [0, {self.cfg.vocab_size})")
+        if not valid_draft_ids(draft_ids, self.cfg.vocab_size):
+            raise ValueError(f"draft ids must be a 1-D tensor of distinct target ids in [0, {self.cfg.vocab_size})")
         self.draft_ids = draft_ids.to(torch.long)
         self.cfg = self.cfg.model_copy(update={"draft_vocab_size": int(draft_ids.numel())})
         self._slice_lm_head()
@@ -305,8 +322,14 @@ class EagleHead(nn.Module):
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low / middle / high feature layers of a ``num_layers``-layer target."""
-    return (2, num_layers // 2, num_layers - 3)
+    """EAGLE-3's low / middle / high feature layers of a ``num_layers``-layer target: (2, L/2, L-3) from 7 layers
+    on; below that, where those coincide, the first, middle and last layer; every layer of a target with fewer than
+    three."""
+    if num_layers >= 7:
+        return (2, num_layers // 2, num_layers - 3)
+    if num_layers >= 3:
+        return (0, num_layers // 2, num_layers - 1)
+    return tuple(range(num_layers))
 
 
 def dense_weight(mod: nn.Module) -> torch.Tensor:
@@ -440,9 +463,25 @@ def checkpoint_kind(path: Path) -> HeadKind:
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     weights = weights_path(path)
-    if weights.suffix == ".safetensors":
-        return load_file(weights)
-    return torch.load(weights, map_location="cpu", weights_only=True)
+    try:
+        sd = (
+            load_file(weights)
+            if weights.suffix == ".safetensors"
+            else torch.load(weights, map_location="cpu", weights_only=True)
+        )
+    except (SafetensorError, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
+        raise CorruptModelError(f"cannot read the head's weights {weights}: {e}") from e
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise CorruptModelError(f"{weights} is not a mapping of tensor names to tensors")
+    return sd
+
+
+def valid_draft_ids(ids: torch.Tensor, vocab_size: int) -> bool:
+    """Whether ``ids`` is a non-empty 1-D integer tensor of distinct target ids in [0, vocab_size): a repeated id
+    would give its token two rows of the head's distribution, which the sampled chains' q(x) cannot express."""
+    if ids.ndim != 1 or not ids.numel() or ids.is_floating_point() or ids.dtype == torch.bool:
+        return False
+    return int(ids.min()) >= 0 and int(ids.max()) < vocab_size and int(ids.unique().numel()) == ids.numel()
 
 
 def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], target: LlamaModel) -> EagleHeadConfig:
@@ -482,12 +521,28 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
 def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None = None) -> EagleHead:
     """A head from a directory in either published layout, bound to ``target`` (shapes checked, clear errors)."""
     path = Path(path)
-    if not (path / "config.json").exists():
+    if not (path / "config.json").is_file():
         raise UnsupportedModelError(f"no config.json in {path}")
-    raw = json.loads((path / "config.json").read_text())
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UnsupportedModelError(f"{path / 'config.json'} is not readable JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise UnsupportedModelError(f"{path / 'config.json'} holds a {type(raw).__name__}, not a config object")
     sd = _read_tensors(path)
-    cfg = config_from_checkpoint(raw, sd, target)
+    try:
+        cfg = config_from_checkpoint(raw, sd, target)
+    except SpecServeError:
+        raise
+    except ValidationError as e:
+        fields = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+        raise UnsupportedModelError(f"{path / 'config.json'}: {fields}") from e
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise UnsupportedModelError(f"{path / 'config.json'}: a missing or malformed field ({e!r})") from e
     check_compatible(cfg, target)
+    bad = sorted(k for k, t in sd.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if bad:
+        raise CorruptModelError(f"the head's weights hold NaN or infinite values in {bad}")
     emb = sd.get("embed_tokens.weight")
     if emb is not None and tuple(emb.shape) != tuple(target.embed_tokens.weight.shape):
         raise UnsupportedModelError(
@@ -495,7 +550,10 @@ def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None
             f"the target's is {tuple(target.embed_tokens.weight.shape)}"
         )
     trained_for = raw.get("specserve_target")
-    head = EagleHead(cfg)
+    try:
+        head = EagleHead(cfg)
+    except (KeyError, TypeError, ValueError) as e:  # RoPE parameters transformers cannot build tables from
+        raise UnsupportedModelError(f"{path / 'config.json'}: cannot build the head's RoPE ({e!r})") from e
     _load_tensors(head, sd)
     if trained_for is not None:
         head.trained_for = str(trained_for)
@@ -545,14 +603,22 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
             head.norm.copy_(sd["norm.weight"])
             head.lm_head.weight.copy_(sd["lm_head.weight"])
     if "d2t" in sd:
-        d2t = sd["d2t"].long()
-        ids = d2t + torch.arange(d2t.numel())
+        d2t = sd["d2t"]
+        if d2t.ndim != 1 or not d2t.numel() or d2t.is_floating_point() or d2t.dtype == torch.bool:
+            raise UnsupportedModelError(
+                f"d2t must be a non-empty 1-D integer tensor, got {d2t.dtype} {tuple(d2t.shape)}"
+            )
+        ids = d2t.long() + torch.arange(d2t.numel())
         if cfg.kind == HeadKind.eagle3 and d2t.numel() != head.lm_head.weight.shape[0]:
             raise UnsupportedModelError(
                 f"d2t has {d2t.numel()} entries; lm_head has {head.lm_head.weight.shape[0]} rows"
             )
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
             raise UnsupportedModelError(f"d2t maps draft ids outside the target's {cfg.vocab_size}-token vocabulary")
+        if not valid_draft_ids(ids, cfg.vocab_size):
+            raise UnsupportedModelError(
+                f"d2t maps {ids.numel() - int(ids.unique().numel())} draft ids onto target ids another already has"
+            )
         head.draft_ids = ids
         head.cfg = cfg.model_copy(update={"draft_vocab_size": int(ids.numel())})
     elif cfg.kind == HeadKind.eagle3 and head.lm_head.weight.shape[0] != cfg.vocab_size:

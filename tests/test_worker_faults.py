@@ -1,0 +1,271 @@
+"""A lane's workers failing the ways Ray reports besides a dead actor: a replacement whose start() raised, a call
+that never returns, an actor that cannot be placed. The lane replaces the worker and every request goes on; a
+lane that cannot replace it answers its requests and stays up; a lane thread that stops answers the submits still
+queued. In-process: the real ``RemoteTarget`` proxy over a fake actor handle whose calls run a local TargetWorker,
+``ray.get`` resolving them (no Ray processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayTaskError
+
+from deployments import actors
+from deployments.actors import KVGeometry, RemoteTarget
+from deployments.app_args import WorkerRole
+from deployments.lane import Lane
+from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
+from specserve.api.metrics import ServeMetrics
+from specserve.engine import Engine
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import tiny_config, tiny_model
+from specserve.sampling import SamplingParams
+from specserve.sequence import Request
+from specserve.workers import TargetWorker
+
+PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42, 43]]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+Result = list[int] | APIError
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_model(tiny_config(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def alone(target: LlamaModel) -> list[list[int]]:
+    return [r.token_ids for r in _engine(target).generate(PROMPTS, GREEDY)]
+
+
+def _engine(target: LlamaModel) -> Engine:
+    return Engine(target, None, max_batch_size=4, max_model_len=64, eos_token_ids=set())
+
+
+@dataclass
+class Ref:
+    """What a fake actor call returns: ``ray.get`` runs it (``timeout`` as Ray's)."""
+
+    run: Callable[[float | None], Any]
+
+
+def fake_get(ref: Ref, *, timeout: float | None = None) -> Any:
+    return ref.run(timeout)
+
+
+def hung(timeout: float | None) -> Any:
+    assert timeout is not None, "a call without a timeout would wait for ever on a hung actor"
+    raise GetTimeoutError(f"Get timed out after {timeout} s")
+
+
+@dataclass
+class Method:
+    call: Callable[..., Ref]
+
+    def remote(self, *args: Any) -> Ref:
+        return self.call(*args)
+
+
+@dataclass
+class Actor:
+    """A target worker actor's handle: ``fault`` decides how its start or its verify fails (None: they work)."""
+
+    model: LlamaModel
+    fault: str | None
+    worker: TargetWorker | None = None
+    calls: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.start = Method(self._start)
+        self.add = Method(lambda seq_id, params: self._fire(lambda w: w.add(seq_id, params)))
+        self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
+        self.verify = Method(self._verify)
+
+    def _fire(self, fn: Callable[[TargetWorker], None]) -> None:  # Ray's fire-and-forget: errors are lost
+        if self.worker is not None:
+            fn(self.worker)
+
+    def _start(self, geometry: KVGeometry) -> Ref:
+        self.calls.append("start")
+        if self.fault == "start":  # the actor's start() raised (its device out of memory): an error in its task
+            cause = RuntimeError("CUDA out of memory")
+            return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("start", "Traceback ...", cause)))
+        self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
+        return Ref(lambda _: None)
+
+    def _verify(self, items: Any) -> Ref:
+        self.calls.append("verify")
+        if self.fault == "hang":
+            return Ref(hung)
+        if self.fault == "unschedulable":
+            error = ActorUnschedulableError("the actor's placement group bundle is gone")
+            return Ref(lambda _: (_ for _ in ()).throw(error))
+        if self.worker is None:  # what the worker raises when used before start: a RayTaskError
+            cause = RuntimeError("the worker is not started")
+            return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("verify", "Traceback ...", cause)))
+        worker = self.worker
+        return Ref(lambda _: worker.verify(items))
+
+
+class Factory:
+    """Creates target proxies over fake actors; ``faults[generation]`` is that generation's fault, and ``broken``
+    generations cannot be created at all (a placement that fails)."""
+
+    def __init__(self, model: LlamaModel, faults: dict[int, str], broken: set[int] | None = None) -> None:
+        self.model, self.faults, self.broken = model, faults, broken or set()
+        self.actors: list[Actor] = []
+
+    def create(self, lane: int, role: WorkerRole, generation: int) -> RemoteTarget:
+        if generation in self.broken:
+            raise RuntimeError("placement group removed")
+        actor = Actor(self.model, self.faults.get(generation))
+        self.actors.append(actor)
+        return RemoteTarget(actor, f"target:{generation}", role, start_timeout_s=60.0, call_timeout_s=30.0)  # type: ignore[arg-type]
+
+    def kill(self) -> None:
+        pass
+
+
+def _lane(target: LlamaModel, factory: Factory, **options: Any) -> Lane:
+    engine = _engine(target)
+    loop = engine.loop
+    geometry = KVGeometry(4, loop.max_model_len + loop.spec_headroom)
+    worker = factory.create(0, WorkerRole.target, 0)
+    worker.start(geometry)
+    loop.target = worker
+    options.setdefault("metrics", ServeMetrics())
+    lane = Lane(0, loop, {}, factory, geometry, max_worker_restarts=2, **options)  # type: ignore[arg-type]
+    lane.workers = {WorkerRole.target: worker}  # (not passed in: Lane.stop would ray.kill the fake handle)
+    lane.generations = {WorkerRole.target: 0}
+    return lane
+
+
+async def _one(lane: Lane, request: Request) -> Result:
+    tokens: list[int] = []
+    try:
+        stream = await lane.submit(request)
+        async for out in stream:
+            tokens += out.token_ids
+    except APIError as e:
+        return e
+    return tokens
+
+
+def _run(lane: Lane, prompts: list[list[int]], tag: str = "r") -> list[Result]:
+    requests = [Request(f"{tag}{i}", p, GREEDY) for i, p in enumerate(prompts)]
+
+    async def run() -> list[Result]:
+        return await asyncio.wait_for(asyncio.gather(*(_one(lane, r) for r in requests)), 60)
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(actors.ray, "get", fake_get)
+    monkeypatch.setattr(actors.ray, "kill", lambda handle, no_restart=True: None)
+
+
+@pytest.mark.parametrize("fault", ["start", "hang", "unschedulable"])
+def test_a_worker_that_cannot_serve_is_replaced_and_every_request_goes_on(
+    target: LlamaModel, alone: list[list[int]], fault: str
+) -> None:
+    factory = Factory(target, {0: fault})
+    lane = _lane(target, factory)
+    try:
+        assert _run(lane, PROMPTS) == alone
+        assert lane.generations[WorkerRole.target] == 1 and lane.alive
+        assert len(factory.actors) == 2 and "verify" in factory.actors[1].calls
+    finally:
+        lane.stop()
+
+
+def test_a_lane_that_cannot_replace_its_worker_answers_and_stays_up(target: LlamaModel, alone: list[list[int]]) -> None:
+    """The replacement cannot even be created (its placement is gone): the requests get a 503 body, the lane
+    thread lives, and once a replacement can be made the next requests run."""
+    factory = Factory(target, {0: "unschedulable"}, broken={1})
+    lane = _lane(target, factory)
+    try:
+        results = _run(lane, PROMPTS[:2])
+        assert all(isinstance(r, WorkerFailedError) for r in results), results
+        assert lane.alive
+        assert _run(lane, PROMPTS, tag="s") == alone  # generation 2 starts
+        assert lane.generations[WorkerRole.target] == 2
+    finally:
+        lane.stop()
+
+
+def test_submits_queued_when_the_lane_thread_stops_are_answered(target: LlamaModel) -> None:
+    """The lane thread dies inside a step (here its metrics raise) while a second request waits in its queue: that
+    request gets a 503 at once instead of waiting for ever, and a submit after it is refused."""
+    stepping, queued = threading.Event(), threading.Event()
+
+    class Metrics(ServeMetrics):
+        def lane_step(self, *args: Any, **kwargs: Any) -> None:
+            stepping.set()
+            queued.wait(10)
+            raise RuntimeError("a bug after the commit")
+
+    lane = _lane(target, Factory(target, {}), metrics=Metrics())
+
+    async def run() -> tuple[Result, Result]:
+        first = asyncio.ensure_future(_one(lane, Request("a", PROMPTS[0], GREEDY)))
+        while not stepping.is_set():
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(_one(lane, Request("b", PROMPTS[1], GREEDY)))
+        await asyncio.sleep(0.2)  # its submit is in the lane's queue
+        queued.set()
+        return await asyncio.wait_for(first, 20), await asyncio.wait_for(second, 20)
+
+    try:
+        first, second = asyncio.run(run())
+        assert isinstance(first, WorkerFailedError) and isinstance(second, WorkerFailedError)
+        deadline = time.monotonic() + 5
+        while lane.alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert lane.in_flight == 0
+        with pytest.raises(WorkerFailedError, match="stopped"):
+            asyncio.run(lane.submit(Request("c", PROMPTS[2], GREEDY)))
+    finally:
+        queued.set()
+        lane.stop()
+
+
+def test_a_request_the_loop_fails_to_admit_gets_an_error_body_and_never_runs(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    class Refusing:
+        def on_request(self, seq: Any) -> None:
+            raise ValueError("an observer's bug")
+
+    lane = _lane(target, Factory(target, {}))
+    observers = lane.loop.observers
+    observers.append(Refusing())  # type: ignore[arg-type]
+    try:
+        with pytest.raises(RequestFailedError):
+            asyncio.run(lane.submit(Request("x", PROMPTS[0], GREEDY)))
+        assert not lane.loop.has_work and lane.loop.request_id(0) is None and lane.in_flight == 0
+        observers.pop()
+        assert _run(lane, PROMPTS) == alone
+    finally:
+        lane.stop()
+
+
+def test_capacity_counts_the_kv_slots_that_fit_not_the_configured_batch() -> None:
+    from types import SimpleNamespace
+
+    from deployments.router import Router
+
+    cls = Router.func_or_class
+    router = cls.__new__(cls)
+    router.args = SimpleNamespace(max_queued_requests=5, retry_after_s=1, num_lanes=2, max_batch_size=16)
+    router._slots = 2 * 3  # 3 slots fit per lane, not 16
+    router._metrics = ServeMetrics()
+    assert router.capacity == 6 + 5
