@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from enum import Enum
@@ -49,8 +50,8 @@ class ActorResources(Validated):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    num_cpus: float = Field(default=1.0, ge=0.0)
-    num_gpus: float = Field(default=0.0, ge=0.0)
+    num_cpus: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    num_gpus: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. a node label")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: Ray's default")
 
@@ -60,6 +61,9 @@ class ActorResources(Validated):
         builtin = sorted(set(resources) & {"CPU", "GPU"})
         if builtin:
             raise ValueError(f"give {', '.join(builtin)} as num_cpus / num_gpus, not as custom resources")
+        bad = sorted(k for k, v in resources.items() if not (math.isfinite(v) and v > 0))
+        if bad:
+            raise ValueError(f"custom resources are positive amounts: {bad}")
         return resources
 
     @model_validator(mode="after")
@@ -145,6 +149,14 @@ class AppArgs(LoopConfig):
         default=None,
         description=f"require `Authorization: Bearer <key>`; unset: the {API_KEY_ENV} environment variable",
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_empty(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().strip():  # it would switch authentication off
+            raise ValueError("api_key is empty: give a key, or leave it unset for a server without authentication")
+        return key
+
     debug_routes: bool = Field(default=False, description="serve /debug/lanes (actor names, node ids, KV slots)")
     freeze_gc: bool = Field(default=True, description=FREEZE_GC_HELP + "; in the router and in each worker actor")
     router_resources: ActorResources = ActorResources(num_cpus=0.5)

@@ -43,6 +43,7 @@ from load.traces import (
     sequence_traces,
     tree_sequence_traces,
 )
+from specserve.arg_types import out_dir_arg, present_device_arg
 from specserve.bench.policies import CAP_LABELS, PolicyName, policy_specs
 from specserve.bench.stats import (
     SWEEP_COLS,
@@ -522,7 +523,7 @@ def _specs_from_runs(runs: Sequence[RunTrace]) -> dict[PolicyName, SpecConfig]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m load.simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, required=True, help="traces.jsonl written by load.straggler")
-    p.add_argument("--out", type=Path, default=Path("bench_out/sim"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/sim"))
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512])
     p.add_argument("--policies", nargs="+", default=[x.value for x in SIMULATED_POLICIES])
     p.add_argument("--workloads", nargs="+", default=[w.value for w in WorkloadKind])
@@ -535,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-target", default=None, help="time batched forwards: target source (or 'tiny')")
     p.add_argument("--measure-draft", default=None, help="... and draft source (or 'tiny')")
     p.add_argument("--measure-dtype", default="float32", help="dtype of the timed models, e.g. bfloat16")
-    p.add_argument("--device", default="cpu", help="device of the timed models, e.g. cuda")
+    p.add_argument("--device", default="cpu", type=present_device_arg, help="device of the timed models, e.g. cuda")
     p.add_argument("--profile-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--fit", choices=[f.value for f in FitKind], default=FitKind.piecewise.value)
     p.add_argument("--validate", action="store_true", help="compare with the measured runs in the traces")

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from load.client import StreamStats, check_loopback, parse_sse_line
 from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
+from specserve.arg_types import out_dir_arg, present_device_arg
 from specserve.bench.batch_sweep import run_one
 from specserve.bench.machine import device_summary
 from specserve.bench.policies import CAP_LABELS, STUDY_POLICIES, PolicyName, check_steps_arg, policy_specs
@@ -646,9 +647,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared machine)")
-    p.add_argument("--device", default=d.device, help="where the models run, e.g. cuda")
+    p.add_argument("--device", default=d.device, type=present_device_arg, help="where the models run, e.g. cuda")
     p.add_argument("--dtype", default=None, choices=[x.value for x in DType], help="every model's dtype")
-    p.add_argument("--out", type=Path, default=d.out)
+    p.add_argument("--out", type=out_dir_arg, default=d.out)
     p.add_argument("--url", default=None, help="also sweep a deployment over HTTP, e.g. http://127.0.0.1:8000")
     p.add_argument("--http-only", action="store_true", help="skip the in-process engine sweep")
     p.add_argument("--http-max-prompt-chars", type=int, default=None, help="truncate prompts (tiny deployments)")
@@ -686,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "report":
         p = argparse.ArgumentParser(prog="python -m load.straggler report", description=report_from_traces.__doc__)
         p.add_argument("traces", type=Path, nargs="+", help="traces.jsonl files of earlier sweeps")
-        p.add_argument("--out", type=Path, required=True)
+        p.add_argument("--out", type=out_dir_arg, required=True)
         args = p.parse_args(argv[1:])
         print(f"wrote {report_from_traces(args.traces, args.out)}")
         return 0

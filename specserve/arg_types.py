@@ -4,6 +4,8 @@ usage error when parsed, not a traceback from deep inside a run."""
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -41,7 +43,31 @@ def device_arg(text: str) -> str:
 
 
 def present_device_arg(text: str) -> str:
-    """``--device`` for a command that runs models on it: one this machine has."""
-    if torch.device(device_arg(text)).type == "cuda" and not torch.cuda.is_available():
+    """``--device`` for a command that runs models on it: the CPU, or a CUDA device this machine has."""
+    kind = torch.device(device_arg(text)).type
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: models run on cpu or cuda, not {kind}")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: this torch has no CUDA device")
     return text
+
+
+def out_dir_arg(text: str) -> Path:
+    """``--out``: a directory results go to, checked before the run (not after it, the results lost): it, or the
+    nearest part of its path that exists, is a directory this process can write in."""
+    path = Path(text)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path.cwd())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a directory")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory results can be written to ({e})") from None
+    return path
+
+
+def out_file_arg(text: str) -> Path:
+    """``--out`` naming a file: its directory as ``out_dir_arg``."""
+    out_dir_arg(str(Path(text).parent))
+    return Path(text)

@@ -139,6 +139,10 @@ class ModelSpec(Validated):
             raise ValueError("native_q4 reads a GGUF's blocks: its source is a builtin model or a .gguf file")
         if self.native_q4 and (self.dtype != DType.float32 or self.int8_dynamic):
             raise ValueError("native_q4 serves float32 weights beside its blocks, without int8_dynamic")
+        if self.int8_dynamic and self.dtype != DType.float32:
+            raise ValueError("int8_dynamic quantises float32 weights: leave dtype float32")
+        if any(w < 1 for w in self.mkl_packed_widths):
+            raise ValueError(f"mkl_packed_widths are row counts (>= 1), got {list(self.mkl_packed_widths)}")
         return self
 
     def resolved_kind(self) -> SourceKind:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SpecConfig
-from specserve.errors import UnsupportedModelError
+from specserve.errors import SettingsError, UnsupportedModelError
 from specserve.models.llama import LlamaModel
 from specserve.models.memory import ModelShape, activation_bytes, kv_bytes_per_slot, kv_slots_that_fit
 from specserve.spec_decode.eagle_head import EagleHead
@@ -43,6 +43,11 @@ def context_limits(
     limit = min(max_model_len, target_positions - headroom)
     if draft_positions is not None:
         limit = min(limit, draft_positions - headroom)
+    if limit < 1:
+        raise SettingsError(
+            f"speculation needs room for {headroom} tokens a step, which leaves the models' "
+            f"{min(target_positions, draft_positions or target_positions)} positions no context"
+        )
     return ContextLimits(limit, headroom, limit + headroom)
 
 

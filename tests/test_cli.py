@@ -76,9 +76,28 @@ def test_a_cuda_device_without_cuda_is_a_usage_error(capsys: pytest.CaptureFixtu
     assert exit_.value.code == 2 and "this torch has no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device", ["mps", "meta", "xpu"])
+def test_a_device_models_cannot_run_on_is_a_usage_error(device: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hello", "--device", device])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "models run on cpu or cuda" in err and "Traceback" not in err
+
+
 def test_an_unreadable_gguf_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     unreadable = tmp_path / "model.gguf"
     unreadable.symlink_to(Path("/proc/self/mem"))  # a regular file whose first bytes cannot be read (EIO)
     assert main(["models", "pull", str(unreadable)]) == 2
     err = capsys.readouterr().err
     assert "specserve: error: cannot read GGUF file" in err and "Traceback" not in err
+
+
+def test_an_unwritable_out_dir_is_a_usage_error_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "spec", "--out", str(blocker / "spec")])  # under a file: no directory can be made there
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "results can be written" in err and "Traceback" not in err

@@ -487,3 +487,23 @@ def test_shipped_head_loads_on_its_target_with_any_vocabulary_prefix() -> None:
     assert set(small.draft_ids.tolist()) < set(head.draft_ids.tolist())  # a prefix of the trained vocabulary
     full = load_draft(head_spec.model_copy(update={"draft_vocab": target.cfg.vocab_size}), target)
     assert isinstance(full, EagleHead) and full.draft_vocab_size == target.cfg.vocab_size
+
+
+def test_a_model_spec_that_cannot_load_is_refused_at_validation() -> None:
+    import pydantic
+
+    from specserve.config import DType, ModelSpec
+
+    with pytest.raises(pydantic.ValidationError, match="int8_dynamic"):
+        ModelSpec(int8_dynamic=True, dtype=DType.bfloat16)
+    with pytest.raises(pydantic.ValidationError, match="row counts"):
+        ModelSpec(mkl_packed_widths=(0,))
+
+
+def test_an_unreadable_head_checkpoint_is_named(tmp_path: Path) -> None:
+    from specserve.spec_decode.eagle_head import checkpoint_kind
+
+    bad = write_head(tmp_path / "h", eagle1_tensors(1, fc_bias=False), {})
+    (bad / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CorruptModelError, match="cannot read"):
+        checkpoint_kind(bad)

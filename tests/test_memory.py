@@ -12,8 +12,8 @@ import yaml
 from safetensors.torch import save_file
 
 from deployments.app_args import AppArgs, WorkerRole
-from specserve.config import ModelSpec
-from specserve.errors import KVCapacityError
+from specserve.config import ModelSpec, SpecConfig, SpecMethod
+from specserve.errors import KVCapacityError, SettingsError
 from specserve.limits import context_limits, model_shape
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
@@ -208,3 +208,14 @@ def test_the_fit_check_rejects_the_old_sizing() -> None:
     target = HUB_SHAPES["meta-llama/Llama-3.1-8B-Instruct"]
     assert 64 * kv_bytes_per_slot(target, 2, 8192) == 64 * GIB
     assert weight_bytes(target, 2) > 14.9 * GIB  # bf16 8B
+
+
+def test_speculation_that_leaves_no_context_is_refused() -> None:
+    with pytest.raises(SettingsError, match="no context"):
+        context_limits(
+            max_model_len=2048,
+            spec_headroom=64,
+            speculation=SpecConfig(method=SpecMethod.chain, sl=8),
+            target_positions=48,  # fewer positions than a step's headroom
+            target_vocab=512,
+        )

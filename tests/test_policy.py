@@ -59,6 +59,7 @@ def test_config_defaults_are_the_papers():
         {"n_short": 31},
         {"sl_min": 17},
         {"sl_init": 20},
+        {"sl_hard_max": 65},  # past any SL a step can verify: it would leave the models no context
         {"delta": 0.0},
         {"delta": 1.5},
         {"n_long": 1},

@@ -228,6 +228,9 @@ def test_app_args_layout_and_validation() -> None:
         {"target": {}},  # speculation by default, but no draft
         {"speculation": {"kld_mode": "exact"}},  # dense draft logits must not cross actors
         {"target_resources": {"num_cpus": 0}},
+        {"target_resources": {"num_cpus": float("inf")}},
+        {"target_resources": {"num_cpus": 1, "resources": {"node_a": -1.0}}},
+        {"api_key": ""},  # would switch authentication off
         {"max_batch_size": 0},
     ):
         with pytest.raises(pydantic.ValidationError):

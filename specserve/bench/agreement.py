@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.arg_types import non_negative_int, positive_int
+from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, HeadSpec
@@ -48,7 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lexicon-offset", type=non_negative_int, default=None, help="held-out lexicon prompts start here" + held_out
     )
-    p.add_argument("--out", type=Path, default=Path("bench_out/agreement"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/agreement"))
 
 
 @torch.inference_mode()

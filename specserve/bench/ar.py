@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specserve.arg_types import positive_int
+from specserve.arg_types import out_dir_arg, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DType, ModelSpec
@@ -35,7 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--runs", type=positive_int, default=3)
-    p.add_argument("--out", type=Path, default=Path("bench_out/ar"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/ar"))
 
 
 def _hf_generate(

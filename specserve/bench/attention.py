@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.arg_types import non_negative_int, positive_int
+from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.models.attention import attention
@@ -34,7 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=positive_int, default=3)
     p.add_argument("--head-dim", type=positive_int, default=64)
     p.add_argument("--repeats", type=positive_int, default=21)
-    p.add_argument("--out", type=Path, default=Path("bench_out/attention"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/attention"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from specserve.arg_types import non_negative_int, positive_int
+from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
 from specserve.bench.policies import STUDY_POLICIES, PolicyName, policy_specs
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import (
@@ -57,7 +57,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--repeats", type=positive_int, default=2, help="round-robin repeats per batch size; medians reported"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench_out/batch"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/batch"))
 
 
 def policies(args: argparse.Namespace) -> dict[PolicyName, SpecConfig]:

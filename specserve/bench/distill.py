@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.arg_types import positive_int
+from specserve.arg_types import out_dir_arg, positive_int
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.build import eos_ids_of
 from specserve.config import MODEL_PAIRS, ModelSpec
@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--eagle1", action="store_true", help="final features only (default: EAGLE-3's aux layers too)")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and token-id prompts: seconds")
-    p.add_argument("--out", type=Path, default=Path("bench_out/distill"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/distill"))
 
 
 def _engine_answers(engine: Engine, stop_id: int) -> AnswerFn:

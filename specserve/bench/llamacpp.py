@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.arg_types import positive_int
+from specserve.arg_types import out_dir_arg, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.config import ModelSpec
 from specserve.models.llama import LlamaModel
@@ -58,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--rounds", type=positive_int, default=3, help="alternating llama.cpp / runner rounds; medians reported"
     )
     p.add_argument("--workdir", type=Path, default=None, help="default: <cache>/llamacpp")
-    p.add_argument("--out", type=Path, default=Path("bench_out/llamacpp"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/llamacpp"))
 
 
 def sdist_url(index_json: dict[str, object]) -> tuple[str, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.arg_types import non_negative_int, positive_int
+from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS
@@ -41,7 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--evict-mb", type=non_negative_int, default=256, help="read this much memory before each call (0: warm)"
     )
     p.add_argument("--tiny", action="store_true", help="a small random model instead (tests)")
-    p.add_argument("--out", type=Path, default=Path("bench_out/lm_head"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/lm_head"))
 
 
 def _model(args: argparse.Namespace, q8_head_reads: bool = False) -> LlamaModel:

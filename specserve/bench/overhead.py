@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deployments.app_args import AppArgs, WorkerRole
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.arg_types import positive_int
+from specserve.arg_types import out_file_arg, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import ModelSpec, SpecConfig
@@ -162,7 +162,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--torch-threads", type=positive_int, default=2, help="per worker actor (the Engine uses torch's default)"
     )
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per setting (the median is reported)")
-    p.add_argument("--out", type=Path, default=Path("bench_out/serve_overhead.csv"))
+    p.add_argument("--out", type=out_file_arg, default=Path("bench_out/serve_overhead.csv"))
 
 
 def run(a: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.arg_types import non_negative_int, positive_int
+from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType
 from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed, linear
@@ -66,7 +66,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=[],
         help="also time the runner with MKL-packed weights for these widths (ModelSpec.mkl_packed_widths)",
     )
-    p.add_argument("--out", type=Path, default=Path("bench_out/runner"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/runner"))
 
 
 def weight_linears(model: LlamaModel) -> list[torch.Tensor]:

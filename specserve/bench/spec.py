@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from specserve.arg_types import device_arg, non_negative_int, positive_int
+from specserve.arg_types import non_negative_int, out_dir_arg, positive_int, present_device_arg
 from specserve.bench.machine import device_summary
 from specserve.bench.policies import check_steps_arg
 from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts, per_category
@@ -156,11 +156,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "records where they measure faster, only the former, or float32 only, to compare (ModelSpec.q4_reads, "
         "q8_head_reads; the same bits; default: the spec's)",
     )
-    p.add_argument("--device", default="cpu", type=device_arg, help="where the models run, e.g. cuda (default: cpu)")
+    p.add_argument(
+        "--device", default="cpu", type=present_device_arg, help="where the models run, e.g. cuda (default: cpu)"
+    )
     p.add_argument(
         "--dtype", choices=[d.value for d in DType], default=None, help="every model's dtype (default: the pair's)"
     )
-    p.add_argument("--out", type=Path, default=Path("bench_out/spec"))
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/spec"))
 
 
 def _positive(text: str) -> int:

@@ -67,7 +67,9 @@ class DSDEConfig(Validated):
     )
     alpha: float = Field(default=2.0, ge=0.0, description="SF = exp(alpha * mean KLD of the last step) - 1")
     sl_init: int = Field(default=4, ge=1, description="warm-up starting SL")
-    sl_hard_max: int = Field(default=16, ge=1, description="absolute SL ceiling (warm-up doubling and calibration)")
+    sl_hard_max: int = Field(
+        default=16, ge=1, le=64, description="absolute SL ceiling (warm-up doubling and calibration)"
+    )
     sl_min: int = Field(default=2, ge=1, description="SL_min (paper rule) or its floor (reference rule)")
     calibration_c: float = Field(
         default=1.0, ge=0.0, description="SL_max = round(A_max (1 + c mu / (M + 1e-8))) (reference: 0.5)"

@@ -454,8 +454,11 @@ def checkpoint_kind(path: Path) -> HeadKind:
     """The layout of the head in ``path`` from its tensor names (read from the safetensors header when there)."""
     weights = weights_path(path)
     if weights.suffix == ".safetensors":
-        with safe_open(weights, framework="pt") as f:
-            names = list(f.keys())
+        try:
+            with safe_open(weights, framework="pt") as f:
+                names = list(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise CorruptModelError(f"cannot read the head's weights {weights}: {e}") from e
     else:
         names = list(_read_tensors(path))
     return HeadKind.eagle3 if any(n.startswith("midlayer.") for n in names) else HeadKind.eagle

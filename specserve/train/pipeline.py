@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specserve.arg_types import non_negative_int, positive_int, present_device_arg
+from specserve.arg_types import non_negative_int, out_dir_arg, positive_int, present_device_arg
 from specserve.bench.machine import device_summary
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
@@ -291,7 +291,9 @@ def _positive_float(text: str) -> float:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="the target: built-in name, HF dir or .gguf")
-    p.add_argument("--out", type=Path, required=True, help="directory for the head (model.safetensors, config.json)")
+    p.add_argument(
+        "--out", type=out_dir_arg, required=True, help="directory for the head (model.safetensors, config.json)"
+    )
     p.add_argument("--work-dir", type=Path, default=None, help="data and checkpoints (default: OUT/work)")
     p.add_argument("--prompts", type=non_negative_int, default=None, help="self-distillation prompts (default 1280)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None)
