@@ -20,4 +20,7 @@ def app_builder(args: dict[str, Any]) -> Application:
         placement_group_strategy=app_args.placement_strategy.value,
         # above the router's own limit, so that a full queue is answered with a 429 instead of waiting in the proxy
         max_ongoing_requests=app_args.capacity + CONTROL_REQUEST_HEADROOM,
+        # and a bounded wait in the proxy beyond that (slow bodies, /debug calls filling the headroom): Serve's
+        # own 503 rather than a queue without end in front of /health
+        max_queued_requests=app_args.capacity + CONTROL_REQUEST_HEADROOM,
     ).bind(app_args)

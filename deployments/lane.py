@@ -168,6 +168,7 @@ class Lane:
         self._probes: deque[frozenset[int]] = deque()  # suspect groups (seq ids) to step alone, the first next
         self._splits = 0  # splits made by the isolation under way
         self._failed_steps = 0  # consecutive failed full steps (not counting a worker's death)
+        self.lost_workers = False  # its workers could not be brought back (until a step succeeds again)
         self._thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
         self._thread.start()
 
@@ -175,6 +176,11 @@ class Lane:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        """Running, and not left without workers by failed replacements."""
+        return self.alive and not self.lost_workers
 
     @property
     def in_flight(self) -> int:
@@ -317,6 +323,7 @@ class Lane:
                 # answers its requests, and tries again with the next step's worker failure
                 logger.exception("lane %d: replacing its workers failed", self.index)
                 self._fail_all("the lane could not replace a lost worker")
+                self.lost_workers = True
             self._report_queue()
             return
         except Exception as e:  # one request's bad input, or a bug: not a lost worker
@@ -328,6 +335,7 @@ class Lane:
             self._report_queue()  # failed requests left the queue and the batch
             return
         self._failures = 0
+        self.lost_workers = False
         if only is None:
             self._failed_steps = 0
         else:
@@ -406,6 +414,7 @@ class Lane:
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
         if self._failures > self.max_worker_restarts:
             self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row")
+            self.lost_workers = True
         for role in dead:
             self._replace(role)
         target_reset = WorkerRole.target in dead

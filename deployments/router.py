@@ -178,7 +178,9 @@ class Router:
         return self._slots + self.args.max_queued_requests
 
     def health(self) -> Health:
-        alive = sum(lane.alive for lane in self.lanes)
+        """Degraded while a lane thread has stopped or a lane could not bring its workers back: Serve's health
+        check then replaces the replica (new placement, new actors)."""
+        alive = sum(lane.healthy for lane in self.lanes)
         status = HealthStatus.ok if alive == len(self.lanes) else HealthStatus.degraded
         return Health(status=status, lanes=len(self.lanes), lanes_alive=alive)
 
@@ -189,7 +191,7 @@ class Router:
     # -- Serve hooks ------------------------------------------------------------------------------------
     def check_health(self) -> None:
         if self.health().status != HealthStatus.ok:
-            raise RuntimeError("a lane thread has stopped")
+            raise RuntimeError("a lane thread has stopped, or a lane could not bring its workers back")
 
     def __del__(self) -> None:
         for lane in self.lanes:

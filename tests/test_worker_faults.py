@@ -194,9 +194,9 @@ def test_a_lane_that_cannot_replace_its_worker_answers_and_stays_up(target: Llam
     try:
         results = _run(lane, PROMPTS[:2])
         assert all(isinstance(r, WorkerFailedError) for r in results), results
-        assert lane.alive
+        assert lane.alive and not lane.healthy  # the replica reports itself degraded meanwhile
         assert _run(lane, PROMPTS, tag="s") == alone  # generation 2 starts
-        assert lane.generations[WorkerRole.target] == 2
+        assert lane.generations[WorkerRole.target] == 2 and lane.healthy
     finally:
         lane.stop()
 
@@ -267,5 +267,32 @@ def test_capacity_counts_the_kv_slots_that_fit_not_the_configured_batch() -> Non
     router = cls.__new__(cls)
     router.args = SimpleNamespace(max_queued_requests=5, retry_after_s=1, num_lanes=2, max_batch_size=16)
     router._slots = 2 * 3  # 3 slots fit per lane, not 16
+    router.lanes = []
     router._metrics = ServeMetrics()
     assert router.capacity == 6 + 5
+
+
+def test_a_replica_whose_lane_lost_its_workers_is_degraded() -> None:
+    from types import SimpleNamespace
+
+    from deployments.router import Router
+
+    cls = Router.func_or_class
+    router = cls.__new__(cls)
+    router.lanes = [SimpleNamespace(healthy=True), SimpleNamespace(healthy=True)]
+    assert router.health().status.value == "ok"
+    router.check_health()
+    router.lanes[1].healthy = False
+    assert router.health().status.value == "degraded" and router.health().lanes_alive == 1
+    with pytest.raises(RuntimeError, match="workers back"):
+        router.check_health()
+    router.lanes = []  # (the replica's __del__ stops its lanes)
+
+
+def test_the_deployment_bounds_the_proxy_queue_in_front_of_the_router() -> None:
+    from deployments.app import CONTROL_REQUEST_HEADROOM, app_builder
+    from deployments.app_args import AppArgs, TinyModels
+
+    config = app_builder({"tiny": {}})._bound_deployment._deployment_config
+    limit = AppArgs(tiny=TinyModels()).capacity + CONTROL_REQUEST_HEADROOM
+    assert config.max_ongoing_requests == limit and config.max_queued_requests == limit
