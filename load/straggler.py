@@ -30,7 +30,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from load.client import StreamStats, check_loopback, parse_sse_line
+from load.client import RemoteHostError, StreamStats, check_loopback, parse_sse_line
 from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
 from specserve.arg_types import out_dir_arg, present_device_arg
 from specserve.bench.batch_sweep import run_one
@@ -696,7 +696,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     if cfg.url is not None:
-        check_loopback(cfg.url)  # fail before the engine sweep, not after it
+        try:
+            check_loopback(cfg.url)  # fail before the engine sweep, not after it
+        except RemoteHostError as e:
+            print(f"python -m load.straggler: error: --url: {e}", file=sys.stderr)
+            return 2
     if cfg.workloads:
         rows, traces = engine_sweep(cfg)
         write_csv(cfg.out / "straggler.csv", rows)

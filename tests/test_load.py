@@ -857,3 +857,14 @@ def test_scrape_sums_counters_over_lanes_and_takes_a_gauges_largest() -> None:
         got = scrape(client, "http://127.0.0.1:1")
     assert got["specserve_sl_cap"] == 4 and got["specserve_straggler_idle_fraction"] == 0.7
     assert got["specserve_step_seconds_count"] == 5 and got["specserve_step_seconds_sum"] == 0.75
+
+
+def test_the_straggler_study_refuses_a_remote_url_as_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from load import straggler
+
+    monkeypatch.delenv("SPECSERVE_ALLOW_REMOTE", raising=False)
+    assert straggler.main(["--url", "http://10.0.0.1:8000", "--http-only", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--url: refusing to send load to '10.0.0.1'" in err and "Traceback" not in err
