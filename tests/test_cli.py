@@ -101,3 +101,41 @@ def test_an_unwritable_out_dir_is_a_usage_error_before_any_work(
         main(["bench", "spec", "--out", str(blocker / "spec")])  # under a file: no directory can be made there
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "results can be written" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "batch", "--min-tokens", "50", "--max-tokens", "10"], "exceeds --max-tokens"),
+        (["bench", "batch", "--workloads", "synthetic", "--synthetic-mix", "1.5"], "--synthetic-mix"),
+        (["bench", "spec", "--prompts", "/nonexistent/prompts.jsonl"], "prompts.jsonl"),
+    ],
+)
+def test_bench_settings_fail_before_any_model_loads(
+    argv: list[str], says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specserve.bench import batch_sweep, spec
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(batch_sweep, "load_model", no_load)
+    monkeypatch.setattr(spec, "load_model", no_load)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_train_draft_without_wordnet_fails_before_loading_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import specserve.models.loader as loader
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target was loaded before the settings were checked")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    argv = ["train-draft", "--out", str(tmp_path / "h"), "--lexicon-prompts", "5", "--wordnet-dir", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "WordNet not found" in err and "Traceback" not in err, err

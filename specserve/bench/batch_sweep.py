@@ -25,6 +25,7 @@ from specserve.bench.stats import (
 )
 from specserve.config import MODEL_PAIRS, SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.errors import SettingsError
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.sampling import SamplingParams
 
@@ -101,6 +102,11 @@ def run_one(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.min_tokens > args.max_tokens:
+        raise SettingsError(f"--min-tokens {args.min_tokens} exceeds --max-tokens {args.max_tokens}")
+    if "synthetic" in args.workloads and not all(0.0 <= a < 1.0 for a in args.synthetic_mix):
+        raise SettingsError(f"--synthetic-mix: acceptance rates lie in [0, 1), got {args.synthetic_mix}")
+    table = policies(args)  # the settings' checks, before minutes of loading
     target_spec, draft_spec = MODEL_PAIRS[args.pair]
     target = load_model(target_spec)
     draft = load_draft(draft_spec, target)
@@ -108,7 +114,6 @@ def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     pool = mt_bench_prompts()
     rng.shuffle(pool)  # mixed categories
-    table = policies(args)
     rows = []
     for workload in args.workloads:
         for bs in args.batch_sizes:

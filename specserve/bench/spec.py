@@ -548,11 +548,11 @@ def run(args: argparse.Namespace) -> int:
     for _, t_spec, _ in pairs:
         if t_spec not in target_specs:
             target_specs.append(t_spec)
+    bench = _prompt_set(args.prompts, args.per_category)[: args.num_prompts]  # a bad file fails before the loads
     packed = {"mkl_packed_widths": tuple(args.mkl_packed)}
     targets = {t: load_model(t.model_copy(update=packed), device=args.device) for t in target_specs}
     tok = load_tokenizer(target_specs[0])
     first = Engine(targets[target_specs[0]], tok, max_batch_size=1)
-    bench = _prompt_set(args.prompts, args.per_category)[: args.num_prompts]
     prompts = [first.encode(p.text, chat=True) for p in bench]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
     methods: list[Method] = []

@@ -53,11 +53,17 @@ def _tag_counts(path: Path) -> dict[tuple[str, int], int]:
     return counts
 
 
+def check_wordnet(wordnet_dir: Path = WORDNET_DIR) -> tuple[Path, Path]:
+    """WordNet's noun data and tag counts in ``wordnet_dir`` (WordNetMissing where either is absent)."""
+    data, cnt = wordnet_dir / "data.noun", wordnet_dir / "cntlist.rev"
+    if not data.is_file() or not cnt.is_file():
+        raise WordNetMissing(f"WordNet not found in {wordnet_dir}: install the Debian package wordnet-base")
+    return data, cnt
+
+
 def load_nouns(wordnet_dir: Path = WORDNET_DIR, min_count: int = 2) -> list[Noun]:
     """The nouns (first lemma of each synset) seen at least ``min_count`` times in the tagged corpus."""
-    data, cnt = wordnet_dir / "data.noun", wordnet_dir / "cntlist.rev"
-    if not data.exists() or not cnt.exists():
-        raise WordNetMissing(f"WordNet not found in {wordnet_dir}: install the Debian package wordnet-base")
+    data, cnt = check_wordnet(wordnet_dir)
     counts = _tag_counts(cnt)
     nouns: list[Noun] = []
     for line in data.read_text(encoding="utf-8", errors="replace").splitlines():

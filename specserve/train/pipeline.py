@@ -44,7 +44,7 @@ from specserve.train.distill import (
     greedy_distiller,
     iter_samples,
 )
-from specserve.train.lexicon_prompts import WORDNET_DIR, lexicon_prompts
+from specserve.train.lexicon_prompts import WORDNET_DIR, check_wordnet, lexicon_prompts
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import AskFn, mt_bench_shingles, self_prompts
 from specserve.train.trainer import TrainConfig, check_starting_head, train_head, write_provenance
@@ -378,6 +378,8 @@ def run(args: argparse.Namespace) -> int:
         lexicon_max_new_tokens=args.lexicon_max_new_tokens,
         wordnet_dir=args.wordnet_dir,
     )
+    if cfg.lexicon_prompts:  # found missing only after hours of seed prompts otherwise
+        check_wordnet(cfg.wordnet_dir)
     spec = ModelSpec(source=args.model, gemv_copies=False)
     target = load_model(spec, device=args.device)
     for p in target.parameters():
