@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve.bench.prompt_sets import BenchPrompt, mt_bench_prompts
 from specserve.bench.stats import tpot
@@ -196,7 +197,7 @@ class LoadSettings(BaseModel):
     categories: dict[str, float] = Field(default_factory=dict, description="category -> weight; empty: all")
     max_tokens: int = Field(default=64, ge=1)
     max_prompt_chars: int | None = Field(default=None, ge=1, description="truncate prompts (tiny deployments)")
-    temperature: float = Field(default=0.0, ge=0.0)
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0)  # the API's own bound
     ignore_eos: bool = True  # fixed output lengths make runs comparable
     model: str | None = None  # None: the first id of GET /v1/models
     speculate: bool = True  # False: ask for plain decoding
@@ -213,8 +214,25 @@ class LoadSettings(BaseModel):
         out: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             name, _, weight = part.partition(":")
-            out[name.strip()] = float(weight) if weight else 1.0
+            try:
+                out[name.strip()] = float(weight) if weight else 1.0
+            except ValueError:
+                raise ValueError(f"category weight {weight!r} of {name.strip()!r} is not a number") from None
         return out
+
+    @field_validator("categories")
+    @classmethod
+    def _positive_weights(cls, categories: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in categories.items() if not (math.isfinite(v) and v > 0)}
+        if bad:
+            raise ValueError(f"category weights are positive numbers, got {bad}")
+        return categories
+
+    @model_validator(mode="after")
+    def _wait_range(self) -> LoadSettings:
+        if self.wait_min_s > self.wait_max_s:
+            raise ValueError(f"wait_min_s {self.wait_min_s} exceeds wait_max_s {self.wait_max_s}")
+        return self
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> LoadSettings:

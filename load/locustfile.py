@@ -22,6 +22,7 @@ from typing import Any
 
 from locust import HttpUser, events, task
 from locust.env import Environment
+from pydantic import ValidationError
 
 from load.client import LoadSettings, RemoteHostError, StreamStats, check_loopback, parse_sse_line
 from specserve.bench.prompt_sets import BenchPrompt
@@ -45,6 +46,16 @@ def _refuse_remote_hosts(environment: Environment, **_: Any) -> None:
     except RemoteHostError as e:
         logging.error("%s", e)
         sys.exit(2)  # SystemExit passes through Locust's event hook
+
+
+@events.init.add_listener
+def _check_settings(environment: Environment, **_: Any) -> None:
+    """The SPECSERVE_* settings, checked once before any user starts (each user's on_start reads them again)."""
+    try:
+        LoadSettings.from_env().prompt_pool()
+    except (ValueError, ValidationError) as e:  # ValidationError is a ValueError; named for the reader
+        logging.error("bad SPECSERVE_* load settings: %s", e)
+        sys.exit(2)
 
 
 def _fire(env: Environment, metric: Metric, name: str, value: float, length: int = 0) -> None:

@@ -168,6 +168,27 @@ def test_load_settings_from_env() -> None:
     assert body["speculation"] == {"policy": "dsde"} and body["max_tokens"] == 32
     with pytest.raises(ValueError, match="unknown MT-bench categories"):
         LoadSettings.from_env({"SPECSERVE_CATEGORIES": "nope"}).prompt_pool()
+    for bad in (
+        {"SPECSERVE_CATEGORIES": "coding:0"},  # every task would raise "total of weights must be greater than zero"
+        {"SPECSERVE_CATEGORIES": "coding:-1,writing:1"},
+        {"SPECSERVE_CATEGORIES": "coding:nan"},
+        {"SPECSERVE_CATEGORIES": "coding:abc"},
+        {"SPECSERVE_WAIT_MIN_S": "5", "SPECSERVE_WAIT_MAX_S": "1"},
+        {"SPECSERVE_TEMPERATURE": "500"},  # the server refuses it on every request
+    ):
+        with pytest.raises(ValueError):
+            LoadSettings.from_env(bad)
+
+
+def test_locust_refuses_bad_settings_before_any_user_starts(tmp_path: Path) -> None:
+    pytest.importorskip("locust")
+    env = dict(os.environ, SPECSERVE_MAX_TOKENS="0")
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "locust", "-f", "load/locustfile.py", "--headless", "-u", "1", "-r", "1", "-t", "30s"]
+    out = subprocess.run(
+        [*cmd, "--host", "http://127.0.0.1:9"], cwd=repo, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and "bad SPECSERVE_* load settings" in out.stderr, out.stderr[-2000:]
 
 
 # ─────────────────────────── simulator ───────────────────────────
