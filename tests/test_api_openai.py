@@ -173,9 +173,11 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
     class Admission:  # the router's own admission code, without Ray
         submit = Router.func_or_class.submit
         retry_after_s = Router.func_or_class.retry_after_s
+        capacity = Router.func_or_class.capacity
 
     router: Any = Admission()
     router.args = AppArgs(tiny=TinyModels(), max_batch_size=4, max_queued_requests=8, retry_after_s=1)
+    router._slots = 4  # one lane's KV slots
     router._metrics = metrics = ServeMetrics()
     router.lanes = [BusyLane()]
     request = Request("r", [1, 2], SamplingParams())
