@@ -104,9 +104,12 @@ def test_a_target_read_both_ways_decodes_the_same_tokens(tmp_path: Path, capsys:
     assert all(f"{p}: the first plain's tokens on 2 of 2 runs" in out for p in plains[1:])
 
 
-def test_assisted_generation_is_refused_off_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+def test_assisted_generation_is_refused_off_the_cpu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from specserve.cli import main
 
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # --device cuda parses on this CPU too
     assert main(["bench", "spec", "--assisted", "--device", "cuda", "--pairs", "smollm2-int8"]) != 0
     assert "--assisted (transformers assisted generation) runs on the CPU only" in capsys.readouterr().err
 
@@ -243,7 +246,10 @@ def test_model_free_trees_take_the_tree_options_and_fall_back_to_a_capped_model(
     default = methods.pop()  # the pair's own serving default, guarded
     assert (default.spec, default.guard, default.draft) == (serving_speculation("smollm2-eagle"), True, "smollm2-eagle")
     assert default.spec != SERVING_SPECULATION
-    on_gpu = methods_for(parser.parse_args([*argv, "--device", "cuda"]), "smollm2-eagle", model, model, [])[-1]
+    with pytest.MonkeyPatch.context() as patch:  # --device cuda parses on this CPU too
+        patch.setattr("torch.cuda.is_available", lambda: True)
+        on_cuda = parser.parse_args([*argv, "--device", "cuda"])
+    on_gpu = methods_for(on_cuda, "smollm2-eagle", model, model, [])[-1]
     assert on_gpu.spec == serving_speculation("smollm2-eagle", "cuda") != default.spec  # the device's own default
     assert [m.name for m in methods] == [
         "lookup+model: DDD T=6 (model T=4)",

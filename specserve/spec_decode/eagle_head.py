@@ -618,10 +618,8 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
             )
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
             raise UnsupportedModelError(f"d2t maps draft ids outside the target's {cfg.vocab_size}-token vocabulary")
-        if not valid_draft_ids(ids, cfg.vocab_size):
-            raise UnsupportedModelError(
-                f"d2t maps {ids.numel() - int(ids.unique().numel())} draft ids onto target ids another already has"
-            )
+        if (repeats := ids.numel() - int(ids.unique().numel())) > 0:  # see valid_draft_ids
+            raise UnsupportedModelError(f"d2t maps {repeats} draft ids onto target ids another already has")
         head.draft_ids = ids
         head.cfg = cfg.model_copy(update={"draft_vocab_size": int(ids.numel())})
     elif cfg.kind == HeadKind.eagle3 and head.lm_head.weight.shape[0] != cfg.vocab_size:
