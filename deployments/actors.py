@@ -41,6 +41,7 @@ from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
 from specserve.workers.head_draft import feature_request
+from specserve.workers.self_check import self_check
 
 ACTOR_NAMESPACE = "specserve"  # where worker actors are named (``ray.get_actor(name, namespace=ACTOR_NAMESPACE)``)
 
@@ -120,6 +121,10 @@ class _WorkerHost:
 
     def release(self, seq_ids: list[int]) -> None:
         self._worker().release(seq_ids)
+
+    def check(self) -> None:
+        """Raise unless the model computes one token correctly (``self_check``: no sequence's slot is touched)."""
+        self_check(self.model)
 
     def state(self) -> WorkerState:
         slots = 0 if self.worker is None else len(self.worker.cache.in_use())
@@ -217,6 +222,15 @@ class RemoteWorker:
         """End the actor for good (a replaced one may only have been unreachable, and still holds its bundle)."""
         with contextlib.suppress(ValueError):  # not an actor handle Ray knows (already gone)
             ray.kill(self.handle, no_restart=True)
+
+    def check(self) -> bool:
+        """Whether the actor passes its self-check; one that fails it, dies or does not answer is marked ``dead``."""
+        try:
+            ray.get(self.handle.check.remote(), timeout=self.call_timeout_s)
+        except START_FAULTS:
+            self.dead = True
+            return False
+        return True
 
     def _call(self, method: Any, items: list[ProposeItem] | list[VerifyItem]) -> Any:
         if self._started is not None:

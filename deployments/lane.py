@@ -9,6 +9,9 @@ Any other failed step is isolated: its sequences' worker caches are reset (they 
 a failure that names its sequence (``SequenceError``, also as the cause of Ray's RayTaskError) fails that request
 alone; one that names none is retried with the step's sequences split in halves, each half stepped alone (the rest
 wait), until the failing sequence is found and failed. The others continue with the tokens they would have had.
+Before a sequence (or a batch) is failed for an error that names none, the workers run their self-check (one token
+of their own, apart from every sequence): a worker that fails it is broken, not the request, and is replaced like a
+dead one.
 A half steps without the throughput guard (``StepLoop.step(only)``): re-prefilling, it would otherwise decode plainly
 and never reach a drafting failure. What runs after a step committed (the SL update, the guard's records, observers)
 cannot lose its outputs: a sequence whose SL update fails fails alone, the rest is logged.
@@ -317,13 +320,7 @@ class Lane:
         except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
             outputs, failures = e.outputs, e.failures
         except (RayActorError, WorkerLostError) as e:
-            try:
-                self._recover(e)
-            except Exception:  # no replacement could be made (placement, a failed create): the lane stays up,
-                # answers its requests, and tries again with the next step's worker failure
-                logger.exception("lane %d: replacing its workers failed", self.index)
-                self._fail_all("the lane could not replace a lost worker")
-                self.lost_workers = True
+            self._replace_lost(e)
             self._report_queue()
             return
         except Exception as e:  # one request's bad input, or a bug: not a lost worker
@@ -387,15 +384,24 @@ class Lane:
         else:
             self._probes.popleft()
         blamed = blamed_sequence(error)
-        if blamed not in group and only is not None and len(group) == 1:  # it failed with others and again alone
+        lone = blamed not in group and only is not None and len(group) == 1  # it failed with others and again alone
+        drop = blamed not in group and only is None and self._failed_steps > self.max_failed_steps
+        exhausted = blamed not in group and self._splits >= self.max_bisection_splits
+        if (lone or drop or exhausted) and not self._workers_pass_check():
+            # not the request: a worker that cannot run one token of its own is replaced, and every request goes on
+            self._probes.clear()
+            self._splits = self._failed_steps = 0
+            self._replace_lost(WorkerLostError(f"a worker failed its self-check after: {error!r}"))
+            return
+        if lone:
             blamed = next(iter(group))
         if blamed in group:
             self._fail_sequence(blamed, error)
             self._failed_steps = 0  # found
-        elif only is None and self._failed_steps > self.max_failed_steps:
+        elif drop:
             logger.error("lane %d: %d steps failed in a row", self.index, self._failed_steps, exc_info=error)
             self._fail_all(f"{self._failed_steps} steps failed in a row")
-        elif self._splits >= self.max_bisection_splits:
+        elif exhausted:
             logger.error("lane %d: no culprit after %d splits", self.index, self._splits, exc_info=error)
             for seq_id in group:
                 self._fail_sequence(seq_id, error)
@@ -406,6 +412,20 @@ class Lane:
             halves = [frozenset(h) for h in (ids[: len(ids) // 2], ids[len(ids) // 2 :]) if h]
             self._probes.extendleft(reversed(halves))  # a lone sequence: retried alone
 
+    def _workers_pass_check(self) -> bool:
+        """Whether every worker passes its self-check (those that fail it are marked dead)."""
+        results = [worker.check() for worker in self.workers.values()]  # every one: each failing one is marked
+        return all(results)
+
+    def _replace_lost(self, error: Exception) -> None:
+        try:
+            self._recover(error)
+        except Exception:  # no replacement could be made (placement, a failed create): the lane stays up,
+            # answers its requests, and tries again with the next step's worker failure
+            logger.exception("lane %d: replacing its workers failed", self.index)
+            self.lost_workers = True  # before the requests hear of it: a caller may look at the health next
+            self._fail_all("the lane could not replace a lost worker")
+
     def _recover(self, error: Exception) -> None:
         """Replace dead workers, reset any worker whose state ran ahead of the failed step, and let the loop
         re-prefill its running sequences on the next step."""
@@ -413,8 +433,8 @@ class Lane:
         dead = {role for role, w in self.workers.items() if w.dead} or set(self.workers)
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
         if self._failures > self.max_worker_restarts:
-            self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row")
             self.lost_workers = True
+            self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row")
         for role in dead:
             self._replace(role)
         target_reset = WorkerRole.target in dead

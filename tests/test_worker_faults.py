@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
 from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayTaskError
 
 from deployments import actors
@@ -28,8 +29,11 @@ from specserve.models.tiny import tiny_config, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request
 from specserve.workers import TargetWorker
+from specserve.workers.self_check import WorkerBrokenError, self_check
 
 PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42, 43]]
+HOSTILE = [42, 43]  # the start of the prompt a "hostile" actor fails on
+POISONED = RuntimeError("CUDA error: an illegal memory access was encountered")
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 Result = list[int] | APIError
 
@@ -86,6 +90,7 @@ class Actor:
         self.add = Method(lambda seq_id, params: self._fire(lambda w: w.add(seq_id, params)))
         self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
         self.verify = Method(self._verify)
+        self.check = Method(self._check)
 
     def _fire(self, fn: Callable[[TargetWorker], None]) -> None:  # Ray's fire-and-forget: errors are lost
         if self.worker is not None:
@@ -99,8 +104,17 @@ class Actor:
         self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
         return Ref(lambda _: None)
 
+    def _check(self) -> Ref:
+        self.calls.append("check")
+        if self.fault == "poisoned":
+            return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("check", "Traceback ...", POISONED)))
+        return Ref(lambda _: self_check(self.model))  # the actor's own check, on the real model
+
     def _verify(self, items: Any) -> Ref:
         self.calls.append("verify")
+        if self.fault == "poisoned" or (self.fault == "hostile" and any(it.new_tokens[:2] == HOSTILE for it in items)):
+            # an error inside the actor's task naming no sequence: the worker's state, or one request's input
+            return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("verify", "Traceback ...", POISONED)))
         if self.fault == "hang":
             return Ref(hung)
         if self.fault == "unschedulable":
@@ -199,6 +213,67 @@ def test_a_lane_that_cannot_replace_its_worker_answers_and_stays_up(target: Llam
         assert lane.generations[WorkerRole.target] == 2 and lane.healthy
     finally:
         lane.stop()
+
+
+def test_a_worker_that_fails_everything_and_its_self_check_is_replaced_and_every_request_goes_on(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """An actor alive but broken (a poisoned device context): every verify fails with an error naming no sequence.
+    Bisection narrows it to a lone request, whose failure would be pinned on the request; the worker's self-check
+    fails, so the worker is replaced instead and no request is lost."""
+    factory = Factory(target, {0: "poisoned"})
+    lane = _lane(target, factory)
+    try:
+        assert _run(lane, PROMPTS) == alone
+        assert lane.generations[WorkerRole.target] == 1 and lane.healthy
+        assert "check" in factory.actors[0].calls and "check" not in factory.actors[1].calls
+    finally:
+        lane.stop()
+
+
+def test_a_request_that_fails_alone_on_a_worker_that_passes_its_self_check_is_failed_alone(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    factory = Factory(target, {0: "hostile"})
+    lane = _lane(target, factory)
+    try:
+        results = _run(lane, PROMPTS)
+        assert results[:2] == alone[:2] and isinstance(results[2], RequestFailedError), results
+        assert lane.generations[WorkerRole.target] == 0 and "check" in factory.actors[0].calls
+    finally:
+        lane.stop()
+
+
+def test_the_self_check_runs_one_token_and_refuses_non_finite_logits(target: LlamaModel) -> None:
+    from specserve.models.tiny import tiny_head
+
+    self_check(target)
+    head = tiny_head(target, seed=1)
+    self_check(head)
+    broken = tiny_model(tiny_config(), seed=0)
+    with torch.no_grad():
+        broken.norm.fill_(float("nan"))
+    with pytest.raises(WorkerBrokenError, match="not finite"):
+        self_check(broken)
+    with torch.no_grad():
+        head.layer.o_proj.weight.fill_(float("inf"))
+    with pytest.raises(WorkerBrokenError, match="not finite"):
+        self_check(head)
+
+
+@pytest.mark.parametrize("draft_head", [False, True])
+def test_every_worker_actor_runs_its_self_check(draft_head: bool) -> None:
+    from deployments.app_args import AppArgs, TinyModels
+
+    args = AppArgs(tiny=TinyModels(draft_head=draft_head))
+    for role, cls in actors.ACTOR_CLASSES.items():
+        host = cls(args.recipe(role), "cpu", None, False)  # the actor's class, called in this process
+        host.check()
+        for p in host.model.parameters():
+            with torch.no_grad():
+                p.fill_(float("nan"))
+        with pytest.raises(WorkerBrokenError):
+            host.check()
 
 
 def test_submits_queued_when_the_lane_thread_stops_are_answered(target: LlamaModel) -> None:
