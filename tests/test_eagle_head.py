@@ -507,3 +507,36 @@ def test_an_unreadable_head_checkpoint_is_named(tmp_path: Path) -> None:
     (bad / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(CorruptModelError, match="cannot read"):
         checkpoint_kind(bad)
+
+
+def test_weights_that_do_not_match_their_sha256_file_are_refused(tmp_path: Path, target: LlamaModel) -> None:
+    import hashlib
+
+    path = write_head(tmp_path / "h", eagle1_tensors(1, fc_bias=False), {})
+    weights = path / "model.safetensors"
+    digest_file = path / "model.safetensors.sha256"
+    load_eagle_head(path, target)  # no digest file: nothing to check
+    digest_file.write_text(f"{hashlib.sha256(weights.read_bytes()).hexdigest().upper()}  model.safetensors\n")
+    load_eagle_head(path, target)
+    altered = bytearray(weights.read_bytes())
+    altered[-1] ^= 1  # one bit of the last weight: still a readable checkpoint
+    weights.write_bytes(bytes(altered))
+    with pytest.raises(CorruptModelError, match=r"does not match model\.safetensors\.sha256"):
+        load_eagle_head(path, target)
+    digest_file.write_text("")
+    with pytest.raises(CorruptModelError, match="does not hold a sha256"):
+        load_eagle_head(path, target)
+
+
+def test_a_t2d_that_disagrees_with_d2t_is_refused(tmp_path: Path) -> None:
+    target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    sd = eagle3_tensors(3, vd=96)
+    cfg = {"draft_vocab_size": 96}
+    load_eagle_head(write_head(tmp_path / "ok", sd, cfg), target)
+    ids = sd["d2t"] + torch.arange(96)
+    moved = sd["t2d"].clone()
+    moved[ids[0]] = False
+    moved[(~sd["t2d"]).nonzero()[0]] = True  # as many marks, one on a token the draft vocabulary lacks
+    for t2d, match in [(moved, "not the 96"), (sd["t2d"][:-1], r"\[512\] bool"), (sd["t2d"].float(), "bool")]:
+        with pytest.raises(UnsupportedModelError, match=match):
+            load_eagle_head(write_head(tmp_path / "bad", sd | {"t2d": t2d}, cfg), target)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from deployments.app_args import AppArgs, WorkerRole
 from specserve.config import ModelSpec, SpecConfig, SpecMethod
-from specserve.errors import KVCapacityError, SettingsError
+from specserve.errors import CorruptModelError, KVCapacityError, SettingsError, UnsupportedModelError
 from specserve.limits import context_limits, model_shape
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
@@ -116,6 +116,23 @@ def test_loading_builds_the_serving_dtype_directly(tmp_path: Path, dtype: str, t
     for (name, p), (_, q) in zip(loaded.state_dict().items(), want.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
     assert torch.equal(_logits(loaded, [3, 4, 5, 6]), _logits(want, [3, 4, 5, 6]))
+
+
+def test_a_checkpoint_deeper_than_its_config_or_with_non_finite_weights_is_refused(tmp_path: Path) -> None:
+    model = tiny_model(tiny_config(num_hidden_layers=3), seed=3)
+    spec = ModelSpec(source=str(tmp_path / "m"), native_stack=False, small_gemm=False)
+    path = _write_hf_dir(model, tmp_path / "m")
+    load_model_dir(path, spec)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 2}))
+    with pytest.raises(UnsupportedModelError, match=r"hold 3 decoder layers; its config\.json names 2"):
+        load_model_dir(path, spec)  # it ran the first two layers before
+    (path / "config.json").write_text(json.dumps(config))
+    sd = load_file(path / "model.safetensors")
+    sd["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(sd, path / "model.safetensors")
+    with pytest.raises(CorruptModelError, match=r"'model\.layers\.1\.mlp\.down_proj\.weight' holds NaN or infinite"):
+        load_model_dir(path, spec)
 
 
 def _logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,16 @@ def load_model_dir(
                 tensor = handle.get_tensor(name)
             except Exception as e:
                 raise CorruptModelError(f"cannot read weights {f}: {e}") from e
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CorruptModelError(f"{f}: tensor {name!r} holds NaN or infinite values")
             return tensor.to(dtype=dtype).to(device)
 
+        layers = {int(m.group(1)) for name in where if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+        named = getattr(hf_config, "num_hidden_layers", None)
+        if isinstance(named, int) and layers and max(layers) >= named:
+            raise UnsupportedModelError(
+                f"the weights in {path} hold {max(layers) + 1} decoder layers; its config.json names {named}"
+            )
         try:
             model = LlamaModel.from_hf_weights(hf_config, get, dtype=dtype, device=device, max_positions=max_positions)
         except (SpecServeError, torch.OutOfMemoryError):

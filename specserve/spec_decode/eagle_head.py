@@ -49,6 +49,7 @@ from specserve.models.llama import (
     small_gemm_fits,
     stack_forward,
 )
+from specserve.models.sources import sha256_file
 
 
 class HeadKind(str, Enum):
@@ -464,6 +465,21 @@ def checkpoint_kind(path: Path) -> HeadKind:
     return HeadKind.eagle3 if any(n.startswith("midlayer.") for n in names) else HeadKind.eagle
 
 
+def check_digest(weights: Path) -> None:
+    """Refuse weights whose ``<name>.sha256`` beside them (as ``train-draft`` writes and the shipped heads carry)
+    names another digest: a truncated or altered copy. Without that file there is nothing to check."""
+    digest_file = weights.with_name(weights.name + ".sha256")
+    if not digest_file.is_file():
+        return
+    try:
+        expected = digest_file.read_text().split()[0].lower()
+    except (OSError, UnicodeDecodeError, IndexError) as e:
+        raise CorruptModelError(f"{digest_file} does not hold a sha256 digest") from e
+    actual = sha256_file(weights)
+    if actual != expected:
+        raise CorruptModelError(f"{weights} does not match {digest_file.name}: sha256 {actual}, expected {expected}")
+
+
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     weights = weights_path(path)
     try:
@@ -532,6 +548,7 @@ def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None
         raise UnsupportedModelError(f"{path / 'config.json'} is not readable JSON: {e}") from e
     if not isinstance(raw, dict):
         raise UnsupportedModelError(f"{path / 'config.json'} holds a {type(raw).__name__}, not a config object")
+    check_digest(weights_path(path))
     sd = _read_tensors(path)
     try:
         cfg = config_from_checkpoint(raw, sd, target)
@@ -620,7 +637,20 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
             raise UnsupportedModelError(f"d2t maps draft ids outside the target's {cfg.vocab_size}-token vocabulary")
         if (repeats := ids.numel() - int(ids.unique().numel())) > 0:  # see valid_draft_ids
             raise UnsupportedModelError(f"d2t maps {repeats} draft ids onto target ids another already has")
+        if "t2d" in sd:
+            _check_t2d(sd["t2d"], ids, cfg.vocab_size)
         head.draft_ids = ids
         head.cfg = cfg.model_copy(update={"draft_vocab_size": int(ids.numel())})
     elif cfg.kind == HeadKind.eagle3 and head.lm_head.weight.shape[0] != cfg.vocab_size:
         raise UnsupportedModelError("an EAGLE-3 head with a reduced vocabulary needs its d2t map")
+
+
+def _check_t2d(t2d: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> None:
+    """``t2d`` ([V] bool: the target ids in the draft vocabulary) must mark exactly the ids ``d2t`` maps to."""
+    if t2d.ndim != 1 or t2d.numel() != vocab_size or t2d.is_floating_point():
+        raise UnsupportedModelError(f"t2d must be a [{vocab_size}] bool tensor, got {t2d.dtype} {tuple(t2d.shape)}")
+    marked = t2d.bool()
+    if int(marked.sum()) != ids.numel() or not bool(marked[ids].all()):
+        raise UnsupportedModelError(
+            f"t2d marks {int(marked.sum())} target ids, not the {ids.numel()} that d2t maps the draft vocabulary to"
+        )

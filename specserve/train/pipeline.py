@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import platform
 import sys
@@ -24,6 +23,7 @@ from specserve.arg_types import non_negative_int, out_dir_arg, positive_int, pre
 from specserve.bench.machine import device_summary
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
+from specserve.models.sources import sha256_file
 from specserve.spec_decode.eagle_head import (
     EagleHead,
     HeadKind,
@@ -114,14 +114,6 @@ def write_vocab_map(out_dir: Path, counts: torch.Tensor, forced: list[int]) -> N
     seen = int((counts > 0).sum()) + len([i for i in forced if counts[i] == 0])
     body = {"forced": forced, "by_frequency": order[:seen].tolist(), "counts": counts[order[:seen]].tolist()}
     (out_dir / VOCAB_MAP).write_text(json.dumps(body))
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def train_draft(
@@ -228,7 +220,7 @@ def train_draft(
         (out_dir / VOCAB_MAP).write_text(inherited)
     else:
         write_vocab_map(out_dir, counts, special_ids(tokenizer))
-    digest = sha256(weights)
+    digest = sha256_file(weights)
     (out_dir / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
     write_provenance(
         out_dir,
@@ -257,7 +249,7 @@ def train_draft(
             },
             "train": asdict(cfg.train),
             "draft_vocab": {"size": int(draft_ids.numel()), "coverage": coverage(counts, draft_ids)},
-            "init_head_sha256": None if source is None else sha256(weights_path(source)),
+            "init_head_sha256": None if source is None else sha256_file(weights_path(source)),
             "seconds": {"data": round(t_data), "train": round(t_train)},
             "sha256": digest,
             "device": device_summary(target.device),
