@@ -165,6 +165,12 @@ class ModelSpec(Validated):
 BUILTIN_HEADS_DIR = Path(__file__).parent / "heads"  # heads shipped with the package: heads/<name>/
 
 
+class HeadQuant(str, Enum):
+    none = "none"  # the head's weights as loaded (the shipped heads' bf16 values, read as bf16 with bf16_reads)
+    q8_0 = "q8_0"  # quantised at load to Q8_0 blocks the kernel reads (8-bit values, a float16 scale per 32)
+    q4_1 = "q4_1"  # ... to Q4_1 blocks (4-bit values, a float16 scale and minimum per 32)
+
+
 class HeadSpec(Validated):
     """An EAGLE draft head for the target: a directory (config.json + weights, either published layout) or the
     name of a head shipped in ``specserve/heads/``. It shares the target's embedding (and EAGLE-1/2 LM head)."""
@@ -178,6 +184,11 @@ class HeadSpec(Validated):
     )
     bf16_reads: bool = True  # switch: the kernel reads weights that bf16 holds exactly (shipped bf16) as bf16
     native_layer: bool = True  # switch: with the target's C++ stack, the head's layer runs from it too
+    quantize: HeadQuant = Field(
+        default=HeadQuant.none,
+        description="switch: the head's linears quantised at load and read by the kernel as Q8_0 / Q4_1 records "
+        "(fewer bytes a draft forward; drafts only, so verification stays lossless; docs/algorithms.md §8.3)",
+    )
 
     def path(self) -> Path:
         builtin = BUILTIN_HEADS_DIR / self.head

@@ -249,3 +249,72 @@ def test_feature_queue_keeps_the_newest_window_and_restarts_on_a_gap() -> None:
     seq.drop_features()  # sent to the head: the next rows start a queue wherever they are
     seq.add_features(rows[14:20], start=14)  # more than the window at once
     assert queued() == (16, [16.0, 17.0, 18.0, 19.0])
+
+
+def _reference_blocks(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Dequantised weights from llama.cpp's per-block formulas, one 32-block at a time (float16 scales)."""
+    out = torch.empty_like(w)
+    for n in range(w.shape[0]):
+        for k0 in range(0, w.shape[1], 32):
+            x = w[n, k0 : k0 + 32].double()
+            if fmt == "q8_0":
+                d = float(torch.tensor(float(x.abs().max()) / 127).half())
+                q = [0 if d == 0 else max(-128, min(127, round(float(v) / d))) for v in x]
+                out[n, k0 : k0 + 32] = torch.tensor([d * v for v in q])
+            else:
+                lo = float(torch.tensor(float(x.min())).half())
+                d = float(torch.tensor((float(x.max()) - lo) / 15).half())
+                q = [0 if d == 0 else max(0, min(15, round((float(v) - lo) / d))) for v in x]
+                out[n, k0 : k0 + 32] = torch.tensor([d * v + lo for v in q])
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_quantisers_follow_the_block_formulas(fmt: str) -> None:
+    from specserve.models.q4 import quantize_q4_1, quantize_q8_0
+
+    w = torch.randn(6, 96, generator=torch.Generator().manual_seed(0)) * 0.3
+    w[1, :32] = 0.0  # a block of zeros: d = 0
+    blocks = quantize_q8_0(w) if fmt == "q8_0" else quantize_q4_1(w)
+    want = _reference_blocks(w, fmt)
+    torch.testing.assert_close(blocks.dequantize(), want, atol=1e-6, rtol=0)  # a rounding tie may go either way
+    assert bool((blocks.d == blocks.d.half().float()).all())
+    bound = 127 if fmt == "q8_0" else 15
+    assert int(blocks.q.int().abs().max()) <= bound + (fmt == "q8_0")
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_1"])
+def test_a_head_quantised_at_load_reads_records_drafts_as_its_float_weights_and_stays_lossless(
+    target: LlamaModel, quant: str
+) -> None:
+    """attach_head_records: the kernel reads the head's records, which give the same logits bit for bit as the
+    kernel over the float weights they dequantise to; drafting with them stays greedy-equal to plain decoding."""
+    from specserve.config import HeadQuant
+    from specserve.models.native_stack import attach_head_records, attach_head_stack, attach_small_gemm
+    from specserve.models.q4 import quantize_q4_1, quantize_q8_0
+
+    quantize = quantize_q8_0 if quant == "q8_0" else quantize_q4_1
+    for kind in (HeadKind.eagle, HeadKind.eagle3):
+        head, by_hand = random_head(target, kind), random_head(target, kind)
+        if not attach_small_gemm(head):
+            pytest.skip("the small-product kernel is not available on this CPU")
+        attach_small_gemm(by_hand)
+        linears = [m for m in by_hand.modules() if type(m) is torch.nn.Linear]
+        with torch.no_grad():
+            for mod in linears:
+                mod.weight.copy_(quantize(mod.weight).dequantize())
+        assert attach_head_records(head, HeadQuant(quant))
+        assert all(getattr(m, "small_records", None) is not None for m in head.modules() if type(m) is torch.nn.Linear)
+        for h in (head, by_hand):
+            attach_head_stack(h)
+        tokens, feats = torch.tensor([5, 9, 13, 2]), torch.randn(4, head.cfg.feature_size)
+        outs = []
+        for h in (head, by_hand):
+            cache = h.new_cache(1, 16)
+            batch = ForwardBatch.build(cache, [cache.allocate()], [tokens.tolist()])
+            outs.append(h.logits(h(batch.tokens, h.fuse(feats), batch, cache)))
+        assert torch.equal(outs[0], outs[1])
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        engine = Engine(target, None, draft=head, speculation=METHODS[2], eos_token_ids=set(), max_batch_size=4)
+        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == _plain(target, params)
+    assert not attach_head_records(random_head(target), HeadQuant.none)

@@ -33,6 +33,7 @@ from specserve.config import (
     Drafter,
     DraftSpec,
     DType,
+    HeadQuant,
     HeadSpec,
     ModelSpec,
     SLPolicyKind,
@@ -113,6 +114,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         choices=["native", "python"],
         default=None,
         help="heads: whether the head's layer runs from the C++ stack, to compare (HeadSpec.native_layer)",
+    )
+    p.add_argument(
+        "--head-quant",
+        nargs="+",
+        choices=[q.value for q in HeadQuant],
+        default=None,
+        help="heads: the head's weights as loaded or quantised at load, to compare (HeadSpec.quantize)",
     )
     p.add_argument("--dsde", action="store_true", help="also run each chain / DDD method under DSDE + SL_cap")
     p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
@@ -501,8 +509,8 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
 
 
 def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict[str, DraftSpec]:
-    """The drafts to compare for one pair, by label: a head once per ``--draft-vocab`` size, ``--head-reads`` and
-    ``--head-layer``."""
+    """The drafts to compare for one pair, by label: a head once per ``--draft-vocab`` size, ``--head-reads``,
+    ``--head-layer`` and ``--head-quant``."""
     if not isinstance(spec, HeadSpec):
         return {pair: spec}
     heads = [(pair, spec)]
@@ -519,6 +527,12 @@ def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict
             (f"{label} {layer} layer", head.model_copy(update={"native_layer": layer == "native"}))
             for label, head in heads
             for layer in args.head_layer
+        ]
+    if args.head_quant:
+        heads = [
+            (f"{label} {quant.value}", head.model_copy(update={"quantize": quant}))
+            for label, head in heads
+            for quant in map(HeadQuant, args.head_quant)
         ]
     return dict(heads)
 

@@ -26,6 +26,7 @@ from specserve.models.llama import (
 from specserve.models.lm_head import attach_bounded_argmax
 from specserve.models.native_stack import (
     Q8_HEAD_NAMES,
+    attach_head_records,
     attach_head_stack,
     attach_native_attention,
     attach_native_stack,
@@ -214,6 +215,7 @@ def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.devic
             head.set_draft_vocab(frequent_ids(spec.path(), spec.draft_vocab, head.cfg.vocab_size))
         if getattr(target.lm_head, "small_gemm", None) is not None:  # the target's ModelSpec.small_gemm
             attach_small_gemm(head, bf16_reads=spec.bf16_reads)
+            attach_head_records(head, spec.quantize)
         if spec.native_layer and target.native_stack is not None:  # and the target's ModelSpec.native_stack
             attach_head_stack(head)
         return head

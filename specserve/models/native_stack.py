@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from specserve.config import HeadQuant
 from specserve.cpu import cpu_info
 from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
-from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear, Q8Blocks
+from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear, Q8Blocks, quantize_q4_1, quantize_q8_0
 from specserve.models.sources import cache_dir
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.timing import interleaved_medians
@@ -507,6 +508,38 @@ def describe_rows(mask: int) -> str:
         else:
             row += 1
     return f"{', '.join(spans)} rows" if spans else "no rows"
+
+
+def attach_head_records(head: EagleHead, quant: HeadQuant) -> bool:
+    """Switch: each of the head's linears on the kernel (its fc, the layer's projections, EAGLE-3's LM head) is
+    quantised to Q8_0 or Q4_1 blocks, its float weight replaced by their dequantisation, and the kernel reads the
+    records (``HeadSpec.quantize``): the Python path and the kernel then compute the same products, from 0.28x /
+    0.19x the float32 bytes. A draft's weights only change its proposals, never what verification accepts. Call
+    after ``attach_small_gemm`` and before ``attach_head_stack``; False (nothing changed) for ``none`` or where no
+    linear is on the kernel."""
+    if quant == HeadQuant.none:
+        return False
+    lins = [m for m in head.modules() if type(m) is nn.Linear and getattr(m, "small_gemm", None) is not None]
+    lins = [m for m in lins if m.in_features % Q4_GROUP == 0]
+    if not lins:
+        log.warning("head quantisation: none of the head's linears is on the small-product kernel")
+        return False
+    ext = extension()
+    for mod in lins:
+        weight = mod.weight.detach()
+        if quant == HeadQuant.q8_0:
+            q8 = quantize_q8_0(weight)
+            values, records = q8.dequantize(), ext.small_pack_q8(q8.q, q8.d)
+        else:
+            q4 = quantize_q4_1(weight)
+            values, records = q4.dequantize(), ext.small_pack_q4(q4.q, q4.d, q4.m)
+        with torch.no_grad():
+            weight.copy_(values.to(weight.dtype))
+        mod.small_records, mod.small_records_gemm = records, ext.small_linear_packed  # type: ignore[assignment]
+        mod.small_record_rows = EVERY_ROW  # type: ignore[assignment]
+        mod.small_packed, mod.small_copy_rows = None, 0  # type: ignore[assignment]  # the bf16 copy is stale now
+    head.native_stack = None  # built again by attach_head_stack over the records
+    return True
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:

@@ -125,6 +125,31 @@ class Q8Blocks:
         return (self.q.view(n, k // Q4_GROUP, Q4_GROUP).float() * self.d[..., None]).view(n, k)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> Q8Blocks:
+    """A float [N, K] weight as Q8_0 blocks, as llama.cpp quantises it (per 32: d = max |w| / 127 in float16,
+    q = round(w / d)), except that q divides by the float16 d the blocks keep."""
+    n, k = weight.shape
+    if k % Q4_GROUP:
+        raise ValueError(f"Q8_0 blocks want K a multiple of {Q4_GROUP}, got {k}")
+    w = weight.detach().float().reshape(n, k // Q4_GROUP, Q4_GROUP)
+    d = (w.abs().amax(-1) / 127).half().float()  # [N, K/32]
+    q = torch.where(d[..., None] > 0, w / d[..., None].clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return Q8Blocks(q.round().clamp(-128, 127).to(torch.int8).reshape(n, k), d)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> Q4Blocks:
+    """A float [N, K] weight as Q4_1 blocks, as llama.cpp quantises it (per 32: m = min w, d = (max - min) / 15,
+    both float16, q = round((w - m) / d) in 0..15), dividing by the float16 d and m the blocks keep."""
+    n, k = weight.shape
+    if k % Q4_GROUP:
+        raise ValueError(f"Q4_1 blocks want K a multiple of {Q4_GROUP}, got {k}")
+    w = weight.detach().float().reshape(n, k // Q4_GROUP, Q4_GROUP)
+    m = w.amin(-1).half().float()  # [N, K/32]
+    d = ((w.amax(-1) - m) / 15).half().float()
+    q = torch.where(d[..., None] > 0, (w - m[..., None]) / d[..., None].clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return Q4Blocks(q.round().clamp(0, 15).to(torch.uint8).reshape(n, k), d, m)
+
+
 def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
     """GGUF Q8_0 tensor bytes ([N, K / 32 * 34] uint8) -> Q8Blocks of ``shape`` [N, K]. Block layout (ggml): d
     float16, then the 32 values as int8."""
