@@ -185,7 +185,8 @@ class HeadSpec(Validated):
     bf16_reads: bool = True  # switch: the kernel reads weights that bf16 holds exactly (shipped bf16) as bf16
     native_layer: bool = True  # switch: with the target's C++ stack, the head's layer runs from it too
     quantize: HeadQuant = Field(
-        default=HeadQuant.none,
+        default=HeadQuant.q8_0,  # the shipped head on an AVX-512 Xeon: the same tau, 0.3-0.4 ms less drafting a step
+        # (docs/benchmarks.md, "The head's weights as Q8_0 records"); Q4_1 saved more but lost 2.4% of tau
         description="switch: the head's linears quantised at load and read by the kernel as Q8_0 / Q4_1 records "
         "(fewer bytes a draft forward; drafts only, so verification stays lossless; docs/algorithms.md §8.3)",
     )

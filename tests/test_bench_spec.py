@@ -171,6 +171,8 @@ def test_head_variants_by_vocabulary_and_weight_reads() -> None:
         "p native layer": head.model_copy(update={"native_layer": True}),
         "p python layer": head.model_copy(update={"native_layer": False}),
     }
+    quants = draft_variants(parser.parse_args(["--head-quant", "none", "q8_0", "q4_1"]), "p", head)
+    assert {k: v.quantize.value for k, v in quants.items()} == {"p none": "none", "p q8_0": "q8_0", "p q4_1": "q4_1"}
     q4 = MODEL_PAIRS["smollm2-q4"][1]
     assert draft_variants(args, "q", q4) == {"q": q4}  # a draft model: no head variants
     assert draft_variants(parser.parse_args([]), "p", head) == {"p": head}

@@ -510,11 +510,16 @@ def test_the_shipped_head_follows_its_targets_switch() -> None:
         head = load_draft(head_spec, target)
         assert (head.small_gemm is not None) == small
         assert (getattr(head.fc, "small_gemm", None) is not None) == small
-        if small:  # shipped in bf16: every linear read from a packed bf16 copy (HeadSpec.bf16_reads)
-            lins = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+        lins = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+        # quantised at load (HeadSpec.quantize, Q8_0 by default): every linear read from its records on the kernel
+        assert lins and all((getattr(m, "small_records", None) is not None) == small for m in lins)
+        if small:  # as shipped (bf16): every linear read from a packed bf16 copy (HeadSpec.bf16_reads)
+            as_shipped = load_draft(head_spec.model_copy(update={"quantize": "none"}), target)
+            lins = [m for m in as_shipped.modules() if isinstance(m, torch.nn.Linear)]
             assert lins and all(m.small_packed.data.dtype == torch.bfloat16 for m in lins)
+            assert all(getattr(m, "small_records", None) is None for m in lins)
     target = load_model(target_spec)
-    head = load_draft(head_spec.model_copy(update={"bf16_reads": False}), target)
+    head = load_draft(head_spec.model_copy(update={"bf16_reads": False, "quantize": "none"}), target)
     assert head.fc.small_gemm is not None and head.fc.small_packed is None
     # the head's layer from the C++ stack where the target has one (HeadSpec.native_layer, on)
     assert target.native_stack is not None and head.native_stack is not None
