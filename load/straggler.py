@@ -49,7 +49,7 @@ from specserve.bench.stats import (
     plot_workloads,
     write_csv,
 )
-from specserve.config import MODEL_PAIRS, Drafter, DType, SpecConfig, SpecMethod
+from specserve.config import MODEL_PAIRS, Drafter, DType, HeadQuant, HeadSpec, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import settings_problems
 from specserve.guard import ThroughputGuard
@@ -116,6 +116,7 @@ class StudyConfig(BaseModel):
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (None: torch's default)")
     device: str = Field(default="cpu", description="where the models run, e.g. cuda")
     dtype: DType | None = Field(default=None, description="every model's dtype (None: the pair's)")
+    head_quant: HeadQuant | None = Field(default=None, description="the head's HeadSpec.quantize (None: the pair's)")
     out: Path = Path("bench_out/straggler")
     http_max_prompt_chars: int | None = Field(default=None, ge=1, description="HTTP mode: truncate prompt text")
     url: str | None = None  # HTTP mode: a deployment's base URL (loopback only unless SPECSERVE_ALLOW_REMOTE=1)
@@ -124,6 +125,10 @@ class StudyConfig(BaseModel):
     def _check(self) -> StudyConfig:
         if self.pair != TINY_PAIR and self.pair not in MODEL_PAIRS:
             raise ValueError(f"unknown pair {self.pair!r}; choose {TINY_PAIR!r} or one of {sorted(MODEL_PAIRS)}")
+        if self.head_quant is not None and not (
+            self.pair in MODEL_PAIRS and isinstance(MODEL_PAIRS[self.pair][1], HeadSpec)
+        ):
+            raise ValueError(f"head_quant applies to a pair that drafts with a head, not {self.pair!r}")
         if self.warm_guard and not self.guard:
             raise ValueError("warm_guard needs guard")
         if self.min_tokens > self.max_tokens:
@@ -190,6 +195,8 @@ def load_models(cfg: StudyConfig) -> Models:
     if cfg.dtype is not None:
         target_spec = target_spec.model_copy(update={"dtype": cfg.dtype})
         draft_spec = draft_spec.model_copy(update={"dtype": cfg.dtype})
+    if cfg.head_quant is not None and isinstance(draft_spec, HeadSpec):  # (StudyConfig refuses it for the others)
+        draft_spec = draft_spec.model_copy(update={"quantize": cfg.head_quant})
     target = load_model(target_spec, device=cfg.device)
     draft = load_draft(draft_spec, target, device=cfg.device)
     tok = load_tokenizer(target_spec)
@@ -649,6 +656,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a shared machine)")
     p.add_argument("--device", default=d.device, type=present_device_arg, help="where the models run, e.g. cuda")
     p.add_argument("--dtype", default=None, choices=[x.value for x in DType], help="every model's dtype")
+    p.add_argument(
+        "--head-quant", default=None, choices=[x.value for x in HeadQuant], help="a draft head's weights at load"
+    )
     p.add_argument("--out", type=out_dir_arg, default=d.out)
     p.add_argument("--url", default=None, help="also sweep a deployment over HTTP, e.g. http://127.0.0.1:8000")
     p.add_argument("--http-only", action="store_true", help="skip the in-process engine sweep")

@@ -640,6 +640,10 @@ def test_study_max_sl_caps_every_speculative_policy() -> None:
         straggler.parse_args(["--pair", "tiny", "--ddd-checks", "4,2"])
     with pytest.raises(ValueError, match="ddd_check_steps"):
         straggler.StudyConfig(pair="tiny", ddd_check_steps=(0, 2)).specs()
+    assert straggler.parse_args(["--pair", "smollm2-eagle", "--head-quant", "none"]).head_quant == "none"
+    for pair in ("tiny", "smollm2-q4"):  # no head to quantise
+        with pytest.raises(SystemExit):
+            straggler.parse_args(["--pair", pair, "--head-quant", "q8_0"])
 
 
 def test_odd_repeats_run_the_policies_in_reverse_order() -> None:
