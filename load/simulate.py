@@ -573,7 +573,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValidationError as e:
         p.error(settings_problems(e, as_flags=True))
-    runs = read_traces(study.traces)
+    try:  # the files named on the command line: a usage error, not a traceback
+        runs = read_traces(study.traces)
+        given_cost = None if study.cost is None else CostModel.model_validate_json(study.cost.read_text())
+    except ValidationError as e:  # the cost model's JSON (read_traces names its own bad lines)
+        p.error(f"{study.cost} is not a cost model ({settings_problems(e)})")
+    except OSError as e:
+        p.error(f"cannot read {e.filename}: {e.strerror}")
+    except (UnicodeDecodeError, ValueError) as e:
+        p.error(str(e))
+    if not runs:
+        p.error(f"{study.traces} holds no runs")
     study.out.mkdir(parents=True, exist_ok=True)
     report: list[str] = [f"# Simulated lane: {study.traces}", ""]
     if study.validate_runs:
@@ -615,8 +625,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cost = study.roofline.cost_model()
     elif study.measure_target is not None:
         cost = _measured(study, CostModel.fit(cost_samples(runs), study.fit))
-    elif study.cost is not None:
-        cost = CostModel.model_validate_json(study.cost.read_text())
+    elif given_cost is not None:
+        cost = given_cost
     else:
         samples = list(cost_samples(runs))
         cost = CostModel.fit(samples, study.fit, source=f"fit on {study.traces}")

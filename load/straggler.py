@@ -699,7 +699,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("traces", type=Path, nargs="+", help="traces.jsonl files of earlier sweeps")
         p.add_argument("--out", type=out_dir_arg, required=True)
         args = p.parse_args(argv[1:])
-        print(f"wrote {report_from_traces(args.traces, args.out)}")
+        try:
+            print(f"wrote {report_from_traces(args.traces, args.out)}")
+        except OSError as e:
+            p.error(f"cannot read {e.filename}: {e.strerror}")
+        except ValueError as e:  # a line that is not a run trace, or no runs at all
+            p.error(str(e))
         return 0
     cfg = parse_args(argv)
     cfg.out.mkdir(parents=True, exist_ok=True)

@@ -15,12 +15,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from enum import Enum
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specserve.bench.policies import PolicyName
 from specserve.bench.stats import tpot
 from specserve.config import SpecConfig
 from specserve.engine import Engine
+from specserve.errors import settings_problems
 from specserve.policy import verified_positions
 from specserve.sequence import Request
 from specserve.sequence import Sequence as LoopSequence
@@ -132,7 +133,15 @@ def append_trace(path: Path, run: RunTrace) -> None:
 
 
 def read_traces(path: Path) -> list[RunTrace]:
-    return [RunTrace.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+    """The runs of a traces.jsonl; a line that is not a run trace is a ValueError naming the file, line and fields."""
+    runs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                runs.append(RunTrace.model_validate_json(line))
+            except ValidationError as e:
+                raise ValueError(f"{path}:{number} is not a run trace ({settings_problems(e)})") from e
+    return runs
 
 
 # ─────────────────────────── recording ───────────────────────────

@@ -615,6 +615,42 @@ def test_study_settings_out_of_range_are_usage_errors(
     assert message in err and "Traceback" not in err, err
 
 
+def test_trace_and_cost_files_that_cannot_be_read_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from load import simulate as sim_cli
+    from load import straggler
+
+    bad, empty, cost = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl", tmp_path / "cost.json"
+    bad.write_text('{"pair": "tiny"}\n')
+    empty.write_text("\n")
+    cost.write_text('{"a": 1}')
+    missing = str(tmp_path / "nope.jsonl")
+    cases = [
+        (sim_cli.main, ["--traces", missing], "cannot read"),
+        (sim_cli.main, ["--traces", str(bad)], "bad.jsonl:1 is not a run trace (workload: Field required"),
+        (sim_cli.main, ["--traces", str(empty)], "holds no runs"),
+        (straggler.main, ["report", missing, "--out", str(tmp_path / "r")], "cannot read"),
+        (straggler.main, ["report", str(bad), "--out", str(tmp_path / "r")], "bad.jsonl:1 is not a run trace"),
+        (straggler.main, ["report", str(empty), "--out", str(tmp_path / "r")], "no runs in"),
+    ]
+    for main, argv, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and "Traceback" not in err, (argv, err)
+    from load.traces import RunTrace
+
+    good = tmp_path / "good.jsonl"
+    run = RunTrace(pair="tiny", workload="real", synthetic=False, policy="plain", spec=SpecConfig(), batch=1,
+                   seconds=1.0, tokens=0, requests=[], steps=[])  # fmt: skip
+    good.write_text(run.model_dump_json() + "\n")
+    with pytest.raises(SystemExit) as exit_:
+        sim_cli.main(["--traces", str(good), "--cost", str(cost), "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "cost.json is not a cost model (source: Field required" in err, err
+
+
 def test_study_max_sl_caps_every_speculative_policy() -> None:
     from load import straggler
 
