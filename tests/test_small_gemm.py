@@ -513,6 +513,9 @@ def test_the_shipped_head_follows_its_targets_switch() -> None:
         lins = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
         # quantised at load (HeadSpec.quantize, Q8_0 by default): every linear read from its records on the kernel
         assert lins and all((getattr(m, "small_records", None) is not None) == small for m in lins)
+        # prefetching as the target's plan measured on this machine says (ModelSpec.small_gemm_plan)
+        plan = getattr(target.lm_head, "small_prefetch", None)
+        assert (plan is not None) == small and all(getattr(m, "small_prefetch", None) is plan for m in lins)
         if small:  # as shipped (bf16): every linear read from a packed bf16 copy (HeadSpec.bf16_reads)
             as_shipped = load_draft(head_spec.model_copy(update={"quantize": "none"}), target)
             lins = [m for m in as_shipped.modules() if isinstance(m, torch.nn.Linear)]
@@ -524,6 +527,8 @@ def test_the_shipped_head_follows_its_targets_switch() -> None:
     # the head's layer from the C++ stack where the target has one (HeadSpec.native_layer, on)
     assert target.native_stack is not None and head.native_stack is not None
     assert load_draft(head_spec.model_copy(update={"native_layer": False}), target).native_stack is None
+    unplanned = load_model(target_spec.model_copy(update={"small_gemm_plan": False}))
+    assert all(getattr(m, "small_prefetch", None) is None for m in load_draft(head_spec, unplanned).modules())
     no_stack = load_model(target_spec.model_copy(update={"native_stack": False}))
     assert load_draft(head_spec, no_stack).native_stack is None
     assert ModelSpec().small_gemm

@@ -34,6 +34,7 @@ from specserve.models.native_stack import (
     attach_q8_head,
     attach_small_gemm,
     cached_kernel_plan,
+    follow_target_plan,
 )
 from specserve.models.q4 import (
     Q4Blocks,
@@ -216,6 +217,7 @@ def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.devic
         if getattr(target.lm_head, "small_gemm", None) is not None:  # the target's ModelSpec.small_gemm
             attach_small_gemm(head, bf16_reads=spec.bf16_reads)
             attach_head_records(head, spec.quantize)
+            follow_target_plan(head, target)
         if spec.native_layer and target.native_stack is not None:  # and the target's ModelSpec.native_stack
             attach_head_stack(head)
         return head

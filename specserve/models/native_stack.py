@@ -542,6 +542,20 @@ def attach_head_records(head: EagleHead, quant: HeadQuant) -> bool:
     return True
 
 
+def follow_target_plan(head: EagleHead, target: LlamaModel) -> bool:
+    """The head's kernel products prefetch as the target's plan, measured on this machine, says for each row count
+    (``ModelSpec.small_gemm_plan``): without it they took the kernel's default (no prefetch for one row), and on an
+    AVX-512 Xeon a draft forward's products read right after a verify took 0.65 ms instead of 0.42 (docs/benchmarks.md,
+    "The head's weights as Q8_0 records"). False where the target has no plan. Call before ``attach_head_stack``."""
+    plan = getattr(target.lm_head, "small_prefetch", None)
+    if plan is None:
+        return False
+    for m in kernel_linears(head):
+        m.small_prefetch = plan  # type: ignore[assignment]
+    head.native_stack = None  # built again by attach_head_stack with the plan
+    return True
+
+
 def bf16_exact(weight: torch.Tensor) -> bool:
     """Whether bfloat16 holds every value of this float32 weight exactly (widening it back changes no bit)."""
     w = weight.detach()
