@@ -580,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"{study.cost} is not a cost model ({settings_problems(e)})")
     except OSError as e:
         p.error(f"cannot read {e.filename}: {e.strerror}")
-    except (UnicodeDecodeError, ValueError) as e:
+    except ValueError as e:  # a line that is not a run trace, a file that is not UTF-8
         p.error(str(e))
     if not runs:
         p.error(f"{study.traces} holds no runs")

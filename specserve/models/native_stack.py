@@ -519,8 +519,7 @@ def attach_head_records(head: EagleHead, quant: HeadQuant) -> bool:
     linear is on the kernel."""
     if quant == HeadQuant.none:
         return False
-    lins = [m for m in head.modules() if type(m) is nn.Linear and getattr(m, "small_gemm", None) is not None]
-    lins = [m for m in lins if m.in_features % Q4_GROUP == 0]
+    lins = [m for m in kernel_linears(head) if m.in_features % Q4_GROUP == 0]
     if not lins:
         log.warning("head quantisation: none of the head's linears is on the small-product kernel")
         return False
