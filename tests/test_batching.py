@@ -13,6 +13,7 @@ from specserve.guard import Outlook, ThroughputGuard
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy import DSDEConfig
+from specserve.policy.tree_floor import TreeFloor
 from specserve.sampling import SamplingParams
 from specserve.step_events import StepEvent, StepObserver, idle_fraction
 from tests.conftest import greedy_reference
@@ -520,11 +521,48 @@ def test_trees_pruned_to_their_root_count_as_speculation_and_plain_steps_stay_ou
         adaptive = pruned.model_copy(update={"adaptive_floor": True, "tree_min_prob": 0.0})
         engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=adaptive, eos_token_ids=set())
         guard = engine.loop.planner.guard = _ScriptedGuard([not plain] * 40)
-        floor = engine.loop.planner.floor
-        assert floor is not None
+        floor = engine.loop.planner.floor = TreeFloor(max_settle_steps=0)  # the guard records from the first step
         engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True))
         assert len(guard.recorded) >= 3 and all(spec != plain for spec, _ in guard.recorded)
         assert sum(f.steps for f in floor.fits.values()) == (0 if plain else len(guard.recorded))
+
+
+def test_the_guard_waits_for_the_measured_tree_floor(target: LlamaModel) -> None:
+    """Trees sized by the sequences' own floor while the measured one is pending are not the speculation the guard
+    chooses between (on one CPU their wide verifies made DDD's first steps twice a plain step's time, and the guard
+    chose plain decoding for good): the guard records a bucket's steps from the first one planned with the measured
+    floor on, or after ``max_settle_steps`` speculative steps where no floor can be measured."""
+
+    class Plans(StepObserver):
+        def __init__(self) -> None:
+            self.min_probs: list[float | None] = []  # per step the guard may record: the floor it was planned with
+
+        def on_step(self, event: StepEvent) -> None:
+            if not event.prefills:
+                self.min_probs.append(event.plan.min_prob)
+
+    adaptive = SpecConfig(
+        method=SpecMethod.ddd, budget=8, ddd_check_steps=(1, 2), tree_min_prob=0.2, adaptive_floor=True
+    )
+    engine = Engine(target, None, draft=noisy_copy(target, 0.2), speculation=adaptive, eos_token_ids=set())
+    guard = engine.loop.planner.guard = _ScriptedGuard([])
+    floor = engine.loop.planner.floor = TreeFloor(min_steps=4, min_spread=0.0)
+    plans = Plans()
+    engine.loop.observers.append(plans)
+    engine.generate([PROMPTS[1]], SamplingParams(max_tokens=16, ignore_eos=True))
+    measured = [p is not None for p in plans.min_probs]
+    assert measured[0] is False and measured[-1] is True  # the floor was measured along the way
+    assert floor.floor(1) is not None
+    assert len(guard.recorded) == sum(measured) < len(plans.min_probs)  # only steps planned with the floor
+    # a floor that cannot be measured (every tree pruned to its root: the rows never vary) settles by step count
+    pruned = adaptive.model_copy(update={"tree_min_prob": 0.999})
+    engine = Engine(target, None, draft=noisy_copy(target, 0.3), speculation=pruned, eos_token_ids=set())
+    guard = engine.loop.planner.guard = _ScriptedGuard([])
+    floor = engine.loop.planner.floor = TreeFloor(min_steps=4, max_settle_steps=5)
+    engine.generate([PROMPTS[1]], SamplingParams(max_tokens=12, ignore_eos=True))
+    steps = sum(f.steps for f in floor.fits.values())
+    assert floor.floor(1) is None and steps >= 8
+    assert len(guard.recorded) == steps - 5
 
 
 def test_sequences_a_model_free_drafter_serves_put_no_catch_up_in_the_outlook(target: LlamaModel) -> None:

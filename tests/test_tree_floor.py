@@ -101,6 +101,23 @@ def test_buckets_and_bounds() -> None:
         TreeFloor(memory=0.5)
 
 
+def test_a_bucket_settles_once_its_floor_is_measured_or_after_max_settle_steps() -> None:
+    floor = TreeFloor(max_settle_steps=40)
+    assert floor.settling(1) and floor.settling(16)  # nothing measured anywhere
+    _steps(floor, 20, base=0.015, per_row=0.002)
+    assert floor.row_cost(1) is not None and floor.settling(1)  # no speculative step's rate yet
+    floor.record_rate(1, 2, 0.02)
+    assert not floor.settling(1) and floor.settling(16)  # per bucket
+    for _ in range(39):  # rows that never vary: no slope, so no floor ...
+        floor.record_verify(16, 16, 0.05)
+    assert floor.row_cost(16) is None and floor.settling(16)
+    floor.record_verify(16, 16, 0.05)  # ... until the 40th step
+    assert not floor.settling(16)
+    assert not TreeFloor(max_settle_steps=0).settling(1)
+    with pytest.raises(ValueError, match="max_settle_steps"):
+        TreeFloor(max_settle_steps=-1)
+
+
 class _Row:
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec

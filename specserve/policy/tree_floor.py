@@ -66,6 +66,8 @@ class TreeFloor:
     outlier_clip: float = 2.0  # a step counts as at most this many times the fit's prediction (a GC pause, a burst
     # of another process: six times a step once would move the slope for a whole memory)
     max_floor: float = 0.9  # above this no node would be verified: the guard's decision to make, not the floor's
+    max_settle_steps: int = 64  # speculative steps of a bucket after which it counts as settled even without a
+    # floor (its rows never varied enough to read a slope): the guard then judges speculation as it runs
     fits: dict[int, RowFit] = field(default_factory=dict)  # bucket -> verify seconds on rows
     rates: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> weighted (tokens, seconds)
     # of speculative steps
@@ -80,6 +82,8 @@ class TreeFloor:
             raise ValueError(f"min_spread >= 0 and outlier_clip >= 1, got {self.min_spread}, {self.outlier_clip}")
         if not 0 < self.max_floor < 1:
             raise ValueError(f"max_floor must be in (0, 1), got {self.max_floor}")
+        if self.max_settle_steps < 0:
+            raise ValueError(f"max_settle_steps must be at least 0, got {self.max_settle_steps}")
 
     @property
     def keep(self) -> float:
@@ -121,3 +125,11 @@ class TreeFloor:
         if cost is None or rate is None:
             return None
         return min(self.max_floor, cost * rate)
+
+    def settling(self, batch_size: int) -> bool:
+        """Whether this bucket's trees are still sized by the sequences' own ``tree_min_prob`` while its floor is
+        measured (fewer than ``max_settle_steps`` speculative steps so far): the throughput guard does not judge
+        speculation by such steps (docs/algorithms.md §2.3)."""
+        fit = self.fits.get(bucket(batch_size))
+        steps = fit.steps if fit is not None else 0
+        return steps < self.max_settle_steps and self.floor(batch_size) is None
