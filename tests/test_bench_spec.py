@@ -303,3 +303,25 @@ def test_a_rows_greedy_column_and_tau_come_from_the_outputs_against_plain() -> N
     assert row["greedy_equal"] == pytest.approx(2 / 3)  # the second run's last token differs
     assert row["tau"] == pytest.approx(12 / 6) and row["rows_step"] == pytest.approx(10 / 6)
     assert row["tok_s"] == pytest.approx(6.0) and row["mean_depth"] == pytest.approx(2.0)
+
+
+def test_the_guarded_default_of_a_draft_variant_is_its_pairs() -> None:
+    """``--head-quant`` (and the other draft variants) label each draft "<pair> <variant>"; the guarded row still
+    runs what the pair serves with, not the generic serving default an unknown name would get."""
+    import argparse
+
+    from specserve.bench.spec import add_args, methods_for
+    from specserve.config import SERVING_SPECULATION, serving_speculation
+    from specserve.models.tiny import tiny_model
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--methods", "chain", "--chain-sl", "1", "--guarded-default", "--head-quant", "q8_0"])
+    model = tiny_model(seed=0)
+    methods = methods_for(args, "smollm2-eagle", model, model, [], label="smollm2-eagle q8_0")
+    assert [(m.name, m.draft) for m in methods] == [
+        ("chain SL=1", "smollm2-eagle q8_0"),
+        ("serving default (guarded)", "smollm2-eagle q8_0"),
+    ]
+    assert methods[-1].guard and methods[-1].spec == serving_speculation("smollm2-eagle")
+    assert methods[-1].spec != SERVING_SPECULATION

@@ -194,16 +194,25 @@ def _tree_fields(args: argparse.Namespace) -> dict[str, object]:
 
 
 def methods_for(
-    args: argparse.Namespace, pair: str, target: LlamaModel, draft: LlamaModel | EagleHead, prompts: list[list[int]]
+    args: argparse.Namespace,
+    pair: str,
+    target: LlamaModel,
+    draft: LlamaModel | EagleHead,
+    prompts: list[list[int]],
+    *,
+    label: str | None = None,
 ) -> list[Method]:
-    out = model_free_methods(args, pair)
+    """The methods run with one draft of ``pair``; ``label``: that draft's name in the table (a variant of the pair's
+    draft: ``draft_variants``), the pair's name by default. The guarded default is the pair's own."""
+    label = label or pair
+    out = model_free_methods(args, label)
     if "model" not in args.drafters:
-        return out + _guarded(args, pair)
+        return out + _guarded(args, pair, label)
     model: list[Method] = []
     if "chain" in args.methods:
         for sl in args.chain_sl:
             spec = SpecConfig(method=SpecMethod.chain, sl=sl, chain_draft=ChainDraft.greedy)
-            model.append(Method(f"chain SL={sl}", pair, spec))
+            model.append(Method(f"chain SL={sl}", label, spec))
     tree = SpecConfig(method=SpecMethod.eagle2, **_tree_fields(args))  # type: ignore[arg-type]
     for budget in args.budget:
         t = budget
@@ -212,13 +221,13 @@ def methods_for(
         if t == 0:
             tuned = autotune(target, draft, prompts[:3], tree, max_tokens=32)
             t = tuned.best
-            print(f"{pair}: auto-tuned verify budget T = {t}")
+            print(f"{label}: auto-tuned verify budget T = {t}")
             for r in tuned.rows:
                 print(
                     f"  T={r.size:3d} tau={r.tau:.2f} draft={r.draft_s * 1e3:.1f}ms verify={r.verify_s * 1e3:.1f}ms "
                     f"-> {r.tokens_per_s:.1f} tok/s predicted"
                 )
-        label = f"T={t}" + (" (auto)" if budget == 0 else "")
+        size = f"T={t}" + (" (auto)" if budget == 0 else "")
         if "eagle2" in args.methods:
             depths: list[int] = []
             for depth in args.tree_depth:
@@ -227,8 +236,8 @@ def methods_for(
                 if capped.static_depth not in depths:  # two depths past T - 1 draft the same tree
                     depths.append(capped.static_depth)
                     for pruned in _min_prob_variants(args, capped):
-                        name = f"EAGLE-2 D={capped.static_depth} {label}{_min_prob_label(pruned)}"
-                        model.append(Method(name, pair, pruned))
+                        name = f"EAGLE-2 D={capped.static_depth} {size}{_min_prob_label(pruned)}"
+                        model.append(Method(name, label, pruned))
         if "ddd" in args.methods:
             for checks in args.ddd_checks:
                 for x in args.ddd_x:
@@ -239,9 +248,9 @@ def methods_for(
                         update["ddd_check_steps"] = checks
                     shown = "" if checks is None else f" checks={','.join(map(str, checks))}"
                     for spec in _min_prob_variants(args, tree.model_copy(update=update)):
-                        name = f"DDD x={spec.ddd_threshold:g}{shown} {label}{_min_prob_label(spec)}"
-                        model.append(Method(name, pair, spec))
-    return _with_dsde(args, model) + out + _guarded(args, pair)
+                        name = f"DDD x={spec.ddd_threshold:g}{shown} {size}{_min_prob_label(spec)}"
+                        model.append(Method(name, label, spec))
+    return _with_dsde(args, model) + out + _guarded(args, pair, label)
 
 
 def _min_prob_variants(args: argparse.Namespace, spec: SpecConfig) -> list[SpecConfig]:
@@ -284,11 +293,11 @@ def _with_dsde(args: argparse.Namespace, methods: list[Method]) -> list[Method]:
     ]
 
 
-def _guarded(args: argparse.Namespace, pair: str) -> list[Method]:
+def _guarded(args: argparse.Namespace, pair: str, label: str) -> list[Method]:
     """With ``--guarded-default``, what the pair serves with by default (``serving_speculation``), guard on."""
     if not args.guarded_default:
         return []
-    return [Method("serving default (guarded)", pair, serving_speculation(pair, args.device), guard=True)]
+    return [Method("serving default (guarded)", label, serving_speculation(pair, args.device), guard=True)]
 
 
 def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
@@ -584,7 +593,7 @@ def run(args: argparse.Namespace) -> int:
         for pair, _, spec in (p for p in pairs if p[1] == t_spec):
             for label, d_spec in draft_variants(args, pair, spec).items():
                 draft = load_draft(d_spec, target, device=args.device)
-                for method in methods_for(args, label, target, draft, prompts):
+                for method in methods_for(args, pair, target, draft, prompts, label=label):
                     methods.append(method)
                     engines.append(
                         Engine(
