@@ -335,18 +335,18 @@ class StepLoop:
         # cost), or a model-free drafter found a match
         drafted_any = any(p is not None for p in event.proposals) or any(s.model_proposed for s in event.batch)
         caught_up = sum(s.draft_caught_up for s in event.batch)
-        guard, floor = self.planner.guard, self.planner.floor
+        guard = self.planner.guard
         planned = any(event.plan.depths)  # a step planned to speculate may find no draft: then not a try
-        adaptive = floor is not None and planned and self.planner.adaptive(event.batch)
+        # the floor fits steps planned to speculate (their trees may have kept no node), not plain ones
+        floor = self.planner.floor if planned and self.planner.adaptive(event.batch) else None
         # trees sized before their floor was measured (a cold start's wide ones: 2x a step on some CPUs) are not the
         # speculation the guard chooses between: it records the bucket's steps once the floor is measured
-        settling = adaptive and floor is not None and floor.settling(len(event.batch))
+        settling = floor is not None and floor.settling(len(event.batch))
         if guard is not None and not settling:
             guard.record(
                 len(event.batch), drafted_any, event.emitted, event.total_s, caught_up_tokens=caught_up, planned=planned
             )
-        if adaptive and floor is not None:  # a step planned to speculate (its trees may have kept no node), not a
-            # plain one: docs/algorithms.md §2.3
+        if floor is not None:
             rows = sum(len(it.new_tokens) + len(it.draft_tokens) for it in event.items)
             floor.record_verify(len(event.batch), rows, event.verify_s)
             if not caught_up:
