@@ -206,9 +206,11 @@ def test_the_plan_reads_records_where_they_measure_faster(
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     timed: list[int] = []
 
-    def fake_q4(lins: list, rows: int, packed: bool, prefetch: object, repeats: int) -> tuple[float, float]:
+    def fake_q4(
+        lins: list, rows: int, packed: bool, prefetch: object, record_prefetches: tuple, repeats: int
+    ) -> tuple[float, tuple[float, ...]]:
         timed.append(rows)
-        return 1.0, 0.5 if rows in q4_probes else 2.0
+        return 1.0, (0.5, 0.5) if rows in q4_probes else (2.0, 2.0)
 
     monkeypatch.setattr(native_stack, "time_records", fake_q4)
     monkeypatch.setattr(native_stack, "time_variants", lambda lins, rows, variants, repeats: [1.0] * len(variants))
@@ -247,6 +249,43 @@ def test_the_plan_reads_records_where_they_measure_faster(
     assert attach_small_gemm(again, packed=True) and attach_q4_reads(again, blocks)
     assert native_stack.cached_kernel_plan(again, (True, False), (1, 2, 4)).q4_rows == plan.q4_rows
     assert timed == []
+
+
+@torch.no_grad()
+def test_the_records_prefetch_as_measured_on_the_records(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """kernel_plan_for times the records with each prefetch, not with the one the float32 copies chose: here the
+    copies keep none at one row and the records take l2 there, in the Python loop's and the C++ stack's plan, the
+    LM head (no records) keeping the copies'; the stored plan brings both back."""
+    from specserve.models import native_stack
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    ext = extension()
+    asked: list[tuple[int, object, tuple]] = []
+
+    def fake_q4(
+        lins: list, rows: int, packed: bool, prefetch: object, record_prefetches: tuple, repeats: int
+    ) -> tuple[float, tuple[float, ...]]:
+        asked.append((rows, prefetch, record_prefetches))
+        return 1.0, tuple(0.5 if rows == 1 and pf == ext.Prefetch.l2 else 0.9 for pf in record_prefetches)
+
+    monkeypatch.setattr(native_stack, "time_records", fake_q4)
+    monkeypatch.setattr(native_stack, "time_variants", lambda lins, rows, variants, repeats: [1.0] * len(variants))
+    model, blocks = q4_tiny_model(seed=4)
+    assert attach_small_gemm(model, packed=True) and attach_q4_reads(model, blocks)
+    plan = native_stack.cached_kernel_plan(model, (True, False), (1, 2, 4))
+    none, l1, l2 = ext.Prefetch.none, ext.Prefetch.l1, ext.Prefetch.l2
+    assert asked == [(1, none, (none, l2)), (2, l1, (l1, l2)), (4, l1, (l1, l2))]  # float32 chose the built-in ones
+    assert plan.q4_rows == EVERY_ROW and plan.prefetch[:2] == (none, l1)
+    down = model.decoder_layers()[0].down
+    assert down.small_prefetch[:3] == (l2, l1, l1) and model.lm_head.small_prefetch == plan.prefetch
+    assert plan.describe().endswith("Q4_1 records' prefetch l1 for 2-64 rows, l2 for 1 row")
+    assert attach_native_stack(model)
+    assert native_stack._proj(ext, down).small_prefetch[:2] == [l2, l1]
+    asked.clear()
+    again, blocks = q4_tiny_model(seed=4)
+    assert attach_small_gemm(again, packed=True) and attach_q4_reads(again, blocks)
+    assert native_stack.cached_kernel_plan(again, (True, False), (1, 2, 4)) == plan and asked == []
+    assert again.decoder_layers()[0].down.small_prefetch == down.small_prefetch
 
 
 @torch.no_grad()

@@ -183,9 +183,11 @@ def test_the_plan_times_the_heads_records_apart_from_the_layers(
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     timed: list[tuple[int, int]] = []
 
-    def fake(lins: list, rows: int, packed: bool, prefetch: object, repeats: int) -> tuple[float, float]:
+    def fake(
+        lins: list, rows: int, packed: bool, prefetch: object, record_prefetches: tuple, repeats: int
+    ) -> tuple[float, tuple[float, ...]]:
         timed.append((len(lins), rows))
-        return 1.0, 0.5 if rows in (1, 2) else 2.0
+        return 1.0, (0.5, 0.5) if rows in (1, 2) else (2.0, 2.0)
 
     monkeypatch.setattr(native_stack, "time_records", fake)
     monkeypatch.setattr(native_stack, "time_variants", lambda lins, rows, variants, repeats: [1.0] * len(variants))

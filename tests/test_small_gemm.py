@@ -281,6 +281,7 @@ def test_probe_mask_gives_each_winning_probe_its_rows_up_to_the_next() -> None:
     mask = probe_mask(probes, [True, False, False, True, False, True])
     assert [r for r in range(1, 65) if reads_copy(mask, r)] == [1, *range(8, 16), *range(32, 65)]
     assert describe_rows(mask) == "1, 8-15, 32-64 rows" and describe_rows(0) == "no rows"
+    assert describe_rows(0b1) == "1 row" and describe_rows(0b10) == "2 rows"
     for bad in ((2, 4), (1, 4, 2), (1, 65), ()):
         with pytest.raises(ValueError, match="ascend"):
             probe_mask(bad, [True] * len(bad))
@@ -316,7 +317,7 @@ def test_the_measured_plan_is_what_each_row_count_runs(monkeypatch: pytest.Monke
     assert native_stack._proj(ext, model.lm_head).small_prefetch == list(plan.prefetch)
     if not any(wins):
         assert mask == 0 and all(m.small_packed is None for m in lins)
-        assert plan.describe() == "packed copies for no rows; prefetch l1 for 2-3 rows; prefetch l2 for 1, 4-64 rows"
+        assert plan.describe() == "packed copies for no rows; prefetch l1 for 2-3 rows, l2 for 1, 4-64 rows"
         return
     assert [r for r in range(1, 65) if reads_copy(mask, r)] == [1, *range(4, 65)]
     # the C++ stack: a layer's zeroed copy changes the logits of 1 and 4 rows, not of 2 or 3
@@ -461,9 +462,12 @@ def test_the_loaded_target_takes_the_kernel_and_agrees_with_blas() -> None:
     blas = load_model(ModelSpec(small_gemm=False, gemv_copies=False, pad_rows=False))
     assert target.lm_head.small_rows == 64 and getattr(blas.lm_head, "small_gemm", None) is None
     # ModelSpec.small_gemm_plan: the plan was measured at load and set on every kernel product (one prefetch per row
-    # count; without it no product carries one), and with no row count reading the copies they were dropped
+    # count; without it no product carries one; the decoder projections, all reading Q4_1 records where they do, one
+    # plan), and with no row count reading the copies they were dropped
     lins = [m for m in target.modules() if getattr(m, "small_gemm", None) is not None]
-    assert all(len(m.small_prefetch) == 64 and m.small_prefetch == target.lm_head.small_prefetch for m in lins)
+    projections = [m for m in lins if m is not target.lm_head]
+    assert all(len(m.small_prefetch) == 64 for m in lins)
+    assert all(m.small_prefetch == projections[0].small_prefetch for m in projections)
     assert getattr(blas.lm_head, "small_prefetch", None) is None
     assert target.lm_head.small_copy_rows != 0 or target.lm_head.small_packed is None
     assert getattr(target.lm_head, "weight_t", None) is None  # no GEMV copies beside the kernel

@@ -270,17 +270,35 @@ class KernelPlan:
     ``packed_rows`` a row mask (``llama.reads_copy``) of the counts that read the packed copies, ``prefetch`` [r - 1]
     what a product of r rows prefetches (``ext.Prefetch``), ``q4_rows`` the counts that read Q4_1 records (where a
     decoder projection holds them: ``attach_q4_reads``; before any other copy), ``q8_rows`` those that read the LM
-    head's Q8_0 records (``attach_q8_head``)."""
+    head's Q8_0 records (``attach_q8_head``); ``q4_prefetch`` and ``q8_prefetch`` [r - 1] what the records prefetch
+    at the counts they serve (empty: as ``prefetch``)."""
 
     packed_rows: int
     prefetch: tuple[Any, ...]
     q4_rows: int = 0
     q8_rows: int = 0
+    q4_prefetch: tuple[Any, ...] = ()
+    q8_prefetch: tuple[Any, ...] = ()
+
+    def prefetch_of(self, record_rows: int, record_prefetch: tuple[Any, ...]) -> tuple[Any, ...]:
+        """[r - 1]: a product's prefetch where it reads records for ``record_rows`` and a copy for the rest."""
+        if not record_prefetch:
+            return self.prefetch
+        pairs = zip(self.prefetch, record_prefetch, strict=True)
+        return tuple(rec if record_rows >> r & 1 else pf for r, (pf, rec) in enumerate(pairs))
 
     def describe(self) -> str:
-        names = sorted({p.name for p in self.prefetch})
-        masks = {n: sum(1 << r for r, p in enumerate(self.prefetch) if p.name == n) for n in names}
-        parts = [f"prefetch {n} for {describe_rows(mask)}" for n, mask in masks.items()]
+        parts = []
+        for label, prefetch in (
+            ("", self.prefetch),
+            ("Q4_1 records' ", self.prefetch_of(self.q4_rows, self.q4_prefetch)),
+            ("the LM head's records' ", self.prefetch_of(self.q8_rows, self.q8_prefetch)),
+        ):
+            if label and prefetch == self.prefetch:
+                continue
+            names = sorted({p.name for p in prefetch})
+            masks = {n: sum(1 << r for r, p in enumerate(prefetch) if p.name == n) for n in names}
+            parts.append(f"{label}prefetch " + ", ".join(f"{n} for {describe_rows(m)}" for n, m in masks.items()))
         q4 = [f"Q4_1 records for {describe_rows(self.q4_rows)}"] if self.q4_rows else []
         q4 += [f"the LM head's Q8_0 records for {describe_rows(self.q8_rows)}"] if self.q8_rows else []
         packed = f"packed copies for {describe_rows(self.packed_rows & ~self.q4_rows)}"
@@ -318,49 +336,72 @@ def kernel_plan_for(
     wins, prefetch = [], []
     for rows in probes:
         # the built-in prefetch first: the other replaces it only where it wins by PLAN_MARGIN, like the layout
-        pfs = (ext.Prefetch.none, ext.Prefetch.l2) if rows == 1 else (ext.Prefetch.l1, ext.Prefetch.l2)
+        pfs = probe_prefetches(rows)
         variants = [(packed, pf) for packed in layouts for pf in pfs]
         times = dict(zip(variants, time_variants(lins, rows, variants, repeats), strict=True))
         best = {packed: faster(times[packed, pfs[0]], times[packed, pfs[1]]) for packed in layouts}
         packed = True in best and (False not in best or best[True][1] < PLAN_MARGIN * best[False][1])
         wins.append(packed)
         prefetch.append(pfs[best[packed][0]])
-    # records where products hold them (the decoder projections' Q4_1, the LM head's Q8_0, each set timed on its own):
-    # against the float32 variant just chosen, the same prefetch
+    # records where products hold them (the decoder projections' Q4_1, the LM head's Q8_0, each set timed on its own),
+    # each prefetch against the float32 variant just chosen: what a copy wants is not what records want (a Cascade
+    # Lake Xeon, one row: the float32 copies 3% faster with l2 than none, the Q4_1 records 25%)
     held = [m for m in lins if getattr(m, "small_records", None) is not None]
-    masks = []
+    masks: list[int] = []
+    record_prefetch: list[tuple[Any, ...]] = []
     for group in ([m for m in held if m is not model.lm_head], [m for m in held if m is model.lm_head]):
-        record_wins = []
+        record_wins, group_prefetch = [], []
         for rows, packed, pf in zip(probes, wins, prefetch, strict=True) if group else ():
-            f32_s, record_s = time_records(group, rows, packed, pf, repeats)
-            record_wins.append(record_s < PLAN_MARGIN * f32_s)  # like any variant other than the built-in one
+            pfs = probe_prefetches(rows)
+            f32_s, record_s = time_records(group, rows, packed, pf, pfs, repeats)
+            i, best_s = faster(*record_s)
+            record_wins.append(best_s < PLAN_MARGIN * f32_s)  # like any variant other than the built-in one
+            group_prefetch.append(pfs[i])
         masks.append(probe_mask(probes, record_wins) if group else 0)
-    plan = KernelPlan(probe_mask(probes, wins), tuple(spread(probes, prefetch)), *masks)
+        record_prefetch.append(tuple(spread(probes, group_prefetch)) if group else ())
+    plan = KernelPlan(
+        probe_mask(probes, wins),
+        tuple(spread(probes, prefetch)),
+        q4_rows=masks[0],
+        q8_rows=masks[1],
+        q4_prefetch=record_prefetch[0],
+        q8_prefetch=record_prefetch[1],
+    )
     apply_plan(model, plan)
     log.info("the kernel's plan, measured at load: %s", plan.describe())
     return plan
 
 
+def probe_prefetches(rows: int) -> tuple[Any, Any]:
+    """The prefetches a plan times at ``rows`` rows, the built-in one first (one row: none or l2; more: l1 or l2)."""
+    ext = extension()
+    return (ext.Prefetch.none, ext.Prefetch.l2) if rows == 1 else (ext.Prefetch.l1, ext.Prefetch.l2)
+
+
 @torch.inference_mode()
-def time_records(lins: list[nn.Linear], rows: int, packed: bool, prefetch: Any, repeats: int) -> tuple[float, float]:
-    """Median seconds of the products of ``rows`` rows over ``lins`` in one pass, (float32 weights in the layout
-    ``packed`` chose, their records), interleaved (``interleaved_medians``)."""
+def time_records(
+    lins: list[nn.Linear], rows: int, packed: bool, prefetch: Any, record_prefetches: tuple[Any, ...], repeats: int
+) -> tuple[float, tuple[float, ...]]:
+    """Median seconds of the products of ``rows`` rows over ``lins`` in one pass: float32 weights in the layout
+    ``packed`` chose with ``prefetch``, and their records with each of ``record_prefetches``, interleaved
+    (``interleaved_medians``)."""
     ext = extension()
     gen = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(rows, k, generator=gen) for k in {m.in_features for m in lins}}
 
-    def products(records: bool) -> None:
+    def products(records: bool, pf: Any) -> None:
         for m in lins:
             x = xs[m.in_features]
             if records:
-                ext.small_linear_packed(x, m.small_records, m.bias, prefetch)
+                ext.small_linear_packed(x, m.small_records, m.bias, pf)
             elif packed:
-                ext.small_linear_packed(x, m.small_packed, m.bias, prefetch)
+                ext.small_linear_packed(x, m.small_packed, m.bias, pf)
             else:
-                ext.small_linear(x, m.weight.detach(), m.bias, prefetch)
+                ext.small_linear(x, m.weight.detach(), m.bias, pf)
 
-    f32_s, records_s = interleaved_medians([lambda: products(False), lambda: products(True)], repeats)
-    return f32_s, records_s
+    variants = [(False, prefetch), *((True, pf) for pf in record_prefetches)]
+    f32_s, *record_s = interleaved_medians([functools.partial(products, *v) for v in variants], repeats)
+    return f32_s, tuple(record_s)
 
 
 def apply_plan(model: LlamaModel, plan: KernelPlan) -> None:
@@ -372,6 +413,8 @@ def apply_plan(model: LlamaModel, plan: KernelPlan) -> None:
         packed_rows = plan.packed_rows
         if getattr(m, "small_records", None) is not None:
             record_rows = plan.q8_rows if m is model.lm_head else plan.q4_rows
+            record_prefetch = plan.q8_prefetch if m is model.lm_head else plan.q4_prefetch
+            m.small_prefetch = plan.prefetch_of(record_rows, record_prefetch)  # type: ignore[assignment]
             m.small_record_rows = record_rows  # type: ignore[assignment]
             packed_rows &= ~record_rows  # the records are read first: the copy serves the other counts only
             if not record_rows:
@@ -407,6 +450,8 @@ def cached_kernel_plan(
         "prefetch": [p.name for p in plan.prefetch],
         "q4_rows": plan.q4_rows,
         "q8_rows": plan.q8_rows,
+        "q4_prefetch": [p.name for p in plan.q4_prefetch],
+        "q8_prefetch": [p.name for p in plan.q8_prefetch],
     }
     tmp.write_text(json.dumps(stored))
     os.replace(tmp, path)  # whole or not at all, for a process loading beside this one
@@ -427,6 +472,7 @@ def plan_key(lins: list[nn.Linear], layouts: tuple[bool, ...], probes: tuple[int
         list(layouts),
         list(probes),
         PLAN_MARGIN,
+        "records timed with each prefetch",  # plans stored before that chose the records' prefetch by the copies'
     ]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
@@ -440,6 +486,8 @@ def read_plan(path: Path) -> KernelPlan | None:
         packed_rows = int(raw["packed_rows"])
         q4_rows = int(raw.get("q4_rows", 0))
         q8_rows = int(raw.get("q8_rows", 0))
+        q4_prefetch = tuple(members[name] for name in raw.get("q4_prefetch", ()))
+        q8_prefetch = tuple(members[name] for name in raw.get("q8_prefetch", ()))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -451,7 +499,10 @@ def read_plan(path: Path) -> KernelPlan | None:
     if not (0 <= q4_rows <= EVERY_ROW and 0 <= q8_rows <= EVERY_ROW):
         log.warning("the kernel's stored plan %s has no valid row mask for records; measuring it again", path)
         return None
-    return KernelPlan(packed_rows, prefetch, q4_rows, q8_rows)
+    if any(len(p) not in (0, SMALL_GEMM_ROWS) for p in (q4_prefetch, q8_prefetch)):
+        log.warning("the kernel's stored plan %s does not cover 1-%d rows; measuring it again", path, SMALL_GEMM_ROWS)
+        return None
+    return KernelPlan(packed_rows, prefetch, q4_rows, q8_rows, q4_prefetch, q8_prefetch)
 
 
 def faster(default_s: float, other_s: float) -> tuple[int, float]:
@@ -496,7 +547,7 @@ def probe_mask(probes: tuple[int, ...], wins: list[bool]) -> int:
 
 
 def describe_rows(mask: int) -> str:
-    """A row mask as row ranges, e.g. '1-15 rows', 'no rows'."""
+    """A row mask as row ranges, e.g. '1-15 rows', '1 row', 'no rows'."""
     spans, row = [], 1
     while row <= SMALL_GEMM_ROWS:
         if mask >> (row - 1) & 1:
@@ -507,7 +558,9 @@ def describe_rows(mask: int) -> str:
             row = end + 1
         else:
             row += 1
-    return f"{', '.join(spans)} rows" if spans else "no rows"
+    if not spans:
+        return "no rows"
+    return f"{spans[0]} row" if spans == ["1"] else f"{', '.join(spans)} rows"
 
 
 def attach_head_records(head: EagleHead, quant: HeadQuant) -> bool:
@@ -543,9 +596,10 @@ def attach_head_records(head: EagleHead, quant: HeadQuant) -> bool:
 
 def follow_target_plan(head: EagleHead, target: LlamaModel) -> bool:
     """The head's kernel products prefetch as the target's plan, measured on this machine, says for each row count
-    (``ModelSpec.small_gemm_plan``): without it they took the kernel's default (no prefetch for one row), and on an
-    AVX-512 Xeon a draft forward's products read right after a verify took 0.65 ms instead of 0.42 (docs/benchmarks.md,
-    "The head's weights as Q8_0 records"). False where the target has no plan. Call before ``attach_head_stack``."""
+    (``ModelSpec.small_gemm_plan``) for its LM head, the target's products closest to the head's own (Q8_0 records
+    where both hold them): without it they took the kernel's default (no prefetch for one row), and on an AVX-512 Xeon
+    a draft forward's products read right after a verify took 0.65 ms instead of 0.42 (docs/benchmarks.md, "The
+    head's weights as Q8_0 records"). False where the target has no plan. Call before ``attach_head_stack``."""
     plan = getattr(target.lm_head, "small_prefetch", None)
     if plan is None:
         return False
