@@ -167,11 +167,12 @@ def run(args: argparse.Namespace) -> int:
         q8_rows = describe_rows(int(getattr(model.lm_head, "small_record_rows", 0)))
         mb = head_records.data.numel() / 1e6
         print(f"the LM head's Q8_0 records, {mb:.0f} MB, read for {q8_rows} (ModelSpec.q8_head_reads)")
-    plan = getattr(model.lm_head, "small_prefetch", None)
-    if plan is not None:
-        print(
-            f"the kernel's prefetch, measured at load: {' '.join(f'{r + 1}:{p.name}' for r, p in enumerate(plan[:16]))}"
-        )
+    # the decoder projections and the LM head each prefetch as measured for what they read (records or copies)
+    for name, owner in (("decoder projections", model.decoder_layers()[0].down), ("LM head", model.lm_head)):
+        plan = getattr(owner, "small_prefetch", None)
+        if plan is not None:
+            rows = " ".join(f"{r + 1}:{p.name}" for r, p in enumerate(plan[:16]))
+            print(f"the kernel's prefetch for the {name}, measured at load: {rows}")
 
     def set_paths(with_packed: bool, padded: bool) -> None:
         for m in linears:
