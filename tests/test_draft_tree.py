@@ -23,12 +23,12 @@ def logq_rows(rows: list[dict[int, float]], vocab: int = 8) -> torch.Tensor:
 def test_expand_scores_beam_and_rerank() -> None:
     b = TreeBuilder(width=2)
     b.expand(logq_rows([{1: 0.6, 2: 0.3, 3: 0.1}]))  # depth 1: candidates 1 (0.6), 2 (0.3)
-    assert b.beam_tokens().tolist() == [1, 2]
-    assert torch.allclose(beam_mass(b.beam_scores), torch.tensor(math.log(0.9)))
+    assert b.beam_tokens() == [1, 2]
+    assert beam_mass(b.beam_scores) == pytest.approx(math.log(0.9), abs=1e-6)
     # children of 1: 4 (0.5), 5 (0.5); children of 2: 6 (0.9), 7 (0.05)
     b.expand(logq_rows([{4: 0.5, 5: 0.5}, {6: 0.9, 7: 0.05}]))
     # path scores: 1-4 0.30, 1-5 0.30, 2-6 0.27, 2-7 0.015 -> beam = 1-4, 1-5
-    assert b.beam_tokens().tolist() == [4, 5]
+    assert b.beam_tokens() == [4, 5]
     tree = b.rerank(budget=5)  # keep 4 best of 6: 1 (.6), 2 (.3), 4 (.3), 5 (.3)
     assert tree.tokens == [1, 2, 4, 5]
     assert tree.parents == [0, 0, 1, 1]
@@ -40,7 +40,7 @@ def random_builder(gen: torch.Generator, levels: int) -> TreeBuilder:
     """A width-3 tree over 30 tokens grown ``levels`` levels from peaked random draft distributions."""
     b = TreeBuilder(width=3)
     for _ in range(levels):
-        b.expand(torch.log_softmax(torch.randn(max(1, b.beam.numel()), 30, generator=gen) * 3, -1))
+        b.expand(torch.log_softmax(torch.randn(max(1, len(b.beam)), 30, generator=gen) * 3, -1))
     return b
 
 
@@ -72,8 +72,7 @@ def test_pruned_trees_stay_closed_under_ancestors_on_random_trees() -> None:
         b = random_builder(gen, levels=4)
         floor = math.log(0.01 + 0.02 * trial)
         tree = b.rerank(budget=64, min_score=floor)
-        scores = torch.cat(b.scores)
-        assert len(tree.tokens) == min(63, int((scores >= floor).sum()))
+        assert len(tree.tokens) == min(63, sum(s >= floor for s in b.scores))
         for j, par in enumerate(tree.parents, start=1):
             assert 0 <= par < j
 
@@ -167,7 +166,7 @@ def test_levels_below_the_budget_cannot_enter_the_tree():
             b = TreeBuilder(width=4)
             b.expand(levels[0][:1])
             for d in range(1, depth):
-                b.expand(levels[d][: b.beam.numel()])
+                b.expand(levels[d][: len(b.beam)])
             trees.append(b.rerank(budget))
         assert trees[0] == trees[1]
     for method, field in ((SpecMethod.ddd, "ddd_max_depth"), (SpecMethod.eagle2, "tree_depth")):
@@ -181,17 +180,17 @@ def test_levels_below_the_budget_cannot_enter_the_tree():
 def test_beam_nodes_below_the_floor_are_set_aside_not_forwarded() -> None:
     b = TreeBuilder(width=3, min_score=math.log(0.25))
     b.expand(logq_rows([{1: 0.6, 2: 0.3, 3: 0.1}]))
-    assert b.beam_tokens().tolist() == [1, 2]  # 3 (.1) cannot enter the tree, nor can its children
-    assert b.set_aside.exp().tolist() == pytest.approx([0.1])
-    assert float(b.mass()) == pytest.approx(math.log(1.0), abs=1e-6)  # the full beam's mass: .6 + .3 + .1
+    assert b.beam_tokens() == [1, 2]  # 3 (.1) cannot enter the tree, nor can its children
+    assert [math.exp(s) for s in b.set_aside] == pytest.approx([0.1])
+    assert b.mass() == pytest.approx(math.log(1.0), abs=1e-6)  # the full beam's mass: .6 + .3 + .1
     b.expand(logq_rows([{4: 0.5, 5: 0.4}, {6: 0.9, 7: 0.05}]))  # paths 1-4 .30, 1-5 .24, 2-6 .27, 2-7 .015
-    assert b.beam_tokens().tolist() == [4, 6]  # the top 3 are .30, .27, .24; 1-5 (.24) joins the set-aside
-    assert b.set_aside.exp().tolist() == pytest.approx([0.1, 0.24])
-    assert float(b.mass()) == pytest.approx(math.log(0.30 + 0.27 + 0.24 + 0.1), abs=1e-6)
+    assert b.beam_tokens() == [4, 6]  # the top 3 are .30, .27, .24; 1-5 (.24) joins the set-aside
+    assert [math.exp(s) for s in b.set_aside] == pytest.approx([0.1, 0.24])
+    assert b.mass() == pytest.approx(math.log(0.30 + 0.27 + 0.24 + 0.1), abs=1e-6)
     tree = b.rerank(budget=8, min_score=math.log(0.25))
     assert tree.tokens == [1, 2, 4, 6] and tree.parents == [0, 0, 1, 2]
     b.expand(logq_rows([{3: 0.5, 5: 0.5}, {1: 0.2, 0: 0.1}]))  # every path now below .25
-    assert b.beam.numel() == 0  # nothing left to forward: the tree is complete
+    assert b.beam == []  # nothing left to forward: the tree is complete
 
 
 def _path_logq(path: tuple[int, ...], vocab: int, seed: int) -> torch.Tensor:
@@ -204,28 +203,25 @@ def _grow(b: TreeBuilder, levels: int, vocab: int, seed: int) -> list[float]:
     """Grow ``levels`` levels forwarding exactly the builder's beam; its mass after each level."""
     masses = []
     for _ in range(levels):
-        if b.depth and b.beam.numel() == 0:
+        if b.depth and not b.beam:
             break
         beam = [()] if b.depth == 0 else [_path_of(b, int(c)) for c in b.beam]
         b.expand(torch.stack([_path_logq(p, vocab, seed) for p in beam]))
-        masses.append(float(b.mass()))
+        masses.append(b.mass())
     return masses
 
 
 def _path_of(b: TreeBuilder, cand: int) -> tuple[int, ...]:
-    tokens, parents = torch.cat(b.tokens).tolist(), torch.cat(b.parents).tolist()
     path = []
     while cand >= 0:
-        path.append(tokens[cand])
-        cand = parents[cand]
+        path.append(b.tokens[cand])
+        cand = b.parents[cand]
     return tuple(reversed(path))
 
 
 def _above(b: TreeBuilder, depth: int, min_score: float) -> set[tuple[int, ...]]:
     """The paths of the builder's depth-``depth`` candidates (0: the root's children) scoring at least min_score."""
-    first = sum(t.numel() for t in b.tokens[:depth])
-    scores = b.scores[depth].tolist()
-    return {_path_of(b, first + i) for i, sc in enumerate(scores) if sc >= min_score}
+    return {_path_of(b, c) for c, sc in enumerate(b.scores) if b.depths[c] == depth and sc >= min_score}
 
 
 def test_a_bounded_beam_finds_every_candidate_above_the_floor_and_bounds_the_mass_from_above() -> None:
@@ -240,7 +236,8 @@ def test_a_bounded_beam_finds_every_candidate_above_the_floor_and_bounds_the_mas
             above = [_above(b, d, math.log(floor)) for b in (full, bounded)]
             assert above[0] == above[1]
             assert bounded_mass[d] >= full_mass[d] - 1e-6
-        assert all(s.numel() <= 6 * int(1 / floor) for s in bounded.scores[1:])  # children of <= 1 / floor rows
+        per_level = [bounded.depths.count(d) for d in range(1, bounded.depth)]
+        assert all(n <= 6 * int(1 / floor) for n in per_level)  # children of <= 1 / floor rows
         for budget in (2, 4, 8, 16):
             assert full.rerank(budget, math.log(floor)).tokens == bounded.rerank(budget, math.log(floor)).tokens
 

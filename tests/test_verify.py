@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from specserve.sampling import SamplingParams, process_logits
 from specserve.spec_decode.draft_sampling import draft_sample_sparse, sparse_topk
-from specserve.spec_decode.draft_tree import ROOT, DraftTree
+from specserve.spec_decode.draft_tree import ROOT, DraftTree, step_layout
 from specserve.spec_decode.verify import VerifyResult, inverse_cdf_sample, verify_chain_sampled, verify_tree
 
 NUM_DRAWS = 100_000
@@ -80,6 +80,7 @@ def test_tree_helpers() -> None:
             node = TREE_PARENTS[node]
             expected[j, node] = True
     assert torch.equal(tree.ancestor_mask(), expected)
+    assert torch.equal(tree.ancestor_mask(pad=2), torch.cat([torch.ones(10, 2, dtype=torch.bool), expected], 1))
     assert tree.depths().tolist() == [0, 1, 1, 1, 2, 2, 2, 1, 3, 3]
     assert not tree.is_chain()
     assert tree.num_drafted == 9
@@ -105,6 +106,8 @@ def test_tree_validation() -> None:
     bad_order = DraftTree(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 0]))
     with pytest.raises(ValueError):
         verify_tree(bad_order, torch.full((3, 4), 0.25), None)
+    with pytest.raises(ValueError, match="parents"):
+        step_layout(bad_order, 1, 5)  # the target lays out a step before it verifies
     with pytest.raises(ValueError):
         verify_tree(_tree(), torch.full((3, 4), 0.25), None)
 

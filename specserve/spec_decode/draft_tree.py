@@ -48,26 +48,31 @@ class DraftTree:
     def num_drafted(self) -> int:
         return self.num_nodes - 1
 
-    def ancestor_mask(self) -> torch.Tensor:
-        """[T, T] bool; row j is True at j itself and at all its ancestors, the root included.
+    def paths(self) -> list[list[int]]:
+        """Per node the nodes from the root to it, both included (one pass on the host: ``parents[j] < j``)."""
+        parents = self.parents.tolist()
+        paths = [[ROOT]]
+        for j in range(1, len(parents)):
+            if not 0 <= parents[j] < j:
+                raise ValueError(f"parents[{j}] = {parents[j]}; need 0 <= parents[j] < j")
+            paths.append([*paths[parents[j]], j])
+        return paths
 
-        Pointer doubling on the device (no host sync): after k squarings a row covers ancestors up to 2^k levels up.
-        """
-        n = self.num_nodes
-        eye = torch.eye(n, dtype=torch.bool, device=self.parents.device)  # [T, T]
-        parent_hot = torch.nn.functional.one_hot(self.parents, n).bool()  # [T, T]
-        reach = (eye | parent_hot).float()  # [T, T]
-        for _ in range((n - 1).bit_length()):
-            reach = ((reach @ reach) > 0).float()
-        return reach.bool()
+    def ancestor_mask(self, pad: int = 0) -> torch.Tensor:
+        """[T, T] bool; row j is True at j itself and at all its ancestors, the root included. ``pad``: that many
+        columns of True in front ([T, pad + T]), for keys every node sees."""
+        n, width = self.num_nodes, pad + self.num_nodes
+        cols = [[*range(pad), *(pad + k for k in path)] for path in self.paths()]
+        flat = torch.tensor([j * width + c for j, row in enumerate(cols) for c in row])  # built on the host: one copy
+        mask = torch.zeros(n * width, dtype=torch.bool).index_fill_(0, flat, True).view(n, width)
+        return mask.to(self.parents.device)
 
     def depths(self) -> torch.Tensor:
         """[T] long; the root has depth 0."""
-        return self.ancestor_mask().sum(-1) - 1
+        return torch.tensor([len(path) - 1 for path in self.paths()], device=self.parents.device)
 
     def is_chain(self) -> bool:
-        expected = (torch.arange(self.num_nodes, device=self.parents.device) - 1).clamp_min(ROOT)  # [T]
-        return bool(torch.equal(self.parents, expected))  # host sync
+        return self.parents.tolist() == [ROOT, *range(self.num_nodes - 1)]  # host sync
 
 
 def step_layout(tree: DraftTree, num_pending: int, start: int) -> tuple[torch.Tensor | None, list[int] | None]:
@@ -79,10 +84,8 @@ def step_layout(tree: DraftTree, num_pending: int, start: int) -> tuple[torch.Te
     """
     if tree.num_nodes == 1 or tree.is_chain():
         return None, None
-    n = num_pending + tree.num_nodes
-    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask = torch.zeros(num_pending + tree.num_nodes, num_pending + tree.num_nodes, dtype=torch.bool)  # [n, n]
     mask[:num_pending, :num_pending] = torch.ones(num_pending, num_pending, dtype=torch.bool).tril()
-    mask[num_pending:, :num_pending] = True
-    mask[num_pending:, num_pending:] = tree.ancestor_mask()
-    positions = list(range(start, start + num_pending)) + (start + num_pending + tree.depths()).tolist()
+    mask[num_pending:] = tree.ancestor_mask(pad=num_pending)  # every pending token, then the node's ancestry
+    positions = [*range(start, start + num_pending), *(start + num_pending + len(p) - 1 for p in tree.paths())]
     return mask, positions

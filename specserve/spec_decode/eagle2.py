@@ -5,11 +5,18 @@ for a batch of sequences over the forward their worker lends it (the beam's ance
 mask); DDD's rule decides, only at its check steps, whether a tree stops early; ``tree_proposal`` reranks the
 candidates to the verify budget. Scores are log draft probabilities at temperature 1 summed along the path (they
 only decrease with depth).
+
+The draft's distributions stay where its forward ran; a level's top-w children per beam node (w <= beam width,
+tens of numbers) come to the host once, in ``TreeBuilder.expand``, the level's one host sync, and everything after
+that (scores, the beam, the floor, H, the rerank, the ancestry) is bookkeeping over a few dozen Python numbers
+(docs/algorithms.md §3.2).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,13 +26,16 @@ from specserve.messages import Proposal
 from specserve.spec_decode.draft_state import DraftForward, DraftState, draft_q
 
 
-def beam_mass(beam_scores: torch.Tensor) -> torch.Tensor:
-    """H_d: log of the total draft probability of the beam's paths. beam_scores [w] -> []"""
-    return torch.logsumexp(beam_scores, dim=-1)
+def beam_mass(beam_scores: Sequence[float]) -> float:
+    """H_d: log of the total draft probability of the beam's paths (a log-sum-exp of their log scores)."""
+    top = max(beam_scores, default=-math.inf)
+    if top == -math.inf:
+        return -math.inf
+    return top + math.log(math.fsum(math.exp(s - top) for s in beam_scores))
 
 
 def is_check_step(depth: int, check_steps: tuple[int, ...], every_step: bool) -> bool:
-    """Whether DDD reads H on the host after expansion step ``depth`` (only these steps may sync)."""
+    """Whether DDD reads H after expansion step ``depth``."""
     return every_step or depth in check_steps
 
 
@@ -44,7 +54,8 @@ class DraftTreeOut:
 
 @dataclass
 class TreeBuilder:
-    """Candidates of one sequence's tree. Candidate c: token, parent candidate (-1 = root), score, depth.
+    """Candidates of one sequence's tree, on the host. Candidate c: ``tokens[c]``, ``parents[c]`` (-1 = root),
+    ``scores[c]``, ``depths[c]`` (0 = a child of the root); candidates are numbered level by level.
 
     ``min_score`` (log of the tree's floor, docs/algorithms.md §2.3): a beam node below it can neither enter the tree
     nor have a descendant that does (scores only decrease with depth), so it is set aside instead of forwarded; its
@@ -52,16 +63,17 @@ class TreeBuilder:
 
     width: int
     min_score: float = -math.inf
-    tokens: list[torch.Tensor] = field(default_factory=list)  # per level [w * n_parents]
-    parents: list[torch.Tensor] = field(default_factory=list)
-    scores: list[torch.Tensor] = field(default_factory=list)
-    beam: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # candidate ids
-    beam_scores: torch.Tensor = field(default_factory=lambda: torch.zeros(1))
-    set_aside: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [s] scores of beam nodes below the floor
-    num_candidates: int = 0
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    beam: list[int] = field(default_factory=list)  # candidate ids of the next level's parents, ascending
+    beam_scores: list[float] = field(default_factory=list)
+    set_aside: list[float] = field(default_factory=list)  # scores of beam nodes below the floor
+    depth: int = 0  # levels expanded
 
     @property
-    def depth(self) -> int:
+    def num_candidates(self) -> int:
         return len(self.tokens)
 
     def expand(self, logq: torch.Tensor, token_ids: torch.Tensor | None = None) -> None:
@@ -70,55 +82,53 @@ class TreeBuilder:
         logq: [n_beam, V_d] draft log-probabilities (temperature 1) at the current beam nodes, in beam order;
         token_ids: [V_d] target id of each column (None: columns are target ids).
         """
-        top_logq, top_tok = logq.topk(self.width, dim=-1)  # [n_beam, w]
-        if token_ids is not None:
-            top_tok = token_ids[top_tok]
-        dev = logq.device
-        parent_ids = self.beam if self.depth > 0 else torch.full((1,), -1, dtype=torch.long, device=dev)
-        beam_scores = self.beam_scores if self.depth > 0 else torch.zeros(1, device=dev)  # the root's score: 0
-        scores = (beam_scores[:, None] + top_logq).flatten()  # [n_beam * w]
-        self.tokens.append(top_tok.flatten())
-        self.parents.append(parent_ids.repeat_interleave(self.width))
-        self.scores.append(scores)
-        keep = scores.topk(min(self.width, scores.numel())).indices.sort().values  # next beam, in candidate order
-        if self.min_score > -math.inf:  # beam nodes below the floor: set aside, not forwarded (a host sync on a GPU)
-            below = scores[keep] < self.min_score
-            self.set_aside = torch.cat([self.set_aside.to(dev), scores[keep[below]]])
-            keep = keep[~below]
-        self.beam = keep + self.num_candidates
-        self.beam_scores = scores[keep]
-        self.num_candidates += scores.numel()
+        parent_ids, base = (self.beam, self.beam_scores) if self.depth > 0 else ([-1], [0.0])  # the root scores 0
+        if logq.shape[0] != len(parent_ids):
+            raise ValueError(f"logq has {logq.shape[0]} rows for a beam of {len(parent_ids)} nodes")
+        top_logq, top_col = logq.topk(self.width, dim=-1)  # [n_beam, w]
+        top_tok = top_col if token_ids is None else token_ids[top_col]
+        values, toks = top_logq.tolist(), top_tok.tolist()  # host sync: the level's one device->host copy
+        first = self.num_candidates
+        for parent, score, vals, ts in zip(parent_ids, base, values, toks, strict=True):
+            self.tokens += ts
+            self.parents += [parent] * len(ts)
+            self.scores += [score + v for v in vals]
+        self.depths += [self.depth] * (self.num_candidates - first)
+        # the next beam, in candidate order (ties go to the earlier candidate)
+        keep = sorted(heapq.nlargest(self.width, range(first, self.num_candidates), key=self.scores.__getitem__))
+        self.set_aside += [self.scores[c] for c in keep if self.scores[c] < self.min_score]
+        self.beam = [c for c in keep if self.scores[c] >= self.min_score]
+        self.beam_scores = [self.scores[c] for c in self.beam]
+        self.depth += 1
 
-    def mass(self) -> torch.Tensor:
+    def mass(self) -> float:
         """H_d: the beam's mass with the set-aside nodes' (at least the mass of the beam EAGLE-2 would have kept)."""
-        return beam_mass(torch.cat([self.beam_scores, self.set_aside.to(self.beam_scores.device)]))
+        return beam_mass(self.beam_scores + self.set_aside)
 
-    def beam_tokens(self) -> torch.Tensor:
-        return torch.cat(self.tokens)[self.beam]
+    def beam_tokens(self) -> list[int]:
+        return [self.tokens[c] for c in self.beam]
 
-    def beam_parents(self) -> torch.Tensor:
-        return torch.cat(self.parents)[self.beam]
+    def beam_parents(self) -> list[int]:
+        return [self.parents[c] for c in self.beam]
 
     def rerank(self, budget: int, min_score: float = -math.inf) -> DraftTreeOut:
         """Keep the budget-1 best candidates whose score is at least ``min_score`` (closed under ancestors),
         ordered by depth: parents first."""
-        tokens, parents, scores = torch.cat(self.tokens), torch.cat(self.parents), torch.cat(self.scores)
-        depth = torch.cat([torch.full_like(t, d) for d, t in enumerate(self.tokens)])
-        n = min(budget - 1, scores.numel())
+        n = min(budget - 1, self.num_candidates)
         if min_score > -math.inf:
-            n = min(n, int((scores >= min_score).sum()))  # host sync (the tree's size)
-        # order by score, ties towards shallower then earlier candidates: a parent always outranks its
-        # children (scores never increase along a path), so every prefix of the order is closed under ancestors
-        order = torch.sort(depth, stable=True).indices
-        order = order[torch.sort(-scores[order], stable=True).indices]
-        kept = order[:n]
-        kept = kept[torch.sort(depth[kept] * scores.numel() + kept).indices]  # by depth: parents first
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel(), device=order.device)
-        kept_list, parent_list, rank_list = kept.tolist(), parents[kept].tolist(), rank[kept].tolist()
-        node_of = {c: i + 1 for i, c in enumerate(kept_list)}
-        out_parents = [0 if par < 0 else node_of[par] for par in parent_list]
-        return DraftTreeOut(tokens[kept].tolist(), out_parents, kept_list, rank_list)
+            n = min(n, sum(s >= min_score for s in self.scores))
+        # by score, ties towards shallower then earlier candidates: a parent always outranks its children (scores
+        # never increase along a path), so every prefix of the order is closed under ancestors
+        order = sorted(range(self.num_candidates), key=lambda c: (-self.scores[c], self.depths[c], c))
+        rank = {c: r for r, c in enumerate(order[:n])}
+        kept = sorted(order[:n], key=lambda c: (self.depths[c], c))  # by depth: parents first
+        node_of = {c: i + 1 for i, c in enumerate(kept)}
+        return DraftTreeOut(
+            [self.tokens[c] for c in kept],
+            [0 if self.parents[c] < 0 else node_of[self.parents[c]] for c in kept],
+            kept,
+            [rank[c] for c in kept],
+        )
 
 
 @dataclass
@@ -126,13 +136,17 @@ class TreeGrowth:
     """One sequence's tree while it grows: the candidates, and which forwarded row holds each of them."""
 
     builder: TreeBuilder
-    anc: torch.Tensor  # [F+1, F+1] ancestor rows of the root and the F forwarded beam nodes
-    row_of: torch.Tensor  # [1 + candidates] forwarded row of each candidate (index 0: the root)
+    anc: list[int] = field(default_factory=lambda: [1])  # per forwarded row (0: the root) its ancestor rows, as bits
+    row_of: list[int] = field(default_factory=list)  # [1 + candidates] forwarded row of each (0: the root / none)
+
+    def row(self, candidate: int) -> int:
+        """The forwarded row of a candidate (0: never forwarded)."""
+        return self.row_of[candidate + 1] if candidate + 1 < len(self.row_of) else 0
 
 
 def grow_trees(trees: list[tuple[DraftState, torch.Tensor]], forward: DraftForward, device: torch.device) -> int:
     """Grow every tree level by level until its depth budget (``item.depth``) or DDD's stop; ``trees`` pairs each
-    state with its level-0 logits. Returns how many times DDD's H was read on the host."""
+    state with its level-0 logits. Returns how many times DDD's H was read."""
     h_reads = 0
     for s, lg in trees:
         if s.item.depth == 0:
@@ -141,11 +155,7 @@ def grow_trees(trees: list[tuple[DraftState, torch.Tensor]], forward: DraftForwa
         builder = TreeBuilder(spec.beam_width, min_score=floor_score(s) if spec.floor_beam else -math.inf)
         s.q_logits.append(lg)
         builder.expand(torch.log_softmax(lg, dim=-1), s.token_ids)
-        s.tree = TreeGrowth(
-            builder,
-            anc=torch.ones(1, 1, dtype=torch.bool, device=device),
-            row_of=torch.zeros(1 + builder.num_candidates, dtype=torch.long, device=device),
-        )
+        s.tree = TreeGrowth(builder)
         s.depth = 1
     active = []
     for s, _ in trees:
@@ -162,7 +172,7 @@ def grow_trees(trees: list[tuple[DraftState, torch.Tensor]], forward: DraftForwa
             masks.append(mask)
             parent_rows.append(parents)
             tokens.append(s.tree.builder.beam_tokens())
-            positions.append([s.root_idx + s.depth] * s.tree.builder.beam.numel())
+            positions.append([s.root_idx + s.depth] * len(s.tree.builder.beam))
         out = forward(active, tokens, positions=positions, masks=masks, parent_rows=parent_rows)
         still = []
         for s, lg in zip(active, out, strict=True):
@@ -181,28 +191,28 @@ def grow_trees(trees: list[tuple[DraftState, torch.Tensor]], forward: DraftForwa
 def _grow_mask(t: TreeGrowth, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Append the beam's rows to the ancestry; returns their mask [n, F+1+n] over the rows forwarded so far and
     each one's parent row [n] (0 = the root)."""
-    beam, parents = t.builder.beam, t.builder.beam_parents()
-    n, f1 = beam.numel(), t.anc.shape[0]
-    parent_rows = t.row_of[parents + 1]  # [n]
-    new = torch.zeros(n, f1 + n, dtype=torch.bool, device=device)  # [n, F+1+n]
-    new[:, :f1] = t.anc[parent_rows]
-    new[:, f1:] = torch.eye(n, dtype=torch.bool, device=device)
-    t.anc = torch.cat([torch.nn.functional.pad(t.anc, (0, n)), new])  # [F+1+n, F+1+n]
-    t.row_of = torch.nn.functional.pad(t.row_of, (0, t.builder.num_candidates + 1 - t.row_of.numel()))
-    t.row_of[beam + 1] = torch.arange(f1, f1 + n, device=device)
-    return new, parent_rows
+    beam = t.builder.beam
+    f1, n = len(t.anc), len(beam)
+    parent_rows = [t.row(p) for p in t.builder.beam_parents()]
+    new = [t.anc[r] | 1 << (f1 + i) for i, r in enumerate(parent_rows)]  # a row sees its parent's and itself
+    t.anc += new
+    t.row_of += [0] * (t.builder.num_candidates + 1 - len(t.row_of))
+    for i, c in enumerate(beam):
+        t.row_of[c + 1] = f1 + i
+    mask = torch.tensor([[bool(a >> j & 1) for j in range(f1 + n)] for a in new], device=device)  # [n, F+1+n]
+    return mask, torch.tensor(parent_rows, dtype=torch.long, device=device)
 
 
 def _tree_done(s: DraftState) -> tuple[bool, int]:
     """After expansion step s.depth: stop at the depth budget, or where DDD's H falls below x. (done, H reads)"""
     assert s.tree is not None
-    if s.depth >= s.item.depth or s.tree.builder.beam.numel() == 0:  # no beam node left above the floor
+    if s.depth >= s.item.depth or not s.tree.builder.beam:  # no beam node left above the floor
         return True, 0
     spec = s.item.spec
     step = s.depth if spec.ddd_count_first_forward else s.depth - 1  # docs/algorithms.md §3.2
     if spec.method != SpecMethod.ddd or not is_check_step(step, spec.ddd_check_steps, spec.ddd_check_every_step):
         return False, 0
-    h = float(s.tree.builder.mass())  # host sync: DDD's check, only at check steps
+    h = s.tree.builder.mass()  # DDD's check, only at check steps
     return ddd_should_stop(h, step, spec.ddd_check_steps, spec.ddd_threshold, spec.ddd_check_every_step), 1
 
 
@@ -217,10 +227,8 @@ def tree_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
     assert s.tree is not None
     t = s.tree
     tree = t.builder.rerank(s.item.spec.model_tree_budget, floor_score(s))
-    row_of = torch.nn.functional.pad(t.row_of, (0, t.builder.num_candidates + 1 - t.row_of.numel()))
-    cand = torch.tensor(tree.candidates, dtype=torch.long, device=row_of.device)
-    rows = row_of[cand + 1].tolist()  # host sync
-    cached: list[int | None] = [s.root_idx] + [s.root_idx + r if r > 0 else None for r in rows]
+    rows = [t.row(c) for c in tree.candidates]
+    cached: list[int | None] = [s.root_idx, *(s.root_idx + r if r > 0 else None for r in rows)]
     fed = [(0, 0)] + [(node, r) for node, r in enumerate(rows, start=1) if r > 0]  # (node, logits row)
     proposal = Proposal(
         s.item.seq_id, tree.tokens, tree.parents, depth=s.depth, ranks=tree.ranks, draft_q=draft_q(s, fed)
