@@ -61,11 +61,7 @@ class DraftTree:
     def ancestor_mask(self, pad: int = 0) -> torch.Tensor:
         """[T, T] bool; row j is True at j itself and at all its ancestors, the root included. ``pad``: that many
         columns of True in front ([T, pad + T]), for keys every node sees."""
-        n, width = self.num_nodes, pad + self.num_nodes
-        cols = [[*range(pad), *(pad + k for k in path)] for path in self.paths()]
-        flat = torch.tensor([j * width + c for j, row in enumerate(cols) for c in row])  # built on the host: one copy
-        mask = torch.zeros(n * width, dtype=torch.bool).index_fill_(0, flat, True).view(n, width)
-        return mask.to(self.parents.device)
+        return _ancestry(self.paths(), pad).to(self.parents.device)
 
     def depths(self) -> torch.Tensor:
         """[T] long; the root has depth 0."""
@@ -84,8 +80,17 @@ def step_layout(tree: DraftTree, num_pending: int, start: int) -> tuple[torch.Te
     """
     if tree.num_nodes == 1 or tree.is_chain():
         return None, None
+    paths = tree.paths()
     mask = torch.zeros(num_pending + tree.num_nodes, num_pending + tree.num_nodes, dtype=torch.bool)  # [n, n]
     mask[:num_pending, :num_pending] = torch.ones(num_pending, num_pending, dtype=torch.bool).tril()
-    mask[num_pending:] = tree.ancestor_mask(pad=num_pending)  # every pending token, then the node's ancestry
-    positions = [*range(start, start + num_pending), *(start + num_pending + len(p) - 1 for p in tree.paths())]
+    mask[num_pending:] = _ancestry(paths, num_pending)  # every pending token, then the node's ancestry
+    positions = [*range(start, start + num_pending), *(start + num_pending + len(p) - 1 for p in paths)]
     return mask, positions
+
+
+def _ancestry(paths: list[list[int]], pad: int) -> torch.Tensor:
+    """[T, pad + T] bool on the host: row j True at the first ``pad`` columns and at pad + each node of path j."""
+    n, width = len(paths), pad + len(paths)
+    cols = [[*range(pad), *(pad + k for k in path)] for path in paths]
+    flat = torch.tensor([j * width + c for j, row in enumerate(cols) for c in row])  # one copy to a tensor
+    return torch.zeros(n * width, dtype=torch.bool).index_fill_(0, flat, True).view(n, width)
