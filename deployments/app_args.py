@@ -164,6 +164,15 @@ class AppArgs(LoopConfig):
     draft_resources: ActorResources = ActorResources(num_cpus=0.5)
     placement_strategy: PlacementStrategy = PlacementStrategy.pack
     max_worker_restarts: int = Field(default=3, ge=0, description="consecutive failed steps a lane recovers from")
+    max_failovers: int = Field(
+        default=2, ge=0, description="times a request moves to another lane after its lane lost its workers for good"
+    )
+    failover_backoff_s: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=60.0,
+        description="pause before a moved request goes to a lane still bringing its workers back (doubles each move)",
+    )
     worker_start_timeout_s: float = Field(
         default=900.0, gt=0.0, description="a worker actor that has not loaded its model within this is replaced"
     )

@@ -3,7 +3,9 @@
 All StepLoop calls happen on the lane thread. The router's event loop talks to it through a command queue
 (submit, abort) and receives outputs through per-request asyncio queues (``call_soon_threadsafe``). When a worker
 actor dies, the lane recreates it in the same bundle, re-registers the running sequences (``StepLoop.recover``)
-and retries the step: the router holds every sequence's tokens, so streams continue and nothing is lost.
+and retries the step: the router holds every sequence's tokens, so streams continue and nothing is lost. A lane that
+cannot recreate it (or whose thread stops) drops its requests with LaneLostError, which the router answers by
+moving them to another lane (``deployments/failover.py``); it tries again to recreate its workers on its next step.
 
 Any other failed step is isolated: its sequences' worker caches are reset (they re-prefill from the router's tokens);
 a failure that names its sequence (``SequenceError``, also as the cause of Ray's RayTaskError) fails that request
@@ -45,7 +47,7 @@ from deployments.actors import (
     WorkerState,
 )
 from deployments.app_args import WorkerRole
-from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
+from specserve.api.error_bodies import APIError, LaneLostError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
 from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blamed_sequence
 from specserve.sequence import Request, RequestOutput
@@ -194,7 +196,7 @@ class Lane:
         if request.request_id in self._active:  # refused here: the lane thread would forget the live one's stream
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if not self.alive:
-            raise WorkerFailedError(f"lane {self.index} has stopped")
+            raise LaneLostError(f"lane {self.index} has stopped")
         sink = _Sink(asyncio.get_running_loop())
         admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._active.add(request.request_id)
@@ -252,7 +254,7 @@ class Lane:
                     self._step()
         except Exception:
             logger.exception("lane %d failed", self.index)
-            self._fail_all("the lane failed")
+            self._fail_all("the lane failed", LaneLostError)
             raise
         finally:  # requests submitted but not yet admitted would otherwise wait for ever
             self._fail_pending()
@@ -267,7 +269,7 @@ class Lane:
             if isinstance(command, _Submit):
                 self._active.discard(command.request.request_id)
                 with contextlib.suppress(concurrent.futures.InvalidStateError):  # the client left meanwhile
-                    command.admitted.set_exception(WorkerFailedError(f"lane {self.index} has stopped"))
+                    command.admitted.set_exception(LaneLostError(f"lane {self.index} has stopped"))
 
     def _drain(self, *, block: bool) -> bool:
         """Apply queued commands (waiting for one when idle); False once told to stop."""
@@ -424,7 +426,7 @@ class Lane:
             # answers its requests, and tries again with the next step's worker failure
             logger.exception("lane %d: replacing its workers failed", self.index)
             self.lost_workers = True  # before the requests hear of it: a caller may look at the health next
-            self._fail_all("the lane could not replace a lost worker")
+            self._fail_all("the lane could not replace a lost worker", LaneLostError)
 
     def _recover(self, error: Exception) -> None:
         """Replace dead workers, reset any worker whose state ran ahead of the failed step, and let the loop
@@ -434,7 +436,7 @@ class Lane:
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
         if self._failures > self.max_worker_restarts:
             self.lost_workers = True
-            self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row")
+            self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row", LaneLostError)
         for role in dead:
             self._replace(role)
         target_reset = WorkerRole.target in dead
@@ -465,22 +467,24 @@ class Lane:
         logger.warning("lane %d: request %s failed on its own: %s", self.index, request_id, error, exc_info=error)
         self._drop(request_id, RequestFailedError("the request failed while generating; it was dropped"))
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, error: type[WorkerFailedError] = WorkerFailedError) -> None:
+        """Drop every request with ``error``: LaneLostError when the lane, not a request, is at fault (the router
+        then moves them to another lane)."""
         for request_id in list(self._sinks):
-            self._drop(request_id, WorkerFailedError(f"{reason}; the request was dropped"))
+            self._drop(request_id, error(f"{reason}; the request was dropped"))
         self._failures = 0
         self._failed_steps = 0
         self._probes.clear()
 
     def _drop(self, request_id: str, error: APIError) -> None:
         sink = self._sinks.get(request_id)
-        if sink is not None:
-            sink.put(error)
         try:
             self.loop.abort(request_id)
         except Exception:
             logger.exception("lane %d: abort of %s failed", self.index, request_id)
-        self._forget(request_id)
+        self._forget(request_id)  # before the error is delivered: the request may be submitted here again at once
+        if sink is not None:
+            sink.put(error)
 
     def _forget(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)

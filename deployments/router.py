@@ -2,13 +2,15 @@
 
 A replica reserves its resources through the deployment's placement group (bundle 0: this router; then one
 bundle per worker actor, see ``AppArgs.placement_bundles``) and creates its lanes' actors in those bundles.
-Requests go to the least-loaded lane; beyond ``Router.capacity`` (the KV slots that fit, plus the queue) they get
+Requests go to the least-loaded healthy lane, and move to another lane when theirs loses its workers for good
+(``deployments/failover.py``); beyond ``Router.capacity`` (the KV slots that fit, plus the queue) they get
 a 429.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 from fastapi import FastAPI
@@ -19,9 +21,10 @@ from transformers import PreTrainedTokenizerBase
 
 from deployments.actors import KVGeometry, ModelInfo, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
 from deployments.app_args import AppArgs, WorkerRole
-from deployments.lane import Lane, LaneDebug, LaneStream
+from deployments.failover import FailoverStream
+from deployments.lane import Lane, LaneDebug
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.api.error_bodies import OverloadedError, WorkerFailedError
+from specserve.api.error_bodies import OverloadedError
 from specserve.api.metrics import ServeMetrics
 from specserve.api.schemas import Health, HealthStatus
 from specserve.api.server import build_api
@@ -152,17 +155,24 @@ class Router:
     def metrics(self) -> ServeMetrics:
         return self._metrics
 
-    async def submit(self, request: Request) -> LaneStream:
+    async def submit(self, request: Request) -> FailoverStream:
         in_flight = sum(lane.in_flight for lane in self.lanes)
         if in_flight >= self.capacity:
             raise OverloadedError(
                 f"the server is at capacity ({self.capacity} requests running or queued); retry later",
                 retry_after_s=self.retry_after_s(in_flight),
             )
-        lane = min((lane for lane in self.lanes if lane.alive), key=lambda lane: lane.in_flight, default=None)
-        if lane is None:
-            raise WorkerFailedError("no lane of this replica is running")
-        return await lane.submit(request)
+        # seeded here, so that a move to another lane replays the same draws (docs/algorithms.md §1.4)
+        request = dataclasses.replace(request, params=request.params.seeded())
+        stream = FailoverStream(
+            lambda: self.lanes,
+            request,
+            max_failovers=self.args.max_failovers,
+            backoff_s=self.args.failover_backoff_s,
+            on_failover=self._metrics.request_failed_over,
+        )
+        await stream.open()
+        return stream
 
     def retry_after_s(self, in_flight: int) -> int:
         """Seconds until the requests queued now (and one more) should have run, from the measured step time and

@@ -20,6 +20,7 @@ from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayTaskErro
 from deployments import actors
 from deployments.actors import KVGeometry, RemoteTarget
 from deployments.app_args import WorkerRole
+from deployments.failover import FailoverStream
 from deployments.lane import Lane
 from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
@@ -35,6 +36,7 @@ PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42, 43]]
 HOSTILE = [42, 43]  # the start of the prompt a "hostile" actor fails on
 POISONED = RuntimeError("CUDA error: an illegal memory access was encountered")
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+LATE_AFTER = 3  # verify calls a "late" actor serves before it cannot be placed any more
 Result = list[int] | APIError
 
 
@@ -78,7 +80,8 @@ class Method:
 
 @dataclass
 class Actor:
-    """A target worker actor's handle: ``fault`` decides how its start or its verify fails (None: they work)."""
+    """A target worker actor's handle: ``fault`` decides how its start or its verify fails (None: they work; "late":
+    after LATE_AFTER verifies)."""
 
     model: LlamaModel
     fault: str | None
@@ -117,7 +120,7 @@ class Actor:
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("verify", "Traceback ...", POISONED)))
         if self.fault == "hang":
             return Ref(hung)
-        if self.fault == "unschedulable":
+        if self.fault == "unschedulable" or (self.fault == "late" and self.calls.count("verify") > LATE_AFTER):
             error = ActorUnschedulableError("the actor's placement group bundle is gone")
             return Ref(lambda _: (_ for _ in ()).throw(error))
         if self.worker is None:  # what the worker raises when used before start: a RayTaskError
@@ -213,6 +216,34 @@ def test_a_lane_that_cannot_replace_its_worker_answers_and_stays_up(target: Llam
         assert lane.generations[WorkerRole.target] == 2 and lane.healthy
     finally:
         lane.stop()
+
+
+def test_requests_of_a_lane_that_cannot_replace_its_worker_finish_on_another_lane(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Lane 0's worker dies after a few steps and no replacement can be made: its requests, some tokens in, move to
+    lane 1 (the router's FailoverStream) and finish with the tokens they would have had alone."""
+    lanes = [_lane(target, Factory(target, {0: "late"}, broken={1})), _lane(target, Factory(target, {}))]
+    moved: list[int] = []
+
+    async def one(request: Request) -> list[int]:
+        stream = FailoverStream(lambda: lanes, request, max_failovers=2, backoff_s=0.0, on_failover=moved.append)
+        await stream.open()
+        return [t async for out in stream for t in out.token_ids]
+
+    async def run() -> list[list[int]]:
+        requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+        return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 60)
+
+    try:
+        assert asyncio.run(run()) == alone
+        assert moved == [0, 0]  # requests 0 and 2 went to lane 0 (the least loaded when each came)
+        first = lanes[0].factory.actors[0]  # type: ignore[attr-defined]
+        assert first.calls.count("verify") == LATE_AFTER + 1  # they had tokens from lane 0 before it failed
+        assert not lanes[0].healthy and lanes[1].healthy and lanes[0].alive
+    finally:
+        for lane in lanes:
+            lane.stop()
 
 
 def test_a_worker_that_fails_everything_and_its_self_check_is_replaced_and_every_request_goes_on(

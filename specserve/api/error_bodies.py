@@ -53,6 +53,11 @@ class WorkerFailedError(APIError):
     code = ErrorCode.worker_failed
 
 
+class LaneLostError(WorkerFailedError):
+    """A lane stopped, or lost its workers and could not bring them back: its requests may run on another lane
+    (``deployments/failover.py``); the same 503 body when none can take them."""
+
+
 class ResumeMismatchError(APIError):
     """A resumed stream's regenerated text does not continue what the stream sent (the request was changed)."""
 

@@ -114,6 +114,12 @@ class ServeMetrics:
         self.worker_restarts = Counter(
             "specserve_worker_restarts", "Worker actors recreated after they died", ["lane", "role"], registry=r
         )
+        self.failovers = Counter(
+            "specserve_request_failovers",
+            "Requests moved to another lane after theirs lost its workers, by the lane that lost them",
+            ["lane"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -163,3 +169,6 @@ class ServeMetrics:
 
     def worker_restarted(self, lane: int, role: str) -> None:
         self.worker_restarts.labels(str(lane), role).inc()
+
+    def request_failed_over(self, lane: int) -> None:
+        self.failovers.labels(str(lane)).inc()
