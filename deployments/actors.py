@@ -232,14 +232,19 @@ class RemoteWorker:
             return False
         return True
 
+    def wait_started(self) -> None:
+        """Wait for ``start`` (at most ``start_timeout_s``); raises WorkerLostError when it failed."""
+        if self._started is None:
+            return
+        try:
+            ray.get(self._started, timeout=self.start_timeout_s)
+        except START_FAULTS as e:  # or start() itself raised: this actor cannot serve
+            self.dead = True
+            raise WorkerLostError(f"worker {self.name} did not start: {e!r}") from e
+        self._started = None
+
     def _call(self, method: Any, items: list[ProposeItem] | list[VerifyItem]) -> Any:
-        if self._started is not None:
-            try:
-                ray.get(self._started, timeout=self.start_timeout_s)
-            except START_FAULTS as e:  # or start() itself raised: this actor cannot serve
-                self.dead = True
-                raise WorkerLostError(f"worker {self.name} did not start: {e!r}") from e
-            self._started = None
+        self.wait_started()
         try:
             return ray.get(method.remote(items), timeout=self.call_timeout_s)
         except WORKER_FAULTS as e:

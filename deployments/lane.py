@@ -46,7 +46,7 @@ from deployments.actors import (
     WorkerLostError,
     WorkerState,
 )
-from deployments.app_args import WorkerRole
+from deployments.app_args import AppArgs, WorkerRole
 from specserve.api.error_bodies import APIError, LaneLostError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
 from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blamed_sequence
@@ -59,6 +59,7 @@ STOP_JOIN_TIMEOUT_S = 10.0
 DEBUG_TIMEOUT_S = 5.0  # /debug/lanes waits this long for each worker's state
 MAX_BISECTION_SPLITS = 16  # splits one isolation may make before it fails the sequences still suspected
 MAX_FAILED_STEPS = 3  # full steps in a row that fail while every part of them passes alone: then the batch is dropped
+MAX_DRAFT_RETRY_S = 300.0  # the longest pause between two tries to bring a lost draft worker back
 
 
 class WorkerDebug(BaseModel):
@@ -76,6 +77,7 @@ class LaneDebug(BaseModel):
     in_flight: int
     running: int
     waiting: int
+    drafting: bool  # False while a lost draft worker is being brought back (every sequence decodes plainly)
     workers: list[WorkerDebug]
 
 
@@ -96,7 +98,14 @@ class _Stop:
     pass
 
 
-_Command = _Submit | _Abort | _Stop
+@dataclasses.dataclass(frozen=True)
+class _DraftBack:
+    """A fresh draft worker, started, for a lane whose draft was lost."""
+
+    worker: RemoteDraft
+
+
+_Command = _Submit | _Abort | _Stop | _DraftBack
 _Item = RequestOutput | APIError
 
 
@@ -154,6 +163,7 @@ class Lane:
         step_delay_s: float = 0.0,
         max_bisection_splits: int = MAX_BISECTION_SPLITS,
         max_failed_steps: int = MAX_FAILED_STEPS,
+        draft_retry_s: float = AppArgs.model_fields["draft_retry_s"].default,
     ) -> None:
         self.index = index
         self.loop = loop
@@ -164,6 +174,7 @@ class Lane:
         self.step_delay_s = step_delay_s
         self.max_bisection_splits = max_bisection_splits
         self.max_failed_steps = max_failed_steps
+        self.draft_retry_s = draft_retry_s  # the pause after a failed try to bring a lost draft back (doubles)
         self.workers = dict(workers)  # the proxies the loop drives (replaced in both on a restart)
         self.generations = dict.fromkeys(self.workers, 0)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -174,6 +185,8 @@ class Lane:
         self._splits = 0  # splits made by the isolation under way
         self._failed_steps = 0  # consecutive failed full steps (not counting a worker's death)
         self.lost_workers = False  # its workers could not be brought back (until a step succeeds again)
+        self._stopping = threading.Event()  # set (under _restore_lock) once the lane thread stops or is told to
+        self._restore_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
         self._thread.start()
 
@@ -186,6 +199,11 @@ class Lane:
     def healthy(self) -> bool:
         """Running, and not left without workers by failed replacements."""
         return self.alive and not self.lost_workers
+
+    @property
+    def draft_lost(self) -> bool:
+        """Its draft worker was lost and is being brought back: meanwhile every sequence decodes plainly."""
+        return self.loop.serves_drafts and WorkerRole.draft not in self.workers
 
     @property
     def in_flight(self) -> int:
@@ -214,6 +232,8 @@ class Lane:
         self._commands.put(_Abort(request_id))
 
     def stop(self) -> None:
+        with self._restore_lock:
+            self._stopping.set()
         self._commands.put(_Stop())
         self._thread.join(STOP_JOIN_TIMEOUT_S)
         for worker in self.workers.values():
@@ -243,6 +263,7 @@ class Lane:
             in_flight=self.in_flight,
             running=len(self.loop.running),
             waiting=len(self.loop.waiting),
+            drafting=not self.draft_lost,
             workers=workers,
         )
 
@@ -257,6 +278,8 @@ class Lane:
             self._fail_all("the lane failed", LaneLostError)
             raise
         finally:  # requests submitted but not yet admitted would otherwise wait for ever
+            with self._restore_lock:
+                self._stopping.set()
             self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -266,7 +289,9 @@ class Lane:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Submit):
+            if isinstance(command, _DraftBack):  # came back too late
+                command.worker.kill()
+            elif isinstance(command, _Submit):
                 self._active.discard(command.request.request_id)
                 with contextlib.suppress(concurrent.futures.InvalidStateError):  # the client left meanwhile
                     command.admitted.set_exception(LaneLostError(f"lane {self.index} has stopped"))
@@ -293,7 +318,10 @@ class Lane:
     def _report_queue(self) -> None:
         self.metrics.lane_queue(self.index, running=len(self.loop.running), waiting=len(self.loop.waiting))
 
-    def _apply(self, command: _Submit | _Abort) -> None:
+    def _apply(self, command: _Submit | _Abort | _DraftBack) -> None:
+        if isinstance(command, _DraftBack):
+            self._attach_draft(command.worker)
+            return
         if isinstance(command, _Abort):
             self._forget(command.request_id)
             self.loop.abort(command.request_id)
@@ -429,36 +457,84 @@ class Lane:
             self._fail_all("the lane could not replace a lost worker", LaneLostError)
 
     def _recover(self, error: Exception) -> None:
-        """Replace dead workers, reset any worker whose state ran ahead of the failed step, and let the loop
-        re-prefill its running sequences on the next step."""
+        """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
+        plainly meanwhile), reset any worker whose state ran ahead of the failed step, and let the loop re-prefill
+        its running sequences on the next step."""
         self._failures += 1
         dead = {role for role, w in self.workers.items() if w.dead} or set(self.workers)
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
         if self._failures > self.max_worker_restarts:
             self.lost_workers = True
             self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row", LaneLostError)
-        for role in dead:
-            self._replace(role)
+        if WorkerRole.target in dead:
+            self._replace_target()
+        if WorkerRole.draft in dead:
+            self._detach_draft()
         target_reset = WorkerRole.target in dead
         # the draft proposed before the target failed: its cache holds an unverified proposal, so reset it too
-        draft_reset = WorkerRole.draft in self.workers and (target_reset or WorkerRole.draft in dead)
-        if draft_reset and WorkerRole.draft not in dead:
+        draft_reset = WorkerRole.draft in self.workers and target_reset
+        if draft_reset:
             self.workers[WorkerRole.draft].release([seq.seq_id for seq in self.loop.running])
         self.loop.recover(target=target_reset, draft=draft_reset)
 
-    def _replace(self, role: WorkerRole) -> None:
-        old = self.workers.get(role)
-        if old is not None:  # a worker taken for dead may only have been unreachable: its resources come back
-            old.kill()
-        self.generations[role] += 1
-        worker = self.factory.create(self.index, role, self.generations[role])
+    def _detach_draft(self) -> None:
+        """The lane goes on without its draft (plain decoding, lossless as ever) while a fresh one is made and
+        started on another thread: the lane never waits for a draft model to load, nor fails a request for want
+        of one."""
+        old = self.workers.pop(WorkerRole.draft)
+        old.kill()  # it may only have been unreachable: its bundle's resources come back
+        self.loop.detach_draft()
+        self.metrics.draft_detached(self.index, True)
+        restorer = threading.Thread(target=self._restore_draft, name=f"lane-{self.index}-draft", daemon=True)
+        restorer.start()
+
+    def _restore_draft(self) -> None:
+        """Make and start a draft worker until one starts (pausing ``draft_retry_s`` after a failed try, doubling
+        up to MAX_DRAFT_RETRY_S); the lane thread attaches it (``_DraftBack``). Ends with the lane."""
+        pause, delay = self.draft_retry_s, 0.0
+        while not self._stopping.wait(delay):
+            delay, pause = pause, min(2 * pause, MAX_DRAFT_RETRY_S)
+            self.generations[WorkerRole.draft] += 1  # this thread's alone while the draft is detached
+            try:
+                worker = self.factory.create(self.index, WorkerRole.draft, self.generations[WorkerRole.draft])
+            except Exception:
+                logger.exception(
+                    "lane %d: a new draft worker could not be made; trying again in %.0f s", self.index, delay
+                )
+                continue
+            try:
+                worker.start(self.geometry)
+                worker.wait_started()
+            except Exception:
+                logger.exception(
+                    "lane %d: the new draft worker did not start; trying again in %.0f s", self.index, delay
+                )
+                worker.kill()
+                continue
+            assert isinstance(worker, RemoteDraft)
+            with self._restore_lock:
+                if not self._stopping.is_set():
+                    self._commands.put(_DraftBack(worker))
+                    return
+            worker.kill()
+            return
+
+    def _attach_draft(self, worker: RemoteDraft) -> None:
+        self.workers[WorkerRole.draft] = worker
+        self.loop.attach_draft(worker)
+        self.metrics.draft_detached(self.index, False)
+        self.metrics.worker_restarted(self.index, WorkerRole.draft.value)
+        logger.info("lane %d: its draft worker is back (%s)", self.index, worker.name)
+
+    def _replace_target(self) -> None:
+        old = self.workers[WorkerRole.target]
+        old.kill()  # a worker taken for dead may only have been unreachable: its resources come back
+        self.generations[WorkerRole.target] += 1
+        worker = self.factory.create(self.index, WorkerRole.target, self.generations[WorkerRole.target])
         worker.start(self.geometry)
-        self.workers[role] = worker
-        if isinstance(worker, RemoteTarget):
-            self.loop.target = worker
-        elif isinstance(worker, RemoteDraft):
-            self.loop.draft = worker
-        self.metrics.worker_restarted(self.index, role.value)
+        assert isinstance(worker, RemoteTarget)
+        self.workers[WorkerRole.target] = self.loop.target = worker
+        self.metrics.worker_restarted(self.index, WorkerRole.target.value)
 
     def _fail_sequence(self, seq_id: int, error: Exception) -> None:
         request_id = self.loop.request_id(seq_id)

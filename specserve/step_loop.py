@@ -50,7 +50,8 @@ class StepLoop:
         metrics_window: int = 10_000,
     ) -> None:
         self.target = target
-        self.draft = draft
+        self.draft = draft  # None while detached (``detach_draft``): its sequences decode plainly
+        self.serves_drafts = draft is not None  # requests that need the draft model are admitted
         self.speculation = speculation or SpecConfig(method=SpecMethod.none)
         self.spec_headroom = spec_headroom  # KV room beyond max_model_len for one step's drafted tokens
         self.tokenizer = tokenizer
@@ -81,7 +82,7 @@ class StepLoop:
         request = replace(request, params=request.params.seeded())
         spec = request.speculation or self.speculation
         if spec.method != SpecMethod.none:
-            if self.draft is None and spec.needs_model:
+            if not self.serves_drafts and spec.needs_model:
                 raise InvalidRequestError(f"speculation {spec.method.value!r} needs a draft model; none is loaded")
             if spec.max_verify_tokens > self.spec_headroom:
                 raise InvalidRequestError(
@@ -126,6 +127,19 @@ class StepLoop:
                 seq.draft_seen = 0
                 seq.last_accepted = []
                 seq.model_proposed = False  # its next step re-reads everything: a catch-up, untimed by the guard
+
+    def detach_draft(self) -> None:
+        """The draft worker is gone (a fresh one is on its way): every sequence decodes plainly, lossless as ever,
+        until ``attach_draft``; requests that ask for the draft model are still admitted."""
+        self.draft = None
+        for seq in self.running:
+            seq.last_accepted, seq.model_proposed = [], False
+
+    def attach_draft(self, draft: DraftWorkerAPI) -> None:
+        """A fresh draft worker after ``detach_draft``: the running sequences are registered with it and it catches
+        up on their next step (as after a restart)."""
+        self.draft = draft
+        self.recover(target=False, draft=True)
 
     def reset(self, seq_ids: Collection[int]) -> None:
         """After a failed step: drop what the workers cached for these running sequences (part of that step may be

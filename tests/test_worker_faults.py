@@ -18,18 +18,19 @@ import torch
 from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayTaskError
 
 from deployments import actors
-from deployments.actors import KVGeometry, RemoteTarget
+from deployments.actors import KVGeometry, RemoteDraft, RemoteTarget
 from deployments.app_args import WorkerRole
 from deployments.failover import FailoverStream
 from deployments.lane import Lane
 from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
+from specserve.config import SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request
-from specserve.workers import TargetWorker
+from specserve.workers import DraftWorker, TargetWorker
 from specserve.workers.self_check import WorkerBrokenError, self_check
 
 PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42, 43]]
@@ -244,6 +245,128 @@ def test_requests_of_a_lane_that_cannot_replace_its_worker_finish_on_another_lan
     finally:
         for lane in lanes:
             lane.stop()
+
+
+# -- a lane whose draft worker is lost: plain decoding until a fresh one has started ---------------------------
+
+
+@dataclass
+class DraftActor:
+    """A draft worker actor's handle: ``fault`` "late" loses it after one proposal, "start" fails its start."""
+
+    model: LlamaModel
+    fault: str | None
+    worker: DraftWorker | None = None
+    calls: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.start = Method(self._start)
+        self.add = Method(lambda seq_id, params: self._fire(lambda w: w.add(seq_id, params)))
+        self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
+        self.propose = Method(self._propose)
+
+    def _fire(self, fn: Callable[[DraftWorker], None]) -> None:
+        if self.worker is not None:
+            fn(self.worker)
+
+    def _start(self, geometry: KVGeometry) -> Ref:
+        self.calls.append("start")
+        if self.fault == "start":
+            cause = RuntimeError("CUDA out of memory")
+            return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("start", "Traceback ...", cause)))
+        self.worker = DraftWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
+        return Ref(lambda _: None)
+
+    def _propose(self, items: Any) -> Ref:
+        self.calls.append("propose")
+        if self.fault == "late" and self.calls.count("propose") > 1:
+            error = ActorUnschedulableError("the actor's node is gone")
+            return Ref(lambda _: (_ for _ in ()).throw(error))
+        assert self.worker is not None
+        worker = self.worker
+        return Ref(lambda _: worker.propose(items))
+
+
+class DraftFactory:
+    """Draft proxies over fake actors: generation g has fault ``faults.get(g)``; ``broken`` ones cannot be made."""
+
+    def __init__(self, model: LlamaModel, faults: dict[int, str], broken: set[int]) -> None:
+        self.model, self.faults, self.broken = model, faults, broken
+        self.actors: list[DraftActor] = []
+
+    def create(self, lane: int, role: WorkerRole, generation: int) -> RemoteDraft:
+        assert role == WorkerRole.draft  # the target is never lost in these tests
+        if generation in self.broken:
+            raise RuntimeError("placement group removed")
+        actor = DraftActor(self.model, self.faults.get(generation))
+        self.actors.append(actor)
+        return RemoteDraft(actor, f"draft:{generation}", role, start_timeout_s=60.0, call_timeout_s=30.0)  # type: ignore[arg-type]
+
+
+def _drafting_lane(target: LlamaModel, drafts: DraftFactory) -> Lane:
+    engine = Engine(
+        target,
+        None,
+        draft=target,  # its own weights as the draft: most drafts are accepted
+        speculation=SpecConfig(method=SpecMethod.chain, sl=3),
+        max_batch_size=4,
+        max_model_len=64,
+        eos_token_ids=set(),
+    )
+    loop = engine.loop
+    geometry = KVGeometry(4, loop.max_model_len + loop.spec_headroom)
+    target_worker = Factory(target, {}).create(0, WorkerRole.target, 0)
+    draft_worker = drafts.create(0, WorkerRole.draft, 0)
+    for worker in (target_worker, draft_worker):
+        worker.start(geometry)
+    loop.target, loop.draft = target_worker, draft_worker
+    lane = Lane(0, loop, {}, drafts, geometry, metrics=ServeMetrics(), max_worker_restarts=2, draft_retry_s=0.01)  # type: ignore[arg-type]
+    lane.workers = {WorkerRole.target: target_worker, WorkerRole.draft: draft_worker}
+    lane.generations = dict.fromkeys(lane.workers, 0)
+    return lane
+
+
+def _wait(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_lost_draft_leaves_its_lane_decoding_plainly_until_a_new_one_starts(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """The draft actor is lost mid-stream; the first new one cannot be made and the second does not start: the
+    requests go on without a draft and finish with their tokens alone; the third draft starts, is attached and
+    drafts for the next requests."""
+    drafts = DraftFactory(target, {0: "late", 2: "start"}, broken={1})
+    lane = _drafting_lane(target, drafts)
+    try:
+        assert _run(lane, PROMPTS) == alone  # every request finishes, whatever became of the draft
+        assert drafts.actors[0].calls.count("propose") == 2  # it drafted, then was lost mid-stream
+        assert lane.healthy and lane.generations[WorkerRole.target] == 0  # the target was never touched
+        _wait(lambda: not lane.draft_lost)
+        assert lane.generations[WorkerRole.draft] == 3 and [a.fault for a in drafts.actors] == ["late", "start", None]
+        assert _run(lane, PROMPTS, tag="s") == alone
+        assert "propose" in drafts.actors[2].calls  # the new draft drafts
+    finally:
+        lane.stop()
+
+
+def test_while_no_draft_can_be_made_the_lane_serves_plainly_and_keeps_trying(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    drafts = DraftFactory(target, {0: "late"}, broken=set(range(1, 10_000)))
+    lane = _drafting_lane(target, drafts)
+    try:
+        assert _run(lane, PROMPTS) == alone
+        assert _run(lane, PROMPTS, tag="s") == alone  # new requests that ask for the draft are admitted, plainly
+        assert lane.draft_lost and lane.healthy
+        tries = lane.generations[WorkerRole.draft]
+        _wait(lambda: lane.generations[WorkerRole.draft] > tries)  # still trying (the pause doubles each time)
+        assert len(drafts.actors) == 1
+    finally:
+        lane.stop()
 
 
 def test_a_worker_that_fails_everything_and_its_self_check_is_replaced_and_every_request_goes_on(

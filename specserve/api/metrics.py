@@ -114,6 +114,12 @@ class ServeMetrics:
         self.worker_restarts = Counter(
             "specserve_worker_restarts", "Worker actors recreated after they died", ["lane", "role"], registry=r
         )
+        self.draft_lost = Gauge(
+            "specserve_draft_lost",
+            "1 while the lane decodes plainly until its lost draft worker is back",
+            ["lane"],
+            registry=r,
+        )
         self.failovers = Counter(
             "specserve_request_failovers",
             "Requests moved to another lane after theirs lost its workers, by the lane that lost them",
@@ -169,6 +175,9 @@ class ServeMetrics:
 
     def worker_restarted(self, lane: int, role: str) -> None:
         self.worker_restarts.labels(str(lane), role).inc()
+
+    def draft_detached(self, lane: int, lost: bool) -> None:
+        self.draft_lost.labels(str(lane)).set(int(lost))
 
     def request_failed_over(self, lane: int) -> None:
         self.failovers.labels(str(lane)).inc()
