@@ -77,7 +77,7 @@ class LaneDebug(BaseModel):
     in_flight: int
     running: int
     waiting: int
-    drafting: bool  # False while a lost draft worker is being brought back (every sequence decodes plainly)
+    draft_lost: bool  # a lost draft worker is being brought back (meanwhile every sequence decodes plainly)
     workers: list[WorkerDebug]
 
 
@@ -263,7 +263,7 @@ class Lane:
             in_flight=self.in_flight,
             running=len(self.loop.running),
             waiting=len(self.loop.waiting),
-            drafting=not self.draft_lost,
+            draft_lost=self.draft_lost,
             workers=workers,
         )
 

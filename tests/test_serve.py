@@ -143,7 +143,7 @@ def _wait_idle(url: str) -> list[dict[str, Any]]:
             for lane in lanes
             if lane["in_flight"]
             or lane["running"]
-            or not lane["drafting"]  # a lost draft still being brought back
+            or lane["draft_lost"]  # still being brought back
             or any(w["kv_slots_in_use"] != 0 for w in lane["workers"])
         ]
         if not busy:
