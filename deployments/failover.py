@@ -72,10 +72,6 @@ class FailoverStream:
         self._lane: LaneLike | None = None
         self._stream: LaneStreamLike | None = None
 
-    @property
-    def failovers(self) -> int:
-        return self._failovers
-
     async def open(self) -> None:
         while True:
             lane = pick_lane(self._lanes(), avoid=self._lane)
