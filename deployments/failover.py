@@ -16,15 +16,10 @@ from typing import Protocol
 
 from specserve.api.error_bodies import LaneLostError, WorkerFailedError
 from specserve.api.resume import StreamCursor, StreamMark
+from specserve.api.server import OutputStream
 from specserve.sequence import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-
-class LaneStreamLike(Protocol):
-    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
-
-    async def aclose(self) -> None: ...
 
 
 class LaneLike(Protocol):
@@ -40,7 +35,7 @@ class LaneLike(Protocol):
     @property
     def in_flight(self) -> int: ...
 
-    async def submit(self, request: Request) -> LaneStreamLike: ...
+    async def submit(self, request: Request) -> OutputStream: ...
 
 
 def pick_lane(lanes: Sequence[LaneLike], avoid: LaneLike | None = None) -> LaneLike | None:
@@ -70,7 +65,7 @@ class FailoverStream:
         self._on_failover = on_failover
         self._failovers = 0
         self._lane: LaneLike | None = None
-        self._stream: LaneStreamLike | None = None
+        self._stream: OutputStream | None = None
 
     async def open(self) -> None:
         while True:
