@@ -534,6 +534,32 @@ def test_agreement_held_out_sets_start_past_the_heads_training_prompts(tmp_path:
         held_out_offsets(Namespace(heads=["smollm2-eagle3"], seed_offset=None, lexicon_offset=9600))
 
 
+def test_agreement_by_category_takes_each_categorys_first_turns_and_gives_a_row_each() -> None:
+    from specserve.bench.agreement import agreement_rows, set_prompts
+    from specserve.bench.prompt_sets import mt_bench_prompts
+
+    pairs = set_prompts("mt-bench", 2, {}, by_category=True)
+    first = {}
+    for p in mt_bench_prompts():
+        first.setdefault(p.category, []).append(p.text)
+    assert len(first) == 8 and len(pairs) == 16
+    for category, texts in first.items():
+        assert [t for t, g in pairs if g == category] == texts[:2]
+    assert {g for _, g in set_prompts("mt-bench", 4, {})} == {"mt-bench"}  # without it: one group, the set
+
+    per_conv = [(1.0, [0.5, 0.25]), (0.5, [0.25, 0.0]), (1.0, [1.0, 0.5])]  # (in vocab, agreement at depth 0, 1)
+    rows = agreement_rows("mt-bench", "h", ["writing", "math", "writing"], per_conv)
+    assert [(r["set"], r["prompts"]) for r in rows] == [
+        ("mt-bench", 3),
+        ("mt-bench: math", 1),
+        ("mt-bench: writing", 2),
+    ]
+    assert rows[0]["in_vocab"] == pytest.approx(2.5 / 3) and rows[0]["agree_d0"] == pytest.approx(1.75 / 3)
+    assert rows[2]["agree_d0"] == pytest.approx(0.75) and rows[2]["agree_d1"] == pytest.approx(0.375)
+    assert rows[1]["in_vocab"] == 0.5 and rows[1]["agree_d1"] == 0.0
+    assert len(agreement_rows("seeds", "h", ["seeds"] * 3, per_conv)) == 1  # one group: the set's row alone
+
+
 class _ChatTokenizer:
     """apply_chat_template as chat_ids calls it: a prompt's characters as ids."""
 

@@ -5,6 +5,7 @@ a chain or tree node at depth d drafts. A position whose target token lies outsi
 counts as a miss; the table also gives how often the target's token is in that vocabulary.
 
     .venv/bin/specserve bench agreement --heads smollm2-eagle3 /path/to/other/head --per-set 10
+    .venv/bin/specserve bench agreement --sets mt-bench --by-category --per-set 5   # a row per MT-bench category
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
-from specserve.bench.prompt_sets import mt_bench_prompts
+from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, HeadSpec
 from specserve.engine import Engine
@@ -38,7 +39,12 @@ FIRST_HELD_OUT = {"seeds": 3900, "lexicon": 9600}  # the least offsets, for head
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", nargs="+", default=["smollm2-eagle3"], help="shipped head names or head directories")
     p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
-    p.add_argument("--per-set", type=positive_int, default=10, help="prompts per set")
+    p.add_argument("--per-set", type=positive_int, default=10, help="prompts per set (per category: --by-category)")
+    p.add_argument(
+        "--by-category",
+        action="store_true",
+        help="MT-bench: --per-set first turns of each category, and a row for each category besides the set's",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=128, help="greedy answer tokens per prompt")
     p.add_argument("--depths", type=positive_int, default=3)
     held_out = "; default: past every compared head's training prompts (its provenance.json)"
@@ -108,12 +114,32 @@ def held_out_offsets(args: argparse.Namespace) -> dict[str, int]:
     }
 
 
-def _prompts(name: str, n: int, offsets: dict[str, int]) -> list[str]:
+def set_prompts(name: str, n: int, offsets: dict[str, int], by_category: bool = False) -> list[tuple[str, str]]:
+    """(prompt, group) pairs of a set: the group is the MT-bench category with ``by_category`` (then ``n`` first
+    turns of each), else the set's name."""
     if name == "mt-bench":
+        if by_category:
+            return [(p.text, p.category) for p in per_category(mt_bench_prompts(), n)]
         turns = [p.text for p in mt_bench_prompts()]
-        return turns[:: max(1, len(turns) // n)][:n]
+        return [(t, name) for t in turns[:: max(1, len(turns) // n)][:n]]
     make = seed_prompts if name == "seeds" else lexicon_prompts
-    return make(offsets[name] + n, 0)[offsets[name] :]
+    return [(t, name) for t in make(offsets[name] + n, 0)[offsets[name] :]]
+
+
+def agreement_rows(
+    name: str, head: str, groups: list[str], per_conv: list[tuple[float, list[float]]]
+) -> list[dict[str, object]]:
+    """The set's row (means over its conversations), then one per group where the set has several."""
+    rows = []
+    for group in [name] + (sorted(set(groups)) if len(set(groups)) > 1 else []):
+        picked = [r for g, r in zip(groups, per_conv, strict=True) if group in (name, g)]
+        row: dict[str, object] = {"set": group if group == name else f"{name}: {group}", "head": head}
+        row["prompts"] = len(picked)
+        row["in_vocab"] = statistics.mean(rate for rate, _ in picked)
+        for d in range(len(picked[0][1])):
+            row[f"agree_d{d}"] = statistics.mean(agree[d] for _, agree in picked)
+        rows.append(row)
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     lm_full = dense_weight(target.lm_head).float()
     rows = []
     for name in args.sets:
-        ids = [chat_ids(tokenizer, p) for p in _prompts(name, args.per_set, offsets)]
+        prompts = set_prompts(name, args.per_set, offsets, args.by_category)
+        ids = [chat_ids(tokenizer, p) for p, _ in prompts]
         done = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
         convs = [Conversation(p + c.token_ids, len(p)) for p, c in zip(ids, done, strict=True)]
         features: dict[tuple[int, ...], Features] = {}  # one prefill per set and kind of feature, for all heads
@@ -148,12 +175,9 @@ def run(args: argparse.Namespace) -> int:
                 )
                 for i, c in enumerate(convs)
             ]
-            row: dict[str, object] = {"set": name, "head": label, "prompts": len(convs)}
-            row["in_vocab"] = statistics.mean(r for r, _ in per_conv)
-            for d in range(args.depths):
-                row[f"agree_d{d}"] = statistics.mean(a[d] for _, a in per_conv)
-            rows.append(row)
-            print(markdown_table([row]).splitlines()[-1], flush=True)
+            found = agreement_rows(name, label, [g for _, g in prompts], per_conv)
+            rows += found
+            print(markdown_table(found[:1]).splitlines()[-1], flush=True)
     print(markdown_table(rows))
     write_csv(args.out / "agreement.csv", rows)
     return 0
