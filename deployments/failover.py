@@ -1,8 +1,8 @@
 """A request that outlives its lane: when the lane loses its workers for good (it could not replace them) or its
-thread stops, the request is submitted again, unchanged and with the same seed, to another running lane, and its
-stream goes on after what it had delivered. The replay is checked against the delivered tokens and text
-(``specserve.api.resume.StreamCursor``): output is a function of the request alone (docs/algorithms.md §1.4),
-so a replay that differs is reported (409) rather than spliced.
+thread stops, the request goes to another running lane with the output it had delivered (``Request.delivered``,
+the router's copy of its token state), and that lane prefills prompt and output and continues after them: the
+same tokens a lane that never failed would go on with (docs/algorithms.md §1.3, §1.4; up to rounding, as after
+any worker restart). Nothing is generated twice and nothing is sent twice.
 
 A healthy lane is chosen first; with none, after a pause that doubles with each failover, the least loaded running
 lane (also the one that failed: its next step tries again to bring its workers back)."""
@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from specserve.api.error_bodies import LaneLostError, WorkerFailedError
-from specserve.api.resume import StreamCursor, StreamMark
 from specserve.api.server import OutputStream
-from specserve.sequence import Request, RequestOutput
+from specserve.sequence import Delivered, Request, RequestOutput, RequestStats
 
 logger = logging.getLogger(__name__)
 
@@ -87,25 +87,25 @@ class FailoverStream:
         return self._outputs()
 
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
-        delivered = StreamMark()
-        replay: StreamCursor | None = None  # set after a move: skips (and checks) what was delivered
+        ids: list[int] = []
+        text: list[str] = []
+        before = last = RequestStats()  # the counts of the lanes it left; the current lane's so far
         while True:
             assert self._stream is not None, "open() first"
             try:
                 async for out in self._stream:
-                    part = out if replay is None else replay.advance(out)
-                    if part is None:
-                        continue
-                    delivered = delivered.after(part.token_ids, part.text.encode())
-                    yield part
-                if replay is not None:
-                    replay.check_reached()
+                    ids += out.token_ids
+                    text.append(out.text)
+                    last = out.stats
+                    yield out if before == RequestStats() else replace(out, stats=before + out.stats)
                 return
             except LaneLostError as e:
                 assert self._lane is not None
                 self._moved(self._lane, e)
+                before, last = before + last, RequestStats()
+                if ids:  # the next lane prefills the prompt and this output, and continues after it
+                    self._request = replace(self._request, delivered=Delivered(tuple(ids), "".join(text)))
                 await self.open()
-                replay = StreamCursor(delivered) if delivered.tokens or delivered.text_bytes else None
 
     def _moved(self, lane: LaneLike, error: LaneLostError) -> None:
         self._failovers += 1

@@ -163,7 +163,7 @@ class Router:
                 f"the server is at capacity ({self.capacity} requests running or queued); retry later",
                 retry_after_s=self.retry_after_s(in_flight),
             )
-        # seeded here, so that a move to another lane replays the same draws (docs/algorithms.md §1.4)
+        # seeded here, so that after a move to another lane it goes on with the same draws (docs/algorithms.md §1.4)
         request = dataclasses.replace(request, params=request.params.seeded())
         stream = FailoverStream(
             lambda: self.lanes,

@@ -55,6 +55,14 @@ class IncrementalText:
         self.emitted = max(self.emitted, stable)
         return delta
 
+    def resume(self, token_ids: Sequence[int], text: str) -> None:
+        """Take up an output that was produced and ``text`` of it handed out elsewhere: the next update's delta
+        starts after that text. Raises InvalidRequestError where the tokens do not decode to it, or stop."""
+        self.update(token_ids)
+        if self.stopped or not self.text.startswith(text):
+            raise InvalidRequestError("the delivered text is not what the delivered tokens decode to")
+        self.emitted = len(text)
+
     def _text_of(self, token_ids: Sequence[int]) -> str:
         """decode(token_ids) from the settled text and the tokens after it (decoded with CONTEXT tokens before
         them, whose text is then cut off), so a long output is not decoded whole at every step. Falls back to

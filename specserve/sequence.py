@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from enum import Enum
 
 import torch
@@ -21,11 +21,20 @@ class FinishReason(str, Enum):
 
 
 @dataclass(frozen=True)
+class Delivered:
+    """What a request had produced and delivered when its lane lost it: another lane continues after it."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
 class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     speculation: SpecConfig | None = None  # None: the loop's default
+    delivered: Delivered | None = None  # continue after this output (a request moved between lanes)
 
 
 @dataclass
@@ -35,6 +44,10 @@ class RequestStats:
     accepted: int = 0
     draft_steps: int = 0  # steps in which this request drafted
     depth_sum: int = 0  # draft levels over those steps
+
+    def __add__(self, other: RequestStats) -> RequestStats:
+        """The counts of two runs of one request (before and after a move to another lane)."""
+        return RequestStats(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     @property
     def mean_depth(self) -> float:

@@ -79,6 +79,9 @@ class StepLoop:
                 f"the prompt has {len(request.prompt_ids)} tokens; the context limit is {self.max_model_len} "
                 "and leaves no room to generate"
             )
+        done = request.delivered.token_ids if request.delivered is not None else ()
+        if len(done) >= request.params.max_tokens or len(request.prompt_ids) + len(done) >= self.max_model_len:
+            raise InvalidRequestError("the delivered output already reaches the request's max_tokens or the context")
         request = replace(request, params=request.params.seeded())
         spec = request.speculation or self.speculation
         if spec.method != SpecMethod.none:
@@ -91,7 +94,9 @@ class StepLoop:
                 )
             spec = spec.fit_draft_rows(self.spec_headroom)  # its trees no deeper than the KV slot's room
         text = IncrementalText(self.tokenizer, request.params.stop)
-        seq = Sequence(next(self._ids), request, text, spec=spec)
+        if request.delivered is not None:  # a continuation: its first step prefills prompt and output
+            text.resume(done, request.delivered.text)
+        seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done))
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
             seq.sl_state = SequenceDSDE(spec.dsde, request.params.temperature)
         self._by_request[request.request_id] = seq

@@ -1,30 +1,37 @@
 """A request moves to another lane when its lane loses its workers for good (``deployments/failover.py``): the lane
-it goes to, the pause before a lane still recovering, the replay skipped and checked against what was delivered.
-Fake lanes replay a fixed token stream; the real lanes are in tests/test_worker_faults.py."""
+it goes to, the pause before a lane still recovering, the output it delivered carried along, and a step loop
+continuing after that output. Fake lanes play a fixed token stream; the real lanes are in
+tests/test_worker_faults.py."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
 from deployments import failover
 from deployments.failover import FailoverStream, pick_lane
-from specserve.api.error_bodies import APIError, LaneLostError, ResumeMismatchError, WorkerFailedError
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.api.error_bodies import APIError, LaneLostError, WorkerFailedError
+from specserve.config import SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.errors import InvalidRequestError
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams
-from specserve.sequence import FinishReason, Request, RequestOutput, RequestStats
+from specserve.sequence import Delivered, FinishReason, Request, RequestOutput, RequestStats
 
 TOKENS = [11, 12, 13, 14, 15, 16, 17]
 WORDS = ["a", "b", "c", "é", "d", "e", "f"]  # one per token; "é" is two UTF-8 bytes
 REQUEST = Request("r", [1, 2, 3], SamplingParams(max_tokens=len(TOKENS)))
 
 
-def _output(i: int, tokens: list[int], words: list[str]) -> RequestOutput:
+def _output(i: int, tokens: list[int], words: list[str], start: int = 0) -> RequestOutput:
+    """Output i of a run that began after ``start`` delivered tokens (its stats count that run's forwards)."""
     last = i == len(tokens) - 1
     reason = FinishReason.length if last else None
-    return RequestOutput("r", [tokens[i]], words[i], reason, 3, i + 1, RequestStats())
+    return RequestOutput("r", [tokens[i]], words[i], reason, 3, i + 1, RequestStats(target_forwards=i + 1 - start))
 
 
 @dataclass
@@ -48,7 +55,7 @@ class Stream:
 
 @dataclass
 class FakeLane:
-    """Runs the request to ``lost_after`` outputs, then loses it (None: to the end); ``tokens`` its replay."""
+    """Runs the request from what it delivered before to ``lost_after`` outputs, then loses it (None: to the end)."""
 
     index: int
     healthy: bool = True
@@ -64,12 +71,15 @@ class FakeLane:
         if self.refuse:
             raise LaneLostError(f"lane {self.index} has stopped")
         n = len(self.tokens) if self.lost_after is None else self.lost_after
-        outs = [_output(i, self.tokens, WORDS) for i in range(n)]
+        start = 0 if request.delivered is None else len(request.delivered.token_ids)
+        outs = [_output(i, self.tokens, WORDS, start) for i in range(start, n)]
         lost = None if self.lost_after is None else LaneLostError("the lane could not replace a lost worker")
         return Stream(outs, lost)
 
 
-def _collect(stream: FailoverStream) -> tuple[list[int], str, list[FinishReason | None]]:
+def _collect(
+    stream: FailoverStream, forwards: list[int] | None = None
+) -> tuple[list[int], str, list[FinishReason | None]]:
     async def run() -> tuple[list[int], str, list[FinishReason | None]]:
         await stream.open()
         ids: list[int] = []
@@ -78,6 +88,8 @@ def _collect(stream: FailoverStream) -> tuple[list[int], str, list[FinishReason 
             ids += out.token_ids
             text += out.text
             reasons.append(out.finish_reason)
+            if forwards is not None:
+                forwards.append(out.stats.target_forwards)
         return ids, text, reasons
 
     return asyncio.run(asyncio.wait_for(run(), 10))
@@ -113,16 +125,20 @@ def test_pick_lane_prefers_a_healthy_lane_to_an_idle_one_that_lost_its_workers()
 def test_a_request_its_lane_loses_continues_on_another_lane_where_it_stopped(sleeps: list[float]) -> None:
     first, second = FakeLane(0, lost_after=4), FakeLane(1, in_flight=3)
     moved: list[int] = []
-    ids, text, reasons = _collect(_stream([first, second], moved=moved))
+    forwards: list[int] = []
+    ids, text, reasons = _collect(_stream([first, second], moved=moved), forwards)
     assert ids == TOKENS and text == "".join(WORDS)  # each token once, in order
+    assert forwards == list(range(1, len(TOKENS) + 1))  # the usage counts both lanes' forwards
     assert reasons == [None] * (len(TOKENS) - 1) + [FinishReason.length]
-    assert first.submitted == [REQUEST] and second.submitted == [REQUEST] and moved == [0]
+    assert first.submitted == [REQUEST] and moved == [0]
+    assert second.submitted == [replace(REQUEST, delivered=Delivered(tuple(TOKENS[:4]), "abcé"))]
     assert sleeps == []  # a healthy lane took it at once
 
 
 def test_a_request_lost_before_its_first_token_replays_from_the_start(sleeps: list[float]) -> None:
     first, second = FakeLane(0, lost_after=0), FakeLane(1, in_flight=3)
     assert _collect(_stream([first, second]))[0] == TOKENS
+    assert second.submitted == [REQUEST]  # nothing delivered: the request as it came
 
 
 def test_with_no_healthy_lane_the_request_waits_longer_before_each_retry(sleeps: list[float]) -> None:
@@ -154,13 +170,6 @@ def test_past_max_failovers_the_request_gets_the_lane_lost_error(sleeps: list[fl
     with pytest.raises(LaneLostError):
         asyncio.run(run())
     assert delivered == TOKENS[:3]  # what each lane reached, once
-
-
-def test_a_replay_that_differs_from_what_was_delivered_is_reported(sleeps: list[float]) -> None:
-    other = [*TOKENS[:2], 99, *TOKENS[3:]]  # the second lane would draw another third token
-    lanes = [FakeLane(0, lost_after=4), FakeLane(1, tokens=other)]
-    with pytest.raises(ResumeMismatchError):
-        _collect(_stream(lanes))
 
 
 def test_other_failures_are_not_moved(sleeps: list[float]) -> None:
@@ -207,3 +216,56 @@ def test_closing_the_stream_closes_the_lanes_stream(sleeps: list[float]) -> None
 
     asyncio.run(run())
     assert streams[0].closed
+
+
+# -- a step loop continuing after a delivered output (what the next lane does) --------------------------------
+
+
+def _outputs(engine: Engine, request: Request) -> list[RequestOutput]:
+    engine.loop.add_request(request)
+    outs: list[RequestOutput] = []
+    while engine.loop.has_work:
+        outs += engine.loop.step()
+    return outs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_loop_continues_a_request_after_its_delivered_output_as_if_it_had_never_stopped(temperature: float) -> None:
+    """Cut the plain run's stream after each of its outputs: a loop handed the request with what was delivered up
+    to there sends exactly the rest, tokens and text, plainly or speculating, greedy or sampled (a stop string
+    ends the run)."""
+    target, tok = tiny_model(tiny_config(), seed=0), tiny_tokenizer()
+    plain = Engine(target, tok, eos_token_ids=set())
+    spec = SpecConfig(method=SpecMethod.chain, sl=3)
+    drafting = Engine(target, tok, draft=noisy_copy(target, 0.02, seed=1), speculation=spec, eos_token_ids=set())
+    prompt = tok.encode("The quick brown fox", add_special_tokens=False)
+    params = SamplingParams(max_tokens=40, temperature=temperature, seed=7)
+    whole = "".join(o.text for o in _outputs(plain, Request("w", prompt, params)))
+    params = params.model_copy(update={"stop": (whole[24:26],)})  # the run ends at a stop string
+    full = _outputs(plain, Request("full", prompt, params))
+    assert full[-1].finish_reason == FinishReason.stop and len(full) > 10
+    drafted_any = False
+    for cut in range(1, len(full) - 1):
+        ids = [t for o in full[:cut] for t in o.token_ids]
+        done = Delivered(tuple(ids), "".join(o.text for o in full[:cut]))
+        for engine in (plain, drafting):
+            rest = _outputs(engine, Request(f"c{cut}", prompt, params, delivered=done))
+            assert [t for o in rest for t in o.token_ids] == [t for o in full[cut:] for t in o.token_ids]
+            assert "".join(o.text for o in rest) == "".join(o.text for o in full[cut:])
+            assert (
+                rest[-1].finish_reason == FinishReason.stop and rest[-1].num_output_tokens == full[-1].num_output_tokens
+            )
+            drafted_any |= engine is drafting and sum(o.stats.accepted for o in rest[-1:]) > 0
+    assert drafted_any
+
+
+def test_a_continuation_that_does_not_fit_the_request_is_refused() -> None:
+    target, tok = tiny_model(tiny_config(), seed=0), tiny_tokenizer()
+    engine = Engine(target, tok, eos_token_ids=set(), max_model_len=64)
+    prompt = tok.encode("hello", add_special_tokens=False)
+    params = SamplingParams(max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        engine.loop.add_request(Request("a", prompt, params, delivered=Delivered((5, 6, 7, 8), "")))
+    with pytest.raises(InvalidRequestError, match="decode"):
+        engine.loop.add_request(Request("b", prompt, params, delivered=Delivered((5,), "not its text")))
+    assert not engine.loop.has_work
