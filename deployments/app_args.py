@@ -164,11 +164,11 @@ class AppArgs(LoopConfig):
     draft_resources: ActorResources = ActorResources(num_cpus=0.5)
     placement_strategy: PlacementStrategy = PlacementStrategy.pack
     max_worker_restarts: int = Field(default=3, ge=0, description="consecutive failed steps a lane recovers from")
-    draft_retry_s: float = Field(
+    worker_retry_s: float = Field(
         default=5.0,
         gt=0.0,
         le=300.0,
-        description="pause after a failed try to bring a lost draft worker back (doubles, up to 300 s)",
+        description="pause after a failed try to bring a lost worker back (doubles, up to 300 s)",
     )
     max_failovers: int = Field(
         default=2, ge=0, description="times a request moves to another lane after its lane lost its workers for good"

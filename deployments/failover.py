@@ -4,8 +4,9 @@ the router's copy of its token state), and that lane prefills prompt and output 
 same tokens a lane that never failed would go on with (docs/algorithms.md §1.3, §1.4; up to rounding, as after
 any worker restart). Nothing is generated twice and nothing is sent twice.
 
-A healthy lane is chosen first; with none, after a pause that doubles with each failover, the least loaded running
-lane (also the one that failed: its next step tries again to bring its workers back)."""
+A healthy lane is chosen first, another lane before the one that lost the request; with none healthy, after a pause
+that doubles with each move, the least loaded running lane (the one that lost it last: it keeps trying to bring its
+workers back)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Protocol
 
 from specserve.api.error_bodies import LaneLostError, WorkerFailedError
 from specserve.api.server import OutputStream
+from specserve.errors import InvalidRequestError
 from specserve.sequence import Delivered, Request, RequestOutput, RequestStats
 
 logger = logging.getLogger(__name__)
@@ -69,11 +71,10 @@ class FailoverStream:
 
     async def open(self) -> None:
         while True:
-            lane = pick_lane(self._lanes(), avoid=self._lane)
-            if lane is None:
-                raise WorkerFailedError("no lane of this replica is running")
+            lane = self._pick()
             if self._failovers and not lane.healthy:  # only lanes still bringing their workers back: give them time
                 await asyncio.sleep(self._backoff_s * 2 ** (self._failovers - 1))
+                lane = self._pick()  # one may have come back meanwhile, or stopped
             try:
                 self._stream = await lane.submit(self._request)
             except LaneLostError as e:  # it stopped between the pick and the submit
@@ -82,6 +83,12 @@ class FailoverStream:
                 continue
             self._lane = lane
             return
+
+    def _pick(self) -> LaneLike:
+        lane = pick_lane(self._lanes(), avoid=self._lane)
+        if lane is None:
+            raise WorkerFailedError("no lane of this replica is running")
+        return lane
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._outputs()
@@ -105,7 +112,10 @@ class FailoverStream:
                 before, last = before + last, RequestStats()
                 if ids:  # the next lane prefills the prompt and this output, and continues after it
                     self._request = replace(self._request, delivered=Delivered(tuple(ids), "".join(text)))
-                await self.open()
+                try:
+                    await self.open()
+                except InvalidRequestError as refused:  # valid when it came: not the client's to hear as a 400
+                    raise WorkerFailedError(f"the request could not go on on another lane: {refused}") from refused
 
     def _moved(self, lane: LaneLike, error: LaneLostError) -> None:
         self._failovers += 1

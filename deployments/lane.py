@@ -59,7 +59,7 @@ STOP_JOIN_TIMEOUT_S = 10.0
 DEBUG_TIMEOUT_S = 5.0  # /debug/lanes waits this long for each worker's state
 MAX_BISECTION_SPLITS = 16  # splits one isolation may make before it fails the sequences still suspected
 MAX_FAILED_STEPS = 3  # full steps in a row that fail while every part of them passes alone: then the batch is dropped
-MAX_DRAFT_RETRY_S = 300.0  # the longest pause between two tries to bring a lost draft worker back
+MAX_RETRY_S = 300.0  # the longest pause between two tries to bring a lost worker back
 
 
 class WorkerDebug(BaseModel):
@@ -163,7 +163,7 @@ class Lane:
         step_delay_s: float = 0.0,
         max_bisection_splits: int = MAX_BISECTION_SPLITS,
         max_failed_steps: int = MAX_FAILED_STEPS,
-        draft_retry_s: float = AppArgs.model_fields["draft_retry_s"].default,
+        worker_retry_s: float = AppArgs.model_fields["worker_retry_s"].default,
     ) -> None:
         self.index = index
         self.loop = loop
@@ -174,7 +174,7 @@ class Lane:
         self.step_delay_s = step_delay_s
         self.max_bisection_splits = max_bisection_splits
         self.max_failed_steps = max_failed_steps
-        self.draft_retry_s = draft_retry_s  # the pause after a failed try to bring a lost draft back (doubles)
+        self.worker_retry_s = worker_retry_s  # the pause after a failed try to bring a lost worker back (doubles)
         self.workers = dict(workers)  # the proxies the loop drives (replaced in both on a restart)
         self.generations = dict.fromkeys(self.workers, 0)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -184,7 +184,10 @@ class Lane:
         self._probes: deque[frozenset[int]] = deque()  # suspect groups (seq ids) to step alone, the first next
         self._splits = 0  # splits made by the isolation under way
         self._failed_steps = 0  # consecutive failed full steps (not counting a worker's death)
-        self.lost_workers = False  # its workers could not be brought back (until a step succeeds again)
+        self.lost_workers = False  # its target could not be brought back (until a replacement or a step succeeds)
+        self._retry_pause = worker_retry_s  # while lost: the pause before the next try (doubles)
+        self._retry_at = 0.0  # ... and when that try is due (time.monotonic)
+        self._exited = threading.Event()  # the lane thread is ending: it takes no more requests
         self._stopping = threading.Event()  # set (under _restore_lock) once the lane thread stops or is told to
         self._restore_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
@@ -193,7 +196,7 @@ class Lane:
     # -- event-loop side --------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._exited.is_set()
 
     @property
     def healthy(self) -> bool:
@@ -270,17 +273,29 @@ class Lane:
     # -- lane thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._drain(block=not self.loop.has_work):
+            while self._drain(wait=self._idle_wait()):
                 if self.loop.has_work:
                     self._step()
+                elif self.lost_workers and time.monotonic() >= self._retry_at:
+                    self._retry_target()
         except Exception:
+            self._exited.set()  # before its requests hear of it: none may come back here
             logger.exception("lane %d failed", self.index)
-            self._fail_all("the lane failed", LaneLostError)
+            # not moved to another lane: what broke the lane thread may be one of these requests' doing
+            self._fail_all("the lane failed")
             raise
         finally:  # requests submitted but not yet admitted would otherwise wait for ever
+            self._exited.set()
             with self._restore_lock:
                 self._stopping.set()
             self._fail_pending()
+
+    def _idle_wait(self) -> float | None:
+        """How long to wait for a command: not at all with work to do; while its target is lost, until the next
+        try to bring it back; else for ever."""
+        if self.loop.has_work:
+            return 0.0
+        return max(0.0, self._retry_at - time.monotonic()) if self.lost_workers else None
 
     def _fail_pending(self) -> None:
         """Answer every queued submit of a stopped lane with WorkerFailedError (any thread: the lane's is gone)."""
@@ -296,10 +311,11 @@ class Lane:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):  # the client left meanwhile
                     command.admitted.set_exception(LaneLostError(f"lane {self.index} has stopped"))
 
-    def _drain(self, *, block: bool) -> bool:
-        """Apply queued commands (waiting for one when idle); False once told to stop."""
+    def _drain(self, *, wait: float | None) -> bool:
+        """Apply queued commands, waiting at most ``wait`` seconds for the first (None: for ever); False once told
+        to stop."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = self._commands.get_nowait() if wait == 0.0 else self._commands.get(timeout=wait)
         except queue.Empty:
             return True
         while True:
@@ -454,7 +470,20 @@ class Lane:
             # answers its requests, and tries again with the next step's worker failure
             logger.exception("lane %d: replacing its workers failed", self.index)
             self.lost_workers = True  # before the requests hear of it: a caller may look at the health next
+            self._retry_at = time.monotonic() + self._retry_pause  # with no request to step, tried again then
             self._fail_all("the lane could not replace a lost worker", LaneLostError)
+
+    def _retry_target(self) -> None:
+        """A lost target's replacement tried again while the lane has nothing to step (its requests went to other
+        lanes, and new ones go to healthy lanes first)."""
+        try:
+            self._replace_target()
+        except Exception:
+            self._retry_pause = min(2 * self._retry_pause, MAX_RETRY_S)
+            self._retry_at = time.monotonic() + self._retry_pause
+            logger.exception(
+                "lane %d: its target could not be replaced; trying again in %.0f s", self.index, self._retry_pause
+            )
 
     def _recover(self, error: Exception) -> None:
         """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
@@ -463,8 +492,7 @@ class Lane:
         self._failures += 1
         dead = {role for role, w in self.workers.items() if w.dead} or set(self.workers)
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
-        if self._failures > self.max_worker_restarts:
-            self.lost_workers = True
+        if self._failures > self.max_worker_restarts:  # its requests go to other lanes; it goes on replacing
             self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row", LaneLostError)
         if WorkerRole.target in dead:
             self._replace_target()
@@ -482,18 +510,19 @@ class Lane:
         started on another thread: the lane never waits for a draft model to load, nor fails a request for want
         of one."""
         old = self.workers.pop(WorkerRole.draft)
-        old.kill()  # it may only have been unreachable: its bundle's resources come back
         self.loop.detach_draft()
+        with contextlib.suppress(Exception):  # it may only have been unreachable: its bundle's resources come back
+            old.kill()
         self.metrics.draft_detached(self.index, True)
         restorer = threading.Thread(target=self._restore_draft, name=f"lane-{self.index}-draft", daemon=True)
         restorer.start()
 
     def _restore_draft(self) -> None:
         """Make and start a draft worker until one starts (pausing ``draft_retry_s`` after a failed try, doubling
-        up to MAX_DRAFT_RETRY_S); the lane thread attaches it (``_DraftBack``). Ends with the lane."""
-        pause, delay = self.draft_retry_s, 0.0
+        up to MAX_RETRY_S); the lane thread attaches it (``_DraftBack``). Ends with the lane."""
+        pause, delay = self.worker_retry_s, 0.0
         while not self._stopping.wait(delay):
-            delay, pause = pause, min(2 * pause, MAX_DRAFT_RETRY_S)
+            delay, pause = pause, min(2 * pause, MAX_RETRY_S)
             self.generations[WorkerRole.draft] += 1  # this thread's alone while the draft is detached
             try:
                 worker = self.factory.create(self.index, WorkerRole.draft, self.generations[WorkerRole.draft])
@@ -534,6 +563,7 @@ class Lane:
         worker.start(self.geometry)
         assert isinstance(worker, RemoteTarget)
         self.workers[WorkerRole.target] = self.loop.target = worker
+        self.lost_workers, self._retry_pause = False, self.worker_retry_s
         self.metrics.worker_restarted(self.index, WorkerRole.target.value)
 
     def _fail_sequence(self, seq_id: int, error: Exception) -> None:

@@ -95,7 +95,7 @@ class Router:
                 metrics=self._metrics,
                 max_worker_restarts=args.max_worker_restarts,
                 step_delay_s=args.debug_step_delay_s,
-                draft_retry_s=args.draft_retry_s,
+                worker_retry_s=args.worker_retry_s,
             )
             self.lanes.append(lane)
         if args.freeze_gc:

@@ -181,7 +181,7 @@ class StepLoop:
         # a step over ``only`` (a suspect group isolating a failed step) drafts as each sequence's SL says, whatever
         # the guard would choose: its re-prefill would make the guard plan plain decoding and hide a drafting failure
         prefills, guarded = any(s.prefills for s in batch), only is None
-        plan = self.planner.plan(batch, prefills=prefills, outlook=self._outlook(batch), guarded=guarded)
+        plan = self._plan(batch, prefills=prefills, guarded=guarded)
         proposals = self._propose(batch, plan)
         t1 = time.perf_counter()
         items = [self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)]
@@ -233,6 +233,13 @@ class StepLoop:
                     seq.draft_seen = 0
                     seq.last_accepted = []
             seq.registered = True
+
+    def _plan(self, batch: list[Sequence], *, prefills: bool, guarded: bool) -> StepPlan:
+        plan = self.planner.plan(batch, prefills=prefills, outlook=self._outlook(batch), guarded=guarded)
+        if self.draft is None and self.serves_drafts:  # detached: no model drafts, and none planned (nor timed)
+            depths = [0 if s.spec.drafter == Drafter.model else d for s, d in zip(batch, plan.depths, strict=True)]
+            plan = replace(plan, depths=depths)
+        return plan
 
     def _propose(self, batch: list[Sequence], plan: StepPlan) -> list[Proposal | None]:
         """Model-free drafters first (where a sequence asks for one); the draft model for the rest, and where they

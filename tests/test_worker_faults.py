@@ -22,7 +22,7 @@ from deployments.actors import KVGeometry, RemoteDraft, RemoteTarget
 from deployments.app_args import WorkerRole
 from deployments.failover import FailoverStream
 from deployments.lane import Lane
-from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
+from specserve.api.error_bodies import APIError, LaneLostError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
 from specserve.config import SpecConfig, SpecMethod
 from specserve.engine import Engine
@@ -320,7 +320,7 @@ def _drafting_lane(target: LlamaModel, drafts: DraftFactory) -> Lane:
     for worker in (target_worker, draft_worker):
         worker.start(geometry)
     loop.target, loop.draft = target_worker, draft_worker
-    lane = Lane(0, loop, {}, drafts, geometry, metrics=ServeMetrics(), max_worker_restarts=2, draft_retry_s=0.01)  # type: ignore[arg-type]
+    lane = Lane(0, loop, {}, drafts, geometry, metrics=ServeMetrics(), max_worker_restarts=2, worker_retry_s=0.01)  # type: ignore[arg-type]
     lane.workers = {WorkerRole.target: target_worker, WorkerRole.draft: draft_worker}
     lane.generations = dict.fromkeys(lane.workers, 0)
     return lane
@@ -367,6 +367,57 @@ def test_while_no_draft_can_be_made_the_lane_serves_plainly_and_keeps_trying(
         assert len(drafts.actors) == 1
     finally:
         lane.stop()
+
+
+def test_a_lane_whose_target_could_not_be_replaced_tries_again_with_no_request_to_step(target: LlamaModel) -> None:
+    """Its requests went to other lanes and new ones go to healthy lanes first: the lane tries on its own, after a
+    pause that doubles, and is healthy again once a replacement is made (the replica is not reported degraded for
+    ever)."""
+    factory = Factory(target, {0: "unschedulable"}, broken={1, 2})
+    lane = _lane(target, factory, worker_retry_s=0.01)
+    try:
+        assert all(isinstance(r, LaneLostError) for r in _run(lane, PROMPTS[:1]))
+        _wait(lambda: lane.healthy)  # generations 1 and 2 cannot be made, the third can
+        assert lane.generations[WorkerRole.target] == 3 and not lane.loop.has_work
+    finally:
+        lane.stop()
+
+
+def test_a_lane_decodes_plainly_without_its_draft_and_drafts_again_once_one_is_attached(target: LlamaModel) -> None:
+    """StepLoop.detach_draft / attach_draft mid-generation: no step is planned to draft while detached (nor timed
+    as speculation), the output is plain decoding's, and a fresh draft worker drafts from its catch-up on."""
+    engine = Engine(
+        target,
+        None,
+        draft=target,
+        speculation=SpecConfig(method=SpecMethod.chain, sl=3),
+        max_batch_size=4,
+        max_model_len=64,
+        eos_token_ids=set(),
+    )
+    loop = engine.loop
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = _engine(target).generate(PROMPTS, params)
+    for i, p in enumerate(PROMPTS):
+        loop.add_request(Request(f"r{i}", p, params))
+    outs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+
+    def steps(n: int | None) -> list[tuple[int, int]]:
+        """(planned depth, levels drafted) of each step, ``n`` of them or to the end."""
+        done = []
+        while loop.has_work and (n is None or len(done) < n):
+            for out in loop.step():
+                outs[out.request_id] += out.token_ids
+            m = loop.stats.metrics[-1]
+            done.append((max(m.planned), m.levels))
+        return done
+
+    assert max(levels for _, levels in steps(3)) > 0  # drafting
+    loop.detach_draft()
+    assert steps(3) == [(0, 0)] * 3  # planned plain, so neither the guard nor the tree floor times it as a try
+    loop.attach_draft(DraftWorker(target, num_slots=4, max_len=loop.max_model_len + loop.spec_headroom))
+    assert max(levels for _, levels in steps(None)) > 0  # drafts again
+    assert [outs[f"r{i}"] for i in range(len(PROMPTS))] == [c.token_ids for c in plain]
 
 
 def test_a_worker_that_fails_everything_and_its_self_check_is_replaced_and_every_request_goes_on(
@@ -455,6 +506,9 @@ def test_submits_queued_when_the_lane_thread_stops_are_answered(target: LlamaMod
     try:
         first, second = asyncio.run(run())
         assert isinstance(first, WorkerFailedError) and isinstance(second, WorkerFailedError)
+        # the request that was on the lane when its thread broke is not moved (it may have broken it); the one
+        # still waiting to be admitted never ran there and may go to another lane
+        assert not isinstance(first, LaneLostError) and isinstance(second, LaneLostError)
         deadline = time.monotonic() + 5
         while lane.alive:
             assert time.monotonic() < deadline
