@@ -186,6 +186,16 @@ def test_other_failures_are_not_moved(sleeps: list[float]) -> None:
     assert lanes[1].submitted == []
 
 
+def test_a_continuation_another_lane_refuses_is_a_503_not_the_clients_fault(sleeps: list[float]) -> None:
+    class Refusing(FakeLane):
+        async def submit(self, request: Request) -> Stream:
+            raise InvalidRequestError("the delivered text is not what the delivered tokens decode to")
+
+    lanes = [FakeLane(0, lost_after=3), Refusing(1)]
+    with pytest.raises(WorkerFailedError, match="could not go on"):
+        _collect(_stream(lanes))
+
+
 def test_a_lane_that_stops_between_the_pick_and_the_submit_is_skipped(sleeps: list[float]) -> None:
     stopping, other = FakeLane(0, refuse=True), FakeLane(1, in_flight=2)
     moved: list[int] = []
