@@ -619,10 +619,14 @@ def test_a_replaced_worker_is_ended_even_if_it_was_only_unreachable() -> None:
         loop=SimpleNamespace(target=old, draft=None),
         metrics=SimpleNamespace(worker_restarted=lambda index, role: events.append("counted")),
         index=0,
+        lost_workers=True,  # a replacement that failed before
+        worker_retry_s=5.0,
+        _retry_pause=80.0,
     )
     Lane._replace_target(lane)  # type: ignore[arg-type]
     assert events == ["kill old", "create 1", "start new1", "counted"]
     assert lane.loop.target is lane.workers[WorkerRole.target] and lane.loop.target.name == "new1"
+    assert not lane.lost_workers and lane._retry_pause == 5.0  # healthy again, its retry pause back to the first
 
 
 def test_eagle_head_deployment_is_lossless_and_survives_a_draft_restart(base_url: str, engine: Engine) -> None:
