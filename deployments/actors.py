@@ -7,6 +7,8 @@ protocol objects (token ids, small index lists, sparse top-K probabilities) trav
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -176,6 +178,7 @@ WORKER_FAULTS: tuple[type[Exception], ...] = (
 
 
 START_FAULTS: tuple[type[Exception], ...] = (*WORKER_FAULTS, RayTaskError)
+START_POLL_S = 1.0  # how often a cancellable wait for a worker's start looks whether it is still wanted
 
 
 class WorkerLostError(Exception):
@@ -232,16 +235,30 @@ class RemoteWorker:
             return False
         return True
 
-    def wait_started(self) -> None:
-        """Wait for ``start`` (at most ``start_timeout_s``); raises WorkerLostError when it failed."""
+    def wait_started(self, cancel: threading.Event | None = None) -> bool:
+        """Wait for ``start`` (at most ``start_timeout_s``); raises WorkerLostError when it failed. With ``cancel``,
+        stops waiting within START_POLL_S of its being set and returns False (the actor is left to the caller)."""
         if self._started is None:
-            return
-        try:
-            ray.get(self._started, timeout=self.start_timeout_s)
-        except START_FAULTS as e:  # or start() itself raised: this actor cannot serve
-            self.dead = True
-            raise WorkerLostError(f"worker {self.name} did not start: {e!r}") from e
+            return True
+        deadline = None if self.start_timeout_s is None else time.monotonic() + self.start_timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = left if cancel is None else min(START_POLL_S, START_POLL_S if left is None else left)
+            try:
+                ray.get(self._started, timeout=wait)
+                break
+            except GetTimeoutError as e:
+                if cancel is not None and cancel.is_set():
+                    return False
+                if left is None or (wait is not None and wait < left):  # only a slice of the wait has passed
+                    continue
+                self.dead = True
+                raise WorkerLostError(f"worker {self.name} did not start within {self.start_timeout_s} s") from e
+            except START_FAULTS as e:  # or start() itself raised: this actor cannot serve
+                self.dead = True
+                raise WorkerLostError(f"worker {self.name} did not start: {e!r}") from e
         self._started = None
+        return True
 
     def _call(self, method: Any, items: list[ProposeItem] | list[VerifyItem]) -> Any:
         self.wait_started()

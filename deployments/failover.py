@@ -11,8 +11,9 @@ workers back)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -47,6 +48,22 @@ def pick_lane(lanes: Sequence[LaneLike], avoid: LaneLike | None = None) -> LaneL
     return min(running, key=lambda lane: (not lane.healthy, lane is avoid, lane.in_flight), default=None)
 
 
+class Moving:
+    """How many of a replica's requests are pausing before a move: in no lane's count, yet held by the replica
+    (its admission counts them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextlib.contextmanager
+    def pausing(self) -> Iterator[None]:
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+
+
 class FailoverStream:
     """One request's outputs, from whichever lane runs it. ``open`` submits it (the caller's admission errors
     propagate); iterating yields its outputs once each, across up to ``max_failovers`` moves to another lane."""
@@ -59,8 +76,10 @@ class FailoverStream:
         max_failovers: int,
         backoff_s: float,
         on_failover: Callable[[int], None] = lambda lane: None,
+        moving: Moving | None = None,
     ) -> None:
         self._lanes = lanes
+        self._moving = Moving() if moving is None else moving
         self._request = request
         self._max_failovers = max_failovers
         self._backoff_s = backoff_s
@@ -73,7 +92,8 @@ class FailoverStream:
         while True:
             lane = self._pick()
             if self._failovers and not lane.healthy:  # only lanes still bringing their workers back: give them time
-                await asyncio.sleep(self._backoff_s * 2 ** (self._failovers - 1))
+                with self._moving.pausing():
+                    await asyncio.sleep(self._backoff_s * 2 ** (self._failovers - 1))
                 lane = self._pick()  # one may have come back meanwhile, or stopped
             try:
                 self._stream = await lane.submit(self._request)

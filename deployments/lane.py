@@ -518,8 +518,9 @@ class Lane:
         restorer.start()
 
     def _restore_draft(self) -> None:
-        """Make and start a draft worker until one starts (pausing ``draft_retry_s`` after a failed try, doubling
-        up to MAX_RETRY_S); the lane thread attaches it (``_DraftBack``). Ends with the lane."""
+        """Make and start a draft worker until one starts (pausing ``worker_retry_s`` after a failed try, doubling
+        up to MAX_RETRY_S); the lane thread attaches it (``_DraftBack``). Ends with the lane, within START_POLL_S
+        even while a new worker is still loading its model (that worker is then ended: it holds its resources)."""
         pause, delay = self.worker_retry_s, 0.0
         while not self._stopping.wait(delay):
             delay, pause = pause, min(2 * pause, MAX_RETRY_S)
@@ -533,7 +534,9 @@ class Lane:
                 continue
             try:
                 worker.start(self.geometry)
-                worker.wait_started()
+                if not worker.wait_started(cancel=self._stopping):  # the lane stopped: nobody wants it
+                    worker.kill()
+                    return
             except Exception:
                 logger.exception(
                     "lane %d: the new draft worker did not start; trying again in %.0f s", self.index, delay

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from deployments.actors import KVGeometry, ModelInfo, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
 from deployments.app_args import AppArgs, WorkerRole
-from deployments.failover import FailoverStream
+from deployments.failover import FailoverStream, Moving
 from deployments.lane import Lane, LaneDebug
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.error_bodies import OverloadedError
@@ -64,6 +64,7 @@ class Router:
         self.args = args
         self.lanes: list[Lane] = []
         self._metrics = ServeMetrics()
+        self._moving = Moving()  # requests pausing before a move to another lane
         context = serve.get_replica_context()
         prefix = f"specserve:{context.app_name}:{context.replica_tag}"
         factory = WorkerFactory(args, get_current_placement_group(), prefix)
@@ -157,7 +158,7 @@ class Router:
         return self._metrics
 
     async def submit(self, request: Request) -> FailoverStream:
-        in_flight = sum(lane.in_flight for lane in self.lanes)
+        in_flight = sum(lane.in_flight for lane in self.lanes) + self._moving.count
         if in_flight >= self.capacity:
             raise OverloadedError(
                 f"the server is at capacity ({self.capacity} requests running or queued); retry later",
@@ -171,6 +172,7 @@ class Router:
             max_failovers=self.args.max_failovers,
             backoff_s=self.args.failover_backoff_s,
             on_failover=self._metrics.request_failed_over,
+            moving=self._moving,
         )
         await stream.open()
         return stream

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from deployments.app_args import AppArgs, TinyModels
+from deployments.failover import Moving
 from deployments.lane import Lane
 from deployments.router import Router
 from specserve.api.error_bodies import OverloadedError, WorkerFailedError
@@ -179,6 +180,7 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
     router.args = AppArgs(tiny=TinyModels(), max_batch_size=4, max_queued_requests=8, retry_after_s=1)
     router._slots = 4  # one lane's KV slots
     router._metrics = metrics = ServeMetrics()
+    router._moving = moving = Moving()
     router.lanes = [BusyLane()]
     request = Request("r", [1, 2], SamplingParams())
 
@@ -194,6 +196,9 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
         out = RequestOutput("x", [7], "", None, 2, 40, RequestStats(target_forwards=40))
         metrics.request_finished(out, ttft_s=None, tpot_s=None)
     assert retry_after() == 45  # (8 queued + 1) requests x 40 steps x 0.5 s / 4 slots
+    BusyLane.in_flight = 11  # one place left, but a request pausing before a move to another lane holds it
+    with moving.pausing():
+        assert retry_after() == 45
 
 
 def test_client_disconnect_mid_stream_is_an_abort(backend: LocalBackend, url: str) -> None:

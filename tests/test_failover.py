@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from deployments import failover
-from deployments.failover import FailoverStream, pick_lane
+from deployments.failover import FailoverStream, Moving, pick_lane
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.error_bodies import APIError, LaneLostError, WorkerFailedError
 from specserve.config import SpecConfig, SpecMethod
@@ -141,8 +141,11 @@ def test_a_request_lost_before_its_first_token_replays_from_the_start(sleeps: li
     assert second.submitted == [REQUEST]  # nothing delivered: the request as it came
 
 
-def test_with_no_healthy_lane_the_request_waits_longer_before_each_retry(sleeps: list[float]) -> None:
-    """One lane, whose workers come back at the third try: the request pauses 0.5 s, then 1 s, and completes."""
+def test_with_no_healthy_lane_the_request_waits_longer_before_each_retry(
+    sleeps: list[float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One lane, whose workers come back at the third try: the request pauses 0.5 s, then 1 s, and completes;
+    while it pauses the replica counts it (``Moving``), as it counts requests in its lanes."""
     lane = FakeLane(0, lost_after=2)
     tries = iter([3, None])
 
@@ -153,8 +156,17 @@ def test_with_no_healthy_lane_the_request_waits_longer_before_each_retry(sleeps:
         return stream
 
     lane.submit = submit  # type: ignore[method-assign]
-    ids, _, _ = _collect(_stream([lane]))
+    moving, counted = Moving(), []
+
+    async def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        counted.append(moving.count)
+
+    monkeypatch.setattr(failover.asyncio, "sleep", sleep)
+    stream = FailoverStream(lambda: [lane], REQUEST, max_failovers=2, backoff_s=0.5, moving=moving)
+    ids, _, _ = _collect(stream)
     assert ids == TOKENS and sleeps == [0.5, 1.0] and len(lane.submitted) == 3
+    assert counted == [1, 1] and moving.count == 0  # held by the replica while it pauses, and only then
 
 
 def test_past_max_failovers_the_request_gets_the_lane_lost_error(sleeps: list[float]) -> None:

@@ -252,7 +252,8 @@ def test_requests_of_a_lane_that_cannot_replace_its_worker_finish_on_another_lan
 
 @dataclass
 class DraftActor:
-    """A draft worker actor's handle: ``fault`` "late" loses it after one proposal, "start" fails its start."""
+    """A draft worker actor's handle: ``fault`` "late" loses it after one proposal, "start" fails its start,
+    "loading" never finishes it."""
 
     model: LlamaModel
     fault: str | None
@@ -274,6 +275,14 @@ class DraftActor:
         if self.fault == "start":
             cause = RuntimeError("CUDA out of memory")
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("start", "Traceback ...", cause)))
+        if self.fault == "loading":  # still loading its model: each wait for its start takes its whole timeout
+
+            def still_loading(timeout: float | None) -> None:
+                assert timeout is not None
+                time.sleep(timeout)
+                hung(timeout)
+
+            return Ref(still_loading)
         self.worker = DraftWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
         return Ref(lambda _: None)
 
@@ -367,6 +376,47 @@ def test_while_no_draft_can_be_made_the_lane_serves_plainly_and_keeps_trying(
         assert len(drafts.actors) == 1
     finally:
         lane.stop()
+
+
+def test_a_wait_for_a_start_that_never_finishes_times_out_or_is_cancelled(
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(actors, "START_POLL_S", 0.05)
+    for cancel in (None, threading.Event()):  # one never set: the wait goes on in slices up to the timeout
+        worker = RemoteDraft(DraftActor(target, "loading"), "draft:0", WorkerRole.draft, start_timeout_s=0.3)  # type: ignore[arg-type]
+        worker.start(KVGeometry(1, 16))
+        t = time.monotonic()
+        with pytest.raises(actors.WorkerLostError, match=r"did not start within 0\.3 s"):
+            worker.wait_started(cancel)
+        assert 0.3 <= time.monotonic() - t < 5 and worker.dead
+    cancel = threading.Event()
+    worker = RemoteDraft(DraftActor(target, "loading"), "draft:1", WorkerRole.draft, start_timeout_s=60.0)  # type: ignore[arg-type]
+    worker.start(KVGeometry(1, 16))
+    threading.Timer(0.2, cancel.set).start()
+    t = time.monotonic()
+    assert worker.wait_started(cancel) is False
+    assert time.monotonic() - t < 5 and not worker.dead  # left to the caller, who no longer wants it
+
+
+def test_a_lane_stopped_while_its_new_draft_loads_ends_that_draft_and_its_restorer(
+    target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new draft is still loading its model when the lane stops: the restorer stops waiting for it within
+    START_POLL_S (not after the worker's start timeout) and ends it, since it holds its resources (a GPU)."""
+    killed: list[Any] = []
+    monkeypatch.setattr(actors.ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+    drafts = DraftFactory(target, {0: "late", 1: "loading"}, broken=set())
+    before = set(threading.enumerate())
+    lane = _drafting_lane(target, drafts)
+    try:
+        assert _run(lane, PROMPTS) == alone
+        _wait(lambda: len(drafts.actors) == 2 and "start" in drafts.actors[1].calls)
+        (restorer,) = [t for t in threading.enumerate() if t.name == "lane-0-draft" and t not in before]
+    finally:
+        lane.stop()
+    restorer.join(actors.START_POLL_S + 5)  # the worker's start timeout is 60 s
+    assert not restorer.is_alive()
+    assert any(handle is drafts.actors[1] for handle in killed) and lane.draft_lost
 
 
 def test_a_lane_whose_target_could_not_be_replaced_tries_again_with_no_request_to_step(target: LlamaModel) -> None:
