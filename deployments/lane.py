@@ -538,10 +538,12 @@ class Lane:
                     worker.kill()
                     return
             except Exception:
+                worker.kill()
+                if self._stopping.is_set():  # torn down with the lane: nothing to report or to try again
+                    return
                 logger.exception(
                     "lane %d: the new draft worker did not start; trying again in %.0f s", self.index, delay
                 )
-                worker.kill()
                 continue
             assert isinstance(worker, RemoteDraft)
             with self._restore_lock:

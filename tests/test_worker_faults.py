@@ -405,6 +405,7 @@ def test_a_lane_stopped_while_its_new_draft_loads_ends_that_draft_and_its_restor
     START_POLL_S (not after the worker's start timeout) and ends it, since it holds its resources (a GPU)."""
     killed: list[Any] = []
     monkeypatch.setattr(actors.ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+    monkeypatch.setattr(actors, "START_POLL_S", 0.05)
     drafts = DraftFactory(target, {0: "late", 1: "loading"}, broken=set())
     before = set(threading.enumerate())
     lane = _drafting_lane(target, drafts)
