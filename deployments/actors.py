@@ -243,14 +243,14 @@ class RemoteWorker:
         deadline = None if self.start_timeout_s is None else time.monotonic() + self.start_timeout_s
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            wait = left if cancel is None else min(START_POLL_S, START_POLL_S if left is None else left)
+            sliced = cancel is not None and (left is None or left > START_POLL_S)
             try:
-                ray.get(self._started, timeout=wait)
+                ray.get(self._started, timeout=START_POLL_S if sliced else left)
                 break
             except GetTimeoutError as e:
                 if cancel is not None and cancel.is_set():
                     return False
-                if left is None or (wait is not None and wait < left):  # only a slice of the wait has passed
+                if sliced:  # only a slice of the wait has passed
                     continue
                 self.dead = True
                 raise WorkerLostError(f"worker {self.name} did not start within {self.start_timeout_s} s") from e
