@@ -237,20 +237,21 @@ class RemoteWorker:
 
     def wait_started(self, cancel: threading.Event | None = None) -> bool:
         """Wait for ``start`` (at most ``start_timeout_s``); raises WorkerLostError when it failed. With ``cancel``,
-        stops waiting within START_POLL_S of its being set and returns False (the actor is left to the caller)."""
+        stops waiting within START_POLL_S of its being set (at once when it is set already) and returns False (the
+        actor is left to the caller)."""
         if self._started is None:
             return True
         deadline = None if self.start_timeout_s is None else time.monotonic() + self.start_timeout_s
         while True:
+            if cancel is not None and cancel.is_set():
+                return False
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             sliced = cancel is not None and (left is None or left > START_POLL_S)
             try:
                 ray.get(self._started, timeout=START_POLL_S if sliced else left)
                 break
             except GetTimeoutError as e:
-                if cancel is not None and cancel.is_set():
-                    return False
-                if sliced:  # only a slice of the wait has passed
+                if sliced or (cancel is not None and cancel.is_set()):  # a slice has passed, or the wait is off
                     continue
                 self.dead = True
                 raise WorkerLostError(f"worker {self.name} did not start within {self.start_timeout_s} s") from e

@@ -139,6 +139,7 @@ class LaneStream:
             item = await self._sink.queue.get()
             if isinstance(item, APIError):
                 self._done = True
+                self._lane.heard_lost(self._request_id)
                 raise item
             self._done = item.finished
             yield item
@@ -146,6 +147,7 @@ class LaneStream:
     async def aclose(self) -> None:
         if not (self._closed or self._done):
             self._lane.abort(self._request_id)
+            self._lane.heard_lost(self._request_id)  # a drop it will not read now
         self._closed = True
 
 
@@ -180,6 +182,9 @@ class Lane:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: set[str] = set()  # submitted and not yet finished or aborted (added on submit, else lane thread)
         self._sinks: dict[str, _Sink] = {}  # lane thread only
+        # dropped with LaneLostError, its stream not yet told: still held (the router moves it once told);
+        # added on the lane thread, removed on the event loop
+        self._lost: set[str] = set()
         self._failures = 0  # consecutive failed steps
         self._probes: deque[frozenset[int]] = deque()  # suspect groups (seq ids) to step alone, the first next
         self._splits = 0  # splits made by the isolation under way
@@ -210,7 +215,12 @@ class Lane:
 
     @property
     def in_flight(self) -> int:
-        return len(self._active)
+        """The requests it holds: submitted and not finished, or lost and not yet told so (then moved)."""
+        return len(self._active) + len(self._lost)
+
+    def heard_lost(self, request_id: str) -> None:
+        """Its stream has read its drop (or will not): a move's pause or another lane counts it from here."""
+        self._lost.discard(request_id)
 
     async def submit(self, request: Request) -> LaneStream:
         """Queue the request on the lane; returns once the StepLoop accepted it (raises what add_request raises)."""
@@ -589,6 +599,8 @@ class Lane:
 
     def _drop(self, request_id: str, error: APIError) -> None:
         sink = self._sinks.get(request_id)
+        if sink is not None and isinstance(error, LaneLostError):
+            self._lost.add(request_id)  # before it leaves _active: never out of the count
         try:
             self.loop.abort(request_id)
         except Exception:

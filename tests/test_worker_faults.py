@@ -247,6 +247,33 @@ def test_requests_of_a_lane_that_cannot_replace_its_worker_finish_on_another_lan
             lane.stop()
 
 
+def test_a_request_its_lane_lost_counts_there_until_its_stream_hears_of_it(target: LlamaModel) -> None:
+    """Between the lane dropping a request with LaneLostError and its stream reading that (at the client's pace),
+    the request is still the replica's (Router.submit's capacity check): the lane counts it until then, after which
+    the move's pause or another lane does; a stream closed without reading it stops the count too."""
+    lane = _lane(target, Factory(target, {0: "late"}, broken={1}))
+
+    async def run() -> tuple[int, int, int]:
+        requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:2])]
+        streams = await asyncio.gather(*(lane.submit(r) for r in requests))
+        deadline = time.monotonic() + 60
+        while lane.healthy or lane.loop.has_work:  # until the lane has dropped both (their streams unread)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        held = lane.in_flight
+        with pytest.raises(LaneLostError):
+            async for _ in streams[0]:
+                pass
+        after_one = lane.in_flight
+        await streams[1].aclose()
+        return held, after_one, lane.in_flight
+
+    try:
+        assert asyncio.run(run()) == (2, 1, 0)
+    finally:
+        lane.stop()
+
+
 # -- a lane whose draft worker is lost: plain decoding until a fresh one has started ---------------------------
 
 
@@ -396,6 +423,12 @@ def test_a_wait_for_a_start_that_never_finishes_times_out_or_is_cancelled(
     t = time.monotonic()
     assert worker.wait_started(cancel) is False
     assert time.monotonic() - t < 5 and not worker.dead  # left to the caller, who no longer wants it
+    monkeypatch.setattr(actors, "START_POLL_S", 30.0)  # set before the wait begins: not even one slice is waited
+    worker = RemoteDraft(DraftActor(target, "loading"), "draft:2", WorkerRole.draft, start_timeout_s=60.0)  # type: ignore[arg-type]
+    worker.start(KVGeometry(1, 16))
+    t = time.monotonic()
+    assert worker.wait_started(cancel) is False
+    assert time.monotonic() - t < 5 and not worker.dead
 
 
 def test_a_lane_stopped_while_its_new_draft_loads_ends_that_draft_and_its_restorer(
