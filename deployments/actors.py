@@ -118,8 +118,8 @@ class _WorkerHost:
             utilization=utilization,
         )
 
-    def add(self, seq_id: int, params: SamplingParams) -> None:
-        self._worker().add(seq_id, params)
+    def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
+        self._worker().add(seq_id, params, position)
 
     def release(self, seq_ids: list[int]) -> None:
         self._worker().release(seq_ids)
@@ -215,8 +215,8 @@ class RemoteWorker:
     def start(self, geometry: KVGeometry) -> None:
         self._started = self.handle.start.remote(geometry)
 
-    def add(self, seq_id: int, params: SamplingParams) -> None:
-        self.handle.add.remote(seq_id, params)
+    def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
+        self.handle.add.remote(seq_id, params, position)
 
     def release(self, seq_ids: list[int]) -> None:
         self.handle.release.remote(seq_ids)

@@ -129,12 +129,16 @@ def keyed_sample(
     return torch.where(no_mass, torch.full_like(best, probs.shape[-1]), best)
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu", *, stream: int = 0) -> torch.Generator:
-    """A generator for one request's ``stream`` (0: the target's draws, 1: the draft's); any 64-bit seed maps
-    into the range torch accepts."""
+def make_generator(
+    seed: int | None, device: torch.device | str = "cpu", *, stream: int = 0, position: int = 0
+) -> torch.Generator:
+    """A generator for one request's ``stream`` (0: the target's draws, 1: the draft's) from ``position`` on (the
+    sequence's length when a worker registers it): a sequence registered again later (a new worker, a reset, a move
+    to another lane) draws afresh instead of repeating the draws it began with. Any 64-bit seed maps into the range
+    torch accepts."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed((seed + stream) % 2**63)
+        gen.manual_seed(position_key(seed + stream, position) % 2**63)
     return gen

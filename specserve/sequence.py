@@ -134,6 +134,10 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.output
 
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output)
+
     def unsent(self, seen: int) -> list[int]:
         return self.tokens[seen:]
 

@@ -125,10 +125,10 @@ class StepLoop:
         its whole token state on the next step (the new worker re-prefills from the router's tokens)."""
         for seq in self.running:
             if target:
-                self.target.add(seq.seq_id, seq.request.params)
+                self.target.add(seq.seq_id, seq.request.params, seq.length)
                 seq.target_seen = 0
             if draft and self.draft is not None and seq.spec.uses_model:
-                self.draft.add(seq.seq_id, seq.request.params)
+                self.draft.add(seq.seq_id, seq.request.params, seq.length)
                 seq.draft_seen = 0
                 seq.last_accepted = []
                 seq.model_proposed = False  # its next step re-reads everything: a catch-up, untimed by the guard
@@ -226,10 +226,10 @@ class StepLoop:
             if seq.registered:
                 continue
             with blame(seq.seq_id):
-                self.target.add(seq.seq_id, seq.request.params)
+                self.target.add(seq.seq_id, seq.request.params, seq.length)
                 seq.target_seen = 0
                 if self.draft is not None and seq.spec.uses_model:
-                    self.draft.add(seq.seq_id, seq.request.params)
+                    self.draft.add(seq.seq_id, seq.request.params, seq.length)
                     seq.draft_seen = 0
                     seq.last_accepted = []
             seq.registered = True

@@ -62,7 +62,7 @@ def test_target_worker_verifies_chains_causally_and_trees_with_a_mask(monkeypatc
 
     monkeypatch.setattr(ForwardBatch, "build", staticmethod(spy))
     for seq in (0, 1):
-        worker.add(seq, SamplingParams(max_tokens=8))
+        worker.add(seq, SamplingParams(max_tokens=8), 3 - seq)
     worker.verify([VerifyItem(0, [3, 4, 5]), VerifyItem(1, [6, 7])])  # prefill
     worker.verify([VerifyItem(0, [8], [9, 10, 11], [0, 1, 2]), VerifyItem(1, [12], [13, 14], [0, 1])])
     assert built[-1].causal and built[-1].attn_mask is not None  # ragged: SDPA still pads with a mask

@@ -71,7 +71,7 @@ def test_workers_run_every_request_kind_on_the_device(target: LlamaModel, draft:
         SamplingParams(temperature=0.8, seed=1, max_tokens=10),
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10),
     ]
-    t_worker.add(99, params[2])
+    t_worker.add(99, params[2], 0)
     assert t_worker.generators[99].device.type == "cuda"
     t_worker.release([99])
     outs = engine.generate(PROMPTS[:3], params)

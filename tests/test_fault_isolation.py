@@ -72,10 +72,10 @@ class FaultyTarget:
         self.poisoned: set[int] = set()
         self.failed: list[list[int]] = []  # the seq ids of each failed step
 
-    def add(self, seq_id: int, params: SamplingParams) -> None:
+    def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
         if self.poison(params):
             self.poisoned.add(seq_id)
-        self.worker.add(seq_id, params)
+        self.worker.add(seq_id, params, position)
 
     def release(self, seq_ids: list[int]) -> None:
         self.worker.release(seq_ids)
@@ -317,7 +317,7 @@ def test_workers_pin_per_item_failures_on_the_sequence(models: tuple[LlamaModel,
     target, draft = models
     worker = TargetWorker(target, num_slots=2, max_len=32)
     for seq_id in (0, 1):
-        worker.add(seq_id, GREEDY)
+        worker.add(seq_id, GREEDY, 3 - seq_id)
     worker.params[1] = None  # type: ignore[assignment]  # its per-item processing fails
     with pytest.raises(SequenceError) as caught:
         worker.verify([VerifyItem(0, [5, 9, 13]), VerifyItem(1, [42, 43])])
@@ -328,7 +328,7 @@ def test_workers_pin_per_item_failures_on_the_sequence(models: tuple[LlamaModel,
         HeadDraftWorker(tiny_head(target, seed=1), num_slots=2, max_len=32),
     ]
     for drafter in drafts:
-        drafter.add(0, GREEDY)  # sequence 1 was never added: its item cannot be drafted
+        drafter.add(0, GREEDY, 3)  # sequence 1 was never added: its item cannot be drafted
         with pytest.raises(SequenceError) as caught:
             drafter.propose([ProposeItem(0, [5, 9, 13], [], 2, SPEC), ProposeItem(1, [42, 43], [], 2, SPEC)])
         assert caught.value.seq_id == 1

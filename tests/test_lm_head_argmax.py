@@ -172,7 +172,7 @@ def test_the_target_worker_decodes_greedy_steps_without_full_logits(monkeypatch:
     tokens: dict[str, list[int]] = {}
     for name, m in (("fast", fast), ("full", full)):
         worker = TargetWorker(m, num_slots=1, max_len=64)
-        worker.add(0, SamplingParams(temperature=0.0, max_tokens=32))
+        worker.add(0, SamplingParams(temperature=0.0, max_tokens=32), 4)
         seq = [5, 17, 29, 4]
         out = worker.verify([VerifyItem(0, seq)])[0]
         seq += out.tokens

@@ -18,6 +18,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.sampling import SamplingParams, keyed_exponentials, keyed_sample, process_logits
 from specserve.workers import target as target_module
+from specserve.workers.target import TargetWorker
 from tests.test_head_drafter import random_head
 from tests.test_speculative import PROMPTS
 
@@ -179,3 +180,31 @@ def test_the_chi_square_catches_a_lossy_acceptance(target: LlamaModel, monkeypat
     pairs, table = _engine_pairs(engine), _exact_pairs(target)
     assert set(pairs) <= set(table)
     assert _pvalue(pairs, table) < 1e-3
+
+
+def test_a_sequence_registered_again_draws_afresh(target: LlamaModel, draft: LlamaModel) -> None:
+    """Sampled chains (``chain_draft=sampled``) draw from the workers' per-sequence generators. A sequence registered
+    again (a new worker, a reset after a failed step, a move to another lane) must not repeat the draws it began with:
+    they would no longer be independent of the tokens it already emitted. The loop registers it at its length."""
+    worker = TargetWorker(target, num_slots=1, max_len=64)
+    draws: dict[int, list[torch.Tensor]] = {}
+    for position in (5, 9, 5):
+        worker.add(0, SEEDED, position)
+        draws.setdefault(position, []).append(torch.rand(8, generator=worker.generators[0]))
+        worker.release([0])
+    assert torch.equal(draws[5][0], draws[5][1]) and not torch.equal(draws[5][0], draws[9][0])
+
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.sampled)
+    engine = Engine(target, None, draft=draft, speculation=spec, eos_token_ids=set())
+    positions: list[int] = []
+    add = engine.loop.target.add
+
+    def spy(seq_id: int, params: SamplingParams, position: int) -> None:
+        positions.append(position)
+        add(seq_id, params, position)
+
+    engine.loop.target.add = spy  # type: ignore[method-assign]
+    engine.submit(PROMPTS[1], SEEDED)
+    emitted = [t for _ in range(2) for out in engine.loop.step() for t in out.token_ids]
+    engine.loop.recover(target=True, draft=False)
+    assert emitted and positions == [len(PROMPTS[1]), len(PROMPTS[1]) + len(emitted)]

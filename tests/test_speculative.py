@@ -114,7 +114,7 @@ class ScriptedDraft(LlamaModel):
 
 def propose_once(draft: LlamaModel, spec: SpecConfig) -> tuple[int, int]:
     worker = DraftWorker(draft, num_slots=1, max_len=128)
-    worker.add(0, SamplingParams())
+    worker.add(0, SamplingParams(), 4)
     prop = worker.propose([ProposeItem(0, [1, 2, 3, 4], [], spec.static_depth, spec)])[0]
     return prop.depth, worker.h_reads
 
@@ -139,7 +139,7 @@ def test_ddd_sequences_stop_independently_in_one_batch(target: LlamaModel) -> No
     worker = DraftWorker(draft, num_slots=4, max_len=128)
     spec = SpecConfig(method=SpecMethod.ddd, beam_width=3, budget=30, ddd_max_depth=8, ddd_check_steps=(2, 4, 6))
     for i in range(4):
-        worker.add(i, SamplingParams())
+        worker.add(i, SamplingParams(), len(PROMPTS[i]))
     props = worker.propose(
         [ProposeItem(i, p, [], d, spec) for i, (p, d) in enumerate(zip(PROMPTS, [8, 3, 8, 1], strict=True))]
     )

@@ -95,5 +95,5 @@ def test_workers_create_their_generators_on_the_models_device(role: str, monkeyp
     asked: list[torch.device] = []
     monkeypatch.setattr(module, "make_generator", lambda seed, device, **_: asked.append(torch.device(device)))
     monkeypatch.setattr(cls, "device", property(lambda self: torch.device("cuda", 0)))
-    worker.add(0, SamplingParams(temperature=0.7, seed=1))
+    worker.add(0, SamplingParams(temperature=0.7, seed=1), 0)
     assert asked == [torch.device("cuda", 0)]

@@ -91,7 +91,7 @@ class Actor:
 
     def __post_init__(self) -> None:
         self.start = Method(self._start)
-        self.add = Method(lambda seq_id, params: self._fire(lambda w: w.add(seq_id, params)))
+        self.add = Method(lambda seq_id, params, position: self._fire(lambda w: w.add(seq_id, params, position)))
         self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
         self.verify = Method(self._verify)
         self.check = Method(self._check)
@@ -289,7 +289,7 @@ class DraftActor:
 
     def __post_init__(self) -> None:
         self.start = Method(self._start)
-        self.add = Method(lambda seq_id, params: self._fire(lambda w: w.add(seq_id, params)))
+        self.add = Method(lambda seq_id, params, position: self._fire(lambda w: w.add(seq_id, params, position)))
         self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
         self.propose = Method(self._propose)
 

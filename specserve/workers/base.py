@@ -11,7 +11,8 @@ from specserve.sampling import SamplingParams
 
 
 class WorkerAPI(Protocol):
-    def add(self, seq_id: int, params: SamplingParams) -> None: ...
+    def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
+        """Register a sequence that has ``position`` tokens now (its random draws start a stream there)."""
 
     def release(self, seq_ids: list[int]) -> None: ...
 

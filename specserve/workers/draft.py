@@ -31,9 +31,9 @@ class DraftWorker:
     def cache(self) -> KVCache:
         return self.table.cache
 
-    def add(self, seq_id: int, params: SamplingParams) -> None:
+    def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
         self.params[seq_id] = params
-        self.generators[seq_id] = make_generator(params.seed, self.model.device, stream=1)
+        self.generators[seq_id] = make_generator(params.seed, self.model.device, stream=1, position=position)
 
     def release(self, seq_ids: list[int]) -> None:
         self.table.release(seq_ids)

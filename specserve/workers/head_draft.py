@@ -61,9 +61,9 @@ class HeadDraftWorker:
     def features(self) -> FeatureRequest:
         return feature_request(self.head)
 
-    def add(self, seq_id: int, params: SamplingParams) -> None:
+    def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
         self.params[seq_id] = params
-        self.generators[seq_id] = make_generator(params.seed, self.head.device, stream=1)
+        self.generators[seq_id] = make_generator(params.seed, self.head.device, stream=1, position=position)
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
