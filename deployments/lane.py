@@ -350,6 +350,7 @@ class Lane:
             return
         if isinstance(command, _Abort):
             self._forget(command.request_id)
+            self._lost.discard(command.request_id)  # dropped as lost after its stream closed (it heard nothing)
             self.loop.abort(command.request_id)
             return
         if not command.admitted.set_running_or_notify_cancel():  # the client left before it was admitted

@@ -77,6 +77,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 _MASK64 = (1 << 64) - 1
+_GENERATOR_KEYS = 0x6E5F_7C1B_2D93_A4E8  # the workers' generators: a key space apart from the keyed draws'
 
 
 def _splitmix64(x: int) -> int:
@@ -134,11 +135,11 @@ def make_generator(
 ) -> torch.Generator:
     """A generator for one request's ``stream`` (0: the target's draws, 1: the draft's) from ``position`` on (the
     sequence's length when a worker registers it): a sequence registered again later (a new worker, a reset, a move
-    to another lane) draws afresh instead of repeating the draws it began with. Any 64-bit seed maps into the range
-    torch accepts."""
+    to another lane) draws afresh instead of repeating the draws it began with; never seeded as a keyed draw
+    (``keyed_exponentials``) is. Any 64-bit seed maps into the range torch accepts."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(position_key(seed + stream, position) % 2**63)
+        gen.manual_seed(_splitmix64(position_key(seed, position) ^ _splitmix64(_GENERATOR_KEYS + stream)) % 2**63)
     return gen

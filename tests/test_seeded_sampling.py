@@ -16,7 +16,7 @@ from specserve.engine import Engine
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
-from specserve.sampling import SamplingParams, keyed_exponentials, keyed_sample, process_logits
+from specserve.sampling import SamplingParams, keyed_exponentials, keyed_sample, make_generator, process_logits
 from specserve.workers import target as target_module
 from specserve.workers.target import TargetWorker
 from tests.test_head_drafter import random_head
@@ -193,6 +193,10 @@ def test_a_sequence_registered_again_draws_afresh(target: LlamaModel, draft: Lla
         draws.setdefault(position, []).append(torch.rand(8, generator=worker.generators[0]))
         worker.release([0])
     assert torch.equal(draws[5][0], draws[5][1]) and not torch.equal(draws[5][0], draws[9][0])
+    for seed, position, stream in itertools.product((0, 1, 2**40 + 7, 2**63 - 5), (0, 3, 17), (0, 1)):
+        # nor the noise of a keyed draw (§1.4): a sampled chain's uniforms after a keyed token must not be its noise
+        noise = torch.empty(50).exponential_(generator=make_generator(seed, stream=stream, position=position))
+        assert not torch.equal(noise, keyed_exponentials(seed, [position], 50, "cpu")[0])
 
     spec = SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.sampled)
     engine = Engine(target, None, draft=draft, speculation=spec, eos_token_ids=set())

@@ -274,6 +274,42 @@ def test_a_request_its_lane_lost_counts_there_until_its_stream_hears_of_it(targe
         lane.stop()
 
 
+def test_a_request_closed_while_its_lane_loses_it_is_not_counted_for_ever(target: LlamaModel) -> None:
+    """The client leaves (its stream closes) while the lane is in the step that loses its workers: the lane drops
+    the request as lost after its stream stopped listening, and the abort the close queued then ends its count."""
+    factory = Factory(target, {}, broken={1})  # no replacement can be made: the lane drops its requests as lost
+    lane = _lane(target, factory)
+    gate, entered = threading.Event(), threading.Event()
+
+    def blocked_verify(items: Any) -> Ref:
+        def run(timeout: float | None) -> Any:
+            entered.set()
+            gate.wait(30)
+            raise ActorUnschedulableError("the actor's placement group bundle is gone")
+
+        return Ref(run)
+
+    factory.actors[0].verify = Method(blocked_verify)
+
+    async def run() -> int:
+        stream = await lane.submit(Request("r0", PROMPTS[0], GREEDY))
+        while not entered.is_set():  # the lane is inside the step that will lose its worker
+            await asyncio.sleep(0.01)
+        await stream.aclose()  # queues the abort; the drop comes first
+        gate.set()
+        deadline = time.monotonic() + 10
+        while lane.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return lane.in_flight
+
+    try:
+        assert asyncio.run(run()) == 0
+        assert not lane.healthy and lane.alive
+    finally:
+        gate.set()
+        lane.stop()
+
+
 # -- a lane whose draft worker is lost: plain decoding until a fresh one has started ---------------------------
 
 
