@@ -144,15 +144,15 @@ class Sequence:
     def draft_behind(self) -> int:
         """Tokens the draft model has not read: all of them before its first step, after plain steps those steps'
         (its last proposal's accepted nodes are in its cache already)."""
-        return len(self.request.prompt_ids) + len(self.output) - self.draft_seen - len(self.last_accepted)
+        return self.length - self.draft_seen - len(self.last_accepted)
 
     def remaining(self, max_model_len: int) -> int:
         """Tokens it may still emit: its max_tokens, or the context limit if that comes first."""
-        room = max_model_len - len(self.request.prompt_ids) - len(self.output)
+        room = max_model_len - self.length
         return max(0, min(self.request.params.max_tokens - len(self.output), room))
 
     @property
     def prefills(self) -> bool:
         """Its next step feeds the target more than its root (an admitted prompt, or a re-prefill after a recovery);
         counted without building ``tokens``."""
-        return len(self.request.prompt_ids) + len(self.output) - self.target_seen > 1
+        return self.length - self.target_seen > 1
