@@ -508,6 +508,45 @@ def test_depth_zero_agreement_is_the_serving_heads_top_1_against_the_targets() -
     assert 0 <= agree[1] <= rate
 
 
+def test_agreement_by_confidence_splits_positions_by_the_targets_probability_of_its_token() -> None:
+    """Each answer position lands in the bucket of the target's probability of its own token, and a bucket's
+    hits are the serving head's top-1 matches there (an out-of-vocabulary token a miss); rows give shares."""
+    from specserve.bench.agreement import confidence_agreement, confidence_rows
+    from specserve.models.tiny import tiny_head
+
+    target = tiny_model(seed=2)
+    head = tiny_head(target, seed=3, std=0.5)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 512, (30,), generator=gen)
+    prompt_len = 9
+    cache = target.new_cache(1, 30)
+    final = target.final_hidden(ForwardBatch.build(cache, [cache.allocate()], [tokens.tolist()]), cache)  # [30, H]
+    lm = dense_weight(target.lm_head).float()
+    probs = torch.softmax(final @ lm.t(), -1)
+    target_next = probs.argmax(-1)
+    vocab = sorted({int(target_next[j + 1]) for j in range(prompt_len - 2, 28, 3)})
+    head.set_draft_vocab(torch.tensor(vocab))
+    hcache = head.new_cache(1, 30)
+    batch = ForwardBatch.build(hcache, [hcache.allocate()], [tokens[1:].tolist()], positions=[list(range(29))])
+    drafted = head.draft_ids[head.logits(head(batch.tokens, head.fuse(final[:-1]), batch, hcache)).argmax(-1)]
+    scored = range(prompt_len - 2, 28)
+    p_own = [float(probs[j + 1, target_next[j + 1]]) for j in scored]
+    edges = (0.0, sorted(p_own)[len(p_own) // 3], sorted(p_own)[2 * len(p_own) // 3])  # three filled buckets
+    expected = [[0, 0], [0, 0], [0, 0]]
+    for j, p in zip(scored, p_own, strict=True):
+        b = sum(p >= e for e in edges) - 1
+        expected[b][0] += 1
+        expected[b][1] += int(drafted[j] == target_next[j + 1])
+    got = confidence_agreement(head, lm, tokens, final, None, prompt_len, edges)
+    assert [c for c, _ in got] == [c for c, _ in expected] and all(c > 0 for c, _ in expected)
+    assert [h for _, h in got] == pytest.approx([h for _, h in expected])
+    assert sum(h for _, h in expected) > 0
+
+    rows = confidence_rows("s", "h", [[(2, 1.0), (2, 2.0)], [(0, 0.0), (4, 1.0)]], edges=(0.0, 0.5))
+    assert [(r["target_p"], r["positions"]) for r in rows] == [("0.0 <= p < 0.5", 2), ("0.5 <= p <= 1", 6)]
+    assert rows[0]["share"] == pytest.approx(0.25) and rows[1]["agree_d0"] == pytest.approx(0.5)
+
+
 def test_agreement_held_out_sets_start_past_the_heads_training_prompts(tmp_path: Path) -> None:
     """The shipped EAGLE-3 head trained on the first 3072 seed and 14400 lexicon prompts (its provenance): the
     held-out sets start past them, and an offset reaching into them is refused."""

@@ -6,6 +6,11 @@ counts as a miss; the table also gives how often the target's token is in that v
 
     .venv/bin/specserve bench agreement --heads smollm2-eagle3 /path/to/other/head --per-set 10
     .venv/bin/specserve bench agreement --sets mt-bench --by-category --per-set 5   # a row per MT-bench category
+    .venv/bin/specserve bench agreement --by-confidence   # depth 0 by how sure the target is of its token
+
+With ``--by-confidence`` a second table splits the answer positions by the target's probability of its own greedy
+token: it tells a head short where the target is unsure (a limit no head escapes) from one short where the target
+is certain (the head lacks what the target knows: data, not luck).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from specserve.train.seed_prompts import seed_prompts
 from specserve.train.trainer import TrainConfig, ttt_loss
 
 SETS = ("mt-bench", "seeds", "lexicon")
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99)  # lower edges of the target-probability buckets
 FIRST_HELD_OUT = {"seeds": 3900, "lexicon": 9600}  # the least offsets, for heads whose data is not on record
 
 
@@ -44,6 +50,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--by-category",
         action="store_true",
         help="MT-bench: --per-set first turns of each category, and a row for each category besides the set's",
+    )
+    p.add_argument(
+        "--by-confidence",
+        action="store_true",
+        help="a second table: depth-0 agreement by the target's probability of its own token",
     )
     p.add_argument("--max-tokens", type=positive_int, default=128, help="greedy answer tokens per prompt")
     p.add_argument("--depths", type=positive_int, default=3)
@@ -83,6 +94,67 @@ def depth_agreement(
     )
     rate = float(inv[prompt_len - 1 : n - 1].mean())
     return rate, [stats[f"acc{d}"] * rate for d in range(depths)]
+
+
+@torch.inference_mode()
+def confidence_agreement(
+    head: EagleHead,
+    lm_full: torch.Tensor,  # [V, H]
+    tokens: torch.Tensor,  # [n] long: prompt + answer
+    final: torch.Tensor,  # [n, H]
+    aux: torch.Tensor | None,  # [n, A*H]
+    prompt_len: int,
+    edges: tuple[float, ...] = CONFIDENCE_EDGES,
+) -> list[tuple[int, float]]:
+    """Per bucket of the target's probability of its own token (bucket b: ``edges[b] <= p < edges[b + 1]``, the
+    last open above): (answer positions, depth-0 hits), over the positions ``depth_agreement`` scores; a token
+    outside the draft vocabulary is a position and a miss."""
+    n = tokens.shape[0]
+    probs = torch.softmax(final.float() @ lm_full.t(), dim=-1)  # [n, V]
+    p_top, target_next = probs.max(-1)  # [n], [n]: the target's token after position i, and its probability
+    in_vocab = torch.zeros(lm_full.shape[0], dtype=torch.bool)
+    in_vocab[head.draft_ids] = True
+    scored = torch.zeros(n, dtype=torch.bool)
+    scored[prompt_len - 2 : n - 2] = True  # row j predicts token j + 2, which the target chose at position j + 1
+    bucket = torch.bucketize(p_top[1:], torch.tensor(edges[1:]), right=True)  # [n-1]: row j's bucket
+    feats = None if aux is None else aux.float()[None]
+    out = []
+    for b in range(len(edges)):
+        rows = scored[: n - 1] & (bucket == b)  # [n-1]
+        weight = torch.zeros(1, n)
+        weight[0, : n - 1] = (rows & in_vocab[target_next[1:]]).float()
+        hits = 0.0
+        if weight.sum() > 0:
+            _, stats = ttt_loss(
+                head, tokens[None], final.float()[None], weight, lm_full[head.draft_ids], TrainConfig(unroll=1),
+                aux=feats,
+            )  # fmt: skip
+            hits = stats["acc0"] * float(weight.sum())
+        out.append((int(rows.sum()), hits))
+    return out
+
+
+def confidence_rows(
+    name: str, head: str, per_conv: list[list[tuple[int, float]]], edges: tuple[float, ...] = CONFIDENCE_EDGES
+) -> list[dict[str, object]]:
+    """A row per bucket: its share of the set's answer positions and its depth-0 agreement."""
+    total = sum(count for conv in per_conv for count, _ in conv)
+    rows = []
+    for b, lo in enumerate(edges):
+        count = sum(conv[b][0] for conv in per_conv)
+        hits = sum(conv[b][1] for conv in per_conv)
+        upper = f"< {edges[b + 1]}" if b + 1 < len(edges) else "<= 1"
+        rows.append(
+            {
+                "set": name,
+                "head": head,
+                "target_p": f"{lo} <= p {upper}",
+                "positions": count,
+                "share": count / max(total, 1),
+                "agree_d0": hits / count if count else float("nan"),
+            }
+        )
+    return rows
 
 
 def trained_prompts(heads: list[str]) -> dict[str, int]:
@@ -150,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
     heads = {h: load_draft(HeadSpec(head=h, draft_vocab=None), target) for h in args.heads}
     engine = Engine(target, tokenizer, max_batch_size=args.per_set, max_model_len=1024)
     lm_full = dense_weight(target.lm_head).float()
-    rows = []
+    rows: list[dict[str, object]] = []
+    by_confidence: list[dict[str, object]] = []
     for name in args.sets:
         prompts = set_prompts(name, args.per_set, offsets, args.by_category)
         ids = [chat_ids(tokenizer, p) for p, _ in prompts]
@@ -178,6 +251,25 @@ def run(args: argparse.Namespace) -> int:
             found = agreement_rows(name, label, [g for _, g in prompts], per_conv)
             rows += found
             print(markdown_table(found[:1]).splitlines()[-1], flush=True)
+            if args.by_confidence:
+                by_confidence += confidence_rows(
+                    name,
+                    label,
+                    [
+                        confidence_agreement(
+                            head,
+                            lm_full,
+                            torch.tensor(c.tokens),
+                            feats.final[i],
+                            None if feats.aux is None else feats.aux[i],
+                            c.prompt_len,
+                        )
+                        for i, c in enumerate(convs)
+                    ],
+                )
     print(markdown_table(rows))
     write_csv(args.out / "agreement.csv", rows)
+    if by_confidence:
+        print(markdown_table(by_confidence))
+        write_csv(args.out / "agreement_by_confidence.csv", by_confidence)
     return 0
