@@ -349,6 +349,49 @@ def test_a_gguf_field_running_past_the_end_is_refused(tmp_path: Path) -> None:
         convert_gguf(dup, tmp_path / "dup")
 
 
+@pytest.mark.parametrize("big_endian", [False, True], ids=["little", "big"])
+def test_the_bounded_reader_reads_what_gguf_py_reads(tmp_path: Path, big_endian: bool) -> None:
+    """Our reader's own slicing (a plain view of the memmap, bounds-checked) against gguf-py's reader: the same
+    fields (every part, its dtype and byte order), the same tensors, in either byte order."""
+    import gguf
+
+    from specserve.models.sources import _open_gguf
+
+    path = tmp_path / "fields.gguf"
+    endian = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
+    writer = gguf.GGUFWriter(path, "llama", endianess=endian)
+    writer.add_block_count(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_token_list(["<s>", "é", "a b", ""] * 50)
+    writer.add_token_scores([0.5, -1.0] * 100)
+    writer.add_token_types([1, 3] * 100)
+    writer.add_add_bos_token(True)
+    writer.add_uint64("test.big", 1 << 40)
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_chat_template("{{ messages }}")
+    gen = np.random.default_rng(0)
+    writer.add_tensor("blk.0.attn_q.weight", gen.standard_normal((8, 32)).astype(np.float32))
+    writer.add_tensor("token_embd.weight", gen.standard_normal((4, 16)).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, theirs = _open_gguf(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields) and len(ours.fields) > 10
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), name
+        assert len(mine.parts) == len(field.parts), name
+        for a, b in zip(mine.parts, field.parts, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == ["<s>", "é", "a b", ""] * 50
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.tensor_type, list(a.shape), a.data_offset) == (b.tensor_type, list(b.shape), b.data_offset)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # caching
 

@@ -44,7 +44,7 @@ from specserve.models.q4 import (
     gguf_q8_blocks,
     native_q4_available,
 )
-from specserve.models.sources import builtin_gguf_path, resolve
+from specserve.models.sources import builtin_gguf_path, gguf_tensors, resolve
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def use_native_q4(model: LlamaModel, spec: ModelSpec) -> None:
         )
     gguf = builtin_gguf_path(spec.source) if kind == SourceKind.builtin else Path(spec.source).expanduser()
     cfg = model.cfg
-    blocks = gguf_layer_blocks(gguf, cfg.num_heads, cfg.num_kv_heads)
+    blocks = gguf_layer_blocks(gguf_tensors(gguf), cfg.num_heads, cfg.num_kv_heads)
     dense_from = dense_rows_on_this_cpu(spec.q4_dense_from)
 
     def take(layer: torch.nn.Module, projection: str, *names: str) -> Q4Linear:
@@ -194,10 +194,13 @@ def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
     """The GGUF's Q4_1 decoder blocks (``q4_reads``) and Q8_0 LM head blocks (``q8_head_reads``) as the kernel's
     records, where the spec asks for them and they dequantise to the loaded weights; an unreadable GGUF leaves the
     float32 weights serving as they are (a logged reason)."""
+    if not (spec.q4_reads or spec.q8_head_reads):
+        return
     try:
-        if spec.q4_reads and (q4 := gguf_layer_blocks(gguf, model.cfg.num_heads, model.cfg.num_kv_heads)):
+        tensors = gguf_tensors(gguf)  # one read of the header (its tokenizer metadata is most of it) for both
+        if spec.q4_reads and (q4 := gguf_layer_blocks(tensors, model.cfg.num_heads, model.cfg.num_kv_heads)):
             attach_q4_reads(model, q4)
-        if spec.q8_head_reads and (q8 := gguf_q8_blocks(gguf, Q8_HEAD_NAMES)):
+        if spec.q8_head_reads and (q8 := gguf_q8_blocks(tensors, Q8_HEAD_NAMES)):
             attach_q8_head(model, q8)
     except Exception as e:  # the float32 weights are loaded already, and serve as they are
         log.warning("quantised reads: cannot read %s (%s); the kernel reads float32 weights", gguf, e)

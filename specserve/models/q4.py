@@ -9,9 +9,9 @@ matmuls read 4-bit weights (4.5 bits each with the group scales: 0.14x the float
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from gguf import ReaderTensor
 
 Q4_GROUP = 32  # weights per Q4_1 block (and per scale/zero group of the kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of nibbles
@@ -162,16 +165,16 @@ def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> Q8Blocks:
     return Q8Blocks(torch.from_numpy(q), torch.from_numpy(d))
 
 
-def gguf_q8_blocks(gguf_path: Path, names: Collection[str]) -> dict[str, Q8Blocks]:
+def gguf_q8_blocks(tensors: Iterable[ReaderTensor], names: Collection[str]) -> dict[str, Q8Blocks]:
     """Those of the HF tensor ``names`` the GGUF holds as Q8_0 -> their blocks, decoded (only these: a GGUF may hold
     every tensor as Q8_0), rows in the GGUF's order (the converter permutes only the q and k projections' rows, so
     ask for neither)."""
     from gguf import GGMLQuantizationType
 
-    from specserve.models.sources import _open_gguf, hf_tensor_name
+    from specserve.models.sources import hf_tensor_name
 
     out = {}
-    for tensor in _open_gguf(gguf_path).tensors:
+    for tensor in tensors:
         name = hf_tensor_name(tensor.name)
         if tensor.tensor_type == GGMLQuantizationType.Q8_0 and name in names:
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's order is reversed
@@ -183,14 +186,14 @@ def native_q4_available() -> bool:
     return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
 
 
-def gguf_layer_blocks(gguf_path: Path, n_heads: int, n_kv_heads: int) -> dict[str, Q4Blocks]:
+def gguf_layer_blocks(tensors: Iterable[ReaderTensor], n_heads: int, n_kv_heads: int) -> dict[str, Q4Blocks]:
     """HF names of the GGUF's Q4_1 tensors -> their blocks, q/k rows in HF's order (the converter's unpermute)."""
     from gguf import GGMLQuantizationType
 
-    from specserve.models.sources import _open_gguf, hf_tensor_name, unpermute_rope_rows
+    from specserve.models.sources import hf_tensor_name, unpermute_rope_rows
 
     out = {}
-    for tensor in _open_gguf(gguf_path).tensors:
+    for tensor in tensors:
         if tensor.tensor_type != GGMLQuantizationType.Q4_1:
             continue
         name = hf_tensor_name(tensor.name)
