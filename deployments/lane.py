@@ -254,7 +254,9 @@ class Lane:
 
     async def debug(self) -> LaneDebug:
         workers = []
-        for role, worker in list(self.workers.items()):
+        held = dict(self.workers)  # one snapshot for the list and draft_lost: a worker may come back meanwhile
+        draft_lost = self.loop.serves_drafts and WorkerRole.draft not in held
+        for role, worker in held.items():
             try:  # a worker still loading its model, or one that cannot be placed, does not hold this up
                 state: WorkerState = await asyncio.wait_for(worker.handle.state.remote(), DEBUG_TIMEOUT_S)
                 node_id, slots = state.node_id, state.kv_slots_in_use
@@ -276,7 +278,7 @@ class Lane:
             in_flight=self.in_flight,
             running=len(self.loop.running),
             waiting=len(self.loop.waiting),
-            draft_lost=self.draft_lost,
+            draft_lost=draft_lost,
             workers=workers,
         )
 
