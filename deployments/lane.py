@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 
 import ray
 from pydantic import BaseModel
@@ -211,7 +211,10 @@ class Lane:
     @property
     def draft_lost(self) -> bool:
         """Its draft worker was lost and is being brought back: meanwhile every sequence decodes plainly."""
-        return self.loop.serves_drafts and WorkerRole.draft not in self.workers
+        return self._lacks_draft(self.workers)
+
+    def _lacks_draft(self, roles: Collection[WorkerRole]) -> bool:
+        return self.loop.serves_drafts and WorkerRole.draft not in roles
 
     @property
     def in_flight(self) -> int:
@@ -255,7 +258,7 @@ class Lane:
     async def debug(self) -> LaneDebug:
         workers = []
         held = dict(self.workers)  # one snapshot for the list and draft_lost: a worker may come back meanwhile
-        draft_lost = self.loop.serves_drafts and WorkerRole.draft not in held
+        draft_lost = self._lacks_draft(held)
         for role, worker in held.items():
             try:  # a worker still loading its model, or one that cannot be placed, does not hold this up
                 state: WorkerState = await asyncio.wait_for(worker.handle.state.remote(), DEBUG_TIMEOUT_S)

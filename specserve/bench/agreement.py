@@ -236,37 +236,17 @@ def run(args: argparse.Namespace) -> int:
             if aux_layers not in features:
                 features[aux_layers] = target_features(target, convs, aux_layers)
             feats = features[aux_layers]
-            per_conv = [
-                depth_agreement(
-                    head,
-                    lm_full,
-                    torch.tensor(c.tokens),
-                    feats.final[i],
-                    None if feats.aux is None else feats.aux[i],
-                    c.prompt_len,
-                    args.depths,
-                )
+            inputs = [
+                (torch.tensor(c.tokens), feats.final[i], None if feats.aux is None else feats.aux[i], c.prompt_len)
                 for i, c in enumerate(convs)
-            ]
+            ]  # per conversation: tokens, final features, aux features, prompt length
+            per_conv = [depth_agreement(head, lm_full, *conv, args.depths) for conv in inputs]
             found = agreement_rows(name, label, [g for _, g in prompts], per_conv)
             rows += found
             print(markdown_table(found[:1]).splitlines()[-1], flush=True)
             if args.by_confidence:
-                by_confidence += confidence_rows(
-                    name,
-                    label,
-                    [
-                        confidence_agreement(
-                            head,
-                            lm_full,
-                            torch.tensor(c.tokens),
-                            feats.final[i],
-                            None if feats.aux is None else feats.aux[i],
-                            c.prompt_len,
-                        )
-                        for i, c in enumerate(convs)
-                    ],
-                )
+                by_conf = [confidence_agreement(head, lm_full, *conv) for conv in inputs]
+                by_confidence += confidence_rows(name, label, by_conf)
     print(markdown_table(rows))
     write_csv(args.out / "agreement.csv", rows)
     if by_confidence:

@@ -194,8 +194,6 @@ def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
     """The GGUF's Q4_1 decoder blocks (``q4_reads``) and Q8_0 LM head blocks (``q8_head_reads``) as the kernel's
     records, where the spec asks for them and they dequantise to the loaded weights; an unreadable GGUF leaves the
     float32 weights serving as they are (a logged reason)."""
-    if not (spec.q4_reads or spec.q8_head_reads):
-        return
     try:
         tensors = gguf_tensors(gguf)  # one read of the header (its tokenizer metadata is most of it) for both
         if spec.q4_reads and (q4 := gguf_layer_blocks(tensors, model.cfg.num_heads, model.cfg.num_kv_heads)):

@@ -459,19 +459,18 @@ def _open_gguf(gguf_path: Path) -> GGUFReader:
         """gguf-py's reader, refusing any read past the end of the file: for an array whose declared length runs
         past it (2**40 elements, say) the plain reader goes on reading empty slices and never returns."""
 
+        _flat: np.ndarray | None = None  # a plain ndarray view of ``data``, made at the first read
+
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
             # gguf-py's read, on a plain ndarray view of its memmap: slicing the np.memmap subclass costs ~10 us in
             # Python per call, and a tokenizer's metadata takes ~0.5 M calls (~12 s a file opened)
-            flat = self.__dict__.get("_flat")
-            if flat is None:
-                flat = self.__dict__["_flat"] = self.data.view(np.ndarray)
+            if self._flat is None:
+                self._flat = self.data.view(np.ndarray)
             dt = np.dtype(dtype)
-            count = int(count)
-            raw = flat[offset : offset + dt.itemsize * count]
-            if raw.size != dt.itemsize * count:
+            raw = self._flat[offset : offset + dt.itemsize * int(count)]
+            if raw.size != dt.itemsize * int(count):
                 raise ValueError(f"a field at byte {offset} runs past the end of the file")
-            out = raw.view(dt)
-            return out.view(dt.newbyteorder(self.byte_order if override_order is None else override_order))
+            return raw.view(dt.newbyteorder(self.byte_order if override_order is None else override_order))
 
     try:
         return BoundedReader(gguf_path)
