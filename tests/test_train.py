@@ -368,16 +368,23 @@ def test_self_prompts_ask_from_the_user_header_of_the_chat_template() -> None:
 def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
     from specserve.cli import main
     from specserve.config import ModelSpec
-    from specserve.models.loader import load_model
+    from specserve.models.loader import load_model, load_tokenizer
 
     out = tmp_path / "head"
     wn = _mini_wordnet(tmp_path / "wn", "a sleeveless garment")
     args = ["--text-passages", "3", "--self-prompts", "5", "--lexicon-prompts", "6", "--lexicon-max-new-tokens", "3"]
+    paragraph = " ".join(f"Sentence {i} of the corpus says something plain." for i in range(8))
+    (tmp_path / "corpus.txt").write_text("\n\n".join(f"{k}: {paragraph}" for k in range(6)))  # passages 0-4, 5
+    args += ["--corpus", str(tmp_path / "corpus.txt"), "--corpus-passages", "5"]
     assert main(["train-draft", "--quick", *args, "--wordnet-dir", str(wn), "--out", str(out)]) == 0
     prov = json.loads((out / "provenance.json").read_text())
     kept = prov["data"]["self_prompts_kept"]
     assert prov["data"]["self_prompts_asked"] == 5 and 1 <= kept <= 5
-    assert prov["data"]["conversations"] == 8 + 3 + 6 + kept and prov["data"]["text_passages"] == 3
+    assert prov["data"]["conversations"] == 8 + 3 + 2 + 6 + kept and prov["data"]["text_passages"] == 3
+    assert prov["data"]["corpus"]["passages"] == 2 and prov["data"]["corpus"]["files"] == [str(tmp_path / "corpus.txt")]
+    tokenizer = load_tokenizer(ModelSpec())
+    corpus_answers = sorted(tokenizer.decode(s.tokens[s.prompt_len :]) for s in iter_samples(out / "work" / "corpus"))
+    assert corpus_answers[0].startswith("0: Sentence 0") and corpus_answers[1].startswith("5: Sentence 0")
     assert prov["data"]["lexicon_prompts"] == 6
     assert len(list((out / "work" / "self").glob("chunk_*.safetensors"))) == 2  # 5 requests in chunks of 4
     answer_lens = {

@@ -32,6 +32,7 @@ from specserve.spec_decode.eagle_head import (
     save_eagle_head,
     weights_path,
 )
+from specserve.train.corpus import corpus_digest, corpus_files, corpus_passages
 from specserve.train.distill import (
     DistillConfig,
     Distiller,
@@ -50,7 +51,7 @@ from specserve.train.self_prompts import AskFn, mt_bench_shingles, self_prompts
 from specserve.train.trainer import TrainConfig, check_starting_head, train_head, write_provenance
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
-NO_DATA = "no training data: ask for seed prompts, text passages, lexicon or self-written prompts"
+NO_DATA = "no training data: ask for seed prompts, text passages, corpus passages, lexicon or self-written prompts"
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,16 @@ class TrainDraftConfig:
     lexicon_prompts: int = 0  # task templates over WordNet's nouns (specserve.train.lexicon_prompts)
     lexicon_max_new_tokens: int = 128  # their answers: shorter, for more prompts per hour
     wordnet_dir: Path = WORDNET_DIR
+    corpus: tuple[Path, ...] = ()  # plain-text files or directories for teacher-forced passages
+    corpus_passages: int = 0  # how many passages to draw from them (specserve.train.corpus)
     quick: bool = False
 
     def __post_init__(self) -> None:
-        if not (self.data.num_prompts or self.text_passages or self.self_prompts or self.lexicon_prompts):
+        data = (self.data.num_prompts, self.text_passages, self.self_prompts, self.lexicon_prompts)
+        if not (any(data) or self.corpus_passages):
             raise SettingsError(NO_DATA)  # before any model loads
+        if bool(self.corpus) != bool(self.corpus_passages):
+            raise SettingsError("corpus passages need corpus paths, and corpus paths a number of passages")
 
     @staticmethod
     def quick_mode(target_name: str) -> TrainDraftConfig:
@@ -104,6 +110,7 @@ def system_prefix_len(tokenizer: PreTrainedTokenizerBase) -> int:
 VOCAB_MAP = "vocab_map.json"
 TEXT_CHUNK = 64  # teacher-forced passages per chunk file
 DEFAULT_BATCH = 64  # conversations generated together
+DEFAULT_CORPUS_PASSAGES = 2048
 ASK_MAX_TOKENS = 128  # a self-written request longer than this is dropped
 
 
@@ -161,6 +168,24 @@ def train_draft(
             aux_layers=aux_layers,
         )
         samples += list(iter_samples(chunks, aux=eagle3))
+    corpus_record = None
+    if cfg.corpus_passages:
+        files = corpus_files(list(cfg.corpus))
+        digest = corpus_digest(files)
+        pairs = corpus_passages(files, cfg.corpus_passages, cfg.data.seed, mt_bench_shingles())
+        corpus_dir = work_dir / "corpus"
+        claim_data_dir(corpus_dir, written | {"prompts": "corpus", "chunk_size": TEXT_CHUNK, "corpus_sha256": digest})
+        chunks = build_text_dataset(
+            target,
+            tokenizer,
+            corpus_dir,
+            pairs,
+            TEXT_CHUNK,
+            progress=lambda d, n: log(f"corpus: {d}/{n} passages"),
+            aux_layers=aux_layers,
+        )
+        samples += list(iter_samples(chunks, aux=eagle3))
+        corpus_record = {"files": [str(f) for f in files], "sha256": digest, "passages": len(pairs)}
     if cfg.lexicon_prompts:
         lexicon_dir = work_dir / "lexicon"
         lexicon = answered | {"max_new_tokens": cfg.lexicon_max_new_tokens, "wordnet_dir": str(cfg.wordnet_dir)}
@@ -239,6 +264,9 @@ def train_draft(
                 "lexicon_source": "specserve.train.lexicon_prompts: task templates filled with WordNet 3.0 nouns "
                 "(Debian wordnet-base, /usr/share/wordnet) seen in its tagged corpus, and their glosses; answered "
                 "greedily; none sharing an 8-word run with MT-bench",
+                "corpus": corpus_record,
+                "corpus_source": "specserve.train.corpus: passages of the named plain-text files as teacher-forced "
+                "answers to generic requests; none sharing an 8-word run with MT-bench",
                 "self_prompts_asked": cfg.self_prompts,
                 "self_prompts_kept": num_self,
                 "self_source": "specserve.train.self_prompts: user requests the target sampled from its chat "
@@ -294,6 +322,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--draft-vocab", type=positive_int, default=None, help="reduced draft vocabulary size (default 8192)"
     )
     p.add_argument("--text-passages", type=non_negative_int, default=0, help="teacher-forced stdlib docstrings to add")
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        default=(),
+        help="plain-text files or directories (.gz/.dz read too) for teacher-forced passages",
+    )
+    p.add_argument(
+        "--corpus-passages", type=non_negative_int, default=None, help="passages drawn from --corpus (default 2048)"
+    )
     p.add_argument(
         "--self-prompts", type=non_negative_int, default=0, help="user requests the target writes itself to ask"
     )
@@ -369,7 +407,13 @@ def run(args: argparse.Namespace) -> int:
         lexicon_prompts=args.lexicon_prompts,
         lexicon_max_new_tokens=args.lexicon_max_new_tokens,
         wordnet_dir=args.wordnet_dir,
+        corpus=tuple(args.corpus),
+        corpus_passages=(DEFAULT_CORPUS_PASSAGES if args.corpus else 0)
+        if args.corpus_passages is None
+        else args.corpus_passages,
     )
+    if cfg.corpus:  # a missing file fails now, not after the other data
+        corpus_files(list(cfg.corpus))
     if cfg.lexicon_prompts:  # found missing only after hours of seed prompts otherwise
         check_wordnet(cfg.wordnet_dir)
     spec = ModelSpec(source=args.model, gemv_copies=False)
