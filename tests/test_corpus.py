@@ -44,7 +44,9 @@ def test_corpus_passages_are_seeded_prefix_stable_and_never_the_evaluation_set(t
     (tmp_path / "a.txt").write_text("\n\n".join(paras[:150]))
     with gzip.open(tmp_path / "b.dict.dz", "wt") as f:  # dictzip is read as gzip
         f.write("\n\n".join(paras[150:]))
-    files = corpus_files([tmp_path])
+    (tmp_path / "a.dat").write_bytes(b"\0\0\x02index")  # under a directory: not text, skipped
+    (tmp_path / "a.u8").symlink_to(tmp_path / "a.txt")  # the same file again: read once
+    files = corpus_files([tmp_path, tmp_path / "a.txt"])
     assert [f.name for f in files] == ["a.txt", "b.dict.dz"]
     banned = shingles(paras[3] + " " + paras[200])  # two paragraphs' 8-word runs, one in each file
     pairs = corpus_passages(files, 1000, seed=5, banned=banned, min_chars=50, max_chars=300)
@@ -68,11 +70,17 @@ def test_corpus_passages_are_seeded_prefix_stable_and_never_the_evaluation_set(t
 def test_bad_corpus_settings_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match="neither a file nor a directory"):
         corpus_files([tmp_path / "missing.txt"])
-    with pytest.raises(CorpusError, match="hold no files"):
+    with pytest.raises(CorpusError, match="hold no text files"):
         corpus_files([tmp_path])
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     with pytest.raises(CorpusError, match=r"latin1\.txt is not UTF-8"):
         corpus_passages(corpus_files([tmp_path]), 1, 0, set(), 1, 100)
+    (tmp_path / "latin1.txt").unlink()
+    (tmp_path / "cut.dz").write_bytes(gzip.compress(b"some text " * 1000)[:-30])
+    with pytest.raises(CorpusError, match=r"cannot read .*cut\.dz"):
+        corpus_files([tmp_path])
+    with pytest.raises(CorpusError, match=r"cannot read .*cut\.dz"):
+        corpus_passages([tmp_path / "cut.dz"], 1, 0, set(), 1, 100)
     with pytest.raises(SettingsError, match="corpus paths a number of passages"):
         TrainDraftConfig("smollm2-135m-instruct", corpus=(tmp_path,))
     with pytest.raises(SettingsError, match="corpus passages need corpus paths"):

@@ -23,6 +23,8 @@ from pathlib import Path
 from specserve.errors import SettingsError
 from specserve.train.self_prompts import shingles
 
+BINARY_PROBE = 8192
+COMPRESSED = (".gz", ".dz")  # dictzip is gzip with an index in its header
 WRAPPED_LINE = 45  # mean characters a line at and above which a paragraph is taken for wrapped prose
 ASKS = (
     "Write a passage.",
@@ -38,24 +40,40 @@ class CorpusError(SettingsError):
 
 
 def corpus_files(paths: list[Path]) -> list[Path]:
-    """The regular files named, directories expanded (recursively, sorted); a path that is not there is an error."""
+    """The files named, directories expanded recursively in sorted order, each file once (a link to a file already
+    listed is dropped). Under a directory, a file with a NUL byte in its first ``BINARY_PROBE`` bytes is not text
+    and is skipped (fortune's ``.dat`` indexes); a path that is not there is an error."""
     out: list[Path] = []
+    seen: set[Path] = set()
     for path in paths:
         if path.is_dir():
-            out += sorted(p for p in path.rglob("*") if p.is_file())
+            found = [p for p in sorted(path.rglob("*")) if p.is_file() and not _binary(p)]
         elif path.is_file():
-            out.append(path)
+            found = [path]
         else:
             raise CorpusError(f"corpus path {path} is neither a file nor a directory")
+        for p in found:
+            if p.resolve() not in seen:
+                seen.add(p.resolve())
+                out.append(p)
     if not out:
-        raise CorpusError("the corpus paths hold no files")
+        raise CorpusError("the corpus paths hold no text files")
     return out
 
 
+def _binary(path: Path) -> bool:
+    try:
+        with gzip.open(path, "rb") if path.suffix in COMPRESSED else path.open("rb") as f:
+            return b"\0" in f.read(BINARY_PROBE)
+    except (OSError, EOFError) as e:
+        raise CorpusError(f"cannot read {path}: {e}") from None
+
+
 def read_text(path: Path) -> str:
-    raw = path.read_bytes()
-    if path.suffix in (".gz", ".dz"):  # dictzip is gzip with an index in the header
-        raw = gzip.decompress(raw)
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix in COMPRESSED else path.read_bytes()
+    except (OSError, EOFError) as e:
+        raise CorpusError(f"cannot read {path}: {e}") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
