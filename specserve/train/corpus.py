@@ -36,7 +36,7 @@ ASKS = (
 
 
 class CorpusError(SettingsError):
-    pass
+    """A corpus path is missing, unreadable or not UTF-8 text."""
 
 
 def corpus_files(paths: list[Path]) -> list[Path]:

@@ -154,37 +154,28 @@ def train_draft(
             distill, tokenizer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations")
         )
         samples += iter_samples(chunks, aux=eagle3)
-    if cfg.text_passages:
-        pairs = text_passages(cfg.text_passages, cfg.data.seed)
-        text_dir = work_dir / "text"
-        claim_data_dir(text_dir, written | {"prompts": "text_passages", "chunk_size": TEXT_CHUNK})
+
+    def teacher_forced(name: str, pairs: list[tuple[str, str]], settings: dict[str, Any]) -> list[Sample]:
+        claim_data_dir(work_dir / name, written | {"chunk_size": TEXT_CHUNK} | settings)
         chunks = build_text_dataset(
             target,
             tokenizer,
-            text_dir,
+            work_dir / name,
             pairs,
             TEXT_CHUNK,
-            progress=lambda d, n: log(f"text: {d}/{n} passages"),
+            progress=lambda d, n: log(f"{name}: {d}/{n} passages"),
             aux_layers=aux_layers,
         )
-        samples += list(iter_samples(chunks, aux=eagle3))
+        return list(iter_samples(chunks, aux=eagle3))
+
+    if cfg.text_passages:
+        samples += teacher_forced("text", text_passages(cfg.text_passages, cfg.data.seed), {"prompts": "text_passages"})
     corpus_record = None
     if cfg.corpus_passages:
         files = corpus_files(list(cfg.corpus))
         digest = corpus_digest(files)
         pairs = corpus_passages(files, cfg.corpus_passages, cfg.data.seed, mt_bench_shingles())
-        corpus_dir = work_dir / "corpus"
-        claim_data_dir(corpus_dir, written | {"prompts": "corpus", "chunk_size": TEXT_CHUNK, "corpus_sha256": digest})
-        chunks = build_text_dataset(
-            target,
-            tokenizer,
-            corpus_dir,
-            pairs,
-            TEXT_CHUNK,
-            progress=lambda d, n: log(f"corpus: {d}/{n} passages"),
-            aux_layers=aux_layers,
-        )
-        samples += list(iter_samples(chunks, aux=eagle3))
+        samples += teacher_forced("corpus", pairs, {"prompts": "corpus", "corpus_sha256": digest})
         corpus_record = {"files": [str(f) for f in files], "sha256": digest, "passages": len(pairs)}
     if cfg.lexicon_prompts:
         lexicon_dir = work_dir / "lexicon"
