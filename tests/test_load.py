@@ -842,8 +842,9 @@ def test_locust_counts_each_broken_answer_as_that_requests_failure(tmp_path: Pat
     env = {**os.environ, "SPECSERVE_WAIT_MAX_S": "0.01", "SPECSERVE_CATEGORIES": "coding"}
     env.pop(ALLOW_REMOTE_ENV, None)
     with serving(_misbehaving_api()) as url:
+        # 20 s: with both cores busy, a 6 s run ended before Locust recorded a request
         cmd = [sys.executable, "-m", "locust", "-f", "load/locustfile.py", "--headless", "-u", "1", "-r", "1"]
-        cmd += ["-t", "6s", "--host", url, "--csv", str(prefix), "--only-summary", "--stop-timeout", "5"]
+        cmd += ["-t", "20s", "--host", url, "--csv", str(prefix), "--only-summary", "--stop-timeout", "5"]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]  # Locust's exit code when requests failed
     with open(f"{prefix}_stats.csv") as f:
