@@ -15,7 +15,13 @@ from specserve.errors import CorruptModelError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
-from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers, load_eagle_head
+from specserve.spec_decode.eagle_head import (
+    EagleHead,
+    EagleHeadConfig,
+    HeadKind,
+    default_aux_layers,
+    load_eagle_head,
+)
 
 H, FF, NH, NKV, D, V = 64, 160, 4, 2, 16, 512  # the tiny target's shapes
 THETA = 10000.0
@@ -540,3 +546,78 @@ def test_a_t2d_that_disagrees_with_d2t_is_refused(tmp_path: Path) -> None:
     for t2d, match in [(moved, "not the 96"), (sd["t2d"][:-1], r"\[512\] bool"), (sd["t2d"].float(), "bool")]:
         with pytest.raises(UnsupportedModelError, match=match):
             load_eagle_head(write_head(tmp_path / "bad", sd | {"t2d": t2d}, cfg), target)
+
+
+def test_aux_layers_listed_out_of_order_are_fused_in_layer_order(tmp_path: Path) -> None:
+    """The target hands the aux features over in layer order (as published EAGLE-3 implementations concatenate
+    them), so a config listing [4, 1, 3] describes the head of [1, 3, 4]; non-integer ids are refused."""
+    target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    sd, base = eagle3_tensors(3, vd=96), {"draft_vocab_size": 96}
+    listed = load_eagle_head(
+        write_head(tmp_path / "a", sd, base | {"eagle_aux_hidden_state_layer_ids": [4, 1, 3]}), target
+    )
+    assert listed.cfg.aux_layers == (1, 3, 4)
+    with pytest.raises(UnsupportedModelError, match="list of layer indices"):
+        load_eagle_head(
+            write_head(tmp_path / "f", sd, base | {"eagle_aux_hidden_state_layer_ids": [0.9, 1.5, 3.2]}), target
+        )
+    with pytest.raises(ValueError, match="ascending"):
+        EagleHeadConfig.model_validate(listed.cfg.model_dump() | {"aux_layers": (4, 1, 3)})
+
+
+def test_checkpoints_that_contradict_themselves_are_refused(tmp_path: Path, target: LlamaModel) -> None:
+    """Config flags and sizes that the tensors contradict, vocabulary maps that do not add up, weights of a type
+    the head cannot compute in, and weights that overflow the dtype they are cast to: each a clear error."""
+    import os
+
+    sd1, sd1b = eagle1_tensors(1, fc_bias=False), eagle1_tensors(1, fc_bias=True)
+    q_bias = {
+        "layers.0.self_attn.q_proj.bias": torch.zeros(NH * D),
+        "layers.0.self_attn.k_proj.bias": torch.zeros(NKV * D),
+        "layers.0.self_attn.v_proj.bias": torch.zeros(NKV * D),
+    }
+    ids = torch.arange(0, V, 4)
+    d2t = ids - torch.arange(len(ids))
+    full_t2d = torch.ones(V, dtype=torch.bool)
+    cases: list[tuple[str, dict[str, torch.Tensor], dict[str, object], type[Exception], str]] = [
+        ("bias_missing", sd1, {"bias": True}, UnsupportedModelError, "bias is true but the checkpoint has no fc.bias"),
+        ("bias_extra", sd1b, {"bias": False}, UnsupportedModelError, "bias is false but the checkpoint has a fc.bias"),
+        ("attn_bias", sd1, {"attention_bias": True}, UnsupportedModelError, "attention_bias is true"),
+        ("attn_extra", sd1 | q_bias, {"attention_bias": False}, UnsupportedModelError, "attention_bias is false"),
+        ("vd_no_map", sd1, {"draft_vocab_size": 100}, UnsupportedModelError, "needs its d2t map"),
+        ("vd_count", sd1 | {"d2t": d2t}, {"draft_vocab_size": 100}, UnsupportedModelError, "d2t has 128 entries"),
+        (
+            "t2d_alone",
+            sd1 | {"t2d": full_t2d.clone().index_fill_(0, torch.arange(10), False)},
+            {},
+            UnsupportedModelError,
+            "t2d marks 502",
+        ),
+        (
+            "t2d_int",
+            sd1
+            | {
+                "d2t": d2t,
+                "t2d": torch.zeros(V, dtype=torch.long).index_fill_(0, ids, 1).index_fill_(0, torch.tensor([1]), 7),
+            },
+            {},
+            UnsupportedModelError,
+            "0/1 integers",
+        ),
+        ("int_weights", {k: (v * 10).long() for k, v in sd1.items()}, {}, UnsupportedModelError, "must be float32"),
+        ("fp8", sd1 | {"fc.weight": sd1["fc.weight"].to(torch.float8_e4m3fn)}, {}, UnsupportedModelError, "float8"),
+        ("huge", sd1, {"intermediate_size": 10**9}, UnsupportedModelError, "intermediate_size is 1000000000"),
+        ("heads", sd1, {"head_dim": 2 * D}, UnsupportedModelError, "num_attention_heads x head_dim"),
+    ]
+    for name, sd, config, error, match in cases:
+        with pytest.raises(error, match=match):
+            load_eagle_head(write_head(tmp_path / name, sd, config), target)
+    big = write_head(tmp_path / "overflow", sd1 | {"fc.weight": sd1["fc.weight"] * 1e6}, {})
+    load_eagle_head(big, target)  # finite in float32 ...
+    with pytest.raises(UnsupportedModelError, match=r"do not fit in torch\.float16"):
+        load_eagle_head(big, target, dtype=torch.float16)  # ... not once cast
+    piped = write_head(tmp_path / "fifo", sd1, {})
+    (piped / "model.safetensors").unlink()
+    os.mkfifo(piped / "model.safetensors")  # a reader would wait on it for ever
+    with pytest.raises(UnsupportedModelError, match=r"no model\.safetensors or pytorch_model\.bin"):
+        load_eagle_head(piped, target)

@@ -95,6 +95,8 @@ class EagleHeadConfig(BaseModel):
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} exceeds the {self.vocab_size}-token vocabulary")
         if len(set(self.aux_layers)) != len(self.aux_layers) or any(i < 0 for i in self.aux_layers):
             raise ValueError(f"aux layers must be distinct layer indices, got {list(self.aux_layers)}")
+        if list(self.aux_layers) != sorted(self.aux_layers):  # the target hands their features over in layer order
+            raise ValueError(f"aux layers must be in ascending order, got {list(self.aux_layers)}")
         return self
 
     @property
@@ -446,7 +448,7 @@ def save_eagle_head(
 def weights_path(path: Path) -> Path:
     """The head's weights file in ``path``: ``model.safetensors``, else ``pytorch_model.bin``."""
     for name in ("model.safetensors", "pytorch_model.bin"):
-        if (Path(path) / name).exists():
+        if (Path(path) / name).is_file():  # (a named pipe or a directory would hang or fail in the reader)
             return Path(path) / name
     raise UnsupportedModelError(f"no model.safetensors or pytorch_model.bin in {path}")
 
@@ -517,7 +519,18 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
     if kind == HeadKind.eagle3:
         eagle_cfg = raw.get("eagle_config") or {}
         ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or raw.get("eagle_aux_hidden_state_layer_ids")
-        aux = tuple(int(i) for i in ids) if ids else default_aux_layers(target.cfg.num_layers)
+        if ids and (not isinstance(ids, list) or not all(type(i) is int for i in ids)):
+            raise UnsupportedModelError(f"eagle_aux_hidden_state_layer_ids must be a list of layer indices, got {ids}")
+        # in layer order whatever order the config lists them in: the order the target computes them, in which
+        # published EAGLE-3 implementations concatenate them for the head's fc (and so does the target here)
+        aux = tuple(sorted(ids)) if ids else default_aux_layers(target.cfg.num_layers)
+    flags = {"bias": ("fc.bias", "fc.bias"), "attention_bias": ("q_proj.bias", f"{prefix}self_attn.q_proj.bias")}
+    for key, (short, name) in flags.items():  # a flag the config states must describe the tensors
+        if isinstance(raw.get(key), bool) and raw[key] != (name in sd):
+            raise UnsupportedModelError(
+                f"config.json says {key} is {str(raw[key]).lower()} but the checkpoint "
+                f"{'has no' if raw[key] else 'has a'} {short}"
+            )
     return EagleHeadConfig(
         kind=kind,
         hidden_size=hidden,
@@ -560,9 +573,7 @@ def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
         raise UnsupportedModelError(f"{path / 'config.json'}: a missing or malformed field ({e!r})") from e
     check_compatible(cfg, target)
-    bad = sorted(k for k, t in sd.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
-    if bad:
-        raise CorruptModelError(f"the head's weights hold NaN or infinite values in {bad}")
+    check_weight_tensors(sd, cfg)
     emb = sd.get("embed_tokens.weight")
     if emb is not None and tuple(emb.shape) != tuple(target.embed_tokens.weight.shape):
         raise UnsupportedModelError(
@@ -578,12 +589,38 @@ def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None
     if trained_for is not None:
         head.trained_for = str(trained_for)
     head = head.to(dtype=dtype or target.dtype)
+    overflow = sorted(n for n, p in head.named_parameters() if not bool(torch.isfinite(p).all()))
+    if overflow:
+        raise UnsupportedModelError(f"the head's {overflow} do not fit in {head.fc.weight.dtype} (infinite once cast)")
     head.eval().requires_grad_(False)
     head.bind(target)
     return head
 
 
 _NOT_WEIGHTS = ("d2t", "t2d", "embed_tokens.weight")
+_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_weight_tensors(sd: dict[str, torch.Tensor], cfg: EagleHeadConfig) -> None:
+    """Before the head is built: weights of a float type torch computes in, finite, and the sizes the config
+    gives matching the tensors' (a config that names huge sizes would otherwise allocate them first)."""
+    odd = sorted(f"{k} ({t.dtype})" for k, t in sd.items() if k not in ("d2t", "t2d") and t.dtype not in _WEIGHT_DTYPES)
+    if odd:
+        raise UnsupportedModelError(f"the head's weights must be float32, float16, bfloat16 or float64: {odd}")
+    bad = sorted(k for k, t in sd.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if bad:
+        raise CorruptModelError(f"the head's weights hold NaN or infinite values in {bad}")
+    prefix = "midlayer." if cfg.kind == HeadKind.eagle3 else "layers.0."
+    sizes = {  # config field: (its value, the tensor and dimension that hold it)
+        "hidden_size": (cfg.hidden_size, "fc.weight", 0),
+        "num_attention_heads x head_dim": (cfg.num_heads * cfg.head_dim, f"{prefix}self_attn.q_proj.weight", 0),
+        "num_key_value_heads x head_dim": (cfg.num_kv_heads * cfg.head_dim, f"{prefix}self_attn.k_proj.weight", 0),
+        "intermediate_size": (cfg.intermediate_size, f"{prefix}mlp.gate_proj.weight", 0),
+    }
+    for field, (value, name, dim) in sizes.items():
+        t = sd.get(name)
+        if t is not None and (t.ndim != 2 or t.shape[dim] != value):
+            raise UnsupportedModelError(f"config.json's {field} is {value}; {name} has shape {tuple(t.shape)}")
 
 
 def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
@@ -633,6 +670,8 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
             raise UnsupportedModelError(
                 f"d2t has {d2t.numel()} entries; lm_head has {head.lm_head.weight.shape[0]} rows"
             )
+        if cfg.draft_vocab_size is not None and d2t.numel() != cfg.draft_vocab_size:
+            raise UnsupportedModelError(f"d2t has {d2t.numel()} entries; draft_vocab_size is {cfg.draft_vocab_size}")
         if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
             raise UnsupportedModelError(f"d2t maps draft ids outside the target's {cfg.vocab_size}-token vocabulary")
         if (repeats := ids.numel() - int(ids.unique().numel())) > 0:  # see valid_draft_ids
@@ -641,14 +680,21 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
             _check_t2d(sd["t2d"], ids, cfg.vocab_size)
         head.draft_ids = ids
         head.cfg = cfg.model_copy(update={"draft_vocab_size": int(ids.numel())})
-    elif cfg.kind == HeadKind.eagle3 and head.lm_head.weight.shape[0] != cfg.vocab_size:
-        raise UnsupportedModelError("an EAGLE-3 head with a reduced vocabulary needs its d2t map")
+    elif head.draft_vocab_size != cfg.vocab_size:
+        raise UnsupportedModelError(
+            f"a head with a reduced vocabulary ({head.draft_vocab_size} of {cfg.vocab_size} ids) needs its d2t map"
+        )
+    elif "t2d" in sd:
+        _check_t2d(sd["t2d"], head.draft_ids, cfg.vocab_size)
 
 
 def _check_t2d(t2d: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> None:
     """``t2d`` ([V] bool: the target ids in the draft vocabulary) must mark exactly the ids ``d2t`` maps to."""
-    if t2d.ndim != 1 or t2d.numel() != vocab_size or t2d.is_floating_point():
-        raise UnsupportedModelError(f"t2d must be a [{vocab_size}] bool tensor, got {t2d.dtype} {tuple(t2d.shape)}")
+    flags = t2d.dtype == torch.bool or (not t2d.is_floating_point() and bool(((t2d == 0) | (t2d == 1)).all()))
+    if t2d.ndim != 1 or t2d.numel() != vocab_size or not flags:
+        raise UnsupportedModelError(
+            f"t2d must be a [{vocab_size}] bool tensor (or 0/1 integers), got {t2d.dtype} {tuple(t2d.shape)}"
+        )
     marked = t2d.bool()
     if int(marked.sum()) != ids.numel() or not bool(marked[ids].all()):
         raise UnsupportedModelError(
