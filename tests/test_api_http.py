@@ -106,6 +106,49 @@ def test_health_answers_within_a_second_while_a_large_prompt_is_tokenised(backen
     assert max(latencies) < 1.0
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (COMPLETIONS, {"model": MODEL, "prompt": [-1] * 1_300_000}, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{}] * 1_300_000}, "messages"),
+    ],
+)
+def test_health_stays_fast_while_a_list_of_bad_items_is_refused(
+    backend: LocalBackend, route: str, body: dict[str, object], param: str
+) -> None:
+    """A list of invalid items filling the body limit is refused at its first bad item: an error per item (1.3 M of
+    them) took pydantic and FastAPI ~30 s to build on the event loop, stalling /health and every stream."""
+    with api_server(backend) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        bad = pool.submit(httpx.post, url + route, json=body, timeout=120.0)
+        time.sleep(0.2)
+        latencies = _health_latencies(url, 1.5)
+        response = bad.result()
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert max(latencies) < 1.0
+
+
+def test_lists_a_request_can_fill_stop_at_their_first_bad_item() -> None:
+    from pydantic import ValidationError
+
+    from specserve.api.schemas import ChatCompletionRequest, CompletionRequest
+
+    bodies = [
+        (CompletionRequest, {"model": MODEL, "prompt": [5, -1, -1, -1]}, ("prompt", "<list>", 1)),
+        (ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user"}, {}, {}, {}]}, ("messages", 1, "role")),
+        (
+            ChatCompletionRequest,
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] + [{}] * 3}]},
+            ("messages", 0, "content", "<list>", 1),
+        ),
+    ]
+    for model, body, where in bodies:
+        with pytest.raises(ValidationError) as e:
+            model.model_validate(body)
+        locs = {err["loc"][: len(where)] for err in e.value.errors()}
+        assert locs == {where}, e.value.errors()  # the first bad item only, not one error per item
+
+
 def test_api_key(backend: LocalBackend) -> None:
     with api_server(backend, api_key=SecretStr("s3cret")) as url:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
