@@ -122,9 +122,13 @@ def test_a_changed_request_is_refused_not_spliced(url: str) -> None:
     assert errors and errors[0]["code"] == "resume_mismatch" and errors[0]["param"] == "resume_from"
     beyond = StreamMark.parse(full[-2]["id"])
     far = StreamMark(beyond.tokens + 5, beyond.text_bytes + 5, beyond.crc).render()
-    past_end = _events(url, COMPLETIONS, {**body, "resume_from": far})
+    past_end = _events(url, COMPLETIONS, {**body, "max_tokens": beyond.tokens + 5, "resume_from": far})
     sent = [e["data"] for e in past_end if e["data"] != "[DONE]"]
     assert sent and all("error" in d for d in sent)  # the error alone: no finish event for a point never reached
+    # past the request's max_tokens the point was never an event of its stream: a 409 before anything is generated
+    r = httpx.post(url + COMPLETIONS, json={**body, "stream": True, "resume_from": far}, timeout=30)
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["code"] == "resume_mismatch" and r.json()["error"]["param"] == "resume_from"
 
 
 @pytest.mark.parametrize(
@@ -274,7 +278,8 @@ def test_an_id_is_checked_on_its_tokens_and_its_text_before_anything_past_it_is_
     marks = [StreamMark.parse(e["id"]) for e in full if "id" in e]
     mid = marks[len(marks) // 2]
     assert 0 < mid.tokens < len(ids)
-    for forged in (StreamMark(0, mid.text_bytes, mid.crc), StreamMark(mid.tokens + 3, mid.text_bytes, mid.crc)):
+    after = min(mid.tokens + 3, len(ids))  # (within max_tokens: past it the id is refused up front)
+    for forged in (StreamMark(0, mid.text_bytes, mid.crc), StreamMark(after, mid.text_bytes, mid.crc)):
         rest = _events(url, COMPLETIONS, {**body, "resume_from": forged.render()})
         assert _errors(rest) == ["resume_mismatch"] and _sent(rest) == ("", [])
     # a token-only point (no text): only the token ids can tell a changed request

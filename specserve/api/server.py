@@ -28,7 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from specserve.api.convert import sampling_params_for, speculation_for, usage_for
-from specserve.api.error_bodies import APIError, ContextLengthError, ModelNotFoundError, OverloadedError, error_body
+from specserve.api.error_bodies import (
+    APIError,
+    ContextLengthError,
+    ModelNotFoundError,
+    OverloadedError,
+    ResumeMismatchError,
+    error_body,
+)
 from specserve.api.http_guard import HTTPOptions, RequestGuard
 from specserve.api.metrics import RequestStatus, ServeMetrics
 from specserve.api.resume import RESUME_PARAM, StreamCursor, StreamMark, StreamPhase
@@ -278,6 +285,12 @@ class _Routes:
                 )
             prompt_ids = await asyncio.to_thread(encode)  # a huge prompt must not stall every other stream
             max_tokens = limit.check(len(prompt_ids), self.backend.max_model_len)
+            if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
+                raise ResumeMismatchError(
+                    f"{RESUME_PARAM} is after output token {resume.tokens}, past this request's limit of "
+                    f"{max_tokens} tokens: not an event of its stream",
+                    param=RESUME_PARAM,
+                )
             params = sampling_params_for(body, max_tokens=max_tokens)
             fmt.seed = params.seed
             spec = speculation_for(body.speculation, self.backend.default_speculation)
