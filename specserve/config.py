@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from specserve.policy import DSDEConfig, SparseTail
 from specserve.validated import Validated
@@ -443,8 +443,23 @@ class EngineConfig(LoopConfig):
 
     target: ModelSpec = ModelSpec()
     draft: DraftSpec | None = None
-    device: str = "cpu"
+    device: str = Field(default="cpu", description="cpu, or a CUDA device this machine has (cuda, cuda:1)")
     freeze_gc: bool = Field(default=False, description=FREEZE_GC_HELP + "; `specserve generate` turns it on")
+
+    @field_validator("device")
+    @classmethod
+    def _present_device(cls, value: str) -> str:
+        try:
+            device = torch.device(value)
+        except RuntimeError as e:
+            raise ValueError(f"{value!r} is not a torch device ({e})") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{value!r}: models run on cpu or cuda, not {device.type}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{value!r}: this torch has no CUDA device")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"{value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return value
 
     @model_validator(mode="after")
     def _draft_for_speculation(self) -> EngineConfig:

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.build import build_step_loop, draft_geometry, eos_ids_of, local_draft_worker
 from specserve.config import EngineConfig, LoopConfig, SpecConfig, SpecMethod
-from specserve.errors import InvalidRequestError, PartialStepError, blamed_sequence
+from specserve.errors import InvalidRequestError, PartialStepError, SettingsError, blamed_sequence
 from specserve.heap import freeze_loaded_objects
 from specserve.limits import context_limits, device_kv_slots
 from specserve.models.llama import LlamaModel
@@ -66,6 +66,9 @@ class Engine:
             suffix_cache_tokens=suffix_cache_tokens,
             gpu_memory_utilization=gpu_memory_utilization,
         )
+        if draft is None and cfg.speculation.needs_model:  # (EngineConfig refuses the same; a request may still
+            # ask for it on a plain engine and gets an InvalidRequestError then)
+            raise SettingsError(f"speculation {cfg.speculation.method.value!r} needs a draft model; none is given")
         draft_positions, draft_vocab = draft_geometry(draft)
         limits = context_limits(
             max_model_len=max_model_len,
@@ -107,6 +110,7 @@ class Engine:
             speculation=config.speculation,
             max_batch_size=config.max_batch_size,
             max_model_len=config.max_model_len,
+            spec_headroom=config.spec_headroom,
             max_step_tokens=config.max_step_tokens,
             throughput_guard=config.throughput_guard,
             suffix_cache_tokens=config.suffix_cache_tokens,

@@ -241,3 +241,28 @@ def test_collect_runs_submitted_requests_in_the_order_given(tiny: LlamaModel) ->
     with pytest.raises(InvalidRequestError, match="req-0"):
         engine.collect([ids[0]])  # finished and consumed
     assert not engine.loop.has_work
+
+
+def test_engine_settings_are_checked_when_the_engine_is_built(
+    tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device that cannot run the models, and speculation that needs a draft model on an engine without one, are
+    refused at construction (not by the model loader's misleading error, nor by every request); ``from_config``
+    passes every loop setting on, ``spec_headroom`` included (it was dropped: 64 whatever the config said)."""
+    import specserve.engine as engine_module
+    from specserve.config import EngineConfig, ModelSpec, SpecConfig, SpecMethod
+    from specserve.errors import SettingsError
+
+    for device in ("foo", "", "meta", "cuda:99"):
+        with pytest.raises(pydantic.ValidationError, match="device"):
+            EngineConfig(device=device)
+    with pytest.raises(SettingsError, match="needs a draft model"):
+        Engine(tiny, None, speculation=SpecConfig(method=SpecMethod.ddd))
+    monkeypatch.setattr(engine_module, "load_model", lambda spec, device="cpu": tiny)
+    monkeypatch.setattr(engine_module, "load_draft", lambda spec, target, device="cpu": tiny)
+    monkeypatch.setattr(engine_module, "load_tokenizer", lambda spec: None)
+    spec = SpecConfig(method=SpecMethod.chain, sl=4)
+    engine = Engine.from_config(EngineConfig(draft=ModelSpec(), speculation=spec, spec_headroom=200))
+    assert engine.loop.spec_headroom == 200
+    wide = SpecConfig(method=SpecMethod.eagle2, budget=100, beam_width=3)  # needs more than the default 64 rows
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), speculation=wide)[0].token_ids

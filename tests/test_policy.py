@@ -208,6 +208,15 @@ def test_calibrate_both_c_and_both_sl_min_rules():
     big = {"sl_min": 1, "sl_hard_max": 32}
     assert calibrate(16, 0.5, 0.5, DSDEConfig(**big)) == (1, 32)
     assert calibrate(16, 0.5, 0.5, DSDEConfig(**big, sl_min_rule=SLMinRule.reference)) == (4, 32)  # ceil(3.2)
+
+
+def test_calibration_c_is_finite_and_a_huge_one_saturates_instead_of_failing_the_sequence():
+    for bad in (math.inf, math.nan, -1.0):
+        with pytest.raises(pydantic.ValidationError, match="calibration_c"):
+            DSDEConfig(calibration_c=bad)
+    huge = DSDEConfig(calibration_c=1e308)  # c mu overflows: float('inf') * 0 was NaN, round(inf) an OverflowError
+    assert calibrate(8, 0.3, 1e-9, huge) == (2, 16)  # as large as SL_hard_max allows
+    assert calibrate(0, 0.3, 1e-9, huge) == (2, 2)  # nothing accepted: SL_min, whatever c
     assert calibrate(16, 0.5, 0.5, DSDEConfig.reference(sl_hard_max=32)) == (3, 24)  # c .5: 16 * 1.5 = 24
 
 

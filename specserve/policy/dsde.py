@@ -72,7 +72,10 @@ class DSDEConfig(Validated):
     )
     sl_min: int = Field(default=2, ge=1, description="SL_min (paper rule) or its floor (reference rule)")
     calibration_c: float = Field(
-        default=1.0, ge=0.0, description="SL_max = round(A_max (1 + c mu / (M + 1e-8))) (reference: 0.5)"
+        default=1.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="SL_max = round(A_max (1 + c mu / (M + 1e-8))) (reference: 0.5)",
     )
     flat_var_eps: float = Field(default=1e-6, gt=0.0, description="long-window variance below this counts as flat")
     flat_kld: FlatKLD = Field(default=FlatKLD.stable, description="WVIR for a flat history: stable=1.0, reference=20.0")
@@ -195,7 +198,8 @@ def calibrate(a_max: int, mu: float, m_max: float, cfg: DSDEConfig) -> tuple[int
 
     `round` is Python's (half to even), as in the reference code.
     """
-    raw = round(a_max * (1.0 + cfg.calibration_c * mu / (m_max + CALIBRATION_EPS)))
+    grown = a_max * (1.0 + cfg.calibration_c * mu / (m_max + CALIBRATION_EPS)) if a_max else 0.0
+    raw = round(grown) if math.isfinite(grown) else cfg.sl_hard_max  # a huge c overflows: as large as allowed
     sl_max = max(cfg.sl_min, min(cfg.sl_hard_max, raw))
     if cfg.sl_min_rule is SLMinRule.reference:
         return min(sl_max, max(cfg.sl_min, math.ceil(0.1 * sl_max))), sl_max
