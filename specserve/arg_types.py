@@ -68,6 +68,8 @@ def out_dir_arg(text: str) -> Path:
 
 
 def out_file_arg(text: str) -> Path:
-    """``--out`` naming a file: its directory as ``out_dir_arg``."""
+    """``--out`` naming a file: its directory as ``out_dir_arg``, and not a directory itself."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; this --out names the file results go to")
     out_dir_arg(str(Path(text).parent))
     return Path(text)

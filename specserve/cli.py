@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -23,7 +24,7 @@ from specserve.config import (
     default_pair,
     serving_speculation,
 )
-from specserve.errors import SpecServeError, settings_problems
+from specserve.errors import SettingsError, SpecServeError, settings_problems
 from specserve.sampling import SamplingParams
 
 
@@ -48,6 +49,8 @@ def _generate(args: argparse.Namespace) -> int:
     draft = _draft_for(args.draft, target, args.device)
     pair = _pair_for(args.draft, target, args.device)
     speculation = serving_speculation(pair, args.device) if draft is not None else SpecConfig(method=SpecMethod.none)
+    if draft is None and args.method is not None:
+        raise SettingsError(f"--method {args.method} needs a draft; --draft {args.draft} gives none for this model")
     if draft is not None and args.method is not None:
         speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
     engine = Engine.from_config(
@@ -156,13 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # (a reader gone away shows here, not at the interpreter's exit)
+        return status
     except SpecServeError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
     except pydantic.ValidationError as e:  # an argument out of a setting's range (--max-tokens 0, --top-p 2)
         print(f"specserve: error: invalid arguments: {settings_problems(e)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error when Python flushes)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from specserve.cli import main
         (["--top-p", "2"], "top_p"),
         (["--temperature", "-1"], "temperature"),
         (["--device", "bogus"], "'bogus' is not a torch device"),
+        (["--draft", "none", "--method", "ddd"], "--method ddd needs a draft"),  # was ignored: plain decoding
     ],
 )
 def test_bad_generate_arguments_are_usage_errors(
@@ -47,6 +48,12 @@ def test_bad_generate_arguments_are_usage_errors(
         (["train-draft", "--out", "x", "--epochs", "0"], "argument --epochs: must be at least 1, not 0"),
         (["train-draft", "--out", "x", "--prompts", "-1"], "argument --prompts: must be at least 0, not -1"),
         (["train-draft", "--out", "x", "--prompts", "0"], "no training data"),
+        (["train-draft", "--out", "x", "--seed", str(1 << 40)], "argument --seed: must be below 2^32"),
+        (["train-draft", "--out", "x", "--lr", "inf"], "argument --lr: must be a positive finite number"),
+        (["train-draft", "--out", "x", "--work-dir", __file__], "is not a directory results can be written to"),
+        (["bench", "attention", "--heads", "9", "--kv-heads", "4"], "--heads 9 is not a multiple of --kv-heads 4"),
+        (["bench", "overhead", "--out", str(Path(__file__).parent)], "is a directory; this --out names the file"),
+        (["bench", "llamacpp", "--workdir", __file__], "is not a directory results can be written to"),
     ],
 )
 def test_bad_bench_and_training_arguments_are_usage_errors(
@@ -139,3 +146,33 @@ def test_train_draft_without_wordnet_fails_before_loading_the_target(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "WordNet not found" in err and "Traceback" not in err, err
+
+
+def test_a_prompts_file_that_is_not_utf8_or_has_an_infinite_id_is_a_clear_error(tmp_path: Path) -> None:
+    from specserve.bench.prompt_sets import load_prompts
+    from specserve.errors import InvalidRequestError
+
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(InvalidRequestError, match="cannot read the prompts file"):
+        load_prompts(binary)
+    infinite = tmp_path / "inf.jsonl"
+    infinite.write_text('{"question_id": Infinity, "category": "x", "turns": ["hi"]}\n')
+    with pytest.raises(InvalidRequestError, match="line 1: want a JSON object"):
+        load_prompts(infinite)
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback() -> None:
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # `specserve ... | head -c 1` once head has exited
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "specserve.cli", "models", "list"], stdout=write, stderr=subprocess.PIPE, timeout=120
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1 and b"Traceback" not in done.stderr and b"BrokenPipeError" not in done.stderr, done

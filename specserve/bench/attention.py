@@ -19,6 +19,7 @@ import torch
 from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.bench.stats import markdown_table, write_csv
+from specserve.errors import SettingsError
 from specserve.models.attention import attention
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
@@ -38,6 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.heads % args.kv_heads:
+        raise SettingsError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     ext = extension()
     if not ext.attention_supported(args.head_dim):
         print(f"the attention kernel does not run head dim {args.head_dim} on this CPU")

@@ -57,7 +57,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rounds", type=positive_int, default=3, help="alternating llama.cpp / runner rounds; medians reported"
     )
-    p.add_argument("--workdir", type=Path, default=None, help="default: <cache>/llamacpp")
+    p.add_argument("--workdir", type=out_dir_arg, default=None, help="default: <cache>/llamacpp")
     p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/llamacpp"))
 
 

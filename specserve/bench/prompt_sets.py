@@ -42,7 +42,7 @@ def load_prompts(path: Path, limit: int | None = None) -> list[BenchPrompt]:
     """Prompts from a JSONL file in the MT-bench layout (the first turn of each)."""
     try:
         raw = Path(path).read_text()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise InvalidRequestError(f"cannot read the prompts file {path}: {e}") from e
     out = parse_prompts(raw, str(path))
     return out[:limit] if limit is not None else out
@@ -59,7 +59,7 @@ def parse_prompts(raw: str, name: str) -> list[BenchPrompt]:
             if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
                 raise ValueError("'turns' must be a non-empty list of strings")
             out.append(BenchPrompt(int(r["question_id"]), str(r["category"]), turns[0]))
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError) as e:
             raise InvalidRequestError(
                 f"{name} line {n}: want a JSON object with question_id, category and turns ({e})"
             ) from e

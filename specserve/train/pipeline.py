@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import platform
 import sys
 import time
@@ -295,8 +296,16 @@ def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """``--seed``: 0 to 2^32 - 1 (the trainer derives per-step torch seeds from it, which must stay in 64 bits)."""
+    value = non_negative_int(text)
+    if value >= 1 << 32:
+        raise argparse.ArgumentTypeError(f"must be below 2^32, got {text}")
     return value
 
 
@@ -305,7 +314,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", type=out_dir_arg, required=True, help="directory for the head (model.safetensors, config.json)"
     )
-    p.add_argument("--work-dir", type=Path, default=None, help="data and checkpoints (default: OUT/work)")
+    p.add_argument("--work-dir", type=out_dir_arg, default=None, help="data and checkpoints (default: OUT/work)")
     p.add_argument("--prompts", type=non_negative_int, default=None, help="self-distillation prompts (default 1280)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None)
     p.add_argument("--epochs", type=positive_int, default=None)
@@ -348,7 +357,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lr", type=_positive_float, default=None, help="peak learning rate (default 6e-4; lower to fine-tune)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument(
         "--batch-size",
         type=positive_int,
