@@ -42,13 +42,26 @@ def device_arg(text: str) -> str:
     return text
 
 
+def device_problem(text: str) -> str | None:
+    """Why models cannot run on the device ``text`` names (None: the CPU, or a CUDA device this machine has)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        return f"{text!r} is not a torch device ({e})"
+    if device.type not in ("cpu", "cuda"):
+        return f"{text!r}: models run on cpu or cuda, not {device.type}"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"{text!r}: this torch has no CUDA device"
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def present_device_arg(text: str) -> str:
     """``--device`` for a command that runs models on it: the CPU, or a CUDA device this machine has."""
-    kind = torch.device(device_arg(text)).type
-    if kind not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: models run on cpu or cuda, not {kind}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: this torch has no CUDA device")
+    problem = device_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from specserve.arg_types import device_problem
 from specserve.policy import DSDEConfig, SparseTail
 from specserve.validated import Validated
 
@@ -449,16 +450,9 @@ class EngineConfig(LoopConfig):
     @field_validator("device")
     @classmethod
     def _present_device(cls, value: str) -> str:
-        try:
-            device = torch.device(value)
-        except RuntimeError as e:
-            raise ValueError(f"{value!r} is not a torch device ({e})") from None
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{value!r}: models run on cpu or cuda, not {device.type}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"{value!r}: this torch has no CUDA device")
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"{value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        problem = device_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")

@@ -611,15 +611,15 @@ def check_weight_tensors(sd: dict[str, torch.Tensor], cfg: EagleHeadConfig) -> N
     if bad:
         raise CorruptModelError(f"the head's weights hold NaN or infinite values in {bad}")
     prefix = "midlayer." if cfg.kind == HeadKind.eagle3 else "layers.0."
-    sizes = {  # config field: (its value, the tensor and dimension that hold it)
-        "hidden_size": (cfg.hidden_size, "fc.weight", 0),
-        "num_attention_heads x head_dim": (cfg.num_heads * cfg.head_dim, f"{prefix}self_attn.q_proj.weight", 0),
-        "num_key_value_heads x head_dim": (cfg.num_kv_heads * cfg.head_dim, f"{prefix}self_attn.k_proj.weight", 0),
-        "intermediate_size": (cfg.intermediate_size, f"{prefix}mlp.gate_proj.weight", 0),
+    rows = {  # config field: (its value, the tensor whose rows it counts)
+        "hidden_size": (cfg.hidden_size, "fc.weight"),
+        "num_attention_heads x head_dim": (cfg.num_heads * cfg.head_dim, f"{prefix}self_attn.q_proj.weight"),
+        "num_key_value_heads x head_dim": (cfg.num_kv_heads * cfg.head_dim, f"{prefix}self_attn.k_proj.weight"),
+        "intermediate_size": (cfg.intermediate_size, f"{prefix}mlp.gate_proj.weight"),
     }
-    for field, (value, name, dim) in sizes.items():
+    for field, (value, name) in rows.items():
         t = sd.get(name)
-        if t is not None and (t.ndim != 2 or t.shape[dim] != value):
+        if t is not None and (t.ndim != 2 or t.shape[0] != value):
             raise UnsupportedModelError(f"config.json's {field} is {value}; {name} has shape {tuple(t.shape)}")
 
 
