@@ -52,7 +52,7 @@ def device_problem(text: str) -> str | None:
         return f"{text!r}: models run on cpu or cuda, not {device.type}"
     if device.type == "cuda" and not torch.cuda.is_available():
         return f"{text!r}: this torch has no CUDA device"
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         return f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
     return None
 
