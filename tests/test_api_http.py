@@ -21,6 +21,7 @@ from tests.api_backend import MODEL, LocalBackend, api_server
 REPO = Path(__file__).resolve().parents[1]
 COMPLETIONS = "/v1/completions"
 OK_BODY = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+CHAT_OK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +196,25 @@ def test_single_machine_configs_bind_loopback() -> None:
         for app in doc["applications"]:
             args = AppArgs.model_validate(app["args"])
             assert not args.debug_routes and args.api_key is None, path
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, "/v1/chat/completions"])
+def test_a_body_that_is_not_a_json_object_is_named_as_such(backend: LocalBackend, path: str) -> None:
+    """Every way a body can fail to be a JSON object is a 400 with code invalid_json and a message saying which:
+    bytes that are not UTF-8 (FastAPI's own 'error parsing the body' had no code), an empty body, a JSON array, or
+    JSON sent under another Content-Type (as `curl -d` does), which FastAPI does not parse at all."""
+    json_ct = {"content-type": "application/json"}
+    cases = [
+        (b'\xff\xfe{"model": "tiny"}', json_ct, "not valid JSON"),
+        (b'{"model":', json_ct, "not valid JSON"),
+        (b"", json_ct, "empty"),
+        (b"[1, 2]", json_ct, "must be a JSON object"),
+        (b'{"model": "tiny", "prompt": "a"}', {"content-type": "application/x-www-form-urlencoded"}, "Content-Type"),
+        (b'{"model": "tiny", "prompt": "a"}', {"content-type": "text/plain"}, "text/plain"),
+    ]
+    with api_server(backend) as url:
+        for content, headers, words in cases:
+            r = httpx.post(url + path, content=content, headers=headers)
+            error = _error(r, 400, "invalid_json")
+            assert words in str(error["message"]), (content, error)
+        assert httpx.post(url + path, json=OK_BODY if path == COMPLETIONS else CHAT_OK).status_code == 200

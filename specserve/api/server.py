@@ -508,13 +508,12 @@ class _ChatFormat:
 def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
     """Bad input of any kind becomes a 4xx with OpenAI's error body; anything else a 500 with the same shape."""
 
-    async def request_validation(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+    async def request_validation(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
         metrics.request_done(RequestStatus.invalid)
         errors = [dict(e) for e in exc.errors()]
-        if any(e.get("type") == "json_invalid" for e in errors):
-            body = error_body(
-                "the request body is not valid JSON", ErrorType.invalid_request, code=ErrorCode.invalid_json
-            )
+        problem = _body_problem(errors, request.headers.get("content-type"))
+        if problem is not None:
+            body = error_body(problem, ErrorType.invalid_request, code=ErrorCode.invalid_json)
             return _error(HTTPStatus.BAD_REQUEST, body)
         return _error(HTTPStatus.BAD_REQUEST, _validation_body(errors))
 
@@ -532,6 +531,10 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
 
     async def http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
         status = HTTPStatus(exc.status_code)
+        if status == HTTPStatus.BAD_REQUEST and exc.detail == _FASTAPI_BODY_PARSE_ERROR:  # bytes that are not UTF-8
+            metrics.request_done(RequestStatus.invalid)
+            body = error_body(_NOT_JSON, ErrorType.invalid_request, code=ErrorCode.invalid_json)
+            return _error(status, body)
         codes = {HTTPStatus.NOT_FOUND: ErrorCode.not_found, HTTPStatus.METHOD_NOT_ALLOWED: ErrorCode.method_not_allowed}
         type_ = ErrorType.not_found if status == HTTPStatus.NOT_FOUND else ErrorType.invalid_request
         if status >= HTTPStatus.INTERNAL_SERVER_ERROR:
@@ -550,6 +553,29 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
     api.add_exception_handler(InvalidRequestError, invalid_request)  # type: ignore[arg-type]
     api.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
     api.add_exception_handler(Exception, internal_error)
+
+
+_NOT_JSON = "the request body is not valid JSON (UTF-8 text)"
+_FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
+_NOT_AN_OBJECT = {"model_attributes_type", "dict_type", "model_type"}
+
+
+def _body_problem(errors: list[dict[str, Any]], content_type: str | None) -> str | None:
+    """A message for a body that is not a JSON object at all (rather than an object with bad fields), or None."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return _NOT_JSON
+    whole = [e for e in errors if tuple(e.get("loc", ())) == ("body",)]
+    if not whole:
+        return None
+    if whole[0].get("type") == "missing":
+        return "the request body is empty: send a JSON object"
+    if whole[0].get("type") in _NOT_AN_OBJECT:
+        media = (content_type or "").split(";")[0].strip().lower()
+        if not (media == "application/json" or media.endswith("+json")):
+            sent = media or "none"
+            return f"the request body must be a JSON object sent as Content-Type: application/json (got {sent})"
+        return "the request body must be a JSON object"
+    return None
 
 
 def _error(status: HTTPStatus, body: BaseModel, headers: dict[str, str] | None = None) -> JSONResponse:
