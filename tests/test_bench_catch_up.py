@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from specserve.bench.catch_up import ScriptedGuard, acceptance, methods, switch_cost
+from specserve.bench.catch_up import ScriptedGuard, acceptance, check_switch_fits, methods, switch_cost
+from specserve.errors import SettingsError
 from specserve.models.tiny import tiny_model
 from specserve.workers.head_draft import HeadDraftWorker
 from tests.test_head_drafter import random_head
@@ -70,3 +71,32 @@ def test_switch_cost_times_the_catch_up_step(monkeypatch: pytest.MonkeyPatch) ->
     assert wide["switch_ms"] - narrow["switch_ms"] > 1e3 * per_row * 3 * (21 - 4) * 0.8  # 3 x 17 more rows caught up
     assert narrow["switch_ms"] - narrow["spec_ms"] > 1e3 * per_row * 3 * (4 - 2) * 0.8  # 4 rows vs at most 2 a step
     assert all(r["plain_ms"] < r["spec_ms"] for r in rows)  # no catch-up in plain steps
+
+
+def test_a_switch_past_the_context_is_refused_before_any_run() -> None:
+    """--switch-after beyond the context ended in an IndexError after the whole acceptance phase; the check now
+    runs first (run) and in switch_cost itself, naming the flag."""
+    target = tiny_model(seed=0)
+    head = random_head(target)
+    prompts = [[5, 9, 33, 71, 2 + i] * 3 for i in range(2)]  # 15 tokens
+    with pytest.raises(SettingsError, match="--switch-after 100"):
+        switch_cost(target, head, prompts, methods(0.0)["DDD"], [64], after=100, repeats=1, max_model_len=128)
+    with pytest.raises(SettingsError, match="--switch-after"):
+        check_switch_fits(prompts, 100, methods(0.0)["DDD"], 128)
+    check_switch_fits(prompts, 80, methods(0.0)["DDD"], 128)  # 15 + 80 + 24 steps + a tree of 6 fit in 128
+
+
+@pytest.mark.parametrize("flag", ["--windows", "--switch-windows"])
+def test_a_window_out_of_range_is_a_usage_error_before_the_model_loads(
+    flag: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specserve.bench import catch_up
+    from specserve.cli import main
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded before the windows were checked")
+
+    monkeypatch.setattr(catch_up, "load_model", no_load)
+    assert main(["bench", "catch-up", flag, str(1 << 21), "--out", "/tmp"]) == 2
+    err = capsys.readouterr().err
+    assert "catch_up_window" in err and "Traceback" not in err, err

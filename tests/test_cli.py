@@ -176,3 +176,23 @@ def test_a_reader_that_goes_away_ends_the_command_without_a_traceback() -> None:
     finally:
         os.close(write)
     assert done.returncode == 1 and b"Traceback" not in done.stderr and b"BrokenPipeError" not in done.stderr, done
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "attention", "--batch-sizes", "100000000"], "--batch-sizes x (--context + --tokens) needs"),
+        (["bench", "attention", "--context", "100000000"], "GiB available here"),
+        (["bench", "lm-head", "--tiny", "--evict-mb", "100000000"], "--evict-mb 100000000 needs"),
+        (["bench", "lm-head", "--tiny", "--rows", "100000000"], "--rows 100000000 needs"),
+        (["bench", "agreement", "--sets", "seeds", "--seed-offset", "1000000000000"], "at most their first"),
+    ],
+)
+def test_bench_sizes_beyond_this_machine_are_refused_before_allocating(
+    argv: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Sizes no host has ended in an allocator traceback (or a kernel OOM kill), and a seed offset of 1e12
+    enumerated prompts for ever: each is now a one-line error before the work."""
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err

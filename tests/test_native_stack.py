@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +23,14 @@ from specserve.models.llama import (
     attach_row_padding,
     quantize_int8_dynamic,
 )
-from specserve.models.native_stack import NativeStackUnavailable, attach_native_stack, build_stack, extension
+from specserve.models.native_stack import (
+    TORCH_BATON,
+    NativeStackUnavailable,
+    attach_native_stack,
+    build_stack,
+    extension,
+    extension_build_dir,
+)
 from specserve.models.q4 import Q4Blocks, Q4Linear
 from specserve.models.tiny import tiny_config, tiny_model
 
@@ -281,3 +291,20 @@ def test_fused_kv_write_refuses_positions_outside_the_cache() -> None:
     bad = dataclasses.replace(batch, write_pos=torch.tensor([7, 8]))
     with pytest.raises(RuntimeError, match="outside the cache"):
         model(bad, cache)
+
+
+def test_a_lock_left_by_a_killed_load_does_not_hang_the_next_process() -> None:
+    """torch's build lock is a plain file: a process killed while loading the extension (a timeout, a killed
+    actor) left it behind, and every later process then waited for it for ever (found with a stale lock here)."""
+    baton = extension_build_dir() / TORCH_BATON
+    baton.touch()
+    try:
+        code = "from specserve.models.native_stack import extension; extension(); print('loaded')"
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+            timeout=180,
+        )  # fmt: skip
+        assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+        assert not baton.exists()
+    finally:
+        baton.unlink(missing_ok=True)

@@ -40,6 +40,7 @@ from specserve.train.trainer import TrainConfig, ttt_loss
 SETS = ("mt-bench", "seeds", "lexicon")
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99)  # lower edges of the target-probability buckets
 FIRST_HELD_OUT = {"seeds": 3900, "lexicon": 9600}  # the least offsets, for heads whose data is not on record
+MAX_GENERATED_PROMPTS = 200_000  # seed_prompts(100_000) takes ~11 s to enumerate; the offsets' upper bound
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -181,9 +182,16 @@ def held_out_offsets(args: argparse.Namespace) -> dict[str, int]:
                 f"--{'seed' if name == 'seeds' else name}-offset {offset} is inside a compared head's "
                 f"{trained[name]} training prompts: those prompts are not held out"
             )
-    return {
+    offsets = {
         name: max(trained[name], FIRST_HELD_OUT[name]) if offset is None else offset for name, offset in given.items()
     }
+    for name in set(args.sets) & set(offsets):
+        if offsets[name] + args.per_set > MAX_GENERATED_PROMPTS:
+            raise InvalidRequestError(
+                f"{name} prompts {offsets[name]}..{offsets[name] + args.per_set - 1}: the generated sets are "
+                f"enumerated from their start, and this command reads at most their first {MAX_GENERATED_PROMPTS}"
+            )
+    return offsets
 
 
 def set_prompts(name: str, n: int, offsets: dict[str, int], by_category: bool = False) -> list[tuple[str, str]]:
@@ -195,7 +203,10 @@ def set_prompts(name: str, n: int, offsets: dict[str, int], by_category: bool = 
         turns = [p.text for p in mt_bench_prompts()]
         return [(t, name) for t in turns[:: max(1, len(turns) // n)][:n]]
     make = seed_prompts if name == "seeds" else lexicon_prompts
-    return [(t, name) for t in make(offsets[name] + n, 0)[offsets[name] :]]
+    picked = [(t, name) for t in make(offsets[name] + n, 0)[offsets[name] :]]
+    if len(picked) < n:
+        raise InvalidRequestError(f"the {name} set has fewer than {offsets[name] + n} distinct prompts")
+    return picked
 
 
 def agreement_rows(

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
-from specserve.bench.machine import cpu_summary
+from specserve.bench.machine import check_fits, cpu_summary
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.errors import SettingsError
 from specserve.models.attention import attention
@@ -41,6 +41,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.heads % args.kv_heads:
         raise SettingsError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    b, q_len = max(args.batch_sizes), max(args.tokens)
+    kv = 2 * b * (args.context + q_len) * args.kv_heads * args.head_dim  # K and V, float32
+    check_fits(4 * (kv + 3 * b * q_len * args.heads * args.head_dim), "--batch-sizes x (--context + --tokens)")
     ext = extension()
     if not ext.attention_supported(args.head_dim):
         print(f"the attention kernel does not run head dim {args.head_dim} on this CPU")

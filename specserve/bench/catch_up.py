@@ -23,6 +23,7 @@ from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.errors import SettingsError
 from specserve.guard import Outlook, ThroughputGuard
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
@@ -30,6 +31,8 @@ from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead
 
 PAIR = "smollm2-eagle"
+MAX_MODEL_LEN = 1024
+SWITCH_TAIL = 24  # steps timed after the switch
 
 
 class ScriptedGuard(ThroughputGuard):
@@ -79,7 +82,7 @@ def acceptance(
     max_tokens: int,
     *,
     eos_token_ids: set[int],
-    max_model_len: int = 1024,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> list[dict[str, object]]:
     """Per (method, period, window): drafted tokens accepted per speculative step, summed over the prompts, one
     at a time (greedy: deterministic)."""
@@ -108,6 +111,15 @@ def acceptance(
     return rows
 
 
+def check_switch_fits(prompts: Sequence[list[int]], after: int, spec: SpecConfig, max_model_len: int) -> None:
+    longest = max(len(p) for p in prompts)
+    if longest + after + SWITCH_TAIL + spec.budget > max_model_len:
+        raise SettingsError(
+            f"--switch-after {after}: the longest prompt ({longest} tokens) would run past the {max_model_len}-token "
+            f"context before the {SWITCH_TAIL} steps timed after the switch"
+        )
+
+
 def switch_cost(
     target: LlamaModel,
     head: EagleHead,
@@ -117,11 +129,12 @@ def switch_cost(
     after: int,
     repeats: int,
     *,
-    max_model_len: int = 1024,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> list[dict[str, object]]:
     """Per window, medians over ``repeats`` runs (windows interleaved): the switch step's seconds after ``after``
     plain steps of the whole batch, a plain step's and a speculative step's after the switch."""
-    params = SamplingParams(max_tokens=after + 24, temperature=0.0, ignore_eos=True)
+    check_switch_fits(prompts, after, spec, max_model_len)
+    params = SamplingParams(max_tokens=after + SWITCH_TAIL, temperature=0.0, ignore_eos=True)
     times: dict[int, list[tuple[float, float, float]]] = {w: [] for w in windows}
     for _ in range(repeats):
         for w in windows:
@@ -159,6 +172,9 @@ def switch_cost(
 
 
 def run(args: argparse.Namespace) -> int:
+    specs = methods(args.tree_min_prob)
+    for w in {*args.windows, *args.switch_windows}:  # (model_copy does not validate: checked before any run)
+        SpecConfig.model_validate({**specs["DDD"].model_dump(), "catch_up_window": w})
     target_spec, head_spec = MODEL_PAIRS[PAIR]
     target = load_model(target_spec)
     head = load_draft(head_spec, target)
@@ -166,12 +182,12 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(target_spec)
     encoder = Engine(target, tokenizer, max_batch_size=1)
     prompts = [encoder.encode(p.text, chat=True) for p in per_category(mt_bench_prompts(), args.per_category)]
-    specs = methods(args.tree_min_prob)
+    batch = (prompts * args.switch_batch)[: args.switch_batch]
+    check_switch_fits(batch, args.switch_after, specs["DDD"], MAX_MODEL_LEN)  # before the acceptance runs
     periods = sorted({0, args.period})
     eos = encoder.loop.eos_token_ids
     rows = acceptance(target, head, prompts, specs, args.windows, periods, args.max_tokens, eos_token_ids=eos)
     print(markdown_table(rows))
-    batch = (prompts * args.switch_batch)[: args.switch_batch]
     cost = switch_cost(target, head, batch, specs["DDD"], args.switch_windows, args.switch_after, args.repeats)
     print(markdown_table(cost))
     write_csv(args.out / "acceptance.csv", rows)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
-from specserve.bench.machine import cpu_summary
+from specserve.bench.machine import check_fits, cpu_summary
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS
 from specserve.models.batch import ForwardBatch
@@ -66,7 +66,9 @@ def _records_argmax(records: object, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_fits(args.evict_mb << 20, f"--evict-mb {args.evict_mb}")
     model = _model(args)
+    check_fits(8 * max(args.rows) * (model.cfg.vocab_size + model.cfg.hidden_size), f"--rows {max(args.rows)}")
     with_q8 = None if args.tiny else _model(args, q8_head_reads=True)
     records = None if with_q8 is None else getattr(with_q8.lm_head, "small_records", None)
     if records is None:

@@ -7,6 +7,7 @@ import os
 import torch
 
 from specserve.cpu import cpu_info
+from specserve.errors import SettingsError
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
@@ -26,3 +27,25 @@ def device_summary(device: str | torch.device) -> str:
         return f"CPU: {cpu_summary()}"
     name = torch.cuda.get_device_name(dev)
     return f"GPU: {name}, CUDA {torch.version.cuda}; host CPU: {cpu_summary()}"
+
+
+def host_available_bytes() -> int:
+    """Memory the host can give this process without swapping (Linux's MemAvailable; sysconf elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """Refuse a benchmark whose arguments ask for more than half the memory available (an allocator traceback, or
+    the kernel's OOM killer, otherwise)."""
+    limit = host_available_bytes() // 2
+    if nbytes > limit:
+        raise SettingsError(
+            f"{what} needs ~{nbytes / 2**30:.1f} GiB, more than half the {2 * limit / 2**30:.1f} GiB available here"
+        )

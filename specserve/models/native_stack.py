@@ -12,6 +12,7 @@ Python loop runs.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -49,36 +50,50 @@ Q8_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # the LM head's
 # No -march: portable code. No contraction: RoPE rounds as the Python loop. OpenMP: at::parallel_for is a header
 # template that runs serially without it, and the kernel's products then used one core (small_gemm.cpp,
 # parallel_threads); linked by soname, it is the libgomp torch already loaded, so one runtime and torch's thread count.
-CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+BUILD_LOCK = "specserve.flock"  # held (flock) by the one process loading or building the extension
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's lock file in the build directory
 
 
 class NativeStackUnavailable(RuntimeError):
     """The C++ stack could not be built or does not cover this model."""
 
 
+def extension_build_dir() -> Path:
+    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    ident = hashlib.sha256(code + f"{torch.__version__} {list(CFLAGS)} {list(LDFLAGS)}".encode()).hexdigest()[:12]
+    return cache_dir() / "extensions" / f"specserve_decoder_stack_{ident}"
+
+
 @functools.cache
 def _build() -> ModuleType | NativeStackUnavailable:
     """The compiled extension, built on first use into the specserve cache (``SPECSERVE_CACHE``) and loaded from
-    there afterwards (torch's file lock keeps concurrent builders apart). The name carries a hash of the source and
-    the torch version and flags, so a changed source or torch never loads a stale build."""
+    there afterwards. The name carries a hash of the source and the torch version and flags, so a changed source or
+    torch never loads a stale build.
+
+    Concurrent processes are kept apart by an ``flock`` on the build directory, which the kernel drops when its
+    holder dies. torch's own lock is a file that a process killed mid-load (a timeout, a killed actor) leaves
+    behind, after which every later load waited for ever: while this process holds the flock no other specserve
+    process is loading, so any such file is stale and is removed."""
     from torch.utils.cpp_extension import load
 
-    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    ident = hashlib.sha256(code + f"{torch.__version__} {CFLAGS} {LDFLAGS}".encode()).hexdigest()[:12]
-    name = f"specserve_decoder_stack_{ident}"
-    build_dir = cache_dir() / "extensions" / name
+    build_dir = extension_build_dir()
+    name = build_dir.name
     start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        module = load(
-            name=name,
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            build_directory=str(build_dir),
-            verbose=os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1",
-        )
+        with open(build_dir / BUILD_LOCK, "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build_dir / TORCH_BATON).unlink(missing_ok=True)
+            module = load(
+                name=name,
+                sources=[str(path) for path in SOURCES],
+                extra_cflags=list(CFLAGS),  # (a copy: torch appends to the lists it is given)
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(build_dir),
+                verbose=os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1",
+            )
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
         return NativeStackUnavailable(f"building {SOURCE.name} failed: {e}")
     log.info("C++ decoder stack ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
