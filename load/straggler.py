@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from load.client import RemoteHostError, StreamStats, check_loopback, parse_sse_line
 from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
-from specserve.arg_types import out_dir_arg, present_device_arg
+from specserve.arg_types import finite_float, out_dir_arg, present_device_arg
 from specserve.bench.batch_sweep import run_one
 from specserve.bench.machine import device_summary
 from specserve.bench.policies import CAP_LABELS, STUDY_POLICIES, PolicyName, check_steps_arg, policy_specs
@@ -602,7 +602,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     d = StudyConfig()
     p = argparse.ArgumentParser(prog="python -m load.straggler", description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", default=d.pair, help=f"{TINY_PAIR!r} or one of {sorted(MODEL_PAIRS)}")
-    p.add_argument("--tiny-noise", type=float, default=d.tiny_noise)
+    p.add_argument("--tiny-noise", type=finite_float, default=d.tiny_noise)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=d.batch_sizes)
     p.add_argument(
         "--policies", nargs="+", default=[x.value for x in d.policies], choices=[x.value for x in PolicyName]
@@ -611,7 +611,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
         "--workloads", nargs="+", default=[w.value for w in d.workloads], choices=[w.value for w in WorkloadKind]
     )
     p.add_argument("--categories", nargs="+", default=d.categories)
-    p.add_argument("--synthetic-mix", type=float, nargs="+", default=d.synthetic_mix)
+    p.add_argument("--synthetic-mix", type=finite_float, nargs="+", default=d.synthetic_mix)
     p.add_argument("--requests-per-slot", type=int, default=d.requests_per_slot)
     p.add_argument("--repeats", type=int, default=d.repeats, help="round-robin passes; medians reported")
     p.add_argument("--min-tokens", type=int, default=d.min_tokens)
@@ -633,10 +633,13 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     )
     paper_x = SpecConfig.model_fields["ddd_threshold"].default
     p.add_argument(
-        "--ddd-x", dest="ddd_threshold", type=float, default=None, help=f"DDD's threshold x (default {paper_x})"
+        "--ddd-x", dest="ddd_threshold", type=finite_float, default=None, help=f"DDD's threshold x (default {paper_x})"
     )
     p.add_argument(
-        "--tree-min-prob", type=float, default=d.tree_min_prob, help="trees: the least path draft probability kept"
+        "--tree-min-prob",
+        type=finite_float,
+        default=d.tree_min_prob,
+        help="trees: the least path draft probability kept",
     )
     p.add_argument(
         "--adaptive-floor", action="store_true", help="trees: measure the floor as they run, from --tree-min-prob"

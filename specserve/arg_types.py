@@ -4,6 +4,7 @@ usage error when parsed, not a traceback from deep inside a run."""
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 from pathlib import Path
 
@@ -24,6 +25,28 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
     return value
+
+
+def finite_float(text: str) -> float:
+    """A real number (nan and inf are usage errors, not values a range check then misreports)."""
+    value = _float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, not {text}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
 def _int(text: str) -> int:

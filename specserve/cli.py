@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import pydantic
 
-from specserve.arg_types import positive_int, present_device_arg
+from specserve.arg_types import finite_float, positive_int, present_device_arg
 from specserve.config import (
+    BUILTIN_HEADS_DIR,
     MODEL_PAIRS,
     SERVING_MAX_STEP_TOKENS,
     SERVING_THROUGHPUT_GUARD,
@@ -92,7 +93,14 @@ def _draft_for(name: str, target: ModelSpec, device: str = "cpu") -> DraftSpec |
     if name in ("none", "auto") or name in MODEL_PAIRS:
         pair = _pair_for(name, target, device)
         return None if pair is None else MODEL_PAIRS[pair][1]
-    return HeadSpec(head=name)
+    head = HeadSpec(head=name)
+    if not head.path().is_dir():
+        shipped = sorted(p.name for p in BUILTIN_HEADS_DIR.iterdir() if p.is_dir())
+        raise SettingsError(
+            f"--draft {name!r} is not 'auto', 'none', a built-in pair ({', '.join(sorted(MODEL_PAIRS))}), a shipped "
+            f"head ({', '.join(shipped)}) or a head directory"
+        )
+    return head
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -121,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     _model_args(g)
     g.add_argument("--max-tokens", type=positive_int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=finite_float, default=0.0)
     g.add_argument("--top-k", type=positive_int, default=None)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=finite_float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")

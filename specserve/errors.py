@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -12,13 +12,16 @@ if TYPE_CHECKING:
     from specserve.sequence import RequestOutput
 
 
-def settings_problems(e: ValidationError, *, as_flags: bool = False) -> str:
-    """A settings error on one line: each field (``--its-flag`` with ``as_flags``) and what is wrong with it."""
+def settings_problems(e: ValidationError, *, as_flags: bool = False, flags: Mapping[str, str] | None = None) -> str:
+    """A settings error on one line: each field (``--its-flag`` with ``as_flags``; the flag ``flags`` names for it
+    where a flag's name is not the field's) and what is wrong with it."""
 
     def describe(loc: tuple[int | str, ...], msg: str) -> str:
         msg = msg.removeprefix("Value error, ")
         if not loc:  # a check across fields: its message names them
             return msg
+        if flags is not None and loc[0] in flags:
+            return f"{flags[str(loc[0])]}: {msg}"
         return f"--{str(loc[0]).replace('_', '-')}: {msg}" if as_flags else f"{'.'.join(map(str, loc))}: {msg}"
 
     return "; ".join(dict.fromkeys(describe(err["loc"], err["msg"]) for err in e.errors()))

@@ -20,6 +20,9 @@ from specserve.cli import main
         (["--temperature", "-1"], "temperature"),
         (["--device", "bogus"], "'bogus' is not a torch device"),
         (["--draft", "none", "--method", "ddd"], "--method ddd needs a draft"),  # was ignored: plain decoding
+        (["--draft", "smollm2-eagel"], "--draft 'smollm2-eagel' is not 'auto'"),  # was "no config.json in ..."
+        (["--temperature", "nan"], "argument --temperature: must be a finite number, not nan"),  # was "<= 100"
+        (["--top-p", "inf"], "argument --top-p: must be a finite number, not inf"),
     ],
 )
 def test_bad_generate_arguments_are_usage_errors(
@@ -39,7 +42,9 @@ def test_bad_generate_arguments_are_usage_errors(
     [
         (["bench", "spec", "--num-prompts", "0"], "argument --num-prompts: must be at least 1, not 0"),
         (["bench", "spec", "--budget", "-1"], "argument --budget: must be at least 0, not -1"),
-        (["bench", "spec", "--budget", "1", "--num-prompts", "1"], "budget: Input should be greater than or equal"),
+        (["bench", "spec", "--budget", "1", "--num-prompts", "1"], "--budget 1: Input should be greater than or equal"),
+        (["bench", "spec", "--ddd-x", "0.5"], "--ddd-x 0.5: Input should be less than or equal"),  # was ddd_threshold
+        (["bench", "spec", "--free-budget", "1"], "--free-budget 1: Input should be greater"),
         (["bench", "catch-up", "--switch-after", "0"], "argument --switch-after: must be at least 1, not 0"),
         (["bench", "catch-up", "--windows", "0"], "argument --windows: must be at least 1, not 0"),
         (["bench", "overhead", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
@@ -54,6 +59,11 @@ def test_bad_generate_arguments_are_usage_errors(
         (["bench", "attention", "--heads", "9", "--kv-heads", "4"], "--heads 9 is not a multiple of --kv-heads 4"),
         (["bench", "overhead", "--out", str(Path(__file__).parent)], "is a directory; this --out names the file"),
         (["bench", "llamacpp", "--workdir", __file__], "is not a directory results can be written to"),
+        (["bench", "spec", "--ddd-x", "nan"], "argument --ddd-x: must be a finite number, not nan"),
+        (["bench", "spec", "--tree-min-prob", "x"], "argument --tree-min-prob: 'x' is not a number"),
+        (["bench", "catch-up", "--tree-min-prob", "inf"], "argument --tree-min-prob: must be a finite number"),
+        (["bench", "batch", "--synthetic-mix", "nan"], "argument --synthetic-mix: must be a finite number"),
+        (["train-draft", "--out", "x", "--lr", "nan"], "argument --lr: must be a positive finite number, not nan"),
     ],
 )
 def test_bad_bench_and_training_arguments_are_usage_errors(

@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
+from specserve.arg_types import finite_float, non_negative_int, out_dir_arg, positive_int
 from specserve.bench.policies import STUDY_POLICIES, PolicyName, policy_specs
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import (
@@ -49,7 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-sl", type=positive_int, default=4, help="the best static SL (from bench spec)")
     p.add_argument("--budget", type=positive_int, default=16, help="tree verify budget T")
     p.add_argument("--beam-width", type=positive_int, default=4)
-    p.add_argument("--synthetic-mix", type=float, nargs="+", default=[0.9, 0.3])
+    p.add_argument("--synthetic-mix", type=finite_float, nargs="+", default=[0.9, 0.3])
     p.add_argument(
         "--max-step-tokens", type=non_negative_int, default=0, help="cap on tokens verified per step (0 = off)"
     )

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
+from specserve.arg_types import finite_float, non_negative_int, out_dir_arg, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, SpecConfig, SpecMethod
@@ -57,7 +57,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--period", type=non_negative_int, default=16, help="plain / speculative stretch length (0: no stretches)"
     )
-    p.add_argument("--tree-min-prob", type=float, default=0.06, help="DDD's fixed floor")
+    p.add_argument("--tree-min-prob", type=finite_float, default=0.06, help="DDD's fixed floor")
     p.add_argument(
         "--switch-windows", type=positive_int, nargs="+", default=[2048, 64], help="windows of the switch table"
     )

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import cast
 
 import torch
+from pydantic import ValidationError
 
-from specserve.arg_types import non_negative_int, out_dir_arg, positive_int, present_device_arg
+from specserve.arg_types import finite_float, non_negative_int, out_dir_arg, positive_int, present_device_arg
 from specserve.bench.machine import device_summary
 from specserve.bench.policies import check_steps_arg
 from specserve.bench.prompt_sets import BenchPrompt, load_prompts, mt_bench_prompts, per_category
@@ -42,7 +43,7 @@ from specserve.config import (
     serving_speculation,
 )
 from specserve.engine import Completion, Engine
-from specserve.errors import SpecServeError
+from specserve.errors import SettingsError, SpecServeError, settings_problems
 from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
@@ -69,10 +70,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=80)
     p.add_argument("--max-tokens", type=positive_int, default=128)
     p.add_argument("--chain-sl", type=positive_int, nargs="+", default=[4])
-    p.add_argument("--ddd-x", type=float, nargs="+", default=[None], help="DDD threshold(s) x (default: config)")
+    p.add_argument("--ddd-x", type=finite_float, nargs="+", default=[None], help="DDD threshold(s) x (default: config)")
     p.add_argument("--beam-width", type=positive_int, default=None, help="EAGLE-2 w (default: SpecConfig)")
     p.add_argument(
-        "--tree-min-prob", type=float, nargs="+", default=[None], help="trees: the least path draft probability kept"
+        "--tree-min-prob",
+        type=finite_float,
+        nargs="+",
+        default=[None],
+        help="trees: the least path draft probability kept",
     )
     p.add_argument(
         "--adaptive-floor",
@@ -550,15 +555,25 @@ def check_settings(args: argparse.Namespace) -> None:
     """The methods' numbers checked as SpecConfig checks them, before any model loads (a pydantic error: a usage
     error of the command line)."""
     given = [
-        *({"sl": sl} for sl in [*args.chain_sl, *args.free_sl]),
-        *({"budget": t} for t in [*args.budget, *args.free_budget] if t),  # 0: auto-tuned
-        *({"ddd_threshold": x} for x in args.ddd_x if x is not None),
-        *({"tree_min_prob": f} for f in args.tree_min_prob if f is not None),
-        *({"tree_depth": d} for d in args.tree_depth if d is not None),
-        {"beam_width": args.beam_width, "ddd_max_depth": args.ddd_max_depth, "model_budget": args.model_budget},
+        *({"sl": (sl, "--chain-sl")} for sl in args.chain_sl),
+        *({"sl": (sl, "--free-sl")} for sl in args.free_sl),
+        *({"budget": (t, "--budget")} for t in args.budget if t),  # 0: auto-tuned
+        *({"budget": (t, "--free-budget")} for t in args.free_budget if t),
+        *({"ddd_threshold": (x, "--ddd-x")} for x in args.ddd_x if x is not None),
+        *({"tree_min_prob": (f, "--tree-min-prob")} for f in args.tree_min_prob if f is not None),
+        *({"tree_depth": (d, "--tree-depth")} for d in args.tree_depth if d is not None),
+        {
+            "beam_width": (args.beam_width, "--beam-width"),
+            "ddd_max_depth": (args.ddd_max_depth, "--ddd-max-depth"),
+            "model_budget": (args.model_budget, "--model-budget"),
+        },
     ]
     for fields in given:
-        SpecConfig(**{k: v for k, v in fields.items() if v is not None})
+        try:
+            SpecConfig(**{k: v for k, (v, _) in fields.items() if v is not None})
+        except ValidationError as e:
+            flags = {k: f"{flag} {v}" for k, (v, flag) in fields.items()}
+            raise SettingsError(f"invalid arguments: {settings_problems(e, flags=flags)}") from None
 
 
 def run(args: argparse.Namespace) -> int:

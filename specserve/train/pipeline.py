@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import platform
 import sys
 import time
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specserve.arg_types import non_negative_int, out_dir_arg, positive_int, present_device_arg
+from specserve.arg_types import non_negative_int, out_dir_arg, positive_float, positive_int, present_device_arg
 from specserve.bench.machine import device_summary
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
@@ -294,13 +293,6 @@ def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str
     return bar
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
 def _seed(text: str) -> int:
     """``--seed``: 0 to 2^32 - 1 (the trainer derives per-step torch seeds from it, which must stay in 64 bits)."""
     value = non_negative_int(text)
@@ -355,7 +347,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="fine-tune this head (shipped name or directory) instead of starting from scratch; keeps its vocabulary",
     )
     p.add_argument(
-        "--lr", type=_positive_float, default=None, help="peak learning rate (default 6e-4; lower to fine-tune)"
+        "--lr", type=positive_float, default=None, help="peak learning rate (default 6e-4; lower to fine-tune)"
     )
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument(
