@@ -143,7 +143,10 @@ class AppArgs(LoopConfig):
     )
     max_request_bytes: int = Field(default=_HTTP_DEFAULTS.max_request_bytes, ge=1, description="larger bodies: 413")
     body_timeout_s: float = Field(
-        default=_HTTP_DEFAULTS.body_timeout_s, gt=0.0, description="a body not received within this: 408"
+        default=_HTTP_DEFAULTS.body_timeout_s,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="a body not received within this: 408",
     )
     api_key: SecretStr | None = Field(
         default=None,
@@ -180,10 +183,16 @@ class AppArgs(LoopConfig):
         description="pause before a moved request goes to a lane still bringing its workers back (doubles each move)",
     )
     worker_start_timeout_s: float = Field(
-        default=900.0, gt=0.0, description="a worker actor that has not loaded its model within this is replaced"
+        default=900.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="a worker actor that has not loaded its model within this is replaced",
     )
     worker_call_timeout_s: float = Field(
-        default=600.0, gt=0.0, description="a worker whose step call has not returned within this is replaced"
+        default=600.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="a worker whose step call has not returned within this is replaced",
     )
     debug_step_delay_s: float = Field(default=0.0, ge=0.0, le=10.0, description="debug: sleep after each lane step")
 
@@ -198,6 +207,11 @@ class AppArgs(LoopConfig):
             raise ValueError(f"unknown model pair {self.pair!r}; choose one of {sorted(MODEL_PAIRS)}")
         if self.speculation.needs_model and not self.has_draft:
             raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
+        if self.speculation.synthetic_accept is not None:
+            raise ValueError(
+                "speculation.synthetic_accept is a benchmark mode whose outputs are not the target's: a deployment "
+                "serves only lossless speculation"
+            )
         if self.speculation.kld_mode != KLDMode.sparse:
             raise ValueError("draft and target run in separate actors: the KLD signal must use kld_mode 'sparse'")
         for role in self.roles if self.tiny is None else []:

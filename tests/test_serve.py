@@ -798,3 +798,16 @@ def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() 
     with pytest.raises(pydantic.ValidationError, match=r"steps of 0\.0001"):
         AppArgs.model_validate({"target_resources": {"num_cpus": 0.00001}})
     assert AppArgs.model_validate({"target": q4, "speculation": {"method": "none"}}).target == ModelSpec(**q4)
+
+
+
+def test_a_deployment_refuses_lossy_speculation_and_endless_timeouts() -> None:
+    """synthetic_accept (a benchmark mode: its tokens are the draft's, unchecked) validated in app.yaml and served
+    wrong text; an infinite worker timeout validated and then failed every request in ray.get."""
+    with pytest.raises(pydantic.ValidationError, match="synthetic_accept is a benchmark mode"):
+        AppArgs.model_validate({"tiny": {}, "speculation": {"method": "chain", "synthetic_accept": 0.99}})
+    for field in ("worker_call_timeout_s", "worker_start_timeout_s", "body_timeout_s"):
+        for value in (float("inf"), float("nan")):
+            with pytest.raises(pydantic.ValidationError, match=field):
+                AppArgs.model_validate({"tiny": {}, field: value})
+        assert getattr(AppArgs.model_validate({"tiny": {}, field: 30.0}), field) == 30.0
