@@ -172,11 +172,17 @@ def is_loopback_host(host: str) -> bool:
 
 
 def check_loopback(url: str | None, *, allow_remote: bool | None = None) -> str:
-    """Return the URL if it targets this machine; raise RemoteHostError otherwise (unless overridden by
-    ``allow_remote`` or the SPECSERVE_ALLOW_REMOTE=1 environment variable)."""
+    """Return the URL (with ``http://`` in front of a bare host:port) if it targets this machine; raise
+    RemoteHostError otherwise (unless overridden by ``allow_remote`` or the SPECSERVE_ALLOW_REMOTE=1 environment
+    variable)."""
     if not url:
         raise RemoteHostError("no target host given: pass --host http://127.0.0.1:8000")
-    parts = urlsplit(url if "://" in url else f"http://{url}")
+    full = url if "://" in url else f"http://{url}"  # a bare host:port means plain HTTP
+    try:
+        parts = urlsplit(full)
+        parts.port  # noqa: B018 (parsing it is the check: 'localhost:abc' raises here)
+    except ValueError as e:
+        raise RemoteHostError(f"cannot read a host from {url!r} ({e}); expected e.g. http://127.0.0.1:8000") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise RemoteHostError(f"cannot read a host from {url!r}; expected e.g. http://127.0.0.1:8000")
     if allow_remote is None:
@@ -186,7 +192,7 @@ def check_loopback(url: str | None, *, allow_remote: bool | None = None) -> str:
             f"refusing to send load to {parts.hostname!r}: only loopback targets (127.0.0.1, ::1, localhost) are "
             f"allowed. Set {ALLOW_REMOTE_ENV}=1 to load a host you own."
         )
-    return url
+    return full
 
 
 class LoadSettings(BaseModel):
@@ -204,9 +210,9 @@ class LoadSettings(BaseModel):
     policy: SLPolicyKind | None = None  # None: the deployment's default SL policy
     record_itl: bool = True
     seed: int = 0
-    timeout_s: float = Field(default=300.0, gt=0.0)
-    wait_min_s: float = Field(default=0.0, ge=0.0)
-    wait_max_s: float = Field(default=0.5, ge=0.0)
+    timeout_s: float = Field(default=300.0, gt=0.0, allow_inf_nan=False)
+    wait_min_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    wait_max_s: float = Field(default=0.5, ge=0.0, allow_inf_nan=False)
 
     @staticmethod
     def parse_categories(spec: str) -> dict[str, float]:

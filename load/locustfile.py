@@ -42,7 +42,7 @@ class Metric(str, Enum):
 @events.init.add_listener
 def _refuse_remote_hosts(environment: Environment, **_: Any) -> None:
     try:
-        check_loopback(environment.host or SpecServeUser.host)
+        environment.host = check_loopback(environment.host or SpecServeUser.host)  # (the runners copy it to users)
     except RemoteHostError as e:
         logging.error("%s", e)
         sys.exit(2)  # SystemExit passes through Locust's event hook

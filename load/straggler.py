@@ -455,6 +455,26 @@ def _stream_one(client: Any, url: str, body: dict[str, Any]) -> StreamStats:
     return stats
 
 
+class ServerError(RuntimeError):
+    """The --url server cannot be reached or does not answer as an OpenAI-style server."""
+
+
+def served_model(client: Any, url: str) -> str:  # client: httpx.Client (imported where used)
+    """The first model id of ``GET {url}/v1/models``, or ServerError saying why there is none."""
+    import httpx
+
+    try:
+        r = client.get(f"{url}/v1/models", timeout=30.0)
+    except httpx.HTTPError as e:
+        raise ServerError(f"cannot reach {url}: {e}") from None
+    if r.status_code != 200:
+        raise ServerError(f"GET {url}/v1/models answered {r.status_code}: {r.text[:200]}")
+    try:
+        return str(r.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerError(f"GET {url}/v1/models did not answer with an OpenAI model list: {r.text[:200]!r}") from None
+
+
 def http_sweep(cfg: StudyConfig) -> list[dict[str, Any]]:
     import httpx
 
@@ -465,7 +485,7 @@ def http_sweep(cfg: StudyConfig) -> list[dict[str, Any]]:
     rows = []
     limits = httpx.Limits(max_connections=max(cfg.batch_sizes) + 4)
     with httpx.Client(timeout=600.0, limits=limits) as client:
-        model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+        model = served_model(client, url)
         todo = [(c, p) for c in cfg.batch_sizes for p in HTTP_POLICIES]
         for i, (conc, pol) in enumerate(todo, 1):
             before = scrape(client, url)
@@ -713,10 +733,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.out.mkdir(parents=True, exist_ok=True)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    if cfg.url is not None:
+    if cfg.url is not None:  # fail before the engine sweep, not after it
+        import httpx
+
         try:
-            check_loopback(cfg.url)  # fail before the engine sweep, not after it
-        except RemoteHostError as e:
+            with httpx.Client() as client:
+                served_model(client, check_loopback(cfg.url))
+        except (RemoteHostError, ServerError) as e:
             print(f"python -m load.straggler: error: --url: {e}", file=sys.stderr)
             return 2
     if cfg.workloads:

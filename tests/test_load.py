@@ -140,7 +140,47 @@ def test_sse_events_and_failures() -> None:
 )
 def test_loopback_accepted(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ALLOW_REMOTE_ENV, raising=False)
-    assert check_loopback(url) == url
+    assert check_loopback(url) == (url if "://" in url else f"http://{url}")  # a bare host:port is plain HTTP
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://localhost:abc", "localhost:99999", "ftp://localhost"])
+def test_a_url_that_names_no_host_is_refused_by_name(url: str) -> None:
+    """Bad URLs ended in tracebacks from urlsplit / httpx (and after the engine sweep for load.straggler)."""
+    with pytest.raises(RemoteHostError, match="cannot read a host"):
+        check_loopback(url)
+
+
+def test_straggler_refuses_a_server_it_cannot_use_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listening, and a server that is not an OpenAI one: a one-line --url error, exit 2 (were an
+    httpx.ConnectError and a JSONDecodeError traceback, after the engine sweep)."""
+    import http.server
+    import threading
+
+    from load.straggler import main
+    from tests.ports import free_port
+
+    assert main(["--url", f"127.0.0.1:{free_port()}", "--http-only", "--out", str(tmp_path)]) == 2
+    assert "--url: cannot reach http://127.0.0.1:" in capsys.readouterr().err
+
+    class NotOpenAI(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>hello</html>")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotOpenAI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert main(["--url", f"http://127.0.0.1:{server.server_port}", "--out", str(tmp_path)]) == 2
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert "did not answer with an OpenAI model list" in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com", "http://0.0.0.0:8000", "http://[::]:80"])
@@ -153,6 +193,13 @@ def test_remote_refused_unless_overridden(url: str, monkeypatch: pytest.MonkeyPa
     assert check_loopback(url) == url
     with pytest.raises(RemoteHostError):
         check_loopback(None)
+
+
+def test_load_settings_refuse_endless_timeouts_and_waits() -> None:
+    for name in ("SPECSERVE_TIMEOUT_S", "SPECSERVE_WAIT_MIN_S", "SPECSERVE_WAIT_MAX_S"):
+        with pytest.raises(ValueError, match=name.removeprefix("SPECSERVE_").lower()):
+            LoadSettings.from_env({name: "inf"})
+    assert LoadSettings.from_env({"SPECSERVE_TIMEOUT_S": "30"}).timeout_s == 30.0
 
 
 def test_load_settings_from_env() -> None:
@@ -844,7 +891,8 @@ def test_locust_counts_each_broken_answer_as_that_requests_failure(tmp_path: Pat
     with serving(_misbehaving_api()) as url:
         # 20 s: with both cores busy, a 6 s run ended before Locust recorded a request
         cmd = [sys.executable, "-m", "locust", "-f", "load/locustfile.py", "--headless", "-u", "1", "-r", "1"]
-        cmd += ["-t", "20s", "--host", url, "--csv", str(prefix), "--only-summary", "--stop-timeout", "5"]
+        host = url.removeprefix("http://")  # a bare host:port is plain HTTP (every request failed with it before)
+        cmd += ["-t", "20s", "--host", host, "--csv", str(prefix), "--only-summary", "--stop-timeout", "5"]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]  # Locust's exit code when requests failed
     with open(f"{prefix}_stats.csv") as f:

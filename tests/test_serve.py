@@ -800,7 +800,6 @@ def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() 
     assert AppArgs.model_validate({"target": q4, "speculation": {"method": "none"}}).target == ModelSpec(**q4)
 
 
-
 def test_a_deployment_refuses_lossy_speculation_and_endless_timeouts() -> None:
     """synthetic_accept (a benchmark mode: its tokens are the draft's, unchecked) validated in app.yaml and served
     wrong text; an infinite worker timeout validated and then failed every request in ray.get."""
