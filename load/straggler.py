@@ -62,13 +62,26 @@ TINY_PAIR = "tiny"
 TINY_BYTE_OFFSET = 3  # the tiny byte-level tokenizer's ids 3..258 are the 256 bytes (deployments/tiny_tokenizer.py)
 
 
+SPEC_FLAGS = {  # the flag that sets each SpecConfig field here
+    "sl": "--static-sl",
+    "max_sl": "--max-sl",
+    "model_max_sl": "--model-max-sl",
+    "model_budget": "--model-budget",
+    "budget": "--budget",
+    "beam_width": "--beam-width",
+    "ddd_check_steps": "--ddd-checks",
+    "ddd_threshold": "--ddd-x",
+    "tree_min_prob": "--tree-min-prob",
+}
+
+
 class StudyConfig(BaseModel):
     """Settings of one sweep (``python -m load.straggler``)."""
 
     model_config = ConfigDict(frozen=True)
 
     pair: str = TINY_PAIR  # "tiny" (random weights + noisy copy) or a name in specserve.config.MODEL_PAIRS
-    tiny_noise: float = Field(default=0.01, ge=0.0, description="tiny draft = target + this relative noise")
+    tiny_noise: float = Field(default=0.01, ge=0.0, le=10.0, description="tiny draft = target + this relative noise")
     batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default=[1, 4, 16], min_length=1)
     policies: list[PolicyName] = Field(default=list(STUDY_POLICIES), min_length=1)
     workloads: list[WorkloadKind] = [WorkloadKind.real, WorkloadKind.synthetic]  # empty: the HTTP sweep only
@@ -112,7 +125,7 @@ class StudyConfig(BaseModel):
         "per run, which pays its exploration each time)",
     )
     freeze_gc: bool = Field(default=True, description="after loading, as serving does (specserve/heap.py)")
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=1 << 63)
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (None: torch's default)")
     device: str = Field(default="cpu", description="where the models run, e.g. cuda")
     dtype: DType | None = Field(default=None, description="every model's dtype (None: the pair's)")
@@ -138,6 +151,11 @@ class StudyConfig(BaseModel):
         known = {p.category for p in mt_bench_prompts()}
         if set(self.categories) - known:
             raise ValueError(f"unknown categories {sorted(set(self.categories) - known)}; known: {sorted(known)}")
+        try:  # each policy's SpecConfig as the engine will check it (model_copy in specs() does not validate)
+            for spec in self.specs().values():
+                SpecConfig.model_validate(spec.model_dump())
+        except ValidationError as e:
+            raise ValueError(settings_problems(e, flags=SPEC_FLAGS)) from None
         return self
 
     @property

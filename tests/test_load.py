@@ -979,3 +979,30 @@ def test_the_straggler_study_refuses_a_remote_url_as_a_usage_error(
     assert straggler.main(["--url", "http://10.0.0.1:8000", "--http-only", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--url: refusing to send load to '10.0.0.1'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--static-sl", "100"], "--static-sl: Input should be less than or equal to 64"),
+        (["--max-sl", "500"], "--max-sl: Input"),
+        (["--model-max-sl", "999"], "--model-max-sl: Input"),
+        (["--beam-width", "100", "--policies", "static"], "--beam-width: Input"),
+        (["--budget", "5000"], "--budget: Input"),
+        (["--model-budget", "99999"], "--model-budget: Input"),
+        (["--seed", str(10**23)], "--seed: Input should be less than"),
+        (["--tiny-noise", "1e300"], "--tiny-noise: Input should be less than or equal to 10"),
+    ],
+)
+def test_straggler_speculation_settings_are_usage_errors_before_any_model_loads(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Values beyond SpecConfig's ranges passed the command line and failed in engine_sweep, after the models
+    loaded (minutes in, for a real pair): max_sl / model_max_sl went in through model_copy, which does not
+    validate; a huge seed overflowed in tiny_model, a huge noise gave NaN weights."""
+    from load import straggler
+
+    with pytest.raises(SystemExit) as exit_:
+        straggler.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err and "Traceback" not in err, err
