@@ -194,7 +194,7 @@ class HeadSpec(Validated):
 
     def path(self) -> Path:
         builtin = BUILTIN_HEADS_DIR / self.head
-        if "/" not in self.head and builtin.is_dir():
+        if "/" not in self.head and self.head not in ("", ".", "..") and builtin.is_dir():  # a shipped head's name
             return builtin
         return Path(self.head).expanduser()
 

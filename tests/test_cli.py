@@ -206,3 +206,20 @@ def test_bench_sizes_beyond_this_machine_are_refused_before_allocating(
     assert main([*argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
+
+
+def test_train_draft_reads_its_corpus_before_loading_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A corpus file named directly that is not UTF-8 failed only after the other data steps (hours in)."""
+    import specserve.models.loader as loader
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target was loaded before the corpus was read")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    argv = ["train-draft", "--out", str(tmp_path / "h"), "--corpus", str(tmp_path / "latin1.txt")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text" in err and "Traceback" not in err, err

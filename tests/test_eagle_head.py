@@ -621,3 +621,12 @@ def test_checkpoints_that_contradict_themselves_are_refused(tmp_path: Path, targ
     os.mkfifo(piped / "model.safetensors")  # a reader would wait on it for ever
     with pytest.raises(UnsupportedModelError, match=r"no model\.safetensors or pytorch_model\.bin"):
         load_eagle_head(piped, target)
+
+
+def test_only_a_shipped_heads_name_resolves_to_the_shipped_heads() -> None:
+    """'.' and '..' named the shipped-heads folder and the package itself (both are folders there)."""
+    from specserve.config import BUILTIN_HEADS_DIR, HeadSpec
+
+    assert HeadSpec(head="smollm2-eagle3").path() == BUILTIN_HEADS_DIR / "smollm2-eagle3"
+    for name in (".", ".."):
+        assert HeadSpec(head=name).path() == Path(name)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specserve.errors import SettingsError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
@@ -566,18 +567,18 @@ def test_agreement_held_out_sets_start_past_the_heads_training_prompts(tmp_path:
     assert (trained["num_prompts"], trained["lexicon_prompts"]) == (3072, 14400)
     unrecorded = tmp_path / "head"  # a head directory without a provenance.json: the fixed least offsets
     unrecorded.mkdir()
-    args = Namespace(heads=["smollm2-eagle3", str(unrecorded)], seed_offset=None, lexicon_offset=None)
-    assert held_out_offsets(args) == {"seeds": 3900, "lexicon": 14400}
-    assert held_out_offsets(Namespace(heads=[str(unrecorded)], seed_offset=None, lexicon_offset=None)) == {
-        "seeds": 3900,
-        "lexicon": 9600,
-    }
-    assert held_out_offsets(Namespace(heads=["smollm2-eagle3"], seed_offset=5000, lexicon_offset=20000)) == {
-        "seeds": 5000,
-        "lexicon": 20000,
-    }
+
+    def ns(heads: list[str], seed_offset: int | None = None, lexicon_offset: int | None = None) -> Namespace:
+        sets = ["mt-bench", "seeds", "lexicon"]
+        return Namespace(heads=heads, seed_offset=seed_offset, lexicon_offset=lexicon_offset, sets=sets, per_set=10)
+
+    assert held_out_offsets(ns(["smollm2-eagle3", str(unrecorded)])) == {"seeds": 3900, "lexicon": 14400}
+    assert held_out_offsets(ns([str(unrecorded)])) == {"seeds": 3900, "lexicon": 9600}
+    assert held_out_offsets(ns(["smollm2-eagle3"], 5000, 20000)) == {"seeds": 5000, "lexicon": 20000}
     with pytest.raises(InvalidRequestError, match="14400 training prompts"):
-        held_out_offsets(Namespace(heads=["smollm2-eagle3"], seed_offset=None, lexicon_offset=9600))
+        held_out_offsets(ns(["smollm2-eagle3"], None, 9600))
+    with pytest.raises(InvalidRequestError, match="at most their first 200000"):  # enumerated for ever before
+        held_out_offsets(ns(["smollm2-eagle3"], 10**12))
 
 
 def test_agreement_by_category_takes_each_categorys_first_turns_and_gives_a_row_each() -> None:
@@ -630,8 +631,14 @@ def test_a_data_directory_is_reused_only_with_its_settings_and_only_its_chunks_a
     chunks = build_dataset(_echo_distiller, tok, out, prompts, DistillConfig(chunk_size=4, max_new_tokens=4))
     assert len(chunks) == 3 and len(list(iter_samples(chunks))) == 10
     claim_data_dir(out, dict(settings))  # the same settings: resumed, more or fewer prompts alike
-    fewer = build_dataset(_echo_distiller, tok, out, prompts[:5], DistillConfig(chunk_size=4, max_new_tokens=4))
-    assert fewer == chunks[:2] and len(list(iter_samples(fewer))) == 8  # its chunks, not every chunk on disk
+    cfg = DistillConfig(chunk_size=4, max_new_tokens=4)
+    fewer = build_dataset(_echo_distiller, tok, out, prompts[:5], cfg)
+    assert fewer == chunks[:2] and len(list(iter_samples(fewer))) == 5  # its chunks, not every chunk on disk
+    # the partial last chunk of one count is not the same chunk of another (a 6- / 8- / 3-conversation mix before)
+    more = build_dataset(_echo_distiller, tok, out, [*prompts, "eleven", "twelve"], cfg)
+    assert [s.tokens[1:-5].tolist() for s in iter_samples(more)] == [
+        [ord(c) % 500 + 3 for c in p] for p in [*prompts, "eleven", "twelve"]
+    ]
     for change in ({"seed": 1}, {"max_new_tokens": 8}, {"chunk_size": 8}, {"aux_layers": (1, 2, 3)}):
         with pytest.raises(ValueError, match=f"{next(iter(change))}: .* there, .* now"):
             claim_data_dir(out, settings | change)
@@ -639,3 +646,48 @@ def test_a_data_directory_is_reused_only_with_its_settings_and_only_its_chunks_a
     (tmp_path / "old" / "chunk_00000.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="without a manifest"):
         claim_data_dir(tmp_path / "old", settings)
+    for text in ("", "[1, 2]", '{"seed": 0'):  # a manifest cut short or not a record: a clear error
+        (tmp_path / "old" / "manifest.json").write_text(text)
+        with pytest.raises(SettingsError, match=r"manifest\.json"):
+            claim_data_dir(tmp_path / "old", settings)
+
+
+class _SpecialChatTokenizer(_ChatTokenizer):
+    all_special_ids = (1, 2)
+    eos_token_id = 2
+
+
+def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_digest(tmp_path: Path) -> None:
+    """train_draft end to end on the tiny target: a fine-tune written over its own starting head records the
+    starting weights' digest (it hashed the new ones); a malformed vocabulary map in the starting head and a draft
+    vocabulary smaller than the forced special ids fail before any data is made (were tracebacks after it)."""
+    from specserve.errors import ModelSourceError
+    from specserve.models.sources import sha256_file
+    from specserve.train.distill import Conversation, DistillConfig
+    from specserve.train.pipeline import TrainDraftConfig, train_draft
+
+    target, tok = _frozen_target(), _SpecialChatTokenizer()
+    asked: list[int] = []
+
+    def distill(prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]):
+        asked.append(len(prompts))
+        convs = [Conversation(p + p[:max_new_tokens], len(p)) for p in prompts]
+        return convs, target_features(target, convs, aux_layers)
+
+    train = TrainConfig(epochs=1, batch_tokens=64, max_len=64, warmup_steps=1, checkpoint_every=100)
+    cfg = TrainDraftConfig("tiny", DistillConfig(num_prompts=4, max_new_tokens=4, chunk_size=4), train, draft_vocab=64)
+    head_dir = tmp_path / "head"
+    train_draft(target, tok, distill, cfg, tmp_path / "w0", head_dir, log=lambda _: None)
+    before = sha256_file(head_dir / "model.safetensors")
+    tuned = replace(cfg, train=replace(train, init_head=head_dir, lr=1e-4))
+    train_draft(target, tok, distill, tuned, tmp_path / "w1", head_dir, log=lambda _: None)
+    provenance = json.loads((head_dir / "provenance.json").read_text())
+    assert provenance["init_head_sha256"] == before != provenance["sha256"]
+
+    asked.clear()
+    (head_dir / "vocab_map.json").write_text('{"by_frequency": [1, 2')
+    with pytest.raises(ModelSourceError, match="vocabulary map"):
+        train_draft(target, tok, distill, tuned, tmp_path / "w2", tmp_path / "h2", log=lambda _: None)
+    with pytest.raises(SettingsError, match="cannot hold the 2 special ids"):
+        train_draft(target, tok, distill, replace(cfg, draft_vocab=1), tmp_path / "w3", tmp_path / "h3")
+    assert asked == []  # no data was made for either

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
@@ -224,10 +225,12 @@ def _distill_chunks(
     chunks = []
     for n in range(-(-total // cfg.chunk_size)):
         path = out / f"chunk_{n:05d}.safetensors"
+        asked = min(cfg.chunk_size, total - n * cfg.chunk_size)
+        _drop_if_other_size(path, asked)
         if not path.exists():
             ids = [chat_ids(tokenizer, p) for p in prompts_of(n)]
             if ids:  # (a chunk of self-written requests may have none left after filtering)
-                write_chunk(path, *distill(ids, cfg.max_new_tokens, cfg.aux_layers))
+                write_chunk(path, *distill(ids, cfg.max_new_tokens, cfg.aux_layers), asked=asked)
         if path.exists():
             chunks.append(path)
         if progress is not None:
@@ -253,18 +256,35 @@ def build_text_dataset(
     for n in range(0, len(pairs), chunk_size):
         path = out / f"chunk_{n // chunk_size:05d}.safetensors"
         chunks.append(path)
+        _drop_if_other_size(path, len(pairs[n : n + chunk_size]))
         if not path.exists():
             convs = []
             for prompt, text in pairs[n : n + chunk_size]:
                 ids = chat_ids(tokenizer, prompt)
                 convs.append(Conversation(ids + tokenizer.encode(text, add_special_tokens=False) + eos, len(ids)))
-            write_chunk(path, convs, target_features(model, convs, aux_layers))
+            write_chunk(path, convs, target_features(model, convs, aux_layers), asked=len(convs))
         if progress is not None:
             progress(min(n + chunk_size, len(pairs)), len(pairs))
     return chunks
 
 
-def write_chunk(path: Path, convs: list[Conversation], feats: Features) -> None:
+def _drop_if_other_size(path: Path, asked: int) -> None:
+    """A chunk on disk written for another number of items (the last, partial chunk of a run with another count)
+    is removed, to be written again: chunk n holds items n*size.. of the run, and a resumed or larger run must not
+    reuse a short one as if it were complete."""
+    if path.exists() and chunk_asked(path) != asked:
+        path.unlink()
+
+
+def chunk_asked(path: Path) -> int:
+    """The items (prompts, passages) a chunk was written for: its ``asked`` metadata, or for chunks written before
+    it was recorded, the conversations it holds."""
+    with safe_open(path, "pt") as f:
+        meta = f.metadata() or {}
+        return int(meta["asked"]) if "asked" in meta else int(f.get_slice("prompt_lens").get_shape()[0])
+
+
+def write_chunk(path: Path, convs: list[Conversation], feats: Features, *, asked: int) -> None:
     lens = [len(c.tokens) for c in convs]
     offsets = torch.tensor([0, *lens]).cumsum(0)
     tensors = {
@@ -276,7 +296,7 @@ def write_chunk(path: Path, convs: list[Conversation], feats: Features) -> None:
     if feats.aux is not None:
         tensors["aux_features"] = torch.cat(feats.aux).contiguous()
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, tmp)
+    save_file(tensors, tmp, metadata={"asked": str(asked)})
     tmp.rename(path)  # a chunk exists only when complete
 
 
@@ -295,7 +315,12 @@ def claim_data_dir(out: Path, settings: dict[str, Any]) -> None:
     manifest = out / "manifest.json"
     settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
     if manifest.exists():
-        held = json.loads(manifest.read_text())
+        try:
+            held = json.loads(manifest.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise SettingsError(f"{manifest} cannot be read ({e}); use another work dir") from None
+        if not isinstance(held, dict):
+            raise SettingsError(f"{manifest} is not a settings record; use another work dir")
         differ = sorted(k for k in held.keys() | settings.keys() if held.get(k) != settings.get(k))
         if differ:
             shown = ", ".join(f"{k}: {held.get(k)!r} there, {settings.get(k)!r} now" for k in differ)
@@ -303,7 +328,9 @@ def claim_data_dir(out: Path, settings: dict[str, Any]) -> None:
     elif any(out.glob("chunk_*.safetensors")):
         raise SettingsError(f"{out} holds data chunks without a manifest.json (settings unknown); use another work dir")
     else:
-        manifest.write_text(json.dumps(settings, indent=1) + "\n")
+        tmp = manifest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(settings, indent=1) + "\n")
+        tmp.rename(manifest)  # (a manifest cut short would stop every later run)
 
 
 def iter_samples(chunks: Path | list[Path], *, aux: bool = False) -> Iterator[Sample]:

@@ -32,7 +32,7 @@ from specserve.spec_decode.eagle_head import (
     save_eagle_head,
     weights_path,
 )
-from specserve.train.corpus import corpus_digest, corpus_files, corpus_passages
+from specserve.train.corpus import corpus_digest, corpus_files, corpus_passages, read_text
 from specserve.train.distill import (
     DistillConfig,
     Distiller,
@@ -143,6 +143,18 @@ def train_draft(
     cfg = replace(cfg, train=replace(cfg.train, aux_layers=aux_layers), data=replace(cfg.data, aux_layers=aux_layers))
     if start is not None:
         check_starting_head(start, cfg.train)  # a mismatch fails now, not after hours of data
+    forced = special_ids(tokenizer)
+    size = min(cfg.draft_vocab, target.cfg.vocab_size)
+    if size < len(forced):
+        raise SettingsError(f"draft_vocab {size} cannot hold the {len(forced)} special ids forced into it: {forced}")
+    source = cfg.train.init_head
+    has_map = source is not None and (source / VOCAB_MAP).exists()
+    inherited = (source / VOCAB_MAP).read_text() if source is not None and has_map else None
+    # fine-tuning keeps the vocabulary the head was trained with: its map read and checked now, as its digest
+    from specserve.models.loader import frequent_ids
+
+    inherited_ids = frequent_ids(source, size, target.cfg.vocab_size) if source is not None and has_map else None
+    init_sha256 = None if source is None else sha256_file(weights_path(source))  # (before --out overwrites it)
     data_dir = work_dir / "data"
     samples: list[Sample] = []
     written = {"target": cfg.target_name, "seed": cfg.data.seed, "aux_layers": aux_layers}  # what a chunk depends on
@@ -217,13 +229,7 @@ def train_draft(
         raise SettingsError(NO_DATA)
     t_data = time.perf_counter() - t0
     counts = token_counts((s.tokens for s in samples), target.cfg.vocab_size)
-    size = min(cfg.draft_vocab, target.cfg.vocab_size)
-    source = cfg.train.init_head
-    inherited = None if source is None or not (source / VOCAB_MAP).exists() else (source / VOCAB_MAP).read_text()
-    if inherited is not None:  # fine-tuning keeps the vocabulary the head was trained with
-        draft_ids = torch.tensor(json.loads(inherited)["by_frequency"][:size]).sort().values
-    else:
-        draft_ids = top_vocab(counts, size, special_ids(tokenizer))
+    draft_ids = top_vocab(counts, size, forced) if inherited_ids is None else inherited_ids
     bar = _progress(log)
     head = train_head(
         target, samples, draft_ids, cfg.train, work_dir / "train", system_len=system_prefix_len(tokenizer), log=bar
@@ -235,7 +241,7 @@ def train_draft(
     if inherited is not None:
         (out_dir / VOCAB_MAP).write_text(inherited)
     else:
-        write_vocab_map(out_dir, counts, special_ids(tokenizer))
+        write_vocab_map(out_dir, counts, forced)
     digest = sha256_file(weights)
     (out_dir / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
     write_provenance(
@@ -268,7 +274,7 @@ def train_draft(
             },
             "train": asdict(cfg.train),
             "draft_vocab": {"size": int(draft_ids.numel()), "coverage": coverage(counts, draft_ids)},
-            "init_head_sha256": None if source is None else sha256_file(weights_path(source)),
+            "init_head_sha256": init_sha256,
             "seconds": {"data": round(t_data), "train": round(t_train)},
             "sha256": digest,
             "device": device_summary(target.device),
@@ -307,7 +313,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--out", type=out_dir_arg, required=True, help="directory for the head (model.safetensors, config.json)"
     )
     p.add_argument("--work-dir", type=out_dir_arg, default=None, help="data and checkpoints (default: OUT/work)")
-    p.add_argument("--prompts", type=non_negative_int, default=None, help="self-distillation prompts (default 1280)")
+    p.add_argument("--prompts", type=non_negative_int, default=None, help="self-distillation prompts (default 2048)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None)
     p.add_argument("--epochs", type=positive_int, default=None)
     p.add_argument(
@@ -404,8 +410,9 @@ def run(args: argparse.Namespace) -> int:
         if args.corpus_passages is None
         else args.corpus_passages,
     )
-    if cfg.corpus:  # a missing file fails now, not after the other data
-        corpus_files(list(cfg.corpus))
+    if cfg.corpus:  # a missing, unreadable or non-UTF-8 file fails now, not after the other data
+        for path in corpus_files(list(cfg.corpus)):
+            read_text(path)
     if cfg.lexicon_prompts:  # found missing only after hours of seed prompts otherwise
         check_wordnet(cfg.wordnet_dir)
     spec = ModelSpec(source=args.model, gemv_copies=False)
