@@ -10,10 +10,11 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 from enum import Enum
+from typing import Annotated
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from load.traces import CostSample, level_tokens
 from specserve.models.kv_cache import KVCache
@@ -36,6 +37,8 @@ class Curve(BaseModel):
         xs = [x for x, _ in pts]
         if any(b <= a for a, b in itertools.pairwise(xs)):
             raise ValueError("curve x values must be strictly ascending")
+        if not all(math.isfinite(v) for pt in pts for v in pt):
+            raise ValueError("curve points must be finite")
         return pts
 
     @classmethod
@@ -88,6 +91,9 @@ class FitKind(str, Enum):
     piecewise = "piecewise"  # piecewise-linear over power-of-two knots: follows non-monotonic CPU costs
 
 
+Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]  # a cost term: finite, never negative
+
+
 class CostModel(BaseModel):
     """Seconds of one lane step.
 
@@ -107,17 +113,17 @@ class CostModel(BaseModel):
 
     source: str
     draft_level: Curve
-    draft_row_s: float = 0.0
-    draft_prefill_token_s: float = 0.0
+    draft_row_s: Seconds = 0.0
+    draft_prefill_token_s: Seconds = 0.0
     verify: Curve
-    verify_row_s: float = 0.0
-    verify_drafting_row_s: float = 0.0
+    verify_row_s: Seconds = 0.0
+    verify_drafting_row_s: Seconds = 0.0
     overhead: Curve = Curve.constant(0.0)
-    host_drafting_row_s: float = 0.0
-    emit_token_s: float = 0.0
-    tree_row_s: float = 0.0
-    tree_level_row_s: float = 0.0
-    verify_tree_row_s: float = 0.0
+    host_drafting_row_s: Seconds = 0.0
+    emit_token_s: Seconds = 0.0
+    tree_row_s: Seconds = 0.0
+    tree_level_row_s: Seconds = 0.0
+    verify_tree_row_s: Seconds = 0.0
     plain: CostModel | None = None  # steps where no row drafts (None: the terms above with no drafting rows)
 
     def draft_s(self, depths: Sequence[int], extra_fed: int = 0, widths: Sequence[int] | None = None) -> float:

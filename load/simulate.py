@@ -43,7 +43,7 @@ from load.traces import (
     sequence_traces,
     tree_sequence_traces,
 )
-from specserve.arg_types import out_dir_arg, present_device_arg
+from specserve.arg_types import out_dir_arg, out_file_arg, positive_int, present_device_arg
 from specserve.bench.policies import CAP_LABELS, PolicyName, policy_specs
 from specserve.bench.stats import (
     SWEEP_COLS,
@@ -58,8 +58,8 @@ from specserve.bench.stats import (
     workload_slug,
     write_csv,
 )
-from specserve.config import Drafter, SLPolicyKind, SpecConfig
-from specserve.errors import settings_problems
+from specserve.config import Drafter, DType, SLPolicyKind, SpecConfig
+from specserve.errors import SpecServeError, settings_problems
 from specserve.models.llama import LlamaModel
 from specserve.policy import SequenceDSDE, verified_positions
 from specserve.policy.planner import SLPlanner
@@ -462,9 +462,9 @@ class SimStudy(BaseModel):
     roofline: RooflineName | None = None  # a named roofline estimate instead (overrides `cost`)
     measure_target: str | None = None  # time batched forwards of this target (a ModelSpec source, or "tiny") ...
     measure_draft: str | None = None  # ... and this draft on `device` to build the cost model
-    measure_dtype: str = "float32"
+    measure_dtype: DType = DType.float32
     device: str = "cpu"
-    profile_rows: list[int] = [1, 2, 4, 8, 16, 32, 64]
+    profile_rows: list[Annotated[int, Field(ge=1)]] = Field(default=[1, 2, 4, 8, 16, 32, 64], min_length=1)
     fit: FitKind = FitKind.piecewise
     validate_runs: bool = False
     repeats: int = Field(default=3, ge=1)
@@ -477,6 +477,16 @@ class SimStudy(BaseModel):
         if bad:
             raise ValueError(f"the simulator covers {[p.value for p in SIMULATED_POLICIES]}; not {bad}")
         return ps
+
+    @model_validator(mode="after")
+    def _check(self) -> SimStudy:
+        if (self.min_tokens is None) != (self.max_tokens is None):
+            raise ValueError("give both --min-tokens and --max-tokens, or neither")
+        if self.min_tokens is not None and self.max_tokens is not None and not 1 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("need 1 <= --min-tokens <= --max-tokens")
+        if self.measure_draft is not None and self.measure_target is None:
+            raise ValueError("--measure-draft needs --measure-target (the draft is timed beside it)")
+        return self
 
 
 def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[dict[str, Any]]:
@@ -531,13 +541,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=int, default=None, help="output lengths (default: the recorded ones)")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--cost", type=Path, default=None, help="CostModel JSON (a GPU profile); default: fit here")
-    p.add_argument("--write-cost", type=Path, default=None, help="write the cost model used as JSON")
+    p.add_argument("--write-cost", type=out_file_arg, default=None, help="write the cost model used as JSON")
     p.add_argument("--roofline", choices=[r.value for r in RooflineName], default=None, help="a roofline estimate")
     p.add_argument("--measure-target", default=None, help="time batched forwards: target source (or 'tiny')")
     p.add_argument("--measure-draft", default=None, help="... and draft source (or 'tiny')")
-    p.add_argument("--measure-dtype", default="float32", help="dtype of the timed models, e.g. bfloat16")
+    p.add_argument(
+        "--measure-dtype",
+        default="float32",
+        choices=[d.value for d in DType],
+        help="dtype of the timed models, e.g. bfloat16",
+    )
     p.add_argument("--device", default="cpu", type=present_device_arg, help="device of the timed models, e.g. cuda")
-    p.add_argument("--profile-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--profile-rows", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--fit", choices=[f.value for f in FitKind], default=FitKind.piecewise.value)
     p.add_argument("--validate", action="store_true", help="compare with the measured runs in the traces")
     p.add_argument("--validate-only", action="store_true", help="skip the sweep")
@@ -624,7 +639,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if study.roofline is not None:
         cost = study.roofline.cost_model()
     elif study.measure_target is not None:
-        cost = _measured(study, CostModel.fit(cost_samples(runs), study.fit))
+        try:
+            cost = _measured(study, CostModel.fit(cost_samples(runs), study.fit))
+        except SpecServeError as e:  # a model that cannot be found or loaded
+            p.error(f"--measure-target / --measure-draft: {e}")
     elif given_cost is not None:
         cost = given_cost
     else:
@@ -643,6 +661,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (study.out / "report.md").write_text("\n".join(report))
         return 0
     rows = sweep(study, runs, cost)
+    if not rows:
+        p.error(f"{study.traces} holds no recorded runs of {[w.value for w in study.workloads]} to replay")
     plain_rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     add_vs_baseline(plain_rows, PolicyName.plain.label)
     write_csv(study.out / "sim.csv", plain_rows)
@@ -669,14 +689,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _measured(study: SimStudy, fitted: CostModel) -> CostModel:
     """Batched-forward timings of the given models; the host terms (overhead, per emitted token) from the fit."""
-    from specserve.config import DType, ModelSpec
+    from specserve.config import ModelSpec
     from specserve.models.loader import load_model
     from specserve.models.tiny import noisy_copy, tiny_model
 
     def load(source: str) -> LlamaModel:
         if source == "tiny":
             return tiny_model().to(study.device)
-        return load_model(ModelSpec(source=source, dtype=DType(study.measure_dtype)), device=study.device)
+        return load_model(ModelSpec(source=source, dtype=study.measure_dtype), device=study.device)
 
     target = load(study.measure_target or "tiny")
     draft = (

@@ -607,7 +607,7 @@ def test_simulator_reproduces_runs_priced_by_a_known_cost_model(tiny_pair: tuple
     assert max(r["measured_idle"] for r in in_sample) > 0.03  # the lock-step draft's idle rows are replayed too
 
 
-def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
+def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from load import simulate as sim_cli
     from load import straggler
 
@@ -628,6 +628,21 @@ def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
     assert sim_cli.main(["--traces", str(out / "traces.jsonl"), "--validate", "--batch-sizes", "1", "8",
                          "--workloads", "synthetic", "--repeats", "1", "--out", str(sim_out)]) == 0  # fmt: skip
     assert {"validation.csv", "sim.csv", "report.md", "sim_synthetic.png"} <= {p.name for p in sim_out.iterdir()}
+    traces = ["--traces", str(out / "traces.jsonl"), "--batch-sizes", "1", "--repeats", "1", "--out", str(sim_out)]
+    negative = tmp_path / "negative.json"  # a cost term below zero (and NaN) was replayed as 0 tok/s, exit 0
+    fitted = CostModel.fit(cost_samples(read_traces(out / "traces.jsonl")), FitKind.piecewise)
+    cost = json.loads(fitted.model_dump_json())
+    negative.write_text(json.dumps({**cost, "verify_row_s": -1.0}))
+    for argv, says in [
+        (["--workloads", "real"], "holds no recorded runs of ['real']"),  # wrote an empty report, exit 0
+        (["--measure-target", str(tmp_path / "no-model")], "--measure-target / --measure-draft:"),  # a traceback
+        (["--cost", str(negative)], "verify_row_s: Input should be greater than or equal to 0"),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            sim_cli.main([*traces, *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and says in err and "Traceback" not in err, (argv, err)
     # runs of one policy under other settings (a sweep with --drafter lookup) are not pooled as its repeats
     runs = read_traces(out / "traces.jsonl")
     lookup = SpecConfig(method=SpecMethod.chain, drafter=Drafter.lookup)
@@ -647,6 +662,13 @@ def test_straggler_and_simulator_cli(tmp_path: Path) -> None:
         ("straggler", ["--min-tokens", "9", "--max-tokens", "8"], "error: min_tokens > max_tokens"),
         ("simulate", ["--traces", "t.jsonl", "--batch-sizes", "-1"], "--batch-sizes: Input should be greater than"),
         ("simulate", ["--traces", "t.jsonl", "--repeats", "0"], "--repeats: Input should be greater than"),
+        # these five were tracebacks (pydantic, DType, KVCache) or silently ignored (--measure-draft alone)
+        ("simulate", ["--traces", "t.jsonl", "--min-tokens", "10", "--max-tokens", "5"], "need 1 <= --min-tokens"),
+        ("simulate", ["--traces", "t.jsonl", "--min-tokens", "5"], "give both --min-tokens and --max-tokens"),
+        ("simulate", ["--traces", "t.jsonl", "--measure-draft", "tiny"], "--measure-draft needs --measure-target"),
+        ("simulate", ["--traces", "t.jsonl", "--measure-dtype", "bogus"], "argument --measure-dtype: invalid choice"),
+        ("simulate", ["--traces", "t.jsonl", "--profile-rows", "0"], "argument --profile-rows: must be at least 1"),
+        ("simulate", ["--traces", "t.jsonl", "--write-cost", "/"], "is a directory"),
     ],
 )
 def test_study_settings_out_of_range_are_usage_errors(
