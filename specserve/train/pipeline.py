@@ -350,7 +350,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--init-head",
         default=None,
-        help="fine-tune this head (shipped name or directory) instead of starting from scratch; keeps its vocabulary",
+        help="fine-tune this head (shipped name or directory) instead of starting from scratch; keeps its vocabulary "
+        "(an EAGLE-1/2 head without a vocab_map.json takes the new data's top --draft-vocab ids)",
     )
     p.add_argument(
         "--lr", type=positive_float, default=None, help="peak learning rate (default 6e-4; lower to fine-tune)"
