@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
@@ -38,3 +39,13 @@ def greedy_reference(model: LlamaModel, prompt: list[int], n: int, eos: int | No
         out.append(tok)
         tokens.append(tok)
     return out
+
+
+def forbid_model_loads(monkeypatch: pytest.MonkeyPatch, *modules: ModuleType) -> None:
+    """``load_model`` in these modules fails the test: what is checked must be checked before any model loads."""
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    for module in modules:
+        monkeypatch.setattr(module, "load_model", no_load)

@@ -13,6 +13,7 @@ from specserve.bench.catch_up import ScriptedGuard, acceptance, check_switch_fit
 from specserve.errors import SettingsError
 from specserve.models.tiny import tiny_model
 from specserve.workers.head_draft import HeadDraftWorker
+from tests.conftest import forbid_model_loads
 from tests.test_head_drafter import random_head
 
 
@@ -93,10 +94,7 @@ def test_a_window_out_of_range_is_a_usage_error_before_the_model_loads(
     from specserve.bench import catch_up
     from specserve.cli import main
 
-    def no_load(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a model was loaded before the windows were checked")
-
-    monkeypatch.setattr(catch_up, "load_model", no_load)
+    forbid_model_loads(monkeypatch, catch_up)
     assert main(["bench", "catch-up", flag, str(1 << 21), "--out", "/tmp"]) == 2
     err = capsys.readouterr().err
     assert "catch_up_window" in err and "Traceback" not in err, err

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specserve.cli import main
+from tests.conftest import forbid_model_loads
 
 
 @pytest.mark.parametrize(
@@ -133,11 +134,7 @@ def test_bench_settings_fail_before_any_model_loads(
 ) -> None:
     from specserve.bench import batch_sweep, spec
 
-    def no_load(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a model was loaded before the settings were checked")
-
-    monkeypatch.setattr(batch_sweep, "load_model", no_load)
-    monkeypatch.setattr(spec, "load_model", no_load)
+    forbid_model_loads(monkeypatch, batch_sweep, spec)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
@@ -148,10 +145,7 @@ def test_train_draft_without_wordnet_fails_before_loading_the_target(
 ) -> None:
     import specserve.models.loader as loader
 
-    def no_load(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the target was loaded before the settings were checked")
-
-    monkeypatch.setattr(loader, "load_model", no_load)
+    forbid_model_loads(monkeypatch, loader)
     argv = ["train-draft", "--out", str(tmp_path / "h"), "--lexicon-prompts", "5", "--wordnet-dir", str(tmp_path)]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -214,10 +208,7 @@ def test_train_draft_reads_its_corpus_before_loading_the_target(
     """A corpus file named directly that is not UTF-8 failed only after the other data steps (hours in)."""
     import specserve.models.loader as loader
 
-    def no_load(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the target was loaded before the corpus was read")
-
-    monkeypatch.setattr(loader, "load_model", no_load)
+    forbid_model_loads(monkeypatch, loader)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     argv = ["train-draft", "--out", str(tmp_path / "h"), "--corpus", str(tmp_path / "latin1.txt")]
     assert main(argv) == 2

@@ -171,7 +171,7 @@ def test_straggler_refuses_a_server_it_cannot_use_before_any_run(
             self.wfile.write(b"<html>hello</html>")
 
         def log_message(self, *args: object) -> None:
-            pass
+            """No request log on stderr (the test reads stderr)."""
 
     server = http.server.HTTPServer(("127.0.0.1", 0), NotOpenAI)
     threading.Thread(target=server.serve_forever, daemon=True).start()
