@@ -288,7 +288,7 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
         if planner is None:
             planned, uncapped, cap = [0] * len(running), [], None
         else:
-            plan = planner.plan(running)
+            plan = planner.plan(running, room=[s.req.max_tokens - s.emitted for s in running])
             planned, uncapped, cap = plan.depths, plan.uncapped, plan.cap
         extra_fed = sum(s.fed - 1 for s, d in zip(running, planned, strict=True) if d > 0)
         verify_tokens = emitted_step = 0
@@ -599,6 +599,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(e))
     if not runs:
         p.error(f"{study.traces} holds no runs")
+    if given_cost is not None and given_cost.verify_s(1, 1) + given_cost.overhead_s(1, 1) <= 0:
+        p.error(f"{study.cost}: a plain step of one row costs 0 s in this cost model (every rate would be infinite)")
     study.out.mkdir(parents=True, exist_ok=True)
     report: list[str] = [f"# Simulated lane: {study.traces}", ""]
     if study.validate_runs:

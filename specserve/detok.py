@@ -15,11 +15,24 @@ CONTEXT = 4  # tokens decoded before the settled point with the ones after it (a
 class IncrementalText:
     """Turns a growing list of token ids into stable text deltas, stopping at the first stop string."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, stop: Sequence[str] = (), prompt_ids: Sequence[int] = ()
+    ) -> None:
+        """``prompt_ids``: its last CONTEXT tokens are decoded before the output's first ones, whose text may
+        depend on them (a SentencePiece tokenizer drops the leading space of the first token it decodes)."""
         if stop and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer")
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self._prefix = list(prompt_ids[-CONTEXT:]) if tokenizer is not None else []
+        self._prefix_text = self._decode_ids(self._prefix) if self._prefix else ""
+        # per stop string, the lengths k of its prefixes s[:k], by their last character (the hold-back's candidates)
+        self._ends: list[dict[str, list[int]]] = []
+        for s in self.stop:
+            ends: dict[str, list[int]] = {}
+            for k in range(len(s) - 1, 0, -1):  # longest first
+                ends.setdefault(s[k - 1], []).append(k)
+            self._ends.append(ends)
         self.text = ""  # final text so far (after stop truncation)
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
@@ -33,12 +46,13 @@ class IncrementalText:
         if self.tokenizer is None or self.stopped:
             return ""
         full = self._text_of(token_ids)
-        if any(s in full for s in self.stop):
+        if any(s in _settled(full, final) for s in self.stop):
             # the text as decoding one token a step would stop it: at the first token that completes a stop
             # string, cut at the earliest stop string in that prefix's text (a later, longer one that starts
             # earlier was not complete yet), however many tokens this update brought
-            self.stop_tokens = self._tokens_through_stop(token_ids)
-            through = self._decode(token_ids[: self.stop_tokens])
+            self.stop_tokens = self._tokens_through_stop(token_ids, final)
+            whole = final and self.stop_tokens == len(token_ids)
+            through = _settled(self._decode(token_ids[: self.stop_tokens]), whole)
             cut = min(i for i in (through.find(s) for s in self.stop) if i >= 0)
             self.text, self.stopped, final = through[:cut], True, True
         else:
@@ -48,9 +62,7 @@ class IncrementalText:
         if not final:
             if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
                 stable = len(self.text.rstrip("\ufffd"))
-            head = self.text[:stable]
-            hold = max((k for s in self.stop for k in range(1, len(s)) if head.endswith(s[:k])), default=0)
-            stable -= hold  # hold back a tail that may still become a stop string
+            stable -= self._hold(self.text[:stable])  # a tail that may still become a stop string
         delta = self.text[self.emitted : stable] if stable > self.emitted else ""
         self.emitted = max(self.emitted, stable)
         return delta
@@ -63,6 +75,21 @@ class IncrementalText:
             raise InvalidRequestError("the delivered text is not what the delivered tokens decode to")
         self.emitted = len(text)
 
+    def _hold(self, head: str) -> int:
+        """The longest k such that ``head`` ends with some stop string's first k characters (k < its length);
+        only the k whose last character is ``head``'s are compared."""
+        if not head:
+            return 0
+        hold = 0
+        for s, ends in zip(self.stop, self._ends, strict=True):
+            for k in ends.get(head[-1], ()):
+                if k <= hold:
+                    break
+                if head.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
+
     def _text_of(self, token_ids: Sequence[int]) -> str:
         """decode(token_ids) from the settled text and the tokens after it (decoded with CONTEXT tokens before
         them, whose text is then cut off), so a long output is not decoded whole at every step. Falls back to
@@ -71,29 +98,43 @@ class IncrementalText:
         if fixed > len(token_ids):  # (outputs only grow; a caller feeding a shorter list starts over)
             self._fixed, self._fixed_text, fixed = 0, "", 0
         start = max(0, fixed - CONTEXT)
-        context = self._decode(token_ids[start:fixed])
-        tail = self._decode(token_ids[start:])
+        context = self._decode(token_ids[start:fixed], first=start == 0)
+        tail = self._decode(token_ids[start:], first=start == 0)
         if not tail.startswith(context):
             return self._decode(token_ids)
         text = self._fixed_text + tail[len(context) :]
         settle = len(token_ids) - CONTEXT  # the last tokens stay open: a later token may change their text
         if settle - fixed >= CONTEXT:
-            head = self._decode(token_ids[start:settle])
+            head = self._decode(token_ids[start:settle], first=start == 0)
             settled = head[len(context) :]
             whole = head.startswith(context) and not settled.endswith("\ufffd")  # no character cut at `settle`
             if whole and text.startswith(settled, len(self._fixed_text)):
                 self._fixed, self._fixed_text = settle, self._fixed_text + settled
         return text
 
-    def _decode(self, token_ids: Sequence[int]) -> str:
+    def _decode(self, token_ids: Sequence[int], *, first: bool = True) -> str:
+        """The text of output tokens; ``first``: they start at the output's first token, so they are decoded
+        after the prompt's last tokens (whose text is then cut off)."""
+        if not (first and self._prefix):
+            return self._decode_ids(token_ids)
+        both = self._decode_ids([*self._prefix, *token_ids])
+        return both[len(self._prefix_text) :] if both.startswith(self._prefix_text) else self._decode_ids(token_ids)
+
+    def _decode_ids(self, token_ids: Sequence[int]) -> str:
         assert self.tokenizer is not None
         return cast(str, self.tokenizer.decode(cast(list[int], list(token_ids)), skip_special_tokens=True))
 
-    def _tokens_through_stop(self, token_ids: Sequence[int]) -> int:
+    def _tokens_through_stop(self, token_ids: Sequence[int], final: bool) -> int:
         """The shortest prefix whose text holds a stop string: a step that emitted several tokens (speculation)
         may have gone past it, and those tokens are not part of the output."""
         for n in range(self._seen + 1, len(token_ids)):
-            prefix = self._decode(token_ids[:n])
+            prefix = _settled(self._decode(token_ids[:n]), False)
             if any(s in prefix for s in self.stop):
                 return n
         return len(token_ids)
+
+
+def _settled(text: str, final: bool) -> str:
+    """The text a stop string is looked for in: before the last update, without a trailing U+FFFD (the first bytes
+    of a character whose next bytes are still to come decode as one)."""
+    return text if final else text.rstrip("\ufffd")

@@ -93,7 +93,7 @@ class StepLoop:
                     f"this engine reserves room for {self.spec_headroom}"
                 )
             spec = spec.fit_draft_rows(self.spec_headroom)  # its trees no deeper than the KV slot's room
-        text = IncrementalText(self.tokenizer, request.params.stop)
+        text = IncrementalText(self.tokenizer, request.params.stop, request.prompt_ids)
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)
         seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done))
@@ -235,7 +235,8 @@ class StepLoop:
             seq.registered = True
 
     def _plan(self, batch: list[Sequence], *, prefills: bool, guarded: bool) -> StepPlan:
-        plan = self.planner.plan(batch, prefills=prefills, outlook=self._outlook(batch), guarded=guarded)
+        room = [s.remaining(self.max_model_len) for s in batch]
+        plan = self.planner.plan(batch, prefills=prefills, outlook=self._outlook(batch), guarded=guarded, room=room)
         if self.draft is None and self.serves_drafts:  # detached: no model drafts, and none planned (nor timed)
             depths = [0 if s.spec.drafter == Drafter.model else d for s, d in zip(batch, plan.depths, strict=True)]
             plan = replace(plan, depths=depths)

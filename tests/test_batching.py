@@ -69,15 +69,19 @@ def test_dsde_grows_sl_for_a_perfect_draft_and_shrinks_it_for_a_bad_one(target: 
 
 def test_sl_cap_is_the_ceiled_mean_of_post_warmup_sls(target: LlamaModel) -> None:
     engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, eos_token_ids=set())
+    rooms: list[list[int]] = []  # the tokens each row may still emit, per step (they bound its depth too)
+    plan = engine.loop.planner.plan
+    engine.loop.planner.plan = lambda rows, **kw: rooms.append(list(kw["room"])) or plan(rows, **kw)  # type: ignore
     engine.generate(PROMPTS, SamplingParams(max_tokens=40))
-    capped_steps = [m for m in engine.loop.stats.metrics if m.cap is not None]
+    assert len(rooms) == len(engine.loop.stats.metrics)
+    capped_steps = [(m, r) for m, r in zip(engine.loop.stats.metrics, rooms, strict=True) if m.cap is not None]
     assert capped_steps
-    for m in capped_steps:  # SL_cap = ceil(mean SL_i over the post-warm-up rows), which it bounds; warm-up exempt
+    for m, room in capped_steps:  # SL_cap = ceil(mean SL_i over the post-warm-up rows), which it bounds
         post = [u for u, p in zip(m.uncapped, m.post_warmup, strict=True) if p]
         assert m.cap == math.ceil(sum(post) / len(post))
-        for u, planned, p in zip(m.uncapped, m.planned, m.post_warmup, strict=True):
-            assert planned == (min(u, m.cap) if p else u)
-    assert any(p < u for m in capped_steps for u, p in zip(m.uncapped, m.planned, strict=True))
+        for u, planned, p, n in zip(m.uncapped, m.planned, m.post_warmup, room, strict=True):
+            assert planned == min(min(u, m.cap) if p else u, max(1, n - 1))  # warm-up exempt from the cap
+    assert any(min(u, n - 1) > p for m, r in capped_steps for u, p, n in zip(m.uncapped, m.planned, r, strict=True))
     no_cap = DSDE_CHAIN.model_copy(update={"dsde": DSDEConfig(n_long=8, n_short=3, cap_enabled=False)})
     engine2 = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=no_cap, eos_token_ids=set())
     engine2.generate(PROMPTS, SamplingParams(max_tokens=40))

@@ -274,15 +274,18 @@ def test_all_accept_static_matches_analytic_throughput() -> None:
     spec = policy_specs(static_sl=sl)[PolicyName.static]
     reqs = [SimRequest(pool[0], m, 8) for _ in range(batch)]
     res = simulate(reqs, SimConfig(batch_size=batch, policy=PolicyName.static, spec=spec), cost)
-    steps = math.ceil(m / (sl + 1))  # every drafted token accepted: SL + 1 tokens per row and step
-    step_s = sl * 0.002 + 0.01 + 0.001
-    assert res.steps == steps and res.tokens == batch * m
-    assert res.tok_s == pytest.approx(batch * m / (steps * step_s))
-    assert res.idle_fraction == 0.0 and res.mean_sl == sl
-    assert res.ttft_s == pytest.approx([step_s] * batch)
+    # every drafted token accepted: SL + 1 tokens per row and step, until the last step's 2 tokens left (room for
+    # 1 draft): 9 steps of SL 4 and one of SL 1
+    depths = [sl] * (m // (sl + 1)) + [m % (sl + 1) - 1]
+    assert sum(d + 1 for d in depths) == m and depths[-1] == 1
+    seconds = sum(d * 0.002 + 0.01 + 0.001 for d in depths)
+    assert res.steps == len(depths) and res.tokens == batch * m
+    assert res.tok_s == pytest.approx(batch * m / seconds)
+    assert res.idle_fraction == 0.0 and res.mean_sl == pytest.approx(sum(depths) / len(depths))
+    assert res.ttft_s == pytest.approx([sl * 0.002 + 0.011] * batch)
     # two waves: the second batch is admitted when the first finishes
     res2 = simulate(reqs * 2, SimConfig(batch_size=batch, policy=PolicyName.static, spec=spec), cost)
-    assert res2.steps == 2 * steps and res2.tok_s == pytest.approx(res.tok_s)
+    assert res2.steps == 2 * len(depths) and res2.tok_s == pytest.approx(res.tok_s)
     plain = simulate(reqs, SimConfig(batch_size=batch, policy=PolicyName.plain, spec=SpecConfig()), cost)
     assert plain.steps == m and plain.tok_s == pytest.approx(batch * m / (m * 0.011))
 
@@ -332,9 +335,10 @@ def test_tree_replay_matches_analytic_throughput() -> None:
     spec = policy_specs(beam_width=4, budget=16)[PolicyName.ddd]
     reqs = [SimRequest(trace, 30, 8) for _ in range(4)]
     res = simulate(reqs, SimConfig(batch_size=4, policy=PolicyName.ddd, spec=spec), _constant_cost())
-    step_s = 3 * 0.002 + 0.01 + 0.001
-    assert res.steps == 10 and res.tokens == 120 and res.mean_sl == 3 and res.idle_fraction == 0.0
-    assert res.tok_s == pytest.approx(120 / (10 * step_s))
+    # the last step has 3 tokens left: room for 2 levels, both accepted (3 tokens still)
+    seconds = 9 * (3 * 0.002 + 0.011) + (2 * 0.002 + 0.011)
+    assert res.steps == 10 and res.tokens == 120 and res.mean_sl == pytest.approx(2.9) and res.idle_fraction == 0.0
+    assert res.tok_s == pytest.approx(120 / seconds)
     # a depth budget below the recorded depth cuts the tree: 2 levels, at most 2 accepted
     shallow = spec.model_copy(update={"ddd_max_depth": 2})
     res2 = simulate(reqs, SimConfig(batch_size=4, policy=PolicyName.ddd, spec=shallow), _constant_cost())
@@ -533,12 +537,17 @@ def test_trace_recording_from_engine(tiny_pair: tuple[Any, Any], tmp_path: Path)
 def test_tree_traces_from_engine(tiny_pair: tuple[Any, Any]) -> None:
     ddd = _record(tiny_pair, PolicyName.ddd, 3, [None] * 6)
     spec = ddd.spec
-    seqs = [s for st in ddd.steps for s in st.seqs if s.depth > 0]
-    assert seqs and all(s.planned == spec.ddd_max_depth and s.uncapped == spec.ddd_max_depth for s in seqs)
+    for i, r in enumerate(ddd.requests):  # planned: the depth budget, or the room for drafts a request has left
+        emitted, steps = 0, [s for st in ddd.steps for s in st.seqs if s.req == i]
+        for s in steps:
+            assert s.uncapped == spec.ddd_max_depth and s.planned == min(s.uncapped, max(1, r.max_tokens - emitted - 1))
+            emitted += s.accepted + 1
+        assert any(s.planned < s.uncapped for s in steps)
     trees = tree_sequence_traces(ddd)
     assert len(trees) == 6 and not sequence_traces(ddd)
     steps = [t for tr in trees for t in tr.steps]
-    assert all(t.stopped == (t.depth < spec.ddd_max_depth) and t.accepted <= t.depth for t in steps)
+    assert all(t.depth <= spec.ddd_max_depth and t.accepted <= t.depth for t in steps) and any(t.stopped for t in steps)
+    assert all(t.depth < spec.ddd_max_depth for t in steps if t.stopped)
     assert all(t.drafted == tree_nodes(t.depth, spec.beam_width, spec.budget) for t in steps)
     samples = list(cost_samples([ddd]))
     drafting = [x for x in samples if x.levels > 0]
@@ -633,10 +642,15 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
     fitted = CostModel.fit(cost_samples(read_traces(out / "traces.jsonl")), FitKind.piecewise)
     cost = json.loads(fitted.model_dump_json())
     negative.write_text(json.dumps({**cost, "verify_row_s": -1.0}))
+    free = tmp_path / "free.json"  # every term zero: a plain step took 0 s, and the sweep reported 0 tok/s, exit 0
+    free.write_text(
+        CostModel(source="free", draft_level=Curve.constant(0.0), verify=Curve.constant(0.0)).model_dump_json()
+    )
     for argv, says in [
         (["--workloads", "real"], "holds no recorded runs of ['real']"),  # wrote an empty report, exit 0
         (["--measure-target", str(tmp_path / "no-model")], "--measure-target / --measure-draft:"),  # a traceback
         (["--cost", str(negative)], "verify_row_s: Input should be greater than or equal to 0"),
+        (["--cost", str(free)], "free.json: a plain step of one row costs 0 s"),
     ]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_:

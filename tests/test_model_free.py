@@ -276,7 +276,8 @@ def test_lookup_falls_back_to_the_draft_model_and_both_stay_in_step(small_vocab:
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(small_vocab, prompt, 60)
     assert len(log.model_depths) >= 10 and len(log.free_sizes) >= 10
-    assert set(log.model_depths) == {2} and max(log.free_sizes) == 4  # model_max_sl caps the model alone
+    # model_max_sl caps the model alone (1: where a sequence has 2 tokens left, room for one draft)
+    assert max(log.model_depths) == 2 and set(log.model_depths) <= {1, 2} and max(log.free_sizes) == 4
     no_fallback = spec.model_copy(update={"model_fallback": False})
     log.clear()
     engine.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True), speculation=no_fallback)

@@ -276,6 +276,10 @@ def test_planner_dsde_cap():
     plan = SLPlanner().plan(_dsde_rows(states, [3, None, 1, 8]))
     assert plan.depths == [3, 4, 1, 2]
     assert SLPlanner().plan([]).depths == []
+    # a sequence with n tokens left drafts at most n - 1 (a step emits its drafts and one token of the target's),
+    # and still 1 with one left; the cap is still the policy's, from the SLs before this limit
+    plan = SLPlanner().plan(_dsde_rows(states), room=[1, 3, 100, 2])
+    assert (plan.depths, plan.cap) == ([1, 2, 5, 1], 5)
     # only warm-up sequences: no cap
     warm = [FakeState(8, True), FakeState(4, True)]
     assert SLPlanner().plan(_dsde_rows(warm, dsde=DSDEConfig(cap_warmup=True))).cap is None

@@ -208,3 +208,20 @@ def test_a_requests_trees_are_cut_to_the_engines_room(target: LlamaModel) -> Non
                 finish = out.finish_reason or finish
     assert finish is not None and finish.value == "length"
     assert tokens == greedy_reference(target, PROMPTS[1], 200 - len(PROMPTS[1]))
+
+
+@pytest.mark.parametrize("spec", [METHODS[1], METHODS[3]], ids=["chain", "ddd"])
+def test_nothing_is_drafted_past_max_tokens_or_the_context(target: LlamaModel, spec: SpecConfig) -> None:
+    """A step emits its accepted drafts and one token of the target's, so drafting more than the tokens left costs
+    draft levels and verify rows for nothing (and counted those drafts as accepted: a 2-token answer reported tau
+    7). With an identical draft every drafted level is accepted, and every forward's tokens are output but for the
+    one draft of a step with a single token left (a step planned to speculate still drafts one)."""
+    draft = noisy_copy(target, 0.0, seed=3)
+    prompt = PROMPTS[1]
+    for max_tokens, max_model_len in [(1, 64), (2, 64), (7, 64), (16, 16)]:
+        engine = Engine(target, None, draft=draft, speculation=spec, eos_token_ids=set(), max_model_len=max_model_len)
+        out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
+        n = min(max_tokens, max_model_len - len(prompt))
+        assert out.token_ids == greedy_reference(target, prompt, n)
+        assert out.stats.accepted == out.stats.depth_sum  # every drafted level accepted
+        assert out.stats.accepted + out.stats.target_forwards - n in (0, 1), (max_tokens, max_model_len, out.stats)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.config import SpecConfig, SpecMethod
@@ -133,3 +134,86 @@ def test_incremental_text_is_the_whole_decode_with_smollm2s_tokenizer() -> None:
     from specserve.models.loader import load_tokenizer
 
     _check_incremental_text_is_the_whole_decode(load_tokenizer(ModelSpec()), TEXTS)
+
+
+def test_a_stop_string_of_the_replacement_character_waits_for_a_characters_last_bytes() -> None:
+    """The first byte of a multi-byte character decodes as U+FFFD until its next bytes come: a stop string holding
+    U+FFFD stopped "hi €uro" at "hi " though its text has none. Bytes that stay invalid still stop it."""
+    tok = tiny_tokenizer()
+    ids = tok.encode("hi €uro", add_special_tokens=False)
+    euro = tok.encode("€", add_special_tokens=False)
+    assert len(euro) == 3  # the tiny tokenizer spells "€" as its three bytes
+    for step in (1, 2):
+        text = IncrementalText(tok, ["\ufffd"])
+        deltas = [text.update(ids[:n], final=n >= len(ids)) for n in range(step, len(ids) + step, step)]
+        assert not text.stopped and "".join(deltas) == "hi €uro"
+    head = tok.encode("hi ", add_special_tokens=False)
+    invalid = head + euro[:1] + tok.encode("ab", add_special_tokens=False)  # "€"'s first byte, then "ab"
+    assert tok.decode(invalid) == "hi \ufffdab"
+    text = IncrementalText(tok, ["\ufffd"])
+    deltas = [text.update(invalid[:n], final=n == len(invalid)) for n in range(1, len(invalid) + 1)]
+    assert text.stopped and "".join(deltas) == "hi " and text.stop_tokens == len(head) + 2
+
+
+def _metaspace_tokenizer() -> PreTrainedTokenizerBase:
+    """A SentencePiece-style (Llama-2, Mistral) tokenizer: a word's piece carries its leading space as "▁", and
+    decoding drops the first piece's space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁is": 5, "▁Paris": 6, "▁nice": 7, ".": 8}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_the_first_output_token_is_decoded_after_the_prompt() -> None:
+    """Decoded alone, the output "▁Paris ▁is ▁nice ." of "The capital is" lost its first space ("The capital
+    isParis is nice."), and a stop string " Paris" could not match there."""
+    tok = _metaspace_tokenizer()
+    prompt, out = tok.encode("The capital is", add_special_tokens=False), [6, 5, 7, 8]
+    assert tok.decode(out) == "Paris is nice."  # (what decoding the output alone gives)
+    whole = tok.decode(prompt + out)[len(tok.decode(prompt)) :]
+    assert whole == " Paris is nice."
+    for stream in (True, False):
+        text = IncrementalText(tok, prompt_ids=prompt)
+        steps = range(1, len(out) + 1) if stream else [len(out)]
+        assert "".join(text.update(out[:n], final=n == len(out)) for n in steps) == whole
+    stop = IncrementalText(tok, [" Paris"], prompt_ids=prompt)
+    assert stop.update(out[:1]) == "" and stop.stopped and stop.stop_tokens == 1
+    stop = IncrementalText(tok, [" nice"], prompt_ids=prompt)
+    assert stop.update(out) == " Paris is" and stop.stop_tokens == 3
+
+
+def test_the_held_back_tail_is_the_longest_start_of_a_stop_string() -> None:
+    """The text held back at each update: the longest k < len(s) for which the text ends with s[:k], over the
+    stop strings s (compared with that definition written out, on random texts over a small alphabet)."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab€") for _ in range(rng.randrange(1, 9))) for _ in range(rng.randrange(1, 4))]
+        head = "".join(rng.choice("ab€ ") for _ in range(rng.randrange(0, 12)))
+        want = max((k for s in stops for k in range(1, len(s)) if head[len(head) - k :] == s[:k] and k <= len(head)),
+                   default=0)  # fmt: skip
+        assert IncrementalText(tiny_tokenizer(), stops)._hold(head) == want, (stops, head)
+
+
+def test_the_engine_decodes_an_answer_after_its_prompt() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = tiny_config()
+    vocab = {"<unk>": 0} | {f"▁w{i}": i for i in range(1, cfg.vocab_size)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    target = tiny_model(cfg, seed=0)
+    for engine in (Engine(target, tok, eos_token_ids=set()), Engine(
+        target, tok, draft=noisy_copy(target, 0.02, seed=1), speculation=SpecConfig(method=SpecMethod.chain, sl=3),
+        eos_token_ids=set(),
+    )):  # fmt: skip
+        out = engine.generate("w5 w9 w13", SamplingParams(max_tokens=6))[0]
+        prompt = tok.encode("w5 w9 w13", add_special_tokens=False)
+        assert out.text == tok.decode(prompt + out.token_ids)[len(tok.decode(prompt)) :]
+        assert out.text.startswith(" w") and len(out.text.split()) == 6

@@ -690,4 +690,10 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
         train_draft(target, tok, distill, tuned, tmp_path / "w2", tmp_path / "h2", log=lambda _: None)
     with pytest.raises(SettingsError, match="cannot hold the 2 special ids"):
         train_draft(target, tok, distill, replace(cfg, draft_vocab=1), tmp_path / "w3", tmp_path / "h3")
-    assert asked == []  # no data was made for either
+    too_long = replace(cfg.data, max_new_tokens=target.max_positions)
+    with pytest.raises(SettingsError, match=f"max_new_tokens {target.max_positions}: answers that long do not fit"):
+        train_draft(target, tok, distill, replace(cfg, data=too_long), tmp_path / "w4", tmp_path / "h4")
+    lexicon = replace(cfg, lexicon_prompts=2, lexicon_max_new_tokens=target.max_positions - 1)
+    with pytest.raises(SettingsError, match="lexicon_max_new_tokens"):
+        train_draft(target, tok, distill, lexicon, tmp_path / "w5", tmp_path / "h5")
+    assert asked == []  # no data was made for any

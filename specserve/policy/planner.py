@@ -52,14 +52,25 @@ class SLPlanner:
         self.floor = floor  # measures the tree floor for sequences with ``adaptive_floor`` (None: never measured)
 
     def plan(
-        self, rows: Sequence[PlanRow], *, prefills: bool = False, outlook: Outlook | None = None, guarded: bool = True
+        self,
+        rows: Sequence[PlanRow],
+        *,
+        prefills: bool = False,
+        outlook: Outlook | None = None,
+        guarded: bool = True,
+        room: Sequence[int] | None = None,
     ) -> StepPlan:
         """``prefills``: some row feeds a prompt this step (the guard does not time such a step); ``outlook``: what
         speculating would first cost the draft and what the batch can still emit (the guard's switch rule);
-        ``guarded=False``: the throughput guard is not asked (each sequence drafts as its SL says)."""
+        ``guarded=False``: the throughput guard is not asked (each sequence drafts as its SL says); ``room``: the
+        tokens each row may still emit (its max_tokens or the context, None: no limit): a step emits at most its
+        drafts and one token of the target's, so a row drafts at most room - 1 levels, and still 1 with one token
+        left (a step planned to speculate stays one: the guard times the two modes' steps apart)."""
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
         sls, cap = self._cap(rows, uncapped)
         depths = [self._depth(r.spec, sl) for r, sl in zip(rows, sls, strict=True)]
+        if room is not None:
+            depths = [min(d, max(1, n - 1)) for d, n in zip(depths, room, strict=True)]
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
         min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
         return StepPlan(self._guard(rows, depths, prefills, outlook, guarded), uncapped, cap, post, min_prob)

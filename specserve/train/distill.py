@@ -119,7 +119,7 @@ def generate_with_features(
         raise ValueError("generate_with_features needs prompts of at least one token and max_new_tokens >= 1")
     need = max(len(p) for p in prompts) + max_new_tokens + 1
     if need > model.max_positions:
-        raise ValueError(f"a prompt and its answer need {need} positions, the model has {model.max_positions}")
+        raise SettingsError(f"a prompt and its answer need {need} positions, the model has {model.max_positions}")
     cache = model.new_cache(len(prompts), need)
     slots = [cache.allocate() for _ in prompts]
     answers: list[list[int]] = [[] for _ in prompts]

@@ -147,6 +147,13 @@ def train_draft(
     size = min(cfg.draft_vocab, target.cfg.vocab_size)
     if size < len(forced):
         raise SettingsError(f"draft_vocab {size} cannot hold the {len(forced)} special ids forced into it: {forced}")
+    answers = {"max_new_tokens": cfg.data.max_new_tokens if cfg.data.num_prompts or cfg.self_prompts else 0}
+    answers["lexicon_max_new_tokens"] = cfg.lexicon_max_new_tokens if cfg.lexicon_prompts else 0
+    for name, n in answers.items():  # (a prompt takes positions too: at least its first token)
+        if n + 2 > target.max_positions:
+            raise SettingsError(
+                f"{name} {n}: answers that long do not fit the target's {target.max_positions} positions"
+            )
     source = cfg.train.init_head
     has_map = source is not None and (source / VOCAB_MAP).exists()
     inherited = (source / VOCAB_MAP).read_text() if source is not None and has_map else None
