@@ -235,6 +235,24 @@ class RemoteWorker:
             return False
         return True
 
+    def answers(self) -> bool:
+        """Whether the actor is there: one cheap call (an actor still starting is not waited for, its first call
+        waits for it). One that is dead, whose start failed or that does not answer is marked ``dead``."""
+        if self._started is not None:
+            ready, _ = ray.wait([self._started], timeout=0)
+            if not ready:
+                return True
+            try:
+                self.wait_started()
+            except WorkerLostError:
+                return False
+        try:
+            ray.get(self.handle.state.remote(), timeout=self.call_timeout_s)
+        except START_FAULTS:
+            self.dead = True
+            return False
+        return True
+
     def wait_started(self, cancel: threading.Event | None = None) -> bool:
         """Wait for ``start`` (at most ``start_timeout_s``); raises WorkerLostError when it failed. With ``cancel``,
         stops waiting within START_POLL_S of its being set (at once when it is set already) and returns False (the

@@ -173,6 +173,13 @@ class AppArgs(LoopConfig):
         le=300.0,
         description="pause after a failed try to bring a lost worker back (doubles, up to 300 s)",
     )
+    worker_idle_check_s: float | None = Field(
+        default=10.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="how often a lane with nothing to step checks that its workers answer (a dead one is replaced "
+        "then, not when a request finds it); null: never",
+    )
     max_failovers: int = Field(
         default=2, ge=0, description="times a request moves to another lane after its lane lost its workers for good"
     )

@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -166,6 +167,7 @@ class Lane:
         max_bisection_splits: int = MAX_BISECTION_SPLITS,
         max_failed_steps: int = MAX_FAILED_STEPS,
         worker_retry_s: float = AppArgs.model_fields["worker_retry_s"].default,
+        idle_check_s: float | None = AppArgs.model_fields["worker_idle_check_s"].default,
     ) -> None:
         self.index = index
         self.loop = loop
@@ -192,6 +194,8 @@ class Lane:
         self.lost_workers = False  # its target could not be brought back (until a replacement or a step succeeds)
         self._retry_pause = worker_retry_s  # while lost: the pause before the next try (doubles)
         self._retry_at = 0.0  # ... and when that try is due (time.monotonic)
+        self.idle_check_s = idle_check_s  # how often, with nothing to step, it checks its workers answer (None: never)
+        self._check_at = self._next_check()  # ... and when that check is due (time.monotonic)
         self._exited = threading.Event()  # the lane thread is ending: it takes no more requests
         self._stopping = threading.Event()  # set (under _restore_lock) once the lane thread stops or is told to
         self._restore_lock = threading.Lock()
@@ -291,8 +295,12 @@ class Lane:
             while self._drain(wait=self._idle_wait()):
                 if self.loop.has_work:
                     self._step()
-                elif self.lost_workers and time.monotonic() >= self._retry_at:
-                    self._retry_target()
+                    self._check_at = self._next_check()  # a step has just heard from every worker
+                elif self.lost_workers:
+                    if time.monotonic() >= self._retry_at:
+                        self._retry_target()
+                elif time.monotonic() >= self._check_at:
+                    self._check_idle()
         except Exception:
             self._exited.set()  # before its requests hear of it: none may come back here
             logger.exception("lane %d failed", self.index)
@@ -307,10 +315,28 @@ class Lane:
 
     def _idle_wait(self) -> float | None:
         """How long to wait for a command: not at all with work to do; while its target is lost, until the next
-        try to bring it back; else for ever."""
+        try to bring it back; else until the next check of its workers (for ever without checks)."""
         if self.loop.has_work:
             return 0.0
-        return max(0.0, self._retry_at - time.monotonic()) if self.lost_workers else None
+        due = self._retry_at if self.lost_workers else self._check_at
+        return None if math.isinf(due) else max(0.0, due - time.monotonic())
+
+    def _next_check(self) -> float:
+        return math.inf if self.idle_check_s is None else time.monotonic() + self.idle_check_s
+
+    def _check_idle(self) -> None:
+        """With nothing to step, a worker that died (its node, an out-of-memory kill) would be found only by the
+        next request, which would then wait for its replacement to load, while health said the lane was fine:
+        each worker is asked to answer, and a dead one replaced (a draft in the background) now."""
+        self._check_at = self._next_check()
+        try:
+            dead = sorted(role.value for role, worker in self.workers.items() if not worker.answers())
+        except Exception:  # not a worker's death (those are answers' False): the lane goes on, the steps will tell
+            logger.exception("lane %d: checking its idle workers failed", self.index)
+            return
+        if dead:
+            self._replace_lost(WorkerLostError(f"{', '.join(dead)} did not answer while lane {self.index} was idle"))
+            self._check_at = self._next_check()
 
     def _fail_pending(self) -> None:
         """Answer every queued submit of a stopped lane with WorkerFailedError (any thread: the lane's is gone)."""

@@ -97,6 +97,7 @@ class Router:
                 max_worker_restarts=args.max_worker_restarts,
                 step_delay_s=args.debug_step_delay_s,
                 worker_retry_s=args.worker_retry_s,
+                idle_check_s=args.worker_idle_check_s,
             )
             self.lanes.append(lane)
         if args.freeze_gc:

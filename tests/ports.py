@@ -46,6 +46,7 @@ def serve_app(app: Any, *, name: str, route_prefix: str, **ray_init: Any) -> Ite
     from ray import serve
     from ray.job_config import JobConfig
 
+    ray_init.setdefault("address", "local")  # a new Ray even where another runs on this machine
     ray.init(include_dashboard=False, job_config=JobConfig(code_search_path=[str(REPO)]), **ray_init)
     try:
         port = start_serve_on_free_port()

@@ -302,7 +302,7 @@ class _Blaming:
 def test_sequence_error_arrives_through_a_ray_actor() -> None:
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")  # a new one
     try:
         actor = ray.remote(_Blaming).remote()
         with pytest.raises(RayTaskError) as caught:

@@ -66,6 +66,7 @@ SMALL_ARGS: dict[str, Any] = {
     "target_resources": {"num_cpus": 0.1, "resources": {HEAD_RESOURCE: 1}},
     "draft_resources": {"num_cpus": 0.1, "resources": {WORKER_RESOURCE: 1}},
     "debug_step_delay_s": 0.03,
+    "worker_idle_check_s": 0.5,
     "debug_routes": True,
 }
 HEAD_ARGS: dict[str, Any] = {  # a random EAGLE head: features travel target actor -> router -> draft actor
@@ -585,6 +586,30 @@ def test_killed_worker_mid_stream_is_recovered(small_url: str, engine: Engine, r
     assert after[role]["restarts"] == before[role]["restarts"] + 1
     assert after[role]["actor_name"] != before[role]["actor_name"]
     assert after[role]["node_id"] == before[role]["node_id"]  # same placement bundle
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_a_worker_killed_while_its_lane_is_idle_is_replaced_with_no_request(
+    small_url: str, engine: Engine, role: str
+) -> None:
+    """Its death was found only by the next request, which then waited for the new worker to load."""
+    before = {w["role"]: w for w in _wait_idle(small_url)[0]["workers"]}
+    ray.kill(ray.get_actor(before[role]["actor_name"], namespace=before[role]["namespace"]))
+    deadline = time.monotonic() + TIMEOUT_S
+    name = before[role]["actor_name"]
+    while (now := {w["role"]: w for w in _lanes(small_url)[0]["workers"]}).get(role, before[role])[
+        "actor_name"
+    ] == name:
+        assert time.monotonic() < deadline, "the idle lane did not replace its dead worker"
+        time.sleep(0.2)  # (a dead draft is detached first, then a new one attached)
+    assert now[role]["actor_name"] != before[role]["actor_name"] and now[role]["restarts"] > before[role]["restarts"]
+    _wait_idle(small_url)  # (a draft comes back in the background)
+    client = openai.OpenAI(base_url=f"{small_url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT_S)
+    out = client.completions.create(
+        model=MODEL, prompt=[3, 4, 5], max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+    )
+    ref = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=12))[0]
+    assert out.choices[0].model_extra["token_ids"] == ref.token_ids
 
 
 def test_a_replaced_worker_is_ended_even_if_it_was_only_unreachable() -> None:

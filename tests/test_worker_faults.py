@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnschedulableError, GetTimeoutError, RayTaskError
 
 from deployments import actors
 from deployments.actors import KVGeometry, RemoteDraft, RemoteTarget
@@ -60,10 +60,19 @@ class Ref:
     """What a fake actor call returns: ``ray.get`` runs it (``timeout`` as Ray's)."""
 
     run: Callable[[float | None], Any]
+    ready: bool = True  # what ``ray.wait`` says of it
 
 
 def fake_get(ref: Ref, *, timeout: float | None = None) -> Any:
     return ref.run(timeout)
+
+
+def fake_wait(refs: list[Ref], *, timeout: float | None = None) -> tuple[list[Ref], list[Ref]]:
+    return [r for r in refs if r.ready], [r for r in refs if not r.ready]
+
+
+def gone(_: float | None) -> Any:
+    raise ActorDiedError()
 
 
 def hung(timeout: float | None) -> Any:
@@ -88,13 +97,15 @@ class Actor:
     fault: str | None
     worker: TargetWorker | None = None
     calls: list[str] = field(default_factory=list)
+    died: bool = False  # its process is gone: every call raises ActorDiedError
 
     def __post_init__(self) -> None:
         self.start = Method(self._start)
         self.add = Method(lambda seq_id, params, position: self._fire(lambda w: w.add(seq_id, params, position)))
         self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
-        self.verify = Method(self._verify)
+        self.verify = Method(lambda items: Ref(gone) if self.died else self._verify(items))
         self.check = Method(self._check)
+        self.state = Method(lambda: (self.calls.append("state"), Ref(gone if self.died else lambda _: None))[1])
 
     def _fire(self, fn: Callable[[TargetWorker], None]) -> None:  # Ray's fire-and-forget: errors are lost
         if self.worker is not None:
@@ -187,6 +198,7 @@ def _run(lane: Lane, prompts: list[list[int]], tag: str = "r") -> list[Result]:
 @pytest.fixture(autouse=True)
 def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(actors.ray, "get", fake_get)
+    monkeypatch.setattr(actors.ray, "wait", fake_wait)
     monkeypatch.setattr(actors.ray, "kill", lambda handle, no_restart=True: None)
 
 
@@ -328,6 +340,7 @@ class DraftActor:
         self.add = Method(lambda seq_id, params, position: self._fire(lambda w: w.add(seq_id, params, position)))
         self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
         self.propose = Method(self._propose)
+        self.state = Method(lambda: Ref(lambda _: None))
 
     def _fire(self, fn: Callable[[DraftWorker], None]) -> None:
         if self.worker is not None:
@@ -345,7 +358,7 @@ class DraftActor:
                 time.sleep(timeout)
                 hung(timeout)
 
-            return Ref(still_loading)
+            return Ref(still_loading, ready=False)
         self.worker = DraftWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
         return Ref(lambda _: None)
 
@@ -487,6 +500,33 @@ def test_a_lane_stopped_while_its_new_draft_loads_ends_that_draft_and_its_restor
     restorer.join(actors.START_POLL_S + 5)  # the worker's start timeout is 60 s
     assert not restorer.is_alive()
     assert any(handle is drafts.actors[1] for handle in killed) and lane.draft_lost
+
+
+def test_a_worker_that_dies_while_its_lane_is_idle_is_replaced_before_a_request_finds_it(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Found only by the next request before: that request waited for the replacement to load (minutes for a large
+    model), and the lane, first choice for new traffic as the least loaded, was reported healthy meanwhile."""
+    factory = Factory(target, {})
+    lane = _lane(target, factory, idle_check_s=0.05)
+    try:
+        assert _run(lane, PROMPTS[:1]) == alone[:1]
+        _wait(lambda: "state" in factory.actors[0].calls)  # an idle lane asks its workers to answer
+        factory.actors[0].died = True
+        _wait(lambda: lane.generations[WorkerRole.target] == 1)  # replaced with no request to step
+        assert len(factory.actors) == 2 and lane.healthy
+        verifies = factory.actors[0].calls.count("verify")
+        assert _run(lane, PROMPTS, "s") == alone
+        assert factory.actors[0].calls.count("verify") == verifies and "verify" in factory.actors[1].calls
+    finally:
+        lane.stop()
+    quiet = _lane(target, Factory(target, {}), idle_check_s=None)  # no checks: nothing is called while idle
+    try:
+        assert _run(quiet, PROMPTS[:1]) == alone[:1]
+        time.sleep(0.2)
+        assert "state" not in quiet.workers[WorkerRole.target].handle.calls  # type: ignore[attr-defined]
+    finally:
+        quiet.stop()
 
 
 def test_a_lane_whose_target_could_not_be_replaced_tries_again_with_no_request_to_step(target: LlamaModel) -> None:

@@ -186,7 +186,7 @@ def run(a: argparse.Namespace) -> int:
     prompts = _prompts(args, max(a.batch))
 
     port = _free_port()
-    ray.init(include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)  # its own Ray: never a running cluster's (it shuts Serve down)
     runs: dict[tuple[Mode, int], list[tuple[float, int, float]]] = defaultdict(list)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
