@@ -200,7 +200,7 @@ class StepLoop:
             raise PartialStepError(outputs, failures)
         return outputs
 
-    def _outlook(self, batch: list[Sequence]) -> Outlook | None:
+    def _outlook(self, batch: list[Sequence], room: list[int]) -> Outlook | None:
         """For the guard (None: no guard): the tokens the draft model would read before drafting (sequences it is
         more than ``CATCH_UP`` behind: after plain steps, or never seen) and those the batch may still emit. Only
         sequences the draft model alone drafts for count: one a model-free drafter serves falls behind the draft
@@ -208,7 +208,7 @@ class StepLoop:
         if self.planner.guard is None:
             return None
         behind = (self._draft_reads(s) for s in batch if self.draft is not None and s.spec.needs_model)
-        return Outlook(sum(m for m in behind if m > CATCH_UP), sum(s.remaining(self.max_model_len) for s in batch))
+        return Outlook(sum(m for m in behind if m > CATCH_UP), sum(room))
 
     def _draft_reads(self, seq: Sequence) -> int:
         """Tokens the draft would read before drafting: all it has not seen (a draft model), at most the newest
@@ -235,8 +235,9 @@ class StepLoop:
             seq.registered = True
 
     def _plan(self, batch: list[Sequence], *, prefills: bool, guarded: bool) -> StepPlan:
-        room = [s.remaining(self.max_model_len) for s in batch]
-        plan = self.planner.plan(batch, prefills=prefills, outlook=self._outlook(batch), guarded=guarded, room=room)
+        room = [s.remaining(self.max_model_len) for s in batch]  # the tokens each may still emit
+        outlook = self._outlook(batch, room)
+        plan = self.planner.plan(batch, prefills=prefills, outlook=outlook, guarded=guarded, room=room)
         if self.draft is None and self.serves_drafts:  # detached: no model drafts, and none planned (nor timed)
             depths = [0 if s.spec.drafter == Drafter.model else d for s, d in zip(batch, plan.depths, strict=True)]
             plan = replace(plan, depths=depths)

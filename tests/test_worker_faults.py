@@ -105,7 +105,7 @@ class Actor:
         self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
         self.verify = Method(lambda items: Ref(gone) if self.died else self._verify(items))
         self.check = Method(self._check)
-        self.state = Method(lambda: (self.calls.append("state"), Ref(gone if self.died else lambda _: None))[1])
+        self.state = Method(self._state)
 
     def _fire(self, fn: Callable[[TargetWorker], None]) -> None:  # Ray's fire-and-forget: errors are lost
         if self.worker is not None:
@@ -118,6 +118,10 @@ class Actor:
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("start", "Traceback ...", cause)))
         self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
         return Ref(lambda _: None)
+
+    def _state(self) -> Ref:
+        self.calls.append("state")
+        return Ref(gone if self.died else lambda _: None)
 
     def _check(self) -> Ref:
         self.calls.append("check")
