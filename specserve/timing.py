@@ -28,16 +28,29 @@ def timed(device: torch.device, fn: Callable[..., object], *args: object) -> flo
     return time.perf_counter() - t0
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` items (Williams' design) in which each item takes every place equally often and follows every
+    other item equally often: n orders for even n, and they with their reverses for odd n."""
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:
+        if len(base) % 2:
+            base, low = [*base, low], low + 1
+        else:
+            base, high = [*base, high], high - 1
+    orders = [[(b + r) % n for b in base] for r in range(n)]
+    return orders + [o[::-1] for o in orders] if n % 2 and n > 1 else orders
+
+
 def interleaved_medians(fns: Sequence[Callable[[], object]], repeats: int, device: torch.device = CPU) -> list[float]:
     """Median seconds of each of ``fns`` over ``repeats`` passes, after one untimed pass. A pass calls every fn once,
-    its order rotated by one from the last pass's, so that other load on the machine hits all alike and none always
-    runs right after the same other one (which may leave a cache warm or cold for it)."""
+    the passes taking ``balanced_orders`` in turn, so that other load on the machine hits all alike and none always
+    runs first or right after the same other one (which may leave a cache warm or cold for it)."""
     if repeats < 1 or not fns:
         raise ValueError(f"interleaved_medians needs functions and repeats >= 1, not {len(fns)} and {repeats}")
     times: list[list[float]] = [[] for _ in fns]
+    orders = balanced_orders(len(fns))
     for run in range(repeats + 1):
-        shift = run % len(fns)
-        for i in [*range(shift, len(fns)), *range(shift)]:
+        for i in orders[run % len(orders)]:
             took = timed(device, fns[i])
             if run:
                 times[i].append(took)
