@@ -293,6 +293,24 @@ def test_fused_kv_write_refuses_positions_outside_the_cache() -> None:
         model(bad, cache)
 
 
+def test_each_checkout_builds_into_its_own_directory(tmp_path: Path) -> None:
+    """The build file holds the sources' paths: two checkouts of the same code shared one directory by its hash
+    alone and rebuilt the extension after each other (a fresh clone's CI beside the working copy; minutes each)."""
+    from specserve.models import native_stack
+
+    copies = []
+    for path in (*native_stack.SOURCES, *native_stack.HEADERS):
+        copies.append(tmp_path / path.name)
+        copies[-1].write_bytes(path.read_bytes())
+    sources, headers = tuple(copies[: len(native_stack.SOURCES)]), tuple(copies[len(native_stack.SOURCES) :])
+    here = extension_build_dir()
+    assert extension_build_dir() == here  # a checkout keeps its directory
+    copy = extension_build_dir(sources, headers)
+    assert copy != here and extension_build_dir(sources, headers) == copy
+    sources[0].write_bytes(sources[0].read_bytes() + b"\n")
+    assert extension_build_dir(sources, headers) not in (copy, here)  # and the code still names it
+
+
 def test_a_lock_left_by_a_killed_load_does_not_hang_the_next_process() -> None:
     """torch's build lock is a plain file: a process killed while loading the extension (a timeout, a killed
     actor) left it behind, and every later process then waited for it for ever (found with a stale lock here)."""

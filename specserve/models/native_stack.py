@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,17 +61,23 @@ class NativeStackUnavailable(RuntimeError):
     """The C++ stack could not be built or does not cover this model."""
 
 
-def extension_build_dir() -> Path:
-    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    ident = hashlib.sha256(code + f"{torch.__version__} {list(CFLAGS)} {list(LDFLAGS)}".encode()).hexdigest()[:12]
+def extension_build_dir(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS) -> Path:
+    """The build directory of these sources: named by their code, torch's version and the flags, and by where the
+    sources, torch and Python's headers lie. The build file torch writes holds those paths, so two checkouts or
+    virtual environments sharing one directory rewrote it in turn, and each rebuilt the extension (minutes on 2
+    cores) after the other had used it."""
+    code = b"".join(path.read_bytes() for path in (*sources, *headers))
+    places = [str(p.resolve().parent) for p in (sources[0], Path(torch.__file__))] + [sysconfig.get_path("include")]
+    setting = f"{torch.__version__} {list(CFLAGS)} {list(LDFLAGS)} {places}"
+    ident = hashlib.sha256(code + setting.encode()).hexdigest()[:12]
     return cache_dir() / "extensions" / f"specserve_decoder_stack_{ident}"
 
 
 @functools.cache
 def _build() -> ModuleType | NativeStackUnavailable:
     """The compiled extension, built on first use into the specserve cache (``SPECSERVE_CACHE``) and loaded from
-    there afterwards. The name carries a hash of the source and the torch version and flags, so a changed source or
-    torch never loads a stale build.
+    there afterwards. The name carries a hash of the source and the torch version and flags (``extension_build_dir``),
+    so a changed source or torch never loads a stale build.
 
     Concurrent processes are kept apart by an ``flock`` on the build directory, which the kernel drops when its
     holder dies. torch's own lock is a file that a process killed mid-load (a timeout, a killed actor) leaves
@@ -528,7 +535,7 @@ def faster(default_s: float, other_s: float) -> tuple[int, float]:
 @torch.inference_mode()
 def time_variants(lins: list[nn.Linear], rows: int, variants: list[tuple[bool, Any]], repeats: int) -> list[float]:
     """Median seconds of the kernel's products of ``rows`` rows over every linear in one pass, per (packed layout,
-    prefetch) variant, interleaved (``interleaved_medians``: the order rotates each pass, so that no variant always
+    prefetch) variant, interleaved (``interleaved_medians``: the order changes each pass, so that no variant always
     runs right after a pass over the same weights)."""
     ext = extension()
     gen = torch.Generator().manual_seed(0)
