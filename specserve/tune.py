@@ -34,10 +34,13 @@ def time_verify(
     return out
 
 
-def verify_forward(model: LlamaModel, rows: int, *, context: int, tree_mask: bool) -> Callable[[], None]:
+def verify_forward(
+    model: LlamaModel, rows: int, *, context: int, tree_mask: bool, logits: int | None = None
+) -> Callable[[], None]:
     """One batch-1 forward over ``rows`` new tokens after ``context`` cached ones, as the profilers and benchmarks
     time it: causal (a chain's verification, a prefill) or with the explicit mask a tree's verification passes
-    (``tree_mask``; one row is a plain step either way). Every call cuts the cache back to the context."""
+    (``tree_mask``; one row is a plain step either way), with the logits of the last ``logits`` rows (None: every
+    row's, as a verification needs; a prefill needs the last row's). Every call cuts the cache back to the context."""
     cache = model.new_cache(1, context + rows + 1)
     slot = cache.allocate()
     gen = torch.Generator().manual_seed(0)
@@ -49,7 +52,10 @@ def verify_forward(model: LlamaModel, rows: int, *, context: int, tree_mask: boo
     positions = [list(range(context, context + rows))]
 
     def forward() -> None:
-        batch = ForwardBatch.build(cache, [slot], [tokens], tree_masks=masks, positions=positions, device=model.device)
+        num_logits = None if logits is None else [logits]
+        batch = ForwardBatch.build(
+            cache, [slot], [tokens], tree_masks=masks, positions=positions, num_logits=num_logits, device=model.device
+        )
         model(batch, cache)
         cache.truncate(slot, context)
 

@@ -35,10 +35,28 @@ def test_acceptance_rows_agree_where_the_window_binds_nothing() -> None:
         for period in (0, 4):
             wide, w64 = key[(method, period, 512)], key[(method, period, 64)]
             assert {k: v for k, v in wide.items() if k != "window"} == {k: v for k, v in w64.items() if k != "window"}
-            assert wide["tokens"] == 2 * 20
+            assert wide["tokens"] == 2 * 20 and wide["greedy_equal"] == 1.0
         # stretches of 4 plain steps: about half the steps speculate (the prefill step drafts nothing)
         always, half = key[(method, 0, 512)]["draft_steps"], key[(method, 4, 512)]["draft_steps"]
         assert isinstance(always, int) and isinstance(half, int) and 0 < half < always
+
+
+def test_acceptance_rows_compare_each_output_with_plain_decodings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table counted tokens only, and equal counts were read as greedy equality: each output is now compared
+    with plain decoding's (here a plain reference that differs on the second prompt)."""
+    from specserve.bench import catch_up
+
+    plain_outputs = catch_up.plain_outputs
+
+    def second_differs(*args: Any, **kwargs: Any) -> list[list[int]]:
+        outs = plain_outputs(*args, **kwargs)
+        return [outs[0], [t + 1 for t in outs[1]]]
+
+    monkeypatch.setattr(catch_up, "plain_outputs", second_differs)
+    target = tiny_model(seed=0)
+    prompts = [[5, 9, 33, 71, 2 + i] * 3 for i in range(2)]
+    rows = acceptance(target, random_head(target), prompts, methods(0.0), [64], [0], 12, eos_token_ids=set())
+    assert [r["greedy_equal"] for r in rows] == [0.5, 0.5]
 
 
 def test_switch_cost_reports_each_window() -> None:

@@ -96,3 +96,39 @@ def test_llama_bench_json_and_pypi_sdist() -> None:
     assert sdist_url(doc) == ("11434.0.0", "../../packages/a.tar.gz")
     with pytest.raises(RuntimeError, match="no sdist"):
         sdist_url({"info": {"version": "1"}, "urls": []})
+
+
+def test_llamacpp_pp_asks_for_the_last_rows_logits_as_llama_bench_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-bench's prompt test outputs only the last token's logits; the runner's pp16 computed the LM head over
+    all 16 rows (~8% more time on this CPU), which understated it against llama.cpp."""
+    from specserve.bench import llamacpp
+
+    model = tiny_model(seed=0)
+    asked: list[tuple[int, tuple[int, ...]]] = []
+    real_build = ForwardBatch.build
+
+    def build(*args, **kwargs):  # type: ignore[no-untyped-def]
+        batch = real_build(*args, **kwargs)
+        asked.append((batch.tokens.numel(), batch.num_logits))
+        return batch
+
+    monkeypatch.setattr(ForwardBatch, "build", build)
+    rates = llamacpp.runner_rates(model, repeats=1)
+    assert set(rates) == {"pp16", "tg64"}
+    assert [logits for n, logits in asked if n == 16] == [(1,), (1,)]  # the untimed pass and the one timed
+
+
+@pytest.mark.real_model
+def test_llamacpps_f32_row_is_the_float32_model_and_the_records_have_their_own() -> None:
+    """The F32 row, compared with llama.cpp's F32 GGUF, took the defaults, which read the Q4_1 and Q8_0 records
+    (2.8x faster decoding here): it was not float32 at all."""
+    from specserve.bench.llamacpp import RUNNER_WEIGHTS
+    from specserve.models.loader import load_model
+
+    def records(spec_key: str) -> int:
+        model = load_model(RUNNER_WEIGHTS[spec_key][0])
+        return sum(getattr(m, "small_records", None) is not None for m in model.modules())
+
+    assert records("F32") == 0
+    assert records("Q4_1 records") > 0
+    assert {peer for _, peer in RUNNER_WEIGHTS.values()} == {"F32", "Q4_1"}

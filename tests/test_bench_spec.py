@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specserve.bench.prompt_sets import load_prompts
 from specserve.errors import InvalidRequestError
@@ -112,6 +113,26 @@ def test_assisted_generation_is_refused_off_the_cpu(
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # --device cuda parses on this CPU too
     assert main(["bench", "spec", "--assisted", "--device", "cuda", "--pairs", "smollm2-int8"]) != 0
     assert "--assisted (transformers assisted generation) runs on the CPU only" in capsys.readouterr().err
+
+
+def test_assisted_generation_skips_a_draft_transformers_cannot_hold(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """smollm2-q4's draft runs torch's int4 kernel; its transformers twin was loaded from the target's float32
+    weights, so the row labelled assisted generation with the 4-bit draft had the target drafting for itself."""
+    import argparse
+
+    from specserve.bench import spec
+    from specserve.config import ModelSpec
+
+    loaded: list[bool] = []
+    monkeypatch.setattr(spec, "resolve", lambda s: Path("/nowhere"))
+    monkeypatch.setattr(spec, "_hf_twin", lambda model, path, int8: loaded.append(int8) or torch.nn.Linear(1, 1))
+    args = argparse.Namespace(pairs=["smollm2-q4", "smollm2-int8", "smollm2-eagle", "smollm2-bf16"])
+    twins = spec._assisted_twins(args, ModelSpec(), None)  # type: ignore[arg-type]
+    assert [pair for pair, _, _ in twins] == ["smollm2-int8", "smollm2-bf16"]
+    assert "no transformers twin for smollm2-q4's draft" in capsys.readouterr().out
+    assert loaded == [False, True, False, False]  # (target, draft) per twin: int8 for smollm2-int8's draft only
 
 
 def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) -> None:

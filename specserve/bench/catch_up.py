@@ -85,15 +85,16 @@ def acceptance(
     max_model_len: int = MAX_MODEL_LEN,
 ) -> list[dict[str, object]]:
     """Per (method, period, window): drafted tokens accepted per speculative step, summed over the prompts, one
-    at a time (greedy: deterministic)."""
+    at a time (greedy: deterministic), and the share of prompts whose output equals plain decoding's."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    plain = plain_outputs(target, prompts, params, eos_token_ids=eos_token_ids, max_model_len=max_model_len)
     rows: list[dict[str, object]] = []
     for name, spec in specs.items():
         for period in periods:
             for w in windows:
                 run = spec.model_copy(update={"catch_up_window": w})
-                accepted = steps = tokens = 0
-                for p in prompts:
+                accepted = steps = tokens = equal = 0
+                for p, reference in zip(prompts, plain, strict=True):
                     engine = Engine(
                         target,
                         None,
@@ -105,10 +106,23 @@ def acceptance(
                     engine.loop.planner.guard = ScriptedGuard(period=period)
                     c = engine.generate([p], params)[0]
                     accepted, steps = accepted + c.stats.accepted, steps + c.stats.draft_steps
-                    tokens += len(c.token_ids)
+                    tokens, equal = tokens + len(c.token_ids), equal + (c.token_ids == reference)
                 row = {"method": name, "period": period, "window": w, "draft_steps": steps, "accepted": accepted}
-                rows.append({**row, "tokens": tokens, "accepted_per_step": accepted / steps if steps else 0.0})
+                row |= {"tokens": tokens, "accepted_per_step": accepted / steps if steps else 0.0}
+                rows.append(row | {"greedy_equal": equal / len(prompts)})
     return rows
+
+
+def plain_outputs(
+    target: LlamaModel,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+    *,
+    eos_token_ids: set[int],
+    max_model_len: int,
+) -> list[list[int]]:
+    engine = Engine(target, None, eos_token_ids=eos_token_ids, max_model_len=max_model_len)
+    return [engine.generate([p], params)[0].token_ids for p in prompts]
 
 
 def check_switch_fits(prompts: Sequence[list[int]], after: int, spec: SpecConfig, max_model_len: int) -> None:

@@ -387,11 +387,14 @@ def _assisted_twins(
     args: argparse.Namespace, target_spec: ModelSpec, target: LlamaModel
 ) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
     """(pair, transformers target, transformers draft) for each ``--pairs`` entry transformers can run: a draft
-    model (no EAGLE head) of the first target."""
+    model (no EAGLE head) of the first target whose weights transformers can hold (not the int4 kernel's)."""
     twins = []
     for pair in args.pairs:
         draft_spec = MODEL_PAIRS[pair][1]
         if isinstance(draft_spec, HeadSpec) or MODEL_PAIRS[pair][0] != target_spec:
+            continue
+        if draft_spec.native_q4:  # its twin would be the float32 target drafting for itself
+            print(f"--assisted: no transformers twin for {pair}'s draft (torch's int4 kernel); skipped")
             continue
         path = resolve(target_spec)
         hf_t, hf_d = _hf_twin(target, path, False), _hf_twin(target, path, draft_spec.int8_dynamic)
