@@ -98,6 +98,15 @@ class LocalBackend:
         self.lane.stop()
 
 
+def requests_by_status(backend: LocalBackend) -> dict[str, float]:
+    """specserve_requests_total by its status label, as the backend's metrics render it."""
+    found = {}
+    for line in backend.metrics.render().decode().splitlines():
+        if line.startswith('specserve_requests_total{status="'):
+            found[line.split('"')[1]] = float(line.split()[-1])
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,6 +4,7 @@ and /health staying fast whatever other clients send. Real HTTP against the in-p
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from pydantic import SecretStr
 
 from deployments.app_args import AppArgs
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
-from tests.api_backend import MODEL, LocalBackend, api_server
+from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
 
 REPO = Path(__file__).resolve().parents[1]
 COMPLETIONS = "/v1/completions"
@@ -218,3 +219,46 @@ def test_a_body_that_is_not_a_json_object_is_named_as_such(backend: LocalBackend
             error = _error(r, 400, "invalid_json")
             assert words in str(error["message"]), (content, error)
         assert httpx.post(url + path, json=OK_BODY if path == COMPLETIONS else CHAT_OK).status_code == 200
+
+
+class _BreaksAfterOneOutput:
+    """An admitted request's stream that fails (a bug, not an APIError) after its first output."""
+
+    def __init__(self, stream) -> None:  # type: ignore[no-untyped-def]
+        self.stream = stream
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        async for out in self.stream:
+            yield out
+            raise RuntimeError("boom")
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class _BrokenBackend(LocalBackend):
+    async def submit(self, request):  # type: ignore[no-untyped-def]
+        return _BreaksAfterOneOutput(await super().submit(request))
+
+    def health(self):  # type: ignore[no-untyped-def]
+        raise RuntimeError("health is broken")
+
+
+def test_a_request_that_fails_inside_is_counted_once_and_a_stream_gets_an_error_event() -> None:
+    """A bug after admission counted a request both aborted (its stream's close) and failed (the 500 handler); a
+    stream ended with neither an error event nor [DONE]; and any route's 500 (here /health) counted as a failed
+    generation request."""
+    backend = _BrokenBackend()
+    try:
+        with api_server(backend) as url:
+            plain = httpx.post(url + COMPLETIONS, json={**OK_BODY, "max_tokens": 8})
+            assert plain.status_code == 500 and plain.json()["error"]["code"] == "internal_error"
+            streamed = httpx.post(url + COMPLETIONS, json={**OK_BODY, "max_tokens": 8, "stream": True})
+            events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+            assert streamed.status_code == 200 and events[-1] != "[DONE]"
+            error = json.loads(events[-1])["error"]
+            assert error["type"] == "server_error" and error["code"] == "internal_error", error
+            assert httpx.get(url + "/health").status_code == 500
+            assert requests_by_status(backend) == {"failed": 2.0}
+    finally:
+        backend.stop()

@@ -25,7 +25,7 @@ from specserve.api.server import build_api
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request, RequestOutput, RequestStats
 from specserve.step_events import StepMetrics
-from tests.api_backend import MODEL, LocalBackend, api_server
+from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
 
 CONTEXT = 128
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -55,14 +55,6 @@ def _error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
     error: dict[str, Any] = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     return error
-
-
-def _counts(backend: LocalBackend) -> dict[str, float]:
-    found = {}
-    for line in backend.metrics.render().decode().splitlines():
-        if line.startswith('specserve_requests_total{status="'):
-            found[line.split('"')[1]] = float(line.split()[-1])
-    return found
 
 
 # -- item 7 ------------------------------------------------------------------------------------------------
@@ -202,16 +194,16 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
 
 
 def test_client_disconnect_mid_stream_is_an_abort(backend: LocalBackend, url: str) -> None:
-    before = _counts(backend)
+    before = requests_by_status(backend)
     body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 100, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("id: ")  # each event: its resume id, then its data
     deadline = time.monotonic() + 10
-    while _counts(backend).get("aborted", 0) == before.get("aborted", 0):
-        assert time.monotonic() < deadline, _counts(backend)
+    while requests_by_status(backend).get("aborted", 0) == before.get("aborted", 0):
+        assert time.monotonic() < deadline, requests_by_status(backend)
         time.sleep(0.05)
-    after = _counts(backend)
+    after = requests_by_status(backend)
     assert after.get("aborted", 0) == before.get("aborted", 0) + 1
     assert after.get("failed", 0) == before.get("failed", 0)
 
@@ -248,7 +240,7 @@ def test_failing_receive_is_a_disconnect_not_a_failure(caplog: pytest.LogCapture
         "scheme": "http",
         "http_version": "1.1",
     }
-    before = _counts(backend)
+    before = requests_by_status(backend)
     try:
         with caplog.at_level(logging.WARNING):
             asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
@@ -257,7 +249,7 @@ def test_failing_receive_is_a_disconnect_not_a_failure(caplog: pytest.LogCapture
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     events = b"".join(m.get("body", b"") for m in sent[1:])
     assert events.startswith(b"id: ") and b"\ndata: " in events and b"[DONE]" not in events  # cut off, not finished
-    after = _counts(backend)
+    after = requests_by_status(backend)
     assert after.get("failed", 0) == before.get("failed", 0)
     assert after.get("aborted", 0) == before.get("aborted", 0) + 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -67,6 +68,8 @@ from specserve.config import SpecConfig
 from specserve.errors import InvalidRequestError
 from specserve.prompts import PromptEncoder
 from specserve.sequence import FinishReason, Request, RequestOutput
+
+log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_MEDIA_TYPE = "text/event-stream"
@@ -304,6 +307,9 @@ class _Routes:
         except asyncio.CancelledError:  # the client went away before the request was admitted
             metrics.request_done(RequestStatus.aborted)
             raise
+        except Exception:  # a 500 (internal_error): counted here, where it is known to be a generation request
+            metrics.request_done(RequestStatus.failed)
+            raise
         if body.stream:
             outcome = _Outcome(stream, metrics)
             events = self._events(outcome, body, fmt, tracker, StreamCursor(resume))
@@ -327,7 +333,7 @@ class _Routes:
                     response = fmt.response("".join(text), ids if body.return_token_ids else None, out)
                     return JSONResponse(response.model_dump(mode="json"))
             raise RuntimeError("the output stream ended before the request finished")
-        except APIError:
+        except Exception:  # an APIError's status, or a 500 (internal_error, which counts nothing)
             outcome.status = RequestStatus.failed
             raise
         finally:
@@ -360,6 +366,10 @@ class _Routes:
         except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
             outcome.status = _status_of(e)
             yield _sse(e.body())
+        except Exception as e:  # a 500's body, in the stream: raised, it would only cut the connection
+            log.exception("request %s failed mid-stream", fmt.request_id)
+            outcome.status = RequestStatus.failed
+            yield _sse(internal_error_body(e))
         finally:
             await outcome.close()
 
@@ -505,6 +515,10 @@ class _ChatFormat:
 # -- errors -------------------------------------------------------------------------------------------
 
 
+def internal_error_body(exc: Exception) -> ErrorResponse:
+    return error_body(f"internal error: {type(exc).__name__}", ErrorType.server, code=ErrorCode.internal_error)
+
+
 def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
     """Bad input of any kind becomes a 4xx with OpenAI's error body; anything else a 500 with the same shape."""
 
@@ -543,9 +557,8 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
         return _error(status, error_body(message, type_, code=codes.get(status)), dict(exc.headers or {}))
 
     async def internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
-        metrics.request_done(RequestStatus.failed)
-        body = error_body(f"internal error: {type(exc).__name__}", ErrorType.server, code=ErrorCode.internal_error)
-        return _error(HTTPStatus.INTERNAL_SERVER_ERROR, body)
+        """A 500 on any route; a generation request's has been counted where it failed (``_generate``)."""
+        return _error(HTTPStatus.INTERNAL_SERVER_ERROR, internal_error_body(exc))
 
     api.add_exception_handler(RequestValidationError, request_validation)  # type: ignore[arg-type]
     api.add_exception_handler(ValidationError, validation)  # type: ignore[arg-type]
