@@ -38,6 +38,7 @@ from specserve.models.sources import (
     list_models,
     pull_builtin,
     resolve,
+    resolve_gguf,
     unpermute_rope_rows,
 )
 
@@ -320,6 +321,15 @@ def test_malformed_ggufs_are_refused_by_name(tmp_path: Path) -> None:
             convert_gguf(path, tmp_path / name)
 
 
+def test_a_tensor_type_gguf_py_cannot_dequantise_is_named(tmp_path: Path) -> None:
+    """An F64 tensor ended `models pull` in gguf-py's NotImplementedError traceback."""
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    norm = model.state_dict()["model.layers.0.input_layernorm.weight"].numpy().astype(np.float64)
+    path = write_gguf(model, tmp_path / "f64.gguf", tensors={"blk.0.attn_norm.weight": norm})
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.attn_norm\.weight is stored as F64"):
+        convert_gguf(path, tmp_path / "out")
+
+
 def test_a_gguf_field_running_past_the_end_is_refused(tmp_path: Path) -> None:
     """An array whose declared length (2**40) runs past the end of the file: gguf-py's reader alone goes on reading
     empty slices for ever (run in a child process so that a regression fails by its timeout, not by hanging)."""
@@ -528,6 +538,24 @@ def test_hf_dir_errors_name_what_is_missing(tmp_path: Path) -> None:
         resolve(ModelSpec(source=str(empty)))
     (empty / "model.safetensors").write_bytes(b"")
     assert resolve(ModelSpec(source=str(empty))) == empty.resolve()
+
+
+def test_a_cache_that_cannot_be_a_directory_is_named(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SPECSERVE_CACHE naming a file ended `models pull` in a NotADirectoryError traceback."""
+    from specserve.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("SPECSERVE_CACHE", str(afile))
+    with pytest.raises(ModelSourceError, match="set SPECSERVE_CACHE to a writable directory"):
+        resolve_gguf(tiny_gguf)
+    with pytest.raises(ModelSourceError, match="afile"):
+        install_builtin(fake_builtin(tiny_gguf), downloader=failing_downloader)
+    assert main(["models", "pull", str(tiny_gguf)]) == 2
+    err = capsys.readouterr().err
+    assert "SPECSERVE_CACHE" in err and "Traceback" not in err
 
 
 def test_missing_paths_and_unknown_names(tmp_path: Path, cache: Path) -> None:

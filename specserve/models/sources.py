@@ -64,6 +64,18 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specserve"
 
 
+def make_cache_dir(path: Path) -> None:
+    """``path`` (in the cache) created if missing: a clear error where it cannot be (SPECSERVE_CACHE a file, a
+    read-only disk)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelSourceError(
+            f"cannot create the directory {str(path)!r} in the model cache ({e.strerror or e}); set SPECSERVE_CACHE "
+            "to a writable directory"
+        ) from None
+
+
 def builtin_dir(name: str) -> Path:
     return cache_dir() / name
 
@@ -149,7 +161,7 @@ def install_builtin(model: BuiltinModel, *, force: bool = False, downloader: Dow
     if not force and _is_complete(target, model.sha256):
         return target
     root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    make_cache_dir(root)
     with FileLock(str(root / f"{model.name}.lock")):
         if not force and _is_complete(target, model.sha256):  # another process finished it while we waited
             return target
@@ -165,7 +177,7 @@ def fetch_builtin_gguf(model: BuiltinModel, downloader: Downloader) -> Path:
     """
     cached = builtin_gguf_path(model.name)
     downloads = cached.parent
-    downloads.mkdir(parents=True, exist_ok=True)
+    make_cache_dir(downloads)
     if cached.is_file():
         if sha256_file(cached) == model.sha256:
             return cached
@@ -255,7 +267,7 @@ def resolve_gguf(path: Path, *, force: bool = False) -> Path:
     target = root / digest[:16]
     if not force and _is_complete(target, digest):
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    make_cache_dir(root)
     with FileLock(str(root / f"{digest[:16]}.lock")):
         if force or not _is_complete(target, digest):
             _convert_into_place(path, target, digest)
@@ -501,7 +513,13 @@ def _read_weights(reader: GGUFReader, gguf_path: Path, n_heads: int, n_kv_heads:
         name = hf_tensor_name(tensor.name)
         # `tensor.shape` is ggml's order (fastest-varying first); reversed, it is the HF / numpy shape.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        try:
+            values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        except NotImplementedError:  # gguf-py's own list: F64, the integer types, Q8_1, Q8_K...
+            raise UnsupportedModelError(
+                f"{gguf_path.name}: {tensor.name} is stored as {tensor.tensor_type.name}, which gguf-py cannot "
+                "dequantise; convert the model to F32, F16, BF16 or a Q4 / Q5 / Q6 / Q8_0 type"
+            ) from None
         heads = n_heads if name.endswith("q_proj.weight") else n_kv_heads if name.endswith("k_proj.weight") else 0
         if heads:
             if values.ndim != 2 or values.shape[0] % (2 * heads):
