@@ -291,7 +291,7 @@ class StepLoop:
 
     def _verify_item(self, seq: Sequence, proposal: Proposal | None) -> VerifyItem:
         spec = seq.spec
-        features = self.features if spec.method != SpecMethod.none else None
+        features = self.features if spec.uses_model else None  # the head reads them only where it may draft
         if proposal is None:
             return VerifyItem(seq.seq_id, seq.unsent(seq.target_seen), features=features)
         return VerifyItem(

@@ -284,6 +284,35 @@ def test_lookup_falls_back_to_the_draft_model_and_both_stay_in_step(small_vocab:
     assert not log.model_depths and len(log.free_sizes) >= 5
 
 
+def test_the_target_sends_a_draft_head_features_only_for_requests_it_may_draft_for() -> None:
+    """A lookup request without the model fallback never drafts with the head, yet the target returned its hidden
+    states every step (across actors in Serve) and the sequence queued them."""
+    from specserve.models.tiny import tiny_head
+    from specserve.workers.target import TargetWorker
+
+    target = tiny_model(seed=0)
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, drafter=Drafter.lookup, model_fallback=False)
+    engine = Engine(target, None, draft=tiny_head(target), speculation=spec, eos_token_ids=set(), max_batch_size=2)
+    asked: list[tuple[bool, bool]] = []  # per verified item: (features asked, returned)
+    verify = TargetWorker.verify
+
+    def spy(self: TargetWorker, items):  # type: ignore[no-untyped-def]
+        outs = verify(self, items)
+        asked.extend((i.features is not None, o.features is not None) for i, o in zip(items, outs, strict=True))
+        return outs
+
+    prompt = [5, 9, 33, 71, 2] * 3
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TargetWorker, "verify", spy)
+        out = engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        assert len(asked) >= 2 and asked == [(False, False)] * len(asked)
+        assert out.token_ids == greedy_reference(target, prompt, 12)
+        asked.clear()
+        with_head = spec.model_copy(update={"model_fallback": True})
+        engine.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True), speculation=with_head)
+        assert asked and all(a == (True, True) for a in asked)
+
+
 def test_the_model_budget_caps_the_draft_models_trees_alone(small_vocab: LlamaModel) -> None:
     """Lookup trees up to ``budget``, the draft model's fallback trees up to ``model_budget``: both lossless."""
     draft = noisy_copy(small_vocab, 0.05, seed=2)
