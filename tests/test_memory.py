@@ -60,7 +60,17 @@ INSTANCE_GPU_BYTES: dict[str, int | None] = {
 
 
 def test_parameter_count_matches_the_models_and_the_published_sizes() -> None:
-    for model in (tiny_model(), tiny_model(tiny_config(tie_word_embeddings=True)), tiny_model(tiny_config("qwen2"))):
+    biased = [
+        tiny_config(attention_bias=True),
+        tiny_config(mlp_bias=True),
+        tiny_config(attention_bias=True, mlp_bias=True),
+    ]
+    for model in (
+        tiny_model(),
+        tiny_model(tiny_config(tie_word_embeddings=True)),
+        tiny_model(tiny_config("qwen2")),
+        *(tiny_model(cfg) for cfg in biased),  # o_proj and MLP biases were not counted
+    ):
         assert model_shape(model).num_params == sum(p.numel() for p in model.parameters())
     assert round(HUB_SHAPES["meta-llama/Llama-3.1-8B-Instruct"].num_params / 1e9, 2) == 8.03  # "8B": 8.03e9
     assert round(HUB_SHAPES["meta-llama/Llama-3.2-1B-Instruct"].num_params / 1e9, 2) == 1.24  # "1B": 1.24e9

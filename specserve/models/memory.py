@@ -30,6 +30,8 @@ class ModelShape(BaseModel):
     vocab_size: int = Field(ge=1)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
     max_positions: int = Field(default=0, ge=0, description="RoPE table rows kept on the device (0: none counted)")
 
     @property
@@ -37,8 +39,7 @@ class ModelShape(BaseModel):
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h  # qkv, o, gate/up/down, two norms
-        if self.qkv_bias:
-            per_layer += q + 2 * kv
+        per_layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + (2 * i + h) * self.mlp_bias
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * per_layer + h  # + the final norm
 
