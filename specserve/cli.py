@@ -92,6 +92,9 @@ def _draft_for(name: str, target: ModelSpec, device: str = "cpu") -> DraftSpec |
     name; or a head directory."""
     if name in ("none", "auto") or name in MODEL_PAIRS:
         pair = _pair_for(name, target, device)
+        if pair is None and name == "auto":  # said, not silent: the README promises speculation by default
+            print(f"--draft auto: no built-in pair has this target ({target.source}, {target.dtype.value} on "
+                  f"{device}); generating without speculation", file=sys.stderr)  # fmt: skip
         return None if pair is None else MODEL_PAIRS[pair][1]
     head = HeadSpec(head=name)
     if not head.path().is_dir():

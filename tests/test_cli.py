@@ -214,3 +214,14 @@ def test_train_draft_reads_its_corpus_before_loading_the_target(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "is not UTF-8 text" in err and "Traceback" not in err, err
+
+
+def test_draft_auto_says_when_it_finds_no_pair_for_the_target(capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype bfloat16 has no built-in pair: 'auto' turned speculation off without a word."""
+    from specserve.cli import _draft_for
+    from specserve.config import DType, ModelSpec
+
+    assert _draft_for("auto", ModelSpec()) is not None and capsys.readouterr().err == ""
+    assert _draft_for("auto", ModelSpec(dtype=DType.bfloat16)) is None
+    assert "--draft auto: no built-in pair has this target" in capsys.readouterr().err
+    assert _draft_for("none", ModelSpec(dtype=DType.bfloat16)) is None and capsys.readouterr().err == ""
