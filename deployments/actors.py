@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import ray
@@ -144,9 +144,11 @@ class TargetActor(_WorkerHost):
         self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        """Features for a draft head leave on the host: a CUDA tensor would make the router (no GPU reserved)
+        open a context on the node's first GPU, or fail to unpickle on a node without one."""
         worker = self._worker()
         assert isinstance(worker, TargetWorker)
-        return worker.verify(items)
+        return [o if o.features is None else replace(o, features=o.features.cpu()) for o in worker.verify(items)]
 
 
 class DraftActor(_WorkerHost):

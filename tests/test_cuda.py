@@ -3,7 +3,8 @@
     .venv/bin/pytest -q tests/test_cuda.py
 
 workers on CUDA, plain and speculative greedy equality, the engine-level chi-square of sampled outputs, DDD tree
-drafting, EAGLE heads (EAGLE-1/2 and EAGLE-3) drafting and training on the device, flash-attn chain verification,
+drafting, EAGLE heads (EAGLE-1/2 and EAGLE-3) drafting and training on the device (a draft vocabulary set there too),
+the synthetic acceptance mode, a head's features leaving the target actor on the host, flash-attn chain verification,
 KV sizing from free memory, loading straight to the device, and the Serve app with ``num_gpus``. Tiny random models
 (specserve/models/tiny.py) keep it to a minute or two.
 """
@@ -125,6 +126,41 @@ def test_eagle_heads_draft_on_the_device_and_stay_greedy_equal(target: LlamaMode
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(target, prompt, 16)
     assert all(o.stats.drafted > 0 for o in outs)
+
+
+def test_a_draft_vocabulary_set_on_the_device_drafts_there(target: LlamaModel) -> None:
+    """The loader sets a head's draft vocabulary after moving it, from CPU ids (they stayed on the CPU)."""
+    head = random_head(target).to(CUDA)
+    head.set_draft_vocab(torch.arange(0, target.cfg.vocab_size, 2))
+    assert head.draft_ids.device.type == "cuda"
+    engine = Engine(target, None, draft=head, speculation=HEAD_METHODS["ddd"], max_batch_size=3, eos_token_ids=set())
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 12)
+
+
+def test_synthetic_acceptance_runs_on_the_device(target: LlamaModel, draft: LlamaModel) -> None:
+    """The synthetic mode's draws (load/straggler --workloads synthetic) came from CPU calls on the device's
+    generators."""
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, synthetic_accept=0.7)
+    engine = Engine(target, None, draft=draft, speculation=spec, max_batch_size=3, eos_token_ids=set())
+    params = [SamplingParams(max_tokens=10), SamplingParams(temperature=0.8, seed=1, max_tokens=10)]
+    outs = engine.generate(PROMPTS[:2], params)
+    assert [len(o.token_ids) for o in outs] == [10, 10] and sum(o.stats.accepted for o in outs) > 0
+
+
+def test_the_target_actor_sends_a_heads_features_from_the_host(target: LlamaModel) -> None:
+    """Features crossed to the router as CUDA tensors: it reserves no GPU, so it opened a context on the node's
+    first one, or failed to unpickle them on a node without a GPU."""
+    from deployments.actors import TargetActor
+    from specserve.messages import FeatureRequest, VerifyItem
+
+    actor = TargetActor.__new__(TargetActor)  # the actor's class in-process: no Ray
+    actor.model = target
+    actor.worker = TargetWorker(target, num_slots=1, max_len=32)
+    actor.worker.add(0, SamplingParams(max_tokens=4), 0)
+    (out,) = actor.verify([VerifyItem(0, [5, 9, 33, 71], features=FeatureRequest())])
+    assert out.features is not None and out.features.device.type == "cpu" and out.features.shape[0] == 4
 
 
 @pytest.mark.parametrize("name", ["chain-keyed", "chain-sampled", "tree"])

@@ -48,6 +48,17 @@ def random_head(target: LlamaModel, kind: HeadKind = HeadKind.eagle, std: float 
 PROMPTS = [[5, 9, 33, 71, 2 + i] for i in range(4)]
 
 
+def test_a_draft_vocabulary_set_after_the_move_lives_on_the_heads_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader moves a head to its device and then sets its draft vocabulary from CPU ids: on CUDA the ids
+    stayed on the CPU, and indexing the device's logits or its cache with them raised (the meta device stands in;
+    the LM head's slice, which copies data, is tests/test_cuda.py's)."""
+    target = tiny_model(seed=0)  # (its own: the move takes the head's modules along)
+    head = random_head(target).to("meta")
+    monkeypatch.setattr(head, "_slice_lm_head", lambda: None)
+    head.set_draft_vocab(torch.arange(0, target.cfg.vocab_size, 2))
+    assert head.draft_ids.device.type == "meta" and head.draft_ids.dtype == torch.long
+
+
 def _plain(target: LlamaModel, params: SamplingParams) -> list[list[int]]:
     return [c.token_ids for c in Engine(target, None, eos_token_ids=set()).generate(PROMPTS, params)]
 

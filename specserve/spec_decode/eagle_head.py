@@ -241,7 +241,7 @@ class EagleHead(nn.Module):
             raise ValueError("an EAGLE-3 head's draft vocabulary is fixed by its own lm_head and d2t")
         if not valid_draft_ids(draft_ids, self.cfg.vocab_size):
             raise ValueError(f"draft ids must be a 1-D tensor of distinct target ids in [0, {self.cfg.vocab_size})")
-        self.draft_ids = draft_ids.to(torch.long)
+        self.draft_ids = draft_ids.to(self.device, torch.long)  # (a loaded head is already on its device)
         self.cfg = self.cfg.model_copy(update={"draft_vocab_size": int(draft_ids.numel())})
         self._slice_lm_head()
 

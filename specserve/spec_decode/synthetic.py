@@ -27,7 +27,7 @@ def synthetic_verify(
         first_child.setdefault(parents[node], node)
     accepted: list[int] = []
     node = ROOT
-    u = torch.rand(len(tokens) + 1, generator=generator, dtype=torch.float64).tolist()
+    u = torch.rand(len(tokens) + 1, generator=generator, dtype=torch.float64, device=generator.device).tolist()
     while node in first_child and u[len(accepted)] < accept:
         node = first_child[node]
         accepted.append(node)
@@ -38,4 +38,5 @@ def synthetic_verify(
 def synthetic_kld(accept: float, n: int, generator: torch.Generator) -> list[float]:
     """KLD stand-ins that track the synthetic acceptance: Exp-distributed with mean -ln(accept)."""
     mean = -math.log(accept)
-    return (torch.empty(n, dtype=torch.float64).exponential_(1.0 / mean, generator=generator)).tolist()
+    draws = torch.empty(n, dtype=torch.float64, device=generator.device)  # (a worker's generator is on its device)
+    return draws.exponential_(1.0 / mean, generator=generator).tolist()
