@@ -34,7 +34,7 @@ from deployments.app_args import AppArgs, ModelRecipe, WorkerRole
 from specserve.build import local_draft_worker
 from specserve.config import HeadSpec
 from specserve.heap import freeze_loaded_objects
-from specserve.limits import device_kv_slots
+from specserve.limits import MemoryShare, device_kv_slots
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model
@@ -108,14 +108,10 @@ class _WorkerHost:
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         return ModelInfo(self.model.cfg.vocab_size, self.model.max_positions, frozenset(eos_ids))
 
-    def kv_slots(self, geometry: KVGeometry, step_tokens: int, utilization: float | None) -> int:
+    def kv_slots(self, geometry: KVGeometry, step_tokens: int, share: MemoryShare | None) -> int:
         """KV slots of ``geometry.max_len`` that fit on this actor's device, at most ``geometry.num_slots``."""
         return device_kv_slots(
-            [self.model],
-            requested=geometry.num_slots,
-            max_len=geometry.max_len,
-            step_tokens=step_tokens,
-            utilization=utilization,
+            [self.model], requested=geometry.num_slots, max_len=geometry.max_len, step_tokens=step_tokens, share=share
         )
 
     def add(self, seq_id: int, params: SamplingParams, position: int) -> None:

@@ -22,6 +22,7 @@ from specserve.config import (
     SpecConfig,
     default_pair,
 )
+from specserve.limits import MemoryShare
 from specserve.validated import Validated
 
 TINY_MODEL_NAME = "tiny"
@@ -274,12 +275,12 @@ class AppArgs(LoopConfig):
     def resources(self, role: WorkerRole) -> ActorResources:
         return self.target_resources if role == WorkerRole.target else self.draft_resources
 
-    def memory_share(self, role: WorkerRole) -> float | None:
-        """The share of its GPU's memory an actor may fill (weights, KV, activations): ``gpu_memory_utilization``
-        times the fraction of the GPU it reserves, so actors sharing one GPU never size their KV for all of it."""
+    def memory_share(self, role: WorkerRole) -> MemoryShare | None:
+        """What an actor may fill of its GPU's memory (weights, KV, activations): ``gpu_memory_utilization`` times
+        the fraction of the GPU it reserves, so actors sharing one GPU never size their KV for all of it."""
         if self.gpu_memory_utilization is None:
             return None
-        return self.gpu_memory_utilization * min(1.0, self.resources(role).num_gpus or 1.0)
+        return MemoryShare(self.gpu_memory_utilization, min(1.0, self.resources(role).num_gpus or 1.0))
 
     @property
     def roles(self) -> list[WorkerRole]:

@@ -15,7 +15,7 @@ from specserve.build import build_step_loop, draft_geometry, eos_ids_of, local_d
 from specserve.config import EngineConfig, LoopConfig, SpecConfig, SpecMethod
 from specserve.errors import InvalidRequestError, PartialStepError, SettingsError, blamed_sequence
 from specserve.heap import freeze_loaded_objects
-from specserve.limits import context_limits, device_kv_slots
+from specserve.limits import MemoryShare, context_limits, device_kv_slots
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.prompts import PromptEncoder
@@ -86,7 +86,7 @@ class Engine:
             requested=max_batch_size,
             max_len=limits.kv_len,
             step_tokens=limits.spec_headroom,
-            utilization=gpu_memory_utilization,
+            share=None if gpu_memory_utilization is None else MemoryShare(gpu_memory_utilization),
         )
         cfg = cfg.model_copy(update={"max_batch_size": num_slots})  # fewer slots fit: fewer sequences at once
         slots = {"num_slots": num_slots, "max_len": limits.kv_len}

@@ -17,6 +17,15 @@ MemInfo = Callable[[torch.device], tuple[int, int]]  # (free, total) bytes, as t
 
 
 @dataclass(frozen=True)
+class MemoryShare:
+    """What a worker's KV sizing may fill of its device: ``utilization`` of it in all (``gpu_memory_utilization``)
+    and, of that, the ``fraction`` its actor reserves (``num_gpus`` < 1: actors sharing a GPU)."""
+
+    utilization: float
+    fraction: float = 1.0
+
+
+@dataclass(frozen=True)
 class ContextLimits:
     max_model_len: int  # prompt + generated tokens per sequence
     spec_headroom: int  # KV room beyond that for one step's drafted tokens
@@ -82,14 +91,17 @@ def device_kv_slots(
     requested: int,
     max_len: int,
     step_tokens: int,
-    utilization: float | None,
+    share: MemoryShare | None,
     mem_info: MemInfo | None = None,
+    reserved: Callable[[torch.device], int] | None = None,
 ) -> int:
     """KV slots of ``max_len`` for ``models`` (on one device, weights loaded): ``requested`` on the CPU or
-    without a utilisation setting; on CUDA as many as fit (at most ``requested``), each reserving its KV in
-    every model and its share of the largest forward (a prefill of ``max_len`` or a step of ``step_tokens``)."""
+    without a share; on CUDA as many as fit (at most ``requested``), each reserving its KV in every model and its
+    share of the largest forward (a prefill of ``max_len`` or a step of ``step_tokens``). An actor sharing its GPU
+    counts against its fraction only what this process holds (``reserved``: torch's reserved memory); the
+    others' weights are in the device's free memory, which it may not exceed."""
     device = models[0].device
-    if utilization is None or device.type != "cuda":
+    if share is None or device.type != "cuda":
         return requested
     slot = act = 0
     for model in models:
@@ -103,10 +115,13 @@ def device_kv_slots(
         torch.cuda.empty_cache()  # loading's freed blocks count as free
         mem_info = torch.cuda.mem_get_info
     free, total = mem_info(device)
+    own = None if share.fraction >= 1.0 else (reserved or torch.cuda.memory_reserved)(device)
     return kv_slots_that_fit(
         total_bytes=total,
         free_bytes=free,
-        utilization=utilization,
+        utilization=share.utilization,
+        fraction=share.fraction,
+        own_bytes=own,
         slot_bytes=slot,
         activation_bytes_per_slot=act,
         requested=requested,

@@ -21,7 +21,7 @@ import torch
 from specserve.config import PAIR_SPECULATION, ChainDraft, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import KVCapacityError
-from specserve.limits import device_kv_slots
+from specserve.limits import MemoryShare, device_kv_slots
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_model_dir
@@ -199,12 +199,13 @@ def test_flash_attn_chain_verification_matches_sdpa() -> None:
 
 
 def test_kv_slots_are_sized_from_free_memory(target: LlamaModel) -> None:
-    assert device_kv_slots([target], requested=4, max_len=256, step_tokens=16, utilization=0.9) == 4  # tiny fits
-    assert device_kv_slots([target], requested=4, max_len=256, step_tokens=16, utilization=None) == 4
+    assert device_kv_slots([target], requested=4, max_len=256, step_tokens=16, share=MemoryShare(0.9)) == 4  # fits
+    assert device_kv_slots([target], requested=4, max_len=256, step_tokens=16, share=None) == 4
+    assert device_kv_slots([target], requested=4, max_len=256, step_tokens=16, share=MemoryShare(0.9, 0.5)) == 4
     free = torch.cuda.mem_get_info()[0]
     huge = int(free / (2 * target.cfg.num_layers * target.cfg.num_kv_heads * target.cfg.head_dim * 4)) + 1
     with pytest.raises(KVCapacityError, match="not even one KV slot fits"):  # one slot longer than the free memory
-        device_kv_slots([target], requested=1, max_len=huge, step_tokens=16, utilization=1.0)
+        device_kv_slots([target], requested=1, max_len=huge, step_tokens=16, share=MemoryShare(1.0))
     engine = Engine(target, None, max_batch_size=4, max_model_len=128, gpu_memory_utilization=0.9)
     assert engine.loop.target.cache.num_slots == 4
 

@@ -96,6 +96,22 @@ def test_slots_that_fit_follow_the_utilisation_setting() -> None:
         kv_slots_that_fit(total_bytes=GIB, free_bytes=GIB, utilization=1.5, requested=1, **common)
 
 
+def test_actors_sharing_a_gpu_count_their_own_memory_against_their_share() -> None:
+    """Each of two actors at num_gpus 0.5 paid for both actors' weights out of its half: an 8B bf16 target (16 GiB)
+    and a 1B draft (3 GiB) on a 40 GiB GPU at 0.9 found "not even one KV slot" with 20 GiB free."""
+    common = {"slot_bytes": GIB // 2, "activation_bytes_per_slot": GIB // 4, "requested": 64}
+    device = {"total_bytes": 40 * GIB, "free_bytes": 20 * GIB, "utilization": 0.9, "fraction": 0.5}
+    with pytest.raises(KVCapacityError):  # counted as if alone: 18 - 20 GiB
+        kv_slots_that_fit(**device, **common)
+    assert kv_slots_that_fit(**device, own_bytes=16 * GIB, **common) == 2  # the target: 18 - 16 = 2 GiB, 0.75 a slot
+    assert kv_slots_that_fit(**device, own_bytes=3 * GIB, **common) == 20  # the draft: 15 GiB, then 16 GiB free - 4
+    # another process took the free memory: the device keeps its (1 - 0.9) * 40 = 4 GiB free whatever the share
+    assert kv_slots_that_fit(**{**device, "free_bytes": 5 * GIB}, own_bytes=3 * GIB, **common) == 1
+    # alone on the device (fraction 1), the two rules agree: 0.9 * 80 - 30 = 50 - 8 = 42 GiB
+    alone = {"total_bytes": 80 * GIB, "free_bytes": 50 * GIB, "utilization": 0.9}
+    assert kv_slots_that_fit(**alone, **common) == kv_slots_that_fit(**alone, own_bytes=30 * GIB, **common) == 56
+
+
 def test_cpu_keeps_max_batch_size_slots() -> None:
     from specserve.engine import Engine
 

@@ -37,6 +37,7 @@ from specserve.api.schemas import SpeculationOptions
 from specserve.config import Drafter, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import UnsupportedModelError
+from specserve.limits import MemoryShare
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams
 from tests.ports import start_serve_on_free_port
@@ -203,9 +204,9 @@ def test_speculation_options_map_onto_the_default() -> None:
 def test_actors_sharing_a_gpu_size_their_kv_for_their_share() -> None:
     half = ActorResources(num_cpus=1, num_gpus=0.5)
     shared = AppArgs(gpu_memory_utilization=0.9, target_resources=half, draft_resources=half)
-    assert shared.memory_share(WorkerRole.target) == shared.memory_share(WorkerRole.draft) == pytest.approx(0.45)
+    assert shared.memory_share(WorkerRole.target) == shared.memory_share(WorkerRole.draft) == MemoryShare(0.9, 0.5)
     whole = AppArgs(gpu_memory_utilization=0.9, target_resources=ActorResources(num_cpus=1, num_gpus=1))
-    assert whole.memory_share(WorkerRole.target) == pytest.approx(0.9)
+    assert whole.memory_share(WorkerRole.target) == MemoryShare(0.9)
     assert AppArgs().memory_share(WorkerRole.target) is None
 
 

@@ -126,20 +126,26 @@ def kv_slots_that_fit(
     slot_bytes: int,
     activation_bytes_per_slot: int,
     requested: int,
+    fraction: float = 1.0,
+    own_bytes: int | None = None,
 ) -> int:
-    """Slots of KV (up to ``requested``) that fit once the weights are loaded, vLLM-style: everything on the
-    device may use ``utilization * total_bytes``; what is already used (``total - free``: our weights, the CUDA
-    context, other processes) counts against it, and each slot also reserves its share of a step's activations.
-    Raises KVCapacityError when not even one slot fits."""
+    """Slots of KV (up to ``requested``) that fit once the weights are loaded, vLLM-style: this process may fill
+    ``utilization * fraction * total_bytes`` (``fraction``: the share of the device its actor reserves, 1 when it
+    has it alone), where what it holds already counts (``own_bytes``; None: everything in use, ``total - free``:
+    our weights, the CUDA context, other processes), and the device keeps ``(1 - utilization) * total_bytes``
+    free. Each slot also reserves its share of a step's activations. Raises KVCapacityError when not even one slot
+    fits."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    budget = int(utilization * total_bytes) - (total_bytes - free_bytes)
+    own = total_bytes - free_bytes if own_bytes is None else own_bytes
+    headroom = total_bytes - int(utilization * total_bytes)
+    budget = min(int(utilization * fraction * total_bytes) - own, free_bytes - headroom)
     per_slot = slot_bytes + activation_bytes_per_slot
     fit = max(budget, 0) // per_slot
     if fit < 1:
         raise KVCapacityError(
             f"not even one KV slot fits: {free_bytes / GIB:.2f} GiB free of {total_bytes / GIB:.2f} GiB after "
-            f"loading the weights, {utilization:.2f} of the device allowed, and one slot needs "
+            f"loading the weights, {utilization * fraction:.2f} of the device allowed, and one slot needs "
             f"{per_slot / GIB:.3f} GiB (KV {slot_bytes / GIB:.3f} GiB + activations); lower max_model_len, use a "
             "larger device or raise gpu_memory_utilization"
         )
