@@ -48,6 +48,49 @@ def random_head(target: LlamaModel, kind: HeadKind = HeadKind.eagle, std: float 
 PROMPTS = [[5, 9, 33, 71, 2 + i] for i in range(4)]
 
 
+def test_a_full_size_draft_vocabulary_in_another_order_is_mapped(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A published EAGLE-3 head may map its V draft columns onto the target's V ids in another order (d2t not 0):
+    the worker took a full-size vocabulary for the identity and drafted column c as target id c. The same head
+    with its LM-head rows permuted and that permutation as its d2t must draft exactly what it drafts."""
+    from specserve.spec_decode.eagle_head import load_eagle_head, save_eagle_head
+
+    target = tiny_model(seed=0)
+    vocab = target.cfg.vocab_size
+    cfg = EagleHeadConfig.for_target(target, kind=HeadKind.eagle3, aux_layers=(0, 1), draft_vocab_size=vocab)
+    plain = EagleHead(cfg, target)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in plain.parameters():
+            if p.ndim > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    perm = torch.randperm(vocab, generator=gen)
+    permuted = EagleHead(cfg, target)
+    permuted.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        permuted.lm_head.weight.copy_(plain.lm_head.weight[perm])
+    permuted.draft_ids = perm
+    save_eagle_head(permuted, tmp_path / "permuted", dtype=torch.float32)
+    loaded = load_eagle_head(tmp_path / "permuted", target)
+    assert torch.equal(loaded.draft_ids, perm) and loaded.maps_draft_ids and not plain.maps_draft_ids
+    spec = SpecConfig(method=SpecMethod.eagle2, beam_width=3, budget=8, tree_depth=3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    drafts: list[list[list[int]]] = []
+    for head in (plain.eval(), loaded.eval()):
+        engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+        worker = engine.loop.draft
+        assert isinstance(worker, HeadDraftWorker)
+        seen: list[list[int]] = []
+        propose = worker.propose
+
+        def spy(items, propose=propose, seen=seen):  # type: ignore[no-untyped-def]
+            return [seen.append(p.tokens) or p for p in propose(items)]
+
+        worker.propose = spy  # type: ignore[method-assign]
+        engine.generate(PROMPTS, params)
+        drafts.append(seen)
+    assert len(drafts[0]) > 10 and drafts[0] == drafts[1]  # the same target ids, drafted in the same trees
+
+
 def test_a_draft_vocabulary_set_after_the_move_lives_on_the_heads_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loader moves a head to its device and then sets its draft vocabulary from CPU ids: on CUDA the ids
     stayed on the CPU, and indexing the device's logits or its cache with them raised (the meta device stands in;

@@ -257,6 +257,12 @@ class EagleHead(nn.Module):
     def draft_vocab_size(self) -> int:
         return int(self.draft_ids.numel())
 
+    @property
+    def maps_draft_ids(self) -> bool:
+        """Whether some draft column c is not target id c: a reduced vocabulary, or a full one in another order."""
+        ids = self.draft_ids
+        return ids.numel() != self.cfg.vocab_size or not torch.equal(ids.cpu(), torch.arange(ids.numel()))
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         cfg = self.cfg
         return KVCache(
@@ -398,7 +404,7 @@ def head_state_dict(head: EagleHead) -> dict[str, torch.Tensor]:
         sd["lm_head.weight"] = head.lm_head.weight.detach()
     else:
         sd |= _layer_tensors(head.layer, "layers.0.")
-    if cfg.kind == HeadKind.eagle3 or head.draft_vocab_size < cfg.vocab_size:
+    if cfg.kind == HeadKind.eagle3 or head.maps_draft_ids:
         ids = head.draft_ids.cpu()
         sd["d2t"] = ids - torch.arange(ids.numel())
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)

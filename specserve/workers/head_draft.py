@@ -53,8 +53,7 @@ class HeadDraftWorker:
         self.seqs: dict[int, _HeadSeq] = {}
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator] = {}
-        full = head.draft_vocab_size == head.cfg.vocab_size
-        self.token_ids = None if full else head.draft_ids
+        self.token_ids = head.draft_ids if head.maps_draft_ids else None  # draft columns -> target ids
         self.h_reads = 0
 
     @property
