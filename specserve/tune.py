@@ -11,11 +11,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 
 from specserve.config import ChainDraft, SpecConfig, SpecMethod
+from specserve.cpu import cpu_info
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.sources import cache_dir
+from specserve.models.sources import cache_dir, store_json
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.timing import interleaved_medians
 
@@ -82,25 +84,50 @@ def batch_decode_forward(model: LlamaModel, batch: int, *, context: int) -> Call
     return forward
 
 
+def execution_path(model: LlamaModel) -> str:
+    """What the model's forward runs through besides its shape: the C++ stack and attention kernel, and each
+    linear's kernel (row-major, packed copies, Q4_1 / Q8_0 records, their row ranges and prefetch), dynamic int8 or
+    int4 modules: each changes a verify's time."""
+    linears = sorted(
+        {
+            (
+                type(m).__name__,
+                *(str(getattr(m, name, None)) for name in ("small_rows", "small_copy_rows", "small_record_rows")),
+                str(getattr(m, "small_prefetch", None)),
+            )
+            for m in model.modules()
+            if isinstance(m, nn.Linear) or "Linear" in type(m).__name__
+        }
+    )
+    stack = type(model.native_stack).__name__ if model.native_stack is not None else None
+    return f"{stack}|{model.attention_kernel is not None}|{model.use_flash_attn}|{linears}"
+
+
 def profile_key(model: LlamaModel, context: int) -> str:
+    """The verify profile's key: the model's shape, dtype, device and execution path, the CPU and its flags (a VM
+    may move to another), torch's version and threads, and the context."""
     cfg = model.cfg
-    ident = f"{cfg}|{model.dtype}|{model.device}|{torch.get_num_threads()}|{context}|{torch.__version__}"
+    cpu, flags = cpu_info()
+    ident = f"{cfg}|{model.dtype}|{model.device}|{execution_path(model)}|{cpu}|{sorted(flags)}"
+    ident += f"|{torch.get_num_threads()}|{context}|{torch.__version__}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def verify_profile(
     model: LlamaModel, sizes: Sequence[int] = DEFAULT_SIZES, *, context: int = 256, causal: bool = False
 ) -> dict[int, float]:
-    """time_verify, cached on disk per model shape, dtype, device, thread count, torch version and mask kind."""
+    """time_verify, cached on disk under ``profile_key`` and the mask kind. An unreadable file is measured again
+    and replaced; a file that cannot be written leaves the profile measured, with a warning."""
     kind = "-causal" if causal else ""
     path = cache_dir() / "profiles" / f"verify-{profile_key(model, context)}{kind}.json"
-    if path.exists():
-        cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
+    try:
+        cached = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
         if all(t in cached for t in sizes):
             return {t: cached[t] for t in sizes}
+    except (OSError, ValueError, AttributeError, TypeError):  # none yet, or cut short by a killed writer
+        pass
     prof = time_verify(model, sizes, context=context, causal=causal)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(prof))
+    store_json(path, prof)
     return prof
 
 

@@ -5,6 +5,7 @@ end to end."""
 from __future__ import annotations
 
 import json
+import platform
 import re
 from dataclasses import replace
 from importlib import resources
@@ -388,6 +389,10 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
     assert corpus_answers[0].startswith("0: Sentence 0") and corpus_answers[1].startswith("5: Sentence 0")
     assert prov["data"]["lexicon_prompts"] == 6
     assert len(list((out / "work" / "self").glob("chunk_*.safetensors"))) == 2  # 5 requests in chunks of 4
+    # the seed prompts and text passages come from this interpreter's stdlib docs: a resume under another Python
+    # would add chunks drawn from another list (its manifest then refuses the work dir)
+    manifests = [json.loads(m.read_text()) for m in (out / "work").glob("*/manifest.json")]
+    assert len(manifests) >= 5 and all(m["python"] == platform.python_version() for m in manifests)
     answer_lens = {
         name: [len(s.tokens) - s.prompt_len for s in iter_samples(out / "work" / name)] for name in ("data", "lexicon")
     }

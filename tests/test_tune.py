@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,51 @@ def test_autotune_picks_the_hand_computed_optimum(
     rates = [r.tau / (r.draft_s + 1e-3 * v * v) for r, v in zip(result.rows, verified, strict=True)]
     assert result.best == result.rows[rates.index(max(rates))].size
     assert result.best != result.rows[-1].size  # the quadratic cost makes the largest candidate lose
+
+
+def test_the_verify_profile_is_keyed_by_the_cpu_and_the_models_execution_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key held the model's shape, dtype, device, threads and torch alone: a model with the C++ stack or the
+    small-product kernel, or the same model after a VM moved to a CPU with other flags, reused another's timings
+    (and autotune its tree budget)."""
+    import specserve.tune as tune
+    from specserve.models.llama import drop_native_stack
+    from specserve.models.native_stack import NativeStackUnavailable, attach_native_stack, extension
+
+    plain = tiny_model(seed=0)
+    key = tune.profile_key(plain, 256)
+    assert tune.profile_key(tiny_model(seed=5), 256) == key  # weights alone do not change a verify's time
+    monkeypatch.setattr(tune, "cpu_info", lambda: ("Another CPU", frozenset({"avx2"})))
+    assert tune.profile_key(plain, 256) != key
+    monkeypatch.undo()
+    try:
+        extension()
+    except NativeStackUnavailable:  # pragma: no cover - a machine without a C++ compiler
+        pytest.skip("the C++ stack cannot be built here")
+    stacked = tiny_model(seed=0)
+    assert attach_native_stack(stacked)
+    assert tune.profile_key(stacked, 256) != key
+    drop_native_stack(stacked)
+    assert tune.profile_key(stacked, 256) == key
+
+
+def test_a_profile_cut_short_is_measured_again_and_an_unwritable_cache_only_warns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer killed mid-write (or a reader between its truncate and its write) left a file every later
+    autotune failed on; a cache that cannot be written failed the run after the measurement."""
+    import specserve.tune as tune
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    model = tiny_model(seed=0)
+    path = tmp_path / "profiles" / f"verify-{tune.profile_key(model, 256)}.json"
+    path.parent.mkdir()
+    path.write_text('{"1": 0.001, "4": 0.0')
+    profile = verify_profile(model, (1, 4))
+    assert set(profile) == {1, 4} and {int(k): v for k, v in json.loads(path.read_text()).items()} == profile
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "afile"))
+    (tmp_path / "afile").write_text("")
+    with caplog.at_level("WARNING"):
+        assert set(verify_profile(model, (1, 4))) == {1, 4}
+    assert "could not store" in caplog.text

@@ -32,7 +32,7 @@ from specserve.config import HeadQuant
 from specserve.cpu import cpu_info
 from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
 from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear, Q8Blocks, quantize_q4_1, quantize_q8_0
-from specserve.models.sources import cache_dir
+from specserve.models.sources import cache_dir, store_json
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.timing import interleaved_medians
 
@@ -465,8 +465,6 @@ def cached_kernel_plan(
         log.info("the kernel's plan, measured on this machine before (%s): %s", path, plan.describe())
         return plan
     plan = kernel_plan_for(model, layouts, probes)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     stored = {
         "packed_rows": plan.packed_rows,
         "prefetch": [p.name for p in plan.prefetch],
@@ -475,8 +473,7 @@ def cached_kernel_plan(
         "q4_prefetch": [p.name for p in plan.q4_prefetch],
         "q8_prefetch": [p.name for p in plan.q8_prefetch],
     }
-    tmp.write_text(json.dumps(stored))
-    os.replace(tmp, path)  # whole or not at all, for a process loading beside this one
+    store_json(path, stored)  # whole or not at all, for a process loading beside this one
     return plan
 
 

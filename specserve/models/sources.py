@@ -15,7 +15,9 @@ Cache layout under `cache_dir()`:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
@@ -74,6 +76,20 @@ def make_cache_dir(path: Path) -> None:
             f"cannot create the directory {str(path)!r} in the model cache ({e.strerror or e}); set SPECSERVE_CACHE "
             "to a writable directory"
         ) from None
+
+
+def store_json(path: Path, value: object) -> None:
+    """``value`` as JSON at ``path``, whole or not at all (a reader beside this process, a writer killed midway);
+    a cache that cannot be written is a warning, not a failure: the value is measured again next time."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        logger.warning("could not store %s (%s); it will be measured again", path, e)
 
 
 def builtin_dir(name: str) -> Path:

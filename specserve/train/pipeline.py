@@ -165,6 +165,7 @@ def train_draft(
     data_dir = work_dir / "data"
     samples: list[Sample] = []
     written = {"target": cfg.target_name, "seed": cfg.data.seed, "aux_layers": aux_layers}  # what a chunk depends on
+    written["python"] = platform.python_version()  # seed prompts and text passages read its stdlib's docs
     answered = written | {"max_new_tokens": cfg.data.max_new_tokens, "chunk_size": cfg.data.chunk_size}
     if cfg.data.num_prompts:
         claim_data_dir(data_dir, answered | {"prompts": "seed_prompts"})
