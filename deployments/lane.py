@@ -301,6 +301,8 @@ class Lane:
                         self._retry_target()
                 elif time.monotonic() >= self._check_at:
                     self._check_idle()
+            self._exited.set()  # told to stop: its running requests go on elsewhere (or hear why not)
+            self._fail_all(f"lane {self.index} stopped", LaneLostError)
         except Exception:
             self._exited.set()  # before its requests hear of it: none may come back here
             logger.exception("lane %d failed", self.index)

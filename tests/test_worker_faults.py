@@ -685,6 +685,33 @@ def test_submits_queued_when_the_lane_thread_stops_are_answered(target: LlamaMod
         lane.stop()
 
 
+def test_a_lane_told_to_stop_tells_its_running_requests_so_they_can_move(target: LlamaModel) -> None:
+    """Stopped mid-generation (the replica going away), the lane drops its running request with LaneLostError,
+    which the router answers by moving it; its stream used to wait for ever."""
+    stepping = threading.Event()
+
+    class Metrics(ServeMetrics):
+        def lane_step(self, *args: Any, **kwargs: Any) -> None:
+            stepping.set()
+            super().lane_step(*args, **kwargs)
+
+    lane = _lane(target, Factory(target, {}), metrics=Metrics(), step_delay_s=0.05)
+
+    async def run() -> Result:
+        first = asyncio.ensure_future(_one(lane, Request("a", PROMPTS[0], GREEDY)))
+        while not stepping.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.get_running_loop().run_in_executor(None, lane.stop)
+        return await asyncio.wait_for(first, 20)
+
+    try:
+        result = asyncio.run(run())
+    finally:
+        lane.stop()
+    assert isinstance(result, LaneLostError) and "stopped" in str(result)
+    assert not lane.alive
+
+
 def test_a_request_the_loop_fails_to_admit_gets_an_error_body_and_never_runs(
     target: LlamaModel, alone: list[list[int]]
 ) -> None:
