@@ -151,6 +151,14 @@ def test_lists_a_request_can_fill_stop_at_their_first_bad_item() -> None:
         assert locs == {where}, e.value.errors()  # the first bad item only, not one error per item
 
 
+def test_a_messages_text_parts_are_joined_on_lines_of_their_own_as_vllm_does() -> None:
+    from specserve.api.schemas import ChatCompletionRequest
+
+    parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": "bonjour"}]
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": parts}]})
+    assert body.messages[0].text == "Translate:\nbonjour"
+
+
 def test_api_key(backend: LocalBackend) -> None:
     with api_server(backend, api_key=SecretStr("s3cret")) as url:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):

@@ -259,8 +259,9 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
+        """A list of text parts is one text, the parts on lines of their own (as vLLM joins them)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
 
