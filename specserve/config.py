@@ -11,6 +11,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from specserve.arg_types import device_problem
 from specserve.policy import DSDEConfig, SparseTail
+from specserve.sampling import MAX_CONTEXT
 from specserve.validated import Validated
 
 
@@ -419,7 +420,7 @@ class LoopConfig(Validated):
 
     speculation: SpecConfig = SpecConfig(method=SpecMethod.none)
     max_batch_size: int = Field(default=16, ge=1, le=1024)
-    max_model_len: int = Field(default=2048, ge=16, le=1_048_576)
+    max_model_len: int = Field(default=2048, ge=16, le=MAX_CONTEXT)
     spec_headroom: int = Field(default=64, ge=1, le=1024, description="KV room for one step's drafted tokens")
     max_step_tokens: int | None = Field(
         default=None, ge=1, description="guard: cap on drafted tokens + batch size verified per step (None = off)"

@@ -9,6 +9,8 @@ from pydantic import ConfigDict, Field, field_validator
 
 from specserve.validated import Validated
 
+MAX_CONTEXT = 1_048_576  # the longest context (EngineConfig.max_model_len) anything is sized for
+
 
 class SamplingParams(Validated):
     """Per-request sampling. temperature 0 = greedy."""
@@ -19,7 +21,7 @@ class SamplingParams(Validated):
     top_k: int | None = Field(default=None, ge=1, description="keep the k most likely tokens; None = off")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="any 64-bit signed integer")
-    max_tokens: int = Field(default=128, ge=1, le=1_000_000)
+    max_tokens: int = Field(default=128, ge=1, le=MAX_CONTEXT)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
@@ -119,14 +121,15 @@ def keyed_sample(
 
     Exactly a sample of p, and the same token for the same (seed, position, p) whatever else runs in the batch:
     a drafter that draws with the same key is coupled to the target (it proposes the target's own draw whenever
-    its distribution puts that token first in the race). A row without mass gives V' (out of range).
+    its distribution puts that token first in the race). A row without mass, or with nan in it (non-finite logits),
+    gives V' (out of range), as ``inverse_cdf_sample`` does.
     """
     noise = keyed_exponentials(seed, positions, vocab, probs.device)  # [N, V]
     if columns is not None:
         noise = noise[:, columns.to(probs.device)]  # [N, V']
     race = probs.float() / noise  # [N, V']; p = 0 never wins a row with mass
     best = race.argmax(-1)  # [N]
-    no_mass = probs.sum(-1) <= 0  # [N]
+    no_mass = ~(probs.sum(-1) > 0)  # [N]; also a row with nan (a +inf logit is one after the shift: inf - inf)
     return torch.where(no_mass, torch.full_like(best, probs.shape[-1]), best)
 
 

@@ -159,6 +159,19 @@ def test_a_messages_text_parts_are_joined_on_lines_of_their_own_as_vllm_does() -
     assert body.messages[0].text == "Translate:\nbonjour"
 
 
+def test_a_request_without_max_tokens_fits_the_longest_context_a_model_may_have() -> None:
+    """Without max_tokens a request may generate up to the context minus its prompt; at the largest context the
+    engine allows that was a 400 blaming max_tokens, which the client never sent."""
+    from specserve.api.convert import sampling_params_for
+    from specserve.api.schemas import ChatCompletionRequest
+    from specserve.config import EngineConfig
+
+    longest = EngineConfig.model_fields["max_model_len"].metadata
+    context = next(m.le for m in longest if hasattr(m, "le"))
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert sampling_params_for(body, max_tokens=context - 9).max_tokens == context - 9
+
+
 def test_api_key(backend: LocalBackend) -> None:
     with api_server(backend, api_key=SecretStr("s3cret")) as url:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):

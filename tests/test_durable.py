@@ -30,7 +30,9 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     return seen
 
 
-def test_a_file_is_flushed_before_its_rename_and_the_rename_after(tmp_path: Path, events: list[tuple[str, str]]) -> None:
+def test_a_file_is_flushed_before_its_rename_and_the_rename_after(
+    tmp_path: Path, events: list[tuple[str, str]]
+) -> None:
     path = tmp_path / "profile.json"
     store_json(path, {"a": 1})
     tmp = events[0][1]

@@ -17,6 +17,8 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.sampling import SamplingParams, keyed_exponentials, keyed_sample, make_generator, process_logits
+from specserve.spec_decode.draft_tree import DraftTree
+from specserve.spec_decode.verify import accept_tree
 from specserve.workers import target as target_module
 from specserve.workers.target import TargetWorker
 from tests.test_head_drafter import random_head
@@ -68,6 +70,28 @@ def test_keyed_sample_draws_from_p_and_maps_reduced_columns() -> None:
         column = keyed_sample(full[:, [1, 3]], seed, [2], 4, columns=torch.tensor([1, 3]))
         assert [1, 3][int(column)] == int(keyed_sample(full, seed, [2], 4))
     assert int(keyed_sample(torch.zeros(1, 4), 0, [0], 4)) == 4  # no mass: out of range, for the caller to reject
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_sampled_row_with_non_finite_logits_has_no_mass(bad: str) -> None:
+    """A nan logit, or a +inf one (inf - inf after the shift), leaves no distribution: the keyed draw is out of
+    range, as the unseeded inverse-CDF draw is, so verification raises instead of emitting token 0."""
+    logits = torch.zeros(2, 8)
+    logits[1, 5] = float(bad)
+    probs = process_logits(logits, SamplingParams(temperature=1.0, seed=3))
+    assert keyed_sample(probs, 3, [10, 10], 8).tolist()[1] == 8
+    with pytest.raises(ValueError, match="no mass"):
+        accept_tree(DraftTree.chain(1, []), keyed_sample(probs[1:], 3, [10], 8), 8)
+
+
+def test_a_draft_with_non_finite_logits_only_drafts_badly(target: LlamaModel) -> None:
+    """The keyed chain of a draft whose logits are nan proposes a token of the vocabulary (its row's argmax) and
+    the target's draws stand: the output is the seeded output without speculation."""
+    broken = noisy_copy(target, 0.0)
+    with torch.no_grad():
+        broken.norm.fill_(float("nan"))
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.keyed)
+    assert _alone(target, broken, spec, PROMPTS[0]) == _alone(target, broken, SPECS["off"], PROMPTS[0])
 
 
 def test_seeded_output_is_the_same_alone_batched_and_with_any_drafter(target: LlamaModel, draft: LlamaModel) -> None:

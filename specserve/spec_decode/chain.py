@@ -34,7 +34,10 @@ def _next_token(s: DraftState, logits: torch.Tensor) -> int:
         # its distribution ranks that token first under the same noise (docs/algorithms.md §1.4)
         vocab = s.vocab_size or logits.shape[-1]
         position = s.item.root_position + s.depth + 1
-        column = keyed_sample(process_logits(logits[-1:], s.params), s.params.seed, [position], vocab, s.token_ids)
+        probs = process_logits(logits[-1:], s.params)  # [1, V']
+        column = keyed_sample(probs, s.params.seed, [position], vocab, s.token_ids)  # [1]
+        # a draft row without mass (non-finite logits) proposes its argmax: any proposal is lossless
+        column = torch.where(column < probs.shape[-1], column, logits[-1:].argmax(-1))
         return int(target_ids(s, column)[0])  # host sync
     idx, prob = sparse_topk(process_logits(logits[-1:], s.params), s.item.spec.q_top_k)
     idx = target_ids(s, idx)
