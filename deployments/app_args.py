@@ -164,6 +164,14 @@ class AppArgs(LoopConfig):
     debug_routes: bool = Field(default=False, description="serve /debug/lanes (actor names, node ids, KV slots)")
     freeze_gc: bool = Field(default=True, description=FREEZE_GC_HELP + "; in the router and in each worker actor")
     router_resources: ActorResources = ActorResources(num_cpus=0.5)
+
+    @field_validator("router_resources")
+    @classmethod
+    def _router_runs_no_model(cls, resources: ActorResources) -> ActorResources:
+        if resources.torch_threads is not None:  # it would be accepted and do nothing
+            raise ValueError("the router runs no model: torch_threads is for target_resources and draft_resources")
+        return resources
+
     target_resources: ActorResources = ActorResources(num_cpus=1.0)
     draft_resources: ActorResources = ActorResources(num_cpus=0.5)
     placement_strategy: PlacementStrategy = PlacementStrategy.pack

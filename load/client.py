@@ -8,7 +8,8 @@ import ipaddress
 import json
 import math
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specserve.api.schemas import MAX_TEMPERATURE
 from specserve.bench.prompt_sets import BenchPrompt, mt_bench_prompts
 from specserve.bench.stats import tpot
 from specserve.config import SLPolicyKind
@@ -23,6 +25,7 @@ from specserve.config import SLPolicyKind
 ALLOW_REMOTE_ENV = "SPECSERVE_ALLOW_REMOTE"
 DONE_SENTINEL = "[DONE]"
 DATA_PREFIX = "data:"
+_SSE_BREAK = re.compile(rb"\r\n|\r|\n")
 
 
 class EventKind(str, Enum):
@@ -41,6 +44,22 @@ class SSEEvent:
     prompt_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+
+
+def sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """The lines of an SSE body arriving in ``chunks``: split at CR LF, LF or CR alone, as the SSE format says, and
+    nowhere else (``str.splitlines`` and httpx's ``iter_lines`` also split at U+2028, U+2029 and U+0085, which
+    JSON leaves unescaped in a chunk's text)."""
+    held = b""
+    for chunk in chunks:
+        data = held + chunk
+        cr = data.endswith(b"\r")  # perhaps the first half of a CR LF: held until the next chunk
+        *lines, rest = _SSE_BREAK.split(data[:-1] if cr else data)
+        held = rest + b"\r" if cr else rest
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if held:
+        yield held.removesuffix(b"\r").decode("utf-8", errors="replace")
 
 
 def parse_sse_line(line: str | bytes) -> SSEEvent | None:
@@ -153,7 +172,8 @@ def parse_sse(lines: Iterable[tuple[float, str | bytes]]) -> StreamStats:
 
 def parse_sse_text(text: str, *, dt: float = 0.0) -> StreamStats:
     """Parse a whole stream body; the n-th line is stamped n * dt (for tests and offline parsing)."""
-    return parse_sse((i * dt, line) for i, line in enumerate(text.splitlines()))
+    lines = sse_lines([text.encode()])
+    return parse_sse((i * dt, line) for i, line in enumerate(lines))
 
 
 class RemoteHostError(ValueError):
@@ -203,7 +223,7 @@ class LoadSettings(BaseModel):
     categories: dict[str, float] = Field(default_factory=dict, description="category -> weight; empty: all")
     max_tokens: int = Field(default=64, ge=1)
     max_prompt_chars: int | None = Field(default=None, ge=1, description="truncate prompts (tiny deployments)")
-    temperature: float = Field(default=0.0, ge=0.0, le=100.0)  # the API's own bound
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE)  # the API's own bound
     ignore_eos: bool = True  # fixed output lengths make runs comparable
     model: str | None = None  # None: the first id of GET /v1/models
     speculate: bool = True  # False: ask for plain decoding

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from load.client import sse_lines
+
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # a restarting replica answers these while it heals
 
 
@@ -88,7 +90,7 @@ class ResumableStream:
             if r.status_code != 200:
                 raise StreamFailedError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}")
             event_id: str | None = None
-            for line in r.iter_lines():
+            for line in sse_lines(r.iter_bytes()):
                 if line.startswith("id:"):
                     event_id = line[3:].strip()
                 elif line.startswith("data:"):

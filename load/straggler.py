@@ -30,7 +30,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from load.client import RemoteHostError, StreamStats, check_loopback, parse_sse_line
+from load.client import RemoteHostError, StreamStats, check_loopback, parse_sse_line, sse_lines
 from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
 from specserve.arg_types import finite_float, out_dir_arg, present_device_arg
 from specserve.bench.batch_sweep import run_one
@@ -464,7 +464,7 @@ def _stream_one(client: Any, url: str, body: dict[str, Any]) -> StreamStats:
             if resp.status_code != 200:
                 stats.error = f"HTTP {resp.status_code}"
                 return stats
-            for line in resp.iter_lines():
+            for line in sse_lines(resp.iter_bytes()):
                 event = parse_sse_line(line)
                 if event is not None:
                     stats.add(event, time.perf_counter() - t0)

@@ -172,6 +172,16 @@ def test_a_request_without_max_tokens_fits_the_longest_context_a_model_may_have(
     assert sampling_params_for(body, max_tokens=context - 9).max_tokens == context - 9
 
 
+def test_a_chunks_line_separators_are_escaped_so_it_stays_one_line_for_every_client() -> None:
+    from specserve.api.schemas import CompletionChoice, CompletionResponse
+    from specserve.api.server import _sse
+
+    text = "a\u2028b\u2029c\x85d"
+    event = _sse(CompletionResponse(id="x", created=0, model=MODEL, choices=[CompletionChoice(index=0, text=text)]))
+    assert event.endswith("\n\n") and len(event.removesuffix("\n\n").splitlines()) == 1
+    assert json.loads(event.removeprefix("data: "))["choices"][0]["text"] == text
+
+
 def test_api_key(backend: LocalBackend) -> None:
     with api_server(backend, api_key=SecretStr("s3cret")) as url:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):

@@ -30,6 +30,7 @@ from load.client import (
     check_loopback,
     parse_sse_line,
     parse_sse_text,
+    sse_lines,
 )
 from load.cost import (
     CostModel,
@@ -87,12 +88,18 @@ def _one_torch_thread() -> Iterator[None]:
 # ─────────────────────────── SSE and the loopback guard ───────────────────────────
 
 
-def _chunk(delta: dict[str, str] | None = None, finish: str | None = None, usage: dict[str, int] | None = None) -> str:
+def _chunk(
+    delta: dict[str, str] | None = None,
+    finish: str | None = None,
+    usage: dict[str, int] | None = None,
+    *,
+    ascii: bool = True,  # False: every character raw, as pydantic writes them
+) -> str:
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
     body: dict[str, Any] = {"id": "c1", "object": "chat.completion.chunk", "model": "tiny", "choices": choices}
     if usage is not None:
         body["usage"] = usage
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=ascii)}\n\n"
 
 
 CHAT_STREAM = "".join(
@@ -132,6 +139,33 @@ def test_sse_events_and_failures() -> None:
     assert parse_sse_text("data: {not json\n").failure() is not None
     no_usage = parse_sse_text("\n".join(line for line in CHAT_STREAM.splitlines() if "usage" not in line))
     assert no_usage.output_tokens == 3 and no_usage.failure() is None  # content chunks: a lower bound
+
+
+SEPARATED = "one\u2028two\u2029three\x85four"  # JSON leaves them raw; str.splitlines and httpx break lines there
+
+
+def test_sse_lines_break_only_where_the_sse_format_does() -> None:
+    body = (
+        b"id: 1\r\n" + _chunk({"content": SEPARATED}, ascii=False).replace("\n\n", "\r\n\r\n").encode()
+        + b"data: [DONE]\r" + b"\r"
+    )  # fmt: skip
+    whole = list(sse_lines([body]))
+    assert whole == ["id: 1", _chunk({"content": SEPARATED}, ascii=False).strip(), "", "data: [DONE]", ""]
+    for cut in range(1, len(body)):  # a CR LF or a character may arrive split across two reads
+        assert list(sse_lines([body[:cut], body[cut:]])) == whole
+    stats = parse_sse_text(_chunk({"content": SEPARATED}, ascii=False) + "data: [DONE]\n")
+    assert stats.failure() is None and stats.text == SEPARATED
+
+
+def test_the_sweeps_client_reads_a_chunk_with_line_separators_in_its_text() -> None:
+    import httpx
+
+    from load.straggler import _stream_one
+
+    body = (_chunk({"content": SEPARATED}, ascii=False) + _chunk({}, "length") + "data: [DONE]\n\n").encode()
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body))) as client:
+        stats = _stream_one(client, "http://127.0.0.1:1", {})
+    assert stats.failure() is None and stats.text == SEPARATED
 
 
 @pytest.mark.parametrize(
@@ -221,7 +255,7 @@ def test_load_settings_from_env() -> None:
         {"SPECSERVE_CATEGORIES": "coding:nan"},
         {"SPECSERVE_CATEGORIES": "coding:abc"},
         {"SPECSERVE_WAIT_MIN_S": "5", "SPECSERVE_WAIT_MAX_S": "1"},
-        {"SPECSERVE_TEMPERATURE": "500"},  # the server refuses it on every request
+        {"SPECSERVE_TEMPERATURE": "3"},  # above OpenAI's 2: the server refuses it on every request
     ):
         with pytest.raises(ValueError):
             LoadSettings.from_env(bad)

@@ -300,3 +300,38 @@ def test_a_replay_that_goes_on_past_the_finish_event_is_refused(url: str) -> Non
     assert _errors(longer) == ["resume_mismatch"] and _sent(longer) == ("", [])
     same = _events(url, COMPLETIONS, {**body, "resume_from": finish})
     assert [e["data"] for e in same] == ["[DONE]"]
+
+
+def test_the_client_helper_reads_a_chunk_with_line_separators_in_its_text() -> None:
+    """JSON leaves U+2028, U+2029 and U+0085 raw (another server may send them so): the helper read such a chunk
+    as a cut line and resumed from the same id until its heal timeout."""
+    text = "a\u2028b\x85c"
+    chunk = json.dumps({"choices": [{"text": text, "finish_reason": "length"}]}, ensure_ascii=False)
+    body = f"id: 1-a\ndata: {chunk}\n\ndata: [DONE]\n\n".encode()
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body)))
+    stream = ResumableStream("http://127.0.0.1:1", COMPLETIONS, {"prompt": "x"}, client=client, heal_timeout_s=0)
+    assert stream.text() == text and stream.resumes == 0
+
+
+def test_a_resumed_stream_is_kept_alive_while_it_replays_to_its_resume_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume regenerates everything before its point and sends none of it: with no bytes for longer than the
+    client's read timeout, the client cut the connection, which aborted the replay, over and over (any resume past
+    ~300 tokens at the default CPU app's speed). Comment lines keep the connection alive meanwhile."""
+    import specserve.api.server as server
+
+    monkeypatch.setattr(server, "REPLAY_KEEPALIVE_S", 0.1)
+    body = {**CHAT_BODY, "max_tokens": 24}
+    backend = LocalBackend(max_model_len=256, max_batch_size=2, step_delay_s=0.05)
+    try:
+        with api_server(backend) as url:
+            full = _events(url, CHAT, body)
+            cut = [e["id"] for e in full if "id" in e][-3]  # the replay takes ~1.1 s: 22 steps of 50 ms
+            reference = "".join(
+                e["data"]["choices"][0]["delta"].get("content") or ""
+                for e in full[full.index(next(e for e in full if e.get("id") == cut)) + 1 :]
+                if e["data"] != "[DONE]" and e["data"]["choices"]
+            )
+            stream = ResumableStream(url, CHAT, body, timeout_s=0.5, heal_timeout_s=0.0, last_event_id=cut)
+            assert stream.text() == reference and stream.resumes == 0
+    finally:
+        backend.stop()

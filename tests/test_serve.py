@@ -823,6 +823,8 @@ def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() 
         AppArgs.model_validate({"target_resources": {"num_cpus": 1, "resources": {"GPU": 1}}})
     with pytest.raises(pydantic.ValidationError, match=r"steps of 0\.0001"):
         AppArgs.model_validate({"target_resources": {"num_cpus": 0.00001}})
+    with pytest.raises(pydantic.ValidationError, match="router runs no model"):  # accepted, it did nothing
+        AppArgs.model_validate({"router_resources": {"num_cpus": 0.5, "torch_threads": 1}})
     assert AppArgs.model_validate({"target": q4, "speculation": {"method": "none"}}).target == ModelSpec(**q4)
 
 

@@ -125,6 +125,9 @@ def _document_nullable(schema: dict[str, Any]) -> None:
             )
 
 
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -132,7 +135,7 @@ class GenerationRequest(BaseModel):
 
     model: str
     max_tokens: StrictInt | None = Field(default=None, ge=1, description="at most the context length minus the prompt")
-    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=1, description="extension: keep the k most likely tokens")
     # lt 2**63 rather than le 2**63 - 1: OpenAPI bounds are floats, and 2**63 - 1 is not one

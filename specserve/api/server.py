@@ -72,6 +72,13 @@ from specserve.sequence import FinishReason, Request, RequestOutput
 log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
+# a comment line, which SSE clients skip: sent while a resumed stream replays what the client already has, so
+# that its read timeout (no bytes for a while) does not cut it again before it reaches the resume point
+SSE_REPLAYING = ": replaying\n\n"
+REPLAY_KEEPALIVE_S = 1.0
+# JSON leaves these unescaped, yet str.splitlines and httpx's iter_lines end a line at each: escaped, a chunk whose
+# text holds one stays one line for every client
+_LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 SSE_MEDIA_TYPE = "text/event-stream"
 PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -348,6 +355,7 @@ class _Routes:
             first = fmt.first_chunk()
             if first is not None and not cursor.resuming:
                 yield _sse(first, cursor.mark)
+            sent_at = time.monotonic()
             async for out in outcome.stream:
                 tracker.see(out)
                 part = cursor.advance(out)  # None: delivered before the resume point
@@ -356,6 +364,10 @@ class _Routes:
                 if part is not None and (part.text or (body.return_token_ids and part.token_ids) or part.finished):
                     mark = cursor.mark.at(StreamPhase.finished) if part.finished else cursor.mark
                     yield _sse(fmt.chunk(part, part.token_ids if body.return_token_ids else None), mark)
+                    sent_at = time.monotonic()
+                elif not cursor.checked and time.monotonic() - sent_at >= REPLAY_KEEPALIVE_S:
+                    yield SSE_REPLAYING
+                    sent_at = time.monotonic()
                 if out.finished:
                     outcome.status = RequestStatus.ok
                     self._finished(out, tracker)
@@ -416,7 +428,7 @@ def _status_of(error: APIError) -> RequestStatus:
 
 def _sse(obj: BaseModel, mark: StreamMark | None = None) -> str:
     event_id = "" if mark is None else f"id: {mark.render()}\n"
-    return f"{event_id}data: {obj.model_dump_json()}\n\n"
+    return f"{event_id}data: {obj.model_dump_json().translate(_LINE_SEPARATORS)}\n\n"
 
 
 LastEventID = Annotated[
