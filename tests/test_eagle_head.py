@@ -447,6 +447,9 @@ def test_save_then_load_roundtrip(tmp_path: Path, target: LlamaModel) -> None:
     head = load_eagle_head(write_head(tmp_path / "a", sd, {"bias": True}), target)
     head.set_draft_vocab(torch.arange(0, V, 2))
     save_eagle_head(head, tmp_path / "b", dtype=torch.float32)
+    # readable by whoever serves it, as its config.json is (safetensors writes its files 0600)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "b").iterdir()}
+    assert modes["model.safetensors"] & 0o044 == 0o044 and set(modes) == {"model.safetensors", "config.json"}
     again = load_eagle_head(tmp_path / "b", target)
     assert again.draft_ids.tolist() == list(range(0, V, 2))
     tokens, feats = torch.tensor([3, 4, 5, 6]), torch.randn(4, H, generator=torch.Generator().manual_seed(1))

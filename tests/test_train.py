@@ -211,10 +211,14 @@ def test_fine_tuning_starts_from_the_given_head(tmp_path: Path, kind: HeadKind) 
     # an EAGLE-3 head keeps the vocabulary its LM head was trained on; an EAGLE-1/2 head takes the one asked for
     assert torch.equal(start.draft_ids, ids if kind == HeadKind.eagle3 else other_ids)
     tuned: list[float] = []
-    train_head(
+    tuned_head = train_head(
         target, samples, ids, tuned_cfg, tmp_path / "t1", system_len=2, log=lambda s, t, loss, st: tuned.append(loss)
     )
     assert tuned[0] < scratch[0]  # it starts where the base training got to
+    # another head trained into the same place: the checkpoint (named by path) must not pass for its fine-tune
+    save_eagle_head(tuned_head, tmp_path / "head", dtype=torch.float32)
+    with pytest.raises(ValueError, match="another starting head"):
+        train_head(target, samples, ids, tuned_cfg, tmp_path / "t1", system_len=2)
     other_kind = HeadKind.eagle3 if kind == HeadKind.eagle else HeadKind.eagle
     with pytest.raises(ValueError, match=f"holds an {kind.value} head"):
         train_head(
@@ -688,6 +692,12 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     train_draft(target, tok, distill, tuned, tmp_path / "w1", head_dir, log=lambda _: None)
     provenance = json.loads((head_dir / "provenance.json").read_text())
     assert provenance["init_head_sha256"] == before != provenance["sha256"]
+    assert provenance["init_head_trained_for"] == "tiny"
+    said: list[str] = []  # a head trained for another target: fine-tuned (its shapes fit), with a note
+    train_draft(
+        target, tok, distill, replace(tuned, target_name="other"), tmp_path / "w7", tmp_path / "h7", log=said.append
+    )
+    assert any("was trained for tiny; fine-tuning it for other" in line for line in said)
 
     asked.clear()
     (head_dir / "vocab_map.json").write_text('{"by_frequency": [1, 2')
@@ -695,6 +705,8 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
         train_draft(target, tok, distill, tuned, tmp_path / "w2", tmp_path / "h2", log=lambda _: None)
     with pytest.raises(SettingsError, match="cannot hold the 2 special ids"):
         train_draft(target, tok, distill, replace(cfg, draft_vocab=1), tmp_path / "w3", tmp_path / "h3")
+    with pytest.raises(SettingsError, match=r"larger than the target's vocabulary \(512\)"):  # was cut silently
+        train_draft(target, tok, distill, replace(cfg, draft_vocab=10**6), tmp_path / "w6", tmp_path / "h6")
     too_long = replace(cfg.data, max_new_tokens=target.max_positions)
     with pytest.raises(SettingsError, match=f"max_new_tokens {target.max_positions}: answers that long do not fit"):
         train_draft(target, tok, distill, replace(cfg, data=too_long), tmp_path / "w4", tmp_path / "h4")
@@ -702,3 +714,19 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     with pytest.raises(SettingsError, match="lexicon_max_new_tokens"):
         train_draft(target, tok, distill, lexicon, tmp_path / "w5", tmp_path / "h5")
     assert asked == []  # no data was made for any
+
+
+def test_the_progress_bar_times_the_steps_of_this_process_after_a_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resumed at step 50, each step taking a second: the rate is 1 s/step (it divided the time since the resume by
+    all 60 steps) and the first line comes at once, not at step 1 or the next tenth."""
+    from specserve.train import pipeline
+
+    now = [0.0]
+    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: now[0])
+    lines: list[str] = []
+    bar = pipeline._progress(lines.append)
+    for step in range(51, 61):
+        now[0] += 1.0
+        bar(step, 100, 1.0, {})
+    assert lines[0].startswith("train: step 51/100") and "(1.0s/step, 1 min left)" in lines[0]
+    assert lines[-1].startswith("train: step 60/100") and "(1.0s/step, 1 min left)" in lines[-1]

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 
+from specserve.durable import replace_durably
 from specserve.errors import CorruptModelError, SpecServeError, UnsupportedModelError
 from specserve.models.attention import attention, write_kv
 from specserve.models.batch import ForwardBatch
@@ -446,7 +447,10 @@ def save_eagle_head(
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in head_state_dict(head).items()}
     weights = out / "model.safetensors"
-    save_file(sd, weights)
+    tmp = weights.with_suffix(".tmp")
+    save_file(sd, tmp)
+    tmp.chmod(0o644)  # safetensors makes its files private (0600); a head is read by whoever serves it
+    replace_durably(tmp, weights)
     (out / "config.json").write_text(json.dumps(hf_config_dict(head.cfg, **(extra_config or {})), indent=1) + "\n")
     return weights
 

@@ -143,8 +143,16 @@ def train_draft(
     cfg = replace(cfg, train=replace(cfg.train, aux_layers=aux_layers), data=replace(cfg.data, aux_layers=aux_layers))
     if start is not None:
         check_starting_head(start, cfg.train)  # a mismatch fails now, not after hours of data
+        if start.trained_for not in (None, cfg.target_name):  # the shapes fit (checked): said, not refused
+            log(
+                f"note: {cfg.train.init_head} was trained for {start.trained_for}; fine-tuning it for {cfg.target_name}"
+            )
     forced = special_ids(tokenizer)
-    size = min(cfg.draft_vocab, target.cfg.vocab_size)
+    if cfg.draft_vocab > target.cfg.vocab_size:
+        raise SettingsError(
+            f"draft_vocab {cfg.draft_vocab} is larger than the target's vocabulary ({target.cfg.vocab_size})"
+        )
+    size = cfg.draft_vocab
     if size < len(forced):
         raise SettingsError(f"draft_vocab {size} cannot hold the {len(forced)} special ids forced into it: {forced}")
     answers = {"max_new_tokens": cfg.data.max_new_tokens if cfg.data.num_prompts or cfg.self_prompts else 0}
@@ -283,6 +291,7 @@ def train_draft(
             "train": asdict(cfg.train),
             "draft_vocab": {"size": int(draft_ids.numel()), "coverage": coverage(counts, draft_ids)},
             "init_head_sha256": init_sha256,
+            "init_head_trained_for": None if start is None else start.trained_for,
             "seconds": {"data": round(t_data), "train": round(t_train)},
             "sha256": digest,
             "device": device_summary(target.device),
@@ -295,10 +304,14 @@ def train_draft(
 
 def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str, float]], None]:
     t0 = time.perf_counter()
+    resumed_at: list[int] = []  # the step this process started from (a resumed run's earlier steps took no time here)
 
     def bar(step: int, total: int, loss: float, stats: dict[str, float]) -> None:
-        if step == 1 or step % 10 == 0 or step == total:
-            rate = (time.perf_counter() - t0) / step
+        first = not resumed_at
+        if first:
+            resumed_at.append(step - 1)
+        if first or step % 10 == 0 or step == total:
+            rate = (time.perf_counter() - t0) / (step - resumed_at[0])
             acc = " ".join(f"{k}={v:.3f}" for k, v in stats.items() if k.startswith("acc"))
             eta = rate * (total - step)
             log(f"train: step {step}/{total} loss {loss:.4f} {acc} ({rate:.1f}s/step, {eta / 60:.0f} min left)")

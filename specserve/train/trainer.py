@@ -30,7 +30,15 @@ import torch.nn.functional as F
 from specserve.durable import replace_durably
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel, apply_rope, rms_norm
-from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, dense_weight, load_eagle_head
+from specserve.models.sources import sha256_file
+from specserve.spec_decode.eagle_head import (
+    EagleHead,
+    EagleHeadConfig,
+    HeadKind,
+    dense_weight,
+    load_eagle_head,
+    weights_path,
+)
 from specserve.train.distill import Sample
 from specserve.train.vocab import column_of
 
@@ -169,6 +177,13 @@ def batch_groups(samples: list[Sample], cfg: TrainConfig, rng: random.Random) ->
     return groups
 
 
+TRAINED_ON = {  # what a checkpoint records of its run, and how a change is named
+    "data": "on other data",
+    "draft_ids": "on other draft vocabulary ids",
+    "init_head_sha256": "from another starting head (--init-head) than the one now there",
+}
+
+
 def make_batch(samples: list[Sample], group: list[int], cfg: TrainConfig, system_len: int) -> Batch:
     n = max(min(len(samples[i].tokens), cfg.max_len) for i in group)
     hidden = samples[group[0]].features.shape[1]
@@ -295,16 +310,15 @@ def train_head(
     step = 0
     ckpt = work_dir / "ckpt.pt"
     trained_on = {"data": data_fingerprint(samples), "draft_ids": head.draft_ids.tolist()}
+    if cfg.init_head is not None:  # the path alone would not tell a head trained again there since
+        trained_on["init_head_sha256"] = sha256_file(weights_path(cfg.init_head))
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False, map_location=device)
         if state["config"] != asdict(cfg):
             raise SettingsError(f"{ckpt} was written with other settings; remove it or use the same ones")
         for key, now in trained_on.items():
             if state.get(key) != now:
-                raise SettingsError(
-                    f"{ckpt} was trained on other {'data' if key == 'data' else 'draft vocabulary ids'}; "
-                    "remove it or rebuild the same data"
-                )
+                raise SettingsError(f"{ckpt} was trained {TRAINED_ON[key]}; remove it or rebuild the same data")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
