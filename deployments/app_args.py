@@ -8,19 +8,23 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, ModelWrapValidatorHandler, SecretStr, field_validator, model_validator
 
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
 from specserve.config import (
     FREEZE_GC_HELP,
     MODEL_PAIRS,
+    SERVING_MAX_STEP_TOKENS,
+    SERVING_THROUGHPUT_GUARD,
     DraftSpec,
     HeadSpec,
     KLDMode,
     LoopConfig,
     ModelSpec,
     SpecConfig,
+    SpecMethod,
     default_pair,
+    serving_speculation,
 )
 from specserve.limits import MemoryShare
 from specserve.validated import Validated
@@ -211,6 +215,27 @@ class AppArgs(LoopConfig):
         description="a worker whose step call has not returned within this is replaced",
     )
     debug_step_delay_s: float = Field(default=0.0, ge=0.0, le=10.0, description="debug: sleep after each lane step")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _serving_defaults(cls, data: Any, handler: ModelWrapValidatorHandler[AppArgs]) -> AppArgs:
+        """Left unset, a pair speculates as measured fastest for it on its draft's device, with the serving loop's
+        guard and step budget (what `specserve generate` and app.yaml use; SpecConfig's own defaults are static
+        chains of 4), and a target without a draft decodes plainly (chains would need a draft)."""
+        if not isinstance(data, dict):
+            return handler(data)
+        if "speculation" not in data and data.get("target") is not None and data.get("draft") is None:
+            data = {**data, "speculation": SpecConfig(method=SpecMethod.none)}
+        args = handler(data)
+        if args.pair_name is None:
+            return args
+        unset = {
+            "speculation": serving_speculation(args.pair_name, args.draft_resources.device),
+            "throughput_guard": SERVING_THROUGHPUT_GUARD,
+            "max_step_tokens": SERVING_MAX_STEP_TOKENS,
+        }
+        unset = {k: v for k, v in unset.items() if k not in data}
+        return handler({**data, **unset}) if unset else args
 
     @model_validator(mode="after")
     def _one_model_source(self) -> AppArgs:

@@ -230,7 +230,7 @@ def test_app_args_layout_and_validation() -> None:
         {"tiny": {}, "pair": "smollm2-bf16"},
         {"pair": "no-such-pair"},
         {"draft": {}},
-        {"target": {}},  # speculation by default, but no draft
+        {"target": {}, "speculation": {"method": "chain"}},  # chains, but no draft
         {"speculation": {"kld_mode": "exact"}},  # dense draft logits must not cross actors
         {"target_resources": {"num_cpus": 0}},
         {"target_resources": {"num_cpus": float("inf")}},
@@ -277,6 +277,27 @@ def test_default_app_serves_the_4_bit_draft_with_the_serving_defaults() -> None:
     assert recipe is not None and recipe.spec == ModelSpec(native_q4=True, q4_dense_from=16)  # the target's Q4_1
     target = args.recipe(WorkerRole.target)
     assert target is not None and target.spec == ModelSpec()
+
+
+def test_a_pair_left_without_speculation_settings_gets_its_measured_serving_defaults() -> None:
+    """`args: {pair: smollm2-eagle}` served static chains of 4 without the guard (SpecConfig's own defaults), not
+    what the pair was measured fastest with; a target without a draft was refused (chains need a draft)."""
+    from specserve.config import SERVING_MAX_STEP_TOKENS, SERVING_SPECULATION, serving_speculation
+
+    eagle = AppArgs.model_validate({"pair": "smollm2-eagle"})
+    assert eagle.speculation.method == SpecMethod.ddd and eagle.speculation == serving_speculation("smollm2-eagle")
+    assert eagle.throughput_guard and eagle.max_step_tokens == SERVING_MAX_STEP_TOKENS
+    gpu = AppArgs.model_validate({"pair": "smollm2-eagle", "draft_resources": {"num_cpus": 1, "num_gpus": 1}})
+    assert gpu.speculation == serving_speculation("smollm2-eagle", "cuda") != eagle.speculation
+    assert AppArgs.model_validate({}).speculation == SERVING_SPECULATION  # the default pair's
+    alone = AppArgs.model_validate({"target": {"source": "smollm2-135m-instruct"}})
+    assert alone.speculation.method == SpecMethod.none and not alone.throughput_guard
+    given = AppArgs.model_validate(
+        {"pair": "smollm2-eagle", "speculation": {"method": "chain"}, "throughput_guard": False}
+    )
+    assert given.speculation == SpecConfig(method=SpecMethod.chain) and not given.throughput_guard  # kept as given
+    tiny = AppArgs.model_validate({"tiny": {}})
+    assert tiny.speculation == SpecConfig() and not tiny.throughput_guard  # no measured pair: as configured
 
 
 def test_generate_drafts_with_the_default_pair_of_its_device() -> None:
