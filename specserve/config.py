@@ -412,6 +412,9 @@ FREEZE_GC_HELP = (
 )
 
 
+MAX_BATCH_SIZE = 1024  # sequences one loop runs at once
+
+
 class LoopConfig(Validated):
     """How one continuous-batching loop runs: the in-process ``EngineConfig`` and the Serve app's ``AppArgs``
     both extend it."""
@@ -419,7 +422,7 @@ class LoopConfig(Validated):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     speculation: SpecConfig = SpecConfig(method=SpecMethod.none)
-    max_batch_size: int = Field(default=16, ge=1, le=1024)
+    max_batch_size: int = Field(default=16, ge=1, le=MAX_BATCH_SIZE)
     max_model_len: int = Field(default=2048, ge=16, le=MAX_CONTEXT)
     spec_headroom: int = Field(default=64, ge=1, le=1024, description="KV room for one step's drafted tokens")
     max_step_tokens: int | None = Field(

@@ -30,6 +30,10 @@ def test_prompts_file_in_the_mt_bench_layout(tmp_path: Path) -> None:
         (8, "coding", "Write a loop."),
     ]
     assert len(load_prompts(tmp_path / "p.jsonl", limit=1)) == 1
+    # JSON may hold U+2028, U+2029 and U+0085 raw; lines end at LF or CR LF; a UTF-8 BOM is allowed
+    raw = json.dumps({"question_id": 9, "category": "c", "turns": ["a\u2028b\u2029c\x85d"]}, ensure_ascii=False)
+    (tmp_path / "s.jsonl").write_bytes(b"\xef\xbb\xbf" + f"{raw}\r\n\r\n".encode())
+    assert [p.text for p in load_prompts(tmp_path / "s.jsonl")] == ["a\u2028b\u2029c\x85d"]
 
 
 @pytest.mark.parametrize(
@@ -39,6 +43,11 @@ def test_prompts_file_in_the_mt_bench_layout(tmp_path: Path) -> None:
         (['{"question_id": 1, "category": "x", "turns": ["a"]}', "not json"], "line 2"),
         (['{"question_id": 1, "category": "x", "turns": []}'], "non-empty list"),
         ([""], "no prompts"),
+        (['{"question_id": 1.9, "category": "x", "turns": ["a"]}'], "must be an integer"),
+        (['{"question_id": true, "category": "x", "turns": ["a"]}'], "must be an integer"),
+        (['{"question_id": 1, "category": null, "turns": ["a"]}'], "must be a string"),
+        (['{"question_id": 1, "category": ["a", "b"], "turns": ["a"]}'], "must be a string"),
+        (["[" * 100_000 + "]" * 100_000], "line 1"),  # nested past the parser's recursion limit
     ],
 )
 def test_bad_prompts_files_name_the_problem(tmp_path: Path, rows: list[str], match: str) -> None:
@@ -79,6 +88,25 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
     assert float(whole["DDD x=-0.3 T=8"]["rows_step"]) <= 7.0  # a tree of budget 8: the root and up to 7 nodes
     # prefills: one step per prompt, tens of decoding steps' time each; not all of it
     assert all(0.0 < float(r["prefill_share"]) < 0.9 for r in whole.values())
+
+
+@pytest.mark.real_model
+def test_every_engine_of_a_run_holds_the_longest_prompt_and_its_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The methods' engines held 1024 tokens and plain decoding's 2048: a ~1000-token prompt's speculative answers
+    stopped at 1024 and were reported not greedy-equal; an answer the target cannot hold is named up front."""
+    from specserve.cli import main
+
+    long_turn = "Summarise this. " + "The quick brown fox jumps over the lazy dog. " * 100
+    prompts = _write(tmp_path / "p.jsonl", [{"question_id": 1, "category": "a", "turns": [long_turn]}])
+    argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--methods", "chain"]
+    argv += ["--chain-sl", "1", "--repeats", "1"]
+    assert main([*argv, "--max-tokens", "48", "--out", str(tmp_path / "o")]) == 0
+    rows = list(csv.DictReader((tmp_path / "o" / "spec.csv").open()))
+    assert [r["method"] for r in rows] == ["plain", "chain SL=1"] and all(float(r["greedy_equal"]) == 1.0 for r in rows)
+    assert main([*argv, "--max-tokens", "8000", "--out", str(tmp_path / "o2")]) == 2
+    assert "--max-tokens 8000: the longest prompt" in capsys.readouterr().err
 
 
 def test_a_target_read_both_ways_decodes_the_same_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -131,7 +159,8 @@ def test_assisted_generation_skips_a_draft_transformers_cannot_hold(
     args = argparse.Namespace(pairs=["smollm2-q4", "smollm2-int8", "smollm2-eagle", "smollm2-bf16"])
     twins = spec._assisted_twins(args, ModelSpec(), None)  # type: ignore[arg-type]
     assert [pair for pair, _, _ in twins] == ["smollm2-int8", "smollm2-bf16"]
-    assert "no transformers twin for smollm2-q4's draft" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "no transformers twin for smollm2-q4's draft" in said and "for smollm2-eagle's draft (an EAGLE head)" in said
     assert loaded == [False, True, False, False]  # (target, draft) per twin: int8 for smollm2-int8's draft only
 
 
@@ -346,3 +375,15 @@ def test_the_guarded_default_of_a_draft_variant_is_its_pairs() -> None:
     ]
     assert methods[-1].guard and methods[-1].spec == serving_speculation("smollm2-eagle")
     assert methods[-1].spec != SERVING_SPECULATION
+
+
+def test_model_free_drafters_with_only_methods_they_cannot_draft_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--drafters lookup --methods eagle2: no row but plain decoding's, and exit 0; now a usage error before any
+    model loads."""
+    from specserve.cli import main
+
+    argv = ["bench", "spec", "--methods", "eagle2", "--drafters", "lookup", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "draft chains and DDD trees only" in capsys.readouterr().err

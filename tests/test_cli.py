@@ -190,6 +190,7 @@ def test_a_reader_that_goes_away_ends_the_command_without_a_traceback() -> None:
         (["bench", "lm-head", "--tiny", "--evict-mb", "100000000"], "--evict-mb 100000000 needs"),
         (["bench", "lm-head", "--tiny", "--rows", "100000000"], "--rows 100000000 needs"),
         (["bench", "agreement", "--sets", "seeds", "--seed-offset", "1000000000000"], "at most their first"),
+        (["bench", "agreement", "--per-set", "2000"], "--per-set 2000: a set's prompts run as one batch"),
     ],
 )
 def test_bench_sizes_beyond_this_machine_are_refused_before_allocating(

@@ -25,7 +25,7 @@ import torch
 from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
-from specserve.config import MODEL_PAIRS, HeadSpec
+from specserve.config import MAX_BATCH_SIZE, MODEL_PAIRS, HeadSpec
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
 from specserve.models.llama import LlamaModel
@@ -226,6 +226,10 @@ def agreement_rows(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.per_set > MAX_BATCH_SIZE:  # one batch a set: it failed after the loads, naming max_batch_size
+        raise InvalidRequestError(
+            f"--per-set {args.per_set}: a set's prompts run as one batch of at most {MAX_BATCH_SIZE}"
+        )
     offsets = held_out_offsets(args)
     target_spec = MODEL_PAIRS["smollm2-eagle"][0]
     target: LlamaModel = load_model(target_spec)

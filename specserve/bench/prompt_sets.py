@@ -41,7 +41,7 @@ def per_category(prompts: list[BenchPrompt], n: int) -> list[BenchPrompt]:
 def load_prompts(path: Path, limit: int | None = None) -> list[BenchPrompt]:
     """Prompts from a JSONL file in the MT-bench layout (the first turn of each)."""
     try:
-        raw = Path(path).read_text()
+        raw = Path(path).read_text(encoding="utf-8-sig")  # JSONL is UTF-8 whatever the locale (a BOM allowed)
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidRequestError(f"cannot read the prompts file {path}: {e}") from e
     out = parse_prompts(raw, str(path))
@@ -50,16 +50,22 @@ def load_prompts(path: Path, limit: int | None = None) -> list[BenchPrompt]:
 
 def parse_prompts(raw: str, name: str) -> list[BenchPrompt]:
     out = []
-    for n, line in enumerate(raw.splitlines(), start=1):
+    # lines end at LF (CR LF too) only: str.splitlines also ends them at U+2028, U+2029 and U+0085, which JSON
+    # strings may hold raw
+    for n, line in enumerate(raw.split("\n"), start=1):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
-            turns = r["turns"]
+            turns, question_id, category = r["turns"], r["question_id"], r["category"]
             if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
                 raise ValueError("'turns' must be a non-empty list of strings")
-            out.append(BenchPrompt(int(r["question_id"]), str(r["category"]), turns[0]))
-        except (ValueError, KeyError, TypeError, OverflowError) as e:
+            if isinstance(question_id, bool) or not isinstance(question_id, int | str):
+                raise ValueError(f"'question_id' must be an integer, not {question_id!r}")
+            if not isinstance(category, str):
+                raise ValueError(f"'category' must be a string, not {category!r}")
+            out.append(BenchPrompt(int(question_id), category, turns[0]))
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
             raise InvalidRequestError(
                 f"{name} line {n}: want a JSON object with question_id, category and turns ({e})"
             ) from e

@@ -48,6 +48,7 @@ from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.sources import resolve
+from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, checkpoint_kind
 from specserve.spec_decode.suffix_tree import SuffixCache
@@ -142,7 +143,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--by-category", action="store_true", help="also a table per prompt category")
     p.add_argument("--passes", type=positive_int, default=1, help="run the prompts this many times (rows per pass)")
-    p.add_argument("--repeats", type=_positive, default=1, help="time each prompt R times in a row; keep the min")
+    p.add_argument("--repeats", type=positive_int, default=1, help="time each prompt R times in a row; keep the min")
     p.add_argument("--stop-at-eos", action="store_true", help="end each answer at EOS (default: max-tokens each)")
     p.add_argument("--guarded-default", action="store_true", help="add the serving default, throughput guard on")
     p.add_argument(
@@ -176,13 +177,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--dtype", choices=[d.value for d in DType], default=None, help="every model's dtype (default: the pair's)"
     )
     p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/spec"))
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -391,7 +385,10 @@ def _assisted_twins(
     twins = []
     for pair in args.pairs:
         draft_spec = MODEL_PAIRS[pair][1]
-        if isinstance(draft_spec, HeadSpec) or MODEL_PAIRS[pair][0] != target_spec:
+        if MODEL_PAIRS[pair][0] != target_spec:
+            continue
+        if isinstance(draft_spec, HeadSpec):
+            print(f"--assisted: no transformers twin for {pair}'s draft (an EAGLE head); skipped")
             continue
         if draft_spec.native_q4:  # its twin would be the float32 target drafting for itself
             print(f"--assisted: no transformers twin for {pair}'s draft (torch's int4 kernel); skipped")
@@ -577,6 +574,11 @@ def check_settings(args: argparse.Namespace) -> None:
         except ValidationError as e:
             flags = {k: f"{flag} {v}" for k, (v, flag) in fields.items()}
             raise SettingsError(f"invalid arguments: {settings_problems(e, flags=flags)}") from None
+    if "model" not in args.drafters and not {"chain", "ddd"} & set(args.methods):  # they would run nothing
+        raise SettingsError(
+            f"--methods {' '.join(args.methods)}: the model-free --drafters {' '.join(args.drafters)} draft chains "
+            "and DDD trees only (add chain or ddd, or the model drafter)"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -593,8 +595,17 @@ def run(args: argparse.Namespace) -> int:
     packed = {"mkl_packed_widths": tuple(args.mkl_packed)}
     targets = {t: load_model(t.model_copy(update=packed), device=args.device) for t in target_specs}
     tok = load_tokenizer(target_specs[0])
-    first = Engine(targets[target_specs[0]], tok, max_batch_size=1)
-    prompts = [first.encode(p.text, chat=True) for p in bench]
+    encoder = PromptEncoder(tok, targets[target_specs[0]].cfg.vocab_size)  # as Engine.encode(text, chat=True)
+    prompts = [encoder.chat([{"role": "user", "content": p.text}]) for p in bench]
+    # one context for every engine: a method cut short of plain decoding's length would not be greedy-equal to it
+    context = max(len(p) for p in prompts) + args.max_tokens
+    for t_spec, model in targets.items():
+        if context > model.max_positions:
+            raise SettingsError(
+                f"--max-tokens {args.max_tokens}: the longest prompt ({context - args.max_tokens} tokens) and the "
+                f"answer exceed {t_spec.source}'s {model.max_positions} positions"
+            )
+    first = Engine(targets[target_specs[0]], tok, max_batch_size=1, max_model_len=context)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
     methods: list[Method] = []
     engines: list[Engine] = []
@@ -606,7 +617,7 @@ def run(args: argparse.Namespace) -> int:
         t_label = "" if len(target_specs) == 1 else f" ({t_spec.dtype.value}{argmax}{reads})"
         plain_row = len(methods)
         methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))
-        engines.append(first if plain_row == 0 else Engine(target, tok, max_batch_size=1))
+        engines.append(first if plain_row == 0 else Engine(target, tok, max_batch_size=1, max_model_len=context))
         plain_of.append(plain_row)
         for pair, _, spec in (p for p in pairs if p[1] == t_spec):
             for label, d_spec in draft_variants(args, pair, spec).items():
@@ -620,7 +631,7 @@ def run(args: argparse.Namespace) -> int:
                             draft=draft if method.draft else None,
                             speculation=method.spec,
                             max_batch_size=1,
-                            max_model_len=1024,
+                            max_model_len=context,
                             spec_headroom=max(64, method.spec.budget),
                             throughput_guard=method.guard,
                         )
