@@ -60,6 +60,16 @@ class ModelSpec(Validated):
         "decoded alone; where it is on, gemv_copies and pad_rows are not needed and not attached "
         "(docs/benchmarks.md, 'Small products')",
     )
+    small_gemm_chunks: int = Field(
+        default=128,
+        ge=0,
+        le=MAX_CONTEXT,
+        description="with small_gemm: products of 65 up to this many rows (a short prompt prefilled with its drafts "
+        "or beside other sequences, verifies of large batches) through the kernel 64 rows at a time, so a row gets "
+        "the same bits as decoded alone and greedy speculation equals plain decoding in such forwards too; larger "
+        "products run through BLAS (the kernel's chunks cost nothing up to 128 rows on a Zen 3, 1.1x at 192-256 "
+        "rows, 1.3x at 512-1024: docs/benchmarks.md, 'Forwards of more than 64 rows'); 0: BLAS past 64 rows",
+    )
     small_gemm_packed: bool | None = Field(
         default=None,
         description="with small_gemm: the kernel reads its own copy of each weight laid out as one sequential "

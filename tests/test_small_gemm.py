@@ -563,3 +563,44 @@ def test_the_kernel_is_skipped_where_it_cannot_serve() -> None:
     t.small_gemm, t.small_rows = extension().small_linear, 64
     with torch.no_grad():
         assert torch.equal(linear(t, torch.ones(2, 8)), F.linear(torch.ones(2, 8), t.weight))
+
+
+def test_products_of_more_rows_than_the_kernel_takes_give_each_row_its_own_bits() -> None:
+    """Past 64 rows (a large batch's verify, a short prompt with its drafts) BLAS ran, whose bits for a row are not
+    the kernel's: up to ``chunks`` rows the kernel now runs 64 rows at a time, so every row gets its one-row
+    product's bits; past them BLAS still runs (long prefills, where it is the faster)."""
+    gen = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(200, 1030, bias=True)
+    assert attach_small_gemm(lin, chunks=150)
+    x = torch.randn(151, 200, generator=gen)
+    blas = torch.nn.Linear(200, 1030, bias=True)
+    blas.load_state_dict(lin.state_dict())
+    with torch.inference_mode():
+        alone = torch.cat([linear(lin, row[None]) for row in x])
+        assert torch.equal(linear(lin, x[:150]), alone[:150])
+        torch.testing.assert_close(linear(lin, x[:150]), ref_linear(x[:150], lin.weight, lin.bias).float())
+        assert torch.equal(linear(lin, x), blas(x))  # past the chunks: BLAS's bits
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("native_stack", [True, False])
+@pytest.mark.parametrize("prompt_len", [58, 100])
+def test_a_prompt_and_its_drafts_in_one_forward_get_plain_decodings_bits(native_stack: bool, prompt_len: int) -> None:
+    """A draft model's first step verifies the prompt and its drafts in one forward: past 64 rows their logits
+    were BLAS's, not the kernel's of plain decoding (the prompt, then one token a step), so greedy speculation
+    could pick another token at a near-tie."""
+    from specserve.config import ModelSpec
+    from specserve.models.loader import load_model
+
+    model = load_model(ModelSpec(native_stack=native_stack))
+    gen = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=gen)
+    drafts = torch.randint(0, model.cfg.vocab_size, (8,), generator=gen)
+    with torch.inference_mode():
+        cache = model.new_cache(1, prompt_len + 8)
+        slot = cache.allocate()
+        plain = [model(ForwardBatch.build(cache, [slot], [prompt], num_logits=[1]), cache)]
+        plain += [model(ForwardBatch.build(cache, [slot], [t[None]]), cache) for t in drafts]
+        cache.truncate(slot, 0)
+        together = model(ForwardBatch.build(cache, [slot], [torch.cat([prompt, drafts])], num_logits=[9]), cache)
+    assert torch.equal(torch.cat(plain), together)

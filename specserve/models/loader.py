@@ -154,7 +154,11 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
     and Q8_0 records, or else GEMV copies and row padding; MKL-packed copies), then
     the C++ layer stack over the projections as they now are."""
     packed = spec.small_gemm_packed is not False
-    small = spec.small_gemm and model.device.type == "cpu" and attach_small_gemm(model, packed=packed)
+    small = (
+        spec.small_gemm
+        and model.device.type == "cpu"
+        and attach_small_gemm(model, packed=packed, chunks=spec.small_gemm_chunks)
+    )
     gguf = record_source(model, spec) if small else None
     if gguf is not None:
         attach_records(model, spec, gguf)

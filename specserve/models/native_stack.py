@@ -130,6 +130,7 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     proj.mkl_packed = list(getattr(mod, "mkl_packed", ()))
     proj.pad_from, proj.pad_width = getattr(mod, "pad_from", 0), PAD_WIDTH
     proj.small_rows = getattr(mod, "small_rows", 0) if getattr(mod, "small_gemm", None) is not None else 0
+    proj.small_chunks = getattr(mod, "small_chunks", 0)
     proj.small_prefetch = list(getattr(mod, "small_prefetch", ()))  # the kernel's plan (kernel_plan_for)
     own = getattr(mod, "small_packed", None)  # the kernel's own packed copy: float32, or bf16 (a draft head's)
     if own is not None:
@@ -171,7 +172,12 @@ def small_gemm_available() -> bool:
 
 
 def attach_small_gemm(
-    model: nn.Module, rows: int = SMALL_GEMM_ROWS, *, packed: bool = False, bf16_reads: bool = False
+    model: nn.Module,
+    rows: int = SMALL_GEMM_ROWS,
+    *,
+    packed: bool = False,
+    bf16_reads: bool = False,
+    chunks: int = 0,
 ) -> bool:
     """Switch: float32 products of 1..``rows`` rows (decode steps, verifies, batches of up to 64 rows, a
     draft head's levels) run through ``csrc/small_gemm.cpp``: each weight row read once for all rows, and
@@ -184,7 +190,10 @@ def attach_small_gemm(
     to the same float32 in a register: the same products bit for bit from half the bytes (``HeadSpec.bf16_reads``).
     False (nothing attached, a logged reason) where
     the extension cannot be built, the CPU has no AVX-512F / AVX2 + FMA, or nothing is float32 on the CPU. On a
-    LlamaModel call it before ``attach_native_stack`` (a switch drops an attached stack)."""
+    LlamaModel call it before ``attach_native_stack`` (a switch drops an attached stack). ``chunks``: products of
+    more rows, up to this many (larger verifies, short prefills), run through it ``rows`` rows at a time, so that a
+    row's bits are the same in a forward of any such size (``ModelSpec.small_gemm_chunks``); BLAS computes larger
+    ones."""
     if not 1 <= rows <= SMALL_GEMM_ROWS:
         raise ValueError(f"small_gemm serves 1..{SMALL_GEMM_ROWS} rows, not {rows}")
     if packed and not isinstance(model, LlamaModel):
@@ -207,7 +216,7 @@ def attach_small_gemm(
             own, mod.small_copy_gemm = ext.small_pack(mod.weight.detach()), ext.small_linear_packed
         elif bf16_reads and isinstance(mod, nn.Linear) and bf16_exact(mod.weight):
             own, mod.small_copy_gemm = ext.small_pack(mod.weight.detach().to(torch.bfloat16)), ext.small_linear_packed
-        mod.small_rows, mod.small_packed = rows, own  # type: ignore[assignment]
+        mod.small_rows, mod.small_packed, mod.small_chunks = rows, own, chunks  # type: ignore[assignment]
         mod.small_copy_rows = EVERY_ROW if own is not None else 0  # type: ignore[assignment]
     if isinstance(model, LlamaModel):
         drop_native_stack(model)

@@ -46,6 +46,7 @@ struct Proj {
   int64_t pad_from = 0;          // products of pad_from .. pad_width-1 rows padded to pad_width
   int64_t pad_width = 16;
   int64_t small_rows = 0;        // products of up to small_rows rows through small_gemm.cpp (batch-invariant)
+  int64_t small_chunks = 0;      // products of small_rows+1 .. small_chunks rows: small_rows at a time through it
   std::optional<specserve_small_gemm::Packed> small_packed;  // the weight in its packed layout, where attached
   uint64_t small_packed_rows = 0;  // products of r rows read small_packed where bit r - 1 is set (measured at load)
   std::vector<specserve_small_gemm::Prefetch> small_prefetch;  // [r - 1]: the prefetch for r rows (measured at load)
@@ -67,6 +68,16 @@ struct Proj {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
       shape.push_back(out_features);
       return y.to(x.scalar_type()).reshape(shape);
+    }
+    if (small_rows > 0 && rows > small_rows && rows <= small_chunks && x.dim() == 2 &&
+        x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
+      // more rows than one product takes (a prefill, a large verify): products of small_rows rows, so that every
+      // row gets the bits it gets decoded alone, whatever else the forward holds
+      std::vector<Tensor> parts;
+      for (int64_t r = 0; r < rows; r += small_rows) {
+        parts.push_back((*this)(x.narrow(0, r, std::min(small_rows, rows - r))));
+      }
+      return at::cat(parts);
     }
     if (small_rows > 0 && x.dim() == 2 && rows >= 1 && rows <= small_rows && x.scalar_type() == at::kFloat &&
         weight.scalar_type() == at::kFloat && weight.is_contiguous()) {
@@ -377,6 +388,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("pad_from", &Proj::pad_from)
       .def_readwrite("pad_width", &Proj::pad_width)
       .def_readwrite("small_rows", &Proj::small_rows)
+      .def_readwrite("small_chunks", &Proj::small_chunks)
       .def_readwrite("small_packed", &Proj::small_packed)
       .def_readwrite("small_packed_rows", &Proj::small_packed_rows)
       .def_readwrite("small_prefetch", &Proj::small_prefetch)
