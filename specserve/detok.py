@@ -57,7 +57,8 @@ class IncrementalText:
             self.text, self.stopped, final = through[:cut], True, True
         else:
             self.text = full
-            self._seen = len(token_ids)
+            if "\ufffd" not in full:  # (a byte-fallback tokenizer's text can still lose characters it shows now)
+                self._seen = len(token_ids)
         stable = len(self.text)
         if not final:
             if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
@@ -99,6 +100,11 @@ class IncrementalText:
             self._fixed, self._fixed_text, fixed = 0, "", 0
         start = max(0, fixed - CONTEXT)
         context = self._decode(token_ids[start:fixed], first=start == 0)
+        while context.startswith("\ufffd") and start > max(0, fixed - 3 * CONTEXT):
+            # the window starts inside a character: back to its first byte (a byte-fallback tokenizer, Llama-2's or
+            # Mistral's, decodes a run of byte tokens that is not UTF-8 as a whole as U+FFFD for every byte)
+            start -= 1
+            context = self._decode(token_ids[start:fixed], first=start == 0)
         tail = self._decode(token_ids[start:], first=start == 0)
         if not tail.startswith(context):
             return self._decode(token_ids)
@@ -126,7 +132,9 @@ class IncrementalText:
 
     def _tokens_through_stop(self, token_ids: Sequence[int], final: bool) -> int:
         """The shortest prefix whose text holds a stop string: a step that emitted several tokens (speculation)
-        may have gone past it, and those tokens are not part of the output."""
+        may have gone past it, and those tokens are not part of the output. Searched from the last update whose
+        text was whole (no U+FFFD): with byte fallback, a stop string complete at a token can vanish again in the
+        next one's text (its run of bytes then not UTF-8 as a whole)."""
         for n in range(self._seen + 1, len(token_ids)):
             prefix = _settled(self._decode(token_ids[:n]), False)
             if any(s in prefix for s in self.stop):

@@ -155,6 +155,56 @@ def test_a_stop_string_of_the_replacement_character_waits_for_a_characters_last_
     assert text.stopped and "".join(deltas) == "hi " and text.stop_tokens == len(head) + 2
 
 
+def _byte_fallback_tokenizer() -> PreTrainedTokenizerBase:
+    """Llama-2's and Mistral's kind: characters outside the vocabulary spelt as byte tokens, decoded by their
+    tokenizer.json's decoder, which turns a run of byte tokens that is not UTF-8 as a whole into U+FFFD for every
+    byte: a prefix's text is then not a prefix of the longer output's ("a€" + a byte of "😀" decodes "a" + 4 x
+    U+FFFD)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)} | {"▁a": 259, "▁x": 260}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    core.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def _bytes(text: str) -> list[int]:
+    return [3 + b for b in text.encode()]
+
+
+def test_incremental_text_is_the_whole_decode_with_byte_fallback() -> None:
+    """A settled point four tokens into an emoji's four byte tokens decoded the rest of the run as U+FFFD and kept
+    it: "a😀\\n😀\\n😀\\n x" streamed as "a😀\\n😀" and U+FFFD. Any number of tokens per update."""
+    tok = _byte_fallback_tokenizer()
+    ids = [259, *_bytes("😀\n😀\n😀\n"), 260, 259, *_bytes("€ü\n日本\n"), 260]
+    for step in (1, 2, 3, 5):
+        text, streamed = IncrementalText(tok), ""
+        for n in [*range(step, len(ids), step), len(ids)]:
+            streamed += text.update(ids[:n], final=n == len(ids))
+            assert text.text == tok.decode(ids[:n], skip_special_tokens=True)
+        assert streamed == text.text == "a😀\n😀\n😀\n x a€ü\n日本\n x"
+
+
+def test_stop_tokens_do_not_depend_on_where_steps_end_with_byte_fallback() -> None:
+    """ "€" is complete at the fourth token and gone again at the fifth (a byte of "😀" after it): a speculative
+    step that ended there searched for the stop only after it and kept the emoji's four tokens."""
+    tok = _byte_fallback_tokenizer()
+    ids = [259, *_bytes("€😀"), 259]
+    one = IncrementalText(tok, ["€"])
+    for n in range(1, len(ids) + 1):
+        one.update(ids[:n])
+        if one.stopped:
+            break
+    steps = IncrementalText(tok, ["€"])
+    for n in (1, 5, len(ids)):  # steps of 1, 4 and 4 tokens
+        steps.update(ids[:n])
+    assert (one.text, one.stop_tokens) == ("a", 4) == (steps.text, steps.stop_tokens)
+
+
 def _metaspace_tokenizer() -> PreTrainedTokenizerBase:
     """A SentencePiece-style (Llama-2, Mistral) tokenizer: a word's piece carries its leading space as "▁", and
     decoding drops the first piece's space."""
