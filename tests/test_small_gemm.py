@@ -604,3 +604,18 @@ def test_a_prompt_and_its_drafts_in_one_forward_get_plain_decodings_bits(native_
         cache.truncate(slot, 0)
         together = model(ForwardBatch.build(cache, [slot], [torch.cat([prompt, drafts])], num_logits=[9]), cache)
     assert torch.equal(torch.cat(plain), together)
+
+
+@pytest.mark.real_model
+def test_a_loaded_target_takes_the_kernel_with_autograd_on_too() -> None:
+    """Its weights required gradients, so a forward outside inference mode (a script, a benchmark) skipped the
+    kernel for BLAS and got other bits than serving does."""
+    from specserve.config import ModelSpec
+    from specserve.models.loader import load_model
+
+    model = load_model(ModelSpec())
+    hidden = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert not any(p.requires_grad for p in model.parameters())
+    with torch.inference_mode():
+        served = model.logits(hidden)
+    assert torch.equal(model.logits(hidden), served)

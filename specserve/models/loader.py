@@ -142,6 +142,7 @@ def load_model_dir(
         except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
             # a tensor whose shape the config does not imply (torch's size mismatch), a malformed config field
             raise UnsupportedModelError(f"the weights in {path} do not fit its config.json: {e!r}") from e
+    model.requires_grad_(False)  # frozen: with autograd on, the kernel (which has no backward) would step aside
     if spec.int8_dynamic:
         return quantize_int8_dynamic(model)
     if not spec.native_q4:  # native_q4 replaces the decoder's linears first (load_model)
