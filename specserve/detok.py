@@ -57,7 +57,9 @@ class IncrementalText:
             self.text, self.stopped, final = through[:cut], True, True
         else:
             self.text = full
-            if "\ufffd" not in full:  # (a byte-fallback tokenizer's text can still lose characters it shows now)
+            # not past a text ending in U+FFFD: with a byte-fallback tokenizer that hides a whole run of bytes, whose
+            # characters (a stop string's) may have been complete a token before
+            if not full.endswith("\ufffd"):
                 self._seen = len(token_ids)
         stable = len(self.text)
         if not final:
@@ -133,7 +135,7 @@ class IncrementalText:
     def _tokens_through_stop(self, token_ids: Sequence[int], final: bool) -> int:
         """The shortest prefix whose text holds a stop string: a step that emitted several tokens (speculation)
         may have gone past it, and those tokens are not part of the output. Searched from the last update whose
-        text was whole (no U+FFFD): with byte fallback, a stop string complete at a token can vanish again in the
+        text did not end in U+FFFD: with byte fallback, a stop string complete at a token can vanish again in the
         next one's text (its run of bytes then not UTF-8 as a whole)."""
         for n in range(self._seen + 1, len(token_ids)):
             prefix = _settled(self._decode(token_ids[:n]), False)
