@@ -430,8 +430,8 @@ class Lane:
         step_s = time.perf_counter() - t0
         for out in outputs:
             sink = self._sinks.get(out.request_id)
-            if sink is not None:  # a snapshot of the stats: the loop keeps mutating its own
-                sink.put(dataclasses.replace(out, stats=dataclasses.replace(out.stats)))
+            if sink is not None:
+                sink.put(out)
             if out.finished:
                 self._forget(out.request_id)
         if outputs:  # the loop recorded this step

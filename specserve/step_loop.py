@@ -418,7 +418,7 @@ class StepLoop:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.request.prompt_ids),
             num_output_tokens=len(seq.output),
-            stats=seq.stats,
+            stats=replace(seq.stats),  # a snapshot: the sequence's own goes on counting
         )
 
     def _retire(self) -> None:

@@ -94,6 +94,7 @@ def test_stream_yields_steps_and_an_abandoned_stream_frees_its_slot(tiny: LlamaM
     engine = Engine(tiny, None, eos_token_ids=set())
     outs = list(engine.stream(PROMPTS[0], SamplingParams(max_tokens=5)))
     assert [len(o.token_ids) for o in outs] == [1] * 5 and outs[-1].finished
+    assert [o.stats.target_forwards for o in outs] == [1, 2, 3, 4, 5]  # each its step's counts, not the live ones
     stream = engine.stream(PROMPTS[1], SamplingParams(max_tokens=50))
     next(stream)
     assert engine.loop.target.cache.num_free == engine.loop.target.cache.num_slots - 1
