@@ -387,3 +387,22 @@ def test_model_free_drafters_with_only_methods_they_cannot_draft_are_refused(
     argv = ["bench", "spec", "--methods", "eagle2", "--drafters", "lookup", "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     assert "draft chains and DDD trees only" in capsys.readouterr().err
+
+
+def test_a_set_cut_to_num_prompts_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two files of 3 prompts under --num-prompts 4 lost the second file's last two without a word (with the
+    default 80, MT-bench and grounded.jsonl together lost every humanities prompt)."""
+    from specserve.bench import spec
+    from specserve.cli import main
+    from tests.conftest import forbid_model_loads
+
+    forbid_model_loads(monkeypatch, spec)
+    files = []
+    for name in ("a", "b"):
+        rows = [{"question_id": i, "category": name, "turns": [f"Question {i}."]} for i in range(3)]
+        files.append(str(_write(tmp_path / f"{name}.jsonl", rows)))
+    with pytest.raises(AssertionError, match="a model was loaded"):  # (the run goes on to the loads)
+        main(["bench", "spec", "--prompts", *files, "--num-prompts", "4", "--out", str(tmp_path / "o")])
+    assert "--num-prompts 4: the first 4 of the set's 6 prompts" in capsys.readouterr().out

@@ -68,7 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--heads", nargs="+", type=Path, default=[], help="more EAGLE head directories, loaded like the shipped head"
     )
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--num-prompts", type=positive_int, default=80)
+    p.add_argument("--num-prompts", type=positive_int, default=80, help="at most this many, in file order (default 80)")
     p.add_argument("--max-tokens", type=positive_int, default=128)
     p.add_argument("--chain-sl", type=positive_int, nargs="+", default=[4])
     p.add_argument("--ddd-x", type=finite_float, nargs="+", default=[None], help="DDD threshold(s) x (default: config)")
@@ -591,7 +591,10 @@ def run(args: argparse.Namespace) -> int:
     for _, t_spec, _ in pairs:
         if t_spec not in target_specs:
             target_specs.append(t_spec)
-    bench = _prompt_set(args.prompts, args.per_category)[: args.num_prompts]  # a bad file fails before the loads
+    every = _prompt_set(args.prompts, args.per_category)  # a bad file fails before the loads
+    bench = every[: args.num_prompts]
+    if len(every) > len(bench):
+        print(f"--num-prompts {args.num_prompts}: the first {len(bench)} of the set's {len(every)} prompts")
     packed = {"mkl_packed_widths": tuple(args.mkl_packed)}
     targets = {t: load_model(t.model_copy(update=packed), device=args.device) for t in target_specs}
     tok = load_tokenizer(target_specs[0])
