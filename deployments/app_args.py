@@ -139,7 +139,9 @@ class AppArgs(LoopConfig):
     target: ModelSpec | None = None
     draft: DraftSpec | None = None
     tiny: TinyModels | None = None
-    served_model_name: str | None = None
+    served_model_name: str | None = Field(
+        default=None, min_length=1, description="the model id clients send (default: the pair's or target's name)"
+    )
     speculation: SpecConfig = SpecConfig()  # the loop settings (LoopConfig) speculate by default here
     num_lanes: int = Field(default=1, ge=1, le=64)
     max_queued_requests: int = Field(default=64, ge=0)

@@ -236,6 +236,7 @@ def test_app_args_layout_and_validation() -> None:
         {"target_resources": {"num_cpus": float("inf")}},
         {"target_resources": {"num_cpus": 1, "resources": {"node_a": -1.0}}},
         {"api_key": ""},  # would switch authentication off
+        {"served_model_name": ""},  # no client could name it
         {"max_batch_size": 0},
     ):
         with pytest.raises(pydantic.ValidationError):
