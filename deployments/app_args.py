@@ -56,7 +56,7 @@ class ActorResources(Validated):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     num_cpus: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
-    num_gpus: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    num_gpus: float = Field(default=0.0, ge=0.0, allow_inf_nan=False, description="at most 1: a worker uses one GPU")
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. a node label")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: Ray's default")
 
@@ -70,6 +70,16 @@ class ActorResources(Validated):
         if bad:
             raise ValueError(f"custom resources are positive amounts: {bad}")
         return resources
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _one_gpu_at_most(cls, num_gpus: float) -> float:
+        if num_gpus > 1:
+            raise ValueError(
+                f"num_gpus {num_gpus} > 1: a worker runs its model on one GPU (no tensor parallelism), so the rest "
+                "would sit idle"
+            )
+        return num_gpus
 
     @model_validator(mode="after")
     def _reserves_something(self) -> ActorResources:

@@ -843,6 +843,8 @@ def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() 
         )
     with pytest.raises(pydantic.ValidationError, match="GPU as num_cpus / num_gpus"):
         AppArgs.model_validate({"target_resources": {"num_cpus": 1, "resources": {"GPU": 1}}})
+    with pytest.raises(pydantic.ValidationError, match="one GPU"):  # Ray would reserve two, the worker use one
+        AppArgs.model_validate({"target_resources": {"num_cpus": 1, "num_gpus": 2}})
     with pytest.raises(pydantic.ValidationError, match=r"steps of 0\.0001"):
         AppArgs.model_validate({"target_resources": {"num_cpus": 0.00001}})
     with pytest.raises(pydantic.ValidationError, match="router runs no model"):  # accepted, it did nothing
