@@ -60,7 +60,11 @@ class SettingsError(SpecServeError, ValueError):
 
 
 class InvalidRequestError(SpecServeError, ValueError):
-    """A request's prompt or sampling values are invalid."""
+    """A request's prompt or sampling values are invalid; ``param`` names the field at fault, where one is."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class SequenceError(SpecServeError):

@@ -3,7 +3,10 @@ the tokenizer's chat template with the generation prompt), so HTTP and in-proces
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -18,21 +21,57 @@ class PromptEncoder:
 
     def token_ids(self, ids: list[int]) -> list[int]:
         if any(not 0 <= t < self.vocab_size for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return list(ids)
 
     def text(self, prompt: str) -> list[int]:
         return self._tokenizer().encode(prompt, add_special_tokens=False)
 
     def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The chat template's ids. A message's text is text: a special token's string typed in it (``<|im_end|>``)
+        is tokenized as its characters, as the OpenAI API does, so no message can close its turn and forge another.
+        """
         tokenizer = self._tokenizer()
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template")
+        specials = self._special_pattern
+        texts = [c if isinstance(c := m.get("content"), str) else "" for m in messages]
+        if specials is None or not any(specials.search(t) for t in texts):
+            return self._apply_template(messages, tokenize=True)
+        # each special string in a message becomes a marker no text holds; the rendered prompt is tokenized as
+        # usual between markers (the template's own special tokens stay special) and each marker as plain text
+        marker = f"\ue000{uuid.uuid4().hex}"
+        found: list[str] = []
+
+        def to_marker(m: re.Match[str]) -> str:
+            found.append(m.group(0))
+            return f"{marker}{len(found) - 1}\ue001"
+
+        safe = [{**m, "content": specials.sub(to_marker, t)} if t else m for m, t in zip(messages, texts, strict=True)]
+        parts = re.split(f"{marker}(\\d+)\ue001", self._apply_template(safe, tokenize=False))
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids += tokenizer.encode(found[int(part)], add_special_tokens=False, split_special_tokens=True)
+            elif part:
+                ids += tokenizer.encode(part, add_special_tokens=False)
+        return ids
+
+    def _apply_template(self, messages: list[dict[str, Any]], *, tokenize: bool) -> Any:
         try:
-            out: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out: Any = self._tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
         except Exception as e:  # jinja errors for malformed messages
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
+        if not tokenize:
+            return out
         return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        """The strings the tokenizer reads as special tokens, longest first."""
+        decoder = getattr(self._tokenizer(), "added_tokens_decoder", {})
+        words = sorted({t.content for t in decoder.values() if t.special and t.content}, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, words))) if words else None
 
     def _tokenizer(self) -> PreTrainedTokenizerBase:
         if self.tokenizer is None:

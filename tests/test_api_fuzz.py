@@ -142,6 +142,7 @@ def test_random_bodies_never_fail_the_server(url: str) -> None:
         (COMPLETIONS, {"prompt": 5}, "prompt", "prompt: Input should be text or a list of token ids"),
         (COMPLETIONS, {"prompt": ""}, "prompt", "prompt: String should have at least 1 character"),
         (COMPLETIONS, {"prompt": [3, -1]}, "prompt", "prompt.1: Input should be greater than or equal to 0"),
+        (COMPLETIONS, {"prompt": [3, VOCAB]}, "prompt", f"prompt token ids must be in [0, {VOCAB})"),
         (COMPLETIONS, {"prompt": "hi", "stop": 3}, "stop",
          "stop: Input should be a string or a list of up to 4 strings"),
         (COMPLETIONS, {"prompt": "hi", "stop": ["x", ""]}, "stop", "stop.1: String should have at least 1 character"),

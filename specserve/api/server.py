@@ -552,7 +552,7 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
         return _error(exc.status, exc.body(), headers)
 
     async def invalid_request(_: HTTPRequest, exc: InvalidRequestError) -> JSONResponse:
-        body = error_body(str(exc), ErrorType.invalid_request, code=ErrorCode.invalid_value)
+        body = error_body(str(exc), ErrorType.invalid_request, code=ErrorCode.invalid_value, param=exc.param)
         return _error(HTTPStatus.BAD_REQUEST, body)
 
     async def http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
