@@ -19,8 +19,10 @@ from specserve.spec_decode.eagle_head import (
     EagleHead,
     EagleHeadConfig,
     HeadKind,
+    checkpoint_kind,
     default_aux_layers,
     load_eagle_head,
+    save_eagle_head,
 )
 
 H, FF, NH, NKV, D, V = 64, 160, 4, 2, 16, 512  # the tiny target's shapes
@@ -141,12 +143,11 @@ def reference_eagle1(sd, emb, lm_head, tokens, feats, positions=None):
     return h, h @ lm_head.T
 
 
-def reference_eagle3(sd, emb, tokens, aux_feats):
+def reference_eagle3(sd, emb, tokens, aux_feats, *, norm_before_residual: bool = False):
     f = aux_feats @ sd["fc.weight"].T
-    a = torch.cat(
-        [rms(emb[tokens], sd["midlayer.input_layernorm.weight"]), rms(f, sd["midlayer.hidden_norm.weight"])], -1
-    )
-    h = reference_layer(sd, "midlayer.", a, f, torch.arange(len(tokens)))
+    f_normed = rms(f, sd["midlayer.hidden_norm.weight"])
+    a = torch.cat([rms(emb[tokens], sd["midlayer.input_layernorm.weight"]), f_normed], -1)
+    h = reference_layer(sd, "midlayer.", a, f_normed if norm_before_residual else f, torch.arange(len(tokens)))
     return h, rms(h, sd["norm.weight"]) @ sd["lm_head.weight"].T
 
 
@@ -348,6 +349,11 @@ def test_malformed_checkpoints_get_clear_errors(tmp_path: Path) -> None:
     dup[1] = dup[0] - 1  # draft ids 0 and 1 both map to target id ids[0]
     case("dup", sd3 | {"d2t": dup}, e3, UnsupportedModelError, "another already has")
     case("2d", sd3 | {"d2t": sd3["d2t"][:, None].contiguous()}, e3, UnsupportedModelError, "1-D")
+    case("gelu", sd1, {"hidden_act": "gelu"}, UnsupportedModelError, "hidden_act is 'gelu'")
+    case("wide", sd3, e3 | {"target_hidden_size": 2 * H}, UnsupportedModelError, "target_hidden_size 128")
+    case("sharded", sd1, {}, UnsupportedModelError, "sharded checkpoint")
+    (tmp_path / "sharded" / "model.safetensors").rename(tmp_path / "sharded" / "model-00001-of-00001.safetensors")
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text("{}")
     case("empty", sd1, {}, CorruptModelError, "cannot read")
     (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
     for name, error, match in cases:
@@ -441,7 +447,6 @@ def test_the_head_drafts_at_every_position_of_its_target(tmp_path: Path, target:
 
 
 def test_save_then_load_roundtrip(tmp_path: Path, target: LlamaModel) -> None:
-    from specserve.spec_decode.eagle_head import save_eagle_head
 
     sd = eagle1_tensors(7, fc_bias=True)
     head = load_eagle_head(write_head(tmp_path / "a", sd, {"bias": True}), target)
@@ -510,7 +515,6 @@ def test_a_model_spec_that_cannot_load_is_refused_at_validation() -> None:
 
 
 def test_an_unreadable_head_checkpoint_is_named(tmp_path: Path) -> None:
-    from specserve.spec_decode.eagle_head import checkpoint_kind
 
     bad = write_head(tmp_path / "h", eagle1_tensors(1, fc_bias=False), {})
     (bad / "model.safetensors").write_bytes(b"\xff" * 64)
@@ -633,3 +637,72 @@ def test_only_a_shipped_heads_name_resolves_to_the_shipped_heads() -> None:
     assert HeadSpec(head="smollm2-eagle3").path() == BUILTIN_HEADS_DIR / "smollm2-eagle3"
     for name in (".", ".."):
         assert HeadSpec(head=name).path() == Path(name)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_eagle3_norm_before_residual_matches_reference(tmp_path: Path, native: bool) -> None:
+    """``norm_before_residual: true`` (the speculators' EAGLE-3 heads): the layer's residual is hidden_norm(f)."""
+    target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    sd = eagle3_tensors(3, vd=96)
+    cfg = {"draft_vocab_size": 96, "norm_before_residual": True}
+    head = load_eagle_head(write_head(tmp_path / "h", sd, cfg), target)
+    if native:
+        with_native_layer(head)
+    assert head.cfg.norm_before_residual
+    g = torch.Generator().manual_seed(6)
+    tokens, aux = torch.randint(0, V, (7,), generator=g), torch.randn(7, 3 * H, generator=g)
+    hidden, logits = run_head(head, tokens, aux)
+    emb = target.embed_tokens.weight.detach()
+    ref_h, ref_logits = reference_eagle3(sd, emb, tokens, aux, norm_before_residual=True)
+    assert_close_to(hidden, ref_h, kernel=native)
+    assert_close_to(logits, ref_logits, kernel=native)
+    other_h, _ = reference_eagle3(sd, emb, tokens, aux)
+    assert not torch.allclose(other_h, ref_h, atol=1e-2)  # the flag matters for these weights
+    saved = load_eagle_head(save_eagle_head(head, tmp_path / "saved", dtype=torch.float32).parent, target)
+    assert saved.cfg.norm_before_residual
+
+
+def test_eagle3_saved_under_layers_0_loads_as_midlayer(tmp_path: Path) -> None:
+    """vLLM reads an EAGLE-3 head's layer as ``midlayer.*`` or ``layers.0.*``; the latter is told from an
+    EAGLE-1/2 head by its hidden_norm."""
+    target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    sd = eagle3_tensors(3, vd=96)
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in sd.items()}
+    path = write_head(tmp_path / "h", renamed, {"draft_vocab_size": 96})
+    assert checkpoint_kind(path) == HeadKind.eagle3
+    head = load_eagle_head(path, target)
+    g = torch.Generator().manual_seed(6)
+    tokens, aux = torch.randint(0, V, (7,), generator=g), torch.randn(7, 3 * H, generator=g)
+    hidden, logits = run_head(head, tokens, aux)
+    ref_h, ref_logits = reference_eagle3(sd, target.embed_tokens.weight.detach(), tokens, aux)
+    assert_close_to(hidden, ref_h, kernel=False)
+    assert_close_to(logits, ref_logits, kernel=False)
+
+
+def test_an_eagle1_input_norm_is_ignored_as_the_reference_does(tmp_path: Path, target: LlamaModel) -> None:
+    """EAGLE-1/2's layer 0 has no input norm; a checkpoint saved with one loads and drafts without it."""
+    sd = eagle1_tensors(1, fc_bias=True)
+    norm = {"layers.0.input_layernorm.weight": 1 + torch.randn(H, generator=torch.Generator().manual_seed(9))}
+    head = load_eagle_head(write_head(tmp_path / "h", sd | norm, {}), target)
+    g = torch.Generator().manual_seed(5)
+    tokens, feats = torch.randint(0, V, (9,), generator=g), torch.randn(9, H, generator=g)
+    hidden, logits = run_head(head, tokens, feats)
+    emb, lm = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    ref_h, ref_logits = reference_eagle1(sd, emb, lm, tokens, feats)
+    assert_close_to(hidden, ref_h, kernel=False)
+    assert_close_to(logits, ref_logits, kernel=False)
+
+
+def test_a_full_vocabulary_eagle3_head_ignores_its_maps(tmp_path: Path) -> None:
+    """With lm_head over the whole vocabulary, EAGLE deletes d2t / t2d before loading: untouched buffers (zeros,
+    no id marked) load, and column i is target id i."""
+    target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    sd = eagle3_tensors(3, vd=V)
+    untouched = {"d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.zeros(V, dtype=torch.bool)}
+    head = load_eagle_head(write_head(tmp_path / "h", sd | untouched, {"draft_vocab_size": V}), target)
+    assert head.draft_ids.tolist() == list(range(V)) and not head.maps_draft_ids
+    g = torch.Generator().manual_seed(6)
+    tokens, aux = torch.randint(0, V, (5,), generator=g), torch.randn(5, 3 * H, generator=g)
+    _, logits = run_head(head, tokens, aux)
+    _, ref_logits = reference_eagle3(sd, target.embed_tokens.weight.detach(), tokens, aux)
+    assert_close_to(logits, ref_logits, kernel=False)

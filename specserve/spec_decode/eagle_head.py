@@ -11,7 +11,8 @@ after its final norm at position j-1, or the head's own output there while draft
 EAGLE-3 (``HeadKind.eagle3``): target features are three of its layers' outputs, fused first
     f = fc([h_low; h_mid; h_high])            fc: [H, 3H]; the head's own outputs skip it
     a = [input_norm(embed(t)); hidden_norm(f)]            [2H] into q/k/v
-    h = f + attn(a);  h = h + mlp(post_norm(h))           h is the next feature
+    h = f + attn(a);  h = h + mlp(post_norm(h))           h is the next feature (``norm_before_residual``:
+                                                          hidden_norm(f) + attn(a), as the speculators' heads)
     logits = lm_head(norm(h))                 its own [V_d, H] head; draft id i is target id i + d2t[i]
 
 A reduced draft vocabulary (FR-Spec) restricts an EAGLE-1/2 head's logits to the target ids in ``draft_ids``
@@ -23,6 +24,7 @@ at RoPE position j, so the row fed with the root predicts the first drafted toke
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 from enum import Enum
 from pathlib import Path
@@ -52,6 +54,8 @@ from specserve.models.llama import (
 )
 from specserve.models.sources import sha256_file
 
+log = logging.getLogger(__name__)
+
 
 class HeadKind(str, Enum):
     eagle = "eagle"  # EAGLE-1 / EAGLE-2 layout
@@ -78,6 +82,7 @@ class EagleHeadConfig(BaseModel):
     rope_theta: float = Field(default=10000.0, gt=0)
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = Field(default=8192, ge=1)
+    norm_before_residual: bool = Field(default=False, description="EAGLE-3: the residual is hidden_norm(f), not f")
 
     @field_validator("rope_scaling", mode="before")
     @classmethod
@@ -98,6 +103,8 @@ class EagleHeadConfig(BaseModel):
             raise ValueError(f"aux layers must be distinct layer indices, got {list(self.aux_layers)}")
         if list(self.aux_layers) != sorted(self.aux_layers):  # the target hands their features over in layer order
             raise ValueError(f"aux layers must be in ascending order, got {list(self.aux_layers)}")
+        if self.norm_before_residual and self.kind != HeadKind.eagle3:
+            raise ValueError("norm_before_residual is an EAGLE-3 option (an EAGLE-1/2 head has no hidden_norm)")
         return self
 
     @property
@@ -288,8 +295,9 @@ class EagleHead(nn.Module):
             raise RuntimeError("the head is not bound to a target: call bind(target) first")
         e = F.embedding(tokens, self.embed_weight).to(features.dtype)
         if self.cfg.kind == HeadKind.eagle3:
-            a = torch.cat([self._norm(e, self.input_norm), self._norm(features, self.hidden_norm)], dim=-1)
-            return a, features
+            f = self._norm(features, self.hidden_norm)
+            a = torch.cat([self._norm(e, self.input_norm), f], dim=-1)
+            return a, f if self.cfg.norm_before_residual else features
         x = linear(self.fc, torch.cat([e, features], dim=-1))
         return x, x
 
@@ -437,6 +445,8 @@ def hf_config_dict(cfg: EagleHeadConfig, **extra: Any) -> dict[str, Any]:
     if cfg.kind == HeadKind.eagle3:
         d["draft_vocab_size"] = cfg.draft_vocab_size or cfg.vocab_size
         d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers)}
+        if cfg.norm_before_residual:
+            d["norm_before_residual"] = True
     return d | extra
 
 
@@ -460,7 +470,22 @@ def weights_path(path: Path) -> Path:
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (Path(path) / name).is_file():  # (a named pipe or a directory would hang or fail in the reader)
             return Path(path) / name
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (Path(path) / index).is_file():
+            raise UnsupportedModelError(
+                f"{path} holds a sharded checkpoint ({index}); a one-layer head is read from one file: merge the "
+                "shards into model.safetensors"
+            )
     raise UnsupportedModelError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+_EAGLE3_IN_LAYERS_0 = "layers.0.hidden_norm.weight"  # an EAGLE-3 head saved under layers.0.* (vLLM reads both)
+
+
+def _kind_of(names: Any) -> HeadKind:
+    """EAGLE-3 by its ``midlayer.*`` names, or by its ``hidden_norm`` under ``layers.0.*``; else EAGLE-1/2."""
+    eagle3 = any(n.startswith("midlayer.") for n in names) or _EAGLE3_IN_LAYERS_0 in names
+    return HeadKind.eagle3 if eagle3 else HeadKind.eagle
 
 
 def checkpoint_kind(path: Path) -> HeadKind:
@@ -474,7 +499,7 @@ def checkpoint_kind(path: Path) -> HeadKind:
             raise CorruptModelError(f"cannot read the head's weights {weights}: {e}") from e
     else:
         names = list(_read_tensors(path))
-    return HeadKind.eagle3 if any(n.startswith("midlayer.") for n in names) else HeadKind.eagle
+    return _kind_of(set(names))
 
 
 def check_digest(weights: Path) -> None:
@@ -504,6 +529,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CorruptModelError(f"cannot read the head's weights {weights}: {e}") from e
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
         raise CorruptModelError(f"{weights} is not a mapping of tensor names to tensors")
+    if _EAGLE3_IN_LAYERS_0 in sd:  # one spelling from here on
+        sd = {"midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k: v for k, v in sd.items()}
     return sd
 
 
@@ -516,13 +543,20 @@ def valid_draft_ids(ids: torch.Tensor, vocab_size: int) -> bool:
 
 
 def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], target: LlamaModel) -> EagleHeadConfig:
-    kind = HeadKind.eagle3 if any(k.startswith("midlayer.") for k in sd) else HeadKind.eagle
+    kind = _kind_of(sd)
     prefix = "midlayer." if kind == HeadKind.eagle3 else "layers.0."
     if f"{prefix}self_attn.q_proj.weight" not in sd or "fc.weight" not in sd:
         raise UnsupportedModelError("not an EAGLE head: want fc.weight and layers.0.* (EAGLE-1/2) or midlayer.*")
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise UnsupportedModelError(f"an EAGLE head has one decoder layer; config.json says {raw['num_hidden_layers']}")
+    if (act := raw.get("hidden_act", "silu")) not in ("silu", "swish"):
+        raise UnsupportedModelError(f"the head's hidden_act is {act!r}; its MLP is Llama's SiLU-gated one")
     hidden = int(raw.get("hidden_size", sd["fc.weight"].shape[0]))
+    if (wide := raw.get("target_hidden_size")) is not None and int(wide) != hidden:
+        raise UnsupportedModelError(
+            f"the head's hidden size is {hidden} and its target_hidden_size {wide}: heads narrower or wider than "
+            "their target (fc from 3 x target_hidden_size, an embedding of their own) are not supported"
+        )
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or {})
     aux: tuple[int, ...] = ()
@@ -557,6 +591,7 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_scaling=rope_scaling_of(raw),
         max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
+        norm_before_residual=kind == HeadKind.eagle3 and raw.get("norm_before_residual") is True,
     )
 
 
@@ -608,6 +643,7 @@ def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None
 
 
 _NOT_WEIGHTS = ("d2t", "t2d", "embed_tokens.weight")
+_EAGLE1_LAYER_NORM = "layers.0.input_layernorm.weight"
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -641,9 +677,13 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
     if missing:
         raise UnsupportedModelError(f"the head checkpoint is missing {missing}")
     # the target's embedding (some heads carry a copy) and RoPE tables saved by old transformers are not weights
-    unexpected = sorted(
-        k for k in sd if k not in want and k not in _NOT_WEIGHTS and not k.endswith("rotary_emb.inv_freq")
-    )
+    ignored = set(_NOT_WEIGHTS)
+    if cfg.kind == HeadKind.eagle and _EAGLE1_LAYER_NORM in sd:
+        # EAGLE-1/2's layer 0 has no input norm: the reference code builds none and loads non-strictly, vLLM skips
+        # the tensor; a head saved with one (an untrained ones vector, from a stock Llama layer) is read the same way
+        log.warning("%s is not part of an EAGLE-1/2 head (its layer 0 has no input norm): ignored", _EAGLE1_LAYER_NORM)
+        ignored.add(_EAGLE1_LAYER_NORM)
+    unexpected = sorted(k for k in sd if k not in want and k not in ignored and not k.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise UnsupportedModelError(f"the head checkpoint has tensors a one-layer EAGLE head does not: {unexpected}")
     for name, t in want.items():
@@ -669,7 +709,10 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
             head.hidden_norm.copy_(sd[prefix + "hidden_norm.weight"])
             head.norm.copy_(sd["norm.weight"])
             head.lm_head.weight.copy_(sd["lm_head.weight"])
-    if "d2t" in sd:
+    # a full-vocabulary EAGLE-3 head's columns are the target's ids: EAGLE drops its d2t / t2d, which such
+    # checkpoints may hold untouched (zeros), and so does this loader
+    maps = cfg.kind == HeadKind.eagle or head.lm_head.weight.shape[0] != cfg.vocab_size
+    if "d2t" in sd and maps:
         d2t = sd["d2t"]
         if d2t.ndim != 1 or not d2t.numel() or d2t.is_floating_point() or d2t.dtype == torch.bool:
             raise UnsupportedModelError(
@@ -694,7 +737,7 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
         raise UnsupportedModelError(
             f"a head with a reduced vocabulary ({head.draft_vocab_size} of {cfg.vocab_size} ids) needs its d2t map"
         )
-    elif "t2d" in sd:
+    elif "t2d" in sd and maps:
         _check_t2d(sd["t2d"], head.draft_ids, cfg.vocab_size)
 
 
