@@ -693,9 +693,9 @@ def test_an_eagle1_input_norm_is_ignored_as_the_reference_does(tmp_path: Path, t
     assert_close_to(logits, ref_logits, kernel=False)
 
 
-def test_a_full_vocabulary_eagle3_head_ignores_its_maps(tmp_path: Path) -> None:
-    """With lm_head over the whole vocabulary, EAGLE deletes d2t / t2d before loading: untouched buffers (zeros,
-    no id marked) load, and column i is target id i."""
+def test_a_full_vocabulary_eagle3_head_loads_with_an_untouched_t2d(tmp_path: Path) -> None:
+    """With lm_head over the whole vocabulary, EAGLE deletes d2t / t2d before loading; checkpoints may hold them
+    untouched (zeros, no id marked): such a head loads, column i being target id i."""
     target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
     sd = eagle3_tensors(3, vd=V)
     untouched = {"d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.zeros(V, dtype=torch.bool)}

@@ -9,6 +9,7 @@ import torch
 from specserve.config import ChainDraft, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.guard import Outlook, ThroughputGuard
+from specserve.messages import Proposal, ProposeItem
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
@@ -163,21 +164,55 @@ def test_reduced_vocabulary_and_eagle3_heads_stay_lossless(target: LlamaModel) -
     reduced.set_draft_vocab(torch.arange(1, target.cfg.vocab_size, 3))
     for head in (reduced, random_head(target, HeadKind.eagle3)):
         engine = Engine(target, None, draft=head, speculation=METHODS[2], eos_token_ids=set(), max_batch_size=4)
+        worker = engine.loop.draft
+        assert isinstance(worker, HeadDraftWorker)
+        proposals = record_proposals(worker)
         out = engine.generate(PROMPTS, params)
         assert [o.token_ids for o in out] == _plain(target, params)
-        drafted = {t for o in out for t in o.token_ids}
-        assert drafted  # and every drafted node was a draft-vocabulary token:
-        worker = engine.loop.draft
-        assert isinstance(worker, HeadDraftWorker) and worker.token_ids is not None
+        drafted = [t for p in proposals for t in p.tokens]
+        assert len(drafted) >= 20 and set(drafted) <= set(head.draft_ids.tolist())  # draft-vocabulary tokens only
 
 
-def test_sampled_chains_with_a_reduced_vocabulary_run(target: LlamaModel) -> None:
-    head = random_head(target)
-    head.set_draft_vocab(torch.arange(0, target.cfg.vocab_size, 2))
-    spec = SpecConfig(method=SpecMethod.chain, sl=3)
+def record_proposals(worker: HeadDraftWorker) -> list[Proposal]:
+    """Every proposal the worker makes from now on."""
+    proposals: list[Proposal] = []
+    real = worker.propose
+
+    def spy(items: list[ProposeItem]) -> list[Proposal]:
+        out = real(items)
+        proposals.extend(out)
+        return out
+
+    worker.propose = spy  # type: ignore[method-assign]
+    return proposals
+
+
+@pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
+def test_sampled_chains_from_a_reduced_vocabulary_describe_their_drafts(target: LlamaModel, kind: HeadKind) -> None:
+    """Sampled chains (``chain_draft=sampled``) send the sparse q each draft was drawn from; verification reads
+    q(x) there. With draft columns that are not target ids, q's support must be target ids too: every drafted token
+    lies in its own q's support with positive mass, and that support in the draft vocabulary."""
+    head = random_head(target, kind)
+    if kind == HeadKind.eagle:
+        head.set_draft_vocab(torch.arange(1, target.cfg.vocab_size, 2))
+    allowed = set(head.draft_ids.tolist())
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.sampled)
     engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+    worker = engine.loop.draft
+    assert isinstance(worker, HeadDraftWorker)
+    proposals = record_proposals(worker)
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=1.0, seed=1, ignore_eos=True))
     assert all(len(o.token_ids) == 20 for o in out)
+    checked = 0
+    for p in proposals:
+        if not p.tokens:
+            continue
+        assert p.q_idx is not None and p.q_prob is not None and len(p.q_idx) == len(p.tokens)
+        for token, idx, prob in zip(p.tokens, p.q_idx, p.q_prob, strict=True):
+            assert set(idx) <= allowed and token in allowed
+            assert token in idx and prob[idx.index(token)] > 0
+            checked += 1
+    assert checked >= 20
 
 
 @pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])

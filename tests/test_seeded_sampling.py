@@ -18,6 +18,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.sampling import SamplingParams, keyed_exponentials, keyed_sample, make_generator, process_logits
 from specserve.spec_decode.draft_tree import DraftTree
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind
 from specserve.spec_decode.verify import accept_tree
 from specserve.workers import target as target_module
 from specserve.workers.target import TargetWorker
@@ -171,16 +172,30 @@ CHI_SPECS = {
     "chain-sampled": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
     "tree": SpecConfig(method=SpecMethod.eagle2, tree_depth=2, beam_width=3, budget=8),
     "head-chain": SpecConfig(method=SpecMethod.chain, sl=2),
+    # sampled chains from heads whose draft columns are not target ids (q's support must be mapped to target ids)
+    "head-reduced-chain-sampled": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
+    "head-eagle3-chain-sampled": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
 }
+
+
+def _chi_draft(target: LlamaModel, name: str) -> LlamaModel | EagleHead:
+    if not name.startswith("head"):
+        return noisy_copy(target, 0.5, seed=4)
+    head = random_head(target, HeadKind.eagle3 if "eagle3" in name else HeadKind.eagle)
+    if "reduced" in name:
+        head.set_draft_vocab(torch.arange(1, target.cfg.vocab_size, 2))
+    return head
 
 
 @pytest.mark.parametrize("name", list(CHI_SPECS))
 def test_engine_samples_have_the_targets_distribution(target: LlamaModel, name: str) -> None:
-    draft = random_head(target) if name.startswith("head") else noisy_copy(target, 0.5, seed=4)
+    draft = _chi_draft(target, name)
     engine = Engine(target, None, draft=draft, speculation=CHI_SPECS[name], eos_token_ids=set(), max_batch_size=64)
     pairs = _engine_pairs(engine)
     assert _pvalue(pairs, _exact_pairs(target)) > 1e-3
-    if name != "chain-sampled":  # keyed draws: the same seeds give the same samples with speculation off
+    if isinstance(draft, EagleHead) and draft.maps_draft_ids:
+        assert engine.loop.draft.token_ids is not None  # type: ignore[attr-defined]  # (the mapping is in play)
+    if "sampled" not in name:  # keyed draws: the same seeds give the same samples with speculation off
         plain = Engine(target, None, eos_token_ids=set(), max_batch_size=64)
         assert _engine_pairs(plain) == pairs
 

@@ -709,10 +709,10 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
             head.hidden_norm.copy_(sd[prefix + "hidden_norm.weight"])
             head.norm.copy_(sd["norm.weight"])
             head.lm_head.weight.copy_(sd["lm_head.weight"])
-    # a full-vocabulary EAGLE-3 head's columns are the target's ids: EAGLE drops its d2t / t2d, which such
-    # checkpoints may hold untouched (zeros), and so does this loader
-    maps = cfg.kind == HeadKind.eagle or head.lm_head.weight.shape[0] != cfg.vocab_size
-    if "d2t" in sd and maps:
+    # a full-vocabulary EAGLE-3 head's t2d says nothing (every id is a draft id); EAGLE drops it there, and such
+    # checkpoints may hold it untouched (no id marked), so it is not checked; its d2t may still permute the columns
+    full = cfg.kind == HeadKind.eagle3 and head.lm_head.weight.shape[0] == cfg.vocab_size
+    if "d2t" in sd:
         d2t = sd["d2t"]
         if d2t.ndim != 1 or not d2t.numel() or d2t.is_floating_point() or d2t.dtype == torch.bool:
             raise UnsupportedModelError(
@@ -729,7 +729,7 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
             raise UnsupportedModelError(f"d2t maps draft ids outside the target's {cfg.vocab_size}-token vocabulary")
         if (repeats := ids.numel() - int(ids.unique().numel())) > 0:  # see valid_draft_ids
             raise UnsupportedModelError(f"d2t maps {repeats} draft ids onto target ids another already has")
-        if "t2d" in sd:
+        if "t2d" in sd and not full:
             _check_t2d(sd["t2d"], ids, cfg.vocab_size)
         head.draft_ids = ids
         head.cfg = cfg.model_copy(update={"draft_vocab_size": int(ids.numel())})
@@ -737,7 +737,7 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
         raise UnsupportedModelError(
             f"a head with a reduced vocabulary ({head.draft_vocab_size} of {cfg.vocab_size} ids) needs its d2t map"
         )
-    elif "t2d" in sd and maps:
+    elif "t2d" in sd and not full:
         _check_t2d(sd["t2d"], head.draft_ids, cfg.vocab_size)
 
 
