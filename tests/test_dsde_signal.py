@@ -1,0 +1,111 @@
+"""The KLD values DSDE is fed, checked against KL(p || q) computed here from separate target and draft forwards
+over the same contexts (docs/algorithms.md §4.1 and §6): the signal's position rule, its direction, and the
+sparse q's tail model all show in the numbers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.config import KLDMode, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.messages import Proposal
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_model
+from specserve.policy.dsde import SequenceDSDE
+from specserve.policy.kld import SparseTail
+from specserve.sampling import SamplingParams
+from specserve.step_events import StepEvent, StepObserver
+
+TOP_K = 8  # of the tiny model's 512 ids: the tail carries real mass
+
+
+def _next_probs(model: LlamaModel, tokens: list[int]) -> np.ndarray:
+    cache = model.new_cache(1, len(tokens) + 1)
+    logits = model(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)
+    return torch.softmax(logits[-1].double(), -1).numpy()
+
+
+def _kl(p: np.ndarray, q: np.ndarray, mode: KLDMode, tail: SparseTail) -> float:
+    floor = 1e-8
+    if mode == KLDMode.exact:
+        p, q = np.maximum(p, floor), np.maximum(q, floor)
+        return float((p * np.log(p / q)).sum())
+    top = np.argsort(-q, kind="stable")[:TOP_K]
+    if tail == SparseTail.uniform:  # q's leftover mass spread over the other ids
+        spread = np.full_like(q, (1 - q[top].sum()) / (len(q) - TOP_K))
+        spread[top] = q[top]
+        p, spread = np.maximum(p, floor), np.maximum(spread, floor)
+        return float((p * np.log(p / spread)).sum())
+    p_rest, q_rest = max(1 - p[top].sum(), floor), max(1 - q[top].sum(), floor)  # lumped: "the rest" one outcome
+    pk, qk = np.maximum(p[top], floor), np.maximum(q[top], floor)
+    return float((pk * np.log(pk / qk)).sum() + p_rest * math.log(p_rest / q_rest))
+
+
+def _path(proposal: Proposal, node: int) -> list[int]:
+    """The drafted tokens from the root to ``node`` (node 0 is the root), by the tree's parents."""
+    return [] if node == 0 else [*_path(proposal, proposal.parents[node - 1]), proposal.tokens[node - 1]]
+
+
+CASES = {
+    "chain-exact": SpecConfig(method=SpecMethod.chain, kld_mode=KLDMode.exact),
+    "chain-sparse-lumped": SpecConfig(method=SpecMethod.chain, kld_tail=SparseTail.lumped),
+    "chain-sparse-uniform": SpecConfig(method=SpecMethod.chain, kld_tail=SparseTail.uniform),
+    # a budget that keeps every drafted level (no node reranked away), so the deepest node is the depth drafted
+    "ddd-sparse-lumped": SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=64),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dsde_is_fed_kl_of_target_against_draft_at_the_verified_positions(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = CASES[name].model_copy(update={"policy": SLPolicyKind.dsde, "kld_top_k": TOP_K})
+    target = tiny_model(seed=0)
+    draft = noisy_copy(target, 0.4, seed=2)
+    engine = Engine(target, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=1)
+    observed: list[tuple[list[float], int, int]] = []
+    real_observe = SequenceDSDE.observe
+
+    def observe(self: SequenceDSDE, klds: list[float], num_drafted: int, num_accepted: int) -> None:
+        observed.append((list(klds), num_drafted, num_accepted))
+        real_observe(self, klds, num_drafted, num_accepted)
+
+    monkeypatch.setattr(SequenceDSDE, "observe", observe)
+    expected: list[tuple[list[float], int, int]] = []
+    checked: list[tuple[float, float]] = []
+
+    class Check(StepObserver):
+        def on_step(self, event: StepEvent) -> None:
+            for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
+                if proposal is None:
+                    continue
+                a = len(out.accepted)
+                root = len(seq.tokens) - (a + 1) - 1  # the step committed a accepted drafts and one more token
+                if seq.finish_reason is None:
+                    assert seq.tokens[root + 1 : root + 1 + a] == _path(proposal, out.accepted[-1] if a else 0)
+                # levels drafted: a chain's length, a tree's deepest node
+                levels = max(len(_path(proposal, n)) for n in range(1, len(proposal.tokens) + 1))
+                expected.append((list(out.kld), levels, min(a, levels)))
+                # the root and each accepted node, where the draft has a q (a chain's last draft, a tree's
+                # leaves are never fed back)
+                fed = set(range(len(proposal.tokens))) if proposal.draft_q is None else set(proposal.draft_q.nodes)
+                nodes = [n for n in [0, *out.accepted] if n in fed]
+                assert len(out.kld) == len(nodes)
+                if seq.finish_reason is not None:
+                    continue
+                for n, got in zip(nodes, out.kld, strict=True):
+                    context = seq.tokens[: root + 1] + _path(proposal, n)
+                    want = _kl(_next_probs(target, context), _next_probs(draft, context), spec.kld_mode, spec.kld_tail)
+                    checked.append((got, want))
+
+    engine.loop.observers.append(Check())
+    engine.generate([[5, 9, 33, 71, 2]], SamplingParams(max_tokens=48, ignore_eos=True))
+    assert observed == expected and len(checked) >= 10
+    got, want = np.array(checked).T
+    assert want.max() > 0.05  # a draft that disagrees: the values are not all ~0
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-5)
