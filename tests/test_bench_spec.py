@@ -228,7 +228,7 @@ def test_head_variants_by_vocabulary_and_weight_reads() -> None:
     assert draft_variants(parser.parse_args([]), "p", head) == {"p": head}
 
 
-def test_tree_depths_and_ddd_check_steps_become_methods() -> None:
+def test_tree_depths_and_ddd_check_steps_become_methods(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
     from specserve.bench.spec import add_args, methods_for
@@ -248,8 +248,9 @@ def test_tree_depths_and_ddd_check_steps_become_methods() -> None:
     assert [m.spec.ddd_check_steps for m in methods[3:]] == [(2, 3, 4), (5, 7, 9)]
     assert all(m.spec.method == SpecMethod.ddd and m.spec.budget == 8 for m in methods[3:])
     for bad in ("3,2", "0,1", "a,b"):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exit_:
             parser.parse_args(["--ddd-checks", bad])
+        assert exit_.value.code == 2 and "--ddd-checks" in capsys.readouterr().err
 
 
 def test_path_probability_floors_become_methods() -> None:

@@ -117,6 +117,7 @@ def test_pick_lane_prefers_a_healthy_lane_to_an_idle_one_that_lost_its_workers()
     assert pick_lane([lost, busy, busier]) is busy
     assert pick_lane([lost, busy, busier], avoid=busy) is busier  # another healthy lane before the one that failed
     assert pick_lane([busy], avoid=busy) is busy  # the only one
+    assert pick_lane([lost, busy], avoid=busy) is busy  # healthy first, even the one to avoid
     assert pick_lane([lost, FakeLane(1, healthy=False, in_flight=3)]) is lost  # none healthy: the least loaded
     assert pick_lane([FakeLane(0, alive=False), lost]) is lost
     assert pick_lane([FakeLane(0, alive=False)]) is None
@@ -133,6 +134,25 @@ def test_a_request_its_lane_loses_continues_on_another_lane_where_it_stopped(sle
     assert first.submitted == [REQUEST] and moved == [0]
     assert second.submitted == [replace(REQUEST, delivered=Delivered(tuple(TOKENS[:4]), "abcé"))]
     assert sleeps == []  # a healthy lane took it at once
+
+
+def test_usage_counts_every_lanes_forwards_across_two_moves(sleeps: list[float]) -> None:
+    """Lost after 2 outputs on the first lane and after 1 more on the second: the usage the client sees keeps
+    counting the forwards of every lane the request ran on."""
+    lanes = [FakeLane(0, lost_after=2), FakeLane(1, lost_after=3, in_flight=1), FakeLane(2, in_flight=2)]
+    for lane in lanes[:2]:
+
+        async def submit(request: Request, lane: FakeLane = lane) -> Stream:
+            stream = await FakeLane.submit(lane, request)
+            lane.alive = False  # it stops with the workers it loses: the request does not come back to it
+            return stream
+
+        lane.submit = submit  # type: ignore[method-assign]
+    moved: list[int] = []
+    forwards: list[int] = []
+    ids, _, _ = _collect(_stream(lanes, moved=moved), forwards)
+    assert ids == TOKENS and moved == [0, 1]
+    assert forwards == list(range(1, len(TOKENS) + 1))  # 2 on the first lane, 1 on the second, 4 on the third
 
 
 def test_a_request_lost_before_its_first_token_replays_from_the_start(sleeps: list[float]) -> None:

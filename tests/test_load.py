@@ -768,7 +768,7 @@ def test_trace_and_cost_files_that_cannot_be_read_are_usage_errors(
     assert exit_.value.code == 2 and "cost.json is not a cost model (source: Field required" in err, err
 
 
-def test_study_max_sl_caps_every_speculative_policy() -> None:
+def test_study_max_sl_caps_every_speculative_policy(capsys: pytest.CaptureFixture[str]) -> None:
     from load import straggler
 
     specs = straggler.StudyConfig(pair="tiny", policies=list(PolicyName), max_sl=2).specs()
@@ -789,14 +789,16 @@ def test_study_max_sl_caps_every_speculative_policy() -> None:
     assert not straggler.parse_args(["--pair", "tiny"]).specs()[PolicyName.ddd].adaptive_floor
     with pytest.raises(ValueError, match="tree_min_prob"):
         straggler.StudyConfig(pair="tiny", tree_min_prob=1.5)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         straggler.parse_args(["--pair", "tiny", "--ddd-checks", "4,2"])
+    assert exit_.value.code == 2 and "--ddd-checks" in capsys.readouterr().err  # argparse's usage error
     with pytest.raises(ValueError, match="ddd_check_steps"):
         straggler.StudyConfig(pair="tiny", ddd_check_steps=(0, 2)).specs()
     assert straggler.parse_args(["--pair", "smollm2-eagle", "--head-quant", "none"]).head_quant == "none"
     for pair in ("tiny", "smollm2-q4"):  # no head to quantise
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exit_:
             straggler.parse_args(["--pair", pair, "--head-quant", "q8_0"])
+        assert exit_.value.code == 2 and "--head-quant" in capsys.readouterr().err
 
 
 def test_odd_repeats_run_the_policies_in_reverse_order() -> None:
@@ -811,7 +813,7 @@ def test_odd_repeats_run_the_policies_in_reverse_order() -> None:
     assert not straggler.parse_args(["--pair", "tiny", "--same-order"]).alternate
 
 
-def test_study_drafter_applies_to_every_speculative_policy() -> None:
+def test_study_drafter_applies_to_every_speculative_policy(capsys: pytest.CaptureFixture[str]) -> None:
     from load import straggler
 
     argv = ["--pair", "tiny", "--drafter", "lookup", "--model-max-sl", "2", "--model-budget", "6"]
@@ -823,8 +825,9 @@ def test_study_drafter_applies_to_every_speculative_policy() -> None:
     assert specs[PolicyName.ddd].model_tree_budget == 6 and specs[PolicyName.ddd].budget == 16
     default = straggler.parse_args(["--pair", "tiny"]).specs()
     assert {s.drafter for s in default.values()} == {Drafter.model}
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         straggler.parse_args(["--pair", "tiny", "--drafter", "ngram"])
+    assert exit_.value.code == 2 and "--drafter" in capsys.readouterr().err
 
 
 def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None:

@@ -40,7 +40,9 @@ def test_greedy_output_equals_plain_greedy(target: LlamaModel, spec: SpecConfig,
         assert out.stats.draft_steps == out.stats.target_forwards
     if noise == 0.0:  # a draft identical to the target gets every token accepted (chains: tau = SL + 1)
         for out in outs:
-            assert out.stats.accepted + out.stats.target_forwards >= 16
+            # at least the first draft of every step: the target's greedy token is the draft's top child, which
+            # every tree keeps (the highest-scored node of level 1)
+            assert out.stats.accepted >= out.stats.target_forwards
             if spec.method == SpecMethod.chain:
                 assert out.stats.accepted == out.stats.drafted  # an identical draft is never rejected
                 assert out.stats.tokens_per_forward >= min(16, spec.sl + 1) * 0.75

@@ -477,8 +477,9 @@ def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(
     assert not (tmp_path / "wrong").exists()
     assert main([*ft_args, "--prompts", "0", "--out", str(tmp_path / "none")]) == 2
     assert "no training data" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         main([*ft_args, "--lr", "0"])
+    assert exit_.value.code == 2 and "--lr" in capsys.readouterr().err
 
 
 def test_bench_distill_both_data_steps_write_the_engines_greedy_conversations(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import torch
 from ray.exceptions import ActorDiedError, ActorUnschedulableError, GetTimeoutError, RayTaskError
 
 from deployments import actors
+from deployments import lane as lane_module
 from deployments.actors import KVGeometry, RemoteDraft, RemoteTarget
 from deployments.app_args import WorkerRole
 from deployments.failover import FailoverStream
@@ -442,20 +443,35 @@ def test_a_lost_draft_leaves_its_lane_decoding_plainly_until_a_new_one_starts(
         lane.stop()
 
 
+class _RecordedWaits(threading.Event):
+    """The lane's stop event, recording the pauses the draft's restorer waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        return super().wait(timeout)
+
+
 def test_while_no_draft_can_be_made_the_lane_serves_plainly_and_keeps_trying(
-    target: LlamaModel, alone: list[list[int]]
+    target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(lane_module, "MAX_RETRY_S", 0.05)
     drafts = DraftFactory(target, {0: "late"}, broken=set(range(1, 10_000)))
     lane = _drafting_lane(target, drafts)
+    lane._stopping = stopping = _RecordedWaits()
     try:
         assert _run(lane, PROMPTS) == alone
         assert _run(lane, PROMPTS, tag="s") == alone  # new requests that ask for the draft are admitted, plainly
         assert lane.draft_lost and lane.healthy
-        tries = lane.generations[WorkerRole.draft]
-        _wait(lambda: lane.generations[WorkerRole.draft] > tries)  # still trying (the pause doubles each time)
+        _wait(lambda: lane.generations[WorkerRole.draft] > 6)  # still trying
         assert len(drafts.actors) == 1
     finally:
         lane.stop()
+    # at once, then after worker_retry_s, doubling up to MAX_RETRY_S
+    assert stopping.waits[:7] == [0.0, 0.01, 0.02, 0.04, 0.05, 0.05, 0.05]
 
 
 def test_a_wait_for_a_start_that_never_finishes_times_out_or_is_cancelled(
@@ -533,18 +549,30 @@ def test_a_worker_that_dies_while_its_lane_is_idle_is_replaced_before_a_request_
         quiet.stop()
 
 
-def test_a_lane_whose_target_could_not_be_replaced_tries_again_with_no_request_to_step(target: LlamaModel) -> None:
+def test_a_lane_whose_target_could_not_be_replaced_tries_again_with_no_request_to_step(
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Its requests went to other lanes and new ones go to healthy lanes first: the lane tries on its own, after a
-    pause that doubles, and is healthy again once a replacement is made (the replica is not reported degraded for
-    ever)."""
-    factory = Factory(target, {0: "unschedulable"}, broken={1, 2})
+    pause that doubles up to MAX_RETRY_S, and is healthy again once a replacement is made (the replica is not
+    reported degraded for ever)."""
+    monkeypatch.setattr(lane_module, "MAX_RETRY_S", 0.03)
+    factory = Factory(target, {0: "unschedulable"}, broken={1, 2, 3})
     lane = _lane(target, factory, worker_retry_s=0.01)
+    pauses: list[float] = []  # the pause each try waited for (the first, on the worker's failure: none)
+    replace_target = lane._replace_target
+
+    def recorded() -> None:
+        pauses.append(lane._retry_pause)
+        replace_target()
+
+    lane._replace_target = recorded  # type: ignore[method-assign]
     try:
         assert all(isinstance(r, LaneLostError) for r in _run(lane, PROMPTS[:1]))
-        _wait(lambda: lane.healthy)  # generations 1 and 2 cannot be made, the third can
-        assert lane.generations[WorkerRole.target] == 3 and not lane.loop.has_work
+        _wait(lambda: lane.healthy)  # generations 1-3 cannot be made, the fourth can
+        assert lane.generations[WorkerRole.target] == 4 and not lane.loop.has_work
     finally:
         lane.stop()
+    assert pauses == [0.01, 0.01, 0.02, 0.03]
 
 
 def test_a_lane_decodes_plainly_without_its_draft_and_drafts_again_once_one_is_attached(target: LlamaModel) -> None:
