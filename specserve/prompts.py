@@ -1,5 +1,6 @@
-"""Prompt -> token ids, the same way ``Engine.encode`` does it (plain text without special tokens; chat through
-the tokenizer's chat template with the generation prompt), so HTTP and in-process runs see identical ids."""
+"""Prompt -> token ids, the same way ``Engine.encode`` does it (plain text with the tokenizer's own BOS where it adds
+one, as vLLM's completions do; chat through the tokenizer's chat template with the generation prompt), so HTTP and
+in-process runs see identical ids."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ class PromptEncoder:
         return list(ids)
 
     def text(self, prompt: str) -> list[int]:
-        return self._tokenizer().encode(prompt, add_special_tokens=False)
+        """A completion prompt's ids: a Llama-2/3 or Mistral tokenizer starts them with its BOS, which the model saw
+        at the start of every training text (the chat templates write it themselves)."""
+        return self._tokenizer().encode(prompt, add_special_tokens=True)
 
     def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The chat template's ids. A message's text is text: a special token's string typed in it (``<|im_end|>``)

@@ -54,3 +54,16 @@ def test_special_token_strings_in_a_message_are_its_text(tokenizer: Any, content
     assert tokenizer.decode(ids) == _render(tokenizer, messages)
     injected = tokenizer(_render(tokenizer, messages), add_special_tokens=False)["input_ids"]
     assert sum(t in special_ids for t in injected) > sum(t in special_ids for t in ids)  # what it used to be
+
+
+def test_a_completion_prompt_gets_the_tokenizers_bos_where_it_adds_one(tokenizer: Any) -> None:
+    """A Llama-style tokenizer starts every text with BOS (its post-processor); SmolLM2's adds none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hi": 3, "there": 4}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    llama_like = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    assert PromptEncoder(llama_like, 5).text("hi there") == [1, 3, 4]
+    assert PromptEncoder(tokenizer, len(tokenizer)).text("hi there") == [6004, 665]  # SmolLM2: no BOS
