@@ -82,7 +82,7 @@ def test_ddd_rule_only_fires_at_check_steps() -> None:
     assert not ddd_should_stop(-1.0, 6, (5, 7, 9), -0.3, every_step=False)
     assert ddd_should_stop(-1.0, 6, (5, 7, 9), -0.3, every_step=True)
     assert not ddd_should_stop(-0.2, 5, (5, 7, 9), -0.3, every_step=False)
-    # the boundary: H at x goes on, the next float below stops (docs/algorithms.md: stop when H_d < x)
+    # the boundary: H at x goes on, the next float below stops (docs/algorithms.md §3.1: stop when H_d < x)
     assert not ddd_should_stop(-0.3, 5, (5, 7, 9), -0.3, every_step=False)
     assert ddd_should_stop(math.nextafter(-0.3, -math.inf), 5, (5, 7, 9), -0.3, every_step=False)
 
