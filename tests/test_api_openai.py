@@ -97,9 +97,13 @@ def test_sdk_default_no_op_fields_are_accepted(client: openai.OpenAI, url: str) 
         temperature=0,
         response_format={"type": "text"},
         store=False,  # type: ignore[arg-type]
+        extra_body={"top_logprobs": None, "logprobs": None},  # sent as null by clients that spell out every field
     )
     assert out.choices[0].message.role == "assistant"
-    for field, value in (("response_format", {"type": "json_object"}), ("store", True), ("store", "no")):
+    zero = {"model": MODEL, "messages": USER, "max_tokens": 1, "logprobs": False, "top_logprobs": 0}
+    assert httpx.post(url + CHAT, json=zero).status_code == 200
+    invalid = [("response_format", {"type": "json_object"}), ("store", True), ("store", "no"), ("top_logprobs", 2)]
+    for field, value in invalid:
         body = {"model": MODEL, "messages": USER, field: value}
         error = _error(httpx.post(url + CHAT, json=body))
         assert error["param"] == field and error["code"] == "invalid_value"

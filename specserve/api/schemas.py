@@ -273,6 +273,14 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, description="OpenAI's newer name of max_tokens")
     response_format: ResponseFormat | None = Field(default=None, description="only the no-op {'type': 'text'}")
     store: Literal[False] | None = Field(default=None, description="only the no-op false: nothing is stored")
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=0, description="not supported: only 0 or null")
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _no_top_logprobs(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool) and v != 0:
+            raise ValueError("logprobs are not supported: top_logprobs must be 0 or null")
+        return v
 
     @field_validator("store", mode="before")
     @classmethod
