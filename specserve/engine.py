@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
+import numbers
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -38,6 +40,9 @@ class Completion:
 
 
 class Engine:
+    """Generation in the caller's threads: any thread may submit, generate, stream or collect, one step of the shared
+    batch running at a time (a lock); each call's outputs reach it whichever thread stepped them."""
+
     def __init__(
         self,
         model: LlamaModel,
@@ -80,7 +85,9 @@ class Engine:
             draft_vocab=draft_vocab,
         )
         self.encoder = PromptEncoder(tokenizer, model.cfg.vocab_size)
-        eos = eos_ids_of(model.hf_config.eos_token_id, tokenizer) if eos_token_ids is None else eos_token_ids
+        eos = (
+            eos_ids_of(model.hf_config.eos_token_id, tokenizer) if eos_token_ids is None else _token_set(eos_token_ids)
+        )
         num_slots = device_kv_slots(
             [model] if draft is None else [model, draft],
             requested=max_batch_size,
@@ -98,6 +105,8 @@ class Engine:
         self._outbox: dict[str, _Outbox] = {}
         self._step_running = False
         self._deferred_aborts: collections.deque[str] = collections.deque()
+        # one thread at a time in the loop and the outboxes (re-entrant: a stream finalised inside a step aborts)
+        self._lock = threading.RLock()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -122,10 +131,16 @@ class Engine:
 
     # -- prompts ---------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return self.encoder.token_ids(prompt)  # type: ignore[arg-type]
-        if isinstance(prompt, list):  # chat messages
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):  # chat messages
             return self.encoder.chat(prompt)  # type: ignore[arg-type]
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if bad:
+                raise InvalidRequestError(
+                    f"a list prompt is token ids (integers) or chat messages (dicts), not {type(bad[0]).__name__} "
+                    f"{bad[0]!r}"
+                )
+            return self.encoder.token_ids([int(cast(numbers.Integral, t)) for t in prompt])
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"a prompt is text, token ids or chat messages, not {type(prompt).__name__}")
         if chat:
@@ -141,10 +156,13 @@ class Engine:
         chat: bool = False,
         speculation: SpecConfig | None = None,
     ) -> str:
-        request_id = f"req-{next(self._ids)}"
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, not {type(params).__name__}")
         ids = self.encode(prompt, chat=chat)
-        self.loop.add_request(Request(request_id, ids, params or SamplingParams(), speculation))
-        self._outbox[request_id] = _Outbox(ids)
+        with self._lock:
+            request_id = f"req-{next(self._ids)}"
+            self.loop.add_request(Request(request_id, ids, params or SamplingParams(), speculation))
+            self._outbox[request_id] = _Outbox(ids)
         return request_id
 
     def generate(
@@ -176,6 +194,8 @@ class Engine:
         unknown = [rid for rid in ids if rid not in self._outbox]
         if unknown:
             raise InvalidRequestError(f"no submitted and unconsumed request with id {unknown[0]!r}")
+        if len(set(ids)) != len(ids):
+            raise InvalidRequestError(f"request ids given twice: {sorted({r for r in ids if ids.count(r) > 1})}")
         prompt_ids = {rid: self._outbox[rid].prompt_ids for rid in ids}
         completions = []
         with self._consuming(ids):
@@ -245,12 +265,13 @@ class Engine:
             self._drop(request_ids)
 
     def _drop(self, request_ids: Sequence[str]) -> None:
-        for rid in request_ids:
-            self._outbox.pop(rid, None)
-            if self._step_running:
-                self._deferred_aborts.append(rid)
-            else:
-                self.loop.abort(rid)
+        with self._lock:
+            for rid in request_ids:
+                self._outbox.pop(rid, None)
+                if self._step_running:
+                    self._deferred_aborts.append(rid)
+                else:
+                    self.loop.abort(rid)
 
     def _outputs(self, rid: str) -> Iterator[RequestOutput]:
         """This request's outputs through its finished one (or the error that ended it), stepping the loop while
@@ -264,17 +285,29 @@ class Engine:
                 yield out
                 if out.finished:
                     return
-            if not self.loop.has_work:
-                raise RuntimeError(f"request {rid} is no longer running and its outputs ended unfinished")
-            for out in self._step():
-                if (waiting := self._outbox.get(out.request_id)) is not None:
-                    waiting.outputs.append(out)
+            with self._lock:
+                if box:  # another thread's step brought them while this one waited for the lock
+                    continue
+                if not self.loop.has_work:
+                    raise RuntimeError(f"request {rid} is no longer running and its outputs ended unfinished")
+                for out in self._step():
+                    if (waiting := self._outbox.get(out.request_id)) is not None:
+                        waiting.outputs.append(out)
 
 
 @dataclass
 class _Outbox:
     prompt_ids: list[int]
     outputs: collections.deque[RequestOutput | Exception] = field(default_factory=collections.deque)
+
+
+def _token_set(ids: Iterable[int]) -> set[int]:
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise SettingsError(f"eos_token_ids must be a collection of token ids, not {ids!r}")
+    ids = list(ids)
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
+        raise SettingsError(f"eos_token_ids must be token ids (integers), not {ids!r}")
+    return {int(t) for t in ids}
 
 
 def _is_single(prompts: object) -> bool:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
+import numpy as np
 import pydantic
 import pytest
 import torch
@@ -131,7 +133,49 @@ def test_bad_prompts_raise_clear_errors(tiny: LlamaModel) -> None:
         engine.generate([[10**6]])
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         engine.generate("hello")
+    for bad, names in (([5, True, 13], "bool True"), ([1.0, 2.0], "float 1.0"), ([5, "a"], "str 'a'")):
+        with pytest.raises(InvalidRequestError, match=f"token ids .* not {names}"):
+            engine.generate([bad])
+    with pytest.raises(InvalidRequestError, match="SamplingParams, not dict"):
+        engine.generate([[5, 9]], {"max_tokens": 3})  # type: ignore[arg-type]
     assert not engine.loop.has_work
+    ints = engine.generate([[5, 9, 13]], SamplingParams(max_tokens=4))[0].token_ids
+    numpy_ints = [np.int64(5), np.int32(9), np.uint16(13)]  # what a tokenizer or an array hands over
+    assert engine.generate([numpy_ints], SamplingParams(max_tokens=4))[0].token_ids == ints  # type: ignore[list-item]
+
+
+def test_eos_token_ids_must_be_token_ids(tiny: LlamaModel) -> None:
+    from specserve.errors import SettingsError
+
+    for bad in (2, "</s>", {"</s>"}, [True]):
+        with pytest.raises(SettingsError, match="eos_token_ids"):
+            Engine(tiny, None, eos_token_ids=bad)  # type: ignore[arg-type]
+    assert Engine(tiny, None, eos_token_ids=[np.int64(2)]).loop.eos_token_ids == {2}  # type: ignore[list-item]
+
+
+def test_one_engine_serves_several_threads_at_once(tiny: LlamaModel) -> None:
+    """Six threads generating on one engine: every call gets plain decoding's tokens (they used to fail with
+    another request's KV or sequence errors), and every KV slot comes back."""
+    engine = Engine(tiny, None, max_batch_size=4, max_model_len=128, eos_token_ids=set())
+    prompts = [[3 + i, 7, 9] for i in range(6)]
+    want = [greedy_reference(tiny, p, 24) for p in prompts]
+    got: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            got[i] = [engine.generate([prompts[i]], SamplingParams(max_tokens=24))[0].token_ids for _ in range(3)]
+        except BaseException as e:  # reported below, with the thread's index
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert got == {i: [want[i]] * 3 for i in range(6)}
+    assert not engine.loop.has_work and engine.loop.target.cache.num_free == 4
 
 
 class CharTokenizer:
@@ -242,6 +286,10 @@ def test_collect_runs_submitted_requests_in_the_order_given(tiny: LlamaModel) ->
     with pytest.raises(InvalidRequestError, match="req-0"):
         engine.collect([ids[0]])  # finished and consumed
     assert not engine.loop.has_work
+    again = engine.submit(PROMPTS[0], SamplingParams(max_tokens=3))
+    with pytest.raises(InvalidRequestError, match="given twice"):
+        engine.collect([again, again])
+    assert [c.token_ids for c in engine.collect([again])] == [greedy_reference(tiny, PROMPTS[0], 3)]
 
 
 def test_engine_settings_are_checked_when_the_engine_is_built(
