@@ -61,6 +61,8 @@ class StepLoop:
         self.planner = planner or SLPlanner()
         self.features = features  # the target hidden states a draft head reads (None: a draft model needs none)
         self.model_free = model_free or ModelFreeDrafter()  # prompt lookup / suffix trees, here in the loop's process
+        if self.speculation.method != SpecMethod.none and self.speculation.drafter == Drafter.suffix:
+            self.model_free.use_cache()  # the default drafts from it: every output counts from the first
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
@@ -99,6 +101,8 @@ class StepLoop:
         seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done))
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
             seq.sl_state = SequenceDSDE(spec.dsde, request.params.temperature)
+        if spec.method != SpecMethod.none and spec.drafter == Drafter.suffix:
+            self.model_free.use_cache()
         self._by_request[request.request_id] = seq
         self.waiting.append(seq)
         try:

@@ -27,6 +27,7 @@ from specserve.spec_decode.count_tree import (
     tree_from_counts,
 )
 from specserve.spec_decode.lookup import continuation_trie, match_starts
+from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.spec_decode.suffix_tree import CountNode, SuffixCache, SuffixStream, SuffixTrie
 
 from .conftest import greedy_reference
@@ -360,6 +361,40 @@ def test_the_cross_request_cache_drafts_a_repeated_request() -> None:
     assert fresh.generate(prompt, params)[0].stats.accepted >= 30
     alone = Engine(target, None, speculation=spec, eos_token_ids=set(), suffix_cache_tokens=0)
     assert alone.generate(prompt, params)[0].stats.accepted == alone.generate(prompt, params)[0].stats.accepted
+
+
+def test_outputs_are_kept_only_once_a_request_may_draft_from_the_cache() -> None:
+    """An engine whose requests never ask for the suffix drafter builds no cache (its trie's nodes would cost the
+    lane thread and the collector for nothing); one that does keeps every output from then on."""
+    target = tiny_model(tiny_config(vocab_size=64), seed=0)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine = Engine(target, None, eos_token_ids=set())  # plain decoding by default
+    cache = engine.loop.model_free.cache
+    assert cache is not None
+    engine.generate([[3, 1, 4], [1, 5, 9]], params)
+    engine.generate([2, 6, 5], params, speculation=SpecConfig(method=SpecMethod.chain, drafter=Drafter.lookup))
+    assert cache.tokens == 0 and not cache.entries
+    suffix = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix)
+    engine.generate([3, 5, 8], params, speculation=suffix)
+    engine.generate([9, 7, 9], params)  # plain again: kept now
+    assert cache.tokens == 40 and len(cache.entries) == 2
+
+
+def test_a_diffuse_cache_match_leaves_the_requests_own_draft_its_turn() -> None:
+    """The cache's longer match ("9 1 2", followed by eleven different tokens) is too diffuse to draft; the
+    request's own shorter one ("1 2", followed by "3 5 6 7") used to be skipped for it."""
+    context = [1, 2, 3, 5, 6, 7, 9, 1, 2]
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix)
+    alone = ModelFreeDrafter(None).propose(0, context, spec, 4, want_q=False)
+    assert alone is not None and alone.tokens == [3, 5, 6, 7]
+    cache = SuffixCache(1000, spec.model_free.suffix_depth)
+    for t in range(20, 31):
+        cache.add([9, 1, 2, t])
+    drafter = ModelFreeDrafter(cache)
+    drafter.use_cache()
+    assert cache.trie.match(context, 4, 1)[0] > 2  # the cache's match is the longer one
+    proposal = drafter.propose(0, context, spec, 4, want_q=False)
+    assert proposal is not None and proposal.tokens == [3, 5, 6, 7]
 
 
 def test_lookup_sampling_keeps_the_targets_distribution(small_vocab: LlamaModel) -> None:

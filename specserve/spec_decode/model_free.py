@@ -38,17 +38,26 @@ class ModelFreeDrafter:
         if self.cache is not None:
             with self.cache.lock:  # the cache's nodes may change under another lane's thread
                 n_cached, cached = self.cache.trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
-                if n_cached > n_own:  # the longer match wins; ties go to the request's own tokens
-                    return _proposal(seq_id, cached, spec, depth, want_q)
+                # the longer match wins, ties going to the request's own tokens; a longer match whose continuations
+                # are too diffuse to draft leaves the request's own match its turn
+                if n_cached > n_own and (proposal := _proposal(seq_id, cached, spec, depth, want_q)) is not None:
+                    return proposal
         return _proposal(seq_id, own, spec, depth, want_q)
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.streams.pop(seq_id, None)
 
-    def remember(self, output: list[int]) -> None:
-        """A finished (or aborted) request's output joins the cross-request cache, whoever drafted it."""
+    def use_cache(self) -> None:
+        """A sequence that may draft from the cross-request cache was admitted: finished outputs are kept from now
+        on (by every lane sharing the cache)."""
         if self.cache is not None:
+            self.cache.in_use = True
+
+    def remember(self, output: list[int]) -> None:
+        """A finished (or aborted) request's output joins the cross-request cache, whoever drafted it, once the
+        cache is in use."""
+        if self.cache is not None and self.cache.in_use:
             self.cache.add(output)
 
 

@@ -124,6 +124,10 @@ class SuffixCache:
         self.entries: deque[list[int]] = deque()
         self.tokens = 0
         self.lock = threading.Lock()
+        # outputs are kept only once a lane serves the suffix drafter: until then the trie (~10^5 tracked objects
+        # per 16k tokens, each output costing ~75 us a token on the lane thread, and the collector's full passes
+        # over them stalling every lane) would be paid for by replicas that never draft from it
+        self.in_use = False
 
     @property
     def max_nodes(self) -> int:
