@@ -3,6 +3,8 @@
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 VENV ?= .venv
+# the interpreter the venv is made from: 3.11 or newer (pyproject's requires-python)
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 MODEL ?= smollm2-135m-instruct
@@ -11,7 +13,9 @@ PROMPT ?= Explain speculative decoding in two sentences.
 .PHONY: install pull serve run test lint bench-ar bench-spec bench-batch bench-overhead clean
 
 $(VENV)/.installed: pyproject.toml Makefile
-	python3 -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "$(PYTHON) is older than 3.11: make PYTHON=python3.11 ..." >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -e ".[dev,bench,load]"

@@ -10,9 +10,9 @@
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT_DIR="${1:-$REPO/bench_out/gpu}"
+OUT_DIR="$(realpath -m "${1:-$REPO/bench_out/gpu}")" # absolute: the stages run from the repository
 PY="${PYTHON:-$REPO/.venv/bin/python}"
-[ -x "$PY" ] || PY=python3
+[ -x "$PY" ] || PY="$(command -v "$PY" || command -v python3)" # a bare name (PYTHON=python3.12) from the PATH
 STAGES="${STAGES:-suite spec bf16 straggler}"
 mkdir -p "$OUT_DIR"
 cd "$REPO" || exit 1

@@ -28,7 +28,8 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 
 start() {
-  local config="${1:-$REPO/deployments/app.yaml}"
+  local config
+  config="$(realpath -m "${1:-$REPO/deployments/app.yaml}")" # the caller's relative path, before the cd below
   if [[ "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}" && ! -s "$HOME/.ray/auth_token" ]]; then
     "$RAY" get-auth-token --generate >/dev/null
   fi

@@ -54,3 +54,38 @@ def test_an_install_without_build_isolation_finds_its_build_requirements(steps: 
     for requirement in PYPROJECT["build-system"]["requires"]:
         assert f'"{requirement}"' in before, f"{requirement} (pyproject's build-system) is not installed first"
     assert re.search(r"pip install[^;]* torch==", before), "flash-attn's build imports torch: install it first"
+
+
+@pytest.mark.parametrize("steps", [cluster_setup, dockerfile_steps], ids=["gpu-cluster.yaml", "Dockerfile"])
+def test_the_cluster_pins_a_torch_the_project_and_transformers_accept(steps: Callable[[], list[str]]) -> None:
+    """Transformers 5 treats torch below 2.6 as absent (``is_torch_available``), and Llama-3's RoPE tables then
+    fail to build: the GPU installs pinned 2.5.1 while pyproject allowed it."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    (torch_req,) = [r for r in map(Requirement, PYPROJECT["project"]["dependencies"]) if r.name == "torch"]
+    assert Version("2.5.1") not in torch_req.specifier and Version("2.6.0") in torch_req.specifier
+    pins = [m.group(1) for c in steps() if (m := re.search(r"torch==(\S+)", c))]
+    assert pins and all(Version(pin) in torch_req.specifier for pin in pins), pins
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "cluster").glob("*.sh")))
+def test_the_cluster_scripts_parse(script: str) -> None:
+    import subprocess
+
+    subprocess.run(["bash", "-n", str(REPO / "cluster" / script)], check=True)
+
+
+def test_the_rayservice_open_port_requires_its_api_key() -> None:
+    """Serve listens on the pod IP (0.0.0.0); the key's secret was optional, and without it the API ran open."""
+    service = yaml.safe_load((REPO / "cluster/rayservice.yaml").read_text())
+    serve = yaml.safe_load(service["spec"]["serveConfigV2"])
+    assert serve["http_options"]["host"] == "0.0.0.0"
+    refs = [
+        env["valueFrom"]["secretKeyRef"]
+        for group in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        for container in group["template"]["spec"]["containers"]
+        for env in container.get("env", [])
+        if env["name"] == "SPECSERVE_API_KEY"
+    ]
+    assert refs and not any(ref.get("optional") for ref in refs)
