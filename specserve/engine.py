@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import numbers
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -247,11 +248,23 @@ class Engine:
             box.outputs.append(error)
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = False
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        speculation: SpecConfig | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield one RequestOutput per step for this request (other queued requests keep running, and other
-        streams and ``generate`` calls of this engine may be consumed in between)."""
-        rid = self.submit(prompt, params, chat=chat)
+        """One RequestOutput per step for this request (other queued requests keep running, and other streams and
+        ``generate`` calls of this engine may be consumed in between). The request is submitted here: bad input
+        raises at the call, not at the first ``next``."""
+        rid = self.submit(prompt, params, chat=chat, speculation=speculation)
+        stream = self._stream(rid)
+        # a stream dropped before its first ``next`` never enters its generator, whose exit would abort it
+        weakref.finalize(stream, self._drop, [rid]).atexit = False
+        return stream
+
+    def _stream(self, rid: str) -> Iterator[RequestOutput]:
         with self._consuming([rid]):
             yield from self._outputs(rid)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 
@@ -10,6 +11,7 @@ import pydantic
 import pytest
 import torch
 
+from specserve.config import Drafter, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
@@ -103,6 +105,17 @@ def test_stream_yields_steps_and_an_abandoned_stream_frees_its_slot(tiny: LlamaM
     stream.close()
     assert engine.loop.target.cache.num_free == engine.loop.target.cache.num_slots
     assert not engine.loop.has_work
+    # submitted at the call: bad input raises there, and a stream never started is dropped with it
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.stream([10**6])
+    unstarted = engine.stream(PROMPTS[1], SamplingParams(max_tokens=50))
+    assert engine.loop.has_work
+    del unstarted
+    gc.collect()
+    assert not engine.loop.has_work and not engine._outbox
+    chains = SpecConfig(method=SpecMethod.chain, drafter=Drafter.lookup)  # per-request speculation, as submit
+    looked_up = list(engine.stream([7, 7, 7, 7, 7], SamplingParams(max_tokens=8), speculation=chains))
+    assert sum(o.stats.drafted > 0 for o in looked_up) > 0
 
 
 @pytest.mark.parametrize(
@@ -209,7 +222,6 @@ def test_incremental_text_final_flushes_everything() -> None:
 def test_tiny_temperatures_are_numerically_safe(tiny: LlamaModel, temperature: float) -> None:
     """A temperature the schema accepts but that overflows a naive logits / T: probabilities stay a distribution
     (no inf or nan) and decoding, plain or speculative with sampled drafts, is the greedy one."""
-    from specserve.config import SpecConfig, SpecMethod
     from specserve.models.tiny import noisy_copy
 
     logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 5
