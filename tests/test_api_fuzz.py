@@ -150,6 +150,9 @@ def test_random_bodies_never_fail_the_server(url: str) -> None:
          "messages.0.content: Input should be a string or a list of text parts"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages",
          "messages.0.content.0.text: Input should be a valid string"),
+        (CHAT, {"messages": [{"role": "user"}]}, "messages", "messages.0: Value error, a user message needs its content"),
+        (CHAT, {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]}, "messages",
+         "messages.0: Value error, a system message needs its content"),
     ],
 )  # fmt: skip
 def test_a_string_or_list_field_reports_the_member_its_json_type_chose(

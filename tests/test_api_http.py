@@ -137,7 +137,11 @@ def test_lists_a_request_can_fill_stop_at_their_first_bad_item() -> None:
 
     bodies = [
         (CompletionRequest, {"model": MODEL, "prompt": [5, -1, -1, -1]}, ("prompt", "<list>", 1)),
-        (ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user"}, {}, {}, {}]}, ("messages", 1, "role")),
+        (
+            ChatCompletionRequest,
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, {}, {}, {}]},
+            ("messages", 1, "role"),
+        ),
         (
             ChatCompletionRequest,
             {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] + [{}] * 3}]},

@@ -255,6 +255,12 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = Field(default=None, description="a tool message's call (OpenAI requires it; unused)")
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != ChatRole.assistant:  # as OpenAI: only an assistant's may be absent
+            raise ValueError(f"a {self.role.value} message needs its content")
+        return self
+
     @property
     def template_role(self) -> str:
         """The role the chat template knows: OpenAI's ``developer`` messages are the system prompt of newer models."""
