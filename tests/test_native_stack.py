@@ -326,3 +326,51 @@ def test_a_lock_left_by_a_killed_load_does_not_hang_the_next_process() -> None:
         assert not baton.exists()
     finally:
         baton.unlink(missing_ok=True)
+
+
+def test_the_extension_refuses_shapes_it_would_read_or_write_past() -> None:
+    """Entry points exported to Python check the layouts they index: a KV cache of another head count or head dim
+    was written past its end (memory beyond it changed), a short qkv projection read past its rows, a norm weight
+    of another width read past its end, an empty mask ran as no mask, and a bias of another shape broadcast."""
+    ext = extension()
+    torch.manual_seed(0)
+    hq, hkv, d, h = 2, 1, 8, 16
+
+    def proj(n: int, k: int) -> Any:
+        p = ext.Proj()
+        p.weight, p.bias = torch.randn(n, k), None
+        return p
+
+    def stack(*, qkv_rows: int = (hq + 2 * hkv) * d, norm: int = h) -> Any:
+        s = ext.DecoderStack(hq, hkv, d, 1e-6, True, False)
+        s.add_layer(torch.ones(norm), torch.ones(h), proj(qkv_rows, h), proj(h, hq * d), proj(2 * h, h), proj(h, h))
+        return s
+
+    def ids(*a: int) -> torch.Tensor:
+        return torch.tensor(a, dtype=torch.long)
+
+    def run(s: Any, k: torch.Tensor, v: torch.Tensor) -> Any:
+        x, cos, sin = torch.randn(1, h), torch.ones(1, 1, d), torch.zeros(1, 1, d)
+        return s.forward(x, cos, sin, [k], [v], ids(0), ids(3), ids(0), None, ids(0), 0, 1, 1, 1, 4, [], None)
+
+    memory_k, memory_v = torch.zeros(64), torch.zeros(64)
+    small_k, small_v = memory_k[:16].view(1, 1, 4, 4), memory_v[:16].view(1, 1, 4, 4)  # head dim 4, not 8
+    with pytest.raises(RuntimeError, match="KV caches"):
+        run(stack(), small_k, small_v)
+    assert not memory_k[16:].any() and not memory_v[16:].any()
+    fits = torch.zeros(1, hkv, 6, d), torch.zeros(1, hkv, 6, d)
+    with pytest.raises(RuntimeError, match=r"qkv \[N, \(Hq \+ 2 Hkv\) D\]"):
+        run(stack(qkv_rows=(hq + 2 * hkv) * d - 8), *fits)
+    with pytest.raises(RuntimeError, match="rms norm"):
+        run(stack(norm=h - 4), *fits)
+    run(stack(), *fits)  # the shapes it was built for
+
+    q, k, v = torch.randn(2, 4, 64), torch.randn(2, 2, 8, 64), torch.randn(2, 2, 8, 64)
+    with pytest.raises(RuntimeError, match="attend to nothing"):
+        ext.attend(q, k, v, ids(0, 1), ids(0, 1), ids(0, 1), torch.ones(2, 1, 1, 0, dtype=torch.bool), 1)
+    linear = proj(5, 64)
+    linear.small_rows = 64
+    for bias in (torch.randn(3, 5), torch.randn(5, dtype=torch.float64), torch.randn(4)):
+        linear.bias = bias
+        with pytest.raises(RuntimeError, match=r"a bias is float32 \[N\]"):
+            linear(torch.randn(3, 64))

@@ -246,7 +246,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / n_tok, n = t % n_tok;  // head-major: a thread takes consecutive tokens of one KV head
       keys.clear();
-      if (mp != nullptr) {
+      if (mask.has_value()) {  // (not mp: an empty mask's data pointer is null too)
         const bool* row = mp + from[n] * keys_seen;
         for (int64_t l = 0; l < keys_seen; ++l) {
           if (row[l]) keys.push_back(static_cast<int32_t>(l));

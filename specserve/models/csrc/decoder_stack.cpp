@@ -142,6 +142,8 @@ bool fusable(const Tensor& t, at::ScalarType dtype) {
 // agree with llama.rms_norm to rounding, not bit for bit.
 template <typename T>
 std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1) && (!delta.defined() || delta.sizes() == x.sizes()),
+              "rms norm of x [N, H] (+ delta alike) with a weight of H: x ", x.sizes(), ", weight ", weight.sizes());
   const int64_t rows = x.size(0), h = x.size(1);
   Tensor sum = delta.defined() ? at::empty_like(x) : x;
   Tensor normed = at::empty_like(x);
@@ -175,6 +177,13 @@ template <typename T>
 Tensor rope_write_kv(const Tensor& qkv, const Tensor& cos, const Tensor& sin, Tensor& k_cache, Tensor& v_cache,
                      const Tensor& write_slot, const Tensor& write_pos, int64_t hq, int64_t hkv, int64_t d) {
   const int64_t n_tok = qkv.size(0), width = qkv.size(1), half = d / 2;
+  // the layout the writes below index: a mismatched cache or projection would be written past its end
+  TORCH_CHECK(qkv.dim() == 2 && width == (hq + 2 * hkv) * d, "qkv [N, (Hq + 2 Hkv) D] = [N, ", (hq + 2 * hkv) * d,
+              "], got ", qkv.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(1) == hkv && k_cache.size(3) == d && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
+              "KV caches [S, ", hkv, ", L, ", d, "], contiguous and alike, got ", k_cache.sizes(), " and ",
+              v_cache.sizes());
   const int64_t len = k_cache.size(2);
   TORCH_CHECK(cos.numel() == n_tok * d && sin.numel() == n_tok * d && write_slot.numel() == n_tok &&
                   write_pos.numel() == n_tok,

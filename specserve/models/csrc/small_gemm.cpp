@@ -59,7 +59,11 @@ enum class Isa { none, avx2, avx512 };
 Isa detect() {
 #if SPECSERVE_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
+  // the AVX-512 path also runs AVX2 + FMA code (the records' dequantisation): a CPU model with AVX-512F alone,
+  // which a VM may expose, takes neither
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return Isa::avx512;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
 #endif
   return Isa::none;
@@ -556,9 +560,19 @@ int64_t rows_at(int64_t MB, int64_t rest) {
 // Weight rows per block (both paths and the packed layout); the N % 4 last rows run blocks of one.
 constexpr int64_t kBlockRows = 4;
 
-// y = x @ w^T (+ bias) for w [N, K] at wp, row-major or packed (then the block of rows from n starts at wp + n * kp).
+// y [M, N] += bias [N] (float32, CPU; checked: a per-row or other-typed bias would broadcast or convert silently)
+void add_bias(at::Tensor& y, const std::optional<at::Tensor>& bias) {
+  if (!bias.has_value() || !bias->defined()) return;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == y.size(1) && bias->scalar_type() == at::kFloat &&
+                  bias->device().is_cpu(),
+              "small_gemm: a bias is float32 [N] = [", y.size(1), "] on the CPU, got ", bias->scalar_type(), " ",
+              bias->sizes(), " on ", bias->device());
+  y.add_(*bias);
+}
+
 Prefetch by_default(int64_t rows) { return rows > 1 ? Prefetch::l1 : Prefetch::none; }
 
+// y = x @ w^T (+ bias) for w [N, K] at wp, row-major or packed (then the block of rows from n starts at wp + n * kp).
 template <typename W>
 at::Tensor run(const at::Tensor& x_in, const W* wp, bool packed, int64_t N, int64_t K,
                const std::optional<at::Tensor>& bias, Isa use, std::optional<Prefetch> pf) {
@@ -590,7 +604,7 @@ at::Tensor run(const at::Tensor& x_in, const W* wp, bool packed, int64_t N, int6
   at::parallel_for(0, blocks, grain,
                    [&](int64_t b0, int64_t b1) { run_rows(b0 * kBlockRows, b1 * kBlockRows, kBlockRows); });
   if (blocks * kBlockRows < N) run_rows(blocks * kBlockRows, N, 1);
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  add_bias(y, bias);
   return y;
 }
 
@@ -800,7 +814,7 @@ at::Tensor run_records(const at::Tensor& x_in, const Packed& w, const std::optio
   at::parallel_for(0, blocks, grain,
                    [&](int64_t b0, int64_t b1) { run_rows(b0 * kBlockRows, b1 * kBlockRows, kBlockRows); });
   if (blocks * kBlockRows < N) run_rows(blocks * kBlockRows, N, 1);
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  add_bias(y, bias);
   return y;
 }
 
@@ -839,10 +853,10 @@ std::tuple<at::Tensor, bool> bounded_argmax(const at::Tensor& x_in, const Packed
   TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
   TORCH_CHECK(approx.data.defined() && approx.data.scalar_type() == at::kBFloat16, "bounded_argmax: a bf16 packed copy");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == approx.n &&
-                  w.size(1) == approx.k,
-              "bounded_argmax: the float32 weight [N, K] the copy was made from");
+                  w.size(1) == approx.k && w.device().is_cpu(),
+              "bounded_argmax: the float32 weight [N, K] the copy was made from, on the CPU");
   TORCH_CHECK(row_norms.scalar_type() == at::kFloat && row_norms.dim() == 1 && row_norms.size(0) == approx.n &&
-                  row_norms.is_contiguous(),
+                  row_norms.is_contiguous() && row_norms.device().is_cpu(),
               "bounded_argmax: one float32 norm per weight row");
   const at::Tensor y = linear_packed(x_in, approx, std::nullopt, std::nullopt);  // [M, N] approximate
   const at::Tensor x = x_in.contiguous();
