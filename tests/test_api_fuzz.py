@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from specserve.api.schemas import MAX_MESSAGES
 from tests.api_backend import MODEL, LocalBackend, api_server
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -152,6 +153,10 @@ def test_random_bodies_never_fail_the_server(url: str) -> None:
          "messages.0.content.0.text: Input should be a valid string"),
         (CHAT, {"messages": [{"role": "user"}]}, "messages",
          "messages.0: Value error, a user message needs its content"),
+        (CHAT, {"messages": [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)}, "messages",
+         f"messages: Value error, at most {MAX_MESSAGES} messages, got {MAX_MESSAGES + 1}"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * (MAX_MESSAGES + 1)}]},
+         "messages", f"messages.0.content: Value error, at most {MAX_MESSAGES} content parts, got {MAX_MESSAGES + 1}"),
         (CHAT, {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]}, "messages",
          "messages.0: Value error, a system message needs its content"),
     ],
