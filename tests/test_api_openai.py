@@ -259,6 +259,52 @@ def test_failing_receive_is_a_disconnect_not_a_failure(caplog: pytest.LogCapture
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it() -> None:
+    """Only a streaming response listened for the client's disconnect: a non-streaming request whose client left
+    ran to its last token for nobody, holding its KV slot."""
+    backend = LocalBackend(max_model_len=CONTEXT, step_delay_s=0.05)  # 120 tokens take seconds
+    app = build_api(backend)
+    body = json.dumps({"model": MODEL, "prompt": [3, 4], "max_tokens": 120, "ignore_eos": True})
+    calls = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": body.encode(), "more_body": False}
+        await asyncio.sleep(0.3)  # a few steps run first
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": COMPLETIONS,
+        "raw_path": COMPLETIONS.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "scheme": "http",
+        "http_version": "1.1",
+    }
+    before = requests_by_status(backend)
+    try:
+        asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
+        after = requests_by_status(backend)
+        assert after.get("aborted", 0) == before.get("aborted", 0) + 1
+        assert after.get("ok", 0) == before.get("ok", 0)  # not run to its end
+        deadline = time.monotonic() + 10  # the lane thread takes the abort at its next step
+        while backend.lane.in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        backend.stop()
+
+
 def test_queue_gauge_is_refreshed_after_a_failed_step() -> None:
     class FailingLoop:
         def __init__(self) -> None:

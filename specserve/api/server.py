@@ -9,6 +9,7 @@ Before any route, ``RequestGuard`` checks the API key, the body size (413) and t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -228,7 +229,9 @@ class _Routes:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    async def completions(self, body: CompletionRequest, last_event_id: LastEventID = None) -> Response:
+    async def completions(
+        self, body: CompletionRequest, http: HTTPRequest, last_event_id: LastEventID = None
+    ) -> Response:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
@@ -237,9 +240,11 @@ class _Routes:
 
         limit = _TokenLimit(body.max_tokens, "max_tokens", "prompt")
         fmt = _CompletionFormat(self._model())
-        return await self._generate(body, encode, limit, fmt, tracker, last_event_id)
+        return await self._generate(body, encode, limit, fmt, tracker, http.receive, last_event_id)
 
-    async def chat_completions(self, body: ChatCompletionRequest, last_event_id: LastEventID = None) -> Response:
+    async def chat_completions(
+        self, body: ChatCompletionRequest, http: HTTPRequest, last_event_id: LastEventID = None
+    ) -> Response:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
@@ -247,7 +252,8 @@ class _Routes:
             return encoder.chat([{"role": m.template_role, "content": m.text} for m in body.messages])
 
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
-        return await self._generate(body, encode, limit, _ChatFormat(self._model()), tracker, last_event_id)
+        fmt = _ChatFormat(self._model())
+        return await self._generate(body, encode, limit, fmt, tracker, http.receive, last_event_id)
 
     async def models(self) -> ModelList:
         return ModelList(data=[self._card()])
@@ -283,6 +289,7 @@ class _Routes:
         limit: _TokenLimit,
         fmt: _Format,
         tracker: _Tracker,
+        receive: Receive,
         last_event_id: str | None = None,
     ) -> Response:
         metrics = self.backend.metrics
@@ -321,12 +328,30 @@ class _Routes:
             outcome = _Outcome(stream, metrics)
             events = self._events(outcome, body, fmt, tracker, StreamCursor(resume))
             return _ClosingStreamingResponse(events, on_close=outcome.close, media_type=SSE_MEDIA_TYPE)
-        return await self._collect(stream, body, fmt, tracker)
+        return await self._collect(_Outcome(stream, metrics), body, fmt, tracker, receive)
 
     async def _collect(
-        self, stream: OutputStream, body: GenerationRequest, fmt: _Format, tracker: _Tracker
-    ) -> JSONResponse:
-        outcome = _Outcome(stream, self.backend.metrics)
+        self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker, receive: Receive
+    ) -> Response:
+        """The whole answer, or, where the client leaves first, the request aborted (a streaming response listens
+        for the disconnect itself; this one would otherwise generate to the end for nobody)."""
+        answer = asyncio.ensure_future(self._answer(outcome, body, fmt, tracker))
+        left = asyncio.ensure_future(_client_left(receive))
+        try:
+            await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
+            if answer.done():
+                return answer.result()
+            answer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await answer
+            return Response(status_code=HTTPStatus.NO_CONTENT)  # nobody reads it
+        finally:
+            for task in (answer, left):
+                task.cancel()
+            await outcome.close()
+
+    async def _answer(self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker) -> Response:
+        stream = outcome.stream
         text: list[str] = []
         ids: list[int] = []
         try:
@@ -343,8 +368,6 @@ class _Routes:
         except Exception:  # an APIError's status, or a 500 (internal_error, which counts nothing)
             outcome.status = RequestStatus.failed
             raise
-        finally:
-            await outcome.close()
 
     async def _events(
         self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker, cursor: StreamCursor
@@ -676,3 +699,10 @@ def _openapi(api: FastAPI, options: HTTPOptions) -> dict[str, Any]:
                 operation["security"] = []
     api.openapi_schema = doc
     return doc
+
+
+async def _client_left(receive: Receive) -> None:
+    """Returns once the client disconnects (the body was read before the route ran: ``receive`` waits for that)."""
+    message = await receive()
+    while message["type"] != "http.disconnect":
+        message = await receive()
