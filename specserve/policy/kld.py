@@ -5,8 +5,8 @@ KLD_j = sum_v p_j(v) (log p_j(v) - log q_j(v)), p = target, q = draft, both soft
 
 Across actors the draft ships q sparsely: its top-K temperature-1 probabilities, NOT renormalised, so the
 receiver knows the leftover mass 1 - sum(top-K) and spreads it uniformly over the other V - K tokens.
-(Verification uses the renormalised top-K distribution q_K, docs/algorithms.md §1.1; the receiver renormalises the
-same shipped numbers for that.)
+(Verification of sampled chains uses another shipment, docs/algorithms.md §1.1: the renormalised top-K of the
+distribution the draft sampled from, after the request's temperature, top-k and top-p.)
 
 How the leftover mass is modelled is `SparseTail`: `uniform` is the paper's rule; `lumped` treats all
 non-top-K tokens as one outcome (KL over the partition {each top-K token, "the rest"}), which by the data
