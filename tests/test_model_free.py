@@ -355,7 +355,8 @@ def test_the_cross_request_cache_drafts_a_repeated_request() -> None:
     assert first.token_ids == second.token_ids == greedy_reference(target, prompt, 40)
     assert first.stats.accepted <= 10 and second.stats.accepted >= 30
     assert second.stats.target_forwards <= 10
-    # every finished request feeds the cache, whoever drafted it (here: nobody)
+    # once the cache is in use (this engine's default drafts from it), every finished request feeds it, whoever
+    # drafted it (here: nobody)
     fresh = Engine(target, None, speculation=spec, eos_token_ids=set())
     fresh.generate(prompt, params, speculation=SpecConfig(method=SpecMethod.none))
     assert fresh.generate(prompt, params)[0].stats.accepted >= 30
