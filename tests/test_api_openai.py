@@ -212,6 +212,23 @@ def test_client_disconnect_mid_stream_is_an_abort(backend: LocalBackend, url: st
     assert after.get("failed", 0) == before.get("failed", 0)
 
 
+def _completions_scope() -> dict[str, Any]:
+    """An ASGI scope of a POST to the completions route, for driving the app with a scripted receive."""
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": COMPLETIONS,
+        "raw_path": COMPLETIONS.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "scheme": "http",
+        "http_version": "1.1",
+    }
+
+
 def test_failing_receive_is_a_disconnect_not_a_failure(caplog: pytest.LogCaptureFixture) -> None:
     """Ray Serve's receive raises (TaskCancelledError) when its proxy dropped the request of a client that left."""
     backend = LocalBackend(max_model_len=CONTEXT, step_delay_s=0.05)  # 120 tokens take seconds
@@ -231,23 +248,10 @@ def test_failing_receive_is_a_disconnect_not_a_failure(caplog: pytest.LogCapture
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": COMPLETIONS,
-        "raw_path": COMPLETIONS.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "scheme": "http",
-        "http_version": "1.1",
-    }
     before = requests_by_status(backend)
     try:
         with caplog.at_level(logging.WARNING):
-            asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
+            asyncio.run(app(_completions_scope(), receive, send))  # type: ignore[arg-type]
     finally:
         backend.stop()
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
@@ -278,22 +282,9 @@ def test_a_client_that_leaves_a_non_streaming_request_aborts_it() -> None:
     async def send(message: dict[str, Any]) -> None:
         return None
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": COMPLETIONS,
-        "raw_path": COMPLETIONS.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "scheme": "http",
-        "http_version": "1.1",
-    }
     before = requests_by_status(backend)
     try:
-        asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
+        asyncio.run(app(_completions_scope(), receive, send))  # type: ignore[arg-type]
         after = requests_by_status(backend)
         assert after.get("aborted", 0) == before.get("aborted", 0) + 1
         assert after.get("ok", 0) == before.get("ok", 0)  # not run to its end
