@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -212,6 +212,21 @@ def test_client_disconnect_mid_stream_is_an_abort(backend: LocalBackend, url: st
     assert after.get("failed", 0) == before.get("failed", 0)
 
 
+def _body_then(body: str, after: Callable[[], dict[str, Any]]) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI receive: the whole body, then, 0.3 s later and on every later call, what ``after`` gives or raises."""
+    sent_body = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body.encode(), "more_body": False}
+        await asyncio.sleep(0.3)
+        return after()
+
+    return receive
+
+
 def _completions_scope() -> dict[str, Any]:
     """An ASGI scope of a POST to the completions route, for driving the app with a scripted receive."""
     return {
@@ -235,15 +250,11 @@ def test_failing_receive_is_a_disconnect_not_a_failure(caplog: pytest.LogCapture
     app = build_api(backend)
     body = json.dumps({"model": MODEL, "prompt": [3, 4], "max_tokens": 120, "ignore_eos": True, "stream": True})
     sent: list[dict[str, Any]] = []
-    calls = 0
 
-    async def receive() -> dict[str, Any]:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return {"type": "http.request", "body": body.encode(), "more_body": False}
-        await asyncio.sleep(0.3)  # a few events go out first
+    def proxy_dropped() -> dict[str, Any]:
         raise RuntimeError("the proxy no longer knows this request")
+
+    receive = _body_then(body, proxy_dropped)  # a few events go out first
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
@@ -269,15 +280,7 @@ def test_a_client_that_leaves_a_non_streaming_request_aborts_it() -> None:
     backend = LocalBackend(max_model_len=CONTEXT, step_delay_s=0.05)  # 120 tokens take seconds
     app = build_api(backend)
     body = json.dumps({"model": MODEL, "prompt": [3, 4], "max_tokens": 120, "ignore_eos": True})
-    calls = 0
-
-    async def receive() -> dict[str, Any]:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return {"type": "http.request", "body": body.encode(), "more_body": False}
-        await asyncio.sleep(0.3)  # a few steps run first
-        return {"type": "http.disconnect"}
+    receive = _body_then(body, lambda: {"type": "http.disconnect"})  # a few steps run first
 
     async def send(message: dict[str, Any]) -> None:
         return None
