@@ -43,6 +43,9 @@ import statistics
 from dataclasses import dataclass, field
 
 
+MIN_STEP_S = 1e-9  # the shortest step time recorded
+
+
 @dataclass(frozen=True)
 class Outlook:
     """A step's batch as the guard weighs a switch to speculation: what the draft must read first, and how much
@@ -201,6 +204,9 @@ class ThroughputGuard:
         """One step. ``caught_up_tokens`` > 0: a catch-up, the draft first re-read that many tokens it had missed.
         ``planned``: the mode the step was planned in (None: ``speculative``). A step planned to speculate whose
         drafters found nothing ran as a plain step: measured as one, but not a try of plain decoding."""
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"a step's seconds must be finite and non-negative, got {seconds}")
+        seconds = max(seconds, MIN_STEP_S)  # a coarse clock's 0: a zero average would clip every later step to 0
         b = bucket(batch_size)
         if speculative and caught_up_tokens > 0:  # the draft re-reading what it missed: not speculation's rate
             # (module docstring). As a try's switch it costs its time beyond plain decoding's for the tokens it
@@ -216,7 +222,14 @@ class ThroughputGuard:
             return
         before = self.faster(batch_size)
         chosen = speculative if planned is None else planned
-        tried = before is not None and chosen != before and not (b in self.deferred and not chosen)
+        # a try ran the mode it was planned in: a try of speculation whose drafters found nothing was a plain step,
+        # measured as one, and the try stays due
+        tried = (
+            before is not None
+            and chosen != before
+            and speculative == chosen
+            and not (b in self.deferred and not chosen)
+        )
         key = (b, speculative)
         step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1

@@ -754,6 +754,45 @@ def test_a_planned_speculative_step_that_found_no_draft_is_plain_but_no_try() ->
     assert tried.faster(1) is False and tried.rates[1, False] == pytest.approx(1 / 0.018)
 
 
+def test_a_try_of_speculation_that_found_no_draft_is_no_try() -> None:
+    """Plain decoding measured faster, a try of speculation due, and the drafters find nothing: the step ran plainly.
+    It is an ordinary plain step (blended, clipped: one pause does not replace plain's average and flip the choice
+    to the unmeasured-since mode), the try stays due, and the interval between tries does not double."""
+    guard = ThroughputGuard()
+    for _ in range(3):
+        guard.record(1, False, 1, 0.020)
+    while guard.faster(1) is None:
+        guard.record(1, True, 1, 0.030)  # speculation 0.67x plain
+    assert guard.faster(1) is False
+    while not guard.speculate(1):  # plain steps until the try of speculation is due
+        guard.record(1, False, 1, 0.020)
+    next_try, intervals = dict(guard.next_try), dict(guard.intervals)
+    guard.record(1, False, 1, 0.12, planned=True)  # found no draft, and a 6x pause
+    assert guard.rates[1, False] == pytest.approx(1 / (0.020 + 0.3 * (2 * 0.020 - 0.020)))  # clipped, blended
+    assert guard.faster(1) is False
+    assert guard.next_try == next_try and guard.intervals == intervals
+    assert guard.speculate(1)  # the try is still due
+    guard.record(1, True, 1, 0.030)  # the try itself: measured, plain still faster, the interval doubles
+    assert guard.faster(1) is False and guard.intervals[1] == 2 * intervals.get(1, guard.explore_every)
+
+
+def test_the_guard_takes_zero_second_steps_and_refuses_bad_ones() -> None:
+    """A coarse clock's 0-second steps: the warm-up's median of 0 neither divides by zero when speculation's warm-up
+    compares with it nor clips every later step to 0 (plain decoding's rate would stay at a billion tokens a
+    second); NaN and negative times are refused."""
+    guard = ThroughputGuard()
+    for _ in range(3):
+        guard.record(1, False, 1, 0.0)
+    for _ in range(3):
+        guard.record(1, True, 2, 0.0)
+    for _ in range(200):
+        guard.record(1, False, 1, 0.05)
+    assert guard.rates[1, False] == pytest.approx(20, rel=0.01)
+    for bad in (float("nan"), -0.1, float("inf")):
+        with pytest.raises(ValueError, match="seconds"):
+            guard.record(1, False, 1, bad)
+
+
 def test_the_loop_tells_the_guard_a_step_was_planned_to_speculate(target: LlamaModel) -> None:
     lookup = SpecConfig(method=SpecMethod.chain, sl=3, drafter=Drafter.lookup, model_fallback=False)
     engine = Engine(target, None, speculation=lookup, eos_token_ids=set())
