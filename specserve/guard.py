@@ -42,7 +42,6 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-
 MIN_STEP_S = 1e-9  # the shortest step time recorded
 
 
