@@ -413,7 +413,8 @@ class SpecConfig(Validated):
             return self.budget
         if self.method == SpecMethod.none:
             return 1
-        return (self.dsde.sl_hard_max if self.policy == SLPolicyKind.dsde else self.sl) + 1
+        sl = self.dsde.sl_hard_max if self.policy == SLPolicyKind.dsde else self.sl
+        return (sl if self.max_sl is None else min(sl, self.max_sl)) + 1
 
 
 FREEZE_GC_HELP = (

@@ -91,3 +91,12 @@ class Proposal:
     depth: int = 0  # levels drafted
     ranks: list[int] | None = None  # trees: score rank of each node (for the budget auto-tune)
     draft_q: DraftQ | None = None  # when ProposeItem.kld_mode asked for it
+
+    @property
+    def verified_depth(self) -> int:
+        """The depth of the drafted nodes the target verifies: a chain's length, a tree's deepest kept node (the
+        rerank and the floor may drop levels a tree grew: ``depth`` counts those)."""
+        depths = [0]  # node 0: the root
+        for parent in self.parents:
+            depths.append(depths[parent] + 1)
+        return max(depths)

@@ -344,7 +344,7 @@ class StepLoop:
         for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
             if seq.sl_state is None or proposal is None:
                 continue
-            drafted = proposal.depth if seq.spec.is_tree else len(proposal.tokens)
+            drafted = proposal.verified_depth  # a tree's levels the target verified (§3.3), not those grown
             try:
                 with blame(seq.seq_id):
                     seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))

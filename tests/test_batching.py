@@ -67,6 +67,45 @@ def test_dsde_grows_sl_for_a_perfect_draft_and_shrinks_it_for_a_bad_one(target: 
     assert planned[0] == 4 and planned[-1] <= 3  # calibrated down after warm-up (A_max small)
 
 
+def test_dsde_observes_the_depth_of_the_tree_the_target_verified(
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree's rerank keeps T - 1 nodes, and may drop the deepest levels the draft grew: DSDE is told the depth of
+    the tree verified, so a perfect draft's fully accepted trees count as fully accepted (warm-up doubles)."""
+    from specserve.policy import SequenceDSDE
+
+    observed: list[tuple[int, int]] = []
+    observe = SequenceDSDE.observe
+
+    def recording(self: SequenceDSDE, klds: list[float], num_drafted: int, num_accepted: int) -> None:
+        observed.append((num_drafted, num_accepted))
+        observe(self, klds, num_drafted, num_accepted)
+
+    monkeypatch.setattr(SequenceDSDE, "observe", recording)
+
+    class Trees(StepObserver):
+        def __init__(self) -> None:
+            self.kept: list[tuple[int, int]] = []  # (levels grown, depth of the kept tree)
+
+        def on_step(self, event: StepEvent) -> None:
+            for p in event.proposals:
+                if p is not None:
+                    depth = {0: 0}
+                    for node, parent in enumerate(p.parents, start=1):
+                        depth[node] = depth[parent] + 1
+                    self.kept.append((p.depth, max(depth.values())))
+
+    spec = SpecConfig(method=SpecMethod.eagle2, policy=SLPolicyKind.dsde, budget=6, tree_depth=6, beam_width=4)
+    engine = Engine(target, None, draft=target, speculation=spec, eos_token_ids=set())
+    trees = Trees()
+    engine.loop.observers.append(trees)
+    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=60, ignore_eos=True))
+    assert len(observed) == len(trees.kept) > 0
+    assert [d for d, _ in observed] == [kept for _, kept in trees.kept]
+    assert any(grown > kept for grown, kept in trees.kept)  # levels the rerank dropped
+    assert any(a == d for d, a in observed)
+
+
 def test_sl_cap_is_the_ceiled_mean_of_post_warmup_sls(target: LlamaModel) -> None:
     engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, eos_token_ids=set())
     rooms: list[list[int]] = []  # the tokens each row may still emit, per step (they bound its depth too)

@@ -126,6 +126,7 @@ def test_an_unwritable_out_dir_is_a_usage_error_before_any_work(
     [
         (["bench", "batch", "--min-tokens", "50", "--max-tokens", "10"], "exceeds --max-tokens"),
         (["bench", "batch", "--workloads", "synthetic", "--synthetic-mix", "1.5"], "--synthetic-mix"),
+        (["bench", "batch", "--workloads", "synthetic", "--synthetic-mix", "0"], "--synthetic-mix"),
         (["bench", "spec", "--prompts", "/nonexistent/prompts.jsonl"], "prompts.jsonl"),
     ],
 )

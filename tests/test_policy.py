@@ -272,9 +272,10 @@ def test_planner_dsde_cap():
     assert plan.depths == [5, 4, 5, 2]
     plan = SLPlanner().plan(_dsde_rows(states, dsde=DSDEConfig(cap_enabled=False)))
     assert (plan.depths, plan.cap) == ([16, 4, 9, 2], None)
-    # per-request max_sl applies after the cap, and SL stays >= 1
+    # the cap is taken over the depths the sequences would draft: per-request max_sl first (the third drafts 1, so
+    # the cap is ceil((4 + 1 + 2) / 3) = 3), and SL stays >= 1
     plan = SLPlanner().plan(_dsde_rows(states, [3, None, 1, 8]))
-    assert plan.depths == [3, 4, 1, 2]
+    assert (plan.depths, plan.cap) == ([3, 3, 1, 2], 3)
     assert SLPlanner().plan([]).depths == []
     # a sequence with n tokens left drafts at most n - 1 (a step emits its drafts and one token of the target's),
     # and still 1 with one left; the cap is still the policy's, from the SLs before this limit
@@ -299,6 +300,26 @@ def test_planner_reads_each_requests_own_cap_settings_and_caps_chains_and_trees_
     rows += [Row(tree, FakeState(12, False)), Row(tree, FakeState(16, False))]
     plan = SLPlanner().plan(rows)
     assert plan.depths == [2, 3, 12, 14] and plan.cap == 14
+
+
+def test_the_cap_is_over_depths_drafted_by_the_draft_model():
+    """SL_cap averages the depths the draft model's lock-step loop would run: a tree's SL past its depth limit
+    drafts no level anyone waits for, and a row only a model-free drafter serves runs no draft forward (it is
+    neither counted nor capped; with the model as its fallback it is both)."""
+    tree = SpecConfig(method=SpecMethod.ddd, policy=SLPolicyKind.dsde, ddd_max_depth=5)
+    rows = [Row(tree, FakeState(10, False)), Row(tree, FakeState(2, False))]
+    plan = SLPlanner().plan(rows)
+    assert (plan.depths, plan.cap) == ([4, 2], 4)  # ceil((5 + 2) / 2); over the SLs it was ceil((10 + 2) / 2) = 6
+    rows = [Row(tree, FakeState(16, False)), Row(tree, FakeState(2, False)), Row(tree, FakeState(2, False))]
+    assert SLPlanner().plan(rows).depths == [3, 2, 2]  # the straggler is cut: ceil((5 + 2 + 2) / 3) = 3
+    lookup = DSDE_CHAIN.model_copy(update={"drafter": Drafter.lookup, "model_fallback": False})
+    rows = [Row(DSDE_CHAIN, FakeState(16, False))] + [Row(lookup, FakeState(2, False)) for _ in range(3)]
+    assert SLPlanner().plan(rows).depths == [16, 2, 2, 2]  # the lone model chain waits for nobody
+    rows = [Row(lookup, FakeState(16, False)), Row(DSDE_CHAIN, FakeState(2, False))]
+    assert SLPlanner().plan(rows).depths == [16, 2]
+    fallback = lookup.model_copy(update={"model_fallback": True})
+    rows = [Row(fallback, FakeState(16, False)), Row(DSDE_CHAIN, FakeState(2, False))]
+    assert SLPlanner().plan(rows).depths == [9, 2]
 
 
 def test_planner_static_and_trees():

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.config import ChainDraft, SpecConfig, SpecMethod
+from specserve.config import ChainDraft, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError, UnsupportedModelError
 from specserve.messages import ProposeItem
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.policy import DSDEConfig
 from specserve.sampling import SamplingParams
 from specserve.workers import DraftWorker
 from tests.conftest import greedy_reference
@@ -96,6 +97,15 @@ def test_vocab_mismatch_and_missing_draft_are_clear_errors(target: LlamaModel) -
     small = Engine(target, None, draft=target, spec_headroom=8, eos_token_ids=set())
     with pytest.raises(InvalidRequestError, match="reserves room for"):
         small.generate(PROMPTS[0], speculation=SpecConfig(method=SpecMethod.eagle2, budget=60))
+    # a chain's request-level max_sl bounds what it verifies: SL 64 (or DSDE's hard maximum 64) under max_sl 4 fits
+    for long in (SpecConfig(sl=64), SpecConfig(policy=SLPolicyKind.dsde, dsde=DSDEConfig(sl_hard_max=64))):
+        assert long.model_copy(update={"max_sl": 4}).max_verify_tokens == 5
+        with pytest.raises(InvalidRequestError, match="reserves room for"):
+            small.generate(PROMPTS[0], SamplingParams(max_tokens=4), speculation=long)
+        out = small.generate(
+            PROMPTS[0], SamplingParams(max_tokens=4), speculation=long.model_copy(update={"max_sl": 4})
+        )
+        assert out[0].token_ids == greedy_reference(target, PROMPTS[0], 4)
 
 
 class ScriptedDraft(LlamaModel):

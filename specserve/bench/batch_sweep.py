@@ -104,8 +104,8 @@ def run_one(
 def run(args: argparse.Namespace) -> int:
     if args.min_tokens > args.max_tokens:
         raise SettingsError(f"--min-tokens {args.min_tokens} exceeds --max-tokens {args.max_tokens}")
-    if "synthetic" in args.workloads and not all(0.0 <= a < 1.0 for a in args.synthetic_mix):
-        raise SettingsError(f"--synthetic-mix: acceptance rates lie in [0, 1), got {args.synthetic_mix}")
+    if "synthetic" in args.workloads and not all(0.0 < a < 1.0 for a in args.synthetic_mix):
+        raise SettingsError(f"--synthetic-mix: acceptance rates lie in (0, 1), got {args.synthetic_mix}")
     table = policies(args)  # the settings' checks, before minutes of loading
     target_spec, draft_spec = MODEL_PAIRS[args.pair]
     target = load_model(target_spec)

@@ -67,8 +67,7 @@ class SLPlanner:
         drafts and one token of the target's, so a row drafts at most room - 1 levels, and still 1 with one token
         left (a step planned to speculate stays one: the guard times the two modes' steps apart)."""
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
-        sls, cap = self._cap(rows, uncapped)
-        depths = [self._depth(r.spec, sl) for r, sl in zip(rows, sls, strict=True)]
+        depths, cap = self._cap(rows, [self._depth(r.spec, sl) for r, sl in zip(rows, uncapped, strict=True)])
         if room is not None:
             depths = [min(d, max(1, n - 1)) for d, n in zip(depths, room, strict=True)]
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
@@ -81,28 +80,31 @@ class SLPlanner:
         return any(r.spec.adaptive_floor and r.spec.is_tree for r in rows)
 
     @staticmethod
-    def _cap(rows: Sequence[PlanRow], uncapped: list[int]) -> tuple[list[int], int | None]:
-        """SL_cap (docs/algorithms.md §5), one per drafting loop: chains and trees draft in separate lock-step
-        loops, so each kind gets the cap of its own DSDE sequences. Each sequence's own ``cap_enabled`` /
-        ``cap_warmup`` decide whether it counts and is capped. Returns the SLs and the larger cap (reported)."""
-        sls = list(uncapped)
+    def _cap(rows: Sequence[PlanRow], reach: list[int]) -> tuple[list[int], int | None]:
+        """SL_cap (docs/algorithms.md §5) over the depths the sequences would draft (``reach``: their SLs after a
+        tree's depth limit and the request's max_sl; a level no sequence drafts keeps nobody waiting), one per
+        lock-step loop of the draft model: its chains and its trees draft in separate loops, so each kind gets the
+        cap of its own DSDE sequences, taken over the model's share of each depth. Rows only a model-free drafter
+        serves run no draft forward: they neither count nor are capped. Each sequence's own ``cap_enabled`` /
+        ``cap_warmup`` decide whether it counts and is capped. Returns the depths and the larger cap (reported)."""
+        depths = list(reach)
         caps: list[int] = []
         for tree in (False, True):
             group = [
                 i
                 for i, r in enumerate(rows)
-                if r.sl_state is not None and r.spec.is_tree == tree and r.spec.dsde.cap_enabled
+                if r.sl_state is not None and r.spec.uses_model and r.spec.is_tree == tree and r.spec.dsde.cap_enabled
             ]
             if not group:
                 continue
             warm = [rows[i].sl_state.in_warmup for i in group]  # type: ignore[union-attr]
-            cap = sl_cap([uncapped[i] for i in group], [not w for w in warm])
+            cap = sl_cap([rows[i].spec.model_depth(reach[i]) for i in group], [not w for w in warm])
             if cap is None:
                 continue
             caps.append(cap)
             for i, w in zip(group, warm, strict=True):
-                sls[i] = apply_cap([uncapped[i]], cap, [w], rows[i].spec.dsde.cap_warmup)[0]
-        return sls, max(caps, default=None)
+                depths[i] = apply_cap([reach[i]], cap, [w], rows[i].spec.dsde.cap_warmup)[0]
+        return depths, max(caps, default=None)
 
     @staticmethod
     def _depth(spec: SpecConfig, sl: int) -> int:
