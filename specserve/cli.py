@@ -110,7 +110,7 @@ def _models(args: argparse.Namespace) -> int:
     from specserve.models import sources
 
     if args.models_cmd == "pull":
-        path = sources.resolve(ModelSpec(source=args.name))
+        path = sources.resolve(ModelSpec(source=args.name), force=args.force)
         print(path)
     else:
         for name, cached, path in sources.list_models():
@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     msub = m.add_subparsers(dest="models_cmd", required=True)
     pull = msub.add_parser("pull", help="download, verify and convert a model into the cache")
     pull.add_argument("name")
+    pull.add_argument("--force", action="store_true", help="convert again (a builtin's verified download is reused)")
     msub.add_parser("list", help="list built-in models and whether they are cached")
     m.set_defaults(func=_models)
 

