@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from specserve.models.llama import (
     quantize_int8_dynamic,
 )
 from specserve.models.native_stack import (
+    BUILD_LOCK,
     TORCH_BATON,
     NativeStackUnavailable,
     attach_native_stack,
@@ -326,6 +328,70 @@ def test_a_lock_left_by_a_killed_load_does_not_hang_the_next_process() -> None:
         assert not baton.exists()
     finally:
         baton.unlink(missing_ok=True)
+
+
+def test_a_library_cut_short_is_built_again_not_loaded(tmp_path: Path) -> None:
+    """ninja trusts its log, not the library: a library cut short (a crash before the linker's writes reached the
+    disk, a partial copy of the cache) was loaded as built and the process died of SIGBUS. A library that differs
+    from the record kept when it last loaded, or without one is shorter than its ELF header says, is dropped with
+    ninja's outputs so the load builds it again."""
+    from specserve.models import native_stack
+
+    extension()
+    built = extension_build_dir()
+    name = built.name
+    library = built / f"{name}.so"
+    assert native_stack._library_whole(library)
+    assert (built / f"{name}.so{native_stack.LIBRARY_RECORD}").is_file()  # recorded when it loaded
+    copy = tmp_path / name
+    copy.mkdir()
+    for path in built.iterdir():
+        if path.is_file():
+            (copy / path.name).write_bytes(path.read_bytes())
+    (copy / ".ninja_log").write_text("# ninja log v5\n")
+    cut = copy / f"{name}.so"
+    record = copy / f"{name}.so{native_stack.LIBRARY_RECORD}"
+    assert native_stack._library_whole(cut)
+    record.unlink()
+    assert native_stack._library_whole(cut)  # no record: the ELF header's section table lies within the file
+    cut.write_bytes(library.read_bytes()[:400_000])
+    assert not native_stack._library_whole(cut)
+    record.write_text(native_stack._library_digest(library) + "\n")
+    assert not native_stack._library_whole(cut)  # a record, and bytes that differ from it
+    native_stack._drop_damaged_build(copy, name)
+    left = sorted(p.name for p in copy.iterdir())
+    assert "build.ninja" in left and BUILD_LOCK in left
+    assert not [n for n in left if n.endswith((".so", ".o", ".sha256")) or n.startswith(".ninja_")]
+    cut.write_bytes(b"")
+    assert not native_stack._library_whole(cut)
+
+
+def test_a_build_directory_it_cannot_write_is_imported_from_as_it_is(tmp_path: Path) -> None:
+    """A cache baked into a read-only image (or another user's) held a whole build, and the C++ stack was off:
+    opening the build lock failed before anything was read."""
+    extension()
+    built = extension_build_dir()
+    cache = tmp_path / "cache"
+    copy = cache / "extensions" / built.name
+    copy.mkdir(parents=True)
+    for path in built.iterdir():
+        if path.is_file() and path.name != BUILD_LOCK:
+            (copy / path.name).write_bytes(path.read_bytes())
+    (copy / BUILD_LOCK).mkdir()  # the lock cannot be opened for writing (as root, chmod would not stop it)
+    code = "from specserve.models.native_stack import extension; extension(); print('loaded')"
+    env = {**os.environ, "SPECSERVE_CACHE": str(cache)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        timeout=180, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    (copy / f"{built.name}.so").write_bytes((built / f"{built.name}.so").read_bytes()[:400_000])
+    code = "from specserve.models.native_stack import _build; print(type(_build()).__name__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        timeout=180, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0 and "NativeStackUnavailable" in done.stdout, done.stderr[-2000:]
 
 
 def test_the_extension_refuses_shapes_it_would_read_or_write_past() -> None:

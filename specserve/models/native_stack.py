@@ -12,12 +12,15 @@ Python loop runs.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
+import struct
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from torch import nn
 
 from specserve.config import HeadQuant
 from specserve.cpu import cpu_info
+from specserve.durable import replace_durably
 from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
 from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear, Q8Blocks, quantize_q4_1, quantize_q8_0
 from specserve.models.sources import cache_dir, store_json
@@ -82,17 +86,33 @@ def _build() -> ModuleType | NativeStackUnavailable:
     Concurrent processes are kept apart by an ``flock`` on the build directory, which the kernel drops when its
     holder dies. torch's own lock is a file that a process killed mid-load (a timeout, a killed actor) leaves
     behind, after which every later load waited for ever: while this process holds the flock no other specserve
-    process is loading, so any such file is stale and is removed."""
+    process is loading, so any such file is stale and is removed.
+
+    ninja trusts its log, not the library's bytes: a library cut short (a host that crashed before the linker's
+    writes reached the disk, a partial copy of the cache) was loaded as built, and the process died of SIGBUS. A
+    loaded library's size and sha256 are kept beside it (``<name>.so.sha256``) and checked before each load; one
+    that differs, or without that record whose ELF header says it is cut short, is built again. A build directory
+    this process cannot write (a cache baked into a read-only image) is imported from as it is if its library
+    checks out."""
     from torch.utils.cpp_extension import load
 
     build_dir = extension_build_dir()
     name = build_dir.name
     start = time.perf_counter()
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with open(build_dir / BUILD_LOCK, "w") as held:
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            held = open(build_dir / BUILD_LOCK, "w")  # noqa: SIM115 (closed below, after the flock's use)
+        except OSError as e:
+            library = build_dir / f"{name}.so"
+            if not library.is_file() or not _library_whole(library):
+                raise
+            log.info("the build directory %s is not writable (%s): importing its library as it is", build_dir, e)
+            return _import_library(name, library)
+        with held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (build_dir / TORCH_BATON).unlink(missing_ok=True)
+            _drop_damaged_build(build_dir, name)
             module = load(
                 name=name,
                 sources=[str(path) for path in SOURCES],
@@ -101,9 +121,72 @@ def _build() -> ModuleType | NativeStackUnavailable:
                 build_directory=str(build_dir),
                 verbose=os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1",
             )
+            _record_library(build_dir / f"{name}.so")
     except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
         return NativeStackUnavailable(f"building {SOURCE.name} failed: {e}")
     log.info("C++ decoder stack ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
+    return module
+
+
+LIBRARY_RECORD = ".sha256"  # beside the library: "<size> <sha256>" of the library as last loaded
+
+
+def _library_digest(library: Path) -> str:
+    return f"{library.stat().st_size} {hashlib.sha256(library.read_bytes()).hexdigest()}"
+
+
+def _library_whole(library: Path) -> bool:
+    """Whether the library matches the record kept when it last loaded or, without one, whether its ELF header's
+    section table lies within the file (a library cut short loses its tail, where the linker writes that table)."""
+    record = library.with_name(library.name + LIBRARY_RECORD)
+    try:
+        if record.is_file():
+            return record.read_text().strip() == _library_digest(library)
+        with library.open("rb") as f:
+            head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF":
+            return False
+        if head[4] != 2 or head[5] != 1:  # not 64-bit little-endian: no structural check here
+            return True
+        shoff, shentsize, shnum = struct.unpack_from("<Q", head, 0x28)[0], *struct.unpack_from("<HH", head, 0x3A)
+        return shoff + shentsize * shnum <= library.stat().st_size
+    except OSError:
+        return False
+
+
+def _drop_damaged_build(build_dir: Path, name: str) -> None:
+    """A library that does not check out (``_library_whole``) removed with ninja's outputs and log, so that the load
+    builds it again. Call with the build lock held."""
+    library = build_dir / f"{name}.so"
+    if not library.exists() or _library_whole(library):
+        return
+    log.warning("%s is damaged (cut short, or not the library last loaded): building it again", library)
+    for path in build_dir.iterdir():
+        if path.suffix in (".so", ".o", LIBRARY_RECORD) or path.name in (".ninja_log", ".ninja_deps"):
+            path.unlink(missing_ok=True)
+
+
+def _record_library(library: Path) -> None:
+    record = library.with_name(library.name + LIBRARY_RECORD)
+    digest = _library_digest(library)
+    with contextlib.suppress(OSError):
+        if record.is_file() and record.read_text().strip() == digest:
+            return
+    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(digest + "\n")
+        replace_durably(tmp, record)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.warning("could not record %s (%s); it is checked by its header next time", library, e)
+
+
+def _import_library(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
