@@ -109,6 +109,9 @@ def profile_key(model: LlamaModel, context: int) -> str:
     cfg = model.cfg
     cpu, flags = cpu_info()
     ident = f"{cfg}|{model.dtype}|{model.device}|{execution_path(model)}|{cpu}|{sorted(flags)}"
+    if model.device.type == "cuda":  # the accelerator's own timings: the same host may hold another GPU, a MIG slice
+        props = torch.cuda.get_device_properties(model.device)
+        ident += f"|{props.name}|{props.major}.{props.minor}|{props.total_memory}|{torch.version.cuda}"
     ident += f"|{torch.get_num_threads()}|{context}|{torch.__version__}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from specserve.config import SpecConfig, SpecMethod
 from specserve.models.tiny import noisy_copy, tiny_model
@@ -107,6 +108,25 @@ def test_the_verify_profile_is_keyed_by_the_cpu_and_the_models_execution_path(
     assert tune.profile_key(stacked, 256) != key
     drop_native_stack(stacked)
     assert tune.profile_key(stacked, 256) == key
+
+
+def test_the_verify_profile_of_a_gpu_is_keyed_by_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the timings are the accelerator's: hosts with one CPU model and different GPUs (or MIG slices of
+    one), sharing a cache, took each other's profiles and so each other's tree budgets."""
+    from types import SimpleNamespace
+
+    import specserve.tune as tune
+    from specserve.models.llama import LlamaModel
+
+    model = tiny_model(seed=0)
+    cpu_key = tune.profile_key(model, 256)
+    monkeypatch.setattr(LlamaModel, "device", property(lambda self: torch.device("cuda:0")))
+    keys = set()
+    for name, mem in (("NVIDIA A10G", 24), ("NVIDIA H200", 141), ("NVIDIA H200 MIG 1g.18gb", 18)):
+        props = SimpleNamespace(name=name, major=9, minor=0, total_memory=mem << 30)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+        keys.add(tune.profile_key(model, 256))
+    assert len(keys) == 3 and cpu_key not in keys
 
 
 def test_a_profile_cut_short_is_measured_again_and_an_unwritable_cache_only_warns(

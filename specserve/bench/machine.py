@@ -17,8 +17,9 @@ def cpu_summary() -> str:
     """e.g. 'Intel(R) Xeon(R) Processor, 2 cores, avx2 avx512f avx512_bf16 amx_bf16, torch 2.13.0 (2 threads)'."""
     model, flags = cpu_info()
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2/AVX-512 flags seen"
-    cores = os.cpu_count()
-    return f"{model}, {cores} cores, {isa}, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    usable, host = len(os.sched_getaffinity(0)), os.cpu_count()  # a cpuset or taskset leaves fewer than the host's
+    cores = f"{usable} cores" if usable == host else f"{usable} of {host} cores"
+    return f"{model}, {cores}, {isa}, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 def device_summary(device: str | torch.device) -> str:
