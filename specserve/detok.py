@@ -38,6 +38,7 @@ class IncrementalText:
         self.stopped = False
         self.stop_tokens: int | None = None  # once stopped: output tokens through the one completing the stop string
         self._seen = 0  # tokens of the last update that found no stop string
+        self._seen_chars = 0  # ... and the length of their text: no text past it is handed out before they settle
         self._fixed = 0  # leading output tokens whose text is settled: decoded once, not again every update
         self._fixed_text = ""  # their text
 
@@ -60,15 +61,25 @@ class IncrementalText:
             # not past a text ending in U+FFFD: with a byte-fallback tokenizer that hides a whole run of bytes, whose
             # characters (a stop string's) may have been complete a token before
             if not full.endswith("\ufffd"):
-                self._seen = len(token_ids)
+                self._seen, self._seen_chars = len(token_ids), len(full)
         stable = len(self.text)
         if not final:
             if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
                 stable = len(self.text.rstrip("\ufffd"))
+            if self.stop:  # not past the tokens a later update may still cut (``settled``): text and ids agree
+                stable = min(stable, self._seen_chars)
             stable -= self._hold(self.text[:stable])  # a tail that may still become a stop string
         delta = self.text[self.emitted : stable] if stable > self.emitted else ""
         self.emitted = max(self.emitted, stable)
         return delta
+
+    def settled(self, n: int) -> int:
+        """Of the n output tokens of the last update, those no later update can cut at a stop string: through the
+        one completing it once stopped; else those of the last update whose text did not end in U+FFFD (a stop
+        string is searched for past them, ``_tokens_through_stop``)."""
+        if self.stopped:
+            return min(n, cast(int, self.stop_tokens))
+        return n if not self.stop else min(n, self._seen)
 
     def resume(self, token_ids: Sequence[int], text: str) -> None:
         """Take up an output that was produced and ``text`` of it handed out elsewhere: the next update's delta

@@ -73,6 +73,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     stats: RequestStats
+    committed: int = 0  # tokens this step added to the output (``token_ids`` may hand some out a step later)
 
     @property
     def finished(self) -> bool:
@@ -89,6 +90,7 @@ class Sequence:
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(method=SpecMethod.none))
     sl_state: SequenceDSDE | None = None  # DSDE history and calibration (None under the static policy)
     output: list[int] = field(default_factory=list)
+    delivered: int = 0  # output tokens handed out (RequestOutput.token_ids so far)
     registered: bool = False  # added to the workers (False: on its next step, after admission or a reset)
     target_seen: int = 0  # committed tokens the target worker has been sent
     draft_seen: int = 0  # ... and the draft worker

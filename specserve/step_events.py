@@ -50,7 +50,8 @@ class StepEvent:
 
     @property
     def emitted(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
+        """Tokens the step added to the outputs (handed out now or, held back at a stop string's edge, later)."""
+        return sum(o.committed for o in self.outputs)
 
     @property
     def only_prefill(self) -> bool:

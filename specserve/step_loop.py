@@ -98,7 +98,7 @@ class StepLoop:
         text = IncrementalText(self.tokenizer, request.params.stop, request.prompt_ids)
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)
-        seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done))
+        seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done))
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
             seq.sl_state = SequenceDSDE(spec.dsde, request.params.temperature)
         if spec.method != SpecMethod.none and spec.drafter == Drafter.suffix:
@@ -391,38 +391,48 @@ class StepLoop:
         if seq.model_proposed:  # the draft model's cache holds its own proposal's accepted nodes
             seq.last_accepted = out.accepted
         seq.stats.target_forwards += 1
-        seq.stats.accepted += len(out.accepted)
         if proposal is not None:
             seq.stats.drafted += len(proposal.tokens)
             seq.stats.draft_steps += 1
             seq.stats.depth_sum += proposal.depth
         params = seq.request.params
-        new: list[int] = []
+        before = len(seq.output)
         for tok in out.tokens:
             if tok in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = FinishReason.stop
                 break
-            new.append(tok)
-            if len(seq.output) + len(new) >= params.max_tokens or len(seq.tokens) + len(new) >= self.max_model_len:
+            seq.output.append(tok)
+            if (
+                len(seq.output) >= params.max_tokens
+                or len(seq.request.prompt_ids) + len(seq.output) >= self.max_model_len
+            ):
                 seq.finish_reason = FinishReason.length
                 break
-        seq.output += new
         text = seq.text.update(seq.output, final=seq.finish_reason is not None)
         if seq.text.stopped:
             seq.finish_reason = FinishReason.stop
-            if seq.text.stop_tokens is not None and seq.text.stop_tokens < len(seq.output):
-                # a speculative step can accept tokens past the stop string: they are not output
-                drop = len(seq.output) - seq.text.stop_tokens
-                del seq.output[-drop:]
-                new = new[: max(0, len(new) - drop)]
+            # a speculative step can accept tokens past the stop string: they are not output
+            del seq.output[seq.text.settled(len(seq.output)) :]
+        # accepted drafts that were emitted: a step emits its tokens up to EOS (counted), max_tokens or a stop string,
+        # the first of them the forward's own, so drafts cut with the rest of the step do not count (accepted +
+        # forwards = tokens emitted; DSDE observes the verifier's own count)
+        committed = max(0, len(seq.output) - before)
+        emitted = committed + (seq.finish_reason == FinishReason.stop and not seq.text.stopped)
+        seq.stats.accepted += min(len(out.accepted), max(0, emitted - 1))
+        # handed out: the tokens no later step can cut at a stop string (with byte fallback a stop string complete
+        # at a token can be hidden in this step's text until its character's last byte comes)
+        settled = len(seq.output) if seq.finish_reason is not None else seq.text.settled(len(seq.output))
+        new = seq.output[seq.delivered : settled]
+        seq.delivered = max(seq.delivered, settled)
         return RequestOutput(
             request_id=seq.request.request_id,
             token_ids=new,
             text=text,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.request.prompt_ids),
-            num_output_tokens=len(seq.output),
+            num_output_tokens=seq.delivered,
             stats=replace(seq.stats),  # a snapshot: the sequence's own goes on counting
+            committed=committed,
         )
 
     def _retire(self) -> None:

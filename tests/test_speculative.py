@@ -13,6 +13,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.policy import DSDEConfig
 from specserve.sampling import SamplingParams
+from specserve.sequence import FinishReason
 from specserve.workers import DraftWorker
 from tests.conftest import greedy_reference
 
@@ -106,6 +107,24 @@ def test_vocab_mismatch_and_missing_draft_are_clear_errors(target: LlamaModel) -
             PROMPTS[0], SamplingParams(max_tokens=4), speculation=long.model_copy(update={"max_sl": 4})
         )
         assert out[0].token_ids == greedy_reference(target, PROMPTS[0], 4)
+
+
+def test_accepted_drafts_count_only_what_was_emitted(target: LlamaModel) -> None:
+    """A step that runs past max_tokens (or EOS, or a stop string) accepts drafts that are cut: usage's acceptance
+    and the accepted-tokens metric counted them (a perfect draft of 8 at max_tokens 2: 8 accepted, 2 emitted)."""
+    engine = Engine(target, None, draft=target, speculation=SpecConfig(sl=8), eos_token_ids=set())
+    for max_tokens in (1, 2, 5, 23):
+        out = engine.generate(PROMPTS[0], SamplingParams(max_tokens=max_tokens))[0]
+        assert len(out.token_ids) == max_tokens
+        assert out.stats.accepted + out.stats.target_forwards == max_tokens  # a perfect draft: every token counted
+        assert out.stats.drafted >= out.stats.accepted
+    reference = greedy_reference(target, PROMPTS[0], 24)
+    eos = reference[6]  # the step that reaches it emits the tokens before it and the EOS, not what follows
+    first = reference.index(eos)
+    stopping = Engine(target, None, draft=target, speculation=SpecConfig(sl=8), eos_token_ids={eos})
+    out = stopping.generate(PROMPTS[0], SamplingParams(max_tokens=24))[0]
+    assert out.token_ids == reference[:first] and out.finish_reason == FinishReason.stop
+    assert out.stats.accepted + out.stats.target_forwards == first + 1
 
 
 class ScriptedDraft(LlamaModel):
@@ -227,7 +246,8 @@ def test_nothing_is_drafted_past_max_tokens_or_the_context(target: LlamaModel, s
     """A step emits its accepted drafts and one token of the target's, so drafting more than the tokens left costs
     draft levels and verify rows for nothing (and counted those drafts as accepted: a 2-token answer reported tau
     7). With an identical draft every drafted level is accepted, and every forward's tokens are output but for the
-    one draft of a step with a single token left (a step planned to speculate still drafts one)."""
+    one draft of a step with a single token left (a step planned to speculate still drafts one), which is not
+    counted as accepted."""
     draft = noisy_copy(target, 0.0, seed=3)
     prompt = PROMPTS[1]
     for max_tokens, max_model_len in [(1, 64), (2, 64), (7, 64), (16, 16)]:
@@ -235,5 +255,7 @@ def test_nothing_is_drafted_past_max_tokens_or_the_context(target: LlamaModel, s
         out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
         n = min(max_tokens, max_model_len - len(prompt))
         assert out.token_ids == greedy_reference(target, prompt, n)
-        assert out.stats.accepted == out.stats.depth_sum  # every drafted level accepted
-        assert out.stats.accepted + out.stats.target_forwards - n in (0, 1), (max_tokens, max_model_len, out.stats)
+        # every drafted level accepted, and counted where it was output: all but a last step's one draft with a
+        # single token left (the step's first token is its forward's own); accepted + forwards = tokens output
+        assert out.stats.depth_sum - out.stats.accepted in (0, 1)
+        assert out.stats.accepted + out.stats.target_forwards == n, (max_tokens, max_model_len, out.stats)

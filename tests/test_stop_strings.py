@@ -205,6 +205,60 @@ def test_stop_tokens_do_not_depend_on_where_steps_end_with_byte_fallback() -> No
     assert (one.text, one.stop_tokens) == ("a", 4) == (steps.text, steps.stop_tokens)
 
 
+def test_the_loop_hands_out_no_token_a_later_step_cuts_at_a_stop_string() -> None:
+    """The step that ended one byte into "😀" had "€" hidden in its text and handed out its four tokens; the next
+    found the stop at the fourth and cut the output, but the tokens were already delivered (a joined completion
+    held one more token than plain decoding's, and num_output_tokens went down). Tokens whose text may still
+    hold a stop string wait for the step that settles them, as their text does."""
+    from specserve.messages import VerifyOutput
+    from specserve.sampling import SamplingParams
+    from specserve.sequence import Request
+    from specserve.step_loop import StepLoop
+
+    tok = _byte_fallback_tokenizer()
+    ids = [259, *_bytes("€😀"), 259, 260]
+
+    class ScriptedTarget:
+        def __init__(self, steps: list[list[int]]) -> None:
+            self.steps = iter(steps)
+
+        def add(self, *args: object) -> None:
+            pass
+
+        def release(self, ids: list[int]) -> None:
+            pass
+
+        def verify(self, items: list) -> list[VerifyOutput]:  # type: ignore[type-arg]
+            step = next(self.steps)  # its first len - 1 tokens are accepted drafts, the last the target's own
+            return [VerifyOutput(it.seq_id, list(range(1, len(step))), step, [], None) for it in items]
+
+    def delivered(steps: list[list[int]], stop: str = "€") -> tuple[list[int], str]:
+        """The ids and text handed out over a request; after each step, what a lane move would carry (the ids and
+        text delivered so far) is checked to resume: the text the ids decode to starts with the text."""
+        loop = StepLoop(ScriptedTarget(steps), tokenizer=tok, eos_token_ids={2}, max_batch_size=4, max_model_len=100)  # type: ignore[arg-type]
+        loop.add_request(Request("r", [1, 259], SamplingParams(max_tokens=20, stop=[stop])))
+        got: list[int] = []
+        text = ""
+        while loop.has_work:
+            for out in loop.step():
+                got += out.token_ids
+                text += out.text
+                assert out.num_output_tokens == len(got)
+                if not out.finished:
+                    IncrementalText(tok, [stop], [1, 259]).resume(got, text)
+        return got, text
+
+    plain, plain_text = delivered([[t] for t in ids])
+    assert plain == ids[:4] and plain_text == " a"  # (after the prompt's "a": a space)
+    for split in ([ids[:1], ids[1:5], ids[5:9]], [ids[:5], ids[5:9]], [ids[:2], ids[2:6], ids[6:]]):
+        assert delivered(split) == (plain, plain_text), split
+    # no stop string met: a step ending one byte into "ü" after " é x" handed out that text with none of its ids
+    # (held back), and a lane move then refused the request
+    ids = [259, *_bytes("é"), 260, *_bytes("ü"), 259, 2]
+    whole = delivered([[t] for t in ids], stop="zz")
+    assert whole == delivered([ids[:1], ids[1:5], ids[5:]], stop="zz") == (ids[:-1], " aé xü a")
+
+
 def _metaspace_tokenizer() -> PreTrainedTokenizerBase:
     """A SentencePiece-style (Llama-2, Mistral) tokenizer: a word's piece carries its leading space as "▁", and
     decoding drops the first piece's space."""
