@@ -205,10 +205,11 @@ class _Seq:
         self.cursor += verified
         return a, kld
 
-    def tree_outcome(self, budget: int, spec: SpecConfig) -> tuple[int, int, int, list[float]]:
-        """(depth, nodes, accepted, KLDs) of a tree step with depth budget ``budget``: the next recorded step,
-        cut to ``budget`` levels. A recorded depth that hit its own budget is a lower bound of what the tree
-        would have grown; the replay never grows a tree deeper than recorded."""
+    def tree_outcome(self, budget: int, spec: SpecConfig) -> tuple[int, int, int, int, list[float]]:
+        """(depth, verified depth, nodes, accepted, KLDs) of a tree step with depth budget ``budget``: the next
+        recorded step, cut to ``budget`` levels. A recorded depth that hit its own budget is a lower bound of what
+        the tree would have grown; the replay never grows a tree deeper than recorded. The verified depth (what
+        DSDE observes: the rerank may drop grown levels) is the recorded one, within the cut."""
         trace = self.req.trace
         assert isinstance(trace, TreeSeqTrace), "a tree policy replays tree traces"
         r = trace.steps[self.cursor % len(trace.steps)]
@@ -216,7 +217,8 @@ class _Seq:
         depth = min(r.depth, budget)
         nodes = r.drafted if depth == r.depth else tree_nodes(depth, spec.beam_width, spec.budget)
         accepted = min(r.accepted, depth)
-        return depth, nodes, accepted, r.kld[: accepted + 1]
+        verified = depth if r.verified is None else max(accepted, min(r.verified, depth))
+        return depth, verified, nodes, accepted, r.kld[: accepted + 1]
 
 
 @dataclass
@@ -297,14 +299,14 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
         for s, d in zip(running, planned, strict=True):
             kld: list[float] = []
             if d == 0:
-                depth = nodes = a = 0
+                depth = verified = nodes = a = 0
             elif tree:
-                depth, nodes, a, kld = s.tree_outcome(d, cfg.spec)
+                depth, verified, nodes, a, kld = s.tree_outcome(d, cfg.spec)
             else:
                 a, kld = s.outcome(d)
-                depth = nodes = d
+                depth = verified = nodes = d
             if depth > 0 and s.sl_state is not None:
-                s.sl_state.observe(kld, depth, a)
+                s.sl_state.observe(kld, verified, a)  # as the step loop: a tree's verified depth
             n = min(a + 1, s.req.max_tokens - s.emitted)
             emits.append(n)
             depths.append(depth)

@@ -46,6 +46,7 @@ class SeqStep(BaseModel):
     depth: int  # draft levels (0: not drafting)
     planned: int | None = None  # the depth planned for it (DDD may stop earlier); None in older traces
     uncapped: int | None = None  # the policy's SL before SL_cap; None in older traces
+    verified: int | None = None  # depth of the tree verified (the rerank may drop grown levels); None: older traces
     drafted: int  # drafted tokens (tree nodes) verified
     accepted: int  # accepted drafted tokens (bonus excluded)
     kld: list[float] = Field(default_factory=list)  # per verified position, when the policy asked for KLD
@@ -201,6 +202,7 @@ class StepRecorder(StepObserver):
                 depth=depths[i],
                 planned=plan.depths[i],
                 uncapped=plan.uncapped[i],
+                verified=None if event.proposals[i] is None else event.proposals[i].verified_depth,  # type: ignore[union-attr]
                 drafted=len(item.draft_tokens),
                 accepted=len(out.accepted),
                 kld=[float(v) for v in out.kld],
@@ -303,6 +305,7 @@ class TreeStep(BaseModel):
 
     depth: int  # levels drafted
     stopped: bool  # DDD stopped before the planned depth: ``depth`` is the tree's own depth (else a lower bound)
+    verified: int | None = None  # depth of the tree verified, what DSDE observes (None: older traces, ``depth``)
     drafted: int  # tree nodes verified
     accepted: int  # accepted nodes (a path from the root; bonus excluded)
     kld: list[float] = Field(default_factory=list)  # at the root and each accepted node, when DSDE asked for KLD
@@ -336,8 +339,8 @@ def tree_sequence_traces(run: RunTrace) -> list[TreeSeqTrace]:
                 continue
             planned = run.spec.static_depth if s.planned is None and not run.policy.is_dsde else s.planned
             stopped = planned is not None and s.depth < planned
-            steps[s.req].append(TreeStep(depth=s.depth, stopped=stopped, drafted=s.drafted, accepted=s.accepted,
-                                         kld=list(s.kld)))  # fmt: skip
+            steps[s.req].append(TreeStep(depth=s.depth, stopped=stopped, verified=s.verified, drafted=s.drafted,
+                                         accepted=s.accepted, kld=list(s.kld)))  # fmt: skip
     return [
         TreeSeqTrace(
             cls=request_class(r), prompt_len=r.prompt_len, prompt_key=r.prompt_key, max_tokens=r.max_tokens, steps=st

@@ -320,6 +320,9 @@ def test_the_cap_is_over_depths_drafted_by_the_draft_model():
     fallback = lookup.model_copy(update={"model_fallback": True})
     rows = [Row(fallback, FakeState(16, False)), Row(DSDE_CHAIN, FakeState(2, False))]
     assert SLPlanner().plan(rows).depths == [9, 2]
+    # the model's own limit (model_max_sl) bounds the model's share alone, not the cap of a lookup row's depth
+    limited = fallback.model_copy(update={"model_max_sl": 2})
+    assert SLPlanner().plan([Row(limited, FakeState(8, False))]).depths == [8]
 
 
 def test_planner_static_and_trees():

@@ -1,4 +1,5 @@
-"""The one speculation-length planner: per-sequence SL -> SL_cap -> max_sl -> guards (docs/algorithms.md §4, §5).
+"""The one speculation-length planner: per-sequence SL -> depth limits and max_sl -> SL_cap -> room -> guards
+(docs/algorithms.md §4, §5).
 
 The step loop and the simulator (``load/simulate.py``) both call ``SLPlanner.plan`` once per step, so what the
 simulator replays is what serving runs.
@@ -84,8 +85,8 @@ class SLPlanner:
         """SL_cap (docs/algorithms.md §5) over the depths the sequences would draft (``reach``: their SLs after a
         tree's depth limit and the request's max_sl; a level no sequence drafts keeps nobody waiting), one per
         lock-step loop of the draft model: its chains and its trees draft in separate loops, so each kind gets the
-        cap of its own DSDE sequences, taken over the model's share of each depth. Rows only a model-free drafter
-        serves run no draft forward: they neither count nor are capped. Each sequence's own ``cap_enabled`` /
+        cap of its own DSDE sequences. Rows only a model-free drafter serves run no draft forward: they neither
+        count nor are capped. Each sequence's own ``cap_enabled`` /
         ``cap_warmup`` decide whether it counts and is capped. Returns the depths and the larger cap (reported)."""
         depths = list(reach)
         caps: list[int] = []
@@ -98,7 +99,7 @@ class SLPlanner:
             if not group:
                 continue
             warm = [rows[i].sl_state.in_warmup for i in group]  # type: ignore[union-attr]
-            cap = sl_cap([rows[i].spec.model_depth(reach[i]) for i in group], [not w for w in warm])
+            cap = sl_cap([reach[i] for i in group], [not w for w in warm])
             if cap is None:
                 continue
             caps.append(cap)
