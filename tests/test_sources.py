@@ -522,8 +522,8 @@ def test_parallel_pulls_leave_one_valid_directory(tiny_gguf: Path, cache: Path, 
 def test_a_lost_builtin_gguf_is_downloaded_again_without_converting(
     tiny_gguf: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The 4-bit draft reads the builtin's GGUF at every load: a pull that finds it gone fetches it again (the
-    converted directory stays), and the listing does not call the model cached meanwhile."""
+    """The 4-bit draft reads the builtin's GGUF at every load: where it was lost (a cleaned downloads/), asking for
+    it fetches it again and the converted directory stays; a target that reads only that directory needs none."""
     model = fake_builtin(tiny_gguf)
     monkeypatch.setitem(sources.BUILTIN_MODELS, model.name, model)
     log = tmp_path / "log"
@@ -532,11 +532,11 @@ def test_a_lost_builtin_gguf_is_downloaded_again_without_converting(
     path = install_builtin(model, downloader=downloader)
     calls = count_conversions(monkeypatch)
     builtin_gguf_path(model.name).unlink()
-    assert (model.name, False, path) in list_models()
-    assert install_builtin(model, downloader=downloader) == path
+    assert install_builtin(model, downloader=failing_downloader) == path  # the directory alone: no download
+    assert sources.builtin_gguf(model.name, downloader=downloader) == builtin_gguf_path(model.name)
     assert sources.sha256_file(builtin_gguf_path(model.name)) == model.sha256
     assert calls == [] and len(list(log.iterdir())) == 2
-    assert (model.name, True, path) in list_models()
+    assert sources.builtin_gguf(model.name, downloader=failing_downloader) == builtin_gguf_path(model.name)
 
 
 def test_a_damaged_or_stale_conversion_is_converted_again(

