@@ -21,6 +21,10 @@ def replace_durably(tmp: Path, path: Path) -> None:
         if file.is_file():
             _fsync(file)
     if tmp.is_dir():
+        # each directory's entries, deepest first: a file under a subdirectory is not found after a power loss
+        # unless the subdirectory's own entry list reached the disk
+        for folder in sorted((d for d in tmp.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+            _fsync(folder)
         _fsync(tmp)
     os.replace(tmp, path)
     _fsync(path.parent)  # the rename itself

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,8 @@ from specserve.errors import SettingsError, UnsupportedModelError
 from specserve.models.llama import LlamaModel
 from specserve.models.memory import ModelShape, activation_bytes, kv_bytes_per_slot, kv_slots_that_fit
 from specserve.spec_decode.eagle_head import EagleHead
+
+logger = logging.getLogger(__name__)
 
 MemInfo = Callable[[torch.device], tuple[int, int]]  # (free, total) bytes, as torch.cuda.mem_get_info
 
@@ -56,6 +59,15 @@ def context_limits(
         raise SettingsError(
             f"speculation needs room for {headroom} tokens a step, which leaves the models' "
             f"{min(target_positions, draft_positions or target_positions)} positions no context"
+        )
+    if limit < max_model_len:
+        logger.warning(
+            "max_model_len %d lowered to %d: the models' %d positions keep %d past it for one speculative step's "
+            "tokens (spec_headroom)",
+            max_model_len,
+            limit,
+            min(target_positions, draft_positions or target_positions),
+            headroom,
         )
     return ContextLimits(limit, headroom, limit + headroom)
 

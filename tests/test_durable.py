@@ -49,4 +49,6 @@ def test_a_directory_is_flushed_file_by_file_before_its_rename(tmp_path: Path, e
     flushed = [p for kind, p in events[: events.index(("replace", str(tmp_path / "model")))] if kind == "fsync"]
     assert {str(work / n) for n in ("model.safetensors", "config.json", "sub/vocab.json")} <= set(flushed)
     assert str(work) in flushed and events[-1] == ("fsync", str(tmp_path))
+    # a subdirectory's entries before its parent's: its file is found after a power loss
+    assert flushed.index(str(work / "sub")) < flushed.index(str(work))
     assert (tmp_path / "model" / "sub" / "vocab.json").read_text() == "sub/vocab.json"

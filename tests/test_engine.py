@@ -327,3 +327,19 @@ def test_engine_settings_are_checked_when_the_engine_is_built(
     assert engine.loop.spec_headroom == 200
     wide = SpecConfig(method=SpecMethod.eagle2, budget=100, beam_width=3)  # needs more than the default 64 rows
     assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), speculation=wide)[0].token_ids
+
+
+def test_a_max_model_len_lowered_for_the_speculative_headroom_says_so(
+    tiny: LlamaModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The KV slot keeps room past max_model_len for one speculative step's tokens; where the model's positions
+    cannot hold both, max_model_len was lowered without a word (a plain engine asked for 512 served 448)."""
+    positions = tiny.cfg.max_position_embeddings
+    with caplog.at_level("WARNING", logger="specserve.limits"):
+        engine = Engine(tiny, None, max_model_len=positions, eos_token_ids=set())
+    assert engine.loop.max_model_len == positions - 64
+    assert f"max_model_len {positions} lowered to {positions - 64}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specserve.limits"):
+        Engine(tiny, None, max_model_len=positions - 64, eos_token_ids=set())
+    assert "lowered" not in caplog.text
