@@ -24,6 +24,22 @@ def tiny() -> LlamaModel:
     return tiny_model(seed=0)
 
 
+@pytest.fixture
+def dsde_observed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(drafted, accepted) of every step a DSDE state observes during the test."""
+    from specserve.policy import SequenceDSDE
+
+    observed: list[tuple[int, int]] = []
+    observe = SequenceDSDE.observe
+
+    def recording(self: SequenceDSDE, klds: list[float], num_drafted: int, num_accepted: int) -> None:
+        observed.append((num_drafted, num_accepted))
+        observe(self, klds, num_drafted, num_accepted)
+
+    monkeypatch.setattr(SequenceDSDE, "observe", recording)
+    return observed
+
+
 def greedy_reference(model: LlamaModel, prompt: list[int], n: int, eos: int | None = None) -> list[int]:
     """Plain greedy decoding by re-running the whole sequence every token (no cache reuse)."""
     from specserve.models.batch import ForwardBatch

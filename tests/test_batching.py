@@ -68,20 +68,11 @@ def test_dsde_grows_sl_for_a_perfect_draft_and_shrinks_it_for_a_bad_one(target: 
 
 
 def test_dsde_observes_the_depth_of_the_tree_the_target_verified(
-    target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+    target: LlamaModel, dsde_observed: list[tuple[int, int]]
 ) -> None:
     """A tree's rerank keeps T - 1 nodes, and may drop the deepest levels the draft grew: DSDE is told the depth of
     the tree verified, so a perfect draft's fully accepted trees count as fully accepted (warm-up doubles)."""
-    from specserve.policy import SequenceDSDE
-
-    observed: list[tuple[int, int]] = []
-    observe = SequenceDSDE.observe
-
-    def recording(self: SequenceDSDE, klds: list[float], num_drafted: int, num_accepted: int) -> None:
-        observed.append((num_drafted, num_accepted))
-        observe(self, klds, num_drafted, num_accepted)
-
-    monkeypatch.setattr(SequenceDSDE, "observe", recording)
+    observed = dsde_observed
 
     class Trees(StepObserver):
         def __init__(self) -> None:

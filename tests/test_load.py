@@ -384,20 +384,11 @@ def test_tree_replay_matches_analytic_throughput() -> None:
     assert [tree_nodes(d, 4, 16) for d in (0, 1, 2, 5)] == [0, 4, 15, 15]
 
 
-def test_the_replay_tells_dsde_the_verified_depth_as_serving_does(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_replay_tells_dsde_the_verified_depth_as_serving_does(dsde_observed: list[tuple[int, int]]) -> None:
     """Serving's DSDE observes the depth of the tree verified (the rerank may drop levels the draft grew); the
     replay passed the levels grown, so its fully accepted trees counted as partly rejected. Recorded steps carry
     the verified depth; older traces (None) fall back to the levels grown."""
-    from specserve.policy import SequenceDSDE
-
-    observed: list[tuple[int, int]] = []
-    observe = SequenceDSDE.observe
-
-    def recording(self: SequenceDSDE, klds: list[float], num_drafted: int, num_accepted: int) -> None:
-        observed.append((num_drafted, num_accepted))
-        observe(self, klds, num_drafted, num_accepted)
-
-    monkeypatch.setattr(SequenceDSDE, "observe", recording)
+    observed = dsde_observed
     spec = policy_specs(beam_width=4, budget=16)[PolicyName.dsde_ddd]
     steps = [TreeStep(depth=6, stopped=True, verified=3, drafted=15, accepted=3, kld=[0.1] * 4)] * 12
     trace = TreeSeqTrace(cls="t", prompt_len=8, max_tokens=24, steps=steps)

@@ -223,10 +223,10 @@ def test_the_loop_hands_out_no_token_a_later_step_cuts_at_a_stop_string() -> Non
             self.steps = iter(steps)
 
         def add(self, *args: object) -> None:
-            pass
+            return None
 
         def release(self, ids: list[int]) -> None:
-            pass
+            return None
 
         def verify(self, items: list) -> list[VerifyOutput]:  # type: ignore[type-arg]
             step = next(self.steps)  # its first len - 1 tokens are accepted drafts, the last the target's own
