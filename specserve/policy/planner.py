@@ -86,8 +86,8 @@ class SLPlanner:
         tree's depth limit and the request's max_sl; a level no sequence drafts keeps nobody waiting), one per
         lock-step loop of the draft model: its chains and its trees draft in separate loops, so each kind gets the
         cap of its own DSDE sequences. Rows only a model-free drafter serves run no draft forward: they neither
-        count nor are capped. Each sequence's own ``cap_enabled`` /
-        ``cap_warmup`` decide whether it counts and is capped. Returns the depths and the larger cap (reported)."""
+        count nor are capped. Each sequence's own ``cap_enabled`` / ``cap_warmup`` decide whether it counts and is
+        capped. Returns the depths and the larger cap (reported)."""
         depths = list(reach)
         caps: list[int] = []
         for tree in (False, True):
