@@ -141,10 +141,18 @@ class TargetActor(_WorkerHost):
 
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
         """Features for a draft head leave on the host: a CUDA tensor would make the router (no GPU reserved)
-        open a context on the node's first GPU, or fail to unpickle on a node without one."""
+        open a context on the node's first GPU, or fail to unpickle on a node without one. They leave in one copy
+        for the step, and each sequence's rows get their own storage: the worker's are views of the step's
+        tensor, and a pickled view carries its whole storage."""
         worker = self._worker()
         assert isinstance(worker, TargetWorker)
-        return [o if o.features is None else replace(o, features=o.features.cpu()) for o in worker.verify(items)]
+        outputs = worker.verify(items)
+        feats = [o.features for o in outputs if o.features is not None]
+        if not feats:
+            return outputs
+        host = torch.cat(feats).cpu()  # [sum n, F]
+        parts = iter([rows.clone() for rows in host.split([f.shape[0] for f in feats])])
+        return [o if o.features is None else replace(o, features=next(parts)) for o in outputs]
 
 
 class DraftActor(_WorkerHost):

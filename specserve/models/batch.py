@@ -65,33 +65,21 @@ class ForwardBatch:
         starts = cache.begin_append(list(slots), num_new)
         q_len = max(num_new)
         k_len = max(s + n for s, n in zip(starts, num_new, strict=True))
-        tok_parts: list[torch.Tensor] = []
-        pos_parts: list[torch.Tensor] = []
         masks = tree_masks or [None] * b_size
         causal = all(m is None for m in masks)
         need_mask = b_size > 1 or not causal or (q_len > 1 and starts[0] > 0)
-        # built where the forward runs: tree masks made on the device are copied in without a host round trip
-        mask = torch.zeros(b_size, q_len, k_len, dtype=torch.bool, device=device) if need_mask else None
+        mask = _step_mask(starts, num_new, masks, q_len, k_len, device) if need_mask else None
         w_slot: list[int] = []
         w_pos: list[int] = []
         w_from: list[int] = []
         f_rows: list[int] = []
         rows: list[int] = []
+        pos: list[int] = []
         m_list = list(num_logits) if num_logits is not None else num_new
         offset = 0
         for b, (slot, start, n) in enumerate(zip(slots, starts, num_new, strict=True)):
-            tok_parts.append(torch.as_tensor(tokens[b], dtype=torch.long).to(device))
             p = positions[b] if positions is not None else None
-            pos_parts.append(torch.as_tensor(p, dtype=torch.long) if p is not None else torch.arange(start, start + n))
-            if mask is not None:
-                tree = masks[b]
-                mask[b, :, : start if tree is None else start + n - tree.shape[1]] = True
-                if tree is None:
-                    mask[b, :n, start : start + n] = torch.ones(n, n, dtype=torch.bool).tril()
-                else:
-                    width = tree.shape[1]
-                    mask[b, :n, start + n - width : start + n] = tree
-                mask[b, n:, 0] = True  # padded rows attend somewhere so softmax stays finite
+            pos += range(start, start + n) if p is None else p
             w_slot += [slot] * n
             w_pos += range(start, start + n)
             w_from += range(b * q_len, b * q_len + n)
@@ -103,12 +91,12 @@ class ForwardBatch:
         consecutive = list(slots) == list(range(first, first + b_size))
         return ForwardBatch(
             slots=torch.as_tensor(list(slots), dtype=torch.long, device=device),
-            tokens=torch.cat(tok_parts),
-            positions=torch.cat(pos_parts).to(device),
+            tokens=_tokens(tokens, device),
+            positions=torch.tensor(pos, dtype=torch.long, device=device),
             write_slot=torch.tensor(w_slot, dtype=torch.long, device=device),
             write_pos=torch.tensor(w_pos, dtype=torch.long, device=device),
             write_from=torch.tensor(w_from, dtype=torch.long, device=device),
-            attn_mask=None if mask is None else mask[:, None].to(device),
+            attn_mask=None if mask is None else mask[:, None],
             logit_rows=torch.tensor(rows, dtype=torch.long, device=device),
             num_new=tuple(num_new),
             num_logits=tuple(m_list),
@@ -121,6 +109,44 @@ class ForwardBatch:
             ),
             slots_i32=torch.as_tensor(list(slots), dtype=torch.int32, device=device),
         )
+
+
+def _tokens(tokens: Sequence[Sequence[int] | torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The step's new tokens [N] on ``device``: one copy where they all come from the host (the target's lists), the
+    parts moved one by one only where some already live on a device (a draft level's sampled tokens)."""
+    parts = [torch.as_tensor(t, dtype=torch.long) for t in tokens]
+    if all(p.device.type == "cpu" for p in parts):
+        return torch.cat(parts).to(device)
+    return torch.cat([p.to(device) for p in parts])
+
+
+def _step_mask(
+    starts: list[int],
+    num_new: list[int],
+    tree_masks: Sequence[torch.Tensor | None],
+    q_len: int,
+    k_len: int,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """The padded step's attention mask [B, q_len, k_len] bool, built where the forward runs in a number of
+    operations that does not grow with B (GPU steps are launch-bound): row j of sequence b sees every key below a
+    per-row limit, and a tree's rows then get their window over the last w keys from its mask (the one
+    per-sequence copy, trees only; a mask made on the device is copied without a host round trip).
+
+    Limits: a causal row j < n sees keys < start + j + 1; a tree's rows see the keys before its window, start + n - w;
+    a padded row j >= n sees the keys before the window too, and key 0 at least (its softmax stays finite)."""
+    limit: list[int] = []  # [B * q_len], row by row
+    for start, n, tree in zip(starts, num_new, tree_masks, strict=True):
+        before = start if tree is None else start + n - tree.shape[1]  # keys visible to every row
+        limit += range(start + 1, start + n + 1) if tree is None else [before] * n
+        limit += [max(before, 1)] * (q_len - n)
+    rows = torch.tensor(limit, device=device).view(len(starts), q_len, 1)
+    mask = torch.arange(k_len, device=device) < rows  # [B, q_len, k_len]
+    for b, tree in enumerate(tree_masks):
+        if tree is not None:
+            lo = starts[b] + num_new[b] - tree.shape[1]
+            mask[b, : num_new[b], lo : lo + tree.shape[1]] = tree
+    return mask
 
 
 def _check_layout(

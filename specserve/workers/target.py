@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
+from dataclasses import replace
 
 import torch
 
@@ -77,16 +77,17 @@ class TargetWorker:
         )
         argmax_only = all(g and it.draft_q is None for g, it in zip(greedy, items, strict=True))
         logits, ids, features = self._forward(batch, items, argmax_only=argmax_only, any_greedy=any(greedy))
+        if ids is not None:
+            ids = ids.cpu()  # host sync: the step's argmaxes, once for every greedy sequence
         sizes = [t.num_nodes for t in trees]
         logits_per_seq = [None] * len(items) if logits is None else logits.split(sizes)  # per sequence [T, V]
-        offsets = [0, *itertools.accumulate(batch.num_new)]
         outputs = []
-        ids_per_seq = [None] * len(items) if ids is None else ids.split(sizes)  # per sequence [T]
+        ids_per_seq = [None] * len(items) if ids is None else ids.split(sizes)  # per sequence [T], on the host
         rows = zip(items, trees, slots, starts, draw_positions, logits_per_seq, ids_per_seq, strict=True)
-        for b, (it, tree, slot, start, draw_pos, lg, top) in enumerate(rows):
+        for it, tree, slot, start, draw_pos, lg, top in rows:
             with blame(it.seq_id):
-                outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, top, features, offsets[b]))
-        return outputs
+                outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, top))
+        return outputs if features is None else self._with_features(items, outputs, features, batch.num_new)
 
     def _verify_one(
         self,
@@ -97,12 +98,10 @@ class TargetWorker:
         draw_positions: list[int],
         logits: torch.Tensor | None,
         greedy: torch.Tensor | None,
-        features: torch.Tensor | None,
-        offset: int,
     ) -> VerifyOutput:
         """Sample-verify one sequence's draft from its logits [T, V] (None where every item of the step is greedy
         and needs no KLD: only their argmaxes ``greedy`` [T] were computed), roll its KV back to the accepted path,
-        and read its KLD and features (``offset``: its first row in the batch's features)."""
+        and read its KLD."""
         params = self.params[it.seq_id]
         gen = self.generators[it.seq_id]
         vocab = self.model.cfg.vocab_size
@@ -129,11 +128,30 @@ class TargetWorker:
         kld = self._kld(it, logits, res.accepted_nodes) if it.draft_q is not None and logits is not None else []
         if it.synthetic_accept is not None and kld:
             kld = synthetic_kld(it.synthetic_accept, len(kld), gen)
-        feats = None
-        if features is not None and it.features is not None:
-            rows = [*range(num_pending + 1), *(num_pending + a for a in res.accepted_nodes)]
-            feats = features[offset + torch.tensor(rows)]  # [n, F]
-        return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens, kld, feats)
+        return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens, kld)
+
+    @staticmethod
+    def _with_features(
+        items: list[VerifyItem], outputs: list[VerifyOutput], features: torch.Tensor, num_new: tuple[int, ...]
+    ) -> list[VerifyOutput]:
+        """Attach to each output that asked for them the features [n, F] of the positions its sequence cached (the
+        pending tokens, the root, the accepted path) out of the batch's ``features`` [N, F]: one gather for the step,
+        none where every row is kept (plain steps), so a step's device work does not grow with its sequences."""
+        index: list[int] = []
+        sizes: list[int] = []
+        offset = 0
+        for it, out, n in zip(items, outputs, num_new, strict=True):
+            if it.features is not None:
+                num_pending = len(it.new_tokens) - 1
+                rows = [*range(num_pending + 1), *(num_pending + a for a in out.accepted)]
+                index += (offset + r for r in rows)
+                sizes.append(len(rows))
+            offset += n
+        whole = index == list(range(features.shape[0]))
+        kept = features if whole else features[torch.tensor(index, device=features.device)]  # [sum(sizes), F]
+        per_seq = iter(kept.split(sizes))
+        pairs = zip(items, outputs, strict=True)
+        return [out if it.features is None else replace(out, features=next(per_seq)) for it, out in pairs]
 
     def _forward(
         self, batch: ForwardBatch, items: list[VerifyItem], *, argmax_only: bool, any_greedy: bool

@@ -1,0 +1,220 @@
+"""A step's device work does not grow with its sequences: GPU steps of small models are launch-bound, so every
+per-sequence copy, kernel or host read is paid B times a step (docs/benchmarks.md, "A third GPU lease").
+
+CPU stand-ins for the device: the ``meta`` device for the step's layout, and a tensor subclass that logs what is
+done to the target's outputs for verification."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import random
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specserve.messages import FeatureRequest, VerifyItem, VerifyOutput
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import tiny_model
+from specserve.sampling import SamplingParams
+from specserve.workers.target import TargetWorker
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_model()
+
+
+def _reference_mask(starts: list[int], num_new: list[int], trees: list[torch.Tensor | None]) -> torch.Tensor:
+    """The rule, row by row: a causal row sees the cache and the new tokens up to itself; a tree's rows see every
+    key before their window and, inside it, what their mask says; a padded row sees the keys before its window
+    (the cache, for a causal sequence) and key 0."""
+    q_len = max(num_new)
+    k_len = max(s + n for s, n in zip(starts, num_new, strict=True))
+    mask = torch.zeros(len(starts), q_len, k_len, dtype=torch.bool)
+    for b, (start, n, tree) in enumerate(zip(starts, num_new, trees, strict=True)):
+        lo = start if tree is None else start + n - tree.shape[1]
+        for j in range(q_len):
+            for k in range(k_len):
+                if j >= n:
+                    mask[b, j, k] = k < lo or k == 0
+                elif tree is None:
+                    mask[b, j, k] = k <= start + j
+                else:
+                    mask[b, j, k] = k < lo or (lo <= k < start + n and bool(tree[j, k - lo]))
+    return mask
+
+
+def test_the_step_mask_follows_the_rule_row_by_row() -> None:
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(60):
+        b_size = rng.randint(1, 5)
+        cache = tiny_model().new_cache(b_size, 64)
+        slots = [cache.allocate() for _ in range(b_size)]
+        starts, num_new, trees, tokens, positions = [], [], [], [], []
+        for slot in slots:
+            start, n = rng.randint(0, 12), rng.randint(1, 6)
+            if start:
+                cache.begin_append([slot], [start])
+            tree = None
+            if rng.random() < 0.5:  # a window over the last w keys: some cached entries, then the new tokens
+                width = rng.randint(n, start + n)
+                tree = torch.rand(n, width) < 0.5
+            starts.append(start)
+            num_new.append(n)
+            trees.append(tree)
+            tokens.append([rng.randrange(512) for _ in range(n)])
+            positions.append([start + rng.randrange(8) for _ in range(n)] if tree is not None else None)
+        batch = ForwardBatch.build(cache, slots, tokens, positions=positions, tree_masks=trees)
+        want_pos = [
+            p if p is not None else list(range(s, s + n)) for p, s, n in zip(positions, starts, num_new, strict=True)
+        ]
+        assert batch.tokens.tolist() == [t for ts in tokens for t in ts]
+        assert batch.positions.tolist() == [p for ps in want_pos for p in ps]
+        if batch.attn_mask is None:  # one causal sequence: SDPA's own causal mask
+            assert b_size == 1 and trees[0] is None
+            continue
+        assert torch.equal(batch.attn_mask[:, 0], _reference_mask(starts, num_new, trees))
+        checked += 1
+    assert checked > 40
+
+
+VIEWS = {torch.ops.aten.select, torch.ops.aten.slice, torch.ops.aten.unsqueeze, torch.ops.aten.view}  # no launch
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the operations other than views whose inputs or outputs live on the ``meta`` device (the stand-in
+    for a GPU): each is a kernel or a copy there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "meta" for t in tensors) and func.overloadpacket not in VIEWS:
+            self.ops[str(func)] += 1
+        return out
+
+
+def _layout_ops(b_size: int, *, trees: int = 0) -> collections.Counter[str]:
+    cache = tiny_model().new_cache(b_size, 64)
+    slots = [cache.allocate() for _ in range(b_size)]
+    for i, slot in enumerate(slots):
+        cache.begin_append([slot], [5 + i])  # ragged caches: a padded mask
+    masks = [torch.ones(3, 3, dtype=torch.bool).tril() if i < trees else None for i in range(b_size)]
+    tokens = [[7, 8, 9] if i < trees else [7] for i in range(b_size)]
+    with _DeviceOps() as counter:
+        ForwardBatch.build(cache, slots, tokens, tree_masks=masks, device="meta")
+    return counter.ops
+
+
+def test_a_steps_layout_takes_the_same_device_ops_for_any_number_of_sequences() -> None:
+    """Tokens, positions, mask and indices: a fixed number of copies and kernels; a tree adds its window's copy."""
+    two, twelve = _layout_ops(2), _layout_ops(12)
+    assert two == twelve and sum(two.values()) <= 25, (two, twelve)
+    with_trees = _layout_ops(12, trees=4)
+    assert sum(with_trees.values()) - sum(twelve.values()) <= 4, with_trees
+
+
+class _OnDevice(torch.Tensor):
+    """The target's outputs as if on a GPU: logs every operation on them; ``cpu()`` brings them to the host."""
+
+    log: ClassVar[list[str]] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name not in ("__get__", "__repr__", "shape", "dim", "device", "dtype"):
+            cls.log.append(name)
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out.as_subclass(torch.Tensor) if name in ("cpu", "to") and isinstance(out, torch.Tensor) else out
+
+
+class _Ids(_OnDevice):
+    log: ClassVar[list[str]] = []
+
+
+class _Feats(_OnDevice):
+    log: ClassVar[list[str]] = []
+
+
+HOST_READS = ("cpu", "to", "tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _verify_logged(
+    monkeypatch: pytest.MonkeyPatch, target: LlamaModel, step: Callable[[int], VerifyItem], b_size: int
+) -> list[VerifyOutput]:
+    """One prefill, then ``step(i)`` for each of ``b_size`` sequences with the argmaxes and features logged."""
+    worker = TargetWorker(target, num_slots=b_size, max_len=64)
+    for i in range(b_size):
+        worker.add(i, SamplingParams(max_tokens=8), 0)
+    worker.verify([VerifyItem(i, [5 + i, 9, 33], features=FeatureRequest()) for i in range(b_size)])
+    forward = worker._forward
+
+    def logged(*args: Any, **kwargs: Any) -> tuple[torch.Tensor | None, ...]:
+        logits, ids, feats = forward(*args, **kwargs)
+        _Ids.log.clear()
+        _Feats.log.clear()
+        return (
+            logits,
+            None if ids is None else ids.as_subclass(_Ids),
+            None if feats is None else feats.as_subclass(_Feats),
+        )
+
+    monkeypatch.setattr(worker, "_forward", logged)
+    return worker.verify([step(i) for i in range(b_size)])
+
+
+def test_greedy_verification_reads_the_argmaxes_to_the_host_once_a_step(
+    monkeypatch: pytest.MonkeyPatch, target: LlamaModel
+) -> None:
+    """Not once per sequence: each read is a device-to-host copy and a sync."""
+    for step in (
+        lambda i: VerifyItem(i, [40 + i], features=FeatureRequest()),  # plain
+        lambda i: VerifyItem(i, [40 + i], [3, 4, 5, 6], [0, 0, 1, 2], features=FeatureRequest()),  # a tree
+    ):
+        outputs = _verify_logged(monkeypatch, target, step, 8)
+        assert len(outputs) == 8
+        assert sum(_Ids.log.count(op) for op in HOST_READS) == 1, _Ids.log
+
+
+def test_a_steps_features_take_one_gather_or_none(monkeypatch: pytest.MonkeyPatch, target: LlamaModel) -> None:
+    """Plain steps keep every row: the outputs are the step's rows, split; a tree's step gathers once. Each output
+    still holds the rows of its positions (the pending tokens, the root, the accepted path)."""
+    plain = _verify_logged(monkeypatch, target, lambda i: VerifyItem(i, [40 + i], features=FeatureRequest()), 8)
+    assert "__getitem__" not in _Feats.log and "index_select" not in _Feats.log and len(_Feats.log) <= 2, _Feats.log
+    assert [o.features.shape[0] for o in plain if o.features is not None] == [1] * 8
+
+    def tree(i: int) -> VerifyItem:
+        return VerifyItem(i, [40 + i, 41], [3, 4, 5, 6], [0, 0, 1, 2], features=FeatureRequest() if i % 2 else None)
+
+    outputs = _verify_logged(monkeypatch, target, tree, 8)
+    assert _Feats.log.count("__getitem__") + _Feats.log.count("index_select") == 1 and len(_Feats.log) <= 3
+    for i, out in enumerate(outputs):
+        assert (out.features is None) == (i % 2 == 0)
+        if out.features is not None:  # the pending token, the root and the accepted nodes
+            assert out.features.shape == (2 + len(out.accepted), target.cfg.hidden_size)
+
+
+def test_the_target_actor_sends_each_sequences_features_alone(target: LlamaModel) -> None:
+    """The worker's features are views of the step's tensor, and a pickled view carries its whole storage: the
+    actor gives each sequence's rows their own, so a step of B sequences does not ship B copies of it."""
+    pytest.importorskip("ray")
+    from deployments.actors import TargetActor
+
+    actor = TargetActor.__new__(TargetActor)  # the actor's class in-process: no Ray
+    actor.model = target
+    actor.worker = TargetWorker(target, num_slots=8, max_len=32)
+    for i in range(8):
+        actor.worker.add(i, SamplingParams(max_tokens=4), 0)
+    outputs = actor.verify([VerifyItem(i, [5, 9, 33, 71 + i], features=FeatureRequest()) for i in range(8)])
+    for out in outputs:
+        assert out.features is not None and out.features.shape == (4, target.cfg.hidden_size)
+        assert len(pickle.dumps(out.features)) < 2 * out.features.numel() * out.features.element_size() + 2048
