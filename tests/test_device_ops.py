@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specserve.messages import FeatureRequest, VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.tiny import tiny_model
+from specserve.models.tiny import tiny_config, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.workers.target import TargetWorker
 
@@ -218,3 +218,22 @@ def test_the_target_actor_sends_each_sequences_features_alone(target: LlamaModel
     for out in outputs:
         assert out.features is not None and out.features.shape == (4, target.cfg.hidden_size)
         assert len(pickle.dumps(out.features)) < 2 * out.features.numel() * out.features.element_size() + 2048
+
+
+def test_a_decode_row_beside_a_long_prefill_does_not_keep_the_prefill_alive() -> None:
+    """A sequence keeps its features for up to ``catch_up_window`` steps: a view of the step's rows would keep
+    another sequence's whole prefill with it; decode rows beside decode rows stay views (no copy a sequence)."""
+    wide = tiny_model(tiny_config(hidden_size=1024, intermediate_size=256, num_attention_heads=8))
+    worker = TargetWorker(wide, num_slots=3, max_len=400)
+    for i in range(3):
+        worker.add(i, SamplingParams(max_tokens=8), 0)
+    worker.verify([VerifyItem(i, [5 + i, 9], features=FeatureRequest()) for i in range(2)])
+    long_prompt = [7 + k % 50 for k in range(300)]  # 300 rows x 4 KiB: past the 1 MiB a view may keep alive
+    decoding = [VerifyItem(i, [40 + i], features=FeatureRequest()) for i in range(2)]
+    outputs = worker.verify([*decoding, VerifyItem(2, long_prompt, features=FeatureRequest())])
+    decode, prefill = outputs[0].features, outputs[2].features
+    assert decode is not None and prefill is not None and prefill.shape[0] == 300
+    assert decode.untyped_storage().nbytes() == decode.nbytes  # its own row only
+    plain = worker.verify([VerifyItem(i, [50 + i], features=FeatureRequest()) for i in range(3)])
+    storages = {o.features.untyped_storage().data_ptr() for o in plain if o.features is not None}
+    assert len(storages) == 1  # the step's rows, split: no copy a sequence

@@ -79,7 +79,7 @@ class ForwardBatch:
         offset = 0
         for b, (slot, start, n) in enumerate(zip(slots, starts, num_new, strict=True)):
             p = positions[b] if positions is not None else None
-            pos += range(start, start + n) if p is None else p
+            pos += range(start, start + n) if p is None else list(p)
             w_slot += [slot] * n
             w_pos += range(start, start + n)
             w_from += range(b * q_len, b * q_len + n)

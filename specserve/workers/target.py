@@ -19,6 +19,8 @@ from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
 from specserve.spec_decode.verify import accept_tree, verify_chain_sampled, verify_tree
 from specserve.workers.base import SlotTable
 
+PIN_LIMIT_BYTES = 1 << 20  # other sequences' feature rows one sequence's view may keep alive
+
 
 class TargetWorker:
     def __init__(self, model: LlamaModel, *, num_slots: int, max_len: int) -> None:
@@ -149,7 +151,13 @@ class TargetWorker:
             offset += n
         whole = index == list(range(features.shape[0]))
         kept = features if whole else features[torch.tensor(index, device=features.device)]  # [sum(sizes), F]
-        per_seq = iter(kept.split(sizes))
+        row_bytes = kept.shape[1] * kept.element_size()
+        # a sequence keeps its rows for up to catch_up_window steps: a view that would hold much more of the step
+        # alive (a decode row beside another sequence's long prefill) gets its own copy
+        per_seq = iter(
+            rows.clone() if (kept.shape[0] - rows.shape[0]) * row_bytes > PIN_LIMIT_BYTES else rows
+            for rows in kept.split(sizes)
+        )
         pairs = zip(items, outputs, strict=True)
         return [out if it.features is None else replace(out, features=next(per_seq)) for it, out in pairs]
 
