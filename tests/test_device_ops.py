@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specserve.messages import FeatureRequest, VerifyItem, VerifyOutput
@@ -21,6 +22,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
 from specserve.sampling import SamplingParams
+from specserve.spec_decode.eagle2 import TreeBuilder, expand_level
 from specserve.workers.target import TargetWorker
 
 
@@ -237,3 +239,44 @@ def test_a_decode_row_beside_a_long_prefill_does_not_keep_the_prefill_alive() ->
     plain = worker.verify([VerifyItem(i, [50 + i], features=FeatureRequest()) for i in range(3)])
     storages = {o.features.untyped_storage().data_ptr() for o in plain if o.features is not None}
     assert len(storages) == 1  # the step's rows, split: no copy a sequence
+
+
+class _HostReads(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.reads += getattr(func, "__name__", "") in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_levels_trees_expand_with_one_host_read_and_as_each_alone() -> None:
+    """A level of a batch's trees: one log-softmax, top-k and host read for every builder sharing a width and a
+    column map, and the same candidates, scores and beam as each builder expanded alone."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 40
+    token_ids = torch.randperm(500, generator=gen)[:vocab]  # a reduced draft vocabulary's columns -> target ids
+    specs = [(10, token_ids), (10, token_ids), (4, token_ids), (10, token_ids), (10, None), (10, token_ids)]
+    batched = [TreeBuilder(w, min_score=-6.0) for w, _ in specs]
+    alone = [TreeBuilder(w, min_score=-6.0) for w, _ in specs]
+    for depth in range(4):
+        logits = [torch.randn(len(b.beam) if depth else 1, vocab, generator=gen) * 3 for b in batched]
+        level = [(b, lg, m) for b, lg, (_, m) in zip(batched, logits, specs, strict=True) if depth == 0 or b.beam]
+        with _HostReads() as counter:
+            expand_level(level)
+        groups = {(b.width, id(m)) for b, _, m in level}
+        assert counter.reads == 2 * len(groups)  # the values and the ids, once per group (not per builder)
+        for b, lg, (_, m) in zip(alone, logits, specs, strict=True):
+            if depth == 0 or b.beam:
+                b.expand(torch.log_softmax(lg, dim=-1), m)
+    for b, a in zip(batched, alone, strict=True):
+        assert (b.tokens, b.parents, b.scores, b.depths, b.beam, b.set_aside) == (
+            a.tokens,
+            a.parents,
+            a.scores,
+            a.depths,
+            a.beam,
+            a.set_aside,
+        )
+    assert sum(b.num_candidates for b in batched) > 100

@@ -7,9 +7,9 @@ candidates to the verify budget. Scores are log draft probabilities at temperatu
 only decrease with depth).
 
 The draft's distributions stay where its forward ran; a level's top-w children per beam node (w <= beam width,
-tens of numbers) come to the host once, in ``TreeBuilder.expand``, the level's one host sync, and everything after
-that (scores, the beam, the floor, H, the rerank, the ancestry) is bookkeeping over a few dozen Python numbers
-(docs/algorithms.md §3.2).
+tens of numbers) come to the host once for the whole batch, in ``expand_level``, the level's one host sync, and
+everything after that (scores, the beam, the floor, H, the rerank, the ancestry) is bookkeeping over a few dozen
+Python numbers (docs/algorithms.md §3.2).
 """
 
 from __future__ import annotations
@@ -82,12 +82,13 @@ class TreeBuilder:
         logq: [n_beam, V_d] draft log-probabilities (temperature 1) at the current beam nodes, in beam order;
         token_ids: [V_d] target id of each column (None: columns are target ids).
         """
+        self.add_level(*_top_children(logq, self.width, token_ids))
+
+    def add_level(self, values: list[list[float]], toks: list[list[int]]) -> None:
+        """``expand`` given each beam node's top-w children on the host: their log-probabilities and target ids."""
         parent_ids, base = (self.beam, self.beam_scores) if self.depth > 0 else ([-1], [0.0])  # the root scores 0
-        if logq.shape[0] != len(parent_ids):
-            raise ValueError(f"logq has {logq.shape[0]} rows for a beam of {len(parent_ids)} nodes")
-        top_logq, top_col = logq.topk(self.width, dim=-1)  # [n_beam, w]
-        top_tok = top_col if token_ids is None else token_ids[top_col]
-        values, toks = top_logq.tolist(), top_tok.tolist()  # host sync: the level's one device->host copy
+        if len(values) != len(parent_ids):
+            raise ValueError(f"logq has {len(values)} rows for a beam of {len(parent_ids)} nodes")
         first = self.num_candidates
         for parent, score, vals, ts in zip(parent_ids, base, values, toks, strict=True):
             self.tokens += ts
@@ -131,6 +132,36 @@ class TreeBuilder:
         )
 
 
+def _top_children(
+    logq: torch.Tensor, width: int, token_ids: torch.Tensor | None
+) -> tuple[list[list[float]], list[list[int]]]:
+    """The top-``width`` log-probabilities and target ids of each row of ``logq`` [R, V_d], on the host."""
+    top_logq, top_col = logq.topk(width, dim=-1)  # [R, w]
+    top_tok = top_col if token_ids is None else token_ids[top_col]
+    return top_logq.tolist(), top_tok.tolist()  # host sync: the level's device->host copy
+
+
+def expand_level(level: list[tuple[TreeBuilder, torch.Tensor, torch.Tensor | None]]) -> None:
+    """Expand each builder by its level's draft logits [n_i, V_d] (its beam's rows, the root's at depth 0) and
+    column map: one log-softmax, top-k and host read for the builders that share a width and a map (a batch's
+    do), so a level's device work and syncs do not grow with its sequences. Row-wise, as each builder alone."""
+    groups: dict[tuple[int, int], list[tuple[TreeBuilder, torch.Tensor, torch.Tensor | None]]] = {}
+    for entry in level:
+        groups.setdefault((entry[0].width, id(entry[2])), []).append(entry)
+    for group in groups.values():
+        if len(group) == 1:
+            builder, lg, token_ids = group[0]
+            builder.expand(torch.log_softmax(lg, dim=-1), token_ids)
+            continue
+        width, token_ids = group[0][0].width, group[0][2]
+        values, toks = _top_children(torch.log_softmax(torch.cat([e[1] for e in group]), dim=-1), width, token_ids)
+        start = 0
+        for builder, lg, _ in group:
+            end = start + lg.shape[0]
+            builder.add_level(values[start:end], toks[start:end])
+            start = end
+
+
 @dataclass
 class TreeGrowth:
     """One sequence's tree while it grows: the candidates, and which forwarded row holds each of them."""
@@ -148,15 +179,17 @@ def grow_trees(trees: list[tuple[DraftState, torch.Tensor]], forward: DraftForwa
     """Grow every tree level by level until its depth budget (``item.depth``) or DDD's stop; ``trees`` pairs each
     state with its level-0 logits. Returns how many times DDD's H was read."""
     h_reads = 0
+    roots = []
     for s, lg in trees:
         if s.item.depth == 0:
             continue
         spec = s.item.spec
         builder = TreeBuilder(spec.beam_width, min_score=floor_score(s) if spec.floor_beam else -math.inf)
         s.q_logits.append(lg)
-        builder.expand(torch.log_softmax(lg, dim=-1), s.token_ids)
+        roots.append((builder, lg, s.token_ids))
         s.tree = TreeGrowth(builder)
         s.depth = 1
+    expand_level(roots)
     active = []
     for s, _ in trees:
         if s.tree is not None:
@@ -174,11 +207,15 @@ def grow_trees(trees: list[tuple[DraftState, torch.Tensor]], forward: DraftForwa
             tokens.append(s.tree.builder.beam_tokens())
             positions.append([s.root_idx + s.depth] * len(s.tree.builder.beam))
         out = forward(active, tokens, positions=positions, masks=masks, parent_rows=parent_rows)
-        still = []
+        level = []
         for s, lg in zip(active, out, strict=True):
             assert s.tree is not None
             s.q_logits.append(lg)
-            s.tree.builder.expand(torch.log_softmax(lg, dim=-1), s.token_ids)
+            level.append((s.tree.builder, lg, s.token_ids))
+        expand_level(level)
+        still = []
+        for s in active:
+            assert s.tree is not None
             s.depth += 1
             done, read = _tree_done(s)
             h_reads += read
