@@ -10,7 +10,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 from transformers import PreTrainedTokenizerBase
 
@@ -166,6 +166,7 @@ class Engine:
             self._outbox[request_id] = _Outbox(ids)
         return request_id
 
+    @overload
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -173,8 +174,29 @@ class Engine:
         *,
         chat: bool = False,
         speculation: SpecConfig | None = None,
-    ) -> list[Completion]:
-        """Generate for several prompts batched together; returns completions in prompt order."""
+        return_exceptions: Literal[False] = False,
+    ) -> list[Completion]: ...
+    @overload
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+        speculation: SpecConfig | None = None,
+        return_exceptions: bool,
+    ) -> list[Completion] | list[Completion | Exception]: ...
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
+        speculation: SpecConfig | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Completion] | list[Completion | Exception]:
+        """Generate for several prompts batched together; returns completions in prompt order (see ``collect`` for
+        ``return_exceptions``)."""
         batch: list[Prompt] = [cast(Prompt, prompts)] if _is_single(prompts) else list(cast(Sequence[Prompt], prompts))
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
@@ -186,11 +208,22 @@ class Engine:
         except Exception:  # a prompt that fails to encode or validate: the ones before it are not left running
             self._drop(ids)
             raise
-        return self.collect(ids)
+        return self.collect(ids, return_exceptions=return_exceptions)
 
-    def collect(self, request_ids: Sequence[str]) -> list[Completion]:
+    @overload
+    def collect(self, request_ids: Sequence[str], *, return_exceptions: Literal[False] = False) -> list[Completion]: ...
+    @overload
+    def collect(
+        self, request_ids: Sequence[str], *, return_exceptions: bool
+    ) -> list[Completion] | list[Completion | Exception]: ...
+    def collect(
+        self, request_ids: Sequence[str], *, return_exceptions: bool = False
+    ) -> list[Completion] | list[Completion | Exception]:
         """Run submitted requests to completion (batched with whatever else is queued); completions in the order
-        given."""
+        given. A request that failed on its own (its sequence's error: the others keep running) raises its error,
+        and the requests not yet consumed are aborted; with ``return_exceptions`` every request runs to its end and a
+        failed one's error takes its place in the list, as ``asyncio.gather`` does. A failure of the whole step
+        raises either way."""
         ids = list(request_ids)
         unknown = [rid for rid in ids if rid not in self._outbox]
         if unknown:
@@ -198,16 +231,21 @@ class Engine:
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"request ids given twice: {sorted({r for r in ids if ids.count(r) > 1})}")
         prompt_ids = {rid: self._outbox[rid].prompt_ids for rid in ids}
-        completions = []
+        completions: list[Completion | Exception] = []
         with self._consuming(ids):
             for rid in ids:  # the others' outputs wait in their outboxes meanwhile
-                tokens, text = [], ""
-                for out in self._outputs(rid):
+                tokens, text, last = [], "", None
+                for out in self._outputs(rid, errors_as_values=return_exceptions):
+                    if isinstance(out, Exception):
+                        completions.append(out)
+                        break
                     tokens += out.token_ids
                     text += out.text
-                assert out.finish_reason is not None
-                completions.append(Completion(rid, prompt_ids[rid], tokens, text, out.finish_reason, out.stats))
-        return completions
+                    last = out
+                else:
+                    assert last is not None and last.finish_reason is not None
+                    completions.append(Completion(rid, prompt_ids[rid], tokens, text, last.finish_reason, last.stats))
+        return completions  # type: ignore[return-value]  # only Completions unless return_exceptions
 
     def _step(self) -> list[RequestOutput]:
         """One loop step. A request whose sequence failed is aborted (its KV freed) and its error waits in its
@@ -286,14 +324,22 @@ class Engine:
                 else:
                     self.loop.abort(rid)
 
-    def _outputs(self, rid: str) -> Iterator[RequestOutput]:
-        """This request's outputs through its finished one (or the error that ended it), stepping the loop while
-        none waits; a step's outputs for other submitted requests go to their outboxes."""
+    @overload
+    def _outputs(self, rid: str) -> Iterator[RequestOutput]: ...
+    @overload
+    def _outputs(self, rid: str, *, errors_as_values: bool) -> Iterator[RequestOutput | Exception]: ...
+    def _outputs(self, rid: str, *, errors_as_values: bool = False) -> Iterator[RequestOutput | Exception]:
+        """This request's outputs through its finished one, or the error that ended it (raised, or yielded last with
+        ``errors_as_values``), stepping the loop while none waits; a step's outputs for other submitted requests go
+        to their outboxes."""
         box = self._outbox[rid].outputs
         while True:
             while box:
                 out = box.popleft()
                 if isinstance(out, Exception):
+                    if errors_as_values:
+                        yield out
+                        return
                     raise out
                 yield out
                 if out.finished:

@@ -51,6 +51,15 @@ class SamplingParams(Validated):
         return self.model_copy(update={"seed": secrets.randbits(63)})
 
 
+def greedy_draw(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> [N] long: each row's argmax, or V (out of range, for the caller to reject as a row without
+    mass) where the row's maximum is not finite. NaN logits would otherwise draw the first NaN's token (token 0
+    for a row of NaN) and +inf ones a token no distribution gives; a sampled row with either has no mass too."""
+    best = logits.argmax(-1)  # [N]
+    top = logits.gather(-1, best.unsqueeze(-1)).squeeze(-1)  # [N]
+    return torch.where(torch.isfinite(top), best, logits.shape[-1])
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] float32 after temperature, top-k and top-p.
 
@@ -58,8 +67,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     in verification (a point mass is accepted exactly when it is the argmax).
     """
     logits = logits.float()
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    if params.greedy:  # a row without a finite maximum draws V, whose one-hot column is cut: a row without mass
+        return torch.nn.functional.one_hot(greedy_draw(logits), logits.shape[-1] + 1)[:, :-1].float()
     # shift the maximum to 0 first: at any temperature the scaled logits are <= 0 (tiny temperatures give -inf
     # below the maximum, never inf or nan), so the softmax stays a distribution; a temperature below float32's
     # smallest normal (it could round to 0, and 0 / 0 is nan) divides as that smallest one

@@ -14,14 +14,22 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 import ray
+import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from deployments.lane import Lane
 from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
 from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
-from specserve.engine import Engine
-from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blame, blamed_sequence
+from specserve.engine import Completion, Engine
+from specserve.errors import (
+    InvalidRequestError,
+    PartialStepError,
+    SequenceError,
+    SpecServeError,
+    blame,
+    blamed_sequence,
+)
 from specserve.messages import Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
@@ -665,3 +673,57 @@ def test_a_duplicate_request_id_is_refused_without_touching_the_live_request(
         _settle(lane)
     finally:
         lane.stop()
+
+
+@pytest.mark.parametrize("spec", [SPEC, None], ids=["chain", "plain"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["greedy-batch", "beside-a-sampled-request"])
+def test_a_greedy_row_of_nan_logits_fails_its_request_alone(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], spec: SpecConfig | None, mixed: bool
+) -> None:
+    """A target whose state for one request goes NaN (here: the embedding of a token only its prompt holds) gives
+    that request a clear error, not token 0 (the argmax of a row of NaN); with ``return_exceptions`` the requests
+    after it in the call still come back, each with its own tokens, and every slot is freed. Beside a sampled
+    request the step computes full logits and takes the greedy rows' argmaxes from them: the same rule."""
+    target, draft = models
+    poisoned = noisy_copy(target, 0.0)  # an exact copy
+    used = {t for ids in [*PROMPTS, *alone] for t in ids}
+    bad = next(t for t in range(3, target.cfg.vocab_size) if t not in used)
+    with torch.no_grad():
+        poisoned.embed_tokens.weight[bad] = float("nan")
+    engine = Engine(
+        poisoned, None, draft=draft, speculation=spec, max_batch_size=8, max_model_len=64, eos_token_ids=set()
+    )
+    prompts = [PROMPTS[0], [5, bad, 13], *PROMPTS[1:]]
+    params = [GREEDY] * len(prompts)
+    if mixed:
+        prompts.append(PROMPTS[2])
+        params.append(SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True))
+    results = engine.generate(prompts, params, return_exceptions=True)
+    failed = results[1]
+    assert isinstance(failed, SpecServeError) and "no mass" in str(failed), failed
+    assert [r.token_ids for r in results[:1] + results[2:5] if isinstance(r, Completion)] == alone
+    if mixed:
+        assert isinstance(results[5], Completion) and len(results[5].token_ids) == MAX_TOKENS
+    assert not engine.loop.has_work
+    assert isinstance(engine.loop.target, TargetWorker) and engine.loop.target.cache.num_free == 8
+    with pytest.raises(SpecServeError, match="no mass"):  # without return_exceptions: the error itself
+        engine.generate([[5, bad, 13]], GREEDY)
+
+
+def test_collect_with_return_exceptions_keeps_every_other_completion(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request fails in the target's verify; the requests submitted beside it are collected in full (without
+    the switch the first failure raises and the requests after it in the call are aborted)."""
+    engine = _engine(models)
+    poison = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)  # GREEDY's values, another object
+    _faulty(engine, poison, lambda batch, bad: _named(min(bad & batch), ray=False) if bad & batch else None)
+    ids = [engine.submit(p, poison if i == 1 else GREEDY) for i, p in enumerate(PROMPTS)]
+    results = engine.collect(ids, return_exceptions=True)
+    assert isinstance(results[1], SequenceError) and results[1].message == "poisoned"
+    assert [r.token_ids for r in results if isinstance(r, Completion)] == [alone[i] for i in (0, 2, 3)]
+    assert not engine.loop.has_work
+    ids = [engine.submit(p, poison if i == 1 else GREEDY) for i, p in enumerate(PROMPTS)]
+    with pytest.raises(SequenceError, match="poisoned"):
+        engine.collect(ids)
+    assert not engine.loop.has_work  # the ones after it aborted, not left running

@@ -16,7 +16,14 @@ from specserve.engine import Engine
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
-from specserve.sampling import SamplingParams, keyed_exponentials, keyed_sample, make_generator, process_logits
+from specserve.sampling import (
+    SamplingParams,
+    greedy_draw,
+    keyed_exponentials,
+    keyed_sample,
+    make_generator,
+    process_logits,
+)
 from specserve.spec_decode.draft_tree import DraftTree
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind
 from specserve.spec_decode.verify import accept_tree
@@ -83,6 +90,19 @@ def test_a_sampled_row_with_non_finite_logits_has_no_mass(bad: str) -> None:
     assert keyed_sample(probs, 3, [10, 10], 8).tolist()[1] == 8
     with pytest.raises(ValueError, match="no mass"):
         accept_tree(DraftTree.chain(1, []), keyed_sample(probs[1:], 3, [10], 8), 8)
+
+
+def test_a_greedy_row_without_a_finite_maximum_has_no_mass() -> None:
+    """Greedy draws the argmax only where the row's maximum is finite: a NaN anywhere (torch's argmax picks it),
+    a +inf or a row of -inf draws V, out of range, and the greedy one-hot row is all zeros, as a sampled row with
+    such logits is without mass; verification then raises instead of emitting token 0."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[0.0, 2.0, 1.0], [nan, nan, nan], [0.0, inf, 1.0], [-inf, -inf, -inf], [0.0, 5.0, nan]])
+    assert greedy_draw(logits).tolist() == [1, 3, 3, 3, 3]
+    probs = process_logits(logits, SamplingParams())
+    assert probs[0].tolist() == [0.0, 1.0, 0.0] and probs[1:].abs().sum() == 0
+    with pytest.raises(ValueError, match="no mass"):
+        accept_tree(DraftTree.chain(1, []), greedy_draw(logits[1:2]), 3)
 
 
 def test_a_draft_with_non_finite_logits_only_drafts_badly(target: LlamaModel) -> None:

@@ -27,6 +27,7 @@ import torch
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel, reads_copy, small_gemm_fits
 from specserve.models.native_stack import PLAN_MARGIN, describe_rows, extension, probe_mask
+from specserve.sampling import greedy_draw
 from specserve.timing import interleaved_medians
 
 log = logging.getLogger(__name__)
@@ -112,14 +113,14 @@ def greedy_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     head = model.lm_head
     rows = hidden.shape[0]
     if getattr(head, "small_records", None) is not None and reads_copy(getattr(head, "small_record_rows", 0), rows):
-        return model.logits(hidden).argmax(dim=-1)  # the exact logits from the head's Q8_0 records: fewer bytes still
+        return greedy_draw(model.logits(hidden))  # the exact logits from the head's Q8_0 records: fewer bytes still
     if (
         bounded is None
         or rows > ARGMAX_ROWS
         or not reads_copy(bounded.rows, rows)
         or not small_gemm_fits(hidden, head.weight, getattr(head, "small_rows", 0))
     ):
-        return model.logits(hidden).argmax(dim=-1)
+        return greedy_draw(model.logits(hidden))
     return bounded_ids(model, hidden)
 
 
@@ -129,4 +130,4 @@ def bounded_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     ids, ok = extension().small_bounded_argmax(
         hidden, bounded.packed, model.lm_head.weight.detach(), bounded.row_norms, bounded.bound
     )
-    return ids if ok else model.logits(hidden).argmax(dim=-1)  # not ok: a NaN / infinite state, or an overflow
+    return ids if ok else greedy_draw(model.logits(hidden))  # not ok: a NaN / infinite state, or an overflow
