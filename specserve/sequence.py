@@ -35,6 +35,7 @@ class Request:
     params: SamplingParams
     speculation: SpecConfig | None = None  # None: the loop's default
     delivered: Delivered | None = None  # continue after this output (a request moved between lanes)
+    cache_salt: str | None = None  # the partition of the cross-request suffix cache it drafts from and adds to
 
 
 @dataclass

@@ -258,7 +258,9 @@ class StepLoop:
             if d == 0:
                 continue
             if s.spec.drafter != Drafter.model:
-                p = self.model_free.propose(s.seq_id, s.tokens, s.spec, d, want_q=s.sl_state is not None)
+                p = self.model_free.propose(
+                    s.seq_id, s.tokens, s.spec, d, want_q=s.sl_state is not None, cache_salt=s.request.cache_salt
+                )
                 if p is not None:
                     proposals[s.seq_id] = p
                     continue
@@ -448,6 +450,6 @@ class StepLoop:
         self.target.release(ids)
         self.model_free.release(ids)
         for s in seqs:
-            self.model_free.remember(s.output)
+            self.model_free.remember(s.output, s.request.cache_salt)
         if self.draft is not None:
             self.draft.release(ids)

@@ -352,3 +352,34 @@ def test_a_developer_message_is_the_system_prompt_and_tool_messages_carry_their_
     assert prompt_tokens([{"role": "developer", "content": "Answer in French."}, *USER]) == as_system
     tool = {"role": "tool", "content": "42", "tool_call_id": "call_1"}
     assert prompt_tokens([*USER, {"role": "assistant", "content": "calling"}, tool]) > 0
+
+
+def test_the_suffix_cache_is_partitioned_by_cache_salt() -> None:
+    """A repeat drafts from the replica's cache of recent outputs only under the salt its first answer was kept
+    under: another salt (or none) gets the drafts of its own tokens alone, as the first answer did, and every
+    answer is the same greedy one. A salt that is not a non-empty string is a 400 naming it."""
+    suffix = {"drafter": "suffix", "method": "ddd", "model_fallback": False, "policy": "static"}
+    backend = LocalBackend(max_model_len=CONTEXT)
+    try:
+        with api_server(backend) as url:
+
+            def run(**salt: Any) -> tuple[list[int], int]:
+                body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+                body |= {"return_token_ids": True, "speculation": suffix, **salt}
+                r = httpx.post(f"{url}{COMPLETIONS}", json=body, timeout=30)
+                assert r.status_code == 200, r.text
+                out = r.json()
+                return out["choices"][0]["token_ids"], out["usage"]["speculation"]["accepted"]
+
+            ids, first = run(cache_salt="tenant-a")
+            for other in ({"cache_salt": "tenant-b"}, {}):
+                assert run(**other) == (ids, first), other
+            for same in ({"cache_salt": "tenant-a"}, {"cache_salt": None}):  # null: no salt, as the request before
+                again, accepted = run(**same)
+                assert again == ids and accepted >= 12 and accepted > first, same
+            for bad in ("", 7, ["a"], "x" * 257):
+                body = {"model": MODEL, "prompt": "hi", "cache_salt": bad}
+                error = _error(httpx.post(f"{url}{COMPLETIONS}", json=body, timeout=30))
+                assert error["param"] == "cache_salt", (bad, error)
+    finally:
+        backend.stop()

@@ -172,23 +172,31 @@ def test_suffix_match_is_the_longest_suffix_with_a_continuation() -> None:
 
 
 def test_suffix_cache_stays_within_its_bound_and_evicts_oldest_first() -> None:
+    """One token bound and one eviction order across the salts' partitions; each partition's trie is exactly the trie
+    of its kept outputs, and a partition whose outputs are all evicted is gone."""
     rng = random.Random(1)
     cache = SuffixCache(max_tokens=300, depth=8)
     added = []
-    for _ in range(400):  # a long run: ~12k tokens through a 300-token cache
+    for i in range(400):  # a long run: ~12k tokens through a 300-token cache
         out = [rng.randrange(50) for _ in range(rng.randrange(1, 60))]
-        cache.add(out)
-        added.append(out)
-        assert cache.tokens <= 300 and cache.trie.num_nodes <= cache.max_nodes
+        salt = None if i < 300 else rng.choice([None, "a", "b"])  # "a" and "b" from step 300 on
+        cache.add(out, salt)
+        added.append((salt, out))
+        assert cache.tokens <= 300 and cache.num_nodes <= cache.max_nodes
     kept = list(cache.entries)
     assert kept == added[-len(kept) :]  # the newest ones, in order
-    fresh = SuffixTrie(depth=8)
-    for out in kept:
-        fresh.add(out)
-    assert cache.trie.root.as_dict() == fresh.root.as_dict() and cache.trie.num_nodes == fresh.num_nodes
+    for salt in (None, "a", "b"):
+        fresh = SuffixTrie(depth=8)
+        for _, out in (e for e in kept if e[0] == salt):
+            fresh.add(out)
+        trie = cache.trie(salt)
+        assert trie is not None and trie.root.as_dict() == fresh.root.as_dict() and trie.num_nodes == fresh.num_nodes
+    for _ in range(20):  # the unsalted outputs age out
+        cache.add(list(range(30)), "a")
+    assert cache.trie(None) is None and set(cache.tries) == {"a"}
     big = SuffixCache(max_tokens=10, depth=4)
     big.add(list(range(25)))  # longer than the whole cache: its last 10 tokens
-    assert list(big.entries) == [list(range(15, 25))]
+    assert list(big.entries) == [(None, list(range(15, 25)))]
     SuffixCache(max_tokens=0, depth=4).add([1, 2])  # a disabled cache takes nothing
 
 
@@ -393,7 +401,8 @@ def test_a_diffuse_cache_match_leaves_the_requests_own_draft_its_turn() -> None:
         cache.add([9, 1, 2, t])
     drafter = ModelFreeDrafter(cache)
     drafter.use_cache()
-    assert cache.trie.match(context, 4, 1)[0] > 2  # the cache's match is the longer one
+    trie = cache.trie()
+    assert trie is not None and trie.match(context, 4, 1)[0] > 2  # the cache's match is the longer one
     proposal = drafter.propose(0, context, spec, 4, want_q=False)
     assert proposal is not None and proposal.tokens == [3, 5, 6, 7]
 
@@ -448,3 +457,21 @@ def _next_probs(model: LlamaModel, contexts: list[list[int]]) -> np.ndarray:
         rows.append(torch.softmax(logits[-1].double(), -1).numpy())
     p = np.stack(rows)
     return p / p.sum(-1, keepdims=True)
+
+
+def test_a_request_drafts_only_from_outputs_of_its_own_cache_salt() -> None:
+    """The cross-request cache is partitioned by salt: an output kept under "a" drafts for "a" only, not for "b"
+    nor for requests without a salt (and an unsalted output not for "a")."""
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix)
+    cache = SuffixCache(1000, spec.model_free.suffix_depth)
+    drafter = ModelFreeDrafter(cache)
+    drafter.use_cache()
+    drafter.remember([40, 41, 42, 43, 44, 45], "a")
+    drafter.remember([50, 51, 52, 53, 54, 55], None)
+    a = drafter.propose(0, [7, 40, 41], spec, 4, want_q=False, cache_salt="a")
+    assert a is not None and a.tokens == [42, 43, 44, 45]
+    assert drafter.propose(1, [7, 40, 41], spec, 4, want_q=False, cache_salt="b") is None
+    assert drafter.propose(2, [7, 40, 41], spec, 4, want_q=False) is None
+    unsalted = drafter.propose(3, [7, 50, 51], spec, 4, want_q=False)
+    assert unsalted is not None and unsalted.tokens == [52, 53, 54, 55]
+    assert drafter.propose(4, [7, 50, 51], spec, 4, want_q=False, cache_salt="a") is None

@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    StrictStr,
     Tag,
     field_validator,
     model_validator,
@@ -154,6 +155,14 @@ class GenerationRequest(BaseModel):
     ignore_eos: StrictBool = Field(default=False, description="extension: keep generating past EOS")
     return_token_ids: StrictBool = Field(default=False, description="extension: token ids alongside the text")
     speculation: SpeculationOptions | None = Field(default=None, description="extension: speculative decoding")
+    cache_salt: StrictStr | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="extension (as vLLM's): the suffix drafter's cache of recent outputs is partitioned by salt; a "
+        "request drafts only from outputs of requests with its salt, so tenants with salts of their own cannot "
+        "learn each other's outputs from speculation's speed or usage",
+    )
     resume_from: str | None = Field(
         default=None,
         max_length=64,

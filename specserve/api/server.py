@@ -311,7 +311,8 @@ class _Routes:
             params = sampling_params_for(body, max_tokens=max_tokens)
             fmt.seed = params.seed
             spec = speculation_for(body.speculation, self.backend.default_speculation)
-            stream = await self.backend.submit(Request(fmt.request_id, prompt_ids, params, spec))
+            request = Request(fmt.request_id, prompt_ids, params, spec, cache_salt=body.cache_salt)
+            stream = await self.backend.submit(request)
         except InvalidRequestError:
             metrics.request_done(RequestStatus.invalid)
             raise

@@ -455,7 +455,7 @@ def _generate_timed(engine: Engine, prompt: list[int], params: SamplingParams, t
 @contextlib.contextmanager
 def _frozen(cache: SuffixCache) -> Iterator[None]:
     add = cache.add
-    cache.add = lambda tokens: None  # type: ignore[method-assign]
+    cache.add = lambda tokens, salt=None: None  # type: ignore[method-assign]
     try:
         yield
     finally:

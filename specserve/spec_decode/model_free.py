@@ -21,9 +21,19 @@ class ModelFreeDrafter:
         self.cache = cache  # recent outputs across requests (None: the request's own tokens only)
         self.streams: dict[int, SuffixStream] = {}  # the suffix drafter's trie over each request's tokens
 
-    def propose(self, seq_id: int, tokens: list[int], spec: SpecConfig, depth: int, *, want_q: bool) -> Proposal | None:
+    def propose(
+        self,
+        seq_id: int,
+        tokens: list[int],
+        spec: SpecConfig,
+        depth: int,
+        *,
+        want_q: bool,
+        cache_salt: str | None = None,
+    ) -> Proposal | None:
         """A draft of at most ``depth`` levels after ``tokens`` (the committed tokens, ending with the root), or
-        None where nothing matches; ``want_q``: ship the empirical q for DSDE's KLD."""
+        None where nothing matches; ``want_q``: ship the empirical q for DSDE's KLD; ``cache_salt``: the partition
+        of the cross-request cache this request may draft from."""
         cfg = spec.model_free
         if spec.drafter == Drafter.lookup:
             arr = np.asarray(tokens, dtype=np.int64)
@@ -37,7 +47,8 @@ class ModelFreeDrafter:
         n_own, own = stream.trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
         if self.cache is not None:
             with self.cache.lock:  # the cache's nodes may change under another lane's thread
-                n_cached, cached = self.cache.trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
+                trie = self.cache.trie(cache_salt)
+                n_cached, cached = (0, None) if trie is None else trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
                 # the longer match wins, ties going to the request's own tokens; a longer match whose continuations
                 # are too diffuse to draft leaves the request's own match its turn
                 if n_cached > n_own and (proposal := _proposal(seq_id, cached, spec, depth, want_q)) is not None:
@@ -54,11 +65,11 @@ class ModelFreeDrafter:
         if self.cache is not None:
             self.cache.in_use = True
 
-    def remember(self, output: list[int]) -> None:
-        """A finished (or aborted) request's output joins the cross-request cache, whoever drafted it, once the
-        cache is in use."""
+    def remember(self, output: list[int], cache_salt: str | None = None) -> None:
+        """A finished (or aborted) request's output joins the cross-request cache's partition of its salt, whoever
+        drafted it, once the cache is in use."""
         if self.cache is not None and self.cache.in_use:
-            self.cache.add(output)
+            self.cache.add(output, cache_salt)
 
 
 def _proposal(seq_id: int, root: CountNode | None, spec: SpecConfig, depth: int, want_q: bool) -> Proposal | None:

@@ -115,13 +115,17 @@ class SuffixStream:
 
 
 class SuffixCache:
-    """Recent requests' outputs in one trie, at most ``max_tokens`` of them, the oldest evicted first. Shared by
-    the lanes of a replica (their threads): ``lock`` guards the trie and any node read from it."""
+    """Recent requests' outputs, at most ``max_tokens`` of them, the oldest evicted first, in one trie per cache salt:
+    a request drafts only from outputs of requests with its own salt (None, the default, is one partition like any
+    other), so a tenant that sets a salt neither sees nor reveals others' outputs through its speculation's speed or
+    ``usage.speculation``. Shared by the lanes of a replica (their threads): ``lock`` guards the tries and any node
+    read from them."""
 
     def __init__(self, max_tokens: int, depth: int) -> None:
         self.max_tokens = max_tokens
-        self.trie = SuffixTrie(depth)
-        self.entries: deque[list[int]] = deque()
+        self.depth = depth
+        self.tries: dict[str | None, SuffixTrie] = {}
+        self.entries: deque[tuple[str | None, list[int]]] = deque()
         self.tokens = 0
         self.lock = threading.Lock()
         # outputs are kept only once a lane serves the suffix drafter: until then the trie (~10^5 tracked objects
@@ -131,18 +135,29 @@ class SuffixCache:
 
     @property
     def max_nodes(self) -> int:
-        """The memory bound: each cached token starts at most ``depth`` nodes."""
-        return self.max_tokens * self.trie.depth
+        """The memory bound: each cached token starts at most ``depth`` nodes, whichever trie holds it."""
+        return self.max_tokens * self.depth
 
-    def add(self, tokens: Sequence[int]) -> None:
+    @property
+    def num_nodes(self) -> int:
+        return sum(t.num_nodes for t in self.tries.values())
+
+    def trie(self, salt: str | None = None) -> SuffixTrie | None:
+        """The outputs of requests with this salt (None where there are none); read it under ``lock``."""
+        return self.tries.get(salt)
+
+    def add(self, tokens: Sequence[int], salt: str | None = None) -> None:
         if self.max_tokens == 0 or not tokens:
             return
         entry = list(tokens[-self.max_tokens :])
         with self.lock:
             while self.entries and self.tokens + len(entry) > self.max_tokens:
-                old = self.entries.popleft()
-                self.trie.remove(old)
+                old_salt, old = self.entries.popleft()
+                trie = self.tries[old_salt]
+                trie.remove(old)
+                if trie.num_nodes == 0:  # a salt's last output gone: so is its trie
+                    del self.tries[old_salt]
                 self.tokens -= len(old)
-            self.trie.add(entry)
-            self.entries.append(entry)
+            self.tries.setdefault(salt, SuffixTrie(self.depth)).add(entry)
+            self.entries.append((salt, entry))
             self.tokens += len(entry)
