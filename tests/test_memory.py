@@ -144,7 +144,7 @@ def test_loading_builds_the_serving_dtype_directly(tmp_path: Path, dtype: str, t
     assert torch.equal(_logits(loaded, [3, 4, 5, 6]), _logits(want, [3, 4, 5, 6]))
 
 
-def test_a_checkpoint_deeper_than_its_config_or_with_non_finite_weights_is_refused(tmp_path: Path) -> None:
+def test_a_checkpoint_deeper_or_shallower_than_its_config_or_with_non_finite_weights_is_refused(tmp_path: Path) -> None:
     model = tiny_model(tiny_config(num_hidden_layers=3), seed=3)
     spec = ModelSpec(source=str(tmp_path / "m"), native_stack=False, small_gemm=False)
     path = _write_hf_dir(model, tmp_path / "m")
@@ -153,6 +153,9 @@ def test_a_checkpoint_deeper_than_its_config_or_with_non_finite_weights_is_refus
     (path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 2}))
     with pytest.raises(UnsupportedModelError, match=r"hold 3 decoder layers; its config\.json names 2"):
         load_model_dir(path, spec)  # it ran the first two layers before
+    (path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 100_000}))
+    with pytest.raises(UnsupportedModelError, match=r"hold 3 decoder layers; its config\.json names 100000"):
+        load_model_dir(path, spec)  # it built 100000 layers first (85 s) and then missed a tensor of the fourth
     (path / "config.json").write_text(json.dumps(config))
     sd = load_file(path / "model.safetensors")
     sd["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")

@@ -131,9 +131,10 @@ def load_model_dir(
 
         layers = {int(m.group(1)) for name in where if (m := re.match(r"model\.layers\.(\d+)\.", name))}
         named = getattr(hf_config, "num_hidden_layers", None)
-        if isinstance(named, int) and layers and max(layers) >= named:
+        held = max(layers) + 1 if layers else 0
+        if isinstance(named, int) and held != named:  # before building: an absurd count would take minutes to refuse
             raise UnsupportedModelError(
-                f"the weights in {path} hold {max(layers) + 1} decoder layers; its config.json names {named}"
+                f"the weights in {path} hold {held} decoder layers; its config.json names {named}"
             )
         try:
             model = LlamaModel.from_hf_weights(hf_config, get, dtype=dtype, device=device, max_positions=max_positions)
