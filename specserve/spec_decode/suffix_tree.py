@@ -153,11 +153,12 @@ class SuffixCache:
         with self.lock:
             while self.entries and self.tokens + len(entry) > self.max_tokens:
                 old_salt, old = self.entries.popleft()
-                trie = self.tries[old_salt]
-                trie.remove(old)
-                if trie.num_nodes == 0:  # a salt's last output gone: so is its trie
+                self.tries[old_salt].remove(old)
+                if self.tries[old_salt].num_nodes == 0:  # a salt's last output gone: so is its trie
                     del self.tries[old_salt]
                 self.tokens -= len(old)
-            self.tries.setdefault(salt, SuffixTrie(self.depth)).add(entry)
+            if salt not in self.tries:
+                self.tries[salt] = SuffixTrie(self.depth)
+            self.tries[salt].add(entry)
             self.entries.append((salt, entry))
             self.tokens += len(entry)
