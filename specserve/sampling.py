@@ -55,8 +55,7 @@ def greedy_draw(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> [N] long: each row's argmax, or V (out of range, for the caller to reject as a row without
     mass) where the row's maximum is not finite. NaN logits would otherwise draw the first NaN's token (token 0
     for a row of NaN) and +inf ones a token no distribution gives; a sampled row with either has no mass too."""
-    best = logits.argmax(-1)  # [N]
-    top = logits.gather(-1, best.unsqueeze(-1)).squeeze(-1)  # [N]
+    top, best = logits.max(-1)  # [N] each; the first maximum's index, as argmax (a NaN counts as the maximum)
     return torch.where(torch.isfinite(top), best, logits.shape[-1])
 
 
