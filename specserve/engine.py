@@ -184,8 +184,8 @@ class Engine:
         *,
         chat: bool = False,
         speculation: SpecConfig | None = None,
-        return_exceptions: bool,
-    ) -> list[Completion] | list[Completion | Exception]: ...
+        return_exceptions: Literal[True],
+    ) -> list[Completion | Exception]: ...
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -208,14 +208,14 @@ class Engine:
         except Exception:  # a prompt that fails to encode or validate: the ones before it are not left running
             self._drop(ids)
             raise
-        return self.collect(ids, return_exceptions=return_exceptions)
+        return self.collect(ids, return_exceptions=True) if return_exceptions else self.collect(ids)
 
     @overload
     def collect(self, request_ids: Sequence[str], *, return_exceptions: Literal[False] = False) -> list[Completion]: ...
     @overload
     def collect(
-        self, request_ids: Sequence[str], *, return_exceptions: bool
-    ) -> list[Completion] | list[Completion | Exception]: ...
+        self, request_ids: Sequence[str], *, return_exceptions: Literal[True]
+    ) -> list[Completion | Exception]: ...
     def collect(
         self, request_ids: Sequence[str], *, return_exceptions: bool = False
     ) -> list[Completion] | list[Completion | Exception]:
@@ -245,7 +245,7 @@ class Engine:
                 else:
                     assert last is not None and last.finish_reason is not None
                     completions.append(Completion(rid, prompt_ids[rid], tokens, text, last.finish_reason, last.stats))
-        return completions  # type: ignore[return-value]  # only Completions unless return_exceptions
+        return completions  # only Completions unless return_exceptions
 
     def _step(self) -> list[RequestOutput]:
         """One loop step. A request whose sequence failed is aborted (its KV freed) and its error waits in its

@@ -63,7 +63,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """logits [N, V] -> probabilities [N, V] float32 after temperature, top-k and top-p.
 
     Greedy (temperature 0) returns the one-hot of the argmax, so greedy and sampling share one code path
-    in verification (a point mass is accepted exactly when it is the argmax).
+    in verification (a point mass is accepted exactly when it is the argmax); a row without a finite maximum is
+    all zeros (``greedy_draw``), a row without mass.
     """
     logits = logits.float()
     if params.greedy:  # a row without a finite maximum draws V, whose one-hot column is cut: a row without mass

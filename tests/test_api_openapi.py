@@ -28,6 +28,7 @@ PROBES: dict[str, list[Any]] = {  # values on both sides of each documented cons
     "prompt": ["", "hello", [], [1, 2], [False], [-1], [1.5]],
     "echo": [False, True],
     "stream_options": [{"include_usage": True}],
+    "cache_salt": ["", "s", "s" * 256, "s" * 257, 5, None],
 }
 
 

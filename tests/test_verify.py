@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 from specserve.sampling import SamplingParams, process_logits
 from specserve.spec_decode.draft_sampling import draft_sample_sparse, sparse_topk
 from specserve.spec_decode.draft_tree import ROOT, DraftTree, step_layout
+from specserve.spec_decode.synthetic import synthetic_verify
 from specserve.spec_decode.verify import VerifyResult, inverse_cdf_sample, verify_chain_sampled, verify_tree
 
 NUM_DRAWS = 100_000
@@ -376,3 +377,16 @@ def test_greedy_end_to_end_equals_plain_greedy(mode: str) -> None:
     spec, steps = _greedy_speculative(prompt, length, mode)
     assert spec == plain[len(prompt) :]
     assert length / 5 < steps < length * 0.8, "the draft should be partly right"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_synthetic_acceptance_refuses_a_row_without_mass(temperature: float) -> None:
+    """The benchmark mode draws its next token from p too: a row of NaN logits is an error naming the node, as in
+    every other rule, never token V committed (its embedding lookup would fail the whole batch the next step)."""
+    logits = torch.zeros(2, 5)
+    logits[0] = float("nan")
+    p = process_logits(logits, SamplingParams(temperature=temperature))
+    with pytest.raises(ValueError, match="no mass"):
+        synthetic_verify([3, 4], [0, 0], p, 0.0, torch.Generator().manual_seed(0))  # rejects at once: node 0's p
+    ok = synthetic_verify([3, 4], [0, 0], p, 1.0, torch.Generator().manual_seed(0))  # accepts node 1: its p is fine
+    assert ok.accepted_nodes == [1] and 0 <= ok.next_token < 5

@@ -105,7 +105,8 @@ def bounded_rows(model: LlamaModel, repeats: int = 5) -> int:
 
 
 def greedy_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
-    """argmax of ``model.logits(hidden)`` per row: [R, hidden] -> [R] int64: over the full logits where the kernel
+    """argmax of ``model.logits(hidden)`` per row (V where a row has no finite maximum, ``greedy_draw``): [R, hidden]
+    -> [R] int64: over the full logits where the kernel
     reads the LM head's Q8_0 records for these rows (``native_stack.attach_q8_head``: 0.57x the bfloat16 copy's
     bytes), else through the bounded copy where attached and the kernel computes these rows, else over the full
     logits."""

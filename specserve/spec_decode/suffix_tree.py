@@ -140,7 +140,8 @@ class SuffixCache:
 
     @property
     def num_nodes(self) -> int:
-        return sum(t.num_nodes for t in self.tries.values())
+        with self.lock:  # lanes' threads add and drop tries
+            return sum(t.num_nodes for t in self.tries.values())
 
     def trie(self, salt: str | None = None) -> SuffixTrie | None:
         """The outputs of requests with this salt (None where there are none); read it under ``lock``."""

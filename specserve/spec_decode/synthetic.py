@@ -12,7 +12,7 @@ import math
 import torch
 
 from specserve.spec_decode.draft_tree import ROOT
-from specserve.spec_decode.verify import VerifyResult, inverse_cdf_sample
+from specserve.spec_decode.verify import VerifyResult, check_token, inverse_cdf_sample
 
 
 def synthetic_verify(
@@ -32,6 +32,7 @@ def synthetic_verify(
         node = first_child[node]
         accepted.append(node)
     nxt = int(inverse_cdf_sample(p[node : node + 1], torch.tensor([u[-1]], dtype=torch.float64, device=p.device))[0])
+    check_token(nxt, p.shape[-1], node)  # a row without mass (non-finite logits) draws V: an error, not a token
     return VerifyResult(accepted, [tokens[j] for j in accepted], nxt, len(tokens) - 1)
 
 

@@ -73,7 +73,7 @@ def accept_tree(tree: DraftTree, draws: torch.Tensor, vocab: int) -> VerifyResul
     while (child := child_by_token[node].get(draws_h[node])) is not None:
         accepted.append(child)
         node = child
-    _check_token(draws_h[node], vocab, node)
+    check_token(draws_h[node], vocab, node)
     return VerifyResult(
         accepted_nodes=accepted,
         accepted_tokens=[tokens_h[j] for j in accepted],
@@ -118,7 +118,7 @@ def verify_chain_sampled(
 
     packed = torch.cat([num_accepted, next_token, drafted]).tolist()  # host sync
     n_acc, next_tok, drafted_h = packed[0], packed[1], packed[2:]
-    _check_token(next_tok, p.shape[-1], n_acc)
+    check_token(next_tok, p.shape[-1], n_acc)
     return VerifyResult(
         accepted_nodes=list(range(ROOT + 1, ROOT + 1 + n_acc)),
         accepted_tokens=drafted_h[:n_acc],
@@ -141,6 +141,6 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first index with cdf > target
 
 
-def _check_token(token: int, vocab: int, node: int) -> None:
+def check_token(token: int, vocab: int, node: int) -> None:
     if not 0 <= token < vocab:
         raise ValueError(f"target distribution at node {node} has no mass (drew {token}, vocabulary {vocab})")
