@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from specserve.bench.machine import cgroup_free_bytes
 from specserve.cpu import cpu_info
 
 X86 = """processor\t: 0
@@ -59,3 +60,35 @@ def test_the_summary_counts_the_cores_this_process_may_use() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert f"1 of {os.cpu_count()} cores" in done.stdout
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_free_bytes_reads_the_tightest_limit_up_the_hierarchy(tmp_path: Path) -> None:
+    """A container's memory limit, on its own cgroup or an ancestor's, v2 or v1; none set (v2's "max", v1's
+    2**63 - 1 rounded to a page) is no limit, and no cgroup file at all is unknown."""
+    proc = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    _write(proc, "0::/pod/ctr\n")
+    _write(v2 / "pod/ctr/memory.max", "max\n")
+    _write(v2 / "pod/ctr/memory.current", "100\n")
+    assert cgroup_free_bytes(v2, proc) is None
+    _write(v2 / "pod/memory.max", "5000\n")  # the pod's limit binds its containers
+    _write(v2 / "pod/memory.current", "1200\n")
+    assert cgroup_free_bytes(v2, proc) == 3800
+    _write(v2 / "pod/ctr/memory.max", "1000\n")
+    assert cgroup_free_bytes(v2, proc) == 900  # the container's own is tighter
+    _write(v2 / "pod/ctr/memory.current", "1500\n")
+    assert cgroup_free_bytes(v2, proc) == 0  # over its limit: nothing left, never negative
+    v1 = tmp_path / "v1"
+    _write(proc, "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n")
+    _write(v1 / "memory/docker/abc/memory.limit_in_bytes", "9223372036854771712\n")
+    _write(v1 / "memory/docker/abc/memory.usage_in_bytes", "10\n")
+    assert cgroup_free_bytes(v1, proc) is None
+    _write(v1 / "memory/docker/memory.limit_in_bytes", "2048\n")
+    _write(v1 / "memory/docker/memory.usage_in_bytes", "48\n")
+    assert cgroup_free_bytes(v1, proc) == 2000
+    assert cgroup_free_bytes(v1, tmp_path / "absent") is None
