@@ -156,13 +156,20 @@ class Engine:
         *,
         chat: bool = False,
         speculation: SpecConfig | None = None,
+        cache_salt: str | None = None,
     ) -> str:
+        """``cache_salt``: the partition of the suffix drafter's cache of recent outputs the request drafts from and
+        adds to (as the API's field; None: the unsalted one)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, not {type(params).__name__}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string or None, not {cache_salt!r}")
         ids = self.encode(prompt, chat=chat)
         with self._lock:
             request_id = f"req-{next(self._ids)}"
-            self.loop.add_request(Request(request_id, ids, params or SamplingParams(), speculation))
+            self.loop.add_request(
+                Request(request_id, ids, params or SamplingParams(), speculation, cache_salt=cache_salt)
+            )
             self._outbox[request_id] = _Outbox(ids)
         return request_id
 
@@ -174,6 +181,7 @@ class Engine:
         *,
         chat: bool = False,
         speculation: SpecConfig | None = None,
+        cache_salt: str | None = None,
         return_exceptions: Literal[False] = False,
     ) -> list[Completion]: ...
     @overload
@@ -184,6 +192,7 @@ class Engine:
         *,
         chat: bool = False,
         speculation: SpecConfig | None = None,
+        cache_salt: str | None = None,
         return_exceptions: Literal[True],
     ) -> list[Completion | Exception]: ...
     def generate(
@@ -193,6 +202,7 @@ class Engine:
         *,
         chat: bool = False,
         speculation: SpecConfig | None = None,
+        cache_salt: str | None = None,
         return_exceptions: bool = False,
     ) -> list[Completion] | list[Completion | Exception]:
         """Generate for several prompts batched together; returns completions in prompt order (see ``collect`` for
@@ -204,7 +214,7 @@ class Engine:
         ids: list[str] = []
         try:
             for p, sp in zip(batch, plist, strict=True):
-                ids.append(self.submit(p, sp, chat=chat, speculation=speculation))
+                ids.append(self.submit(p, sp, chat=chat, speculation=speculation, cache_salt=cache_salt))
         except Exception:  # a prompt that fails to encode or validate: the ones before it are not left running
             self._drop(ids)
             raise
@@ -292,11 +302,12 @@ class Engine:
         *,
         chat: bool = False,
         speculation: SpecConfig | None = None,
+        cache_salt: str | None = None,
     ) -> Iterator[RequestOutput]:
         """One RequestOutput per step for this request (other queued requests keep running, and other streams and
         ``generate`` calls of this engine may be consumed in between). The request is submitted here: bad input
         raises at the call, not at the first ``next``."""
-        rid = self.submit(prompt, params, chat=chat, speculation=speculation)
+        rid = self.submit(prompt, params, chat=chat, speculation=speculation, cache_salt=cache_salt)
         stream = self._stream(rid)
         # a stream dropped before its first ``next`` never enters its generator, whose exit would abort it
         weakref.finalize(stream, self._drop, [rid]).atexit = False

@@ -372,6 +372,27 @@ def test_the_cross_request_cache_drafts_a_repeated_request() -> None:
     assert alone.generate(prompt, params)[0].stats.accepted == alone.generate(prompt, params)[0].stats.accepted
 
 
+def test_the_engine_drafts_a_repeat_from_the_cache_only_under_its_salt() -> None:
+    """``cache_salt`` in-process, as the API's field: a repeat under another salt (or none) drafts as the first
+    request did, from its own tokens; under the first one's salt it drafts from its answer. Not a non-empty string:
+    refused at the call."""
+    target = tiny_model(tiny_config(vocab_size=64), seed=0)
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    spec = SpecConfig(method=SpecMethod.chain, sl=8, drafter=Drafter.suffix)
+    engine = Engine(target, None, speculation=spec, eos_token_ids=set())
+    first = engine.generate(prompt, params, cache_salt="a")[0]
+    assert first.stats.accepted <= 10
+    for other in ("b", None):
+        again = engine.generate(prompt, params, cache_salt=other)[0]
+        assert again.token_ids == first.token_ids and again.stats.accepted == first.stats.accepted, other
+    stream = engine.stream(prompt, params, cache_salt="a")
+    assert sum(out.stats.accepted for out in stream if out.finished) >= 30
+    for bad in ("", 3):
+        with pytest.raises(InvalidRequestError, match="cache_salt"):
+            engine.submit(prompt, params, cache_salt=bad)  # type: ignore[arg-type]
+
+
 def test_outputs_are_kept_only_once_a_request_may_draft_from_the_cache() -> None:
     """An engine whose requests never ask for the suffix drafter builds no cache (its trie's nodes would cost the
     lane thread and the collector for nothing); one that does keeps every output from then on."""
