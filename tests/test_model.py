@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specserve.errors import KVCapacityError, UnsupportedModelError
+from specserve.errors import CorruptModelError, KVCapacityError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel, quantize_int8_dynamic
 from specserve.models.tiny import hf_state_dict, tiny_config, tiny_model
@@ -75,6 +75,14 @@ def test_rope_that_changes_with_the_length_is_a_clear_error() -> None:
     }
     with pytest.raises(UnsupportedModelError, match="longrope"):
         LlamaModel(tiny_config("llama", rope_scaling=longrope))
+
+
+@pytest.mark.parametrize("theta", [0, -10000.0, float("nan"), float("inf")])
+def test_a_rope_base_that_gives_no_angles_is_a_clear_error(theta: float) -> None:
+    with pytest.raises(CorruptModelError, match="rope_theta"):
+        LlamaModel(tiny_config("llama", rope_theta=theta))
+    with pytest.raises(CorruptModelError, match="rope_theta"):  # the scaled variants read the same base
+        LlamaModel(tiny_config("llama", rope_theta=theta, rope_scaling={"rope_type": "linear", "factor": 2.0}))
 
 
 def test_unsupported_architecture_is_a_clear_error() -> None:

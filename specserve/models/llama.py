@@ -7,6 +7,7 @@ fused into single matmuls at load time.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -17,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from specserve.errors import UnsupportedModelError
+from specserve.errors import CorruptModelError, UnsupportedModelError
 from specserve.models.attention import AttendKernel, attention, flash_attn_available, write_kv
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
@@ -84,10 +85,13 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> 
     """cos, sin tables [max_positions, head_dim] (HF rotate-half layout, attention scaling folded in)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not math.isfinite(theta) or theta <= 0:
+        # 0 or a negative base gives infinite or NaN angles, so every logit would be NaN
+        raise CorruptModelError(f"rope_theta must be a finite number above 0, got {theta!r}")
     if rope_type in ("dynamic", "longrope"):  # one table for every position cannot hold them
         raise UnsupportedModelError(f"rope_type {rope_type!r} changes RoPE with the sequence length; not supported")
     if rope_type == "default":
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         scaling = 1.0
     elif rope_type in ROPE_INIT_FUNCTIONS:
