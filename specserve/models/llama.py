@@ -8,6 +8,7 @@ fused into single matmuls at load time.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -86,7 +87,7 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> 
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not math.isfinite(theta) or theta <= 0:
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not math.isfinite(theta) or theta <= 0:
         # 0 or a negative base gives infinite or NaN angles, so every logit would be NaN
         raise CorruptModelError(f"rope_theta must be a finite number above 0, got {theta!r}")
     if rope_type in ("dynamic", "longrope"):  # one table for every position cannot hold them
