@@ -86,10 +86,11 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> 
     """cos, sin tables [max_positions, head_dim] (HF rotate-half layout, attention scaling folded in)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not math.isfinite(theta) or theta <= 0:
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or base <= 0:
         # 0 or a negative base gives infinite or NaN angles, so every logit would be NaN
-        raise CorruptModelError(f"rope_theta must be a finite number above 0, got {theta!r}")
+        raise CorruptModelError(f"rope_theta must be a finite number above 0, got {base!r}")
+    theta = float(base)
     if rope_type in ("dynamic", "longrope"):  # one table for every position cannot hold them
         raise UnsupportedModelError(f"rope_type {rope_type!r} changes RoPE with the sequence length; not supported")
     if rope_type == "default":
