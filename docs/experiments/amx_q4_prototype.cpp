@@ -1,6 +1,9 @@
 // A prototype, measured and not part of the product (docs/benchmarks.md, "Issue 12 on the AMX Xeon again"): a
 // batch-invariant AMX-BF16 product over Q4_1 weights, y[M, N] = bf16(x)[M, K] @ bf16(d * q + m)[N, K]^T, each row by
-// the same tile instructions whatever M is. Built with torch.utils.cpp_extension.load (g++ 12, -O3 -fopenmp).
+// the same tile instructions whatever M is, in three variants: linear (each group's B tiles expanded from the 4-bit
+// records into an L1 buffer just before their tile load), linear_pipelined (expanded one group ahead), linear_tiles
+// (the B tiles kept expanded in memory, 2 bytes a weight). All three give the same bits. Built with
+// torch.utils.cpp_extension.load (g++ 12, -O3 -fopenmp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -102,6 +105,88 @@ void run_blocks(int64_t c0, int64_t c1, int64_t M, int64_t K, int64_t N, const u
   _tile_release();
 }
 
+// Column blocks of 64 (four C tiles) [c0, c1) of the product. Software-pipelined: a group's four B tiles are expanded
+// into one half of a ring while the previous group's, expanded one group earlier, are loaded and multiplied, so a tile
+// load never waits on the stores that just wrote it.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+void run_blocks_pipelined(int64_t c0, int64_t c1, int64_t M, int64_t K, int64_t N, const uint8_t* wp, const char* xp, float* yp) {
+  const int64_t G = K / kG;
+  config(static_cast<int>(M));
+  alignas(64) __m512i bt[2][4][16];
+  alignas(64) float cbuf[16 * 16];
+  for (int64_t cb = c0; cb < c1; ++cb) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const uint8_t* r = wp + cb * 4 * G * kRec;
+    for (int j = 0; j < 4; ++j) expand(r + (j * G) * kRec, bt[0][j]);
+    for (int64_t g = 0; g < G; ++g) {
+      if (g + 1 < G) {
+        for (int j = 0; j < 4; ++j) expand(r + (j * G + g + 1) * kRec, bt[(g + 1) & 1][j]);
+      }
+      __m512i (*b)[16] = bt[g & 1];
+      _tile_loadd(4, xp + g * kG * 2, K * 2);
+      _tile_loadd(5, b[0], 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b[1], 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, b[2], 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, b[3], 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    float* y = yp + cb * 64;
+#define STORE_P(t) _tile_stored(t, cbuf, 64); for (int64_t i = 0; i < M; ++i) std::memcpy(y + i * N + 16 * t, cbuf + i * 16, 64);
+    STORE_P(0) STORE_P(1) STORE_P(2) STORE_P(3)
+  }
+  _tile_release();
+}
+
+// Variant: the B tiles kept expanded in memory (2 bytes a weight), loaded straight from the stream.
+at::Tensor pack_tiles(const at::Tensor& packed, int64_t N, int64_t K) {
+  const int64_t G = K / kG;
+  auto out = at::empty({N / 16 * G * 1024}, at::kByte);
+  const uint8_t* r = packed.data_ptr<uint8_t>();
+  auto* o = reinterpret_cast<__m512i*>(out.data_ptr<uint8_t>());
+  for (int64_t t = 0; t < N / 16 * G; ++t) expand(r + t * kRec, o + t * 16);
+  return out;
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+void run_tiles(int64_t c0, int64_t c1, int64_t M, int64_t K, int64_t N, const uint8_t* wp, const char* xp, float* yp) {
+  const int64_t G = K / kG;
+  config(static_cast<int>(M));
+  alignas(64) float cbuf[16 * 16];
+  for (int64_t cb = c0; cb < c1; ++cb) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const uint8_t* r = wp + cb * 4 * G * 1024;
+    for (int64_t g = 0; g < G; ++g) {
+      _tile_loadd(4, xp + g * kG * 2, K * 2);
+      _tile_loadd(5, r + (0 * G + g) * 1024, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, r + (1 * G + g) * 1024, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, r + (2 * G + g) * 1024, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, r + (3 * G + g) * 1024, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    float* y = yp + cb * 64;
+    STORE(0) STORE(1) STORE(2) STORE(3)
+  }
+  _tile_release();
+}
+
+at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(amx_ready(), "no AMX permission");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xb = x.to(at::kBFloat16).contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const char* xp = static_cast<const char*>(xb.data_ptr());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / 64, 1, [&](int64_t c0, int64_t c1) { run_tiles(c0, c1, M, K, N, wp, xp, yp); });
+  return y;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(amx_ready(), "no AMX permission");
   const int64_t M = x.size(0), K = x.size(1);
@@ -115,7 +200,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   return y;
 }
 
+at::Tensor linear_pipelined(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(amx_ready(), "no AMX permission");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= 16);
+  auto xb = x.to(at::kBFloat16).contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const char* xp = static_cast<const char*>(xb.data_ptr());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / 64, 1, [&](int64_t c0, int64_t c1) { run_blocks_pipelined(c0, c1, M, K, N, wp, xp, yp); });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack);
   m.def("linear", &linear);
+  m.def("linear_pipelined", &linear_pipelined);
+  m.def("pack_tiles", &pack_tiles);
+  m.def("linear_tiles", &linear_tiles);
 }

@@ -1,5 +1,6 @@
-"""Times the AMX prototype (amx_q4_prototype.cpp) against the product's Q4_1 record kernel over SmolLM2-135M's
-decoder projections (30 layers of random 4-bit blocks), and checks the prototype's rows are batch-invariant.
+"""Times the AMX prototype's three variants (amx_q4_prototype.cpp) against the product's Q4_1 record kernel over
+SmolLM2-135M's decoder projections (30 layers of random 4-bit blocks), and checks the prototype's rows are
+batch-invariant and its variants equal.
 Needs a CPU with AMX-BF16 and Linux's permission for tile data. Run from the repository root:
 
     .venv/bin/python docs/experiments/amx_q4_prototype.py 9
@@ -29,10 +30,12 @@ def main(repeats: int) -> None:
             d = (torch.rand(n, k // 32) * 0.01 + 0.001).half().float()
             m = (-(torch.rand(n, k // 32) * 0.08)).half().float()
             w = (q.float().view(n, k // 32, 32) * d[..., None] + m[..., None]).view(n, k)
-            layers.append((n, k, amx.pack(q, d, m), ext.small_pack_q4(q, d, m), w))
-    for n, k, tiles, _, w in layers[: len(SHAPES)]:
+            tiles = amx.pack(q, d, m)
+            layers.append((n, k, tiles, ext.small_pack_q4(q, d, m), w, amx.pack_tiles(tiles, n, k)))
+    for n, k, tiles, _, w, expanded in layers[: len(SHAPES)]:
         x = torch.randn(16, k)
         y = amx.linear(x, tiles, n)
+        assert torch.equal(amx.linear_pipelined(x, tiles, n), y) and torch.equal(amx.linear_tiles(x, expanded, n), y)
         ref = x.bfloat16().float() @ w.bfloat16().float().T
         err = ((y - ref).abs().max() / ref.abs().max()).item()
         prefixes = all(torch.equal(amx.linear(x[:r], tiles, n), y[:r]) for r in (1, 2, 5, 8, 13))
@@ -40,19 +43,25 @@ def main(repeats: int) -> None:
         print(f"{n}x{k}: max error / max |y| against bf16 inputs {err:.1e}; row sets {prefixes}, rows alone {alone}")
     xs = {576: torch.randn(16, 576), 1536: torch.randn(16, 1536)}
     fetches = {"none": ext.Prefetch.none, "l1": ext.Prefetch.l1, "l2": ext.Prefetch.l2}
-    print("| rows | Q4_1 records, prefetch none | l1 | l2 | AMX prototype |\n|---|---|---|---|---|")
+    print("| rows | Q4_1 records, prefetch none | l1 | l2 | AMX | AMX pipelined | AMX bf16 tiles |")
+    print("|---" * 7 + "|")
     for rows in (1, 2, 4, 8, 16):
-        times: dict[str, list[float]] = {name: [] for name in (*fetches, "amx")}
+        times: dict[str, list[float]] = {name: [] for name in (*fetches, "amx", "pipelined", "tiles")}
         for _ in range(repeats):
             for name, pf in fetches.items():
                 t = time.perf_counter()
-                for _, k, _, records, _ in layers:
+                for _, k, _, records, _, _ in layers:
                     ext.small_linear_packed(xs[k][:rows], records, prefetch=pf)
                 times[name].append(time.perf_counter() - t)
+            for name, f in (("amx", amx.linear), ("pipelined", amx.linear_pipelined)):
+                t = time.perf_counter()
+                for n, k, tiles, _, _, _ in layers:
+                    f(xs[k][:rows], tiles, n)
+                times[name].append(time.perf_counter() - t)
             t = time.perf_counter()
-            for n, k, tiles, _, _ in layers:
-                amx.linear(xs[k][:rows], tiles, n)
-            times["amx"].append(time.perf_counter() - t)
+            for n, k, _, _, _, expanded in layers:
+                amx.linear_tiles(xs[k][:rows], expanded, n)
+            times["tiles"].append(time.perf_counter() - t)
         print(f"| {rows} | " + " | ".join(f"{statistics.median(v) * 1e3:.2f}" for v in times.values()) + " |")
 
 
