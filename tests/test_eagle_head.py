@@ -382,6 +382,9 @@ def test_mismatches_are_named(tmp_path: Path, target: LlamaModel) -> None:
     emb = dict(sd, **{"embed_tokens.weight": torch.zeros(V + 5, H)})
     with pytest.raises(UnsupportedModelError, match="embedding"):
         load_eagle_head(write_head(tmp_path / "e", emb, {}), target)
+    for theta in (0, float("inf"), float("nan")):  # no RoPE angles from such a base
+        with pytest.raises(UnsupportedModelError, match="rope_theta"):
+            load_eagle_head(write_head(tmp_path / f"r{theta}", sd, {"rope_theta": theta}), target)
     with pytest.raises(UnsupportedModelError, match="aux layers"):
         sd3 = eagle3_tensors(3, vd=96)
         load_eagle_head(

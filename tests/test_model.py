@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specserve.errors import CorruptModelError, KVCapacityError, UnsupportedModelError
+from specserve.errors import KVCapacityError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel, quantize_int8_dynamic
 from specserve.models.tiny import hf_state_dict, tiny_config, tiny_model
@@ -77,12 +78,19 @@ def test_rope_that_changes_with_the_length_is_a_clear_error() -> None:
         LlamaModel(tiny_config("llama", rope_scaling=longrope))
 
 
-@pytest.mark.parametrize("theta", [0, -10000.0, float("nan"), float("inf")])
-def test_a_rope_base_that_gives_no_angles_is_a_clear_error(theta: float) -> None:
-    with pytest.raises(CorruptModelError, match="rope_theta"):
+@pytest.mark.parametrize("theta", [0, -10000.0, float("nan"), float("inf"), 10**400, True, "10000", None])
+def test_a_rope_base_that_gives_no_angles_is_a_clear_error(theta: object) -> None:
+    with pytest.raises(UnsupportedModelError, match="rope_theta"):
         LlamaModel(tiny_config("llama", rope_theta=theta))
-    with pytest.raises(CorruptModelError, match="rope_theta"):  # the scaled variants read the same base
+    with pytest.raises(UnsupportedModelError, match="rope_theta"):  # a scaled variant refuses it too
         LlamaModel(tiny_config("llama", rope_theta=theta, rope_scaling={"rope_type": "linear", "factor": 2.0}))
+
+
+def test_a_rope_base_of_any_real_number_type_is_taken() -> None:
+    ids = list(range(1, 30))
+    ref = run_one(tiny_model(tiny_config("llama", rope_theta=50000.0), seed=3), ids)
+    for theta in (50000, np.float32(50000.0), np.int64(50000)):
+        assert torch.equal(run_one(tiny_model(tiny_config("llama", rope_theta=theta), seed=3), ids), ref), theta
 
 
 def test_unsupported_architecture_is_a_clear_error() -> None:

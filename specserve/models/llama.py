@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from specserve.errors import CorruptModelError, UnsupportedModelError
+from specserve.errors import UnsupportedModelError
 from specserve.models.attention import AttendKernel, attention, flash_attn_available, write_kv
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
@@ -87,10 +87,12 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> 
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or base <= 0:
-        # 0 or a negative base gives infinite or NaN angles, so every logit would be NaN
-        raise CorruptModelError(f"rope_theta must be a finite number above 0, got {base!r}")
-    theta = float(base)
+    try:
+        theta = float(base) if isinstance(base, numbers.Real) and not isinstance(base, bool) else math.nan
+    except OverflowError:  # an integer past float's range
+        theta = math.inf
+    if not math.isfinite(theta) or theta <= 0:  # such a base gives infinite or NaN angles: every logit NaN
+        raise UnsupportedModelError(f"rope_theta must be a finite number above 0, got {base!r}")
     if rope_type in ("dynamic", "longrope"):  # one table for every position cannot hold them
         raise UnsupportedModelError(f"rope_type {rope_type!r} changes RoPE with the sequence length; not supported")
     if rope_type == "default":

@@ -79,7 +79,7 @@ class EagleHeadConfig(BaseModel):
     fc_bias: bool = False
     qkv_bias: bool = False
     aux_layers: tuple[int, ...] = Field(default=(), description="EAGLE-3: target layers whose outputs are fused")
-    rope_theta: float = Field(default=10000.0, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0, allow_inf_nan=False)
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = Field(default=8192, ge=1)
     norm_before_residual: bool = Field(default=False, description="EAGLE-3: the residual is hidden_norm(f), not f")

@@ -420,7 +420,8 @@ __attribute__((target("avx512f"))) void block512_rec(const float* x, const uint8
 // each value by the same operations as block256_rec forms it, so that products of more rows than one call takes run
 // the float32 kernel over the block once dequantised, instead of dequantising it again for every MB activation rows.
 // PF prefetches the record stream as the in-register kernels do (until 2026-11-30 it went unprefetched here: products
-// of 7-32 rows of SmolLM2's layers took 7-20% longer on an AMX Xeon, on its AVX-512 and its AVX2 path alike).
+// of 7-16 rows of SmolLM2's layers took 12-27% longer on an AMX Xeon, on its AVX-512 and its AVX2 path alike, and 32
+// rows 5-10% longer).
 template <typename F, int NB, int PF>
 __attribute__((target("avx2,fma"))) void dequant_block(const uint8_t* w, int64_t K, float* out) {
   const int64_t block_bytes = K / kQ4Group * record_bytes<F>(NB);
@@ -804,7 +805,7 @@ at::Tensor run_records(const at::Tensor& x_in, const Packed& w, const std::optio
   const int64_t blocks = N / kBlockRows;
   // Rows in one call dequantise in registers; more rows than that dequantise each block once into a buffer the
   // float32 kernel then reads for all of them (the same weights, so the same bits either way), prefetching the
-  // records as the plan says (the buffer itself stays in L1).
+  // records as the plan says (the buffer, 16 K bytes, stays in L1 at SmolLM2's K of 576 and 1536).
   const bool buffered = M > MB;
   auto run_rows = [&](int64_t n0, int64_t n1, int64_t nb_rows) {
     thread_local std::vector<float> buf;  // kept per thread: no allocation per task
