@@ -175,19 +175,10 @@ void run_tiles(int64_t c0, int64_t c1, int64_t M, int64_t K, int64_t N, const ui
   _tile_release();
 }
 
-at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& w, int64_t N) {
-  TORCH_CHECK(amx_ready(), "no AMX permission");
-  const int64_t M = x.size(0), K = x.size(1);
-  auto xb = x.to(at::kBFloat16).contiguous();
-  auto y = at::empty({M, N}, x.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const char* xp = static_cast<const char*>(xb.data_ptr());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 64, 1, [&](int64_t c0, int64_t c1) { run_tiles(c0, c1, M, K, N, wp, xp, yp); });
-  return y;
-}
+using BlocksFn = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const char*, float*);
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+// y [M, N] for 1-16 rows x, the column blocks of 64 split over the threads, each run by `blocks`.
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, int64_t N, BlocksFn blocks) {
   TORCH_CHECK(amx_ready(), "no AMX permission");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M >= 1 && M <= 16);
@@ -196,22 +187,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const char* xp = static_cast<const char*>(xb.data_ptr());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 64, 1, [&](int64_t c0, int64_t c1) { run_blocks(c0, c1, M, K, N, wp, xp, yp); });
+  at::parallel_for(0, N / 64, 1, [&](int64_t c0, int64_t c1) { blocks(c0, c1, M, K, N, wp, xp, yp); });
   return y;
 }
 
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t N) { return product(x, w, N, &run_blocks); }
 at::Tensor linear_pipelined(const at::Tensor& x, const at::Tensor& w, int64_t N) {
-  TORCH_CHECK(amx_ready(), "no AMX permission");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= 16);
-  auto xb = x.to(at::kBFloat16).contiguous();
-  auto y = at::empty({M, N}, x.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const char* xp = static_cast<const char*>(xb.data_ptr());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 64, 1, [&](int64_t c0, int64_t c1) { run_blocks_pipelined(c0, c1, M, K, N, wp, xp, yp); });
-  return y;
+  return product(x, w, N, &run_blocks_pipelined);
 }
+at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& w, int64_t N) { return product(x, w, N, &run_tiles); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack);
