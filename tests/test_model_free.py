@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 from collections import Counter
@@ -28,7 +29,7 @@ from specserve.spec_decode.count_tree import (
 )
 from specserve.spec_decode.lookup import continuation_trie, match_starts
 from specserve.spec_decode.model_free import ModelFreeDrafter
-from specserve.spec_decode.suffix_tree import CountNode, SuffixCache, SuffixStream, SuffixTrie
+from specserve.spec_decode.suffix_tree import CountNode, CountTrie, SuffixCache, SuffixStream, SuffixTrie
 
 from .conftest import greedy_reference
 
@@ -66,13 +67,16 @@ def test_continuation_trie_counts_matches_and_the_most_recent_wins_ties() -> Non
 
 
 def _counts(spec: dict[int, tuple[int, dict]]) -> CountNode:
-    node = CountNode()
-    for tok, (count, sub) in spec.items():
-        child = _counts(sub)
-        child.count = count
-        node.children = node.children or {}
-        node.children[tok] = child
-    return node
+    trie = CountTrie()
+
+    def fill(node: int, spec: dict[int, tuple[int, dict]]) -> None:
+        for tok, (count, sub) in spec.items():
+            child = trie.bump(node, tok)
+            trie.counts[child] = count
+            fill(child, sub)
+
+    fill(trie.root.id, spec)
+    return trie.root
 
 
 # root -> a (6) -> c (6) -> e (3), f (3); root -> b (2) -> d (2)
@@ -160,6 +164,23 @@ def test_suffix_trie_counts_every_substring_and_streams_equal_batch_inserts() ->
     assert trie.root.as_dict() == streamed.root.as_dict() and trie.num_nodes == streamed.num_nodes
 
 
+def test_tries_hold_nothing_the_collector_tracks() -> None:
+    """The collector's full passes hold the GIL, so every lane of a replica: a trie's nodes must not be objects they
+    visit (docs/benchmarks.md, "The suffix cache's cost")."""
+    rng = random.Random(2)
+    gc.collect()
+    before = len(gc.get_objects())
+    trie, own, cache = SuffixTrie(depth=8), SuffixTrie(depth=8), SuffixCache(max_tokens=500, depth=8)
+    tokens = [rng.randrange(300) for _ in range(2000)]
+    trie.add(tokens)
+    SuffixStream(own).extend(tokens)
+    for i in range(0, 2000, 100):
+        cache.add(tokens[i : i + 100], salt=str(i % 3))
+    assert trie.num_nodes > 10_000 and own.num_nodes == trie.num_nodes
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100  # the tries, their stores and the cache's kept outputs
+
+
 def test_suffix_match_is_the_longest_suffix_with_a_continuation() -> None:
     trie = SuffixTrie(depth=6)
     trie.add([1, 2, 3, 4, 9, 2, 3, 5])
@@ -183,6 +204,8 @@ def test_suffix_cache_stays_within_its_bound_and_evicts_oldest_first() -> None:
         cache.add(out, salt)
         added.append((salt, out))
         assert cache.tokens <= 300 and cache.num_nodes <= cache.max_nodes
+        for trie in cache.tries.values():  # evicted nodes' storage is reused, so it stays within the bound too
+            assert len(trie.counts) == len(trie.kids) == 1 + trie.num_nodes + len(trie.free) <= 1 + cache.max_nodes
     kept = list(cache.entries)
     assert kept == added[-len(kept) :]  # the newest ones, in order
     for salt in (None, "a", "b"):

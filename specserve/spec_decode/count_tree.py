@@ -32,17 +32,18 @@ class CountDraft:
 
 def successor_probs(node: CountNode) -> tuple[list[int], list[float]]:
     """(tokens, count / total) of the node's children, the most frequent first (stable: insertion order)."""
-    items = sorted(node.items(), key=lambda kv: -kv[1].count)
-    total = sum(c.count for _, c in items)
-    return [t for t, _ in items], [c.count / total for _, c in items]
+    items = sorted(node.successors(), key=lambda kv: -kv[1])
+    total = sum(c for _, c in items)
+    return [t for t, _ in items], [c / total for _, c in items]
 
 
 def empirical_q(node: CountNode, alpha: float, k: int) -> tuple[list[int], list[float]]:
     """The top-k of q(t) = count(t) / (total + alpha): the empirical next-token distribution with mass alpha /
     (total + alpha) left for unseen tokens (the sparse tail of the KLD spreads it)."""
-    items = sorted(node.items(), key=lambda kv: -kv[1].count)[:k]
-    total = sum(c.count for _, c in node.items())
-    return [t for t, _ in items], [c.count / (total + alpha) for _, c in items]
+    succ = node.successors()
+    total = sum(c for _, c in succ)
+    items = sorted(succ, key=lambda kv: -kv[1])[:k]
+    return [t for t, _ in items], [c / (total + alpha) for _, c in items]
 
 
 def depth_mass(scores: list[float], depths: list[int], depth: int) -> float:
@@ -57,12 +58,12 @@ def chain_from_counts(root: CountNode, max_depth: int, min_score: float) -> Coun
     scores: list[float] = []
     nodes = [root]
     node, score = root, 1.0
-    while len(tokens) < max_depth and node.children:
+    while len(tokens) < max_depth and node.has_children:
         succ, probs = successor_probs(node)
         if score * probs[0] < min_score:
             break
         score *= probs[0]
-        node = node.children[succ[0]]
+        node = node.child(succ[0])
         tokens.append(succ[0])
         scores.append(score)
         nodes.append(node)
@@ -79,11 +80,11 @@ def tree_from_counts(
     heap: list[tuple[float, int, int, int, int, CountNode]] = []  # (-score, depth, tie, parent, token, node)
 
     def push_children(node: CountNode, index: int, score: float, depth: int) -> None:
-        if depth >= max_depth or not node.children:
+        if depth >= max_depth or not node.has_children:
             return
         for tok, p in zip(*successor_probs(node), strict=True):
             if score * p >= min_score:
-                child = node.children[tok]
+                child = node.child(tok)
                 heapq.heappush(heap, (-score * p, depth + 1, next(order), index, tok, child))
 
     tokens: list[int] = []
@@ -127,7 +128,7 @@ def count_draft_q(draft: CountDraft, alpha: float, k: int) -> DraftQ:
     """The empirical q at every node that has seen continuations (the root always has)."""
     nodes, idx, prob = [], [], []
     for i, node in enumerate(draft.nodes):
-        if node.children:
+        if node.has_children:
             ids, ps = empirical_q(node, alpha, k)
             nodes.append(i)
             idx.append(ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.spec_decode.suffix_tree import CountNode
+from specserve.spec_decode.suffix_tree import CountNode, CountTrie
 
 
 def match_starts(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> tuple[int, np.ndarray]:
@@ -33,9 +33,7 @@ def match_starts(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> tuple[in
 def continuation_trie(tokens: np.ndarray, starts: np.ndarray, max_len: int, max_matches: int) -> CountNode:
     """The continuations after the ``max_matches`` most recent matches, merged into a trie whose counts say how
     many of them pass through each node; the most recent is inserted first (it wins ties)."""
-    root = CountNode()
+    trie = CountTrie()
     for s in starts[::-1][:max_matches].tolist():
-        node = root
-        for tok in tokens[s : s + max_len].tolist():
-            node, _ = node.bump(tok)
-    return root
+        trie.add_path(tokens[s : s + max_len].tolist())
+    return trie.root

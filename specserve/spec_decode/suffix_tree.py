@@ -1,100 +1,174 @@
-"""Suffix tries with occurrence counts (docs/algorithms.md §10.2): one over a request's own tokens, grown a token at
-a time, and a bounded cache of recent requests' outputs shared by a replica's lanes.
+"""Count tries (docs/algorithms.md §10.2): a suffix trie with occurrence counts over a request's own tokens, grown a
+token at a time, a bounded cache of recent requests' outputs shared by a replica's lanes, and the small tries prompt
+lookup merges its matches into.
 
-A depth-D trie holds every substring of length <= D of what was inserted; a node's ``count`` is the number of
-its occurrences. Matching the longest suffix of the context finds a node whose children are every token that
-followed that suffix before, with how often: the empirical next-token distribution the drafter proposes from.
+A depth-D suffix trie holds every substring of length <= D of what was inserted; a node's count is the number of its
+occurrences. Matching the longest suffix of the context finds a node whose children are every token that followed
+that suffix before, with how often: the empirical next-token distribution the drafter proposes from.
+
+Nodes are integer ids into flat storage: the counts in an ``array`` and each node's children in a dict of ints.
+Neither is an object the cyclic collector tracks, so a trie of 10^5-10^6 nodes adds nothing to the collector's full
+passes (which hold the GIL, and so every lane of a replica), and inserting costs dict and array operations, not an
+object per node. ``CountNode`` is a read-only view of one node for the drafters.
 """
 
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 
+ROOT = 0
 
-class CountNode:
-    __slots__ = ("children", "count")
+
+class CountTrie:
+    """A trie of token counts; node ``ROOT`` is the root, freed ids are reused."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, CountNode] | None = None
+        self.counts = array("q", [0])  # [nodes]: occurrences of each node's path (the root's is unused)
+        self.kids: list[dict[int, int] | None] = [None]  # [nodes]: token -> child id, None for a leaf
+        self.free: list[int] = []
+        self.num_nodes = 0  # excluding the root
 
-    def child(self, token: int) -> CountNode | None:
-        return None if self.children is None else self.children.get(token)
+    @property
+    def root(self) -> CountNode:
+        return CountNode(self, ROOT)
 
-    def bump(self, token: int) -> tuple[CountNode, bool]:
-        """Count one more occurrence of ``token`` after this node: (its child, whether the child is new)."""
-        if self.children is None:
-            self.children = {}
-        child = self.children.get(token)
-        created = child is None
+    def new_node(self) -> int:
+        self.num_nodes += 1
+        if self.free:
+            return self.free.pop()
+        self.counts.append(0)
+        self.kids.append(None)
+        return len(self.kids) - 1
+
+    def bump(self, node: int, token: int) -> int:
+        """Count one more occurrence of ``token`` after ``node``: its child's id."""
+        kids = self.kids[node]
+        if kids is None:
+            kids = self.kids[node] = {}
+        child = kids.get(token)
         if child is None:
-            child = self.children[token] = CountNode()
-        child.count += 1
-        return child, created
+            child = kids[token] = self.new_node()
+        self.counts[child] += 1
+        return child
+
+    def add_path(self, tokens: Sequence[int], node: int = ROOT) -> None:
+        """Count one occurrence of every prefix of ``tokens`` below ``node``."""
+        for tok in tokens:
+            node = self.bump(node, tok)
+
+    def drop(self, node: int) -> None:
+        """Free ``node`` and its subtree (the caller unlinks it from its parent)."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            kids = self.kids[n]
+            if kids:
+                stack.extend(kids.values())
+            self.kids[n] = None
+            self.counts[n] = 0
+            self.free.append(n)
+            self.num_nodes -= 1
+
+
+class CountNode:
+    """A read-only view of one node of a ``CountTrie``."""
+
+    __slots__ = ("id", "trie")
+
+    def __init__(self, trie: CountTrie, node_id: int) -> None:
+        self.trie = trie
+        self.id = node_id
+
+    @property
+    def count(self) -> int:
+        return self.trie.counts[self.id]
+
+    @property
+    def has_children(self) -> bool:
+        return bool(self.trie.kids[self.id])
+
+    def child(self, token: int) -> CountNode:
+        """The child after ``token``; KeyError where that token never followed this node."""
+        kids = self.trie.kids[self.id]
+        if kids is None:
+            raise KeyError(token)
+        return CountNode(self.trie, kids[token])
+
+    def successors(self) -> list[tuple[int, int]]:
+        """(token, count) of every child, in insertion order."""
+        kids, counts = self.trie.kids[self.id], self.trie.counts
+        return [] if kids is None else [(t, counts[c]) for t, c in kids.items()]
 
     def items(self) -> Iterator[tuple[int, CountNode]]:
-        return iter(()) if self.children is None else iter(self.children.items())
+        kids = self.trie.kids[self.id]
+        return iter(()) if kids is None else ((t, CountNode(self.trie, c)) for t, c in kids.items())
 
     def as_dict(self) -> dict[int, tuple[int, dict]]:
         """{token: (count, subtree)}: for comparing tries in tests."""
         return {t: (c.count, c.as_dict()) for t, c in self.items()}
 
 
-class SuffixTrie:
+class SuffixTrie(CountTrie):
     def __init__(self, depth: int) -> None:
         if depth < 2:
             raise ValueError(f"a suffix trie needs depth >= 2, got {depth}")
+        super().__init__()
         self.depth = depth
-        self.root = CountNode()
-        self.num_nodes = 0
-
-    def _inc(self, node: CountNode, token: int) -> CountNode:
-        child, created = node.bump(token)
-        self.num_nodes += created
-        return child
 
     def add(self, tokens: Sequence[int]) -> None:
         """Count every substring of length <= depth of ``tokens``."""
-        for i in range(len(tokens)):
-            node = self.root
-            for tok in tokens[i : i + self.depth]:
-                node = self._inc(node, tok)
+        counts, kids, depth, new_node = self.counts, self.kids, self.depth, self.new_node
+        toks = list(tokens)
+        for i in range(len(toks)):
+            node = ROOT
+            for tok in toks[i : i + depth]:  # the bump, inlined: this loop is the trie's whole insert cost
+                out = kids[node]
+                if out is None:
+                    out = kids[node] = {}
+                child = out.get(tok)
+                if child is None:
+                    child = out[tok] = new_node()
+                counts[child] += 1
+                node = child
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo ``add(tokens)``; nodes whose count drops to 0 go (a child never outcounts its parent)."""
-        for i in range(len(tokens)):
-            node = self.root
-            for tok in tokens[i : i + self.depth]:
-                child = node.child(tok)
-                if child is None:
+        counts, kids, depth = self.counts, self.kids, self.depth
+        toks = list(tokens)
+        for i in range(len(toks)):
+            node = ROOT
+            for tok in toks[i : i + depth]:
+                out = kids[node]
+                child = None if out is None else out.get(tok)
+                if out is None or child is None:
                     raise ValueError("remove() of tokens that were never added")
-                child.count -= 1
-                if child.count == 0:
-                    assert node.children is not None
-                    del node.children[tok]
-                    self.num_nodes -= _size(child)
+                counts[child] -= 1
+                if counts[child] == 0:
+                    del out[tok]
+                    if not out:
+                        kids[node] = None
+                    self.drop(child)
                     break
                 node = child
 
     def match(self, context: Sequence[int], max_len: int, min_len: int) -> tuple[int, CountNode | None]:
         """The longest suffix of ``context`` (``min_len`` to ``max_len`` tokens) that occurred with a continuation:
         (its length, its node), or (0, None)."""
+        kids = self.kids
         longest = min(max_len, len(context), self.depth - 1)
         for n in range(longest, min_len - 1, -1):
-            node: CountNode | None = self.root
+            node: int | None = ROOT
             for tok in context[len(context) - n :]:
-                node = node.child(tok)  # type: ignore[union-attr]
+                out = kids[node]  # type: ignore[index]
+                node = None if out is None else out.get(tok)
                 if node is None:
                     break
-            if node is not None and node.children:
-                return n, node
+            if node is not None and kids[node]:
+                return n, CountNode(self, node)
         return 0, None
-
-
-def _size(node: CountNode) -> int:
-    return 1 + sum(_size(c) for _, c in node.items())
 
 
 class SuffixStream:
@@ -103,14 +177,26 @@ class SuffixStream:
     def __init__(self, trie: SuffixTrie) -> None:
         self.trie = trie
         self.fed = 0
-        self._open: list[CountNode] = []  # nodes of the current suffixes of length 1..depth-1, shortest first
+        self._open: list[int] = []  # nodes of the current suffixes of length 1..depth-1, shortest first
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Feed ``tokens[self.fed:]`` (the caller passes the whole sequence so far)."""
         trie = self.trie
+        counts, kids, new_node, keep = trie.counts, trie.kids, trie.new_node, trie.depth - 1
+        opened = self._open
         for tok in tokens[self.fed :]:
-            grown = [trie._inc(node, tok) for node in (trie.root, *self._open)]
-            self._open = grown[: trie.depth - 1]
+            grown = []
+            for node in (ROOT, *opened):  # the bump, inlined
+                out = kids[node]
+                if out is None:
+                    out = kids[node] = {}
+                child = out.get(tok)
+                if child is None:
+                    child = out[tok] = new_node()
+                counts[child] += 1
+                grown.append(child)
+            opened = grown[:keep]
+        self._open = opened
         self.fed = max(self.fed, len(tokens))
 
 
@@ -128,9 +214,9 @@ class SuffixCache:
         self.entries: deque[tuple[str | None, list[int]]] = deque()
         self.tokens = 0
         self.lock = threading.Lock()
-        # outputs are kept only once a lane serves the suffix drafter: until then the trie (~10^5 tracked objects
-        # per 16k tokens, each output costing ~75 us a token on the lane thread, and the collector's full passes
-        # over them stalling every lane) would be paid for by replicas that never draft from it
+        # outputs are kept only once a lane serves the suffix drafter: until then the trie (~4 * 10^5 nodes for
+        # 16k tokens, each output costing ~15-30 us a token on the lane thread) would be paid for by replicas that
+        # never draft from it
         self.in_use = False
 
     @property
