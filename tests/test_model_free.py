@@ -29,7 +29,7 @@ from specserve.spec_decode.count_tree import (
 )
 from specserve.spec_decode.lookup import continuation_trie, match_starts
 from specserve.spec_decode.model_free import ModelFreeDrafter
-from specserve.spec_decode.suffix_tree import CountNode, CountTrie, SuffixCache, SuffixStream, SuffixTrie
+from specserve.spec_decode.suffix_tree import ROOT, CountNode, CountTrie, SuffixCache, SuffixStream, SuffixTrie
 
 from .conftest import greedy_reference
 
@@ -164,6 +164,33 @@ def test_suffix_trie_counts_every_substring_and_streams_equal_batch_inserts() ->
     assert trie.root.as_dict() == streamed.root.as_dict() and trie.num_nodes == streamed.num_nodes
 
 
+def test_count_trie_moves_between_one_child_and_several() -> None:
+    """A node's children live inline while it has one and in a dict while it has several; cutting and re-adding
+    children moves it between the two without changing what it reports, a cut frees its whole subtree (branches
+    included) once, and freed ids are reused."""
+    trie = CountTrie()
+    a = trie.bump(ROOT, 7)
+    assert trie.kids[ROOT] is None and trie.children(ROOT) == [(7, a)] and trie.child(ROOT, 7) == a
+    assert trie.child(ROOT, 8) is None and not trie.has_children(a)
+    trie.add_path([7, 1, 2])  # 7 again, then a chain below it
+    trie.add_path([7, 3])  # and a branch: 7's children move to a dict
+    b = trie.bump(ROOT, 0)  # token 0: a token like any other, not "no child"
+    assert trie.kids[ROOT] == {7: a, 0: b} and trie.root.successors() == [(7, 3), (0, 1)]
+    assert trie.root.child(7).successors() == [(1, 1), (3, 1)] and trie.num_nodes == 5
+    trie.cut(ROOT, 7)  # 7, 7 1, 7 1 2 and 7 3 go; the root is back to one child
+    assert trie.kids[ROOT] is None and trie.children(ROOT) == [(0, b)] and trie.num_nodes == 1
+    assert (a, b, trie.capacity) == (1, 5, 6) and sorted(trie.free) == [1, 2, 3, 4]
+    trie.add_path([5, 6, 4])
+    assert trie.capacity == 6 and len(trie.free) == 1  # three of the freed ids, reused
+    assert trie.root.as_dict() == {0: (1, {}), 5: (1, {6: (1, {4: (1, {})})})}
+    trie.cut(ROOT, 0)
+    trie.cut(ROOT, 5)
+    assert trie.num_nodes == 0 and not trie.has_children(ROOT) and trie.root.as_dict() == {}
+    assert sorted(trie.free) == [1, 2, 3, 4, 5]
+    with pytest.raises(KeyError):
+        trie.root.child(5)
+
+
 def test_tries_hold_nothing_the_collector_tracks() -> None:
     """The collector's full passes hold the GIL, so every lane of a replica: a trie's nodes must not be objects they
     visit (docs/benchmarks.md, "The suffix cache's cost")."""
@@ -205,7 +232,7 @@ def test_suffix_cache_stays_within_its_bound_and_evicts_oldest_first() -> None:
         added.append((salt, out))
         assert cache.tokens <= 300 and cache.num_nodes <= cache.max_nodes
         for trie in cache.tries.values():  # evicted nodes' storage is reused, so it stays within the bound too
-            assert len(trie.counts) == len(trie.kids) == 1 + trie.num_nodes + len(trie.free) <= 1 + cache.max_nodes
+            assert trie.capacity == 1 + trie.num_nodes + len(trie.free) <= 1 + cache.max_nodes
     kept = list(cache.entries)
     assert kept == added[-len(kept) :]  # the newest ones, in order
     for salt in (None, "a", "b"):

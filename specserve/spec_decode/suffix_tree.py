@@ -6,10 +6,11 @@ A depth-D suffix trie holds every substring of length <= D of what was inserted;
 occurrences. Matching the longest suffix of the context finds a node whose children are every token that followed
 that suffix before, with how often: the empirical next-token distribution the drafter proposes from.
 
-Nodes are integer ids into flat storage: the counts in an ``array`` and each node's children in a dict of ints.
-Neither is an object the cyclic collector tracks, so a trie of 10^5-10^6 nodes adds nothing to the collector's full
-passes (which hold the GIL, and so every lane of a replica), and inserting costs dict and array operations, not an
-object per node. ``CountNode`` is a read-only view of one node for the drafters.
+Nodes are integer ids into flat storage: the counts in an ``array``; a node's only child, the common case deep in a
+suffix trie, in two more arrays; the children of a node with several in a dict of ints. None of these is an object
+the cyclic collector tracks, so a trie of 10^5-10^6 nodes adds next to nothing to the collector's full passes
+(which hold the GIL, and so every lane of a replica), and a node costs tens of bytes, not an object and a dict.
+``CountNode`` is a read-only view of one node for the drafters.
 """
 
 from __future__ import annotations
@@ -20,14 +21,18 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 
 ROOT = 0
+NO_CHILD = ROOT  # in ``CountTrie.only_child``: the root is never anyone's child
 
 
 class CountTrie:
-    """A trie of token counts; node ``ROOT`` is the root, freed ids are reused."""
+    """A trie of token counts; node ``ROOT`` is the root, freed ids are reused. A node has no children
+    (``only_child`` NO_CHILD, ``kids`` None), one (``only_child`` and ``only_token``) or several (``kids``)."""
 
     def __init__(self) -> None:
         self.counts = array("q", [0])  # [nodes]: occurrences of each node's path (the root's is unused)
-        self.kids: list[dict[int, int] | None] = [None]  # [nodes]: token -> child id, None for a leaf
+        self.only_child = array("q", [NO_CHILD])  # [nodes]: the child of a node with exactly one
+        self.only_token = array("q", [0])  # [nodes]: its token
+        self.kids: list[dict[int, int] | None] = [None]  # [nodes]: token -> child id of a node with several
         self.free: list[int] = []
         self.num_nodes = 0  # excluding the root
 
@@ -35,42 +40,86 @@ class CountTrie:
     def root(self) -> CountNode:
         return CountNode(self, ROOT)
 
+    @property
+    def capacity(self) -> int:
+        """Node ids allocated so far, the root's and freed ones included."""
+        return len(self.counts)
+
     def new_node(self) -> int:
         self.num_nodes += 1
         if self.free:
             return self.free.pop()
         self.counts.append(0)
+        self.only_child.append(NO_CHILD)
+        self.only_token.append(0)
         self.kids.append(None)
-        return len(self.kids) - 1
+        return len(self.counts) - 1
 
     def bump(self, node: int, token: int) -> int:
-        """Count one more occurrence of ``token`` after ``node``: its child's id."""
+        """Count one more occurrence of ``token`` after ``node``: its child's id. The trie's whole insert cost."""
         kids = self.kids[node]
-        if kids is None:
-            kids = self.kids[node] = {}
-        child = kids.get(token)
-        if child is None:
-            child = kids[token] = self.new_node()
+        if kids is not None:
+            child = kids.get(token)
+            if child is None:
+                child = kids[token] = self.new_node()
+        else:
+            child = self.only_child[node]
+            if child == NO_CHILD:
+                child = self.only_child[node] = self.new_node()
+                self.only_token[node] = token
+            elif self.only_token[node] != token:  # a second child: the node's children move to a dict
+                first, child = child, self.new_node()
+                self.kids[node] = {self.only_token[node]: first, token: child}
+                self.only_child[node] = NO_CHILD
         self.counts[child] += 1
         return child
+
+    def child(self, node: int, token: int) -> int | None:
+        kids = self.kids[node]
+        if kids is not None:
+            return kids.get(token)
+        child = self.only_child[node]
+        return child if child != NO_CHILD and self.only_token[node] == token else None
+
+    def children(self, node: int) -> list[tuple[int, int]]:
+        """(token, child id) of every child, in insertion order."""
+        kids = self.kids[node]
+        if kids is not None:
+            return list(kids.items())
+        child = self.only_child[node]
+        return [] if child == NO_CHILD else [(self.only_token[node], child)]
+
+    def has_children(self, node: int) -> bool:
+        return self.kids[node] is not None or self.only_child[node] != NO_CHILD
 
     def add_path(self, tokens: Sequence[int], node: int = ROOT) -> None:
         """Count one occurrence of every prefix of ``tokens`` below ``node``."""
         for tok in tokens:
             node = self.bump(node, tok)
 
-    def drop(self, node: int) -> None:
-        """Free ``node`` and its subtree (the caller unlinks it from its parent)."""
-        stack = [node]
+    def cut(self, node: int, token: int) -> None:
+        """Unlink ``node``'s child after ``token`` and free its subtree."""
+        kids = self.kids[node]
+        if kids is None:
+            child = self.only_child[node]
+            self.only_child[node] = NO_CHILD
+        else:
+            child = kids.pop(token)
+            if len(kids) == 1:  # back to one child
+                [(self.only_token[node], self.only_child[node])] = kids.items()
+                self.kids[node] = None
+        kids_of, only, counts, free, stack = self.kids, self.only_child, self.counts, self.free, [child]
         while stack:
             n = stack.pop()
-            kids = self.kids[n]
-            if kids:
-                stack.extend(kids.values())
-            self.kids[n] = None
-            self.counts[n] = 0
-            self.free.append(n)
-            self.num_nodes -= 1
+            while n != NO_CHILD:  # down the chain of only children, branches onto the stack
+                kids = kids_of[n]
+                if kids is not None:
+                    stack.extend(kids.values())
+                    kids_of[n] = None
+                nxt, only[n], counts[n] = only[n], NO_CHILD, 0
+                free.append(n)
+                self.num_nodes -= 1
+                n = nxt
 
 
 class CountNode:
@@ -88,23 +137,22 @@ class CountNode:
 
     @property
     def has_children(self) -> bool:
-        return bool(self.trie.kids[self.id])
+        return self.trie.has_children(self.id)
 
     def child(self, token: int) -> CountNode:
         """The child after ``token``; KeyError where that token never followed this node."""
-        kids = self.trie.kids[self.id]
-        if kids is None:
+        child = self.trie.child(self.id, token)
+        if child is None:
             raise KeyError(token)
-        return CountNode(self.trie, kids[token])
+        return CountNode(self.trie, child)
 
     def successors(self) -> list[tuple[int, int]]:
         """(token, count) of every child, in insertion order."""
-        kids, counts = self.trie.kids[self.id], self.trie.counts
-        return [] if kids is None else [(t, counts[c]) for t, c in kids.items()]
+        counts = self.trie.counts
+        return [(t, counts[c]) for t, c in self.trie.children(self.id)]
 
     def items(self) -> Iterator[tuple[int, CountNode]]:
-        kids = self.trie.kids[self.id]
-        return iter(()) if kids is None else ((t, CountNode(self.trie, c)) for t, c in kids.items())
+        return ((t, CountNode(self.trie, c)) for t, c in self.trie.children(self.id))
 
     def as_dict(self) -> dict[int, tuple[int, dict]]:
         """{token: (count, subtree)}: for comparing tries in tests."""
@@ -120,54 +168,37 @@ class SuffixTrie(CountTrie):
 
     def add(self, tokens: Sequence[int]) -> None:
         """Count every substring of length <= depth of ``tokens``."""
-        counts, kids, depth, new_node = self.counts, self.kids, self.depth, self.new_node
-        toks = list(tokens)
-        for i in range(len(toks)):
-            node = ROOT
-            for tok in toks[i : i + depth]:  # the bump, inlined: this loop is the trie's whole insert cost
-                out = kids[node]
-                if out is None:
-                    out = kids[node] = {}
-                child = out.get(tok)
-                if child is None:
-                    child = out[tok] = new_node()
-                counts[child] += 1
-                node = child
+        SuffixStream(self).extend(tokens)  # the substrings ending at each token in turn: the same counts
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo ``add(tokens)``; nodes whose count drops to 0 go (a child never outcounts its parent)."""
-        counts, kids, depth = self.counts, self.kids, self.depth
-        toks = list(tokens)
+        counts, find, toks = self.counts, self.child, list(tokens)
         for i in range(len(toks)):
             node = ROOT
-            for tok in toks[i : i + depth]:
-                out = kids[node]
-                child = None if out is None else out.get(tok)
-                if out is None or child is None:
+            for tok in toks[i : i + self.depth]:
+                child = find(node, tok)
+                if child is None:
                     raise ValueError("remove() of tokens that were never added")
                 counts[child] -= 1
                 if counts[child] == 0:
-                    del out[tok]
-                    if not out:
-                        kids[node] = None
-                    self.drop(child)
+                    self.cut(node, tok)
                     break
                 node = child
 
     def match(self, context: Sequence[int], max_len: int, min_len: int) -> tuple[int, CountNode | None]:
         """The longest suffix of ``context`` (``min_len`` to ``max_len`` tokens) that occurred with a continuation:
         (its length, its node), or (0, None)."""
-        kids = self.kids
         longest = min(max_len, len(context), self.depth - 1)
         for n in range(longest, min_len - 1, -1):
-            node: int | None = ROOT
+            node = ROOT
             for tok in context[len(context) - n :]:
-                out = kids[node]  # type: ignore[index]
-                node = None if out is None else out.get(tok)
-                if node is None:
+                found = self.child(node, tok)
+                if found is None:
                     break
-            if node is not None and kids[node]:
-                return n, CountNode(self, node)
+                node = found
+            else:
+                if self.has_children(node):
+                    return n, CountNode(self, node)
         return 0, None
 
 
@@ -181,21 +212,9 @@ class SuffixStream:
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Feed ``tokens[self.fed:]`` (the caller passes the whole sequence so far)."""
-        trie = self.trie
-        counts, kids, new_node, keep = trie.counts, trie.kids, trie.new_node, trie.depth - 1
-        opened = self._open
+        bump, keep, opened = self.trie.bump, self.trie.depth - 1, self._open
         for tok in tokens[self.fed :]:
-            grown = []
-            for node in (ROOT, *opened):  # the bump, inlined
-                out = kids[node]
-                if out is None:
-                    out = kids[node] = {}
-                child = out.get(tok)
-                if child is None:
-                    child = out[tok] = new_node()
-                counts[child] += 1
-                grown.append(child)
-            opened = grown[:keep]
+            opened = [bump(node, tok) for node in (ROOT, *opened)][:keep]
         self._open = opened
         self.fed = max(self.fed, len(tokens))
 
