@@ -158,13 +158,16 @@ class Router:
     def metrics(self) -> ServeMetrics:
         return self._metrics
 
-    async def submit(self, request: Request) -> FailoverStream:
+    def check_capacity(self) -> None:
         in_flight = sum(lane.in_flight for lane in self.lanes) + self._moving.count
         if in_flight >= self.capacity:
             raise OverloadedError(
                 f"the server is at capacity ({self.capacity} requests running or queued); retry later",
                 retry_after_s=self.retry_after_s(in_flight),
             )
+
+    async def submit(self, request: Request) -> FailoverStream:
+        self.check_capacity()  # again: others may have been admitted while this one's prompt was tokenised
         # seeded here, so that after a move to another lane it goes on with the same draws (docs/algorithms.md §1.4)
         request = dataclasses.replace(request, params=request.params.seeded())
         stream = FailoverStream(

@@ -83,9 +83,12 @@ class LocalBackend:
     def metrics(self) -> ServeMetrics:
         return self._metrics
 
-    async def submit(self, request: Request) -> LaneStream:
+    def check_capacity(self) -> None:
         if self.lane.in_flight >= self.capacity:
             raise OverloadedError("at capacity", retry_after_s=1)
+
+    async def submit(self, request: Request) -> LaneStream:
+        self.check_capacity()
         return await self.lane.submit(request)
 
     def health(self) -> Health:

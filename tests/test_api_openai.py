@@ -169,6 +169,7 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
 
     class Admission:  # the router's own admission code, without Ray
         submit = Router.func_or_class.submit
+        check_capacity = Router.func_or_class.check_capacity
         retry_after_s = Router.func_or_class.retry_after_s
         capacity = Router.func_or_class.capacity
 
@@ -195,6 +196,26 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
     BusyLane.in_flight = 11  # one place left, but a request pausing before a move to another lane holds it
     with moving.pausing():
         assert retry_after() == 45
+
+
+def test_a_full_server_refuses_before_tokenising_the_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4 MiB prompt costs ~2 s of tokenisation: a server at capacity answers 429 without paying it."""
+    backend = LocalBackend(max_model_len=CONTEXT, capacity=0)
+    encoder, tokenised = backend.encoder, []
+    text = encoder.text
+    monkeypatch.setattr(encoder, "text", lambda prompt: tokenised.append(len(prompt)) or text(prompt))
+    try:
+        with api_server(backend) as url:
+            body = {"model": MODEL, "prompt": "x" * 100_000, "max_tokens": 2}
+            r = httpx.post(url + COMPLETIONS, json=body, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+            assert tokenised == []
+            backend.capacity = 1  # room again: the same path tokenises (a prompt too long for the context: a 400)
+            r = httpx.post(url + COMPLETIONS, json=body, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+            assert tokenised == [100_000]
+    finally:
+        backend.stop()
 
 
 def test_client_disconnect_mid_stream_is_an_abort(backend: LocalBackend, url: str) -> None:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -63,6 +64,23 @@ class StreamOptions(BaseModel):
 # as integers where a float is expected. Every constraint below is one the server enforces, so /openapi.json (built
 # from these models) documents exactly what is accepted.
 StrictFloat = Annotated[float, Field(strict=True)]
+# the end of the signed 64-bit range, exclusive (OpenAPI bounds are floats, and 2**63 - 1 is not one): Python's JSON
+# parser takes integers of up to 4300 digits, and one of those in an error message cannot even be printed
+INT64_END = 2**63
+
+
+def _exactly(kind: type[bool] | type[int]) -> BeforeValidator:
+    """A JSON type for a Literal field: a Literal compares by ==, so 0 would pass for false, and true or 1.0 for 1."""
+    name = "boolean" if kind is bool else "integer"
+
+    def check(v: object) -> object:
+        if v is not None and type(v) is not kind:
+            raise ValueError(f"must be a JSON {name}")
+        return v
+
+    return BeforeValidator(check)
+
+
 MAX_STOP_CHARS = 1024  # the step loop looks for every stop string's prefixes at the end of the text each step
 
 
@@ -130,6 +148,8 @@ MAX_TEMPERATURE = 2.0  # OpenAI's bound
 # a conversation's messages: validating 120k one-character messages (a 3.9 MiB body, under the size limit) held the
 # event loop 1.5 s and the chat template another 3.5 s, stalling every stream of the replica
 MAX_MESSAGES = 4096
+# and their content parts, counted over all messages: 39 messages of 4096 empty parts (a 4.15 MB body) held it 0.6 s
+MAX_CONTENT_PARTS = 4096
 
 
 class GenerationRequest(BaseModel):
@@ -138,12 +158,16 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_document_nullable)
 
     model: str
-    max_tokens: StrictInt | None = Field(default=None, ge=1, description="at most the context length minus the prompt")
+    max_tokens: StrictInt | None = Field(
+        default=None, ge=1, lt=INT64_END, description="at most the context length minus the prompt"
+    )
     temperature: StrictFloat = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=1, description="extension: keep the k most likely tokens")
+    top_k: StrictInt | None = Field(
+        default=None, ge=1, lt=INT64_END, description="extension: keep the k most likely tokens"
+    )
     # lt 2**63 rather than le 2**63 - 1: OpenAPI bounds are floats, and 2**63 - 1 is not one
-    seed: StrictInt | None = Field(default=None, ge=-(2**63), lt=2**63, description="a 64-bit signed integer")
+    seed: StrictInt | None = Field(default=None, ge=-INT64_END, lt=INT64_END, description="a 64-bit signed integer")
     stop: StopStrings | None = Field(default=None, description="up to 4 non-empty stop strings")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -220,7 +244,7 @@ def _utf8(text: str) -> str:
 
 
 Utf8Str = Annotated[str, AfterValidator(_utf8)]
-TokenId = Annotated[StrictInt, Field(ge=0)]  # below the vocabulary size, which the model decides
+TokenId = Annotated[StrictInt, Field(ge=0, lt=INT64_END)]  # below the vocabulary size, which the model decides
 # Lists a request may fill up to the body limit validate up to their first bad item (fail_fast): an error per item
 # of a 4 MiB list of bad ids took pydantic and FastAPI ~30 s to build on the event loop, stalling every stream.
 Prompt = Annotated[
@@ -232,9 +256,11 @@ Prompt = Annotated[
 
 class CompletionRequest(GenerationRequest):
     prompt: Prompt = Field(description="text, or token ids")
-    max_tokens: StrictInt | None = Field(default=16, ge=1, description="at most the context length minus the prompt")
-    echo: Literal[False] = False
-    best_of: Literal[1] | None = None
+    max_tokens: StrictInt | None = Field(
+        default=16, ge=1, lt=INT64_END, description="at most the context length minus the prompt"
+    )
+    echo: Annotated[Literal[False], _exactly(bool)] = False
+    best_of: Annotated[Literal[1] | None, _exactly(int)] = None
     suffix: None = None
 
 
@@ -267,13 +293,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = Field(default=None, description="a tool message's call (OpenAI requires it; unused)")
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _few_enough_parts(cls, v: object) -> object:
-        if isinstance(v, list) and len(v) > MAX_MESSAGES:  # (counted before each part is validated)
-            raise ValueError(f"at most {MAX_MESSAGES} content parts, got {len(v)}")
-        return v
-
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
         if self.content is None and self.role != ChatRole.assistant:  # as OpenAI: only an assistant's may be absent
@@ -295,17 +314,25 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, description="OpenAI's newer name of max_tokens")
+    max_completion_tokens: StrictInt | None = Field(
+        default=None, ge=1, lt=INT64_END, description="OpenAI's newer name of max_tokens"
+    )
     response_format: ResponseFormat | None = Field(default=None, description="only the no-op {'type': 'text'}")
-    store: Literal[False] | None = Field(default=None, description="only the no-op false: nothing is stored")
+    store: Annotated[Literal[False] | None, _exactly(bool)] = Field(
+        default=None, description="only the no-op false: nothing is stored"
+    )
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=0, description="not supported: only 0 or null")
 
     @field_validator("messages", mode="before")
     @classmethod
     def _few_enough_messages(cls, v: object) -> object:
-        # before the messages are validated one by one: max_length alone counts them after
+        # before the messages (and their parts) are validated one by one: max_length alone counts them after
         if isinstance(v, list) and len(v) > MAX_MESSAGES:
             raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(v)}")
+        if isinstance(v, list):
+            parts = sum(len(m["content"]) for m in v if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if parts > MAX_CONTENT_PARTS:
+                raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all messages together, got {parts}")
         return v
 
     @field_validator("top_logprobs", mode="before")

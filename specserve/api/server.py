@@ -108,6 +108,11 @@ class Backend(Protocol):
     @property
     def metrics(self) -> ServeMetrics: ...
 
+    def check_capacity(self) -> None:
+        """Raise OverloadedError where a request submitted now would be refused as over capacity: asked before the
+        prompt is tokenised, so that a full server spends nothing on it (``submit`` asks again)."""
+        ...
+
     async def submit(self, request: Request) -> OutputStream:
         """Admit a request; raises OverloadedError when full, InvalidRequestError when the loop rejects it."""
         ...
@@ -300,6 +305,7 @@ class _Routes:
                     f"the model {body.model!r} does not exist; this server serves {self.backend.model_name!r}",
                     param="model",
                 )
+            self.backend.check_capacity()  # a 429 before the prompt's tokenisation (~0.5 s a MiB of text) is paid
             prompt_ids = await asyncio.to_thread(encode)  # a huge prompt must not stall every other stream
             max_tokens = limit.check(len(prompt_ids), self.backend.max_model_len)
             if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
