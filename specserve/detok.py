@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import cast
 
@@ -10,20 +11,37 @@ from transformers import PreTrainedTokenizerBase
 from specserve.errors import InvalidRequestError
 
 CONTEXT = 4  # tokens decoded before the settled point with the ones after it (a token's text may depend on them)
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte fallback (Llama-2, Mistral): one byte a token
+
+
+def byte_tokens(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """The ids of a byte-fallback vocabulary's byte tokens (none for byte-level BPE, SmolLM2's or GPT-2's). Their
+    decoder turns a run of them into its characters when the run is UTF-8 as a whole, else into U+FFFD for every
+    byte: a run's text can change with each byte that joins it ("€" + the first byte of "😀" decodes to 4 x U+FFFD),
+    so it is only settled once a token that is not a byte ends the run."""
+    if tokenizer is None:
+        return frozenset()
+    return frozenset(i for t, i in tokenizer.get_vocab().items() if BYTE_TOKEN.fullmatch(t))
 
 
 class IncrementalText:
     """Turns a growing list of token ids into stable text deltas, stopping at the first stop string."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase | None, stop: Sequence[str] = (), prompt_ids: Sequence[int] = ()
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        stop: Sequence[str] = (),
+        prompt_ids: Sequence[int] = (),
+        byte_ids: frozenset[int] | None = None,
     ) -> None:
         """``prompt_ids``: its last CONTEXT tokens are decoded before the output's first ones, whose text may
-        depend on them (a SentencePiece tokenizer drops the leading space of the first token it decodes)."""
+        depend on them (a SentencePiece tokenizer drops the leading space of the first token it decodes);
+        ``byte_ids``: ``byte_tokens(tokenizer)``, which a caller with many requests computes once."""
         if stop and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer")
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.byte_ids = byte_tokens(tokenizer) if byte_ids is None else byte_ids
         self._prefix = list(prompt_ids[-CONTEXT:]) if tokenizer is not None else []
         self._prefix_text = self._decode_ids(self._prefix) if self._prefix else ""
         # per stop string, the lengths k of its prefixes s[:k], by their last character (the hold-back's candidates)
@@ -37,8 +55,9 @@ class IncrementalText:
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
         self.stop_tokens: int | None = None  # once stopped: output tokens through the one completing the stop string
-        self._seen = 0  # tokens of the last update that found no stop string
+        self._seen = 0  # tokens of the last update that found no stop string, short of a run of byte tokens at its end
         self._seen_chars = 0  # ... and the length of their text: no text past it is handed out before they settle
+        self._checked = 0  # prefixes whose text was searched for a stop string, without a match
         self._fixed = 0  # leading output tokens whose text is settled: decoded once, not again every update
         self._fixed_text = ""  # their text
 
@@ -47,25 +66,34 @@ class IncrementalText:
         if self.tokenizer is None or self.stopped:
             return ""
         full = self._text_of(token_ids)
-        if any(s in _settled(full, final) for s in self.stop):
+        run = 0 if final else self._open_run(token_ids)  # byte tokens at the end: their text may still change
+        before_run = len(full) if run == 0 else len(self._text_upto(token_ids, len(token_ids) - run))
+        stop_at = None
+        found = any(s in _settled(full, final) for s in self.stop)
+        # ... or one that may have been complete in the text of a shorter prefix only (bytes since joined a run of
+        # byte tokens and turned its characters into U+FFFD)
+        if found or (self.stop and any(t in self.byte_ids for t in token_ids[self._seen :])):
+            stop_at = self._tokens_through_stop(token_ids, final) or (len(token_ids) if found else None)
+        if stop_at is not None:
             # the text as decoding one token a step would stop it: at the first token that completes a stop
             # string, cut at the earliest stop string in that prefix's text (a later, longer one that starts
             # earlier was not complete yet), however many tokens this update brought
-            self.stop_tokens = self._tokens_through_stop(token_ids, final)
-            whole = final and self.stop_tokens == len(token_ids)
-            through = _settled(self._decode(token_ids[: self.stop_tokens]), whole)
+            self.stop_tokens = stop_at
+            whole = final and stop_at == len(token_ids)
+            through = _settled(self._decode(token_ids[:stop_at]), whole)
             cut = min(i for i in (through.find(s) for s in self.stop) if i >= 0)
             self.text, self.stopped, final = through[:cut], True, True
         else:
             self.text = full
-            # not past a text ending in U+FFFD: with a byte-fallback tokenizer that hides a whole run of bytes, whose
-            # characters (a stop string's) may have been complete a token before
+            # not past a text ending in U+FFFD, nor into a run of byte tokens at the end: with a byte-fallback
+            # tokenizer, a later byte can hide a run's characters (a stop string's, complete a token before)
             if not full.endswith("\ufffd"):
-                self._seen, self._seen_chars = len(token_ids), len(full)
+                self._seen, self._seen_chars = len(token_ids) - run, before_run
         stable = len(self.text)
         if not final:
             if self.text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
                 stable = len(self.text.rstrip("\ufffd"))
+            stable = min(stable, before_run)  # nor the text of a run of byte tokens that may still change
             if self.stop:  # not past the tokens a later update may still cut (``settled``): text and ids agree
                 stable = min(stable, self._seen_chars)
             stable -= self._hold(self.text[:stable])  # a tail that may still become a stop string
@@ -108,16 +136,10 @@ class IncrementalText:
         """decode(token_ids) from the settled text and the tokens after it (decoded with CONTEXT tokens before
         them, whose text is then cut off), so a long output is not decoded whole at every step. Falls back to
         the whole decode where a character straddles the settled point."""
+        if self._fixed > len(token_ids):  # (outputs only grow; a caller feeding a shorter list starts over)
+            self._fixed, self._fixed_text = 0, ""
         fixed = self._fixed
-        if fixed > len(token_ids):  # (outputs only grow; a caller feeding a shorter list starts over)
-            self._fixed, self._fixed_text, fixed = 0, "", 0
-        start = max(0, fixed - CONTEXT)
-        context = self._decode(token_ids[start:fixed], first=start == 0)
-        while context.startswith("\ufffd") and start > max(0, fixed - 3 * CONTEXT):
-            # the window starts inside a character: back to its first byte (a byte-fallback tokenizer, Llama-2's or
-            # Mistral's, decodes a run of byte tokens that is not UTF-8 as a whole as U+FFFD for every byte)
-            start -= 1
-            context = self._decode(token_ids[start:fixed], first=start == 0)
+        start, context = self._window(token_ids)
         tail = self._decode(token_ids[start:], first=start == 0)
         if not tail.startswith(context):
             return self._decode(token_ids)
@@ -131,6 +153,34 @@ class IncrementalText:
                 self._fixed, self._fixed_text = settle, self._fixed_text + settled
         return text
 
+    def _window(self, token_ids: Sequence[int]) -> tuple[int, str]:
+        """(start, context): decoding starts CONTEXT tokens before the settled point, and the text of those tokens
+        is cut off the result."""
+        fixed = self._fixed
+        start = max(0, fixed - CONTEXT)
+        context = self._decode(token_ids[start:fixed], first=start == 0)
+        while context.startswith("\ufffd") and start > max(0, fixed - 3 * CONTEXT):
+            # the window starts inside a character: back to its first byte (a byte-fallback tokenizer, Llama-2's or
+            # Mistral's, decodes a run of byte tokens that is not UTF-8 as a whole as U+FFFD for every byte)
+            start -= 1
+            context = self._decode(token_ids[start:fixed], first=start == 0)
+        return start, context
+
+    def _text_upto(self, token_ids: Sequence[int], n: int) -> str:
+        """The text of the first n tokens, from the settled text where n is not before the settled point."""
+        if n < self._fixed:
+            return self._decode(token_ids[:n])
+        start, context = self._window(token_ids)
+        tail = self._decode(token_ids[start:n], first=start == 0)
+        return self._fixed_text + tail[len(context) :] if tail.startswith(context) else self._decode(token_ids[:n])
+
+    def _open_run(self, token_ids: Sequence[int]) -> int:
+        """How many byte tokens end ``token_ids``."""
+        n = len(token_ids)
+        while n and token_ids[n - 1] in self.byte_ids:
+            n -= 1
+        return len(token_ids) - n
+
     def _decode(self, token_ids: Sequence[int], *, first: bool = True) -> str:
         """The text of output tokens; ``first``: they start at the output's first token, so they are decoded
         after the prompt's last tokens (whose text is then cut off)."""
@@ -143,16 +193,19 @@ class IncrementalText:
         assert self.tokenizer is not None
         return cast(str, self.tokenizer.decode(cast(list[int], list(token_ids)), skip_special_tokens=True))
 
-    def _tokens_through_stop(self, token_ids: Sequence[int], final: bool) -> int:
-        """The shortest prefix whose text holds a stop string: a step that emitted several tokens (speculation)
-        may have gone past it, and those tokens are not part of the output. Searched from the last update whose
-        text did not end in U+FFFD: with byte fallback, a stop string complete at a token can vanish again in the
-        next one's text (its run of bytes then not UTF-8 as a whole)."""
-        for n in range(self._seen + 1, len(token_ids)):
-            prefix = _settled(self._decode(token_ids[:n]), False)
+    def _tokens_through_stop(self, token_ids: Sequence[int], final: bool) -> int | None:
+        """The shortest prefix whose text holds a stop string (None: none does): a step that emitted several tokens
+        (speculation) may have gone past it, and those tokens are not part of the output. Searched from the last
+        update whose text did not end in U+FFFD and left no run of byte tokens open: with byte fallback, a stop
+        string complete at a token can vanish again in the next one's text (its run of bytes then not UTF-8 as a
+        whole). Prefixes searched by an earlier update are not searched again (their text cannot change)."""
+        checked = self._checked if not final else min(self._checked, len(token_ids) - 1)
+        for n in range(max(self._seen, checked) + 1, len(token_ids) + 1):
+            prefix = _settled(self._text_upto(token_ids, n), final and n == len(token_ids))
             if any(s in prefix for s in self.stop):
                 return n
-        return len(token_ids)
+        self._checked = len(token_ids)
+        return None
 
 
 def _settled(text: str, final: bool) -> str:

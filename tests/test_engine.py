@@ -192,10 +192,13 @@ def test_one_engine_serves_several_threads_at_once(tiny: LlamaModel) -> None:
 
 
 class CharTokenizer:
-    """decode() only: token id i is chr(i)."""
+    """decode() and no byte tokens: token id i is chr(i)."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
 
 
 def test_incremental_text_holds_back_possible_stop_prefixes() -> None:

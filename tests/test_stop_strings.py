@@ -4,6 +4,7 @@ the ones after the token that completed the stop string must not be counted or r
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from transformers import PreTrainedTokenizerBase
@@ -12,8 +13,11 @@ from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.config import SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.engine import Engine
+from specserve.messages import VerifyOutput
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams
+from specserve.sequence import Delivered, Request
+from specserve.step_loop import StepLoop
 
 PROMPTS = ("The quick brown fox", "hello world")
 
@@ -205,58 +209,97 @@ def test_stop_tokens_do_not_depend_on_where_steps_end_with_byte_fallback() -> No
     assert (one.text, one.stop_tokens) == ("a", 4) == (steps.text, steps.stop_tokens)
 
 
+class _ScriptedTarget:
+    """A target whose steps are given: each step's first len - 1 tokens are accepted drafts, the last its own."""
+
+    def __init__(self, steps: list[list[int]]) -> None:
+        self.steps = iter(steps)
+
+    def add(self, *args: object) -> None:
+        return None
+
+    def release(self, ids: list[int]) -> None:
+        return None
+
+    def verify(self, items: list) -> list[VerifyOutput]:  # type: ignore[type-arg]
+        step = next(self.steps)
+        return [VerifyOutput(it.seq_id, list(range(1, len(step))), step, [], None) for it in items]
+
+
+def _scripted_loop(tok: PreTrainedTokenizerBase, steps: list[list[int]]) -> StepLoop:
+    target: Any = _ScriptedTarget(steps)
+    return StepLoop(target, tokenizer=tok, eos_token_ids={2}, max_batch_size=4, max_model_len=100)
+
+
+def _delivered(
+    tok: PreTrainedTokenizerBase, steps: list[list[int]], stop: str, max_tokens: int = 20
+) -> tuple[list[int], str, str]:
+    """The ids, text and finish reason handed out over a request whose steps bring ``steps``; after each step, what
+    a lane move would carry (the ids and text delivered so far) is checked to resume: the text the ids decode to
+    starts with the text, and a continuation with them is admitted."""
+    loop = _scripted_loop(tok, steps)
+    params = SamplingParams(max_tokens=max_tokens, stop=(stop,))
+    loop.add_request(Request("r", [1, 259], params))
+    got: list[int] = []
+    text, reason = "", ""
+    while loop.has_work:
+        for out in loop.step():
+            got += out.token_ids
+            text += out.text
+            assert out.num_output_tokens == len(got)
+            if out.finished:
+                reason = out.finish_reason.value  # type: ignore[union-attr]
+            else:
+                IncrementalText(tok, [stop], [1, 259]).resume(got, text)
+                moved = Request("m", [1, 259], params, delivered=Delivered(tuple(got), text))
+                _scripted_loop(tok, []).add_request(moved)  # InvalidRequestError where the two disagree
+    return got, text, reason
+
+
 def test_the_loop_hands_out_no_token_a_later_step_cuts_at_a_stop_string() -> None:
     """The step that ended one byte into "😀" had "€" hidden in its text and handed out its four tokens; the next
     found the stop at the fourth and cut the output, but the tokens were already delivered (a joined completion
     held one more token than plain decoding's, and num_output_tokens went down). Tokens whose text may still
     hold a stop string wait for the step that settles them, as their text does."""
-    from specserve.messages import VerifyOutput
-    from specserve.sampling import SamplingParams
-    from specserve.sequence import Request
-    from specserve.step_loop import StepLoop
-
     tok = _byte_fallback_tokenizer()
     ids = [259, *_bytes("€😀"), 259, 260]
-
-    class ScriptedTarget:
-        def __init__(self, steps: list[list[int]]) -> None:
-            self.steps = iter(steps)
-
-        def add(self, *args: object) -> None:
-            return None
-
-        def release(self, ids: list[int]) -> None:
-            return None
-
-        def verify(self, items: list) -> list[VerifyOutput]:  # type: ignore[type-arg]
-            step = next(self.steps)  # its first len - 1 tokens are accepted drafts, the last the target's own
-            return [VerifyOutput(it.seq_id, list(range(1, len(step))), step, [], None) for it in items]
-
-    def delivered(steps: list[list[int]], stop: str = "€") -> tuple[list[int], str]:
-        """The ids and text handed out over a request; after each step, what a lane move would carry (the ids and
-        text delivered so far) is checked to resume: the text the ids decode to starts with the text."""
-        loop = StepLoop(ScriptedTarget(steps), tokenizer=tok, eos_token_ids={2}, max_batch_size=4, max_model_len=100)  # type: ignore[arg-type]
-        loop.add_request(Request("r", [1, 259], SamplingParams(max_tokens=20, stop=[stop])))
-        got: list[int] = []
-        text = ""
-        while loop.has_work:
-            for out in loop.step():
-                got += out.token_ids
-                text += out.text
-                assert out.num_output_tokens == len(got)
-                if not out.finished:
-                    IncrementalText(tok, [stop], [1, 259]).resume(got, text)
-        return got, text
-
-    plain, plain_text = delivered([[t] for t in ids])
-    assert plain == ids[:4] and plain_text == " a"  # (after the prompt's "a": a space)
+    plain = _delivered(tok, [[t] for t in ids], "€")
+    assert plain == (ids[:4], " a", "stop")  # (after the prompt's "a": a space)
     for split in ([ids[:1], ids[1:5], ids[5:9]], [ids[:5], ids[5:9]], [ids[:2], ids[2:6], ids[6:]]):
-        assert delivered(split) == (plain, plain_text), split
+        assert _delivered(tok, split, "€") == plain, split
+    # one step brings the token completing "€", a byte that breaks the run and the word that ends it: "€" is in no
+    # text of that step's end, only in the text of its fourth token's prefix
+    ids = [259, *_bytes("€"), _bytes("😀")[0], 259, 260, 259, 260]
+    assert _delivered(tok, [ids[:1], ids[1:]], "€") == plain == _delivered(tok, [ids[:1], ids[1:5], ids[5:]], "€")
     # no stop string met: a step ending one byte into "ü" after " é x" handed out that text with none of its ids
     # (held back), and a lane move then refused the request
     ids = [259, *_bytes("é"), 260, *_bytes("ü"), 259, 2]
-    whole = delivered([[t] for t in ids], stop="zz")
-    assert whole == delivered([ids[:1], ids[1:5], ids[5:]], stop="zz") == (ids[:-1], " aé xü a")
+    whole = _delivered(tok, [[t] for t in ids], "zz")
+    assert whole == _delivered(tok, [ids[:1], ids[1:5], ids[5:]], "zz") == (ids[:-1], " aé xü a", "stop")
+
+
+def test_byte_runs_give_one_output_whatever_the_steps() -> None:
+    """A step that brought the token completing "€" and a byte of "😀" after it, together, hid the stop string from
+    the step's text, and the output ran on past it; without stop strings, the text of a run of byte tokens was
+    handed out while a later byte could still turn it into U+FFFD, so the streamed text depended on where steps
+    ended, and a lane move of the request was refused. Random outputs of words and byte runs (whole characters,
+    and first bytes that break them), random steps: the same ids, text and finish reason as one token a step, and
+    without a stop, the text the ids decode to."""
+    tok = _byte_fallback_tokenizer()
+    rng = random.Random(0)
+    pieces = [[259], [260], _bytes("€"), _bytes("😀"), _bytes("😀")[:1], _bytes("é"), _bytes("ü")[:1]]
+    prompt_text = tok.decode([1, 259], skip_special_tokens=True)
+    for _ in range(30):
+        ids = [t for _ in range(rng.randrange(2, 8)) for t in rng.choice(pieces)]
+        for stop in ("zz", "€", "😀", "a€", "\ufffd"):
+            plain = _delivered(tok, [[t] for t in ids], stop, max_tokens=len(ids))
+            if stop == "zz":
+                whole = tok.decode([1, 259, *ids], skip_special_tokens=True)
+                assert plain == (ids, whole[len(prompt_text) :], "length")
+            for _ in range(3):
+                cuts = sorted(rng.sample(range(1, len(ids)), min(len(ids) - 1, rng.randrange(1, 4))))
+                steps = [ids[i:j] for i, j in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+                assert _delivered(tok, steps, stop, max_tokens=len(ids)) == plain, (ids, stop, steps)
 
 
 def _metaspace_tokenizer() -> PreTrainedTokenizerBase:
