@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
@@ -14,14 +15,40 @@ CONTEXT = 4  # tokens decoded before the settled point with the ones after it (a
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte fallback (Llama-2, Mistral): one byte a token
 
 
-def byte_tokens(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
-    """The ids of a byte-fallback vocabulary's byte tokens (none for byte-level BPE, SmolLM2's or GPT-2's). Their
-    decoder turns a run of them into its characters when the run is UTF-8 as a whole, else into U+FFFD for every
-    byte: a run's text can change with each byte that joins it ("€" + the first byte of "😀" decodes to 4 x U+FFFD),
-    so it is only settled once a token that is not a byte ends the run."""
-    if tokenizer is None:
-        return frozenset()
-    return frozenset(i for t, i in tokenizer.get_vocab().items() if BYTE_TOKEN.fullmatch(t))
+@dataclass(frozen=True)
+class ByteRuns:
+    """What runs of byte tokens are made of in a byte-fallback vocabulary (Llama-2's, Mistral's; byte-level BPE,
+    SmolLM2's or GPT-2's, has none). Its decoder turns a run of byte tokens into its characters when the run is UTF-8
+    as a whole, else into U+FFFD for every byte: a run's text can change with each byte that joins it ("€" + the
+    first byte of "😀" decodes to 4 x U+FFFD), so it is only settled once a token that is not a byte ends the run.
+    Tokens that decoding skips (special tokens) do not end a run: the bytes on both sides join."""
+
+    bytes: frozenset[int] = frozenset()
+    skipped: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase | None) -> ByteRuns:
+        if tokenizer is None:
+            return cls()
+        found = frozenset(i for t, i in tokenizer.get_vocab().items() if BYTE_TOKEN.fullmatch(t))
+        return cls(found, frozenset(tokenizer.all_special_ids)) if found else cls()
+
+    def open_run(self, token_ids: Sequence[int]) -> int:
+        """How many tokens at the end belong to a run of byte tokens a later byte may still join: from the run's
+        first byte token on (skipped tokens inside or after it included)."""
+        n = start = len(token_ids)
+        while n and self._in_run(token_ids[n - 1]):
+            n -= 1
+            if token_ids[n] in self.bytes:
+                start = n
+        return len(token_ids) - start
+
+    def inside(self, token_ids: Sequence[int], i: int) -> bool:
+        """Whether a run of byte tokens may go on across the boundary before token i."""
+        return 0 < i < len(token_ids) and self._in_run(token_ids[i]) and self._in_run(token_ids[i - 1])
+
+    def _in_run(self, token: int) -> bool:
+        return token in self.bytes or token in self.skipped
 
 
 class IncrementalText:
@@ -32,16 +59,16 @@ class IncrementalText:
         tokenizer: PreTrainedTokenizerBase | None,
         stop: Sequence[str] = (),
         prompt_ids: Sequence[int] = (),
-        byte_ids: frozenset[int] | None = None,
+        runs: ByteRuns | None = None,
     ) -> None:
         """``prompt_ids``: its last CONTEXT tokens are decoded before the output's first ones, whose text may
         depend on them (a SentencePiece tokenizer drops the leading space of the first token it decodes);
-        ``byte_ids``: ``byte_tokens(tokenizer)``, which a caller with many requests computes once."""
+        ``runs``: ``ByteRuns.of(tokenizer)``, which a caller with many requests computes once."""
         if stop and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer")
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
-        self.byte_ids = byte_tokens(tokenizer) if byte_ids is None else byte_ids
+        self.runs = ByteRuns.of(tokenizer) if runs is None else runs
         self._prefix = list(prompt_ids[-CONTEXT:]) if tokenizer is not None else []
         self._prefix_text = self._decode_ids(self._prefix) if self._prefix else ""
         # per stop string, the lengths k of its prefixes s[:k], by their last character (the hold-back's candidates)
@@ -66,13 +93,13 @@ class IncrementalText:
         if self.tokenizer is None or self.stopped:
             return ""
         full = self._text_of(token_ids)
-        run = 0 if final else self._open_run(token_ids)  # byte tokens at the end: their text may still change
+        run = 0 if final else self.runs.open_run(token_ids)  # a run of byte tokens at the end may still change
         before_run = len(full) if run == 0 else len(self._text_upto(token_ids, len(token_ids) - run))
         stop_at = None
         found = any(s in _settled(full, final) for s in self.stop)
         # ... or one that may have been complete in the text of a shorter prefix only (bytes since joined a run of
         # byte tokens and turned its characters into U+FFFD)
-        if found or (self.stop and any(t in self.byte_ids for t in token_ids[self._seen :])):
+        if found or (self.stop and any(t in self.runs.bytes for t in token_ids[self._seen :])):
             stop_at = self._tokens_through_stop(token_ids, final) or (len(token_ids) if found else None)
         if stop_at is not None:
             # the text as decoding one token a step would stop it: at the first token that completes a stop
@@ -136,10 +163,16 @@ class IncrementalText:
         """decode(token_ids) from the settled text and the tokens after it (decoded with CONTEXT tokens before
         them, whose text is then cut off), so a long output is not decoded whole at every step. Falls back to
         the whole decode where a character straddles the settled point."""
-        if self._fixed > len(token_ids):  # (outputs only grow; a caller feeding a shorter list starts over)
-            self._fixed, self._fixed_text = 0, ""
         fixed = self._fixed
-        start, context = self._window(token_ids)
+        if fixed > len(token_ids):  # (outputs only grow; a caller feeding a shorter list starts over)
+            self._fixed, self._fixed_text, fixed = 0, "", 0
+        start = max(0, fixed - CONTEXT)
+        context = self._decode(token_ids[start:fixed], first=start == 0)
+        while context.startswith("\ufffd") and start > max(0, fixed - 3 * CONTEXT):
+            # the window starts inside a character: back to its first byte (a byte-fallback tokenizer, Llama-2's or
+            # Mistral's, decodes a run of byte tokens that is not UTF-8 as a whole as U+FFFD for every byte)
+            start -= 1
+            context = self._decode(token_ids[start:fixed], first=start == 0)
         tail = self._decode(token_ids[start:], first=start == 0)
         if not tail.startswith(context):
             return self._decode(token_ids)
@@ -153,33 +186,21 @@ class IncrementalText:
                 self._fixed, self._fixed_text = settle, self._fixed_text + settled
         return text
 
-    def _window(self, token_ids: Sequence[int]) -> tuple[int, str]:
-        """(start, context): decoding starts CONTEXT tokens before the settled point, and the text of those tokens
-        is cut off the result."""
-        fixed = self._fixed
-        start = max(0, fixed - CONTEXT)
-        context = self._decode(token_ids[start:fixed], first=start == 0)
-        while context.startswith("\ufffd") and start > max(0, fixed - 3 * CONTEXT):
-            # the window starts inside a character: back to its first byte (a byte-fallback tokenizer, Llama-2's or
-            # Mistral's, decodes a run of byte tokens that is not UTF-8 as a whole as U+FFFD for every byte)
-            start -= 1
-            context = self._decode(token_ids[start:fixed], first=start == 0)
-        return start, context
-
     def _text_upto(self, token_ids: Sequence[int], n: int) -> str:
-        """The text of the first n tokens, from the settled text where n is not before the settled point."""
-        if n < self._fixed:
+        """The text of the first n tokens: for n from ``_seen`` on, the text through ``_seen`` (where no run of byte
+        tokens is open, so later tokens only add to it) and what the tokens after it add, decoded with CONTEXT
+        tokens before them, so that the work grows with the tokens since ``_seen``, not with the output."""
+        seen = self._seen
+        if n < seen:
             return self._decode(token_ids[:n])
-        start, context = self._window(token_ids)
+        start = max(0, seen - CONTEXT)
+        while self.runs.inside(token_ids, start):  # not from inside a run: its bytes decode as a whole
+            start -= 1
+        context = self._decode(token_ids[start:seen], first=start == 0)
         tail = self._decode(token_ids[start:n], first=start == 0)
-        return self._fixed_text + tail[len(context) :] if tail.startswith(context) else self._decode(token_ids[:n])
-
-    def _open_run(self, token_ids: Sequence[int]) -> int:
-        """How many byte tokens end ``token_ids``."""
-        n = len(token_ids)
-        while n and token_ids[n - 1] in self.byte_ids:
-            n -= 1
-        return len(token_ids) - n
+        if not tail.startswith(context):
+            return self._decode(token_ids[:n])
+        return self.text[: self._seen_chars] + tail[len(context) :]
 
     def _decode(self, token_ids: Sequence[int], *, first: bool = True) -> str:
         """The text of output tokens; ``first``: they start at the output's first token, so they are decoded

@@ -16,7 +16,7 @@ from dataclasses import replace
 from transformers import PreTrainedTokenizerBase
 
 from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
-from specserve.detok import IncrementalText, byte_tokens
+from specserve.detok import ByteRuns, IncrementalText
 from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blame
 from specserve.guard import Outlook
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
@@ -55,7 +55,7 @@ class StepLoop:
         self.speculation = speculation or SpecConfig(method=SpecMethod.none)
         self.spec_headroom = spec_headroom  # KV room beyond max_model_len for one step's drafted tokens
         self.tokenizer = tokenizer
-        self.byte_ids = byte_tokens(tokenizer)  # once: a vocabulary's worth of names to read
+        self.byte_runs = ByteRuns.of(tokenizer)  # once: a vocabulary's worth of names to read
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
@@ -96,7 +96,7 @@ class StepLoop:
                     f"this engine reserves room for {self.spec_headroom}"
                 )
             spec = spec.fit_draft_rows(self.spec_headroom)  # its trees no deeper than the KV slot's room
-        text = IncrementalText(self.tokenizer, request.params.stop, request.prompt_ids, self.byte_ids)
+        text = IncrementalText(self.tokenizer, request.params.stop, request.prompt_ids, self.byte_runs)
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)
         seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done))

@@ -282,12 +282,13 @@ def test_byte_runs_give_one_output_whatever_the_steps() -> None:
     """A step that brought the token completing "€" and a byte of "😀" after it, together, hid the stop string from
     the step's text, and the output ran on past it; without stop strings, the text of a run of byte tokens was
     handed out while a later byte could still turn it into U+FFFD, so the streamed text depended on where steps
-    ended, and a lane move of the request was refused. Random outputs of words and byte runs (whole characters,
-    and first bytes that break them), random steps: the same ids, text and finish reason as one token a step, and
-    without a stop, the text the ids decode to."""
+    ended, and a lane move of the request was refused. Random outputs of words, byte runs (whole characters, and
+    first bytes that break them) and a special token, random steps: the same ids, text and finish reason as one
+    token a step, and without a stop, the text the ids decode to."""
     tok = _byte_fallback_tokenizer()
     rng = random.Random(0)
-    pieces = [[259], [260], _bytes("€"), _bytes("😀"), _bytes("😀")[:1], _bytes("é"), _bytes("ü")[:1]]
+    # (0 is <unk>, a special token: decoding skips it, so the bytes on both sides of it make one run)
+    pieces = [[259], [260], _bytes("€"), _bytes("😀"), _bytes("😀")[:1], _bytes("é"), _bytes("ü")[:1], [0]]
     prompt_text = tok.decode([1, 259], skip_special_tokens=True)
     for _ in range(30):
         ids = [t for _ in range(rng.randrange(2, 8)) for t in rng.choice(pieces)]
