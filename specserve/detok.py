@@ -94,7 +94,11 @@ class IncrementalText:
             return ""
         full = self._text_of(token_ids)
         run = 0 if final else self.runs.open_run(token_ids)  # a run of byte tokens at the end may still change
-        before_run = len(full) if run == 0 else len(self._text_upto(token_ids, len(token_ids) - run))
+        if run:
+            kept, added = self._since_seen(token_ids, len(token_ids) - run, self._seen_window(token_ids))
+            before_run = kept + len(added)
+        else:
+            before_run = len(full)
         stop_at = None
         found = any(s in _settled(full, final) for s in self.stop)
         # ... or one that may have been complete in the text of a shorter prefix only (bytes since joined a run of
@@ -186,21 +190,24 @@ class IncrementalText:
                 self._fixed, self._fixed_text = settle, self._fixed_text + settled
         return text
 
-    def _text_upto(self, token_ids: Sequence[int], n: int) -> str:
-        """The text of the first n tokens: for n from ``_seen`` on, the text through ``_seen`` (where no run of byte
-        tokens is open, so later tokens only add to it) and what the tokens after it add, decoded with CONTEXT
-        tokens before them, so that the work grows with the tokens since ``_seen``, not with the output."""
-        seen = self._seen
-        if n < seen:
-            return self._decode(token_ids[:n])
-        start = max(0, seen - CONTEXT)
-        while self.runs.inside(token_ids, start):  # not from inside a run: its bytes decode as a whole
+    def _seen_window(self, token_ids: Sequence[int]) -> tuple[int, str]:
+        """(start, context): the tokens after ``_seen`` are decoded from ``start``, CONTEXT tokens before them (not
+        from inside a run of byte tokens, whose bytes decode as a whole), and the text of those tokens cut off."""
+        start = max(0, self._seen - CONTEXT)
+        while self.runs.inside(token_ids, start):
             start -= 1
-        context = self._decode(token_ids[start:seen], first=start == 0)
-        tail = self._decode(token_ids[start:n], first=start == 0)
-        if not tail.startswith(context):
-            return self._decode(token_ids[:n])
-        return self.text[: self._seen_chars] + tail[len(context) :]
+        return start, self._decode(token_ids[start : self._seen], first=start == 0)
+
+    def _since_seen(self, token_ids: Sequence[int], n: int, window: tuple[int, str]) -> tuple[int, str]:
+        """The text of the first n tokens as (k, added): the first k characters of the text through ``_seen``
+        (where no run of byte tokens is open, so later tokens only add to it), then ``added``. The work grows with
+        the tokens since ``_seen``, not with the output."""
+        start, context = window
+        if n >= self._seen:
+            tail = self._decode(token_ids[start:n], first=start == 0)
+            if tail.startswith(context):
+                return self._seen_chars, tail[len(context) :]
+        return 0, self._decode(token_ids[:n])
 
     def _decode(self, token_ids: Sequence[int], *, first: bool = True) -> str:
         """The text of output tokens; ``first``: they start at the output's first token, so they are decoded
@@ -221,8 +228,11 @@ class IncrementalText:
         string complete at a token can vanish again in the next one's text (its run of bytes then not UTF-8 as a
         whole). Prefixes searched by an earlier update are not searched again (their text cannot change)."""
         checked = self._checked if not final else min(self._checked, len(token_ids) - 1)
+        window, reach = self._seen_window(token_ids), max(map(len, self.stop)) - 1
         for n in range(max(self._seen, checked) + 1, len(token_ids) + 1):
-            prefix = _settled(self._text_upto(token_ids, n), final and n == len(token_ids))
+            kept, added = self._since_seen(token_ids, n, window)
+            # the text through ``_seen`` holds no stop string: only one ending in what the tokens after it add
+            prefix = _settled(self.text[max(0, kept - reach) : kept] + added, final and n == len(token_ids))
             if any(s in prefix for s in self.stop):
                 return n
         self._checked = len(token_ids)
