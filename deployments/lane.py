@@ -303,7 +303,7 @@ class Lane:
                     self._check_idle()
             self._exited.set()  # told to stop: its running requests go on elsewhere (or hear why not)
             self._fail_all(f"lane {self.index} stopped", LaneLostError)
-        except Exception:
+        except BaseException:  # SystemExit, KeyboardInterrupt too: its admitted requests would wait for ever
             self._exited.set()  # before its requests hear of it: none may come back here
             logger.exception("lane %d failed", self.index)
             # not moved to another lane: what broke the lane thread may be one of these requests' doing
@@ -422,7 +422,7 @@ class Lane:
             self._report_queue()  # failed requests left the queue and the batch
             return
         self._failures = 0
-        self.lost_workers = False
+        self.lost_workers, self._retry_pause = False, self.worker_retry_s
         if only is None:
             self._failed_steps = 0
         else:
@@ -519,15 +519,21 @@ class Lane:
 
     def _retry_target(self) -> None:
         """A lost target's replacement tried again while the lane has nothing to step (its requests went to other
-        lanes, and new ones go to healthy lanes first)."""
+        lanes, and new ones go to healthy lanes first): made, then waited for, since one that was made but never
+        starts (its model does not load, its device is out of memory) would otherwise pass for a lane back in
+        order."""
         try:
             self._replace_target()
+            if not self.workers[WorkerRole.target].wait_started(cancel=self._stopping):
+                return  # the lane is stopping
         except Exception:
             self._retry_pause = min(2 * self._retry_pause, MAX_RETRY_S)
             self._retry_at = time.monotonic() + self._retry_pause
             logger.exception(
                 "lane %d: its target could not be replaced; trying again in %.0f s", self.index, self._retry_pause
             )
+            return
+        self.lost_workers, self._retry_pause = False, self.worker_retry_s
 
     def _recover(self, error: Exception) -> None:
         """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
@@ -536,9 +542,14 @@ class Lane:
         self._failures += 1
         dead = {role for role, w in self.workers.items() if w.dead} or set(self.workers)
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
-        if self._failures > self.max_worker_restarts:  # its requests go to other lanes; it goes on replacing
+        exhausted = self._failures > self.max_worker_restarts
+        if exhausted:  # its requests go to other lanes; the lane reports itself lost and goes on replacing
+            # lost until a step succeeds or a replacement has started (``_retry_target``); set before the requests
+            # hear of it: a caller may look at the health next
+            self.lost_workers = True
+            self._retry_at = time.monotonic() + self._retry_pause
             self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row", LaneLostError)
-        if WorkerRole.target in dead:
+        if WorkerRole.target in dead and not exhausted:  # (when exhausted, ``_retry_target`` makes the next one)
             self._replace_target()
         if WorkerRole.draft in dead:
             self._detach_draft()
@@ -612,7 +623,6 @@ class Lane:
         worker.start(self.geometry)
         assert isinstance(worker, RemoteTarget)
         self.workers[WorkerRole.target] = self.loop.target = worker
-        self.lost_workers, self._retry_pause = False, self.worker_retry_s
         self.metrics.worker_restarted(self.index, WorkerRole.target.value)
 
     def _fail_sequence(self, seq_id: int, error: Exception) -> None:

@@ -439,18 +439,23 @@ class StepLoop:
         )
 
     def _retire(self) -> None:
+        """Finished sequences leave the batch, then their workers' state goes: after the step committed, so a
+        failure there (a worker's release, the suffix cache's insert) is logged and the outputs stand."""
         done = [s for s in self.running if s.finish_reason is not None]
         if done:
-            self._release(done)
             self.running = [s for s in self.running if s.finish_reason is None]
             for s in done:
                 self._by_request.pop(s.request.request_id, None)
+            try:
+                self._release(done)
+            except Exception:
+                logger.exception("releasing %d finished sequences failed; their outputs stand", len(done))
 
     def _release(self, seqs: list[Sequence]) -> None:
         ids = [s.seq_id for s in seqs]
         self.target.release(ids)
         self.model_free.release(ids)
-        for s in seqs:
-            self.model_free.remember(s.output, s.request.cache_salt)
         if self.draft is not None:
             self.draft.release(ids)
+        for s in seqs:  # last: the workers' slots are free whatever the cache's insert does
+            self.model_free.remember(s.output, s.request.cache_salt)

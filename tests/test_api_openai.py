@@ -360,6 +360,43 @@ def test_queue_gauge_is_refreshed_after_a_failed_step() -> None:
         lane.stop()
 
 
+def test_a_lane_thread_ended_by_a_base_exception_answers_its_admitted_requests() -> None:
+    """Only an Exception failed a lane's requests: a SystemExit (or KeyboardInterrupt) in the lane thread ended it
+    with the admitted requests' streams waiting for ever."""
+
+    class ExitingLoop:
+        def __init__(self) -> None:
+            self.waiting: list[Request] = []
+            self.running: list[Request] = []
+
+        @property
+        def has_work(self) -> bool:
+            return bool(self.waiting)
+
+        def add_request(self, request: Request) -> None:
+            self.waiting.append(request)
+
+        def abort(self, request_id: str) -> None:
+            self.waiting = [r for r in self.waiting if r.request_id != request_id]
+
+        def step(self, only: frozenset[int] | None = None) -> list[RequestOutput]:
+            raise SystemExit("the interpreter is going down")
+
+    lane = Lane(0, ExitingLoop(), {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        stream = await lane.submit(Request("r", [1, 2], SamplingParams()))
+        with pytest.raises(WorkerFailedError):
+            async for _ in stream:
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 10))
+        assert not lane.alive
+    finally:
+        lane.stop()
+
+
 def test_a_developer_message_is_the_system_prompt_and_tool_messages_carry_their_call_id(url: str) -> None:
     """OpenAI's newer models take instructions as `developer` messages: the chat template gets them as its system
     turn (the same prompt as a `system` message). A tool message carries the `tool_call_id` OpenAI requires."""

@@ -36,6 +36,7 @@ from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
 from specserve.policy import SequenceDSDE
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request, RequestOutput, Sequence
+from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver
 from specserve.step_loop import StepLoop
 from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
@@ -535,6 +536,23 @@ def test_a_failing_step_observer_or_guard_record_loses_no_tokens(
     monkeypatch.setattr(StepLoop, "_record", lambda self, event: 1 / 0)
     assert _run_lane(engine, _requests(None, GREEDY)) == alone
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == alone
+
+
+def test_a_failing_release_of_finished_sequences_loses_no_tokens(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finished sequences are released after the step committed (their outputs joining the suffix cache among it):
+    a failure there used to lose the whole step's outputs (the other requests skipping its tokens) and leave the
+    finished ones in the batch, their final output never sent."""
+
+    def remember(self: ModelFreeDrafter, output: list[int], cache_salt: str | None = None) -> None:
+        raise ValueError("remove() of tokens that were never added")
+
+    monkeypatch.setattr(ModelFreeDrafter, "remember", remember)
+    engine = _engine(models)
+    assert _run_lane(engine, _requests(None, GREEDY)) == alone
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == alone
+    assert not engine.loop.has_work
 
 
 def test_outputs_of_a_submitted_request_wait_until_it_is_collected(

@@ -678,7 +678,8 @@ def test_a_replaced_worker_is_ended_even_if_it_was_only_unreachable() -> None:
     Lane._replace_target(lane)  # type: ignore[arg-type]
     assert events == ["kill old", "create 1", "start new1", "counted"]
     assert lane.loop.target is lane.workers[WorkerRole.target] and lane.loop.target.name == "new1"
-    assert not lane.lost_workers and lane._retry_pause == 5.0  # healthy again, its retry pause back to the first
+    # made is not started: the lane is healthy again once a step succeeds or the replacement has started
+    assert lane.lost_workers and lane._retry_pause == 80.0
 
 
 def test_eagle_head_deployment_is_lossless_and_survives_a_draft_restart(base_url: str, engine: Engine) -> None:

@@ -575,6 +575,28 @@ def test_a_lane_whose_target_could_not_be_replaced_tries_again_with_no_request_t
     assert pauses == [0.01, 0.01, 0.02, 0.03]
 
 
+def test_a_lane_whose_replacements_never_start_stays_degraded_until_one_does(
+    target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacements that can be made but whose start fails (a model that does not load, a device out of memory):
+    once the restarts ran out, the lane counted as healthy again as soon as the next replacement was made. It was
+    then the first choice for new requests, each of which went through the restarts again, and the replica was never
+    reported degraded. Now it stays degraded, tries again with no request to step, and is healthy only once a
+    replacement has started."""
+    monkeypatch.setattr(lane_module, "MAX_RETRY_S", 0.2)
+    factory = Factory(target, {0: "unschedulable", 1: "start", 2: "start", 3: "start", 4: "start", 5: "start"})
+    lane = _lane(target, factory, worker_retry_s=0.05)
+    try:
+        assert all(isinstance(r, LaneLostError) for r in _run(lane, PROMPTS[:1]))  # generations 1 and 2 never start
+        assert lane.alive and not lane.healthy
+        _wait(lambda: lane.healthy)  # generations 3-5 never start either; the sixth does
+        assert lane.generations[WorkerRole.target] == 6
+        assert [a.calls[:1] for a in factory.actors[3:]] == [["start"]] * 4
+        assert _run(lane, PROMPTS, tag="s") == alone
+    finally:
+        lane.stop()
+
+
 def test_a_lane_decodes_plainly_without_its_draft_and_drafts_again_once_one_is_attached(target: LlamaModel) -> None:
     """StepLoop.detach_draft / attach_draft mid-generation: no step is planned to draft while detached (nor timed
     as speculation), the output is plain decoding's, and a fresh draft worker drafts from its catch-up on."""
