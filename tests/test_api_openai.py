@@ -320,37 +320,43 @@ def test_a_client_that_leaves_a_non_streaming_request_aborts_it() -> None:
         backend.stop()
 
 
+class _FailingLoop:
+    """A step loop whose every step raises ``error`` (after ``delay_s``)."""
+
+    def __init__(self, error: BaseException, delay_s: float = 0.0) -> None:
+        self.error, self.delay_s = error, delay_s
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        self.waiting = [r for r in self.waiting if r.request_id != request_id]
+
+    def step(self, only: frozenset[int] | None = None) -> list[RequestOutput]:
+        time.sleep(self.delay_s)
+        raise self.error
+
+
+async def _fails_with_503(lane: Lane) -> None:
+    stream = await lane.submit(Request("r", [1, 2], SamplingParams()))
+    with pytest.raises(WorkerFailedError):
+        async for _ in stream:
+            pass
+
+
 def test_queue_gauge_is_refreshed_after_a_failed_step() -> None:
-    class FailingLoop:
-        def __init__(self) -> None:
-            self.waiting: list[Request] = []
-            self.running: list[Request] = []
-
-        @property
-        def has_work(self) -> bool:
-            return bool(self.waiting)
-
-        def add_request(self, request: Request) -> None:
-            self.waiting.append(request)
-
-        def abort(self, request_id: str) -> None:
-            self.waiting = [r for r in self.waiting if r.request_id != request_id]
-
-        def step(self, only: frozenset[int] | None = None) -> list[RequestOutput]:
-            time.sleep(0.05)  # the gauge reads 1 waiting before the step
-            raise RuntimeError("a step that fails")
-
     metrics = ServeMetrics()
-    lane = Lane(0, FailingLoop(), {}, None, None, metrics=metrics, max_worker_restarts=0)  # type: ignore[arg-type]
-
-    async def run() -> None:
-        stream = await lane.submit(Request("r", [1, 2], SamplingParams()))
-        with pytest.raises(WorkerFailedError):
-            async for _ in stream:
-                pass
+    failing = _FailingLoop(RuntimeError("a step that fails"), delay_s=0.05)  # the gauge reads 1 waiting before it
+    lane = Lane(0, failing, {}, None, None, metrics=metrics, max_worker_restarts=0)  # type: ignore[arg-type]
 
     try:
-        asyncio.run(run())
+        asyncio.run(_fails_with_503(lane))
         gauge = metrics.queue_depth.labels("0")
         deadline = time.monotonic() + 5
         while gauge._value.get() != 0:
@@ -363,35 +369,11 @@ def test_queue_gauge_is_refreshed_after_a_failed_step() -> None:
 def test_a_lane_thread_ended_by_a_base_exception_answers_its_admitted_requests() -> None:
     """Only an Exception failed a lane's requests: a SystemExit (or KeyboardInterrupt) in the lane thread ended it
     with the admitted requests' streams waiting for ever."""
-
-    class ExitingLoop:
-        def __init__(self) -> None:
-            self.waiting: list[Request] = []
-            self.running: list[Request] = []
-
-        @property
-        def has_work(self) -> bool:
-            return bool(self.waiting)
-
-        def add_request(self, request: Request) -> None:
-            self.waiting.append(request)
-
-        def abort(self, request_id: str) -> None:
-            self.waiting = [r for r in self.waiting if r.request_id != request_id]
-
-        def step(self, only: frozenset[int] | None = None) -> list[RequestOutput]:
-            raise SystemExit("the interpreter is going down")
-
-    lane = Lane(0, ExitingLoop(), {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0)  # type: ignore[arg-type]
-
-    async def run() -> None:
-        stream = await lane.submit(Request("r", [1, 2], SamplingParams()))
-        with pytest.raises(WorkerFailedError):
-            async for _ in stream:
-                pass
+    exiting = _FailingLoop(SystemExit("the interpreter is going down"))
+    lane = Lane(0, exiting, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0)  # type: ignore[arg-type]
 
     try:
-        asyncio.run(asyncio.wait_for(run(), 10))
+        asyncio.run(asyncio.wait_for(_fails_with_503(lane), 10))
         assert not lane.alive
     finally:
         lane.stop()
