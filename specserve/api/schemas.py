@@ -148,7 +148,8 @@ MAX_TEMPERATURE = 2.0  # OpenAI's bound
 # a conversation's messages: validating 120k one-character messages (a 3.9 MiB body, under the size limit) held the
 # event loop 1.5 s and the chat template another 3.5 s, stalling every stream of the replica
 MAX_MESSAGES = 4096
-# and their content parts, counted over all messages: 39 messages of 4096 empty parts (a 4.15 MB body) held it 0.6 s
+# and their content parts, counted over all messages: 39 messages of 4096 empty parts (a 4.8 MB body) held it 0.8 s
+# (docs/benchmarks.md, "Content parts counted before validation")
 MAX_CONTENT_PARTS = 4096
 
 
@@ -327,12 +328,13 @@ class ChatCompletionRequest(GenerationRequest):
     @classmethod
     def _few_enough_messages(cls, v: object) -> object:
         # before the messages (and their parts) are validated one by one: max_length alone counts them after
-        if isinstance(v, list) and len(v) > MAX_MESSAGES:
+        if not isinstance(v, list):
+            return v
+        if len(v) > MAX_MESSAGES:
             raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(v)}")
-        if isinstance(v, list):
-            parts = sum(len(m["content"]) for m in v if isinstance(m, dict) and isinstance(m.get("content"), list))
-            if parts > MAX_CONTENT_PARTS:
-                raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all messages together, got {parts}")
+        parts = sum(len(m["content"]) for m in v if isinstance(m, dict) and isinstance(m.get("content"), list))
+        if parts > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all messages together, got {parts}")
         return v
 
     @field_validator("top_logprobs", mode="before")

@@ -305,7 +305,7 @@ class _Routes:
                     f"the model {body.model!r} does not exist; this server serves {self.backend.model_name!r}",
                     param="model",
                 )
-            self.backend.check_capacity()  # a 429 before the prompt's tokenisation (~0.5 s a MiB of text) is paid
+            self.backend.check_capacity()  # a 429 before the prompt's tokenisation is paid for
             prompt_ids = await asyncio.to_thread(encode)  # a huge prompt must not stall every other stream
             max_tokens = limit.check(len(prompt_ids), self.backend.max_model_len)
             if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
