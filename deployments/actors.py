@@ -217,9 +217,11 @@ class RemoteWorker:
         self.start_timeout_s = start_timeout_s
         self.call_timeout_s = call_timeout_s
         self._started: Any = None  # the start call's ObjectRef until a call has seen it succeed
+        self._start_deadline: float | None = None  # when a start still not done has taken too long (monotonic)
 
     def start(self, geometry: KVGeometry) -> None:
         self._started = self.handle.start.remote(geometry)
+        self._start_deadline = None if self.start_timeout_s is None else time.monotonic() + self.start_timeout_s
 
     def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
         self.handle.add.remote(seq_id, params, position)
@@ -259,23 +261,29 @@ class RemoteWorker:
             return False
         return True
 
-    def wait_started(self, cancel: threading.Event | None = None) -> bool:
-        """Wait for ``start`` (at most ``start_timeout_s``); raises WorkerLostError when it failed. With ``cancel``,
-        stops waiting within START_POLL_S of its being set (at once when it is set already) and returns False (the
-        actor is left to the caller)."""
+    def wait_started(self, cancel: threading.Event | None = None, *, within: float | None = None) -> bool:
+        """Wait for ``start`` (done at most ``start_timeout_s`` after it was called); raises WorkerLostError when it
+        failed or took longer. Returns False, the actor left to the caller, when it is still starting after
+        ``within`` seconds, or within START_POLL_S of ``cancel`` being set (at once when it is set already)."""
         if self._started is None:
             return True
-        deadline = None if self.start_timeout_s is None else time.monotonic() + self.start_timeout_s
+        until = None if within is None else time.monotonic() + within
         while True:
             if cancel is not None and cancel.is_set():
                 return False
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            sliced = cancel is not None and (left is None or left > START_POLL_S)
+            now = time.monotonic()
+            left = None if self._start_deadline is None else max(0.0, self._start_deadline - now)
+            pause = None if until is None else max(0.0, until - now)
+            if cancel is not None:
+                pause = START_POLL_S if pause is None else min(pause, START_POLL_S)
+            sliced = pause is not None and (left is None or left > pause)
             try:
-                ray.get(self._started, timeout=START_POLL_S if sliced else left)
+                ray.get(self._started, timeout=pause if sliced else left)
                 break
             except GetTimeoutError as e:
                 if sliced or (cancel is not None and cancel.is_set()):  # a slice has passed, or the wait is off
+                    if until is not None and time.monotonic() >= until:
+                        return False
                     continue
                 self.dead = True
                 raise WorkerLostError(f"worker {self.name} did not start within {self.start_timeout_s} s") from e

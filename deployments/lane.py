@@ -39,6 +39,7 @@ from ray.exceptions import RayActorError, RayError
 
 from deployments.actors import (
     ACTOR_NAMESPACE,
+    START_POLL_S,
     KVGeometry,
     RemoteDraft,
     RemoteTarget,
@@ -178,6 +179,7 @@ class Lane:
         self.step_delay_s = step_delay_s
         self.max_bisection_splits = max_bisection_splits
         self.max_failed_steps = max_failed_steps
+        self.start_poll_s = START_POLL_S  # a step waits for a worker still starting in slices this long
         self.worker_retry_s = worker_retry_s  # the pause after a failed try to bring a lost worker back (doubles)
         self.workers = dict(workers)  # the proxies the loop drives (replaced in both on a restart)
         self.generations = dict.fromkeys(self.workers, 0)
@@ -406,6 +408,8 @@ class Lane:
         t0 = time.perf_counter()
         failures: dict[int, SequenceError] = {}
         try:
+            if self._starting():
+                return
             outputs = self.loop.step(only)
         except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
             outputs, failures = e.outputs, e.failures
@@ -448,6 +452,13 @@ class Lane:
             self._report_queue()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+
+    def _starting(self) -> bool:
+        """Whether a worker is still starting, after waiting one slice (``start_poll_s``) for it: a replaced target
+        may take minutes to load its model, and meanwhile the lane applies its queued commands between slices (a
+        client that left is let go, a new request admitted) rather than after the whole load."""
+        waits = (worker.wait_started(self._stopping, within=self.start_poll_s) for worker in self.workers.values())
+        return not all(waits)
 
     def _next_probe(self) -> frozenset[int] | None:
         """The suspect group to step next, less its sequences that finished or were aborted (None: a full step)."""

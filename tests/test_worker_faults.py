@@ -99,6 +99,7 @@ class Actor:
     worker: TargetWorker | None = None
     calls: list[str] = field(default_factory=list)
     died: bool = False  # its process is gone: every call raises ActorDiedError
+    loaded: threading.Event = field(default_factory=threading.Event)  # a "loading" actor's start is done once set
 
     def __post_init__(self) -> None:
         self.start = Method(self._start)
@@ -118,6 +119,14 @@ class Actor:
             cause = RuntimeError("CUDA out of memory")
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("start", "Traceback ...", cause)))
         self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
+        if self.fault == "loading":  # its model still loading: the start is done once ``loaded`` is set
+
+            def loading(timeout: float | None) -> None:
+                self.calls.append("wait")
+                if not self.loaded.wait(timeout):
+                    hung(timeout)
+
+            return Ref(loading, ready=False)
         return Ref(lambda _: None)
 
     def _state(self) -> Ref:
@@ -262,6 +271,43 @@ def test_requests_of_a_lane_that_cannot_replace_its_worker_finish_on_another_lan
     finally:
         for lane in lanes:
             lane.stop()
+
+
+def test_a_lane_waiting_for_a_new_target_lets_a_leaving_client_go_and_admits_new_requests(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """The replaced target takes long to load its model (a large model: minutes): meanwhile the lane applies its
+    queued commands, so a client that leaves stops counting against the replica's capacity, and a new request is
+    admitted, rather than each waiting for the whole load."""
+    factory = Factory(target, {0: "unschedulable", 1: "loading"})
+    lane = _lane(target, factory)
+    lane.start_poll_s = 0.05
+
+    async def run() -> tuple[int, bool, list[list[int]]]:
+        leaving = await lane.submit(Request("r0", PROMPTS[0], GREEDY))
+        staying = await lane.submit(Request("r2", PROMPTS[2], GREEDY))
+        while len(factory.actors) < 2 or "wait" not in factory.actors[1].calls:  # the lane waits for the new one
+            await asyncio.sleep(0.01)
+        await leaving.aclose()
+        deadline = time.monotonic() + 5  # the replacement's start timeout is 60 s
+        while lane.in_flight > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        left = lane.in_flight
+        try:
+            coming = await asyncio.wait_for(lane.submit(Request("r1", PROMPTS[1], GREEDY)), 5)
+        except TimeoutError:
+            return left, False, []
+        admitted_while_loading = not factory.actors[1].loaded.is_set()
+        factory.actors[1].loaded.set()
+        return left, admitted_while_loading, [[t async for out in s for t in out.token_ids] for s in (staying, coming)]
+
+    try:
+        assert asyncio.run(run()) == (1, True, [alone[2], alone[1]])
+        assert lane.healthy and lane.generations[WorkerRole.target] == 1
+    finally:
+        for actor in factory.actors:
+            actor.loaded.set()
+        lane.stop()
 
 
 def test_a_request_its_lane_lost_counts_there_until_its_stream_hears_of_it(target: LlamaModel) -> None:
@@ -480,8 +526,8 @@ def test_a_wait_for_a_start_that_never_finishes_times_out_or_is_cancelled(
     monkeypatch.setattr(actors, "START_POLL_S", 0.05)
     for cancel in (None, threading.Event()):  # one never set: the wait goes on in slices up to the timeout
         worker = RemoteDraft(DraftActor(target, "loading"), "draft:0", WorkerRole.draft, start_timeout_s=0.3)  # type: ignore[arg-type]
-        worker.start(KVGeometry(1, 16))
         t = time.monotonic()
+        worker.start(KVGeometry(1, 16))
         with pytest.raises(actors.WorkerLostError, match=r"did not start within 0\.3 s"):
             worker.wait_started(cancel)
         assert 0.3 <= time.monotonic() - t < 5 and worker.dead
