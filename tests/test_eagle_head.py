@@ -393,6 +393,31 @@ def test_mismatches_are_named(tmp_path: Path, target: LlamaModel) -> None:
         )
 
 
+def test_a_head_trained_for_another_target_of_the_same_shapes_is_refused(tmp_path: Path, target: LlamaModel) -> None:
+    """The target's embedding as the head knew it (the checkpoint's own copy, or the sample train-draft writes in
+    config.json) against this target's: another model's is refused by name, a quantised copy of this one loads."""
+    sd = eagle1_tensors(1, fc_bias=False)
+    emb = target.embed_tokens.weight.detach()
+    other = tiny_model(seed=4).embed_tokens.weight.detach()
+    blocks = emb.reshape(-1, 32)  # 4-bit absmax blocks of 32, as a Q4_0 copy of the target stores it
+    scale = blocks.abs().amax(1, keepdim=True) / 7
+    four_bit = (torch.round(blocks / scale) * scale).reshape(emb.shape)
+    rows = [round(i * (V - 1) / 63) for i in range(64)]  # the sample: 64 rows evenly spaced, their first 8 columns
+    for name, weight, loads in [("same", emb, True), ("q4", four_bit, True), ("other", other, False)]:
+        copy = write_head(tmp_path / f"copy-{name}", dict(sd, **{"embed_tokens.weight": weight.clone()}), {})
+        sample = weight[rows, :8].flatten().tolist()
+        noted = write_head(tmp_path / f"sample-{name}", sd, {"specserve_target_embedding_sample": sample})
+        for path in (copy, noted):
+            if loads:
+                load_eagle_head(path, target)
+            else:
+                with pytest.raises(UnsupportedModelError, match="trained for another target"):
+                    load_eagle_head(path, target)
+    for bad in ("0.1", [0.1] * 7, [[0.0] * 8] * 64, [float("nan")] * 512):
+        with pytest.raises(UnsupportedModelError, match="specserve_target_embedding_sample"):
+            load_eagle_head(write_head(tmp_path / "bad", sd, {"specserve_target_embedding_sample": bad}), target)
+
+
 @pytest.mark.parametrize(
     "rope",
     [
@@ -680,6 +705,48 @@ def test_eagle3_saved_under_layers_0_loads_as_midlayer(tmp_path: Path) -> None:
     ref_h, ref_logits = reference_eagle3(sd, target.embed_tokens.weight.detach(), tokens, aux)
     assert_close_to(hidden, ref_h, kernel=False)
     assert_close_to(logits, ref_logits, kernel=False)
+
+
+def test_an_eagle3_head_in_the_speculators_format_loads(tmp_path: Path) -> None:
+    """The speculators' layout (RedHatAI's EAGLE-3 heads): the Llama fields nested under transformer_layer_config,
+    the EAGLE ones at the top, the layer under layers.0.*; the same head as the flat layout gives."""
+    target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    sd = eagle3_tensors(3, vd=96)
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in sd.items()}
+    path = write_head(tmp_path / "h", renamed, {})
+    flat = json.loads((path / "config.json").read_text())
+    layer = {k: flat[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")}
+    layer |= {k: flat[k] for k in ("num_hidden_layers", "rms_norm_eps", "vocab_size", "rope_theta", "hidden_act")}
+    config = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer | {"model_type": "llama", "rope_scaling": None},
+        "draft_vocab_size": 96,
+        "norm_before_residual": True,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}},
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    head = load_eagle_head(path, target)
+    assert head.cfg.kind == HeadKind.eagle3 and head.cfg.aux_layers == (1, 3, 4) and head.cfg.norm_before_residual
+    assert head.cfg.rope_theta == THETA and head.draft_vocab_size == 96
+    g = torch.Generator().manual_seed(6)
+    tokens, aux = torch.randint(0, V, (7,), generator=g), torch.randn(7, 3 * H, generator=g)
+    hidden, logits = run_head(head, tokens, aux)
+    ref_h, ref_logits = reference_eagle3(
+        sd, target.embed_tokens.weight.detach(), tokens, aux, norm_before_residual=True
+    )
+    assert_close_to(hidden, ref_h, kernel=False)
+    assert_close_to(logits, ref_logits, kernel=False)
+    for bad, says in [
+        ({"speculators_model_type": "mlp"}, "speculators_model_type 'mlp'"),
+        ({"transformer_layer_config": None}, "without a transformer_layer_config"),
+        ({"layernorms": True}, "layernorms"),
+    ]:
+        (path / "config.json").write_text(json.dumps(config | bad))
+        with pytest.raises(UnsupportedModelError, match=says):
+            load_eagle_head(path, target)
 
 
 def test_an_eagle1_input_norm_is_ignored_as_the_reference_does(tmp_path: Path, target: LlamaModel) -> None:

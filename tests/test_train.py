@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.errors import SettingsError
+from specserve.errors import SettingsError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
@@ -23,7 +23,7 @@ from specserve.train.distill import Sample, generate_with_features, greedy_disti
 from specserve.train.lexicon_prompts import WORDNET_DIR, WordNetMissing, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import keep_requests, mt_bench_shingles, self_prompts, user_turn_prefix
-from specserve.train.trainer import TrainConfig, init_head, train_head, ttt_loss, ttt_mask
+from specserve.train.trainer import TrainConfig, init_head, starting_head, train_head, ttt_loss, ttt_mask
 from specserve.train.vocab import column_of, coverage, token_counts, top_vocab
 
 
@@ -409,6 +409,11 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
     head = load_eagle_head(out, target)
     assert head.trained_for == "smollm2-135m-instruct"
     assert head.draft_vocab_size == 512 and 2 in head.draft_ids.tolist()  # EOS forced into the draft vocabulary
+    with torch.no_grad():  # another model of the same shapes: each token's row is its neighbour's
+        target.embed_tokens.weight.copy_(target.embed_tokens.weight.roll(1, dims=0))
+    with pytest.raises(UnsupportedModelError, match="trained for another target"):
+        load_eagle_head(out, target)
+    assert starting_head(target, TrainConfig(init_head=out)).trained_for == "smollm2-135m-instruct"  # fine-tuned for it
 
 
 @pytest.mark.real_model

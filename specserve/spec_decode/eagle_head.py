@@ -461,8 +461,13 @@ def save_eagle_head(
     save_file(sd, tmp)
     tmp.chmod(0o644)  # safetensors makes its files private (0600); a head is read by whoever serves it
     replace_durably(tmp, weights)
-    (out / "config.json").write_text(json.dumps(hf_config_dict(head.cfg, **(extra_config or {})), indent=1) + "\n")
+    (out / "config.json").write_text(config_text(hf_config_dict(head.cfg, **(extra_config or {}))))
     return weights
+
+
+def config_text(config: dict[str, Any]) -> str:
+    """config.json with one key a line (a value, such as the embedding sample, on its key's line)."""
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items()) + "\n}\n"
 
 
 def weights_path(path: Path) -> Path:
@@ -595,8 +600,58 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
     )
 
 
-def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None = None) -> EagleHead:
-    """A head from a directory in either published layout, bound to ``target`` (shapes checked, clear errors)."""
+def lifted_speculators_config(raw: dict[str, Any], where: Path) -> dict[str, Any]:
+    """A config in the speculators' format (``speculators_model_type``; RedHatAI's published EAGLE-3 heads) as the
+    flat one: its Llama fields, nested under ``transformer_layer_config``, lifted to the top where the top does not
+    set them, and its ``fusion_bias`` read as ``bias``. Any other config as it is."""
+    if "speculators_model_type" not in raw:
+        return raw
+    kind = raw["speculators_model_type"]
+    if kind not in ("eagle", "eagle3"):
+        raise UnsupportedModelError(f"{where}: speculators_model_type {kind!r}; EAGLE heads are 'eagle' or 'eagle3'")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise UnsupportedModelError(f"{where}: a speculators config without a transformer_layer_config object")
+    if raw.get("layernorms") is True:
+        raise UnsupportedModelError(f"{where}: layernorms (extra norms around an EAGLE-1 layer) are not supported")
+    flat = {k: v for k, v in layer.items() if v is not None} | raw
+    if "bias" not in flat and isinstance(raw.get("fusion_bias"), bool):
+        flat["bias"] = raw["fusion_bias"]
+    return flat
+
+
+TARGET_SAMPLE_KEY = "specserve_target_embedding_sample"  # config.json: what the head's target embedding looked like
+SAMPLE_ROWS, SAMPLE_COLS = 64, 8
+# relative distance between two samples of one embedding: a quantised copy of the target (Q8_0, Q4) stays well
+# under it (a 4-bit copy of SmolLM2-135M's: 0.24), another model's of the same shape near 1.2-1.4 (docs/benchmarks.md)
+MAX_EMBEDDING_DISTANCE = 0.5
+
+
+def embedding_sample(weight: torch.Tensor) -> torch.Tensor:
+    """[SAMPLE_ROWS * SAMPLE_COLS] float32: rows evenly spaced over the vocabulary, their first columns."""
+    rows = torch.linspace(0, weight.shape[0] - 1, SAMPLE_ROWS).round().long()  # [SAMPLE_ROWS]
+    return weight.detach()[rows, :SAMPLE_COLS].float().flatten().cpu()
+
+
+def check_target_embedding(ours: torch.Tensor, target: LlamaModel, what: str) -> None:
+    """Refuse a head whose record of its target's embedding (a sample, or the checkpoint's own copy) is not this
+    target's: trained for another model of the same shapes, its drafts would be lossless but mostly rejected."""
+    theirs = embedding_sample(target.embed_tokens.weight)
+    if ours.shape != theirs.shape or not bool(torch.isfinite(ours).all()):
+        raise UnsupportedModelError(f"the head's {what} is not a sample of {theirs.numel()} finite values")
+    distance = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-12))
+    if distance > MAX_EMBEDDING_DISTANCE:
+        raise UnsupportedModelError(
+            f"the head was trained for another target: its {what} differs from this target's embedding "
+            f"(relative distance {distance:.2f}, at most {MAX_EMBEDDING_DISTANCE} for the same model)"
+        )
+
+
+def load_eagle_head(
+    path: Path, target: LlamaModel, *, dtype: torch.dtype | None = None, check_target: bool = True
+) -> EagleHead:
+    """A head from a directory in either published layout, bound to ``target`` (shapes checked, clear errors; with
+    ``check_target``, its record of its target's embedding too: off to fine-tune a head for a new target)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise UnsupportedModelError(f"no config.json in {path}")
@@ -606,6 +661,7 @@ def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None
         raise UnsupportedModelError(f"{path / 'config.json'} is not readable JSON: {e}") from e
     if not isinstance(raw, dict):
         raise UnsupportedModelError(f"{path / 'config.json'} holds a {type(raw).__name__}, not a config object")
+    raw = lifted_speculators_config(raw, path / "config.json")
     check_digest(weights_path(path))
     sd = _read_tensors(path)
     try:
@@ -625,6 +681,14 @@ def load_eagle_head(path: Path, target: LlamaModel, *, dtype: torch.dtype | None
             f"the head was trained with an embedding of shape {tuple(emb.shape)}; "
             f"the target's is {tuple(target.embed_tokens.weight.shape)}"
         )
+    if emb is not None and check_target:
+        check_target_embedding(embedding_sample(emb), target, "copy of the target's embedding (embed_tokens.weight)")
+    if (sample := raw.get(TARGET_SAMPLE_KEY)) is not None and check_target:
+        try:
+            values = torch.tensor(sample, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise UnsupportedModelError(f"{path / 'config.json'}: {TARGET_SAMPLE_KEY} is not a list of numbers") from e
+        check_target_embedding(values, target, f"{TARGET_SAMPLE_KEY} in config.json")
     trained_for = raw.get("specserve_target")
     try:
         head = EagleHead(cfg)

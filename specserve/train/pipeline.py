@@ -21,13 +21,16 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.arg_types import non_negative_int, out_dir_arg, positive_float, positive_int, present_device_arg
 from specserve.bench.machine import device_summary
+from specserve.config import MAX_BATCH_SIZE
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
 from specserve.models.sources import sha256_file
 from specserve.spec_decode.eagle_head import (
+    TARGET_SAMPLE_KEY,
     EagleHead,
     HeadKind,
     default_aux_layers,
+    embedding_sample,
     load_eagle_head,
     save_eagle_head,
     weights_path,
@@ -137,7 +140,7 @@ def train_draft(
 ) -> EagleHead:
     t0 = time.perf_counter()
     eagle3 = cfg.train.kind == HeadKind.eagle3
-    start = None if cfg.train.init_head is None else load_eagle_head(cfg.train.init_head, target)
+    start = None if cfg.train.init_head is None else load_eagle_head(cfg.train.init_head, target, check_target=False)
     default_aux = default_aux_layers(target.cfg.num_layers) if start is None else start.cfg.aux_layers
     aux_layers = (cfg.train.aux_layers or default_aux) if eagle3 else ()
     cfg = replace(cfg, train=replace(cfg.train, aux_layers=aux_layers), data=replace(cfg.data, aux_layers=aux_layers))
@@ -164,11 +167,11 @@ def train_draft(
             )
     source = cfg.train.init_head
     has_map = source is not None and (source / VOCAB_MAP).exists()
-    inherited = (source / VOCAB_MAP).read_text() if source is not None and has_map else None
     # fine-tuning keeps the vocabulary the head was trained with: its map read and checked now, as its digest
     from specserve.models.loader import frequent_ids
 
     inherited_ids = frequent_ids(source, size, target.cfg.vocab_size) if source is not None and has_map else None
+    inherited = (source / VOCAB_MAP).read_text() if source is not None and has_map else None  # (checked readable)
     init_sha256 = None if source is None else sha256_file(weights_path(source))  # (before --out overwrites it)
     data_dir = work_dir / "data"
     samples: list[Sample] = []
@@ -253,7 +256,10 @@ def train_draft(
     draft_ids = head.draft_ids.cpu()  # an EAGLE-3 head fine-tuned keeps its own
     log(f"draft vocabulary: {draft_ids.numel()} tokens cover {coverage(counts, draft_ids):.2%} of the training tokens")
     t_train = time.perf_counter() - t0 - t_data
-    weights = save_eagle_head(head, out_dir, extra_config={"specserve_target": cfg.target_name})
+    sample = [round(v, 6) for v in embedding_sample(target.embed_tokens.weight).tolist()]
+    weights = save_eagle_head(
+        head, out_dir, extra_config={"specserve_target": cfg.target_name, TARGET_SAMPLE_KEY: sample}
+    )
     if inherited is not None:
         (out_dir / VOCAB_MAP).write_text(inherited)
     else:
@@ -328,6 +334,14 @@ def _seed(text: str) -> int:
     return value
 
 
+def _batch_size(text: str) -> int:
+    """``--batch-size``: at most the sequences one loop runs at once (the self-prompt step runs them in one)."""
+    value = positive_int(text)
+    if value > MAX_BATCH_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_BATCH_SIZE}, got {text}")
+    return value
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="the target: built-in name, HF dir or .gguf")
     p.add_argument(
@@ -380,7 +394,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument(
         "--batch-size",
-        type=positive_int,
+        type=_batch_size,
         default=None,
         help=f"conversations generated together (default {DEFAULT_BATCH}); if given, also per data chunk",
     )

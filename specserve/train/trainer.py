@@ -238,7 +238,7 @@ def starting_head(target: LlamaModel, cfg: TrainConfig) -> EagleHead:
     """The trained head ``cfg.init_head`` to fine-tune, in float32, checked against the run's kind and fused layers."""
     if cfg.init_head is None:
         raise ValueError("no head to start from (TrainConfig.init_head)")
-    head = load_eagle_head(cfg.init_head, target, dtype=torch.float32)
+    head = load_eagle_head(cfg.init_head, target, dtype=torch.float32, check_target=False)
     check_starting_head(head, cfg)
     return head.requires_grad_(True)
 
