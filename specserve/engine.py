@@ -383,4 +383,4 @@ def _token_set(ids: Iterable[int]) -> set[int]:
 def _is_single(prompts: object) -> bool:
     if isinstance(prompts, str):
         return True
-    return isinstance(prompts, list) and (not prompts or isinstance(prompts[0], int | dict))
+    return isinstance(prompts, list) and (not prompts or isinstance(prompts[0], numbers.Integral | dict))

@@ -54,6 +54,33 @@ def test_rerank_is_closed_under_ancestors_on_random_trees() -> None:
             assert 0 <= par < j  # parents precede children and are in the tree
 
 
+def test_a_draft_row_without_mass_ranks_its_children_last_and_keeps_trees_closed() -> None:
+    """A NaN row (a draft's bf16 overflow) scored its children NaN, which broke the rerank's order: a kept child
+    could lose its parent (a KeyError that failed the request). Its children now rank last, as -inf."""
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(100):
+        b = TreeBuilder(width=3)
+        b.expand(torch.log_softmax(torch.randn(1, 30, generator=gen) * 3, -1))
+        level = torch.randn(3, 30, generator=gen) * 3
+        level[trial % 3, 5] = math.nan if trial % 2 else math.inf  # log_softmax makes either a row of NaN
+        b.expand(torch.log_softmax(level, -1))
+        b.expand(torch.log_softmax(torch.randn(len(b.beam), 30, generator=gen) * 3, -1))
+        assert not any(math.isnan(x) for x in b.scores)
+        for budget in range(2, b.num_candidates + 2):
+            tree = b.rerank(budget)
+            assert all(0 <= par < j for j, par in enumerate(tree.parents, start=1))
+            if any(b.scores[c] == -math.inf for c in tree.candidates):  # only once every scored node is in
+                assert {c for c in range(b.num_candidates) if b.scores[c] > -math.inf} <= set(tree.candidates)
+
+
+def test_a_beam_wider_than_the_draft_vocabulary_takes_every_column() -> None:
+    b = TreeBuilder(width=5)
+    b.expand(logq_rows([{0: 0.5, 1: 0.3, 2: 0.2}], vocab=3))
+    assert sorted(b.beam_tokens()) == [0, 1, 2]
+    b.expand(logq_rows([{0: 1.0}, {1: 1.0}, {2: 1.0}], vocab=3))
+    assert b.num_candidates == 12 and len(b.rerank(budget=13).tokens) == 12
+
+
 def test_rerank_drops_nodes_below_the_least_path_probability() -> None:
     b = TreeBuilder(width=2)
     b.expand(logq_rows([{1: 0.6, 2: 0.3, 3: 0.1}]))

@@ -155,6 +155,9 @@ def test_bad_prompts_raise_clear_errors(tiny: LlamaModel) -> None:
     ints = engine.generate([[5, 9, 13]], SamplingParams(max_tokens=4))[0].token_ids
     numpy_ints = [np.int64(5), np.int32(9), np.uint16(13)]  # what a tokenizer or an array hands over
     assert engine.generate([numpy_ints], SamplingParams(max_tokens=4))[0].token_ids == ints  # type: ignore[list-item]
+    # one prompt, not a list of prompts: its ids as numpy integers read as one prompt too, not as one-token prompts
+    (single,) = engine.generate(numpy_ints, SamplingParams(max_tokens=4))  # type: ignore[arg-type]
+    assert single.token_ids == ints
 
 
 def test_eos_token_ids_must_be_token_ids(tiny: LlamaModel) -> None:

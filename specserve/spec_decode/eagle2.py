@@ -135,8 +135,11 @@ class TreeBuilder:
 def _top_children(
     logq: torch.Tensor, width: int, token_ids: torch.Tensor | None
 ) -> tuple[list[list[float]], list[list[int]]]:
-    """The top-``width`` log-probabilities and target ids of each row of ``logq`` [R, V_d], on the host."""
-    top_logq, top_col = logq.topk(width, dim=-1)  # [R, w]
+    """The top-``width`` log-probabilities and target ids of each row of ``logq`` [R, V_d], on the host (all its
+    columns where it has fewer). A row without mass (NaN: a draft's overflow) gives children scored -inf, ranked
+    last: NaN scores would break the order that keeps every kept prefix closed under ancestors."""
+    top_logq, top_col = logq.topk(min(width, logq.shape[-1]), dim=-1)  # [R, w]
+    top_logq = top_logq.nan_to_num(nan=-math.inf)
     top_tok = top_col if token_ids is None else token_ids[top_col]
     return top_logq.tolist(), top_tok.tolist()  # host sync: the level's device->host copy
 
