@@ -706,9 +706,10 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     assert any("was trained for tiny; fine-tuning it for other" in line for line in said)
 
     asked.clear()
-    (head_dir / "vocab_map.json").write_text('{"by_frequency": [1, 2')
-    with pytest.raises(ModelSourceError, match="vocabulary map"):
-        train_draft(target, tok, distill, tuned, tmp_path / "w2", tmp_path / "h2", log=lambda _: None)
+    for broken in (b'{"by_frequency": [1, 2', b"\xff\xfe not UTF-8"):  # the second was a UnicodeDecodeError traceback
+        (head_dir / "vocab_map.json").write_bytes(broken)
+        with pytest.raises(ModelSourceError, match="vocabulary map"):
+            train_draft(target, tok, distill, tuned, tmp_path / "w2", tmp_path / "h2", log=lambda _: None)
     with pytest.raises(SettingsError, match="cannot hold the 2 special ids"):
         train_draft(target, tok, distill, replace(cfg, draft_vocab=1), tmp_path / "w3", tmp_path / "h3")
     with pytest.raises(SettingsError, match=r"larger than the target's vocabulary \(512\)"):  # was cut silently
