@@ -243,12 +243,19 @@ class RemoteWorker:
             return False
         return True
 
+    @property
+    def starting(self) -> bool:
+        """Its start was called and no call has yet seen it done (nor found it failed)."""
+        return self._started is not None and not self.dead
+
     def answers(self) -> bool:
-        """Whether the actor is there: one cheap call (an actor still starting is not waited for, its first call
-        waits for it). One that is dead, whose start failed or that does not answer is marked ``dead``."""
+        """Whether the actor is there: one cheap call (an actor still starting within its start timeout is not
+        waited for, its first call waits for it). One that is dead, whose start failed or has taken longer than
+        ``start_timeout_s``, or that does not answer is marked ``dead``."""
         if self._started is not None:
             ready, _ = ray.wait([self._started], timeout=0)
-            if not ready:
+            late = self._start_deadline is not None and time.monotonic() > self._start_deadline
+            if not ready and not late:
                 return True
             try:
                 self.wait_started()

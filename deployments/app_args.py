@@ -191,7 +191,9 @@ class AppArgs(LoopConfig):
     target_resources: ActorResources = ActorResources(num_cpus=1.0)
     draft_resources: ActorResources = ActorResources(num_cpus=0.5)
     placement_strategy: PlacementStrategy = PlacementStrategy.pack
-    max_worker_restarts: int = Field(default=3, ge=0, description="consecutive failed steps a lane recovers from")
+    max_worker_restarts: int = Field(
+        default=3, ge=0, description="consecutive losses of its target a lane recovers from"
+    )
     worker_retry_s: float = Field(
         default=5.0,
         gt=0.0,

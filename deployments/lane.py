@@ -33,7 +33,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Collection
 
-import ray
 from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayError
 
@@ -258,8 +257,8 @@ class Lane:
             self._stopping.set()
         self._commands.put(_Stop())
         self._thread.join(STOP_JOIN_TIMEOUT_S)
-        for worker in self.workers.values():
-            ray.kill(worker.handle, no_restart=True)
+        for worker in list(self.workers.values()):  # a copy: a lane thread still in a long step may replace one
+            worker.kill()
 
     async def debug(self) -> LaneDebug:
         workers = []
@@ -341,6 +340,8 @@ class Lane:
         if dead:
             self._replace_lost(WorkerLostError(f"{', '.join(dead)} did not answer while lane {self.index} was idle"))
             self._check_at = self._next_check()
+        elif not any(worker.starting for worker in self.workers.values()):
+            self._failures = 0  # every worker up and answering: earlier losses no longer count as in a row
 
     def _fail_pending(self) -> None:
         """Answer every queued submit of a stopped lane with WorkerFailedError (any thread: the lane's is gone)."""
@@ -530,13 +531,17 @@ class Lane:
 
     def _retry_target(self) -> None:
         """A lost target's replacement tried again while the lane has nothing to step (its requests went to other
-        lanes, and new ones go to healthy lanes first): made, then waited for, since one that was made but never
-        starts (its model does not load, its device is out of memory) would otherwise pass for a lane back in
-        order."""
+        lanes, and new ones go to healthy lanes first): made, then waited for a slice (``start_poll_s``) at a time,
+        the lane applying its commands in between, since one that was made but never starts (its model does not
+        load, its device is out of memory) would otherwise pass for a lane back in order."""
+        target = self.workers[WorkerRole.target]
         try:
-            self._replace_target()
-            if not self.workers[WorkerRole.target].wait_started(cancel=self._stopping):
-                return  # the lane is stopping
+            if not target.starting:
+                self._replace_target()
+                target = self.workers[WorkerRole.target]
+            if not target.wait_started(self._stopping, within=self.start_poll_s):
+                self._retry_at = time.monotonic()  # still starting: again once the queued commands are applied
+                return
         except Exception:
             self._retry_pause = min(2 * self._retry_pause, MAX_RETRY_S)
             self._retry_at = time.monotonic() + self._retry_pause
@@ -550,9 +555,10 @@ class Lane:
         """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
         plainly meanwhile), reset any worker whose state ran ahead of the failed step, and let the loop re-prefill
         its running sequences on the next step."""
-        self._failures += 1
         dead = {role for role, w in self.workers.items() if w.dead} or set(self.workers)
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
+        if WorkerRole.target in dead:  # a lost draft costs only speculation: it never counts against the lane
+            self._failures += 1
         exhausted = self._failures > self.max_worker_restarts
         if exhausted:  # its requests go to other lanes; the lane reports itself lost and goes on replacing
             # lost until a step succeeds or a replacement has started (``_retry_target``); set before the requests

@@ -183,7 +183,8 @@ def _lane(target: LlamaModel, factory: Factory, **options: Any) -> Lane:
     worker.start(geometry)
     loop.target = worker
     options.setdefault("metrics", ServeMetrics())
-    lane = Lane(0, loop, {}, factory, geometry, max_worker_restarts=2, **options)  # type: ignore[arg-type]
+    options.setdefault("max_worker_restarts", 2)
+    lane = Lane(0, loop, {}, factory, geometry, **options)  # type: ignore[arg-type]
     lane.workers = {WorkerRole.target: worker}  # (not passed in: Lane.stop would ray.kill the fake handle)
     lane.generations = {WorkerRole.target: 0}
     return lane
@@ -439,7 +440,7 @@ class DraftFactory:
         return RemoteDraft(actor, f"draft:{generation}", role, start_timeout_s=60.0, call_timeout_s=30.0)  # type: ignore[arg-type]
 
 
-def _drafting_lane(target: LlamaModel, drafts: DraftFactory) -> Lane:
+def _drafting_lane(target: LlamaModel, drafts: DraftFactory, *, max_worker_restarts: int = 2) -> Lane:
     engine = Engine(
         target,
         None,
@@ -456,7 +457,8 @@ def _drafting_lane(target: LlamaModel, drafts: DraftFactory) -> Lane:
     for worker in (target_worker, draft_worker):
         worker.start(geometry)
     loop.target, loop.draft = target_worker, draft_worker
-    lane = Lane(0, loop, {}, drafts, geometry, metrics=ServeMetrics(), max_worker_restarts=2, worker_retry_s=0.01)  # type: ignore[arg-type]
+    options: dict[str, Any] = {"max_worker_restarts": max_worker_restarts, "worker_retry_s": 0.01}
+    lane = Lane(0, loop, {}, drafts, geometry, metrics=ServeMetrics(), **options)  # type: ignore[arg-type]
     lane.workers = {WorkerRole.target: target_worker, WorkerRole.draft: draft_worker}
     lane.generations = dict.fromkeys(lane.workers, 0)
     return lane
@@ -485,6 +487,20 @@ def test_a_lost_draft_leaves_its_lane_decoding_plainly_until_a_new_one_starts(
         assert lane.generations[WorkerRole.draft] == 3 and [a.fault for a in drafts.actors] == ["late", "start", None]
         assert _run(lane, PROMPTS, tag="s") == alone
         assert "propose" in drafts.actors[2].calls  # the new draft drafts
+    finally:
+        lane.stop()
+
+
+def test_a_lost_draft_never_counts_against_its_lanes_target(target: LlamaModel, alone: list[list[int]]) -> None:
+    """A draft's death costs speculation only: it used to count as one of the lane's consecutive worker losses, so
+    with no restarts left (here none allowed) the lane gave up every request and was reported degraded, and its
+    healthy target was killed and made again."""
+    drafts = DraftFactory(target, {0: "late"}, broken=set())
+    lane = _drafting_lane(target, drafts, max_worker_restarts=0)
+    try:
+        assert _run(lane, PROMPTS) == alone
+        assert drafts.actors[0].calls.count("propose") == 2  # it drafted, then was lost mid-stream
+        assert lane.healthy and lane.generations[WorkerRole.target] == 0
     finally:
         lane.stop()
 
@@ -641,6 +657,78 @@ def test_a_lane_whose_replacements_never_start_stays_degraded_until_one_does(
         assert _run(lane, PROMPTS, tag="s") == alone
     finally:
         lane.stop()
+
+
+def test_a_lost_lane_admits_requests_while_its_new_target_loads(target: LlamaModel, alone: list[list[int]]) -> None:
+    """Its restarts ran out and it tries again with no request to step: the try used to hold the lane thread for
+    the new target's whole load (up to its start timeout), so a request sent to it (the replica's only lane, say)
+    waited unadmitted all that time, and so did the aborts of those that left."""
+    factory = Factory(target, {0: "unschedulable", 1: "unschedulable", 2: "unschedulable", 3: "loading"})
+    lane = _lane(target, factory, worker_retry_s=0.01)
+    lane.start_poll_s = 0.05
+
+    async def run() -> tuple[bool, list[int]]:
+        assert isinstance(await _one(lane, Request("r0", PROMPTS[0], GREEDY)), LaneLostError)  # generations 0-2
+        while len(factory.actors) < 4 or "wait" not in factory.actors[3].calls:  # the retry waits for the fourth
+            await asyncio.sleep(0.01)
+        try:
+            coming = await asyncio.wait_for(lane.submit(Request("r1", PROMPTS[1], GREEDY)), 5)  # its timeout: 60 s
+        except TimeoutError:
+            return False, []
+        admitted_while_loading = not factory.actors[3].loaded.is_set()
+        factory.actors[3].loaded.set()
+        return admitted_while_loading, [t async for out in coming for t in out.token_ids]
+
+    try:
+        assert asyncio.run(run()) == (True, alone[1])
+        assert lane.healthy and lane.generations[WorkerRole.target] == 3
+    finally:
+        for actor in factory.actors:
+            actor.loaded.set()
+        lane.stop()
+
+
+def test_worker_losses_found_while_idle_count_in_a_row_only_until_every_worker_answers(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Two deaths hours apart, each found by the idle check and replaced, with the lane answering in between: the
+    second used to count as the second loss in a row, so with one restart allowed the lane gave up and was reported
+    degraded."""
+    factory = Factory(target, {})
+    lane = _lane(target, factory, idle_check_s=0.05, max_worker_restarts=1)
+    health: list[bool] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.005):
+            health.append(lane.healthy)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for generation in (0, 1):
+            actor = factory.actors[generation]
+            _wait(lambda a=actor: a.calls.count("state") >= 2)  # type: ignore[misc]  # answering (its replacement too)
+            actor.died = True
+            _wait(lambda g=generation: lane.generations[WorkerRole.target] == g + 1)  # type: ignore[misc]
+        _wait(lambda: len(factory.actors) == 3 and factory.actors[2].calls.count("state") >= 2)
+        done.set()
+        watcher.join()
+        assert len(health) > 10 and all(health)  # never reported degraded
+        assert _run(lane, PROMPTS) == alone
+    finally:
+        done.set()
+        lane.stop()
+
+
+def test_an_idle_worker_whose_start_outlives_its_timeout_does_not_answer(
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = RemoteTarget(Actor(target, "loading"), "target:0", WorkerRole.target, start_timeout_s=0.2)  # type: ignore[arg-type]
+    worker.start(KVGeometry(1, 16))
+    assert worker.answers() and worker.starting and not worker.dead  # still within its start timeout
+    time.sleep(0.3)
+    assert not worker.answers() and worker.dead and not worker.starting
 
 
 def test_a_lane_decodes_plainly_without_its_draft_and_drafts_again_once_one_is_attached(target: LlamaModel) -> None:
