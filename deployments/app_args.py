@@ -208,7 +208,10 @@ class AppArgs(LoopConfig):
         "then, not when a request finds it); null: never",
     )
     max_failovers: int = Field(
-        default=2, ge=0, description="times a request moves to another lane after its lane lost its workers for good"
+        default=2,
+        ge=0,
+        description="times a request moves to another lane: its lane lost its workers for good, or handed it on while "
+        "loading a new target",
     )
     failover_backoff_s: float = Field(
         default=1.0,

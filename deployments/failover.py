@@ -1,10 +1,12 @@
-"""A request that outlives its lane: when the lane loses its workers for good (it could not replace them) or its
-thread stops, the request goes to another running lane with the output it had delivered (``Request.delivered``,
+"""A request that outlives its lane: when the lane loses its workers for good (it could not replace them), hands
+it on while it loads a new target (with another lane loaded), or its thread stops, the request goes to another
+running lane with the output it had delivered (``Request.delivered``,
 the router's copy of its token state), and that lane prefills prompt and output and continues after them: the
 same tokens a lane that never failed would go on with (docs/algorithms.md §1.3, §1.4; up to rounding, as after
 any worker restart). Nothing is generated twice and nothing is sent twice.
 
-A healthy lane is chosen first, another lane before the one that lost the request; with none healthy, after a pause
+A healthy lane is chosen first, a loaded one before one loading its target, another lane before the one that
+lost the request; with none healthy, after a pause
 that doubles with each move, the least loaded running lane (the one that lost it last: it keeps trying to bring its
 workers back)."""
 
@@ -36,16 +38,23 @@ class LaneLike(Protocol):
     def healthy(self) -> bool: ...
 
     @property
+    def loading(self) -> bool: ...
+
+    @property
     def in_flight(self) -> int: ...
 
     async def submit(self, request: Request) -> OutputStream: ...
 
 
 def pick_lane(lanes: Sequence[LaneLike], avoid: LaneLike | None = None) -> LaneLike | None:
-    """The running lane to submit to: a healthy one before one whose workers are lost, another lane before
-    ``avoid`` (the one that just lost the request), then the least loaded; None when no lane runs."""
-    running = [lane for lane in lanes if lane.alive]
-    return min(running, key=lambda lane: (not lane.healthy, lane is avoid, lane.in_flight), default=None)
+    """The running lane to submit to: a healthy one before one whose workers are lost, one whose target has its
+    model before one still loading it, another lane before ``avoid`` (the one that just lost the request), then
+    the least loaded; None when no lane runs."""
+
+    def rank(lane: LaneLike) -> tuple[bool, bool, bool, int]:
+        return not lane.healthy, lane.loading, lane is avoid, lane.in_flight
+
+    return min((lane for lane in lanes if lane.alive), key=rank, default=None)
 
 
 class Moving:

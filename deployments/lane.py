@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 
 from pydantic import BaseModel
 from ray.exceptions import RayActorError, RayError
@@ -79,6 +79,7 @@ class LaneDebug(BaseModel):
     running: int
     waiting: int
     draft_lost: bool  # a lost draft worker is being brought back (meanwhile every sequence decodes plainly)
+    loading: bool  # its target worker is starting (new requests go to loaded lanes first)
     workers: list[WorkerDebug]
 
 
@@ -168,6 +169,7 @@ class Lane:
         max_failed_steps: int = MAX_FAILED_STEPS,
         worker_retry_s: float = AppArgs.model_fields["worker_retry_s"].default,
         idle_check_s: float | None = AppArgs.model_fields["worker_idle_check_s"].default,
+        spare: Callable[[], bool] = lambda: False,
     ) -> None:
         self.index = index
         self.loop = loop
@@ -195,6 +197,7 @@ class Lane:
         self.lost_workers = False  # its target could not be brought back (until a replacement or a step succeeds)
         self._retry_pause = worker_retry_s  # while lost: the pause before the next try (doubles)
         self._retry_at = 0.0  # ... and when that try is due (time.monotonic)
+        self.spare = spare  # whether another lane could take this one's requests now (running, healthy, loaded)
         self.idle_check_s = idle_check_s  # how often, with nothing to step, it checks its workers answer (None: never)
         self._check_at = self._next_check()  # ... and when that check is due (time.monotonic)
         self._exited = threading.Event()  # the lane thread is ending: it takes no more requests
@@ -212,6 +215,13 @@ class Lane:
     def healthy(self) -> bool:
         """Running, and not left without workers by failed replacements."""
         return self.alive and not self.lost_workers
+
+    @property
+    def loading(self) -> bool:
+        """Its target is starting (loading its model, after a loss or at first): requests go to a lane that is not,
+        first."""
+        target = self.workers.get(WorkerRole.target)
+        return target is not None and target.starting
 
     @property
     def draft_lost(self) -> bool:
@@ -287,6 +297,7 @@ class Lane:
             running=len(self.loop.running),
             waiting=len(self.loop.waiting),
             draft_lost=draft_lost,
+            loading=self.loading,
             workers=workers,
         )
 
@@ -300,6 +311,8 @@ class Lane:
                 elif self.lost_workers:
                     if time.monotonic() >= self._retry_at:
                         self._retry_target()
+                elif self._any_starting():
+                    self._await_start()
                 elif time.monotonic() >= self._check_at:
                     self._check_idle()
             self._exited.set()  # told to stop: its running requests go on elsewhere (or hear why not)
@@ -319,10 +332,21 @@ class Lane:
     def _idle_wait(self) -> float | None:
         """How long to wait for a command: not at all with work to do; while its target is lost, until the next
         try to bring it back; else until the next check of its workers (for ever without checks)."""
-        if self.loop.has_work:
+        if self.loop.has_work or (not self.lost_workers and self._any_starting()):
             return 0.0
         due = self._retry_at if self.lost_workers else self._check_at
         return None if math.isinf(due) else max(0.0, due - time.monotonic())
+
+    def _any_starting(self) -> bool:
+        return any(worker.starting for worker in self.workers.values())
+
+    def _await_start(self) -> None:
+        """With nothing to step, a worker still starting is waited for a slice (so ``loading`` ends when its start
+        does, not with the next request); one whose start failed is replaced now."""
+        try:
+            self._starting()
+        except (RayActorError, WorkerLostError) as e:
+            self._replace_lost(e)
 
     def _next_check(self) -> float:
         return math.inf if self.idle_check_s is None else time.monotonic() + self.idle_check_s
@@ -568,6 +592,8 @@ class Lane:
             self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row", LaneLostError)
         if WorkerRole.target in dead and not exhausted:  # (when exhausted, ``_retry_target`` makes the next one)
             self._replace_target()
+            if self.spare():  # its requests go on at once on a lane that has its model, not after this one's load
+                self._drop_all(f"lane {self.index} is bringing its target back", LaneLostError)
         if WorkerRole.draft in dead:
             self._detach_draft()
         target_reset = WorkerRole.target in dead
@@ -650,13 +676,17 @@ class Lane:
         self._drop(request_id, RequestFailedError("the request failed while generating; it was dropped"))
 
     def _fail_all(self, reason: str, error: type[WorkerFailedError] = WorkerFailedError) -> None:
+        """Drop every request with ``error`` and start counting failures afresh."""
+        self._drop_all(reason, error)
+        self._failures = 0
+        self._failed_steps = 0
+        self._probes.clear()
+
+    def _drop_all(self, reason: str, error: type[WorkerFailedError]) -> None:
         """Drop every request with ``error``: LaneLostError when the lane, not a request, is at fault (the router
         then moves them to another lane)."""
         for request_id in list(self._sinks):
             self._drop(request_id, error(f"{reason}; the request was dropped"))
-        self._failures = 0
-        self._failed_steps = 0
-        self._probes.clear()
 
     def _drop(self, request_id: str, error: APIError) -> None:
         sink = self._sinks.get(request_id)

@@ -2,7 +2,8 @@
 
 A replica reserves its resources through the deployment's placement group (bundle 0: this router; then one
 bundle per worker actor, see ``AppArgs.placement_bundles``) and creates its lanes' actors in those bundles.
-Requests go to the least-loaded healthy lane, and move to another lane when theirs loses its workers for good
+Requests go to the least-loaded healthy lane (one whose target has its model loaded first), and move to another
+lane when theirs loses its workers for good or, with another lane loaded, while it loads a new target
 (``deployments/failover.py``); beyond ``Router.capacity`` (the KV slots that fit, plus the queue) they get
 a 429.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import math
 
 from fastapi import FastAPI
@@ -98,10 +100,15 @@ class Router:
                 step_delay_s=args.debug_step_delay_s,
                 worker_retry_s=args.worker_retry_s,
                 idle_check_s=args.worker_idle_check_s,
+                spare=functools.partial(self._spare_for, i),
             )
             self.lanes.append(lane)
         if args.freeze_gc:
             freeze_loaded_objects()
+
+    def _spare_for(self, index: int) -> bool:
+        """Whether a lane other than ``index`` could take its requests now: running, healthy, its model loaded."""
+        return any(lane.index != index and lane.alive and lane.healthy and not lane.loading for lane in self.lanes)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self, self.args.http_options())

@@ -165,6 +165,7 @@ def test_load_estimate_follows_the_measured_rates() -> None:
 def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
     class BusyLane:
         alive = True
+        loading = False
         in_flight = 12  # batch 4 running + 8 queued: the router is full
 
     class Admission:  # the router's own admission code, without Ray

@@ -59,6 +59,7 @@ class FakeLane:
 
     index: int
     healthy: bool = True
+    loading: bool = False
     alive: bool = True
     in_flight: int = 0
     lost_after: int | None = None
@@ -121,6 +122,9 @@ def test_pick_lane_prefers_a_healthy_lane_to_an_idle_one_that_lost_its_workers()
     assert pick_lane([lost, FakeLane(1, healthy=False, in_flight=3)]) is lost  # none healthy: the least loaded
     assert pick_lane([FakeLane(0, alive=False), lost]) is lost
     assert pick_lane([FakeLane(0, alive=False)]) is None
+    loading = FakeLane(0, loading=True)  # its target still loading its model (after a loss, or at first)
+    assert pick_lane([loading, busy]) is busy  # a loaded lane first, however busy
+    assert pick_lane([loading, lost]) is loading  # a healthy lane first, loaded or not
 
 
 def test_a_request_its_lane_loses_continues_on_another_lane_where_it_stopped(sleeps: list[float]) -> None:

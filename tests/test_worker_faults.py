@@ -311,6 +311,46 @@ def test_a_lane_waiting_for_a_new_target_lets_a_leaving_client_go_and_admits_new
         lane.stop()
 
 
+def test_requests_go_on_on_a_loaded_lane_while_their_lanes_new_target_loads(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Lane 0's target is lost a few tokens in and its replacement takes long to load its model (minutes for a large
+    one): with lane 1 running and loaded, lane 0's requests move there at once and finish with the tokens they
+    would have had alone, rather than wait for the load; lane 0 is loaded again once its new target has started,
+    with no request to step."""
+    factories = [Factory(target, {0: "late", 1: "loading"}), Factory(target, {})]
+    lanes: list[Lane] = []
+    lanes += [_lane(target, factories[0], spare=lambda: lanes[1].healthy and not lanes[1].loading)]
+    lanes += [_lane(target, factories[1])]
+    moved: list[int] = []
+
+    async def one(request: Request) -> list[int]:
+        stream = FailoverStream(lambda: lanes, request, max_failovers=2, backoff_s=0.0, on_failover=moved.append)
+        await stream.open()
+        return [t async for out in stream for t in out.token_ids]
+
+    async def run() -> list[list[int]] | None:
+        requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 10)  # its start timeout: 60 s
+        except TimeoutError:
+            return None
+
+    try:
+        assert asyncio.run(run()) == alone
+        assert moved == [0, 0] and lanes[0].loading and not factories[0].actors[1].loaded.is_set()
+        assert factories[0].actors[0].calls.count("verify") == LATE_AFTER + 1  # they had tokens from lane 0 first
+        factories[0].actors[1].loaded.set()
+        _wait(lambda: not lanes[0].loading)
+        assert lanes[0].healthy and lanes[0].generations[WorkerRole.target] == 1
+    finally:
+        for factory in factories:
+            for actor in factory.actors:
+                actor.loaded.set()
+        for lane in lanes:
+            lane.stop()
+
+
 def test_a_request_its_lane_lost_counts_there_until_its_stream_hears_of_it(target: LlamaModel) -> None:
     """Between the lane dropping a request with LaneLostError and its stream reading that (at the client's pace),
     the request is still the replica's (Router.submit's capacity check): the lane counts it until then, after which
