@@ -223,7 +223,8 @@ class AppArgs(LoopConfig):
         default=900.0,
         gt=0.0,
         allow_inf_nan=False,
-        description="a worker actor that has not loaded its model within this is replaced",
+        description="a worker actor that has not loaded its model within this is replaced (at a replica's start: "
+        "the start fails, saying so)",
     )
     worker_call_timeout_s: float = Field(
         default=600.0,

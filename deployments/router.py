@@ -14,6 +14,8 @@ import asyncio
 import dataclasses
 import functools
 import math
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import FastAPI
 from pydantic import BaseModel
@@ -39,6 +41,7 @@ from specserve.prompts import PromptEncoder
 from specserve.sequence import Request
 
 MAX_RETRY_AFTER_S = 3600
+T = TypeVar("T")
 
 
 class RouterDebug(BaseModel):
@@ -59,6 +62,15 @@ def lane_limits(args: AppArgs, target: ModelInfo, draft: ModelInfo | None) -> Co
     )
 
 
+async def _within(waiting: Awaitable[T], timeout_s: float, done: str) -> T:
+    """A replica's start-up wait on its worker actors, at most ``worker_start_timeout_s``: a model whose load
+    stalls fails the replica's start with a message (``serve status`` shows it) instead of holding it for ever."""
+    try:
+        return await asyncio.wait_for(waiting, timeout_s)
+    except TimeoutError:
+        raise RuntimeError(f"the worker actors have not {done} within worker_start_timeout_s ({timeout_s} s)") from None
+
+
 @serve.deployment
 @serve.ingress()
 class Router:
@@ -72,7 +84,7 @@ class Router:
         factory = WorkerFactory(args, get_current_placement_group(), prefix)
         workers = [{role: factory.create(i, role, 0) for role in args.roles} for i in range(args.num_lanes)]
         self.tokenizer = self._load_tokenizer()  # while the actors load their models
-        target_info, draft_info = await self._model_infos(workers[0])
+        target_info, draft_info = await self._model_infos(workers[0], args.worker_start_timeout_s)
         limits = lane_limits(args, target_info, draft_info)
         geometry = await self._fit_geometry(workers, KVGeometry(args.max_batch_size, limits.kv_len), limits)
         loop_args = args.model_copy(update={"max_batch_size": geometry.num_slots})  # fewer fit: fewer at once
@@ -127,19 +139,21 @@ class Router:
         its share of the GPU: ``AppArgs.memory_share``)."""
         if self.args.gpu_memory_utilization is None:
             return geometry
-        fits: list[int] = await asyncio.gather(
-            *(
-                w.handle.kv_slots.remote(geometry, limits.spec_headroom, self.args.memory_share(role))
-                for lane in workers
-                for role, w in lane.items()
-            )
+        asked = (
+            w.handle.kv_slots.remote(geometry, limits.spec_headroom, self.args.memory_share(role))
+            for lane in workers
+            for role, w in lane.items()
         )
+        fits: list[int] = await _within(asyncio.gather(*asked), self.args.worker_start_timeout_s, "sized their KV")
         return KVGeometry(min(fits), geometry.max_len)
 
     @staticmethod
-    async def _model_infos(workers: dict[WorkerRole, RemoteWorker]) -> tuple[ModelInfo, ModelInfo | None]:
+    async def _model_infos(
+        workers: dict[WorkerRole, RemoteWorker], timeout_s: float
+    ) -> tuple[ModelInfo, ModelInfo | None]:
         roles = list(workers)
-        found: list[ModelInfo] = await asyncio.gather(*(workers[r].handle.info.remote() for r in roles))
+        asked: Awaitable[list[ModelInfo]] = asyncio.gather(*(workers[r].handle.info.remote() for r in roles))
+        found: list[ModelInfo] = await _within(asked, timeout_s, "loaded their models")
         infos = dict(zip(roles, found, strict=True))
         return infos[WorkerRole.target], infos.get(WorkerRole.draft)
 

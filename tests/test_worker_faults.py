@@ -994,3 +994,28 @@ def test_the_deployment_bounds_the_proxy_queue_in_front_of_the_router() -> None:
     config = app_builder({"tiny": {}})._bound_deployment._deployment_config
     limit = AppArgs(tiny=TinyModels()).capacity + CONTROL_REQUEST_HEADROOM
     assert config.max_ongoing_requests == limit and config.max_queued_requests == limit
+
+
+def test_a_replica_whose_workers_never_load_fails_its_start_with_a_message() -> None:
+    """Its start awaited the actors' models (and KV sizes) with no bound: a load that stalls held the replica in
+    its constructor for ever, the deployment never failing nor saying why."""
+    from types import SimpleNamespace
+
+    from deployments.router import Router
+
+    async def run(answers: bool) -> object:
+        loop = asyncio.get_running_loop()
+
+        def info() -> asyncio.Future[str]:
+            answer: asyncio.Future[str] = loop.create_future()
+            if answers:
+                answer.set_result("info")
+            return answer
+
+        handle = SimpleNamespace(info=SimpleNamespace(remote=info))
+        workers = {WorkerRole.target: SimpleNamespace(handle=handle)}
+        return await Router.func_or_class._model_infos(workers, 0.2)
+
+    assert asyncio.run(run(answers=True)) == ("info", None)
+    with pytest.raises(RuntimeError, match=r"have not loaded their models within worker_start_timeout_s \(0\.2 s\)"):
+        asyncio.run(asyncio.wait_for(run(answers=False), 10))
