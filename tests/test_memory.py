@@ -151,11 +151,22 @@ def test_a_checkpoint_deeper_or_shallower_than_its_config_or_with_non_finite_wei
     load_model_dir(path, spec)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 2}))
-    with pytest.raises(UnsupportedModelError, match=r"hold 3 decoder layers; its config\.json names 2"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"hold 3 decoder layers, numbered up to 2; its config\.json names 2$"
+    ):
         load_model_dir(path, spec)  # it ran the first two layers before
     (path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 100_000}))
-    with pytest.raises(UnsupportedModelError, match=r"hold 3 decoder layers; its config\.json names 100000"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"hold 3 decoder layers, numbered up to 2; its config\.json names 100000"
+    ):
         load_model_dir(path, spec)  # it built 100000 layers first (85 s) and then missed a tensor of the fourth
+    (path / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 10_000_000}))
+    sd = load_file(path / "model.safetensors")
+    sparse = {k.replace("model.layers.2.", "model.layers.9999999."): v for k, v in sd.items()}
+    save_file(sparse, path / "model.safetensors")  # the highest index alone agreed with the count: 10 M layers built
+    with pytest.raises(UnsupportedModelError, match=r"hold 3 decoder layers, numbered up to 9999999; its config"):
+        load_model_dir(path, spec)
+    save_file(sd, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config))
     sd = load_file(path / "model.safetensors")
     sd["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import sys
 import time
 import uuid
 import zipfile
@@ -638,6 +639,19 @@ def test_a_declared_layer_count_unlike_the_tensors_is_refused_first(tmp_path: Pa
         with pytest.raises(CorruptModelError, match=f"declares {declared} layers, its tensors hold 2"):
             convert_gguf(path, tmp_path / f"out{declared}")
         assert time.monotonic() - start < 30
+    # layer 1's tensors numbered as the last of 2**32 - 1 layers: the highest index alone agreed with the count
+    last = 2**32 - 2
+    real_name = gguf_name
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys.modules[__name__], "gguf_name", lambda n: real_name(n).replace("blk.1.", f"blk.{last}."))
+        patch.setattr(gguf.GGUFWriter, "add_block_count", lambda self, _n: original(self, last + 1))
+        path = write_gguf(model, tmp_path / "sparse.gguf")
+    start = time.monotonic()
+    with pytest.raises(
+        CorruptModelError, match=f"declares {last + 1} layers, its tensors hold 2 numbered up to {last}"
+    ):
+        convert_gguf(path, tmp_path / "sparse")
+    assert time.monotonic() - start < 30
 
 
 def test_a_killed_downloads_scratch_is_removed(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:

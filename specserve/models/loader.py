@@ -132,9 +132,11 @@ def load_model_dir(
         layers = {int(m.group(1)) for name in where if (m := re.match(r"model\.layers\.(\d+)\.", name))}
         named = getattr(hf_config, "num_hidden_layers", None)
         held = max(layers) + 1 if layers else 0
-        if isinstance(named, int) and held != named:  # before building: an absurd count would take minutes to refuse
+        # before building: an absurd count would take minutes to refuse (every index held, not just the last)
+        if isinstance(named, int) and (held != named or len(layers) != held):
             raise UnsupportedModelError(
-                f"the weights in {path} hold {held} decoder layers; its config.json names {named}"
+                f"the weights in {path} hold {len(layers)} decoder layers, numbered up to {held - 1}; "
+                f"its config.json names {named}"
             )
         try:
             model = LlamaModel.from_hf_weights(hf_config, get, dtype=dtype, device=device, max_positions=max_positions)

@@ -523,9 +523,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     n_heads = _count(reader, gguf_path, f"{arch}.attention.head_count")
     n_kv_heads = _count(reader, gguf_path, f"{arch}.attention.head_count_kv", n_heads)
     layers = _count(reader, gguf_path, f"{arch}.block_count")
-    present = 1 + max((int(m.group(1)) for t in reader.tensors if (m := _LAYER_RE.fullmatch(t.name))), default=-1)
-    if layers != present:  # before anything is sized by the declared count (2**32 - 1 layers: minutes, gigabytes)
-        raise CorruptModelError(f"{gguf_path.name}: its metadata declares {layers} layers, its tensors hold {present}")
+    held = {int(m.group(1)) for t in reader.tensors if (m := _LAYER_RE.fullmatch(t.name))}
+    present = 1 + max(held, default=-1)
+    # before anything is sized by the declared count (2**32 - 1 layers: minutes, gigabytes): every index held
+    if layers != present or len(held) != present:
+        raise CorruptModelError(
+            f"{gguf_path.name}: its metadata declares {layers} layers, its tensors hold {len(held)} numbered up to "
+            f"{present - 1}"
+        )
     _count(reader, gguf_path, f"{arch}.feed_forward_length")
     if n_heads % n_kv_heads:
         raise CorruptModelError(f"{gguf_path.name}: {n_heads} attention heads do not divide into {n_kv_heads} KV heads")
