@@ -161,3 +161,18 @@ def test_native_q4_reads_only_blocks_that_are_the_loaded_weights() -> None:
         model.decoder_layers()[3].down.weight[7, 5] += 2.0  # as if the file's block there held another value
     with pytest.raises(CorruptModelError, match=r"model\.layers\.3\.mlp\.down_proj"):
         use_native_q4(model, spec)
+
+
+def test_a_q4_1_tensor_that_is_not_a_matrix_is_no_linears_blocks() -> None:
+    """A GGUF may store a norm as Q4_1 (its length a multiple of 32): reading its shape as a matrix's raised an
+    IndexError that ended the load in a traceback."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+
+    from specserve.models.q4 import gguf_layer_blocks
+
+    norm = SimpleNamespace(
+        name="blk.0.attn_norm.weight", tensor_type=GGMLQuantizationType.Q4_1, shape=np.array([64]), data=np.zeros(40)
+    )
+    assert gguf_layer_blocks([norm], 4, 2) == {}

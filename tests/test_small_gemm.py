@@ -165,6 +165,9 @@ def test_the_path_can_be_chosen_by_name_for_benchmarks() -> None:
     bad = "from specserve.models.native_stack import extension\nextension().small_gemm_isa()\n"
     done = subprocess.run([sys.executable, "-c", bad], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "avx512 or avx2, not neon" in done.stderr
+    bad = "from specserve.models.native_stack import small_gemm_available\nsmall_gemm_available()\n"
+    done = subprocess.run([sys.executable, "-c", bad], env=env, capture_output=True, text=True, timeout=300)
+    assert "SettingsError: SPECSERVE_SMALL_GEMM_ISA: avx512 or avx2, not neon" in done.stderr  # what loading asks
     assert extension().small_gemm_isa() == (os.environ.get("SPECSERVE_SMALL_GEMM_ISA") or ISAS[0])  # unset: the best
 
 

@@ -322,6 +322,42 @@ def test_malformed_ggufs_are_refused_by_name(tmp_path: Path) -> None:
             convert_gguf(path, tmp_path / name)
 
 
+@pytest.mark.parametrize(
+    ("method", "value", "says"),
+    [
+        ("add_context_length", ("string", "4k"), "context_length must be a positive integer, got '4k'"),
+        ("add_context_length", ("int32", -5), "context_length must be a positive integer, got -5"),
+        ("add_layer_norm_rms_eps", ("string", "x"), "layer_norm_rms_epsilon must be a positive number, got 'x'"),
+        ("add_rope_freq_base", ("float32", float("inf")), "freq_base must be a positive number, got inf"),
+        ("add_eos_token_id", ("int32", -1), "eos_token_id must be a token id, got -1"),
+        ("add_tokenizer_model", ("string", b"\xff\xfe"), "tokenizer.ggml.model cannot be read"),
+    ],
+)
+def test_gguf_metadata_of_the_wrong_type_is_refused_by_name(
+    tmp_path: Path, method: str, value: tuple[str, object], says: str
+) -> None:
+    """Each ended `models pull` in a ValueError / UnicodeDecodeError traceback, or (a negative context length) was
+    cached and refused only at load, as weights that do not fit their config."""
+    import gguf
+
+    kind, raw = value
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    key = {
+        "add_context_length": "llama.context_length",
+        "add_layer_norm_rms_eps": "llama.attention.layer_norm_rms_epsilon",
+        "add_rope_freq_base": "llama.rope.freq_base",
+        "add_eos_token_id": "tokenizer.ggml.eos_token_id",
+        "add_tokenizer_model": "tokenizer.ggml.model",
+    }[method]
+    types = {"string": gguf.GGUFValueType.STRING, "int32": gguf.GGUFValueType.INT32}
+    types["float32"] = gguf.GGUFValueType.FLOAT32
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.GGUFWriter, method, lambda self, *_: self.add_key_value(key, raw, types[kind]))
+        path = write_gguf(model, tmp_path / "bad.gguf")
+    with pytest.raises(CorruptModelError, match=re.escape(says)):
+        convert_gguf(path, tmp_path / "out")
+
+
 def test_a_tensor_type_gguf_py_cannot_dequantise_is_named(tmp_path: Path) -> None:
     """An F64 tensor ended `models pull` in gguf-py's NotImplementedError traceback."""
     model = make_tiny_model(False, len(byte_level_vocab()[0]))

@@ -34,6 +34,7 @@ from torch import nn
 from specserve.config import HeadQuant
 from specserve.cpu import cpu_info
 from specserve.durable import replace_durably
+from specserve.errors import SettingsError
 from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
 from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear, Q8Blocks, quantize_q4_1, quantize_q8_0
 from specserve.models.sources import cache_dir, store_json
@@ -252,6 +253,8 @@ def small_gemm_available() -> bool:
         return bool(extension().small_gemm_supported())
     except NativeStackUnavailable:
         return False
+    except RuntimeError as e:  # the extension's check of SPECSERVE_SMALL_GEMM_ISA (a name, or one this CPU lacks)
+        raise SettingsError(str(e).splitlines()[0]) from e
 
 
 def attach_small_gemm(

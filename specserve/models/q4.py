@@ -194,7 +194,7 @@ def gguf_layer_blocks(tensors: Iterable[ReaderTensor], n_heads: int, n_kv_heads:
 
     out = {}
     for tensor in tensors:
-        if tensor.tensor_type != GGMLQuantizationType.Q4_1:
+        if tensor.tensor_type != GGMLQuantizationType.Q4_1 or len(tensor.shape) != 2:  # (a norm stored as Q4_1)
             continue
         name = hf_tensor_name(tensor.name)
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's order is reversed

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -539,7 +540,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     missing = _expected_names(layers, tied) - set(state)
     if missing:
         raise CorruptModelError(f"{gguf_path.name} lacks tensors for {sorted(missing)[:5]} ({len(missing)} in all)")
-    config = _hf_config(reader, arch, state, n_heads, n_kv_heads, tied)
+    config = _hf_config(reader, gguf_path, arch, state, n_heads, n_kv_heads, tied)
     _check_shapes(gguf_path, state, config)
 
     from safetensors.torch import save_file
@@ -598,9 +599,30 @@ def _count(reader: GGUFReader, gguf_path: Path, key: str, default: int | None = 
     return value
 
 
+def _positive(reader: GGUFReader, gguf_path: Path, key: str, default: float) -> float:
+    """A positive finite number in the GGUF's metadata (CorruptModelError naming it where it is not one)."""
+    value = _field(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise CorruptModelError(f"{gguf_path.name}: metadata {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _token_id(reader: GGUFReader, gguf_path: Path, role: str) -> int | None:
+    key = f"tokenizer.ggml.{role}_token_id"
+    value = _field(reader, key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise CorruptModelError(f"{gguf_path.name}: metadata {key} must be a token id, got {value!r}")
+    return value
+
+
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except (UnicodeDecodeError, ValueError, TypeError, IndexError) as e:  # a string that is not UTF-8, say
+        raise CorruptModelError(f"the GGUF's metadata {key} cannot be read: {e!r}") from e
 
 
 def _read_weights(reader: GGUFReader, gguf_path: Path, n_heads: int, n_kv_heads: int) -> dict[str, torch.Tensor]:
@@ -632,30 +654,36 @@ def _read_weights(reader: GGUFReader, gguf_path: Path, n_heads: int, n_kv_heads:
 
 
 def _hf_config(
-    reader: GGUFReader, arch: str, state: dict[str, torch.Tensor], n_heads: int, n_kv_heads: int, tied: bool
+    reader: GGUFReader,
+    gguf_path: Path,
+    arch: str,
+    state: dict[str, torch.Tensor],
+    n_heads: int,
+    n_kv_heads: int,
+    tied: bool,
 ) -> Any:
     from transformers import LlamaConfig
 
     vocab_size, hidden = state["model.embed_tokens.weight"].shape
-    layers = int(_field(reader, f"{arch}.block_count"))
+    layers = _count(reader, gguf_path, f"{arch}.block_count")
+    special = {role: _token_id(reader, gguf_path, role) for role in ("bos", "eos", "padding")}
     head_dim = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     # rope_theta (for transformers 4.x) is not in 5.x's signature, but 5.x still folds it into rope_parameters
     return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=int(vocab_size),
         hidden_size=int(hidden),
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=_count(reader, gguf_path, f"{arch}.feed_forward_length"),
         num_hidden_layers=layers,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads,
         head_dim=int(head_dim),
-        rms_norm_eps=_f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=_f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=_f32(_positive(reader, gguf_path, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(_positive(reader, gguf_path, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=_count(reader, gguf_path, f"{arch}.context_length", 2048),
         tie_word_embeddings=tied,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=eos,
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        bos_token_id=special["bos"],
+        eos_token_id=special["eos"],
+        pad_token_id=special["padding"],
         hidden_act="silu",
         architectures=["LlamaForCausalLM"],
         dtype="float32",
