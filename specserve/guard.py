@@ -87,6 +87,7 @@ class ThroughputGuard:
     catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> its switch step not yet in a try's cost
     deferred: set[int] = field(default_factory=set)  # buckets whose last answer was plain decoding only because
     # the catch-up would not pay: their plain steps are measurements, not tries of plain decoding
+    chosen: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode its last recorded step was planned in
     catch_up_work: tuple[float, float] | None = None  # avg (tokens re-read, seconds beyond a measured step) of a
     # catch-up: their ratio weighs each by its size (a catch-up of 3 tokens costs about a step, nothing per token)
 
@@ -208,19 +209,22 @@ class ThroughputGuard:
         seconds = max(seconds, MIN_STEP_S)  # a coarse clock's 0: a zero average would clip every later step to 0
         b = bucket(batch_size)
         if speculative and caught_up_tokens > 0:  # the draft re-reading what it missed: not speculation's rate
-            # (module docstring). As a try's switch it costs its time beyond plain decoding's for the tokens it
-            # emitted (the whole step while plain decoding is unmeasured); for the catch-up rate, its time beyond
-            # what a measured speculative step of the bucket takes (before the first, a plain one: the catch-up
-            # that begins speculation's warm-up)
-            switch = self._excess_over_plain(b, (tokens / batch_size, seconds), unmeasured=seconds)
-            self.switch_s[b] = self.catch_up_s[b] = switch
+            # (module docstring). After steps planned plain, a switch: it costs its time beyond plain decoding's
+            # for the tokens it emitted (the whole step while plain decoding is unmeasured). Within speculation (a
+            # draft worker attached afresh, the draft model after model-free drafts) no switch: it would space the
+            # tries by what no try costs. For the catch-up rate, either: its time beyond what a measured
+            # speculative step of the bucket takes (before the first, a plain one: the catch-up that begins
+            # speculation's warm-up)
+            if not self.chosen.get(b, False):
+                switch = self._excess_over_plain(b, (tokens / batch_size, seconds), unmeasured=seconds)
+                self.switch_s[b] = self.catch_up_s[b] = switch
             base = self.work.get((b, True)) or self.work.get((b, False)) or (0.0, 0.0)
             new = (float(caught_up_tokens), max(0.0, seconds - base[1]))
             tok, sec = self.catch_up_work or new
             self.catch_up_work = (tok + self.smoothing * (new[0] - tok), sec + self.smoothing * (new[1] - sec))
             return
         before = self.faster(batch_size)
-        chosen = speculative if planned is None else planned
+        chosen = self.chosen[b] = speculative if planned is None else planned
         # a try ran the mode it was planned in: a try of speculation whose drafters found nothing was a plain step,
         # measured as one, and the try stays due
         tried = (

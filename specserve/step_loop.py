@@ -371,9 +371,10 @@ class StepLoop:
         drafted_any = any(p is not None for p in event.proposals) or any(s.model_proposed for s in event.batch)
         caught_up = sum(s.draft_caught_up for s in event.batch)
         guard = self.planner.guard
-        planned = any(event.plan.depths)  # a step planned to speculate may find no draft: then not a try
-        # the floor fits steps planned to speculate (their trees may have kept no node), not plain ones
-        floor = self.planner.floor if planned and self.planner.adaptive(event.batch) else None
+        # a step planned to speculate may find no draft, or have no draft worker: then plain, but not a try of plain
+        planned = event.plan.speculate
+        # the floor fits steps that were to draft (their trees may have kept no node), not plain ones
+        floor = self.planner.floor if any(event.plan.depths) and self.planner.adaptive(event.batch) else None
         # trees sized before their floor was measured (a cold start's wide ones: 2x a step on some CPUs) are not the
         # speculation the guard chooses between: it records the bucket's steps once the floor is measured
         settling = floor is not None and floor.settling(len(event.batch))

@@ -15,6 +15,7 @@ from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy import DSDEConfig
 from specserve.policy.tree_floor import TreeFloor
 from specserve.sampling import SamplingParams
+from specserve.sequence import Request
 from specserve.step_events import StepEvent, StepObserver, idle_fraction
 from tests.conftest import greedy_reference
 
@@ -831,3 +832,49 @@ def test_the_loop_tells_the_guard_a_step_was_planned_to_speculate(target: LlamaM
     pairs = set(zip((spec for spec, _ in guard.recorded), guard.planned, strict=True))
     assert (False, True) in pairs  # lookup found no match: a plain step, planned to speculate
     assert all(planned for planned in guard.planned)
+
+
+def test_steps_the_loop_runs_plainly_for_want_of_a_draft_worker_are_planned_to_speculate(target: LlamaModel) -> None:
+    """While the draft worker is detached (being brought back) the guard still answers speculate, and the loop
+    runs plain steps: they were recorded as planned plain, tries of plain decoding that confirmed speculation each
+    time (the interval between tries doubling to 640 within five steps)."""
+    engine = Engine(target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, eos_token_ids=set())
+    guard = engine.loop.planner.guard = _ScriptedGuard([])  # speculate on every step
+    loop = engine.loop
+    loop.add_request(Request("r", PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True)))
+    for _ in range(3):
+        loop.step()
+    detached_from = len(guard.recorded)
+    loop.detach_draft()
+    while loop.has_work:
+        loop.step()
+    assert len(guard.recorded) > detached_from
+    assert all(not spec for spec, _ in guard.recorded[detached_from:])  # plain steps ...
+    assert all(guard.planned[detached_from:])  # ... planned to speculate: no tries of plain decoding
+
+
+def test_a_catch_up_within_speculation_does_not_space_the_tries_as_a_switch_would() -> None:
+    """A draft worker attached afresh re-reads every sequence's context in its first step (3 s at batch 16 here):
+    recorded as a try's switch, it spaced the next try of speculation, once plain decoding measured faster, by
+    thousands of steps (its cost / 1.5% of a 20 ms step). Only a catch-up after steps planned plain is a switch."""
+
+    def warmed() -> ThroughputGuard:
+        guard = ThroughputGuard()
+        for _ in range(3):
+            guard.record(16, False, 16, 0.020)
+        while guard.faster(16) is None:
+            guard.record(16, True, 32, 0.025)  # speculation 1.6x plain
+        assert guard.faster(16) is True
+        return guard
+
+    def steps_to_next_try(guard: ThroughputGuard, catch_up_s: float, planned_before: bool) -> int:
+        guard.record(16, not planned_before, 16, 0.020, planned=planned_before)  # the step before the catch-up
+        guard.record(16, True, 32, catch_up_s, caught_up_tokens=16 * 1000)
+        while guard.faster(16):  # speculation slows until plain decoding is faster
+            guard.record(16, True, 16, 0.030)
+        return guard.next_try[16] - guard._steps(16)
+
+    within = steps_to_next_try(warmed(), 3.0, planned_before=True)  # a re-attached draft, speculating throughout
+    assert within < 100
+    switch = steps_to_next_try(warmed(), 3.0, planned_before=False)  # after a plain step: a switch, as before
+    assert switch > 1000

@@ -323,6 +323,12 @@ def test_the_cap_is_over_depths_drafted_by_the_draft_model():
     # the model's own limit (model_max_sl) bounds the model's share alone, not the cap of a lookup row's depth
     limited = fallback.model_copy(update={"model_max_sl": 2})
     assert SLPlanner().plan([Row(limited, FakeState(8, False))]).depths == [8]
+    # and the cap is over the model's shares: a tree whose model budget is 6 drafts at most 5 levels of its SL 16
+    # (the default DDD depth limit is deeper), so beside two at 2 the cap is ceil((5 + 2 + 2) / 3) = 3, not 5
+    budgeted = SpecConfig(method=SpecMethod.ddd, policy=SLPolicyKind.dsde, model_budget=6)
+    rows = [Row(budgeted, FakeState(16, False)), Row(budgeted, FakeState(2, False)), Row(budgeted, FakeState(2, False))]
+    plan = SLPlanner().plan(rows)
+    assert budgeted.model_depth(plan.uncapped[0]) == 5 and (plan.depths, plan.cap) == ([3, 2, 2], 3)
 
 
 def test_planner_static_and_trees():
@@ -608,3 +614,21 @@ def test_kld_over_temperature_switch_scales_the_signal_before_sf():
     assert sl_after(ref, 0.0) == base and sl_after(ref, 1.0) == base
     assert sl_after(ref, 0.5) < base  # doubled KLD: a larger SF
     assert not cfg.kld_over_temperature and DSDEConfig.reference().kld_over_temperature
+
+
+def test_klds_are_never_negative_and_calibration_reads_a_negative_mean_as_zero() -> None:
+    """Rounding left KL(p || q) at about -1e-7 for a draft close to the target (half the rows, exact mode), and a
+    warm-up mean of -1e-6 against a maximum of 0 made mu / M hugely negative: SL_max pinned to SL_min (2) for the
+    request's life, for the best of drafts."""
+    from specserve.policy.dsde import calibrate
+    from specserve.policy.kld import kld_exact
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(32, 49152, generator=g) * 3
+    q = p + torch.randn(32, 49152, generator=g) * 1e-4
+    assert bool((kld_exact(p, q) >= 0).all())
+    idx, prob = sparse_topk_q(q, 64)
+    for tail in SparseTail:
+        assert bool((kld_sparse(p, idx, prob, tail=tail) >= 0).all())
+    assert calibrate(16, -1e-6, 0.0, DSDEConfig()) == (2, 16)
+    assert calibrate(16, 0.0, 0.0, DSDEConfig()) == (2, 16)  # (mu = M = 0: A_max, as a flat zero warm-up)

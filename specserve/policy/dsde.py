@@ -196,8 +196,10 @@ def calibrate(a_max: int, mu: float, m_max: float, cfg: DSDEConfig) -> tuple[int
     """End of warm-up (docs/algorithms.md §4.5): SL_max = round(A_max (1 + c mu / (M + 1e-8))) clamped to
     [cfg.sl_min, sl_hard_max]; SL_min per `cfg.sl_min_rule`. Returns (sl_min, sl_max).
 
-    `round` is Python's (half to even), as in the reference code.
+    `round` is Python's (half to even), as in the reference code. KLDs are non-negative: a mean or maximum a
+    rounding left below 0 counts as 0 (a mean of -1e-6 against a maximum of 0 would pin SL_max to SL_min).
     """
+    mu, m_max = max(mu, 0.0), max(m_max, 0.0)
     grown = a_max * (1.0 + cfg.calibration_c * mu / (m_max + CALIBRATION_EPS)) if a_max else 0.0
     raw = round(grown) if math.isfinite(grown) else cfg.sl_hard_max  # a huge c overflows: as large as allowed
     sl_max = max(cfg.sl_min, min(cfg.sl_hard_max, raw))

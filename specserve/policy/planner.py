@@ -34,10 +34,13 @@ class StepPlan:
     cap: int | None  # SL_cap over the lock-step batch (None: no DSDE sequence past warm-up, or the cap is off)
     post_warmup: list[bool]  # DSDE sequences past warm-up (static ones: False)
     min_prob: float | None = None  # the measured tree floor for sequences with ``adaptive_floor`` (None: their own)
+    # the mode the step was planned in: the throughput guard's answer where it was asked (the loop may still run
+    # the step plainly: its draft worker detached, ``max_step_tokens``), else whether any sequence drafts
+    speculate: bool = False
 
     def select(self, rows: list[int]) -> StepPlan:
         pick = [self.depths[i] for i in rows], [self.uncapped[i] for i in rows], [self.post_warmup[i] for i in rows]
-        return StepPlan(pick[0], pick[1], self.cap, pick[2], self.min_prob)
+        return StepPlan(pick[0], pick[1], self.cap, pick[2], self.min_prob, self.speculate)
 
 
 class SLPlanner:
@@ -73,7 +76,8 @@ class SLPlanner:
             depths = [min(d, max(1, n - 1)) for d, n in zip(depths, room, strict=True)]
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
         min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
-        return StepPlan(self._guard(rows, depths, prefills, outlook, guarded), uncapped, cap, post, min_prob)
+        depths, speculate = self._guard(rows, depths, prefills, outlook, guarded)
+        return StepPlan(depths, uncapped, cap, post, min_prob, speculate)
 
     @staticmethod
     def adaptive(rows: Sequence[PlanRow]) -> bool:
@@ -83,7 +87,8 @@ class SLPlanner:
     @staticmethod
     def _cap(rows: Sequence[PlanRow], reach: list[int]) -> tuple[list[int], int | None]:
         """SL_cap (docs/algorithms.md §5) over the depths the sequences would draft (``reach``: their SLs after a
-        tree's depth limit and the request's max_sl; a level no sequence drafts keeps nobody waiting), one per
+        tree's depth limit and the request's max_sl, then the draft model's own limits; a level no sequence drafts
+        keeps nobody waiting), one per
         lock-step loop of the draft model: its chains and its trees draft in separate loops, so each kind gets the
         cap of its own DSDE sequences. Rows only a model-free drafter serves run no draft forward: they neither
         count nor are capped. Each sequence's own ``cap_enabled`` / ``cap_warmup`` decide whether it counts and is
@@ -99,12 +104,15 @@ class SLPlanner:
             if not group:
                 continue
             warm = [rows[i].sl_state.in_warmup for i in group]  # type: ignore[union-attr]
-            cap = sl_cap([reach[i] for i in group], [not w for w in warm])
+            # over the levels the draft model runs for each: its own depth limits (model_max_sl, model_budget)
+            cap = sl_cap([rows[i].spec.model_depth(reach[i]) for i in group], [not w for w in warm])
             if cap is None:
                 continue
             caps.append(cap)
             for i, w in zip(group, warm, strict=True):
-                depths[i] = apply_cap([reach[i]], cap, [w], rows[i].spec.dsde.cap_warmup)[0]
+                capped = apply_cap([reach[i]], cap, [w], rows[i].spec.dsde.cap_warmup)[0]
+                # a cap the model's share already stays within leaves the row alone (its model-free drafts too)
+                depths[i] = reach[i] if capped >= rows[i].spec.model_depth(reach[i]) else capped
         return depths, max(caps, default=None)
 
     @staticmethod
@@ -117,16 +125,17 @@ class SLPlanner:
 
     def _guard(
         self, rows: Sequence[PlanRow], depths: list[int], prefills: bool, outlook: Outlook | None, guarded: bool
-    ) -> list[int]:
+    ) -> tuple[list[int], bool]:
         """The throughput guard first: plain decoding where it measured faster at this batch size (no try of
         the other mode in a step that prefills). Then shrink speculation until drafted tokens + one per sequence
         fit ``max_step_tokens``: at large batch a CPU forward is compute-bound, and verifying tokens that are
-        likely rejected slows everyone."""
+        likely rejected slows everyone. Returns the depths and the mode the step is planned in."""
         guard = self.guard if guarded else None
         if guard is not None and any(depths) and not guard.speculate(len(rows), measured=not prefills, outlook=outlook):
-            return [0] * len(depths)
+            return [0] * len(depths), False
+        speculate = any(depths)
         if self.max_step_tokens is None:
-            return depths
+            return depths, speculate
         depths = list(depths)
 
         def cost(i: int) -> int:
@@ -137,4 +146,4 @@ class SLPlanner:
         while sum(cost(i) for i in range(len(rows))) > max(0, allowance):
             i = max(range(len(rows)), key=cost)
             depths[i] = depths[i] - 1 if not rows[i].spec.is_tree else 0
-        return depths
+        return depths, speculate
