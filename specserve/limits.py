@@ -10,6 +10,7 @@ import torch
 
 from specserve.config import SpecConfig
 from specserve.errors import SettingsError, UnsupportedModelError
+from specserve.host_memory import check_host_fits, host_available_bytes
 from specserve.models.llama import LlamaModel
 from specserve.models.memory import ModelShape, activation_bytes, kv_bytes_per_slot, kv_slots_that_fit
 from specserve.spec_decode.eagle_head import EagleHead
@@ -107,18 +108,21 @@ def device_kv_slots(
     mem_info: MemInfo | None = None,
     reserved: Callable[[torch.device], int] | None = None,
 ) -> int:
-    """KV slots of ``max_len`` for ``models`` (on one device, weights loaded): ``requested`` on the CPU or
-    without a share; on CUDA as many as fit (at most ``requested``), each reserving its KV in every model and its
-    share of the largest forward (a prefill of ``max_len`` or a step of ``step_tokens``). An actor sharing its GPU
+    """KV slots of ``max_len`` for ``models`` (on one device, weights loaded): ``requested`` on the CPU (refused
+    when they would not fit in the memory the host has available: ``check_host_fits``) or without a share; on
+    CUDA as many as fit (at most ``requested``), each reserving its KV in every model and its share of the largest
+    forward (a prefill of ``max_len`` or a step of ``step_tokens``). An actor sharing its GPU
     counts against its fraction only what this process holds (``reserved``: torch's reserved memory); the
     others' weights are in the device's free memory, which it may not exceed."""
     device = models[0].device
+    slot = sum(kv_bytes_per_slot(model_shape(m), kv_dtype(m).itemsize, max_len) for m in models)
+    if device.type == "cpu":
+        check_host_fits(requested * slot, requested, max_len, available=host_available_bytes())
     if share is None or device.type != "cuda":
         return requested
-    slot = act = 0
+    act = 0
     for model in models:
         shape, size = model_shape(model), kv_dtype(model).itemsize
-        slot += kv_bytes_per_slot(shape, size, max_len)
         act += max(
             activation_bytes(shape, size, batch=1, q_len=max_len, kv_len=max_len, logit_rows=1),
             activation_bytes(shape, size, batch=1, q_len=step_tokens, kv_len=max_len, logit_rows=step_tokens),

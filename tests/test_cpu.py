@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from specserve.bench.machine import cgroup_free_bytes
 from specserve.cpu import cpu_info
+from specserve.host_memory import cgroup_free_bytes
 
 X86 = """processor\t: 0
 vendor_id\t: AuthenticAMD

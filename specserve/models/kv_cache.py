@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve import host_memory
 from specserve.errors import KVCapacityError
 
 
@@ -26,6 +27,10 @@ class KVCache:
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"KVCache needs num_slots >= 1 and max_len >= 1, got {num_slots}, {max_len}")
         shape = (num_slots, num_kv_heads, max_len, head_dim)  # [S, H_kv, L, D]
+        if torch.device(device).type == "cpu":
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            kv_bytes = 2 * num_layers * num_slots * num_kv_heads * max_len * head_dim * itemsize
+            host_memory.check_host_fits(kv_bytes, num_slots, max_len, available=host_memory.host_available_bytes())
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
