@@ -345,3 +345,13 @@ def test_mkl_packed_weights_serve_their_row_ranges_with_the_same_products() -> N
     x = torch.randn(7, mod.in_features)
     assert torch.equal(linear(mod, x), linear(mod, torch.cat([x, torch.randn(3, mod.in_features)]))[:7])
     assert not attach_mkl_packed(tiny_model(seed=0).to(torch.bfloat16), (4,))  # float32 only
+
+
+def test_a_config_with_a_huge_context_serves_up_to_max_positions() -> None:
+    """Its RoPE tables were built for every position of max_position_embeddings up front: a 1M-context config's
+    took ~1 GiB, and a malformed context length of 2**30 ran the host out of memory before any check."""
+    from specserve.models.llama import MAX_POSITIONS
+
+    model = tiny_model(tiny_config(max_position_embeddings=2**30), seed=0)
+    assert model.max_positions == MAX_POSITIONS == model.rope_cos.shape[0]
+    assert tiny_model(tiny_config(max_position_embeddings=512), seed=0).max_positions == 512

@@ -7,6 +7,7 @@ fused into single matmuls at load time.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Callable, Iterator, Mapping
@@ -25,10 +26,14 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.timing import interleaved_medians
 
+logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's matmuls, fused as loaded
 GEMV_MAX_ROWS = 3  # at most this many rows take the transposed-copy path (``linear``, ``gemv_rows_for``)
 PAD_WIDTH = 16  # products of ``mod.pad_from`` .. PAD_WIDTH - 1 rows run padded to this many (``pad_rows_for``)
+# positions a model serves at most: its RoPE tables are built for every one up front (128k positions of head_dim 128
+# are 128 MiB; a 1M-context config's would be 1 GiB, and a malformed one's 2**26 several GiB before any check)
+MAX_POSITIONS = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -314,6 +319,13 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if self.max_positions > MAX_POSITIONS:
+            logger.warning(
+                "the model's %d positions are served up to %d (MAX_POSITIONS: RoPE tables are built for each)",
+                self.max_positions,
+                MAX_POSITIONS,
+            )
+            self.max_positions = MAX_POSITIONS
         cos, sin = rope_tables(hf_config, cfg.head_dim, self.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
