@@ -13,12 +13,13 @@ columns (so its percentiles are token-count percentiles). Names are the MT-bench
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import sys
 import time
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 from locust import HttpUser, events, task
 from locust.env import Environment
@@ -72,11 +73,14 @@ def _http_error(resp: Any) -> str:
 
 class SpecServeUser(HttpUser):
     host = DEFAULT_HOST
+    started: ClassVar[itertools.count[int]] = itertools.count()  # users started in this process, in order
 
     def on_start(self) -> None:
         self.settings = LoadSettings.from_env()
         self.pool = self.settings.prompt_pool()
-        self.rng = random.Random(self.settings.seed * 1_000_003 + id(self) % 1_000_003)
+        # the n-th user started in this process: the same seed gives the same prompt streams run to run (an object's
+        # id() differs every run, so an A/B pair of runs saw different prompt mixes)
+        self.rng = random.Random(self.settings.seed * 1_000_003 + next(SpecServeUser.started))
         self.model = self.settings.model or self._served_model()
 
     def wait_time(self) -> float:

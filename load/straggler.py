@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
+import math
 import random
 import statistics
 import sys
@@ -25,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -58,6 +60,7 @@ from specserve.models.llama import LlamaModel
 from specserve.policy.tree_floor import TreeFloor
 from specserve.spec_decode.eagle_head import EagleHead
 
+T = TypeVar("T")
 TINY_PAIR = "tiny"
 TINY_BYTE_OFFSET = 3  # the tiny byte-level tokenizer's ids 3..258 are the 256 bytes (deployments/tiny_tokenizer.py)
 
@@ -379,9 +382,13 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
 def pass_order(
     specs: dict[PolicyName, SpecConfig], repeat: int, alternate: bool
 ) -> list[tuple[PolicyName, SpecConfig]]:
+    return alternating(list(specs.items()), repeat, alternate)
+
+
+def alternating(items: Sequence[T], repeat: int, alternate: bool) -> list[T]:
     """The policies of one round-robin pass: as given, reversed on odd passes with ``alternate`` (on a host whose
     speed drifts within a pass, or where the run after another is slower, each policy then runs first as often)."""
-    order = list(specs.items())
+    order = list(items)
     return order[::-1] if alternate and repeat % 2 == 1 else order
 
 
@@ -493,67 +500,94 @@ def served_model(client: Any, url: str) -> str:  # client: httpx.Client (importe
         raise ServerError(f"GET {url}/v1/models did not answer with an OpenAI model list: {r.text[:200]!r}") from None
 
 
-def http_sweep(cfg: StudyConfig) -> list[dict[str, Any]]:
+def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
+    """Per concurrency, one set of requests (prompts and lengths) that every policy runs, ``repeats`` round-robin
+    passes over the policies (reversed on odd passes with ``alternate``), after one untimed request per policy;
+    the medians per (concurrency, policy), with ``vs_plain`` within the sweep. ``client``: an httpx.Client (a
+    test's transport; default one of its own)."""
     import httpx
 
     assert cfg.url is not None
     url = check_loopback(cfg.url).rstrip("/")
     prompts = [p.text for c in cfg.categories for p in mt_bench_prompts(categories=[c])]
     rng = random.Random(cfg.seed)
-    rows = []
-    limits = httpx.Limits(max_connections=max(cfg.batch_sizes) + 4)
-    with httpx.Client(timeout=600.0, limits=limits) as client:
+    with contextlib.ExitStack() as stack:
+        if client is None:
+            limits = httpx.Limits(max_connections=max(cfg.batch_sizes) + 4)
+            client = stack.enter_context(httpx.Client(timeout=600.0, limits=limits))
         model = served_model(client, url)
-        todo = [(c, p) for c in cfg.batch_sizes for p in HTTP_POLICIES]
-        for i, (conc, pol) in enumerate(todo, 1):
-            before = scrape(client, url)
-            bodies = []
-            for _ in range(conc * cfg.requests_per_slot):
-                body: dict[str, Any] = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": rng.choice(prompts)[: cfg.http_max_prompt_chars]}],
-                    "max_tokens": rng.randint(cfg.min_tokens, cfg.max_tokens),
-                    "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-                if pol.speculation is not None:
-                    body["speculation"] = pol.speculation
-                bodies.append(body)
-            t0 = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(conc) as pool:
-                results = list(pool.map(lambda b: _stream_one(client, url, b), bodies))
-            seconds = time.perf_counter() - t0
-            after = scrape(client, url)
-            ok = [r for r in results if r.failure() is None]
-
-            def delta(name: str, after: dict[str, float] = after, before: dict[str, float] = before) -> float:
-                return after.get(name, 0.0) - before.get(name, 0.0)
-
-            sl_n = delta("specserve_speculation_length_count")
-            steps = delta("specserve_step_seconds_count")
-            row = {
-                "concurrency": conc,
-                "policy": pol.name,
-                "requests": len(results),
-                "failures": len(results) - len(ok),
-                "tok_s": sum(r.output_tokens for r in ok) / seconds,
-                **p50_p99("ttft_s", [r.ttft_s for r in ok if r.ttft_s is not None]),
-                **p50_p99("tpot_s", [r.tpot_s for r in ok if r.tpot_s is not None]),
-                "steps": steps,
-                "mean_step_s": delta("specserve_step_seconds_sum") / steps if steps else float("nan"),
-                "mean_batch": delta("specserve_batch_size_sum") / steps if steps else float("nan"),
-                "mean_sl": delta("specserve_speculation_length_sum") / sl_n if sl_n else float("nan"),
-                "sl_cap_last": after.get("specserve_sl_cap", float("nan")),
-                "idle_fraction_last": after.get("specserve_straggler_idle_fraction", float("nan")),
-            }
-            rows.append(row)
-            print(
-                f"[{i}/{len(todo)}] HTTP C={conc:3d} {pol.name:28s} {row['tok_s']:8.1f} tok/s  "
-                f"failures {row['failures']}  p99 TTFT {row['p99_ttft_s']:.2f}s  mean SL {row['mean_sl']:.2f}",
-                flush=True,
-            )
+        for pol in HTTP_POLICIES:  # untimed: the server's first forwards, and each policy's first drafts
+            _stream_one(client, url, _http_body(model, prompts[0], cfg.min_tokens, cfg, pol))
+        runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        total, done = len(cfg.batch_sizes) * cfg.repeats * len(HTTP_POLICIES), 0
+        for conc in cfg.batch_sizes:
+            asks = [  # the same requests for every policy: side by side, not different prompts
+                (rng.choice(prompts), rng.randint(cfg.min_tokens, cfg.max_tokens))
+                for _ in range(conc * cfg.requests_per_slot)
+            ]
+            for repeat in range(cfg.repeats):
+                for pol in alternating(HTTP_POLICIES, repeat, cfg.alternate):
+                    bodies = [_http_body(model, prompt, n, cfg, pol) for prompt, n in asks]
+                    row = _http_point(client, url, conc, pol, bodies)
+                    runs.setdefault((conc, pol.name), []).append(row)
+                    done += 1
+                    print(
+                        f"[{done}/{total}] HTTP C={conc:3d} {pol.name:28s} {row['tok_s']:8.1f} tok/s  "
+                        f"failures {row['failures']}  p99 TTFT {row['p99_ttft_s']:.2f}s  mean SL {row['mean_sl']:.2f}",
+                        flush=True,
+                    )
+    rows = [{**median_row(r, keep=("concurrency",)), "repeats": len(r)} for r in runs.values()]
+    plain = {r["concurrency"]: r["tok_s"] for r in rows if r["policy"] == "plain"}
+    for r in rows:
+        base = plain.get(r["concurrency"])
+        r["vs_plain"] = r["tok_s"] / base if base else math.nan
     return rows
+
+
+def _http_body(model: str, prompt: str, max_tokens: int, cfg: StudyConfig, pol: HttpPolicy) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt[: cfg.http_max_prompt_chars]}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if pol.speculation is not None:
+        body["speculation"] = pol.speculation
+    return body
+
+
+def _http_point(client: Any, url: str, conc: int, pol: HttpPolicy, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One timed run of ``bodies`` at concurrency ``conc``, with the server's metrics over it."""
+    before = scrape(client, url)
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(conc) as pool:
+        results = list(pool.map(lambda b: _stream_one(client, url, b), bodies))
+    seconds = time.perf_counter() - t0
+    after = scrape(client, url)
+    ok = [r for r in results if r.failure() is None]
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    sl_n = delta("specserve_speculation_length_count")
+    steps = delta("specserve_step_seconds_count")
+    return {
+        "concurrency": conc,
+        "policy": pol.name,
+        "requests": len(results),
+        "failures": len(results) - len(ok),
+        "tok_s": sum(r.output_tokens for r in ok) / seconds,
+        **p50_p99("ttft_s", [r.ttft_s for r in ok if r.ttft_s is not None]),
+        **p50_p99("tpot_s", [r.tpot_s for r in ok if r.tpot_s is not None]),
+        "steps": steps,
+        "mean_step_s": delta("specserve_step_seconds_sum") / steps if steps else float("nan"),
+        "mean_batch": delta("specserve_batch_size_sum") / steps if steps else float("nan"),
+        "mean_sl": delta("specserve_speculation_length_sum") / sl_n if sl_n else float("nan"),
+        "sl_cap_last": after.get("specserve_sl_cap", float("nan")),
+        "idle_fraction_last": after.get("specserve_straggler_idle_fraction", float("nan")),
+    }
 
 
 # ─────────────────────────── plots and report ───────────────────────────

@@ -407,3 +407,25 @@ def test_a_set_cut_to_num_prompts_says_so(
     with pytest.raises(AssertionError, match="a model was loaded"):  # (the run goes on to the loads)
         main(["bench", "spec", "--prompts", *files, "--num-prompts", "4", "--out", str(tmp_path / "o")])
     assert "--num-prompts 4: the first 4 of the set's 6 prompts" in capsys.readouterr().out
+
+
+@pytest.mark.real_model
+def test_the_assisted_rows_ratio_is_to_plain_decoding_over_every_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --passes 2 the assisted row's tokens/s covered both passes and its ratio divided it by plain's first
+    pass alone."""
+    from specserve.bench import spec
+    from specserve.cli import main
+
+    monkeypatch.setattr(spec, "_assisted_twins", lambda args, target_spec, target: [("fake", None, None)])
+    monkeypatch.setattr(spec, "_assisted", lambda t, d, p, n, repeats, stop_at_eos: ([7] * n, 1.0))  # n tok/s
+    prompts = _write(tmp_path / "p.jsonl", [{"question_id": 1, "category": "a", "turns": ["Name a river."]}])
+    argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--methods", "chain"]
+    argv += ["--chain-sl", "1", "--repeats", "1", "--passes", "2", "--assisted", "--max-tokens", "8"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 0
+    rows = list(csv.DictReader((tmp_path / "o" / "spec.csv").open()))
+    plain = [float(r["tok_s"]) for r in rows if r["method"] == "plain"]
+    (assisted,) = [r for r in rows if r["method"] == "transformers assisted"]
+    over_both = 2 / sum(1 / t for t in plain)  # each pass the same greedy tokens: their rates' harmonic mean
+    assert len(plain) == 2 and float(assisted["ratio"]) == pytest.approx(float(assisted["tok_s"]) / over_both, rel=1e-4)

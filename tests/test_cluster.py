@@ -89,3 +89,27 @@ def test_the_rayservice_open_port_requires_its_api_key() -> None:
         if env["name"] == "SPECSERVE_API_KEY"
     ]
     assert refs and not any(ref.get("optional") for ref in refs)
+
+
+def test_the_ray_up_cluster_can_add_nodes_and_gives_them_the_token_and_the_key() -> None:
+    """The head's setup replaced Ray's own (which installs boto3), so the autoscaler could not import it and no GPU
+    node was ever added; and no step put HF_TOKEN (gated Llama weights) or the API key in the nodes' environment."""
+    cluster = yaml.safe_load((REPO / "cluster/gpu-cluster.yaml").read_text())
+    assert any("boto3" in c and "~/venv/bin/pip install" in c for c in cluster["head_setup_commands"])
+    assert cluster["file_mounts"]["~/specserve.env"] == "./cluster/specserve.env"
+    for commands in (cluster["head_start_ray_commands"], cluster["worker_start_ray_commands"]):
+        (start,) = [c for c in commands if "ray start" in c]
+        assert start.index(". ~/specserve.env") < start.index("ray start") and "set -a" in start
+    assert "cluster/specserve.env" in (REPO / ".gitignore").read_text().splitlines()  # it holds secrets
+
+
+def test_the_readmes_gpu_install_builds_flash_attn_against_the_installed_torch() -> None:
+    """flash-attn is a source build that imports torch: pip's isolated build has none, and a stock venv's
+    setuptools rejects pyproject's license field."""
+    readme = (REPO / "README.md").read_text()
+    (install,) = re.findall(r"`(\.venv/bin/pip install [^`]*\.\[gpu\][^`]*)`", readme)
+    assert "--no-build-isolation" in install
+    before = readme[: readme.index(install)]
+    first = re.findall(r"`(\.venv/bin/pip install [^`]*)`", before)[-1]
+    for requirement in PYPROJECT["build-system"]["requires"]:
+        assert f'"{requirement}"' in first or requirement in first.split(), requirement

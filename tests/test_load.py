@@ -1097,3 +1097,76 @@ def test_straggler_speculation_settings_are_usage_errors_before_any_model_loads(
         straggler.parse_args(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_passes(tmp_path: Path) -> None:
+    """Every (concurrency, policy) point drew its own prompts and lengths, ran once, in one order, cold: "DSDE
+    against plain" at concurrency 1 compared two different prompts. Now one set of requests per concurrency runs
+    under every policy, repeated with the order reversed on odd passes, after one untimed request per policy."""
+    import json
+    import threading
+
+    import httpx
+
+    from load.straggler import HTTP_POLICIES, StudyConfig, http_sweep
+
+    seen: list[tuple[str, str, int]] = []  # (policy, prompt, max_tokens) of each chat request, in order
+    lock = threading.Lock()
+    names = {json.dumps(p.speculation, sort_keys=True): p.name for p in HTTP_POLICIES}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="")
+        body = json.loads(request.content)
+        with lock:
+            policy = names[json.dumps(body.get("speculation"), sort_keys=True)]
+            seen.append((policy, body["messages"][0]["content"], body["max_tokens"]))
+        usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 3 + body["max_tokens"]}
+        events = [{"choices": [{"index": 0, "delta": {"content": "hi"}}]}, {"choices": [], "usage": usage}]
+        sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    cfg = StudyConfig(
+        url="http://127.0.0.1:9", workloads=[], batch_sizes=[1, 2], repeats=2, requests_per_slot=2, min_tokens=3,
+        max_tokens=40, out=tmp_path,
+    )  # fmt: skip
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        rows = http_sweep(cfg, client)
+    policies = [p.name for p in HTTP_POLICIES]
+    assert [p for p, _, _ in seen[: len(policies)]] == policies and all(n == 3 for _, _, n in seen[: len(policies)])
+    timed = seen[len(policies) :]
+    for conc, start in ((1, 0), (2, 2 * len(policies) * 2)):  # 2 requests a run at C=1, 4 at C=2; 2 passes each
+        per_run = 2 * conc
+        block = timed[start : start + 2 * len(policies) * per_run]
+        runs = [block[i : i + per_run] for i in range(0, len(block), per_run)]
+        assert [r[0][0] for r in runs] == policies + policies[::-1]  # each pass in turn, the second reversed
+        asks = {tuple(sorted((prompt, n) for _, prompt, n in run)) for run in runs}
+        assert len(asks) == 1  # every policy, every pass: the same prompts and lengths
+    assert len(rows) == 2 * len(policies) and all(r["repeats"] == 2 for r in rows)
+    assert all(r["vs_plain"] > 0 for r in rows) and {r["concurrency"] for r in rows} == {1, 2}
+
+
+def test_locust_users_draw_the_same_prompt_streams_for_the_same_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each user's generator was seeded from id(self), a memory address: SPECSERVE_SEED did not reproduce a run, and
+    two runs meant as an A/B pair (SPECSERVE_POLICY none vs dsde) sent different prompt mixes."""
+    import itertools
+
+    from locust.env import Environment
+
+    from load import locustfile
+
+    monkeypatch.setenv("SPECSERVE_MODEL", "m")  # (no GET /v1/models)
+    monkeypatch.setenv("SPECSERVE_SEED", "7")
+
+    def users_draws() -> list[list[float]]:
+        monkeypatch.setattr(locustfile.SpecServeUser, "started", itertools.count())  # a fresh process's count
+        env = Environment(user_classes=[locustfile.SpecServeUser], host="http://127.0.0.1:9")
+        users = [locustfile.SpecServeUser(env) for _ in range(3)]
+        for user in users:
+            user.on_start()
+        return [[user.rng.random() for _ in range(4)] for user in users]
+
+    first, again = users_draws(), users_draws()
+    assert first == again and len({tuple(d) for d in first}) == 3  # reproducible, and each user its own stream
