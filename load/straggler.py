@@ -395,11 +395,15 @@ def alternating(items: Sequence[T], repeat: int, alternate: bool) -> list[T]:
 def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
     """Per (workload, batch size, policy) the medians over its runs, and the throughput ratio to plain."""
     points: dict[tuple[str, int, PolicyName], list[dict[str, Any]]] = {}
-    specs: dict[tuple[str, int, PolicyName], SpecConfig] = {}
+    specs: dict[tuple[str, int, PolicyName], tuple[str, SpecConfig]] = {}
     for t in traces:
         key = (t.label, t.batch, t.policy)
-        if specs.setdefault(key, t.spec) != t.spec:  # e.g. sweeps with different --drafter merged by `report`
-            raise ValueError(f"runs of {t.policy.value} at batch {t.batch} ({t.label}) with different settings")
+        if specs.setdefault(key, (t.pair, t.spec)) != (t.pair, t.spec):  # sweeps of other pairs or settings
+            # merged by `report`: their medians would pool unlike runs
+            raise ValueError(
+                f"runs of {t.policy.value} at batch {t.batch} ({t.label}) with different settings or model pairs "
+                f"({specs[key][0]}, {t.pair})"
+            )
         points.setdefault(key, []).append(row_from_trace(t))
     order = {p: i for i, p in enumerate(PolicyName)}
     keys = sorted(points, key=lambda k: (k[0], k[1], order[k[2]]))

@@ -715,6 +715,9 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
     odd = runs[0].model_copy(update={"spec": lookup})
     with pytest.raises(ValueError, match="different settings"):
         straggler.summarize([*runs, odd])
+    other_pair = runs[0].model_copy(update={"pair": "smollm2-int8"})  # a sweep of another pair, merged by `report`
+    with pytest.raises(ValueError, match=r"different settings or model pairs \(tiny, smollm2-int8\)"):
+        straggler.summarize([*runs, other_pair])
     assert straggler.summarize(runs) == straggler.summarize(list(reversed(runs)))
     with pytest.raises(ValueError, match="drafter"):  # the simulator replays draft-model steps only
         sim_cli.SimConfig(batch_size=1, policy=PolicyName.static, spec=lookup)
