@@ -617,7 +617,7 @@ def test_kld_over_temperature_switch_scales_the_signal_before_sf():
 
 
 def test_klds_are_never_negative_and_calibration_reads_a_negative_mean_as_zero() -> None:
-    """Rounding left KL(p || q) at about -1e-7 for a draft close to the target (half the rows, exact mode), and a
+    """Rounding left KL(p || q) down to -6e-7 for a draft close to the target (half the rows, exact mode), and a
     warm-up mean of -1e-6 against a maximum of 0 made mu / M hugely negative: SL_max pinned to SL_min (2) for the
     request's life, for the best of drafts."""
     from specserve.policy.dsde import calibrate
