@@ -1151,25 +1151,28 @@ def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_pa
     assert all(r["vs_plain"] > 0 for r in rows) and {r["concurrency"] for r in rows} == {1, 2}
 
 
-def test_locust_users_draw_the_same_prompt_streams_for_the_same_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_locust_users_draw_the_same_prompt_streams_for_the_same_seed() -> None:
     """Each user's generator was seeded from id(self), a memory address: SPECSERVE_SEED did not reproduce a run, and
-    two runs meant as an A/B pair (SPECSERVE_POLICY none vs dsde) sent different prompt mixes."""
-    import itertools
+    two runs meant as an A/B pair (SPECSERVE_POLICY none vs dsde) sent different prompt mixes. In a child process,
+    as locust's other tests: importing locust patches this process's threads into greenlets."""
+    import json
 
-    from locust.env import Environment
-
-    from load import locustfile
-
-    monkeypatch.setenv("SPECSERVE_MODEL", "m")  # (no GET /v1/models)
-    monkeypatch.setenv("SPECSERVE_SEED", "7")
+    code = (
+        "import json\n"
+        "from locust.env import Environment\n"
+        "from load.locustfile import SpecServeUser\n"
+        "env = Environment(user_classes=[SpecServeUser], host='http://127.0.0.1:9')\n"
+        "users = [SpecServeUser(env) for _ in range(3)]\n"
+        "for user in users:\n"
+        "    user.on_start()\n"
+        "print(json.dumps([[user.rng.random() for _ in range(4)] for user in users]))\n"
+    )
+    env = {**os.environ, "SPECSERVE_MODEL": "m", "SPECSERVE_SEED": "7"}  # (SPECSERVE_MODEL: no GET /v1/models)
 
     def users_draws() -> list[list[float]]:
-        monkeypatch.setattr(locustfile.SpecServeUser, "started", itertools.count())  # a fresh process's count
-        env = Environment(user_classes=[locustfile.SpecServeUser], host="http://127.0.0.1:9")
-        users = [locustfile.SpecServeUser(env) for _ in range(3)]
-        for user in users:
-            user.on_start()
-        return [[user.rng.random() for _ in range(4)] for user in users]
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
 
     first, again = users_draws(), users_draws()
     assert first == again and len({tuple(d) for d in first}) == 3  # reproducible, and each user its own stream
