@@ -364,7 +364,7 @@ class Lane:
         if dead:
             self._replace_lost(WorkerLostError(f"{', '.join(dead)} did not answer while lane {self.index} was idle"))
             self._check_at = self._next_check()
-        elif not any(worker.starting for worker in self.workers.values()):
+        elif not self._any_starting():
             self._failures = 0  # every worker up and answering: earlier losses no longer count as in a row
 
     def _fail_pending(self) -> None:

@@ -190,6 +190,15 @@ def _lane(target: LlamaModel, factory: Factory, **options: Any) -> Lane:
     return lane
 
 
+def _release_and_stop(lanes: list[Lane], factories: list[Factory]) -> None:
+    """Let every "loading" actor's start finish (a lane thread may be waiting on one), then stop the lanes."""
+    for factory in factories:
+        for actor in factory.actors:
+            actor.loaded.set()
+    for lane in lanes:
+        lane.stop()
+
+
 async def _one(lane: Lane, request: Request) -> Result:
     tokens: list[int] = []
     try:
@@ -306,9 +315,7 @@ def test_a_lane_waiting_for_a_new_target_lets_a_leaving_client_go_and_admits_new
         assert asyncio.run(run()) == (1, True, [alone[2], alone[1]])
         assert lane.healthy and lane.generations[WorkerRole.target] == 1
     finally:
-        for actor in factory.actors:
-            actor.loaded.set()
-        lane.stop()
+        _release_and_stop([lane], [factory])
 
 
 def test_requests_go_on_on_a_loaded_lane_while_their_lanes_new_target_loads(
@@ -344,11 +351,7 @@ def test_requests_go_on_on_a_loaded_lane_while_their_lanes_new_target_loads(
         _wait(lambda: not lanes[0].loading)
         assert lanes[0].healthy and lanes[0].generations[WorkerRole.target] == 1
     finally:
-        for factory in factories:
-            for actor in factory.actors:
-                actor.loaded.set()
-        for lane in lanes:
-            lane.stop()
+        _release_and_stop(lanes, factories)
 
 
 def test_a_request_its_lane_lost_counts_there_until_its_stream_hears_of_it(target: LlamaModel) -> None:
@@ -723,9 +726,7 @@ def test_a_lost_lane_admits_requests_while_its_new_target_loads(target: LlamaMod
         assert asyncio.run(run()) == (True, alone[1])
         assert lane.healthy and lane.generations[WorkerRole.target] == 3
     finally:
-        for actor in factory.actors:
-            actor.loaded.set()
-        lane.stop()
+        _release_and_stop([lane], [factory])
 
 
 def test_worker_losses_found_while_idle_count_in_a_row_only_until_every_worker_answers(
