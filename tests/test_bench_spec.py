@@ -429,3 +429,38 @@ def test_the_assisted_rows_ratio_is_to_plain_decoding_over_every_pass(
     (assisted,) = [r for r in rows if r["method"] == "transformers assisted"]
     over_both = 2 / sum(1 / t for t in plain)  # each pass the same greedy tokens: their rates' harmonic mean
     assert len(plain) == 2 and float(assisted["ratio"]) == pytest.approx(float(assisted["tok_s"]) / over_both, rel=1e-4)
+
+
+def test_methods_run_forwards_and_backwards_in_turn() -> None:
+    from specserve.bench.spec import run_order
+
+    assert [run_order(3, r) for r in range(3)] == [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
+    assert run_order(1, 1) == [0]
+
+
+@pytest.mark.real_model
+def test_bench_spec_alternates_the_methods_order_prompt_by_prompt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The methods ran in one order on every prompt: plain decoding always first, right after the last method's
+    run on the previous prompt, so whatever one run leaves behind (caches, the collector, turbo) fell on the same
+    method every time."""
+    from specserve.bench import spec
+    from specserve.cli import main
+
+    called: list[int] = []
+    timed = spec._timed
+
+    def recording(engine: object, *args: object) -> object:
+        called.append(id(engine))
+        return timed(engine, *args)
+
+    monkeypatch.setattr(spec, "_timed", recording)
+    turns = ["Name a river.", "Name a sea.", "Name a lake."]
+    rows = [{"question_id": i, "category": "a", "turns": [t]} for i, t in enumerate(turns)]
+    prompts = _write(tmp_path / "p.jsonl", rows)
+    argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--methods", "chain"]
+    argv += ["--chain-sl", "1", "--repeats", "1", "--max-tokens", "4", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    plain, chain = called[0], called[1]
+    assert plain != chain and called == [plain, chain, chain, plain, plain, chain]

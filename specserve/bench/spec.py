@@ -1,9 +1,10 @@
 """`specserve bench spec`: speculative methods vs plain decoding (and transformers assisted generation).
 
 Batch 1, greedy (T = 0), the first turn of each prompt through the chat template, the same number of new tokens
-for every method (EOS ignored), every method side by side in one process, interleaved prompt by prompt so a
-noisy machine hits all of them alike. Per method: whether its output equals plain greedy decoding token for
-token, tau (tokens per target forward incl. the bonus), mean draft depth, tokens/s and the ratio to plain.
+for every method (EOS ignored), every method side by side in one process, interleaved prompt by prompt (in turn
+forwards and backwards) so a noisy machine hits all of them alike. Per method: whether its output equals plain
+greedy decoding token for token, tau (tokens per target forward incl. the bonus), mean draft depth, tokens/s and
+the ratio to plain.
 Drafts: every ``--pairs`` entry that shares the target (an EAGLE head, a quantised copy), and with ``--drafters``
 the model-free drafters alone (``lookup``, ``suffix``) or leading the pair's draft (``lookup+model``,
 ``suffix+model``). ``--by-category`` adds a table per prompt category; ``--passes 2`` runs the prompts again
@@ -430,6 +431,13 @@ def _prompt_set(sources: list[str], each_category: int | None) -> list[BenchProm
     return prompts if each_category is None else per_category(prompts, each_category)
 
 
+def run_order(n_methods: int, run: int) -> list[int]:
+    """The methods' order for one prompt: forwards on even runs, backwards on odd ones, so that no method always
+    runs first on a prompt (first after another prompt's last method) or always right after the same neighbour."""
+    order = list(range(n_methods))
+    return order if run % 2 == 0 else order[::-1]
+
+
 def _timed(engine: Engine, prompt: list[int], params: SamplingParams, repeats: int) -> tuple[Completion, float]:
     """The completion and the fastest of ``repeats`` back-to-back runs (the least disturbed on a shared
     machine). The suffix drafter's cross-request cache takes the output once, after the last repeat, so every
@@ -649,8 +657,8 @@ def run(args: argparse.Namespace) -> int:
     hf_outs: list[list[list[int]]] = [[] for _ in assisted]
     for r in range(n_runs):  # interleaved: load changes on a shared machine hit every method alike
         p = prompts[r % len(prompts)]
-        for m, engine in enumerate(engines):
-            out, seconds = _timed(engine, p, params, args.repeats)
+        for m in run_order(len(engines), r):
+            out, seconds = _timed(engines[m], p, params, args.repeats)
             outs[m].append(out)
             secs[m].append(seconds)
         for j, (_, hf_t, hf_d) in enumerate(assisted):
