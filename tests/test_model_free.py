@@ -250,6 +250,28 @@ def test_suffix_cache_stays_within_its_bound_and_evicts_oldest_first() -> None:
     SuffixCache(max_tokens=0, depth=4).add([1, 2])  # a disabled cache takes nothing
 
 
+def test_a_salt_that_once_held_a_long_output_gives_its_storage_back() -> None:
+    """A trie kept the storage of its largest size while any output of its salt stayed cached: salts that each
+    once held a long output and still held a short one pinned that storage each, well past ``max_nodes`` in all."""
+    rng = random.Random(2)
+    cache = SuffixCache(max_tokens=2000, depth=8)
+    salts: list[str] = []
+    for i in range(12):
+        salts.append(f"s{i}")
+        cache.add([rng.randrange(5000) for _ in range(1500)], salts[-1])  # ~12k nodes, evicted by the short ones
+        for s in salts:
+            cache.add([rng.randrange(5000) for _ in range(2)], s)
+    assert len(cache.tries) == 12  # every salt still holds outputs
+    storage = sum(t.capacity for t in cache.tries.values())
+    assert storage <= 2 * cache.max_nodes, storage  # (before: ~140k ids for 16k nodes at most)
+    for salt in salts:  # the rebuilt tries are the tries of the kept outputs
+        fresh = SuffixTrie(depth=8)
+        for _, out in (e for e in cache.entries if e[0] == salt):
+            fresh.add(out)
+        trie = cache.trie(salt)
+        assert trie is not None and trie.root.as_dict() == fresh.root.as_dict() and trie.num_nodes == fresh.num_nodes
+
+
 def test_model_free_config_validates() -> None:
     with pytest.raises(ValueError, match="ngram_min"):
         ModelFreeConfig(ngram_min=5, ngram_max=3)

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 
 ROOT = 0
 NO_CHILD = ROOT  # in ``CountTrie.only_child``: the root is never anyone's child
+COMPACT_MIN_IDS = 4096  # a cache's trie smaller than this is never rebuilt to give back its free ids
 
 
 class CountTrie:
@@ -257,14 +258,34 @@ class SuffixCache:
             return
         entry = list(tokens[-self.max_tokens :])
         with self.lock:
+            shrunk: set[str | None] = set()
             while self.entries and self.tokens + len(entry) > self.max_tokens:
                 old_salt, old = self.entries.popleft()
                 self.tries[old_salt].remove(old)
                 if self.tries[old_salt].num_nodes == 0:  # a salt's last output gone: so is its trie
                     del self.tries[old_salt]
+                    shrunk.discard(old_salt)
+                else:
+                    shrunk.add(old_salt)
                 self.tokens -= len(old)
+            for s in shrunk:
+                self._compact(s)
             if salt not in self.tries:
                 self.tries[salt] = SuffixTrie(self.depth)
             self.tries[salt].add(entry)
             self.entries.append((salt, entry))
             self.tokens += len(entry)
+
+    def _compact(self, salt: str | None) -> None:
+        """Rebuild a salt's trie from its live outputs once most of its node ids are free: a trie keeps the storage
+        of its largest size, so without this every salt that once held a long output would pin that much memory
+        (``max_nodes`` bounds the nodes in use, not the storage). A rebuild costs its live nodes, at most a third of
+        the ids freed since the last one: amortised, nothing."""
+        trie = self.tries[salt]
+        if trie.capacity < COMPACT_MIN_IDS or trie.num_nodes * 4 >= trie.capacity:
+            return
+        fresh = SuffixTrie(self.depth)
+        for s, tokens in self.entries:
+            if s == salt:
+                fresh.add(tokens)
+        self.tries[salt] = fresh
