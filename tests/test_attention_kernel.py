@@ -136,6 +136,20 @@ def test_bad_input_is_a_clear_error() -> None:
         ext.attend(q, k, v, batch.write_slot + 5, batch.write_pos, batch.write_from, batch.attn_mask, 2)
 
 
+def test_a_nan_score_reaches_the_output_as_sdpas_does() -> None:
+    """A NaN key gave a finite output: the clamp in the kernel's exp turned a NaN score into its upper bound, so
+    that key took the whole softmax (two such keys gave 0.0) where SDPA gives NaN, and a corrupt cache never
+    reached the logits' checks for non-finite values. Keys large enough to dominate, but finite, agree too."""
+    for bad in (float("nan"), 1e30):
+        cache = filled_cache([10, 10])
+        cache.k[0][0, 1, 3] = bad  # slot 0, KV head 1, position 3
+        cache.k[0][0, 2, 4:6] = bad  # KV head 2, two positions
+        batch = ForwardBatch.build(cache, [0, 1], [[1], [1, 1]])
+        got, want = kernel_and_sdpa(cache, batch, queries(batch, 9, 64))
+        assert want[1:].isfinite().all() and want[0].isfinite().all() == (bad == 1e30)  # NaN: slot 0's row only
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_the_switch_and_where_it_does_not_apply() -> None:
     assert ModelSpec().native_attention is True
     bf16 = tiny_model(tiny_config("llama", hidden_size=256), seed=2).to(torch.bfloat16)

@@ -38,10 +38,12 @@ namespace {
 
 #if SPECSERVE_ATTENTION_X86
 // exp(x) for 8 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), within
-// ~2 ulp of the true value over the softmax's range (x <= 0); -inf (a padding lane) gives 0.
+// ~2 ulp of the true value over the softmax's range (x <= 0); -inf (a padding lane) gives 0 and NaN stays NaN (a
+// NaN score, or an infinite one less the infinite maximum, makes the output NaN, as SDPA's: min/max return their
+// second operand when either is NaN, so x goes second in the clamp).
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   const __m256 pad = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3365478515625f), _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
