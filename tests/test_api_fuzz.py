@@ -174,6 +174,28 @@ def test_a_string_or_list_field_reports_the_member_its_json_type_chose(
     assert r.json()["error"]["message"] == message and r.json()["error"]["param"] == param
 
 
+def test_a_flood_of_unknown_fields_is_one_error(url: str) -> None:
+    """An error per unknown key, built on the event loop: a body of 380k of them held every stream of the replica
+    for seconds. Past a few, one error names the first ones; a few still get an error each."""
+    flood = {f"k{i}": 0 for i in range(50_000)}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for path, body, param in [
+        (COMPLETIONS, {"prompt": "hi", **flood}, None),
+        (COMPLETIONS, {"prompt": "hi", "speculation": flood}, "speculation"),
+        (CHAT, {**chat, "stream": True, "stream_options": flood}, "stream_options"),
+        (CHAT, {"messages": [{"role": "user", "content": "hi", **flood}]}, "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", **flood}]}]}, "messages"),
+    ]:
+        r = httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and error["message"].endswith("50000 unknown fields ('k0', 'k1', 'k2', ...)")
+    r = httpx.post(f"{url}{COMPLETIONS}", json={"model": MODEL, "prompt": "hi", "a": 0, "b": 0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "a: Extra inputs are not permitted; b: Extra inputs are not permitted"
+    )
+
+
 @pytest.mark.parametrize(
     ("path", "fields", "param", "message"),
     [

@@ -28,12 +28,31 @@ from pydantic import (
 
 from specserve.config import Drafter, SLPolicyKind, SpecMethod
 
+# Past this many fields a request object does not define, it gets one error naming the first few: pydantic builds an
+# error per unknown key, and FastAPI and the handler copy the list, all on the event loop (a 3.7 MB body of 380k
+# unknown keys held it ~4 s, stalling every stream of the replica: docs/benchmarks.md, "Unknown fields").
+MAX_UNKNOWN_FIELDS = 8
 
-class SpeculationOptions(BaseModel):
-    """Per-request speculation: ``policy`` is the SL policy (``static`` or ``dsde``); ``"none"`` is accepted as
-    another way to say ``enabled: false``."""
+
+class ClosedModel(BaseModel):
+    """A request object that refuses fields it does not define."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and len(data) > len(cls.model_fields) + MAX_UNKNOWN_FIELDS:
+            unknown = [k for k in data if k not in cls.model_fields]
+            if len(unknown) > MAX_UNKNOWN_FIELDS:
+                first = ", ".join(repr(str(k)[:40]) for k in unknown[:3])
+                raise ValueError(f"{len(unknown)} unknown fields ({first}, ...)")
+        return data
+
+
+class SpeculationOptions(ClosedModel):
+    """Per-request speculation: ``policy`` is the SL policy (``static`` or ``dsde``); ``"none"`` is accepted as
+    another way to say ``enabled: false``."""
 
     enabled: StrictBool = True
     method: SpecMethod | None = Field(default=None, description="chain, eagle2 (tree) or ddd (tree, dynamic depth)")
@@ -54,9 +73,7 @@ class SpeculationOptions(BaseModel):
         return data
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class StreamOptions(ClosedModel):
     include_usage: StrictBool = False
 
 
@@ -114,10 +131,8 @@ StopStrings = Annotated[
 ]
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(ClosedModel):
     """Only plain text: SDK wrappers send ``{"type": "text"}`` by default; structured output is not supported."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
 
@@ -153,10 +168,10 @@ MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 4096
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(ClosedModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_document_nullable)
+    model_config = ConfigDict(json_schema_extra=_document_nullable)
 
     model: str
     max_tokens: StrictInt | None = Field(
@@ -273,9 +288,7 @@ class ChatRole(str, Enum):
     tool = "tool"
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextPart(ClosedModel):
     type: Literal["text"]
     text: Utf8Str
 
@@ -286,9 +299,7 @@ MessageContent = Annotated[
 ]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ChatMessage(ClosedModel):
     role: ChatRole
     content: MessageContent | None = None
     name: str | None = None
