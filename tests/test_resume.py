@@ -148,6 +148,25 @@ def test_bad_resume_requests_are_400(
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(("stream", "header"), [(False, "1-2-0000abcd"), (True, "")])
+def test_a_last_event_id_header_off_a_stream_or_blank_is_no_resume(url: str, stream: bool, header: str) -> None:
+    """Any Last-Event-ID header made a request a resume: a blank one, or one a client forwarded onto a request
+    that does not stream, was a 400 (only resume_from in the body asks for a resume there). Either is the whole
+    answer the same request gets without the header."""
+    body = {**SAMPLED, "seed": 1, "max_tokens": 6, "stream": stream}
+
+    def text(headers: dict[str, str] | None) -> str:
+        if stream:
+            events = _events(url, COMPLETIONS, body, headers=headers)
+            assert events[-1]["data"] == "[DONE]"
+            return "".join(c["text"] for e in events[:-1] for c in e["data"]["choices"])
+        r = httpx.post(url + COMPLETIONS, json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    assert text({"Last-Event-ID": header}) == text(None) != ""
+
+
 class _CuttingTransport(httpx.BaseTransport):
     """Delivers each response's body only up to ``cut_after`` SSE events, then breaks the connection, the first
     ``cuts`` times; later connections get through."""

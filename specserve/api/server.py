@@ -469,8 +469,11 @@ LastEventID = Annotated[
 
 def _resume_mark(body: GenerationRequest, last_event_id: str | None) -> StreamMark | None:
     """Where a resumed stream continues (None: a new stream). The request must be the one that was cut: for a
-    sampled request that includes the seed the server returned."""
-    value = body.resume_from if body.resume_from is not None else last_event_id
+    sampled request that includes the seed the server returned. A ``Last-Event-ID`` header means a resume only on
+    a stream, and a blank one none (a client or proxy that forwards what it remembered onto another request);
+    ``resume_from`` in the body always does."""
+    header = last_event_id.strip() if last_event_id is not None and body.stream else ""
+    value = body.resume_from if body.resume_from is not None else header or None
     if value is None:
         return None
     if not body.stream:
