@@ -13,6 +13,7 @@ from specserve.errors import InvalidRequestError
 
 CONTEXT = 4  # tokens decoded before the settled point with the ones after it (a token's text may depend on them)
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte fallback (Llama-2, Mistral): one byte a token
+MAX_CHAR_BYTES = 4  # UTF-8
 
 
 @dataclass(frozen=True)
@@ -25,13 +26,27 @@ class ByteRuns:
 
     bytes: frozenset[int] = frozenset()
     skipped: frozenset[int] = frozenset()
+    continuation: frozenset[int] = frozenset()  # the byte tokens 0x80-0xBF: never a character's first byte
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase | None) -> ByteRuns:
         if tokenizer is None:
             return cls()
-        found = frozenset(i for t, i in tokenizer.get_vocab().items() if BYTE_TOKEN.fullmatch(t))
-        return cls(found, frozenset(tokenizer.all_special_ids)) if found else cls()
+        found = {i: int(t[3:5], 16) for t, i in tokenizer.get_vocab().items() if BYTE_TOKEN.fullmatch(t)}
+        if not found:
+            return cls()
+        continuation = frozenset(i for i, b in found.items() if 0x80 <= b < 0xC0)
+        return cls(frozenset(found), frozenset(tokenizer.all_special_ids), continuation)
+
+    def char_start(self, token_ids: Sequence[int], i: int) -> int:
+        """``i``, or where it falls inside a run of byte tokens after a character's first byte, that byte's index:
+        the run decoded from there is its characters, from inside one U+FFFD for every byte. At most
+        ``MAX_CHAR_BYTES`` back: a run of more continuation bytes is not UTF-8 wherever it starts."""
+        for _ in range(MAX_CHAR_BYTES):
+            if not (self.inside(token_ids, i) and (token_ids[i] in self.continuation or token_ids[i] in self.skipped)):
+                break
+            i -= 1
+        return i
 
     def open_run(self, token_ids: Sequence[int]) -> int:
         """How many tokens at the end belong to a run of byte tokens a later byte may still join: from the run's
@@ -69,7 +84,10 @@ class IncrementalText:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.runs = ByteRuns.of(tokenizer) if runs is None else runs
-        self._prefix = list(prompt_ids[-CONTEXT:]) if tokenizer is not None else []
+        # (not from inside a character spelt in byte tokens: a run's bytes decode as a whole, and the output's
+        # first bytes may join the prompt's last run)
+        start = self.runs.char_start(prompt_ids, max(0, len(prompt_ids) - CONTEXT))
+        self._prefix = list(prompt_ids[start:]) if tokenizer is not None else []
         self._prefix_text = self._decode_ids(self._prefix) if self._prefix else ""
         # per stop string, the lengths k of its prefixes s[:k], by their last character (the hold-back's candidates)
         self._ends: list[dict[str, list[int]]] = []

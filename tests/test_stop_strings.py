@@ -193,6 +193,21 @@ def test_incremental_text_is_the_whole_decode_with_byte_fallback() -> None:
         assert streamed == text.text == "a😀\n😀\n😀\n x a€ü\n日本\n x"
 
 
+@pytest.mark.parametrize("tail", ["😀é", "日本", "ü€", "ab"])
+def test_an_output_joining_the_prompts_last_run_of_byte_tokens_decodes_as_the_whole(tail: str) -> None:
+    """The output was decoded after the prompt's last four tokens: inside an emoji's four byte tokens, so the run
+    the output's first bytes joined decoded as U+FFFD for every byte ("ü x" streamed as two U+FFFD and " x")."""
+    tok = _byte_fallback_tokenizer()
+    prompt, out = [259, *_bytes(tail)], [*_bytes("ü"), 260]
+    want = tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)) :]
+    assert want == "ü x"
+    for step in (1, 3):
+        text, streamed = IncrementalText(tok, prompt_ids=prompt), ""
+        for n in [*range(step, len(out), step), len(out)]:
+            streamed += text.update(out[:n], final=n == len(out))
+        assert streamed == want
+
+
 def test_stop_tokens_do_not_depend_on_where_steps_end_with_byte_fallback() -> None:
     """ "€" is complete at the fourth token and gone again at the fifth (a byte of "😀" after it): a speculative
     step that ended there searched for the stop only after it and kept the emoji's four tokens."""
