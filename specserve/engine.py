@@ -162,6 +162,8 @@ class Engine:
         adds to (as the API's field; None: the unsalted one)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, not {type(params).__name__}")
+        if speculation is not None and not isinstance(speculation, SpecConfig):
+            raise InvalidRequestError(f"speculation must be a SpecConfig or None, not {type(speculation).__name__}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt must be a non-empty string or None, not {cache_salt!r}")
         ids = self.encode(prompt, chat=chat)

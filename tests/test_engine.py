@@ -151,6 +151,8 @@ def test_bad_prompts_raise_clear_errors(tiny: LlamaModel) -> None:
             engine.generate([bad])
     with pytest.raises(InvalidRequestError, match="SamplingParams, not dict"):
         engine.generate([[5, 9]], {"max_tokens": 3})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="SpecConfig or None, not dict"):  # (was an AttributeError)
+        engine.generate([[5, 9]], speculation={"method": "chain"})  # type: ignore[arg-type]
     assert not engine.loop.has_work
     ints = engine.generate([[5, 9, 13]], SamplingParams(max_tokens=4))[0].token_ids
     numpy_ints = [np.int64(5), np.int32(9), np.uint16(13)]  # what a tokenizer or an array hands over
