@@ -215,6 +215,10 @@ def test_kv_capacity_and_slot_errors() -> None:
     ForwardBatch.build(cache, [slot], [[1, 2, 3]])
     with pytest.raises(ValueError, match="ascending"):
         cache.keep(slot, 0, [2, 1])
+    # one slot twice: each part was checked against the old length (6 + 6 past 8 passed) and wrote the same rows
+    with pytest.raises(ValueError, match="more than once"):
+        ForwardBatch.build(cache, [slot, slot], [[1, 2, 3], [4, 5, 6]])
+    assert cache.length(slot) == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

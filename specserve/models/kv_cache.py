@@ -70,6 +70,8 @@ class KVCache:
     # -- append / rollback ----------------------------------------------------------------------------
     def begin_append(self, slots: list[int], num_new: list[int]) -> list[int]:
         """Reserve room for ``num_new[i]`` tokens at the end of ``slots[i]``; return each old length."""
+        if len(set(slots)) != len(slots):  # each would be checked against the old length, and write the same rows
+            raise ValueError(f"a slot appears more than once in one append: {list(slots)}")
         starts = []
         for slot, n in zip(slots, num_new, strict=True):
             self._check_slot(slot)
