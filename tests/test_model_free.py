@@ -500,6 +500,20 @@ def test_a_diffuse_cache_match_leaves_the_requests_own_draft_its_turn() -> None:
     assert proposal is not None and proposal.tokens == [3, 5, 6, 7]
 
 
+def test_a_diffuse_own_match_leaves_the_caches_match_its_turn() -> None:
+    """The other way round: the request's own match ("1 2", followed by eleven different tokens) ties the cache's
+    and is too diffuse to draft; the cache's ("1 2", followed by "7 8 9") used to be skipped for it."""
+    context = [t for k in range(20, 31) for t in (1, 2, k)] + [1, 2]
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix)
+    assert ModelFreeDrafter(None).propose(0, context, spec, 4, want_q=False) is None  # too diffuse alone
+    cache = SuffixCache(1000, spec.model_free.suffix_depth)
+    cache.add([1, 2, 7, 8, 9])
+    drafter = ModelFreeDrafter(cache)
+    drafter.use_cache()
+    proposal = drafter.propose(0, context, spec, 4, want_q=False)
+    assert proposal is not None and proposal.tokens == [7, 8, 9]
+
+
 def test_lookup_sampling_keeps_the_targets_distribution(small_vocab: LlamaModel) -> None:
     """Chi-square of the first two sampled tokens against the target's exact distributions, with lookup drafts
     (deterministic, q = 1) accepted on the way."""

@@ -45,15 +45,17 @@ class ModelFreeDrafter:
             stream = self.streams[seq_id] = SuffixStream(SuffixTrie(cfg.suffix_depth))
         stream.extend(tokens)
         n_own, own = stream.trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
-        if self.cache is not None:
-            with self.cache.lock:  # the cache's nodes may change under another lane's thread
-                trie = self.cache.trie(cache_salt)
-                n_cached, cached = (0, None) if trie is None else trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
-                # the longer match wins, ties going to the request's own tokens; a longer match whose continuations
-                # are too diffuse to draft leaves the request's own match its turn
-                if n_cached > n_own and (proposal := _proposal(seq_id, cached, spec, depth, want_q)) is not None:
+        if self.cache is None:
+            return _proposal(seq_id, own, spec, depth, want_q)
+        with self.cache.lock:  # the cache's nodes may change under another lane's thread
+            trie = self.cache.trie(cache_salt)
+            n_cached, cached = (0, None) if trie is None else trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
+            # the longer match drafts, ties going to the request's own tokens; a match whose continuations are too
+            # diffuse to draft leaves the other its turn
+            for root in (cached, own) if n_cached > n_own else (own, cached):
+                if (proposal := _proposal(seq_id, root, spec, depth, want_q)) is not None:
                     return proposal
-        return _proposal(seq_id, own, spec, depth, want_q)
+        return None
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
