@@ -104,11 +104,13 @@ class Sequence:
     features: list[torch.Tensor] = field(default_factory=list)  # target hidden states not yet sent to a draft head
     features_from: int = 0  # position of the first of them
     features_queued: int = 0  # rows in ``features`` (counted as they come: a plain step adds one, every step)
+    features_sent: int = 0  # positions below this went to the draft worker (0: a new worker, or one that was reset)
 
     def add_features(self, rows: torch.Tensor, start: int) -> None:
         """Queue the hidden states [n, F] of positions start..start+n-1; a non-contiguous start (the target
         re-prefilled after a restart) drops the queue first. Rows older than the newest ``spec.catch_up_window``
-        leave it a whole tensor at a time (no copy a step; ``queued_features`` cuts the rest)."""
+        leave it a whole tensor at a time (no copy a step; ``queued_features`` cuts the rest); rows sent stay, for a
+        draft worker that starts afresh."""
         if self.features and self.features_from + self.features_queued != start:
             self.drop_features()
         if not self.features:
@@ -120,17 +122,24 @@ class Sequence:
             self.features_from += n
             self.features_queued -= n
 
-    def queued_features(self) -> tuple[int, torch.Tensor] | None:
-        """(the position of the first, the rows [n, F]) of at most the newest ``spec.catch_up_window`` queued
-        features: what a draft head reads before drafting (None: none queued)."""
-        if not self.features:
+    def queued_features(self, in_step: bool) -> tuple[int, torch.Tensor] | None:
+        """(the position of the first, the rows [n, F]) of what a draft head reads before drafting (None: nothing):
+        the features it was not sent, of them at most the newest ``spec.catch_up_window``; ``in_step``: it drafted
+        the last step, so all of them (one step's rows: a step that commits more than the window is no gap to
+        restart its context at)."""
+        end = self.features_from + self.features_queued
+        newest = 0 if in_step else end - self.spec.catch_up_window
+        first = max(self.features_from, self.features_sent, newest)
+        if first >= end:
             return None
-        rows = torch.cat(self.features)
-        excess = max(0, rows.shape[0] - self.spec.catch_up_window)
-        return self.features_from + excess, rows[excess:]
+        return first, torch.cat(self.features)[first - self.features_from :]
+
+    def features_went(self) -> None:
+        """The queued features went to the draft worker (those it was not sent before)."""
+        self.features_sent = self.features_from + self.features_queued
 
     def drop_features(self) -> None:
-        """Empty the queue (its features went to the draft head, or are of no use)."""
+        """Empty the queue (its features are of no use: the target re-prefilled)."""
         self.features, self.features_queued = [], 0
 
     @property

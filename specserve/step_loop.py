@@ -134,7 +134,7 @@ class StepLoop:
                 seq.target_seen = 0
             if draft and self.draft is not None and seq.spec.uses_model:
                 self.draft.add(seq.seq_id, seq.request.params, seq.length)
-                seq.draft_seen = 0
+                seq.draft_seen = seq.features_sent = 0
                 seq.last_accepted = []
                 seq.model_proposed = False  # its next step re-reads everything: a catch-up, untimed by the guard
 
@@ -235,7 +235,7 @@ class StepLoop:
                 seq.target_seen = 0
                 if self.draft is not None and seq.spec.uses_model:
                     self.draft.add(seq.seq_id, seq.request.params, seq.length)
-                    seq.draft_seen = 0
+                    seq.draft_seen = seq.features_sent = 0
                     seq.last_accepted = []
             seq.registered = True
 
@@ -269,7 +269,7 @@ class StepLoop:
                 to_model.append((s, s.spec.model_depth(d)))
         if to_model:
             assert self.draft is not None
-            queued = [s.queued_features() for s, _ in to_model]  # (first position, rows) or None
+            queued = [s.queued_features(in_step=current[s.seq_id]) for s, _ in to_model]  # (first, rows) or None
             items = [
                 ProposeItem(
                     s.seq_id,
@@ -291,7 +291,7 @@ class StepLoop:
             proposals.update((p.seq_id, p) for p in self.draft.propose(items))
             for s, _ in to_model:
                 s.draft_seen = len(s.tokens)
-                s.drop_features()
+                s.features_went()
                 s.model_proposed = True
         # a draft head without features for a sequence yet (its first step) drafts nothing: a plain step
         return [p if (p := proposals.get(s.seq_id)) is not None and p.tokens else None for s in batch]

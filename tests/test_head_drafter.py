@@ -319,8 +319,8 @@ def test_feature_queue_keeps_the_newest_window_and_restarts_on_a_gap() -> None:
     seq = Sequence(0, Request("r", [1, 2, 3], SamplingParams()), IncrementalText(None, ()), spec=spec)
     rows = torch.arange(20.0).unsqueeze(1)  # row i: the feature of position i
 
-    def queued() -> tuple[int, list[float]] | None:
-        q = seq.queued_features()
+    def queued(in_step: bool = False) -> tuple[int, list[float]] | None:
+        q = seq.queued_features(in_step)
         return None if q is None else (q[0], q[1].flatten().tolist())
 
     assert queued() is None
@@ -335,9 +335,55 @@ def test_feature_queue_keeps_the_newest_window_and_restarts_on_a_gap() -> None:
     assert queued() == (12, [12.0]) and seq.features_from == 12
     seq.add_features(rows[13:15], start=13)
     assert queued() == (12, [12.0, 13.0, 14.0])
-    seq.drop_features()  # sent to the head: the next rows start a queue wherever they are
-    seq.add_features(rows[14:20], start=14)  # more than the window at once
+    seq.features_went()  # sent to the head: not again
+    assert queued() is None and queued(in_step=True) is None
+    seq.add_features(rows[15:20], start=15)  # more than the window at once
+    assert queued() == (16, [16.0, 17.0, 18.0, 19.0])  # the head missed steps: the newest window, from a gap
+    # the head drafted the last step: every row of this one (it used to lose the oldest and restart its context)
+    assert queued(in_step=True) == (15, [15.0, 16.0, 17.0, 18.0, 19.0])
+    seq.features_went()
+    seq.features_sent = 0  # a new draft worker: the newest window again, though the old one had it
     assert queued() == (16, [16.0, 17.0, 18.0, 19.0])
+    seq.drop_features()  # the target re-prefilled: the next rows start a queue wherever they are
+    seq.add_features(rows[0:2], start=0)
+    assert queued() == (0, [0.0, 1.0])
+
+
+def test_steps_that_commit_more_than_the_window_keep_the_heads_context(target: LlamaModel) -> None:
+    """The window bounds what the head re-reads after steps it missed; it also cut the rows of steps it drafted,
+    so with a window at most a step's tokens every good step restarted the head's cache on its newest W pairs."""
+    head = random_head(target)
+    spec = SpecConfig(method=SpecMethod.chain, sl=6, chain_draft=ChainDraft.greedy, synthetic_accept=0.99)
+    engine = Engine(target, None, draft=head, speculation=spec.model_copy(update={"catch_up_window": 4}))
+    engine.loop.planner.guard = None
+    engine.submit([5, 9, 33, 71, 2], SamplingParams(max_tokens=40, ignore_eos=True))
+    worker = engine.loop.draft
+    assert isinstance(worker, HeadDraftWorker)
+    seen: list[tuple[int, int]] = []  # (the head's first position, its pairs) after each step
+    while engine.loop.has_work:
+        engine.loop.step()
+        seen += [(st.pos0, st.pairs) for s in engine.loop.running if (st := worker.seqs.get(s.seq_id))]
+    assert len(seen) >= 4 and seen[-1][1] > 20 and all(pos0 == 0 for pos0, _ in seen)
+
+
+def test_a_new_draft_worker_reads_the_newest_window_not_only_the_last_steps_rows(target: LlamaModel) -> None:
+    """The feature queue was emptied at every propose, so a head worker that replaced a lost one (``recover``) got
+    the one or two rows committed since, and drafted from almost no context."""
+    head = random_head(target)
+    spec = SpecConfig(method=SpecMethod.eagle2, beam_width=4, budget=12, tree_depth=4, catch_up_window=16)
+    engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set())
+    engine.loop.planner.guard = None
+    engine.submit([5, *range(40, 70)], SamplingParams(max_tokens=12, ignore_eos=True))
+    for _ in range(3):
+        engine.loop.step()
+    old = engine.loop.draft
+    assert isinstance(old, HeadDraftWorker)
+    engine.loop.draft = fresh = HeadDraftWorker(head, num_slots=old.cache.num_slots, max_len=old.cache.max_len)
+    engine.loop.recover(target=False, draft=True)
+    engine.loop.step()
+    (seq,) = engine.loop.running
+    st = fresh.seqs[seq.seq_id]
+    assert st.pairs == 16 and st.pos0 + st.pairs == st.next_pair  # the newest window, ending at the root's pair
 
 
 def _reference_blocks(w: torch.Tensor, fmt: str) -> torch.Tensor:
