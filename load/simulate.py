@@ -387,6 +387,9 @@ def validate(
         pool = trace_pool((r for r in train if r.workload == run.workload), policy) or trace_pool(
             (r for r in runs if r.workload == run.workload), policy
         )
+        if not pool:  # (plain decoding replays chain runs' sequences: a sweep of plain and DDD has none)
+            print(f"  no recorded sequences to replay {policy.label} on {label}; not validated", file=sys.stderr)
+            continue
         own = [_same_prompt(pool, q) for q in run.requests]
         sims = []
         for k in range(repeats):

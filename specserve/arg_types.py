@@ -10,12 +10,23 @@ from pathlib import Path
 
 import torch
 
+from specserve.sampling import MAX_BATCH_SIZE
+
 
 def positive_int(text: str) -> int:
     """A count that must be at least 1 (prompts, tokens, repeats, rows, batch sizes)."""
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def batch_size(text: str) -> int:
+    """A number of sequences one loop runs at once: 1 to ``MAX_BATCH_SIZE`` (an engine refuses more, and a
+    benchmark would find that out only after the runs before it)."""
+    value = positive_int(text)
+    if value > MAX_BATCH_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_BATCH_SIZE}, not {value}")
     return value
 
 

@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from specserve.arg_types import device_problem
 from specserve.policy import DSDEConfig, SparseTail
-from specserve.sampling import MAX_CONTEXT
+from specserve.sampling import MAX_BATCH_SIZE, MAX_CONTEXT
 from specserve.validated import Validated
 
 
@@ -421,9 +421,6 @@ FREEZE_GC_HELP = (
     "once the models are loaded, exempt every live object from Python's cyclic collector (a process-wide step: "
     "full collections then walk only what serving allocates; specserve/heap.py)"
 )
-
-
-MAX_BATCH_SIZE = 1024  # sequences one loop runs at once
 
 
 class LoopConfig(Validated):

@@ -10,6 +10,7 @@ from pydantic import ConfigDict, Field, field_validator
 from specserve.validated import Validated
 
 MAX_CONTEXT = 1_048_576  # the longest context (EngineConfig.max_model_len) anything is sized for
+MAX_BATCH_SIZE = 1024  # sequences one loop runs at once (LoopConfig.max_batch_size)
 
 
 class SamplingParams(Validated):

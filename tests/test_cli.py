@@ -62,6 +62,14 @@ def test_bad_generate_arguments_are_usage_errors(
         (["bench", "overhead", "--out", str(Path(__file__).parent)], "is a directory; this --out names the file"),
         (["bench", "llamacpp", "--workdir", __file__], "is not a directory results can be written to"),
         (["bench", "spec", "--ddd-x", "nan"], "argument --ddd-x: must be a finite number, not nan"),
+        # more sequences than a loop runs failed only after the smaller batch sizes' runs, naming max_batch_size
+        (["bench", "batch", "--batch-sizes", "1", "2048"], "argument --batch-sizes: must be at most 1024, not 2048"),
+        (["bench", "ar", "--batch-sizes", "8", "2048"], "argument --batch-sizes: must be at most 1024, not 2048"),
+        (["bench", "catch-up", "--switch-batch", "2048"], "argument --switch-batch: must be at most 1024, not 2048"),
+        (["bench", "overhead", "--batch", "2048"], "argument --batch: must be at most 1024, not 2048"),
+        # more prompts than MT-bench has ran its 80 (the summary named the number asked)
+        (["bench", "ar", "--num-prompts", "200"], "--num-prompts 200: MT-bench has 80 first turns"),
+        (["bench", "agreement", "--sets", "mt-bench", "--per-set", "100"], "--per-set 100: MT-bench has 80 first"),
         (["bench", "spec", "--tree-min-prob", "x"], "argument --tree-min-prob: 'x' is not a number"),
         (["bench", "catch-up", "--tree-min-prob", "inf"], "argument --tree-min-prob: must be a finite number"),
         (["bench", "batch", "--synthetic-mix", "nan"], "argument --synthetic-mix: must be a finite number"),
@@ -205,6 +213,32 @@ def test_bench_sizes_beyond_this_machine_are_refused_before_allocating(
     assert says in err and "Traceback" not in err, err
 
 
+def test_bench_overhead_refuses_answers_longer_than_its_context_before_starting_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every answer is --max-tokens long on both sides: past the context, an AssertionError once Ray had started."""
+    import ray
+
+    assert main(["bench", "overhead", "--tiny", "--max-tokens", "1100", "--out", str(tmp_path / "o.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens 1100: the longest prompt (12 tokens) and the answer exceed" in err and "Traceback" not in err
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"data": {"num_prompts": "abc"}}'])
+def test_a_heads_unreadable_provenance_is_a_named_error(tmp_path: Path, text: str) -> None:
+    """The held-out sets start past a compared head's training prompts, read from its provenance.json: one that
+    is not a record (cut off while written, another file) was a JSONDecodeError, AttributeError or ValueError."""
+    from specserve.bench.agreement import trained_prompts
+    from specserve.errors import CorruptModelError
+
+    (tmp_path / "provenance.json").write_text(text)
+    with pytest.raises(CorruptModelError, match=r"provenance\.json: not a provenance record of train-draft"):
+        trained_prompts([str(tmp_path)])
+    (tmp_path / "provenance.json").write_text('{"data": {"num_prompts": 3072, "lexicon_prompts": null}}')
+    assert trained_prompts([str(tmp_path)]) == {"seeds": 3072, "lexicon": 0}
+
+
 def test_train_draft_reads_its_corpus_before_loading_the_target(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -217,6 +251,26 @@ def test_train_draft_reads_its_corpus_before_loading_the_target(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "is not UTF-8 text" in err and "Traceback" not in err, err
+
+
+def test_train_draft_counts_its_corpus_passages_before_loading_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A corpus without a passage long enough was dropped without a word (or, alone, called "no training data"
+    after the load); fewer passages than asked for are said."""
+    import specserve.models.loader as loader
+
+    forbid_model_loads(monkeypatch, loader)
+    short = tmp_path / "short.txt"
+    short.write_text("A line.\n\nAnother short paragraph.\n")
+    assert main(["train-draft", "--out", str(tmp_path / "h"), "--corpus", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert f"--corpus {short}: no passage of 300-2000 characters" in err and "Traceback" not in err, err
+    one = tmp_path / "one.txt"
+    one.write_text(" ".join(["A sentence of a paragraph long enough to be a passage."] * 8) + "\n")
+    with pytest.raises(AssertionError, match="a model was loaded"):  # the run goes on to the load
+        main(["train-draft", "--out", str(tmp_path / "h"), "--corpus", str(one), "--corpus-passages", "5"])
+    assert f"--corpus {one}: 1 passages, not the 5 asked for" in capsys.readouterr().err
 
 
 def test_draft_auto_says_when_it_finds_no_pair_for_the_target(capsys: pytest.CaptureFixture[str]) -> None:

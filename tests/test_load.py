@@ -616,6 +616,10 @@ def test_tree_traces_from_engine(tiny_pair: tuple[Any, Any]) -> None:
     rows = validate([ddd, both], ValidationMode.in_sample, repeats=1)
     assert {r["policy"] for r in rows} == {"DDD", "DSDE+DDD"}
     assert all(r["sim_tok_s"] > 0 and math.isfinite(r["error"]) for r in rows)
+    # a sweep of plain decoding and DDD alone (the straggler study's): plain has no chain runs' sequences to replay,
+    # and validating it was an IndexError from an empty pool
+    plain = _record(tiny_pair, PolicyName.plain, 3, [None] * 6)
+    assert [r["policy"] for r in validate([plain, ddd], ValidationMode.in_sample, repeats=1)] == ["DDD"]
 
 
 def test_simulator_replays_recorded_traces(tiny_pair: tuple[Any, Any]) -> None:

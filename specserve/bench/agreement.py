@@ -27,7 +27,7 @@ from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MAX_BATCH_SIZE, MODEL_PAIRS, HeadSpec
 from specserve.engine import Engine
-from specserve.errors import InvalidRequestError
+from specserve.errors import CorruptModelError, InvalidRequestError
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.sampling import SamplingParams
@@ -164,10 +164,14 @@ def trained_prompts(heads: list[str]) -> dict[str, int]:
     counts = {"seeds": 0, "lexicon": 0}
     for h in heads:
         provenance = HeadSpec(head=h).path() / "provenance.json"
-        if provenance.exists():
+        if not provenance.exists():
+            continue
+        try:  # (a train-draft run cut off while writing it, or a file of another kind)
             data = json.loads(provenance.read_text()).get("data", {})
-            counts["seeds"] = max(counts["seeds"], int(data.get("num_prompts") or 0))
-            counts["lexicon"] = max(counts["lexicon"], int(data.get("lexicon_prompts") or 0))
+            seeds, lexicon = int(data.get("num_prompts") or 0), int(data.get("lexicon_prompts") or 0)
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError) as e:
+            raise CorruptModelError(f"{provenance}: not a provenance record of train-draft ({e})") from None
+        counts["seeds"], counts["lexicon"] = max(counts["seeds"], seeds), max(counts["lexicon"], lexicon)
     return counts
 
 
@@ -230,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(
             f"--per-set {args.per_set}: a set's prompts run as one batch of at most {MAX_BATCH_SIZE}"
         )
+    if "mt-bench" in args.sets and not args.by_category and args.per_set > (n := len(mt_bench_prompts())):
+        raise InvalidRequestError(f"--per-set {args.per_set}: MT-bench has {n} first turns")  # (it ran those)
     offsets = held_out_offsets(args)
     target_spec = MODEL_PAIRS["smollm2-eagle"][0]
     target: LlamaModel = load_model(target_spec)

@@ -16,11 +16,12 @@ from typing import cast
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specserve.arg_types import out_dir_arg, positive_int
+from specserve.arg_types import batch_size, out_dir_arg, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DType, ModelSpec
 from specserve.engine import Engine
+from specserve.errors import InvalidRequestError
 from specserve.models.loader import load_model, load_tokenizer
 from specserve.models.sources import resolve
 from specserve.sampling import SamplingParams
@@ -29,7 +30,7 @@ from specserve.sampling import SamplingParams
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32", choices=[d.value for d in DType])
-    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8])
+    p.add_argument("--batch-sizes", type=batch_size, nargs="+", default=[1, 8])
     p.add_argument(
         "--num-prompts", type=positive_int, default=8, help="prompts per run (run in groups of the batch size)"
     )
@@ -60,6 +61,9 @@ def _hf_generate(
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
+
+    if args.num_prompts > (n := len(mt_bench_prompts())):  # (it ran MT-bench's and reported the number asked)
+        raise InvalidRequestError(f"--num-prompts {args.num_prompts}: MT-bench has {n} first turns")
 
     spec = ModelSpec(source=args.model, dtype=DType(args.dtype))
     model = load_model(spec)

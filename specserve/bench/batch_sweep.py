@@ -11,7 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
-from specserve.arg_types import finite_float, non_negative_int, out_dir_arg, positive_int
+from specserve.arg_types import batch_size, finite_float, non_negative_int, out_dir_arg, positive_int
 from specserve.bench.policies import STUDY_POLICIES, PolicyName, policy_specs
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import (
@@ -34,7 +34,7 @@ WORKLOADS = ("real", "synthetic")
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default="smollm2-bf16", choices=sorted(MODEL_PAIRS))
-    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--batch-sizes", type=batch_size, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument(
         "--policies",

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specserve.arg_types import finite_float, non_negative_int, out_dir_arg, positive_int
+from specserve.arg_types import batch_size, finite_float, non_negative_int, out_dir_arg, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, SpecConfig, SpecMethod
@@ -61,7 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--switch-windows", type=positive_int, nargs="+", default=[2048, 64], help="windows of the switch table"
     )
-    p.add_argument("--switch-batch", type=positive_int, default=16)
+    p.add_argument("--switch-batch", type=batch_size, default=16)
     p.add_argument("--switch-after", type=positive_int, default=200, help="plain steps before the switch")
     p.add_argument("--repeats", type=positive_int, default=3, help="switch-cost runs per window (medians)")
     p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/catch_up"))

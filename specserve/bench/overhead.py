@@ -28,11 +28,12 @@ from transformers import PreTrainedTokenizerBase
 
 from deployments.app_args import AppArgs, WorkerRole
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.arg_types import out_file_arg, positive_int
+from specserve.arg_types import batch_size, out_file_arg, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import ModelSpec, SpecConfig
 from specserve.engine import Engine
+from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
@@ -155,7 +156,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--pair", default="smollm2-int8", help="a MODEL_PAIRS name")
     group.add_argument("--tiny", action="store_true", help="tiny random models (no download)")
-    p.add_argument("--batch", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--batch", type=batch_size, nargs="+", default=[1, 16])
     p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--sl", type=positive_int, default=4, help="chain speculation length")
     p.add_argument(
@@ -184,6 +185,13 @@ def run(a: argparse.Namespace) -> int:
     args = AppArgs.model_validate(raw)
     chat = args.tiny is None
     prompts = _prompts(args, max(a.batch))
+    engine = _engine(args)
+    longest = max(len(engine.encode(p, chat=chat)) for p in prompts)
+    if longest + a.max_tokens > engine.loop.max_model_len:  # every answer must be max_tokens long, on both sides
+        raise SettingsError(
+            f"--max-tokens {a.max_tokens}: the longest prompt ({longest} tokens) and the answer exceed the "
+            f"benchmark's context of {engine.loop.max_model_len} tokens"
+        )
 
     port = _free_port()
     ray.init(address="local", include_dashboard=False)  # its own Ray: never a running cluster's (it shuts Serve down)
@@ -192,7 +200,6 @@ def run(a: argparse.Namespace) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app_builder(raw), name="bench", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        engine = _engine(args)
         for _ in range(a.repeats):  # alternate, so that load from elsewhere on the machine hits both alike
             for b in a.batch:
                 runs[Mode.engine, b].append(bench_engine(engine, prompts[:b], a.max_tokens, chat=chat))

@@ -19,9 +19,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specserve.arg_types import non_negative_int, out_dir_arg, positive_float, positive_int, present_device_arg
+from specserve.arg_types import (
+    batch_size,
+    non_negative_int,
+    out_dir_arg,
+    positive_float,
+    positive_int,
+    present_device_arg,
+)
 from specserve.bench.machine import device_summary
-from specserve.config import MAX_BATCH_SIZE
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
 from specserve.models.sources import sha256_file
@@ -35,7 +41,7 @@ from specserve.spec_decode.eagle_head import (
     save_eagle_head,
     weights_path,
 )
-from specserve.train.corpus import corpus_digest, corpus_files, corpus_passages, read_text
+from specserve.train.corpus import CorpusError, corpus_digest, corpus_files, corpus_passages
 from specserve.train.distill import (
     DistillConfig,
     Distiller,
@@ -334,14 +340,6 @@ def _seed(text: str) -> int:
     return value
 
 
-def _batch_size(text: str) -> int:
-    """``--batch-size``: at most the sequences one loop runs at once (the self-prompt step runs them in one)."""
-    value = positive_int(text)
-    if value > MAX_BATCH_SIZE:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_BATCH_SIZE}, got {text}")
-    return value
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="the target: built-in name, HF dir or .gguf")
     p.add_argument(
@@ -394,7 +392,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument(
         "--batch-size",
-        type=_batch_size,
+        type=batch_size,  # the self-prompt step runs them in one loop
         default=None,
         help=f"conversations generated together (default {DEFAULT_BATCH}); if given, also per data chunk",
     )
@@ -446,9 +444,15 @@ def run(args: argparse.Namespace) -> int:
         if args.corpus_passages is None
         else args.corpus_passages,
     )
-    if cfg.corpus:  # a missing, unreadable or non-UTF-8 file fails now, not after the other data
-        for path in corpus_files(list(cfg.corpus)):
-            read_text(path)
+    if cfg.corpus_passages:  # a missing, unreadable or non-UTF-8 file, or one without passages, fails now, not
+        # after the other data (hours in)
+        files = corpus_files(list(cfg.corpus))
+        found = len(corpus_passages(files, cfg.corpus_passages, cfg.data.seed, mt_bench_shingles()))
+        where = ", ".join(map(str, cfg.corpus))
+        if not found:
+            raise CorpusError(f"--corpus {where}: no passage of 300-2000 characters (paragraphs) to train on")
+        if found < cfg.corpus_passages:
+            print(f"--corpus {where}: {found} passages, not the {cfg.corpus_passages} asked for", file=sys.stderr)
     if cfg.lexicon_prompts:  # found missing only after hours of seed prompts otherwise
         check_wordnet(cfg.wordnet_dir)
     spec = ModelSpec(source=args.model, gemv_copies=False)
