@@ -101,7 +101,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     arrived: float = field(default_factory=time.perf_counter)  # when the loop accepted the request
-    features: list[torch.Tensor] = field(default_factory=list)  # target hidden states not yet sent to a draft head
+    features: list[torch.Tensor] = field(default_factory=list)  # target hidden states for a draft head: the newest
+    # ``spec.catch_up_window`` and any not sent yet
     features_from: int = 0  # position of the first of them
     features_queued: int = 0  # rows in ``features`` (counted as they come: a plain step adds one, every step)
     features_sent: int = 0  # positions below this went to the draft worker (0: a new worker, or one that was reset)
@@ -109,18 +110,26 @@ class Sequence:
     def add_features(self, rows: torch.Tensor, start: int) -> None:
         """Queue the hidden states [n, F] of positions start..start+n-1; a non-contiguous start (the target
         re-prefilled after a restart) drops the queue first. Rows older than the newest ``spec.catch_up_window``
-        leave it a whole tensor at a time (no copy a step; ``queued_features`` cuts the rest); rows sent stay, for a
-        draft worker that starts afresh."""
+        leave it a whole tensor at a time (no copy a step; ``queued_features`` cuts the rest), and an oldest tensor
+        reaching past them is cut once sent; the newest window stays, sent or not, for a draft worker that starts
+        afresh."""
         if self.features and self.features_from + self.features_queued != start:
             self.drop_features()
         if not self.features:
             self.features_from = start
         self.features.append(rows)
         self.features_queued += rows.shape[0]
-        while self.features_queued - (n := self.features[0].shape[0]) >= self.spec.catch_up_window:
+        window = self.spec.catch_up_window
+        while self.features_queued - (n := self.features[0].shape[0]) >= window:
             del self.features[0]
             self.features_from += n
             self.features_queued -= n
+        # the oldest tensor reaching past the window (a prompt's) keeps only its rows within it, once they were sent
+        cut = min(self.features_queued - window, self.features_sent - self.features_from)
+        if cut > 0:
+            self.features[0] = self.features[0][cut:].clone()  # (a view would keep the whole tensor's memory)
+            self.features_from += cut
+            self.features_queued -= cut
 
     def queued_features(self, in_step: bool) -> tuple[int, torch.Tensor] | None:
         """(the position of the first, the rows [n, F]) of what a draft head reads before drafting (None: nothing):

@@ -269,7 +269,9 @@ class StepLoop:
                 to_model.append((s, s.spec.model_depth(d)))
         if to_model:
             assert self.draft is not None
-            queued = [s.queued_features(in_step=current[s.seq_id]) for s, _ in to_model]  # (first, rows) or None
+            # (first position, rows) or None; in step: the head drafted the last step, from features (a first
+            # step drafts nothing, and a step after a reset or a new worker is a catch-up: at most the window)
+            queued = [s.queued_features(in_step=current[s.seq_id] and s.features_sent > 0) for s, _ in to_model]
             items = [
                 ProposeItem(
                     s.seq_id,

@@ -194,6 +194,9 @@ def test_a_flood_of_unknown_fields_is_one_error(url: str) -> None:
     assert r.status_code == 400 and r.json()["error"]["message"] == (
         "a: Extra inputs are not permitted; b: Extra inputs are not permitted"
     )
+    nine = {f"k{i}": 0 for i in range(9)}  # one past the limit, far fewer keys than the request's own fields
+    r = httpx.post(f"{url}{COMPLETIONS}", json={"model": MODEL, "prompt": "hi", **nine}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].endswith("9 unknown fields ('k0', 'k1', 'k2', ...)")
 
 
 @pytest.mark.parametrize(

@@ -317,7 +317,7 @@ def test_feature_queue_keeps_the_newest_window_and_restarts_on_a_gap() -> None:
 
     spec = SpecConfig(method=SpecMethod.chain, catch_up_window=4)
     seq = Sequence(0, Request("r", [1, 2, 3], SamplingParams()), IncrementalText(None, ()), spec=spec)
-    rows = torch.arange(20.0).unsqueeze(1)  # row i: the feature of position i
+    rows = torch.arange(24.0).unsqueeze(1)  # row i: the feature of position i
 
     def queued(in_step: bool = False) -> tuple[int, list[float]] | None:
         q = seq.queued_features(in_step)
@@ -342,8 +342,10 @@ def test_feature_queue_keeps_the_newest_window_and_restarts_on_a_gap() -> None:
     # the head drafted the last step: every row of this one (it used to lose the oldest and restart its context)
     assert queued(in_step=True) == (15, [15.0, 16.0, 17.0, 18.0, 19.0])
     seq.features_went()
+    seq.add_features(rows[20:21], start=20)  # rows sent and past the window go, the oldest tensor cut to them
+    assert seq.features_from == 17 and seq.features_queued == 4 and queued(in_step=True) == (20, [20.0])
     seq.features_sent = 0  # a new draft worker: the newest window again, though the old one had it
-    assert queued() == (16, [16.0, 17.0, 18.0, 19.0])
+    assert queued() == (17, [17.0, 18.0, 19.0, 20.0])
     seq.drop_features()  # the target re-prefilled: the next rows start a queue wherever they are
     seq.add_features(rows[0:2], start=0)
     assert queued() == (0, [0.0, 1.0])
@@ -356,7 +358,7 @@ def test_steps_that_commit_more_than_the_window_keep_the_heads_context(target: L
     spec = SpecConfig(method=SpecMethod.chain, sl=6, chain_draft=ChainDraft.greedy, synthetic_accept=0.99)
     engine = Engine(target, None, draft=head, speculation=spec.model_copy(update={"catch_up_window": 4}))
     engine.loop.planner.guard = None
-    engine.submit([5, 9, 33, 71, 2], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.submit([5, 9, 33], SamplingParams(max_tokens=40, ignore_eos=True))  # within the window: all read
     worker = engine.loop.draft
     assert isinstance(worker, HeadDraftWorker)
     seen: list[tuple[int, int]] = []  # (the head's first position, its pairs) after each step
@@ -364,6 +366,30 @@ def test_steps_that_commit_more_than_the_window_keep_the_heads_context(target: L
         engine.loop.step()
         seen += [(st.pos0, st.pairs) for s in engine.loop.running if (st := worker.seqs.get(s.seq_id))]
     assert len(seen) >= 4 and seen[-1][1] > 20 and all(pos0 == 0 for pos0, _ in seen)
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_prompt_longer_than_the_window_costs_the_head_the_window_whatever_its_first_step(
+    target: LlamaModel, reset: bool
+) -> None:
+    """Without a guard a request's first step (its prefill) is planned to speculate; the head then counted as in
+    step and read the whole prompt on the next. After a failed step's reset, likewise."""
+    head = random_head(target)
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, catch_up_window=4)
+    engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set())
+    engine.loop.planner.guard = None
+    engine.submit(list(range(40, 60)), SamplingParams(max_tokens=20, ignore_eos=True))
+    worker = engine.loop.draft
+    assert isinstance(worker, HeadDraftWorker)
+    for _ in range(3 if reset else 2):
+        engine.loop.step()
+    (seq,) = engine.loop.running
+    if reset:
+        engine.loop.reset([seq.seq_id])
+        engine.loop.step()  # the re-prefill (nothing to draft from), then the catch-up
+        engine.loop.step()
+    st = worker.seqs[seq.seq_id]
+    assert st.pos0 > 0 and st.pairs <= 4 + 1, (st.pos0, st.pairs)  # the window (and the step's new pair)
 
 
 def test_a_new_draft_worker_reads_the_newest_window_not_only_the_last_steps_rows(target: LlamaModel) -> None:

@@ -42,7 +42,7 @@ class ClosedModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _few_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict) and len(data) > len(cls.model_fields) + MAX_UNKNOWN_FIELDS:
+        if isinstance(data, dict) and len(data) > MAX_UNKNOWN_FIELDS:
             unknown = [k for k in data if k not in cls.model_fields]
             if len(unknown) > MAX_UNKNOWN_FIELDS:
                 first = ", ".join(repr(str(k)[:40]) for k in unknown[:3])
