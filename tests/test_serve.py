@@ -420,11 +420,18 @@ def test_concurrent_requests_batch_across_lanes(client: openai.OpenAI, engine: E
     _wait_idle(main_url)
 
 
-def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI, engine: Engine) -> None:
+    """The same seeded request twice gets the same tokens: those the engine samples in-process for it (a function
+    of the request alone), not greedy decoding's."""
     kwargs: dict[str, Any] = {"model": MODEL, "prompt": "abc", "max_tokens": 16, "temperature": 0.9, "seed": 7}
-    a = client.completions.create(**kwargs, extra_body={"return_token_ids": True, "top_k": 20})
-    b = client.completions.create(**kwargs, extra_body={"return_token_ids": True, "top_k": 20})
+    extra = {"return_token_ids": True, "top_k": 20, "ignore_eos": True}
+    a = client.completions.create(**kwargs, extra_body=extra)
+    b = client.completions.create(**kwargs, extra_body=extra)
     assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
+    sampled = SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=16, ignore_eos=True)
+    assert a.choices[0].model_extra["token_ids"] == engine.generate("abc", sampled)[0].token_ids
+    greedy = engine.generate("abc", SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+    assert a.choices[0].model_extra["token_ids"] != greedy
 
 
 def test_speculation_options(client: openai.OpenAI, engine: Engine) -> None:

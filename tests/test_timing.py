@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ def test_timed_synchronises_a_cuda_device_before_and_after(monkeypatch: pytest.M
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
     assert timed(torch.device("cuda"), lambda: calls.append("work")) >= 0.0
     assert calls == ["sync", "work", "sync"]  # queued work before is excluded, the work's own is included
+    assert 0.01 <= timed(torch.device("cpu"), lambda: time.sleep(0.01)) < 5  # the work's own time
     calls.clear()
     timed(torch.device("cpu"), lambda: calls.append("work"))
     assert calls == ["work"]

@@ -276,15 +276,27 @@ def test_identical_draft_accepts_everything() -> None:
 
 
 def test_all_zero_residual_falls_back_to_p() -> None:
-    """A q with more mass than p everywhere (not a valid input, but reachable through float error) must not crash."""
+    """A q with more mass than p everywhere (not a valid input, but reachable through float error) must not crash,
+    and the token then comes from p: never one p rules out, and in p's proportions. The drafted token has p = 0,
+    so every draw is a rejection with an all-zero residual."""
     gen = torch.Generator().manual_seed(7)
     vocab = 6
-    p = _probs(torch.randn(2, vocab, generator=gen))
+    logits = torch.randn(2, vocab, generator=gen)
+    logits[0, [0, 3]] = -torch.inf
+    p = _probs(logits)
     q_idx = torch.arange(vocab)[None]
     q_prob = 1.5 * p[:1]
-    for _ in range(200):
-        res = verify_chain_sampled(torch.tensor([2]), q_idx, q_prob, p, gen)
-        assert 0 <= res.next_token < vocab
+    q_prob[0, 3] = 0.2  # the draft's token, which p rules out
+    n = 3000
+    counts = np.zeros(vocab)
+    for _ in range(n):
+        res = verify_chain_sampled(torch.tensor([3]), q_idx, q_prob, p, gen)
+        assert res.accepted_nodes == []
+        counts[res.next_token] += 1
+    assert counts[0] == counts[3] == 0
+    support = [1, 2, 4, 5]
+    expected = p[0, support].double().numpy()
+    assert chisquare(counts[support], expected / expected.sum() * n).pvalue > 1e-3
 
 
 def test_inverse_cdf_sample_edges() -> None:
