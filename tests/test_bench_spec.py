@@ -81,6 +81,7 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
     assert [r["category"] for r in rows] == ["all"] * 6 + ["a"] * 6 + ["b"] * 6  # one row per method and category
     assert all(float(r["greedy_equal"]) == 1.0 for r in rows)
     whole = {r["method"]: r for r in rows if r["category"] == "all"}
+    assert all(r["device"].startswith("CPU: ") for r in rows)  # the machine of the figures
     plain_tok_s = float(whole["plain"]["tok_s"])
     assert all(float(r["ratio"]) == pytest.approx(float(r["tok_s"]) / plain_tok_s, rel=1e-3) for r in whole.values())
     assert float(whole["plain"]["tau"]) == 1.0 and all(float(r["tau"]) > 1.0 for r in rows if r["method"] != "plain")

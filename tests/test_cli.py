@@ -4,6 +4,7 @@ traceback (before any model loads)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -225,6 +226,18 @@ def test_bench_overhead_refuses_answers_longer_than_its_context_before_starting_
     assert not ray.is_initialized()
 
 
+def test_bench_overheads_engine_runs_the_loop_the_apps_lanes_run() -> None:
+    """The in-process side ran without the app's throughput guard and step budget (a pair's serving defaults), so
+    its "overhead" mixed in a difference of speculation."""
+    from deployments.app_args import AppArgs
+    from specserve.bench.overhead import _engine
+
+    raw = {"tiny": {}, "throughput_guard": True, "max_step_tokens": 40, "max_batch_size": 4, "freeze_gc": False}
+    args = AppArgs.model_validate(raw)
+    engine = _engine(args)
+    assert engine.loop.planner.guard is not None and engine.loop.planner.max_step_tokens == 40
+
+
 @pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"data": {"num_prompts": "abc"}}'])
 def test_a_heads_unreadable_provenance_is_a_named_error(tmp_path: Path, text: str) -> None:
     """The held-out sets start past a compared head's training prompts, read from its provenance.json: one that
@@ -282,3 +295,33 @@ def test_draft_auto_says_when_it_finds_no_pair_for_the_target(capsys: pytest.Cap
     assert _draft_for("auto", ModelSpec(dtype=DType.bfloat16)) is None
     assert "--draft auto: no built-in pair has this target" in capsys.readouterr().err
     assert _draft_for("none", ModelSpec(dtype=DType.bfloat16)) is None and capsys.readouterr().err == ""
+
+
+@pytest.mark.real_model
+def test_bench_batch_runs_the_policies_in_balanced_orders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every repeat ran the policies in one order: plain decoding always first, right after the last policy of the
+    batch size before. Each policy now takes every place in turn."""
+    from specserve.bench import batch_sweep
+    from specserve.bench.machine import cpu_summary
+
+    tables: list[dict[Any, Any]] = []
+    specs: list[object] = []
+    policies = batch_sweep.policies
+    monkeypatch.setattr(batch_sweep, "policies", lambda args: tables.append(policies(args)) or tables[-1])
+
+    def fake_run(engine: object, prompts: object, lengths: object, spec: object, accepts: object) -> dict[str, float]:
+        specs.append(spec)
+        keys = ("tok_s", "seconds", "steps", "idle_fraction", "mean_sl", "mean_cap", "p50_latency_s", "p99_latency_s")
+        return dict.fromkeys((*keys, "draft_frac", "verify_frac"), 1.0)
+
+    monkeypatch.setattr(batch_sweep, "run_one", fake_run)
+    argv = ["bench", "batch", "--pair", "smollm2-int8", "--batch-sizes", "1", "--workloads", "real"]
+    argv += ["--policies", "plain", "static", "ddd", "--repeats", "3", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    names = [next(n.value for n, s in tables[0].items() if s is spec) for spec in specs]
+    firsts = names[::3]
+    assert len(names) == 9 and sorted(firsts) == ["ddd", "plain", "static"], names  # each first once
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "batch.csv").open()))
+    assert len(rows) == 3 and all(r["cpu"] == cpu_summary() for r in rows)  # the machine of the figures

@@ -59,7 +59,7 @@ def test_the_summary_counts_the_cores_this_process_may_use() -> None:
         "from specserve.bench.machine import cpu_summary; print(cpu_summary())"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert f"1 of {os.cpu_count()} cores" in done.stdout
+    assert f"1 of {os.cpu_count()} logical CPUs" in done.stdout  # (not "cores": with SMT two share one)
 
 
 def _write(path: Path, text: str) -> None:

@@ -497,6 +497,9 @@ def test_bench_distill_both_data_steps_write_the_engines_greedy_conversations(tm
     rows = list(csv.DictReader((tmp_path / "distill.csv").open()))
     assert [r["data step"] for r in rows] == ["answers, then a prefill each", "features from generation"]
     assert [r["same conversations"] for r in rows] == ["", "6"]  # the second against the engine's greedy answers
+    from specserve.bench.machine import cpu_summary
+
+    assert all(r["cpu"] == cpu_summary() for r in rows)  # the machine of the figures
 
 
 def test_depth_zero_agreement_is_the_serving_heads_top_1_against_the_targets() -> None:

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specserve.arg_types import batch_size, out_dir_arg, positive_int
+from specserve.bench.machine import cpu_summary
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DType, ModelSpec
@@ -100,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
                 "median_ratio": statistics.median(o / t for o, t in zip(ours, theirs, strict=True)),  # run by run
             }
         )
-    write_csv(args.out / "runs.csv", rows)
-    write_csv(args.out / "summary.csv", summary)
+    write_csv(args.out / "runs.csv", [row | {"cpu": cpu_summary()} for row in rows])
+    write_csv(args.out / "summary.csv", [row | {"cpu": cpu_summary()} for row in summary])
     print(f"\nmedian of {args.runs} runs, {args.num_prompts} prompts x {args.max_tokens} new tokens, greedy")
     print(markdown_table(summary))
+    print(cpu_summary())
     return 0

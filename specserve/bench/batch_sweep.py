@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from specserve.arg_types import batch_size, finite_float, non_negative_int, out_dir_arg, positive_int
+from specserve.bench.machine import cpu_summary
 from specserve.bench.policies import STUDY_POLICIES, PolicyName, policy_specs
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import (
@@ -28,6 +29,7 @@ from specserve.engine import Engine
 from specserve.errors import SettingsError
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.sampling import SamplingParams
+from specserve.timing import balanced_orders
 
 WORKLOADS = ("real", "synthetic")
 
@@ -127,8 +129,10 @@ def run(args: argparse.Namespace) -> int:
             )
             label = "SYNTHETIC " + "/".join(map(str, mix)) if workload == "synthetic" else "real"
             results: dict[PolicyName, list[dict[str, float]]] = {name: [] for name in table}
-            for _ in range(args.repeats):  # round robin: load changes on a shared machine hit every policy alike
-                for name, spec in table.items():
+            in_table = list(table.items())
+            orders = balanced_orders(len(in_table))  # each policy in every place, after every other, in turn
+            for repeat in range(args.repeats):  # round robin: load changes on a shared machine hit every policy alike
+                for name, spec in (in_table[i] for i in orders[repeat % len(orders)]):
                     engine = Engine(
                         target,
                         tok,
@@ -150,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
     add_vs_baseline(rows, PolicyName.plain.label)
-    write_csv(args.out / "batch.csv", rows)
+    write_csv(args.out / "batch.csv", [row | {"cpu": cpu_summary()} for row in rows])
     plot_workloads(
         rows,
         ("tok_s", "idle_fraction", "p50_latency_s", "p99_latency_s"),
@@ -162,4 +166,5 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"static SL = {args.static_sl}; trees: beam width {args.beam_width}, budget {args.budget}")
     print(markdown_table(rows, (*SWEEP_COLS, "p50_latency_s", "p99_latency_s")))
+    print(cpu_summary())
     return 0

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from specserve.arg_types import out_dir_arg, positive_int
+from specserve.bench.machine import cpu_summary
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.build import eos_ids_of
 from specserve.config import MODEL_PAIRS, ModelSpec
@@ -108,5 +109,6 @@ def run(args: argparse.Namespace) -> int:
         for name, s in seconds.items()
     ]
     print(markdown_table(rows))
-    write_csv(args.out / "distill.csv", rows)
+    print(cpu_summary())
+    write_csv(args.out / "distill.csv", [row | {"cpu": cpu_summary()} for row in rows])
     return 0

@@ -122,12 +122,15 @@ def gguf_files(bin_dir: Path, workdir: Path) -> dict[str, Path]:
 
 
 def parse_llama_bench(output: str) -> dict[str, float]:
-    """llama-bench ``-o json`` -> {"pp16": tok/s, "tg64": tok/s}."""
+    """llama-bench ``-o json`` -> {"pp16": tok/s, "tg64": tok/s}: the median of its repetitions (``samples_ts``),
+    as this runner's side is a median, not their mean (``avg_ts``, which one slow repetition pulls down), unless
+    the build reports no samples."""
     rows = json.loads(output)
     out = {}
     for row in rows:
         test = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"
-        out[test] = float(row["avg_ts"])
+        samples = row.get("samples_ts") or [row["avg_ts"]]
+        out[test] = float(statistics.median(float(x) for x in samples))
     return out
 
 

@@ -29,11 +29,13 @@ from transformers import PreTrainedTokenizerBase
 from deployments.app_args import AppArgs, WorkerRole
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.arg_types import batch_size, out_file_arg, positive_int
+from specserve.bench.machine import cpu_summary
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import ModelSpec, SpecConfig
 from specserve.engine import Engine
 from specserve.errors import SettingsError
+from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
@@ -79,7 +81,7 @@ def _engine(args: AppArgs) -> Engine:
         target = load_model(target_recipe.spec)
         draft = None if draft_recipe is None or draft_recipe.spec is None else load_draft(draft_recipe.spec, target)
         tokenizer = load_tokenizer(target_recipe.spec)
-    return Engine(
+    engine = Engine(  # the loop the app's lanes run: its guard, step budget and suffix cache too
         target,
         tokenizer,
         draft=draft,
@@ -87,7 +89,13 @@ def _engine(args: AppArgs) -> Engine:
         max_batch_size=args.max_batch_size,
         max_model_len=args.max_model_len,
         spec_headroom=args.spec_headroom,
+        max_step_tokens=args.max_step_tokens,
+        throughput_guard=args.throughput_guard,
+        suffix_cache_tokens=args.suffix_cache_tokens,
     )
+    if args.freeze_gc:  # as the app's workers do after loading
+        freeze_loaded_objects()
+    return engine
 
 
 def _prompts(args: AppArgs, n: int) -> list[Any]:
@@ -223,7 +231,8 @@ def run(a: argparse.Namespace) -> int:
             rows.append(row)
     table = [{**asdict(r), "mode": r.mode.value} for r in rows]
     print(markdown_table(table))
-    write_csv(a.out, table)
+    print(cpu_summary())
+    write_csv(a.out, [row | {"cpu": cpu_summary()} for row in table])
     print(f"wrote {a.out}")
     return 0
 

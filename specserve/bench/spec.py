@@ -692,7 +692,7 @@ def run(args: argparse.Namespace) -> int:
             | {"mean_depth": nan, "tok_s": tok_s, "ratio": tok_s / plain_tok_s}
             | {"draft_ms_step": nan, "verify_ms_step": nan, "rows_step": nan, "prefill_share": nan}
         )
-    write_csv(args.out / "spec.csv", rows)
+    write_csv(args.out / "spec.csv", [row | {"device": device_summary(args.device)} for row in rows])
     source = " + ".join(args.prompts)
     passes = f" x {args.passes} passes" if args.passes > 1 else ""
     print(f"\n{len(prompts)} prompts from {source}{passes} x {args.max_tokens} new tokens, batch 1, greedy")
