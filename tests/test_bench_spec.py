@@ -431,6 +431,13 @@ def test_the_assisted_rows_ratio_is_to_plain_decoding_over_every_pass(
     (assisted,) = [r for r in rows if r["method"] == "transformers assisted"]
     over_both = 2 / sum(1 / t for t in plain)  # each pass the same greedy tokens: their rates' harmonic mean
     assert len(plain) == 2 and float(assisted["ratio"]) == pytest.approx(float(assisted["tok_s"]) / over_both, rel=1e-4)
+    assert assisted["pass"] == "all" and float(assisted["tok_s"]) == pytest.approx(8.0)  # 2 x 8 tokens in 2 s
+    # an answer that stopped at EOS holds it last in transformers' output: not a token the engine would count
+    monkeypatch.setattr(spec, "_assisted", lambda t, d, p, n, repeats, stop_at_eos: ([7] * (n - 1) + [2], 1.0))
+    assert main([*argv, "--stop-at-eos", "--out", str(tmp_path / "e")]) == 0
+    rows = list(csv.DictReader((tmp_path / "e" / "spec.csv").open()))
+    (assisted,) = [r for r in rows if r["method"] == "transformers assisted"]
+    assert float(assisted["tok_s"]) == pytest.approx(7.0)
 
 
 def test_methods_run_forwards_and_backwards_in_turn() -> None:

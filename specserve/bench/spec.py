@@ -682,12 +682,14 @@ def run(args: argparse.Namespace) -> int:
     eos = first.loop.eos_token_ids
     plain_tok_s = sum(len(o.token_ids) for o in outs[0]) / sum(secs[0])  # over every run, as the assisted rows
     for j, (pair, _, _) in enumerate(assisted):  # side by side with the plain row over every run
-        n = sum(len(o) for o in hf_outs[j])
+        # tokens as the engine counts them: an answer that stopped at EOS holds it last in transformers' output only
+        n = sum(len(o) - (args.stop_at_eos and bool(o) and o[-1] in eos) for o in hf_outs[j])
         agree = [_same_greedy(h, o.token_ids, eos) for h, o in zip(hf_outs[j], outs[0], strict=True)]
         nan = float("nan")
         tok_s = n / sum(hf_secs[j])
         rows.append(
-            {"pass": 1, "category": "all", "method": "transformers assisted", "draft": pair}
+            {"pass": 1 if args.passes == 1 else "all", "category": "all", "method": "transformers assisted"}
+            | {"draft": pair}
             | {"greedy_equal": sum(agree) / len(agree), "tau": nan}
             | {"mean_depth": nan, "tok_s": tok_s, "ratio": tok_s / plain_tok_s}
             | {"draft_ms_step": nan, "verify_ms_step": nan, "rows_step": nan, "prefill_share": nan}
