@@ -325,3 +325,37 @@ def test_bench_batch_runs_the_policies_in_balanced_orders(tmp_path: Path, monkey
 
     rows = list(csv.DictReader((tmp_path / "batch.csv").open()))
     assert len(rows) == 3 and all(r["cpu"] == cpu_summary() for r in rows)  # the machine of the figures
+
+
+@pytest.mark.real_model
+def test_bench_ar_warms_both_sides_up_and_runs_them_in_turn_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh engine in every timed run (its first-call work timed each time) against a transformers model kept
+    warm, and this runner always first: a bias against it, of the first call's cost."""
+    from specserve.bench import ar
+    from specserve.engine import Engine
+
+    calls: list[tuple[str, int]] = []
+    engines: list[int] = []
+
+    class Recording(Engine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(id(self))
+
+        def generate(self, prompts: Any, params: Any = None, **kwargs: Any) -> Any:
+            calls.append(("ours", params.max_tokens))
+            return super().generate(prompts, params, **kwargs)
+
+    def hf(model: object, tok: object, prompts: list[list[int]], max_tokens: int) -> int:
+        calls.append(("theirs", max_tokens))
+        return len(prompts) * max_tokens
+
+    monkeypatch.setattr(ar, "Engine", Recording)
+    monkeypatch.setattr(ar, "_hf_generate", hf)
+    argv = ["bench", "ar", "--batch-sizes", "2", "--num-prompts", "2", "--max-tokens", "3", "--runs", "3"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    warm_up, even, odd = [("ours", 4), ("theirs", 4)], [("ours", 3), ("theirs", 3)], [("theirs", 3), ("ours", 3)]
+    assert calls == [*warm_up, *even, *odd, *even]
+    assert len(engines) == 1  # one engine for the batch size, kept across runs
