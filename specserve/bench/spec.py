@@ -687,9 +687,10 @@ def run(args: argparse.Namespace) -> int:
         agree = [_same_greedy(h, o.token_ids, eos) for h, o in zip(hf_outs[j], outs[0], strict=True)]
         nan = float("nan")
         tok_s = n / sum(hf_secs[j])
+        head: dict[str, object] = {"pass": 1 if args.passes == 1 else "all", "category": "all"}
         rows.append(
-            {"pass": 1 if args.passes == 1 else "all", "category": "all", "method": "transformers assisted"}
-            | {"draft": pair}
+            head
+            | {"method": "transformers assisted", "draft": pair}
             | {"greedy_equal": sum(agree) / len(agree), "tau": nan}
             | {"mean_depth": nan, "tok_s": tok_s, "ratio": tok_s / plain_tok_s}
             | {"draft_ms_step": nan, "verify_ms_step": nan, "rows_step": nan, "prefill_share": nan}
