@@ -49,8 +49,8 @@ def interleaved_medians(fns: Sequence[Callable[[], object]], repeats: int, devic
         raise ValueError(f"interleaved_medians needs functions and repeats >= 1, not {len(fns)} and {repeats}")
     times: list[list[float]] = [[] for _ in fns]
     orders = balanced_orders(len(fns))
-    for run in range(repeats + 1):
-        for i in orders[run % len(orders)]:
+    for run in range(repeats + 1):  # the untimed pass, then the timed ones from the first order on (balanced)
+        for i in orders[max(0, run - 1) % len(orders)]:
             took = timed(device, fns[i])
             if run:
                 times[i].append(took)
