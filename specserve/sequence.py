@@ -124,9 +124,10 @@ class Sequence:
             del self.features[0]
             self.features_from += n
             self.features_queued -= n
-        # the oldest tensor reaching past the window (a prompt's) keeps only its rows within it, once they were sent
+        # an oldest tensor longer than the window (a prompt's) keeps only its rows within it, once they were sent
+        # (a step's few rows past it stay: cutting them would copy rows every step)
         cut = min(self.features_queued - window, self.features_sent - self.features_from)
-        if cut > 0:
+        if cut > 0 and self.features[0].shape[0] > window:
             self.features[0] = self.features[0][cut:].clone()  # (a view would keep the whole tensor's memory)
             self.features_from += cut
             self.features_queued -= cut
@@ -141,7 +142,14 @@ class Sequence:
         first = max(self.features_from, self.features_sent, newest)
         if first >= end:
             return None
-        return first, torch.cat(self.features)[first - self.features_from :]
+        parts, start = [], end  # the newest tensors that cover first..end (in step: the last step's alone, no copy)
+        for rows in reversed(self.features):
+            if start <= first:
+                break
+            parts.append(rows)
+            start -= rows.shape[0]
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
+        return first, joined[first - start :]
 
     def features_went(self) -> None:
         """The queued features went to the draft worker (those it was not sent before)."""
