@@ -497,9 +497,21 @@ def test_bench_distill_both_data_steps_write_the_engines_greedy_conversations(tm
     rows = list(csv.DictReader((tmp_path / "distill.csv").open()))
     assert [r["data step"] for r in rows] == ["answers, then a prefill each", "features from generation"]
     assert [r["same conversations"] for r in rows] == ["", "6"]  # the second against the engine's greedy answers
+    for r in rows:  # each way's own count, at most --max-new-tokens a conversation
+        assert 0 < int(r["answer tokens"]) <= 6 * 16
+        assert float(r["answer tok/s"]) * float(r["median s"]) == pytest.approx(int(r["answer tokens"]))
     from specserve.bench.machine import cpu_summary
 
     assert all(r["cpu"] == cpu_summary() for r in rows)  # the machine of the figures
+
+
+def test_bench_distill_counts_answer_tokens_without_the_stop_id_or_the_prompt() -> None:
+    from specserve.bench.distill import answer_tokens
+
+    prompts = [[5, 6], [7], [8, 9, 10]]
+    convs = [[5, 6, 11, 12, 2], [7, 13], [8, 9, 10, 2]]  # stopped after 2, ran out after 1, stopped at once
+    assert answer_tokens(convs, prompts, stop_id=2) == 3
+    assert answer_tokens([[5, 6]], [[5, 6]], stop_id=6) == 0  # a prompt ending in the stop id is not an answer
 
 
 def test_depth_zero_agreement_is_the_serving_heads_top_1_against_the_targets() -> None:

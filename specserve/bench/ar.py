@@ -114,9 +114,10 @@ def run(args: argparse.Namespace) -> int:
                 "median_ratio": statistics.median(o / t for o, t in zip(ours, theirs, strict=True)),  # run by run
             }
         )
-    write_csv(args.out / "runs.csv", [row | {"cpu": cpu_summary()} for row in rows])
-    write_csv(args.out / "summary.csv", [row | {"cpu": cpu_summary()} for row in summary])
+    cpu = cpu_summary()
+    write_csv(args.out / "runs.csv", [row | {"cpu": cpu} for row in rows])
+    write_csv(args.out / "summary.csv", [row | {"cpu": cpu} for row in summary])
     print(f"\nmedian of {args.runs} runs, {args.num_prompts} prompts x {args.max_tokens} new tokens, greedy")
     print(markdown_table(summary))
-    print(cpu_summary())
+    print(cpu)
     return 0

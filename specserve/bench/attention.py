@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     if not ext.attention_supported(args.head_dim):
         print(f"the attention kernel does not run head dim {args.head_dim} on this CPU")
         return 1
-    print(cpu_summary())
+    cpu = cpu_summary()
+    print(cpu)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for b in args.batch_sizes:
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             }
             sdpa, kernel = (s * 1e6 for s in interleaved_medians([fns["sdpa"], fns["kernel"]], args.repeats))
             rows.append({"batch": b, "tokens": q_len, "context": args.context, "sdpa_us": sdpa, "kernel_us": kernel,
-                         "sdpa_over_kernel": sdpa / kernel, "cpu": cpu_summary()})  # fmt: skip
+                         "sdpa_over_kernel": sdpa / kernel, "cpu": cpu})  # fmt: skip
     print(markdown_table(rows, ["batch", "tokens", "context", "sdpa_us", "kernel_us", "sdpa_over_kernel"]))
     path = args.out / "attention.csv"
     write_csv(path, rows)

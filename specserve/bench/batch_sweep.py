@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
     add_vs_baseline(rows, PolicyName.plain.label)
-    write_csv(args.out / "batch.csv", [row | {"cpu": cpu_summary()} for row in rows])
+    cpu = cpu_summary()
+    write_csv(args.out / "batch.csv", [row | {"cpu": cpu} for row in rows])
     plot_workloads(
         rows,
         ("tok_s", "idle_fraction", "p50_latency_s", "p99_latency_s"),
@@ -166,5 +167,5 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"static SL = {args.static_sl}; trees: beam width {args.beam_width}, budget {args.budget}")
     print(markdown_table(rows, (*SWEEP_COLS, "p50_latency_s", "p99_latency_s")))
-    print(cpu_summary())
+    print(cpu)
     return 0

@@ -56,6 +56,11 @@ def _engine_answers(engine: Engine, stop_id: int) -> AnswerFn:
     return answer
 
 
+def answer_tokens(convs: list[list[int]], prompts: list[list[int]], stop_id: int) -> int:
+    """Tokens the target generated: each conversation past its prompt, less the stop id written where it finished."""
+    return sum(len(c) - len(p) - (len(c) > len(p) and c[-1] == stop_id) for c, p in zip(convs, prompts, strict=True))
+
+
 def _setup(args: argparse.Namespace) -> tuple[LlamaModel, list[list[int]], int, Engine]:
     if args.tiny:
         model = tiny_model(seed=0)
@@ -91,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
             out, _feats = distill(prompts, args.max_new_tokens, aux)
             seconds[name].append(time.perf_counter() - t0)
             convs[name] = [c.tokens for c in out]
-    answer_tokens = sum(len(c) for c in convs["features from generation"]) - sum(len(p) for p in prompts)
     reference = "answers, then a prefill each"
     base = statistics.median(seconds[reference])
     rows = [
@@ -99,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
             "data step": name,
             "prompts": len(prompts),
             "median s": statistics.median(s),
-            "answer tok/s": answer_tokens / statistics.median(s),
+            "answer tokens": answer_tokens(convs[name], prompts, stop_id),
+            "answer tok/s": answer_tokens(convs[name], prompts, stop_id) / statistics.median(s),
             "speed-up": base / statistics.median(s),
             # the first way's answers are the engine's plain greedy decoding: the reference the other is held to
             "same conversations": None
@@ -109,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         for name, s in seconds.items()
     ]
     print(markdown_table(rows))
-    print(cpu_summary())
-    write_csv(args.out / "distill.csv", [row | {"cpu": cpu_summary()} for row in rows])
+    cpu = cpu_summary()
+    print(cpu)
+    write_csv(args.out / "distill.csv", [row | {"cpu": cpu} for row in rows])
     return 0

@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if max(args.rows) > ARGMAX_ROWS:
         print(f"note: past {ARGMAX_ROWS} rows greedy_ids computes the full logits (both columns the same path)")
-    print(cpu_summary())
+    cpu = cpu_summary()
+    print(cpu)
     cache = model.new_cache(1, max(args.rows) + 1)
     slot = cache.allocate()
     tokens = torch.randint(0, model.cfg.vocab_size, (max(args.rows),), generator=torch.Generator().manual_seed(0))
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             row["full_over_bounded"] = ms["full"] / ms["bounded"]
             row["q8_ms"], row["greedy_ms"] = ms.get("q8", float("nan")), ms.get("greedy", float("nan"))
             row["bounded_over_greedy"] = ms["bounded"] / row["greedy_ms"]
-            rows.append({**row, "cpu": cpu_summary()})
+            rows.append({**row, "cpu": cpu})
     cols = ["rows", "full_ms", "bounded_ms", "full_over_bounded", "q8_ms", "greedy_ms", "bounded_over_greedy"]
     print(markdown_table(rows, cols))
     path = args.out / "lm_head.csv"

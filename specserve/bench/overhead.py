@@ -231,8 +231,9 @@ def run(a: argparse.Namespace) -> int:
             rows.append(row)
     table = [{**asdict(r), "mode": r.mode.value} for r in rows]
     print(markdown_table(table))
-    print(cpu_summary())
-    write_csv(a.out, [row | {"cpu": cpu_summary()} for row in table])
+    cpu = cpu_summary()
+    print(cpu)
+    write_csv(a.out, [row | {"cpu": cpu} for row in table])
     print(f"wrote {a.out}")
     return 0
 

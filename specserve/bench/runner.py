@@ -244,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         f" {'unplanned bare ms':>18} {'unplanned runner ms':>20} {'sdpa runner ms':>15}"
         f" {'f32 reads bare ms':>18} {'f32 reads runner ms':>20}"
     )
+    cpu = cpu_summary()
     for r in args.rows:
         bare, eager, python, unpadded, blas_bare, blas, rm_bare, rm, kp_bare, kp, up_bare, up, sdpa, f_bare, f32r = (
             medians[(k, r)] * 1e3
@@ -295,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
                 "sdpa_runner_ms": sdpa,
                 "floor_ms": floor_ms,
                 "dtype": str(model.dtype),
-                "cpu": cpu_summary(),
+                "cpu": cpu,
             }
         )
         line = f"{r:>5} {bare:>9.1f} {eager:>10.1f} {eager / bare:>8.2f}x {eager / floor_ms:>12.2f}x"
