@@ -4,6 +4,7 @@ llama-bench. The builds and timings themselves are benchmarks, not tests."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +135,20 @@ def test_llamacpps_f32_row_is_the_float32_model_and_the_records_have_their_own()
     assert records("F32") == 0
     assert records("Q4_1 records") > 0
     assert {peer for _, peer in RUNNER_WEIGHTS.values()} == {"F32", "Q4_1"}
+
+
+@pytest.mark.real_model
+def test_bench_runner_without_the_small_product_kernel_leaves_its_settings_columns_empty(tmp_path: Path) -> None:
+    """In bfloat16 the kernel is absent, so the models loaded with one of its settings changed are the model
+    itself: their columns repeated the runner's own timings under other names."""
+    import csv
+
+    from specserve.cli import main
+
+    args = ["--dtype", "bfloat16", "--rows", "1", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(["bench", "runner", *args]) == 0
+    (row,) = csv.DictReader((tmp_path / "runner_bfloat16.csv").open())
+    assert row["small_gemm"] == ""
+    empty = ("blas_runner_ms", "rowmajor_runner_ms", "kpacked_bare_ms", "unplanned_runner_ms", "f32_reads_runner_ms")
+    assert all(row[col] == "nan" for col in empty)
+    assert float(row["runner_ms"]) > 0 and float(row["sdpa_runner_ms"]) > 0  # what runs without the kernel is timed
