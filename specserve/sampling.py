@@ -89,14 +89,33 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _GENERATOR_KEYS = 0x6E5F_7C1B_2D93_A4E8  # the workers' generators: a key space apart from the keyed draws'
 
 
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
     return x ^ (x >> 31)
+
+
+def _as_int64(x: int) -> int:
+    """A 64-bit pattern as the signed value an int64 tensor holds (its arithmetic wraps modulo 2**64)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    return (z >> bits) & ((1 << (64 - bits)) - 1)  # logical: int64's >> copies the sign bit
+
+
+def _splitmix64_stream(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, n] int64: outputs 1..n of splitmix64 seeded with each of keys [P] (int64 bit patterns)."""
+    z = keys[:, None] + torch.arange(1, n + 1, dtype=torch.int64, device=keys.device) * _as_int64(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _as_int64(_MIX1)
+    z = (z ^ _shr(z, 27)) * _as_int64(_MIX2)
+    return z ^ _shr(z, 31)
 
 
 def position_key(seed: int, position: int) -> int:
@@ -105,15 +124,14 @@ def position_key(seed: int, position: int) -> int:
 
 
 def keyed_exponentials(seed: int, positions: list[int], vocab: int, device: torch.device | str) -> torch.Tensor:
-    """[N, V] float32 Exp(1) noise; row i is a function of (seed, positions[i]) alone (docs/algorithms.md §1.4).
+    """[N, V] float32 Exp(1) noise; row i is a function of (seed, positions[i]) alone, the same stream on every
+    device (docs/algorithms.md §1.4). A counter-based stream over all 64 bits of the key: torch's CPU generator
+    keeps only a seed's low 32, so two positions of one request would share noise once in ~4e9 pairs of keys.
     Drawn once per distinct position (a tree's nodes at one depth share it)."""
     distinct = sorted(set(positions))
-    rows = []
-    for pos in distinct:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(position_key(seed, pos))
-        rows.append(torch.empty(vocab, device=device).exponential_(generator=gen))  # [V]
-    noise = torch.stack(rows)  # [P, V]
+    keys = torch.tensor([_as_int64(position_key(seed, pos)) for pos in distinct], dtype=torch.int64, device=device)
+    bits = _shr(_splitmix64_stream(keys, vocab), 12)  # [P, V] the top 52 bits
+    noise = (-((bits.double() + 0.5) * 2.0**-52).log()).float()  # [P, V]; u in (0, 1) exactly: E > 0
     if len(distinct) == len(positions) and distinct == positions:
         return noise
     index = {pos: i for i, pos in enumerate(distinct)}
@@ -148,8 +166,9 @@ def make_generator(
 ) -> torch.Generator:
     """A generator for one request's ``stream`` (0: the target's draws, 1: the draft's) from ``position`` on (the
     sequence's length when a worker registers it): a sequence registered again later (a new worker, a reset, a move
-    to another lane) draws afresh instead of repeating the draws it began with; never seeded as a keyed draw
-    (``keyed_exponentials``) is. Any 64-bit seed maps into the range torch accepts."""
+    to another lane) draws afresh instead of repeating the draws it began with. Any 64-bit seed maps into the range
+    torch accepts (on CPU its generator keeps the low 32 bits: two requests' streams coincide once in ~4e9 pairs,
+    which keyed draws avoid)."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()

@@ -304,3 +304,12 @@ def test_a_head_trains_on_the_device_from_the_devices_features(tmp_path: Path, k
     params = SamplingParams(max_tokens=16, temperature=0.0)
     for prompt in PROMPTS:
         assert engine.generate([prompt], params)[0].token_ids == greedy_reference(target, prompt, 16)
+
+
+def test_keyed_noise_is_the_same_stream_on_the_device_as_on_the_host() -> None:
+    """The draws of docs/algorithms.md §1.4: the same 64-bit stream (only the device's log may round apart)."""
+    from specserve.sampling import keyed_exponentials
+
+    positions = [0, 7, 7, 123_456]
+    host = keyed_exponentials(2**63 + 5, positions, 4099, "cpu")
+    assert torch.allclose(keyed_exponentials(2**63 + 5, positions, 4099, "cuda").cpu(), host, rtol=1e-6, atol=0)

@@ -22,6 +22,7 @@ from specserve.sampling import (
     keyed_exponentials,
     keyed_sample,
     make_generator,
+    position_key,
     process_logits,
 )
 from specserve.spec_decode.draft_tree import DraftTree
@@ -64,6 +65,29 @@ def test_keyed_noise_is_a_function_of_seed_and_position() -> None:
     assert torch.equal(keyed_exponentials(11, [4], 50, "cpu")[0], a[1])  # the same alone as among other rows
     assert not torch.equal(keyed_exponentials(12, [3], 50, "cpu")[0], a[0])
     assert (a > 0).all()
+
+
+def test_keys_that_share_their_low_32_bits_still_draw_apart() -> None:
+    """torch's CPU generator seeds from a key's low 32 bits: these two positions of one request drew the same noise
+    when the rows came from it."""
+    assert position_key(42, 32497) & 0xFFFF_FFFF == position_key(42, 94160) & 0xFFFF_FFFF
+    assert position_key(42, 32497) != position_key(42, 94160)
+    a, b = keyed_exponentials(42, [32497, 94160], 64, "cpu")
+    assert not torch.equal(a, b)
+
+
+def test_keyed_noise_is_exponential_and_uncorrelated() -> None:
+    noise = keyed_exponentials(5, list(range(40)), 5000, "cpu")  # [40, 5000]: 200k draws
+    assert noise.dtype == torch.float32 and (noise > 0).all()
+    noise = noise.double()
+    assert abs(noise.mean().item() - 1) < 0.01 and abs(noise.var().item() - 1) < 0.03  # Exp(1): mean 1, var 1
+    row = noise[0].sort().values  # Kolmogorov-Smirnov against 1 - exp(-x) over one row of 5000
+    ks = ((1 - (-row).exp()) - torch.arange(1, 5001, dtype=torch.float64) / 5000).abs().max().item()
+    assert ks < 1.63 / 5000**0.5  # the 1% critical value
+    lag = torch.corrcoef(torch.stack([noise[:, :-1].flatten(), noise[:, 1:].flatten()]))[0, 1].item()
+    assert abs(lag) < 0.01  # neighbouring columns (consecutive outputs of one stream) uncorrelated
+    rows = torch.corrcoef(torch.stack([noise[:-1].flatten(), noise[1:].flatten()]))[0, 1].item()
+    assert abs(rows) < 0.01  # neighbouring positions too
 
 
 def test_keyed_sample_draws_from_p_and_maps_reduced_columns() -> None:
