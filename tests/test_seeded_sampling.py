@@ -139,6 +139,19 @@ def test_a_draft_with_non_finite_logits_only_drafts_badly(target: LlamaModel) ->
     assert _alone(target, broken, spec, PROMPTS[0]) == _alone(target, broken, SPECS["off"], PROMPTS[0])
 
 
+def test_a_sampled_chain_from_a_draft_with_non_finite_logits_drafts_its_argmax(target: LlamaModel) -> None:
+    """``chain_draft = sampled`` drew from the nan row with ``torch.multinomial``, which raised: the step failed for
+    every sequence in the batch. The row now drafts its argmax, shipped as a point mass."""
+    broken = noisy_copy(target, 0.0)
+    with torch.no_grad():
+        broken.norm.fill_(float("nan"))
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.sampled)
+    engine = Engine(target, None, draft=broken, speculation=spec, eos_token_ids=set(), max_batch_size=2)
+    done = engine.generate([PROMPTS[0], PROMPTS[1]], SEEDED)
+    assert [len(c.token_ids) for c in done] == [24, 24]
+    assert all(c.stats.drafted > 0 for c in done)  # it drafted (each draft the argmax of a nan row)
+
+
 def test_seeded_output_is_the_same_alone_batched_and_with_any_drafter(target: LlamaModel, draft: LlamaModel) -> None:
     prompt = PROMPTS[1]
     reference = _alone(target, draft, SPECS["off"], prompt)

@@ -39,7 +39,11 @@ def _next_token(s: DraftState, logits: torch.Tensor) -> int:
         # a draft row without mass (non-finite logits) proposes its argmax: any proposal is lossless
         column = torch.where(column < probs.shape[-1], column, logits[-1:].argmax(-1))
         return int(target_ids(s, column)[0])  # host sync
-    idx, prob = sparse_topk(process_logits(logits[-1:], s.params), s.item.spec.q_top_k)
+    probs = process_logits(logits[-1:], s.params)  # [1, V']
+    # a draft row without mass (non-finite logits) proposes its argmax with q a point mass there (lossless, §1.1)
+    point = torch.zeros_like(probs).scatter_(-1, logits[-1:].argmax(-1, keepdim=True), 1.0)  # [1, V']
+    probs = torch.where(probs.sum(-1, keepdim=True) > 0, probs, point)
+    idx, prob = sparse_topk(probs, s.item.spec.q_top_k)
     idx = target_ids(s, idx)
     s.q_idx.append(idx[0])
     s.q_prob.append(prob[0])
