@@ -10,7 +10,7 @@ import pytest
 from specserve.errors import SettingsError
 from specserve.train.corpus import ASKS, CorpusError, corpus_files, corpus_passages, paragraphs, passages
 from specserve.train.pipeline import TrainDraftConfig
-from specserve.train.self_prompts import shingles
+from specserve.train.self_prompts import BannedRuns
 
 PROSE = """   The quick brown fox jumps over the lazy dog while the farmer watches from
    the porch of the old wooden house at the end of the long and dusty road.
@@ -48,17 +48,17 @@ def test_corpus_passages_are_seeded_prefix_stable_and_never_the_evaluation_set(t
     (tmp_path / "a.u8").symlink_to(tmp_path / "a.txt")  # the same file again: read once
     files = corpus_files([tmp_path, tmp_path / "a.txt"])
     assert [f.name for f in files] == ["a.txt", "b.dict.dz"]
-    banned = shingles(paras[3] + " " + paras[200])  # two paragraphs' 8-word runs, one in each file
+    banned = BannedRuns.of([paras[3] + " " + paras[200]])  # two paragraphs' 8-word runs, one in each file
     pairs = corpus_passages(files, 1000, seed=5, banned=banned, min_chars=50, max_chars=300)
     texts = [p for _, p in pairs]
     assert pairs == corpus_passages(files, 1000, seed=5, banned=banned, min_chars=50, max_chars=300)
     assert corpus_passages(files, 7, seed=5, banned=banned, min_chars=50, max_chars=300) == pairs[:7]
     assert [p for _, p in corpus_passages(files, 1000, 6, banned, 50, 300)] != texts  # another seed, another order
     assert all(ask in ASKS for ask, _ in pairs)
-    assert not any(shingles(t) & banned for t in texts)
+    assert not any(banned.hit(t) for t in texts)
     joined = "\n\n".join(texts)
     assert paras[3] not in joined and paras[200] not in joined
-    unbanned = [p for _, p in corpus_passages(files, 1000, 5, set(), 50, 300)]
+    unbanned = [p for _, p in corpus_passages(files, 1000, 5, BannedRuns.of([]), 50, 300)]
     # each paragraph lands in exactly one passage, a passage holds paragraphs of one file, and a banned run drops
     # only the passages holding it
     assert sorted(q for t in unbanned for q in t.split("\n\n")) == sorted(paras)

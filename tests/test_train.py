@@ -22,7 +22,7 @@ from specserve.spec_decode.eagle_head import HeadKind, dense_weight, load_eagle_
 from specserve.train.distill import Sample, generate_with_features, greedy_distiller, iter_samples, target_features
 from specserve.train.lexicon_prompts import WORDNET_DIR, WordNetMissing, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
-from specserve.train.self_prompts import keep_requests, mt_bench_shingles, self_prompts, user_turn_prefix
+from specserve.train.self_prompts import keep_requests, mt_bench_runs, self_prompts, user_turn_prefix
 from specserve.train.trainer import TrainConfig, init_head, starting_head, train_head, ttt_loss, ttt_mask
 from specserve.train.vocab import column_of, coverage, token_counts, top_vocab
 
@@ -263,7 +263,7 @@ def test_seed_prompts_are_not_the_evaluation_set() -> None:
 def test_self_written_requests_are_filtered_and_never_the_evaluation_set() -> None:
     raw = resources.files("specserve.bench").joinpath("data/mt_bench.jsonl").read_text()
     bench_turn = json.loads(raw.splitlines()[3])["turns"][0]
-    banned = mt_bench_shingles()
+    banned = mt_bench_runs()
     drawn = [
         "  How do I repot a cactus without hurting my hands?\n",
         None,  # did not finish
@@ -280,6 +280,14 @@ def test_self_written_requests_are_filtered_and_never_the_evaluation_set() -> No
         "Which is heavier, a kilogram of feathers or a kilogram of iron?",
     ]
     assert keep_requests([bench_turn[: len(bench_turn) // 2 + 60]], banned, []) == []  # a part of one, too
+    # every turn asked alone, shorter than 8 words too ("Prove the Pythagorean theorem."), curly apostrophes or not
+    turns = [t for line in raw.splitlines() if line.strip() for t in json.loads(line)["turns"]]
+    assert sum(len(re.findall(r"[a-z0-9']+", t.lower())) < 8 for t in turns) >= 5
+    assert keep_requests(turns, banned, []) == []
+    assert keep_requests([t.replace("'", "\u2019") + " Thanks!" for t in turns], banned, []) == []
+    assert keep_requests(["Tell me: can you parallelize it?", "Can you paralyze it?"], banned, []) == [
+        "Can you paralyze it?"
+    ]
 
 
 def _mini_wordnet(root: Path, planted_gloss: str) -> Path:
@@ -335,17 +343,12 @@ def test_lexicon_prompts_draw_on_wordnet_and_never_the_evaluation_set(tmp_path: 
 def test_lexicon_prompts_from_the_installed_wordnet_are_varied() -> None:
     prompts = lexicon_prompts(4800, seed=0)
     assert len(set(prompts)) == 4800
-    bench = mt_bench_shingles(6)  # stricter than the generator's own 8-word filter
-    assert not [p for p in prompts if set(_shingles(p, 6)) & bench]
+    bench = mt_bench_runs(6)  # stricter than the generator's own 8-word filter
+    assert not [p for p in prompts if bench.hit(p)]
     vocab = {w for p in prompts for w in re.findall(r"[a-z]+", p.lower())}
     assert len(vocab) > 4000  # thousands of distinct words, against ~300 in the templated seed prompts
     seeds = {w for p in seed_prompts(4800, 0) for w in re.findall(r"[a-z]+", p.lower())}
     assert len(vocab) > 2 * len(seeds)  # the seed prompts include stdlib docstrings
-
-
-def _shingles(text: str, n: int) -> list[tuple[str, ...]]:
-    words = re.findall(r"[a-z0-9']+", text.lower())
-    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
 
 
 @pytest.mark.real_model

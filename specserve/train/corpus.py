@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from specserve.errors import SettingsError
-from specserve.train.self_prompts import shingles
+from specserve.train.self_prompts import BannedRuns
 
 BINARY_PROBE = 8192
 COMPRESSED = (".gz", ".dz")  # dictzip is gzip with an index in its header
@@ -124,7 +124,7 @@ def corpus_passages(
     files: list[Path],
     n: int,
     seed: int,
-    banned: set[tuple[str, ...]],
+    banned: BannedRuns,
     min_chars: int = 300,
     max_chars: int = 2000,
 ) -> list[tuple[str, str]]:
@@ -132,7 +132,7 @@ def corpus_passages(
     fewer when the files hold fewer."""
     if not 0 < min_chars <= max_chars:
         raise CorpusError(f"need 0 < min_chars <= max_chars, got {min_chars}, {max_chars}")
-    pool = [p for path in files for p in passages(read_text(path), min_chars, max_chars) if not shingles(p) & banned]
+    pool = [p for path in files for p in passages(read_text(path), min_chars, max_chars) if not banned.hit(p)]
     rng = random.Random(seed)
     rng.shuffle(pool)
     return [(rng.choice(ASKS), p) for p in pool[:n]]

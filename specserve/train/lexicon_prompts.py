@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.errors import SettingsError, SpecServeError
-from specserve.train.self_prompts import mt_bench_shingles, shingles
+from specserve.train.self_prompts import mt_bench_runs
 
 WORDNET_DIR = Path("/usr/share/wordnet")
 
@@ -296,10 +296,10 @@ def _fill(template: str, rng: random.Random, pools: _Pools) -> str:
 
 def lexicon_prompts(n: int, seed: int = 0, wordnet_dir: Path = WORDNET_DIR) -> list[str]:
     """``n`` distinct prompts, deterministic for (``seed``, the WordNet files); none shares an 8-word run with
-    MT-bench."""
+    MT-bench or holds a shorter turn whole."""
     pools = _Pools(load_nouns(wordnet_dir))
     rng = random.Random(seed)
-    banned = mt_bench_shingles()
+    banned = mt_bench_runs()
     kinds = list(WEIGHTS)
     weights = [WEIGHTS[k] for k in kinds]
     out: list[str] = []
@@ -311,7 +311,7 @@ def lexicon_prompts(n: int, seed: int = 0, wordnet_dir: Path = WORDNET_DIR) -> l
             raise SettingsError(f"could not draw {n} distinct prompts from WordNet in {wordnet_dir}")
         kind = rng.choices(kinds, weights)[0]
         prompt = _fill(rng.choice(TEMPLATES[kind]), rng, pools)
-        if prompt in seen or shingles(prompt) & banned:
+        if prompt in seen or banned.hit(prompt):
             continue
         seen.add(prompt)
         out.append(prompt)

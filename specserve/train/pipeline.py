@@ -56,7 +56,7 @@ from specserve.train.distill import (
 )
 from specserve.train.lexicon_prompts import WORDNET_DIR, check_wordnet, lexicon_prompts
 from specserve.train.seed_prompts import seed_prompts, text_passages
-from specserve.train.self_prompts import AskFn, mt_bench_shingles, self_prompts
+from specserve.train.self_prompts import AskFn, mt_bench_runs, self_prompts
 from specserve.train.trainer import TrainConfig, check_starting_head, train_head, write_provenance
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
@@ -211,7 +211,7 @@ def train_draft(
     if cfg.corpus_passages:
         files = corpus_files(list(cfg.corpus))
         digest = corpus_digest(files)
-        pairs = corpus_passages(files, cfg.corpus_passages, cfg.data.seed, mt_bench_shingles())
+        pairs = corpus_passages(files, cfg.corpus_passages, cfg.data.seed, mt_bench_runs())
         samples += teacher_forced("corpus", pairs, {"prompts": "corpus", "corpus_sha256": digest})
         corpus_record = {"files": [str(f) for f in files], "sha256": digest, "passages": len(pairs)}
     if cfg.lexicon_prompts:
@@ -231,7 +231,7 @@ def train_draft(
     if cfg.self_prompts:
         if ask is None:
             raise ValueError("self_prompts needs an ask function (the target sampling user requests)")
-        banned = mt_bench_shingles()
+        banned = mt_bench_runs()
 
         def requests(n: int, seed: int) -> list[str]:
             return self_prompts(tokenizer, ask, n, seed, banned)
@@ -447,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.corpus_passages:  # a missing, unreadable or non-UTF-8 file, or one without passages, fails now, not
         # after the other data (hours in)
         files = corpus_files(list(cfg.corpus))
-        found = len(corpus_passages(files, cfg.corpus_passages, cfg.data.seed, mt_bench_shingles()))
+        found = len(corpus_passages(files, cfg.corpus_passages, cfg.data.seed, mt_bench_runs()))
         where = ", ".join(map(str, cfg.corpus))
         if not found:
             raise CorpusError(f"--corpus {where}: no passage of 300-2000 characters (paragraphs) to train on")

@@ -3,7 +3,8 @@ turn and nothing else, an instruction-tuned model samples a user request of the 
 requests are closer to real chat traffic than templates, and need nothing but the target.
 
 The requests are filtered (finished, plain text, not too short or long, no duplicates) and any request that
-shares an 8-word run with an MT-bench turn is dropped: MT-bench is the evaluation set.
+shares an 8-word run with an MT-bench turn, or holds a shorter turn whole, is dropped: MT-bench is the evaluation
+set.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from importlib import resources
 
 from transformers import PreTrainedTokenizerBase
@@ -31,20 +33,46 @@ def user_turn_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return list(tokenizer.encode(text[: text.index(marker)], add_special_tokens=False))
 
 
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower().replace("\u2019", "'"))
+
+
 def shingles(text: str, n: int = SHINGLE_WORDS) -> set[tuple[str, ...]]:
-    words = re.findall(r"[a-z0-9']+", text.lower())
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+    w = words(text)
+    return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
 
 
-def mt_bench_shingles(n: int = SHINGLE_WORDS) -> set[tuple[str, ...]]:
+@dataclass(frozen=True)
+class BannedRuns:
+    """The word runs no training text may hold: every ``n``-word run of the banned texts, and each banned text
+    shorter than ``n`` words whole (an MT-bench turn such as "Prove the Pythagorean theorem." has no 8-word run)."""
+
+    runs: frozenset[tuple[str, ...]]
+    short: tuple[str, ...]  # the short texts' words, space-joined and space-padded
+    n: int = SHINGLE_WORDS
+
+    @classmethod
+    def of(cls, texts: Iterable[str], n: int = SHINGLE_WORDS) -> BannedRuns:
+        texts = list(texts)
+        short = {" " + " ".join(w) + " " for t in texts if 0 < len(w := words(t)) < n}
+        return cls(frozenset().union(*(shingles(t, n) for t in texts)), tuple(sorted(short)), n)
+
+    def hit(self, text: str) -> bool:
+        w = words(text)
+        if len(w) >= self.n and not shingles(text, self.n).isdisjoint(self.runs):
+            return True
+        joined = " " + " ".join(w) + " "
+        return any(run in joined for run in self.short)
+
+
+def mt_bench_runs(n: int = SHINGLE_WORDS) -> BannedRuns:
     raw = resources.files("specserve.bench").joinpath("data/mt_bench.jsonl").read_text()
-    turns = [t for line in raw.splitlines() if line.strip() for t in json.loads(line)["turns"]]
-    return set().union(*(shingles(t, n) for t in turns))
+    return BannedRuns.of((t for line in raw.splitlines() if line.strip() for t in json.loads(line)["turns"]), n)
 
 
-def keep_requests(texts: Iterable[str | None], banned: set[tuple[str, ...]], special: Iterable[str]) -> list[str]:
+def keep_requests(texts: Iterable[str | None], banned: BannedRuns, special: Iterable[str]) -> list[str]:
     """The usable requests, in order: finished (not None), ``MIN_CHARS``..``MAX_CHARS`` long once stripped, no
-    special-token text, none seen before, no ``SHINGLE_WORDS``-word run in ``banned``."""
+    special-token text, none seen before, none holding a run of ``banned``."""
     specials = [s for s in special if s]
     out: list[str] = []
     seen: set[str] = set()
@@ -54,7 +82,7 @@ def keep_requests(texts: Iterable[str | None], banned: set[tuple[str, ...]], spe
         text = text.strip()
         if not MIN_CHARS <= len(text) <= MAX_CHARS or any(s in text for s in specials):
             continue
-        if text in seen or shingles(text) & banned:
+        if text in seen or banned.hit(text):
             continue
         seen.add(text)
         out.append(text)
@@ -62,7 +90,7 @@ def keep_requests(texts: Iterable[str | None], banned: set[tuple[str, ...]], spe
 
 
 def self_prompts(
-    tokenizer: PreTrainedTokenizerBase, ask: AskFn, n: int, seed: int, banned: set[tuple[str, ...]]
+    tokenizer: PreTrainedTokenizerBase, ask: AskFn, n: int, seed: int, banned: BannedRuns
 ) -> list[str]:
     """Up to ``n`` requests the target writes (fewer where samples are dropped); deterministic for ``seed`` when
     ``ask`` is (seeded sampling here is a function of the seed and position alone)."""
