@@ -74,13 +74,13 @@ def test_bad_corpus_settings_are_clear_errors(tmp_path: Path) -> None:
         corpus_files([tmp_path])
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     with pytest.raises(CorpusError, match=r"latin1\.txt is not UTF-8"):
-        corpus_passages(corpus_files([tmp_path]), 1, 0, set(), 1, 100)
+        corpus_passages(corpus_files([tmp_path]), 1, 0, BannedRuns.of([]), 1, 100)
     (tmp_path / "latin1.txt").unlink()
     (tmp_path / "cut.dz").write_bytes(gzip.compress(b"some text " * 1000)[:-30])
     with pytest.raises(CorpusError, match=r"cannot read .*cut\.dz"):
         corpus_files([tmp_path])
     with pytest.raises(CorpusError, match=r"cannot read .*cut\.dz"):
-        corpus_passages([tmp_path / "cut.dz"], 1, 0, set(), 1, 100)
+        corpus_passages([tmp_path / "cut.dz"], 1, 0, BannedRuns.of([]), 1, 100)
     with pytest.raises(SettingsError, match="corpus paths a number of passages"):
         TrainDraftConfig("smollm2-135m-instruct", corpus=(tmp_path,))
     with pytest.raises(SettingsError, match="corpus passages need corpus paths"):

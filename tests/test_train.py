@@ -22,7 +22,7 @@ from specserve.spec_decode.eagle_head import HeadKind, dense_weight, load_eagle_
 from specserve.train.distill import Sample, generate_with_features, greedy_distiller, iter_samples, target_features
 from specserve.train.lexicon_prompts import WORDNET_DIR, WordNetMissing, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
-from specserve.train.self_prompts import keep_requests, mt_bench_runs, self_prompts, user_turn_prefix
+from specserve.train.self_prompts import BannedRuns, keep_requests, mt_bench_runs, self_prompts, user_turn_prefix
 from specserve.train.trainer import TrainConfig, init_head, starting_head, train_head, ttt_loss, ttt_mask
 from specserve.train.vocab import column_of, coverage, token_counts, top_vocab
 
@@ -49,6 +49,19 @@ def test_top_vocab_forces_specials_and_orders_by_frequency() -> None:
     assert col[5] == 1 and col[4] == -1
     with pytest.raises(ValueError):
         top_vocab(counts, 1, forced=[0, 1])
+
+
+def test_every_id_generation_stops_at_is_forced_into_the_draft_vocabulary() -> None:
+    """A Llama-3-style config stops at three EOS ids while its tokenizer names one: the other two fell out of a
+    draft vocabulary picked from the training counts, where the head could never propose them."""
+    from types import SimpleNamespace
+
+    from specserve.train.pipeline import special_ids
+
+    tokenizer = SimpleNamespace(all_special_ids=[0, 1, 9], eos_token_id=9)
+    assert special_ids(tokenizer, [7, 8, 9]) == [0, 1, 7, 8, 9]  # type: ignore[arg-type]
+    assert special_ids(tokenizer, 9) == [0, 1, 9]  # type: ignore[arg-type]
+    assert special_ids(None, 4) == [4]
 
 
 def _samples(n: int, seed: int, hidden: int, aux_width: int = 0) -> list[Sample]:
@@ -247,7 +260,8 @@ def test_seed_prompts_are_not_the_evaluation_set() -> None:
     assert len(set(prompts)) == 3000
     assert seed_prompts(50, seed=0) == prompts[:50]  # deterministic for a seed
     assert seed_prompts(50, seed=1) != prompts[:50]
-    shared = [p for p in prompts if shingles(p) & bench]
+    short_turns = mt_bench_runs(6)  # and the turns of fewer than 6 words, whole
+    shared = [p for p in prompts if shingles(p) & bench or short_turns.hit(p)]
     assert not shared, shared[:3]
     # the teacher-forced docstrings (every one the shipped head saw) share no 8-word run with MT-bench; 6-word
     # runs do occur, all the API phrase "value is a list of strings", so 8 is the check here
@@ -352,6 +366,23 @@ def test_lexicon_prompts_from_the_installed_wordnet_are_varied() -> None:
 
 
 @pytest.mark.real_model
+def test_a_passage_quoting_special_token_text_is_answered_to_its_end() -> None:
+    """Parsed, ``<|im_end|>`` in a passage (docs/benchmarks.md quotes it) was the EOS id mid-answer: the head
+    learned to go on after an end of turn."""
+    from specserve.config import ModelSpec
+    from specserve.models.loader import load_tokenizer
+    from specserve.train.distill import chat_ids, teacher_forced
+
+    tokenizer = load_tokenizer(ModelSpec())
+    conv = teacher_forced(tokenizer, "Write a passage.", "It ends each turn with <|im_end|> and goes on.")
+    assert conv.prompt_len == len(chat_ids(tokenizer, "Write a passage."))
+    answer = conv.tokens[conv.prompt_len :]
+    assert answer[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in answer[:-1]
+    assert not set(answer[:-1]) & set(tokenizer.all_special_ids)
+    assert tokenizer.decode(answer[:-1]) == "It ends each turn with <|im_end|> and goes on."
+
+
+@pytest.mark.real_model
 def test_self_prompts_ask_from_the_user_header_of_the_chat_template() -> None:
     from specserve.config import ModelSpec
     from specserve.models.loader import load_tokenizer
@@ -369,7 +400,7 @@ def test_self_prompts_ask_from_the_user_header_of_the_chat_template() -> None:
         asked.append((prefix_ids, n, seed))
         return [body, None, tokenizer.encode(" " + request + " ", add_special_tokens=False)][:n]
 
-    assert self_prompts(tokenizer, ask, 3, 7, set()) == [request]
+    assert self_prompts(tokenizer, ask, 3, 7, BannedRuns.of([])) == [request]
     assert asked == [(prefix, 3, 7)]
 
 

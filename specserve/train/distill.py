@@ -252,21 +252,26 @@ def build_text_dataset(
     generation, so ~6x cheaper per token than ``build_dataset``. The head still learns the target's own
     next-token distributions (the trainer computes them from the features)."""
     out.mkdir(parents=True, exist_ok=True)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     chunks = []
     for n in range(0, len(pairs), chunk_size):
         path = out / f"chunk_{n // chunk_size:05d}.safetensors"
         chunks.append(path)
         _drop_if_other_size(path, len(pairs[n : n + chunk_size]))
         if not path.exists():
-            convs = []
-            for prompt, text in pairs[n : n + chunk_size]:
-                ids = chat_ids(tokenizer, prompt)
-                convs.append(Conversation(ids + tokenizer.encode(text, add_special_tokens=False) + eos, len(ids)))
+            convs = [teacher_forced(tokenizer, prompt, text) for prompt, text in pairs[n : n + chunk_size]]
             write_chunk(path, convs, target_features(model, convs, aux_layers), asked=len(convs))
         if progress is not None:
             progress(min(n + chunk_size, len(pairs)), len(pairs))
     return chunks
+
+
+def teacher_forced(tokenizer: PreTrainedTokenizerBase, prompt: str, text: str) -> Conversation:
+    """The chat prompt, then ``text`` as the answer and EOS. Special-token text in ``text`` (a passage quoting
+    ``<|im_end|>``) is spelt in ordinary tokens: parsed, it would end the answer where the text goes on."""
+    ids = chat_ids(tokenizer, prompt)
+    answer = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return Conversation(ids + answer + eos, len(ids))
 
 
 def _drop_if_other_size(path: Path, asked: int) -> None:

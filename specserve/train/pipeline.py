@@ -28,6 +28,7 @@ from specserve.arg_types import (
     present_device_arg,
 )
 from specserve.bench.machine import device_summary
+from specserve.build import eos_ids_of
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
 from specserve.models.sources import sha256_file
@@ -97,13 +98,12 @@ class TrainDraftConfig:
         )
 
 
-def special_ids(tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
-    """EOS and the chat template's special tokens: always in the draft vocabulary."""
-    if tokenizer is None:
-        return []
-    ids = set(tokenizer.all_special_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+def special_ids(tokenizer: PreTrainedTokenizerBase | None, config_eos: int | list[int] | None = None) -> list[int]:
+    """Every id generation stops at (the config's EOS ids and the tokenizer's) and the chat template's special
+    tokens: always in the draft vocabulary."""
+    ids = eos_ids_of(config_eos, tokenizer)
+    if tokenizer is not None:
+        ids |= set(tokenizer.all_special_ids)
     return sorted(ids)
 
 
@@ -156,7 +156,7 @@ def train_draft(
             log(
                 f"note: {cfg.train.init_head} was trained for {start.trained_for}; fine-tuning it for {cfg.target_name}"
             )
-    forced = special_ids(tokenizer)
+    forced = special_ids(tokenizer, target.hf_config.eos_token_id)
     if cfg.draft_vocab > target.cfg.vocab_size:
         raise SettingsError(
             f"draft_vocab {cfg.draft_vocab} is larger than the target's vocabulary ({target.cfg.vocab_size})"
