@@ -51,6 +51,18 @@ def test_top_vocab_forces_specials_and_orders_by_frequency() -> None:
         top_vocab(counts, 1, forced=[0, 1])
 
 
+def test_the_data_step_records_its_targets_weights_not_only_its_name() -> None:
+    from specserve.models.tiny import tiny_model
+    from specserve.train.pipeline import weights_fingerprint
+
+    model = tiny_model(seed=0)
+    same = weights_fingerprint(model)
+    assert weights_fingerprint(tiny_model(seed=0)) == same and weights_fingerprint(tiny_model(seed=1)) != same
+    with torch.no_grad():  # one projection changed, the rest untouched
+        next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).weight.mul_(1.01)
+    assert weights_fingerprint(model) != same
+
+
 def test_every_id_generation_stops_at_is_forced_into_the_draft_vocabulary() -> None:
     """A Llama-3-style config stops at three EOS ids while its tokenizer names one: the other two fell out of a
     draft vocabulary picked from the training counts, where the head could never propose them."""
@@ -405,7 +417,7 @@ def test_self_prompts_ask_from_the_user_header_of_the_chat_template() -> None:
 
 
 @pytest.mark.real_model
-def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
+def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from specserve.cli import main
     from specserve.config import ModelSpec
     from specserve.models.loader import load_model, load_tokenizer
@@ -431,6 +443,14 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path) -> None:
     # would add chunks drawn from another list (its manifest then refuses the work dir)
     manifests = [json.loads(m.read_text()) for m in (out / "work").glob("*/manifest.json")]
     assert len(manifests) >= 5 and all(m["python"] == platform.python_version() for m in manifests)
+    # and by content, not by name: other WordNet files under the same path are refused, and so is another
+    # checkpoint under the target's name, before any chunk of theirs is mixed in
+    with (wn / "cntlist.rev").open("a") as f:
+        f.write("3 cape%1:06:01:: 1\n")
+    again = ["train-draft", "--quick", *args, "--wordnet-dir", str(wn), "--out", str(tmp_path / "again")]
+    capsys.readouterr()
+    assert main([*again, "--work-dir", str(out / "work")]) == 2
+    assert "wordnet_sha256" in capsys.readouterr().err and not (tmp_path / "again").exists()
     answer_lens = {
         name: [len(s.tokens) - s.prompt_len for s in iter_samples(out / "work" / name)] for name in ("data", "lexicon")
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import platform
 import sys
@@ -98,6 +99,17 @@ class TrainDraftConfig:
         )
 
 
+def weights_fingerprint(model: LlamaModel) -> str:
+    """sha256 over a strided sample (~4096 values) of every tensor in the model's state dict, with names and
+    shapes: another checkpoint, quantisation or fine-tune under the same name reads differently (~0.1 s)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().flatten()
+        h.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        h.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def special_ids(tokenizer: PreTrainedTokenizerBase | None, config_eos: int | list[int] | None = None) -> list[int]:
     """Every id generation stops at (the config's EOS ids and the tokenizer's) and the chat template's special
     tokens: always in the draft vocabulary."""
@@ -182,6 +194,7 @@ def train_draft(
     data_dir = work_dir / "data"
     samples: list[Sample] = []
     written = {"target": cfg.target_name, "seed": cfg.data.seed, "aux_layers": aux_layers}  # what a chunk depends on
+    written["target_weights"] = weights_fingerprint(target)  # the name alone: a file replaced under it went unseen
     written["python"] = platform.python_version()  # seed prompts and text passages read its stdlib's docs
     answered = written | {"max_new_tokens": cfg.data.max_new_tokens, "chunk_size": cfg.data.chunk_size}
     if cfg.data.num_prompts:
@@ -216,7 +229,8 @@ def train_draft(
         corpus_record = {"files": [str(f) for f in files], "sha256": digest, "passages": len(pairs)}
     if cfg.lexicon_prompts:
         lexicon_dir = work_dir / "lexicon"
-        lexicon = answered | {"max_new_tokens": cfg.lexicon_max_new_tokens, "wordnet_dir": str(cfg.wordnet_dir)}
+        wordnet = hashlib.sha256(b"".join(sha256_file(f).encode() for f in check_wordnet(cfg.wordnet_dir)))
+        lexicon = answered | {"max_new_tokens": cfg.lexicon_max_new_tokens, "wordnet_sha256": wordnet.hexdigest()}
         claim_data_dir(lexicon_dir, lexicon | {"prompts": "lexicon_prompts"})
         chunks = build_dataset(
             distill,
