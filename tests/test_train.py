@@ -63,6 +63,19 @@ def test_the_data_step_records_its_targets_weights_not_only_its_name() -> None:
     assert weights_fingerprint(model) != same
 
 
+def test_a_request_written_again_in_another_chunk_is_trained_on_once() -> None:
+    from specserve.train.pipeline import first_of_each_prompt
+
+    def sample(prompt: list[int], answer: list[int]) -> Sample:
+        tokens = torch.tensor(prompt + answer)
+        return Sample(tokens, torch.zeros(len(tokens), 4, dtype=torch.float16), len(prompt))
+
+    chunk_0 = [sample([1, 2], [5]), sample([1, 3], [6])]
+    chunk_1 = [sample([1, 2], [7, 8]), sample([1], [2, 3]), sample([1, 3, 4], [6])]  # [1, 2] asked again
+    kept = first_of_each_prompt(chunk_0 + chunk_1)
+    assert [s.tokens.tolist() for s in kept] == [[1, 2, 5], [1, 3, 6], [1, 2, 3], [1, 3, 4, 6]]
+
+
 def test_every_id_generation_stops_at_is_forced_into_the_draft_vocabulary() -> None:
     """A Llama-3-style config stops at three EOS ids while its tokenizer names one: the other two fell out of a
     draft vocabulary picked from the training counts, where the head could never propose them."""

@@ -12,7 +12,7 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,19 @@ class TrainDraftConfig:
             draft_vocab=512,
             quick=True,
         )
+
+
+def first_of_each_prompt(samples: Iterable[Sample]) -> list[Sample]:
+    """The samples in order, less any whose prompt an earlier one had (a request the target wrote again in another
+    chunk): each request is trained on once, the same ones however often a run resumed."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for s in samples:
+        prompt = tuple(s.tokens[: s.prompt_len].tolist())
+        if prompt not in seen:
+            seen.add(prompt)
+            out.append(s)
+    return out
 
 
 def weights_fingerprint(model: LlamaModel) -> str:
@@ -261,7 +274,7 @@ def train_draft(
             cfg.data,
             lambda d, n: log(f"self: {d}/{n} requests asked"),
         )
-        self_samples = list(iter_samples(chunks, aux=eagle3))
+        self_samples = first_of_each_prompt(iter_samples(chunks, aux=eagle3))  # (chunks filter only their own)
         num_self = len(self_samples)
         samples += self_samples
     if not samples:
