@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+import shutil
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -491,7 +492,7 @@ def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(
     from specserve.config import HeadSpec, ModelSpec, SpecConfig, SpecMethod
     from specserve.engine import Engine
     from specserve.errors import ModelSourceError
-    from specserve.models.loader import load_draft, load_model, load_tokenizer
+    from specserve.models.loader import frequent_ids, load_draft, load_model, load_tokenizer
     from specserve.sampling import SamplingParams
     from specserve.spec_decode.eagle_head import checkpoint_kind
 
@@ -543,6 +544,12 @@ def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(
     assert prov["data"]["conversations"] == 2
     assert (tuned / "vocab_map.json").read_text() == (out / "vocab_map.json").read_text()
     assert torch.equal(load_eagle_head(tuned, target).draft_ids, head.draft_ids)
+    # a head without a vocabulary map (as published EAGLE-3 heads come): the map written leads with its ids
+    published = tmp_path / "published"
+    shutil.copytree(out, published, ignore=shutil.ignore_patterns("vocab_map.json", "work"))
+    assert main(["train-draft", "--quick", "--kind", "eagle3", "--init-head", str(published), "--prompts", "0",
+                 "--text-passages", "2", "--out", str(tmp_path / "tuned2")]) == 0  # fmt: skip
+    assert torch.equal(frequent_ids(tmp_path / "tuned2", 512, target.cfg.vocab_size), head.draft_ids)
     # an EAGLE-1/2 run: refused before any data, as a one-line error
     assert main(["train-draft", "--quick", "--init-head", str(out), "--out", str(tmp_path / "wrong")]) == 2
     assert "holds an eagle3 head" in capsys.readouterr().err

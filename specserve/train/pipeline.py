@@ -295,8 +295,8 @@ def train_draft(
     )
     if inherited is not None:
         (out_dir / VOCAB_MAP).write_text(inherited)
-    else:
-        write_vocab_map(out_dir, counts, forced)
+    else:  # a fine-tuned EAGLE-3 head without a map (a published one) kept its ids: they lead the map, as d2t says
+        write_vocab_map(out_dir, counts, forced if start is None else sorted(set(forced) | set(draft_ids.tolist())))
     digest = sha256_file(weights)
     (out_dir / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
     write_provenance(
