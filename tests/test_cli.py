@@ -163,6 +163,35 @@ def test_train_draft_without_wordnet_fails_before_loading_the_target(
     assert "WordNet not found" in err and "Traceback" not in err, err
 
 
+def test_train_draft_with_a_corrupt_wordnet_fails_before_loading_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A malformed line of cntlist.rev was an unpacking ValueError, after the seed prompts' data step (hours)."""
+    import specserve.models.loader as loader
+
+    forbid_model_loads(monkeypatch, loader)
+    (tmp_path / "data.noun").write_text("00001740 03 n 01 entity 0 000 | that which exists\n")
+    (tmp_path / "cntlist.rev").write_text("entity%1:03:00:: 1 11\nthis line has four fields\n")
+    argv = ["train-draft", "--out", str(tmp_path / "h"), "--lexicon-prompts", "5", "--wordnet-dir", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cntlist.rev line 2 is not in WordNet's format" in err and "Traceback" not in err, err
+
+
+@pytest.mark.real_model
+def test_train_draft_refuses_a_target_without_a_chat_template_before_it_loads() -> None:
+    from specserve.config import ModelSpec
+    from specserve.errors import SettingsError
+    from specserve.models.loader import load_tokenizer
+    from specserve.train.pipeline import check_chat_template
+
+    tokenizer = load_tokenizer(ModelSpec())
+    check_chat_template(tokenizer, self_prompts=True)
+    tokenizer.chat_template = None
+    with pytest.raises(SettingsError, match="chat template"):
+        check_chat_template(tokenizer, self_prompts=False)
+
+
 def test_a_prompts_file_that_is_not_utf8_or_has_an_infinite_id_is_a_clear_error(tmp_path: Path) -> None:
     from specserve.bench.prompt_sets import load_prompts
     from specserve.errors import InvalidRequestError

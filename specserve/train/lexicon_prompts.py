@@ -44,13 +44,20 @@ class WordNetMissing(SpecServeError, FileNotFoundError):
 def _tag_counts(path: Path) -> dict[tuple[str, int], int]:
     """(lemma, lexicographer file) -> tagged occurrences of its noun senses (``cntlist.rev``)."""
     counts: dict[tuple[str, int], int] = defaultdict(int)
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        key, _, cnt = line.split()
-        lemma, _, sense = key.partition("%")
-        fields = sense.split(":")
-        if fields[0] == "1":  # ss_type 1: noun
-            counts[(lemma.lower(), int(fields[1]))] += int(cnt)
+    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines()):
+        try:
+            key, _, cnt = line.split()
+            lemma, _, sense = key.partition("%")
+            fields = sense.split(":")
+            if fields[0] == "1":  # ss_type 1: noun
+                counts[(lemma.lower(), int(fields[1]))] += int(cnt)
+        except (ValueError, IndexError):
+            raise _corrupt(path, i, line) from None
     return counts
+
+
+def _corrupt(path: Path, index: int, line: str) -> SettingsError:
+    return SettingsError(f"{path} line {index + 1} is not in WordNet's format: {line[:80]!r}")
 
 
 def check_wordnet(wordnet_dir: Path = WORDNET_DIR) -> tuple[Path, Path]:
@@ -66,12 +73,15 @@ def load_nouns(wordnet_dir: Path = WORDNET_DIR, min_count: int = 2) -> list[Noun
     data, cnt = check_wordnet(wordnet_dir)
     counts = _tag_counts(cnt)
     nouns: list[Noun] = []
-    for line in data.read_text(encoding="utf-8", errors="replace").splitlines():
+    for i, line in enumerate(data.read_text(encoding="utf-8", errors="replace").splitlines()):
         if line.startswith(" ") or " | " not in line:
             continue  # the licence header
         head, gloss = line.split(" | ", 1)
         fields = head.split()
-        lexfile, lemma = int(fields[1]), fields[4]
+        try:
+            lexfile, lemma = int(fields[1]), fields[4]
+        except (ValueError, IndexError):
+            raise _corrupt(data, i, line) from None
         word = lemma.replace("_", " ")
         n = counts.get((lemma.lower(), lexfile), 0)
         if n < min_count or not re.fullmatch(r"[A-Za-z][A-Za-z' -]{2,30}", word):

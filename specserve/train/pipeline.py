@@ -56,9 +56,9 @@ from specserve.train.distill import (
     greedy_distiller,
     iter_samples,
 )
-from specserve.train.lexicon_prompts import WORDNET_DIR, check_wordnet, lexicon_prompts
+from specserve.train.lexicon_prompts import WORDNET_DIR, check_wordnet, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
-from specserve.train.self_prompts import AskFn, mt_bench_runs, self_prompts
+from specserve.train.self_prompts import AskFn, mt_bench_runs, self_prompts, user_turn_prefix
 from specserve.train.trainer import TrainConfig, check_starting_head, train_head, write_provenance
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
@@ -97,6 +97,17 @@ class TrainDraftConfig:
             draft_vocab=512,
             quick=True,
         )
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, self_prompts: bool) -> None:
+    """The target answers every prompt through its chat template (and writes its own requests after the template's
+    user header): a tokenizer without one is a clear error, not a transformers traceback after the model loads."""
+    try:
+        chat_ids(tokenizer, "a")
+        if self_prompts:
+            user_turn_prefix(tokenizer)
+    except ValueError as e:
+        raise SettingsError(f"train-draft needs the target tokenizer's chat template: {e}") from None
 
 
 def first_of_each_prompt(samples: Iterable[Sample]) -> list[Sample]:
@@ -480,13 +491,14 @@ def run(args: argparse.Namespace) -> int:
             raise CorpusError(f"--corpus {where}: no passage of 300-2000 characters (paragraphs) to train on")
         if found < cfg.corpus_passages:
             print(f"--corpus {where}: {found} passages, not the {cfg.corpus_passages} asked for", file=sys.stderr)
-    if cfg.lexicon_prompts:  # found missing only after hours of seed prompts otherwise
-        check_wordnet(cfg.wordnet_dir)
+    if cfg.lexicon_prompts and not load_nouns(cfg.wordnet_dir):  # missing or corrupt: found after hours otherwise
+        raise SettingsError(f"no noun in {cfg.wordnet_dir} is common enough to fill the lexicon prompts")
     spec = ModelSpec(source=args.model, gemv_copies=False)
+    tokenizer = load_tokenizer(spec)
+    check_chat_template(tokenizer, cfg.self_prompts > 0)  # before the target loads
     target = load_model(spec, device=args.device)
     for p in target.parameters():
         p.requires_grad_(False)
-    tokenizer = load_tokenizer(spec)
     distill = greedy_distiller(target, eos_ids_of(target.hf_config.eos_token_id, tokenizer), batch_size)
 
     @functools.cache
