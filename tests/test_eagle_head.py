@@ -743,10 +743,16 @@ def test_an_eagle3_head_in_the_speculators_format_loads(tmp_path: Path) -> None:
         ({"speculators_model_type": "mlp"}, "speculators_model_type 'mlp'"),
         ({"transformer_layer_config": None}, "without a transformer_layer_config"),
         ({"layernorms": True}, "layernorms"),
+        ({"norm_output": True}, "norm_output"),
     ]:
         (path / "config.json").write_text(json.dumps(config | bad))
         with pytest.raises(UnsupportedModelError, match=says):
             load_eagle_head(path, target)
+    # the speculators' own default is norm_before_residual true (a flat EAGLE-3 config's, false)
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "norm_before_residual"}))
+    assert load_eagle_head(path, target).cfg.norm_before_residual
+    (path / "config.json").write_text(json.dumps(config | {"norm_before_residual": False}))
+    assert not load_eagle_head(path, target).cfg.norm_before_residual
 
 
 def test_an_eagle1_input_norm_is_ignored_as_the_reference_does(tmp_path: Path, target: LlamaModel) -> None:

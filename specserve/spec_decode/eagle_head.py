@@ -562,6 +562,11 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
             f"the head's hidden size is {hidden} and its target_hidden_size {wide}: heads narrower or wider than "
             "their target (fc from 3 x target_hidden_size, an embedding of their own) are not supported"
         )
+    if raw.get("norm_output") is True:  # (no tensors of its own: nothing else would tell it apart)
+        raise UnsupportedModelError(
+            "norm_output (the next feature is norm(h), not h) is not supported: drafting with h would load "
+            "without error and be mostly rejected"
+        )
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or {})
     aux: tuple[int, ...] = ()
@@ -603,7 +608,8 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
 def lifted_speculators_config(raw: dict[str, Any], where: Path) -> dict[str, Any]:
     """A config in the speculators' format (``speculators_model_type``; RedHatAI's published EAGLE-3 heads) as the
     flat one: its Llama fields, nested under ``transformer_layer_config``, lifted to the top where the top does not
-    set them, and its ``fusion_bias`` read as ``bias``. Any other config as it is."""
+    set them, its ``fusion_bias`` read as ``bias``, and an EAGLE-3 one without ``norm_before_residual`` given the
+    speculators' default, true. Any other config as it is."""
     if "speculators_model_type" not in raw:
         return raw
     kind = raw["speculators_model_type"]
@@ -617,6 +623,8 @@ def lifted_speculators_config(raw: dict[str, Any], where: Path) -> dict[str, Any
     flat = {k: v for k, v in layer.items() if v is not None} | raw
     if "bias" not in flat and isinstance(raw.get("fusion_bias"), bool):
         flat["bias"] = raw["fusion_bias"]
+    if kind == "eagle3" and "norm_before_residual" not in flat:
+        flat["norm_before_residual"] = True  # the speculators' default (a flat EAGLE-3 config's is false)
     return flat
 
 
