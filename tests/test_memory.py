@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from deployments.app_args import AppArgs, WorkerRole
 from specserve.config import ModelSpec, SpecConfig, SpecMethod
-from specserve.errors import CorruptModelError, KVCapacityError, SettingsError, UnsupportedModelError
+from specserve.errors import CorruptModelError, KVCapacityError, ModelSourceError, SettingsError, UnsupportedModelError
 from specserve.limits import context_limits, model_shape
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
@@ -142,6 +142,29 @@ def test_loading_builds_the_serving_dtype_directly(tmp_path: Path, dtype: str, t
     for (name, p), (_, q) in zip(loaded.state_dict().items(), want.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
     assert torch.equal(_logits(loaded, [3, 4, 5, 6]), _logits(want, [3, 4, 5, 6]))
+
+
+def test_only_the_indexed_shards_are_read_and_a_tensor_in_two_files_is_refused(tmp_path: Path) -> None:
+    """Every *.safetensors was opened and a later file's tensor silently won: a stale unsharded model.safetensors
+    sorts after model-00001-of-00002.safetensors, and Mistral repositories carry consolidated.safetensors too."""
+    model = tiny_model(tiny_config(num_hidden_layers=2), seed=3)
+    spec = ModelSpec(source=str(tmp_path / "m"), native_stack=False, small_gemm=False)
+    path = _write_hf_dir(model, tmp_path / "m")
+    sd = hf_state_dict(model)
+    stale = {"model.norm.weight": sd["model.norm.weight"] * 2}
+    save_file(stale, path / "zz-stale.safetensors")
+    with pytest.raises(CorruptModelError, match=r"'model\.norm\.weight' is in both model\.safetensors and zz-stale"):
+        load_model_dir(path, spec)
+    (path / "zz-stale.safetensors").rename(path / "consolidated.safetensors")  # skipped by name
+    assert torch.equal(load_model_dir(path, spec).norm, model.norm)
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
+    save_file(stale, path / "model.safetensors")  # a stale file beside the shard the index names
+    weight_map = dict.fromkeys(sd, "model-00001-of-00001.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert torch.equal(load_model_dir(path, spec).norm, model.norm)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
+    with pytest.raises(ModelSourceError, match=r"names weight files that are not there: model-00002\."):
+        load_model_dir(path, spec)
 
 
 def test_a_checkpoint_deeper_or_shallower_than_its_config_or_with_non_finite_weights_is_refused(tmp_path: Path) -> None:

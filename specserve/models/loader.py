@@ -93,6 +93,31 @@ def use_native_q4(model: LlamaModel, spec: ModelSpec) -> None:
         )
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The shards a ``model.safetensors.index.json`` names, or without one every ``*.safetensors`` but Mistral's
+    ``consolidated*`` copy (the same weights under other names): never a stale or extra file beside them."""
+    index = path / SAFETENSORS_INDEX
+    if index.exists():
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptModelError(f"cannot read {index}: {e!r}") from None
+        if not all(isinstance(n, str) and "/" not in n for n in names):
+            raise CorruptModelError(f"{index}: its weight_map must name files in {path}")
+        missing = sorted(n for n in names if not (path / n).is_file())
+        if missing:
+            raise ModelSourceError(f"{index} names weight files that are not there: {', '.join(missing[:3])}")
+        files = sorted(path / n for n in names)
+    else:
+        files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    if not files:
+        raise ModelSourceError(f"no *.safetensors weights in {path}")
+    return files
+
+
 def load_model_dir(
     path: Path, spec: ModelSpec, *, device: str | torch.device = "cpu", max_positions: int | None = None
 ) -> LlamaModel:
@@ -102,9 +127,7 @@ def load_model_dir(
         hf_config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError, StrictDataclassError) as e:
         raise ModelSourceError(f"cannot read config.json in {path}: {e!r}") from e
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelSourceError(f"no *.safetensors weights in {path}")
+    files = weight_files(path)
     if spec.int8_dynamic and (spec.dtype != DType.float32 or torch.device(device).type != "cpu"):
         raise ValueError("int8_dynamic models run on the CPU from float32 weights")
     dtype = spec.dtype.torch
@@ -115,7 +138,10 @@ def load_model_dir(
                 handle = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
             except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
                 raise CorruptModelError(f"cannot read weights {f}: {e}") from e
-            where.update((name, (handle, f)) for name in handle.keys())  # noqa: SIM118 - not a dict
+            for name in handle.keys():  # noqa: SIM118 - not a dict
+                if name in where:
+                    raise CorruptModelError(f"tensor {name!r} is in both {where[name][1].name} and {f.name}")
+                where[name] = (handle, f)
 
         def get(name: str) -> torch.Tensor:
             if name not in where:

@@ -62,6 +62,7 @@ COMPLETE_MARKER = ".complete"
 CONVERTER_VERSION = 2
 SUPPORTED_ARCHITECTURES = ("llama",)
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+HUB_IGNORE_PATTERNS = ["consolidated*"]  # Mistral's single-file copy of the same weights (loader.weight_files)
 HUB_PROBE_TIMEOUT_S = 4.0
 PIP_TIMEOUT_S = 900
 
@@ -346,6 +347,7 @@ def resolve_hub(repo_id: str, *, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     kwargs: dict[str, Any] = {"revision": revision, "allow_patterns": HUB_ALLOW_PATTERNS}
+    kwargs["ignore_patterns"] = HUB_IGNORE_PATTERNS
     try:  # already downloaded: no network needed (a partial snapshot, a config fetched alone, is downloaded whole)
         path = Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
         validate_hf_dir(path)
