@@ -658,6 +658,16 @@ def test_a_gguf_replaced_while_converting_is_not_filed_under_its_old_hash(
     assert not [p for p in (cache / "gguf").iterdir() if p.is_dir()]
 
 
+def test_an_embedding_that_is_not_a_matrix_is_a_corrupt_gguf(tmp_path: Path) -> None:
+    """Its shape was unpacked as (vocab, hidden): a bare ValueError, a traceback past the CLI."""
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    embed = model.state_dict()["model.embed_tokens.weight"].numpy()
+    for i, bad in enumerate([embed.flatten(), embed[None]]):
+        path = write_gguf(model, tmp_path / f"bad{i}.gguf", tensors={"token_embd.weight": bad})
+        with pytest.raises(CorruptModelError, match=r"token_embd\.weight is of shape .* not a \[vocab, hidden\]"):
+            convert_gguf(path, tmp_path / f"out{i}")
+
+
 def test_a_declared_layer_count_unlike_the_tensors_is_refused_first(tmp_path: Path) -> None:
     """A GGUF declaring 2**32 - 1 layers used to build names for each before naming the missing tensors: minutes
     and gigabytes."""

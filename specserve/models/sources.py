@@ -666,7 +666,11 @@ def _hf_config(
 ) -> Any:
     from transformers import LlamaConfig
 
-    vocab_size, hidden = state["model.embed_tokens.weight"].shape
+    embed = state.get("model.embed_tokens.weight")
+    if embed is None or embed.ndim != 2:
+        shape = "missing" if embed is None else f"of shape {tuple(embed.shape)}"
+        raise CorruptModelError(f"{gguf_path.name}: token_embd.weight is {shape}, not a [vocab, hidden] matrix")
+    vocab_size, hidden = embed.shape
     layers = _count(reader, gguf_path, f"{arch}.block_count")
     special = {role: _token_id(reader, gguf_path, role) for role in ("bos", "eos", "padding")}
     head_dim = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
