@@ -4,18 +4,22 @@ spliced, and the client helper in load/ resumes across cut connections. Real HTT
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
+import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from deployments.lane import LaneStream
 from load.resumable import ResumableStream
 from specserve.api.resume import StreamMark
-from tests.api_backend import MODEL, LocalBackend, api_server
+from specserve.sequence import Request, RequestOutput
+from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SAMPLED: dict[str, Any] = {"model": MODEL, "prompt": "the cat", "max_tokens": 40, "temperature": 0.9, "top_p": 0.95}
@@ -352,5 +356,88 @@ def test_a_resumed_stream_is_kept_alive_while_it_replays_to_its_resume_point(mon
             )
             stream = ResumableStream(url, CHAT, body, timeout_s=0.5, heal_timeout_s=0.0, last_event_id=cut)
             assert stream.text() == reference and stream.resumes == 0
+    finally:
+        backend.stop()
+
+
+class _LateStream:
+    """A stream whose first output comes only after a silence (a queue, a target reloading, a long prefill)."""
+
+    def __init__(self, stream: LaneStream, silence_s: float) -> None:
+        self.stream = stream
+        self.silence_s = silence_s
+        self.closed = False
+        self.interrupted = False  # the wait for its first output was cancelled
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            await asyncio.sleep(self.silence_s)
+        except asyncio.CancelledError:
+            self.interrupted = True
+            raise
+        async for out in self.stream:
+            yield out
+
+    async def aclose(self) -> None:
+        self.closed = True
+        await self.stream.aclose()
+
+
+class _LateBackend(LocalBackend):
+    def __init__(self) -> None:
+        super().__init__(max_model_len=256, max_batch_size=2)
+        self.silence_s = 0.0
+        self.streams: list[_LateStream] = []
+
+    async def submit(self, request: Request) -> _LateStream:  # type: ignore[override]
+        stream = _LateStream(await super().submit(request), self.silence_s)
+        self.streams.append(stream)
+        return stream
+
+
+def _timed_lines(url: str, body: dict[str, Any], headers: dict[str, str]) -> list[tuple[float, str]]:
+    start = time.monotonic()
+    with httpx.stream("POST", url + COMPLETIONS, json={**body, "stream": True}, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [(time.monotonic() - start, line) for line in r.iter_lines() if line]
+
+
+def test_a_resumed_stream_is_kept_alive_before_its_first_output() -> None:
+    """The comment went out only when an output came: a resumed request waiting in a queue, for a reloading target
+    or through a long prefill sent nothing, and the client's read timeout cut it again."""
+    body = {"model": MODEL, "prompt": "once upon", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    backend = _LateBackend()
+    try:
+        with api_server(backend) as url:
+            cut = [e["id"] for e in _events(url, COMPLETIONS, body) if "id" in e][2]
+            backend.silence_s = 3.0
+            lines = _timed_lines(url, body, {"Last-Event-ID": cut})
+        kept_alive = [t for t, line in lines if line == ": replaying"]
+        first_data = next(t for t, line in lines if line.startswith("data: "))
+        assert kept_alive and kept_alive[0] < 1.8 and first_data >= 2.9, lines
+        assert len([t for t in kept_alive if t < first_data]) >= 2, lines  # one a second meanwhile
+        assert lines[-1][1] == "data: [DONE]" and all(s.closed for s in backend.streams)
+    finally:
+        backend.stop()
+
+
+def test_a_resumed_stream_left_while_it_waits_is_closed() -> None:
+    """The client leaves while the wait for the next output, past a keepalive, is still pending: the stream is
+    closed (the request aborted) and that wait cancelled, not left running."""
+    body = {"model": MODEL, "prompt": "once upon", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    backend = _LateBackend()
+    try:
+        with api_server(backend) as url:
+            cut = [e["id"] for e in _events(url, COMPLETIONS, body) if "id" in e][2]
+            backend.silence_s = 30.0
+            headers = {"Last-Event-ID": cut}
+            with httpx.stream("POST", url + COMPLETIONS, json={**body, "stream": True}, headers=headers) as r:
+                assert next(line for line in r.iter_lines() if line) == ": replaying"
+            deadline = time.monotonic() + 10
+            stream = backend.streams[-1]
+            while not (stream.closed and stream.interrupted) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert stream.closed and stream.interrupted  # nothing goes on waiting for an output nobody reads
+            assert requests_by_status(backend).get("aborted") == 1.0
     finally:
         backend.stop()

@@ -198,20 +198,49 @@ class _Tracker:
 
 @dataclass
 class _Outcome:
-    """Closes a request's stream exactly once (aborting it if unfinished) and counts how it ended."""
+    """Reads a request's stream, closes it exactly once (aborting it if unfinished) and counts how it ended."""
 
     stream: OutputStream
     metrics: ServeMetrics
     status: RequestStatus = RequestStatus.aborted
     closed: bool = False
+    _outputs: AsyncIterator[RequestOutput] | None = field(default=None, init=False)
+    # the output awaited past a timeout, still to come
+    _next: asyncio.Future[RequestOutput] | None = field(default=None, init=False)
+
+    async def next_output(self, within: float | None = None) -> RequestOutput | None:
+        """The stream's next output; None when it has not come within ``within`` seconds (still awaited, by the
+        next call: the stream is never interrupted). Raises StopAsyncIteration at the stream's end."""
+        if self._outputs is None:
+            self._outputs = aiter(self.stream)
+        if within is None and self._next is None:
+            return await anext(self._outputs)
+        if self._next is None:
+            self._next = asyncio.ensure_future(anext(self._outputs))
+            self._next.add_done_callback(_retrieve)  # one left behind by a disconnect logs no unretrieved error
+        done, _ = await asyncio.wait({self._next}, timeout=within)
+        if not done:
+            return None
+        output, self._next = self._next, None
+        return output.result()
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        await self.stream.aclose()
-        if self.status != RequestStatus.ok:
-            self.metrics.request_done(self.status)
+        try:
+            if self._next is not None:  # cancelled and ended before the stream is closed under it
+                self._next.cancel()
+                await asyncio.wait({self._next})
+        finally:
+            await self.stream.aclose()
+            if self.status != RequestStatus.ok:
+                self.metrics.request_done(self.status)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -386,7 +415,17 @@ class _Routes:
             if first is not None and not cursor.resuming:
                 yield _sse(first, cursor.mark)
             sent_at = time.monotonic()
-            async for out in outcome.stream:
+            while True:
+                # while it replays, nothing may be sent for long (a queue, a target loading, a long prefill)
+                wait = None if cursor.checked else max(0.0, sent_at + REPLAY_KEEPALIVE_S - time.monotonic())
+                try:
+                    out = await outcome.next_output(within=wait)
+                except StopAsyncIteration:
+                    return
+                if out is None:
+                    yield SSE_REPLAYING
+                    sent_at = time.monotonic()
+                    continue
                 tracker.see(out)
                 part = cursor.advance(out)  # None: delivered before the resume point
                 if out.finished:
@@ -394,9 +433,6 @@ class _Routes:
                 if part is not None and (part.text or (body.return_token_ids and part.token_ids) or part.finished):
                     mark = cursor.mark.at(StreamPhase.finished) if part.finished else cursor.mark
                     yield _sse(fmt.chunk(part, part.token_ids if body.return_token_ids else None), mark)
-                    sent_at = time.monotonic()
-                elif not cursor.checked and time.monotonic() - sent_at >= REPLAY_KEEPALIVE_S:
-                    yield SSE_REPLAYING
                     sent_at = time.monotonic()
                 if out.finished:
                     outcome.status = RequestStatus.ok
