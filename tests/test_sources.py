@@ -668,6 +668,29 @@ def test_an_embedding_that_is_not_a_matrix_is_a_corrupt_gguf(tmp_path: Path) -> 
             convert_gguf(path, tmp_path / f"out{i}")
 
 
+def test_a_gguf_too_large_for_the_hosts_memory_or_disk_is_refused_before_converting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from specserve.models import sources
+
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    path = write_gguf(model, tmp_path / "m.gguf")
+    need = 4 * sum(p.numel() for p in model.state_dict().values())  # float32; untied, so every tensor is stored
+    read: list[str] = []
+    monkeypatch.setattr(sources, "_read_weights", lambda *a: read.append("weights") or {})
+    monkeypatch.setattr(sources, "host_available_bytes", lambda: need - 1)
+    with pytest.raises(ModelSourceError, match=r"needs 0\.0 GB of memory"):
+        convert_gguf(path, tmp_path / "out")
+    monkeypatch.setattr(sources, "host_available_bytes", lambda: need)
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=need - 1))
+    with pytest.raises(ModelSourceError, match=r"has 0\.0 GB free"):
+        convert_gguf(path, tmp_path / "out")
+    assert read == []  # refused before any weight was dequantised
+
+
 def test_a_declared_layer_count_unlike_the_tensors_is_refused_first(tmp_path: Path) -> None:
     """A GGUF declaring 2**32 - 1 layers used to build names for each before naming the missing tensors: minutes
     and gigabytes."""

@@ -47,6 +47,7 @@ from specserve.errors import (
     UnknownModelError,
     UnsupportedModelError,
 )
+from specserve.host_memory import host_available_bytes
 from specserve.models.builtin import BUILTIN_MODELS, BuiltinModel
 
 if TYPE_CHECKING:
@@ -507,6 +508,23 @@ def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, head_dim // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _check_room(gguf_path: Path, out_dir: Path, need: int) -> None:
+    """The float32 weights are held in memory, then written: a host or disk without room for them is an error now,
+    not an OOM kill or a full disk part-way (an 8B Q4 GGUF of 4.7 GB takes 32 GB of each)."""
+    available = host_available_bytes()
+    if need > available:
+        raise ModelSourceError(
+            f"{gguf_path.name}: converting it to float32 needs {need / 1e9:.1f} GB of memory, and this host has "
+            f"{available / 1e9:.1f} GB available"
+        )
+    free = shutil.disk_usage(out_dir if out_dir.exists() else out_dir.parent).free
+    if need > free:
+        raise ModelSourceError(
+            f"{gguf_path.name}: its float32 weights take {need / 1e9:.1f} GB and {out_dir} has {free / 1e9:.1f} GB "
+            "free; free space or set SPECSERVE_CACHE to a larger disk"
+        )
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Write a Llama-family GGUF as an HF directory in `out_dir`: float32 safetensors, config and tokenizer."""
     reader = _open_gguf(gguf_path)
@@ -537,6 +555,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     _count(reader, gguf_path, f"{arch}.feed_forward_length")
     if n_heads % n_kv_heads:
         raise CorruptModelError(f"{gguf_path.name}: {n_heads} attention heads do not divide into {n_kv_heads} KV heads")
+    _check_room(gguf_path, out_dir, 4 * sum(int(t.n_elements) for t in reader.tensors))
     state = _read_weights(reader, gguf_path, n_heads, n_kv_heads)
     tied = "lm_head.weight" not in state
     missing = _expected_names(layers, tied) - set(state)
