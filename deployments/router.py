@@ -216,11 +216,15 @@ class Router:
         return self._slots + self.args.max_queued_requests
 
     def health(self) -> Health:
-        """Degraded while a lane thread has stopped or a lane could not bring its workers back: Serve's health
-        check then replaces the replica (new placement, new actors)."""
-        alive = sum(lane.healthy for lane in self.lanes)
-        status = HealthStatus.ok if alive == len(self.lanes) else HealthStatus.degraded
-        return Health(status=status, lanes=len(self.lanes), lanes_alive=alive)
+        """Degraded while a lane brings its workers back and another serves (its requests went there); failing,
+        and Serve's health check then replaces the replica (new placement, new actors), once a lane thread has
+        stopped or no lane has its workers."""
+        healthy = sum(lane.healthy for lane in self.lanes)
+        if healthy == 0 or not all(lane.alive for lane in self.lanes):
+            status = HealthStatus.failing
+        else:
+            status = HealthStatus.ok if healthy == len(self.lanes) else HealthStatus.degraded
+        return Health(status=status, lanes=len(self.lanes), lanes_alive=healthy)
 
     async def debug_state(self) -> RouterDebug:
         lanes = await asyncio.gather(*(lane.debug() for lane in self.lanes))
@@ -228,8 +232,10 @@ class Router:
 
     # -- Serve hooks ------------------------------------------------------------------------------------
     def check_health(self) -> None:
-        if self.health().status != HealthStatus.ok:
-            raise RuntimeError("a lane thread has stopped, or a lane could not bring its workers back")
+        if not all(lane.alive for lane in self.lanes):
+            raise RuntimeError("a lane thread has stopped")
+        if self.health().status == HealthStatus.failing:
+            raise RuntimeError("no lane has its workers: every lane lost them and could not bring them back yet")
 
     def __del__(self) -> None:
         for lane in self.lanes:

@@ -17,6 +17,7 @@ from pydantic import SecretStr
 
 from deployments.app_args import AppArgs
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
+from specserve.api.schemas import Health, HealthStatus
 from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,6 +56,19 @@ def test_body_over_the_size_limit_is_413(backend: LocalBackend) -> None:
         chunked = httpx.post(url + COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
         _error(chunked, 413, "request_too_large")
     assert 'specserve_requests_total{status="invalid"}' in backend.metrics.render().decode()
+
+
+def test_health_is_503_only_when_the_replica_fails_its_health_check(
+    backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica with a lane bringing its workers back serves on its other lanes: a 503 took it out of rotation
+    for anything that probes /health. Its body still says which lanes serve."""
+    with api_server(backend) as url:
+        for status, code in ((HealthStatus.degraded, 200), (HealthStatus.failing, 503)):
+            health = Health(status=status, lanes=2, lanes_alive=1)
+            monkeypatch.setattr(backend, "health", lambda health=health: health)
+            r = httpx.get(url + "/health")
+            assert r.status_code == code and r.json() == {"status": status.value, "lanes": 2, "lanes_alive": 1}
 
 
 def _health_latencies(url: str, seconds: float) -> list[float]:

@@ -971,19 +971,29 @@ def test_capacity_counts_the_kv_slots_that_fit_not_the_configured_batch() -> Non
     assert router.capacity == 6 + 5
 
 
-def test_a_replica_whose_lane_lost_its_workers_is_degraded() -> None:
+def test_a_replica_whose_lane_lost_its_workers_is_degraded_and_kept_while_another_lane_serves() -> None:
+    """One lane giving up moved its requests to the other, and then failed Serve's health check while its new
+    target loaded: Serve killed the replica, and every stream of the lane that served them with it."""
     from types import SimpleNamespace
 
     from deployments.router import Router
 
     cls = Router.func_or_class
     router = cls.__new__(cls)
-    router.lanes = [SimpleNamespace(healthy=True), SimpleNamespace(healthy=True)]
+    router.lanes = [SimpleNamespace(alive=True, healthy=True), SimpleNamespace(alive=True, healthy=True)]
     assert router.health().status.value == "ok"
     router.check_health()
-    router.lanes[1].healthy = False
-    assert router.health().status.value == "degraded" and router.health().lanes_alive == 1
-    with pytest.raises(RuntimeError, match="workers back"):
+    router.lanes[1].healthy = False  # lost its workers: the replica says so, and is kept
+    assert router.health().model_dump(mode="json") == {"status": "degraded", "lanes": 2, "lanes_alive": 1}
+    router.check_health()
+    router.lanes[0].healthy = False  # no lane has its workers
+    assert router.health().status.value == "failing" and router.health().lanes_alive == 0
+    with pytest.raises(RuntimeError, match="no lane has its workers"):
+        router.check_health()
+    router.lanes[0] = SimpleNamespace(alive=False, healthy=False)  # a lane thread stopped, the other one serves
+    router.lanes[1].healthy = True
+    assert router.health().status.value == "failing" and router.health().lanes_alive == 1
+    with pytest.raises(RuntimeError, match="thread has stopped"):
         router.check_health()
     router.lanes = []  # (the replica's __del__ stops its lanes)
 

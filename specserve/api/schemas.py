@@ -528,7 +528,9 @@ class ErrorResponse(BaseModel):
 
 class HealthStatus(str, Enum):
     ok = "ok"
-    degraded = "degraded"  # a lane is down
+    degraded = "degraded"  # a lane is without its workers (bringing them back); another serves
+    # a lane thread has stopped, or no lane has its workers: the replica fails Serve's health check (503)
+    failing = "failing"
 
 
 class Health(BaseModel):

@@ -304,7 +304,7 @@ class _Routes:
 
     async def health(self) -> JSONResponse:
         health = self.backend.health()
-        status = HTTPStatus.OK if health.status == HealthStatus.ok else HTTPStatus.SERVICE_UNAVAILABLE
+        status = HTTPStatus.SERVICE_UNAVAILABLE if health.status == HealthStatus.failing else HTTPStatus.OK
         return JSONResponse(health.model_dump(mode="json"), status_code=status)
 
     async def metrics(self) -> Response:
