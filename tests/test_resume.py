@@ -305,11 +305,26 @@ def test_an_id_is_checked_on_its_tokens_and_its_text_before_anything_past_it_is_
     for forged in (StreamMark(0, mid.text_bytes, mid.crc), StreamMark(after, mid.text_bytes, mid.crc)):
         rest = _events(url, COMPLETIONS, {**body, "resume_from": forged.render()})
         assert _errors(rest) == ["resume_mismatch"] and _sent(rest) == ("", [])
-    # a token-only point (no text): only the token ids can tell a changed request
-    token_only = StreamMark(2, 0, zlib.crc32(struct.pack("<2I", *ids[:2])))
+    # a point past some token ids but short of the text they make is no point of the stream: refused, where the
+    # text up to it was dropped (only the token CRC was checked, and the empty text's CRC is 0)
+    assert any(0 < m.tokens < len(ids) and m.text_bytes for m in marks)  # text on the way to the point
+    off = StreamMark(len(ids), 0, zlib.crc32(struct.pack(f"<{len(ids)}I", *ids)))
+    rest = _events(url, COMPLETIONS, {**body, "resume_from": off.render()})
+    assert _errors(rest) == ["resume_mismatch"] and _sent(rest) == ("", [])
+    # a token-only point (an event that sent token ids and no text yet: a held-back partial character): only the
+    # token ids can tell a changed request
+    for seed in range(21, 121):
+        body = {**base, "seed": seed}
+        full = _events(url, COMPLETIONS, body)
+        token_only = next((m for e in full if "id" in e and (m := StreamMark.parse(e["id"])).tokens), None)
+        if token_only is not None and token_only.text_bytes == 0:
+            break
+    else:
+        raise AssertionError("no stream in 100 seeds opens with a held-back partial character")
+    text, ids = _content(full)
     rest = _events(url, COMPLETIONS, {**body, "resume_from": token_only.render()})
-    assert not _errors(rest) and _content(rest) == (text, ids[2:])
-    changed = _events(url, COMPLETIONS, {**body, "seed": 22, "resume_from": token_only.render()})
+    assert not _errors(rest) and _content(rest) == (text, ids[token_only.tokens :])
+    changed = _events(url, COMPLETIONS, {**body, "seed": seed + 1000, "resume_from": token_only.render()})
     assert _errors(changed) == ["resume_mismatch"] and _sent(changed) == ("", [])
 
 

@@ -104,6 +104,15 @@ class StreamCursor:
             seen = _token_bytes(out.token_ids[: cut.tokens - before.tokens])
             self.token_crc_at_cut = zlib.crc32(seen, before.token_crc)
         if not self.checked:
+            m = self.mark  # text is a function of the tokens: past the point in one, short of it in the other, never
+            if (m.tokens < cut.tokens and m.text_bytes > cut.text_bytes) or (
+                m.tokens > cut.tokens and m.text_bytes < cut.text_bytes
+            ):
+                raise ResumeMismatchError(
+                    f"the resume point {cut.render()} is not a point of the regenerated stream (it reached "
+                    f"{m.render()}): resend the request unchanged, with the seed the server returned",
+                    param=RESUME_PARAM,
+                )
             if self.text_crc_at_cut is None or self.token_crc_at_cut is None:
                 return None  # the resume point lies further on
             if self.text_crc_at_cut ^ self.token_crc_at_cut != cut.crc:

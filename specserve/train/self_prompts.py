@@ -89,9 +89,7 @@ def keep_requests(texts: Iterable[str | None], banned: BannedRuns, special: Iter
     return out
 
 
-def self_prompts(
-    tokenizer: PreTrainedTokenizerBase, ask: AskFn, n: int, seed: int, banned: BannedRuns
-) -> list[str]:
+def self_prompts(tokenizer: PreTrainedTokenizerBase, ask: AskFn, n: int, seed: int, banned: BannedRuns) -> list[str]:
     """Up to ``n`` requests the target writes (fewer where samples are dropped); deterministic for ``seed`` when
     ``ask`` is (seeded sampling here is a function of the seed and position alone)."""
     drawn = ask(user_turn_prefix(tokenizer), n, seed)
