@@ -313,3 +313,33 @@ def test_keyed_noise_is_the_same_stream_on_the_device_as_on_the_host() -> None:
     positions = [0, 7, 7, 123_456]
     host = keyed_exponentials(2**63 + 5, positions, 4099, "cpu")
     assert torch.allclose(keyed_exponentials(2**63 + 5, positions, 4099, "cuda").cpu(), host, rtol=1e-6, atol=0)
+
+
+def test_a_masked_step_with_grouped_heads_runs_in_the_memory_efficient_kernel() -> None:
+    """SDPA's grouped heads run only in flash attention (no mask) or the math kernel, which holds the fp32 scores
+    [B, H_q, Q, K]: a masked step (a ragged batch, a tree) expands K/V so the memory-efficient kernel takes it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from specserve.models.attention import attention
+    from specserve.models.kv_cache import KVCache
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, num_slots=2, max_len=96, dtype=torch.float32,
+                    device=CUDA)  # fmt: skip
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen, device=CUDA))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen, device=CUDA))
+    slots = [cache.allocate() for _ in range(2)]
+    cache.begin_append(slots, [40, 70])
+    batch = ForwardBatch.build(cache, slots, [[1] * 5, [1] * 3])  # ragged: a mask
+    assert batch.attn_mask is not None
+    q = torch.randn(8, 8, 64, generator=gen, device=CUDA)  # 8 query heads over 2 KV heads
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # no math fallback: it would raise "No available kernel"
+        out = attention(q, cache.k[0], cache.v[0], batch, use_flash=False)
+    with sdpa_kernel([SDPBackend.MATH]):
+        k, v = (t[batch.slots, :, : batch.kv_len] for t in (cache.k[0], cache.v[0]))
+        q_pad = q.new_zeros(2 * 5, 8, 64)
+        q_pad[batch.write_from] = q
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q_pad.view(2, 5, 8, 64).transpose(1, 2), k, v, attn_mask=batch.attn_mask, enable_gqa=True
+        )
+    assert torch.allclose(out, ref.transpose(1, 2).reshape(10, 8, 64)[batch.write_from], atol=1e-4)

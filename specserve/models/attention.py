@@ -70,11 +70,18 @@ def attention(
         q_pad = q.new_zeros(b_size * q_len, h_q, d)
         q_pad[batch.write_from] = q
         q_pad = q_pad.view(b_size, q_len, h_q, d)
-    k = read_kv(k_cache, batch)
+    k = read_kv(k_cache, batch)  # [B, H_kv, K, D]
     v = read_kv(v_cache, batch)
     is_causal = batch.attn_mask is None and q_len > 1
+    gqa = k.shape[1] != h_q
+    if gqa and batch.attn_mask is not None and q.device.type == "cuda":
+        # CUDA's SDPA runs grouped heads only in flash attention (no mask) or the math kernel, which holds fp32
+        # scores [B, H_q, Q, K] (17 GiB for an 8k-token prefill of a 32-head model): expanded K/V [B, H_q, K, D]
+        # let the memory-efficient kernel take the mask (memory.activation_bytes counts them)
+        k, v = (t.repeat_interleave(h_q // t.shape[1], dim=1) for t in (k, v))
+        gqa = False
     out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k, v, attn_mask=batch.attn_mask, is_causal=is_causal, enable_gqa=True
+        q_pad.transpose(1, 2), k, v, attn_mask=batch.attn_mask, is_causal=is_causal, enable_gqa=gqa
     )  # [B, H_q, Q, D]
     out = out.transpose(1, 2).reshape(b_size * q_len, h_q, d)
     return out if b_size * q_len == n_tok else out[batch.write_from]

@@ -66,16 +66,18 @@ def activation_bytes(
 
     Counts one layer's live tensors (layers run one after another): the residual stream, the norm's fp32 copy,
     q/k/v, the padded queries and attention output, gate/up and their product, the bool mask [B, Q, K], the RoPE
-    rows; plus the fp32 logits (LOGIT_COPIES). Attention scores are not counted: on CUDA SDPA and flash-attn run
-    fused kernels that never hold [B, H, Q, K].
+    rows, and for grouped heads K/V expanded to every query head (a masked step on CUDA: specserve/models/
+    attention.py); plus the fp32 logits (LOGIT_COPIES). Attention scores are not counted: on CUDA SDPA and
+    flash-attn run fused kernels that never hold [B, H, Q, K].
     """
     n = batch * q_len  # padded token rows (the upper bound of N)
     h, i = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     per_token = (3 * h + (q + 2 * kv) + 2 * q + 3 * i + 2 * shape.head_dim) * dtype_bytes + 4 * h
     mask = batch * q_len * kv_len
+    expanded_kv = 2 * batch * kv_len * q * dtype_bytes if shape.num_kv_heads != shape.num_heads else 0
     logits = LOGIT_COPIES * logit_rows * shape.vocab_size * 4 + logit_rows * shape.vocab_size * dtype_bytes
-    return n * per_token + mask + logits
+    return n * per_token + mask + expanded_kv + logits
 
 
 class MemoryPlan(BaseModel):
