@@ -88,7 +88,7 @@ class Router:
         limits = lane_limits(args, target_info, draft_info)
         geometry = await self._fit_geometry(workers, KVGeometry(args.max_batch_size, limits.kv_len), limits)
         loop_args = args.model_copy(update={"max_batch_size": geometry.num_slots})  # fewer fit: fewer at once
-        self._slots = args.num_lanes * geometry.num_slots  # requests running at once; the rest queue
+        self._lane_slots = geometry.num_slots  # requests a lane runs at once; the rest queue
         self._max_model_len = limits.max_model_len
         self._encoder = PromptEncoder(self.tokenizer, target_info.vocab_size)
         eos = eos_ids_of(list(target_info.eos_token_ids), self.tokenizer)
@@ -205,15 +205,22 @@ class Router:
     def retry_after_s(self, in_flight: int) -> int:
         """Seconds until the requests queued now (and one more) should have run, from the measured step time and
         steps per request; at least ``args.retry_after_s``, which also stands in before anything was measured."""
-        slots = self._slots
+        slots = self.running_slots
         wait = self._metrics.load.wait_s(queued=max(0, in_flight - slots), slots=slots)
         floor = self.args.retry_after_s
         return floor if wait is None else min(MAX_RETRY_AFTER_S, max(floor, math.ceil(wait)))
 
     @property
+    def running_slots(self) -> int:
+        """KV slots of the lanes that have their workers: a lane that lost them runs nothing (its requests went to
+        the others) until its replacement has started; with none, the one the requests wait for."""
+        return self._lane_slots * max(1, sum(lane.healthy for lane in self.lanes))
+
+    @property
     def capacity(self) -> int:
-        """Requests this replica holds at once: as many running as its lanes' KV slots fit, plus the queue."""
-        return self._slots + self.args.max_queued_requests
+        """Requests this replica holds at once: as many running as its serving lanes' KV slots fit, plus the
+        queue."""
+        return self.running_slots + self.args.max_queued_requests
 
     def health(self) -> Health:
         """Degraded while a lane brings its workers back and another serves (its requests went there); failing,

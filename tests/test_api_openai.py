@@ -166,6 +166,7 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
     class BusyLane:
         alive = True
         loading = False
+        healthy = True
         in_flight = 12  # batch 4 running + 8 queued: the router is full
 
     class Admission:  # the router's own admission code, without Ray
@@ -173,10 +174,11 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
         check_capacity = Router.func_or_class.check_capacity
         retry_after_s = Router.func_or_class.retry_after_s
         capacity = Router.func_or_class.capacity
+        running_slots = Router.func_or_class.running_slots
 
     router: Any = Admission()
     router.args = AppArgs(tiny=TinyModels(), max_batch_size=4, max_queued_requests=8, retry_after_s=1)
-    router._slots = 4  # one lane's KV slots
+    router._lane_slots = 4  # one lane's KV slots
     router._metrics = metrics = ServeMetrics()
     router._moving = moving = Moving()
     router.lanes = [BusyLane()]

@@ -965,10 +965,17 @@ def test_capacity_counts_the_kv_slots_that_fit_not_the_configured_batch() -> Non
     cls = Router.func_or_class
     router = cls.__new__(cls)
     router.args = SimpleNamespace(max_queued_requests=5, retry_after_s=1, num_lanes=2, max_batch_size=16)
-    router._slots = 2 * 3  # 3 slots fit per lane, not 16
-    router.lanes = []
+    router._lane_slots = 3  # 3 slots fit per lane, not 16
+    router.lanes = [SimpleNamespace(healthy=True), SimpleNamespace(healthy=True)]
     router._metrics = ServeMetrics()
     assert router.capacity == 6 + 5
+    # a lane that lost its workers runs nothing until its replacement has started: its slots are not counted,
+    # else the other lane queued more than max_queued_requests and Retry-After came out too short
+    router.lanes[1].healthy = False
+    assert router.capacity == 3 + 5 and router.running_slots == 3
+    router.lanes[0].healthy = False  # none: the requests wait for one lane's slots
+    assert router.capacity == 3 + 5
+    router.lanes = []
 
 
 def test_a_replica_whose_lane_lost_its_workers_is_degraded_and_kept_while_another_lane_serves() -> None:
