@@ -202,6 +202,7 @@ class Lane:
         self._check_at = self._next_check()  # ... and when that check is due (time.monotonic)
         self._exited = threading.Event()  # the lane thread is ending: it takes no more requests
         self._stopping = threading.Event()  # set (under _restore_lock) once the lane thread stops or is told to
+        self._stop_asked = False  # told to stop (``request_stop``), as against a lane thread that failed
         self._restore_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
         self._thread.start()
@@ -263,10 +264,23 @@ class Lane:
         self._commands.put(_Abort(request_id))
 
     def stop(self) -> None:
+        self.request_stop()
+        self.finish_stop()
+
+    def request_stop(self) -> None:
+        """Tell the lane to stop (its thread ends after the step it is in); ``finish_stop`` waits for it."""
+        self._stop_asked = True
         with self._restore_lock:
             self._stopping.set()
         self._commands.put(_Stop())
+
+    def finish_stop(self) -> None:
+        """Wait up to STOP_JOIN_TIMEOUT_S for the lane thread, then end its workers (the thread also ends them as
+        it exits, any it attached meanwhile included: it makes no new one once told to stop)."""
         self._thread.join(STOP_JOIN_TIMEOUT_S)
+        self._kill_workers()
+
+    def _kill_workers(self) -> None:
         for worker in list(self.workers.values()):  # a copy: a lane thread still in a long step may replace one
             worker.kill()
 
@@ -328,6 +342,8 @@ class Lane:
             with self._restore_lock:
                 self._stopping.set()
             self._fail_pending()
+            if self._stop_asked:  # a stop that timed out waiting for a long step ended the workers it saw then
+                self._kill_workers()
 
     def _idle_wait(self) -> float | None:
         """How long to wait for a command: not at all with work to do; while its target is lost, until the next
@@ -406,7 +422,10 @@ class Lane:
 
     def _apply(self, command: _Submit | _Abort | _DraftBack) -> None:
         if isinstance(command, _DraftBack):
-            self._attach_draft(command.worker)
+            if self._stopping.is_set():  # came back as the lane was told to stop: nobody wants it
+                command.worker.kill()
+            else:
+                self._attach_draft(command.worker)
             return
         if isinstance(command, _Abort):
             self._forget(command.request_id)
@@ -579,6 +598,8 @@ class Lane:
         """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
         plainly meanwhile), reset any worker whose state ran ahead of the failed step, and let the loop re-prefill
         its running sequences on the next step."""
+        if self._stop_asked:  # a step that failed as the lane was being stopped (its workers killed under it)
+            return
         dead = {role for role, w in self.workers.items() if w.dead} or set(self.workers)
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
         if WorkerRole.target in dead:  # a lost draft costs only speculation: it never counts against the lane

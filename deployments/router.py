@@ -245,5 +245,7 @@ class Router:
             raise RuntimeError("no lane has its workers: every lane lost them and could not bring them back yet")
 
     def __del__(self) -> None:
+        for lane in self.lanes:  # all told first: their waits overlap, within Serve's graceful shutdown
+            lane.request_stop()
         for lane in self.lanes:
-            lane.stop()
+            lane.finish_stop()

@@ -937,6 +937,41 @@ def test_a_lane_told_to_stop_tells_its_running_requests_so_they_can_move(target:
     assert not lane.alive
 
 
+def test_a_lane_stopped_during_a_long_step_makes_no_new_worker_after_it(
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop() waits STOP_JOIN_TIMEOUT_S, then kills the workers under a step still in flight: that step failed, and
+    the lane thread took the kill for a loss and made a new target actor, which nothing would ever end."""
+    monkeypatch.setattr(lane_module, "STOP_JOIN_TIMEOUT_S", 0.2)
+    factory = Factory(target, {})
+    lane = _lane(target, factory)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_verify(items: Any) -> Ref:
+        entered.set()
+        release.wait(20)
+        return Ref(gone)  # killed under the step
+
+    factory.actors[0].verify = Method(slow_verify)
+
+    async def run() -> Result:
+        first = asyncio.ensure_future(_one(lane, Request("a", PROMPTS[0], GREEDY)))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.get_running_loop().run_in_executor(None, lane.stop)  # back after 0.2 s, the step in flight
+        release.set()
+        return await asyncio.wait_for(first, 20)
+
+    try:
+        result = asyncio.run(run())
+        lane._thread.join(20)
+    finally:
+        release.set()
+        lane.stop()
+    assert isinstance(result, LaneLostError) and not lane.alive
+    assert len(factory.actors) == 1  # no replacement made once told to stop
+
+
 def test_a_request_the_loop_fails_to_admit_gets_an_error_body_and_never_runs(
     target: LlamaModel, alone: list[list[int]]
 ) -> None:
