@@ -106,16 +106,22 @@ def _as_int64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
-    return (z >> bits) & ((1 << (64 - bits)) - 1)  # logical: int64's >> copies the sign bit
-
-
 def _splitmix64_stream(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """[P, n] int64: outputs 1..n of splitmix64 seeded with each of keys [P] (int64 bit patterns)."""
-    z = keys[:, None] + torch.arange(1, n + 1, dtype=torch.int64, device=keys.device) * _as_int64(_GOLDEN)
-    z = (z ^ _shr(z, 30)) * _as_int64(_MIX1)
-    z = (z ^ _shr(z, 27)) * _as_int64(_MIX2)
-    return z ^ _shr(z, 31)
+    """[P, n] int64: outputs 1..n of splitmix64 seeded with each of keys [P] (int64 bit patterns), in place."""
+    z = torch.arange(1, n + 1, dtype=torch.int64, device=keys.device).mul_(_as_int64(_GOLDEN)).unsqueeze(0)
+    z = z + keys[:, None]  # [P, n]
+    shifted = torch.empty_like(z)
+
+    def xor_shift(bits: int) -> None:  # z ^= z >> bits, logical: int64's >> copies the sign bit
+        torch.bitwise_right_shift(z, bits, out=shifted)
+        z.bitwise_xor_(shifted.bitwise_and_((1 << (64 - bits)) - 1))
+
+    xor_shift(30)
+    z.mul_(_as_int64(_MIX1))
+    xor_shift(27)
+    z.mul_(_as_int64(_MIX2))
+    xor_shift(31)
+    return z
 
 
 def position_key(seed: int, position: int) -> int:
@@ -130,8 +136,8 @@ def keyed_exponentials(seed: int, positions: list[int], vocab: int, device: torc
     Drawn once per distinct position (a tree's nodes at one depth share it)."""
     distinct = sorted(set(positions))
     keys = torch.tensor([_as_int64(position_key(seed, pos)) for pos in distinct], dtype=torch.int64, device=device)
-    bits = _shr(_splitmix64_stream(keys, vocab), 12)  # [P, V] the top 52 bits
-    noise = (-((bits.double() + 0.5) * 2.0**-52).log()).float()  # [P, V]; u in (0, 1) exactly: E > 0
+    bits = _splitmix64_stream(keys, vocab).bitwise_right_shift_(12).bitwise_and_((1 << 52) - 1)  # [P, V] top 52
+    noise = bits.double().add_(0.5).mul_(2.0**-52).log_().neg_().float()  # [P, V]; u in (0, 1) exactly: E > 0
     if len(distinct) == len(positions) and distinct == positions:
         return noise
     index = {pos: i for i, pos in enumerate(distinct)}

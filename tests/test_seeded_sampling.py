@@ -76,6 +76,18 @@ def test_keys_that_share_their_low_32_bits_still_draw_apart() -> None:
     assert not torch.equal(a, b)
 
 
+def test_the_tensor_splitmix64_stream_is_the_reference_generator() -> None:
+    """int64 tensors wrap and shift arithmetically: the stream must still be splitmix64's unsigned one, keys at and
+    past 2**63 included."""
+    from specserve.sampling import _as_int64, _splitmix64, _splitmix64_stream
+
+    keys = [0, 1, 2**63 - 1, 2**63, 2**63 + 1, 2**64 - 1, 0x9E3779B97F4A7C15, 12345678901234567890]
+    got = _splitmix64_stream(torch.tensor([_as_int64(k) for k in keys]), 40)  # [8, 40]
+    golden = 0x9E3779B97F4A7C15
+    want = [[_as_int64(_splitmix64((k + i * golden) % 2**64)) for i in range(40)] for k in keys]
+    assert got.tolist() == want
+
+
 def test_keyed_noise_is_exponential_and_uncorrelated() -> None:
     noise = keyed_exponentials(5, list(range(40)), 5000, "cpu")  # [40, 5000]: 200k draws
     assert noise.dtype == torch.float32 and (noise > 0).all()
