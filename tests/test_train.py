@@ -77,6 +77,20 @@ def test_a_request_written_again_in_another_chunk_is_trained_on_once() -> None:
     assert [s.tokens.tolist() for s in kept] == [[1, 2, 5], [1, 3, 6], [1, 2, 3], [1, 3, 4, 6]]
 
 
+def test_a_vocabulary_map_led_by_a_heads_own_ids_keeps_them_by_frequency(tmp_path: Path) -> None:
+    """The head's ids were written as forced ids, which sort by id, not by count; and a forced id outside them
+    (an EOS the published head's d2t lacks) went ahead of some of them."""
+    from specserve.train.pipeline import write_vocab_map
+
+    counts = torch.tensor([0, 1, 50, 3, 40, 7, 0, 9, 100, 2])
+    write_vocab_map(tmp_path, counts, forced=[0, 6], lead=[0, 2, 4, 7, 8])  # 6: forced, not the head's
+    order = json.loads((tmp_path / "vocab_map.json").read_text())["by_frequency"]
+    assert order[:5] == [0, 8, 2, 4, 7]  # forced first, then by falling count
+    assert order[5:] == [6, 5, 3, 9, 1]  # 0-count id 6 kept: it is forced
+    write_vocab_map(tmp_path, counts, forced=[0, 6])
+    assert json.loads((tmp_path / "vocab_map.json").read_text())["by_frequency"][:4] == [0, 6, 8, 2]
+
+
 def test_every_id_generation_stops_at_is_forced_into_the_draft_vocabulary() -> None:
     """A Llama-3-style config stops at three EOS ids while its tokenizer names one: the other two fell out of a
     draft vocabulary picked from the training counts, where the head could never propose them."""

@@ -159,11 +159,16 @@ DEFAULT_CORPUS_PASSAGES = 2048
 ASK_MAX_TOKENS = 128  # a self-written request longer than this is dropped
 
 
-def write_vocab_map(out_dir: Path, counts: torch.Tensor, forced: list[int]) -> None:
-    """The target ids seen in training, most frequent first (forced ids first): any prefix is a draft vocabulary
-    (``HeadSpec.draft_vocab`` picks one at load time)."""
+def write_vocab_map(out_dir: Path, counts: torch.Tensor, forced: list[int], lead: list[int] | None = None) -> None:
+    """The target ids seen in training, most frequent first (forced ids first; ``lead``: these ids before all
+    others, as a fine-tuned EAGLE-3 head's own are, in the same order among themselves): any prefix is a draft
+    vocabulary (``HeadSpec.draft_vocab`` picks one at load time)."""
     order = frequency_order(counts, forced)
-    seen = int((counts > 0).sum()) + len([i for i in forced if counts[i] == 0])
+    if lead is not None:  # a stable partition: the lead ids in that order, then the rest
+        in_lead = torch.isin(order, torch.tensor(lead, dtype=order.dtype))  # [V]
+        order = torch.cat([order[in_lead], order[~in_lead]])
+    kept = set(forced) | set(lead or [])
+    seen = int((counts > 0).sum()) + len([i for i in kept if counts[i] == 0])
     body = {"forced": forced, "by_frequency": order[:seen].tolist(), "counts": counts[order[:seen]].tolist()}
     (out_dir / VOCAB_MAP).write_text(json.dumps(body))
 
@@ -307,7 +312,7 @@ def train_draft(
     if inherited is not None:
         (out_dir / VOCAB_MAP).write_text(inherited)
     else:  # a fine-tuned EAGLE-3 head without a map (a published one) kept its ids: they lead the map, as d2t says
-        write_vocab_map(out_dir, counts, forced if start is None else sorted(set(forced) | set(draft_ids.tolist())))
+        write_vocab_map(out_dir, counts, forced, draft_ids.tolist() if start is not None and eagle3 else None)
     digest = sha256_file(weights)
     (out_dir / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
     write_provenance(
