@@ -598,7 +598,9 @@ class Lane:
         """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
         plainly meanwhile), reset any worker whose state ran ahead of the failed step, and let the loop re-prefill
         its running sequences on the next step."""
-        if self._stop_asked:  # a step that failed as the lane was being stopped (its workers killed under it)
+        if self._stop_asked:  # failed as the lane was being stopped (its workers killed under it): no new worker;
+            # its requests go on elsewhere, none left to step on caches that may have run ahead
+            self._fail_all(f"lane {self.index} stopped", LaneLostError)
             return
         dead = {role for role, w in self.workers.items() if w.dead} or set(self.workers)
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
