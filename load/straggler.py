@@ -540,12 +540,18 @@ def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
                         f"failures {row['failures']}  p99 TTFT {row['p99_ttft_s']:.2f}s  mean SL {row['mean_sl']:.2f}",
                         flush=True,
                     )
-    rows = [{**median_row(r, keep=("concurrency",)), "repeats": len(r)} for r in runs.values()]
+    rows = [
+        {**median_row(r, keep=("concurrency",)), "repeats": len(r), **{k: sum(x[k] for x in r) for k in COUNTS}}
+        for r in runs.values()
+    ]  # counts over every pass: a failure in one pass of three is no median's 0
     plain = {r["concurrency"]: r["tok_s"] for r in rows if r["policy"] == "plain"}
     for r in rows:
         base = plain.get(r["concurrency"])
         r["vs_plain"] = r["tok_s"] / base if base else math.nan
     return rows
+
+
+COUNTS = ("requests", "failures")  # an HTTP point's counts: summed over its passes, not their median
 
 
 def _http_body(model: str, prompt: str, max_tokens: int, cfg: StudyConfig, pol: HttpPolicy) -> dict[str, Any]:

@@ -1130,6 +1130,8 @@ def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_pa
         with lock:
             policy = names[json.dumps(body.get("speculation"), sort_keys=True)]
             seen.append((policy, body["messages"][0]["content"], body["max_tokens"]))
+            if [p for p, _, _ in seen].count(policy) == 2 and policy == "plain":  # its first timed request
+                return httpx.Response(500, json={"error": {"message": "boom"}})
         usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 3 + body["max_tokens"]}
         events = [{"choices": [{"index": 0, "delta": {"content": "hi"}}]}, {"choices": [], "usage": usage}]
         sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
@@ -1153,6 +1155,9 @@ def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_pa
         assert len(asks) == 1  # every policy, every pass: the same prompts and lengths
     assert len(rows) == 2 * len(policies) and all(r["repeats"] == 2 for r in rows)
     assert all(r["vs_plain"] > 0 for r in rows) and {r["concurrency"] for r in rows} == {1, 2}
+    # counted over both passes (the median of [1, 0] was 0.5, and of [0, 0, 1] 0: the failure went unreported)
+    assert [(r["concurrency"], r["policy"]) for r in rows if r["failures"]] == [(1, "plain")]
+    assert all(r["requests"] == 2 * 2 * r["concurrency"] for r in rows) and sum(r["failures"] for r in rows) == 1
 
 
 def test_locust_users_draw_the_same_prompt_streams_for_the_same_seed() -> None:
