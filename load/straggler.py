@@ -359,10 +359,14 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
     traces: list[RunTrace] = []
     start = time.perf_counter()
     done = 0
+    cold = True  # the process's first forwards (allocator, thread pool, kernels) would be timed in the first run
     for kind in cfg.workloads:
         for batch in cfg.batch_sizes:
             wl = make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode)
-            if cfg.warm_guard:  # untimed, every policy alike: what a server that has served this batch size knows
+            # untimed, every policy alike: with --warm-guard at every point (what a server that has served this
+            # batch size knows), else once, at the first point (not plain's first run alone paying for the start)
+            if cfg.warm_guard or cold:
+                cold = False
                 for policy, spec in specs.items():
                     run_engine_point(
                         cfg, models, wl, batch, policy, spec, guard=guards.get(policy), floor=floors.get(policy)

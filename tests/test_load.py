@@ -855,6 +855,32 @@ def test_study_drafter_applies_to_every_speculative_policy(capsys: pytest.Captur
     assert exit_.value.code == 2 and "--drafter" in capsys.readouterr().err
 
 
+def test_the_engine_sweep_warms_every_policy_up_once_untimed_without_warm_guard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --warm-guard nothing ran untimed: the first timed run (plain, at the first batch size) paid the
+    process's first forwards alone, and every policy's vs_plain there was inflated."""
+    from load import straggler
+
+    cfg = straggler.StudyConfig(pair="tiny", batch_sizes=[1, 2], policies=[PolicyName.plain, PolicyName.dsde_cap],
+                                workloads=[WorkloadKind.synthetic], requests_per_slot=1, min_tokens=4, max_tokens=4,
+                                repeats=1, out=tmp_path)  # fmt: skip
+    real = straggler.run_engine_point
+    runs: list[tuple[int, PolicyName, int | None]] = []  # (batch, policy, repeat: None untimed)
+
+    def counted(
+        cfg_: Any, models: Any, wl: Any, batch: int, policy: PolicyName, spec: Any, *args: Any, **kw: Any
+    ) -> Any:
+        runs.append((batch, policy, args[0] if args else None))
+        return real(cfg_, models, wl, batch, policy, spec, *args, **kw)
+
+    monkeypatch.setattr(straggler, "run_engine_point", counted)
+    _, traces = straggler.engine_sweep(cfg)
+    untimed = [(b, p) for b, p, r in runs if r is None]
+    assert untimed == [(1, PolicyName.plain), (1, PolicyName.dsde_cap)]  # once, at the first point, every policy
+    assert len(traces) == 4 and len(runs) == 6  # the untimed runs leave no trace
+
+
 def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None:
     from load import straggler
     from specserve.guard import ThroughputGuard, bucket
