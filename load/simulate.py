@@ -384,11 +384,11 @@ def validate(
         train = [r for r in runs if r.batch != left_out]
         if left_out not in costs:  # one fit per training set, not per point
             costs[left_out] = CostModel.fit(cost_samples(train), fit)
-        pool = trace_pool((r for r in train if r.workload == run.workload), policy) or trace_pool(
-            (r for r in runs if r.workload == run.workload), policy
-        )
+        # only the training runs: taken from every run, a point left out would replay its own sequences
+        pool = trace_pool((r for r in train if r.workload == run.workload), policy)
         if not pool:  # (plain decoding replays chain runs' sequences: a sweep of plain and DDD has none)
-            print(f"  no recorded sequences to replay {policy.label} on {label}; not validated", file=sys.stderr)
+            where = "" if left_out is None else f" outside batch {left_out}"
+            print(f"  no recorded sequences{where} to replay {policy.label} on {label}; not validated", file=sys.stderr)
             continue
         own = [_same_prompt(pool, q) for q in run.requests]
         sims = []

@@ -672,6 +672,17 @@ def test_simulator_reproduces_runs_priced_by_a_known_cost_model(tiny_pair: tuple
     assert max(r["measured_idle"] for r in in_sample) > 0.03  # the lock-step draft's idle rows are replayed too
 
 
+def test_a_point_left_out_is_never_replayed_from_its_own_sequences(
+    tiny_pair: tuple[Any, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With no sequences of its workload at the other batch sizes, a left-out point fell back to a pool of every
+    run, its own included: "leave-batch-out" was in-sample there, its error smaller than it should be."""
+    runs = [_record(tiny_pair, PolicyName.dsde_cap, 1, [None]), _record(tiny_pair, PolicyName.dsde_cap, 2, [0.9, 0.9])]
+    assert [r["batch"] for r in validate(runs, ValidationMode.in_sample, repeats=1)] == [1, 2]
+    assert validate(runs, ValidationMode.leave_batch_out, repeats=1) == []  # neither workload at the other size
+    assert "no recorded sequences outside batch 2" in capsys.readouterr().err
+
+
 def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from load import simulate as sim_cli
     from load import straggler
