@@ -194,6 +194,9 @@ class Lane:
         self._probes: deque[frozenset[int]] = deque()  # suspect groups (seq ids) to step alone, the first next
         self._splits = 0  # splits made by the isolation under way
         self._failed_steps = 0  # consecutive failed full steps (not counting a worker's death)
+        # the sequence that failed alone on a worker that then failed its self-check (the worker was replaced): if
+        # it breaks the fresh worker alone too, it is failed, not the worker replaced again for ever
+        self._poisoner: int | None = None
         self.lost_workers = False  # its target could not be brought back (until a replacement or a step succeeds)
         self._retry_pause = worker_retry_s  # while lost: the pause before the next try (doubles)
         self._retry_at = 0.0  # ... and when that try is due (time.monotonic)
@@ -533,7 +536,14 @@ class Lane:
         drop = blamed not in group and only is None and self._failed_steps > self.max_failed_steps
         exhausted = blamed not in group and self._splits >= self.max_bisection_splits
         if (lone or drop or exhausted) and not self._workers_pass_check():
-            # not the request: a worker that cannot run one token of its own is replaced, and every request goes on
+            # a worker that cannot run one token of its own is replaced, and every request goes on, but for one that
+            # broke a fresh worker alone a second time: that one is failed (else the lane would replace its worker
+            # over and over while the innocent half's steps kept resetting the loss count)
+            suspect = next(iter(group)) if lone else None
+            if suspect is not None and suspect == self._poisoner:
+                self._fail_sequence(suspect, error)
+                suspect = None
+            self._poisoner = suspect
             self._probes.clear()
             self._splits = self._failed_steps = 0
             self._replace_lost(WorkerLostError(f"a worker failed its self-check after: {error!r}"))

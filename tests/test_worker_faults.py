@@ -99,6 +99,7 @@ class Actor:
     worker: TargetWorker | None = None
     calls: list[str] = field(default_factory=list)
     died: bool = False  # its process is gone: every call raises ActorDiedError
+    broken: bool = False  # a "poisoning" actor after a hostile request: it fails its self-check from then on
     loaded: threading.Event = field(default_factory=threading.Event)  # a "loading" actor's start is done once set
 
     def __post_init__(self) -> None:
@@ -135,13 +136,15 @@ class Actor:
 
     def _check(self) -> Ref:
         self.calls.append("check")
-        if self.fault == "poisoned":
+        if self.fault == "poisoned" or self.broken:
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("check", "Traceback ...", POISONED)))
         return Ref(lambda _: self_check(self.model))  # the actor's own check, on the real model
 
     def _verify(self, items: Any) -> Ref:
         self.calls.append("verify")
-        if self.fault == "poisoned" or (self.fault == "hostile" and any(it.new_tokens[:2] == HOSTILE for it in items)):
+        hostile = any(it.new_tokens[:2] == HOSTILE for it in items)
+        self.broken |= self.fault == "poisoning" and hostile  # one request's input breaks the actor's state
+        if self.fault == "poisoned" or (self.fault in ("hostile", "poisoning") and hostile):
             # an error inside the actor's task naming no sequence: the worker's state, or one request's input
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("verify", "Traceback ...", POISONED)))
         if self.fault == "hang":
@@ -834,6 +837,22 @@ def test_a_request_that_fails_alone_on_a_worker_that_passes_its_self_check_is_fa
         results = _run(lane, PROMPTS)
         assert results[:2] == alone[:2] and isinstance(results[2], RequestFailedError), results
         assert lane.generations[WorkerRole.target] == 0 and "check" in factory.actors[0].calls
+    finally:
+        lane.stop()
+
+
+def test_a_request_that_breaks_a_fresh_worker_alone_twice_is_failed_not_the_worker_replaced_for_ever(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """The request breaks every worker it runs on (its self-check fails after): the lane replaced the worker and let
+    every request go on, the culprit too; the innocent half's steps reset the loss count, so it reloaded its target
+    over and over and the culprit got no tokens, until it moved to break other lanes."""
+    factory = Factory(target, dict.fromkeys(range(10), "poisoning"))
+    lane = _lane(target, factory, max_worker_restarts=5)
+    try:
+        results = _run(lane, PROMPTS)
+        assert results[:2] == alone[:2] and isinstance(results[2], RequestFailedError), results
+        assert lane.generations[WorkerRole.target] == 2 and lane.healthy  # replaced after each of its two tries
     finally:
         lane.stop()
 
