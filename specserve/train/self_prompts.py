@@ -38,7 +38,10 @@ def words(text: str) -> list[str]:
 
 
 def shingles(text: str, n: int = SHINGLE_WORDS) -> set[tuple[str, ...]]:
-    w = words(text)
+    return _runs(words(text), n)
+
+
+def _runs(w: list[str], n: int) -> set[tuple[str, ...]]:
     return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
 
 
@@ -59,7 +62,7 @@ class BannedRuns:
 
     def hit(self, text: str) -> bool:
         w = words(text)
-        if len(w) >= self.n and not shingles(text, self.n).isdisjoint(self.runs):
+        if not _runs(w, self.n).isdisjoint(self.runs):
             return True
         joined = " " + " ".join(w) + " "
         return any(run in joined for run in self.short)
