@@ -5,6 +5,7 @@ spliced, and the client helper in load/ resumes across cut connections. Real HTT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 import time
@@ -417,42 +418,45 @@ def _timed_lines(url: str, body: dict[str, Any], headers: dict[str, str]) -> lis
         return [(time.monotonic() - start, line) for line in r.iter_lines() if line]
 
 
-def test_a_resumed_stream_is_kept_alive_before_its_first_output() -> None:
-    """The comment went out only when an output came: a resumed request waiting in a queue, for a reloading target
-    or through a long prefill sent nothing, and the client's read timeout cut it again."""
-    body = {"model": MODEL, "prompt": "once upon", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+LATE_BODY = {"model": MODEL, "prompt": "once upon", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+
+
+@contextlib.contextmanager
+def _resumable_late(silence_s: float) -> Iterator[tuple[_LateBackend, str, str]]:
+    """A server whose streams then wait ``silence_s`` before their first output: (backend, url, an event id of a
+    stream of LATE_BODY to resume from)."""
     backend = _LateBackend()
     try:
         with api_server(backend) as url:
-            cut = [e["id"] for e in _events(url, COMPLETIONS, body) if "id" in e][2]
-            backend.silence_s = 3.0
-            lines = _timed_lines(url, body, {"Last-Event-ID": cut})
-        kept_alive = [t for t, line in lines if line == ": replaying"]
-        first_data = next(t for t, line in lines if line.startswith("data: "))
-        assert kept_alive and kept_alive[0] < 1.8 and first_data >= 2.9, lines
-        assert len([t for t in kept_alive if t < first_data]) >= 2, lines  # one a second meanwhile
-        assert lines[-1][1] == "data: [DONE]" and all(s.closed for s in backend.streams)
+            cut = [e["id"] for e in _events(url, COMPLETIONS, LATE_BODY) if "id" in e][2]
+            backend.silence_s = silence_s
+            yield backend, url, cut
     finally:
         backend.stop()
+
+
+def test_a_resumed_stream_is_kept_alive_before_its_first_output() -> None:
+    """The comment went out only when an output came: a resumed request waiting in a queue, for a reloading target
+    or through a long prefill sent nothing, and the client's read timeout cut it again."""
+    with _resumable_late(3.0) as (backend, url, cut):
+        lines = _timed_lines(url, LATE_BODY, {"Last-Event-ID": cut})
+    kept_alive = [t for t, line in lines if line == ": replaying"]
+    first_data = next(t for t, line in lines if line.startswith("data: "))
+    assert kept_alive and kept_alive[0] < 1.8 and first_data >= 2.9, lines
+    assert len([t for t in kept_alive if t < first_data]) >= 2, lines  # one a second meanwhile
+    assert lines[-1][1] == "data: [DONE]" and all(s.closed for s in backend.streams)
 
 
 def test_a_resumed_stream_left_while_it_waits_is_closed() -> None:
     """The client leaves while the wait for the next output, past a keepalive, is still pending: the stream is
     closed (the request aborted) and that wait cancelled, not left running."""
-    body = {"model": MODEL, "prompt": "once upon", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-    backend = _LateBackend()
-    try:
-        with api_server(backend) as url:
-            cut = [e["id"] for e in _events(url, COMPLETIONS, body) if "id" in e][2]
-            backend.silence_s = 30.0
-            headers = {"Last-Event-ID": cut}
-            with httpx.stream("POST", url + COMPLETIONS, json={**body, "stream": True}, headers=headers) as r:
-                assert next(line for line in r.iter_lines() if line) == ": replaying"
-            deadline = time.monotonic() + 10
-            stream = backend.streams[-1]
-            while not (stream.closed and stream.interrupted) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert stream.closed and stream.interrupted  # nothing goes on waiting for an output nobody reads
-            assert requests_by_status(backend).get("aborted") == 1.0
-    finally:
-        backend.stop()
+    with _resumable_late(30.0) as (backend, url, cut):
+        body, headers = {**LATE_BODY, "stream": True}, {"Last-Event-ID": cut}
+        with httpx.stream("POST", url + COMPLETIONS, json=body, headers=headers) as r:
+            assert next(line for line in r.iter_lines() if line) == ": replaying"
+        deadline = time.monotonic() + 10
+        stream = backend.streams[-1]
+        while not (stream.closed and stream.interrupted) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stream.closed and stream.interrupted  # nothing goes on waiting for an output nobody reads
+        assert requests_by_status(backend).get("aborted") == 1.0
