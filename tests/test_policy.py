@@ -278,9 +278,10 @@ def test_planner_dsde_cap():
     assert (plan.depths, plan.cap) == ([3, 3, 1, 2], 3)
     assert SLPlanner().plan([]).depths == []
     # a sequence with n tokens left drafts at most n - 1 (a step emits its drafts and one token of the target's),
-    # and still 1 with one left; the cap is still the policy's, from the SLs before this limit
+    # and still 1 with one left; the cap is taken after this limit, as a level past a row's room keeps nobody
+    # waiting: the rows past warm-up reach 2, 9 and 1, so the cap is ceil(12 / 3) = 4 (5 over the SLs before it)
     plan = SLPlanner().plan(_dsde_rows(states), room=[1, 3, 100, 2])
-    assert (plan.depths, plan.cap) == ([1, 2, 5, 1], 5)
+    assert (plan.depths, plan.cap) == ([1, 2, 4, 1], 4)
     # only warm-up sequences: no cap
     warm = [FakeState(8, True), FakeState(4, True)]
     assert SLPlanner().plan(_dsde_rows(warm, dsde=DSDEConfig(cap_warmup=True))).cap is None

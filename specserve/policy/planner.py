@@ -1,4 +1,4 @@
-"""The one speculation-length planner: per-sequence SL -> depth limits and max_sl -> SL_cap -> room -> guards
+"""The one speculation-length planner: per-sequence SL -> depth limits and max_sl -> room -> SL_cap -> guards
 (docs/algorithms.md §4, §5).
 
 The step loop and the simulator (``load/simulate.py``) both call ``SLPlanner.plan`` once per step, so what the
@@ -71,9 +71,10 @@ class SLPlanner:
         drafts and one token of the target's, so a row drafts at most room - 1 levels, and still 1 with one token
         left (a step planned to speculate stays one: the guard times the two modes' steps apart)."""
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
-        depths, cap = self._cap(rows, [self._depth(r.spec, sl) for r, sl in zip(rows, uncapped, strict=True)])
-        if room is not None:
-            depths = [min(d, max(1, n - 1)) for d, n in zip(depths, room, strict=True)]
+        reach = [self._depth(r.spec, sl) for r, sl in zip(rows, uncapped, strict=True)]
+        if room is not None:  # before the cap: a level past a row's room is never drafted, so nobody waits for it
+            reach = [min(d, max(1, n - 1)) for d, n in zip(reach, room, strict=True)]
+        depths, cap = self._cap(rows, reach)
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
         min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
         depths, speculate = self._guard(rows, depths, prefills, outlook, guarded)
@@ -87,12 +88,12 @@ class SLPlanner:
     @staticmethod
     def _cap(rows: Sequence[PlanRow], reach: list[int]) -> tuple[list[int], int | None]:
         """SL_cap (docs/algorithms.md §5) over the depths the sequences would draft (``reach``: their SLs after a
-        tree's depth limit and the request's max_sl, then the draft model's own limits; a level no sequence drafts
-        keeps nobody waiting), one per
-        lock-step loop of the draft model: its chains and its trees draft in separate loops, so each kind gets the
-        cap of its own DSDE sequences. Rows only a model-free drafter serves run no draft forward: they neither
-        count nor are capped. Each sequence's own ``cap_enabled`` / ``cap_warmup`` decide whether it counts and is
-        capped. Returns the depths and the larger cap (reported)."""
+        tree's depth limit, the request's max_sl and the room, then the draft model's own limits; a level no
+        sequence drafts keeps nobody waiting), one per lock-step loop of the draft model: its chains and its trees
+        draft in separate loops, so each kind gets the cap of its own DSDE sequences. Rows only a model-free
+        drafter serves run no draft forward: they neither count nor are capped. Each sequence's own
+        ``cap_enabled`` / ``cap_warmup`` decide whether it counts and is capped. Returns the depths and the larger
+        cap (reported)."""
         depths = list(reach)
         caps: list[int] = []
         for tree in (False, True):
