@@ -4,6 +4,7 @@ in-process runs see identical ids."""
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from collections.abc import Mapping
@@ -14,11 +15,21 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.errors import InvalidRequestError
 
+logger = logging.getLogger(__name__)
+
 
 class PromptEncoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        if tokenizer is not None and len(tokenizer) > vocab_size:  # added tokens past the embedding's rows
+            logger.warning(
+                "the tokenizer has %d tokens but the model embeds only %d (ids %d and up, added tokens the model was "
+                "not resized for): a prompt that tokenizes to one of them is refused with a 400",
+                len(tokenizer),
+                vocab_size,
+                vocab_size,
+            )
 
     def token_ids(self, ids: list[int]) -> list[int]:
         if any(not 0 <= t < self.vocab_size for t in ids):
@@ -28,7 +39,7 @@ class PromptEncoder:
     def text(self, prompt: str) -> list[int]:
         """A completion prompt's ids: a Llama-2/3 or Mistral tokenizer starts them with its BOS, which the model saw
         at the start of every training text (the chat templates write it themselves)."""
-        return self._tokenizer().encode(prompt, add_special_tokens=True)
+        return self._in_vocabulary(self._tokenizer().encode(prompt, add_special_tokens=True), "prompt")
 
     def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The chat template's ids. A message's text is text: a special token's string typed in it (``<|im_end|>``)
@@ -40,7 +51,7 @@ class PromptEncoder:
         specials = self._special_pattern
         texts = [c if isinstance(c := m.get("content"), str) else "" for m in messages]
         if specials is None or not any(specials.search(t) for t in texts):
-            return self._apply_template(messages, tokenize=True)
+            return self._in_vocabulary(self._apply_template(messages, tokenize=True), "messages")
         # each special string in a message becomes a marker no text holds; the rendered prompt is tokenized as
         # usual between markers (the template's own special tokens stay special) and each marker as plain text
         marker = f"\ue000{uuid.uuid4().hex}"
@@ -58,6 +69,18 @@ class PromptEncoder:
                 ids += tokenizer.encode(found[int(part)], add_special_tokens=False, split_special_tokens=True)
             elif part:
                 ids += tokenizer.encode(part, add_special_tokens=False)
+        return self._in_vocabulary(ids, "messages")
+
+    def _in_vocabulary(self, ids: list[int], param: str) -> list[int]:
+        """The tokenizer's ids, refused where one is past the model's embedding (a tokenizer with added tokens the
+        checkpoint was not resized for): on CUDA such an index is a device-side assert that takes the worker down."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"the {param} tokenizes to token id {bad}, which this model cannot embed: its vocabulary has "
+                f"{self.vocab_size} tokens (ids [0, {self.vocab_size}))",
+                param=param,
+            )
         return ids
 
     def _apply_template(self, messages: list[dict[str, Any]], *, tokenize: bool) -> Any:

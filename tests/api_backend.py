@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
+from transformers import PreTrainedTokenizerBase
 
 from deployments.lane import Lane, LaneStream
 from deployments.tiny_tokenizer import tiny_tokenizer
@@ -38,13 +39,19 @@ class LocalDebug(BaseModel):
 
 class LocalBackend:
     def __init__(
-        self, *, max_model_len: int = 128, max_batch_size: int = 2, capacity: int = 8, step_delay_s: float = 0.0
+        self,
+        *,
+        max_model_len: int = 128,
+        max_batch_size: int = 2,
+        capacity: int = 8,
+        step_delay_s: float = 0.0,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
         target = tiny_model(tiny_config(), seed=0)
         draft = noisy_copy(target, 0.02, seed=1)
         self.engine = Engine(
             target,
-            tiny_tokenizer(),
+            tiny_tokenizer() if tokenizer is None else tokenizer,
             draft=draft,
             speculation=SPEC,
             max_batch_size=max_batch_size,

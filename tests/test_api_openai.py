@@ -19,6 +19,7 @@ from deployments.app_args import AppArgs, TinyModels
 from deployments.failover import Moving
 from deployments.lane import Lane
 from deployments.router import Router
+from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.error_bodies import OverloadedError, WorkerFailedError
 from specserve.api.metrics import LoadEstimate, ServeMetrics
 from specserve.api.server import build_api
@@ -147,6 +148,31 @@ def test_models_retrieve(client: openai.OpenAI, url: str) -> None:
 def test_json_types_are_strict(url: str, field: str, value: Any) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2, field: value}
     assert _error(httpx.post(url + COMPLETIONS, json=body))["param"] == field
+
+
+def test_a_tokenizer_token_past_the_models_vocabulary_is_a_400(caplog: pytest.LogCaptureFixture) -> None:
+    """A tokenizer with an added token the checkpoint's embedding has no row for: the server starts with a warning,
+    serves prompts without it, and refuses a text or chat prompt with it as a 400 naming the id (it was a 500
+    while generating; on CUDA a device-side assert)."""
+    tokenizer = tiny_tokenizer()  # 512 tokens, as the tiny model's vocabulary
+    tokenizer.add_tokens(["<extra_tok>"])
+    extra = tokenizer.convert_tokens_to_ids("<extra_tok>")
+    assert extra == 512
+    with caplog.at_level(logging.WARNING, logger="specserve.prompts"):
+        backend = LocalBackend(max_model_len=CONTEXT, tokenizer=tokenizer)
+    assert any("513 tokens" in r.getMessage() and "only 512" in r.getMessage() for r in caplog.records)
+    try:
+        with api_server(backend) as url:
+            fine = {"model": MODEL, "prompt": "hi there", "max_tokens": 3}
+            assert httpx.post(url + COMPLETIONS, json=fine, timeout=30).status_code == 200
+            extra_prompt = {"model": MODEL, "prompt": "hi <extra_tok>", "max_tokens": 3}
+            extra_chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi <extra_tok>"}], "max_tokens": 3}
+            for path, body, param in ((COMPLETIONS, extra_prompt, "prompt"), (CHAT, extra_chat, "messages")):
+                error = _error(httpx.post(url + path, json=body, timeout=30))
+                assert error["param"] == param and error["code"] == "invalid_value"
+                assert f"token id {extra}" in error["message"] and "vocabulary has 512 tokens" in error["message"]
+    finally:
+        backend.stop()
 
 
 # -- item 9 ------------------------------------------------------------------------------------------------
