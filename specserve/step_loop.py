@@ -68,6 +68,7 @@ class StepLoop:
         self.running: list[Sequence] = []
         self._ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
+        self._unreleased: set[int] = set()  # finished or aborted sequences a worker failed to release: retried
         self.stats = StepStats(metrics_window)
         self.observers: list[StepObserver] = [self.stats]
 
@@ -155,12 +156,12 @@ class StepLoop:
         """After a failed step: drop what the workers cached for these running sequences (part of that step may be
         in it) and register them afresh, so their next step re-prefills from the loop's tokens."""
         seqs = [s for s in self.running if s.seq_id in seq_ids]
+        for seq in seqs:  # first: should a release fail, the next step still registers (and so resets) them afresh
+            seq.registered = False
         ids = [s.seq_id for s in seqs]
         self.target.release(ids)
         if self.draft is not None:
             self.draft.release(ids)
-        for seq in seqs:
-            seq.registered = False
 
     def request_id(self, seq_id: int) -> str | None:
         """The running request whose sequence this is (None: none is running)."""
@@ -222,6 +223,8 @@ class StepLoop:
         return behind if self.features is None else min(behind, seq.spec.catch_up_window)
 
     def _admit(self) -> None:
+        if self._unreleased:  # slots a failed release left held: free them before anyone new needs one
+            self._release_ids(sorted(self._unreleased))
         while self.waiting and len(self.running) < self.max_batch_size:
             self.running.append(self.waiting.popleft())
 
@@ -455,10 +458,23 @@ class StepLoop:
                 logger.exception("releasing %d finished sequences failed; their outputs stand", len(done))
 
     def _release(self, seqs: list[Sequence]) -> None:
-        ids = [s.seq_id for s in seqs]
-        self.target.release(ids)
-        self.model_free.release(ids)
-        if self.draft is not None:
-            self.draft.release(ids)
+        self._release_ids([s.seq_id for s in seqs])
         for s in seqs:  # last: the workers' slots are free whatever the cache's insert does
             self.model_free.remember(s.output, s.request.cache_salt)
+
+    def _release_ids(self, ids: list[int]) -> None:
+        """Every owner releases these sequences, each whatever the others do (releasing is idempotent). Ids an
+        owner failed to release are kept and retried before the next admission, so a transient failure holds
+        no slot for good; the failure is logged, never raised: the sequences have already left the loop."""
+        owners = [self.target, self.model_free] + ([self.draft] if self.draft is not None else [])
+        failed = False
+        for owner in owners:
+            try:
+                owner.release(ids)
+            except Exception:
+                failed = True
+                logger.exception("releasing sequences %s from %s failed; retried before the next admission", ids, owner)
+        if failed:
+            self._unreleased.update(ids)
+        else:
+            self._unreleased.difference_update(ids)

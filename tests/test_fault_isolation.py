@@ -555,6 +555,58 @@ def test_a_failing_release_of_finished_sequences_loses_no_tokens(
     assert not engine.loop.has_work
 
 
+def test_a_worker_that_fails_to_release_once_holds_no_slot_for_good(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One failed ``release`` of a finished request used to leak its target slot and skip the draft's release
+    (so its draft slot leaked too); with every slot taken, a later full batch failed a request on
+    ``KVCapacityError``. Each owner now releases whatever the others do, and a failed release is retried before
+    the next admission."""
+    engine = _engine(models)
+    target, draft = engine.loop.target, engine.loop.draft
+    assert isinstance(target, TargetWorker) and isinstance(draft, DraftWorker)
+    real_release, calls = target.release, []
+
+    def release(seq_ids: list[int]) -> None:
+        if not engine.loop.running and not calls:  # the finished request's release (not a registering one)
+            calls.append(seq_ids)
+            raise RuntimeError("a transient failure")
+        real_release(seq_ids)
+
+    monkeypatch.setattr(target, "release", release)
+    assert engine.generate([PROMPTS[0]], GREEDY)[0].token_ids == alone[0]
+    assert calls and draft.cache.num_free == engine.loop.max_batch_size  # the draft released although the target failed
+    batch = [PROMPTS[i % len(PROMPTS)] for i in range(engine.loop.max_batch_size)]
+    assert [c.token_ids for c in engine.generate(batch, GREEDY)] == [alone[i % len(PROMPTS)] for i in range(4)]
+    assert target.cache.num_free == draft.cache.num_free == engine.loop.max_batch_size
+
+
+def test_a_reset_whose_release_fails_still_registers_its_sequences_afresh(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reset`` after a failed step: should the draft's release fail once the target's has run, the sequences
+    used to stay registered, so the next step sent the (emptied) target only the newest token and decoded without
+    context. They are marked for registering first, and registering releases whatever the worker still held."""
+    engine = _engine(models)
+    draft = engine.loop.draft
+    assert isinstance(draft, DraftWorker)
+    first, second = engine.submit(PROMPTS[0], GREEDY), engine.submit(PROMPTS[1], GREEDY)
+    for _ in range(3):
+        engine.loop.step()  # its outputs go nowhere: the sequences' own tokens are compared below
+    seqs = list(engine.loop.running)
+    real_release = draft.release
+
+    def release(seq_ids: list[int]) -> None:
+        monkeypatch.setattr(draft, "release", real_release)  # once
+        raise RuntimeError("a transient failure")
+
+    monkeypatch.setattr(draft, "release", release)
+    with pytest.raises(RuntimeError, match="transient"):
+        engine.loop.reset({s.seq_id for s in engine.loop.running})
+    engine.collect([first, second])
+    assert [s.output for s in seqs] == alone[:2]
+
+
 def test_outputs_of_a_submitted_request_wait_until_it_is_collected(
     models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
 ) -> None:

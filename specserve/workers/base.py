@@ -12,7 +12,8 @@ from specserve.sampling import SamplingParams
 
 class WorkerAPI(Protocol):
     def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
-        """Register a sequence that has ``position`` tokens now (its random draws start a stream there)."""
+        """Register a sequence that has ``position`` tokens now (its random draws start a stream there), afresh:
+        whatever the worker still held for this id is released first."""
 
     def release(self, seq_ids: list[int]) -> None: ...
 

@@ -61,6 +61,7 @@ class HeadDraftWorker:
         return feature_request(self.head)
 
     def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
+        self.release([seq_id])  # registering afresh: nothing a failed reset left behind may be read
         self.params[seq_id] = params
         self.generators[seq_id] = make_generator(params.seed, self.head.device, stream=1, position=position)
 

@@ -34,6 +34,7 @@ class TargetWorker:
         return self.table.cache
 
     def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
+        self.release([seq_id])  # registering afresh: nothing a failed reset left behind may be read
         self.params[seq_id] = params
         self.generators[seq_id] = make_generator(params.seed, self.model.device, position=position)
 
