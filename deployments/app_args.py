@@ -288,6 +288,7 @@ class AppArgs(LoopConfig):
             body_timeout_s=self.body_timeout_s,
             api_key=key,
             debug_routes=self.debug_routes,
+            unavailable_retry_after_s=math.ceil(self.worker_retry_s),  # when a lost lane tries its workers again
         )
 
     @property

@@ -22,6 +22,7 @@ from deployments.router import Router
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.error_bodies import OverloadedError, WorkerFailedError
 from specserve.api.metrics import LoadEstimate, ServeMetrics
+from specserve.api.schemas import Health, HealthStatus
 from specserve.api.server import build_api
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request, RequestOutput, RequestStats
@@ -406,6 +407,29 @@ def test_a_lane_thread_ended_by_a_base_exception_answers_its_admitted_requests()
         assert not lane.alive
     finally:
         lane.stop()
+
+
+def test_every_503_carries_retry_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane that lost its workers for good (a 503 worker_failed) and a failing /health tell the client when to
+    come back, as a 429 does: the configured seconds, from a deployment's worker_retry_s (when a lost lane tries
+    again)."""
+    backend = LocalBackend(max_model_len=CONTEXT)
+    backend.lane.stop()
+    gone = _FailingLoop(RuntimeError("a worker that is gone"))
+    backend.lane = Lane(0, gone, {}, None, None, metrics=backend.metrics, max_worker_restarts=0)  # type: ignore[arg-type]
+    failing = Health(status=HealthStatus.failing, lanes=1, lanes_alive=0)
+    monkeypatch.setattr(backend, "health", lambda: failing)
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 2}
+    try:
+        for options, seconds in (({}, "5"), ({"unavailable_retry_after_s": 7}, "7")):
+            with api_server(backend, **options) as url:
+                r = httpx.post(url + COMPLETIONS, json=body, timeout=30)
+                assert _error(r, 503)["code"] == "worker_failed" and r.headers["retry-after"] == seconds
+                r = httpx.get(url + "/health", timeout=30)
+                assert r.status_code == 503 and r.headers["retry-after"] == seconds
+    finally:
+        backend.stop()
+    assert AppArgs(tiny=TinyModels(), worker_retry_s=2.5).http_options(environ={}).unavailable_retry_after_s == 3
 
 
 def test_a_developer_message_is_the_system_prompt_and_tool_messages_carry_their_call_id(url: str) -> None:

@@ -2,6 +2,10 @@
 client may take to send it. A pure ASGI middleware, so a slow or huge body never reaches JSON parsing and never
 holds the event loop: ``/health`` answers whatever the other connections send.
 
+Every 503 it lets out carries a ``Retry-After`` (``HTTPOptions.unavailable_retry_after_s``), whichever route or
+handler sent it: a 429's own estimate is the router's, a 503 (a lane that lost its workers, failovers used up, a
+failing /health) has none of its own.
+
 It also turns a failing ``receive`` (Ray Serve raises when its proxy dropped a request whose client went away)
 into the ``http.disconnect`` the ASGI spec promises, so a client that leaves is an abort, not a server error.
 """
@@ -25,6 +29,9 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "SPECSERVE_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})  # no key needed
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# a 503's Retry-After where nothing configures one: deployments' default worker_retry_s, the pause before a lane that
+# lost its workers tries again to bring them back
+UNAVAILABLE_RETRY_AFTER_S = 5
 
 
 class HTTPOptions(BaseModel):
@@ -38,6 +45,9 @@ class HTTPOptions(BaseModel):
         default=None, description="clients send `Authorization: Bearer <key>`; None: no authentication"
     )
     debug_routes: bool = Field(default=False, description="serve /debug/* (actor names, node ids, KV slots)")
+    unavailable_retry_after_s: int = Field(
+        default=UNAVAILABLE_RETRY_AFTER_S, ge=1, description="the Retry-After header of every 503, in seconds"
+    )
 
 
 class RequestGuard:
@@ -53,6 +63,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         receive = _disconnect_on_error(receive)
+        send = _retry_after_on_503(send, self.options.unavailable_retry_after_s)
         if not self._authorized(scope):
             body = error_body(
                 "a valid API key is required: send `Authorization: Bearer <key>`",
@@ -137,6 +148,20 @@ def _disconnect_on_error(receive: Receive) -> Receive:
             return {"type": "http.disconnect"}
 
     return guarded
+
+
+def _retry_after_on_503(send: Send, seconds: int) -> Send:
+    """``send`` with a Retry-After added to a 503 response that has none."""
+    header = (b"retry-after", str(seconds).encode())
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start" and message["status"] == HTTPStatus.SERVICE_UNAVAILABLE:
+            headers = list(message.get("headers", []))
+            if not any(name.lower() == b"retry-after" for name, _ in headers):
+                message = {**message, "headers": [*headers, header]}
+        await send(message)
+
+    return sending
 
 
 def _replay(content: bytes, receive: Receive) -> Receive:

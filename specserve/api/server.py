@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over any generation backend (the Ray Serve router is one).
 
-Every error a client can cause is a 4xx with OpenAI's error body; a full queue is a 429 with Retry-After.
+Every error a client can cause is a 4xx with OpenAI's error body; a full queue is a 429 with Retry-After, and
+every 503 has one too (``RequestGuard`` adds it).
 A stream (SSE) whose client goes away is closed, which aborts the request and frees its KV.
 Before any route, ``RequestGuard`` checks the API key, the body size (413) and the body-read time (408).
 /openapi.json is built from the same models the routes validate with, and documents the 400s they send.
@@ -701,7 +702,7 @@ _ERROR_DESCRIPTIONS = {
     413: "the request body is larger than the server's limit",
     429: "the server is at capacity; retry after the Retry-After header's seconds",
     500: "internal error",
-    503: "the lane serving the request lost its workers",
+    503: "the lane serving the request lost its workers; retry after the Retry-After header's seconds",
 }
 _CHUNK_MODELS: tuple[type[BaseModel], ...] = (CompletionChunk, ChatCompletionChunk)
 _SCHEMA_REF = "#/components/schemas/{model}"
