@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ModelWrapValidatorHandler, SecretStr, field_validator, model_validator
 
-from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
+from specserve.api.http_guard import API_KEY_ENV, HTTPOptions, checked_api_key
 from specserve.config import (
     FREEZE_GC_HELP,
     MODEL_PAIRS,
@@ -173,9 +173,7 @@ class AppArgs(LoopConfig):
     @field_validator("api_key")
     @classmethod
     def _key_not_empty(cls, key: SecretStr | None) -> SecretStr | None:
-        if key is not None and not key.get_secret_value().strip():  # it would switch authentication off
-            raise ValueError("api_key is empty: give a key, or leave it unset for a server without authentication")
-        return key
+        return checked_api_key(key)
 
     debug_routes: bool = Field(default=False, description="serve /debug/lanes (actor names, node ids, KV slots)")
     freeze_gc: bool = Field(default=True, description=FREEZE_GC_HELP + "; in the router and in each worker actor")
@@ -282,7 +280,8 @@ class AppArgs(LoopConfig):
 
     def http_options(self, environ: Mapping[str, str] = os.environ) -> HTTPOptions:
         """The HTTP layer's limits; the API key from the args, else from the environment of the replica."""
-        key = self.api_key or (SecretStr(environ[API_KEY_ENV]) if environ.get(API_KEY_ENV) else None)
+        from_env = SecretStr(environ[API_KEY_ENV]) if environ.get(API_KEY_ENV) else None
+        key = self.api_key or checked_api_key(from_env, API_KEY_ENV)
         return HTTPOptions(
             max_request_bytes=self.max_request_bytes,
             body_timeout_s=self.body_timeout_s,

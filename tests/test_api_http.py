@@ -229,6 +229,26 @@ def test_api_key_from_app_args_or_environment() -> None:
     assert "arg-key" not in repr(args)
 
 
+def test_whitespace_around_the_api_key_is_not_part_of_it(backend: LocalBackend) -> None:
+    """A key read from a secret file ends with its newline: clients' tokens are stripped, so the configured key is
+    too, from the args and from SPECSERVE_API_KEY alike (it locked every client out); a blank one is an error."""
+    for args, environ in (
+        (AppArgs.model_validate({"api_key": " s3cret\n"}), {}),
+        (AppArgs(), {API_KEY_ENV: "s3cret\n"}),
+    ):
+        options = args.http_options(environ=environ)
+        assert options.api_key is not None and options.api_key.get_secret_value() == "s3cret"
+        with api_server(backend, **options.model_dump()) as url:
+            r = httpx.post(url + COMPLETIONS, json=OK_BODY, headers={"authorization": "Bearer s3cret"})
+            assert r.status_code == 200, r.text
+    with pytest.raises(ValueError, match=f"{API_KEY_ENV} is empty"):
+        AppArgs().http_options(environ={API_KEY_ENV: " \n"})
+    with pytest.raises(ValueError, match="api_key is empty"):
+        AppArgs.model_validate({"api_key": "\t\n"})
+    with pytest.raises(ValueError, match="api_key is empty"):
+        HTTPOptions(api_key=SecretStr(" "))
+
+
 def test_debug_routes_only_when_enabled(backend: LocalBackend) -> None:
     with api_server(backend) as url:
         assert httpx.get(url + "/debug/lanes").status_code == 404

@@ -17,7 +17,7 @@ import hmac
 import logging
 from http import HTTPStatus
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specserve.api.error_bodies import error_body
@@ -44,10 +44,27 @@ class HTTPOptions(BaseModel):
     api_key: SecretStr | None = Field(
         default=None, description="clients send `Authorization: Bearer <key>`; None: no authentication"
     )
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, key: SecretStr | None) -> SecretStr | None:
+        return checked_api_key(key)
+
     debug_routes: bool = Field(default=False, description="serve /debug/* (actor names, node ids, KV slots)")
     unavailable_retry_after_s: int = Field(
         default=UNAVAILABLE_RETRY_AFTER_S, ge=1, description="the Retry-After header of every 503, in seconds"
     )
+
+
+def checked_api_key(key: SecretStr | None, source: str = "api_key") -> SecretStr | None:
+    """The key without the whitespace around it (a secret file's trailing newline: clients' tokens are stripped
+    too, so it would lock every one of them out); a blank one is refused, as it would switch authentication off."""
+    if key is None:
+        return None
+    stripped = key.get_secret_value().strip()
+    if not stripped:
+        raise ValueError(f"{source} is empty: give a key, or leave it unset for a server without authentication")
+    return SecretStr(stripped)
 
 
 class RequestGuard:
