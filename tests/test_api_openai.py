@@ -176,6 +176,25 @@ def test_a_tokenizer_token_past_the_models_vocabulary_is_a_400(caplog: pytest.Lo
         backend.stop()
 
 
+def test_top_k_minus_one_or_zero_is_no_top_k(url: str) -> None:
+    """vLLM's clients send top_k -1 (some 0) for "no top-k": the same sampled answer as without the field; other
+    negatives stay a 400."""
+
+    def sampled(**top_k: int) -> list[int]:
+        body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 8, "temperature": 1.0, "seed": 11}
+        r = httpx.post(url + COMPLETIONS, json={**body, **top_k, "return_token_ids": True, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["token_ids"])
+
+    unlimited = sampled()
+    assert sampled(top_k=-1) == sampled(top_k=0) == unlimited != sampled(top_k=1)
+    for bad in (-2, -(2**40)):
+        assert (
+            _error(httpx.post(url + COMPLETIONS, json={"model": MODEL, "prompt": "x", "top_k": bad}))["param"]
+            == "top_k"
+        )
+
+
 # -- item 9 ------------------------------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ BASE = {"model": MODEL, "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
 PROBES: dict[str, list[Any]] = {  # values on both sides of each documented constraint
     "top_p": [0, 1e-3, 0.5, 1, 1.01, None],  # null: the default, as OpenAI SDKs send "unset"
     "temperature": [-0.1, 0, 2, 2.01, "1", True, None],
-    "top_k": [0, 1, 50, "5"],
+    "top_k": [-2, -1, 0, 1, 50, "5"],  # -1 and 0: no top-k, as vLLM's clients send it
     "n": [0, 1, 2, True, None],
     "seed": [-(2**63) - 1, -(2**63), 7, 2**63 - 1, 2**63],
     "max_tokens": [0, 1, "2", None],

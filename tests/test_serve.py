@@ -481,7 +481,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("temperature-negative", COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("temperature-huge", COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": 1e9}, 400, "temperature"),
     ("top-p-zero", COMPLETIONS, {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("top-k-zero", COMPLETIONS, {"model": MODEL, "prompt": "x", "top_k": 0}, 400, "top_k"),
+    ("top-k-negative", COMPLETIONS, {"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),  # -1, 0: off
     ("seed-beyond-int64", COMPLETIONS, {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),  # OpenAI: int64
     ("stop-empty", COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop"),
     ("stop-wrong-type", COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop"),

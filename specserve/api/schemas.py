@@ -180,7 +180,10 @@ class GenerationRequest(ClosedModel):
     temperature: StrictFloat = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(
-        default=None, ge=1, lt=INT64_END, description="extension: keep the k most likely tokens"
+        default=None,
+        ge=-1,
+        lt=INT64_END,
+        description="extension: keep the k most likely tokens; -1 or 0 (as vLLM's clients send them): no top-k",
     )
     # lt 2**63 rather than le 2**63 - 1: OpenAPI bounds are floats, and 2**63 - 1 is not one
     seed: StrictInt | None = Field(default=None, ge=-INT64_END, lt=INT64_END, description="a 64-bit signed integer")
@@ -217,6 +220,11 @@ class GenerationRequest(ClosedModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if not (v is None and k in NULLABLE_DEFAULTS)}
         return data
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, v: int | None) -> int | None:
+        return None if v is not None and v <= 0 else v
 
     @field_validator("n", mode="before")
     @classmethod
