@@ -466,14 +466,16 @@ class StepLoop:
         """Every owner releases these sequences, each whatever the others do (releasing is idempotent). Ids an
         owner failed to release are kept and retried before the next admission, so a transient failure holds
         no slot for good; the failure is logged, never raised: the sequences have already left the loop."""
-        owners = [self.target, self.model_free] + ([self.draft] if self.draft is not None else [])
+        releases = [self.target.release, self.model_free.release]
+        if self.draft is not None:
+            releases.append(self.draft.release)
         failed = False
-        for owner in owners:
+        for release in releases:
             try:
-                owner.release(ids)
+                release(ids)
             except Exception:
                 failed = True
-                logger.exception("releasing sequences %s from %s failed; retried before the next admission", ids, owner)
+                logger.exception("%s of sequences %s failed; retried before the next admission", release, ids)
         if failed:
             self._unreleased.update(ids)
         else:
