@@ -6,6 +6,8 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -440,3 +442,48 @@ def test_the_extension_refuses_shapes_it_would_read_or_write_past() -> None:
         linear.bias = bias
         with pytest.raises(RuntimeError, match=r"a bias is float32 \[N\]"):
             linear(torch.randn(3, 64))
+
+
+def test_other_python_threads_run_while_a_kernel_runs() -> None:
+    """The kernels touch no Python object, so they release the GIL: a thread serving HTTP or streaming beside an
+    in-process engine used to stall for a whole forward (seconds for a long prefill)."""
+    ext = extension()
+    x, w = torch.randn(64, 2048), torch.randn(16384, 2048)  # one call of ~0.1 s here
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    thread = threading.Thread(target=spin)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # the caller waits at most ~0.5 ms for the GIL before it enters the call
+    thread.start()
+    try:
+        time.sleep(0.01)
+        t0 = time.perf_counter()
+        ext.small_linear(x, w)
+        t1 = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    # while the caller holds the GIL through the call the other thread cannot run at all: not in the call's middle
+    # half (its first moments may still be the other thread's, until the caller takes the GIL back for the call)
+    middle = [s for s in stamps if t0 + (t1 - t0) / 4 < s < t1 - (t1 - t0) / 4]
+    assert middle
+
+
+def test_a_compiler_that_fails_its_version_check_leaves_the_python_loop(tmp_path: Path) -> None:
+    """torch checks the compiler's version first: one that exits non-zero there (``CXX=/bin/false``) raised
+    ``CalledProcessError`` out of every model load, not the fallback to the Python layer loop."""
+    script = (
+        "from specserve.models.native_stack import small_gemm_available, extension, NativeStackUnavailable\n"
+        "assert small_gemm_available() is False\n"
+        "try:\n    extension()\nexcept NativeStackUnavailable as e:\n    print('unavailable:', e)\n"
+    )
+    env = os.environ | {"SPECSERVE_CACHE": str(tmp_path), "CXX": "/bin/false"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "unavailable: building" in done.stdout

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import struct
+import subprocess
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -123,7 +124,8 @@ def _build() -> ModuleType | NativeStackUnavailable:
                 verbose=os.environ.get("SPECSERVE_BUILD_VERBOSE") == "1",
             )
             _record_library(build_dir / f"{name}.so")
-    except (OSError, RuntimeError, ImportError) as e:  # no compiler, no ninja, a failed build
+    # no compiler, no ninja, a failed build, a compiler that fails torch's version check (CalledProcessError)
+    except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as e:
         return NativeStackUnavailable(f"building {SOURCE.name} failed: {e}")
     log.info("C++ decoder stack ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
     return module

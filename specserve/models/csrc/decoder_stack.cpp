@@ -387,6 +387,9 @@ class DecoderStack {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the kernels touch no Python object: other Python threads run meanwhile (ATen re-takes the GIL itself for a
+  // Python dispatch mode)
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<Proj>(m, "Proj")
       .def(py::init<>())
       .def_readwrite("weight", &Proj::weight)
@@ -410,23 +413,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("dense_from", &Proj::dense_from)
       .def_readwrite("in_features", &Proj::in_features)
       .def_readwrite("out_features", &Proj::out_features)
-      .def("__call__", &Proj::operator());
-  m.def("rms_norm", &checked_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"));
+      .def("__call__", &Proj::operator(), nogil);
+  m.def("rms_norm", &checked_rms_norm, nogil, py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("small_gemm_supported", &specserve_small_gemm::supported);
   m.def("attention_supported", &specserve_attention::supported, py::arg("head_dim"));
-  m.def("attend", &specserve_attention::attend, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+  m.def("attend", &specserve_attention::attend, nogil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("write_slot"), py::arg("write_pos"), py::arg("write_from"), py::arg("mask"), py::arg("q_len"));
   py::enum_<specserve_small_gemm::Prefetch>(m, "Prefetch")
       .value("none", specserve_small_gemm::Prefetch::none)
       .value("l1", specserve_small_gemm::Prefetch::l1)
       .value("l2", specserve_small_gemm::Prefetch::l2);
-  m.def("small_linear", &specserve_small_gemm::linear, py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
-        py::arg("prefetch") = py::none());
-  m.def("small_linear_isa", &specserve_small_gemm::linear_isa, py::arg("x"), py::arg("weight"), py::arg("bias"),
-        py::arg("isa"));
-  m.def("small_linear_bf16", &specserve_small_gemm::linear_bf16, py::arg("x"), py::arg("weight"),
+  m.def("small_linear", &specserve_small_gemm::linear, nogil, py::arg("x"), py::arg("weight"),
         py::arg("bias") = py::none(), py::arg("prefetch") = py::none());
-  m.def("small_linear_bf16_isa", &specserve_small_gemm::linear_bf16_isa, py::arg("x"), py::arg("weight"),
+  m.def("small_linear_isa", &specserve_small_gemm::linear_isa, nogil, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("isa"));
+  m.def("small_linear_bf16", &specserve_small_gemm::linear_bf16, nogil, py::arg("x"), py::arg("weight"),
+        py::arg("bias") = py::none(), py::arg("prefetch") = py::none());
+  m.def("small_linear_bf16_isa", &specserve_small_gemm::linear_bf16_isa, nogil, py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("isa"));
   m.def("small_gemm_isas", &specserve_small_gemm::isas);
   m.def("small_gemm_isa", &specserve_small_gemm::isa_in_use);
@@ -435,18 +438,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("n", &specserve_small_gemm::Packed::n)
       .def_readonly("k", &specserve_small_gemm::Packed::k)
       .def_readonly("data", &specserve_small_gemm::Packed::data);
-  m.def("small_pack", &specserve_small_gemm::pack, py::arg("weight"));
-  m.def("small_pack_q4", &specserve_small_gemm::pack_q4, py::arg("q"), py::arg("d"), py::arg("m"));
-  m.def("small_pack_q8", &specserve_small_gemm::pack_q8, py::arg("q"), py::arg("d"));
-  m.def("small_bounded_argmax", &specserve_small_gemm::bounded_argmax, py::arg("x"), py::arg("approx"),
+  m.def("small_pack", &specserve_small_gemm::pack, nogil, py::arg("weight"));
+  m.def("small_pack_q4", &specserve_small_gemm::pack_q4, nogil, py::arg("q"), py::arg("d"), py::arg("m"));
+  m.def("small_pack_q8", &specserve_small_gemm::pack_q8, nogil, py::arg("q"), py::arg("d"));
+  m.def("small_bounded_argmax", &specserve_small_gemm::bounded_argmax, nogil, py::arg("x"), py::arg("approx"),
         py::arg("weight"), py::arg("row_norms"), py::arg("bound"));
-  m.def("small_linear_packed", &specserve_small_gemm::linear_packed, py::arg("x"), py::arg("packed"),
+  m.def("small_linear_packed", &specserve_small_gemm::linear_packed, nogil, py::arg("x"), py::arg("packed"),
         py::arg("bias") = py::none(), py::arg("prefetch") = py::none());
-  m.def("small_linear_packed_isa", &specserve_small_gemm::linear_packed_isa, py::arg("x"), py::arg("packed"),
+  m.def("small_linear_packed_isa", &specserve_small_gemm::linear_packed_isa, nogil, py::arg("x"), py::arg("packed"),
         py::arg("bias"), py::arg("isa"));
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
-      .def("forward", &DecoderStack::forward);
+      .def("forward", &DecoderStack::forward, nogil);
 }
