@@ -356,6 +356,11 @@ def test_planner_token_guard():
     assert SLPlanner(max_step_tokens=7).plan(rows).depths == [3, 2]
     tree = SpecConfig(method=SpecMethod.eagle2, budget=8)
     assert SLPlanner(max_step_tokens=9).plan([Row(tree, None), Row(tree, None)]).depths == [0, 6]
+    # among equals the one that gives way rotates from step to step: the oldest used to lose its tree every step
+    planner = SLPlanner(max_step_tokens=3 + 2 * 8)
+    plans = [planner.plan([Row(tree, None)] * 3).depths for _ in range(4)]
+    assert plans == [[0, 6, 6], [6, 0, 6], [6, 6, 0], [0, 6, 6]]
+    assert SLPlanner(max_step_tokens=3 + 3 * 8).plan([Row(tree, None)] * 3).depths == [6, 6, 6]
     # a tree only the draft model grows counts its own budget; one a model-free drafter may grow, the whole budget
     capped = tree.model_copy(update={"model_budget": 5})
     assert SLPlanner(max_step_tokens=10).plan([Row(capped, None), Row(capped, None)]).depths == [6, 6]

@@ -54,6 +54,7 @@ class SLPlanner:
         self.guard = guard  # None: always speculate as planned
         self.max_step_tokens = max_step_tokens  # drafted tokens + batch size verified per step (None: no limit)
         self.floor = floor  # measures the tree floor for sequences with ``adaptive_floor`` (None: never measured)
+        self._shrunk = 0  # steps ``max_step_tokens`` shrank: the row that gives way first among equals rotates
 
     def plan(
         self,
@@ -143,8 +144,12 @@ class SLPlanner:
             spec = rows[i].spec
             return 0 if depths[i] == 0 else (spec.max_tree_nodes if spec.is_tree else depths[i])
 
-        allowance = self.max_step_tokens - len(rows)
-        while sum(cost(i) for i in range(len(rows))) > max(0, allowance):
-            i = max(range(len(rows)), key=cost)
+        allowance, n, turn = self.max_step_tokens - len(rows), len(rows), self._shrunk
+        if sum(cost(i) for i in range(n)) > max(0, allowance):
+            self._shrunk += 1
+        while sum(cost(i) for i in range(n)) > max(0, allowance):
+            # the costliest gives way; among equals, the first from a row that moves on by one each shrunk step,
+            # so one sequence (the oldest) does not lose its drafts on every step
+            i = max(range(n), key=lambda i: (cost(i), -((i - turn) % n)))
             depths[i] = depths[i] - 1 if not rows[i].spec.is_tree else 0
         return depths, speculate
