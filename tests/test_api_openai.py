@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -494,5 +494,43 @@ def test_the_suffix_cache_is_partitioned_by_cache_salt() -> None:
                 body = {"model": MODEL, "prompt": "hi", "cache_salt": bad}
                 error = _error(httpx.post(f"{url}{COMPLETIONS}", json=body, timeout=30))
                 assert error["param"] == "cache_salt", (bad, error)
+    finally:
+        backend.stop()
+
+
+class _CutShort(LocalBackend):
+    """A backend whose streams end after one unfinished output (a backend bug, not a client's doing)."""
+
+    async def submit(self, request: Request) -> Any:
+        stream = await super().submit(request)
+
+        class Cut:
+            def __aiter__(self) -> AsyncIterator[RequestOutput]:
+                return self._outputs()
+
+            async def _outputs(self) -> AsyncIterator[RequestOutput]:
+                async for out in stream:
+                    if not out.finished:
+                        yield out
+                        return
+
+            async def aclose(self) -> None:
+                await stream.aclose()
+
+        return Cut()
+
+
+def test_a_stream_that_ends_before_its_request_finished_is_an_error_event_not_a_silent_end() -> None:
+    """The non-streaming answer was a 500; the stream used to end with neither an error event nor ``[DONE]``, so
+    a client read a cut answer as a whole one."""
+    backend = _CutShort(max_model_len=CONTEXT)
+    try:
+        with api_server(backend) as url:
+            body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 20, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=30) as r:
+                data = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+            assert data[-1] != "[DONE]"
+            assert json.loads(data[-1])["error"]["type"] == "server_error"
+            assert httpx.post(url + COMPLETIONS, json=body | {"stream": False}, timeout=30).status_code == 500
     finally:
         backend.stop()

@@ -421,8 +421,8 @@ class _Routes:
                 wait = None if cursor.checked else max(0.0, sent_at + REPLAY_KEEPALIVE_S - time.monotonic())
                 try:
                     out = await outcome.next_output(within=wait)
-                except StopAsyncIteration:
-                    return
+                except StopAsyncIteration:  # a 500 in the stream, as the non-streaming answer's: never a silent end
+                    raise RuntimeError("the output stream ended before the request finished") from None
                 if out is None:
                     yield SSE_REPLAYING
                     sent_at = time.monotonic()
