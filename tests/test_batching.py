@@ -107,8 +107,8 @@ def test_sl_cap_is_the_ceiled_mean_of_post_warmup_sls(target: LlamaModel) -> Non
     assert len(rooms) == len(engine.loop.stats.metrics)
     capped_steps = [(m, r) for m, r in zip(engine.loop.stats.metrics, rooms, strict=True) if m.cap is not None]
     assert capped_steps
-    for m, room in capped_steps:  # SL_cap = ceil(mean SL_i over the post-warm-up rows), which it bounds
-        post = [u for u, p in zip(m.uncapped, m.post_warmup, strict=True) if p]
+    for m, room in capped_steps:  # SL_cap = ceil(mean depth over the post-warm-up rows: SL_i within its room)
+        post = [min(u, max(1, n - 1)) for u, p, n in zip(m.uncapped, m.post_warmup, room, strict=True) if p]
         assert m.cap == math.ceil(sum(post) / len(post))
         for u, planned, p, n in zip(m.uncapped, m.planned, m.post_warmup, room, strict=True):
             assert planned == min(min(u, m.cap) if p else u, max(1, n - 1))  # warm-up exempt from the cap
