@@ -145,11 +145,10 @@ class SLPlanner:
             return 0 if depths[i] == 0 else (spec.max_tree_nodes if spec.is_tree else depths[i])
 
         allowance, n, turn = self.max_step_tokens - len(rows), len(rows), self._shrunk
-        if sum(cost(i) for i in range(n)) > max(0, allowance):
-            self._shrunk += 1
         while sum(cost(i) for i in range(n)) > max(0, allowance):
             # the costliest gives way; among equals, the first from a row that moves on by one each shrunk step,
             # so one sequence (the oldest) does not lose its drafts on every step
             i = max(range(n), key=lambda i: (cost(i), -((i - turn) % n)))
             depths[i] = depths[i] - 1 if not rows[i].spec.is_tree else 0
+            self._shrunk = turn + 1
         return depths, speculate
