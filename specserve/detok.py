@@ -67,7 +67,10 @@ class ByteRuns:
 
 
 class IncrementalText:
-    """Turns a growing list of token ids into stable text deltas, stopping at the first stop string."""
+    """Turns a growing list of token ids into stable text deltas, stopping at the first stop string.
+
+    ``update`` rebinds its state's attributes and mutates no object they hold: a shallow copy is a snapshot to go back
+    to (``Sequence.checkpoint``)."""
 
     def __init__(
         self,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -81,6 +82,18 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A sequence's token state before a step committed its row (``Sequence.checkpoint``), to put back should the
+    commit not finish."""
+
+    delivered: int
+    pending: list[int]  # the output after its delivered tokens (a commit never changes a delivered token)
+    finish_reason: FinishReason | None
+    text: IncrementalText
+    stats: RequestStats
+
+
 @dataclass
 class Sequence:
     """The authoritative token state of one request (the step loop owns it; workers hold only caches)."""
@@ -106,6 +119,19 @@ class Sequence:
     features_from: int = 0  # position of the first of them
     features_queued: int = 0  # rows in ``features`` (counted as they come: a plain step adds one, every step)
     features_sent: int = 0  # positions below this went to the draft worker (0: a new worker, or one that was reset)
+
+    def checkpoint(self) -> Checkpoint:
+        """Its token state now: the output, what of it was handed out, the text and the counts (a shallow copy of the
+        text is its state: an update rebinds its attributes and mutates none)."""
+        pending = self.output[self.delivered :]
+        return Checkpoint(self.delivered, pending, self.finish_reason, copy.copy(self.text), replace(self.stats))
+
+    def rollback(self, saved: Checkpoint) -> None:
+        """Back to a checkpoint's token state. The workers' caches and the loop's counters of what they were sent
+        are not in it: the caller of a failed step resets them (``StepLoop.reset``), and they re-prefill."""
+        self.output[saved.delivered :] = saved.pending
+        self.delivered, self.finish_reason = saved.delivered, saved.finish_reason
+        self.text, self.stats = saved.text, saved.stats
 
     def add_features(self, rows: torch.Tensor, start: int) -> None:
         """Queue the hidden states [n, F] of positions start..start+n-1; a non-contiguous start (the target

@@ -69,6 +69,9 @@ class StepLoop:
         self._ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
         self._unreleased: set[int] = set()  # finished or aborted sequences a worker failed to release: retried
+        # outputs committed but not yet returned: a step cut short after some rows committed (a KeyboardInterrupt)
+        # leaves them for the next step to return first
+        self._undelivered: list[RequestOutput] = []
         self.stats = StepStats(metrics_window)
         self.observers: list[StepObserver] = [self.stats]
 
@@ -116,6 +119,7 @@ class StepLoop:
             raise
 
     def abort(self, request_id: str) -> bool:
+        self._undelivered = [o for o in self._undelivered if o.request_id != request_id]  # its news goes with it
         seq = self._by_request.pop(request_id, None)
         if seq is None:
             return False
@@ -169,7 +173,7 @@ class StepLoop:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._undelivered)
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self, only: Collection[int] | None = None) -> list[RequestOutput]:
@@ -177,12 +181,16 @@ class StepLoop:
 
         ``only``: step just these running sequences (by seq_id), as drafted without the throughput guard; the rest
         wait and no new request is admitted.
+
+        A step cut short in its commit or after it (an interrupt) loses no output: each row commits whole or not at
+        all, and the outputs of the rows it committed come first in the next step's return.
         """
         t0 = time.perf_counter()
+        self._retire()  # sequences a step cut short had finished (they must not run past their end)
         if only is None:
             self._admit()
         if not (batch := [s for s in self.running if only is None or s.seq_id in only]):
-            return []
+            return self._hand_out()
         self._register(batch)
         # a step over ``only`` (a suspect group isolating a failed step) drafts as each sequence's SL says, whatever
         # the guard would choose: its re-prefill would make the guard plan plain decoding and hide a drafting failure
@@ -203,7 +211,12 @@ class StepLoop:
         event = StepEvent(batch, plan, proposals, items, verified, outputs, t0, t1, t2, time.perf_counter())
         failures |= self._after_commit(event)
         if failures:
-            raise PartialStepError(outputs, failures)
+            raise PartialStepError(self._hand_out(), failures)
+        return self._hand_out()
+
+    def _hand_out(self) -> list[RequestOutput]:
+        """The outputs committed and not yet returned (this step's, after any a step cut short left)."""
+        outputs, self._undelivered = self._undelivered, []
         return outputs
 
     def _outlook(self, batch: list[Sequence], room: list[int]) -> Outlook | None:
@@ -323,16 +336,29 @@ class StepLoop:
     def _commit_rows(
         self, batch: list[Sequence], proposals: list[Proposal | None], verified: list[VerifyOutput]
     ) -> tuple[list[RequestOutput], dict[int, SequenceError]]:
-        """Commit row by row: a sequence failing to commit leaves the others' news intact (issue 16)."""
+        """Commit row by row: a sequence failing to commit leaves the others' news intact (issue 16). A failed row
+        is rolled back (not finished, so not retired with the finished ones: its request is failed instead)."""
         outputs, failures = [], {}
         for seq, proposal, out in zip(batch, proposals, verified, strict=True):
             try:
                 with blame(seq.seq_id):
-                    outputs.append(self._commit(seq, proposal, out))
+                    outputs.append(self._commit_row(seq, proposal, out))
             except SequenceError as e:
-                seq.finish_reason = None  # not retired with the finished ones: its request is failed instead
                 failures[seq.seq_id] = e
         return outputs, failures
+
+    def _commit_row(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
+        """One row's commit, whole or not at all: its output is kept for the step's return (``_undelivered``), and
+        whatever stops it before (a failure, an interrupt) puts its sequence's token state back; the caches and
+        counters of a step that raised are the caller's to reset (``reset``: the row re-prefills)."""
+        saved = seq.checkpoint()
+        try:
+            output = self._commit(seq, proposal, out)
+            self._undelivered.append(output)
+        except BaseException:
+            seq.rollback(saved)
+            raise
+        return output
 
     def _after_commit(self, event: StepEvent) -> dict[int, SequenceError]:
         """The policy update, the guard's and floor's records and the observers, once the step committed: nothing

@@ -21,6 +21,7 @@ from deployments.lane import Lane
 from specserve.api.error_bodies import APIError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
 from specserve.config import SLPolicyKind, SpecConfig, SpecMethod
+from specserve.detok import IncrementalText
 from specserve.engine import Completion, Engine
 from specserve.errors import (
     InvalidRequestError,
@@ -722,6 +723,63 @@ def test_an_interrupted_step_leaves_the_other_requests_their_own_tokens(
         engine.collect([first])
     assert engine.collect([second])[0].token_ids == alone[1]
     assert not engine.loop.has_work
+
+
+def test_an_interrupt_in_the_commit_loses_and_repeats_no_token(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C inside the commit, in the third row's detokenisation (its output already extended), in the step where
+    the first row's request reaches its max_tokens: the rows committed before it used to lose that step's outputs
+    (the first request then ran on past its end, the second skipped tokens); now they come with the next step, the
+    cut row commits again from its state before, and every request ends as it does alone."""
+    engine = _engine(models)
+    short = SamplingParams(max_tokens=9, ignore_eos=True)
+    ids = [engine.submit(PROMPTS[0], short), *(engine.submit(p, GREEDY) for p in PROMPTS[1:])]
+    finishing, committed, cut, _ = seqs = list(engine.loop.waiting)  # the batch's rows, in this order
+    real_update = IncrementalText.update
+    fired: list[int] = []
+
+    def update(text: IncrementalText, token_ids: list[int], *, final: bool = False) -> str:
+        if text is cut.text and finishing.finish_reason is not None and not fired:
+            fired.append(len(token_ids) - cut.delivered)  # tokens the cut row had added to its output
+            raise KeyboardInterrupt
+        return real_update(text, token_ids, final=final)
+
+    monkeypatch.setattr(IncrementalText, "update", update)
+    with pytest.raises(KeyboardInterrupt):
+        engine.collect([ids[3]])  # the interrupted caller's request goes
+    assert fired and fired[0] > 0 and committed.finish_reason is None
+    done = engine.collect(ids[:3])
+    assert [c.token_ids for c in done] == [alone[0][:9], alone[1], alone[2]]
+    assert all(len(s.output) <= s.request.params.max_tokens for s in seqs)
+    assert not engine.loop.has_work
+    target, draft = engine.loop.target, engine.loop.draft
+    assert isinstance(target, TargetWorker) and isinstance(draft, DraftWorker)
+    assert target.cache.num_free == draft.cache.num_free == engine.loop.max_batch_size
+
+
+def test_an_interrupt_after_the_commit_loses_no_output(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    """Ctrl-C in an observer, after the step committed and retired a finished request: its last output (and the
+    others') come with the next step, which the finished request's own collect still runs for."""
+    engine = _engine(models)
+    ids = [engine.submit(PROMPTS[0], SamplingParams(max_tokens=9, ignore_eos=True)), engine.submit(PROMPTS[1], GREEDY)]
+    finishing = engine.loop.waiting[0]
+
+    class Interrupting(StepObserver):
+        fired = False
+
+        def on_step(self, event: StepEvent) -> None:
+            if finishing.finish_reason is not None and not self.fired:
+                self.fired = True
+                raise KeyboardInterrupt
+
+    engine.loop.observers.append(observer := Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        engine.collect([ids[1]])
+    assert observer.fired and finishing not in engine.loop.running
+    assert [c.token_ids for c in engine.collect([ids[0]])] == [alone[0][:9]]
 
 
 def test_a_duplicate_request_id_is_refused_without_touching_the_live_request(
