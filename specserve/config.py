@@ -94,6 +94,15 @@ class ModelSpec(Validated):
         "at load; greedy steps of those counts take the exact argmax of those logits instead of bounded_argmax's "
         "copy (docs/benchmarks.md, 'Q8_0 records for the LM head')",
     )
+    amx_int8_reads: bool = Field(
+        default=False,
+        description="with small_gemm and q4_reads, on a CPU with AMX-INT8 (Intel Sapphire Rapids and later): every "
+        "decoder product reads its Q4_1 blocks on the AMX tiles, the activations rounded to int8 per row and group of "
+        "32 as llama.cpp's Q4_1 dot products round them. A different arithmetic from the float32 products (relative "
+        "error ~6e-3 a product), batch-invariant like them, so greedy speculation stays equal to plain decoding under "
+        "it; a tile multiplies up to 16 rows for about the price of one (docs/benchmarks.md, 'AMX-INT8 products over "
+        "the Q4_1 blocks'). Without AMX-INT8 the float32 products serve (a logged reason)",
+    )
     small_gemm_plan: bool = Field(
         default=True,
         description="with small_gemm: at load, time the kernel's variants (weight layout, prefetch into L1 or L2) "

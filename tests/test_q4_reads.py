@@ -98,10 +98,10 @@ def test_records_are_a_fifth_of_the_float32_bytes_and_bad_blocks_are_clear_error
         ext.small_linear_packed(torch.randn(3, 32), records, None)
 
 
-def q4_tiny_model(seed: int) -> tuple[LlamaModel, dict[str, Q4Blocks]]:
-    """A tiny model whose decoder projections are Q4_1 blocks dequantised (as a GGUF's load), and those blocks by HF
-    tensor name, split as a GGUF holds them (q, k, v and gate, up apart)."""
-    cfg = tiny_config()
+def q4_tiny_model(seed: int, **config: int) -> tuple[LlamaModel, dict[str, Q4Blocks]]:
+    """A tiny model (``tiny_config(**config)``) whose decoder projections are Q4_1 blocks dequantised (as a GGUF's
+    load), and those blocks by HF tensor name, split as a GGUF holds them (q, k, v and gate, up apart)."""
+    cfg = tiny_config(**config)
     model = tiny_model(cfg, seed=seed)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     q_size, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim

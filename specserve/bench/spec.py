@@ -165,11 +165,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target-reads",
         nargs="+",
-        choices=["q4+q8", "q4", "f32"],
+        choices=["q4+q8", "q4", "f32", "amx8+q8"],
         default=None,
         help="each target once per choice: the kernel reads the decoder weights' Q4_1 records and the LM head's Q8_0 "
-        "records where they measure faster, only the former, or float32 only, to compare (ModelSpec.q4_reads, "
-        "q8_head_reads; the same bits; default: the spec's)",
+        "records where they measure faster, only the former, or float32 only (ModelSpec.q4_reads, q8_head_reads; the "
+        "same bits), or the decoder's Q4_1 blocks on the AMX tiles with int8 activations and the LM head's records "
+        "(ModelSpec.amx_int8_reads: other bits, greedy-equal within the target), to compare (default: the spec's)",
     )
     p.add_argument(
         "--device", default="cpu", type=present_device_arg, help="where the models run, e.g. cuda (default: cpu)"
@@ -521,7 +522,13 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
         pairs = [
             (
                 f"{label} {how} reads",
-                t.model_copy(update={"q4_reads": how != "f32", "q8_head_reads": how == "q4+q8"}),
+                t.model_copy(
+                    update={
+                        "q4_reads": how != "f32",
+                        "q8_head_reads": how.endswith("+q8"),
+                        "amx_int8_reads": how.startswith("amx8"),
+                    }
+                ),
                 d,
             )
             for how in args.target_reads
@@ -624,7 +631,8 @@ def run(args: argparse.Namespace) -> int:
     for t_spec in target_specs:
         target = targets[t_spec]
         argmax = " full argmax" if not t_spec.bounded_argmax else ""
-        reads = "" if t_spec.q8_head_reads else " q4 reads" if t_spec.q4_reads else " f32 reads"
+        reads = " f32 reads" if not t_spec.q4_reads else " q4 reads" if not t_spec.q8_head_reads else ""
+        reads += " amx8 reads" if t_spec.amx_int8_reads else ""
         t_label = "" if len(target_specs) == 1 else f" ({t_spec.dtype.value}{argmax}{reads})"
         plain_row = len(methods)
         methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))

@@ -44,8 +44,8 @@ from specserve.timing import interleaved_medians
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
-SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp", SOURCE.parent / "attention.cpp")
-HEADERS = tuple(SOURCE.parent / name for name in ("small_gemm.h", "attention.h", "simd.h"))
+SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp", SOURCE.parent / "attention.cpp", SOURCE.parent / "amx_int8.cpp")
+HEADERS = tuple(SOURCE.parent / name for name in ("small_gemm.h", "attention.h", "simd.h", "amx_int8.h"))
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 EVERY_ROW = (1 << SMALL_GEMM_ROWS) - 1  # a row mask (llama.reads_copy): products of 1..64 rows read the copy
 # Row counts at which kernel_plan_for times the kernel's variants; a count's choice holds up to the next probe.
@@ -224,6 +224,7 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     records = getattr(mod, "small_records", None)  # Q4_1 / Q8_0 records (attach_q4_reads, attach_q8_head)
     if records is not None:
         proj.small_records, proj.small_record_rows = records, getattr(mod, "small_record_rows", 0)
+    proj.amx_records = getattr(mod, "amx_records", None)  # the AMX tiles' Q4_1 records (attach_amx_int8_reads)
     return proj
 
 
@@ -354,6 +355,34 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
     for mod, blk in found.items():
         mod.small_records = ext.small_pack_q4(blk.q, blk.d, blk.m)  # type: ignore[assignment]
         mod.small_records_gemm, mod.small_record_rows = ext.small_linear_packed, EVERY_ROW  # type: ignore[assignment]
+    drop_native_stack(model)
+    return True
+
+
+def attach_amx_int8_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
+    """Switch: every decoder product reads its Q4_1 blocks on the AMX tiles (``csrc/amx_int8.cpp``: the activations
+    rounded to int8 per row and group of 32; ``ModelSpec.amx_int8_reads``), at every row count, before any other
+    copy. All or nothing: False (nothing attached, a logged reason) on a CPU or process without AMX-INT8, or unless
+    every projection's blocks dequantise to exactly its loaded weight and fit the tiles (no bias, N a multiple of 64).
+    Call after ``attach_small_gemm``; drops an attached C++ stack (built again by ``attach_native_stack``)."""
+    ext = extension()
+    if not ext.amx_int8_supported():
+        log.warning("AMX-INT8 reads: this CPU or process has no AMX-INT8 tiles; the float32 products serve")
+        return False
+    found = layer_q4_blocks(model, blocks)
+    if found is None:
+        log.warning("AMX-INT8 reads: the GGUF does not hold every decoder projection as Q4_1 blocks")
+        return False
+    for mod, b in found.items():
+        if mod.bias is not None or mod.out_features % 64 or mod.in_features % Q4_GROUP:
+            log.warning("AMX-INT8 reads: a decoder projection has a bias or a shape the tiles do not take")
+            return False
+        if not torch.equal(b.dequantize(), mod.weight.detach()):
+            log.warning("AMX-INT8 reads: the GGUF's blocks do not dequantise to the loaded weights")
+            return False
+    for mod, blk in found.items():
+        mod.amx_records = ext.amx_pack_q4(blk.q, blk.d, blk.m)  # type: ignore[assignment]
+        mod.amx_gemm = ext.amx_linear  # type: ignore[assignment]
     drop_native_stack(model)
     return True
 
