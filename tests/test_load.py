@@ -835,6 +835,27 @@ def test_study_max_sl_caps_every_speculative_policy(capsys: pytest.CaptureFixtur
         with pytest.raises(SystemExit) as exit_:
             straggler.parse_args(["--pair", pair, "--head-quant", "q8_0"])
         assert exit_.value.code == 2 and "--head-quant" in capsys.readouterr().err
+    assert straggler.parse_args(["--pair", "smollm2-eagle", "--amx-int8"]).amx_int8
+    assert not straggler.parse_args(["--pair", "smollm2-eagle"]).amx_int8
+    with pytest.raises(SystemExit) as exit_:
+        straggler.parse_args(["--pair", "tiny", "--amx-int8"])
+    assert exit_.value.code == 2 and "amx_int8" in capsys.readouterr().err
+
+
+def test_amx_int8_loads_the_target_with_its_products_on_the_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    from load import straggler
+    from specserve.config import MODEL_PAIRS
+    from specserve.models import loader
+
+    loaded: list[object] = []
+    monkeypatch.setattr(loader, "load_model", lambda spec, device="cpu": loaded.append(spec) or spec)
+    monkeypatch.setattr(loader, "load_draft", lambda spec, target, device="cpu": spec)
+    monkeypatch.setattr(loader, "load_tokenizer", lambda spec: None)
+    monkeypatch.setattr(straggler, "Engine", lambda *a, **k: None)
+    for amx in (True, False):
+        straggler.load_models(straggler.StudyConfig(pair="smollm2-eagle", amx_int8=amx))
+    target = MODEL_PAIRS["smollm2-eagle"][0]
+    assert loaded == [target.model_copy(update={"amx_int8_reads": True}), target]
 
 
 def test_odd_repeats_run_the_policies_in_reverse_order() -> None:
