@@ -22,6 +22,7 @@ from specserve.models.native_stack import (
     extension,
 )
 from specserve.models.q4 import Q4Blocks
+from tests.test_q4_reads import q4_tiny_model, random_blocks
 
 try:
     extension()
@@ -30,14 +31,6 @@ except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C+
 
 AMX = extension().amx_int8_supported()
 needs_amx = pytest.mark.skipif(not AMX, reason="this CPU or process has no AMX-INT8 tiles")
-
-
-def random_blocks(n: int, k: int, seed: int) -> Q4Blocks:
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half().float()
-    m = (-torch.rand(n, k // 32, generator=gen) * 0.1).half().float()
-    return Q4Blocks(q, d, m)
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +93,6 @@ def test_shapes_the_tiles_do_not_take_are_refused() -> None:
 def amx_tiny_model(seed: int) -> tuple[LlamaModel, dict[str, Q4Blocks]]:
     """Head dim 64 (SmolLM2's, which the attention kernel serves: decoding and verifying then differ only in the
     products); every projection's N a multiple of 64."""
-    from tests.test_q4_reads import q4_tiny_model
-
     return q4_tiny_model(seed, hidden_size=256, intermediate_size=256)
 
 

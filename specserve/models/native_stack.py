@@ -331,6 +331,23 @@ def layer_q4_blocks(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> dict[nn.L
     return out
 
 
+def matching_q4_blocks(model: LlamaModel, blocks: dict[str, Q4Blocks], switch: str) -> dict[nn.Linear, Q4Blocks] | None:
+    """Each decoder projection's Q4_1 blocks, where every projection has them, has no bias and they dequantise to
+    exactly its loaded weight; else None, with the reason logged under ``switch``."""
+    found = layer_q4_blocks(model, blocks)
+    if found is None:
+        log.warning("%s: the GGUF does not hold every decoder projection as Q4_1 blocks", switch)
+        return None
+    for mod, b in found.items():
+        if mod.bias is not None:
+            log.warning("%s: a decoder projection has a bias", switch)
+            return None
+        if not torch.equal(b.dequantize(), mod.weight.detach()):
+            log.warning("%s: the GGUF's blocks do not dequantise to the loaded weights; reading float32", switch)
+            return None
+    return found
+
+
 def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
     """Switch: the kernel reads each decoder projection from its Q4_1 blocks (``small_pack_q4``: 4-bit values and
     their group's scale and minimum, 0.19x the float32 bytes), forming each float32 weight in a register by the
@@ -341,17 +358,12 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
     before any other copy, for every row count until ``kernel_plan_for`` measures which counts they win
     (``small_record_rows``). Call after ``attach_small_gemm`` and before the plan and ``attach_native_stack``."""
     ext = extension()
-    found = layer_q4_blocks(model, blocks)
+    found = matching_q4_blocks(model, blocks, "Q4_1 reads")
     if found is None:
-        log.warning("Q4_1 reads: the GGUF does not hold every decoder projection as Q4_1 blocks")
         return False
-    for mod, b in found.items():
-        if getattr(mod, "small_gemm", None) is None or mod.bias is not None:
-            log.warning("Q4_1 reads: a decoder projection is not on the small-product kernel or has a bias")
-            return False
-        if not torch.equal(b.dequantize(), mod.weight.detach()):
-            log.warning("Q4_1 reads: the GGUF's blocks do not dequantise to the loaded weights; reading float32")
-            return False
+    if any(getattr(mod, "small_gemm", None) is None for mod in found):
+        log.warning("Q4_1 reads: a decoder projection is not on the small-product kernel; reading float32")
+        return False
     for mod, blk in found.items():
         mod.small_records = ext.small_pack_q4(blk.q, blk.d, blk.m)  # type: ignore[assignment]
         mod.small_records_gemm, mod.small_record_rows = ext.small_linear_packed, EVERY_ROW  # type: ignore[assignment]
@@ -369,17 +381,12 @@ def attach_amx_int8_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> boo
     if not ext.amx_int8_supported():
         log.warning("AMX-INT8 reads: this CPU or process has no AMX-INT8 tiles; the float32 products serve")
         return False
-    found = layer_q4_blocks(model, blocks)
+    found = matching_q4_blocks(model, blocks, "AMX-INT8 reads")
     if found is None:
-        log.warning("AMX-INT8 reads: the GGUF does not hold every decoder projection as Q4_1 blocks")
         return False
-    for mod, b in found.items():
-        if mod.bias is not None or mod.out_features % 64 or mod.in_features % Q4_GROUP:
-            log.warning("AMX-INT8 reads: a decoder projection has a bias or a shape the tiles do not take")
-            return False
-        if not torch.equal(b.dequantize(), mod.weight.detach()):
-            log.warning("AMX-INT8 reads: the GGUF's blocks do not dequantise to the loaded weights")
-            return False
+    if any(mod.out_features % 64 or mod.in_features % Q4_GROUP for mod in found):
+        log.warning("AMX-INT8 reads: a decoder projection has a shape the tiles do not take")
+        return False
     for mod, blk in found.items():
         mod.amx_records = ext.amx_pack_q4(blk.q, blk.d, blk.m)  # type: ignore[assignment]
         mod.amx_gemm = ext.amx_linear  # type: ignore[assignment]
