@@ -14,10 +14,12 @@ lie within ``warmup_z`` standard errors of the tokens a step of its time must em
 1 a step emits 1-4 tokens, and three of them chose plain decoding for a draft head that runs 1.2x faster (each step
 of a large batch averages over its sequences and decides after ``warmup``).
 
-A speculative step in which the draft catches up on a sequence it had already seen (``caught_up_tokens``: it re-reads
-the tokens the target decoded alone while the guard kept plain steps) is not measured: for a draft model that
-costs several of its steps, a cost of switching, not the rate speculation runs at. A try of speculation is
-therefore that switch step and one measured step, and its cost is bounded: after a try that confirms plain
+The speculative step right after plain ones, in which the draft catches up on sequences it had already seen
+(``caught_up_tokens``: it re-reads the tokens the target decoded alone while the guard kept plain steps), is not
+measured: for a draft model that costs several of its steps, a cost of switching, not the rate speculation runs at.
+Catch-ups within speculation (rows that a step's token budget left undrafted for a few steps, at large batch
+every step) are measured: they are what speculating costs there. A try of speculation is therefore that switch
+step and one measured step, and its cost is bounded: after a try that confirms plain
 decoding, the next one waits until the plain steps in between took 1 / ``explore_cost`` times what the try cost
 (the time of the switch step and of the measured step beyond plain decoding's for the tokens they emitted: a 4-bit draft
 model catching up 16 sequences costs ~10-35 plain steps, an EAGLE head's catch-up and 2.4x-slower step at batch
@@ -208,21 +210,23 @@ class ThroughputGuard:
             raise ValueError(f"a step's seconds must be finite and non-negative, got {seconds}")
         seconds = max(seconds, MIN_STEP_S)  # a coarse clock's 0: a zero average would clip every later step to 0
         b = bucket(batch_size)
-        if speculative and caught_up_tokens > 0:  # the draft re-reading what it missed: not speculation's rate
-            # (module docstring). After steps planned plain, a switch: it costs its time beyond plain decoding's
-            # for the tokens it emitted (the whole step while plain decoding is unmeasured). Within speculation (a
-            # draft worker attached afresh, the draft model after model-free drafts) no switch: it would space the
-            # tries by what no try costs. For the catch-up rate, either: its time beyond what a measured
-            # speculative step of the bucket takes (before the first, a plain one: the catch-up that begins
-            # speculation's warm-up)
-            if not self.chosen.get(b, False):
-                switch = self._excess_over_plain(b, (tokens / batch_size, seconds), unmeasured=seconds)
-                self.switch_s[b] = self.catch_up_s[b] = switch
+        if speculative and caught_up_tokens > 0:  # the draft re-reading what it missed. For the catch-up rate: its
+            # time beyond what a measured speculative step of the bucket takes (before the first, a plain one: the
+            # catch-up that begins speculation's warm-up)
             base = self.work.get((b, True)) or self.work.get((b, False)) or (0.0, 0.0)
             new = (float(caught_up_tokens), max(0.0, seconds - base[1]))
             tok, sec = self.catch_up_work or new
             self.catch_up_work = (tok + self.smoothing * (new[0] - tok), sec + self.smoothing * (new[1] - sec))
-            return
+            if not self.chosen.get(b, False):  # after steps planned plain, a switch: not speculation's rate (module
+                # docstring); it costs its time beyond plain decoding's for the tokens it emitted (the whole step
+                # while plain decoding is unmeasured), and the steps after it are speculation's own
+                switch = self._excess_over_plain(b, (tokens / batch_size, seconds), unmeasured=seconds)
+                self.switch_s[b] = self.catch_up_s[b] = switch
+                self.chosen[b] = True
+                return
+            # within speculation (rows a step's token budget left undrafted for a few steps, a draft worker attached
+            # afresh, the draft model after model-free drafts) the catch-up is part of what speculating costs here:
+            # measured as speculation's step (not a switch, which would space the tries by what no try costs)
         before = self.faster(batch_size)
         chosen = self.chosen[b] = speculative if planned is None else planned
         # a try ran the mode it was planned in: a try of speculation whose drafters found nothing was a plain step,

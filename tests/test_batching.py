@@ -671,7 +671,8 @@ def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> Non
     assert guard.missed_token_s == pytest.approx(0.01)  # (before any speculative step, the catch-up's base)
     guard.record(8, True, tokens=24, seconds=0.1)  # speculation: 30 tokens/s per sequence
     assert guard.faster(8) is True
-    guard.record(8, True, tokens=24, seconds=0.2, caught_up_tokens=3)  # 3 tokens: 0.1 s more
+    guard.record(8, False, tokens=8, seconds=0.1)  # a try of plain decoding, then the switch back to speculation:
+    guard.record(8, True, tokens=24, seconds=0.2, caught_up_tokens=3)  # 3 tokens, 0.1 s more
     assert guard.missed_token_s == pytest.approx(0.73 / 70.9)  # weighed by size (not 0.033 a token blended in)
     catch_up = 50
     assert guard.speculate(8)  # nothing to catch up: speculation
@@ -694,6 +695,26 @@ def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> Non
     fresh = ThroughputGuard(warmup=1)
     fresh.record(8, False, tokens=8, seconds=0.1)
     assert fresh.speculate(8, outlook=Outlook(10_000, 8))
+
+
+def test_catch_ups_within_speculation_are_measured_as_its_steps() -> None:
+    """At batch 32 a step's token budget leaves most rows undrafted for a few steps, so the draft re-reads a few
+    tokens of some row in every speculative step. Only the switch after plain steps goes unmeasured; the steps after
+    it are speculation's own cost there and turn the guard back to plain decoding where speculation is slower
+    (unmeasured, a try of speculation lasted as long as the catch-ups did: 15-40 steps a run at 0.7x plain's rate
+    on an AMX Xeon's straggler sweep)."""
+    guard = ThroughputGuard()
+    speculated = 0
+    for _ in range(300):
+        if guard.speculate(32):
+            speculated += 1
+            guard.record(32, True, tokens=35, seconds=0.064, caught_up_tokens=30)  # 0.6x plain's rate per step
+        else:
+            guard.record(32, False, tokens=32, seconds=0.035)
+    assert guard.faster(32) is False
+    # the last try's cost: its switch step and its measured step, each beyond plain decoding's time for its tokens
+    assert guard.switch_s[32] == pytest.approx(2 * (0.064 - 35 / 32 * 0.035))
+    assert 4 <= speculated <= 30  # the warm-up, then tries spaced by what they cost
 
 
 def test_two_short_speculative_steps_do_not_flip_a_long_held_choice() -> None:
