@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 
 ARM_PART_KEYS = ("CPU implementer", "CPU architecture", "CPU variant", "CPU part", "CPU revision")
@@ -28,3 +30,27 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]
     if not named and part:
         model = f"{model} " + " ".join(f"{k.removeprefix('CPU ')} {part[k]}" for k in ARM_PART_KEYS if k in part)
     return model, flags
+
+
+def thp_mode(setting: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise`` or ``never``; None: not Linux, or unreadable):
+    the bracketed word of ``always [madvise] never``."""
+    try:
+        text = setting.read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
+def huge_pages(
+    environ: Mapping[str, str] = os.environ, setting: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+) -> str:
+    """Whether torch's large CPU allocations get huge pages here, e.g. 'huge pages on (THP madvise)': torch asks for
+    them (``madvise``) when THP_MEM_ALLOC_ENABLE is set (``specserve`` sets it unless the environment says 0); the
+    kernel grants them in ``madvise`` mode only to those who ask, in ``always`` mode to every large allocation."""
+    mode = thp_mode(setting)
+    if mode is None or mode == "never":
+        return f"huge pages off (THP {mode or 'unknown'})"
+    asked = environ.get("THP_MEM_ALLOC_ENABLE", "0").strip() not in ("", "0")
+    return f"huge pages {'on' if asked or mode == 'always' else 'off'} (THP {mode})"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.cpu import cpu_info
+from specserve.cpu import cpu_info, huge_pages, thp_mode
 from specserve.host_memory import cgroup_free_bytes
 
 X86 = """processor\t: 0
@@ -92,3 +92,47 @@ def test_cgroup_free_bytes_reads_the_tightest_limit_up_the_hierarchy(tmp_path: P
     _write(v1 / "memory/docker/memory.usage_in_bytes", "48\n")
     assert cgroup_free_bytes(v1, proc) == 2000
     assert cgroup_free_bytes(v1, tmp_path / "absent") is None
+
+
+HUGE_PAGES_GROWTH = (
+    "import torch\n"
+    "def huge():\n"
+    "    rows = [r for r in open('/proc/self/smaps_rollup') if r.startswith('AnonHugePages')]\n"
+    "    return int(rows[0].split()[1])\n"
+    "before = huge(); x = torch.ones(48 << 20); print(huge() - before)\n"  # 192 MiB, every page touched
+)
+
+
+def _huge_kib(code: str, **env: str) -> int:
+    environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | env
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environ)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(
+    thp_mode() != "madvise" or not Path("/proc/self/smaps_rollup").exists(),
+    reason="needs the kernel's THP in madvise mode (huge pages only where asked) and /proc/self/smaps_rollup",
+)
+def test_importing_specserve_gives_torchs_large_allocations_huge_pages() -> None:
+    """torch asks for huge pages only when THP_MEM_ALLOC_ENABLE is set before its first allocation: importing
+    specserve sets it, and the environment's 0 keeps them off."""
+    with_specserve = "import specserve\n" + HUGE_PAGES_GROWTH
+    assert _huge_kib(HUGE_PAGES_GROWTH) == 0  # torch alone: 4 KiB pages in madvise mode
+    assert _huge_kib(with_specserve) >= 64 << 10  # most of the 192 MiB (the kernel may fall short of some)
+    assert _huge_kib(with_specserve, THP_MEM_ALLOC_ENABLE="0") == 0
+
+
+def test_huge_pages_reads_the_kernels_mode_and_the_request(tmp_path: Path) -> None:
+    setting = tmp_path / "enabled"
+    setting.write_text("always [madvise] never\n")
+    assert thp_mode(setting) == "madvise"
+    assert huge_pages({"THP_MEM_ALLOC_ENABLE": "1"}, setting) == "huge pages on (THP madvise)"
+    assert huge_pages({"THP_MEM_ALLOC_ENABLE": "0"}, setting) == "huge pages off (THP madvise)"
+    assert huge_pages({}, setting) == "huge pages off (THP madvise)"
+    setting.write_text("[always] madvise never\n")
+    assert huge_pages({}, setting) == "huge pages on (THP always)"
+    setting.write_text("always madvise [never]\n")
+    assert huge_pages({"THP_MEM_ALLOC_ENABLE": "1"}, setting) == "huge pages off (THP never)"
+    assert thp_mode(tmp_path / "absent") is None
+    assert huge_pages({}, tmp_path / "absent") == "huge pages off (THP unknown)"

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from specserve.cpu import cpu_info
+from specserve.cpu import cpu_info, huge_pages
 from specserve.errors import SettingsError
 from specserve.host_memory import host_available_bytes
 
@@ -15,12 +15,12 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_t
 
 def cpu_summary() -> str:
     """e.g. 'Intel(R) Xeon(R) Processor, 2 logical CPUs, avx2 avx512f avx512_bf16 amx_bf16, torch 2.13.0 (2
-    threads)'. Logical CPUs: on a host with SMT two of them share a core."""
+    threads), huge pages on (THP madvise)'. Logical CPUs: on a host with SMT two of them share a core."""
     model, flags = cpu_info()
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2/AVX-512 flags seen"
     usable, host = len(os.sched_getaffinity(0)), os.cpu_count()  # a cpuset or taskset leaves fewer than the host's
     cores = f"{usable} logical CPUs" if usable == host else f"{usable} of {host} logical CPUs"
-    return f"{model}, {cores}, {isa}, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    return f"{model}, {cores}, {isa}, torch {torch.__version__} ({torch.get_num_threads()} threads), {huge_pages()}"
 
 
 def device_summary(device: str | torch.device) -> str:
