@@ -47,8 +47,9 @@ def huge_pages(
     environ: Mapping[str, str] = os.environ, setting: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ) -> str:
     """Whether torch's large CPU allocations get huge pages here, e.g. 'huge pages on (THP madvise)': torch asks for
-    them (``madvise``) when THP_MEM_ALLOC_ENABLE is set (``specserve`` sets it unless the environment says 0); the
-    kernel grants them in ``madvise`` mode only to those who ask, in ``always`` mode to every large allocation."""
+    them (``madvise``) when THP_MEM_ALLOC_ENABLE is set before its first allocation (off unless the environment
+    sets it: docs/benchmarks.md, "Huge pages for the weights and caches"); the kernel grants them in
+    ``madvise`` mode only to those who ask, in ``always`` mode to every large allocation."""
     mode = thp_mode(setting)
     if mode is None or mode == "never":
         return f"huge pages off (THP {mode or 'unknown'})"

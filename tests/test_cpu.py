@@ -103,24 +103,27 @@ HUGE_PAGES_GROWTH = (
 )
 
 
-def _huge_kib(code: str, **env: str) -> int:
+def _huge_kib(code: str, **env: str) -> tuple[str, int]:
+    """(the label the code printed first, the KiB of huge pages its allocation got)"""
     environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | env
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environ)
     assert done.returncode == 0, done.stderr
-    return int(done.stdout.split()[-1])
+    lines = done.stdout.splitlines()
+    return lines[0], int(lines[-1])
 
 
 @pytest.mark.skipif(
     thp_mode() != "madvise" or not Path("/proc/self/smaps_rollup").exists(),
     reason="needs the kernel's THP in madvise mode (huge pages only where asked) and /proc/self/smaps_rollup",
 )
-def test_importing_specserve_gives_torchs_large_allocations_huge_pages() -> None:
-    """torch asks for huge pages only when THP_MEM_ALLOC_ENABLE is set before its first allocation: importing
-    specserve sets it, and the environment's 0 keeps them off."""
-    with_specserve = "import specserve\n" + HUGE_PAGES_GROWTH
-    assert _huge_kib(HUGE_PAGES_GROWTH) == 0  # torch alone: 4 KiB pages in madvise mode
-    assert _huge_kib(with_specserve) >= 64 << 10  # most of the 192 MiB (the kernel may fall short of some)
-    assert _huge_kib(with_specserve, THP_MEM_ALLOC_ENABLE="0") == 0
+def test_the_summarys_huge_pages_are_what_torchs_allocations_get() -> None:
+    """The figures' label says huge pages on exactly where a large torch allocation gets them (THP_MEM_ALLOC_ENABLE
+    set before torch's first allocation; importing specserve leaves it as the environment has it)."""
+    label = "from specserve.cpu import huge_pages; print(huge_pages())\n"
+    on = _huge_kib(label + HUGE_PAGES_GROWTH, THP_MEM_ALLOC_ENABLE="1")
+    off = _huge_kib(label + HUGE_PAGES_GROWTH)
+    assert on[0] == "huge pages on (THP madvise)" and on[1] >= 64 << 10  # most of the 192 MiB
+    assert off[0] == "huge pages off (THP madvise)" and off[1] == 0
 
 
 def test_huge_pages_reads_the_kernels_mode_and_the_request(tmp_path: Path) -> None:

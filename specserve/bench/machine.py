@@ -15,7 +15,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_t
 
 def cpu_summary() -> str:
     """e.g. 'Intel(R) Xeon(R) Processor, 2 logical CPUs, avx2 avx512f avx512_bf16 amx_bf16, torch 2.13.0 (2
-    threads), huge pages on (THP madvise)'. Logical CPUs: on a host with SMT two of them share a core."""
+    threads), huge pages off (THP madvise)'. Logical CPUs: on a host with SMT two of them share a core."""
     model, flags = cpu_info()
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "no AVX2/AVX-512 flags seen"
     usable, host = len(os.sched_getaffinity(0)), os.cpu_count()  # a cpuset or taskset leaves fewer than the host's
