@@ -7,6 +7,7 @@ import platform
 from collections.abc import Mapping
 from pathlib import Path
 
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ARM_PART_KEYS = ("CPU implementer", "CPU architecture", "CPU variant", "CPU part", "CPU revision")
 
 
@@ -32,7 +33,7 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]
     return model, flags
 
 
-def thp_mode(setting: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")) -> str | None:
+def thp_mode(setting: Path = THP_SETTING) -> str | None:
     """The kernel's transparent-huge-page mode (``always``, ``madvise`` or ``never``; None: not Linux, or unreadable):
     the bracketed word of ``always [madvise] never``."""
     try:
@@ -43,9 +44,7 @@ def thp_mode(setting: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     return text[start + 1 : end] if 0 <= start < end else None
 
 
-def huge_pages(
-    environ: Mapping[str, str] = os.environ, setting: Path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-) -> str:
+def huge_pages(environ: Mapping[str, str] = os.environ, setting: Path = THP_SETTING) -> str:
     """Whether torch's large CPU allocations get huge pages here, e.g. 'huge pages on (THP madvise)': torch asks for
     them (``madvise``) when THP_MEM_ALLOC_ENABLE is set before its first allocation (off unless the environment
     sets it: docs/benchmarks.md, "Huge pages for the weights and caches"); the kernel grants them in
