@@ -701,8 +701,8 @@ def test_catch_ups_within_speculation_are_measured_as_its_steps() -> None:
     """At batch 32 a step's token budget leaves most rows undrafted for a few steps, so the draft re-reads a few
     tokens of some row in every speculative step. Only the switch after plain steps goes unmeasured; the steps after
     it are speculation's own cost there and turn the guard back to plain decoding where speculation is slower
-    (unmeasured, a try of speculation lasted as long as the catch-ups did: 15-40 steps a run at 0.7x plain's rate
-    on an AMX Xeon's straggler sweep)."""
+    (unmeasured, a try of speculation lasted as long as the catch-ups did: 26-81 steps at ~0.7x plain's rate
+    in an AMX Xeon's straggler sweeps; docs/benchmarks.md, "The guard's catch-ups within speculation")."""
     guard = ThroughputGuard()
     speculated = 0
     for _ in range(300):
