@@ -18,6 +18,7 @@ from pydantic import SecretStr
 from deployments.app_args import AppArgs
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions
 from specserve.api.schemas import Health, HealthStatus
+from specserve.config import SpecConfig
 from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -311,6 +312,27 @@ class _BrokenBackend(LocalBackend):
 
     def health(self):  # type: ignore[no-untyped-def]
         raise RuntimeError("health is broken")
+
+
+class _InternalValidationBackend(LocalBackend):
+    async def submit(self, request):  # type: ignore[no-untyped-def]
+        SpecConfig(budget=1)  # a settings object the server builds wrongly: pydantic raises, as a bug would
+
+
+def test_an_internal_pydantic_error_is_a_500_counted_once_as_failed() -> None:
+    """A pydantic ValidationError raised inside the server (not from the request body) became a 400 naming the
+    settings object's field, and the request was counted both failed and invalid."""
+    backend = _InternalValidationBackend()
+    try:
+        with api_server(backend) as url:
+            resp = httpx.post(url + COMPLETIONS, json={**OK_BODY, "max_tokens": 8})
+            assert resp.status_code == 500, resp.text
+            error = resp.json()["error"]
+            assert error["type"] == "server_error" and error["code"] == "internal_error", error
+            assert "budget" not in error["message"], error
+            assert requests_by_status(backend) == {"failed": 1.0}
+    finally:
+        backend.stop()
 
 
 def test_a_request_that_fails_inside_is_counted_once_and_a_stream_gets_an_error_event() -> None:

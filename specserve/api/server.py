@@ -25,7 +25,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -613,10 +613,6 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
             return _error(HTTPStatus.BAD_REQUEST, body)
         return _error(HTTPStatus.BAD_REQUEST, _validation_body(errors))
 
-    async def validation(_: HTTPRequest, exc: ValidationError) -> JSONResponse:
-        metrics.request_done(RequestStatus.invalid)
-        return _error(HTTPStatus.BAD_REQUEST, _validation_body([dict(e) for e in exc.errors()]))
-
     async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, OverloadedError) else None
         return _error(exc.status, exc.body(), headers)
@@ -643,7 +639,6 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
         return _error(HTTPStatus.INTERNAL_SERVER_ERROR, internal_error_body(exc))
 
     api.add_exception_handler(RequestValidationError, request_validation)  # type: ignore[arg-type]
-    api.add_exception_handler(ValidationError, validation)  # type: ignore[arg-type]
     api.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
     api.add_exception_handler(InvalidRequestError, invalid_request)  # type: ignore[arg-type]
     api.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
