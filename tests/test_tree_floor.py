@@ -85,7 +85,7 @@ def test_rows_that_stop_varying_keep_the_last_slope() -> None:
 def test_buckets_and_bounds() -> None:
     floor = TreeFloor(max_floor=0.5)
     _steps(floor, 64, base=0.060, per_row=0.002, batch=16)
-    assert floor.row_cost(1) is None and floor.row_cost(16) is not None
+    assert floor.row_cost(16) is not None and floor.fits.keys() == {16}
     assert floor.row_cost(12) == floor.row_cost(16)  # one bucket spans 9-16
     floor.record_rate(16, 400, 0.1)  # 4000 tokens a second: 8 a row's worth -> capped
     assert floor.floor(16) == 0.5
@@ -107,15 +107,35 @@ def test_a_bucket_settles_once_its_floor_is_measured_or_after_max_settle_steps()
     _steps(floor, 20, base=0.015, per_row=0.002)
     assert floor.row_cost(1) is not None and floor.settling(1)  # no speculative step's rate yet
     floor.record_rate(1, 2, 0.02)
-    assert not floor.settling(1) and floor.settling(16)  # per bucket
+    assert not floor.settling(1) and floor.settling(16)  # per bucket: no speculative step's rate at 16 yet
+    flat = TreeFloor(max_settle_steps=40)
     for _ in range(39):  # rows that never vary: no slope, so no floor ...
-        floor.record_verify(16, 16, 0.05)
-    assert floor.row_cost(16) is None and floor.settling(16)
-    floor.record_verify(16, 16, 0.05)  # ... until the 40th step
-    assert not floor.settling(16)
+        flat.record_verify(16, 16, 0.05)
+    flat.record_rate(16, 16, 0.05)
+    assert flat.row_cost(16) is None and flat.settling(16)
+    flat.record_verify(16, 16, 0.05)  # ... until the 40th step
+    assert not flat.settling(16)
     assert not TreeFloor(max_settle_steps=0).settling(1)
     with pytest.raises(ValueError, match="max_settle_steps"):
         TreeFloor(max_settle_steps=-1)
+
+
+def test_a_bucket_without_its_own_fit_borrows_the_nearest_row_cost_and_settles_on_its_first_rate() -> None:
+    """A bucket the loop reaches a few steps at a time (a batch of 4's last two sequences) used to settle only after
+    16 speculative steps of its own, and until then the guard did not judge its speculation: the straggler sweep's
+    batch-4 runs speculated in every run's two-sequence tail at 2.6x a plain step's time for 2x its tokens."""
+    floor = TreeFloor()
+    _steps(floor, 64, base=0.015, per_row=0.002)  # batch 1
+    _steps(floor, 64, base=0.060, per_row=0.0005, batch=16, seed=1)
+    c1, c16 = floor.row_cost(1), floor.row_cost(16)
+    assert c1 == pytest.approx(0.002, rel=0.15) and c16 == pytest.approx(0.0005, rel=0.3)
+    assert floor.row_cost(2) == c1 and floor.row_cost(4) == c1  # nearest by powers of two; the smaller of two as near
+    assert floor.row_cost(8) == c16 and floor.row_cost(64) == c16
+    assert floor.settling(2) and floor.floor(2) is None  # no speculative step's rate in the bucket yet
+    floor.record_rate(2, 4, 0.025)  # its own rate, from its first measured step
+    assert not floor.settling(2) and floor.floor(2) == pytest.approx(c1 * 160.0)
+    _steps(floor, 16, base=0.020, per_row=0.004, batch=2, seed=2)  # its own fit, once it has min_steps
+    assert floor.row_cost(2) == pytest.approx(0.004, rel=0.2) and floor.row_cost(1) == c1
 
 
 class _Row:

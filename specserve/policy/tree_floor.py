@@ -107,8 +107,20 @@ class TreeFloor:
         self.rates[b] = (self.keep * tok + tokens, self.keep * sec + seconds)
 
     def row_cost(self, batch_size: int) -> float | None:
-        """Seconds a verified row adds to a step in this bucket (None: not measured yet)."""
+        """Seconds a verified row adds to a step in this bucket (None: measured in no bucket yet). A bucket not yet
+        measured borrows the nearest measured bucket's (the smaller of two as near): a row costs much the same at a
+        neighbouring batch size, and a bucket the loop rarely reaches (a larger batch's last sequences) would
+        otherwise settle only after ``min_steps`` of its own speculative steps, every one unjudged by the guard."""
         b = bucket(batch_size)
+        if (own := self._measured_row_cost(b)) is not None:
+            return own
+        measured = [k for k in self.fits if self._measured_row_cost(k) is not None]
+        if not measured:
+            return None
+        nearest = min(measured, key=lambda k: (abs(k.bit_length() - b.bit_length()), k))
+        return self._measured_row_cost(nearest)
+
+    def _measured_row_cost(self, b: int) -> float | None:
         fit = self.fits.get(b)
         if fit is None or fit.steps < self.min_steps or b not in self.slopes:
             return None
