@@ -73,9 +73,10 @@ class ThroughputGuard:
     warmup: int = 3  # steps of each mode per bucket before the first decision (they start the averages) ...
     max_warmup: int = 12  # ... and of speculation at most, while its tokens per step cannot yet tell the modes apart
     warmup_z: float = 1.0  # standard errors of the warm-up's mean tokens per step that tell them apart
-    explore_cost: float = 0.015  # a try (switch step + its measured step's excess) costs at most this share of the
+    explore_cost: float = 0.0075  # a try (switch step + its measured step's excess) costs at most this share of the
     # plain time before the next (at 3% the guarded EAGLE head measured 0.96-0.99x plain at batch 16, where plain
-    # decoding wins: the tries' share is part of that, against a bar of 0.97)
+    # decoding wins; at 1.5% its batch-4 tries still cost 1.4-1.7% of each run of the straggler sweep, half of
+    # what a bar of 0.97 leaves)
     outlier_clip: float = 2.0  # a running mode's step counts as at most this many times its average step time
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s/seq
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
