@@ -133,8 +133,8 @@ class StudyConfig(BaseModel):
     device: str = Field(default="cpu", description="where the models run, e.g. cuda")
     dtype: DType | None = Field(default=None, description="every model's dtype (None: the pair's)")
     head_quant: HeadQuant | None = Field(default=None, description="the head's HeadSpec.quantize (None: the pair's)")
-    amx_int8: bool = Field(
-        default=False, description="the target's decoder products on the AMX tiles (ModelSpec.amx_int8_reads)"
+    int8_reads: bool = Field(
+        default=False, description="the target's decoder products with int8 activations (ModelSpec.int8_reads)"
     )
     out: Path = Path("bench_out/straggler")
     http_max_prompt_chars: int | None = Field(default=None, ge=1, description="HTTP mode: truncate prompt text")
@@ -148,8 +148,8 @@ class StudyConfig(BaseModel):
             self.pair in MODEL_PAIRS and isinstance(MODEL_PAIRS[self.pair][1], HeadSpec)
         ):
             raise ValueError(f"head_quant applies to a pair that drafts with a head, not {self.pair!r}")
-        if self.amx_int8 and self.pair == TINY_PAIR:
-            raise ValueError("amx_int8 applies to a real target (its GGUF's Q4_1 blocks), not the tiny pair")
+        if self.int8_reads and self.pair == TINY_PAIR:
+            raise ValueError("int8_reads applies to a real target (its GGUF's Q4_1 blocks), not the tiny pair")
         if self.warm_guard and not self.guard:
             raise ValueError("warm_guard needs guard")
         if self.min_tokens > self.max_tokens:
@@ -223,8 +223,8 @@ def load_models(cfg: StudyConfig) -> Models:
         draft_spec = draft_spec.model_copy(update={"dtype": cfg.dtype})
     if cfg.head_quant is not None and isinstance(draft_spec, HeadSpec):  # (StudyConfig refuses it for the others)
         draft_spec = draft_spec.model_copy(update={"quantize": cfg.head_quant})
-    if cfg.amx_int8:
-        target_spec = target_spec.model_copy(update={"amx_int8_reads": True})
+    if cfg.int8_reads:
+        target_spec = target_spec.model_copy(update={"int8_reads": True})
     target = load_model(target_spec, device=cfg.device)
     draft = load_draft(draft_spec, target, device=cfg.device)
     tok = load_tokenizer(target_spec)
@@ -756,7 +756,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
         "--head-quant", default=None, choices=[x.value for x in HeadQuant], help="a draft head's weights at load"
     )
     p.add_argument(
-        "--amx-int8", action="store_true", help="the target's decoder products on the AMX tiles (amx_int8_reads)"
+        "--int8-reads",
+        action="store_true",
+        help="the target's decoder products with int8 activations, on the AMX tiles or VNNI (ModelSpec.int8_reads)",
     )
     p.add_argument("--out", type=out_dir_arg, default=d.out)
     p.add_argument("--url", default=None, help="also sweep a deployment over HTTP, e.g. http://127.0.0.1:8000")

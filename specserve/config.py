@@ -94,14 +94,16 @@ class ModelSpec(Validated):
         "at load; greedy steps of those counts take the exact argmax of those logits instead of bounded_argmax's "
         "copy (docs/benchmarks.md, 'Q8_0 records for the LM head')",
     )
-    amx_int8_reads: bool = Field(
+    int8_reads: bool = Field(
         default=False,
-        description="with small_gemm and q4_reads, on a CPU with AMX-INT8 (Intel Sapphire Rapids and later): every "
-        "decoder product reads its Q4_1 blocks on the AMX tiles, the activations rounded to int8 per row and group of "
-        "32 as llama.cpp's Q4_1 dot products round them. A different arithmetic from the float32 products (relative "
-        "error ~6e-3 a product), batch-invariant like them, so greedy speculation stays equal to plain decoding under "
-        "it; a tile multiplies up to 16 rows for about the price of one (docs/benchmarks.md, 'AMX-INT8 products over "
-        "the Q4_1 blocks'). Without AMX-INT8 the float32 products serve (a logged reason)",
+        description="with small_gemm and q4_reads, on a CPU with AMX-INT8 (Intel Sapphire Rapids and later) or "
+        "AVX512-VNNI (Intel Ice Lake and later, AMD Zen 4 and later): every decoder product reads its Q4_1 blocks with "
+        "the activations rounded to int8 per row and group of 32 as llama.cpp's Q4_1 dot products round them, on the "
+        "AMX tiles where the CPU has them, else with VNNI: the same bits either way. A different arithmetic from the "
+        "float32 products (relative error ~6e-3 a product), batch-invariant like them, so greedy speculation stays "
+        "equal to plain decoding under it; a tile multiplies up to 16 rows for about the price of one, VNNI a row for "
+        "a quarter of the float32 FMAs (docs/benchmarks.md, 'AMX-INT8 products over the Q4_1 blocks', 'AVX512-VNNI "
+        "products over the same records'). Without either the float32 products serve (a logged reason)",
     )
     small_gemm_plan: bool = Field(
         default=True,

@@ -201,14 +201,14 @@ def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) 
     ]
     assert reads[0][1].model_copy(update={"q4_reads": False, "q8_head_reads": False}) == reads[2][1]
     assert reads[0][2] == reads[1][2] == reads[2][2]
-    (amx,) = draft_pairs(parser.parse_args(["--pairs", "smollm2-eagle", "--target-reads", "amx8+q8"]))
-    assert (amx[0], amx[1].q4_reads, amx[1].q8_head_reads, amx[1].amx_int8_reads) == (
-        "smollm2-eagle amx8+q8 reads",
+    (int8,) = draft_pairs(parser.parse_args(["--pairs", "smollm2-eagle", "--target-reads", "int8+q8"]))
+    assert (int8[0], int8[1].q4_reads, int8[1].q8_head_reads, int8[1].int8_reads) == (
+        "smollm2-eagle int8+q8 reads",
         True,
         True,
         True,
     )
-    assert not reads[0][1].amx_int8_reads and amx[1].model_copy(update={"amx_int8_reads": False}) == reads[0][1]
+    assert not reads[0][1].int8_reads and int8[1].model_copy(update={"int8_reads": False}) == reads[0][1]
     (tmp_path / "empty").mkdir()
     with pytest.raises(UnsupportedModelError, match=r"no model\.safetensors"):
         draft_pairs(parser.parse_args(["--heads", str(tmp_path / "empty")]))

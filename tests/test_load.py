@@ -835,14 +835,14 @@ def test_study_max_sl_caps_every_speculative_policy(capsys: pytest.CaptureFixtur
         with pytest.raises(SystemExit) as exit_:
             straggler.parse_args(["--pair", pair, "--head-quant", "q8_0"])
         assert exit_.value.code == 2 and "--head-quant" in capsys.readouterr().err
-    assert straggler.parse_args(["--pair", "smollm2-eagle", "--amx-int8"]).amx_int8
-    assert not straggler.parse_args(["--pair", "smollm2-eagle"]).amx_int8
+    assert straggler.parse_args(["--pair", "smollm2-eagle", "--int8-reads"]).int8_reads
+    assert not straggler.parse_args(["--pair", "smollm2-eagle"]).int8_reads
     with pytest.raises(SystemExit) as exit_:
-        straggler.parse_args(["--pair", "tiny", "--amx-int8"])
-    assert exit_.value.code == 2 and "amx_int8" in capsys.readouterr().err
+        straggler.parse_args(["--pair", "tiny", "--int8-reads"])
+    assert exit_.value.code == 2 and "int8_reads" in capsys.readouterr().err
 
 
-def test_amx_int8_loads_the_target_with_its_products_on_the_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int8_reads_loads_the_target_with_its_products_in_int8(monkeypatch: pytest.MonkeyPatch) -> None:
     from load import straggler
     from specserve.config import MODEL_PAIRS
     from specserve.models import loader
@@ -852,10 +852,10 @@ def test_amx_int8_loads_the_target_with_its_products_on_the_tiles(monkeypatch: p
     monkeypatch.setattr(loader, "load_draft", lambda spec, target, device="cpu": spec)
     monkeypatch.setattr(loader, "load_tokenizer", lambda spec: None)
     monkeypatch.setattr(straggler, "Engine", lambda *a, **k: None)
-    for amx in (True, False):
-        straggler.load_models(straggler.StudyConfig(pair="smollm2-eagle", amx_int8=amx))
+    for int8 in (True, False):
+        straggler.load_models(straggler.StudyConfig(pair="smollm2-eagle", int8_reads=int8))
     target = MODEL_PAIRS["smollm2-eagle"][0]
-    assert loaded == [target.model_copy(update={"amx_int8_reads": True}), target]
+    assert loaded == [target.model_copy(update={"int8_reads": True}), target]
 
 
 def test_odd_repeats_run_the_policies_in_reverse_order() -> None:

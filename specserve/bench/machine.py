@@ -10,7 +10,7 @@ from specserve.cpu import cpu_info, huge_pages
 from specserve.errors import SettingsError
 from specserve.host_memory import host_available_bytes
 
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
 def cpu_summary() -> str:

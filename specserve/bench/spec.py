@@ -165,12 +165,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target-reads",
         nargs="+",
-        choices=["q4+q8", "q4", "f32", "amx8+q8"],
+        choices=["q4+q8", "q4", "f32", "int8+q8"],
         default=None,
         help="each target once per choice: the kernel reads the decoder weights' Q4_1 records and the LM head's Q8_0 "
         "records where they measure faster, only the former, or float32 only (ModelSpec.q4_reads, q8_head_reads; the "
-        "same bits), or the decoder's Q4_1 blocks on the AMX tiles with int8 activations and the LM head's records "
-        "(ModelSpec.amx_int8_reads: other bits, greedy-equal within the target), to compare (default: the spec's)",
+        "same bits), or the decoder's Q4_1 blocks with int8 activations (AMX tiles or VNNI) and the LM head's "
+        "records (ModelSpec.int8_reads: other bits, greedy-equal within the target), to compare (default: the spec's)",
     )
     p.add_argument(
         "--device", default="cpu", type=present_device_arg, help="where the models run, e.g. cuda (default: cpu)"
@@ -526,7 +526,7 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
                     update={
                         "q4_reads": how != "f32",
                         "q8_head_reads": how.endswith("+q8"),
-                        "amx_int8_reads": how.startswith("amx8"),
+                        "int8_reads": how.startswith("int8"),
                     }
                 ),
                 d,
@@ -632,7 +632,7 @@ def run(args: argparse.Namespace) -> int:
         target = targets[t_spec]
         argmax = " full argmax" if not t_spec.bounded_argmax else ""
         reads = " f32 reads" if not t_spec.q4_reads else " q4 reads" if not t_spec.q8_head_reads else ""
-        reads += " amx8 reads" if t_spec.amx_int8_reads else ""
+        reads += " int8 reads" if t_spec.int8_reads else ""
         t_label = "" if len(target_specs) == 1 else f" ({t_spec.dtype.value}{argmax}{reads})"
         plain_row = len(methods)
         methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))

@@ -125,9 +125,9 @@ def linear(mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     with at most ``mod.gemv_rows`` rows and a transposed weight copy attached
     (``attach_gemv_copies``), a row-major product over that copy instead: on some CPUs it reads the weights
     1.3-1.4x faster at 1-3 rows (a 2-core AMD EPYC), on others only at 1 row (an AMX Xeon): measured at load."""
-    amx = getattr(mod, "amx_records", None)  # switch: native_stack.attach_amx_int8_reads, every row count
-    if amx is not None and x.dtype == torch.float32:
-        return mod.amx_gemm(x.reshape(-1, x.shape[-1]), amx, mod.bias).reshape(*x.shape[:-1], -1)  # type: ignore[operator]
+    int8 = getattr(mod, "int8_records", None)  # switch: native_stack.attach_int8_reads, every row count
+    if int8 is not None and x.dtype == torch.float32:
+        return mod.int8_gemm(x.reshape(-1, x.shape[-1]), int8, mod.bias).reshape(*x.shape[:-1], -1)  # type: ignore[operator]
     small = getattr(mod, "small_gemm", None)  # switch: native_stack.attach_small_gemm
     most = getattr(mod, "small_rows", 0)
     chunked = small is not None and x.dim() == 2 and 0 < most < x.shape[0] <= getattr(mod, "small_chunks", 0)

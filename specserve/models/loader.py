@@ -26,9 +26,9 @@ from specserve.models.llama import (
 from specserve.models.lm_head import attach_bounded_argmax
 from specserve.models.native_stack import (
     Q8_HEAD_NAMES,
-    attach_amx_int8_reads,
     attach_head_records,
     attach_head_stack,
+    attach_int8_reads,
     attach_native_attention,
     attach_native_stack,
     attach_q4_reads,
@@ -233,8 +233,8 @@ def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
         tensors = gguf_tensors(gguf)  # one read of the header (its tokenizer metadata is most of it) for both
         if spec.q4_reads and (q4 := gguf_layer_blocks(tensors, model.cfg.num_heads, model.cfg.num_kv_heads)):
             attach_q4_reads(model, q4)
-            if spec.amx_int8_reads:
-                attach_amx_int8_reads(model, q4)
+            if spec.int8_reads:
+                attach_int8_reads(model, q4)
         if spec.q8_head_reads and (q8 := gguf_q8_blocks(tensors, Q8_HEAD_NAMES)):
             attach_q8_head(model, q8)
     except Exception as e:  # the float32 weights are loaded already, and serve as they are

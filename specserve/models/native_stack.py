@@ -44,8 +44,8 @@ from specserve.timing import interleaved_medians
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
-SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp", SOURCE.parent / "attention.cpp", SOURCE.parent / "amx_int8.cpp")
-HEADERS = tuple(SOURCE.parent / name for name in ("small_gemm.h", "attention.h", "simd.h", "amx_int8.h"))
+SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp", SOURCE.parent / "attention.cpp", SOURCE.parent / "int8_q4.cpp")
+HEADERS = tuple(SOURCE.parent / name for name in ("small_gemm.h", "attention.h", "simd.h", "int8_q4.h"))
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 EVERY_ROW = (1 << SMALL_GEMM_ROWS) - 1  # a row mask (llama.reads_copy): products of 1..64 rows read the copy
 # Row counts at which kernel_plan_for times the kernel's variants; a count's choice holds up to the next probe.
@@ -224,7 +224,7 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     records = getattr(mod, "small_records", None)  # Q4_1 / Q8_0 records (attach_q4_reads, attach_q8_head)
     if records is not None:
         proj.small_records, proj.small_record_rows = records, getattr(mod, "small_record_rows", 0)
-    proj.amx_records = getattr(mod, "amx_records", None)  # the AMX tiles' Q4_1 records (attach_amx_int8_reads)
+    proj.int8_records = getattr(mod, "int8_records", None)  # Q4_1 records for int8 products (attach_int8_reads)
     return proj
 
 
@@ -371,25 +371,28 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
     return True
 
 
-def attach_amx_int8_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
-    """Switch: every decoder product reads its Q4_1 blocks on the AMX tiles (``csrc/amx_int8.cpp``: the activations
-    rounded to int8 per row and group of 32; ``ModelSpec.amx_int8_reads``), at every row count, before any other
-    copy. All or nothing: False (nothing attached, a logged reason) on a CPU or process without AMX-INT8, or unless
-    every projection's blocks dequantise to exactly its loaded weight and fit the tiles (no bias, N a multiple of 64).
-    Call after ``attach_small_gemm``; drops an attached C++ stack (built again by ``attach_native_stack``)."""
+def attach_int8_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
+    """Switch: every decoder product reads its Q4_1 blocks with int8 activations (``csrc/int8_q4.cpp``: rounded per
+    row and group of 32; ``ModelSpec.int8_reads``) on the AMX tiles or with AVX512-VNNI, the same bits on either, at
+    every row count, before any other copy. All or nothing: False (nothing attached, a logged reason) on a CPU or
+    process with neither, or unless every projection's blocks dequantise to exactly its loaded weight and fit the
+    records (no bias, N a multiple of 64). Call after ``attach_small_gemm``; drops an attached C++ stack (built again
+    by ``attach_native_stack``)."""
     ext = extension()
-    if not ext.amx_int8_supported():
-        log.warning("AMX-INT8 reads: this CPU or process has no AMX-INT8 tiles; the float32 products serve")
+    kernels = ext.int8_kernels()
+    if not kernels:
+        log.warning("int8 reads: this CPU or process has neither AMX-INT8 tiles nor AVX512-VNNI; float32 serves")
         return False
-    found = matching_q4_blocks(model, blocks, "AMX-INT8 reads")
+    found = matching_q4_blocks(model, blocks, "int8 reads")
     if found is None:
         return False
     if any(mod.out_features % 64 or mod.in_features % Q4_GROUP for mod in found):
-        log.warning("AMX-INT8 reads: a decoder projection has a shape the tiles do not take")
+        log.warning("int8 reads: a decoder projection has a shape the records do not take")
         return False
     for mod, blk in found.items():
-        mod.amx_records = ext.amx_pack_q4(blk.q, blk.d, blk.m)  # type: ignore[assignment]
-        mod.amx_gemm = ext.amx_linear  # type: ignore[assignment]
+        mod.int8_records = ext.int8_pack_q4(blk.q, blk.d, blk.m)  # type: ignore[assignment]
+        mod.int8_gemm = ext.int8_linear  # type: ignore[assignment]
+    log.info("int8 reads: %d decoder projections on the %s kernel", len(found), kernels[0])
     drop_native_stack(model)
     return True
 

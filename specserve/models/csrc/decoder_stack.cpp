@@ -1,7 +1,7 @@
 // The decoder layers of specserve.models.llama run from C++: the same ATen ops in the same order as
 // DecoderLayer.forward / linear() / attention() (so the same values, bit for bit), without the Python
 // interpreter between them. Built once per machine by specserve/models/native_stack.py.
-#include "amx_int8.h"
+#include "int8_q4.h"
 #include "attention.h"
 #include "small_gemm.h"
 
@@ -53,7 +53,7 @@ struct Proj {
   std::vector<specserve_small_gemm::Prefetch> small_prefetch;  // [r - 1]: the prefetch for r rows (measured at load)
   std::optional<specserve_small_gemm::Packed> small_records;  // the weight as Q4_1 / Q8_0 records, if attached
   uint64_t small_record_rows = 0;  // products of r rows read small_records where bit r - 1 is set (first)
-  std::optional<specserve_small_gemm::Packed> amx_records;  // Q4_1 blocks for the AMX tiles: every row count, first
+  std::optional<specserve_small_gemm::Packed> int8_records;  // Q4_1 records for int8 products: every row count, first
   bool q4 = false;
   Tensor packed, scales_and_zeros;
   std::optional<Tensor> dense;   // bf16 copy for products of at least dense_from rows
@@ -62,10 +62,10 @@ struct Proj {
 
   Tensor operator()(const Tensor& x) const {
     const int64_t rows = x.size(0);
-    if (amx_records.has_value() && x.scalar_type() == at::kFloat) {
+    if (int8_records.has_value() && x.scalar_type() == at::kFloat) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-      shape.push_back(amx_records->n);
-      return specserve_amx::linear(x.reshape({-1, amx_records->k}), *amx_records, bias).reshape(shape);
+      shape.push_back(int8_records->n);
+      return specserve_int8::linear(x.reshape({-1, int8_records->k}), *int8_records, bias).reshape(shape);
     }
     if (q4) {
       Tensor flat = x.reshape({-1, in_features}).to(at::kBFloat16);
@@ -413,7 +413,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("small_prefetch", &Proj::small_prefetch)
       .def_readwrite("small_records", &Proj::small_records)
       .def_readwrite("small_record_rows", &Proj::small_record_rows)
-      .def_readwrite("amx_records", &Proj::amx_records)
+      .def_readwrite("int8_records", &Proj::int8_records)
       .def_readwrite("q4", &Proj::q4)
       .def_readwrite("packed", &Proj::packed)
       .def_readwrite("scales_and_zeros", &Proj::scales_and_zeros)
@@ -455,9 +455,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none(), py::arg("prefetch") = py::none());
   m.def("small_linear_packed_isa", &specserve_small_gemm::linear_packed_isa, nogil, py::arg("x"), py::arg("packed"),
         py::arg("bias"), py::arg("isa"));
-  m.def("amx_int8_supported", &specserve_amx::supported);
-  m.def("amx_pack_q4", &specserve_amx::pack_q4, nogil, py::arg("q"), py::arg("d"), py::arg("m"));
-  m.def("amx_linear", &specserve_amx::linear, nogil, py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  m.def("int8_kernels", &specserve_int8::kernels);
+  m.def("int8_pack_q4", &specserve_int8::pack_q4, nogil, py::arg("q"), py::arg("d"), py::arg("m"));
+  m.def("int8_linear", &specserve_int8::linear, nogil, py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
+        py::arg("kernel") = py::none());
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &DecoderStack::add_layer)

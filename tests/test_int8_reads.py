@@ -1,0 +1,205 @@
+"""Products over Q4_1 blocks with int8 activations (ModelSpec.int8_reads), on the AMX tiles and with AVX512-VNNI:
+each row the product of its activations rounded to int8 per group of 32 (a reference written here from the rounding
+rule) with the dequantised weight, the same bits whatever else the product holds and on either kernel; the loader
+attaches them only where every decoder projection fits; speculation over such a target stays equal to its plain
+greedy decoding."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, ChainDraft, ModelSpec, SpecConfig, SpecMethod
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.native_stack import (
+    NativeStackUnavailable,
+    attach_int8_reads,
+    attach_native_attention,
+    attach_native_stack,
+    attach_small_gemm,
+    extension,
+)
+from specserve.models.q4 import Q4Blocks
+from tests.test_q4_reads import q4_tiny_model, random_blocks
+
+try:
+    extension()
+except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C++ compiler
+    pytest.skip(f"the C++ extension cannot be built here: {e}", allow_module_level=True)
+
+KERNELS = extension().int8_kernels()  # "amx", "avx512-vnni": what this CPU and process run, the default first
+needs_int8 = pytest.mark.skipif(not KERNELS, reason="this CPU or process has neither AMX-INT8 tiles nor AVX512-VNNI")
+each_kernel = pytest.mark.parametrize("kernel", KERNELS or ["none here"])
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the products see it: each row's groups of 32 scaled to max |x| = 127 in float32, rounded half to even,
+    scaled back by max |x| / 127."""
+    groups = x.view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv).double() * (amax / 127.0).double()).view(x.shape)
+
+
+@needs_int8
+@each_kernel
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (64, 32), (128, 96)])
+def test_each_row_is_its_int8_activations_times_the_dequantised_weight(kernel: str, n: int, k: int) -> None:
+    ext = extension()
+    blocks = random_blocks(n, k, seed=n + k)
+    packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[3, :32] = 0.0  # a group of zeros: scale 0
+    x[5, 7] = 500.0  # an outlier owns its group's scale
+    w = blocks.dequantize().double()
+    ref = int8_rounded(x) @ w.T
+    bound = (int8_rounded(x).abs() @ w.abs().T) * 2e-6 + 1e-30  # float32 sums of the group terms
+    y = ext.int8_linear(x, packed, kernel=kernel)
+    assert y.dtype == torch.float32 and y.shape == (40, n)
+    assert ((y.double() - ref).abs() <= bound).all()
+    # against the float32 activations it is a rounding of the activations, not of the weights
+    assert not torch.equal(y, (x.double() @ w.T).float())
+    bias = torch.randn(n)
+    assert torch.equal(ext.int8_linear(x, packed, bias, kernel=kernel), y + bias)
+
+
+@needs_int8
+@each_kernel
+def test_every_row_gets_the_same_bits_alone_or_among_others(kernel: str) -> None:
+    """1-40 rows (the tiles' products of 16 rows and a remainder; VNNI's records read in order for 1-4 rows and a
+    block at a time in eights above): a verify's row is the row decoded alone."""
+    ext = extension()
+    blocks = random_blocks(192, 576, seed=7)
+    packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3))
+    whole = ext.int8_linear(x, packed, kernel=kernel)
+    alone = torch.cat([ext.int8_linear(x[i : i + 1], packed, kernel=kernel) for i in range(40)])
+    assert torch.equal(whole, alone)
+    for rows in (2, 3, 4, 5, 8, 9, 16, 17, 33):
+        assert torch.equal(ext.int8_linear(x[:rows], packed, kernel=kernel), whole[:rows])
+    assert torch.equal(ext.int8_linear(x[7:20], packed, kernel=kernel), whole[7:20])
+
+
+@pytest.mark.skipif(len(KERNELS) < 2, reason="one int8 kernel here: nothing to compare it with")
+def test_the_tiles_and_vnni_give_the_same_bits() -> None:
+    """The integer sums are exact on both and the per-group scaling is the same operations in the same order, so a
+    target may run on either (a replica on another CPU) and decode the same tokens."""
+    ext = extension()
+    blocks = random_blocks(320, 1536, seed=11)
+    packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
+    x = torch.randn(37, 1536, generator=torch.Generator().manual_seed(5)) * 2
+    for rows in (1, 3, 8, 37):
+        first, *others = [ext.int8_linear(x[:rows], packed, kernel=k) for k in KERNELS]
+        assert all(torch.equal(first, other) for other in others)
+
+
+def test_a_kernel_this_cpu_does_not_run_is_refused() -> None:
+    ext = extension()
+    blocks = random_blocks(64, 64, seed=1)
+    packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
+    with pytest.raises(
+        RuntimeError, match=r"kernel 'sve' is not available here|neither AMX-INT8 tiles nor AVX512-VNNI"
+    ):
+        ext.int8_linear(torch.randn(2, 64), packed, kernel="sve")
+
+
+@needs_int8
+def test_shapes_the_records_do_not_take_are_refused() -> None:
+    ext = extension()
+    narrow = random_blocks(48, 64, seed=1)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ext.int8_pack_q4(narrow.q, narrow.d, narrow.m)
+    blocks = random_blocks(64, 64, seed=1)
+    packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
+    with pytest.raises(RuntimeError, match=r"\[M, 64\] float32"):
+        ext.int8_linear(torch.randn(2, 32), packed)
+
+
+def int8_tiny_model(seed: int) -> tuple[LlamaModel, dict[str, Q4Blocks]]:
+    """Head dim 64 (SmolLM2's, which the attention kernel serves: decoding and verifying then differ only in the
+    products); every projection's N a multiple of 64."""
+    return q4_tiny_model(seed, hidden_size=256, intermediate_size=256)
+
+
+def steps(model: LlamaModel, prompt: list[int], verify: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of ``verify`` after ``prompt``: decoded one token a step, and as one forward of all its rows."""
+    one, many = model.new_cache(1, 160), model.new_cache(1, 160)
+    a, b = one.allocate(), many.allocate()
+    model(ForwardBatch.build(one, [a], [prompt]), one)
+    model(ForwardBatch.build(many, [b], [prompt]), many)
+    singles = torch.cat([model(ForwardBatch.build(one, [a], [[t]]), one) for t in verify])
+    return singles, model(ForwardBatch.build(many, [b], [verify]), many)
+
+
+@needs_int8
+@torch.no_grad()
+def test_a_model_on_int8_products_verifies_what_it_decodes() -> None:
+    """Through the Python loop and the C++ stack, with the attention kernel: a forward of 20 rows gives each row the
+    logits its own step gives (speculation's losslessness rests on it), as the float32 products do, and the int8
+    products are what runs (their logits differ from the float32 products')."""
+    (plain, _), (int8, blocks) = int8_tiny_model(seed=4), int8_tiny_model(seed=4)
+    assert attach_small_gemm(plain) and attach_small_gemm(int8) and attach_int8_reads(int8, blocks)
+    assert attach_native_attention(plain) and attach_native_attention(int8)
+    gen = torch.Generator().manual_seed(2)
+    prompt = [int(t) for t in torch.randint(0, 512, (30,), generator=gen)]
+    verify = [int(t) for t in torch.randint(0, 512, (20,), generator=gen)]
+    for native in (False, True):
+        if native:
+            assert attach_native_stack(plain) and attach_native_stack(int8)
+        singles, together = steps(int8, prompt, verify)
+        assert torch.equal(singles, together)
+        reference, reference_together = steps(plain, prompt, verify)
+        assert torch.equal(reference, reference_together)
+        assert not torch.equal(singles, reference)
+        assert (singles - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+def test_no_int8_kernel_attaches_nothing(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from specserve.models import native_stack
+
+    model, blocks = int8_tiny_model(seed=5)
+    assert attach_small_gemm(model)
+
+    class NoInt8:
+        def __getattr__(self, name: str) -> object:
+            return (lambda: []) if name == "int8_kernels" else getattr(extension(), name)
+
+    monkeypatch.setattr(native_stack, "extension", NoInt8)
+    with caplog.at_level(logging.WARNING):
+        assert not attach_int8_reads(model, blocks)
+    assert "neither AMX-INT8 tiles nor AVX512-VNNI" in caplog.text
+    assert not any(getattr(m, "int8_records", None) is not None for m in model.modules())
+
+
+@needs_int8
+def test_blocks_that_do_not_match_the_weights_attach_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    model, blocks = int8_tiny_model(seed=6)
+    assert attach_small_gemm(model)
+    with torch.no_grad():
+        model.decoder_layers()[1].down.weight[0, 3] += 1e-3
+    with caplog.at_level(logging.WARNING):
+        assert not attach_int8_reads(model, blocks)
+    assert "do not dequantise" in caplog.text
+    assert not any(getattr(m, "int8_records", None) is not None for m in model.modules())
+
+
+@needs_int8
+@pytest.mark.real_model
+def test_speculation_on_int8_products_equals_their_plain_greedy() -> None:
+    """SmolLM2 with every decoder product on the int8 kernel, the shipped head drafting: chains, DDD trees and the
+    pair's serving mode emit exactly the same target's plain greedy tokens."""
+    from specserve.models.loader import load_draft, load_model
+    from tests.test_real_model import _assert_each_equals_plain_greedy
+
+    target = load_model(ModelSpec(int8_reads=True, small_gemm_plan=False))
+    assert all(layer.down.int8_records is not None for layer in target.decoder_layers())
+    draft = load_draft(MODEL_PAIRS["smollm2-eagle"][1], target)
+    specs = (
+        SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.greedy),
+        SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=12, ddd_max_depth=6),
+        PAIR_SPECULATION["smollm2-eagle"],
+    )
+    _assert_each_equals_plain_greedy(target, draft, specs, num_prompts=4)
