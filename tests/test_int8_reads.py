@@ -14,16 +14,20 @@ import torch
 from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, ChainDraft, ModelSpec, SpecConfig, SpecMethod
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
+from specserve.models.lm_head import attach_bounded_argmax, greedy_ids
 from specserve.models.native_stack import (
+    Q8_HEAD_NAMES,
     NativeStackUnavailable,
+    attach_int8_head,
     attach_int8_reads,
     attach_native_attention,
     attach_native_stack,
     attach_small_gemm,
     extension,
 )
-from specserve.models.q4 import Q4Blocks
+from specserve.models.q4 import Q4Blocks, Q8Blocks
 from tests.test_q4_reads import q4_tiny_model, random_blocks
+from tests.test_q8_head import random_q8
 
 try:
     extension()
@@ -31,6 +35,7 @@ except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C+
     pytest.skip(f"the C++ extension cannot be built here: {e}", allow_module_level=True)
 
 KERNELS = extension().int8_kernels()  # "amx", "avx512-vnni": what this CPU and process run, the default first
+needs_vnni = pytest.mark.skipif(not extension().int8_q8_supported(), reason="this CPU or process has no AVX512-VNNI")
 needs_int8 = pytest.mark.skipif(not KERNELS, reason="this CPU or process has neither AMX-INT8 tiles nor AVX512-VNNI")
 each_kernel = pytest.mark.parametrize("kernel", KERNELS or ["none here"])
 
@@ -118,10 +123,61 @@ def test_shapes_the_records_do_not_take_are_refused() -> None:
         ext.int8_linear(torch.randn(2, 32), packed)
 
 
+@needs_vnni
+@pytest.mark.parametrize(("n", "k"), [(1024, 576), (64, 32), (128, 96)])
+def test_an_int8_lm_head_is_its_int8_activations_times_the_dequantised_q8_weight(n: int, k: int) -> None:
+    """Q8_0 records (the full int8 range, which the kernel offsets to unsigned bytes and takes back off in int32):
+    each row the rounding rule's product, within float32 sums of the group terms; 1-40 rows (four at a time in
+    column groups of 64) give each row the bits it gets alone."""
+    ext = extension()
+    blocks = random_q8(n, k, seed=n + k)
+    packed = ext.int8_pack_q8(blocks.q, blocks.d)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[3, :32] = 0.0  # a group of zeros: scale 0
+    x[5, 7] = 500.0  # an outlier owns its group's scale
+    w = blocks.dequantize().double()
+    ref = int8_rounded(x) @ w.T
+    bound = (int8_rounded(x).abs() @ w.abs().T) * 2e-6 + 1e-30
+    y = ext.int8_linear_q8(x, packed)
+    assert y.dtype == torch.float32 and y.shape == (40, n)
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert not torch.equal(y, (x.double() @ w.T).float())
+    alone = torch.cat([ext.int8_linear_q8(x[i : i + 1], packed) for i in range(40)])
+    assert torch.equal(y, alone)
+    for rows in (2, 3, 4, 5, 8, 9, 17):
+        assert torch.equal(ext.int8_linear_q8(x[:rows], packed), y[:rows])
+    bias = torch.randn(n)
+    assert torch.equal(ext.int8_linear_q8(x, packed, bias), y + bias)
+
+
+@needs_vnni
+def test_q8_blocks_the_int8_head_does_not_take_are_refused() -> None:
+    ext = extension()
+    narrow = random_q8(48, 64, seed=1)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ext.int8_pack_q8(narrow.q, narrow.d)
+    blocks = random_q8(64, 64, seed=1)
+    with pytest.raises(RuntimeError, match=r"q must be \[N, K\] int8"):
+        ext.int8_pack_q8(blocks.q.to(torch.uint8), blocks.d)
+    packed = ext.int8_pack_q8(blocks.q, blocks.d)
+    with pytest.raises(RuntimeError, match=r"\[M, 64\] float32"):
+        ext.int8_linear_q8(torch.randn(2, 32), packed)
+    with pytest.raises(RuntimeError, match="not a pack_q8 record set"):
+        ext.int8_linear_q8(torch.randn(2, 64), ext.int8_pack_q4(*random_blocks(64, 64, seed=1).__dict__.values()))
+
+
 def int8_tiny_model(seed: int) -> tuple[LlamaModel, dict[str, Q4Blocks]]:
     """Head dim 64 (SmolLM2's, which the attention kernel serves: decoding and verifying then differ only in the
     products); every projection's N a multiple of 64."""
     return q4_tiny_model(seed, hidden_size=256, intermediate_size=256)
+
+
+def q8_head(model: LlamaModel, seed: int) -> dict[str, Q8Blocks]:
+    """The model's LM head set to Q8_0 blocks dequantised (as a GGUF's load), and those blocks by HF tensor name."""
+    blk = random_q8(model.cfg.vocab_size, model.cfg.hidden_size, seed)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(blk.dequantize())
+    return {Q8_HEAD_NAMES[1]: blk}
 
 
 def steps(model: LlamaModel, prompt: list[int], verify: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +197,11 @@ def test_a_model_on_int8_products_verifies_what_it_decodes() -> None:
     logits its own step gives (speculation's losslessness rests on it), as the float32 products do, and the int8
     products are what runs (their logits differ from the float32 products')."""
     (plain, _), (int8, blocks) = int8_tiny_model(seed=4), int8_tiny_model(seed=4)
+    q8_head(plain, seed=9)
+    heads = q8_head(int8, seed=9)
     assert attach_small_gemm(plain) and attach_small_gemm(int8) and attach_int8_reads(int8, blocks)
+    if extension().int8_q8_supported():
+        assert attach_int8_head(int8, heads)
     assert attach_native_attention(plain) and attach_native_attention(int8)
     gen = torch.Generator().manual_seed(2)
     prompt = [int(t) for t in torch.randint(0, 512, (30,), generator=gen)]
@@ -155,6 +215,39 @@ def test_a_model_on_int8_products_verifies_what_it_decodes() -> None:
         assert torch.equal(reference, reference_together)
         assert not torch.equal(singles, reference)
         assert (singles - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+@needs_vnni
+@torch.no_grad()
+def test_greedy_tokens_of_an_int8_head_are_the_argmax_of_its_logits() -> None:
+    """With the int8 LM head, every greedy token (a plain step's and a verify's) is the argmax of the int8 logits:
+    the bounded bfloat16 copy, which finds the float32 head's argmax, is never attached beside it, and the head's
+    logits are its int8 products (not the float32 head's)."""
+    model, _ = int8_tiny_model(seed=8)
+    reference, _ = int8_tiny_model(seed=8)
+    heads = q8_head(model, seed=3)
+    q8_head(reference, seed=3)
+    assert attach_small_gemm(model) and attach_small_gemm(reference) and attach_int8_head(model, heads)
+    assert not attach_bounded_argmax(model, measure=False) and model.bounded_argmax is None
+    hidden = torch.randn(12, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    logits = model.logits(hidden)
+    assert torch.equal(logits, extension().int8_linear_q8(hidden, model.lm_head.int8_records))
+    assert not torch.equal(logits, reference.logits(hidden))
+    for rows in (1, 3, 12):
+        assert torch.equal(greedy_ids(model, hidden[:rows]), logits[:rows].argmax(-1))
+
+
+@needs_vnni
+def test_an_lm_head_whose_blocks_do_not_match_gets_no_int8_records(caplog: pytest.LogCaptureFixture) -> None:
+    model, _ = int8_tiny_model(seed=5)
+    heads = q8_head(model, seed=2)
+    assert attach_small_gemm(model)
+    assert not attach_int8_head(model, {})  # no blocks for this head
+    with torch.no_grad():
+        model.lm_head.weight[3, 1] += 1e-3
+    with caplog.at_level(logging.WARNING):
+        assert not attach_int8_head(model, heads)
+    assert "do not dequantise" in caplog.text and getattr(model.lm_head, "int8_records", None) is None
 
 
 def test_no_int8_kernel_attaches_nothing(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -196,6 +289,7 @@ def test_speculation_on_int8_products_equals_their_plain_greedy() -> None:
 
     target = load_model(ModelSpec(int8_reads=True, small_gemm_plan=False))
     assert all(layer.down.int8_records is not None for layer in target.decoder_layers())
+    assert (getattr(target.lm_head, "int8_records", None) is not None) == extension().int8_q8_supported()
     draft = load_draft(MODEL_PAIRS["smollm2-eagle"][1], target)
     specs = (
         SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.greedy),

@@ -60,9 +60,12 @@ def attach_bounded_argmax(model: LlamaModel, *, measure: bool = False) -> bool:
     bias, as Llama's). ``measure``: time the copy against the full logits at ``ARGMAX_PROBES`` rows on this machine
     and keep it only for the counts where it wins by the kernel plan's margin (``bounded_rows``; against the logits
     as the head computes them, from its Q8_0 records where the plan gave them the count), or not at all where it wins
-    none (False); else every count up to ``ARGMAX_ROWS``."""
+    none (False); else every count up to ``ARGMAX_ROWS``. Never beside an int8 LM head (``ModelSpec.int8_reads``),
+    whose own logits give every greedy token."""
     head = model.lm_head
     if getattr(head, "small_gemm", None) is None or head.weight.dtype != torch.float32 or head.bias is not None:
+        return False
+    if getattr(head, "int8_records", None) is not None:  # greedy tokens are the int8 logits' argmax (greedy_ids)
         return False
     w = head.weight.detach()
     model.bounded_argmax = BoundedArgmax(
@@ -106,13 +109,15 @@ def bounded_rows(model: LlamaModel, repeats: int = 5) -> int:
 
 def greedy_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     """argmax of ``model.logits(hidden)`` per row (V where a row has no finite maximum, ``greedy_draw``): [R, hidden]
-    -> [R] int64: over the full logits where the kernel
+    -> [R] int64: over the full logits where the LM head's products are int8 (every row count), or where the kernel
     reads the LM head's Q8_0 records for these rows (``native_stack.attach_q8_head``: 0.57x the bfloat16 copy's
     bytes), else through the bounded copy where attached and the kernel computes these rows, else over the full
     logits."""
     bounded: BoundedArgmax | None = getattr(model, "bounded_argmax", None)
     head = model.lm_head
     rows = hidden.shape[0]
+    if getattr(head, "int8_records", None) is not None:  # int8 products (native_stack.attach_int8_head): their logits
+        return greedy_draw(model.logits(hidden))
     if getattr(head, "small_records", None) is not None and reads_copy(getattr(head, "small_record_rows", 0), rows):
         return greedy_draw(model.logits(hidden))  # the exact logits from the head's Q8_0 records: fewer bytes still
     if (

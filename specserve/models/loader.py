@@ -28,6 +28,7 @@ from specserve.models.native_stack import (
     Q8_HEAD_NAMES,
     attach_head_records,
     attach_head_stack,
+    attach_int8_head,
     attach_int8_reads,
     attach_native_attention,
     attach_native_stack,
@@ -227,7 +228,8 @@ def record_source(model: LlamaModel, spec: ModelSpec) -> Path | None:
 
 def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
     """The GGUF's Q4_1 decoder blocks (``q4_reads``) and Q8_0 LM head blocks (``q8_head_reads``) as the kernel's
-    records, where the spec asks for them and they dequantise to the loaded weights; an unreadable GGUF leaves the
+    records, and both as int8 products' records (``int8_reads``), where the spec asks for them and they dequantise to
+    the loaded weights; an unreadable GGUF leaves the
     float32 weights serving as they are (a logged reason)."""
     try:
         tensors = gguf_tensors(gguf)  # one read of the header (its tokenizer metadata is most of it) for both
@@ -235,7 +237,9 @@ def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
             attach_q4_reads(model, q4)
             if spec.int8_reads:
                 attach_int8_reads(model, q4)
-        if spec.q8_head_reads and (q8 := gguf_q8_blocks(tensors, Q8_HEAD_NAMES)):
+        q8 = gguf_q8_blocks(tensors, Q8_HEAD_NAMES) if spec.q8_head_reads or spec.int8_reads else None
+        int8_head = bool(spec.int8_reads and q8 and attach_int8_head(model, q8))
+        if spec.q8_head_reads and q8 and not int8_head:  # int8 products read the head at every row count
             attach_q8_head(model, q8)
     except Exception as e:  # the float32 weights are loaded already, and serve as they are
         log.warning("quantised reads: cannot read %s (%s); the kernel reads float32 weights", gguf, e)

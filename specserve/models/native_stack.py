@@ -397,6 +397,31 @@ def attach_int8_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
     return True
 
 
+def attach_int8_head(model: LlamaModel, blocks: dict[str, Q8Blocks]) -> bool:
+    """Switch, with the decoder's int8 reads (``ModelSpec.int8_reads``): the LM head reads its Q8_0 blocks with the
+    activations rounded to int8 as the decoder's products round them (``csrc/int8_q4.cpp``, ``linear_q8``:
+    AVX512-VNNI), at every row count and before any other copy, so that greedy tokens are the argmax of those logits
+    (``lm_head.greedy_ids``) and verification and decoding agree. The blocks are the head's own or, with tied
+    embeddings, the token embedding's. False (nothing attached, a logged reason) without VNNI, or unless the head has
+    no bias, N is a multiple of 64 and the blocks dequantise to exactly its float32 weight."""
+    ext = extension()
+    head = model.lm_head
+    name = Q8_HEAD_NAMES[0] if model.cfg.tie_word_embeddings else Q8_HEAD_NAMES[1]
+    blk = blocks.get(name)
+    if not ext.int8_q8_supported():
+        log.warning("int8 head reads: this CPU or process has no AVX512-VNNI; the LM head reads float32")
+        return False
+    if blk is None or head.bias is not None or head.out_features % 64 or head.in_features % Q4_GROUP:
+        log.warning("int8 head reads: no Q8_0 blocks for %s, or a head with a bias or a shape they do not take", name)
+        return False
+    if blk.q.shape != head.weight.shape or not torch.equal(blk.dequantize(), head.weight.detach()):
+        log.warning("int8 head reads: the GGUF's blocks do not dequantise to the loaded LM head; reading float32")
+        return False
+    head.int8_records = ext.int8_pack_q8(blk.q, blk.d)  # type: ignore[assignment]
+    head.int8_gemm = ext.int8_linear_q8  # type: ignore[assignment]
+    return True
+
+
 def attach_q8_head(model: LlamaModel, blocks: dict[str, Q8Blocks]) -> bool:
     """Switch: the kernel reads the LM head from its Q8_0 blocks (``small_pack_q8``: 8-bit values and their group's
     scale, 0.28x the float32 bytes), forming each float32 weight by the dequantisation's own multiply, exact in

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,38 @@ Packed pack_q4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
   return Packed{out, N, K};
 }
 
+Packed pack_q8(const at::Tensor& q, const at::Tensor& d) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8 pack_q8: q must be [N, K] int8");
+  const int64_t N = q.size(0), K = q.size(1), G = K / kG;
+  TORCH_CHECK(N % (kCols * kColGroup) == 0 && K % kG == 0 && K > 0,
+              "int8 pack_q8: N must be a multiple of 64 and K of 32, got [", N, ", ", K, "]");
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == G && d.scalar_type() == at::kFloat,
+              "int8 pack_q8: d must be [N, K / 32] float32");
+  constexpr int64_t kRec8 = 512 + 64;
+  const at::Tensor qc = q.contiguous(), dc = d.contiguous();
+  at::Tensor out = at::empty({N / kCols * G * kRec8}, at::kByte);
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int8_t* qp = qc.data_ptr<int8_t>();
+  const float* dp = dc.data_ptr<float>();
+  // Per 64 columns, per group, its four blocks of 16 columns: byte 64 p + 4 j + r is column j's k = 4 p + r, as
+  // q + 128 (an unsigned byte for vpdpbusd; the kernel takes 128 * sum(x) back off), then the blocks' d.
+  for (int64_t cg = 0; cg < N / (kCols * kColGroup); ++cg) {
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t nb = cg * kColGroup; nb < (cg + 1) * kColGroup; ++nb, o += kRec8) {
+        for (int64_t p = 0; p < 8; ++p) {
+          for (int64_t j = 0; j < kCols; ++j) {
+            for (int64_t r = 0; r < 4; ++r) {
+              o[p * 64 + 4 * j + r] = static_cast<uint8_t>(qp[(nb * kCols + j) * K + g * kG + 4 * p + r] + 128);
+            }
+          }
+        }
+        for (int64_t j = 0; j < kCols; ++j) std::memcpy(o + 512 + 4 * j, dp + (nb * kCols + j) * G + g, 4);
+      }
+    }
+  }
+  return Packed{out, N, K};
+}
+
 #if SPECSERVE_X86_INT8
 namespace {
 
@@ -115,9 +148,9 @@ __attribute__((target("avx512f,avx512bw"))) inline void expand(const uint8_t* re
 }
 
 // One row's group of 32: q = round-to-nearest-even(v * (127 / amax)) as int8; returns sx = amax / 127 and sets
-// *sxq = sx * sum(q).
+// *sq = sum(q) and *sxq = sx * sum(q).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float quantise_group(const float* v, int8_t* q,
-                                                                                float* sxq) {
+                                                                                int32_t* sq, float* sxq) {
   const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const float sx = amax / 127.f;
@@ -125,7 +158,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float quantise_group
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
-  *sxq = sx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  *sq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  *sxq = sx * static_cast<float>(*sq);
   return sx;
 }
 
@@ -136,6 +170,7 @@ struct Args {
   const int8_t* xq;    // [M, K]
   const float* sx;     // [M, G]
   const float* sxq;    // [M, G]
+  const int32_t* sq;   // [M, G]
   float* y;            // [M, N]
 };
 
@@ -213,82 +248,92 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw"))) void column_groups
   _tile_release();
 }
 
-// Rows [r0, r0 + R) of columns [16 nb, 16 nb + 16) with AVX512-VNNI: per group, the record's 32 x 16 nibbles as the
-// eight vectors of 16 columns x 4 k that the AMX kernel loads as B tile rows, one vpdpbusd per row and 4 k into an
-// exact int32 sum, scaled into the float32 sums as the AMX kernel scales its C tiles.
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_block(const Args& a, int64_t nb, int64_t r0) {
-  const int64_t G = a.K / kG;
-  const uint8_t* rec = a.w + (nb / kColGroup) * G * kColGroup * kRec + (nb % kColGroup) * kRec;
-  const __m512i low = _mm512_set1_epi8(15);
-  __m512 acc[R];
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g, rec += kColGroup * kRec) {
-    __m512i b[8];
+// The record layouts the VNNI kernels read, per 16 columns and group of 32 k: Q4_1 (pack_q4: 256 bytes of nibble
+// pairs, then d[16] and m[16] float32) and Q8_0 (pack_q8: 512 bytes of q + 128 as unsigned bytes, 64 bytes per 4 k
+// with column j's at 4j, then d[16] float32).
+enum class Layout { q4_1, q8_0 };
+template <Layout L>
+constexpr int64_t kRecOf = L == Layout::q4_1 ? kRec : 512 + 64;
+
+// A record's 32 x 16 values as eight vectors of 16 columns x 4 unsigned bytes, vector q holding k = 4q .. 4q + 3 (the
+// B tile rows of the AMX kernel).
+template <Layout L>
+__attribute__((target("avx512f,avx512bw"))) inline void unsigned_values(const uint8_t* rec, __m512i* b) {
+  if constexpr (L == Layout::q4_1) {
+    const __m512i low = _mm512_set1_epi8(15);
+#pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       const __m512i v = _mm512_loadu_si512(rec + p * 64);
       b[p] = _mm512_and_si512(v, low);                             // k = 4p .. 4p + 3
       b[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // k = 16 + 4p .. 16 + 4p + 3
     }
-    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 256));
+  } else {
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) b[q] = _mm512_loadu_si512(rec + q * 64);
+  }
+}
+
+// Row s = (row, group)'s exact int32 sum over the record (one vpdpbusd per 4 k), scaled into acc: Q4_1 adds
+// d sx S + m sx sq as the AMX kernel does; Q8_0 removes the +128 offset in int32 (S - 128 sq), then adds d sx S.
+template <Layout L>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512 row_group(const Args& a, const __m512i* b,
+                                                                               const uint8_t* rec, int64_t row,
+                                                                               int64_t g, __m512 acc) {
+  const int64_t G = a.K / kG, s = row * G + g;
+  const int8_t* xq = a.xq + row * a.K + g * kG;
+  __m512i half[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // two chains of vpdpbusd's latency
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) {
+    int32_t quad;
+    std::memcpy(&quad, xq + 4 * q, 4);
+    half[q & 1] = _mm512_dpbusd_epi32(half[q & 1], b[q], _mm512_set1_epi32(quad));
+  }
+  __m512i sum = _mm512_add_epi32(half[0], half[1]);
+  const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + (L == Layout::q4_1 ? 256 : 512)));
+  if constexpr (L == Layout::q8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * a.sq[s]));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(a.sx[s])), acc);
+  if constexpr (L == Layout::q4_1) {
     const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 320));
+    acc = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sxq[s]), acc);
+  }
+  return acc;
+}
+
+// Rows [r0, r0 + R) of columns [16 nb, 16 nb + 16): every group's record of this block, R rows a record.
+template <Layout L, int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_block(const Args& a, int64_t nb, int64_t r0) {
+  const int64_t G = a.K / kG;
+  const uint8_t* rec = a.w + (nb / kColGroup) * G * kColGroup * kRecOf<L> + (nb % kColGroup) * kRecOf<L>;
+  __m512 acc[R];
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {  // unrolled: the R sums stay in registers
-      const int8_t* xq = a.xq + (r0 + i) * a.K + g * kG;
-      __m512i sum = _mm512_setzero_si512();
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g, rec += kColGroup * kRecOf<L>) {
+    __m512i b[8];
+    unsigned_values<L>(rec, b);
 #pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) {
-        int32_t quad;
-        std::memcpy(&quad, xq + 4 * q, 4);
-        sum = _mm512_dpbusd_epi32(sum, b[q], _mm512_set1_epi32(quad));
-      }
-      const int64_t s = (r0 + i) * G + g;
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(a.sx[s])), acc[i]);
-      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sxq[s]), acc[i]);
-    }
+    for (int i = 0; i < R; ++i) acc[i] = row_group<L>(a, b, rec, r0 + i, g, acc[i]);  // unrolled: sums in registers
   }
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(a.y + (r0 + i) * a.N + nb * kCols, acc[i]);
 }
 
-// Rows [r0, r0 + R) of columns [64 cg, 64 cg + 64) with AVX512-VNNI, the records read in their order (per group, the
-// four blocks of 16 columns): the same sums as vnni_block, for few rows, whose reads of one block's records alone
-// stride past the other three's and ran at a third of the read bandwidth.
-template <int R>
+// Rows [r0, r0 + R) of columns [64 cg, 64 cg + 64), the records read in their order (per group, the four blocks of
+// 16 columns): the same sums as vnni_block, for few rows, whose reads of one block's records alone stride past the
+// other three's and ran at a third of the read bandwidth.
+template <Layout L, int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_group(const Args& a, int64_t cg, int64_t r0) {
   const int64_t G = a.K / kG;
-  const uint8_t* rec = a.w + cg * G * kColGroup * kRec;
-  const __m512i low = _mm512_set1_epi8(15);
+  const uint8_t* rec = a.w + cg * G * kColGroup * kRecOf<L>;
   __m512 acc[kColGroup][R];
 #pragma GCC unroll 16
   for (int t = 0; t < kColGroup * R; ++t) acc[t / R][t % R] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
 #pragma GCC unroll 4
-    for (int t = 0; t < kColGroup; ++t, rec += kRec) {
+    for (int t = 0; t < kColGroup; ++t, rec += kRecOf<L>) {
       __m512i b[8];
-#pragma GCC unroll 4
-      for (int p = 0; p < 4; ++p) {
-        const __m512i v = _mm512_loadu_si512(rec + p * 64);
-        b[p] = _mm512_and_si512(v, low);
-        b[4 + p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 256));
-      const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(rec + 320));
+      unsigned_values<L>(rec, b);
 #pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        const int8_t* xq = a.xq + (r0 + i) * a.K + g * kG;
-        __m512i sum = _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int q = 0; q < 8; ++q) {
-          int32_t quad;
-          std::memcpy(&quad, xq + 4 * q, 4);
-          sum = _mm512_dpbusd_epi32(sum, b[q], _mm512_set1_epi32(quad));
-        }
-        const int64_t s = (r0 + i) * G + g;
-        acc[t][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(a.sx[s])), acc[t][i]);
-        acc[t][i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sxq[s]), acc[t][i]);
-      }
+      for (int i = 0; i < R; ++i) acc[t][i] = row_group<L>(a, b, rec, r0 + i, g, acc[t][i]);
     }
   }
 #pragma GCC unroll 16
@@ -298,27 +343,50 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_group(const Arg
 }
 
 constexpr int64_t kVnniRows = 8;  // rows a VNNI block keeps in registers; more rows re-read its records from L1
-// Products of at most this many rows read the records in their order (vnni_group), more rows a block at a time
-// (vnni_blocks): on a Zen 4 EPYC SmolLM2's 120 decoder products took 2.1 / 3.4 / 5.2 ms at 1 / 4 / 8 rows read in
-// order against 3.9 / 4.8 / 5.1 a block at a time, and 5.9 ms at 8 rows in order four rows at a time.
-constexpr int64_t kVnniGroupRows = 4;
+constexpr int64_t kGroupRows = 4;  // rows a VNNI column group keeps in registers (16 sums)
+// Products of at most this many rows read the records in their order (vnni_group, four rows at a time), more rows a
+// block at a time (vnni_block), measured on a Zen 4 EPYC: SmolLM2's 120 decoder products (Q4_1) took 2.1 / 3.4 / 5.2
+// ms at 1 / 4 / 8 rows in order against 3.9 / 4.8 / 5.1 a block at a time, and 4.5-5.9 ms at 8 rows in order; its
+// LM head (Q8_0, 49152 x 576: a block's records stride 2.3 KB apart) 0.9 / 1.2 / 2.2 ms at 6 / 8 / 16 rows in order
+// against 1.3 / 2.0 / 2.6 a block at a time.
+template <Layout L>
+constexpr int64_t kInOrderRows = L == Layout::q4_1 ? 4 : std::numeric_limits<int64_t>::max();
 
-// Column blocks of 16 [c0, c1), every row, kVnniRows rows at a time.
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_blocks(const Args& a, int64_t c0, int64_t c1) {
-  for (int64_t nb = c0; nb < c1; ++nb) {
-    for (int64_t r0 = 0; r0 < a.M; r0 += kVnniRows) {
-      switch (std::min(kVnniRows, a.M - r0)) {
-        case 1: vnni_block<1>(a, nb, r0); break;
-        case 2: vnni_block<2>(a, nb, r0); break;
-        case 3: vnni_block<3>(a, nb, r0); break;
-        case 4: vnni_block<4>(a, nb, r0); break;
-        case 5: vnni_block<5>(a, nb, r0); break;
-        case 6: vnni_block<6>(a, nb, r0); break;
-        case 7: vnni_block<7>(a, nb, r0); break;
-        default: vnni_block<8>(a, nb, r0); break;
+// Every row of x against the records, on the two cores: column groups of 64 for at most kInOrderRows<L> rows, else
+// column blocks of 16, kVnniRows rows at a time.
+template <Layout L>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_product(const Args& a) {
+  if (a.M <= kInOrderRows<L>) {
+    at::parallel_for(0, a.N / (kCols * kColGroup), 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t cg = c0; cg < c1; ++cg) {
+        for (int64_t r0 = 0; r0 < a.M; r0 += kGroupRows) {
+          switch (std::min(kGroupRows, a.M - r0)) {
+            case 1: vnni_group<L, 1>(a, cg, r0); break;
+            case 2: vnni_group<L, 2>(a, cg, r0); break;
+            case 3: vnni_group<L, 3>(a, cg, r0); break;
+            default: vnni_group<L, 4>(a, cg, r0); break;
+          }
+        }
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, a.N / kCols, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t nb = c0; nb < c1; ++nb) {
+      for (int64_t r0 = 0; r0 < a.M; r0 += kVnniRows) {
+        switch (std::min(kVnniRows, a.M - r0)) {
+          case 1: vnni_block<L, 1>(a, nb, r0); break;
+          case 2: vnni_block<L, 2>(a, nb, r0); break;
+          case 3: vnni_block<L, 3>(a, nb, r0); break;
+          case 4: vnni_block<L, 4>(a, nb, r0); break;
+          case 5: vnni_block<L, 5>(a, nb, r0); break;
+          case 6: vnni_block<L, 6>(a, nb, r0); break;
+          case 7: vnni_block<L, 7>(a, nb, r0); break;
+          default: vnni_block<L, 8>(a, nb, r0); break;
+        }
       }
     }
-  }
+  });
 }
 
 bool avx512_base() {
@@ -349,6 +417,42 @@ const std::vector<std::string>& kernels() {
   return found;
 }
 
+namespace {
+
+// x [M, K] rounded to int8 per row and group of 32 (quantise_group), and the product's arguments over it.
+struct Quantised {
+  at::Tensor xq, scales, sums;
+  Args args;
+};
+
+Quantised quantise(const at::Tensor& x, const Packed& w, at::Tensor& y) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = w.k, G = K / kG;
+  Quantised out{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({2, M, G}, x.options()),
+                at::empty({M, G}, x.options().dtype(at::kInt)), {}};
+  const float* xp = xc.data_ptr<float>();
+  int8_t* qp = out.xq.data_ptr<int8_t>();
+  float* sx = out.scales.data_ptr<float>();
+  float* sxq = sx + M * G;
+  int32_t* sq = out.sums.data_ptr<int32_t>();
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t s = i * G + g;
+      sx[s] = quantise_group(xp + i * K + g * kG, qp + i * K + g * kG, sq + s, sxq + s);
+    }
+  }
+  const uint8_t* wp = w.data.data_ptr<uint8_t>();
+  out.args = Args{M, K, w.n, wp, wp + w.data.numel(), qp, sx, sxq, sq, y.data_ptr<float>()};
+  return out;
+}
+
+void check_x(const at::Tensor& x, const Packed& w, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.k, what, ": x must be [M, ", w.k,
+              "] float32");
+}
+
+}  // namespace
+
 at::Tensor linear(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
                   const std::optional<std::string>& kernel) {
   const std::vector<std::string>& here = kernels();
@@ -359,43 +463,35 @@ at::Tensor linear(const at::Tensor& x, const Packed& w, const std::optional<at::
     for (const std::string& k : here) known += (known.empty() ? "" : ", ") + k;
     TORCH_CHECK(false, "int8 linear: kernel '", name, "' is not available here (this CPU and process run: ", known, ")");
   }
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) == w.k,
-              "int8 linear: x must be [M, ", w.k, "] float32");
+  check_x(x, w, "int8 linear");
   TORCH_CHECK(w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRec,
               "int8 linear: w is not a pack_q4 record set");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = w.k, N = w.n, G = K / kG;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({2, M, G}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float* sx = scales.data_ptr<float>();
-  float* sxq = sx + M * G;
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      sx[i * G + g] = quantise_group(xp + i * K + g * kG, qp + i * K + g * kG, sxq + i * G + g);
-    }
-  }
-  const uint8_t* wp = w.data.data_ptr<uint8_t>();
-  const Args a{M, K, N, wp, wp + w.data.numel(), qp, sx, sxq, y.data_ptr<float>()};
+  at::Tensor y = at::empty({x.size(0), w.n}, x.options());
+  if (x.size(0) == 0) return y;
+  const Quantised q = quantise(x, w, y);
   if (name == "amx") {
-    at::parallel_for(0, N / (kCols * kColGroup), 1, [&](int64_t c0, int64_t c1) { column_groups(a, c0, c1); });
-  } else if (M <= kVnniGroupRows) {
-    at::parallel_for(0, N / (kCols * kColGroup), 1, [&](int64_t c0, int64_t c1) {
-      for (int64_t cg = c0; cg < c1; ++cg) {
-        switch (M) {
-          case 1: vnni_group<1>(a, cg, 0); break;
-          case 2: vnni_group<2>(a, cg, 0); break;
-          case 3: vnni_group<3>(a, cg, 0); break;
-          default: vnni_group<4>(a, cg, 0); break;
-        }
-      }
-    });
+    at::parallel_for(0, w.n / (kCols * kColGroup), 1, [&](int64_t c0, int64_t c1) { column_groups(q.args, c0, c1); });
   } else {
-    at::parallel_for(0, N / kCols, 1, [&](int64_t c0, int64_t c1) { vnni_blocks(a, c0, c1); });
+    vnni_product<Layout::q4_1>(q.args);
   }
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+bool q8_supported() {
+  const std::vector<std::string>& here = kernels();
+  return std::find(here.begin(), here.end(), "avx512-vnni") != here.end();
+}
+
+at::Tensor linear_q8(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q8_supported(), "int8 linear_q8: this CPU or process has no AVX512-VNNI");
+  check_x(x, w, "int8 linear_q8");
+  TORCH_CHECK(w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRecOf<Layout::q8_0>,
+              "int8 linear_q8: w is not a pack_q8 record set");
+  at::Tensor y = at::empty({x.size(0), w.n}, x.options());
+  if (x.size(0) == 0) return y;
+  const Quantised q = quantise(x, w, y);
+  vnni_product<Layout::q8_0>(q.args);
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -409,6 +505,12 @@ const std::vector<std::string>& kernels() {
 
 at::Tensor linear(const at::Tensor&, const Packed&, const std::optional<at::Tensor>&, const std::optional<std::string>&) {
   TORCH_CHECK(false, "int8 linear: built without x86 int8 kernels");
+}
+
+bool q8_supported() { return false; }
+
+at::Tensor linear_q8(const at::Tensor&, const Packed&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "int8 linear_q8: built without x86 int8 kernels");
 }
 
 #endif

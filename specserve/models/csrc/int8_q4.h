@@ -20,5 +20,12 @@ specserve_small_gemm::Packed pack_q4(const at::Tensor& q, const at::Tensor& d, c
 // `kernel` (default: kernels()[0]): every kernel the same bits, every row the same bits whatever else x holds.
 at::Tensor linear(const at::Tensor& x, const specserve_small_gemm::Packed& w, const std::optional<at::Tensor>& bias,
                   const std::optional<std::string>& kernel = std::nullopt);
+// Q8_0 blocks (q [N, K] int8, d [N, K / 32] float32; N a multiple of 64, K of 32) as records for linear_q8.
+specserve_small_gemm::Packed pack_q8(const at::Tensor& q, const at::Tensor& d);
+// The CPU runs linear_q8 (AVX512-VNNI).
+bool q8_supported();
+// x [M, K] float32 @ w^T (+ bias) over Q8_0 records, the activations rounded as linear's: every row the same bits
+// whatever else x holds (an LM head: ModelSpec.int8_reads).
+at::Tensor linear_q8(const at::Tensor& x, const specserve_small_gemm::Packed& w, const std::optional<at::Tensor>& bias);
 
 }  // namespace specserve_int8
