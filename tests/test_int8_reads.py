@@ -101,6 +101,33 @@ def test_the_tiles_and_vnni_give_the_same_bits() -> None:
         assert all(torch.equal(first, other) for other in others)
 
 
+@needs_int8
+@pytest.mark.parametrize("records", ["q4_1", "q8_0"])
+def test_a_row_with_a_nan_or_an_infinity_gives_nan_and_leaves_the_others_alone(records: str) -> None:
+    """As the float32 products: a non-finite activation makes its row's outputs NaN (a NaN among a group's first 16
+    used to drop out of its scale, and the row came out finite: a greedy step then took token 0 instead of refusing
+    the row), whatever else the call holds."""
+    ext = extension()
+    if records == "q8_0" and not ext.int8_q8_supported():
+        pytest.skip("no AVX512-VNNI for the Q8_0 product")
+    if records == "q4_1":
+        blocks = random_blocks(128, 96, seed=4)
+        packed, run = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m), ext.int8_linear
+    else:
+        q8 = random_q8(128, 96, seed=4)
+        packed, run = ext.int8_pack_q8(q8.q, q8.d), ext.int8_linear_q8
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(6))
+    x[1, 3] = float("nan")  # among the first 16 of its group, the rest finite
+    x[4, 70] = float("inf")
+    x[6, 40] = -float("inf")
+    y = run(x, packed)
+    bad = {1, 4, 6}
+    assert all(y[i].isnan().all() for i in bad)
+    good = [i for i in range(9) if i not in bad]
+    assert y[good].isfinite().all()
+    assert torch.equal(y[good], run(x[good], packed))
+
+
 def test_a_kernel_this_cpu_does_not_run_is_refused() -> None:
     ext = extension()
     blocks = random_blocks(64, 64, seed=1)
@@ -206,15 +233,22 @@ def test_a_model_on_int8_products_verifies_what_it_decodes() -> None:
     gen = torch.Generator().manual_seed(2)
     prompt = [int(t) for t in torch.randint(0, 512, (30,), generator=gen)]
     verify = [int(t) for t in torch.randint(0, 512, (20,), generator=gen)]
+    head_only, _ = int8_tiny_model(seed=4)  # the int8 head over float32 decoder products
+    head_only_blocks = q8_head(head_only, seed=9)
+    assert attach_small_gemm(head_only) and attach_native_attention(head_only)
+    if extension().int8_q8_supported():
+        assert attach_int8_head(head_only, head_only_blocks)
     for native in (False, True):
         if native:
-            assert attach_native_stack(plain) and attach_native_stack(int8)
+            assert attach_native_stack(plain) and attach_native_stack(int8) and attach_native_stack(head_only)
         singles, together = steps(int8, prompt, verify)
         assert torch.equal(singles, together)
         reference, reference_together = steps(plain, prompt, verify)
         assert torch.equal(reference, reference_together)
         assert not torch.equal(singles, reference)
         assert (singles - reference).abs().max() < 0.05 * reference.abs().max()
+        # the decoder's products are int8 too, in the Python loop and in the C++ stack (Proj.int8_records)
+        assert not torch.equal(singles, steps(head_only, prompt, verify)[0])
 
 
 @needs_vnni

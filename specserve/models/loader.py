@@ -228,17 +228,17 @@ def record_source(model: LlamaModel, spec: ModelSpec) -> Path | None:
 
 def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
     """The GGUF's Q4_1 decoder blocks (``q4_reads``) and Q8_0 LM head blocks (``q8_head_reads``) as the kernel's
-    records, and both as int8 products' records (``int8_reads``), where the spec asks for them and they dequantise to
-    the loaded weights; an unreadable GGUF leaves the
-    float32 weights serving as they are (a logged reason)."""
+    records, and both as int8 products' records (``int8_reads``; the head's only where the decoder's attached), where
+    the spec asks for them and they dequantise to the loaded weights; an unreadable GGUF leaves the float32 weights
+    serving as they are (a logged reason)."""
     try:
         tensors = gguf_tensors(gguf)  # one read of the header (its tokenizer metadata is most of it) for both
+        int8_decoder = False
         if spec.q4_reads and (q4 := gguf_layer_blocks(tensors, model.cfg.num_heads, model.cfg.num_kv_heads)):
             attach_q4_reads(model, q4)
-            if spec.int8_reads:
-                attach_int8_reads(model, q4)
+            int8_decoder = spec.int8_reads and attach_int8_reads(model, q4)
         q8 = gguf_q8_blocks(tensors, Q8_HEAD_NAMES) if spec.q8_head_reads or spec.int8_reads else None
-        int8_head = bool(spec.int8_reads and q8 and attach_int8_head(model, q8))
+        int8_head = bool(int8_decoder and q8 and attach_int8_head(model, q8))  # only beside the decoder's
         if spec.q8_head_reads and q8 and not int8_head:  # int8 products read the head at every row count
             attach_q8_head(model, q8)
     except Exception as e:  # the float32 weights are loaded already, and serve as they are

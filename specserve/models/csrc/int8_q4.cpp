@@ -148,17 +148,28 @@ __attribute__((target("avx512f,avx512bw"))) inline void expand(const uint8_t* re
 }
 
 // One row's group of 32: q = round-to-nearest-even(v * (127 / amax)) as int8; returns sx = amax / 127 and sets
-// *sq = sum(q) and *sxq = sx * sum(q).
+// *sq = sum(q) and *sxq = sx * sum(q). A group holding a NaN or an infinity gets q = 0 and sx = sxq = NaN, so that
+// its row's products are NaN as the float32 products' are (a greedy row without a finite maximum is then refused,
+// sampling.greedy_draw) and no integer overflows.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float quantise_group(const float* v, int8_t* q,
                                                                                 int32_t* sq, float* sxq) {
   const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  const __m512 aa = _mm512_abs_ps(a), ab = _mm512_abs_ps(b);
+  // not (|x| < inf): a NaN (unordered) or an infinity
+  if ((_mm512_cmp_ps_mask(aa, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(ab, inf, _CMP_NLT_UQ)) != 0) {
+    std::memset(q, 0, kG);
+    *sq = 0;
+    *sxq = std::numeric_limits<float>::quiet_NaN();
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(aa, ab));
   const float sx = amax / 127.f;
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
-  *sq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  *sq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));  // |v * inv| <= 127: q is qa, qb unsaturated
   *sxq = sx * static_cast<float>(*sq);
   return sx;
 }
