@@ -138,6 +138,23 @@ def test_llamacpps_f32_row_is_the_float32_model_and_the_records_have_their_own()
 
 
 @pytest.mark.real_model
+def test_llamacpps_int8_row_runs_int8_products_or_is_left_out() -> None:
+    """The int8 row times int8 products where the CPU runs them, and is left out elsewhere (it would time the float32
+    products under the int8 name)."""
+    from specserve.bench.llamacpp import RUNNER_WEIGHTS, runner_weights
+    from specserve.models.loader import load_model
+    from specserve.models.native_stack import extension
+
+    here = runner_weights()
+    if not extension().int8_kernels():
+        assert "Q4_1 int8" not in here and set(here) == set(RUNNER_WEIGHTS) - {"Q4_1 int8"}
+        return
+    assert set(here) == set(RUNNER_WEIGHTS)
+    model = load_model(here["Q4_1 int8"][0])
+    assert all(getattr(layer.down, "int8_records", None) is not None for layer in model.decoder_layers())
+
+
+@pytest.mark.real_model
 def test_bench_runner_without_the_small_product_kernel_leaves_its_settings_columns_empty(tmp_path: Path) -> None:
     """In bfloat16 the kernel is absent, so the models loaded with one of its settings changed are the model
     itself: their columns repeated the runner's own timings under other names."""

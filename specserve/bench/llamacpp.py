@@ -5,8 +5,9 @@ on 2 cores; cached under ``<cache>/llamacpp/``). The SmolLM2 builtin's own Q4_1 
 requantised to F32 (``llama-quantize --allow-requantize``: the same values this runner dequantises at load).
 ``llama-bench -t <threads> -p 16 -n 64`` gives prompt processing of 16 tokens (pp16) and generation of 64 (tg64);
 this runner's figures for the same work are a batch-1 forward over 16 new tokens (the last one's logits, as
-llama-bench asks for) and a decode step, timed interleaved with the llama.cpp runs, on three weights:
-``RUNNER_WEIGHTS``. Prints a table and writes a CSV. Optional: nothing in CI builds it.
+llama-bench asks for) and a decode step, timed interleaved with the llama.cpp runs, on the weights of
+``RUNNER_WEIGHTS`` (``runner_weights``: the int8 row only where the CPU runs it). Prints a table and writes a CSV.
+Optional: nothing in CI builds it.
 
     .venv/bin/specserve bench llamacpp --out bench_out/llamacpp
 """
@@ -46,7 +47,21 @@ RUNNER_WEIGHTS: dict[str, tuple[ModelSpec, str]] = {
     "F32": (ModelSpec(q4_reads=False, q8_head_reads=False), "F32"),
     "Q4_1 records": (ModelSpec(), "Q4_1"),  # the default: the float32 model's products from the Q4_1 / Q8_0 records
     "Q4_1 int4": (ModelSpec(native_q4=True), "Q4_1"),  # torch's int4 kernel, bfloat16 activations
+    # int8 activations over the Q4_1 / Q8_0 blocks (AMX tiles or AVX512-VNNI), rounded as llama.cpp's own Q4_1 dot
+    # products round them; only where the CPU runs one of those kernels (runner_weights)
+    "Q4_1 int8": (ModelSpec(int8_reads=True), "Q4_1"),
 }
+
+
+def runner_weights() -> dict[str, tuple[ModelSpec, str]]:
+    """RUNNER_WEIGHTS less the int8 row on a CPU without an int8 kernel, where it would time the float32 products."""
+    from specserve.models.native_stack import NativeStackUnavailable, extension
+
+    try:
+        int8 = bool(extension().int8_kernels())
+    except NativeStackUnavailable:
+        int8 = False
+    return {k: v for k, v in RUNNER_WEIGHTS.items() if int8 or not v[0].int8_reads}
 
 
 @dataclass(frozen=True)
@@ -158,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     bin_dir = build(fetch_source(workdir), args.threads)
     ggufs = gguf_files(bin_dir, workdir)
     torch.set_num_threads(args.threads)
-    models = {weights: load_model(spec) for weights, (spec, _) in RUNNER_WEIGHTS.items()}
+    weights_here = runner_weights()
+    models = {weights: load_model(spec) for weights, (spec, _) in weights_here.items()}
     summary = cpu_summary()
     print(summary)
     results: dict[tuple[str, str, str], list[float]] = {}
@@ -174,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"{r.engine:<10} {r.weights:<12} {r.test:<5} {r.tokens_per_s:>8.1f}")
     by_key = {(r.engine, r.weights, r.test): r.tokens_per_s for r in rows}
-    for weights, (_, peer) in RUNNER_WEIGHTS.items():
+    for weights, (_, peer) in weights_here.items():
         for test in (f"pp{PROMPT_TOKENS}", f"tg{GEN_TOKENS}"):
             ratio = by_key[("specserve", weights, test)] / by_key[("llama.cpp", peer, test)]
             print(f"specserve {weights} / llama.cpp {peer}, {test}: {ratio:.2f}x")
