@@ -235,8 +235,9 @@ def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
         tensors = gguf_tensors(gguf)  # one read of the header (its tokenizer metadata is most of it) for both
         int8_decoder = False
         if spec.q4_reads and (q4 := gguf_layer_blocks(tensors, model.cfg.num_heads, model.cfg.num_kv_heads)):
-            attach_q4_reads(model, q4)
             int8_decoder = spec.int8_reads and attach_int8_reads(model, q4)
+            if not int8_decoder:  # int8 products read the decoder's blocks at every row count: no float32 records
+                attach_q4_reads(model, q4)
         q8 = gguf_q8_blocks(tensors, Q8_HEAD_NAMES) if spec.q8_head_reads or spec.int8_reads else None
         int8_head = bool(int8_decoder and q8 and attach_int8_head(model, q8))  # only beside the decoder's
         if spec.q8_head_reads and q8 and not int8_head:  # int8 products read the head at every row count
