@@ -342,7 +342,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_group(const Arg
 #pragma GCC unroll 4
     for (int t = 0; t < kColGroup; ++t, rec += kRecOf<L>) {
       // The Q8_0 records kAhead bytes on: SmolLM2's LM head at 1 row took 0.42-0.77 ms with it, 0.69-0.94 without
-      // (four runs each, a Zen 4 EPYC); the Q4_1 products measured the same or slower with it.
+      // (three runs with it, four without, a Zen 4 EPYC); the Q4_1 products measured the same or slower with it.
       if constexpr (L == Layout::q8_0) {
         if (a.w_end - rec > kAhead + kRecOf<L>) {
           for (int64_t o = 0; o < kRecOf<L>; o += 64) {
