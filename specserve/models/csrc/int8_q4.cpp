@@ -37,6 +37,7 @@ namespace {
 constexpr int64_t kG = 32;           // a Q4_1 group of k
 constexpr int64_t kCols = 16;        // a tile's columns
 constexpr int64_t kRec = 256 + 128;  // 16 columns x one group: 256 nibble bytes, then d[16] and m[16] float32
+constexpr int64_t kRec8 = 512 + 64;  // a Q8_0 record (pack_q8): 512 bytes of q + 128, then d[16] float32
 constexpr int64_t kTileRows = 16;    // activation rows per tile product
 constexpr int64_t kColGroup = 4;     // column blocks of 16 per pass (four C tiles share one A tile)
 constexpr int64_t kAhead = 6144;     // bytes of records prefetched ahead (measured: docs/benchmarks.md)
@@ -89,7 +90,6 @@ Packed pack_q8(const at::Tensor& q, const at::Tensor& d) {
               "int8 pack_q8: N must be a multiple of 64 and K of 32, got [", N, ", ", K, "]");
   TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == G && d.scalar_type() == at::kFloat,
               "int8 pack_q8: d must be [N, K / 32] float32");
-  constexpr int64_t kRec8 = 512 + 64;
   const at::Tensor qc = q.contiguous(), dc = d.contiguous();
   at::Tensor out = at::empty({N / kCols * G * kRec8}, at::kByte);
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -264,7 +264,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw"))) void column_groups
 // with column j's at 4j, then d[16] float32).
 enum class Layout { q4_1, q8_0 };
 template <Layout L>
-constexpr int64_t kRecOf = L == Layout::q4_1 ? kRec : 512 + 64;
+constexpr int64_t kRecOf = L == Layout::q4_1 ? kRec : kRec8;
 
 // A record's 32 x 16 values as eight vectors of 16 columns x 4 unsigned bytes, vector q holding k = 4q .. 4q + 3 (the
 // B tile rows of the AMX kernel).
