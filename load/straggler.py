@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -133,6 +133,9 @@ class StudyConfig(BaseModel):
     device: str = Field(default="cpu", description="where the models run, e.g. cuda")
     dtype: DType | None = Field(default=None, description="every model's dtype (None: the pair's)")
     head_quant: HeadQuant | None = Field(default=None, description="the head's HeadSpec.quantize (None: the pair's)")
+    head_products: Literal["float", "int8"] | None = Field(
+        default=None, description="the head's quantised linears: HeadSpec.int8_products off or on (None: the pair's)"
+    )
     int8_reads: bool = Field(
         default=False, description="the target's decoder products with int8 activations (ModelSpec.int8_reads)"
     )
@@ -144,10 +147,11 @@ class StudyConfig(BaseModel):
     def _check(self) -> StudyConfig:
         if self.pair != TINY_PAIR and self.pair not in MODEL_PAIRS:
             raise ValueError(f"unknown pair {self.pair!r}; choose {TINY_PAIR!r} or one of {sorted(MODEL_PAIRS)}")
-        if self.head_quant is not None and not (
-            self.pair in MODEL_PAIRS and isinstance(MODEL_PAIRS[self.pair][1], HeadSpec)
-        ):
-            raise ValueError(f"head_quant applies to a pair that drafts with a head, not {self.pair!r}")
+        for name in ("head_quant", "head_products"):
+            if getattr(self, name) is not None and not (
+                self.pair in MODEL_PAIRS and isinstance(MODEL_PAIRS[self.pair][1], HeadSpec)
+            ):
+                raise ValueError(f"{name} applies to a pair that drafts with a head, not {self.pair!r}")
         if self.int8_reads and self.pair == TINY_PAIR:
             raise ValueError("int8_reads applies to a real target (its GGUF's Q4_1 blocks), not the tiny pair")
         if self.warm_guard and not self.guard:
@@ -223,6 +227,8 @@ def load_models(cfg: StudyConfig) -> Models:
         draft_spec = draft_spec.model_copy(update={"dtype": cfg.dtype})
     if cfg.head_quant is not None and isinstance(draft_spec, HeadSpec):  # (StudyConfig refuses it for the others)
         draft_spec = draft_spec.model_copy(update={"quantize": cfg.head_quant})
+    if cfg.head_products is not None and isinstance(draft_spec, HeadSpec):
+        draft_spec = draft_spec.model_copy(update={"int8_products": cfg.head_products == "int8"})
     if cfg.int8_reads:
         target_spec = target_spec.model_copy(update={"int8_reads": True})
     target = load_model(target_spec, device=cfg.device)
@@ -754,6 +760,12 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--dtype", default=None, choices=[x.value for x in DType], help="every model's dtype")
     p.add_argument(
         "--head-quant", default=None, choices=[x.value for x in HeadQuant], help="a draft head's weights at load"
+    )
+    p.add_argument(
+        "--head-products",
+        default=None,
+        choices=["float", "int8"],
+        help="a draft head's quantised linears with float or int8 activations (HeadSpec.int8_products)",
     )
     p.add_argument(
         "--int8-reads",

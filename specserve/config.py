@@ -214,6 +214,13 @@ class HeadSpec(Validated):
         "(fewer bytes a draft forward; drafts only, so verification stays lossless; docs/algorithms.md §8.3)",
     )
 
+    int8_products: bool = Field(
+        default=False,
+        description="switch: the quantised linears multiply their blocks with the activations rounded to int8 per "
+        "row and group of 32 where the CPU runs the int8 kernel (Q8_0: AVX512-VNNI; Q4_1: VNNI or AMX), float "
+        "elsewhere; drafts only (docs/algorithms.md §8.3)",
+    )
+
     def path(self) -> Path:
         builtin = BUILTIN_HEADS_DIR / self.head
         if "/" not in self.head and self.head not in ("", ".", "..") and builtin.is_dir():  # a shipped head's name

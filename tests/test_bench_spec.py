@@ -233,6 +233,8 @@ def test_head_variants_by_vocabulary_and_weight_reads() -> None:
     }
     quants = draft_variants(parser.parse_args(["--head-quant", "none", "q8_0", "q4_1"]), "p", head)
     assert {k: v.quantize.value for k, v in quants.items()} == {"p none": "none", "p q8_0": "q8_0", "p q4_1": "q4_1"}
+    products = draft_variants(parser.parse_args(["--head-products", "float", "int8"]), "p", head)
+    assert {k: v.int8_products for k, v in products.items()} == {"p float products": False, "p int8 products": True}
     q4 = MODEL_PAIRS["smollm2-q4"][1]
     assert draft_variants(args, "q", q4) == {"q": q4}  # a draft model: no head variants
     assert draft_variants(parser.parse_args([]), "p", head) == {"p": head}

@@ -479,3 +479,91 @@ def test_a_head_quantised_at_load_reads_records_drafts_as_its_float_weights_and_
         engine = Engine(target, None, draft=head, speculation=METHODS[2], eos_token_ids=set(), max_batch_size=4)
         assert [o.token_ids for o in engine.generate(PROMPTS, params)] == _plain(target, params)
     assert not attach_head_records(random_head(target), HeadQuant.none)
+
+
+def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as int8 products see it: each row's groups of 32 scaled to max |x| = 127, rounded half to even, scaled back."""
+    groups = x.view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inv).double() * (amax / 127.0).double()).view(x.shape)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_1"])
+def test_a_head_on_int8_products_rounds_its_activations_and_stays_lossless(target: LlamaModel, quant: str) -> None:
+    """HeadSpec.int8_products: each of the head's quantised linears multiplies its blocks with the activations
+    rounded to int8 per row and group of 32 (the rule written here), in the Python path and in the C++ stack
+    (whose Q8_0 records take the other int8 entry); drafting with them stays greedy-equal to plain decoding."""
+    from specserve.config import HeadQuant
+    from specserve.models.llama import linear
+    from specserve.models.native_stack import attach_head_records, attach_head_stack, attach_small_gemm, extension
+    from specserve.models.q4 import quantize_q4_1, quantize_q8_0
+
+    if not (extension().int8_q8_supported() if quant == "q8_0" else extension().int8_kernels()):
+        pytest.skip(f"no int8 kernel for {quant} records on this CPU")
+    quantize = quantize_q8_0 if quant == "q8_0" else quantize_q4_1
+    for kind in (HeadKind.eagle, HeadKind.eagle3):
+        head, floats = random_head(target, kind), random_head(target, kind)
+        if not attach_small_gemm(head):
+            pytest.skip("the small-product kernel is not available on this CPU")
+        attach_small_gemm(floats)
+        assert attach_head_records(head, HeadQuant(quant), int8=True)
+        assert attach_head_records(floats, HeadQuant(quant))
+        linears = [m for m in head.modules() if type(m) is torch.nn.Linear]
+        assert linears and all(getattr(m, "int8_q8", None) == (quant == "q8_0") for m in linears)
+        assert not any(getattr(m, "int8_records", None) is not None for m in floats.modules())
+        x_gen = torch.Generator().manual_seed(7)
+        for mod in linears:
+            x = torch.randn(5, mod.in_features, generator=x_gen)
+            x[1, 3] = 40.0  # an outlier owns its group's scale
+            w = quantize(mod.weight.detach()).dequantize().double()
+            rounded = _int8_rounded(x)
+            bound = (rounded.abs() @ w.abs().T) * 2e-6 + 1e-30  # float32 sums of the group terms
+            assert ((linear(mod, x).double() - rounded @ w.T).abs() <= bound).all()
+        tokens, feats = torch.tensor([5, 9, 13, 2, 40, 41]), torch.randn(6, head.cfg.feature_size, generator=x_gen)
+
+        def logits(h: EagleHead, tokens: torch.Tensor = tokens, feats: torch.Tensor = feats) -> torch.Tensor:
+            cache = h.new_cache(1, 16)
+            batch = ForwardBatch.build(cache, [cache.allocate()], [tokens.tolist()])
+            return h.logits(h(batch.tokens, h.fuse(feats), batch, cache))
+
+        python_loop = logits(head)
+        assert attach_head_stack(head)
+        stack = logits(head)  # the layer's products through the C++ stack's own int8 entries
+        torch.testing.assert_close(stack, python_loop, rtol=1e-4, atol=1e-4)
+        assert (stack - logits(floats)).abs().max() > 1e-3  # float records would not round the activations
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        engine = Engine(target, None, draft=head, speculation=METHODS[2], eos_token_ids=set(), max_batch_size=4)
+        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == _plain(target, params)
+
+
+def test_int8_products_without_quantised_weights_or_a_kernel_leave_the_float_path(
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from specserve.config import HeadQuant
+    from specserve.models import native_stack
+    from specserve.models.native_stack import attach_head_records, attach_small_gemm, extension
+
+    head = random_head(target, HeadKind.eagle3)
+    if not attach_small_gemm(head):
+        pytest.skip("the small-product kernel is not available on this CPU")
+    with caplog.at_level(logging.WARNING):
+        assert not attach_head_records(head, HeadQuant.none, int8=True)
+    assert "not quantised" in caplog.text
+
+    class NoInt8:
+        def __getattr__(self, name: str) -> object:
+            if name in ("int8_kernels", "int8_q8_supported"):
+                return lambda: [] if name == "int8_kernels" else False
+            return getattr(extension(), name)
+
+    monkeypatch.setattr(native_stack, "extension", NoInt8)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert attach_head_records(head, HeadQuant.q8_0, int8=True)
+    assert "no int8 kernel for" in caplog.text
+    linears = [m for m in head.modules() if type(m) is torch.nn.Linear]
+    assert all(getattr(m, "small_records", None) is not None for m in linears)
+    assert not any(getattr(m, "int8_records", None) is not None for m in linears)

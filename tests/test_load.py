@@ -831,10 +831,12 @@ def test_study_max_sl_caps_every_speculative_policy(capsys: pytest.CaptureFixtur
     with pytest.raises(ValueError, match="ddd_check_steps"):
         straggler.StudyConfig(pair="tiny", ddd_check_steps=(0, 2)).specs()
     assert straggler.parse_args(["--pair", "smollm2-eagle", "--head-quant", "none"]).head_quant == "none"
+    assert straggler.parse_args(["--pair", "smollm2-eagle", "--head-products", "float"]).head_products == "float"
     for pair in ("tiny", "smollm2-q4"):  # no head to quantise
-        with pytest.raises(SystemExit) as exit_:
-            straggler.parse_args(["--pair", pair, "--head-quant", "q8_0"])
-        assert exit_.value.code == 2 and "--head-quant" in capsys.readouterr().err
+        for flag, value in (("--head-quant", "q8_0"), ("--head-products", "int8")):
+            with pytest.raises(SystemExit) as exit_:
+                straggler.parse_args(["--pair", pair, flag, value])
+            assert exit_.value.code == 2 and flag in capsys.readouterr().err
     assert straggler.parse_args(["--pair", "smollm2-eagle", "--int8-reads"]).int8_reads
     assert not straggler.parse_args(["--pair", "smollm2-eagle"]).int8_reads
     with pytest.raises(SystemExit) as exit_:

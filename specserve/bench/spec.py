@@ -129,6 +129,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="heads: the head's weights as loaded or quantised at load, to compare (HeadSpec.quantize)",
     )
+    p.add_argument(
+        "--head-products",
+        nargs="+",
+        choices=["float", "int8"],
+        default=None,
+        help="heads: float or int8 activations for the quantised linears, to compare (HeadSpec.int8_products)",
+    )
     p.add_argument("--dsde", action="store_true", help="also run each chain / DDD method under DSDE + SL_cap")
     p.add_argument("--assisted", action="store_true", help="add transformers assisted generation (draft models)")
     p.add_argument("--drafters", nargs="+", default=["model"], choices=DRAFTERS, help="who drafts")
@@ -562,6 +569,12 @@ def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict
             (f"{label} {quant.value}", head.model_copy(update={"quantize": quant}))
             for label, head in heads
             for quant in map(HeadQuant, args.head_quant)
+        ]
+    if args.head_products:
+        heads = [
+            (f"{label} {products} products", head.model_copy(update={"int8_products": products == "int8"}))
+            for label, head in heads
+            for products in args.head_products
         ]
     return dict(heads)
 

@@ -259,7 +259,7 @@ def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.devic
             head.set_draft_vocab(frequent_ids(spec.path(), spec.draft_vocab, head.cfg.vocab_size))
         if getattr(target.lm_head, "small_gemm", None) is not None:  # the target's ModelSpec.small_gemm
             attach_small_gemm(head, bf16_reads=spec.bf16_reads)
-            attach_head_records(head, spec.quantize)
+            attach_head_records(head, spec.quantize, int8=spec.int8_products)
             follow_target_plan(head, target)
         if spec.native_layer and target.native_stack is not None:  # and the target's ModelSpec.native_stack
             attach_head_stack(head)

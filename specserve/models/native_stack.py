@@ -224,7 +224,8 @@ def _proj(ext: ModuleType, mod: nn.Module) -> Any:
     records = getattr(mod, "small_records", None)  # Q4_1 / Q8_0 records (attach_q4_reads, attach_q8_head)
     if records is not None:
         proj.small_records, proj.small_record_rows = records, getattr(mod, "small_record_rows", 0)
-    proj.int8_records = getattr(mod, "int8_records", None)  # Q4_1 records for int8 products (attach_int8_reads)
+    proj.int8_records = getattr(mod, "int8_records", None)  # records for int8 products (attach_int8_reads, ...)
+    proj.int8_q8 = bool(getattr(mod, "int8_q8", False))  # ... Q8_0 ones (a draft head's, attach_head_records)
     return proj
 
 
@@ -743,33 +744,56 @@ def describe_rows(mask: int) -> str:
     return f"{spans[0]} row" if spans == ["1"] else f"{', '.join(spans)} rows"
 
 
-def attach_head_records(head: EagleHead, quant: HeadQuant) -> bool:
+def attach_head_records(head: EagleHead, quant: HeadQuant, *, int8: bool = False) -> bool:
     """Switch: each of the head's linears on the kernel (its fc, the layer's projections, EAGLE-3's LM head) is
     quantised to Q8_0 or Q4_1 blocks, its float weight replaced by their dequantisation, and the kernel reads the
     records (``HeadSpec.quantize``): the Python path and the kernel then compute the same products, from 0.28x /
-    0.19x the float32 bytes. A draft's weights only change its proposals, never what verification accepts. Call
-    after ``attach_small_gemm`` and before ``attach_head_stack``; False (nothing changed) for ``none`` or where no
-    linear is on the kernel."""
+    0.19x the float32 bytes. With ``int8`` (``HeadSpec.int8_products``) the same blocks are multiplied with the
+    activations rounded to int8 per row and group of 32 (``csrc/int8_q4.cpp``), where the CPU runs that kernel
+    (Q8_0: AVX512-VNNI; Q4_1: VNNI or AMX) and the linear's shape fits it (N a multiple of 64, no bias); elsewhere
+    the float records serve, with a logged reason. A draft's weights and products only change its proposals, never
+    what verification accepts. Call after ``attach_small_gemm`` and before ``attach_head_stack``; False (nothing
+    changed) for ``none`` or where no linear is on the kernel."""
     if quant == HeadQuant.none:
+        if int8:
+            log.warning("head int8 products: the head's weights are not quantised (quantize: none); float serves")
         return False
     lins = [m for m in kernel_linears(head) if m.in_features % Q4_GROUP == 0]
     if not lins:
         log.warning("head quantisation: none of the head's linears is on the small-product kernel")
         return False
     ext = extension()
+    int8_here = ext.int8_q8_supported() if quant == HeadQuant.q8_0 else bool(ext.int8_kernels())
+    if int8 and not int8_here:
+        log.warning("head int8 products: this CPU or process has no int8 kernel for %s records; float serves", quant)
+    int8_lins = 0
     for mod in lins:
         weight = mod.weight.detach()
+        int8_fits = int8 and int8_here and mod.bias is None and mod.out_features % 64 == 0
         if quant == HeadQuant.q8_0:
             q8 = quantize_q8_0(weight)
             values, records = q8.dequantize(), ext.small_pack_q8(q8.q, q8.d)
+            int8_records = ext.int8_pack_q8(q8.q, q8.d) if int8_fits else None
         else:
             q4 = quantize_q4_1(weight)
             values, records = q4.dequantize(), ext.small_pack_q4(q4.q, q4.d, q4.m)
+            int8_records = ext.int8_pack_q4(q4.q, q4.d, q4.m) if int8_fits else None
         with torch.no_grad():
             weight.copy_(values.to(weight.dtype))
         mod.small_records, mod.small_records_gemm = records, ext.small_linear_packed  # type: ignore[assignment]
         mod.small_record_rows = EVERY_ROW  # type: ignore[assignment]
         mod.small_packed, mod.small_copy_rows = None, 0  # type: ignore[assignment]  # the bf16 copy is stale now
+        if int8_records is not None:
+            q8_records = quant == HeadQuant.q8_0
+            mod.int8_records, mod.int8_q8 = int8_records, q8_records  # type: ignore[assignment]
+            mod.int8_gemm = ext.int8_linear_q8 if q8_records else ext.int8_linear  # type: ignore[assignment]
+            int8_lins += 1
+    if int8 and int8_here and int8_lins < len(lins):
+        log.warning(
+            "head int8 products: %d of the head's %d linears have a shape the kernel does not take; they read float",
+            len(lins) - int8_lins,
+            len(lins),
+        )
     head.native_stack = None  # built again by attach_head_stack over the records
     return True
 

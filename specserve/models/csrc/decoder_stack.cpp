@@ -53,7 +53,8 @@ struct Proj {
   std::vector<specserve_small_gemm::Prefetch> small_prefetch;  // [r - 1]: the prefetch for r rows (measured at load)
   std::optional<specserve_small_gemm::Packed> small_records;  // the weight as Q4_1 / Q8_0 records, if attached
   uint64_t small_record_rows = 0;  // products of r rows read small_records where bit r - 1 is set (first)
-  std::optional<specserve_small_gemm::Packed> int8_records;  // Q4_1 records for int8 products: every row count, first
+  std::optional<specserve_small_gemm::Packed> int8_records;  // records for int8 products: every row count, first
+  bool int8_q8 = false;  // int8_records hold Q8_0 blocks (int8_pack_q8: a draft head's), else Q4_1 (int8_pack_q4)
   bool q4 = false;
   Tensor packed, scales_and_zeros;
   std::optional<Tensor> dense;   // bf16 copy for products of at least dense_from rows
@@ -65,7 +66,10 @@ struct Proj {
     if (int8_records.has_value() && x.scalar_type() == at::kFloat) {
       std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
       shape.push_back(int8_records->n);
-      return specserve_int8::linear(x.reshape({-1, int8_records->k}), *int8_records, bias).reshape(shape);
+      const Tensor flat = x.reshape({-1, int8_records->k});
+      return (int8_q8 ? specserve_int8::linear_q8(flat, *int8_records, bias)
+                      : specserve_int8::linear(flat, *int8_records, bias))
+          .reshape(shape);
     }
     if (q4) {
       Tensor flat = x.reshape({-1, in_features}).to(at::kBFloat16);
@@ -414,6 +418,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("small_records", &Proj::small_records)
       .def_readwrite("small_record_rows", &Proj::small_record_rows)
       .def_readwrite("int8_records", &Proj::int8_records)
+      .def_readwrite("int8_q8", &Proj::int8_q8)
       .def_readwrite("q4", &Proj::q4)
       .def_readwrite("packed", &Proj::packed)
       .def_readwrite("scales_and_zeros", &Proj::scales_and_zeros)
