@@ -169,3 +169,34 @@ def test_bench_runner_without_the_small_product_kernel_leaves_its_settings_colum
     empty = ("blas_runner_ms", "rowmajor_runner_ms", "kpacked_bare_ms", "unplanned_runner_ms", "f32_reads_runner_ms")
     assert all(row[col] == "nan" for col in empty)
     assert float(row["runner_ms"]) > 0 and float(row["sdpa_runner_ms"]) > 0  # what runs without the kernel is timed
+
+
+def test_a_one_row_forward_reads_the_records_its_products_read() -> None:
+    """``bench runner``'s floor: a linear's bytes are its int8 records' where it has them (every row count; the loader
+    then keeps no float32 records beside them), else the kernel's records or copy where one row reads them, else its
+    float weight."""
+    from specserve.bench.runner import one_row_bytes
+    from specserve.models.native_stack import (
+        attach_int8_reads,
+        attach_q4_reads,
+        attach_small_gemm,
+        extension,
+        small_gemm_available,
+    )
+    from tests.test_q4_reads import q4_tiny_model
+
+    if not small_gemm_available():
+        pytest.skip("the small-product kernel is not available on this CPU")
+    model, blocks = q4_tiny_model(5, hidden_size=256, intermediate_size=256)
+    down = model.decoder_layers()[0].down
+    float_bytes = down.weight.numel() * 4
+    assert one_row_bytes(down) == float_bytes
+    assert attach_small_gemm(model) and attach_q4_reads(model, blocks)
+    assert one_row_bytes(down) == down.small_records.data.numel() < float_bytes // 4  # 6 bits a weight, not 32
+    if not extension().int8_kernels():
+        return
+    model, blocks = q4_tiny_model(5, hidden_size=256, intermediate_size=256)
+    down = model.decoder_layers()[0].down
+    assert attach_small_gemm(model) and attach_int8_reads(model, blocks)
+    assert getattr(down, "small_records", None) is None
+    assert one_row_bytes(down) == down.int8_records.data.numel() < float_bytes // 4

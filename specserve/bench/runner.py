@@ -85,7 +85,11 @@ def weight_linears(model: LlamaModel) -> list[torch.Tensor]:
 
 
 def one_row_bytes(mod: nn.Linear) -> int:
-    """The bytes a one-row product reads: the Q4_1 records or the kernel's copy where one row reads them."""
+    """The bytes a one-row product reads: its int8 products' records (every row count), else the Q4_1 / Q8_0 records
+    or the kernel's copy where one row reads them."""
+    int8 = getattr(mod, "int8_records", None)
+    if int8 is not None:
+        return int(int8.data.numel() * int8.data.element_size())
     for copy, rows in (("small_records", "small_record_rows"), ("small_packed", "small_copy_rows")):
         c = getattr(mod, copy, None)
         if c is not None and getattr(mod, rows, 0) & 1:
