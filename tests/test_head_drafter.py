@@ -530,6 +530,8 @@ def test_a_head_on_int8_products_rounds_its_activations_and_stays_lossless(targe
         python_loop = logits(head)
         assert attach_head_stack(head)
         stack = logits(head)  # the layer's products through the C++ stack's own int8 entries
+        # float records in the stack's layer would differ from the Python loop's int8 products by far more than the
+        # fused norms' rounding (and Q4_1 records given to the Q8_0 entry, or the reverse, raise)
         torch.testing.assert_close(stack, python_loop, rtol=1e-4, atol=1e-4)
         assert (stack - logits(floats)).abs().max() > 1e-3  # float records would not round the activations
         params = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -537,9 +539,12 @@ def test_a_head_on_int8_products_rounds_its_activations_and_stays_lossless(targe
         assert [o.token_ids for o in engine.generate(PROMPTS, params)] == _plain(target, params)
 
 
+@pytest.mark.parametrize("quant", ["q8_0", "q4_1"])
 def test_int8_products_without_quantised_weights_or_a_kernel_leave_the_float_path(
-    target: LlamaModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, quant: str
 ) -> None:
+    """Int8 products over weights not quantised, or on a CPU without the kernel for the records: a logged reason,
+    and the records multiplied with float32 activations; records of an earlier call with int8 do not stay."""
     import logging
 
     from specserve.config import HeadQuant
@@ -559,10 +564,13 @@ def test_int8_products_without_quantised_weights_or_a_kernel_leave_the_float_pat
                 return lambda: [] if name == "int8_kernels" else False
             return getattr(extension(), name)
 
+    if extension().int8_q8_supported() if quant == "q8_0" else extension().int8_kernels():
+        assert attach_head_records(head, HeadQuant(quant), int8=True)  # attached here, then called again below
+        assert all(getattr(m, "int8_records", None) is not None for m in head.modules() if type(m) is torch.nn.Linear)
     monkeypatch.setattr(native_stack, "extension", NoInt8)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert attach_head_records(head, HeadQuant.q8_0, int8=True)
+        assert attach_head_records(head, HeadQuant(quant), int8=True)
     assert "no int8 kernel for" in caplog.text
     linears = [m for m in head.modules() if type(m) is torch.nn.Linear]
     assert all(getattr(m, "small_records", None) is not None for m in linears)

@@ -85,8 +85,8 @@ def weight_linears(model: LlamaModel) -> list[torch.Tensor]:
 
 
 def one_row_bytes(mod: nn.Linear) -> int:
-    """The bytes a one-row product reads: its int8 products' records (every row count), else the Q4_1 / Q8_0 records
-    or the kernel's copy where one row reads them."""
+    """The bytes a one-row product reads: its int8 products' records (every row count: a target's loader then keeps
+    no float32 records beside them), else the Q4_1 / Q8_0 records or the kernel's copy where one row reads them."""
     int8 = getattr(mod, "int8_records", None)
     if int8 is not None:
         return int(int8.data.numel() * int8.data.element_size())

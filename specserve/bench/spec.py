@@ -546,7 +546,7 @@ def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpe
 
 def draft_variants(args: argparse.Namespace, pair: str, spec: DraftSpec) -> dict[str, DraftSpec]:
     """The drafts to compare for one pair, by label: a head once per ``--draft-vocab`` size, ``--head-reads``,
-    ``--head-layer`` and ``--head-quant``."""
+    ``--head-layer``, ``--head-quant`` and ``--head-products``."""
     if not isinstance(spec, HeadSpec):
         return {pair: spec}
     heads = [(pair, spec)]

@@ -750,8 +750,9 @@ def attach_head_records(head: EagleHead, quant: HeadQuant, *, int8: bool = False
     records (``HeadSpec.quantize``): the Python path and the kernel then compute the same products, from 0.28x /
     0.19x the float32 bytes. With ``int8`` (``HeadSpec.int8_products``) the same blocks are multiplied with the
     activations rounded to int8 per row and group of 32 (``csrc/int8_q4.cpp``), where the CPU runs that kernel
-    (Q8_0: AVX512-VNNI; Q4_1: VNNI or AMX) and the linear's shape fits it (N a multiple of 64, no bias); elsewhere
-    the float records serve, with a logged reason. A draft's weights and products only change its proposals, never
+    (Q8_0: AVX512-VNNI; Q4_1: VNNI or AMX) and the linear's N is a multiple of 64; elsewhere the records are
+    multiplied with float32 activations, with a logged reason (the float records stay beside the int8 ones, which
+    every float32 product reads first). A draft's weights and products only change its proposals, never
     what verification accepts. Call after ``attach_small_gemm`` and before ``attach_head_stack``; False (nothing
     changed) for ``none`` or where no linear is on the kernel."""
     if quant == HeadQuant.none:
@@ -769,7 +770,7 @@ def attach_head_records(head: EagleHead, quant: HeadQuant, *, int8: bool = False
     int8_lins = 0
     for mod in lins:
         weight = mod.weight.detach()
-        int8_fits = int8 and int8_here and mod.bias is None and mod.out_features % 64 == 0
+        int8_fits = int8 and int8_here and mod.out_features % 64 == 0  # (a bias is added after the product)
         if quant == HeadQuant.q8_0:
             q8 = quantize_q8_0(weight)
             values, records = q8.dequantize(), ext.small_pack_q8(q8.q, q8.d)
@@ -783,14 +784,16 @@ def attach_head_records(head: EagleHead, quant: HeadQuant, *, int8: bool = False
         mod.small_records, mod.small_records_gemm = records, ext.small_linear_packed  # type: ignore[assignment]
         mod.small_record_rows = EVERY_ROW  # type: ignore[assignment]
         mod.small_packed, mod.small_copy_rows = None, 0  # type: ignore[assignment]  # the bf16 copy is stale now
-        if int8_records is not None:
-            q8_records = quant == HeadQuant.q8_0
-            mod.int8_records, mod.int8_q8 = int8_records, q8_records  # type: ignore[assignment]
-            mod.int8_gemm = ext.int8_linear_q8 if q8_records else ext.int8_linear  # type: ignore[assignment]
-            int8_lins += 1
+        # the int8 products' records of these blocks, or none (set either way: none of an earlier call's stays)
+        q8_records = int8_records is not None and quant == HeadQuant.q8_0
+        mod.int8_records, mod.int8_q8 = int8_records, q8_records  # type: ignore[assignment]
+        int8_gemm = None if int8_records is None else ext.int8_linear_q8 if q8_records else ext.int8_linear
+        mod.int8_gemm = int8_gemm  # type: ignore[assignment]
+        int8_lins += int8_records is not None
     if int8 and int8_here and int8_lins < len(lins):
         log.warning(
-            "head int8 products: %d of the head's %d linears have a shape the kernel does not take; they read float",
+            "head int8 products: %d of the head's %d linears have an N that is not a multiple of 64; they multiply "
+            "their records with float32 activations",
             len(lins) - int8_lins,
             len(lins),
         )
