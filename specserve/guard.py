@@ -35,7 +35,9 @@ mean of the steps so far: they are acceptance, which jumps between 1 and 4 from 
 
 A try's step time replaces the average step time of the mode it measures (that average is as old as the mode's
 last run), and a choice flipped by the running mode's own step (a slow admission) is re-checked soon
-(docs/algorithms.md §7).
+(docs/algorithms.md §7). With ``measured_tries`` (off) a try of speculation instead measures on as its warm-up
+does, until its tokens per step tell the modes apart (at least ``warmup`` sequences' steps: as many steps at batch
+1, one from batch ``warmup`` on), and the try's cost is every one of its steps' time beyond plain decoding's.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ class ThroughputGuard:
     # decoding wins; at 1.5% its batch-4 tries still cost 1.4-1.7% of each run of the straggler sweep, half of
     # what a bar of 0.97 leaves)
     outlier_clip: float = 2.0  # a running mode's step counts as at most this many times its average step time
+    measured_tries: bool = False  # switch: a try of speculation measures on as its warm-up does (its mean tokens
+    # and median seconds over steps until they tell the modes apart, up to ``max_warmup``), not one step whose
+    # time replaces speculation's average. Off: at batch 1 one-step tries kept an EAGLE head 1.08x faster than plain
+    # decoding in plain steps half the time, but in alternating straggler sweeps the guard did no better with it
+    # (docs/benchmarks.md, "The guard's tries measured as its warm-up")
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s/seq
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
@@ -93,6 +100,8 @@ class ThroughputGuard:
     chosen: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode its last recorded step was planned in
     catch_up_work: tuple[float, float] | None = None  # avg (tokens re-read, seconds beyond a measured step) of a
     # catch-up: their ratio weighs each by its size (a catch-up of 3 tokens costs about a step, nothing per token)
+    trying: set[int] = field(default_factory=set)  # buckets whose try of speculation is measuring on
+    # (``measured_tries``): its steps are a warm-up of speculation, their cost the try's
 
     def __post_init__(self) -> None:
         if not 1 <= self.warmup <= self.max_warmup:
@@ -144,7 +153,9 @@ class ThroughputGuard:
         (the tokens a step of its median time must emit to match plain's rate), or ``max_warmup`` steps."""
         steps = self.warm[(b, speculative)]
         n = len(steps)
-        if n < self.warmup:
+        trying = speculative and b in self.trying  # a try (``measured_tries``) takes ``warmup`` sequences' steps at
+        # least, as many steps at batch 1, one from batch ``warmup`` on (where one step of a large batch decided)
+        if n < (max(1, math.ceil(self.warmup / b)) if trying else self.warmup):
             return False
         plain = self.work.get((b, False))  # (absent where a guard's rates were seeded from outside)
         if not speculative or n >= self.max_warmup or not self._warmed((b, False)) or plain is None:
@@ -241,13 +252,22 @@ class ThroughputGuard:
         key = (b, speculative)
         step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1
+        if tried and speculative and self.measured_tries:  # a try of speculation: measured on as its warm-up
+            self.warm[key], self.switch_s[b] = [], self.catch_up_s.pop(b, 0.0)
+            self.trying.add(b)
+        try_step = speculative and b in self.trying
         if key in self.warm or n <= self.warmup:  # the warm-up's mean tokens and median seconds start the
             # averages: one slow first step does not set them
             steps = self.warm.setdefault(key, [])
             steps.append(step)
             self.work[key] = (statistics.fmean(t for t, _ in steps), statistics.median(sec for _, sec in steps))
+            if try_step:  # what the try costs beyond plain decoding spaces the next one (with its switch step)
+                self.switch_s[b] += self._excess_over_plain(b, step)
             if self._warm_over(b, speculative):
                 del self.warm[key]
+                if try_step:  # the try is over: decided as a one-step try is, below
+                    self.trying.discard(b)
+                    before, tried = False, True
         elif tried:  # a try: the mode's step time is as old as its last run,
             if speculative:  # what the try cost beyond plain decoding spaces the next one (with its switch step)
                 self.switch_s[b] = self.catch_up_s.pop(b, 0.0) + self._excess_over_plain(b, step)
@@ -263,6 +283,8 @@ class ThroughputGuard:
             self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), sec + self.smoothing * (seconds - sec))
         tok, sec = self.work[key]
         self.rates[key] = tok / max(sec, 1e-9)
+        if b in self.trying:  # a try measuring on decides nothing yet
+            return
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try
             self.next_try[b] = max(self.explore_every, self._steps(b) + self._amortising_steps(b)) - 1
         after = self.faster(batch_size)

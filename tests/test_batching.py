@@ -712,7 +712,8 @@ def test_catch_ups_within_speculation_are_measured_as_its_steps() -> None:
         else:
             guard.record(32, False, tokens=32, seconds=0.035)
     assert guard.faster(32) is False
-    # the last try's cost: its switch step and its measured step, each beyond plain decoding's time for its tokens
+    # the last try's cost: its switch step and its measured step (at batch 32 one step tells the modes apart), each
+    # beyond plain decoding's time for its tokens
     assert guard.switch_s[32] == pytest.approx(2 * (0.064 - 35 / 32 * 0.035))
     assert 4 <= speculated <= 30  # the warm-up, then tries spaced by what they cost
 
@@ -740,7 +741,7 @@ def test_tokens_per_step_start_as_the_plain_mean_of_the_steps_so_far() -> None:
     started from a low first step would stay low for dozens of steps (the 4-bit copy's 9-token first step
     against its ~12-token mean: tied with plain decoding, so the guard never ran it long enough to learn)."""
     guard = ThroughputGuard(warmup=1, token_smoothing=0.05)
-    guard.record(1, False, tokens=1, seconds=0.015)
+    guard.record(1, False, tokens=1, seconds=0.03)  # slower than speculation from its first step: no tries
     steps = [9, 17, 17, 17, 17, 3, 12]
     for tokens in steps:
         guard.record(1, True, tokens=tokens, seconds=0.15)
@@ -826,6 +827,75 @@ def test_a_try_of_speculation_that_found_no_draft_is_no_try() -> None:
     assert guard.speculate(1)  # the try is still due
     guard.record(1, True, 1, 0.030)  # the try itself: measured, plain still faster, the interval doubles
     assert guard.faster(1) is False and guard.intervals[1] == 2 * intervals.get(1, guard.explore_every)
+
+
+def test_a_measured_try_that_confirms_plain_decoding_doubles_the_interval() -> None:
+    """``measured_tries``: the same try measures on until its tokens tell the modes apart, then counts as one try."""
+    guard = ThroughputGuard(measured_tries=True)
+    for _ in range(3):
+        guard.record(1, False, 1, 0.020)
+    while guard.faster(1) is None:
+        guard.record(1, True, 1, 0.030)
+    while not guard.speculate(1):
+        guard.record(1, False, 1, 0.020)
+    intervals = dict(guard.intervals)
+    guard.record(1, False, 1, 0.12, planned=True)  # found no draft, and a 6x pause: plain's average 26 ms
+    steps = 0
+    while guard.speculate(1):  # the try, measured on as speculation's warm-up: plain still faster
+        guard.record(1, True, 1, 0.030)
+        steps += 1
+    # 1 token a step in 1.15 plain steps' time, 0.15 tokens from break-even, told apart once half a token's
+    # standard error is below that: 0.5 / sqrt(11) < 0.154
+    assert steps == 11
+    assert guard.faster(1) is False and guard.intervals[1] == 2 * intervals.get(1, guard.explore_every)
+    assert guard.switch_s[1] == pytest.approx(11 * (0.030 - 0.026))  # each step's time beyond plain decoding's
+    wide = ThroughputGuard(measured_tries=True)  # batch 32: one step of 32 sequences tells the modes apart
+    for _ in range(3):
+        wide.record(32, False, 32, 0.035)
+    while wide.faster(32) is None:
+        wide.record(32, True, 35, 0.064)
+    while not wide.speculate(32):
+        wide.record(32, False, 32, 0.035)
+    wide.record(32, True, 35, 0.064)
+    assert 32 not in wide.trying and wide.faster(32) is False and wide.intervals[32] == 2 * wide.explore_every
+
+
+def guard_at_a_try(measured_tries: bool) -> ThroughputGuard:
+    """Batch 1: plain decoding 1 token in 20 ms; speculation's warm-up 1 token in 30 ms (plain chosen); then plain
+    steps until a try of speculation is due."""
+    guard = ThroughputGuard(measured_tries=measured_tries)
+    for _ in range(3):
+        guard.record(1, False, 1, 0.020)
+    while guard.faster(1) is None:
+        guard.record(1, True, 1, 0.030)
+    assert guard.faster(1) is False
+    while not guard.speculate(1):
+        guard.record(1, False, 1, 0.020)
+    return guard
+
+
+def test_a_try_of_speculation_measures_on_as_its_warm_up() -> None:
+    """``measured_tries``: a try of speculation measures on until its tokens per step stand a standard error from
+    break-even with plain decoding (as its warm-up does) and decides on their mean tokens and median seconds; it
+    costs what each of its steps took beyond plain decoding's time for its tokens. The try's first step takes 1
+    token: a one-step try (the switch off) takes its time for speculation's and keeps plain decoding, where the
+    steps after it accept 2.25 tokens a step in 1.5 plain steps' time."""
+    tokens = [1, 3, 2, 3, 2, 2, 3, 1, 3, 2]
+    one_step = guard_at_a_try(measured_tries=False)
+    one_step.record(1, True, tokens[0], 0.030)
+    assert one_step.faster(1) is False
+    guard = guard_at_a_try(measured_tries=True)
+    taken: list[int] = []
+    for t in tokens:
+        assert guard.speculate(1) and guard.faster(1) in (False, None)  # speculating, until the try decides
+        guard.record(1, True, t, 0.030)
+        taken.append(t)
+        if 1 not in guard.trying:
+            break
+    assert taken == [1, 3, 2, 3]  # three steps (2 +- 0.58 tokens) could not tell 2 from break-even's 1.5; four can
+    assert guard.faster(1) is True and guard.work[(1, True)] == pytest.approx((2.25, 0.030))
+    assert guard.switch_s[1] == pytest.approx(0.030 - 0.020)  # only the 1-token step took longer than plain decoding
+    assert guard.intervals[1] == guard.explore_every  # a try that flipped the choice starts the interval over
 
 
 def test_the_guard_takes_zero_second_steps_and_refuses_bad_ones() -> None:
