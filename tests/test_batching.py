@@ -831,13 +831,7 @@ def test_a_try_of_speculation_that_found_no_draft_is_no_try() -> None:
 
 def test_a_measured_try_that_confirms_plain_decoding_doubles_the_interval() -> None:
     """``measured_tries``: the same try measures on until its tokens tell the modes apart, then counts as one try."""
-    guard = ThroughputGuard(measured_tries=True)
-    for _ in range(3):
-        guard.record(1, False, 1, 0.020)
-    while guard.faster(1) is None:
-        guard.record(1, True, 1, 0.030)
-    while not guard.speculate(1):
-        guard.record(1, False, 1, 0.020)
+    guard = guard_at_a_try(measured_tries=True)
     intervals = dict(guard.intervals)
     guard.record(1, False, 1, 0.12, planned=True)  # found no draft, and a 6x pause: plain's average 26 ms
     steps = 0
