@@ -469,24 +469,23 @@ def test_a_head_quantised_at_load_reads_records_drafts_as_its_float_weights_and_
         for h in (head, by_hand):
             attach_head_stack(h)
         tokens, feats = torch.tensor([5, 9, 13, 2]), torch.randn(4, head.cfg.feature_size)
-        outs = []
-        for h in (head, by_hand):
-            cache = h.new_cache(1, 16)
-            batch = ForwardBatch.build(cache, [cache.allocate()], [tokens.tolist()])
-            outs.append(h.logits(h(batch.tokens, h.fuse(feats), batch, cache)))
-        assert torch.equal(outs[0], outs[1])
-        params = SamplingParams(max_tokens=30, ignore_eos=True)
-        engine = Engine(target, None, draft=head, speculation=METHODS[2], eos_token_ids=set(), max_batch_size=4)
-        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == _plain(target, params)
+        assert torch.equal(_head_logits(head, tokens, feats), _head_logits(by_hand, tokens, feats))
+        assert _drafts_losslessly(target, head)
     assert not attach_head_records(random_head(target), HeadQuant.none)
 
 
-def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as int8 products see it: each row's groups of 32 scaled to max |x| = 127, rounded half to even, scaled back."""
-    groups = x.view(x.shape[0], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(groups * inv).double() * (amax / 127.0).double()).view(x.shape)
+def _head_logits(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """The head's logits over one sequence of (token, target feature) pairs, from an empty cache."""
+    cache = head.new_cache(1, 16)
+    batch = ForwardBatch.build(cache, [cache.allocate()], [tokens.tolist()])
+    return head.logits(head(batch.tokens, head.fuse(feats), batch, cache))
+
+
+def _drafts_losslessly(target: LlamaModel, head: EagleHead) -> bool:
+    """Whether DDD trees drafted by the head emit the target's plain greedy tokens."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine = Engine(target, None, draft=head, speculation=METHODS[2], eos_token_ids=set(), max_batch_size=4)
+    return [o.token_ids for o in engine.generate(PROMPTS, params)] == _plain(target, params)
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "q4_1"])
@@ -498,6 +497,7 @@ def test_a_head_on_int8_products_rounds_its_activations_and_stays_lossless(targe
     from specserve.models.llama import linear
     from specserve.models.native_stack import attach_head_records, attach_head_stack, attach_small_gemm, extension
     from specserve.models.q4 import quantize_q4_1, quantize_q8_0
+    from tests.test_int8_reads import int8_rounded
 
     if not (extension().int8_q8_supported() if quant == "q8_0" else extension().int8_kernels()):
         pytest.skip(f"no int8 kernel for {quant} records on this CPU")
@@ -517,26 +517,18 @@ def test_a_head_on_int8_products_rounds_its_activations_and_stays_lossless(targe
             x = torch.randn(5, mod.in_features, generator=x_gen)
             x[1, 3] = 40.0  # an outlier owns its group's scale
             w = quantize(mod.weight.detach()).dequantize().double()
-            rounded = _int8_rounded(x)
+            rounded = int8_rounded(x)
             bound = (rounded.abs() @ w.abs().T) * 2e-6 + 1e-30  # float32 sums of the group terms
             assert ((linear(mod, x).double() - rounded @ w.T).abs() <= bound).all()
         tokens, feats = torch.tensor([5, 9, 13, 2, 40, 41]), torch.randn(6, head.cfg.feature_size, generator=x_gen)
-
-        def logits(h: EagleHead, tokens: torch.Tensor = tokens, feats: torch.Tensor = feats) -> torch.Tensor:
-            cache = h.new_cache(1, 16)
-            batch = ForwardBatch.build(cache, [cache.allocate()], [tokens.tolist()])
-            return h.logits(h(batch.tokens, h.fuse(feats), batch, cache))
-
-        python_loop = logits(head)
+        python_loop = _head_logits(head, tokens, feats)
         assert attach_head_stack(head)
-        stack = logits(head)  # the layer's products through the C++ stack's own int8 entries
+        stack = _head_logits(head, tokens, feats)  # the layer's products through the C++ stack's own int8 entries
         # float records in the stack's layer would differ from the Python loop's int8 products by far more than the
         # fused norms' rounding (and Q4_1 records given to the Q8_0 entry, or the reverse, raise)
         torch.testing.assert_close(stack, python_loop, rtol=1e-4, atol=1e-4)
-        assert (stack - logits(floats)).abs().max() > 1e-3  # float records would not round the activations
-        params = SamplingParams(max_tokens=30, ignore_eos=True)
-        engine = Engine(target, None, draft=head, speculation=METHODS[2], eos_token_ids=set(), max_batch_size=4)
-        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == _plain(target, params)
+        assert (stack - _head_logits(floats, tokens, feats)).abs().max() > 1e-3  # float records: no rounding
+        assert _drafts_losslessly(target, head)
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "q4_1"])
