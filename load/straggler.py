@@ -45,6 +45,7 @@ from specserve.bench.stats import (
     add_vs_baseline,
     cap_gains,
     markdown_table,
+    median_interval,
     median_row,
     p50_p99,
     plot_sl,
@@ -426,7 +427,23 @@ def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
     keys = sorted(points, key=lambda k: (k[0], k[1], order[k[2]]))
     rows = [{**median_row(points[k]), "repeats": len(points[k])} for k in keys]
     add_vs_baseline(rows, PolicyName.plain.label)
+    ratios = paired_ratios(traces)
+    for row, key in zip(rows, keys, strict=True):
+        lo, hi, coverage = median_interval(ratios.get(key, []))
+        row |= {"paired_vs_plain": statistics.median(ratios[key]) if key in ratios else math.nan}
+        row |= {"paired_lo": lo, "paired_hi": hi, "paired_coverage": coverage}
     return rows
+
+
+def paired_ratios(traces: Sequence[RunTrace]) -> dict[tuple[str, int, PolicyName], list[float]]:
+    """Per (workload, batch size, policy) its throughput over plain decoding's in each round-robin pass that ran
+    both (the runs of a pass are minutes apart, so a host that drifts over a sweep moves both alike)."""
+    plain = {(t.label, t.batch, t.repeat): t.tok_s for t in traces if t.policy == PolicyName.plain}
+    out: dict[tuple[str, int, PolicyName], list[float]] = {}
+    for t in traces:
+        if (base := plain.get((t.label, t.batch, t.repeat))) is not None and base > 0:
+            out.setdefault((t.label, t.batch, t.policy), []).append(t.tok_s / base)
+    return out
 
 
 def _progress(
@@ -620,7 +637,8 @@ def _http_point(client: Any, url: str, conc: int, pol: HttpPolicy, bodies: list[
 # ─────────────────────────── plots and report ───────────────────────────
 
 PANELS = ("tok_s", "idle_fraction", "p50_ttft_s", "p99_ttft_s", "p50_tpot_s", "p99_tpot_s")
-REPORT_COLS = (*SWEEP_COLS, "acceptance", *TTFT_TPOT_COLS)
+PAIRED_COLS = ("paired_vs_plain", "paired_lo", "paired_hi", "paired_coverage")
+REPORT_COLS = (*SWEEP_COLS, *PAIRED_COLS, "acceptance", *TTFT_TPOT_COLS)
 
 
 def plot_sweep(rows: Sequence[dict[str, Any]], out: Path, prefix: str = "straggler") -> list[Path]:
@@ -679,7 +697,10 @@ def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Seque
     lines = [
         "# Straggler study (in-process engine)",
         "",
-        f"{setup} Medians over the runs of each point. Rows labelled SYNTHETIC use forced acceptance "
+        f"{setup} Medians over the runs of each point; `paired_vs_plain` is the median over the sweep's "
+        "round-robin passes of a policy's throughput over plain decoding's in the same pass, `paired_lo` to "
+        "`paired_hi` a distribution-free interval for that median that covers it with probability "
+        "`paired_coverage`. Rows labelled SYNTHETIC use forced acceptance "
         "probabilities: they measure the system, never quality.",
         "",
         markdown_table(rows, REPORT_COLS),
@@ -789,7 +810,11 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
 
 def report_from_traces(paths: Sequence[Path], out: Path) -> Path:
     """Merge saved sweeps (their traces.jsonl) into one table, plots and report, without running anything."""
-    traces = [t for path in paths for t in read_traces(path)]
+    traces: list[RunTrace] = []
+    for path in paths:  # each sweep numbers its passes from 0: number them on across the sweeps, so that a pass
+        # pairs a policy's run with plain decoding's from the same sweep
+        first = 1 + max((t.repeat for t in traces), default=-1)
+        traces += [t.model_copy(update={"repeat": first + t.repeat}) for t in read_traces(path)]
     if not traces:
         raise ValueError(f"no runs in {[str(p) for p in paths]}")
     out.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
-from specserve.bench.stats import add_vs_baseline, median_row, p50_p99, percentile
+import pytest
+
+from specserve.bench.stats import add_vs_baseline, median_interval, median_row, p50_p99, percentile
 
 
 def test_percentile_is_the_nearest_rank() -> None:
@@ -41,3 +43,16 @@ def test_vs_baseline_divides_by_the_baseline_at_the_same_workload_and_batch() ->
     add_vs_baseline(rows, "plain")
     assert [r["vs_plain"] for r in rows[:4]] == [1.0, 1.2, 1.0, 0.9]
     assert math.isnan(rows[4]["vs_plain"])
+
+
+def test_median_interval_takes_the_order_statistics_the_binomial_coverage_allows() -> None:
+    # six values: the range covers the median with 1 - 2 / 2^6; the next ranks in would cover only 1 - 2 * 7 / 64
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 6.0, 3.0]) == (1.0, 6.0, 0.96875)
+    ten = [7.0, 2.0, 9.0, 4.0, 1.0, 10.0, 3.0, 8.0, 5.0, 6.0]
+    assert median_interval(ten) == (2.0, 9.0, 1 - 2 * (1 + 10) / 1024)  # ranks 2 and 9: 97.85%
+    assert median_interval(ten, 0.75) == (3.0, 8.0, 1 - 2 * (1 + 10 + 45) / 1024)  # ranks 3 and 8: 89.06%
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0, 0.9375)  # five values: the range, below 95%
+    assert median_interval([0.9]) == (0.9, 0.9, 0.0)
+    assert all(math.isnan(x) for x in median_interval([]))
+    with pytest.raises(ValueError, match="confidence must be in"):
+        median_interval([1.0, 2.0], 1.0)

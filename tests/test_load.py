@@ -683,6 +683,36 @@ def test_a_point_left_out_is_never_replayed_from_its_own_sequences(
     assert "no recorded sequences outside batch 2" in capsys.readouterr().err
 
 
+def _timed_run(policy: PolicyName, repeat: int, tok_s: float) -> RunTrace:
+    return RunTrace(pair="tiny", workload=WorkloadKind.real, label="real", synthetic=False, policy=policy,
+                    spec=SpecConfig(), batch=4, repeat=repeat, seconds=100.0 / tok_s, tokens=100, requests=[],
+                    steps=[])  # fmt: skip
+
+
+def test_the_study_pairs_each_policy_with_plain_decoding_in_the_same_pass(tmp_path: Path) -> None:
+    from load import straggler
+
+    plain, ddd = PolicyName.plain, PolicyName.ddd
+    # the host slows down and speeds up between passes; in the three passes with both, ddd's ratios 1.05, 1.04, 0.95
+    runs = [_timed_run(plain, r, v) for r, v in enumerate([100.0, 50.0, 200.0])]
+    runs += [_timed_run(ddd, r, v) for r, v in enumerate([105.0, 52.0, 190.0, 400.0])]  # pass 3 has no plain run
+    rows = {r["policy"]: r for r in straggler.summarize(runs)}
+    assert rows[ddd.label]["vs_plain"] == pytest.approx(147.5 / 100.0)  # the medians' ratio: all four runs
+    assert straggler.paired_ratios(runs)[("real", 4, ddd)] == pytest.approx([1.05, 1.04, 0.95])
+    paired = rows[ddd.label]
+    assert paired["paired_vs_plain"] == pytest.approx(1.04)
+    assert (paired["paired_lo"], paired["paired_hi"]) == pytest.approx((0.95, 1.05))
+    assert paired["paired_coverage"] == 0.75  # three passes: the range covers the median 1 - 2 / 8 of the time
+    # two saved sweeps, each numbering its passes from 0: a policy's run pairs with plain's of its own sweep
+    for name, (base, spec) in {"a": (100.0, 90.0), "b": (200.0, 210.0)}.items():
+        write_traces(tmp_path / name / "traces.jsonl", [_timed_run(plain, 0, base), _timed_run(ddd, 0, spec)])
+    out = tmp_path / "merged"
+    straggler.report_from_traces([tmp_path / "a" / "traces.jsonl", tmp_path / "b" / "traces.jsonl"], out)
+    merged = {r["policy"]: r for r in csv.DictReader((out / "straggler.csv").open())}
+    assert float(merged[ddd.label]["paired_vs_plain"]) == pytest.approx((0.9 + 1.05) / 2)
+    assert "paired_coverage" in (out / "report.md").read_text()
+
+
 def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from load import simulate as sim_cli
     from load import straggler

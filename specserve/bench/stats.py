@@ -32,6 +32,26 @@ def p50_p99(name: str, values: Sequence[float]) -> dict[str, float]:
     return {f"p50_{name}": percentile(values, 50), f"p99_{name}": percentile(values, 99)}
 
 
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of what ``values`` sample: their k-th smallest and k-th largest,
+    k the largest rank whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is at least ``confidence``, or 1 where even
+    the whole range covers less (5 values: 93.75%). Returns (low, high, coverage); NaNs for no values."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    v = sorted(values)
+
+    def coverage(k: int) -> float:  # P(x_(k) <= median <= x_(n-k+1)) for any continuous distribution
+        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while 2 * (k + 1) <= n + 1 and coverage(k + 1) >= confidence:
+        k += 1
+    return v[k - 1], v[n - k], coverage(k)
+
+
 def tpot(first_s: float | None, last_s: float | None, tokens: int) -> float | None:
     """Time per output token after the first: (last - first) / (tokens - 1); None below two tokens."""
     if first_s is None or last_s is None or tokens < 2:
