@@ -6,11 +6,13 @@ import argparse
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from specserve.bench.prompt_sets import load_prompts
+from specserve.config import SpecConfig, SpecMethod
 from specserve.errors import InvalidRequestError
 
 
@@ -181,26 +183,28 @@ def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) 
     add_args(parser)
     args = ["--pairs", "smollm2-int8", "--heads", str(tmp_path / "smollm2-eagle1"), str(tmp_path / "smollm2-eagle3")]
     pairs = draft_pairs(parser.parse_args(args))
-    assert [label for label, _, _ in pairs] == ["smollm2-int8", "head smollm2-eagle1", "head smollm2-eagle3"]
+    assert [p.label for p in pairs] == ["smollm2-int8", "head smollm2-eagle1", "head smollm2-eagle3"]
+    assert [p.pair for p in pairs] == ["smollm2-int8", None, None]  # a head directory's guarded row: the generic one
     target, _ = MODEL_PAIRS["smollm2-eagle"]
     assert pairs[1][1] == pairs[2][1] == target
     # the EAGLE-1/2 head keeps smollm2-eagle1's 2048 ids; the EAGLE-3 head drafts over its own LM head
     assert pairs[1][2] == HeadSpec(head=str(tmp_path / "smollm2-eagle1"), draft_vocab=2048)
     assert pairs[2][2] == HeadSpec(head=str(tmp_path / "smollm2-eagle3"), draft_vocab=None)
     both = draft_pairs(parser.parse_args(["--pairs", "smollm2-eagle", "--target-argmax", "bounded", "full"]))
-    assert [(label, t.bounded_argmax) for label, t, _ in both] == [
+    assert [(label, t.bounded_argmax) for label, t, _, _ in both] == [
         ("smollm2-eagle bounded argmax", True),
         ("smollm2-eagle full argmax", False),
     ]
     assert both[0][1].model_copy(update={"bounded_argmax": False}) == both[1][1] and both[0][2] == both[1][2]
     reads = draft_pairs(parser.parse_args(["--pairs", "smollm2-eagle", "--target-reads", "q4+q8", "q4", "f32"]))
-    assert [(label, t.q4_reads, t.q8_head_reads) for label, t, _ in reads] == [
+    assert [(label, t.q4_reads, t.q8_head_reads) for label, t, _, _ in reads] == [
         ("smollm2-eagle q4+q8 reads", True, True),
         ("smollm2-eagle q4 reads", True, False),
         ("smollm2-eagle f32 reads", False, False),
     ]
     assert reads[0][1].model_copy(update={"q4_reads": False, "q8_head_reads": False}) == reads[2][1]
     assert reads[0][2] == reads[1][2] == reads[2][2]
+    assert {p.pair for p in reads} == {p.pair for p in both} == {"smollm2-eagle"}  # a target variant keeps its pair
     (int8,) = draft_pairs(parser.parse_args(["--pairs", "smollm2-eagle", "--target-reads", "int8+q8"]))
     assert (int8[0], int8[1].q4_reads, int8[1].q8_head_reads, int8[1].int8_reads) == (
         "smollm2-eagle int8+q8 reads",
@@ -388,6 +392,33 @@ def test_the_guarded_default_of_a_draft_variant_is_its_pairs() -> None:
     ]
     assert methods[-1].guard and methods[-1].spec == serving_speculation("smollm2-eagle")
     assert methods[-1].spec != SERVING_SPECULATION
+
+
+@pytest.mark.real_model
+def test_the_guarded_row_of_a_target_variant_runs_its_pairs_serving_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--target-reads`` labels the pair "<pair> <reads> reads"; that label, taken for the pair's name, had made the
+    guarded row run the generic serving default (chains under DSDE) instead of the pair's DDD trees."""
+    import specserve.bench.spec as bench_spec
+    from specserve.cli import main
+    from specserve.config import serving_speculation
+
+    guarded: list[tuple[str, SpecConfig]] = []
+    methods_for = bench_spec.methods_for
+
+    def spy(*args: Any, **kwargs: Any) -> list[bench_spec.Method]:
+        methods = methods_for(*args, **kwargs)
+        guarded.extend((m.draft, m.spec) for m in methods if m.guard)
+        return methods
+
+    monkeypatch.setattr(bench_spec, "methods_for", spy)
+    prompts = _write(tmp_path / "p.jsonl", [{"question_id": 1, "category": "a", "turns": ["Name a river."]}])
+    argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--methods", "chain"]
+    argv += ["--chain-sl", "1", "--max-tokens", "4", "--guarded-default", "--target-reads", "q4+q8"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 0
+    assert guarded == [("smollm2-eagle q4+q8 reads", serving_speculation("smollm2-eagle"))]
+    assert guarded[0][1].method == SpecMethod.ddd
 
 
 def test_model_free_drafters_with_only_methods_they_cannot_draft_are_refused(

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from pydantic import ValidationError
@@ -203,16 +203,17 @@ def _tree_fields(args: argparse.Namespace) -> dict[str, object]:
 
 def methods_for(
     args: argparse.Namespace,
-    pair: str,
+    pair: str | None,
     target: LlamaModel,
     draft: LlamaModel | EagleHead,
     prompts: list[list[int]],
     *,
     label: str | None = None,
 ) -> list[Method]:
-    """The methods run with one draft of ``pair``; ``label``: that draft's name in the table (a variant of the pair's
-    draft: ``draft_variants``), the pair's name by default. The guarded default is the pair's own."""
-    label = label or pair
+    """The methods run with one draft of ``pair`` (None: a head directory); ``label``: that draft's name in the table
+    (a variant of the pair's draft or target: ``draft_variants``, ``draft_pairs``), the pair's name by default. The
+    guarded default is the pair's own, whatever the variant."""
+    label = label or pair or "draft"
     out = model_free_methods(args, label)
     if "model" not in args.drafters:
         return out + _guarded(args, pair, label)
@@ -301,7 +302,7 @@ def _with_dsde(args: argparse.Namespace, methods: list[Method]) -> list[Method]:
     ]
 
 
-def _guarded(args: argparse.Namespace, pair: str, label: str) -> list[Method]:
+def _guarded(args: argparse.Namespace, pair: str | None, label: str) -> list[Method]:
     """With ``--guarded-default``, what the pair serves with by default (``serving_speculation``), guard on."""
     if not args.guarded_default:
         return []
@@ -507,39 +508,52 @@ def _grouped_rows(
 HEAD_PAIRS = {HeadKind.eagle3: "smollm2-eagle", HeadKind.eagle: "smollm2-eagle1"}  # ``--heads`` load like these
 
 
-def draft_pairs(args: argparse.Namespace) -> list[tuple[str, ModelSpec, DraftSpec]]:
-    """(label, target, draft) for every ``--pairs`` entry and every ``--heads`` directory, loaded like the shipped
-    head of its layout: same target, and for an EAGLE-1/2 head the same reduced draft vocabulary (``smollm2-eagle1``);
-    an EAGLE-3 head drafts over its own LM head (``smollm2-eagle``)."""
-    pairs: list[tuple[str, ModelSpec, DraftSpec]] = [(p, *MODEL_PAIRS[p]) for p in args.pairs]
+class BenchPair(NamedTuple):
+    label: str  # its name in the table: the pair or a head directory, with the target's variant
+    target: ModelSpec
+    draft: DraftSpec
+    pair: str | None  # the built-in pair whose serving default its guarded row runs (None: a ``--heads`` directory,
+    # which gets the generic default)
+
+
+def draft_pairs(args: argparse.Namespace) -> list[BenchPair]:
+    """Every ``--pairs`` entry and every ``--heads`` directory, loaded like the shipped head of its layout: same
+    target, and for an EAGLE-1/2 head the same reduced draft vocabulary (``smollm2-eagle1``); an EAGLE-3 head drafts
+    over its own LM head (``smollm2-eagle``). Each once per target variant (``--dtype``, ``--target-argmax``,
+    ``--target-reads``), labelled by it."""
+    pairs = [BenchPair(p, *MODEL_PAIRS[p], pair=p) for p in args.pairs]
     for d in args.heads:
         target, head = MODEL_PAIRS[HEAD_PAIRS[checkpoint_kind(d)]]
         assert isinstance(head, HeadSpec)
-        pairs.append((f"head {d.name}", target, head.model_copy(update={"head": str(d.resolve())})))
+        pairs.append(BenchPair(f"head {d.name}", target, head.model_copy(update={"head": str(d.resolve())}), None))
     if args.dtype:
         retype = {"dtype": DType(args.dtype)}
-        pairs = [(label, t.model_copy(update=retype), d.model_copy(update=retype)) for label, t, d in pairs]
+        pairs = [
+            p._replace(target=p.target.model_copy(update=retype), draft=p.draft.model_copy(update=retype))
+            for p in pairs
+        ]
     if args.target_argmax:
         pairs = [
-            (f"{label} {how} argmax", t.model_copy(update={"bounded_argmax": how == "bounded"}), d)
+            p._replace(
+                label=f"{p.label} {how} argmax", target=p.target.model_copy(update={"bounded_argmax": how == "bounded"})
+            )
             for how in args.target_argmax
-            for label, t, d in pairs
+            for p in pairs
         ]
     if args.target_reads:
         pairs = [
-            (
-                f"{label} {how} reads",
-                t.model_copy(
+            p._replace(
+                label=f"{p.label} {how} reads",
+                target=p.target.model_copy(
                     update={
                         "q4_reads": how != "f32",
                         "q8_head_reads": how.endswith("+q8"),
                         "int8_reads": how.startswith("int8"),
                     }
                 ),
-                d,
             )
             for how in args.target_reads
-            for label, t, d in pairs
+            for p in pairs
         ]
     return pairs
 
@@ -616,9 +630,9 @@ def run(args: argparse.Namespace) -> int:
     check_settings(args)
     pairs = draft_pairs(args)
     target_specs: list[ModelSpec] = []
-    for _, t_spec, _ in pairs:
-        if t_spec not in target_specs:
-            target_specs.append(t_spec)
+    for bp in pairs:
+        if bp.target not in target_specs:
+            target_specs.append(bp.target)
     every = _prompt_set(args.prompts, args.per_category)  # a bad file fails before the loads
     bench = every[: args.num_prompts]
     if len(every) > len(bench):
@@ -651,10 +665,10 @@ def run(args: argparse.Namespace) -> int:
         methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))
         engines.append(first if plain_row == 0 else Engine(target, tok, max_batch_size=1, max_model_len=context))
         plain_of.append(plain_row)
-        for pair, _, spec in (p for p in pairs if p[1] == t_spec):
-            for label, d_spec in draft_variants(args, pair, spec).items():
+        for bp in (p for p in pairs if p.target == t_spec):
+            for label, d_spec in draft_variants(args, bp.label, bp.draft).items():
                 draft = load_draft(d_spec, target, device=args.device)
-                for method in methods_for(args, pair, target, draft, prompts, label=label):
+                for method in methods_for(args, bp.pair, target, draft, prompts, label=label):
                     methods.append(method)
                     engines.append(
                         Engine(
