@@ -410,8 +410,13 @@ def alternating(items: Sequence[T], repeat: int, alternate: bool) -> list[T]:
     return order[::-1] if alternate and repeat % 2 == 1 else order
 
 
+PAIRED_COLS = ("paired_vs_plain", "paired_lo", "paired_hi", "paired_coverage")
+
+
 def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
-    """Per (workload, batch size, policy) the medians over its runs, and the throughput ratio to plain."""
+    """Per (workload, batch size, policy) the medians over its runs and the throughput ratio to plain: of the
+    medians (``vs_plain``) and paired by pass (``PAIRED_COLS``: the median of ``paired_ratios``, an interval for it
+    and the interval's coverage)."""
     points: dict[tuple[str, int, PolicyName], list[dict[str, Any]]] = {}
     specs: dict[tuple[str, int, PolicyName], tuple[str, SpecConfig]] = {}
     for t in traces:
@@ -429,9 +434,9 @@ def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
     add_vs_baseline(rows, PolicyName.plain.label)
     ratios = paired_ratios(traces)
     for row, key in zip(rows, keys, strict=True):
-        lo, hi, coverage = median_interval(ratios.get(key, []))
-        row |= {"paired_vs_plain": statistics.median(ratios[key]) if key in ratios else math.nan}
-        row |= {"paired_lo": lo, "paired_hi": hi, "paired_coverage": coverage}
+        paired = ratios.get(key, [])
+        median = statistics.median(paired) if paired else math.nan
+        row |= dict(zip(PAIRED_COLS, (median, *median_interval(paired)), strict=True))
     return rows
 
 
@@ -637,7 +642,6 @@ def _http_point(client: Any, url: str, conc: int, pol: HttpPolicy, bodies: list[
 # ─────────────────────────── plots and report ───────────────────────────
 
 PANELS = ("tok_s", "idle_fraction", "p50_ttft_s", "p99_ttft_s", "p50_tpot_s", "p99_tpot_s")
-PAIRED_COLS = ("paired_vs_plain", "paired_lo", "paired_hi", "paired_coverage")
 REPORT_COLS = (*SWEEP_COLS, *PAIRED_COLS, "acceptance", *TTFT_TPOT_COLS)
 
 
@@ -808,13 +812,25 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     return cfg.model_copy(update={"workloads": [] if http_only else cfg.workloads})
 
 
+def merged_traces(paths: Sequence[Path]) -> list[RunTrace]:
+    """The runs of saved sweeps. Each sweep numbers its passes from 0: where a point (workload, batch size) was in an
+    earlier file, a later file's passes of it are numbered on from there, so that a pass pairs a policy's run with
+    plain decoding's from the same sweep; a point first seen keeps its numbers (its pass 0 is the one plotted)."""
+    traces: list[RunTrace] = []
+    next_pass: dict[tuple[str, int], int] = {}
+    for path in paths:
+        runs = read_traces(path)
+        first = {(t.label, t.batch): next_pass.get((t.label, t.batch), 0) for t in runs}
+        runs = [t.model_copy(update={"repeat": first[t.label, t.batch] + t.repeat}) for t in runs]
+        for t in runs:
+            next_pass[t.label, t.batch] = max(next_pass.get((t.label, t.batch), 0), t.repeat + 1)
+        traces += runs
+    return traces
+
+
 def report_from_traces(paths: Sequence[Path], out: Path) -> Path:
     """Merge saved sweeps (their traces.jsonl) into one table, plots and report, without running anything."""
-    traces: list[RunTrace] = []
-    for path in paths:  # each sweep numbers its passes from 0: number them on across the sweeps, so that a pass
-        # pairs a policy's run with plain decoding's from the same sweep
-        first = 1 + max((t.repeat for t in traces), default=-1)
-        traces += [t.model_copy(update={"repeat": first + t.repeat}) for t in read_traces(path)]
+    traces = merged_traces(paths)
     if not traces:
         raise ValueError(f"no runs in {[str(p) for p in paths]}")
     out.mkdir(parents=True, exist_ok=True)

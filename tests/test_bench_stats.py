@@ -52,6 +52,8 @@ def test_median_interval_takes_the_order_statistics_the_binomial_coverage_allows
     assert median_interval(ten) == (2.0, 9.0, 1 - 2 * (1 + 10) / 1024)  # ranks 2 and 9: 97.85%
     assert median_interval(ten, 0.75) == (3.0, 8.0, 1 - 2 * (1 + 10 + 45) / 1024)  # ranks 3 and 8: 89.06%
     assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0, 0.9375)  # five values: the range, below 95%
+    twelve = [float(x) for x in range(12, 0, -1)]  # twelve passes, as the docs' sweeps: ranks 3 and 10, 96.1%
+    assert median_interval(twelve) == (3.0, 10.0, 1 - 2 * (1 + 12 + 66) / 4096)
     assert median_interval([0.9]) == (0.9, 0.9, 0.0)
     assert all(math.isnan(x) for x in median_interval([]))
     with pytest.raises(ValueError, match="confidence must be in"):

@@ -683,9 +683,9 @@ def test_a_point_left_out_is_never_replayed_from_its_own_sequences(
     assert "no recorded sequences outside batch 2" in capsys.readouterr().err
 
 
-def _timed_run(policy: PolicyName, repeat: int, tok_s: float) -> RunTrace:
-    return RunTrace(pair="tiny", workload=WorkloadKind.real, label="real", synthetic=False, policy=policy,
-                    spec=SpecConfig(), batch=4, repeat=repeat, seconds=100.0 / tok_s, tokens=100, requests=[],
+def _timed_run(policy: PolicyName, repeat: int, tok_s: float, *, batch: int = 4, label: str = "real") -> RunTrace:
+    return RunTrace(pair="tiny", workload=WorkloadKind.real, label=label, synthetic=False, policy=policy,
+                    spec=SpecConfig(), batch=batch, repeat=repeat, seconds=100.0 / tok_s, tokens=100, requests=[],
                     steps=[])  # fmt: skip
 
 
@@ -703,14 +703,34 @@ def test_the_study_pairs_each_policy_with_plain_decoding_in_the_same_pass(tmp_pa
     assert paired["paired_vs_plain"] == pytest.approx(1.04)
     assert (paired["paired_lo"], paired["paired_hi"]) == pytest.approx((0.95, 1.05))
     assert paired["paired_coverage"] == 0.75  # three passes: the range covers the median 1 - 2 / 8 of the time
+    # another workload in the same passes pairs with its own plain runs
+    other = [_timed_run(plain, 0, 10.0, label="other"), _timed_run(ddd, 0, 20.0, label="other")]
+    assert straggler.paired_ratios([*runs, *other])[("other", 4, ddd)] == [2.0]
     # two saved sweeps, each numbering its passes from 0: a policy's run pairs with plain's of its own sweep
     for name, (base, spec) in {"a": (100.0, 90.0), "b": (200.0, 210.0)}.items():
         write_traces(tmp_path / name / "traces.jsonl", [_timed_run(plain, 0, base), _timed_run(ddd, 0, spec)])
+    # a third sweep of another batch size: its passes keep their numbers (pass 0 is what the SL plots draw)
+    write_traces(
+        tmp_path / "c" / "traces.jsonl", [_timed_run(plain, 0, 50.0, batch=16), _timed_run(ddd, 0, 40.0, batch=16)]
+    )
+    files = [tmp_path / name / "traces.jsonl" for name in "abc"]
+    assert [(t.batch, t.repeat) for t in straggler.merged_traces(files)] == [
+        (4, 0),
+        (4, 0),
+        (4, 1),
+        (4, 1),
+        (16, 0),
+        (16, 0),
+    ]
     out = tmp_path / "merged"
-    straggler.report_from_traces([tmp_path / "a" / "traces.jsonl", tmp_path / "b" / "traces.jsonl"], out)
-    merged = {r["policy"]: r for r in csv.DictReader((out / "straggler.csv").open())}
-    assert float(merged[ddd.label]["paired_vs_plain"]) == pytest.approx((0.9 + 1.05) / 2)
-    assert "paired_coverage" in (out / "report.md").read_text()
+    straggler.report_from_traces(files, out)
+    merged = {(r["batch"], r["policy"]): r for r in csv.DictReader((out / "straggler.csv").open())}
+    assert float(merged["4", ddd.label]["paired_vs_plain"]) == pytest.approx((0.9 + 1.05) / 2)
+    assert float(merged["16", ddd.label]["paired_vs_plain"]) == pytest.approx(0.8)
+    assert (
+        "| vs_plain | idle_fraction | mean_sl | mean_cap | paired_vs_plain | paired_lo | paired_hi | paired_coverage |"
+        in (out / "report.md").read_text()
+    )
 
 
 def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -519,8 +519,8 @@ class BenchPair(NamedTuple):
 def draft_pairs(args: argparse.Namespace) -> list[BenchPair]:
     """Every ``--pairs`` entry and every ``--heads`` directory, loaded like the shipped head of its layout: same
     target, and for an EAGLE-1/2 head the same reduced draft vocabulary (``smollm2-eagle1``); an EAGLE-3 head drafts
-    over its own LM head (``smollm2-eagle``). Each once per target variant (``--dtype``, ``--target-argmax``,
-    ``--target-reads``), labelled by it."""
+    over its own LM head (``smollm2-eagle``). Each once per ``--target-argmax`` and ``--target-reads`` choice,
+    labelled by it (``--dtype`` retypes every pair under its own name)."""
     pairs = [BenchPair(p, *MODEL_PAIRS[p], pair=p) for p in args.pairs]
     for d in args.heads:
         target, head = MODEL_PAIRS[HEAD_PAIRS[checkpoint_kind(d)]]
