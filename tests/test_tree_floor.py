@@ -8,7 +8,7 @@ import pytest
 
 from specserve.config import SpecConfig, SpecMethod
 from specserve.policy.planner import SLPlanner
-from specserve.policy.tree_floor import RowFit, TreeFloor
+from specserve.policy.tree_floor import RowFit, TreeFloor, theil_sen
 
 
 def _steps(floor: TreeFloor, n: int, *, base: float, per_row: float, batch: int = 1, seed: int = 0) -> None:
@@ -82,6 +82,36 @@ def test_rows_that_stop_varying_keep_the_last_slope() -> None:
     assert floor.row_cost(1) == frozen
 
 
+def test_theil_sen_takes_the_median_slope_past_an_outlier() -> None:
+    points = [(1.0, 3.0), (2.0, 5.0), (3.0, 7.0), (4.0, 9.0), (1.0, 40.0)]  # y = 1 + 2x, and one 13x point
+    assert theil_sen(points) == (1.0, 2.0)
+    assert theil_sen([(3.0, 1.0), (3.0, 2.0)]) is None  # x never varies
+
+
+def test_a_cold_first_step_does_not_set_the_floor_to_zero_and_lock_it_there() -> None:
+    """A process's first speculative step (allocations, first calls) took 10x a one-row step. Unclipped, it read the
+    row cost below zero: floor 0, every tree verified whole, the rows stopped varying and the slope was never read
+    again (the straggler sweep's batch 1 on the Zen 4: 5 drafted nodes in every speculative step, 15 ms verifies
+    against 5.8 ms plain steps, and the guard kept plain decoding for the rest of the sweep)."""
+    floor = TreeFloor()
+    floor.record_verify(1, 1, 0.08)
+    floor.record_rate(1, 2, 0.08)
+    rng = random.Random(0)
+    first = None
+    for step in range(300):
+        p = floor.floor(1)
+        # the loop's trees: the sequence's own floor while none is measured, whole below 0.05, else 1-2 rows
+        rows = rng.randint(1, 4) if p is None else 6 if p < 0.05 else rng.randint(1, 2)
+        seconds = 0.0058 + 0.0011 * (rows - 1)
+        floor.record_verify(1, rows, seconds)
+        floor.record_rate(1, 2, seconds + 0.001)
+        if step == floor.min_steps:
+            first = floor.row_cost(1)
+    assert first is not None and 0.0003 < first < 0.0022  # clipped against the first steps' Theil-Sen line
+    assert floor.row_cost(1) == pytest.approx(0.0011, rel=0.1)
+    assert floor.floor(1) == pytest.approx(0.0011 * 2 / 0.0075, rel=0.15)  # c x R: every tree pruned as it should be
+
+
 def test_buckets_and_bounds() -> None:
     floor = TreeFloor(max_floor=0.5)
     _steps(floor, 64, base=0.060, per_row=0.002, batch=16)
@@ -94,7 +124,9 @@ def test_buckets_and_bounds() -> None:
         rows = 1 + i % 6
         negative.record_verify(1, rows, 0.02 - 0.001 * rows)
     negative.record_rate(1, 2, 0.02)
-    assert negative.row_cost(1) == 0.0 and negative.floor(1) == 0.0
+    # a slope at or below zero is no row's cost (it read as 0 once: floor 0, every tree whole): none is kept, and the
+    # sequences' own floor applies
+    assert negative.row_cost(1) is None and negative.floor(1) is None
     with pytest.raises(ValueError, match="max_floor"):
         TreeFloor(max_floor=1.0)
     with pytest.raises(ValueError, match="memory"):

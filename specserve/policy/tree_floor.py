@@ -12,7 +12,9 @@ and each step's own time follows it.
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from specserve.guard import bucket
@@ -58,6 +60,16 @@ class RowFit:
         return my - slope * mx, slope
 
 
+def theil_sen(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(intercept, slope) of the Theil-Sen line through (x, y) points: the median of the slopes between pairs with
+    different x, and the median of y - slope * x (None: x never varies)."""
+    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2) if x2 != x1]
+    if not slopes:
+        return None
+    slope = statistics.median(slopes)
+    return statistics.median(y - slope * x for x, y in points), slope
+
+
 @dataclass
 class TreeFloor:
     memory: float = 64.0  # steps: each step's weight in the fits decays by 1 - 1 / memory a step
@@ -71,7 +83,11 @@ class TreeFloor:
     fits: dict[int, RowFit] = field(default_factory=dict)  # bucket -> verify seconds on rows
     rates: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> weighted (tokens, seconds)
     # of speculative steps
-    slopes: dict[int, float] = field(default_factory=dict)  # bucket -> the last slope read with enough spread
+    slopes: dict[int, float] = field(default_factory=dict)  # bucket -> the last slope above zero read with enough
+    # spread (a slope at or below zero is no row's cost: floor 0 verified every tree whole, the rows stopped varying
+    # and the slope was never read again, while the guard, judging the whole trees, kept plain decoding)
+    starts: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # bucket -> its first steps (rows,
+    # seconds) until ``min_steps``, when the fit is rebuilt from them clipped
 
     def __post_init__(self) -> None:
         if self.memory < 1:
@@ -90,15 +106,33 @@ class TreeFloor:
         return 1.0 - 1.0 / self.memory
 
     def record_verify(self, batch_size: int, rows: int, seconds: float) -> None:
-        """One step's verification: ``rows`` tokens verified over the batch (roots included) in ``seconds``."""
+        """One step's verification: ``rows`` tokens verified over the batch (roots included) in ``seconds``. A step
+        counts as at most ``outlier_clip`` times the fit's prediction; the first ``min_steps`` steps, before the fit
+        predicts anything, are clipped against their own Theil-Sen line once they are all in (a cold first step
+        alone, 10x a step at one row, had read a row's cost below zero). Only a slope above zero is a row's cost."""
         b = bucket(batch_size)
         fit = self.fits.setdefault(b, RowFit())
         line = fit.line() if fit.steps >= self.min_steps else None
         if line is not None and (predicted := line[0] + line[1] * rows) > 0:
             seconds = min(seconds, self.outlier_clip * predicted)
         fit.add(float(rows), seconds, self.keep)
-        if fit.spread >= self.min_spread and (line := fit.line()) is not None:
+        if fit.steps <= self.min_steps:
+            start = self.starts.setdefault(b, [])
+            start.append((float(rows), seconds))
+            if fit.steps == self.min_steps:
+                self.fits[b] = fit = self._clipped_start(self.starts.pop(b))
+        if fit.spread >= self.min_spread and (line := fit.line()) is not None and line[1] > 0:
             self.slopes[b] = line[1]
+
+    def _clipped_start(self, steps: list[tuple[float, float]]) -> RowFit:
+        """A fit of a bucket's first steps, each counted as at most ``outlier_clip`` times the Theil-Sen line through
+        them (the median of the pairwise slopes, robust to a few outliers where least squares is not)."""
+        fit = RowFit()
+        line = theil_sen(steps)
+        for x, y in steps:
+            predicted = line[0] + line[1] * x if line is not None else 0.0
+            fit.add(x, min(y, self.outlier_clip * predicted) if predicted > 0 else y, self.keep)
+        return fit
 
     def record_rate(self, batch_size: int, tokens: int, seconds: float) -> None:
         """One speculative step: ``tokens`` emitted over the batch in ``seconds`` (drafting and verifying)."""
