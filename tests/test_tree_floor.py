@@ -105,11 +105,22 @@ def test_a_cold_first_step_does_not_set_the_floor_to_zero_and_lock_it_there() ->
         seconds = 0.0058 + 0.0011 * (rows - 1)
         floor.record_verify(1, rows, seconds)
         floor.record_rate(1, 2, seconds + 0.001)
-        if step == floor.min_steps:
+        if step == floor.min_steps - 2:  # the cold step and 15 more: the fit rebuilt from them
             first = floor.row_cost(1)
-    assert first is not None and 0.0003 < first < 0.0022  # clipped against the first steps' Theil-Sen line
+    assert first == pytest.approx(0.0011, rel=0.25)  # the cold step counted as the first steps' Theil-Sen line
     assert floor.row_cost(1) == pytest.approx(0.0011, rel=0.1)
     assert floor.floor(1) == pytest.approx(0.0011 * 2 / 0.0075, rel=0.15)  # c x R: every tree pruned as it should be
+
+
+def test_a_cold_step_among_first_steps_of_one_size_counts_as_their_median() -> None:
+    """First trees all whole (6 rows): no Theil-Sen line through them, and a cold first step counted 10x; now as the
+    steps' median, so the row cost read once the rows vary is the true one."""
+    floor = TreeFloor()
+    floor.record_verify(1, 6, 0.1)
+    for _ in range(19):
+        floor.record_verify(1, 6, 0.0113)
+    _steps(floor, 20, base=0.0047, per_row=0.0011)
+    assert floor.row_cost(1) == pytest.approx(0.0011, rel=0.15)
 
 
 def test_buckets_and_bounds() -> None:

@@ -84,8 +84,7 @@ class TreeFloor:
     rates: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> weighted (tokens, seconds)
     # of speculative steps
     slopes: dict[int, float] = field(default_factory=dict)  # bucket -> the last slope above zero read with enough
-    # spread (a slope at or below zero is no row's cost: floor 0 verified every tree whole, the rows stopped varying
-    # and the slope was never read again, while the guard, judging the whole trees, kept plain decoding)
+    # spread once the fit has ``min_steps`` steps (docs/algorithms.md §2.3)
     starts: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # bucket -> its first steps (rows,
     # seconds) until ``min_steps``, when the fit is rebuilt from them clipped
 
@@ -108,8 +107,9 @@ class TreeFloor:
     def record_verify(self, batch_size: int, rows: int, seconds: float) -> None:
         """One step's verification: ``rows`` tokens verified over the batch (roots included) in ``seconds``. A step
         counts as at most ``outlier_clip`` times the fit's prediction; the first ``min_steps`` steps, before the fit
-        predicts anything, are clipped against their own Theil-Sen line once they are all in (a cold first step
-        alone, 10x a step at one row, had read a row's cost below zero). Only a slope above zero is a row's cost."""
+        predicts anything, are checked against their own Theil-Sen line once they are all in (a cold first step
+        alone, 10x a step at one row, had read a row's cost below zero). Only a slope above zero, read once the fit
+        has ``min_steps`` steps, is a row's cost."""
         b = bucket(batch_size)
         fit = self.fits.setdefault(b, RowFit())
         line = fit.line() if fit.steps >= self.min_steps else None
@@ -120,18 +120,24 @@ class TreeFloor:
             start = self.starts.setdefault(b, [])
             start.append((float(rows), seconds))
             if fit.steps == self.min_steps:
-                self.fits[b] = fit = self._clipped_start(self.starts.pop(b))
+                steps = self.starts.pop(b)
+                if len(steps) == fit.steps:  # (a fit handed in with steps of its own is left as it is)
+                    self.fits[b] = fit = self._clipped_start(steps)
+        if fit.steps < self.min_steps:  # no row cost is read from the first steps alone
+            return
         if fit.spread >= self.min_spread and (line := fit.line()) is not None and line[1] > 0:
             self.slopes[b] = line[1]
 
     def _clipped_start(self, steps: list[tuple[float, float]]) -> RowFit:
-        """A fit of a bucket's first steps, each counted as at most ``outlier_clip`` times the Theil-Sen line through
-        them (the median of the pairwise slopes, robust to a few outliers where least squares is not)."""
+        """A fit of a bucket's first steps in which a step above ``outlier_clip`` times the Theil-Sen line through
+        them (the median of the pairwise slopes, robust to a few outliers where least squares is not; their median
+        seconds where the rows never varied) counts as the line's prediction: clipped only to twice the line, a cold
+        step still held the slope down for a memory."""
         fit = RowFit()
-        line = theil_sen(steps)
+        line = theil_sen(steps) or (statistics.median(y for _, y in steps), 0.0)
         for x, y in steps:
-            predicted = line[0] + line[1] * x if line is not None else 0.0
-            fit.add(x, min(y, self.outlier_clip * predicted) if predicted > 0 else y, self.keep)
+            predicted = line[0] + line[1] * x
+            fit.add(x, predicted if 0 < predicted < y / self.outlier_clip else y, self.keep)
         return fit
 
     def record_rate(self, batch_size: int, tokens: int, seconds: float) -> None:
@@ -158,7 +164,7 @@ class TreeFloor:
         fit = self.fits.get(b)
         if fit is None or fit.steps < self.min_steps or b not in self.slopes:
             return None
-        return max(0.0, self.slopes[b])
+        return self.slopes[b]
 
     def tokens_per_s(self, batch_size: int) -> float | None:
         tok, sec = self.rates.get(bucket(batch_size), (0.0, 0.0))
