@@ -264,6 +264,11 @@ class ModelFreeConfig(Validated):
     )
     suffix_depth: int = Field(default=24, ge=2, le=128, description="suffix trie depth: match + continuation")
     alpha: float = Field(default=1.0, gt=0.0, description="DSDE's empirical q: count / (total + alpha)")
+    calibrated: bool = Field(
+        default=True,
+        description="switch: score a node by how often nodes like it (match length, the parent's total, only child "
+        "or not, depth) were accepted, as measured, not by its count share (docs/algorithms.md §10.6)",
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> ModelFreeConfig:

@@ -276,7 +276,13 @@ class StepLoop:
                 continue
             if s.spec.drafter != Drafter.model:
                 p = self.model_free.propose(
-                    s.seq_id, s.tokens, s.spec, d, want_q=s.sl_state is not None, cache_salt=s.request.cache_salt
+                    s.seq_id,
+                    s.tokens,
+                    s.spec,
+                    d,
+                    want_q=s.sl_state is not None,
+                    cache_salt=s.request.cache_salt,
+                    min_prob=plan.min_prob if s.spec.adaptive_floor else None,
                 )
                 if p is not None:
                     proposals[s.seq_id] = p
@@ -365,7 +371,7 @@ class StepLoop:
         here may lose its outputs. An unfinished sequence whose SL update fails is returned to fail alone; a failed
         record or observer is logged (a lost measurement, never lost tokens)."""
         failures = self._update_sl(event)
-        for record in (self._record, *(obs.on_step for obs in self.observers)):
+        for record in (self._record, self._calibrate, *(obs.on_step for obs in self.observers)):
             try:
                 record(event)
             except Exception:
@@ -388,6 +394,11 @@ class StepLoop:
                 else:  # its request is complete and delivered
                     logger.exception("the SL update of a finished sequence failed: %s", e)
         return failures
+
+    def _calibrate(self, event: StepEvent) -> None:
+        """The model-free drafter learns how often its nodes are accepted (docs/algorithms.md §10.6)."""
+        for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
+            self.model_free.observe(seq.seq_id, proposal, out.accepted)
 
     def _record(self, event: StepEvent) -> None:
         """The throughput guard records the step unless some sequence (re-)prefilled in it: a prompt's prefill costs

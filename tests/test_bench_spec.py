@@ -514,3 +514,35 @@ def test_bench_spec_alternates_the_methods_order_prompt_by_prompt(
     assert main(argv) == 0
     plain, chain = called[0], called[1]
     assert plain != chain and called == [plain, chain, chain, plain, plain, chain]
+
+
+def test_model_free_trees_take_the_floor_the_threshold_and_both_scores() -> None:
+    """The X+model rows draft the model's trees as the model rows do (DDD's x, the fixed or measured floor), and
+    ``--count-scores`` runs the count trees scored both ways."""
+    import argparse
+
+    from specserve.bench.spec import add_args, methods_for
+    from specserve.models.tiny import tiny_model
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    argv = ["--methods", "ddd", "--drafters", "lookup+model", "--free-budget", "8", "--model-budget", "6"]
+    argv += ["--ddd-x", "-0.03", "--tree-min-prob", "0.06", "--adaptive-floor", "--count-scores", "measured", "share"]
+    model = tiny_model(seed=0)
+    methods = methods_for(parser.parse_args(argv), "smollm2-eagle", model, model, [])
+    free = [m for m in methods if m.name.startswith("lookup+model")]
+    assert [m.name for m in free] == [
+        "lookup+model: DDD T=8 (model T=6) p>=0.06 (measured scores)",
+        "lookup+model: DDD T=8 (model T=6) p>=measured (from 0.06) (measured scores)",
+        "lookup+model: DDD T=8 (model T=6) p>=0.06 (share scores)",
+        "lookup+model: DDD T=8 (model T=6) p>=measured (from 0.06) (share scores)",
+    ]
+    assert [(m.spec.adaptive_floor, m.spec.model_free.calibrated) for m in free] == [
+        (False, True),
+        (True, True),
+        (False, False),
+        (True, False),
+    ]
+    assert all(m.spec.ddd_threshold == -0.03 and m.spec.tree_min_prob == 0.06 for m in free)
+    one = methods_for(parser.parse_args(argv[:-3]), "smollm2-eagle", model, model, [])  # measured scores only
+    assert next(m.name for m in one if m.name.startswith("lookup")) == "lookup+model: DDD T=8 (model T=6) p>=0.06"

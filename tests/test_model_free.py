@@ -486,7 +486,8 @@ def test_a_diffuse_cache_match_leaves_the_requests_own_draft_its_turn() -> None:
     """The cache's longer match ("9 1 2", followed by eleven different tokens) is too diffuse to draft; the
     request's own shorter one ("1 2", followed by "3 5 6 7") used to be skipped for it."""
     context = [1, 2, 3, 5, 6, 7, 9, 1, 2]
-    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix)
+    shares = ModelFreeConfig(calibrated=False)  # count shares: the diffuse match's nodes are below min_score
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix, model_free=shares)
     alone = ModelFreeDrafter(None).propose(0, context, spec, 4, want_q=False)
     assert alone is not None and alone.tokens == [3, 5, 6, 7]
     cache = SuffixCache(1000, spec.model_free.suffix_depth)
@@ -519,7 +520,9 @@ def test_lookup_sampling_keeps_the_targets_distribution(small_vocab: LlamaModel)
     (deterministic, q = 1) accepted on the way."""
     prompt = PROMPTS[0] + greedy_reference(small_vocab, PROMPTS[0], 10)  # ends in a run of 2s: lookup drafts 2s
     n = 3000
-    spec = SpecConfig(method=SpecMethod.chain, sl=3, drafter=Drafter.lookup)
+    # count shares: measured acceptance would soon stop drafting on this random model, and the test needs drafts
+    shares = ModelFreeConfig(calibrated=False)
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, drafter=Drafter.lookup, model_free=shares)
     engine = Engine(small_vocab, None, speculation=spec, eos_token_ids=set(), max_batch_size=64)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=2, ignore_eos=True) for i in range(n)]
     outs = engine.generate([prompt] * n, params)
@@ -569,7 +572,8 @@ def _next_probs(model: LlamaModel, contexts: list[list[int]]) -> np.ndarray:
 def test_a_request_drafts_only_from_outputs_of_its_own_cache_salt() -> None:
     """The cross-request cache is partitioned by salt: an output kept under "a" drafts for "a" only, not for "b"
     nor for requests without a salt (and an unsalted output not for "a")."""
-    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix)
+    shares = ModelFreeConfig(calibrated=False)  # whole continuations: the salts decide, not their chances
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.suffix, model_free=shares)
     cache = SuffixCache(1000, spec.model_free.suffix_depth)
     drafter = ModelFreeDrafter(cache)
     drafter.use_cache()

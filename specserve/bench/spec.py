@@ -37,6 +37,7 @@ from specserve.config import (
     DType,
     HeadQuant,
     HeadSpec,
+    ModelFreeConfig,
     ModelSpec,
     SLPolicyKind,
     SpecConfig,
@@ -148,6 +149,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="X+model DDD: the model's tree budget T (default: --free-budget)",
+    )
+    p.add_argument(
+        "--count-scores",
+        choices=("measured", "share"),
+        nargs="+",
+        default=["measured"],
+        help="model-free drafters: score nodes by their acceptance as measured or by their count share, to compare "
+        "(ModelFreeConfig.calibrated)",
     )
     p.add_argument("--by-category", action="store_true", help="also a table per prompt category")
     p.add_argument("--passes", type=positive_int, default=1, help="run the prompts this many times (rows per pass)")
@@ -326,6 +335,8 @@ def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
         tree = {**base, **_tree_fields(args)}
         if args.ddd_checks[0] is not None:
             tree["ddd_check_steps"] = args.ddd_checks[0]
+        if args.ddd_x[0] is not None:
+            tree["ddd_threshold"] = args.ddd_x[0]
         if fallback and args.model_budget is not None:
             tree["model_budget"] = args.model_budget
         specs = []
@@ -333,8 +344,17 @@ def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
             specs += [(f"chain SL={sl}", _spec(base, method=SpecMethod.chain, sl=sl)) for sl in args.free_sl]
         if "ddd" in args.methods:
             shown = "" if "model_budget" not in tree else f" (model T={args.model_budget})"
-            specs += [(f"DDD T={t}{shown}", _spec(tree, method=SpecMethod.ddd, budget=t)) for t in args.free_budget]
-        out += _with_dsde(args, [Method(f"{d}: {name}", pair if fallback else "", spec) for name, spec in specs])
+            for t in args.free_budget:  # the floor (fixed or measured) prunes both drafters' trees
+                for spec in _min_prob_variants(args, _spec(tree, method=SpecMethod.ddd, budget=t)):
+                    specs.append((f"DDD T={t}{shown}{_min_prob_label(spec)}", spec))
+        for scores in args.count_scores:
+            mf = ModelFreeConfig(calibrated=scores == "measured")
+            shown = "" if args.count_scores == ["measured"] else f" ({scores} scores)"
+            methods = [
+                Method(f"{d}: {name}{shown}", pair if fallback else "", spec.model_copy(update={"model_free": mf}))
+                for name, spec in specs
+            ]
+            out += _with_dsde(args, methods)
     return out
 
 

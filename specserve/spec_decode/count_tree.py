@@ -14,11 +14,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.config import ModelFreeConfig, SpecMethod
+from specserve.config import SpecMethod
 from specserve.messages import DraftQ
 from specserve.spec_decode.suffix_tree import CountNode
+
+NodeProb = Callable[[int, int, int], float]  # (count, the parent's total, depth) -> the chance the node is accepted
+# where its parent is; ``share``: count / total
+
+
+def share(count: int, total: int, depth: int) -> float:
+    return count / total
 
 
 @dataclass(frozen=True)
@@ -30,11 +38,11 @@ class CountDraft:
     nodes: list[CountNode]  # the count node behind the root (index 0) and each drafted node
 
 
-def successor_probs(node: CountNode) -> tuple[list[int], list[float]]:
-    """(tokens, count / total) of the node's children, the most frequent first (stable: insertion order)."""
+def successor_probs(node: CountNode, depth: int = 1, node_prob: NodeProb = share) -> tuple[list[int], list[float]]:
+    """(tokens, node_prob) of the node's children at ``depth``, the most frequent first (stable: insertion order)."""
     items = sorted(node.successors(), key=lambda kv: -kv[1])
     total = sum(c for _, c in items)
-    return [t for t, _ in items], [c / total for _, c in items]
+    return [t for t, _ in items], [node_prob(c, total, depth) for _, c in items]
 
 
 def empirical_q(node: CountNode, alpha: float, k: int) -> tuple[list[int], list[float]]:
@@ -52,14 +60,14 @@ def depth_mass(scores: list[float], depths: list[int], depth: int) -> float:
     return math.log(mass) if mass > 0 else -math.inf
 
 
-def chain_from_counts(root: CountNode, max_depth: int, min_score: float) -> CountDraft:
+def chain_from_counts(root: CountNode, max_depth: int, min_score: float, node_prob: NodeProb = share) -> CountDraft:
     """Follow the most frequent child while the path probability stays >= ``min_score``."""
     tokens: list[int] = []
     scores: list[float] = []
     nodes = [root]
     node, score = root, 1.0
     while len(tokens) < max_depth and node.has_children:
-        succ, probs = successor_probs(node)
+        succ, probs = successor_probs(node, len(tokens) + 1, node_prob)
         if score * probs[0] < min_score:
             break
         score *= probs[0]
@@ -71,7 +79,12 @@ def chain_from_counts(root: CountNode, max_depth: int, min_score: float) -> Coun
 
 
 def tree_from_counts(
-    root: CountNode, max_depth: int, budget: int, min_score: float, ddd_threshold: float | None
+    root: CountNode,
+    max_depth: int,
+    budget: int,
+    min_score: float,
+    ddd_threshold: float | None,
+    node_prob: NodeProb = share,
 ) -> CountDraft:
     """The ``budget - 1`` best-scoring nodes up to ``max_depth`` (best-first, so parents precede children); with
     ``ddd_threshold`` x, the tree stops below the first depth d whose mass H_d < x (every depth is checked:
@@ -82,7 +95,7 @@ def tree_from_counts(
     def push_children(node: CountNode, index: int, score: float, depth: int) -> None:
         if depth >= max_depth or not node.has_children:
             return
-        for tok, p in zip(*successor_probs(node), strict=True):
+        for tok, p in zip(*successor_probs(node, depth + 1, node_prob), strict=True):
             if score * p >= min_score:
                 child = node.child(tok)
                 heapq.heappush(heap, (-score * p, depth + 1, next(order), index, tok, child))
@@ -116,12 +129,19 @@ def tree_from_counts(
 
 
 def draft_from_counts(
-    root: CountNode, method: SpecMethod, depth: int, budget: int, cfg: ModelFreeConfig, ddd_threshold: float
+    root: CountNode,
+    method: SpecMethod,
+    depth: int,
+    budget: int,
+    min_score: float,
+    ddd_threshold: float | None,
+    node_prob: NodeProb = share,
 ) -> CountDraft:
+    """A chain or a tree by ``method``; DDD's rule cuts a tree where ``ddd_threshold`` is given."""
     if method == SpecMethod.chain:
-        return chain_from_counts(root, depth, cfg.min_score)
+        return chain_from_counts(root, depth, min_score, node_prob)
     x = ddd_threshold if method == SpecMethod.ddd else None
-    return tree_from_counts(root, depth, budget, cfg.min_score, x)
+    return tree_from_counts(root, depth, budget, min_score, x, node_prob)
 
 
 def count_draft_q(draft: CountDraft, alpha: float, k: int) -> DraftQ:

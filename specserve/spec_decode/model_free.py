@@ -2,7 +2,8 @@
 
 It needs no model and no KV cache: per sequence it keeps an index of the tokens the step loop passes in (a token
 array for lookup, a suffix trie for the suffix drafter); every finished request's output joins the replica's
-``SuffixCache`` (``remember``). A proposal is a ``Proposal`` like any drafter's, verified by the same lossless rule.
+``SuffixCache`` (``remember``). A proposal is a ``Proposal`` like any drafter's, verified by the same lossless rule;
+its verify result comes back (``observe``) to the ``CountCalibration`` that scores the next trees' nodes.
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ import numpy as np
 
 from specserve.config import Drafter, SpecConfig
 from specserve.messages import Proposal
-from specserve.spec_decode.count_tree import count_draft_q, draft_from_counts
+from specserve.spec_decode.count_calibration import Cell, CountCalibration, node_cell
+from specserve.spec_decode.count_tree import (
+    CountDraft,
+    NodeProb,
+    chain_from_counts,
+    count_draft_q,
+    draft_from_counts,
+    share,
+)
 from specserve.spec_decode.lookup import continuation_trie, match_starts
 from specserve.spec_decode.suffix_tree import CountNode, SuffixCache, SuffixStream, SuffixTrie
 
@@ -20,6 +29,8 @@ class ModelFreeDrafter:
     def __init__(self, cache: SuffixCache | None = None) -> None:
         self.cache = cache  # recent outputs across requests (None: the request's own tokens only)
         self.streams: dict[int, SuffixStream] = {}  # the suffix drafter's trie over each request's tokens
+        self.calibration = CountCalibration()  # nodes' acceptance as measured (ModelFreeConfig.calibrated)
+        self._cells: dict[int, tuple[Proposal, list[Cell]]] = {}  # each sequence's last calibrated proposal
 
     def propose(
         self,
@@ -30,36 +41,49 @@ class ModelFreeDrafter:
         *,
         want_q: bool,
         cache_salt: str | None = None,
+        min_prob: float | None = None,
     ) -> Proposal | None:
         """A draft of at most ``depth`` levels after ``tokens`` (the committed tokens, ending with the root), or
-        None where nothing matches; ``want_q``: ship the empirical q for DSDE's KLD; ``cache_salt``: the partition
-        of the cross-request cache this request may draft from."""
+        None where nothing matches (or nothing scores at least the floor); ``want_q``: ship the empirical q for
+        DSDE's KLD; ``cache_salt``: the partition of the cross-request cache this request may draft from;
+        ``min_prob``: this step's measured tree floor (None: the spec's ``tree_min_prob``)."""
+        self._cells.pop(seq_id, None)
         cfg = spec.model_free
+        floor = max(cfg.min_score, spec.tree_min_prob if min_prob is None else min_prob)
         if spec.drafter == Drafter.lookup:
             arr = np.asarray(tokens, dtype=np.int64)
             n, starts = match_starts(arr, cfg.ngram_max, cfg.ngram_min)
             root = continuation_trie(arr, starts, depth, cfg.max_matches) if n else None
-            return _proposal(seq_id, root, spec, depth, want_q)
+            return self._proposal(seq_id, root, n, spec, depth, want_q, floor)
         stream = self.streams.get(seq_id)
         if stream is None or stream.trie.depth != cfg.suffix_depth:
             stream = self.streams[seq_id] = SuffixStream(SuffixTrie(cfg.suffix_depth))
         stream.extend(tokens)
         n_own, own = stream.trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
         if self.cache is None:
-            return _proposal(seq_id, own, spec, depth, want_q)
+            return self._proposal(seq_id, own, n_own, spec, depth, want_q, floor)
         with self.cache.lock:  # the cache's nodes may change under another lane's thread
             trie = self.cache.trie(cache_salt)
             n_cached, cached = (0, None) if trie is None else trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
             # the longer match drafts, ties going to the request's own tokens; a match whose continuations are too
             # diffuse to draft leaves the other its turn
-            for root in (cached, own) if n_cached > n_own else (own, cached):
-                if (proposal := _proposal(seq_id, root, spec, depth, want_q)) is not None:
+            order = [(n_cached, cached), (n_own, own)] if n_cached > n_own else [(n_own, own), (n_cached, cached)]
+            for n, root in order:
+                if (proposal := self._proposal(seq_id, root, n, spec, depth, want_q, floor)) is not None:
                     return proposal
         return None
+
+    def observe(self, seq_id: int, proposal: Proposal | None, accepted: list[int]) -> None:
+        """The verify result of a step's proposal for the sequence (any drafter's: only this drafter's last
+        calibrated proposal is counted)."""
+        mine = self._cells.pop(seq_id, None)
+        if mine is not None and proposal is mine[0]:
+            self.calibration.observe(mine[1], proposal.parents, accepted)
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.streams.pop(seq_id, None)
+            self._cells.pop(seq_id, None)
 
     def use_cache(self) -> None:
         """A sequence that may draft from the cross-request cache was admitted: finished outputs are kept from now
@@ -73,13 +97,51 @@ class ModelFreeDrafter:
         if self.cache is not None and self.cache.in_use:
             self.cache.add(output, cache_salt)
 
+    def _proposal(
+        self,
+        seq_id: int,
+        root: CountNode | None,
+        match_len: int,
+        spec: SpecConfig,
+        depth: int,
+        want_q: bool,
+        floor: float,
+    ) -> Proposal | None:
+        if root is None:
+            return None
+        cfg = spec.model_free
+        node_prob: NodeProb = share
+        x: float | None = spec.ddd_threshold
+        if cfg.calibrated:
+            cal = self.calibration
 
-def _proposal(seq_id: int, root: CountNode | None, spec: SpecConfig, depth: int, want_q: bool) -> Proposal | None:
-    if root is None:
-        return None
-    cfg = spec.model_free
-    draft = draft_from_counts(root, spec.method, depth, spec.budget, cfg, spec.ddd_threshold)
-    if not draft.tokens:
-        return None
-    q = count_draft_q(draft, cfg.alpha, spec.kld_top_k) if want_q else None
-    return Proposal(seq_id, draft.tokens, draft.parents, depth=draft.depth, draft_q=q)
+            def node_prob(count: int, total: int, level: int) -> float:
+                return cal.acceptance(node_cell(match_len, count, total, level), count, total)
+
+            # DDD's rule saves draft forwards, which a count tree does not run; with scores that are acceptance
+            # chances the floor alone weighs each node against its verify row (docs/algorithms.md §10.6)
+            x = None
+        draft = draft_from_counts(root, spec.method, depth, spec.budget, floor, x, node_prob)
+        if not draft.tokens and cfg.calibrated and root.has_children:
+            # a cell whose rate fell below the floor is tried now and then, or it could never recover
+            tried = chain_from_counts(root, 1, 0.0, node_prob)
+            if self.calibration.decline(draft_cells(tried, match_len)[0]):
+                draft = tried
+        if not draft.tokens:
+            return None
+        q = count_draft_q(draft, cfg.alpha, spec.kld_top_k) if want_q else None
+        proposal = Proposal(seq_id, draft.tokens, draft.parents, depth=draft.depth, draft_q=q)
+        if cfg.calibrated:
+            self._cells[seq_id] = (proposal, draft_cells(draft, match_len))
+        return proposal
+
+
+def draft_cells(draft: CountDraft, match_len: int) -> list[Cell]:
+    """The calibration cell of each drafted node."""
+    depths = [0]
+    cells = []
+    for node, parent in enumerate(draft.parents, start=1):
+        depths.append(depths[parent] + 1)
+        total = sum(c for _, c in draft.nodes[parent].successors())
+        cells.append(node_cell(match_len, draft.nodes[node].count, total, depths[node]))
+    return cells
