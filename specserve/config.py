@@ -541,15 +541,16 @@ SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.ds
 # DDD's paper check steps draft (docs/benchmarks.md, "Tree shape" and "DDD's first check at the root's forward";
 # `specserve generate`), and each tree keeps only the nodes whose path probability under the head pays for their
 # verify rows: the seconds a row adds times the tokens a second the loop makes, both measured as it runs, 6% until
-# they are (about what a row costs of a step on the 2-core Zen 3; on a Zen 4 it measured ~0.06-0.2 as the host's
-# speed moved, faster than a fixed 6% in eleven batch-1 runs of twelve: docs/benchmarks.md, "Trees sized by the head's
-# confidence" and "The tree floor measured as the loop runs"). Prompt lookup in front of it is faster at batch 1-4
-# but lost 3-8% at batch 32 under the guard, so it is not the default (docs/benchmarks.md, "Prompt lookup in front of
-# the EAGLE head").
+# they are (docs/benchmarks.md, "Trees sized by the head's confidence" and "The tree floor measured as the loop
+# runs"). Prompt lookup drafts first, its nodes scored by their measured acceptance and pruned by the same floor, and
+# the head drafts where it finds nothing worth a row: 1.24-1.38x plain against the head's 1.08-1.13x over 256 tokens
+# at batch 1 (docs/benchmarks.md, "Model-free drafts in front of the head").
 PAIR_SPECULATION: dict[str, SpecConfig] = {
     "smollm2-eagle": SpecConfig(
         method=SpecMethod.ddd,
-        budget=6,
+        drafter=Drafter.lookup,
+        budget=8,
+        model_budget=6,
         ddd_check_steps=(1, 2, 3),
         ddd_threshold=-0.03,
         tree_min_prob=0.06,

@@ -319,9 +319,10 @@ def test_generate_speculates_as_measured_fastest_for_its_pair() -> None:
     assert serving_speculation("smollm2-q4") == SERVING_SPECULATION  # DSDE chains of the 4-bit copy
     pair = _pair_for("auto", ModelSpec(), "cuda:0")
     assert pair == "smollm2-eagle"
-    head = serving_speculation(pair)  # the EAGLE-3 head on the CPU: shallow DDD trees
-    assert head.method == SpecMethod.ddd and head.ddd_check_steps == (1, 2, 3) and head.budget == 6
-    assert head.ddd_threshold == -0.03
+    head = serving_speculation(pair)  # on the CPU: prompt lookup's trees, else the EAGLE-3 head's shallow DDD trees
+    assert head.method == SpecMethod.ddd and head.ddd_check_steps == (1, 2, 3) and head.model_tree_budget == 6
+    assert head.ddd_threshold == -0.03 and head.adaptive_floor and head.model_free.calibrated
+    assert head.drafter == Drafter.lookup and head.model_fallback and head.budget == 8
     gpu = serving_speculation(pair, "cuda:0")  # on a GPU, where verify rows are cheap: wider, deeper trees
     assert gpu.method == SpecMethod.ddd and gpu.ddd_check_steps == (2, 3, 4) and gpu.budget == 32
     assert serving_speculation("smollm2-q4", "cuda") == SERVING_SPECULATION  # no GPU measurement: the CPU's
