@@ -260,7 +260,7 @@ class ModelFreeConfig(Validated):
     ngram_min: int = Field(default=2, ge=1, le=32, description="shortest match that may propose")
     max_matches: int = Field(default=8, ge=1, le=256, description="lookup: most recent matches merged into a tree")
     min_score: float = Field(
-        default=0.1, ge=0.0, le=1.0, description="drop nodes whose empirical path probability is below this"
+        default=0.1, ge=0.0, le=1.0, description="drop nodes whose path score (shares or measured) is below this"
     )
     suffix_depth: int = Field(default=24, ge=2, le=128, description="suffix trie depth: match + continuation")
     alpha: float = Field(default=1.0, gt=0.0, description="DSDE's empirical q: count / (total + alpha)")
@@ -334,13 +334,13 @@ class SpecConfig(Validated):
         default=0.0,
         ge=0.0,
         lt=1.0,
-        description="EAGLE-2 / DDD: verify only drafted nodes whose path draft probability is at least this "
-        "(0: the budget T alone sizes the tree; docs/algorithms.md §2.3)",
+        description="trees: verify only drafted nodes whose path draft probability (a model-free drafter's path "
+        "score) is at least this (0: the budget T alone sizes the tree; docs/algorithms.md §2.3, §10.6)",
     )
     adaptive_floor: bool = Field(
         default=False,
-        description="EAGLE-2 / DDD: set the floor each step to the loop's measured seconds per verify row times its "
-        "tokens per second (tree_min_prob until both are measured; docs/algorithms.md §2.3)",
+        description="trees: set the floor each step to the loop's measured seconds per verify row times its "
+        "tokens per second (tree_min_prob until both are measured; docs/algorithms.md §2.3, §10.6)",
     )
     floor_beam: bool = Field(
         default=True,

@@ -202,6 +202,7 @@ class StepLoop:
         verified = self.target.verify(items)
         t2 = time.perf_counter()
         outputs, failures = self._commit_rows(batch, proposals, verified)
+        self._calibrate(batch, proposals, verified)  # before the finished ones' release forgets their proposals
         self._retire()
         if failures:  # the step as the committed rows saw it
             ok = [i for i, s in enumerate(batch) if s.seq_id not in failures]
@@ -371,7 +372,7 @@ class StepLoop:
         here may lose its outputs. An unfinished sequence whose SL update fails is returned to fail alone; a failed
         record or observer is logged (a lost measurement, never lost tokens)."""
         failures = self._update_sl(event)
-        for record in (self._record, self._calibrate, *(obs.on_step for obs in self.observers)):
+        for record in (self._record, *(obs.on_step for obs in self.observers)):
             try:
                 record(event)
             except Exception:
@@ -395,10 +396,14 @@ class StepLoop:
                     logger.exception("the SL update of a finished sequence failed: %s", e)
         return failures
 
-    def _calibrate(self, event: StepEvent) -> None:
-        """The model-free drafter learns how often its nodes are accepted (docs/algorithms.md §10.6)."""
-        for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
-            self.model_free.observe(seq.seq_id, proposal, out.accepted)
+    def _calibrate(self, batch: list[Sequence], proposals: list[Proposal | None], verified: list[VerifyOutput]) -> None:
+        """The model-free drafter learns how often its nodes are accepted (docs/algorithms.md §10.6): a lost
+        measurement is logged, never raised (the step committed)."""
+        try:
+            for seq, proposal, out in zip(batch, proposals, verified, strict=True):
+                self.model_free.observe(seq.seq_id, proposal, out.accepted)
+        except Exception:
+            logger.exception("calibrating the model-free drafter failed; the step's outputs stand")
 
     def _record(self, event: StepEvent) -> None:
         """The throughput guard records the step unless some sequence (re-)prefilled in it: a prompt's prefill costs

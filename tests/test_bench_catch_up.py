@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specserve.bench.catch_up import ScriptedGuard, acceptance, check_switch_fits, methods, switch_cost
+from specserve.config import Drafter
 from specserve.errors import SettingsError
 from specserve.models.tiny import tiny_model
 from specserve.workers.head_draft import HeadDraftWorker
@@ -103,6 +104,7 @@ def test_a_switch_past_the_context_is_refused_before_any_run() -> None:
     with pytest.raises(SettingsError, match="--switch-after"):
         check_switch_fits(prompts, 100, methods(0.0)["DDD"], 128)
     check_switch_fits(prompts, 80, methods(0.0)["DDD"], 128)  # 15 + 80 + 24 steps + a tree of 6 fit in 128
+    assert methods(0.0)["DDD"].drafter == Drafter.model  # the head's own trees, not the pair's lookup in front
 
 
 @pytest.mark.parametrize("flag", ["--windows", "--switch-windows"])

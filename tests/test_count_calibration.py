@@ -14,17 +14,32 @@ from specserve.sampling import SamplingParams
 from specserve.spec_decode.count_calibration import TRY_EVERY, CountCalibration, node_cell, smoothed_rate
 from specserve.spec_decode.count_tree import tree_from_counts
 from specserve.spec_decode.model_free import ModelFreeDrafter, draft_cells
-from specserve.spec_decode.suffix_tree import CountTrie
-from specserve.step_events import StepObserver
+from specserve.spec_decode.suffix_tree import CountTrie, SuffixCache
+from specserve.step_events import StepEvent, StepObserver
 
 from .conftest import greedy_reference
 
 
-def test_node_cells_cap_the_match_the_total_and_the_depth() -> None:
-    assert node_cell(match_len=2, count=1, total=1, depth=1) == (1, 0, 1, 0)
-    assert node_cell(match_len=1, count=1, total=2, depth=1) == (0, 1, 0, 0)
-    assert node_cell(match_len=9, count=5, total=5, depth=7) == (2, 2, 1, 1)  # >= 3, >= 3, only child, >= 2
-    assert node_cell(match_len=3, count=2, total=7, depth=2) == (2, 2, 0, 1)
+def test_node_cells_cap_the_match_the_total_and_the_depth_and_split_the_shares() -> None:
+    assert node_cell(match_len=2, count=1, total=1, depth=1) == (1, 0, 2, 0)  # the only continuation
+    assert node_cell(match_len=1, count=1, total=2, depth=1) == (0, 1, 1, 0)  # one of two: the larger share
+    assert node_cell(match_len=9, count=5, total=5, depth=7) == (2, 2, 2, 1)  # >= 3, >= 3, only child, >= 2
+    assert node_cell(match_len=3, count=2, total=7, depth=2) == (2, 2, 0, 1)  # a smaller share
+    assert node_cell(match_len=3, count=4, total=7, depth=2) == (2, 2, 1, 1)
+
+
+def test_a_deeper_node_is_scored_at_least_as_its_first_level_cell() -> None:
+    """Deeper nodes were accepted at least as often as first-level ones in every cell measured; a deeper cell
+    that fell low recovers with the first level's (whose tries go on)."""
+    cal = CountCalibration(prior_weight=4.0)
+    first, deeper = node_cell(2, 1, 1, 1), node_cell(2, 1, 1, 2)
+    for _ in range(6):
+        cal.observe([first, deeper], [0, 1], [1])  # the first level accepted, the second not: 6 trials each
+    assert cal.acceptance(first, 1, 1) == pytest.approx((6 + 2) / 10)
+    assert cal.acceptance(deeper, 1, 1) == pytest.approx(0.8)  # its own rate 2 / 10, the first level's 0.8
+    for _ in range(30):
+        cal.observe([deeper], [0], [1])  # (cells given directly) the deeper cell hits 30 more times
+    assert cal.acceptance(deeper, 1, 1) == pytest.approx((30 + 2) / 40)  # above the first level's: its own
 
 
 def test_acceptance_starts_at_the_prior_and_moves_to_the_measured_rate() -> None:
@@ -44,7 +59,7 @@ def test_a_node_is_a_trial_only_where_its_parent_was_accepted() -> None:
     """Nodes 1 and 2 hang from the root, 3 from 1, 4 from 3, 5 from 2; 1 and 3 were accepted: 1, 2, 3 and 4 were
     tried (4's parent 3 was accepted), 5 was not (its parent 2 was rejected); 1 and 3 hit."""
     cal = CountCalibration()
-    cells = [(0, 0, 1, 0), (1, 0, 1, 0), (0, 0, 1, 1), (1, 0, 1, 1), (2, 0, 1, 1)]
+    cells = [(0, 0, 2, 0), (1, 0, 2, 0), (0, 0, 2, 1), (1, 0, 2, 1), (2, 0, 2, 1)]
     cal.observe(cells, [0, 0, 1, 3, 2], [1, 3])
     tried = {c for c in zip(*np.nonzero(cal.trials), strict=True)}
     assert tried == {cells[0], cells[1], cells[2], cells[3]}
@@ -54,7 +69,7 @@ def test_a_node_is_a_trial_only_where_its_parent_was_accepted() -> None:
 
 def test_a_cell_past_its_window_halves_its_counts() -> None:
     cal = CountCalibration(window=10.0)
-    cell = (0, 0, 1, 0)
+    cell = (0, 0, 2, 0)
     for i in range(11):
         cal.observe([cell], [0], [1] if i < 8 else [])
     assert (cal.trials[cell], cal.hits[cell]) == (5.5, 4.0)  # 11 trials, 8 hits, halved
@@ -147,26 +162,43 @@ class _Accepted(StepObserver):
     def __init__(self) -> None:
         self.accepted = 0
         self.proposed = 0
+        self.last = 0  # nodes the last step accepted
 
-    def on_step(self, event) -> None:  # type: ignore[no-untyped-def]
+    def on_step(self, event: StepEvent) -> None:
         for p, out in zip(event.proposals, event.verified, strict=True):
+            self.last = len(out.accepted)
             if p is not None:
                 self.accepted += len(out.accepted)
                 self.proposed += 1
 
 
 def test_the_loop_feeds_the_drafters_calibration_and_stays_lossless() -> None:
-    """Every accepted lookup node is a hit of the calibration (its parent was accepted): the loop's verify results
-    reach it, and the greedy tokens are plain decoding's."""
+    """Every node the target accepted from lookup is a hit of the calibration (its parent was accepted), the
+    request's last step's too (its sequence is released in that step): the loop's verify results reach it, and the
+    greedy tokens are plain decoding's."""
     target = tiny_model(tiny_config(vocab_size=8), seed=0)  # greedy output falls into repeats: lookup matches
     prompt = [1, 2, 3, 0, 4]
     spec = SpecConfig(method=SpecMethod.ddd, budget=8, drafter=Drafter.lookup)
     engine = Engine(target, None, speculation=spec, eos_token_ids=set())
     seen = _Accepted()
     engine.loop.observers.append(seen)
-    (out,) = engine.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))
-    assert out.token_ids == greedy_reference(target, prompt, 40)
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))
+    assert out.token_ids == greedy_reference(target, prompt, 32)
     cal = engine.loop.model_free.calibration
-    assert seen.proposed > 0 and seen.accepted > 0
-    assert cal.hits.sum() == seen.accepted == out.stats.accepted
+    assert seen.proposed > 0 and seen.last > 0  # the finishing step drafted, and the target took some of it
+    assert cal.hits.sum() == seen.accepted
     assert cal.trials.sum() >= seen.proposed  # each proposal's first level was tried
+
+
+def test_a_try_never_takes_the_step_from_another_matchs_draft() -> None:
+    """The cache's longer match ("9 1 2", eleven continuations seen once each: 1/12 a node, below min_score) keeps
+    nothing; the request's own ("1 2", then 3 5 6 7) drafts every time, the 16th too: a try is made only where no
+    match keeps a node."""
+    context = [1, 2, 3, 5, 6, 7, 9, 1, 2]
+    spec = SpecConfig(method=SpecMethod.ddd, budget=8, drafter=Drafter.suffix)
+    cache = SuffixCache(1000, spec.model_free.suffix_depth)
+    for t in range(20, 31):
+        cache.add([9, 1, 2, t])
+    drafter = ModelFreeDrafter(cache)
+    drafts = [drafter.propose(0, context, spec, 4, want_q=False) for _ in range(2 * TRY_EVERY)]
+    assert all(d is not None and d.tokens == [3, 5, 6] for d in drafts)  # prior 0.5 a level down to min_score

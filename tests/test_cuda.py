@@ -109,7 +109,7 @@ HEAD_METHODS = {
     "eagle2": METHODS["eagle2"],
     "ddd": METHODS["ddd"],
     "ddd-dsde": METHODS["ddd"].model_copy(update={"policy": SLPolicyKind.dsde}),
-    "shipped-default": PAIR_SPECULATION["smollm2-eagle"],  # a check at the root's forward, shallow trees
+    "shipped-default": PAIR_SPECULATION["smollm2-eagle"],  # the CPU's: lookup's trees, else the head's shallow ones
 }
 
 

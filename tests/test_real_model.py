@@ -117,14 +117,10 @@ def test_speculative_greedy_equals_plain_on_mt_bench(
         SpecConfig(method=SpecMethod.eagle2, beam_width=4, budget=12, tree_depth=5),
         SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=12, ddd_max_depth=8, ddd_check_steps=(3, 5, 7)),
     ]
-    if pair in PAIR_SPECULATION:  # what the pair serves with (the head: shallow DDD trees)
+    if pair in PAIR_SPECULATION:  # what the pair serves with (the head's: prompt lookup's trees, else its own)
         specs.append(PAIR_SPECULATION[pair])
-    if pair == "smollm2-eagle":  # prompt lookup's trees, the head's (model_budget) where lookup finds nothing
-        specs.append(
-            SpecConfig(
-                method=SpecMethod.ddd, budget=8, model_budget=6, ddd_check_steps=(2, 3, 4), drafter=Drafter.lookup
-            )
-        )
+    if pair == "smollm2-eagle":  # the head's trees for every step, deeper (checks 2, 3, 4)
+        specs.append(SpecConfig(method=SpecMethod.ddd, budget=6, ddd_check_steps=(2, 3, 4), drafter=Drafter.model))
     for spec in specs:
         engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=8, max_model_len=512)
         outs = engine.generate(prompts, params)

@@ -21,7 +21,7 @@ from pathlib import Path
 from specserve.arg_types import batch_size, finite_float, non_negative_int, out_dir_arg, positive_int
 from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
-from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, SpecConfig, SpecMethod
+from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import SettingsError
 from specserve.guard import Outlook, ThroughputGuard
@@ -68,7 +68,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def methods(tree_min_prob: float) -> dict[str, SpecConfig]:
-    ddd = PAIR_SPECULATION[PAIR].model_copy(update={"adaptive_floor": False, "tree_min_prob": tree_min_prob})
+    # the head's own trees (the pair's default drafts with prompt lookup first: its steps would not be the head's)
+    fields = {"adaptive_floor": False, "tree_min_prob": tree_min_prob, "drafter": Drafter.model, "budget": 6}
+    ddd = PAIR_SPECULATION[PAIR].model_copy(update={**fields, "model_budget": None})
     return {"DDD": ddd, "chain 1": SpecConfig(method=SpecMethod.chain, sl=1)}
 
 

@@ -37,7 +37,6 @@ from specserve.config import (
     DType,
     HeadQuant,
     HeadSpec,
-    ModelFreeConfig,
     ModelSpec,
     SLPolicyKind,
     SpecConfig,
@@ -335,7 +334,7 @@ def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
         tree = {**base, **_tree_fields(args)}
         if args.ddd_checks[0] is not None:
             tree["ddd_check_steps"] = args.ddd_checks[0]
-        if args.ddd_x[0] is not None:
+        if args.ddd_x[0] is not None:  # the first, as for --ddd-checks: the model's trees behind the drafter
             tree["ddd_threshold"] = args.ddd_x[0]
         if fallback and args.model_budget is not None:
             tree["model_budget"] = args.model_budget
@@ -348,14 +347,17 @@ def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
                 for spec in _min_prob_variants(args, _spec(tree, method=SpecMethod.ddd, budget=t)):
                     specs.append((f"DDD T={t}{shown}{_min_prob_label(spec)}", spec))
         for scores in args.count_scores:
-            mf = ModelFreeConfig(calibrated=scores == "measured")
             shown = "" if args.count_scores == ["measured"] else f" ({scores} scores)"
             methods = [
-                Method(f"{d}: {name}{shown}", pair if fallback else "", spec.model_copy(update={"model_free": mf}))
+                Method(f"{d}: {name}{shown}", pair if fallback else "", _scored(spec, scores == "measured"))
                 for name, spec in specs
             ]
             out += _with_dsde(args, methods)
     return out
+
+
+def _scored(spec: SpecConfig, measured: bool) -> SpecConfig:
+    return spec.model_copy(update={"model_free": spec.model_free.model_copy(update={"calibrated": measured})})
 
 
 def _spec(fields: dict[str, object], **more: object) -> SpecConfig:

@@ -21,8 +21,8 @@ from specserve.config import SpecMethod
 from specserve.messages import DraftQ
 from specserve.spec_decode.suffix_tree import CountNode
 
-NodeProb = Callable[[int, int, int], float]  # (count, the parent's total, depth) -> the chance the node is accepted
-# where its parent is; ``share``: count / total
+# (count, the parent's total, depth) -> the chance the node is accepted where its parent is; ``share``: count / total
+NodeProb = Callable[[int, int, int], float]
 
 
 def share(count: int, total: int, depth: int) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.config import Drafter, SpecConfig
+from specserve.config import Drafter, ModelFreeConfig, SpecConfig
 from specserve.messages import Proposal
 from specserve.spec_decode.count_calibration import Cell, CountCalibration, node_cell
 from specserve.spec_decode.count_tree import (
@@ -54,24 +54,21 @@ class ModelFreeDrafter:
             arr = np.asarray(tokens, dtype=np.int64)
             n, starts = match_starts(arr, cfg.ngram_max, cfg.ngram_min)
             root = continuation_trie(arr, starts, depth, cfg.max_matches) if n else None
-            return self._proposal(seq_id, root, n, spec, depth, want_q, floor)
+            return self._first(seq_id, [(n, root)], spec, depth, want_q, floor)
         stream = self.streams.get(seq_id)
         if stream is None or stream.trie.depth != cfg.suffix_depth:
             stream = self.streams[seq_id] = SuffixStream(SuffixTrie(cfg.suffix_depth))
         stream.extend(tokens)
         n_own, own = stream.trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
         if self.cache is None:
-            return self._proposal(seq_id, own, n_own, spec, depth, want_q, floor)
+            return self._first(seq_id, [(n_own, own)], spec, depth, want_q, floor)
         with self.cache.lock:  # the cache's nodes may change under another lane's thread
             trie = self.cache.trie(cache_salt)
             n_cached, cached = (0, None) if trie is None else trie.match(tokens, cfg.ngram_max, cfg.ngram_min)
             # the longer match drafts, ties going to the request's own tokens; a match whose continuations are too
             # diffuse to draft leaves the other its turn
             order = [(n_cached, cached), (n_own, own)] if n_cached > n_own else [(n_own, own), (n_cached, cached)]
-            for n, root in order:
-                if (proposal := self._proposal(seq_id, root, n, spec, depth, want_q, floor)) is not None:
-                    return proposal
-        return None
+            return self._first(seq_id, order, spec, depth, want_q, floor)
 
     def observe(self, seq_id: int, proposal: Proposal | None, accepted: list[int]) -> None:
         """The verify result of a step's proposal for the sequence (any drafter's: only this drafter's last
@@ -97,41 +94,48 @@ class ModelFreeDrafter:
         if self.cache is not None and self.cache.in_use:
             self.cache.add(output, cache_salt)
 
-    def _proposal(
+    def _first(
         self,
         seq_id: int,
-        root: CountNode | None,
-        match_len: int,
+        matches: list[tuple[int, CountNode | None]],
         spec: SpecConfig,
         depth: int,
         want_q: bool,
         floor: float,
     ) -> Proposal | None:
-        if root is None:
-            return None
+        """The tree of the first match (match length, root) that keeps a node; where none does, every
+        ``TRY_EVERY``-th time the first match's best node alone, as a try (docs/algorithms.md §10.6)."""
         cfg = spec.model_free
-        node_prob: NodeProb = share
-        x: float | None = spec.ddd_threshold
-        if cfg.calibrated:
-            cal = self.calibration
+        # DDD's rule saves draft forwards, which a count tree does not run; with scores that are acceptance chances
+        # the floor alone weighs each node against its verify row (docs/algorithms.md §10.6)
+        x = None if cfg.calibrated else spec.ddd_threshold
+        for n, root in matches:
+            if root is not None:
+                draft = draft_from_counts(root, spec.method, depth, spec.budget, floor, x, self._scorer(cfg, n))
+                if draft.tokens:
+                    return self._emit(seq_id, draft, n, spec, want_q)
+        first = next(((n, root) for n, root in matches if root is not None and root.has_children), None)
+        if cfg.calibrated and first is not None:  # a cell whose rate fell below the floor could never recover
+            n, root = first
+            tried = chain_from_counts(root, 1, 0.0, self._scorer(cfg, n))
+            if self.calibration.decline(draft_cells(tried, n)[0]):
+                return self._emit(seq_id, tried, n, spec, want_q)
+        return None
 
-            def node_prob(count: int, total: int, level: int) -> float:
-                return cal.acceptance(node_cell(match_len, count, total, level), count, total)
+    def _scorer(self, cfg: ModelFreeConfig, match_len: int) -> NodeProb:
+        if not cfg.calibrated:
+            return share
+        cal = self.calibration
 
-            # DDD's rule saves draft forwards, which a count tree does not run; with scores that are acceptance
-            # chances the floor alone weighs each node against its verify row (docs/algorithms.md §10.6)
-            x = None
-        draft = draft_from_counts(root, spec.method, depth, spec.budget, floor, x, node_prob)
-        if not draft.tokens and cfg.calibrated and root.has_children:
-            # a cell whose rate fell below the floor is tried now and then, or it could never recover
-            tried = chain_from_counts(root, 1, 0.0, node_prob)
-            if self.calibration.decline(draft_cells(tried, match_len)[0]):
-                draft = tried
-        if not draft.tokens:
-            return None
-        q = count_draft_q(draft, cfg.alpha, spec.kld_top_k) if want_q else None
+        def node_prob(count: int, total: int, level: int) -> float:
+            return cal.acceptance(node_cell(match_len, count, total, level), count, total)
+
+        return node_prob
+
+    def _emit(self, seq_id: int, draft: CountDraft, match_len: int, spec: SpecConfig, want_q: bool) -> Proposal:
+        q = count_draft_q(draft, spec.model_free.alpha, spec.kld_top_k) if want_q else None
         proposal = Proposal(seq_id, draft.tokens, draft.parents, depth=draft.depth, draft_q=q)
-        if cfg.calibrated:
+        if spec.model_free.calibrated:
             self._cells[seq_id] = (proposal, draft_cells(draft, match_len))
         return proposal
 
