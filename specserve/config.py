@@ -543,7 +543,7 @@ SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.ds
 # verify rows: the seconds a row adds times the tokens a second the loop makes, both measured as it runs, 6% until
 # they are (docs/benchmarks.md, "Trees sized by the head's confidence" and "The tree floor measured as the loop
 # runs"). Prompt lookup drafts first, its nodes scored by their measured acceptance and pruned by the same floor, and
-# the head drafts where it finds nothing worth a row: 1.24-1.38x plain against the head's 1.08-1.13x over 256 tokens
+# the head drafts where it finds nothing worth a row: 1.17-1.38x plain against the head's 1.04-1.13x over 256 tokens
 # at batch 1 (docs/benchmarks.md, "Model-free drafts in front of the head").
 PAIR_SPECULATION: dict[str, SpecConfig] = {
     "smollm2-eagle": SpecConfig(
