@@ -266,8 +266,9 @@ class ModelFreeConfig(Validated):
     alpha: float = Field(default=1.0, gt=0.0, description="DSDE's empirical q: count / (total + alpha)")
     calibrated: bool = Field(
         default=True,
-        description="switch: score a node by how often nodes like it (match length, the parent's total, only child "
-        "or not, depth) were accepted, as measured, not by its count share (docs/algorithms.md §10.6)",
+        description="switch: score a node by how often nodes like it (match length, the parent's total, its share: the "
+        "only continuation, the larger or a smaller of several; depth) were accepted, as measured, not by its count "
+        "share (docs/algorithms.md §10.6)",
     )
 
     @model_validator(mode="after")

@@ -202,7 +202,7 @@ class StepLoop:
         verified = self.target.verify(items)
         t2 = time.perf_counter()
         outputs, failures = self._commit_rows(batch, proposals, verified)
-        self._calibrate(batch, proposals, verified)  # before the finished ones' release forgets their proposals
+        self._calibrate(batch, proposals, verified, failures)  # before the finished ones' release forgets them
         self._retire()
         if failures:  # the step as the committed rows saw it
             ok = [i for i, s in enumerate(batch) if s.seq_id not in failures]
@@ -396,12 +396,19 @@ class StepLoop:
                     logger.exception("the SL update of a finished sequence failed: %s", e)
         return failures
 
-    def _calibrate(self, batch: list[Sequence], proposals: list[Proposal | None], verified: list[VerifyOutput]) -> None:
-        """The model-free drafter learns how often its nodes are accepted (docs/algorithms.md §10.6): a lost
-        measurement is logged, never raised (the step committed)."""
+    def _calibrate(
+        self,
+        batch: list[Sequence],
+        proposals: list[Proposal | None],
+        verified: list[VerifyOutput],
+        failed: Collection[int],
+    ) -> None:
+        """The model-free drafter learns how often its nodes are accepted (docs/algorithms.md §10.6), from the rows
+        that committed (as the guard and the observers do): a lost measurement is logged, never raised."""
         try:
             for seq, proposal, out in zip(batch, proposals, verified, strict=True):
-                self.model_free.observe(seq.seq_id, proposal, out.accepted)
+                if seq.seq_id not in failed:
+                    self.model_free.observe(seq.seq_id, proposal, out.accepted)
         except Exception:
             logger.exception("calibrating the model-free drafter failed; the step's outputs stand")
 

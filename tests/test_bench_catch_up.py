@@ -104,7 +104,8 @@ def test_a_switch_past_the_context_is_refused_before_any_run() -> None:
     with pytest.raises(SettingsError, match="--switch-after"):
         check_switch_fits(prompts, 100, methods(0.0)["DDD"], 128)
     check_switch_fits(prompts, 80, methods(0.0)["DDD"], 128)  # 15 + 80 + 24 steps + a tree of 6 fit in 128
-    assert methods(0.0)["DDD"].drafter == Drafter.model  # the head's own trees, not the pair's lookup in front
+    head = methods(0.0)["DDD"]  # the head's own trees, not the pair's lookup in front
+    assert (head.drafter, head.budget, head.model_budget) == (Drafter.model, 6, None)
 
 
 @pytest.mark.parametrize("flag", ["--windows", "--switch-windows"])

@@ -70,7 +70,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def methods(tree_min_prob: float) -> dict[str, SpecConfig]:
     # the head's own trees (the pair's default drafts with prompt lookup first: its steps would not be the head's)
     fields = {"adaptive_floor": False, "tree_min_prob": tree_min_prob, "drafter": Drafter.model, "budget": 6}
-    ddd = PAIR_SPECULATION[PAIR].model_copy(update={**fields, "model_budget": None})
+    ddd = PAIR_SPECULATION[PAIR].model_copy(update=fields | {"model_budget": None})
     return {"DDD": ddd, "chain 1": SpecConfig(method=SpecMethod.chain, sl=1)}
 
 

@@ -334,7 +334,8 @@ def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
         tree = {**base, **_tree_fields(args)}
         if args.ddd_checks[0] is not None:
             tree["ddd_check_steps"] = args.ddd_checks[0]
-        if args.ddd_x[0] is not None:  # the first, as for --ddd-checks: the model's trees behind the drafter
+        if args.ddd_x[0] is not None:  # the first, as for --ddd-checks: the model's trees, and share-scored count
+            # trees (measured scores skip DDD's cut, docs/algorithms.md §10.6)
             tree["ddd_threshold"] = args.ddd_x[0]
         if fallback and args.model_budget is not None:
             tree["model_budget"] = args.model_budget

@@ -2,14 +2,14 @@
 (docs/algorithms.md §10.6).
 
 A count tree's share count / total says what followed the matched context before, not how likely the target is to
-agree: a continuation seen once after a 2-token match is accepted about half the time, one seen once after a 4-token
-match three times in four, and a continuation that shares its parent with another one in four or five times,
+agree: a continuation seen once after a 2-token match is accepted about half the time, one seen once after a match of
+3+ tokens three times in four, and a continuation that shares its parent with others one time in three to seven,
 whatever its share. So a node's chance is read from the acceptance of the nodes like it (``node_cell``: the match
 length, the parent's total count, whether the node is the parent's only continuation, the larger share of several
 or a smaller one, its depth), counted from the verify results of this drafter's own proposals and starting from a
 prior of count / (total + 1). A node below the first level is scored at least as its cell at the first level
-(accepted where its parent was, a deeper node was at least as likely in every cell measured), so the tries that
-keep the first level's cells measured keep the deeper ones from locking in too.
+(accepted where its parent was, a deeper node was at least as likely in every cell measured but one, where the two
+agreed within noise), so the tries that keep the first level's cells measured keep the deeper ones from locking in.
 """
 
 from __future__ import annotations
