@@ -12,6 +12,7 @@ from pydantic import ConfigDict, Field, ModelWrapValidatorHandler, SecretStr, fi
 
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions, checked_api_key
 from specserve.config import (
+    DEFAULT_PAIR,
     FREEZE_GC_HELP,
     MODEL_PAIRS,
     SERVING_MAX_STEP_TOKENS,
@@ -23,7 +24,6 @@ from specserve.config import (
     ModelSpec,
     SpecConfig,
     SpecMethod,
-    default_pair,
     serving_speculation,
 )
 from specserve.limits import MemoryShare
@@ -137,7 +137,7 @@ class AppArgs(LoopConfig):
     """Which models, how speculation runs by default, and how a router replica is laid out.
 
     Models: ``pair`` (a name in MODEL_PAIRS), or ``target`` (+ optional ``draft``) ModelSpecs, or ``tiny``;
-    nothing given means ``specserve.config.default_pair`` for the draft's device. A replica owns ``num_lanes``
+    nothing given means ``specserve.config.DEFAULT_PAIR``. A replica owns ``num_lanes``
     lanes; each lane is one target and one draft actor with its own continuous-batching loop. Per replica,
     ``num_lanes * max_batch_size`` requests run and ``max_queued_requests`` more wait; beyond that requests get a
     429.
@@ -294,7 +294,7 @@ class AppArgs(LoopConfig):
     def pair_name(self) -> str | None:
         if self.pair is not None:
             return self.pair
-        return default_pair(self.draft_resources.device) if self.target is None and self.tiny is None else None
+        return DEFAULT_PAIR if self.target is None and self.tiny is None else None
 
     @property
     def has_draft(self) -> bool:

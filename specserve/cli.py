@@ -12,6 +12,7 @@ import pydantic
 from specserve.arg_types import finite_float, positive_int, present_device_arg
 from specserve.config import (
     BUILTIN_HEADS_DIR,
+    DEFAULT_PAIR,
     MODEL_PAIRS,
     SERVING_MAX_STEP_TOKENS,
     SERVING_THROUGHPUT_GUARD,
@@ -22,7 +23,6 @@ from specserve.config import (
     ModelSpec,
     SpecConfig,
     SpecMethod,
-    default_pair,
     serving_speculation,
 )
 from specserve.errors import SettingsError, SpecServeError, settings_problems
@@ -48,7 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     target = ModelSpec(source=args.model, dtype=DType(args.dtype))
     draft = _draft_for(args.draft, target, args.device)
-    pair = _pair_for(args.draft, target, args.device)
+    pair = _pair_for(args.draft, target)
     speculation = serving_speculation(pair, args.device) if draft is not None else SpecConfig(method=SpecMethod.none)
     if draft is None and args.method is not None:
         raise SettingsError(f"--method {args.method} needs a draft; --draft {args.draft} gives none for this model")
@@ -78,20 +78,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pair_for(name: str, target: ModelSpec, device: str = "cpu") -> str | None:
-    """The built-in pair a --draft value names: 'auto' is the default pair of this device when its target is this
-    one; None for 'none', a head directory, or another target."""
+def _pair_for(name: str, target: ModelSpec) -> str | None:
+    """The built-in pair a --draft value names: 'auto' is the default pair when its target is this one; None for
+    'none', a head directory, or another target."""
     if name == "auto":
-        pair = default_pair(device)
-        return pair if MODEL_PAIRS[pair][0] == target else None
+        return DEFAULT_PAIR if MODEL_PAIRS[DEFAULT_PAIR][0] == target else None
     return name if name in MODEL_PAIRS else None
 
 
 def _draft_for(name: str, target: ModelSpec, device: str = "cpu") -> DraftSpec | None:
-    """'auto': the default pair's draft for this device when its target is this one (else none); 'none'; a pair
+    """'auto': the default pair's draft when its target is this one (else none); 'none'; a pair
     name; or a head directory."""
     if name in ("none", "auto") or name in MODEL_PAIRS:
-        pair = _pair_for(name, target, device)
+        pair = _pair_for(name, target)
         if pair is None and name == "auto":  # said, not silent: the README promises speculation by default
             print(f"--draft auto: no built-in pair has this target ({target.source}, {target.dtype.value} on "
                   f"{device}); generating without speculation", file=sys.stderr)  # fmt: skip
@@ -141,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--draft",
         default="auto",
-        help="'auto' (the device's default pair for the built-in target), 'none', a pair, a head dir",
+        help="'auto' (the default pair for the built-in target), 'none', a pair, a head dir",
     )
     g.add_argument("--method", default=None, choices=[m.value for m in SpecMethod if m != SpecMethod.none])
     g.set_defaults(func=_generate)

@@ -414,6 +414,12 @@ class SpecConfig(Validated):
         return self.method in (SpecMethod.eagle2, SpecMethod.ddd)
 
     @property
+    def free_tree_priced(self) -> bool:
+        """A model-free drafter's trees whose every node is kept only where its measured acceptance pays for its
+        verify row: no SL policy sets their depth, only the budget (docs/algorithms.md §10.5)."""
+        return self.drafter != Drafter.model and self.is_tree and self.model_free.calibrated
+
+    @property
     def max_draft_rows(self) -> int:
         """Rows one step's drafting appends to the draft's KV past a sequence's committed tokens: a tree's beam (w
         rows) at each level after the root's, a chain's drafted tokens but its last."""
@@ -524,20 +530,19 @@ MODEL_PAIRS: dict[str, tuple[ModelSpec, DraftSpec]] = {
     "smollm2-q4": (ModelSpec(), derived_draft(ModelSpec(), "q4")),
 }
 
-DEFAULT_PAIR = "smollm2-q4"  # what `serve run deployments/app.yaml` and `specserve generate` speculate with
-DEFAULT_GPU_PAIR = "smollm2-eagle"  # ... on a GPU, where the 4-bit kernel does not run
+# What `serve run deployments/app.yaml` and `specserve generate` speculate with, on a CPU and a GPU alike: the shipped
+# EAGLE-3 head. The 4-bit copy was the CPU's default until the target itself read the same Q4_1 records; its draft
+# then cost a target step, and its guarded chains measured 0.89x plain at batch 1 where the head's default ran
+# 1.05-1.2x (docs/benchmarks.md, "The EAGLE head as the deployment's default pair").
+DEFAULT_PAIR = "smollm2-eagle"
 
 
-def default_pair(device: str) -> str:
-    return DEFAULT_PAIR if torch.device(device).type == "cpu" else DEFAULT_GPU_PAIR
-
-
-# The serving default (docs/benchmarks.md, "A 4-bit copy of the target as the draft"): chains of the default pair's
-# 4-bit draft, each sequence's SL set by DSDE under SL_cap (its KLD stays low, so SL climbs to ~12 at batch 1),
-# behind the throughput guard, which keeps plain decoding at batch sizes where speculation measures slower.
-# `deployments/app.yaml` states the same values (a test checks it) and `specserve generate` uses them.
+# The serving default of a pair measured no better (the 4-bit copy, a head directory): chains, each sequence's SL set
+# by DSDE under SL_cap (docs/benchmarks.md, "A 4-bit copy of the target as the draft"), behind the throughput guard,
+# which keeps plain decoding at batch sizes where speculation measures slower.
 SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde)
-# Pairs whose fastest lossless mode measured here is another: the SmolLM2 EAGLE-3 head's trees pay for a second
+# Pairs whose fastest lossless mode measured here is another; `deployments/app.yaml` states the default pair's (a
+# test checks it) and `specserve generate` uses it. The SmolLM2 EAGLE-3 head's trees pay for a second
 # level only where the head is sure of its first (its root's top-10 mass above e^-0.03 = 97%), not for the 5 levels
 # DDD's paper check steps draft (docs/benchmarks.md, "Tree shape" and "DDD's first check at the root's forward";
 # `specserve generate`), and each tree keeps only the nodes whose path probability under the head pays for their
@@ -545,7 +550,10 @@ SERVING_SPECULATION = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.ds
 # they are (docs/benchmarks.md, "Trees sized by the head's confidence" and "The tree floor measured as the loop
 # runs"). Prompt lookup drafts first, its nodes scored by their measured acceptance and pruned by the same floor, and
 # the head drafts where it finds nothing worth a row: 1.17-1.38x plain against the head's 1.04-1.13x over 256 tokens
-# at batch 1 (docs/benchmarks.md, "Model-free drafts in front of the head").
+# at batch 1 (docs/benchmarks.md, "Model-free drafts in front of the head"). DSDE sets the head's depth budget per
+# sequence and SL_cap bounds the batch's stragglers (the lookup trees, priced node by node, take no depth from it):
+# 1.18x plain at batch 1 beside 1.22x for the same trees without DSDE's signal, which costs ~0.3 ms a step
+# (docs/benchmarks.md, "The EAGLE head as the deployment's default pair").
 PAIR_SPECULATION: dict[str, SpecConfig] = {
     "smollm2-eagle": SpecConfig(
         method=SpecMethod.ddd,
@@ -556,6 +564,7 @@ PAIR_SPECULATION: dict[str, SpecConfig] = {
         ddd_threshold=-0.03,
         tree_min_prob=0.06,
         adaptive_floor=True,
+        policy=SLPolicyKind.dsde,
     ),
 }
 
@@ -576,5 +585,6 @@ def serving_speculation(pair: str | None, device: str | torch.device = "cpu") ->
 
 SERVING_THROUGHPUT_GUARD = True
 # At batch 16 DSDE's ~12-token chains make each step draft ~12 levels for every row; a 64-token step budget
-# keeps SL ~3 there (1.38x plain in steady state) and does not bind at batch 1-4 (docs/benchmarks.md).
+# keeps SL ~3 there (1.38x plain in steady state) and does not bind at batch 1-4 (docs/benchmarks.md). The default
+# pair's trees may verify 8 rows each, so it binds from batch 9.
 SERVING_MAX_STEP_TOKENS = 64

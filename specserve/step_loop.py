@@ -271,7 +271,7 @@ class StepLoop:
         proposals: dict[int, Proposal] = {}
         to_model: list[tuple[Sequence, int]] = []
         current = {s.seq_id: s.model_proposed for s in batch}  # the draft model saw each one's last step
-        for s, d in zip(batch, plan.depths, strict=True):
+        for i, (s, d) in enumerate(zip(batch, plan.depths, strict=True)):
             s.model_proposed, s.draft_caught_up = False, 0
             if d == 0:
                 continue
@@ -280,7 +280,7 @@ class StepLoop:
                     s.seq_id,
                     s.tokens,
                     s.spec,
-                    d,
+                    plan.free_depth(i),
                     want_q=s.sl_state is not None,
                     cache_salt=s.request.cache_salt,
                     min_prob=plan.min_prob if s.spec.adaptive_floor else None,

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specserve.config import Drafter, ModelFreeConfig, SpecConfig, SpecMethod
+from specserve.config import Drafter, ModelFreeConfig, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.messages import Proposal, VerifyOutput
 from specserve.models.tiny import tiny_config, tiny_model
+from specserve.policy import DSDEConfig
 from specserve.sampling import SamplingParams
 from specserve.sequence import RequestOutput, Sequence
 from specserve.spec_decode.count_calibration import TRY_EVERY, CountCalibration, node_cell, smoothed_rate
@@ -190,6 +191,34 @@ def test_the_loop_feeds_the_drafters_calibration_and_stays_lossless() -> None:
     assert seen.proposed > 0 and seen.last > 0  # the finishing step drafted, and the target took some of it
     assert cal.hits.sum() == seen.accepted
     assert cal.trials.sum() >= seen.proposed  # each proposal's first level was tried
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_under_dsde_a_priced_count_tree_drafts_past_the_sl(calibrated: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSDE's SL held at 2: the loop asks a count tree scored by measured acceptance for its budget's 7 levels
+    (docs/algorithms.md §10.6), one scored by shares for the SL's 2; both stay lossless."""
+    target = tiny_model(tiny_config(vocab_size=8), seed=0)
+    prompt = [1, 2, 3, 0, 4]
+    spec = SpecConfig(
+        method=SpecMethod.ddd,
+        budget=8,
+        drafter=Drafter.lookup,
+        policy=SLPolicyKind.dsde,
+        dsde=DSDEConfig(sl_init=2, sl_min=2, sl_hard_max=2),
+        model_free=ModelFreeConfig(calibrated=calibrated),
+    )
+    depths: list[int] = []
+    real_propose = ModelFreeDrafter.propose
+
+    def propose(self: ModelFreeDrafter, seq_id: int, tokens: list[int], spec: SpecConfig, depth: int, **kw: object):
+        depths.append(depth)
+        return real_propose(self, seq_id, tokens, spec, depth, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ModelFreeDrafter, "propose", propose)
+    engine = Engine(target, None, speculation=spec, eos_token_ids=set())
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))
+    assert out.token_ids == greedy_reference(target, prompt, 32)
+    assert depths and max(depths) == (7 if calibrated else 2)
 
 
 def test_a_try_never_takes_the_step_from_another_matchs_draft() -> None:

@@ -34,7 +34,7 @@ from deployments.tiny_tokenizer import tiny_tokenizer
 from load.resumable import ResumableStream
 from specserve.api.convert import speculation_for
 from specserve.api.schemas import SpeculationOptions
-from specserve.config import Drafter, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.config import Drafter, DType, HeadSpec, ModelSpec, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import UnsupportedModelError
 from specserve.limits import MemoryShare
@@ -72,7 +72,16 @@ SMALL_ARGS: dict[str, Any] = {
 }
 HEAD_ARGS: dict[str, Any] = {  # a random EAGLE head: features travel target actor -> router -> draft actor
     "tiny": {"seed": 0, "draft_head": True, "draft_seed": 3},
-    "speculation": {"method": "ddd", "beam_width": 4, "budget": 12, "policy": "dsde"},
+    # the default pair's shape: prompt lookup's priced trees first, the head's DDD trees where they keep nothing
+    "speculation": {
+        "method": "ddd",
+        "drafter": "lookup",
+        "beam_width": 4,
+        "budget": 12,
+        "model_budget": 6,
+        "adaptive_floor": True,
+        "policy": "dsde",
+    },
     "max_batch_size": 2,
     "router_resources": SMALL_CPU,
     "target_resources": SMALL_CPU,
@@ -212,9 +221,9 @@ def test_actors_sharing_a_gpu_size_their_kv_for_their_share() -> None:
 
 def test_app_args_layout_and_validation() -> None:
     args = AppArgs()
-    assert args.pair_name == "smollm2-q4" and args.model_name == "smollm2-q4" and args.has_draft
+    assert args.pair_name == "smollm2-eagle" and args.model_name == "smollm2-eagle" and args.has_draft
     on_gpu = AppArgs(draft_resources=ActorResources(num_cpus=1, num_gpus=1))
-    assert on_gpu.pair_name == "smollm2-eagle"  # the 4-bit kernel is CPU only: a GPU draft is the shipped head
+    assert on_gpu.pair_name == "smollm2-eagle"
     with pytest.raises(ValueError, match="native_q4"):
         AppArgs(pair="smollm2-q4", draft_resources=ActorResources(num_cpus=1, num_gpus=1))
     lanes = AppArgs(tiny=TinyModels(), num_lanes=2, router_resources=ActorResources(num_cpus=0.5))
@@ -260,22 +269,18 @@ def test_shipped_serve_configs_validate(path: str) -> None:
         assert args.speculation.dsde.cap_enabled
 
 
-def test_default_app_serves_the_4_bit_draft_with_the_serving_defaults() -> None:
-    from specserve.config import (
-        DEFAULT_PAIR,
-        SERVING_MAX_STEP_TOKENS,
-        SERVING_SPECULATION,
-        SERVING_THROUGHPUT_GUARD,
-    )
+def test_default_app_serves_the_shipped_head_with_its_serving_defaults() -> None:
+    from specserve.config import DEFAULT_PAIR, SERVING_MAX_STEP_TOKENS, SERVING_THROUGHPUT_GUARD, serving_speculation
 
     args = AppArgs.model_validate(
         yaml.safe_load((REPO / "deployments/app.yaml").read_text())["applications"][0]["args"]
     )
-    assert args.pair == DEFAULT_PAIR == "smollm2-q4" and args.model_name == "smollm2-135m-instruct"
-    assert args.speculation == SERVING_SPECULATION and args.throughput_guard == SERVING_THROUGHPUT_GUARD
+    assert args.pair == DEFAULT_PAIR == "smollm2-eagle" and args.model_name == "smollm2-135m-instruct"
+    assert args.speculation == serving_speculation(DEFAULT_PAIR) and args.throughput_guard == SERVING_THROUGHPUT_GUARD
+    assert args.speculation.method == SpecMethod.ddd and args.speculation.policy == SLPolicyKind.dsde
     assert args.max_step_tokens == SERVING_MAX_STEP_TOKENS == 64
     recipe = args.recipe(WorkerRole.draft)
-    assert recipe is not None and recipe.spec == ModelSpec(native_q4=True, q4_dense_from=16)  # the target's Q4_1
+    assert recipe is not None and recipe.spec == HeadSpec(head="smollm2-eagle3")
     target = args.recipe(WorkerRole.target)
     assert target is not None and target.spec == ModelSpec()
 
@@ -290,7 +295,8 @@ def test_a_pair_left_without_speculation_settings_gets_its_measured_serving_defa
     assert eagle.throughput_guard and eagle.max_step_tokens == SERVING_MAX_STEP_TOKENS
     gpu = AppArgs.model_validate({"pair": "smollm2-eagle", "draft_resources": {"num_cpus": 1, "num_gpus": 1}})
     assert gpu.speculation == serving_speculation("smollm2-eagle", "cuda") != eagle.speculation
-    assert AppArgs.model_validate({}).speculation == SERVING_SPECULATION  # the default pair's
+    assert AppArgs.model_validate({}).speculation == eagle.speculation  # the default pair's
+    assert AppArgs.model_validate({"pair": "smollm2-q4"}).speculation == SERVING_SPECULATION
     alone = AppArgs.model_validate({"target": {"source": "smollm2-135m-instruct"}})
     assert alone.speculation.method == SpecMethod.none and not alone.throughput_guard
     given = AppArgs.model_validate(
@@ -305,8 +311,8 @@ def test_generate_drafts_with_the_default_pair_of_its_device() -> None:
     from specserve.cli import _draft_for
     from specserve.config import MODEL_PAIRS, HeadSpec
 
-    assert _draft_for("auto", ModelSpec(), "cpu") == MODEL_PAIRS["smollm2-q4"][1]
-    assert isinstance(_draft_for("auto", ModelSpec(), "cuda:0"), HeadSpec)  # no 4-bit kernel there
+    assert _draft_for("auto", ModelSpec(), "cpu") == MODEL_PAIRS["smollm2-eagle"][1]
+    assert isinstance(_draft_for("auto", ModelSpec(), "cuda:0"), HeadSpec)
     assert _draft_for("auto", ModelSpec(source="/some/other/model"), "cpu") is None
     assert _draft_for("none", ModelSpec()) is None
 
@@ -315,12 +321,12 @@ def test_generate_speculates_as_measured_fastest_for_its_pair() -> None:
     from specserve.cli import _pair_for
     from specserve.config import SERVING_SPECULATION, serving_speculation
 
-    assert _pair_for("auto", ModelSpec(), "cpu") == "smollm2-q4"
+    pair = _pair_for("auto", ModelSpec())
+    assert pair == "smollm2-eagle" and _pair_for("auto", ModelSpec(dtype=DType.bfloat16)) is None
     assert serving_speculation("smollm2-q4") == SERVING_SPECULATION  # DSDE chains of the 4-bit copy
-    pair = _pair_for("auto", ModelSpec(), "cuda:0")
-    assert pair == "smollm2-eagle"
     head = serving_speculation(pair)  # on the CPU: prompt lookup's trees, else the EAGLE-3 head's shallow DDD trees
     assert head.method == SpecMethod.ddd and head.ddd_check_steps == (1, 2, 3) and head.model_tree_budget == 6
+    assert head.policy == SLPolicyKind.dsde and head.free_tree_priced  # DSDE: the head's depth budget
     assert head.ddd_threshold == -0.03 and head.adaptive_floor and head.model_free.calibrated
     assert head.drafter == Drafter.lookup and head.model_fallback and head.budget == 8
     gpu = serving_speculation(pair, "cuda:0")  # on a GPU, where verify rows are cheap: wider, deeper trees

@@ -37,10 +37,17 @@ class StepPlan:
     # the mode the step was planned in: the throughput guard's answer where it was asked (the loop may still run
     # the step plainly: its draft worker detached, ``max_step_tokens``), else whether any sequence drafts
     speculate: bool = False
+    # levels a model-free drafter may draft per sequence (None: ``depths``): a priced count tree
+    # (``SpecConfig.free_tree_priced``) is bounded by its budget, max_sl and the room, not by its SL or SL_cap
+    free_depths: list[int] | None = None
+
+    def free_depth(self, i: int) -> int:
+        return self.depths[i] if self.free_depths is None else self.free_depths[i]
 
     def select(self, rows: list[int]) -> StepPlan:
         pick = [self.depths[i] for i in rows], [self.uncapped[i] for i in rows], [self.post_warmup[i] for i in rows]
-        return StepPlan(pick[0], pick[1], self.cap, pick[2], self.min_prob, self.speculate)
+        free = None if self.free_depths is None else [self.free_depths[i] for i in rows]
+        return StepPlan(pick[0], pick[1], self.cap, pick[2], self.min_prob, self.speculate, free)
 
 
 class SLPlanner:
@@ -73,13 +80,20 @@ class SLPlanner:
         left (a step planned to speculate stays one: the guard times the two modes' steps apart)."""
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
         reach = [self._depth(r.spec, sl) for r, sl in zip(rows, uncapped, strict=True)]
+        # a priced count tree's own reach: each node already pays for its row, and it runs no draft forward
+        priced = [r.spec.free_tree_priced for r in rows]
+        own = [
+            self._depth(r.spec, r.spec.static_depth) if p else d for r, p, d in zip(rows, priced, reach, strict=True)
+        ]
         if room is not None:  # before the cap: a level past a row's room is never drafted, so nobody waits for it
             reach = [min(d, max(1, n - 1)) for d, n in zip(reach, room, strict=True)]
+            own = [min(d, max(1, n - 1)) for d, n in zip(own, room, strict=True)]
         depths, cap = self._cap(rows, reach)
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
         min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
         depths, speculate = self._guard(rows, depths, prefills, outlook, guarded)
-        return StepPlan(depths, uncapped, cap, post, min_prob, speculate)
+        free = [o if p and d else d for p, o, d in zip(priced, own, depths, strict=True)] if any(priced) else None
+        return StepPlan(depths, uncapped, cap, post, min_prob, speculate, free)
 
     @staticmethod
     def adaptive(rows: Sequence[PlanRow]) -> bool:
