@@ -200,7 +200,7 @@ class StepRecorder(StepObserver):
                 req=self.clocks[seq.seq_id].index,
                 fed=len(item.new_tokens),
                 depth=depths[i],
-                planned=plan.depths[i],
+                planned=plan.limit(i, by_model=seq.model_proposed),
                 uncapped=plan.uncapped[i],
                 verified=None if event.proposals[i] is None else event.proposals[i].verified_depth,  # type: ignore[union-attr]
                 drafted=len(item.draft_tokens),

@@ -415,9 +415,11 @@ class SpecConfig(Validated):
 
     @property
     def free_tree_priced(self) -> bool:
-        """A model-free drafter's trees whose every node is kept only where its measured acceptance pays for its
-        verify row: no SL policy sets their depth, only the budget (docs/algorithms.md §10.5)."""
-        return self.drafter != Drafter.model and self.is_tree and self.model_free.calibrated
+        """A model-free drafter's trees whose every node is kept only where its measured acceptance clears a floor
+        (``min_score``, ``tree_min_prob`` or the measured one): no SL policy sets their depth, only their static depth
+        (docs/algorithms.md §10.6)."""
+        floor = self.model_free.min_score > 0 or self.tree_min_prob > 0 or self.adaptive_floor
+        return self.drafter != Drafter.model and self.is_tree and self.model_free.calibrated and floor
 
     @property
     def max_draft_rows(self) -> int:
@@ -532,8 +534,9 @@ MODEL_PAIRS: dict[str, tuple[ModelSpec, DraftSpec]] = {
 
 # What `serve run deployments/app.yaml` and `specserve generate` speculate with, on a CPU and a GPU alike: the shipped
 # EAGLE-3 head. The 4-bit copy was the CPU's default until the target itself read the same Q4_1 records; its draft
-# then cost a target step, and its guarded chains measured 0.89x plain at batch 1 where the head's default ran
-# 1.05-1.2x (docs/benchmarks.md, "The EAGLE head as the deployment's default pair").
+# then cost a target step: at batch 1 its chains of one ran 0.71-0.73x plain and its guarded default 0.89-0.97x,
+# where the head's guarded default ran 1.01-1.07x (docs/benchmarks.md, "Model-free drafts in front of the head" and
+# "The EAGLE head as the deployment's default pair").
 DEFAULT_PAIR = "smollm2-eagle"
 
 

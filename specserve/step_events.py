@@ -136,7 +136,7 @@ class StepStats(StepObserver):
             StepMetrics(
                 batch_size=len(event.batch),
                 depths=depths,
-                planned=event.plan.depths,
+                planned=[event.plan.limit(i, by_model=s.model_proposed) for i, s in enumerate(event.batch)],
                 uncapped=event.plan.uncapped,
                 cap=event.plan.cap,
                 post_warmup=event.plan.post_warmup,

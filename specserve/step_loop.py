@@ -261,8 +261,12 @@ class StepLoop:
         outlook = self._outlook(batch, room)
         plan = self.planner.plan(batch, prefills=prefills, outlook=outlook, guarded=guarded, room=room)
         if self.draft is None and self.serves_drafts:  # detached: no model drafts, and none planned (nor timed)
-            depths = [0 if s.spec.drafter == Drafter.model else d for s, d in zip(batch, plan.depths, strict=True)]
-            plan = replace(plan, depths=depths)
+            model_only = [s.spec.drafter == Drafter.model for s in batch]
+            depths = [0 if m else d for m, d in zip(model_only, plan.depths, strict=True)]
+            free = plan.free_depths
+            if free is not None:
+                free = [0 if m else d for m, d in zip(model_only, free, strict=True)]
+            plan = replace(plan, depths=depths, free_depths=free)
         return plan
 
     def _propose(self, batch: list[Sequence], plan: StepPlan) -> list[Proposal | None]:

@@ -195,8 +195,8 @@ def test_the_loop_feeds_the_drafters_calibration_and_stays_lossless() -> None:
 
 @pytest.mark.parametrize("calibrated", [True, False])
 def test_under_dsde_a_priced_count_tree_drafts_past_the_sl(calibrated: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DSDE's SL held at 2: the loop asks a count tree scored by measured acceptance for its budget's 7 levels
-    (docs/algorithms.md §10.6), one scored by shares for the SL's 2; both stay lossless."""
+    """DSDE's SL held at 2: the loop asks a count tree scored by measured acceptance for its static depth's 7 levels
+    (T - 1; docs/algorithms.md §10.6), one scored by shares for the SL's 2; both stay lossless."""
     target = tiny_model(tiny_config(vocab_size=8), seed=0)
     prompt = [1, 2, 3, 0, 4]
     spec = SpecConfig(
@@ -219,6 +219,8 @@ def test_under_dsde_a_priced_count_tree_drafts_past_the_sl(calibrated: bool, mon
     (out,) = engine.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))
     assert out.token_ids == greedy_reference(target, prompt, 32)
     assert depths and max(depths) == (7 if calibrated else 2)
+    planned = [d for m in engine.loop.stats.metrics for d in m.planned]  # the metrics record what lookup was allowed
+    assert max(planned) == max(depths)
 
 
 def test_a_try_never_takes_the_step_from_another_matchs_draft() -> None:

@@ -332,10 +332,10 @@ def test_the_cap_is_over_depths_drafted_by_the_draft_model():
     assert budgeted.model_depth(plan.uncapped[0]) == 5 and (plan.depths, plan.cap) == ([3, 2, 2], 3)
 
 
-def test_a_priced_count_tree_is_bounded_by_its_budget_not_by_the_sl():
+def test_a_priced_count_tree_is_bounded_by_its_static_depth_not_by_the_sl():
     """A lookup tree whose nodes are each priced by their measured acceptance (``free_tree_priced``) may draft to
-    its budget's depth whatever DSDE's SL or SL_cap says; the draft model's share keeps the SL's depth. The room,
-    max_sl and a step planned plain still bound it."""
+    its static depth (here T - 1 = 7) whatever DSDE's SL or SL_cap says; the draft model's share keeps the SL's
+    depth. The room, max_sl and a step planned plain still bound it."""
     lookup = SpecConfig(
         method=SpecMethod.ddd, policy=SLPolicyKind.dsde, drafter=Drafter.lookup, budget=8, model_budget=6
     )
@@ -347,15 +347,21 @@ def test_a_priced_count_tree_is_bounded_by_its_budget_not_by_the_sl():
     assert plan.depths == [2, 7, 8] and plan.cap == 8
     assert [plan.free_depth(i) for i in range(3)] == [7, 7, 8]  # lookup: T - 1 levels; the head's row: its depth
     assert plan.select([0, 2]).free_depths == [7, 8]
+    # SL_cap cuts the row's model share (the cap over 5, 2 and 2 is 3) but not its lookup tree
+    heads = [Row(SpecConfig(method=SpecMethod.ddd, policy=SLPolicyKind.dsde), FakeState(2, False))] * 2
+    plan = SLPlanner().plan([Row(lookup, FakeState(9, False)), *heads])
+    assert plan.cap == 3 and plan.depths == [3, 2, 2] and plan.free_depths == [7, 2, 2]
+    assert (plan.limit(0, by_model=True), plan.limit(0, by_model=False)) == (3, 7)
     assert SLPlanner().plan(rows, room=[3, 100, 100]).free_depths == [2, 7, 8]
     capped = lookup.model_copy(update={"max_sl": 3})
     assert SLPlanner().plan([Row(capped, FakeState(9, False))]).free_depths == [3]
     # a step whose token budget leaves a tree nothing drafts no lookup levels either
     assert SLPlanner(max_step_tokens=3).plan(rows[:2]).free_depths == [0, 0]
-    # count trees scored by their shares, and lookup chains, keep the SL's depth
+    # count trees scored by their shares or kept whatever their score, and lookup chains, keep the SL's depth
     shares = lookup.model_copy(update={"model_free": lookup.model_free.model_copy(update={"calibrated": False})})
+    unfloored = lookup.model_copy(update={"model_free": lookup.model_free.model_copy(update={"min_score": 0.0})})
     chain = DSDE_CHAIN.model_copy(update={"drafter": Drafter.lookup})
-    for spec in (shares, chain):
+    for spec in (shares, unfloored, chain):
         assert not spec.free_tree_priced
         plan = SLPlanner().plan([Row(spec, FakeState(2, False))])
         assert plan.free_depths is None and plan.free_depth(0) == plan.depths[0] == 2

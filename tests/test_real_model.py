@@ -103,7 +103,7 @@ def test_speculative_greedy_equals_plain_on_mt_bench(
 ) -> None:
     """Two MT-bench prompts of each of its 8 categories x 64 new tokens: every method emits exactly plain greedy
     decoding's tokens (with draft models, and with the shipped EAGLE head). The bf16 and int8 copies, the slowest
-    drafts on a 2-core CPU and the same drafting code as the default 4-bit copy, take one prompt per category."""
+    drafts on a 2-core CPU and the same drafting code as the 4-bit copy, take one prompt per category."""
     if MODEL_PAIRS[pair][1] == MODEL_PAIRS["smollm2-q4"][1] and not native_q4_available():
         pytest.skip("torch without the int4 CPU kernel")
     tok = load_tokenizer(ModelSpec())

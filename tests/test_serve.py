@@ -72,16 +72,7 @@ SMALL_ARGS: dict[str, Any] = {
 }
 HEAD_ARGS: dict[str, Any] = {  # a random EAGLE head: features travel target actor -> router -> draft actor
     "tiny": {"seed": 0, "draft_head": True, "draft_seed": 3},
-    # the default pair's shape: prompt lookup's priced trees first, the head's DDD trees where they keep nothing
-    "speculation": {
-        "method": "ddd",
-        "drafter": "lookup",
-        "beam_width": 4,
-        "budget": 12,
-        "model_budget": 6,
-        "adaptive_floor": True,
-        "policy": "dsde",
-    },
+    "speculation": {"method": "ddd", "beam_width": 4, "budget": 12, "policy": "dsde"},
     "max_batch_size": 2,
     "router_resources": SMALL_CPU,
     "target_resources": SMALL_CPU,
@@ -710,6 +701,10 @@ def test_eagle_head_deployment_is_lossless_and_survives_a_draft_restart(base_url
     full = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=30, temperature=0, extra_body=extra)
     assert full.choices[0].model_extra["token_ids"] == refs[1].token_ids
     assert full.usage.model_extra["speculation"]["drafted"] > 0
+    lookup = {**extra, "speculation": {"drafter": "lookup"}}  # the default's drafters: lookup, the head where it fails
+    both = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=30, temperature=0, extra_body=lookup)
+    assert both.choices[0].model_extra["token_ids"] == refs[1].token_ids
+    assert both.usage.model_extra["speculation"]["drafted"] > 0
     draft = next(w for w in _lanes(url)[0]["workers"] if w["role"] == "draft")
     stream = iter(
         client.completions.create(

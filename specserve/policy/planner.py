@@ -38,11 +38,15 @@ class StepPlan:
     # the step plainly: its draft worker detached, ``max_step_tokens``), else whether any sequence drafts
     speculate: bool = False
     # levels a model-free drafter may draft per sequence (None: ``depths``): a priced count tree
-    # (``SpecConfig.free_tree_priced``) is bounded by its budget, max_sl and the room, not by its SL or SL_cap
+    # (``SpecConfig.free_tree_priced``) is bounded by its static depth, max_sl and the room, not by its SL or SL_cap
     free_depths: list[int] | None = None
 
     def free_depth(self, i: int) -> int:
         return self.depths[i] if self.free_depths is None else self.free_depths[i]
+
+    def limit(self, i: int, *, by_model: bool) -> int:
+        """The levels row ``i``'s drafter was allowed: ``depths`` for the draft model, ``free_depth`` otherwise."""
+        return self.depths[i] if by_model else self.free_depth(i)
 
     def select(self, rows: list[int]) -> StepPlan:
         pick = [self.depths[i] for i in rows], [self.uncapped[i] for i in rows], [self.post_warmup[i] for i in rows]
