@@ -84,20 +84,26 @@ class SLPlanner:
         left (a step planned to speculate stays one: the guard times the two modes' steps apart)."""
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
         reach = [self._depth(r.spec, sl) for r, sl in zip(rows, uncapped, strict=True)]
-        # a priced count tree's own reach: each node already pays for its row, and it runs no draft forward
-        priced = [r.spec.free_tree_priced for r in rows]
-        own = [
-            self._depth(r.spec, r.spec.static_depth) if p else d for r, p, d in zip(rows, priced, reach, strict=True)
-        ]
         if room is not None:  # before the cap: a level past a row's room is never drafted, so nobody waits for it
             reach = [min(d, max(1, n - 1)) for d, n in zip(reach, room, strict=True)]
-            own = [min(d, max(1, n - 1)) for d, n in zip(own, room, strict=True)]
         depths, cap = self._cap(rows, reach)
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
         min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
         depths, speculate = self._guard(rows, depths, prefills, outlook, guarded)
-        free = [o if p and d else d for p, o, d in zip(priced, own, depths, strict=True)] if any(priced) else None
-        return StepPlan(depths, uncapped, cap, post, min_prob, speculate, free)
+        return StepPlan(depths, uncapped, cap, post, min_prob, speculate, self._free_depths(rows, depths, room))
+
+    @classmethod
+    def _free_depths(cls, rows: Sequence[PlanRow], depths: list[int], room: Sequence[int] | None) -> list[int] | None:
+        """A priced count tree's levels (None: no row has one): its static depth, max_sl and the room, wherever the
+        plan lets it draft; each node already pays for its row, and it runs no draft forward anyone waits for."""
+        if not any(r.spec.free_tree_priced for r in rows):
+            return None
+        free = list(depths)
+        for i, r in enumerate(rows):
+            if free[i] and r.spec.free_tree_priced:
+                own = cls._depth(r.spec, r.spec.static_depth)
+                free[i] = own if room is None else min(own, max(1, room[i] - 1))
+        return free
 
     @staticmethod
     def adaptive(rows: Sequence[PlanRow]) -> bool:
