@@ -1,7 +1,8 @@
 """Ray actors hosting a TargetWorker or DraftWorker, and proxies that let a StepLoop drive them like local workers.
 
 An actor builds its model itself from a ``ModelRecipe``, so weights never cross the network. Per step only the
-protocol objects (token ids, small index lists, sparse top-K probabilities) travel.
+protocol objects (token ids, small index lists, sparse top-K probabilities) travel, and a draft head's features
+in one buffer (``deployments/wire.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, cast
 
 import ray
@@ -31,6 +32,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.app_args import AppArgs, ModelRecipe, WorkerRole
+from deployments.wire import WireFeatures, attach_features, strip_features
 from specserve.build import local_draft_worker
 from specserve.config import HeadSpec
 from specserve.heap import freeze_loaded_objects
@@ -139,30 +141,23 @@ class TargetActor(_WorkerHost):
         assert isinstance(self.model, LlamaModel)
         self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
 
-    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
-        """Features for a draft head leave on the host: a CUDA tensor would make the router (no GPU reserved)
-        open a context on the node's first GPU, or fail to unpickle on a node without one. They leave in one copy
-        for the step, and each sequence's rows get their own storage: the worker's are views of the step's
-        tensor, and a pickled view carries its whole storage."""
+    def verify(self, items: list[VerifyItem]) -> tuple[list[VerifyOutput], WireFeatures | None]:
+        """Features for a draft head leave on the host, in one buffer for the step (``deployments/wire.py``): a
+        CUDA tensor would make the router (no GPU reserved) open a context on the node's first GPU, or fail to
+        unpickle on a node without one."""
         worker = self._worker()
         assert isinstance(worker, TargetWorker)
-        outputs = worker.verify(items)
-        feats = [o.features for o in outputs if o.features is not None]
-        if not feats:
-            return outputs
-        host = torch.cat(feats).cpu()  # [sum n, F]
-        parts = iter([rows.clone() for rows in host.split([f.shape[0] for f in feats])])
-        return [o if o.features is None else replace(o, features=next(parts)) for o in outputs]
+        return strip_features(worker.verify(items))
 
 
 class DraftActor(_WorkerHost):
     def start(self, geometry: KVGeometry) -> None:
         self.worker = local_draft_worker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
 
-    def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+    def propose(self, items: list[ProposeItem], features: WireFeatures | None) -> list[Proposal]:
         worker = self._worker()
         assert isinstance(worker, DraftWorker | HeadDraftWorker)
-        return worker.propose(items)
+        return worker.propose(attach_features(items, features))
 
 
 ACTOR_CLASSES: dict[WorkerRole, type[_WorkerHost]] = {WorkerRole.target: TargetActor, WorkerRole.draft: DraftActor}
@@ -300,10 +295,10 @@ class RemoteWorker:
         self._started = None
         return True
 
-    def _call(self, method: Any, items: list[ProposeItem] | list[VerifyItem]) -> Any:
+    def _call(self, method: Any, *args: Any) -> Any:
         self.wait_started()
         try:
-            return ray.get(method.remote(items), timeout=self.call_timeout_s)
+            return ray.get(method.remote(*args), timeout=self.call_timeout_s)
         except WORKER_FAULTS as e:
             self.dead = True
             raise WorkerLostError(f"worker {self.name} was lost: {e!r}") from e
@@ -311,12 +306,12 @@ class RemoteWorker:
 
 class RemoteTarget(RemoteWorker):
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
-        return self._call(self.handle.verify, items)
+        return attach_features(*self._call(self.handle.verify, items))
 
 
 class RemoteDraft(RemoteWorker):
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
-        return self._call(self.handle.propose, items)
+        return self._call(self.handle.propose, *strip_features(items))
 
 
 PROXY_CLASSES: dict[WorkerRole, type[RemoteWorker]] = {WorkerRole.target: RemoteTarget, WorkerRole.draft: RemoteDraft}

@@ -50,6 +50,13 @@ class PlacementStrategy(str, Enum):
 RAY_RESOURCE_STEP = 1e-4  # the smallest quantity of a resource Ray schedules
 
 
+class OmpWait(str, Enum):
+    """How an actor's idle OpenMP threads wait for the next parallel region (``OMP_WAIT_POLICY``)."""
+
+    active = "ACTIVE"  # spin: the next region starts at once, and the cores stay busy meanwhile
+    passive = "PASSIVE"  # sleep at once: the cores are free for the other actors' work between regions
+
+
 class ActorResources(Validated):
     """Resources one actor reserves (its placement-group bundle); GPUs select the CUDA device."""
 
@@ -59,6 +66,12 @@ class ActorResources(Validated):
     num_gpus: float = Field(default=0.0, ge=0.0, allow_inf_nan=False, description="at most 1: a worker uses one GPU")
     resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. a node label")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; None: Ray's default")
+    omp_wait: OmpWait | None = Field(
+        default=None,
+        description="the actor's OMP_WAIT_POLICY; None: the OpenMP runtime's default (idle threads spin a while). "
+        "PASSIVE for a draft actor sharing a CPU's cores with its target: its threads then do not spin through "
+        "the target's forward",
+    )
 
     @field_validator("resources")
     @classmethod
@@ -99,7 +112,14 @@ class ActorResources(Validated):
         return {k: v for k, v in bundle.items() if v > 0}
 
     def actor_options(self) -> dict[str, Any]:
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources)}
+        options: dict[str, Any] = {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            "resources": dict(self.resources),
+        }
+        if self.omp_wait is not None:  # read when the OpenMP runtime loads: set in the process's environment
+            options["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": self.omp_wait.value}}
+        return options
 
 
 class TinyModels(Validated):
@@ -182,8 +202,9 @@ class AppArgs(LoopConfig):
     @field_validator("router_resources")
     @classmethod
     def _router_runs_no_model(cls, resources: ActorResources) -> ActorResources:
-        if resources.torch_threads is not None:  # it would be accepted and do nothing
-            raise ValueError("the router runs no model: torch_threads is for target_resources and draft_resources")
+        for name in ("torch_threads", "omp_wait"):
+            if getattr(resources, name) is not None:  # it would be accepted and do nothing
+                raise ValueError(f"the router runs no model: {name} is for target_resources and draft_resources")
         return resources
 
     target_resources: ActorResources = ActorResources(num_cpus=1.0)

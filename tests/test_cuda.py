@@ -154,13 +154,14 @@ def test_the_target_actor_sends_a_heads_features_from_the_host(target: LlamaMode
     first one, or failed to unpickle them on a node without a GPU."""
     pytest.importorskip("ray")  # deployments.actors imports Ray; the H200 image has none (2026-11-30)
     from deployments.actors import TargetActor
+    from deployments.wire import attach_features
     from specserve.messages import FeatureRequest, VerifyItem
 
     actor = TargetActor.__new__(TargetActor)  # the actor's class in-process: no Ray
     actor.model = target
     actor.worker = TargetWorker(target, num_slots=1, max_len=32)
     actor.worker.add(0, SamplingParams(max_tokens=4), 0)
-    (out,) = actor.verify([VerifyItem(0, [5, 9, 33, 71], features=FeatureRequest())])
+    (out,) = attach_features(*actor.verify([VerifyItem(0, [5, 9, 33, 71], features=FeatureRequest())]))
     assert out.features is not None and out.features.device.type == "cpu" and out.features.shape[0] == 4
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deployments.actors import ModelInfo
 from deployments.app import app_builder
-from deployments.app_args import ActorResources, AppArgs, TinyModels, WorkerRole
+from deployments.app_args import ActorResources, AppArgs, OmpWait, TinyModels, WorkerRole
 from deployments.router import lane_limits
 from deployments.tiny_tokenizer import tiny_tokenizer
 from load.resumable import ResumableStream
@@ -76,7 +77,7 @@ HEAD_ARGS: dict[str, Any] = {  # a random EAGLE head: features travel target act
     "max_batch_size": 2,
     "router_resources": SMALL_CPU,
     "target_resources": SMALL_CPU,
-    "draft_resources": SMALL_CPU,
+    "draft_resources": {**SMALL_CPU, "omp_wait": "PASSIVE"},  # as app.yaml's draft actor
     "debug_routes": True,
 }
 MODEL = "tiny"
@@ -270,6 +271,8 @@ def test_default_app_serves_the_shipped_head_with_its_serving_defaults() -> None
     assert args.speculation == serving_speculation(DEFAULT_PAIR) and args.throughput_guard == SERVING_THROUGHPUT_GUARD
     assert args.speculation.method == SpecMethod.ddd and args.speculation.policy == SLPolicyKind.dsde
     assert args.max_step_tokens == SERVING_MAX_STEP_TOKENS == 64
+    # the draft actor's threads sleep between its forwards instead of spinning through the target's on shared cores
+    assert args.draft_resources.omp_wait == OmpWait.passive and args.target_resources.omp_wait is None
     recipe = args.recipe(WorkerRole.draft)
     assert recipe is not None and recipe.spec == HeadSpec(head="smollm2-eagle3")
     target = args.recipe(WorkerRole.target)
@@ -712,9 +715,26 @@ def test_eagle_head_deployment_is_lossless_and_survives_a_draft_restart(base_url
         )
     )
     ids = [next(stream).choices[0].model_extra["token_ids"] for _ in range(3)]
+    target = next(w for w in _lanes(url)[0]["workers"] if w["role"] == "target")
+    assert _actor_env(draft, "OMP_WAIT_POLICY") == "PASSIVE"  # its omp_wait, set in its process's environment
+    assert _actor_env(target, "OMP_WAIT_POLICY") != "PASSIVE"
     ray.kill(ray.get_actor(draft["actor_name"], namespace=draft["namespace"]))
     ids += [c.choices[0].model_extra["token_ids"] for c in stream]
     assert [t for chunk in ids for t in chunk] == refs[0].token_ids
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (new := [w for w in _lanes(url)[0]["workers"] if _replaced(w, draft)]):
+        assert time.monotonic() < deadline, "the lost draft actor was not replaced"
+        time.sleep(0.2)
+    assert _actor_env(new[0], "OMP_WAIT_POLICY") == "PASSIVE"  # the replacement too
+
+
+def _replaced(worker: dict[str, Any], lost: dict[str, Any]) -> bool:
+    return worker["role"] == "draft" and worker["actor_name"] != lost["actor_name"] and worker["node_id"] is not None
+
+
+def _actor_env(worker: dict[str, Any], name: str) -> str | None:
+    actor = ray.get_actor(worker["actor_name"], namespace=worker["namespace"])
+    return ray.get(actor.__ray_call__.remote(lambda _: os.environ.get(name)), timeout=TIMEOUT_S)
 
 
 # -- placement -------------------------------------------------------------------------------------------
@@ -861,8 +881,12 @@ def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() 
         AppArgs.model_validate({"target_resources": {"num_cpus": 1, "num_gpus": 2}})
     with pytest.raises(pydantic.ValidationError, match=r"steps of 0\.0001"):
         AppArgs.model_validate({"target_resources": {"num_cpus": 0.00001}})
-    with pytest.raises(pydantic.ValidationError, match="router runs no model"):  # accepted, it did nothing
-        AppArgs.model_validate({"router_resources": {"num_cpus": 0.5, "torch_threads": 1}})
+    for runs_a_model in ({"torch_threads": 1}, {"omp_wait": "PASSIVE"}):
+        with pytest.raises(pydantic.ValidationError, match="router runs no model"):  # accepted, it did nothing
+            AppArgs.model_validate({"router_resources": {"num_cpus": 0.5, **runs_a_model}})
+    options = ActorResources(num_cpus=0.5, omp_wait=OmpWait.passive).actor_options()
+    assert options["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}} and options["num_cpus"] == 0.5
+    assert "runtime_env" not in ActorResources(num_cpus=0.5).actor_options()  # the runtime's default, no env of its own
     assert AppArgs.model_validate({"target": q4, "speculation": {"method": "none"}}).target == ModelSpec(**q4)
 
 

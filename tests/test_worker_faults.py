@@ -23,6 +23,7 @@ from deployments.actors import KVGeometry, RemoteDraft, RemoteTarget
 from deployments.app_args import WorkerRole
 from deployments.failover import FailoverStream
 from deployments.lane import Lane
+from deployments.wire import attach_features, strip_features
 from specserve.api.error_bodies import APIError, LaneLostError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
 from specserve.config import SpecConfig, SpecMethod
@@ -156,7 +157,7 @@ class Actor:
             cause = RuntimeError("the worker is not started")
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("verify", "Traceback ...", cause)))
         worker = self.worker
-        return Ref(lambda _: worker.verify(items))
+        return Ref(lambda _: strip_features(worker.verify(items)))  # as TargetActor.verify
 
 
 class Factory:
@@ -437,7 +438,7 @@ class DraftActor:
         self.start = Method(self._start)
         self.add = Method(lambda seq_id, params, position: self._fire(lambda w: w.add(seq_id, params, position)))
         self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
-        self.propose = Method(self._propose)
+        self.propose = Method(lambda items, features: self._propose(attach_features(items, features)))
         self.state = Method(lambda: Ref(lambda _: None))
 
     def _fire(self, fn: Callable[[DraftWorker], None]) -> None:

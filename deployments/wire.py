@@ -1,0 +1,59 @@
+"""A step's draft-head features between the actors and the router as one byte buffer.
+
+Ray pickles a torch tensor through its storage, about 0.5 ms each on a 2-core CPU, and a step of B sequences sent
+B of them (one per ``VerifyOutput`` or ``ProposeItem``). One ``bytes`` object for the step's rows travels inline in
+the call's reply for a fraction of that (docs/benchmarks.md, "The deployment's actors on a shared CPU").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import torch
+
+from specserve.messages import ProposeItem, VerifyOutput
+
+
+@dataclass(frozen=True)
+class WireFeatures:
+    data: bytes  # the rows of every message that had features, in message order, [sum rows, width] of ``dtype``
+    dtype: torch.dtype
+    width: int
+    rows: tuple[int | None, ...]  # per message: its rows; None where it had no features
+
+
+M = TypeVar("M", VerifyOutput, ProposeItem)
+
+
+def strip_features(messages: list[M]) -> tuple[list[M], WireFeatures | None]:
+    """The messages without their features, and the features as one buffer (None: no message had any)."""
+    feats = [m.features for m in messages if m.features is not None]
+    if not feats:
+        return messages, None
+    host = torch.cat(feats).cpu().contiguous()  # [sum n, F]
+    raw = host.view(torch.uint8).numpy().tobytes()  # a byte view: any dtype, bfloat16 included
+    rows = tuple(None if m.features is None else m.features.shape[0] for m in messages)
+    wire = WireFeatures(raw, host.dtype, host.shape[1], rows)
+    return [m if m.features is None else replace(m, features=None) for m in messages], wire
+
+
+def attach_features(messages: list[M], wire: WireFeatures | None) -> list[M]:
+    """``strip_features`` undone: each message gets its rows back, in storage of its own (a view of the step's
+    buffer would keep every other sequence's rows alive as long as its own)."""
+    if wire is None:
+        return messages
+    if len(wire.rows) != len(messages):
+        raise ValueError(f"features for {len(wire.rows)} messages arrived with {len(messages)}")
+    flat = torch.frombuffer(bytearray(wire.data), dtype=torch.uint8) if wire.data else torch.empty(0, dtype=torch.uint8)
+    table = flat.view(wire.dtype).view(-1, wire.width)  # [sum n, F]
+    out, start = [], 0
+    for m, n in zip(messages, wire.rows, strict=True):
+        if n is None:
+            out.append(m)
+            continue
+        out.append(replace(m, features=table[start : start + n].clone()))
+        start += n
+    if start != table.shape[0]:
+        raise ValueError(f"{table.shape[0]} feature rows arrived for {start}")
+    return out
