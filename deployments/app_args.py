@@ -56,6 +56,11 @@ class OmpWait(str, Enum):
     active = "ACTIVE"  # spin: the next region starts at once, and the cores stay busy meanwhile
     passive = "PASSIVE"  # sleep at once: the cores are free for the other actors' work between regions
 
+    @classmethod
+    def _missing_(cls, value: object) -> OmpWait | None:
+        """Either case, as OpenMP reads it."""
+        return next((m for m in cls if isinstance(value, str) and value.upper() == m.value), None)
+
 
 class ActorResources(Validated):
     """Resources one actor reserves (its placement-group bundle); GPUs select the CUDA device."""

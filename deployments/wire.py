@@ -1,8 +1,9 @@
 """A step's draft-head features between the actors and the router as one byte buffer.
 
 Ray pickles a torch tensor through its storage, about 0.5 ms each on a 2-core CPU, and a step of B sequences sent
-B of them (one per ``VerifyOutput`` or ``ProposeItem``). One ``bytes`` object for the step's rows travels inline in
-the call's reply for a fraction of that (docs/benchmarks.md, "The deployment's actors on a shared CPU").
+B of them (one per ``VerifyOutput`` or ``ProposeItem``). One ``bytes`` object for the step's rows costs a fraction of
+that (inline in the call up to Ray's 100 KiB, through the object store beyond: a prefill's rows);
+docs/benchmarks.md, "The deployment's actors on a shared CPU".
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def strip_features(messages: list[M]) -> tuple[list[M], WireFeatures | None]:
     feats = [m.features for m in messages if m.features is not None]
     if not feats:
         return messages, None
+    kinds = {(f.dtype, f.shape[1:]) for f in feats}
+    if len(kinds) > 1:
+        raise ValueError(f"one step's features differ in dtype or width: {sorted(map(str, kinds))}")
     host = torch.cat(feats).cpu().contiguous()  # [sum n, F]
     raw = host.view(torch.uint8).numpy().tobytes()  # a byte view: any dtype, bfloat16 included
     rows = tuple(None if m.features is None else m.features.shape[0] for m in messages)
@@ -45,6 +49,8 @@ def attach_features(messages: list[M], wire: WireFeatures | None) -> list[M]:
         return messages
     if len(wire.rows) != len(messages):
         raise ValueError(f"features for {len(wire.rows)} messages arrived with {len(messages)}")
+    # a writable copy: torch warns on read-only bytes, and silencing it (warnings.catch_warnings) is not safe beside
+    # the other lanes' threads
     flat = torch.frombuffer(bytearray(wire.data), dtype=torch.uint8) if wire.data else torch.empty(0, dtype=torch.uint8)
     table = flat.view(wire.dtype).view(-1, wire.width)  # [sum n, F]
     out, start = [], 0

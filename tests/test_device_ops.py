@@ -236,6 +236,41 @@ def test_the_target_actor_sends_a_steps_features_in_one_buffer(target: LlamaMode
             assert out.features.untyped_storage().nbytes() == out.features.nbytes  # its own rows only
 
 
+def test_the_draft_actor_drafts_from_features_that_crossed_as_one_buffer(target: LlamaModel) -> None:
+    """RemoteDraft strips a step's features into one buffer; DraftActor.propose puts them back: it drafts what a
+    local head worker drafts from the same items."""
+    pytest.importorskip("ray")
+    from deployments.actors import DraftActor
+    from deployments.wire import strip_features
+    from specserve.config import SpecConfig, SpecMethod
+    from specserve.messages import ProposeItem
+    from specserve.models.tiny import tiny_head
+    from specserve.workers.head_draft import HeadDraftWorker
+
+    head = tiny_head(target, seed=3)
+    verifier = TargetWorker(target, num_slots=2, max_len=48)
+    prompts = [[5, 9, 33, 71], [8, 2, 40]]
+    for i in range(2):
+        verifier.add(i, SamplingParams(max_tokens=4), 0)
+    outs = verifier.verify([VerifyItem(i, p, features=FeatureRequest()) for i, p in enumerate(prompts)])
+    spec = SpecConfig(method=SpecMethod.ddd, beam_width=3, budget=6)
+    items = [
+        ProposeItem(i, p + o.tokens, [], 3, spec, features=o.features)
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True))
+    ]
+    actor = DraftActor.__new__(DraftActor)  # the actor's class in-process: no Ray
+    actor.model = head
+    actor.worker = HeadDraftWorker(head, num_slots=2, max_len=48)
+    local = HeadDraftWorker(head, num_slots=2, max_len=48)
+    for worker in (actor.worker, local):
+        for i in range(2):
+            worker.add(i, SamplingParams(max_tokens=4), 0)
+    stripped, wire = strip_features(items)
+    assert wire is not None and all(it.features is None for it in stripped)
+    expected = local.propose(items)
+    assert all(p.tokens for p in expected) and actor.propose(stripped, wire) == expected
+
+
 def test_a_decode_row_beside_a_long_prefill_does_not_keep_the_prefill_alive() -> None:
     """A sequence keeps its features for up to ``catch_up_window`` steps: a view of the step's rows would keep
     another sequence's whole prefill with it; decode rows beside decode rows stay views (no copy a sequence)."""

@@ -22,15 +22,29 @@ def test_features_come_back_bit_for_bit_in_their_messages(dtype: torch.dtype) ->
     assert wire is not None and [o.features for o in stripped] == [None] * 5
     assert [o.tokens for o in stripped] == [[7, 8]] * 5
     back = attach_features(*pickle.loads(pickle.dumps((stripped, wire))))
+    assert [o.seq_id for o in back] == list(range(5))
     for out, f in zip(back, feats, strict=True):
-        assert out.seq_id == outputs[out.seq_id].seq_id
         if f is None:
             assert out.features is None
             continue
         assert out.features is not None and out.features.dtype == dtype and out.features.shape == f.shape
         assert torch.equal(out.features.view(torch.uint8), f.view(torch.uint8))
-        out.features.add_(1)  # writable, and its own: the buffer it came in is not shared with the others
-    assert torch.equal(back[4].features.float(), (feats[4].float() + 1).to(dtype).float())  # type: ignore[union-attr]
+        assert out.features.untyped_storage().nbytes() == out.features.nbytes  # its own rows, not the step's buffer
+
+
+def test_a_step_whose_features_have_no_rows_crosses_too() -> None:
+    outputs = [VerifyOutput(0, [], [1], features=torch.zeros(0, 6)), VerifyOutput(1, [], [2])]
+    stripped, wire = strip_features(outputs)
+    assert wire is not None and wire.data == b"" and wire.rows == (0, None)
+    back = attach_features(stripped, wire)
+    assert back[0].features is not None and back[0].features.shape == (0, 6) and back[1].features is None
+
+
+def test_features_of_different_kinds_in_one_step_are_refused() -> None:
+    for other in (torch.zeros(1, 4, dtype=torch.bfloat16), torch.zeros(1, 5)):
+        outputs = [VerifyOutput(0, [], [1], features=torch.zeros(2, 4)), VerifyOutput(1, [], [2], features=other)]
+        with pytest.raises(ValueError, match="differ in dtype or width"):
+            strip_features(outputs)
 
 
 def test_propose_items_cross_the_same_way_and_messages_without_features_cross_as_they_are() -> None:
