@@ -887,6 +887,9 @@ def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() 
     options = ActorResources(num_cpus=0.5, omp_wait=OmpWait.passive).actor_options()
     assert options["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}} and options["num_cpus"] == 0.5
     assert "runtime_env" not in ActorResources(num_cpus=0.5).actor_options()  # the runtime's default, no env of its own
+    assert ActorResources(num_cpus=0.5, omp_wait="passive").omp_wait == OmpWait.passive  # either case, as OpenMP
+    with pytest.raises(pydantic.ValidationError, match="omp_wait"):
+        ActorResources(num_cpus=0.5, omp_wait="sometimes")
     assert AppArgs.model_validate({"target": q4, "speculation": {"method": "none"}}).target == ModelSpec(**q4)
 
 
