@@ -1,6 +1,6 @@
 """A step's draft-head features between the actors and the router as one byte buffer.
 
-Ray pickles a torch tensor through its storage, about 0.5 ms each on a 2-core CPU, and a step of B sequences sent
+Ray pickles a torch tensor through its storage, 0.3-0.6 ms each on a 2-core CPU, and a step of B sequences sent
 B of them (one per ``VerifyOutput`` or ``ProposeItem``). One ``bytes`` object for the step's rows costs a fraction of
 that (inline in the call up to Ray's 100 KiB, through the object store beyond: a prefill's rows);
 docs/benchmarks.md, "The deployment's actors on a shared CPU".
