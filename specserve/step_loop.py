@@ -262,11 +262,12 @@ class StepLoop:
         plan = self.planner.plan(batch, prefills=prefills, outlook=outlook, guarded=guarded, room=room)
         if self.draft is None and self.serves_drafts:  # detached: no model drafts, and none planned (nor timed)
             model_only = [s.spec.drafter == Drafter.model for s in batch]
-            depths = [0 if m else d for m, d in zip(model_only, plan.depths, strict=True)]
-            free = plan.free_depths
-            if free is not None:
-                free = [0 if m else d for m, d in zip(model_only, free, strict=True)]
-            plan = replace(plan, depths=depths, free_depths=free)
+
+            def undrafted(levels: list[int]) -> list[int]:
+                return [0 if m else d for m, d in zip(model_only, levels, strict=True)]
+
+            free = None if plan.free_depths is None else undrafted(plan.free_depths)
+            plan = replace(plan, depths=undrafted(plan.depths), free_depths=free)
         return plan
 
     def _propose(self, batch: list[Sequence], plan: StepPlan) -> list[Proposal | None]:
