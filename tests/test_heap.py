@@ -38,7 +38,9 @@ def test_freeze_collects_garbage_then_exempts_the_survivors() -> None:
     assert tracked(live) and gone() is not None
     frozen = freeze_loaded_objects()
     assert gone() is None  # collected first, not frozen forever
-    assert frozen == gc.get_freeze_count() > 0
+    # Frozen objects still die by reference count (another thread's, or this frame's temporaries), so the count
+    # may only fall after the freeze.
+    assert frozen >= gc.get_freeze_count() > 0
     assert not tracked(live)
     assert tracked(later := Node()) and later.other is None  # what serving allocates is still collected
     gc.unfreeze()
