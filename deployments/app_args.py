@@ -180,6 +180,13 @@ class AppArgs(LoopConfig):
     speculation: SpecConfig = SpecConfig()  # the loop settings (LoopConfig) speculate by default here
     num_lanes: int = Field(default=1, ge=1, le=64)
     max_queued_requests: int = Field(default=64, ge=0)
+    stream_interval: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="tokens a streamed chunk gathers before it is sent (a request's first tokens and its end go at "
+        "once): fewer, longer chunks cost the router and Serve's proxy less CPU (specserve/coalesce.py)",
+    )
     retry_after_s: int = Field(
         default=1, ge=1, description="the least Retry-After of a 429 (estimated from the queue and step rate above it)"
     )

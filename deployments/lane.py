@@ -50,6 +50,7 @@ from deployments.actors import (
 from deployments.app_args import AppArgs, WorkerRole
 from specserve.api.error_bodies import APIError, LaneLostError, RequestFailedError, WorkerFailedError
 from specserve.api.metrics import ServeMetrics
+from specserve.coalesce import OutputCoalescer
 from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blamed_sequence
 from specserve.sequence import Request, RequestOutput
 from specserve.step_loop import StepLoop
@@ -165,6 +166,7 @@ class Lane:
         metrics: ServeMetrics,
         max_worker_restarts: int,
         step_delay_s: float = 0.0,
+        stream_interval: int = AppArgs.model_fields["stream_interval"].default,
         max_bisection_splits: int = MAX_BISECTION_SPLITS,
         max_failed_steps: int = MAX_FAILED_STEPS,
         worker_retry_s: float = AppArgs.model_fields["worker_retry_s"].default,
@@ -187,6 +189,7 @@ class Lane:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: set[str] = set()  # submitted and not yet finished or aborted (added on submit, else lane thread)
         self._sinks: dict[str, _Sink] = {}  # lane thread only
+        self._coalescer = OutputCoalescer(stream_interval)  # lane thread only: outputs held for a longer chunk
         # dropped with LaneLostError, its stream not yet told: still held (the router moves it once told);
         # added on the lane thread, removed on the event loop
         self._lost: set[str] = set()
@@ -480,9 +483,9 @@ class Lane:
             self._probes.popleft()  # the group passed
         step_s = time.perf_counter() - t0
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is not None:
-                sink.put(out)
+            sink, ready = self._sinks.get(out.request_id), self._coalescer.offer(out)
+            if sink is not None and ready is not None:
+                sink.put(ready)
             if out.finished:
                 self._forget(out.request_id)
         if outputs:  # the loop recorded this step
@@ -729,10 +732,14 @@ class Lane:
             self.loop.abort(request_id)
         except Exception:
             logger.exception("lane %d: abort of %s failed", self.index, request_id)
+        held = self._coalescer.take(request_id)  # committed tokens it had not yet streamed go before the error
         self._forget(request_id)  # before the error is delivered: the request may be submitted here again at once
         if sink is not None:
+            if held is not None:
+                sink.put(held)
             sink.put(error)
 
     def _forget(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
+        self._coalescer.take(request_id)
         self._active.discard(request_id)

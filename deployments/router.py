@@ -110,6 +110,7 @@ class Router:
                 metrics=self._metrics,
                 max_worker_restarts=args.max_worker_restarts,
                 step_delay_s=args.debug_step_delay_s,
+                stream_interval=args.stream_interval,
                 worker_retry_s=args.worker_retry_s,
                 idle_check_s=args.worker_idle_check_s,
                 spare=functools.partial(self._spare_for, i),

@@ -81,6 +81,19 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the same request's next one as one (their news joined; the later one's totals)."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot join outputs of requests {self.request_id!r} and {later.request_id!r}")
+        if self.finished:
+            raise ValueError(f"request {self.request_id!r} has finished: no output follows its last")
+        return replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            committed=self.committed + later.committed,
+        )
+
 
 @dataclass(frozen=True)
 class Checkpoint:

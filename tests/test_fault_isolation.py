@@ -855,3 +855,71 @@ def test_collect_with_return_exceptions_keeps_every_other_completion(
     with pytest.raises(SequenceError, match="poisoned"):
         engine.collect(ids)
     assert not engine.loop.has_work  # the ones after it aborted, not left running
+
+
+def _lane_outputs(
+    engine: Engine, requests: list[Request], **options: int
+) -> list[tuple[list[RequestOutput], APIError | None]]:
+    """Each request's outputs as its stream hands them out, and the error that ended it (None: it finished)."""
+    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0, **options)  # type: ignore[arg-type]
+
+    async def one(request: Request) -> tuple[list[RequestOutput], APIError | None]:
+        outs: list[RequestOutput] = []
+        try:
+            async for out in await lane.submit(request):
+                outs.append(out)
+        except APIError as e:
+            return outs, e
+        return outs, None
+
+    async def run() -> list[tuple[list[RequestOutput], APIError | None]]:
+        return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 120)
+
+    try:
+        results = asyncio.run(run())
+        _settle(lane)
+    finally:
+        lane.stop()
+    return results
+
+
+def test_a_lane_streams_chunks_of_its_interval_with_every_token(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    """``stream_interval``: a request's first tokens go at once, then chunks of at least the interval, then its
+    end; the tokens are those of one output a step."""
+    each = _lane_outputs(_engine(models), _requests(None, GREEDY))
+    chunked = _lane_outputs(_engine(models), _requests(None, GREEDY), stream_interval=5)
+    for (outs, error), (steps, step_error), want in zip(chunked, each, alone, strict=True):
+        assert error is None and step_error is None
+        assert [t for o in outs for t in o.token_ids] == want == [t for o in steps for t in o.token_ids]
+        assert outs[0].token_ids and outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert all(len(o.token_ids) >= 5 for o in outs[1:-1])
+        assert len(outs) < len(steps)  # chain SL 4 on a noisy copy: several steps of fewer than 5 tokens
+        assert outs[-1].stats == steps[-1].stats and outs[-1].num_output_tokens == len(want)
+
+
+def test_a_failing_request_gets_the_tokens_a_chunk_held_before_its_error(
+    models: tuple[LlamaModel, LlamaModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose fifth commit fails hears every token it committed before, whatever the stream interval
+    held back, and then its error."""
+    poison = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    real = StepLoop._commit
+    commits: dict[str, int] = {}
+
+    def commit(self: StepLoop, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
+        rid = seq.request.request_id
+        commits[rid] = commits.get(rid, 0) + 1
+        if seq.request.params is poison and commits[rid] == 5:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "poisoned token")
+        return real(self, seq, proposal, out)
+
+    monkeypatch.setattr(StepLoop, "_commit", commit)
+    heard = {}
+    for interval in (1, 64):
+        commits.clear()
+        outs, error = _lane_outputs(_engine(models), _requests(1, poison), stream_interval=interval)[1]
+        assert isinstance(error, RequestFailedError)
+        heard[interval] = [t for o in outs for t in o.token_ids]
+    assert len(heard[1]) >= 4 and heard[64] == heard[1]

@@ -79,6 +79,7 @@ HEAD_ARGS: dict[str, Any] = {  # a random EAGLE head: features travel target act
     "target_resources": SMALL_CPU,
     "draft_resources": {**SMALL_CPU, "omp_wait": "PASSIVE"},  # as app.yaml's draft actor
     "debug_routes": True,
+    "stream_interval": 4,  # streamed chunks of at least 4 tokens after the first
 }
 MODEL = "tiny"
 REPO = Path(__file__).resolve().parents[1]  # workers import `deployments` from here
@@ -239,6 +240,8 @@ def test_app_args_layout_and_validation() -> None:
         {"api_key": ""},  # would switch authentication off
         {"served_model_name": ""},  # no client could name it
         {"max_batch_size": 0},
+        {"stream_interval": 0},  # a chunk of no tokens
+        {"stream_interval": 1.5},
     ):
         with pytest.raises(pydantic.ValidationError):
             AppArgs.model_validate(bad)
@@ -721,6 +724,7 @@ def test_eagle_head_deployment_is_lossless_and_survives_a_draft_restart(base_url
     ray.kill(ray.get_actor(draft["actor_name"], namespace=draft["namespace"]))
     ids += [c.choices[0].model_extra["token_ids"] for c in stream]
     assert [t for chunk in ids for t in chunk] == refs[0].token_ids
+    assert len(ids[0]) >= 1 and all(len(chunk) >= HEAD_ARGS["stream_interval"] for chunk in ids[1:-1])
     deadline = time.monotonic() + TIMEOUT_S
     while not (new := [w for w in _lanes(url)[0]["workers"] if _replaced(w, draft)]):
         assert time.monotonic() < deadline, "the lost draft actor was not replaced"
