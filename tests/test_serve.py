@@ -276,6 +276,8 @@ def test_default_app_serves_the_shipped_head_with_its_serving_defaults() -> None
     assert args.max_step_tokens == SERVING_MAX_STEP_TOKENS == 64
     # the draft actor's threads sleep between its forwards instead of spinning through the target's on shared cores
     assert args.draft_resources.omp_wait == OmpWait.passive and args.target_resources.omp_wait is None
+    # streamed chunks of 4 tokens after the first: the serving side's CPU per token is taken from the forward
+    assert args.stream_interval == 4 and AppArgs().stream_interval == 1
     recipe = args.recipe(WorkerRole.draft)
     assert recipe is not None and recipe.spec == HeadSpec(head="smollm2-eagle3")
     target = args.recipe(WorkerRole.target)
