@@ -459,7 +459,10 @@ class Lane:
         failures: dict[int, SequenceError] = {}
         try:
             if self._starting():
+                self._flush_held()  # a target loading may take minutes
                 return
+            if only is not None:
+                self._flush_held()  # the step leaves the others waiting
             outputs = self.loop.step(only)
         except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
             outputs, failures = e.outputs, e.failures
@@ -732,12 +735,18 @@ class Lane:
             self.loop.abort(request_id)
         except Exception:
             logger.exception("lane %d: abort of %s failed", self.index, request_id)
-        held = self._coalescer.take(request_id)  # committed tokens it had not yet streamed go before the error
+        held = self._coalescer.take(request_id)  # tokens handed out but not yet streamed go before the error
         self._forget(request_id)  # before the error is delivered: the request may be submitted here again at once
         if sink is not None:
             if held is not None:
                 sink.put(held)
             sink.put(error)
+
+    def _flush_held(self) -> None:
+        for out in self._coalescer.flush():
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                sink.put(out)
 
     def _forget(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)

@@ -28,11 +28,11 @@ class OutputCoalescer:
 
     def offer(self, out: RequestOutput) -> RequestOutput | None:
         """The output to hand out now (``out`` joined to what was held for its request), or None: held."""
-        if self.interval == 1:
-            return out
         held = self._held.pop(out.request_id, None)
         if held is not None:
             out = held.then(out)
+        if self.interval == 1:
+            return out
         first = out.request_id not in self._started and bool(out.token_ids)
         if out.finished or first or len(out.token_ids) >= self.interval:
             if out.finished:
@@ -42,6 +42,12 @@ class OutputCoalescer:
             return out
         self._held[out.request_id] = out
         return None
+
+    def flush(self) -> list[RequestOutput]:
+        """Everything held, for a lane that will not step its requests for a while (a target starting, a step over
+        a few of them while a failure is isolated): a held token waits for the next chunk, not for the lane."""
+        held, self._held = list(self._held.values()), {}
+        return held
 
     def take(self, request_id: str) -> RequestOutput | None:
         """What is held for a request that leaves without finishing (failed, moved, aborted), which forgets it."""

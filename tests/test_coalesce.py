@@ -106,3 +106,24 @@ def test_take_hands_back_what_is_held_and_forgets_the_request() -> None:
 def test_an_interval_below_one_token_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1 token"):
         OutputCoalescer(0)
+
+
+def test_flush_hands_out_everything_held_and_keeps_each_requests_first_tokens_passed() -> None:
+    coalescer = OutputCoalescer(8)
+    a, b = _steps("a", [1, 2, 2]), _steps("b", [1, 3, 1])
+    for out in (a[0], b[0], a[1], b[1]):  # the first tokens pass, the second steps are held
+        coalescer.offer(out)
+    flushed = {o.request_id: o.token_ids for o in coalescer.flush()}
+    assert flushed == {"a": a[1].token_ids, "b": b[1].token_ids} and coalescer.holding == 0
+    assert coalescer.flush() == []
+    assert coalescer.offer(_out("a", [9], 3, 4)) is None  # not a first output again: held for its chunk
+
+
+def test_switching_to_an_interval_of_one_keeps_what_was_held() -> None:
+    coalescer = OutputCoalescer(4)
+    steps = _steps("r", [1, 1, 1])
+    coalescer.offer(steps[0])
+    assert coalescer.offer(steps[1]) is None
+    coalescer.interval = 1
+    out = coalescer.offer(steps[2])
+    assert out is not None and out.token_ids == steps[1].token_ids + steps[2].token_ids

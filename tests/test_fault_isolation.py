@@ -923,3 +923,27 @@ def test_a_failing_request_gets_the_tokens_a_chunk_held_before_its_error(
         assert isinstance(error, RequestFailedError)
         heard[interval] = [t for o in outs for t in o.token_ids]
     assert len(heard[1]) >= 4 and heard[64] == heard[1]
+
+
+def test_a_lane_that_cannot_step_for_a_while_sends_what_it_holds(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that finds the target starting (minutes, for a real model) first hands out the tokens its chunks
+    held; the streams then go on to the same tokens."""
+    calls, flushes = [0], []
+    real_flush = Lane._flush_held
+
+    def starting(self: Lane) -> bool:
+        calls[0] += 1
+        return calls[0] == 4  # the fourth step finds its target loading
+
+    def flush(self: Lane) -> None:
+        before = self._coalescer.holding
+        real_flush(self)
+        flushes.append((before, self._coalescer.holding))
+
+    monkeypatch.setattr(Lane, "_starting", starting)
+    monkeypatch.setattr(Lane, "_flush_held", flush)
+    results = _lane_outputs(_engine(models), _requests(None, GREEDY), stream_interval=64)
+    assert [[t for o in outs for t in o.token_ids] for outs, _ in results] == alone
+    assert len(flushes) == 1 and flushes[0][0] > 0 and flushes[0][1] == 0
