@@ -947,3 +947,31 @@ def test_a_lane_that_cannot_step_for_a_while_sends_what_it_holds(
     results = _lane_outputs(_engine(models), _requests(None, GREEDY), stream_interval=64)
     assert [[t for o in outs for t in o.token_ids] for outs, _ in results] == alone
     assert len(flushes) == 1 and flushes[0][0] > 0 and flushes[0][1] == 0
+
+
+def test_a_step_over_a_suspect_group_first_sends_what_the_others_hold(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While an unattributed failure is bisected, each step runs a few sequences and leaves the others waiting:
+    their held tokens go out before it, and every request but the culprit still gets its own tokens."""
+    engine = _engine(models)
+    poison = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    verifies = [0]
+
+    def late(batch: set[int], bad: set[int]) -> Exception | None:
+        verifies[0] += 1
+        return RuntimeError("no mass") if bad & batch and verifies[0] >= 4 else None
+
+    flushes: list[int] = []
+    real_flush = Lane._flush_held
+
+    def flush(self: Lane) -> None:
+        flushes.append(self._coalescer.holding)
+        real_flush(self)
+
+    monkeypatch.setattr(Lane, "_flush_held", flush)
+    faulty = _faulty(engine, poison, late)
+    results = _lane_outputs(engine, _requests(3, poison), stream_interval=64)
+    assert isinstance(results[3][1], RequestFailedError)
+    assert [[t for o in outs for t in o.token_ids] for outs, _ in results[:3]] == alone[:3]
+    assert len(faulty.failed) > 1 and flushes and flushes[0] > 0  # held tokens went out before the first probe
