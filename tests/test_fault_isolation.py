@@ -107,21 +107,22 @@ def _faulty(engine: Engine, poison: SamplingParams | None, fault: Fault) -> Faul
     return faulty
 
 
-def _run_lane(engine: Engine, requests: list[Request], **options: int) -> list[Result]:
-    """Submit every request to a lane over the engine's loop at once; each one's tokens, or the error it got."""
+def _lane_outputs(
+    engine: Engine, requests: list[Request], **options: int
+) -> list[tuple[list[RequestOutput], APIError | None]]:
+    """Each request's outputs as its stream hands them out, and the error that ended it (None: it finished)."""
     lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0, **options)  # type: ignore[arg-type]
 
-    async def one(request: Request) -> Result:
-        stream = await lane.submit(request)
-        tokens: list[int] = []
+    async def one(request: Request) -> tuple[list[RequestOutput], APIError | None]:
+        outs: list[RequestOutput] = []
         try:
-            async for out in stream:
-                tokens += out.token_ids
+            async for out in await lane.submit(request):
+                outs.append(out)
         except APIError as e:
-            return e
-        return tokens
+            return outs, e
+        return outs, None
 
-    async def run() -> list[Result]:
+    async def run() -> list[tuple[list[RequestOutput], APIError | None]]:
         return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 120)
 
     try:
@@ -130,6 +131,12 @@ def _run_lane(engine: Engine, requests: list[Request], **options: int) -> list[R
     finally:
         lane.stop()
     return results
+
+
+def _run_lane(engine: Engine, requests: list[Request], **options: int) -> list[Result]:
+    """Submit every request to a lane over the engine's loop at once; each one's tokens, or the error it got."""
+    results = _lane_outputs(engine, requests, **options)
+    return [[t for o in outs for t in o.token_ids] if error is None else error for outs, error in results]
 
 
 def _settle(lane: Lane) -> None:
@@ -855,32 +862,6 @@ def test_collect_with_return_exceptions_keeps_every_other_completion(
     with pytest.raises(SequenceError, match="poisoned"):
         engine.collect(ids)
     assert not engine.loop.has_work  # the ones after it aborted, not left running
-
-
-def _lane_outputs(
-    engine: Engine, requests: list[Request], **options: int
-) -> list[tuple[list[RequestOutput], APIError | None]]:
-    """Each request's outputs as its stream hands them out, and the error that ended it (None: it finished)."""
-    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0, **options)  # type: ignore[arg-type]
-
-    async def one(request: Request) -> tuple[list[RequestOutput], APIError | None]:
-        outs: list[RequestOutput] = []
-        try:
-            async for out in await lane.submit(request):
-                outs.append(out)
-        except APIError as e:
-            return outs, e
-        return outs, None
-
-    async def run() -> list[tuple[list[RequestOutput], APIError | None]]:
-        return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 120)
-
-    try:
-        results = asyncio.run(run())
-        _settle(lane)
-    finally:
-        lane.stop()
-    return results
 
 
 def test_a_lane_streams_chunks_of_its_interval_with_every_token(
