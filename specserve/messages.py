@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specserve.config import KLDMode, SpecConfig
@@ -21,13 +22,22 @@ from specserve.policy import SparseTail
 class DraftQ:
     """The draft's temperature-1 next-token distribution at some tree nodes (node 0 = the root).
 
-    Sparse (top-K probabilities, not renormalised) crosses actors; dense logits only within one process.
+    Sparse (top-K probabilities, not renormalised) crosses actors, as host arrays: pickled whole and read by the
+    target without a per-number conversion; dense logits only within one process.
     """
 
     nodes: list[int]
-    idx: list[list[int]] | None = None  # [n, K]
-    prob: list[list[float]] | None = None  # [n, K]
+    idx: np.ndarray | None = None  # [n, K] int32 target token ids (sparse); row r's entries past widths[r] unused
+    prob: np.ndarray | None = None  # [n, K] float32, the probabilities of ``idx``
+    widths: tuple[int, ...] | None = None  # ragged rows (a model-free drafter's counts): row r holds widths[r]
+    # entries; None: every row holds K
     dense_logits: torch.Tensor | None = None  # [n, V], KLDMode.exact only
+
+    def row(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row r's ids and probabilities [k_r] (sparse mode)."""
+        assert self.idx is not None and self.prob is not None
+        k = self.idx.shape[1] if self.widths is None else self.widths[r]
+        return self.idx[r, :k], self.prob[r, :k]
 
     @property
     def mode(self) -> KLDMode:

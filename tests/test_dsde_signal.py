@@ -5,6 +5,7 @@ sparse q's tail model all show in the numbers."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,14 +13,16 @@ import torch
 
 from specserve.config import KLDMode, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
-from specserve.messages import Proposal
+from specserve.errors import SequenceError
+from specserve.messages import DraftQ, Proposal, VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy.dsde import SequenceDSDE
-from specserve.policy.kld import SparseTail
+from specserve.policy.kld import SparseTail, kld_exact, kld_sparse
 from specserve.sampling import SamplingParams
 from specserve.step_events import StepEvent, StepObserver
+from specserve.workers.target import TargetWorker
 
 TOP_K = 8  # of the tiny model's 512 ids: the tail carries real mass
 
@@ -109,3 +112,63 @@ def test_dsde_is_fed_kl_of_target_against_draft_at_the_verified_positions(
     got, want = np.array(checked).T
     assert want.max() > 0.05  # a draft that disagrees: the values are not all ~0
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-5)
+
+
+def test_one_step_scores_every_kind_of_q_as_each_sequence_alone() -> None:
+    """The target scores a step's draft distributions together (one computation per kind of q, one host read):
+    sequences sending dense q, sparse q under either tail, ragged rows (a model-free drafter's counts) and none at all
+    each get KL(p || q) of their own logits rows at their own verified nodes, as ``kld_exact`` / ``kld_sparse`` give
+    for that sequence alone."""
+    g = torch.Generator().manual_seed(3)
+    worker = TargetWorker(tiny_model(seed=0), num_slots=1, max_len=8)
+    vocab = worker.model.cfg.vocab_size
+    sizes = [4, 3, 5, 2, 4]  # tree nodes per sequence (the root and its drafts)
+    logits = 3 * torch.randn(sum(sizes), vocab, generator=g)
+    dense_q = torch.randn(3, vocab, generator=g)
+
+    def sparse(n: int, widths: tuple[int, ...] | None, k: int = 6) -> DraftQ:
+        idx = np.stack([torch.randperm(vocab, generator=g)[:k].numpy().astype(np.int32) for _ in range(n)])
+        prob = (torch.rand(n, k, generator=g) / k).numpy()
+        return DraftQ(list(range(n)), idx=idx, prob=prob, widths=widths)
+
+    qs = [
+        DraftQ([0, 1, 2], dense_logits=dense_q),
+        sparse(2, None),
+        sparse(4, (6, 2, 5, 2)),
+        None,
+        sparse(3, None),
+    ]
+    tails = [SparseTail.lumped, SparseTail.lumped, SparseTail.lumped, SparseTail.lumped, SparseTail.uniform]
+    accepted = [[1, 2], [1], [2, 3], [], [1]]  # node 3 of the first has no q: not scored
+    items = [
+        VerifyItem(i, [7], draft_tokens=[1] * (n - 1), draft_parents=list(range(n - 1)), draft_q=q, kld_tail=t)
+        for i, (n, q, t) in enumerate(zip(sizes, qs, tails, strict=True))
+    ]
+    outputs = [VerifyOutput(i, a, [1] * (len(a) + 1)) for i, a in enumerate(accepted)]
+    got = worker._with_klds(items, outputs, logits, sizes)
+
+    rows = logits.split(sizes)
+    want = [
+        kld_exact(rows[0][[0, 1, 2]], dense_q).tolist(),
+        [float(kld_sparse(rows[1][[n]], *map(torch.from_numpy, _as_row(qs[1], n)), tail=tails[1])) for n in (0, 1)],
+        [float(kld_sparse(rows[2][[n]], *map(torch.from_numpy, _as_row(qs[2], n)), tail=tails[2])) for n in (0, 2, 3)],
+        [],
+        [float(kld_sparse(rows[4][[n]], *map(torch.from_numpy, _as_row(qs[4], n)), tail=tails[4])) for n in (0, 1)],
+    ]
+    assert [o.seq_id for o in got] == list(range(5)) and got[3] is outputs[3]
+    for out, w in zip(got, want, strict=True):
+        assert len(out.kld) == len(w)
+        np.testing.assert_allclose(out.kld, w, rtol=1e-5, atol=1e-6)
+    assert len({round(v, 4) for o in got for v in o.kld}) > 5  # distinct values: nothing shared between rows
+
+    bad = DraftQ([0], idx=np.array([[3, vocab]], dtype=np.int32), prob=np.full((1, 2), 0.1, dtype=np.float32))
+    broken = [*items[:2], replace(items[2], draft_q=bad)]
+    with pytest.raises(SequenceError) as caught:
+        worker._with_klds(broken, outputs[:3], logits[: sum(sizes[:3])], sizes[:3])
+    assert caught.value.seq_id == 2 and "outside the vocabulary" in str(caught.value)
+
+
+def _as_row(q: DraftQ | None, r: int) -> tuple[np.ndarray, np.ndarray]:
+    assert q is not None
+    ids, probs = q.row(r)
+    return ids[None].astype(np.int64), probs[None]

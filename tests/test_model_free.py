@@ -116,8 +116,16 @@ def test_empirical_q_leaves_alpha_for_unseen_tokens() -> None:
     assert idx == [10, 11] and prob == pytest.approx([6 / 9, 2 / 9])
     q = count_draft_q(chain_from_counts(TREE, 3, 0.0), alpha=1.0, k=1)
     assert q.nodes == [0, 1, 2]  # the last node (14) has no continuation: no q there
-    assert q.idx == [[10], [12], [14]] and q.prob is not None
-    assert [r[0] for r in q.prob] == pytest.approx([6 / 9, 6 / 7, 3 / 7])
+    assert q.idx is not None and q.prob is not None and q.widths is None
+    assert q.idx.tolist() == [[10], [12], [14]]
+    assert q.prob[:, 0].tolist() == pytest.approx([6 / 9, 6 / 7, 3 / 7])
+    # rows of several widths: each row reads back as its node's own top-k, whatever the padding
+    wide = count_draft_q(chain_from_counts(TREE, 3, 0.0), alpha=1.0, k=8)
+    rows = [(ids.tolist(), ps.tolist()) for ids, ps in map(wide.row, range(len(wide.nodes)))]
+    want = [empirical_q(node, 1.0, 8) for node in chain_from_counts(TREE, 3, 0.0).nodes if node.has_children]
+    assert [ids for ids, _ in rows] == [ids for ids, _ in want]
+    assert [ps for _, ps in rows] == [pytest.approx(ps) for _, ps in want]
+    assert wide.widths is not None and len(set(wide.widths)) > 1
 
 
 # --- suffix tries ----------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from specserve.config import (
     SpecMethod,
 )
 from specserve.engine import Engine
-from specserve.messages import VerifyItem
+from specserve.messages import VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
@@ -212,17 +212,24 @@ def test_serving_kld_tracks_the_exact_kld_where_dsde_reads_it(
     from specserve.workers import target as target_module
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    real_kld = target_module.TargetWorker._kld
+    real_klds = target_module.TargetWorker._with_klds
 
-    def spy(it: VerifyItem, logits: torch.Tensor, accepted: list[int]) -> list[float]:
-        out = real_kld(it, logits, accepted)
-        q = it.draft_q
-        assert q is not None and q.dense_logits is not None
-        nodes = [n for n in kld_nodes(accepted, len(it.draft_tokens) + 1, it.kld_past_rejection) if n in q.nodes]
-        seen.append((logits[nodes], q.dense_logits[[q.nodes.index(n) for n in nodes]]))
-        return out
+    def spy(
+        self: target_module.TargetWorker,
+        items: list[VerifyItem],
+        outputs: list[VerifyOutput],
+        logits: torch.Tensor,
+        sizes: list[int],
+    ) -> list[VerifyOutput]:
+        for it, out, lg in zip(items, outputs, logits.split(sizes), strict=True):
+            q = it.draft_q
+            assert q is not None and q.dense_logits is not None
+            scored = kld_nodes(out.accepted, len(it.draft_tokens) + 1, it.kld_past_rejection)
+            nodes = [n for n in scored if n in q.nodes]
+            seen.append((lg[nodes], q.dense_logits[[q.nodes.index(n) for n in nodes]]))
+        return real_klds(self, items, outputs, logits, sizes)
 
-    monkeypatch.setattr(target_module.TargetWorker, "_kld", staticmethod(spy))
+    monkeypatch.setattr(target_module.TargetWorker, "_with_klds", spy)
     draft_spec = MODEL_PAIRS["smollm2-int8"][1]
     assert isinstance(draft_spec, ModelSpec)
     spec = SpecConfig(method=SpecMethod.chain, sl=3, policy=SLPolicyKind.dsde, kld_mode=KLDMode.exact)

@@ -108,17 +108,20 @@ def kld_sparse(
         raise ValueError(
             f"bad shapes: p_logits {tuple(p_logits.shape)}, q_idx {tuple(q_idx.shape)}, q_prob {tuple(q_prob.shape)}"
         )
-    p = _softmax(p_logits)  # [N, V]
-    idx = q_idx.to(p.device).long()  # [N, K]
-    qk = q_prob.to(device=p.device, dtype=p.dtype)  # [N, K]
+    x = p_logits if p_logits.dtype in (torch.float32, torch.float64) else p_logits.float()  # [N, V]
+    idx = q_idx.to(x.device).long()  # [N, K]
+    qk = q_prob.to(device=x.device, dtype=x.dtype)  # [N, K]
     if q_is_log:
         qk = qk.exp()
     if tail is SparseTail.uniform:
-        q = dense_from_sparse(idx, qk, p.shape[-1])  # [N, V]
-        return _kl_dense(p, q, eps)  # [N]
-    pk = p.gather(-1, idx)  # [N, K]
-    outside = torch.ones_like(p, dtype=torch.bool).scatter_(-1, idx, False)  # [N, V]
-    p_rest = (p * outside).sum(dim=-1).clamp_min(eps)  # [N]
+        q = dense_from_sparse(idx, qk, x.shape[-1])  # [N, V]
+        return _kl_dense(_softmax(x), q, eps)  # [N]
+    # lumped: only p's top-K entries and its normaliser (a max, then one temporary exponentiated in place and summed);
+    # a softmax and a mask of the rest made three more [N, V] temporaries. P_rest = 1 - sum(top-K of p), in float64
+    top = x.amax(dim=-1, keepdim=True)  # [N, 1]
+    log_z = top + (x - top).exp_().sum(dim=-1, keepdim=True).log()  # [N, 1]
+    pk = (x.gather(-1, idx) - log_z).exp()  # [N, K]
+    p_rest = (1.0 - pk.sum(dim=-1, dtype=torch.float64)).to(x.dtype).clamp_min(eps)  # [N]
     q_rest = (1.0 - qk.sum(dim=-1)).clamp_min(eps)  # [N]
     pk = pk.clamp_min(eps)
     head = (pk * (pk.log() - qk.clamp_min(eps).log())).sum(dim=-1)  # [N]

@@ -17,6 +17,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from specserve.config import SpecMethod
 from specserve.messages import DraftQ
 from specserve.spec_decode.suffix_tree import CountNode
@@ -146,11 +148,15 @@ def draft_from_counts(
 
 def count_draft_q(draft: CountDraft, alpha: float, k: int) -> DraftQ:
     """The empirical q at every node that has seen continuations (the root always has)."""
-    nodes, idx, prob = [], [], []
+    nodes, rows = [], []
     for i, node in enumerate(draft.nodes):
         if node.has_children:
-            ids, ps = empirical_q(node, alpha, k)
             nodes.append(i)
-            idx.append(ids)
-            prob.append(ps)
-    return DraftQ(nodes, idx=idx, prob=prob)
+            rows.append(empirical_q(node, alpha, k))
+    widths = tuple(len(ids) for ids, _ in rows)
+    idx = np.zeros((len(rows), max(widths, default=0)), dtype=np.int32)  # [n, max width]
+    prob = np.zeros(idx.shape, dtype=np.float32)
+    for r, (ids, ps) in enumerate(rows):
+        idx[r, : len(ids)] = ids
+        prob[r, : len(ps)] = ps
+    return DraftQ(nodes, idx=idx, prob=prob, widths=None if len(set(widths)) <= 1 else widths)

@@ -75,5 +75,6 @@ def draft_q(s: DraftState, fed: list[tuple[int, int]]) -> DraftQ | None:
             full = logits.new_full((logits.shape[0], s.vocab_size), float("-inf"))  # [n, V]
             logits = full.index_copy_(1, s.token_ids, logits)
         return DraftQ(nodes, dense_logits=logits)
-    idx, prob = sparse_topk_q(logits, s.item.spec.kld_top_k)
-    return DraftQ(nodes, idx=target_ids(s, idx).tolist(), prob=prob.tolist())  # host sync
+    idx, prob = sparse_topk_q(logits, s.item.spec.kld_top_k)  # [n, K], [n, K]
+    ids = target_ids(s, idx).to(torch.int32).cpu().numpy()  # host sync
+    return DraftQ(nodes, idx=ids, prob=prob.float().cpu().numpy())

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from specserve.errors import blame
-from specserve.messages import VerifyItem, VerifyOutput
+from specserve.messages import DraftQ, VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
 from specserve.models.lm_head import greedy_ids
-from specserve.policy import kld_exact, kld_nodes, kld_sparse
+from specserve.policy import SparseTail, kld_exact, kld_nodes, kld_sparse
 from specserve.sampling import SamplingParams, greedy_draw, keyed_sample, make_generator, process_logits
 from specserve.spec_decode.draft_tree import DraftTree, step_layout
 from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
@@ -90,6 +91,8 @@ class TargetWorker:
         for it, tree, slot, start, draw_pos, lg, top in rows:
             with blame(it.seq_id):
                 outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, top))
+        if logits is not None and any(it.draft_q is not None for it in items):
+            outputs = self._with_klds(items, outputs, logits, sizes)
         return outputs if features is None else self._with_features(items, outputs, features, batch.num_new)
 
     def _verify_one(
@@ -103,8 +106,8 @@ class TargetWorker:
         greedy: torch.Tensor | None,
     ) -> VerifyOutput:
         """Sample-verify one sequence's draft from its logits [T, V] (None where every item of the step is greedy
-        and needs no KLD: only their argmaxes ``greedy`` [T] were computed), roll its KV back to the accepted path,
-        and read its KLD."""
+        and needs no KLD: only their argmaxes ``greedy`` [T] were computed) and roll its KV back to the accepted
+        path."""
         params = self.params[it.seq_id]
         gen = self.generators[it.seq_id]
         vocab = self.model.cfg.vocab_size
@@ -128,10 +131,7 @@ class TargetWorker:
             res = verify_tree(tree, process_logits(logits, params), gen)
         num_pending = len(it.new_tokens) - 1
         self._rollback(slot, start, num_pending, res.accepted_nodes)
-        kld = self._kld(it, logits, res.accepted_nodes) if it.draft_q is not None and logits is not None else []
-        if it.synthetic_accept is not None and kld:
-            kld = synthetic_kld(it.synthetic_accept, len(kld), gen)
-        return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens, kld)
+        return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens)
 
     @staticmethod
     def _with_features(
@@ -182,29 +182,62 @@ class TargetWorker:
         """Keep the pending tokens, the root and the accepted path; drop the rejected nodes' KV."""
         self.cache.keep(slot, start, [*range(num_pending + 1), *(num_pending + a for a in accepted)])
 
-    @staticmethod
-    def _kld(it: VerifyItem, logits: torch.Tensor, accepted: list[int]) -> list[float]:
-        """KL(p || q) at the verified positions that the draft sent q for (temperature 1). logits: [T, V]."""
-        q = it.draft_q
-        assert q is not None
-        row_of = {node: i for i, node in enumerate(q.nodes)}
-        nodes = [n for n in kld_nodes(accepted, len(it.draft_tokens) + 1, it.kld_past_rejection) if n in row_of]
-        if not nodes:
-            return []
-        rows = [row_of[n] for n in nodes]
-        p_logits = logits[nodes]  # [n, V]
-        if q.dense_logits is not None:
-            return kld_exact(p_logits, q.dense_logits[rows].to(p_logits.device)).tolist()
-        assert q.idx is not None and q.prob is not None
-        if len({len(q.idx[r]) for r in rows}) > 1:  # ragged top-K (a model-free drafter's counts): row by row
-            return [
-                float(
-                    kld_sparse(
-                        p_logits[i : i + 1], torch.tensor([q.idx[r]]), torch.tensor([q.prob[r]]), tail=it.kld_tail
-                    )
-                )
-                for i, r in enumerate(rows)
-            ]  # host sync
-        idx = torch.tensor([q.idx[r] for r in rows])
-        prob = torch.tensor([q.prob[r] for r in rows])
-        return kld_sparse(p_logits, idx, prob, tail=it.kld_tail).tolist()  # host sync
+    def _with_klds(
+        self, items: list[VerifyItem], outputs: list[VerifyOutput], logits: torch.Tensor, sizes: list[int]
+    ) -> list[VerifyOutput]:
+        """Each output whose draft sent q gets KL(p || q) (temperature 1) at the nodes ``kld_nodes`` names that q
+        covers. logits: the step's [R, V], ``sizes`` rows per item. Computed a sequence at a time (its few rows of
+        the full vocabulary stay in cache; a whole batch's do not), read to the host once for the step."""
+        values: list[torch.Tensor] = []  # per sequence and kind of row: KLDs [m]
+        order: list[int] = []  # the place of each value among the step's KLDs
+        counts: list[int] = []  # KLDs per sequence
+        first = 0  # the KLDs of the sequences before this one
+        for it, out, lg in zip(items, outputs, logits.split(sizes), strict=True):
+            q, first = it.draft_q, first + (counts[-1] if counts else 0)
+            if q is None:
+                counts.append(0)
+                continue
+            with blame(it.seq_id):
+                scored = kld_nodes(out.accepted, len(it.draft_tokens) + 1, it.kld_past_rejection)
+                row_of = {node: i for i, node in enumerate(q.nodes)}
+                nodes = [n for n in scored if n in row_of]
+                for places, v in _klds(q, lg, nodes, [row_of[n] for n in nodes], it.kld_tail):
+                    order += (first + p for p in places)
+                    values.append(v)
+            counts.append(len(nodes))
+        flat = [0.0] * sum(counts)
+        for place, v in zip(order, torch.cat(values).tolist() if values else [], strict=True):  # host sync, once
+            flat[place] = v
+        done, start = [], 0
+        for it, out, n in zip(items, outputs, counts, strict=True):
+            kld, start = flat[start : start + n], start + n
+            if it.synthetic_accept is not None and kld:
+                kld = synthetic_kld(it.synthetic_accept, len(kld), self.generators[it.seq_id])
+            done.append(out if it.draft_q is None else replace(out, kld=kld))
+        return done
+
+
+def _klds(
+    q: DraftQ, logits: torch.Tensor, nodes: list[int], rows: list[int], tail: SparseTail
+) -> list[tuple[list[int], torch.Tensor]]:
+    """One sequence's KL(p || q) at ``nodes`` (p: its logits [T, V] at those nodes; q: rows ``rows`` of its draft q),
+    as (places among ``nodes``, values [m]) per computation: one for dense q or rows of one width, one per width
+    where a model-free drafter's rows differ."""
+    if not nodes:
+        return []
+    if q.dense_logits is not None:
+        return [(list(range(len(nodes))), kld_exact(logits[nodes], q.dense_logits[rows].to(logits.device)))]
+    vocab = logits.shape[-1]
+    by_width: dict[int, list[int]] = {}
+    for place, r in enumerate(rows):
+        ids, _ = q.row(r)
+        if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+            raise ValueError(f"draft q names token ids outside the vocabulary of {vocab}")
+        by_width.setdefault(ids.size, []).append(place)
+    out = []
+    for places in by_width.values():
+        picked = [q.row(rows[p]) for p in places]
+        idx = torch.from_numpy(np.stack([ids for ids, _ in picked]))  # [m, K]
+        prob = torch.from_numpy(np.stack([probs for _, probs in picked]))  # [m, K]
+        out.append((places, kld_sparse(logits[[nodes[p] for p in places]], idx, prob, tail=tail)))  # [m]
+    return out
