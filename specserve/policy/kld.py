@@ -116,11 +116,8 @@ def kld_sparse(
     if tail is SparseTail.uniform:
         q = dense_from_sparse(idx, qk, x.shape[-1])  # [N, V]
         return _kl_dense(_softmax(x), q, eps)  # [N]
-    # lumped: only p's top-K entries and its normaliser (a max, then one temporary exponentiated in place and summed);
-    # a softmax and a mask of the rest made three more [N, V] temporaries. P_rest = 1 - sum(top-K of p), in float64
-    top = x.amax(dim=-1, keepdim=True)  # [N, 1]
-    log_z = top + (x - top).exp_().sum(dim=-1, keepdim=True).log()  # [N, 1]
-    pk = (x.gather(-1, idx) - log_z).exp()  # [N, K]
+    # lumped: P_rest = 1 - sum(top-K of p) (in float64), where a mask of the rest made two more [N, V] temporaries
+    pk = _softmax(x).gather(-1, idx)  # [N, K]
     p_rest = (1.0 - pk.sum(dim=-1, dtype=torch.float64)).to(x.dtype).clamp_min(eps)  # [N]
     q_rest = (1.0 - qk.sum(dim=-1)).clamp_min(eps)  # [N]
     pk = pk.clamp_min(eps)

@@ -225,8 +225,14 @@ def _klds(
     where a model-free drafter's rows differ."""
     if not nodes:
         return []
+
+    def at(places: list[int]) -> torch.Tensor:
+        """The logits [m, V] at these of ``nodes`` (``index_select``: indexing by a list took 6x as long)."""
+        return logits.index_select(0, torch.tensor([nodes[p] for p in places], device=logits.device))
+
+    every = list(range(len(nodes)))
     if q.dense_logits is not None:
-        return [(list(range(len(nodes))), kld_exact(logits[nodes], q.dense_logits[rows].to(logits.device)))]
+        return [(every, kld_exact(at(every), q.dense_logits[rows].to(logits.device)))]
     vocab = logits.shape[-1]
     by_width: dict[int, list[int]] = {}
     for place, r in enumerate(rows):
@@ -239,5 +245,5 @@ def _klds(
         picked = [q.row(rows[p]) for p in places]
         idx = torch.from_numpy(np.stack([ids for ids, _ in picked]))  # [m, K]
         prob = torch.from_numpy(np.stack([probs for _, probs in picked]))  # [m, K]
-        out.append((places, kld_sparse(logits[[nodes[p] for p in places]], idx, prob, tail=tail)))  # [m]
+        out.append((places, kld_sparse(at(places), idx, prob, tail=tail)))  # [m]
     return out
