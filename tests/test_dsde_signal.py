@@ -22,7 +22,7 @@ from specserve.policy.dsde import SequenceDSDE
 from specserve.policy.kld import SparseTail, kld_exact, kld_sparse
 from specserve.sampling import SamplingParams
 from specserve.step_events import StepEvent, StepObserver
-from specserve.workers.target import TargetWorker
+from specserve.workers.target import KLD_ROWS, TargetWorker
 
 TOP_K = 8  # of the tiny model's 512 ids: the tail carries real mass
 
@@ -166,6 +166,27 @@ def test_one_step_scores_every_kind_of_q_as_each_sequence_alone() -> None:
     with pytest.raises(SequenceError) as caught:
         worker._with_klds(broken, outputs[:3], logits[: sum(sizes[:3])], sizes[:3])
     assert caught.value.seq_id == 2 and "outside the vocabulary" in str(caught.value)
+
+
+def test_a_step_of_more_rows_than_one_computation_takes_keeps_each_sequences_klds() -> None:
+    """A batch whose scored rows of one kind of q outnumber ``KLD_ROWS`` is computed in pieces; every sequence still
+    gets the KLDs of its own rows, in node order."""
+    g = torch.Generator().manual_seed(4)
+    worker = TargetWorker(tiny_model(seed=0), num_slots=1, max_len=8)
+    vocab = worker.model.cfg.vocab_size
+    n = KLD_ROWS // 2 + 5  # sequences of 3 nodes, 2 scored each: more rows than one piece
+    logits = 3 * torch.randn(3 * n, vocab, generator=g)
+    qs = []
+    for _ in range(n):
+        idx = np.stack([torch.randperm(vocab, generator=g)[:8].numpy().astype(np.int32) for _ in range(3)])
+        qs.append(DraftQ([0, 1, 2], idx=idx, prob=(torch.rand(3, 8, generator=g) / 8).numpy()))
+    items = [VerifyItem(i, [7], draft_tokens=[1, 2], draft_parents=[0, 1], draft_q=q) for i, q in enumerate(qs)]
+    outputs = [VerifyOutput(i, [1], [1, 2]) for i in range(n)]
+    got = worker._with_klds(items, outputs, logits, [3] * n)
+    for i, out in enumerate(got):
+        rows = logits[3 * i : 3 * i + 2]
+        ids, probs = torch.from_numpy(qs[i].idx[:2]).long(), torch.from_numpy(qs[i].prob[:2])
+        np.testing.assert_allclose(out.kld, kld_sparse(rows, ids, probs, tail=SparseTail.lumped), rtol=1e-5, atol=1e-6)
 
 
 def _as_row(q: DraftQ | None, r: int) -> tuple[np.ndarray, np.ndarray]:

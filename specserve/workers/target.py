@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import cast
 
 import numpy as np
 import torch
 
 from specserve.errors import blame
-from specserve.messages import DraftQ, VerifyItem, VerifyOutput
+from specserve.messages import VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
@@ -186,28 +187,37 @@ class TargetWorker:
         self, items: list[VerifyItem], outputs: list[VerifyOutput], logits: torch.Tensor, sizes: list[int]
     ) -> list[VerifyOutput]:
         """Each output whose draft sent q gets KL(p || q) (temperature 1) at the nodes ``kld_nodes`` names that q
-        covers. logits: the step's [R, V], ``sizes`` rows per item. Computed a sequence at a time (its few rows of
-        the full vocabulary stay in cache; a whole batch's do not), read to the host once for the step."""
-        values: list[torch.Tensor] = []  # per sequence and kind of row: KLDs [m]
-        order: list[int] = []  # the place of each value among the step's KLDs
-        counts: list[int] = []  # KLDs per sequence
-        first = 0  # the KLDs of the sequences before this one
-        for it, out, lg in zip(items, outputs, logits.split(sizes), strict=True):
-            q, first = it.draft_q, first + (counts[-1] if counts else 0)
-            if q is None:
-                counts.append(0)
-                continue
-            with blame(it.seq_id):
-                scored = kld_nodes(out.accepted, len(it.draft_tokens) + 1, it.kld_past_rejection)
-                row_of = {node: i for i, node in enumerate(q.nodes)}
-                nodes = [n for n in scored if n in row_of]
-                for places, v in _klds(q, lg, nodes, [row_of[n] for n in nodes], it.kld_tail):
-                    order += (first + p for p in places)
-                    values.append(v)
-            counts.append(len(nodes))
-        flat = [0.0] * sum(counts)
-        for place, v in zip(order, torch.cat(values).tolist() if values else [], strict=True):  # host sync, once
-            flat[place] = v
+        covers. logits: the step's [R, V], ``sizes`` rows per item. The step's rows of one kind of q go through one
+        computation (``KLDRows``), and the step reads its KLDs to the host once."""
+        vocab = logits.shape[-1]
+        groups: dict[tuple[bool, int, SparseTail | None], KLDRows] = {}  # (dense, width, tail) -> rows
+        counts: list[int] = []  # KLDs per item
+        first = total = 0  # the item's first logits row; the KLDs of the items before it
+        for it, out, size in zip(items, outputs, sizes, strict=True):
+            q, n = it.draft_q, 0
+            if q is not None:
+                with blame(it.seq_id):
+                    row_of = {node: i for i, node in enumerate(q.nodes)}
+                    scored = kld_nodes(out.accepted, len(it.draft_tokens) + 1, it.kld_past_rejection)
+                    for node in (m for m in scored if m in row_of):
+                        key: tuple[bool, int, SparseTail | None]
+                        row_q: torch.Tensor | tuple[np.ndarray, np.ndarray]
+                        if q.dense_logits is not None:
+                            key, row_q = (True, 0, None), q.dense_logits[row_of[node]]
+                        else:
+                            ids, probs = q.row(row_of[node])
+                            if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+                                raise ValueError(f"draft q names token ids outside the vocabulary of {vocab}")
+                            key, row_q = (False, ids.size, it.kld_tail), (ids, probs)
+                        groups.setdefault(key, KLDRows(key[2])).add(total + n, first + node, row_q)
+                        n += 1
+            counts.append(n)
+            first, total = first + size, total + n
+        flat = [0.0] * total
+        if groups:
+            values = torch.cat([g.klds(logits) for g in groups.values()]).tolist()  # host sync: the step's KLDs, once
+            for slot, v in zip((s for g in groups.values() for s in g.slots), values, strict=True):
+                flat[slot] = v
         done, start = [], 0
         for it, out, n in zip(items, outputs, counts, strict=True):
             kld, start = flat[start : start + n], start + n
@@ -217,33 +227,37 @@ class TargetWorker:
         return done
 
 
-def _klds(
-    q: DraftQ, logits: torch.Tensor, nodes: list[int], rows: list[int], tail: SparseTail
-) -> list[tuple[list[int], torch.Tensor]]:
-    """One sequence's KL(p || q) at ``nodes`` (p: its logits [T, V] at those nodes; q: rows ``rows`` of its draft q),
-    as (places among ``nodes``, values [m]) per computation: one for dense q or rows of one width, one per width
-    where a model-free drafter's rows differ."""
-    if not nodes:
-        return []
+KLD_ROWS = 32  # logits rows one KLD computation takes: [32, 49k] float32 is 6 MB; 128 rows at once ran 2.3x slower
+# than in 2-row pieces, 32 rows 2.2x faster (docs/benchmarks.md, "DSDE's signal, lighter")
 
-    def at(places: list[int]) -> torch.Tensor:
-        """The logits [m, V] at these of ``nodes`` (``index_select``: indexing by a list took 6x as long)."""
-        return logits.index_select(0, torch.tensor([nodes[p] for p in places], device=logits.device))
 
-    every = list(range(len(nodes)))
-    if q.dense_logits is not None:
-        return [(every, kld_exact(at(every), q.dense_logits[rows].to(logits.device)))]
-    vocab = logits.shape[-1]
-    by_width: dict[int, list[int]] = {}
-    for place, r in enumerate(rows):
-        ids, _ = q.row(r)
-        if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
-            raise ValueError(f"draft q names token ids outside the vocabulary of {vocab}")
-        by_width.setdefault(ids.size, []).append(place)
-    out = []
-    for places in by_width.values():
-        picked = [q.row(rows[p]) for p in places]
-        idx = torch.from_numpy(np.stack([ids for ids, _ in picked]))  # [m, K]
-        prob = torch.from_numpy(np.stack([probs for _, probs in picked]))  # [m, K]
-        out.append((places, kld_sparse(at(places), idx, prob, tail=tail)))  # [m]
-    return out
+@dataclass
+class KLDRows:
+    """A step's scored rows of one kind of q: dense (``tail`` None), or sparse of one width under ``tail``."""
+
+    tail: SparseTail | None
+    slots: list[int] = field(default_factory=list)  # each row's place among the step's KLDs
+    rows: list[int] = field(default_factory=list)  # ... its row of the step's logits
+    qs: list[torch.Tensor | tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # ... its q: logits [V], or
+    # (ids [K], probabilities [K])
+
+    def add(self, slot: int, row: int, q: torch.Tensor | tuple[np.ndarray, np.ndarray]) -> None:
+        self.slots.append(slot)
+        self.rows.append(row)
+        self.qs.append(q)
+
+    def klds(self, logits: torch.Tensor) -> torch.Tensor:
+        """KL(p || q) [m] of these rows; logits: the step's [R, V]. ``index_select``: indexing by a list took 6x as
+        long."""
+        out = []
+        for lo in range(0, len(self.rows), KLD_ROWS):
+            index = torch.tensor(self.rows[lo : lo + KLD_ROWS], device=logits.device)
+            p_logits, qs = logits.index_select(0, index), self.qs[lo : lo + KLD_ROWS]  # [m, V]
+            if self.tail is None:
+                out.append(kld_exact(p_logits, torch.stack(cast(list[torch.Tensor], qs)).to(logits.device)))
+                continue
+            pairs = cast(list[tuple[np.ndarray, np.ndarray]], qs)
+            idx = torch.from_numpy(np.stack([ids for ids, _ in pairs]))  # [m, K]
+            prob = torch.from_numpy(np.stack([probs for _, probs in pairs]))  # [m, K]
+            out.append(kld_sparse(p_logits, idx, prob, tail=self.tail))
+        return torch.cat(out)
