@@ -18,7 +18,7 @@ from specserve.config import KLDMode, SpecConfig
 from specserve.policy import SparseTail
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity (an elementwise == has no truth value)
 class DraftQ:
     """The draft's temperature-1 next-token distribution at some tree nodes (node 0 = the root).
 
@@ -32,6 +32,24 @@ class DraftQ:
     widths: tuple[int, ...] | None = None  # ragged rows (a model-free drafter's counts): row r holds widths[r]
     # entries; None: every row holds K
     dense_logits: torch.Tensor | None = None  # [n, V], KLDMode.exact only
+
+    def check(self, vocab_size: int) -> None:
+        """Raise ValueError where the shapes disagree or an id lies outside a vocabulary of ``vocab_size``."""
+        n = len(self.nodes)
+        if self.dense_logits is not None:
+            shape = tuple(self.dense_logits.shape)
+            if shape != (n, vocab_size):
+                raise ValueError(f"dense draft q of shape {shape} for {n} nodes of a vocabulary of {vocab_size}")
+            return
+        if self.idx is None or self.prob is None:
+            raise ValueError("sparse draft q without ids or probabilities")
+        if self.idx.ndim != 2 or self.prob.shape != self.idx.shape or self.idx.shape[0] != n:
+            raise ValueError(f"draft q ids {self.idx.shape} and probabilities {self.prob.shape} for {n} nodes")
+        k = self.idx.shape[1]
+        if self.widths is not None and (len(self.widths) != n or not all(0 <= w <= k for w in self.widths)):
+            raise ValueError(f"draft q row widths {self.widths} for {n} rows of {k}")
+        if self.idx.size and not 0 <= int(self.idx.min()) <= int(self.idx.max()) < vocab_size:
+            raise ValueError(f"draft q names token ids outside the vocabulary of {vocab_size}")
 
     def row(self, r: int) -> tuple[np.ndarray, np.ndarray]:
         """Row r's ids and probabilities [k_r] (sparse mode)."""

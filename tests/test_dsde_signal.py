@@ -5,7 +5,6 @@ sparse q's tail model all show in the numbers."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -161,11 +160,39 @@ def test_one_step_scores_every_kind_of_q_as_each_sequence_alone() -> None:
         np.testing.assert_allclose(out.kld, w, rtol=1e-5, atol=1e-6)
     assert len({round(v, 4) for o in got for v in o.kld}) > 5  # distinct values: nothing shared between rows
 
-    bad = DraftQ([0], idx=np.array([[3, vocab]], dtype=np.int32), prob=np.full((1, 2), 0.1, dtype=np.float32))
-    broken = [*items[:2], replace(items[2], draft_q=bad)]
+
+def _malformed(vocab: int) -> dict[str, DraftQ]:
+    ids = np.array([[3, 5], [7, 9]], dtype=np.int32)
+    probs = np.full((2, 2), 0.1, dtype=np.float32)
+    return {
+        "an id outside the vocabulary": DraftQ([0, 1], idx=np.array([[3, vocab], [1, 2]], dtype=np.int32), prob=probs),
+        "a negative id": DraftQ([0, 1], idx=-ids, prob=probs),
+        "fewer probabilities than ids": DraftQ([0, 1], idx=ids, prob=probs[:, :1]),
+        "fewer rows than nodes": DraftQ([0, 1, 2], idx=ids, prob=probs),
+        "a width past K": DraftQ([0, 1], idx=ids, prob=probs, widths=(2, 3)),
+        "dense logits of another vocabulary": DraftQ([0, 1], dense_logits=torch.zeros(2, vocab + 1)),
+        "no ids": DraftQ([0, 1]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_malformed(512)))
+def test_a_malformed_q_fails_its_own_sequence(case: str) -> None:
+    """The step's KLDs are computed together, yet a q whose shapes disagree or whose ids leave the vocabulary is
+    named on its sequence (the lane fails that request alone), before anything is computed."""
+    worker = TargetWorker(tiny_model(seed=0), num_slots=1, max_len=8)
+    vocab = worker.model.cfg.vocab_size
+    assert vocab == 512
+    g = torch.Generator().manual_seed(5)
+    good = DraftQ([0, 1], idx=np.array([[1, 2], [3, 4]], dtype=np.int32), prob=np.full((2, 2), 0.2, dtype=np.float32))
+    items = [
+        VerifyItem(i, [7], draft_tokens=[1, 2], draft_parents=[0, 1], draft_q=q)
+        for i, q in enumerate([good, good, _malformed(vocab)[case]])
+    ]
+    outputs = [VerifyOutput(i, [1], [1, 2]) for i in range(3)]
     with pytest.raises(SequenceError) as caught:
-        worker._with_klds(broken, outputs[:3], logits[: sum(sizes[:3])], sizes[:3])
-    assert caught.value.seq_id == 2 and "outside the vocabulary" in str(caught.value)
+        worker._with_klds(items, outputs, 3 * torch.randn(9, vocab, generator=g), [3, 3, 3])
+    assert caught.value.seq_id == 2
+    assert len(worker._with_klds(items[:2], outputs[:2], 3 * torch.randn(6, vocab, generator=g), [3, 3])[1].kld) == 2
 
 
 def test_a_step_of_more_rows_than_one_computation_takes_keeps_each_sequences_klds() -> None:
@@ -174,18 +201,19 @@ def test_a_step_of_more_rows_than_one_computation_takes_keeps_each_sequences_kld
     g = torch.Generator().manual_seed(4)
     worker = TargetWorker(tiny_model(seed=0), num_slots=1, max_len=8)
     vocab = worker.model.cfg.vocab_size
-    n = KLD_ROWS // 2 + 5  # sequences of 3 nodes, 2 scored each: more rows than one piece
-    logits = 3 * torch.randn(3 * n, vocab, generator=g)
+    n = KLD_ROWS // 3 + 5  # sequences of 4 nodes, 3 scored each: pieces end inside a sequence's rows
+    assert KLD_ROWS % 3
+    logits = 3 * torch.randn(4 * n, vocab, generator=g)
     qs = []
     for _ in range(n):
-        idx = np.stack([torch.randperm(vocab, generator=g)[:8].numpy().astype(np.int32) for _ in range(3)])
-        qs.append(DraftQ([0, 1, 2], idx=idx, prob=(torch.rand(3, 8, generator=g) / 8).numpy()))
-    items = [VerifyItem(i, [7], draft_tokens=[1, 2], draft_parents=[0, 1], draft_q=q) for i, q in enumerate(qs)]
-    outputs = [VerifyOutput(i, [1], [1, 2]) for i in range(n)]
-    got = worker._with_klds(items, outputs, logits, [3] * n)
+        idx = np.stack([torch.randperm(vocab, generator=g)[:8].numpy().astype(np.int32) for _ in range(4)])
+        qs.append(DraftQ([0, 1, 2, 3], idx=idx, prob=(torch.rand(4, 8, generator=g) / 8).numpy()))
+    items = [VerifyItem(i, [7], draft_tokens=[1, 2, 3], draft_parents=[0, 1, 2], draft_q=q) for i, q in enumerate(qs)]
+    outputs = [VerifyOutput(i, [1, 2], [1, 2, 3]) for i in range(n)]
+    got = worker._with_klds(items, outputs, logits, [4] * n)
     for i, out in enumerate(got):
-        rows = logits[3 * i : 3 * i + 2]
-        ids, probs = torch.from_numpy(qs[i].idx[:2]).long(), torch.from_numpy(qs[i].prob[:2])
+        rows = logits[4 * i : 4 * i + 3]
+        ids, probs = torch.from_numpy(qs[i].idx[:3]).long(), torch.from_numpy(qs[i].prob[:3])
         np.testing.assert_allclose(out.kld, kld_sparse(rows, ids, probs, tail=SparseTail.lumped), rtol=1e-5, atol=1e-6)
 
 

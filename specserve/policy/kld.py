@@ -119,7 +119,7 @@ def kld_sparse(
     # lumped: P_rest = 1 - sum(top-K of p) (in float64), where a mask of the rest made two more [N, V] temporaries
     pk = _softmax(x).gather(-1, idx)  # [N, K]
     p_rest = (1.0 - pk.sum(dim=-1, dtype=torch.float64)).to(x.dtype).clamp_min(eps)  # [N]
-    q_rest = (1.0 - qk.sum(dim=-1)).clamp_min(eps)  # [N]
+    q_rest = (1.0 - qk.sum(dim=-1, dtype=torch.float64)).to(x.dtype).clamp_min(eps)  # [N], as P_rest
     pk = pk.clamp_min(eps)
     head = (pk * (pk.log() - qk.clamp_min(eps).log())).sum(dim=-1)  # [N]
     return (head + p_rest * (p_rest.log() - q_rest.log())).clamp_min(0.0)  # [N]

@@ -196,7 +196,8 @@ class TargetWorker:
         for it, out, size in zip(items, outputs, sizes, strict=True):
             q, n = it.draft_q, 0
             if q is not None:
-                with blame(it.seq_id):
+                with blame(it.seq_id):  # a malformed q fails its own sequence, not the step
+                    q.check(vocab)
                     row_of = {node: i for i, node in enumerate(q.nodes)}
                     scored = kld_nodes(out.accepted, len(it.draft_tokens) + 1, it.kld_past_rejection)
                     for node in (m for m in scored if m in row_of):
@@ -206,8 +207,6 @@ class TargetWorker:
                             key, row_q = (True, 0, None), q.dense_logits[row_of[node]]
                         else:
                             ids, probs = q.row(row_of[node])
-                            if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
-                                raise ValueError(f"draft q names token ids outside the vocabulary of {vocab}")
                             key, row_q = (False, ids.size, it.kld_tail), (ids, probs)
                         groups.setdefault(key, KLDRows(key[2])).add(total + n, first + node, row_q)
                         n += 1
@@ -227,8 +226,8 @@ class TargetWorker:
         return done
 
 
-KLD_ROWS = 32  # logits rows one KLD computation takes: [32, 49k] float32 is 6 MB; 128 rows at once ran 2.3x slower
-# than in 2-row pieces, 32 rows 2.2x faster (docs/benchmarks.md, "DSDE's signal, lighter")
+KLD_ROWS = 32  # logits rows one KLD computation takes: [32, 49k] float32 is 6 MB; 128 rows at once ran 1.5-2.3x slower
+# than in 2-row pieces, 32 rows 2.1-2.2x faster (docs/benchmarks.md, "DSDE's signal, lighter")
 
 
 @dataclass
