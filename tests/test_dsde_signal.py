@@ -5,6 +5,8 @@ sparse q's tail model all show in the numbers."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -16,11 +18,13 @@ from specserve.errors import SequenceError
 from specserve.messages import DraftQ, Proposal, VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
+from specserve.models.native_stack import NativeStackUnavailable, attach_native_stack, extension
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy.dsde import SequenceDSDE
-from specserve.policy.kld import SparseTail, kld_exact, kld_sparse
+from specserve.policy.kld import PROB_FLOOR, SparseTail, kld_exact, kld_sparse
 from specserve.sampling import SamplingParams
 from specserve.step_events import StepEvent, StepObserver
+from specserve.workers import target as target_module
 from specserve.workers.target import KLD_ROWS, TargetWorker
 
 TOP_K = 8  # of the tiny model's 512 ids: the tail carries real mass
@@ -113,13 +117,38 @@ def test_dsde_is_fed_kl_of_target_against_draft_at_the_verified_positions(
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-5)
 
 
-def test_one_step_scores_every_kind_of_q_as_each_sequence_alone() -> None:
+def _native_kernel() -> Callable[..., torch.Tensor]:
+    try:
+        return cast(Callable[..., torch.Tensor], extension().lumped_kld)
+    except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C++ compiler
+        pytest.skip(f"the C++ extension cannot be built here: {e}")
+
+
+def _worker(native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[TargetWorker, list[int]]:
+    """A tiny target's worker, its layers from C++ (and so its lumped KLDs from the extension) where ``native``, and
+    how many times a step's lumped rows went through the extension's kernel."""
+    worker = TargetWorker(tiny_model(seed=0), num_slots=1, max_len=8)
+    calls = [0]
+    if native:
+        kernel = _native_kernel()
+        assert attach_native_stack(worker.model)
+
+        def counted(*args: Any) -> torch.Tensor:
+            calls[0] += 1
+            return kernel(*args)
+
+        monkeypatch.setattr(target_module, "lumped_kld_kernel", lambda model: counted)
+    return worker, calls
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "extension"])
+def test_one_step_scores_every_kind_of_q_as_each_sequence_alone(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The target scores a step's draft distributions together (one computation per kind of q, one host read):
     sequences sending dense q, sparse q under either tail, ragged rows (a model-free drafter's counts) and none at all
     each get KL(p || q) of their own logits rows at their own verified nodes, as ``kld_exact`` / ``kld_sparse`` give
-    for that sequence alone."""
+    for that sequence alone; with the C++ layers, the lumped rows of each width through the extension's kernel."""
     g = torch.Generator().manual_seed(3)
-    worker = TargetWorker(tiny_model(seed=0), num_slots=1, max_len=8)
+    worker, calls = _worker(native, monkeypatch)
     vocab = worker.model.cfg.vocab_size
     sizes = [4, 3, 5, 2, 4]  # tree nodes per sequence (the root and its drafts)
     logits = 3 * torch.randn(sum(sizes), vocab, generator=g)
@@ -159,6 +188,7 @@ def test_one_step_scores_every_kind_of_q_as_each_sequence_alone() -> None:
         assert len(out.kld) == len(w)
         np.testing.assert_allclose(out.kld, w, rtol=1e-5, atol=1e-6)
     assert len({round(v, 4) for o in got for v in o.kld}) > 5  # distinct values: nothing shared between rows
+    assert calls[0] == (3 if native else 0)  # lumped rows of widths 6, 2 and 5: one group each
 
 
 def _malformed(vocab: int) -> dict[str, DraftQ]:
@@ -195,11 +225,14 @@ def test_a_malformed_q_fails_its_own_sequence(case: str) -> None:
     assert len(worker._with_klds(items[:2], outputs[:2], 3 * torch.randn(6, vocab, generator=g), [3, 3])[1].kld) == 2
 
 
-def test_a_step_of_more_rows_than_one_computation_takes_keeps_each_sequences_klds() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "extension"])
+def test_a_step_of_more_rows_than_one_computation_takes_keeps_each_sequences_klds(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A batch whose scored rows of one kind of q outnumber ``KLD_ROWS`` is computed in pieces; every sequence still
     gets the KLDs of its own rows, in node order."""
     g = torch.Generator().manual_seed(4)
-    worker = TargetWorker(tiny_model(seed=0), num_slots=1, max_len=8)
+    worker, calls = _worker(native, monkeypatch)
     vocab = worker.model.cfg.vocab_size
     n = KLD_ROWS // 3 + 5  # sequences of 4 nodes, 3 scored each: pieces end inside a sequence's rows
     assert KLD_ROWS % 3
@@ -215,6 +248,50 @@ def test_a_step_of_more_rows_than_one_computation_takes_keeps_each_sequences_kld
         rows = logits[4 * i : 4 * i + 3]
         ids, probs = torch.from_numpy(qs[i].idx[:3]).long(), torch.from_numpy(qs[i].prob[:3])
         np.testing.assert_allclose(out.kld, kld_sparse(rows, ids, probs, tail=SparseTail.lumped), rtol=1e-5, atol=1e-6)
+    assert calls[0] == (-(-3 * n // KLD_ROWS) if native else 0)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "k", "spread"),
+    [(512, 8, 3.0), (49152, 256, 3.0), (49152, 256, 12.0), (49152, 1, 3.0), (1000, 1000, 2.0)],
+    ids=["tiny", "smollm2-top256", "peaked", "one-id", "every-id"],
+)
+def test_the_extensions_lumped_kld_is_kld_sparse(vocab: int, k: int, spread: float) -> None:
+    """csrc/lumped_kld.cpp gives ``kld_sparse(tail=lumped)`` of the rows it is pointed at: drafts far from the
+    target, close to it (q = p's top-K: ~0), peaked ones, a single id and the whole vocabulary (the exact KLD)."""
+    kernel = _native_kernel()
+    g = torch.Generator().manual_seed(7)
+    logits = spread * torch.randn(6, vocab, generator=g)
+    rows = torch.tensor([4, 0, 4, 2])
+    q_far, ids = torch.softmax(spread * torch.randn(4, vocab, generator=g), -1).topk(k, dim=-1)  # another's top-K
+    p_top, p_ids = torch.softmax(logits[rows], -1).topk(k, dim=-1)  # a draft equal to the target on its top-K
+    for idx, prob in ((ids, q_far), (p_ids, p_top)):
+        got = kernel(logits, rows, idx.to(torch.int32), prob, PROB_FLOOR)
+        want = kld_sparse(logits[rows], idx, prob, tail=SparseTail.lumped)
+        assert got.dtype == torch.float32 and got.shape == (4,)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
+    assert kernel(logits, rows, ids.to(torch.int32), q_far, PROB_FLOOR).min() > 0.01  # far from the target
+    assert kernel(logits, rows, p_ids.to(torch.int32), p_top, PROB_FLOOR).max() < 1e-4  # the target's own top-K
+
+
+def test_the_extensions_lumped_kld_refuses_what_it_cannot_read() -> None:
+    """An id outside the vocabulary or a row outside the logits is an error, not a read past the tensor."""
+    kernel = _native_kernel()
+    logits, prob = torch.randn(3, 50), torch.full((2, 4), 0.1)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
+    rows = torch.tensor([0, 2])
+    assert kernel(logits, rows, ids, prob, PROB_FLOOR).shape == (2,)
+    bad = {
+        "token id 50 outside": (logits, rows, torch.where(ids == 8, 50, ids), prob),
+        "token id -1 outside": (logits, rows, -ids.clamp(max=1), prob),
+        "row 3 outside": (logits, torch.tensor([0, 3]), ids, prob),
+        "idx must be": (logits, rows, ids.long(), prob),
+        "prob must be": (logits, rows, ids, prob[:, :3]),
+        "logits must be": (logits.double(), rows, ids, prob),
+    }
+    for message, args in bad.items():
+        with pytest.raises(RuntimeError, match=message):
+            kernel(*args, PROB_FLOOR)
 
 
 def _as_row(q: DraftQ | None, r: int) -> tuple[np.ndarray, np.ndarray]:

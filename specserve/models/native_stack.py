@@ -24,6 +24,7 @@ import struct
 import subprocess
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -44,8 +45,11 @@ from specserve.timing import interleaved_medians
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
-SOURCES = (SOURCE, SOURCE.parent / "small_gemm.cpp", SOURCE.parent / "attention.cpp", SOURCE.parent / "int8_q4.cpp")
-HEADERS = tuple(SOURCE.parent / name for name in ("small_gemm.h", "attention.h", "simd.h", "int8_q4.h"))
+SOURCES = tuple(
+    SOURCE.parent / name
+    for name in ("decoder_stack.cpp", "small_gemm.cpp", "attention.cpp", "int8_q4.cpp", "lumped_kld.cpp")
+)
+HEADERS = tuple(SOURCE.parent / name for name in ("small_gemm.h", "attention.h", "simd.h", "int8_q4.h", "lumped_kld.h"))
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 EVERY_ROW = (1 << SMALL_GEMM_ROWS) - 1  # a row mask (llama.reads_copy): products of 1..64 rows read the copy
 # Row counts at which kernel_plan_for times the kernel's variants; a count's choice holds up to the next probe.
@@ -881,3 +885,9 @@ def attach_native_stack(model: LlamaModel) -> bool:
         model.native_stack = None
         return False
     return True
+
+
+def lumped_kld_kernel(model: LlamaModel) -> Callable[..., torch.Tensor] | None:
+    """The extension's lumped-tail KLD (``csrc/lumped_kld.cpp``: ``kld_sparse(tail=lumped)`` in one call) where the
+    model's layers run from C++ (the extension is loaded and the model on the CPU), else None."""
+    return extension().lumped_kld if model.native_stack is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -14,7 +15,8 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
 from specserve.models.lm_head import greedy_ids
-from specserve.policy import SparseTail, kld_exact, kld_nodes, kld_sparse
+from specserve.models.native_stack import lumped_kld_kernel
+from specserve.policy import PROB_FLOOR, SparseTail, kld_exact, kld_nodes, kld_sparse
 from specserve.sampling import SamplingParams, greedy_draw, keyed_sample, make_generator, process_logits
 from specserve.spec_decode.draft_tree import DraftTree, step_layout
 from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
@@ -214,7 +216,9 @@ class TargetWorker:
             first, total = first + size, total + n
         flat = [0.0] * total
         if groups:
-            values = torch.cat([g.klds(logits) for g in groups.values()]).tolist()  # host sync: the step's KLDs, once
+            lumped = lumped_kld_kernel(self.model)
+            values = torch.cat([g.klds(logits, lumped) for g in groups.values()]).tolist()  # host sync: the step's KLDs
+            # (once)
             for slot, v in zip((s for g in groups.values() for s in g.slots), values, strict=True):
                 flat[slot] = v
         done, start = [], 0
@@ -245,18 +249,30 @@ class KLDRows:
         self.rows.append(row)
         self.qs.append(q)
 
-    def klds(self, logits: torch.Tensor) -> torch.Tensor:
-        """KL(p || q) [m] of these rows; logits: the step's [R, V]. ``index_select``: indexing by a list took 6x as
-        long."""
+    def klds(self, logits: torch.Tensor, lumped: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """KL(p || q) [m] of these rows; logits: the step's [R, V]. The rows' index and q reach the logits' device in
+        one copy each; ``index_select``: indexing by a list took 6x as long. ``lumped``: the extension's lumped-tail
+        KLD (``native_stack.lumped_kld_kernel``), taken for float32 logits on the CPU."""
+        device = logits.device
+        index = torch.tensor(self.rows).to(device, non_blocking=True)  # [m]
+        native = self.tail is SparseTail.lumped and lumped is not None
+        native = native and device.type == "cpu" and logits.dtype == torch.float32
+        if self.tail is None:
+            q_logits = torch.stack(cast(list[torch.Tensor], self.qs)).to(device, non_blocking=True)  # [m, V]
+        else:
+            pairs = cast(list[tuple[np.ndarray, np.ndarray]], self.qs)
+            ids = torch.from_numpy(np.stack([ids for ids, _ in pairs]))  # [m, K] int32
+            prob = torch.from_numpy(np.stack([probs for _, probs in pairs]))  # [m, K]
+            if not native:
+                ids, prob = ids.to(device, non_blocking=True), prob.to(device, non_blocking=True)
         out = []
         for lo in range(0, len(self.rows), KLD_ROWS):
-            index = torch.tensor(self.rows[lo : lo + KLD_ROWS], device=logits.device)
-            p_logits, qs = logits.index_select(0, index), self.qs[lo : lo + KLD_ROWS]  # [m, V]
+            piece = slice(lo, lo + KLD_ROWS)
             if self.tail is None:
-                out.append(kld_exact(p_logits, torch.stack(cast(list[torch.Tensor], qs)).to(logits.device)))
-                continue
-            pairs = cast(list[tuple[np.ndarray, np.ndarray]], qs)
-            idx = torch.from_numpy(np.stack([ids for ids, _ in pairs]))  # [m, K]
-            prob = torch.from_numpy(np.stack([probs for _, probs in pairs]))  # [m, K]
-            out.append(kld_sparse(p_logits, idx, prob, tail=self.tail))
+                out.append(kld_exact(logits.index_select(0, index[piece]), q_logits[piece]))  # [m, V] each
+            elif native:
+                assert lumped is not None
+                out.append(lumped(logits, index[piece], ids[piece], prob[piece], PROB_FLOOR))
+            else:
+                out.append(kld_sparse(logits.index_select(0, index[piece]), ids[piece], prob[piece], tail=self.tail))
         return torch.cat(out)

@@ -3,6 +3,7 @@
 // interpreter between them. Built once per machine by specserve/models/native_stack.py.
 #include "int8_q4.h"
 #include "attention.h"
+#include "lumped_kld.h"
 #include "small_gemm.h"
 
 #include <torch/extension.h>
@@ -428,6 +429,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("out_features", &Proj::out_features)
       .def("__call__", &Proj::operator(), nogil);
   m.def("rms_norm", &checked_rms_norm, nogil, py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("lumped_kld", &specserve_kld::lumped_kld, nogil, py::arg("logits"), py::arg("rows"), py::arg("idx"),
+        py::arg("prob"), py::arg("eps"));
   m.def("small_gemm_supported", &specserve_small_gemm::supported);
   m.def("attention_supported", &specserve_attention::supported, py::arg("head_dim"));
   m.def("attend", &specserve_attention::attend, nogil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
