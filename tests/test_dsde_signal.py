@@ -15,7 +15,7 @@ import torch
 from specserve.config import KLDMode, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import SequenceError
-from specserve.messages import DraftQ, Proposal, VerifyItem, VerifyOutput
+from specserve.messages import DraftQ, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.native_stack import NativeStackUnavailable, attach_native_stack, extension
@@ -23,6 +23,7 @@ from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy.dsde import SequenceDSDE
 from specserve.policy.kld import PROB_FLOOR, SparseTail, kld_exact, kld_sparse
 from specserve.sampling import SamplingParams
+from specserve.spec_decode.draft_state import DraftState, draft_q, target_ids
 from specserve.step_events import StepEvent, StepObserver
 from specserve.workers import target as target_module
 from specserve.workers.target import KLD_ROWS, TargetWorker
@@ -298,3 +299,22 @@ def _as_row(q: DraftQ | None, r: int) -> tuple[np.ndarray, np.ndarray]:
     assert q is not None
     ids, probs = q.row(r)
     return ids[None].astype(np.int64), probs[None]
+
+
+def test_a_reduced_vocabulary_ships_q_in_target_ids() -> None:
+    """A head drafting over a reduced vocabulary ships, at each fed node (its logits row, in any order), the top-K of
+    its temperature-1 distribution under the target ids its columns stand for; one column maps as well."""
+    g = torch.Generator().manual_seed(8)
+    token_ids = torch.randperm(512, generator=g)[:40]  # draft column c is target id token_ids[c]
+    rows = [torch.randn(1, 40, generator=g), 3 * torch.randn(2, 40, generator=g)]
+    item = ProposeItem(0, [7], [], 2, spec=SpecConfig(kld_top_k=5), kld_mode=KLDMode.sparse)
+    s = DraftState(item, SamplingParams(), None, [7], 0, q_logits=rows, token_ids=token_ids, vocab_size=512)
+    q = draft_q(s, [(0, 2), (1, 0)])  # node 0's logits are row 2, node 1's row 0
+    assert q is not None and q.nodes == [0, 1] and q.idx is not None and q.prob is not None
+    assert q.idx.dtype == np.int32 and q.idx.shape == q.prob.shape == (2, 5)
+    for r, row in enumerate((rows[1][1], rows[0][0])):
+        probs = np.exp(row.double().numpy()) / np.exp(row.double().numpy()).sum()
+        top = np.argsort(-probs, kind="stable")[:5]
+        assert q.idx[r].tolist() == token_ids[top].tolist()
+        np.testing.assert_allclose(q.prob[r], probs[top], rtol=1e-5)
+    assert int(target_ids(s, torch.tensor(3))) == int(token_ids[3])
