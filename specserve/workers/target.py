@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -217,8 +217,7 @@ class TargetWorker:
         flat = [0.0] * total
         if groups:
             lumped = lumped_kld_kernel(self.model)
-            values = torch.cat([g.klds(logits, lumped) for g in groups.values()]).tolist()  # host sync: the step's KLDs
-            # (once)
+            values = _joined([g.klds(logits, lumped) for g in groups.values()]).tolist()  # host sync: the step's KLDs
             for slot, v in zip((s for g in groups.values() for s in g.slots), values, strict=True):
                 flat[slot] = v
         done, start = [], 0
@@ -265,14 +264,23 @@ class KLDRows:
             prob = torch.from_numpy(np.stack([probs for _, probs in pairs]))  # [m, K]
             if not native:
                 ids, prob = ids.to(device, non_blocking=True), prob.to(device, non_blocking=True)
-        out = []
-        for lo in range(0, len(self.rows), KLD_ROWS):
-            piece = slice(lo, lo + KLD_ROWS)
-            if self.tail is None:
-                out.append(kld_exact(logits.index_select(0, index[piece]), q_logits[piece]))  # [m, V] each
-            elif native:
-                assert lumped is not None
-                out.append(lumped(logits, index[piece], ids[piece], prob[piece], PROB_FLOOR))
-            else:
-                out.append(kld_sparse(logits.index_select(0, index[piece]), ids[piece], prob[piece], tail=self.tail))
-        return torch.cat(out)
+        if self.tail is None:
+            out = [kld_exact(logits.index_select(0, rows), q) for rows, q in _pieces(index, q_logits)]  # [m, V] each
+        elif native:
+            assert lumped is not None
+            out = [lumped(logits, rows, i, p, PROB_FLOOR) for rows, i, p in _pieces(index, ids, prob)]
+        else:
+            pieces = _pieces(index, ids, prob)
+            out = [kld_sparse(logits.index_select(0, rows), i, p, tail=self.tail) for rows, i, p in pieces]
+        return _joined(out)
+
+
+def _pieces(*tensors: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:
+    """The tensors' rows in pieces of at most ``KLD_ROWS``: the tensors themselves where they fit."""
+    if tensors[0].shape[0] <= KLD_ROWS:
+        return [tensors]
+    return zip(*(t.split(KLD_ROWS) for t in tensors), strict=True)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
