@@ -117,17 +117,26 @@ def greedy_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     head = model.lm_head
     rows = hidden.shape[0]
     if getattr(head, "int8_records", None) is not None:  # int8 products (native_stack.attach_int8_head): their logits
-        return greedy_draw(model.logits(hidden))
+        return argmax_rows(model, model.logits(hidden))
     if getattr(head, "small_records", None) is not None and reads_copy(getattr(head, "small_record_rows", 0), rows):
-        return greedy_draw(model.logits(hidden))  # the exact logits from the head's Q8_0 records: fewer bytes still
+        return argmax_rows(model, model.logits(hidden))  # exact logits from Q8_0 records: fewer bytes still
     if (
         bounded is None
         or rows > ARGMAX_ROWS
         or not reads_copy(bounded.rows, rows)
         or not small_gemm_fits(hidden, head.weight, getattr(head, "small_rows", 0))
     ):
-        return greedy_draw(model.logits(hidden))
+        return argmax_rows(model, model.logits(hidden))
     return bounded_ids(model, hidden)
+
+
+def argmax_rows(model: LlamaModel, logits: torch.Tensor) -> torch.Tensor:
+    """``greedy_draw`` of logits [R, V] -> [R] int64, from the extension (``csrc/argmax.cpp``: ATen's max tracks an
+    index per element in a scalar loop, ~40 us a row of 49,152 against ~5) where the model's layers run from C++ and
+    the logits are float32 on the CPU; the same indices either way."""
+    if model.native_stack is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+        return extension().greedy_ids(logits)
+    return greedy_draw(logits)
 
 
 def bounded_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,4 +145,4 @@ def bounded_ids(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     ids, ok = extension().small_bounded_argmax(
         hidden, bounded.packed, model.lm_head.weight.detach(), bounded.row_norms, bounded.bound
     )
-    return ids if ok else greedy_draw(model.logits(hidden))  # not ok: a NaN / infinite state, or an overflow
+    return ids if ok else argmax_rows(model, model.logits(hidden))  # not ok: a NaN / infinite state, or an overflow

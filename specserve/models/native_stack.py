@@ -47,9 +47,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decoder_stack.cpp"
 SOURCES = tuple(
     SOURCE.parent / name
-    for name in ("decoder_stack.cpp", "small_gemm.cpp", "attention.cpp", "int8_q4.cpp", "lumped_kld.cpp")
+    for name in ("decoder_stack.cpp", "small_gemm.cpp", "attention.cpp", "int8_q4.cpp", "lumped_kld.cpp", "argmax.cpp")
 )
-HEADERS = tuple(SOURCE.parent / name for name in ("small_gemm.h", "attention.h", "simd.h", "int8_q4.h", "lumped_kld.h"))
+HEADERS = tuple(
+    SOURCE.parent / name for name in ("small_gemm.h", "attention.h", "simd.h", "int8_q4.h", "lumped_kld.h", "argmax.h")
+)
 SMALL_GEMM_ROWS = 64  # the kernel's most rows (small_gemm.cpp: kMaxRows)
 EVERY_ROW = (1 << SMALL_GEMM_ROWS) - 1  # a row mask (llama.reads_copy): products of 1..64 rows read the copy
 # Row counts at which kernel_plan_for times the kernel's variants; a count's choice holds up to the next probe.

@@ -14,10 +14,10 @@ from specserve.messages import VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
-from specserve.models.lm_head import greedy_ids
+from specserve.models.lm_head import argmax_rows, greedy_ids
 from specserve.models.native_stack import lumped_kld_kernel
 from specserve.policy import PROB_FLOOR, SparseTail, kld_exact, kld_nodes, kld_sparse
-from specserve.sampling import SamplingParams, greedy_draw, keyed_sample, make_generator, process_logits
+from specserve.sampling import SamplingParams, keyed_sample, make_generator, process_logits
 from specserve.spec_decode.draft_tree import DraftTree, step_layout
 from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
 from specserve.spec_decode.verify import accept_tree, verify_chain_sampled, verify_tree
@@ -179,7 +179,7 @@ class TargetWorker:
         if argmax_only:
             return None, greedy_ids(self.model, hidden), features
         logits = self.model.logits(hidden)
-        return logits, greedy_draw(logits) if any_greedy else None, features
+        return logits, argmax_rows(self.model, logits) if any_greedy else None, features
 
     def _rollback(self, slot: int, start: int, num_pending: int, accepted: list[int]) -> None:
         """Keep the pending tokens, the root and the accepted path; drop the rejected nodes' KV."""

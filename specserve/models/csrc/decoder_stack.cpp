@@ -2,6 +2,7 @@
 // DecoderLayer.forward / linear() / attention() (so the same values, bit for bit), without the Python
 // interpreter between them. Built once per machine by specserve/models/native_stack.py.
 #include "int8_q4.h"
+#include "argmax.h"
 #include "attention.h"
 #include "lumped_kld.h"
 #include "small_gemm.h"
@@ -429,6 +430,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("out_features", &Proj::out_features)
       .def("__call__", &Proj::operator(), nogil);
   m.def("rms_norm", &checked_rms_norm, nogil, py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("greedy_ids", &specserve_argmax::greedy_ids, nogil, py::arg("logits"), py::arg("portable") = false);
   m.def("lumped_kld", &specserve_kld::lumped_kld, nogil, py::arg("logits"), py::arg("rows"), py::arg("idx"),
         py::arg("prob"), py::arg("eps"));
   m.def("small_gemm_supported", &specserve_small_gemm::supported);
