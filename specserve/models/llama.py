@@ -385,11 +385,11 @@ class LlamaModel(nn.Module):
         aux: list[torch.Tensor] = []
         if self.native_stack is not None and not use_flash:
             x, aux = self._native_layers(x, cos, sin, batch, cache, aux_layers)
-        else:
-            for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v, strict=True)):
-                if i in aux_layers:
-                    aux.append(x)
-                x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash, self.attention_kernel)
+            return self.native_stack.final_norm(x, self.norm), torch.cat(aux, dim=-1) if aux else None
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, cache.k, cache.v, strict=True)):
+            if i in aux_layers:
+                aux.append(x)
+            x = layer(x, cos, sin, k_cache, v_cache, batch, use_flash, self.attention_kernel)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps), torch.cat(aux, dim=-1) if aux else None
 
     def _native_layers(

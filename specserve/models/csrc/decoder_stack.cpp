@@ -390,6 +390,18 @@ class DecoderStack {
     return out;
   }
 
+  // The model's final norm of forward's output x [N, H]: the fused kernel in a fused stack (x and weight float32 or
+  // bfloat16 alike), else the ATen ops of llama.rms_norm. One call where F.rms_norm from Python took several.
+  Tensor final_norm(const Tensor& x, const Tensor& weight) const {
+    c10::InferenceMode guard;
+    const at::ScalarType dtype = x.scalar_type();
+    if (fused_ && x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) && fusable(x, dtype) &&
+        fusable(weight, dtype)) {
+      return add_rms_norm(x, Tensor(), weight, eps_).second;
+    }
+    return rms_norm(x, weight, eps_);
+  }
+
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
@@ -477,5 +489,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
-      .def("forward", &DecoderStack::forward, nogil);
+      .def("forward", &DecoderStack::forward, nogil)
+      .def("final_norm", &DecoderStack::final_norm, nogil, py::arg("x"), py::arg("weight"));
 }
