@@ -18,14 +18,13 @@ from specserve.errors import SequenceError
 from specserve.messages import DraftQ, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.native_stack import NativeStackUnavailable, attach_native_stack, extension
+from specserve.models.native_stack import NativeStackUnavailable, attach_native_stack, extension, lumped_kld_kernel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy.dsde import SequenceDSDE
 from specserve.policy.kld import PROB_FLOOR, SparseTail, kld_exact, kld_sparse
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.draft_state import DraftState, draft_q, target_ids
 from specserve.step_events import StepEvent, StepObserver
-from specserve.workers import target as target_module
 from specserve.workers.target import KLD_ROWS, TargetWorker
 
 TOP_K = 8  # of the tiny model's 512 ids: the tail carries real mass
@@ -127,18 +126,25 @@ def _native_kernel() -> Callable[..., torch.Tensor]:
 
 def _worker(native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[TargetWorker, list[int]]:
     """A tiny target's worker, its layers from C++ (and so its lumped KLDs from the extension) where ``native``, and
-    how many times a step's lumped rows went through the extension's kernel."""
+    how many times the extension's lumped KLD ran (counted on the extension itself, so the worker's own choice of
+    path is what is tested)."""
     worker = TargetWorker(tiny_model(seed=0), num_slots=1, max_len=8)
     calls = [0]
+    try:
+        kernel = extension().lumped_kld
+    except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C++ compiler
+        if native:
+            pytest.skip(f"the C++ extension cannot be built here: {e}")
+        return worker, calls
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(extension(), "lumped_kld", counted)
+    assert lumped_kld_kernel(worker.model) is None  # the Python layers: the torch path
     if native:
-        kernel = _native_kernel()
-        assert attach_native_stack(worker.model)
-
-        def counted(*args: Any) -> torch.Tensor:
-            calls[0] += 1
-            return kernel(*args)
-
-        monkeypatch.setattr(target_module, "lumped_kld_kernel", lambda model: counted)
+        assert attach_native_stack(worker.model) and lumped_kld_kernel(worker.model) is not None
     return worker, calls
 
 

@@ -135,7 +135,7 @@ def argmax_rows(model: LlamaModel, logits: torch.Tensor) -> torch.Tensor:
     index per element in a scalar loop, ~40 us a row of 49,152 against ~5) where the model's layers run from C++ and
     the logits are float32 on the CPU; the same indices either way."""
     if model.native_stack is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
-        return extension().greedy_ids(logits)
+        return extension().first_max_ids(logits)
     return greedy_draw(logits)
 
 

@@ -249,30 +249,34 @@ class KLDRows:
         self.qs.append(q)
 
     def klds(self, logits: torch.Tensor, lumped: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-        """KL(p || q) [m] of these rows; logits: the step's [R, V]. The rows' index and q reach the logits' device in
-        one copy each; ``index_select``: indexing by a list took 6x as long. ``lumped``: the extension's lumped-tail
-        KLD (``native_stack.lumped_kld_kernel``), taken for float32 logits on the CPU."""
+        """KL(p || q) [m] of these rows; logits: the step's [R, V]. The rows' index and sparse q reach the logits'
+        device in one copy each; ``index_select``: indexing by a list took 6x as long. ``lumped``: the extension's
+        lumped-tail KLD (``native_stack.lumped_kld_kernel``), taken for float32 logits on the CPU."""
         device = logits.device
-        index = torch.tensor(self.rows).to(device, non_blocking=True)  # [m]
-        native = self.tail is SparseTail.lumped and lumped is not None
-        native = native and device.type == "cpu" and logits.dtype == torch.float32
-        if self.tail is None:
-            q_logits = torch.stack(cast(list[torch.Tensor], self.qs)).to(device, non_blocking=True)  # [m, V]
-        else:
-            pairs = cast(list[tuple[np.ndarray, np.ndarray]], self.qs)
-            ids = torch.from_numpy(np.stack([ids for ids, _ in pairs]))  # [m, K] int32
-            prob = torch.from_numpy(np.stack([probs for _, probs in pairs]))  # [m, K]
-            if not native:
-                ids, prob = ids.to(device, non_blocking=True), prob.to(device, non_blocking=True)
-        if self.tail is None:
-            out = [kld_exact(logits.index_select(0, rows), q) for rows, q in _pieces(index, q_logits)]  # [m, V] each
-        elif native:
-            assert lumped is not None
-            out = [lumped(logits, rows, i, p, PROB_FLOOR) for rows, i, p in _pieces(index, ids, prob)]
-        else:
-            pieces = _pieces(index, ids, prob)
-            out = [kld_sparse(logits.index_select(0, rows), i, p, tail=self.tail) for rows, i, p in pieces]
-        return _joined(out)
+        index = torch.tensor(self.rows).to(device)  # [m]
+        if self.tail is None:  # dense q (one process): stacked a piece at a time, as their [m, V] rows are large
+            dense = cast(list[torch.Tensor], self.qs)
+            starts = range(0, len(dense), KLD_ROWS)
+            return _joined(
+                [
+                    kld_exact(logits.index_select(0, rows), torch.stack(dense[lo : lo + len(rows)]).to(device))
+                    for lo, (rows,) in zip(starts, _pieces(index), strict=True)
+                ]
+            )
+        pairs = cast(list[tuple[np.ndarray, np.ndarray]], self.qs)
+        ids = torch.from_numpy(np.stack([ids for ids, _ in pairs]))  # [m, K]
+        prob = torch.from_numpy(np.stack([probs for _, probs in pairs]))  # [m, K]
+        if (
+            self.tail is SparseTail.lumped
+            and lumped is not None
+            and device.type == "cpu"
+            and logits.dtype == torch.float32
+        ):
+            ids, prob = ids.to(torch.int32), prob.to(torch.float32)  # the kernel's dtypes (no copy where they are)
+            return _joined([lumped(logits, rows, i, p, PROB_FLOOR) for rows, i, p in _pieces(index, ids, prob)])
+        ids, prob = ids.to(device), prob.to(device)
+        pieces = _pieces(index, ids, prob)
+        return _joined([kld_sparse(logits.index_select(0, rows), i, p, tail=self.tail) for rows, i, p in pieces])
 
 
 def _pieces(*tensors: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:

@@ -71,12 +71,12 @@ bool has_avx2() { return __builtin_cpu_supports("avx2"); }
 
 }  // namespace
 
-at::Tensor greedy_ids(const at::Tensor& logits, bool portable) {
+at::Tensor first_max_ids(const at::Tensor& logits, bool portable) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat,
-              "greedy_ids: logits must be an [R, V] float32 CPU tensor");
+              "first_max_ids: logits must be an [R, V] float32 CPU tensor");
   const at::Tensor x = logits.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(n > 0, "greedy_ids: an empty vocabulary");
+  TORCH_CHECK(n > 0, "first_max_ids: an empty vocabulary");
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();

@@ -8,6 +8,6 @@ namespace specserve_argmax {
 // [R] int64 for logits [R, V] float32 on the CPU: each row's first maximum, or V where the row's maximum is not
 // finite (a NaN anywhere in the row, +inf, or a row of -inf): specserve/sampling.py's greedy_draw, row for row.
 // portable: the scalar path, which CPUs without AVX2 run (for the tests).
-at::Tensor greedy_ids(const at::Tensor& logits, bool portable = false);
+at::Tensor first_max_ids(const at::Tensor& logits, bool portable = false);
 
 }  // namespace specserve_argmax

@@ -442,7 +442,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("out_features", &Proj::out_features)
       .def("__call__", &Proj::operator(), nogil);
   m.def("rms_norm", &checked_rms_norm, nogil, py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("greedy_ids", &specserve_argmax::greedy_ids, nogil, py::arg("logits"), py::arg("portable") = false);
+  m.def("first_max_ids", &specserve_argmax::first_max_ids, nogil, py::arg("logits"), py::arg("portable") = false);
   m.def("lumped_kld", &specserve_kld::lumped_kld, nogil, py::arg("logits"), py::arg("rows"), py::arg("idx"),
         py::arg("prob"), py::arg("eps"));
   m.def("small_gemm_supported", &specserve_small_gemm::supported);
