@@ -75,7 +75,9 @@ def test_the_extensions_first_max_ids_refuse_other_tensors() -> None:
             ext.first_max_ids(bad)
 
 
-def test_argmax_rows_takes_the_extension_where_the_layers_run_from_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+def counted_first_max_ids(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the extension's argmax calls (on the extension itself, so the callers' choice of path is what is
+    tested); the count is the list's one element."""
     calls = [0]
     native = ext.first_max_ids
 
@@ -84,6 +86,11 @@ def test_argmax_rows_takes_the_extension_where_the_layers_run_from_cpp(monkeypat
         return native(logits)
 
     monkeypatch.setattr(ext, "first_max_ids", counted)
+    return calls
+
+
+def test_argmax_rows_takes_the_extension_where_the_layers_run_from_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = counted_first_max_ids(monkeypatch)
     model = tiny_model(seed=0)
     x = 3 * torch.randn(3, model.cfg.vocab_size, generator=torch.Generator().manual_seed(2))
     assert torch.equal(lm_head.argmax_rows(model, x), greedy_draw(x)) and calls[0] == 0  # Python layers
@@ -95,14 +102,7 @@ def test_argmax_rows_takes_the_extension_where_the_layers_run_from_cpp(monkeypat
 def test_a_target_workers_greedy_step_takes_the_extensions_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """A greedy prefill through ``TargetWorker.verify`` on C++ layers gets its token from the extension, the same
     token as the Python layers' step."""
-    calls = [0]
-    native = ext.first_max_ids
-
-    def counted(logits: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        return native(logits)
-
-    monkeypatch.setattr(ext, "first_max_ids", counted)
+    calls = counted_first_max_ids(monkeypatch)
     tokens = []
     for cpp in (False, True):
         worker = TargetWorker(tiny_model(seed=3), num_slots=1, max_len=16)
