@@ -795,7 +795,8 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument(
         "--int8-reads",
         action="store_true",
-        help="the target's decoder products with int8 activations, on the AMX tiles or VNNI (ModelSpec.int8_reads)",
+        help="the target's decoder products with int8 activations, on the AMX tiles, VNNI or AVX2 "
+        "(ModelSpec.int8_reads)",
     )
     p.add_argument("--out", type=out_dir_arg, default=d.out)
     p.add_argument("--url", default=None, help="also sweep a deployment over HTTP, e.g. http://127.0.0.1:8000")

@@ -96,14 +96,16 @@ class ModelSpec(Validated):
     )
     int8_reads: bool = Field(
         default=False,
-        description="with small_gemm and q4_reads, on a CPU with AMX-INT8 (Intel Sapphire Rapids and later) or "
-        "AVX512-VNNI (Intel Ice Lake and later, AMD Zen 4 and later): every decoder product reads its Q4_1 blocks with "
-        "the activations rounded to int8 per row and group of 32 as llama.cpp's Q4_1 dot products round them, on the "
-        "AMX tiles where the CPU has them, else with VNNI: the same bits either way. A different arithmetic from the "
-        "float32 products (relative error ~6e-3 a product), batch-invariant like them, so greedy speculation stays "
-        "equal to plain decoding under it; a tile multiplies up to 16 rows for about the price of one, VNNI a row for "
-        "a quarter of the float32 FMAs (docs/benchmarks.md, 'AMX-INT8 products over the Q4_1 blocks', 'AVX512-VNNI "
-        "products over the same records'). Without either the float32 products serve (a logged reason)",
+        description="with small_gemm and q4_reads, on a CPU with AMX-INT8 (Intel Sapphire Rapids and later), "
+        "AVX512-VNNI (Intel Ice Lake and later, AMD Zen 4 and later) or AVX2 and FMA (Intel Haswell and later, AMD "
+        "Zen and later): every decoder product reads its Q4_1 blocks with the activations rounded to int8 per row "
+        "and group of 32 as llama.cpp's Q4_1 dot products round them, on the AMX tiles where the CPU has them, else "
+        "with VNNI, else with AVX2: the same bits on each. A different arithmetic from the float32 products (relative "
+        "error ~6e-3 a product), batch-invariant like them, so greedy speculation stays equal to plain decoding under "
+        "it; a tile multiplies up to 16 rows for about the price of one, VNNI and AVX2 a row for a quarter of the "
+        "float32 FMAs' instructions (docs/benchmarks.md, 'AMX-INT8 products over the Q4_1 blocks', 'AVX512-VNNI "
+        "products over the same records', 'AVX2 products over the same records'). Without any the float32 products "
+        "serve (a logged reason)",
     )
     small_gemm_plan: bool = Field(
         default=True,
@@ -217,7 +219,7 @@ class HeadSpec(Validated):
     int8_products: bool = Field(
         default=False,
         description="switch: the quantised linears multiply their blocks with the activations rounded to int8 per "
-        "row and group of 32 where the CPU runs the int8 kernel (Q8_0: AVX512-VNNI; Q4_1: VNNI or AMX), float "
+        "row and group of 32 where the CPU runs the int8 kernel (Q8_0: AVX512-VNNI or AVX2; Q4_1: those or AMX), float "
         "elsewhere; drafts only (docs/algorithms.md §8.3)",
     )
 

@@ -1,8 +1,8 @@
-"""Products over Q4_1 blocks with int8 activations (ModelSpec.int8_reads), on the AMX tiles and with AVX512-VNNI:
-each row the product of its activations rounded to int8 per group of 32 (a reference written here from the rounding
-rule) with the dequantised weight, the same bits whatever else the product holds and on either kernel; the loader
-attaches them only where every decoder projection fits; speculation over such a target stays equal to its plain
-greedy decoding."""
+"""Products over Q4_1 blocks with int8 activations (ModelSpec.int8_reads), on the AMX tiles, with AVX512-VNNI and
+with AVX2: each row the product of its activations rounded to int8 per group of 32 (a reference written here from the
+rounding rule) with the dequantised weight, the same bits whatever else the product holds and on every kernel; the
+loader attaches them only where every decoder projection fits; speculation over such a target stays equal to its
+plain greedy decoding."""
 
 from __future__ import annotations
 
@@ -34,10 +34,12 @@ try:
 except NativeStackUnavailable as e:  # pragma: no cover - a machine without a C++ compiler
     pytest.skip(f"the C++ extension cannot be built here: {e}", allow_module_level=True)
 
-KERNELS = extension().int8_kernels()  # "amx", "avx512-vnni": what this CPU and process run, the default first
-needs_vnni = pytest.mark.skipif(not extension().int8_q8_supported(), reason="this CPU or process has no AVX512-VNNI")
-needs_int8 = pytest.mark.skipif(not KERNELS, reason="this CPU or process has neither AMX-INT8 tiles nor AVX512-VNNI")
+KERNELS = extension().int8_kernels()  # "amx", "avx512-vnni", "avx2": what this CPU and process run, the default first
+Q8_KERNELS = [k for k in KERNELS if k != "amx"]  # the Q8_0 records' kernels (no AMX one)
+needs_q8 = pytest.mark.skipif(not Q8_KERNELS, reason="this CPU or process has neither AVX512-VNNI nor AVX2")
+needs_int8 = pytest.mark.skipif(not KERNELS, reason="this CPU or process runs no int8 kernel")
 each_kernel = pytest.mark.parametrize("kernel", KERNELS or ["none here"])
+each_q8_kernel = pytest.mark.parametrize("kernel", Q8_KERNELS or ["none here"])
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -55,10 +57,12 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
 def test_each_row_is_its_int8_activations_times_the_dequantised_weight(kernel: str, n: int, k: int) -> None:
     ext = extension()
     blocks = random_blocks(n, k, seed=n + k)
+    blocks.q[:16] = 15  # with a row of equal activations (every xq 127), the largest sums: AVX2's int16 pairs exact
     packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)) * 3
     x[3, :32] = 0.0  # a group of zeros: scale 0
     x[5, 7] = 500.0  # an outlier owns its group's scale
+    x[7], x[8] = 2.5, -1.0
     w = blocks.dequantize().double()
     ref = int8_rounded(x) @ w.T
     bound = (int8_rounded(x).abs() @ w.abs().T) * 2e-6 + 1e-30  # float32 sums of the group terms
@@ -75,7 +79,7 @@ def test_each_row_is_its_int8_activations_times_the_dequantised_weight(kernel: s
 @each_kernel
 def test_every_row_gets_the_same_bits_alone_or_among_others(kernel: str) -> None:
     """1-40 rows (the tiles' products of 16 rows and a remainder; VNNI's records read in order for 1-4 rows and a
-    block at a time in eights above): a verify's row is the row decoded alone."""
+    block at a time in eights above; AVX2's 16 rows at a time): a verify's row is the row decoded alone."""
     ext = extension()
     blocks = random_blocks(192, 576, seed=7)
     packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
@@ -89,9 +93,9 @@ def test_every_row_gets_the_same_bits_alone_or_among_others(kernel: str) -> None
 
 
 @pytest.mark.skipif(len(KERNELS) < 2, reason="one int8 kernel here: nothing to compare it with")
-def test_the_tiles_and_vnni_give_the_same_bits() -> None:
-    """The integer sums are exact on both and the per-group scaling is the same operations in the same order, so a
-    target may run on either (a replica on another CPU) and decode the same tokens."""
+def test_every_kernel_gives_the_same_bits() -> None:
+    """The integer sums are exact on each and the rounding and the per-group scaling are the same operations in the
+    same order, so a target may run on any (a replica on another CPU) and decode the same tokens."""
     ext = extension()
     blocks = random_blocks(320, 1536, seed=11)
     packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
@@ -101,21 +105,36 @@ def test_the_tiles_and_vnni_give_the_same_bits() -> None:
         assert all(torch.equal(first, other) for other in others)
 
 
+@pytest.mark.skipif(len(Q8_KERNELS) < 2, reason="one Q8_0 int8 kernel here: nothing to compare it with")
+def test_every_q8_kernel_gives_the_same_bits() -> None:
+    ext = extension()
+    blocks = random_q8(256, 576, seed=12)
+    packed = ext.int8_pack_q8(blocks.q, blocks.d)
+    x = torch.randn(21, 576, generator=torch.Generator().manual_seed(8)) * 2
+    for rows in (1, 4, 6, 21):
+        first, *others = [ext.int8_linear_q8(x[:rows], packed, kernel=k) for k in Q8_KERNELS]
+        assert all(torch.equal(first, other) for other in others)
+
+
 @needs_int8
-@pytest.mark.parametrize("records", ["q4_1", "q8_0"])
-def test_a_row_with_a_nan_or_an_infinity_gives_nan_and_leaves_the_others_alone(records: str) -> None:
+@pytest.mark.parametrize(
+    ("records", "kernel"), [("q4_1", k) for k in KERNELS] + [("q8_0", k) for k in Q8_KERNELS] or [("q4_1", "none")]
+)
+def test_a_row_with_a_nan_or_an_infinity_gives_nan_and_leaves_the_others_alone(records: str, kernel: str) -> None:
     """As the float32 products: a non-finite activation makes its row's outputs NaN (a NaN among a group's first 16
     used to drop out of its scale, and the row came out finite: a greedy step then took token 0 instead of refusing
     the row), whatever else the call holds."""
     ext = extension()
-    if records == "q8_0" and not ext.int8_q8_supported():
-        pytest.skip("no AVX512-VNNI for the Q8_0 product")
     if records == "q4_1":
         blocks = random_blocks(128, 96, seed=4)
-        packed, run = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m), ext.int8_linear
+        packed, product = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m), ext.int8_linear
     else:
         q8 = random_q8(128, 96, seed=4)
-        packed, run = ext.int8_pack_q8(q8.q, q8.d), ext.int8_linear_q8
+        packed, product = ext.int8_pack_q8(q8.q, q8.d), ext.int8_linear_q8
+
+    def run(x: torch.Tensor, packed: object) -> torch.Tensor:
+        return product(x, packed, kernel=kernel)
+
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(6))
     x[1, 3] = float("nan")  # among the first 16 of its group, the rest finite
     x[4, 70] = float("inf")
@@ -132,10 +151,11 @@ def test_a_kernel_this_cpu_does_not_run_is_refused() -> None:
     ext = extension()
     blocks = random_blocks(64, 64, seed=1)
     packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
-    with pytest.raises(
-        RuntimeError, match=r"kernel 'sve' is not available here|neither AMX-INT8 tiles nor AVX512-VNNI"
-    ):
+    with pytest.raises(RuntimeError, match=r"kernel 'sve' is not available here|runs none of its int8 kernels"):
         ext.int8_linear(torch.randn(2, 64), packed, kernel="sve")
+    q8 = random_q8(64, 64, seed=1)
+    with pytest.raises(RuntimeError, match=r"kernel 'amx' is not available here|runs none of its int8 kernels"):
+        ext.int8_linear_q8(torch.randn(2, 64), ext.int8_pack_q8(q8.q, q8.d), kernel="amx")  # no AMX Q8_0 kernel
 
 
 @needs_int8
@@ -150,34 +170,37 @@ def test_shapes_the_records_do_not_take_are_refused() -> None:
         ext.int8_linear(torch.randn(2, 32), packed)
 
 
-@needs_vnni
+@needs_q8
+@each_q8_kernel
 @pytest.mark.parametrize(("n", "k"), [(1024, 576), (64, 32), (128, 96)])
-def test_an_int8_lm_head_is_its_int8_activations_times_the_dequantised_q8_weight(n: int, k: int) -> None:
+def test_an_int8_lm_head_is_its_int8_activations_times_the_dequantised_q8_weight(kernel: str, n: int, k: int) -> None:
     """Q8_0 records (the full int8 range, which the kernel offsets to unsigned bytes and takes back off in int32):
     each row the rounding rule's product, within float32 sums of the group terms; 1-40 rows (four at a time in
     column groups of 64) give each row the bits it gets alone."""
     ext = extension()
     blocks = random_q8(n, k, seed=n + k)
+    blocks.q[:16], blocks.q[16:32] = 127, -128  # the extremes (AVX2 splits q + 128 into nibbles: its sums exact)
     packed = ext.int8_pack_q8(blocks.q, blocks.d)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)) * 3
     x[3, :32] = 0.0  # a group of zeros: scale 0
     x[5, 7] = 500.0  # an outlier owns its group's scale
+    x[7], x[8] = 2.5, -1.0
     w = blocks.dequantize().double()
     ref = int8_rounded(x) @ w.T
     bound = (int8_rounded(x).abs() @ w.abs().T) * 2e-6 + 1e-30
-    y = ext.int8_linear_q8(x, packed)
+    y = ext.int8_linear_q8(x, packed, kernel=kernel)
     assert y.dtype == torch.float32 and y.shape == (40, n)
     assert ((y.double() - ref).abs() <= bound).all()
     assert not torch.equal(y, (x.double() @ w.T).float())
-    alone = torch.cat([ext.int8_linear_q8(x[i : i + 1], packed) for i in range(40)])
+    alone = torch.cat([ext.int8_linear_q8(x[i : i + 1], packed, kernel=kernel) for i in range(40)])
     assert torch.equal(y, alone)
     for rows in (2, 3, 4, 5, 8, 9, 17):
-        assert torch.equal(ext.int8_linear_q8(x[:rows], packed), y[:rows])
+        assert torch.equal(ext.int8_linear_q8(x[:rows], packed, kernel=kernel), y[:rows])
     bias = torch.randn(n)
-    assert torch.equal(ext.int8_linear_q8(x, packed, bias), y + bias)
+    assert torch.equal(ext.int8_linear_q8(x, packed, bias, kernel=kernel), y + bias)
 
 
-@needs_vnni
+@needs_q8
 def test_q8_blocks_the_int8_head_does_not_take_are_refused() -> None:
     ext = extension()
     narrow = random_q8(48, 64, seed=1)
@@ -251,7 +274,7 @@ def test_a_model_on_int8_products_verifies_what_it_decodes() -> None:
         assert not torch.equal(singles, steps(head_only, prompt, verify)[0])
 
 
-@needs_vnni
+@needs_q8
 @torch.no_grad()
 def test_greedy_tokens_of_an_int8_head_are_the_argmax_of_its_logits() -> None:
     """With the int8 LM head, every greedy token (a plain step's and a verify's) is the argmax of the int8 logits:
@@ -271,7 +294,7 @@ def test_greedy_tokens_of_an_int8_head_are_the_argmax_of_its_logits() -> None:
         assert torch.equal(greedy_ids(model, hidden[:rows]), logits[:rows].argmax(-1))
 
 
-@needs_vnni
+@needs_q8
 def test_an_lm_head_whose_blocks_do_not_match_gets_no_int8_records(caplog: pytest.LogCaptureFixture) -> None:
     model, _ = int8_tiny_model(seed=5)
     heads = q8_head(model, seed=2)
@@ -297,7 +320,7 @@ def test_no_int8_kernel_attaches_nothing(monkeypatch: pytest.MonkeyPatch, caplog
     monkeypatch.setattr(native_stack, "extension", NoInt8)
     with caplog.at_level(logging.WARNING):
         assert not attach_int8_reads(model, blocks)
-    assert "neither AMX-INT8 tiles nor AVX512-VNNI" in caplog.text
+    assert "no int8 kernel (AMX-INT8, AVX512-VNNI, AVX2)" in caplog.text
     assert not any(getattr(m, "int8_records", None) is not None for m in model.modules())
 
 

@@ -47,7 +47,7 @@ RUNNER_WEIGHTS: dict[str, tuple[ModelSpec, str]] = {
     "F32": (ModelSpec(q4_reads=False, q8_head_reads=False), "F32"),
     "Q4_1 records": (ModelSpec(), "Q4_1"),  # the default: the float32 model's products from the Q4_1 / Q8_0 records
     "Q4_1 int4": (ModelSpec(native_q4=True), "Q4_1"),  # torch's int4 kernel, bfloat16 activations
-    # int8 activations over the Q4_1 / Q8_0 blocks (AMX tiles or AVX512-VNNI), rounded as llama.cpp's own Q4_1 dot
+    # int8 activations over the Q4_1 / Q8_0 blocks (AMX tiles, AVX512-VNNI or AVX2), rounded as llama.cpp's own Q4_1 dot
     # products round them; only where the CPU runs one of those kernels (runner_weights)
     "Q4_1 int8": (ModelSpec(int8_reads=True), "Q4_1"),
 }

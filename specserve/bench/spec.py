@@ -184,7 +184,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="each target once per choice: the kernel reads the decoder weights' Q4_1 records and the LM head's Q8_0 "
         "records where they measure faster, only the former, or float32 only (ModelSpec.q4_reads, q8_head_reads; the "
-        "same bits), or the decoder's Q4_1 blocks with int8 activations (AMX tiles or VNNI) and the LM head's "
+        "same bits), or the decoder's Q4_1 blocks with int8 activations (AMX tiles, VNNI or AVX2) and the LM head's "
         "records (ModelSpec.int8_reads: other bits, greedy-equal within the target), to compare (default: the spec's)",
     )
     p.add_argument(

@@ -380,15 +380,15 @@ def attach_q4_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
 
 def attach_int8_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
     """Switch: every decoder product reads its Q4_1 blocks with int8 activations (``csrc/int8_q4.cpp``: rounded per
-    row and group of 32; ``ModelSpec.int8_reads``) on the AMX tiles or with AVX512-VNNI, the same bits on either, at
-    every row count, before any other copy. All or nothing: False (nothing attached, a logged reason) on a CPU or
-    process with neither, or unless every projection's blocks dequantise to exactly its loaded weight and fit the
-    records (no bias, N a multiple of 64). Call after ``attach_small_gemm``; drops an attached C++ stack (built again
-    by ``attach_native_stack``)."""
+    row and group of 32; ``ModelSpec.int8_reads``) on the AMX tiles, with AVX512-VNNI or with AVX2, the same bits on
+    each, at every row count, before any other copy. All or nothing: False (nothing attached, a logged reason) on a
+    CPU or process with none of them, or unless every projection's blocks dequantise to exactly its loaded weight
+    and fit the records (no bias, N a multiple of 64). Call after ``attach_small_gemm``; drops an attached C++ stack
+    (built again by ``attach_native_stack``)."""
     ext = extension()
     kernels = ext.int8_kernels()
     if not kernels:
-        log.warning("int8 reads: this CPU or process has neither AMX-INT8 tiles nor AVX512-VNNI; float32 serves")
+        log.warning("int8 reads: this CPU or process has no int8 kernel (AMX-INT8, AVX512-VNNI, AVX2); float32 serves")
         return False
     found = matching_q4_blocks(model, blocks, "int8 reads")
     if found is None:
@@ -407,16 +407,16 @@ def attach_int8_reads(model: LlamaModel, blocks: dict[str, Q4Blocks]) -> bool:
 def attach_int8_head(model: LlamaModel, blocks: dict[str, Q8Blocks]) -> bool:
     """Switch, with the decoder's int8 reads (``ModelSpec.int8_reads``): the LM head reads its Q8_0 blocks with the
     activations rounded to int8 as the decoder's products round them (``csrc/int8_q4.cpp``, ``linear_q8``:
-    AVX512-VNNI), at every row count and before any other copy, so that greedy tokens are the argmax of those logits
-    (``lm_head.greedy_ids``) and verification and decoding agree. The blocks are the head's own or, with tied
-    embeddings, the token embedding's. False (nothing attached, a logged reason) without VNNI, or unless the head has
-    no bias, N is a multiple of 64 and the blocks dequantise to exactly its float32 weight."""
+    AVX512-VNNI or AVX2), at every row count and before any other copy, so that greedy tokens are the argmax of those
+    logits (``lm_head.greedy_ids``) and verification and decoding agree. The blocks are the head's own or, with tied
+    embeddings, the token embedding's. False (nothing attached, a logged reason) without either, or unless the head
+    has no bias, N is a multiple of 64 and the blocks dequantise to exactly its float32 weight."""
     ext = extension()
     head = model.lm_head
     name = Q8_HEAD_NAMES[0] if model.cfg.tie_word_embeddings else Q8_HEAD_NAMES[1]
     blk = blocks.get(name)
     if not ext.int8_q8_supported():
-        log.warning("int8 head reads: this CPU or process has no AVX512-VNNI; the LM head reads float32")
+        log.warning("int8 head reads: this CPU or process has neither AVX512-VNNI nor AVX2; the LM head reads float32")
         return False
     if blk is None or head.bias is not None or head.out_features % 64 or head.in_features % Q4_GROUP:
         log.warning("int8 head reads: no Q8_0 blocks for %s, or a head with a bias or a shape they do not take", name)
@@ -756,7 +756,7 @@ def attach_head_records(head: EagleHead, quant: HeadQuant, *, int8: bool = False
     records (``HeadSpec.quantize``): the Python path and the kernel then compute the same products, from 0.28x /
     0.19x the float32 bytes. With ``int8`` (``HeadSpec.int8_products``) the same blocks are multiplied with the
     activations rounded to int8 per row and group of 32 (``csrc/int8_q4.cpp``), where the CPU runs that kernel
-    (Q8_0: AVX512-VNNI; Q4_1: VNNI or AMX) and the linear's N is a multiple of 64; elsewhere the records are
+    (Q8_0: AVX512-VNNI or AVX2; Q4_1: those or AMX) and the linear's N is a multiple of 64; elsewhere the records are
     multiplied with float32 activations, with a logged reason (the float records stay beside the int8 ones, which
     every float32 product reads first). A draft's weights and products only change its proposals, never
     what verification accepts. Call after ``attach_small_gemm`` and before ``attach_head_stack``; False (nothing

@@ -484,7 +484,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_pack_q8", &specserve_int8::pack_q8, nogil, py::arg("q"), py::arg("d"));
   m.def("int8_q8_supported", &specserve_int8::q8_supported);
   m.def("int8_linear_q8", &specserve_int8::linear_q8, nogil, py::arg("x"), py::arg("packed"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("kernel") = py::none());
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double, bool, bool>())
       .def("add_layer", &DecoderStack::add_layer)

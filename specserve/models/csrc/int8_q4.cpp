@@ -3,12 +3,13 @@
 //   y[i, n] = sum_g d[n, g] * sx[i, g] * S[i, n, g] + m[n, g] * sx[i, g] * sq[i, g],
 //   S[i, n, g] = sum_{k in g} xq[i, k] * q[n, k]   (exact int32),
 // the activations rounded per row and group of 32 to int8 (sx = max |x| / 127, xq = round(x / sx), sq = sum xq: the
-// Q8_1 of llama.cpp's Q4_1 dot products) and q the 4-bit values 0..15 as unsigned bytes. Two kernels compute S over
-// the same records: the AMX tiles (one tdpbsud per group of 32 k, 16 columns and up to 16 rows) and AVX512-VNNI (one
-// vpdpbusd per 4 k, 16 columns and row). S is an exact integer either way and the per-group scaling below runs row by
-// row in one order with the same operations, so the two kernels give the same bits, and a verify of k rows gives
-// each row the bits it gets decoded alone. The int8 products cost a quarter of float32 FMAs per row (VNNI) or about
-// nothing per extra row up to 16 (a tile); the kernel's float32 FMAs cost in proportion to the rows.
+// Q8_1 of llama.cpp's Q4_1 dot products) and q the 4-bit values 0..15 as unsigned bytes. Three kernels compute S over
+// the same records: the AMX tiles (one tdpbsud per group of 32 k, 16 columns and up to 16 rows), AVX512-VNNI (one
+// vpdpbusd per 4 k, 16 columns and row) and AVX2 (vpmaddubsw into exact int16 pair sums, 8 columns and row). S is an
+// exact integer on each and the per-group scaling below runs row by row in one order with the same operations, so
+// the kernels give the same bits, and a verify of k rows gives each row the bits it gets decoded alone. The int8
+// products cost a quarter of float32 FMAs per row (VNNI, AVX2) or about nothing per extra row up to 16 (a tile); the
+// kernel's float32 FMAs cost in proportion to the rows.
 #include "int8_q4.h"
 
 #include <ATen/Parallel.h>
@@ -170,6 +171,44 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float quantise_group
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
   *sq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));  // |v * inv| <= 127: q is qa, qb unsaturated
+  *sxq = sx * static_cast<float>(*sq);
+  return sx;
+}
+
+// quantise_group on 8 lanes (a CPU without AVX-512): the same operations, so the same q, sx, sq and sxq bits.
+__attribute__((target("avx2,fma"))) inline float quantise_group_avx2(const float* v, int8_t* q, int32_t* sq,
+                                                                    float* sxq) {
+  const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 x[4], amax = _mm256_setzero_ps();
+  int bad = 0;
+  for (int j = 0; j < 4; ++j) {
+    x[j] = _mm256_loadu_ps(v + 8 * j);
+    const __m256 ax = _mm256_andnot_ps(sign, x[j]);
+    bad |= _mm256_movemask_ps(_mm256_cmp_ps(ax, inf, _CMP_NLT_UQ));  // a NaN (unordered) or an infinity
+    amax = _mm256_max_ps(amax, ax);
+  }
+  if (bad != 0) {
+    std::memset(q, 0, kG);
+    *sq = 0;
+    *sxq = std::numeric_limits<float>::quiet_NaN();
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  const float m = *std::max_element(lanes, lanes + 8);
+  const float sx = m / 127.f;
+  const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+  __m256i total = _mm256_setzero_si256();
+  alignas(32) int32_t qi[kG];
+  for (int j = 0; j < 4; ++j) {
+    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], inv));  // |r| <= 127: as quantise_group
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * j), r);
+    total = _mm256_add_epi32(total, r);
+  }
+  for (int64_t k = 0; k < kG; ++k) q[k] = static_cast<int8_t>(qi[k]);
+  alignas(32) int32_t t[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t), total);
+  *sq = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
   *sxq = sx * static_cast<float>(*sq);
   return sx;
 }
@@ -409,6 +448,114 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_product(const A
   });
 }
 
+// AVX2 (and FMA): the same sums over the same records for CPUs without AVX512-VNNI (AMD before Zen 4, Intel client
+// and server cores before Ice Lake). vpmaddubsw multiplies unsigned by signed bytes and adds adjacent pairs into
+// int16, saturating; for a Q4_1 value (0..15) and an activation (|xq| <= 127) a pair is at most 3810 and a group's
+// eight pairs per column 30480 < 32767, so the int16 sums are exact, and vpmaddwd by ones gives each column's exact
+// int32 S. A Q8_0 value (q + 128, 0..255) is split into its nibbles (S = 16 S_hi + S_lo), each within the same bound.
+// The scaling is the VNNI kernel's operations on 8 lanes instead of 16: the same bits per column.
+constexpr int64_t kAvx2Rows = 16;  // rows whose float32 sums (64 columns each) stay in L1 while a record is reused
+
+// Record (16 columns, group of 32 k) as vectors of 8 columns x 4 unsigned bytes: v[h][q] holds columns 8h .. 8h + 7,
+// k = 4q .. 4q + 3. Q4_1: the low nibbles of 64-byte chunk p are k = 4p + r, the high ones k = 16 + 4p + r. Q8_0:
+// v[0] the low nibbles, v[1] the high ones, of chunk q's half h, at v[h][q] and v[2 + h][q].
+template <Layout L>
+__attribute__((target("avx2,fma"))) inline void avx2_values(const uint8_t* rec, __m256i (*v)[8]) {
+  const __m256i low = _mm256_set1_epi8(15);
+  if constexpr (L == Layout::q4_1) {
+    for (int p = 0; p < 4; ++p) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + p * 64 + h * 32));
+        v[h][p] = _mm256_and_si256(x, low);
+        v[h][4 + p] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+      }
+    }
+  } else {
+    for (int q = 0; q < 8; ++q) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + q * 64 + h * 32));
+        v[h][q] = _mm256_and_si256(x, low);
+        v[2 + h][q] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+      }
+    }
+  }
+}
+
+// Eight int16 pair sums per column over the group's 32 k: sum_q maddubs(v[q], xq[4q .. 4q + 3]) (exact, see above).
+__attribute__((target("avx2,fma"))) inline __m256i avx2_pairs(const __m256i* v, const __m256i* x4) {
+  __m256i s = _mm256_maddubs_epi16(v[0], x4[0]);
+  for (int q = 1; q < 8; ++q) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(v[q], x4[q]));
+  return s;
+}
+
+// Blocks [t0, t1) of column group cg (16 columns each), rows [r0, r0 + rows): each record expanded once for all rows.
+template <Layout L>
+__attribute__((target("avx2,fma"))) void avx2_blocks(const Args& a, int64_t cg, int64_t t0, int64_t t1, int64_t r0,
+                                                     int64_t rows) {
+  const int64_t G = a.K / kG;
+  alignas(32) float acc[kAvx2Rows][kCols * kColGroup];
+  for (int64_t i = 0; i < rows; ++i) std::memset(acc[i] + t0 * kCols, 0, sizeof(float) * kCols * (t1 - t0));
+  const __m256i ones16 = _mm256_set1_epi16(1), sixteen16 = _mm256_set1_epi16(16);
+  const uint8_t* rec = a.w + cg * G * kColGroup * kRecOf<L>;
+  for (int64_t g = 0; g < G; ++g, rec += kColGroup * kRecOf<L>) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* here = rec + t * kRecOf<L>;
+      if constexpr (L == Layout::q8_0) {  // as vnni_group; its measurements on this kernel were too noisy to tell
+        if (a.w_end - here > kAhead + kRecOf<L>) {
+          for (int64_t o = 0; o < kRecOf<L>; o += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(here + kAhead + o), _MM_HINT_T0);
+          }
+        }
+      }
+      __m256i v[L == Layout::q4_1 ? 2 : 4][8];
+      avx2_values<L>(here, v);
+      const float* dp = reinterpret_cast<const float*>(here + (L == Layout::q4_1 ? 256 : 512));
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t row = r0 + i, s = row * G + g;
+        const int8_t* xq = a.xq + row * a.K + g * kG;
+        __m256i x4[8];
+        for (int q = 0; q < 8; ++q) {
+          int32_t quad;
+          std::memcpy(&quad, xq + 4 * q, 4);
+          x4[q] = _mm256_set1_epi32(quad);
+        }
+        const __m256 sx = _mm256_set1_ps(a.sx[s]);
+        for (int h = 0; h < 2; ++h) {
+          __m256i sum = _mm256_madd_epi16(avx2_pairs(v[h], x4), ones16);
+          if constexpr (L == Layout::q8_0) {
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(avx2_pairs(v[2 + h], x4), sixteen16));
+            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * a.sq[s]));
+          }
+          float* out = acc[i] + t * kCols + h * 8;
+          __m256 y = _mm256_load_ps(out);
+          y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(_mm256_loadu_ps(dp + h * 8), sx), y);
+          if constexpr (L == Layout::q4_1) {
+            y = _mm256_fmadd_ps(_mm256_loadu_ps(dp + kCols + h * 8), _mm256_set1_ps(a.sxq[s]), y);
+          }
+          _mm256_store_ps(out, y);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(a.y + (r0 + i) * a.N + (cg * kColGroup + t0) * kCols, acc[i] + t0 * kCols,
+                sizeof(float) * kCols * (t1 - t0));
+  }
+}
+
+// Every row of x against the records, on the two cores: the blocks of 16 columns split between the threads in
+// record order (a thread's blocks of one column group read together, group by group), kAvx2Rows rows at a time.
+template <Layout L>
+void avx2_product(const Args& a) {
+  at::parallel_for(0, a.N / kCols, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t cg = b0 / kColGroup; cg * kColGroup < b1; ++cg) {
+      const int64_t t0 = std::max(b0, cg * kColGroup) - cg * kColGroup;
+      const int64_t t1 = std::min(b1, (cg + 1) * kColGroup) - cg * kColGroup;
+      for (int64_t r0 = 0; r0 < a.M; r0 += kAvx2Rows) avx2_blocks<L>(a, cg, t0, t1, r0, std::min(kAvx2Rows, a.M - r0));
+    }
+  });
+}
+
 bool avx512_base() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
@@ -427,6 +574,7 @@ std::vector<std::string> detect() {
   std::vector<std::string> found;
   if (detect_amx()) found.emplace_back("amx");
   if (avx512_base() && __builtin_cpu_supports("avx512vnni")) found.emplace_back("avx512-vnni");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) found.emplace_back("avx2");
   return found;
 }
 
@@ -445,7 +593,7 @@ struct Quantised {
   Args args;
 };
 
-Quantised quantise(const at::Tensor& x, const Packed& w, at::Tensor& y) {
+Quantised quantise(const at::Tensor& x, const Packed& w, at::Tensor& y, bool avx512) {
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = w.k, G = K / kG;
   Quantised out{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({2, M, G}, x.options()),
@@ -458,7 +606,9 @@ Quantised quantise(const at::Tensor& x, const Packed& w, at::Tensor& y) {
   for (int64_t i = 0; i < M; ++i) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t s = i * G + g;
-      sx[s] = quantise_group(xp + i * K + g * kG, qp + i * K + g * kG, sq + s, sxq + s);
+      const float* v = xp + i * K + g * kG;
+      int8_t* q = qp + i * K + g * kG;
+      sx[s] = avx512 ? quantise_group(v, q, sq + s, sxq + s) : quantise_group_avx2(v, q, sq + s, sxq + s);
     }
   }
   const uint8_t* wp = w.data.data_ptr<uint8_t>();
@@ -471,47 +621,68 @@ void check_x(const at::Tensor& x, const Packed& w, const char* what) {
               "] float32");
 }
 
-}  // namespace
-
-at::Tensor linear(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
-                  const std::optional<std::string>& kernel) {
-  const std::vector<std::string>& here = kernels();
-  TORCH_CHECK(!here.empty(), "int8 linear: this CPU or process has neither AMX-INT8 tiles nor AVX512-VNNI");
+// `kernel` (default: the first of `usable` this CPU runs) checked against the kernels here that run this product.
+std::string chosen(const std::optional<std::string>& kernel, const std::vector<std::string>& usable, const char* what) {
+  std::vector<std::string> here;
+  for (const std::string& k : kernels()) {
+    if (std::find(usable.begin(), usable.end(), k) != usable.end()) here.push_back(k);
+  }
+  TORCH_CHECK(!here.empty(), what, ": this CPU or process runs none of its int8 kernels (AMX-INT8, AVX512-VNNI, AVX2)");
   const std::string name = kernel.value_or(here.front());
   if (std::find(here.begin(), here.end(), name) == here.end()) {
     std::string known;
     for (const std::string& k : here) known += (known.empty() ? "" : ", ") + k;
-    TORCH_CHECK(false, "int8 linear: kernel '", name, "' is not available here (this CPU and process run: ", known, ")");
+    TORCH_CHECK(false, what, ": kernel '", name, "' is not available here (this CPU and process run: ", known, ")");
   }
+  return name;
+}
+
+const std::vector<std::string> kQ4Kernels = {"amx", "avx512-vnni", "avx2"};
+const std::vector<std::string> kQ8Kernels = {"avx512-vnni", "avx2"};
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
+                  const std::optional<std::string>& kernel) {
+  const std::string name = chosen(kernel, kQ4Kernels, "int8 linear");
   check_x(x, w, "int8 linear");
   TORCH_CHECK(w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRec,
               "int8 linear: w is not a pack_q4 record set");
   at::Tensor y = at::empty({x.size(0), w.n}, x.options());
   if (x.size(0) == 0) return y;
-  const Quantised q = quantise(x, w, y);
+  const Quantised q = quantise(x, w, y, name != "avx2");
   if (name == "amx") {
     at::parallel_for(0, w.n / (kCols * kColGroup), 1, [&](int64_t c0, int64_t c1) { column_groups(q.args, c0, c1); });
-  } else {
+  } else if (name == "avx512-vnni") {
     vnni_product<Layout::q4_1>(q.args);
+  } else {
+    avx2_product<Layout::q4_1>(q.args);
   }
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
 
 bool q8_supported() {
-  const std::vector<std::string>& here = kernels();
-  return std::find(here.begin(), here.end(), "avx512-vnni") != here.end();
+  for (const std::string& k : kernels()) {
+    if (std::find(kQ8Kernels.begin(), kQ8Kernels.end(), k) != kQ8Kernels.end()) return true;
+  }
+  return false;
 }
 
-at::Tensor linear_q8(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(q8_supported(), "int8 linear_q8: this CPU or process has no AVX512-VNNI");
+at::Tensor linear_q8(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias,
+                     const std::optional<std::string>& kernel) {
+  const std::string name = chosen(kernel, kQ8Kernels, "int8 linear_q8");
   check_x(x, w, "int8 linear_q8");
   TORCH_CHECK(w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRecOf<Layout::q8_0>,
               "int8 linear_q8: w is not a pack_q8 record set");
   at::Tensor y = at::empty({x.size(0), w.n}, x.options());
   if (x.size(0) == 0) return y;
-  const Quantised q = quantise(x, w, y);
-  vnni_product<Layout::q8_0>(q.args);
+  const Quantised q = quantise(x, w, y, name != "avx2");
+  if (name == "avx512-vnni") {
+    vnni_product<Layout::q8_0>(q.args);
+  } else {
+    avx2_product<Layout::q8_0>(q.args);
+  }
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -529,7 +700,7 @@ at::Tensor linear(const at::Tensor&, const Packed&, const std::optional<at::Tens
 
 bool q8_supported() { return false; }
 
-at::Tensor linear_q8(const at::Tensor&, const Packed&, const std::optional<at::Tensor>&) {
+at::Tensor linear_q8(const at::Tensor&, const Packed&, const std::optional<at::Tensor>&, const std::optional<std::string>&) {
   TORCH_CHECK(false, "int8 linear_q8: built without x86 int8 kernels");
 }
 
