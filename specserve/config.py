@@ -102,8 +102,8 @@ class ModelSpec(Validated):
         "and group of 32 as llama.cpp's Q4_1 dot products round them, on the AMX tiles where the CPU has them, else "
         "with VNNI, else with AVX2: the same bits on each. A different arithmetic from the float32 products (relative "
         "error ~6e-3 a product), batch-invariant like them, so greedy speculation stays equal to plain decoding under "
-        "it; a tile multiplies up to 16 rows for about the price of one, VNNI and AVX2 a row for a quarter of the "
-        "float32 FMAs' instructions (docs/benchmarks.md, 'AMX-INT8 products over the Q4_1 blocks', 'AVX512-VNNI "
+        "it; a tile multiplies up to 16 rows for about the price of one, VNNI a row for a quarter of the float32 FMAs' "
+        "instructions, AVX2 for about half (docs/benchmarks.md, 'AMX-INT8 products over the Q4_1 blocks', 'AVX512-VNNI "
         "products over the same records', 'AVX2 products over the same records'). Without any the float32 products "
         "serve (a logged reason)",
     )

@@ -44,10 +44,11 @@ each_q8_kernel = pytest.mark.parametrize("kernel", Q8_KERNELS or ["none here"])
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the products see it: each row's groups of 32 scaled to max |x| = 127 in float32, rounded half to even,
-    scaled back by max |x| / 127."""
+    scaled back by max |x| / 127; a group whose 127 / max |x| is not finite (all zeros, or tiny values) as zeros."""
     groups = x.view(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    inv = torch.tensor(127.0) / amax
+    inv = torch.where(inv.isfinite(), inv, torch.zeros_like(amax))
     return (torch.round(groups * inv).double() * (amax / 127.0).double()).view(x.shape)
 
 
@@ -63,6 +64,7 @@ def test_each_row_is_its_int8_activations_times_the_dequantised_weight(kernel: s
     x[3, :32] = 0.0  # a group of zeros: scale 0
     x[5, 7] = 500.0  # an outlier owns its group's scale
     x[7], x[8] = 2.5, -1.0
+    x[9, -32:] = torch.linspace(-3e-38, 2e-38, 32)  # 127 / max |x| overflows: the group rounds to zeros
     w = blocks.dequantize().double()
     ref = int8_rounded(x) @ w.T
     bound = (int8_rounded(x).abs() @ w.abs().T) * 2e-6 + 1e-30  # float32 sums of the group terms
@@ -92,6 +94,14 @@ def test_every_row_gets_the_same_bits_alone_or_among_others(kernel: str) -> None
     assert torch.equal(ext.int8_linear(x[7:20], packed, kernel=kernel), whole[7:20])
 
 
+def blocks_extreme(x: torch.Tensor) -> None:
+    """Groups that test the rounding's edges, in place: zeros, tiny values, equal values, one outlier."""
+    x[0, :32] = 0.0
+    x[0, 32:64] = torch.linspace(-3e-38, 2e-38, 32)
+    x[1, :64] = 2.5
+    x[2, 40] = 1e4
+
+
 @pytest.mark.skipif(len(KERNELS) < 2, reason="one int8 kernel here: nothing to compare it with")
 def test_every_kernel_gives_the_same_bits() -> None:
     """The integer sums are exact on each and the rounding and the per-group scaling are the same operations in the
@@ -100,6 +110,7 @@ def test_every_kernel_gives_the_same_bits() -> None:
     blocks = random_blocks(320, 1536, seed=11)
     packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
     x = torch.randn(37, 1536, generator=torch.Generator().manual_seed(5)) * 2
+    blocks_extreme(x)
     for rows in (1, 3, 8, 37):
         first, *others = [ext.int8_linear(x[:rows], packed, kernel=k) for k in KERNELS]
         assert all(torch.equal(first, other) for other in others)
@@ -111,6 +122,7 @@ def test_every_q8_kernel_gives_the_same_bits() -> None:
     blocks = random_q8(256, 576, seed=12)
     packed = ext.int8_pack_q8(blocks.q, blocks.d)
     x = torch.randn(21, 576, generator=torch.Generator().manual_seed(8)) * 2
+    blocks_extreme(x)
     for rows in (1, 4, 6, 21):
         first, *others = [ext.int8_linear_q8(x[:rows], packed, kernel=k) for k in Q8_KERNELS]
         assert all(torch.equal(first, other) for other in others)
@@ -185,6 +197,7 @@ def test_an_int8_lm_head_is_its_int8_activations_times_the_dequantised_q8_weight
     x[3, :32] = 0.0  # a group of zeros: scale 0
     x[5, 7] = 500.0  # an outlier owns its group's scale
     x[7], x[8] = 2.5, -1.0
+    x[9, :32] = torch.linspace(-3e-38, 2e-38, 32)  # 127 / max |x| overflows: the group rounds to zeros
     w = blocks.dequantize().double()
     ref = int8_rounded(x) @ w.T
     bound = (int8_rounded(x).abs() @ w.abs().T) * 2e-6 + 1e-30

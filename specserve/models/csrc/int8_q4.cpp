@@ -8,8 +8,9 @@
 // vpdpbusd per 4 k, 16 columns and row) and AVX2 (vpmaddubsw into exact int16 pair sums, 8 columns and row). S is an
 // exact integer on each and the per-group scaling below runs row by row in one order with the same operations, so
 // the kernels give the same bits, and a verify of k rows gives each row the bits it gets decoded alone. The int8
-// products cost a quarter of float32 FMAs per row (VNNI, AVX2) or about nothing per extra row up to 16 (a tile); the
-// kernel's float32 FMAs cost in proportion to the rows.
+// products cost a quarter of the float32 FMAs' instructions per row (VNNI), about half (AVX2 over Q4_1; about as many
+// over Q8_0, whose values it splits in two) or about nothing per extra row up to 16 (a tile); the kernel's float32
+// FMAs cost in proportion to the rows.
 #include "int8_q4.h"
 
 #include <ATen/Parallel.h>
@@ -148,6 +149,13 @@ __attribute__((target("avx512f,avx512bw"))) inline void expand(const uint8_t* re
   }
 }
 
+// 127 / amax, or 0 where that is not finite (amax 0, or below 127 / FLT_MAX: a group of such tiny values rounds to
+// all zeros, on every kernel alike; an infinite scale would turn every value into the conversion's INT_MIN).
+inline float int8_inverse(float amax) {
+  const float inv = 127.f / amax;
+  return amax > 0.f && inv <= std::numeric_limits<float>::max() ? inv : 0.f;
+}
+
 // One row's group of 32: q = round-to-nearest-even(v * (127 / amax)) as int8; returns sx = amax / 127 and sets
 // *sq = sum(q) and *sxq = sx * sum(q). A group holding a NaN or an infinity gets q = 0 and sx = sxq = NaN, so that
 // its row's products are NaN as the float32 products' are (a greedy row without a finite maximum is then refused,
@@ -166,7 +174,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float quantise_group
   }
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(aa, ab));
   const float sx = amax / 127.f;
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512 inv = _mm512_set1_ps(int8_inverse(amax));
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
@@ -197,7 +205,7 @@ __attribute__((target("avx2,fma"))) inline float quantise_group_avx2(const float
   _mm256_store_ps(lanes, amax);
   const float m = *std::max_element(lanes, lanes + 8);
   const float sx = m / 127.f;
-  const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+  const __m256 inv = _mm256_set1_ps(int8_inverse(m));
   __m256i total = _mm256_setzero_si256();
   alignas(32) int32_t qi[kG];
   for (int j = 0; j < 4; ++j) {
