@@ -94,7 +94,7 @@ def test_every_row_gets_the_same_bits_alone_or_among_others(kernel: str) -> None
     assert torch.equal(ext.int8_linear(x[7:20], packed, kernel=kernel), whole[7:20])
 
 
-def blocks_extreme(x: torch.Tensor) -> None:
+def edge_groups(x: torch.Tensor) -> None:
     """Groups that test the rounding's edges, in place: zeros, tiny values, equal values, one outlier."""
     x[0, :32] = 0.0
     x[0, 32:64] = torch.linspace(-3e-38, 2e-38, 32)
@@ -110,7 +110,7 @@ def test_every_kernel_gives_the_same_bits() -> None:
     blocks = random_blocks(320, 1536, seed=11)
     packed = ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
     x = torch.randn(37, 1536, generator=torch.Generator().manual_seed(5)) * 2
-    blocks_extreme(x)
+    edge_groups(x)
     for rows in (1, 3, 8, 37):
         first, *others = [ext.int8_linear(x[:rows], packed, kernel=k) for k in KERNELS]
         assert all(torch.equal(first, other) for other in others)
@@ -122,7 +122,7 @@ def test_every_q8_kernel_gives_the_same_bits() -> None:
     blocks = random_q8(256, 576, seed=12)
     packed = ext.int8_pack_q8(blocks.q, blocks.d)
     x = torch.randn(21, 576, generator=torch.Generator().manual_seed(8)) * 2
-    blocks_extreme(x)
+    edge_groups(x)
     for rows in (1, 4, 6, 21):
         first, *others = [ext.int8_linear_q8(x[:rows], packed, kernel=k) for k in Q8_KERNELS]
         assert all(torch.equal(first, other) for other in others)
