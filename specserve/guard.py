@@ -30,6 +30,13 @@ each step how many tokens the draft would first re-read and how many the batch m
 the guard speculates only if those remaining tokens would save more than the catch-up costs (``switch_pays``).
 Plain steps run for that reason are measurements of plain decoding, not tries of it.
 
+The mode the bucket's last decision chose holds until the other measures ``margin`` (5%) faster (hysteresis):
+near break-even, where a shared host's step times drift by more than the two modes differ, each flip to
+speculation paid a catch-up and the choice flipped every few steps. And after the running mode's own step flips
+the choice, the first measured step of the mode taken up replaces that mode's step time as a try's does
+(``refresh_on_flip``, from batch ``warmup`` on): its average dates from its last run, and blended it let a host
+that had slowed for both modes flip the choice back and forth (docs/benchmarks.md, "The guard near break-even").
+
 Tokens per step are averaged with a longer memory (``token_smoothing``) than step time, starting as the plain
 mean of the steps so far: they are acceptance, which jumps between 1 and 4 from one step to the next at batch 1.
 
@@ -102,6 +109,16 @@ class ThroughputGuard:
     # catch-up: their ratio weighs each by its size (a catch-up of 3 tokens costs about a step, nothing per token)
     trying: set[int] = field(default_factory=set)  # buckets whose try of speculation is measuring on
     # (``measured_tries``): its steps are a warm-up of speculation, their cost the try's
+    margin: float = 0.05  # hysteresis: the mode the bucket's last decision did not choose must measure this much
+    # faster to take over (each switch to speculation costs a catch-up; near break-even, step-time drift on a shared
+    # host flipped the choice every few steps: docs/benchmarks.md, "The guard near break-even")
+    refresh_on_flip: bool = True  # switch: after the running mode's own step flips the choice, the first measured
+    # step of the mode it flips to replaces that mode's step time, as a try's does (that average is as old as the
+    # mode's last run); from batch ``warmup`` on, where one step averages over that many sequences (at batch 1 one
+    # step's time follows its own acceptance)
+    held: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode its last decision chose (``margin``)
+    stale: set[tuple[int, bool]] = field(default_factory=set)  # (bucket, mode) whose next measured step replaces
+    # its step time (``refresh_on_flip``)
 
     def __post_init__(self) -> None:
         if not 1 <= self.warmup <= self.max_warmup:
@@ -114,6 +131,8 @@ class ThroughputGuard:
             raise ValueError(f"explore_cost must be in (0, 1], got {self.explore_cost}")
         if self.outlier_clip < 1:
             raise ValueError(f"outlier_clip must be at least 1, got {self.outlier_clip}")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
 
     @property
     def steps(self) -> dict[int, int]:
@@ -141,7 +160,11 @@ class ThroughputGuard:
         b = bucket(batch_size)
         if not (self._warmed((b, True)) and self._warmed((b, False))):
             return None
-        return self.rates[(b, True)] >= self.rates[(b, False)]
+        spec, plain = self.rates[(b, True)], self.rates[(b, False)]
+        held = self.held.get(b)  # the mode the bucket's last decision chose: the other must beat it by ``margin``
+        if held is None:
+            return spec >= plain
+        return spec * (1 + self.margin) >= plain if held else spec >= plain * (1 + self.margin)
 
     def _warmed(self, key: tuple[int, bool]) -> bool:
         """Whether a (bucket, speculative) mode's warm-up is over (``warm`` holds the steps of one in progress)."""
@@ -268,7 +291,8 @@ class ThroughputGuard:
                 if try_step:  # the try is over: decided as a one-step try is, below
                     self.trying.discard(b)
                     before, tried = False, True
-        elif tried:  # a try: the mode's step time is as old as its last run,
+        elif tried or key in self.stale:  # a try (or the first step after a flip): the mode's step time is as old
+            # as its last run,
             if speculative:  # what the try cost beyond plain decoding spaces the next one (with its switch step)
                 self.switch_s[b] = self.catch_up_s.pop(b, 0.0) + self._excess_over_plain(b, step)
             # so the fresh step's time replaces it (blended, one stale slow step would outlive tries); its tokens per
@@ -281,6 +305,7 @@ class ThroughputGuard:
             tok, sec = self.work.get(key, step)  # (rates seeded from outside start from this step)
             seconds = min(step[1], self.outlier_clip * sec)
             self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), sec + self.smoothing * (seconds - sec))
+        self.stale.discard(key)
         tok, sec = self.work[key]
         self.rates[key] = tok / max(sec, 1e-9)
         if b in self.trying:  # a try measuring on decides nothing yet
@@ -298,6 +323,10 @@ class ThroughputGuard:
             # ``warmup`` steps, speculation once its switch is amortised
             self.intervals[b] = self.explore_every
             self.next_try[b] = self._steps(b) + (self.warmup if after else max(1, self._amortising_steps(b))) - 1
+            if self.refresh_on_flip and b >= self.warmup:
+                self.stale.add((b, bool(after)))
+        if after is not None:
+            self.held[b] = after
 
     def _token_weight(self, n: int) -> float:
         """Weight of the n-th measured step in its mode's tokens-per-step average: 1 / n, a plain mean of the steps

@@ -963,3 +963,64 @@ def test_a_catch_up_within_speculation_does_not_space_the_tries_as_a_switch_woul
     assert within < 100
     switch = steps_to_next_try(warmed(), 3.0, planned_before=False)  # after a plain step: a switch, as before
     assert switch > 1000
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.05])
+def test_the_guard_hands_over_to_the_other_mode_only_past_its_margin(margin: float) -> None:
+    """Hysteresis: the mode the last decision did not choose must measure ``margin`` faster to take over. Plain
+    decoding holds (speculation emits 0.75 tokens a sequence a second); as plain steps slow, speculation 3.4% faster
+    takes over without a margin and not with 5%, and 12.5% faster takes over either way. Then held by speculation,
+    plain decoding 3% faster takes it back only without a margin."""
+    guard = ThroughputGuard(
+        warmup=1, explore_every=1000, smoothing=1.0, token_smoothing=1.0, outlier_clip=100.0, margin=margin
+    )
+    guard.record(16, False, tokens=16, seconds=1.0)
+    guard.record(16, True, tokens=0, seconds=1.0, caught_up_tokens=MISSED)  # the switch: not measured
+    guard.record(16, True, tokens=12, seconds=1.0)
+    assert guard.faster(16) is False
+    guard.record(16, False, tokens=16, seconds=1.38)  # plain 0.725 tokens/s a sequence
+    assert guard.faster(16) is (margin == 0.0)
+    guard.record(16, False, tokens=16, seconds=1.5)  # 0.667
+    assert guard.faster(16) is True
+    guard.record(16, True, tokens=0, seconds=1.0, caught_up_tokens=MISSED)
+    guard.record(16, True, tokens=12, seconds=0.75 / 0.72)  # speculation 0.72
+    assert guard.faster(16) is True
+    guard.record(16, True, tokens=12, seconds=0.75 / (0.667 / 1.03))  # plain now 3% faster
+    assert guard.faster(16) is (margin != 0.0)
+    with pytest.raises(ValueError, match="margin"):
+        ThroughputGuard(margin=-0.1)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_after_a_flip_the_mode_taken_up_is_timed_afresh_from_batch_warmup_on(batch: int) -> None:
+    """Plain decoding 2x faster; then the host slows, plain steps take 3 s and flip the choice to speculation,
+    whose average (2 s a step) dates from before. From batch ``warmup`` (3) on, its first measured step after the
+    switch replaces that average, as a try's does: 3 s, and plain decoding is back at once. At batch 1, where one
+    step's time follows its own acceptance, the step is blended (2.3 s) and speculation runs on."""
+    guard = ThroughputGuard(explore_every=1000)
+    for _ in range(3):
+        guard.record(batch, False, tokens=batch, seconds=1.0)
+    guard.record(batch, True, tokens=0, seconds=2.0, caught_up_tokens=MISSED)
+    for _ in range(3):
+        guard.record(batch, True, tokens=batch, seconds=2.0)
+    assert guard.faster(batch) is False
+    slow = 0
+    while not guard.speculate(batch):
+        guard.record(batch, False, tokens=batch, seconds=3.0)
+        slow += 1
+    assert slow <= 6
+    guard.record(batch, True, tokens=0, seconds=3.0, caught_up_tokens=MISSED)
+    guard.record(batch, True, tokens=batch, seconds=3.0)
+    assert guard.work[(batch, True)][1] == pytest.approx(3.0 if batch >= guard.warmup else 2.3)
+    assert guard.speculate(batch) is (batch < guard.warmup)
+    if batch >= guard.warmup:  # the switch: off, the stale 2 s would be blended with the fresh 3 s
+        off = ThroughputGuard(explore_every=1000, refresh_on_flip=False)
+        for spec, tokens, seconds, missed in (
+            [(False, batch, 1.0, 0)] * 3 + [(True, 0, 2.0, MISSED)] + [(True, batch, 2.0, 0)] * 3
+        ):
+            off.record(batch, spec, tokens, seconds, caught_up_tokens=missed)
+        while not off.speculate(batch):
+            off.record(batch, False, tokens=batch, seconds=3.0)
+        off.record(batch, True, tokens=0, seconds=3.0, caught_up_tokens=MISSED)
+        off.record(batch, True, tokens=batch, seconds=3.0)
+        assert off.work[(batch, True)][1] == pytest.approx(2.3)

@@ -1,0 +1,190 @@
+"""`specserve bench guard-replay`: the throughput guard's cost and gain over recorded host noise, without models.
+
+A straggler sweep (``python -m load.straggler``) records every step of every run in ``traces.jsonl``. Its plain
+runs at one batch size give sequences of decode-step times: the host's own drift, page faults and neighbours,
+step by step. This benchmark replays each such sequence through a ``ThroughputGuard`` (one guard across all the
+runs, as the sweep keeps one per policy) with a modelled speculative mode: a speculative step at step i takes
+``spec_time`` times the recorded plain step i (times a lognormal jitter of ``--spec-jitter``), plus ``--switch-s``
+when it follows plain steps (the draft's catch-up), and emits for each sequence 1 + the draft tokens accepted, each
+taken with probability ``accept`` up to ``--depth``. A replayed run ends once it has emitted the tokens the plain run
+did; its throughput over the plain run's is the row's figure, next to the ideal (the faster mode throughout).
+
+It measures guard variants (``--margins`` x refresh on/off) side by side on the same noise and draws, so their
+difference is the guard's, not the host's. Not modelled: admissions (the loop does not time them), the ``Outlook``
+check of whether a switch pays, and acceptance that changes within a run.
+
+    .venv/bin/specserve bench guard-replay --traces bench_out/straggler/traces.jsonl --batch 16 --out bench_out/gr
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.arg_types import batch_size, non_negative_int, out_dir_arg, positive_float, positive_int
+from specserve.bench.stats import markdown_table, write_csv
+from specserve.errors import SettingsError
+from specserve.guard import ThroughputGuard
+
+CATCH_UP_CAP = 64  # tokens a sequence's switch step re-reads at most (an EAGLE head's catch-up window)
+
+
+@dataclass(frozen=True)
+class SpecModel:
+    time: float  # a speculative step's time over the plain step's at the same point
+    accept: float  # probability that each next draft token is accepted
+    depth: int  # draft tokens a sequence may have accepted in one step
+    jitter: float  # sigma of the lognormal factor on a speculative step's time
+    switch_s: float  # seconds a switch step (the first speculative step after plain ones) adds
+
+    @property
+    def tokens(self) -> float:
+        """Mean tokens a sequence emits in one speculative step."""
+        return sum(self.accept**k for k in range(self.depth + 1))
+
+
+@dataclass(frozen=True)
+class Variant:
+    margin: float
+    refresh: bool
+
+    def guard(self) -> ThroughputGuard:
+        return ThroughputGuard(margin=self.margin, refresh_on_flip=self.refresh)
+
+    @property
+    def label(self) -> str:
+        return f"margin {self.margin:g}, refresh {'on' if self.refresh else 'off'}"
+
+
+@dataclass(frozen=True)
+class Replay:
+    ratio: float  # the replayed run's throughput over the plain run's
+    spec_steps: int
+    switches: int
+
+
+def plain_profiles(paths: Sequence[Path], batch: int) -> list[list[float]]:
+    """Per plain run at ``batch`` in the traces, the times of its steps in which the whole batch decoded (no
+    prompt fed, no sequence finished yet), in order."""
+    runs = []
+    for path in paths:
+        if not path.is_file():
+            raise SettingsError(f"no traces file at {path}")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                run = json.loads(line)
+                if run["batch"] != batch or run["policy"] != "plain":
+                    continue
+                times, prev = [], 0.0
+                for step in run["steps"]:
+                    seconds, prev = step["t_end"] - prev, step["t_end"]
+                    if len(step["seqs"]) == batch and all(s["fed"] == 1 for s in step["seqs"]):
+                        times.append(seconds)
+            except (ValueError, KeyError, TypeError) as e:
+                raise SettingsError(f"{path}:{n} is not a straggler trace ({type(e).__name__}: {e})") from None
+            if times:
+                runs.append(times)
+    if not runs:
+        raise SettingsError(f"no plain runs at batch {batch} in {', '.join(map(str, paths))}")
+    return runs
+
+
+def replay(guard: ThroughputGuard, plain: Sequence[float], model: SpecModel, batch: int, rng: random.Random) -> Replay:
+    """One run: the guard decodes until it has emitted the plain run's tokens, step i taking the time of the plain
+    run's step i (its last for any step beyond), as plain decoding or as modelled speculation."""
+    goal, emitted, seconds, spec_steps, switches, since_spec = len(plain) * batch, 0, 0.0, 0, 0, 0
+    for i in range(10 * len(plain)):  # each step emits at least a token a sequence: len(plain) steps suffice
+        if emitted >= goal:
+            break
+        base = plain[min(i, len(plain) - 1)]
+        if guard.speculate(batch):
+            tokens = sum(_draft_tokens(model, rng) for _ in range(batch))
+            step = base * model.time * rng.lognormvariate(0.0, model.jitter)
+            missed = batch * min(since_spec, CATCH_UP_CAP)
+            if missed:
+                step += model.switch_s
+                switches += 1
+            guard.record(batch, True, tokens, step, caught_up_tokens=missed)
+            spec_steps, since_spec = spec_steps + 1, 0
+        else:
+            tokens, step = batch, base
+            guard.record(batch, False, tokens, step)
+            since_spec += 1
+        emitted, seconds = emitted + tokens, seconds + step
+    return Replay(sum(plain) * emitted / goal / seconds, spec_steps, switches)
+
+
+def _draft_tokens(model: SpecModel, rng: random.Random) -> int:
+    tokens = 1
+    while tokens <= model.depth and rng.random() < model.accept:
+        tokens += 1
+    return tokens
+
+
+def rows_for(
+    profiles: list[list[float]], models: Sequence[SpecModel], variants: Sequence[Variant], batch: int, seeds: int
+) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for model in models:
+        for variant in variants:
+            runs = []
+            for seed in range(seeds):  # the same draws for every variant: rng seeded alike
+                rng, guard = random.Random(seed), variant.guard()
+                runs += [replay(guard, plain, model, batch, rng) for plain in profiles]
+            ratios = sorted(r.ratio for r in runs)
+            rows.append(
+                {
+                    "batch": batch,
+                    "spec_time": model.time,
+                    "accept": model.accept,
+                    "ideal": max(1.0, model.tokens / model.time),
+                    "variant": variant.label,
+                    "median": statistics.median(ratios),
+                    "mean": statistics.fmean(ratios),
+                    "p10": ratios[len(ratios) // 10],
+                    "spec_steps": statistics.fmean(r.spec_steps for r in runs),
+                    "switches": statistics.fmean(r.switches for r in runs),
+                }
+            )
+    return rows
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), not {text}")
+    return value
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--traces", type=Path, nargs="+", required=True, help="straggler sweeps' traces.jsonl")
+    p.add_argument("--batch", type=batch_size, default=16, help="the batch size whose plain runs are replayed")
+    p.add_argument("--spec-time", type=positive_float, nargs="+", default=[1.0, 1.1, 1.25, 1.5])
+    p.add_argument("--accept", type=fraction, nargs="+", default=[0.107], help="per draft token (0.107: 1.12 tokens)")
+    p.add_argument("--depth", type=non_negative_int, default=5)
+    p.add_argument("--spec-jitter", type=fraction, default=0.1)
+    p.add_argument("--switch-s", type=float, default=0.025, help="seconds a switch step adds (the catch-up)")
+    p.add_argument("--margins", type=fraction, nargs="+", default=[0.0, 0.05, 0.1])
+    p.add_argument("--seeds", type=positive_int, default=30)
+    p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/guard_replay"))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.switch_s < 0:
+        raise SettingsError(f"--switch-s must be at least 0, got {args.switch_s}")
+    profiles = plain_profiles(args.traces, args.batch)
+    models = [SpecModel(t, a, args.depth, args.spec_jitter, args.switch_s) for t in args.spec_time for a in args.accept]
+    variants = [Variant(0.0, False)] + [Variant(m, True) for m in args.margins]
+    rows = rows_for(profiles, models, variants, args.batch, args.seeds)
+    print(
+        f"{len(profiles)} plain runs at batch {args.batch} ({sum(map(len, profiles))} decode steps), "
+        f"{args.seeds} seeds; ratio = replayed throughput / the plain run's"
+    )
+    print(markdown_table(rows))
+    write_csv(args.out / "guard_replay.csv", rows)
+    return 0

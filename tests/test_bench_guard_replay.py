@@ -1,0 +1,98 @@
+"""`specserve bench guard-replay`: reading a sweep's plain runs, replaying them through the guard, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from specserve.bench import guard_replay
+from specserve.bench.guard_replay import SpecModel, plain_profiles, replay
+from specserve.errors import SettingsError
+from specserve.guard import ThroughputGuard
+
+
+def _run(batch: int, policy: str, steps: list[tuple[float, list[int]]]) -> str:
+    """A trace line: steps as (seconds, tokens fed per sequence)."""
+    t, out = 0.0, []
+    for seconds, fed in steps:
+        t += seconds
+        out.append({"t_end": t, "seqs": [{"fed": f} for f in fed]})
+    return json.dumps({"batch": batch, "policy": policy, "steps": out})
+
+
+def _traces(tmp_path: Path) -> Path:
+    path = tmp_path / "traces.jsonl"
+    lines = [
+        _run(2, "plain", [(0.5, [30, 40]), (0.01, [1, 1]), (0.02, [1, 1]), (0.03, [1]), (0.04, [1, 1])]),
+        _run(2, "dsde_ddd", [(0.5, [30, 40]), (0.05, [1, 1])]),
+        _run(4, "plain", [(0.07, [1, 1, 1, 1])]),
+        _run(2, "plain", [(0.06, [1, 1]), (0.5, [1, 25])]),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_plain_runs_whole_batch_decode_steps_are_read_in_order(tmp_path: Path) -> None:
+    """Only plain runs at the batch size; a step that feeds a prompt or runs fewer sequences is left out."""
+    profiles = plain_profiles([_traces(tmp_path)], 2)
+    assert profiles == [pytest.approx([0.01, 0.02, 0.04]), pytest.approx([0.06])]
+    assert plain_profiles([_traces(tmp_path)], 4) == [pytest.approx([0.07])]
+
+
+def test_bad_traces_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="no traces file"):
+        plain_profiles([tmp_path / "absent.jsonl"], 2)
+    with pytest.raises(SettingsError, match="no plain runs at batch 8"):
+        plain_profiles([_traces(tmp_path)], 8)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(_run(2, "plain", [(0.01, [1, 1])]) + '\n{"batch": 2, "policy": "plain"}\n')
+    with pytest.raises(SettingsError, match=r"bad.jsonl:2 is not a straggler trace \(KeyError"):
+        plain_profiles([bad], 2)
+
+
+def test_a_replay_follows_the_faster_mode() -> None:
+    """Speculation at half a plain step's time taking every draft token (4 tokens a step, 8x plain decoding): the
+    guard, after its warm-up, speculates and the run goes over 6x faster. Speculation at 3x a plain step
+    emitting 1 token: the guard keeps plain decoding but for its warm-up and spaced tries."""
+    plain = [0.01] * 400
+    fast = replay(ThroughputGuard(), plain, SpecModel(0.5, 1.0, 3, 0.0, 0.0), 4, random.Random(0))
+    assert fast.ratio > 6 and 1 <= fast.switches <= 3  # the warm-up's switch, one after each try of plain
+    slow = replay(ThroughputGuard(), plain, SpecModel(3.0, 0.0, 3, 0.0, 0.005), 4, random.Random(0))
+    assert 0.9 < slow.ratio < 1.0 and slow.spec_steps < 20
+
+
+def test_the_replay_counts_the_tokens_it_emitted() -> None:
+    """A guard that always speculates, 2 tokens a sequence a step at the plain step's time: the plain run's tokens
+    in half its steps, so exactly 2x; no step is a switch (none follows plain steps), so ``switch_s`` is never paid."""
+
+    class Always(ThroughputGuard):
+        def speculate(self, batch_size: int, **_: object) -> bool:
+            return True
+
+    run = replay(Always(), [0.01] * 10, SpecModel(1.0, 1.0, 1, 0.0, 0.0), 3, random.Random(0))
+    assert run.ratio == pytest.approx(2.0) and run.spec_steps == 5 and run.switches == 0  # nothing missed yet
+    catch_up = replay(Always(), [0.01] * 10, SpecModel(1.0, 1.0, 1, 0.0, 0.05), 3, random.Random(0))
+    assert catch_up.ratio == pytest.approx(2.0)  # a switch needs plain steps before it
+
+
+def test_the_command_writes_a_row_per_model_and_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    guard_replay.add_args(parser)
+    traces, out = str(_traces(tmp_path)), str(tmp_path / "out")
+    argv = ["--traces", traces, "--batch", "2", "--spec-time", "1.0", "2.0", "--margins", "0.05", "--seeds", "2"]
+    args = parser.parse_args([*argv, "--out", out])
+    assert guard_replay.run(args) == 0
+    rows = list(csv.DictReader((tmp_path / "out" / "guard_replay.csv").open()))
+    assert [(r["spec_time"], r["variant"]) for r in rows] == [
+        (t, v) for t in ("1.0", "2.0") for v in ("margin 0, refresh off", "margin 0.05, refresh on")
+    ]
+    assert "2 plain runs at batch 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--traces", "x", "--margins", "1.5"])
+    with pytest.raises(SettingsError, match="switch-s"):
+        guard_replay.run(parser.parse_args(["--traces", "x", "--switch-s", "-1"]))
