@@ -75,6 +75,10 @@ class ThroughputGuard:
     explore_every: int = 20  # steps of a bucket between tries of the slower mode ...
     max_explore_every: int = 640  # ... doubling up to this while the tries confirm the choice (back to the start
     # when one flips it): a try costs a slow step, and after plain steps the draft first re-reads what it missed
+    max_try_spacing: int = 2560  # steps a try's cost may space the next one by at most: a try measured while the
+    # host was swamped (two other processes on the 2-core Zen 3 made speculative steps at batch 1 take 1.1-1.2 s
+    # against ~30 ms) had put the next ~9000 steps away, plain decoding long after the host recovered;
+    # the costliest honest try measured, a 4-bit draft model's catch-up of ~35 plain steps, costs 1.4% at this cap
     smoothing: float = 0.3  # weight of the newest step in the moving averages of step time
     token_smoothing: float = 0.05  # ... and of tokens per step (after a plain mean of the first 1 / this steps): an
     # acceptance statistic, 1-4 tokens from one step to the next at batch 1 (at 0.3 two short steps in a row took
@@ -131,6 +135,9 @@ class ThroughputGuard:
             raise ValueError(f"explore_cost must be in (0, 1], got {self.explore_cost}")
         if self.outlier_clip < 1:
             raise ValueError(f"outlier_clip must be at least 1, got {self.outlier_clip}")
+        if self.max_try_spacing < self.max_explore_every:
+            spacing, every = self.max_try_spacing, self.max_explore_every
+            raise ValueError(f"max_try_spacing ({spacing}) must be at least max_explore_every ({every})")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
 
@@ -344,8 +351,9 @@ class ThroughputGuard:
         return max(0.0, step[1] - step[0] / plain_tok * plain_s)
 
     def _amortising_steps(self, b: int) -> int:
-        """Plain steps of bucket ``b`` that make its last try's cost ``explore_cost`` of the time between tries."""
+        """Plain steps of bucket ``b`` that make its last try's cost ``explore_cost`` of the time between tries (at
+        most ``max_try_spacing``)."""
         step_s = self.plain_step_s.get(b, 0.0)
         if b not in self.switch_s or step_s <= 0:
             return 0
-        return math.ceil(self.switch_s[b] / (self.explore_cost * step_s))
+        return min(self.max_try_spacing, math.ceil(self.switch_s[b] / (self.explore_cost * step_s)))

@@ -341,8 +341,26 @@ def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
     # 10 / 0.125 = 80 measured steps, not 5, 10, 20), a try at 82 costing 10.96875 s: the next after 88 steps
     assert switch_steps(1.0, 200) == ([1, 82, 171], 10.0 + 0.96875)
     assert switch_steps(0.25, 200) == ([1], 10.0)  # 320 plain steps before the first try
+
+
+def test_a_try_measured_on_a_swamped_host_spaces_the_next_by_at_most_max_try_spacing() -> None:
+    """Plain steps 0.125 s; a try measured while the host was swamped takes 100 s (~800 plain steps' time): at
+    ``explore_cost`` 0.0075 it would space the next try by ~107000 steps; capped, the next try comes 2560 steps on."""
+    guard = ThroughputGuard(explore_every=5, warmup=1)
+    guard.record(8, False, tokens=8, seconds=0.125)
+    guard.record(8, True, tokens=0, seconds=100.0, caught_up_tokens=MISSED)
+    guard.record(8, True, tokens=8, seconds=100.0)
+    assert guard.faster(8) is False
+    steps = 0
+    while not guard.speculate(8):
+        guard.record(8, False, tokens=8, seconds=0.125)
+        steps += 1
+    assert steps == guard.max_try_spacing - 1 == 2559  # counted from the warm-up's last step
+    assert math.ceil(guard.switch_s[8] / (guard.explore_cost * 0.125)) > 100_000  # what the cost alone asked
     with pytest.raises(ValueError, match="explore_cost"):
         ThroughputGuard(explore_cost=0.0)
+    with pytest.raises(ValueError, match="max_try_spacing"):
+        ThroughputGuard(max_try_spacing=100)
 
 
 def test_a_switch_step_costs_its_time_beyond_plain_decoding_for_what_it_emitted() -> None:
