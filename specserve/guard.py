@@ -215,6 +215,9 @@ class ThroughputGuard:
             # for a catch-up that pays: plain decoding runs anyway, measured, so the try is moot until it pays
         if (go or hold) and outlook is not None and not self.switch_pays(batch_size, outlook, expected=better is True):
             self.deferred.add(b)
+            if better and self.rates[(b, True)] < self.rates[(b, False)]:  # held within the margin but slower: with
+                # a catch-up due, plain decoding takes the hold (else each plain step's drift would flip it back)
+                self.held[b] = False
             return False
         self.deferred.discard(b)
         return go
@@ -298,14 +301,17 @@ class ThroughputGuard:
                 if try_step:  # the try is over: decided as a one-step try is, below
                     self.trying.discard(b)
                     before, tried = False, True
-        elif tried or key in self.stale:  # a try (or the first step after a flip): the mode's step time is as old
-            # as its last run,
+        elif tried:  # a try: the mode's step time is as old as its last run,
             if speculative:  # what the try cost beyond plain decoding spaces the next one (with its switch step)
                 self.switch_s[b] = self.catch_up_s.pop(b, 0.0) + self._excess_over_plain(b, step)
             # so the fresh step's time replaces it (blended, one stale slow step would outlive tries); its tokens per
             # step, an acceptance statistic that one step estimates poorly, are blended as usual
             tok, _ = self.work.get(key, step)
             self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), step[1])
+        elif key in self.stale:  # the first step of the mode a flip took up: its time replaces the old average as
+            # a try's does, up to ``outlier_clip`` times that average (a pause stays a pause); not a try's cost
+            tok, sec = self.work.get(key, step)
+            self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), min(step[1], self.outlier_clip * sec))
         else:  # moving averages of tokens and of seconds per step: their ratio weighs a slow step by its time,
             # up to ``outlier_clip`` times the average (a GC pause or another process's burst, 6x a step, would
             # flip the choice for several steps; a real slowdown still moves the average within a few steps)
@@ -330,7 +336,8 @@ class ThroughputGuard:
             # ``warmup`` steps, speculation once its switch is amortised
             self.intervals[b] = self.explore_every
             self.next_try[b] = self._steps(b) + (self.warmup if after else max(1, self._amortising_steps(b))) - 1
-            if self.refresh_on_flip and b >= self.warmup:
+            if self.refresh_on_flip and b >= self.warmup and after != speculative:  # (plain steps run while
+                # speculation held, deferred, that flip the choice to plain: plain's average is fresh)
                 self.stale.add((b, bool(after)))
         if after is not None:
             self.held[b] = after

@@ -740,8 +740,8 @@ def test_two_short_speculative_steps_do_not_flip_a_long_held_choice() -> None:
     """Tokens per speculative step vary 1-4 from one step to the next at batch 1 (a tree's accepted path): their
     average needs a longer memory than step time, or two 1-token steps take a head that emits 2.3 tokens in
     27 ms (85 tokens/s against plain decoding's 64) below break-even, as the straggler sweep's traces showed."""
-    for token_smoothing, flips in ((0.05, False), (0.3, True)):
-        guard = ThroughputGuard(warmup=1, token_smoothing=token_smoothing)
+    for token_smoothing, flips in ((0.05, False), (0.3, True)):  # (no margin: the averages alone decide)
+        guard = ThroughputGuard(warmup=1, token_smoothing=token_smoothing, margin=0.0)
         guard.record(1, False, tokens=1, seconds=0.0156)
         guard.record(1, True, tokens=2, seconds=0.027)
         for i in range(30):
@@ -1042,3 +1042,59 @@ def test_after_a_flip_the_mode_taken_up_is_timed_afresh_from_batch_warmup_on(bat
         off.record(batch, True, tokens=0, seconds=3.0, caught_up_tokens=MISSED)
         off.record(batch, True, tokens=batch, seconds=3.0)
         assert off.work[(batch, True)][1] == pytest.approx(2.3)
+
+
+def _held_speculation(spec_seconds: float) -> ThroughputGuard:
+    """Bucket 16: plain decoding 1 token a sequence a second, speculation (first decided, no margin) 16 tokens in
+    ``spec_seconds`` (one warm-up step decides: ``warmup_z`` 0); a catch-up costs 1 s for ``MISSED`` tokens."""
+    guard = ThroughputGuard(
+        warmup=1, warmup_z=0.0, explore_every=1000, smoothing=1.0, token_smoothing=1.0, outlier_clip=100.0
+    )
+    guard.record(16, False, tokens=16, seconds=1.0)
+    guard.record(16, True, tokens=0, seconds=2.0, caught_up_tokens=MISSED)
+    guard.record(16, True, tokens=16, seconds=spec_seconds)
+    assert guard.faster(16) is True and guard.missed_token_s == pytest.approx(1.0 / MISSED)
+    return guard
+
+
+def test_a_catch_up_that_does_not_pay_hands_a_slower_held_speculation_over_to_plain_decoding() -> None:
+    """Speculation held within the margin though 2% slower: a step that would first catch the draft up cannot pay
+    that back, so it runs plainly, and plain decoding takes the hold: a plain step that then drifts 3% slower
+    (below speculation's rate, within the margin) does not flip it back to another catch-up."""
+    guard = _held_speculation(0.95)
+    guard.record(16, True, tokens=16, seconds=1.02)  # speculation now 0.980 against plain's 1.0: still held
+    assert guard.faster(16) is True
+    due = Outlook(draft_missed=100, horizon=16 * 40)
+    assert guard.speculate(16, outlook=due) is False
+    assert guard.held[16] is False and guard.faster(16) is False
+    guard.record(16, False, tokens=16, seconds=1.03)
+    assert guard.speculate(16, outlook=due) is False and 16 not in guard.deferred
+
+
+def test_plain_steps_run_while_speculation_waits_for_a_paying_catch_up_keep_their_average() -> None:
+    """Speculation held and faster, but the batch is nearly done: the catch-up would not pay, plain steps run, and
+    one of them (plain decoding faster now) flips the choice. Plain decoding's average is that fresh step, not an
+    old one, so its next step is blended, not taken alone."""
+    guard = _held_speculation(0.9)
+    near_end = Outlook(draft_missed=1000, horizon=16 * 2)
+    assert guard.speculate(16, outlook=near_end) is False and 16 in guard.deferred
+    guard.record(16, False, tokens=16, seconds=0.8)  # 1.25 a second: plain decoding takes over
+    assert guard.faster(16) is False and (16, False) not in guard.stale
+
+
+def test_the_first_step_after_a_flip_is_clipped_and_costs_no_try() -> None:
+    """The refresh replaces the old average with the step's time, up to ``outlier_clip`` times that average (a
+    pause stays a pause), and leaves the cost of the last try alone (it is no try)."""
+    guard = ThroughputGuard(explore_every=1000)
+    for _ in range(3):
+        guard.record(16, False, tokens=16, seconds=1.0)
+    guard.record(16, True, tokens=0, seconds=2.0, caught_up_tokens=MISSED)
+    for _ in range(3):
+        guard.record(16, True, tokens=16, seconds=2.0)
+    while not guard.speculate(16):
+        guard.record(16, False, tokens=16, seconds=3.0)
+    guard.record(16, True, tokens=0, seconds=3.0, caught_up_tokens=MISSED)
+    switch = guard.switch_s[16]
+    assert (16, True) in guard.stale
+    guard.record(16, True, tokens=16, seconds=30.0)  # a 15x pause
+    assert guard.work[(16, True)][1] == pytest.approx(2 * 2.0) and guard.switch_s[16] == switch

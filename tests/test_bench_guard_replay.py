@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specserve.bench import guard_replay
-from specserve.bench.guard_replay import SpecModel, plain_profiles, replay
+from specserve.bench.guard_replay import Draws, SpecModel, plain_profiles, replay
 from specserve.errors import SettingsError
 from specserve.guard import ThroughputGuard
 
@@ -60,9 +60,11 @@ def test_a_replay_follows_the_faster_mode() -> None:
     guard, after its warm-up, speculates and the run goes over 6x faster. Speculation at 3x a plain step
     emitting 1 token: the guard keeps plain decoding but for its warm-up and spaced tries."""
     plain = [0.01] * 400
-    fast = replay(ThroughputGuard(), plain, SpecModel(0.5, 1.0, 3, 0.0, 0.0), 4, random.Random(0))
-    assert fast.ratio > 6 and 1 <= fast.switches <= 3  # the warm-up's switch, one after each try of plain
-    slow = replay(ThroughputGuard(), plain, SpecModel(3.0, 0.0, 3, 0.0, 0.005), 4, random.Random(0))
+    model = SpecModel(0.5, 1.0, 3, 0.0, 0.0)
+    fast = replay(ThroughputGuard(), plain, model, 4, Draws.sample(model, 400, 4, random.Random(0)))
+    assert fast.ratio > 6 and fast.switches == 1  # the warm-up's (a one-step try of plain leaves the draft 2 behind)
+    model = SpecModel(3.0, 0.0, 3, 0.0, 0.005)
+    slow = replay(ThroughputGuard(), plain, model, 4, Draws.sample(model, 400, 4, random.Random(0)))
     assert 0.9 < slow.ratio < 1.0 and slow.spec_steps < 20
 
 
@@ -74,10 +76,34 @@ def test_the_replay_counts_the_tokens_it_emitted() -> None:
         def speculate(self, batch_size: int, **_: object) -> bool:
             return True
 
-    run = replay(Always(), [0.01] * 10, SpecModel(1.0, 1.0, 1, 0.0, 0.0), 3, random.Random(0))
-    assert run.ratio == pytest.approx(2.0) and run.spec_steps == 5 and run.switches == 0  # nothing missed yet
-    catch_up = replay(Always(), [0.01] * 10, SpecModel(1.0, 1.0, 1, 0.0, 0.05), 3, random.Random(0))
-    assert catch_up.ratio == pytest.approx(2.0)  # a switch needs plain steps before it
+    model = SpecModel(1.0, 1.0, 1, 0.0, 0.05)
+    run = replay(Always(), [0.01] * 10, model, 3, Draws.sample(model, 10, 3, random.Random(0)))
+    assert run.ratio == pytest.approx(2.0) and run.spec_steps == 5 and run.switches == 0
+
+
+def test_a_switch_is_a_catch_up_of_more_than_catch_up_tokens() -> None:
+    """Scripted modes: speculation after one plain step leaves the draft 2 tokens behind a sequence (the plain
+    token and the last bonus token): measured as a step; after two plain steps, 3 behind: a catch-up, reported to
+    the guard with the tokens re-read and charged ``switch_s``."""
+    from specserve.step_loop import CATCH_UP
+
+    class Scripted(ThroughputGuard):
+        def __init__(self, script: list[bool]) -> None:
+            super().__init__()
+            self.script, self.seen = script, []
+
+        def speculate(self, batch_size: int, **_: object) -> bool:
+            return self.script.pop(0)
+
+        def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float, **kw: object) -> None:
+            self.seen.append((speculative, round(seconds, 6), kw.get("caught_up_tokens", 0)))
+
+    model = SpecModel(1.0, 0.0, 1, 0.0, 0.05)
+    guard = Scripted([False, True, False, False, True, True])
+    replay(guard, [0.01] * 6, model, 2, Draws.sample(model, 6, 2, random.Random(0)))
+    assert CATCH_UP == 2
+    assert guard.seen[:5] == [(False, 0.01, 0), (True, 0.01, 0), (False, 0.01, 0), (False, 0.01, 0), (True, 0.06, 6)]
+    assert guard.seen[4][2] == 2 * (2 + 1) and guard.seen[5] == (True, 0.01, 0)  # two sequences 3 behind; then none
 
 
 def test_the_command_writes_a_row_per_model_and_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

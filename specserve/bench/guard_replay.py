@@ -5,13 +5,14 @@ runs at one batch size give sequences of decode-step times: the host's own drift
 step by step. This benchmark replays each such sequence through a ``ThroughputGuard`` (one guard across all the
 runs, as the sweep keeps one per policy) with a modelled speculative mode: a speculative step at step i takes
 ``spec_time`` times the recorded plain step i (times a lognormal jitter of ``--spec-jitter``), plus ``--switch-s``
-when it follows plain steps (the draft's catch-up), and emits for each sequence 1 + the draft tokens accepted, each
-taken with probability ``accept`` up to ``--depth``. A replayed run ends once it has emitted the tokens the plain run
-did; its throughput over the plain run's is the row's figure, next to the ideal (the faster mode throughout).
+when the draft missed more than ``CATCH_UP`` tokens a sequence (its catch-up), and emits for each sequence 1 + the
+draft tokens accepted, each taken with probability ``accept`` up to ``--depth``. A replayed run ends once it has
+emitted the tokens the plain run did; its throughput over the plain run's is the row's figure, next to the ideal
+(the faster mode throughout).
 
-It measures guard variants (``--margins`` x refresh on/off) side by side on the same noise and draws, so their
-difference is the guard's, not the host's. Not modelled: admissions (the loop does not time them), the ``Outlook``
-check of whether a switch pays, and acceptance that changes within a run.
+It measures guard variants (``--margins`` x refresh on/off) side by side on the same noise and draws (drawn per
+step index before the runs), so their difference is the guard's, not the host's. Not modelled: admissions (the
+loop does not time them), the ``Outlook`` check of whether a switch pays, and acceptance that changes within a run.
 
     .venv/bin/specserve bench guard-replay --traces bench_out/straggler/traces.jsonl --batch 16 --out bench_out/gr
 """
@@ -30,6 +31,7 @@ from specserve.arg_types import batch_size, non_negative_int, out_dir_arg, posit
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.errors import SettingsError
 from specserve.guard import ThroughputGuard
+from specserve.step_loop import CATCH_UP
 
 CATCH_UP_CAP = 64  # tokens a sequence's switch step re-reads at most (an EAGLE head's catch-up window)
 
@@ -94,27 +96,41 @@ def plain_profiles(paths: Sequence[Path], batch: int) -> list[list[float]]:
     return runs
 
 
-def replay(guard: ThroughputGuard, plain: Sequence[float], model: SpecModel, batch: int, rng: random.Random) -> Replay:
+@dataclass(frozen=True)
+class Draws:
+    """What a speculative step at step i would take and emit, drawn per step index before the run, so that every
+    guard variant replays the same draws whatever it decides."""
+
+    jitter: list[float]  # factor on the step's time
+    tokens: list[int]  # tokens the batch emits
+
+    @classmethod
+    def sample(cls, model: SpecModel, steps: int, batch: int, rng: random.Random) -> Draws:
+        jitter = [rng.lognormvariate(0.0, model.jitter) for _ in range(steps)]
+        return cls(jitter, [sum(_draft_tokens(model, rng) for _ in range(batch)) for _ in range(steps)])
+
+
+def replay(guard: ThroughputGuard, plain: Sequence[float], model: SpecModel, batch: int, draws: Draws) -> Replay:
     """One run: the guard decodes until it has emitted the plain run's tokens, step i taking the time of the plain
-    run's step i (its last for any step beyond), as plain decoding or as modelled speculation."""
-    goal, emitted, seconds, spec_steps, switches, since_spec = len(plain) * batch, 0, 0.0, 0, 0, 0
-    for i in range(10 * len(plain)):  # each step emits at least a token a sequence: len(plain) steps suffice
+    run's step i, as plain decoding or as modelled speculation. A speculative step after more than ``CATCH_UP``
+    tokens a sequence the draft did not see (plain steps, and the last step's bonus token) is a switch: the draft
+    catches up first (``switch_s``), and the loop reports the tokens it re-read."""
+    goal, emitted, seconds, spec_steps, switches, behind = len(plain) * batch, 0, 0.0, 0, 0, 0
+    for i, base in enumerate(plain):  # each step emits at least a token a sequence: len(plain) steps suffice
         if emitted >= goal:
             break
-        base = plain[min(i, len(plain) - 1)]
         if guard.speculate(batch):
-            tokens = sum(_draft_tokens(model, rng) for _ in range(batch))
-            step = base * model.time * rng.lognormvariate(0.0, model.jitter)
-            missed = batch * min(since_spec, CATCH_UP_CAP)
+            tokens, step = draws.tokens[i], base * model.time * draws.jitter[i]
+            missed = batch * min(behind + 1, CATCH_UP_CAP) if behind + 1 > CATCH_UP else 0
             if missed:
                 step += model.switch_s
                 switches += 1
             guard.record(batch, True, tokens, step, caught_up_tokens=missed)
-            spec_steps, since_spec = spec_steps + 1, 0
+            spec_steps, behind = spec_steps + 1, 0
         else:
             tokens, step = batch, base
             guard.record(batch, False, tokens, step)
-            since_spec += 1
+            behind += 1
         emitted, seconds = emitted + tokens, seconds + step
     return Replay(sum(plain) * emitted / goal / seconds, spec_steps, switches)
 
@@ -130,12 +146,16 @@ def rows_for(
     profiles: list[list[float]], models: Sequence[SpecModel], variants: Sequence[Variant], batch: int, seeds: int
 ) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
+    drawn = {  # per model, seed and run: the same draws for every variant
+        m: [[Draws.sample(m, len(p), batch, rng) for p in profiles] for rng in map(random.Random, range(seeds))]
+        for m in models
+    }
     for model in models:
         for variant in variants:
             runs = []
-            for seed in range(seeds):  # the same draws for every variant: rng seeded alike
-                rng, guard = random.Random(seed), variant.guard()
-                runs += [replay(guard, plain, model, batch, rng) for plain in profiles]
+            for draws in drawn[model]:
+                guard = variant.guard()  # one across the runs of a seed, as the sweep keeps one
+                runs += [replay(guard, plain, model, batch, d) for plain, d in zip(profiles, draws, strict=True)]
             ratios = sorted(r.ratio for r in runs)
             rows.append(
                 {
