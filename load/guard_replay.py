@@ -1,4 +1,4 @@
-"""`specserve bench guard-replay`: the throughput guard's cost and gain over recorded host noise, without models.
+"""`python -m load.guard_replay`: the throughput guard's cost and gain over recorded host noise, without models.
 
 A straggler sweep (``python -m load.straggler``) records every step of every run in ``traces.jsonl``. Its plain
 runs at one batch size give sequences of decode-step times: the host's own drift, page faults and neighbours,
@@ -14,20 +14,21 @@ It measures guard variants (``--margins`` x refresh on/off) side by side on the 
 step index before the runs), so their difference is the guard's, not the host's. Not modelled: admissions (the
 loop does not time them), the ``Outlook`` check of whether a switch pays, and acceptance that changes within a run.
 
-    .venv/bin/specserve bench guard-replay --traces bench_out/straggler/traces.jsonl --batch 16 --out bench_out/gr
+    .venv/bin/python -m load.guard_replay --traces bench_out/straggler/traces.jsonl --batch 16 --out bench_out/gr
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from load.traces import read_traces
 from specserve.arg_types import batch_size, non_negative_int, out_dir_arg, positive_float, positive_int
+from specserve.bench.policies import PolicyName
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.errors import SettingsError
 from specserve.guard import ThroughputGuard
@@ -71,24 +72,24 @@ class Replay:
 
 
 def plain_profiles(paths: Sequence[Path], batch: int) -> list[list[float]]:
-    """Per plain run at ``batch`` in the traces, the times of its steps in which the whole batch decoded (no
+    """Per plain run at ``batch`` in the sweeps' traces, the times of its steps in which the whole batch decoded (no
     prompt fed, no sequence finished yet), in order."""
     runs = []
     for path in paths:
         if not path.is_file():
             raise SettingsError(f"no traces file at {path}")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            try:
-                run = json.loads(line)
-                if run["batch"] != batch or run["policy"] != "plain":
-                    continue
-                times, prev = [], 0.0
-                for step in run["steps"]:
-                    seconds, prev = step["t_end"] - prev, step["t_end"]
-                    if len(step["seqs"]) == batch and all(s["fed"] == 1 for s in step["seqs"]):
-                        times.append(seconds)
-            except (ValueError, KeyError, TypeError) as e:
-                raise SettingsError(f"{path}:{n} is not a straggler trace ({type(e).__name__}: {e})") from None
+        try:
+            traces = read_traces(path)
+        except ValueError as e:
+            raise SettingsError(str(e)) from None
+        for run in traces:
+            if run.batch != batch or run.policy != PolicyName.plain:
+                continue
+            times, prev = [], 0.0
+            for step in run.steps:
+                if len(step.seqs) == batch and all(s.fed == 1 for s in step.seqs):
+                    times.append(step.t_end - prev)
+                prev = step.t_end
             if times:
                 runs.append(times)
     if not runs:
@@ -181,7 +182,11 @@ def fraction(text: str) -> float:
     return value
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m load.guard_replay",
+        description="the throughput guard over a straggler sweep's recorded plain step times, no models",
+    )
     p.add_argument("--traces", type=Path, nargs="+", required=True, help="straggler sweeps' traces.jsonl")
     p.add_argument("--batch", type=batch_size, default=16, help="the batch size whose plain runs are replayed")
     p.add_argument("--spec-time", type=positive_float, nargs="+", default=[1.0, 1.1, 1.25, 1.5])
@@ -192,12 +197,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margins", type=fraction, nargs="+", default=[0.0, 0.05, 0.1])
     p.add_argument("--seeds", type=positive_int, default=30)
     p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/guard_replay"))
+    return p
 
 
-def run(args: argparse.Namespace) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
     if args.switch_s < 0:
-        raise SettingsError(f"--switch-s must be at least 0, got {args.switch_s}")
-    profiles = plain_profiles(args.traces, args.batch)
+        p.error(f"--switch-s must be at least 0, got {args.switch_s}")
+    try:
+        profiles = plain_profiles(args.traces, args.batch)
+    except SettingsError as e:
+        p.error(str(e))
     models = [SpecModel(t, a, args.depth, args.spec_jitter, args.switch_s) for t in args.spec_time for a in args.accept]
     variants = [Variant(0.0, False)] + [Variant(m, True) for m in args.margins]
     rows = rows_for(profiles, models, variants, args.batch, args.seeds)
@@ -208,3 +219,7 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(rows))
     write_csv(args.out / "guard_replay.csv", rows)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,37 +1,62 @@
-"""`specserve bench guard-replay`: reading a sweep's plain runs, replaying them through the guard, the CLI."""
+"""`python -m load.guard_replay`: reading a sweep's plain runs, replaying them through the guard, the CLI."""
 
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import random
 from pathlib import Path
 
 import pytest
 
-from specserve.bench import guard_replay
-from specserve.bench.guard_replay import Draws, SpecModel, plain_profiles, replay
+from load.guard_replay import Draws, SpecModel, main, plain_profiles, replay
+from load.traces import RunTrace, SeqStep, StepTrace, WorkloadKind
+from specserve.bench.policies import PolicyName
+from specserve.config import SpecConfig
 from specserve.errors import SettingsError
 from specserve.guard import ThroughputGuard
 
 
-def _run(batch: int, policy: str, steps: list[tuple[float, list[int]]]) -> str:
-    """A trace line: steps as (seconds, tokens fed per sequence)."""
+def _run(batch: int, policy: PolicyName, steps: list[tuple[float, list[int]]]) -> str:
+    """A run trace's line: steps as (seconds, tokens fed per sequence)."""
     t, out = 0.0, []
     for seconds, fed in steps:
         t += seconds
-        out.append({"t_end": t, "seqs": [{"fed": f} for f in fed]})
-    return json.dumps({"batch": batch, "policy": policy, "steps": out})
+        seqs = [SeqStep(req=i, fed=f, depth=0, drafted=0, accepted=0) for i, f in enumerate(fed)]
+        out.append(
+            StepTrace(
+                t_end=t,
+                batch=batch,
+                levels=0,
+                cap=None,
+                draft_s=0.0,
+                verify_s=seconds,
+                overhead_s=0.0,
+                emitted=len(fed),
+                seqs=seqs,
+            )
+        )
+    run = RunTrace(
+        pair="tiny",
+        workload=WorkloadKind.real,
+        synthetic=False,
+        policy=policy,
+        spec=SpecConfig(),
+        batch=batch,
+        seconds=t,
+        tokens=len(steps),
+        requests=[],
+        steps=out,
+    )
+    return run.model_dump_json()
 
 
 def _traces(tmp_path: Path) -> Path:
     path = tmp_path / "traces.jsonl"
     lines = [
-        _run(2, "plain", [(0.5, [30, 40]), (0.01, [1, 1]), (0.02, [1, 1]), (0.03, [1]), (0.04, [1, 1])]),
-        _run(2, "dsde_ddd", [(0.5, [30, 40]), (0.05, [1, 1])]),
-        _run(4, "plain", [(0.07, [1, 1, 1, 1])]),
-        _run(2, "plain", [(0.06, [1, 1]), (0.5, [1, 25])]),
+        _run(2, PolicyName.plain, [(0.5, [30, 40]), (0.01, [1, 1]), (0.02, [1, 1]), (0.03, [1]), (0.04, [1, 1])]),
+        _run(2, PolicyName.dsde_ddd, [(0.5, [30, 40]), (0.05, [1, 1])]),
+        _run(4, PolicyName.plain, [(0.07, [1, 1, 1, 1])]),
+        _run(2, PolicyName.plain, [(0.06, [1, 1]), (0.5, [1, 25])]),
     ]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -50,8 +75,8 @@ def test_bad_traces_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="no plain runs at batch 8"):
         plain_profiles([_traces(tmp_path)], 8)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(_run(2, "plain", [(0.01, [1, 1])]) + '\n{"batch": 2, "policy": "plain"}\n')
-    with pytest.raises(SettingsError, match=r"bad.jsonl:2 is not a straggler trace \(KeyError"):
+    bad.write_text(_run(2, PolicyName.plain, [(0.01, [1, 1])]) + '\n{"batch": 2, "policy": "plain"}\n')
+    with pytest.raises(SettingsError, match=r"bad.jsonl:2 is not a run trace"):
         plain_profiles([bad], 2)
 
 
@@ -90,7 +115,7 @@ def test_a_switch_is_a_catch_up_of_more_than_catch_up_tokens() -> None:
     class Scripted(ThroughputGuard):
         def __init__(self, script: list[bool]) -> None:
             super().__init__()
-            self.script, self.seen = script, []
+            self.script, self.seen = script, list[tuple[bool, float, object]]()
 
         def speculate(self, batch_size: int, **_: object) -> bool:
             return self.script.pop(0)
@@ -107,18 +132,19 @@ def test_a_switch_is_a_catch_up_of_more_than_catch_up_tokens() -> None:
 
 
 def test_the_command_writes_a_row_per_model_and_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser()
-    guard_replay.add_args(parser)
     traces, out = str(_traces(tmp_path)), str(tmp_path / "out")
     argv = ["--traces", traces, "--batch", "2", "--spec-time", "1.0", "2.0", "--margins", "0.05", "--seeds", "2"]
-    args = parser.parse_args([*argv, "--out", out])
-    assert guard_replay.run(args) == 0
+    assert main([*argv, "--out", out]) == 0
     rows = list(csv.DictReader((tmp_path / "out" / "guard_replay.csv").open()))
     assert [(r["spec_time"], r["variant"]) for r in rows] == [
         (t, v) for t in ("1.0", "2.0") for v in ("margin 0, refresh off", "margin 0.05, refresh on")
     ]
     assert "2 plain runs at batch 2" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--traces", "x", "--margins", "1.5"])
-    with pytest.raises(SettingsError, match="switch-s"):
-        guard_replay.run(parser.parse_args(["--traces", "x", "--switch-s", "-1"]))
+    for bad, message in (
+        (["--margins", "1.5"], "must be in"),
+        (["--switch-s", "-1"], "switch-s must be at least 0"),
+        (["--batch", "8"], "no plain runs at batch 8"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--traces", traces, *bad, "--out", out])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
