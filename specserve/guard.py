@@ -41,7 +41,7 @@ Tokens per step are averaged with a longer memory (``token_smoothing``) than ste
 mean of the steps so far: they are acceptance, which jumps between 1 and 4 from one step to the next at batch 1.
 
 A try's step time replaces the average step time of the mode it measures (that average is as old as the mode's
-last run), and a choice flipped by the running mode's own step (a slow admission) is re-checked soon
+last run), and a choice flipped by the running mode's own step (one slowed by the host) is re-checked soon
 (docs/algorithms.md §7). With ``measured_tries`` (off) a try of speculation instead measures on as its warm-up
 does, until its tokens per step tell the modes apart (at least ``warmup`` sequences' steps: as many steps at batch
 1, one from batch ``warmup`` on), and the try's cost is every one of its steps' time beyond plain decoding's.
