@@ -331,8 +331,8 @@ class ThroughputGuard:
             interval = self.explore_every if after != before else min(2 * interval, self.max_explore_every)
             self.intervals[b] = interval
             self.next_try[b] = self._steps(b) + max(interval, self._amortising_steps(b) if not after else 0) - 1
-        elif before is not None and after != before:  # the running mode's own step flipped the choice (a slow
-            # admission, say): the other mode's average is old, so re-check the mode just left soon, plain after
+        elif before is not None and after != before:  # the running mode's own step flipped the choice (the host
+            # slowed it): the other mode's average is old, so re-check the mode just left soon, plain after
             # ``warmup`` steps, speculation once its switch is amortised
             self.intervals[b] = self.explore_every
             self.next_try[b] = self._steps(b) + (self.warmup if after else max(1, self._amortising_steps(b))) - 1
