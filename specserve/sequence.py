@@ -124,6 +124,8 @@ class Sequence:
     last_accepted: list[int] = field(default_factory=list)  # accepted nodes of the draft model's last proposal
     model_proposed: bool = False  # this step's proposal came from the draft model (not a model-free drafter)
     draft_caught_up: int = 0  # ... and the draft model first re-read this many tokens it had missed (plain steps)
+    draft_prefilled: bool = False  # ... or a draft head first read the features of its prompt (the step after its
+    # admission, in which the head had none yet; a new or reset worker's window likewise): the head's prefill
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     arrived: float = field(default_factory=time.perf_counter)  # when the loop accepted the request

@@ -277,7 +277,7 @@ class StepLoop:
         to_model: list[tuple[Sequence, int]] = []
         current = {s.seq_id: s.model_proposed for s in batch}  # the draft model saw each one's last step
         for i, (s, d) in enumerate(zip(batch, plan.depths, strict=True)):
-            s.model_proposed, s.draft_caught_up = False, 0
+            s.model_proposed, s.draft_caught_up, s.draft_prefilled = False, 0, False
             if d == 0:
                 continue
             if s.spec.drafter != Drafter.model:
@@ -315,9 +315,11 @@ class StepLoop:
                 )
                 for (s, d), q in zip(to_model, queued, strict=True)
             ]
-            for s, _ in to_model:  # the draft missed 2+ steps' tokens (not a new prompt, not one cheap step)
-                missed = self._draft_reads(s)
+            for (s, _), q in zip(to_model, queued, strict=True):
+                missed = self._draft_reads(s)  # the draft missed 2+ steps' tokens (not a new prompt, not a cheap step)
                 s.draft_caught_up = missed if not current[s.seq_id] and s.target_seen > 0 and missed > CATCH_UP else 0
+                # a head that drafted its admission step had no features then: it reads the prompt's now
+                s.draft_prefilled = q is not None and current[s.seq_id] and s.features_sent == 0
             proposals.update((p.seq_id, p) for p in self.draft.propose(items))
             for s, _ in to_model:
                 s.draft_seen = len(s.tokens)
@@ -425,6 +427,9 @@ class StepLoop:
         (docs/algorithms.md §2.3)."""
         if event.prefills or not any(s.spec.method != SpecMethod.none for s in event.batch):
             return
+        # a draft head's prefill (it read an admitted prompt's features: 19 ms against a step's 12 on the Zen 4, and
+        # the guard chose plain decoding for tens of steps) is a request's cost, as the target's is, not a step's
+        draft_prefill = any(s.draft_prefilled for s in event.batch)
         # the draft model drafted for some sequence (its tree may have kept no node: still a speculative step's
         # cost), or a model-free drafter found a match
         drafted_any = any(p is not None for p in event.proposals) or any(s.model_proposed for s in event.batch)
@@ -437,14 +442,20 @@ class StepLoop:
         # trees sized before their floor was measured (a cold start's wide ones: 2x a step on some CPUs) are not the
         # speculation the guard chooses between: it records the bucket's steps once the floor is measured
         settling = floor is not None and floor.settling(len(event.batch))
-        if guard is not None and not settling:
+        if guard is not None and not settling and not draft_prefill:
             guard.record(
-                len(event.batch), drafted_any, event.emitted, event.total_s, caught_up_tokens=caught_up, planned=planned
+                len(event.batch),
+                drafted_any,
+                event.emitted,
+                event.total_s,
+                caught_up_tokens=caught_up,
+                planned=planned,
+                drafted=sum(len(it.draft_tokens) for it in event.items),  # the step's trees, which its time follows
             )
         if floor is not None:
             rows = sum(len(it.new_tokens) + len(it.draft_tokens) for it in event.items)
             floor.record_verify(len(event.batch), rows, event.verify_s)
-            if not caught_up:
+            if not caught_up and not draft_prefill:
                 floor.record_rate(len(event.batch), event.emitted, event.total_s)
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
