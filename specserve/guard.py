@@ -5,8 +5,9 @@ compute-bound, that can cost more than the accepted tokens save. Per power-of-tw
 guard keeps moving averages of a step's tokens (per sequence in the batch: a bucket spans b/2+1..b) and of its
 seconds, and compares their ratios, so a slow step counts by its time, as it does in throughput (the loop records
 only steps in which every sequence decodes: an admitted prompt's prefill costs both modes alike and would swamp
-either average). It runs the faster mode and re-tries
-the other after ``explore_every`` steps of the bucket, doubling the interval while the tries confirm the choice.
+either average; nor the step after, in which a draft head reads that prompt's features). It runs the faster mode
+and re-tries the other after ``explore_every`` steps of the bucket, doubling the interval while the tries confirm the
+choice.
 Before its first decision in a bucket it measures ``warmup`` steps of plain decoding, then speculative ones, and
 starts each average from their mean tokens and median seconds: one noisy first step (a page fault, another process)
 does not set the choice. Speculation's warm-up goes on, up to ``max_warmup`` steps, while its mean tokens per step
@@ -123,14 +124,6 @@ class ThroughputGuard:
     held: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode its last decision chose (``margin``)
     stale: set[tuple[int, bool]] = field(default_factory=set)  # (bucket, mode) whose next measured step replaces
     # its step time (``refresh_on_flip``)
-    sized_steps: bool = True  # switch: a speculative step's time counts as the time its step would have taken with
-    # the bucket's average tree, by a fit of step time on draft tokens per sequence (``tree_fit``): at batch 1 a
-    # step's time follows its own tree (the head's 1- to 3-node trees took 11-16 ms on the Zen 4 for 1.7-2.9 tokens,
-    # whose average moves slowly), and one step of a big tree, a try's above all, flipped the choice to plain
-    # decoding for tens of steps (docs/algorithms.md §7)
-    tree_fit: dict[int, tuple[float, float, float, float, int]] = field(default_factory=dict)  # bucket -> weighted
-    # means of x, seconds, x^2 and x*seconds over its measured speculative steps (x: draft tokens per sequence), and
-    # their count
 
     def __post_init__(self) -> None:
         if not 1 <= self.warmup <= self.max_warmup:
@@ -255,14 +248,10 @@ class ThroughputGuard:
         *,
         caught_up_tokens: int = 0,
         planned: bool | None = None,
-        drafted: int | None = None,
     ) -> None:
         """One step. ``caught_up_tokens`` > 0: a catch-up, the draft first re-read that many tokens it had missed.
         ``planned``: the mode the step was planned in (None: ``speculative``). A step planned to speculate whose
-        drafters found nothing ran as a plain step: measured as one, but not a try of plain decoding. ``drafted``:
-        the draft tokens the step verified, summed over the batch (None: unknown, its time is taken as it is)."""
-        if drafted is not None and drafted < 0:
-            raise ValueError(f"a step's drafted tokens must be at least 0, got {drafted}")
+        drafters found nothing ran as a plain step: measured as one, but not a try of plain decoding."""
         if not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"a step's seconds must be finite and non-negative, got {seconds}")
         seconds = max(seconds, MIN_STEP_S)  # a coarse clock's 0: a zero average would clip every later step to 0
@@ -295,11 +284,7 @@ class ThroughputGuard:
             and not (b in self.deferred and not chosen)
         )
         key = (b, speculative)
-        step = raw = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
-        if speculative and drafted is not None:  # its time at the bucket's average tree (``sized_steps``)
-            x = drafted / batch_size
-            step = (step[0], seconds * self._tree_scale(b, x))
-            self._fit_tree(b, x, seconds)
+        step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1
         if tried and speculative and self.measured_tries:  # a try of speculation: measured on as its warm-up
             self.warm[key], self.switch_s[b] = [], self.catch_up_s.pop(b, 0.0)
@@ -311,7 +296,7 @@ class ThroughputGuard:
             steps.append(step)
             self.work[key] = (statistics.fmean(t for t, _ in steps), statistics.median(sec for _, sec in steps))
             if try_step:  # what the try costs beyond plain decoding spaces the next one (with its switch step)
-                self.switch_s[b] += self._excess_over_plain(b, raw)
+                self.switch_s[b] += self._excess_over_plain(b, step)
             if self._warm_over(b, speculative):
                 del self.warm[key]
                 if try_step:  # the try is over: decided as a one-step try is, below
@@ -319,7 +304,7 @@ class ThroughputGuard:
                     before, tried = False, True
         elif tried:  # a try: the mode's step time is as old as its last run,
             if speculative:  # what the try cost beyond plain decoding spaces the next one (with its switch step)
-                self.switch_s[b] = self.catch_up_s.pop(b, 0.0) + self._excess_over_plain(b, raw)
+                self.switch_s[b] = self.catch_up_s.pop(b, 0.0) + self._excess_over_plain(b, step)
             # so the fresh step's time replaces it (blended, one stale slow step would outlive tries); its tokens per
             # step, an acceptance statistic that one step estimates poorly, are blended as usual
             tok, _ = self.work.get(key, step)
@@ -357,38 +342,6 @@ class ThroughputGuard:
                 self.stale.add((b, bool(after)))
         if after is not None:
             self.held[b] = after
-
-    def _fit_tree(self, b: int, x: float, seconds: float) -> None:
-        """A measured speculative step into its bucket's fit of step time on draft tokens per sequence: weighted
-        means, weighted as tokens per step are (``_token_weight``): the slope is the draft's and the device's, and
-        moves slowly."""
-        mx, ms, mxx, mxs, n = self.tree_fit.get(b, (0.0, 0.0, 0.0, 0.0, 0))
-        w = self._token_weight(n + 1)
-        self.tree_fit[b] = (
-            mx + w * (x - mx),
-            ms + w * (seconds - ms),
-            mxx + w * (x * x - mxx),
-            mxs + w * (x * seconds - mxs),
-            n + 1,
-        )
-
-    def _tree_scale(self, b: int, x: float) -> float:
-        """What a speculative step's seconds are multiplied by to count at the bucket's average tree: the fitted
-        time at the mean draft tokens per sequence over the fitted time at the step's ``x``, within 1 / ``outlier_clip``
-        to ``outlier_clip``; 1 with ``sized_steps`` off, before ``warmup`` steps are fitted, and where the trees did
-        not vary or the slope is not positive."""
-        fit = self.tree_fit.get(b)
-        if not self.sized_steps or fit is None or fit[4] < self.warmup:
-            return 1.0
-        mx, ms, mxx, mxs, _ = fit
-        var = mxx - mx * mx
-        if var <= 1e-9:
-            return 1.0
-        slope = (mxs - mx * ms) / var  # seconds per draft token per sequence
-        own = ms + slope * (x - mx)
-        if slope <= 0 or own <= 0:
-            return 1.0
-        return min(self.outlier_clip, max(1.0 / self.outlier_clip, ms / own))
 
     def _token_weight(self, n: int) -> float:
         """Weight of the n-th measured step in its mode's tokens-per-step average: 1 / n, a plain mean of the steps

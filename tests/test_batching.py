@@ -318,37 +318,6 @@ def test_one_slow_step_counts_as_at_most_twice_the_average() -> None:
         ThroughputGuard(outlier_clip=0.5)
 
 
-@pytest.mark.parametrize("sized", [True, False])
-def test_a_speculative_step_counts_at_the_average_tree(sized: bool) -> None:
-    """At batch 1 a speculative step's time follows its own tree (here 8 ms + 4 ms a draft token). Speculation's
-    warm-up (trees of 1, 2, 1 tokens: 13.3 ms on average, 1 token a step) loses to plain decoding (10 ms); its
-    acceptance then rises, and a try that drafts 3 tokens takes 20 ms for 3 tokens: at the average tree it counts as
-    13.3 ms for the blended 1.5 tokens (112 tokens/s against plain's 100: speculation takes over). Taken as it is,
-    20 ms for 1.5 tokens kept plain decoding. A step on the fitted line counts as the line's time at the mean tree."""
-    guard = ThroughputGuard(warmup=3, warmup_z=0.0, explore_every=4, explore_cost=1.0, sized_steps=sized)
-    for _ in range(3):
-        assert guard.speculate(1) is False
-        guard.record(1, False, tokens=1, seconds=0.010, drafted=0)
-    for x in (1, 2, 1):
-        assert guard.speculate(1) is True
-        guard.record(1, True, tokens=1, seconds=0.008 + 0.004 * x, drafted=x)
-    assert guard.faster(1) is False
-    while not guard.speculate(1):
-        guard.record(1, False, tokens=1, seconds=0.010, drafted=0)
-    guard.record(1, True, tokens=3, seconds=0.020, drafted=3)  # the try
-    assert guard.work[(1, True)][0] == pytest.approx(1.5)
-    assert guard.faster(1) is sized
-    if sized:
-        before = guard.work[(1, True)][1]
-        assert before == pytest.approx(0.04 / 3)
-        guard.record(1, True, tokens=2, seconds=0.008 + 0.004 * 2, drafted=2)  # on the line, 16 ms ...
-        mean_tree = (1 + 2 + 1 + 3) / 4  # ... counts as the line's time at the mean tree so far, 15 ms
-        assert guard.work[(1, True)][1] == pytest.approx(before + 0.3 * (0.008 + 0.004 * mean_tree - before))
-        assert guard.work[(1, False)][1] == pytest.approx(0.010)  # plain steps are never scaled
-    with pytest.raises(ValueError, match="drafted"):
-        guard.record(1, True, tokens=1, seconds=0.01, drafted=-1)
-
-
 def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
     # plain steps take 0.125 s for 5 tokens a sequence; switching to speculation costs a 10 s catch-up (the draft
     # re-reads what it missed), then speculation measures slower (1 s for 1.25 tokens a sequence, where plain
@@ -541,7 +510,6 @@ class _ScriptedGuard(ThroughputGuard):
         self.measured: list[bool] = []  # per step asked: whether the loop will record it
         self.outlooks: list[Outlook | None] = []  # per step asked
         self.planned: list[bool | None] = []  # per recorded step: the mode it was planned in
-        self.drafted: list[int | None] = []  # per recorded step: the draft tokens it verified
 
     def speculate(self, batch_size: int, *, measured: bool = True, outlook: Outlook | None = None) -> bool:
         self.measured.append(measured)
@@ -557,10 +525,8 @@ class _ScriptedGuard(ThroughputGuard):
         *,
         caught_up_tokens: int = 0,
         planned: bool | None = None,
-        drafted: int | None = None,
     ) -> None:
         self.recorded.append((speculative, caught_up_tokens > 0))
-        self.drafted.append(drafted)
         self.caught_up.append(caught_up_tokens)
         self.planned.append(planned)
 
@@ -611,12 +577,9 @@ def test_the_guard_does_not_time_a_draft_heads_prefill(target: LlamaModel) -> No
     class Steps(StepObserver):
         def __init__(self) -> None:
             self.prefills: list[bool] = []
-            self.drafted: list[int] = []  # per step that decodes: the draft tokens verified
 
         def on_step(self, event: StepEvent) -> None:
             self.prefills.append(event.prefills)
-            if not event.prefills:
-                self.drafted.append(sum(len(it.draft_tokens) for it in event.items))
 
     head = EagleHead(EagleHeadConfig.for_target(target), target).eval()
     spec = SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.greedy, catch_up_window=6)
@@ -634,7 +597,6 @@ def test_the_guard_does_not_time_a_draft_heads_prefill(target: LlamaModel) -> No
         decoding = len(steps.prefills) - len(admissions)
         if admitted_plain:  # each prompt read in a recorded switch step, a catch-up of the window
             assert len(guard.recorded) == decoding
-            assert guard.drafted == steps.drafted and sum(steps.drafted) > 0  # what each step's time follows
             assert [guard.recorded[i - k] for k, i in enumerate(admissions)] == [(True, True)] * 2
             # the prompt and the admission step's token, at most the window
             assert [guard.caught_up[i - k] for k, i in enumerate(admissions)] == [3 + 1, 6]
