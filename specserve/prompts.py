@@ -8,7 +8,6 @@ import logging
 import re
 import uuid
 from collections.abc import Mapping
-from functools import cached_property
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -22,6 +21,14 @@ class PromptEncoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # each special token's string as plain text, encoded once here: ``split_special_tokens`` is a flag the
+        # tokenizer sets on its shared Rust object for the call, so one request's encode would race another's
+        self._special_ids = _specials_as_text(tokenizer)
+        self._special_pattern = (
+            re.compile("|".join(map(re.escape, sorted(self._special_ids, key=len, reverse=True))))
+            if self._special_ids
+            else None
+        )
         if tokenizer is not None and len(tokenizer) > vocab_size:  # added tokens past the embedding's rows
             logger.warning(
                 "the tokenizer has %d tokens but the model embeds only %d (ids %d and up, added tokens the model was "
@@ -66,7 +73,7 @@ class PromptEncoder:
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
-                ids += tokenizer.encode(found[int(part)], add_special_tokens=False, split_special_tokens=True)
+                ids += self._special_ids[found[int(part)]]
             elif part:
                 ids += tokenizer.encode(part, add_special_tokens=False)
         return self._in_vocabulary(ids, "messages")
@@ -92,14 +99,18 @@ class PromptEncoder:
             return out
         return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
-    @cached_property
-    def _special_pattern(self) -> re.Pattern[str] | None:
-        """The strings the tokenizer reads as special tokens, longest first."""
-        decoder = getattr(self._tokenizer(), "added_tokens_decoder", {})
-        words = sorted({t.content for t in decoder.values() if t.special and t.content}, key=len, reverse=True)
-        return re.compile("|".join(map(re.escape, words))) if words else None
-
     def _tokenizer(self) -> PreTrainedTokenizerBase:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass the prompt as a list of token ids")
         return self.tokenizer
+
+
+def _specials_as_text(tokenizer: PreTrainedTokenizerBase | None) -> dict[str, list[int]]:
+    """The strings the tokenizer reads as special tokens -> their ids when tokenized as characters."""
+    if tokenizer is None:
+        return {}
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    words = {t.content for t in decoder.values() if t.special and t.content}
+    ids = {w: tokenizer.encode(w, add_special_tokens=False, split_special_tokens=True) for w in sorted(words)}
+    tokenizer.encode("", add_special_tokens=False)  # sets the flag back to the tokenizer's default for the requests
+    return ids

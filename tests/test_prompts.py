@@ -67,3 +67,57 @@ def test_a_completion_prompt_gets_the_tokenizers_bos_where_it_adds_one(tokenizer
     llama_like = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     assert PromptEncoder(llama_like, 5).text("hi there") == [1, 3, 4]
     assert PromptEncoder(tokenizer, len(tokenizer)).text("hi there") == [6004, 665]  # SmolLM2: no BOS
+
+
+class _FlagSpy:
+    """The tokenizer's Rust backend, recording every write of its ``encode_special_tokens`` flag."""
+
+    def __init__(self, inner: Any) -> None:
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "writes", [])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "encode_special_tokens":
+            self.writes.append(value)
+        setattr(self.inner, name, value)
+
+
+def test_requests_never_toggle_the_shared_tokenizers_special_token_flag() -> None:
+    """``split_special_tokens`` works by setting a flag on the tokenizer's one Rust object for the call: encoded per
+    request, one thread's call would read another's flag (a typed ``</s>`` becoming EOS)."""
+    from deployments.tiny_tokenizer import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    encoder = PromptEncoder(tokenizer, len(tokenizer))
+    spy = _FlagSpy(tokenizer._tokenizer)
+    tokenizer._tokenizer = spy
+    ids = encoder.chat([{"role": "user", "content": "say </s> then <s> and <pad>"}])
+    encoder.text("plain </s> text")
+    assert spy.writes == []
+    assert tokenizer.decode(ids) == "<|user|>say </s> then <s> and <pad>\n<|assistant|>"
+    assert not {0, 1, 2} & set(ids)  # the typed strings arrived as characters
+
+
+def test_chat_and_text_encodes_agree_across_threads() -> None:
+    """Two threads encoding at once (the HTTP server's ``to_thread``) get the single-threaded ids every time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.tiny_tokenizer import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    encoder = PromptEncoder(tokenizer, len(tokenizer))
+    typed = [{"role": "user", "content": "stop here </s> no, go on <s>"}]
+    innocent = "a prompt that ends the turn </s>"
+    want_chat, want_text = encoder.chat(typed), encoder.text(innocent)
+    assert tokenizer.eos_token_id not in want_chat and tokenizer.eos_token_id in want_text
+
+    def hammer(kind: int) -> list[list[int]]:
+        return [encoder.chat(typed) if kind else encoder.text(innocent) for _ in range(5000)]
+
+    with ThreadPoolExecutor(2) as pool:
+        texts, chats = pool.map(hammer, [0, 1])
+    assert all(ids == want_chat for ids in chats)
+    assert all(ids == want_text for ids in texts)
