@@ -283,6 +283,9 @@ class ThroughputGuard:
             and speculative == chosen
             and not (b in self.deferred and not chosen)
         )
+        if speculative and not tried:  # a switch step's cost belongs to the try right after it; a switch no try
+            # followed (the warm-up's start, a return to the faster speculation) has been paid for, not by a later try
+            self.catch_up_s.pop(b, None)
         key = (b, speculative)
         step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1

@@ -390,6 +390,25 @@ def test_a_switch_step_costs_its_time_beyond_plain_decoding_for_what_it_emitted(
     assert switches(320) == ([1, 5, 16], 0.96875)
 
 
+def test_a_switch_no_try_followed_is_not_charged_to_a_later_try() -> None:
+    """The warm-up's switch step (a 0.5 s catch-up) is paid for by the warm-up; the try thousands of steps later,
+    whose draft had nothing to re-read, costs only its own 5 ms beyond a 20 ms plain step, and spaces the next try
+    by that: 0.005 / (explore_cost 0.0075 x 0.02 s) = 34 plain steps, under the doubled interval of 40."""
+    guard = ThroughputGuard()
+    for _ in range(3):
+        guard.record(1, False, tokens=1, seconds=0.02)
+    guard.record(1, True, tokens=1, seconds=0.5, caught_up_tokens=60)
+    for _ in range(3):
+        assert guard.speculate(1)
+        guard.record(1, True, tokens=1, seconds=0.03)
+    assert guard.faster(1) is False
+    while not guard.speculate(1):
+        guard.record(1, False, tokens=1, seconds=0.02)
+    guard.record(1, True, tokens=1, seconds=0.025)  # the try: no catch-up of its own
+    assert guard.switch_s[1] == pytest.approx(0.005)
+    assert guard.next_try[1] - guard._steps(1) == 40 - 1
+
+
 def test_throughput_guard_decides_on_the_mean_of_its_warmup_steps() -> None:
     # plain decoding runs at 40 tok/s and speculation at 20, but the very first plain step was slow (a page
     # fault): judged on one step per mode the guard would speculate; on the mean of three it keeps plain
