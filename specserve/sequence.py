@@ -105,6 +105,7 @@ class Checkpoint:
     finish_reason: FinishReason | None
     text: IncrementalText
     stats: RequestStats
+    features: tuple[list[torch.Tensor], int, int]  # the draft head's feature queue: (its tensors, from, queued)
 
 
 @dataclass
@@ -136,10 +137,14 @@ class Sequence:
     features_sent: int = 0  # positions below this went to the draft worker (0: a new worker, or one that was reset)
 
     def checkpoint(self) -> Checkpoint:
-        """Its token state now: the output, what of it was handed out, the text and the counts (a shallow copy of the
-        text is its state: an update rebinds its attributes and mutates none)."""
+        """Its token state now: the output, what of it was handed out, the text, the counts and the draft head's
+        feature queue (shallow copies: an update of the text rebinds its attributes and mutates none; the queue's
+        tensors are never written in place)."""
         pending = self.output[self.delivered :]
-        return Checkpoint(self.delivered, pending, self.finish_reason, copy.copy(self.text), replace(self.stats))
+        features = (list(self.features), self.features_from, self.features_queued)
+        return Checkpoint(
+            self.delivered, pending, self.finish_reason, copy.copy(self.text), replace(self.stats), features
+        )
 
     def rollback(self, saved: Checkpoint) -> None:
         """Back to a checkpoint's token state. The workers' caches and the loop's counters of what they were sent
@@ -147,6 +152,8 @@ class Sequence:
         self.output[saved.delivered :] = saved.pending
         self.delivered, self.finish_reason = saved.delivered, saved.finish_reason
         self.text, self.stats = saved.text, saved.stats
+        self.features, self.features_from, self.features_queued = saved.features  # (rows past the kept tokens
+        # would reach the draft head as the context of tokens it never had)
 
     def add_features(self, rows: torch.Tensor, start: int) -> None:
         """Queue the hidden states [n, F] of positions start..start+n-1; a non-contiguous start (the target

@@ -567,3 +567,33 @@ def test_int8_products_without_quantised_weights_or_a_kernel_leave_the_float_pat
     linears = [m for m in head.modules() if type(m) is torch.nn.Linear]
     assert all(getattr(m, "small_records", None) is not None for m in linears)
     assert not any(getattr(m, "int8_records", None) is not None for m in linears)
+
+
+def test_an_interrupted_commit_leaves_no_features_past_the_kept_tokens(
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in a row's detokenisation, after the commit queued the step's target features: the rollback takes
+    them back with the tokens (they used to stay, and the head re-read them after the reset as the context of
+    tokens it never got), and the row still ends as plain decoding does."""
+    from specserve.detok import IncrementalText
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    spec = METHODS[0]
+    engine = Engine(target, None, draft=random_head(target), speculation=spec, eos_token_ids=set(), max_batch_size=4)
+    ids = [engine.submit(p, params) for p in PROMPTS[:2]]
+    cut = engine.loop.waiting[1]
+    real_update = IncrementalText.update
+    fired: list[int] = []
+
+    def update(text: IncrementalText, token_ids: list[int], *, final: bool = False) -> str:
+        if text is cut.text and len(cut.output) > 8 and not fired:
+            fired.append(cut.features_from + cut.features_queued)
+            raise KeyboardInterrupt
+        return real_update(text, token_ids, final=final)
+
+    monkeypatch.setattr(IncrementalText, "update", update)
+    with pytest.raises(KeyboardInterrupt):
+        engine.collect([ids[0]])
+    assert fired and fired[0] > len(cut.tokens) - 1  # the step had queued rows past the rolled-back tokens
+    assert cut.features_from + cut.features_queued == len(cut.tokens) - 1  # all the target had read, and no more
+    assert engine.collect([ids[1]])[0].token_ids == _plain(target, params)[1]
