@@ -460,6 +460,9 @@ class Lane:
         try:
             if self._starting():
                 self._flush_held()  # a target loading may take minutes
+                if self._sinks and self.spare():  # requests admitted since the loss (queued during the failed step),
+                    # or kept while no other lane was loaded: on at once on a lane that has its model
+                    self._drop_all(f"lane {self.index} is bringing its target back", LaneLostError)
                 return
             if only is not None:
                 self._flush_held()  # the step leaves the others waiting

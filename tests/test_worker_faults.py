@@ -358,6 +358,49 @@ def test_requests_go_on_on_a_loaded_lane_while_their_lanes_new_target_loads(
         _release_and_stop(lanes, factories)
 
 
+def test_requests_on_a_lane_loading_its_target_move_once_another_lane_is_loaded(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Lane 0 loses its target while no other lane is loaded, so its request stays for the new target's load, and a
+    request submitted during the load is admitted there too. Once lane 1 is up, both move at once (they waited for
+    the whole load before) and finish with the tokens they would have had alone, lane 0's new target still loading."""
+    factories = [Factory(target, {0: "late", 1: "loading"}), Factory(target, {})]
+    other_up = threading.Event()
+    lanes = [_lane(target, factories[0], spare=other_up.is_set), _lane(target, factories[1])]
+    moved: list[int] = []
+
+    def visible() -> list[Lane]:
+        return lanes if other_up.is_set() else lanes[:1]
+
+    async def one(request: Request) -> list[int]:
+        stream = FailoverStream(visible, request, max_failovers=2, backoff_s=0.0, on_failover=moved.append)
+        await stream.open()
+        return [t async for out in stream for t in out.token_ids]
+
+    async def until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.01)
+
+    async def run() -> list[list[int]] | None:
+        first = asyncio.ensure_future(one(Request("r0", PROMPTS[0], GREEDY)))
+        await until(lambda: len(factories[0].actors) == 2 and lanes[0].loading)  # lost, its replacement loading
+        second = asyncio.ensure_future(one(Request("r1", PROMPTS[1], GREEDY)))
+        await until(lambda: lanes[0].in_flight == 2)  # admitted on the loading lane
+        other_up.set()
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(first, second), 10))  # its start timeout: 60 s
+        except TimeoutError:
+            return None
+
+    try:
+        assert asyncio.run(run()) == alone[:2]
+        assert moved == [0, 0] and lanes[0].loading and not factories[0].actors[1].loaded.is_set()
+    finally:
+        _release_and_stop(lanes, factories)
+
+
 def test_a_request_its_lane_lost_counts_there_until_its_stream_hears_of_it(target: LlamaModel) -> None:
     """Between the lane dropping a request with LaneLostError and its stream reading that (at the client's pace),
     the request is still the replica's (Router.submit's capacity check): the lane counts it until then, after which
