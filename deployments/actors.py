@@ -296,6 +296,9 @@ class RemoteWorker:
         return True
 
     def _call(self, method: Any, *args: Any) -> Any:
+        if self.dead:  # found dead, hung or broken before: not asked again (a hung actor would take the whole
+            # ``call_timeout_s`` once more, the call queued behind its stuck one), the lane replaces it now
+            raise WorkerLostError(f"worker {self.name} was lost before this call")
         self.wait_started()
         try:
             return ray.get(method.remote(*args), timeout=self.call_timeout_s)

@@ -259,6 +259,20 @@ def test_a_lane_that_cannot_replace_its_worker_answers_and_stays_up(target: Llam
         lane.stop()
 
 
+def test_a_hung_worker_is_not_called_again_once_found_hung(target: LlamaModel, alone: list[list[int]]) -> None:
+    """The target hangs (a call times out) and its replacement cannot be made: the lane answers its requests. The
+    next requests' step used to call the hung actor again, a whole ``call_timeout_s`` (600 s) queued behind its
+    stuck call, before the lane made a new one; now the proxy fails at once and the new target serves them."""
+    factory = Factory(target, {0: "hang"}, broken={1})
+    lane = _lane(target, factory)
+    try:
+        assert all(isinstance(r, WorkerFailedError) for r in _run(lane, PROMPTS[:1]))
+        assert _run(lane, PROMPTS, tag="s") == alone
+        assert factory.actors[0].calls.count("verify") == 1 and lane.generations[WorkerRole.target] == 2
+    finally:
+        lane.stop()
+
+
 def test_requests_of_a_lane_that_cannot_replace_its_worker_finish_on_another_lane(
     target: LlamaModel, alone: list[list[int]]
 ) -> None:
