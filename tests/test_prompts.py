@@ -121,3 +121,32 @@ def test_chat_and_text_encodes_agree_across_threads() -> None:
         texts, chats = pool.map(hammer, [0, 1])
     assert all(ids == want_chat for ids in chats)
     assert all(ids == want_text for ids in texts)
+
+
+def _metaspace_tokenizer() -> Any:
+    """A SentencePiece-style tokenizer (Llama-2, Mistral): its pre-tokenizer writes a word-boundary marker at the
+    start of every string it encodes, and its chat template a Mistral-like one."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = [("<unk>", 0.0), ("<s>", -100.0), ("</s>", -100.0), ("\u2581", -2.0)]
+    pieces += [(c, -5.0) for c in string.ascii_letters + string.digits + string.punctuation]
+    pieces += [("\u2581" + w, -1.0) for w in ("a", "b", "and", "[INST]", "[/INST]")]
+    core = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=False))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    return tokenizer
+
+
+def test_typed_special_strings_add_no_spaces_with_a_sentencepiece_tokenizer() -> None:
+    """Cut at each typed special string and encoded piece by piece, such a tokenizer put a space marker at the
+    start of every piece: the model read "a </s> b" where the user wrote "a</s>b"."""
+    tokenizer = _metaspace_tokenizer()
+    messages = [{"role": "user", "content": "a</s>b and <s>x</s>"}]
+    ids = PromptEncoder(tokenizer, len(tokenizer)).chat(messages)
+    assert tokenizer.decode(ids) == "<s>[INST] a</s>b and <s>x</s> [/INST]" == _render(tokenizer, messages)
+    assert ids.count(tokenizer.bos_token_id) == 1 and tokenizer.eos_token_id not in ids
