@@ -191,6 +191,19 @@ def test_a_request_without_max_tokens_fits_the_longest_context_a_model_may_have(
     assert sampling_params_for(body, max_tokens=context - 9).max_tokens == context - 9
 
 
+def test_completions_default_to_16_tokens_and_a_null_max_tokens_means_the_context_as_in_vllm() -> None:
+    """OpenAI's completions default max_tokens to 16 and chat to the context; an explicit null asks for no limit
+    (the rest of the context) on both, as vLLM reads it (deployments/README.md)."""
+    from specserve.api.schemas import ChatCompletionRequest, CompletionRequest
+
+    completion = {"model": MODEL, "prompt": [5]}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert CompletionRequest.model_validate(completion).max_tokens == 16
+    assert CompletionRequest.model_validate({**completion, "max_tokens": None}).max_tokens is None
+    assert ChatCompletionRequest.model_validate(chat).max_tokens is None
+    assert ChatCompletionRequest.model_validate({**chat, "max_tokens": None}).max_tokens is None
+
+
 def test_a_chunks_line_separators_are_escaped_so_it_stays_one_line_for_every_client() -> None:
     from specserve.api.schemas import CompletionChoice, CompletionResponse
     from specserve.api.server import _sse

@@ -124,6 +124,20 @@ def test_models_retrieve(client: openai.OpenAI, url: str) -> None:
     assert (error["type"], error["code"], error["param"]) == ("not_found_error", "model_not_found", "model")
 
 
+def test_an_error_quotes_at_most_the_start_of_a_long_value(url: str) -> None:
+    """A 200 KB model name or response_format type came back whole in the error (twice its size with the escapes
+    of repr): an error body quotes the first 40 characters, as for unknown fields."""
+    huge = "\\" * 200_000
+    bodies = [
+        ("/v1/completions", {"model": huge, "prompt": [5]}, 404),
+        (CHAT, {"model": huge, "messages": USER}, 404),
+        (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": huge}}, 400),
+    ]
+    for path, body, status in bodies:
+        r = httpx.post(url + path, json=body)
+        assert len(r.content) < 1000 and _error(r, status)["message"]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -140,7 +140,7 @@ class ResponseFormat(ClosedModel):
     @classmethod
     def _text_only(cls, v: object) -> object:
         if v != "text":
-            raise ValueError(f"response_format type {v!r} is not supported; only 'text'")
+            raise ValueError(f"response_format type {str(v)[:40]!r} is not supported; only 'text'")
         return v
 
 

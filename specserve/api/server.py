@@ -296,7 +296,8 @@ class _Routes:
     async def model(self, model: str) -> ModelCard:
         if model != self.backend.model_name:
             raise ModelNotFoundError(
-                f"the model {model!r} does not exist; this server serves {self.backend.model_name!r}", param="model"
+                f"the model {model[:40]!r} does not exist; this server serves {self.backend.model_name!r}",
+                param="model",
             )
         return self._card()
 
@@ -332,7 +333,7 @@ class _Routes:
             resume = _resume_mark(body, last_event_id)
             if body.model != self.backend.model_name:
                 raise ModelNotFoundError(
-                    f"the model {body.model!r} does not exist; this server serves {self.backend.model_name!r}",
+                    f"the model {body.model[:40]!r} does not exist; this server serves {self.backend.model_name!r}",
                     param="model",
                 )
             self.backend.check_capacity()  # a 429 before the prompt's tokenisation is paid for
