@@ -180,6 +180,8 @@ WORKER_FAULTS: tuple[type[Exception], ...] = (
 
 START_FAULTS: tuple[type[Exception], ...] = (*WORKER_FAULTS, RayTaskError)
 START_POLL_S = 1.0  # how often a cancellable wait for a worker's start looks whether it is still wanted
+ANSWER_TIMEOUT_S = 30.0  # the idle check's cheap call to a worker that has nothing to do (``answers``): a hung actor
+# holds the idle lane's thread this long, not a step's ``call_timeout_s`` (600 s), while new requests reach the lane
 
 
 class WorkerLostError(Exception):
@@ -256,8 +258,9 @@ class RemoteWorker:
                 self.wait_started()
             except WorkerLostError:
                 return False
+        timeout = ANSWER_TIMEOUT_S if self.call_timeout_s is None else min(self.call_timeout_s, ANSWER_TIMEOUT_S)
         try:
-            ray.get(self.handle.state.remote(), timeout=self.call_timeout_s)
+            ray.get(self.handle.state.remote(), timeout=timeout)
         except START_FAULTS:
             self.dead = True
             return False

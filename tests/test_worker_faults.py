@@ -833,6 +833,22 @@ def test_an_idle_worker_whose_start_outlives_its_timeout_does_not_answer(
     assert not worker.answers() and worker.dead and not worker.starting
 
 
+def test_an_idle_workers_hang_is_found_within_the_answer_timeout_not_a_steps(target: LlamaModel) -> None:
+    """The idle check's call is a cheap one to a worker with nothing to do: it waited up to the step's 600 s on a
+    hung actor, the lane's thread held and the lane reported healthy all that time."""
+    actor = Actor(target, None)
+    waited: list[float | None] = []
+
+    def hangs(timeout: float | None) -> Any:
+        waited.append(timeout)
+        return hung(timeout)
+
+    actor.state = Method(lambda: Ref(hangs))
+    worker = RemoteTarget(actor, "target:0", WorkerRole.target, call_timeout_s=600.0)  # type: ignore[arg-type]
+    assert not worker.answers() and worker.dead
+    assert waited == [actors.ANSWER_TIMEOUT_S] and actors.ANSWER_TIMEOUT_S <= 30
+
+
 def test_a_lane_decodes_plainly_without_its_draft_and_drafts_again_once_one_is_attached(target: LlamaModel) -> None:
     """StepLoop.detach_draft / attach_draft mid-generation: no step is planned to draft while detached (nor timed
     as speculation), the output is plain decoding's, and a fresh draft worker drafts from its catch-up on."""
