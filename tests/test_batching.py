@@ -649,6 +649,14 @@ def test_trees_pruned_to_their_root_count_as_speculation_and_plain_steps_stay_ou
         assert sum(f.steps for f in floor.fits.values()) == (0 if plain else len(guard.recorded))
 
 
+class _RowClock(TreeFloor):
+    """Verifies timed at 1 ms + 0.1 ms a row: the tiny model's real verify times barely grow with the rows, and on a
+    busy host their fitted slope could come out negative, so no floor was ever measured (a CI failure)."""
+
+    def record_verify(self, batch_size: int, rows: int, seconds: float) -> None:
+        super().record_verify(batch_size, rows, 1e-3 + 1e-4 * rows)
+
+
 def test_the_guard_waits_for_the_measured_tree_floor(target: LlamaModel) -> None:
     """Trees sized by the sequences' own floor while the measured one is pending are not the speculation the guard
     chooses between (on one CPU their wide verifies made DDD's first steps twice a plain step's time, and the guard
@@ -668,7 +676,7 @@ def test_the_guard_waits_for_the_measured_tree_floor(target: LlamaModel) -> None
     )
     engine = Engine(target, None, draft=noisy_copy(target, 0.2), speculation=adaptive, eos_token_ids=set())
     guard = engine.loop.planner.guard = _ScriptedGuard([])
-    floor = engine.loop.planner.floor = TreeFloor(min_steps=4, min_spread=0.0)
+    floor = engine.loop.planner.floor = _RowClock(min_steps=4, min_spread=0.0)
     plans = Plans()
     engine.loop.observers.append(plans)
     engine.generate([PROMPTS[1]], SamplingParams(max_tokens=16, ignore_eos=True))
