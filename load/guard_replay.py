@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from load.traces import read_traces
-from specserve.arg_types import batch_size, non_negative_int, out_dir_arg, positive_float, positive_int
+from specserve.arg_types import batch_size, finite_float, non_negative_int, out_dir_arg, positive_float, positive_int
 from specserve.bench.policies import PolicyName
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.errors import SettingsError
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept", type=fraction, nargs="+", default=[0.107], help="per draft token (0.107: 1.12 tokens)")
     p.add_argument("--depth", type=non_negative_int, default=5)
     p.add_argument("--spec-jitter", type=fraction, default=0.1)
-    p.add_argument("--switch-s", type=float, default=0.025, help="seconds a switch step adds (the catch-up)")
+    p.add_argument("--switch-s", type=finite_float, default=0.025, help="seconds a switch step adds (the catch-up)")
     p.add_argument("--margins", type=fraction, nargs="+", default=[0.0, 0.05, 0.1])
     p.add_argument("--seeds", type=positive_int, default=30)
     p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/guard_replay"))

@@ -604,6 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(e))
     if not runs:
         p.error(f"{study.traces} holds no runs")
+    if model_free := sorted({r.spec.drafter.value for r in runs if r.spec.drafter != Drafter.model}):
+        p.error(f"{study.traces} holds runs drafted by {model_free}: the simulator replays draft-model steps only")
     if given_cost is not None and given_cost.verify_s(1, 1) + given_cost.overhead_s(1, 1) <= 0:
         p.error(f"{study.cost}: a plain step of one row costs 0 s in this cost model (every rate would be infinite)")
     study.out.mkdir(parents=True, exist_ok=True)

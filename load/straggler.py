@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from load.client import RemoteHostError, StreamStats, check_loopback, parse_sse_line, sse_lines
 from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
-from specserve.arg_types import finite_float, out_dir_arg, present_device_arg
+from specserve.arg_types import batch_size, finite_float, out_dir_arg, present_device_arg
 from specserve.bench.batch_sweep import run_one
 from specserve.bench.machine import device_summary
 from specserve.bench.policies import CAP_LABELS, STUDY_POLICIES, PolicyName, check_steps_arg, policy_specs
@@ -727,7 +727,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p = argparse.ArgumentParser(prog="python -m load.straggler", description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", default=d.pair, help=f"{TINY_PAIR!r} or one of {sorted(MODEL_PAIRS)}")
     p.add_argument("--tiny-noise", type=finite_float, default=d.tiny_noise)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=d.batch_sizes)
+    p.add_argument("--batch-sizes", type=batch_size, nargs="+", default=d.batch_sizes)
     p.add_argument(
         "--policies", nargs="+", default=[x.value for x in d.policies], choices=[x.value for x in PolicyName]
     )
@@ -870,7 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             with httpx.Client() as client:
-                served_model(client, check_loopback(cfg.url))
+                served_model(client, check_loopback(cfg.url).rstrip("/"))
         except (RemoteHostError, ServerError) as e:
             print(f"python -m load.straggler: error: --url: {e}", file=sys.stderr)
             return 2

@@ -143,6 +143,7 @@ def test_the_command_writes_a_row_per_model_and_variant(tmp_path: Path, capsys: 
     for bad, message in (
         (["--margins", "1.5"], "must be in"),
         (["--switch-s", "-1"], "switch-s must be at least 0"),
+        (["--switch-s", "nan"], "argument --switch-s: must be a finite number"),
         (["--batch", "8"], "no plain runs at batch 8"),
     ):
         with pytest.raises(SystemExit) as exit_info:

@@ -791,7 +791,7 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize(
     ("tool", "argv", "message"),
     [
-        ("straggler", ["--batch-sizes", "4", "0"], "--batch-sizes: Input should be greater than or equal to 1"),
+        ("straggler", ["--batch-sizes", "4", "0"], "argument --batch-sizes: must be at least 1"),
         ("straggler", ["--repeats", "0"], "--repeats: Input should be greater than or equal to 1"),
         ("straggler", ["--min-tokens", "9", "--max-tokens", "8"], "error: min_tokens > max_tokens"),
         ("simulate", ["--traces", "t.jsonl", "--batch-sizes", "-1"], "--batch-sizes: Input should be greater than"),
@@ -852,6 +852,12 @@ def test_trace_and_cost_files_that_cannot_be_read_are_usage_errors(
         sim_cli.main(["--traces", str(good), "--cost", str(cost), "--out", str(tmp_path / "s")])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "cost.json is not a cost model (source: Field required" in err, err
+    lookup = tmp_path / "lookup.jsonl"  # a sweep drafted by prompt lookup: its SimConfig failed mid-sweep
+    lookup.write_text(run.model_copy(update={"spec": SpecConfig(drafter=Drafter.lookup)}).model_dump_json() + "\n")
+    with pytest.raises(SystemExit) as exit_:
+        sim_cli.main(["--traces", str(lookup), "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "drafted by ['lookup']" in err and "Traceback" not in err, err
 
 
 def test_study_max_sl_caps_every_speculative_policy(capsys: pytest.CaptureFixture[str]) -> None:
@@ -1190,6 +1196,22 @@ def test_the_straggler_study_refuses_a_remote_url_as_a_usage_error(
     assert "--url: refusing to send load to '10.0.0.1'" in err and "Traceback" not in err
 
 
+def test_the_straggler_studys_url_check_takes_a_trailing_slash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--url http://127.0.0.1:8000/`` was checked at ``...8000//v1/models``, a 404 that called a working server
+    broken (the sweep itself strips the slash)."""
+    from load import straggler
+
+    asked: list[str] = []
+
+    def served_model(client: object, url: str) -> str:
+        asked.append(url)
+        raise straggler.ServerError("stop here")
+
+    monkeypatch.setattr(straggler, "served_model", served_model)
+    assert straggler.main(["--url", "http://127.0.0.1:1/", "--http-only", "--out", str(tmp_path)]) == 2
+    assert asked == ["http://127.0.0.1:1"]
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -1201,6 +1223,7 @@ def test_the_straggler_study_refuses_a_remote_url_as_a_usage_error(
         (["--model-budget", "99999"], "--model-budget: Input"),
         (["--seed", str(10**23)], "--seed: Input should be less than"),
         (["--tiny-noise", "1e300"], "--tiny-noise: Input should be less than or equal to 10"),
+        (["--batch-sizes", "1", "2000"], "argument --batch-sizes: must be at most 1024"),  # after batch 1's runs
     ],
 )
 def test_straggler_speculation_settings_are_usage_errors_before_any_model_loads(
