@@ -97,6 +97,26 @@ def test_bad_bench_and_training_arguments_are_usage_errors(
     assert says in err and "Traceback" not in err, err
 
 
+def test_bench_agreement_refuses_a_set_it_cannot_make_before_loading_the_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without WordNet the lexicon set (a default one) failed after the target loaded and the sets before it ran."""
+    import specserve.bench.agreement as agreement
+    from specserve.train.lexicon_prompts import WordNetMissing
+
+    def no_wordnet(*_: object, **__: object) -> list[str]:
+        raise WordNetMissing("WordNet not found in /nowhere: install the Debian package wordnet-base")
+
+    def no_model(*_: object, **__: object) -> None:
+        raise AssertionError("a model was loaded before every set's prompts were made")
+
+    monkeypatch.setattr(agreement, "lexicon_prompts", no_wordnet)
+    monkeypatch.setattr(agreement, "load_model", no_model)
+    assert main(["bench", "agreement", "--sets", "seeds", "lexicon", "--per-set", "2", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "WordNet not found" in err and "Traceback" not in err, err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA accepts --device cuda")
 def test_a_cuda_device_without_cuda_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:

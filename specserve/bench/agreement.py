@@ -237,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
     if "mt-bench" in args.sets and not args.by_category and args.per_set > (n := len(mt_bench_prompts())):
         raise InvalidRequestError(f"--per-set {args.per_set}: MT-bench has {n} first turns")  # (it ran those)
     offsets = held_out_offsets(args)
+    # every set's prompts before the loads: a set that cannot be made (WordNet not installed) is refused up front,
+    # not after the sets before it ran
+    sets = {name: set_prompts(name, args.per_set, offsets, args.by_category) for name in args.sets}
     target_spec = MODEL_PAIRS["smollm2-eagle"][0]
     target: LlamaModel = load_model(target_spec)
     tokenizer = load_tokenizer(target_spec)
@@ -245,8 +248,7 @@ def run(args: argparse.Namespace) -> int:
     lm_full = dense_weight(target.lm_head).float()
     rows: list[dict[str, object]] = []
     by_confidence: list[dict[str, object]] = []
-    for name in args.sets:
-        prompts = set_prompts(name, args.per_set, offsets, args.by_category)
+    for name, prompts in sets.items():
         ids = [chat_ids(tokenizer, p) for p, _ in prompts]
         done = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
         convs = [Conversation(p + c.token_ids, len(p)) for p, c in zip(ids, done, strict=True)]
