@@ -79,7 +79,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        # stable: a cut inside a group of tied logits keeps its lowest ids, the same set at any batch shape or on any
+        # device (an unstable sort's pick among ties may differ between plain decoding's rows and a verify's)
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
         drop_sorted[..., 0] = False  # and always the most likely token (a top_p that rounds to 0 in float32)

@@ -94,6 +94,15 @@ def test_process_logits_top_p_keeps_smallest_prefix() -> None:
     assert torch.allclose(p, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]]))
 
 
+def test_a_top_p_cut_inside_tied_logits_keeps_their_lowest_ids() -> None:
+    """An unstable sort picked an arbitrary subset of a tie group (ids up to 46079 of 49152 here), which could
+    differ between a plain step's rows and a verify's on a device whose sort depends on the shape."""
+    vocab = 49152
+    p = process_logits(torch.zeros(8, vocab), SamplingParams(temperature=1.0, top_p=0.3))
+    keep = int(vocab * 0.3) + 1  # the smallest prefix whose mass reaches 0.3 (float32 rounding: one more)
+    assert torch.equal(p > 0, (torch.arange(vocab) < keep).expand(8, vocab))
+
+
 def test_stream_yields_steps_and_an_abandoned_stream_frees_its_slot(tiny: LlamaModel) -> None:
     engine = Engine(tiny, None, eos_token_ids=set())
     outs = list(engine.stream(PROMPTS[0], SamplingParams(max_tokens=5)))
