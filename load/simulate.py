@@ -491,6 +491,8 @@ class SimStudy(BaseModel):
             raise ValueError("need 1 <= --min-tokens <= --max-tokens")
         if self.measure_draft is not None and self.measure_target is None:
             raise ValueError("--measure-draft needs --measure-target (the draft is timed beside it)")
+        if len(set(self.batch_sizes)) < len(self.batch_sizes):  # rows are keyed by batch size
+            raise ValueError(f"--batch-sizes repeats a value: {self.batch_sizes}")
         return self
 
 

@@ -159,6 +159,8 @@ class StudyConfig(BaseModel):
             raise ValueError("warm_guard needs guard")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens > max_tokens")
+        if len(set(self.batch_sizes)) < len(self.batch_sizes):  # runs are paired and merged by batch size
+            raise ValueError(f"batch_sizes repeats a value: {self.batch_sizes}")
         if not all(0.0 < a < 1.0 for a in self.synthetic_mix):
             raise ValueError("synthetic acceptance values must be in (0, 1)")
         known = {p.category for p in mt_bench_prompts()}

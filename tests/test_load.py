@@ -794,8 +794,10 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
         ("straggler", ["--batch-sizes", "4", "0"], "argument --batch-sizes: must be at least 1"),
         ("straggler", ["--repeats", "0"], "--repeats: Input should be greater than or equal to 1"),
         ("straggler", ["--min-tokens", "9", "--max-tokens", "8"], "error: min_tokens > max_tokens"),
+        ("straggler", ["--batch-sizes", "4", "1", "4"], "batch_sizes repeats a value: [4, 1, 4]"),  # runs pair by size
         ("simulate", ["--traces", "t.jsonl", "--batch-sizes", "-1"], "--batch-sizes: Input should be greater than"),
         ("simulate", ["--traces", "t.jsonl", "--repeats", "0"], "--repeats: Input should be greater than"),
+        ("simulate", ["--traces", "t.jsonl", "--batch-sizes", "8", "8"], "--batch-sizes repeats a value: [8, 8]"),
         # these five were tracebacks (pydantic, DType, KVCache) or silently ignored (--measure-draft alone)
         ("simulate", ["--traces", "t.jsonl", "--min-tokens", "10", "--max-tokens", "5"], "need 1 <= --min-tokens"),
         ("simulate", ["--traces", "t.jsonl", "--min-tokens", "5"], "give both --min-tokens and --max-tokens"),
