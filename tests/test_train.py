@@ -826,6 +826,40 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     assert asked == []  # no data was made for any
 
 
+class _SystemTurnTokenizer(_SpecialChatTokenizer):
+    """The same vocabulary and weights with a chat template that adds a default system turn."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kw: object) -> list[int]:
+        return [1, 7, 7, 7, *super().apply_chat_template(messages, **kw)[1:]]
+
+
+def test_a_changed_chat_template_under_the_same_weights_is_not_served_the_old_data(tmp_path: Path) -> None:
+    """A rerun in the same work dir with another chat template was handed the old template's chunks and
+    checkpoint and shipped the old head: the data step records the tokenizer, and the checkpoint its system
+    prefix."""
+    from specserve.train.distill import Conversation, DistillConfig
+    from specserve.train.pipeline import TrainDraftConfig, tokenizer_fingerprint, train_draft
+
+    target = _frozen_target()
+
+    def distill(prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]):
+        convs = [Conversation(p + p[:max_new_tokens], len(p)) for p in prompts]
+        return convs, target_features(target, convs, aux_layers)
+
+    old, new = _SpecialChatTokenizer(), _SystemTurnTokenizer()
+    assert tokenizer_fingerprint(old) == tokenizer_fingerprint(_SpecialChatTokenizer()) != tokenizer_fingerprint(new)
+    train = TrainConfig(epochs=1, batch_tokens=64, max_len=64, warmup_steps=1, checkpoint_every=100)
+    cfg = TrainDraftConfig("tiny", DistillConfig(num_prompts=4, max_new_tokens=4, chunk_size=4), train, draft_vocab=64)
+    train_draft(target, old, distill, cfg, tmp_path / "w", tmp_path / "h0", log=lambda _: None)
+    with pytest.raises(SettingsError, match=r"data written with other settings \(tokenizer: "):
+        train_draft(target, new, distill, cfg, tmp_path / "w", tmp_path / "h1", log=lambda _: None)
+    samples, ids = _training_setup(HeadKind.eagle)[1:]
+    small = _ttt_config(HeadKind.eagle, epochs=1, batch_tokens=96, max_len=64, warmup_steps=1, checkpoint_every=1)
+    train_head(target, samples, ids, small, tmp_path / "t", system_len=2, max_steps=1)
+    with pytest.raises(SettingsError, match="with another chat template"):
+        train_head(target, samples, ids, small, tmp_path / "t", system_len=5)
+
+
 def test_the_progress_bar_times_the_steps_of_this_process_after_a_resume(monkeypatch: pytest.MonkeyPatch) -> None:
     """Resumed at step 50, each step taking a second: the rate is 1 s/step (it divided the time since the resume by
     all 60 steps) and the first line comes at once, not at step 1 or the next tenth."""

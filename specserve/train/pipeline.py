@@ -134,6 +134,20 @@ def weights_fingerprint(model: LlamaModel) -> str:
     return h.hexdigest()
 
 
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 over what the data reads of the tokenizer: its vocabulary and rules (a fast tokenizer's JSON), its
+    chat template, its special ids, and two chat prompts as encoded: a changed template under the same weights
+    writes other prompts."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else b"-")
+    h.update(repr(getattr(tokenizer, "chat_template", None)).encode())
+    h.update(repr(sorted(getattr(tokenizer, "all_special_ids", ()))).encode())
+    for probe in ("a", "Write a short poem."):
+        h.update(repr(chat_ids(tokenizer, probe)).encode())
+    return h.hexdigest()
+
+
 def special_ids(tokenizer: PreTrainedTokenizerBase | None, config_eos: int | list[int] | None = None) -> list[int]:
     """Every id generation stops at (the config's EOS ids and the tokenizer's) and the chat template's special
     tokens: always in the draft vocabulary."""
@@ -224,6 +238,7 @@ def train_draft(
     samples: list[Sample] = []
     written = {"target": cfg.target_name, "seed": cfg.data.seed, "aux_layers": aux_layers}  # what a chunk depends on
     written["target_weights"] = weights_fingerprint(target)  # the name alone: a file replaced under it went unseen
+    written["tokenizer"] = tokenizer_fingerprint(tokenizer)  # a new chat template under the same weights too
     written["python"] = platform.python_version()  # seed prompts and text passages read its stdlib's docs
     answered = written | {"max_new_tokens": cfg.data.max_new_tokens, "chunk_size": cfg.data.chunk_size}
     if cfg.data.num_prompts:

@@ -181,6 +181,7 @@ TRAINED_ON = {  # what a checkpoint records of its run, and how a change is name
     "data": "on other data",
     "draft_ids": "on other draft vocabulary ids",
     "init_head_sha256": "from another starting head (--init-head) than the one now there",
+    "system_len": "with another chat template (its system prefix, where no loss is taken, differs)",
 }
 
 
@@ -309,7 +310,7 @@ def train_head(
     stop = total if max_steps is None else min(total, max_steps)
     step = 0
     ckpt = work_dir / "ckpt.pt"
-    trained_on = {"data": data_fingerprint(samples), "draft_ids": head.draft_ids.tolist()}
+    trained_on = {"data": data_fingerprint(samples), "draft_ids": head.draft_ids.tolist(), "system_len": system_len}
     if cfg.init_head is not None:  # the path alone would not tell a head trained again there since
         trained_on["init_head_sha256"] = sha256_file(weights_path(cfg.init_head))
     if ckpt.exists():
