@@ -4,6 +4,7 @@ end to end."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import re
@@ -312,6 +313,32 @@ def test_seed_prompts_are_not_the_evaluation_set() -> None:
     bench8 = set().union(*(shingles(t, 8) for t in turns))
     leaked = [q for q, a in texts if (shingles(q, 8) | shingles(a, 8)) & bench8]
     assert not leaked, leaked[:3]
+
+
+def test_the_largest_seed_gives_every_self_written_request_a_valid_draw_seed(tmp_path: Path) -> None:
+    """A ``--seed`` from 2^31 up was accepted, then every self-written request's seed overflowed 63 bits: a
+    ValidationError after all other data was made (hours into a run)."""
+    from specserve.sampling import SamplingParams
+    from specserve.train.distill import DistillConfig, build_self_dataset
+    from specserve.train.pipeline import _seed, request_seeds
+
+    largest = _seed(str((1 << 32) - 1))
+    with pytest.raises(argparse.ArgumentTypeError):
+        _seed(str(1 << 32))
+    chunk_seeds: list[int] = []
+
+    def requests(n: int, seed: int) -> list[str]:
+        chunk_seeds.append(seed)
+        return [f"request {seed} {i}" for i in range(n)]
+
+    cfg = DistillConfig(seed=largest, chunk_size=4, max_new_tokens=2)
+    build_self_dataset(_echo_distiller, _ChatTokenizer(), requests, tmp_path / "self", 12, cfg)
+    assert len(chunk_seeds) == 3
+    seeds = [s for c in chunk_seeds for s in request_seeds(c, 4096)]
+    assert len(set(seeds)) == len(seeds)
+    for s in (seeds[0], seeds[-1], max(seeds)):
+        assert SamplingParams(temperature=1.0, seed=s).seed == s
+    assert request_seeds(7, 2) == [7 * 4096, 7 * 4096 + 1]  # below the bound: the same draws as before
 
 
 def test_self_written_requests_are_filtered_and_never_the_evaluation_set() -> None:

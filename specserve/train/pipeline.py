@@ -390,6 +390,12 @@ def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str
     return bar
 
 
+def request_seeds(chunk_seed: int, n: int) -> list[int]:
+    """The draw seeds of a chunk's self-written requests, kept within a request seed's 63 bits: a chunk's seed
+    is ``--seed`` shifted by 20 bits, so seeds from 2^31 up overflowed them after all other data was made."""
+    return [((chunk_seed << 12) + i) & ((1 << 63) - 1) for i in range(n)]
+
+
 def _seed(text: str) -> int:
     """``--seed``: 0 to 2^32 - 1 (the trainer derives per-step torch seeds from it, which must stay in 64 bits)."""
     value = non_negative_int(text)
@@ -527,7 +533,7 @@ def run(args: argparse.Namespace) -> int:
 
     def ask(prefix: list[int], n: int, seed: int) -> list[list[int] | None]:
         sample = SamplingParams(max_tokens=ASK_MAX_TOKENS, temperature=1.0, top_p=0.95)
-        params = [sample.model_copy(update={"seed": (seed << 12) + i}) for i in range(n)]
+        params = [sample.model_copy(update={"seed": s}) for s in request_seeds(seed, n)]
         done = asking_engine().generate([prefix] * n, params)
         return [c.token_ids if c.finish_reason is FinishReason.stop else None for c in done]
 
