@@ -81,6 +81,13 @@ def test_bad_corpus_settings_are_clear_errors(tmp_path: Path) -> None:
         corpus_files([tmp_path])
     with pytest.raises(CorpusError, match=r"cannot read .*cut\.dz"):
         corpus_passages([tmp_path / "cut.dz"], 1, 0, BannedRuns.of([]), 1, 100)
+    damaged = bytearray(gzip.compress(b"some text " * 1000))  # a sound header, a damaged deflate stream
+    damaged[20:40] = bytes(b ^ 0xFF for b in damaged[20:40])  # (zlib.error: was a traceback, not a CorpusError)
+    (tmp_path / "cut.dz").write_bytes(bytes(damaged))
+    with pytest.raises(CorpusError, match=r"cannot read .*cut\.dz"):
+        corpus_files([tmp_path])
+    with pytest.raises(CorpusError, match=r"cannot read .*cut\.dz"):
+        corpus_passages([tmp_path / "cut.dz"], 1, 0, BannedRuns.of([]), 1, 100)
     with pytest.raises(SettingsError, match="corpus paths a number of passages"):
         TrainDraftConfig("smollm2-135m-instruct", corpus=(tmp_path,))
     with pytest.raises(SettingsError, match="corpus passages need corpus paths"):

@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import random
 import textwrap
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,14 +66,14 @@ def _binary(path: Path) -> bool:
     try:
         with gzip.open(path, "rb") if path.suffix in COMPRESSED else path.open("rb") as f:
             return b"\0" in f.read(BINARY_PROBE)
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # (a damaged deflate stream raises zlib.error)
         raise CorpusError(f"cannot read {path}: {e}") from None
 
 
 def read_text(path: Path) -> str:
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix in COMPRESSED else path.read_bytes()
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # (a damaged deflate stream raises zlib.error)
         raise CorpusError(f"cannot read {path}: {e}") from None
     try:
         return raw.decode("utf-8")
