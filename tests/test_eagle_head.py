@@ -356,6 +356,14 @@ def test_malformed_checkpoints_get_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "sharded" / "model.safetensors.index.json").write_text("{}")
     case("empty", sd1, {}, CorruptModelError, "cannot read")
     (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
+    for field in ("hidden_size", "num_attention_heads", "vocab_size"):  # int(inf): an OverflowError traceback
+        case(f"inf_{field}", sd1, {field: float("inf")}, UnsupportedModelError, "a missing or malformed field")
+    case("theta_digits", sd1, {"rope_theta": 10**400}, UnsupportedModelError, "malformed field .*OverflowError")
+    for factor in (0, -2.0, float("nan")):  # factor 0 loaded with every RoPE table NaN, -2 loaded
+        rope = {"rope_scaling": {"rope_type": "linear", "factor": factor}}
+        case(f"factor_{factor}", sd1, rope, UnsupportedModelError, "RoPE scaling factor must be a finite number")
+    for eps in (1e30, float("inf")):  # loaded, every norm's output zero
+        case(f"eps_{eps}", sd1, {"rms_norm_eps": eps}, UnsupportedModelError, "rms_norm_eps")
     for name, error, match in cases:
         with pytest.raises(error, match=match):
             load_eagle_head(tmp_path / name, target)
@@ -363,6 +371,57 @@ def test_malformed_checkpoints_get_clear_errors(tmp_path: Path) -> None:
     torch.save([1, 2], listed / "pytorch_model.bin")
     with pytest.raises(CorruptModelError, match="not a mapping"):
         load_eagle_head(listed, target)
+
+
+def test_a_damaged_pickled_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    """Every byte of a pytorch_model.bin's pickle changed in turn: the head loads (a byte of data) or the load is
+    a CorruptModelError; before, a quarter of the changes raised the unpickler's own KeyError, TypeError,
+    IndexError or AttributeError."""
+    import io
+    import zipfile
+
+    from specserve.errors import SpecServeError
+
+    target = tiny_model(tiny_config(num_hidden_layers=4), seed=3)
+    head = write_head(tmp_path / "h", eagle1_tensors(1, fc_bias=False), {}, bin_format=True)
+    weights = head / "pytorch_model.bin"
+    whole = weights.read_bytes()
+    pkl = next(i for i in zipfile.ZipFile(io.BytesIO(whole)).infolist() if i.filename.endswith("data.pkl"))
+    start = pkl.header_offset + 30 + len(pkl.filename) + len(pkl.extra)  # past the member's local header
+    outcomes: dict[str, int] = {}
+    for at in range(start, start + pkl.compress_size):
+        damaged = bytearray(whole)
+        damaged[at] ^= 0x59
+        weights.write_bytes(bytes(damaged))
+        try:
+            load_eagle_head(head, target)
+            outcome = "loaded"
+        except CorruptModelError:
+            outcome = "corrupt"
+        except SpecServeError as e:
+            outcome = type(e).__name__
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert set(outcomes) <= {"loaded", "corrupt", "UnsupportedModelError"} and outcomes["corrupt"] > 0, outcomes
+
+
+def test_a_full_vocabulary_eagle1_head_reads_the_targets_lm_head_without_a_copy(
+    tmp_path: Path, target: LlamaModel
+) -> None:
+    """The head's LM head rows were always a copy: the whole of a large target's LM head again (2 GB for a
+    Llama-3-8B head in float32). The rows are the target's own where the head keeps every id in its dtype."""
+    from specserve.spec_decode.eagle_head import dense_weight
+
+    full = dense_weight(target.lm_head)
+    head = load_eagle_head(write_head(tmp_path / "h", eagle1_tensors(4, fc_bias=False), {}), target)
+    assert head.target_lm_head is not None and head.target_lm_head.data_ptr() == full.data_ptr()
+    ids = torch.tensor([0, 3, 9, 500])
+    head.set_draft_vocab(ids)
+    assert head.target_lm_head.data_ptr() != full.data_ptr() and torch.equal(head.target_lm_head, full[ids])
+    half = load_eagle_head(
+        write_head(tmp_path / "h16", eagle1_tensors(4, fc_bias=False), {}), target, dtype=torch.float16
+    )
+    assert half.target_lm_head is not None and half.target_lm_head.dtype == torch.float16
+    torch.testing.assert_close(half.target_lm_head.float(), full, atol=1e-3, rtol=1e-3)
 
 
 def test_mismatches_are_named(tmp_path: Path, target: LlamaModel) -> None:

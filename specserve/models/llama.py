@@ -98,6 +98,9 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> 
         theta = math.inf
     if not math.isfinite(theta) or theta <= 0:  # such a base gives infinite or NaN angles: every logit NaN
         raise UnsupportedModelError(f"rope_theta must be a finite number above 0, got {base!r}")
+    factor = params.get("factor", 1.0)
+    if not (isinstance(factor, numbers.Real) and not isinstance(factor, bool) and 0 < factor < math.inf):
+        raise UnsupportedModelError(f"the RoPE scaling factor must be a finite number above 0, got {factor!r}")
     if rope_type in ("dynamic", "longrope"):  # one table for every position cannot hold them
         raise UnsupportedModelError(f"rope_type {rope_type!r} changes RoPE with the sequence length; not supported")
     if rope_type == "default":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -71,7 +70,7 @@ class EagleHeadConfig(BaseModel):
     num_heads: int = Field(ge=1)
     num_kv_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
-    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    rms_norm_eps: float = Field(default=1e-5, gt=0, lt=1, allow_inf_nan=False)  # (a huge eps zeroes every norm)
     vocab_size: int = Field(ge=2, description="the target's vocabulary")
     draft_vocab_size: int | None = Field(
         default=None, ge=1, description="reduced draft vocabulary (None = the target's)"
@@ -240,8 +239,14 @@ class EagleHead(nn.Module):
 
     def _slice_lm_head(self) -> None:
         w = self._target_lm_full
-        if w is not None:
-            self.target_lm_head = w[self.draft_ids.to(w.device)].to(self.fc.weight.dtype).contiguous()
+        if w is None:
+            return
+        ids = self.draft_ids.to(w.device)
+        whole = ids.numel() == w.shape[0] and bool((ids == torch.arange(w.shape[0], device=w.device)).all())
+        if whole and w.dtype == self.fc.weight.dtype and w.is_contiguous():  # the target's own rows: no copy of them
+            self.target_lm_head = w
+        else:
+            self.target_lm_head = w[ids].to(self.fc.weight.dtype).contiguous()
 
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
         """Restrict an EAGLE-1/2 head's logits to these target ids ([V_d] long, ascending)."""
@@ -530,8 +535,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             if weights.suffix == ".safetensors"
             else torch.load(weights, map_location="cpu", weights_only=True)
         )
-    except (SafetensorError, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
-        raise CorruptModelError(f"cannot read the head's weights {weights}: {e}") from e
+    except Exception as e:  # a damaged pickle fails with whatever its opcodes raise (KeyError, TypeError, ...)
+        raise CorruptModelError(f"cannot read the head's weights {weights}: {e!r}") from e
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
         raise CorruptModelError(f"{weights} is not a mapping of tensor names to tensors")
     if _EAGLE3_IN_LAYERS_0 in sd:  # one spelling from here on
@@ -679,7 +684,7 @@ def load_eagle_head(
     except ValidationError as e:
         fields = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
         raise UnsupportedModelError(f"{path / 'config.json'}: {fields}") from e
-    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:  # (int(inf): OverflowError)
         raise UnsupportedModelError(f"{path / 'config.json'}: a missing or malformed field ({e!r})") from e
     check_compatible(cfg, target)
     check_weight_tensors(sd, cfg)
