@@ -548,3 +548,24 @@ def test_a_stream_that_ends_before_its_request_finished_is_an_error_event_not_a_
             assert httpx.post(url + COMPLETIONS, json=body | {"stream": False}, timeout=30).status_code == 500
     finally:
         backend.stop()
+
+
+def test_every_chunk_of_a_stream_carries_the_streams_created_time() -> None:
+    """OpenAI's chunks of one completion share ``created``; each chunk read the clock afresh, so a stream longer
+    than a second changed it midway. The stream here spans more than a second."""
+    backend = LocalBackend(max_model_len=CONTEXT, step_delay_s=0.25)
+    try:
+        with api_server(backend) as url, httpx.Client(timeout=60) as http:
+            for path, body in ((COMPLETIONS, {"prompt": "hi"}), (CHAT, {"messages": USER})):
+                request = {"model": MODEL, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+                request |= {"stream_options": {"include_usage": True}, **body}
+                created, arrived = [], []
+                with http.stream("POST", url + path, json=request) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            created.append(json.loads(line.removeprefix("data: "))["created"])
+                            arrived.append(time.time())
+                assert len(created) >= 3 and arrived[-1] - arrived[0] > 1.0  # at least one second boundary crossed
+                assert len(set(created)) == 1 and abs(created[0] - arrived[0]) <= 2, (path, created)
+    finally:
+        backend.stop()

@@ -550,21 +550,31 @@ class _CompletionFormat:
         self.request_id = f"cmpl-{uuid.uuid4().hex}"
         self.model = model
         self.seed: int | None = None
+        self.created = int(time.time())  # one timestamp on every chunk of a stream, as OpenAI's are
 
     def first_chunk(self) -> BaseModel | None:
         return None
 
     def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
         choice = CompletionChoice(text=out.text, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
-        return CompletionChunk(id=self.request_id, model=self.model, choices=[choice], seed=self.seed)
+        return CompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=[choice], seed=self.seed
+        )
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
-        return CompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage, seed=self.seed)
+        return CompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage, seed=self.seed
+        )
 
     def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
         choice = CompletionChoice(text=text, finish_reason=_finish(last.finish_reason), token_ids=token_ids)
         return CompletionResponse(
-            id=self.request_id, model=self.model, choices=[choice], usage=usage_for(last), seed=self.seed
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=usage_for(last),
+            seed=self.seed,
         )
 
 
@@ -573,25 +583,37 @@ class _ChatFormat:
         self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.model = model
         self.seed: int | None = None
+        self.created = int(time.time())  # one timestamp on every chunk of a stream, as OpenAI's are
 
     def first_chunk(self) -> BaseModel | None:
         choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice], seed=self.seed)
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=[choice], seed=self.seed
+        )
 
     def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
         delta = ChatDelta(content=out.text or None)
         choice = ChatChunkChoice(delta=delta, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
-        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice], seed=self.seed)
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=[choice], seed=self.seed
+        )
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
-        return ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage, seed=self.seed)
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage, seed=self.seed
+        )
 
     def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
         choice = ChatChoice(
             message=AssistantMessage(content=text), finish_reason=_finish(last.finish_reason), token_ids=token_ids
         )
         return ChatCompletionResponse(
-            id=self.request_id, model=self.model, choices=[choice], usage=usage_for(last), seed=self.seed
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=usage_for(last),
+            seed=self.seed,
         )
 
 
