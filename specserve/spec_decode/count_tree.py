@@ -44,7 +44,11 @@ def successor_probs(node: CountNode, depth: int = 1, node_prob: NodeProb = share
     """(tokens, node_prob) of the node's children at ``depth``, the most frequent first (stable: insertion order)."""
     items = sorted(node.successors(), key=lambda kv: -kv[1])
     total = sum(c for _, c in items)
-    return [t for t, _ in items], [node_prob(c, total, depth) for _, c in items]
+    by_count: dict[int, float] = {}  # a score reads (count, total, depth) alone: once per distinct count
+    for _, c in items:
+        if c not in by_count:
+            by_count[c] = node_prob(c, total, depth)
+    return [t for t, _ in items], [by_count[c] for _, c in items]
 
 
 def empirical_q(node: CountNode, alpha: float, k: int) -> tuple[list[int], list[float]]:
@@ -97,10 +101,12 @@ def tree_from_counts(
     def push_children(node: CountNode, index: int, score: float, depth: int) -> None:
         if depth >= max_depth or not node.has_children:
             return
-        for tok, p in zip(*successor_probs(node, depth + 1, node_prob), strict=True):
-            if score * p >= min_score:
-                child = node.child(tok)
-                heapq.heappush(heap, (-score * p, depth + 1, next(order), index, tok, child))
+        succ, probs = successor_probs(node, depth + 1, node_prob)
+        kept = [j for j, p in enumerate(probs) if score * p >= min_score]
+        if len(kept) >= budget:  # a node's children past its best budget - 1 (ties: the first) are never popped
+            kept = sorted(heapq.nsmallest(budget - 1, kept, key=lambda j: (-probs[j], j)))
+        for j in kept:
+            heapq.heappush(heap, (-score * probs[j], depth + 1, next(order), index, succ[j], node.child(succ[j])))
 
     tokens: list[int] = []
     parents: list[int] = []

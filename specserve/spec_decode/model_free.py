@@ -144,8 +144,10 @@ def draft_cells(draft: CountDraft, match_len: int) -> list[Cell]:
     """The calibration cell of each drafted node."""
     depths = [0]
     cells = []
+    totals: dict[int, int] = {}  # each parent's children counted once, not once per drafted child
     for node, parent in enumerate(draft.parents, start=1):
         depths.append(depths[parent] + 1)
-        total = sum(c for _, c in draft.nodes[parent].successors())
-        cells.append(node_cell(match_len, draft.nodes[node].count, total, depths[node]))
+        if parent not in totals:
+            totals[parent] = sum(c for _, c in draft.nodes[parent].successors())
+        cells.append(node_cell(match_len, draft.nodes[node].count, totals[parent], depths[node]))
     return cells
