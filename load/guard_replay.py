@@ -29,7 +29,7 @@ from pathlib import Path
 from load.traces import read_traces
 from specserve.arg_types import batch_size, finite_float, non_negative_int, out_dir_arg, positive_float, positive_int
 from specserve.bench.policies import PolicyName
-from specserve.bench.stats import markdown_table, write_csv
+from specserve.bench.stats import markdown_table, percentile, write_csv
 from specserve.errors import SettingsError
 from specserve.guard import ThroughputGuard
 from specserve.step_loop import CATCH_UP
@@ -167,7 +167,7 @@ def rows_for(
                     "variant": variant.label,
                     "median": statistics.median(ratios),
                     "mean": statistics.fmean(ratios),
-                    "p10": ratios[len(ratios) // 10],
+                    "p10": percentile(ratios, 10),  # nearest rank, as every table here
                     "spec_steps": statistics.fmean(r.spec_steps for r in runs),
                     "switches": statistics.fmean(r.switches for r in runs),
                 }

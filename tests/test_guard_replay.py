@@ -149,3 +149,16 @@ def test_the_command_writes_a_row_per_model_and_variant(tmp_path: Path, capsys: 
         with pytest.raises(SystemExit) as exit_info:
             main(["--traces", traces, *bad, "--out", out])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_tenth_percentile_is_the_nearest_rank_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of 10 runs the 10th percentile is the lowest ratio (nearest rank 1, as specserve.bench.stats.percentile);
+    it read the second lowest whenever the run count was a multiple of 10 (the default 30 seeds)."""
+    from load import guard_replay
+    from load.guard_replay import Replay, Variant, rows_for
+
+    ratios = iter([1.05, 0.91, 1.2, 0.99, 0.93, 1.0, 1.1, 0.97, 1.02, 1.01])
+    monkeypatch.setattr(guard_replay, "replay", lambda guard, plain, model, batch, draws: Replay(next(ratios), 0, 0))
+    model = SpecModel(time=1.5, accept=0.6, depth=3, jitter=0.0, switch_s=0.0)
+    [row] = rows_for([[0.01] * 5], [model], [Variant(0.0, False)], batch=2, seeds=10)
+    assert row["p10"] == 0.91 and row["median"] == pytest.approx(1.005)
