@@ -116,6 +116,9 @@ class StepTiming:
     verify_s: float = 0.0
     total_s: float = 0.0
     prefill_s: float = 0.0  # of total_s: steps in which some sequence prefilled (every mode pays them alike)
+    decode_steps: int = 0  # steps without a prefill, and their draft and verify time: a step's own cost, with no
+    decode_draft_s: float = 0.0  # prompt forward spread over fewer steps where more tokens are accepted a step
+    decode_verify_s: float = 0.0
 
     @property
     def overhead_s(self) -> float:
@@ -156,6 +159,10 @@ class StepStats(StepObserver):
         t.total_s += total_s
         if event.prefills:
             t.prefill_s += total_s
+        else:
+            t.decode_steps += 1
+            t.decode_draft_s += draft_s
+            t.decode_verify_s += verify_s
         if self.record_steps:
             rows = zip(event.batch, event.proposals, event.verified, strict=True)
             self.records.append([_record(s, p, o) for s, p, o in rows])

@@ -111,6 +111,18 @@ def test_every_engine_of_a_run_holds_the_longest_prompt_and_its_answer(
     assert [r["method"] for r in rows] == ["plain", "chain SL=1"] and all(float(r["greedy_equal"]) == 1.0 for r in rows)
     assert main([*argv, "--max-tokens", "8000", "--out", str(tmp_path / "o2")]) == 2
     assert "--max-tokens 8000: the longest prompt" in capsys.readouterr().err
+    # within the target's positions but not its engines' (each keeps one speculative step's headroom): the answers
+    # stopped short of --max-tokens, and a method with more headroom was reported not greedy-equal
+    from specserve.config import MODEL_PAIRS
+    from specserve.models.loader import load_tokenizer
+    from specserve.prompts import PromptEncoder
+
+    target = MODEL_PAIRS["smollm2-eagle"][0]
+    tok = load_tokenizer(target)
+    n = len(PromptEncoder(tok, len(tok)).chat([{"role": "user", "content": long_turn}]))
+    near = str(8192 - n - 10)
+    assert main([*argv, "--max-tokens", near, "--out", str(tmp_path / "o3")]) == 2
+    assert f"--max-tokens {near}: the longest prompt and its answer take 8182 positions" in capsys.readouterr().err
 
 
 def test_a_target_read_both_ways_decodes_the_same_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -358,11 +370,12 @@ def test_a_rows_greedy_column_and_tau_come_from_the_outputs_against_plain() -> N
     from specserve.engine import Completion
     from specserve.sequence import FinishReason, RequestStats
 
-    def done(tokens: list[int], forwards: int, drafted: int) -> Completion:
+    def done(tokens: list[int], forwards: int, drafted: int, eos: bool = False) -> Completion:
+        accepted = len(tokens) + eos - forwards  # every forward emits one token more than it accepted
         stats = RequestStats(
-            target_forwards=forwards, drafted=drafted, accepted=0, draft_steps=forwards, depth_sum=2 * forwards
+            target_forwards=forwards, drafted=drafted, accepted=accepted, draft_steps=forwards, depth_sum=2 * forwards
         )
-        return Completion("r", [1], tokens, "", FinishReason.length, stats)
+        return Completion("r", [1], tokens, "", FinishReason.stop if eos else FinishReason.length, stats)
 
     plain = [[5, 6, 7, 8], [9, 9, 9, 9], [1, 2, 3, 4]]
     outs = [done([5, 6, 7, 8], 2, 4), done([9, 9, 9, 3], 3, 3), done([1, 2, 3, 4], 1, 3)]
@@ -370,6 +383,42 @@ def test_a_rows_greedy_column_and_tau_come_from_the_outputs_against_plain() -> N
     assert row["greedy_equal"] == pytest.approx(2 / 3)  # the second run's last token differs
     assert row["tau"] == pytest.approx(12 / 6) and row["rows_step"] == pytest.approx(10 / 6)
     assert row["tok_s"] == pytest.approx(6.0) and row["mean_depth"] == pytest.approx(2.0)
+    # --stop-at-eos: the EOS the last forward emitted counts (token_ids leave it out): plain decoding's tau is 1
+    stopped = [done([5, 6, 7], 4, 0, eos=True), done([9, 9, 9, 9], 4, 0)]
+    row = _row(Method("plain", "", SpecConfig(method=SpecMethod.none)), stopped, 1.0, [[5, 6, 7], [9, 9, 9, 9]], None)
+    assert row["tau"] == 1.0  # was 7 / 8
+    row = _row(
+        Method("chain", "pair", SpecConfig(method=SpecMethod.chain, sl=3)),
+        [done([5, 6, 7], 2, 4, True)],
+        1.0,
+        [[5, 6, 7]],
+        None,
+    )
+    assert row["tau"] == 2.0  # 3 tokens and the EOS over 2 forwards
+
+
+def test_a_rows_step_times_leave_out_the_steps_that_prefill() -> None:
+    """draft_ms_step / verify_ms_step divided whole-run times by every step: the prompt's forward, spread over
+    a speculative method's fewer steps, inflated its per-step cost more than plain decoding's."""
+    from types import SimpleNamespace
+
+    from specserve.bench.spec import Method, _row
+    from specserve.config import SpecConfig, SpecMethod
+    from specserve.engine import Completion, Engine
+    from specserve.models.tiny import tiny_model
+    from specserve.sampling import SamplingParams
+    from specserve.sequence import FinishReason, RequestStats
+    from specserve.step_events import StepTiming
+
+    timing = StepTiming(steps=10, draft_s=0.5, verify_s=1.0, decode_steps=9, decode_draft_s=0.18, decode_verify_s=0.45)
+    engine = SimpleNamespace(loop=SimpleNamespace(stats=SimpleNamespace(timing=timing)))
+    out = Completion("r", [1], [3] * 10, "", FinishReason.length, RequestStats(target_forwards=10))
+    row = _row(Method("m", "", SpecConfig(method=SpecMethod.none)), [out], 1.0, [[3] * 10], engine)  # type: ignore[arg-type]
+    assert row["verify_ms_step"] == pytest.approx(50.0) and row["draft_ms_step"] == pytest.approx(20.0)
+    real = Engine(tiny_model(seed=0), None, max_batch_size=2, max_model_len=128)
+    real.generate([[5] * 40, [6] * 30], SamplingParams(max_tokens=8, ignore_eos=True))
+    t = real.loop.stats.timing
+    assert t.steps - t.decode_steps >= 1 and 0 < t.decode_verify_s < t.verify_s  # the prefilling steps apart
 
 
 def test_the_guarded_default_of_a_draft_variant_is_its_pairs() -> None:
