@@ -99,7 +99,11 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> 
     if not math.isfinite(theta) or theta <= 0:  # such a base gives infinite or NaN angles: every logit NaN
         raise UnsupportedModelError(f"rope_theta must be a finite number above 0, got {base!r}")
     factor = params.get("factor", 1.0)
-    if not (isinstance(factor, numbers.Real) and not isinstance(factor, bool) and 0 < factor < math.inf):
+    try:
+        scale = float(factor) if isinstance(factor, numbers.Real) and not isinstance(factor, bool) else math.nan
+    except OverflowError:
+        scale = math.inf
+    if not 0 < scale < math.inf:  # factor 0 gave NaN tables, a negative one turned positions backwards
         raise UnsupportedModelError(f"the RoPE scaling factor must be a finite number above 0, got {factor!r}")
     if rope_type in ("dynamic", "longrope"):  # one table for every position cannot hold them
         raise UnsupportedModelError(f"rope_type {rope_type!r} changes RoPE with the sequence length; not supported")
