@@ -528,6 +528,7 @@ class StepLoop:
         releases = [self.target.release, self.model_free.release]
         if self.draft is not None:
             releases.append(self.draft.release)
+        self._unreleased.update(ids)  # first: an interrupt (Ctrl-C) mid-release leaves them to the retry too
         failed = False
         for release in releases:
             try:
@@ -535,7 +536,5 @@ class StepLoop:
             except Exception:
                 failed = True
                 logger.exception("%s of sequences %s failed; retried before the next admission", release, ids)
-        if failed:
-            self._unreleased.update(ids)
-        else:
+        if not failed:
             self._unreleased.difference_update(ids)

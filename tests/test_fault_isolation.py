@@ -589,6 +589,45 @@ def test_a_worker_that_fails_to_release_once_holds_no_slot_for_good(
     assert target.cache.num_free == draft.cache.num_free == engine.loop.max_batch_size
 
 
+@pytest.mark.parametrize("where", ["before the release", "between freeing the slot and forgetting it"])
+def test_an_interrupt_while_a_finished_sequence_is_released_holds_no_slot_for_good(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], where: str
+) -> None:
+    """A Ctrl-C during a finished request's release skipped the record of what was left to release (kept only
+    after a release returned with an Exception): its target slot stayed taken, and every later full batch failed a
+    request on KVCapacityError. The ids are recorded first and cleared once every owner has released them, and a
+    slot is freed before it is forgotten (and not freed again on the retry)."""
+    engine = _engine(models)
+    target, draft = engine.loop.target, engine.loop.draft
+    assert isinstance(target, TargetWorker) and isinstance(draft, DraftWorker)
+    real_release, real_free, interrupted = target.release, target.table.cache.free, []
+
+    def release(seq_ids: list[int]) -> None:
+        if not engine.loop.running and not interrupted:  # the finished request's release
+            interrupted.append(seq_ids)
+            raise KeyboardInterrupt
+        real_release(seq_ids)
+
+    def free(slot: int) -> None:
+        real_free(slot)
+        if not engine.loop.running and not interrupted:
+            interrupted.append(slot)
+            raise KeyboardInterrupt
+
+    if where == "before the release":
+        target.release = release  # type: ignore[method-assign]
+    else:
+        target.table.cache.free = free  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([PROMPTS[0]], GREEDY)
+    assert interrupted
+    batch = [PROMPTS[i % len(PROMPTS)] for i in range(engine.loop.max_batch_size)]
+    for _ in range(2):
+        assert [c.token_ids for c in engine.generate(batch, GREEDY)] == [alone[i % len(PROMPTS)] for i in range(4)]
+    assert target.cache.num_free == draft.cache.num_free == engine.loop.max_batch_size
+    assert sorted(target.cache._free) == list(range(engine.loop.max_batch_size))  # each slot once
+
+
 def test_a_reset_whose_release_fails_still_registers_its_sequences_afresh(
     models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -56,6 +56,9 @@ class KVCache:
         self._free.append(slot)
         self._free.sort()
 
+    def allocated(self, slot: int) -> bool:
+        return 0 <= slot < self.num_slots and slot not in self._free
+
     @property
     def num_free(self) -> int:
         return len(self._free)

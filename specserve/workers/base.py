@@ -40,6 +40,8 @@ class SlotTable:
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
-            slot = self.slots.pop(seq_id, None)
-            if slot is not None:
-                self.cache.free(slot)
+            slot = self.slots.get(seq_id)
+            if slot is not None:  # freed, then forgotten: a release cut between the two is retried whole
+                if self.cache.allocated(slot):
+                    self.cache.free(slot)
+                del self.slots[seq_id]

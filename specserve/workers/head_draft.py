@@ -67,9 +67,11 @@ class HeadDraftWorker:
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
-            st = self.seqs.pop(seq_id, None)
-            if st is not None:
-                self.cache.free(st.slot)
+            st = self.seqs.get(seq_id)
+            if st is not None:  # freed, then forgotten: a release cut between the two is retried whole
+                if self.cache.allocated(st.slot):
+                    self.cache.free(st.slot)
+                del self.seqs[seq_id]
             self.params.pop(seq_id, None)
             self.generators.pop(seq_id, None)
 
