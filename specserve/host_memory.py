@@ -26,8 +26,8 @@ NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 
 def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int | None:
     """Limit minus usage of the tightest memory limit on this process's cgroup and its ancestors, cgroup v2
-    (``memory.max``, ``memory.current``) or v1 (``memory/memory.limit_in_bytes``, ``memory.usage_in_bytes``); None
-    where none is set or none can be read."""
+    (``memory.max``, ``memory.current``) or v1 (``memory/memory.limit_in_bytes``, ``memory.usage_in_bytes``), usage
+    less the reclaimable page cache (``memory.stat``); None where none is set or none can be read."""
     try:
         lines = proc.read_text().splitlines()
     except OSError:
@@ -36,19 +36,34 @@ def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/p
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2, mounted at the root or, on hybrid hosts, at root/unified
-            layouts = [(base, "memory.max", "memory.current") for base in (root, root / "unified")]
+            layouts = [(base, "memory.max", "memory.current", "inactive_file") for base in (root, root / "unified")]
         elif "memory" in controllers.split(","):
-            layouts = [(root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]
+            layouts = [(root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")]
         else:
             continue
-        for base, limit_name, usage_name in layouts:
+        for base, limit_name, usage_name, cache_name in layouts:
             here = base / path.strip("/")
             for folder in [here, *(p for p in here.parents if p == base or base in p.parents)]:  # up to the mount
                 with contextlib.suppress(OSError, ValueError):
                     limit = (folder / limit_name).read_text().strip()
                     if limit != "max" and int(limit) < NO_LIMIT:
-                        found.append(max(0, int(limit) - int((folder / usage_name).read_text())))
+                        used = max(
+                            0, int((folder / usage_name).read_text()) - _stat(folder / "memory.stat", cache_name)
+                        )
+                        found.append(max(0, int(limit) - used))
     return min(found) if found else None
+
+
+def _stat(path: Path, key: str) -> int:
+    """One counter of a cgroup's memory.stat (0 where unreadable): usage counts the page cache, which the kernel
+    reclaims before it kills, so its inactive file pages (a checkpoint just read) are subtracted, as Docker and
+    cAdvisor do."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return max(0, int(value))
+    return 0
 
 
 def check_host_fits(kv_bytes: int, slots: int, max_len: int, *, available: int) -> None:

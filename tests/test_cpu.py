@@ -94,6 +94,27 @@ def test_cgroup_free_bytes_reads_the_tightest_limit_up_the_hierarchy(tmp_path: P
     assert cgroup_free_bytes(v1, tmp_path / "absent") is None
 
 
+def test_cgroup_usage_leaves_out_the_page_cache_the_kernel_reclaims(tmp_path: Path) -> None:
+    """A checkpoint just read sits in the cgroup's page cache and counts in its usage: a KV cache that fits was
+    refused. Usage less the inactive file pages (v2 ``inactive_file``, v1 ``total_inactive_file``), as Docker does."""
+    proc, v2, v1 = tmp_path / "cgroup", tmp_path / "v2", tmp_path / "v1"
+    _write(proc, "0::/ctr\n")
+    _write(v2 / "ctr/memory.max", "1000\n")
+    _write(v2 / "ctr/memory.current", "900\n")
+    assert cgroup_free_bytes(v2, proc) == 100
+    _write(v2 / "ctr/memory.stat", "anon 150\nfile 750\nactive_file 100\ninactive_file 650\n")
+    assert cgroup_free_bytes(v2, proc) == 750
+    _write(v2 / "ctr/memory.stat", "inactive_file 5000\n")  # more than usage (counters read apart): all free
+    assert cgroup_free_bytes(v2, proc) == 1000
+    _write(v2 / "ctr/memory.stat", "inactive_file lots\n")  # unreadable: usage as it stands
+    assert cgroup_free_bytes(v2, proc) == 100
+    _write(proc, "4:memory:/docker/abc\n")
+    _write(v1 / "memory/docker/abc/memory.limit_in_bytes", "2048\n")
+    _write(v1 / "memory/docker/abc/memory.usage_in_bytes", "2000\n")
+    _write(v1 / "memory/docker/abc/memory.stat", "cache 1900\ninactive_file 7\ntotal_inactive_file 1500\n")
+    assert cgroup_free_bytes(v1, proc) == 1548
+
+
 HUGE_PAGES_GROWTH = (
     "import torch\n"
     "def huge():\n"
