@@ -217,6 +217,8 @@ class AppArgs(LoopConfig):
         for name in ("torch_threads", "omp_wait"):
             if getattr(resources, name) is not None:  # it would be accepted and do nothing
                 raise ValueError(f"the router runs no model: {name} is for target_resources and draft_resources")
+        if resources.num_gpus:  # a GPU each replica would hold idle
+            raise ValueError("the router runs no model: num_gpus is for target_resources and draft_resources")
         return resources
 
     target_resources: ActorResources = ActorResources(num_cpus=1.0)
@@ -305,10 +307,16 @@ class AppArgs(LoopConfig):
         if self.speculation.kld_mode != KLDMode.sparse:
             raise ValueError("draft and target run in separate actors: the KLD signal must use kld_mode 'sparse'")
         for role in self.roles if self.tiny is None else []:
-            recipe = self.recipe(role)
-            q4 = recipe is not None and isinstance(recipe.spec, ModelSpec) and recipe.spec.native_q4
-            if q4 and self.resources(role).device != "cpu":
-                raise ValueError(f"a native_q4 {role.value} runs on the CPU; on a GPU, draft with a head")
+            if (recipe := self.recipe(role)) is None or self.resources(role).device == "cpu":
+                continue
+            for flag in ("native_q4", "int8_dynamic"):  # CPU kernels: the actor would fail at load
+                if isinstance(recipe.spec, ModelSpec) and getattr(recipe.spec, flag):
+                    raise ValueError(f"a {flag} {role.value} runs on the CPU; on a GPU, draft with a head")
+                if recipe.head_target is not None and getattr(recipe.head_target, flag):
+                    raise ValueError(
+                        f"the draft head loads its {flag} target's embedding and LM head beside it, on the CPU only: "
+                        "give the draft actor no GPU, or the target another format"
+                    )
         return self
 
     def http_options(self, environ: Mapping[str, str] = os.environ) -> HTTPOptions:

@@ -874,6 +874,12 @@ def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() 
     gpu = {"num_cpus": 1, "num_gpus": 1}
     with pytest.raises(pydantic.ValidationError, match="native_q4 target runs on the CPU"):
         AppArgs.model_validate({"target": q4, "speculation": {"method": "none"}, "target_resources": gpu})
+    # int8_dynamic is a CPU kernel too: the shipped int8 pair with a GPU draft validated, then failed at its load
+    with pytest.raises(pydantic.ValidationError, match="int8_dynamic draft runs on the CPU"):
+        AppArgs.model_validate({"pair": "smollm2-int8", "draft_resources": gpu})
+    with pytest.raises(pydantic.ValidationError, match="draft head loads its native_q4 target's embedding"):
+        head = {"draft": {"head": "smollm2-eagle3"}, "speculation": {"method": "ddd"}}
+        AppArgs.model_validate({"target": q4, **head, "draft_resources": gpu})
     for bad, says in (({"dtype": "bfloat16"}, "float32"), ({"int8_dynamic": True}, "int8_dynamic")):
         with pytest.raises(pydantic.ValidationError, match=says):
             AppArgs.model_validate({"target": q4 | bad, "speculation": {"method": "none"}})
@@ -887,7 +893,7 @@ def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() 
         AppArgs.model_validate({"target_resources": {"num_cpus": 1, "num_gpus": 2}})
     with pytest.raises(pydantic.ValidationError, match=r"steps of 0\.0001"):
         AppArgs.model_validate({"target_resources": {"num_cpus": 0.00001}})
-    for runs_a_model in ({"torch_threads": 1}, {"omp_wait": "PASSIVE"}):
+    for runs_a_model in ({"torch_threads": 1}, {"omp_wait": "PASSIVE"}, {"num_gpus": 1}):
         with pytest.raises(pydantic.ValidationError, match="router runs no model"):  # accepted, it did nothing
             AppArgs.model_validate({"router_resources": {"num_cpus": 0.5, **runs_a_model}})
     options = ActorResources(num_cpus=0.5, omp_wait=OmpWait.passive).actor_options()
