@@ -130,8 +130,11 @@ def write_gguf(
     arch: str = "llama",
     head_count: int | None = None,
     tensors: dict[str, np.ndarray] | None = None,
+    rope_dims: int | None = None,
+    floats: dict[str, float] | None = None,
 ) -> Path:
-    """``head_count`` (0: none written) and ``tensors`` (GGUF names, as stored) replace the model's own."""
+    """``head_count`` (0: none written), ``tensors`` (GGUF names, as stored) and ``rope_dims`` replace the model's
+    own; ``floats``: extra float32 metadata."""
     import gguf
 
     cfg = model.config
@@ -146,7 +149,9 @@ def write_gguf(
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads if rope_dims is None else rope_dims)
+    for key, value in (floats or {}).items():
+        writer.add_float32(key, value)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -320,6 +325,25 @@ def test_malformed_ggufs_are_refused_by_name(tmp_path: Path) -> None:
         path = write_gguf(model, tmp_path / f"{name}.gguf", **kwargs)  # type: ignore[arg-type]
         with pytest.raises(CorruptModelError, match=match):
             convert_gguf(path, tmp_path / name)
+
+
+def test_ggufs_whose_rope_differs_from_plain_rope_are_refused(tmp_path: Path) -> None:
+    """llama.cpp reads a scaling factor without a scaling type (or the older scale_linear) as linear RoPE scaling,
+    and a rotary dimension below the head's as partial rotary; both converted to plain RoPE, and served logits 2.8
+    apart from the model's from the first token."""
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    cases = {
+        "factor": ({"floats": {"llama.rope.scaling.factor": 4.0}}, r"rope\.scaling\.factor = 4\.0 \(linear"),
+        "scale-linear": ({"floats": {"llama.rope.scale_linear": 2.0}}, r"rope\.scale_linear = 2\.0"),
+        "partial": ({"rope_dims": head_dim // 2}, f"RoPE turns {head_dim // 2} of each head's {head_dim} dimensions"),
+    }
+    for name, (kwargs, match) in cases.items():
+        path = write_gguf(model, tmp_path / f"{name}.gguf", **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(UnsupportedModelError, match=match):
+            convert_gguf(path, tmp_path / name)
+    unscaled = write_gguf(model, tmp_path / "one.gguf", floats={"llama.rope.scaling.factor": 1.0})
+    assert (convert_gguf(unscaled, tmp_path / "one") / "config.json").exists()  # a factor of 1 scales nothing
 
 
 @pytest.mark.parametrize(

@@ -538,6 +538,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     rope_scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if rope_scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise UnsupportedModelError(f"{gguf_path.name}: RoPE scaling ({rope_scaling!r} / rope_freqs) is not supported")
+    if _field(reader, f"{arch}.rope.scaling.type") is None:  # llama.cpp: a factor without a type scales linearly
+        for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+            factor = _field(reader, key, 1.0)
+            if factor not in (0.0, 1.0):  # (0: llama.cpp's "unset")
+                raise UnsupportedModelError(
+                    f"{gguf_path.name}: {key} = {factor} (linear RoPE scaling, as llama.cpp reads it) is not supported"
+                )
     if _field(reader, "tokenizer.ggml.model") is None:
         raise UnsupportedModelError(f"{gguf_path.name} carries no tokenizer (no tokenizer.ggml.* metadata)")
 
@@ -693,6 +700,9 @@ def _hf_config(
     layers = _count(reader, gguf_path, f"{arch}.block_count")
     special = {role: _token_id(reader, gguf_path, role) for role in ("bos", "eos", "padding")}
     head_dim = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
+    declared = _field(reader, f"{arch}.attention.key_length", hidden // n_heads)  # (the shapes are checked later)
+    if (rotary := _field(reader, f"{arch}.rope.dimension_count", declared)) != declared:  # partial rotary
+        raise UnsupportedModelError(f"{gguf_path.name}: RoPE turns {rotary} of each head's {declared} dimensions")
     # rope_theta (for transformers 4.x) is not in 5.x's signature, but 5.x still folds it into rope_parameters
     return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=int(vocab_size),
