@@ -800,6 +800,35 @@ def test_hf_dir_errors_name_what_is_missing(tmp_path: Path) -> None:
     assert resolve(ModelSpec(source=str(empty))) == empty.resolve()
 
 
+def test_checkpoint_tensors_the_config_does_not_use_are_refused(tmp_path: Path) -> None:
+    """Biases under attention_bias false, and an LM head of the checkpoint's own under tie_word_embeddings, loaded
+    without them: logits 20 apart from transformers' on the same directory. A tied LM head equal to the embedding
+    and RoPE's cached inv_freq load as before."""
+    from safetensors.torch import save_file
+
+    from specserve.models.loader import load_model_dir
+
+    hf = make_tiny_model(True, 64)
+    weights = {k: v.clone().contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    spec = ModelSpec(source=str(tmp_path), small_gemm=False, native_stack=False, gemv_copies=False)
+
+    def write(name: str, extra: dict[str, torch.Tensor]) -> Path:
+        hf.config.save_pretrained(tmp_path / name)
+        save_file(weights | extra, str(tmp_path / name / "model.safetensors"))
+        return tmp_path / name
+
+    embed = weights["model.embed_tokens.weight"]
+    same = write(
+        "same", {"lm_head.weight": embed.clone(), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    )
+    assert torch.equal(load_model_dir(same, spec).lm_head.weight, embed)
+    with pytest.raises(UnsupportedModelError, match=r"ties the LM head to the embedding .* lm_head\.weight differs"):
+        load_model_dir(write("own", {"lm_head.weight": embed + 1}), spec)
+    biases = {f"model.layers.{i}.self_attn.q_proj.bias": torch.zeros(64) for i in range(2)}
+    with pytest.raises(UnsupportedModelError, match=r"tensors its config.json does not use \(model.layers.0.self_attn"):
+        load_model_dir(write("bias", biases), spec)
+
+
 def test_a_cache_that_cannot_be_a_directory_is_named(
     tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

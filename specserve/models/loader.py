@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -145,9 +146,12 @@ def load_model_dir(
                     raise CorruptModelError(f"tensor {name!r} is in both {where[name][1].name} and {f.name}")
                 where[name] = (handle, f)
 
+        read: set[str] = set()
+
         def get(name: str) -> torch.Tensor:
             if name not in where:
                 raise UnsupportedModelError(f"checkpoint is missing tensor {name!r}")
+            read.add(name)
             handle, f = where[name]
             try:
                 tensor = handle.get_tensor(name)
@@ -173,12 +177,33 @@ def load_model_dir(
         except (RuntimeError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
             # a tensor whose shape the config does not imply (torch's size mismatch), a malformed config field
             raise UnsupportedModelError(f"the weights in {path} do not fit its config.json: {e!r}") from e
+        _check_unused(path, where.keys() - read, model, get)
     model.requires_grad_(False)  # frozen: with autograd on, the kernel (which has no backward) would step aside
     if spec.int8_dynamic:
         return quantize_int8_dynamic(model)
     if not spec.native_q4:  # native_q4 replaces the decoder's linears first (load_model)
         attach_cpu_paths(model, spec)
     return model
+
+
+def _check_unused(path: Path, unused: set[str], model: LlamaModel, get: Callable[[str], torch.Tensor]) -> None:
+    """Tensors the config did not ask for change what the checkpoint computes (biases under attention_bias false, an
+    LM head of its own under tie_word_embeddings): refused, as transformers would load them. RoPE's cached
+    inv_freq, and a tied LM head that equals the embedding, are the same model."""
+    unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
+    if "lm_head.weight" in unused:
+        if not torch.equal(get("lm_head.weight"), model.embed_tokens.weight):
+            raise UnsupportedModelError(
+                f"{path}/config.json ties the LM head to the embedding (tie_word_embeddings), but the checkpoint's "
+                "lm_head.weight differs from it"
+            )
+        unused.discard("lm_head.weight")
+    if unused:
+        shown = ", ".join(sorted(unused)[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise UnsupportedModelError(
+            f"the weights in {path} hold tensors its config.json does not use ({shown}): a bias flag "
+            "(attention_bias, mlp_bias) or another setting disagrees with the checkpoint"
+        )
 
 
 def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
