@@ -777,6 +777,18 @@ def test_a_partial_hub_snapshot_is_downloaded_whole(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(sources, "_hub_unreachable_reason", lambda: None)
     assert resolve(ModelSpec(source="someorg/somemodel")) == whole
     assert asked == [True, False]
+    # an interrupted download of a sharded checkpoint: the index and its first shard only (taken as complete,
+    # and `models pull` answered 0 on it for good)
+    asked.clear()
+    (partial / "model-00001-of-00002.safetensors").write_bytes(b"")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (partial / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert resolve(ModelSpec(source="someorg/sharded")) == whole
+    assert asked == [True, False]
+    (partial / "model-00002-of-00002.safetensors").write_bytes(b"")  # whole now: no download
+    asked.clear()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: asked.append(1) or str(partial))
+    assert resolve(ModelSpec(source="someorg/sharded")) == partial and asked == [1]
 
 
 def test_list_models(cache: Path) -> None:

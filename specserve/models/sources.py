@@ -349,9 +349,13 @@ def resolve_hub(repo_id: str, *, revision: str | None = None) -> Path:
 
     kwargs: dict[str, Any] = {"revision": revision, "allow_patterns": HUB_ALLOW_PATTERNS}
     kwargs["ignore_patterns"] = HUB_IGNORE_PATTERNS
-    try:  # already downloaded: no network needed (a partial snapshot, a config fetched alone, is downloaded whole)
+    from specserve.models.loader import weight_files
+
+    try:  # already downloaded: no network needed (a partial snapshot, a config fetched alone or some of the shards
+        # an index names, is downloaded whole)
         path = Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
         validate_hf_dir(path)
+        weight_files(path)
     except Exception:
         path = None
     if path is None:
@@ -368,6 +372,7 @@ def resolve_hub(repo_id: str, *, revision: str | None = None) -> Path:
             raise ModelSourceError(f"cannot download {repo_id!r} from the hub: {type(exc).__name__}: {exc}") from exc
     try:
         validate_hf_dir(path)
+        weight_files(path)
     except ModelSourceError as exc:
         raise ModelSourceError(f"hub repo {repo_id!r} is not usable: {exc}") from exc
     return path
