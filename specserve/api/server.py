@@ -545,76 +545,60 @@ class _Format(Protocol):
     def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel: ...
 
 
-class _CompletionFormat:
+class _Stamped:
+    """What every chunk and response of one request carries: its id, one created time (as OpenAI's, the same on
+    every chunk of a stream), the model and the seed drawn with."""
+
+    prefix = ""
+
     def __init__(self, model: str) -> None:
-        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.model = model
         self.seed: int | None = None
-        self.created = int(time.time())  # one timestamp on every chunk of a stream, as OpenAI's are
+        self.created = int(time.time())
+
+    def stamp(self) -> dict[str, Any]:
+        return {"id": self.request_id, "created": self.created, "model": self.model, "seed": self.seed}
+
+
+class _CompletionFormat(_Stamped):
+    prefix = "cmpl"
 
     def first_chunk(self) -> BaseModel | None:
         return None
 
     def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
         choice = CompletionChoice(text=out.text, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
-        return CompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice], seed=self.seed
-        )
+        return CompletionChunk(**self.stamp(), choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
-        return CompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage, seed=self.seed
-        )
+        return CompletionChunk(**self.stamp(), choices=[], usage=usage)
 
     def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
         choice = CompletionChoice(text=text, finish_reason=_finish(last.finish_reason), token_ids=token_ids)
-        return CompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=[choice],
-            usage=usage_for(last),
-            seed=self.seed,
-        )
+        return CompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
 
 
-class _ChatFormat:
-    def __init__(self, model: str) -> None:
-        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.model = model
-        self.seed: int | None = None
-        self.created = int(time.time())  # one timestamp on every chunk of a stream, as OpenAI's are
+class _ChatFormat(_Stamped):
+    prefix = "chatcmpl"
 
     def first_chunk(self) -> BaseModel | None:
         choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-        return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice], seed=self.seed
-        )
+        return ChatCompletionChunk(**self.stamp(), choices=[choice])
 
     def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
         delta = ChatDelta(content=out.text or None)
         choice = ChatChunkChoice(delta=delta, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
-        return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=[choice], seed=self.seed
-        )
+        return ChatCompletionChunk(**self.stamp(), choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
-        return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage, seed=self.seed
-        )
+        return ChatCompletionChunk(**self.stamp(), choices=[], usage=usage)
 
     def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
         choice = ChatChoice(
             message=AssistantMessage(content=text), finish_reason=_finish(last.finish_reason), token_ids=token_ids
         )
-        return ChatCompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model,
-            choices=[choice],
-            usage=usage_for(last),
-            seed=self.seed,
-        )
+        return ChatCompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
 
 
 # -- errors -------------------------------------------------------------------------------------------
