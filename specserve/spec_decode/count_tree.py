@@ -104,7 +104,7 @@ def tree_from_counts(
         succ, probs = successor_probs(node, depth + 1, node_prob)
         kept = [j for j, p in enumerate(probs) if score * p >= min_score]
         if len(kept) >= budget:  # a node's children past its best budget - 1 (ties: the first) are never popped
-            kept = sorted(heapq.nsmallest(budget - 1, kept, key=lambda j: (-probs[j], j)))
+            kept = sorted(heapq.nsmallest(budget - 1, kept, key=lambda j: (-score * probs[j], j)))  # (as the heap)
         for j in kept:
             heapq.heappush(heap, (-score * probs[j], depth + 1, next(order), index, succ[j], node.child(succ[j])))
 
