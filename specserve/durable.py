@@ -15,8 +15,8 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def replace_durably(tmp: Path, path: Path) -> None:
-    """Move the fully written ``tmp`` (a file, or a directory of files) to ``path``."""
+def flush(tmp: Path) -> None:
+    """Flush the fully written ``tmp`` (a file, or a directory of files) to the disk, ready to be renamed."""
     for file in sorted(tmp.rglob("*")) if tmp.is_dir() else [tmp]:
         if file.is_file():
             _fsync(file)
@@ -26,5 +26,21 @@ def replace_durably(tmp: Path, path: Path) -> None:
         for folder in sorted((d for d in tmp.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
             _fsync(folder)
         _fsync(tmp)
+
+
+def replace_durably(tmp: Path, path: Path) -> None:
+    """Move the fully written ``tmp`` (a file, or a directory of files) to ``path``."""
+    flush(tmp)
     os.replace(tmp, path)
     _fsync(path.parent)  # the rename itself
+
+
+def swap_durably(tmp: Path, path: Path, aside: Path) -> None:
+    """Replace the directory ``path`` with the fully written directory ``tmp``, moving the old one to ``aside``.
+
+    Everything is flushed first, so ``path`` is missing only between two renames, never while data is written.
+    """
+    flush(tmp)
+    os.replace(path, aside)
+    os.replace(tmp, path)
+    _fsync(path.parent)

@@ -984,3 +984,26 @@ def test_a_module_imported_first_finds_the_configuration_whole(first: str) -> No
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_forced_reconversion_flushes_before_it_moves_the_old_directory_aside(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process loading the model while `models pull --force` runs must not find the directory missing for the
+    # seconds the new copy takes to reach the disk: only between two renames.
+    from specserve import durable
+
+    target = resolve_gguf(tiny_gguf)
+    flushed_without_target = []
+    real_fsync = durable._fsync
+
+    def watching_fsync(path: Path) -> None:
+        if path.is_file() and not target.is_dir():
+            flushed_without_target.append(path.name)
+        real_fsync(path)
+
+    monkeypatch.setattr(durable, "_fsync", watching_fsync)
+    assert resolve_gguf(tiny_gguf, force=True) == target
+    assert flushed_without_target == []
+    assert (target / COMPLETE_MARKER).is_file() and (target / "model.safetensors").is_file()
+    assert not list(target.parent.glob(f".{target.name}.tmp-*"))

@@ -39,7 +39,7 @@ from filelock import FileLock
 from safetensors import SafetensorError
 
 from specserve.config import ModelSpec, SourceKind
-from specserve.durable import replace_durably
+from specserve.durable import replace_durably, swap_durably
 from specserve.errors import (
     CorruptModelError,
     HubUnreachableError,
@@ -451,8 +451,7 @@ def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
             file.chmod(0o644)
         if target.exists():
             old = parent / f".{target.name}.tmp-old-{os.getpid()}"
-            os.replace(target, old)
-            replace_durably(work, target)
+            swap_durably(work, target, old)
             shutil.rmtree(old, ignore_errors=True)
         else:
             replace_durably(work, target)
