@@ -159,8 +159,12 @@ class StudyConfig(BaseModel):
             raise ValueError("warm_guard needs guard")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens > max_tokens")
-        if len(set(self.batch_sizes)) < len(self.batch_sizes):  # runs are paired and merged by batch size
-            raise ValueError(f"batch_sizes repeats a value: {self.batch_sizes}")
+        # runs are paired with plain's and merged by (workload, batch size, policy, repeat): a repeated value would
+        # run twice under one key, and pair a policy with plain's runs of the other copy
+        policies, workloads = [p.value for p in self.policies], [w.value for w in self.workloads]
+        for name, values in (("batch_sizes", self.batch_sizes), ("policies", policies), ("workloads", workloads)):
+            if len(set(values)) < len(values):
+                raise ValueError(f"{name} repeats a value: {values}")
         if not all(0.0 < a < 1.0 for a in self.synthetic_mix):
             raise ValueError("synthetic acceptance values must be in (0, 1)")
         known = {p.category for p in mt_bench_prompts()}

@@ -798,6 +798,10 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
         ("simulate", ["--traces", "t.jsonl", "--batch-sizes", "-1"], "--batch-sizes: Input should be greater than"),
         ("simulate", ["--traces", "t.jsonl", "--repeats", "0"], "--repeats: Input should be greater than"),
         ("simulate", ["--traces", "t.jsonl", "--batch-sizes", "8", "8"], "--batch-sizes repeats a value: [8, 8]"),
+        ("straggler", ["--workloads", "real", "real"], "workloads repeats a value: ['real', 'real']"),
+        ("straggler", ["--policies", "plain", "dsde_ddd", "plain"], "policies repeats a value: ['plain', 'dsde"),
+        ("simulate", ["--traces", "t.jsonl", "--workloads", "real", "real"], "--workloads repeats a value: ['real'"),
+        ("simulate", ["--traces", "t.jsonl", "--policies", "plain", "plain"], "--policies repeats a value: ['plain'"),
         # these five were tracebacks (pydantic, DType, KVCache) or silently ignored (--measure-draft alone)
         ("simulate", ["--traces", "t.jsonl", "--min-tokens", "10", "--max-tokens", "5"], "need 1 <= --min-tokens"),
         ("simulate", ["--traces", "t.jsonl", "--min-tokens", "5"], "give both --min-tokens and --max-tokens"),
