@@ -62,6 +62,56 @@ def sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
         yield held.removesuffix(b"\r").decode("utf-8", errors="replace")
 
 
+class MalformedChunkError(ValueError):
+    """A stream chunk that is JSON but not shaped as an OpenAI-style chunk."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The fields of one OpenAI-style stream chunk that the clients read, each of its expected type."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()
+    has_choice: bool = False
+    usage: dict[str, int] | None = None
+    seed: int | None = None
+    error: dict[str, Any] | None = None  # an in-stream error, as an object (a bare string becomes its message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_chunk(obj: object) -> Chunk:
+    """The fields of a parsed stream chunk; MalformedChunkError when one has another shape than OpenAI's."""
+    if not isinstance(obj, dict):
+        raise MalformedChunkError("a chunk is not a JSON object")
+    if "error" in obj:
+        error = obj["error"]
+        return Chunk(error=error if isinstance(error, dict) else {"message": str(error)})
+    usage, seed, choices = obj.get("usage"), obj.get("seed"), obj.get("choices") or []
+    if usage is not None and not (isinstance(usage, dict) and all(_is_int(v) for v in usage.values() if v is not None)):
+        raise MalformedChunkError("usage is not an object of token counts")
+    if seed is not None and not _is_int(seed):
+        raise MalformedChunkError("seed is not an integer")
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise MalformedChunkError("choices is not a list of objects")
+    if not choices:
+        return Chunk(usage=usage, seed=seed)
+    choice = choices[0]
+    holder = choice.get("delta") or {} if "delta" in choice else choice  # chat deltas, or completions' choice
+    if not isinstance(holder, dict):
+        raise MalformedChunkError("delta is not an object")
+    text = holder.get("content" if "delta" in choice else "text")
+    finish, token_ids = choice.get("finish_reason"), choice.get("token_ids") or []
+    if not (text is None or isinstance(text, str)) or not (finish is None or isinstance(finish, str)):
+        raise MalformedChunkError("a choice's text or finish_reason is not a string")
+    if not (isinstance(token_ids, list) and all(_is_int(t) for t in token_ids)):
+        raise MalformedChunkError("token_ids is not a list of integers")
+    return Chunk(text or "", finish, tuple(token_ids), True, usage, seed)
+
+
 def parse_sse_line(line: str | bytes) -> SSEEvent | None:
     """One line of an OpenAI-style SSE stream; None for blank lines and non-data fields."""
     if isinstance(line, bytes):
@@ -73,31 +123,22 @@ def parse_sse_line(line: str | bytes) -> SSEEvent | None:
     if payload == DONE_SENTINEL:
         return SSEEvent(EventKind.done)
     try:
-        obj = json.loads(payload)
+        chunk = read_chunk(json.loads(payload))
     except json.JSONDecodeError:
         return SSEEvent(EventKind.error, error=f"malformed SSE payload: {payload[:120]!r}")
-    if not isinstance(obj, dict):
-        return SSEEvent(EventKind.error, error=f"unexpected SSE payload: {payload[:120]!r}")
-    if "error" in obj:
-        err = obj["error"]
-        return SSEEvent(EventKind.error, error=str(err.get("message", err) if isinstance(err, dict) else err))
-    usage = obj.get("usage")
-    choices = obj.get("choices") or []
-    if not choices and isinstance(usage, dict):
+    except MalformedChunkError as e:
+        return SSEEvent(EventKind.error, error=f"unexpected SSE payload ({e}): {payload[:120]!r}")
+    if chunk.error is not None:
+        return SSEEvent(EventKind.error, error=str(chunk.error.get("message", chunk.error)))
+    if chunk.usage is not None and not chunk.has_choice:
         return SSEEvent(
             EventKind.usage,
-            completion_tokens=usage.get("completion_tokens"),
-            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=chunk.usage.get("completion_tokens"),
+            prompt_tokens=chunk.usage.get("prompt_tokens"),
         )
-    if not choices:
-        return SSEEvent(EventKind.other)
-    choice = choices[0]
-    delta = choice.get("delta") or {}
-    text = delta.get("content") if "delta" in choice else choice.get("text")
-    finish = choice.get("finish_reason")
-    if text:
-        return SSEEvent(EventKind.content, text=text, finish_reason=finish)
-    return SSEEvent(EventKind.other, finish_reason=finish)
+    if chunk.text:
+        return SSEEvent(EventKind.content, text=chunk.text, finish_reason=chunk.finish_reason)
+    return SSEEvent(EventKind.other, finish_reason=chunk.finish_reason)
 
 
 @dataclass

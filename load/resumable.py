@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from load.client import sse_lines
+from load.client import MalformedChunkError, read_chunk, sse_lines
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # a restarting replica answers these while it heals
 
@@ -110,22 +110,20 @@ class ResumableStream:
                     event_id = None
         raise _Retryable("the stream ended without [DONE]")
 
-    def _parse(self, chunk: dict[str, Any]) -> Delta | None:
-        if "error" in chunk:
-            error = chunk["error"]
-            if error.get("code") == "worker_failed":  # the lane is healing: resume
-                raise _Retryable(error.get("message", "worker failed"))
-            raise StreamFailedError(f"error in stream: {error}")
-        if chunk.get("seed") is not None:
-            self.seed = chunk["seed"]
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        choices = chunk.get("choices") or []
-        if not choices:
-            return None
-        choice = choices[0]
-        text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
-        return Delta(text or "", choice.get("token_ids") or [], choice.get("finish_reason"))
+    def _parse(self, obj: object) -> Delta | None:
+        try:
+            chunk = read_chunk(obj)
+        except MalformedChunkError as e:
+            raise StreamFailedError(f"unexpected chunk in stream ({e}): {json.dumps(obj)[:200]}") from e
+        if chunk.error is not None:
+            if chunk.error.get("code") == "worker_failed":  # the lane is healing: resume
+                raise _Retryable(str(chunk.error.get("message", "worker failed")))
+            raise StreamFailedError(f"error in stream: {chunk.error}")
+        if chunk.seed is not None:
+            self.seed = chunk.seed
+        if chunk.usage:
+            self.usage = chunk.usage
+        return Delta(chunk.text, list(chunk.token_ids), chunk.finish_reason) if chunk.has_choice else None
 
 
 class _Retryable(Exception):

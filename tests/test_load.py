@@ -27,6 +27,7 @@ from load.client import (
     EventKind,
     LoadSettings,
     RemoteHostError,
+    SSEEvent,
     check_loopback,
     parse_sse_line,
     parse_sse_text,
@@ -166,6 +167,43 @@ def test_the_sweeps_client_reads_a_chunk_with_line_separators_in_its_text() -> N
     with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body))) as client:
         stats = _stream_one(client, "http://127.0.0.1:1", {})
     assert stats.failure() is None and stats.text == SEPARATED
+
+
+MISSHAPEN_CHUNKS = [
+    '{"choices": [{"delta": "hi"}]}',
+    '{"choices": [{"text": 5}]}',
+    '{"choices": [{"delta": {"content": ["a"]}}]}',
+    '{"choices": ["a"]}',
+    '{"choices": {"0": {"text": "a"}}}',
+    '{"choices": [{"text": "a", "finish_reason": 1}]}',
+    '{"choices": [{"text": "a", "token_ids": ["1"]}]}',
+    '{"choices": [], "usage": {"completion_tokens": "3"}}',
+    '{"choices": [], "usage": 3}',
+    '{"choices": [], "seed": "7"}',
+    "5",
+]
+
+
+@pytest.mark.parametrize("payload", MISSHAPEN_CHUNKS)
+def test_a_misshapen_chunk_fails_its_request_in_the_sweeps_client_not_the_sweep(payload: str) -> None:
+    import httpx
+
+    from load.straggler import _stream_one
+
+    body = (_chunk({"content": "ok"}) + f"data: {payload}\n\n" + "data: [DONE]\n\n").encode()
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body))) as client:
+        stats = _stream_one(client, "http://127.0.0.1:1", {})
+    assert stats.failure() is not None and "unexpected SSE payload" in stats.failure()  # type: ignore[operator]
+    assert stats.text == "ok"
+
+
+def test_well_formed_chunks_read_with_their_optional_fields() -> None:
+    usage = parse_sse_line('data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}')
+    assert usage == SSEEvent(EventKind.usage, completion_tokens=2, prompt_tokens=4)
+    chat = parse_sse_line('data: {"choices": [{"delta": null, "finish_reason": "stop", "token_ids": [3]}], "seed": 1}')
+    assert chat == SSEEvent(EventKind.other, finish_reason="stop")
+    bare_error = parse_sse_line('data: {"error": "lane gone"}')
+    assert bare_error == SSEEvent(EventKind.error, error="lane gone")
 
 
 @pytest.mark.parametrize(

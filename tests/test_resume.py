@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from deployments.lane import LaneStream
-from load.resumable import ResumableStream
+from load.resumable import ResumableStream, StreamFailedError
 from specserve.api.resume import StreamMark
 from specserve.sequence import Request, RequestOutput
 from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
@@ -350,6 +350,17 @@ def test_the_client_helper_reads_a_chunk_with_line_separators_in_its_text() -> N
     client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body)))
     stream = ResumableStream("http://127.0.0.1:1", COMPLETIONS, {"prompt": "x"}, client=client, heal_timeout_s=0)
     assert stream.text() == text and stream.resumes == 0
+
+
+@pytest.mark.parametrize(
+    "payload", ['{"error": "lane gone"}', "5", '{"choices": [{"delta": "hi"}]}', '{"choices": [], "seed": "7"}']
+)
+def test_the_client_helper_fails_a_misshapen_chunk_with_its_own_error(payload: str) -> None:
+    body = f'id: 1-a\ndata: {{"choices": [{{"text": "a"}}]}}\n\nid: 1-b\ndata: {payload}\n\ndata: [DONE]\n\n'
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body.encode())))
+    stream = ResumableStream("http://127.0.0.1:1", COMPLETIONS, {"prompt": "x"}, client=client, heal_timeout_s=0)
+    with pytest.raises(StreamFailedError, match="lane gone" if "error" in payload else "unexpected chunk"):
+        stream.text()
 
 
 def test_a_resumed_stream_is_kept_alive_while_it_replays_to_its_resume_point(monkeypatch: pytest.MonkeyPatch) -> None:
