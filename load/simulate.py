@@ -380,8 +380,11 @@ def validate(
     costs: dict[int | None, CostModel] = {}  # by the batch size left out of the fit (None: in-sample)
     for (label, policy, batch), measured in groups.items():
         run = measured[0]
-        left_out = batch if mode == ValidationMode.leave_batch_out and any(r.batch != batch for r in runs) else None
+        left_out = batch if mode == ValidationMode.leave_batch_out else None
         train = [r for r in runs if r.batch != left_out]
+        if not train:  # traces of this batch size alone: nothing to fit outside it, and in-sample is not this mode
+            print(f"  no runs outside batch {batch} to fit on; {policy.label} on {label} not validated", file=sys.stderr)
+            continue
         if left_out not in costs:  # one fit per training set, not per point
             costs[left_out] = CostModel.fit(cost_samples(train), fit)
         # only the training runs: taken from every run, a point left out would replay its own sequences

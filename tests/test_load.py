@@ -719,6 +719,11 @@ def test_a_point_left_out_is_never_replayed_from_its_own_sequences(
     assert [r["batch"] for r in validate(runs, ValidationMode.in_sample, repeats=1)] == [1, 2]
     assert validate(runs, ValidationMode.leave_batch_out, repeats=1) == []  # neither workload at the other size
     assert "no recorded sequences outside batch 2" in capsys.readouterr().err
+    # traces of one batch size: nothing outside it to fit the cost model on either (it was fitted in-sample)
+    alone = [_record(tiny_pair, PolicyName.dsde_cap, 2, [0.9, 0.9])]
+    assert [r["batch"] for r in validate(alone, ValidationMode.in_sample, repeats=1)] == [2]
+    assert validate(alone, ValidationMode.leave_batch_out, repeats=1) == []
+    assert "no runs outside batch 2 to fit on" in capsys.readouterr().err
 
 
 def _timed_run(policy: PolicyName, repeat: int, tok_s: float, *, batch: int = 4, label: str = "real") -> RunTrace:

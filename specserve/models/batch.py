@@ -15,8 +15,8 @@ class ForwardBatch:
     """B sequences; sequence b appends n_b new tokens to its KV slot (Q = max n_b, K = max total length)."""
 
     slots: torch.Tensor  # [B] long
-    tokens: torch.Tensor  # [B, Q] long, 0-padded
-    positions: torch.Tensor  # [B, Q] long RoPE positions, 0-padded
+    tokens: torch.Tensor  # [N] long new tokens, packed (N = Σ n_b)
+    positions: torch.Tensor  # [N] long RoPE positions of the new tokens, packed
     write_slot: torch.Tensor  # [N] long slot of every real new token (N = Σ n_b)
     write_pos: torch.Tensor  # [N] long cache index of every real new token
     write_from: torch.Tensor  # [N] long flat index b*Q+q of every real new token
