@@ -383,7 +383,9 @@ def validate(
         left_out = batch if mode == ValidationMode.leave_batch_out else None
         train = [r for r in runs if r.batch != left_out]
         if not train:  # traces of this batch size alone: nothing to fit outside it, and in-sample is not this mode
-            print(f"  no runs outside batch {batch} to fit on; {policy.label} on {label} not validated", file=sys.stderr)
+            print(
+                f"  no runs outside batch {batch} to fit on; {policy.label} on {label} not validated", file=sys.stderr
+            )
             continue
         if left_out not in costs:  # one fit per training set, not per point
             costs[left_out] = CostModel.fit(cost_samples(train), fit)

@@ -33,7 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from load.client import RemoteHostError, StreamStats, check_loopback, parse_sse_line, sse_lines
-from load.traces import RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
+from load.traces import RunSettings, RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
 from specserve.arg_types import batch_size, finite_float, out_dir_arg, present_device_arg
 from specserve.bench.batch_sweep import run_one
 from specserve.bench.machine import device_summary
@@ -180,6 +180,14 @@ class StudyConfig(BaseModel):
     @property
     def prompt_limit(self) -> int | None:
         return self.max_prompt_tokens if self.max_prompt_tokens is not None or self.pair != TINY_PAIR else 96
+
+    def run_settings(self) -> RunSettings:
+        return RunSettings(
+            **self.model_dump(include=set(RunSettings.model_fields) - {"dtype", "head_quant", "tiny_noise"}),
+            dtype=None if self.dtype is None else self.dtype.value,
+            head_quant=None if self.head_quant is None else self.head_quant.value,
+            tiny_noise=self.tiny_noise if self.pair == TINY_PAIR else None,
+        )
 
     def specs(self) -> dict[PolicyName, SpecConfig]:
         table = policy_specs(
@@ -331,6 +339,7 @@ def run_engine_point(
         tokens=sum(r.output_tokens for r in requests),
         requests=requests,
         steps=rec.steps,
+        settings=cfg.run_settings(),
     )
     return row_from_trace(trace), trace
 
@@ -425,13 +434,19 @@ def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
     and the interval's coverage)."""
     points: dict[tuple[str, int, PolicyName], list[dict[str, Any]]] = {}
     specs: dict[tuple[str, int, PolicyName], tuple[str, SpecConfig]] = {}
+    settings: dict[tuple[str, int], RunSettings] = {}  # per workload and batch size: plain's runs pair with all
     for t in traces:
         key = (t.label, t.batch, t.policy)
-        if specs.setdefault(key, (t.pair, t.spec)) != (t.pair, t.spec):  # sweeps of other pairs or settings
-            # merged by `report`: their medians would pool unlike runs
+        # sweeps of other pairs or settings merged by `report`: their medians would pool unlike runs
+        if specs.setdefault(key, (t.pair, t.spec)) != (t.pair, t.spec):
             raise ValueError(
                 f"runs of {t.policy.value} at batch {t.batch} ({t.label}) with different settings or model pairs "
                 f"({specs[key][0]}, {t.pair})"
+            )
+        if t.settings is not None and settings.setdefault(key[:2], t.settings) != t.settings:
+            raise ValueError(
+                f"runs at batch {t.batch} ({t.label}) under different settings: {settings[key[:2]].describe()}; and "
+                f"{t.settings.describe()}"
             )
         points.setdefault(key, []).append(row_from_trace(t))
     order = {p: i for i, p in enumerate(PolicyName)}
@@ -845,9 +860,12 @@ def report_from_traces(paths: Sequence[Path], out: Path) -> Path:
     write_csv(out / "straggler.csv", rows)
     images = plot_sweep(rows, out) + plot_sl_traces(traces, out)
     pairs = sorted({t.pair for t in traces})
+    kept = sorted({t.settings.describe() for t in traces if t.settings is not None})
+    unkept = sum(t.settings is None for t in traces)
     setup = (
         f"Merged from {', '.join(f'`{p}`' for p in paths)}: pair {', '.join(pairs)}, batch sizes "
-        f"{sorted({t.batch for t in traces})}, {len(traces)} runs."
+        f"{sorted({t.batch for t in traces})}, {len(traces)} runs. Settings: {'; '.join(kept) or 'not recorded'}"
+        + (f" ({unkept} runs recorded without theirs)." if unkept and kept else ".")
     )
     return write_report(StudyConfig(out=out), rows, images, setup)
 

@@ -89,6 +89,34 @@ def prompt_key(ids: Sequence[int]) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
+class RunSettings(BaseModel):
+    """What a sweep set beside the pair and the speculation that moves a run's throughput: runs are merged (and
+    paired with plain decoding's) only under the same settings."""
+
+    model_config = ConfigDict(frozen=True)
+
+    guard: bool = False
+    warm_guard: bool = False
+    max_step_tokens: int = 0  # 0: no cap
+    requests_per_slot: int = 2
+    min_tokens: int = 32
+    max_tokens: int = 96
+    max_prompt_tokens: int | None = None
+    device: str = "cpu"
+    dtype: str | None = None  # None: the pair's
+    head_quant: str | None = None
+    head_products: str | None = None
+    int8_reads: bool = False
+    tiny_noise: float | None = None  # the tiny pair only
+    threads: int | None = None
+    freeze_gc: bool = True
+
+    def describe(self) -> str:
+        default = RunSettings()
+        parts = [f"{name} {value}" for name, value in self if value != getattr(default, name)]
+        return ", ".join(parts) or "the default settings"
+
+
 class RunTrace(BaseModel):
     """One engine run: a policy at one batch size on one workload (all requests submitted at t = 0)."""
 
@@ -104,6 +132,7 @@ class RunTrace(BaseModel):
     tokens: int
     requests: list[RequestTrace]
     steps: list[StepTrace]
+    settings: RunSettings | None = None  # None: recorded before runs kept their settings
 
     @property
     def tok_s(self) -> float:

@@ -54,6 +54,7 @@ from load.simulate import (
 )
 from load.traces import (
     CostSample,
+    RunSettings,
     RunTrace,
     SeqTrace,
     StepRecorder,
@@ -776,6 +777,32 @@ def test_the_study_pairs_each_policy_with_plain_decoding_in_the_same_pass(tmp_pa
     )
 
 
+def test_report_refuses_to_pool_runs_made_under_other_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A guarded sweep and an unguarded one of the same policies merged into one median (45 and 59 tok/s: 52)."""
+    from load import straggler
+
+    plain, ddd = PolicyName.plain, PolicyName.ddd
+    guarded, cold = RunSettings(guard=True, max_step_tokens=64), RunSettings()
+    for name, settings, tok_s in (("a", guarded, 45.0), ("b", cold, 59.0), ("old", None, 50.0)):
+        runs = [_timed_run(plain, 0, 60.0), _timed_run(ddd, 0, tok_s)]
+        write_traces(tmp_path / name / "traces.jsonl", [r.model_copy(update={"settings": settings}) for r in runs])
+    files = {name: tmp_path / name / "traces.jsonl" for name in ("a", "b", "old")}
+    with pytest.raises(SystemExit) as exit_:
+        straggler.main(["report", str(files["a"]), str(files["b"]), "--out", str(tmp_path / "ab")])
+    assert exit_.value.code == 2
+    assert "under different settings: guard True, max_step_tokens 64; and the default settings" in (
+        capsys.readouterr().err
+    )
+    # traces recorded before runs kept their settings merge with any, and the report says so
+    assert straggler.main(["report", str(files["a"]), str(files["old"]), "--out", str(tmp_path / "ao")]) == 0
+    assert (
+        "Settings: guard True, max_step_tokens 64 (2 runs recorded without theirs)."
+        in (tmp_path / "ao" / "report.md").read_text()
+    )
+
+
 def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from load import simulate as sim_cli
     from load import straggler
@@ -793,6 +820,13 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
     merged = tmp_path / "merged"  # re-reported from the saved traces alone: the same table
     assert straggler.main(["report", str(out / "traces.jsonl"), "--out", str(merged)]) == 0
     assert list(csv.DictReader((merged / "straggler.csv").open())) == study_rows
+    assert {t.settings for t in read_traces(out / "traces.jsonl")} == {
+        RunSettings(requests_per_slot=1, min_tokens=8, max_tokens=16, tiny_noise=0.01)
+    }
+    assert (
+        "Settings: requests_per_slot 1, min_tokens 8, max_tokens 16, tiny_noise 0.01."
+        in (merged / "report.md").read_text()
+    )
     sim_out = tmp_path / "sim"
     assert sim_cli.main(["--traces", str(out / "traces.jsonl"), "--validate", "--batch-sizes", "1", "8",
                          "--workloads", "synthetic", "--repeats", "1", "--out", str(sim_out)]) == 0  # fmt: skip
