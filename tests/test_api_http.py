@@ -59,6 +59,33 @@ def test_body_over_the_size_limit_is_413(backend: LocalBackend) -> None:
     assert 'specserve_requests_total{status="invalid"}' in backend.metrics.render().decode()
 
 
+def _raw_post(url: str, head: str, body: bytes) -> bytes:
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}\r\n".encode())
+        sock.sendall(body)
+        response = b""
+        while not response.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            response += chunk
+    return response
+
+
+def test_a_content_length_padded_with_zeros_is_read_as_its_value(backend: LocalBackend) -> None:
+    """The server (httptools) passes a length of thousands of leading zeros on; int() of more than 4300 digits
+    raised in the guard, a 500."""
+    body = json.dumps(OK_BODY).encode()
+    with api_server(backend, max_request_bytes=2048) as url:
+        for zeros, status in ((5000, b"200"), (1, b"200")):
+            response = _raw_post(url, f"Content-Length: {'0' * zeros}{len(body)}\r\nConnection: close\r\n", body)
+            assert response.split(b"\r\n", 1)[0].split()[1] == status, response
+        big = json.dumps({**OK_BODY, "prompt": "x" * 3000}).encode()
+        response = _raw_post(url, f"Content-Length: {'0' * 5000}{len(big)}\r\nConnection: close\r\n", big)
+        assert response.split(b"\r\n", 1)[0].split()[1] == b"413" and b"request_too_large" in response
+
+
 def test_health_is_503_only_when_the_replica_fails_its_health_check(
     backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -117,8 +117,10 @@ class RequestGuard:
             ErrorCode.request_too_large,
         )
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_large  # before reading a byte of it
+        if declared is not None and declared.isdigit():  # (the server has checked it against the body)
+            digits = declared.lstrip(b"0")  # int() refuses more than 4300 digits, and leading zeros are allowed
+            if len(digits) > len(str(limit)) or int(digits or b"0") > limit:
+                raise too_large  # before reading a byte of it
         chunks: list[bytes] = []
         size = 0
         try:
