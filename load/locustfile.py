@@ -81,21 +81,22 @@ class SpecServeUser(HttpUser):
         # the n-th user started in this process: the same seed gives the same prompt streams run to run (an object's
         # id() differs every run, so an A/B pair of runs saw different prompt mixes)
         self.rng = random.Random(self.settings.seed * 1_000_003 + next(SpecServeUser.started))
-        self.model = self.settings.model or self._served_model()
+        self.model: str | None = self.settings.model  # None: asked of the server before the next request
 
     def wait_time(self) -> float:
         return self.rng.uniform(self.settings.wait_min_s, self.settings.wait_max_s)
 
-    def _served_model(self) -> str:
+    def _served_model(self) -> str | None:
+        """The model the server serves; None (a failure recorded) while it cannot say, e.g. as it starts."""
         with self.client.get("/v1/models", name="/v1/models", catch_response=True) as resp:
             if resp.status_code != 200:
                 resp.failure(_http_error(resp))
-                return "default"
+                return None
             try:
                 return str(resp.json()["data"][0]["id"])
-            except (ValueError, KeyError, IndexError) as e:
+            except (ValueError, KeyError, IndexError, TypeError) as e:
                 resp.failure(f"cannot read the served model from /v1/models: {e}")
-                return "default"
+                return None
 
     def _pick(self) -> BenchPrompt:
         names = list(self.pool)
@@ -105,12 +106,16 @@ class SpecServeUser(HttpUser):
 
     @task
     def chat(self) -> None:
+        model = self.model or self._served_model()
+        if model is None:
+            return  # asked again next time (a guessed name would fail every request of this user for good)
+        self.model = model
         prompt = self._pick()
         stats = StreamStats()
         t0 = time.perf_counter()
         with self.client.post(
             CHAT_PATH,
-            json=self.settings.body(prompt, self.model),
+            json=self.settings.body(prompt, model),
             name=f"{CHAT_PATH} [stream]",
             stream=True,
             catch_response=True,

@@ -1151,12 +1151,18 @@ def _misbehaving_api() -> FastAPI:
     chunk = 'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
     usage = 'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
 
+    asked = itertools.count()
+
     @api.get("/v1/models")
-    def models() -> dict[str, Any]:
+    def models() -> Any:
+        if next(asked) == 0:  # still starting: a user that guessed a model name then failed every request
+            return JSONResponse({"error": {"message": "starting"}}, status_code=503)
         return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
 
     @api.post("/v1/chat/completions")
-    def chat() -> Any:
+    def chat(body: dict[str, Any]) -> Any:
+        if body.get("model") != "fake":
+            return JSONResponse({"error": {"message": f"model {body.get('model')!r} not found"}}, status_code=404)
         kind = list(Misbehaviour)[next(turn) % len(Misbehaviour)]
         if kind == Misbehaviour.busy:
             return JSONResponse({"error": {"message": "at capacity"}}, status_code=429, headers={"Retry-After": "1"})
@@ -1196,7 +1202,9 @@ def test_locust_counts_each_broken_answer_as_that_requests_failure(tmp_path: Pat
     with open(f"{prefix}_stats.csv") as f:
         stats = {(row["Type"], row["Name"]): row for row in csv.DictReader(f)}
     with open(f"{prefix}_failures.csv") as f:
-        failures = {row["Error"]: int(row["Occurrences"]) for row in csv.DictReader(f)}
+        rows = list(csv.DictReader(f))
+    failures = {row["Error"]: int(row["Occurrences"]) for row in rows if row["Method"] == "POST"}
+    assert [(row["Name"], row["Occurrences"]) for row in rows if row["Method"] == "GET"] == [("/v1/models", "1")]
     post = stats["POST", "/v1/chat/completions [stream]"]
     sent, failed = int(post["Request Count"]), int(post["Failure Count"])
     assert sent >= 2 * len(Misbehaviour)
