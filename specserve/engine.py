@@ -87,7 +87,9 @@ class Engine:
         )
         self.encoder = PromptEncoder(tokenizer, model.cfg.vocab_size)
         eos = (
-            eos_ids_of(model.hf_config.eos_token_id, tokenizer) if eos_token_ids is None else _token_set(eos_token_ids)
+            eos_ids_of(model.hf_config.eos_token_id, tokenizer)
+            if eos_token_ids is None
+            else _token_set(eos_token_ids, model.cfg.vocab_size)
         )
         num_slots = device_kv_slots(
             [model] if draft is None else [model, draft],
@@ -209,6 +211,10 @@ class Engine:
     ) -> list[Completion] | list[Completion | Exception]:
         """Generate for several prompts batched together; returns completions in prompt order (see ``collect`` for
         ``return_exceptions``)."""
+        if isinstance(prompts, Sequence) and not isinstance(prompts, str) and len(prompts) == 0:
+            raise InvalidRequestError(
+                "no prompts given: an empty list is neither a batch of prompts nor a prompt of tokens"
+            )
         batch: list[Prompt] = [cast(Prompt, prompts)] if _is_single(prompts) else list(cast(Sequence[Prompt], prompts))
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
@@ -237,11 +243,9 @@ class Engine:
         failed one's error takes its place in the list, as ``asyncio.gather`` does. A failure of the whole step
         raises either way."""
         ids = list(request_ids)
-        unknown = [rid for rid in ids if rid not in self._outbox]
-        if unknown:
-            raise InvalidRequestError(f"no submitted and unconsumed request with id {unknown[0]!r}")
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"request ids given twice: {sorted({r for r in ids if ids.count(r) > 1})}")
+        self._claim(ids)
         prompt_ids = {rid: self._outbox[rid].prompt_ids for rid in ids}
         completions: list[Completion | Exception] = []
         with self._consuming(ids):
@@ -310,6 +314,7 @@ class Engine:
         ``generate`` calls of this engine may be consumed in between). The request is submitted here: bad input
         raises at the call, not at the first ``next``."""
         rid = self.submit(prompt, params, chat=chat, speculation=speculation, cache_salt=cache_salt)
+        self._claim([rid])
         stream = self._stream(rid)
         # a stream dropped before its first ``next`` never enters its generator, whose exit would abort it
         weakref.finalize(stream, self._drop, [rid]).atexit = False
@@ -318,6 +323,18 @@ class Engine:
     def _stream(self, rid: str) -> Iterator[RequestOutput]:
         with self._consuming([rid]):
             yield from self._outputs(rid)
+
+    def _claim(self, request_ids: list[str]) -> None:
+        """Make these requests' outputs this caller's alone: one taken by a stream (or another collect) would reach
+        each reader in part."""
+        with self._lock:
+            for rid in request_ids:
+                if (box := self._outbox.get(rid)) is None:
+                    raise InvalidRequestError(f"no submitted and unconsumed request with id {rid!r}")
+                if box.claimed:
+                    raise InvalidRequestError(f"request {rid!r} is already read by a stream or another collect")
+            for rid in request_ids:
+                self._outbox[rid].claimed = True
 
     @contextlib.contextmanager
     def _consuming(self, request_ids: list[str]) -> Iterator[None]:
@@ -370,15 +387,18 @@ class Engine:
 @dataclass
 class _Outbox:
     prompt_ids: list[int]
+    claimed: bool = False  # a stream or a collect reads it: no other caller may
     outputs: collections.deque[RequestOutput | Exception] = field(default_factory=collections.deque)
 
 
-def _token_set(ids: Iterable[int]) -> set[int]:
+def _token_set(ids: Iterable[int], vocab_size: int) -> set[int]:
     if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
         raise SettingsError(f"eos_token_ids must be a collection of token ids, not {ids!r}")
     ids = list(ids)
     if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in ids):
         raise SettingsError(f"eos_token_ids must be token ids (integers), not {ids!r}")
+    if outside := sorted(int(t) for t in ids if not 0 <= t < vocab_size):  # never sampled: requests would not stop
+        raise SettingsError(f"eos_token_ids {outside} are outside the model's vocabulary [0, {vocab_size})")
     return {int(t) for t in ids}
 
 

@@ -321,6 +321,40 @@ def test_collect_runs_submitted_requests_in_the_order_given(tiny: LlamaModel) ->
     assert [c.token_ids for c in engine.collect([again])] == [greedy_reference(tiny, PROMPTS[0], 3)]
 
 
+def test_a_request_read_by_a_stream_cannot_be_collected_too(tiny: LlamaModel) -> None:
+    """``collect`` took the outputs of a request a stream was reading: the completion lacked the stream's tokens
+    yet read finished, and the stream then failed."""
+    engine = Engine(tiny, None, max_batch_size=2, eos_token_ids=set())
+    params = SamplingParams(max_tokens=6)
+    stream = engine.stream(PROMPTS[0], params)
+    rid = "req-0"  # the engine's first request
+    with pytest.raises(InvalidRequestError, match="already read by a stream"):
+        engine.collect([rid])  # before the stream's first next, too
+    first = next(stream)
+    assert first.request_id == rid
+    with pytest.raises(InvalidRequestError, match="already read by a stream"):
+        engine.collect([rid])
+    assert first.token_ids + [t for out in stream for t in out.token_ids] == greedy_reference(tiny, PROMPTS[0], 6)
+    # a collect that is refused claims none of its other ids either
+    other = engine.submit(PROMPTS[1], params)
+    held = engine.stream(PROMPTS[2], params)
+    with pytest.raises(InvalidRequestError, match="already read"):
+        engine.collect([other, next(held).request_id])
+    assert [c.token_ids for c in engine.collect([other])] == [greedy_reference(tiny, PROMPTS[1], 6)]
+    held.close()
+    assert engine.loop.target.cache.num_free == 2 and not engine.loop.has_work
+
+
+def test_bad_engine_arguments_are_clear_errors(tiny: LlamaModel) -> None:
+    from specserve.errors import SettingsError
+
+    for eos in ({tiny.cfg.vocab_size}, {-1}):  # never sampled: every request ran to max_tokens
+        with pytest.raises(SettingsError, match="outside the model's vocabulary"):
+            Engine(tiny, None, eos_token_ids=eos)
+    with pytest.raises(InvalidRequestError, match="no prompts given"):  # was read as one prompt of no tokens
+        Engine(tiny, None, eos_token_ids=set()).generate([])
+
+
 def test_engine_settings_are_checked_when_the_engine_is_built(
     tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
