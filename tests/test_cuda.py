@@ -5,7 +5,8 @@
 workers on CUDA, plain and speculative greedy equality, the engine-level chi-square of sampled outputs, DDD tree
 drafting, EAGLE heads (EAGLE-1/2 and EAGLE-3) drafting and training on the device (a draft vocabulary set there too),
 the synthetic acceptance mode, a head's features leaving the target actor on the host, flash-attn chain verification,
-KV sizing from free memory, loading straight to the device, and the Serve app with ``num_gpus``. Tiny random models
+KV sizing from free memory, loading straight to the device, a deployment's tiny head built on its actor's device, and
+the Serve app with ``num_gpus``. Tiny random models
 (specserve/models/tiny.py) keep it to a minute or two.
 """
 
@@ -243,6 +244,25 @@ def gpu_app_url() -> Iterator[str]:
     }
     with serve_app(app_builder(args), name="gpu", route_prefix="/gpu", num_cpus=4, num_gpus=1) as url:
         yield url
+
+
+def test_a_deployments_tiny_head_is_built_on_its_actors_device() -> None:
+    """``tiny.draft_head`` on a GPU draft actor: the head was made on the host beside its target's tensors on the
+    device, and every propose failed in its embedding."""
+    from deployments.actors import build_model
+    from deployments.app_args import AppArgs, WorkerRole
+
+    args = AppArgs.model_validate({"tiny": {"seed": 0, "draft_head": True, "draft_seed": 3}})
+    recipe = args.recipe(WorkerRole.draft)
+    assert recipe is not None
+    head = build_model(recipe, CUDA)
+    assert head.device.type == "cuda" and all(p.device.type == "cuda" for p in head.parameters())
+    target = tiny_model(seed=0).to(CUDA)
+    engine = Engine(target, None, draft=head, speculation=METHODS["eagle2"], eos_token_ids=set())
+    params = SamplingParams(max_tokens=12)
+    assert [c.token_ids for c in engine.generate(PROMPTS[:2], params)] == [
+        greedy_reference(target, p, 12) for p in PROMPTS[:2]
+    ]
 
 
 def test_serve_app_on_gpus_answers_like_the_engine(gpu_app_url: str) -> None:

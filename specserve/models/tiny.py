@@ -92,4 +92,4 @@ def tiny_head(target: LlamaModel, *, seed: int = 1, std: float = 0.2) -> EagleHe
         for p in head.parameters():
             if p.ndim > 1:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-    return head.eval().requires_grad_(False)
+    return head.to(target.device).eval().requires_grad_(False)  # made on the host: on the target's device too
