@@ -6,8 +6,7 @@ workers on CUDA, plain and speculative greedy equality, the engine-level chi-squ
 drafting, EAGLE heads (EAGLE-1/2 and EAGLE-3) drafting and training on the device (a draft vocabulary set there too),
 the synthetic acceptance mode, a head's features leaving the target actor on the host, flash-attn chain verification,
 KV sizing from free memory, loading straight to the device, a deployment's tiny head built on its actor's device, and
-the Serve app with ``num_gpus``. Tiny random models
-(specserve/models/tiny.py) keep it to a minute or two.
+the Serve app with ``num_gpus``. Tiny random models (specserve/models/tiny.py) keep it to a minute or two.
 """
 
 from __future__ import annotations
