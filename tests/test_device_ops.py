@@ -329,3 +329,54 @@ def test_a_levels_trees_expand_with_one_host_read_and_as_each_alone() -> None:
             a.set_aside,
         )
     assert sum(b.num_candidates for b in batched) > 100
+
+
+@pytest.mark.parametrize(
+    ("chain_draft", "temperature"),
+    [("greedy", 0.0), ("keyed", 0.8), ("sampled", 0.8)],
+)
+def test_a_levels_chains_read_their_tokens_to_the_host_once(
+    monkeypatch: pytest.MonkeyPatch, chain_draft: str, temperature: float
+) -> None:
+    """Each chain's next token was read alone: B device waits a level, where the docs promise one; the chains'
+    tokens are those each drafts alone."""
+    from specserve.config import ChainDraft, SpecConfig, SpecMethod
+    from specserve.messages import ProposeItem
+    from specserve.models.tiny import noisy_copy
+    from specserve.spec_decode import chain
+    from specserve.workers import DraftWorker
+    from specserve.workers import draft as draft_module
+
+    model = noisy_copy(tiny_model(seed=0), 0.05, seed=3)
+    spec = SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft(chain_draft))
+    depth, b_size = 3, 8
+    reads: list[int] = []
+
+    def counted(chains: Any, forward: Callable[..., Any]) -> None:
+        counter = _HostReads()
+        in_forwards = 0
+
+        def forward_uncounted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal in_forwards
+            before = counter.reads
+            out = forward(*args, **kwargs)
+            in_forwards += counter.reads - before
+            return out
+
+        with counter:
+            chain.draft_chains(chains, forward_uncounted)
+        reads.append(counter.reads - in_forwards)
+
+    monkeypatch.setattr(draft_module, "draft_chains", counted)
+
+    def drafted(seq_ids: list[int]) -> list[list[int]]:
+        worker = DraftWorker(model, num_slots=b_size, max_len=64)
+        for i in seq_ids:
+            worker.add(i, SamplingParams(max_tokens=8, temperature=temperature, seed=100 + i), 0)
+        items = [ProposeItem(i, [5 + i, 9, 33, 71], [], depth, spec, root_position=3) for i in seq_ids]
+        return [p.tokens for p in worker.propose(items)]
+
+    together = drafted(list(range(b_size)))
+    assert reads == [depth]  # one read a level, for the whole batch
+    assert together == [drafted([i])[0] for i in range(b_size)]
+    assert all(len(tokens) == depth for tokens in together)

@@ -15,9 +15,10 @@ def draft_chains(chains: list[tuple[DraftState, torch.Tensor]], forward: DraftFo
     """Grow every chain to its SL (``item.depth``) in lock-step; ``chains`` pairs each state with its level-0 logits."""
     active = [(s, lg) for s, lg in chains if s.item.depth > 0]
     while active:
-        for s, lg in active:
+        level = torch.cat([_next_token(s, lg).reshape(1).long() for s, lg in active])  # [B] on the device
+        for (s, lg), token in zip(active, level.tolist(), strict=True):  # host sync: the level's tokens, once
             s.q_logits.append(lg[-1:])
-            s.tokens.append(_next_token(s, lg))
+            s.tokens.append(token)
             s.depth += 1
         active = [(s, lg) for s, lg in active if s.depth < s.item.depth]
         if active:
@@ -25,10 +26,11 @@ def draft_chains(chains: list[tuple[DraftState, torch.Tensor]], forward: DraftFo
             active = [(s, lg) for (s, _), lg in zip(active, out, strict=True)]
 
 
-def _next_token(s: DraftState, logits: torch.Tensor) -> int:
+def _next_token(s: DraftState, logits: torch.Tensor) -> torch.Tensor:
+    """The chain's next token id (a target id), left on the device."""
     mode = s.item.spec.chain_draft
     if s.params.greedy or mode == ChainDraft.greedy:
-        return int(target_ids(s, logits[-1].argmax()))  # host sync: the next level's input
+        return target_ids(s, logits[-1].argmax())
     if mode == ChainDraft.keyed and s.params.seed is not None and s.item.root_position >= 0:
         # the draft's own race with the target's noise for this position: it proposes the target's draw whenever
         # its distribution ranks that token first under the same noise (docs/algorithms.md §1.4)
@@ -38,7 +40,7 @@ def _next_token(s: DraftState, logits: torch.Tensor) -> int:
         column = keyed_sample(probs, s.params.seed, [position], vocab, s.token_ids)  # [1]
         # a draft row without mass (non-finite logits) proposes its argmax: any proposal is lossless
         column = torch.where(column < probs.shape[-1], column, logits[-1:].argmax(-1))
-        return int(target_ids(s, column)[0])  # host sync
+        return target_ids(s, column)[0]
     probs = process_logits(logits[-1:], s.params)  # [1, V']
     # a draft row without mass (non-finite logits) proposes its argmax with q a point mass there (lossless, §1.1)
     point = torch.zeros_like(probs).scatter_(-1, logits[-1:].argmax(-1, keepdim=True), 1.0)  # [1, V']
@@ -47,7 +49,7 @@ def _next_token(s: DraftState, logits: torch.Tensor) -> int:
     idx = target_ids(s, idx)
     s.q_idx.append(idx[0])
     s.q_prob.append(prob[0])
-    return int(draft_sample_sparse(idx, prob, s.generator)[0])  # host sync
+    return draft_sample_sparse(idx, prob, s.generator)[0]
 
 
 def chain_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
