@@ -218,11 +218,11 @@ def test_eagle3_layout_matches_reference(tmp_path: Path, native: bool, bf16_exac
     sd = eagle3_tensors(3, vd=96)
     if bf16_exact:
         sd = {k: v.to(torch.bfloat16).float() if v.is_floating_point() else v for k, v in sd.items()}
-    cfg = {"draft_vocab_size": 96, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
+    cfg = {"draft_vocab_size": 96, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}}
     head = load_eagle_head(write_head(tmp_path / "h3", sd, cfg), target)
     if native:
         with_native_layer(head)
-    assert head.cfg.kind == HeadKind.eagle3 and head.cfg.aux_layers == (1, 3, 4)
+    assert head.cfg.kind == HeadKind.eagle3 and head.cfg.aux_layers == (2, 3, 4)
     ids = sd["d2t"] + torch.arange(96)
     assert head.draft_ids.tolist() == ids.tolist()
     g = torch.Generator().manual_seed(6)
@@ -262,7 +262,7 @@ def test_the_native_layer_drafts_as_the_python_one(tmp_path: Path, kind: str) ->
     if kind == "eagle":
         path = write_head(tmp_path / "h", eagle1_tensors(1, fc_bias=True), {"bias": True})
     else:
-        cfg = {"draft_vocab_size": 96, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
+        cfg = {"draft_vocab_size": 96, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}}
         path = write_head(tmp_path / "h3", eagle3_tensors(3, vd=96), cfg)
     from specserve.models.native_stack import attach_small_gemm
 
@@ -642,15 +642,42 @@ def test_a_t2d_that_disagrees_with_d2t_is_refused(tmp_path: Path) -> None:
             load_eagle_head(write_head(tmp_path / "bad", sd | {"t2d": t2d}, cfg), target)
 
 
+def test_aux_layer_ids_are_read_in_the_convention_their_checkpoint_was_trained_in(tmp_path: Path) -> None:
+    """SpecForge-trained heads name layer outputs (their default list starts at 1: the first block's output, the
+    input of layer 2); read as inputs, every feature came one layer early and the head was mostly rejected. A list
+    from EAGLE-3's own default (inputs, starting at 2) and one this project wrote are read as they are."""
+    target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    sd, base = eagle3_tensors(3, vd=96), {"draft_vocab_size": 96}
+    for ids, aux in (([1, 3, 4], (2, 4, 5)), ([3, 1, 2], (2, 3, 4)), ([2, 3, 5], (2, 3, 5)), ([0, 1, 3], (0, 1, 3))):
+        for where in ("eagle_config", "top level"):
+            config = base | ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}} if where == "eagle_config"
+                             else {"eagle_aux_hidden_state_layer_ids": ids})  # fmt: skip
+            head = load_eagle_head(write_head(tmp_path / f"{ids}{where}", sd, config), target)
+            assert head.cfg.aux_layers == aux, (ids, where)
+    with pytest.raises(UnsupportedModelError, match=r"aux layers \[6\] \(as layer inputs\)"):  # the last output
+        load_eagle_head(
+            write_head(tmp_path / "last", sd, base | {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}), target
+        )
+    # a head this project saves with layers from 1 keeps them: its config says its ids are inputs
+    written = load_eagle_head(
+        write_head(tmp_path / "ours", sd, base | {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}), target
+    )
+    assert written.cfg.aux_layers == (2, 4, 5)
+    ours = EagleHead(written.cfg.model_copy(update={"aux_layers": (1, 3, 4)}), target)
+    ours.load_state_dict(written.state_dict(), strict=False)
+    save_eagle_head(ours, tmp_path / "saved")
+    assert load_eagle_head(tmp_path / "saved", target).cfg.aux_layers == (1, 3, 4)
+
+
 def test_aux_layers_listed_out_of_order_are_fused_in_layer_order(tmp_path: Path) -> None:
     """The target hands the aux features over in layer order (as published EAGLE-3 implementations concatenate
-    them), so a config listing [4, 1, 3] describes the head of [1, 3, 4]; non-integer ids are refused."""
+    them), so a config listing [4, 2, 3] describes the head of [2, 3, 4]; non-integer ids are refused."""
     target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
     sd, base = eagle3_tensors(3, vd=96), {"draft_vocab_size": 96}
     listed = load_eagle_head(
-        write_head(tmp_path / "a", sd, base | {"eagle_aux_hidden_state_layer_ids": [4, 1, 3]}), target
+        write_head(tmp_path / "a", sd, base | {"eagle_aux_hidden_state_layer_ids": [4, 2, 3]}), target
     )
-    assert listed.cfg.aux_layers == (1, 3, 4)
+    assert listed.cfg.aux_layers == (2, 3, 4)
     with pytest.raises(UnsupportedModelError, match="list of layer indices"):
         load_eagle_head(
             write_head(tmp_path / "f", sd, base | {"eagle_aux_hidden_state_layer_ids": [0.9, 1.5, 3.2]}), target
@@ -783,12 +810,12 @@ def test_an_eagle3_head_in_the_speculators_format_loads(tmp_path: Path) -> None:
         "draft_vocab_size": 96,
         "norm_before_residual": True,
         "target_hidden_size": None,
-        "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+        "eagle_aux_hidden_state_layer_ids": [2, 3, 4],
         "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}},
     }
     (path / "config.json").write_text(json.dumps(config))
     head = load_eagle_head(path, target)
-    assert head.cfg.kind == HeadKind.eagle3 and head.cfg.aux_layers == (1, 3, 4) and head.cfg.norm_before_residual
+    assert head.cfg.kind == HeadKind.eagle3 and head.cfg.aux_layers == (2, 3, 4) and head.cfg.norm_before_residual
     assert head.cfg.rope_theta == THETA and head.draft_vocab_size == 96
     g = torch.Generator().manual_seed(6)
     tokens, aux = torch.randint(0, V, (7,), generator=g), torch.randn(7, 3 * H, generator=g)

@@ -77,7 +77,7 @@ class EagleHeadConfig(BaseModel):
     )
     fc_bias: bool = False
     qkv_bias: bool = False
-    aux_layers: tuple[int, ...] = Field(default=(), description="EAGLE-3: target layers whose outputs are fused")
+    aux_layers: tuple[int, ...] = Field(default=(), description="EAGLE-3: target layers whose inputs are fused")
     rope_theta: float = Field(default=10000.0, gt=0, allow_inf_nan=False)
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = Field(default=8192, ge=1)
@@ -344,6 +344,21 @@ class EagleHead(nn.Module):
         return rms_norm(x, weight, self.cfg.rms_norm_eps)
 
 
+AUX_INPUTS_MARKER = "specserve_aux_ids_are_layer_inputs"  # in configs this project writes
+
+
+def aux_layer_inputs(ids: list[int], marked: bool) -> tuple[int, ...]:
+    """The decoder layers whose inputs a published EAGLE-3 config's ``eagle_aux_hidden_state_layer_ids`` name.
+
+    Checkpoints ship two conventions (docs/algorithms.md §8.3): layer inputs (vLLM's reading; EAGLE-3's default
+    (2, L/2, L-3) is one) and layer outputs (SpecForge's, whose default list starts at 1, the first block's output,
+    i.e. the input of layer 2). As SGLang does, a list that starts at 1 is read as outputs, unless this project
+    wrote it (``marked``): no EAGLE-3 recipe fuses the embedding block's output as its low feature."""
+    if marked or not ids or ids[0] != 1:
+        return tuple(ids)
+    return tuple(i + 1 for i in ids)
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low / middle / high feature layers of a ``num_layers``-layer target: (2, L/2, L-3) from 7 layers
     on; below that, where those coincide, the first, middle and last layer; every layer of a target with fewer than
@@ -374,7 +389,10 @@ def check_compatible(cfg: EagleHeadConfig, target: LlamaModel) -> None:
             )
         bad = [i for i in cfg.aux_layers if not 0 <= i < t.num_layers]
         if bad:
-            raise UnsupportedModelError(f"aux layers {bad} do not exist in the {t.num_layers}-layer target")
+            raise UnsupportedModelError(
+                f"aux layers {bad} (as layer inputs) do not exist in the {t.num_layers}-layer target; the output of "
+                "its last layer is not one of the features this target hands over"
+            )
 
 
 # -- checkpoints in the published layouts ---------------------------------------------------------------
@@ -449,7 +467,8 @@ def hf_config_dict(cfg: EagleHeadConfig, **extra: Any) -> dict[str, Any]:
     }
     if cfg.kind == HeadKind.eagle3:
         d["draft_vocab_size"] = cfg.draft_vocab_size or cfg.vocab_size
-        d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers)}
+        # the ids name layer inputs here; the marker keeps a list that starts at 1 from being read as outputs
+        d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers), AUX_INPUTS_MARKER: True}
         if cfg.norm_before_residual:
             d["norm_before_residual"] = True
     return d | extra
@@ -582,7 +601,8 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
             raise UnsupportedModelError(f"eagle_aux_hidden_state_layer_ids must be a list of layer indices, got {ids}")
         # in layer order whatever order the config lists them in: the order the target computes them, in which
         # published EAGLE-3 implementations concatenate them for the head's fc (and so does the target here)
-        aux = tuple(sorted(ids)) if ids else default_aux_layers(target.cfg.num_layers)
+        marked = eagle_cfg.get(AUX_INPUTS_MARKER) is True or raw.get(AUX_INPUTS_MARKER) is True
+        aux = aux_layer_inputs(sorted(ids), marked) if ids else default_aux_layers(target.cfg.num_layers)
     flags = {"bias": ("fc.bias", "fc.bias"), "attention_bias": ("q_proj.bias", f"{prefix}self_attn.q_proj.bias")}
     for key, (short, name) in flags.items():  # a flag the config states must describe the tensors
         if isinstance(raw.get(key), bool) and raw[key] != (name in sd):
