@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -380,3 +381,56 @@ def test_a_levels_chains_read_their_tokens_to_the_host_once(
     assert reads == [depth]  # one read a level, for the whole batch
     assert together == [drafted([i])[0] for i in range(b_size)]
     assert all(len(tokens) == depth for tokens in together)
+
+
+@pytest.mark.parametrize("method", ["chain", "ddd"])
+def test_a_steps_draft_distributions_reach_the_host_in_one_copy(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    """DSDE's sparse draft q (top-K ids and probabilities at every fed node) was copied to the host twice per
+    sequence; now twice per step, each sequence's rows as it computes them alone."""
+    from specserve.config import KLDMode, SpecConfig, SpecMethod
+    from specserve.messages import ProposeItem
+    from specserve.models.tiny import noisy_copy
+    from specserve.spec_decode import draft_state
+    from specserve.workers import DraftWorker
+    from specserve.workers import draft as draft_module
+
+    model = noisy_copy(tiny_model(seed=0), 0.05, seed=3)
+    spec = SpecConfig(method=SpecMethod(method), sl=3, beam_width=3, budget=8, ddd_max_depth=3, kld_top_k=6)
+    b_size = 6
+    reads: list[int] = []
+
+    class DeviceToHost(TorchFunctionMode):  # copies off the device (casts with .to(dtype) are not)
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads = 0
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = getattr(func, "__name__", "")
+            to_device = name == "to" and any(
+                isinstance(a, str | torch.device) for a in (*args[1:], *(kwargs or {}).values())
+            )
+            self.reads += to_device or name in ("cpu", "tolist", "item", "__int__", "__float__", "__bool__")
+            return func(*args, **(kwargs or {}))
+
+    def counted(built: Any) -> Any:
+        with DeviceToHost() as counter:
+            out = draft_state.with_draft_qs(built)
+        reads.append(counter.reads)
+        return out
+
+    monkeypatch.setattr(draft_module, "with_draft_qs", counted)
+
+    def drafted(seq_ids: list[int]) -> list[Any]:
+        worker = DraftWorker(model, num_slots=b_size, max_len=64)
+        for i in seq_ids:
+            worker.add(i, SamplingParams(max_tokens=8), 0)
+        items = [ProposeItem(i, [5 + i, 9, 33, 71], [], 3, spec, kld_mode=KLDMode.sparse) for i in seq_ids]
+        return [p.draft_q for p in worker.propose(items)]
+
+    together = drafted(list(range(b_size)))
+    assert reads == [2]  # the ids and the probabilities, for the whole batch
+    for i, q in enumerate(together):
+        alone = drafted([i])[0]
+        assert q is not None and alone is not None and q.nodes == alone.nodes and len(q.nodes) > 1
+        np.testing.assert_array_equal(q.idx, alone.idx)
+        np.testing.assert_allclose(q.prob, alone.prob, rtol=1e-4)  # (a batched forward rounds its own way)

@@ -8,7 +8,7 @@ from specserve.config import ChainDraft
 from specserve.messages import Proposal
 from specserve.sampling import keyed_sample, process_logits
 from specserve.spec_decode.draft_sampling import draft_sample_sparse, sparse_topk
-from specserve.spec_decode.draft_state import DraftForward, DraftState, draft_q, target_ids
+from specserve.spec_decode.draft_state import DraftForward, DraftState, Fed, target_ids
 
 
 def draft_chains(chains: list[tuple[DraftState, torch.Tensor]], forward: DraftForward) -> None:
@@ -52,8 +52,9 @@ def _next_token(s: DraftState, logits: torch.Tensor) -> torch.Tensor:
     return draft_sample_sparse(idx, prob, s.generator)[0]
 
 
-def chain_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
-    """The proposal, and the cache index of each node (root first; the last draft was never fed: None)."""
+def chain_proposal(s: DraftState) -> tuple[Proposal, list[int | None], Fed]:
+    """The proposal (its draft q is ``with_draft_qs``'s to add), the cache index of each node (root first; the last
+    draft was never fed: None) and its fed nodes."""
     n = len(s.tokens)
     sampled = bool(s.q_idx)
     proposal = Proposal(
@@ -63,6 +64,5 @@ def chain_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
         q_idx=torch.stack(s.q_idx).tolist() if sampled else None,
         q_prob=torch.stack(s.q_prob).tolist() if sampled else None,
         depth=s.depth,
-        draft_q=draft_q(s, [(i, i) for i in range(n)]),
     )
-    return proposal, [s.root_idx + i for i in range(n)] + [None]
+    return proposal, [s.root_idx + i for i in range(n)] + [None], [(i, i) for i in range(n)]

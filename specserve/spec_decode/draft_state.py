@@ -7,13 +7,13 @@ slot: the worker that owns the model and its cache implements the forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from specserve.config import KLDMode
-from specserve.messages import DraftQ, ProposeItem
+from specserve.messages import DraftQ, Proposal, ProposeItem
 from specserve.policy import sparse_topk_q
 from specserve.sampling import SamplingParams
 
@@ -63,19 +63,45 @@ def target_ids(s: DraftState, columns: torch.Tensor) -> torch.Tensor:
     return columns if s.token_ids is None else torch.take(s.token_ids, columns)
 
 
-def draft_q(s: DraftState, fed: list[tuple[int, int]]) -> DraftQ | None:
+Fed = list[tuple[int, int]]  # (tree node, its row of the state's draft logits) for every fed node
+
+
+def draft_q(s: DraftState, fed: Fed) -> DraftQ | None:
     """The draft's distribution at each fed node (node, logits row), for the target's KLD signal."""
-    mode = s.item.kld_mode
-    if mode is None or not fed or not s.q_logits:
-        return None
-    rows = torch.tensor([r for _, r in fed], device=s.q_logits[0].device)
-    logits = torch.cat(s.q_logits).index_select(0, rows)  # [n, V_d] (a list or tensor index took 3x as long)
-    nodes = [node for node, _ in fed]
-    if mode == KLDMode.exact:
-        if s.token_ids is not None:  # spread over the target's vocabulary: tokens outside V_d have q = 0
-            full = logits.new_full((logits.shape[0], s.vocab_size), float("-inf"))  # [n, V]
-            logits = full.index_copy_(1, s.token_ids, logits)
-        return DraftQ(nodes, dense_logits=logits)
-    idx, prob = sparse_topk_q(logits, s.item.spec.kld_top_k)  # [n, K], [n, K]
-    ids = target_ids(s, idx).to(torch.int32).cpu().numpy()  # host sync
-    return DraftQ(nodes, idx=ids, prob=prob.float().cpu().numpy())
+    return draft_qs([(s, fed)])[0]
+
+
+def draft_qs(pending: list[tuple[DraftState, Fed]]) -> list[DraftQ | None]:
+    """``draft_q`` of every state of a propose call: the sparse top-Ks come to the host together (one copy of the
+    ids and one of the probabilities per distinct K, not two per sequence: each is a device wait on a GPU)."""
+    out: list[DraftQ | None] = [None] * len(pending)
+    sparse: dict[int, list[tuple[int, list[int], torch.Tensor, torch.Tensor]]] = {}  # by K: (i, nodes, ids, prob)
+    for i, (s, fed) in enumerate(pending):
+        mode = s.item.kld_mode
+        if mode is None or not fed or not s.q_logits:
+            continue
+        rows = torch.tensor([r for _, r in fed], device=s.q_logits[0].device)
+        logits = torch.cat(s.q_logits).index_select(0, rows)  # [n, V_d] (a list or tensor index took 3x as long)
+        nodes = [node for node, _ in fed]
+        if mode == KLDMode.exact:
+            if s.token_ids is not None:  # spread over the target's vocabulary: tokens outside V_d have q = 0
+                full = logits.new_full((logits.shape[0], s.vocab_size), float("-inf"))  # [n, V]
+                logits = full.index_copy_(1, s.token_ids, logits)
+            out[i] = DraftQ(nodes, dense_logits=logits)
+            continue
+        idx, prob = sparse_topk_q(logits, s.item.spec.kld_top_k)  # [n, K], [n, K]
+        sparse.setdefault(idx.shape[1], []).append((i, nodes, target_ids(s, idx).to(torch.int32), prob.float()))
+    for group in sparse.values():
+        ids = torch.cat([g[2] for g in group]).cpu().numpy()  # host sync: the step's draft q ids ...
+        probs = torch.cat([g[3] for g in group]).cpu().numpy()  # ... and probabilities
+        start = 0
+        for i, nodes, _, _ in group:
+            out[i] = DraftQ(nodes, idx=ids[start : start + len(nodes)], prob=probs[start : start + len(nodes)])
+            start += len(nodes)
+    return out
+
+
+def with_draft_qs(built: list[tuple[DraftState, Proposal, Fed]]) -> list[Proposal]:
+    """The proposals, each with its draft q when its item asked for one (``draft_qs``)."""
+    qs = draft_qs([(s, fed) for s, _, fed in built])
+    return [p if q is None else replace(p, draft_q=q) for (_, p, _), q in zip(built, qs, strict=True)]

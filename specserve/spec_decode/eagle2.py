@@ -23,7 +23,7 @@ import torch
 
 from specserve.config import SpecMethod
 from specserve.messages import Proposal
-from specserve.spec_decode.draft_state import DraftForward, DraftState, draft_q
+from specserve.spec_decode.draft_state import DraftForward, DraftState, Fed
 
 
 def beam_mass(beam_scores: Sequence[float]) -> float:
@@ -262,15 +262,14 @@ def floor_score(s: DraftState) -> float:
     return math.log(floor) if floor > 0 else -math.inf
 
 
-def tree_proposal(s: DraftState) -> tuple[Proposal, list[int | None]]:
-    """The budget-T tree, and the cache index of each node (root first; None where the node was never fed)."""
+def tree_proposal(s: DraftState) -> tuple[Proposal, list[int | None], Fed]:
+    """The budget-T tree (its draft q is ``with_draft_qs``'s to add), the cache index of each node (root first; None
+    where the node was never fed) and its fed nodes."""
     assert s.tree is not None
     t = s.tree
     tree = t.builder.rerank(s.item.spec.model_tree_budget, floor_score(s))
     rows = [t.row(c) for c in tree.candidates]
     cached: list[int | None] = [s.root_idx, *(s.root_idx + r if r > 0 else None for r in rows)]
     fed = [(0, 0)] + [(node, r) for node, r in enumerate(rows, start=1) if r > 0]  # (node, logits row)
-    proposal = Proposal(
-        s.item.seq_id, tree.tokens, tree.parents, depth=s.depth, ranks=tree.ranks, draft_q=draft_q(s, fed)
-    )
-    return proposal, cached
+    proposal = Proposal(s.item.seq_id, tree.tokens, tree.parents, depth=s.depth, ranks=tree.ranks)
+    return proposal, cached, fed

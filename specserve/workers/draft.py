@@ -13,7 +13,7 @@ from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
 from specserve.sampling import SamplingParams, make_generator
 from specserve.spec_decode.chain import chain_proposal, draft_chains
-from specserve.spec_decode.draft_state import DraftState
+from specserve.spec_decode.draft_state import DraftState, with_draft_qs
 from specserve.spec_decode.eagle2 import grow_trees, tree_proposal
 from specserve.workers.base import SlotTable
 
@@ -55,13 +55,13 @@ class DraftWorker:
         self.h_reads += grow_trees(
             [(s, lg) for s, lg in pairs if s.item.spec.method != SpecMethod.chain], self._forward, self.model.device
         )
-        proposals = []
+        built = []
         for s in states:
             with blame(s.item.seq_id):
-                proposal, cached = tree_proposal(s) if s.tree is not None else chain_proposal(s)
+                proposal, cached, fed = tree_proposal(s) if s.tree is not None else chain_proposal(s)
             self.cached_nodes[s.item.seq_id] = cached
-            proposals.append(proposal)
-        return proposals
+            built.append((s, proposal, fed))
+        return with_draft_qs(built)
 
     def _rollback(self, it: ProposeItem) -> DraftState:
         """Keep the cached part of last step's accepted path; everything after it is fed again."""

@@ -21,7 +21,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.sampling import SamplingParams, make_generator
 from specserve.spec_decode.chain import chain_proposal, draft_chains
-from specserve.spec_decode.draft_state import DraftState
+from specserve.spec_decode.draft_state import DraftState, with_draft_qs
 from specserve.spec_decode.eagle2 import grow_trees, tree_proposal
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind
 
@@ -91,11 +91,12 @@ class HeadDraftWorker:
             draft_chains([(s, lg) for s, lg in pairs if s.item.spec.method == SpecMethod.chain], self._forward)
             trees = [(s, lg) for s, lg in pairs if s.item.spec.method != SpecMethod.chain]
             self.h_reads += grow_trees(trees, self._forward, self.head.device)
-        proposals = []
+        built = []
         for s in states:
             with blame(s.item.seq_id):
-                proposals.append((tree_proposal(s) if s.tree is not None else chain_proposal(s))[0])
-        return proposals
+                proposal, _, fed = tree_proposal(s) if s.tree is not None else chain_proposal(s)
+            built.append((s, proposal, fed))
+        return with_draft_qs(built)
 
     # -- cache state -----------------------------------------------------------------------------------
     def _rollback(self, it: ProposeItem) -> tuple[DraftState, tuple[list[int], torch.Tensor, list[int]] | None]:
