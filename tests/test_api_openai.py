@@ -569,3 +569,46 @@ def test_every_chunk_of_a_stream_carries_the_streams_created_time() -> None:
                 assert len(set(created)) == 1 and abs(created[0] - arrived[0]) <= 2, (path, created)
     finally:
         backend.stop()
+
+
+def test_openais_other_forms_of_a_request_read_as_they_mean_or_are_refused_by_name(
+    url: str, backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forms OpenAI's API takes that were refused as malformed (a one-prompt batch, SDKs' nulls for unset fields),
+    and ones it refuses that were served (an empty content array, an assistant turn with no content, a tool answer
+    without its call id); a chat message's name reaches the chat template instead of being dropped."""
+
+    def post(path: str, **fields: Any) -> httpx.Response:  # (json.dumps escapes a lone surrogate; httpx cannot)
+        body = json.dumps({"model": MODEL, "max_tokens": 3, "temperature": 0, **fields})
+        return httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+
+    def tokens(r: httpx.Response) -> list[int]:
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["token_ids"])
+
+    ids = dict(return_token_ids=True, ignore_eos=True)
+    assert tokens(post(COMPLETIONS, prompt=["hello"], **ids)) == tokens(post(COMPLETIONS, prompt="hello", **ids))
+    assert tokens(post(COMPLETIONS, prompt=[[5, 6, 7]], **ids)) == tokens(post(COMPLETIONS, prompt=[5, 6, 7], **ids))
+    for batch in (["a", "b"], [[5], [6]]):
+        error = _error(post(COMPLETIONS, prompt=batch))
+        assert error["param"] == "prompt" and "batch prompts (2 in one request) are not supported" in error["message"]
+    for unset in ({"echo": None}, {"logit_bias": None}, {"logit_bias": {}}, {"metadata": {"run": "a"}}):
+        assert post(COMPLETIONS, prompt="hi", **unset).status_code == 200, unset
+    assert _error(post(COMPLETIONS, prompt="hi", logit_bias={"5": 10}))["param"] == "logit_bias"
+    assert _error(post(COMPLETIONS, prompt="hi", stream_options={"include_usage": True}))["param"] == "stream_options"
+    for messages, says in (
+        ([{"role": "user", "content": []}], "List should have at least 1 item"),
+        ([*USER, {"role": "assistant"}], "an assistant message needs its content"),
+        ([*USER, {"role": "tool", "content": "42"}], "a tool message needs the tool_call_id it answers"),
+        ([{"role": "user", "content": "hi", "name": "\ud800"}], "not valid Unicode"),
+    ):
+        error = _error(post(CHAT, messages=messages))
+        assert error["param"] == "messages" and says in error["message"], error
+    seen: list[list[dict[str, str]]] = []
+    chat = backend.encoder.chat
+    monkeypatch.setattr(backend.encoder, "chat", lambda messages: seen.append(messages) or chat(messages))
+    named = [{"role": "user", "content": "hi", "name": "bob"}, {"role": "tool", "content": "4", "tool_call_id": "c"}]
+    assert post(CHAT, messages=named).status_code == 200
+    assert seen == [
+        [{"role": "user", "content": "hi", "name": "bob"}, {"role": "tool", "content": "4", "tool_call_id": "c"}]
+    ]

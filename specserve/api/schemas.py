@@ -22,6 +22,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -144,7 +145,16 @@ class ResponseFormat(ClosedModel):
         return v
 
 
-NULLABLE_DEFAULTS = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream", "ignore_eos")
+NULLABLE_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "stream",
+    "ignore_eos",
+    "echo",
+)
 
 
 def _document_nullable(schema: dict[str, Any]) -> None:
@@ -195,6 +205,10 @@ class GenerationRequest(ClosedModel):
     frequency_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
     logprobs: Literal[False] | None = Field(default=None, description="not supported: only false or null")
     user: str | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, description="not supported: only null or {}")
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16, description="stored by OpenAI for its dashboard; accepted and unused here"
+    )
     ignore_eos: StrictBool = Field(default=False, description="extension: keep generating past EOS")
     return_token_ids: StrictBool = Field(default=False, description="extension: token ids alongside the text")
     speculation: SpeculationOptions | None = Field(default=None, description="extension: speculative decoding")
@@ -247,11 +261,19 @@ class GenerationRequest(ClosedModel):
             raise ValueError("logprobs are not supported")
         return v
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> GenerationRequest:
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream", False):  # (declared after ``stream``: validated after it)
             raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported; send null or {}")
+        return v
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -287,6 +309,17 @@ class CompletionRequest(GenerationRequest):
     best_of: Annotated[Literal[1] | None, _exactly(int)] = None
     suffix: None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: object) -> object:
+        """OpenAI's batch forms: a list of texts or of token lists. One is that prompt (clients send ``["text"]``);
+        more are refused by name, not read as malformed token ids."""
+        if isinstance(v, list) and v and isinstance(v[0], str | list):
+            if len(v) > 1:
+                raise ValueError(f"batch prompts ({len(v)} in one request) are not supported; send one per request")
+            return v[0]
+        return v
+
 
 class ChatRole(str, Enum):
     system = "system"
@@ -302,7 +335,8 @@ class TextPart(ClosedModel):
 
 
 MessageContent = Annotated[
-    Annotated[Utf8Str, Tag(STRING_MEMBER)] | Annotated[list[TextPart], Field(fail_fast=True), Tag(LIST_MEMBER)],
+    Annotated[Utf8Str, Tag(STRING_MEMBER)]
+    | Annotated[list[TextPart], Field(min_length=1, fail_fast=True), Tag(LIST_MEMBER)],
     by_json_type("a string or a list of text parts"),
 ]
 
@@ -310,14 +344,23 @@ MessageContent = Annotated[
 class ChatMessage(ClosedModel):
     role: ChatRole
     content: MessageContent | None = None
-    name: str | None = None
-    tool_call_id: str | None = Field(default=None, description="a tool message's call (OpenAI requires it; unused)")
+    name: Utf8Str | None = Field(default=None, description="the participant, handed to the chat template")
+    tool_call_id: Utf8Str | None = Field(default=None, description="a tool message's call (required there)")
 
     @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
-        if self.content is None and self.role != ChatRole.assistant:  # as OpenAI: only an assistant's may be absent
-            raise ValueError(f"a {self.role.value} message needs its content")
+    def _content(self) -> ChatMessage:
+        # OpenAI lets an assistant message leave it out only beside tool_calls, which this server does not take
+        if self.content is None:
+            article = "an" if self.role == ChatRole.assistant else "a"
+            raise ValueError(f"{article} {self.role.value} message needs its content")
+        if self.role == ChatRole.tool and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
         return self
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template reads it (templates that know ``name`` or ``tool_call_id`` use them)."""
+        extra = {"name": self.name, "tool_call_id": self.tool_call_id}
+        return {"role": self.template_role, "content": self.text} | {k: v for k, v in extra.items() if v is not None}
 
     @property
     def template_role(self) -> str:

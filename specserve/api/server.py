@@ -284,7 +284,7 @@ class _Routes:
         encoder = self.backend.encoder
 
         def encode() -> list[int]:
-            return encoder.chat([{"role": m.template_role, "content": m.text} for m in body.messages])
+            return encoder.chat([m.for_template() for m in body.messages])
 
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
         fmt = _ChatFormat(self._model())
