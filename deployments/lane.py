@@ -729,6 +729,7 @@ class Lane:
         then moves them to another lane)."""
         for request_id in list(self._sinks):
             self._drop(request_id, error(f"{reason}; the request was dropped"))
+        self._report_queue()  # they left the queue and the batch: the lane's gauges must not count them on
 
     def _drop(self, request_id: str, error: APIError) -> None:
         sink = self._sinks.get(request_id)

@@ -59,6 +59,21 @@ def test_body_over_the_size_limit_is_413(backend: LocalBackend) -> None:
     assert 'specserve_requests_total{status="invalid"}' in backend.metrics.render().decode()
 
 
+def test_an_oversized_body_counts_as_a_request_only_on_the_generation_routes() -> None:
+    """specserve_requests_total counts generation requests: a large junk POST to /health or an unknown path is
+    refused (413) as on any route, but is not one (a small one, a 404, was not counted either)."""
+    backend = LocalBackend()
+    try:
+        with api_server(backend, max_request_bytes=1024) as url:
+            for path in ("/health", "/metrics", "/no-such-route", "/v1/models"):
+                assert httpx.post(url + path, content=b"x" * 5000).status_code == 413
+            assert 'specserve_requests_total{status="invalid"}' not in backend.metrics.render().decode()
+            _error(httpx.post(url + COMPLETIONS, content=b"x" * 5000), 413, "request_too_large")
+            assert 'specserve_requests_total{status="invalid"} 1.0' in backend.metrics.render().decode()
+    finally:
+        backend.stop()
+
+
 def _raw_post(url: str, head: str, body: bytes) -> bytes:
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:

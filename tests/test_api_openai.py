@@ -256,6 +256,14 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
         out = RequestOutput("x", [7], "", None, 2, 40, RequestStats(target_forwards=40))
         metrics.request_finished(out, ttft_s=None, tpot_s=None)
     assert retry_after() == 45  # (8 queued + 1) requests x 40 steps x 0.5 s / 4 slots
+    # the SL_cap and idle gauges are the last step's: a plain step after a DSDE one clears them
+    dsde = StepMetrics(4, [3, 1, 1, 1], [0] * 4, [0] * 4, 3, [False] * 4, 3, 0.5, 0.0, 0.4, 0.1, 4, False)
+    metrics.lane_step(0, dsde, running=4, waiting=8, step_s=0.5)
+    shown = metrics.render().decode()
+    assert 'specserve_sl_cap{lane="0"} 3.0' in shown and 'specserve_straggler_idle_fraction{lane="0"} 0.5' in shown
+    metrics.lane_step(0, step, running=4, waiting=8, step_s=0.5)
+    shown = metrics.render().decode()
+    assert 'specserve_sl_cap{lane="0"} 0.0' in shown and 'specserve_straggler_idle_fraction{lane="0"} 0.0' in shown
     BusyLane.in_flight = 11  # one place left, but a request pausing before a move to another lane holds it
     with moving.pausing():
         assert retry_after() == 45

@@ -411,6 +411,8 @@ def test_requests_on_a_lane_loading_its_target_move_once_another_lane_is_loaded(
     try:
         assert asyncio.run(run()) == alone[:2]
         assert moved == [0, 0] and lanes[0].loading and not factories[0].actors[1].loaded.is_set()
+        gauges = lanes[0].metrics.render().decode()  # the loading lane's own: it holds neither request now
+        assert 'specserve_queue_depth{lane="0"} 0.0' in gauges and 'specserve_running_sequences{lane="0"} 0.0' in gauges
     finally:
         _release_and_stop(lanes, factories)
 

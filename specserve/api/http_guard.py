@@ -27,6 +27,8 @@ from specserve.api.schemas import ErrorCode, ErrorType
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
+COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
+GENERATION_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})  # the requests specserve_requests_total counts
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})  # no key needed
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # a 503's Retry-After where nothing configures one: deployments' default worker_retry_s, the pause before a lane that
@@ -93,7 +95,8 @@ class RequestGuard:
             try:
                 content = await self._read_body(scope, receive)
             except _Rejected as rejected:
-                self.metrics.request_done(RequestStatus.invalid)
+                if _route_path(scope) in GENERATION_PATHS:  # the counter is of generation requests, as routed ones
+                    self.metrics.request_done(RequestStatus.invalid)
                 await _send_error(send, rejected.status, rejected.body)
                 return
             if content is None:  # the client left before it finished sending

@@ -1,8 +1,8 @@
 """Prometheus metrics of one router replica, in a registry of its own (``GET /metrics``).
 
 Fed by the HTTP layer (requests, TTFT/TPOT, tokens, per-request acceptance) and by the lanes from the StepLoop's
-per-step StepMetrics (batch, queue, step time, drafted depth per sequence, SL_cap of the last DSDE step, straggler
-idle fraction of the last drafting step) and worker restarts.
+per-step StepMetrics (batch, queue, step time, drafted depth per sequence, the last step's SL_cap and straggler
+idle fraction, 0 where it capped or drafted nothing) and worker restarts.
 """
 
 from __future__ import annotations
@@ -98,10 +98,12 @@ class ServeMetrics:
             buckets=DEPTH_BUCKETS,
             registry=r,
         )
-        self.sl_cap = Gauge("specserve_sl_cap", "Batch-wide speculation length cap SL_cap", ["lane"], registry=r)
+        self.sl_cap = Gauge(
+            "specserve_sl_cap", "Batch-wide speculation length cap SL_cap, last step (0: none)", ["lane"], registry=r
+        )
         self.idle_fraction = Gauge(
             "specserve_straggler_idle_fraction",
-            "Fraction of drafted levels a sequence waits for longer drafts in its batch",
+            "Fraction of drafted levels a sequence waits for longer drafts in its batch, last step (0: none drafted)",
             ["lane"],
             registry=r,
         )
@@ -164,10 +166,9 @@ class ServeMetrics:
         for depth in step.depths:
             if depth > 0:
                 histogram.observe(depth)
-        if step.cap is not None:
-            self.sl_cap.labels(label).set(step.cap)
-        if step.levels > 0:
-            self.idle_fraction.labels(label).set(step.idle_fraction)
+        # the last step's: a value kept from the last DSDE step read as the cap of plain decoding that followed it
+        self.sl_cap.labels(label).set(step.cap or 0)
+        self.idle_fraction.labels(label).set(step.idle_fraction if step.levels > 0 else 0.0)
 
     def lane_queue(self, lane: int, *, running: int, waiting: int) -> None:
         self.running.labels(str(lane)).set(running)

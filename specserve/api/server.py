@@ -39,7 +39,7 @@ from specserve.api.error_bodies import (
     ResumeMismatchError,
     error_body,
 )
-from specserve.api.http_guard import HTTPOptions, RequestGuard
+from specserve.api.http_guard import CHAT_PATH, COMPLETIONS_PATH, HTTPOptions, RequestGuard
 from specserve.api.metrics import RequestStatus, ServeMetrics
 from specserve.api.resume import RESUME_PARAM, StreamCursor, StreamMark, StreamPhase
 from specserve.api.schemas import (
@@ -129,14 +129,14 @@ def build_api(backend: Backend, options: HTTPOptions | None = None) -> FastAPI:
     routes = _Routes(backend)
     generation = _error_responses(options, 400, 404, 408, 413, 429, 500, 503)
     api.add_api_route(
-        "/v1/completions",
+        COMPLETIONS_PATH,
         routes.completions,
         methods=["POST"],
         response_model=None,
         responses={200: _generation_response(CompletionResponse, CompletionChunk), **generation},
     )
     api.add_api_route(
-        "/v1/chat/completions",
+        CHAT_PATH,
         routes.chat_completions,
         methods=["POST"],
         response_model=None,
