@@ -74,7 +74,7 @@ class Chunk:
     finish_reason: str | None = None
     token_ids: tuple[int, ...] = ()
     has_choice: bool = False
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
     seed: int | None = None
     error: dict[str, Any] | None = None  # an in-stream error, as an object (a bare string becomes its message)
 
@@ -91,7 +91,10 @@ def read_chunk(obj: object) -> Chunk:
         error = obj["error"]
         return Chunk(error=error if isinstance(error, dict) else {"message": str(error)})
     usage, seed, choices = obj.get("usage"), obj.get("seed"), obj.get("choices") or []
-    if usage is not None and not (isinstance(usage, dict) and all(_is_int(v) for v in usage.values() if v is not None)):
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # (an extension, speculation's, holds more)
+    if usage is not None and not (
+        isinstance(usage, dict) and all(usage.get(k) is None or _is_int(usage[k]) for k in counts)
+    ):
         raise MalformedChunkError("usage is not an object of token counts")
     if seed is not None and not _is_int(seed):
         raise MalformedChunkError("seed is not an integer")

@@ -201,6 +201,10 @@ def test_a_misshapen_chunk_fails_its_request_in_the_sweeps_client_not_the_sweep(
 def test_well_formed_chunks_read_with_their_optional_fields() -> None:
     usage = parse_sse_line('data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}')
     assert usage == SSEEvent(EventKind.usage, completion_tokens=2, prompt_tokens=4)
+    # the server's own usage chunk: its speculation extension is an object of its own
+    spec = '"speculation": {"drafted": 6, "accepted": 4, "acceptance_rate": 0.67}'
+    usage = parse_sse_line(f'data: {{"choices": [], "usage": {{"prompt_tokens": 4, "completion_tokens": 2, {spec}}}}}')
+    assert usage == SSEEvent(EventKind.usage, completion_tokens=2, prompt_tokens=4)
     chat = parse_sse_line('data: {"choices": [{"delta": null, "finish_reason": "stop", "token_ids": [3]}], "seed": 1}')
     assert chat == SSEEvent(EventKind.other, finish_reason="stop")
     bare_error = parse_sse_line('data: {"error": "lane gone"}')
