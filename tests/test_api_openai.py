@@ -604,6 +604,9 @@ def test_openais_other_forms_of_a_request_read_as_they_mean_or_are_refused_by_na
         assert post(COMPLETIONS, prompt="hi", **unset).status_code == 200, unset
     assert _error(post(COMPLETIONS, prompt="hi", logit_bias={"5": 10}))["param"] == "logit_bias"
     assert _error(post(COMPLETIONS, prompt="hi", stream_options={"include_usage": True}))["param"] == "stream_options"
+    bad_stream = _error(post(COMPLETIONS, prompt="hi", stream="yes", stream_options={"include_usage": True}))
+    assert bad_stream["param"] == "stream" and "stream_options" not in bad_stream["message"]  # its own error alone
+    assert _error(post(CHAT, messages=USER, echo=None))["param"] == "echo"  # completions' field: unknown in chat
     for messages, says in (
         ([{"role": "user", "content": []}], "List should have at least 1 item"),
         ([*USER, {"role": "assistant"}], "an assistant message needs its content"),

@@ -231,8 +231,9 @@ class GenerationRequest(ClosedModel):
     @classmethod
     def _null_is_the_default(cls, data: object) -> object:
         """OpenAI's schema makes these fields nullable, and SDKs send null for "unset": the default then."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in NULLABLE_DEFAULTS)}
+        if isinstance(data, dict):  # (a field of the other endpoint's stays what it is there: unknown)
+            nullable = set(NULLABLE_DEFAULTS) & set(cls.model_fields)
+            return {k: v for k, v in data.items() if not (v is None and k in nullable)}
         return data
 
     @field_validator("top_k")
@@ -264,7 +265,8 @@ class GenerationRequest(ClosedModel):
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        if v is not None and not info.data.get("stream", False):  # (declared after ``stream``: validated after it)
+        # (declared after ``stream``: validated after it; an invalid stream has its own error, not this one too)
+        if v is not None and "stream" in info.data and not info.data["stream"]:
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
