@@ -39,6 +39,7 @@ from load.traces import (
     cost_samples,
     mean_idle,
     read_traces,
+    refuse_repeats,
     request_class,
     sequence_traces,
     tree_sequence_traces,
@@ -496,11 +497,9 @@ class SimStudy(BaseModel):
             raise ValueError("need 1 <= --min-tokens <= --max-tokens")
         if self.measure_draft is not None and self.measure_target is None:
             raise ValueError("--measure-draft needs --measure-target (the draft is timed beside it)")
-        if len(set(self.batch_sizes)) < len(self.batch_sizes):  # rows are keyed by batch size ...
-            raise ValueError(f"--batch-sizes repeats a value: {self.batch_sizes}")
-        for flag, kinds in (("--policies", self.policies), ("--workloads", self.workloads)):  # ... policy, workload
-            if len(set(kinds)) < len(kinds):
-                raise ValueError(f"{flag} repeats a value: {[k.value for k in kinds]}")
+        refuse_repeats("--batch-sizes", self.batch_sizes)  # rows are keyed by batch size, policy and workload
+        refuse_repeats("--policies", [p.value for p in self.policies])
+        refuse_repeats("--workloads", [w.value for w in self.workloads])
         return self
 
 

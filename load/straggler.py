@@ -33,7 +33,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from load.client import RemoteHostError, StreamStats, check_loopback, parse_sse_line, sse_lines
-from load.traces import RunSettings, RunTrace, StepRecorder, WorkloadKind, append_trace, mean_idle, read_traces
+from load.traces import (
+    RunSettings,
+    RunTrace,
+    StepRecorder,
+    WorkloadKind,
+    append_trace,
+    mean_idle,
+    read_traces,
+    refuse_repeats,
+)
 from specserve.arg_types import batch_size, finite_float, out_dir_arg, present_device_arg
 from specserve.bench.batch_sweep import run_one
 from specserve.bench.machine import device_summary
@@ -161,10 +170,9 @@ class StudyConfig(BaseModel):
             raise ValueError("min_tokens > max_tokens")
         # runs are paired with plain's and merged by (workload, batch size, policy, repeat): a repeated value would
         # run twice under one key, and pair a policy with plain's runs of the other copy
-        policies, workloads = [p.value for p in self.policies], [w.value for w in self.workloads]
-        for name, values in (("batch_sizes", self.batch_sizes), ("policies", policies), ("workloads", workloads)):
-            if len(set(values)) < len(values):
-                raise ValueError(f"{name} repeats a value: {values}")
+        refuse_repeats("batch_sizes", self.batch_sizes)
+        refuse_repeats("policies", [p.value for p in self.policies])
+        refuse_repeats("workloads", [w.value for w in self.workloads])
         if not all(0.0 < a < 1.0 for a in self.synthetic_mix):
             raise ValueError("synthetic acceptance values must be in (0, 1)")
         known = {p.category for p in mt_bench_prompts()}
@@ -428,6 +436,12 @@ def alternating(items: Sequence[T], repeat: int, alternate: bool) -> list[T]:
 PAIRED_COLS = ("paired_vs_plain", "paired_lo", "paired_hi", "paired_coverage")
 
 
+def sweep_defaults(pair: str) -> RunSettings:
+    """What a sweep of ``pair`` runs under unless told otherwise (a report names only the settings that differ)."""
+    defaults = StudyConfig().run_settings()  # (of the tiny pair)
+    return defaults if pair == TINY_PAIR else defaults.model_copy(update={"tiny_noise": None})
+
+
 def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
     """Per (workload, batch size, policy) the medians over its runs and the throughput ratio to plain: of the
     medians (``vs_plain``) and paired by pass (``PAIRED_COLS``: the median of ``paired_ratios``, an interval for it
@@ -444,9 +458,10 @@ def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
                 f"({specs[key][0]}, {t.pair})"
             )
         if t.settings is not None and settings.setdefault(key[:2], t.settings) != t.settings:
+            defaults = sweep_defaults(t.pair)
             raise ValueError(
-                f"runs at batch {t.batch} ({t.label}) under different settings: {settings[key[:2]].describe()}; and "
-                f"{t.settings.describe()}"
+                f"runs at batch {t.batch} ({t.label}) under different settings: "
+                f"{settings[key[:2]].describe(defaults)}; and {t.settings.describe(defaults)}"
             )
         points.setdefault(key, []).append(row_from_trace(t))
     order = {p: i for i, p in enumerate(PolicyName)}
@@ -860,7 +875,7 @@ def report_from_traces(paths: Sequence[Path], out: Path) -> Path:
     write_csv(out / "straggler.csv", rows)
     images = plot_sweep(rows, out) + plot_sl_traces(traces, out)
     pairs = sorted({t.pair for t in traces})
-    kept = sorted({t.settings.describe() for t in traces if t.settings is not None})
+    kept = sorted({t.settings.describe(sweep_defaults(t.pair)) for t in traces if t.settings is not None})
     unkept = sum(t.settings is None for t in traces)
     setup = (
         f"Merged from {', '.join(f'`{p}`' for p in paths)}: pair {', '.join(pairs)}, batch sizes "

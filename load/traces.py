@@ -111,10 +111,17 @@ class RunSettings(BaseModel):
     threads: int | None = None
     freeze_gc: bool = True
 
-    def describe(self) -> str:
-        default = RunSettings()
-        parts = [f"{name} {value}" for name, value in self if value != getattr(default, name)]
+    def describe(self, baseline: RunSettings) -> str:
+        """What differs from ``baseline`` (the sweep's defaults for the pair)."""
+        parts = [f"{name} {value}" for name, value in self if value != getattr(baseline, name)]
         return ", ".join(parts) or "the default settings"
+
+
+def refuse_repeats(name: str, values: Sequence[object]) -> None:
+    """Runs and rows are keyed by these values (batch sizes, policies, workloads): one given twice would run twice
+    under one key."""
+    if len(set(values)) < len(values):
+        raise ValueError(f"{name} repeats a value: {list(values)}")
 
 
 class RunTrace(BaseModel):
