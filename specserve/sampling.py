@@ -137,13 +137,16 @@ def keyed_exponentials(seed: int, positions: list[int], vocab: int, device: torc
     keeps only a seed's low 32, so two positions of one request would share noise once in ~4e9 pairs of keys.
     Drawn once per distinct position (a tree's nodes at one depth share it)."""
     distinct = sorted(set(positions))
-    keys = torch.tensor([_as_int64(position_key(seed, pos)) for pos in distinct], dtype=torch.int64, device=device)
+    keys = torch.tensor([_as_int64(position_key(seed, pos)) for pos in distinct], dtype=torch.int64)
+    # non_blocking: a blocking upload waits for the device's queue (once per chain a level, per row in verify)
+    keys = keys.to(device, non_blocking=True)
     bits = _splitmix64_stream(keys, vocab).bitwise_right_shift_(12).bitwise_and_((1 << 52) - 1)  # [P, V] top 52
     noise = bits.double().add_(0.5).mul_(2.0**-52).log_().neg_().float()  # [P, V]; u in (0, 1) exactly: E > 0
     if len(distinct) == len(positions) and distinct == positions:
         return noise
     index = {pos: i for i, pos in enumerate(distinct)}
-    return noise[torch.tensor([index[p] for p in positions], device=noise.device)]  # [N, V]
+    rows = torch.tensor([index[p] for p in positions]).to(noise.device, non_blocking=True)
+    return noise[rows]  # [N, V]
 
 
 def keyed_sample(

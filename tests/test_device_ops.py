@@ -297,8 +297,10 @@ class _HostReads(TorchFunctionMode):
         self.reads = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.reads += getattr(func, "__name__", "") in HOST_READS
-        return func(*args, **(kwargs or {}))
+        name, kwargs = getattr(func, "__name__", ""), kwargs or {}
+        # a non-blocking upload (a keyed draw's keys) does not wait for the device
+        self.reads += name in HOST_READS and not (name == "to" and kwargs.get("non_blocking"))
+        return func(*args, **kwargs)
 
 
 def test_a_levels_trees_expand_with_one_host_read_and_as_each_alone() -> None:
@@ -406,8 +408,10 @@ def test_a_steps_draft_distributions_reach_the_host_in_one_copy(monkeypatch: pyt
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             name = getattr(func, "__name__", "")
-            to_device = name == "to" and any(
-                isinstance(a, str | torch.device) for a in (*args[1:], *(kwargs or {}).values())
+            to_device = (  # a blocking move (a non-blocking upload does not wait for the device)
+                name == "to"
+                and not (kwargs or {}).get("non_blocking")
+                and any(isinstance(a, str | torch.device) for a in (*args[1:], *(kwargs or {}).values()))
             )
             self.reads += to_device or name in ("cpu", "tolist", "item", "__int__", "__float__", "__bool__")
             return func(*args, **(kwargs or {}))

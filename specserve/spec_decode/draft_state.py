@@ -80,8 +80,11 @@ def draft_qs(pending: list[tuple[DraftState, Fed]]) -> list[DraftQ | None]:
         mode = s.item.kld_mode
         if mode is None or not fed or not s.q_logits:
             continue
-        rows = torch.tensor([r for _, r in fed], device=s.q_logits[0].device)
-        logits = torch.cat(s.q_logits).index_select(0, rows)  # [n, V_d] (a list or tensor index took 3x as long)
+        logits = torch.cat(s.q_logits)[: max(r for _, r in fed) + 1]  # [rows, V_d]
+        if [r for _, r in fed] != list(range(len(fed))):  # (a chain's rows are its nodes, in order)
+            # non_blocking: a blocking upload would wait for the device's queue once per sequence
+            rows = torch.tensor([r for _, r in fed]).to(logits.device, non_blocking=True)
+            logits = logits.index_select(0, rows)  # [n, V_d] (a list or tensor index took 3x as long)
         nodes = [node for node, _ in fed]
         if mode == KLDMode.exact:
             if s.token_ids is not None:  # spread over the target's vocabulary: tokens outside V_d have q = 0
