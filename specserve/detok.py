@@ -92,13 +92,13 @@ class IncrementalText:
         start = self.runs.char_start(prompt_ids, max(0, len(prompt_ids) - CONTEXT))
         self._prefix = list(prompt_ids[start:]) if tokenizer is not None else []
         self._prefix_text = self._decode_ids(self._prefix) if self._prefix else ""
-        # per stop string, the lengths k of its prefixes s[:k], by their last character (the hold-back's candidates)
-        self._ends: list[dict[str, list[int]]] = []
-        for s in self.stop:
-            ends: dict[str, list[int]] = {}
-            for k in range(len(s) - 1, 0, -1):  # longest first
-                ends.setdefault(s[k - 1], []).append(k)
-            self._ends.append(ends)
+        # the hold-back (``_hold``) reads each character once: per stop string, a matcher's state after the text
+        # held back at the last update, which the next one extends
+        self._fails = tuple(failure_table(s) for s in self.stop)
+        self._reach = max(map(len, self.stop), default=1) - 1  # the longest tail a hold-back can be
+        self._states = (0,) * len(self.stop)
+        self._read = ""  # the last ``_reach`` characters the states read (a later text must extend them) ...
+        self._read_len = 0  # ... and how many they read in all
         self.text = ""  # final text so far (after stop truncation)
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
@@ -170,19 +170,19 @@ class IncrementalText:
         self.emitted = len(text)
 
     def _hold(self, head: str) -> int:
-        """The longest k such that ``head`` ends with some stop string's first k characters (k < its length);
-        only the k whose last character is ``head``'s are compared."""
-        if not head:
-            return 0
-        hold = 0
-        for s, ends in zip(self.stop, self._ends, strict=True):
-            for k in ends.get(head[-1], ()):
-                if k <= hold:
-                    break
-                if head.endswith(s[:k]):
-                    hold = k
-                    break
-        return hold
+        """The longest k such that ``head`` ends with some stop string's first k characters (k < its length). Reads
+        only what ``head`` adds to the last update's, where it extends it (the settled text only grows); else its
+        last ``_reach`` characters afresh."""
+        reach, done = self._reach, self._read_len
+        if done <= len(head) and head.startswith(self._read, done - len(self._read)) and len(head) - done <= reach:
+            new, states = head[done:], self._states
+        else:
+            new, states = head[max(0, len(head) - reach) :], (0,) * len(self.stop)
+        self._states = tuple(
+            longest_start(s, fail, q, new) for s, fail, q in zip(self.stop, self._fails, states, strict=True)
+        )
+        self._read, self._read_len = head[max(0, len(head) - reach) :], len(head)
+        return max(self._states, default=0)
 
     def _text_of(self, token_ids: Sequence[int]) -> str:
         """decode(token_ids) from the settled text and the tokens after it (decoded with CONTEXT tokens before
@@ -264,3 +264,28 @@ def _settled(text: str, final: bool) -> str:
     """The text a stop string is looked for in: before the last update, without a trailing U+FFFD (the first bytes
     of a character whose next bytes are still to come decode as one)."""
     return text if final else text.rstrip("\ufffd")
+
+
+def failure_table(s: str) -> tuple[int, ...]:
+    """Knuth-Morris-Pratt's: per i, the length of the longest proper prefix of s[: i + 1] that is also its suffix."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return tuple(fail)
+
+
+def longest_start(s: str, fail: tuple[int, ...], state: int, text: str) -> int:
+    """The longest k < len(s) for which (a text ending with s[:state]) + ``text`` ends with s[:k]: the matcher of s
+    (``fail`` its ``failure_table``) run on, a character at a time."""
+    for c in text:
+        while state and s[state] != c:
+            state = fail[state - 1]
+        if s[state] == c:
+            state += 1
+        if state == len(s):  # the whole of s: a hold-back is shorter (a stop string found is cut elsewhere)
+            state = fail[state - 1]
+    return state

@@ -361,6 +361,23 @@ def test_the_held_back_tail_is_the_longest_start_of_a_stop_string() -> None:
         assert IncrementalText(tiny_tokenizer(), stops)._hold(head) == want, (stops, head)
 
 
+def test_the_held_back_tail_of_a_growing_text_is_the_longest_start_of_a_stop_string() -> None:
+    """One request's hold-back, update after update, reads only what the text adds: compared with the definition at
+    every update of texts that grow by 0-12 characters a time, and sometimes shrink or change where it was read."""
+    rng = random.Random(1)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab€") for _ in range(rng.randrange(1, 9))) for _ in range(rng.randrange(1, 4))]
+        text, head = IncrementalText(tiny_tokenizer(), stops), ""
+        for _ in range(30):
+            if head and rng.random() < 0.2:  # not grown from the last text: changed or cut somewhere
+                cut = rng.randrange(min(len(head), rng.choice([8, len(head)])))
+                head = head[:cut] + rng.choice(["", "b", "€a", rng.choice("ab€ ") + head[cut + 1 :]])
+            head += "".join(rng.choice("ab€ ") for _ in range(rng.randrange(0, 13)))
+            want = max((k for s in stops for k in range(1, min(len(s), len(head) + 1)) if head.endswith(s[:k])),
+                       default=0)  # fmt: skip
+            assert text._hold(head) == want, (stops, head)
+
+
 def test_the_engine_decodes_an_answer_after_its_prompt() -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
