@@ -106,9 +106,9 @@ class Engine:
         self._ids = itertools.count()
         # every submitted request's outputs (or the error that ended it) until a caller has consumed them
         self._outbox: dict[str, _Outbox] = {}
-        self._step_running = False
+        self._loop_depth = 0  # calls into the loop this thread is inside (``_in_loop``)
         self._deferred_aborts: collections.deque[str] = collections.deque()
-        # one thread at a time in the loop and the outboxes (re-entrant: a stream finalised inside a step aborts)
+        # one thread at a time in the loop and the outboxes (re-entrant: a stream finalised inside a loop call aborts)
         self._lock = threading.RLock()
 
     @classmethod
@@ -169,7 +169,7 @@ class Engine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt must be a non-empty string or None, not {cache_salt!r}")
         ids = self.encode(prompt, chat=chat)
-        with self._lock:
+        with self._lock, self._in_loop():
             request_id = f"req-{next(self._ids)}"
             self.loop.add_request(
                 Request(request_id, ids, params or SamplingParams(), speculation, cache_salt=cache_salt)
@@ -268,36 +268,40 @@ class Engine:
         outbox for its consumer; the others keep every token the step committed. A failure that names no sequence
         resets every running one (each re-prefills on its next step) and reaches the caller."""
         try:
-            with self._stepping():
+            with self._in_loop():
                 return self.loop.step()
         except PartialStepError as e:
             for seq_id, error in e.failures.items():
                 self._fail(seq_id, PartialStepError([], {seq_id: error}))
             return e.outputs
         except BaseException as e:  # KeyboardInterrupt too: the others must not keep the failed step's caches
-            running = {s.seq_id for s in self.loop.running}
-            self.loop.reset(running)  # part of the step may be in the workers' caches and the sequences' counters
+            with self._in_loop():
+                running = {s.seq_id for s in self.loop.running}
+                self.loop.reset(running)  # part of the step may be in the workers' caches and the sequences' counters
             if not isinstance(e, Exception) or (blamed := blamed_sequence(e)) not in running:
                 raise
             self._fail(blamed, e)
             return []
 
     @contextlib.contextmanager
-    def _stepping(self) -> Iterator[None]:
-        """Aborts asked for during a step (a stream generator finalised by the garbage collector inside it) wait
-        until the step is over: the step may be using the request's sequence."""
-        self._step_running = True
+    def _in_loop(self) -> Iterator[None]:
+        """Around every call into the loop. Aborts asked for inside one (a stream finalised by the garbage collector
+        at any allocation on this thread) run as the outermost call ends: the call may be using the request's
+        sequence, or hold a lock the abort takes (the suffix cache's: not re-entrant)."""
+        self._loop_depth += 1
         try:
             yield
         finally:
-            self._step_running = False
-            while self._deferred_aborts:
-                self.loop.abort(self._deferred_aborts.popleft())
+            if self._loop_depth == 1:
+                while self._deferred_aborts:  # (still inside: an abort finalising a stream defers that one too)
+                    self.loop.abort(self._deferred_aborts.popleft())
+            self._loop_depth -= 1
 
     def _fail(self, seq_id: int, error: Exception) -> None:
         if (request_id := self.loop.request_id(seq_id)) is None:
             return
-        self.loop.abort(request_id)
+        with self._in_loop():
+            self.loop.abort(request_id)
         if (box := self._outbox.get(request_id)) is not None:
             box.outputs.append(error)
 
@@ -346,13 +350,10 @@ class Engine:
             self._drop(request_ids)
 
     def _drop(self, request_ids: Sequence[str]) -> None:
-        with self._lock:
+        with self._lock, self._in_loop():  # aborted as the outermost loop call ends
             for rid in request_ids:
                 self._outbox.pop(rid, None)
-                if self._step_running:
-                    self._deferred_aborts.append(rid)
-                else:
-                    self.loop.abort(rid)
+                self._deferred_aborts.append(rid)
 
     @overload
     def _outputs(self, rid: str) -> Iterator[RequestOutput]: ...

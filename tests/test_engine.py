@@ -18,6 +18,7 @@ from specserve.errors import InvalidRequestError
 from specserve.models.llama import LlamaModel
 from specserve.sampling import SamplingParams, process_logits
 from specserve.sequence import FinishReason
+from specserve.spec_decode.suffix_tree import SuffixTrie
 from tests.conftest import greedy_reference
 
 PROMPTS = [[5, 9, 13], [100, 200, 300, 400, 7, 8, 9], [42], [7, 7, 7, 7, 7]]
@@ -125,6 +126,41 @@ def test_stream_yields_steps_and_an_abandoned_stream_frees_its_slot(tiny: LlamaM
     chains = SpecConfig(method=SpecMethod.chain, drafter=Drafter.lookup)  # per-request speculation, as submit
     looked_up = list(engine.stream([7, 7, 7, 7, 7], SamplingParams(max_tokens=8), speculation=chains))
     assert sum(o.stats.drafted > 0 for o in looked_up) > 0
+
+
+def test_a_stream_the_collector_finalises_inside_another_abort_is_aborted_after_it(
+    tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The garbage collector may finalise a dropped stream at any allocation, so inside the engine's own call into the
+    loop: here inside another stream's abort, while that holds the suffix cache's lock (not re-entrant). The
+    finalised stream's abort waits for the outer call to end (it re-entered the lock: the thread hung for good)."""
+    suffix = SpecConfig(method=SpecMethod.chain, drafter=Drafter.suffix)
+    engine = Engine(tiny, None, eos_token_ids=set(), speculation=suffix)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    first, second = engine.stream(PROMPTS[0], params), engine.stream(PROMPTS[1], params)
+    next(first), next(second)
+    add = SuffixTrie.add
+
+    def collecting_add(trie: SuffixTrie, tokens: list[int]) -> None:
+        gc.collect()  # as the collector may at any allocation
+        add(trie, tokens)
+
+    gc.disable()  # the collector runs where the test says only
+    try:
+        cycle: list[object] = [first]
+        cycle.append(cycle)  # the half-read first stream is held by a reference cycle alone
+        del first, cycle
+        monkeypatch.setattr(SuffixTrie, "add", collecting_add)
+        closer = threading.Thread(target=second.close, daemon=True)
+        closer.start()
+        closer.join(timeout=60)
+    finally:
+        gc.enable()
+    assert not closer.is_alive(), "the second stream's abort hung"
+    assert not engine.loop.has_work and not engine._outbox and not engine._deferred_aborts
+    assert engine.loop.target.cache.num_free == engine.loop.target.cache.num_slots
+    [after] = engine.generate(PROMPTS[2], SamplingParams(max_tokens=6))
+    assert after.token_ids == greedy_reference(tiny, PROMPTS[2], 6)
 
 
 @pytest.mark.parametrize(
