@@ -24,6 +24,7 @@ from specserve.config import (
     ModelSpec,
     SpecConfig,
     SpecMethod,
+    TargetSpec,
     serving_speculation,
 )
 from specserve.limits import MemoryShare
@@ -171,7 +172,7 @@ class AppArgs(LoopConfig):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     pair: str | None = None
-    target: ModelSpec | None = None
+    target: TargetSpec | None = None
     draft: DraftSpec | None = None
     tiny: TinyModels | None = None
     served_model_name: str | None = Field(

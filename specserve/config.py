@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
 from specserve.arg_types import device_problem
 from specserve.policy import DSDEConfig, SparseTail
@@ -40,7 +40,11 @@ class ModelSpec(Validated):
     source: str = "smollm2-135m-instruct"
     kind: SourceKind | None = Field(default=None, description="inferred from `source` when not given")
     dtype: DType = DType.float32
-    int8_dynamic: bool = Field(default=False, description="dynamic int8 quantisation of the linear layers")
+    int8_dynamic: bool = Field(
+        default=False,
+        description="dynamic int8 quantisation of the linear layers; drafts only (one activation scale per product: "
+        "a target's rows would depend on their batch)",
+    )
     native_q4: bool = Field(
         default=False,
         description="CPU: the decoder layers' matmuls read the GGUF's packed Q4_1 weights (int4 kernel, bf16 "
@@ -485,10 +489,23 @@ class LoopConfig(Validated):
     )
 
 
+def _verifiable(spec: ModelSpec) -> ModelSpec:
+    if spec.int8_dynamic:
+        raise ValueError(
+            "int8_dynamic is for drafts: its activations share one scale per product, so a target's logits would "
+            "depend on the rows verified with them (other requests', the draft's) and speculation would not give "
+            "plain decoding's tokens"
+        )
+    return spec
+
+
+TargetSpec = Annotated[ModelSpec, AfterValidator(_verifiable)]  # a model that verifies
+
+
 class EngineConfig(LoopConfig):
     """An in-process engine: which models, on which device, and its loop settings."""
 
-    target: ModelSpec = ModelSpec()
+    target: TargetSpec = ModelSpec()
     draft: DraftSpec | None = None
     device: str = Field(default="cpu", description="cpu, or a CUDA device this machine has (cuda, cuda:1)")
     freeze_gc: bool = Field(default=False, description=FREEZE_GC_HELP + "; `specserve generate` turns it on")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pydantic
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from deployments.app_args import AppArgs
+from specserve.config import EngineConfig, ModelSpec, derived_draft
 from specserve.errors import KVCapacityError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel, quantize_int8_dynamic
@@ -241,6 +244,26 @@ def test_int8_dynamic_copy_runs_and_tracks_float32() -> None:
     ref, out = run_one(model, tokens), run_one(q, tokens)
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.5
     assert not torch.equal(out, ref)
+
+
+def test_an_int8_dynamic_model_verifies_nothing_its_rows_depend_on_their_batch() -> None:
+    """Dynamic int8 quantises a product's activations with one scale for all its rows: a row's logits change with the
+    rows beside it (another request's, a draft's), so a target may not be one (a draft may)."""
+    q = quantize_int8_dynamic(tiny_model(seed=10))
+    cache = q.new_cache(2, 64)
+    slots = [cache.allocate(), cache.allocate()]
+    alone = q(ForwardBatch.build(cache, slots[:1], [[5, 6, 7]]), cache)
+    cache.free(slots[0])
+    slots[0] = cache.allocate()
+    beside = q(ForwardBatch.build(cache, slots, [[5, 6, 7], list(range(40, 60))]), cache)[:3]
+    assert not torch.equal(alone, beside)
+    for build in (
+        lambda: EngineConfig(target=ModelSpec(int8_dynamic=True)),
+        lambda: AppArgs(target={"int8_dynamic": True}),
+    ):
+        with pytest.raises(pydantic.ValidationError, match="int8_dynamic is for drafts"):
+            build()
+    assert EngineConfig(target=ModelSpec(), draft=derived_draft(ModelSpec(), "int8")).draft is not None
 
 
 @pytest.mark.cuda
