@@ -834,8 +834,13 @@ def attach_head_stack(head: EagleHead) -> bool:
     norm fused), and its norms through the stack's fused norm: the same values up to float rounding, ~0.25 ms
     less per head forward on a 2-core Xeon (docs/benchmarks.md, "The draft head's layer from C++"). For drafting only
     (no autograd); attach after ``attach_small_gemm`` so the stack reads its weight copies. False (nothing attached,
-    a logged reason) where the extension cannot be built or the head is not on the CPU."""
+    a logged reason) where the extension cannot be built or the head is not on the CPU, or not float32 or bfloat16
+    (the stack's norm and RoPE kernels' dtypes)."""
     if head.device.type != "cpu":
+        head.native_stack = None
+        return False
+    if (dtype := head.fc.weight.dtype) not in (torch.float32, torch.bfloat16):
+        log.warning("the stack runs float32 or bfloat16 heads, not %s: the draft head's layer runs in Python", dtype)
         head.native_stack = None
         return False
     try:
