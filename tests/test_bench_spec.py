@@ -482,6 +482,25 @@ def test_model_free_drafters_with_only_methods_they_cannot_draft_are_refused(
     assert "draft chains and DDD trees only" in capsys.readouterr().err
 
 
+def test_draft_vocab_sizes_a_head_cannot_take_are_refused_before_any_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A size below 2, one for the default pair's EAGLE-3 head (its own LM head: no reduced vocabulary to choose),
+    and one beyond the head's vocabulary were refused only once the target had loaded."""
+    from specserve.bench import spec
+    from specserve.cli import main
+    from tests.conftest import forbid_model_loads
+
+    forbid_model_loads(monkeypatch, spec)
+    for argv, says in (
+        (["--draft-vocab", "1"], "--draft-vocab 1: Input should be greater than or equal to 2"),
+        (["--draft-vocab", "2048"], "applies to EAGLE-1/2 heads; smollm2-eagle's is EAGLE-3"),
+        (["--pairs", "smollm2-eagle1", "--draft-vocab", "1024", "100000"], "100000 exceeds smollm2-eagle1's 49152"),
+    ):
+        assert main(["bench", "spec", *argv, "--out", str(tmp_path / "o")]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_a_set_cut_to_num_prompts_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

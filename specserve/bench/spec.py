@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -653,12 +654,37 @@ def check_settings(args: argparse.Namespace) -> None:
         )
 
 
+def check_draft_vocab(args: argparse.Namespace, pairs: list[BenchPair]) -> None:
+    """``--draft-vocab`` checked as HeadSpec and the loader check it, before any model loads: sizes of at least 2,
+    for EAGLE-1/2 heads only (an EAGLE-3 head drafts over its own LM head), within each head's vocabulary."""
+    for size in args.draft_vocab or []:
+        try:
+            HeadSpec(draft_vocab=size)
+        except ValidationError as e:
+            problems = settings_problems(e, flags={"draft_vocab": f"--draft-vocab {size}"})
+            raise SettingsError(f"invalid arguments: {problems}") from None
+        for bp in pairs:
+            if not isinstance(bp.draft, HeadSpec):
+                continue
+            if checkpoint_kind(bp.draft.path()) == HeadKind.eagle3:
+                raise SettingsError(
+                    f"--draft-vocab applies to EAGLE-1/2 heads; {bp.label}'s is EAGLE-3, drafting over its own LM head"
+                )
+            try:
+                vocab = json.loads((bp.draft.path() / "config.json").read_text()).get("vocab_size")
+            except (OSError, ValueError, AttributeError):  # the loader names what is wrong with the head
+                continue
+            if isinstance(vocab, int) and size > vocab:
+                raise SettingsError(f"--draft-vocab {size} exceeds {bp.label}'s {vocab}-token vocabulary")
+
+
 def run(args: argparse.Namespace) -> int:
     """Every target of ``--pairs`` gets its own plain row (its greedy reference); ratios are to the first plain."""
     if args.assisted and torch.device(args.device).type != "cpu":
         raise SpecServeError("--assisted (transformers assisted generation) runs on the CPU only")
     check_settings(args)
     pairs = draft_pairs(args)
+    check_draft_vocab(args, pairs)
     target_specs: list[ModelSpec] = []
     for bp in pairs:
         if bp.target not in target_specs:
