@@ -180,8 +180,8 @@ class Router:
     def metrics(self) -> ServeMetrics:
         return self._metrics
 
-    def check_capacity(self) -> None:
-        in_flight = sum(lane.in_flight for lane in self.lanes) + self._moving.count
+    def check_capacity(self, *, pending: int = 0) -> None:
+        in_flight = sum(lane.in_flight for lane in self.lanes) + self._moving.count + pending
         if in_flight >= self.capacity:
             raise OverloadedError(
                 f"the server is at capacity ({self.capacity} requests running or queued); retry later",

@@ -67,6 +67,15 @@ class InvalidRequestError(SpecServeError, ValueError):
         self.param = param
 
 
+class PromptTooLongError(InvalidRequestError):
+    """A prompt that cannot fit the room it is given, found before it is tokenized: it has at least ``fewest``
+    tokens."""
+
+    def __init__(self, message: str, *, param: str, fewest: int) -> None:
+        super().__init__(message, param=param)
+        self.fewest = fewest
+
+
 class SequenceError(SpecServeError):
     """A worker's failure pinned on one sequence: that sequence alone is failed; the rest of its batch goes on."""
 

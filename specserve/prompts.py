@@ -4,13 +4,15 @@ in-process runs see identical ids."""
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from specserve.errors import InvalidRequestError
+from specserve.errors import InvalidRequestError, PromptTooLongError
 
 logger = logging.getLogger(__name__)
 
@@ -33,26 +35,59 @@ class PromptEncoder:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return list(ids)
 
-    def text(self, prompt: str) -> list[int]:
+    def text(self, prompt: str, *, room: int | None = None) -> list[int]:
         """A completion prompt's ids: a Llama-2/3 or Mistral tokenizer starts them with its BOS, which the model saw
-        at the start of every training text (the chat templates write it themselves)."""
-        return self._in_vocabulary(self._tokenizer().encode(prompt, add_special_tokens=True), "prompt")
+        at the start of every training text (the chat templates write it themselves). ``room``: the most tokens the
+        prompt may have; one that cannot fit, whatever it tokenizes to, is refused before it is tokenized."""
+        tokenizer = self._tokenizer()
+        self._check_fits(prompt, room, "prompt")
+        return self._in_vocabulary(tokenizer.encode(prompt, add_special_tokens=True), "prompt")
 
-    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]], *, room: int | None = None) -> list[int]:
         """The chat template's ids. A message's text is text: a control token's string typed in it (``<|im_end|>``)
         is tokenized as its characters, as the OpenAI API does, so no message can close its turn and forge another
         (transformers' ``sanitize_control_tokens``: it marks the spellings in the inputs before rendering and encodes
-        them as text, each piece in the context of the text before it, so the ids decode to the rendered prompt)."""
+        them as text, each piece in the context of the text before it, so the ids decode to the rendered prompt).
+        ``room`` as for ``text``, checked on the rendered prompt (a template may trim or drop text)."""
         tokenizer = self._tokenizer()
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:
+            if room is not None and self.max_token_chars is not None:
+                rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                self._check_fits(str(rendered), room, "messages")
             out: Any = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
             )
+        except PromptTooLongError:
+            raise
         except Exception as e:  # jinja errors for malformed messages; a spelling the tokenizer makes from plain text
             raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
         return self._in_vocabulary(list(out["input_ids"] if isinstance(out, Mapping) else out), "messages")
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token stands for, where every character of a text reaches its tokens
+        (byte-level BPE without a normalizer: SmolLM2's, GPT-2's, Llama-3's): the UTF-8 bytes of its longest piece
+        (a piece's character stands for at least one byte, a text's character for at least one). None where a
+        normalizer or pre-tokenizer may map many characters to few or none (whitespace splitting drops spaces)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if self.tokenizer is None or backend is None or not _byte_level(json.loads(backend.to_str())):
+            return None
+        pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return max(len(p.encode()) for p in pieces if p is not None)
+
+    def _check_fits(self, text: str, room: int | None, param: str) -> None:
+        if room is None or self.max_token_chars is None:
+            return
+        fewest = -(-len(text) // self.max_token_chars)  # tokens: no piece stands for more characters
+        if fewest > room:
+            raise PromptTooLongError(
+                f"your {param} has {len(text)} characters: at least {fewest} tokens however they are tokenized, where "
+                f"this request leaves room for {room}.",
+                param=param,
+                fewest=fewest,
+            )
 
     def _in_vocabulary(self, ids: list[int], param: str) -> list[int]:
         """The tokenizer's ids, refused where one is past the model's embedding (a tokenizer with added tokens the
@@ -70,3 +105,20 @@ class PromptEncoder:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass the prompt as a list of token ids")
         return self.tokenizer
+
+
+def _byte_level(spec: dict[str, Any]) -> bool:
+    """A tokenizer.json whose tokens spell every byte of the text: BPE over byte-level pieces, no normalizer, and
+    pre-tokenizers that split without removing anything."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    keeps = all(
+        p.get("type") == "ByteLevel" or (p.get("type") == "Split" and p.get("behavior") != "Removed") for p in steps
+    )
+    model = spec.get("model") or {}
+    return (
+        spec.get("normalizer") is None
+        and model.get("type") == "BPE"
+        and keeps
+        and any(p.get("type") == "ByteLevel" for p in steps)
+    )

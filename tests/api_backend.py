@@ -90,8 +90,8 @@ class LocalBackend:
     def metrics(self) -> ServeMetrics:
         return self._metrics
 
-    def check_capacity(self) -> None:
-        if self.lane.in_flight >= self.capacity:
+    def check_capacity(self, *, pending: int = 0) -> None:
+        if self.lane.in_flight + pending >= self.capacity:
             raise OverloadedError("at capacity", retry_after_s=1)
 
     async def submit(self, request: Request) -> LaneStream:

@@ -5,8 +5,10 @@ after a failed step. Real HTTP against the in-process API (tests/api_backend) wi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -270,21 +272,61 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
 
 
 def test_a_full_server_refuses_before_tokenising_the_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 4 MiB prompt costs ~2 s of tokenisation: a server at capacity answers 429 without paying it."""
+    """A 4 MiB prompt costs ~2 s of tokenisation: a server at capacity answers 429 without paying it, and one with
+    room answers a prompt longer than any tokenisation could fit with a 400 before tokenising it too. A prompt the
+    bound cannot refuse is tokenised, and refused by its tokens."""
     backend = LocalBackend(max_model_len=CONTEXT, capacity=0)
-    encoder, tokenised = backend.encoder, []
-    text = encoder.text
-    monkeypatch.setattr(encoder, "text", lambda prompt: tokenised.append(len(prompt)) or text(prompt))
+    encoder, calls, tokenised = backend.encoder, [], []
+    text, encode = encoder.text, encoder.tokenizer.encode
+    monkeypatch.setattr(encoder, "text", lambda prompt, **kw: calls.append(len(prompt)) or text(prompt, **kw))
+    monkeypatch.setattr(encoder.tokenizer, "encode", lambda t, **kw: tokenised.append(len(t)) or encode(t, **kw))
     try:
         with api_server(backend) as url:
             body = {"model": MODEL, "prompt": "x" * 100_000, "max_tokens": 2}
             r = httpx.post(url + COMPLETIONS, json=body, timeout=30)
             assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
-            assert tokenised == []
-            backend.capacity = 1  # room again: the same path tokenises (a prompt too long for the context: a 400)
+            assert calls == []
+            backend.capacity = 1  # room again: at least 20,000 tokens (no piece of the tokenizer is over 5 bytes)
             r = httpx.post(url + COMPLETIONS, json=body, timeout=30)
-            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-            assert tokenised == [100_000]
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+            assert error["param"] == "prompt" and "at least 20000 tokens" in error["message"]
+            assert calls == [100_000] and tokenised == []
+            messages = [{"role": "user", "content": "x" * 100_000}]
+            r = httpx.post(url + CHAT, json={"model": MODEL, "messages": messages}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert tokenised == []
+            body["prompt"] = "x" * 600  # at least 120 tokens, room for 126: tokenised (600 tokens), then refused
+            r = httpx.post(url + COMPLETIONS, json=body, timeout=30)
+            assert r.status_code == 400 and "resulted in 600 tokens" in r.json()["error"]["message"], r.text
+            assert tokenised == [600]
+    finally:
+        backend.stop()
+
+
+def test_prompts_being_tokenised_count_against_the_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flood of prompts all passed the capacity check while none was admitted yet (each still tokenising), and
+    queued without bound; one on its way in now holds its place."""
+    backend = LocalBackend(max_model_len=CONTEXT, capacity=1)
+    encoder, started, release = backend.encoder, threading.Event(), threading.Event()
+    text = encoder.text
+
+    def slow_text(prompt: str, **kw: Any) -> list[int]:
+        started.set()
+        assert release.wait(30)
+        return text(prompt, **kw)
+
+    monkeypatch.setattr(encoder, "text", slow_text)
+    try:
+        with api_server(backend) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+            first = pool.submit(httpx.post, url + COMPLETIONS, json=body, timeout=30)
+            assert started.wait(30)
+            r = httpx.post(url + COMPLETIONS, json=body, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+            release.set()
+            assert first.result().status_code == 200
+            assert httpx.post(url + COMPLETIONS, json=body, timeout=30).status_code == 200  # its place given back
     finally:
         backend.stop()
 
@@ -617,7 +659,7 @@ def test_openais_other_forms_of_a_request_read_as_they_mean_or_are_refused_by_na
         assert error["param"] == "messages" and says in error["message"], error
     seen: list[list[dict[str, str]]] = []
     chat = backend.encoder.chat
-    monkeypatch.setattr(backend.encoder, "chat", lambda messages: seen.append(messages) or chat(messages))
+    monkeypatch.setattr(backend.encoder, "chat", lambda messages, **kw: seen.append(messages) or chat(messages, **kw))
     named = [{"role": "user", "content": "hi", "name": "bob"}, {"role": "tool", "content": "4", "tool_call_id": "c"}]
     assert post(CHAT, messages=named).status_code == 200
     assert seen == [

@@ -150,3 +150,43 @@ def test_typed_special_strings_add_no_spaces_with_a_sentencepiece_tokenizer() ->
     ids = PromptEncoder(tokenizer, len(tokenizer)).chat(messages)
     assert tokenizer.decode(ids) == "<s>[INST] a</s>b and <s>x</s> [/INST]" == _render(tokenizer, messages)
     assert ids.count(tokenizer.bos_token_id) == 1 and tokenizer.eos_token_id not in ids
+
+
+def test_a_prompt_is_refused_before_tokenizing_only_where_no_tokenization_could_fit(tokenizer: Any) -> None:
+    """The bound a prompt's characters put on its tokens (none stands for more than the longest piece's bytes) never
+    refuses a prompt that fits: each random text, long runs of spaces and newlines (SmolLM2's longest pieces)
+    included, fits a room of its own token count, alone and as a chat message; one token less room refuses only
+    where the bound says so."""
+    import random
+
+    from specserve.errors import PromptTooLongError
+
+    encoder = PromptEncoder(tokenizer, len(tokenizer))
+    assert encoder.max_token_chars == max(
+        len(p.encode()) for p in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
+    )
+    rng = random.Random(0)
+    alphabet = [" " * 80, "\n" + " " * 79, "\n\n", "word", " the", "é", "😀", "中文", "<|im_end|>", "x"]
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
+        ids = tokenizer.encode(text, add_special_tokens=True)
+        assert encoder.text(text, room=len(ids)) == ids
+        messages = [{"role": "user", "content": text}]
+        assert encoder.chat(messages, room=len(encoder.chat(messages))) == encoder.chat(messages)
+    spaces = " " * 10_000
+    with pytest.raises(PromptTooLongError, match="at least"):
+        encoder.text(spaces, room=-(-len(spaces) // encoder.max_token_chars) - 1)
+
+
+def test_a_tokenizer_that_drops_characters_puts_no_bound_on_a_prompts_tokens() -> None:
+    """Whitespace splitting drops every space: a million of them are no tokens at all, so a text's length bounds
+    nothing and no prompt is refused before it is tokenized."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words = PreTrainedTokenizerFast(tokenizer_object=core)
+    encoder = PromptEncoder(words, 2)
+    assert encoder.max_token_chars is None
+    assert encoder.text(" " * 100_000 + "a", room=1) == [1]

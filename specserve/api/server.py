@@ -67,7 +67,7 @@ from specserve.api.schemas import (
     is_union_member,
 )
 from specserve.config import SpecConfig
-from specserve.errors import InvalidRequestError
+from specserve.errors import InvalidRequestError, PromptTooLongError
 from specserve.prompts import PromptEncoder
 from specserve.sequence import FinishReason, Request, RequestOutput
 
@@ -109,9 +109,10 @@ class Backend(Protocol):
     @property
     def metrics(self) -> ServeMetrics: ...
 
-    def check_capacity(self) -> None:
-        """Raise OverloadedError where a request submitted now would be refused as over capacity: asked before the
-        prompt is tokenised, so that a full server spends nothing on it (``submit`` asks again)."""
+    def check_capacity(self, *, pending: int = 0) -> None:
+        """Raise OverloadedError where a request submitted now would be refused as over capacity, counting
+        ``pending`` requests on their way in: asked before the prompt is tokenised, so that a full server spends
+        nothing on it (``submit`` asks again)."""
         ...
 
     async def submit(self, request: Request) -> OutputStream:
@@ -263,6 +264,7 @@ class _ClosingStreamingResponse(StreamingResponse):
 class _Routes:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        self._encoding = 0  # requests past the capacity check whose prompts are being tokenised
 
     async def completions(
         self, body: CompletionRequest, http: HTTPRequest, last_event_id: LastEventID = None
@@ -270,8 +272,10 @@ class _Routes:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
-        def encode() -> list[int]:
-            return encoder.text(body.prompt) if isinstance(body.prompt, str) else encoder.token_ids(body.prompt)
+        def encode(room: int) -> list[int]:
+            if isinstance(body.prompt, str):
+                return encoder.text(body.prompt, room=room)
+            return encoder.token_ids(body.prompt)
 
         limit = _TokenLimit(body.max_tokens, "max_tokens", "prompt")
         fmt = _CompletionFormat(self._model())
@@ -283,8 +287,8 @@ class _Routes:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
-        def encode() -> list[int]:
-            return encoder.chat([m.for_template() for m in body.messages])
+        def encode(room: int) -> list[int]:
+            return encoder.chat([m.for_template() for m in body.messages], room=room)
 
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
         fmt = _ChatFormat(self._model())
@@ -321,7 +325,7 @@ class _Routes:
     async def _generate(
         self,
         body: GenerationRequest,
-        encode: Callable[[], list[int]],
+        encode: Callable[[int], list[int]],  # the prompt's ids, given the most tokens it may have
         limit: _TokenLimit,
         fmt: _Format,
         tracker: _Tracker,
@@ -336,9 +340,17 @@ class _Routes:
                     f"the model {body.model[:40]!r} does not exist; this server serves {self.backend.model_name!r}",
                     param="model",
                 )
-            self.backend.check_capacity()  # a 429 before the prompt's tokenisation is paid for
-            prompt_ids = await asyncio.to_thread(encode)  # a huge prompt must not stall every other stream
-            max_tokens = limit.check(len(prompt_ids), self.backend.max_model_len)
+            context = self.backend.max_model_len
+            self.backend.check_capacity(pending=self._encoding)  # a 429 before the prompt's tokenisation is paid for
+            self._encoding += 1  # (a flood of prompts being tokenised counts against the capacity it would fill)
+            try:
+                prompt_ids = await asyncio.to_thread(encode, limit.room(context))  # not on the event loop
+            except PromptTooLongError as e:  # refused before it was tokenised: named as a tokenised one would be
+                limit.check(e.fewest, context, at_least=True)
+                raise
+            finally:
+                self._encoding -= 1
+            max_tokens = limit.check(len(prompt_ids), context)
             if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
                 raise ResumeMismatchError(
                     f"{RESUME_PARAM} is after output token {resume.tokens}, past this request's limit of "
@@ -465,13 +477,19 @@ class _TokenLimit:
     max_tokens_param: str
     prompt_param: str
 
-    def check(self, prompt_tokens: int, context: int) -> int:
+    def room(self, context: int) -> int:
+        """The most tokens the prompt may have (at least one: a max_tokens with no room is refused by ``check``)."""
+        return max(1, context - (1 if self.max_tokens is None else self.max_tokens))
+
+    def check(self, prompt_tokens: int, context: int, *, at_least: bool = False) -> int:
         """The max_tokens to generate; a 400 context_length_exceeded when the prompt or prompt + max_tokens does
-        not fit (OpenAI's behaviour: never silently clamped)."""
+        not fit (OpenAI's behaviour: never silently clamped). ``at_least``: the prompt was not tokenised, and has at
+        least ``prompt_tokens``."""
+        some = "at least " if at_least else ""
         if prompt_tokens >= context:
             raise ContextLengthError(
                 f"This model's maximum context length is {context} tokens. However, your {self.prompt_param} "
-                f"resulted in {prompt_tokens} tokens, which leaves no room to generate. Please reduce the length "
+                f"resulted in {some}{prompt_tokens} tokens, which leaves no room to generate. Please reduce the length "
                 f"of the {self.prompt_param}.",
                 param=self.prompt_param,
             )
@@ -480,7 +498,7 @@ class _TokenLimit:
         if prompt_tokens + self.max_tokens > context:
             raise ContextLengthError(
                 f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{prompt_tokens + self.max_tokens} tokens ({prompt_tokens} in the {self.prompt_param}, "
+                f"{some}{prompt_tokens + self.max_tokens} tokens ({some}{prompt_tokens} in the {self.prompt_param}, "
                 f"{self.max_tokens} in the completion). Please reduce the length of the {self.prompt_param} "
                 f"or {self.max_tokens_param}.",
                 param=self.max_tokens_param,
