@@ -212,6 +212,28 @@ def test_lists_a_request_can_fill_stop_at_their_first_bad_item() -> None:
         assert locs == {where}, e.value.errors()  # the first bad item only, not one error per item
 
 
+def test_maps_a_request_can_fill_are_refused_whole_before_their_entries() -> None:
+    """A few MiB of logit_bias or metadata entries with bad values gave one error per entry (seconds of the event
+    loop); each map is now refused as a whole, in one error, before any entry is validated."""
+    from pydantic import ValidationError
+
+    from specserve.api.schemas import ChatCompletionRequest, CompletionRequest
+
+    bad = {str(i): "x" for i in range(1000)}
+    for model, extra in (
+        (CompletionRequest, {"prompt": "hi"}),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        for field, says in (("logit_bias", "not supported"), ("metadata", "at most 16 keys, not 1000")):
+            with pytest.raises(ValidationError) as e:
+                model.model_validate({"model": MODEL, **extra, field: bad})
+            assert [err["loc"] for err in e.value.errors()] == [(field,)] and says in str(e.value)
+        ok = model.model_validate({"model": MODEL, **extra, "metadata": {"k": "v"} | {str(i): "v" for i in range(15)}})
+        assert ok.metadata is not None and len(ok.metadata) == 16
+    with pytest.raises(ValidationError, match="at most 64 characters"):  # OpenAI's bound on a key
+        CompletionRequest.model_validate({"model": MODEL, "prompt": "hi", "metadata": {"k" * 65: "v"}})
+
+
 def test_a_messages_text_parts_are_joined_on_lines_of_their_own_as_vllm_does() -> None:
     from specserve.api.schemas import ChatCompletionRequest
 

@@ -170,6 +170,7 @@ def _document_nullable(schema: dict[str, Any]) -> None:
 
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
+MAX_METADATA_KEYS = 16  # OpenAI's bound
 # a conversation's messages: validating 120k one-character messages (a 3.9 MiB body, under the size limit) held the
 # event loop 1.5 s and the chat template another 3.5 s, stalling every stream of the replica
 MAX_MESSAGES = 4096
@@ -206,8 +207,10 @@ class GenerationRequest(ClosedModel):
     logprobs: Literal[False] | None = Field(default=None, description="not supported: only false or null")
     user: str | None = None
     logit_bias: dict[str, float] | None = Field(default=None, description="not supported: only null or {}")
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
-        default=None, max_length=16, description="stored by OpenAI for its dashboard; accepted and unused here"
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None,
+        max_length=MAX_METADATA_KEYS,
+        description="stored by OpenAI for its dashboard; accepted and unused here",
     )
     ignore_eos: StrictBool = Field(default=False, description="extension: keep generating past EOS")
     return_token_ids: StrictBool = Field(default=False, description="extension: token ids alongside the text")
@@ -270,11 +273,20 @@ class GenerationRequest(ClosedModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
-    @field_validator("logit_bias")
+    # maps a body can fill are refused whole before their entries are validated (an error per bad entry: seconds of
+    # the event loop for a few MiB of them)
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
+    def _no_logit_bias(cls, v: object) -> object:
+        if isinstance(v, dict) and v:
             raise ValueError("logit_bias is not supported; send null or {}")
+        return v
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _metadata_size(cls, v: object) -> object:
+        if isinstance(v, dict) and len(v) > MAX_METADATA_KEYS:
+            raise ValueError(f"metadata has at most {MAX_METADATA_KEYS} keys, not {len(v)}")
         return v
 
     @property
