@@ -1,6 +1,7 @@
 """What the HTTP layer checks before a request reaches a route: the API key, the body's size and how long the
 client may take to send it. A pure ASGI middleware, so a slow or huge body never reaches JSON parsing and never
-holds the event loop: ``/health`` answers whatever the other connections send.
+holds the event loop: ``/health`` answers whatever the other connections send. It runs once the server has a
+request's whole head: a connection that never completes one is the HTTP server's (or a proxy's) to time out.
 
 Every 503 it lets out carries a ``Retry-After`` (``HTTPOptions.unavailable_retry_after_s``), whichever route or
 handler sent it: a 429's own estimate is the router's, a 503 (a lane that lost its workers, failovers used up, a
