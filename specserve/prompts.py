@@ -53,7 +53,7 @@ class PromptEncoder:
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:
-            if room is not None and self.max_token_chars is not None:
+            if room is not None and self.max_token_chars is not None and _text_chars(messages) > room:
                 rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
                 self._check_fits(str(rendered), room, "messages")
             out: Any = tokenizer.apply_chat_template(
@@ -105,6 +105,12 @@ class PromptEncoder:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: pass the prompt as a list of token ids")
         return self.tokenizer
+
+
+def _text_chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of the messages' text: only a chat of more than its room can render to more tokens than that
+    (a template adds a few of its own), so a smaller one is not rendered twice."""
+    return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
 
 
 def _byte_level(spec: dict[str, Any]) -> bool:
