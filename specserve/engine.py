@@ -292,10 +292,12 @@ class Engine:
         try:
             yield
         finally:
-            if self._loop_depth == 1:
-                while self._deferred_aborts:  # (still inside: an abort finalising a stream defers that one too)
-                    self.loop.abort(self._deferred_aborts.popleft())
-            self._loop_depth -= 1
+            try:
+                if self._loop_depth == 1:
+                    while self._deferred_aborts:  # (still inside: an abort finalising a stream defers that one too)
+                        self.loop.abort(self._deferred_aborts.popleft())
+            finally:  # an abort that raised (an interrupt) leaves the depth as it found it: later ones still run
+                self._loop_depth -= 1
 
     def _fail(self, seq_id: int, error: Exception) -> None:
         if (request_id := self.loop.request_id(seq_id)) is None:

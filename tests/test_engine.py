@@ -163,6 +163,33 @@ def test_a_stream_the_collector_finalises_inside_another_abort_is_aborted_after_
     assert after.token_ids == greedy_reference(tiny, PROMPTS[2], 6)
 
 
+def test_an_abort_cut_short_by_an_interrupt_leaves_later_aborts_running(
+    tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt inside a stream's abort (while it adds the output to the suffix cache) left the engine counted
+    inside a loop call for good: every later abort waited for an outermost call that never ended, and the dropped
+    requests ran on holding their KV."""
+    suffix = SpecConfig(method=SpecMethod.chain, drafter=Drafter.suffix)
+    engine = Engine(tiny, None, eos_token_ids=set(), speculation=suffix)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    first, second = engine.stream(PROMPTS[0], params), engine.stream(PROMPTS[1], params)
+    next(first), next(second)
+    add, interrupted = SuffixTrie.add, []
+
+    def interrupted_once(trie: SuffixTrie, tokens: list[int]) -> None:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        add(trie, tokens)
+
+    monkeypatch.setattr(SuffixTrie, "add", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        first.close()
+    second.close()
+    assert not engine._deferred_aborts and [s.request.request_id for s in engine.loop.running] == []
+    assert engine.loop.target.cache.num_free == engine.loop.target.cache.num_slots
+
+
 @pytest.mark.parametrize(
     "bad",
     [
