@@ -53,7 +53,7 @@ class PromptEncoder:
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:
-            if room is not None and self.max_token_chars is not None and _text_chars(messages) > room:
+            if room is not None and self.max_token_chars and _text_chars(messages) > room * self.max_token_chars:
                 rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
                 self._check_fits(str(rendered), room, "messages")
             out: Any = tokenizer.apply_chat_template(
@@ -68,14 +68,15 @@ class PromptEncoder:
     @functools.cached_property
     def max_token_chars(self) -> int | None:
         """The most characters of text one token stands for, where every character of a text reaches its tokens
-        (byte-level BPE without a normalizer: SmolLM2's, GPT-2's, Llama-3's): the UTF-8 bytes of its longest piece
-        (a piece's character stands for at least one byte, a text's character for at least one). None where a
-        normalizer or pre-tokenizer may map many characters to few or none (whitespace splitting drops spaces)."""
+        (byte-level BPE without a normalizer: SmolLM2's, GPT-2's, Llama-3's): its longest piece's characters (a
+        byte-level piece spells one byte a character, at most one character of text; an added token its own text).
+        None where a normalizer, a pre-tokenizer or an added token that strips whitespace beside it may map many
+        characters to few or none (whitespace splitting drops spaces)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if self.tokenizer is None or backend is None or not _byte_level(json.loads(backend.to_str())):
             return None
         pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
-        return max(len(p.encode()) for p in pieces if p is not None)
+        return max(len(p) for p in pieces if p is not None)
 
     def _check_fits(self, text: str, room: int | None, param: str) -> None:
         if room is None or self.max_token_chars is None:
@@ -108,23 +109,25 @@ class PromptEncoder:
 
 
 def _text_chars(messages: list[dict[str, Any]]) -> int:
-    """The characters of the messages' text: only a chat of more than its room can render to more tokens than that
-    (a template adds a few of its own), so a smaller one is not rendered twice."""
+    """The characters of the messages' text: a chat whose text a room's tokens can spell (a template adds a few
+    characters of its own) is not rendered twice to be counted, only tokenised."""
     return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
 
 
 def _byte_level(spec: dict[str, Any]) -> bool:
-    """A tokenizer.json whose tokens spell every byte of the text: BPE over byte-level pieces, no normalizer, and
-    pre-tokenizers that split without removing anything."""
+    """A tokenizer.json whose tokens spell every byte of the text: BPE over byte-level pieces, no normalizer,
+    pre-tokenizers that split without removing anything, and no added token that strips the whitespace beside it."""
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     keeps = all(
         p.get("type") == "ByteLevel" or (p.get("type") == "Split" and p.get("behavior") != "Removed") for p in steps
     )
     model = spec.get("model") or {}
+    strips = any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or [])
     return (
         spec.get("normalizer") is None
         and model.get("type") == "BPE"
         and keeps
+        and not strips
         and any(p.get("type") == "ByteLevel" for p in steps)
     )

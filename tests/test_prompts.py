@@ -162,9 +162,7 @@ def test_a_prompt_is_refused_before_tokenizing_only_where_no_tokenization_could_
     from specserve.errors import PromptTooLongError
 
     encoder = PromptEncoder(tokenizer, len(tokenizer))
-    assert encoder.max_token_chars == max(
-        len(p.encode()) for p in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
-    )
+    assert encoder.max_token_chars == 81  # "\n" and 80 spaces
     rng = random.Random(0)
     alphabet = [" " * 80, "\n" + " " * 79, "\n\n", "word", " the", "é", "😀", "中文", "<|im_end|>", "x"]
     for _ in range(200):
@@ -190,3 +188,16 @@ def test_a_tokenizer_that_drops_characters_puts_no_bound_on_a_prompts_tokens() -
     encoder = PromptEncoder(words, 2)
     assert encoder.max_token_chars is None
     assert encoder.text(" " * 100_000 + "a", room=1) == [1]
+
+
+def test_an_added_token_that_strips_whitespace_puts_no_bound_on_a_prompts_tokens() -> None:
+    """An added token with rstrip / lstrip takes in the whitespace beside it, however long: "<sep>" and 5,000
+    spaces are one token."""
+    from tokenizers import AddedToken
+
+    tokenizer = load_tokenizer(ModelSpec())
+    tokenizer.add_tokens([AddedToken("<sep>", rstrip=True, lstrip=True)])
+    encoder = PromptEncoder(tokenizer, len(tokenizer))
+    prompt = "<sep>" + " " * 5000
+    assert len(tokenizer.encode(prompt)) == 1 and encoder.max_token_chars is None
+    assert encoder.text(prompt, room=1) == tokenizer.encode(prompt)
