@@ -331,6 +331,53 @@ def test_prompts_being_tokenised_count_against_the_capacity(monkeypatch: pytest.
         backend.stop()
 
 
+def test_a_request_that_left_holds_its_place_until_its_tokenisation_ends() -> None:
+    """A request cancelled while its prompt was tokenised (Serve cancels the handler of a client that went away)
+    gave its place back at once while the tokenisation went on in a thread: clients that sent long prompts and hung
+    up queued tokenisations without bound."""
+    from specserve.api.schemas import CompletionRequest
+    from specserve.api.server import _CompletionFormat, _Routes, _TokenLimit, _Tracker
+
+    class OnePlace:
+        model_name, max_model_len, metrics = MODEL, CONTEXT, ServeMetrics()
+
+        def check_capacity(self, *, pending: int = 0) -> None:
+            if pending >= 1:
+                raise OverloadedError("full", retry_after_s=1)
+
+    release = threading.Event()
+    routes = _Routes(OnePlace())  # type: ignore[arg-type]
+
+    def encode(room: int) -> list[int]:
+        assert release.wait(30)
+        return [5, 6]
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    def request() -> Awaitable[Any]:
+        limit, fmt = _TokenLimit(2, "max_tokens", "prompt"), _CompletionFormat(MODEL)
+        body = CompletionRequest.model_validate({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        return routes._generate(body, encode, limit, fmt, _Tracker(), receive)
+
+    async def main() -> None:
+        first = asyncio.ensure_future(request())
+        await asyncio.sleep(0.1)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        with pytest.raises(OverloadedError):  # its tokenisation still runs, and holds the one place
+            await asyncio.wait_for(request(), 10)
+        release.set()
+        for _ in range(1000):
+            if not routes._encoding:
+                break
+            await asyncio.sleep(0.01)
+        assert routes._encoding == 0  # given back once the thread is done
+
+    asyncio.run(main())
+
+
 def test_client_disconnect_mid_stream_is_an_abort(backend: LocalBackend, url: str) -> None:
     before = requests_by_status(backend)
     body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 100, "ignore_eos": True, "stream": True}

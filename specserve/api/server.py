@@ -342,14 +342,11 @@ class _Routes:
                 )
             context = self.backend.max_model_len
             self.backend.check_capacity(pending=self._encoding)  # a 429 before the prompt's tokenisation is paid for
-            self._encoding += 1  # (a flood of prompts being tokenised counts against the capacity it would fill)
             try:
-                prompt_ids = await asyncio.to_thread(encode, limit.room(context))  # not on the event loop
+                prompt_ids = await asyncio.shield(self._tokenise(encode, limit.room(context)))
             except PromptTooLongError as e:  # refused before it was tokenised: named as a tokenised one would be
                 limit.check(e.fewest, context, at_least=True)
                 raise
-            finally:
-                self._encoding -= 1
             max_tokens = limit.check(len(prompt_ids), context)
             if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
                 raise ResumeMismatchError(
@@ -379,6 +376,21 @@ class _Routes:
             events = self._events(outcome, body, fmt, tracker, StreamCursor(resume))
             return _ClosingStreamingResponse(events, on_close=outcome.close, media_type=SSE_MEDIA_TYPE)
         return await self._collect(_Outcome(stream, metrics), body, fmt, tracker, receive)
+
+    def _tokenise(self, encode: Callable[[int], list[int]], room: int) -> asyncio.Future[list[int]]:
+        """``encode(room)`` on a thread, off the event loop. Until it ends it holds a place against the capacity (a
+        flood of prompts being tokenised would fill it): given back when the thread's work ends, not when a caller
+        that left stops waiting (the thread works on)."""
+        work = asyncio.get_running_loop().run_in_executor(None, encode, room)
+        self._encoding += 1
+
+        def done(f: asyncio.Future[list[int]]) -> None:
+            self._encoding -= 1
+            if not f.cancelled():
+                f.exception()  # retrieved, where the caller left: not logged as never retrieved
+
+        work.add_done_callback(done)
+        return work
 
     async def _collect(
         self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker, receive: Receive
