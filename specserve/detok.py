@@ -121,7 +121,9 @@ class IncrementalText:
         else:
             before_run = len(full)
         stop_at = None
-        found = any(s in _settled(full, final) for s in self.stop)
+        # (only where a stop string may end past the text an earlier update searched: that text cannot change)
+        searched = _settled(full[max(0, self._seen_chars - self._reach) :], final)
+        found = any(s in searched for s in self.stop)
         # ... or one that may have been complete in the text of a shorter prefix only (bytes since joined a run of
         # byte tokens and turned its characters into U+FFFD)
         if found or (self.stop and any(t in self.runs.bytes for t in token_ids[self._seen :])):
@@ -202,7 +204,9 @@ class IncrementalText:
         if not tail.startswith(context):
             return self._decode(token_ids)
         text = self._fixed_text + tail[len(context) :]
-        settle = len(token_ids) - CONTEXT  # the last tokens stay open: a later token may change their text
+        # the last tokens stay open: a later token may change their text, a byte token's that of its whole run (a
+        # window starting inside an open run decodes it as U+FFFD, and the whole output was decoded every update)
+        settle = len(token_ids) - max(CONTEXT, self.runs.open_run(token_ids))
         if settle - fixed >= CONTEXT:
             head = self._decode(token_ids[start:settle], first=start == 0)
             settled = head[len(context) :]
