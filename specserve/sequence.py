@@ -216,7 +216,9 @@ class Sequence:
         return len(self.request.prompt_ids) + len(self.output)
 
     def unsent(self, seen: int) -> list[int]:
-        return self.tokens[seen:]
+        """The tokens from index ``seen`` on, without building the whole context (its output's, past the prompt)."""
+        prompt = self.request.prompt_ids
+        return self.output[seen - len(prompt) :] if seen >= len(prompt) else prompt[seen:] + self.output
 
     def draft_behind(self) -> int:
         """Tokens the draft model has not read: all of them before its first step, after plain steps those steps'

@@ -310,7 +310,7 @@ class StepLoop:
                     kld_mode=None if s.sl_state is None else s.spec.kld_mode,
                     features=None if q is None else q[1],
                     feature_start=s.features_from if q is None else q[0],
-                    root_position=len(s.tokens) - 1,
+                    root_position=s.length - 1,
                     min_prob=plan.min_prob if s.spec.adaptive_floor else None,
                 )
                 for (s, d), q in zip(to_model, queued, strict=True)
@@ -322,7 +322,7 @@ class StepLoop:
                 s.draft_prefilled = q is not None and current[s.seq_id] and s.features_sent == 0
             proposals.update((p.seq_id, p) for p in self.draft.propose(items))
             for s, _ in to_model:
-                s.draft_seen = len(s.tokens)
+                s.draft_seen = s.length
                 s.features_went()
                 s.model_proposed = True
         # a draft head without features for a sequence yet (its first step) drafts nothing: a plain step

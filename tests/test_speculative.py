@@ -259,3 +259,13 @@ def test_nothing_is_drafted_past_max_tokens_or_the_context(target: LlamaModel, s
         # single token left (the step's first token is its forward's own); accepted + forwards = tokens output
         assert out.stats.depth_sum - out.stats.accepted in (0, 1)
         assert out.stats.accepted + out.stats.target_forwards == n, (max_tokens, max_model_len, out.stats)
+
+
+def test_a_sequences_unsent_tokens_are_its_context_from_an_index() -> None:
+    """``unsent(seen)`` slices the output past the prompt instead of building the whole context each step: the same
+    tokens from every index, in the prompt, at its end and in the output."""
+    from specserve.sequence import Request, Sequence
+
+    seq = Sequence(0, Request("r", [1, 2, 3, 4], SamplingParams()), None, output=[5, 6, 7])  # type: ignore[arg-type]
+    assert [seq.unsent(seen) for seen in range(9)] == [[1, 2, 3, 4, 5, 6, 7][seen:] for seen in range(9)]
+    assert seq.length == 7
