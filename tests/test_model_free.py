@@ -29,13 +29,25 @@ from specserve.spec_decode.count_tree import (
     share,
     tree_from_counts,
 )
-from specserve.spec_decode.lookup import continuation_trie, match_starts
+from specserve.spec_decode.lookup import TokenArray, continuation_trie, match_starts
 from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.spec_decode.suffix_tree import ROOT, CountNode, CountTrie, SuffixCache, SuffixStream, SuffixTrie
 
 from .conftest import greedy_reference
 
 # --- prompt lookup ---------------------------------------------------------------------------------------------------
+
+
+def test_a_token_array_fed_a_growing_sequence_is_that_sequence() -> None:
+    """Prompt lookup's array of a request's tokens is fed only what each step adds (it was converted whole each
+    step): the same values as converting the whole sequence, as it grows by 0-40 tokens a step past its room."""
+    rng = np.random.default_rng(0)
+    tokens: list[int] = []
+    array = TokenArray()
+    for _ in range(60):
+        tokens += rng.integers(0, 50_000, rng.integers(0, 41)).tolist()
+        got = array.extend(tokens)
+        assert got.dtype == np.int64 and np.array_equal(got, np.asarray(tokens, dtype=np.int64))
 
 
 def test_match_starts_finds_the_longest_ngram_and_every_earlier_occurrence() -> None:
@@ -366,7 +378,8 @@ def test_model_free_drafting_is_greedy_equal_without_a_draft_model(
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.token_ids == greedy_reference(small_vocab, prompt, 60)
     assert sum(o.stats.accepted for o in outs) >= 40  # it drafted, and drafts were accepted
-    assert engine.loop.target.cache.num_free == 4 and not engine.loop.model_free.streams
+    drafter_state = engine.loop.model_free
+    assert engine.loop.target.cache.num_free == 4 and not drafter_state.streams and not drafter_state.arrays
 
 
 @dataclass

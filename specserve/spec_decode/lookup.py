@@ -3,9 +3,31 @@ earlier in the request's prompt and output, and propose what followed them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from specserve.spec_decode.suffix_tree import CountNode, CountTrie
+
+
+class TokenArray:
+    """One growing token sequence as an int64 array, fed only the tokens added since the last call (lookup reads the
+    whole context every step: converting it whole each step cost O(context) there)."""
+
+    def __init__(self) -> None:
+        self.data = np.empty(0, dtype=np.int64)
+        self.fed = 0
+
+    def extend(self, tokens: Sequence[int]) -> np.ndarray:
+        """``tokens`` [L] (the caller passes the whole sequence so far, grown from the last one) as an array."""
+        n = len(tokens)
+        if n > self.data.shape[0]:  # room doubles: O(1) a token over a sequence's life
+            grown = np.empty(max(n, 2 * self.data.shape[0], 64), dtype=np.int64)
+            grown[: self.fed] = self.data[: self.fed]
+            self.data = grown
+        self.data[self.fed : n] = tokens[self.fed :]
+        self.fed = n
+        return self.data[:n]
 
 
 def match_starts(tokens: np.ndarray, ngram_max: int, ngram_min: int) -> tuple[int, np.ndarray]:

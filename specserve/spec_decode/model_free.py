@@ -8,8 +8,6 @@ its verify result comes back (``observe``) to the ``CountCalibration`` that scor
 
 from __future__ import annotations
 
-import numpy as np
-
 from specserve.config import Drafter, ModelFreeConfig, SpecConfig
 from specserve.messages import Proposal
 from specserve.spec_decode.count_calibration import Cell, CountCalibration, node_cell
@@ -21,7 +19,7 @@ from specserve.spec_decode.count_tree import (
     draft_from_counts,
     share,
 )
-from specserve.spec_decode.lookup import continuation_trie, match_starts
+from specserve.spec_decode.lookup import TokenArray, continuation_trie, match_starts
 from specserve.spec_decode.suffix_tree import CountNode, SuffixCache, SuffixStream, SuffixTrie
 
 
@@ -29,6 +27,7 @@ class ModelFreeDrafter:
     def __init__(self, cache: SuffixCache | None = None) -> None:
         self.cache = cache  # recent outputs across requests (None: the request's own tokens only)
         self.streams: dict[int, SuffixStream] = {}  # the suffix drafter's trie over each request's tokens
+        self.arrays: dict[int, TokenArray] = {}  # prompt lookup's array of each request's tokens
         self.calibration = CountCalibration()  # nodes' acceptance as measured (ModelFreeConfig.calibrated)
         self._cells: dict[int, tuple[Proposal, list[Cell]]] = {}  # each sequence's last calibrated proposal
 
@@ -51,7 +50,7 @@ class ModelFreeDrafter:
         cfg = spec.model_free
         floor = max(cfg.min_score, spec.tree_min_prob if min_prob is None else min_prob)
         if spec.drafter == Drafter.lookup:
-            arr = np.asarray(tokens, dtype=np.int64)
+            arr = self.arrays.setdefault(seq_id, TokenArray()).extend(tokens)
             n, starts = match_starts(arr, cfg.ngram_max, cfg.ngram_min)
             root = continuation_trie(arr, starts, depth, cfg.max_matches) if n else None
             return self._first(seq_id, [(n, root)], spec, depth, want_q, floor)
@@ -80,6 +79,7 @@ class ModelFreeDrafter:
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.streams.pop(seq_id, None)
+            self.arrays.pop(seq_id, None)
             self._cells.pop(seq_id, None)
 
     def use_cache(self) -> None:
