@@ -175,15 +175,15 @@ class IncrementalText:
         """The longest k such that ``head`` ends with some stop string's first k characters (k < its length). Reads
         only what ``head`` adds to the last update's, where it extends it (the settled text only grows); else its
         last ``_reach`` characters afresh."""
-        reach, done = self._reach, self._read_len
+        reach, done, tail = self._reach, self._read_len, head[max(0, len(head) - self._reach) :]
         if done <= len(head) and head.startswith(self._read, done - len(self._read)) and len(head) - done <= reach:
             new, states = head[done:], self._states
         else:
-            new, states = head[max(0, len(head) - reach) :], (0,) * len(self.stop)
+            new, states = tail, (0,) * len(self.stop)
         self._states = tuple(
             longest_start(s, fail, q, new) for s, fail, q in zip(self.stop, self._fails, states, strict=True)
         )
-        self._read, self._read_len = head[max(0, len(head) - reach) :], len(head)
+        self._read, self._read_len = tail, len(head)
         return max(self._states, default=0)
 
     def _text_of(self, token_ids: Sequence[int]) -> str:
