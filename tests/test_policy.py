@@ -112,7 +112,6 @@ def test_weighted_variance_by_hand():
     # m = (0.25*1 + 0.5*2 + 1*4) / 1.75 = 5.25 / 1.75 = 3
     # var = (0.25*(1-3)^2 + 0.5*(2-3)^2 + 1*(4-3)^2) / 1.75 = 2.5 / 1.75 = 10/7
     assert weighted_variance([1.0, 2.0, 4.0], 0.5) == pytest.approx(10 / 7, rel=1e-12)
-    assert weighted_variance(torch.tensor([1.0, 2.0, 4.0]), 0.5) == pytest.approx(10 / 7, rel=1e-6)
     # Newest-last orientation matters: [4, 2, 1] -> m = 3/1.75 = 12/7,
     # var = (0.25*(16/7)^2 + 0.5*(2/7)^2 + (5/7)^2) / 1.75 = (91/49) / 1.75 = 52/49
     assert weighted_variance([4.0, 2.0, 1.0], 0.5) == pytest.approx(52 / 49, rel=1e-12)

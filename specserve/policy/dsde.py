@@ -23,7 +23,6 @@ from enum import Enum
 from typing import Protocol, runtime_checkable
 
 from pydantic import ConfigDict, Field, model_validator
-from torch import Tensor
 
 from specserve.validated import Validated
 
@@ -129,18 +128,13 @@ class DSDEConfig(Validated):
 CALIBRATION_EPS = 1e-8
 
 
-def _floats(x: Tensor | Sequence[float]) -> list[float]:
-    if isinstance(x, Tensor):
-        return [float(v) for v in x.detach().reshape(-1).tolist()]
-    return [float(v) for v in x]
-
-
-def weighted_variance(x: Tensor | Sequence[float], delta: float) -> float:
+def weighted_variance(x: Sequence[float], delta: float) -> float:
     """Var_w(x) = sum w_j (x_j - m)^2 / sum w_j, m = sum w_j x_j / sum w_j, w_j = delta^age_j.
 
-    x: [n], oldest first (the newest value is the last element and has age 0). Empty -> 0.
+    x: [n] host floats (the step's KLDs reach the policy as lists), oldest first (the newest value is the last element
+    and has age 0). Empty -> 0.
     """
-    xs = _floats(x)
+    xs = list(x)
     n = len(xs)
     if n == 0:
         return 0.0
@@ -157,12 +151,12 @@ def short_window_size(n: int, cfg: DSDEConfig) -> int:
     return max(1, n // 3)
 
 
-def wvir(history: Tensor | Sequence[float], cfg: DSDEConfig) -> float:
+def wvir(history: Sequence[float], cfg: DSDEConfig) -> float:
     """WVIR = Var_w(short) / Var_w(long) over the newest n_long values of `history` (oldest first).
 
     Fewer than 2 values -> 0. Var_w(long) < flat_var_eps -> cfg.flat_kld.wvir (1.0, or 20.0 for the reference).
     """
-    h = _floats(history)[-cfg.n_long :]
+    h = list(history)[-cfg.n_long :]
     n = len(h)
     if n < 2:
         return 0.0
