@@ -31,7 +31,7 @@ from specserve.arg_types import batch_size, finite_float, non_negative_int, out_
 from specserve.bench.policies import PolicyName
 from specserve.bench.stats import markdown_table, percentile, write_csv
 from specserve.errors import SettingsError
-from specserve.guard import ThroughputGuard
+from specserve.guard import GuardConfig, ThroughputGuard
 from specserve.step_loop import CATCH_UP
 
 CATCH_UP_CAP = 64  # tokens a sequence's switch step re-reads at most (an EAGLE head's catch-up window)
@@ -57,7 +57,7 @@ class Variant:
     refresh: bool
 
     def guard(self) -> ThroughputGuard:
-        return ThroughputGuard(margin=self.margin, refresh_on_flip=self.refresh)
+        return ThroughputGuard(GuardConfig(margin=self.margin, refresh_on_flip=self.refresh))
 
     @property
     def label(self) -> str:

@@ -42,7 +42,7 @@ def build_step_loop(
     replica's cache of recent outputs, shared by its lanes (None: a new one of ``cfg.suffix_cache_tokens``)."""
     if suffix_cache is None:
         suffix_cache = new_suffix_cache(cfg)
-    guard = ThroughputGuard() if cfg.throughput_guard else None
+    guard = ThroughputGuard(cfg.guard) if cfg.throughput_guard else None
     planner = SLPlanner(guard=guard, max_step_tokens=cfg.max_step_tokens, floor=TreeFloor())
     return StepLoop(
         target,

@@ -10,6 +10,7 @@ import torch
 from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
 from specserve.arg_types import device_problem
+from specserve.guard import GuardConfig
 from specserve.policy import DSDEConfig, SparseTail
 from specserve.sampling import MAX_BATCH_SIZE, MAX_CONTEXT
 from specserve.validated import Validated
@@ -476,6 +477,9 @@ class LoopConfig(Validated):
     )
     throughput_guard: bool = Field(
         default=False, description="speculate only at batch sizes where it measured faster than plain decoding"
+    )
+    guard: GuardConfig = Field(
+        default=GuardConfig(), description="the throughput guard's settings (used where throughput_guard is on)"
     )
     suffix_cache_tokens: int = Field(
         default=16384, ge=0, le=1 << 22, description="suffix drafter: recent outputs kept per replica (0 = none)"

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from specserve.build import build_step_loop, draft_geometry, eos_ids_of, local_draft_worker
 from specserve.config import EngineConfig, LoopConfig, SpecConfig, SpecMethod
 from specserve.errors import InvalidRequestError, PartialStepError, SettingsError, blamed_sequence
+from specserve.guard import GuardConfig
 from specserve.heap import freeze_loaded_objects
 from specserve.limits import MemoryShare, context_limits, device_kv_slots
 from specserve.models.llama import LlamaModel
@@ -56,6 +57,7 @@ class Engine:
         spec_headroom: int = 64,
         max_step_tokens: int | None = None,
         throughput_guard: bool = False,
+        guard: GuardConfig | None = None,
         suffix_cache_tokens: int = LoopConfig.model_fields["suffix_cache_tokens"].default,
         eos_token_ids: set[int] | None = None,
         gpu_memory_utilization: float | None = None,
@@ -69,6 +71,7 @@ class Engine:
             spec_headroom=spec_headroom,
             max_step_tokens=max_step_tokens,
             throughput_guard=throughput_guard,
+            guard=guard or GuardConfig(),
             suffix_cache_tokens=suffix_cache_tokens,
             gpu_memory_utilization=gpu_memory_utilization,
         )
@@ -125,6 +128,7 @@ class Engine:
             spec_headroom=config.spec_headroom,
             max_step_tokens=config.max_step_tokens,
             throughput_guard=config.throughput_guard,
+            guard=config.guard,
             suffix_cache_tokens=config.suffix_cache_tokens,
             gpu_memory_utilization=config.gpu_memory_utilization,
         )

@@ -53,6 +53,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Self
+
+from pydantic import ConfigDict, Field, model_validator
+
+from specserve.validated import Validated
 
 MIN_STEP_S = 1e-9  # the shortest step time recorded
 
@@ -71,32 +76,67 @@ def bucket(batch_size: int) -> int:
     return 1 << (batch_size - 1).bit_length()
 
 
+class GuardConfig(Validated):
+    """The guard's settings (the module docstring says what each does)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # steps of a bucket between tries of the slower mode, doubling up to ``max_explore_every`` while the tries
+    # confirm the choice (back to the start when one flips it): a try costs a slow step, and after plain steps the
+    # draft first re-reads what it missed
+    explore_every: int = Field(default=20, ge=1)
+    max_explore_every: int = Field(default=640, ge=1)
+    # steps a try's cost may space the next one by at most: a try measured while the host was swamped (two other
+    # processes on the 2-core Zen 3 made speculative steps at batch 1 take 1.1-1.2 s against ~30 ms) had put the
+    # next ~9000 steps away, plain decoding long after the host recovered; the costliest honest try measured, a
+    # 4-bit draft model's catch-up of ~35 plain steps, costs 1.4% at this cap
+    max_try_spacing: int = Field(default=2560, ge=1)
+    # weight of the newest step in the moving averages of step time ...
+    smoothing: float = Field(default=0.3, gt=0, le=1)
+    # ... and of tokens per step (after a plain mean of the first 1 / this steps): an acceptance statistic, 1-4
+    # tokens from one step to the next at batch 1 (at 0.3 two short steps in a row took the head's 2.1-token average
+    # below break-even)
+    token_smoothing: float = Field(default=0.05, gt=0, le=1)
+    # steps of each mode per bucket before the first decision (they start the averages), and of speculation at most
+    # ``max_warmup``, while its tokens per step lie within ``warmup_z`` standard errors of break-even
+    warmup: int = Field(default=3, ge=1)
+    max_warmup: int = Field(default=12, ge=1)
+    warmup_z: float = Field(default=1.0, ge=0)
+    # a try (switch step + its measured step's excess) costs at most this share of the plain time before the next
+    # (at 3% the guarded EAGLE head measured 0.96-0.99x plain at batch 16, where plain decoding wins; at 1.5% its
+    # batch-4 tries still cost 1.4-1.7% of each run of the straggler sweep, half of what a bar of 0.97 leaves)
+    explore_cost: float = Field(default=0.0075, gt=0, le=1)
+    # a running mode's step counts as at most this many times its average step time
+    outlier_clip: float = Field(default=2.0, ge=1)
+    # switch: a try of speculation measures on as its warm-up does (its mean tokens and median seconds over steps
+    # until they tell the modes apart, up to ``max_warmup``), not one step whose time replaces speculation's
+    # average. Off: at batch 1 one-step tries kept an EAGLE head 1.08x faster than plain decoding in plain steps
+    # half the time, but in alternating straggler sweeps the guard did no better with it (docs/benchmarks.md, "The
+    # guard's tries measured as its warm-up")
+    measured_tries: bool = False
+    # hysteresis: the mode the bucket's last decision did not choose must measure this much faster to take over
+    # (each switch to speculation costs a catch-up; near break-even, step-time drift on a shared host flipped the
+    # choice every few steps: docs/benchmarks.md, "The guard near break-even")
+    margin: float = Field(default=0.05, ge=0, lt=1)
+    # switch: after the running mode's own step flips the choice, the first measured step of the mode it flips to
+    # replaces that mode's step time, as a try's does (that average is as old as the mode's last run); from batch
+    # ``warmup`` on, where one step averages over that many sequences (at batch 1 one step's time follows its own
+    # acceptance)
+    refresh_on_flip: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.warmup > self.max_warmup:
+            raise ValueError(f"warmup must be 1 to max_warmup ({self.max_warmup}) steps per mode, got {self.warmup}")
+        if self.max_try_spacing < self.max_explore_every:
+            spacing, every = self.max_try_spacing, self.max_explore_every
+            raise ValueError(f"max_try_spacing ({spacing}) must be at least max_explore_every ({every})")
+        return self
+
+
 @dataclass
 class ThroughputGuard:
-    explore_every: int = 20  # steps of a bucket between tries of the slower mode ...
-    max_explore_every: int = 640  # ... doubling up to this while the tries confirm the choice (back to the start
-    # when one flips it): a try costs a slow step, and after plain steps the draft first re-reads what it missed
-    max_try_spacing: int = 2560  # steps a try's cost may space the next one by at most: a try measured while the
-    # host was swamped (two other processes on the 2-core Zen 3 made speculative steps at batch 1 take 1.1-1.2 s
-    # against ~30 ms) had put the next ~9000 steps away, plain decoding long after the host recovered;
-    # the costliest honest try measured, a 4-bit draft model's catch-up of ~35 plain steps, costs 1.4% at this cap
-    smoothing: float = 0.3  # weight of the newest step in the moving averages of step time
-    token_smoothing: float = 0.05  # ... and of tokens per step (after a plain mean of the first 1 / this steps): an
-    # acceptance statistic, 1-4 tokens from one step to the next at batch 1 (at 0.3 two short steps in a row took
-    # the head's 2.1-token average below break-even)
-    warmup: int = 3  # steps of each mode per bucket before the first decision (they start the averages) ...
-    max_warmup: int = 12  # ... and of speculation at most, while its tokens per step cannot yet tell the modes apart
-    warmup_z: float = 1.0  # standard errors of the warm-up's mean tokens per step that tell them apart
-    explore_cost: float = 0.0075  # a try (switch step + its measured step's excess) costs at most this share of the
-    # plain time before the next (at 3% the guarded EAGLE head measured 0.96-0.99x plain at batch 16, where plain
-    # decoding wins; at 1.5% its batch-4 tries still cost 1.4-1.7% of each run of the straggler sweep, half of
-    # what a bar of 0.97 leaves)
-    outlier_clip: float = 2.0  # a running mode's step counts as at most this many times its average step time
-    measured_tries: bool = False  # switch: a try of speculation measures on as its warm-up does (its mean tokens
-    # and median seconds over steps until they tell the modes apart, up to ``max_warmup``), not one step whose
-    # time replaces speculation's average. Off: at batch 1 one-step tries kept an EAGLE head 1.08x faster than plain
-    # decoding in plain steps half the time, but in alternating straggler sweeps the guard did no better with it
-    # (docs/benchmarks.md, "The guard's tries measured as its warm-up")
+    cfg: GuardConfig = field(default_factory=GuardConfig)
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s/seq
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)  # (bucket, speculative) -> steps measured
     intervals: dict[int, int] = field(default_factory=dict)  # current exploration interval per bucket
@@ -114,33 +154,9 @@ class ThroughputGuard:
     # catch-up: their ratio weighs each by its size (a catch-up of 3 tokens costs about a step, nothing per token)
     trying: set[int] = field(default_factory=set)  # buckets whose try of speculation is measuring on
     # (``measured_tries``): its steps are a warm-up of speculation, their cost the try's
-    margin: float = 0.05  # hysteresis: the mode the bucket's last decision did not choose must measure this much
-    # faster to take over (each switch to speculation costs a catch-up; near break-even, step-time drift on a shared
-    # host flipped the choice every few steps: docs/benchmarks.md, "The guard near break-even")
-    refresh_on_flip: bool = True  # switch: after the running mode's own step flips the choice, the first measured
-    # step of the mode it flips to replaces that mode's step time, as a try's does (that average is as old as the
-    # mode's last run); from batch ``warmup`` on, where one step averages over that many sequences (at batch 1 one
-    # step's time follows its own acceptance)
     held: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode its last decision chose (``margin``)
     stale: set[tuple[int, bool]] = field(default_factory=set)  # (bucket, mode) whose next measured step replaces
     # its step time (``refresh_on_flip``)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.warmup <= self.max_warmup:
-            raise ValueError(f"warmup must be 1 to max_warmup ({self.max_warmup}) steps per mode, got {self.warmup}")
-        if self.warmup_z < 0:
-            raise ValueError(f"warmup_z must be at least 0, got {self.warmup_z}")
-        if not (0 < self.smoothing <= 1 and 0 < self.token_smoothing <= 1):
-            raise ValueError(f"smoothing weights must be in (0, 1], got {self.smoothing}, {self.token_smoothing}")
-        if not 0 < self.explore_cost <= 1:
-            raise ValueError(f"explore_cost must be in (0, 1], got {self.explore_cost}")
-        if self.outlier_clip < 1:
-            raise ValueError(f"outlier_clip must be at least 1, got {self.outlier_clip}")
-        if self.max_try_spacing < self.max_explore_every:
-            spacing, every = self.max_try_spacing, self.max_explore_every
-            raise ValueError(f"max_try_spacing ({spacing}) must be at least max_explore_every ({every})")
-        if not 0 <= self.margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
 
     @property
     def steps(self) -> dict[int, int]:
@@ -172,11 +188,11 @@ class ThroughputGuard:
         held = self.held.get(b)  # the mode the bucket's last decision chose: the other must beat it by ``margin``
         if held is None:
             return spec >= plain
-        return spec * (1 + self.margin) >= plain if held else spec >= plain * (1 + self.margin)
+        return spec * (1 + self.cfg.margin) >= plain if held else spec >= plain * (1 + self.cfg.margin)
 
     def _warmed(self, key: tuple[int, bool]) -> bool:
         """Whether a (bucket, speculative) mode's warm-up is over (``warm`` holds the steps of one in progress)."""
-        return self.samples.get(key, 0) >= self.warmup and key not in self.warm
+        return self.samples.get(key, 0) >= self.cfg.warmup and key not in self.warm
 
     def _warm_over(self, b: int, speculative: bool) -> bool:
         """Whether a mode's warm-up in bucket ``b`` ends with the steps it has: ``warmup`` steps, and for speculation
@@ -186,10 +202,10 @@ class ThroughputGuard:
         n = len(steps)
         trying = speculative and b in self.trying  # a try (``measured_tries``) takes ``warmup`` sequences' steps at
         # least, as many steps at batch 1, one from batch ``warmup`` on (where one step of a large batch decided)
-        if n < (max(1, math.ceil(self.warmup / b)) if trying else self.warmup):
+        if n < (max(1, math.ceil(self.cfg.warmup / b)) if trying else self.cfg.warmup):
             return False
         plain = self.work.get((b, False))  # (absent where a guard's rates were seeded from outside)
-        if not speculative or n >= self.max_warmup or not self._warmed((b, False)) or plain is None:
+        if not speculative or n >= self.cfg.max_warmup or not self._warmed((b, False)) or plain is None:
             return True
         tokens = [t for t, _ in steps]
         plain_tok, plain_s = plain
@@ -197,7 +213,7 @@ class ThroughputGuard:
         # a step's tokens per sequence vary by at least half a token at batch 1 (its first draft token taken or not),
         # by 1/sqrt(b) of that over b sequences: three equal steps do not make a certainty
         spread = max(statistics.stdev(tokens) if n > 1 else 0.0, 0.5 / math.sqrt(b)) / math.sqrt(n)
-        return abs(statistics.fmean(tokens) - even) >= self.warmup_z * spread
+        return abs(statistics.fmean(tokens) - even) >= self.cfg.warmup_z * spread
 
     def speculate(self, batch_size: int, *, measured: bool = True, outlook: Outlook | None = None) -> bool:
         """The mode of the next step. ``measured=False``: a step the loop will not record (it admits a prompt):
@@ -208,9 +224,9 @@ class ThroughputGuard:
         b = bucket(batch_size)
         better = self.faster(batch_size)
         if better is None:  # measure plain decoding first (it needs no draft prefill), then speculation
-            go, hold = measured and self.samples.get((b, False), 0) >= self.warmup, False
+            go, hold = measured and self.samples.get((b, False), 0) >= self.cfg.warmup, False
         else:
-            explore = measured and self._steps(b) >= self.next_try.get(b, self.explore_every - 1)
+            explore = measured and self._steps(b) >= self.next_try.get(b, self.cfg.explore_every - 1)
             go = better != explore
             hold = better and explore and b in self.deferred  # a try of plain decoding due while speculation waits
             # for a catch-up that pays: plain decoding runs anyway, measured, so the try is moot until it pays
@@ -262,7 +278,7 @@ class ThroughputGuard:
             base = self.work.get((b, True)) or self.work.get((b, False)) or (0.0, 0.0)
             new = (float(caught_up_tokens), max(0.0, seconds - base[1]))
             tok, sec = self.catch_up_work or new
-            self.catch_up_work = (tok + self.smoothing * (new[0] - tok), sec + self.smoothing * (new[1] - sec))
+            self.catch_up_work = (tok + self.cfg.smoothing * (new[0] - tok), sec + self.cfg.smoothing * (new[1] - sec))
             if not self.chosen.get(b, False):  # after steps planned plain, a switch: not speculation's rate (module
                 # docstring); it costs its time beyond plain decoding's for the tokens it emitted (the whole step
                 # while plain decoding is unmeasured), and the steps after it are speculation's own
@@ -289,11 +305,11 @@ class ThroughputGuard:
         key = (b, speculative)
         step = (tokens / batch_size, seconds)  # per sequence: a bucket spans batch sizes b/2+1..b
         n = self.samples[key] = self.samples.get(key, 0) + 1
-        if tried and speculative and self.measured_tries:  # a try of speculation: measured on as its warm-up
+        if tried and speculative and self.cfg.measured_tries:  # a try of speculation: measured on as its warm-up
             self.warm[key], self.switch_s[b] = [], self.catch_up_s.pop(b, 0.0)
             self.trying.add(b)
         try_step = speculative and b in self.trying
-        if key in self.warm or n <= self.warmup:  # the warm-up's mean tokens and median seconds start the
+        if key in self.warm or n <= self.cfg.warmup:  # the warm-up's mean tokens and median seconds start the
             # averages: one slow first step does not set them
             steps = self.warm.setdefault(key, [])
             steps.append(step)
@@ -315,32 +331,32 @@ class ThroughputGuard:
         elif key in self.stale:  # the first step of the mode a flip took up: its time replaces the old average as
             # a try's does, up to ``outlier_clip`` times that average (a pause stays a pause); not a try's cost
             tok, sec = self.work.get(key, step)
-            self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), min(step[1], self.outlier_clip * sec))
+            self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), min(step[1], self.cfg.outlier_clip * sec))
         else:  # moving averages of tokens and of seconds per step: their ratio weighs a slow step by its time,
             # up to ``outlier_clip`` times the average (a GC pause or another process's burst, 6x a step, would
             # flip the choice for several steps; a real slowdown still moves the average within a few steps)
             tok, sec = self.work.get(key, step)  # (rates seeded from outside start from this step)
-            seconds = min(step[1], self.outlier_clip * sec)
-            self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), sec + self.smoothing * (seconds - sec))
+            seconds = min(step[1], self.cfg.outlier_clip * sec)
+            self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), sec + self.cfg.smoothing * (seconds - sec))
         self.stale.discard(key)
         tok, sec = self.work[key]
         self.rates[key] = tok / max(sec, 1e-9)
         if b in self.trying:  # a try measuring on decides nothing yet
             return
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try
-            self.next_try[b] = max(self.explore_every, self._steps(b) + self._amortising_steps(b)) - 1
+            self.next_try[b] = max(self.cfg.explore_every, self._steps(b) + self._amortising_steps(b)) - 1
         after = self.faster(batch_size)
         if tried:  # that was a try of the slower mode
-            interval = self.intervals.get(b, self.explore_every)
-            interval = self.explore_every if after != before else min(2 * interval, self.max_explore_every)
+            interval = self.intervals.get(b, self.cfg.explore_every)
+            interval = self.cfg.explore_every if after != before else min(2 * interval, self.cfg.max_explore_every)
             self.intervals[b] = interval
             self.next_try[b] = self._steps(b) + max(interval, self._amortising_steps(b) if not after else 0) - 1
         elif before is not None and after != before:  # the running mode's own step flipped the choice (the host
             # slowed it): the other mode's average is old, so re-check the mode just left soon, plain after
             # ``warmup`` steps, speculation once its switch is amortised
-            self.intervals[b] = self.explore_every
-            self.next_try[b] = self._steps(b) + (self.warmup if after else max(1, self._amortising_steps(b))) - 1
-            if self.refresh_on_flip and b >= self.warmup and after != speculative:  # (plain steps run while
+            self.intervals[b] = self.cfg.explore_every
+            self.next_try[b] = self._steps(b) + (self.cfg.warmup if after else max(1, self._amortising_steps(b))) - 1
+            if self.cfg.refresh_on_flip and b >= self.cfg.warmup and after != speculative:  # (plain steps run while
                 # speculation held, deferred, that flip the choice to plain: plain's average is fresh)
                 self.stale.add((b, bool(after)))
         if after is not None:
@@ -351,7 +367,7 @@ class ThroughputGuard:
         so far (the warm-up's among them), until ``token_smoothing`` takes over (a moving average
         from the warm-up's median alone would need ~1 / token_smoothing steps to leave it: the 4-bit copy's 9-token
         start against its ~12-token mean)."""
-        return max(self.token_smoothing, 1.0 / n)
+        return max(self.cfg.token_smoothing, 1.0 / n)
 
     def _excess_over_plain(self, b: int, step: tuple[float, float], *, unmeasured: float = 0.0) -> float:
         """Seconds a (tokens per sequence, seconds) step took beyond plain decoding's average for those tokens
@@ -367,4 +383,4 @@ class ThroughputGuard:
         step_s = self.plain_step_s.get(b, 0.0)
         if b not in self.switch_s or step_s <= 0:
             return 0
-        return min(self.max_try_spacing, math.ceil(self.switch_s[b] / (self.explore_cost * step_s)))
+        return min(self.cfg.max_try_spacing, math.ceil(self.switch_s[b] / (self.cfg.explore_cost * step_s)))

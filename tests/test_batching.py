@@ -9,7 +9,7 @@ import pytest
 
 from specserve.config import ChainDraft, Drafter, KLDMode, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
-from specserve.guard import Outlook, ThroughputGuard
+from specserve.guard import GuardConfig, Outlook, ThroughputGuard
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.policy import DSDEConfig
@@ -226,7 +226,8 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     from specserve.guard import bucket
 
     assert [bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
-    guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=1.0)  # switches as cheap as a step: no spacing
+    # switches as cheap as a step: no spacing
+    guard = ThroughputGuard(GuardConfig(explore_every=5, warmup=1, explore_cost=1.0))
     assert not guard.speculate(8)  # nothing measured: plain decoding first (no draft prefill needed)
     guard.record(8, False, tokens=40, seconds=1.0)
     assert guard.speculate(8)  # then speculation
@@ -245,7 +246,9 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert tries == [5, 6, 16, 17, 37, 38]
     assert not guard.speculate(1)  # other buckets are independent
     # speculation becomes much faster: the next try flips the choice and the interval starts over
-    flipped = ThroughputGuard(explore_every=5, smoothing=1.0, token_smoothing=1.0, warmup=1, explore_cost=1.0)
+    flipped = ThroughputGuard(
+        GuardConfig(explore_every=5, smoothing=1.0, token_smoothing=1.0, warmup=1, explore_cost=1.0)
+    )
     for spec, tokens, missed in ((False, 40, 0), (True, 10, MISSED), (True, 10, 0)):  # plain; switch; measured
         flipped.record(8, spec, tokens, seconds=1.0, caught_up_tokens=missed)
     choices, prev = [], True
@@ -259,14 +262,14 @@ def test_throughput_guard_picks_the_faster_mode_and_explores() -> None:
     assert flipped.intervals[8] == 10  # that try confirmed speculation: the interval doubles again
     # a bucket spans batch sizes 9-16: rates are per sequence, so a step of 9 sequences emitting 12 tokens beats
     # one of 16 emitting 16 in the same time
-    mixed = ThroughputGuard(warmup=1)
+    mixed = ThroughputGuard(GuardConfig(warmup=1))
     for batch, spec, tokens in ((16, False, 16), (9, True, 0), (9, True, 12)):
         mixed.record(batch, spec, tokens, seconds=1.0, caught_up_tokens=MISSED if tokens == 0 else 0)
     assert mixed.faster(16) is True
     # a step's time weighs as it does in throughput: one speculative step 10x slower outweighs a fast one (a
     # moving average of rates would say 55 tok/s per sequence, still above plain's 40); unclipped here, since
     # by default one step counts as at most 2x the average (test_one_slow_step_counts_as_at_most_twice_...)
-    timed = ThroughputGuard(warmup=1, smoothing=0.5, outlier_clip=100.0)
+    timed = ThroughputGuard(GuardConfig(warmup=1, smoothing=0.5, outlier_clip=100.0))
     for spec, tokens, seconds, missed in ((False, 40, 1, 0), (True, 0, 1, MISSED), (True, 100, 1, 0)):
         timed.record(1, spec, tokens, seconds, caught_up_tokens=missed)
     assert timed.faster(1) is True
@@ -280,7 +283,9 @@ def test_one_slow_step_that_flips_the_guard_is_re_checked_at_once() -> None:
     replaces plain's average (blended, the slow step would keep plain looking slower for many tries): plain again,
     and since a try flipped the choice, the try interval starts over (speculation re-tried 5 steps later). (The
     slow step is not clipped here; by default one this slow counts as 2x the average: the next test.)"""
-    guard = ThroughputGuard(explore_every=5, max_explore_every=640, warmup=1, explore_cost=1.0, outlier_clip=100.0)
+    guard = ThroughputGuard(
+        GuardConfig(explore_every=5, max_explore_every=640, warmup=1, explore_cost=1.0, outlier_clip=100.0)
+    )
     guard.record(1, False, tokens=1, seconds=0.02)
     guard.record(1, True, tokens=0, seconds=0.02, caught_up_tokens=MISSED)
     guard.record(1, True, tokens=1, seconds=0.04)
@@ -303,7 +308,7 @@ def test_one_slow_step_that_flips_the_guard_is_re_checked_at_once() -> None:
 def test_one_slow_step_counts_as_at_most_twice_the_average() -> None:
     """Plain decoding 2x faster than speculation: one plain step 13x slower (a GC pause) counts as 2x plain's
     average and leaves the choice; a real slowdown (every step 3x slower) flips it within a few steps."""
-    guard = ThroughputGuard(explore_every=1000, warmup=1)
+    guard = ThroughputGuard(GuardConfig(explore_every=1000, warmup=1))
     guard.record(1, False, tokens=1, seconds=0.02)
     guard.record(1, True, tokens=1, seconds=0.04)
     guard.record(1, False, tokens=1, seconds=0.26)
@@ -315,7 +320,7 @@ def test_one_slow_step_counts_as_at_most_twice_the_average() -> None:
         slow += 1
     assert slow <= 4
     with pytest.raises(ValueError, match="outlier_clip"):
-        ThroughputGuard(outlier_clip=0.5)
+        ThroughputGuard(GuardConfig(outlier_clip=0.5))
 
 
 def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
@@ -324,7 +329,7 @@ def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
     # decoding takes 0.03125 s: 0.96875 s more): each try waits until the plain time since the last one is
     # 1 / explore_cost times what the last try cost
     def switch_steps(explore_cost: float, steps: int) -> list[int]:
-        guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=explore_cost)
+        guard = ThroughputGuard(GuardConfig(explore_every=5, warmup=1, explore_cost=explore_cost))
         out, prev = [], False
         for i in range(steps):
             s = guard.speculate(8)
@@ -347,7 +352,7 @@ def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
 def test_a_try_measured_on_a_swamped_host_spaces_the_next_by_at_most_max_try_spacing() -> None:
     """Plain steps 0.125 s; a try measured while the host was swamped takes 100 s (~800 plain steps' time): at
     ``explore_cost`` 0.0075 it would space the next try by ~107000 steps; capped, the next try comes 2560 steps on."""
-    guard = ThroughputGuard(explore_every=5, warmup=1)
+    guard = ThroughputGuard(GuardConfig(explore_every=5, warmup=1))
     guard.record(8, False, tokens=8, seconds=0.125)
     guard.record(8, True, tokens=0, seconds=100.0, caught_up_tokens=MISSED)
     guard.record(8, True, tokens=8, seconds=100.0)
@@ -356,12 +361,12 @@ def test_a_try_measured_on_a_swamped_host_spaces_the_next_by_at_most_max_try_spa
     while not guard.speculate(8):
         guard.record(8, False, tokens=8, seconds=0.125)
         steps += 1
-    assert steps == guard.max_try_spacing - 1 == 2559  # counted from the warm-up's last step
-    assert math.ceil(guard.switch_s[8] / (guard.explore_cost * 0.125)) > 100_000  # what the cost alone asked
+    assert steps == guard.cfg.max_try_spacing - 1 == 2559  # counted from the warm-up's last step
+    assert math.ceil(guard.switch_s[8] / (guard.cfg.explore_cost * 0.125)) > 100_000  # what the cost alone asked
     with pytest.raises(ValueError, match="explore_cost"):
-        ThroughputGuard(explore_cost=0.0)
+        ThroughputGuard(GuardConfig(explore_cost=0.0))
     with pytest.raises(ValueError, match="max_try_spacing"):
-        ThroughputGuard(max_try_spacing=100)
+        ThroughputGuard(GuardConfig(max_try_spacing=100))
 
 
 def test_a_switch_step_costs_its_time_beyond_plain_decoding_for_what_it_emitted() -> None:
@@ -370,7 +375,7 @@ def test_a_switch_step_costs_its_time_beyond_plain_decoding_for_what_it_emitted(
     # one that emits 320 tokens (what plain decoding emits in 1 s, as an EAGLE head's catch-up step at batch 1 emits
     # its accepted tokens) costs nothing, so the tries come as often as their measured steps' cost allows
     def switches(switch_tokens: int) -> tuple[list[int], float]:
-        guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=1.0)
+        guard = ThroughputGuard(GuardConfig(explore_every=5, warmup=1, explore_cost=1.0))
         out, prev = [], False
         for i in range(30):
             s = guard.speculate(8)
@@ -424,11 +429,12 @@ def test_throughput_guard_decides_on_the_mean_of_its_warmup_steps() -> None:
             prev = s
         return out
 
-    warm = choices(ThroughputGuard(explore_every=100), 10)
+    warm = choices(ThroughputGuard(GuardConfig(explore_every=100)), 10)
     assert warm == [False] * 3 + [True] * 4 + [False] * 3  # 3 plain, the switch + 3 speculative, then plain
-    assert choices(ThroughputGuard(explore_every=100, warmup=1), 10)[2:] == [True] * 8  # one step each: misled
+    # one step each: misled
+    assert choices(ThroughputGuard(GuardConfig(explore_every=100, warmup=1)), 10)[2:] == [True] * 8
     with pytest.raises(ValueError, match="warmup"):
-        ThroughputGuard(warmup=0)
+        ThroughputGuard(GuardConfig(warmup=0))
 
 
 def drive(guard: ThroughputGuard, batch: int, spec_tokens: list[int], steps: int) -> list[bool]:
@@ -452,19 +458,40 @@ def test_speculations_warmup_runs_until_its_acceptance_tells_the_modes_apart() -
     from break-even (1.2 tokens in 12 ms), and speculates. Where every step takes 1 token it chooses plain within
     ``max_warmup`` steps; at batch 16, whose steps average over the batch, three steps decide."""
     lucky = [1, 1, 1, 3, 2, 4, 1, 3, 2, 2] * 10
-    short = drive(ThroughputGuard(explore_every=1000, max_warmup=3), 1, lucky, 20)
+    short = drive(ThroughputGuard(GuardConfig(explore_every=1000, max_warmup=3)), 1, lucky, 20)
     assert short == [False] * 3 + [True] * 4 + [False] * 13
-    guard = ThroughputGuard(explore_every=1000)
+    guard = ThroughputGuard(GuardConfig(explore_every=1000))
     assert drive(guard, 1, lucky, 20) == [False] * 3 + [True] * 17
     assert guard.samples[(1, True)] == 16 and guard.faster(1) is True
-    never = ThroughputGuard(explore_every=1000)
+    never = ThroughputGuard(GuardConfig(explore_every=1000))
     choices = drive(never, 1, [1] * 100, 20)
-    assert never.faster(1) is False and 3 + 1 + 3 < choices.index(False, 3) <= 3 + 1 + never.max_warmup
+    assert never.faster(1) is False and 3 + 1 + 3 < choices.index(False, 3) <= 3 + 1 + never.cfg.max_warmup
     assert choices[choices.index(False, 3) :] == [False] * (20 - choices.index(False, 3))
-    wide = ThroughputGuard(explore_every=1000)
+    wide = ThroughputGuard(GuardConfig(explore_every=1000))
     assert drive(wide, 16, [1] * 100, 10) == [False] * 3 + [True] * 4 + [False] * 3
     with pytest.raises(ValueError, match="max_warmup"):
-        ThroughputGuard(warmup=4, max_warmup=3)
+        ThroughputGuard(GuardConfig(warmup=4, max_warmup=3))
+
+
+@pytest.mark.parametrize("warmup", [1, 3])
+def test_the_engines_guard_runs_with_the_settings_it_is_given(target: LlamaModel, warmup: int) -> None:
+    """The loop's guard is built from ``guard`` (it had only the defaults): with ``warmup`` plain steps measured
+    after the prefill step, the first drafting step is step 1 + ``warmup``."""
+    settings = GuardConfig(warmup=warmup, margin=0.2)
+    engine = Engine(
+        target,
+        None,
+        draft=noisy_copy(target, 0.02),
+        speculation=DSDE_CHAIN,
+        throughput_guard=True,
+        guard=settings,
+        eos_token_ids=set(),
+    )
+    engine.generate(PROMPTS, SamplingParams(max_tokens=12))
+    guard = engine.loop.planner.guard
+    assert guard is not None and guard.cfg == settings
+    drafting = [m.levels > 0 for m in engine.loop.stats.metrics]
+    assert drafting.index(True) == 1 + warmup
 
 
 def test_guarded_engine_stays_lossless(target: LlamaModel) -> None:
@@ -740,7 +767,7 @@ def test_the_guard_times_no_step_in_which_a_request_is_admitted(target: LlamaMod
 def test_the_guard_starts_no_try_in_a_step_it_will_not_time() -> None:
     """A try is one recorded step; begun in an admission step (unrecorded), it would run the slower mode until the
     next recorded step. Unrecorded steps run the mode measured faster (plain before the first decision)."""
-    guard = ThroughputGuard(explore_every=5, warmup=1, explore_cost=1.0)
+    guard = ThroughputGuard(GuardConfig(explore_every=5, warmup=1, explore_cost=1.0))
     assert guard.speculate(4, measured=False) is False  # nothing measured yet: plain
     guard.record(4, False, tokens=4, seconds=0.1)
     assert guard.speculate(4) is True and guard.speculate(4, measured=False) is False  # warm-up's spec step
@@ -759,7 +786,7 @@ def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> Non
     beyond a speculative step's time). With 50 tokens to re-read (~0.5 s), speculation that saves 1/15 s per token
     of each sequence pays only past 7.5 tokens each; a try (or a first measurement), which might find any saving,
     only if plain decoding of what remains takes longer than the catch-up (5 tokens at 10 per second)."""
-    guard = ThroughputGuard(warmup=1, explore_every=5, explore_cost=1.0)
+    guard = ThroughputGuard(GuardConfig(warmup=1, explore_every=5, explore_cost=1.0))
     guard.record(8, False, tokens=8, seconds=0.1)  # plain: 10 tokens/s per sequence
     assert guard.missed_token_s is None
     guard.record(8, True, tokens=8, seconds=1.1, caught_up_tokens=100)  # 1 s beyond a plain step
@@ -776,7 +803,7 @@ def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> Non
     assert guard.speculate(8, outlook=Outlook(catch_up, 8 * 8))  # 8/15 s > 0.5 s
     assert guard.speculate(6, outlook=Outlook(catch_up, 6 * 8))  # per sequence: the bucket's 8 is 5-8 sequences
     # speculation measured slower: plain, then a try when due, put off while the batch could not pay a catch-up
-    slow = ThroughputGuard(warmup=1, explore_every=5, explore_cost=1.0)
+    slow = ThroughputGuard(GuardConfig(warmup=1, explore_every=5, explore_cost=1.0))
     slow.record(8, False, tokens=8, seconds=0.1)
     slow.record(8, True, tokens=8, seconds=1.0, caught_up_tokens=100)
     slow.record(8, True, tokens=8, seconds=0.2)
@@ -787,7 +814,7 @@ def test_the_guard_switches_to_speculation_only_where_the_catch_up_pays() -> Non
     assert slow.speculate(8, outlook=Outlook(catch_up, 8 * 5))  # 0.5 s
     assert slow.speculate(8)  # a query: the try stays due, not spent
     # with no catch-up measured yet, the outlook changes nothing
-    fresh = ThroughputGuard(warmup=1)
+    fresh = ThroughputGuard(GuardConfig(warmup=1))
     fresh.record(8, False, tokens=8, seconds=0.1)
     assert fresh.speculate(8, outlook=Outlook(10_000, 8))
 
@@ -818,7 +845,7 @@ def test_two_short_speculative_steps_do_not_flip_a_long_held_choice() -> None:
     average needs a longer memory than step time, or two 1-token steps take a head that emits 2.3 tokens in
     27 ms (85 tokens/s against plain decoding's 64) below break-even, as the straggler sweep's traces showed."""
     for token_smoothing, flips in ((0.05, False), (0.3, True)):  # (no margin: the averages alone decide)
-        guard = ThroughputGuard(warmup=1, token_smoothing=token_smoothing, margin=0.0)
+        guard = ThroughputGuard(GuardConfig(warmup=1, token_smoothing=token_smoothing, margin=0.0))
         guard.record(1, False, tokens=1, seconds=0.0156)
         guard.record(1, True, tokens=2, seconds=0.027)
         for i in range(30):
@@ -828,14 +855,14 @@ def test_two_short_speculative_steps_do_not_flip_a_long_held_choice() -> None:
         guard.record(1, True, tokens=1, seconds=0.027)
         assert guard.faster(1) is (not flips)
     with pytest.raises(ValueError, match="smoothing"):
-        ThroughputGuard(token_smoothing=0.0)
+        ThroughputGuard(GuardConfig(token_smoothing=0.0))
 
 
 def test_tokens_per_step_start_as_the_plain_mean_of_the_steps_so_far() -> None:
     """Until 1 / token_smoothing steps are measured, tokens per step are their plain mean: a slow moving average
     started from a low first step would stay low for dozens of steps (the 4-bit copy's 9-token first step
     against its ~12-token mean: tied with plain decoding, so the guard never ran it long enough to learn)."""
-    guard = ThroughputGuard(warmup=1, token_smoothing=0.05)
+    guard = ThroughputGuard(GuardConfig(warmup=1, token_smoothing=0.05))
     guard.record(1, False, tokens=1, seconds=0.03)  # slower than speculation from its first step: no tries
     steps = [9, 17, 17, 17, 17, 3, 12]
     for tokens in steps:
@@ -852,7 +879,7 @@ def test_plain_steps_run_because_a_catch_up_would_not_pay_are_measurements_not_t
     """Speculation is the faster mode but the catch-up would not pay: the plain steps that follow are ordinary
     measurements of plain decoding (blended into its average), not tries whose one step replaces it: one slow step
     there had made plain decoding look 20% slower and turned the 4-bit copy on at batch 4."""
-    guard = ThroughputGuard(warmup=1)
+    guard = ThroughputGuard(GuardConfig(warmup=1))
     guard.record(4, False, tokens=4, seconds=0.1)
     guard.record(4, True, tokens=4, seconds=1.0, caught_up_tokens=100)
     guard.record(4, True, tokens=24, seconds=0.2)
@@ -873,7 +900,7 @@ def test_plain_steps_run_because_a_catch_up_would_not_pay_are_measurements_not_t
     guard.next_try[4] = guard._steps(4)
     assert not guard.speculate(4)  # and outside a deferral a due try of plain decoding is one
     guard.record(4, False, tokens=4, seconds=0.15)
-    assert guard.work[(4, False)][1] == pytest.approx(0.15) and guard.intervals[4] == 2 * guard.explore_every
+    assert guard.work[(4, False)][1] == pytest.approx(0.15) and guard.intervals[4] == 2 * guard.cfg.explore_every
 
 
 def test_a_planned_speculative_step_that_found_no_draft_is_plain_but_no_try() -> None:
@@ -921,7 +948,7 @@ def test_a_try_of_speculation_that_found_no_draft_is_no_try() -> None:
     assert guard.next_try == next_try and guard.intervals == intervals
     assert guard.speculate(1)  # the try is still due
     guard.record(1, True, 1, 0.030)  # the try itself: measured, plain still faster, the interval doubles
-    assert guard.faster(1) is False and guard.intervals[1] == 2 * intervals.get(1, guard.explore_every)
+    assert guard.faster(1) is False and guard.intervals[1] == 2 * intervals.get(1, guard.cfg.explore_every)
 
 
 def test_a_measured_try_that_confirms_plain_decoding_doubles_the_interval() -> None:
@@ -936,9 +963,9 @@ def test_a_measured_try_that_confirms_plain_decoding_doubles_the_interval() -> N
     # 1 token a step in 1.15 plain steps' time, 0.15 tokens from break-even, told apart once half a token's
     # standard error is below that: 0.5 / sqrt(11) < 0.154
     assert steps == 11
-    assert guard.faster(1) is False and guard.intervals[1] == 2 * intervals.get(1, guard.explore_every)
+    assert guard.faster(1) is False and guard.intervals[1] == 2 * intervals.get(1, guard.cfg.explore_every)
     assert guard.switch_s[1] == pytest.approx(11 * (0.030 - 0.026))  # each step's time beyond plain decoding's
-    wide = ThroughputGuard(measured_tries=True)  # batch 32: one step of 32 sequences tells the modes apart
+    wide = ThroughputGuard(GuardConfig(measured_tries=True))  # batch 32: one step of 32 sequences tells the modes apart
     for _ in range(3):
         wide.record(32, False, 32, 0.035)
     while wide.faster(32) is None:
@@ -946,13 +973,13 @@ def test_a_measured_try_that_confirms_plain_decoding_doubles_the_interval() -> N
     while not wide.speculate(32):
         wide.record(32, False, 32, 0.035)
     wide.record(32, True, 35, 0.064)
-    assert 32 not in wide.trying and wide.faster(32) is False and wide.intervals[32] == 2 * wide.explore_every
+    assert 32 not in wide.trying and wide.faster(32) is False and wide.intervals[32] == 2 * wide.cfg.explore_every
 
 
 def guard_at_a_try(measured_tries: bool) -> ThroughputGuard:
     """Batch 1: plain decoding 1 token in 20 ms; speculation's warm-up 1 token in 30 ms (plain chosen); then plain
     steps until a try of speculation is due."""
-    guard = ThroughputGuard(measured_tries=measured_tries)
+    guard = ThroughputGuard(GuardConfig(measured_tries=measured_tries))
     for _ in range(3):
         guard.record(1, False, 1, 0.020)
     while guard.faster(1) is None:
@@ -984,7 +1011,7 @@ def test_a_try_of_speculation_measures_on_as_its_warm_up() -> None:
     assert taken == [1, 3, 2, 3]  # three steps (2 +- 0.58 tokens) could not tell 2 from break-even's 1.5; four can
     assert guard.faster(1) is True and guard.work[(1, True)] == pytest.approx((2.25, 0.030))
     assert guard.switch_s[1] == pytest.approx(0.030 - 0.020)  # only the 1-token step took longer than plain decoding
-    assert guard.intervals[1] == guard.explore_every  # a try that flipped the choice starts the interval over
+    assert guard.intervals[1] == guard.cfg.explore_every  # a try that flipped the choice starts the interval over
 
 
 def test_the_guard_takes_zero_second_steps_and_refuses_bad_ones() -> None:
@@ -1067,7 +1094,7 @@ def test_the_guard_hands_over_to_the_other_mode_only_past_its_margin(margin: flo
     takes over without a margin and not with 5%, and 12.5% faster takes over either way. Then held by speculation,
     plain decoding 3% faster takes it back only without a margin."""
     guard = ThroughputGuard(
-        warmup=1, explore_every=1000, smoothing=1.0, token_smoothing=1.0, outlier_clip=100.0, margin=margin
+        GuardConfig(warmup=1, explore_every=1000, smoothing=1.0, token_smoothing=1.0, outlier_clip=100.0, margin=margin)
     )
     guard.record(16, False, tokens=16, seconds=1.0)
     guard.record(16, True, tokens=0, seconds=1.0, caught_up_tokens=MISSED)  # the switch: not measured
@@ -1083,7 +1110,7 @@ def test_the_guard_hands_over_to_the_other_mode_only_past_its_margin(margin: flo
     guard.record(16, True, tokens=12, seconds=0.75 / (0.667 / 1.03))  # plain now 3% faster
     assert guard.faster(16) is (margin != 0.0)
     with pytest.raises(ValueError, match="margin"):
-        ThroughputGuard(margin=-0.1)
+        ThroughputGuard(GuardConfig(margin=-0.1))
 
 
 @pytest.mark.parametrize("batch", [1, 16])
@@ -1092,7 +1119,7 @@ def test_after_a_flip_the_mode_taken_up_is_timed_afresh_from_batch_warmup_on(bat
     whose average (2 s a step) dates from before. From batch ``warmup`` (3) on, its first measured step after the
     switch replaces that average, as a try's does: 3 s, and plain decoding is back at once. At batch 1, where one
     step's time follows its own acceptance, the step is blended (2.3 s) and speculation runs on."""
-    guard = ThroughputGuard(explore_every=1000)
+    guard = ThroughputGuard(GuardConfig(explore_every=1000))
     for _ in range(3):
         guard.record(batch, False, tokens=batch, seconds=1.0)
     guard.record(batch, True, tokens=0, seconds=2.0, caught_up_tokens=MISSED)
@@ -1106,10 +1133,10 @@ def test_after_a_flip_the_mode_taken_up_is_timed_afresh_from_batch_warmup_on(bat
     assert slow <= 6
     guard.record(batch, True, tokens=0, seconds=3.0, caught_up_tokens=MISSED)
     guard.record(batch, True, tokens=batch, seconds=3.0)
-    assert guard.work[(batch, True)][1] == pytest.approx(3.0 if batch >= guard.warmup else 2.3)
-    assert guard.speculate(batch) is (batch < guard.warmup)
-    if batch >= guard.warmup:  # the switch: off, the stale 2 s would be blended with the fresh 3 s
-        off = ThroughputGuard(explore_every=1000, refresh_on_flip=False)
+    assert guard.work[(batch, True)][1] == pytest.approx(3.0 if batch >= guard.cfg.warmup else 2.3)
+    assert guard.speculate(batch) is (batch < guard.cfg.warmup)
+    if batch >= guard.cfg.warmup:  # the switch: off, the stale 2 s would be blended with the fresh 3 s
+        off = ThroughputGuard(GuardConfig(explore_every=1000, refresh_on_flip=False))
         for spec, tokens, seconds, missed in (
             [(False, batch, 1.0, 0)] * 3 + [(True, 0, 2.0, MISSED)] + [(True, batch, 2.0, 0)] * 3
         ):
@@ -1125,7 +1152,7 @@ def _held_speculation(spec_seconds: float) -> ThroughputGuard:
     """Bucket 16: plain decoding 1 token a sequence a second, speculation (first decided, no margin) 16 tokens in
     ``spec_seconds`` (one warm-up step decides: ``warmup_z`` 0); a catch-up costs 1 s for ``MISSED`` tokens."""
     guard = ThroughputGuard(
-        warmup=1, warmup_z=0.0, explore_every=1000, smoothing=1.0, token_smoothing=1.0, outlier_clip=100.0
+        GuardConfig(warmup=1, warmup_z=0.0, explore_every=1000, smoothing=1.0, token_smoothing=1.0, outlier_clip=100.0)
     )
     guard.record(16, False, tokens=16, seconds=1.0)
     guard.record(16, True, tokens=0, seconds=2.0, caught_up_tokens=MISSED)
@@ -1162,7 +1189,7 @@ def test_plain_steps_run_while_speculation_waits_for_a_paying_catch_up_keep_thei
 def test_the_first_step_after_a_flip_is_clipped_and_costs_no_try() -> None:
     """The refresh replaces the old average with the step's time, up to ``outlier_clip`` times that average (a
     pause stays a pause), and leaves the cost of the last try alone (it is no try)."""
-    guard = ThroughputGuard(explore_every=1000)
+    guard = ThroughputGuard(GuardConfig(explore_every=1000))
     for _ in range(3):
         guard.record(16, False, tokens=16, seconds=1.0)
     guard.record(16, True, tokens=0, seconds=2.0, caught_up_tokens=MISSED)

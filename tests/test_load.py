@@ -1061,7 +1061,7 @@ def test_the_engine_sweep_warms_every_policy_up_once_untimed_without_warm_guard(
 
 def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None:
     from load import straggler
-    from specserve.guard import ThroughputGuard, bucket
+    from specserve.guard import GuardConfig, ThroughputGuard, bucket
 
     cfg = straggler.StudyConfig(pair="tiny", batch_sizes=[2], policies=[PolicyName.dsde_cap], guard=True,
                                 workloads=[WorkloadKind.synthetic], requests_per_slot=1, min_tokens=40,
@@ -1071,9 +1071,9 @@ def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None
     spec = cfg.specs()[PolicyName.dsde_cap]
     _, fresh = straggler.run_engine_point(cfg, models, wl, 2, PolicyName.dsde_cap, spec)
     assert next(st.levels for st in fresh.steps if len(st.seqs) == 2) == 0  # a fresh guard measures plain first
-    known = ThroughputGuard(explore_every=1000)  # has measured speculation far faster at this batch size
+    known = ThroughputGuard(GuardConfig(explore_every=1000))  # has measured speculation far faster at this batch size
     known.rates = {(bucket(2), True): 1e9, (bucket(2), False): 1.0}
-    known.samples = {(bucket(2), True): known.warmup, (bucket(2), False): known.warmup}
+    known.samples = {(bucket(2), True): known.cfg.warmup, (bucket(2), False): known.cfg.warmup}
     _, warm = straggler.run_engine_point(cfg, models, wl, 2, PolicyName.dsde_cap, spec, guard=known)
     both = [st.levels for st in warm.steps if len(st.seqs) == 2]
     assert len(both) >= 2 and all(levels > 0 for levels in both)  # it speculates from the first step

@@ -306,6 +306,22 @@ def test_a_pair_left_without_speculation_settings_gets_its_measured_serving_defa
     assert tiny.speculation == SpecConfig() and not tiny.throughput_guard  # no measured pair: as configured
 
 
+def test_the_guards_settings_are_app_args_checked_where_they_are_read() -> None:
+    from specserve.guard import GuardConfig
+
+    assert AppArgs.model_validate({"guard": {"margin": 0.2, "explore_every": 7}}).guard == GuardConfig(
+        margin=0.2, explore_every=7
+    )
+    assert AppArgs().guard == GuardConfig()
+    for bad, field in (
+        ({"margin": 1.5}, "guard.margin"),
+        ({"warmup": 5, "max_warmup": 4}, "guard"),
+        ({"x": 1}, "guard.x"),
+    ):
+        with pytest.raises(pydantic.ValidationError, match=field):
+            AppArgs.model_validate({"guard": bad})
+
+
 def test_generate_drafts_with_the_default_pair_of_its_device() -> None:
     from specserve.cli import _draft_for
     from specserve.config import MODEL_PAIRS, HeadSpec
