@@ -229,10 +229,12 @@ class HeadSpec(Validated):
     )
 
     def path(self) -> Path:
-        builtin = BUILTIN_HEADS_DIR / self.head
-        if "/" not in self.head and self.head not in ("", ".", "..") and builtin.is_dir():  # a shipped head's name
-            return builtin
-        return Path(self.head).expanduser()
+        return BUILTIN_HEADS_DIR / self.head if self.shipped else Path(self.head).expanduser()
+
+    @property
+    def shipped(self) -> bool:
+        """``head`` names a head shipped in ``specserve/heads/``."""
+        return "/" not in self.head and self.head not in ("", ".", "..") and (BUILTIN_HEADS_DIR / self.head).is_dir()
 
 
 DraftSpec = HeadSpec | ModelSpec  # a draft head, or a draft model (a smaller model or a quantised copy)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from specserve.config import HeadQuant, HeadSpec
 from specserve.errors import CorruptModelError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
@@ -647,6 +648,26 @@ def test_weights_that_do_not_match_their_sha256_file_are_refused(tmp_path: Path,
     digest_file.write_text("")
     with pytest.raises(CorruptModelError, match="does not hold a sha256"):
         load_eagle_head(path, target)
+
+
+def test_a_shipped_head_without_its_sha256_file_is_refused(
+    tmp_path: Path, target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head shipped in the package must carry its digest (a head in a directory of its own need not)."""
+    import hashlib
+
+    from specserve.models.loader import load_draft
+
+    monkeypatch.setattr("specserve.config.BUILTIN_HEADS_DIR", tmp_path)
+    path = write_head(tmp_path / "shipped", eagle1_tensors(1, fc_bias=False), {})
+    spec = HeadSpec(head="shipped", quantize=HeadQuant.none)
+    assert spec.shipped and spec.path() == path
+    with pytest.raises(CorruptModelError, match=r"no model\.safetensors\.sha256 beside it"):
+        load_draft(spec, target)
+    load_eagle_head(path, target)  # as a directory of its own: nothing to check
+    digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    (path / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
+    load_draft(spec, target)
 
 
 def test_a_t2d_that_disagrees_with_d2t_is_refused(tmp_path: Path) -> None:

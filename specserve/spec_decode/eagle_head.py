@@ -531,11 +531,14 @@ def checkpoint_kind(path: Path) -> HeadKind:
     return _kind_of(set(names))
 
 
-def check_digest(weights: Path) -> None:
+def check_digest(weights: Path, *, required: bool = False) -> None:
     """Refuse weights whose ``<name>.sha256`` beside them (as ``train-draft`` writes and the shipped heads carry)
-    names another digest: a truncated or altered copy. Without that file there is nothing to check."""
+    names another digest: a truncated or altered copy. Without that file there is nothing to check, unless
+    ``required`` (a shipped head: a package that lost the file would otherwise load whatever weights it kept)."""
     digest_file = weights.with_name(weights.name + ".sha256")
     if not digest_file.is_file():
+        if required:
+            raise CorruptModelError(f"{weights} has no {digest_file.name} beside it to check it against")
         return
     try:
         expected = digest_file.read_text().split()[0].lower()
@@ -681,10 +684,16 @@ def check_target_embedding(ours: torch.Tensor, target: LlamaModel, what: str) ->
 
 
 def load_eagle_head(
-    path: Path, target: LlamaModel, *, dtype: torch.dtype | None = None, check_target: bool = True
+    path: Path,
+    target: LlamaModel,
+    *,
+    dtype: torch.dtype | None = None,
+    check_target: bool = True,
+    require_digest: bool = False,
 ) -> EagleHead:
     """A head from a directory in either published layout, bound to ``target`` (shapes checked, clear errors; with
-    ``check_target``, its record of its target's embedding too: off to fine-tune a head for a new target)."""
+    ``check_target``, its record of its target's embedding too: off to fine-tune a head for a new target;
+    ``require_digest``: refuse weights without a ``.sha256`` beside them)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise UnsupportedModelError(f"no config.json in {path}")
@@ -695,7 +704,7 @@ def load_eagle_head(
     if not isinstance(raw, dict):
         raise UnsupportedModelError(f"{path / 'config.json'} holds a {type(raw).__name__}, not a config object")
     raw = lifted_speculators_config(raw, path / "config.json")
-    check_digest(weights_path(path))
+    check_digest(weights_path(path), required=require_digest)
     sd = _read_tensors(path)
     try:
         cfg = config_from_checkpoint(raw, sd, target)
