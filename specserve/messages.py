@@ -105,7 +105,7 @@ class ProposeItem:
     kld_mode: KLDMode | None = None  # ship the draft's distributions for the KLD signal (None: not needed)
     features: torch.Tensor | None = None  # draft heads: [n, F] target hidden states of positions feature_start..
     feature_start: int = 0
-    root_position: int = -1  # index of the root in the sequence (keyed chains draw the token after it at +1)
+    root_position: int | None = None  # index of the root in the sequence (keyed chains draw the token after it at +1)
     min_prob: float | None = None  # trees: this step's measured floor, in place of spec.tree_min_prob (None: that)
 
 

@@ -31,11 +31,12 @@ def _next_token(s: DraftState, logits: torch.Tensor) -> torch.Tensor:
     mode = s.item.spec.chain_draft
     if s.params.greedy or mode == ChainDraft.greedy:
         return target_ids(s, logits[-1].argmax())
-    if mode == ChainDraft.keyed and s.params.seed is not None and s.item.root_position >= 0:
+    root = s.item.root_position
+    if mode == ChainDraft.keyed and s.params.seed is not None and root is not None:
         # the draft's own race with the target's noise for this position: it proposes the target's draw whenever
         # its distribution ranks that token first under the same noise (docs/algorithms.md §1.4)
         vocab = s.vocab_size or logits.shape[-1]
-        position = s.item.root_position + s.depth + 1
+        position = root + s.depth + 1
         probs = process_logits(logits[-1:], s.params)  # [1, V']
         column = keyed_sample(probs, s.params.seed, [position], vocab, s.token_ids)  # [1]
         # a draft row without mass (non-finite logits) proposes its argmax: any proposal is lossless
