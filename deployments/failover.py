@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from specserve.api.error_bodies import LaneLostError, WorkerFailedError
+from specserve.api.error_bodies import LaneHandoffError, LaneLostError, WorkerFailedError
 from specserve.api.server import OutputStream
 from specserve.errors import InvalidRequestError
 from specserve.sequence import Delivered, Request, RequestOutput, RequestStats
@@ -147,7 +147,9 @@ class FailoverStream:
                     raise WorkerFailedError(f"the request could not go on on another lane: {refused}") from refused
 
     def _moved(self, lane: LaneLike, error: LaneLostError) -> None:
-        self._failovers += 1
+        if not isinstance(error, LaneHandoffError):  # (handoffs go only to a lane that has its model, and a lane
+            # starts its workers only after a loss, which counts: they cannot bounce a request for ever)
+            self._failovers += 1
         if self._failovers > self._max_failovers:
             raise error
         logger.warning(

@@ -48,7 +48,13 @@ from deployments.actors import (
     WorkerState,
 )
 from deployments.app_args import AppArgs, WorkerRole
-from specserve.api.error_bodies import APIError, LaneLostError, RequestFailedError, WorkerFailedError
+from specserve.api.error_bodies import (
+    APIError,
+    LaneHandoffError,
+    LaneLostError,
+    RequestFailedError,
+    WorkerFailedError,
+)
 from specserve.api.metrics import ServeMetrics
 from specserve.coalesce import OutputCoalescer
 from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blamed_sequence
@@ -225,10 +231,9 @@ class Lane:
 
     @property
     def loading(self) -> bool:
-        """Its target is starting (loading its model, after a loss or at first): requests go to a lane that is not,
-        first."""
-        target = self.workers.get(WorkerRole.target)
-        return target is not None and target.starting
+        """A worker of its is starting (loading its model, after a loss or at first; a draft too, at first: the
+        lane steps nothing until it has): requests go to a lane that is not, first."""
+        return any(worker.starting for worker in list(self.workers.values()))  # (a copy: the lane thread's dict)
 
     @property
     def draft_lost(self) -> bool:
@@ -331,7 +336,7 @@ class Lane:
                 elif self.lost_workers:
                     if time.monotonic() >= self._retry_at:
                         self._retry_target()
-                elif self._any_starting():
+                elif self.loading:
                     self._await_start()
                 elif time.monotonic() >= self._check_at:
                     self._check_idle()
@@ -354,13 +359,10 @@ class Lane:
     def _idle_wait(self) -> float | None:
         """How long to wait for a command: not at all with work to do; while its target is lost, until the next
         try to bring it back; else until the next check of its workers (for ever without checks)."""
-        if self.loop.has_work or (not self.lost_workers and self._any_starting()):
+        if self.loop.has_work or (not self.lost_workers and self.loading):
             return 0.0
         due = self._retry_at if self.lost_workers else self._check_at
         return None if math.isinf(due) else max(0.0, due - time.monotonic())
-
-    def _any_starting(self) -> bool:
-        return any(worker.starting for worker in self.workers.values())
 
     def _await_start(self) -> None:
         """With nothing to step, a worker still starting is waited for a slice (so ``loading`` ends when its start
@@ -386,7 +388,7 @@ class Lane:
         if dead:
             self._replace_lost(WorkerLostError(f"{', '.join(dead)} did not answer while lane {self.index} was idle"))
             self._check_at = self._next_check()
-        elif not self._any_starting():
+        elif not self.loading:
             self._failures = 0  # every worker up and answering: earlier losses no longer count as in a row
 
     def _fail_pending(self) -> None:
@@ -462,7 +464,7 @@ class Lane:
                 self._flush_held()  # a target loading may take minutes
                 if self._sinks and self.spare():  # requests admitted since the loss (queued during the failed step),
                     # or kept while no other lane was loaded: on at once on a lane that has its model
-                    self._drop_all(f"lane {self.index} is bringing its target back", LaneLostError)
+                    self._drop_all(f"lane {self.index} is starting its workers", LaneHandoffError)
                 return
             if only is not None:
                 self._flush_held()  # the step leaves the others waiting

@@ -188,10 +188,7 @@ def _lane(target: LlamaModel, factory: Factory, **options: Any) -> Lane:
     loop.target = worker
     options.setdefault("metrics", ServeMetrics())
     options.setdefault("max_worker_restarts", 2)
-    lane = Lane(0, loop, {}, factory, geometry, **options)  # type: ignore[arg-type]
-    lane.workers = {WorkerRole.target: worker}  # (not passed in: Lane.stop would ray.kill the fake handle)
-    lane.generations = {WorkerRole.target: 0}
-    return lane
+    return Lane(0, loop, {WorkerRole.target: worker}, factory, geometry, **options)  # type: ignore[arg-type]
 
 
 def _release_and_stop(lanes: list[Lane], factories: list[Factory]) -> None:
@@ -564,10 +561,8 @@ def _drafting_lane(target: LlamaModel, drafts: DraftFactory, *, max_worker_resta
         worker.start(geometry)
     loop.target, loop.draft = target_worker, draft_worker
     options: dict[str, Any] = {"max_worker_restarts": max_worker_restarts, "worker_retry_s": 0.01}
-    lane = Lane(0, loop, {}, drafts, geometry, metrics=ServeMetrics(), **options)  # type: ignore[arg-type]
-    lane.workers = {WorkerRole.target: target_worker, WorkerRole.draft: draft_worker}
-    lane.generations = dict.fromkeys(lane.workers, 0)
-    return lane
+    workers = {WorkerRole.target: target_worker, WorkerRole.draft: draft_worker}
+    return Lane(0, loop, workers, drafts, geometry, metrics=ServeMetrics(), **options)  # type: ignore[arg-type]
 
 
 def _wait(condition: Callable[[], bool]) -> None:
@@ -1167,3 +1162,109 @@ def test_a_replica_whose_workers_never_load_fails_its_start_with_a_message() -> 
     assert asyncio.run(run(answers=True)) == ("info", None)
     with pytest.raises(RuntimeError, match=r"have not loaded their models within worker_start_timeout_s \(0\.2 s\)"):
         asyncio.run(asyncio.wait_for(run(answers=False), 10))
+
+
+# -- lanes still starting their workers ------------------------------------------------------------------------
+
+
+def test_a_lane_whose_draft_is_still_starting_gets_no_requests_while_another_lane_is_loaded(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """At a replica's start a lane may have its target up and its draft still loading: it steps nothing until the
+    draft has started, so it counts as loading. It was taken for loaded (only its target was looked at): being the
+    least loaded it was picked for each new request, then handed each on, a failover charged every time."""
+    drafting = _drafting_lane(target, DraftFactory(target, {0: "loading"}, set()))
+    drafting.index = 1
+    lanes = [_lane(target, Factory(target, {})), drafting]
+    moved: list[int] = []
+
+    async def one(request: Request) -> tuple[list[int], int]:
+        stream = FailoverStream(lambda: lanes, request, max_failovers=2, backoff_s=0.0, on_failover=moved.append)
+        await stream.open()
+        tokens = [t async for out in stream for t in out.token_ids]
+        return tokens, lanes.index(stream._lane)  # type: ignore[arg-type]
+
+    async def run() -> list[tuple[list[int], int]]:
+        return [await asyncio.wait_for(one(Request(f"r{i}", p, GREEDY)), 30) for i, p in enumerate(PROMPTS)]
+
+    try:
+        assert drafting.loading and not lanes[0].loading
+        assert asyncio.run(run()) == [(tokens, 0) for tokens in alone]
+        assert moved == [] and drafting.in_flight == 0
+    finally:
+        for lane in lanes:
+            lane.stop()
+
+
+def test_two_lanes_losing_their_targets_together_hand_requests_over_without_spending_their_failovers(
+    target: LlamaModel,
+) -> None:
+    """Both targets die at once (one node under both). The lane that notices first hands its requests to the other
+    (its loss not yet noticed), which notices a step later, reloads and keeps them; the first lane's reload done,
+    they are handed back, then that lane loses its target once more. The handoffs of requests a loading lane merely
+    held cost no failover: with each move counted, the third loss answered a request with a 503."""
+    from tests.conftest import greedy_reference
+
+    long = SamplingParams(max_tokens=50, ignore_eos=True)
+    prompts = {"r0": [5, 9, 13], "r1": [100, 200, 300]}
+    factories = [Factory(target, {1: "loading"}), Factory(target, {1: "loading"})]
+    lanes: list[Lane] = []
+    for i in range(2):  # spare as Router._spare_for
+        lanes.append(
+            _lane(
+                target,
+                factories[i],
+                step_delay_s=0.02,
+                spare=lambda i=i: any(o.index != i and o.alive and o.healthy and not o.loading for o in lanes),
+            )
+        )
+        lanes[-1].index = i
+        lanes[-1].start_poll_s = 0.02
+    moved: list[tuple[str, int]] = []
+    tokens: dict[str, list[int]] = {name: [] for name in prompts}
+
+    async def until(condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.005)
+
+    async def read(stream: FailoverStream, name: str) -> Result:
+        try:
+            async for out in stream:
+                tokens[name] += out.token_ids
+        except APIError as e:
+            return e
+        return tokens[name]
+
+    async def run() -> list[Result]:
+        streams = {}
+        for name, prompt in prompts.items():
+            streams[name] = FailoverStream(
+                lambda: lanes,
+                Request(name, prompt, long),
+                max_failovers=2,
+                backoff_s=0.0,
+                on_failover=lambda lane, name=name: moved.append((name, lane)),
+            )
+            await streams[name].open()
+        readers = [asyncio.ensure_future(read(stream, name)) for name, stream in streams.items()]
+        await until(lambda: all(len(t) >= 3 for t in tokens.values()))
+        for lane in lanes:
+            lane.workers[WorkerRole.target].handle.died = True  # type: ignore[attr-defined]
+        await until(lambda: all(len(f.actors) == 2 for f in factories) and all(lane.loading for lane in lanes))
+        await until(lambda: any(lane.in_flight == 2 for lane in lanes))
+        holder = next(i for i, lane in enumerate(lanes) if lane.in_flight == 2)
+        factories[1 - holder].actors[1].loaded.set()  # the other lane's reload finishes first
+        await until(lambda: lanes[1 - holder].in_flight == 2)  # handed back
+        factories[holder].actors[1].loaded.set()
+        await until(lambda: not lanes[holder].loading)
+        lanes[1 - holder].workers[WorkerRole.target].handle.died = True  # type: ignore[attr-defined]
+        return list(await asyncio.wait_for(asyncio.gather(*readers), 30))
+
+    try:
+        results = asyncio.run(run())
+        assert results == [greedy_reference(target, p, 50) for p in prompts.values()], moved
+        assert len(moved) >= 4  # the loss, the handoff back, and the last loss's moves at least
+    finally:
+        _release_and_stop(lanes, factories)

@@ -58,6 +58,11 @@ class LaneLostError(WorkerFailedError):
     (``deployments/failover.py``); the same 503 body when none can take them."""
 
 
+class LaneHandoffError(LaneLostError):
+    """A lane still starting its workers hands a request it holds, run no further there since the loss, to a lane
+    that has its model: a move that loses nothing, so not a failover counted against ``max_failovers``."""
+
+
 class ResumeMismatchError(APIError):
     """A resumed stream's regenerated text does not continue what the stream sent (the request was changed)."""
 
