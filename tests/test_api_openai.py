@@ -331,6 +331,53 @@ def test_prompts_being_tokenised_count_against_the_capacity(monkeypatch: pytest.
         backend.stop()
 
 
+@pytest.mark.parametrize("hops", range(6))
+def test_a_cancel_landing_as_a_left_clients_answer_is_cancelled_still_cancels_the_handler(hops: int) -> None:
+    """A client leaves a non-streaming request; the handler cancels the answer it was waiting for and waits for it
+    to end. A cancel of the handler itself (Serve's for a client that left, a caller's timeout) landing ``hops``
+    loop iterations after the disconnect was swallowed with the answer's own CancelledError at 3 hops: the handler
+    returned a 204 and its task ended not cancelled."""
+    from specserve.api.server import _Outcome, _Routes
+
+    class Never:  # an admitted request's stream that has produced nothing yet
+        def __aiter__(self) -> AsyncIterator[RequestOutput]:
+            return self._outputs()
+
+        async def _outputs(self) -> AsyncIterator[RequestOutput]:
+            await asyncio.Event().wait()
+            yield RequestOutput("r", [], "", None, 1, 0, RequestStats())  # (never reached)
+
+        async def aclose(self) -> None:
+            pass
+
+    class Body:
+        stream = False
+        return_token_ids = False
+
+    async def trial() -> None:
+        loop = asyncio.get_running_loop()
+        outcome = _Outcome(Never(), ServeMetrics())  # type: ignore[arg-type]
+
+        def cancel_after(n: int) -> None:
+            if n == 0:
+                task.cancel()
+            else:
+                loop.call_soon(cancel_after, n - 1)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(0.01)
+            cancel_after(hops)
+            return {"type": "http.disconnect"}
+
+        routes = _Routes(None)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(routes._collect(outcome, Body(), None, None, receive))  # type: ignore[arg-type]
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert task.cancelled() and outcome.closed
+
+    asyncio.run(trial())
+
+
 def test_a_request_that_left_holds_its_place_until_its_tokenisation_ends() -> None:
     """A request cancelled while its prompt was tokenised (Serve cancels the handler of a client that went away)
     gave its place back at once while the tokenisation went on in a thread: clients that sent long prompts and hung

@@ -10,7 +10,6 @@ Before any route, ``RequestGuard`` checks the API key, the body size (413) and t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -404,8 +403,7 @@ class _Routes:
             if answer.done():
                 return answer.result()
             answer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await answer
+            await asyncio.wait({answer})  # (not ``await answer``: its CancelledError would hide one of this task's own)
             return Response(status_code=HTTPStatus.NO_CONTENT)  # nobody reads it
         finally:
             for task in (answer, left):
