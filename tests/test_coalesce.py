@@ -103,6 +103,20 @@ def test_take_hands_back_what_is_held_and_forgets_the_request() -> None:
     assert coalescer.offer(third) is third  # a request submitted again starts afresh: its first tokens pass
 
 
+def test_a_finished_request_is_forgotten() -> None:
+    """Finishing forgets a request as ``take`` does: its id used again (a request moved back to this lane, or a
+    client's id reused) starts afresh, its first tokens passing at once (and the coalescer keeps no entry per
+    request it ever served)."""
+    coalescer = OutputCoalescer(4)
+    first, second, last = _steps("r", [1, 1, 1])
+    assert coalescer.offer(first) is first
+    assert coalescer.offer(second) is None
+    finished = coalescer.offer(last)
+    assert finished is not None and finished.finished and coalescer.holding == 0
+    again = _steps("r", [1, 2])[0]
+    assert coalescer.offer(again) is again
+
+
 def test_an_interval_below_one_token_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1 token"):
         OutputCoalescer(0)
