@@ -61,6 +61,28 @@ def test_context_limit_ends_with_length(tiny: LlamaModel) -> None:
     assert len(out.token_ids) == 5 and out.finish_reason == FinishReason.length
 
 
+def test_a_draft_with_fewer_positions_than_its_target_bounds_the_context(tiny: LlamaModel) -> None:
+    """The target has 512 positions, the draft 128, and a step keeps 64 (spec_headroom) past the context: 64
+    tokens of context, not the 400 asked (the draft's cache would overflow mid-request)."""
+    from specserve.config import SpecConfig, SpecMethod
+    from specserve.models.tiny import tiny_config, tiny_model
+
+    assert tiny.max_positions == 512
+    draft = tiny_model(tiny_config(max_position_embeddings=128), seed=1)
+    engine = Engine(
+        tiny,
+        None,
+        draft=draft,
+        speculation=SpecConfig(method=SpecMethod.chain, sl=4),
+        max_model_len=400,
+        spec_headroom=64,
+        eos_token_ids=set(),
+    )
+    assert engine.loop.max_model_len == 64
+    out = engine.generate([list(range(1, 11))], SamplingParams(max_tokens=300))[0]
+    assert len(out.token_ids) == 54 and out.finish_reason == FinishReason.length
+
+
 def test_seeded_sampling_is_reproducible_and_follows_the_distribution(tiny: LlamaModel) -> None:
     engine = Engine(tiny, None, eos_token_ids=set())
     params = SamplingParams(temperature=1.0, seed=123, max_tokens=6)
