@@ -101,6 +101,14 @@ def test_a_content_length_padded_with_zeros_is_read_as_its_value(backend: LocalB
         assert response.split(b"\r\n", 1)[0].split()[1] == b"413" and b"request_too_large" in response
 
 
+def test_a_declared_length_over_the_limit_is_refused_before_any_body_byte(backend: LocalBackend) -> None:
+    """The body never comes: the only answer that can come is the one given on the declared length (without that
+    check the guard waits for the body until ``body_timeout_s``, and this client's read times out first)."""
+    with api_server(backend, max_request_bytes=2048, body_timeout_s=60.0) as url:
+        response = _raw_post(url, "Content-Length: 1000000\r\n", b"")
+        assert response.split(b"\r\n", 1)[0].split()[1] == b"413" and b"request_too_large" in response
+
+
 def test_health_is_503_only_when_the_replica_fails_its_health_check(
     backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
