@@ -50,6 +50,23 @@ def test_a_token_array_fed_a_growing_sequence_is_that_sequence() -> None:
         assert got.dtype == np.int64 and np.array_equal(got, np.asarray(tokens, dtype=np.int64))
 
 
+def test_prompt_lookup_keeps_one_array_a_sequence_fed_only_what_each_step_adds() -> None:
+    """The drafter's array of a sequence lives across its steps (built anew each step it cost O(context) a step)
+    and goes with the sequence; what it drafts is what the whole context's array gives."""
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.lookup)
+    drafter = ModelFreeDrafter(None)
+    context = [5, 6, 7, 8, 1, 2, 5, 6]
+    first = drafter.propose(3, context, spec, 4, want_q=False)
+    array = drafter.arrays[3]
+    assert first is not None and first.tokens[:2] == [7, 8] and array.fed == len(context)
+    context += [7, 8, 1]
+    second = drafter.propose(3, context, spec, 4, want_q=False)
+    assert drafter.arrays[3] is array and array.fed == len(context)
+    assert second is not None and second.tokens[:2] == [2, 5]
+    drafter.release([3])
+    assert 3 not in drafter.arrays
+
+
 def test_match_starts_finds_the_longest_ngram_and_every_earlier_occurrence() -> None:
     #                 0  1  2  3  4  5  6  7  8  9 10
     tokens = np.array([7, 1, 2, 3, 9, 1, 2, 3, 5, 2, 3])
