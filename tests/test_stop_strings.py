@@ -397,3 +397,52 @@ def test_the_engine_decodes_an_answer_after_its_prompt() -> None:
         prompt = tok.encode("w5 w9 w13", add_special_tokens=False)
         assert out.text == tok.decode(prompt + out.token_ids)[len(tok.decode(prompt)) :]
         assert out.text.startswith(" w") and len(out.text.split()) == 6
+
+
+class _CountingText(IncrementalText):
+    """Counts the token ids each update decodes."""
+
+    decoded = 0
+
+    def _decode_ids(self, token_ids: Any) -> str:
+        self.decoded += len(token_ids)
+        return super()._decode_ids(token_ids)
+
+
+def _work_per_update(
+    tok: PreTrainedTokenizerBase, ids: list[int], stop: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> tuple[float, float]:
+    """(tokens decoded, characters searched for a stop string) per update, over the last 100 of one update a token."""
+    import specserve.detok as detok
+
+    searched = [0]
+    settled = detok._settled
+
+    def counting(text: str, final: bool) -> str:
+        searched[0] += len(text)
+        return settled(text, final)
+
+    text = _CountingText(tok, stop)
+    for n in range(1, len(ids) - 99):
+        text.update(ids[:n])
+    text.decoded = 0
+    with monkeypatch.context() as m:
+        m.setattr(detok, "_settled", counting)
+        for n in range(len(ids) - 99, len(ids) + 1):
+            text.update(ids[:n])
+    return text.decoded / 100, searched[0] / 100
+
+
+def test_an_updates_work_does_not_grow_with_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens decoded and characters searched per update are the same at 4,000 output tokens as at 500 (about 20
+    and 3 with byte fallback, 34 and 6 with the tiny tokenizer): a run of byte tokens (an emoji every 40 tokens)
+    sent updates back to decoding the whole output, and stop strings were searched for in the whole text every
+    update."""
+    fallback = _byte_fallback_tokenizer()
+    emoji = ([259, 260] * 20 + _bytes("😀😀😀")) * 100
+    words = [5 + (i * 7) % 200 for i in range(4000)]
+    for tok, ids, stop in ((fallback, emoji, ()), (tiny_tokenizer(), words, ("zzzz",))):
+        short = _work_per_update(tok, ids[:500], stop, monkeypatch)
+        long = _work_per_update(tok, ids[:4000], stop, monkeypatch)
+        for few, many in zip(short, long, strict=True):
+            assert many <= 1.5 * few + 8, (short, long)
