@@ -220,6 +220,35 @@ def _training_setup(kind: HeadKind) -> tuple[LlamaModel, list[Sample], torch.Ten
     return target, _samples(12, 0, target.cfg.hidden_size, aux_width), torch.arange(0, 512, 2)
 
 
+class _Runs:
+    """An object whose unpickling runs code: it creates the file ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[Path]]:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_holding_other_objects_is_refused_without_unpickling_them(tmp_path: Path) -> None:
+    """A resume reads its checkpoint as tensors and plain values only: a file holding any other object (one that
+    runs code as it is unpickled) is refused by name, and nothing in it runs."""
+    target, samples, ids = _training_setup(HeadKind.eagle)
+    cfg = _ttt_config(HeadKind.eagle, epochs=1, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=2)
+    work = tmp_path / "w"
+    train_head(target, samples, ids, cfg, work, system_len=2, max_steps=2)
+    state = torch.load(work / "ckpt.pt", weights_only=True)  # what it writes reads as plain values
+    assert state["step"] == 2 and state["config"]["kind"] == HeadKind.eagle.value
+    marker = tmp_path / "ran"
+    torch.save({**state, "extra": _Runs(marker)}, work / "ckpt.pt")
+    torch.load(work / "ckpt.pt", weights_only=False)  # (unpickled in full, it runs)
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(ValueError, match="more than tensors and plain values"):
+        train_head(target, samples, ids, cfg, work, system_len=2)
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])
 def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path, kind: HeadKind) -> None:
     target, samples, ids = _training_setup(kind)

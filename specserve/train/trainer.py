@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import pickle
 import random
 import time
 from collections.abc import Callable
@@ -314,8 +315,12 @@ def train_head(
     if cfg.init_head is not None:  # the path alone would not tell a head trained again there since
         trained_on["init_head_sha256"] = sha256_file(weights_path(cfg.init_head))
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False, map_location=device)
-        if state["config"] != asdict(cfg):
+        try:  # tensors and plain values only: unpickling anything else could run code from the file
+            state = torch.load(ckpt, weights_only=True, map_location=device)
+        except pickle.UnpicklingError as e:
+            what = "holds more than tensors and plain values (an older version's?)"
+            raise SettingsError(f"{ckpt} {what}: remove it") from e
+        if state["config"] != config_record(cfg):
             raise SettingsError(f"{ckpt} was written with other settings; remove it or use the same ones")
         for key, now in trained_on.items():
             if state.get(key) != now:
@@ -339,11 +344,16 @@ def train_head(
             log(step, total, float(loss.detach()), stats)
         if step % cfg.checkpoint_every == 0 or step == stop:
             tmp = ckpt.with_suffix(".tmp")
-            state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": asdict(cfg)}
+            state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": config_record(cfg)}
             torch.save(state | trained_on, tmp)
             replace_durably(tmp, ckpt)
     head.eval()
     return head
+
+
+def config_record(cfg: TrainConfig) -> dict[str, object]:
+    """The settings as plain values (a path and an enum as strings, tuples as lists): what a checkpoint records."""
+    return json.loads(json.dumps(asdict(cfg), default=str))  # type: ignore[no-any-return]
 
 
 def data_fingerprint(samples: list[Sample]) -> str:
