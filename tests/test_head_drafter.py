@@ -368,6 +368,25 @@ def test_steps_that_commit_more_than_the_window_keep_the_heads_context(target: L
     assert len(seen) >= 4 and seen[-1][1] > 20 and all(pos0 == 0 for pos0, _ in seen)
 
 
+def test_the_head_keeps_only_the_tokens_it_has_still_to_pair(target: LlamaModel) -> None:
+    """The worker kept a copy of every committed token of a sequence, growing with it (the router owns those); it
+    keeps only the ones past its last pair, at most a step's, and drafts as before (greedy-equal)."""
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, chain_draft=ChainDraft.greedy)
+    engine = Engine(target, None, draft=random_head(target), speculation=spec, eos_token_ids=set())
+    engine.loop.planner.guard = None
+    engine.submit(PROMPTS[0], params)
+    worker = engine.loop.draft
+    assert isinstance(worker, HeadDraftWorker)
+    kept: list[int] = []
+    tokens: list[int] = []
+    while engine.loop.has_work:
+        tokens += [t for out in engine.loop.step() for t in out.token_ids]
+        kept += [len(st.unpaired) for s in engine.loop.running if (st := worker.seqs.get(s.seq_id))]
+    assert len(kept) >= 10 and max(kept) <= spec.sl + 1, kept
+    assert tokens == _plain(target, params)[0]
+
+
 @pytest.mark.parametrize("reset", [False, True])
 def test_a_prompt_longer_than_the_window_costs_the_head_the_window_whatever_its_first_step(
     target: LlamaModel, reset: bool

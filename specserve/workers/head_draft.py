@@ -34,7 +34,9 @@ def feature_request(head: EagleHead) -> FeatureRequest:
 @dataclass
 class _HeadSeq:
     slot: int
-    tokens: list[int] = field(default_factory=list)  # committed tokens seen so far (position i = tokens[i])
+    length: int = 0  # committed tokens seen so far
+    unpaired: list[int] = field(default_factory=list)  # the last of them, from position next_pair + 1 on: a pair's
+    # token is the one after its feature's position (the router owns the sequence; this is what is left to pair)
     pos0: int = 0  # RoPE position of cache entry 0 (> 0 when the features before it were lost)
     pairs: int = 0  # pairs built from target features, cached at entries 0..pairs-1
     features: torch.Tensor | None = None  # [n, H] target features of positions pos0 + pairs .. not yet paired
@@ -105,11 +107,14 @@ class HeadDraftWorker:
         st = self.seqs.get(it.seq_id)
         if st is None:
             st = self.seqs[it.seq_id] = _HeadSeq(self.cache.allocate())
-        st.tokens += it.new_tokens
+        st.unpaired += it.new_tokens
+        st.length += len(it.new_tokens)
         if it.features is not None:
             self._take_features(st, it.features, it.feature_start)
+        keep = max(0, st.length - st.next_pair - 1)  # (the first token, or those before a restart's gap, pair none)
+        del st.unpaired[: max(0, len(st.unpaired) - keep)]
         self.cache.truncate(st.slot, st.pairs)  # last step's tree nodes go (after a restart, every old pair)
-        root = len(st.tokens) - 1
+        root = st.length - 1
         s = DraftState(
             item=it,
             params=self.params[it.seq_id],
@@ -126,7 +131,8 @@ class HeadDraftWorker:
         n = last - st.next_pair + 1
         assert st.features is not None
         positions = list(range(st.next_pair, last + 1))
-        tokens = st.tokens[st.next_pair + 1 : last + 2]
+        tokens = st.unpaired[:n]  # positions next_pair + 1 .. last + 1
+        del st.unpaired[:n]
         feats = st.features[:n]
         st.features = st.features[n:] if n < n_feat else None
         st.pairs += n
