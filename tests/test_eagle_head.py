@@ -16,15 +16,8 @@ from specserve.errors import CorruptModelError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
-from specserve.spec_decode.eagle_head import (
-    EagleHead,
-    EagleHeadConfig,
-    HeadKind,
-    checkpoint_kind,
-    default_aux_layers,
-    load_eagle_head,
-    save_eagle_head,
-)
+from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, default_aux_layers
+from specserve.spec_decode.head_checkpoint import checkpoint_kind, load_eagle_head, save_eagle_head
 
 H, FF, NH, NKV, D, V = 64, 160, 4, 2, 16, 512  # the tiny target's shapes
 THETA = 10000.0

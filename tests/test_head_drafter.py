@@ -53,7 +53,7 @@ def test_a_full_size_draft_vocabulary_in_another_order_is_mapped(tmp_path) -> No
     """A published EAGLE-3 head may map its V draft columns onto the target's V ids in another order (d2t not 0):
     the worker took a full-size vocabulary for the identity and drafted column c as target id c. The same head
     with its LM-head rows permuted and that permutation as its d2t must draft exactly what it drafts."""
-    from specserve.spec_decode.eagle_head import load_eagle_head, save_eagle_head
+    from specserve.spec_decode.head_checkpoint import load_eagle_head, save_eagle_head
 
     target = tiny_model(seed=0)
     vocab = target.cfg.vocab_size

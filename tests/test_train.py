@@ -20,7 +20,8 @@ from specserve.errors import SettingsError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
-from specserve.spec_decode.eagle_head import HeadKind, dense_weight, load_eagle_head, save_eagle_head
+from specserve.spec_decode.eagle_head import HeadKind, dense_weight
+from specserve.spec_decode.head_checkpoint import load_eagle_head, save_eagle_head
 from specserve.train.distill import Sample, generate_with_features, greedy_distiller, iter_samples, target_features
 from specserve.train.lexicon_prompts import WORDNET_DIR, WordNetMissing, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
@@ -564,7 +565,7 @@ def test_train_draft_quick_eagle3_head_loads_and_drafts_losslessly(
     from specserve.errors import ModelSourceError
     from specserve.models.loader import frequent_ids, load_draft, load_model, load_tokenizer
     from specserve.sampling import SamplingParams
-    from specserve.spec_decode.eagle_head import checkpoint_kind
+    from specserve.spec_decode.head_checkpoint import checkpoint_kind
 
     out = tmp_path / "head3"
     assert (

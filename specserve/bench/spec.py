@@ -54,7 +54,8 @@ from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.models.sources import resolve
 from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
-from specserve.spec_decode.eagle_head import EagleHead, HeadKind, checkpoint_kind
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind
+from specserve.spec_decode.head_checkpoint import checkpoint_kind
 from specserve.spec_decode.suffix_tree import SuffixCache
 from specserve.tune import autotune
 

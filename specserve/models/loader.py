@@ -48,7 +48,8 @@ from specserve.models.q4 import (
     native_q4_available,
 )
 from specserve.models.sources import builtin_gguf, builtin_gguf_path, gguf_tensors, resolve
-from specserve.spec_decode.eagle_head import EagleHead, HeadKind, load_eagle_head
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind
+from specserve.spec_decode.head_checkpoint import load_eagle_head
 
 log = logging.getLogger(__name__)
 

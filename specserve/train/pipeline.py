@@ -33,11 +33,9 @@ from specserve.build import eos_ids_of
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
 from specserve.models.sources import sha256_file
-from specserve.spec_decode.eagle_head import (
+from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers
+from specserve.spec_decode.head_checkpoint import (
     TARGET_SAMPLE_KEY,
-    EagleHead,
-    HeadKind,
-    default_aux_layers,
     embedding_sample,
     load_eagle_head,
     save_eagle_head,

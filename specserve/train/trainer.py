@@ -32,14 +32,8 @@ from specserve.durable import replace_durably
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel, apply_rope, rms_norm
 from specserve.models.sources import sha256_file
-from specserve.spec_decode.eagle_head import (
-    EagleHead,
-    EagleHeadConfig,
-    HeadKind,
-    dense_weight,
-    load_eagle_head,
-    weights_path,
-)
+from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, dense_weight
+from specserve.spec_decode.head_checkpoint import load_eagle_head, weights_path
 from specserve.train.distill import Sample
 from specserve.train.vocab import column_of
 
