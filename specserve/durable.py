@@ -4,6 +4,8 @@ new one, never a file cut short (the data is flushed to the disk before the rena
 from __future__ import annotations
 
 import os
+import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -44,3 +46,18 @@ def swap_durably(tmp: Path, path: Path, aside: Path) -> None:
     os.replace(path, aside)
     os.replace(tmp, path)
     _fsync(path.parent)
+
+
+def write_durably(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` into a new file beside ``path``, then move it there durably; on any failure the temporary file
+    goes. The temporary file is created here, never opened through whatever a predictable name could already be (a
+    symlink planted in a shared directory would have had the write land where it points): a random name, created
+    exclusively, with the permissions the umask gives a new file."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+    try:
+        write(tmp)
+        replace_durably(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

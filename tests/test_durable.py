@@ -52,3 +52,43 @@ def test_a_directory_is_flushed_file_by_file_before_its_rename(tmp_path: Path, e
     # a subdirectory's entries before its parent's: its file is found after a power loss
     assert flushed.index(str(work / "sub")) < flushed.index(str(work))
     assert (tmp_path / "model" / "sub" / "vocab.json").read_text() == "sub/vocab.json"
+
+
+def test_writes_go_through_no_link_planted_at_a_predictable_name(tmp_path: Path) -> None:
+    """The temporary files had fixed names (``manifest.tmp``, ``ckpt.tmp``, ``<name>.<pid>.tmp``) and were opened
+    through whatever stood there: a symlink another user planted in a shared work directory sent the write to the
+    file it pointed to."""
+    from specserve.train.distill import claim_data_dir
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("manifest.tmp", f"profile.{os.getpid()}.tmp", "profile.json.tmp"):
+        (work / name).symlink_to(victim)
+    claim_data_dir(work, {"kind": "text"})
+    store_json(work / "profile.json", {"a": 1})
+    assert victim.read_text() == "untouched"
+    assert json.loads((work / "manifest.json").read_text()) == {"kind": "text"}
+    assert json.loads((work / "profile.json").read_text()) == {"a": 1}
+
+
+def test_a_durable_write_that_fails_leaves_nothing_and_a_new_file_takes_the_umasks_permissions(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "out.json"
+
+    def fails(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise RuntimeError("killed midway")
+
+    with pytest.raises(RuntimeError):
+        durable.write_durably(path, fails)
+    assert list(tmp_path.iterdir()) == []
+    umask = os.umask(0o022)
+    try:
+        durable.write_durably(path, lambda tmp: tmp.write_text("whole"))
+    finally:
+        os.umask(umask)
+    assert path.read_text() == "whole" and path.stat().st_mode & 0o777 == 0o644
+    assert list(tmp_path.iterdir()) == [path]

@@ -35,7 +35,7 @@ from torch import nn
 
 from specserve.config import HeadQuant
 from specserve.cpu import cpu_info
-from specserve.durable import replace_durably
+from specserve.durable import write_durably
 from specserve.errors import SettingsError
 from specserve.models.llama import PAD_WIDTH, LlamaModel, drop_native_stack
 from specserve.models.q4 import Q4_GROUP, Q4Blocks, Q4Linear, Q8Blocks, quantize_q4_1, quantize_q8_0
@@ -181,12 +181,9 @@ def _record_library(library: Path) -> None:
     with contextlib.suppress(OSError):
         if record.is_file() and record.read_text().strip() == digest:
             return
-    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(digest + "\n")
-        replace_durably(tmp, record)
+        write_durably(record, lambda tmp: tmp.write_text(digest + "\n"))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         log.warning("could not record %s (%s); it is checked by its header next time", library, e)
 
 

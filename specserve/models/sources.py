@@ -39,7 +39,7 @@ from filelock import FileLock
 from safetensors import SafetensorError
 
 from specserve.config import ModelSpec, SourceKind
-from specserve.durable import replace_durably, swap_durably
+from specserve.durable import replace_durably, swap_durably, write_durably
 from specserve.errors import (
     CorruptModelError,
     HubUnreachableError,
@@ -92,14 +92,11 @@ def make_cache_dir(path: Path) -> None:
 def store_json(path: Path, value: object) -> None:
     """``value`` as JSON at ``path``, whole or not at all (a reader beside this process, a writer killed midway);
     a cache that cannot be written is a warning, not a failure: the value is measured again next time."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(value))
-        replace_durably(tmp, path)
+        text = json.dumps(value)
+        write_durably(path, lambda tmp: tmp.write_text(text))
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         logger.warning("could not store %s (%s); it will be measured again", path, e)
 
 

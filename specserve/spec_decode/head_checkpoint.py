@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from specserve.durable import replace_durably
+from specserve.durable import write_durably
 from specserve.errors import CorruptModelError, SpecServeError, UnsupportedModelError
 from specserve.models.llama import (
     LlamaModel,
@@ -120,10 +120,12 @@ def save_eagle_head(
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in head_state_dict(head).items()}
     weights = out / "model.safetensors"
-    tmp = weights.with_suffix(".tmp")
-    save_file(sd, tmp)
-    tmp.chmod(0o644)  # safetensors makes its files private (0600); a head is read by whoever serves it
-    replace_durably(tmp, weights)
+
+    def write(tmp: Path) -> None:
+        save_file(sd, tmp)
+        tmp.chmod(0o644)  # safetensors makes its files private (0600); a head is read by whoever serves it
+
+    write_durably(weights, write)
     (out / "config.json").write_text(config_text(hf_config_dict(head.cfg, **(extra_config or {}))))
     return weights
 

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
-from specserve.durable import replace_durably
+from specserve.durable import write_durably
 from specserve.errors import SettingsError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
@@ -301,9 +301,7 @@ def write_chunk(path: Path, convs: list[Conversation], feats: Features, *, asked
     }
     if feats.aux is not None:
         tensors["aux_features"] = torch.cat(feats.aux).contiguous()
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, tmp, metadata={"asked": str(asked)})
-    replace_durably(tmp, path)  # a chunk exists only when complete
+    write_durably(path, lambda tmp: save_file(tensors, tmp, metadata={"asked": str(asked)}))  # whole or absent
 
 
 @dataclass(frozen=True)
@@ -334,9 +332,8 @@ def claim_data_dir(out: Path, settings: dict[str, Any]) -> None:
     elif any(out.glob("chunk_*.safetensors")):
         raise SettingsError(f"{out} holds data chunks without a manifest.json (settings unknown); use another work dir")
     else:
-        tmp = manifest.with_suffix(".tmp")
-        tmp.write_text(json.dumps(settings, indent=1) + "\n")
-        replace_durably(tmp, manifest)  # (a manifest cut short would stop every later run)
+        text = json.dumps(settings, indent=1) + "\n"
+        write_durably(manifest, lambda tmp: tmp.write_text(text))  # (a manifest cut short would stop every later run)
 
 
 def iter_samples(chunks: Path | list[Path], *, aux: bool = False) -> Iterator[Sample]:

@@ -15,6 +15,7 @@ norm and LM head (initialised from the target's final norm and LM-head rows of t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.durable import replace_durably
+from specserve.durable import write_durably
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel, apply_rope, rms_norm
 from specserve.models.sources import sha256_file
@@ -337,10 +338,8 @@ def train_head(
         if log is not None:
             log(step, total, float(loss.detach()), stats)
         if step % cfg.checkpoint_every == 0 or step == stop:
-            tmp = ckpt.with_suffix(".tmp")
             state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": config_record(cfg)}
-            torch.save(state | trained_on, tmp)
-            replace_durably(tmp, ckpt)
+            write_durably(ckpt, functools.partial(torch.save, state | trained_on))
     head.eval()
     return head
 
