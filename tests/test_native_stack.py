@@ -387,6 +387,14 @@ def test_a_build_directory_it_cannot_write_is_imported_from_as_it_is(tmp_path: P
         timeout=180, env=env,
     )  # fmt: skip
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    copy.chmod(0o777)  # any user could have put a library there, with a record to match: not loaded
+    code = "from specserve.models.native_stack import _build; print(_build())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+        timeout=180, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0 and "is writable by any user" in done.stdout, (done.stdout, done.stderr[-2000:])
+    copy.chmod(0o755)
     (copy / f"{built.name}.so").write_bytes((built / f"{built.name}.so").read_bytes()[:400_000])
     code = "from specserve.models.native_stack import _build; print(type(_build()).__name__)"
     done = subprocess.run(

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import stat
 import struct
 import subprocess
 import sysconfig
@@ -110,6 +111,8 @@ def _build() -> ModuleType | NativeStackUnavailable:
     try:
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
+            if (doubt := _untrusted(build_dir, build_dir / f"{name}.so")) is not None:
+                return NativeStackUnavailable(f"not loading a library from {build_dir}: {doubt}")
             held = open(build_dir / BUILD_LOCK, "w")  # noqa: SIM115 (closed below, after the flock's use)
         except OSError as e:
             library = build_dir / f"{name}.so"
@@ -135,6 +138,23 @@ def _build() -> ModuleType | NativeStackUnavailable:
         return NativeStackUnavailable(f"building {SOURCE.name} failed: {e}")
     log.info("C++ decoder stack ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
     return module
+
+
+def _untrusted(*paths: Path) -> str | None:
+    """Why code in these paths (the build directory, its library) may be another user's, or None: one owned by a
+    user other than this process's or root, or writable by any user, could have had a library put in place that
+    the record beside it vouches for (whoever writes the one writes the other). A directory its group may write is
+    taken as the owner's (a umask of 002 makes every new one so)."""
+    for path in paths:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid not in (os.getuid(), 0):
+            return f"{path} belongs to another user (uid {st.st_uid})"
+        if st.st_mode & stat.S_IWOTH:
+            return f"{path} is writable by any user (mode {stat.filemode(st.st_mode)})"
+    return None
 
 
 LIBRARY_RECORD = ".sha256"  # beside the library: "<size> <sha256>" of the library as last loaded
