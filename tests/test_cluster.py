@@ -103,6 +103,18 @@ def test_the_ray_up_cluster_can_add_nodes_and_gives_them_the_token_and_the_key()
     assert "cluster/specserve.env" in (REPO / ".gitignore").read_text().splitlines()  # it holds secrets
 
 
+def test_neither_cluster_opens_rays_dashboard_to_callers_without_a_token() -> None:
+    """Both configs bound Ray's dashboard to every interface without authentication: anyone reaching its port could
+    submit a job, which runs code with the nodes' secrets (the API key guards only Serve's port)."""
+    cluster = yaml.safe_load((REPO / "cluster/gpu-cluster.yaml").read_text())
+    (start,) = [c for c in cluster["head_start_ray_commands"] if "ray start" in c]
+    assert "--dashboard-host=127.0.0.1" in start and "0.0.0.0" not in start
+    service = yaml.safe_load((REPO / "cluster/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
+    assert service["authOptions"] == {"mode": "token"}
+    head = service["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert 10001 not in [port["containerPort"] for port in head["ports"]]  # Ray Client: nothing here uses it
+
+
 def test_the_readmes_gpu_install_builds_flash_attn_against_the_installed_torch() -> None:
     """flash-attn is a source build that imports torch: pip's isolated build has none, and a stock venv's
     setuptools rejects pyproject's license field."""
