@@ -147,8 +147,8 @@ class FailoverStream:
                     raise WorkerFailedError(f"the request could not go on on another lane: {refused}") from refused
 
     def _moved(self, lane: LaneLike, error: LaneLostError) -> None:
-        if not isinstance(error, LaneHandoffError):  # (handoffs go only to a lane that has its model, and a lane
-            # starts its workers only after a loss, which counts: they cannot bounce a request for ever)
+        if not isinstance(error, LaneHandoffError):  # (a handoff moves a request that never ran on the lane since
+            # its loss, to a lane that has its model; one that was running there is dropped as lost, and counts)
             self._failovers += 1
         if self._failovers > self._max_failovers:
             raise error

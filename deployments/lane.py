@@ -199,6 +199,9 @@ class Lane:
         # dropped with LaneLostError, its stream not yet told: still held (the router moves it once told);
         # added on the lane thread, removed on the event loop
         self._lost: set[str] = set()
+        # running when the lane lost its target and no other lane could take them: their loss counts against
+        # max_failovers when they are handed on (lane thread only; forgotten at the next step that runs)
+        self._kept: set[str] = set()
         self._failures = 0  # consecutive failed steps
         self._probes: deque[frozenset[int]] = deque()  # suspect groups (seq ids) to step alone, the first next
         self._splits = 0  # splits made by the isolation under way
@@ -463,12 +466,18 @@ class Lane:
             if self._starting():
                 self._flush_held()  # a target loading may take minutes
                 if self._sinks and self.spare():  # requests admitted since the loss (queued during the failed step),
-                    # or kept while no other lane was loaded: on at once on a lane that has its model
-                    self._drop_all(f"lane {self.index} is starting its workers", LaneHandoffError)
+                    # or kept while no other lane was loaded: on at once on a lane that has its model. Only the
+                    # ones kept have lost a lane here (counted now); the others merely waited (a handoff)
+                    for request_id in list(self._sinks):
+                        lost = LaneLostError if request_id in self._kept else LaneHandoffError
+                        self._drop(request_id, lost(f"lane {self.index} is starting its workers; handed on"))
+                    self._kept.clear()
+                    self._report_queue()
                 return
             if only is not None:
                 self._flush_held()  # the step leaves the others waiting
             outputs = self.loop.step(only)
+            self._kept.clear()
         except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
             outputs, failures = e.outputs, e.failures
         except (RayActorError, WorkerLostError) as e:
@@ -638,6 +647,8 @@ class Lane:
             self._replace_target()
             if self.spare():  # its requests go on at once on a lane that has its model, not after this one's load
                 self._drop_all(f"lane {self.index} is bringing its target back", LaneLostError)
+            else:  # kept for the new target, or handed on once a lane is up: a loss either way
+                self._kept = {seq.request.request_id for seq in self.loop.running}
         if WorkerRole.draft in dead:
             self._detach_draft()
         target_reset = WorkerRole.target in dead

@@ -121,7 +121,7 @@ class Actor:
             cause = RuntimeError("CUDA out of memory")
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("start", "Traceback ...", cause)))
         self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
-        if self.fault == "loading":  # its model still loading: the start is done once ``loaded`` is set
+        if self.fault in ("loading", "deadly"):  # its model still loading: the start is done once ``loaded`` is set
 
             def loading(timeout: float | None) -> None:
                 self.calls.append("wait")
@@ -144,6 +144,10 @@ class Actor:
     def _verify(self, items: Any) -> Ref:
         self.calls.append("verify")
         hostile = any(it.new_tokens[:2] == HOSTILE for it in items)
+        if self.fault == "deadly" and hostile:  # one request's input kills the actor's process (a crashing kernel)
+            self.died = True
+        if self.died:
+            return Ref(gone)
         self.broken |= self.fault == "poisoning" and hostile  # one request's input breaks the actor's state
         if self.fault == "poisoned" or (self.fault in ("hostile", "poisoning") and hostile):
             # an error inside the actor's task naming no sequence: the worker's state, or one request's input
@@ -1267,4 +1271,59 @@ def test_two_lanes_losing_their_targets_together_hand_requests_over_without_spen
         assert results == [greedy_reference(target, p, 50) for p in prompts.values()], moved
         assert len(moved) >= 4  # the loss, the handoff back, and the last loss's moves at least
     finally:
+        _release_and_stop(lanes, factories)
+
+
+def test_a_request_that_kills_every_target_it_runs_on_runs_out_of_failovers(target: LlamaModel) -> None:
+    """A request whose input kills the target's process, on two lanes whose new targets take a while to load: each
+    lane it kills keeps it until the other has loaded, then hands it there, where it kills that target too. Those
+    handoffs were not counted as failovers (only requests that never ran on the loading lane should be), so it
+    went round the lanes for ever, taking every new target down; it ends with a 503 after ``max_failovers``."""
+    factories = [Factory(target, dict.fromkeys(range(20), "deadly")) for _ in range(2)]
+    stop_loading = threading.Event()
+
+    def load_after_a_while() -> None:  # each new target finishes loading 0.2 s after it was made
+        made: dict[int, float] = {}
+        while not stop_loading.wait(0.02):
+            for actor in (a for f in factories for a in f.actors):
+                made.setdefault(id(actor), time.monotonic())
+                if time.monotonic() - made[id(actor)] > 0.2:
+                    actor.loaded.set()
+
+    loader = threading.Thread(target=load_after_a_while, daemon=True)
+    loader.start()
+    lanes: list[Lane] = []
+    for i in range(2):  # spare as Router._spare_for
+        lanes.append(
+            _lane(
+                target,
+                factories[i],
+                max_worker_restarts=50,
+                spare=lambda i=i: any(o.index != i and o.alive and o.healthy and not o.loading for o in lanes),
+            )
+        )
+        lanes[-1].index = i
+        lanes[-1].start_poll_s = 0.02
+
+    async def run() -> Result:
+        deadline = time.monotonic() + 30
+        while any(lane.loading for lane in lanes):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        stream = FailoverStream(lambda: lanes, Request("p", [*HOSTILE, 7], GREEDY), max_failovers=2, backoff_s=0.0)
+        await stream.open()
+        try:
+            async for _ in stream:
+                pass
+        except APIError as e:
+            return e
+        return []
+
+    try:
+        outcome = asyncio.run(asyncio.wait_for(run(), 30))
+        assert isinstance(outcome, LaneLostError), outcome
+        # a few targets taken down, not the 40 deadly ones the lanes have (which the old counting went through)
+        assert sum(len(f.actors) for f in factories) <= 12
+    finally:
+        stop_loading.set()
         _release_and_stop(lanes, factories)
