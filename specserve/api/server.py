@@ -404,6 +404,8 @@ class _Routes:
                 return answer.result()
             answer.cancel()
             await asyncio.wait({answer})  # (not ``await answer``: its CancelledError would hide one of this task's own)
+            if not answer.cancelled():
+                answer.exception()  # an error it ended with meanwhile, retrieved: nobody reads it
             return Response(status_code=HTTPStatus.NO_CONTENT)  # nobody reads it
         finally:
             for task in (answer, left):
