@@ -646,18 +646,24 @@ def test_weights_that_do_not_match_their_sha256_file_are_refused(tmp_path: Path,
 def test_a_shipped_head_without_its_sha256_file_is_refused(
     tmp_path: Path, target: LlamaModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A head shipped in the package must carry its digest (a head in a directory of its own need not)."""
+    """A head shipped in the package must carry its digest, to be served or fine-tuned (``train-draft
+    --init-head``); a head in a directory of its own need not."""
     import hashlib
+    import shutil
 
     from specserve.models.loader import load_draft
 
-    monkeypatch.setattr("specserve.config.BUILTIN_HEADS_DIR", tmp_path)
-    path = write_head(tmp_path / "shipped", eagle1_tensors(1, fc_bias=False), {})
-    spec = HeadSpec(head="shipped", quantize=HeadQuant.none)
+    shipped = tmp_path / "heads"
+    monkeypatch.setattr("specserve.config.BUILTIN_HEADS_DIR", shipped)
+    path = write_head(shipped / "h", eagle1_tensors(1, fc_bias=False), {})
+    spec = HeadSpec(head="h", quantize=HeadQuant.none)
     assert spec.shipped and spec.path() == path
     with pytest.raises(CorruptModelError, match=r"no model\.safetensors\.sha256 beside it"):
         load_draft(spec, target)
-    load_eagle_head(path, target)  # as a directory of its own: nothing to check
+    with pytest.raises(CorruptModelError, match=r"no model\.safetensors\.sha256 beside it"):
+        load_eagle_head(path, target, check_target=False)  # as train-draft --init-head loads it
+    own = shutil.copytree(path, tmp_path / "own")
+    load_eagle_head(own, target)  # a directory of its own: nothing to check
     digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
     (path / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
     load_draft(spec, target)

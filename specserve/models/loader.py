@@ -275,7 +275,7 @@ def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
 def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.device = "cpu") -> LlamaModel | EagleHead:
     """A draft model, or a draft head bound to ``target`` (whose embedding it shares)."""
     if isinstance(spec, HeadSpec):
-        head = load_eagle_head(spec.path(), target, dtype=spec.dtype.torch, require_digest=spec.shipped).to(device)
+        head = load_eagle_head(spec.path(), target, dtype=spec.dtype.torch).to(device)
         if spec.draft_vocab is not None and head.cfg.kind == HeadKind.eagle3:
             raise ModelSourceError(
                 f"draft_vocab applies to EAGLE-1/2 heads; the EAGLE-3 head {spec.path()} drafts over its own "

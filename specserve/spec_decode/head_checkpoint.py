@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from specserve import config
 from specserve.durable import write_durably
 from specserve.errors import CorruptModelError, SpecServeError, UnsupportedModelError
 from specserve.models.llama import (
@@ -322,11 +323,10 @@ def load_eagle_head(
     *,
     dtype: torch.dtype | None = None,
     check_target: bool = True,
-    require_digest: bool = False,
 ) -> EagleHead:
     """A head from a directory in either published layout, bound to ``target`` (shapes checked, clear errors; with
     ``check_target``, its record of its target's embedding too: off to fine-tune a head for a new target;
-    ``require_digest``: refuse weights without a ``.sha256`` beside them)."""
+    a head shipped in the package must carry its ``.sha256``)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise UnsupportedModelError(f"no config.json in {path}")
@@ -337,7 +337,8 @@ def load_eagle_head(
     if not isinstance(raw, dict):
         raise UnsupportedModelError(f"{path / 'config.json'} holds a {type(raw).__name__}, not a config object")
     raw = lifted_speculators_config(raw, path / "config.json")
-    check_digest(weights_path(path), required=require_digest)
+    shipped = path.resolve().is_relative_to(config.BUILTIN_HEADS_DIR.resolve())  # (to serve or to fine-tune)
+    check_digest(weights_path(path), required=shipped)
     sd = _read_tensors(path)
     try:
         cfg = config_from_checkpoint(raw, sd, target)
