@@ -4,6 +4,7 @@ new one, never a file cut short (the data is flushed to the disk before the rena
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -61,3 +62,15 @@ def write_durably(path: Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+_TEMP = re.compile(r"\..+\.[0-9a-f]{16}\.tmp")  # write_durably's temporary files
+
+
+def drop_leftovers(directory: Path) -> None:
+    """Remove the temporary files of writes killed midway (``write_durably``'s, this user's) from a directory one
+    process writes at a time (a training run's work directory): each holds up to a whole checkpoint."""
+    for path in directory.glob(".*.tmp"):
+        mine = path.is_file() and not path.is_symlink() and path.stat().st_uid == os.getuid()
+        if mine and _TEMP.fullmatch(path.name):
+            path.unlink(missing_ok=True)

@@ -92,3 +92,21 @@ def test_a_durable_write_that_fails_leaves_nothing_and_a_new_file_takes_the_umas
         os.umask(umask)
     assert path.read_text() == "whole" and path.stat().st_mode & 0o777 == 0o644
     assert list(tmp_path.iterdir()) == [path]
+
+
+def test_a_training_runs_directory_drops_the_temporary_files_of_writes_killed_midway(tmp_path: Path) -> None:
+    """Random temporary names are never written again: a killed write's file (up to a whole checkpoint) stayed for
+    good. A directory one run owns drops them when the run claims it; other files, and links, stay."""
+    from specserve.train.distill import claim_data_dir
+
+    work = tmp_path / "data"
+    work.mkdir()
+    killed = work / ".chunk_0003.safetensors.0123456789abcdef.tmp"
+    killed.write_bytes(b"half a chunk")
+    kept = [work / "notes.tmp", work / ".chunk_0001.safetensors", work / ".x.0123456789abcdef.tmp.keep"]
+    for path in kept:
+        path.write_text("mine")
+    link = work / ".ckpt.pt.fedcba9876543210.tmp"
+    link.symlink_to(tmp_path / "elsewhere")
+    claim_data_dir(work, {"kind": "text"})
+    assert not killed.exists() and all(path.exists() for path in kept) and link.is_symlink()

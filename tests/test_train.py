@@ -245,9 +245,11 @@ def test_a_checkpoint_holding_other_objects_is_refused_without_unpickling_them(t
     torch.load(work / "ckpt.pt", weights_only=False)  # (unpickled in full, it runs)
     assert marker.exists()
     marker.unlink()
+    killed = work / ".ckpt.pt.0123456789abcdef.tmp"  # a checkpoint's write killed midway
+    killed.write_bytes(b"half")
     with pytest.raises(ValueError, match="more than tensors and plain values"):
         train_head(target, samples, ids, cfg, work, system_len=2)
-    assert not marker.exists()
+    assert not marker.exists() and not killed.exists()
 
 
 @pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerBase
 
-from specserve.durable import write_durably
+from specserve.durable import drop_leftovers, write_durably
 from specserve.errors import SettingsError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
@@ -316,6 +316,7 @@ def claim_data_dir(out: Path, settings: dict[str, Any]) -> None:
     """Record what a data directory's chunks were written with (``manifest.json``); a later run may reuse them
     (resume, or more prompts of the same kind) only with the same settings."""
     out.mkdir(parents=True, exist_ok=True)
+    drop_leftovers(out)  # chunks (or the manifest) whose writes were killed midway
     manifest = out / "manifest.json"
     settings = json.loads(json.dumps(settings))  # tuples as lists, as read back
     if manifest.exists():

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.durable import write_durably
+from specserve.durable import drop_leftovers, write_durably
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel, apply_rope, rms_norm
 from specserve.models.sources import sha256_file
@@ -296,6 +296,7 @@ def train_head(
     """Train (or resume from ``work_dir/ckpt.pt``) and return the head in float32, on the target's device (the
     batches are built on the host and moved there; a GPU trains the same steps as the CPU, rounded differently)."""
     work_dir.mkdir(parents=True, exist_ok=True)
+    drop_leftovers(work_dir)  # a checkpoint's write killed midway
     device = target.device
     head = init_head(target, draft_ids, cfg).to(device)
     params = [p for n, p in head.named_parameters()]
