@@ -209,6 +209,10 @@ class AppArgs(LoopConfig):
         return checked_api_key(key)
 
     debug_routes: bool = Field(default=False, description="serve /debug/lanes (actor names, node ids, KV slots)")
+    allowed_hosts: tuple[str, ...] = Field(
+        default=_HTTP_DEFAULTS.allowed_hosts,
+        description="without an API key, the Host names served (DNS rebinding); '*': any; with a key: any",
+    )
     freeze_gc: bool = Field(default=True, description=FREEZE_GC_HELP + "; in the router and in each worker actor")
     router_resources: ActorResources = ActorResources(num_cpus=0.5)
 
@@ -329,6 +333,7 @@ class AppArgs(LoopConfig):
             body_timeout_s=self.body_timeout_s,
             api_key=key,
             debug_routes=self.debug_routes,
+            allowed_hosts=self.allowed_hosts,
             unavailable_retry_after_s=math.ceil(self.worker_retry_s),  # when a lost lane tries its workers again
         )
 

@@ -77,7 +77,8 @@ def test_an_oversized_body_counts_as_a_request_only_on_the_generation_routes() -
 def _raw_post(url: str, head: str, body: bytes) -> bytes:
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}\r\n".encode())
+        request_line = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{request_line}{head}\r\n".encode())
         sock.sendall(body)
         response = b""
         while not response.rstrip().endswith(b"}"):
@@ -139,7 +140,7 @@ def test_partial_body_gets_408_in_time_and_health_stays_fast(backend: LocalBacke
     with api_server(backend, body_timeout_s=timeout_s) as url:
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             head += "Content-Length: 1000\r\n\r\n"
             t0 = time.monotonic()
             sock.sendall(head.encode() + b'{"model": "tiny", "pro')  # ...and never the rest
@@ -438,3 +439,31 @@ def test_a_request_that_fails_inside_is_counted_once_and_a_stream_gets_an_error_
             assert requests_by_status(backend) == {"failed": 2.0}
     finally:
         backend.stop()
+
+
+def test_a_keyless_server_answers_only_requests_for_its_loopback_names(backend: LocalBackend) -> None:
+    """DNS rebinding: a web page whose own name its script then resolves to 127.0.0.1 reached a keyless local server
+    through the visitor's browser (generations, /metrics). Without a key, only the loopback names (or those in
+    ``allowed_hosts``) are served; with a key any Host is, the key being what a page cannot send."""
+
+    def status(url: str, host: str, **headers: str) -> tuple[int, str | None]:
+        r = httpx.post(url + COMPLETIONS, json=OK_BODY, headers={"Host": host, **headers}, timeout=30)
+        return r.status_code, r.json().get("error", {}).get("code")
+
+    with api_server(backend) as url:
+        for host in ("evil.example", "evil.example:8000", "127.0.0.2", "localhost.evil.example"):
+            assert status(url, host) == (400, "invalid_host"), host
+        for host in ("localhost", "LOCALHOST.:8000", "127.0.0.1:80", "[::1]:8000"):
+            assert status(url, host) == (200, None), host
+    with api_server(backend, allowed_hosts=("API.example.",)) as url:
+        assert status(url, "api.example:443") == (200, None) and status(url, "localhost")[0] == 400
+    with api_server(backend, allowed_hosts=("*",)) as url:
+        assert status(url, "evil.example") == (200, None)
+    with api_server(backend, api_key=SecretStr("k")) as url:
+        assert status(url, "evil.example", Authorization="Bearer k") == (200, None)
+        assert status(url, "evil.example") == (401, "invalid_api_key")
+    args = AppArgs.model_validate({"allowed_hosts": ["[::1]", "Api.Example"]})
+    assert args.http_options(environ={}).allowed_hosts == ("::1", "api.example")
+    assert AppArgs().http_options(environ={}).allowed_hosts == ("localhost", "127.0.0.1", "::1")
+    with pytest.raises(ValueError, match="empty name"):
+        HTTPOptions(allowed_hosts=(" ",))

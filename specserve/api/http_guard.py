@@ -37,6 +37,9 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 UNAVAILABLE_RETRY_AFTER_S = 5
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
 class HTTPOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -53,7 +56,20 @@ class HTTPOptions(BaseModel):
     def _key(cls, key: SecretStr | None) -> SecretStr | None:
         return checked_api_key(key)
 
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        names = tuple(h.strip().lower().removeprefix("[").removesuffix("]").rstrip(".") for h in hosts)
+        if not all(names):
+            raise ValueError("allowed_hosts holds an empty name")
+        return names
+
     debug_routes: bool = Field(default=False, description="serve /debug/* (actor names, node ids, KV slots)")
+    allowed_hosts: tuple[str, ...] = Field(
+        default=LOOPBACK_HOSTS,
+        description="without an api_key, the Host names a request may carry (a web page whose own name its script "
+        "rebinds to 127.0.0.1 would reach a keyless local server through the browser); '*': any. With a key: any",
+    )
     unavailable_retry_after_s: int = Field(
         default=UNAVAILABLE_RETRY_AFTER_S, ge=1, description="the Retry-After header of every 503, in seconds"
     )
@@ -84,6 +100,14 @@ class RequestGuard:
             return
         receive = _disconnect_on_error(receive)
         send = _retry_after_on_503(send, self.options.unavailable_retry_after_s)
+        if not self._host_allowed(scope):
+            body = error_body(
+                "this server answers without an API key only to requests for its loopback names (allowed_hosts)",
+                ErrorType.invalid_request,
+                code=ErrorCode.invalid_host,
+            )
+            await _send_error(send, HTTPStatus.BAD_REQUEST, body)
+            return
         if not self._authorized(scope):
             body = error_body(
                 "a valid API key is required: send `Authorization: Bearer <key>`",
@@ -104,6 +128,13 @@ class RequestGuard:
                 return
             receive = _replay(content, receive)
         await self.app(scope, receive, send)
+
+    def _host_allowed(self, scope: Scope) -> bool:
+        allowed = self.options.allowed_hosts
+        if self.options.api_key is not None or "*" in allowed:
+            return True
+        host = dict(scope["headers"]).get(b"host")
+        return host is None or host_name(host) in allowed  # (no Host at all: not a browser's request)
 
     def _authorized(self, scope: Scope) -> bool:
         if self.options.api_key is None or _route_path(scope) in OPEN_PATHS:
@@ -153,6 +184,13 @@ class _Rejected(Exception):
         super().__init__(message)
         self.status = status
         self.body = error_body(message, ErrorType.invalid_request, code=code)
+
+
+def host_name(header: bytes) -> str:
+    """A Host header's name, without its port, lower-cased, without a trailing dot ("[::1]:8000" -> "::1")."""
+    text = header.decode("latin-1").strip().lower()
+    name = text[1:].partition("]")[0] if text.startswith("[") else text.partition(":")[0]
+    return name.rstrip(".")
 
 
 def _route_path(scope: Scope) -> str:

@@ -570,6 +570,7 @@ class ErrorCode(str, Enum):
     context_length_exceeded = "context_length_exceeded"
     model_not_found = "model_not_found"
     invalid_api_key = "invalid_api_key"
+    invalid_host = "invalid_host"
     request_too_large = "request_too_large"
     request_timeout = "request_timeout"
     not_found = "not_found"
