@@ -368,6 +368,28 @@ def test_steps_that_commit_more_than_the_window_keep_the_heads_context(target: L
     assert len(seen) >= 4 and seen[-1][1] > 20 and all(pos0 == 0 for pos0, _ in seen)
 
 
+def test_sampled_chains_q_supports_are_read_for_the_whole_step_at_once() -> None:
+    """Each sampled chain's q support (ids and probabilities per draft) was read to the host on its own, two copies
+    per sequence a step; now in one copy per support size, and each chain gets its own rows back."""
+    from specserve.messages import ProposeItem
+    from specserve.spec_decode.draft_state import DraftState, sampled_chain_qs
+
+    g = torch.Generator().manual_seed(0)
+
+    def state(sl: int, k: int) -> DraftState:
+        s = DraftState(ProposeItem(0, [7], [], max(sl, 1)), SamplingParams(temperature=1.0), None, [7], 0)
+        s.q_idx = [torch.randperm(50, generator=g)[:k] for _ in range(sl)]
+        s.q_prob = [torch.rand(k, generator=g) for _ in range(sl)]
+        return s
+
+    states = [state(3, 4), state(0, 4), state(1, 2), state(2, 4), state(4, 2)]  # state(0, ...): not a sampled chain
+    got = sampled_chain_qs(states)
+    assert got[1] is None
+    for s, q in zip(states, got, strict=True):
+        if s.q_idx:
+            assert q == ([t.tolist() for t in s.q_idx], [t.tolist() for t in s.q_prob])
+
+
 def test_the_head_keeps_only_the_tokens_it_has_still_to_pair(target: LlamaModel) -> None:
     """The worker kept a copy of every committed token of a sequence, growing with it (the router owns those); it
     keeps only the ones past its last pair, at most a step's, and drafts as before (greedy-equal)."""

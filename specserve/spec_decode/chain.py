@@ -54,16 +54,9 @@ def _next_token(s: DraftState, logits: torch.Tensor) -> torch.Tensor:
 
 
 def chain_proposal(s: DraftState) -> tuple[Proposal, list[int | None], Fed]:
-    """The proposal (its draft q is ``with_draft_qs``'s to add), the cache index of each node (root first; the last
-    draft was never fed: None) and its fed nodes."""
+    """The proposal (its draft q, and a sampled chain's q support, are ``with_draft_qs``'s to add: read to the host
+    with the step's others), the cache index of each node (root first; the last draft was never fed: None) and its
+    fed nodes."""
     n = len(s.tokens)
-    sampled = bool(s.q_idx)
-    proposal = Proposal(
-        s.item.seq_id,
-        s.tokens,
-        list(range(n)),
-        q_idx=torch.stack(s.q_idx).tolist() if sampled else None,
-        q_prob=torch.stack(s.q_prob).tolist() if sampled else None,
-        depth=s.depth,
-    )
+    proposal = Proposal(s.item.seq_id, s.tokens, list(range(n)), depth=s.depth)
     return proposal, [s.root_idx + i for i in range(n)] + [None], [(i, i) for i in range(n)]

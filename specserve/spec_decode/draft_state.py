@@ -104,7 +104,33 @@ def draft_qs(pending: list[tuple[DraftState, Fed]]) -> list[DraftQ | None]:
     return out
 
 
+def sampled_chain_qs(states: list[DraftState]) -> list[tuple[list[list[int]], list[list[float]]] | None]:
+    """Per state, a sampled chain's (ids, probabilities) [SL][K] of the sparse q each draft was drawn from (None:
+    not a sampled chain), read to the host in one copy per support size K for the whole step."""
+    out: list[tuple[list[list[int]], list[list[float]]] | None] = [None] * len(states)
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(states):
+        if s.q_idx:
+            groups.setdefault(s.q_idx[0].shape[-1], []).append(i)
+    for members in groups.values():
+        ids = torch.cat([torch.stack(states[i].q_idx) for i in members]).cpu().tolist()  # host sync: sampled
+        probs = torch.cat([torch.stack(states[i].q_prob) for i in members]).cpu().tolist()  # chains' q
+        start = 0
+        for i in members:
+            n = len(states[i].q_idx)
+            out[i] = (ids[start : start + n], probs[start : start + n])
+            start += n
+    return out
+
+
 def with_draft_qs(built: list[tuple[DraftState, Proposal, Fed]]) -> list[Proposal]:
-    """The proposals, each with its draft q when its item asked for one (``draft_qs``)."""
+    """The proposals, each with its draft q when its item asked for one (``draft_qs``), and a sampled chain's with
+    the sparse q its drafts were drawn from (``sampled_chain_qs``)."""
     qs = draft_qs([(s, fed) for s, _, fed in built])
-    return [p if q is None else replace(p, draft_q=q) for (_, p, _), q in zip(built, qs, strict=True)]
+    chains = sampled_chain_qs([s for s, _, _ in built])
+    out = []
+    for (_, p, _), q, chain in zip(built, qs, chains, strict=True):
+        if chain is not None:
+            p = replace(p, q_idx=chain[0], q_prob=chain[1])
+        out.append(p if q is None else replace(p, draft_q=q))
+    return out
