@@ -766,6 +766,7 @@ class Lane:
                 sink.put(out)
 
     def _forget(self, request_id: str) -> None:
+        self._kept.discard(request_id)  # (its id may come back: a request moved away and back again)
         self._sinks.pop(request_id, None)
         self._coalescer.take(request_id)
         self._active.discard(request_id)

@@ -451,10 +451,13 @@ def test_a_keyless_server_answers_only_requests_for_its_loopback_names(backend: 
         return r.status_code, r.json().get("error", {}).get("code")
 
     with api_server(backend) as url:
-        for host in ("evil.example", "evil.example:8000", "127.0.0.2", "localhost.evil.example"):
+        for host in ("evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.1.nip.io"):
             assert status(url, host) == (400, "invalid_host"), host
-        for host in ("localhost", "LOCALHOST.:8000", "127.0.0.1:80", "[::1]:8000"):
+        # an address in Host is no page's own name: any is served (a node's, a pod's)
+        for host in ("localhost", "LOCALHOST.:8000", "127.0.0.1:80", "[::1]:8000", "::1", "10.1.2.3:8000"):
             assert status(url, host) == (200, None), host
+        assert httpx.get(url + "/health", headers={"Host": "evil.example"}).status_code == 200  # open, as without
+        # a key it always is
     with api_server(backend, allowed_hosts=("API.example.",)) as url:
         assert status(url, "api.example:443") == (200, None) and status(url, "localhost")[0] == 400
     with api_server(backend, allowed_hosts=("*",)) as url:
@@ -467,3 +470,7 @@ def test_a_keyless_server_answers_only_requests_for_its_loopback_names(backend: 
     assert AppArgs().http_options(environ={}).allowed_hosts == ("localhost", "127.0.0.1", "::1")
     with pytest.raises(ValueError, match="empty name"):
         HTTPOptions(allowed_hosts=(" ",))
+    for odd in ("localhost:8000", "*.example"):  # they could never match: a name is compared without its port
+        with pytest.raises(ValueError, match="without a port or wildcard"):
+            HTTPOptions(allowed_hosts=(odd,))
+    assert HTTPOptions(allowed_hosts=("[::1]", "*")).allowed_hosts == ("::1", "*")

@@ -1327,3 +1327,15 @@ def test_a_request_that_kills_every_target_it_runs_on_runs_out_of_failovers(targ
     finally:
         stop_loading.set()
         _release_and_stop(lanes, factories)
+
+
+def test_a_request_that_leaves_a_lane_is_no_longer_counted_as_kept_there(target: LlamaModel) -> None:
+    """A request kept across a loss counts that loss when handed on; once it leaves the lane (finished, aborted,
+    moved) its id is forgotten, or the same request moved back later would be charged for a loss it never saw."""
+    lane = _lane(target, Factory(target, {}))
+    try:
+        lane._kept = {"r", "s"}
+        lane._forget("r")
+        assert lane._kept == {"s"}
+    finally:
+        lane.stop()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 from http import HTTPStatus
 
@@ -62,6 +63,9 @@ class HTTPOptions(BaseModel):
         names = tuple(h.strip().lower().removeprefix("[").removesuffix("]").rstrip(".") for h in hosts)
         if not all(names):
             raise ValueError("allowed_hosts holds an empty name")
+        odd = [n for n in names if n != "*" and ("*" in n or (":" in n and not _is_ip(n)))]
+        if odd:
+            raise ValueError(f"allowed_hosts are names without a port or wildcard (or '*' alone): {odd}")
         return names
 
     debug_routes: bool = Field(default=False, description="serve /debug/* (actor names, node ids, KV slots)")
@@ -131,10 +135,13 @@ class RequestGuard:
 
     def _host_allowed(self, scope: Scope) -> bool:
         allowed = self.options.allowed_hosts
-        if self.options.api_key is not None or "*" in allowed:
+        if self.options.api_key is not None or "*" in allowed or _route_path(scope) in OPEN_PATHS:
             return True
         host = dict(scope["headers"]).get(b"host")
-        return host is None or host_name(host) in allowed  # (no Host at all: not a browser's request)
+        if host is None:  # not a browser's request
+            return True
+        name = host_name(host)
+        return name in allowed or _is_ip(name)  # (rebinding takes a name: an address in Host is no page's own)
 
     def _authorized(self, scope: Scope) -> bool:
         if self.options.api_key is None or _route_path(scope) in OPEN_PATHS:
@@ -189,8 +196,19 @@ class _Rejected(Exception):
 def host_name(header: bytes) -> str:
     """A Host header's name, without its port, lower-cased, without a trailing dot ("[::1]:8000" -> "::1")."""
     text = header.decode("latin-1").strip().lower()
-    name = text[1:].partition("]")[0] if text.startswith("[") else text.partition(":")[0]
-    return name.rstrip(".")
+    if text.startswith("["):
+        return text[1:].partition("]")[0]
+    if _is_ip(text):  # a bare IPv6 address
+        return text
+    return text.partition(":")[0].rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _route_path(scope: Scope) -> str:

@@ -727,7 +727,8 @@ def _validation_body(errors: list[dict[str, Any]]) -> BaseModel:
 # -- OpenAPI ------------------------------------------------------------------------------------------
 
 _ERROR_DESCRIPTIONS = {
-    400: "invalid request: a field's type or value, or a prompt beyond the context (context_length_exceeded)",
+    400: "invalid request: a field's type or value, a prompt beyond the context (context_length_exceeded), or, "
+    "without an API key, a Host that is neither an address nor one of allowed_hosts (invalid_host)",
     401: "missing or wrong API key (`Authorization: Bearer <key>`)",
     404: "the model does not exist",
     408: "the request body was not received in time",
@@ -741,7 +742,7 @@ _SCHEMA_REF = "#/components/schemas/{model}"
 
 
 def _error_responses(options: HTTPOptions, *statuses: int) -> dict[int | str, dict[str, Any]]:
-    codes = (401, *statuses) if options.api_key is not None else statuses
+    codes = {401, *statuses} if options.api_key is not None else {400, *statuses}  # (400: a Host not served)
     return {code: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]} for code in sorted(codes)}
 
 

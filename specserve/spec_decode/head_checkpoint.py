@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from specserve import config
 from specserve.durable import write_durably
@@ -121,12 +122,8 @@ def save_eagle_head(
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in head_state_dict(head).items()}
     weights = out / "model.safetensors"
-
-    def write(tmp: Path) -> None:
-        save_file(sd, tmp)
-        tmp.chmod(0o644)  # safetensors makes its files private (0600); a head is read by whoever serves it
-
-    write_durably(weights, write)
+    data = safetensors_bytes(sd)  # (written into write_durably's file: see distill.write_chunk)
+    write_durably(weights, lambda tmp: tmp.write_bytes(data))
     (out / "config.json").write_text(config_text(hf_config_dict(head.cfg, **(extra_config or {}))))
     return weights
 

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from transformers import PreTrainedTokenizerBase
 
 from specserve.durable import drop_leftovers, write_durably
@@ -301,7 +302,10 @@ def write_chunk(path: Path, convs: list[Conversation], feats: Features, *, asked
     }
     if feats.aux is not None:
         tensors["aux_features"] = torch.cat(feats.aux).contiguous()
-    write_durably(path, lambda tmp: save_file(tensors, tmp, metadata={"asked": str(asked)}))  # whole or absent
+    # (the bytes written into the file write_durably made: safetensors' own save_file renames a temporary file of
+    # its making over the path, which a killed write would leave behind under a name nothing recognises)
+    data = safetensors_bytes(tensors, metadata={"asked": str(asked)})
+    write_durably(path, lambda tmp: tmp.write_bytes(data))  # whole or absent
 
 
 @dataclass(frozen=True)
