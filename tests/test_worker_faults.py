@@ -387,10 +387,14 @@ def test_requests_on_a_lane_loading_its_target_move_once_another_lane_is_loaded(
     def visible() -> list[Lane]:
         return lanes if other_up.is_set() else lanes[:1]
 
+    counted: dict[str, int] = {}
+
     async def one(request: Request) -> list[int]:
         stream = FailoverStream(visible, request, max_failovers=2, backoff_s=0.0, on_failover=moved.append)
         await stream.open()
-        return [t async for out in stream for t in out.token_ids]
+        tokens = [t async for out in stream for t in out.token_ids]
+        counted[request.request_id] = stream._failovers
+        return tokens
 
     async def until(condition: Callable[[], bool]) -> None:
         deadline = time.monotonic() + 30
@@ -412,6 +416,8 @@ def test_requests_on_a_lane_loading_its_target_move_once_another_lane_is_loaded(
     try:
         assert asyncio.run(run()) == alone[:2]
         assert moved == [0, 0] and lanes[0].loading and not factories[0].actors[1].loaded.is_set()
+        # r0 ran on lane 0 when it lost its target: a failover; r1, admitted during the load, never ran there
+        assert counted == {"r0": 1, "r1": 0}
         gauges = lanes[0].metrics.render().decode()  # the loading lane's own: it holds neither request now
         assert 'specserve_queue_depth{lane="0"} 0.0' in gauges and 'specserve_running_sequences{lane="0"} 0.0' in gauges
     finally:
@@ -1171,6 +1177,18 @@ def test_a_replica_whose_workers_never_load_fails_its_start_with_a_message() -> 
 # -- lanes still starting their workers ------------------------------------------------------------------------
 
 
+def _spare_lanes(target: LlamaModel, factories: list[Factory], **options: Any) -> list[Lane]:
+    """A lane per factory, each asking the others to take its requests as Router._spare_for does, and polling a
+    starting worker every 20 ms."""
+    lanes: list[Lane] = []
+    for i, factory in enumerate(factories):
+        spare = lambda i=i: any(o.index != i and o.alive and o.healthy and not o.loading for o in lanes)  # noqa: E731
+        lanes.append(_lane(target, factory, spare=spare, **options))
+        lanes[-1].index = i
+        lanes[-1].start_poll_s = 0.02
+    return lanes
+
+
 def test_a_lane_whose_draft_is_still_starting_gets_no_requests_while_another_lane_is_loaded(
     target: LlamaModel, alone: list[list[int]]
 ) -> None:
@@ -1205,25 +1223,14 @@ def test_two_lanes_losing_their_targets_together_hand_requests_over_without_spen
 ) -> None:
     """Both targets die at once (one node under both). The lane that notices first hands its requests to the other
     (its loss not yet noticed), which notices a step later, reloads and keeps them; the first lane's reload done,
-    they are handed back, then that lane loses its target once more. The handoffs of requests a loading lane merely
-    held cost no failover: with each move counted, the third loss answered a request with a 503."""
+    they are handed back there and finish with the tokens they would have had alone. Each request is charged for
+    the lanes that lost it while it ran there (at most two each here), within ``max_failovers``."""
     from tests.conftest import greedy_reference
 
     long = SamplingParams(max_tokens=50, ignore_eos=True)
     prompts = {"r0": [5, 9, 13], "r1": [100, 200, 300]}
     factories = [Factory(target, {1: "loading"}), Factory(target, {1: "loading"})]
-    lanes: list[Lane] = []
-    for i in range(2):  # spare as Router._spare_for
-        lanes.append(
-            _lane(
-                target,
-                factories[i],
-                step_delay_s=0.02,
-                spare=lambda i=i: any(o.index != i and o.alive and o.healthy and not o.loading for o in lanes),
-            )
-        )
-        lanes[-1].index = i
-        lanes[-1].start_poll_s = 0.02
+    lanes = _spare_lanes(target, factories, step_delay_s=0.02)
     moved: list[tuple[str, int]] = []
     tokens: dict[str, list[int]] = {name: [] for name in prompts}
 
@@ -1262,14 +1269,14 @@ def test_two_lanes_losing_their_targets_together_hand_requests_over_without_spen
         factories[1 - holder].actors[1].loaded.set()  # the other lane's reload finishes first
         await until(lambda: lanes[1 - holder].in_flight == 2)  # handed back
         factories[holder].actors[1].loaded.set()
-        await until(lambda: not lanes[holder].loading)
-        lanes[1 - holder].workers[WorkerRole.target].handle.died = True  # type: ignore[attr-defined]
-        return list(await asyncio.wait_for(asyncio.gather(*readers), 30))
+        results = list(await asyncio.wait_for(asyncio.gather(*readers), 30))
+        assert all(stream._failovers <= 2 for stream in streams.values())
+        return results
 
     try:
         results = asyncio.run(run())
         assert results == [greedy_reference(target, p, 50) for p in prompts.values()], moved
-        assert len(moved) >= 4  # the loss, the handoff back, and the last loss's moves at least
+        assert len(moved) >= 3  # the first loss, and both handed back
     finally:
         _release_and_stop(lanes, factories)
 
@@ -1292,18 +1299,7 @@ def test_a_request_that_kills_every_target_it_runs_on_runs_out_of_failovers(targ
 
     loader = threading.Thread(target=load_after_a_while, daemon=True)
     loader.start()
-    lanes: list[Lane] = []
-    for i in range(2):  # spare as Router._spare_for
-        lanes.append(
-            _lane(
-                target,
-                factories[i],
-                max_worker_restarts=50,
-                spare=lambda i=i: any(o.index != i and o.alive and o.healthy and not o.loading for o in lanes),
-            )
-        )
-        lanes[-1].index = i
-        lanes[-1].start_poll_s = 0.02
+    lanes = _spare_lanes(target, factories, max_worker_restarts=50)
 
     async def run() -> Result:
         deadline = time.monotonic() + 30
