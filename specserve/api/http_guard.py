@@ -36,9 +36,7 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # a 503's Retry-After where nothing configures one: deployments' default worker_retry_s, the pause before a lane that
 # lost its workers tries again to bring them back
 UNAVAILABLE_RETRY_AFTER_S = 5
-
-
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # the Host names a keyless server answers by default
 
 
 class HTTPOptions(BaseModel):
@@ -57,6 +55,14 @@ class HTTPOptions(BaseModel):
     def _key(cls, key: SecretStr | None) -> SecretStr | None:
         return checked_api_key(key)
 
+    debug_routes: bool = Field(default=False, description="serve /debug/* (actor names, node ids, KV slots)")
+    allowed_hosts: tuple[str, ...] = Field(
+        default=LOOPBACK_HOSTS,
+        description="without an api_key, the Host names served besides addresses (a web page whose own name its "
+        "script rebinds to 127.0.0.1 would reach a keyless local server through the browser); '*': any. With a key: "
+        "any",
+    )
+
     @field_validator("allowed_hosts")
     @classmethod
     def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
@@ -68,12 +74,6 @@ class HTTPOptions(BaseModel):
             raise ValueError(f"allowed_hosts are names without a port or wildcard (or '*' alone): {odd}")
         return names
 
-    debug_routes: bool = Field(default=False, description="serve /debug/* (actor names, node ids, KV slots)")
-    allowed_hosts: tuple[str, ...] = Field(
-        default=LOOPBACK_HOSTS,
-        description="without an api_key, the Host names a request may carry (a web page whose own name its script "
-        "rebinds to 127.0.0.1 would reach a keyless local server through the browser); '*': any. With a key: any",
-    )
     unavailable_retry_after_s: int = Field(
         default=UNAVAILABLE_RETRY_AFTER_S, ge=1, description="the Retry-After header of every 503, in seconds"
     )
@@ -106,7 +106,7 @@ class RequestGuard:
         send = _retry_after_on_503(send, self.options.unavailable_retry_after_s)
         if not self._host_allowed(scope):
             body = error_body(
-                "this server answers without an API key only to requests for its loopback names (allowed_hosts)",
+                "without an API key this server answers only requests whose Host is an address or in its allowed_hosts",
                 ErrorType.invalid_request,
                 code=ErrorCode.invalid_host,
             )
