@@ -423,6 +423,12 @@ class SpecConfig(Validated):
         return self.method in (SpecMethod.eagle2, SpecMethod.ddd)
 
     @property
+    def batch_dependent_draws(self) -> bool:
+        """Whether a sampled request's text can depend on what runs beside it: the draft model's sampled chains
+        (docs/algorithms.md §1.1) use up one uniform per drafted token, and the batch sets how many are drafted."""
+        return self.method == SpecMethod.chain and self.chain_draft == ChainDraft.sampled and self.uses_model
+
+    @property
     def free_tree_priced(self) -> bool:
         """A model-free drafter's trees whose every node is kept only where its measured acceptance clears a floor
         (``min_score``, ``tree_min_prob`` or the measured one): no SL policy sets their depth, only their static depth

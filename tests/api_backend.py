@@ -46,14 +46,16 @@ class LocalBackend:
         capacity: int = 8,
         step_delay_s: float = 0.0,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        speculation: SpecConfig = SPEC,
     ) -> None:
+        self.speculation = speculation
         target = tiny_model(tiny_config(), seed=0)
         draft = noisy_copy(target, 0.02, seed=1)
         self.engine = Engine(
             target,
             tiny_tokenizer() if tokenizer is None else tokenizer,
             draft=draft,
-            speculation=SPEC,
+            speculation=speculation,
             max_batch_size=max_batch_size,
             max_model_len=max_model_len,
         )
@@ -84,7 +86,7 @@ class LocalBackend:
 
     @property
     def default_speculation(self) -> SpecConfig:
-        return SPEC
+        return self.speculation
 
     @property
     def metrics(self) -> ServeMetrics:

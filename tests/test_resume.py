@@ -19,6 +19,7 @@ import pytest
 from deployments.lane import LaneStream
 from load.resumable import ResumableStream, StreamFailedError
 from specserve.api.resume import StreamMark
+from specserve.config import ChainDraft, SpecConfig, SpecMethod
 from specserve.sequence import Request, RequestOutput
 from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
 
@@ -151,6 +152,31 @@ def test_bad_resume_requests_are_400(
     r = httpx.post(url + COMPLETIONS, json=body, headers=headers, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_server_drafting_sampled_chains_refuses_to_resume_a_sampled_stream_and_resumes_the_rest() -> None:
+    """With ``chain_draft: sampled`` a sampled request's text depends on the requests beside it, so regenerating it
+    to resume could only end in a 409 after the whole replay: the resume is a 400 at once. Greedy streams and
+    sampled ones asked without speculation draw by position and resume as anywhere."""
+    spec = SpecConfig(method=SpecMethod.chain, sl=4, chain_draft=ChainDraft.sampled)
+    backend = LocalBackend(max_model_len=256, max_batch_size=4, speculation=spec)
+    try:
+        with api_server(backend) as url:
+            sampled = {**SAMPLED, "seed": 7, "ignore_eos": True, "max_tokens": 12}
+            for headers, extra in [(None, {"resume_from": "1-2-0000abcd"}), ({"Last-Event-ID": "1-2-0000abcd"}, {})]:
+                body = {**sampled, "stream": True, **extra}
+                r = httpx.post(url + COMPLETIONS, json=body, headers=headers, timeout=30)
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "resume_from"
+                assert "chain_draft" in r.json()["error"]["message"]
+            for body in ({**sampled, "speculation": {"enabled": False}}, {**CHAT_BODY, "max_tokens": 12}):
+                route = COMPLETIONS if "prompt" in body else CHAT
+                full = _events(url, route, body)
+                marks = [e["id"] for e in full if "id" in e]
+                rest = _events(url, route, {**body, "resume_from": marks[2]})
+                assert _content(full[:3])[0] + _content(rest)[0] == _content(full)[0]
+    finally:
+        backend.stop()
 
 
 @pytest.mark.parametrize(("stream", "header"), [(False, "1-2-0000abcd"), (True, "")])

@@ -356,6 +356,8 @@ class _Routes:
             params = sampling_params_for(body, max_tokens=max_tokens)
             fmt.seed = params.seed
             spec = speculation_for(body.speculation, self.backend.default_speculation)
+            if resume is not None and not params.greedy:
+                _check_resumable(spec or self.backend.default_speculation)
             request = Request(fmt.request_id, prompt_ids, params, spec, cache_salt=body.cache_salt)
             stream = await self.backend.submit(request)
         except InvalidRequestError:
@@ -551,6 +553,16 @@ def _resume_mark(body: GenerationRequest, last_event_id: str | None) -> StreamMa
             "resuming a sampled stream needs the seed it drew with (the `seed` field of its chunks)", param="seed"
         )
     return StreamMark.parse(value)
+
+
+def _check_resumable(spec: SpecConfig) -> None:
+    if spec.batch_dependent_draws:
+        raise APIError(
+            "this server drafts sampled chains (speculation.chain_draft: sampled), whose sampled output depends on "
+            "the requests beside it, so it cannot regenerate a sampled stream to resume it; resend without "
+            f"{RESUME_PARAM} (a request sent with speculation {{enabled: false}} can be resumed)",
+            param=RESUME_PARAM,
+        )
 
 
 def _finish(reason: FinishReason | None) -> FinishReasonOut | None:
