@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.config import ChainDraft, Drafter, SpecConfig, SpecMethod
+from specserve.config import ChainDraft, Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
@@ -40,6 +40,12 @@ SPECS = {
     "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=4, beam_width=3, budget=12),
     "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=3, budget=12, ddd_max_depth=7, ddd_check_steps=(2, 4, 6)),
     "lookup": SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.lookup, model_fallback=False),
+    # lengths the batch sets: DSDE's per-sequence SL under SL_cap, and the suffix trees' matches with the model behind
+    "chain-dsde": SpecConfig(method=SpecMethod.chain, sl=4, policy=SLPolicyKind.dsde),
+    "ddd-dsde": SpecConfig(method=SpecMethod.ddd, beam_width=3, budget=12, policy=SLPolicyKind.dsde),
+    "suffix": SpecConfig(
+        method=SpecMethod.eagle2, tree_depth=4, budget=10, drafter=Drafter.suffix, model_fallback=True
+    ),
 }
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=2**63 - 5, max_tokens=24, ignore_eos=True)
 
@@ -177,6 +183,8 @@ def test_seeded_output_is_the_same_alone_batched_and_with_any_drafter(target: Ll
         others += [SamplingParams(temperature=0.7, max_tokens=40)] * 2
         other_specs = itertools.cycle(SPECS.values())
         ids = [engine.submit(PROMPTS[i % 4], p, speculation=next(other_specs)) for i, p in enumerate(others)]
+        for _ in range(2):  # the seeded request joins a running batch
+            engine.loop.step()
         seeded_id = engine.submit(prompt, SEEDED)  # the engine's own speculation
         ids += [engine.submit(PROMPTS[i % 4], p, speculation=next(other_specs)) for i, p in enumerate(others[:3])]
         assert len(ids) == 7
