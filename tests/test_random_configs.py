@@ -15,6 +15,7 @@ from specserve.engine import Engine
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.sampling import SamplingParams
+from specserve.sequence import FinishReason
 from specserve.spec_decode.eagle_head import HeadKind
 from tests.test_head_drafter import random_head
 
@@ -94,7 +95,8 @@ def run_trials(models: tuple[LlamaModel, dict[str, torch.nn.Module]], seed: int,
         eos = {r.randrange(3, VOCAB)} if r.random() < 0.5 else set()
         params = [random_params(r, sampled=sampled) for _ in prompts]
         plain = Engine(target, None, max_batch_size=1, max_model_len=context, eos_token_ids=eos)
-        want = [plain.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+        plain_done = [plain.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+        want = [c.token_ids for c in plain_done]
         default, name = spec(), r.choice(list(drafts))
         engine = Engine(
             target,
@@ -108,9 +110,17 @@ def run_trials(models: tuple[LlamaModel, dict[str, torch.nn.Module]], seed: int,
         )
         specs = [r.choice([None, default, spec()]) for _ in prompts]  # None: the engine's default
         ids = [engine.submit(p, q, speculation=s) for p, q, s in zip(prompts, params, specs, strict=True)]
-        got = [c.token_ids for c in engine.collect(ids)]
+        done = engine.collect(ids)
+        got = [c.token_ids for c in done]
         settings = [s and s.model_dump(exclude_defaults=True) for s in specs]
         assert got == want, f"trial {trial}: {name}, context {context}, EOS {eos}, {params}, {settings}"
+        # why each ended, and the counts usage reports: a forward emits one token of the target's besides the
+        # drafts it accepts (an EOS that ends a request is emitted, not returned), and nothing accepted was not drafted
+        assert [c.finish_reason for c in done] == [c.finish_reason for c in plain_done], f"trial {trial}"
+        for c in done:
+            ended_by_eos = c.finish_reason == FinishReason.stop
+            assert c.stats.accepted + c.stats.target_forwards == len(c.token_ids) + ended_by_eos, f"trial {trial}"
+            assert 0 <= c.stats.accepted <= c.stats.drafted, f"trial {trial}"
 
 
 @pytest.mark.parametrize("seed", range(4))
