@@ -10,13 +10,13 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.config import SpecConfig, SpecMethod
+from specserve.config import Drafter, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.engine import Engine
 from specserve.messages import VerifyOutput
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams
-from specserve.sequence import Delivered, Request
+from specserve.sequence import Delivered, FinishReason, Request
 from specserve.step_loop import StepLoop
 
 PROMPTS = ("The quick brown fox", "hello world")
@@ -41,16 +41,24 @@ def test_incremental_text_counts_tokens_through_the_stop_string() -> None:
     assert in_steps.text == one_by_one.text == "say: hello "
 
 
-def test_speculation_returns_no_tokens_past_a_stop_string() -> None:
+STOP_SPECS = {
+    "chain": SpecConfig(method=SpecMethod.chain, sl=4),
+    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=6, beam_width=2, budget=12),
+    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=12),
+    "lookup": SpecConfig(method=SpecMethod.chain, sl=6, drafter=Drafter.lookup),
+    "suffix": SpecConfig(method=SpecMethod.eagle2, tree_depth=6, budget=12, drafter=Drafter.suffix),
+}
+
+
+@pytest.mark.parametrize("name", list(STOP_SPECS))
+def test_speculation_returns_no_tokens_past_a_stop_string(name: str) -> None:
+    """A step can accept drafts past the stop string: they are neither returned, nor counted as accepted, nor
+    remembered by the suffix trees (which would then draft text past a stop for the next request)."""
     target = tiny_model(tiny_config(), seed=0)
     tok = tiny_tokenizer()
     plain = Engine(target, tok, eos_token_ids=set())
     spec = Engine(
-        target,
-        tok,
-        draft=noisy_copy(target, 0.02, seed=1),
-        speculation=SpecConfig(method=SpecMethod.chain, sl=4),
-        eos_token_ids=set(),
+        target, tok, draft=noisy_copy(target, 0.02, seed=1), speculation=STOP_SPECS[name], eos_token_ids=set()
     )
     for prompt in PROMPTS:
         text = plain.generate(prompt, SamplingParams(max_tokens=40))[0].text
@@ -60,6 +68,11 @@ def test_speculation_returns_no_tokens_past_a_stop_string() -> None:
             drafted = spec.generate(prompt, params)[0]
             assert drafted.stats.accepted > 0 and drafted.text == alone.text
             assert drafted.token_ids == alone.token_ids  # the usage count and return_token_ids
+            assert drafted.finish_reason == FinishReason.stop
+            assert drafted.stats.accepted + drafted.stats.target_forwards == len(drafted.token_ids)
+            cache = spec.loop.model_free.cache
+            if name == "suffix":
+                assert cache is not None and cache.entries[-1][1] == drafted.token_ids
 
 
 def test_nested_stop_strings_cut_where_one_token_a_step_cuts() -> None:
