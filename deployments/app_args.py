@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ModelWrapValidatorHandler, SecretStr, field_validator, model_validator
 
-from specserve.api.http_guard import API_KEY_ENV, HTTPOptions, checked_api_key
+from specserve.api.http_guard import API_KEY_ENV, HTTPOptions, checked_api_key, checked_hosts
 from specserve.config import (
     DEFAULT_PAIR,
     FREEZE_GC_HELP,
@@ -213,6 +213,12 @@ class AppArgs(LoopConfig):
         default=_HTTP_DEFAULTS.allowed_hosts,
         description="without an API key, the Host names served (DNS rebinding); '*': any; with a key: any",
     )
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:  # when the config is read, not at a replica's start
+        return checked_hosts(hosts)
+
     freeze_gc: bool = Field(default=True, description=FREEZE_GC_HELP + "; in the router and in each worker actor")
     router_resources: ActorResources = ActorResources(num_cpus=0.5)
 
@@ -326,7 +332,8 @@ class AppArgs(LoopConfig):
 
     def http_options(self, environ: Mapping[str, str] = os.environ) -> HTTPOptions:
         """The HTTP layer's limits; the API key from the args, else from the environment of the replica."""
-        from_env = SecretStr(environ[API_KEY_ENV]) if environ.get(API_KEY_ENV) else None
+        # set, even to nothing, is a key given: an empty secret must not serve without authentication
+        from_env = SecretStr(environ[API_KEY_ENV]) if API_KEY_ENV in environ else None
         key = self.api_key or checked_api_key(from_env, API_KEY_ENV)
         return HTTPOptions(
             max_request_bytes=self.max_request_bytes,

@@ -307,7 +307,9 @@ def test_api_key(backend: LocalBackend) -> None:
 
 def test_api_key_from_app_args_or_environment() -> None:
     assert AppArgs().http_options(environ={}).api_key is None
-    assert AppArgs().http_options(environ={API_KEY_ENV: ""}).api_key is None
+    for empty in ("", " \n"):  # set to nothing (an empty secret) is refused, not a server without authentication
+        with pytest.raises(ValueError, match=f"{API_KEY_ENV} is empty"):
+            AppArgs().http_options(environ={API_KEY_ENV: empty})
     from_env = AppArgs().http_options(environ={API_KEY_ENV: "env-key"}).api_key
     assert from_env is not None and from_env.get_secret_value() == "env-key"
     args = AppArgs.model_validate({"api_key": "arg-key"})
@@ -473,4 +475,7 @@ def test_a_keyless_server_answers_only_requests_for_its_loopback_names(backend: 
     for odd in ("localhost:8000", "*.example"):  # they could never match: a name is compared without its port
         with pytest.raises(ValueError, match="without a port or wildcard"):
             HTTPOptions(allowed_hosts=(odd,))
+        # refused when the config is read: a replica's start checks its HTTP options only after loading the models
+        with pytest.raises(ValueError, match="without a port or wildcard"):
+            AppArgs.model_validate({"allowed_hosts": [odd]})
     assert HTTPOptions(allowed_hosts=("[::1]", "*")).allowed_hosts == ("::1", "*")

@@ -66,17 +66,23 @@ class HTTPOptions(BaseModel):
     @field_validator("allowed_hosts")
     @classmethod
     def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
-        names = tuple(h.strip().lower().removeprefix("[").removesuffix("]").rstrip(".") for h in hosts)
-        if not all(names):
-            raise ValueError("allowed_hosts holds an empty name")
-        odd = [n for n in names if n != "*" and ("*" in n or (":" in n and not _is_ip(n)))]
-        if odd:
-            raise ValueError(f"allowed_hosts are names without a port or wildcard (or '*' alone): {odd}")
-        return names
+        return checked_hosts(hosts)
 
     unavailable_retry_after_s: int = Field(
         default=UNAVAILABLE_RETRY_AFTER_S, ge=1, description="the Retry-After header of every 503, in seconds"
     )
+
+
+def checked_hosts(hosts: tuple[str, ...]) -> tuple[str, ...]:
+    """Host names as the check compares them (lower case, no brackets, no trailing dot); a port or a wildcard in
+    a name could never match and is refused."""
+    names = tuple(h.strip().lower().removeprefix("[").removesuffix("]").rstrip(".") for h in hosts)
+    if not all(names):
+        raise ValueError("allowed_hosts holds an empty name")
+    odd = [n for n in names if n != "*" and ("*" in n or (":" in n and not _is_ip(n)))]
+    if odd:
+        raise ValueError(f"allowed_hosts are names without a port or wildcard (or '*' alone): {odd}")
+    return names
 
 
 def checked_api_key(key: SecretStr | None, source: str = "api_key") -> SecretStr | None:
