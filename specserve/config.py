@@ -620,5 +620,7 @@ def serving_speculation(pair: str | None, device: str | torch.device = "cpu") ->
 SERVING_THROUGHPUT_GUARD = True
 # At batch 16 DSDE's ~12-token chains make each step draft ~12 levels for every row; a 64-token step budget
 # keeps SL ~3 there (1.38x plain in steady state) and does not bind at batch 1-4 (docs/benchmarks.md). The default
-# pair's trees may verify 8 rows each, so it binds from batch 9.
+# pair's trees may verify 8 rows each, so on a CPU it binds from batch 9. The GPU's trees (T = 32) verify up to 32
+# rows each, so there it lets one row a step draft from batch 3: the GPU sweeps were measured so (docs/benchmarks.md,
+# "A third GPU lease"); a budget sized for a GPU has not been measured.
 SERVING_MAX_STEP_TOKENS = 64
