@@ -104,7 +104,7 @@ class SimConfig(BaseModel):
     batch_size: int = Field(ge=1)
     policy: PolicyName
     spec: SpecConfig  # speculation settings of the policy (static SL, DSDE parameters incl. cap_enabled)
-    seed: int = 0
+    max_step_tokens: int | None = Field(default=None, ge=1)  # the planner's step budget, as the sweep ran it
 
     @field_validator("policy")
     @classmethod
@@ -264,7 +264,7 @@ def _sl_state(cfg: SimConfig) -> SequenceDSDE | None:
 
 
 def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) -> SimResult:
-    planner = None if cfg.policy == PolicyName.plain else SLPlanner()
+    planner = None if cfg.policy == PolicyName.plain else SLPlanner(max_step_tokens=cfg.max_step_tokens)
     tree = cfg.policy.is_tree
     width = cfg.spec.beam_width if tree else 1
     arrivals = [(r.arrival, i, r) for i, r in enumerate(requests)]
@@ -404,7 +404,8 @@ def validate(
             for q, same in zip(run.requests, own, strict=True):
                 cands = pool.get(request_class(q)) or [s for v in pool.values() for s in v]
                 reqs.append(SimRequest(same or rng.choice(cands), q.max_tokens, q.prompt_len))
-            sims.append(simulate(reqs, SimConfig(batch_size=batch, policy=policy, spec=run.spec), costs[left_out]))
+            cfg = SimConfig(batch_size=batch, policy=policy, spec=run.spec, max_step_tokens=step_budget(measured))
+            sims.append(simulate(reqs, cfg, costs[left_out]))
         matched = sum(t is not None for t in own) / len(own)
         sim_tok_s = statistics.mean(s.tok_s for s in sims)
         measured_tok_s = statistics.median(r.tok_s for r in measured)
@@ -524,7 +525,7 @@ def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[di
         sims = []
         for k in range(study.repeats):
             rng = random.Random(study.seed * 7919 + k)
-            cfg = SimConfig(batch_size=bs, policy=pol, spec=specs[pol], seed=study.seed)
+            cfg = SimConfig(batch_size=bs, policy=pol, spec=specs[pol], max_step_tokens=step_budget(runs))
             sims.append(simulate(make_requests(pool, wl, rng), cfg, cost))
         summary = {k: statistics.mean(s.summary()[k] for s in sims) for k in sims[0].summary()}
         label = _workload_label(wruns[0])
@@ -535,6 +536,28 @@ def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[di
             flush=True,
         )
     return rows
+
+
+def step_budget(runs: Iterable[RunTrace]) -> int | None:
+    """The step budget (``--max-step-tokens``) the runs were swept with, to replay them under it (None: none)."""
+    budgets = {r.settings.max_step_tokens for r in runs if r.settings is not None}
+    if len(budgets) > 1:
+        raise ValueError(f"runs swept with different step budgets (--max-step-tokens {sorted(budgets)})")
+    return (budgets.pop() or None) if budgets else None
+
+
+def replay_problem(runs: Sequence[RunTrace]) -> str | None:
+    """Why these runs cannot be replayed as one sweep (None: they can)."""
+    if any(r.settings is not None and r.settings.guard for r in runs):
+        return (
+            "holds runs under the throughput guard (--guard): the simulator replays the planner's depths, not the "
+            "guard's choice of plain steps; simulate a sweep recorded without it"
+        )
+    try:
+        step_budget(runs)
+    except ValueError as e:
+        return f"holds {e}: simulate one sweep's traces"
+    return None
 
 
 def _specs_from_runs(runs: Sequence[RunTrace]) -> dict[PolicyName, SpecConfig]:
@@ -613,6 +636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(e))
     if not runs:
         p.error(f"{study.traces} holds no runs")
+    if problem := replay_problem(runs):
+        p.error(f"{study.traces} {problem}")
     if model_free := sorted({r.spec.drafter.value for r in runs if r.spec.drafter != Drafter.model}):
         p.error(f"{study.traces} holds runs drafted by {model_free}: the simulator replays draft-model steps only")
     if given_cost is not None and given_cost.verify_s(1, 1) + given_cost.overhead_s(1, 1) <= 0:

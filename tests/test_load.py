@@ -367,6 +367,43 @@ def test_all_accept_static_matches_analytic_throughput() -> None:
     assert plain.steps == m and plain.tok_s == pytest.approx(batch * m / (m * 0.011))
 
 
+def test_the_simulator_replays_the_step_budget_a_sweep_ran_with() -> None:
+    """A sweep with ``--max-step-tokens`` was replayed without it: every row drafted its whole SL each step."""
+    sl, batch, m, budget = 4, 8, 47, 24
+    pool = [_seq("a", [True] * 50, [0.01] * 50, max_tokens=m)]
+    spec = policy_specs(static_sl=sl)[PolicyName.static]
+    reqs = [SimRequest(pool[0], m, 8) for _ in range(batch)]
+    free = simulate(reqs, SimConfig(batch_size=batch, policy=PolicyName.static, spec=spec), _constant_cost())
+    cfg = SimConfig(batch_size=batch, policy=PolicyName.static, spec=spec, max_step_tokens=budget)
+    capped = simulate(reqs, cfg, _constant_cost())
+    assert capped.tokens == free.tokens == batch * m
+    drafted = sum(d * c for d, c in capped.sl_hist.items())
+    assert drafted <= (budget - batch) * capped.steps < sl * batch * capped.steps  # drafts + one row each per step
+    assert capped.steps > free.steps
+
+
+def test_the_simulator_refuses_guarded_traces_and_mixed_step_budgets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from load import simulate as sim_cli
+
+    plain, ddd = PolicyName.plain, PolicyName.ddd
+    base = RunSettings(tiny_noise=0.01)
+    guarded = base.model_copy(update={"guard": True})
+    for name, settings, says in [
+        ("guarded", [guarded, guarded], "under the throughput guard"),
+        ("mixed", [base, base.model_copy(update={"max_step_tokens": 64})], "different step budgets"),
+    ]:
+        pairs = zip((plain, ddd), settings, strict=True)
+        runs = [_timed_run(p, 0, 50.0).model_copy(update={"settings": s}) for p, s in pairs]
+        write_traces(tmp_path / name / "traces.jsonl", runs)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            sim_cli.main(["--traces", str(tmp_path / name / "traces.jsonl"), "--out", str(tmp_path / "sim")])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert sim_cli.step_budget([_timed_run(plain, 0, 50.0)]) is None  # traces recorded before runs kept settings
+
+
 def _hetero_pool(seed: int = 0) -> dict[str, list[SeqTrace]]:
     rng = random.Random(seed)
     n = 400
