@@ -142,7 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="'auto' (the default pair for the built-in target), 'none', a pair, a head dir",
     )
-    g.add_argument("--method", default=None, choices=[m.value for m in SpecMethod if m != SpecMethod.none])
+    g.add_argument(
+        "--method",
+        default=None,
+        choices=[m.value for m in SpecMethod if m != SpecMethod.none],
+        help="the drafts' shape (default: the pair's measured one); who drafts stays the pair's (smollm2-eagle on a "
+        "CPU: prompt lookup, the head where lookup finds nothing)",
+    )
     g.set_defaults(func=_generate)
 
     m = sub.add_parser("models", help="pull or list built-in models")
