@@ -505,7 +505,7 @@ class SimStudy(BaseModel):
 
 
 def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[dict[str, Any]]:
-    specs = _specs_from_runs(runs)
+    specs, budget = _specs_from_runs(runs), step_budget(runs)
     rows = []
     todo = [(w, b, p) for w in study.workloads for b in study.batch_sizes for p in study.policies]
     start = time.perf_counter()
@@ -525,7 +525,7 @@ def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[di
         sims = []
         for k in range(study.repeats):
             rng = random.Random(study.seed * 7919 + k)
-            cfg = SimConfig(batch_size=bs, policy=pol, spec=specs[pol], max_step_tokens=step_budget(runs))
+            cfg = SimConfig(batch_size=bs, policy=pol, spec=specs[pol], max_step_tokens=budget)
             sims.append(simulate(make_requests(pool, wl, rng), cfg, cost))
         summary = {k: statistics.mean(s.summary()[k] for s in sims) for k in sims[0].summary()}
         label = _workload_label(wruns[0])
