@@ -1149,6 +1149,45 @@ def test_the_deployment_bounds_the_proxy_queue_in_front_of_the_router() -> None:
     assert config.max_ongoing_requests == limit and config.max_queued_requests == limit
 
 
+def test_the_deployment_places_its_bundles_with_the_configured_strategy() -> None:
+    from deployments.app import app_builder
+
+    replica = app_builder({"tiny": {}, "placement_strategy": "STRICT_SPREAD"})._bound_deployment._replica_config
+    assert replica.placement_group_strategy == "STRICT_SPREAD"
+    # bundle 0 the router, then the lane's target and draft actors (bundle_index's order)
+    assert replica.placement_group_bundles == [{"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 0.5}]
+
+
+def test_the_router_moves_requests_with_the_configured_failover_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from deployments import router as router_module
+    from deployments.failover import Moving
+
+    made: list[dict[str, Any]] = []
+
+    class Opened:
+        def __init__(self, lanes: object, request: Request, **kwargs: Any) -> None:
+            made.append(kwargs)
+
+        async def open(self) -> None:
+            pass
+
+    monkeypatch.setattr(router_module, "FailoverStream", Opened)
+    cls = router_module.Router.func_or_class
+    router = cls.__new__(cls)
+    router.args = SimpleNamespace(
+        max_failovers=5, failover_backoff_s=0.25, max_queued_requests=4, num_lanes=1, max_batch_size=2
+    )
+    router._lane_slots = 2
+    router.lanes = [SimpleNamespace(healthy=True, in_flight=0)]
+    router._metrics = ServeMetrics()
+    router._moving = Moving()
+    asyncio.run(router.submit(Request("r", [1, 2], SamplingParams(max_tokens=4))))
+    assert len(made) == 1 and made[0]["backoff_s"] == 0.25 and made[0]["max_failovers"] == 5
+    router.lanes = []
+
+
 def test_a_replica_whose_workers_never_load_fails_its_start_with_a_message() -> None:
     """Its start awaited the actors' models (and KV sizes) with no bound: a load that stalls held the replica in
     its constructor for ever, the deployment never failing nor saying why."""
