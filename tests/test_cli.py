@@ -285,6 +285,18 @@ def test_bench_overheads_engine_runs_the_loop_the_apps_lanes_run() -> None:
     args = AppArgs.model_validate(raw)
     engine = _engine(args)
     assert engine.loop.planner.guard is not None and engine.loop.planner.max_step_tokens == 40
+    assert engine.loop.features is None  # a draft model (the default tiny draft) reads no target features
+
+
+def test_bench_overheads_engine_drafts_with_the_apps_tiny_head() -> None:
+    """With ``tiny: {draft_head: true}`` the app's draft actor builds a random EAGLE head, and the in-process side
+    drafted with a noisy copy of the target instead."""
+    from deployments.app_args import AppArgs
+    from specserve.bench.overhead import _engine
+    from specserve.workers.head_draft import HeadDraftWorker
+
+    engine = _engine(AppArgs.model_validate({"tiny": {"draft_head": True}, "max_batch_size": 2, "freeze_gc": False}))
+    assert isinstance(engine.loop.draft, HeadDraftWorker) and engine.loop.features is not None
 
 
 @pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"data": {"num_prompts": "abc"}}'])

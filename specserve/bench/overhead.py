@@ -38,7 +38,7 @@ from specserve.errors import SettingsError
 from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
-from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead
 
@@ -74,7 +74,12 @@ def _engine(args: AppArgs) -> Engine:
     draft: LlamaModel | EagleHead | None
     if args.tiny is not None:
         target = tiny_model(tiny_config(), seed=args.tiny.seed)
-        draft = noisy_copy(target, args.tiny.draft_noise, seed=args.tiny.draft_seed) if draft_recipe else None
+        if draft_recipe is None:
+            draft = None
+        elif args.tiny.draft_head:  # as the app's draft actor builds it (deployments/actors.py)
+            draft = tiny_head(target, seed=args.tiny.draft_seed)
+        else:
+            draft = noisy_copy(target, args.tiny.draft_noise, seed=args.tiny.draft_seed)
         tokenizer = tiny_tokenizer()
     else:
         assert isinstance(target_recipe.spec, ModelSpec)
