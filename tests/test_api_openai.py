@@ -337,7 +337,7 @@ def test_a_cancel_landing_as_a_left_clients_answer_is_cancelled_still_cancels_th
     to end. A cancel of the handler itself (Serve's for a client that left, a caller's timeout) landing ``hops``
     loop iterations after the disconnect was swallowed with the answer's own CancelledError at 3 hops: the handler
     returned a 204 and its task ended not cancelled."""
-    from specserve.api.server import _Outcome, _Routes
+    from specserve.api.server import _Outcome, _Routes, _Tracker
 
     class Never:  # an admitted request's stream that has produced nothing yet
         def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -356,7 +356,7 @@ def test_a_cancel_landing_as_a_left_clients_answer_is_cancelled_still_cancels_th
 
     async def trial() -> None:
         loop = asyncio.get_running_loop()
-        outcome = _Outcome(Never(), ServeMetrics())  # type: ignore[arg-type]
+        outcome = _Outcome(Never(), ServeMetrics(), _Tracker())  # type: ignore[arg-type]
 
         def cancel_after(n: int) -> None:
             if n == 0:
@@ -438,6 +438,36 @@ def test_client_disconnect_mid_stream_is_an_abort(backend: LocalBackend, url: st
     after = requests_by_status(backend)
     assert after.get("aborted", 0) == before.get("aborted", 0) + 1
     assert after.get("failed", 0) == before.get("failed", 0)
+
+
+def _sample(backend: LocalBackend, name: str) -> float:
+    for line in backend.metrics.render().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_request_the_client_leaves_counts_its_tokens_and_first_token_latency(backend: LocalBackend, url: str) -> None:
+    """Only finished requests fed the token counters and the TTFT histogram: tokens generated for a client that
+    then left were never counted, and the slow requests clients give up on were missing from the latency tail."""
+    names = ("specserve_generation_tokens_total", "specserve_time_to_first_token_seconds_count")
+    before = {n: _sample(backend, n) for n in names} | {"aborted": requests_by_status(backend).get("aborted", 0)}
+    body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 100, "ignore_eos": True, "stream": True}
+    got = 0
+    with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                got += 1
+                if got == 3:
+                    break
+    deadline = time.monotonic() + 10
+    while requests_by_status(backend).get("aborted", 0) == before["aborted"]:
+        assert time.monotonic() < deadline, requests_by_status(backend)
+        time.sleep(0.05)
+    tokens = _sample(backend, names[0]) - before[names[0]]
+    assert r.status_code == 200 and got == 3
+    assert 3 <= tokens < 100  # at least what the client read, and the request was stopped before its end
+    assert _sample(backend, names[1]) == before[names[1]] + 1
 
 
 def _body_then(body: str, after: Callable[[], dict[str, Any]]) -> Callable[[], Awaitable[dict[str, Any]]]:

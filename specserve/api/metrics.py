@@ -67,7 +67,10 @@ class ServeMetrics:
         self.running = Gauge("specserve_running_sequences", "Sequences in the lane's batch", ["lane"], registry=r)
         self.queue_depth = Gauge("specserve_queue_depth", "Requests waiting for a batch slot", ["lane"], registry=r)
         self.ttft = Histogram(
-            "specserve_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+            "specserve_time_to_first_token_seconds",
+            "Arrival to first token, of every request that got one",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.tpot = Histogram(
             "specserve_time_per_output_token_seconds",
@@ -75,8 +78,16 @@ class ServeMetrics:
             buckets=TOKEN_LATENCY_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("specserve_generation_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter(
+            "specserve_prompt_tokens",
+            "Prompt tokens of requests that got output (finished, aborted or failed)",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "specserve_generation_tokens",
+            "Generated tokens, also those of requests aborted or failed after them",
+            registry=r,
+        )
         self.target_forwards = Counter(
             "specserve_target_forwards", "Verification steps, summed over sequences", registry=r
         )
@@ -139,19 +150,31 @@ class ServeMetrics:
     def request_finished(self, out: RequestOutput, *, ttft_s: float | None, tpot_s: float | None) -> None:
         self.request_done(RequestStatus.ok)
         self.load.observe_request(out.stats.target_forwards)
+        self._work(out, ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        if out.stats.drafted:
+            self.acceptance_rate.observe(out.stats.acceptance_rate)
+            self.mean_accepted_length.observe(out.stats.tokens_per_forward)
+
+    def request_unfinished(self, status: RequestStatus, last: RequestOutput | None, *, ttft_s: float | None) -> None:
+        """A request that ended aborted or failed after it was admitted: its status, and the work it had done by
+        its ``last`` output (None: none came), so that the token counters and the TTFT histogram also hold the
+        requests clients gave up on. The per-request histograms (TPOT, acceptance, tau) keep finished requests."""
+        self.request_done(status)
+        if last is not None:
+            self._work(last, ttft_s)
+
+    def _work(self, out: RequestOutput, ttft_s: float | None) -> None:
+        """``out``: a request's latest output (its totals so far)."""
         self.prompt_tokens.inc(out.num_prompt_tokens)
         self.generation_tokens.inc(out.num_output_tokens)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
-        if tpot_s is not None:
-            self.tpot.observe(tpot_s)
-        stats = out.stats
-        self.target_forwards.inc(stats.target_forwards)
-        if stats.drafted:
-            self.drafted.inc(stats.drafted)
-            self.accepted.inc(stats.accepted)
-            self.acceptance_rate.observe(stats.acceptance_rate)
-            self.mean_accepted_length.observe(stats.tokens_per_forward)
+        self.target_forwards.inc(out.stats.target_forwards)
+        if out.stats.drafted:
+            self.drafted.inc(out.stats.drafted)
+            self.accepted.inc(out.stats.accepted)
 
     # -- lanes ------------------------------------------------------------------------------------------
     def lane_step(self, lane: int, step: StepMetrics, *, running: int, waiting: int, step_s: float) -> None:

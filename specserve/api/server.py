@@ -181,8 +181,10 @@ class _Tracker:
     arrival: float = field(default_factory=time.perf_counter)
     first: float | None = None
     last: float | None = None
+    latest: RequestOutput | None = None  # the request's totals so far
 
     def see(self, out: RequestOutput) -> None:
+        self.latest = out
         if out.token_ids:
             now = time.perf_counter()
             self.first = now if self.first is None else self.first
@@ -203,6 +205,7 @@ class _Outcome:
 
     stream: OutputStream
     metrics: ServeMetrics
+    tracker: _Tracker
     status: RequestStatus = RequestStatus.aborted
     closed: bool = False
     _outputs: AsyncIterator[RequestOutput] | None = field(default=None, init=False)
@@ -236,7 +239,7 @@ class _Outcome:
         finally:
             await self.stream.aclose()
             if self.status != RequestStatus.ok:
-                self.metrics.request_done(self.status)
+                self.metrics.request_unfinished(self.status, self.tracker.latest, ttft_s=self.tracker.ttft())
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -373,10 +376,10 @@ class _Routes:
             metrics.request_done(RequestStatus.failed)
             raise
         if body.stream:
-            outcome = _Outcome(stream, metrics)
+            outcome = _Outcome(stream, metrics, tracker)
             events = self._events(outcome, body, fmt, tracker, StreamCursor(resume))
             return _ClosingStreamingResponse(events, on_close=outcome.close, media_type=SSE_MEDIA_TYPE)
-        return await self._collect(_Outcome(stream, metrics), body, fmt, tracker, receive)
+        return await self._collect(_Outcome(stream, metrics, tracker), body, fmt, tracker, receive)
 
     def _tokenise(self, encode: Callable[[int], list[int]], room: int) -> asyncio.Future[list[int]]:
         """``encode(room)`` on a thread, off the event loop. Until it ends it holds a place against the capacity (a
