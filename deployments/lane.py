@@ -685,6 +685,7 @@ class Lane:
                     "lane %d: a new draft worker could not be made; trying again in %.0f s", self.index, delay
                 )
                 continue
+            self.metrics.worker_restarted(self.index, WorkerRole.draft.value)  # made, as a target's is counted
             try:
                 worker.start(self.geometry)
                 if not worker.wait_started(cancel=self._stopping):  # the lane stopped: nobody wants it
@@ -710,7 +711,6 @@ class Lane:
         self.workers[WorkerRole.draft] = worker
         self.loop.attach_draft(worker)
         self.metrics.draft_detached(self.index, False)
-        self.metrics.worker_restarted(self.index, WorkerRole.draft.value)
         logger.info("lane %d: its draft worker is back (%s)", self.index, worker.name)
 
     def _replace_target(self) -> None:

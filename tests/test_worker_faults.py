@@ -596,6 +596,10 @@ def test_a_lost_draft_leaves_its_lane_decoding_plainly_until_a_new_one_starts(
         assert lane.healthy and lane.generations[WorkerRole.target] == 0  # the target was never touched
         _wait(lambda: not lane.draft_lost)
         assert lane.generations[WorkerRole.draft] == 3 and [a.fault for a in drafts.actors] == ["late", "start", None]
+        # the two replacements made count, as a target's do: the one that never started as well (it counted
+        # only once attached, so a draft failing to start again and again showed no restart at all)
+        restarts = 'specserve_worker_restarts_total{lane="0",role="draft"} '
+        assert restarts + "2.0" in lane.metrics.render().decode().splitlines()
         assert _run(lane, PROMPTS, tag="s") == alone
         assert "propose" in drafts.actors[2].calls  # the new draft drafts
     finally:

@@ -125,7 +125,10 @@ class ServeMetrics:
             "specserve_batch_size", "Sequences per lane step", ["lane"], buckets=BATCH_BUCKETS, registry=r
         )
         self.worker_restarts = Counter(
-            "specserve_worker_restarts", "Worker actors recreated after they died", ["lane", "role"], registry=r
+            "specserve_worker_restarts",
+            "Replacement worker actors made after one died (each try, started or not)",
+            ["lane", "role"],
+            registry=r,
         )
         self.draft_lost = Gauge(
             "specserve_draft_lost",
