@@ -151,6 +151,13 @@ class FailoverStream:
             # its loss, to a lane that has its model; one that was running there is dropped as lost, and counts)
             self._failovers += 1
         if self._failovers > self._max_failovers:
+            logger.warning(
+                "request %s: lane %d lost it (%s) after %d failovers, the most allowed: it fails",
+                self._request.request_id,
+                lane.index,
+                error,
+                self._max_failovers,
+            )
             raise error
         logger.warning(
             "request %s: lane %d lost it (%s); moving it to another lane (failover %d of %d)",

@@ -708,9 +708,12 @@ class _CutShort(LocalBackend):
         return Cut()
 
 
-def test_a_stream_that_ends_before_its_request_finished_is_an_error_event_not_a_silent_end() -> None:
+def test_a_stream_that_ends_before_its_request_finished_is_an_error_event_not_a_silent_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The non-streaming answer was a 500; the stream used to end with neither an error event nor ``[DONE]``, so
-    a client read a cut answer as a whole one."""
+    a client read a cut answer as a whole one. Both failures are logged with the request's id (the non-streaming
+    one was left to the ASGI server's anonymous traceback)."""
     backend = _CutShort(max_model_len=CONTEXT)
     try:
         with api_server(backend) as url:
@@ -719,9 +722,13 @@ def test_a_stream_that_ends_before_its_request_finished_is_an_error_event_not_a_
                 data = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
             assert data[-1] != "[DONE]"
             assert json.loads(data[-1])["error"]["type"] == "server_error"
-            assert httpx.post(url + COMPLETIONS, json=body | {"stream": False}, timeout=30).status_code == 500
+            with caplog.at_level(logging.ERROR, logger="specserve.api.server"):
+                assert httpx.post(url + COMPLETIONS, json=body | {"stream": False}, timeout=30).status_code == 500
     finally:
         backend.stop()
+    failed = [r for r in caplog.records if r.name == "specserve.api.server" and r.levelno == logging.ERROR]
+    assert [r.getMessage().split()[0::2] for r in failed] == [["request", "failed"]] * 2  # the stream's, the 500's
+    assert all(r.getMessage().split()[1].startswith("cmpl-") and r.exc_info for r in failed)
 
 
 def test_every_chunk_of_a_stream_carries_the_streams_created_time() -> None:

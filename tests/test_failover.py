@@ -6,6 +6,7 @@ tests/test_worker_faults.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
@@ -193,7 +194,9 @@ def test_with_no_healthy_lane_the_request_waits_longer_before_each_retry(
     assert counted == [1, 1] and moving.count == 0  # held by the replica while it pauses, and only then
 
 
-def test_past_max_failovers_the_request_gets_the_lane_lost_error(sleeps: list[float]) -> None:
+def test_past_max_failovers_the_request_gets_the_lane_lost_error(
+    sleeps: list[float], caplog: pytest.LogCaptureFixture
+) -> None:
     lanes = [FakeLane(0, lost_after=2), FakeLane(1, lost_after=3)]
     delivered: list[int] = []
 
@@ -203,9 +206,12 @@ def test_past_max_failovers_the_request_gets_the_lane_lost_error(sleeps: list[fl
         async for out in stream:
             delivered.extend(out.token_ids)
 
-    with pytest.raises(LaneLostError):
+    with pytest.raises(LaneLostError), caplog.at_level(logging.WARNING, logger=failover.__name__):
         asyncio.run(run())
     assert delivered == TOKENS[:3]  # what each lane reached, once
+    # the end is logged under the request's id, as each move was (it used to end on "moving it to another lane")
+    assert caplog.records[-1].getMessage().startswith(f"request {REQUEST.request_id}: lane 1 lost it")
+    assert caplog.records[-1].getMessage().endswith("after 1 failovers, the most allowed: it fails")
 
 
 def test_other_failures_are_not_moved(sleeps: list[float]) -> None:

@@ -432,7 +432,9 @@ class _Routes:
                     response = fmt.response("".join(text), ids if body.return_token_ids else None, out)
                     return JSONResponse(response.model_dump(mode="json"))
             raise RuntimeError("the output stream ended before the request finished")
-        except Exception:  # an APIError's status, or a 500 (internal_error, which counts nothing)
+        except Exception as e:  # an APIError's status, or a 500 (internal_error, which counts nothing)
+            if not isinstance(e, APIError):  # logged with the id the lanes' lines carry, as a stream's failure is
+                log.exception("request %s failed", fmt.request_id)
             outcome.status = RequestStatus.failed
             raise
 
