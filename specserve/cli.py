@@ -188,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error when Python flushes)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: stop as shells expect (128 + SIGINT), without a traceback
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -420,3 +420,21 @@ def test_bench_ar_warms_both_sides_up_and_runs_them_in_turn_first(
     warm_up, even, odd = [("ours", 4), ("theirs", 4)], [("ours", 3), ("theirs", 3)], [("theirs", 3), ("ours", 3)]
     assert calls == [*warm_up, *even, *odd, *even]
     assert len(engines) == 1  # one engine for the batch size, kept across runs
+
+
+def test_ctrl_c_ends_a_command_with_status_130_and_no_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import specserve.cli as cli
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_models", interrupted)
+    try:
+        status = main(["models", "list"])
+    except KeyboardInterrupt:  # (caught here, so the escape fails this test rather than stopping pytest)
+        pytest.fail("Ctrl-C escaped main as a KeyboardInterrupt")
+    assert status == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
