@@ -370,7 +370,7 @@ def test_a_cancel_landing_as_a_left_clients_answer_is_cancelled_still_cancels_th
             return {"type": "http.disconnect"}
 
         routes = _Routes(None)  # type: ignore[arg-type]
-        task = asyncio.ensure_future(routes._collect(outcome, Body(), None, None, receive))  # type: ignore[arg-type]
+        task = asyncio.ensure_future(routes._collect(outcome, Body(), None, receive))  # type: ignore[arg-type]
         with pytest.raises(asyncio.CancelledError):
             await task
         assert task.cancelled() and outcome.closed

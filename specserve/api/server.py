@@ -377,9 +377,9 @@ class _Routes:
             raise
         if body.stream:
             outcome = _Outcome(stream, metrics, tracker)
-            events = self._events(outcome, body, fmt, tracker, StreamCursor(resume))
+            events = self._events(outcome, body, fmt, StreamCursor(resume))
             return _ClosingStreamingResponse(events, on_close=outcome.close, media_type=SSE_MEDIA_TYPE)
-        return await self._collect(_Outcome(stream, metrics, tracker), body, fmt, tracker, receive)
+        return await self._collect(_Outcome(stream, metrics, tracker), body, fmt, receive)
 
     def _tokenise(self, encode: Callable[[int], list[int]], room: int) -> asyncio.Future[list[int]]:
         """``encode(room)`` on a thread, off the event loop. Until it ends it holds a place against the capacity (a
@@ -396,12 +396,10 @@ class _Routes:
         work.add_done_callback(done)
         return work
 
-    async def _collect(
-        self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker, receive: Receive
-    ) -> Response:
+    async def _collect(self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, receive: Receive) -> Response:
         """The whole answer, or, where the client leaves first, the request aborted (a streaming response listens
         for the disconnect itself; this one would otherwise generate to the end for nobody)."""
-        answer = asyncio.ensure_future(self._answer(outcome, body, fmt, tracker))
+        answer = asyncio.ensure_future(self._answer(outcome, body, fmt))
         left = asyncio.ensure_future(_client_left(receive))
         try:
             await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -417,8 +415,8 @@ class _Routes:
                 task.cancel()
             await outcome.close()
 
-    async def _answer(self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker) -> Response:
-        stream = outcome.stream
+    async def _answer(self, outcome: _Outcome, body: GenerationRequest, fmt: _Format) -> Response:
+        stream, tracker = outcome.stream, outcome.tracker
         text: list[str] = []
         ids: list[int] = []
         try:
@@ -439,10 +437,11 @@ class _Routes:
             raise
 
     async def _events(
-        self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, tracker: _Tracker, cursor: StreamCursor
+        self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, cursor: StreamCursor
     ) -> AsyncIterator[str]:
         """SSE events, each with an id a client can resume after (``specserve.api.resume``); a resumed stream
         regenerates the request and sends only what follows the client's last id."""
+        tracker = outcome.tracker
         try:
             first = fmt.first_chunk()
             if first is not None and not cursor.resuming:
