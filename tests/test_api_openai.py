@@ -470,6 +470,29 @@ def test_a_request_the_client_leaves_counts_its_tokens_and_first_token_latency(b
     assert _sample(backend, names[1]) == before[names[1]] + 1
 
 
+def test_a_finished_request_whose_last_event_fails_is_counted_once(
+    backend: LocalBackend, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request was counted as finished (status, tokens, TTFT) before its usage event was built; a failure there
+    counted it again as failed, with its tokens a second time."""
+    import specserve.api.server as server
+
+    def broken(out: RequestOutput) -> None:
+        raise RuntimeError("usage cannot be built")
+
+    monkeypatch.setattr(server, "usage_for", broken)
+    name = "specserve_generation_tokens_total"
+    before = requests_by_status(backend) | {name: _sample(backend, name)}
+    body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 5, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + COMPLETIONS, json=body | {"stream_options": {"include_usage": True}}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and '"internal_error"' in events[-1], events[-3:]
+    after = requests_by_status(backend)
+    assert after.get("ok", 0) == before.get("ok", 0) + 1
+    assert after.get("failed", 0) == before.get("failed", 0), after
+    assert _sample(backend, name) == before[name] + 5
+
+
 def _body_then(body: str, after: Callable[[], dict[str, Any]]) -> Callable[[], Awaitable[dict[str, Any]]]:
     """An ASGI receive: the whole body, then, 0.3 s later and on every later call, what ``after`` gives or raises."""
     sent_body = False

@@ -228,6 +228,16 @@ class _Outcome:
         output, self._next = self._next, None
         return output.result()
 
+    def finished(self, out: RequestOutput) -> None:
+        """Counted as finished now, with its work: whatever fails while the answer is sent is not counted again."""
+        self.status = RequestStatus.ok
+        self.metrics.request_finished(out, ttft_s=self.tracker.ttft(), tpot_s=self.tracker.tpot(out.num_output_tokens))
+
+    def ended(self, status: RequestStatus) -> None:
+        """How an unfinished request ended, counted at ``close``; a finished one is already counted."""
+        if self.status != RequestStatus.ok:
+            self.status = status
+
     async def close(self) -> None:
         if self.closed:
             return
@@ -425,15 +435,14 @@ class _Routes:
                 text.append(out.text)
                 ids += out.token_ids
                 if out.finished:
-                    outcome.status = RequestStatus.ok
-                    self._finished(out, tracker)
+                    outcome.finished(out)
                     response = fmt.response("".join(text), ids if body.return_token_ids else None, out)
                     return JSONResponse(response.model_dump(mode="json"))
             raise RuntimeError("the output stream ended before the request finished")
         except Exception as e:  # an APIError's status, or a 500 (internal_error, which counts nothing)
             if not isinstance(e, APIError):  # logged with the id the lanes' lines carry, as a stream's failure is
                 log.exception("request %s failed", fmt.request_id)
-            outcome.status = RequestStatus.failed
+            outcome.ended(RequestStatus.failed)
             raise
 
     async def _events(
@@ -467,24 +476,20 @@ class _Routes:
                     yield _sse(fmt.chunk(part, part.token_ids if body.return_token_ids else None), mark)
                     sent_at = time.monotonic()
                 if out.finished:
-                    outcome.status = RequestStatus.ok
-                    self._finished(out, tracker)
+                    outcome.finished(out)
                     if body.include_usage_in_stream and not cursor.sent(StreamPhase.usage):
                         yield _sse(fmt.usage_chunk(usage_for(out)), cursor.mark.at(StreamPhase.usage))
                     yield SSE_DONE
                     return
         except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
-            outcome.status = _status_of(e)
+            outcome.ended(_status_of(e))
             yield _sse(e.body())
         except Exception as e:  # a 500's body, in the stream: raised, it would only cut the connection
             log.exception("request %s failed mid-stream", fmt.request_id)
-            outcome.status = RequestStatus.failed
+            outcome.ended(RequestStatus.failed)
             yield _sse(internal_error_body(e))
         finally:
             await outcome.close()
-
-    def _finished(self, out: RequestOutput, tracker: _Tracker) -> None:
-        self.backend.metrics.request_finished(out, ttft_s=tracker.ttft(), tpot_s=tracker.tpot(out.num_output_tokens))
 
 
 @dataclass(frozen=True)
