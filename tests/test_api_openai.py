@@ -23,7 +23,7 @@ from deployments.lane import Lane
 from deployments.router import Router
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.error_bodies import OverloadedError, WorkerFailedError
-from specserve.api.metrics import LoadEstimate, ServeMetrics
+from specserve.api.metrics import LoadEstimate, RequestStatus, ServeMetrics
 from specserve.api.schemas import Health, HealthStatus
 from specserve.api.server import build_api
 from specserve.sampling import SamplingParams
@@ -491,6 +491,29 @@ def test_a_finished_request_whose_last_event_fails_is_counted_once(
     assert after.get("ok", 0) == before.get("ok", 0) + 1
     assert after.get("failed", 0) == before.get("failed", 0), after
     assert _sample(backend, name) == before[name] + 5
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_request_is_counted_after_its_work_so_a_scrape_never_sees_one_without_the_other(finished: bool) -> None:
+    """The status was counted first: a scrape between the two (the server's thread paused there) saw the request
+    ended and none of its tokens."""
+    metrics = ServeMetrics()
+    seen: list[str] = []
+    count = metrics.request_done
+
+    def done(status: RequestStatus) -> None:
+        seen.append(metrics.render().decode())
+        count(status)
+
+    metrics.request_done = done  # type: ignore[method-assign]
+    out = RequestOutput("x", [7, 8, 9], "", None, 2, 3, RequestStats(target_forwards=3))
+    if finished:
+        metrics.request_finished(out, ttft_s=0.1, tpot_s=0.01)
+    else:
+        metrics.request_unfinished(RequestStatus.aborted, out, ttft_s=0.1)
+    (scrape,) = seen
+    assert "specserve_generation_tokens_total 3.0" in scrape and "specserve_target_forwards_total 3.0" in scrape
+    assert "specserve_time_to_first_token_seconds_count 1.0" in scrape
 
 
 def _body_then(body: str, after: Callable[[], dict[str, Any]]) -> Callable[[], Awaitable[dict[str, Any]]]:

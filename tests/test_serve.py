@@ -581,8 +581,8 @@ def test_disconnect_mid_stream_frees_kv_on_both_workers(small_url: str) -> None:
     assert all(w["kv_slots_in_use"] == 0 for lane in lanes for w in lane["workers"])
     assert _metric(small_url, ABORTED) == aborted + 1
     assert _metric(small_url, FAILED) == failed  # a client that leaves is not a server failure
-    # its tokens count (as vLLM's do, when generated): only finished requests' used to, so throughput read from
-    # /metrics left out every request a client gave up on
+    # the tokens delivered to it count: only finished requests' used to, so throughput read from /metrics left out
+    # every request a client gave up on
     assert generated + 1 <= _metric(small_url, GENERATED) < generated + 400
 
 

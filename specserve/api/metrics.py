@@ -85,7 +85,7 @@ class ServeMetrics:
         )
         self.generation_tokens = Counter(
             "specserve_generation_tokens",
-            "Generated tokens, also those of requests aborted or failed after them",
+            "Generated tokens delivered, also to requests aborted or failed after them",
             registry=r,
         )
         self.target_forwards = Counter(
@@ -151,7 +151,6 @@ class ServeMetrics:
         self.requests.labels(status.value).inc()
 
     def request_finished(self, out: RequestOutput, *, ttft_s: float | None, tpot_s: float | None) -> None:
-        self.request_done(RequestStatus.ok)
         self.load.observe_request(out.stats.target_forwards)
         self._work(out, ttft_s)
         if tpot_s is not None:
@@ -159,14 +158,16 @@ class ServeMetrics:
         if out.stats.drafted:
             self.acceptance_rate.observe(out.stats.acceptance_rate)
             self.mean_accepted_length.observe(out.stats.tokens_per_forward)
+        self.request_done(RequestStatus.ok)  # last: a scrape that sees the request counted sees its work
 
     def request_unfinished(self, status: RequestStatus, last: RequestOutput | None, *, ttft_s: float | None) -> None:
         """A request that ended aborted or failed after it was admitted: its status, and the work it had done by
         its ``last`` output (None: none came), so that the token counters and the TTFT histogram also hold the
-        requests clients gave up on. The per-request histograms (TPOT, acceptance, tau) keep finished requests."""
-        self.request_done(status)
+        requests clients gave up on; its tokens are those delivered by ``last``, not any generated after it and
+        dropped with the request. The per-request histograms (TPOT, acceptance, tau) keep finished requests."""
         if last is not None:
             self._work(last, ttft_s)
+        self.request_done(status)  # last: a scrape that sees the request counted sees its work
 
     def _work(self, out: RequestOutput, ttft_s: float | None) -> None:
         """``out``: a request's latest output (its totals so far)."""
