@@ -484,6 +484,25 @@ def test_a_resumed_stream_is_kept_alive_before_its_first_output() -> None:
     assert lines[-1][1] == "data: [DONE]" and all(s.closed for s in backend.streams)
 
 
+def test_a_fresh_stream_is_kept_alive_while_it_waits_for_its_first_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a resumed stream got comment lines: a fresh completions stream (no first chunk) sent nothing while it
+    waited in the queue, and a proxy's or the client's read timeout cut it there."""
+    import specserve.api.server as server
+
+    monkeypatch.setattr(server, "SSE_KEEPALIVE_S", 0.5)
+    backend = _LateBackend()
+    try:
+        with api_server(backend) as url:
+            backend.silence_s = 2.0
+            lines = _timed_lines(url, LATE_BODY, {})
+    finally:
+        backend.stop()
+    kept_alive = [t for t, line in lines if line == ": keep-alive"]
+    first_data = next(t for t, line in lines if line.startswith("data: "))
+    assert len([t for t in kept_alive if t < first_data]) >= 2 and kept_alive[0] < 1.5, lines
+    assert lines[-1][1] == "data: [DONE]" and ": replaying" not in [line for _, line in lines]
+
+
 def test_a_resumed_stream_left_while_it_waits_is_closed() -> None:
     """The client leaves while the wait for the next output, past a keepalive, is still pending: the stream is
     closed (the request aborted) and that wait cancelled, not left running."""

@@ -77,6 +77,10 @@ SSE_DONE = "data: [DONE]\n\n"
 # that its read timeout (no bytes for a while) does not cut it again before it reaches the resume point
 SSE_REPLAYING = ": replaying\n\n"
 REPLAY_KEEPALIVE_S = 1.0
+# and on any stream with nothing sent for this long (a queue, a target reloading, a failover's pause): proxies and
+# clients cut a connection idle for a minute or so (nginx's and load balancers' read timeouts, load/'s client)
+SSE_KEEPALIVE = ": keep-alive\n\n"
+SSE_KEEPALIVE_S = 15.0
 # JSON leaves these unescaped, yet str.splitlines and httpx's iter_lines end a line at each: escaped, a chunk whose
 # text holds one stays one line for every client
 _LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
@@ -457,14 +461,15 @@ class _Routes:
                 yield _sse(first, cursor.mark)
             sent_at = time.monotonic()
             while True:
-                # while it replays, nothing may be sent for long (a queue, a target loading, a long prefill)
-                wait = None if cursor.checked else max(0.0, sent_at + REPLAY_KEEPALIVE_S - time.monotonic())
+                # nothing may be sent for long: while it replays, never more than a second
+                every = SSE_KEEPALIVE_S if cursor.checked else REPLAY_KEEPALIVE_S
+                wait = max(0.0, sent_at + every - time.monotonic())
                 try:
                     out = await outcome.next_output(within=wait)
                 except StopAsyncIteration:  # a 500 in the stream, as the non-streaming answer's: never a silent end
                     raise RuntimeError("the output stream ended before the request finished") from None
                 if out is None:
-                    yield SSE_REPLAYING
+                    yield SSE_KEEPALIVE if cursor.checked else SSE_REPLAYING
                     sent_at = time.monotonic()
                     continue
                 tracker.see(out)
