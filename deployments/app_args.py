@@ -261,7 +261,8 @@ class AppArgs(LoopConfig):
         default=1.0,
         ge=0.0,
         le=60.0,
-        description="pause before a moved request goes to a lane still bringing its workers back (doubles each move)",
+        description="pause before a moved request goes to a lane still bringing its workers back (doubles each move, "
+        "up to 60 s)",
     )
     worker_start_timeout_s: float = Field(
         default=900.0,

@@ -6,9 +6,8 @@ same tokens a lane that never failed would go on with (docs/algorithms.md §1.3,
 any worker restart). Nothing is generated twice and nothing is sent twice.
 
 A healthy lane is chosen first, a loaded one before one loading its target, another lane before the one that
-lost the request; with none healthy, after a pause
-that doubles with each move, the least loaded running lane (the one that lost it last: it keeps trying to bring its
-workers back)."""
+lost the request; with none healthy, after a pause that doubles with each move (up to MAX_PAUSE_S), the least
+loaded running lane (the one that lost it last: it keeps trying to bring its workers back)."""
 
 from __future__ import annotations
 
@@ -25,6 +24,8 @@ from specserve.errors import InvalidRequestError
 from specserve.sequence import Delivered, Request, RequestOutput, RequestStats
 
 logger = logging.getLogger(__name__)
+
+MAX_PAUSE_S = 60.0  # the longest pause before a moved request tries a lane that is bringing its workers back
 
 
 class LaneLike(Protocol):
@@ -102,7 +103,7 @@ class FailoverStream:
             lane = self._pick()
             if self._failovers and not lane.healthy:  # only lanes still bringing their workers back: give them time
                 with self._moving.pausing():
-                    await asyncio.sleep(self._backoff_s * 2 ** (self._failovers - 1))
+                    await asyncio.sleep(min(self._backoff_s * 2 ** (self._failovers - 1), MAX_PAUSE_S))
                 lane = self._pick()  # one may have come back meanwhile, or stopped
             try:
                 self._stream = await lane.submit(self._request)

@@ -194,6 +194,16 @@ def test_with_no_healthy_lane_the_request_waits_longer_before_each_retry(
     assert counted == [1, 1] and moving.count == 0  # held by the replica while it pauses, and only then
 
 
+def test_the_pause_before_a_retry_stops_doubling_at_its_cap(sleeps: list[float]) -> None:
+    """The pause doubled without end: 12 failovers from a 60 s backoff (both accepted settings) paused for 68 hours
+    in all, the request counted against capacity and its client sent nothing."""
+    lane = FakeLane(0, healthy=False, lost_after=0)  # it never gets its workers back
+    stream = FailoverStream(lambda: [lane], REQUEST, max_failovers=12, backoff_s=60.0)
+    with pytest.raises(LaneLostError):
+        _collect(stream)
+    assert len(sleeps) == 12 and max(sleeps) == failover.MAX_PAUSE_S and sum(sleeps) == 12 * 60.0
+
+
 def test_past_max_failovers_the_request_gets_the_lane_lost_error(
     sleeps: list[float], caplog: pytest.LogCaptureFixture
 ) -> None:
