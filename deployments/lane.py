@@ -79,6 +79,16 @@ class WorkerDebug(BaseModel):
     restarts: int
 
 
+def stop_lanes(lanes: Collection[Lane]) -> None:
+    """Stop lanes together: every one is told first, then all are waited for until one deadline,
+    STOP_JOIN_TIMEOUT_S away (one lane after another would take that long each, past Serve's graceful shutdown)."""
+    for lane in lanes:
+        lane.request_stop()
+    by = time.monotonic() + STOP_JOIN_TIMEOUT_S
+    for lane in lanes:
+        lane.finish_stop(by)
+
+
 class LaneDebug(BaseModel):
     index: int
     alive: bool
@@ -278,8 +288,7 @@ class Lane:
         self._commands.put(_Abort(request_id))
 
     def stop(self) -> None:
-        self.request_stop()
-        self.finish_stop()
+        stop_lanes([self])
 
     def request_stop(self) -> None:
         """Tell the lane to stop (its thread ends after the step it is in); ``finish_stop`` waits for it."""
@@ -288,10 +297,10 @@ class Lane:
             self._stopping.set()
         self._commands.put(_Stop())
 
-    def finish_stop(self) -> None:
-        """Wait up to STOP_JOIN_TIMEOUT_S for the lane thread, then end its workers (the thread also ends them as
-        it exits, any it attached meanwhile included: it makes no new one once told to stop)."""
-        self._thread.join(STOP_JOIN_TIMEOUT_S)
+    def finish_stop(self, by: float) -> None:
+        """Wait until ``by`` (time.monotonic) for the lane thread, then end its workers (the thread also ends them
+        as it exits, any it attached meanwhile included: it makes no new one once told to stop)."""
+        self._thread.join(max(0.0, by - time.monotonic()))
         self._kill_workers()
 
     def _kill_workers(self) -> None:

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from deployments.actors import KVGeometry, ModelInfo, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
 from deployments.app_args import AppArgs, WorkerRole
 from deployments.failover import FailoverStream, Moving
-from deployments.lane import Lane, LaneDebug
+from deployments.lane import Lane, LaneDebug, stop_lanes
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.error_bodies import OverloadedError
 from specserve.api.metrics import ServeMetrics
@@ -246,7 +246,4 @@ class Router:
             raise RuntimeError("no lane has its workers: every lane lost them and could not bring them back yet")
 
     def __del__(self) -> None:
-        for lane in self.lanes:  # all told first: their waits overlap, within Serve's graceful shutdown
-            lane.request_stop()
-        for lane in self.lanes:
-            lane.finish_stop()
+        stop_lanes(self.lanes)

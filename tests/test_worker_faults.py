@@ -1041,6 +1041,27 @@ def test_a_lane_told_to_stop_tells_its_running_requests_so_they_can_move(target:
     assert not lane.alive
 
 
+def test_lanes_stopped_together_share_one_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replica told every lane to stop, then waited STOP_JOIN_TIMEOUT_S for each stuck one in turn: 10 s a
+    lane, so at three lanes Serve's 30 s graceful shutdown killed it before the last lanes' workers were ended."""
+    from types import SimpleNamespace
+
+    from deployments.lane import stop_lanes
+
+    monkeypatch.setattr(lane_module, "STOP_JOIN_TIMEOUT_S", 0.3)
+    waited: list[float] = []
+    killed: list[int] = []
+
+    def stuck_lane(i: int) -> Any:  # its thread never ends (a step stuck in a call to a hung worker)
+        thread = SimpleNamespace(join=lambda timeout: (waited.append(timeout), time.sleep(timeout)))
+        fake = SimpleNamespace(_thread=thread, request_stop=lambda: None, _kill_workers=lambda: killed.append(i))
+        fake.finish_stop = lambda by: Lane.finish_stop(fake, by)  # type: ignore[arg-type]
+        return fake
+
+    stop_lanes([stuck_lane(i) for i in range(3)])
+    assert killed == [0, 1, 2] and sum(waited) < 0.45, waited  # one wait of 0.3 s in all, not 0.3 s a lane
+
+
 def test_a_lane_stopped_during_a_long_step_makes_no_new_worker_after_it(
     target: LlamaModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
