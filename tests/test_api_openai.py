@@ -26,6 +26,7 @@ from specserve.api.error_bodies import OverloadedError, WorkerFailedError
 from specserve.api.metrics import LoadEstimate, RequestStatus, ServeMetrics
 from specserve.api.schemas import Health, HealthStatus
 from specserve.api.server import build_api
+from specserve.errors import InvalidRequestError
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request, RequestOutput, RequestStats
 from specserve.step_events import StepMetrics
@@ -754,6 +755,64 @@ class _CutShort(LocalBackend):
         return Cut()
 
 
+class _FailsMidway(LocalBackend):
+    """A backend whose streams raise ``error`` after their first output."""
+
+    error: Exception = RuntimeError("unset")
+
+    async def submit(self, request: Request) -> Any:
+        stream, error = await super().submit(request), self.error
+
+        class Failing:
+            def __aiter__(self) -> AsyncIterator[RequestOutput]:
+                return self._outputs()
+
+            async def _outputs(self) -> AsyncIterator[RequestOutput]:
+                async for out in stream:
+                    yield out
+                    raise error
+
+            async def aclose(self) -> None:
+                await stream.aclose()
+
+        return Failing()
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "type_", "counted"),
+    [
+        (
+            InvalidRequestError("the delivered output already reaches max_tokens"),
+            400,
+            "invalid_request_error",
+            "invalid",
+        ),
+        (OverloadedError("no lane takes it", retry_after_s=3), 429, "rate_limit_error", "rejected"),
+        (WorkerFailedError("no lane of this replica is running"), 503, "service_unavailable_error", "failed"),
+        (RuntimeError("a bug"), 500, "server_error", "failed"),
+    ],
+)
+def test_an_error_after_the_first_output_is_answered_and_counted_alike_streaming_or_not(
+    error: Exception, status: int, type_: str, counted: str
+) -> None:
+    """A non-streaming request counted every error after its first output as failed (a 4xx included), and a
+    stream answered a request error found as it ran with a 500's body."""
+    backend = _FailsMidway(max_model_len=CONTEXT)
+    backend.error = error
+    try:
+        with api_server(backend) as url:
+            body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 20, "ignore_eos": True}
+            answer = httpx.post(url + COMPLETIONS, json=body, timeout=30)
+            with httpx.stream("POST", url + COMPLETIONS, json=body | {"stream": True}, timeout=30) as r:
+                data = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+            counts = requests_by_status(backend)
+    finally:
+        backend.stop()
+    assert answer.status_code == status and answer.json()["error"]["type"] == type_, answer.text
+    assert r.status_code == 200 and json.loads(data[-1])["error"]["type"] == type_, data
+    assert counts == {counted: 2.0}, counts
+
+
 def test_a_stream_that_ends_before_its_request_finished_is_an_error_event_not_a_silent_end(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -775,6 +834,33 @@ def test_a_stream_that_ends_before_its_request_finished_is_an_error_event_not_a_
     failed = [r for r in caplog.records if r.name == "specserve.api.server" and r.levelno == logging.ERROR]
     assert [r.getMessage().split()[0::2] for r in failed] == [["request", "failed"]] * 2  # the stream's, the 500's
     assert all(r.getMessage().split()[1].startswith("cmpl-") and r.exc_info for r in failed)
+
+
+def test_a_non_streaming_500_is_logged_once() -> None:
+    """The route logged the failure under the request's id and raised it on to the 500 handler, whose middleware
+    raises it again for the ASGI server to log: two tracebacks for one failure, one of them with no request id."""
+    tracebacks: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.exc_info:
+                tracebacks.append(record)
+
+    keep, loggers = Keep(logging.ERROR), [logging.getLogger(name) for name in ("uvicorn.error", "specserve.api.server")]
+    backend = _CutShort(max_model_len=CONTEXT)
+    try:
+        with api_server(backend) as url:
+            for logger in loggers:  # (once uvicorn has configured its loggers, which drops their handlers)
+                logger.addHandler(keep)
+            body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 20, "ignore_eos": True}
+            r = httpx.post(url + COMPLETIONS, json=body, timeout=30)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+            assert requests_by_status(backend).get("failed") == 1
+    finally:
+        backend.stop()
+        for logger in loggers:
+            logger.removeHandler(keep)
+    assert [r.getMessage().split()[0::2] for r in tracebacks] == [["request", "failed"]], tracebacks
 
 
 def test_every_chunk_of_a_stream_carries_the_streams_created_time() -> None:

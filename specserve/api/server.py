@@ -443,11 +443,16 @@ class _Routes:
                     response = fmt.response("".join(text), ids if body.return_token_ids else None, out)
                     return JSONResponse(response.model_dump(mode="json"))
             raise RuntimeError("the output stream ended before the request finished")
-        except Exception as e:  # an APIError's status, or a 500 (internal_error, which counts nothing)
-            if not isinstance(e, APIError):  # logged with the id the lanes' lines carry, as a stream's failure is
-                log.exception("request %s failed", fmt.request_id)
-            outcome.ended(RequestStatus.failed)
+        except APIError as e:  # its status, counted as a stream's is
+            outcome.ended(_status_of(e))
             raise
+        except InvalidRequestError:  # a 400 (its handler's body)
+            outcome.ended(RequestStatus.invalid)
+            raise
+        except Exception as e:  # a 500, answered here: raised, the ASGI server would log it again, without the id
+            log.exception("request %s failed", fmt.request_id)  # (the id the lanes' lines carry, as a stream's)
+            outcome.ended(RequestStatus.failed)
+            return _error(HTTPStatus.INTERNAL_SERVER_ERROR, internal_error_body(e))
 
     async def _events(
         self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, cursor: StreamCursor
@@ -489,6 +494,9 @@ class _Routes:
         except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
             outcome.ended(_status_of(e))
             yield _sse(e.body())
+        except InvalidRequestError as e:  # the request's own fault, found as it ran: its 400 body, not a 500's
+            outcome.ended(RequestStatus.invalid)
+            yield _sse(invalid_request_body(e))
         except Exception as e:  # a 500's body, in the stream: raised, it would only cut the connection
             log.exception("request %s failed mid-stream", fmt.request_id)
             outcome.ended(RequestStatus.failed)
@@ -660,6 +668,10 @@ class _ChatFormat(_Stamped):
 # -- errors -------------------------------------------------------------------------------------------
 
 
+def invalid_request_body(exc: InvalidRequestError) -> ErrorResponse:
+    return error_body(str(exc), ErrorType.invalid_request, code=ErrorCode.invalid_value, param=exc.param)
+
+
 def internal_error_body(exc: Exception) -> ErrorResponse:
     return error_body(f"internal error: {type(exc).__name__}", ErrorType.server, code=ErrorCode.internal_error)
 
@@ -681,8 +693,7 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
         return _error(exc.status, exc.body(), headers)
 
     async def invalid_request(_: HTTPRequest, exc: InvalidRequestError) -> JSONResponse:
-        body = error_body(str(exc), ErrorType.invalid_request, code=ErrorCode.invalid_value, param=exc.param)
-        return _error(HTTPStatus.BAD_REQUEST, body)
+        return _error(HTTPStatus.BAD_REQUEST, invalid_request_body(exc))
 
     async def http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
         status = HTTPStatus(exc.status_code)
