@@ -119,18 +119,14 @@ def requests_by_status(backend: LocalBackend) -> dict[str, float]:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def serving(app: FastAPI) -> Iterator[str]:
     """Serve ``app`` with uvicorn on a thread; yields its base URL."""
-    port = free_port()
+    sock = socket.socket()  # bound here and handed over: a port found free, then bound by uvicorn, may be taken between
+    sock.bind(("127.0.0.1", 0))
+    port = int(sock.getsockname()[1])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -141,6 +137,7 @@ def serving(app: FastAPI) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 
 @contextmanager
