@@ -781,12 +781,8 @@ class _FailsMidway(LocalBackend):
 @pytest.mark.parametrize(
     ("error", "status", "type_", "counted"),
     [
-        (
-            InvalidRequestError("the delivered output already reaches max_tokens"),
-            400,
-            "invalid_request_error",
-            "invalid",
-        ),
+        # valid when it came: found as it ran (on another lane), the server's failure, not a 400
+        (InvalidRequestError("the output already reaches max_tokens"), 500, "server_error", "failed"),
         (OverloadedError("no lane takes it", retry_after_s=3), 429, "rate_limit_error", "rejected"),
         (WorkerFailedError("no lane of this replica is running"), 503, "service_unavailable_error", "failed"),
         (RuntimeError("a bug"), 500, "server_error", "failed"),
@@ -795,8 +791,8 @@ class _FailsMidway(LocalBackend):
 def test_an_error_after_the_first_output_is_answered_and_counted_alike_streaming_or_not(
     error: Exception, status: int, type_: str, counted: str
 ) -> None:
-    """A non-streaming request counted every error after its first output as failed (a 4xx included), and a
-    stream answered a request error found as it ran with a 500's body."""
+    """A non-streaming request counted every error after its first output as failed (a 429 included), and
+    answered a request error found as it ran with a 400 where a stream sent a 500's body."""
     backend = _FailsMidway(max_model_len=CONTEXT)
     backend.error = error
     try:
@@ -811,6 +807,59 @@ def test_an_error_after_the_first_output_is_answered_and_counted_alike_streaming
     assert answer.status_code == status and answer.json()["error"]["type"] == type_, answer.text
     assert r.status_code == 200 and json.loads(data[-1])["error"]["type"] == type_, data
     assert counts == {counted: 2.0}, counts
+
+
+def test_a_stream_that_raises_cancelled_error_itself_ends_the_read_not_an_endless_wait() -> None:
+    """The stream is read by a task: one ended by a CancelledError of the stream's own left the reader waiting
+    for ever (a keep-alive every 15 s, the request never closed nor counted)."""
+    from specserve.api.server import _Outcome, _Tracker
+
+    class Cancelled:
+        def __aiter__(self) -> AsyncIterator[RequestOutput]:
+            return self._outputs()
+
+        async def _outputs(self) -> AsyncIterator[RequestOutput]:
+            yield RequestOutput("r", [7], "a", None, 1, 1, RequestStats())
+            raise asyncio.CancelledError  # (a future it awaited, cancelled by other code)
+
+        async def aclose(self) -> None:
+            pass
+
+    async def trial() -> None:
+        outcome = _Outcome(Cancelled(), ServeMetrics(), _Tracker())  # type: ignore[arg-type]
+        assert (await outcome.next_output(within=0.5)) is not None
+        with pytest.raises(asyncio.CancelledError):
+            await outcome.next_output(within=0.5)
+
+    asyncio.run(asyncio.wait_for(trial(), 10))
+
+
+def test_a_client_leaving_a_stream_aborts_it_even_where_closing_it_awaits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server cancels a response whose client left at every turn of the loop: a stream whose close awaits
+    anything was cut there, and the request generated on, never aborted nor counted."""
+    import deployments.lane as lane_module
+
+    close = lane_module.LaneStream.aclose
+    closed: list[str] = []
+
+    async def awaiting_close(self: Any) -> None:
+        await asyncio.sleep(0)  # (an RPC to abort, a lock)
+        await close(self)
+        closed.append(self._request_id)
+
+    monkeypatch.setattr(lane_module.LaneStream, "aclose", awaiting_close)
+    backend = LocalBackend(max_model_len=CONTEXT, step_delay_s=0.3)
+    try:
+        with api_server(backend) as url:
+            body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 60, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=30) as r:
+                next(line for line in r.iter_lines() if line.startswith("data: "))
+            deadline = time.monotonic() + 10
+            while not closed and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(closed) == 1 and requests_by_status(backend) == {"aborted": 1.0}
+    finally:
+        backend.stop()
 
 
 def test_a_stream_that_ends_before_its_request_finished_is_an_error_event_not_a_silent_end(

@@ -232,7 +232,7 @@ class _Outcome:
             return None
         if item is _END:
             raise StopAsyncIteration
-        if isinstance(item, Exception):
+        if isinstance(item, BaseException):
             raise item
         return cast(RequestOutput, item)
 
@@ -240,8 +240,10 @@ class _Outcome:
         try:
             async for out in self.stream:
                 self._read.put_nowait(out)
-        except Exception as e:  # raised to the reader, in order
+        except BaseException as e:  # raised to the reader, in order (a CancelledError of the stream's own too)
             self._read.put_nowait(e)
+            if not isinstance(e, Exception):
+                raise
         else:
             self._read.put_nowait(_END)
 
@@ -256,9 +258,14 @@ class _Outcome:
             self.status = status
 
     async def close(self) -> None:
+        """Shielded: a response cancelled as its client leaves (cancelled again at every turn of the loop) still
+        aborts its stream and counts how it ended."""
         if self.closed:
             return
         self.closed = True
+        await asyncio.shield(self._close())
+
+    async def _close(self) -> None:
         try:
             if self._reader is not None:  # cancelled and ended before the stream is closed under it
                 self._reader.cancel()
@@ -454,9 +461,6 @@ class _Routes:
         except APIError as e:  # its status, counted as a stream's is
             outcome.ended(_status_of(e))
             raise
-        except InvalidRequestError:  # a 400 (its handler's body)
-            outcome.ended(RequestStatus.invalid)
-            raise
         except Exception as e:  # a 500, answered here: raised, the ASGI server would log it again, without the id
             log.exception("request %s failed", fmt.request_id)  # (the id the lanes' lines carry, as a stream's)
             outcome.ended(RequestStatus.failed)
@@ -502,9 +506,6 @@ class _Routes:
         except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
             outcome.ended(_status_of(e))
             yield _sse(e.body())
-        except InvalidRequestError as e:  # the request's own fault, found as it ran: its 400 body, not a 500's
-            outcome.ended(RequestStatus.invalid)
-            yield _sse(invalid_request_body(e))
         except Exception as e:  # a 500's body, in the stream: raised, it would only cut the connection
             log.exception("request %s failed mid-stream", fmt.request_id)
             outcome.ended(RequestStatus.failed)
@@ -676,10 +677,6 @@ class _ChatFormat(_Stamped):
 # -- errors -------------------------------------------------------------------------------------------
 
 
-def invalid_request_body(exc: InvalidRequestError) -> ErrorResponse:
-    return error_body(str(exc), ErrorType.invalid_request, code=ErrorCode.invalid_value, param=exc.param)
-
-
 def internal_error_body(exc: Exception) -> ErrorResponse:
     return error_body(f"internal error: {type(exc).__name__}", ErrorType.server, code=ErrorCode.internal_error)
 
@@ -701,7 +698,8 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
         return _error(exc.status, exc.body(), headers)
 
     async def invalid_request(_: HTTPRequest, exc: InvalidRequestError) -> JSONResponse:
-        return _error(HTTPStatus.BAD_REQUEST, invalid_request_body(exc))
+        body = error_body(str(exc), ErrorType.invalid_request, code=ErrorCode.invalid_value, param=exc.param)
+        return _error(HTTPStatus.BAD_REQUEST, body)
 
     async def http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
         status = HTTPStatus(exc.status_code)
