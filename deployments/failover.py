@@ -103,7 +103,7 @@ class FailoverStream:
             lane = self._pick()
             if self._failovers and not lane.healthy:  # only lanes still bringing their workers back: give them time
                 with self._moving.pausing():
-                    await asyncio.sleep(min(self._backoff_s * 2 ** (self._failovers - 1), MAX_PAUSE_S))
+                    await asyncio.sleep(min(self._backoff_s * 2.0 ** min(self._failovers - 1, 30), MAX_PAUSE_S))
                 lane = self._pick()  # one may have come back meanwhile, or stopped
             try:
                 self._stream = await lane.submit(self._request)

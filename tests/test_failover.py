@@ -202,6 +202,10 @@ def test_the_pause_before_a_retry_stops_doubling_at_its_cap(sleeps: list[float])
     with pytest.raises(LaneLostError):
         _collect(stream)
     assert len(sleeps) == 12 and max(sleeps) == failover.MAX_PAUSE_S and sum(sleeps) == 12 * 60.0
+    sleeps.clear()  # past 1024 moves, 2 ** moves overflowed a float (an OverflowError, not the lane's error)
+    with pytest.raises(LaneLostError):
+        _collect(FailoverStream(lambda: [lane], REQUEST, max_failovers=1100, backoff_s=1.0))
+    assert len(sleeps) == 1100 and max(sleeps) == failover.MAX_PAUSE_S
 
 
 def test_past_max_failovers_the_request_gets_the_lane_lost_error(
