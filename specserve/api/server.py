@@ -215,8 +215,8 @@ class _Outcome:
     tracker: _Tracker
     status: RequestStatus = RequestStatus.aborted
     closed: bool = False
-    # the stream's outputs, read by one task as they come (a task per awaited output cost ~25 us an output), then
-    # its end: _END, or the exception it raised
+    # the stream's outputs, read by one task as they come (a task per awaited output cost ~10 us more an output:
+    # docs/benchmarks.md, "Streams kept alive"), then its end: _END, or the exception it raised
     _read: asyncio.Queue[object] = field(default_factory=asyncio.Queue, init=False)
     _reader: asyncio.Task[None] | None = field(default=None, init=False)
 
