@@ -118,6 +118,29 @@ def test_sdk_default_no_op_fields_are_accepted(client: openai.OpenAI, url: str) 
     )
 
 
+def test_the_sdk_reads_a_stream_with_keep_alive_lines_between_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keep-alive comment ended by a blank line, once an event had an id, made the OpenAI SDK's decoder dispatch an
+    empty event and fail on it (JSONDecodeError): every stream silent for a while after its first chunk broke."""
+    import specserve.api.server as server
+
+    monkeypatch.setattr(server, "SSE_KEEPALIVE_S", 0.1)
+    backend = LocalBackend(max_model_len=CONTEXT, step_delay_s=0.3)
+    try:
+        with api_server(backend) as url:
+            body = {"model": MODEL, "messages": USER, "max_tokens": 4, "temperature": 0.0, "stream": True}
+            with httpx.stream("POST", url + CHAT, json=body, timeout=30) as r:
+                lines = [line for line in r.iter_lines() if line]
+            first = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+            assert ": keep-alive" in lines[first:], lines  # between chunks, after an event with an id
+            sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30.0)
+            create = sdk.chat.completions.create
+            chunks = list(create(model=MODEL, messages=USER, max_tokens=4, temperature=0.0, stream=True))
+    finally:
+        backend.stop()
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length" and text, chunks
+
+
 def test_models_retrieve(client: openai.OpenAI, url: str) -> None:
     model = client.models.retrieve(MODEL)
     assert model.id == MODEL and model.object == "model" and model.model_extra["max_model_len"] == CONTEXT

@@ -74,12 +74,14 @@ log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 # a comment line, which SSE clients skip: sent while a resumed stream replays what the client already has, so
-# that its read timeout (no bytes for a while) does not cut it again before it reaches the resume point
-SSE_REPLAYING = ": replaying\n\n"
+# that its read timeout (no bytes for a while) does not cut it again before it reaches the resume point. A line
+# alone, with no blank line after it: the OpenAI SDK's decoder dispatches an empty event at a blank line once any
+# event had an id (and then fails on its empty data), where the SSE spec dispatches nothing
+SSE_REPLAYING = ": replaying\n"
 REPLAY_KEEPALIVE_S = 1.0
 # and on any stream with nothing sent for this long (a queue, a target reloading, a failover's pause): proxies and
 # clients cut a connection idle for a minute or so (nginx's and load balancers' read timeouts, load/'s client)
-SSE_KEEPALIVE = ": keep-alive\n\n"
+SSE_KEEPALIVE = ": keep-alive\n"
 SSE_KEEPALIVE_S = 15.0
 # JSON leaves these unescaped, yet str.splitlines and httpx's iter_lines end a line at each: escaped, a chunk whose
 # text holds one stays one line for every client
