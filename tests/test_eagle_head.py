@@ -511,6 +511,28 @@ def test_rope_scaling_is_applied_in_every_spelling(tmp_path: Path, target: Llama
     assert_close_to(hidden, reference_eagle1(sd, emb, lm, tokens, feats, linear_positions)[0], kernel=False)
 
 
+@pytest.mark.parametrize("top_level", [None, THETA])
+def test_a_rope_base_given_inside_rope_scaling_is_the_one_used(
+    tmp_path: Path, target: LlamaModel, top_level: float | None
+) -> None:
+    """NVIDIA ModelOpt's heads write the base inside ``rope_scaling`` (with or without a top-level copy); transformers
+    reads the inner one first, and so must the head, or it turns its keys at the wrong rate without an error."""
+    base = 500000.0
+    path = write_head(tmp_path / "h", eagle1_tensors(4, fc_bias=False), {})
+    config = json.loads((path / "config.json").read_text())
+    del config["rope_theta"]
+    scaling = {"rope_type": "default", "rope_theta": base}
+    (path / "config.json").write_text(
+        json.dumps(config | {"rope_scaling": scaling} | ({"rope_theta": top_level} if top_level else {}))
+    )
+    head = load_eagle_head(path, target)
+    pos = torch.tensor([0, 1, 7, 300])
+    inv = 1.0 / base ** (torch.arange(0, D, 2).float() / D)
+    ang = pos[:, None].float() * inv[None]  # [4, D/2]
+    torch.testing.assert_close(head.rope_cos[pos], torch.cat([ang.cos(), ang.cos()], -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(head.rope_sin[pos], torch.cat([ang.sin(), ang.sin()], -1), atol=1e-5, rtol=0)
+
+
 def test_dynamic_rope_in_the_legacy_key_is_refused(tmp_path: Path, target: LlamaModel) -> None:
     config = {"rope_scaling": {"type": "dynamic", "factor": 2.0}}
     with pytest.raises(UnsupportedModelError, match="dynamic"):

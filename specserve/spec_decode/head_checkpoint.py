@@ -226,7 +226,7 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
             "without error and be mostly rejected"
         )
     heads = int(raw["num_attention_heads"])
-    rope = dict(raw.get("rope_parameters") or {})
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})  # a base inside wins, as transformers'
     aux: tuple[int, ...] = ()
     if kind == HeadKind.eagle3:
         eagle_cfg = raw.get("eagle_config") or {}
