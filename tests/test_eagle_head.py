@@ -904,6 +904,31 @@ def test_an_eagle3_head_in_the_speculators_format_loads(tmp_path: Path) -> None:
     assert not load_eagle_head(path, target).cfg.norm_before_residual
 
 
+def test_norms_the_head_does_not_apply_are_refused_wherever_the_config_sets_them(tmp_path: Path) -> None:
+    """norm_output, norm_before_fc and fc_norm change what the head computes, and a checkpoint may carry them with no
+    tensor (the norm's weight then ones): set at the top or under eagle_config (NVIDIA's gpt-oss heads), each is
+    refused by name; norm_before_residual is read from eagle_config too."""
+    target = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    sd = eagle3_tensors(3, vd=96)
+    path = write_head(tmp_path / "h", sd, {"draft_vocab_size": 96})
+    config = json.loads((path / "config.json").read_text())
+    for key in ("norm_output", "norm_before_fc", "fc_norm"):
+        for where in ({key: True}, {"eagle_config": {key: True}}):
+            (path / "config.json").write_text(json.dumps(config | where))
+            with pytest.raises(UnsupportedModelError, match=f"{key} .* is not supported"):
+                load_eagle_head(path, target)
+        (path / "config.json").write_text(json.dumps(config | {"eagle_config": {key: False}}))
+        load_eagle_head(path, target)
+    (path / "config.json").write_text(json.dumps(config | {"eagle_config": {"norm_before_residual": True}}))
+    head = load_eagle_head(path, target)
+    assert head.cfg.norm_before_residual
+    g = torch.Generator().manual_seed(6)
+    tokens, aux = torch.randint(0, V, (7,), generator=g), torch.randn(7, 3 * H, generator=g)
+    hidden, _ = run_head(head, tokens, aux)
+    emb = target.embed_tokens.weight.detach()
+    assert_close_to(hidden, reference_eagle3(sd, emb, tokens, aux, norm_before_residual=True)[0], kernel=False)
+
+
 def test_an_eagle1_input_norm_is_ignored_as_the_reference_does(tmp_path: Path, target: LlamaModel) -> None:
     """EAGLE-1/2's layer 0 has no input norm; a checkpoint saved with one loads and drafts without it."""
     sd = eagle1_tensors(1, fc_bias=True)

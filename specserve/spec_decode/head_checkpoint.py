@@ -220,11 +220,11 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
             f"the head's hidden size is {hidden} and its target_hidden_size {wide}: heads narrower or wider than "
             "their target (fc from 3 x target_hidden_size, an embedding of their own) are not supported"
         )
-    if raw.get("norm_output") is True:  # (no tensors of its own: nothing else would tell it apart)
-        raise UnsupportedModelError(
-            "norm_output (the next feature is norm(h), not h) is not supported: drafting with h would load "
-            "without error and be mostly rejected"
-        )
+    for key, what in _UNSUPPORTED_NORMS.items():  # (none needs tensors of its own: nothing else tells them apart)
+        if _flag(raw, key) is True:
+            raise UnsupportedModelError(
+                f"{key} ({what}) is not supported: drafting without it would load without error and be mostly rejected"
+            )
     heads = int(raw["num_attention_heads"])
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})  # a base inside wins, as transformers'
     aux: tuple[int, ...] = ()
@@ -260,8 +260,24 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_scaling=rope_scaling_of(raw),
         max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
-        norm_before_residual=kind == HeadKind.eagle3 and raw.get("norm_before_residual") is True,
+        norm_before_residual=kind == HeadKind.eagle3 and _flag(raw, "norm_before_residual") is True,
     )
+
+
+# flags for norms this head does not apply; a checkpoint may omit their tensors (the norm's weight then ones)
+_UNSUPPORTED_NORMS = {
+    "norm_output": "the next feature is norm(h), not h",
+    "norm_before_fc": "an RMSNorm over the fused target features before fc",
+    "fc_norm": "an RMSNorm over each fused target feature before fc",
+}
+
+
+def _flag(raw: dict[str, Any], key: str) -> Any:
+    """A config flag at the top, else under ``eagle_config`` (where NVIDIA's heads put some), else None."""
+    if key in raw:
+        return raw[key]
+    nested = raw.get("eagle_config")
+    return nested.get(key) if isinstance(nested, dict) else None
 
 
 def lifted_speculators_config(raw: dict[str, Any], where: Path) -> dict[str, Any]:
