@@ -929,6 +929,84 @@ def test_norms_the_head_does_not_apply_are_refused_wherever_the_config_sets_them
     assert_close_to(hidden, reference_eagle3(sd, emb, tokens, aux, norm_before_residual=True)[0], kernel=False)
 
 
+@pytest.mark.parametrize("names", ["speculators", "eagle"])
+def test_an_eagle1_head_in_the_speculators_format_loads(tmp_path: Path, target: LlamaModel, names: str) -> None:
+    """The speculators' EAGLE-1/HASS heads: the config nested as for EAGLE-3, fusion_bias for bias, and (in their
+    saved layout) fc as fusion_fc.*, the layer as transformer.*, beside copies of the target's embedding and LM
+    head; the same head as the flat layout gives."""
+    sd = eagle1_tensors(4, fc_bias=True)
+    emb, lm = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    saved = {
+        (k.replace("fc.", "fusion_fc.", 1) if k.startswith("fc.") else k.replace("layers.0.", "transformer.", 1))
+        if names == "speculators"
+        else k: v
+        for k, v in sd.items()
+    }
+    path = write_head(tmp_path / "h", saved | {"embed_tokens.weight": emb.clone(), "lm_head.weight": lm.clone()}, {})
+    flat = json.loads((path / "config.json").read_text())
+    layer = {k: v for k, v in flat.items() if k not in ("bias", "architectures")}
+    config = {
+        "speculators_model_type": "eagle",
+        "architectures": ["EagleSpeculator"],
+        "layernorms": False,
+        "fusion_bias": True,
+        "transformer_layer_config": layer | {"model_type": "llama"},
+        "speculators_config": {"algorithm": "eagle", "verifier": {"name_or_path": "tiny"}},
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    head = load_eagle_head(path, target)
+    assert head.cfg.kind == HeadKind.eagle and head.cfg.fc_bias
+    g = torch.Generator().manual_seed(5)
+    tokens, feats = torch.randint(0, V, (9,), generator=g), torch.randn(9, H, generator=g)
+    hidden, logits = run_head(head, tokens, feats)
+    ref_h, ref_logits = reference_eagle1(sd, emb, lm, tokens, feats)
+    assert_close_to(hidden, ref_h, kernel=False)
+    assert_close_to(logits, ref_logits, kernel=False)
+
+
+def test_a_heads_own_embedding_and_lm_head_are_drafted_with_where_not_the_targets(
+    tmp_path: Path, target: LlamaModel
+) -> None:
+    """A checkpoint's copy of the target's embedding (EAGLE-3, the speculators' embed_requires_grad) or, for
+    EAGLE-1/2, of its LM head that differs from the target's is what the head was trained with: the reference code
+    and vLLM draft with it. An exact copy is shared, not held twice; fine-tuning (check_target off) uses the
+    target's."""
+    emb, lm = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(9)
+    own_emb = emb + 0.05 * emb.std() * torch.randn(emb.shape, generator=g)
+    own_lm = lm + 0.05 * lm.std() * torch.randn(lm.shape, generator=g)
+    tokens = torch.randint(0, V, (7,), generator=g)
+
+    target6 = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    emb6 = target6.embed_tokens.weight.detach()
+    own_emb6 = emb6 + 0.05 * emb6.std() * torch.randn(emb6.shape, generator=g)
+    sd3 = eagle3_tensors(3, vd=96)
+    aux = torch.randn(7, 3 * H, generator=g)
+    trained = write_head(tmp_path / "e3", sd3 | {"embed_tokens.weight": own_emb6}, {"draft_vocab_size": 96})
+    hidden, logits = run_head(load_eagle_head(trained, target6), tokens, aux)
+    ref_h, ref_logits = reference_eagle3(sd3, own_emb6, tokens, aux)
+    assert_close_to(hidden, ref_h, kernel=False)
+    assert_close_to(logits, ref_logits, kernel=False)
+    fine_tuned = load_eagle_head(trained, target6, check_target=False)
+    assert fine_tuned.embed_weight is not None and fine_tuned.embed_weight.data_ptr() == emb6.data_ptr()
+    copy = write_head(tmp_path / "e3copy", sd3 | {"embed_tokens.weight": emb6.clone()}, {"draft_vocab_size": 96})
+    shared = load_eagle_head(copy, target6)
+    assert shared.embed_weight is not None and shared.embed_weight.data_ptr() == emb6.data_ptr()
+
+    sd1 = eagle1_tensors(4, fc_bias=True)
+    feats = torch.randn(7, H, generator=g)
+    head = load_eagle_head(
+        write_head(tmp_path / "e1", sd1 | {"embed_tokens.weight": own_emb, "lm_head.weight": own_lm}, {}), target
+    )
+    hidden, logits = run_head(head, tokens, feats)
+    ref_h, ref_logits = reference_eagle1(sd1, own_emb, own_lm, tokens, feats)
+    assert_close_to(hidden, ref_h, kernel=False)
+    assert_close_to(logits, ref_logits, kernel=False)
+    narrow = {"lm_head.weight": own_lm[:, :-1].contiguous()}
+    with pytest.raises(UnsupportedModelError, match=r"lm_head\.weight has shape"):
+        load_eagle_head(write_head(tmp_path / "e1bad", sd1 | narrow, {}), target)
+
+
 def test_an_eagle1_input_norm_is_ignored_as_the_reference_does(tmp_path: Path, target: LlamaModel) -> None:
     """EAGLE-1/2's layer 0 has no input norm; a checkpoint saved with one loads and drafts without it."""
     sd = eagle1_tensors(1, fc_bias=True)

@@ -203,8 +203,12 @@ class EagleHead(nn.Module):
         cos, sin = rope_tables(cfg.llama_config(), cfg.head_dim, min(cfg.max_position_embeddings, 1 << 16))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.embed_weight: torch.Tensor | None = None  # the target's embedding, frozen (bound, never owned or saved)
+        self.embed_weight: torch.Tensor | None = None  # the embedding drafted with, frozen (bound, never saved)
         self.target_lm_head: torch.Tensor | None = None  # EAGLE-1/2: the target's LM head rows of draft_ids
+        # where the checkpoint carries its own copies of the target's embedding or (EAGLE-1/2) LM head that are not
+        # the target's, they are bound instead (head_checkpoint.own_copy)
+        self.own_embed: torch.Tensor | None = None
+        self.own_lm_head: torch.Tensor | None = None
         self._target_lm_full: torch.Tensor | None = None
         self.trained_for: str | None = None  # the target a specserve-trained head was distilled from
         self.small_gemm: Any = None  # the small-product kernel for the LM-head slice (native_stack.attach_small_gemm)
@@ -216,16 +220,18 @@ class EagleHead(nn.Module):
 
     # -- the target's shared pieces ----------------------------------------------------------------------
     def bind(self, target: LlamaModel) -> None:
-        """Share the target's embedding (and, for EAGLE-1/2, its LM head rows of the draft vocabulary)."""
+        """Share the target's embedding (and, for EAGLE-1/2, its LM head rows of the draft vocabulary), or bind the
+        head's own copies of them."""
         check_compatible(self.cfg, target)
         if target.max_positions != self.max_positions:
             # the head drafts at the target's positions, whatever its own config's max_position_embeddings says
             cos, sin = rope_tables(self.cfg.llama_config(), self.cfg.head_dim, target.max_positions)
             like = self.rope_cos
             self.rope_cos, self.rope_sin = cos.to(like), sin.to(like)
-        self.embed_weight = target.embed_tokens.weight.detach()
+        own_embed, own_lm = self.own_embed, self.own_lm_head
+        self.embed_weight = target.embed_tokens.weight.detach() if own_embed is None else own_embed.to(self.device)
         if self.cfg.kind == HeadKind.eagle:
-            self._target_lm_full = dense_weight(target.lm_head)
+            self._target_lm_full = dense_weight(target.lm_head) if own_lm is None else own_lm.to(self.device)
             self._slice_lm_head()
 
     def _slice_lm_head(self) -> None:

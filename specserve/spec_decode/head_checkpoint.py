@@ -31,6 +31,7 @@ from specserve.spec_decode.eagle_head import (
     aux_layer_inputs,
     check_compatible,
     default_aux_layers,
+    dense_weight,
     rope_scaling_of,
 )
 
@@ -303,6 +304,23 @@ def lifted_speculators_config(raw: dict[str, Any], where: Path) -> dict[str, Any
     return flat
 
 
+# an EAGLE-1 head the speculators saved: its fc as fusion_fc, its decoder layer as transformer (vLLM maps them too)
+_SPECULATORS_EAGLE_NAMES = (("fusion_fc.", "fc."), ("transformer.", "layers.0."))
+
+
+def speculators_tensor_names(raw: dict[str, Any], sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if raw.get("speculators_model_type") != "eagle":
+        return sd
+
+    def renamed(name: str) -> str:
+        for old, new in _SPECULATORS_EAGLE_NAMES:
+            if name.startswith(old):
+                return new + name.removeprefix(old)
+        return name
+
+    return {renamed(k): v for k, v in sd.items()}
+
+
 TARGET_SAMPLE_KEY = "specserve_target_embedding_sample"  # config.json: what the head's target embedding looked like
 SAMPLE_ROWS, SAMPLE_COLS = 64, 8
 # relative distance between two samples of one embedding: a quantised copy of the target (Q8_0, Q4) stays well
@@ -338,8 +356,9 @@ def load_eagle_head(
     check_target: bool = True,
 ) -> EagleHead:
     """A head from a directory in either published layout, bound to ``target`` (shapes checked, clear errors; with
-    ``check_target``, its record of its target's embedding too: off to fine-tune a head for a new target;
-    a head shipped in the package must carry its ``.sha256``)."""
+    ``check_target``, its record of its target's embedding too, and its own copies of the target's embedding or LM
+    head bound where they are not the target's: off to fine-tune a head for a new target; a head shipped in the
+    package must carry its ``.sha256``)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise UnsupportedModelError(f"no config.json in {path}")
@@ -352,7 +371,7 @@ def load_eagle_head(
     raw = lifted_speculators_config(raw, path / "config.json")
     shipped = path.resolve().is_relative_to(config.BUILTIN_HEADS_DIR.resolve())  # (to serve or to fine-tune)
     check_digest(weights_path(path), required=shipped)
-    sd = _read_tensors(path)
+    sd = speculators_tensor_names(raw, _read_tensors(path))
     try:
         cfg = config_from_checkpoint(raw, sd, target)
     except SpecServeError:
@@ -369,6 +388,12 @@ def load_eagle_head(
         raise UnsupportedModelError(
             f"the head was trained with an embedding of shape {tuple(emb.shape)}; "
             f"the target's is {tuple(target.embed_tokens.weight.shape)}"
+        )
+    lm = sd.get("lm_head.weight") if cfg.kind == HeadKind.eagle else None  # (EAGLE-3's is its own, reduced)
+    if lm is not None and tuple(lm.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise UnsupportedModelError(
+            f"the head's lm_head.weight has shape {tuple(lm.shape)}; the target's LM head is "
+            f"{(cfg.vocab_size, cfg.hidden_size)}"
         )
     if emb is not None and check_target:
         check_target_embedding(embedding_sample(emb), target, "copy of the target's embedding (embed_tokens.weight)")
@@ -387,12 +412,24 @@ def load_eagle_head(
     if trained_for is not None:
         head.trained_for = str(trained_for)
     head = head.to(dtype=dtype or target.dtype)
+    if check_target:  # (fine-tuned for a new target, a head learns that target's own, and is saved without copies)
+        head.own_embed = own_copy(emb, target.embed_tokens.weight, head.fc.weight.dtype)
+        head.own_lm_head = own_copy(lm, dense_weight(target.lm_head), head.fc.weight.dtype)
     overflow = sorted(n for n, p in head.named_parameters() if not bool(torch.isfinite(p).all()))
     if overflow:
         raise UnsupportedModelError(f"the head's {overflow} do not fit in {head.fc.weight.dtype} (infinite once cast)")
     head.eval().requires_grad_(False)
     head.bind(target)
     return head
+
+
+def own_copy(theirs: torch.Tensor | None, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A checkpoint's copy of a target weight, in ``dtype``, where it is not the target's own (trained, or taken from
+    another precision than the target was loaded in): the head drafts with what it was trained with, as the
+    reference code and vLLM load it. None where it is the target's (shared, not held twice)."""
+    if theirs is None or torch.equal(theirs.to(targets.dtype), targets):
+        return None
+    return theirs.to(dtype).contiguous()
 
 
 _NOT_WEIGHTS = ("d2t", "t2d", "embed_tokens.weight")
@@ -430,7 +467,7 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
     if missing:
         raise UnsupportedModelError(f"the head checkpoint is missing {missing}")
     # the target's embedding (some heads carry a copy) and RoPE tables saved by old transformers are not weights
-    ignored = set(_NOT_WEIGHTS)
+    ignored = set(_NOT_WEIGHTS) | ({"lm_head.weight"} if cfg.kind == HeadKind.eagle else set())  # (own copies)
     if cfg.kind == HeadKind.eagle and _EAGLE1_LAYER_NORM in sd:
         # EAGLE-1/2's layer 0 has no input norm: the reference code builds none and loads non-strictly, vLLM skips
         # the tensor; a head saved with one (an untrained ones vector, from a stock Llama layer) is read the same way
