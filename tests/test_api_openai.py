@@ -118,6 +118,39 @@ def test_sdk_default_no_op_fields_are_accepted(client: openai.OpenAI, url: str) 
     )
 
 
+def test_the_sdks_own_assistant_message_can_be_sent_back(client: openai.OpenAI, url: str) -> None:
+    """The usual multi-turn loop appends the message the SDK returned: its model carries OpenAI's other fields as
+    null (refusal, tool_calls, audio, ..., and ``parsed`` after ``parse``/``stream``). Null or [] is unset and
+    accepted; a value is refused by name, as are OpenAI's request fields this server does not take, unless null."""
+    first = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3, temperature=0)
+    sent_back = first.choices[0].message.model_dump() | {"parsed": None, "tool_calls": []}
+    assert sent_back["refusal"] is None and "tool_calls" in sent_back and "annotations" in sent_back
+    again = [*USER, sent_back, {"role": "user", "content": "and then?"}]
+    out = client.chat.completions.create(model=MODEL, messages=again, max_tokens=3, temperature=0)  # type: ignore[arg-type]
+    assert out.choices[0].message.content
+    call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    for field, value in [("tool_calls", call), ("refusal", "no")]:
+        messages = [*USER, {"role": "assistant", "content": "x", field: value}, {"role": "user", "content": "y"}]
+        error = _error(httpx.post(url + CHAT, json={"model": MODEL, "messages": messages, "max_tokens": 1}))
+        assert field in error["message"], error
+    nulls = {"tools": None, "tool_choice": None, "parallel_tool_calls": None, "service_tier": None}
+    assert httpx.post(url + CHAT, json={"model": MODEL, "messages": USER, "max_tokens": 1} | nulls).status_code == 200
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    error = _error(httpx.post(url + CHAT, json={"model": MODEL, "messages": USER, "max_tokens": 1, "tools": tools}))
+    assert error["param"] == "tools", error
+
+
+def test_stream_options_include_obfuscation(url: str) -> None:
+    """A typed SDK stream option: false (or null) is what this server does; true (padding each chunk) is refused."""
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, "stream": True}
+    for value in (False, None):
+        options = {"include_usage": True, "include_obfuscation": value}
+        assert httpx.post(url + CHAT, json=body | {"stream_options": options}).status_code == 200
+    for bad in (True, 0):
+        r = httpx.post(url + CHAT, json=body | {"stream_options": {"include_obfuscation": bad}})
+        assert r.status_code == 400 and "include_obfuscation" in r.json()["error"]["message"], r.text
+
+
 def test_the_sdk_reads_a_stream_with_keep_alive_lines_between_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A keep-alive comment ended by a blank line, once an event had an id, made the OpenAI SDK's decoder dispatch an
     empty event and fail on it (JSONDecodeError): every stream silent for a while after its first chunk broke."""

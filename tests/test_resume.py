@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from deployments.lane import LaneStream
@@ -135,6 +136,17 @@ def test_a_changed_request_is_refused_not_spliced(url: str) -> None:
     r = httpx.post(url + COMPLETIONS, json={**body, "stream": True, "resume_from": far}, timeout=30)
     assert r.status_code == 409, r.text
     assert r.json()["error"]["code"] == "resume_mismatch" and r.json()["error"]["param"] == "resume_from"
+    # OpenAI's SDK retries a 409 unless told not to: the same request would meet the same mismatch
+    assert r.headers["x-should-retry"] == "false"
+    sent: list[httpx.Request] = []
+    with httpx.Client(event_hooks={"request": [sent.append]}) as http:
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=2, timeout=30.0, http_client=http)
+        params = {k: v for k, v in body.items() if k not in ("model", "prompt")}
+        with pytest.raises(openai.ConflictError):
+            sdk.completions.create(
+                model=body["model"], prompt=body["prompt"], stream=True, extra_body=params | {"resume_from": far}
+            )
+    assert len(sent) == 1
 
 
 @pytest.mark.parametrize(

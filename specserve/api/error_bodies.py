@@ -12,6 +12,7 @@ class APIError(SpecServeError):
     status: HTTPStatus = HTTPStatus.BAD_REQUEST
     type: ErrorType = ErrorType.invalid_request
     code: ErrorCode | None = ErrorCode.invalid_value
+    retryable: bool | None = None  # False: answered with x-should-retry: false (None: the client's own rule)
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -68,6 +69,7 @@ class ResumeMismatchError(APIError):
 
     status = HTTPStatus.CONFLICT
     code = ErrorCode.resume_mismatch
+    retryable = False  # OpenAI's SDKs retry every 409; the same request would meet the same mismatch
 
 
 class RequestFailedError(APIError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -39,10 +39,15 @@ class ClosedModel(BaseModel):
     """A request object that refuses fields it does not define."""
 
     model_config = ConfigDict(extra="forbid")
+    # OpenAI fields this object does not take, accepted when null or [] (unset: OpenAI's SDK sends them so in an
+    # assistant message it returned) and refused by name otherwise
+    unset_when_empty: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _few_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.unset_when_empty:
+            data = {k: v for k, v in data.items() if not (k in cls.unset_when_empty and (v is None or v == []))}
         if isinstance(data, dict) and len(data) > MAX_UNKNOWN_FIELDS:
             unknown = [k for k in data if k not in cls.model_fields]
             if len(unknown) > MAX_UNKNOWN_FIELDS:
@@ -74,10 +79,6 @@ class SpeculationOptions(ClosedModel):
         return data
 
 
-class StreamOptions(ClosedModel):
-    include_usage: StrictBool = False
-
-
 # JSON types are strict (``"stream": "yes"`` and ``"max_tokens": "10"`` are 400s, not coerced); numbers may be given
 # as integers where a float is expected. Every constraint below is one the server enforces, so /openapi.json (built
 # from these models) documents exactly what is accepted.
@@ -97,6 +98,13 @@ def _exactly(kind: type[bool] | type[int]) -> BeforeValidator:
         return v
 
     return BeforeValidator(check)
+
+
+class StreamOptions(ClosedModel):
+    include_usage: StrictBool = False
+    include_obfuscation: Annotated[Literal[False] | None, _exactly(bool)] = Field(
+        default=None, description="only false or null: chunks carry no obfuscation padding"
+    )
 
 
 MAX_STOP_CHARS = 1024  # the step loop looks for every stop string's prefixes at the end of the text each step
@@ -356,6 +364,8 @@ MessageContent = Annotated[
 
 
 class ChatMessage(ClosedModel):
+    unset_when_empty = frozenset({"refusal", "tool_calls", "function_call", "audio", "annotations", "parsed"})
+
     role: ChatRole
     content: MessageContent | None = None
     name: Utf8Str | None = Field(default=None, description="the participant, handed to the chat template")
@@ -390,6 +400,11 @@ class ChatMessage(ClosedModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    unset_when_empty = frozenset(
+        {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "service_tier"}
+        | {"reasoning_effort", "modalities", "audio", "prediction", "web_search_options", "verbosity"}
+    )
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
     max_completion_tokens: StrictInt | None = Field(
         default=None, ge=1, lt=INT64_END, description="OpenAI's newer name of max_tokens"

@@ -696,7 +696,9 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
         return _error(HTTPStatus.BAD_REQUEST, _validation_body(errors))
 
     async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, OverloadedError) else None
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, OverloadedError) else {}
+        if exc.retryable is not None:  # the header OpenAI's SDKs follow over their status rule
+            headers[SHOULD_RETRY_HEADER] = str(exc.retryable).lower()
         return _error(exc.status, exc.body(), headers)
 
     async def invalid_request(_: HTTPRequest, exc: InvalidRequestError) -> JSONResponse:
@@ -727,6 +729,7 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
     api.add_exception_handler(Exception, internal_error)
 
 
+SHOULD_RETRY_HEADER = "x-should-retry"
 _NOT_JSON = "the request body is not valid JSON (UTF-8 text)"
 _FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
 _NOT_AN_OBJECT = {"model_attributes_type", "dict_type", "model_type"}
