@@ -414,7 +414,8 @@ def load_eagle_head(
     head = head.to(dtype=dtype or target.dtype)
     if check_target:  # (fine-tuned for a new target, a head learns that target's own, and is saved without copies)
         head.own_embed = own_copy(emb, target.embed_tokens.weight, head.fc.weight.dtype)
-        head.own_lm_head = own_copy(lm, dense_weight(target.lm_head), head.fc.weight.dtype)
+        if lm is not None:  # (a quantised target's LM head is dequantised to compare: only where there is a copy)
+            head.own_lm_head = own_copy(lm, dense_weight(target.lm_head), head.fc.weight.dtype)
     overflow = sorted(n for n, p in head.named_parameters() if not bool(torch.isfinite(p).all()))
     if overflow:
         raise UnsupportedModelError(f"the head's {overflow} do not fit in {head.fc.weight.dtype} (infinite once cast)")
