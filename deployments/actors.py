@@ -32,15 +32,13 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.app_args import AppArgs, ModelRecipe, WorkerRole
+from deployments.recipe_models import build_model
 from deployments.wire import WireFeatures, attach_features, strip_features
 from specserve.build import local_draft_worker
-from specserve.config import HeadSpec
 from specserve.heap import freeze_loaded_objects
 from specserve.limits import MemoryShare, device_kv_slots
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
-from specserve.models.loader import load_draft, load_model
-from specserve.models.tiny import noisy_copy, tiny_config, tiny_head, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead
 from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
@@ -70,25 +68,6 @@ class KVGeometry:
 class WorkerState:
     node_id: str
     kv_slots_in_use: int
-
-
-def build_model(recipe: ModelRecipe, device: str) -> LlamaModel | EagleHead:
-    if recipe.tiny is not None:
-        tiny = recipe.tiny
-        target = tiny_model(tiny_config(), seed=tiny.seed)
-        if recipe.role == WorkerRole.target:
-            return target.to(device)
-        if tiny.draft_head:
-            return tiny_head(target.to(device), seed=tiny.draft_seed)
-        return noisy_copy(target, tiny.draft_noise, seed=tiny.draft_seed).to(device)
-    assert recipe.spec is not None
-    if isinstance(recipe.spec, HeadSpec):
-        assert recipe.head_target is not None
-        # the head needs its target's embedding and LM head weights only: no records for a decoder it never runs
-        # nor for an LM head whose rows it reads directly
-        head_target = recipe.head_target.model_copy(update={"q4_reads": False, "q8_head_reads": False})
-        return load_draft(recipe.spec, load_model(head_target, device=device), device=device)
-    return load_model(recipe.spec, device=device)
 
 
 class _WorkerHost:

@@ -248,8 +248,8 @@ def gpu_app_url() -> Iterator[str]:
 def test_a_deployments_tiny_head_is_built_on_its_actors_device() -> None:
     """``tiny.draft_head`` on a GPU draft actor: the head was made on the host beside its target's tensors on the
     device, and every propose failed in its embedding."""
-    from deployments.actors import build_model
     from deployments.app_args import AppArgs, WorkerRole
+    from deployments.recipe_models import build_model
 
     args = AppArgs.model_validate({"tiny": {"seed": 0, "draft_head": True, "draft_seed": 3}})
     recipe = args.recipe(WorkerRole.draft)

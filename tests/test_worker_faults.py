@@ -7,6 +7,8 @@ queued. In-process: the real ``RemoteTarget`` proxy over a fake actor handle who
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -973,6 +975,20 @@ def test_every_worker_actor_runs_its_self_check(draft_head: bool) -> None:
                 p.fill_(float("nan"))
         with pytest.raises(WorkerBrokenError):
             host.check()
+
+
+def test_an_actors_model_builds_where_ray_is_missing() -> None:
+    """The GPU image has no Ray: the CUDA test of a GPU actor's tiny head failed there on the build's import."""
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from deployments.app_args import AppArgs, TinyModels, WorkerRole\n"
+        "from deployments.recipe_models import build_model\n"
+        "args = AppArgs(tiny=TinyModels(draft_head=True))\n"
+        "print(*(type(build_model(args.recipe(r), 'cpu')).__name__ for r in (WorkerRole.target, WorkerRole.draft)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["LlamaModel", "EagleHead"]
 
 
 def test_submits_queued_when_the_lane_thread_stops_are_answered(target: LlamaModel) -> None:
