@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from specserve.messages import Proposal, VerifyItem, VerifyOutput
 from specserve.policy.planner import StepPlan
@@ -123,6 +123,13 @@ class StepTiming:
     @property
     def overhead_s(self) -> float:
         return self.total_s - self.draft_s - self.verify_s
+
+    def __add__(self, other: StepTiming) -> StepTiming:
+        return StepTiming(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def __sub__(self, other: StepTiming) -> StepTiming:
+        """The steps between two snapshots of one running total: ``after - before``."""
+        return StepTiming(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
 
 class StepStats(StepObserver):

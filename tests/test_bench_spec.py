@@ -400,7 +400,6 @@ def test_a_rows_greedy_column_and_tau_come_from_the_outputs_against_plain() -> N
 def test_a_rows_step_times_leave_out_the_steps_that_prefill() -> None:
     """draft_ms_step / verify_ms_step divided whole-run times by every step: the prompt's forward, spread over
     a speculative method's fewer steps, inflated its per-step cost more than plain decoding's."""
-    from types import SimpleNamespace
 
     from specserve.bench.spec import Method, _row
     from specserve.config import SpecConfig, SpecMethod
@@ -411,14 +410,69 @@ def test_a_rows_step_times_leave_out_the_steps_that_prefill() -> None:
     from specserve.step_events import StepTiming
 
     timing = StepTiming(steps=10, draft_s=0.5, verify_s=1.0, decode_steps=9, decode_draft_s=0.18, decode_verify_s=0.45)
-    engine = SimpleNamespace(loop=SimpleNamespace(stats=SimpleNamespace(timing=timing)))
     out = Completion("r", [1], [3] * 10, "", FinishReason.length, RequestStats(target_forwards=10))
-    row = _row(Method("m", "", SpecConfig(method=SpecMethod.none)), [out], 1.0, [[3] * 10], engine)  # type: ignore[arg-type]
+    row = _row(Method("m", "", SpecConfig(method=SpecMethod.none)), [out], 1.0, [[3] * 10], timing)
     assert row["verify_ms_step"] == pytest.approx(50.0) and row["draft_ms_step"] == pytest.approx(20.0)
     real = Engine(tiny_model(seed=0), None, max_batch_size=2, max_model_len=128)
     real.generate([[5] * 40, [6] * 30], SamplingParams(max_tokens=8, ignore_eos=True))
     t = real.loop.stats.timing
     assert t.steps - t.decode_steps >= 1 and 0 < t.decode_verify_s < t.verify_s  # the prefilling steps apart
+
+
+def test_a_rows_step_times_come_from_the_repeat_its_tok_s_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tok/s took each prompt's fastest repeat and the per-step columns every repeat's steps: a slow first
+    repeat (a one-off cost) raised a step's draft and verify ms above what tok/s and tau implied."""
+    from types import SimpleNamespace
+
+    from specserve.bench import spec
+    from specserve.sampling import SamplingParams
+    from specserve.step_events import StepTiming
+
+    timing = StepTiming()
+    engine = SimpleNamespace(
+        loop=SimpleNamespace(model_free=SimpleNamespace(cache=None), stats=SimpleNamespace(timing=timing))
+    )
+    runs = iter([(3.0, 2.0), (1.0, 0.5), (2.0, 1.0)])  # (seconds, drafting seconds) of each repeat
+
+    def run(engine: Any, prompt: list[int], params: SamplingParams, times: list[float]) -> str:
+        secs, draft = next(runs)
+        t = engine.loop.stats.timing
+        t.steps, t.decode_steps = t.steps + 5, t.decode_steps + 4
+        t.draft_s, t.decode_draft_s = t.draft_s + draft + 0.1, t.decode_draft_s + draft
+        times.append(secs)
+        return "out"
+
+    monkeypatch.setattr(spec, "_generate_timed", run)
+    out, secs, steps = spec._timed(engine, [1], SamplingParams(max_tokens=4), 3)  # type: ignore[arg-type]
+    assert (out, secs) == ("out", 1.0)
+    assert (steps.steps, steps.decode_steps) == (5, 4) and steps.decode_draft_s == pytest.approx(0.5)
+    assert timing.decode_steps == 12  # the engine's running total is left as it was
+
+
+@pytest.mark.real_model
+def test_every_engine_runs_once_untimed_before_its_timed_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing ran the models before the first timed run: the first calls' one-off costs (a kernel's first use,
+    the allocator's growth) fell in plain decoding's first prompt and in each method's per-step times. The
+    untimed run leaves the suffix drafter's cross-request cache empty: the same prompt is timed next."""
+    from specserve.bench import spec
+    from specserve.cli import main
+
+    first: dict[int, tuple[int, int]] = {}
+    timed = spec._timed
+
+    def recording(engine: Any, *args: Any) -> Any:
+        cache = engine.loop.model_free.cache
+        first.setdefault(id(engine), (engine.loop.stats.timing.steps, -1 if cache is None else cache.tokens))
+        return timed(engine, *args)
+
+    monkeypatch.setattr(spec, "_timed", recording)
+    prompts = _write(tmp_path / "p.jsonl", [{"question_id": 1, "category": "a", "turns": ["Name a river."]}])
+    argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--methods", "chain"]
+    argv += ["--chain-sl", "1", "--drafters", "model", "suffix", "--free-sl", "2", "--repeats", "1"]
+    argv += ["--max-tokens", "4", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    assert len(first) == 3 and all(steps > 0 for steps, _ in first.values())  # plain, the head's chain, suffix's
+    assert all(tokens == 0 for _, tokens in first.values())  # every engine here keeps the cache
 
 
 def test_the_guarded_default_of_a_draft_variant_is_its_pairs() -> None:

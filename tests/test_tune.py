@@ -83,6 +83,35 @@ def test_autotune_picks_the_hand_computed_optimum(
     assert result.best != result.rows[-1].size  # the quadratic cost makes the largest candidate lose
 
 
+def test_autotunes_draft_cost_leaves_out_the_first_calls_and_the_prompts_forwards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft cost a step was the mean over every calibration step: a first call's one-off cost (a kernel's
+    first use, the allocator's growth) and the prompts' prefills inflated it, and the tune then favoured shallow
+    drafts. Here both cost 100 s more; the tuned draft cost must not see them."""
+    from dataclasses import replace
+
+    import specserve.tune as tune
+    from specserve.step_events import StepEvent, StepStats
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(tune, "verify_profile", lambda model, sizes, **kw: {t: 1e-3 for t in sizes})
+    on_step = StepStats.on_step
+    steps: list[StepEvent] = []
+
+    def with_one_off_costs(self: StepStats, event: StepEvent) -> None:
+        steps.append(event)
+        if len(steps) <= 2 or event.prefills:
+            event = replace(event, started=event.started - 100.0)  # 100 s more drafting, where it drafted
+        on_step(self, event)
+
+    monkeypatch.setattr(StepStats, "on_step", with_one_off_costs)
+    target = tiny_model(seed=0)
+    spec = SpecConfig(method=SpecMethod.chain)
+    result = autotune(target, noisy_copy(target, 0.02), [[5, 9, 13], [42, 7]], spec, max_tokens=12)
+    assert len(steps) > 2 and all(0.0 < r.draft_s < 0.1 for r in result.rows)
+
+
 def test_the_verify_profile_is_keyed_by_the_cpu_and_the_models_execution_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

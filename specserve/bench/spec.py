@@ -4,8 +4,9 @@ Batch 1, greedy (T = 0), the first turn of each prompt through the chat template
 for every method (EOS ignored), every method side by side in one process, interleaved prompt by prompt (in turn
 forwards and backwards) so a noisy machine hits all of them alike. Per method: whether its output equals plain
 greedy decoding token for token, tau (tokens per target forward incl. the bonus, and the EOS a stopped answer ends
-at, as the engine's own count), mean draft depth, tokens/s and the ratio to plain; whole-run rows add the drafting
-and verifying ms of a step that prefills no prompt. Every engine must hold the longest prompt and its answer
+at, as the engine's own count), mean draft depth, tokens/s and the ratio to plain, and the drafting and verifying
+ms of a step that prefills no prompt (from the runs tok/s counts: each prompt's fastest repeat). Every engine runs
+the first prompt once untimed before the timed runs. Every engine must hold the longest prompt and its answer
 within its context limit (its models' positions less one speculative step's headroom), or the run is refused.
 Drafts: every ``--pairs`` entry that shares the target (an EAGLE head, a quantised copy), and with ``--drafters``
 the model-free drafters alone (``lookup``, ``suffix``) or leading the pair's draft (``lookup+model``,
@@ -20,7 +21,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple, cast
 
@@ -57,6 +58,7 @@ from specserve.sampling import SamplingParams
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind
 from specserve.spec_decode.head_checkpoint import checkpoint_kind
 from specserve.spec_decode.suffix_tree import SuffixCache
+from specserve.step_events import StepTiming
 from specserve.tune import autotune
 
 METHODS = ("chain", "eagle2", "ddd")
@@ -439,16 +441,15 @@ def _assisted_twins(
 
 
 def _row(
-    method: Method, outs: list[Completion], secs: float, reference: list[list[int]], engine: Engine | None
+    method: Method, outs: list[Completion], secs: float, reference: list[list[int]], timing: StepTiming | None
 ) -> dict[str, object]:
-    """``engine``: its per-step draft / verify times (whole-run rows only)."""
+    """``timing``: the steps of the timed runs behind ``secs`` (None: no per-step times)."""
     tokens = [o.token_ids for o in outs]
     n = sum(len(t) for t in tokens)
     forwards = sum(o.stats.target_forwards for o in outs)
     # tau as the engine counts it (RequestStats.tokens_per_forward): the EOS a stopped answer ends at was emitted by
     # its last forward, though token_ids leave it out (with --stop-at-eos plain decoding showed tau 0.99)
     emitted = sum(o.stats.accepted + o.stats.target_forwards for o in outs)
-    timing = engine.loop.stats.timing if engine is not None else None
     nan = float("nan")
     return {
         "method": method.name,
@@ -479,19 +480,36 @@ def run_order(n_methods: int, run: int) -> list[int]:
     return order if run % 2 == 0 else order[::-1]
 
 
-def _timed(engine: Engine, prompt: list[int], params: SamplingParams, repeats: int) -> tuple[Completion, float]:
-    """The completion and the fastest of ``repeats`` back-to-back runs (the least disturbed on a shared
-    machine). The suffix drafter's cross-request cache takes the output once, after the last repeat, so every
-    repeat drafts from the same cache."""
+def _timed(
+    engine: Engine, prompt: list[int], params: SamplingParams, repeats: int
+) -> tuple[Completion, float, StepTiming]:
+    """The completion, the fastest of ``repeats`` back-to-back runs (the least disturbed on a shared machine) and
+    that run's steps: the per-step columns come from the runs tok/s does. The suffix drafter's cross-request cache
+    takes the output once, after the last repeat, so every repeat drafts from the same cache."""
     cache = engine.loop.model_free.cache
     times: list[float] = []
+    steps: list[StepTiming] = []
     for i in range(repeats):
+        before = replace(engine.loop.stats.timing)
         if cache is not None and i < repeats - 1:
             with _frozen(cache):
                 out = _generate_timed(engine, prompt, params, times)
         else:
             out = _generate_timed(engine, prompt, params, times)
-    return out, min(times)
+        steps.append(engine.loop.stats.timing - before)
+    fastest = min(range(repeats), key=times.__getitem__)
+    return out, times[fastest], steps[fastest]
+
+
+def _warm_up(engines: list[Engine], prompt: list[int], params: SamplingParams) -> None:
+    """One untimed run of every engine over ``prompt``: a first call's one-off costs (a kernel's first use for a
+    shape or dtype, the allocator's growth, lazy initialisation) fell in the first timed run, plain decoding's
+    on the first prompt, every method's per-step times. The suffix cache does not take the output (the prompt
+    is timed next); a guard and a tree floor keep what they measured, as a serving engine's do."""
+    for engine in engines:
+        cache = engine.loop.model_free.cache
+        with _frozen(cache) if cache is not None else contextlib.nullcontext():
+            engine.generate(prompt, params)
 
 
 def _generate_timed(engine: Engine, prompt: list[int], params: SamplingParams, times: list[float]) -> Completion:
@@ -513,12 +531,11 @@ def _frozen(cache: SuffixCache) -> Iterator[None]:
 
 def _grouped_rows(
     methods: list[Method],
-    engines: list[Engine],
     outs: list[list[Completion]],
     secs: list[list[float]],
+    steps: list[list[StepTiming]],
     plain_of: list[int],
     keep: list[int],
-    whole: bool,
 ) -> list[dict[str, object]]:
     """One row per method over the prompts ``keep``; ratios to the first plain row of the same prompts."""
     rows = [
@@ -527,7 +544,7 @@ def _grouped_rows(
             [outs[i][k] for k in keep],
             sum(secs[i][k] for k in keep),
             [outs[plain_of[i]][k].token_ids for k in keep],
-            engines[i] if whole else None,
+            sum((steps[i][k] for k in keep), StepTiming()),
         )
         for i, m in enumerate(methods)
     ]
@@ -752,14 +769,17 @@ def run(args: argparse.Namespace) -> int:
     n_runs = len(prompts) * args.passes
     secs: list[list[float]] = [[] for _ in methods]  # per method, per (pass, prompt)
     outs: list[list[Completion]] = [[] for _ in methods]
+    steps: list[list[StepTiming]] = [[] for _ in methods]
+    _warm_up(engines, prompts[0], params)
     hf_secs: list[list[float]] = [[] for _ in assisted]
     hf_outs: list[list[list[int]]] = [[] for _ in assisted]
     for r in range(n_runs):  # interleaved: load changes on a shared machine hit every method alike
         p = prompts[r % len(prompts)]
         for m in run_order(len(engines), r):
-            out, seconds = _timed(engines[m], p, params, args.repeats)
+            out, seconds, timing = _timed(engines[m], p, params, args.repeats)
             outs[m].append(out)
             secs[m].append(seconds)
+            steps[m].append(timing)
         for j, (_, hf_t, hf_d) in enumerate(assisted):
             tokens, seconds = _assisted(hf_t, hf_d, p, args.max_tokens, args.repeats, stop_at_eos=args.stop_at_eos)
             hf_outs[j].append(tokens)
@@ -774,9 +794,7 @@ def run(args: argparse.Namespace) -> int:
             (c, [k for k in runs if bench[k % len(prompts)].category == c]) for c in categories
         ]
         for cat, keep in groups:
-            for row in _grouped_rows(
-                methods, engines, outs, secs, plain_of, keep, whole=args.passes == 1 and cat == "all"
-            ):
+            for row in _grouped_rows(methods, outs, secs, steps, plain_of, keep):
                 rows.append({"pass": pass_i + 1, "category": cat} | row)
     eos = first.loop.eos_token_ids
     plain_tok_s = sum(len(o.token_ids) for o in outs[0]) / sum(secs[0])  # over every run, as the assisted rows
