@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.app_args import AppArgs, ModelRecipe, WorkerRole
 from deployments.recipe_models import build_model
-from deployments.wire import WireFeatures, attach_features, strip_features
+from deployments.wire import FeatureWire, WireFeatures, attach_features, strip_features
 from specserve.build import local_draft_worker
 from specserve.heap import freeze_loaded_objects
 from specserve.limits import MemoryShare, device_kv_slots
@@ -73,9 +73,19 @@ class WorkerState:
 class _WorkerHost:
     """Loads the model at construction; ``start`` then sizes the KV cache (the router decides the geometry)."""
 
-    def __init__(self, recipe: ModelRecipe, device: str, torch_threads: int | None, freeze_gc: bool) -> None:
+    feature_wire = FeatureWire.native  # how a step's features leave this actor (``deployments/wire.py``)
+
+    def __init__(
+        self,
+        recipe: ModelRecipe,
+        device: str,
+        torch_threads: int | None,
+        freeze_gc: bool,
+        feature_wire: FeatureWire = FeatureWire.native,
+    ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
+        self.feature_wire = feature_wire
         self.model = build_model(recipe, device)
         if freeze_gc:
             freeze_loaded_objects()
@@ -126,7 +136,7 @@ class TargetActor(_WorkerHost):
         unpickle on a node without one."""
         worker = self._worker()
         assert isinstance(worker, TargetWorker)
-        return strip_features(worker.verify(items))
+        return strip_features(worker.verify(items), self.feature_wire)
 
 
 class DraftActor(_WorkerHost):
@@ -185,8 +195,10 @@ class RemoteWorker:
         *,
         start_timeout_s: float | None = None,
         call_timeout_s: float | None = None,
+        feature_wire: FeatureWire = FeatureWire.native,
     ) -> None:
         self.handle = handle
+        self.feature_wire = feature_wire  # how the features this proxy sends cross (``deployments/wire.py``)
         self.name = name
         self.role = role
         self.dead = False
@@ -296,7 +308,7 @@ class RemoteTarget(RemoteWorker):
 
 class RemoteDraft(RemoteWorker):
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
-        return self._call(self.handle.propose, *strip_features(items))
+        return self._call(self.handle.propose, *strip_features(items, self.feature_wire))
 
 
 PROXY_CLASSES: dict[WorkerRole, type[RemoteWorker]] = {WorkerRole.target: RemoteTarget, WorkerRole.draft: RemoteDraft}
@@ -329,7 +341,7 @@ class WorkerFactory:
         handle = (
             ray.remote(ACTOR_CLASSES[role])
             .options(name=name, namespace=ACTOR_NAMESPACE, max_restarts=0, max_task_retries=0, **options)
-            .remote(recipe, resources.device, resources.torch_threads, self.args.freeze_gc)
+            .remote(recipe, resources.device, resources.torch_threads, self.args.freeze_gc, self.args.feature_wire)
         )
         return PROXY_CLASSES[role](
             cast(ActorHandle, handle),
@@ -337,4 +349,5 @@ class WorkerFactory:
             role,
             start_timeout_s=self.args.worker_start_timeout_s,
             call_timeout_s=self.args.worker_call_timeout_s,
+            feature_wire=self.args.feature_wire,
         )

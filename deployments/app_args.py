@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ModelWrapValidatorHandler, SecretStr, field_validator, model_validator
 
+from deployments.wire import FeatureWire
 from specserve.api.http_guard import API_KEY_ENV, HTTPOptions, checked_api_key, checked_hosts
 from specserve.config import (
     DEFAULT_PAIR,
@@ -220,6 +221,11 @@ class AppArgs(LoopConfig):
         return checked_hosts(hosts)
 
     freeze_gc: bool = Field(default=True, description=FREEZE_GC_HELP + "; in the router and in each worker actor")
+    feature_wire: FeatureWire = Field(
+        default=FeatureWire.float16,
+        description="a draft head's float32 features between the actors: rounded to float16 (half the bytes; what "
+        "the heads train on) or native (deployments/wire.py)",
+    )
     router_resources: ActorResources = ActorResources(num_cpus=0.5)
 
     @field_validator("router_resources")

@@ -237,6 +237,26 @@ def test_the_target_actor_sends_a_steps_features_in_one_buffer(target: LlamaMode
             assert out.features.untyped_storage().nbytes() == out.features.nbytes  # its own rows only
 
 
+def test_a_target_actor_set_to_float16_sends_its_features_rounded(target: LlamaModel) -> None:
+    pytest.importorskip("ray")
+    from deployments.actors import TargetActor
+    from deployments.wire import FeatureWire, attach_features
+
+    actor = TargetActor.__new__(TargetActor)  # the actor's class in-process: no Ray
+    actor.model, actor.feature_wire = target, FeatureWire.float16
+    actor.worker = TargetWorker(target, num_slots=2, max_len=32)
+    local = TargetWorker(target, num_slots=2, max_len=32)
+    for worker in (actor.worker, local):
+        for i in range(2):
+            worker.add(i, SamplingParams(max_tokens=4), 0)
+    items = [VerifyItem(i, [5, 9, 33, 71 + i], features=FeatureRequest()) for i in range(2)]
+    stripped, wire = actor.verify(items)
+    assert wire is not None and len(wire.data) == 2 * 4 * target.cfg.hidden_size * 2  # float16 rows
+    for out, ref in zip(attach_features(stripped, wire), local.verify(items), strict=True):
+        assert out.tokens == ref.tokens and out.features is not None and ref.features is not None
+        assert out.features.dtype == torch.float32 and torch.equal(out.features, ref.features.half().float())
+
+
 def test_the_draft_actor_drafts_from_features_that_crossed_as_one_buffer(target: LlamaModel) -> None:
     """RemoteDraft strips a step's features into one buffer; DraftActor.propose puts them back: it drafts what a
     local head worker drafts from the same items."""

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from deployments.wire import attach_features, strip_features
+from deployments.wire import FeatureWire, attach_features, strip_features
 from specserve.config import SpecConfig, SpecMethod
 from specserve.messages import ProposeItem, VerifyOutput
 
@@ -70,3 +70,92 @@ def test_features_for_other_messages_are_refused() -> None:
     stripped, wire = strip_features(outputs)
     with pytest.raises(ValueError, match="features for 2 messages arrived with 1"):
         attach_features(stripped[:1], wire)
+
+
+def test_float32_features_cross_as_float16_and_come_back_as_float32() -> None:
+    """``FeatureWire.float16``: half the bytes on the wire (16 EAGLE-3 rows of SmolLM2 stay under Ray's 100 KiB
+    inline limit); each message gets its rows back in float32, as float16 rounded them."""
+    gen = torch.Generator().manual_seed(1)
+    feats = [torch.randn(3, 12, generator=gen) * 300.0, None, torch.randn(1, 12, generator=gen) * 1e-3]
+    outputs = [VerifyOutput(i, [], [7], features=f) for i, f in enumerate(feats)]
+    stripped, wire = strip_features(outputs, FeatureWire.float16)
+    assert wire is not None and wire.dtype == torch.float16 and wire.restore == torch.float32
+    assert len(wire.data) == 4 * 12 * 2
+    back = attach_features(*pickle.loads(pickle.dumps((stripped, wire))))
+    for out, f in zip(back, feats, strict=True):
+        if f is None:
+            assert out.features is None
+            continue
+        assert out.features is not None and out.features.dtype == torch.float32 and out.features.shape == f.shape
+        assert torch.equal(out.features, f.half().float())
+        assert not torch.equal(out.features, f)  # rounded: these values are not all float16 numbers
+        assert out.features.untyped_storage().nbytes() == out.features.nbytes
+    native = strip_features(outputs)[1]
+    assert native is not None and native.dtype == torch.float32 and native.restore is None
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        torch.tensor([[1.0, 7.0e4]]),  # past float16's largest value: it would arrive as inf
+        torch.tensor([[1.0, float("nan")]]),
+        torch.tensor([[1.0, 3.3]], dtype=torch.bfloat16),  # already two bytes a value
+        torch.tensor([[1.0, 3.3]], dtype=torch.float16),
+    ],
+)
+def test_rows_float16_cannot_hold_and_other_dtypes_cross_as_they_are(rows: torch.Tensor) -> None:
+    other = torch.ones(2, 2, dtype=rows.dtype)  # the step's other rows: float16 could hold them
+    outputs = [VerifyOutput(0, [], [7], features=rows), VerifyOutput(1, [], [8], features=other)]
+    stripped, wire = strip_features(outputs, FeatureWire.float16)
+    assert wire is not None and wire.restore is None and wire.dtype == rows.dtype
+    back = attach_features(stripped, wire)
+    assert back[0].features is not None and back[0].features.dtype == rows.dtype
+    assert torch.equal(back[0].features.view(torch.uint8), rows.view(torch.uint8))
+
+
+def test_a_draft_proxy_sends_its_features_as_its_wire_says() -> None:
+    pytest.importorskip("ray")
+    from deployments.actors import RemoteDraft
+    from deployments.app_args import WorkerRole
+
+    sent: list[object] = []
+
+    class Method:
+        def remote(self, items: object, features: object) -> tuple[object, object]:
+            sent.append(features)
+            return items, features
+
+    class Handle:
+        propose = Method()
+
+    items = [ProposeItem(0, [5], [], 3, features=torch.full((2, 4), 0.1))]
+    for wire, dtype in ((FeatureWire.float16, torch.float16), (FeatureWire.native, torch.float32)):
+        proxy = RemoteDraft(Handle(), "draft", WorkerRole.draft, feature_wire=wire)  # type: ignore[arg-type]
+        proxy._started = None
+        proxy._call = lambda method, *args: method.remote(*args)  # type: ignore[method-assign]
+        proxy.propose(items)
+        assert sent[-1].dtype == dtype  # type: ignore[attr-defined]
+
+
+def test_the_factory_gives_each_actor_and_its_proxy_the_apps_feature_wire(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("ray")
+    import deployments.actors as actors
+    from deployments.app_args import AppArgs, WorkerRole
+
+    created: list[tuple[object, ...]] = []
+
+    class ActorClass:
+        def options(self, **_: object) -> ActorClass:
+            return self
+
+        def remote(self, *args: object) -> object:
+            created.append(args)
+            return object()
+
+    monkeypatch.setattr(actors.ray, "remote", lambda cls: ActorClass())
+    for wire in (FeatureWire.float16, FeatureWire.native):
+        args = AppArgs.model_validate({"tiny": {"draft_head": True}, "feature_wire": wire.value})
+        for role in (WorkerRole.target, WorkerRole.draft):
+            proxy = actors.WorkerFactory(args, None, "t").create(0, role, 0)
+            assert created[-1][-1] == wire and proxy.feature_wire == wire
+    assert AppArgs().feature_wire == FeatureWire.float16
