@@ -21,14 +21,11 @@ from specserve.messages import ProposeItem, VerifyOutput
 
 class FeatureWire(str, Enum):
     """How float32 features cross: as they are, or rounded to float16 (the heads train on float16 features;
-    drafts change by the rounding only, and the target verifies them all the same). Other dtypes, and rows a
-    float16 cannot hold, cross as they are."""
+    drafts change by the rounding only, and the target verifies them all the same). Other dtypes cross as they
+    are, and so does a whole step if any of its values is not finite in float16 (past 65504, inf or NaN)."""
 
     native = "native"
     float16 = "float16"
-
-
-FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
 @dataclass(frozen=True)
@@ -51,19 +48,19 @@ def strip_features(messages: list[M], wire: FeatureWire = FeatureWire.native) ->
     kinds = {(f.dtype, f.shape[1:]) for f in feats}
     if len(kinds) > 1:
         raise ValueError(f"one step's features differ in dtype or width: {sorted(map(str, kinds))}")
-    host = torch.cat(feats).cpu().contiguous()  # [sum n, F]
-    restore = None
-    if wire == FeatureWire.float16 and host.dtype == torch.float32 and _fits_float16(host):
-        restore, host = host.dtype, host.to(torch.float16)
+    step = torch.cat(feats)  # [sum n, F] on the worker's device
+    restore, host = None, None
+    if wire == FeatureWire.float16 and step.dtype == torch.float32:  # rounded where they are: half the copy
+        rounded = step.to(torch.float16).cpu()
+        if bool(rounded.isfinite().all()):  # else some row was past float16's range (or not finite): none rounded
+            restore, host = step.dtype, rounded
+    if host is None:
+        host = step.cpu()
+    host = host.contiguous()
     raw = host.view(torch.uint8).numpy().tobytes()  # a byte view: any dtype, bfloat16 included
     rows = tuple(None if m.features is None else m.features.shape[0] for m in messages)
     sent = WireFeatures(raw, host.dtype, host.shape[1], rows, restore)
     return [m if m.features is None else replace(m, features=None) for m in messages], sent
-
-
-def _fits_float16(rows: torch.Tensor) -> bool:
-    """Every value finite and within float16's range (a NaN or an outlier keeps the step's rows as they are)."""
-    return rows.numel() == 0 or bool(rows.abs().amax() <= FLOAT16_MAX)
 
 
 def attach_features(messages: list[M], wire: WireFeatures | None) -> list[M]:

@@ -99,6 +99,7 @@ def test_float32_features_cross_as_float16_and_come_back_as_float32() -> None:
     [
         torch.tensor([[1.0, 7.0e4]]),  # past float16's largest value: it would arrive as inf
         torch.tensor([[1.0, float("nan")]]),
+        torch.tensor([[-float("inf"), 1.0]]),
         torch.tensor([[1.0, 3.3]], dtype=torch.bfloat16),  # already two bytes a value
         torch.tensor([[1.0, 3.3]], dtype=torch.float16),
     ],
@@ -111,6 +112,23 @@ def test_rows_float16_cannot_hold_and_other_dtypes_cross_as_they_are(rows: torch
     back = attach_features(stripped, wire)
     assert back[0].features is not None and back[0].features.dtype == rows.dtype
     assert torch.equal(back[0].features.view(torch.uint8), rows.view(torch.uint8))
+    assert back[1].features is not None and torch.equal(back[1].features, other)  # the whole step crossed as it is
+
+
+def test_a_worker_actor_keeps_the_feature_wire_it_was_built_with() -> None:
+    pytest.importorskip("ray")
+    from deployments.actors import KVGeometry, TargetActor
+    from deployments.app_args import AppArgs, TinyModels, WorkerRole
+    from specserve.messages import FeatureRequest, VerifyItem
+    from specserve.sampling import SamplingParams
+
+    args = AppArgs(tiny=TinyModels(draft_head=True))
+    for wire, dtype in ((FeatureWire.float16, torch.float16), (FeatureWire.native, torch.float32)):
+        host = TargetActor(args.recipe(WorkerRole.target), "cpu", None, False, wire)  # in this process, no Ray
+        host.start(KVGeometry(1, 16))
+        host.add(0, SamplingParams(max_tokens=2), 0)
+        _, sent = host.verify([VerifyItem(0, [5, 9, 33], features=FeatureRequest())])
+        assert sent is not None and sent.dtype == dtype
 
 
 def test_a_draft_proxy_sends_its_features_as_its_wire_says() -> None:
