@@ -172,9 +172,13 @@ class Sequence:
             del self.features[0]
             self.features_from += n
             self.features_queued -= n
-        # an oldest tensor longer than the window (a prompt's) keeps only its rows within it, once they were sent
+        # an oldest tensor longer than the window (a prompt's) keeps only its rows within it, once they were sent or
+        # when the head's next read takes only the window anyway (it did not draft this step: a plain step, a prompt
+        # the head had no features for), so a long prompt does not stay whole through the plain steps that follow
         # (a step's few rows past it stay: cutting them would copy rows every step)
-        cut = min(self.features_queued - window, self.features_sent - self.features_from)
+        cut = self.features_queued - window
+        if self.reads_every_unsent:
+            cut = min(cut, self.features_sent - self.features_from)
         if cut > 0 and self.features[0].shape[0] > window:
             self.features[0] = self.features[0][cut:].clone()  # (a view would keep the whole tensor's memory)
             self.features_from += cut
@@ -198,6 +202,12 @@ class Sequence:
             start -= rows.shape[0]
         joined = parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
         return first, joined[first - start :]
+
+    @property
+    def reads_every_unsent(self) -> bool:
+        """The head's next read of the queue takes every row it was not sent (it drafted this step from features it
+        was sent), not only the newest ``spec.catch_up_window``."""
+        return self.model_proposed and self.features_sent > 0
 
     def features_went(self) -> None:
         """The queued features went to the draft worker (those it was not sent before)."""

@@ -276,6 +276,7 @@ class StepLoop:
         proposals: dict[int, Proposal] = {}
         to_model: list[tuple[Sequence, int]] = []
         current = {s.seq_id: s.model_proposed for s in batch}  # the draft model saw each one's last step
+        in_step = {s.seq_id: s.reads_every_unsent for s in batch}  # ... and a head reads all it was not sent
         for i, (s, d) in enumerate(zip(batch, plan.depths, strict=True)):
             s.model_proposed, s.draft_caught_up, s.draft_prefilled = False, 0, False
             if d == 0:
@@ -299,7 +300,7 @@ class StepLoop:
             assert self.draft is not None
             # (first position, rows) or None; in step: the head drafted the last step, from features (a first
             # step drafts nothing, and a step after a reset or a new worker is a catch-up: at most the window)
-            queued = [s.queued_features(in_step=current[s.seq_id] and s.features_sent > 0) for s, _ in to_model]
+            queued = [s.queued_features(in_step=in_step[s.seq_id]) for s, _ in to_model]
             items = [
                 ProposeItem(
                     s.seq_id,

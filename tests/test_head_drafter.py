@@ -340,6 +340,7 @@ def test_feature_queue_keeps_the_newest_window_and_restarts_on_a_gap() -> None:
     assert queued() == (12, [12.0, 13.0, 14.0])
     seq.features_went()  # sent to the head: not again
     assert queued() is None and queued(in_step=True) is None
+    seq.model_proposed = True  # the head drafted this step, from the features it was sent
     seq.add_features(rows[15:20], start=15)  # more than the window at once
     assert queued() == (16, [16.0, 17.0, 18.0, 19.0])  # the head missed steps: the newest window, from a gap
     # the head drafted the last step: every row of this one (it used to lose the oldest and restart its context)
@@ -352,6 +353,30 @@ def test_feature_queue_keeps_the_newest_window_and_restarts_on_a_gap() -> None:
     seq.drop_features()  # the target re-prefilled: the next rows start a queue wherever they are
     seq.add_features(rows[0:2], start=0)
     assert queued() == (0, [0.0, 1.0])
+
+
+def test_a_long_prompts_features_shrink_to_the_window_when_the_head_did_not_draft() -> None:
+    """The head reads at most the newest window after a step it did not draft (a prompt it had no features for, a
+    plain step): the rest of a long prompt's rows must not stay queued through the plain steps that follow (an
+    8B target's 4k-token prompt is ~200 MB of float32 rows on the router)."""
+    from specserve.detok import IncrementalText
+    from specserve.sequence import Request, Sequence
+
+    spec = SpecConfig(method=SpecMethod.chain, catch_up_window=4)
+    seq = Sequence(0, Request("r", list(range(100)), SamplingParams()), IncrementalText(None, ()), spec=spec)
+    rows = torch.arange(110.0).unsqueeze(1)  # row i: the feature of position i
+    seq.add_features(rows[0:100], start=0)  # the prompt's prefill, planned plain: nothing sent yet
+    assert sum(t.shape[0] for t in seq.features) == 4 and seq.features_from == 96
+    seq.add_features(rows[100:101], start=100)  # a plain step
+    assert sum(t.shape[0] for t in seq.features) <= 4 + 1
+    q = seq.queued_features(in_step=False)
+    assert q is not None and (q[0], q[1].flatten().tolist()) == (97, [97.0, 98.0, 99.0, 100.0])
+    # the head drafted from features it was sent: the next read takes every unsent row, so none may be cut
+    seq.features_went()
+    seq.model_proposed = True
+    seq.add_features(rows[101:109], start=101)
+    q = seq.queued_features(in_step=True)
+    assert q is not None and (q[0], q[1].flatten().tolist()) == (101, [float(i) for i in range(101, 109)])
 
 
 def test_steps_that_commit_more_than_the_window_keep_the_heads_context(target: LlamaModel) -> None:
