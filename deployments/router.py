@@ -33,7 +33,7 @@ from specserve.api.metrics import ServeMetrics
 from specserve.api.schemas import Health, HealthStatus
 from specserve.api.server import build_api
 from specserve.build import build_step_loop, eos_ids_of, new_suffix_cache
-from specserve.config import Drafter, ModelSpec, SpecConfig, SpecMethod
+from specserve.config import ModelSpec, SpecConfig
 from specserve.heap import freeze_loaded_objects
 from specserve.limits import ContextLimits, context_limits
 from specserve.models.loader import load_tokenizer
@@ -173,8 +173,7 @@ class Router:
 
     @property
     def default_speculation(self) -> SpecConfig:
-        spec = self.args.speculation
-        return spec if self.args.has_draft or spec.drafter != Drafter.model else SpecConfig(method=SpecMethod.none)
+        return self.args.speculation  # (without a draft model AppArgs admits only settings that need none)
 
     @property
     def metrics(self) -> ServeMetrics:

@@ -203,6 +203,21 @@ def test_speculation_options_map_onto_the_default() -> None:
     assert speculation_for(SpeculationOptions(method=SpecMethod.none), default) == SpecConfig(method=SpecMethod.none)
 
 
+def test_a_deployment_without_a_draft_model_keeps_its_speculation_settings_for_requests() -> None:
+    """A request's override starts from the operator's settings (here the lookup drafter's), not the library's."""
+    from deployments.router import Router
+
+    class Defaults:  # the router's own property, without Ray
+        default_speculation = Router.func_or_class.default_speculation
+
+    spec = SpecConfig(method=SpecMethod.none, sl=7, model_free={"ngram_max": 6, "ngram_min": 3})
+    router: Any = Defaults()
+    router.args = AppArgs(target=ModelSpec(), speculation=spec)
+    lookup = speculation_for(SpeculationOptions(drafter=Drafter.lookup), router.default_speculation)
+    assert lookup is not None and (lookup.method, lookup.drafter, lookup.sl) == (SpecMethod.chain, Drafter.lookup, 7)
+    assert (lookup.model_free.ngram_max, lookup.model_free.ngram_min) == (6, 3)
+
+
 def test_actors_sharing_a_gpu_size_their_kv_for_their_share() -> None:
     half = ActorResources(num_cpus=1, num_gpus=0.5)
     shared = AppArgs(gpu_memory_utilization=0.9, target_resources=half, draft_resources=half)
