@@ -83,7 +83,7 @@ class IncrementalText:
         depend on them (a SentencePiece tokenizer drops the leading space of the first token it decodes);
         ``runs``: ``ByteRuns.of(tokenizer)``, which a caller with many requests computes once."""
         if stop and tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer")
+            raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.runs = ByteRuns.of(tokenizer) if runs is None else runs

@@ -93,11 +93,14 @@ class StepLoop:
         spec = request.speculation or self.speculation
         if spec.method != SpecMethod.none:
             if not self.serves_drafts and spec.needs_model:
-                raise InvalidRequestError(f"speculation {spec.method.value!r} needs a draft model; none is loaded")
+                raise InvalidRequestError(
+                    f"speculation {spec.method.value!r} needs a draft model; none is loaded", param="speculation"
+                )
             if spec.max_verify_tokens > self.spec_headroom:
                 raise InvalidRequestError(
                     f"speculation verifies up to {spec.max_verify_tokens} tokens per step; "
-                    f"this engine reserves room for {self.spec_headroom}"
+                    f"this engine reserves room for {self.spec_headroom}",
+                    param="speculation",
                 )
             spec = spec.fit_draft_rows(self.spec_headroom)  # its trees no deeper than the KV slot's room
         text = IncrementalText(self.tokenizer, request.params.stop, request.prompt_ids, self.byte_runs)

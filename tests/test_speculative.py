@@ -93,11 +93,15 @@ def test_vocab_mismatch_and_missing_draft_are_clear_errors(target: LlamaModel) -
     with pytest.raises(UnsupportedModelError, match="vocabulary"):
         Engine(target, None, draft=other)
     plain = Engine(target, None, eos_token_ids=set())
-    with pytest.raises(InvalidRequestError, match="needs a draft model"):
+    with pytest.raises(InvalidRequestError, match="needs a draft model") as missing:
         plain.generate(PROMPTS[0], speculation=METHODS[0])
     small = Engine(target, None, draft=target, spec_headroom=8, eos_token_ids=set())
-    with pytest.raises(InvalidRequestError, match="reserves room for"):
+    with pytest.raises(InvalidRequestError, match="reserves room for") as wide:
         small.generate(PROMPTS[0], speculation=SpecConfig(method=SpecMethod.eagle2, budget=60))
+    assert missing.value.param == wide.value.param == "speculation"  # the 400's param: the request field at fault
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer") as stop:
+        plain.generate(PROMPTS[0], SamplingParams(stop=["."]))
+    assert stop.value.param == "stop"
     # a chain's request-level max_sl bounds what it verifies: SL 64 (or DSDE's hard maximum 64) under max_sl 4 fits
     for long in (SpecConfig(sl=64), SpecConfig(policy=SLPolicyKind.dsde, dsde=DSDEConfig(sl_hard_max=64))):
         assert long.model_copy(update={"max_sl": 4}).max_verify_tokens == 5
