@@ -829,6 +829,31 @@ def test_a_data_directory_is_reused_only_with_its_settings_and_only_its_chunks_a
             claim_data_dir(tmp_path / "old", settings)
 
 
+def test_a_chunk_written_for_other_items_is_written_again(tmp_path: Path) -> None:
+    """Chunks are matched on the items they hold, not only on the settings and their count: the text passages
+    depend on which stdlib modules a Python has (one fewer: ~100 passages doubled, ~100 never trained on) and seed
+    prompt templates on the code, and a resumed run must train on what it would have made afresh."""
+    from deployments.tiny_tokenizer import tiny_tokenizer
+    from specserve.models.tiny import tiny_config
+    from specserve.train.distill import DistillConfig, build_dataset, build_text_dataset
+
+    tok, cfg = _ChatTokenizer(), DistillConfig(chunk_size=4, max_new_tokens=4)
+    prompts = [f"prompt number {i}" for i in range(6)]
+    build_dataset(_echo_distiller, tok, tmp_path / "d", prompts, cfg)
+    moved = ["a prompt the old list did not have", *prompts[:5]]  # as many, but others
+    chunks = build_dataset(_echo_distiller, tok, tmp_path / "d", moved, cfg)
+    assert [s.tokens[1:-5].tolist() for s in iter_samples(chunks)] == [[ord(c) % 500 + 3 for c in p] for p in moved]
+
+    target, ttok = tiny_model(tiny_config(), seed=0), tiny_tokenizer()
+    ttok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    pairs = [(f"ask {i}", f"a passage {i}") for i in range(5)]
+    build_text_dataset(target, ttok, tmp_path / "t", pairs, chunk_size=4)
+    shifted = [("ask x", "a passage the old list did not have"), *pairs[:4]]
+    chunks = build_text_dataset(target, ttok, tmp_path / "t", shifted, chunk_size=4)
+    held = [ttok.decode(s.tokens[s.prompt_len : -1].tolist()) for s in iter_samples(chunks)]
+    assert held == [text for _, text in shifted]
+
+
 class _SpecialChatTokenizer(_ChatTokenizer):
     all_special_ids = (1, 2)
     eos_token_id = 2

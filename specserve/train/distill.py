@@ -13,6 +13,7 @@ Chunks already on disk are skipped, so an interrupted run resumes where it stopp
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -187,8 +188,12 @@ def build_dataset(
 ) -> list[Path]:
     """Generate answers and features chunk by chunk into ``out`` (resumable); the chunks of these prompts."""
     size = cfg.chunk_size
+
+    def prompts_of(n: int) -> list[str]:
+        return prompts[n * size : (n + 1) * size]
+
     return _distill_chunks(
-        distill, tokenizer, out, len(prompts), lambda n: prompts[n * size : (n + 1) * size], cfg, progress
+        distill, tokenizer, out, len(prompts), prompts_of, cfg, progress, items_of=lambda n: items_digest(prompts_of(n))
     )
 
 
@@ -220,19 +225,23 @@ def _distill_chunks(
     prompts_of: Callable[[int], list[str]],
     cfg: DistillConfig,
     progress: ProgressFn | None,
+    *,
+    items_of: Callable[[int], str] | None = None,
 ) -> list[Path]:
     """Chunk ``n`` of ``ceil(total / cfg.chunk_size)``: ``prompts_of(n)`` answered by the target, with its
-    features; chunks already on disk are skipped (``prompts_of`` is not called for them). Returns the chunks."""
+    features; chunks already on disk are skipped (``prompts_of`` is not called for them), unless ``items_of(n)``,
+    the digest of the prompts chunk ``n`` holds now, differs from the one it was written with. Returns the chunks."""
     out.mkdir(parents=True, exist_ok=True)
     chunks = []
     for n in range(-(-total // cfg.chunk_size)):
         path = out / f"chunk_{n:05d}.safetensors"
         asked = min(cfg.chunk_size, total - n * cfg.chunk_size)
-        _drop_if_other_size(path, asked)
+        items = None if items_of is None else items_of(n)
+        _drop_if_other(path, asked, items)
         if not path.exists():
             ids = [chat_ids(tokenizer, p) for p in prompts_of(n)]
             if ids:  # (a chunk of self-written requests may have none left after filtering)
-                write_chunk(path, *distill(ids, cfg.max_new_tokens, cfg.aux_layers), asked=asked)
+                write_chunk(path, *distill(ids, cfg.max_new_tokens, cfg.aux_layers), asked=asked, items=items)
         if path.exists():
             chunks.append(path)
         if progress is not None:
@@ -257,10 +266,11 @@ def build_text_dataset(
     for n in range(0, len(pairs), chunk_size):
         path = out / f"chunk_{n // chunk_size:05d}.safetensors"
         chunks.append(path)
-        _drop_if_other_size(path, len(pairs[n : n + chunk_size]))
+        items = items_digest(pairs[n : n + chunk_size])
+        _drop_if_other(path, len(pairs[n : n + chunk_size]), items)
         if not path.exists():
             convs = [teacher_forced(tokenizer, prompt, text) for prompt, text in pairs[n : n + chunk_size]]
-            write_chunk(path, convs, target_features(model, convs, aux_layers), asked=len(convs))
+            write_chunk(path, convs, target_features(model, convs, aux_layers), asked=len(convs), items=items)
         if progress is not None:
             progress(min(n + chunk_size, len(pairs)), len(pairs))
     return chunks
@@ -275,12 +285,27 @@ def teacher_forced(tokenizer: PreTrainedTokenizerBase, prompt: str, text: str) -
     return Conversation(ids + answer + eos, len(ids))
 
 
-def _drop_if_other_size(path: Path, asked: int) -> None:
+def items_digest(items: list[str] | list[tuple[str, str]]) -> str:
+    """The sha256 of a chunk's items (prompts, or (prompt, text) pairs), recorded in the chunk."""
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _drop_if_other(path: Path, asked: int, items: str | None = None) -> None:
     """A chunk on disk written for another number of items (the last, partial chunk of a run with another count)
-    is removed, to be written again: chunk n holds items n*size.. of the run, and a resumed or larger run must not
-    reuse a short one as if it were complete."""
-    if path.exists() and chunk_asked(path) != asked:
+    or, where ``items`` is given, for other items than these (their digest: a text passage list that depends on
+    the stdlib modules a Python has, seed prompt templates changed by a code update; a chunk that recorded none) is
+    removed, to be written again: chunk n holds items n*size.. of the run, and a resumed or larger run must not
+    reuse one as if it held them."""
+    if not path.exists():
+        return
+    if chunk_asked(path) != asked or (items is not None and chunk_items(path) != items):
         path.unlink()
+
+
+def chunk_items(path: Path) -> str | None:
+    """The digest of the items a chunk was written for (None: it recorded none)."""
+    with safe_open(path, "pt") as f:
+        return (f.metadata() or {}).get("items")
 
 
 def chunk_asked(path: Path) -> int:
@@ -291,7 +316,9 @@ def chunk_asked(path: Path) -> int:
         return int(meta["asked"]) if "asked" in meta else int(f.get_slice("prompt_lens").get_shape()[0])
 
 
-def write_chunk(path: Path, convs: list[Conversation], feats: Features, *, asked: int) -> None:
+def write_chunk(
+    path: Path, convs: list[Conversation], feats: Features, *, asked: int, items: str | None = None
+) -> None:
     lens = [len(c.tokens) for c in convs]
     offsets = torch.tensor([0, *lens]).cumsum(0)
     tensors = {
@@ -304,7 +331,8 @@ def write_chunk(path: Path, convs: list[Conversation], feats: Features, *, asked
         tensors["aux_features"] = torch.cat(feats.aux).contiguous()
     # (the bytes written into the file write_durably made: safetensors' own save_file renames a temporary file of
     # its making over the path, which a killed write would leave behind under a name nothing recognises)
-    data = safetensors_bytes(tensors, metadata={"asked": str(asked)})
+    meta = {"asked": str(asked)} | ({} if items is None else {"items": items})
+    data = safetensors_bytes(tensors, metadata=meta)
     write_durably(path, lambda tmp: tmp.write_bytes(data))  # whole or absent
 
 
