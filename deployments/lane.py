@@ -548,7 +548,9 @@ class Lane:
 
     def _isolate(self, error: Exception, only: frozenset[int] | None) -> None:
         """Reset the failed step's sequences on the workers, then fail the one the error names; with none named,
-        queue the step's sequences in halves to step alone (a lone sequence that fails alone is failed)."""
+        queue the step's sequences in halves to step alone (a lone sequence that fails alone is failed). Before a
+        request is failed the workers run their self-check: one that fails it is replaced and the request goes on (a
+        worker whose weights went non-finite names a sequence too, the first whose logits had no mass to sample)."""
         group = only or frozenset(s.seq_id for s in self.loop.running)
         if not group:  # nothing ran: nothing to pin it on
             logger.error("lane %d: step failed", self.index, exc_info=error)
@@ -561,14 +563,15 @@ class Lane:
         else:
             self._probes.popleft()
         blamed = blamed_sequence(error)
-        lone = blamed not in group and only is not None and len(group) == 1  # it failed with others and again alone
-        drop = blamed not in group and only is None and self._failed_steps > self.max_failed_steps
-        exhausted = blamed not in group and self._splits >= self.max_bisection_splits
-        if (lone or drop or exhausted) and not self._workers_pass_check():
+        named = blamed in group  # (a broken worker names a sequence too: its NaN logits have no mass to sample)
+        lone = not named and only is not None and len(group) == 1  # it failed with others and again alone
+        drop = not named and only is None and self._failed_steps > self.max_failed_steps
+        exhausted = not named and self._splits >= self.max_bisection_splits
+        if (named or lone or drop or exhausted) and not self._workers_pass_check():
             # a worker that cannot run one token of its own is replaced, and every request goes on, but for one that
-            # broke a fresh worker alone a second time: that one is failed (else the lane would replace its worker
-            # over and over while the innocent half's steps kept resetting the loss count)
-            suspect = next(iter(group)) if lone else None
+            # broke a fresh worker alone (or named) a second time: that one is failed (else the lane would replace
+            # its worker over and over while the innocent half's steps kept resetting the loss count)
+            suspect = blamed if named else next(iter(group)) if lone else None
             if suspect is not None and suspect == self._poisoner:
                 self._fail_sequence(suspect, error)
                 suspect = None
@@ -579,7 +582,7 @@ class Lane:
             return
         if lone:
             blamed = next(iter(group))
-        if blamed in group:
+        if blamed is not None and blamed in group:
             self._fail_sequence(blamed, error)
             self._failed_steps = 0  # found
         elif drop:

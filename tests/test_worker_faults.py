@@ -30,6 +30,7 @@ from specserve.api.error_bodies import APIError, LaneLostError, RequestFailedErr
 from specserve.api.metrics import ServeMetrics
 from specserve.config import SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.errors import SequenceError
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
 from specserve.sampling import SamplingParams
@@ -139,7 +140,7 @@ class Actor:
 
     def _check(self) -> Ref:
         self.calls.append("check")
-        if self.fault == "poisoned" or self.broken:
+        if self.fault in ("poisoned", "nan") or self.broken:
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("check", "Traceback ...", POISONED)))
         return Ref(lambda _: self_check(self.model))  # the actor's own check, on the real model
 
@@ -154,6 +155,9 @@ class Actor:
         if self.fault == "poisoned" or (self.fault in ("hostile", "poisoning") and hostile):
             # an error inside the actor's task naming no sequence: the worker's state, or one request's input
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("verify", "Traceback ...", POISONED)))
+        if self.fault == "nan":  # its weights went non-finite: the first row's sampling finds no mass, and says so
+            error = RayTaskError("verify", "Traceback ...", SequenceError(items[0].seq_id, "no mass to sample"))
+            return Ref(lambda _: (_ for _ in ()).throw(error))
         if self.fault == "hang":
             return Ref(hung)
         if self.fault == "unschedulable" or (self.fault == "late" and self.calls.count("verify") > LATE_AFTER):
@@ -912,6 +916,21 @@ def test_a_worker_that_fails_everything_and_its_self_check_is_replaced_and_every
         assert _run(lane, PROMPTS) == alone
         assert lane.generations[WorkerRole.target] == 1 and lane.healthy
         assert "check" in factory.actors[0].calls and "check" not in factory.actors[1].calls
+    finally:
+        lane.stop()
+
+
+def test_a_broken_worker_whose_error_names_a_sequence_is_replaced_and_no_request_is_failed(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Non-finite weights fail every step naming its first row (no mass to sample): the lane failed one request a
+    step and never checked or replaced the worker, so every request it took failed."""
+    factory = Factory(target, {0: "nan"})
+    lane = _lane(target, factory)
+    try:
+        assert _run(lane, PROMPTS) == alone
+        assert lane.generations[WorkerRole.target] == 1 and lane.healthy
+        assert "check" in factory.actors[0].calls
     finally:
         lane.stop()
 
