@@ -746,14 +746,17 @@ class Lane:
         """Drop every request with ``error`` and start counting failures afresh."""
         self._drop_all(reason, error)
         self._failures = 0
-        self._failed_steps = 0
-        self._probes.clear()
 
     def _drop_all(self, reason: str, error: type[WorkerFailedError]) -> None:
         """Drop every request with ``error``: LaneLostError when the lane, not a request, is at fault (the router
-        then moves them to another lane)."""
+        then moves them to another lane; those still queued, which never ran here, are handed on: LaneHandoffError,
+        no failover spent). The lane's count of failed steps and its suspects go with them."""
+        ran = {seq.request.request_id for seq in self.loop.running}
         for request_id in list(self._sinks):
-            self._drop(request_id, error(f"{reason}; the request was dropped"))
+            queued = issubclass(error, LaneLostError) and request_id not in ran
+            self._drop(request_id, (LaneHandoffError if queued else error)(f"{reason}; the request was dropped"))
+        self._failed_steps = self._splits = 0
+        self._probes.clear()
         self._report_queue()  # they left the queue and the batch: the lane's gauges must not count them on
 
     def _drop(self, request_id: str, error: APIError) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -1379,6 +1380,55 @@ def test_two_lanes_losing_their_targets_together_hand_requests_over_without_spen
         assert len(moved) >= 3  # the first loss, and both handed back
     finally:
         _release_and_stop(lanes, factories)
+
+
+def test_a_lost_lane_hands_on_its_queued_requests_without_spending_their_failovers(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Lane 0 (one running slot) loses its target while lane 1 is loaded: the running request moves as lost (a
+    failover), the queued one, which never ran there, as handed on (none; it was charged one before)."""
+    factories = [Factory(target, {0: "late"}), Factory(target, {})]
+    lanes = _spare_lanes(target, factories, step_delay_s=0.05)
+    lanes[0].loop.max_batch_size = 1
+    counted: dict[str, int] = {}
+    opened = threading.Event()
+
+    def visible() -> list[Lane]:  # both requests go to lane 0; then any lane may take them
+        return lanes if opened.is_set() else lanes[:1]
+
+    async def one(stream: FailoverStream, name: str) -> list[int]:
+        tokens = [t async for out in stream for t in out.token_ids]
+        counted[name] = stream._failovers
+        return tokens
+
+    async def run() -> list[list[int]]:
+        streams = {}
+        for i in range(2):
+            streams[f"r{i}"] = FailoverStream(
+                visible, Request(f"r{i}", PROMPTS[i], GREEDY), max_failovers=2, backoff_s=0.0
+            )
+            await streams[f"r{i}"].open()
+        assert lanes[0].in_flight == 2 and len(lanes[0].loop.running) == 1
+        opened.set()
+        return list(await asyncio.wait_for(asyncio.gather(*(one(st, n) for n, st in streams.items())), 30))
+
+    try:
+        assert asyncio.run(run()) == alone[:2]
+        assert counted == {"r0": 1, "r1": 0} and lanes[0].generations[WorkerRole.target] == 1
+    finally:
+        _release_and_stop(lanes, factories)
+
+
+def test_a_lane_that_dropped_its_requests_starts_its_count_of_failed_steps_afresh(target: LlamaModel) -> None:
+    """Failed steps counted before the lane's requests moved away (its target lost, another lane free) are not the
+    next requests': their first failed step is bisected, not taken for the fourth in a row and dropped."""
+    lane = _lane(target, Factory(target, {}))
+    try:
+        lane._failed_steps, lane._splits, lane._probes = 3, 2, deque([frozenset({0})])
+        lane._drop_all("lane 0 is bringing its target back", LaneLostError)
+        assert (lane._failed_steps, lane._splits, list(lane._probes)) == (0, 0, [])
+    finally:
+        lane.stop()
 
 
 def test_a_request_that_kills_every_target_it_runs_on_runs_out_of_failovers(target: LlamaModel) -> None:
