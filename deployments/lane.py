@@ -3,9 +3,11 @@
 All StepLoop calls happen on the lane thread. The router's event loop talks to it through a command queue
 (submit, abort) and receives outputs through per-request asyncio queues (``call_soon_threadsafe``). When a worker
 actor dies, the lane recreates it in the same bundle, re-registers the running sequences (``StepLoop.recover``)
-and retries the step: the router holds every sequence's tokens, so streams continue and nothing is lost. A lane that
-cannot recreate it (or whose thread stops) drops its requests with LaneLostError, which the router answers by
-moving them to another lane (``deployments/failover.py``); it tries again to recreate its workers on its next step.
+and retries the step (in halves, each alone: a request whose input kills the target is found, and failed once
+its step alone took a fresh target down twice): the router holds every sequence's tokens, so streams continue and
+nothing is lost. A lane that cannot recreate it (or whose thread stops) drops its requests with LaneLostError,
+which the router answers by moving them to another lane (``deployments/failover.py``); it tries again to recreate
+its workers on its next step.
 
 Any other failed step is isolated: its sequences' worker caches are reset (they re-prefill from the router's tokens);
 a failure that names its sequence (``SequenceError``, also as the cause of Ray's RayTaskError) fails that request
@@ -219,6 +221,11 @@ class Lane:
         # the sequence that failed alone on a worker that then failed its self-check (the worker was replaced): if
         # it breaks the fresh worker alone too, it is failed, not the worker replaced again for ever
         self._poisoner: int | None = None
+        # the sequence whose step, alone, took its target down (a fresh one: the lane replaced it), and whether any
+        # step ran since the loss that began the search (the lane's workers can serve: a node that fails every
+        # step fails no request for it)
+        self._killer: int | None = None
+        self._stepped = True
         self.lost_workers = False  # its target could not be brought back (until a replacement or a step succeeds)
         self._retry_pause = worker_retry_s  # while lost: the pause before the next try (doubles)
         self._retry_at = 0.0  # ... and when that try is due (time.monotonic)
@@ -490,7 +497,13 @@ class Lane:
         except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
             outputs, failures = e.outputs, e.failures
         except (RayActorError, WorkerLostError) as e:
+            group, generation = (
+                only or frozenset(s.seq_id for s in self.loop.running),
+                self.generations[WorkerRole.target],
+            )
             self._replace_lost(e)
+            if self.generations[WorkerRole.target] != generation:  # its target was replaced (not only its draft)
+                self._suspect_loss(group, only)
             self._report_queue()
             return
         except Exception as e:  # one request's bad input, or a bug: not a lost worker
@@ -502,6 +515,7 @@ class Lane:
             self._report_queue()  # failed requests left the queue and the batch
             return
         self._failures = 0
+        self._stepped = True
         self.lost_workers, self._retry_pause = False, self.worker_retry_s
         if only is None:
             self._failed_steps = 0
@@ -598,6 +612,31 @@ class Lane:
             ids = sorted(group)
             halves = [frozenset(h) for h in (ids[: len(ids) // 2], ids[len(ids) // 2 :]) if h]
             self._probes.extendleft(reversed(halves))  # a lone sequence: retried alone
+
+    def _suspect_loss(self, group: frozenset[int], only: frozenset[int] | None) -> None:
+        """The target died during a step of ``group`` and was replaced: its sequences step in halves on the new
+        target, as after a failure naming none (a request whose input kills the target's process took it down with
+        its whole batch after every replacement, until all of them had spent their failovers). A sequence whose step
+        alone kills a fresh target twice, with other steps run since the first loss, is failed."""
+        group &= {s.seq_id for s in self.loop.running}  # (none left: a free lane took them, or they were dropped)
+        if not group:
+            return
+        if only is None:
+            self._stepped = False
+        elif self._probes and self._probes[0] == only:
+            self._probes.popleft()
+        if len(group) > 1:
+            ids = sorted(group)
+            self._probes.extendleft(reversed([frozenset(ids[: len(ids) // 2]), frozenset(ids[len(ids) // 2 :])]))
+            return
+        (suspect,) = group
+        if suspect == self._killer and self._stepped:
+            self._killer = None
+            self._fail_sequence(suspect, WorkerLostError("its step took the target down twice, stepped alone"))
+            return
+        self._killer = suspect
+        if only is not None:
+            self._probes.appendleft(group)  # alone again, on the new target
 
     def _workers_pass_check(self) -> bool:
         """Whether every worker passes its self-check (those that fail it are marked dead)."""

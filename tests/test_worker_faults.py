@@ -150,6 +150,7 @@ class Actor:
         hostile = any(it.new_tokens[:2] == HOSTILE for it in items)
         if self.fault == "deadly" and hostile:  # one request's input kills the actor's process (a crashing kernel)
             self.died = True
+        self.died |= self.fault == "doomed"  # its node fails: every call kills it, whatever the requests
         if self.died:
             return Ref(gone)
         self.broken |= self.fault == "poisoning" and hostile  # one request's input breaks the actor's state
@@ -1427,6 +1428,45 @@ def test_a_lane_that_dropped_its_requests_starts_its_count_of_failed_steps_afres
         lane._failed_steps, lane._splits, lane._probes = 3, 2, deque([frozenset({0})])
         lane._drop_all("lane 0 is bringing its target back", LaneLostError)
         assert (lane._failed_steps, lane._splits, list(lane._probes)) == (0, 0, [])
+    finally:
+        lane.stop()
+
+
+def test_a_request_that_kills_its_target_is_found_and_failed_and_its_batch_goes_on(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """One request's input kills the target's process whenever its prompt is prefilled. The lane re-ran the whole
+    batch on each new target, so after ``max_worker_restarts`` every request lost its lane (and, batched with it
+    again, its failovers). Now the batch steps in halves after a loss: the others finish with the tokens they have
+    alone, and the request that took a fresh target down twice on its own is failed."""
+    factory = Factory(target, dict.fromkeys(range(20), "deadly"))
+    stop_loading = threading.Event()
+
+    def load_soon() -> None:  # each new target finishes loading at once
+        while not stop_loading.wait(0.01):
+            for actor in factory.actors:
+                actor.loaded.set()
+
+    loader = threading.Thread(target=load_soon, daemon=True)
+    loader.start()
+    lane = _lane(target, factory, max_worker_restarts=3)
+    try:
+        results = _run(lane, PROMPTS)  # PROMPTS[2] is the deadly one
+        assert results[:2] == alone[:2] and isinstance(results[2], RequestFailedError), results
+        assert lane.healthy and lane.generations[WorkerRole.target] == 4  # taken down twice with others, twice alone
+    finally:
+        stop_loading.set()
+        _release_and_stop([lane], [factory])
+
+
+def test_a_node_that_kills_every_target_fails_no_request_for_it(target: LlamaModel) -> None:
+    """Every target dies at its first step whatever it runs: the halves and lone steps die too, no step runs, so no
+    request is taken for the culprit; the lane's requests go on elsewhere as lost (LaneLostError), none failed."""
+    factory = Factory(target, dict.fromkeys(range(20), "doomed"))
+    lane = _lane(target, factory, max_worker_restarts=3)
+    try:
+        results = _run(lane, PROMPTS[:2])
+        assert all(isinstance(r, LaneLostError) for r in results), results
     finally:
         lane.stop()
 
