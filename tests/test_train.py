@@ -891,6 +891,14 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
         target, tok, distill, replace(tuned, target_name="other"), tmp_path / "w7", tmp_path / "h7", log=said.append
     )
     assert any("was trained for tiny; fine-tuning it for other" in line for line in said)
+    assert not any("special ids" in line for line in said)  # its vocabulary holds the tokenizer's special ids
+
+    class _MoreSpecial(_SpecialChatTokenizer):  # another target's tokenizer: a special id the map never forced in
+        all_special_ids = (1, 2, 499)
+
+    said.clear()
+    train_draft(target, _MoreSpecial(), distill, tuned, tmp_path / "w8", tmp_path / "h8", log=said.append)
+    assert any("lacks this target's special ids [499]" in line for line in said), said
 
     asked.clear()
     for broken in (b'{"by_frequency": [1, 2', b"\xff\xfe not UTF-8"):  # the second was a UnicodeDecodeError traceback

@@ -232,6 +232,14 @@ def train_draft(
     inherited_ids = frequent_ids(source, size, target.cfg.vocab_size) if source is not None and has_map else None
     inherited = (source / VOCAB_MAP).read_text() if source is not None and has_map else None  # (checked readable)
     init_sha256 = None if source is None else sha256_file(weights_path(source))  # (before --out overwrites it)
+    kept = (
+        inherited_ids if inherited_ids is not None else start.draft_ids.cpu() if start is not None and eagle3 else None
+    )
+    if kept is not None and (missing := sorted(set(forced) - set(kept.tolist()))):  # said, not refused (as above)
+        log(
+            f"note: the draft vocabulary kept from {source} lacks this target's special ids {missing}: the head can "
+            "never propose them (the target still emits them); train without --init-head to draft them"
+        )
     data_dir = work_dir / "data"
     samples: list[Sample] = []
     written = {"target": cfg.target_name, "seed": cfg.data.seed, "aux_layers": aux_layers}  # what a chunk depends on
