@@ -425,6 +425,30 @@ def test_a_resumed_stream_is_kept_alive_while_it_replays_to_its_resume_point(mon
         backend.stop()
 
 
+def test_a_resumed_streams_first_token_latency_is_of_its_first_token_sent() -> None:
+    """A resume regenerates what it sent before its point and sends none of it: the TTFT histogram took the
+    replay's first token (~one step) for the client's first token (after the whole replay), and TPOT spread the
+    time after it over every regenerated token."""
+    body = {**CHAT_BODY, "max_tokens": 24}
+    backend = LocalBackend(max_model_len=256, max_batch_size=2, step_delay_s=0.05)
+
+    def ttft_sum() -> float:
+        for line in backend.metrics.render().decode().splitlines():
+            if line.startswith("specserve_time_to_first_token_seconds_sum "):
+                return float(line.split()[-1])
+        return 0.0
+
+    try:
+        with api_server(backend) as url:
+            cut = [e["id"] for e in _events(url, CHAT, body) if "id" in e][-3]  # the replay: ~22 steps of 50 ms
+            before = ttft_sum()
+            stream = ResumableStream(url, CHAT, body, timeout_s=30.0, heal_timeout_s=0.0, last_event_id=cut)
+            assert stream.text()
+            assert ttft_sum() - before > 0.5  # the replay before the first token sent, not one step
+    finally:
+        backend.stop()
+
+
 class _LateStream:
     """A stream whose first output comes only after a silence (a queue, a target reloading, a long prefill)."""
 

@@ -68,7 +68,7 @@ class ServeMetrics:
         self.queue_depth = Gauge("specserve_queue_depth", "Requests waiting for a batch slot", ["lane"], registry=r)
         self.ttft = Histogram(
             "specserve_time_to_first_token_seconds",
-            "Arrival to first token, of every request that got one",
+            "Arrival to first token sent, of every request that got one (a resumed stream: after its replay)",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -85,7 +85,7 @@ class ServeMetrics:
         )
         self.generation_tokens = Counter(
             "specserve_generation_tokens",
-            "Generated tokens delivered, also to requests aborted or failed after them",
+            "Generated tokens delivered, also to requests aborted or failed after them (a resume's replay again)",
             registry=r,
         )
         self.target_forwards = Counter(

@@ -182,27 +182,32 @@ def build_api(backend: Backend, options: HTTPOptions | None = None) -> FastAPI:
 
 @dataclass
 class _Tracker:
-    """Latency of one request, for TTFT / TPOT."""
+    """Latency of one request, for TTFT / TPOT: of the tokens its client is sent (a resumed stream regenerates
+    what it sent before its resume point and sends none of it)."""
 
     arrival: float = field(default_factory=time.perf_counter)
     first: float | None = None
     last: float | None = None
+    sent: int = 0  # tokens sent
     latest: RequestOutput | None = None  # the request's totals so far
 
-    def see(self, out: RequestOutput) -> None:
+    def see(self, out: RequestOutput, sent: int | None = None) -> None:
+        """An output; ``sent``: how many of its tokens the client is sent (None: all)."""
         self.latest = out
-        if out.token_ids:
+        n = len(out.token_ids) if sent is None else sent
+        if n:
             now = time.perf_counter()
             self.first = now if self.first is None else self.first
             self.last = now
+            self.sent += n
 
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.arrival
 
-    def tpot(self, num_tokens: int) -> float | None:
-        if self.first is None or self.last is None or num_tokens < 2:
+    def tpot(self) -> float | None:
+        if self.first is None or self.last is None or self.sent < 2:
             return None
-        return (self.last - self.first) / (num_tokens - 1)
+        return (self.last - self.first) / (self.sent - 1)
 
 
 _END = object()  # the end of a stream, in _Outcome's queue
@@ -252,7 +257,7 @@ class _Outcome:
     def finished(self, out: RequestOutput) -> None:
         """Counted as finished now, with its work: whatever fails while the answer is sent is not counted again."""
         self.status = RequestStatus.ok
-        self.metrics.request_finished(out, ttft_s=self.tracker.ttft(), tpot_s=self.tracker.tpot(out.num_output_tokens))
+        self.metrics.request_finished(out, ttft_s=self.tracker.ttft(), tpot_s=self.tracker.tpot())
 
     def ended(self, status: RequestStatus) -> None:
         """How an unfinished request ended, counted at ``close``; a finished one is already counted."""
@@ -491,8 +496,8 @@ class _Routes:
                     yield SSE_KEEPALIVE if cursor.checked else SSE_REPLAYING
                     sent_at = time.monotonic()
                     continue
-                tracker.see(out)
                 part = cursor.advance(out)  # None: delivered before the resume point
+                tracker.see(out, 0 if part is None else len(part.token_ids))
                 if out.finished:
                     cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
                 if part is not None and (part.text or (body.return_token_ids and part.token_ids) or part.finished):
