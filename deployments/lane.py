@@ -497,10 +497,8 @@ class Lane:
         except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
             outputs, failures = e.outputs, e.failures
         except (RayActorError, WorkerLostError) as e:
-            group, generation = (
-                only or frozenset(s.seq_id for s in self.loop.running),
-                self.generations[WorkerRole.target],
-            )
+            group = only or frozenset(s.seq_id for s in self.loop.running)
+            generation = self.generations[WorkerRole.target]
             self._replace_lost(e)
             if self.generations[WorkerRole.target] != generation:  # its target was replaced (not only its draft)
                 self._suspect_loss(group, only)
@@ -609,9 +607,7 @@ class Lane:
         else:
             logger.warning("lane %d: step of %d failed; splitting it", self.index, len(group), exc_info=error)
             self._splits += 1
-            ids = sorted(group)
-            halves = [frozenset(h) for h in (ids[: len(ids) // 2], ids[len(ids) // 2 :]) if h]
-            self._probes.extendleft(reversed(halves))  # a lone sequence: retried alone
+            self._queue_halves(group)
 
     def _suspect_loss(self, group: frozenset[int], only: frozenset[int] | None) -> None:
         """The target died during a step of ``group`` and was replaced: its sequences step in halves on the new
@@ -625,18 +621,22 @@ class Lane:
             self._stepped = False
         elif self._probes and self._probes[0] == only:
             self._probes.popleft()
-        if len(group) > 1:
-            ids = sorted(group)
-            self._probes.extendleft(reversed([frozenset(ids[: len(ids) // 2]), frozenset(ids[len(ids) // 2 :])]))
-            return
-        (suspect,) = group
-        if suspect == self._killer and self._stepped:
-            self._killer = None
-            self._fail_sequence(suspect, WorkerLostError("its step took the target down twice, stepped alone"))
-            return
-        self._killer = suspect
-        if only is not None:
-            self._probes.appendleft(group)  # alone again, on the new target
+        if len(group) == 1:
+            (suspect,) = group
+            if suspect == self._killer and self._stepped:
+                self._killer = None
+                self._fail_sequence(suspect, WorkerLostError("its step took the target down twice, stepped alone"))
+                return
+            self._killer = suspect
+            if only is None:  # a full step of one: retried as it was
+                return
+        self._queue_halves(group)
+
+    def _queue_halves(self, group: frozenset[int]) -> None:
+        """Step ``group``'s sequences in halves, each alone, before any other (a lone sequence: alone again)."""
+        ids = sorted(group)
+        halves = [frozenset(h) for h in (ids[: len(ids) // 2], ids[len(ids) // 2 :]) if h]
+        self._probes.extendleft(reversed(halves))
 
     def _workers_pass_check(self) -> bool:
         """Whether every worker passes its self-check (those that fail it are marked dead)."""
