@@ -266,10 +266,11 @@ def build_text_dataset(
     for n in range(0, len(pairs), chunk_size):
         path = out / f"chunk_{n // chunk_size:05d}.safetensors"
         chunks.append(path)
-        items = items_digest(pairs[n : n + chunk_size])
-        _drop_if_other(path, len(pairs[n : n + chunk_size]), items)
+        chunk = pairs[n : n + chunk_size]
+        items = items_digest(chunk)
+        _drop_if_other(path, len(chunk), items)
         if not path.exists():
-            convs = [teacher_forced(tokenizer, prompt, text) for prompt, text in pairs[n : n + chunk_size]]
+            convs = [teacher_forced(tokenizer, prompt, text) for prompt, text in chunk]
             write_chunk(path, convs, target_features(model, convs, aux_layers), asked=len(convs), items=items)
         if progress is not None:
             progress(min(n + chunk_size, len(pairs)), len(pairs))
