@@ -3,6 +3,7 @@ out by hand."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -30,6 +31,15 @@ def test_median_row_takes_each_numeric_field_s_median_and_keeps_the_rest() -> No
         {"batch": 4, "policy": "plain", "tok_s": 20.0, "steps": 1, "ok": False},
     ]
     assert median_row(runs) == {"batch": 4, "policy": "plain", "tok_s": 20.0, "steps": 5, "ok": True}
+
+
+def test_median_row_leaves_out_nan_whatever_the_order_of_the_runs() -> None:
+    # a pass that speculated on no step has no mean SL: NaN, which sorts nowhere among numbers
+    values = [1.0, math.nan, 2.0, 3.0, math.nan]
+    for order in itertools.permutations(values):
+        row = median_row([{"batch": 1, "mean_sl": v} for v in order])
+        assert row["mean_sl"] == 2.0, order
+    assert math.isnan(median_row([{"batch": 1, "mean_sl": math.nan}] * 3)["mean_sl"])
 
 
 def test_vs_baseline_divides_by_the_baseline_at_the_same_workload_and_batch() -> None:

@@ -60,13 +60,16 @@ def tpot(first_s: float | None, last_s: float | None, tokens: int) -> float | No
 
 
 def median_row(runs: Sequence[Mapping[str, Any]], keep: Iterable[str] = ("batch",)) -> dict[str, Any]:
-    """One row from repeated runs of a point: the median of every numeric field (except those in ``keep``);
-    other fields from the first run."""
+    """One row from repeated runs of a point: the median of every numeric field (except those in ``keep``) over
+    the runs where it is a number (NaN, e.g. a pass that speculated on no step has no mean SL, is left out: sorted
+    among numbers it would put an order-dependent value in the median's place; NaN when every run has NaN); other
+    fields from the first run."""
     keep = set(keep)
     out = dict(runs[0])
     for k, v in runs[0].items():
         if isinstance(v, int | float) and not isinstance(v, bool) and k not in keep:
-            out[k] = statistics.median(r[k] for r in runs)
+            values = [r[k] for r in runs if not math.isnan(r[k])]
+            out[k] = statistics.median(values) if values else math.nan
     return out
 
 
