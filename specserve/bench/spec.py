@@ -59,6 +59,7 @@ from specserve.spec_decode.eagle_head import EagleHead, HeadKind
 from specserve.spec_decode.head_checkpoint import checkpoint_kind
 from specserve.spec_decode.suffix_tree import SuffixCache
 from specserve.step_events import StepTiming
+from specserve.timing import balanced_orders
 from specserve.tune import autotune
 
 METHODS = ("chain", "eagle2", "ddd")
@@ -474,31 +475,34 @@ def _prompt_set(sources: list[str], each_category: int | None) -> list[BenchProm
 
 
 def run_order(n_methods: int, run: int) -> list[int]:
-    """The methods' order for one prompt: forwards on even runs, backwards on odd ones, so that no method always
-    runs first on a prompt (first after another prompt's last method) or always right after the same neighbour."""
-    order = list(range(n_methods))
-    return order if run % 2 == 0 else order[::-1]
+    """The methods' order for one prompt: the balanced orders (``balanced_orders``) in turn, so that every method
+    runs in every place, and right after every other, equally often. (Forwards, then backwards, as before, put
+    plain decoding right after itself or the second method on every prompt, never after any other.)"""
+    orders = balanced_orders(n_methods)
+    return orders[run % len(orders)]
 
 
 def _timed(
     engine: Engine, prompt: list[int], params: SamplingParams, repeats: int
 ) -> tuple[Completion, float, StepTiming]:
-    """The completion, the fastest of ``repeats`` back-to-back runs (the least disturbed on a shared machine) and
-    that run's steps: the per-step columns come from the runs tok/s does. The suffix drafter's cross-request cache
-    takes the output once, after the last repeat, so every repeat drafts from the same cache."""
+    """The fastest of ``repeats`` back-to-back runs (the least disturbed on a shared machine): its completion, time
+    and steps, so that every column (tau, depth and rows a step from the completion's counts) comes from the run
+    tok/s does; a guard or a measured floor learns across repeats, so the runs may differ. The suffix drafter's
+    cross-request cache takes the output once, after the last repeat, so every repeat drafts from the same cache."""
     cache = engine.loop.model_free.cache
     times: list[float] = []
     steps: list[StepTiming] = []
+    outs: list[Completion] = []
     for i in range(repeats):
         before = replace(engine.loop.stats.timing)
         if cache is not None and i < repeats - 1:
             with _frozen(cache):
-                out = _generate_timed(engine, prompt, params, times)
+                outs.append(_generate_timed(engine, prompt, params, times))
         else:
-            out = _generate_timed(engine, prompt, params, times)
+            outs.append(_generate_timed(engine, prompt, params, times))
         steps.append(engine.loop.stats.timing - before)
     fastest = min(range(repeats), key=times.__getitem__)
-    return out, times[fastest], steps[fastest]
+    return outs[fastest], times[fastest], steps[fastest]
 
 
 def _warm_up(engines: list[Engine], prompt: list[int], params: SamplingParams) -> None:
