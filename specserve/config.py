@@ -55,7 +55,8 @@ class ModelSpec(Validated):
         default=None,
         ge=1,
         description="with native_q4: products of at least this many rows use a bf16 copy of the dequantised "
-        "weights (far faster at 16+ rows; 4x the packed bytes; no longer batch-invariant: for drafts)",
+        "weights (far faster at 16+ rows; 4x the packed bytes; no longer batch-invariant: drafts only, a target "
+        "with it is refused)",
     )
     small_gemm: bool = Field(
         default=True,
@@ -507,6 +508,12 @@ def _verifiable(spec: ModelSpec) -> ModelSpec:
             "int8_dynamic is for drafts: its activations share one scale per product, so a target's logits would "
             "depend on the rows verified with them (other requests', the draft's) and speculation would not give "
             "plain decoding's tokens"
+        )
+    if spec.q4_dense_from is not None:
+        raise ValueError(
+            "q4_dense_from is for drafts: products of that many rows switch to other weights, so a target's logits "
+            "would depend on how many rows were verified with them and speculation would not give plain decoding's "
+            "tokens"
         )
     return spec
 

@@ -266,6 +266,21 @@ def test_an_int8_dynamic_model_verifies_nothing_its_rows_depend_on_their_batch()
     assert EngineConfig(target=ModelSpec(), draft=derived_draft(ModelSpec(), "int8")).draft is not None
 
 
+def test_a_target_may_not_switch_to_dense_weights_by_row_count() -> None:
+    """``q4_dense_from`` multiplies products of that many rows with other weights (a bf16 copy): a target's rows
+    would change with the rows verified beside them, as with int8_dynamic; a draft may."""
+    q4 = derived_draft(ModelSpec(), "q4")
+    assert isinstance(q4, ModelSpec) and q4.q4_dense_from is not None
+    for build in (
+        lambda: EngineConfig(target=q4),
+        lambda: AppArgs(target=q4.model_dump(), draft={"head": "smollm2-eagle3"}),
+    ):
+        with pytest.raises(pydantic.ValidationError, match="q4_dense_from is for drafts"):
+            build()
+    assert EngineConfig(target=q4.model_copy(update={"q4_dense_from": None})).target.native_q4
+    assert EngineConfig(target=ModelSpec(), draft=q4).draft == q4
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_attn_varlen_matches_sdpa_on_cuda() -> None:
