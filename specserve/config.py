@@ -543,6 +543,17 @@ class EngineConfig(LoopConfig):
             raise ValueError(f"speculation {self.speculation.method.value!r} needs a draft model")
         return self
 
+    @model_validator(mode="after")
+    def _cpu_kernels_on_the_cpu(self) -> EngineConfig:
+        """native_q4 and int8_dynamic run CPU kernels: on another device the load would fail, after the target's."""
+        if self.device == "cpu":
+            return self
+        for role, spec in (("target", self.target), ("draft", self.draft)):
+            for flag in ("native_q4", "int8_dynamic"):
+                if isinstance(spec, ModelSpec) and getattr(spec, flag):
+                    raise ValueError(f"a {flag} {role} runs on the CPU, not on {self.device}")
+        return self
+
 
 def derived_draft(target: ModelSpec, kind: str) -> ModelSpec:
     """A draft derived from the target: 'bf16', 'fp16' (lower-precision copies), 'int8' (dynamic int8) or 'q4' (the

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pydantic
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
 from deployments.app_args import AppArgs, WorkerRole
-from specserve.config import ModelSpec, SpecConfig, SpecMethod
+from specserve.config import EngineConfig, ModelSpec, SpecConfig, SpecMethod, derived_draft
 from specserve.errors import CorruptModelError, KVCapacityError, ModelSourceError, SettingsError, UnsupportedModelError
 from specserve.limits import context_limits, model_shape
 from specserve.models.batch import ForwardBatch
@@ -142,6 +143,22 @@ def test_loading_builds_the_serving_dtype_directly(tmp_path: Path, dtype: str, t
     for (name, p), (_, q) in zip(loaded.state_dict().items(), want.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
     assert torch.equal(_logits(loaded, [3, 4, 5, 6]), _logits(want, [3, 4, 5, 6]))
+
+
+def test_a_cpu_kernel_model_on_another_device_is_refused_with_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``generate --draft smollm2-int8 --device cuda`` loaded the target, then ended in the loader's ValueError:
+    a traceback, not the CLI's one-line error. The engine's config now refuses it before any load."""
+    path = _write_hf_dir(tiny_model(tiny_config(num_hidden_layers=1), seed=3), tmp_path / "m")
+    with pytest.raises(UnsupportedModelError, match="int8_dynamic models run on the CPU"):
+        load_model_dir(path, ModelSpec(source=str(path), int8_dynamic=True), device="cuda")
+    monkeypatch.setattr("specserve.config.device_problem", lambda device: None)  # as on a machine with CUDA
+    for kind in ("int8", "q4"):
+        with pytest.raises(pydantic.ValidationError, match=r"runs on the CPU, not on cuda"):
+            EngineConfig(device="cuda", draft=derived_draft(ModelSpec(), kind))
+        assert EngineConfig(device="cpu", draft=derived_draft(ModelSpec(), kind)).draft is not None
+    assert EngineConfig(device="cuda", draft=derived_draft(ModelSpec(), "bf16")).device == "cuda"
 
 
 def test_only_the_indexed_shards_are_read_and_a_tensor_in_two_files_is_refused(tmp_path: Path) -> None:

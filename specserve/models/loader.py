@@ -133,7 +133,7 @@ def load_model_dir(
         raise ModelSourceError(f"cannot read config.json in {path}: {e!r}") from e
     files = weight_files(path)
     if spec.int8_dynamic and (spec.dtype != DType.float32 or torch.device(device).type != "cpu"):
-        raise ValueError("int8_dynamic models run on the CPU from float32 weights")
+        raise UnsupportedModelError("int8_dynamic models run on the CPU from float32 weights")
     dtype = spec.dtype.torch
     with ExitStack() as stack:
         where: dict[str, tuple[Any, Path]] = {}  # tensor name -> (open file, its path)
