@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import torch
-from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from specserve.arg_types import device_problem
 from specserve.guard import GuardConfig
@@ -238,7 +238,30 @@ class HeadSpec(Validated):
         return "/" not in self.head and self.head not in ("", ".", "..") and (BUILTIN_HEADS_DIR / self.head).is_dir()
 
 
-DraftSpec = HeadSpec | ModelSpec  # a draft head, or a draft model (a smaller model or a quantised copy)
+_HEAD_ONLY = frozenset(HeadSpec.model_fields) - frozenset(ModelSpec.model_fields)
+_MODEL_ONLY = frozenset(ModelSpec.model_fields) - frozenset(HeadSpec.model_fields)
+
+
+def _draft_kind(value: Any) -> str | None:
+    """'head' or 'model' by the fields given; None (refused) where only fields both have are given: ``{dtype:
+    bfloat16}`` had silently become the default head in bf16, not a bf16 copy of the default model."""
+    if isinstance(value, HeadSpec | ModelSpec):
+        return "head" if isinstance(value, HeadSpec) else "model"
+    if not isinstance(value, dict):
+        return None
+    if _HEAD_ONLY & value.keys():
+        return "head"
+    return "model" if _MODEL_ONLY & value.keys() else None
+
+
+DraftSpec = Annotated[  # a draft head, or a draft model (a smaller model or a quantised copy)
+    Annotated[HeadSpec, Tag("head")] | Annotated[ModelSpec, Tag("model")],
+    Discriminator(
+        _draft_kind,
+        custom_error_type="draft_kind",
+        custom_error_message="a draft names its `head` (an EAGLE head) or its `source` (a draft model)",
+    ),
+]
 
 
 class SpecMethod(str, Enum):

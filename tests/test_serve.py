@@ -337,6 +337,23 @@ def test_the_guards_settings_are_app_args_checked_where_they_are_read() -> None:
             AppArgs.model_validate({"guard": bad})
 
 
+def test_a_draft_is_a_head_or_a_model_by_the_fields_it_names() -> None:
+    """``draft: {dtype: bfloat16}`` (the YAML of the smollm2-bf16 pair's draft without its source) silently became
+    the default EAGLE head in bf16: both kinds accept it, and the union took the first. Now the fields decide, and a
+    draft that names only fields both kinds have is refused."""
+    from specserve.config import EngineConfig
+
+    for build in (lambda d: AppArgs(target={}, draft=d).draft, lambda d: EngineConfig(draft=d).draft):
+        assert build({"head": "smollm2-eagle3", "dtype": "bfloat16"}) == HeadSpec(dtype=DType.bfloat16)
+        assert build({"quantize": "none"}) == HeadSpec(quantize="none")  # type: ignore[arg-type]
+        assert build({"source": "smollm2", "dtype": "bfloat16"}) == ModelSpec(source="smollm2", dtype=DType.bfloat16)
+        assert build({"dtype": "bfloat16", "int8_dynamic": False}) == ModelSpec(dtype=DType.bfloat16)
+        assert build(ModelSpec(dtype=DType.float16)) == ModelSpec(dtype=DType.float16)
+        for ambiguous in ({}, {"dtype": "bfloat16"}):
+            with pytest.raises(pydantic.ValidationError, match="a draft names its `head`"):
+                build(ambiguous)
+
+
 def test_generate_drafts_with_the_default_pair_of_its_device() -> None:
     from specserve.cli import _draft_for
     from specserve.config import MODEL_PAIRS, HeadSpec
