@@ -82,8 +82,8 @@ class GuardConfig(Validated):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # steps of a bucket between tries of the slower mode, doubling up to ``max_explore_every`` while the tries
-    # confirm the choice (back to the start when one flips it): a try costs a slow step, and after plain steps the
-    # draft first re-reads what it missed
+    # confirm the choice (back to the start when one flips it; one above the max stays where it starts): a try
+    # costs a slow step, and after plain steps the draft first re-reads what it missed
     explore_every: int = Field(default=20, ge=1)
     max_explore_every: int = Field(default=640, ge=1)
     # steps a try's cost may space the next one by at most: a try measured while the host was swamped (two other
@@ -348,7 +348,8 @@ class ThroughputGuard:
         after = self.faster(batch_size)
         if tried:  # that was a try of the slower mode
             interval = self.intervals.get(b, self.cfg.explore_every)
-            interval = self.cfg.explore_every if after != before else min(2 * interval, self.cfg.max_explore_every)
+            most = max(self.cfg.explore_every, self.cfg.max_explore_every)  # (never below where it starts)
+            interval = self.cfg.explore_every if after != before else min(2 * interval, most)
             self.intervals[b] = interval
             self.next_try[b] = self._steps(b) + max(interval, self._amortising_steps(b) if not after else 0) - 1
         elif before is not None and after != before:  # the running mode's own step flipped the choice (the host

@@ -951,6 +951,25 @@ def test_a_try_of_speculation_that_found_no_draft_is_no_try() -> None:
     assert guard.faster(1) is False and guard.intervals[1] == 2 * intervals.get(1, guard.cfg.explore_every)
 
 
+def test_a_confirming_try_never_brings_the_interval_below_where_it_starts() -> None:
+    """``explore_every`` above ``max_explore_every``: a try that confirmed plain decoding "doubled" the interval to
+    min(2 x 30, 8), so the next try came after 8 steps, not 30: confirming tries made them more frequent."""
+    guard = ThroughputGuard(GuardConfig(explore_every=30, max_explore_every=8))
+    for _ in range(3):
+        guard.record(1, False, 1, 0.020)
+    while guard.faster(1) is None:
+        guard.record(1, True, 1, 0.030)
+    while not guard.speculate(1):
+        guard.record(1, False, 1, 0.020)
+    guard.record(1, True, 1, 0.030)  # the try: plain still faster
+    assert guard.faster(1) is False and guard.intervals[1] == 30
+    plain = 0
+    while not guard.speculate(1):
+        guard.record(1, False, 1, 0.020)
+        plain += 1
+    assert plain >= 29
+
+
 def test_a_measured_try_that_confirms_plain_decoding_doubles_the_interval() -> None:
     """``measured_tries``: the same try measures on until its tokens tell the modes apart, then counts as one try."""
     guard = guard_at_a_try(measured_tries=True)
