@@ -262,7 +262,8 @@ class StepLoop:
     def _plan(self, batch: list[Sequence], *, prefills: bool, guarded: bool) -> StepPlan:
         room = [s.remaining(self.max_model_len) for s in batch]  # the tokens each may still emit
         outlook = self._outlook(batch, room)
-        plan = self.planner.plan(batch, prefills=prefills, outlook=outlook, guarded=guarded, room=room)
+        model = self.draft is not None  # (none loaded, or detached: model_fallback rows draft from lookup alone)
+        plan = self.planner.plan(batch, prefills=prefills, outlook=outlook, guarded=guarded, room=room, model=model)
         if self.draft is None and self.serves_drafts:  # detached: no model drafts, and none planned (nor timed)
             model_only = [s.spec.drafter == Drafter.model for s in batch]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -735,6 +736,24 @@ def test_sequences_a_model_free_drafter_serves_put_no_catch_up_in_the_outlook(ta
     guard = engine.loop.planner.guard = _ScriptedGuard([])
     engine.generate([[5, 6, 7, 8] * 6], SamplingParams(max_tokens=12))
     assert guard.outlooks[0] is not None and guard.outlooks[0].draft_missed == 24  # the prompt, for the model
+
+
+def test_without_a_draft_model_no_row_is_planned_under_sl_cap(target: LlamaModel) -> None:
+    """Prompt lookup under DSDE with the model as its fallback (the default) but no draft model loaded: its rows were
+    averaged into SL_cap and cut by it, for a lock-step draft loop that never runs (the planner's own test has the
+    numbers: SLs 12 and 2 drafted 7 and 2)."""
+    lookup = DSDE_CHAIN.model_copy(update={"drafter": Drafter.lookup})
+    for draft in (None, noisy_copy(target, 0.02)):
+        engine = Engine(target, None, draft=draft, speculation=lookup, eos_token_ids=set())
+        plan, seen = engine.loop.planner.plan, []
+
+        def spy(*args: Any, plan: Any = plan, seen: list[bool] = seen, **kwargs: Any) -> Any:
+            seen.append(kwargs["model"])
+            return plan(*args, **kwargs)
+
+        engine.loop.planner.plan = spy  # type: ignore[method-assign]
+        engine.generate([[5, 6, 7, 8] * 6], SamplingParams(max_tokens=6))
+        assert seen and set(seen) == {draft is not None}
 
 
 def test_the_guard_times_no_step_in_which_a_request_is_admitted(target: LlamaModel) -> None:

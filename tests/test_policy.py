@@ -320,6 +320,12 @@ def test_the_cap_is_over_depths_drafted_by_the_draft_model():
     fallback = lookup.model_copy(update={"model_fallback": True})
     rows = [Row(fallback, FakeState(16, False)), Row(DSDE_CHAIN, FakeState(2, False))]
     assert SLPlanner().plan(rows).depths == [9, 2]
+    # ... but only with a draft model to fall back on: without one (none loaded, or detached) no row runs a draft
+    # forward, and a lookup row kept 7 of its 16 levels under a cap for a draft loop that never ran
+    lookups = [Row(fallback, FakeState(12, False)), Row(fallback, FakeState(2, False))]
+    assert (SLPlanner().plan(lookups).depths, SLPlanner().plan(lookups).cap) == ([7, 2], 7)
+    plan = SLPlanner().plan(lookups, model=False)
+    assert (plan.depths, plan.cap) == ([12, 2], None)
     # the model's own limit (model_max_sl) bounds the model's share alone, not the cap of a lookup row's depth
     limited = fallback.model_copy(update={"model_max_sl": 2})
     assert SLPlanner().plan([Row(limited, FakeState(8, False))]).depths == [8]

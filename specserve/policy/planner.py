@@ -76,18 +76,20 @@ class SLPlanner:
         outlook: Outlook | None = None,
         guarded: bool = True,
         room: Sequence[int] | None = None,
+        model: bool = True,
     ) -> StepPlan:
         """``prefills``: some row feeds a prompt this step (the guard does not time such a step); ``outlook``: what
         speculating would first cost the draft and what the batch can still emit (the guard's switch rule);
         ``guarded=False``: the throughput guard is not asked (each sequence drafts as its SL says); ``room``: the
         tokens each row may still emit (its max_tokens or the context, None: no limit): a step emits at most its
         drafts and one token of the target's, so a row drafts at most room - 1 levels, and still 1 with one token
-        left (a step planned to speculate stays one: the guard times the two modes' steps apart)."""
+        left (a step planned to speculate stays one: the guard times the two modes' steps apart); ``model``: a draft
+        model is attached (without one no row is in a lock-step draft loop: none counts towards SL_cap or is capped)."""
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
         reach = [self._depth(r.spec, sl) for r, sl in zip(rows, uncapped, strict=True)]
         if room is not None:  # before the cap: a level past a row's room is never drafted, so nobody waits for it
             reach = [min(d, max(1, n - 1)) for d, n in zip(reach, room, strict=True)]
-        depths, cap = self._cap(rows, reach)
+        depths, cap = self._cap(rows, reach) if model else (reach, None)
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
         min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
         depths, speculate = self._guard(rows, depths, prefills, outlook, guarded)
