@@ -78,6 +78,22 @@ def test_an_overflowing_logit_hands_back_to_the_full_product() -> None:
     assert not ok
 
 
+def test_an_exact_logit_that_overflows_where_its_copy_does_not_hands_back_too() -> None:
+    """A weight that bfloat16 rounds down: the copy's logit stays just below FLT_MAX, the exact one is +inf, which
+    the full logits refuse as a maximum (``greedy_draw`` gives V); the kernel had returned that row as the argmax."""
+    k, fmax = 32, torch.finfo(torch.float32).max
+    v, ulp = 2.0**120, 2.0**113  # a bfloat16 value and its spacing there
+    w = torch.ones(2, k)
+    w[0] = v + 0.45 * ulp  # rounds down to v in bfloat16
+    assert torch.equal(w[0].bfloat16().float(), torch.full((k,), v))
+    x = torch.full((1, k), fmax / (k * (v + 0.2 * ulp)))  # k v x < FLT_MAX < k w x
+    packed, norms, c = bounded(w)
+    assert torch.isfinite(ext.small_linear_packed(x, packed, None)).all()
+    assert torch.isinf(ext.small_linear(x, w, None)[0, 0])
+    _, ok = ext.small_bounded_argmax(x, packed, w, norms, c)
+    assert not ok
+
+
 def test_greedy_ids_on_a_model_with_and_without_the_switch() -> None:
     model = tiny_model(tiny_config("llama", hidden_size=128, vocab_size=3000), seed=3)
     model.requires_grad_(False)

@@ -910,6 +910,10 @@ std::tuple<at::Tensor, bool> bounded_argmax(const at::Tensor& x_in, const Packed
         if (a[v] + slack * np[v] < low) continue;
         float val = 0.0f;
         exact(xr, wp + v * K, &val, K, 1, K, 0, 0);  // row v's product: the full product's block sequence
+        if (!std::isfinite(val)) {  // the exact product overflowed where its bfloat16 copy did not: full logits
+          finite = false;
+          return;
+        }
         if (best < 0 || val > best_val) best = v, best_val = val;
       }
       out[m] = best;
