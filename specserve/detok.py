@@ -89,7 +89,9 @@ class IncrementalText:
         self.runs = ByteRuns.of(tokenizer) if runs is None else runs
         # (not from inside a character spelt in byte tokens: a run's bytes decode as a whole, and the output's
         # first bytes may join the prompt's last run)
+        self._skipped = frozenset(tokenizer.all_special_ids) if tokenizer is not None else frozenset()
         start = self.runs.char_start(prompt_ids, max(0, len(prompt_ids) - CONTEXT))
+        start = self._with_text(prompt_ids, start, len(prompt_ids))
         self._prefix = list(prompt_ids[start:]) if tokenizer is not None else []
         self._prefix_text = self._decode_ids(self._prefix) if self._prefix else ""
         # the hold-back (``_hold``) reads each character once: per stop string, a matcher's state after the text
@@ -193,7 +195,7 @@ class IncrementalText:
         fixed = self._fixed
         if fixed > len(token_ids):  # (outputs only grow; a caller feeding a shorter list starts over)
             self._fixed, self._fixed_text, fixed = 0, "", 0
-        start = max(0, fixed - CONTEXT)
+        start = self._with_text(token_ids, max(0, fixed - CONTEXT), fixed)
         context = self._decode(token_ids[start:fixed], first=start == 0)
         while context.startswith("\ufffd") and start > max(0, fixed - 3 * CONTEXT):
             # the window starts inside a character: back to its first byte (a byte-fallback tokenizer, Llama-2's or
@@ -221,7 +223,18 @@ class IncrementalText:
         start = max(0, self._seen - CONTEXT)
         while self.runs.inside(token_ids, start):
             start -= 1
+        start = self._with_text(token_ids, start, self._seen)
         return start, self._decode(token_ids[start : self._seen], first=start == 0)
+
+    def _with_text(self, token_ids: Sequence[int], start: int, end: int) -> int:
+        """``start``, or earlier: a window token_ids[start:end] that is all tokens decoding skips (special tokens: an
+        EOS run under ignore_eos) decodes to nothing, and a SentencePiece decoder then drops the leading space of the
+        first token after it, which the window was to keep ("x</s></s></s></s> a" streamed as "xa"). Back to the last
+        token decoding keeps (or to 0: the output is then decoded after the prompt's tokens)."""
+        if start < end and all(t in self._skipped for t in token_ids[start:end]):
+            while start > 0 and token_ids[start] in self._skipped:
+                start -= 1
+        return start
 
     def _since_seen(self, token_ids: Sequence[int], n: int, window: tuple[int, str]) -> tuple[int, str]:
         """The text of the first n tokens as (k, added): the first k characters of the text through ``_seen``

@@ -362,6 +362,32 @@ def test_the_first_output_token_is_decoded_after_the_prompt() -> None:
     assert stop.update(out) == " Paris is" and stop.stop_tokens == 3
 
 
+@pytest.mark.parametrize("make", [_byte_fallback_tokenizer, _metaspace_tokenizer])
+def test_a_run_of_skipped_special_tokens_loses_no_space(make: Any) -> None:
+    """Four EOS tokens in a row (kept by ignore_eos, skipped by decoding) made the window decoded before the next
+    tokens empty, and the SentencePiece decoder dropped the next word's space: " a x a x" + 4 x EOS + " a x a x a"
+    streamed "... a xa" one token a step, whole in larger steps, and a stop string across the lost space was missed
+    one token a step (text past it sent, finish "length") but found in larger steps."""
+    tok = make()
+    a, x = tok.convert_tokens_to_ids(["▁a", "▁x"] if make is _byte_fallback_tokenizer else ["▁Paris", "▁nice"])
+    prompt, eos = [1, a], 2
+    out = [a, x, a, x, eos, eos, eos, eos, a, x, a, x, a]
+    want = tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)) :]
+    for cuts in ([*range(1, len(out)), len(out)], [6, len(out)], [len(out)]):
+        text, streamed = IncrementalText(tok, prompt_ids=prompt), ""
+        for n in cuts:
+            streamed += text.update(out[:n], final=n == len(out))
+        assert streamed == text.text == want, cuts
+    out = [a] * 4 + [eos] * 4 + [x] * 5 + [a] * 3
+    word_a, word_x = tok.decode([a]).strip(), tok.decode([x]).strip()
+    stop = " ".join([word_a] + [word_x] * 5)  # across the four EOS, through the fifth x: output token 13
+    for cuts in ([*range(1, len(out)), len(out)], [6, len(out)]):
+        text = IncrementalText(tok, [stop], prompt_ids=prompt)
+        for n in cuts:
+            text.update(out[:n], final=n == len(out))
+        assert (text.stopped, text.stop_tokens, text.text) == (True, 13, f" {word_a}" * 3 + " "), cuts
+
+
 def test_the_held_back_tail_is_the_longest_start_of_a_stop_string() -> None:
     """The text held back at each update: the longest k < len(s) for which the text ends with s[:k], over the
     stop strings s (compared with that definition written out, on random texts over a small alphabet)."""
