@@ -802,8 +802,8 @@ class Lane:
         sink = self._sinks.get(request_id)
         if sink is not None and isinstance(error, LaneLostError):
             self._lost.add(request_id)  # before it leaves _active: never out of the count
-        try:
-            self.loop.abort(request_id)
+        try:  # (one moving to another lane joins the replica's shared suffix cache when it finishes there)
+            self.loop.abort(request_id, remember=not isinstance(error, LaneLostError))
         except Exception:
             logger.exception("lane %d: abort of %s failed", self.index, request_id)
         held = self._coalescer.take(request_id)  # tokens handed out but not yet streamed go before the error

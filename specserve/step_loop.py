@@ -121,7 +121,9 @@ class StepLoop:
             self.waiting.remove(seq)
             raise
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, remember: bool = True) -> bool:
+        """``remember=False``: the request goes on elsewhere (another lane of this replica, which shares the
+        cross-request cache): its output joins the cache once, when it finishes there, not also now."""
         self._undelivered = [o for o in self._undelivered if o.request_id != request_id]  # its news goes with it
         seq = self._by_request.pop(request_id, None)
         if seq is None:
@@ -130,7 +132,7 @@ class StepLoop:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
-            self._release([seq])
+            self._release([seq], remember=remember)
         return True
 
     def recover(self, *, target: bool, draft: bool) -> None:
@@ -521,9 +523,9 @@ class StepLoop:
             except Exception:
                 logger.exception("releasing %d finished sequences failed; their outputs stand", len(done))
 
-    def _release(self, seqs: list[Sequence]) -> None:
+    def _release(self, seqs: list[Sequence], *, remember: bool = True) -> None:
         self._release_ids([s.seq_id for s in seqs])
-        for s in seqs:  # last: the workers' slots are free whatever the cache's insert does
+        for s in seqs if remember else []:  # last: the workers' slots are free whatever the cache's insert does
             self.model_free.remember(s.output, s.request.cache_salt)
 
     def _release_ids(self, ids: list[int]) -> None:

@@ -36,6 +36,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request
+from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.workers import DraftWorker, TargetWorker
 from specserve.workers.self_check import WorkerBrokenError, self_check
 
@@ -377,6 +378,40 @@ def test_requests_go_on_on_a_loaded_lane_while_their_lanes_new_target_loads(
         factories[0].actors[1].loaded.set()
         _wait(lambda: not lanes[0].loading)
         assert lanes[0].healthy and lanes[0].generations[WorkerRole.target] == 1
+    finally:
+        _release_and_stop(lanes, factories)
+
+
+def test_a_request_moved_to_another_lane_joins_the_suffix_cache_once(
+    target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica's lanes share one suffix cache. A request handed on from a lane reloading its target joined it
+    there with its tokens so far, and again with its whole output (those tokens included) when it finished on the
+    other lane: its text counted twice, pushing other outputs out of the cache's token budget."""
+    remembered: list[list[int]] = []
+
+    def remember(self: ModelFreeDrafter, output: list[int], cache_salt: str | None = None) -> None:
+        remembered.append(list(output))
+
+    monkeypatch.setattr(ModelFreeDrafter, "remember", remember)
+    factories = [Factory(target, {0: "late", 1: "loading"}), Factory(target, {})]
+    lanes: list[Lane] = []
+    lanes += [_lane(target, factories[0], spare=lambda: lanes[1].healthy and not lanes[1].loading)]
+    lanes += [_lane(target, factories[1])]
+    moved: list[int] = []
+
+    async def one(request: Request) -> list[int]:
+        stream = FailoverStream(lambda: lanes, request, max_failovers=2, backoff_s=0.0, on_failover=moved.append)
+        await stream.open()
+        return [t async for out in stream for t in out.token_ids]
+
+    async def run() -> list[list[int]]:
+        requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+        return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 10)
+
+    try:
+        assert asyncio.run(run()) == alone and moved
+        assert sorted(remembered) == sorted(alone)  # each output once, whole
     finally:
         _release_and_stop(lanes, factories)
 
