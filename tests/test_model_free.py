@@ -358,6 +358,27 @@ def test_a_salt_that_once_held_a_long_output_gives_its_storage_back() -> None:
         assert trie is not None and trie.root.as_dict() == fresh.root.as_dict() and trie.num_nodes == fresh.num_nodes
 
 
+def test_many_salts_each_once_holding_a_long_output_stay_within_a_multiple_of_the_bound() -> None:
+    """Tries under 4096 ids were never rebuilt: 120 salts each keeping a short output after a 500-token one held
+    ~490k ids for a 16k-node bound, 31x, growing with the number of salts (anyone may send a new cache_salt)."""
+    rng = random.Random(3)
+    cache = SuffixCache(max_tokens=2000, depth=8)
+    for i in range(120):
+        cache.add([rng.randrange(50000) for _ in range(500)], f"tenant{i}")
+        for j in range(i + 1):
+            cache.add([rng.randrange(50000)], f"tenant{j}")  # every tenant keeps a short output cached
+    for _ in range(4):
+        cache.add([rng.randrange(50000) for _ in range(400)])  # the long ones age out
+    assert len(cache.tries) > 100
+    storage = sum(t.capacity for t in cache.tries.values())
+    assert storage <= 8 * cache.max_nodes, storage  # (the rebuild's rule: 4 x live nodes + 4 x depth a trie)
+    for salt, trie in cache.tries.items():
+        fresh = SuffixTrie(depth=8)
+        for _, out in (e for e in cache.entries if e[0] == salt):
+            fresh.add(out)
+        assert trie.root.as_dict() == fresh.root.as_dict() and trie.num_nodes == fresh.num_nodes
+
+
 def test_model_free_config_validates() -> None:
     with pytest.raises(ValueError, match="ngram_min"):
         ModelFreeConfig(ngram_min=5, ngram_max=3)

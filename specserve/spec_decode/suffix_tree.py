@@ -22,7 +22,6 @@ from collections.abc import Iterator, Sequence
 
 ROOT = 0
 NO_CHILD = ROOT  # in ``CountTrie.only_child``: the root is never anyone's child
-COMPACT_MIN_IDS = 4096  # a cache's trie smaller than this is never rebuilt to give back its free ids
 
 
 class CountTrie:
@@ -232,6 +231,7 @@ class SuffixCache:
         self.depth = depth
         self.tries: dict[str | None, SuffixTrie] = {}
         self.entries: deque[tuple[str | None, list[int]]] = deque()
+        self.by_salt: dict[str | None, deque[list[int]]] = {}  # each salt's entries, oldest first
         self.tokens = 0
         self.lock = threading.Lock()
         # outputs are kept only once a lane serves the suffix drafter: until then the trie (~4 * 10^5 nodes for
@@ -261,9 +261,10 @@ class SuffixCache:
             shrunk: set[str | None] = set()
             while self.entries and self.tokens + len(entry) > self.max_tokens:
                 old_salt, old = self.entries.popleft()
+                self.by_salt[old_salt].popleft()
                 self.tries[old_salt].remove(old)
-                if self.tries[old_salt].num_nodes == 0:  # a salt's last output gone: so is its trie
-                    del self.tries[old_salt]
+                if not self.by_salt[old_salt]:  # a salt's last output gone: so is its trie
+                    del self.tries[old_salt], self.by_salt[old_salt]
                     shrunk.discard(old_salt)
                 else:
                     shrunk.add(old_salt)
@@ -271,21 +272,23 @@ class SuffixCache:
             for s in shrunk:
                 self._compact(s)
             if salt not in self.tries:
-                self.tries[salt] = SuffixTrie(self.depth)
+                self.tries[salt], self.by_salt[salt] = SuffixTrie(self.depth), deque()
             self.tries[salt].add(entry)
             self.entries.append((salt, entry))
+            self.by_salt[salt].append(entry)
             self.tokens += len(entry)
 
     def _compact(self, salt: str | None) -> None:
         """Rebuild a salt's trie from its live outputs once most of its node ids are free: a trie keeps the storage
         of its largest size, so without this every salt that once held a long output would pin that much memory
-        (``max_nodes`` bounds the nodes in use, not the storage). A rebuild costs its live nodes, at most a third of
-        the ids freed since the last one: amortised, nothing."""
+        (``max_nodes`` bounds the nodes in use, not the storage). Each trie then holds at most 4 x its live nodes +
+        4 x depth ids, all of them together at most 8 x ``max_nodes`` (a salt holds a token at least); a floor of a
+        fixed 4096 ids a trie had let every salt keep up to that many, thousands of salts far past the bound. A
+        rebuild costs its live nodes, at most a third of the ids freed since the last one: amortised, nothing."""
         trie = self.tries[salt]
-        if trie.capacity < COMPACT_MIN_IDS or trie.num_nodes * 4 >= trie.capacity:
+        if trie.capacity <= 4 * (trie.num_nodes + self.depth):
             return
         fresh = SuffixTrie(self.depth)
-        for s, tokens in self.entries:
-            if s == salt:
-                fresh.add(tokens)
+        for tokens in self.by_salt[salt]:
+            fresh.add(tokens)
         self.tries[salt] = fresh
