@@ -128,6 +128,34 @@ def test_eagle_heads_draft_on_the_device_and_stay_greedy_equal(target: LlamaMode
     assert all(o.stats.drafted > 0 for o in outs)
 
 
+def test_a_head_with_its_own_copies_of_the_targets_weights_loads_and_drafts_on_the_device(
+    target: LlamaModel, tmp_path: Path
+) -> None:
+    """A checkpoint's own embedding and LM head (published EAGLE-1/2 heads carry the embedding) were compared with
+    the target's across devices (a raw RuntimeError), and once bound stayed on the CPU after the head moved."""
+    from specserve.config import HeadSpec
+    from specserve.models.loader import load_draft
+    from specserve.spec_decode.eagle_head import EagleHead
+    from tests.test_eagle_head import eagle1_tensors, write_head
+
+    emb, lm = target.embed_tokens.weight.detach().cpu(), target.lm_head.weight.detach().cpu()
+    g = torch.Generator().manual_seed(9)
+    own = {
+        "embed_tokens.weight": emb + 0.05 * emb.std() * torch.randn(emb.shape, generator=g),
+        "lm_head.weight": lm + 0.05 * lm.std() * torch.randn(lm.shape, generator=g),
+    }
+    head = load_draft(
+        HeadSpec(head=str(write_head(tmp_path / "e1", eagle1_tensors(4, fc_bias=True) | own, {}))), target, device=CUDA
+    )
+    assert isinstance(head, EagleHead) and head.own_embed is not None and head.own_lm_head is not None
+    assert head.embed_weight is not None and head.embed_weight.device.type == "cuda"
+    assert head.target_lm_head is not None and head.target_lm_head.device.type == "cuda"
+    engine = Engine(target, None, draft=head, speculation=HEAD_METHODS["ddd"], max_batch_size=3, eos_token_ids=set())
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, 12)
+
+
 def test_a_draft_vocabulary_set_on_the_device_drafts_there(target: LlamaModel) -> None:
     """The loader sets a head's draft vocabulary after moving it, from CPU ids (they stayed on the CPU)."""
     head = random_head(target).to(CUDA)

@@ -15,6 +15,7 @@ from specserve.config import HeadQuant, HeadSpec
 from specserve.errors import CorruptModelError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
+from specserve.models.loader import load_draft
 from specserve.models.tiny import tiny_config, tiny_model
 from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, default_aux_layers
 from specserve.spec_decode.head_checkpoint import checkpoint_kind, load_eagle_head, save_eagle_head
@@ -1005,6 +1006,21 @@ def test_a_heads_own_embedding_and_lm_head_are_drafted_with_where_not_the_target
     narrow = {"lm_head.weight": own_lm[:, :-1].contiguous()}
     with pytest.raises(UnsupportedModelError, match=r"lm_head\.weight has shape"):
         load_eagle_head(write_head(tmp_path / "e1bad", sd1 | narrow, {}), target)
+
+
+def test_a_heads_own_embedding_moves_with_the_head_to_its_device(tmp_path: Path) -> None:
+    """``load_draft`` moves the loaded head to its device; the head's own copy of the target's embedding was bound
+    before, as a plain attribute that ``Module.to`` does not move: on a GPU the first draft step embedded CUDA ids
+    in a CPU table. (The meta device stands in for CUDA here; tests/test_cuda.py drafts with one on the device.)"""
+    target6 = tiny_model(tiny_config(num_hidden_layers=6), seed=4)
+    emb6 = target6.embed_tokens.weight.detach()
+    own = emb6 + 0.05 * emb6.std() * torch.randn(emb6.shape, generator=torch.Generator().manual_seed(2))
+    path = write_head(
+        tmp_path / "e3", eagle3_tensors(3, vd=96) | {"embed_tokens.weight": own}, {"draft_vocab_size": 96}
+    )
+    head = load_draft(HeadSpec(head=str(path)), target6, device="meta")
+    assert isinstance(head, EagleHead) and head.device.type == "meta"
+    assert head.embed_weight is not None and head.embed_weight.device.type == "meta"
 
 
 def test_an_eagle1_input_norm_is_ignored_as_the_reference_does(tmp_path: Path, target: LlamaModel) -> None:

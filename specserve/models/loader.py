@@ -276,6 +276,7 @@ def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.devic
     """A draft model, or a draft head bound to ``target`` (whose embedding it shares)."""
     if isinstance(spec, HeadSpec):
         head = load_eagle_head(spec.path(), target, dtype=spec.dtype.torch).to(device)
+        head.bind(target)  # again: its own copies of the target's embedding or LM head are no module state to move
         if spec.draft_vocab is not None and head.cfg.kind == HeadKind.eagle3:
             raise ModelSourceError(
                 f"draft_vocab applies to EAGLE-1/2 heads; the EAGLE-3 head {spec.path()} drafts over its own "

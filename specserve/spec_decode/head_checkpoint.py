@@ -428,7 +428,7 @@ def own_copy(theirs: torch.Tensor | None, targets: torch.Tensor, dtype: torch.dt
     """A checkpoint's copy of a target weight, in ``dtype``, where it is not the target's own (trained, or taken from
     another precision than the target was loaded in): the head drafts with what it was trained with, as the
     reference code and vLLM load it. None where it is the target's (shared, not held twice)."""
-    if theirs is None or torch.equal(theirs.to(targets.dtype), targets):
+    if theirs is None or torch.equal(theirs.to(targets.device, targets.dtype), targets):  # (the target's device)
         return None
     return theirs.to(dtype).contiguous()
 
