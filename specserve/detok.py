@@ -89,7 +89,7 @@ class IncrementalText:
         self.runs = ByteRuns.of(tokenizer) if runs is None else runs
         # (not from inside a character spelt in byte tokens: a run's bytes decode as a whole, and the output's
         # first bytes may join the prompt's last run)
-        self._skipped = frozenset(tokenizer.all_special_ids) if tokenizer is not None else frozenset()
+        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))  # (a duck-typed tokenizer may skip none)
         start = self.runs.char_start(prompt_ids, max(0, len(prompt_ids) - CONTEXT))
         start = self._with_text(prompt_ids, start, len(prompt_ids))
         self._prefix = list(prompt_ids[start:]) if tokenizer is not None else []
