@@ -675,7 +675,7 @@ class _FailingLoop:
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, *, remember: bool = True) -> None:
         self.waiting = [r for r in self.waiting if r.request_id != request_id]
 
     def step(self, only: frozenset[int] | None = None) -> list[RequestOutput]:
