@@ -125,3 +125,38 @@ def test_the_readmes_gpu_install_builds_flash_attn_against_the_installed_torch()
     first = re.findall(r"`(\.venv/bin/pip install [^`]*)`", before)[-1]
     for requirement in PYPROJECT["build-system"]["requires"]:
         assert f'"{requirement}"' in first or requirement in first.split(), requirement
+
+
+def test_every_node_runs_the_ray_of_the_image_and_the_rayservice() -> None:
+    """The ray-up nodes installed whatever Ray pyproject's ``>=`` allowed on the day each started: a node the
+    autoscaler added after a newer release was refused by the head (Ray checks every joining node's version)."""
+    pins = {m.group(1) for c in cluster_setup() if (m := re.search(r'"ray\[serve\]==(\S+?)"', c))}
+    image = re.search(r"^FROM rayproject/ray:(\d+\.\d+\.\d+)-", (REPO / "cluster/Dockerfile").read_text(), re.MULTILINE)
+    service = yaml.safe_load((REPO / "cluster/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]["rayVersion"]
+    assert image and pins == {image.group(1)} == {service}, (pins, image, service)
+    steps = cluster_setup()
+    assert min(i for i, c in enumerate(steps) if "ray[serve]==" in c) < min(
+        i for i, c in enumerate(steps) if "--no-build-isolation" in c
+    )
+
+
+def test_the_image_build_sends_no_secret_and_no_virtualenv() -> None:
+    """The build context is the checkout: cluster/specserve.env (the HF token, the API key) and a 2 GB .venv went
+    to the builder with it."""
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()}
+    assert {"cluster/specserve.env", ".venv", ".git", "bench_out"} <= ignored
+
+
+def test_a_rayservice_worker_pod_fits_the_gpu_node_the_configs_are_sized_for() -> None:
+    """Pods asked for 8 CPUs and 48 GiB: more than a g5.2xlarge (8 vCPU, 32 GiB) offers pods, so they stayed
+    Pending; a pod needs at most a router's CPUs beside a target's."""
+    spec = yaml.safe_load((REPO / "cluster/rayservice.yaml").read_text())["spec"]
+    (group,) = spec["rayClusterConfig"]["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    requests = container["resources"]["requests"]
+    cpus, memory_gib = float(requests["cpu"]), int(requests["memory"].removesuffix("Gi"))
+    assert cpus < 8 and memory_gib < 32
+    args = spec["serveConfigV2"]
+    app = yaml.safe_load(args)["applications"][0]["args"] if isinstance(args, str) else args["applications"][0]["args"]
+    router, target = app["router_resources"]["num_cpus"], app["target_resources"]["num_cpus"]
+    assert router + target <= cpus
