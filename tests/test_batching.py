@@ -973,13 +973,7 @@ def test_a_try_of_speculation_that_found_no_draft_is_no_try() -> None:
 def test_a_confirming_try_never_brings_the_interval_below_where_it_starts() -> None:
     """``explore_every`` above ``max_explore_every``: a try that confirmed plain decoding "doubled" the interval to
     min(2 x 30, 8), so the next try came after 8 steps, not 30: confirming tries made them more frequent."""
-    guard = ThroughputGuard(GuardConfig(explore_every=30, max_explore_every=8))
-    for _ in range(3):
-        guard.record(1, False, 1, 0.020)
-    while guard.faster(1) is None:
-        guard.record(1, True, 1, 0.030)
-    while not guard.speculate(1):
-        guard.record(1, False, 1, 0.020)
+    guard = guard_at_a_try(explore_every=30, max_explore_every=8)
     guard.record(1, True, 1, 0.030)  # the try: plain still faster
     assert guard.faster(1) is False and guard.intervals[1] == 30
     plain = 0
@@ -1014,10 +1008,10 @@ def test_a_measured_try_that_confirms_plain_decoding_doubles_the_interval() -> N
     assert 32 not in wide.trying and wide.faster(32) is False and wide.intervals[32] == 2 * wide.cfg.explore_every
 
 
-def guard_at_a_try(measured_tries: bool) -> ThroughputGuard:
+def guard_at_a_try(measured_tries: bool = False, **settings: Any) -> ThroughputGuard:
     """Batch 1: plain decoding 1 token in 20 ms; speculation's warm-up 1 token in 30 ms (plain chosen); then plain
     steps until a try of speculation is due."""
-    guard = ThroughputGuard(GuardConfig(measured_tries=measured_tries))
+    guard = ThroughputGuard(GuardConfig(measured_tries=measured_tries, **settings))
     for _ in range(3):
         guard.record(1, False, 1, 0.020)
     while guard.faster(1) is None:

@@ -347,12 +347,15 @@ def test_a_lane_waiting_for_a_new_target_lets_a_leaving_client_go_and_admits_new
 
 
 def test_requests_go_on_on_a_loaded_lane_while_their_lanes_new_target_loads(
-    target: LlamaModel, alone: list[list[int]]
+    target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Lane 0's target is lost a few tokens in and its replacement takes long to load its model (minutes for a large
     one): with lane 1 running and loaded, lane 0's requests move there at once and finish with the tokens they
     would have had alone, rather than wait for the load; lane 0 is loaded again once its new target has started,
-    with no request to step."""
+    with no request to step. Each output joins the replica's shared suffix cache once, whole: the tokens so far had
+    joined at the hand-off too, and again within the whole output on the other lane (counted twice)."""
+    remembered: list[list[int]] = []
+    monkeypatch.setattr(ModelFreeDrafter, "remember", lambda self, output, salt=None: remembered.append(list(output)))
     factories = [Factory(target, {0: "late", 1: "loading"}), Factory(target, {})]
     lanes: list[Lane] = []
     lanes += [_lane(target, factories[0], spare=lambda: lanes[1].healthy and not lanes[1].loading)]
@@ -373,45 +376,12 @@ def test_requests_go_on_on_a_loaded_lane_while_their_lanes_new_target_loads(
 
     try:
         assert asyncio.run(run()) == alone
+        assert sorted(remembered) == sorted(alone)
         assert moved == [0, 0] and lanes[0].loading and not factories[0].actors[1].loaded.is_set()
         assert factories[0].actors[0].calls.count("verify") == LATE_AFTER + 1  # they had tokens from lane 0 first
         factories[0].actors[1].loaded.set()
         _wait(lambda: not lanes[0].loading)
         assert lanes[0].healthy and lanes[0].generations[WorkerRole.target] == 1
-    finally:
-        _release_and_stop(lanes, factories)
-
-
-def test_a_request_moved_to_another_lane_joins_the_suffix_cache_once(
-    target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A replica's lanes share one suffix cache. A request handed on from a lane reloading its target joined it
-    there with its tokens so far, and again with its whole output (those tokens included) when it finished on the
-    other lane: its text counted twice, pushing other outputs out of the cache's token budget."""
-    remembered: list[list[int]] = []
-
-    def remember(self: ModelFreeDrafter, output: list[int], cache_salt: str | None = None) -> None:
-        remembered.append(list(output))
-
-    monkeypatch.setattr(ModelFreeDrafter, "remember", remember)
-    factories = [Factory(target, {0: "late", 1: "loading"}), Factory(target, {})]
-    lanes: list[Lane] = []
-    lanes += [_lane(target, factories[0], spare=lambda: lanes[1].healthy and not lanes[1].loading)]
-    lanes += [_lane(target, factories[1])]
-    moved: list[int] = []
-
-    async def one(request: Request) -> list[int]:
-        stream = FailoverStream(lambda: lanes, request, max_failovers=2, backoff_s=0.0, on_failover=moved.append)
-        await stream.open()
-        return [t async for out in stream for t in out.token_ids]
-
-    async def run() -> list[list[int]]:
-        requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-        return await asyncio.wait_for(asyncio.gather(*(one(r) for r in requests)), 10)
-
-    try:
-        assert asyncio.run(run()) == alone and moved
-        assert sorted(remembered) == sorted(alone)  # each output once, whole
     finally:
         _release_and_stop(lanes, factories)
 
