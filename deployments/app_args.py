@@ -26,6 +26,7 @@ from specserve.config import (
     SpecConfig,
     SpecMethod,
     TargetSpec,
+    cpu_kernel,
     serving_speculation,
 )
 from specserve.limits import MemoryShare
@@ -327,14 +328,14 @@ class AppArgs(LoopConfig):
         for role in self.roles if self.tiny is None else []:
             if (recipe := self.recipe(role)) is None or self.resources(role).device == "cpu":
                 continue
-            for flag in ("native_q4", "int8_dynamic"):  # CPU kernels: the actor would fail at load
-                if isinstance(recipe.spec, ModelSpec) and getattr(recipe.spec, flag):
-                    raise ValueError(f"a {flag} {role.value} runs on the CPU; on a GPU, draft with a head")
-                if recipe.head_target is not None and getattr(recipe.head_target, flag):
-                    raise ValueError(
-                        f"the draft head loads its {flag} target's embedding and LM head beside it, on the CPU only: "
-                        "give the draft actor no GPU, or the target another format"
-                    )
+            # CPU kernels: the actor would fail at load
+            if (kernel := cpu_kernel(recipe.spec)) is not None:
+                raise ValueError(f"a {kernel} {role.value} runs on the CPU; on a GPU, draft with a head")
+            if (kernel := cpu_kernel(recipe.head_target)) is not None:
+                raise ValueError(
+                    f"the draft head loads its {kernel} target's embedding and LM head beside it, on the CPU only: "
+                    "give the draft actor no GPU, or the target another format"
+                )
         return self
 
     def http_options(self, environ: Mapping[str, str] = os.environ) -> HTTPOptions:

@@ -544,6 +544,13 @@ def _verifiable(spec: ModelSpec) -> ModelSpec:
 TargetSpec = Annotated[ModelSpec, AfterValidator(_verifiable)]  # a model that verifies
 
 
+def cpu_kernel(spec: object) -> str | None:
+    """The CPU-only kernel a model spec runs (``native_q4``, ``int8_dynamic``; None: it runs on any device)."""
+    if not isinstance(spec, ModelSpec):
+        return None
+    return "native_q4" if spec.native_q4 else "int8_dynamic" if spec.int8_dynamic else None
+
+
 class EngineConfig(LoopConfig):
     """An in-process engine: which models, on which device, and its loop settings."""
 
@@ -572,9 +579,8 @@ class EngineConfig(LoopConfig):
         if self.device == "cpu":
             return self
         for role, spec in (("target", self.target), ("draft", self.draft)):
-            for flag in ("native_q4", "int8_dynamic"):
-                if isinstance(spec, ModelSpec) and getattr(spec, flag):
-                    raise ValueError(f"a {flag} {role} runs on the CPU, not on {self.device}")
+            if (kernel := cpu_kernel(spec)) is not None:
+                raise ValueError(f"a {kernel} {role} runs on the CPU, not on {self.device}")
         return self
 
 

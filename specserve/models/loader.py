@@ -275,8 +275,10 @@ def attach_records(model: LlamaModel, spec: ModelSpec, gguf: Path) -> None:
 def load_draft(spec: DraftSpec, target: LlamaModel, *, device: str | torch.device = "cpu") -> LlamaModel | EagleHead:
     """A draft model, or a draft head bound to ``target`` (whose embedding it shares)."""
     if isinstance(spec, HeadSpec):
-        head = load_eagle_head(spec.path(), target, dtype=spec.dtype.torch).to(device)
-        head.bind(target)  # again: its own copies of the target's embedding or LM head are no module state to move
+        head = load_eagle_head(spec.path(), target, dtype=spec.dtype.torch)
+        if head.device != torch.device(device):
+            head = head.to(device)
+            head.bind(target)  # again: its own copies of the target's weights are no module state that moves
         if spec.draft_vocab is not None and head.cfg.kind == HeadKind.eagle3:
             raise ModelSourceError(
                 f"draft_vocab applies to EAGLE-1/2 heads; the EAGLE-3 head {spec.path()} drafts over its own "
