@@ -105,9 +105,22 @@ def test_sdk_default_no_op_fields_are_accepted(client: openai.OpenAI, url: str) 
         extra_body={"top_logprobs": None, "logprobs": None},  # sent as null by clients that spell out every field
     )
     assert out.choices[0].message.role == "assistant"
+    spelled_out = client.chat.completions.create(  # what this server does, and OpenAI's unused hints: a 200
+        model=MODEL,
+        messages=USER,  # type: ignore[arg-type]
+        max_tokens=3,
+        temperature=0,
+        modalities=["text"],
+        service_tier="auto",
+        safety_identifier="user-1",
+        prompt_cache_key="tenant-a",
+        extra_body={"prompt_cache_retention": None, "moderation": None, "prompt_cache_options": None},
+    )
+    assert spelled_out.choices[0].message.content == out.choices[0].message.content
     zero = {"model": MODEL, "messages": USER, "max_tokens": 1, "logprobs": False, "top_logprobs": 0}
     assert httpx.post(url + CHAT, json=zero).status_code == 200
     invalid = [("response_format", {"type": "json_object"}), ("store", True), ("store", "no"), ("top_logprobs", 2)]
+    invalid += [("modalities", ["text", "audio"]), ("service_tier", "flex"), ("prompt_cache_retention", "24h")]
     for field, value in invalid:
         body = {"model": MODEL, "messages": USER, field: value}
         error = _error(httpx.post(url + CHAT, json=body))
@@ -149,6 +162,18 @@ def test_stream_options_include_obfuscation(url: str) -> None:
     for bad in (True, 0):
         r = httpx.post(url + CHAT, json=body | {"stream_options": {"include_obfuscation": bad}})
         assert r.status_code == 400 and "include_obfuscation" in r.json()["error"]["message"], r.text
+
+
+def test_a_stream_tells_proxies_to_pass_its_events_on_unbuffered(url: str) -> None:
+    """nginx, the reverse proxy deployments/README.md suggests, buffers a proxied body unless told not to: tokens
+    (and the keep-alives) would reach the client in bursts."""
+    for path, body in ((COMPLETIONS, {"prompt": "hi"}), (CHAT, {"messages": USER})):
+        with httpx.stream("POST", url + path, json={"model": MODEL, "max_tokens": 2, "stream": True, **body}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["x-accel-buffering"] == "no" and r.headers["cache-control"] == "no-cache", r.headers
+            assert any(line == "data: [DONE]" for line in r.iter_lines())
+    plain = httpx.post(url + COMPLETIONS, json={"model": MODEL, "max_tokens": 1, "prompt": "hi"})
+    assert plain.status_code == 200 and "x-accel-buffering" not in plain.headers
 
 
 def test_the_sdk_reads_a_stream_with_keep_alive_lines_between_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1012,6 +1037,11 @@ def test_openais_other_forms_of_a_request_read_as_they_mean_or_are_refused_by_na
         assert error["param"] == "prompt" and "batch prompts (2 in one request) are not supported" in error["message"]
     for unset in ({"echo": None}, {"logit_bias": None}, {"logit_bias": {}}, {"metadata": {"run": "a"}}):
         assert post(COMPLETIONS, prompt="hi", **unset).status_code == 200, unset
+    for no_op in ({"echo": False}, {"best_of": 1}, {"best_of": None}, {"suffix": None}):
+        assert post(COMPLETIONS, prompt="hi", **no_op).status_code == 200, no_op
+    for field, value in (("echo", True), ("best_of", 2), ("suffix", "and so on")):
+        error = _error(post(COMPLETIONS, prompt="hi", **{field: value}))
+        assert error["param"] == field and f"{field} " in error["message"] and "not supported" in error["message"]
     assert _error(post(COMPLETIONS, prompt="hi", logit_bias={"5": 10}))["param"] == "logit_bias"
     assert _error(post(COMPLETIONS, prompt="hi", stream_options={"include_usage": True}))["param"] == "stream_options"
     bad_stream = _error(post(COMPLETIONS, prompt="hi", stream="yes", stream_options={"include_usage": True}))

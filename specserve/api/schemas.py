@@ -327,9 +327,21 @@ class CompletionRequest(GenerationRequest):
     max_tokens: StrictInt | None = Field(
         default=16, ge=1, lt=INT64_END, description="at most the context length minus the prompt"
     )
-    echo: Annotated[Literal[False], _exactly(bool)] = False
-    best_of: Annotated[Literal[1] | None, _exactly(int)] = None
-    suffix: None = None
+    echo: Annotated[Literal[False], _exactly(bool)] = Field(default=False, description="not supported: only false")
+    best_of: Annotated[Literal[1] | None, _exactly(int)] = Field(default=None, description="not supported: only 1")
+    suffix: None = Field(default=None, description="not supported (text after an insertion): only null")
+
+    @field_validator("echo", "best_of", "suffix", mode="before")
+    @classmethod
+    def _no_echo_best_of_or_suffix(cls, v: object, info: ValidationInfo) -> object:
+        # each by name, as n and logprobs are, not as a bare "Input should be False / 1 / None"
+        if info.field_name == "echo" and v is True:
+            raise ValueError("echo is not supported; send false or null")
+        if info.field_name == "best_of" and type(v) is int and v != 1:
+            raise ValueError("best_of is not supported; send 1 or null")
+        if info.field_name == "suffix" and isinstance(v, str):
+            raise ValueError("suffix (text after an insertion) is not supported; send null")
+        return v
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -401,8 +413,9 @@ class ChatMessage(ClosedModel):
 
 class ChatCompletionRequest(GenerationRequest):
     unset_when_empty = frozenset(
-        {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "service_tier"}
-        | {"reasoning_effort", "modalities", "audio", "prediction", "web_search_options", "verbosity"}
+        {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort", "audio"}
+        | {"prediction", "web_search_options", "verbosity", "prompt_cache_retention", "prompt_cache_options"}
+        | {"moderation"}
     )
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)
@@ -414,6 +427,14 @@ class ChatCompletionRequest(GenerationRequest):
         default=None, description="only the no-op false: nothing is stored"
     )
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=0, description="not supported: only 0 or null")
+    # what this server does, sent as values by clients that spell them out: accepted; other values are refused
+    modalities: list[Literal["text"]] | None = Field(default=None, max_length=1, description="only ['text']")
+    service_tier: Literal["auto", "default"] | None = Field(
+        default=None, description="only the standard tier: 'auto' or 'default'"
+    )
+    # OpenAI's hints for its abuse detection and its prompt-cache routing, accepted and unused here (as ``user``)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -433,6 +454,13 @@ class ChatCompletionRequest(GenerationRequest):
     def _no_top_logprobs(cls, v: object) -> object:
         if isinstance(v, int) and not isinstance(v, bool) and v != 0:
             raise ValueError("logprobs are not supported: top_logprobs must be 0 or null")
+        return v
+
+    @field_validator("service_tier", mode="before")
+    @classmethod
+    def _standard_tier(cls, v: object) -> object:
+        if isinstance(v, str) and v not in ("auto", "default"):
+            raise ValueError(f"service_tier {v[:40]!r} is not supported; only 'auto' or 'default'")
         return v
 
     @field_validator("store", mode="before")

@@ -87,6 +87,8 @@ SSE_KEEPALIVE_S = 15.0
 # text holds one stays one line for every client
 _LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 SSE_MEDIA_TYPE = "text/event-stream"
+# a proxy in front (nginx buffers what it proxies by default) passes each event on as it comes, and caches none
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -289,7 +291,7 @@ class _ClosingStreamingResponse(StreamingResponse):
     def __init__(
         self, content: AsyncIterator[str], *, on_close: Callable[[], Awaitable[None]], media_type: str
     ) -> None:
-        super().__init__(content, media_type=media_type)
+        super().__init__(content, media_type=media_type, headers=SSE_HEADERS)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
