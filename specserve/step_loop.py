@@ -526,7 +526,11 @@ class StepLoop:
     def _release(self, seqs: list[Sequence], *, remember: bool = True) -> None:
         self._release_ids([s.seq_id for s in seqs])
         for s in seqs if remember else []:  # last: the workers' slots are free whatever the cache's insert does
-            self.model_free.remember(s.output, s.request.cache_salt)
+            try:
+                self.model_free.remember(s.output, s.request.cache_salt)
+            except Exception:  # the sequences have left the loop: a failed insert costs the cache, never an output
+                # (raised out of an abort, it reached whichever caller stepped, the step's other outputs lost)
+                logger.exception("adding request %s's output to the suffix cache failed", s.request.request_id)
 
     def _release_ids(self, ids: list[int]) -> None:
         """Every owner releases these sequences, each whatever the others do (releasing is idempotent). Ids an

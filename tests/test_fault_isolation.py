@@ -546,20 +546,37 @@ def test_a_failing_step_observer_or_guard_record_loses_no_tokens(
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == alone
 
 
+def _remember_fails(self: ModelFreeDrafter, output: list[int], cache_salt: str | None = None) -> None:
+    raise ValueError("remove() of tokens that were never added")
+
+
 def test_a_failing_release_of_finished_sequences_loses_no_tokens(
     models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finished sequences are released after the step committed (their outputs joining the suffix cache among it):
     a failure there used to lose the whole step's outputs (the other requests skipping its tokens) and leave the
     finished ones in the batch, their final output never sent."""
-
-    def remember(self: ModelFreeDrafter, output: list[int], cache_salt: str | None = None) -> None:
-        raise ValueError("remove() of tokens that were never added")
-
-    monkeypatch.setattr(ModelFreeDrafter, "remember", remember)
+    monkeypatch.setattr(ModelFreeDrafter, "remember", _remember_fails)
     engine = _engine(models)
     assert _run_lane(engine, _requests(None, GREEDY)) == alone
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == alone
+    assert not engine.loop.has_work
+
+
+def test_a_failing_cache_insert_as_a_failed_request_is_aborted_loses_no_other_tokens(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Aborting a failed request adds its output to the suffix cache. An insert that raised there escaped the abort
+    (the request's slots already freed): the failure reached the caller that stepped, with_exceptions or not, and
+    the failed request never heard of its own error."""
+    monkeypatch.setattr(ModelFreeDrafter, "remember", _remember_fails)
+    engine = _engine(models)
+    poison = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    _faulty(engine, poison, lambda batch, bad: _named(min(bad & batch), ray=False) if bad & batch else None)
+    ids = [engine.submit(p, poison if i == 1 else GREEDY) for i, p in enumerate(PROMPTS)]
+    results = engine.collect(ids, return_exceptions=True)
+    assert isinstance(results[1], SequenceError) and results[1].message == "poisoned", results[1]
+    assert [r.token_ids for r in results if isinstance(r, Completion)] == [alone[i] for i in (0, 2, 3)]
     assert not engine.loop.has_work
 
 
