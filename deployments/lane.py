@@ -276,8 +276,8 @@ class Lane:
         """Queue the request on the lane; returns once the StepLoop accepted it (raises what add_request raises)."""
         if request.request_id in self._active:  # refused here: the lane thread would forget the live one's stream
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
-        if not self.alive:
-            raise LaneLostError(f"lane {self.index} has stopped")
+        if not self.alive:  # it never ran here: its move to another lane is no failover
+            raise LaneHandoffError(f"lane {self.index} has stopped")
         sink = _Sink(asyncio.get_running_loop())
         admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._active.add(request.request_id)
@@ -411,7 +411,9 @@ class Lane:
             self._failures = 0  # every worker up and answering: earlier losses no longer count as in a row
 
     def _fail_pending(self) -> None:
-        """Answer every queued submit of a stopped lane with WorkerFailedError (any thread: the lane's is gone)."""
+        """Answer every queued submit of a stopped lane with LaneHandoffError (any thread: the lane's is gone): they
+        never ran here, so their moves to another lane are no failovers (a request with ``max_failovers: 0`` failed
+        with a 503 for a lane it had only queued on)."""
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -422,7 +424,7 @@ class Lane:
             elif isinstance(command, _Submit):
                 self._active.discard(command.request.request_id)
                 with contextlib.suppress(concurrent.futures.InvalidStateError):  # the client left meanwhile
-                    command.admitted.set_exception(LaneLostError(f"lane {self.index} has stopped"))
+                    command.admitted.set_exception(LaneHandoffError(f"lane {self.index} has stopped"))
 
     def _drain(self, *, wait: float | None) -> bool:
         """Apply queued commands, waiting at most ``wait`` seconds for the first (None: for ever); False once told

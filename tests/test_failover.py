@@ -15,7 +15,7 @@ import pytest
 from deployments import failover
 from deployments.failover import FailoverStream, Moving, pick_lane
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.api.error_bodies import APIError, LaneLostError, WorkerFailedError
+from specserve.api.error_bodies import APIError, LaneHandoffError, LaneLostError, WorkerFailedError
 from specserve.config import SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
@@ -64,14 +64,14 @@ class FakeLane:
     alive: bool = True
     in_flight: int = 0
     lost_after: int | None = None
-    refuse: bool = False  # its submit raises LaneLostError (the thread stopped after the pick)
+    refuse: bool = False  # its submit raises LaneHandoffError, as a lane's does (its thread stopped after the pick)
     tokens: list[int] = field(default_factory=lambda: list(TOKENS))
     submitted: list[Request] = field(default_factory=list)
 
     async def submit(self, request: Request) -> Stream:
         self.submitted.append(request)
         if self.refuse:
-            raise LaneLostError(f"lane {self.index} has stopped")
+            raise LaneHandoffError(f"lane {self.index} has stopped")
         n = len(self.tokens) if self.lost_after is None else self.lost_after
         start = 0 if request.delivered is None else len(request.delivered.token_ids)
         outs = [_output(i, self.tokens, WORDS, start) for i in range(start, n)]
@@ -253,9 +253,10 @@ def test_a_continuation_another_lane_refuses_is_a_503_not_the_clients_fault(slee
 
 
 def test_a_lane_that_stops_between_the_pick_and_the_submit_is_skipped(sleeps: list[float]) -> None:
+    """The request never ran there: it moves on even with no failover to spend."""
     stopping, other = FakeLane(0, refuse=True), FakeLane(1, in_flight=2)
     moved: list[int] = []
-    assert _collect(_stream([stopping, other], moved=moved))[0] == TOKENS
+    assert _collect(_stream([stopping, other], max_failovers=0, moved=moved))[0] == TOKENS
     assert moved == [0] and len(other.submitted) == 1
 
 

@@ -27,7 +27,13 @@ from deployments.app_args import WorkerRole
 from deployments.failover import FailoverStream
 from deployments.lane import Lane
 from deployments.wire import attach_features, strip_features
-from specserve.api.error_bodies import APIError, LaneLostError, RequestFailedError, WorkerFailedError
+from specserve.api.error_bodies import (
+    APIError,
+    LaneHandoffError,
+    LaneLostError,
+    RequestFailedError,
+    WorkerFailedError,
+)
 from specserve.api.metrics import ServeMetrics
 from specserve.config import SpecConfig, SpecMethod
 from specserve.engine import Engine
@@ -1044,13 +1050,14 @@ def test_submits_queued_when_the_lane_thread_stops_are_answered(target: LlamaMod
         assert isinstance(first, WorkerFailedError) and isinstance(second, WorkerFailedError)
         # the request that was on the lane when its thread broke is not moved (it may have broken it); the one
         # still waiting to be admitted never ran there and may go to another lane
-        assert not isinstance(first, LaneLostError) and isinstance(second, LaneLostError)
+        # (a move that spends no failover: LaneHandoffError)
+        assert not isinstance(first, LaneLostError) and isinstance(second, LaneHandoffError)
         deadline = time.monotonic() + 5
         while lane.alive:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert lane.in_flight == 0
-        with pytest.raises(WorkerFailedError, match="stopped"):
+        with pytest.raises(LaneHandoffError, match="stopped"):
             asyncio.run(lane.submit(Request("c", PROMPTS[2], GREEDY)))
     finally:
         queued.set()
