@@ -108,6 +108,12 @@ class ProposeItem:
     root_position: int | None = None  # index of the root in the sequence (keyed chains draw the token after it at +1)
     min_prob: float | None = None  # trees: this step's measured floor, in place of spec.tree_min_prob (None: that)
 
+    def __post_init__(self) -> None:
+        # a step without drafting sends no item: a draft worker given depth 0 fed nothing, yet took its next item's
+        # tokens as following a cached root (an AssertionError there, or a cache out of step)
+        if self.depth < 1:
+            raise ValueError(f"sequence {self.seq_id}: a proposal drafts at least one level, got depth {self.depth}")
+
 
 @dataclass(frozen=True)
 class Proposal:

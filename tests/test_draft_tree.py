@@ -124,6 +124,16 @@ def _states(specs: list[SpecConfig], depth: int) -> list[DraftState]:
     ]
 
 
+def test_a_proposal_of_no_levels_is_refused_when_made() -> None:
+    """A draft worker given depth 0 fed nothing and cached no root, so its next proposal for the sequence failed an
+    assert (the step loop sends no item for a step without drafting; a library caller could)."""
+    from specserve.messages import ProposeItem
+
+    with pytest.raises(ValueError, match="sequence 3: a proposal drafts at least one level, got depth 0"):
+        ProposeItem(3, [5, 9], [], 0)
+    assert ProposeItem(3, [5, 9], [], 1).depth == 1
+
+
 def _logits(peaked: bool, rows: int, vocab: int = 50) -> torch.Tensor:
     """A fake draft's logits: peaked puts ~all mass on one token (H stays near 0), else uniform (H drops by
     log(1/V) a level)."""
