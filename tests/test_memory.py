@@ -215,6 +215,35 @@ def test_a_checkpoint_deeper_or_shallower_than_its_config_or_with_non_finite_wei
         load_model_dir(path, spec)
 
 
+def test_checkpoints_this_runner_does_not_run_are_refused_for_what_they_are(tmp_path: Path) -> None:
+    """A GPT-2 was refused for holding "0 decoder layers", a bare LlamaModel's tensors likewise, a float8 checkpoint
+    with torch's NotImplementedError, and a bitsandbytes one only after its int8 weights were built in as floats."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    spec = ModelSpec(source=str(tmp_path / "m"), native_stack=False, small_gemm=False)
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2' is not supported"):
+        load_model_dir(tmp_path / "gpt2", spec)
+    path = _write_hf_dir(tiny_model(tiny_config(num_hidden_layers=2), seed=3), tmp_path / "m")
+    config, sd = json.loads((path / "config.json").read_text()), load_file(path / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in sd.items()}, path / "model.safetensors")
+    with pytest.raises(UnsupportedModelError, match=r"names 2; its tensors lack the 'model\.' prefix"):
+        load_model_dir(path, spec)
+    for dtype in (torch.float8_e4m3fn, torch.int8):
+        save_file(
+            sd | {"model.layers.0.mlp.up_proj.weight": torch.zeros(32, 16, dtype=dtype)}, path / "model.safetensors"
+        )
+        with pytest.raises(UnsupportedModelError, match=rf"up_proj\.weight' is {dtype}; the weights must be float32"):
+            load_model_dir(path, spec)
+    save_file(sd, path / "model.safetensors")
+    load_model_dir(path, spec)
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    with pytest.raises(UnsupportedModelError, match=r"quantised checkpoint \(quantization_config: gptq\)"):
+        load_model_dir(path, spec)
+
+
 def _logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     cache = model.new_cache(1, 32)
     return model(ForwardBatch.build(cache, [cache.allocate()], [tokens]), cache)

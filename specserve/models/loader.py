@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec, SourceKind
 from specserve.errors import CorruptModelError, ModelSourceError, SpecServeError, UnsupportedModelError
 from specserve.models.llama import (
+    ArchConfig,
     LlamaModel,
     attach_gemv_copies,
     attach_mkl_packed,
@@ -98,6 +99,7 @@ def use_native_q4(model: LlamaModel, spec: ModelSpec) -> None:
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -131,6 +133,16 @@ def load_model_dir(
         hf_config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError, StrictDataclassError) as e:
         raise ModelSourceError(f"cannot read config.json in {path}: {e!r}") from e
+    # by name before any weight is read: a GPT-2 had been refused for holding "0 decoder layers", a GPTQ checkpoint
+    # for a missing ``weight``, and bitsandbytes' int8 weights were cast to floats and built into a model
+    ArchConfig.from_hf(hf_config)
+    quantized = getattr(hf_config, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else type(quantized).__name__
+        raise UnsupportedModelError(
+            f"{path} holds a quantised checkpoint (quantization_config: {str(method)[:40]}); load its float16, "
+            "bfloat16 or float32 weights (this runner quantises them itself: int8_dynamic, native_q4)"
+        )
     files = weight_files(path)
     if spec.int8_dynamic and (spec.dtype != DType.float32 or torch.device(device).type != "cpu"):
         raise UnsupportedModelError("int8_dynamic models run on the CPU from float32 weights")
@@ -158,7 +170,12 @@ def load_model_dir(
                 tensor = handle.get_tensor(name)
             except Exception as e:
                 raise CorruptModelError(f"cannot read weights {f}: {e}") from e
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if tensor.dtype not in WEIGHT_DTYPES:  # float8 or integers: quantised weights, not taken as floats
+                raise UnsupportedModelError(
+                    f"{f}: tensor {name!r} is {tensor.dtype}; the weights must be float32, float16, bfloat16 or "
+                    "float64 (a quantised checkpoint is not supported)"
+                )
+            if not bool(torch.isfinite(tensor).all()):
                 raise CorruptModelError(f"{f}: tensor {name!r} holds NaN or infinite values")
             return tensor.to(dtype=dtype).to(device)
 
@@ -167,9 +184,15 @@ def load_model_dir(
         held = max(layers) + 1 if layers else 0
         # before building: an absurd count would take minutes to refuse (every index held, not just the last)
         if isinstance(named, int) and (held != named or len(layers) != held):
+            bare = not layers and any(name.startswith("layers.") for name in where)
             raise UnsupportedModelError(
                 f"the weights in {path} hold {len(layers)} decoder layers, numbered up to {held - 1}; "
                 f"its config.json names {named}"
+                + (
+                    "; its tensors lack the 'model.' prefix (saved from the base model, not ...ForCausalLM)"
+                    if bare
+                    else ""
+                )
             )
         try:
             model = LlamaModel.from_hf_weights(hf_config, get, dtype=dtype, device=device, max_positions=max_positions)
