@@ -95,9 +95,7 @@ class _WorkerHost:
         if isinstance(self.model, EagleHead):
             features = feature_request(self.model)
             return ModelInfo(self.model.cfg.vocab_size, self.model.max_positions, frozenset(), features)
-        eos = self.model.hf_config.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-        return ModelInfo(self.model.cfg.vocab_size, self.model.max_positions, frozenset(eos_ids))
+        return ModelInfo(self.model.cfg.vocab_size, self.model.max_positions, self.model.eos_token_ids)
 
     def kv_slots(self, geometry: KVGeometry, step_tokens: int, share: MemoryShare | None) -> int:
         """KV slots of ``geometry.max_len`` that fit on this actor's device, at most ``geometry.num_slots``."""

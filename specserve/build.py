@@ -21,7 +21,8 @@ from specserve.workers.head_draft import HeadDraftWorker
 
 
 def eos_ids_of(config_eos: int | list[int] | None, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
-    """The model config's EOS id(s) and the tokenizer's: generation stops at any of them."""
+    """The model's EOS id(s) (``LlamaModel.eos_token_ids``: config.json's and generation_config.json's) and the
+    tokenizer's: generation stops at any of them."""
     ids = set(config_eos if isinstance(config_eos, list) else [] if config_eos is None else [config_eos])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

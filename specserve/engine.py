@@ -90,7 +90,7 @@ class Engine:
         )
         self.encoder = PromptEncoder(tokenizer, model.cfg.vocab_size)
         eos = (
-            eos_ids_of(model.hf_config.eos_token_id, tokenizer)
+            eos_ids_of(sorted(model.eos_token_ids), tokenizer)
             if eos_token_ids is None
             else _token_set(eos_token_ids, model.cfg.vocab_size)
         )

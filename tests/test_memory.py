@@ -244,6 +244,37 @@ def test_checkpoints_this_runner_does_not_run_are_refused_for_what_they_are(tmp_
         load_model_dir(path, spec)
 
 
+def test_generation_stops_at_the_eos_ids_generation_config_names_and_at_no_class_default(tmp_path: Path) -> None:
+    """generation_config.json's EOS ids were never read (an instruct model may name its end of turn there alone,
+    and ran past it), and a config.json without eos_token_id stopped at Llama's class default, id 2."""
+    from specserve.engine import Engine
+    from specserve.sampling import SamplingParams
+    from specserve.sequence import FinishReason
+
+    model = tiny_model(tiny_config(num_hidden_layers=2), seed=3)
+    spec = ModelSpec(source=str(tmp_path / "m"), native_stack=False, small_gemm=False)
+    path = _write_hf_dir(model, tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "eos_token_id"}))
+    assert load_model_dir(path, spec).eos_token_ids == frozenset()
+    params = SamplingParams(max_tokens=24)
+
+    def generate(loaded: LlamaModel) -> tuple[list[int], FinishReason | None]:
+        out = Engine(loaded, None, max_model_len=64, max_batch_size=1).generate([[5, 9, 13]], params)[0]
+        return out.token_ids, out.finish_reason
+
+    plain, reason = generate(load_model_dir(path, spec))
+    assert reason == FinishReason.length and len(set(plain)) > 2
+    stop = plain[len(plain) // 2]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [config["eos_token_id"], stop]}))
+    loaded = load_model_dir(path, spec)
+    assert loaded.eos_token_ids == {config["eos_token_id"], stop}
+    assert generate(loaded) == (plain[: plain.index(stop)], FinishReason.stop)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(CorruptModelError, match=r"generation_config\.json: eos_token_id must be a token id"):
+        load_model_dir(path, spec)
+
+
 def _logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     cache = model.new_cache(1, 32)
     return model(ForwardBatch.build(cache, [cache.allocate()], [tokens]), cache)

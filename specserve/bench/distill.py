@@ -74,7 +74,7 @@ def _setup(args: argparse.Namespace) -> tuple[LlamaModel, list[list[int]], int, 
     model, tokenizer = load_model(spec), load_tokenizer(spec)
     texts = seed_prompts(HELD_OUT + args.prompts, 0)[HELD_OUT:]
     stop_id = tokenizer.eos_token_id
-    if eos_ids_of(model.hf_config.eos_token_id, tokenizer) != {stop_id}:
+    if eos_ids_of(sorted(model.eos_token_ids), tokenizer) != {stop_id}:
         raise ValueError("this comparison needs a target with a single EOS id")
     engine = Engine(model, tokenizer, max_batch_size=args.prompts, max_model_len=1024, eos_token_ids={stop_id})
     return model, [chat_ids(tokenizer, t) for t in texts], stop_id, engine

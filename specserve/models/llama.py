@@ -310,6 +310,14 @@ class DecoderLayer(nn.Module):
         return x + linear(self.down, F.silu(gate) * up)
 
 
+def token_id_set(value: object) -> frozenset[int]:
+    """A config's ``eos_token_id``: one id, a list of them, or none."""
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise UnsupportedModelError(f"eos_token_id must be a token id or a list of them, got {str(value)[:80]}")
+    return frozenset(values)
+
+
 class LlamaModel(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -322,6 +330,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.cfg = cfg = ArchConfig.from_hf(hf_config)
+        # the ids generation stops at (with the tokenizer's EOS): the loader adds generation_config.json's
+        self.eos_token_ids = token_id_set(hf_config.eos_token_id)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, device=device))

@@ -24,6 +24,7 @@ from specserve.models.llama import (
     attach_mkl_packed,
     attach_row_padding,
     quantize_int8_dynamic,
+    token_id_set,
 )
 from specserve.models.lm_head import attach_bounded_argmax
 from specserve.models.native_stack import (
@@ -202,12 +203,35 @@ def load_model_dir(
             # a tensor whose shape the config does not imply (torch's size mismatch), a malformed config field
             raise UnsupportedModelError(f"the weights in {path} do not fit its config.json: {e!r}") from e
         _check_unused(path, where.keys() - read, model, get)
+    model.eos_token_ids = stop_token_ids(path)
     model.requires_grad_(False)  # frozen: with autograd on, the kernel (which has no backward) would step aside
     if spec.int8_dynamic:
         return quantize_int8_dynamic(model)
     if not spec.native_q4:  # native_q4 replaces the decoder's linears first (load_model)
         attach_cpu_paths(model, spec)
     return model
+
+
+def stop_token_ids(path: Path) -> frozenset[int]:
+    """The EOS ids config.json and generation_config.json name, as transformers' ``generate`` and vLLM stop at them
+    (an instruct model may name a stop id in the second alone). Read from the files: a config class fills in a
+    default id (Llama's 2) that no file names."""
+    ids: frozenset[int] = frozenset()
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ModelSourceError(f"cannot read {f}: {e!r}") from None
+        if not isinstance(data, dict):
+            raise CorruptModelError(f"{f} is not a JSON object")
+        try:
+            ids |= token_id_set(data.get("eos_token_id"))
+        except UnsupportedModelError as e:
+            raise CorruptModelError(f"{f}: {e}") from None
+    return ids
 
 
 def _check_unused(path: Path, unused: set[str], model: LlamaModel, get: Callable[[str], torch.Tensor]) -> None:

@@ -209,7 +209,7 @@ def train_draft(
             log(
                 f"note: {cfg.train.init_head} was trained for {start.trained_for}; fine-tuning it for {cfg.target_name}"
             )
-    forced = special_ids(tokenizer, target.hf_config.eos_token_id)
+    forced = special_ids(tokenizer, sorted(target.eos_token_ids))
     if cfg.draft_vocab > target.cfg.vocab_size:
         raise SettingsError(
             f"draft_vocab {cfg.draft_vocab} is larger than the target's vocabulary ({target.cfg.vocab_size})"
@@ -531,7 +531,7 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(spec, device=args.device)
     for p in target.parameters():
         p.requires_grad_(False)
-    distill = greedy_distiller(target, eos_ids_of(target.hf_config.eos_token_id, tokenizer), batch_size)
+    distill = greedy_distiller(target, eos_ids_of(sorted(target.eos_token_ids), tokenizer), batch_size)
 
     @functools.cache
     def asking_engine() -> Engine:  # built on the first request asked: its KV cache is sized for the whole batch
