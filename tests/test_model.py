@@ -96,6 +96,19 @@ def test_a_rope_base_of_any_real_number_type_is_taken() -> None:
         assert torch.equal(run_one(tiny_model(tiny_config("llama", rope_theta=theta), seed=3), ids), ref), theta
 
 
+def test_a_sliding_window_below_the_models_positions_is_said_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    """Mistral-7B-v0.1 (32768 positions, window 4096) is served up to 4096 positions: the limit's warning named
+    only "the models' 4096 positions", never the window."""
+    with caplog.at_level("WARNING", logger="specserve.models.llama"):
+        model = LlamaModel(tiny_config("mistral", sliding_window=64, max_position_embeddings=256))
+    assert model.max_positions == 64
+    assert "sliding_window 64 is below max_position_embeddings 256: the model is served up to 64" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specserve.models.llama"):
+        LlamaModel(tiny_config("mistral", sliding_window=4096, max_position_embeddings=256))
+    assert "sliding_window" not in caplog.text
+
+
 def test_unsupported_architecture_is_a_clear_error() -> None:
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         LlamaModel(tiny_config("gpt2"))

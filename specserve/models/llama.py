@@ -339,6 +339,14 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if cfg.max_position_embeddings < hf_config.max_position_embeddings:  # said once, at load, with its reason
+            logger.warning(
+                "sliding_window %d is below max_position_embeddings %d: the model is served up to %d positions, "
+                "where its sliding attention equals full attention",
+                cfg.max_position_embeddings,
+                hf_config.max_position_embeddings,
+                cfg.max_position_embeddings,
+            )
         if self.max_positions > MAX_POSITIONS:
             logger.warning(
                 "the model's %d positions are served up to %d (MAX_POSITIONS: RoPE tables are built for each)",
