@@ -202,3 +202,24 @@ def test_host_read_hook_sees_a_per_layer_sync(monkeypatch: pytest.MonkeyPatch) -
     model = tiny_model(tiny_config(num_hidden_layers=3), seed=26)
     reads = _host_reads(monkeypatch, model, lambda cache, slots: ForwardBatch.build(cache, slots, [[1], [2], [3]]))
     assert reads == 3
+
+
+def test_a_slots_next_sequence_reads_nothing_its_last_one_wrote() -> None:
+    """A padded batch's SDPA reads every row's entries up to the longest row and masks the rest, and a mask does
+    not hide a non-finite value: a sequence whose K/V overflowed (fp16) left its slot poisoning every later sequence
+    there that stepped beside a longer one (NaN logits; alone, or on the C++ kernel, which reads no masked entry,
+    it was fine). Freeing a slot zeroes what it wrote."""
+    model = tiny_model(tiny_config(num_key_value_heads=2), seed=4)
+    cache = model.new_cache(2, 32)
+    a, b = cache.allocate(), cache.allocate()
+    model(ForwardBatch.build(cache, [a, b], [list(range(3, 13)), list(range(20, 30))]), cache)
+    for t in (*cache.k, *cache.v):
+        t[a, :, 8] = float("inf")  # as an overflowing sequence leaves it
+    cache.free(a)
+    assert cache.allocate() == a
+    model(ForwardBatch.build(cache, [a], [[5, 9, 13]]), cache)
+    both = model(ForwardBatch.build(cache, [a, b], [[7], [7]]), cache)
+    assert bool(both.isfinite().all())
+    alone = model.new_cache(1, 32)
+    ref = model(ForwardBatch.build(alone, [alone.allocate()], [[5, 9, 13, 7]]), alone)[-1]
+    assert torch.allclose(both[0], ref, atol=1e-5)

@@ -36,6 +36,7 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
         self._lengths = [0] * num_slots
+        self._written = [0] * num_slots  # entries of each slot written since it was last cleared (a high-water mark)
         self._free = list(range(num_slots))  # kept sorted: lowest slot first keeps batches contiguous
 
     @property
@@ -51,7 +52,15 @@ class KVCache:
         return slot
 
     def free(self, slot: int) -> None:
+        """The slot's written entries are zeroed for its next sequence: a batched read (SDPA over a padded batch)
+        takes every row's entries up to the longest row's length and masks the rest, and a mask does not hide a
+        non-finite value (inf + -inf, 0 * inf: NaN). A sequence whose K/V overflowed (fp16) had poisoned each later
+        sequence in its slot that stepped beside a longer one. Once a sequence, proportional to what it wrote."""
         self._check_slot(slot)
+        written, self._written[slot] = self._written[slot], 0
+        if written:
+            for cache in (*self.k, *self.v):
+                cache[slot, :, :written].zero_()
         self._lengths[slot] = 0
         self._free.append(slot)
         self._free.sort()
@@ -86,6 +95,7 @@ class KVCache:
             starts.append(start)
         for slot, n in zip(slots, num_new, strict=True):
             self._lengths[slot] += n
+            self._written[slot] = max(self._written[slot], self._lengths[slot])
         return starts
 
     def truncate(self, slot: int, length: int) -> None:
