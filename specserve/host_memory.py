@@ -66,11 +66,13 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
-def check_host_fits(kv_bytes: int, slots: int, max_len: int, *, available: int) -> None:
-    """Refuse a CPU KV cache larger than the memory available: its pages are committed only as the slots fill, so
-    it would allocate, then be ended by the kernel's OOM killer under load."""
-    if kv_bytes > available:
+def check_host_fits(kv_bytes: int, slots: int, max_len: int, *, available: int, activation_bytes: int = 0) -> None:
+    """Refuse a CPU KV cache (with its slots' shares of a step's activations) larger than the memory available:
+    zeroing the cache commits its pages at once, so the kernel's OOM killer would end the process at start without
+    a word, or, with the cache alone fitting, at its first full batch of whole-prompt prefills."""
+    if kv_bytes + activation_bytes > available:
+        also = f" and {activation_bytes / GIB:.1f} GiB for a step's activations" if activation_bytes else ""
         raise KVCapacityError(
-            f"a KV cache of {slots} slots x {max_len} tokens needs {kv_bytes / GIB:.1f} GiB; this host has "
+            f"a KV cache of {slots} slots x {max_len} tokens needs {kv_bytes / GIB:.1f} GiB{also}; this host has "
             f"{available / GIB:.1f} GiB available: lower max_batch_size or max_model_len"
         )

@@ -108,18 +108,14 @@ def device_kv_slots(
     mem_info: MemInfo | None = None,
     reserved: Callable[[torch.device], int] | None = None,
 ) -> int:
-    """KV slots of ``max_len`` for ``models`` (on one device, weights loaded): ``requested`` on the CPU (refused
-    when they would not fit in the memory the host has available: ``check_host_fits``) or without a share; on
-    CUDA as many as fit (at most ``requested``), each reserving its KV in every model and its share of the largest
-    forward (a prefill of ``max_len`` or a step of ``step_tokens``). An actor sharing its GPU
+    """KV slots of ``max_len`` for ``models`` (on one device, weights loaded), each reserving its KV in every model
+    and its share of the largest forward (a prefill of ``max_len`` or a step of ``step_tokens``): ``requested`` on
+    the CPU (refused when they would not fit in the memory the host has available: ``check_host_fits``) or without
+    a share; on CUDA as many as fit (at most ``requested``). An actor sharing its GPU
     counts against its fraction only what this process holds (``reserved``: torch's reserved memory); the
     others' weights are in the device's free memory, which it may not exceed."""
     device = models[0].device
     slot = sum(kv_bytes_per_slot(model_shape(m), kv_dtype(m).itemsize, max_len) for m in models)
-    if device.type == "cpu":
-        check_host_fits(requested * slot, requested, max_len, available=host_available_bytes())
-    if share is None or device.type != "cuda":
-        return requested
     act = 0
     for model in models:
         shape, size = model_shape(model), kv_dtype(model).itemsize
@@ -127,6 +123,11 @@ def device_kv_slots(
             activation_bytes(shape, size, batch=1, q_len=max_len, kv_len=max_len, logit_rows=1),
             activation_bytes(shape, size, batch=1, q_len=step_tokens, kv_len=max_len, logit_rows=step_tokens),
         )
+    if device.type == "cpu":
+        available = host_available_bytes()
+        check_host_fits(requested * slot, requested, max_len, available=available, activation_bytes=requested * act)
+    if share is None or device.type != "cuda":
+        return requested
     if mem_info is None:
         torch.cuda.empty_cache()  # loading's freed blocks count as free
         mem_info = torch.cuda.mem_get_info

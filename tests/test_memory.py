@@ -381,18 +381,23 @@ def test_speculation_that_leaves_no_context_is_refused() -> None:
 def test_a_cpu_kv_cache_larger_than_the_host_can_give_is_refused_before_it_is_allocated(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Its pages are committed only as the slots fill: an 8B float32 target at batch 16 and 32k tokens (137 GB)
-    allocated at once, then the kernel's OOM killer ended the process under load."""
+    """An 8B float32 target at batch 16 and 32k tokens (137 GB) was ended by the kernel's OOM killer, without a
+    word, as its cache was zeroed (which commits the pages). The slots' shares of a step's activations count too:
+    a cache that alone fit was ended at its first full batch of whole-prompt prefills."""
     from specserve import limits
     from specserve.engine import Engine
     from specserve.errors import KVCapacityError
 
     model = tiny_model(tiny_config(), seed=0)
     per_token = 2 * model.cfg.num_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 4  # K and V, float32
-    monkeypatch.setattr(limits, "host_available_bytes", lambda: 4 * 64 * per_token)  # 4 slots of 64 tokens
-    Engine(model, None, max_batch_size=4, max_model_len=48, spec_headroom=16, eos_token_ids=set())  # 4 x 64: fits
-    with pytest.raises(KVCapacityError, match=r"a KV cache of 5 slots x 64 tokens needs .* GiB; this host has"):
-        Engine(model, None, max_batch_size=5, max_model_len=48, spec_headroom=16, eos_token_ids=set())
+    monkeypatch.setattr(limits, "host_available_bytes", lambda: 4 * 64 * per_token)  # the KV of 4 slots of 64
+    with pytest.raises(KVCapacityError, match=r"4 slots x 64 tokens needs .* GiB and .* GiB for a step's activ"):
+        Engine(model, None, max_batch_size=4, max_model_len=48, spec_headroom=16, eos_token_ids=set())
+    # half a MiB a slot for this tiny model's activations (a prefill of 64 tokens: 0.3 MiB, mostly logits)
+    monkeypatch.setattr(limits, "host_available_bytes", lambda: 4 * (64 * per_token + GIB // 2048))
+    Engine(model, None, max_batch_size=4, max_model_len=48, spec_headroom=16, eos_token_ids=set())
+    with pytest.raises(KVCapacityError, match=r"a KV cache of 9 slots x 64 tokens needs"):
+        Engine(model, None, max_batch_size=9, max_model_len=48, spec_headroom=16, eos_token_ids=set())
     # a worker actor's cache, sized by the deployment's geometry rather than by device_kv_slots, is checked too
     from specserve import host_memory
     from specserve.workers import TargetWorker
