@@ -223,3 +223,15 @@ def test_a_slots_next_sequence_reads_nothing_its_last_one_wrote() -> None:
     alone = model.new_cache(1, 32)
     ref = model(ForwardBatch.build(alone, [alone.allocate()], [[5, 9, 13, 7]]), alone)[-1]
     assert torch.allclose(both[0], ref, atol=1e-5)
+
+
+def test_grouped_heads_are_expanded_wherever_cudas_sdpa_would_otherwise_hold_every_score() -> None:
+    """Without a mask CUDA's SDPA runs grouped heads in flash attention, which takes fp16 / bf16 only: a float32
+    prefill of one sequence of a GQA model fell to the math kernel and its fp32 scores [1, H_q, L, L] (32 GiB for a
+    16k-token prompt of Llama-3.2-1B), which the memory plan does not count."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert attention.expand_grouped_heads(cuda, torch.float32, masked=False)  # the case that was missed
+    assert attention.expand_grouped_heads(cuda, torch.float32, masked=True)
+    assert attention.expand_grouped_heads(cuda, torch.bfloat16, masked=True)
+    assert not attention.expand_grouped_heads(cuda, torch.bfloat16, masked=False)  # flash attention takes them
+    assert not attention.expand_grouped_heads(cpu, torch.float32, masked=True)  # the CPU's SDPA groups them itself

@@ -391,3 +391,30 @@ def test_a_masked_step_with_grouped_heads_runs_in_the_memory_efficient_kernel() 
             q_pad.view(2, 5, 8, 64).transpose(1, 2), k, v, attn_mask=batch.attn_mask, enable_gqa=True
         )
     assert torch.allclose(out, ref.transpose(1, 2).reshape(10, 8, 64)[batch.write_from], atol=1e-4)
+
+
+def test_a_float32_prefill_of_one_sequence_with_grouped_heads_runs_in_the_memory_efficient_kernel() -> None:
+    """No mask (one sequence, causal), but float32, which flash attention does not take: it fell to the math
+    kernel's fp32 scores [1, H_q, L, L], which the memory plan does not count."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from specserve.models.attention import attention
+    from specserve.models.kv_cache import KVCache
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=64, num_slots=1, max_len=64, dtype=torch.float32,
+                    device=CUDA)  # fmt: skip
+    slot = cache.allocate()
+    batch = ForwardBatch.build(cache, [slot], [[1] * 48])
+    assert batch.attn_mask is None and batch.kv_len == 48
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen, device=CUDA))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen, device=CUDA))
+    q = torch.randn(48, 8, 64, generator=gen, device=CUDA)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # no math fallback: it would raise "No available kernel"
+        out = attention(q, cache.k[0], cache.v[0], batch, use_flash=False)
+    with sdpa_kernel([SDPBackend.MATH]):
+        k, v = (t[[slot], :, :48] for t in (cache.k[0], cache.v[0]))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.view(1, 48, 8, 64).transpose(1, 2), k, v, is_causal=True, enable_gqa=True
+        )
+    assert torch.allclose(out, ref.transpose(1, 2).reshape(48, 8, 64), atol=1e-4)

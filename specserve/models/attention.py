@@ -27,6 +27,14 @@ def flash_attn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return flash_attn_with_kvcache is not None and device.type == "cuda" and dtype in FLASH_DTYPES
 
 
+def expand_grouped_heads(device: torch.device, dtype: torch.dtype, *, masked: bool) -> bool:
+    """Whether grouped K/V heads go to SDPA expanded to every query head. CUDA's SDPA runs grouped heads only in
+    flash attention (no mask, fp16 / bf16) or the math kernel, which holds fp32 scores [B, H_q, Q, K] (17 GiB for
+    an 8k-token prefill of a 32-head model): expanded K/V [B, H_q, K, D] let the memory-efficient kernel run a
+    masked step, or any step in float32 (memory.activation_bytes counts them)."""
+    return device.type == "cuda" and (masked or dtype not in FLASH_DTYPES)
+
+
 def write_kv(
     k_cache: torch.Tensor,  # [S, H_kv, L, D]
     v_cache: torch.Tensor,
@@ -74,10 +82,7 @@ def attention(
     v = read_kv(v_cache, batch)
     is_causal = batch.attn_mask is None and q_len > 1
     gqa = k.shape[1] != h_q
-    if gqa and batch.attn_mask is not None and q.device.type == "cuda":
-        # CUDA's SDPA runs grouped heads only in flash attention (no mask) or the math kernel, which holds fp32
-        # scores [B, H_q, Q, K] (17 GiB for an 8k-token prefill of a 32-head model): expanded K/V [B, H_q, K, D]
-        # let the memory-efficient kernel take the mask (memory.activation_bytes counts them)
+    if gqa and expand_grouped_heads(q.device, q.dtype, masked=batch.attn_mask is not None):
         k, v = (t.repeat_interleave(h_q // t.shape[1], dim=1) for t in (k, v))
         gqa = False
     out = F.scaled_dot_product_attention(

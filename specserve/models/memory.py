@@ -66,10 +66,9 @@ def activation_bytes(
 
     Counts one layer's live tensors (layers run one after another): the residual stream, the norm's fp32 copy,
     q/k/v, the padded queries and attention output, gate/up and their product, the bool mask [B, Q, K], the RoPE
-    rows, and for grouped heads K/V expanded to every query head (a masked step on CUDA: specserve/models/
-    attention.py); plus the fp32 logits (LOGIT_COPIES). Attention scores are not counted: on CUDA SDPA and
-    flash-attn run fused kernels that never hold [B, H, Q, K].
-    """
+    rows, and for grouped heads K/V expanded to every query head (a masked or float32 step on CUDA:
+    ``attention.expand_grouped_heads``); plus the fp32 logits (LOGIT_COPIES). Attention scores are not counted:
+    on CUDA SDPA and flash-attn run fused kernels that never hold [B, H, Q, K]."""
     n = batch * q_len  # padded token rows (the upper bound of N)
     h, i = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
