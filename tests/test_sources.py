@@ -132,9 +132,10 @@ def write_gguf(
     tensors: dict[str, np.ndarray] | None = None,
     rope_dims: int | None = None,
     floats: dict[str, float] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """``head_count`` (0: none written), ``tensors`` (GGUF names, as stored) and ``rope_dims`` replace the model's
-    own; ``floats``: extra float32 metadata."""
+    own; ``floats``: extra float32 metadata; ``extra``: tensors written besides the model's."""
     import gguf
 
     cfg = model.config
@@ -172,6 +173,8 @@ def write_gguf(
         elif "k_proj" in name:
             weights = llama_cpp_permute(weights, cfg.num_key_value_heads)
         writer.add_tensor(gguf_name(name), (tensors or {}).get(gguf_name(name), weights))
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -344,6 +347,61 @@ def test_ggufs_whose_rope_differs_from_plain_rope_are_refused(tmp_path: Path) ->
             convert_gguf(path, tmp_path / name)
     unscaled = write_gguf(model, tmp_path / "one.gguf", floats={"llama.rope.scaling.factor": 1.0})
     assert (convert_gguf(unscaled, tmp_path / "one") / "config.json").exists()  # a factor of 1 scales nothing
+
+
+def test_a_llama3_gguf_loads_with_the_rope_scaling_its_rope_freqs_stand_for(tmp_path: Path) -> None:
+    """llama.cpp writes Llama 3.1-3.3's RoPE scaling as a rope_freqs tensor of per-frequency divisors and no
+    metadata: every such GGUF was refused, while the same model loaded from its HF directory."""
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = LlamaConfig(
+        vocab_size=len(byte_level_vocab()[0]),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,
+        rope_theta=500000.0,
+        rope_scaling=scaling | {"original_max_position_embeddings": 8192},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    # llama.cpp's converter: each frequency's divisor, 1 for short wavelengths, the factor for long ones, blended
+    wavelength = 2 * np.pi * 500000.0 ** (np.arange(0, 16, 2) / 16)
+    smooth = (8192 / wavelength - 1.0) / (4.0 - 1.0)
+    divisors = np.where(
+        wavelength < 8192 / 4.0, 1.0, np.where(wavelength > 8192 / 1.0, 8.0, 1 / ((1 - smooth) / 8.0 + smooth))
+    )
+    assert 1.0 in divisors and 8.0 in divisors and ((divisors > 1) & (divisors < 8)).any()  # all three bands
+    path = write_gguf(model, tmp_path / "llama3.gguf", extra={"rope_freqs.weight": divisors.astype(np.float32)})
+    out = convert_gguf(path, tmp_path / "hf")
+    converted = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert converted == scaling | {"original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    from specserve.models.batch import ForwardBatch
+    from specserve.models.loader import load_model_dir
+
+    served = load_model_dir(out, ModelSpec(source=str(out), small_gemm=False, native_stack=False, gemv_copies=False))
+    ids = torch.randint(0, config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    cache = served.new_cache(1, 64)
+    with torch.no_grad():
+        want = model(ids).logits[0]
+        assert (LlamaForCausalLM.from_pretrained(out).eval()(ids).logits[0] - want).abs().max().item() < 1e-4
+        assert (
+            served(ForwardBatch.build(cache, [cache.allocate()], [ids[0].tolist()]), cache) - want
+        ).abs().max() < 1e-4
+    odd = divisors.copy()
+    odd[3] *= 1.5  # a table no Llama 3 rule makes
+    path = write_gguf(model, tmp_path / "odd.gguf", extra={"rope_freqs.weight": odd.astype(np.float32)})
+    with pytest.raises(UnsupportedModelError, match=r"rope_freqs\.weight \(8 per-frequency RoPE divisors\) does"):
+        convert_gguf(path, tmp_path / "odd")
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,8 @@ COMPLETE_MARKER = ".complete"
 # by an earlier one are converted again.
 CONVERTER_VERSION = 2
 SUPPORTED_ARCHITECTURES = ("llama",)
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency RoPE divisors (Llama 3's scaling)
+LLAMA3_ORIGINAL_CONTEXT = 8192  # Meta's Llama 3.1-3.3 rope_scaling.original_max_position_embeddings
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 HUB_IGNORE_PATTERNS = ["consolidated*"]  # Mistral's single-file copy of the same weights (loader.weight_files)
 HUB_PROBE_TIMEOUT_S = 4.0
@@ -537,8 +539,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     if _field(reader, f"{arch}.expert_count", 0):
         raise UnsupportedModelError(f"{gguf_path.name}: mixture-of-experts GGUFs are not supported")
     rope_scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if rope_scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise UnsupportedModelError(f"{gguf_path.name}: RoPE scaling ({rope_scaling!r} / rope_freqs) is not supported")
+    if rope_scaling != "none":  # (Llama 3's scaling comes as a rope_freqs tensor: ``_llama3_rope``)
+        raise UnsupportedModelError(f"{gguf_path.name}: RoPE scaling {rope_scaling!r} is not supported")
     if _field(reader, f"{arch}.rope.scaling.type") is None:  # llama.cpp: a factor without a type scales linearly
         for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
             factor = _field(reader, key, 1.0)
@@ -661,6 +663,8 @@ def _read_weights(reader: GGUFReader, gguf_path: Path, n_heads: int, n_kv_heads:
 
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:  # RoPE's scaling, not a weight: ``_llama3_rope``
+            continue
         name = hf_tensor_name(tensor.name)
         # `tensor.shape` is ggml's order (fastest-varying first); reversed, it is the HF / numpy shape.
         shape = tuple(int(d) for d in reversed(tensor.shape))
@@ -704,8 +708,10 @@ def _hf_config(
     declared = _field(reader, f"{arch}.attention.key_length", hidden // n_heads)  # (the shapes are checked later)
     if (rotary := _field(reader, f"{arch}.rope.dimension_count", declared)) != declared:  # partial rotary
         raise UnsupportedModelError(f"{gguf_path.name}: RoPE turns {rotary} of each head's {declared} dimensions")
+    theta = _f32(_positive(reader, gguf_path, f"{arch}.rope.freq_base", 10000.0))
     # rope_theta (for transformers 4.x) is not in 5.x's signature, but 5.x still folds it into rope_parameters
     return LlamaConfig(  # type: ignore[call-arg]
+        rope_scaling=_llama3_rope(reader, gguf_path, arch, theta, int(head_dim)),
         vocab_size=int(vocab_size),
         hidden_size=int(hidden),
         intermediate_size=_count(reader, gguf_path, f"{arch}.feed_forward_length"),
@@ -714,7 +720,7 @@ def _hf_config(
         num_key_value_heads=n_kv_heads,
         head_dim=int(head_dim),
         rms_norm_eps=_f32(_positive(reader, gguf_path, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=_f32(_positive(reader, gguf_path, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=theta,
         max_position_embeddings=_count(reader, gguf_path, f"{arch}.context_length", 2048),
         tie_word_embeddings=tied,
         bos_token_id=special["bos"],
@@ -724,6 +730,52 @@ def _hf_config(
         architectures=["LlamaForCausalLM"],
         dtype="float32",
     )
+
+
+def llama3_rope_divisors(
+    theta: float, head_dim: int, *, factor: float, low: float, high: float, original: int
+) -> np.ndarray:
+    """Llama 3's RoPE scaling as each frequency's divisor (what llama.cpp stores as rope_freqs): wavelengths
+    shorter than ``original / high`` keep their frequency, those longer than ``original / low`` are divided by
+    ``factor``, and those between blend the two."""
+    import numpy as np
+
+    wavelength = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [head_dim / 2]
+    smooth = (original / wavelength - low) / (high - low)
+    blended = 1.0 / ((1.0 - smooth) / factor + smooth)
+    return np.where(wavelength < original / high, 1.0, np.where(wavelength > original / low, factor, blended))
+
+
+def _llama3_rope(reader: GGUFReader, gguf_path: Path, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """The rope_scaling a rope_freqs tensor stands for. llama.cpp writes Llama 3.1-3.3's scaling (3.2's too) as
+    per-frequency divisors with no metadata: they are matched against Meta's rule (low 1, high 4, an original
+    context of 8192 unless the file names one) at the largest divisor's factor; any other table is refused."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    try:
+        divisors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
+    except NotImplementedError:
+        raise CorruptModelError(f"{gguf_path.name}: {ROPE_FREQS} is stored as {tensor.tensor_type.name}") from None
+    original = _count(reader, gguf_path, f"{arch}.rope.scaling.original_context_length", LLAMA3_ORIGINAL_CONTEXT)
+    factor = float(divisors.max()) if divisors.size and np.isfinite(divisors).all() else math.nan
+    meta = llama3_rope_divisors(theta, head_dim, factor=factor, low=1.0, high=4.0, original=original)
+    if not (divisors.shape == meta.shape and factor >= 1.0 and np.allclose(divisors, meta, rtol=1e-5, atol=0.0)):
+        raise UnsupportedModelError(
+            f"{gguf_path.name}: its {ROPE_FREQS} ({divisors.size} per-frequency RoPE divisors) does not follow "
+            f"Llama 3's scaling rule (low 1, high 4, original context {original}); load the model's Hugging Face "
+            "checkpoint directory instead"
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original,
+    }
 
 
 def _check_shapes(gguf_path: Path, state: dict[str, torch.Tensor], config: Any) -> None:
