@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -202,6 +203,23 @@ class StreamStats:
         if not self.chunk_times and self.output_tokens > 0:
             return "no content chunk arrived"
         return None
+
+
+def read_stream(lines: Iterable[str | bytes], t0: float, deadline_s: float) -> StreamStats:
+    """Read one live stream's lines (``t0``: ``time.perf_counter()`` when the request was sent) until it ends or
+    ``deadline_s`` has passed since ``t0``: a stream that is still open then is this request's failure. An HTTP
+    client's timeout restarts at every byte, and a server's keep-alive comments (specserve's: every 15 s) arrive
+    while a request waits, so only a deadline over the whole request ends one that makes no progress."""
+    stats = StreamStats()
+    for line in lines:
+        now = time.perf_counter() - t0
+        event = parse_sse_line(line)
+        if event is not None:
+            stats.add(event, now)
+        if now > deadline_s and not stats.done:
+            stats.error = f"no end of stream within {deadline_s:g} s"
+            break
+    return stats
 
 
 def parse_sse(lines: Iterable[tuple[float, str | bytes]]) -> StreamStats:

@@ -25,7 +25,7 @@ from locust import HttpUser, events, task
 from locust.env import Environment
 from pydantic import ValidationError
 
-from load.client import LoadSettings, RemoteHostError, StreamStats, check_loopback, parse_sse_line
+from load.client import LoadSettings, RemoteHostError, StreamStats, check_loopback, read_stream
 from specserve.bench.prompt_sets import BenchPrompt
 
 DEFAULT_HOST = "http://127.0.0.1:8000"
@@ -111,7 +111,6 @@ class SpecServeUser(HttpUser):
             return  # asked again next time (a guessed name would fail every request of this user for good)
         self.model = model
         prompt = self._pick()
-        stats = StreamStats()
         t0 = time.perf_counter()
         with self.client.post(
             CHAT_PATH,
@@ -125,10 +124,7 @@ class SpecServeUser(HttpUser):
                 resp.failure(_http_error(resp))
                 return
             try:
-                for line in resp.iter_lines():
-                    event = parse_sse_line(line)
-                    if event is not None:
-                        stats.add(event, time.perf_counter() - t0)
+                stats = read_stream(resp.iter_lines(), t0, self.settings.timeout_s)
             except Exception as e:  # connection reset mid-stream
                 resp.failure(f"stream broken: {type(e).__name__}: {e}")
                 return

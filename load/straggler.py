@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from load.client import RemoteHostError, StreamStats, check_loopback, parse_sse_line, sse_lines
+from load.client import RemoteHostError, StreamStats, check_loopback, read_stream, sse_lines
 from load.traces import (
     RunSettings,
     RunTrace,
@@ -151,6 +151,9 @@ class StudyConfig(BaseModel):
     )
     out: Path = Path("bench_out/straggler")
     http_max_prompt_chars: int | None = Field(default=None, ge=1, description="HTTP mode: truncate prompt text")
+    http_timeout_s: float = Field(
+        default=600.0, gt=0.0, allow_inf_nan=False, description="HTTP mode: a request's whole deadline, seconds"
+    )
     url: str | None = None  # HTTP mode: a deployment's base URL (loopback only unless SPECSERVE_ALLOW_REMOTE=1)
 
     @model_validator(mode="after")
@@ -538,25 +541,19 @@ def scrape(client: Any, url: str) -> dict[str, float]:
     return out
 
 
-def _stream_one(client: Any, url: str, body: dict[str, Any]) -> StreamStats:
-    """One streamed request's statistics; a connection refused, cut or timed out is this request's failure (the
-    sweep goes on and counts it)."""
+def _stream_one(client: Any, url: str, body: dict[str, Any], deadline_s: float) -> StreamStats:
+    """One streamed request's statistics; a connection refused, cut or timed out, or a stream still open
+    ``deadline_s`` after it was sent, is this request's failure (the sweep goes on and counts it)."""
     import httpx
 
-    stats = StreamStats()
     t0 = time.perf_counter()
     try:
-        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=deadline_s) as resp:
             if resp.status_code != 200:
-                stats.error = f"HTTP {resp.status_code}"
-                return stats
-            for line in sse_lines(resp.iter_bytes()):
-                event = parse_sse_line(line)
-                if event is not None:
-                    stats.add(event, time.perf_counter() - t0)
+                return StreamStats(error=f"HTTP {resp.status_code}")
+            return read_stream(sse_lines(resp.iter_bytes()), t0, deadline_s)
     except httpx.HTTPError as e:
-        stats.error = f"{type(e).__name__}: {e}"
-    return stats
+        return StreamStats(error=f"{type(e).__name__}: {e}")
 
 
 class ServerError(RuntimeError):
@@ -596,7 +593,7 @@ def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
             client = stack.enter_context(httpx.Client(timeout=600.0, limits=limits))
         model = served_model(client, url)
         for pol in HTTP_POLICIES:  # untimed: the server's first forwards, and each policy's first drafts
-            _stream_one(client, url, _http_body(model, prompts[0], cfg.min_tokens, cfg, pol))
+            _stream_one(client, url, _http_body(model, prompts[0], cfg.min_tokens, cfg, pol), cfg.http_timeout_s)
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
         total, done = len(cfg.batch_sizes) * cfg.repeats * len(HTTP_POLICIES), 0
         for conc in cfg.batch_sizes:
@@ -607,7 +604,7 @@ def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
             for repeat in range(cfg.repeats):
                 for pol in alternating(HTTP_POLICIES, repeat, cfg.alternate):
                     bodies = [_http_body(model, prompt, n, cfg, pol) for prompt, n in asks]
-                    row = _http_point(client, url, conc, pol, bodies)
+                    row = _http_point(client, url, conc, pol, bodies, cfg.http_timeout_s)
                     runs.setdefault((conc, pol.name), []).append(row)
                     done += 1
                     print(
@@ -634,6 +631,7 @@ def _http_body(model: str, prompt: str, max_tokens: int, cfg: StudyConfig, pol: 
         "model": model,
         "messages": [{"role": "user", "content": prompt[: cfg.http_max_prompt_chars]}],
         "max_tokens": max_tokens,
+        "temperature": 0.0,  # greedy, as the engine sweep: every policy writes the same text
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -643,12 +641,14 @@ def _http_body(model: str, prompt: str, max_tokens: int, cfg: StudyConfig, pol: 
     return body
 
 
-def _http_point(client: Any, url: str, conc: int, pol: HttpPolicy, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+def _http_point(
+    client: Any, url: str, conc: int, pol: HttpPolicy, bodies: list[dict[str, Any]], deadline_s: float
+) -> dict[str, Any]:
     """One timed run of ``bodies`` at concurrency ``conc``, with the server's metrics over it."""
     before = scrape(client, url)
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(conc) as pool:
-        results = list(pool.map(lambda b: _stream_one(client, url, b), bodies))
+        results = list(pool.map(lambda b: _stream_one(client, url, b, deadline_s), bodies))
     seconds = time.perf_counter() - t0
     after = scrape(client, url)
     ok = [r for r in results if r.failure() is None]
@@ -838,6 +838,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     p.add_argument("--url", default=None, help="also sweep a deployment over HTTP, e.g. http://127.0.0.1:8000")
     p.add_argument("--http-only", action="store_true", help="skip the in-process engine sweep")
     p.add_argument("--http-max-prompt-chars", type=int, default=None, help="truncate prompts (tiny deployments)")
+    p.add_argument(
+        "--http-timeout-s", type=float, default=d.http_timeout_s, help="a request's deadline from send to [DONE]"
+    )
     args = vars(p.parse_args(argv))
     http_only = args.pop("http_only")
     try:

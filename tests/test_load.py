@@ -166,7 +166,7 @@ def test_the_sweeps_client_reads_a_chunk_with_line_separators_in_its_text() -> N
 
     body = (_chunk({"content": SEPARATED}, ascii=False) + _chunk({}, "length") + "data: [DONE]\n\n").encode()
     with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body))) as client:
-        stats = _stream_one(client, "http://127.0.0.1:1", {})
+        stats = _stream_one(client, "http://127.0.0.1:1", {}, 60.0)
     assert stats.failure() is None and stats.text == SEPARATED
 
 
@@ -193,7 +193,7 @@ def test_a_misshapen_chunk_fails_its_request_in_the_sweeps_client_not_the_sweep(
 
     body = (_chunk({"content": "ok"}) + f"data: {payload}\n\n" + "data: [DONE]\n\n").encode()
     with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body))) as client:
-        stats = _stream_one(client, "http://127.0.0.1:1", {})
+        stats = _stream_one(client, "http://127.0.0.1:1", {}, 60.0)
     assert stats.failure() is not None and "unexpected SSE payload" in stats.failure()  # type: ignore[operator]
     assert stats.text == "ok"
 
@@ -1182,6 +1182,7 @@ class Misbehaviour(str, Enum):
     error_event = "error event"  # an SSE error event after a chunk
     no_done = "no [DONE]"  # the stream ends without the sentinel
     cut = "cut"  # the connection drops mid-body
+    stall = "stall"  # keep-alive comments for 3 s before the rest: past the client's deadline, never a silent read
 
 
 def _misbehaving_api() -> FastAPI:
@@ -1214,6 +1215,10 @@ def _misbehaving_api() -> FastAPI:
                 yield 'data: {"error":{"message":"the lane lost its workers","type":"server_error"}}\n\n'
             if kind == Misbehaviour.cut:
                 raise RuntimeError("connection dropped")
+            if kind == Misbehaviour.stall:
+                for _ in range(12):
+                    time.sleep(0.25)
+                    yield ": keep-alive\n\n"
             yield chunk + usage
             if kind != Misbehaviour.no_done:
                 yield "data: [DONE]\n\n"
@@ -1225,13 +1230,15 @@ def _misbehaving_api() -> FastAPI:
 
 def test_locust_counts_each_broken_answer_as_that_requests_failure(tmp_path: Path) -> None:
     """The locustfile against a server that answers in turn a full stream, a 429, an error event, a stream without
-    [DONE] and a cut connection: each bad answer is a failure with its own reason; only full streams give latency."""
+    [DONE], a cut connection and a stream kept open by keep-alives past SPECSERVE_TIMEOUT_S (requests' timeout
+    restarts at every byte: it counted as a success): each bad answer is a failure with its own reason; only full
+    streams give latency."""
     if importlib.util.find_spec("locust") is None:  # not imported here: Locust monkey-patches the process
         pytest.skip("locust is not installed (pip install locust)")
     from tests.api_backend import serving
 
     prefix = tmp_path / "locust"
-    env = {**os.environ, "SPECSERVE_WAIT_MAX_S": "0.01", "SPECSERVE_CATEGORIES": "coding"}
+    env = {**os.environ, "SPECSERVE_WAIT_MAX_S": "0.01", "SPECSERVE_CATEGORIES": "coding", "SPECSERVE_TIMEOUT_S": "1.5"}
     env.pop(ALLOW_REMOTE_ENV, None)
     with serving(_misbehaving_api()) as url:
         # 20 s: with both cores busy, a 6 s run ended before Locust recorded a request
@@ -1254,6 +1261,7 @@ def test_locust_counts_each_broken_answer_as_that_requests_failure(tmp_path: Pat
         "the lane lost its workers": Misbehaviour.error_event,
         "the stream ended without data: [DONE]": Misbehaviour.no_done,
         "stream broken": Misbehaviour.cut,
+        "no end of stream within 1.5 s": Misbehaviour.stall,
     }
     seen = {kind: sum(n for error, n in failures.items() if reason in error) for reason, kind in reasons.items()}
     assert all(n >= 1 for n in seen.values()), failures
@@ -1288,11 +1296,36 @@ def test_a_dropped_stream_is_that_requests_failure_not_the_sweeps() -> None:
         return httpx.Response(200, content=done)
 
     with httpx.Client(transport=httpx.MockTransport(handler)) as client:
-        stats = {k: _stream_one(client, "http://127.0.0.1:1", {"kind": k}) for k in ("ok", "cut", "refused", "busy")}
+        kinds = ("ok", "cut", "refused", "busy")
+        stats = {k: _stream_one(client, "http://127.0.0.1:1", {"kind": k}, 60.0) for k in kinds}
     assert stats["ok"].failure() is None
     assert "RemoteProtocolError" in (stats["cut"].failure() or "")
     assert "ConnectError" in (stats["refused"].failure() or "")
     assert stats["busy"].failure() == "HTTP 429"
+
+
+def test_a_stream_kept_open_by_keep_alives_past_the_deadline_is_that_requests_failure() -> None:
+    """httpx's timeout restarts at every byte, and the server sends a keep-alive comment while a request waits: a
+    stalled request never timed out (a hung lane hung the sweep) and one that ended late counted as a success."""
+    import httpx
+
+    from load.straggler import _stream_one
+
+    chunk = b'data: {"choices":[{"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+
+    class Stalled(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            yield chunk
+            for _ in range(40):  # 2 s of keep-alives, then a complete ending
+                time.sleep(0.05)
+                yield b": keep-alive\n\n"
+            yield chunk + b"data: [DONE]\n\n"
+
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, stream=Stalled()))) as client:
+        late = _stream_one(client, "http://127.0.0.1:1", {}, 0.5)
+        on_time = _stream_one(client, "http://127.0.0.1:1", {}, 60.0)
+    assert late.failure() == "no end of stream within 0.5 s" and late.text == "hi"
+    assert on_time.failure() is None and on_time.text == "hihi"
 
 
 def test_scrape_sums_counters_over_lanes_and_takes_a_gauges_largest() -> None:
@@ -1384,6 +1417,7 @@ def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_pa
     from load.straggler import HTTP_POLICIES, StudyConfig, http_sweep
 
     seen: list[tuple[str, str, int]] = []  # (policy, prompt, max_tokens) of each chat request, in order
+    temperatures: list[object] = []  # greedy, as the engine sweep (the server's default is 1: each policy its text)
     lock = threading.Lock()
     names = {json.dumps(p.speculation, sort_keys=True): p.name for p in HTTP_POLICIES}
 
@@ -1396,6 +1430,7 @@ def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_pa
         with lock:
             policy = names[json.dumps(body.get("speculation"), sort_keys=True)]
             seen.append((policy, body["messages"][0]["content"], body["max_tokens"]))
+            temperatures.append(body.get("temperature"))
             if [p for p, _, _ in seen].count(policy) == 2 and policy == "plain":  # its first timed request
                 return httpx.Response(500, json={"error": {"message": "boom"}})
         usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 3 + body["max_tokens"]}
@@ -1424,6 +1459,7 @@ def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_pa
     # counted over both passes (the median of [1, 0] was 0.5, and of [0, 0, 1] 0: the failure went unreported)
     assert [(r["concurrency"], r["policy"]) for r in rows if r["failures"]] == [(1, "plain")]
     assert all(r["requests"] == 2 * 2 * r["concurrency"] for r in rows) and sum(r["failures"] for r in rows) == 1
+    assert temperatures and set(temperatures) == {0.0}
 
 
 def test_locust_users_draw_the_same_prompt_streams_for_the_same_seed() -> None:
