@@ -213,12 +213,12 @@ def read_stream(lines: Iterable[str | bytes], t0: float, deadline_s: float) -> S
     stats = StreamStats()
     for line in lines:
         now = time.perf_counter() - t0
+        if now > deadline_s:  # even where this line is the [DONE]: it came late
+            stats.error = f"no end of stream within {deadline_s:g} s"
+            break
         event = parse_sse_line(line)
         if event is not None:
             stats.add(event, now)
-        if now > deadline_s and not stats.done:
-            stats.error = f"no end of stream within {deadline_s:g} s"
-            break
     return stats
 
 

@@ -1321,11 +1321,22 @@ def test_a_stream_kept_open_by_keep_alives_past_the_deadline_is_that_requests_fa
                 yield b": keep-alive\n\n"
             yield chunk + b"data: [DONE]\n\n"
 
-    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, stream=Stalled()))) as client:
-        late = _stream_one(client, "http://127.0.0.1:1", {}, 0.5)
-        on_time = _stream_one(client, "http://127.0.0.1:1", {}, 60.0)
+    class LateDone(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            yield chunk
+            time.sleep(0.8)
+            yield b"data: [DONE]\n\n"  # the one line past the deadline
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=LateDone() if request.content == b"{}" else Stalled())
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        late = _stream_one(client, "http://127.0.0.1:1", {"stalled": True}, 0.5)
+        on_time = _stream_one(client, "http://127.0.0.1:1", {"stalled": True}, 60.0)
+        done_late = _stream_one(client, "http://127.0.0.1:1", {}, 0.4)
     assert late.failure() == "no end of stream within 0.5 s" and late.text == "hi"
     assert on_time.failure() is None and on_time.text == "hihi"
+    assert done_late.failure() == "no end of stream within 0.4 s"
 
 
 def test_scrape_sums_counters_over_lanes_and_takes_a_gauges_largest() -> None:
