@@ -25,7 +25,6 @@ from specserve.config import SLPolicyKind
 
 ALLOW_REMOTE_ENV = "SPECSERVE_ALLOW_REMOTE"
 DONE_SENTINEL = "[DONE]"
-DATA_PREFIX = "data:"
 _SSE_BREAK = re.compile(rb"\r\n|\r|\n")
 
 
@@ -116,14 +115,36 @@ def read_chunk(obj: object) -> Chunk:
     return Chunk(text or "", finish, tuple(token_ids), True, usage, seed)
 
 
-def parse_sse_line(line: str | bytes) -> SSEEvent | None:
-    """One line of an OpenAI-style SSE stream; None for blank lines and non-data fields."""
-    if isinstance(line, bytes):
-        line = line.decode("utf-8", errors="replace")
-    line = line.strip()
-    if not line.startswith(DATA_PREFIX):
+@dataclass
+class SSEDecoder:
+    """Events from an SSE stream's lines, assembled as the format says: a field's value is what follows its colon
+    (one space after it dropped), ``data`` lines join with a newline, a blank line dispatches the event, comments
+    and other fields are skipped, and an event the stream's end cuts off (no blank line after it) is not
+    dispatched. Each line read alone, an event whose JSON spans two ``data`` lines was a malformed payload."""
+
+    last_event_id: str | None = None  # the ``id`` field's last value (it holds for later events without one)
+    _data: list[str] = field(default_factory=list)
+
+    def feed(self, line: str | bytes) -> str | None:
+        """The data of the event this line dispatches, or None."""
+        if isinstance(line, bytes):
+            line = line.decode("utf-8", errors="replace")
+        line = line.rstrip("\r\n")  # (a client's line iterator may leave the break on)
+        if not line:
+            data, self._data = self._data, []
+            return "\n".join(data) if data else None
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            self._data.append(value)
+        elif name == "id" and "\0" not in value:
+            self.last_event_id = value
         return None
-    payload = line[len(DATA_PREFIX) :].strip()
+
+
+def parse_sse_data(data: str) -> SSEEvent:
+    """One event's data from an OpenAI-style stream: a chunk, its usage, an error or ``[DONE]``."""
+    payload = data.strip()
     if payload == DONE_SENTINEL:
         return SSEEvent(EventKind.done)
     try:
@@ -209,26 +230,25 @@ def read_stream(lines: Iterable[str | bytes], t0: float, deadline_s: float) -> S
     """Read one live stream's lines (``t0``: ``time.perf_counter()`` when the request was sent) until it ends or
     ``deadline_s`` has passed since ``t0``: a stream that is still open then is this request's failure. An HTTP
     client's timeout restarts at every byte, and a server's keep-alive comments (specserve's: every 15 s) arrive
-    while a request waits, so only a deadline over the whole request ends one that makes no progress."""
-    stats = StreamStats()
+    while a request waits, so only a deadline over the whole request ends one that makes no progress. An event
+    counts when the blank line that ends it arrives."""
+    stats, decoder = StreamStats(), SSEDecoder()
     for line in lines:
         now = time.perf_counter() - t0
-        if now > deadline_s:  # even where this line is the [DONE]: it came late
+        if now > deadline_s:  # even where this line ends the [DONE] event: it came late
             stats.error = f"no end of stream within {deadline_s:g} s"
             break
-        event = parse_sse_line(line)
-        if event is not None:
-            stats.add(event, now)
+        if (data := decoder.feed(line)) is not None:
+            stats.add(parse_sse_data(data), now)
     return stats
 
 
 def parse_sse(lines: Iterable[tuple[float, str | bytes]]) -> StreamStats:
-    """Fold (arrival time, line) pairs of one stream into its statistics."""
-    stats = StreamStats()
+    """Fold (arrival time, line) pairs of one stream into its statistics (an event at its ending blank line's)."""
+    stats, decoder = StreamStats(), SSEDecoder()
     for t, line in lines:
-        event = parse_sse_line(line)
-        if event is not None:
-            stats.add(event, t)
+        if (data := decoder.feed(line)) is not None:
+            stats.add(parse_sse_data(data), t)
     return stats
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from load.client import MalformedChunkError, read_chunk, sse_lines
+from load.client import DONE_SENTINEL, MalformedChunkError, SSEDecoder, read_chunk, sse_lines
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}  # a restarting replica answers these while it heals
 
@@ -89,25 +89,21 @@ class ResumableStream:
                 raise _Retryable(f"HTTP {r.status_code}", retry_after(r.headers.get("Retry-After")))
             if r.status_code != 200:
                 raise StreamFailedError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}")
-            event_id: str | None = None
+            decoder = SSEDecoder()
             for line in sse_lines(r.iter_bytes()):
-                if line.startswith("id:"):
-                    event_id = line[3:].strip()
-                elif line.startswith("data:"):
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        return
-                    try:
-                        chunk = json.loads(payload)
-                    except json.JSONDecodeError as e:  # a connection closed in the middle of a line
-                        raise _Retryable(f"a cut event: {payload[:80]!r}") from e
-                    delta = self._parse(chunk)
-                    if event_id is not None:
-                        self.last_event_id = event_id
-                    if delta is not None:
-                        yield delta
-                elif not line:
-                    event_id = None
+                if (data := decoder.feed(line)) is None:
+                    continue
+                if data.strip() == DONE_SENTINEL:
+                    return
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError as e:
+                    raise StreamFailedError(f"malformed event in stream: {data[:200]!r}") from e
+                delta = self._parse(chunk)
+                if decoder.last_event_id is not None:
+                    self.last_event_id = decoder.last_event_id
+                if delta is not None:
+                    yield delta
         raise _Retryable("the stream ended without [DONE]")
 
     def _parse(self, obj: object) -> Delta | None:

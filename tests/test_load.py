@@ -27,9 +27,10 @@ from load.client import (
     EventKind,
     LoadSettings,
     RemoteHostError,
+    SSEDecoder,
     SSEEvent,
     check_loopback,
-    parse_sse_line,
+    parse_sse_data,
     parse_sse_text,
     sse_lines,
 )
@@ -112,34 +113,37 @@ CHAT_STREAM = "".join(
         _chunk({"content": "lo"}),
         _chunk({"content": " world"}, "length"),
         _chunk(usage={"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}),
-        "data: [DONE]\n",
+        "data: [DONE]\n\n",
     ]
 )
 
 
 def test_sse_stream_statistics() -> None:
-    stats = parse_sse_text(CHAT_STREAM, dt=0.01)  # line i arrives at i * 10 ms
+    stats = parse_sse_text(CHAT_STREAM, dt=0.01)  # line i arrives at i * 10 ms; an event with its blank line
     assert stats.text == "Hello world"
     assert stats.done and stats.failure() is None
     assert stats.finish_reason == "length"
     assert (stats.prompt_tokens, stats.completion_tokens, stats.output_tokens) == (7, 5, 5)
-    assert stats.chunk_times == pytest.approx([0.02, 0.06, 0.08])
-    assert stats.ttft_s == pytest.approx(0.02)
-    assert stats.tpot_s == pytest.approx((0.08 - 0.02) / 4)  # per token after the first, from usage
+    assert stats.chunk_times == pytest.approx([0.03, 0.07, 0.09])
+    assert stats.ttft_s == pytest.approx(0.03)
+    assert stats.tpot_s == pytest.approx((0.09 - 0.03) / 4)  # per token after the first, from usage
     assert stats.itl_s == pytest.approx([0.04, 0.02])
 
 
 def test_sse_events_and_failures() -> None:
-    assert parse_sse_line("") is None and parse_sse_line(": comment") is None and parse_sse_line("event: x") is None
-    assert parse_sse_line(b"data: [DONE]\n").kind == EventKind.done  # type: ignore[union-attr]
-    text = parse_sse_line('data: {"choices":[{"text":"abc","finish_reason":null}]}')  # /v1/completions chunks
-    assert text is not None and text.kind == EventKind.content and text.text == "abc"
-    err = parse_sse_text('data: {"error":{"message":"lane died","type":"server_error"}}\n')
+    decoder = SSEDecoder()
+    assert [decoder.feed(line) for line in ["", ": comment", "event: x", "", b"data: [DONE]\n", "\n"]] == [
+        None, None, None, None, None, "[DONE]",
+    ]  # fmt: skip
+    assert parse_sse_data("[DONE]").kind == EventKind.done
+    text = parse_sse_data('{"choices":[{"text":"abc","finish_reason":null}]}')  # /v1/completions chunks
+    assert text.kind == EventKind.content and text.text == "abc"
+    err = parse_sse_text('data: {"error":{"message":"lane died","type":"server_error"}}\n\n')
     assert err.failure() == "lane died"
     truncated = parse_sse_text(CHAT_STREAM.replace("data: [DONE]", ""))
     assert truncated.failure() is not None and "DONE" in truncated.failure()  # type: ignore[operator]
-    assert parse_sse_text("data: {not json\n").failure() is not None
-    no_usage = parse_sse_text("\n".join(line for line in CHAT_STREAM.splitlines() if "usage" not in line))
+    assert parse_sse_text("data: {not json\n\ndata: [DONE]\n\n").failure().startswith("malformed")  # type: ignore[union-attr]
+    no_usage = parse_sse_text("".join(line for line in CHAT_STREAM.splitlines(keepends=True) if "usage" not in line))
     assert no_usage.output_tokens == 3 and no_usage.failure() is None  # content chunks: a lower bound
 
 
@@ -155,8 +159,32 @@ def test_sse_lines_break_only_where_the_sse_format_does() -> None:
     assert whole == ["id: 1", _chunk({"content": SEPARATED}, ascii=False).strip(), "", "data: [DONE]", ""]
     for cut in range(1, len(body)):  # a CR LF or a character may arrive split across two reads
         assert list(sse_lines([body[:cut], body[cut:]])) == whole
-    stats = parse_sse_text(_chunk({"content": SEPARATED}, ascii=False) + "data: [DONE]\n")
+    stats = parse_sse_text(_chunk({"content": SEPARATED}, ascii=False) + "data: [DONE]\n\n")
     assert stats.failure() is None and stats.text == SEPARATED
+
+
+def test_an_event_is_assembled_from_its_lines_as_the_sse_format_says() -> None:
+    """``data`` lines join with a newline (one JSON chunk over two lines was two malformed payloads); a blank line
+    dispatches the event, so an event the stream's end cuts off counts for nothing; one space after the colon goes,
+    none is needed; ``id`` holds for the events after it."""
+    split = 'data: {"choices":[{"index":0,\ndata:"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+    stats = parse_sse_text(split + "data:[DONE]\n\n")
+    assert stats.failure() is None and stats.text == "hi"
+    cut = parse_sse_text(split + "data: [DONE]\n")  # the sentinel's event never ended
+    assert cut.text == "hi" and cut.failure() == "the stream ended without data: [DONE]"
+    decoder = SSEDecoder()
+    lines = ["id: 7", "data:  two spaces", "data", "", "data: x", "", "retry: 10", "event: e", "id", "data: y", ""]
+    assert [d for line in lines if (d := decoder.feed(line)) is not None] == [" two spaces\n", "x", "y"]
+    assert decoder.last_event_id == ""  # (the last ``id`` line had no value)
+
+    import httpx
+
+    from load.straggler import _stream_one
+
+    body = (split + "data: [DONE]\n\n").encode()
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body))) as client:
+        swept = _stream_one(client, "http://127.0.0.1:1", {}, 60.0)
+    assert swept.failure() is None and swept.text == "hi"
 
 
 def test_the_sweeps_client_reads_a_chunk_with_line_separators_in_its_text() -> None:
@@ -199,15 +227,15 @@ def test_a_misshapen_chunk_fails_its_request_in_the_sweeps_client_not_the_sweep(
 
 
 def test_well_formed_chunks_read_with_their_optional_fields() -> None:
-    usage = parse_sse_line('data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}')
+    usage = parse_sse_data('{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}')
     assert usage == SSEEvent(EventKind.usage, completion_tokens=2, prompt_tokens=4)
     # the server's own usage chunk: its speculation extension is an object of its own
     spec = '"speculation": {"drafted": 6, "accepted": 4, "acceptance_rate": 0.67}'
-    usage = parse_sse_line(f'data: {{"choices": [], "usage": {{"prompt_tokens": 4, "completion_tokens": 2, {spec}}}}}')
+    usage = parse_sse_data(f'{{"choices": [], "usage": {{"prompt_tokens": 4, "completion_tokens": 2, {spec}}}}}')
     assert usage == SSEEvent(EventKind.usage, completion_tokens=2, prompt_tokens=4)
-    chat = parse_sse_line('data: {"choices": [{"delta": null, "finish_reason": "stop", "token_ids": [3]}], "seed": 1}')
+    chat = parse_sse_data('{"choices": [{"delta": null, "finish_reason": "stop", "token_ids": [3]}], "seed": 1}')
     assert chat == SSEEvent(EventKind.other, finish_reason="stop")
-    bare_error = parse_sse_line('data: {"error": "lane gone"}')
+    bare_error = parse_sse_data('{"error": "lane gone"}')
     assert bare_error == SSEEvent(EventKind.error, error="lane gone")
 
 
@@ -1191,7 +1219,8 @@ def _misbehaving_api() -> FastAPI:
 
     api, turn = FastAPI(), itertools.count()
     chunk = 'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
-    usage = 'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
+    # (one event's JSON over two data lines, which the SSE format joins: read line by line, every stream failed)
+    usage = 'data: {"choices":[],\ndata: "usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
 
     asked = itertools.count()
 

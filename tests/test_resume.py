@@ -390,6 +390,22 @@ def test_the_client_helper_reads_a_chunk_with_line_separators_in_its_text() -> N
     assert stream.text() == text and stream.resumes == 0
 
 
+def test_the_client_helper_joins_an_events_data_lines_and_fails_a_whole_malformed_one() -> None:
+    """An event's data lines join with a newline, as the SSE format says (each line read alone, a chunk over two
+    lines was a cut line, resumed from the same id until the heal timeout); an event that ended and is not JSON
+    is the stream's failure, not a cut to resume from."""
+    split = 'id: 1-a\ndata: {"choices":[{"text":\ndata: "a\\nb","finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=split.encode())))
+    stream = ResumableStream("http://127.0.0.1:1", COMPLETIONS, {"prompt": "x"}, client=client, heal_timeout_s=60)
+    assert stream.text() == "a\nb" and stream.resumes == 0 and stream.last_event_id == "1-a"
+    broken = b'id: 1-a\ndata: {"choices":\n\ndata: [DONE]\n\n'
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=broken)))
+    stream = ResumableStream("http://127.0.0.1:1", COMPLETIONS, {"prompt": "x"}, client=client, heal_timeout_s=60)
+    with pytest.raises(StreamFailedError, match="malformed event"):
+        stream.text()
+    assert stream.resumes == 0
+
+
 @pytest.mark.parametrize(
     "payload", ['{"error": "lane gone"}', "5", '{"choices": [{"delta": "hi"}]}', '{"choices": [], "seed": "7"}']
 )
