@@ -55,13 +55,15 @@ class SpecModel:
 class Variant:
     margin: float
     refresh: bool
+    drift: bool = False  # ``GuardConfig.follow_drift``
 
     def guard(self) -> ThroughputGuard:
-        return ThroughputGuard(GuardConfig(margin=self.margin, refresh_on_flip=self.refresh))
+        cfg = GuardConfig(margin=self.margin, refresh_on_flip=self.refresh, follow_drift=self.drift)
+        return ThroughputGuard(cfg)
 
     @property
     def label(self) -> str:
-        return f"margin {self.margin:g}, refresh {'on' if self.refresh else 'off'}"
+        return f"margin {self.margin:g}, refresh {'on' if self.refresh else 'off'}" + (", drift" if self.drift else "")
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-s", type=finite_float, default=0.025, help="seconds a switch step adds (the catch-up)")
     p.add_argument("--margins", type=fraction, nargs="+", default=[0.0, 0.05, 0.1])
     p.add_argument("--seeds", type=positive_int, default=30)
+    p.add_argument(
+        "--drift", choices=("off", "on"), nargs="+", default=["off"], help="the margin variants' follow_drift"
+    )
     p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/guard_replay"))
     return p
 
@@ -210,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as e:
         p.error(str(e))
     models = [SpecModel(t, a, args.depth, args.spec_jitter, args.switch_s) for t in args.spec_time for a in args.accept]
-    variants = [Variant(0.0, False)] + [Variant(m, True) for m in args.margins]
+    variants = [Variant(0.0, False)] + [Variant(m, True, d == "on") for d in args.drift for m in args.margins]
     rows = rows_for(profiles, models, variants, args.batch, args.seeds)
     print(
         f"{len(profiles)} plain runs at batch {args.batch} ({sum(map(len, profiles))} decode steps), "

@@ -123,6 +123,12 @@ class GuardConfig(Validated):
     # ``warmup`` on, where one step averages over that many sequences (at batch 1 one step's time follows its own
     # acceptance)
     refresh_on_flip: bool = True
+    # switch: speculation's average step time counts as moved by as much as plain decoding's average moved since
+    # speculation's last step (``follow_drift``): a plain step's work is fixed per sequence, so its average follows
+    # the host, and a host slowing both modes no longer makes speculation's old time look fast. Off, one slow plain
+    # step (a neighbour's burst, clipped to 2x) flipped the choice to speculation at batch 32, where it runs ~16%
+    # slower: a switch step and a measured step each time
+    follow_drift: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -157,6 +163,8 @@ class ThroughputGuard:
     held: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode its last decision chose (``margin``)
     stale: set[tuple[int, bool]] = field(default_factory=set)  # (bucket, mode) whose next measured step replaces
     # its step time (``refresh_on_flip``)
+    drift_base: dict[int, float] = field(default_factory=dict)  # bucket -> plain decoding's average step time when
+    # speculation's average was last set, or when plain decoding's was last replaced (``follow_drift``)
 
     @property
     def steps(self) -> dict[int, int]:
@@ -184,11 +192,20 @@ class ThroughputGuard:
         b = bucket(batch_size)
         if not (self._warmed((b, True)) and self._warmed((b, False))):
             return None
-        spec, plain = self.rates[(b, True)], self.rates[(b, False)]
+        spec, plain = self._spec_rate(b), self.rates[(b, False)]
         held = self.held.get(b)  # the mode the bucket's last decision chose: the other must beat it by ``margin``
         if held is None:
             return spec >= plain
         return spec * (1 + self.cfg.margin) >= plain if held else spec >= plain * (1 + self.cfg.margin)
+
+    def _spec_rate(self, b: int) -> float:
+        """Speculation's rate in bucket ``b``; with ``follow_drift``, its step time scaled by plain decoding's drift
+        since speculation last ran (1 while speculation runs: plain decoding's average stands still then)."""
+        rate = self.rates[(b, True)]
+        base, plain = self.drift_base.get(b), self.work.get((b, False))
+        if not self.cfg.follow_drift or base is None or plain is None:
+            return rate
+        return rate * base / max(plain[1], MIN_STEP_S)
 
     def _warmed(self, key: tuple[int, bool]) -> bool:
         """Whether a (bucket, speculative) mode's warm-up is over (``warm`` holds the steps of one in progress)."""
@@ -232,7 +249,7 @@ class ThroughputGuard:
             # for a catch-up that pays: plain decoding runs anyway, measured, so the try is moot until it pays
         if (go or hold) and outlook is not None and not self.switch_pays(batch_size, outlook, expected=better is True):
             self.deferred.add(b)
-            if better and self.rates[(b, True)] < self.rates[(b, False)]:  # held within the margin but slower: with
+            if better and self._spec_rate(b) < self.rates[(b, False)]:  # held within the margin but slower: with
                 # a catch-up due, plain decoding takes the hold (else each plain step's drift would flip it back)
                 self.held[b] = False
             return False
@@ -250,7 +267,7 @@ class ThroughputGuard:
             return True
         per_seq = outlook.horizon / batch_size  # a step advances every sequence of the batch
         saved = per_seq / plain_rate
-        spec_rate = self.rates.get((b, True), 0.0)
+        spec_rate = self._spec_rate(b) if (b, True) in self.rates else 0.0
         if expected and spec_rate > 0:
             saved -= per_seq / spec_rate
         return saved > outlook.draft_missed * self.missed_token_s
@@ -309,6 +326,7 @@ class ThroughputGuard:
             self.warm[key], self.switch_s[b] = [], self.catch_up_s.pop(b, 0.0)
             self.trying.add(b)
         try_step = speculative and b in self.trying
+        blended = False  # the step moved its mode's average (not started or replaced it)
         if key in self.warm or n <= self.cfg.warmup:  # the warm-up's mean tokens and median seconds start the
             # averages: one slow first step does not set them
             steps = self.warm.setdefault(key, [])
@@ -338,9 +356,17 @@ class ThroughputGuard:
             tok, sec = self.work.get(key, step)  # (rates seeded from outside start from this step)
             seconds = min(step[1], self.cfg.outlier_clip * sec)
             self.work[key] = (tok + self._token_weight(n) * (step[0] - tok), sec + self.cfg.smoothing * (seconds - sec))
+            blended = True
         self.stale.discard(key)
         tok, sec = self.work[key]
         self.rates[key] = tok / max(sec, 1e-9)
+        plain = self.work.get((b, False))
+        if speculative and not self.held.get(b, False) and plain is not None:  # a try (or the warm-up) of
+            # speculation while plain decoding runs: its time is as of plain decoding's average now
+            self.drift_base[b] = plain[1]
+        elif speculative or not blended:  # speculation running, or plain decoding's average replaced (a try, a
+            # flip's refresh): no drift to follow until speculation's next try
+            self.drift_base.pop(b, None)
         if b in self.trying:  # a try measuring on decides nothing yet
             return
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try

@@ -324,6 +324,49 @@ def test_one_slow_step_counts_as_at_most_twice_the_average() -> None:
         ThroughputGuard(GuardConfig(outlier_clip=0.5))
 
 
+def _plain_held_after_a_try(follow_drift: bool) -> ThroughputGuard:
+    """Batch 32: plain decoding 0.18 s a step, a try of speculation 0.25 s for 34 tokens (~22% slower): plain holds."""
+    guard = ThroughputGuard(GuardConfig(explore_every=1000, warmup=1, follow_drift=follow_drift))
+    guard.record(32, False, tokens=32, seconds=0.18)
+    guard.record(32, True, tokens=34, seconds=0.25)
+    assert guard.faster(32) is False
+    return guard
+
+
+def test_with_follow_drift_a_host_slowing_plain_steps_does_not_make_speculation_look_faster() -> None:
+    """A host that slows (plain steps 0.18 -> 0.30 s) slows speculation alike: without ``follow_drift`` speculation's
+    old time soon looks faster and the guard switches to it (a switch step and a measured step, each time the host
+    drifts); with it, speculation's time counts as moved by as much as plain decoding's, and plain holds."""
+    drifting = [0.18 + 0.012 * i for i in range(1, 11)]
+    old, new = _plain_held_after_a_try(False), _plain_held_after_a_try(True)
+    for seconds in drifting:
+        for guard in (old, new):
+            guard.record(32, False, tokens=32, seconds=seconds)
+    assert old.faster(32) is True
+    assert new.faster(32) is False
+    spec_tok, spec_s = new.work[(32, True)]
+    assert new._spec_rate(32) == pytest.approx(spec_tok / spec_s * 0.18 / new.work[(32, False)][1])
+
+
+def test_follow_drift_follows_plain_decoding_only_from_a_try_of_speculation() -> None:
+    """Speculation held and then slowed until plain decoding took over: its time is its own recent one, not one
+    measured beside plain decoding, so plain decoding's later drift is not followed and can hand the choice back
+    (as without the switch); a plain average replaced by a fresh step ends what drift there was to follow."""
+    guard = ThroughputGuard(GuardConfig(explore_every=1000, warmup=1, follow_drift=True))
+    guard.record(32, False, tokens=32, seconds=0.18)
+    guard.record(32, True, tokens=48, seconds=0.2)
+    assert guard.faster(32) is True and 32 in guard.drift_base  # the warm-up ran beside plain decoding
+    steps = 0
+    while guard.faster(32):  # speculation's own steps slow down: plain takes over
+        guard.record(32, True, tokens=48, seconds=0.3)
+        steps += 1
+        assert 32 not in guard.drift_base  # speculation running: its time is fresh
+    assert steps < 10
+    for seconds in (0.2, 0.26, 0.32, 0.38, 0.44):  # the flip's refreshed plain step, then the host slows
+        guard.record(32, False, tokens=32, seconds=seconds)
+    assert guard.faster(32) is True
+
+
 def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
     # plain steps take 0.125 s for 5 tokens a sequence; switching to speculation costs a 10 s catch-up (the draft
     # re-reads what it missed), then speculation measures slower (1 s for 1.25 tokens a sequence, where plain

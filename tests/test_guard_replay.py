@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from load.guard_replay import Draws, SpecModel, main, plain_profiles, replay
+from load.guard_replay import Draws, SpecModel, Variant, main, plain_profiles, replay
 from load.traces import RunTrace, SeqStep, StepTrace, WorkloadKind
 from specserve.bench.policies import PolicyName
 from specserve.config import SpecConfig
@@ -140,7 +140,14 @@ def test_the_command_writes_a_row_per_model_and_variant(tmp_path: Path, capsys: 
         (t, v) for t in ("1.0", "2.0") for v in ("margin 0, refresh off", "margin 0.05, refresh on")
     ]
     assert "2 plain runs at batch 2" in capsys.readouterr().out
+    assert main([*argv, "--drift", "off", "on", "--out", out]) == 0  # follow_drift's variants beside the others
+    rows = list(csv.DictReader((tmp_path / "out" / "guard_replay.csv").open()))
+    assert [r["variant"] for r in rows if r["spec_time"] == "1.0"] == [
+        "margin 0, refresh off", "margin 0.05, refresh on", "margin 0.05, refresh on, drift"
+    ]  # fmt: skip
+    assert [Variant(0.05, True, d).guard().cfg.follow_drift for d in (False, True)] == [False, True]
     for bad, message in (
+        (["--drift", "yes"], "argument --drift: invalid choice"),
         (["--margins", "1.5"], "must be in"),
         (["--switch-s", "-1"], "switch-s must be at least 0"),
         (["--switch-s", "nan"], "argument --switch-s: must be a finite number"),
