@@ -129,6 +129,10 @@ class GuardConfig(Validated):
     # step (a neighbour's burst, clipped to 2x) flipped the choice to speculation at batch 32, where it runs ~16%
     # slower: a switch step and a measured step each time
     follow_drift: bool = False
+    # ... once this many tries of speculation in a row confirmed plain decoding: a try that happened to measure
+    # speculation slow is then not held against it while the host drifts (at 0, where speculation won by 10-30%, the
+    # replay lost 0.1-2.2 points: the drift-made flips were also the guard's quickest way back to speculation)
+    drift_after_tries: int = Field(default=2, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -164,7 +168,9 @@ class ThroughputGuard:
     stale: set[tuple[int, bool]] = field(default_factory=set)  # (bucket, mode) whose next measured step replaces
     # its step time (``refresh_on_flip``)
     drift_base: dict[int, float] = field(default_factory=dict)  # bucket -> plain decoding's average step time when
-    # speculation's average was last set, or when plain decoding's was last replaced (``follow_drift``)
+    # speculation's average was measured beside it (``follow_drift``; absent: no drift to follow)
+    confirmed_plain: dict[int, int] = field(default_factory=dict)  # bucket -> tries of speculation in a row that
+    # confirmed plain decoding
 
     @property
     def steps(self) -> dict[int, int]:
@@ -388,6 +394,12 @@ class ThroughputGuard:
                 self.stale.add((b, bool(after)))
         if after is not None:
             self.held[b] = after
+        if after:
+            self.confirmed_plain.pop(b, None)
+        elif tried and speculative:
+            self.confirmed_plain[b] = self.confirmed_plain.get(b, 0) + 1
+        if self.confirmed_plain.get(b, 0) < self.cfg.drift_after_tries:
+            self.drift_base.pop(b, None)
 
     def _token_weight(self, n: int) -> float:
         """Weight of the n-th measured step in its mode's tokens-per-step average: 1 / n, a plain mean of the steps

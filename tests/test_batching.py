@@ -325,8 +325,10 @@ def test_one_slow_step_counts_as_at_most_twice_the_average() -> None:
 
 
 def _plain_held_after_a_try(follow_drift: bool) -> ThroughputGuard:
-    """Batch 32: plain decoding 0.18 s a step, a try of speculation 0.25 s for 34 tokens (~22% slower): plain holds."""
-    guard = ThroughputGuard(GuardConfig(explore_every=1000, warmup=1, follow_drift=follow_drift))
+    """Batch 32: plain decoding 0.18 s a step, speculation's warm-up 0.25 s for 34 tokens (~22% slower): plain holds
+    (drift followed from there on: ``drift_after_tries`` 0)."""
+    cfg = GuardConfig(explore_every=1000, warmup=1, follow_drift=follow_drift, drift_after_tries=0)
+    guard = ThroughputGuard(cfg)
     guard.record(32, False, tokens=32, seconds=0.18)
     guard.record(32, True, tokens=34, seconds=0.25)
     assert guard.faster(32) is False
@@ -352,7 +354,7 @@ def test_follow_drift_follows_plain_decoding_only_from_a_try_of_speculation() ->
     """Speculation held and then slowed until plain decoding took over: its time is its own recent one, not one
     measured beside plain decoding, so plain decoding's later drift is not followed and can hand the choice back
     (as without the switch); a plain average replaced by a fresh step ends what drift there was to follow."""
-    guard = ThroughputGuard(GuardConfig(explore_every=1000, warmup=1, follow_drift=True))
+    guard = ThroughputGuard(GuardConfig(explore_every=1000, warmup=1, follow_drift=True, drift_after_tries=0))
     guard.record(32, False, tokens=32, seconds=0.18)
     guard.record(32, True, tokens=48, seconds=0.2)
     assert guard.faster(32) is True and 32 in guard.drift_base  # the warm-up ran beside plain decoding
@@ -365,6 +367,27 @@ def test_follow_drift_follows_plain_decoding_only_from_a_try_of_speculation() ->
     for seconds in (0.2, 0.26, 0.32, 0.38, 0.44):  # the flip's refreshed plain step, then the host slows
         guard.record(32, False, tokens=32, seconds=seconds)
     assert guard.faster(32) is True
+
+
+def test_follow_drift_waits_for_tries_in_a_row_that_confirm_plain_decoding() -> None:
+    """By default drift is followed once two tries of speculation in a row confirmed plain decoding (one that
+    happened to measure speculation slow is not held against it while the host drifts); a flip to speculation
+    starts the count again."""
+    guard = ThroughputGuard(GuardConfig(explore_every=5, warmup=1, explore_cost=1.0, follow_drift=True))
+    followed, prev = [], False
+    for _ in range(60):
+        s = guard.speculate(32)
+        guard.record(32, s, 34 if s else 32, 0.25 if s else 0.18, caught_up_tokens=MISSED if s and not prev else 0)
+        if s and prev:  # a try's measured step
+            followed.append(32 in guard.drift_base)
+        prev = s
+    # speculation's warm-up (no try), the first try, then the second and every later one
+    assert followed[:4] == [False, False, True, True] and guard.confirmed_plain[32] >= 3
+    for seconds in (0.2, 0.22, 0.24, 0.26, 0.28, 0.3):  # the host slows: plain holds
+        guard.record(32, False, tokens=32, seconds=seconds)
+    assert guard.faster(32) is False
+    guard.record(32, True, tokens=32 * 3, seconds=0.26)  # a try that finds speculation 2x faster
+    assert guard.faster(32) is True and 32 not in guard.confirmed_plain and 32 not in guard.drift_base
 
 
 def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
