@@ -64,7 +64,7 @@ from specserve.bench.stats import (
 from specserve.config import MODEL_PAIRS, Drafter, DType, HeadQuant, HeadSpec, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import settings_problems
-from specserve.guard import ThroughputGuard
+from specserve.guard import GuardConfig, ThroughputGuard
 from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
 from specserve.policy.tree_floor import TreeFloor
@@ -137,6 +137,9 @@ class StudyConfig(BaseModel):
         "runs, as a long-running server does, warmed by one untimed run per batch size first (default: a fresh guard "
         "per run, which pays its exploration each time)",
     )
+    follow_drift: bool = Field(
+        default=False, description="the guard follows the host's drift (GuardConfig.follow_drift; needs guard)"
+    )
     freeze_gc: bool = Field(default=True, description="after loading, as serving does (specserve/heap.py)")
     seed: int = Field(default=0, ge=0, lt=1 << 63)
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (None: torch's default)")
@@ -169,6 +172,8 @@ class StudyConfig(BaseModel):
             raise ValueError("int8_reads applies to a real target (its GGUF's Q4_1 blocks), not the tiny pair")
         if self.warm_guard and not self.guard:
             raise ValueError("warm_guard needs guard")
+        if self.follow_drift and not self.guard:
+            raise ValueError("follow_drift needs guard")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens > max_tokens")
         # runs are paired with plain's and merged by (workload, batch size, policy, repeat): a repeated value would
@@ -199,6 +204,9 @@ class StudyConfig(BaseModel):
             head_quant=None if self.head_quant is None else self.head_quant.value,
             tiny_noise=self.tiny_noise if self.pair == TINY_PAIR else None,
         )
+
+    def guard_config(self) -> GuardConfig:
+        return GuardConfig(follow_drift=self.follow_drift)
 
     def specs(self) -> dict[PolicyName, SpecConfig]:
         table = policy_specs(
@@ -329,6 +337,7 @@ def run_engine_point(
         max_model_len=1024,
         max_step_tokens=cfg.max_step_tokens or None,
         throughput_guard=cfg.guard,
+        guard=cfg.guard_config(),
     )
     if guard is not None:
         engine.loop.planner.guard = guard
@@ -394,7 +403,8 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
     traces_path = cfg.out / "traces.jsonl"
     traces_path.unlink(missing_ok=True)
     total = len(cfg.workloads) * len(cfg.batch_sizes) * cfg.repeats * len(specs)
-    guards = {p: ThroughputGuard() for p, s in specs.items() if s.method != SpecMethod.none} if cfg.warm_guard else {}
+    guarded = [p for p, s in specs.items() if s.method != SpecMethod.none] if cfg.warm_guard else []
+    guards = {p: ThroughputGuard(cfg.guard_config()) for p in guarded}
     floors = {p: TreeFloor() for p, s in specs.items() if s.adaptive_floor and s.is_tree} if cfg.warm_guard else {}
     traces: list[RunTrace] = []
     start = time.perf_counter()
@@ -721,9 +731,10 @@ def plot_sl_traces(traces: Sequence[RunTrace], out: Path, prefix: str = "straggl
 
 
 def _guard_state(cfg: StudyConfig) -> str:
+    drift = ", following the host's drift" if cfg.follow_drift else ""
     if cfg.warm_guard:
-        return "one per policy across its runs (warmed by an untimed run per batch size)"
-    return "fresh per run"
+        return f"one per policy across its runs (warmed by an untimed run per batch size){drift}"
+    return f"fresh per run{drift}"
 
 
 def write_report(cfg: StudyConfig, rows: Sequence[dict[str, Any]], images: Sequence[Path], setup: str = "") -> Path:
@@ -811,6 +822,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     )
     p.add_argument(
         "--warm-guard", action="store_true", help="with --guard: one guard (and floor fit) per policy across its runs"
+    )
+    p.add_argument(
+        "--follow-drift", action="store_true", help="with --guard: the guard follows the host's drift (off: default)"
     )
     p.add_argument(
         "--no-freeze-gc", dest="freeze_gc", action="store_false", help="leave the collector alone (serving freezes)"

@@ -97,6 +97,7 @@ class RunSettings(BaseModel):
 
     guard: bool = False
     warm_guard: bool = False
+    follow_drift: bool = False  # GuardConfig.follow_drift
     max_step_tokens: int = 0  # 0: no cap
     requests_per_slot: int = 2
     min_tokens: int = 32

@@ -1124,7 +1124,7 @@ def test_the_engine_sweep_warms_every_policy_up_once_untimed_without_warm_guard(
     assert len(traces) == 4 and len(runs) == 6  # the untimed runs leave no trace
 
 
-def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None:
+def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from load import straggler
     from specserve.guard import GuardConfig, ThroughputGuard, bucket
 
@@ -1151,6 +1151,17 @@ def test_warm_guard_carries_its_measurements_across_runs(tmp_path: Path) -> None
     assert straggler.main([*argv, "--out", str(out)]) == 0
     assert len(read_traces(out / "traces.jsonl")) == 2  # the warm-up runs are not recorded
     assert "one per policy across its runs" in (out / "report.md").read_text()
+    assert [t.settings.follow_drift for t in read_traces(out / "traces.jsonl")] == [False, False]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="follow_drift needs guard"):
+        straggler.StudyConfig(pair="tiny", follow_drift=True)
+    drifting = straggler.StudyConfig(pair="tiny", guard=True, follow_drift=True)
+    engines: list[Any] = []
+    real_engine = straggler.Engine
+    monkeypatch.setattr(straggler, "Engine", lambda *a, **kw: engines.append(real_engine(*a, **kw)) or engines[-1])
+    trace = straggler.run_engine_point(drifting, models, wl, 2, PolicyName.dsde_cap, spec)[1]
+    assert trace.settings is not None and trace.settings.follow_drift  # runs under it are told apart
+    guard = engines[-1].loop.planner.guard
+    assert guard is not None and guard.cfg.follow_drift
 
 
 # ─────────────────────────── a short Locust run against a tiny deployment ───────────────────────────
