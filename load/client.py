@@ -49,17 +49,21 @@ class SSEEvent:
 def sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
     """The lines of an SSE body arriving in ``chunks``: split at CR LF, LF or CR alone, as the SSE format says, and
     nowhere else (``str.splitlines`` and httpx's ``iter_lines`` also split at U+2028, U+2029 and U+0085, which
-    JSON leaves unescaped in a chunk's text)."""
-    held = b""
+    JSON leaves unescaped in a chunk's text). A line ends as soon as its CR arrives (an LF opening the next read
+    then belongs to it): held back until that read, a server's CR-ended event was timed at the next one."""
+    held, after_cr = b"", False
     for chunk in chunks:
+        if after_cr and chunk.startswith(b"\n"):
+            chunk, after_cr = chunk[1:], False
+        if not chunk:  # (an empty read leaves a CR's LF still to come)
+            continue
         data = held + chunk
-        cr = data.endswith(b"\r")  # perhaps the first half of a CR LF: held until the next chunk
-        *lines, rest = _SSE_BREAK.split(data[:-1] if cr else data)
-        held = rest + b"\r" if cr else rest
+        after_cr = data.endswith(b"\r")
+        *lines, held = _SSE_BREAK.split(data)
         for line in lines:
             yield line.decode("utf-8", errors="replace")
     if held:
-        yield held.removesuffix(b"\r").decode("utf-8", errors="replace")
+        yield held.decode("utf-8", errors="replace")
 
 
 class MalformedChunkError(ValueError):
@@ -124,12 +128,15 @@ class SSEDecoder:
 
     last_event_id: str | None = None  # the ``id`` field's last value (it holds for later events without one)
     _data: list[str] = field(default_factory=list)
+    _started: bool = False
 
     def feed(self, line: str | bytes) -> str | None:
         """The data of the event this line dispatches, or None."""
         if isinstance(line, bytes):
             line = line.decode("utf-8", errors="replace")
         line = line.rstrip("\r\n")  # (a client's line iterator may leave the break on)
+        if not self._started:  # one byte order mark before the stream's first line is no part of it
+            line, self._started = line.removeprefix("\ufeff"), True
         if not line:
             data, self._data = self._data, []
             return "\n".join(data) if data else None

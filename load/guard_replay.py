@@ -215,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as e:
         p.error(str(e))
     models = [SpecModel(t, a, args.depth, args.spec_jitter, args.switch_s) for t in args.spec_time for a in args.accept]
-    variants = [Variant(0.0, False)] + [Variant(m, True, d == "on") for d in args.drift for m in args.margins]
+    variants = [Variant(0.0, False)] + [
+        Variant(m, True, d == "on") for d in dict.fromkeys(args.drift) for m in args.margins
+    ]
     rows = rows_for(profiles, models, variants, args.batch, args.seeds)
     print(
         f"{len(profiles)} plain runs at batch {args.batch} ({sum(map(len, profiles))} decode steps), "

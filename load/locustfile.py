@@ -18,6 +18,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Iterator
 from enum import Enum
 from typing import Any, ClassVar
 
@@ -69,6 +70,14 @@ def _http_error(resp: Any) -> str:
     if resp.status_code == 0:  # no response at all
         return f"connection failed: {resp.error}"
     return f"HTTP {resp.status_code}: {resp.text[:200]}"
+
+
+def _arriving(resp: Any) -> Iterator[bytes]:
+    """A streamed body's bytes as they arrive, whatever its framing: requests' ``iter_content(None)`` reads a body
+    without chunked encoding whole (every event stamped at the end), and its ``iter_lines`` made an extra blank line
+    of a CR LF split across two reads."""
+    while chunk := resp.raw.read1(1 << 16, decode_content=True):
+        yield chunk
 
 
 class SpecServeUser(HttpUser):
@@ -124,9 +133,7 @@ class SpecServeUser(HttpUser):
                 resp.failure(_http_error(resp))
                 return
             try:
-                # (requests' iter_lines makes an extra blank line of a CR LF split across two reads: with the SSE
-                # format's own line breaks no event is cut in two)
-                stats = read_stream(sse_lines(resp.iter_content(chunk_size=None)), t0, self.settings.timeout_s)
+                stats = read_stream(sse_lines(_arriving(resp)), t0, self.settings.timeout_s)
             except Exception as e:  # connection reset mid-stream
                 resp.failure(f"stream broken: {type(e).__name__}: {e}")
                 return

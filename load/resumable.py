@@ -76,7 +76,7 @@ class ResumableStream:
 
     def _request_body(self) -> dict[str, Any]:
         body = {**self.body, "stream": True}
-        if self.last_event_id is not None:
+        if self.last_event_id:  # (an empty ``id`` resets it: the stream starts over)
             body["resume_from"] = self.last_event_id
             if self.seed is not None:
                 body["seed"] = self.seed
@@ -92,6 +92,8 @@ class ResumableStream:
             decoder = SSEDecoder()
             for line in sse_lines(r.iter_bytes()):
                 if (data := decoder.feed(line)) is None:
+                    if not line and decoder.last_event_id is not None:  # an event without data still moves the
+                        self.last_event_id = decoder.last_event_id  # point a reconnect resumes from
                     continue
                 if data.strip() == DONE_SENTINEL:
                     return

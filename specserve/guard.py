@@ -124,10 +124,9 @@ class GuardConfig(Validated):
     # acceptance)
     refresh_on_flip: bool = True
     # switch: speculation's average step time counts as moved by as much as plain decoding's average moved since
-    # speculation's last step (``follow_drift``): a plain step's work is fixed per sequence, so its average follows
-    # the host, and a host slowing both modes no longer makes speculation's old time look fast. Off, one slow plain
-    # step (a neighbour's burst, clipped to 2x) flipped the choice to speculation at batch 32, where it runs ~16%
-    # slower: a switch step and a measured step each time
+    # speculation last ran beside it, in a try or its warm-up (``follow_drift``): a plain step's work is fixed per
+    # sequence, so its average follows the host. Off, a host drifting slower made speculation's old time look faster
+    # at batch 32, where it ran ~16% slower: a switch step and a measured step, a few times a run
     follow_drift: bool = False
     # ... once this many tries of speculation in a row confirmed plain decoding: a try that happened to measure
     # speculation slow is then not held against it while the host drifts (at 0, where speculation won by 10-30%, the

@@ -146,6 +146,11 @@ def test_the_command_writes_a_row_per_model_and_variant(tmp_path: Path, capsys: 
         "margin 0, refresh off", "margin 0.05, refresh on", "margin 0.05, refresh on, drift"
     ]  # fmt: skip
     assert [Variant(0.05, True, d).guard().cfg.follow_drift for d in (False, True)] == [False, True]
+    assert main([*argv, "--drift", "on", "on", "--out", out]) == 0  # a value given twice is one variant
+    rows = list(csv.DictReader((tmp_path / "out" / "guard_replay.csv").open()))
+    assert [r["variant"] for r in rows if r["spec_time"] == "1.0"] == [
+        "margin 0, refresh off", "margin 0.05, refresh on, drift"
+    ]  # fmt: skip
     for bad, message in (
         (["--drift", "yes"], "argument --drift: invalid choice"),
         (["--margins", "1.5"], "must be in"),

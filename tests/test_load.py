@@ -187,6 +187,33 @@ def test_an_event_is_assembled_from_its_lines_as_the_sse_format_says() -> None:
     assert swept.failure() is None and swept.text == "hi"
 
 
+def test_an_event_ended_by_bare_crs_is_dispatched_with_the_read_that_ends_it() -> None:
+    """A CR at the end of a read ends its line at once (an LF opening the next read is dropped as its pair): held
+    back for a possible LF, a CR-ended event came out with the next read, up to a keep-alive interval late."""
+    reads: list[bytes] = []
+
+    def arriving(chunks: list[bytes]) -> Iterator[bytes]:
+        for chunk in chunks:
+            reads.append(chunk)
+            yield chunk
+
+    def dispatched(chunks: list[bytes]) -> list[tuple[str, int]]:
+        reads.clear()
+        decoder, out = SSEDecoder(), []
+        for line in sse_lines(arriving(chunks)):
+            if (data := decoder.feed(line)) is not None:
+                out.append((data, len(reads)))
+        return out
+
+    assert dispatched([b'data: {"a":1}\r\r', b": keep-alive\r\r", b"data: [DONE]\r\r"]) == [
+        ('{"a":1}', 1), ("[DONE]", 3),
+    ]  # fmt: skip
+    # a CR LF split across reads (an empty read between) is one break, not a CR and an empty line
+    assert dispatched([b"data: x\r", b"", b"\n\r", b"\ndata: y\r\n", b"\r\n"]) == [("x", 3), ("y", 5)]
+    # one byte order mark before the first line is no part of it
+    assert dispatched([b"\xef\xbb\xbfdata: z\n\n"]) == [("z", 1)]
+
+
 def test_the_sweeps_client_reads_a_chunk_with_line_separators_in_its_text() -> None:
     import httpx
 

@@ -406,6 +406,28 @@ def test_the_client_helper_joins_an_events_data_lines_and_fails_a_whole_malforme
     assert stream.resumes == 0
 
 
+def test_the_client_helper_resumes_from_an_id_sent_without_data_and_not_from_an_empty_one() -> None:
+    """An event with an ``id`` and no data moves the point a reconnect resumes from (the SSE format sets the last
+    event id at every dispatch); an empty ``id`` resets it, so the resend starts over (it sent ``resume_from: ""``)."""
+    answers = iter(
+        [
+            b'id: 1-a\ndata: {"choices":[{"text":"a","finish_reason":null}]}\n\nid: 1-b\n\n',  # cut after an ack
+            b'data: {"choices":[{"text":"b","finish_reason":null}]}\n\nid\n\n',  # then an empty id, cut
+            b'data: {"choices":[{"text":"ab","finish_reason":"length"}]}\n\ndata: [DONE]\n\n',
+        ]
+    )
+    bodies: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=next(answers))
+
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    stream = ResumableStream("http://127.0.0.1:1", COMPLETIONS, {"prompt": "x"}, client=client, retry_interval_s=0)
+    assert stream.text() == "abab" and stream.resumes == 2
+    assert "resume_from" not in bodies[0] and bodies[1]["resume_from"] == "1-b" and "resume_from" not in bodies[2]
+
+
 @pytest.mark.parametrize(
     "payload", ['{"error": "lane gone"}', "5", '{"choices": [{"delta": "hi"}]}', '{"choices": [], "seed": "7"}']
 )
