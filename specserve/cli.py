@@ -66,6 +66,10 @@ def _generate(args: argparse.Namespace) -> int:
             freeze_gc=True,  # this process serves one engine until it exits
         )
     )
+    if not args.no_chat and engine.tokenizer is not None and engine.tokenizer.chat_template is None:
+        raise SettingsError(
+            f"{args.model}'s tokenizer has no chat template: pass --no-chat to send the prompt as it is"
+        )
     last = None
     for out in engine.stream(args.prompt, params, chat=not args.no_chat):
         sys.stdout.write(out.text)

@@ -438,3 +438,25 @@ def test_ctrl_c_ends_a_command_with_status_130_and_no_traceback(
     assert status == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+@pytest.mark.real_model
+def test_generate_on_a_model_without_a_chat_template_says_to_pass_no_chat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A base model has no chat template: `generate` said only "this model's tokenizer has no chat template", not
+    what to do about it; with --no-chat it generates."""
+    from specserve.config import ModelSpec
+    from specserve.models.sources import resolve
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for f in resolve(ModelSpec()).iterdir():
+        if f.name != "chat_template.jinja":
+            (base / f.name).symlink_to(f)
+    argv = ["generate", "hello", "--model", str(base), "--draft", "none", "--max-tokens", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template: pass --no-chat" in err and "Traceback" not in err
+    assert main([*argv, "--no-chat"]) == 0
+    assert "[2 tokens, finish_reason=length]" in capsys.readouterr().err
