@@ -207,8 +207,8 @@ class ThroughputGuard:
         """Speculation's rate in bucket ``b``; with ``follow_drift``, its step time scaled by plain decoding's drift
         since speculation last ran (1 while speculation runs: plain decoding's average stands still then)."""
         rate = self.rates[(b, True)]
-        base, plain = self.drift_base.get(b), self.work.get((b, False))
-        if not self.cfg.follow_drift or base is None or plain is None:
+        base, plain = self.drift_base.get(b), self.work.get((b, False))  # (kept only with ``follow_drift``)
+        if base is None or plain is None:
             return rate
         return rate * base / max(plain[1], MIN_STEP_S)
 
@@ -365,13 +365,8 @@ class ThroughputGuard:
         self.stale.discard(key)
         tok, sec = self.work[key]
         self.rates[key] = tok / max(sec, 1e-9)
-        plain = self.work.get((b, False))
-        if speculative and not self.held.get(b, False) and plain is not None:  # a try (or the warm-up) of
-            # speculation while plain decoding runs: its time is as of plain decoding's average now
-            self.drift_base[b] = plain[1]
-        elif speculative or not blended:  # speculation running, or plain decoding's average replaced (a try, a
-            # flip's refresh): no drift to follow until speculation's next try
-            self.drift_base.pop(b, None)
+        if self.cfg.follow_drift:
+            self._note_drift_base(b, speculative, blended)
         if b in self.trying:  # a try measuring on decides nothing yet
             return
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try
@@ -393,11 +388,22 @@ class ThroughputGuard:
                 self.stale.add((b, bool(after)))
         if after is not None:
             self.held[b] = after
-        if after:
-            self.confirmed_plain.pop(b, None)
-        elif tried and speculative:
-            self.confirmed_plain[b] = self.confirmed_plain.get(b, 0) + 1
-        if self.confirmed_plain.get(b, 0) < self.cfg.drift_after_tries:
+        if self.cfg.follow_drift:  # drift is followed once enough tries in a row confirmed plain decoding
+            if after:
+                self.confirmed_plain.pop(b, None)
+            elif tried and speculative:
+                self.confirmed_plain[b] = self.confirmed_plain.get(b, 0) + 1
+            if self.confirmed_plain.get(b, 0) < self.cfg.drift_after_tries:
+                self.drift_base.pop(b, None)
+
+    def _note_drift_base(self, b: int, speculative: bool, blended: bool) -> None:
+        """``follow_drift``: after a step of bucket ``b``, the plain average speculation's time is as of, if any."""
+        plain = self.work.get((b, False))
+        if speculative and not self.held.get(b, False) and plain is not None:  # a try (or the warm-up) of
+            # speculation while plain decoding runs: its time is as of plain decoding's average now
+            self.drift_base[b] = plain[1]
+        elif speculative or not blended:  # speculation running, or plain decoding's average replaced (a try, a
+            # flip's refresh): no drift to follow until speculation's next try
             self.drift_base.pop(b, None)
 
     def _token_weight(self, n: int) -> float:
