@@ -59,6 +59,10 @@ class SettingsError(SpecServeError, ValueError):
     """Settings the library cannot run with, or that contradict each other; the message names them."""
 
 
+class TrainingDivergedError(SpecServeError):
+    """A training step's loss or gradient is not finite; the step is not applied and the last checkpoint stands."""
+
+
 class InvalidRequestError(SpecServeError, ValueError):
     """A request's prompt or sampling values are invalid; ``param`` names the field at fault, where one is."""
 

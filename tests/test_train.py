@@ -16,13 +16,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.errors import SettingsError, UnsupportedModelError
+from specserve.errors import SettingsError, TrainingDivergedError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_model
 from specserve.spec_decode.eagle_head import HeadKind, dense_weight
 from specserve.spec_decode.head_checkpoint import load_eagle_head, save_eagle_head
-from specserve.train.distill import Sample, generate_with_features, greedy_distiller, iter_samples, target_features
+from specserve.train.distill import (
+    Conversation,
+    Sample,
+    generate_with_features,
+    greedy_distiller,
+    iter_samples,
+    stored_features,
+    target_features,
+)
 from specserve.train.lexicon_prompts import WORDNET_DIR, WordNetMissing, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import BannedRuns, keep_requests, mt_bench_runs, self_prompts, user_turn_prefix
@@ -278,6 +286,43 @@ def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path, kind:
         assert a.cfg.kind == HeadKind.eagle3 and torch.equal(a.draft_ids, ids)
         with pytest.raises(ValueError, match="aux"):  # EAGLE-3 data without its fused features
             train_head(target, _samples(4, 0, target.cfg.hidden_size), ids, cfg, tmp_path / "d", system_len=2)
+
+
+def test_a_non_finite_loss_stops_training_before_the_step_reaches_the_weights(tmp_path: Path) -> None:
+    """One sample with an infinite feature: training stops at the step that reads it, naming the step, and the
+    checkpoint keeps the step before it with finite weights (AdamW would have written NaN into every weight)."""
+    target, samples, ids = _training_setup(HeadKind.eagle)
+    feats = samples[7].features.clone()
+    feats[4, 0] = float("inf")
+    samples[7] = replace(samples[7], features=feats)
+    cfg = _ttt_config(HeadKind.eagle, epochs=1, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=1)
+    work = tmp_path / "w"
+    with pytest.raises(TrainingDivergedError, match=r"the step was not applied") as err:
+        train_head(target, samples, ids, cfg, work, system_len=2)
+    found = re.search(r"step (\d+) of \d+: the loss is nan .*samples \[([0-9, ]+)\]", str(err.value))
+    assert found is not None and "7" in found[2].split(", "), str(err.value)
+    step = int(found[1])
+    assert step > 1  # (the seeded order reaches that sample after some clean steps)
+    state = torch.load(work / "ckpt.pt", weights_only=True)
+    assert state["step"] == step - 1 and f"holds step {step - 1}" in str(err.value)
+    assert all(bool(torch.isfinite(t).all()) for t in state["head"].values())
+
+
+def test_features_beyond_float16_are_refused_not_stored_as_infinity() -> None:
+    x = torch.tensor([[1.5, -2.0], [65504.0, 3.0]])
+    kept = stored_features(x, "last hidden states")
+    assert kept.dtype == torch.float16 and torch.equal(kept.float(), x)
+    with pytest.raises(UnsupportedModelError, match=r"aux layer inputs reach 7e\+04, beyond float16"):
+        stored_features(torch.tensor([[70000.0, 0.0]]), "aux layer inputs")
+    with pytest.raises(UnsupportedModelError, match="non-finite last hidden states"):
+        stored_features(torch.tensor([[float("nan"), 0.0]]), "last hidden states")
+    model = tiny_model(seed=3)  # a target whose final norm scales its features past float16
+    with torch.no_grad():
+        model.norm.mul_(1e6)
+    with pytest.raises(UnsupportedModelError, match="last hidden states reach"):
+        generate_with_features(model, [[5, 6, 7]], 2, set())
+    with pytest.raises(UnsupportedModelError, match="last hidden states reach"):
+        target_features(model, [Conversation([5, 6, 7], 2)])
 
 
 @pytest.mark.parametrize("kind", [HeadKind.eagle, HeadKind.eagle3])

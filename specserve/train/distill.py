@@ -27,7 +27,7 @@ from safetensors.torch import save as safetensors_bytes
 from transformers import PreTrainedTokenizerBase
 
 from specserve.durable import drop_leftovers, write_durably
-from specserve.errors import SettingsError
+from specserve.errors import SettingsError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 
@@ -141,8 +141,8 @@ def generate_with_features(
         f, a = model.hidden_states(batch, cache, aux_layers)  # [N, H], [N, A*H] | None
         nxt = model.logits(f[batch.logit_rows]).argmax(-1).tolist()  # host sync: one per step
         sizes = list(batch.num_new)
-        f_host = f.to(torch.float16).cpu()  # one copy a step, then split on the host
-        a_rows = a.to(torch.float16).cpu().split(sizes) if a is not None else [None] * len(active)
+        f_host = stored_features(f, "last hidden states")  # one copy a step, then split on the host
+        a_rows = stored_features(a, "aux layer inputs").split(sizes) if a is not None else [None] * len(active)
         still = []
         for i, fi, ai, tok in zip(active, f_host.split(sizes), a_rows, nxt, strict=True):
             final[i].append(fi)
@@ -161,6 +161,20 @@ def generate_with_features(
     )
 
 
+def stored_features(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` as the data set keeps it (float16, on the host). A value float16 cannot hold is refused: stored as
+    infinity it would turn the first training step that reads it, and every weight after it, into NaN."""
+    half = t.to(torch.float16).cpu()
+    if not bool(torch.isfinite(half).all()):
+        if not bool(torch.isfinite(t).all()):
+            raise UnsupportedModelError(f"the target computed non-finite {what}: its weights or inputs are broken")
+        raise UnsupportedModelError(
+            f"the target's {what} reach {float(t.abs().max()):.4g}, beyond float16's range (65504), in which the "
+            "training data keeps features: a head cannot be trained for this target here"
+        )
+    return half
+
+
 @torch.inference_mode()
 def target_features(model: LlamaModel, convs: list[Conversation], aux_layers: tuple[int, ...] = ()) -> Features:
     """The target's last hidden state (after the final norm) at every token of each conversation, and the inputs
@@ -172,9 +186,9 @@ def target_features(model: LlamaModel, convs: list[Conversation], aux_layers: tu
         slot = cache.allocate()
         batch = ForwardBatch.build(cache, [slot], [conv.tokens], device=model.device)
         f, a = model.hidden_states(batch, cache, aux_layers)
-        final.append(f.to(torch.float16).cpu())
+        final.append(stored_features(f, "last hidden states"))
         if a is not None:
-            aux.append(a.to(torch.float16).cpu())
+            aux.append(stored_features(a, "aux layer inputs"))
     return Features(final, aux if aux_layers else None)
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.durable import drop_leftovers, write_durably
-from specserve.errors import SettingsError
+from specserve.errors import SettingsError, TrainingDivergedError
 from specserve.models.llama import LlamaModel, apply_rope, rms_norm
 from specserve.models.sources import sha256_file
 from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, dense_weight
@@ -333,11 +333,18 @@ def train_head(
         loss, stats = ttt_loss(head, batch.tokens, batch.feats, batch.weight, lm_w, cfg, gen, batch.aux)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        loss_value, norm_value = torch.stack([loss.detach(), grad_norm]).tolist()  # host sync: one per step
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):  # AdamW would write it into every weight
+            raise TrainingDivergedError(
+                f"step {step + 1} of {total}: the loss is {loss_value} and the gradient norm {norm_value} "
+                f"(samples {plan[step]} of the data): the step was not applied; "
+                + (f"{ckpt} holds step {step}" if ckpt.exists() else "no checkpoint was written")
+            )
         opt.step()
         step += 1
         if log is not None:
-            log(step, total, float(loss.detach()), stats)
+            log(step, total, loss_value, stats)
         if step % cfg.checkpoint_every == 0 or step == stop:
             state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": config_record(cfg)}
             write_durably(ckpt, functools.partial(torch.save, state | trained_on))
