@@ -89,7 +89,7 @@ def model_shape(model: LlamaModel | EagleHead) -> ModelShape:
         vocab_size=vocab,
         tie_word_embeddings=tied,
         qkv_bias=cfg.qkv_bias,
-        o_bias=getattr(cfg, "o_bias", False),  # (a head's layer has the qkv bias flag alone)
+        o_bias=cfg.o_bias,
         mlp_bias=getattr(cfg, "mlp_bias", False),
     )
 

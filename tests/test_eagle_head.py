@@ -116,15 +116,18 @@ def rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 def reference_layer(sd: dict[str, torch.Tensor], p: str, a: torch.Tensor, res: torch.Tensor, pos: torch.Tensor):
     n = a.shape[0]
-    q = rope((a @ sd[p + "self_attn.q_proj.weight"].T).view(n, NH, D), pos)
-    k = rope((a @ sd[p + "self_attn.k_proj.weight"].T).view(n, NKV, D), pos)
-    v = (a @ sd[p + "self_attn.v_proj.weight"].T).view(n, NKV, D)
+
+    def proj(name: str) -> torch.Tensor:  # with the projection's bias where the checkpoint has one
+        out = a @ sd[p + f"self_attn.{name}_proj.weight"].T
+        return out + sd[p + f"self_attn.{name}_proj.bias"] if p + f"self_attn.{name}_proj.bias" in sd else out
+
+    q, k, v = rope(proj("q").view(n, NH, D), pos), rope(proj("k").view(n, NKV, D), pos), proj("v").view(n, NKV, D)
     rep = NH // NKV
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
     scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
     att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, NH * D)
-    h = res + att @ sd[p + "self_attn.o_proj.weight"].T
+    h = res + att @ sd[p + "self_attn.o_proj.weight"].T + sd.get(p + "self_attn.o_proj.bias", torch.zeros(()))
     m = rms(h, sd[p + "post_attention_layernorm.weight"])
     gate, up = m @ sd[p + "mlp.gate_proj.weight"].T, m @ sd[p + "mlp.up_proj.weight"].T
     return h + (torch.nn.functional.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
@@ -213,6 +216,57 @@ def test_eagle1_layout_matches_reference(
     ref_h, ref_logits = reference_eagle1(sd, emb, lm, tokens, feats)
     assert_close_to(hidden, ref_h, kernel=native)
     assert_close_to(logits, ref_logits, kernel=native)
+
+
+def _attention_biases(seed: int, projections: str) -> dict[str, torch.Tensor]:
+    g, width = torch.Generator().manual_seed(seed), {"q": NH * D, "k": NKV * D, "v": NKV * D, "o": H}
+    return {f"layers.0.self_attn.{n}_proj.bias": _rand(g, width[n], scale=0.5) for n in projections}
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize(
+    ("projections", "config", "saved"),
+    [
+        ("qkvo", {"attention_bias": True}, {"attention_bias": True}),  # a Llama config's attention_bias: all four
+        ("qkv", {"attention_bias": True}, {"attention_bias": False, "qkv_bias": True}),  # a Qwen2 target's head
+        ("qkv", {"attention_bias": False, "qkv_bias": True}, {"attention_bias": False, "qkv_bias": True}),
+        ("o", {"attention_bias": True, "qkv_bias": False}, {"attention_bias": True, "qkv_bias": False}),
+    ],
+)
+def test_attention_biases_load_in_each_spelling_and_save_in_one_that_says_which(
+    tmp_path: Path, target: LlamaModel, projections: str, config: dict[str, bool], saved: dict[str, bool], native: bool
+) -> None:
+    """Biases on q, k, v and o (HF Llama's attention_bias), on q, k and v alone (as heads for Qwen2 targets have
+    them, under attention_bias or under vLLM's qkv_bias), or on o alone: each loaded and run as the reference
+    computes it, and saved with flags that name exactly the projections that have one."""
+    sd = eagle1_tensors(3, fc_bias=True) | _attention_biases(4, projections)
+    head = load_eagle_head(write_head(tmp_path / "h", sd, {"bias": True} | config), target)
+    assert (head.cfg.qkv_bias, head.cfg.o_bias) == ("q" in projections, "o" in projections)
+    if native:
+        with_native_layer(head)
+    g = torch.Generator().manual_seed(5)
+    tokens, feats = torch.randint(0, V, (7,), generator=g), torch.randn(7, H, generator=g)
+    hidden, logits = run_head(head, tokens, feats)
+    emb, lm = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    ref_h, ref_logits = reference_eagle1(sd, emb, lm, tokens, feats)
+    assert_close_to(hidden, ref_h, kernel=native)
+    assert_close_to(logits, ref_logits, kernel=native)
+    save_eagle_head(head, tmp_path / "saved", dtype=torch.float32)
+    written = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert {k: written.get(k) for k in saved} == saved and ("qkv_bias" in written) == ("qkv_bias" in saved)
+    assert_close_to(run_head(load_eagle_head(tmp_path / "saved", target), tokens, feats)[1], ref_logits, kernel=False)
+
+
+def test_attention_bias_flags_that_contradict_the_tensors_are_named(tmp_path: Path, target: LlamaModel) -> None:
+    sd = eagle1_tensors(3, fc_bias=False)
+    cases = [
+        ("qkv_bias_missing", "", {"qkv_bias": True}, "qkv_bias is true but the checkpoint has no q_proj.bias"),
+        ("o_missing", "qkv", {"attention_bias": True, "qkv_bias": True}, "attention_bias is true .* no o_proj.bias"),
+        ("o_extra", "qkvo", {"attention_bias": False, "qkv_bias": True}, "attention_bias is false .* a o_proj.bias"),
+    ]
+    for name, projections, config, match in cases:
+        with pytest.raises(UnsupportedModelError, match=match):
+            load_eagle_head(write_head(tmp_path / name, sd | _attention_biases(1, projections), config), target)
 
 
 def test_eagle1_reduced_vocabulary(tmp_path: Path, target: LlamaModel) -> None:
@@ -547,9 +601,9 @@ def test_tensors_of_a_deeper_or_other_head_are_refused(tmp_path: Path, target: L
         load_eagle_head(write_head(tmp_path / "two", sd | second, {"num_hidden_layers": 2}), target)
     with pytest.raises(UnsupportedModelError, match=r"layers\.1\.mlp\.down_proj"):
         load_eagle_head(write_head(tmp_path / "extra", sd | second, {}), target)
-    o_bias = {"layers.0.self_attn.o_proj.bias": torch.zeros(H)}
-    with pytest.raises(UnsupportedModelError, match=r"o_proj\.bias"):
-        load_eagle_head(write_head(tmp_path / "bias", sd | o_bias, {}), target)
+    mlp_bias = {"layers.0.mlp.down_proj.bias": torch.zeros(H)}
+    with pytest.raises(UnsupportedModelError, match=r"down_proj\.bias"):
+        load_eagle_head(write_head(tmp_path / "bias", sd | mlp_bias, {}), target)
     inv_freq = {"layers.0.self_attn.rotary_emb.inv_freq": torch.ones(D // 2)}  # saved by old transformers
     plain = load_eagle_head(write_head(tmp_path / "plain", sd, {}), target)
     with_buffer = load_eagle_head(write_head(tmp_path / "buf", sd | inv_freq, {}), target)

@@ -68,6 +68,7 @@ class EagleHeadConfig(BaseModel):
     )
     fc_bias: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
     aux_layers: tuple[int, ...] = Field(default=(), description="EAGLE-3: target layers whose inputs are fused")
     rope_theta: float = Field(default=10000.0, gt=0, allow_inf_nan=False)
     rope_scaling: dict[str, Any] | None = None
@@ -156,7 +157,7 @@ class HeadLayer(nn.Module):
         self.cfg = cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(in_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)

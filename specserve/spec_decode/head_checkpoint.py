@@ -60,6 +60,8 @@ def _layer_tensors(layer: HeadLayer, prefix: str) -> dict[str, torch.Tensor]:
         qb, kb, vb = layer.qkv.bias.detach().split([q_size, kv_size, kv_size])
         out |= {f"{prefix}self_attn.q_proj.bias": qb, f"{prefix}self_attn.k_proj.bias": kb}
         out[f"{prefix}self_attn.v_proj.bias"] = vb
+    if cfg.o_bias:
+        out[f"{prefix}self_attn.o_proj.bias"] = layer.o_proj.bias.detach()
     return out
 
 
@@ -105,7 +107,7 @@ def hf_config_dict(cfg: EagleHeadConfig, **extra: Any) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_position_embeddings,
         "hidden_act": "silu",
         "bias": cfg.fc_bias,
-        "attention_bias": cfg.qkv_bias,
+        **attention_bias_flags(cfg),
     }
     if cfg.kind == HeadKind.eagle3:
         d["draft_vocab_size"] = cfg.draft_vocab_size or cfg.vocab_size
@@ -114,6 +116,15 @@ def hf_config_dict(cfg: EagleHeadConfig, **extra: Any) -> dict[str, Any]:
         if cfg.norm_before_residual:
             d["norm_before_residual"] = True
     return d | extra
+
+
+def attention_bias_flags(cfg: EagleHeadConfig) -> dict[str, bool]:
+    """The config keys that say which attention projections have biases. A Llama config's ``attention_bias``
+    gives q, k, v and o one each; a head with biases on q, k and v alone (one trained for a Qwen2 target) adds
+    ``qkv_bias`` for those, ``attention_bias`` then naming o's alone (as vLLM's Llama layer reads the pair)."""
+    if cfg.qkv_bias == cfg.o_bias:
+        return {"attention_bias": cfg.qkv_bias}
+    return {"attention_bias": cfg.o_bias, "qkv_bias": cfg.qkv_bias}
 
 
 def save_eagle_head(
@@ -238,8 +249,11 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
         # published EAGLE-3 implementations concatenate them for the head's fc (and so does the target here)
         marked = eagle_cfg.get(AUX_INPUTS_MARKER) is True or raw.get(AUX_INPUTS_MARKER) is True
         aux = aux_layer_inputs(sorted(ids), marked) if ids else default_aux_layers(target.cfg.num_layers)
-    flags = {"bias": ("fc.bias", "fc.bias"), "attention_bias": ("q_proj.bias", f"{prefix}self_attn.q_proj.bias")}
-    for key, (short, name) in flags.items():  # a flag the config states must describe the tensors
+    q_bias = (f"{prefix}self_attn.q_proj.bias", "q_proj.bias")
+    flags = {"bias": ("fc.bias", "fc.bias"), "attention_bias": q_bias, "qkv_bias": q_bias}
+    if isinstance(raw.get("qkv_bias"), bool):  # q, k and v's biases named apart: attention_bias names o's alone
+        flags["attention_bias"] = (f"{prefix}self_attn.o_proj.bias", "o_proj.bias")
+    for key, (name, short) in flags.items():  # a flag the config states must describe the tensors
         if isinstance(raw.get(key), bool) and raw[key] != (name in sd):
             raise UnsupportedModelError(
                 f"config.json says {key} is {str(raw[key]).lower()} but the checkpoint "
@@ -257,6 +271,7 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
         draft_vocab_size=int(raw["draft_vocab_size"]) if raw.get("draft_vocab_size") else None,
         fc_bias="fc.bias" in sd,
         qkv_bias=f"{prefix}self_attn.q_proj.bias" in sd,
+        o_bias=f"{prefix}self_attn.o_proj.bias" in sd,
         aux_layers=aux,
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_scaling=rope_scaling_of(raw),
@@ -492,6 +507,8 @@ def _load_tensors(head: EagleHead, sd: dict[str, torch.Tensor]) -> None:
         if cfg.qkv_bias:
             layer.qkv.bias.copy_(torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"]))
         layer.o_proj.weight.copy_(sd[att + "o_proj.weight"])
+        if cfg.o_bias:
+            layer.o_proj.bias.copy_(sd[att + "o_proj.bias"])
         layer.post_norm.copy_(sd[prefix + "post_attention_layernorm.weight"])
         layer.gate_up.weight.copy_(torch.cat([sd[prefix + f"mlp.{n}.weight"] for n in _MLP]))
         layer.down.weight.copy_(sd[prefix + "mlp.down_proj.weight"])
