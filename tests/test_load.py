@@ -1337,6 +1337,51 @@ def test_locust_counts_each_broken_answer_as_that_requests_failure(tmp_path: Pat
     assert float(stats["TOKENS", "coding"]["Min Response Time"]) == 2  # the usage chunk's completion tokens
 
 
+def test_the_locust_user_times_a_body_without_chunked_encoding_as_it_arrives() -> None:
+    """A stream whose body ends when the server closes the connection (no Content-Length, no chunked encoding, as
+    HTTP/1.0-style proxies send it): its first event is timed when it arrives, not when the body ends (requests'
+    iter_content(None) read such a body whole, so every event was stamped at the close)."""
+    if importlib.util.find_spec("locust") is None:  # not imported here: Locust monkey-patches the process
+        pytest.skip("locust is not installed (pip install locust)")
+    import socket
+    import threading
+
+    first = b'data: {"choices":[{"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+    last = b'data: {"choices":[{"delta":{"content":"!"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + first)
+            time.sleep(1.5)
+            conn.sendall(last)  # then the close ends the body
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    script = (
+        "from load.locustfile import _arriving\n"  # first: Locust patches the socket and ssl modules as it loads
+        "import json, sys, time, requests\n"
+        "from load.client import read_stream, sse_lines\n"
+        "t0 = time.perf_counter()\n"
+        "with requests.post(sys.argv[1], json={}, stream=True, timeout=30) as resp:\n"
+        "    stats = read_stream(sse_lines(_arriving(resp)), t0, 30.0)\n"
+        "print(json.dumps({'ttft': stats.ttft_s, 'end': stats.end_s, 'text': stats.text, 'done': stats.done}))\n"
+    )
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/v1/chat/completions"
+    with server:
+        cmd = [sys.executable, "-c", script, url]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        thread.join(timeout=30)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["text"] == "hi!" and got["done"]
+    assert got["end"] >= 1.5 and got["ttft"] < got["end"] - 1.0, got  # the first event before the second was sent
+
+
 def test_a_dropped_stream_is_that_requests_failure_not_the_sweeps() -> None:
     """The HTTP sweep's per-request client: a connection cut mid-body, or refused, or a 429, is counted as the
     request's failure; a complete stream is not."""
