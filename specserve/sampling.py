@@ -19,7 +19,9 @@ class SamplingParams(Validated):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
-    top_k: int | None = Field(default=None, ge=1, description="keep the k most likely tokens; None = off")
+    top_k: int | None = Field(
+        default=None, ge=1, description="keep the k most likely tokens (and any tied with the k-th); None = off"
+    )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="any 64-bit signed integer")
     max_tokens: int = Field(default=128, ge=1, le=MAX_CONTEXT)

@@ -202,7 +202,10 @@ class GenerationRequest(ClosedModel):
         default=None,
         ge=-1,
         lt=INT64_END,
-        description="extension: keep the k most likely tokens; -1 or 0 (as vLLM's clients send them): no top-k",
+        description=(
+            "extension: keep the k most likely tokens (and ties with the k-th); "
+            "-1 or 0 (as vLLM's clients send them): no top-k"
+        ),
     )
     # lt 2**63 rather than le 2**63 - 1: OpenAPI bounds are floats, and 2**63 - 1 is not one
     seed: StrictInt | None = Field(default=None, ge=-INT64_END, lt=INT64_END, description="a 64-bit signed integer")
