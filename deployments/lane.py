@@ -226,6 +226,9 @@ class Lane:
         # step fails no request for it)
         self._killer: int | None = None
         self._stepped = True
+        # draft workers lost in a row with no step drafted by one in between (a request whose input kills the draft
+        # takes each fresh one down at its first proposal): each comes back after a longer pause than the last
+        self._draft_losses = 0
         self.lost_workers = False  # its target could not be brought back (until a replacement or a step succeeds)
         self._retry_pause = worker_retry_s  # while lost: the pause before the next try (doubles)
         self._retry_at = 0.0  # ... and when that try is due (time.monotonic)
@@ -529,6 +532,8 @@ class Lane:
             if out.finished:
                 self._forget(out.request_id)
         if outputs:  # the loop recorded this step
+            if WorkerRole.draft in self.workers and any(self.loop.stats.metrics[-1].depths):
+                self._draft_losses = 0  # a step drafted and verified: the draft it had is no longer suspect
             self.metrics.lane_step(
                 self.index,
                 self.loop.stats.metrics[-1],
@@ -720,14 +725,22 @@ class Lane:
         with contextlib.suppress(Exception):  # it may only have been unreachable: its bundle's resources come back
             old.kill()
         self.metrics.draft_detached(self.index, True)
-        restorer = threading.Thread(target=self._restore_draft, name=f"lane-{self.index}-draft", daemon=True)
+        self._draft_losses += 1
+        # at once after a first loss; after a draft that drafted no step, worker_retry_s, doubling with each loss
+        losses = self._draft_losses
+        first = 0.0 if losses == 1 else min(self.worker_retry_s * 2 ** (losses - 2), MAX_RETRY_S)
+        restorer = threading.Thread(
+            target=self._restore_draft, args=(first,), name=f"lane-{self.index}-draft", daemon=True
+        )
         restorer.start()
 
-    def _restore_draft(self) -> None:
-        """Make and start a draft worker until one starts (pausing ``worker_retry_s`` after a failed try, doubling
-        up to MAX_RETRY_S); the lane thread attaches it (``_DraftBack``). Ends with the lane, within START_POLL_S
-        even while a new worker is still loading its model (that worker is then ended: it holds its resources)."""
-        pause, delay = self.worker_retry_s, 0.0
+    def _restore_draft(self, first_delay: float = 0.0) -> None:
+        """After ``first_delay``, make and start a draft worker until one starts (pausing ``worker_retry_s`` after
+        a failed try, doubling up to MAX_RETRY_S); the lane thread attaches it (``_DraftBack``). Ends with the lane,
+        within START_POLL_S even while a new worker is still loading its model (that worker is then ended: it holds
+        its resources)."""
+        delay = first_delay
+        pause = min(2 * first_delay, MAX_RETRY_S) if first_delay else self.worker_retry_s
         while not self._stopping.wait(delay):
             delay, pause = pause, min(2 * pause, MAX_RETRY_S)
             self.generations[WorkerRole.draft] += 1  # this thread's alone while the draft is detached

@@ -511,8 +511,8 @@ def test_a_request_closed_while_its_lane_loses_it_is_not_counted_for_ever(target
 
 @dataclass
 class DraftActor:
-    """A draft worker actor's handle: ``fault`` "late" loses it after one proposal, "start" fails its start,
-    "loading" never finishes it."""
+    """A draft worker actor's handle: ``fault`` "late" loses it after one proposal, "hostile" at a proposal for the
+    HOSTILE prompt, "start" fails its start, "loading" never finishes it."""
 
     model: LlamaModel
     fault: str | None
@@ -548,6 +548,8 @@ class DraftActor:
 
     def _propose(self, items: Any) -> Ref:
         self.calls.append("propose")
+        if self.fault == "hostile" and any(it.new_tokens[:2] == HOSTILE for it in items):
+            return Ref(gone)  # one request's input kills the draft's process (a crashing kernel)
         if self.fault == "late" and self.calls.count("propose") > 1:
             error = ActorUnschedulableError("the actor's node is gone")
             return Ref(lambda _: (_ for _ in ()).throw(error))
@@ -668,6 +670,28 @@ def test_while_no_draft_can_be_made_the_lane_serves_plainly_and_keeps_trying(
         lane.stop()
     # at once, then after worker_retry_s, doubling up to MAX_RETRY_S
     assert stopping.waits[:7] == [0.0, 0.01, 0.02, 0.04, 0.05, 0.05, 0.05]
+
+
+def test_a_request_that_kills_each_new_draft_brings_them_back_ever_more_slowly(
+    target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request's input kills the draft's process at its first proposal for it. Each fresh draft was made at
+    once and taken down at once: a draft model made and loaded per step for as long as that request ran. The
+    requests still finish with their tokens alone (plainly while no draft is attached), and each draft after one
+    that drafted no step is made after worker_retry_s, doubling up to MAX_RETRY_S."""
+    monkeypatch.setattr(lane_module, "MAX_RETRY_S", 0.04)
+    drafts = DraftFactory(target, dict.fromkeys(range(10_000), "hostile"), broken=set())
+    lane = _drafting_lane(target, drafts)
+    lane.step_delay_s = 0.02  # 12 steps of ~20 ms: time for a few drafts to come back and go down
+    lane._stopping = stopping = _RecordedWaits()
+    try:
+        assert _run(lane, PROMPTS) == alone
+        assert lane.healthy and lane.generations[WorkerRole.target] == 0
+    finally:
+        lane.stop()
+    first = stopping.waits[: len(drafts.actors) - 1]  # each draft lost: its successor's first wait
+    assert len(first) >= 3, stopping.waits
+    assert first == [0.0, 0.01, 0.02, 0.04, 0.04, 0.04, 0.04, 0.04][: len(first)], stopping.waits
 
 
 def test_a_wait_for_a_start_that_never_finishes_times_out_or_is_cancelled(
