@@ -483,6 +483,7 @@ class Lane:
         only = self._next_probe()
         t0 = time.perf_counter()
         failures: dict[int, SequenceError] = {}
+        ran = False  # whether the step reached its workers (a new target that fails to start is no request's doing)
         try:
             if self._starting():
                 self._flush_held()  # a target loading may take minutes
@@ -497,6 +498,7 @@ class Lane:
                 return
             if only is not None:
                 self._flush_held()  # the step leaves the others waiting
+            ran = True
             outputs = self.loop.step(only)
             self._kept.clear()
         except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
@@ -505,7 +507,7 @@ class Lane:
             group = only or frozenset(s.seq_id for s in self.loop.running)
             generation = self.generations[WorkerRole.target]
             self._replace_lost(e)
-            if self.generations[WorkerRole.target] != generation:  # its target was replaced (not only its draft)
+            if ran and self.generations[WorkerRole.target] != generation:  # its target was replaced (not its draft)
                 self._suspect_loss(group, only)
             self._report_queue()
             return
@@ -519,6 +521,9 @@ class Lane:
             return
         self._failures = 0
         self._stepped = True
+        # a suspect that stepped without harm is no longer one: only a second loss within one search fails it
+        self._killer = None if only is None or self._killer in only else self._killer
+        self._poisoner = None if only is None or self._poisoner in only else self._poisoner
         self.lost_workers, self._retry_pause = False, self.worker_retry_s
         if only is None:
             self._failed_steps = 0

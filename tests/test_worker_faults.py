@@ -164,7 +164,9 @@ class Actor:
         if self.fault == "poisoned" or (self.fault in ("hostile", "poisoning") and hostile):
             # an error inside the actor's task naming no sequence: the worker's state, or one request's input
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("verify", "Traceback ...", POISONED)))
-        if self.fault == "nan":  # its weights went non-finite: the first row's sampling finds no mass, and says so
+        self.broken |= self.fault == "late nan" and self.calls.count("verify") > LATE_AFTER
+        if self.fault == "nan" or (self.fault == "late nan" and self.broken):
+            # its weights went non-finite: the first row's sampling finds no mass, and says so
             error = RayTaskError("verify", "Traceback ...", SequenceError(items[0].seq_id, "no mass to sample"))
             return Ref(lambda _: (_ for _ in ()).throw(error))
         if self.fault == "hang":
@@ -970,6 +972,46 @@ def test_a_broken_worker_whose_error_names_a_sequence_is_replaced_and_no_request
         assert "check" in factory.actors[0].calls
     finally:
         lane.stop()
+
+
+def test_a_request_first_in_the_batch_when_two_workers_break_in_turn_is_not_failed(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Two workers in turn go non-finite after a few steps, each failure naming the batch's first row. That request
+    had been marked as the one that broke the first worker, and the mark outlived the many steps it then ran on
+    the fresh one: the second, unrelated failure failed it as having broken a fresh worker twice. A suspect that
+    steps without harm is no longer one; every request finishes with its tokens."""
+    factory = Factory(target, {0: "late nan", 1: "late nan"})
+    lane = _lane(target, factory, max_worker_restarts=5)
+    try:
+        assert _run(lane, PROMPTS) == alone
+        assert lane.generations[WorkerRole.target] == 2 and lane.healthy
+    finally:
+        lane.stop()
+
+
+def test_a_target_that_fails_to_start_is_not_blamed_on_the_request_stepped_next(target: LlamaModel) -> None:
+    """The target dies in a step; its replacement fails to start as the lane is about to step the first half of
+    the batch alone: that half's request never ran, so it is not marked as the one that took a target down (the
+    mark stayed after the batch finished, and one more loss in its own step would have failed it)."""
+    factory = Factory(target, {0: "deadly", 1: "start"})
+    stop_loading = threading.Event()
+
+    def load_soon() -> None:
+        while not stop_loading.wait(0.01):
+            for actor in factory.actors:
+                actor.loaded.set()
+
+    loader = threading.Thread(target=load_soon, daemon=True)
+    loader.start()
+    lane = _lane(target, factory, max_worker_restarts=3)
+    try:
+        results = _run(lane, [PROMPTS[0], PROMPTS[2]])  # the second is the one a "deadly" target dies of
+        assert all(isinstance(r, list) for r in results), results
+        assert lane.generations[WorkerRole.target] == 2 and lane._killer is None
+    finally:
+        stop_loading.set()
+        _release_and_stop([lane], [factory])
 
 
 def test_a_request_that_fails_alone_on_a_worker_that_passes_its_self_check_is_failed_alone(
