@@ -295,7 +295,7 @@ def test_a_non_finite_loss_stops_training_before_the_step_reaches_the_weights(tm
     feats = samples[7].features.clone()
     feats[4, 0] = float("inf")
     samples[7] = replace(samples[7], features=feats)
-    cfg = _ttt_config(HeadKind.eagle, epochs=1, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=1)
+    cfg = _ttt_config(HeadKind.eagle, epochs=1, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=50)
     work = tmp_path / "w"
     with pytest.raises(TrainingDivergedError, match=r"the step was not applied") as err:
         train_head(target, samples, ids, cfg, work, system_len=2)
@@ -304,8 +304,12 @@ def test_a_non_finite_loss_stops_training_before_the_step_reaches_the_weights(tm
     step = int(found[1])
     assert step > 1  # (the seeded order reaches that sample after some clean steps)
     state = torch.load(work / "ckpt.pt", weights_only=True)
-    assert state["step"] == step - 1 and f"holds step {step - 1}" in str(err.value)
+    assert state["step"] == step - 1 and f"holds the {step - 1} before it" in str(err.value)
     assert all(bool(torch.isfinite(t).all()) for t in state["head"].values())
+    # (written at the failure: checkpoint_every is past the end) and resumable: the head trained that far
+    clean = train_head(target, samples, ids, cfg, tmp_path / "clean", system_len=2, max_steps=step - 1)
+    for name, t in clean.state_dict().items():
+        torch.testing.assert_close(state["head"][name], t, rtol=0, atol=0)
 
 
 def test_features_beyond_float16_are_refused_not_stored_as_infinity() -> None:

@@ -324,6 +324,11 @@ def train_head(
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
+
+    def save_checkpoint(step: int) -> None:
+        state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": config_record(cfg)}
+        write_durably(ckpt, functools.partial(torch.save, state | trained_on))
+
     head.train()
     while step < stop:
         batch = make_batch(samples, plan[step], cfg, system_len).to(device)
@@ -336,18 +341,17 @@ def train_head(
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         loss_value, norm_value = torch.stack([loss.detach(), grad_norm]).tolist()  # host sync: one per step
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):  # AdamW would write it into every weight
+            save_checkpoint(step)  # the weights and the optimiser as the step before left them
             raise TrainingDivergedError(
                 f"step {step + 1} of {total}: the loss is {loss_value} and the gradient norm {norm_value} "
-                f"(samples {plan[step]} of the data): the step was not applied; "
-                + (f"{ckpt} holds step {step}" if ckpt.exists() else "no checkpoint was written")
+                f"(samples {plan[step]} of the data): the step was not applied; {ckpt} holds the {step} before it"
             )
         opt.step()
         step += 1
         if log is not None:
             log(step, total, loss_value, stats)
         if step % cfg.checkpoint_every == 0 or step == stop:
-            state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "config": config_record(cfg)}
-            write_durably(ckpt, functools.partial(torch.save, state | trained_on))
+            save_checkpoint(step)
     head.eval()
     return head
 
