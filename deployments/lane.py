@@ -70,6 +70,7 @@ DEBUG_TIMEOUT_S = 5.0  # /debug/lanes waits this long for each worker's state
 MAX_BISECTION_SPLITS = 16  # splits one isolation may make before it fails the sequences still suspected
 MAX_FAILED_STEPS = 3  # full steps in a row that fail while every part of them passes alone: then the batch is dropped
 MAX_RETRY_S = 300.0  # the longest pause between two tries to bring a lost worker back
+SUSPECT_CLEAR_STEPS = 8  # steps a suspect (a worker's killer or poisoner) runs without harm before it is no longer one
 
 
 class WorkerDebug(BaseModel):
@@ -221,10 +222,12 @@ class Lane:
         # the sequence that failed alone on a worker that then failed its self-check (the worker was replaced): if
         # it breaks the fresh worker alone too, it is failed, not the worker replaced again for ever
         self._poisoner: int | None = None
+        self._poisoner_clean = 0  # steps it ran without harm since (``_note_clean_step``)
         # the sequence whose step, alone, took its target down (a fresh one: the lane replaced it), and whether any
         # step ran since the loss that began the search (the lane's workers can serve: a node that fails every
         # step fails no request for it)
         self._killer: int | None = None
+        self._killer_clean = 0
         self._stepped = True
         # draft workers lost in a row with no step drafted by one in between (a request whose input kills the draft
         # takes each fresh one down at its first proposal): each comes back after a longer pause than the last
@@ -521,9 +524,7 @@ class Lane:
             return
         self._failures = 0
         self._stepped = True
-        # a suspect that stepped without harm is no longer one: only a second loss within one search fails it
-        self._killer = None if only is None or self._killer in only else self._killer
-        self._poisoner = None if only is None or self._poisoner in only else self._poisoner
+        self._note_clean_step(only)
         self.lost_workers, self._retry_pause = False, self.worker_retry_s
         if only is None:
             self._failed_steps = 0
@@ -537,8 +538,9 @@ class Lane:
             if out.finished:
                 self._forget(out.request_id)
         if outputs:  # the loop recorded this step
-            if WorkerRole.draft in self.workers and any(self.loop.stats.metrics[-1].depths):
-                self._draft_losses = 0  # a step drafted and verified: the draft it had is no longer suspect
+            stepped = (s for s in self.loop.running if only is None or s.seq_id in only)
+            if WorkerRole.draft in self.workers and any(s.model_proposed for s in stepped):
+                self._draft_losses = 0  # the draft model proposed in a step that went through: no longer suspect
             self.metrics.lane_step(
                 self.index,
                 self.loop.stats.metrics[-1],
@@ -552,6 +554,19 @@ class Lane:
             self._report_queue()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+
+    def _note_clean_step(self, only: frozenset[int] | None) -> None:
+        """A suspect that has run SUSPECT_CLEAR_STEPS steps without harm since it was marked is no longer one: a
+        second, unrelated loss hours later must not fail it as a repeat (a request whose damage shows a step or two
+        late is still caught)."""
+        if self._killer is not None and (only is None or self._killer in only):
+            self._killer_clean += 1
+            if self._killer_clean >= SUSPECT_CLEAR_STEPS:
+                self._killer = None
+        if self._poisoner is not None and (only is None or self._poisoner in only):
+            self._poisoner_clean += 1
+            if self._poisoner_clean >= SUSPECT_CLEAR_STEPS:
+                self._poisoner = None
 
     def _starting(self) -> bool:
         """Whether a worker is still starting, after waiting one slice (``start_poll_s``) for it: a replaced target
@@ -599,7 +614,7 @@ class Lane:
             if suspect is not None and suspect == self._poisoner:
                 self._fail_sequence(suspect, error)
                 suspect = None
-            self._poisoner = suspect
+            self._poisoner, self._poisoner_clean = suspect, 0
             self._probes.clear()
             self._splits = self._failed_steps = 0
             self._replace_lost(WorkerLostError(f"a worker failed its self-check after: {error!r}"))
@@ -639,7 +654,7 @@ class Lane:
                 self._killer = None
                 self._fail_sequence(suspect, WorkerLostError("its step took the target down twice, stepped alone"))
                 return
-            self._killer = suspect
+            self._killer, self._killer_clean = suspect, 0
             if only is None:  # a full step of one: retried as it was
                 return
         self._queue_halves(group)
@@ -733,7 +748,7 @@ class Lane:
         self._draft_losses += 1
         # at once after a first loss; after a draft that drafted no step, worker_retry_s, doubling with each loss
         losses = self._draft_losses
-        first = 0.0 if losses == 1 else min(self.worker_retry_s * 2 ** (losses - 2), MAX_RETRY_S)
+        first = 0.0 if losses == 1 else min(self.worker_retry_s * 2 ** min(losses - 2, 32), MAX_RETRY_S)
         restorer = threading.Thread(
             target=self._restore_draft, args=(first,), name=f"lane-{self.index}-draft", daemon=True
         )
