@@ -263,6 +263,7 @@ def test_attention_bias_flags_that_contradict_the_tensors_are_named(tmp_path: Pa
         ("qkv_bias_missing", "", {"qkv_bias": True}, "qkv_bias is true but the checkpoint has no q_proj.bias"),
         ("o_missing", "qkv", {"attention_bias": True, "qkv_bias": True}, "attention_bias is true .* no o_proj.bias"),
         ("o_extra", "qkvo", {"attention_bias": False, "qkv_bias": True}, "attention_bias is false .* a o_proj.bias"),
+        ("o_unsaid", "o", {"attention_bias": False}, "attention_bias is false .* a o_proj.bias"),
     ]
     for name, projections, config, match in cases:
         with pytest.raises(UnsupportedModelError, match=match):

@@ -19,7 +19,7 @@ import torch
 from specserve.errors import SettingsError, TrainingDivergedError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.tiny import tiny_model
+from specserve.models.tiny import tiny_config, tiny_model
 from specserve.spec_decode.eagle_head import HeadKind, dense_weight
 from specserve.spec_decode.head_checkpoint import load_eagle_head, save_eagle_head
 from specserve.train.distill import (
@@ -286,6 +286,19 @@ def test_training_is_deterministic_and_resumes_bit_for_bit(tmp_path: Path, kind:
         assert a.cfg.kind == HeadKind.eagle3 and torch.equal(a.draft_ids, ids)
         with pytest.raises(ValueError, match="aux"):  # EAGLE-3 data without its fused features
             train_head(target, _samples(4, 0, target.cfg.hidden_size), ids, cfg, tmp_path / "d", system_len=2)
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_a_head_started_from_the_targets_last_layer_has_its_attention_biases(attention_bias: bool) -> None:
+    target = tiny_model(tiny_config(attention_bias=attention_bias), seed=1)
+    head = init_head(target, torch.arange(0, 512, 2), _ttt_config(HeadKind.eagle, init_from_last_layer=True))
+    last = target.decoder_layers()[-1]
+    for mine, theirs in ((head.layer.qkv, last.qkv), (head.layer.o_proj, last.o_proj)):
+        assert torch.equal(mine.weight, theirs.weight)
+        assert (mine.bias is None) == (theirs.bias is None) == (not attention_bias)
+        if attention_bias:
+            assert torch.equal(mine.bias, theirs.bias)
+    assert init_head(target, torch.arange(0, 512, 2), _ttt_config(HeadKind.eagle)).layer.qkv.bias is None
 
 
 def test_a_non_finite_loss_stops_training_before_the_step_reaches_the_weights(tmp_path: Path) -> None:

@@ -249,10 +249,13 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
         # published EAGLE-3 implementations concatenate them for the head's fc (and so does the target here)
         marked = eagle_cfg.get(AUX_INPUTS_MARKER) is True or raw.get(AUX_INPUTS_MARKER) is True
         aux = aux_layer_inputs(sorted(ids), marked) if ids else default_aux_layers(target.cfg.num_layers)
-    q_bias = (f"{prefix}self_attn.q_proj.bias", "q_proj.bias")
+    att = f"{prefix}self_attn."
+    q_bias, o_bias = (att + "q_proj.bias", "q_proj.bias"), (att + "o_proj.bias", "o_proj.bias")
     flags = {"bias": ("fc.bias", "fc.bias"), "attention_bias": q_bias, "qkv_bias": q_bias}
-    if isinstance(raw.get("qkv_bias"), bool):  # q, k and v's biases named apart: attention_bias names o's alone
-        flags["attention_bias"] = (f"{prefix}self_attn.o_proj.bias", "o_proj.bias")
+    # attention_bias names o's bias where a qkv_bias key names q, k and v's; without one, q's (o's may be missing
+    # under true: heads for Qwen2 targets have none) and, under false, o's too: no bias at all
+    if isinstance(raw.get("qkv_bias"), bool) or (raw.get("attention_bias") is False and o_bias[0] in sd):
+        flags["attention_bias"] = o_bias
     for key, (name, short) in flags.items():  # a flag the config states must describe the tensors
         if isinstance(raw.get(key), bool) and raw[key] != (name in sd):
             raise UnsupportedModelError(

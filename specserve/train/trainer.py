@@ -213,7 +213,9 @@ def init_head(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> 
         return head
     if cfg.kind == HeadKind.eagle3:
         return _init_eagle3(target, draft_ids, cfg)
-    head = EagleHead(EagleHeadConfig.for_target(target, fc_bias=True), target=None)
+    # a copy of the target's last layer has its attention biases (an MLP bias the head has no place for)
+    biases = {"qkv_bias": target.cfg.qkv_bias, "o_bias": target.cfg.o_bias} if cfg.init_from_last_layer else {}
+    head = EagleHead(EagleHeadConfig.for_target(target, fc_bias=True, **biases), target=None)
     with torch.no_grad():
         head.fc.weight.normal_(0.0, 0.02)  # EAGLE's initialisation: small logits, no head start
         head.fc.bias.zero_()
@@ -221,8 +223,10 @@ def init_head(target: LlamaModel, draft_ids: torch.Tensor, cfg: TrainConfig) -> 
             lin.weight.normal_(0.0, 0.02)
         if cfg.init_from_last_layer:
             last = target.decoder_layers()[-1]
-            head.layer.qkv.weight.copy_(last.qkv.weight)
-            head.layer.o_proj.weight.copy_(last.o_proj.weight)
+            for mine, theirs in ((head.layer.qkv, last.qkv), (head.layer.o_proj, last.o_proj)):
+                mine.weight.copy_(theirs.weight)
+                if theirs.bias is not None:
+                    mine.bias.copy_(theirs.bias)
             head.layer.post_norm.copy_(last.post_norm)
             head.layer.gate_up.weight.copy_(last.gate_up.weight)
             head.layer.down.weight.copy_(last.down.weight)
