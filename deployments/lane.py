@@ -73,6 +73,12 @@ MAX_RETRY_S = 300.0  # the longest pause between two tries to bring a lost worke
 SUSPECT_CLEAR_STEPS = 8  # steps a suspect (a worker's killer or poisoner) runs without harm before it is no longer one
 
 
+def draft_restore_delay(losses: int, retry_s: float) -> float:
+    """The pause before a new draft is made after ``losses`` drafts lost in a row with none drafting a step: none
+    after the first; after each further one ``retry_s``, doubling, up to MAX_RETRY_S (however long the run)."""
+    return 0.0 if losses <= 1 else min(retry_s * 2.0 ** min(losses - 2, 64), MAX_RETRY_S)
+
+
 class WorkerDebug(BaseModel):
     role: WorkerRole
     actor_name: str
@@ -746,9 +752,7 @@ class Lane:
             old.kill()
         self.metrics.draft_detached(self.index, True)
         self._draft_losses += 1
-        # at once after a first loss; after a draft that drafted no step, worker_retry_s, doubling with each loss
-        losses = self._draft_losses
-        first = 0.0 if losses == 1 else min(self.worker_retry_s * 2 ** min(losses - 2, 32), MAX_RETRY_S)
+        first = draft_restore_delay(self._draft_losses, self.worker_retry_s)
         restorer = threading.Thread(
             target=self._restore_draft, args=(first,), name=f"lane-{self.index}-draft", daemon=True
         )

@@ -22,6 +22,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
 from specserve.spec_decode.eagle_head import HeadKind, dense_weight
 from specserve.spec_decode.head_checkpoint import load_eagle_head, save_eagle_head
+from specserve.train import trainer as trainer_module
 from specserve.train.distill import (
     Conversation,
     Sample,
@@ -301,7 +302,13 @@ def test_a_head_started_from_the_targets_last_layer_has_its_attention_biases(att
     assert init_head(target, torch.arange(0, 512, 2), _ttt_config(HeadKind.eagle)).layer.qkv.bias is None
 
 
-def test_a_non_finite_loss_stops_training_before_the_step_reaches_the_weights(tmp_path: Path) -> None:
+def _disk_full(*_: object) -> None:
+    raise OSError("disk full")
+
+
+def test_a_non_finite_loss_stops_training_before_the_step_reaches_the_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One sample with an infinite feature: training stops at the step that reads it, naming the step, and the
     checkpoint keeps the step before it with finite weights (AdamW would have written NaN into every weight)."""
     target, samples, ids = _training_setup(HeadKind.eagle)
@@ -317,12 +324,31 @@ def test_a_non_finite_loss_stops_training_before_the_step_reaches_the_weights(tm
     step = int(found[1])
     assert step > 1  # (the seeded order reaches that sample after some clean steps)
     state = torch.load(work / "ckpt.pt", weights_only=True)
-    assert state["step"] == step - 1 and f"holds the {step - 1} before it" in str(err.value)
+    assert state["step"] == step - 1 and f"holds the head as of step {step - 1}" in str(err.value)
     assert all(bool(torch.isfinite(t).all()) for t in state["head"].values())
+    # a checkpoint that cannot be written does not hide why training stopped
+    with monkeypatch.context() as m:
+        m.setattr(trainer_module, "write_durably", _disk_full)
+        with pytest.raises(TrainingDivergedError, match=rf"step {step} of .*not applied; writing .* failed: disk full"):
+            train_head(target, samples, ids, cfg, tmp_path / "full", system_len=2)
     # (written at the failure: checkpoint_every is past the end) and resumable: the head trained that far
     clean = train_head(target, samples, ids, cfg, tmp_path / "clean", system_len=2, max_steps=step - 1)
     for name, t in clean.state_dict().items():
         torch.testing.assert_close(state["head"][name], t, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_another_heads_tensors_is_refused_by_name(tmp_path: Path) -> None:
+    """A checkpoint written by an older version (a head built differently under the same settings) is a clear error
+    naming the file, not load_state_dict's missing keys."""
+    target, samples, ids = _training_setup(HeadKind.eagle)
+    cfg = _ttt_config(HeadKind.eagle, epochs=1, batch_tokens=96, max_len=64, warmup_steps=2, checkpoint_every=2)
+    work = tmp_path / "w"
+    train_head(target, samples, ids, cfg, work, system_len=2, max_steps=2)
+    state = torch.load(work / "ckpt.pt", weights_only=True)
+    state["head"]["layer.o_proj.bias"] = torch.zeros(target.cfg.hidden_size)
+    torch.save(state, work / "ckpt.pt")
+    with pytest.raises(SettingsError, match=r"(?s)ckpt\.pt holds another head's tensors .*o_proj\.bias.*remove it"):
+        train_head(target, samples, ids, cfg, work, system_len=2)
 
 
 def test_features_beyond_float16_are_refused_not_stored_as_infinity() -> None:

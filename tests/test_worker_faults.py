@@ -701,6 +701,11 @@ def test_a_request_that_kills_each_new_draft_brings_them_back_ever_more_slowly(
     assert first == [0.0, 0.01, 0.02, 0.04, 0.04, 0.04, 0.04, 0.04][: len(first)], stopping.waits
 
 
+def test_the_pause_before_a_new_draft_doubles_to_its_cap_and_never_overflows() -> None:
+    delays = [lane_module.draft_restore_delay(n, 5.0) for n in (1, 2, 3, 4, 8, 1026, 10**6)]
+    assert delays == [0.0, 5.0, 10.0, 20.0, 300.0, 300.0, 300.0] and lane_module.MAX_RETRY_S == 300.0
+
+
 def test_a_wait_for_a_start_that_never_finishes_times_out_or_is_cancelled(
     target: LlamaModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -991,6 +996,22 @@ def test_a_request_first_in_the_batch_when_two_workers_break_in_turn_is_not_fail
     lane = _lane(target, factory, max_worker_restarts=5)
     try:
         assert _run(lane, PROMPTS) == alone
+        assert lane.generations[WorkerRole.target] == 2 and lane.healthy
+    finally:
+        lane.stop()
+
+
+def test_a_request_that_breaks_the_fresh_worker_again_within_the_clean_steps_is_still_failed(
+    target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of the rule above: a request whose damage shows a step late (each worker breaks one clean
+    step after it is named) is still failed the second time, the workers no longer replaced for it."""
+    monkeypatch.setattr(lane_module, "SUSPECT_CLEAR_STEPS", 2)
+    factory = Factory(target, {0: "nan after 1", 1: "nan after 1"})  # each names the first row, request 0
+    lane = _lane(target, factory, max_worker_restarts=5)
+    try:
+        results = _run(lane, PROMPTS)
+        assert isinstance(results[0], RequestFailedError) and results[1:] == alone[1:], results
         assert lane.generations[WorkerRole.target] == 2 and lane.healthy
     finally:
         lane.stop()

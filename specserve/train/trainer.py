@@ -325,8 +325,11 @@ def train_head(
         for key, now in trained_on.items():
             if state.get(key) != now:
                 raise SettingsError(f"{ckpt} was trained {TRAINED_ON[key]}; remove it or rebuild the same data")
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
+        try:
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+        except (RuntimeError, ValueError) as e:  # another head's tensors (written by an older version, say)
+            raise SettingsError(f"{ckpt} holds another head's tensors than these settings make ({e}); remove it") from e
         step = state["step"]
 
     def save_checkpoint(step: int) -> None:
@@ -345,11 +348,15 @@ def train_head(
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         loss_value, norm_value = torch.stack([loss.detach(), grad_norm]).tolist()  # host sync: one per step
         if not (math.isfinite(loss_value) and math.isfinite(norm_value)):  # AdamW would write it into every weight
-            save_checkpoint(step)  # the weights and the optimiser as the step before left them
-            raise TrainingDivergedError(
+            problem = (
                 f"step {step + 1} of {total}: the loss is {loss_value} and the gradient norm {norm_value} "
-                f"(samples {plan[step]} of the data): the step was not applied; {ckpt} holds the {step} before it"
+                f"(samples {plan[step]} of the data): the step was not applied"
             )
+            try:
+                save_checkpoint(step)  # the weights and the optimiser as the step before left them
+            except OSError as e:
+                raise TrainingDivergedError(f"{problem}; writing {ckpt} failed: {e}") from e
+            raise TrainingDivergedError(f"{problem}; {ckpt} holds the head as of step {step}")
         opt.step()
         step += 1
         if log is not None:
