@@ -104,8 +104,8 @@ class Method:
 @dataclass
 class Actor:
     """A target worker actor's handle: ``fault`` decides how its start or its verify fails (None: they work; "late":
-    after LATE_AFTER verifies; "dies at N": its process is lost at its N-th verify; "nan after N": its weights go
-    non-finite after N verifies)."""
+    after LATE_AFTER verifies; "dies at N": its process is lost at its N-th verify, "loading, dies at N" too after a
+    start that waits for ``loaded``; "nan after N": its weights go non-finite after N verifies)."""
 
     model: LlamaModel
     fault: str | None
@@ -133,7 +133,8 @@ class Actor:
             cause = RuntimeError("CUDA out of memory")
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("start", "Traceback ...", cause)))
         self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
-        if self.fault in ("loading", "deadly"):  # its model still loading: the start is done once ``loaded`` is set
+        loading = self.fault in ("loading", "deadly") or (self.fault or "").startswith("loading, ")
+        if loading:  # its model still loading: the start is done once ``loaded`` is set
 
             def loading(timeout: float | None) -> None:
                 self.calls.append("wait")
@@ -166,7 +167,8 @@ class Actor:
             # an error inside the actor's task naming no sequence: the worker's state, or one request's input
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("verify", "Traceback ...", POISONED)))
         count = self.calls.count("verify")
-        self.died |= self.fault == f"dies at {count}"  # its process is lost at that verify, whatever the requests
+        # its process is lost at that verify, whatever the requests
+        self.died |= (self.fault or "").removeprefix("loading, ") == f"dies at {count}"
         if self.died:
             return Ref(gone)
         self.broken |= (self.fault or "").startswith("nan after ") and count > int((self.fault or "").split()[-1])
@@ -1001,6 +1003,17 @@ def test_a_request_first_in_the_batch_when_two_workers_break_in_turn_is_not_fail
         lane.stop()
 
 
+def _load_once_all_are_queued(lane: Lane, actor: Actor, requests: int) -> None:
+    """The first target finishes loading once the lane holds ``requests`` requests, so that its first step runs
+    them all together (a schedule of losses by verify count assumes it; one submitted late shifted it)."""
+
+    def release() -> None:
+        _wait(lambda: len(lane._sinks) >= requests)
+        actor.loaded.set()
+
+    threading.Thread(target=release, daemon=True).start()
+
+
 def test_a_request_that_breaks_the_fresh_worker_again_within_the_clean_steps_is_still_failed(
     target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1026,9 +1039,10 @@ def test_a_suspect_that_ran_clean_since_is_not_failed_for_a_later_loss_of_its_ow
     monkeypatch.setattr(lane_module, "SUSPECT_CLEAR_STEPS", 2)
     # targets lost at given verifies, whatever they run: 0 in the full step of the 3 prompts, 1 in the half [1, 2]
     # (after [0]), 2 in [1] alone; 3 runs [1], [2] and a full step, and is lost in the next; 4 and 5 as 1 and 2
-    faults = {0: "dies at 1", 1: "dies at 2", 2: "dies at 1", 3: "dies at 4", 4: "dies at 2", 5: "dies at 1"}
+    faults = {0: "loading, dies at 1", 1: "dies at 2", 2: "dies at 1", 3: "dies at 4", 4: "dies at 2", 5: "dies at 1"}
     factory = Factory(target, faults)
     lane = _lane(target, factory, max_worker_restarts=5)
+    _load_once_all_are_queued(lane, factory.actors[0], len(PROMPTS))
     try:
         assert _run(lane, PROMPTS) == alone
         assert lane.generations[WorkerRole.target] == 6 and lane.healthy
@@ -1042,8 +1056,9 @@ def test_a_target_that_fails_to_start_is_not_blamed_on_the_request_stepped_next(
     """Random target losses, and a replacement that fails to start just as the lane is about to step request 1
     alone: that request never ran, but was marked as the one that took a target down, and the first real loss of
     its own step then failed it as a second."""
-    factory = Factory(target, {0: "dies at 1", 1: "dies at 2", 2: "start", 3: "dies at 1"})
+    factory = Factory(target, {0: "loading, dies at 1", 1: "dies at 2", 2: "start", 3: "dies at 1"})
     lane = _lane(target, factory, max_worker_restarts=5)
+    _load_once_all_are_queued(lane, factory.actors[0], len(PROMPTS))
     try:
         assert _run(lane, PROMPTS) == alone
         assert lane.generations[WorkerRole.target] == 4 and lane.healthy
