@@ -544,12 +544,12 @@ class Lane:
             if out.finished:
                 self._forget(out.request_id)
         if outputs:  # the loop recorded this step
-            stepped = (s for s in self.loop.running if only is None or s.seq_id in only)
-            if WorkerRole.draft in self.workers and any(s.model_proposed for s in stepped):
+            step = self.loop.stats.metrics[-1]
+            if WorkerRole.draft in self.workers and step.model_drafted:  # (also for rows that finished in it)
                 self._draft_losses = 0  # the draft model proposed in a step that went through: no longer suspect
             self.metrics.lane_step(
                 self.index,
-                self.loop.stats.metrics[-1],
+                step,
                 running=len(self.loop.running),
                 waiting=len(self.loop.waiting),
                 step_s=step_s,

@@ -102,6 +102,7 @@ class StepMetrics:
     overhead_s: float
     emitted: int  # tokens committed this step (all sequences)
     synthetic: bool  # any sequence used SYNTHETIC acceptance
+    model_drafted: bool = False  # the draft model proposed for some sequence (not only a model-free drafter)
 
 
 def idle_fraction(depths: Seq[int]) -> float:
@@ -157,6 +158,7 @@ class StepStats(StepObserver):
                 overhead_s=total_s - draft_s - verify_s,
                 emitted=event.emitted,
                 synthetic=any(s.spec.synthetic_accept is not None for s in event.batch),
+                model_drafted=any(s.model_proposed for s in event.batch),
             )
         )
         t = self.timing

@@ -703,6 +703,26 @@ def test_a_request_that_kills_each_new_draft_brings_them_back_ever_more_slowly(
     assert first == [0.0, 0.01, 0.02, 0.04, 0.04, 0.04, 0.04, 0.04][: len(first)], stopping.waits
 
 
+def test_a_draft_that_drafted_a_step_is_replaced_at_once_however_many_were_lost_before(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Each draft proposes once, and that step goes through, then its node is lost: the draft model did its work, so
+    the loss is no sign of a hostile request, and each successor is made at once (no pause grows)."""
+    drafts = DraftFactory(target, dict.fromkeys(range(10_000), "late"), broken=set())
+    lane = _drafting_lane(target, drafts)
+    lane.step_delay_s = 0.02  # time for a few drafts to come back and go down
+    lane._stopping = stopping = _RecordedWaits()
+    try:
+        for tag in ("a", "b", "c"):  # most drafts are accepted: a run of requests is a few steps
+            assert _run(lane, PROMPTS, tag=tag) == alone
+        assert lane.healthy and lane.generations[WorkerRole.target] == 0
+    finally:
+        lane.stop()
+    first = stopping.waits[: len(drafts.actors) - 1]  # each draft lost: its successor's first wait
+    assert len(first) >= 3, stopping.waits
+    assert first == [0.0] * len(first), stopping.waits
+
+
 def test_the_pause_before_a_new_draft_doubles_to_its_cap_and_never_overflows() -> None:
     delays = [lane_module.draft_restore_delay(n, 5.0) for n in (1, 2, 3, 4, 8, 1026, 10**6)]
     assert delays == [0.0, 5.0, 10.0, 20.0, 300.0, 300.0, 300.0] and lane_module.MAX_RETRY_S == 300.0
