@@ -8,7 +8,8 @@ Settings come from environment variables (see ``LoadSettings``), e.g. SPECSERVE_
 SPECSERVE_MAX_TOKENS=64. Only loopback hosts are accepted unless SPECSERVE_ALLOW_REMOTE=1.
 
 Rows: TTFT, TPOT, ITL and E2E hold milliseconds; TOKENS holds output tokens per request in its "response time"
-columns (so its percentiles are token-count percentiles). Names are the MT-bench categories.
+columns (so its percentiles are token-count percentiles). Locust rounds the values it takes percentiles over
+(docs/load.md); averages, min and max are exact. Names are the MT-bench categories.
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
 from specserve.policy.tree_floor import TreeFloor
 from specserve.spec_decode.eagle_head import EagleHead
+from specserve.timing import balanced_orders
 
 T = TypeVar("T")
 TINY_PAIR = "tiny"
@@ -104,8 +105,8 @@ class StudyConfig(BaseModel):
     repeats: int = Field(default=1, ge=1, description="round-robin passes over the policies; medians reported")
     alternate: bool = Field(
         default=True,
-        description="odd repeats run the policies in reverse order (A B, B A, ...): a run's position in its pass "
-        "then favours no policy",
+        description="the repeats run the policies in balanced orders (A B, B A, ...; with three or more, every "
+        "policy in every place and after every other as often): a run's position in its pass then favours no policy",
     )
     min_tokens: int = Field(default=32, ge=1)
     max_tokens: int = Field(default=96, ge=1)
@@ -440,10 +441,14 @@ def pass_order(
 
 
 def alternating(items: Sequence[T], repeat: int, alternate: bool) -> list[T]:
-    """The policies of one round-robin pass: as given, reversed on odd passes with ``alternate`` (on a host whose
-    speed drifts within a pass, or where the run after another is slower, each policy then runs first as often)."""
-    order = list(items)
-    return order[::-1] if alternate and repeat % 2 == 1 else order
+    """The policies of one round-robin pass: with ``alternate`` the passes take ``balanced_orders`` in turn (two
+    policies: as given, then reversed), so that on a host whose speed drifts within a pass, or where the run after
+    another is slower, every policy runs in every place and after every other as often; else always as given.
+    (Reversing alone never put a middle one of three or more first.)"""
+    if not alternate:
+        return list(items)
+    orders = balanced_orders(len(items))
+    return [items[i] for i in orders[repeat % len(orders)]]
 
 
 PAIRED_COLS = ("paired_vs_plain", "paired_lo", "paired_hi", "paired_coverage")
@@ -588,7 +593,7 @@ def served_model(client: Any, url: str) -> str:  # client: httpx.Client (importe
 
 def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
     """Per concurrency, one set of requests (prompts and lengths) that every policy runs, ``repeats`` round-robin
-    passes over the policies (reversed on odd passes with ``alternate``), after one untimed request per policy;
+    passes over the policies (in balanced orders with ``alternate``), after one untimed request per policy;
     the medians per (concurrency, policy), with ``vs_plain`` within the sweep. ``client``: an httpx.Client (a
     test's transport; default one of its own)."""
     import httpx

@@ -1096,13 +1096,21 @@ def test_int8_reads_loads_the_target_with_its_products_in_int8(monkeypatch: pyte
     assert loaded == [target.model_copy(update={"int8_reads": True}), target]
 
 
-def test_odd_repeats_run_the_policies_in_reverse_order() -> None:
+def test_the_repeats_run_the_policies_in_balanced_orders() -> None:
+    """Odd repeats ran the policies reversed: with three, the middle one never ran first. Now every policy takes
+    every place and follows every other as often (two policies: as given, then reversed, as before)."""
+    from collections import Counter
+
     from load import straggler
 
     specs = straggler.parse_args(["--pair", "tiny", "--policies", "plain", "ddd", "dsde_cap"]).specs()
-    names = [[p for p, _ in straggler.pass_order(specs, r, alternate=True)] for r in range(4)]
+    names = [[p for p, _ in straggler.pass_order(specs, r, alternate=True)] for r in range(6)]
     forward = [PolicyName.plain, PolicyName.ddd, PolicyName.dsde_cap]
-    assert names == [forward, forward[::-1], forward, forward[::-1]]
+    assert all(sorted(n, key=forward.index) == forward for n in names)
+    assert set(Counter((p, i) for n in names for i, p in enumerate(n)).values()) == {2}  # each in each place twice
+    follows = Counter((a, b) for n in names for a, b in itertools.pairwise(n))
+    assert len(follows) == 6 and set(follows.values()) == {2}
+    assert straggler.alternating("ab", 0, True) == ["a", "b"] and straggler.alternating("ab", 1, True) == ["b", "a"]
     assert [p for p, _ in straggler.pass_order(specs, 1, alternate=False)] == forward
     assert straggler.parse_args(["--pair", "tiny"]).alternate
     assert not straggler.parse_args(["--pair", "tiny", "--same-order"]).alternate
@@ -1531,13 +1539,14 @@ def test_straggler_speculation_settings_are_usage_errors_before_any_model_loads(
 def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_passes(tmp_path: Path) -> None:
     """Every (concurrency, policy) point drew its own prompts and lengths, ran once, in one order, cold: "DSDE
     against plain" at concurrency 1 compared two different prompts. Now one set of requests per concurrency runs
-    under every policy, repeated with the order reversed on odd passes, after one untimed request per policy."""
+    under every policy, repeated in balanced orders, after one untimed request per policy."""
     import json
     import threading
 
     import httpx
 
     from load.straggler import HTTP_POLICIES, StudyConfig, http_sweep
+    from specserve.timing import balanced_orders
 
     seen: list[tuple[str, str, int]] = []  # (policy, prompt, max_tokens) of each chat request, in order
     temperatures: list[object] = []  # greedy, as the engine sweep (the server's default is 1: each policy its text)
@@ -1574,7 +1583,8 @@ def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_pa
         per_run = 2 * conc
         block = timed[start : start + 2 * len(policies) * per_run]
         runs = [block[i : i + per_run] for i in range(0, len(block), per_run)]
-        assert [r[0][0] for r in runs] == policies + policies[::-1]  # each pass in turn, the second reversed
+        orders = balanced_orders(len(policies))[:2]  # each pass in turn, in the first two balanced orders
+        assert [r[0][0] for r in runs] == [policies[i] for order in orders for i in order]
         asks = {tuple(sorted((prompt, n) for _, prompt, n in run)) for run in runs}
         assert len(asks) == 1  # every policy, every pass: the same prompts and lengths
     assert len(rows) == 2 * len(policies) and all(r["repeats"] == 2 for r in rows)

@@ -5,9 +5,12 @@ for every method (EOS ignored), every method side by side in one process, interl
 forwards and backwards) so a noisy machine hits all of them alike. Per method: whether its output equals plain
 greedy decoding token for token, tau (tokens per target forward incl. the bonus, and the EOS a stopped answer ends
 at, as the engine's own count), mean draft depth, tokens/s and the ratio to plain, and the drafting and verifying
-ms of a step that prefills no prompt (from the runs tok/s counts: each prompt's fastest repeat). Every engine runs
-the first prompt once untimed before the timed runs. Every engine must hold the longest prompt and its answer
-within its context limit (its models' positions less one speculative step's headroom), or the run is refused.
+ms of a step that prefills no prompt (from the runs tok/s counts: each prompt's fastest repeat). Every engine (and
+``--assisted``'s transformers models) runs the first prompt once untimed before the timed runs; assisted generation
+runs after the engines on each prompt, and its greedy_equal compares the tokens before the first EOS the engine
+emitted (transformers bans EOS to reach the same length: ``_same_greedy``). Every engine must hold the longest
+prompt and its answer within its context limit (its models' positions less one speculative step's headroom), or
+the run is refused.
 Drafts: every ``--pairs`` entry that shares the target (an EAGLE head, a quantised copy), and with ``--drafters``
 the model-free drafters alone (``lookup``, ``suffix``) or leading the pair's draft (``lookup+model``,
 ``suffix+model``). ``--by-category`` adds a table per prompt category; ``--passes 2`` runs the prompts again
@@ -775,6 +778,8 @@ def run(args: argparse.Namespace) -> int:
     outs: list[list[Completion]] = [[] for _ in methods]
     steps: list[list[StepTiming]] = [[] for _ in methods]
     _warm_up(engines, prompts[0], params)
+    for _, hf_t, hf_d in assisted:  # transformers' first call as well
+        _assisted(hf_t, hf_d, prompts[0], args.max_tokens, 1, stop_at_eos=args.stop_at_eos)
     hf_secs: list[list[float]] = [[] for _ in assisted]
     hf_outs: list[list[list[int]]] = [[] for _ in assisted]
     for r in range(n_runs):  # interleaved: load changes on a shared machine hit every method alike
