@@ -267,17 +267,19 @@ class Engine:
                     completions.append(Completion(rid, prompt_ids[rid], tokens, text, last.finish_reason, last.stats))
         return completions  # only Completions unless return_exceptions
 
-    def _step(self) -> list[RequestOutput]:
-        """One loop step. A request whose sequence failed is aborted (its KV freed) and its error waits in its
-        outbox for its consumer; the others keep every token the step committed. A failure that names no sequence
-        resets every running one (each re-prefills on its next step) and reaches the caller."""
+    def _step(self) -> None:
+        """One loop step, its outputs put in their requests' outboxes. A request whose sequence failed is aborted
+        (its KV freed) and its error waits in its outbox for its consumer, behind any tokens the step committed for
+        it first; the others keep every token the step committed. A failure that names no sequence resets every
+        running one (each re-prefills on its next step) and reaches the caller."""
         try:
             with self._in_loop():
-                return self.loop.step()
+                outputs = self.loop.step()
         except PartialStepError as e:
+            self._deliver(e.outputs)
             for seq_id, error in e.failures.items():
                 self._fail(seq_id, PartialStepError([], {seq_id: error}))
-            return e.outputs
+            return
         except BaseException as e:  # KeyboardInterrupt too: the others must not keep the failed step's caches
             with self._in_loop():
                 running = {s.seq_id for s in self.loop.running}
@@ -285,7 +287,13 @@ class Engine:
             if not isinstance(e, Exception) or (blamed := blamed_sequence(e)) not in running:
                 raise
             self._fail(blamed, e)
-            return []
+            return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if (waiting := self._outbox.get(out.request_id)) is not None:
+                waiting.outputs.append(out)
 
     @contextlib.contextmanager
     def _in_loop(self) -> Iterator[None]:
@@ -386,9 +394,7 @@ class Engine:
                     continue
                 if not self.loop.has_work:
                     raise RuntimeError(f"request {rid} is no longer running and its outputs ended unfinished")
-                for out in self._step():
-                    if (waiting := self._outbox.get(out.request_id)) is not None:
-                        waiting.outputs.append(out)
+                self._step()
 
 
 @dataclass

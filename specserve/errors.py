@@ -93,11 +93,12 @@ class SequenceError(SpecServeError):
 
 
 class PartialStepError(SpecServeError):
-    """A step that verified every sequence but failed to commit some (their detokenisation, say): ``outputs`` are
-    the others' news, committed and to be delivered; ``failures`` the sequences to fail alone."""
+    """A step that verified every sequence but failed some in their commit (their detokenisation, say) or after it
+    (their SL update): ``outputs`` are what the step committed, to be delivered first; ``failures`` the sequences
+    to fail alone."""
 
     def __init__(self, outputs: list[RequestOutput], failures: dict[int, SequenceError]) -> None:
-        super().__init__(f"{len(failures)} sequence(s) failed to commit: " + "; ".join(map(str, failures.values())))
+        super().__init__(f"{len(failures)} sequence(s) failed in a step: " + "; ".join(map(str, failures.values())))
         self.outputs = outputs
         self.failures = failures
 

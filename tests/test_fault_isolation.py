@@ -532,6 +532,33 @@ def test_a_failed_sl_update_after_the_commit_fails_its_request_alone(
     assert [results[i] for i in (0, 1, 3)] == [alone[i] for i in (0, 1, 3)]
 
 
+def test_an_engine_stream_gets_the_tokens_committed_before_its_failed_sl_update(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine queued the request's error ahead of the outputs of the step that had committed its tokens: the
+    stream raised one step's tokens short (the lane delivers them first, then fails the request)."""
+    real = SequenceDSDE.observe
+    committed: list[int] = []
+    dsde = SpecConfig(method=SpecMethod.chain, sl=3, policy=SLPolicyKind.dsde)
+    engine = Engine(models[0], None, draft=models[1], speculation=dsde, max_model_len=64, eos_token_ids=set())
+
+    def observe(self: SequenceDSDE, klds, drafted, accepted):  # type: ignore[no-untyped-def]
+        if len(committed) == 2:
+            (seq,) = engine.loop.running
+            committed.append(len(seq.tokens) - len(PROMPTS[0]))  # the step committed its row before this update
+            raise ValueError("accepted tokens exceed drafted tokens")
+        committed.append(0)
+        return real(self, klds, drafted, accepted)
+
+    monkeypatch.setattr(SequenceDSDE, "observe", observe)
+    delivered: list[int] = []
+    with pytest.raises(PartialStepError, match="accepted tokens exceed drafted tokens"):
+        for out in engine.stream(PROMPTS[0], GREEDY):
+            delivered += out.token_ids
+    assert len(committed) == 3 and 0 < committed[-1] < MAX_TOKENS
+    assert delivered == alone[0][: committed[-1]]
+
+
 def test_a_failing_step_observer_or_guard_record_loses_no_tokens(
     models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
