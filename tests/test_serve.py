@@ -556,6 +556,21 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("chat-unknown-model", CHAT, {**OK_CHAT, "model": "nope"}, 404, "model"),
     ("lone-surrogate", COMPLETIONS, b'{"model": "tiny", "prompt": "ab\\ud800cd"}', 400, None),
     ("chat-surrogate", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
+    ("surrogate-key", COMPLETIONS, b'{"model": "tiny", "prompt": "x", "\\ud800": 1}', 400, None),
+    (
+        "surrogate-metadata-key",
+        COMPLETIONS,
+        b'{"model": "tiny", "prompt": "x", "metadata": {"\\ud800": ""}}',
+        400,
+        "metadata",
+    ),
+    (
+        "chat-surrogate-key",
+        CHAT,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x", "\\ud800": 1}]}',
+        400,
+        "messages",
+    ),
     ("chat-long", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "word " * 800}]}, 400, "messages"),
 ]
 
@@ -576,6 +591,8 @@ def test_bad_input_is_4xx_with_openai_error(
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     if param is not None:
         assert error["param"] == param
+    if b'\\ud800":' in (body if isinstance(body, bytes) else b""):  # a key: named escaped, not as U+FFFD
+        assert "a key '\\ud800' is not valid Unicode" in error["message"] and "\ufffd" not in error["message"]
 
 
 def test_unknown_route_and_method(main_url: str) -> None:

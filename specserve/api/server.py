@@ -771,8 +771,12 @@ def _validation_body(errors: list[dict[str, Any]]) -> BaseModel:
         return [str(p) for p in error.get("loc", ()) if p != "body" and not is_union_member(p)]
 
     def describe(error: dict[str, Any]) -> str:
-        loc = ".".join(where(error))
-        return f"{loc}: {error.get('msg', 'invalid value')}" if loc else str(error.get("msg", "invalid value"))
+        loc, msg = ".".join(where(error)), str(error.get("msg", "invalid value"))
+        if error.get("type") == "string_unicode":  # a key with a lone surrogate (\ud800; text values have their
+            parts = where(error)  # own check, _utf8): a dict's loc holds the key mangled, then "[key]"
+            loc = ".".join(parts[:-2] if parts[-1:] == ["[key]"] else parts)
+            msg = f"a key {ascii(error.get('input', ''))[:40]} is not valid Unicode (a lone surrogate)"
+        return f"{loc}: {msg}" if loc else msg
 
     param = where(errors[0])[0] if errors and where(errors[0]) else None
     message = "; ".join(describe(e) for e in errors[:5]) or "invalid request"
