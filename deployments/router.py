@@ -212,9 +212,11 @@ class Router:
 
     @property
     def running_slots(self) -> int:
-        """KV slots of the lanes that have their workers: a lane that lost them runs nothing (its requests went to
-        the others) until its replacement has started; with none, the one the requests wait for."""
-        return self._lane_slots * max(1, sum(lane.healthy for lane in self.lanes))
+        """KV slots of the lanes that serve: a lane that lost its workers, or is loading one (a replacement, or at
+        first) while another serves, runs nothing (its requests went to the others) until it has started; while
+        none serves yet, those of the lanes the requests wait for (every lane with its workers, or one)."""
+        serving = sum(lane.healthy and not lane.loading for lane in self.lanes)
+        return self._lane_slots * max(1, serving or sum(lane.healthy for lane in self.lanes))
 
     @property
     def capacity(self) -> int:
@@ -223,14 +225,17 @@ class Router:
         return self.running_slots + self.args.max_queued_requests
 
     def health(self) -> Health:
-        """Degraded while a lane brings its workers back and another serves (its requests went there); failing,
-        and Serve's health check then replaces the replica (new placement, new actors), once a lane thread has
-        stopped or no lane has its workers."""
+        """Degraded while a lane brings its workers back, or loads one, and another serves (its requests went
+        there); failing, and Serve's health check then replaces the replica (new placement, new actors), once a
+        lane thread has stopped or no lane has its workers."""
         healthy = sum(lane.healthy for lane in self.lanes)
+        serving = sum(lane.healthy and not lane.loading for lane in self.lanes)
         if healthy == 0 or not all(lane.alive for lane in self.lanes):
             status = HealthStatus.failing
+        elif healthy == len(self.lanes) and serving in (0, healthy):  # (none serving yet: every lane starting)
+            status = HealthStatus.ok
         else:
-            status = HealthStatus.ok if healthy == len(self.lanes) else HealthStatus.degraded
+            status = HealthStatus.degraded
         return Health(status=status, lanes=len(self.lanes), lanes_alive=healthy)
 
     async def debug_state(self) -> RouterDebug:

@@ -1314,14 +1314,19 @@ def test_capacity_counts_the_kv_slots_that_fit_not_the_configured_batch() -> Non
     router = cls.__new__(cls)
     router.args = SimpleNamespace(max_queued_requests=5, retry_after_s=1, num_lanes=2, max_batch_size=16)
     router._lane_slots = 3  # 3 slots fit per lane, not 16
-    router.lanes = [SimpleNamespace(healthy=True), SimpleNamespace(healthy=True)]
+    router.lanes = [SimpleNamespace(healthy=True, loading=False), SimpleNamespace(healthy=True, loading=False)]
     router._metrics = ServeMetrics()
     assert router.capacity == 6 + 5
     # a lane that lost its workers runs nothing until its replacement has started: its slots are not counted,
     # else the other lane queued more than max_queued_requests and Retry-After came out too short
     router.lanes[1].healthy = False
     assert router.capacity == 3 + 5 and router.running_slots == 3
-    router.lanes[0].healthy = False  # none: the requests wait for one lane's slots
+    # ... nor one loading a replacement while the other serves (it hands its requests on): it was counted
+    router.lanes[1].healthy, router.lanes[1].loading = True, True
+    assert router.capacity == 3 + 5 and router.running_slots == 3
+    router.lanes[0].loading = True  # every lane loading (a replica starting): each keeps its requests
+    assert router.capacity == 6 + 5
+    router.lanes[0].healthy = router.lanes[1].healthy = False  # none: the requests wait for one lane's slots
     assert router.capacity == 3 + 5
     router.lanes = []
 
@@ -1335,8 +1340,15 @@ def test_a_replica_whose_lane_lost_its_workers_is_degraded_and_kept_while_anothe
 
     cls = Router.func_or_class
     router = cls.__new__(cls)
-    router.lanes = [SimpleNamespace(alive=True, healthy=True), SimpleNamespace(alive=True, healthy=True)]
+    router.lanes = [SimpleNamespace(alive=True, healthy=True, loading=True) for _ in range(2)]
+    assert router.health().status.value == "ok"  # a replica starting: every lane loading its models
+    router.lanes[0].loading = False
+    assert router.health().status.value == "degraded"  # one serves, the other hands its requests to it
+    router.lanes[1].loading = False
     assert router.health().status.value == "ok"
+    router.check_health()
+    router.lanes[1].loading = True  # loading a replacement target: it was reported ok
+    assert router.health().model_dump(mode="json") == {"status": "degraded", "lanes": 2, "lanes_alive": 2}
     router.check_health()
     router.lanes[1].healthy = False  # lost its workers: the replica says so, and is kept
     assert router.health().model_dump(mode="json") == {"status": "degraded", "lanes": 2, "lanes_alive": 1}
@@ -1345,7 +1357,7 @@ def test_a_replica_whose_lane_lost_its_workers_is_degraded_and_kept_while_anothe
     assert router.health().status.value == "failing" and router.health().lanes_alive == 0
     with pytest.raises(RuntimeError, match="no lane has its workers"):
         router.check_health()
-    router.lanes[0] = SimpleNamespace(alive=False, healthy=False)  # a lane thread stopped, the other one serves
+    router.lanes[0] = SimpleNamespace(alive=False, healthy=False, loading=False)  # a lane thread stopped
     router.lanes[1].healthy = True
     assert router.health().status.value == "failing" and router.health().lanes_alive == 1
     with pytest.raises(RuntimeError, match="thread has stopped"):

@@ -640,7 +640,7 @@ class ErrorResponse(BaseModel):
 
 class HealthStatus(str, Enum):
     ok = "ok"
-    degraded = "degraded"  # a lane is without its workers (bringing them back); another serves
+    degraded = "degraded"  # a lane is without its workers, or loading one, while another serves its requests
     # a lane thread has stopped, or no lane has its workers: the replica fails Serve's health check (503)
     failing = "failing"
 
