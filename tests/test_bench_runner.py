@@ -199,3 +199,27 @@ def test_a_one_row_forward_reads_the_records_its_products_read() -> None:
     down = model.decoder_layers()[0].down
     assert attach_small_gemm(model) and attach_int8_reads(model, blocks)  # as the loader: no float32 records
     assert one_row_bytes(down) == down.int8_records.data.numel() < float_bytes // 4
+
+
+def test_a_llamacpp_build_is_kept_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built with -march=native into one directory, a build from another machine's CPU (a shared or copied cache)
+    was reused here and died of SIGILL: each CPU (model and flags) now has its own."""
+    from specserve.bench import llamacpp
+
+    built: list[Path] = []
+
+    def cmake(cmd: list[str], check: bool) -> None:
+        if "--build" in cmd:
+            out = Path(cmd[cmd.index("--build") + 1]) / "bin"
+            out.mkdir(parents=True)
+            for target in llamacpp.BUILD_TARGETS:
+                (out / target).touch()
+            built.append(out)
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", cmake)
+    avx2 = ("AMD EPYC", frozenset({"avx2", "fma"}))
+    avx512 = ("AMD EPYC", frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    first = llamacpp.build(tmp_path, 2, avx512)
+    assert llamacpp.build(tmp_path, 2, avx512) == first and len(built) == 1  # kept for the same CPU
+    other = llamacpp.build(tmp_path, 2, avx2)
+    assert other != first and built == [first, other]  # built again for another one

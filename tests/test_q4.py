@@ -78,10 +78,18 @@ def test_a_dense_copy_serves_products_of_many_rows() -> None:
 def test_the_dense_copy_is_kept_only_where_bf16_products_are_fast(monkeypatch: pytest.MonkeyPatch) -> None:
     from specserve.models import q4
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    def cpu(*, avx512: bool, bf16: bool, amx: bool) -> None:
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: avx512)  # oneDNN: any AVX-512
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+
+    cpu(avx512=False, bf16=False, amx=False)
     assert q4.dense_rows_on_this_cpu(16) is None
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
-    assert q4.dense_rows_on_this_cpu(16) == 16 and q4.dense_rows_on_this_cpu(None) is None
+    cpu(avx512=True, bf16=False, amx=False)  # a Skylake-SP or Ice Lake server: bf16 emulated (it was kept there)
+    assert q4.dense_rows_on_this_cpu(16) is None
+    for bf16, amx in ((True, False), (False, True), (True, True)):
+        cpu(avx512=True, bf16=bf16, amx=amx)
+        assert q4.dense_rows_on_this_cpu(16) == 16 and q4.dense_rows_on_this_cpu(None) is None
 
 
 def test_rows_do_not_change_each_others_results() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import shutil
 import statistics
@@ -31,6 +32,7 @@ import torch
 from specserve.arg_types import out_dir_arg, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.config import ModelSpec
+from specserve.cpu import cpu_info
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_model
 from specserve.models.sources import builtin_gguf, cache_dir
@@ -112,9 +114,12 @@ def fetch_source(workdir: Path) -> Path:
     return source
 
 
-def build(source: Path, threads: int) -> Path:
-    """cmake build of llama-bench and llama-quantize (native ISA, no curl); returns the bin directory."""
-    build_dir = source / "build"
+def build(source: Path, threads: int, cpu: tuple[str, frozenset[str]] | None = None) -> Path:
+    """cmake build of llama-bench and llama-quantize (native ISA, no curl); returns the bin directory. A build is
+    kept per CPU (its model and flags, ``cpu_info``): one built with another's instructions (a cache shared or
+    copied between machines) would die of SIGILL here."""
+    name, flags = cpu or cpu_info()
+    build_dir = source / f"build-{hashlib.sha256(f'{name}|{sorted(flags)}'.encode()).hexdigest()[:12]}"
     bin_dir = build_dir / "bin"
     if all((bin_dir / t).exists() for t in BUILD_TARGETS):
         return bin_dir

@@ -106,11 +106,12 @@ class Q4Linear(nn.Module):
 
 
 def dense_rows_on_this_cpu(dense_from: int | None) -> int | None:
-    """``dense_from`` where the CPU multiplies bf16 fast (oneDNN's bf16 path: AVX512-BF16 or AMX), else None: without
-    it a bf16 copy would be slower than the int4 kernel at any row count."""
+    """``dense_from`` where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), else None: without it a bf16
+    copy would be slower than the int4 kernel at any row count. (oneDNN's own "bf16 supported" holds on any
+    AVX-512 CPU, where it emulates bf16.)"""
     try:
-        fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        fast = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):  # a torch without these checks
         fast = False
     return dense_from if fast else None
 
