@@ -118,8 +118,8 @@ def build(source: Path, threads: int, cpu: tuple[str, frozenset[str]] | None = N
     """cmake build of llama-bench and llama-quantize (native ISA, no curl); returns the bin directory. A build is
     kept per CPU (its model and flags, ``cpu_info``): one built with another's instructions (a cache shared or
     copied between machines) would die of SIGILL here."""
-    name, flags = cpu or cpu_info()
-    build_dir = source / f"build-{hashlib.sha256(f'{name}|{sorted(flags)}'.encode()).hexdigest()[:12]}"
+    model, isa = cpu or cpu_info()
+    build_dir = source / f"build-{hashlib.sha256(f'{model}|{sorted(isa)}'.encode()).hexdigest()[:12]}"
     bin_dir = build_dir / "bin"
     if all((bin_dir / t).exists() for t in BUILD_TARGETS):
         return bin_dir
