@@ -44,16 +44,20 @@ class LaneLike(Protocol):
     @property
     def in_flight(self) -> int: ...
 
+    @property
+    def draft_lost(self) -> bool: ...
+
     async def submit(self, request: Request) -> OutputStream: ...
 
 
 def pick_lane(lanes: Sequence[LaneLike], avoid: LaneLike | None = None) -> LaneLike | None:
     """The running lane to submit to: a healthy one before one whose workers are lost, one whose target has its
     model before one still loading it, another lane before ``avoid`` (the one that just lost the request), then
-    the least loaded; None when no lane runs."""
+    the least loaded, and of those one with its draft before one decoding plainly while its draft comes back (a
+    lane's whole capacity is still used: only ties go to the draft); None when no lane runs."""
 
-    def rank(lane: LaneLike) -> tuple[bool, bool, bool, int]:
-        return not lane.healthy, lane.loading, lane is avoid, lane.in_flight
+    def rank(lane: LaneLike) -> tuple[bool, bool, bool, int, bool]:
+        return not lane.healthy, lane.loading, lane is avoid, lane.in_flight, lane.draft_lost
 
     return min((lane for lane in lanes if lane.alive), key=rank, default=None)
 

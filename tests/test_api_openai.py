@@ -310,6 +310,7 @@ def test_retry_after_is_estimated_from_the_queue_and_step_rate() -> None:
     class BusyLane:
         alive = True
         loading = False
+        draft_lost = False
         healthy = True
         in_flight = 12  # batch 4 running + 8 queued: the router is full
 

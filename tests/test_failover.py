@@ -63,6 +63,7 @@ class FakeLane:
     loading: bool = False
     alive: bool = True
     in_flight: int = 0
+    draft_lost: bool = False
     lost_after: int | None = None
     refuse: bool = False  # its submit raises LaneHandoffError, as a lane's does (its thread stopped after the pick)
     tokens: list[int] = field(default_factory=lambda: list(TOKENS))
@@ -126,6 +127,9 @@ def test_pick_lane_prefers_a_healthy_lane_to_an_idle_one_that_lost_its_workers()
     loading = FakeLane(0, loading=True)  # its target still loading its model (after a loss, or at first)
     assert pick_lane([loading, busy]) is busy  # a loaded lane first, however busy
     assert pick_lane([loading, lost]) is loading  # a healthy lane first, loaded or not
+    plain, drafting = FakeLane(0, draft_lost=True), FakeLane(1)  # lane 0's draft is coming back
+    assert pick_lane([plain, drafting]) is drafting  # as loaded: the lane that speculates (it was the first)
+    assert pick_lane([plain, FakeLane(1, in_flight=1)]) is plain  # less loaded: capacity first
 
 
 def test_a_request_its_lane_loses_continues_on_another_lane_where_it_stopped(sleeps: list[float]) -> None:
