@@ -197,6 +197,7 @@ class Lane:
         worker_retry_s: float = AppArgs.model_fields["worker_retry_s"].default,
         idle_check_s: float | None = AppArgs.model_fields["worker_idle_check_s"].default,
         spare: Callable[[], bool] = lambda: False,
+        room: Callable[[], int] = lambda: 0,
     ) -> None:
         self.index = index
         self.loop = loop
@@ -242,6 +243,7 @@ class Lane:
         self._retry_pause = worker_retry_s  # while lost: the pause before the next try (doubles)
         self._retry_at = 0.0  # ... and when that try is due (time.monotonic)
         self.spare = spare  # whether another lane could take this one's requests now (running, healthy, loaded)
+        self.room = room  # free slots of the other lanes that serve: where requests waiting here would run now
         self.idle_check_s = idle_check_s  # how often, with nothing to step, it checks its workers answer (None: never)
         self._check_at = self._next_check()  # ... and when that check is due (time.monotonic)
         self._exited = threading.Event()  # the lane thread is ending: it takes no more requests
@@ -558,8 +560,20 @@ class Lane:
             self._fail_sequence(seq_id, error)
         if failures:
             self._report_queue()
+        if only is None:
+            self._hand_on_waiting()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+
+    def _hand_on_waiting(self) -> None:
+        """Requests waiting here for a slot while another lane that serves has one free (it came up later, or its
+        requests finished sooner) go there, the oldest first: a handoff, as from a starting lane (token-identical,
+        no failover spent). Only once the moves before have reached their lane, whose count then holds them."""
+        if not self.loop.waiting or self._lost or (room := self.room()) <= 0:
+            return
+        for seq in list(self.loop.waiting)[:room]:
+            self._drop(seq.request.request_id, LaneHandoffError(f"lane {self.index} is full; handed to one with room"))
+        self._report_queue()
 
     def _note_clean_step(self, only: frozenset[int] | None) -> None:
         """A suspect that has run SUSPECT_CLEAR_STEPS steps without harm since it was marked is no longer one: a

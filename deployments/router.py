@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 from fastapi import FastAPI
@@ -71,6 +71,17 @@ async def _within(waiting: Awaitable[T], timeout_s: float, done: str) -> T:
         raise RuntimeError(f"the worker actors have not {done} within worker_start_timeout_s ({timeout_s} s)") from None
 
 
+def free_slots(lanes: Sequence[Lane], index: int, slots: int, moving: Moving) -> int:
+    """Free KV slots of the lanes other than ``index`` that serve (running, with their workers, none loading), less
+    the requests pausing before a move (they will take some)."""
+    free = sum(
+        max(0, slots - lane.in_flight)
+        for lane in lanes
+        if lane.index != index and lane.alive and lane.healthy and not lane.loading
+    )
+    return max(0, free - moving.count)
+
+
 @serve.deployment
 @serve.ingress()
 class Router:
@@ -114,6 +125,7 @@ class Router:
                 worker_retry_s=args.worker_retry_s,
                 idle_check_s=args.worker_idle_check_s,
                 spare=functools.partial(self._spare_for, i),
+                room=functools.partial(free_slots, self.lanes, i, self._lane_slots, self._moving),
             )
             self.lanes.append(lane)
         if args.freeze_gc:

@@ -7,6 +7,7 @@ queued. In-process: the real ``RemoteTarget`` proxy over a fake actor handle who
 from __future__ import annotations
 
 import asyncio
+import functools
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from deployments import actors
 from deployments import lane as lane_module
 from deployments.actors import KVGeometry, RemoteDraft, RemoteTarget
 from deployments.app_args import WorkerRole
-from deployments.failover import FailoverStream
+from deployments.failover import FailoverStream, Moving
 from deployments.lane import Lane
 from deployments.wire import attach_features, strip_features
 from specserve.api.error_bodies import (
@@ -1405,7 +1406,7 @@ def test_the_router_moves_requests_with_the_configured_failover_pause(monkeypatc
         max_failovers=5, failover_backoff_s=0.25, max_queued_requests=4, num_lanes=1, max_batch_size=2
     )
     router._lane_slots = 2
-    router.lanes = [SimpleNamespace(healthy=True, in_flight=0)]
+    router.lanes = [SimpleNamespace(healthy=True, loading=False, in_flight=0)]
     router._metrics = ServeMetrics()
     router._moving = Moving()
     asyncio.run(router.submit(Request("r", [1, 2], SamplingParams(max_tokens=4))))
@@ -1687,3 +1688,43 @@ def test_a_request_that_leaves_a_lane_is_no_longer_counted_as_kept_there(target:
         assert lane._kept == {"s"}
     finally:
         lane.stop()
+
+
+def test_requests_waiting_on_a_full_lane_go_to_a_lane_that_comes_up_with_room(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Lane 1 is still loading its model: every request goes to lane 0, whose 4 slots run 4 while the rest wait.
+    Lane 1 comes up idle: the waiting requests stayed behind lane 0's batch (only new ones went to lane 1). Now the
+    oldest waiting ones are handed on to lane 1 (no failover spent) and finish there with the tokens they would
+    have had alone."""
+    from deployments.router import free_slots
+
+    factories = [Factory(target, {}), Factory(target, {0: "loading"})]
+    lanes: list[Lane] = []
+    moving = Moving()
+    for i, factory in enumerate(factories):
+        room = functools.partial(free_slots, lanes, i, 4, moving)
+        lanes.append(_lane(target, factory, room=room, step_delay_s=0.05 if i == 0 else 0.0))
+        lanes[-1].index = i
+        lanes[-1].start_poll_s = 0.02
+    requests = [Request(f"r{i}", PROMPTS[i % len(PROMPTS)], GREEDY) for i in range(7)]
+    streams = [FailoverStream(lambda: lanes, r, max_failovers=0, backoff_s=0.0, moving=moving) for r in requests]
+
+    async def read(stream: FailoverStream) -> list[int]:
+        return [t async for out in stream for t in out.token_ids]
+
+    async def run() -> list[list[int]]:
+        for stream in streams:
+            await stream.open()
+        assert [s._lane for s in streams] == [lanes[0]] * 7 and lanes[1].loading
+        factories[1].actors[0].loaded.set()  # lane 1 comes up
+        return await asyncio.wait_for(asyncio.gather(*(read(s) for s in streams)), 60)
+
+    try:
+        assert asyncio.run(run()) == [alone[i % len(PROMPTS)] for i in range(7)]
+        on_lane_1 = [r.request_id for r, s in zip(requests, streams, strict=True) if s._lane is lanes[1]]
+        assert on_lane_1 and set(on_lane_1) <= {"r4", "r5", "r6"}, on_lane_1  # waiting ones, not running ones
+        assert all(s._failovers == 0 for s in streams)
+        _wait(lambda: lanes[0].in_flight == lanes[1].in_flight == 0)  # (the lane thread forgets a finished one)
+    finally:
+        _release_and_stop(lanes, factories)
