@@ -132,10 +132,11 @@ def write_gguf(
     tensors: dict[str, np.ndarray] | None = None,
     rope_dims: int | None = None,
     floats: dict[str, float] | None = None,
+    ints: dict[str, int] | None = None,
     extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """``head_count`` (0: none written), ``tensors`` (GGUF names, as stored) and ``rope_dims`` replace the model's
-    own; ``floats``: extra float32 metadata; ``extra``: tensors written besides the model's."""
+    own; ``floats`` / ``ints``: extra float32 / uint32 metadata; ``extra``: tensors written besides the model's."""
     import gguf
 
     cfg = model.config
@@ -153,6 +154,8 @@ def write_gguf(
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads if rope_dims is None else rope_dims)
     for key, value in (floats or {}).items():
         writer.add_float32(key, value)
+    for key, number in (ints or {}).items():
+        writer.add_uint32(key, number)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -1072,6 +1075,39 @@ def test_the_gguf_names_the_special_tokens_whatever_the_loader_says(
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
     assert (tokenizer.bos_token, tokenizer.bos_token_id) == ("<|im_start|>", 1)
+
+
+def test_the_ggufs_end_of_turn_ids_are_stop_ids(tiny_gguf: Path, tmp_path: Path) -> None:
+    """Only the GGUF's eos became a stop id: a Llama 3 Instruct GGUF (eos <|end_of_text|>, eot <|eot_id|>) ran past
+    the end of its turn to max_tokens, where llama.cpp stops."""
+    from specserve.models.loader import stop_token_ids
+
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    both = {"tokenizer.ggml.eot_token_id": 0, "tokenizer.ggml.eom_token_id": 1}
+    out = convert_gguf(write_gguf(model, tmp_path / "eot.gguf", ints=both), tmp_path / "hf")
+    assert stop_token_ids(out) == {2, 0, 1}
+    assert stop_token_ids(convert_gguf(tiny_gguf, tmp_path / "plain")) == {2}
+    same = write_gguf(model, tmp_path / "same.gguf", ints={"tokenizer.ggml.eot_token_id": 2})
+    assert (
+        json.loads((convert_gguf(same, tmp_path / "same") / "generation_config.json").read_text())["eos_token_id"] == 2
+    )
+    bad = write_gguf(model, tmp_path / "bad.gguf", ints={"tokenizer.ggml.eot_token_id": 10**6})
+    with pytest.raises(CorruptModelError, match="eot id 1000000 is outside"):
+        convert_gguf(bad, tmp_path / "bad")
+
+
+def test_a_tokenizer_file_beside_the_gguf_is_not_taken_for_its_own(tiny_gguf: Path, tmp_path: Path) -> None:
+    """transformers read a tokenizer.json lying beside the GGUF (another model's) instead of the GGUF's own."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    gguf = folder / "tiny.gguf"
+    gguf.write_bytes(tiny_gguf.read_bytes())
+    Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(folder / "tokenizer.json"))
+    tokenizer = AutoTokenizer.from_pretrained(convert_gguf(gguf, tmp_path / "hf"))
+    assert len(tokenizer) == len(byte_level_vocab()[0])
 
 
 @pytest.mark.real_model

@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 COMPLETE_MARKER = ".complete"
 # Raised whenever the conversion's output changes (a fixed eos mapping, a new config field): directories converted
 # by an earlier one are converted again.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: the GGUF's eot / eom ids among the stop ids; its tokenizer read from the GGUF alone
 SUPPORTED_ARCHITECTURES = ("llama",)
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency RoPE divisors (Llama 3's scaling)
 LLAMA3_ORIGINAL_CONTEXT = 8192  # Meta's Llama 3.1-3.3 rope_scaling.original_max_position_embeddings
@@ -597,7 +597,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
     GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        bos_token_id=config.bos_token_id,
+        eos_token_id=_stop_ids(reader, gguf_path, config.eos_token_id, config.vocab_size),
+        pad_token_id=config.pad_token_id,
     ).save_pretrained(out_dir)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     try:
@@ -654,6 +656,18 @@ def _positive(reader: GGUFReader, gguf_path: Path, key: str, default: float) -> 
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise CorruptModelError(f"{gguf_path.name}: metadata {key} must be a positive number, got {value!r}")
     return float(value)
+
+
+def _stop_ids(reader: GGUFReader, gguf_path: Path, eos: int | None, vocab_size: int) -> int | list[int] | None:
+    """The EOS and the GGUF's end-of-turn / end-of-message ids (``eot``, ``eom``: Llama 3's <|eot_id|> and
+    <|eom_id|>), where llama.cpp stops too; one id as itself (generation_config's usual form)."""
+    ids = [] if eos is None else [eos]
+    for role in ("eot", "eom"):
+        if (i := _token_id(reader, gguf_path, role)) is not None and i not in ids:
+            if i >= vocab_size:
+                raise CorruptModelError(f"{gguf_path.name}: {role} id {i} is outside the {vocab_size}-id vocabulary")
+            ids.append(i)
+    return None if not ids else ids[0] if len(ids) == 1 else ids
 
 
 def _token_id(reader: GGUFReader, gguf_path: Path, role: str) -> int | None:
@@ -846,7 +860,11 @@ def _expected_names(layers: int, tied: bool) -> set[str]:
 def _build_tokenizer(reader: GGUFReader, gguf_path: Path, max_length: int) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # from a folder holding the GGUF alone: transformers also reads a tokenizer.json or tokenizer_config.json beside
+    # it, which may be another model's (the conversion then took that tokenizer, and kept it, cached)
+    with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as alone:
+        (Path(alone) / gguf_path.name).symlink_to(gguf_path.resolve())
+        tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_path.name)
     template = _field(reader, "tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = template
