@@ -1013,6 +1013,43 @@ class _SystemTurnTokenizer(_SpecialChatTokenizer):
         return [1, 7, 7, 7, *super().apply_chat_template(messages, **kw)[1:]]
 
 
+def test_a_training_run_into_a_heads_folder_cut_short_in_its_writes_leaves_no_stale_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rerun into an existing head's folder replaced the weights, then wrote the rest: stopped before the digest,
+    it left the new weights beside the old digest, and every load of the folder refused them from then on."""
+    from specserve.spec_decode.head_checkpoint import load_eagle_head
+    from specserve.train import pipeline, trainer
+    from specserve.train.distill import Conversation, DistillConfig
+    from specserve.train.pipeline import TrainDraftConfig, train_draft
+
+    target, tok = _frozen_target(), _SpecialChatTokenizer()
+
+    def distill(prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]):
+        convs = [Conversation(p + p[:max_new_tokens], len(p)) for p in prompts]
+        return convs, target_features(target, convs, aux_layers)
+
+    train = TrainConfig(epochs=1, batch_tokens=64, max_len=64, warmup_steps=1, checkpoint_every=100)
+    cfg = TrainDraftConfig("tiny", DistillConfig(num_prompts=4, max_new_tokens=4, chunk_size=4), train, draft_vocab=64)
+    head_dir = tmp_path / "head"
+    train_draft(target, tok, distill, cfg, tmp_path / "w0", head_dir, log=lambda _: None)
+    load_eagle_head(head_dir, target)
+
+    def disk_full(out: Path, info: dict[str, object]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "write_provenance", disk_full)
+    again = replace(cfg, train=replace(train, lr=3e-3, seed=1))  # other weights
+    with pytest.raises(OSError, match="No space left"):
+        train_draft(target, tok, distill, again, tmp_path / "w1", head_dir, log=lambda _: None)
+    assert not (head_dir / "model.safetensors.sha256").exists()
+    load_eagle_head(head_dir, target)  # the new weights, unchecked (was: "does not match model.safetensors.sha256")
+    monkeypatch.setattr(pipeline, "write_provenance", trainer.write_provenance)
+    train_draft(target, tok, distill, again, tmp_path / "w2", head_dir, log=lambda _: None)
+    assert (head_dir / "model.safetensors.sha256").exists() and load_eagle_head(head_dir, target) is not None
+    assert not list(head_dir.glob(".*.tmp"))
+
+
 def test_a_changed_chat_template_under_the_same_weights_is_not_served_the_old_data(tmp_path: Path) -> None:
     """A rerun in the same work dir with another chat template was handed the old template's chunks and
     checkpoint and shipped the old head: the data step records the tokenizer, and the checkpoint its system

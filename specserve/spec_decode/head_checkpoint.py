@@ -136,7 +136,8 @@ def save_eagle_head(
     weights = out / "model.safetensors"
     data = safetensors_bytes(sd)  # (written into write_durably's file: see distill.write_chunk)
     write_durably(weights, lambda tmp: tmp.write_bytes(data))
-    (out / "config.json").write_text(config_text(hf_config_dict(head.cfg, **(extra_config or {}))))
+    text = config_text(hf_config_dict(head.cfg, **(extra_config or {})))
+    write_durably(out / "config.json", lambda tmp: tmp.write_text(text))
     return weights
 
 

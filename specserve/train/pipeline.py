@@ -30,6 +30,7 @@ from specserve.arg_types import (
 )
 from specserve.bench.machine import device_summary
 from specserve.build import eos_ids_of
+from specserve.durable import write_durably
 from specserve.errors import SettingsError
 from specserve.models.llama import LlamaModel
 from specserve.models.sources import sha256_file
@@ -168,6 +169,7 @@ VOCAB_MAP = "vocab_map.json"
 TEXT_CHUNK = 64  # teacher-forced passages per chunk file
 DEFAULT_BATCH = 64  # conversations generated together
 DEFAULT_CORPUS_PASSAGES = 2048
+DIGEST_FILE = "model.safetensors.sha256"  # beside the weights (head_checkpoint.check_digest)
 ASK_MAX_TOKENS = 128  # a self-written request longer than this is dropped
 
 
@@ -182,7 +184,7 @@ def write_vocab_map(out_dir: Path, counts: torch.Tensor, forced: list[int], lead
     kept = set(forced) | set(lead or [])
     seen = int((counts > 0).sum()) + len([i for i in kept if counts[i] == 0])
     body = {"forced": forced, "by_frequency": order[:seen].tolist(), "counts": counts[order[:seen]].tolist()}
-    (out_dir / VOCAB_MAP).write_text(json.dumps(body))
+    write_durably(out_dir / VOCAB_MAP, lambda tmp: tmp.write_text(json.dumps(body)))
 
 
 def train_draft(
@@ -327,15 +329,18 @@ def train_draft(
     log(f"draft vocabulary: {draft_ids.numel()} tokens cover {coverage(counts, draft_ids):.2%} of the training tokens")
     t_train = time.perf_counter() - t0 - t_data
     sample = [round(v, 6) for v in embedding_sample(target.embed_tokens.weight).tolist()]
+    digest_file = out_dir / DIGEST_FILE
+    # a run into a head's folder that stops in the writes below must leave no digest naming the old weights (every
+    # load of the folder then refused the new ones): the digest goes first, and comes back last, each file whole
+    digest_file.unlink(missing_ok=True)
     weights = save_eagle_head(
         head, out_dir, extra_config={"specserve_target": cfg.target_name, TARGET_SAMPLE_KEY: sample}
     )
     if inherited is not None:
-        (out_dir / VOCAB_MAP).write_text(inherited)
+        write_durably(out_dir / VOCAB_MAP, lambda tmp: tmp.write_text(inherited))
     else:  # a fine-tuned EAGLE-3 head without a map (a published one) kept its ids: they lead the map, as d2t says
         write_vocab_map(out_dir, counts, forced, draft_ids.tolist() if start is not None and eagle3 else None)
     digest = sha256_file(weights)
-    (out_dir / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
     write_provenance(
         out_dir,
         {
@@ -375,6 +380,7 @@ def train_draft(
             "python": platform.python_version(),  # the text passages come from this interpreter's stdlib
         },
     )
+    write_durably(digest_file, lambda tmp: tmp.write_text(f"{digest}  {weights.name}\n"))
     return head
 
 
