@@ -1096,6 +1096,14 @@ def test_the_ggufs_end_of_turn_ids_are_stop_ids(tiny_gguf: Path, tmp_path: Path)
         convert_gguf(bad, tmp_path / "bad")
 
 
+def test_a_shard_of_a_split_gguf_is_named_as_such(tmp_path: Path) -> None:
+    """The first shard of a gguf-split model was called corrupt (its tensors hold fewer layers than it declares)."""
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    shard = write_gguf(model, tmp_path / "m-00001-of-00003.gguf", ints={"split.count": 3, "split.no": 0})
+    with pytest.raises(UnsupportedModelError, match=r"one of 3 shards of a split GGUF: merge .*llama-gguf-split"):
+        convert_gguf(shard, tmp_path / "hf")
+
+
 def test_a_tokenizer_file_beside_the_gguf_is_not_taken_for_its_own(tiny_gguf: Path, tmp_path: Path) -> None:
     """transformers read a tokenizer.json lying beside the GGUF (another model's) instead of the GGUF's own."""
     from tokenizers import Tokenizer

@@ -565,6 +565,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
                 raise UnsupportedModelError(
                     f"{gguf_path.name}: {key} = {factor} (linear RoPE scaling, as llama.cpp reads it) is not supported"
                 )
+    if (shards := _field(reader, "split.count", 1)) != 1:  # llama.cpp's gguf-split: tensors spread over files
+        raise UnsupportedModelError(
+            f"{gguf_path.name} is one of {shards} shards of a split GGUF: merge them into one file first "
+            f"(llama-gguf-split --merge {gguf_path.name} merged.gguf)"
+        )
     if _field(reader, "tokenizer.ggml.model") is None:
         raise UnsupportedModelError(f"{gguf_path.name} carries no tokenizer (no tokenizer.ggml.* metadata)")
 
