@@ -771,6 +771,21 @@ def test_a_damaged_or_stale_conversion_is_converted_again(
     assert resolve_gguf(tiny_gguf) == path and len(calls) == 4  # whole and current: trusted
 
 
+def test_a_conversion_damaged_within_its_sizes_names_the_command_that_converts_it_again(
+    tiny_gguf: Path, cache: Path
+) -> None:
+    """Bytes changed in place keep the sizes the marker checks: the load failed on every run with no way out named."""
+    from specserve.models.loader import load_model
+
+    spec = ModelSpec(source=str(tiny_gguf), small_gemm=False, native_stack=False, gemv_copies=False)
+    weights = resolve_gguf(tiny_gguf) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[:8] = (len(data) * 2).to_bytes(8, "little")  # a header length past the file's end
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CorruptModelError, match=r"`specserve models pull --force .*tiny\.gguf` converts it again"):
+        load_model(spec)
+
+
 def test_models_pull_force_converts_again(
     tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -57,7 +57,17 @@ log = logging.getLogger(__name__)
 
 
 def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_positions: int | None = None) -> LlamaModel:
-    model = load_model_dir(resolve(spec), spec, device=device, max_positions=max_positions)
+    path = resolve(spec)
+    try:
+        model = load_model_dir(path, spec, device=device, max_positions=max_positions)
+    except CorruptModelError as e:
+        if spec.resolved_kind() not in (SourceKind.builtin, SourceKind.gguf):
+            raise
+        # this project's conversion in the cache, damaged in a way its sizes do not show (they are checked at start)
+        raise CorruptModelError(
+            f"{e} (the cached conversion of {spec.source} is damaged: `specserve models pull --force {spec.source}` "
+            "converts it again)"
+        ) from e
     if spec.native_q4:
         use_native_q4(model, spec)
         attach_cpu_paths(model, spec)  # over the float linears left (the LM head), not the ones just replaced
