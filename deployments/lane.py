@@ -566,12 +566,14 @@ class Lane:
             time.sleep(self.step_delay_s)
 
     def _hand_on_waiting(self) -> None:
-        """Requests waiting here for a slot while another lane that serves has one free (it came up later, or its
-        requests finished sooner) go there, the oldest first: a handoff, as from a starting lane (token-identical,
-        no failover spent). Only once the moves before have reached their lane, whose count then holds them."""
-        if not self.loop.waiting or self._lost or (room := self.room()) <= 0:
+        """Requests waiting here for a slot (beyond those the next step admits) while another lane that serves has
+        one free (it came up later, or its requests finished sooner) go there, the oldest first: a handoff, as from
+        a starting lane (token-identical, no failover spent). Only once the moves before have reached their lane,
+        whose count then holds them."""
+        free_here = max(0, self.loop.max_batch_size - len(self.loop.running))  # the next step admits as many
+        if len(self.loop.waiting) <= free_here or self._lost or (room := self.room()) <= 0:
             return
-        for seq in list(self.loop.waiting)[:room]:
+        for seq in list(self.loop.waiting)[free_here : free_here + room]:
             self._drop(seq.request.request_id, LaneHandoffError(f"lane {self.index} is full; handed to one with room"))
         self._report_queue()
 

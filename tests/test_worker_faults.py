@@ -1728,3 +1728,23 @@ def test_requests_waiting_on_a_full_lane_go_to_a_lane_that_comes_up_with_room(
         _wait(lambda: lanes[0].in_flight == lanes[1].in_flight == 0)  # (the lane thread forgets a finished one)
     finally:
         _release_and_stop(lanes, factories)
+
+
+def test_a_full_lane_hands_on_only_the_waiting_requests_its_next_step_would_not_admit(target: LlamaModel) -> None:
+    """Requests its own next step admits (slots freed by requests that just finished) stay; of the rest, the oldest
+    go, as many as the other lanes have room for."""
+    factory = Factory(target, {0: "loading"})  # its thread waits for the target: the test drives the loop alone
+    room = [5]
+    lane = _lane(target, factory, room=lambda: room[0])
+    try:
+        for i in range(3):
+            lane.loop.add_request(Request(f"r{i}", PROMPTS[0], GREEDY))
+        lane._hand_on_waiting()  # 4 free slots here: the next step admits all three
+        assert [s.request.request_id for s in lane.loop.waiting] == ["r0", "r1", "r2"]
+        for i in range(3, 8):
+            lane.loop.add_request(Request(f"r{i}", PROMPTS[0], GREEDY))
+        room[0] = 2
+        lane._hand_on_waiting()  # r0-r3 are admitted here next; r4, r5 go where there is room; r6, r7 wait
+        assert [s.request.request_id for s in lane.loop.waiting] == ["r0", "r1", "r2", "r3", "r6", "r7"]
+    finally:
+        _release_and_stop([lane], [factory])
