@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from specserve.api.error_bodies import LaneHandoffError, LaneLostError, WorkerFailedError
+from specserve.api.error_bodies import LaneFullError, LaneHandoffError, LaneLostError, WorkerFailedError
 from specserve.api.server import OutputStream
 from specserve.errors import InvalidRequestError
 from specserve.sequence import Delivered, Request, RequestOutput, RequestStats
@@ -90,6 +90,7 @@ class FailoverStream:
         max_failovers: int,
         backoff_s: float,
         on_failover: Callable[[int], None] = lambda lane: None,
+        on_rebalance: Callable[[int], None] = lambda lane: None,
         moving: Moving | None = None,
     ) -> None:
         self._lanes = lanes
@@ -98,6 +99,7 @@ class FailoverStream:
         self._max_failovers = max_failovers
         self._backoff_s = backoff_s
         self._on_failover = on_failover
+        self._on_rebalance = on_rebalance
         self._failovers = 0
         self._lane: LaneLike | None = None
         self._stream: OutputStream | None = None
@@ -152,6 +154,10 @@ class FailoverStream:
                     raise WorkerFailedError(f"the request could not go on on another lane: {refused}") from refused
 
     def _moved(self, lane: LaneLike, error: LaneLostError) -> None:
+        if isinstance(error, LaneFullError):  # waiting on a full lane, moved to one with room: no fault at all
+            logger.debug("request %s: moved from full lane %d (%s)", self._request.request_id, lane.index, error)
+            self._on_rebalance(lane.index)
+            return
         if not isinstance(error, LaneHandoffError):  # (a handoff moves a request that never ran on the lane since
             # its loss, to a lane that has its model; one that was running there is dropped as lost, and counts)
             self._failovers += 1

@@ -52,6 +52,7 @@ from deployments.actors import (
 from deployments.app_args import AppArgs, WorkerRole
 from specserve.api.error_bodies import (
     APIError,
+    LaneFullError,
     LaneHandoffError,
     LaneLostError,
     RequestFailedError,
@@ -574,7 +575,7 @@ class Lane:
         if len(self.loop.waiting) <= free_here or self._lost or (room := self.room()) <= 0:
             return
         for seq in list(self.loop.waiting)[free_here : free_here + room]:
-            self._drop(seq.request.request_id, LaneHandoffError(f"lane {self.index} is full; handed to one with room"))
+            self._drop(seq.request.request_id, LaneFullError(f"lane {self.index} is full; handed to one with room"))
         self._report_queue()
 
     def _note_clean_step(self, only: frozenset[int] | None) -> None:

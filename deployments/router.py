@@ -209,6 +209,7 @@ class Router:
             max_failovers=self.args.max_failovers,
             backoff_s=self.args.failover_backoff_s,
             on_failover=self._metrics.request_failed_over,
+            on_rebalance=self._metrics.request_rebalanced,
             moving=self._moving,
         )
         await stream.open()

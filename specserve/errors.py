@@ -43,6 +43,10 @@ class CorruptModelError(ModelSourceError):
     pass
 
 
+class NonFiniteWeightsError(CorruptModelError):
+    """Weights that hold NaN or infinities: the checkpoint's own (converting it again cannot help)."""
+
+
 class HubUnreachableError(ModelSourceError):
     pass
 

@@ -784,6 +784,14 @@ def test_a_conversion_damaged_within_its_sizes_names_the_command_that_converts_i
     weights.write_bytes(bytes(data))
     with pytest.raises(CorruptModelError, match=r"`specserve models pull --force .*tiny\.gguf` converts it again"):
         load_model(spec)
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))  # a GGUF holding an infinity: no such advice
+    inf = np.full((64,), np.inf, dtype=np.float32)
+    spec = spec.model_copy(
+        update={"source": str(write_gguf(model, cache / "inf.gguf", tensors={"output_norm.weight": inf}))}
+    )
+    with pytest.raises(CorruptModelError, match="holds NaN or infinite values") as info:
+        load_model(spec)
+    assert "pull --force" not in str(info.value)
 
 
 def test_models_pull_force_converts_again(
@@ -1117,6 +1125,18 @@ def test_a_shard_of_a_split_gguf_is_named_as_such(tmp_path: Path) -> None:
     shard = write_gguf(model, tmp_path / "m-00001-of-00003.gguf", ints={"split.count": 3, "split.no": 0})
     with pytest.raises(UnsupportedModelError, match=r"one of 3 shards of a split GGUF: merge .*llama-gguf-split"):
         convert_gguf(shard, tmp_path / "hf")
+    import gguf  # a later shard: split keys and tensors, no model metadata (read as an architecture None)
+
+    writer = gguf.GGUFWriter(tmp_path / "m-00002-of-00003.gguf", arch=None)  # type: ignore[arg-type]
+    writer.add_uint16("split.no", 1)
+    writer.add_uint16("split.count", 3)
+    writer.add_tensor("blk.1.ffn_up.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=r"one of 3 shards .*--merge m-00001-of-00003\.gguf merged"):
+        convert_gguf(tmp_path / "m-00002-of-00003.gguf", tmp_path / "hf2")
 
 
 def test_a_tokenizer_file_beside_the_gguf_is_not_taken_for_its_own(tiny_gguf: Path, tmp_path: Path) -> None:

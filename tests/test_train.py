@@ -1043,6 +1043,7 @@ def test_a_training_run_into_a_heads_folder_cut_short_in_its_writes_leaves_no_st
     with pytest.raises(OSError, match="No space left"):
         train_draft(target, tok, distill, again, tmp_path / "w1", head_dir, log=lambda _: None)
     assert not (head_dir / "model.safetensors.sha256").exists()
+    assert not (head_dir / "provenance.json").exists()  # the old run's record, beside other weights, is gone too
     load_eagle_head(head_dir, target)  # the new weights, unchecked (was: "does not match model.safetensors.sha256")
     monkeypatch.setattr(pipeline, "write_provenance", trainer.write_provenance)
     train_draft(target, tok, distill, again, tmp_path / "w2", head_dir, log=lambda _: None)

@@ -1704,11 +1704,24 @@ def test_requests_waiting_on_a_full_lane_go_to_a_lane_that_comes_up_with_room(
     moving = Moving()
     for i, factory in enumerate(factories):
         room = functools.partial(free_slots, lanes, i, 4, moving)
-        lanes.append(_lane(target, factory, room=room, step_delay_s=0.05 if i == 0 else 0.0))
+        lanes.append(_lane(target, factory, room=room, step_delay_s=0.1 if i == 0 else 0.0))
         lanes[-1].index = i
         lanes[-1].start_poll_s = 0.02
     requests = [Request(f"r{i}", PROMPTS[i % len(PROMPTS)], GREEDY) for i in range(7)]
-    streams = [FailoverStream(lambda: lanes, r, max_failovers=0, backoff_s=0.0, moving=moving) for r in requests]
+    failed: list[int] = []
+    rebalanced: list[int] = []
+    streams = [
+        FailoverStream(
+            lambda: lanes,
+            r,
+            max_failovers=0,
+            backoff_s=0.0,
+            moving=moving,
+            on_failover=failed.append,
+            on_rebalance=rebalanced.append,
+        )
+        for r in requests
+    ]
 
     async def read(stream: FailoverStream) -> list[int]:
         return [t async for out in stream for t in out.token_ids]
@@ -1725,6 +1738,7 @@ def test_requests_waiting_on_a_full_lane_go_to_a_lane_that_comes_up_with_room(
         on_lane_1 = [r.request_id for r, s in zip(requests, streams, strict=True) if s._lane is lanes[1]]
         assert on_lane_1 and set(on_lane_1) <= {"r4", "r5", "r6"}, on_lane_1  # waiting ones, not running ones
         assert all(s._failovers == 0 for s in streams)
+        assert failed == [] and rebalanced == [0] * len(on_lane_1)  # counted apart from failovers
         _wait(lambda: lanes[0].in_flight == lanes[1].in_flight == 0)  # (the lane thread forgets a finished one)
     finally:
         _release_and_stop(lanes, factories)

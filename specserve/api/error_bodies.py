@@ -64,6 +64,10 @@ class LaneHandoffError(LaneLostError):
     that has its model: a move that loses nothing, so not a failover counted against ``max_failovers``."""
 
 
+class LaneFullError(LaneHandoffError):
+    """A request waiting for a slot on a full lane, handed to a lane with one free: rebalancing, not a fault."""
+
+
 class ResumeMismatchError(APIError):
     """A resumed stream's regenerated text does not continue what the stream sent (the request was changed)."""
 

@@ -142,6 +142,12 @@ class ServeMetrics:
             ["lane"],
             registry=r,
         )
+        self.rebalanced = Counter(
+            "specserve_requests_rebalanced",
+            "Requests that waited for a slot on a full lane, moved to a lane with one free, by the full lane",
+            ["lane"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -209,3 +215,6 @@ class ServeMetrics:
 
     def request_failed_over(self, lane: int) -> None:
         self.failovers.labels(str(lane)).inc()
+
+    def request_rebalanced(self, lane: int) -> None:
+        self.rebalanced.labels(str(lane)).inc()

@@ -16,7 +16,13 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec, SourceKind
-from specserve.errors import CorruptModelError, ModelSourceError, SpecServeError, UnsupportedModelError
+from specserve.errors import (
+    CorruptModelError,
+    ModelSourceError,
+    NonFiniteWeightsError,
+    SpecServeError,
+    UnsupportedModelError,
+)
 from specserve.models.llama import (
     ArchConfig,
     LlamaModel,
@@ -61,8 +67,8 @@ def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_posit
     try:
         model = load_model_dir(path, spec, device=device, max_positions=max_positions)
     except CorruptModelError as e:
-        if spec.resolved_kind() not in (SourceKind.builtin, SourceKind.gguf):
-            raise
+        if spec.resolved_kind() not in (SourceKind.builtin, SourceKind.gguf) or isinstance(e, NonFiniteWeightsError):
+            raise  # (a GGUF's own non-finite weights are converted as they are)
         # this project's conversion in the cache, damaged in a way its sizes do not show (they are checked at start)
         raise CorruptModelError(
             f"{e} (the cached conversion of {spec.source} is damaged: `specserve models pull --force {spec.source}` "
@@ -187,7 +193,7 @@ def load_model_dir(
                     "float64 (a quantised checkpoint is not supported)"
                 )
             if not bool(torch.isfinite(tensor).all()):
-                raise CorruptModelError(f"{f}: tensor {name!r} holds NaN or infinite values")
+                raise NonFiniteWeightsError(f"{f}: tensor {name!r} holds NaN or infinite values")
             return tensor.to(dtype=dtype).to(device)
 
         layers = {int(m.group(1)) for name in where if (m := re.match(r"model\.layers\.(\d+)\.", name))}

@@ -548,6 +548,13 @@ def _check_room(gguf_path: Path, out_dir: Path, need: int) -> None:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Write a Llama-family GGUF as an HF directory in `out_dir`: float32 safetensors, config and tokenizer."""
     reader = _open_gguf(gguf_path)
+    # llama.cpp's gguf-split spreads the tensors over files, the metadata in the first alone: named before it is read
+    if (shards := _field(reader, "split.count", 1)) != 1:
+        first = re.sub(r"-\d{5}-of-(\d{5})\.gguf$", r"-00001-of-\1.gguf", gguf_path.name)
+        raise UnsupportedModelError(
+            f"{gguf_path.name} is one of {shards} shards of a split GGUF: merge them into one file first "
+            f"(llama-gguf-split --merge {first} merged.gguf)"
+        )
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -565,11 +572,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
                 raise UnsupportedModelError(
                     f"{gguf_path.name}: {key} = {factor} (linear RoPE scaling, as llama.cpp reads it) is not supported"
                 )
-    if (shards := _field(reader, "split.count", 1)) != 1:  # llama.cpp's gguf-split: tensors spread over files
-        raise UnsupportedModelError(
-            f"{gguf_path.name} is one of {shards} shards of a split GGUF: merge them into one file first "
-            f"(llama-gguf-split --merge {gguf_path.name} merged.gguf)"
-        )
     if _field(reader, "tokenizer.ggml.model") is None:
         raise UnsupportedModelError(f"{gguf_path.name} carries no tokenizer (no tokenizer.ggml.* metadata)")
 

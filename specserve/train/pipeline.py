@@ -170,6 +170,7 @@ TEXT_CHUNK = 64  # teacher-forced passages per chunk file
 DEFAULT_BATCH = 64  # conversations generated together
 DEFAULT_CORPUS_PASSAGES = 2048
 DIGEST_FILE = "model.safetensors.sha256"  # beside the weights (head_checkpoint.check_digest)
+PROVENANCE_FILE = "provenance.json"  # trainer.write_provenance
 ASK_MAX_TOKENS = 128  # a self-written request longer than this is dropped
 
 
@@ -333,6 +334,7 @@ def train_draft(
     # a run into a head's folder that stops in the writes below must leave no digest naming the old weights (every
     # load of the folder then refused the new ones): the digest goes first, and comes back last, each file whole
     digest_file.unlink(missing_ok=True)
+    (out_dir / PROVENANCE_FILE).unlink(missing_ok=True)  # ... nor a record of the old run beside the new weights
     weights = save_eagle_head(
         head, out_dir, extra_config={"specserve_target": cfg.target_name, TARGET_SAMPLE_KEY: sample}
     )
