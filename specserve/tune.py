@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -88,17 +89,20 @@ def execution_path(model: LlamaModel) -> str:
     """What the model's forward runs through besides its shape: the C++ stack and attention kernel, and each
     linear's kernel (row-major, packed copies, Q4_1 / Q8_0 records, their row ranges and prefetch), dynamic int8 or
     int4 modules: each changes a verify's time."""
-    linears = sorted(
-        {
-            (
-                type(m).__name__,
-                *(str(getattr(m, name, None)) for name in ("small_rows", "small_copy_rows", "small_record_rows")),
-                str(getattr(m, "small_prefetch", None)),
-            )
-            for m in model.modules()
-            if isinstance(m, nn.Linear) or "Linear" in type(m).__name__
-        }
-    )
+
+    def path(m: nn.Module) -> tuple[str, ...]:
+        packed = tuple((lo, hi) for lo, hi, _ in getattr(m, "mkl_packed", ()))  # (the copies: their row ranges)
+        return (
+            type(m).__name__,
+            *(str(getattr(m, name, None)) for name in ("small_rows", "small_copy_rows", "small_record_rows")),
+            str(getattr(m, "small_prefetch", None)),
+            str(getattr(m, "gemv_rows", None)),  # row-major copies (attach_gemv_copies)
+            str(getattr(m, "pad_from", None)),  # zero-row padding (attach_row_padding)
+            str(packed),  # MKL's packed copies (attach_mkl_packed)
+            str(getattr(m, "int8_records", None) is not None),  # int8 products (attach_int8_reads / _head)
+        )
+
+    linears = sorted({path(m) for m in model.modules() if isinstance(m, nn.Linear) or "Linear" in type(m).__name__})
     stack = type(model.native_stack).__name__ if model.native_stack is not None else None
     return f"{stack}|{model.attention_kernel is not None}|{model.use_flash_attn}|{linears}"
 
@@ -125,7 +129,8 @@ def verify_profile(
     path = cache_dir() / "profiles" / f"verify-{profile_key(model, context)}{kind}.json"
     try:
         cached = {int(k): float(v) for k, v in json.loads(path.read_text()).items()}
-        if all(t in cached for t in sizes):
+        # every size's time there and a positive finite number (JSON takes NaN, Infinity and negatives)
+        if all(t in cached and math.isfinite(cached[t]) and cached[t] > 0 for t in sizes):
             return {t: cached[t] for t in sizes}
     except (OSError, ValueError, AttributeError, TypeError):  # none yet, or cut short by a killed writer
         pass

@@ -38,7 +38,11 @@ def test_verify_profile_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(tune, "time_verify", boom)
     assert verify_profile(model, (1, 4)) == first
-    assert list((tmp_path / "profiles").glob("verify-*.json"))
+    (path,) = (tmp_path / "profiles").glob("verify-*.json")
+    for bad in ('{"1": NaN, "4": 0.01}', '{"1": 0.01, "4": -1}', '{"1": 0, "4": 0.01}', '{"1": Infinity, "4": 1}'):
+        path.write_text(bad)  # valid JSON, no time (a NaN made autotune's pick depend on the rows' order)
+        monkeypatch.setattr(tune, "time_verify", lambda *a, **k: {1: 0.5, 4: 0.75})
+        assert verify_profile(model, (1, 4)) == {1: 0.5, 4: 0.75}, bad
 
 
 def test_chains_are_profiled_causally_and_cached_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,6 +141,23 @@ def test_the_verify_profile_is_keyed_by_the_cpu_and_the_models_execution_path(
     assert tune.profile_key(stacked, 256) != key
     drop_native_stack(stacked)
     assert tune.profile_key(stacked, 256) == key
+    # ... nor the row-major copies, the zero-row padding, MKL's packed copies or int8 records (the key ignored them)
+    from specserve.models.llama import attach_gemv_copies, attach_row_padding
+
+    copies = tiny_model(seed=0)
+    attach_gemv_copies(copies, rows=4)
+    padded = tiny_model(seed=0)
+    attach_row_padding(padded, pad_from=10)
+    packed = tiny_model(seed=0)
+    for m in packed.modules():
+        if type(m) is torch.nn.Linear:
+            m.mkl_packed = ((1, 4, None),)  # type: ignore[assignment]  # (the ranges key it, not the copies)
+    records = tiny_model(seed=0)
+    for m in records.modules():
+        if type(m) is torch.nn.Linear:
+            m.int8_records = object()  # type: ignore[assignment]
+    keys = {tune.profile_key(m, 256) for m in (copies, padded, packed, records)}
+    assert len(keys) == 4 and key not in keys
 
 
 def test_the_verify_profile_of_a_gpu_is_keyed_by_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
