@@ -59,7 +59,7 @@ from specserve.bench.stats import (
     workload_slug,
     write_csv,
 )
-from specserve.config import Drafter, DType, SLPolicyKind, SpecConfig
+from specserve.config import Drafter, DType, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.errors import SpecServeError, settings_problems
 from specserve.models.llama import LlamaModel
 from specserve.policy import SequenceDSDE, verified_positions
@@ -228,7 +228,7 @@ class SimResult:
     seconds: float
     steps: int
     idle_fraction: float  # mean over drafting steps
-    mean_sl: float  # mean drafted depth over drafting rows
+    mean_sl: float  # mean drafted depth over every row of the steps that drafted (as load.straggler's and the engine's)
     mean_cap: float
     ttft_s: list[float]
     tpot_s: list[float]
@@ -277,6 +277,7 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
     draft_total = verify_total = host_total = 0.0
     idles: list[float] = []
     caps: list[int] = []
+    sl_rows = sl_sum = 0  # rows of the steps that drafted (rows planned 0 in them too) and their depths
     res = SimResult(0, 0.0, 0, 0.0, 0.0, 0.0, [], [], [], 0.0, 0.0, 0.0)
     while arrivals or waiting or running:
         while arrivals and arrivals[0][0] <= t:
@@ -303,9 +304,9 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
                 depth = verified = nodes = a = 0
             elif tree:
                 depth, verified, nodes, a, kld = s.tree_outcome(d, cfg.spec)
-            else:
-                a, kld = s.outcome(d)
-                depth = verified = nodes = d
+            else:  # the draft model's share of the planned depth, as the step loop drafts (model_max_sl)
+                depth = verified = nodes = cfg.spec.model_depth(d)
+                a, kld = s.outcome(depth)
             if depth > 0 and s.sl_state is not None:
                 s.sl_state.observe(kld, verified, a)  # as the step loop: a tree's verified depth
             n = min(a + 1, s.req.max_tokens - s.emitted)
@@ -324,6 +325,7 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
         tokens += emitted_step
         if any(depths):
             idles.append(idle_fraction(depths))
+            sl_rows, sl_sum = sl_rows + len(depths), sl_sum + sum(depths)
             res.sl_hist.update(d for d in depths if d > 0)
             res.uncapped_hist.update(uncapped)
         if cap is not None:
@@ -338,10 +340,9 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
         if finished:
             done += finished
             running = [s for s in running if s.emitted < s.req.max_tokens]
-    rows_drafted = sum(res.sl_hist.values())
     res.tokens, res.seconds, res.steps = tokens, t, steps
     res.idle_fraction = statistics.mean(idles) if idles else 0.0
-    res.mean_sl = sum(d * c for d, c in res.sl_hist.items()) / rows_drafted if rows_drafted else 0.0
+    res.mean_sl = sl_sum / sl_rows if sl_rows else 0.0
     res.mean_cap = statistics.mean(caps) if caps else 0.0
     res.draft_s, res.verify_s, res.host_s = draft_total, verify_total, host_total
     for s in done:
@@ -561,9 +562,26 @@ def replay_problem(runs: Sequence[RunTrace]) -> str | None:
 
 
 def _specs_from_runs(runs: Sequence[RunTrace]) -> dict[PolicyName, SpecConfig]:
+    """The settings the engine actually ran each recorded policy with (static SL, DSDE parameters, budgets); a
+    policy the sweep did not record (``dsde_ddd_nocap`` beside ``dsde_ddd``, say) takes a recorded one of its kind
+    (tree or chain) with only what names the policy changed: with the defaults' budget, beam and limits instead, its
+    gap to the recorded one mixed other settings into what it compares (the SL_cap gain)."""
     specs = policy_specs()
-    for r in runs:  # the settings the engine actually ran with (static SL, DSDE parameters)
-        specs[r.policy] = r.spec
+    recorded = {r.policy: r.spec for r in runs}
+    for name, default in specs.items():
+        if name in recorded:
+            specs[name] = recorded[name]
+            continue
+        kin = next((k for k in recorded.values() if k.method != SpecMethod.none and k.is_tree == default.is_tree), None)
+        if kin is not None and default.method != SpecMethod.none:
+            specs[name] = kin.model_copy(
+                update={
+                    "method": default.method,
+                    "policy": default.policy,
+                    "sl": kin.sl if kin.policy == default.policy else default.sl,
+                    "dsde": kin.dsde.model_copy(update={"cap_enabled": default.dsde.cap_enabled}),
+                }
+            )
     return specs
 
 

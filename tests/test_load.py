@@ -435,6 +435,47 @@ def test_the_simulator_replays_the_step_budget_a_sweep_ran_with() -> None:
     drafted = sum(d * c for d, c in capped.sl_hist.items())
     assert drafted <= (budget - batch) * capped.steps < sl * batch * capped.steps  # drafts + one row each per step
     assert capped.steps > free.steps
+    # mean SL over every row of the drafting steps, rows the budget left at 0 too (as the engine sweep's): it was
+    # over the drafting rows alone (1.0 here, each drafting one level), above the measured column beside it
+    tight = SimConfig(batch_size=batch, policy=PolicyName.static, spec=spec, max_step_tokens=12)
+    few = simulate(reqs, tight, _constant_cost())
+    drafted = sum(d * c for d, c in few.sl_hist.items())
+    assert set(few.sl_hist) == {1} and few.mean_sl < 0.6
+    assert few.mean_sl == pytest.approx(drafted / (batch * few.steps), rel=0.05)
+
+
+def test_the_simulator_drafts_a_chains_model_share_as_the_engine_does() -> None:
+    """With model_max_sl a chain's draft model drafts at most that many levels of the planned SL (the step loop's
+    model_depth); the simulator drafted, verified and accepted the whole planned SL."""
+    sl, m, cap = 6, 40, 2
+    pool = [_seq("a", [True] * 50, [0.01] * 50, max_tokens=m)]
+    spec = policy_specs(static_sl=sl)[PolicyName.static].model_copy(update={"model_max_sl": cap})
+    res = simulate([SimRequest(pool[0], m, 8)], SimConfig(batch_size=1, policy=PolicyName.static, spec=spec),
+                   _constant_cost())  # fmt: skip
+    assert res.tokens == m and res.steps == -(-m // (cap + 1))  # cap + 1 tokens a step (was SL + 1: 6 steps)
+    assert res.sl_hist == {cap: m // (cap + 1), 1: 1}  # the last step, a token left, drafts one level
+
+
+def test_a_policy_the_sweep_did_not_record_is_simulated_with_the_sweeps_settings() -> None:
+    """dsde_ddd_nocap, simulated by default beside dsde_ddd, which the default sweep records, took the defaults'
+    budget, beam and limits: the tree row's SL_cap gain compared other settings too."""
+    from types import SimpleNamespace
+
+    from load.simulate import _specs_from_runs
+
+    recorded = policy_specs(budget=32, beam_width=8, static_sl=3)
+    runs = [
+        SimpleNamespace(policy=p, spec=recorded[p].model_copy(update={"max_sl": 5}))
+        for p in (PolicyName.static, PolicyName.dsde_ddd)
+    ]
+    specs = _specs_from_runs(runs)  # type: ignore[arg-type]
+    nocap = specs[PolicyName.dsde_ddd_nocap]
+    assert (nocap.budget, nocap.beam_width, nocap.max_sl) == (32, 8, 5)
+    assert nocap.policy == SLPolicyKind.dsde and not nocap.dsde.cap_enabled
+    assert specs[PolicyName.dsde_ddd].dsde.cap_enabled and specs[PolicyName.ddd].policy == SLPolicyKind.static
+    assert (specs[PolicyName.ddd].budget, specs[PolicyName.dsde_cap].max_sl) == (32, 5)
+    assert specs[PolicyName.dsde_cap].policy == SLPolicyKind.dsde and specs[PolicyName.dsde_cap].dsde.cap_enabled
+    assert specs[PolicyName.static].sl == 3 and specs[PolicyName.dsde_nocap].method == SpecMethod.chain
 
 
 def test_the_simulator_refuses_guarded_traces_and_mixed_step_budgets(
