@@ -29,12 +29,10 @@ def time_verify(
     model: LlamaModel, sizes: Sequence[int], *, context: int = 256, repeats: int = 5, causal: bool = False
 ) -> dict[int, float]:
     """Median seconds of one batch-1 target forward over T new tokens after ``context`` tokens: tree-masked, or
-    causal as a chain verifies (``causal``)."""
-    out: dict[int, float] = {}
-    for t in sizes:
-        forward = verify_forward(model, t, context=context, tree_mask=not causal)
-        out[t] = interleaved_medians([forward], repeats, model.device)[0]  # after a warm-up run
-    return out
+    causal as a chain verifies (``causal``). The sizes are timed in turn, pass after pass (a host that drifts while
+    one size after another was timed whole bent the curve autotune maximises, and the profile is kept)."""
+    forwards = [verify_forward(model, t, context=context, tree_mask=not causal) for t in sizes]
+    return dict(zip(sizes, interleaved_medians(forwards, repeats, model.device), strict=True))  # after a warm-up
 
 
 def verify_forward(

@@ -45,6 +45,22 @@ def test_verify_profile_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert verify_profile(model, (1, 4)) == {1: 0.5, 4: 0.75}, bad
 
 
+def test_the_verify_sizes_are_timed_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each size was timed whole before the next: a host that slowed meanwhile bent the profile's curve."""
+    import specserve.tune as tune
+
+    calls: list[int] = []
+    real = tune.interleaved_medians
+
+    def recording(fns: list[object], repeats: int, device: torch.device) -> list[float]:
+        calls.append(len(fns))
+        return real(fns, repeats, device)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tune, "interleaved_medians", recording)
+    prof = tune.time_verify(tiny_model(seed=0), (1, 4, 8), context=16, repeats=2)
+    assert calls == [3] and list(prof) == [1, 4, 8] and all(v > 0 for v in prof.values())
+
+
 def test_chains_are_profiled_causally_and_cached_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chains verify as a causal batch, trees with their mask: the profiler times each as it runs."""
     from specserve.models.batch import ForwardBatch
