@@ -283,6 +283,11 @@ class Lane:
         """The requests it holds: submitted and not finished, or lost and not yet told so (then moved)."""
         return len(self._active) + len(self._lost)
 
+    @property
+    def handing_on(self) -> int:
+        """Requests it dropped to move to another lane whose streams have not read the drop yet (resubmitted then)."""
+        return len(self._lost)
+
     def heard_lost(self, request_id: str) -> None:
         """Its stream has read its drop (or will not): a move's pause or another lane counts it from here."""
         self._lost.discard(request_id)

@@ -73,13 +73,15 @@ async def _within(waiting: Awaitable[T], timeout_s: float, done: str) -> T:
 
 def free_slots(lanes: Sequence[Lane], index: int, slots: int, moving: Moving) -> int:
     """Free KV slots of the lanes other than ``index`` that serve (running, with their workers, none loading), less
-    the requests pausing before a move (they will take some)."""
+    the requests on their way to a lane: pausing before a move, or dropped by another lane and not yet resubmitted
+    (two full lanes would each hand a third its free slots)."""
     free = sum(
         max(0, slots - lane.in_flight)
         for lane in lanes
         if lane.index != index and lane.alive and lane.healthy and not lane.loading
     )
-    return max(0, free - moving.count)
+    on_the_way = moving.count + sum(lane.handing_on for lane in lanes if lane.index != index)
+    return max(0, free - on_the_way)
 
 
 @serve.deployment

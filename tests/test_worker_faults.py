@@ -1762,3 +1762,26 @@ def test_a_full_lane_hands_on_only_the_waiting_requests_its_next_step_would_not_
         assert [s.request.request_id for s in lane.loop.waiting] == ["r0", "r1", "r2", "r3", "r6", "r7"]
     finally:
         _release_and_stop([lane], [factory])
+
+
+def test_the_room_a_lane_sees_leaves_out_the_requests_on_their_way_to_a_lane() -> None:
+    """Two full lanes each read a third's free slots before either's moves reached it, and both handed it that many:
+    the requests dropped by another lane and not yet resubmitted now take their place first."""
+    from types import SimpleNamespace
+
+    from deployments.router import free_slots
+
+    def lane(index: int, in_flight: int, handing_on: int = 0, **state: bool) -> SimpleNamespace:
+        up = {"alive": True, "healthy": True, "loading": False} | state
+        return SimpleNamespace(index=index, in_flight=in_flight, handing_on=handing_on, **up)
+
+    moving = Moving()
+    lanes = [lane(0, 7), lane(1, 1), lane(2, 6)]  # 4 slots each: lane 1 has 3 free
+    assert free_slots(lanes, 0, 4, moving) == free_slots(lanes, 2, 4, moving) == 3
+    lanes[0].handing_on = 3  # lane 0 handed on three: lane 2 sees no room left
+    assert free_slots(lanes, 2, 4, moving) == 0 and free_slots(lanes, 0, 4, moving) == 3
+    lanes[0].handing_on = 1
+    with moving.pausing():  # and one pausing before its move
+        assert free_slots(lanes, 2, 4, moving) == 1
+    lanes[1].loading = True  # a lane loading a worker has no room to give
+    assert free_slots(lanes, 2, 4, moving) == 0
