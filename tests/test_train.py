@@ -12,6 +12,7 @@ import shutil
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -947,25 +948,35 @@ class _SpecialChatTokenizer(_ChatTokenizer):
     eos_token_id = 2
 
 
+def _tiny_train_draft(asked: list[int] | None = None) -> tuple[Any, Any, Any, TrainConfig, Any]:
+    """(target, tokenizer, distill, train settings, TrainDraftConfig) of a seconds-long train_draft on the tiny
+    target: each answer repeats its prompt; ``asked`` records how many prompts each distill call got."""
+    from specserve.train.distill import Conversation, DistillConfig
+    from specserve.train.pipeline import TrainDraftConfig
+
+    target, tok = _frozen_target(), _SpecialChatTokenizer()
+
+    def distill(prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]):
+        if asked is not None:
+            asked.append(len(prompts))
+        convs = [Conversation(p + p[:max_new_tokens], len(p)) for p in prompts]
+        return convs, target_features(target, convs, aux_layers)
+
+    train = TrainConfig(epochs=1, batch_tokens=64, max_len=64, warmup_steps=1, checkpoint_every=100)
+    cfg = TrainDraftConfig("tiny", DistillConfig(num_prompts=4, max_new_tokens=4, chunk_size=4), train, draft_vocab=64)
+    return target, tok, distill, train, cfg
+
+
 def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_digest(tmp_path: Path) -> None:
     """train_draft end to end on the tiny target: a fine-tune written over its own starting head records the
     starting weights' digest (it hashed the new ones); a malformed vocabulary map in the starting head and a draft
     vocabulary smaller than the forced special ids fail before any data is made (were tracebacks after it)."""
     from specserve.errors import ModelSourceError
     from specserve.models.sources import sha256_file
-    from specserve.train.distill import Conversation, DistillConfig
-    from specserve.train.pipeline import TrainDraftConfig, train_draft
+    from specserve.train.pipeline import train_draft
 
-    target, tok = _frozen_target(), _SpecialChatTokenizer()
     asked: list[int] = []
-
-    def distill(prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]):
-        asked.append(len(prompts))
-        convs = [Conversation(p + p[:max_new_tokens], len(p)) for p in prompts]
-        return convs, target_features(target, convs, aux_layers)
-
-    train = TrainConfig(epochs=1, batch_tokens=64, max_len=64, warmup_steps=1, checkpoint_every=100)
-    cfg = TrainDraftConfig("tiny", DistillConfig(num_prompts=4, max_new_tokens=4, chunk_size=4), train, draft_vocab=64)
+    target, tok, distill, train, cfg = _tiny_train_draft(asked)
     head_dir = tmp_path / "head"
     train_draft(target, tok, distill, cfg, tmp_path / "w0", head_dir, log=lambda _: None)
     before = sha256_file(head_dir / "model.safetensors")
@@ -1018,19 +1029,10 @@ def test_a_training_run_into_a_heads_folder_cut_short_in_its_writes_leaves_no_st
 ) -> None:
     """A rerun into an existing head's folder replaced the weights, then wrote the rest: stopped before the digest,
     it left the new weights beside the old digest, and every load of the folder refused them from then on."""
-    from specserve.spec_decode.head_checkpoint import load_eagle_head
     from specserve.train import pipeline, trainer
-    from specserve.train.distill import Conversation, DistillConfig
-    from specserve.train.pipeline import TrainDraftConfig, train_draft
+    from specserve.train.pipeline import train_draft
 
-    target, tok = _frozen_target(), _SpecialChatTokenizer()
-
-    def distill(prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]):
-        convs = [Conversation(p + p[:max_new_tokens], len(p)) for p in prompts]
-        return convs, target_features(target, convs, aux_layers)
-
-    train = TrainConfig(epochs=1, batch_tokens=64, max_len=64, warmup_steps=1, checkpoint_every=100)
-    cfg = TrainDraftConfig("tiny", DistillConfig(num_prompts=4, max_new_tokens=4, chunk_size=4), train, draft_vocab=64)
+    target, tok, distill, train, cfg = _tiny_train_draft()
     head_dir = tmp_path / "head"
     train_draft(target, tok, distill, cfg, tmp_path / "w0", head_dir, log=lambda _: None)
     load_eagle_head(head_dir, target)
