@@ -259,6 +259,29 @@ def test_int8_dynamic_copy_runs_and_tracks_float32() -> None:
     assert not torch.equal(out, ref)
 
 
+def test_a_free_cut_short_while_zeroing_zeroes_the_slot_when_retried() -> None:
+    """free() marked the slot's entries unwritten before zeroing them: a release cut short mid-zeroing (an
+    interrupt) and retried skipped the zeroing and handed the next sequence the old K/V (inf after an fp16
+    overflow: NaN in every row beside a longer one)."""
+
+    class Interrupted:
+        def __getitem__(self, index: object) -> torch.Tensor:
+            raise KeyboardInterrupt
+
+    model = tiny_model(seed=0)
+    cache = model.new_cache(1, 16)
+    slot = cache.allocate()
+    model(ForwardBatch.build(cache, [slot], [[5, 6, 7, 8]]), cache)
+    values = cache.v
+    cache.v = [Interrupted() for _ in values]  # type: ignore[misc]  # the keys zeroed, then the interrupt
+    with pytest.raises(KeyboardInterrupt):
+        cache.free(slot)
+    cache.v = values
+    assert cache.allocated(slot) and any(bool(v[slot].any()) for v in cache.v)
+    cache.free(slot)  # the release retried
+    assert not any(bool(t[slot].any()) for t in (*cache.k, *cache.v))
+
+
 def test_an_int8_dynamic_model_verifies_nothing_its_rows_depend_on_their_batch() -> None:
     """Dynamic int8 quantises a product's activations with one scale for all its rows: a row's logits change with the
     rows beside it (another request's, a draft's), so a target may not be one (a draft may)."""

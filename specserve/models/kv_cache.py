@@ -57,10 +57,11 @@ class KVCache:
         non-finite value (inf + -inf, 0 * inf: NaN). A sequence whose K/V overflowed (fp16) had poisoned each later
         sequence in its slot that stepped beside a longer one. Once a sequence, proportional to what it wrote."""
         self._check_slot(slot)
-        written, self._written[slot] = self._written[slot], 0
+        written = self._written[slot]
         if written:
             for cache in (*self.k, *self.v):
                 cache[slot, :, :written].zero_()
+        self._written[slot] = 0  # after the zeroing: a free cut short in it (an interrupt) zeroes again when retried
         self._lengths[slot] = 0
         self._free.append(slot)
         self._free.sort()
