@@ -113,6 +113,8 @@ class ProposeItem:
         # tokens as following a cached root (an AssertionError there, or a cache out of step)
         if self.depth < 1:
             raise ValueError(f"sequence {self.seq_id}: a proposal drafts at least one level, got depth {self.depth}")
+        if not self.new_tokens:  # (a step commits at least one token: a worker given none built an empty forward)
+            raise ValueError(f"sequence {self.seq_id}: a proposal feeds at least its root token, got none")
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,10 @@ def test_a_proposal_of_no_levels_is_refused_when_made() -> None:
     with pytest.raises(ValueError, match="sequence 3: a proposal drafts at least one level, got depth 0"):
         ProposeItem(3, [5, 9], [], 0)
     assert ProposeItem(3, [5, 9], [], 1).depth == 1
+    # nor one that feeds no token: the worker built an empty forward, an error blamed on no sequence (the whole
+    # step was reset)
+    with pytest.raises(ValueError, match="sequence 3: a proposal feeds at least its root token, got none"):
+        ProposeItem(3, [], [], 1)
 
 
 def _logits(peaked: bool, rows: int, vocab: int = 50) -> torch.Tensor:
