@@ -1392,6 +1392,7 @@ def test_the_locust_user_times_a_body_without_chunked_encoding_as_it_arrives() -
     iter_content(None) read such a body whole, so every event was stamped at the close)."""
     if importlib.util.find_spec("locust") is None:  # not imported here: Locust monkey-patches the process
         pytest.skip("locust is not installed (pip install locust)")
+    import re
     import socket
     import threading
 
@@ -1405,6 +1406,10 @@ def test_the_locust_user_times_a_body_without_chunked_encoding_as_it_arrives() -
             request = b""
             while b"\r\n\r\n" not in request:
                 request += conn.recv(65536)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+            while len(body) < length:  # the whole request read: a close with unread bytes is a reset, not an end
+                body += conn.recv(65536)
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + first)
             time.sleep(1.5)
             conn.sendall(last)  # then the close ends the body
