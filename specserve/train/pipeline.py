@@ -58,7 +58,7 @@ from specserve.train.distill import (
 from specserve.train.lexicon_prompts import WORDNET_DIR, check_wordnet, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import AskFn, mt_bench_runs, self_prompts, user_turn_prefix
-from specserve.train.trainer import TrainConfig, check_starting_head, train_head, write_provenance
+from specserve.train.trainer import PROVENANCE_FILE, TrainConfig, check_starting_head, train_head, write_provenance
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
 NO_DATA = "no training data: ask for seed prompts, text passages, corpus passages, lexicon or self-written prompts"
@@ -170,7 +170,6 @@ TEXT_CHUNK = 64  # teacher-forced passages per chunk file
 DEFAULT_BATCH = 64  # conversations generated together
 DEFAULT_CORPUS_PASSAGES = 2048
 DIGEST_FILE = "model.safetensors.sha256"  # beside the weights (head_checkpoint.check_digest)
-PROVENANCE_FILE = "provenance.json"  # trainer.write_provenance
 ASK_MAX_TOKENS = 128  # a self-written request longer than this is dropped
 
 

@@ -381,10 +381,13 @@ def data_fingerprint(samples: list[Sample]) -> str:
     return h.hexdigest()
 
 
+PROVENANCE_FILE = "provenance.json"
+
+
 def write_provenance(out: Path, info: dict[str, object]) -> None:
     info = {"written": time.strftime("%Y-%m-%d %H:%M:%S"), **info}
     text = json.dumps(info, indent=1, default=str) + "\n"
-    write_durably(out / "provenance.json", lambda tmp: tmp.write_text(text))
+    write_durably(out / PROVENANCE_FILE, lambda tmp: tmp.write_text(text))
 
 
 __all__ = ["TrainConfig", "column_of", "train_head", "ttt_loss", "ttt_mask", "write_provenance"]
