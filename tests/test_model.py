@@ -109,6 +109,23 @@ def test_a_sliding_window_below_the_models_positions_is_said_with_its_reason(cap
     assert "sliding_window" not in caplog.text
 
 
+def test_a_mistral_window_applies_whatever_a_use_sliding_window_key_says() -> None:
+    """transformers' Mistral slides whenever ``sliding_window`` is set (it reads no ``use_sliding_window``, a Qwen2
+    key). A Mistral config.json carrying ``"use_sliding_window": false`` was served to all its positions with full
+    attention: past the window its logits differed from transformers' (argmax 20 of 40 positions)."""
+    cfg = tiny_config("mistral", sliding_window=16, use_sliding_window=False, max_position_embeddings=256)
+    assert LlamaModel(cfg).max_positions == 16
+    qwen = tiny_config("qwen2", sliding_window=16, use_sliding_window=False, max_position_embeddings=256)
+    assert LlamaModel(qwen).max_positions == 256  # Qwen2 slides only with its switch on
+
+
+def test_query_heads_that_do_not_share_kv_heads_evenly_are_refused_when_built() -> None:
+    """6 query heads over 4 KV heads built a model whose first forward died with a torch RuntimeError, not the
+    clear refusal other configs get."""
+    with pytest.raises(UnsupportedModelError, match="num_attention_heads 6 is not a multiple of num_key_value_heads 4"):
+        LlamaModel(tiny_config("llama", num_attention_heads=6, num_key_value_heads=4, hidden_size=96))
+
+
 def test_unsupported_architecture_is_a_clear_error() -> None:
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         LlamaModel(tiny_config("gpt2"))

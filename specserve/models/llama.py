@@ -67,8 +67,14 @@ class ArchConfig:
         attention_bias = bool(getattr(config, "attention_bias", False))
         max_pos = config.max_position_embeddings
         window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", model_type == "mistral"):
+        # Mistral slides whenever it has a window (transformers reads no switch there); Qwen2 only with its switch
+        if window and (model_type == "mistral" or getattr(config, "use_sliding_window", False)):
             max_pos = min(max_pos, window)  # within the window sliding attention equals full attention
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )
         return ArchConfig(
             model_type=model_type,
             vocab_size=config.vocab_size,
@@ -76,7 +82,7 @@ class ArchConfig:
             intermediate_size=config.intermediate_size,
             num_layers=config.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             qkv_bias=model_type == "qwen2" or attention_bias,
