@@ -16,6 +16,14 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte fallback 
 MAX_CHAR_BYTES = 4  # UTF-8
 
 
+def skipped_ids(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """The ids decoding drops (``skip_special_tokens``): the named special tokens and every added token marked
+    special, named or not (Mistral's control tokens). A duck-typed tokenizer may skip none."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    ids.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+    return frozenset(ids)
+
+
 @dataclass(frozen=True)
 class ByteRuns:
     """What runs of byte tokens are made of in a byte-fallback vocabulary (Llama-2's, Mistral's; byte-level BPE,
@@ -36,7 +44,7 @@ class ByteRuns:
         if not found:
             return cls()
         continuation = frozenset(i for i, b in found.items() if 0x80 <= b < 0xC0)
-        return cls(frozenset(found), frozenset(tokenizer.all_special_ids), continuation)
+        return cls(frozenset(found), skipped_ids(tokenizer), continuation)
 
     def char_start(self, token_ids: Sequence[int], i: int) -> int:
         """``i``, or where it falls inside a run of byte tokens after a character's first byte, that byte's index:
@@ -89,7 +97,7 @@ class IncrementalText:
         self.runs = ByteRuns.of(tokenizer) if runs is None else runs
         # (not from inside a character spelt in byte tokens: a run's bytes decode as a whole, and the output's
         # first bytes may join the prompt's last run)
-        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))  # (a duck-typed tokenizer may skip none)
+        self._skipped = skipped_ids(tokenizer)
         start = self.runs.char_start(prompt_ids, max(0, len(prompt_ids) - CONTEXT))
         start = self._with_text(prompt_ids, start, len(prompt_ids))
         self._prefix = list(prompt_ids[start:]) if tokenizer is not None else []

@@ -388,6 +388,28 @@ def test_a_run_of_skipped_special_tokens_loses_no_space(make: Any) -> None:
         assert (text.stopped, text.stop_tokens, text.text) == (True, 13, f" {word_a}" * 3 + " "), cuts
 
 
+@pytest.mark.parametrize("make", [_byte_fallback_tokenizer, _metaspace_tokenizer])
+def test_a_run_of_unnamed_special_tokens_loses_no_space(make: Any) -> None:
+    """An added token marked special but in no special-token list (Mistral's control tokens) is skipped by decoding
+    but was not in ``all_special_ids``, what the detokenizer took for the skipped ids: four in a row emptied the
+    window before the next word, whose space the SentencePiece decoder dropped (" ... nice" + "Paris nice")."""
+    from tokenizers import AddedToken
+
+    tok = make()
+    tok.backend_tokenizer.add_special_tokens([AddedToken("[CTRL]", special=True)])
+    ctrl = tok.convert_tokens_to_ids("[CTRL]")
+    assert ctrl not in tok.all_special_ids and tok.decode([ctrl], skip_special_tokens=True) == ""
+    a, x = tok.convert_tokens_to_ids(["▁a", "▁x"] if make is _byte_fallback_tokenizer else ["▁Paris", "▁nice"])
+    prompt = [1, a]
+    out = [a, x, a, x, ctrl, ctrl, ctrl, ctrl, a, x, a, x, a, x]
+    want = tok.decode(prompt + out, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)) :]
+    for cuts in ([*range(1, len(out)), len(out)], [len(out)]):
+        text, streamed = IncrementalText(tok, prompt_ids=prompt), ""
+        for n in cuts:
+            streamed += text.update(out[:n], final=n == len(out))
+        assert streamed == text.text == want, cuts
+
+
 def test_the_held_back_tail_is_the_longest_start_of_a_stop_string() -> None:
     """The text held back at each update: the longest k < len(s) for which the text ends with s[:k], over the
     stop strings s (compared with that definition written out, on random texts over a small alphabet)."""
