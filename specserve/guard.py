@@ -304,8 +304,13 @@ class ThroughputGuard:
             if not self.chosen.get(b, False):  # after steps planned plain, a switch: not speculation's rate (module
                 # docstring); it costs its time beyond plain decoding's for the tokens it emitted (the whole step
                 # while plain decoding is unmeasured), and the steps after it are speculation's own
-                switch = self._excess_over_plain(b, (tokens / batch_size, seconds), unmeasured=seconds)
-                self.switch_s[b] = self.catch_up_s[b] = switch
+                switch = self.catch_up_s[b] = self._excess_over_plain(
+                    b, (tokens / batch_size, seconds), unmeasured=seconds
+                )
+                if self.faster(batch_size) is None:  # the warm-up's start: spaces the first try if the warm-up
+                    # chooses plain. Any other switch is a try's (which takes it up) or a return to the faster
+                    # speculation (forgotten): ``switch_s`` stays the last try's cost
+                    self.switch_s[b] = switch
                 self.chosen[b] = True
                 return
             # within speculation (rows a step's token budget left undrafted for a few steps, a draft worker attached
@@ -372,6 +377,9 @@ class ThroughputGuard:
         if before is None and self.faster(batch_size) is False:  # the warm-up chose plain: space the first try
             self.next_try[b] = max(self.cfg.explore_every, self._steps(b) + self._amortising_steps(b)) - 1
         after = self.faster(batch_size)
+        if before is None and after:  # the warm-up chose speculation: its start's catch-up (whole prompts) is no
+            # try's cost, and would space the re-check after a flip by it
+            self.switch_s.pop(b, None)
         if tried:  # that was a try of the slower mode
             interval = self.intervals.get(b, self.cfg.explore_every)
             most = max(self.cfg.explore_every, self.cfg.max_explore_every)  # (never below where it starts)
