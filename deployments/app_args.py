@@ -33,6 +33,7 @@ from specserve.limits import MemoryShare
 from specserve.validated import Validated
 
 TINY_MODEL_NAME = "tiny"
+MAX_RETRY_AFTER_S = 3600  # a 429's Retry-After, however long the queue
 _HTTP_DEFAULTS = HTTPOptions()
 
 
@@ -191,7 +192,10 @@ class AppArgs(LoopConfig):
         "once): fewer, longer chunks cost the router and Serve's proxy less CPU (specserve/coalesce.py)",
     )
     retry_after_s: int = Field(
-        default=1, ge=1, description="the least Retry-After of a 429 (estimated from the queue and step rate above it)"
+        default=1,
+        ge=1,
+        le=MAX_RETRY_AFTER_S,
+        description="the least Retry-After of a 429 (estimated from the queue and step rate above it)",
     )
     max_request_bytes: int = Field(default=_HTTP_DEFAULTS.max_request_bytes, ge=1, description="larger bodies: 413")
     body_timeout_s: float = Field(

@@ -24,7 +24,7 @@ from ray.util import get_current_placement_group
 from transformers import PreTrainedTokenizerBase
 
 from deployments.actors import KVGeometry, ModelInfo, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
-from deployments.app_args import AppArgs, WorkerRole
+from deployments.app_args import MAX_RETRY_AFTER_S, AppArgs, WorkerRole
 from deployments.failover import FailoverStream, Moving
 from deployments.lane import Lane, LaneDebug, stop_lanes
 from deployments.tiny_tokenizer import tiny_tokenizer
@@ -40,7 +40,6 @@ from specserve.models.loader import load_tokenizer
 from specserve.prompts import PromptEncoder
 from specserve.sequence import Request
 
-MAX_RETRY_AFTER_S = 3600
 T = TypeVar("T")
 
 

@@ -38,7 +38,7 @@ class ModelSpec(Validated):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    source: str = "smollm2-135m-instruct"
+    source: str = Field(default="smollm2-135m-instruct", min_length=1)  # ("" had read as the current directory)
     kind: SourceKind | None = Field(default=None, description="inferred from `source` when not given")
     dtype: DType = DType.float32
     int8_dynamic: bool = Field(
@@ -208,7 +208,7 @@ class HeadSpec(Validated):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    head: str = "smollm2-eagle3"
+    head: str = Field(default="smollm2-eagle3", min_length=1)
     dtype: DType = DType.float32  # compute dtype (the shipped weights are bf16)
     draft_vocab: int | None = Field(
         default=None, ge=2, description="EAGLE-1/2: keep the N most frequent ids of the head's vocab_map.json"
@@ -576,7 +576,7 @@ class EngineConfig(LoopConfig):
     @model_validator(mode="after")
     def _cpu_kernels_on_the_cpu(self) -> EngineConfig:
         """native_q4 and int8_dynamic run CPU kernels: on another device the load would fail, after the target's."""
-        if self.device == "cpu":
+        if torch.device(self.device).type == "cpu":  # (any spelling: "cpu:0")
             return self
         for role, spec in (("target", self.target), ("draft", self.draft)):
             if (kernel := cpu_kernel(spec)) is not None:

@@ -257,6 +257,12 @@ def test_app_args_layout_and_validation() -> None:
         {"max_batch_size": 0},
         {"stream_interval": 0},  # a chunk of no tokens
         {"stream_interval": 1.5},
+        {"retry_after_s": 3601},  # above the router's cap: the "least Retry-After" could not hold
+        {"target": {"source": ""}},  # read as the current directory
+        {"draft": {"head": ""}},
+        {"speculation": {"dsde": {"alpha": float("inf")}}},  # a range check alone lets infinity through
+        {"speculation": {"ddd_threshold": float("-inf")}},
+        {"guard": {"warmup_z": float("inf")}},
     ):
         with pytest.raises(pydantic.ValidationError):
             AppArgs.model_validate(bad)
