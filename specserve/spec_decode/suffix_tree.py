@@ -258,35 +258,58 @@ class SuffixCache:
             return
         entry = list(tokens[-self.max_tokens :])
         with self.lock:
-            shrunk: set[str | None] = set()
-            while self.entries and self.tokens + len(entry) > self.max_tokens:
-                old_salt, old = self.entries.popleft()
-                self.by_salt[old_salt].popleft()
-                self.tries[old_salt].remove(old)
-                if not self.by_salt[old_salt]:  # a salt's last output gone: so is its trie
-                    del self.tries[old_salt], self.by_salt[old_salt]
-                    shrunk.discard(old_salt)
-                else:
-                    shrunk.add(old_salt)
-                self.tokens -= len(old)
-            for s in shrunk:
-                self._compact(s)
-            if salt not in self.tries:
-                self.tries[salt], self.by_salt[salt] = SuffixTrie(self.depth), deque()
-            self.tries[salt].add(entry)
-            self.entries.append((salt, entry))
-            self.by_salt[salt].append(entry)
-            self.tokens += len(entry)
+            try:
+                self._add(entry, salt)
+            except BaseException:  # cut short (an error, Ctrl-C on the lane thread): the tries, counts and lists
+                self._rebuild()  # had disagreed for good (an evicted output drafted on, the bound shrunk)
+                raise
+
+    def _add(self, entry: list[int], salt: str | None) -> None:
+        shrunk: set[str | None] = set()
+        while self.entries and self.tokens + len(entry) > self.max_tokens:
+            old_salt, old = self.entries.popleft()
+            self.by_salt[old_salt].popleft()
+            self.tries[old_salt].remove(old)
+            if not self.by_salt[old_salt]:  # a salt's last output gone: so is its trie
+                del self.tries[old_salt], self.by_salt[old_salt]
+                shrunk.discard(old_salt)
+            else:
+                shrunk.add(old_salt)
+            self.tokens -= len(old)
+        for s in shrunk:
+            self._compact(s)
+        if salt not in self.tries:
+            self.tries[salt], self.by_salt[salt] = SuffixTrie(self.depth), deque()
+        self.tries[salt].add(entry)
+        self.entries.append((salt, entry))
+        self.by_salt[salt].append(entry)
+        self.tokens += len(entry)
+
+    def _rebuild(self) -> None:
+        """Every partition made again from ``entries``: the cache is once more exactly the outputs it keeps."""
+        self.by_salt = {}
+        for salt, tokens in self.entries:
+            self.by_salt.setdefault(salt, deque()).append(tokens)
+        self.tries = {}
+        for salt, kept in self.by_salt.items():
+            trie = self.tries[salt] = SuffixTrie(self.depth)
+            for tokens in kept:
+                trie.add(tokens)
+        self.tokens = sum(len(tokens) for _, tokens in self.entries)
 
     def _compact(self, salt: str | None) -> None:
         """Rebuild a salt's trie from its live outputs once most of its node ids are free: a trie keeps the storage
         of its largest size, so without this every salt that once held a long output would pin that much memory
-        (``max_nodes`` bounds the nodes in use, not the storage). Each trie then holds at most 4 x its live nodes +
-        4 x depth ids, all of them together at most 8 x ``max_nodes`` (a salt holds a token at least); a floor of a
-        fixed 4096 ids a trie had let every salt keep up to that many, thousands of salts far past the bound. A
-        rebuild costs its live nodes, at most a third of the ids freed since the last one: amortised, nothing."""
+        (``max_nodes`` bounds the nodes in use, not the storage). A rebuild re-reads every token the salt keeps,
+        up to depth nodes each, so it waits until the free ids outnumber that too: then it costs at most the ids
+        freed since the last one, amortised nothing (a repetitive output keeps few nodes for many tokens, and
+        16k of them cost 0.5 s under the lock every eviction). Each trie then holds at most 4 x its live nodes +
+        4 x depth ids, or its live nodes + depth x its kept tokens; all of them together at most 9 x
+        ``max_nodes`` (a salt holds a token at least); a floor of a fixed 4096 ids a trie had let every salt keep
+        up to that many, thousands of salts far past the bound."""
         trie = self.tries[salt]
-        if trie.capacity <= 4 * (trie.num_nodes + self.depth):
+        free = trie.capacity - trie.num_nodes
+        if trie.capacity <= 4 * (trie.num_nodes + self.depth) or free < self.depth * sum(map(len, self.by_salt[salt])):
             return
         fresh = SuffixTrie(self.depth)
         for tokens in self.by_salt[salt]:
