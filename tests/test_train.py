@@ -943,6 +943,21 @@ def test_a_chunk_written_for_other_items_is_written_again(tmp_path: Path) -> Non
     assert held == [text for _, text in shifted]
 
 
+def test_a_passage_longer_than_the_targets_window_is_cut_to_it(tmp_path: Path) -> None:
+    """Teacher-forced passages were not cut to the target's positions: on a 512-position target a long passage
+    failed the run in the KV cache ("adding 523 exceeds its capacity of 512"), after the generation step."""
+    from deployments.tiny_tokenizer import tiny_tokenizer
+    from specserve.models.tiny import tiny_config
+    from specserve.train.distill import build_text_dataset
+
+    target, tok = tiny_model(tiny_config(), seed=0), tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    passage = " ".join(f"word{i}" for i in range(2 * target.max_positions))
+    chunks = build_text_dataset(target, tok, tmp_path / "t", [("ask", passage), ("ask", "short")], chunk_size=4)
+    lengths = [len(s.tokens) for s in iter_samples(chunks)]
+    assert lengths[0] == target.max_positions and lengths[1] < 20
+
+
 class _SpecialChatTokenizer(_ChatTokenizer):
     all_special_ids = (1, 2)
     eos_token_id = 2
@@ -965,6 +980,49 @@ def _tiny_train_draft(asked: list[int] | None = None) -> tuple[Any, Any, Any, Tr
     train = TrainConfig(epochs=1, batch_tokens=64, max_len=64, warmup_steps=1, checkpoint_every=100)
     cfg = TrainDraftConfig("tiny", DistillConfig(num_prompts=4, max_new_tokens=4, chunk_size=4), train, draft_vocab=64)
     return target, tok, distill, train, cfg
+
+
+def test_an_eagle3_fine_tune_notes_special_ids_its_own_vocabulary_lacks(tmp_path: Path) -> None:
+    """An EAGLE-3 head keeps its own draft ids, but the note on special ids it lacks read the first --draft-vocab
+    ids of its vocab_map.json: with a --draft-vocab larger than the head's 64 ids the note was not said."""
+    from specserve.train.pipeline import train_draft
+
+    target, tok, distill, train, cfg = _tiny_train_draft()
+    e3 = replace(cfg, train=replace(train, kind=HeadKind.eagle3, aux_layers=(0, 1)), draft_vocab=64)
+    train_draft(target, tok, distill, e3, tmp_path / "w0", tmp_path / "h", log=lambda _: None)
+
+    class _MoreSpecial(_SpecialChatTokenizer):  # another target's tokenizer: a special id the head never kept
+        all_special_ids = (1, 2, 499)
+
+    tuned = replace(e3, draft_vocab=512, train=replace(e3.train, init_head=tmp_path / "h", lr=1e-4))
+    said: list[str] = []
+    train_draft(target, _MoreSpecial(), distill, tuned, tmp_path / "w1", tmp_path / "t", log=said.append)
+    assert 499 not in load_eagle_head(tmp_path / "t", target).draft_ids.tolist()
+    assert any("lacks this target's special ids [499]" in line for line in said), said
+
+
+def test_a_checkpoint_trained_for_another_target_is_not_resumed(tmp_path: Path) -> None:
+    """The data folder refuses another target's run, but with it rebuilt for the new target, the old checkpoint
+    (which recorded only tokens: teacher-forced text is the same tokens whatever the target) resumed, trained no
+    step, and shipped the first target's head as the second's."""
+    from specserve.train.distill import Conversation
+    from specserve.train.pipeline import train_draft
+
+    target, tok, distill, _, cfg = _tiny_train_draft()
+    train_draft(target, tok, distill, cfg, tmp_path / "w", tmp_path / "a", log=lambda _: None)
+    other = tiny_model(seed=7)  # the same shapes and tokenizer, other weights
+    for p in other.parameters():
+        p.requires_grad_(False)
+
+    def distill_other(prompts: list[list[int]], max_new_tokens: int, aux_layers: tuple[int, ...]) -> Any:
+        convs = [Conversation(p + p[:max_new_tokens], len(p)) for p in prompts]
+        return convs, target_features(other, convs, aux_layers)
+
+    with pytest.raises(SettingsError, match="data"):  # the data folder: written for the first target
+        train_draft(other, tok, distill_other, cfg, tmp_path / "w", tmp_path / "b", log=lambda _: None)
+    shutil.rmtree(tmp_path / "w" / "data")
+    with pytest.raises(SettingsError, match=r"ckpt\.pt was trained on other data"):
+        train_draft(other, tok, distill_other, cfg, tmp_path / "w", tmp_path / "b", log=lambda _: None)
 
 
 def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_digest(tmp_path: Path) -> None:

@@ -284,20 +284,25 @@ def build_text_dataset(
         items = items_digest(chunk)
         _drop_if_other(path, len(chunk), items)
         if not path.exists():
-            convs = [teacher_forced(tokenizer, prompt, text) for prompt, text in chunk]
+            convs = [teacher_forced(tokenizer, prompt, text, model.max_positions) for prompt, text in chunk]
             write_chunk(path, convs, target_features(model, convs, aux_layers), asked=len(convs), items=items)
         if progress is not None:
             progress(min(n + chunk_size, len(pairs)), len(pairs))
     return chunks
 
 
-def teacher_forced(tokenizer: PreTrainedTokenizerBase, prompt: str, text: str) -> Conversation:
-    """The chat prompt, then ``text`` as the answer and EOS. Special-token text in ``text`` (a passage quoting
-    ``<|im_end|>``) is spelt in ordinary tokens: parsed, it would end the answer where the text goes on."""
+def teacher_forced(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, text: str, max_positions: int | None = None
+) -> Conversation:
+    """The chat prompt, then ``text`` as the answer and EOS, cut to the target's ``max_positions`` (a passage
+    longer than a short-context target's window had failed the run in the KV cache, after the generation step).
+    Special-token text in ``text`` (a passage quoting ``<|im_end|>``) is spelt in ordinary tokens: parsed, it would
+    end the answer where the text goes on."""
     ids = chat_ids(tokenizer, prompt)
     answer = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return Conversation(ids + answer + eos, len(ids))
+    tokens = (ids + answer + eos)[:max_positions]
+    return Conversation(tokens, min(len(ids), len(tokens)))
 
 
 def items_digest(items: list[str] | list[tuple[str, str]]) -> str:

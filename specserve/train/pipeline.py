@@ -234,9 +234,8 @@ def train_draft(
     inherited_ids = frequent_ids(source, size, target.cfg.vocab_size) if source is not None and has_map else None
     inherited = (source / VOCAB_MAP).read_text() if source is not None and has_map else None  # (checked readable)
     init_sha256 = None if source is None else sha256_file(weights_path(source))  # (before --out overwrites it)
-    kept = (
-        inherited_ids if inherited_ids is not None else start.draft_ids.cpu() if start is not None and eagle3 else None
-    )
+    # (an EAGLE-3 head keeps its own draft ids whatever --draft-vocab says: its vocab_map's prefix is not them)
+    kept = start.draft_ids.cpu() if start is not None and eagle3 else inherited_ids
     if kept is not None and (missing := sorted(set(forced) - set(kept.tolist()))):  # said, not refused (as above)
         log(
             f"note: the draft vocabulary kept from {source} lacks this target's special ids {missing}: the head can "

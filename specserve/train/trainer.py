@@ -373,11 +373,16 @@ def config_record(cfg: TrainConfig) -> dict[str, object]:
 
 
 def data_fingerprint(samples: list[Sample]) -> str:
-    """sha256 over the samples' tokens and prompt lengths, in order: what a resumed run must train on again."""
+    """sha256 over the samples' tokens, prompt lengths and the first and last rows of their features, in order:
+    what a resumed run must train on again. (Tokens alone did not tell another target's data: teacher-forced text
+    is the same tokens whatever the target, and a checkpoint trained for one target resumed for another.)"""
     h = hashlib.sha256()
     for s in samples:
         h.update(s.prompt_len.to_bytes(8, "little"))
         h.update(s.tokens.to(torch.int64).numpy().tobytes())
+        for rows in (s.features, s.aux):
+            if rows is not None and len(rows):
+                h.update(rows[[0, -1]].contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
