@@ -49,9 +49,14 @@ class PromptEncoder:
         (transformers' ``sanitize_control_tokens``: it marks the spellings in the inputs before rendering and encodes
         them as text, each piece in the context of the text before it, so the ids decode to the rendered prompt).
         ``room`` as for ``text``, checked on the rendered prompt (a template may trim or drop text)."""
-        tokenizer = self._tokenizer()
+        if self.tokenizer is None:  # (not _tokenizer's advice: messages cannot be token ids)
+            raise InvalidRequestError(
+                "this model has no tokenizer, so no chat template: use /v1/completions with the prompt as token ids",
+                param="messages",
+            )
+        tokenizer = self.tokenizer
         if tokenizer.chat_template is None:
-            raise InvalidRequestError("this model's tokenizer has no chat template")
+            raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
         try:
             if room is not None and self.max_token_chars and _text_chars(messages) > room * self.max_token_chars:
                 rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -201,3 +201,13 @@ def test_an_added_token_that_strips_whitespace_puts_no_bound_on_a_prompts_tokens
     prompt = "<sep>" + " " * 5000
     assert len(tokenizer.encode(prompt)) == 1 and encoder.max_token_chars is None
     assert encoder.text(prompt, room=1) == tokenizer.encode(prompt)
+
+
+def test_a_chat_without_a_tokenizer_is_refused_with_advice_that_fits_a_chat() -> None:
+    """A model served without a tokenizer answered a chat with "pass the prompt as a list of token ids", which
+    messages cannot be; the refusal names messages and points to completions."""
+    from specserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="use /v1/completions with the prompt as token ids") as info:
+        PromptEncoder(None, 10).chat([{"role": "user", "content": "hi"}])
+    assert info.value.param == "messages"
