@@ -460,6 +460,17 @@ def test_a_keyless_server_answers_only_requests_for_its_loopback_names(backend: 
             assert status(url, host) == (200, None), host
         assert httpx.get(url + "/health", headers={"Host": "evil.example"}).status_code == 200  # open, as without
         # a key it always is
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps(OK_BODY).encode()
+        for hosts in (("evil.example", "localhost"), ("localhost", "localhost")):  # two Hosts: the last was read
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                head = "".join(f"Host: {h}\r\n" for h in hosts)
+                sock.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\n{head}Content-Type: application/json\r\n".encode())
+                sock.sendall(f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+                response = b""
+                while chunk := sock.recv(65536):
+                    response += chunk
+            assert response.startswith(b"HTTP/1.1 400") and b"invalid_host" in response, (hosts, response[:200])
     with api_server(backend, allowed_hosts=("API.example.",)) as url:
         assert status(url, "api.example:443") == (200, None) and status(url, "localhost")[0] == 400
     with api_server(backend, allowed_hosts=("*",)) as url:

@@ -143,10 +143,12 @@ class RequestGuard:
         allowed = self.options.allowed_hosts
         if self.options.api_key is not None or "*" in allowed or _route_path(scope) in OPEN_PATHS:
             return True
-        host = dict(scope["headers"]).get(b"host")
-        if host is None:  # not a browser's request
+        hosts = [value for key, value in scope["headers"] if key == b"host"]
+        if not hosts:  # not a browser's request
             return True
-        name = host_name(host)
+        if len(hosts) > 1:  # (RFC 9112 §3.2: a 400; the last had been read, the first may be what routed it)
+            return False
+        name = host_name(hosts[0])
         return name in allowed or _is_ip(name)  # (rebinding takes a name: an address in Host is no page's own)
 
     def _authorized(self, scope: Scope) -> bool:
