@@ -3,6 +3,8 @@
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 VENV ?= .venv
+# more options for a bench target: make bench-spec ARGS=--assisted
+ARGS ?=
 # the interpreter the venv is made from: 3.11 or newer (pyproject's requires-python)
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -41,16 +43,16 @@ lint: install
 	$(VENV)/bin/mypy specserve deployments load
 
 bench-ar: pull
-	$(VENV)/bin/specserve bench ar --out bench_out/ar
+	$(VENV)/bin/specserve bench ar --out bench_out/ar $(ARGS)
 
 bench-spec: pull
-	$(VENV)/bin/specserve bench spec --pair smollm2-int8 --out bench_out/spec
+	$(VENV)/bin/specserve bench spec --pairs smollm2-int8 --out bench_out/spec $(ARGS)
 
 bench-batch: pull
-	$(VENV)/bin/specserve bench batch --out bench_out/batch
+	$(VENV)/bin/specserve bench batch --out bench_out/batch $(ARGS)
 
 bench-overhead: pull
-	$(VENV)/bin/specserve bench overhead --pair smollm2-int8 --batch 1 16 --max-tokens 32 --repeats 2
+	$(VENV)/bin/specserve bench overhead --pair smollm2-int8 --batch 1 16 --max-tokens 32 --repeats 2 $(ARGS)
 
 clean:
 	rm -rf $(VENV) bench_out

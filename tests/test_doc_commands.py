@@ -80,3 +80,16 @@ def _parse(argv: list[str]) -> None:
             straggler.parse_args(argv[3:])
     else:
         simulate.build_parser().parse_args(argv[3:])
+
+
+def test_the_makefiles_bench_targets_parse_spelt_out_and_take_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make bench-spec` said `--pair`, which parsed only as an abbreviation of `--pairs`; the README's "add
+    --assisted" could not reach the command (make took it for its own option): ARGS now can."""
+    monkeypatch.setattr(argparse.ArgumentParser, "error", _raise)
+    monkeypatch.setattr(argparse.ArgumentParser, "_get_option_tuples", lambda self, option: [])  # no abbreviations
+    recipes = re.findall(r"^\t\$\(VENV\)/bin/specserve (bench .*)$", (REPO / "Makefile").read_text(), re.M)
+    assert len(recipes) >= 4 and all(recipe.endswith(" $(ARGS)") for recipe in recipes), recipes
+    for recipe in recipes:
+        cli.build_parser().parse_args(shlex.split(recipe.removesuffix(" $(ARGS)")))
+    spec = next(r for r in recipes if r.startswith("bench spec"))
+    assert cli.build_parser().parse_args([*shlex.split(spec.removesuffix(" $(ARGS)")), "--assisted"]).assisted
