@@ -685,6 +685,8 @@ class Lane:
             self._killer, self._killer_clean = suspect, 0
             if only is None:  # a full step of one: retried as it was
                 return
+            self._probes.append(group)  # alone again after the rest of the search: a step of others must run
+            return  # between its two losses (at the front, the other half never ran and it was never failed)
         self._queue_halves(group)
 
     def _queue_halves(self, group: frozenset[int]) -> None:
