@@ -4,7 +4,8 @@ Every output handed to a client stream costs the serving side the same whatever 
 loop, an SSE event, a message from the router to Serve's HTTP proxy and a write to the socket. At one token a step
 that is a share of every token's cost, and on a shared CPU it is taken from the model's forward (docs/benchmarks.md,
 "Streaming in chunks"). ``OutputCoalescer`` holds a request's outputs, joined, until ``interval`` tokens are
-pending; a request's first tokens (its time to first token) and its last output pass at once. It only delays when
+pending; a request's first text (its time to first token: tokens without text yet, a character's first bytes,
+pass at once too) and its last output pass at once. It only delays when
 a client sees tokens, never what they are: the joined output carries the same tokens and text as the ones it
 replaces.
 """
@@ -20,7 +21,10 @@ from specserve.sequence import RequestOutput
 class OutputCoalescer:
     interval: int = 1  # tokens a held output must reach to pass (1: every output passes as it comes)
     _held: dict[str, RequestOutput] = field(default_factory=dict)
-    _started: set[str] = field(default_factory=set)  # requests whose first tokens have passed
+    _started: set[str] = field(default_factory=set)  # requests whose first text has passed
+    # tokens passed at once with no text yet (a character's first bytes, text held for a stop string: no event for
+    # the client, whose first text then waited a whole interval), up to ``interval`` (a loop without a tokenizer)
+    _textless: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.interval < 1:
@@ -33,12 +37,20 @@ class OutputCoalescer:
             out = held.then(out)
         if self.interval == 1:
             return out
-        first = out.request_id not in self._started and bool(out.token_ids)
+        rid = out.request_id
+        first = rid not in self._started and bool(out.token_ids)
         if out.finished or first or len(out.token_ids) >= self.interval:
             if out.finished:
-                self._started.discard(out.request_id)
+                self._started.discard(rid)
+                self._textless.pop(rid, None)
+            elif out.text:
+                self._started.add(rid)
+                self._textless.pop(rid, None)
             elif out.token_ids:
-                self._started.add(out.request_id)
+                self._textless[rid] = passed = self._textless.get(rid, 0) + len(out.token_ids)
+                if passed >= self.interval:
+                    self._started.add(rid)
+                    del self._textless[rid]
             return out
         self._held[out.request_id] = out
         return None
@@ -52,6 +64,7 @@ class OutputCoalescer:
     def take(self, request_id: str) -> RequestOutput | None:
         """What is held for a request that leaves without finishing (failed, moved, aborted), which forgets it."""
         self._started.discard(request_id)
+        self._textless.pop(request_id, None)
         return self._held.pop(request_id, None)
 
     @property

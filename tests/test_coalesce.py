@@ -141,3 +141,23 @@ def test_switching_to_an_interval_of_one_keeps_what_was_held() -> None:
     coalescer.interval = 1
     out = coalescer.offer(steps[2])
     assert out is not None and out.token_ids == steps[1].token_ids + steps[2].token_ids
+
+
+def test_the_first_text_passes_at_once_after_tokens_without_text() -> None:
+    """A first token without text (a character's first byte, text held for a stop string) marked the request
+    started: the client got no event for it, and its first text then waited a whole interval (4 steps here). Tokens
+    without text pass at once until text has, or until an interval's worth did (a loop without a tokenizer)."""
+    coalescer = OutputCoalescer(4)
+
+    def out(tokens: list[int], text: str) -> RequestOutput:
+        return RequestOutput("r", tokens, text, None, 7, 0, RequestStats(), committed=len(tokens))
+
+    assert coalescer.offer(out([1], "")) is not None  # no text yet: passes (as before)
+    first_text = coalescer.offer(out([2], "é"))
+    assert first_text is not None and first_text.text == "é"  # was held until 4 tokens were pending
+    assert coalescer.offer(out([3], "a")) is None  # started: held as usual
+    tokenless = OutputCoalescer(3)
+    passed = [
+        tokenless.offer(RequestOutput("t", [i], "", None, 7, 0, RequestStats(), committed=1)) for i in range(6)
+    ]
+    assert [p is not None for p in passed] == [True, True, True, False, False, True]
