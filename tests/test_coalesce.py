@@ -157,7 +157,5 @@ def test_the_first_text_passes_at_once_after_tokens_without_text() -> None:
     assert first_text is not None and first_text.text == "é"  # was held until 4 tokens were pending
     assert coalescer.offer(out([3], "a")) is None  # started: held as usual
     tokenless = OutputCoalescer(3)
-    passed = [
-        tokenless.offer(RequestOutput("t", [i], "", None, 7, 0, RequestStats(), committed=1)) for i in range(6)
-    ]
+    passed = [tokenless.offer(RequestOutput("t", [i], "", None, 7, 0, RequestStats(), committed=1)) for i in range(6)]
     assert [p is not None for p in passed] == [True, True, True, False, False, True]
