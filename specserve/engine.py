@@ -338,6 +338,17 @@ class Engine:
         weakref.finalize(stream, self._drop, [rid]).atexit = False
         return stream
 
+    def abort(self, request_id: str) -> None:
+        """Stop a submitted request no stream or collect is reading, and forget its outputs (its KV is freed): one
+        never collected had run to its end and kept its outputs for the engine's life. A read one stops when its
+        reader closes the stream or leaves the collect."""
+        with self._lock:
+            if (box := self._outbox.get(request_id)) is None:
+                raise InvalidRequestError(f"no submitted and unconsumed request with id {request_id!r}")
+            if box.claimed:
+                raise InvalidRequestError(f"request {request_id!r} is read by a stream or a collect: close that")
+            self._drop([request_id])
+
     def _stream(self, rid: str) -> Iterator[RequestOutput]:
         with self._consuming([rid]):
             yield from self._outputs(rid)

@@ -430,6 +430,26 @@ def test_a_request_read_by_a_stream_cannot_be_collected_too(tiny: LlamaModel) ->
     assert engine.loop.target.cache.num_free == 2 and not engine.loop.has_work
 
 
+def test_a_submitted_request_no_one_reads_can_be_aborted(tiny: LlamaModel) -> None:
+    """The engine had no way to stop a submitted request: one never collected ran to its end and its outputs stayed
+    in the engine for its life. ``abort`` frees its slot and outputs; a request a stream reads is the stream's."""
+    engine = Engine(tiny, None, max_batch_size=2, eos_token_ids=set())
+    params = SamplingParams(max_tokens=40)
+    dropped, kept = engine.submit(PROMPTS[0], params), engine.submit(PROMPTS[1], SamplingParams(max_tokens=6))
+    stream = engine.stream(PROMPTS[2], SamplingParams(max_tokens=6))
+    first = next(stream)  # a step: every request has begun
+    engine.abort(dropped)
+    with pytest.raises(InvalidRequestError, match="no submitted and unconsumed request"):
+        engine.collect([dropped])
+    with pytest.raises(InvalidRequestError, match="read by a stream or a collect"):
+        engine.abort(first.request_id)
+    with pytest.raises(InvalidRequestError, match="no submitted and unconsumed request"):
+        engine.abort("req-99")
+    assert [c.token_ids for c in engine.collect([kept])] == [greedy_reference(tiny, PROMPTS[1], 6)]
+    assert first.token_ids + [t for out in stream for t in out.token_ids] == greedy_reference(tiny, PROMPTS[2], 6)
+    assert engine.loop.target.cache.num_free == 2 and not engine.loop.has_work and not engine._outbox
+
+
 def test_bad_engine_arguments_are_clear_errors(tiny: LlamaModel) -> None:
     from specserve.errors import SettingsError
 
