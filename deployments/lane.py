@@ -216,7 +216,8 @@ class Lane:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: set[str] = set()  # submitted and not yet finished or aborted (added on submit, else lane thread)
         self._sinks: dict[str, _Sink] = {}  # lane thread only
-        self._coalescer = OutputCoalescer(stream_interval)  # lane thread only: outputs held for a longer chunk
+        # lane thread only: outputs held for a longer chunk
+        self._coalescer = OutputCoalescer(stream_interval, texts=loop.tokenizer is not None)
         # dropped with LaneLostError, its stream not yet told: still held (the router moves it once told);
         # added on the lane thread, removed on the event loop
         self._lost: set[str] = set()

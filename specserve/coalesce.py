@@ -5,7 +5,7 @@ loop, an SSE event, a message from the router to Serve's HTTP proxy and a write 
 that is a share of every token's cost, and on a shared CPU it is taken from the model's forward (docs/benchmarks.md,
 "Streaming in chunks"). ``OutputCoalescer`` holds a request's outputs, joined, until ``interval`` tokens are
 pending; a request's first text (its time to first token: tokens without text yet, a character's first bytes,
-pass at once too) and its last output pass at once. It only delays when
+pass at once too, up to an interval's worth) and its last output pass at once. It only delays when
 a client sees tokens, never what they are: the joined output carries the same tokens and text as the ones it
 replaces.
 """
@@ -20,10 +20,11 @@ from specserve.sequence import RequestOutput
 @dataclass
 class OutputCoalescer:
     interval: int = 1  # tokens a held output must reach to pass (1: every output passes as it comes)
+    texts: bool = True  # whether outputs carry text (False: a loop without a tokenizer, started by its first tokens)
     _held: dict[str, RequestOutput] = field(default_factory=dict)
     _started: set[str] = field(default_factory=set)  # requests whose first text has passed
     # tokens passed at once with no text yet (a character's first bytes, text held for a stop string: no event for
-    # the client, whose first text then waited a whole interval), up to ``interval`` (a loop without a tokenizer)
+    # the client, whose first text then waited a whole interval), up to ``interval``
     _textless: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -43,7 +44,7 @@ class OutputCoalescer:
             if out.finished:
                 self._started.discard(rid)
                 self._textless.pop(rid, None)
-            elif out.text:
+            elif out.text or not self.texts:
                 self._started.add(rid)
                 self._textless.pop(rid, None)
             elif out.token_ids:

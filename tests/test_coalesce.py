@@ -146,7 +146,8 @@ def test_switching_to_an_interval_of_one_keeps_what_was_held() -> None:
 def test_the_first_text_passes_at_once_after_tokens_without_text() -> None:
     """A first token without text (a character's first byte, text held for a stop string) marked the request
     started: the client got no event for it, and its first text then waited a whole interval (4 steps here). Tokens
-    without text pass at once until text has, or until an interval's worth did (a loop without a tokenizer)."""
+    without text pass at once until text has, or until an interval's worth did; without a tokenizer (no text
+    ever) the first tokens start the request, as before."""
     coalescer = OutputCoalescer(4)
 
     def out(tokens: list[int], text: str) -> RequestOutput:
@@ -159,3 +160,8 @@ def test_the_first_text_passes_at_once_after_tokens_without_text() -> None:
     tokenless = OutputCoalescer(3)
     passed = [tokenless.offer(RequestOutput("t", [i], "", None, 7, 0, RequestStats(), committed=1)) for i in range(6)]
     assert [p is not None for p in passed] == [True, True, True, False, False, True]
+    no_tokenizer = OutputCoalescer(3, texts=False)
+    passed = [
+        no_tokenizer.offer(RequestOutput("t", [i], "", None, 7, 0, RequestStats(), committed=1)) for i in range(4)
+    ]
+    assert [p is not None for p in passed] == [True, False, False, True]

@@ -950,21 +950,17 @@ def test_collect_with_return_exceptions_keeps_every_other_completion(
 def test_a_lane_streams_chunks_of_its_interval_with_every_token(
     models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
 ) -> None:
-    """``stream_interval``: a request's first tokens go at once (here, with no tokenizer and so no text, every
-    output until an interval's worth has passed), then chunks of at least the interval, then its end; the tokens
-    are those of one output a step."""
+    """``stream_interval``: a request's first tokens go at once, then chunks of at least the interval, then its
+    end; the tokens are those of one output a step."""
     each = _lane_outputs(_engine(models), _requests(None, GREEDY))
     chunked = _lane_outputs(_engine(models), _requests(None, GREEDY), stream_interval=5)
     for (outs, error), (steps, step_error), want in zip(chunked, each, alone, strict=True):
         assert error is None and step_error is None
         assert [t for o in outs for t in o.token_ids] == want == [t for o in steps for t in o.token_ids]
         assert outs[0].token_ids and outs[-1].finished and not any(o.finished for o in outs[:-1])
-        started = next(i for i in range(len(outs)) if sum(len(o.token_ids) for o in outs[: i + 1]) >= 5)
-        assert [len(o.token_ids) for o in outs[: started + 1]] == [len(o.token_ids) for o in steps[: started + 1]]
-        assert all(len(o.token_ids) >= 5 for o in outs[started + 1 : -1])
+        assert all(len(o.token_ids) >= 5 for o in outs[1:-1])
+        assert len(outs) < len(steps)  # chain SL 4 on a noisy copy: several steps of fewer than 5 tokens
         assert outs[-1].stats == steps[-1].stats and outs[-1].num_output_tokens == len(want)
-    # chain SL 4 on a noisy copy: several steps of fewer than 5 tokens, joined
-    assert sum(len(outs) for outs, _ in chunked) < sum(len(steps) for steps, _ in each)
 
 
 def test_a_failing_request_gets_the_tokens_a_chunk_held_before_its_error(
