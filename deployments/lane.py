@@ -232,11 +232,11 @@ class Lane:
         # it breaks the fresh worker alone too, it is failed, not the worker replaced again for ever
         self._poisoner: int | None = None
         self._poisoner_clean = 0  # steps it ran without harm since (``_note_clean_step``)
-        # the sequence whose step, alone, took its target down (a fresh one: the lane replaced it), and whether any
-        # step ran since the loss that began the search (the lane's workers can serve: a node that fails every
-        # step fails no request for it)
-        self._killer: int | None = None
-        self._killer_clean = 0
+        # the sequences whose step, alone, took their target down (a fresh one: the lane replaced it), each with the
+        # steps it ran without harm since (one slot: two killers in a batch overwrote each other, each retry found
+        # itself new, and neither was ever failed), and whether any step ran since the loss that began the search
+        # (the lane's workers can serve: a node that fails every step fails no request for it)
+        self._killers: dict[int, int] = {}
         self._stepped = True
         # draft workers lost in a row with no step drafted by one in between (a request whose input kills the draft
         # takes each fresh one down at its first proposal): each comes back after a longer pause than the last
@@ -588,10 +588,10 @@ class Lane:
         """A suspect that has run SUSPECT_CLEAR_STEPS steps without harm since it was marked is no longer one: a
         second, unrelated loss hours later must not fail it as a repeat (a request whose damage shows a step or two
         late is still caught)."""
-        if self._killer is not None and (only is None or self._killer in only):
-            self._killer_clean += 1
-            if self._killer_clean >= SUSPECT_CLEAR_STEPS:
-                self._killer = None
+        for killer in [k for k in self._killers if only is None or k in only]:
+            self._killers[killer] += 1
+            if self._killers[killer] >= SUSPECT_CLEAR_STEPS:
+                del self._killers[killer]
         if self._poisoner is not None and (only is None or self._poisoner in only):
             self._poisoner_clean += 1
             if self._poisoner_clean >= SUSPECT_CLEAR_STEPS:
@@ -679,11 +679,11 @@ class Lane:
             self._probes.popleft()
         if len(group) == 1:
             (suspect,) = group
-            if suspect == self._killer and self._stepped:
-                self._killer = None
+            if suspect in self._killers and self._stepped:
+                del self._killers[suspect]
                 self._fail_sequence(suspect, WorkerLostError("its step took the target down twice, stepped alone"))
                 return
-            self._killer, self._killer_clean = suspect, 0
+            self._killers[suspect] = 0
             if only is None:  # a full step of one: retried as it was
                 return
             self._probes.append(group)  # alone again after the rest of the search: a step of others must run

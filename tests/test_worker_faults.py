@@ -1627,6 +1627,35 @@ def test_a_request_that_kills_its_target_is_found_and_failed_and_its_batch_goes_
         _release_and_stop([lane], [factory])
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (2, 0, 3, 1)])
+def test_two_requests_that_kill_their_target_are_both_found_and_failed(
+    target: LlamaModel, alone: list[list[int]], order: tuple[int, ...]
+) -> None:
+    """Two copies of a crashing prompt in one batch (a client's retries): one suspect slot let the second killer's
+    lone loss overwrite the first's, each retry then found itself new, neither was ever failed, and the lane was
+    lost with every request. Each lone suspect is kept now."""
+    prompts = [*PROMPTS, [*HOSTILE, 44]]  # PROMPTS[2] and this one are deadly
+    factory = Factory(target, dict.fromkeys(range(40), "deadly"))
+    stop_loading = threading.Event()
+
+    def load_soon() -> None:
+        while not stop_loading.wait(0.01):
+            for actor in factory.actors:
+                actor.loaded.set()
+
+    loader = threading.Thread(target=load_soon, daemon=True)
+    loader.start()
+    lane = _lane(target, factory, max_worker_restarts=8)  # (two killers lose up to 5 targets in a row)
+    try:
+        by_prompt = dict(zip(order, _run(lane, [prompts[i] for i in order]), strict=True))
+        assert [by_prompt[0], by_prompt[1]] == alone[:2], by_prompt
+        assert all(isinstance(by_prompt[i], RequestFailedError) for i in (2, 3)), by_prompt
+        assert lane.healthy
+    finally:
+        stop_loading.set()
+        _release_and_stop([lane], [factory])
+
+
 def test_a_node_that_kills_every_target_fails_no_request_for_it(target: LlamaModel) -> None:
     """Every target dies at its first step whatever it runs: the halves and lone steps die too, no step runs, so no
     request is taken for the culprit; the lane's requests go on elsewhere as lost (LaneLostError), none failed."""
