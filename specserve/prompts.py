@@ -51,7 +51,8 @@ class PromptEncoder:
         ``room`` as for ``text``, checked on the rendered prompt (a template may trim or drop text)."""
         if self.tokenizer is None:  # (not _tokenizer's advice: messages cannot be token ids)
             raise InvalidRequestError(
-                "this model has no tokenizer, so no chat template: use /v1/completions with the prompt as token ids",
+                "this model has no tokenizer, so no chat template: pass the prompt as a list of token ids, not chat "
+                "(over HTTP: POST /v1/completions)",
                 param="messages",
             )
         tokenizer = self.tokenizer

@@ -205,9 +205,11 @@ def test_an_added_token_that_strips_whitespace_puts_no_bound_on_a_prompts_tokens
 
 def test_a_chat_without_a_tokenizer_is_refused_with_advice_that_fits_a_chat() -> None:
     """A model served without a tokenizer answered a chat with "pass the prompt as a list of token ids", which
-    messages cannot be; the refusal names messages and points to completions."""
+    messages cannot be; the refusal names messages and says not to chat (for HTTP: completions)."""
     from specserve.errors import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="use /v1/completions with the prompt as token ids") as info:
+    with pytest.raises(
+        InvalidRequestError, match=r"list of token ids, not chat \(over HTTP: POST /v1/completions"
+    ) as info:
         PromptEncoder(None, 10).chat([{"role": "user", "content": "hi"}])
     assert info.value.param == "messages"

@@ -259,7 +259,7 @@ def test_app_args_layout_and_validation() -> None:
         {"stream_interval": 1.5},
         {"retry_after_s": 3601},  # above the router's cap: the "least Retry-After" could not hold
         {"target": {"source": ""}},  # read as the current directory
-        {"draft": {"head": ""}},
+        {"target": {}, "draft": {"head": ""}},  # (without a target: refused for that alone)
         {"speculation": {"dsde": {"alpha": float("inf")}}},  # a range check alone lets infinity through
         {"speculation": {"ddd_threshold": float("-inf")}},
         {"guard": {"warmup_z": float("inf")}},
