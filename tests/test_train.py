@@ -1111,6 +1111,33 @@ def test_a_training_run_into_a_heads_folder_cut_short_in_its_writes_leaves_no_st
     assert not list(head_dir.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("name", ["config.json", "vocab_map.json"])
+def test_a_heads_file_cut_short_while_written_is_left_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Each of a head's files is written whole (to a temporary file, then renamed): a rerun into the folder that
+    dies mid-write (a full disk) leaves the old file, not half a JSON document."""
+    from specserve.train.pipeline import train_draft
+
+    target, tok, distill, train, cfg = _tiny_train_draft()
+    head_dir = tmp_path / "head"
+    train_draft(target, tok, distill, cfg, tmp_path / "w0", head_dir, log=lambda _: None)
+    before = (head_dir / name).read_text()
+    real_write_text = Path.write_text
+
+    def torn(path: Path, data: str, *args: Any, **kwargs: Any) -> int:
+        if name in path.name:
+            real_write_text(path, data[: len(data) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+        return real_write_text(path, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    again = replace(cfg, train=replace(train, lr=3e-3, seed=1))
+    with pytest.raises(OSError, match="No space left"):
+        train_draft(target, tok, distill, again, tmp_path / "w1", head_dir, log=lambda _: None)
+    assert (head_dir / name).read_text() == before and json.loads(before)
+
+
 def test_a_changed_chat_template_under_the_same_weights_is_not_served_the_old_data(tmp_path: Path) -> None:
     """A rerun in the same work dir with another chat template was handed the old template's chunks and
     checkpoint and shipped the old head: the data step records the tokenizer, and the checkpoint its system
