@@ -693,6 +693,7 @@ class _FailingLoop:
         self.error, self.delay_s = error, delay_s
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.tokenizer = None
 
     @property
     def has_work(self) -> bool:
