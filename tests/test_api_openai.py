@@ -1057,9 +1057,6 @@ def test_openais_other_forms_of_a_request_read_as_they_mean_or_are_refused_by_na
     ):
         error = _error(post(CHAT, messages=messages))
         assert error["param"] == "messages" and says in error["message"], error
-    for bad_text in ({"stop": "\ud800"}, {"stop": ["ok", "\ud800"]}):  # a value, not a key (it was called one)
-        error = _error(post(COMPLETIONS, prompt="hi", **bad_text))
-        assert error["param"] == "stop" and "the text '\\ud800' is not valid Unicode" in error["message"], error
     seen: list[list[dict[str, str]]] = []
     chat = backend.encoder.chat
     monkeypatch.setattr(backend.encoder, "chat", lambda messages, **kw: seen.append(messages) or chat(messages, **kw))

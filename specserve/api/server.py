@@ -772,12 +772,10 @@ def _validation_body(errors: list[dict[str, Any]]) -> BaseModel:
 
     def describe(error: dict[str, Any]) -> str:
         loc, msg = ".".join(where(error)), str(error.get("msg", "invalid value"))
-        if error.get("type") == "string_unicode":  # a lone surrogate (\ud800) in a key or in a text pydantic
-            parts = where(error)  # checks before _utf8 (stop, prompt): a dict's loc holds the key mangled, then "[key]"
-            key = parts[-1:] == ["[key]"]
-            loc = ".".join(parts[:-2] if key else parts)
-            what = "a key" if key else "the text"
-            msg = f"{what} {ascii(error.get('input', ''))[:40]} is not valid Unicode (a lone surrogate)"
+        if error.get("type") == "string_unicode":  # a key with a lone surrogate (\ud800; text values have their
+            parts = where(error)  # own check, _utf8): a dict's loc holds the key mangled, then "[key]"
+            loc = ".".join(parts[:-2] if parts[-1:] == ["[key]"] else parts)
+            msg = f"a key {ascii(error.get('input', ''))[:40]} is not valid Unicode (a lone surrogate)"
         return f"{loc}: {msg}" if loc else msg
 
     param = where(errors[0])[0] if errors and where(errors[0]) else None
