@@ -290,11 +290,7 @@ class SuffixCache:
         self.by_salt = {}
         for salt, tokens in self.entries:
             self.by_salt.setdefault(salt, deque()).append(tokens)
-        self.tries = {}
-        for salt, kept in self.by_salt.items():
-            trie = self.tries[salt] = SuffixTrie(self.depth)
-            for tokens in kept:
-                trie.add(tokens)
+        self.tries = {salt: self._trie_of(kept) for salt, kept in self.by_salt.items()}
         self.tokens = sum(len(tokens) for _, tokens in self.entries)
 
     def _compact(self, salt: str | None) -> None:
@@ -311,7 +307,10 @@ class SuffixCache:
         free = trie.capacity - trie.num_nodes
         if trie.capacity <= 4 * (trie.num_nodes + self.depth) or free < self.depth * sum(map(len, self.by_salt[salt])):
             return
-        fresh = SuffixTrie(self.depth)
-        for tokens in self.by_salt[salt]:
-            fresh.add(tokens)
-        self.tries[salt] = fresh
+        self.tries[salt] = self._trie_of(self.by_salt[salt])
+
+    def _trie_of(self, kept: deque[list[int]]) -> SuffixTrie:
+        trie = SuffixTrie(self.depth)
+        for tokens in kept:
+            trie.add(tokens)
+        return trie
