@@ -1065,3 +1065,26 @@ def test_openais_other_forms_of_a_request_read_as_they_mean_or_are_refused_by_na
     assert seen == [
         [{"role": "user", "content": "hi", "name": "bob"}, {"role": "tool", "content": "4", "tool_call_id": "c"}]
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        (COMPLETIONS, b'{"prompt": "x", "\\ud800": 1}', None, "a key '\\ud800'"),
+        (COMPLETIONS, b'{"prompt": "x", "metadata": {"\\ud800": ""}}', "metadata", "metadata: a key '\\ud800'"),
+        (COMPLETIONS, b'{"prompt": "x", "stop": "\\ud800"}', "stop", "stop: the text '\\ud800'"),
+        (COMPLETIONS, b'{"prompt": "x", "stop": ["a", "b\\ud800"]}', "stop", "stop.1: the text 'b\\ud800'"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "x", "\\ud800": 1}]}', "messages", "messages.0: a key"),
+        (CHAT, b'{"messages": [{"role": "\\ud800", "content": "x"}]}', "messages", "messages.0.role: the text"),
+    ],
+    ids=["top-level-key", "metadata-key", "stop", "stop-list", "message-key", "role"],
+)
+def test_a_lone_surrogate_is_named_as_a_key_or_as_a_text(
+    url: str, path: str, body: bytes, param: str | None, says: str
+) -> None:
+    """pydantic reports an unknown key at its object's location and a text at its own: the 400 says which it was."""
+    content = b'{"model": "' + MODEL.encode() + b'", ' + body[1:]
+    r = httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+    error = _error(r)
+    assert error["param"] == param and says in error["message"], error
+    assert "is not valid Unicode (a lone surrogate)" in error["message"] and "\ufffd" not in error["message"]

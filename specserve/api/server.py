@@ -700,7 +700,7 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
         if problem is not None:
             body = error_body(problem, ErrorType.invalid_request, code=ErrorCode.invalid_json)
             return _error(HTTPStatus.BAD_REQUEST, body)
-        return _error(HTTPStatus.BAD_REQUEST, _validation_body(errors))
+        return _error(HTTPStatus.BAD_REQUEST, _validation_body(errors, exc.body))
 
     async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, OverloadedError) else {}
@@ -764,7 +764,22 @@ def _error(status: HTTPStatus, body: BaseModel, headers: dict[str, str] | None =
     return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
 
 
-def _validation_body(errors: list[dict[str, Any]]) -> BaseModel:
+def _at(body: object, loc: tuple[object, ...]) -> object:
+    """The value at an error's location in the request body (union tags skipped), or None where it leads nowhere."""
+    node = body
+    for part in loc:
+        if part == "body" or is_union_member(part):
+            continue
+        found = (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        )
+        if not found:
+            return None
+        node = node[part]  # type: ignore[index]
+    return node
+
+
+def _validation_body(errors: list[dict[str, Any]], body: object) -> BaseModel:
     """All messages name their full location; ``param`` is the top-level request field of the first error."""
 
     def where(error: dict[str, Any]) -> list[str]:
@@ -772,10 +787,13 @@ def _validation_body(errors: list[dict[str, Any]]) -> BaseModel:
 
     def describe(error: dict[str, Any]) -> str:
         loc, msg = ".".join(where(error)), str(error.get("msg", "invalid value"))
-        if error.get("type") == "string_unicode":  # a key with a lone surrogate (\ud800; text values have their
-            parts = where(error)  # own check, _utf8): a dict's loc holds the key mangled, then "[key]"
-            loc = ".".join(parts[:-2] if parts[-1:] == ["[key]"] else parts)
-            msg = f"a key {ascii(error.get('input', ''))[:40]} is not valid Unicode (a lone surrogate)"
+        if error.get("type") == "string_unicode":  # a lone surrogate (\ud800) in a key or in a text pydantic checks
+            parts = where(error)  # before _utf8 (stop, a role): a dict's key is at the dict's loc mangled, then
+            mangled = parts[-1:] == ["[key]"]  # "[key]"; an unknown key of an object is at the object's loc
+            key = mangled or isinstance(_at(body, tuple(error.get("loc", ()))), dict)
+            loc = ".".join(parts[:-2] if mangled else parts)
+            what = "a key" if key else "the text"
+            msg = f"{what} {ascii(error.get('input', ''))[:40]} is not valid Unicode (a lone surrogate)"
         return f"{loc}: {msg}" if loc else msg
 
     param = where(errors[0])[0] if errors and where(errors[0]) else None
