@@ -74,6 +74,26 @@ def test_an_oversized_body_counts_as_a_request_only_on_the_generation_routes() -
         backend.stop()
 
 
+def test_a_request_refused_for_its_key_or_host_counts_as_invalid_only_on_the_generation_routes() -> None:
+    """A 401 (no or a wrong key) and a 400 invalid_host are answered before any route: they were never counted, so
+    a client sending a stale key showed as no traffic at all."""
+    backend = LocalBackend()
+    try:
+        with api_server(backend, api_key=SecretStr("k")) as url:
+            assert httpx.post(url + COMPLETIONS, json=OK_BODY).status_code == 401
+            wrong = {"authorization": "Bearer x"}
+            assert httpx.post(url + "/v1/chat/completions", json=CHAT_OK, headers=wrong).status_code == 401
+            assert httpx.get(url + "/metrics").status_code == 401 and httpx.get(url + "/v1/models").status_code == 401
+            assert requests_by_status(backend) == {"invalid": 2.0}
+        with api_server(backend) as url:
+            evil = {"Host": "evil.example"}
+            assert httpx.post(url + COMPLETIONS, json=OK_BODY, headers=evil).status_code == 400
+            assert httpx.get(url + "/v1/models", headers=evil).status_code == 400
+            assert requests_by_status(backend) == {"invalid": 3.0}
+    finally:
+        backend.stop()
+
+
 def _raw_post(url: str, head: str, body: bytes) -> bytes:
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:

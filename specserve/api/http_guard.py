@@ -116,7 +116,7 @@ class RequestGuard:
                 ErrorType.invalid_request,
                 code=ErrorCode.invalid_host,
             )
-            await _send_error(send, HTTPStatus.BAD_REQUEST, body)
+            await self._refuse(scope, send, HTTPStatus.BAD_REQUEST, body)
             return
         if not self._authorized(scope):
             body = error_body(
@@ -124,20 +124,30 @@ class RequestGuard:
                 ErrorType.invalid_request,
                 code=ErrorCode.invalid_api_key,
             )
-            await _send_error(send, HTTPStatus.UNAUTHORIZED, body, [(b"www-authenticate", b"Bearer")])
+            await self._refuse(scope, send, HTTPStatus.UNAUTHORIZED, body, [(b"www-authenticate", b"Bearer")])
             return
         if scope["method"] in BODY_METHODS:
             try:
                 content = await self._read_body(scope, receive)
             except _Rejected as rejected:
-                if _route_path(scope) in GENERATION_PATHS:  # the counter is of generation requests, as routed ones
-                    self.metrics.request_done(RequestStatus.invalid)
-                await _send_error(send, rejected.status, rejected.body)
+                await self._refuse(scope, send, rejected.status, rejected.body)
                 return
             if content is None:  # the client left before it finished sending
                 return
             receive = _replay(content, receive)
         await self.app(scope, receive, send)
+
+    async def _refuse(
+        self,
+        scope: Scope,
+        send: Send,
+        status: HTTPStatus,
+        body: BaseModel,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        if _route_path(scope) in GENERATION_PATHS:  # the counter is of generation requests, as routed ones
+            self.metrics.request_done(RequestStatus.invalid)
+        await _send_error(send, status, body, headers)
 
     def _host_allowed(self, scope: Scope) -> bool:
         allowed = self.options.allowed_hosts
