@@ -22,6 +22,7 @@ from ray.exceptions import (
     GetTimeoutError,
     LocalRayletDiedError,
     NodeDiedError,
+    ObjectLostError,
     OutOfMemoryError,
     RayActorError,
     RaySystemError,
@@ -162,6 +163,7 @@ WORKER_FAULTS: tuple[type[Exception], ...] = (
     WorkerCrashedError,
     RaySystemError,
     GetTimeoutError,  # a call past ``call_timeout_s``: a hung actor
+    ObjectLostError,  # the step's result was lost with the actor's node (or its owner) before it was read
 )
 
 
