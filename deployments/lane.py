@@ -524,7 +524,9 @@ class Lane:
         except (RayActorError, WorkerLostError) as e:
             group = only or frozenset(s.seq_id for s in self.loop.running)
             generation = self.generations[WorkerRole.target]
-            self._replace_lost(e)
+            # a loss that convicts a request (its second alone) is explained: not one more in a row for the lane
+            # (two killers in a batch lost four targets in a row and, at max_worker_restarts 3, the lane)
+            self._replace_lost(e, counted=not (ran and self._repeat_killer(group) is not None))
             if ran and self.generations[WorkerRole.target] != generation:  # its target was replaced (not its draft)
                 self._suspect_loss(group, only)
             self._report_queue()
@@ -673,13 +675,14 @@ class Lane:
         group &= {s.seq_id for s in self.loop.running}  # (none left: a free lane took them, or they were dropped)
         if not group:
             return
+        repeat = self._repeat_killer(group)
         if only is None:
             self._stepped = False
         elif self._probes and self._probes[0] == only:
             self._probes.popleft()
         if len(group) == 1:
             (suspect,) = group
-            if suspect in self._killers and self._stepped:
+            if suspect == repeat:
                 del self._killers[suspect]
                 self._fail_sequence(suspect, WorkerLostError("its step took the target down twice, stepped alone"))
                 return
@@ -689,6 +692,15 @@ class Lane:
             self._probes.append(group)  # alone again after the rest of the search: a step of others must run
             return  # between its two losses (at the front, the other half never ran and it was never failed)
         self._queue_halves(group)
+
+    def _repeat_killer(self, group: frozenset[int]) -> int | None:
+        """The one running sequence of ``group`` if its step alone has taken a target down before, with other steps
+        run since: the target lost now is its doing too."""
+        running = group & {s.seq_id for s in self.loop.running}
+        if len(running) != 1 or not self._stepped:
+            return None
+        (suspect,) = running
+        return suspect if suspect in self._killers else None
 
     def _queue_halves(self, group: frozenset[int]) -> None:
         """Step ``group``'s sequences in halves, each alone, before any other (a lone sequence: alone again)."""
@@ -701,9 +713,9 @@ class Lane:
         results = [worker.check() for worker in self.workers.values()]  # every one: each failing one is marked
         return all(results)
 
-    def _replace_lost(self, error: Exception) -> None:
+    def _replace_lost(self, error: Exception, *, counted: bool = True) -> None:
         try:
-            self._recover(error)
+            self._recover(error, counted=counted)
         except Exception:  # no replacement could be made (placement, a failed create): the lane stays up,
             # answers its requests, and tries again with the next step's worker failure
             logger.exception("lane %d: replacing its workers failed", self.index)
@@ -733,18 +745,19 @@ class Lane:
             return
         self.lost_workers, self._retry_pause = False, self.worker_retry_s
 
-    def _recover(self, error: Exception) -> None:
+    def _recover(self, error: Exception, *, counted: bool = True) -> None:
         """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
         plainly meanwhile), reset any worker whose state ran ahead of the failed step, and let the loop re-prefill
-        its running sequences on the next step."""
+        its running sequences on the next step. A target's loss counts as one more in a row unless ``counted`` is
+        False (one request's doing, that request failed for it)."""
         if self._stop_asked:  # failed as the lane was being stopped (its workers killed under it): no new worker;
             # its requests go on elsewhere, none left to step on caches that may have run ahead
             self._fail_all(f"lane {self.index} stopped", LaneLostError)
             return
         dead = {role for role, w in self.workers.items() if w.dead} or set(self.workers)
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
-        if WorkerRole.target in dead:  # a lost draft costs only speculation: it never counts against the lane
-            self._failures += 1
+        if WorkerRole.target in dead and counted:  # a lost draft costs only speculation: it never counts against
+            self._failures += 1  # the lane
         exhausted = self._failures > self.max_worker_restarts
         if exhausted:  # its requests go to other lanes; the lane reports itself lost and goes on replacing
             # lost until a step succeeds or a replacement has started (``_retry_target``); set before the requests
