@@ -164,6 +164,26 @@ def test_stream_options_include_obfuscation(url: str) -> None:
         assert r.status_code == 400 and "include_obfuscation" in r.json()["error"]["message"], r.text
 
 
+def test_chunks_carry_a_null_usage_only_when_the_usage_was_asked_for(url: str) -> None:
+    """As OpenAI's: with stream_options.include_usage every chunk has "usage" (null) and one more chunk, with no
+    choices, has the usage; without it no chunk has the field (every chunk had a "usage": null)."""
+    for path, body in ((COMPLETIONS, {"prompt": "hi"}), (CHAT, {"messages": USER})):
+        for include in (False, True):
+            request = {"model": MODEL, "max_tokens": 3, "stream": True, **body}
+            if include:
+                request["stream_options"] = {"include_usage": True}
+            r = httpx.post(url + path, json=request, timeout=30)
+            datas = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+            assert r.status_code == 200 and datas[-1] == "[DONE]", r.text
+            chunks = [json.loads(d) for d in datas[:-1]]
+            if not include:
+                assert chunks and all("usage" not in c for c in chunks), chunks
+                continue
+            *content, last = chunks
+            assert content and all(c["usage"] is None and c["choices"] for c in content), content
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3, last
+
+
 def test_a_stream_tells_proxies_to_pass_its_events_on_unbuffered(url: str) -> None:
     """nginx, the reverse proxy deployments/README.md suggests, buffers a proxied body unless told not to: tokens
     (and the keep-alives) would reach the client in bursts."""

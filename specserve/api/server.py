@@ -481,10 +481,12 @@ class _Routes:
         """SSE events, each with an id a client can resume after (``specserve.api.resume``); a resumed stream
         regenerates the request and sends only what follows the client's last id."""
         tracker = outcome.tracker
+        # OpenAI's chunks carry "usage": null only with stream_options.include_usage (the last one then has it)
+        without = frozenset() if body.include_usage_in_stream else frozenset({"usage"})
         try:
             first = fmt.first_chunk()
             if first is not None and not cursor.resuming:
-                yield _sse(first, cursor.mark)
+                yield _sse(first, cursor.mark, without=without)
             sent_at = time.monotonic()
             while True:
                 # nothing may be sent for long: while it replays, never more than a second
@@ -504,7 +506,9 @@ class _Routes:
                     cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
                 if part is not None and (part.text or (body.return_token_ids and part.token_ids) or part.finished):
                     mark = cursor.mark.at(StreamPhase.finished) if part.finished else cursor.mark
-                    yield _sse(fmt.chunk(part, part.token_ids if body.return_token_ids else None), mark)
+                    yield _sse(
+                        fmt.chunk(part, part.token_ids if body.return_token_ids else None), mark, without=without
+                    )
                     sent_at = time.monotonic()
                 if out.finished:
                     outcome.finished(out)
@@ -566,9 +570,9 @@ def _status_of(error: APIError) -> RequestStatus:
     return RequestStatus.failed if error.status >= HTTPStatus.INTERNAL_SERVER_ERROR else RequestStatus.invalid
 
 
-def _sse(obj: BaseModel, mark: StreamMark | None = None) -> str:
+def _sse(obj: BaseModel, mark: StreamMark | None = None, *, without: frozenset[str] = frozenset()) -> str:
     event_id = "" if mark is None else f"id: {mark.render()}\n"
-    return f"{event_id}data: {obj.model_dump_json().translate(_LINE_SEPARATORS)}\n\n"
+    return f"{event_id}data: {obj.model_dump_json(exclude=set(without)).translate(_LINE_SEPARATORS)}\n\n"
 
 
 LastEventID = Annotated[
