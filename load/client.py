@@ -287,6 +287,10 @@ def check_loopback(url: str | None, *, allow_remote: bool | None = None) -> str:
     if not url:
         raise RemoteHostError("no target host given: pass --host http://127.0.0.1:8000")
     full = url if "://" in url else f"http://{url}"  # a bare host:port means plain HTTP
+    if odd := sorted({c for c in full if c == "\\" or c.isspace() or not c.isprintable()}):
+        # clients read such URLs differently: urlsplit took 'http://evil.example\\@127.0.0.1' for loopback, and
+        # urllib3 (Locust's client) connects to evil.example
+        raise RemoteHostError(f"cannot read a host from {url!r}: it holds {', '.join(map(repr, odd))}")
     try:
         parts = urlsplit(full)
         parts.port  # noqa: B018 (parsing it is the check: 'localhost:abc' raises here)
