@@ -556,6 +556,16 @@ def scrape(client: Any, url: str) -> dict[str, float]:
     return out
 
 
+def _scrape_or_none(client: Any, url: str) -> dict[str, float] | None:
+    import httpx
+
+    try:
+        return scrape(client, url)
+    except (httpx.HTTPError, ValueError) as e:  # (ValueError: a body that is not Prometheus text)
+        print(f"warning: {url}/metrics could not be read ({e}); this point's server metrics are NaN", file=sys.stderr)
+        return None
+
+
 def _stream_one(client: Any, url: str, body: dict[str, Any], deadline_s: float) -> StreamStats:
     """One streamed request's statistics; a connection refused, cut or timed out, or a stream still open
     ``deadline_s`` after it was sent, is this request's failure (the sweep goes on and counts it)."""
@@ -659,16 +669,19 @@ def _http_body(model: str, prompt: str, max_tokens: int, cfg: StudyConfig, pol: 
 def _http_point(
     client: Any, url: str, conc: int, pol: HttpPolicy, bodies: list[dict[str, Any]], deadline_s: float
 ) -> dict[str, Any]:
-    """One timed run of ``bodies`` at concurrency ``conc``, with the server's metrics over it."""
-    before = scrape(client, url)
+    """One timed run of ``bodies`` at concurrency ``conc``, with the server's metrics over it (NaN where a scrape
+    failed: a replica restarting answers 503, and the point's requests still count)."""
+    before = _scrape_or_none(client, url)
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(conc) as pool:
         results = list(pool.map(lambda b: _stream_one(client, url, b, deadline_s), bodies))
     seconds = time.perf_counter() - t0
-    after = scrape(client, url)
+    after = _scrape_or_none(client, url)
     ok = [r for r in results if r.failure() is None]
 
     def delta(name: str) -> float:
+        if before is None or after is None:
+            return float("nan")
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     sl_n = delta("specserve_speculation_length_count")
@@ -685,8 +698,10 @@ def _http_point(
         "mean_step_s": delta("specserve_step_seconds_sum") / steps if steps else float("nan"),
         "mean_batch": delta("specserve_batch_size_sum") / steps if steps else float("nan"),
         "mean_sl": delta("specserve_speculation_length_sum") / sl_n if sl_n else float("nan"),
-        "sl_cap_last": after.get("specserve_sl_cap", float("nan")),
-        "idle_fraction_last": after.get("specserve_straggler_idle_fraction", float("nan")),
+        "sl_cap_last": float("nan") if after is None else after.get("specserve_sl_cap", float("nan")),
+        "idle_fraction_last": float("nan")
+        if after is None
+        else after.get("specserve_straggler_idle_fraction", float("nan")),
     }
 
 

@@ -1541,6 +1541,34 @@ def test_scrape_sums_counters_over_lanes_and_takes_a_gauges_largest() -> None:
     assert got["specserve_step_seconds_count"] == 5 and got["specserve_step_seconds_sum"] == 0.75
 
 
+def test_a_failed_metrics_scrape_leaves_the_points_server_columns_nan_and_its_requests_counted(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 503 from /metrics (a replica restarting) raised out of the HTTP sweep: a traceback, and every point
+    measured before it lost (http.csv is written at the end)."""
+    import httpx
+
+    import load.straggler as straggler
+
+    def stream_one(client: Any, url: str, body: dict[str, Any], deadline_s: float) -> StreamStats:
+        stats = StreamStats(chunk_times=[0.1, 0.2], text="ab", completion_tokens=2, finish_reason="length")
+        stats.done, stats.end_s = True, 0.2
+        return stats
+
+    monkeypatch.setattr(straggler, "_stream_one", stream_one)
+    answers = iter([200, 503])
+    metrics = '# TYPE specserve_step_seconds histogram\nspecserve_step_seconds_count{lane="0"} 3\n'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(next(answers), text=metrics)
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        row = straggler._http_point(client, "http://127.0.0.1:1", 2, straggler.HTTP_POLICIES[0], [{}, {}], 60.0)
+    assert row["requests"] == 2 and row["failures"] == 0 and row["tok_s"] > 0, row
+    assert all(math.isnan(row[k]) for k in ("steps", "mean_step_s", "mean_sl", "sl_cap_last")), row
+    assert "/metrics could not be read" in capsys.readouterr().err
+
+
 def test_the_straggler_study_refuses_a_remote_url_as_a_usage_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
