@@ -666,7 +666,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         val = []
         for mode in ValidationMode:
             for fit in FitKind:
-                val += validate(runs, mode, fit=fit, seed=study.seed, repeats=study.repeats)
+                try:
+                    val += validate(runs, mode, fit=fit, seed=study.seed, repeats=study.repeats)
+                except ValueError as e:  # runs without recorded steps: nothing to fit on
+                    p.error(f"{study.traces}: {e}")
         write_csv(study.out / "validation.csv", val)
         table = markdown_table(
             val,
@@ -701,14 +704,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         cost = study.roofline.cost_model()
     elif study.measure_target is not None:
         try:
-            cost = _measured(study, CostModel.fit(cost_samples(runs), study.fit))
+            fitted = CostModel.fit(cost_samples(runs), study.fit)
+        except ValueError as e:  # runs without recorded steps: nothing to fit on
+            p.error(f"{study.traces}: {e}")
+        try:
+            cost = _measured(study, fitted)
         except SpecServeError as e:  # a model that cannot be found or loaded
             p.error(f"--measure-target / --measure-draft: {e}")
     elif given_cost is not None:
         cost = given_cost
     else:
         samples = list(cost_samples(runs))
-        cost = CostModel.fit(samples, study.fit, source=f"fit on {study.traces}")
+        try:
+            cost = CostModel.fit(samples, study.fit, source=f"fit on {study.traces}")
+        except ValueError as e:  # runs without recorded steps: nothing to fit on
+            p.error(f"{study.traces}: {e}")
         q = fit_quality(cost, samples)
         report += [
             "Cost model fit, summed-time error per component: " + ", ".join(f"{k} {v:+.1%}" for k, v in q.items()),

@@ -1092,6 +1092,11 @@ def test_trace_and_cost_files_that_cannot_be_read_are_usage_errors(
         sim_cli.main(["--traces", str(lookup), "--out", str(tmp_path / "s")])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "drafted by ['lookup']" in err and "Traceback" not in err, err
+    for extra in ([], ["--validate-only"]):  # runs without recorded steps: no cost model to fit (a traceback)
+        with pytest.raises(SystemExit) as exit_:
+            sim_cli.main(["--traces", str(good), "--out", str(tmp_path / "s"), *extra])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "no recorded steps to fit" in err and "Traceback" not in err, (extra, err)
 
 
 def test_study_max_sl_caps_every_speculative_policy(capsys: pytest.CaptureFixture[str]) -> None:
