@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specserve.bench.llamacpp import parse_llama_bench, sdist_url
-from specserve.bench.runner import in_order, path_matmuls, weight_linears
+from specserve.bench.runner import csv_name, in_order, path_matmuls, weight_linears
 from specserve.models.batch import ForwardBatch
 from specserve.models.tiny import tiny_model
 from specserve.tune import batch_decode_forward, verify_forward
@@ -223,3 +223,17 @@ def test_a_llamacpp_build_is_kept_per_cpu(tmp_path: Path, monkeypatch: pytest.Mo
     assert llamacpp.build(tmp_path, 2, avx512) == first and len(built) == 1  # kept for the same CPU
     other = llamacpp.build(tmp_path, 2, avx2)
     assert other != first and built == [first, other]  # built again for another one
+
+
+def test_bench_runner_names_each_forward_shapes_csv_and_refuses_a_batch_with_a_tree_mask(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A --tree-mask run wrote the causal run's file (same --out: one overwrote the other), and --batch took
+    --tree-mask silently (a batch decode step has no tree)."""
+    from specserve.cli import main
+
+    names = {csv_name(torch.float32, batch=b, tree_mask=t) for b, t in ((False, False), (False, True), (True, False))}
+    assert names == {"runner_float32.csv", "runner_float32_tree.csv", "runner_float32_batch.csv"}
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "runner", "--batch", "--tree-mask"])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

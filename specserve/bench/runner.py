@@ -60,8 +60,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 4, 16], help="new tokens per forward")
     p.add_argument("--context", type=non_negative_int, default=256, help="cached tokens before them")
     p.add_argument("--repeats", type=positive_int, default=15)
-    p.add_argument("--tree-mask", action="store_true", help="verify with an explicit mask, as trees do")
-    p.add_argument(
+    shape = p.add_mutually_exclusive_group()  # (a batch decode step has no tree)
+    shape.add_argument("--tree-mask", action="store_true", help="verify with an explicit mask, as trees do")
+    shape.add_argument(
         "--batch",
         action="store_true",
         help="rows are sequences: a plain decoding step of that many sequences, one new token each after --context",
@@ -74,6 +75,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="also time the runner with MKL-packed weights for these widths (ModelSpec.mkl_packed_widths)",
     )
     p.add_argument("--out", type=out_dir_arg, default=Path("bench_out/runner"))
+
+
+def csv_name(dtype: torch.dtype, *, batch: bool, tree_mask: bool) -> str:
+    """One file per dtype and forward shape: a tree-mask run beside a causal one in the same --out keeps both."""
+    mode = "_batch" if batch else "_tree" if tree_mask else ""
+    return f"runner_{str(dtype).removeprefix('torch.')}{mode}.csv"
 
 
 def weight_linears(model: LlamaModel) -> list[torch.Tensor]:
@@ -317,8 +324,7 @@ def run(args: argparse.Namespace) -> int:
         line += f" {rm_bare:>17.1f} {rm:>19.1f} {kp_bare:>16.1f} {kp:>18.1f} {up_bare:>18.1f} {up:>20.1f}"
         print(line + f" {sdpa:>15.1f} {f_bare:>18.1f} {f32r:>20.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    mode = "_batch" if args.batch else ""
-    path = args.out / f"runner_{str(model.dtype).removeprefix('torch.')}{mode}.csv"
+    path = args.out / csv_name(model.dtype, batch=args.batch, tree_mask=args.tree_mask)
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
         writer.writeheader()
