@@ -215,6 +215,10 @@ class Engine:
     ) -> list[Completion] | list[Completion | Exception]:
         """Generate for several prompts batched together; returns completions in prompt order (see ``collect`` for
         ``return_exceptions``)."""
+        if not isinstance(prompts, str | list | tuple):  # a dict's keys or a set's members are no prompts in order
+            hint = " (a chat's messages go in a list)" if isinstance(prompts, dict) else ""
+            what = type(prompts).__name__
+            raise InvalidRequestError(f"prompts are a prompt or a list of prompts, not a {what}{hint}")
         if isinstance(prompts, Sequence) and not isinstance(prompts, str) and len(prompts) == 0:
             raise InvalidRequestError(
                 "no prompts given: an empty list is neither a batch of prompts nor a prompt of tokens"

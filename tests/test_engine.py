@@ -458,6 +458,11 @@ def test_bad_engine_arguments_are_clear_errors(tiny: LlamaModel) -> None:
             Engine(tiny, None, eos_token_ids=eos)
     with pytest.raises(InvalidRequestError, match="no prompts given"):  # was read as one prompt of no tokens
         Engine(tiny, None, eos_token_ids=set()).generate([])
+    # a chat message outside its list ran its keys as two text prompts; a set's members ran in no order
+    with pytest.raises(InvalidRequestError, match=r"not a dict \(a chat's messages go in a list\)"):
+        Engine(tiny, None, eos_token_ids=set()).generate({"role": "user", "content": "hi"}, chat=True)
+    with pytest.raises(InvalidRequestError, match="not a set"):
+        Engine(tiny, None, eos_token_ids=set()).generate({(5, 6), (7, 8)})  # type: ignore[arg-type]
 
 
 def test_engine_settings_are_checked_when_the_engine_is_built(
