@@ -52,5 +52,5 @@ def huge_pages(environ: Mapping[str, str] = os.environ, setting: Path = THP_SETT
     mode = thp_mode(setting)
     if mode is None or mode == "never":
         return f"huge pages off (THP {mode or 'unknown'})"
-    asked = environ.get("THP_MEM_ALLOC_ENABLE", "0").strip() not in ("", "0")
+    asked = environ.get("THP_MEM_ALLOC_ENABLE") == "1"  # torch reads "1" and "0" alone (it ignores "true", " 1")
     return f"huge pages {'on' if asked or mode == 'always' else 'off'} (THP {mode})"
