@@ -184,3 +184,10 @@ def test_a_q4_1_tensor_that_is_not_a_matrix_is_no_linears_blocks() -> None:
         name="blk.0.attn_norm.weight", tensor_type=GGMLQuantizationType.Q4_1, shape=np.array([64]), data=np.zeros(40)
     )
     assert gguf_layer_blocks([norm], 4, 2) == {}
+
+
+def test_a_projection_the_int4_kernel_cannot_pack_is_refused_by_name() -> None:
+    """Output rows not a multiple of 16 raised torch's own error from the packing, midway through the load."""
+    with pytest.raises(UnsupportedModelError, match="native_q4: a projection of 24 output rows"):
+        Q4Linear(_random_blocks(24, 32))
+    assert Q4Linear(_random_blocks(16, 32)).out_features == 16

@@ -27,6 +27,7 @@ Q4_GROUP = 32  # weights per Q4_1 block (and per scale/zero group of the kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of nibbles
 Q8_0_BLOCK_BYTES = 34  # float16 d, 32 int8 values
 INNER_K_TILES = 2  # the packing layout the CPU kernel reads
+Q4_ROWS_MULTIPLE = 16  # the CPU kernel packs output rows in sixteens
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class Q4Linear(nn.Module):
     def __init__(self, blocks: Q4Blocks, dense_from: int | None = None) -> None:
         super().__init__()
         n, k = blocks.shape
+        if n % Q4_ROWS_MULTIPLE:
+            raise UnsupportedModelError(
+                f"native_q4: a projection of {n} output rows; torch's int4 CPU kernel packs multiples of "
+                f"{Q4_ROWS_MULTIPLE}"
+            )
         self.in_features, self.out_features = k, n
         self.dense_from = dense_from
         self.register_buffer("dense", None if dense_from is None else blocks.dequantize().to(torch.bfloat16))
