@@ -367,6 +367,23 @@ def test_an_id_is_checked_on_its_tokens_and_its_text_before_anything_past_it_is_
     assert _errors(changed) == ["resume_mismatch"] and _sent(changed) == ("", [])
 
 
+def test_a_resume_point_inside_a_character_is_refused_not_spliced() -> None:
+    """A point between a character's bytes, with its true CRC (a client's own id: every event ends on a whole
+    character), was accepted, and the rest began with the character's tail as U+FFFD: not the stream's text."""
+    from specserve.api.error_bodies import ResumeMismatchError
+    from specserve.api.resume import StreamCursor
+    from specserve.sequence import RequestStats
+
+    text = "é and ü"  # é is two bytes
+    out = RequestOutput("r", [5, 6, 7], text, None, 3, 3, RequestStats())
+    whole = StreamMark().after([5], "é".encode())  # a point the stream has: after the character
+    rest = StreamCursor(whole).advance(out)
+    assert rest is not None and rest.text == " and ü" and rest.token_ids == [6, 7]
+    inside = StreamMark().after([5], "é".encode()[:1])
+    with pytest.raises(ResumeMismatchError, match="falls inside a character"):
+        StreamCursor(inside).advance(out)
+
+
 def test_a_replay_that_goes_on_past_the_finish_event_is_refused(url: str) -> None:
     """The same request with a larger max_tokens reproduces the text up to the finish event: the rest used to be
     streamed after the finish_reason the client already had."""

@@ -99,7 +99,13 @@ class StreamCursor:
         self.mark = before.after(out.token_ids, text)
         cut = self.resume
         if self.text_crc_at_cut is None and cut.text_bytes <= self.mark.text_bytes:
-            self.text_crc_at_cut = zlib.crc32(text[: cut.text_bytes - before.text_bytes], before.text_crc)
+            inside = cut.text_bytes - before.text_bytes
+            if 0 < inside < len(text) and text[inside] & 0xC0 == 0x80:  # a UTF-8 continuation byte: no event ends
+                raise ResumeMismatchError(  # there, and the rest would start with the character's tail as U+FFFD
+                    f"the resume point {cut.render()} falls inside a character: it is no event of this stream",
+                    param=RESUME_PARAM,
+                )
+            self.text_crc_at_cut = zlib.crc32(text[:inside], before.text_crc)
         if self.token_crc_at_cut is None and cut.tokens <= self.mark.tokens:
             seen = _token_bytes(out.token_ids[: cut.tokens - before.tokens])
             self.token_crc_at_cut = zlib.crc32(seen, before.token_crc)
