@@ -1,7 +1,8 @@
 """Preallocated per-sequence KV slots: allocate, append, keep(indices) compaction, truncate, free.
 
 The cache owns all KV memory of one model. A forward pass appends its new tokens' K/V at the end of each
-slot (``begin_append``); speculative rollback is ``truncate`` (chains) or ``keep`` (trees).
+slot (``begin_append``); speculative rollback is ``keep`` for the target and a draft model (a tree's accepted path,
+or a chain's prefix, kept compacted) and ``truncate`` for the EAGLE head's own cache.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class DraftState:
     params: SamplingParams
     generator: torch.Generator | None
     feed: list[int]  # tokens fed at level 0: what the drafter has not cached yet, ending with the root
-    root_idx: int  # cache index (= position) of the root
+    root_idx: int  # a draft model's: cache index (= position) of the root; a head's: position of the root's pair
     tokens: list[int] = field(default_factory=list)  # chains: drafted tokens
     q_idx: list[torch.Tensor] = field(default_factory=list)  # sampled chains: [K] support of each draw
     q_prob: list[torch.Tensor] = field(default_factory=list)  # ... and its probabilities
