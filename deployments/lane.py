@@ -526,7 +526,7 @@ class Lane:
             generation = self.generations[WorkerRole.target]
             # a loss that convicts a request (its second alone) is explained: not one more in a row for the lane
             # (two killers in a batch lost four targets in a row and, at max_worker_restarts 3, the lane)
-            self._replace_lost(e, counted=not (ran and self._repeat_killer(group) is not None))
+            self._replace_lost(e, counted=not (ran and self._repeat_killer(group, only) is not None))
             if ran and self.generations[WorkerRole.target] != generation:  # its target was replaced (not its draft)
                 self._suspect_loss(group, only)
             self._report_queue()
@@ -675,7 +675,7 @@ class Lane:
         group &= {s.seq_id for s in self.loop.running}  # (none left: a free lane took them, or they were dropped)
         if not group:
             return
-        repeat = self._repeat_killer(group)
+        repeat = self._repeat_killer(group, only)
         if only is None:
             self._stepped = False
         elif self._probes and self._probes[0] == only:
@@ -693,11 +693,12 @@ class Lane:
             return  # between its two losses (at the front, the other half never ran and it was never failed)
         self._queue_halves(group)
 
-    def _repeat_killer(self, group: frozenset[int]) -> int | None:
-        """The one running sequence of ``group`` if its step alone has taken a target down before, with other steps
-        run since: the target lost now is its doing too."""
+    def _repeat_killer(self, group: frozenset[int], only: frozenset[int] | None) -> int | None:
+        """The one running sequence of ``group`` if its step alone (a probe: never a full step, which a lone request
+        on a flaky node takes too) has taken a target down before, with other steps run since: the target lost now
+        is its doing too."""
         running = group & {s.seq_id for s in self.loop.running}
-        if len(running) != 1 or not self._stepped:
+        if only is None or len(running) != 1 or not self._stepped:
             return None
         (suspect,) = running
         return suspect if suspect in self._killers else None

@@ -1676,6 +1676,21 @@ def test_two_requests_that_kill_their_target_are_both_found_and_failed(
         _release_and_stop([lane], [factory])
 
 
+def test_a_lone_request_on_a_node_that_loses_two_targets_a_few_steps_apart_goes_on(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """A batch of one is retried as it was after a loss, not probed: a second, unrelated loss a step after its step
+    ran clean on the new target must not convict it (a count of losses that convict had checked for a repeat before
+    the full step cleared the lane's record of steps run since)."""
+    factory = Factory(target, {0: "dies at 3", 1: "dies at 2"})
+    lane = _lane(target, factory)
+    try:
+        assert _run(lane, PROMPTS[:1]) == alone[:1]
+        assert lane.generations[WorkerRole.target] == 2
+    finally:
+        lane.stop()
+
+
 def test_a_node_that_kills_every_target_fails_no_request_for_it(target: LlamaModel) -> None:
     """Every target dies at its first step whatever it runs: the halves and lone steps die too, no step runs, so no
     request is taken for the culprit; the lane's requests go on elsewhere as lost (LaneLostError), none failed."""
