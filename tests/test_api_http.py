@@ -84,6 +84,8 @@ def test_a_request_refused_for_its_key_or_host_counts_as_invalid_only_on_the_gen
             wrong = {"authorization": "Bearer x"}
             assert httpx.post(url + "/v1/chat/completions", json=CHAT_OK, headers=wrong).status_code == 401
             assert httpx.get(url + "/metrics").status_code == 401 and httpx.get(url + "/v1/models").status_code == 401
+            for method in ("GET", "OPTIONS"):  # no generation request (with the key, a GET is an uncounted 405)
+                assert httpx.request(method, url + COMPLETIONS).status_code == 401
             assert requests_by_status(backend) == {"invalid": 2.0}
         with api_server(backend) as url:
             evil = {"Host": "evil.example"}

@@ -145,8 +145,8 @@ class RequestGuard:
         body: BaseModel,
         headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
-        if _route_path(scope) in GENERATION_PATHS:  # the counter is of generation requests, as routed ones
-            self.metrics.request_done(RequestStatus.invalid)
+        if scope["method"] == "POST" and _route_path(scope) in GENERATION_PATHS:  # the counter is of generation
+            self.metrics.request_done(RequestStatus.invalid)  # requests, as routed ones (a GET there is a 405)
         await _send_error(send, status, body, headers)
 
     def _host_allowed(self, scope: Scope) -> bool:
