@@ -1094,10 +1094,11 @@ def test_openais_other_forms_of_a_request_read_as_they_mean_or_are_refused_by_na
         (COMPLETIONS, b'{"prompt": "x", "metadata": {"\\ud800": ""}}', "metadata", "metadata: a key '\\ud800'"),
         (COMPLETIONS, b'{"prompt": "x", "stop": "\\ud800"}', "stop", "stop: the text '\\ud800'"),
         (COMPLETIONS, b'{"prompt": "x", "stop": ["a", "b\\ud800"]}', "stop", "stop.1: the text 'b\\ud800'"),
+        (COMPLETIONS, b'{"prompt": "x", "metadata": {"body": "\\ud800"}}', "metadata", "metadata.body: the text"),
         (CHAT, b'{"messages": [{"role": "user", "content": "x", "\\ud800": 1}]}', "messages", "messages.0: a key"),
         (CHAT, b'{"messages": [{"role": "\\ud800", "content": "x"}]}', "messages", "messages.0.role: the text"),
     ],
-    ids=["top-level-key", "metadata-key", "stop", "stop-list", "message-key", "role"],
+    ids=["top-level-key", "metadata-key", "stop", "stop-list", "metadata-body", "message-key", "role"],
 )
 def test_a_lone_surrogate_is_named_as_a_key_or_as_a_text(
     url: str, path: str, body: bytes, param: str | None, says: str

@@ -771,8 +771,8 @@ def _error(status: HTTPStatus, body: BaseModel, headers: dict[str, str] | None =
 def _at(body: object, loc: tuple[object, ...]) -> object:
     """The value at an error's location in the request body (union tags skipped), or None where it leads nowhere."""
     node = body
-    for part in loc:
-        if part == "body" or is_union_member(part):
+    for part in loc[1:] if loc[:1] == ("body",) else loc:  # (FastAPI's prefix; a metadata key may be "body" too)
+        if is_union_member(part) and not (isinstance(node, dict) and part in node):
             continue
         found = (isinstance(node, dict) and part in node) or (
             isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
@@ -787,7 +787,8 @@ def _validation_body(errors: list[dict[str, Any]], body: object) -> BaseModel:
     """All messages name their full location; ``param`` is the top-level request field of the first error."""
 
     def where(error: dict[str, Any]) -> list[str]:
-        return [str(p) for p in error.get("loc", ()) if p != "body" and not is_union_member(p)]
+        loc = tuple(error.get("loc", ()))
+        return [str(p) for p in (loc[1:] if loc[:1] == ("body",) else loc) if not is_union_member(p)]
 
     def describe(error: dict[str, Any]) -> str:
         loc, msg = ".".join(where(error)), str(error.get("msg", "invalid value"))
