@@ -46,7 +46,7 @@ def thp_mode(setting: Path = THP_SETTING) -> str | None:
 
 def huge_pages(environ: Mapping[str, str] = os.environ, setting: Path = THP_SETTING) -> str:
     """Whether torch's large CPU allocations get huge pages here, e.g. 'huge pages on (THP madvise)': torch asks for
-    them (``madvise``) when THP_MEM_ALLOC_ENABLE is set before its first allocation (off unless the environment
+    them (``madvise``) when THP_MEM_ALLOC_ENABLE is 1 before its first allocation (off unless the environment
     sets it: docs/benchmarks.md, "Huge pages for the weights and caches"); the kernel grants them in
     ``madvise`` mode only to those who ask, in ``always`` mode to every large allocation."""
     mode = thp_mode(setting)

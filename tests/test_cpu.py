@@ -153,7 +153,7 @@ def test_huge_pages_reads_the_kernels_mode_and_the_request(tmp_path: Path) -> No
     assert thp_mode(setting) == "madvise"
     assert huge_pages({"THP_MEM_ALLOC_ENABLE": "1"}, setting) == "huge pages on (THP madvise)"
     assert huge_pages({"THP_MEM_ALLOC_ENABLE": "0"}, setting) == "huge pages off (THP madvise)"
-    for ignored in ("true", " 1", "2"):  # torch warns and asks for none: they read as on
+    for ignored in ("true", " 1", "2"):  # torch warns and asks for none (they read as on)
         assert huge_pages({"THP_MEM_ALLOC_ENABLE": ignored}, setting) == "huge pages off (THP madvise)", ignored
     assert huge_pages({}, setting) == "huge pages off (THP madvise)"
     setting.write_text("[always] madvise never\n")
