@@ -159,6 +159,8 @@ def test_stream_options_include_obfuscation(url: str) -> None:
     for value in (False, None):
         options = {"include_usage": True, "include_obfuscation": value}
         assert httpx.post(url + CHAT, json=body | {"stream_options": options}).status_code == 200
+    unset = httpx.post(url + CHAT, json=body | {"stream_options": {"include_usage": None}})  # as vLLM: null is unset
+    assert unset.status_code == 200 and '"usage"' not in unset.text, unset.text
     for bad in (True, 0):
         r = httpx.post(url + CHAT, json=body | {"stream_options": {"include_obfuscation": bad}})
         assert r.status_code == 400 and "include_obfuscation" in r.json()["error"]["message"], r.text

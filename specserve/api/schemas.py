@@ -101,7 +101,7 @@ def _exactly(kind: type[bool] | type[int]) -> BeforeValidator:
 
 
 class StreamOptions(ClosedModel):
-    include_usage: StrictBool = False
+    include_usage: StrictBool | None = Field(default=False, description="null: false (as an SDK sends unset)")
     include_obfuscation: Annotated[Literal[False] | None, _exactly(bool)] = Field(
         default=None, description="only false or null: chunks carry no obfuscation padding"
     )
@@ -302,7 +302,7 @@ class GenerationRequest(ClosedModel):
 
     @property
     def include_usage_in_stream(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
 def _utf8(text: str) -> str:
