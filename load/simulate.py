@@ -20,11 +20,11 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -65,6 +65,8 @@ from specserve.models.llama import LlamaModel
 from specserve.policy import SequenceDSDE, verified_positions
 from specserve.policy.planner import SLPlanner
 from specserve.step_events import idle_fraction
+
+T = TypeVar("T")
 
 # ─────────────────────────── workload and settings ───────────────────────────
 
@@ -662,14 +664,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"{study.cost}: a plain step of one row costs 0 s in this cost model (every rate would be infinite)")
     study.out.mkdir(parents=True, exist_ok=True)
     report: list[str] = [f"# Simulated lane: {study.traces}", ""]
+
+    def or_usage_error(fitting: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        try:
+            return fitting(*args, **kwargs)
+        except ValueError as e:  # runs without recorded steps: no cost model to fit on them
+            p.error(f"{study.traces}: {e}")
+
     if study.validate_runs:
         val = []
         for mode in ValidationMode:
             for fit in FitKind:
-                try:
-                    val += validate(runs, mode, fit=fit, seed=study.seed, repeats=study.repeats)
-                except ValueError as e:  # runs without recorded steps: nothing to fit on
-                    p.error(f"{study.traces}: {e}")
+                val += or_usage_error(validate, runs, mode, fit=fit, seed=study.seed, repeats=study.repeats)
         write_csv(study.out / "validation.csv", val)
         table = markdown_table(
             val,
@@ -703,10 +709,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if study.roofline is not None:
         cost = study.roofline.cost_model()
     elif study.measure_target is not None:
-        try:
-            fitted = CostModel.fit(cost_samples(runs), study.fit)
-        except ValueError as e:  # runs without recorded steps: nothing to fit on
-            p.error(f"{study.traces}: {e}")
+        fitted = or_usage_error(CostModel.fit, cost_samples(runs), study.fit)
         try:
             cost = _measured(study, fitted)
         except SpecServeError as e:  # a model that cannot be found or loaded
@@ -715,10 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cost = given_cost
     else:
         samples = list(cost_samples(runs))
-        try:
-            cost = CostModel.fit(samples, study.fit, source=f"fit on {study.traces}")
-        except ValueError as e:  # runs without recorded steps: nothing to fit on
-            p.error(f"{study.traces}: {e}")
+        cost = or_usage_error(CostModel.fit, samples, study.fit, source=f"fit on {study.traces}")
         q = fit_quality(cost, samples)
         report += [
             "Cost model fit, summed-time error per component: " + ", ".join(f"{k} {v:+.1%}" for k, v in q.items()),

@@ -698,10 +698,8 @@ def _http_point(
         "mean_step_s": delta("specserve_step_seconds_sum") / steps if steps else float("nan"),
         "mean_batch": delta("specserve_batch_size_sum") / steps if steps else float("nan"),
         "mean_sl": delta("specserve_speculation_length_sum") / sl_n if sl_n else float("nan"),
-        "sl_cap_last": float("nan") if after is None else after.get("specserve_sl_cap", float("nan")),
-        "idle_fraction_last": float("nan")
-        if after is None
-        else after.get("specserve_straggler_idle_fraction", float("nan")),
+        "sl_cap_last": (after or {}).get("specserve_sl_cap", float("nan")),
+        "idle_fraction_last": (after or {}).get("specserve_straggler_idle_fraction", float("nan")),
     }
 
 
