@@ -34,6 +34,7 @@ from specserve.validated import Validated
 
 TINY_MODEL_NAME = "tiny"
 MAX_RETRY_AFTER_S = 3600  # a 429's Retry-After, however long the queue
+MAX_TIMEOUT_S = 30 * 24 * 3600.0  # a timeout's bound: far longer ones overflow the waits they reach (thread, Ray)
 _HTTP_DEFAULTS = HTTPOptions()
 
 
@@ -201,6 +202,7 @@ class AppArgs(LoopConfig):
     body_timeout_s: float = Field(
         default=_HTTP_DEFAULTS.body_timeout_s,
         gt=0.0,
+        le=MAX_TIMEOUT_S,
         allow_inf_nan=False,
         description="a body not received within this: 408",
     )
@@ -258,6 +260,7 @@ class AppArgs(LoopConfig):
     worker_idle_check_s: float | None = Field(
         default=10.0,
         gt=0.0,
+        le=MAX_TIMEOUT_S,
         allow_inf_nan=False,
         description="how often a lane with nothing to step checks that its workers answer (a dead one is replaced "
         "then, not when a request finds it); null: never",
@@ -278,6 +281,7 @@ class AppArgs(LoopConfig):
     worker_start_timeout_s: float = Field(
         default=900.0,
         gt=0.0,
+        le=MAX_TIMEOUT_S,
         allow_inf_nan=False,
         description="a worker actor that has not loaded its model within this is replaced (at a replica's start: "
         "the start fails, saying so)",
@@ -285,6 +289,7 @@ class AppArgs(LoopConfig):
     worker_call_timeout_s: float = Field(
         default=600.0,
         gt=0.0,
+        le=MAX_TIMEOUT_S,
         allow_inf_nan=False,
         description="a worker whose step call has not returned within this is replaced",
     )

@@ -980,11 +980,13 @@ def test_settings_that_would_fail_at_load_or_in_ray_are_refused_at_validation() 
 
 def test_a_deployment_refuses_lossy_speculation_and_endless_timeouts() -> None:
     """synthetic_accept (a benchmark mode: its tokens are the draft's, unchecked) validated in app.yaml and served
-    wrong text; an infinite worker timeout validated and then failed every request in ray.get."""
+    wrong text; an infinite worker timeout validated and then failed every request in ray.get, and a finite one too
+    long for the waits it reaches (1e10 s as the idle check: every lane thread died) validated too."""
     with pytest.raises(pydantic.ValidationError, match="synthetic_accept is a benchmark mode"):
         AppArgs.model_validate({"tiny": {}, "speculation": {"method": "chain", "synthetic_accept": 0.99}})
-    for field in ("worker_call_timeout_s", "worker_start_timeout_s", "body_timeout_s"):
-        for value in (float("inf"), float("nan")):
+    for field in ("worker_call_timeout_s", "worker_start_timeout_s", "body_timeout_s", "worker_idle_check_s"):
+        # 1e10 s: a lane's idle wait on its command queue overflowed (threading.TIMEOUT_MAX) and its thread died
+        for value in (float("inf"), float("nan"), 1e10):
             with pytest.raises(pydantic.ValidationError, match=field):
                 AppArgs.model_validate({"tiny": {}, field: value})
         assert getattr(AppArgs.model_validate({"tiny": {}, field: 30.0}), field) == 30.0
