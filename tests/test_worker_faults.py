@@ -1429,7 +1429,87 @@ def test_the_router_moves_requests_with_the_configured_failover_pause(monkeypatc
     router._moving = Moving()
     asyncio.run(router.submit(Request("r", [1, 2], SamplingParams(max_tokens=4))))
     assert len(made) == 1 and made[0]["backoff_s"] == 0.25 and made[0]["max_failovers"] == 5
+    assert made[0]["moving"] is router._moving  # the requests pausing before a move, which capacity counts
+    made[0]["on_failover"](1)
+    made[0]["on_rebalance"](0)
+    made[0]["on_rebalance"](0)
+    metrics = router._metrics.render().decode()  # each kind of move on its own counter, by the lane it left
+    assert 'specserve_request_failovers_total{lane="1"} 1.0' in metrics
+    assert 'specserve_requests_rebalanced_total{lane="0"} 2.0' in metrics
+    assert 'specserve_request_failovers_total{lane="0"}' not in metrics
     router.lanes = []
+
+
+def test_a_router_hands_its_lanes_the_room_and_spare_of_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each lane the router makes asks it for the free slots of the other serving lanes (less the requests on their
+    way) and whether another could take its requests. A lane made without them reads no room and no spare: full
+    lanes stop handing waiting requests on, and a lane loading its target keeps them, and every test of the lanes
+    (which pass their own) still passes."""
+    from types import SimpleNamespace
+
+    from deployments import router as router_module
+
+    made: list[SimpleNamespace] = []
+
+    class Made(SimpleNamespace):
+        def __init__(self, index: int, *rest: object, **options: Any) -> None:
+            super().__init__(index=index, options=options, alive=True, healthy=True, loading=False)
+            self.in_flight = self.handing_on = 0
+            made.append(self)
+
+    class Unstarted:  # (no actor)
+        def __init__(self) -> None:
+            pass
+
+        def start(self, geometry: KVGeometry) -> None:
+            pass
+
+    class Target(Unstarted, RemoteTarget):
+        pass
+
+    class Draft(Unstarted, RemoteDraft):
+        pass
+
+    class Workers:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def create(self, i: int, role: WorkerRole, attempt: int) -> RemoteTarget | RemoteDraft:
+            return Target() if role == WorkerRole.target else Draft()
+
+    async def infos(workers: object, timeout_s: float) -> tuple[object, object]:
+        info = SimpleNamespace(max_positions=512, vocab_size=64, eos_token_ids=[1], features=None)
+        return info, info
+
+    monkeypatch.setattr(router_module, "Lane", Made)
+    monkeypatch.setattr(router_module, "WorkerFactory", Workers)
+    monkeypatch.setattr(router_module, "get_current_placement_group", lambda: None)
+    replica = SimpleNamespace(app_name="a", replica_tag="r")
+    monkeypatch.setattr(router_module.serve, "get_replica_context", lambda: replica)
+    monkeypatch.setattr(router_module, "build_step_loop", lambda *args: object())
+    monkeypatch.setattr(router_module, "PromptEncoder", lambda *args: object())
+    monkeypatch.setattr(router_module, "eos_ids_of", lambda eos, tokenizer: eos)
+    cls = router_module.Router.func_or_class
+    monkeypatch.setattr(cls, "_model_infos", staticmethod(infos))
+    args = AppArgs.model_validate({"tiny": {}, "num_lanes": 3, "max_batch_size": 4, "freeze_gc": False})
+    router = cls.__new__(cls)
+    asyncio.run(router.__init__(args))
+    try:
+        assert router.lanes == made and [lane.index for lane in made] == [0, 1, 2]
+        made[1].in_flight, made[2].in_flight = 1, 4
+        assert [lane.options["room"]() for lane in made] == [3, 4, 7]  # free slots: 4, 3 and 0, the others' summed
+        made[0].loading = True  # loading: its slots are no room for the others
+        assert [lane.options["room"]() for lane in made] == [3, 0, 3]
+        made[2].handing_on = 1  # dropped by lane 2, not yet resubmitted: on its way to another lane
+        with router._moving.pausing():  # ... and one more pausing before its move
+            assert [lane.options["room"]() for lane in made] == [1, 0, 2]
+        assert [lane.options["spare"]() for lane in made] == [True, True, True]
+        made[1].healthy = made[2].alive = False
+        assert [lane.options["spare"]() for lane in made] == [False, False, False]  # lane 0 is loading
+        made[0].loading = False
+        assert [lane.options["spare"]() for lane in made] == [False, True, True]
+    finally:
+        router.lanes = []
 
 
 def test_a_replica_whose_workers_never_load_fails_its_start_with_a_message() -> None:
