@@ -138,7 +138,7 @@ class ServeMetrics:
         )
         self.failovers = Counter(
             "specserve_request_failovers",
-            "Requests moved to another lane after theirs lost its workers, by the lane that lost them",
+            "Requests sent on to another lane after theirs lost or was replacing its workers, or stopped, by that lane",
             ["lane"],
             registry=r,
         )
