@@ -179,6 +179,11 @@ def test_assisted_generation_skips_a_draft_transformers_cannot_hold(
     said = capsys.readouterr().out
     assert "no transformers twin for smollm2-q4's draft" in said and "for smollm2-eagle's draft (an EAGLE head)" in said
     assert loaded == [False, True, False, False]  # (target, draft) per twin: int8 for smollm2-int8's draft only
+    # a retyped target (--target-argmax full here) is not the pairs' own: every twin skipped, each saying so (the
+    # row vanished unexplained)
+    twins = spec._assisted_twins(args, ModelSpec(bounded_argmax=False), None)  # type: ignore[arg-type]
+    said = capsys.readouterr().out
+    assert twins == [] and all(f"{p}'s target is not the benchmarked target as loaded" in said for p in args.pairs)
 
 
 def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """`specserve bench spec`: speculative methods vs plain decoding (and transformers assisted generation).
 
 Batch 1, greedy (T = 0), the first turn of each prompt through the chat template, the same number of new tokens
-for every method (EOS ignored), every method side by side in one process, interleaved prompt by prompt (in turn
-forwards and backwards) so a noisy machine hits all of them alike. Per method: whether its output equals plain
+for every method (EOS ignored), every method side by side in one process, interleaved prompt by prompt (in
+balanced orders, ``run_order``) so a noisy machine hits all of them alike. Per method: whether its output equals plain
 greedy decoding token for token, tau (tokens per target forward incl. the bonus, and the EOS a stopped answer ends
 at, as the engine's own count), mean draft depth, tokens/s and the ratio to plain, and the drafting and verifying
 ms of a step that prefills no prompt (from the runs tok/s counts: each prompt's fastest repeat). Every engine (and
@@ -428,7 +428,8 @@ def _assisted_twins(
     twins = []
     for pair in args.pairs:
         draft_spec = MODEL_PAIRS[pair][1]
-        if MODEL_PAIRS[pair][0] != target_spec:
+        if MODEL_PAIRS[pair][0] != target_spec:  # another model, or the same one retyped (--dtype, --target-*)
+            print(f"--assisted: {pair}'s target is not the benchmarked target as loaded; skipped")
             continue
         if isinstance(draft_spec, HeadSpec):
             print(f"--assisted: no transformers twin for {pair}'s draft (an EAGLE head); skipped")
