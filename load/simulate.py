@@ -56,7 +56,7 @@ from specserve.bench.stats import (
     plot_sl,
     plot_workloads,
     tpot,
-    workload_slug,
+    workload_slugs,
     write_csv,
 )
 from specserve.config import Drafter, DType, SLPolicyKind, SpecConfig, SpecMethod
@@ -789,6 +789,7 @@ def plot_sim(rows: Sequence[dict[str, Any]], out: Path, cost_source: str = "") -
         prefix="sim",
         title=f"simulated lane: {{workload}}; cost model: {cost_source}",
     )
+    slugs = workload_slugs(str(r["workload"]) for r in rows)
     for workload in dict.fromkeys(r["workload"] for r in rows):
         sub = [r for r in rows if r["workload"] == workload and "_sims" in r]
         if not sub:
@@ -804,7 +805,7 @@ def plot_sim(rows: Sequence[dict[str, Any]], out: Path, cost_source: str = "") -
             for r in sub
             if r["batch"] == big
         ]
-        path = out / f"sim_sl_{workload_slug(workload)}.png"
+        path = out / f"sim_sl_{slugs[str(workload)]}.png"
         plot_sl(series, path, batch=big, title=f"simulated: {workload}")
 
 

@@ -59,6 +59,7 @@ from specserve.bench.stats import (
     p50_p99,
     plot_sl,
     plot_workloads,
+    workload_slugs,
     write_csv,
 )
 from specserve.config import MODEL_PAIRS, Drafter, DType, HeadQuant, HeadSpec, SpecConfig, SpecMethod
@@ -726,8 +727,9 @@ def plot_sl_traces(traces: Sequence[RunTrace], out: Path, prefix: str = "straggl
     """Drafted SL (tree depth) per row and step, the policy's SL before SL_cap where recorded, and SL_cap per step,
     for the DSDE policies at the largest batch."""
     paths = []
-    for kind in dict.fromkeys(t.workload for t in traces):
-        runs = [t for t in traces if t.workload == kind and t.repeat == 0 and t.policy.is_dsde]
+    slugs = workload_slugs(t.label for t in traces)
+    for label in dict.fromkeys(t.label for t in traces):
+        runs = [t for t in traces if t.label == label and t.repeat == 0 and t.policy.is_dsde]
         if not runs:
             continue
         big = max(t.batch for t in runs)
@@ -741,9 +743,8 @@ def plot_sl_traces(traces: Sequence[RunTrace], out: Path, prefix: str = "straggl
             for t in runs
             if t.batch == big
         ]
-        name = "synthetic" if kind == WorkloadKind.synthetic else "real"
-        title = f"SL distributions: {'SYNTHETIC' if name == 'synthetic' else 'real'} workload"
-        path = out / f"{prefix}_sl_{name}.png"
+        path = out / f"{prefix}_sl_{slugs[label]}.png"
+        title = f"SL distributions: {label}"
         paths.append(plot_sl(series, path, batch=big, title=title, sl_title="drafted SL / tree depth per row and step"))
     return paths
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,23 @@ def test_median_interval_takes_the_order_statistics_the_binomial_coverage_allows
     assert all(math.isnan(x) for x in median_interval([]))
     with pytest.raises(ValueError, match="confidence must be in"):
         median_interval([1.0, 2.0], 1.0)
+
+
+def test_each_workload_plots_to_its_own_file(tmp_path: Path) -> None:
+    """A report merging sweeps of two real workloads (other --categories) or two SYNTHETIC mixes wrote both to one
+    file: the second plot replaced the first. One workload of a kind keeps its short name."""
+    pytest.importorskip("matplotlib")
+    from specserve.bench.stats import plot_workloads
+
+    labels = ["real coding+writing", "real math", "SYNTHETIC 0.9/0.3", "SYNTHETIC 0.5"]
+    rows = [{"workload": w, "batch": b, "policy": "plain", "tok_s": 1.0 + b} for w in labels for b in (1, 2)]
+    paths = plot_workloads(rows, ["tok_s"], tmp_path, prefix="straggler", title="{workload}")
+    assert [p.name for p in paths] == [
+        "straggler_real_coding+writing.png",
+        "straggler_real_math.png",
+        "straggler_synthetic_0.9_0.3.png",
+        "straggler_synthetic_0.5.png",
+    ]
+    assert all(p.is_file() for p in paths)
+    one = plot_workloads(rows[:2] + rows[4:6], ["tok_s"], tmp_path, prefix="sim", title="{workload}")
+    assert [p.name for p in one] == ["sim_real.png", "sim_synthetic.png"]

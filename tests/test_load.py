@@ -964,8 +964,16 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
     argv += ["--workloads", "synthetic", "--requests-per-slot", "1", "--min-tokens", "8", "--max-tokens", "16"]
     argv += ["--repeats", "2"]
     assert straggler.main([*argv, "--out", str(out)]) == 0
-    assert {"straggler.csv", "traces.jsonl", "report.md", "straggler_synthetic.png"} <= {p.name for p in out.iterdir()}
+    names = {"straggler.csv", "traces.jsonl", "report.md", "straggler_synthetic.png", "straggler_sl_synthetic.png"}
+    assert names <= {p.name for p in out.iterdir()}
     assert "SYNTHETIC" in (out / "report.md").read_text()
+    # two mixes merged in one report: a plot each (the second had replaced the first, and the SL plot mixed them)
+    mixes = read_traces(out / "traces.jsonl")
+    mixes += [t.model_copy(update={"label": "SYNTHETIC 0.5"}) for t in mixes]
+    assert [p.name for p in straggler.plot_sl_traces(mixes, tmp_path)] == [
+        "straggler_sl_synthetic_0.9_0.3.png",
+        "straggler_sl_synthetic_0.5.png",
+    ]
     assert len(read_traces(out / "traces.jsonl")) == 2 * 2 * 4  # batch sizes x repeats x policies
     study_rows = list(csv.DictReader((out / "straggler.csv").open()))
     assert all(row["repeats"] == "2" for row in study_rows)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -153,9 +154,17 @@ def pyplot() -> Any:
     return plt
 
 
-def workload_slug(workload: str) -> str:
-    """File-name part of a workload label: "synthetic" for SYNTHETIC mixes, else "real"."""
-    return "synthetic" if workload.upper().startswith("SYNTHETIC") else "real"
+def workload_slugs(workloads: Iterable[str]) -> dict[str, str]:
+    """File-name part of each workload label: "synthetic" for SYNTHETIC mixes, else "real", where that kind has one
+    label here; else the kind and the label's own words (two real workloads, or two mixes, wrote one file)."""
+    labels = list(dict.fromkeys(workloads))
+    kind = {w: "synthetic" if w.upper().startswith("SYNTHETIC") else "real" for w in labels}
+    counts = Counter(kind.values())
+
+    def words(label: str) -> str:
+        return re.sub(r"[^A-Za-z0-9.+-]+", "_", label.split(" ", 1)[1] if " " in label else label).strip("_")
+
+    return {w: kind[w] if counts[kind[w]] == 1 else f"{kind[w]}_{words(w)}" for w in labels}
 
 
 def plot_by_batch(ax: Any, rows: Sequence[Mapping[str, Any]], metric: str, xlabel: str = "batch size") -> None:
@@ -181,10 +190,12 @@ def plot_workloads(
     dpi: int = 72,
 ) -> list[Path]:
     """One figure per workload: a panel per metric against batch size, one line per policy. Saved as
-    ``out/<prefix>_<real|synthetic>.png``; ``title`` may use ``{workload}``. Returns the paths written."""
+    ``out/<prefix>_<real|synthetic>.png`` (``workload_slugs``); ``title`` may use ``{workload}``. Returns the paths
+    written."""
     plt = pyplot()
     nrows, ncols = grid or (1, len(metrics))
     paths = []
+    slugs = workload_slugs(str(r["workload"]) for r in rows)
     for workload in dict.fromkeys(r["workload"] for r in rows):
         sub = [r for r in rows if r["workload"] == workload]
         fig, axes = plt.subplots(nrows, ncols, figsize=(panel_size[0] * ncols, panel_size[1] * nrows), squeeze=False)
@@ -193,7 +204,7 @@ def plot_workloads(
         axes.flat[0].legend(fontsize=7)
         fig.suptitle(title.format(workload=workload), fontsize=10)
         fig.tight_layout()
-        path = out / f"{prefix}_{workload_slug(str(workload))}.png"
+        path = out / f"{prefix}_{slugs[str(workload)]}.png"
         fig.savefig(path, dpi=dpi)
         plt.close(fig)
         paths.append(path)
