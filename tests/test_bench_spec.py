@@ -387,6 +387,12 @@ def test_a_rows_greedy_column_and_tau_come_from_the_outputs_against_plain() -> N
     outs = [done([5, 6, 7, 8], 2, 4), done([9, 9, 9, 3], 3, 3), done([1, 2, 3, 4], 1, 3)]
     row = _row(Method("chain", "pair", SpecConfig(method=SpecMethod.chain, sl=3)), outs, 2.0, plain, None)
     assert row["greedy_equal"] == pytest.approx(2 / 3)  # the second run's last token differs
+    # ... said under the table (a mismatch read only as a number in it, the run exiting 0 as if lossless)
+    from specserve.bench.spec import greedy_mismatches
+
+    same = _row(Method("plain", None, SpecConfig(method=SpecMethod.none)), outs[:1], 1.0, plain[:1], None)
+    said = greedy_mismatches([same | {"pass": 1, "category": "all"}, row | {"pass": 1, "category": "all"}])
+    assert said == ["warning: chain (pair, pass 1, all) differs from plain greedy decoding on 33.3% of its runs"]
     assert row["tau"] == pytest.approx(12 / 6) and row["rows_step"] == pytest.approx(10 / 6)
     assert row["tok_s"] == pytest.approx(6.0) and row["mean_depth"] == pytest.approx(2.0)
     # --stop-at-eos: the EOS the last forward emitted counts (token_ids leave it out): plain decoding's tau is 1

@@ -1,16 +1,16 @@
 """`specserve bench spec`: speculative methods vs plain decoding (and transformers assisted generation).
 
-Batch 1, greedy (T = 0), the first turn of each prompt through the chat template, the same number of new tokens
-for every method (EOS ignored), every method side by side in one process, interleaved prompt by prompt (in
-balanced orders, ``run_order``) so a noisy machine hits all of them alike. Per method: whether its output equals plain
-greedy decoding token for token, tau (tokens per target forward incl. the bonus, and the EOS a stopped answer ends
-at, as the engine's own count), mean draft depth, tokens/s and the ratio to plain, and the drafting and verifying
-ms of a step that prefills no prompt (from the runs tok/s counts: each prompt's fastest repeat). Every engine (and
-``--assisted``'s transformers models) runs the first prompt once untimed before the timed runs; assisted generation
-runs after the engines on each prompt, and its greedy_equal compares the tokens before the first EOS the engine
-emitted (transformers bans EOS to reach the same length: ``_same_greedy``). Every engine must hold the longest
-prompt and its answer within its context limit (its models' positions less one speculative step's headroom), or
-the run is refused.
+Batch 1, greedy (T = 0), the first turn of each prompt through the chat template, the same number of new tokens for
+every method (EOS ignored), every method side by side in one process, interleaved prompt by prompt (in balanced
+orders, ``run_order``) so a noisy machine hits all of them alike. Per method: whether its output equals plain greedy
+decoding token for token (a method that differs on any run is also named on stderr under the table), tau (tokens per
+target forward incl. the bonus, and the EOS a stopped answer ends at, as the engine's own count), mean draft depth,
+tokens/s and the ratio to plain, and the drafting and verifying ms of a step that prefills no prompt (from the runs
+tok/s counts: each prompt's fastest repeat). Every engine (and ``--assisted``'s transformers models) runs the first
+prompt once untimed before the timed runs; assisted generation runs after the engines on each prompt, and its
+greedy_equal compares the tokens before the first EOS the engine emitted (transformers bans EOS to reach the same
+length: ``_same_greedy``). Every engine must hold the longest prompt and its answer within its context limit (its
+models' positions less one speculative step's headroom), or the run is refused.
 Drafts: every ``--pairs`` entry that shares the target (an EAGLE head, a quantised copy), and with ``--drafters``
 the model-free drafters alone (``lookup``, ``suffix``) or leading the pair's draft (``lookup+model``,
 ``suffix+model``). ``--by-category`` adds a table per prompt category; ``--passes 2`` runs the prompts again
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -290,6 +291,17 @@ def _min_prob_label(spec: SpecConfig) -> str:
     if spec.adaptive_floor:
         return f" p>=measured (from {spec.tree_min_prob:g})"
     return f" p>={spec.tree_min_prob:g}" if spec.tree_min_prob > 0 else ""
+
+
+def greedy_mismatches(rows: list[dict[str, object]]) -> list[str]:
+    """A line for each row whose tokens differ from plain greedy decoding's on some run (its greedy_equal below 1:
+    a lossless method's never should, and its speed is then no like-for-like comparison)."""
+    return [
+        f"warning: {row['method']} ({row['draft']}, pass {row['pass']}, {row['category']}) differs from plain greedy "
+        f"decoding on {1 - float(cast(float, row['greedy_equal'])):.1%} of its runs"
+        for row in rows
+        if float(cast(float, row["greedy_equal"])) < 1.0
+    ]
 
 
 def measured_floors(methods: list[Method], engines: list[Engine]) -> list[str]:
@@ -830,6 +842,8 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(rows))
     for line in measured_floors(methods, engines):
         print(line)
+    for line in greedy_mismatches(rows):
+        print(line, file=sys.stderr)
     for other in sorted(set(plain_of) - {0}):  # another target's plain decoding against the first's
         same = sum(a.token_ids == b.token_ids for a, b in zip(outs[other], outs[0], strict=True))
         print(f"{methods[other].name}: the first plain's tokens on {same} of {len(outs[0])} runs")
