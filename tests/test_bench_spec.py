@@ -537,15 +537,36 @@ def test_the_guarded_row_of_a_target_variant_runs_its_pairs_serving_default(
 
 
 def test_model_free_drafters_with_only_methods_they_cannot_draft_are_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--drafters lookup --methods eagle2: no row but plain decoding's, and exit 0; now a usage error before any
     model loads."""
+    from specserve.bench import spec
     from specserve.cli import main
+    from tests.conftest import forbid_model_loads
+
+    forbid_model_loads(monkeypatch, spec)
 
     argv = ["bench", "spec", "--methods", "eagle2", "--drafters", "lookup", "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     assert "draft chains and DDD trees only" in capsys.readouterr().err
+    # beside the model drafter as well: the model's EAGLE-2 rows ran, the lookup rows vanished unsaid
+    assert main([*argv[:-2], "model", "suffix", "--out", str(tmp_path / "o")]) == 2
+    assert "the model-free --drafters lookup suffix draft chains and DDD trees only" in capsys.readouterr().err
+
+
+def test_head_variant_flags_without_a_head_pair_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--head-quant (or any head variant) with only draft-model pairs ran as if it were not given."""
+    from specserve.bench import spec
+    from specserve.cli import main
+    from tests.conftest import forbid_model_loads
+
+    forbid_model_loads(monkeypatch, spec)
+    argv = ["bench", "spec", "--pairs", "smollm2-int8", "--head-quant", "q4_1", "--head-reads", "f32"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    assert "--head-reads, --head-quant vary an EAGLE head's draft; no pair of this run" in capsys.readouterr().err
 
 
 def test_draft_vocab_sizes_a_head_cannot_take_are_refused_before_any_model_loads(

@@ -685,10 +685,31 @@ def check_settings(args: argparse.Namespace) -> None:
         except ValidationError as e:
             flags = {k: f"{flag} {v}" for k, (v, flag) in fields.items()}
             raise SettingsError(f"invalid arguments: {settings_problems(e, flags=flags)}") from None
-    if "model" not in args.drafters and not {"chain", "ddd"} & set(args.methods):  # they would run nothing
+    free = [d for d in args.drafters if d != "model"]
+    if free and not {"chain", "ddd"} & set(args.methods):  # they would run nothing (beside the model's rows)
         raise SettingsError(
-            f"--methods {' '.join(args.methods)}: the model-free --drafters {' '.join(args.drafters)} draft chains "
-            "and DDD trees only (add chain or ddd, or the model drafter)"
+            f"--methods {' '.join(args.methods)}: the model-free --drafters {' '.join(free)} draft chains "
+            "and DDD trees only (add chain or ddd)"
+        )
+
+
+def check_head_flags(args: argparse.Namespace, pairs: list[BenchPair]) -> None:
+    """The heads' variant flags need a pair drafting with a head: with none they compared nothing, unsaid."""
+    given = [
+        flag
+        for flag, value in (
+            ("--draft-vocab", args.draft_vocab),
+            ("--head-reads", args.head_reads),
+            ("--head-layer", args.head_layer),
+            ("--head-quant", args.head_quant),
+            ("--head-products", args.head_products),
+        )
+        if value
+    ]
+    if given and not any(isinstance(bp.draft, HeadSpec) for bp in pairs):
+        raise SettingsError(
+            f"{', '.join(given)} vary an EAGLE head's draft; no pair of this run drafts with one "
+            f"({', '.join(bp.label for bp in pairs)}; add a head pair or --heads)"
         )
 
 
@@ -722,6 +743,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecServeError("--assisted (transformers assisted generation) runs on the CPU only")
     check_settings(args)
     pairs = draft_pairs(args)
+    check_head_flags(args, pairs)
     check_draft_vocab(args, pairs)
     target_specs: list[ModelSpec] = []
     for bp in pairs:
