@@ -40,6 +40,7 @@ class PromptEncoder:
         at the start of every training text (the chat templates write it themselves). ``room``: the most tokens the
         prompt may have; one that cannot fit, whatever it tokenizes to, is refused before it is tokenized."""
         tokenizer = self._tokenizer()
+        _check_text(prompt, "the prompt", "prompt")
         self._check_fits(prompt, room, "prompt")
         return self._in_vocabulary(tokenizer.encode(prompt, add_special_tokens=True), "prompt")
 
@@ -58,6 +59,7 @@ class PromptEncoder:
         tokenizer = self.tokenizer
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
+        _check_text(messages, "a message", "messages")
         try:
             if room is not None and self.max_token_chars and _text_chars(messages) > room * self.max_token_chars:
                 rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -137,3 +139,25 @@ def _byte_level(spec: dict[str, Any]) -> bool:
         and not strips
         and any(p.get("type") == "ByteLevel" for p in steps)
     )
+
+
+def _check_text(value: object, what: str, param: str) -> None:
+    """Every string in ``value`` (a prompt, or messages: their keys and values, nested) must be text UTF-8 can
+    hold: a lone surrogate (what Python makes of bytes that are not UTF-8 in a command-line argument or file name)
+    reached the tokenizer, whose TypeError named none of it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"{what} is not UTF-8 text: character {e.start} is a lone surrogate (U+{ord(value[e.start]):04X}, "
+                "what Python makes of a byte that is not UTF-8)",
+                param=param,
+            ) from None
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_text(key, what, param)
+            _check_text(item, what, param)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_text(item, what, param)

@@ -463,3 +463,26 @@ def test_generate_on_a_model_without_a_chat_template_says_to_pass_no_chat(
     assert "has no chat template: pass --no-chat" in err and "Traceback" not in err
     assert main([*argv, "--no-chat"]) == 0
     assert "[2 tokens, finish_reason=length]" in capsys.readouterr().err
+
+
+def test_a_prompt_that_is_not_utf8_text_is_a_clear_error() -> None:
+    """Bytes that are not UTF-8 in a command-line prompt reach Python as lone surrogates: `generate --no-chat` died
+    with the tokenizer's TypeError and a traceback, and a chat prompt's error named only that TypeError."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specserve.errors import InvalidRequestError
+    from specserve.prompts import PromptEncoder
+
+    core = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1, "caf": 2}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    encoder = PromptEncoder(tokenizer, 3)
+    assert encoder.text("hi caf") == [1, 2] and encoder.chat([{"role": "user", "content": "hi"}]) == [1]
+    latin1 = b"hi caf\xe9".decode("utf-8", "surrogateescape")  # as sys.argv holds `caf\xe9` from a Latin-1 shell
+    with pytest.raises(InvalidRequestError, match=r"the prompt is not UTF-8 text: character 6 is a lone surrogate"):
+        encoder.text(latin1)
+    with pytest.raises(InvalidRequestError, match=r"a message is not UTF-8 text: character 6") as e:
+        encoder.chat([{"role": "user", "content": latin1}])
+    assert e.value.param == "messages"
