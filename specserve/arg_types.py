@@ -101,7 +101,10 @@ def present_device_arg(text: str) -> str:
 
 def out_dir_arg(text: str) -> Path:
     """``--out``: a directory results go to, checked before the run (not after it, the results lost): it, or the
-    nearest part of its path that exists, is a directory this process can write in."""
+    nearest part of its path that exists, is a directory this process can write in. An empty one is refused (Path
+    reads it as the current directory: a blank variable in a script wrote a head's files there)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path is no directory to write results to")
     path = Path(text)
     existing = next((p for p in (path, *path.parents) if p.exists()), Path.cwd())
     try:
@@ -116,6 +119,8 @@ def out_dir_arg(text: str) -> Path:
 
 def out_file_arg(text: str) -> Path:
     """``--out`` naming a file: its directory as ``out_dir_arg``, and not a directory itself."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path is no file to write results to")
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; this --out names the file results go to")
     out_dir_arg(str(Path(text).parent))

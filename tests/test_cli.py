@@ -59,6 +59,10 @@ def test_bad_generate_arguments_are_usage_errors(
         (["train-draft", "--out", "x", "--batch-size", "2048"], "argument --batch-size: must be at most 1024"),
         (["train-draft", "--out", "x", "--lr", "inf"], "argument --lr: must be a positive finite number"),
         (["train-draft", "--out", "x", "--work-dir", __file__], "is not a directory results can be written to"),
+        # an empty path was the current directory: a head's files and its work data went there
+        (["train-draft", "--out", ""], "argument --out: an empty path is no directory to write results to"),
+        (["train-draft", "--out", "x", "--work-dir", " "], "argument --work-dir: an empty path is no directory"),
+        (["bench", "overhead", "--out", ""], "argument --out: an empty path is no file to write results to"),
         (["bench", "attention", "--heads", "9", "--kv-heads", "4"], "--heads 9 is not a multiple of --kv-heads 4"),
         (["bench", "overhead", "--out", str(Path(__file__).parent)], "is a directory; this --out names the file"),
         (["bench", "llamacpp", "--workdir", __file__], "is not a directory results can be written to"),
