@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -177,8 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _console_safe() -> None:
+    """Text a console's encoding cannot hold (an ASCII or Latin-1 locale) is written escaped, not raised mid-line."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _console_safe()
     try:
         status = int(args.func(args))
         sys.stdout.flush()  # (a reader gone away shows here, not at the interpreter's exit)

@@ -490,3 +490,22 @@ def test_a_prompt_that_is_not_utf8_text_is_a_clear_error() -> None:
     with pytest.raises(InvalidRequestError, match=r"a message is not UTF-8 text: character 6") as e:
         encoder.chat([{"role": "user", "content": latin1}])
     assert e.value.param == "messages"
+
+
+def test_generate_writes_text_its_console_cannot_encode_escaped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an ASCII console (an ASCII or Latin-1 locale, PYTHONIOENCODING=ascii) the first token it could not encode
+    raised UnicodeEncodeError: a traceback after half a line."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from specserve.engine import Engine
+
+    outs = [SimpleNamespace(text=t, finish_reason=None, num_output_tokens=i + 1) for i, t in enumerate(["caf", "é ✓"])]
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="t"), stream=lambda prompt, params, chat: outs)
+    monkeypatch.setattr(Engine, "from_config", lambda config: engine)
+    console = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", console)
+    assert main(["generate", "hi", "--draft", "none"]) == 0
+    console.flush()
+    assert console.buffer.getvalue() == b"caf\\xe9 \\u2713\n"  # type: ignore[attr-defined]
