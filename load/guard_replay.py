@@ -30,6 +30,7 @@ from load.traces import read_traces
 from specserve.arg_types import batch_size, finite_float, non_negative_int, out_dir_arg, positive_float, positive_int
 from specserve.bench.policies import PolicyName
 from specserve.bench.stats import markdown_table, percentile, write_csv
+from specserve.console import console_safe
 from specserve.errors import SettingsError
 from specserve.guard import GuardConfig, ThroughputGuard
 from specserve.step_loop import CATCH_UP
@@ -206,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with console_safe():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.switch_s < 0:

@@ -60,6 +60,7 @@ from specserve.bench.stats import (
     write_csv,
 )
 from specserve.config import Drafter, DType, SLPolicyKind, SpecConfig, SpecMethod
+from specserve.console import console_safe
 from specserve.errors import SpecServeError, settings_problems
 from specserve.models.llama import LlamaModel
 from specserve.policy import SequenceDSDE, verified_positions
@@ -619,6 +620,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with console_safe():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     try:

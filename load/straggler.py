@@ -63,6 +63,7 @@ from specserve.bench.stats import (
     write_csv,
 )
 from specserve.config import MODEL_PAIRS, Drafter, DType, HeadQuant, HeadSpec, SpecConfig, SpecMethod
+from specserve.console import console_safe
 from specserve.engine import Engine
 from specserve.errors import settings_problems
 from specserve.guard import GuardConfig, ThroughputGuard
@@ -922,6 +923,11 @@ def report_from_traces(paths: Sequence[Path], out: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with console_safe():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "report":

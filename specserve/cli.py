@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from specserve.config import (
     SpecMethod,
     serving_speculation,
 )
+from specserve.console import console_safe
 from specserve.errors import SettingsError, SpecServeError, settings_problems
 from specserve.sampling import SamplingParams
 
@@ -178,16 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _console_safe() -> None:
-    """Text a console's encoding cannot hold (an ASCII or Latin-1 locale) is written escaped, not raised mid-line."""
-    for stream in (sys.stdout, sys.stderr):
-        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
-            stream.reconfigure(errors="backslashreplace")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    with console_safe():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    _console_safe()
     try:
         status = int(args.func(args))
         sys.stdout.flush()  # (a reader gone away shows here, not at the interpreter's exit)

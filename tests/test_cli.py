@@ -509,3 +509,23 @@ def test_generate_writes_text_its_console_cannot_encode_escaped(monkeypatch: pyt
     assert main(["generate", "hi", "--draft", "none"]) == 0
     console.flush()
     assert console.buffer.getvalue() == b"caf\\xe9 \\u2713\n"  # type: ignore[attr-defined]
+    assert console.errors == "strict"  # as it was: a caller running the command in-process keeps its streams
+
+
+@pytest.mark.parametrize("module", ["load.straggler", "load.simulate", "load.guard_replay", "specserve.bench.overhead"])
+def test_every_command_writes_text_its_console_cannot_encode_escaped(
+    module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m load.straggler report` into a folder named café on an ASCII console wrote its report, then took
+    the UnicodeEncodeError of its last line for a bad argument (exit 2)."""
+    import importlib
+    import io
+    import sys
+
+    command = importlib.import_module(module)
+    monkeypatch.setattr(command, "_main", lambda argv: print("wrote café/report.md") or 0)
+    console = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", console)
+    assert command.main([]) == 0
+    console.flush()
+    assert console.buffer.getvalue() == b"wrote caf\\xe9/report.md\n" and console.errors == "strict"

@@ -33,6 +33,7 @@ from specserve.bench.machine import cpu_summary
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import ModelSpec, SpecConfig
+from specserve.console import console_safe
 from specserve.engine import Engine
 from specserve.errors import SettingsError
 from specserve.heap import freeze_loaded_objects
@@ -244,6 +245,11 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with console_safe():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     return run(p.parse_args(argv))
