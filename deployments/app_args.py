@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, ModelWrapValidatorHandler, SecretStr, field_validator, model_validator
 
 from deployments.wire import FeatureWire
-from specserve.api.http_guard import API_KEY_ENV, HTTPOptions, checked_api_key, checked_hosts
+from specserve.api.http_guard import API_KEY_ENV, MAX_TIMEOUT_S, HTTPOptions, checked_api_key, checked_hosts
 from specserve.config import (
     DEFAULT_PAIR,
     FREEZE_GC_HELP,
@@ -34,7 +34,6 @@ from specserve.validated import Validated
 
 TINY_MODEL_NAME = "tiny"
 MAX_RETRY_AFTER_S = 3600  # a 429's Retry-After, however long the queue
-MAX_TIMEOUT_S = 30 * 24 * 3600.0  # a timeout's bound: far longer ones overflow the waits they reach (thread, Ray)
 _HTTP_DEFAULTS = HTTPOptions()
 
 

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specserve.api.http_guard import MAX_TIMEOUT_S
 from specserve.api.schemas import MAX_TEMPERATURE
 from specserve.bench.prompt_sets import BenchPrompt, mt_bench_prompts
 from specserve.bench.stats import tpot
@@ -323,9 +324,9 @@ class LoadSettings(BaseModel):
     policy: SLPolicyKind | None = None  # None: the deployment's default SL policy
     record_itl: bool = True
     seed: int = 0
-    timeout_s: float = Field(default=300.0, gt=0.0, allow_inf_nan=False)
-    wait_min_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
-    wait_max_s: float = Field(default=0.5, ge=0.0, allow_inf_nan=False)
+    timeout_s: float = Field(default=300.0, gt=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    wait_min_s: float = Field(default=0.0, ge=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    wait_max_s: float = Field(default=0.5, ge=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
 
     @staticmethod
     def parse_categories(spec: str) -> dict[str, float]:

@@ -43,6 +43,7 @@ from load.traces import (
     read_traces,
     refuse_repeats,
 )
+from specserve.api.http_guard import MAX_TIMEOUT_S
 from specserve.arg_types import batch_size, finite_float, out_dir_arg, present_device_arg
 from specserve.bench.batch_sweep import run_one
 from specserve.bench.machine import device_summary
@@ -158,7 +159,11 @@ class StudyConfig(BaseModel):
     out: Path = Path("bench_out/straggler")
     http_max_prompt_chars: int | None = Field(default=None, ge=1, description="HTTP mode: truncate prompt text")
     http_timeout_s: float = Field(
-        default=600.0, gt=0.0, allow_inf_nan=False, description="HTTP mode: a request's whole deadline, seconds"
+        default=600.0,
+        gt=0.0,
+        le=MAX_TIMEOUT_S,
+        allow_inf_nan=False,
+        description="HTTP mode: a request's whole deadline, seconds",
     )
     url: str | None = None  # HTTP mode: a deployment's base URL (loopback only unless SPECSERVE_ALLOW_REMOTE=1)
 

@@ -342,10 +342,18 @@ def test_remote_refused_unless_overridden(url: str, monkeypatch: pytest.MonkeyPa
 
 
 def test_load_settings_refuse_endless_timeouts_and_waits() -> None:
+    """inf, and a finite value the socket's or the sleep's clock cannot hold (1e10 s: an OverflowError out of httpx
+    ended the sweep with a traceback)."""
+    from load.straggler import StudyConfig
+
     for name in ("SPECSERVE_TIMEOUT_S", "SPECSERVE_WAIT_MIN_S", "SPECSERVE_WAIT_MAX_S"):
-        with pytest.raises(ValueError, match=name.removeprefix("SPECSERVE_").lower()):
-            LoadSettings.from_env({name: "inf"})
+        for value in ("inf", "1e10"):
+            with pytest.raises(ValueError, match=name.removeprefix("SPECSERVE_").lower()):
+                LoadSettings.from_env({name: value})
     assert LoadSettings.from_env({"SPECSERVE_TIMEOUT_S": "30"}).timeout_s == 30.0
+    with pytest.raises(ValueError, match="http_timeout_s"):
+        StudyConfig(http_timeout_s=1e10)
+    assert StudyConfig(http_timeout_s=30.0).http_timeout_s == 30.0
 
 
 def test_load_settings_from_env() -> None:

@@ -36,6 +36,8 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # a 503's Retry-After where nothing configures one: deployments' default worker_retry_s, the pause before a lane that
 # lost its workers tries again to bring them back
 UNAVAILABLE_RETRY_AFTER_S = 5
+# a timeout's bound (30 days): far longer ones overflow the waits they reach (a thread's, a socket's, Ray's)
+MAX_TIMEOUT_S = 30 * 24 * 3600.0
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # the Host names a keyless server answers by default
 
 
@@ -44,7 +46,11 @@ class HTTPOptions(BaseModel):
 
     max_request_bytes: int = Field(default=4 * 2**20, ge=1, description="larger request bodies get a 413")
     body_timeout_s: float = Field(
-        default=10.0, gt=0.0, description="a request body not fully received this long after the request started: 408"
+        default=10.0,
+        gt=0.0,
+        le=MAX_TIMEOUT_S,
+        allow_inf_nan=False,
+        description="a request body not fully received this long after the request started: 408",
     )
     api_key: SecretStr | None = Field(
         default=None, description="clients send `Authorization: Bearer <key>`; None: no authentication"
