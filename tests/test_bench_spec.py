@@ -553,6 +553,13 @@ def test_model_free_drafters_with_only_methods_they_cannot_draft_are_refused(
     # beside the model drafter as well: the model's EAGLE-2 rows ran, the lookup rows vanished unsaid
     assert main([*argv[:-2], "model", "suffix", "--out", str(tmp_path / "o")]) == 2
     assert "the model-free --drafters lookup suffix draft chains and DDD trees only" in capsys.readouterr().err
+    # the mirror case, and a flag only X+model trees read: the model's methods with no model drafter vanished unsaid
+    for extra, says in (
+        (["--drafters", "lookup", "--methods", "chain", "eagle2"], "--methods eagle2: EAGLE-2 trees are drafted by"),
+        (["--drafters", "model", "lookup", "--model-budget", "6"], "--model-budget: the model's tree budget under an"),
+    ):
+        assert main(["bench", "spec", *extra, "--out", str(tmp_path / "o")]) == 2
+        assert says in capsys.readouterr().err
 
 
 def test_head_variant_flags_without_a_head_pair_are_refused(

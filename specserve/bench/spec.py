@@ -691,6 +691,10 @@ def check_settings(args: argparse.Namespace) -> None:
             f"--methods {' '.join(args.methods)}: the model-free --drafters {' '.join(free)} draft chains "
             "and DDD trees only (add chain or ddd)"
         )
+    if "model" not in args.drafters and "eagle2" in args.methods:  # its rows vanished unsaid
+        raise SettingsError("--methods eagle2: EAGLE-2 trees are drafted by the model alone (add --drafters model)")
+    if args.model_budget is not None and not any(d.endswith("+model") for d in args.drafters):
+        raise SettingsError("--model-budget: the model's tree budget under an X+model drafter (give one in --drafters)")
 
 
 def check_head_flags(args: argparse.Namespace, pairs: list[BenchPair]) -> None:
