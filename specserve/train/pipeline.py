@@ -402,10 +402,15 @@ def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str
     return bar
 
 
+REQUEST_SEED_MODULUS = (1 << 63) - 25  # the largest prime below 2^63
+
+
 def request_seeds(chunk_seed: int, n: int) -> list[int]:
     """The draw seeds of a chunk's self-written requests, kept within a request seed's 63 bits: a chunk's seed
-    is ``--seed`` shifted by 20 bits, so seeds from 2^31 up overflowed them after all other data was made."""
-    return [((chunk_seed << 12) + i) & ((1 << 63) - 1) for i in range(n)]
+    is ``--seed`` shifted by 20 bits, so seeds from 2^31 up overflowed them after all other data was made. Taken
+    modulo a prime, not masked: a mask dropped ``--seed``'s bit 31, and seeds 2^31 apart drew the same requests
+    (below the modulus, as every seed under 2^31 is, a seed is its own)."""
+    return [((chunk_seed << 12) + i) % REQUEST_SEED_MODULUS for i in range(n)]
 
 
 def _seed(text: str) -> int:
