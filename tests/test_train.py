@@ -1066,6 +1066,13 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
             train_draft(target, tok, distill, tuned, tmp_path / "w2", tmp_path / "h2", log=lambda _: None)
     with pytest.raises(SettingsError, match="cannot hold the 2 special ids"):
         train_draft(target, tok, distill, replace(cfg, draft_vocab=1), tmp_path / "w3", tmp_path / "h3")
+
+    class _SpecialBeyond(_SpecialChatTokenizer):  # a ValueError traceback, after every conversation was made
+        all_special_ids = (1, 2, 600)
+
+    with pytest.raises(SettingsError, match=r"special ids \[600\] are outside the target's 512-token vocabulary"):
+        train_draft(target, _SpecialBeyond(), distill, cfg, tmp_path / "w9", tmp_path / "h9")
+    assert not (tmp_path / "w9").exists() or not any((tmp_path / "w9").rglob("chunk_*"))  # before any data
     with pytest.raises(SettingsError, match=r"larger than the target's vocabulary \(512\)"):  # was cut silently
         train_draft(target, tok, distill, replace(cfg, draft_vocab=10**6), tmp_path / "w6", tmp_path / "h6")
     too_long = replace(cfg.data, max_new_tokens=target.max_positions)

@@ -217,6 +217,11 @@ def train_draft(
             f"draft_vocab {cfg.draft_vocab} is larger than the target's vocabulary ({target.cfg.vocab_size})"
         )
     size = cfg.draft_vocab
+    if beyond := [i for i in forced if not 0 <= i < target.cfg.vocab_size]:  # (found only after all the data)
+        raise SettingsError(
+            f"the tokenizer's special ids {beyond} are outside the target's {target.cfg.vocab_size}-token vocabulary: "
+            "the draft vocabulary forces them in (a tokenizer that does not match the target?)"
+        )
     if size < len(forced):
         raise SettingsError(f"draft_vocab {size} cannot hold the {len(forced)} special ids forced into it: {forced}")
     answers = {"max_new_tokens": cfg.data.max_new_tokens if cfg.data.num_prompts or cfg.self_prompts else 0}
