@@ -1188,3 +1188,33 @@ def test_the_progress_bar_times_the_steps_of_this_process_after_a_resume(monkeyp
         bar(step, 100, 1.0, {})
     assert lines[0].startswith("train: step 51/100") and "(1.0s/step, 1 min left)" in lines[0]
     assert lines[-1].startswith("train: step 60/100") and "(1.0s/step, 1 min left)" in lines[-1]
+
+
+def test_provenance_records_the_text_passages_used_not_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This Python's stdlib documents ~1354 names: --text-passages 5000 used those and recorded 5000, and said
+    nothing (a short --corpus says so)."""
+    from specserve.train import pipeline
+
+    target, _, distill, train, cfg = _tiny_train_draft()
+
+    class _TextTokenizer(_SpecialChatTokenizer):  # encodes a passage's characters as ids, as chat_ids does
+        def encode(self, text: str, **_: object) -> list[int]:
+            return [ord(c) % 500 + 3 for c in text]
+
+    tok = _TextTokenizer()
+    given: list[int] = []
+
+    def few(n: int, seed: int = 0) -> list[tuple[str, str]]:
+        given.append(n)
+        return [("a", "b c"), ("b", "c a")]
+
+    monkeypatch.setattr(pipeline, "text_passages", few)
+    said: list[str] = []
+    pipeline.train_draft(
+        target, tok, distill, replace(cfg, text_passages=5), tmp_path / "w", tmp_path / "h", log=said.append
+    )
+    provenance = json.loads((tmp_path / "h" / "provenance.json").read_text())
+    assert given == [5] and provenance["data"]["text_passages"] == 2
+    assert any("--text-passages 5: the stdlib's docstrings give 2; using those" in line for line in said), said

@@ -274,8 +274,11 @@ def train_draft(
         )
         return list(iter_samples(chunks, aux=eagle3))
 
-    if cfg.text_passages:
-        samples += teacher_forced("text", text_passages(cfg.text_passages, cfg.data.seed), {"prompts": "text_passages"})
+    texts = text_passages(cfg.text_passages, cfg.data.seed) if cfg.text_passages else []
+    if len(texts) < cfg.text_passages:  # (this interpreter's stdlib holds so many documented names)
+        log(f"note: --text-passages {cfg.text_passages}: the stdlib's docstrings give {len(texts)}; using those")
+    if texts:
+        samples += teacher_forced("text", texts, {"prompts": "text_passages"})
     corpus_record = None
     if cfg.corpus_passages:
         files = corpus_files(list(cfg.corpus))
@@ -355,7 +358,7 @@ def train_draft(
                 **asdict(cfg.data),
                 "source": "specserve.train.seed_prompts (templates + Python stdlib docs), answered greedily by the "
                 "target through its chat template; never MT-bench",
-                "text_passages": cfg.text_passages,
+                "text_passages": len(texts),  # (the number asked for, where there were that many)
                 "text_source": "specserve.train.seed_prompts.text_passages: Python standard-library docstrings as "
                 "teacher-forced answers",
                 "lexicon_prompts": cfg.lexicon_prompts,
