@@ -185,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = ["specserve", *(sys.argv[1:] if argv is None else argv)]  # as given (provenance records it)
     try:
         status = int(args.func(args))
         sys.stdout.flush()  # (a reader gone away shows here, not at the interpreter's exit)

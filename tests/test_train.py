@@ -8,6 +8,7 @@ import argparse
 import json
 import platform
 import re
+import shlex
 import shutil
 from dataclasses import replace
 from importlib import resources
@@ -606,8 +607,10 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path, capsys: pytest
     paragraph = " ".join(f"Sentence {i} of the corpus says something plain." for i in range(8))
     (tmp_path / "corpus.txt").write_text("\n\n".join(f"{k}: {paragraph}" for k in range(6)))  # passages 0-4, 5
     args += ["--corpus", str(tmp_path / "corpus.txt"), "--corpus-passages", "5"]
-    assert main(["train-draft", "--quick", *args, "--wordnet-dir", str(wn), "--out", str(out)]) == 0
+    argv = ["train-draft", "--quick", *args, "--wordnet-dir", str(wn), "--out", str(out)]
+    assert main(argv) == 0
     prov = json.loads((out / "provenance.json").read_text())
+    assert prov["command"] == shlex.join(["specserve", *argv])  # the command run (it read pytest's own sys.argv)
     kept = prov["data"]["self_prompts_kept"]
     assert prov["data"]["self_prompts_asked"] == 5 and 1 <= kept <= 5
     assert prov["data"]["conversations"] == 8 + 3 + 2 + 6 + kept and prov["data"]["text_passages"] == 3
@@ -1197,7 +1200,7 @@ def test_provenance_records_the_text_passages_used_not_asked_for(
     nothing (a short --corpus says so)."""
     from specserve.train import pipeline
 
-    target, _, distill, train, cfg = _tiny_train_draft()
+    target, _, distill, _, cfg = _tiny_train_draft()
 
     class _TextTokenizer(_SpecialChatTokenizer):  # encodes a passage's characters as ids, as chat_ids does
         def encode(self, text: str, **_: object) -> list[int]:

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -562,7 +563,7 @@ def run(args: argparse.Namespace) -> int:
         done = asking_engine().generate([prefix] * n, params)
         return [c.token_ids if c.finish_reason is FinishReason.stop else None for c in done]
 
-    command = "specserve train-draft " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])
+    command = shlex.join(args.command_line)  # (one a shell runs again: a path with a space stays one argument)
     work = args.work_dir or args.out / "work"
     train_draft(target, tokenizer, distill, cfg, work, args.out, ask=ask, command=command)
     print(f"wrote {args.out}")
