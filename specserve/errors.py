@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -74,6 +74,9 @@ class InvalidRequestError(SpecServeError, ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles (across Ray) with its keyword fields
+        return (_rebuilt, (type(self), self.args, vars(self)))
+
 
 class PromptTooLongError(InvalidRequestError):
     """A prompt that cannot fit the room it is given, found before it is tokenized: it has at least ``fewest``
@@ -105,6 +108,18 @@ class PartialStepError(SpecServeError):
         super().__init__(f"{len(failures)} sequence(s) failed in a step: " + "; ".join(map(str, failures.values())))
         self.outputs = outputs
         self.failures = failures
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PartialStepError, (self.outputs, self.failures))
+
+
+def _rebuilt(cls: type[Exception], args: tuple[Any, ...], fields: dict[str, Any]) -> Exception:
+    """An error as pickled: its message arguments, then its fields set as they were (not passed to ``__init__``,
+    whose keyword-only fields its ``args`` leave out)."""
+    error = Exception.__new__(cls)
+    error.args = args
+    vars(error).update(fields)
+    return error
 
 
 MAX_CAUSE_DEPTH = 8
