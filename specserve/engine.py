@@ -138,6 +138,8 @@ class Engine:
 
     # -- prompts ---------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
+        """A prompt's ids: text (through the chat template with ``chat``), chat messages (the template always) or
+        token ids (as they are: ``chat`` applies to text)."""
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):  # chat messages
             return self.encoder.chat(prompt)  # type: ignore[arg-type]
         if isinstance(prompt, list):
@@ -224,6 +226,8 @@ class Engine:
                 "no prompts given: an empty list is neither a batch of prompts nor a prompt of tokens"
             )
         batch: list[Prompt] = [cast(Prompt, prompts)] if _is_single(prompts) else list(cast(Sequence[Prompt], prompts))
+        if isinstance(params, str):  # (a Sequence: its characters were counted as parameter sets)
+            raise InvalidRequestError("params are SamplingParams or a list of them, not a str")
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise InvalidRequestError(f"{len(batch)} prompts but {len(plist)} sampling parameter sets")
@@ -231,8 +235,8 @@ class Engine:
         try:
             for p, sp in zip(batch, plist, strict=True):
                 ids.append(self.submit(p, sp, chat=chat, speculation=speculation, cache_salt=cache_salt))
-        except Exception:  # a prompt that fails to encode or validate: the ones before it are not left running
-            self._drop(ids)
+        except BaseException:  # a prompt that fails to encode or validate, or a Ctrl-C while encoding a long batch:
+            self._drop(ids)  # the ones before it are not left running (their ids were never returned)
             raise
         return self.collect(ids, return_exceptions=True) if return_exceptions else self.collect(ids)
 
@@ -250,6 +254,8 @@ class Engine:
         and the requests not yet consumed are aborted; with ``return_exceptions`` every request runs to its end and a
         failed one's error takes its place in the list, as ``asyncio.gather`` does. A failure of the whole step
         raises either way."""
+        if isinstance(request_ids, str):  # (a Sequence: its characters were taken for ids)
+            raise InvalidRequestError(f"request_ids are a list of ids, not a str: [{request_ids!r}]?")
         ids = list(request_ids)
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"request ids given twice: {sorted({r for r in ids if ids.count(r) > 1})}")

@@ -504,3 +504,54 @@ def test_a_max_model_len_lowered_for_the_speculative_headroom_says_so(
     with caplog.at_level("WARNING", logger="specserve.limits"):
         Engine(tiny, None, max_model_len=positions - 64, eos_token_ids=set())
     assert "lowered" not in caplog.text
+
+
+def test_a_batch_interrupted_while_it_is_submitted_leaves_nothing_running(
+    tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while generate encodes a long batch of text prompts: the prompts submitted before it kept KV slots,
+    ran in every later call, and kept their outputs for the engine's life (their ids were never returned)."""
+    engine = Engine(tiny, None, max_batch_size=4, eos_token_ids=set())
+    submit = engine.submit
+    calls = itertools.count()
+
+    def interrupted(*args: object, **kwargs: object) -> str:
+        if next(calls) == 2:
+            raise KeyboardInterrupt
+        return submit(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS[:3], SamplingParams(max_tokens=8))
+    monkeypatch.undo()
+    done = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=4))
+    assert len(done) == 1 and not engine._outbox and not engine.loop.has_work
+    assert engine.loop.target.cache.num_free == 4
+
+
+def test_a_str_where_a_list_of_ids_or_params_goes_is_refused_by_name(tiny: LlamaModel) -> None:
+    """A str is a Sequence: collect("req-3") looked for the ids "r", "e", ... and generate(p, params="ab") counted
+    two parameter sets."""
+    engine = Engine(tiny, None, eos_token_ids=set())
+    with pytest.raises(InvalidRequestError, match="request_ids are a list of ids, not a str"):
+        engine.collect("req-3")
+    with pytest.raises(InvalidRequestError, match="params are SamplingParams or a list of them, not a str"):
+        engine.generate([PROMPTS[0]], "ab")  # type: ignore[arg-type]
+
+
+def test_the_library_errors_pickle_with_their_fields() -> None:
+    """Errors that cross a Ray call are pickled: a PromptTooLongError or PartialStepError could not be rebuilt
+    (their __init__ takes fields the message arguments leave out), and an InvalidRequestError came back without
+    its param."""
+    import pickle
+
+    from specserve.errors import PartialStepError, PromptTooLongError, SequenceError
+
+    for error in (
+        InvalidRequestError("bad top_p", param="top_p"),
+        PromptTooLongError("too long", param="prompt", fewest=9),
+        PartialStepError([], {3: SequenceError(3, "detok failed")}),
+    ):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+        assert {k: str(v) for k, v in vars(again).items()} == {k: str(v) for k, v in vars(error).items()}
