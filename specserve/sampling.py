@@ -28,6 +28,13 @@ class SamplingParams(Validated):
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
+    @field_validator("temperature", "top_k", "top_p", "seed", "max_tokens", mode="before")
+    @classmethod
+    def _not_bool(cls, v: object) -> object:  # (pydantic reads True as 1: top_k=True made a sampled request greedy)
+        if isinstance(v, bool):
+            raise ValueError(f"a number, not {v}")
+        return v
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, v: object) -> object:

@@ -223,6 +223,11 @@ def test_an_abort_cut_short_by_an_interrupt_leaves_later_aborts_running(
         {"seed": 2**64},
         {"stop": [""]},
         {"nonsense": 1},
+        # a bool read as 1 (top_k=True made a sampled request greedy), as the HTTP API refuses it
+        {"top_k": True},
+        {"max_tokens": True},
+        {"seed": False},
+        {"temperature": True},
     ],
 )
 def test_invalid_sampling_values_raise_naming_the_field(bad: dict) -> None:
