@@ -62,6 +62,12 @@ class Engine:
         eos_token_ids: set[int] | None = None,
         gpu_memory_utilization: float | None = None,
     ) -> None:
+        if not isinstance(model, LlamaModel):  # (an AttributeError deep in the build named neither)
+            raise SettingsError(f"model is a loaded LlamaModel (load_model(...)), not a {type(model).__name__}")
+        if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
+            raise SettingsError(
+                f"tokenizer is a transformers tokenizer (load_tokenizer(...)) or None, not a {type(tokenizer).__name__}"
+            )
         self.model = model
         self.tokenizer = tokenizer
         cfg = LoopConfig(

@@ -560,3 +560,14 @@ def test_the_library_errors_pickle_with_their_fields() -> None:
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error)
         assert {k: str(v) for k, v in vars(again).items()} == {k: str(v) for k, v in vars(error).items()}
+
+
+def test_an_engine_given_a_name_for_its_model_or_tokenizer_says_what_it_takes(tiny: LlamaModel) -> None:
+    """Engine(model, "HuggingFaceTB/SmolLM2-135M") died with "'str' object has no attribute 'eos_token_id'" deep in
+    the build."""
+    from specserve.errors import SettingsError
+
+    with pytest.raises(SettingsError, match=r"tokenizer is a transformers tokenizer \(load_tokenizer\(...\)\) or None"):
+        Engine(tiny, "HuggingFaceTB/SmolLM2-135M")  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match=r"model is a loaded LlamaModel \(load_model\(...\)\), not a str"):
+        Engine("smollm2-135m-instruct", None)  # type: ignore[arg-type]
