@@ -461,8 +461,11 @@ def test_the_largest_seed_gives_every_self_written_request_a_valid_draw_seed(tmp
     for s in (seeds[0], seeds[-1], max(seeds)):
         assert SamplingParams(temperature=1.0, seed=s).seed == s
     assert request_seeds(7, 2) == [7 * 4096, 7 * 4096 + 1]  # below the bound: the same draws as before
-    # seeds 2^31 apart drew the same requests (a mask dropped bit 31)
-    assert request_seeds(5 << 20, 1) == [5 << 32] and request_seeds((5 + (1 << 31)) << 20, 1) != [5 << 32]
+    # seeds 2^31 apart drew the same requests (a mask dropped bit 31; a modulus then shared 39 of a chunk's 64)
+    for chunk in range(3):
+        low, high = request_seeds((5 << 20) + chunk, 64), request_seeds(((5 + (1 << 31)) << 20) + chunk, 64)
+        assert not set(low) & set(high) and low[0] == (5 << 32) + (chunk << 12)
+    assert request_seeds(((1 << 32) - 1) << 20, 1) == [-(1 << 32)]  # the 64 bits as a signed seed
 
 
 def test_self_written_requests_are_filtered_and_never_the_evaluation_set() -> None:

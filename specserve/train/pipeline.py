@@ -411,15 +411,15 @@ def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str
     return bar
 
 
-REQUEST_SEED_MODULUS = (1 << 63) - 25  # the largest prime below 2^63
-
-
 def request_seeds(chunk_seed: int, n: int) -> list[int]:
-    """The draw seeds of a chunk's self-written requests, kept within a request seed's 63 bits: a chunk's seed
-    is ``--seed`` shifted by 20 bits, so seeds from 2^31 up overflowed them after all other data was made. Taken
-    modulo a prime, not masked: a mask dropped ``--seed``'s bit 31, and seeds 2^31 apart drew the same requests
-    (below the modulus, as every seed under 2^31 is, a seed is its own)."""
-    return [((chunk_seed << 12) + i) % REQUEST_SEED_MODULUS for i in range(n)]
+    """The draw seeds of a chunk's self-written requests: ``(chunk_seed << 12) + i`` read as a signed 64-bit integer
+    (a request seed's range; the draws read a seed's 64 bits alike either way). A chunk's seed is ``--seed`` shifted
+    by 20 bits, so seeds from 2^31 up overflowed 63 bits after all other data was made; a mask then dropped
+    ``--seed``'s bit 31, and seeds 2^31 apart drew the same requests. Below 2^63, as for every seed under 2^31, a
+    seed is its own."""
+    seeds = [(chunk_seed << 12) + i for i in range(n)]
+    assert all(0 <= s < 1 << 64 for s in seeds), "--seed below 2^32, a chunk's index below 2^20, n at most 4096"
+    return [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]
 
 
 def _seed(text: str) -> int:
