@@ -1088,6 +1088,10 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     with pytest.raises(SettingsError, match="lexicon_max_new_tokens"):
         train_draft(target, tok, distill, lexicon, tmp_path / "w5", tmp_path / "h5")
     assert asked == []  # no data was made for any
+    said.clear()  # a fine-tune keeping its head's map forces nothing in: it notes the ids the map lacks, as before
+    (head_dir / "vocab_map.json").write_text((tmp_path / "h8" / "vocab_map.json").read_text())
+    train_draft(target, _SpecialBeyond(), distill, tuned, tmp_path / "w10", tmp_path / "h10", log=said.append)
+    assert any("lacks this target's special ids [600]" in line for line in said), said
 
 
 class _SystemTurnTokenizer(_SpecialChatTokenizer):

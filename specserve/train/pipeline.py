@@ -218,11 +218,6 @@ def train_draft(
             f"draft_vocab {cfg.draft_vocab} is larger than the target's vocabulary ({target.cfg.vocab_size})"
         )
     size = cfg.draft_vocab
-    if beyond := [i for i in forced if not 0 <= i < target.cfg.vocab_size]:  # (found only after all the data)
-        raise SettingsError(
-            f"the tokenizer's special ids {beyond} are outside the target's {target.cfg.vocab_size}-token vocabulary: "
-            "the draft vocabulary forces them in (a tokenizer that does not match the target?)"
-        )
     if size < len(forced):
         raise SettingsError(f"draft_vocab {size} cannot hold the {len(forced)} special ids forced into it: {forced}")
     answers = {"max_new_tokens": cfg.data.max_new_tokens if cfg.data.num_prompts or cfg.self_prompts else 0}
@@ -234,6 +229,13 @@ def train_draft(
             )
     source = cfg.train.init_head
     has_map = source is not None and (source / VOCAB_MAP).exists()
+    beyond = [i for i in forced if not 0 <= i < target.cfg.vocab_size]
+    if beyond and not has_map:  # a new vocabulary forces them in (a ValueError after all the data had been made); a
+        # fine-tune keeps its head's map, and notes the special ids it lacks
+        raise SettingsError(
+            f"the tokenizer's special ids {beyond} are outside the target's {target.cfg.vocab_size}-token vocabulary: "
+            "the draft vocabulary forces them in (a tokenizer that does not match the target?)"
+        )
     # fine-tuning keeps the vocabulary the head was trained with: its map read and checked now, as its digest
     from specserve.models.loader import frequent_ids
 
