@@ -64,6 +64,10 @@ class Engine:
     ) -> None:
         if not isinstance(model, LlamaModel):  # (an AttributeError deep in the build named neither)
             raise SettingsError(f"model is a loaded LlamaModel (load_model(...)), not a {type(model).__name__}")
+        if draft is not None and not isinstance(draft, LlamaModel | EagleHead):
+            raise SettingsError(
+                f"draft is a loaded LlamaModel or EagleHead (load_draft(...)), not a {type(draft).__name__}"
+            )
         if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
             raise SettingsError(
                 f"tokenizer is a transformers tokenizer (load_tokenizer(...)) or None, not a {type(tokenizer).__name__}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 
+import numpy as np
 import torch
 from pydantic import ConfigDict, Field, field_validator
 
@@ -31,7 +32,7 @@ class SamplingParams(Validated):
     @field_validator("temperature", "top_k", "top_p", "seed", "max_tokens", mode="before")
     @classmethod
     def _not_bool(cls, v: object) -> object:  # (pydantic reads True as 1: top_k=True made a sampled request greedy)
-        if isinstance(v, bool):
+        if isinstance(v, bool | np.bool_):
             raise ValueError(f"a number, not {v}")
         return v
 

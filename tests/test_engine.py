@@ -228,6 +228,7 @@ def test_an_abort_cut_short_by_an_interrupt_leaves_later_aborts_running(
         {"max_tokens": True},
         {"seed": False},
         {"temperature": True},
+        {"top_k": np.True_},  # numpy's bool is no Python bool
     ],
 )
 def test_invalid_sampling_values_raise_naming_the_field(bad: dict) -> None:
@@ -546,8 +547,7 @@ def test_a_str_where_a_list_of_ids_or_params_goes_is_refused_by_name(tiny: Llama
 
 def test_the_library_errors_pickle_with_their_fields() -> None:
     """Errors that cross a Ray call are pickled: a PromptTooLongError or PartialStepError could not be rebuilt
-    (their __init__ takes fields the message arguments leave out), and an InvalidRequestError came back without
-    its param."""
+    (their __init__ takes fields the message arguments leave out)."""
     import pickle
 
     from specserve.errors import PartialStepError, PromptTooLongError, SequenceError
@@ -571,3 +571,7 @@ def test_an_engine_given_a_name_for_its_model_or_tokenizer_says_what_it_takes(ti
         Engine(tiny, "HuggingFaceTB/SmolLM2-135M")  # type: ignore[arg-type]
     with pytest.raises(SettingsError, match=r"model is a loaded LlamaModel \(load_model\(...\)\), not a str"):
         Engine("smollm2-135m-instruct", None)  # type: ignore[arg-type]
+    with pytest.raises(
+        SettingsError, match=r"draft is a loaded LlamaModel or EagleHead \(load_draft\(...\)\), not a str"
+    ):
+        Engine(tiny, None, draft="smollm2-eagle1")  # type: ignore[arg-type]
