@@ -56,6 +56,8 @@ def test_bad_generate_arguments_are_usage_errors(
         (["train-draft", "--out", "x", "--prompts", "-1"], "argument --prompts: must be at least 0, not -1"),
         (["train-draft", "--out", "x", "--prompts", "0"], "no training data"),
         (["train-draft", "--out", "x", "--seed", str(1 << 40)], "argument --seed: must be below 2^32"),
+        # a chunk's index past 2^20 (--batch-size 1) overflowed its request seeds after all other data was made
+        (["train-draft", "--out", "x", "--self-prompts", str((1 << 20) + 1)], "--self-prompts: must be at most"),
         (["train-draft", "--out", "x", "--batch-size", "2048"], "argument --batch-size: must be at most 1024"),
         (["train-draft", "--out", "x", "--lr", "inf"], "argument --lr: must be a positive finite number"),
         (["train-draft", "--out", "x", "--work-dir", __file__], "is not a directory results can be written to"),

@@ -424,6 +424,16 @@ def request_seeds(chunk_seed: int, n: int) -> list[int]:
     return [s - (1 << 64) if s >= 1 << 63 else s for s in seeds]
 
 
+MAX_SELF_PROMPTS = 1 << 20  # a chunk's index stays below 2^20 at any --batch-size (``request_seeds``)
+
+
+def _self_prompts(text: str) -> int:
+    value = non_negative_int(text)
+    if value > MAX_SELF_PROMPTS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SELF_PROMPTS}, not {value}")
+    return value
+
+
 def _seed(text: str) -> int:
     """``--seed``: 0 to 2^32 - 1 (the trainer derives per-step torch seeds from it, which must stay in 64 bits)."""
     value = non_negative_int(text)
@@ -456,7 +466,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--corpus-passages", type=non_negative_int, default=None, help="passages drawn from --corpus (default 2048)"
     )
     p.add_argument(
-        "--self-prompts", type=non_negative_int, default=0, help="user requests the target writes itself to ask"
+        "--self-prompts",
+        type=_self_prompts,
+        default=0,
+        help=f"user requests the target writes itself to ask (at most {MAX_SELF_PROMPTS})",
     )
     p.add_argument(
         "--lexicon-prompts",
