@@ -1092,6 +1092,18 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     (head_dir / "vocab_map.json").write_text((tmp_path / "h8" / "vocab_map.json").read_text())
     train_draft(target, _SpecialBeyond(), distill, tuned, tmp_path / "w10", tmp_path / "h10", log=said.append)
     assert any("lacks this target's special ids [600]" in line for line in said), said
+    # answers that fit the positions alone, not after their prompts: the data step found a lexicon prompt too long
+    # only after the seed prompts' data (hours, on the real target)
+    asked.clear()
+    near = target.max_positions - 3
+    wn = _mini_wordnet(tmp_path / "wn", "a sleeveless garment")
+    for settings, name in (
+        (replace(cfg, data=replace(cfg.data, max_new_tokens=near)), "max_new_tokens"),
+        (replace(cfg, lexicon_prompts=2, lexicon_max_new_tokens=near, wordnet_dir=wn), "lexicon_max_new_tokens"),
+    ):
+        with pytest.raises(SettingsError, match=rf"{name} {near}: the longest prompt \(\d+ tokens\) and its answer"):
+            train_draft(target, tok, distill, settings, tmp_path / "w11", tmp_path / "h11")
+    assert asked == []
 
 
 class _SystemTurnTokenizer(_SpecialChatTokenizer):

@@ -249,6 +249,12 @@ def train_draft(
             f"note: the draft vocabulary kept from {source} lacks this target's special ids {missing}: the head can "
             "never propose them (the target still emits them); train without --init-head to draft them"
         )
+    # the prompts the target answers, each fitting its answer in the target's positions: checked before any data (the
+    # data step found a lexicon prompt too long after the other data, hours in)
+    prompts = seed_prompts(cfg.data.num_prompts, cfg.data.seed) if cfg.data.num_prompts else []
+    asks = lexicon_prompts(cfg.lexicon_prompts, cfg.data.seed, cfg.wordnet_dir) if cfg.lexicon_prompts else []
+    check_answers_fit(tokenizer, prompts, cfg.data.max_new_tokens, target.max_positions, "max_new_tokens")
+    check_answers_fit(tokenizer, asks, cfg.lexicon_max_new_tokens, target.max_positions, "lexicon_max_new_tokens")
     data_dir = work_dir / "data"
     samples: list[Sample] = []
     written = {"target": cfg.target_name, "seed": cfg.data.seed, "aux_layers": aux_layers}  # what a chunk depends on
@@ -258,7 +264,6 @@ def train_draft(
     answered = written | {"max_new_tokens": cfg.data.max_new_tokens, "chunk_size": cfg.data.chunk_size}
     if cfg.data.num_prompts:
         claim_data_dir(data_dir, answered | {"prompts": "seed_prompts"})
-        prompts = seed_prompts(cfg.data.num_prompts, cfg.data.seed)
         chunks = build_dataset(
             distill, tokenizer, data_dir, prompts, cfg.data, lambda d, n: log(f"data: {d}/{n} conversations")
         )
@@ -298,7 +303,7 @@ def train_draft(
             distill,
             tokenizer,
             lexicon_dir,
-            lexicon_prompts(cfg.lexicon_prompts, cfg.data.seed, cfg.wordnet_dir),
+            asks,
             replace(cfg.data, max_new_tokens=cfg.lexicon_max_new_tokens),
             lambda d, n: log(f"lexicon: {d}/{n} conversations"),
         )
@@ -411,6 +416,21 @@ def _progress(log: Callable[[str], None]) -> Callable[[int, int, float, dict[str
             sys.stdout.flush()
 
     return bar
+
+
+def check_answers_fit(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int, positions: int, name: str
+) -> None:
+    """The longest of ``prompts`` through the chat template, and an answer of ``max_new_tokens``, fit ``positions``
+    (as ``generate_with_features`` needs them to)."""
+    if not prompts:
+        return
+    longest = max(len(chat_ids(tokenizer, p)) for p in prompts)
+    if (need := longest + max_new_tokens + 1) > positions:
+        raise SettingsError(
+            f"{name} {max_new_tokens}: the longest prompt ({longest} tokens) and its answer need {need} positions; "
+            f"the target has {positions}"
+        )
 
 
 def request_seeds(chunk_seed: int, n: int) -> list[int]:
