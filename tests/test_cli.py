@@ -164,14 +164,19 @@ def test_an_unwritable_out_dir_is_a_usage_error_before_any_work(
         (["bench", "batch", "--workloads", "synthetic", "--synthetic-mix", "1.5"], "--synthetic-mix"),
         (["bench", "batch", "--workloads", "synthetic", "--synthetic-mix", "0"], "--synthetic-mix"),
         (["bench", "spec", "--prompts", "/nonexistent/prompts.jsonl"], "prompts.jsonl"),
+        pytest.param(  # a KVCapacityError once the target's copies had loaded (its config is read: real_model)
+            ["bench", "runner", "--context", "8190", "--rows", "1", "4"],
+            "--context 8190 and --rows 4 need 8194 positions; the target has 8192",
+            marks=pytest.mark.real_model,
+        ),
     ],
 )
 def test_bench_settings_fail_before_any_model_loads(
     argv: list[str], says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from specserve.bench import batch_sweep, spec
+    from specserve.bench import batch_sweep, runner, spec
 
-    forbid_model_loads(monkeypatch, batch_sweep, spec)
+    forbid_model_loads(monkeypatch, batch_sweep, runner, spec)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err, err
