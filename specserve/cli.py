@@ -38,6 +38,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from specserve.engine import Engine
+    from specserve.models.loader import load_tokenizer
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -55,6 +56,10 @@ def _generate(args: argparse.Namespace) -> int:
         raise SettingsError(f"--method {args.method} needs a draft; --draft {args.draft} gives none for this model")
     if draft is not None and args.method is not None:
         speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
+    if not args.no_chat and load_tokenizer(target).chat_template is None:  # (before the models load, not after)
+        raise SettingsError(
+            f"{args.model}'s tokenizer has no chat template: pass --no-chat to send the prompt as it is"
+        )
     engine = Engine.from_config(
         EngineConfig(
             target=target,
@@ -67,10 +72,6 @@ def _generate(args: argparse.Namespace) -> int:
             freeze_gc=True,  # this process serves one engine until it exits
         )
     )
-    if not args.no_chat and engine.tokenizer is not None and engine.tokenizer.chat_template is None:
-        raise SettingsError(
-            f"{args.model}'s tokenizer has no chat template: pass --no-chat to send the prompt as it is"
-        )
     last = None
     for out in engine.stream(args.prompt, params, chat=not args.no_chat):
         sys.stdout.write(out.text)

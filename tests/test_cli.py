@@ -511,6 +511,7 @@ def test_generate_writes_text_its_console_cannot_encode_escaped(monkeypatch: pyt
     outs = [SimpleNamespace(text=t, finish_reason=None, num_output_tokens=i + 1) for i, t in enumerate(["caf", "é ✓"])]
     engine = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="t"), stream=lambda prompt, params, chat: outs)
     monkeypatch.setattr(Engine, "from_config", lambda config: engine)
+    monkeypatch.setattr("specserve.models.loader.load_tokenizer", lambda spec: engine.tokenizer)
     console = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
     monkeypatch.setattr(sys, "stdout", console)
     assert main(["generate", "hi", "--draft", "none"]) == 0
@@ -536,3 +537,20 @@ def test_every_command_writes_text_its_console_cannot_encode_escaped(
     assert command.main([]) == 0
     console.flush()
     assert console.buffer.getvalue() == b"wrote caf\\xe9/report.md\n" and console.errors == "strict"
+
+
+def test_generate_says_a_tokenizer_has_no_chat_template_before_the_models_load(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said so only once the target and its draft had loaded (minutes, for a large model on a CPU)."""
+    from types import SimpleNamespace
+
+    from specserve.engine import Engine
+
+    def loaded(config: object) -> None:
+        raise AssertionError("the models loaded before the tokenizer was checked")
+
+    monkeypatch.setattr(Engine, "from_config", loaded)
+    monkeypatch.setattr("specserve.models.loader.load_tokenizer", lambda spec: SimpleNamespace(chat_template=None))
+    assert main(["generate", "hi", "--draft", "none"]) == 2
+    assert "tokenizer has no chat template: pass --no-chat" in capsys.readouterr().err

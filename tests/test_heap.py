@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,6 +90,7 @@ def test_specserve_generate_asks_its_engine_to_freeze(monkeypatch: pytest.Monkey
         raise Built
 
     monkeypatch.setattr(Engine, "from_config", staticmethod(capture))
+    monkeypatch.setattr("specserve.models.loader.load_tokenizer", lambda spec: SimpleNamespace(chat_template="t"))
     with pytest.raises(Built):
         main(["generate", "hello", "--max-tokens", "1"])
     assert configs[0].freeze_gc
