@@ -1051,6 +1051,14 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     provenance = json.loads((head_dir / "provenance.json").read_text())
     assert provenance["init_head_sha256"] == before != provenance["sha256"]
     assert provenance["init_head_trained_for"] == "tiny"
+    # a fine-tune on fewer prompts still counts its starting head's: the agreement benchmark's held-out prompts
+    # started past the fine-tune's own 2, inside the 4 its starting head trained on
+    from specserve.bench.agreement import trained_prompts
+
+    fewer = replace(tuned, data=replace(tuned.data, num_prompts=2))
+    train_draft(target, tok, distill, fewer, tmp_path / "w12", tmp_path / "h12", log=lambda _: None)
+    seen = json.loads((tmp_path / "h12" / "provenance.json").read_text())["prompts_seen"]
+    assert seen == {"seeds": 4, "lexicon": 0} == trained_prompts([str(tmp_path / "h12")])
     said: list[str] = []  # a head trained for another target: fine-tuned (its shapes fit), with a note
     train_draft(
         target, tok, distill, replace(tuned, target_name="other"), tmp_path / "w7", tmp_path / "h7", log=said.append

@@ -16,7 +16,6 @@ is certain (the head lacks what the target knows: data, not luck).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MAX_BATCH_SIZE, MODEL_PAIRS, HeadSpec
 from specserve.engine import Engine
-from specserve.errors import CorruptModelError, InvalidRequestError
+from specserve.errors import InvalidRequestError
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.sampling import SamplingParams
@@ -35,7 +34,7 @@ from specserve.spec_decode.eagle_head import EagleHead, dense_weight
 from specserve.train.distill import Conversation, Features, chat_ids, target_features
 from specserve.train.lexicon_prompts import lexicon_prompts
 from specserve.train.seed_prompts import seed_prompts
-from specserve.train.trainer import TrainConfig, ttt_loss
+from specserve.train.trainer import TrainConfig, prompts_seen, ttt_loss
 
 SETS = ("mt-bench", "seeds", "lexicon")
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99)  # lower edges of the target-probability buckets
@@ -160,18 +159,11 @@ def confidence_rows(
 
 def trained_prompts(heads: list[str]) -> dict[str, int]:
     """How many of the seed and lexicon prompts (each set's first n, seed 0) any of ``heads`` trained on, from
-    their provenance.json; 0 for a head without one."""
+    their provenance.json (``prompts_seen``)."""
     counts = {"seeds": 0, "lexicon": 0}
     for h in heads:
-        provenance = HeadSpec(head=h).path() / "provenance.json"
-        if not provenance.exists():
-            continue
-        try:  # (a train-draft run cut off while writing it, or a file of another kind)
-            data = json.loads(provenance.read_text()).get("data", {})
-            seeds, lexicon = int(data.get("num_prompts") or 0), int(data.get("lexicon_prompts") or 0)
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError) as e:
-            raise CorruptModelError(f"{provenance}: not a provenance record of train-draft ({e})") from None
-        counts["seeds"], counts["lexicon"] = max(counts["seeds"], seeds), max(counts["lexicon"], lexicon)
+        seen = prompts_seen(HeadSpec(head=h).path())
+        counts = {k: max(v, seen[k]) for k, v in counts.items()}
     return counts
 
 

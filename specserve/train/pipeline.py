@@ -59,7 +59,14 @@ from specserve.train.distill import (
 from specserve.train.lexicon_prompts import WORDNET_DIR, check_wordnet, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
 from specserve.train.self_prompts import AskFn, mt_bench_runs, self_prompts, user_turn_prefix
-from specserve.train.trainer import PROVENANCE_FILE, TrainConfig, check_starting_head, train_head, write_provenance
+from specserve.train.trainer import (
+    PROVENANCE_FILE,
+    TrainConfig,
+    check_starting_head,
+    prompts_seen,
+    train_head,
+    write_provenance,
+)
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
 NO_DATA = "no training data: ask for seed prompts, text passages, corpus passages, lexicon or self-written prompts"
@@ -242,6 +249,7 @@ def train_draft(
     inherited_ids = frequent_ids(source, size, target.cfg.vocab_size) if source is not None and has_map else None
     inherited = (source / VOCAB_MAP).read_text() if source is not None and has_map else None  # (checked readable)
     init_sha256 = None if source is None else sha256_file(weights_path(source))  # (before --out overwrites it)
+    init_seen = {"seeds": 0, "lexicon": 0} if source is None else prompts_seen(source)  # (... and its provenance)
     # (an EAGLE-3 head keeps its own draft ids whatever --draft-vocab says: its vocab_map's prefix is not them)
     kept = start.draft_ids.cpu() if start is not None and eagle3 else inherited_ids
     if kept is not None and (missing := sorted(set(forced) - set(kept.tolist()))):  # said, not refused (as above)
@@ -387,6 +395,12 @@ def train_draft(
             },
             "train": asdict(cfg.train),
             "draft_vocab": {"size": int(draft_ids.numel()), "coverage": coverage(counts, draft_ids)},
+            # what it has trained on, its starting head's included: the agreement benchmark's held-out sets start
+            # past them (a fine-tune's own counts alone put them inside its starting head's training prompts)
+            "prompts_seen": {
+                "seeds": max(cfg.data.num_prompts, init_seen["seeds"]),
+                "lexicon": max(cfg.lexicon_prompts, init_seen["lexicon"]),
+            },
             "init_head_sha256": init_sha256,
             "init_head_trained_for": None if start is None else start.trained_for,
             "seconds": {"data": round(t_data), "train": round(t_train)},

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.durable import drop_leftovers, write_durably
-from specserve.errors import SettingsError, TrainingDivergedError
+from specserve.errors import CorruptModelError, SettingsError, TrainingDivergedError
 from specserve.models.llama import LlamaModel, apply_rope, rms_norm
 from specserve.models.sources import sha256_file
 from specserve.spec_decode.eagle_head import EagleHead, EagleHeadConfig, HeadKind, dense_weight
@@ -395,4 +395,21 @@ def write_provenance(out: Path, info: dict[str, object]) -> None:
     write_durably(out / PROVENANCE_FILE, lambda tmp: tmp.write_text(text))
 
 
-__all__ = ["TrainConfig", "column_of", "train_head", "ttt_loss", "ttt_mask", "write_provenance"]
+def prompts_seen(head_dir: Path) -> dict[str, int]:
+    """How many of the seed and lexicon prompts (each set's first n) a head trained on, its starting heads' included,
+    from its provenance.json ({"seeds": 0, "lexicon": 0} for a head without one, a published head)."""
+    provenance = head_dir / PROVENANCE_FILE
+    if not provenance.exists():
+        return {"seeds": 0, "lexicon": 0}
+    try:  # (a train-draft run cut off while writing it, or a file of another kind)
+        record = json.loads(provenance.read_text())
+        seen = record.get("prompts_seen")  # (recorded since fine-tunes carry their starting head's counts)
+        if seen is None:
+            data = record.get("data", {})
+            seen = {"seeds": data.get("num_prompts"), "lexicon": data.get("lexicon_prompts")}
+        return {"seeds": int(seen.get("seeds") or 0), "lexicon": int(seen.get("lexicon") or 0)}
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError) as e:
+        raise CorruptModelError(f"{provenance}: not a provenance record of train-draft ({e})") from None
+
+
+__all__ = ["TrainConfig", "column_of", "prompts_seen", "train_head", "ttt_loss", "ttt_mask", "write_provenance"]
