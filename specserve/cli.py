@@ -56,7 +56,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise SettingsError(f"--method {args.method} needs a draft; --draft {args.draft} gives none for this model")
     if draft is not None and args.method is not None:
         speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
-    if not args.no_chat and load_tokenizer(target).chat_template is None:  # (before the models load, not after)
+    tokenizer = load_tokenizer(target)
+    if not args.no_chat and tokenizer.chat_template is None:  # (before the models load, not after)
         raise SettingsError(
             f"{args.model}'s tokenizer has no chat template: pass --no-chat to send the prompt as it is"
         )
@@ -70,7 +71,8 @@ def _generate(args: argparse.Namespace) -> int:
             device=args.device,
             max_batch_size=1,
             freeze_gc=True,  # this process serves one engine until it exits
-        )
+        ),
+        tokenizer=tokenizer,  # (loaded once: a GGUF source's is hashed whole to find its conversion)
     )
     last = None
     for out in engine.stream(args.prompt, params, chat=not args.no_chat):

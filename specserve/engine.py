@@ -125,12 +125,13 @@ class Engine:
         self._lock = threading.RLock()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
+    def from_config(cls, config: EngineConfig, *, tokenizer: PreTrainedTokenizerBase | None = None) -> Engine:
+        """``tokenizer``: the target's, where the caller has loaded it already (else loaded here)."""
         model = load_model(config.target, device=config.device)
         draft = None if config.draft is None else load_draft(config.draft, model, device=config.device)
         engine = cls(
             model,
-            load_tokenizer(config.target),
+            load_tokenizer(config.target) if tokenizer is None else tokenizer,
             draft=draft,
             speculation=config.speculation,
             max_batch_size=config.max_batch_size,

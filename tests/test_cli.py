@@ -510,7 +510,7 @@ def test_generate_writes_text_its_console_cannot_encode_escaped(monkeypatch: pyt
 
     outs = [SimpleNamespace(text=t, finish_reason=None, num_output_tokens=i + 1) for i, t in enumerate(["caf", "é ✓"])]
     engine = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="t"), stream=lambda prompt, params, chat: outs)
-    monkeypatch.setattr(Engine, "from_config", lambda config: engine)
+    monkeypatch.setattr(Engine, "from_config", lambda config, tokenizer: engine)
     monkeypatch.setattr("specserve.models.loader.load_tokenizer", lambda spec: engine.tokenizer)
     console = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
     monkeypatch.setattr(sys, "stdout", console)
@@ -547,7 +547,7 @@ def test_generate_says_a_tokenizer_has_no_chat_template_before_the_models_load(
 
     from specserve.engine import Engine
 
-    def loaded(config: object) -> None:
+    def loaded(config: object, tokenizer: object) -> None:
         raise AssertionError("the models loaded before the tokenizer was checked")
 
     monkeypatch.setattr(Engine, "from_config", loaded)

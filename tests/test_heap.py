@@ -85,7 +85,7 @@ def test_specserve_generate_asks_its_engine_to_freeze(monkeypatch: pytest.Monkey
 
     configs: list[EngineConfig] = []
 
-    def capture(config: EngineConfig) -> Engine:
+    def capture(config: EngineConfig, tokenizer: object) -> Engine:
         configs.append(config)
         raise Built
 
