@@ -134,9 +134,11 @@ def write_gguf(
     floats: dict[str, float] | None = None,
     ints: dict[str, int] | None = None,
     extra: dict[str, np.ndarray] | None = None,
+    extra_merges: tuple[str, ...] = (),
 ) -> Path:
     """``head_count`` (0: none written), ``tensors`` (GGUF names, as stored) and ``rope_dims`` replace the model's
-    own; ``floats`` / ``ints``: extra float32 / uint32 metadata; ``extra``: tensors written besides the model's."""
+    own; ``floats`` / ``ints``: extra float32 / uint32 metadata; ``extra``: tensors written besides the model's;
+    ``extra_merges``: BPE merges written after the vocabulary's own."""
     import gguf
 
     cfg = model.config
@@ -161,7 +163,7 @@ def write_gguf(
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
-    writer.add_token_merges(merges)
+    writer.add_token_merges(merges + list(extra_merges))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(2)
@@ -792,6 +794,75 @@ def test_a_conversion_damaged_within_its_sizes_names_the_command_that_converts_i
     with pytest.raises(CorruptModelError, match="holds NaN or infinite values") as info:
         load_model(spec)
     assert "pull --force" not in str(info.value)
+
+
+def test_damaged_tokenizer_and_config_files_of_a_conversion_name_the_command_that_converts_it_again(
+    tiny_gguf: Path, cache: Path, tmp_path: Path
+) -> None:
+    """Only a damaged weights header named `pull --force`: a config.json or tokenizer.json changed in place failed
+    on every run with no way out named, and a tokenizer.json the tokenizers library cannot parse (one a newer
+    release wrote) was its bare Exception's traceback, from a converted directory and from a user's own."""
+    from specserve.models.loader import load_model, load_tokenizer
+
+    spec = ModelSpec(source=str(tiny_gguf), small_gemm=False, native_stack=False, gemv_copies=False)
+    path = resolve_gguf(tiny_gguf)
+    own = tmp_path / "own"
+    shutil.copytree(path, own)
+    tokenizer_json = json.loads((path / "tokenizer.json").read_text())
+    tokenizer_json["model"]["type"] = "Nope"  # valid JSON, a structure the tokenizers library does not know
+    for folder in (path, own):
+        text = json.dumps(tokenizer_json)
+        (folder / "tokenizer.json").write_text(text + " " * ((folder / "tokenizer.json").stat().st_size - len(text)))
+    with pytest.raises(ModelSourceError, match=r"cannot load the tokenizer .*`specserve models pull --force "):
+        load_tokenizer(spec)
+    with pytest.raises(ModelSourceError, match="cannot load the tokenizer") as info:
+        load_tokenizer(ModelSpec(source=str(own)))
+    assert "pull --force" not in str(info.value)  # a user's own directory: nothing of this project's to redo
+    config = path / "config.json"
+    config.write_bytes(b"X" + config.read_bytes()[1:])
+    with pytest.raises(ModelSourceError, match=r"cannot read config.json .*`specserve models pull --force "):
+        load_model(spec)
+
+
+def test_a_gguf_whose_merges_name_unknown_tokens_is_corrupt(tmp_path: Path, cache: Path) -> None:
+    """The tokenizers library's bare Exception ("Token `zzq` out of vocabulary") escaped the conversion."""
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    bad = write_gguf(model, tmp_path / "badmerge.gguf", extra_merges=("zzq qqz",))
+    with pytest.raises(CorruptModelError, match=r"badmerge\.gguf: cannot build its tokenizer.*zzq"):
+        resolve(ModelSpec(source=str(bad)))
+
+
+def test_weights_are_checked_part_by_part_and_after_their_cast(tmp_path: Path) -> None:
+    """q and k sized the other's way (or gate and up), whose joined rows the config implies, loaded into heads that
+    computed nonsense; a float32 weight past float16's range loaded as an infinity, and every request failed."""
+    from safetensors.torch import save_file
+
+    from specserve.config import DType
+    from specserve.models.loader import load_model_dir
+
+    hf = make_tiny_model(False, 64)  # q 64 rows, k and v 32 each; gate and up 128 each
+    weights = {k: v.clone().contiguous() for k, v in hf.state_dict().items()}
+    spec = ModelSpec(source=str(tmp_path), small_gemm=False, native_stack=False, gemv_copies=False)
+
+    def write(name: str, changed: dict[str, torch.Tensor]) -> Path:
+        hf.config.save_pretrained(tmp_path / name)
+        save_file(weights | changed, str(tmp_path / name / "model.safetensors"))
+        return tmp_path / name
+
+    att, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    swapped = {att + "q_proj.weight": torch.zeros(48, 64), att + "k_proj.weight": torch.zeros(48, 64)}
+    with pytest.raises(UnsupportedModelError, match=r"q_proj\.weight has 48 rows; the config implies 64"):
+        load_model_dir(write("qk", swapped), spec)
+    swapped = {mlp + "gate_proj.weight": torch.zeros(120, 64), mlp + "up_proj.weight": torch.zeros(136, 64)}
+    with pytest.raises(UnsupportedModelError, match=r"gate_proj\.weight has 120 rows; the config implies 128"):
+        load_model_dir(write("gu", swapped), spec)
+    big = weights[mlp + "down_proj.weight"].clone()
+    big[0, 0] = 1e6
+    wide = write("wide", {mlp + "down_proj.weight": big})
+    with pytest.raises(UnsupportedModelError, match=r"down_proj\.weight' does not fit in float16 .*float32 or bf"):
+        load_model_dir(wide, spec.model_copy(update={"dtype": DType.float16}))
+    loaded = load_model_dir(wide, spec.model_copy(update={"dtype": DType.bfloat16}))
+    assert loaded.layers[1].down.weight[0, 0].item() == pytest.approx(1e6, rel=1e-2)
 
 
 def test_models_pull_force_converts_again(

@@ -483,6 +483,19 @@ class LlamaModel(nn.Module):
 def fused_weights(cfg: ArchConfig, get: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """(this model's parameter name, tensor) for every weight, from HF-named tensors: q/k/v and gate/up fused
     (each fused tensor is made right after its parts are read, so only one layer's parts are alive at once)."""
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    rows = {"q": q_rows, "k": kv_rows, "v": kv_rows, "gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+
+    def fused(names: dict[str, str]) -> torch.Tensor:
+        """Each part checked before the parts are joined (a joined tensor hides q and k sized the other's way)."""
+        parts = []
+        for part, name in names.items():
+            tensor = get(name)
+            if tensor.shape[0] != rows[part]:
+                raise ValueError(f"{name} has {tensor.shape[0]} rows; the config implies {rows[part]}")
+            parts.append(tensor)
+        return torch.cat(parts)
+
     yield "embed_tokens.weight", get("model.embed_tokens.weight")
     yield "norm", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
@@ -492,16 +505,16 @@ def fused_weights(cfg: ArchConfig, get: Callable[[str], torch.Tensor]) -> Iterat
         att = hf + "self_attn."
         yield ours + "input_norm", get(hf + "input_layernorm.weight")
         yield ours + "post_norm", get(hf + "post_attention_layernorm.weight")
-        yield ours + "qkv.weight", torch.cat([get(att + f"{n}_proj.weight") for n in "qkv"])
+        yield ours + "qkv.weight", fused({n: att + f"{n}_proj.weight" for n in "qkv"})
         if cfg.qkv_bias:
-            yield ours + "qkv.bias", torch.cat([get(att + f"{n}_proj.bias") for n in "qkv"])
+            yield ours + "qkv.bias", fused({n: att + f"{n}_proj.bias" for n in "qkv"})
         yield ours + "o_proj.weight", get(att + "o_proj.weight")
         if cfg.o_bias:
             yield ours + "o_proj.bias", get(att + "o_proj.bias")
-        yield ours + "gate_up.weight", torch.cat([get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")])
+        yield ours + "gate_up.weight", fused({n: hf + f"mlp.{n}_proj.weight" for n in ("gate", "up")})
         yield ours + "down.weight", get(hf + "mlp.down_proj.weight")
         if cfg.mlp_bias:
-            yield ours + "gate_up.bias", torch.cat([get(hf + "mlp.gate_proj.bias"), get(hf + "mlp.up_proj.bias")])
+            yield ours + "gate_up.bias", fused({n: hf + f"mlp.{n}_proj.bias" for n in ("gate", "up")})
             yield ours + "down.bias", get(hf + "mlp.down_proj.bias")
 
 

@@ -66,14 +66,8 @@ def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_posit
     path = resolve(spec)
     try:
         model = load_model_dir(path, spec, device=device, max_positions=max_positions)
-    except CorruptModelError as e:
-        if spec.resolved_kind() not in (SourceKind.builtin, SourceKind.gguf) or isinstance(e, NonFiniteWeightsError):
-            raise  # (a GGUF's own non-finite weights are converted as they are)
-        # this project's conversion in the cache, damaged in a way its sizes do not show (they are checked at start)
-        raise CorruptModelError(
-            f"{e} (the cached conversion of {spec.source} is damaged: `specserve models pull --force {spec.source}` "
-            "converts it again)"
-        ) from e
+    except ModelSourceError as e:
+        raise _in_conversion(spec, e) from e
     if spec.native_q4:
         use_native_q4(model, spec)
         attach_cpu_paths(model, spec)  # over the float linears left (the LM head), not the ones just replaced
@@ -194,7 +188,13 @@ def load_model_dir(
                 )
             if not bool(torch.isfinite(tensor).all()):
                 raise NonFiniteWeightsError(f"{f}: tensor {name!r} holds NaN or infinite values")
-            return tensor.to(dtype=dtype).to(device)
+            cast = tensor.to(dtype=dtype)
+            if cast.dtype != tensor.dtype and not bool(torch.isfinite(cast).all()):
+                raise UnsupportedModelError(
+                    f"{f}: tensor {name!r} does not fit in {spec.dtype.value} (infinite once cast)"
+                    + ("; load the model in float32 or bfloat16" if spec.dtype == DType.float16 else "")
+                )
+            return cast.to(device)
 
         layers = {int(m.group(1)) for name in where if (m := re.match(r"model\.layers\.(\d+)\.", name))}
         named = getattr(hf_config, "num_hidden_layers", None)
@@ -382,5 +382,20 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     path = resolve(spec)
     try:
         return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ModelSourceError(f"cannot load the tokenizer in {path}: {e}") from e
+    except Exception as e:  # the tokenizers library raises bare Exceptions (a tokenizer.json it cannot parse)
+        raise _in_conversion(spec, ModelSourceError(f"cannot load the tokenizer in {path}: {e}")) from e
+
+
+def _in_conversion(spec: ModelSpec, e: ModelSourceError) -> ModelSourceError:
+    """A file of this project's conversion in the cache that fails to load is damaged in a way its sizes do not show
+    (they are checked at start): the error names the command that converts it again. A user GGUF's own non-finite
+    weights are converted as they are (converting again cannot help); a builtin's are known finite."""
+    kind = spec.resolved_kind()
+    if kind not in (SourceKind.builtin, SourceKind.gguf) or (
+        kind == SourceKind.gguf and isinstance(e, NonFiniteWeightsError)
+    ):
+        return e
+    return type(e)(
+        f"{e} (the cached conversion of {spec.source} is damaged: `specserve models pull --force {spec.source}` "
+        "converts it again)"
+    )

@@ -871,7 +871,10 @@ def _build_tokenizer(reader: GGUFReader, gguf_path: Path, max_length: int) -> Pr
     # it, which may be another model's (the conversion then took that tokenizer, and kept it, cached)
     with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as alone:
         (Path(alone) / gguf_path.name).symlink_to(gguf_path.resolve())
-        tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_path.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_path.name)
+        except Exception as e:  # the tokenizers library raises bare Exceptions (merges naming unknown tokens)
+            raise CorruptModelError(f"{gguf_path.name}: cannot build its tokenizer: {e}") from e
     template = _field(reader, "tokenizer.chat_template")
     if template and not tokenizer.chat_template:
         tokenizer.chat_template = template
