@@ -109,7 +109,8 @@ class StudyConfig(BaseModel):
     alternate: bool = Field(
         default=True,
         description="the repeats run the policies in balanced orders (A B, B A, ...; with three or more, every "
-        "policy in every place and after every other as often): a run's position in its pass then favours no policy",
+        "policy in every place and after every other as often over a cycle of n passes, 2n for an odd n): a run's "
+        "position in its pass then favours no policy",
     )
     min_tokens: int = Field(default=32, ge=1)
     max_tokens: int = Field(default=96, ge=1)
@@ -450,7 +451,8 @@ def pass_order(
 def alternating(items: Sequence[T], repeat: int, alternate: bool) -> list[T]:
     """The policies of one round-robin pass: with ``alternate`` the passes take ``balanced_orders`` in turn (two
     policies: as given, then reversed), so that on a host whose speed drifts within a pass, or where the run after
-    another is slower, every policy runs in every place and after every other as often; else always as given.
+    another is slower, every policy runs in every place and after every other as often (over a whole cycle of
+    ``balanced_orders``: n passes, 2n for an odd n); else always as given.
     (Reversing alone never put a middle one of three or more first.)"""
     if not alternate:
         return list(items)

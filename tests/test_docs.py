@@ -41,3 +41,15 @@ def test_every_citation_names_an_existing_section() -> None:
     ]
     bad += [f"{where}: old numbering" for where, line in _code_lines() if OLD_NUMBERING.search(line)]
     assert not bad, bad
+
+
+def test_the_guards_try_budget_is_quoted_as_the_code_sets_it() -> None:
+    """docs/load.md still said 1.5% after explore_cost became 0.75%."""
+    from specserve.guard import GuardConfig
+
+    quoted = {
+        f"{name}: {share}%"
+        for name in ("README.md", "docs/algorithms.md", "docs/load.md")
+        for share in re.findall(r"costs? at most ~?([\d.]+)%", (REPO / name).read_text())
+    }
+    assert len(quoted) == 3 and all(q.endswith(f" {GuardConfig().explore_cost * 100:g}%") for q in quoted), quoted
