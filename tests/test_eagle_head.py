@@ -428,7 +428,12 @@ def test_malformed_checkpoints_get_clear_errors(tmp_path: Path) -> None:
     case("empty", sd1, {}, CorruptModelError, "cannot read")
     (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
     for field in ("hidden_size", "num_attention_heads", "vocab_size"):  # int(inf): an OverflowError traceback
-        case(f"inf_{field}", sd1, {field: float("inf")}, UnsupportedModelError, "a missing or malformed field")
+        case(f"inf_{field}", sd1, {field: float("inf")}, UnsupportedModelError, f"{field} must be an integer")
+    # int() read 1.9 as 1 and "4" as 4 (transformers' strict config refuses both for the target)
+    case("layers_1.9", sd1, {"num_hidden_layers": 1.9}, UnsupportedModelError, r"num_hidden_layers .* got 1\.9")
+    case("heads_str", sd1, {"num_attention_heads": "4"}, UnsupportedModelError, "num_attention_heads .* got '4'")
+    case("kv_float", sd1, {"num_key_value_heads": 2.0}, UnsupportedModelError, "num_key_value_heads .* got 2.0")
+    case("positions_bool", sd1, {"max_position_embeddings": True}, UnsupportedModelError, "max_position_embeddings")
     case("theta_digits", sd1, {"rope_theta": 10**400}, UnsupportedModelError, "malformed field .*OverflowError")
     for factor in (0, -2.0, float("nan")):  # factor 0 loaded with every RoPE table NaN, -2 loaded
         rope = {"rope_scaling": {"rope_type": "linear", "factor": factor}}

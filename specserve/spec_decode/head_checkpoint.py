@@ -223,11 +223,11 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
     prefix = "midlayer." if kind == HeadKind.eagle3 else "layers.0."
     if f"{prefix}self_attn.q_proj.weight" not in sd or "fc.weight" not in sd:
         raise UnsupportedModelError("not an EAGLE head: want fc.weight and layers.0.* (EAGLE-1/2) or midlayer.*")
-    if int(raw.get("num_hidden_layers", 1)) != 1:
+    if _whole(raw, "num_hidden_layers", 1) != 1:
         raise UnsupportedModelError(f"an EAGLE head has one decoder layer; config.json says {raw['num_hidden_layers']}")
     if (act := raw.get("hidden_act", "silu")) not in ("silu", "swish"):
         raise UnsupportedModelError(f"the head's hidden_act is {act!r}; its MLP is Llama's SiLU-gated one")
-    hidden = int(raw.get("hidden_size", sd["fc.weight"].shape[0]))
+    hidden = _whole(raw, "hidden_size", sd["fc.weight"].shape[0])
     if (wide := raw.get("target_hidden_size")) is not None and int(wide) != hidden:
         raise UnsupportedModelError(
             f"the head's hidden size is {hidden} and its target_hidden_size {wide}: heads narrower or wider than "
@@ -238,7 +238,7 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
             raise UnsupportedModelError(
                 f"{key} ({what}) is not supported: drafting without it would load without error and be mostly rejected"
             )
-    heads = int(raw["num_attention_heads"])
+    heads = _whole(raw, "num_attention_heads")
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})  # a base inside wins, as transformers'
     aux: tuple[int, ...] = ()
     if kind == HeadKind.eagle3:
@@ -266,22 +266,34 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
     return EagleHeadConfig(
         kind=kind,
         hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
+        intermediate_size=_whole(raw, "intermediate_size"),
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
+        num_kv_heads=_whole(raw, "num_key_value_heads", heads, null_too=True),
+        head_dim=_whole(raw, "head_dim", hidden // heads, null_too=True),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        vocab_size=int(raw["vocab_size"]),
-        draft_vocab_size=int(raw["draft_vocab_size"]) if raw.get("draft_vocab_size") else None,
+        vocab_size=_whole(raw, "vocab_size"),
+        draft_vocab_size=_whole(raw, "draft_vocab_size") if raw.get("draft_vocab_size") else None,
         fc_bias="fc.bias" in sd,
         qkv_bias=f"{prefix}self_attn.q_proj.bias" in sd,
         o_bias=f"{prefix}self_attn.o_proj.bias" in sd,
         aux_layers=aux,
         rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_scaling=rope_scaling_of(raw),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
+        max_position_embeddings=_whole(raw, "max_position_embeddings", 8192),
         norm_before_residual=kind == HeadKind.eagle3 and _flag(raw, "norm_before_residual") is True,
     )
+
+
+def _whole(raw: dict[str, Any], key: str, default: int | None = None, *, null_too: bool = False) -> int:
+    """An integer field, else ``default`` where it is absent (or null or 0, under ``null_too``): int() read 1.9 as
+    1 and "4" as 4, where transformers' config for the target refuses both."""
+    if key not in raw or (null_too and not raw[key]):
+        if default is None:
+            raise UnsupportedModelError(f"the head's config.json has no {key}")
+        return default
+    if type(raw[key]) is not int:
+        raise UnsupportedModelError(f"the head's config.json: {key} must be an integer, got {raw[key]!r}")
+    return int(raw[key])
 
 
 # flags for norms this head does not apply; a checkpoint may omit their tensors (the norm's weight then ones)
