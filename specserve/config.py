@@ -184,10 +184,10 @@ class ModelSpec(Validated):
         if self.source in BUILTIN_MODELS:
             return SourceKind.builtin
         path = Path(self.source).expanduser()
+        if path.is_dir():  # (before the suffix: a checkpoint directory may be named like a GGUF file)
+            return SourceKind.hf_dir
         if self.source.endswith(".gguf"):
             return SourceKind.gguf
-        if path.is_dir():
-            return SourceKind.hf_dir
         if self.source.count("/") == 1 and not self.source.startswith((".", "/", "~")):
             return SourceKind.hub
         return SourceKind.hf_dir  # a path that does not exist: loading reports it clearly

@@ -1058,6 +1058,17 @@ def test_hf_dir_errors_name_what_is_missing(tmp_path: Path) -> None:
     assert resolve(ModelSpec(source=str(empty))) == empty.resolve()
 
 
+def test_a_checkpoint_directory_named_like_a_gguf_is_a_directory(tmp_path: Path) -> None:
+    """It was taken for a GGUF file and refused as one that "does not exist"."""
+    from specserve.models.loader import load_model
+
+    hf = make_tiny_model(True, 64)
+    hf.save_pretrained(tmp_path / "tiny.gguf")
+    spec = ModelSpec(source=str(tmp_path / "tiny.gguf"), small_gemm=False, native_stack=False, gemv_copies=False)
+    assert spec.resolved_kind() is SourceKind.hf_dir
+    assert load_model(spec).cfg.vocab_size == 64
+
+
 def test_checkpoint_tensors_the_config_does_not_use_are_refused(tmp_path: Path) -> None:
     """Biases under attention_bias false, and an LM head of the checkpoint's own under tie_word_embeddings, loaded
     without them: logits 20 apart from transformers' on the same directory. A tied LM head equal to the embedding
