@@ -36,7 +36,7 @@ from specserve.build import build_step_loop, eos_ids_of, new_suffix_cache
 from specserve.config import ModelSpec, SpecConfig
 from specserve.heap import freeze_loaded_objects
 from specserve.limits import ContextLimits, context_limits
-from specserve.models.loader import load_tokenizer
+from specserve.models.loader import load_tokenizer, warn_on_another_tokenizer
 from specserve.prompts import PromptEncoder
 from specserve.sequence import Request
 
@@ -144,7 +144,10 @@ class Router:
             return tiny_tokenizer()
         recipe = self.args.recipe(WorkerRole.target)
         assert recipe is not None and isinstance(recipe.spec, ModelSpec)
-        return load_tokenizer(recipe.spec)
+        tokenizer = load_tokenizer(recipe.spec)
+        draft = self.args.recipe(WorkerRole.draft)
+        warn_on_another_tokenizer(recipe.spec, tokenizer, None if draft is None else draft.spec)
+        return tokenizer
 
     async def _fit_geometry(
         self, workers: list[dict[WorkerRole, RemoteWorker]], geometry: KVGeometry, limits: ContextLimits

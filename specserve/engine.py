@@ -21,7 +21,7 @@ from specserve.guard import GuardConfig
 from specserve.heap import freeze_loaded_objects
 from specserve.limits import MemoryShare, context_limits, device_kv_slots
 from specserve.models.llama import LlamaModel
-from specserve.models.loader import load_draft, load_model, load_tokenizer
+from specserve.models.loader import load_draft, load_model, load_tokenizer, warn_on_another_tokenizer
 from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
 from specserve.sequence import FinishReason, Request, RequestOutput, RequestStats
@@ -129,9 +129,11 @@ class Engine:
         """``tokenizer``: the target's, where the caller has loaded it already (else loaded here)."""
         model = load_model(config.target, device=config.device)
         draft = None if config.draft is None else load_draft(config.draft, model, device=config.device)
+        tokenizer = load_tokenizer(config.target) if tokenizer is None else tokenizer
+        warn_on_another_tokenizer(config.target, tokenizer, config.draft)
         engine = cls(
             model,
-            load_tokenizer(config.target) if tokenizer is None else tokenizer,
+            tokenizer,
             draft=draft,
             speculation=config.speculation,
             max_batch_size=config.max_batch_size,

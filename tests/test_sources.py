@@ -1069,6 +1069,65 @@ def test_a_checkpoint_directory_named_like_a_gguf_is_a_directory(tmp_path: Path)
     assert load_model(spec).cfg.vocab_size == 64
 
 
+def word_tokenizer(folder: Path, words: list[str]) -> Path:
+    """A checkpoint directory whose tokenizer knows ``words`` alone, in that order."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(words)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token=words[0])))
+    tokenizer.save_pretrained(folder)
+    make_tiny_model(True, len(words)).save_pretrained(folder)
+    return folder
+
+
+def test_a_draft_model_with_another_tokenizer_of_the_target_s_size_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only vocabulary sizes were compared: a draft with another tokenizer of the same size loaded without a word,
+    and its drafts were almost all rejected. The Engine and the Serve router (whose actors load the models) both ask."""
+    import logging
+    from types import SimpleNamespace
+
+    from deployments.app_args import AppArgs
+    from deployments.router import Router
+    from specserve.config import HeadSpec
+    from specserve.models.loader import load_tokenizer, warn_on_another_tokenizer
+
+    words = ["<unk>", "a", "b", "c", "d"]
+    target = ModelSpec(source=str(word_tokenizer(tmp_path / "target", words)))
+    same = ModelSpec(source=str(word_tokenizer(tmp_path / "same", words)))
+    other = ModelSpec(source=str(word_tokenizer(tmp_path / "other", ["<unk>", "b", "a", "c", "e"])))
+    tokenizer = load_tokenizer(target)
+    with caplog.at_level(logging.WARNING, logger="specserve.models.loader"):
+        assert warn_on_another_tokenizer(target, tokenizer, same) == 0
+        assert warn_on_another_tokenizer(target, tokenizer, HeadSpec()) == 0 and not caplog.records
+        assert warn_on_another_tokenizer(target, tokenizer, other) == 3  # ids 1, 2 and 4
+    assert "maps 3 of the target's 5 token ids to other tokens (ids [1, 2, 4]" in caplog.text
+
+    asked: list[tuple[ModelSpec, object]] = []
+    monkeypatch.setattr("deployments.router.warn_on_another_tokenizer", lambda t, tok, d: asked.append((t, d)))
+    args = AppArgs.model_validate({"target": target.model_dump(), "draft": other.model_dump()})
+    Router.func_or_class._load_tokenizer(SimpleNamespace(args=args))
+    assert asked == [(args.target, args.draft)]
+
+    from specserve.config import EngineConfig
+    from specserve.engine import Engine
+
+    class Asked(Exception):
+        pass
+
+    def ask(t: ModelSpec, tok: object, d: object) -> None:
+        asked.append((t, d))
+        raise Asked
+
+    monkeypatch.setattr("specserve.engine.warn_on_another_tokenizer", ask)
+    config = EngineConfig(target=target, draft=other)
+    with pytest.raises(Asked):
+        Engine.from_config(config)
+    assert asked[1:] == [(config.target, config.draft)]
+
+
 def test_checkpoint_tensors_the_config_does_not_use_are_refused(tmp_path: Path) -> None:
     """Biases under attention_bias false, and an LM head of the checkpoint's own under tie_word_embeddings, loaded
     without them: logits 20 apart from transformers' on the same directory. A tied LM head equal to the embedding

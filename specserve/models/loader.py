@@ -386,6 +386,28 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
         raise _in_conversion(spec, ModelSourceError(f"cannot load the tokenizer in {path}: {e}")) from e
 
 
+def warn_on_another_tokenizer(target: ModelSpec, tokenizer: PreTrainedTokenizerBase, draft: DraftSpec | None) -> int:
+    """Token ids that a draft model's tokenizer maps to other tokens than the target's ``tokenizer`` does (a
+    warning names them; 0 for a head, or for a draft of the target's own source). The loaders compare vocabulary
+    sizes only: Llama 2 and Mistral 7B both hold 32000 tokens, and a draft with the other's tokenizer is lossless
+    and almost always rejected."""
+    if not isinstance(draft, ModelSpec) or (draft.source, draft.kind) == (target.source, target.kind):
+        return 0
+    ours, theirs = tokenizer.get_vocab(), load_tokenizer(draft).get_vocab()
+    by_id = {i: t for t, i in theirs.items()}
+    differ = sorted(i for t, i in ours.items() if by_id.get(i) != t) + sorted(set(by_id) - set(ours.values()))
+    if differ:
+        log.warning(
+            "the draft %s's tokenizer maps %d of the target's %d token ids to other tokens (ids %s...): its drafts "
+            "will mostly be rejected; speculative decoding needs the target's tokenizer",
+            draft.source,
+            len(differ),
+            len(ours),
+            differ[:5],
+        )
+    return len(differ)
+
+
 def _in_conversion(spec: ModelSpec, e: ModelSourceError) -> ModelSourceError:
     """A file of this project's conversion in the cache that fails to load is damaged in a way its sizes do not show
     (they are checked at start): the error names the command that converts it again. A user GGUF's own non-finite
