@@ -802,7 +802,7 @@ def test_damaged_tokenizer_and_config_files_of_a_conversion_name_the_command_tha
     """Only a damaged weights header named `pull --force`: a config.json or tokenizer.json changed in place failed
     on every run with no way out named, and a tokenizer.json the tokenizers library cannot parse (one a newer
     release wrote) was its bare Exception's traceback, from a converted directory and from a user's own."""
-    from specserve.models.loader import load_model, load_tokenizer
+    from specserve.models.loader import load_model, load_tokenizer, model_config
 
     spec = ModelSpec(source=str(tiny_gguf), small_gemm=False, native_stack=False, gemv_copies=False)
     path = resolve_gguf(tiny_gguf)
@@ -822,6 +822,8 @@ def test_damaged_tokenizer_and_config_files_of_a_conversion_name_the_command_tha
     config.write_bytes(b"X" + config.read_bytes()[1:])
     with pytest.raises(ModelSourceError, match=r"cannot read config.json .*`specserve models pull --force "):
         load_model(spec)
+    with pytest.raises(ModelSourceError, match=r"cannot read config.json .*`specserve models pull --force "):
+        model_config(spec)  # as `bench runner` reads it before loading (a JSONDecodeError traceback there)
 
 
 def test_a_gguf_whose_merges_name_unknown_tokens_is_corrupt(tmp_path: Path, cache: Path) -> None:

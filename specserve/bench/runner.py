@@ -33,16 +33,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
 from specserve.arg_types import non_negative_int, out_dir_arg, positive_int
 from specserve.bench.machine import cpu_summary
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, DType, ModelSpec
 from specserve.errors import SettingsError
 from specserve.models.llama import PAD_WIDTH, LlamaModel, attach_mkl_packed, linear
-from specserve.models.loader import load_model
+from specserve.models.loader import load_model, model_config
 from specserve.models.native_stack import build_stack, describe_rows, extension
-from specserve.models.sources import resolve
 from specserve.timing import interleaved_medians, timed
 from specserve.tune import batch_decode_forward, verify_forward
 
@@ -138,7 +136,7 @@ def read_bandwidth(device: torch.device, repeats: int = 5) -> float:
 def check_positions(spec: ModelSpec, args: argparse.Namespace) -> None:
     """``--context`` and the most rows a forward adds fit the target's positions, checked before its copies load (a
     KVCapacityError after them)."""
-    positions = AutoConfig.from_pretrained(resolve(spec)).max_position_embeddings
+    positions = model_config(spec).max_position_embeddings
     need = args.context + (1 if args.batch else max(args.rows))
     if need > positions:
         rows = "one new token" if args.batch else f"--rows {max(args.rows)}"

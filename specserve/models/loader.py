@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec, SourceKind
 from specserve.errors import (
@@ -140,10 +140,7 @@ def load_model_dir(
 ) -> LlamaModel:
     """Weights go tensor by tensor from the safetensors files to ``device`` in the serving dtype: no full copy of
     the model is ever built on the host (an 8B bf16 target needs 16 GB on its GPU and one tensor on the host)."""
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError, StrictDataclassError) as e:
-        raise ModelSourceError(f"cannot read config.json in {path}: {e!r}") from e
+    hf_config = read_config(path)
     # by name before any weight is read: a GPT-2 had been refused for holding "0 decoder layers", a GPTQ checkpoint
     # for a missing ``weight``, and bitsandbytes' int8 weights were cast to floats and built into a model
     ArchConfig.from_hf(hf_config)
@@ -226,6 +223,21 @@ def load_model_dir(
     if not spec.native_q4:  # native_q4 replaces the decoder's linears first (load_model)
         attach_cpu_paths(model, spec)
     return model
+
+
+def read_config(path: Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError, StrictDataclassError) as e:
+        raise ModelSourceError(f"cannot read config.json in {path}: {e!r}") from e
+
+
+def model_config(spec: ModelSpec) -> PretrainedConfig:
+    """The model's config.json, read as its load reads it (without its weights)."""
+    try:
+        return read_config(resolve(spec))
+    except ModelSourceError as e:
+        raise _in_conversion(spec, e) from e
 
 
 def stop_token_ids(path: Path) -> frozenset[int]:
