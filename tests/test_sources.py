@@ -818,12 +818,17 @@ def test_damaged_tokenizer_and_config_files_of_a_conversion_name_the_command_tha
     with pytest.raises(ModelSourceError, match="cannot load the tokenizer") as info:
         load_tokenizer(ModelSpec(source=str(own)))
     assert "pull --force" not in str(info.value)  # a user's own directory: nothing of this project's to redo
+    assert type(info.value.__cause__) is Exception  # the tokenizers library's own, kept as the cause
     config = path / "config.json"
     config.write_bytes(b"X" + config.read_bytes()[1:])
     with pytest.raises(ModelSourceError, match=r"cannot read config.json .*`specserve models pull --force "):
         load_model(spec)
     with pytest.raises(ModelSourceError, match=r"cannot read config.json .*`specserve models pull --force "):
         model_config(spec)  # as `bench runner` reads it before loading (a JSONDecodeError traceback there)
+    (own / "config.json").write_bytes(b"X" + (own / "config.json").read_bytes()[1:])
+    with pytest.raises(ModelSourceError, match=r"cannot read config\.json") as unhinted:
+        model_config(ModelSpec(source=str(own)))
+    assert "pull --force" not in str(unhinted.value) and unhinted.value.__cause__ is not unhinted.value
 
 
 def test_a_gguf_whose_merges_name_unknown_tokens_is_corrupt(tmp_path: Path, cache: Path) -> None:

@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -67,7 +67,7 @@ def load_model(spec: ModelSpec, *, device: str | torch.device = "cpu", max_posit
     try:
         model = load_model_dir(path, spec, device=device, max_positions=max_positions)
     except ModelSourceError as e:
-        raise _in_conversion(spec, e) from e
+        _raise_in_conversion(spec, e)
     if spec.native_q4:
         use_native_q4(model, spec)
         attach_cpu_paths(model, spec)  # over the float linears left (the LM head), not the ones just replaced
@@ -237,7 +237,7 @@ def model_config(spec: ModelSpec) -> PretrainedConfig:
     try:
         return read_config(resolve(spec))
     except ModelSourceError as e:
-        raise _in_conversion(spec, e) from e
+        _raise_in_conversion(spec, e)
 
 
 def stop_token_ids(path: Path) -> frozenset[int]:
@@ -395,7 +395,9 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # the tokenizers library raises bare Exceptions (a tokenizer.json it cannot parse)
-        raise _in_conversion(spec, ModelSourceError(f"cannot load the tokenizer in {path}: {e}")) from e
+        named = ModelSourceError(f"cannot load the tokenizer in {path}: {e}")
+        named.__cause__ = e
+        _raise_in_conversion(spec, named)
 
 
 def warn_on_another_tokenizer(target: ModelSpec, tokenizer: PreTrainedTokenizerBase, draft: DraftSpec | None) -> int:
@@ -420,16 +422,16 @@ def warn_on_another_tokenizer(target: ModelSpec, tokenizer: PreTrainedTokenizerB
     return len(differ)
 
 
-def _in_conversion(spec: ModelSpec, e: ModelSourceError) -> ModelSourceError:
-    """A file of this project's conversion in the cache that fails to load is damaged in a way its sizes do not show
-    (they are checked at start): the error names the command that converts it again. A user GGUF's own non-finite
-    weights are converted as they are (converting again cannot help); a builtin's are known finite."""
+def _raise_in_conversion(spec: ModelSpec, e: ModelSourceError) -> NoReturn:
+    """``e`` again, or where a file of this project's conversion in the cache failed to load (damaged in a way its
+    sizes do not show: they are checked at start), ``e`` naming the command that converts it again. A user GGUF's
+    own non-finite weights are converted as they are (converting again cannot help); a builtin's are known finite."""
     kind = spec.resolved_kind()
     if kind not in (SourceKind.builtin, SourceKind.gguf) or (
         kind == SourceKind.gguf and isinstance(e, NonFiniteWeightsError)
     ):
-        return e
-    return type(e)(
+        raise e
+    raise type(e)(
         f"{e} (the cached conversion of {spec.source} is damaged: `specserve models pull --force {spec.source}` "
         "converts it again)"
-    )
+    ) from e
