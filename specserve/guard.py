@@ -158,6 +158,9 @@ class ThroughputGuard:
     catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> its switch step not yet in a try's cost
     deferred: set[int] = field(default_factory=set)  # buckets whose last answer was plain decoding only because
     # the catch-up would not pay: their plain steps are measurements, not tries of plain decoding
+    deferred_since: dict[int, int] = field(default_factory=dict)  # bucket -> its step count when that began
+    overdue: set[int] = field(default_factory=set)  # buckets whose switch ran though it would not pay, deferred
+    # ``max_try_spacing`` steps: its catch-up's cost replaces the estimate that had kept it from paying
     chosen: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode its last recorded step was planned in
     catch_up_work: tuple[float, float] | None = None  # avg (tokens re-read, seconds beyond a measured step) of a
     # catch-up: their ratio weighs each by its size (a catch-up of 3 tokens costs about a step, nothing per token)
@@ -253,12 +256,17 @@ class ThroughputGuard:
             hold = better and explore and b in self.deferred  # a try of plain decoding due while speculation waits
             # for a catch-up that pays: plain decoding runs anyway, measured, so the try is moot until it pays
         if (go or hold) and outlook is not None and not self.switch_pays(batch_size, outlook, expected=better is True):
-            self.deferred.add(b)
-            if better and self._spec_rate(b) < self.rates[(b, False)]:  # held within the margin but slower: with
-                # a catch-up due, plain decoding takes the hold (else each plain step's drift would flip it back)
-                self.held[b] = False
-            return False
+            # put off for at most ``max_try_spacing`` steps: the catch-up's cost is measured only where one runs, so
+            # an estimate too high (one slow first catch-up of a few tokens) would otherwise put it off for ever
+            if self._steps(b) - self.deferred_since.setdefault(b, self._steps(b)) < self.cfg.max_try_spacing:
+                self.deferred.add(b)
+                if better and self._spec_rate(b) < self.rates[(b, False)]:  # held within the margin but slower:
+                    # with a catch-up due, plain decoding takes the hold (else each plain step's drift would flip it)
+                    self.held[b] = False
+                return False
+            self.overdue.add(b)
         self.deferred.discard(b)
+        self.deferred_since.pop(b, None)
         return go
 
     def switch_pays(self, batch_size: int, outlook: Outlook, *, expected: bool) -> bool:
@@ -299,7 +307,8 @@ class ThroughputGuard:
             # catch-up that begins speculation's warm-up)
             base = self.work.get((b, True)) or self.work.get((b, False)) or (0.0, 0.0)
             new = (float(caught_up_tokens), max(0.0, seconds - base[1]))
-            tok, sec = self.catch_up_work or new
+            tok, sec = new if b in self.overdue else self.catch_up_work or new
+            self.overdue.discard(b)
             self.catch_up_work = (tok + self.cfg.smoothing * (new[0] - tok), sec + self.cfg.smoothing * (new[1] - sec))
             if not self.chosen.get(b, False):  # after steps planned plain, a switch: not speculation's rate (module
                 # docstring); it costs its time beyond plain decoding's for the tokens it emitted (the whole step
@@ -435,4 +444,5 @@ class ThroughputGuard:
         step_s = self.plain_step_s.get(b, 0.0)
         if b not in self.switch_s or step_s <= 0:
             return 0
-        return min(self.cfg.max_try_spacing, math.ceil(self.switch_s[b] / (self.cfg.explore_cost * step_s)))
+        # (bounded before the ceil: a tiny explore_cost makes the quotient infinite)
+        return math.ceil(min(float(self.cfg.max_try_spacing), self.switch_s[b] / (self.cfg.explore_cost * step_s)))

@@ -1311,6 +1311,48 @@ def test_plain_steps_run_while_speculation_waits_for_a_paying_catch_up_keep_thei
     assert guard.faster(16) is False and (16, False) not in guard.stale
 
 
+def test_a_catch_up_put_off_for_max_try_spacing_steps_runs_and_its_cost_replaces_the_estimate() -> None:
+    """The catch-up's cost is measured only where one runs: one measured on a swamped host (1000 s) made every
+    later switch look unpaying, and speculation, 4x faster, never ran again. Now the switch runs once it has been
+    put off ``max_try_spacing`` steps, and its catch-up's cost replaces the estimate (blended, a 1000x estimate
+    would take dozens of such switches to come down)."""
+    cfg = GuardConfig(
+        warmup=1,
+        warmup_z=0.0,
+        explore_every=1000,
+        max_explore_every=30,
+        max_try_spacing=30,
+        smoothing=1.0,
+        token_smoothing=1.0,
+        outlier_clip=100.0,
+    )
+    guard = ThroughputGuard(cfg)
+    guard.record(16, False, tokens=16, seconds=1.0)
+    guard.record(16, True, tokens=0, seconds=1001.0, caught_up_tokens=MISSED)  # the host swamped
+    guard.record(16, True, tokens=64, seconds=1.0)
+    assert guard.faster(16) is True and guard.missed_token_s == pytest.approx(1000.0 / MISSED)
+    due = Outlook(draft_missed=MISSED, horizon=16 * 40)  # would save 30 s; the estimate says 1000
+    for _ in range(cfg.max_try_spacing):
+        assert guard.speculate(16, outlook=due) is False and 16 in guard.deferred
+        guard.record(16, False, tokens=16, seconds=1.0)
+    assert guard.speculate(16, outlook=due) is True and 16 not in guard.deferred
+    guard.record(16, True, tokens=0, seconds=3.0, caught_up_tokens=MISSED)  # 2 s beyond a speculative step
+    assert guard.missed_token_s == pytest.approx(2.0 / MISSED)
+    guard.record(16, True, tokens=64, seconds=1.0)
+    assert guard.speculate(16, outlook=Outlook(draft_missed=MISSED, horizon=16 * 40)) is True
+
+
+def test_a_tiny_explore_cost_spaces_tries_by_max_try_spacing() -> None:
+    """explore_cost 1e-310 made the spacing's quotient infinite, and ceil() raised OverflowError on each record."""
+    guard = ThroughputGuard(GuardConfig(explore_cost=1e-310))
+    for _ in range(3):
+        guard.record(1, False, 1, 0.01)
+    guard.record(1, True, 2, 0.5, caught_up_tokens=MISSED)  # the switch step that starts speculation's warm-up
+    for _ in range(12):
+        guard.record(1, True, 1, 0.03)  # slower: the warm-up chooses plain decoding
+    assert guard.faster(1) is False and guard.next_try[1] == guard.steps[1] + guard.cfg.max_try_spacing - 1
+
+
 def test_the_first_step_after_a_flip_is_clipped_and_costs_no_try() -> None:
     """The refresh replaces the old average with the step's time, up to ``outlier_clip`` times that average (a
     pause stays a pause), and leaves the cost of the last try alone (it is no try)."""

@@ -10,8 +10,10 @@ distribution the draft sampled from, after the request's temperature, top-k and 
 
 How the leftover mass is modelled is `SparseTail`: `uniform` is the paper's rule; `lumped` treats all
 non-top-K tokens as one outcome (KL over the partition {each top-K token, "the rest"}), which by the data
-processing inequality is a lower bound on the exact KLD, is 0 when p = q (up to float32 rounding), and on
-draft-like pairs (p = q + noise) is far closer to the exact value (see tests/test_policy.py for the measured errors).
+processing inequality is a lower bound on the exact KLD (the unfloored one: where the draft puts less than 1e-8 on
+each token outside its top-K, `kld_exact`'s per-token floor lowers it below the lumped value), is 0 when p = q
+(up to float32 rounding), and on draft-like pairs (p = q + noise) is far closer to the exact value (see
+tests/test_policy.py for the measured errors).
 
 All functions are pure, batched over rows, and work on any device; inputs in half precision are computed
 in float32, float64 inputs stay float64. Each KLD is floored at 0: rounding leaves values down to -6e-7 for a
