@@ -1100,6 +1100,16 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     (head_dir / "vocab_map.json").write_text((tmp_path / "h8" / "vocab_map.json").read_text())
     train_draft(target, _SpecialBeyond(), distill, tuned, tmp_path / "w10", tmp_path / "h10", log=said.append)
     assert any("lacks this target's special ids [600]" in line for line in said), said
+
+    class _WrapsBeyond(_SpecialChatTokenizer):  # a template emitting 600: the embedding's IndexError in the data step
+        def apply_chat_template(self, messages: list[dict[str, str]], **_: object) -> list[int]:
+            return [600, *super().apply_chat_template(messages)]
+
+    asked.clear()
+    for settings, head in ((tuned, "h11"), (cfg, "h13")):  # keeping the head's map, and with a new vocabulary
+        with pytest.raises(SettingsError, match=r"chat template encodes ids \[600\] outside the target's 512-token"):
+            train_draft(target, _WrapsBeyond(), distill, settings, tmp_path / f"w_{head}", tmp_path / head)
+    assert asked == []
     # answers that fit the positions alone, not after their prompts: the data step found a lexicon prompt too long
     # only after the seed prompts' data (hours, on the real target)
     asked.clear()

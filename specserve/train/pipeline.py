@@ -243,6 +243,14 @@ def train_draft(
             f"the tokenizer's special ids {beyond} are outside the target's {target.cfg.vocab_size}-token vocabulary: "
             "the draft vocabulary forces them in (a tokenizer that does not match the target?)"
         )
+    # the ids the chat template wraps every prompt in (a fine-tune keeping its map forces none in, but the target
+    # reads them: its embedding's IndexError in the data step, after the other data)
+    wrapped = sorted({i for i in chat_ids(tokenizer, "Hi") if not 0 <= i < target.cfg.vocab_size})
+    if wrapped:
+        raise SettingsError(
+            f"the chat template encodes ids {wrapped} outside the target's {target.cfg.vocab_size}-token vocabulary "
+            "(a tokenizer that does not match the target?)"
+        )
     # fine-tuning keeps the vocabulary the head was trained with: its map read and checked now, as its digest
     from specserve.models.loader import frequent_ids
 
