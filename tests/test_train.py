@@ -990,6 +990,41 @@ def _tiny_train_draft(asked: list[int] | None = None) -> tuple[Any, Any, Any, Tr
     return target, tok, distill, train, cfg
 
 
+class _SelfWritingTokenizer(_SpecialChatTokenizer):
+    """Text as ids (a character each), with a user header: what self_prompts needs to ask and read requests."""
+
+    all_special_tokens = ("<s>", "</s>")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **kw: object) -> Any:
+        return "<u>" + messages[0]["content"] if kw.get("tokenize") is False else super().apply_chat_template(messages)
+
+    def encode(self, text: str, **_: object) -> list[int]:
+        return [ord(c) % 500 + 3 for c in text]
+
+    def decode(self, ids: list[int], **_: object) -> str:
+        return "".join(chr(i - 3) for i in ids)
+
+
+def test_self_written_requests_whose_answers_would_not_fit_are_dropped(tmp_path: Path) -> None:
+    """A request written within ASK_MAX_TOKENS can take more in its chat turn: one whose answer did not fit the
+    target's positions failed the data step, which runs after all the other data."""
+    from specserve.train.pipeline import train_draft
+
+    target, _, distill, _, cfg = _tiny_train_draft()
+    tok = _SelfWritingTokenizer()
+    room = target.max_positions - cfg.data.max_new_tokens - 1 - 2  # (the chat turn adds 2 ids)
+    fits, too_long = "a request that fits " * 2, "x" * (room + 1)
+
+    def ask(prefix: list[int], n: int, seed: int) -> list[list[int] | None]:
+        assert tok.decode(prefix) == "<u>"
+        return [tok.encode(t) for t in (fits, too_long, "y" * room)[:n]]  # (the last fits exactly)
+
+    settings = replace(cfg, self_prompts=3, data=replace(cfg.data, num_prompts=0))
+    train_draft(target, tok, distill, settings, tmp_path / "w", tmp_path / "h", ask=ask, log=lambda _: None)
+    prov = json.loads((tmp_path / "h" / "provenance.json").read_text())["data"]
+    assert (prov["self_prompts_asked"], prov["self_prompts_kept"]) == (3, 2)
+
+
 def test_an_eagle3_fine_tune_notes_special_ids_its_own_vocabulary_lacks(tmp_path: Path) -> None:
     """An EAGLE-3 head keeps its own draft ids, but the note on special ids it lacks read the first --draft-vocab
     ids of its vocab_map.json: with a --draft-vocab larger than the head's 64 ids the note was not said."""

@@ -331,7 +331,11 @@ def train_draft(
         banned = mt_bench_runs()
 
         def requests(n: int, seed: int) -> list[str]:
-            return self_prompts(tokenizer, ask, n, seed, banned)
+            # a request within ASK_MAX_TOKENS as written can take more in its chat turn: one whose answer would not
+            # fit the target's positions is dropped (the data step had failed on it, after all the other data)
+            written = self_prompts(tokenizer, ask, n, seed, banned)
+            room = target.max_positions - cfg.data.max_new_tokens - 1
+            return [r for r in written if len(chat_ids(tokenizer, r)) <= room]
 
         self_dir = work_dir / "self"
         claim_data_dir(self_dir, answered | {"prompts": "self_prompts"})
