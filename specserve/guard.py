@@ -264,7 +264,9 @@ class ThroughputGuard:
                     # with a catch-up due, plain decoding takes the hold (else each plain step's drift would flip it)
                     self.held[b] = False
                 return False
+            # overdue: the switch runs (with a try of plain decoding due meanwhile, that try stays due for after it)
             self.overdue.add(b)
+            go = True
         self.deferred.discard(b)
         self.deferred_since.pop(b, None)
         return go

@@ -1314,32 +1314,26 @@ def test_plain_steps_run_while_speculation_waits_for_a_paying_catch_up_keep_thei
 def test_a_catch_up_put_off_for_max_try_spacing_steps_runs_and_its_cost_replaces_the_estimate() -> None:
     """The catch-up's cost is measured only where one runs: one measured on a swamped host (1000 s) made every
     later switch look unpaying, and speculation, 4x faster, never ran again. Now the switch runs once it has been
-    put off ``max_try_spacing`` steps, and its catch-up's cost replaces the estimate (blended, a 1000x estimate
-    would take dozens of such switches to come down)."""
-    cfg = GuardConfig(
-        warmup=1,
-        warmup_z=0.0,
-        explore_every=1000,
-        max_explore_every=30,
-        max_try_spacing=30,
-        smoothing=1.0,
-        token_smoothing=1.0,
-        outlier_clip=100.0,
-    )
+    put off ``max_try_spacing`` steps, though a try of plain decoding came due meanwhile (the default tries come due
+    every 20-640 steps, long before the cap), and its catch-up's cost replaces the estimate (blended, a 1000x
+    estimate would take dozens of such switches to come down)."""
+    cfg = GuardConfig(warmup=1, warmup_z=0.0, smoothing=1.0, token_smoothing=1.0, outlier_clip=100.0)
     guard = ThroughputGuard(cfg)
     guard.record(16, False, tokens=16, seconds=1.0)
     guard.record(16, True, tokens=0, seconds=1001.0, caught_up_tokens=MISSED)  # the host swamped
     guard.record(16, True, tokens=64, seconds=1.0)
     assert guard.faster(16) is True and guard.missed_token_s == pytest.approx(1000.0 / MISSED)
     due = Outlook(draft_missed=MISSED, horizon=16 * 40)  # would save 30 s; the estimate says 1000
-    for _ in range(cfg.max_try_spacing):
+    for i in range(cfg.max_try_spacing):
         assert guard.speculate(16, outlook=due) is False and 16 in guard.deferred
-        guard.record(16, False, tokens=16, seconds=1.0)
+        guard.record(16, False, tokens=16, seconds=1.0 + 0.5 * (i % 2))  # measurements, blended (no try's)
+    assert guard.steps[16] >= guard.next_try.get(16, cfg.explore_every - 1)  # a try of plain decoding is due
     assert guard.speculate(16, outlook=due) is True and 16 not in guard.deferred
     guard.record(16, True, tokens=0, seconds=3.0, caught_up_tokens=MISSED)  # 2 s beyond a speculative step
-    assert guard.missed_token_s == pytest.approx(2.0 / MISSED)
+    assert guard.missed_token_s == pytest.approx(2.0 / MISSED) and not guard.overdue
     guard.record(16, True, tokens=64, seconds=1.0)
-    assert guard.speculate(16, outlook=Outlook(draft_missed=MISSED, horizon=16 * 40)) is True
+    assert guard.switch_pays(16, due, expected=True)
+    assert guard.speculate(16, outlook=Outlook(draft_missed=0, horizon=16 * 40)) is False  # the plain try, still due
 
 
 def test_a_tiny_explore_cost_spaces_tries_by_max_try_spacing() -> None:
