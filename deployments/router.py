@@ -146,7 +146,8 @@ class Router:
         assert recipe is not None and isinstance(recipe.spec, ModelSpec)
         tokenizer = load_tokenizer(recipe.spec)
         draft = self.args.recipe(WorkerRole.draft)
-        warn_on_another_tokenizer(recipe.spec, tokenizer, None if draft is None else draft.spec)
+        # (the draft loads in its actor, maybe on another node: only a local directory's tokenizer is read here)
+        warn_on_another_tokenizer(recipe.spec, tokenizer, None if draft is None else draft.spec, local_only=True)
         return tokenizer
 
     async def _fit_geometry(

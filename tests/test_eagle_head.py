@@ -434,6 +434,7 @@ def test_malformed_checkpoints_get_clear_errors(tmp_path: Path) -> None:
     case("heads_str", sd1, {"num_attention_heads": "4"}, UnsupportedModelError, "num_attention_heads .* got '4'")
     case("kv_float", sd1, {"num_key_value_heads": 2.0}, UnsupportedModelError, "num_key_value_heads .* got 2.0")
     case("positions_bool", sd1, {"max_position_embeddings": True}, UnsupportedModelError, "max_position_embeddings")
+    case("wide_str", sd3, e3 | {"target_hidden_size": str(H)}, UnsupportedModelError, "target_hidden_size .* got '")
     case("theta_digits", sd1, {"rope_theta": 10**400}, UnsupportedModelError, "malformed field .*OverflowError")
     for factor in (0, -2.0, float("nan")):  # factor 0 loaded with every RoPE table NaN, -2 loaded
         rope = {"rope_scaling": {"rope_type": "linear", "factor": factor}}

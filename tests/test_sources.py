@@ -1110,13 +1110,27 @@ def test_a_draft_model_with_another_tokenizer_of_the_target_s_size_is_named(
         assert warn_on_another_tokenizer(target, tokenizer, same) == 0
         assert warn_on_another_tokenizer(target, tokenizer, HeadSpec()) == 0 and not caplog.records
         assert warn_on_another_tokenizer(target, tokenizer, other) == 3  # ids 1, 2 and 4
-    assert "maps 3 of the target's 5 token ids to other tokens (ids [1, 2, 4]" in caplog.text
+    assert "maps 3 of the target's 5 token ids (60.0%) to other tokens (ids [1, 2, 4]): drafts holding" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specserve.models.loader"):
+        more = ModelSpec(source=str(word_tokenizer(tmp_path / "more", [*words, "<pad>"])))  # an id of its own
+        assert warn_on_another_tokenizer(target, tokenizer, more) == 0
+        bare = tmp_path / "bare"  # weights and config alone: it served as a draft before, and still does
+        make_tiny_model(True, len(words)).save_pretrained(bare)
+        assert warn_on_another_tokenizer(target, tokenizer, ModelSpec(source=str(bare))) == 0
+        elsewhere = ModelSpec(source=str(tmp_path / "not-converted-here.gguf"))  # read in the draft's actor only
+        assert warn_on_another_tokenizer(target, tokenizer, elsewhere, local_only=True) == 0
+    assert not caplog.records
 
-    asked: list[tuple[ModelSpec, object]] = []
-    monkeypatch.setattr("deployments.router.warn_on_another_tokenizer", lambda t, tok, d: asked.append((t, d)))
+    asked: list[tuple[ModelSpec, object, object]] = []
+
+    def record(t: ModelSpec, tok: object, d: object, **kw: object) -> None:
+        asked.append((t, d, kw))
+
+    monkeypatch.setattr("deployments.router.warn_on_another_tokenizer", record)
     args = AppArgs.model_validate({"target": target.model_dump(), "draft": other.model_dump()})
     Router.func_or_class._load_tokenizer(SimpleNamespace(args=args))
-    assert asked == [(args.target, args.draft)]
+    assert asked == [(args.target, args.draft, {"local_only": True})]
 
     from specserve.config import EngineConfig
     from specserve.engine import Engine
@@ -1125,14 +1139,14 @@ def test_a_draft_model_with_another_tokenizer_of_the_target_s_size_is_named(
         pass
 
     def ask(t: ModelSpec, tok: object, d: object) -> None:
-        asked.append((t, d))
+        asked.append((t, d, {}))
         raise Asked
 
     monkeypatch.setattr("specserve.engine.warn_on_another_tokenizer", ask)
     config = EngineConfig(target=target, draft=other)
     with pytest.raises(Asked):
         Engine.from_config(config)
-    assert asked[1:] == [(config.target, config.draft)]
+    assert asked[1:] == [(config.target, config.draft, {})]
 
 
 def test_checkpoint_tensors_the_config_does_not_use_are_refused(tmp_path: Path) -> None:

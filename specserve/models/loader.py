@@ -186,7 +186,8 @@ def load_model_dir(
             if not bool(torch.isfinite(tensor).all()):
                 raise NonFiniteWeightsError(f"{f}: tensor {name!r} holds NaN or infinite values")
             cast = tensor.to(dtype=dtype)
-            if cast.dtype != tensor.dtype and not bool(torch.isfinite(cast).all()):
+            narrower = torch.finfo(dtype).max < torch.finfo(tensor.dtype).max  # (widening cannot overflow)
+            if narrower and not bool(torch.isfinite(cast).all()):
                 raise UnsupportedModelError(
                     f"{f}: tensor {name!r} does not fit in {spec.dtype.value} (infinite once cast)"
                     + ("; load the model in float32 or bfloat16" if spec.dtype == DType.float16 else "")
@@ -400,24 +401,37 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
         _raise_in_conversion(spec, named)
 
 
-def warn_on_another_tokenizer(target: ModelSpec, tokenizer: PreTrainedTokenizerBase, draft: DraftSpec | None) -> int:
-    """Token ids that a draft model's tokenizer maps to other tokens than the target's ``tokenizer`` does (a
-    warning names them; 0 for a head, or for a draft of the target's own source). The loaders compare vocabulary
-    sizes only: Llama 2 and Mistral 7B both hold 32000 tokens, and a draft with the other's tokenizer is lossless
-    and almost always rejected."""
+def warn_on_another_tokenizer(
+    target: ModelSpec, tokenizer: PreTrainedTokenizerBase, draft: DraftSpec | None, *, local_only: bool = False
+) -> int:
+    """The target's token ids that a draft model's tokenizer maps to other tokens than the target's ``tokenizer``
+    does (a warning names them; 0 for a head, a draft of the target's own source, or a draft without a tokenizer of
+    its own to compare). ``local_only``: only a checkpoint directory's (where the draft loads elsewhere, reading
+    another source here would fetch or convert it a second time). The loaders compare vocabulary sizes only: Llama 2
+    and Mistral 7B both hold 32000 tokens, and a draft with the other's tokenizer is lossless and mostly rejected."""
     if not isinstance(draft, ModelSpec) or (draft.source, draft.kind) == (target.source, target.kind):
         return 0
-    ours, theirs = tokenizer.get_vocab(), load_tokenizer(draft).get_vocab()
+    if local_only and draft.resolved_kind() != SourceKind.hf_dir:
+        return 0
+    try:
+        theirs = load_tokenizer(draft).get_vocab()
+    except ModelSourceError as e:  # a draft's weights and config serve without a tokenizer of their own
+        log.info("the draft %s's tokenizer is not compared with the target's: %s", draft.source, e)
+        return 0
     by_id = {i: t for t, i in theirs.items()}
-    differ = sorted(i for t, i in ours.items() if by_id.get(i) != t) + sorted(set(by_id) - set(ours.values()))
+    ours = tokenizer.get_vocab()
+    differ = sorted(i for t, i in ours.items() if by_id.get(i) != t)
     if differ:
         log.warning(
-            "the draft %s's tokenizer maps %d of the target's %d token ids to other tokens (ids %s...): its drafts "
-            "will mostly be rejected; speculative decoding needs the target's tokenizer",
+            "the draft %s's tokenizer maps %d of the target's %d token ids (%.1f%%) to other tokens (ids %s%s): "
+            "drafts holding them are rejected (output stays lossless); speculative decoding needs the target's "
+            "tokenizer",
             draft.source,
             len(differ),
             len(ours),
+            100 * len(differ) / max(len(ours), 1),
             differ[:5],
+            ", ..." if len(differ) > 5 else "",
         )
     return len(differ)
 

@@ -228,7 +228,7 @@ def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], tar
     if (act := raw.get("hidden_act", "silu")) not in ("silu", "swish"):
         raise UnsupportedModelError(f"the head's hidden_act is {act!r}; its MLP is Llama's SiLU-gated one")
     hidden = _whole(raw, "hidden_size", sd["fc.weight"].shape[0])
-    if (wide := raw.get("target_hidden_size")) is not None and int(wide) != hidden:
+    if (wide := _whole(raw, "target_hidden_size", hidden, null_too=True)) != hidden:
         raise UnsupportedModelError(
             f"the head's hidden size is {hidden} and its target_hidden_size {wide}: heads narrower or wider than "
             "their target (fc from 3 x target_hidden_size, an embedding of their own) are not supported"
