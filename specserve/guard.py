@@ -28,8 +28,10 @@ model catching up 16 sequences costs ~10-35 plain steps, an EAGLE head's catch-u
 
 Switching to speculation where the batch cannot pay the draft's catch-up back is avoided: the loop says before
 each step how many tokens the draft would first re-read and how many the batch may still emit (``Outlook``), and
-the guard speculates only if those remaining tokens would save more than the catch-up costs (``switch_pays``).
-Plain steps run for that reason are measurements of plain decoding, not tries of it.
+the guard speculates only if those remaining tokens would save more than the catch-up costs (``switch_pays``),
+or once the switch has been put off ``max_try_spacing`` steps in a row (the catch-up's cost is measured only where
+one runs: an estimate too high would otherwise never come down). Plain steps run for that reason are measurements
+of plain decoding, not tries of it.
 
 The mode the bucket's last decision chose holds until the other measures ``margin`` (5%) faster (hysteresis):
 near break-even, where a shared host's step times drift by more than the two modes differ, each flip to
@@ -258,14 +260,18 @@ class ThroughputGuard:
         if (go or hold) and outlook is not None and not self.switch_pays(batch_size, outlook, expected=better is True):
             # put off for at most ``max_try_spacing`` steps: the catch-up's cost is measured only where one runs, so
             # an estimate too high (one slow first catch-up of a few tokens) would otherwise put it off for ever
-            if self._steps(b) - self.deferred_since.setdefault(b, self._steps(b)) < self.cfg.max_try_spacing:
+            waited = self._steps(b) - self.deferred_since.setdefault(b, self._steps(b))
+            if not measured or waited < self.cfg.max_try_spacing:  # (a step not recorded measures no catch-up)
                 self.deferred.add(b)
                 if better and self._spec_rate(b) < self.rates[(b, False)]:  # held within the margin but slower:
                     # with a catch-up due, plain decoding takes the hold (else each plain step's drift would flip it)
                     self.held[b] = False
                 return False
-            # overdue: the switch runs (with a try of plain decoding due meanwhile, that try stays due for after it)
+            # overdue: the switch runs, its catch-up measured afresh; a try of plain decoding due meanwhile is spent
+            # (the plain steps run while it waited measured plain decoding)
             self.overdue.add(b)
+            if hold:
+                self.next_try[b] = self._steps(b) + self.intervals.get(b, self.cfg.explore_every)
             go = True
         self.deferred.discard(b)
         self.deferred_since.pop(b, None)
@@ -304,6 +310,8 @@ class ThroughputGuard:
             raise ValueError(f"a step's seconds must be finite and non-negative, got {seconds}")
         seconds = max(seconds, MIN_STEP_S)  # a coarse clock's 0: a zero average would clip every later step to 0
         b = bucket(batch_size)
+        if not (speculative and caught_up_tokens > 0):  # the overdue switch ran no catch-up (no drafts, no room):
+            self.overdue.discard(b)  # a later one is blended as usual
         if speculative and caught_up_tokens > 0:  # the draft re-reading what it missed. For the catch-up rate: its
             # time beyond what a measured speculative step of the bucket takes (before the first, a plain one: the
             # catch-up that begins speculation's warm-up)

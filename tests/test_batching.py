@@ -1328,12 +1328,33 @@ def test_a_catch_up_put_off_for_max_try_spacing_steps_runs_and_its_cost_replaces
         assert guard.speculate(16, outlook=due) is False and 16 in guard.deferred
         guard.record(16, False, tokens=16, seconds=1.0 + 0.5 * (i % 2))  # measurements, blended (no try's)
     assert guard.steps[16] >= guard.next_try.get(16, cfg.explore_every - 1)  # a try of plain decoding is due
+    assert guard.speculate(16, measured=False, outlook=due) is False  # a step not recorded measures no catch-up
     assert guard.speculate(16, outlook=due) is True and 16 not in guard.deferred
     guard.record(16, True, tokens=0, seconds=3.0, caught_up_tokens=MISSED)  # 2 s beyond a speculative step
     assert guard.missed_token_s == pytest.approx(2.0 / MISSED) and not guard.overdue
     guard.record(16, True, tokens=64, seconds=1.0)
     assert guard.switch_pays(16, due, expected=True)
-    assert guard.speculate(16, outlook=Outlook(draft_missed=0, horizon=16 * 40)) is False  # the plain try, still due
+    # the plain try that had come due is spent (the plain steps run meanwhile measured plain decoding): speculation
+    # runs on, not one step and then a try of plain decoding and another catch-up
+    assert guard.speculate(16, outlook=Outlook(draft_missed=0, horizon=16 * 40)) is True
+
+
+def test_an_overdue_switch_that_ran_no_catch_up_leaves_the_next_one_blended() -> None:
+    """The forced switch's step found nothing to draft (a plain step as run): the overdue mark stayed, and a later,
+    unrelated catch-up replaced the estimate instead of joining its average."""
+    cfg = GuardConfig(warmup=1, warmup_z=0.0, smoothing=0.5, token_smoothing=1.0, outlier_clip=100.0)
+    guard = ThroughputGuard(cfg)
+    guard.record(16, False, tokens=16, seconds=1.0)
+    guard.record(16, True, tokens=0, seconds=1001.0, caught_up_tokens=MISSED)
+    guard.record(16, True, tokens=64, seconds=1.0)
+    due = Outlook(draft_missed=MISSED, horizon=16 * 40)
+    while not guard.speculate(16, outlook=due):
+        guard.record(16, False, tokens=16, seconds=1.0)
+    assert guard.overdue == {16}
+    guard.record(16, False, tokens=16, seconds=1.0, planned=True)  # planned to speculate, ran plainly
+    assert not guard.overdue
+    guard.record(16, True, tokens=0, seconds=101.0, caught_up_tokens=MISSED)  # blended: (1000 + 100) / 2
+    assert guard.missed_token_s == pytest.approx(550.0 / MISSED)
 
 
 def test_a_tiny_explore_cost_spaces_tries_by_max_try_spacing() -> None:

@@ -1110,7 +1110,7 @@ def test_a_draft_model_with_another_tokenizer_of_the_target_s_size_is_named(
         assert warn_on_another_tokenizer(target, tokenizer, same) == 0
         assert warn_on_another_tokenizer(target, tokenizer, HeadSpec()) == 0 and not caplog.records
         assert warn_on_another_tokenizer(target, tokenizer, other) == 3  # ids 1, 2 and 4
-    assert "maps 3 of the target's 5 token ids (60.0%) to other tokens (ids [1, 2, 4]): drafts holding" in caplog.text
+    assert "maps 3 of the target's 5 token ids (60.0%) to other tokens (ids [1, 2, 4]): its drafts will" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="specserve.models.loader"):
         more = ModelSpec(source=str(word_tokenizer(tmp_path / "more", [*words, "<pad>"])))  # an id of its own
@@ -1118,9 +1118,17 @@ def test_a_draft_model_with_another_tokenizer_of_the_target_s_size_is_named(
         bare = tmp_path / "bare"  # weights and config alone: it served as a draft before, and still does
         make_tiny_model(True, len(words)).save_pretrained(bare)
         assert warn_on_another_tokenizer(target, tokenizer, ModelSpec(source=str(bare))) == 0
-        elsewhere = ModelSpec(source=str(tmp_path / "not-converted-here.gguf"))  # read in the draft's actor only
-        assert warn_on_another_tokenizer(target, tokenizer, elsewhere, local_only=True) == 0
     assert not caplog.records
+
+    def fetch(spec: ModelSpec) -> None:
+        raise AssertionError(f"{spec.source} fetched")
+
+    monkeypatch.setattr("specserve.models.loader.load_tokenizer", fetch)
+    for elsewhere in ("someone/their-draft", str(tmp_path / "draft.gguf")):  # read in the draft's actor only
+        assert warn_on_another_tokenizer(target, tokenizer, ModelSpec(source=elsewhere), local_only=True) == 0
+    with pytest.raises(AssertionError, match="fetched"):
+        warn_on_another_tokenizer(target, tokenizer, ModelSpec(source="someone/their-draft"))
+    monkeypatch.undo()
 
     asked: list[tuple[ModelSpec, object, object]] = []
 

@@ -424,7 +424,7 @@ def warn_on_another_tokenizer(
     if differ:
         log.warning(
             "the draft %s's tokenizer maps %d of the target's %d token ids (%.1f%%) to other tokens (ids %s%s): "
-            "drafts holding them are rejected (output stays lossless); speculative decoding needs the target's "
+            "its drafts will mostly be rejected (output stays lossless); speculative decoding needs the target's "
             "tokenizer",
             draft.source,
             len(differ),
