@@ -787,8 +787,11 @@ def _validation_body(errors: list[dict[str, Any]], body: object) -> BaseModel:
     """All messages name their full location; ``param`` is the top-level request field of the first error."""
 
     def where(error: dict[str, Any]) -> list[str]:
+        """The location's parts, each quoted up to 40 characters (an unknown or metadata key is one: a 1 MB key came
+        back twice, in the message and as ``param``)."""
         loc = tuple(error.get("loc", ()))
-        return [str(p) for p in (loc[1:] if loc[:1] == ("body",) else loc) if not is_union_member(p)]
+        parts = [str(p) for p in (loc[1:] if loc[:1] == ("body",) else loc) if not is_union_member(p)]
+        return [part if len(part) <= 40 else f"{part[:40]}..." for part in parts]
 
     def describe(error: dict[str, Any]) -> str:
         loc, msg = ".".join(where(error)), str(error.get("msg", "invalid value"))
