@@ -119,9 +119,18 @@ def _models(args: argparse.Namespace) -> int:
     if args.models_cmd == "pull":
         path = sources.resolve(ModelSpec(source=args.name), force=args.force)
         print(path)
+    elif args.models_cmd == "prune":
+        removed = sources.prune_conversions()
+        for c in removed:
+            print(f"removed {c.path} ({c.size / 1e9:.2f} GB), converted from {c.source}")
+        print(f"{len(removed)} conversion(s) removed, {sum(c.size for c in removed) / 1e9:.2f} GB freed")
     else:
         for name, cached, path in sources.list_models():
             print(f"{name:28s} {'cached' if cached else 'not pulled':10s} {path}")
+        for c in sources.gguf_conversions():
+            state = "source not recorded" if c.source is None else f"from {c.source}"
+            state += " (gone or changed)" if c.stale else ""
+            print(f"{'GGUF conversion':28s} {c.size / 1e9:7.2f} GB {c.path}  {state}")
     return 0
 
 
@@ -159,12 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.set_defaults(func=_generate)
 
-    m = sub.add_parser("models", help="pull or list built-in models")
+    m = sub.add_parser("models", help="pull, list or prune models in the cache")
     msub = m.add_subparsers(dest="models_cmd", required=True)
     pull = msub.add_parser("pull", help="download, verify and convert a model into the cache")
     pull.add_argument("name")
     pull.add_argument("--force", action="store_true", help="convert again (a builtin's verified download is reused)")
-    msub.add_parser("list", help="list built-in models and whether they are cached")
+    msub.add_parser("list", help="list built-in models and whether they are cached, and cached GGUF conversions")
+    msub.add_parser("prune", help="remove cached GGUF conversions whose GGUF file is gone or changed")
     m.set_defaults(func=_models)
 
     t = sub.add_parser("train-draft", help="train an EAGLE draft head for a target on this machine")

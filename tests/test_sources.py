@@ -872,6 +872,40 @@ def test_weights_are_checked_part_by_part_and_after_their_cast(tmp_path: Path) -
     assert loaded.layers[1].down.weight[0, 0].item() == pytest.approx(1e6, rel=1e-2)
 
 
+def test_conversions_of_ggufs_gone_or_changed_are_listed_and_pruned(
+    tiny_gguf: Path, cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each changed GGUF left its conversion in the cache for good (an 8B model's: ~32 GB), and nothing listed it."""
+    from specserve.cli import main
+
+    kept, changed, moved = (tmp_path / f"{name}.gguf" for name in ("kept", "changed", "moved"))
+    shutil.copy(tiny_gguf, kept)
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    write_gguf(model, changed, floats={"specserve.test.changed": 1.0})
+    write_gguf(model, moved, floats={"specserve.test.moved": 1.0})
+    paths = {name: resolve_gguf(f) for name, f in (("kept", kept), ("changed", changed), ("moved", moved))}
+    assert len(set(paths.values())) == 3
+    old = cache / "gguf" / "0123456789abcdef"  # converted before conversions recorded their source
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"x" * 10)
+    by_path = {c.path: c for c in sources.gguf_conversions()}
+    assert by_path.keys() == {*paths.values(), old}
+    assert all(
+        by_path[p].source == f.resolve() and not by_path[p].stale
+        for p, f in zip(paths.values(), (kept, changed, moved), strict=True)
+    )
+    changed.write_bytes(changed.read_bytes() + b"\0")
+    moved.rename(tmp_path / "elsewhere.gguf")
+    assert main(["models", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert f"{paths['kept']}  from {kept}\n" in listed and f"{old}  source not recorded" in listed
+    assert f"{paths['changed']}  from {changed} (gone or changed)" in listed
+    assert main(["models", "prune"]) == 0
+    assert "2 conversion(s) removed" in capsys.readouterr().out
+    assert {c.path for c in sources.gguf_conversions()} == {paths["kept"], old}
+    assert resolve_gguf(kept) == paths["kept"]  # whole: not converted again
+
+
 def test_models_pull_force_converts_again(
     tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

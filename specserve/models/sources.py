@@ -19,6 +19,7 @@ Cache layout under `cache_dir()`:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -460,6 +461,9 @@ def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
             raise _unwritable(parent, e) from None
         if sha256_file(gguf_path) != digest:  # replaced since it was hashed: not the file the key names
             raise ModelSourceError(f"{str(gguf_path)!r} changed while it was being converted; try again")
+        made_from = gguf_path.stat()
+        record = {"path": str(gguf_path.resolve()), "size": made_from.st_size, "mtime_ns": made_from.st_mtime_ns}
+        (work / SOURCE_RECORD).write_text(json.dumps(record))
         files = sorted(work.iterdir())
         (work / COMPLETE_MARKER).write_text(_marker(digest, files))
         work.chmod(0o755)  # mkdtemp makes it private
@@ -474,6 +478,52 @@ def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
+
+
+SOURCE_RECORD = "source.json"  # the GGUF file a conversion was made from, as it was then (``gguf_conversions``)
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    path: Path
+    size: int  # bytes on disk
+    source: Path | None  # the GGUF file it was converted from (None: converted before that was recorded)
+    stale: bool  # that file is gone, or changed since (its size or modification time)
+
+
+def gguf_conversions() -> list[Conversion]:
+    """The cached conversions of GGUF files (each changed GGUF leaves its own: an 8B model's is ~32 GB)."""
+    root = cache_dir() / "gguf"
+    found = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if not folder.is_dir() or folder.name.startswith("."):  # (a conversion in progress)
+            continue
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        source, stale = None, False
+        try:
+            record = json.loads((folder / SOURCE_RECORD).read_text())
+            source, was = Path(record["path"]), (int(record["size"]), int(record["mtime_ns"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        else:
+            try:
+                now = source.stat()
+                stale = (now.st_size, now.st_mtime_ns) != was
+            except OSError:
+                stale = True
+        found.append(Conversion(folder, size, source, stale))
+    return found
+
+
+def prune_conversions() -> list[Conversion]:
+    """Removes the GGUF conversions whose source is gone or changed (a conversion's source not recorded is kept)."""
+    removed = []
+    for conversion in gguf_conversions():
+        if conversion.stale:
+            with _locked(conversion.path.parent / f"{conversion.path.name}.lock"):  # (as resolve_gguf converts)
+                shutil.rmtree(conversion.path)
+            removed.append(conversion)
+    return removed
 
 
 def _unwritable(parent: Path, e: Exception, what: str = "the converted model") -> ModelSourceError:
