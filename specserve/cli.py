@@ -120,10 +120,16 @@ def _models(args: argparse.Namespace) -> int:
         path = sources.resolve(ModelSpec(source=args.name), force=args.force)
         print(path)
     elif args.models_cmd == "prune":
-        removed = sources.prune_conversions()
-        for c in removed:
-            print(f"removed {c.path} ({c.size / 1e9:.2f} GB), converted from {c.source}")
-        print(f"{len(removed)} conversion(s) removed, {sum(c.size for c in removed) / 1e9:.2f} GB freed")
+        removed: list[sources.Conversion] = []
+
+        def said(c: sources.Conversion) -> None:
+            removed.append(c)
+            print(f"removed {c.path} ({c.size / 1e9:.2f} GB), converted from {c.source}", flush=True)
+
+        try:
+            sources.prune_conversions(said)
+        finally:
+            print(f"{len(removed)} conversion(s) removed, {sum(c.size for c in removed) / 1e9:.2f} GB freed")
     else:
         for name, cached, path in sources.list_models():
             print(f"{name:28s} {'cached' if cached else 'not pulled':10s} {path}")

@@ -873,37 +873,59 @@ def test_weights_are_checked_part_by_part_and_after_their_cast(tmp_path: Path) -
 
 
 def test_conversions_of_ggufs_gone_or_changed_are_listed_and_pruned(
-    tiny_gguf: Path, cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_gguf: Path, cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each changed GGUF left its conversion in the cache for good (an 8B model's: ~32 GB), and nothing listed it."""
+    """Each changed GGUF left its conversion in the cache for good (an 8B model's: ~32 GB), and nothing listed it.
+    A conversion records the file it was last read from: one moved and read from its new place, or touched, keeps
+    its conversion; one changed, or gone and not read since, loses it."""
     from specserve.cli import main
 
-    kept, changed, moved = (tmp_path / f"{name}.gguf" for name in ("kept", "changed", "moved"))
+    kept, touched, changed, moved, gone = (
+        tmp_path / f"{name}.gguf" for name in ("kept", "touched", "changed", "moved", "gone")
+    )
     shutil.copy(tiny_gguf, kept)
     model = make_tiny_model(False, len(byte_level_vocab()[0]))
-    write_gguf(model, changed, floats={"specserve.test.changed": 1.0})
-    write_gguf(model, moved, floats={"specserve.test.moved": 1.0})
-    paths = {name: resolve_gguf(f) for name, f in (("kept", kept), ("changed", changed), ("moved", moved))}
-    assert len(set(paths.values())) == 3
+    for i, f in enumerate((touched, changed, moved, gone)):
+        write_gguf(model, f, floats={"specserve.test.file": float(i)})
+    files = {"kept": kept, "touched": touched, "changed": changed, "moved": moved, "gone": gone}
+    paths = {name: resolve_gguf(f) for name, f in files.items()}
+    assert len(set(paths.values())) == 5
     old = cache / "gguf" / "0123456789abcdef"  # converted before conversions recorded their source
     old.mkdir()
     (old / "model.safetensors").write_bytes(b"x" * 10)
     by_path = {c.path: c for c in sources.gguf_conversions()}
     assert by_path.keys() == {*paths.values(), old}
-    assert all(
-        by_path[p].source == f.resolve() and not by_path[p].stale
-        for p, f in zip(paths.values(), (kept, changed, moved), strict=True)
-    )
+    assert all(by_path[paths[n]].source == f.resolve() and not by_path[paths[n]].stale for n, f in files.items())
     changed.write_bytes(changed.read_bytes() + b"\0")
+    os.utime(touched, ns=(1, 1))  # the same bytes
     moved.rename(tmp_path / "elsewhere.gguf")
+    assert resolve_gguf(tmp_path / "elsewhere.gguf") == paths["moved"]  # read from its new place
+    gone.rename(tmp_path / "put-away.gguf")  # not read since
     assert main(["models", "list"]) == 0
     listed = capsys.readouterr().out
     assert f"{paths['kept']}  from {kept}\n" in listed and f"{old}  source not recorded" in listed
-    assert f"{paths['changed']}  from {changed} (gone or changed)" in listed
+    assert f"{paths['moved']}  from {tmp_path / 'elsewhere.gguf'}\n" in listed
+    for name in ("touched", "changed", "gone"):
+        assert f"{paths[name]}  from {files[name]} (gone or changed)" in listed
     assert main(["models", "prune"]) == 0
-    assert "2 conversion(s) removed" in capsys.readouterr().out
-    assert {c.path for c in sources.gguf_conversions()} == {paths["kept"], old}
-    assert resolve_gguf(kept) == paths["kept"]  # whole: not converted again
+    out = capsys.readouterr().out
+    assert (
+        "2 conversion(s) removed" in out and f"removed {paths['changed']}" in out and f"removed {paths['gone']}" in out
+    )
+    left = {c.path: c for c in sources.gguf_conversions()}
+    assert left.keys() == {paths["kept"], paths["touched"], paths["moved"], old} and not left[paths["touched"]].stale
+    assert resolve_gguf(kept) == paths["kept"] and resolve_gguf(touched) == paths["touched"]  # not converted again
+
+    kept.unlink()  # a conversion that cannot be removed: named, after the others, not a traceback
+
+    def denied(path: Path) -> None:
+        raise PermissionError(13, "denied")
+
+    monkeypatch.setattr(sources.shutil, "rmtree", denied)
+    assert main(["models", "prune"]) == 2
+    captured = capsys.readouterr()
+    assert f"cannot remove 1 conversion(s): {paths['kept']} (denied)" in captured.err
+    assert "0 conversion(s) removed" in captured.out and "Traceback" not in captured.err
 
 
 def test_models_pull_force_converts_again(

@@ -348,6 +348,9 @@ def resolve_gguf(path: Path, *, force: bool = False) -> Path:
     root = cache_dir() / "gguf"
     target = root / digest[:16]
     if not force and _is_complete(target, digest):
+        if _recorded(target) != _stat_record(path):  # moved, copied or touched: the file it was last read from
+            with _locked(root / f"{digest[:16]}.lock"), contextlib.suppress(OSError):  # (a read-only cache: kept)
+                _record_source(target, path)
         return target
     make_cache_dir(root)
     with _locked(root / f"{digest[:16]}.lock"):
@@ -461,11 +464,9 @@ def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
             raise _unwritable(parent, e) from None
         if sha256_file(gguf_path) != digest:  # replaced since it was hashed: not the file the key names
             raise ModelSourceError(f"{str(gguf_path)!r} changed while it was being converted; try again")
-        made_from = gguf_path.stat()
-        record = {"path": str(gguf_path.resolve()), "size": made_from.st_size, "mtime_ns": made_from.st_mtime_ns}
-        (work / SOURCE_RECORD).write_text(json.dumps(record))
         files = sorted(work.iterdir())
         (work / COMPLETE_MARKER).write_text(_marker(digest, files))
+        _record_source(work, gguf_path)  # (not in the marker: rewritten where the file has moved or been touched)
         work.chmod(0o755)  # mkdtemp makes it private
         for file in files:
             file.chmod(0o644)
@@ -480,50 +481,91 @@ def _convert_into_place(gguf_path: Path, target: Path, digest: str) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-SOURCE_RECORD = "source.json"  # the GGUF file a conversion was made from, as it was then (``gguf_conversions``)
+SOURCE_RECORD = "source.json"  # the GGUF file a conversion was last read from, as it was then
+
+
+def _stat_record(gguf_path: Path) -> dict[str, Any] | None:
+    try:
+        now = gguf_path.stat()
+    except OSError:
+        return None
+    return {"path": str(gguf_path.resolve()), "size": now.st_size, "mtime_ns": now.st_mtime_ns}
+
+
+def _record_source(folder: Path, gguf_path: Path) -> None:
+    if (record := _stat_record(gguf_path)) is not None:
+        text = json.dumps(record)
+        write_durably(folder / SOURCE_RECORD, lambda tmp: tmp.write_text(text))
+
+
+def _recorded(folder: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((folder / SOURCE_RECORD).read_text())
+        return {"path": str(record["path"]), "size": int(record["size"]), "mtime_ns": int(record["mtime_ns"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Conversion:
     path: Path
     size: int  # bytes on disk
-    source: Path | None  # the GGUF file it was converted from (None: converted before that was recorded)
+    source: Path | None  # the GGUF file it was last read from (None: converted before that was recorded)
     stale: bool  # that file is gone, or changed since (its size or modification time)
 
 
+def _conversion(folder: Path) -> Conversion:
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    record = _recorded(folder)
+    if record is None:
+        return Conversion(folder, size, None, False)
+    source = Path(record["path"])
+    return Conversion(folder, size, source, _stat_record(source) != record)
+
+
 def gguf_conversions() -> list[Conversion]:
-    """The cached conversions of GGUF files (each changed GGUF leaves its own: an 8B model's is ~32 GB)."""
+    """The cached conversions of GGUF files (each changed GGUF leaves its own: an 8B model's is ~32 GB); a folder
+    being swapped or removed meanwhile is left out."""
     root = cache_dir() / "gguf"
     found = []
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+    try:
+        folders = sorted(root.iterdir()) if root.is_dir() else []
+    except OSError as e:
+        raise ModelSourceError(f"cannot list {str(root)!r}: {e.strerror or e}") from None
+    for folder in folders:
         if not folder.is_dir() or folder.name.startswith("."):  # (a conversion in progress)
             continue
-        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        source, stale = None, False
-        try:
-            record = json.loads((folder / SOURCE_RECORD).read_text())
-            source, was = Path(record["path"]), (int(record["size"]), int(record["mtime_ns"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        else:
-            try:
-                now = source.stat()
-                stale = (now.st_size, now.st_mtime_ns) != was
-            except OSError:
-                stale = True
-        found.append(Conversion(folder, size, source, stale))
+        with contextlib.suppress(OSError):
+            found.append(_conversion(folder))
     return found
 
 
-def prune_conversions() -> list[Conversion]:
-    """Removes the GGUF conversions whose source is gone or changed (a conversion's source not recorded is kept)."""
-    removed = []
-    for conversion in gguf_conversions():
-        if conversion.stale:
-            with _locked(conversion.path.parent / f"{conversion.path.name}.lock"):  # (as resolve_gguf converts)
-                shutil.rmtree(conversion.path)
-            removed.append(conversion)
-    return removed
+def prune_conversions(removed: Callable[[Conversion], None]) -> None:
+    """Removes the GGUF conversions whose source is gone or changed, each checked again under the lock that
+    ``resolve_gguf`` converts under: a file that is there with other times but the same content (touched, copied
+    back) keeps its conversion. A conversion whose source is not recorded is kept; one that cannot be removed is
+    named in a ModelSourceError after the others."""
+    failed = []
+    for listed in gguf_conversions():
+        if not listed.stale:
+            continue
+        with _locked(listed.path.parent / f"{listed.path.name}.lock"):
+            try:
+                now = _conversion(listed.path)
+                if not now.stale or now.source is None:
+                    continue
+                if now.source.is_file() and sha256_file(now.source)[:16] == listed.path.name:
+                    _record_source(listed.path, now.source)  # the same content: touched, not changed
+                    continue
+                if listed.path.is_symlink():
+                    raise OSError("a symbolic link (its folder is left where it points)")
+                shutil.rmtree(listed.path)
+            except OSError as e:
+                failed.append(f"{listed.path} ({e.strerror or e})")
+                continue
+        removed(now)
+    if failed:
+        raise ModelSourceError(f"cannot remove {len(failed)} conversion(s): {'; '.join(failed)}")
 
 
 def _unwritable(parent: Path, e: Exception, what: str = "the converted model") -> ModelSourceError:
