@@ -973,6 +973,21 @@ def test_cache_write_failures_are_the_caches_not_the_models(
         assert sorted(p.name for p in (cache / "gguf").iterdir()) == [f"{digest[:16]}.lock"]
 
 
+def test_a_whole_conversion_serves_from_a_cache_it_cannot_lock_though_its_record_is_out_of_date(
+    tiny_gguf: Path, cache: Path, tmp_path: Path
+) -> None:
+    """The record of the file a conversion was last read from is refreshed under the lock: where the cache cannot
+    be locked (another user's, read-only) the conversion serves as before, its record as it was."""
+    path = tmp_path / "model.gguf"
+    shutil.copy(tiny_gguf, path)
+    converted = resolve_gguf(path)
+    os.utime(path, ns=(1, 1))
+    (cache / "gguf" / f"{converted.name}.lock").unlink(missing_ok=True)
+    (cache / "gguf" / f"{converted.name}.lock").mkdir()  # a lock file that cannot be opened
+    assert resolve_gguf(path) == converted
+    assert [c.stale for c in sources.gguf_conversions()] == [True]
+
+
 def test_a_gguf_replaced_while_converting_is_not_filed_under_its_old_hash(
     tiny_gguf: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -349,8 +349,11 @@ def resolve_gguf(path: Path, *, force: bool = False) -> Path:
     target = root / digest[:16]
     if not force and _is_complete(target, digest):
         if _recorded(target) != _stat_record(path):  # moved, copied or touched: the file it was last read from
-            with _locked(root / f"{digest[:16]}.lock"), contextlib.suppress(OSError):  # (a read-only cache: kept)
-                _record_source(target, path)
+            try:
+                with _locked(root / f"{digest[:16]}.lock"):
+                    _record_source(target, path)
+            except (OSError, ModelSourceError):  # a cache that cannot be locked or written serves as it is
+                pass
         return target
     make_cache_dir(root)
     with _locked(root / f"{digest[:16]}.lock"):
@@ -533,7 +536,7 @@ def gguf_conversions() -> list[Conversion]:
     except OSError as e:
         raise ModelSourceError(f"cannot list {str(root)!r}: {e.strerror or e}") from None
     for folder in folders:
-        if not folder.is_dir() or folder.name.startswith("."):  # (a conversion in progress)
+        if not folder.is_dir() or not re.fullmatch(r"[0-9a-f]{16}", folder.name):  # (not one in progress, a lock)
             continue
         with contextlib.suppress(OSError):
             found.append(_conversion(folder))
