@@ -124,7 +124,8 @@ def _models(args: argparse.Namespace) -> int:
 
         def said(c: sources.Conversion) -> None:
             removed.append(c)
-            print(f"removed {c.path} ({c.size / 1e9:.2f} GB), converted from {c.source}", flush=True)
+            made = f"converted from {c.source}" if c.source else "left by a conversion that did not finish"
+            print(f"removed {c.path} ({c.size / 1e9:.2f} GB), {made}", flush=True)
 
         try:
             sources.prune_conversions(said)

@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -971,6 +972,43 @@ def test_cache_write_failures_are_the_caches_not_the_models(
             resolve_gguf(tiny_gguf)
         assert not isinstance(info.value, CorruptModelError)
         assert sorted(p.name for p in (cache / "gguf").iterdir()) == [f"{digest[:16]}.lock"]
+
+
+def test_prune_racing_a_load_or_another_prune_and_the_folders_of_killed_conversions(
+    tiny_gguf: Path, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A load that found its conversion whole, then waited for the lock while a prune removed it, returned a folder
+    that no longer existed; a second prune reported the first's removals as failures; and the folder of a
+    conversion killed midway (as large as a whole one) was never listed or removed."""
+    import contextlib
+
+    from specserve.cli import main
+
+    first = tmp_path / "a.gguf"
+    shutil.copy(tiny_gguf, first)
+    converted = resolve_gguf(first)
+    first.rename(tmp_path / "b.gguf")  # moved: the record names a.gguf, which a prune takes for gone
+    real_locked = sources._locked
+
+    @contextlib.contextmanager
+    def pruned_first(lock: Path) -> Iterator[None]:
+        with real_locked(lock):
+            shutil.rmtree(converted, ignore_errors=True)  # the prune that held the lock just before
+            yield
+
+    monkeypatch.setattr(sources, "_locked", pruned_first)
+    assert resolve_gguf(tmp_path / "b.gguf") == converted and (converted / "model.safetensors").is_file()
+    monkeypatch.setattr(sources, "_locked", real_locked)
+
+    gone = sources.Conversion(cache / "gguf" / "fedcba9876543210", 10, tmp_path / "x.gguf", True)
+    monkeypatch.setattr(sources, "gguf_conversions", lambda: [gone])  # listed, then removed by another prune
+    orphan = cache / "gguf" / f".{converted.name}.tmp-k1lled"
+    orphan.mkdir()
+    (orphan / "model.safetensors").write_bytes(b"x" * 1000)
+    assert main(["models", "prune"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {orphan} (0.00 GB), left by a conversion that did not finish" in out
+    assert "1 conversion(s) removed" in out and not orphan.exists() and converted.is_dir()
 
 
 def test_a_whole_conversion_serves_from_a_cache_it_cannot_lock_though_its_record_is_out_of_date(

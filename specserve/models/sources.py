@@ -346,17 +346,20 @@ def resolve_gguf(path: Path, *, force: bool = False) -> Path:
     except OSError as e:
         raise ModelSourceError(f"cannot read GGUF file {str(path)!r}: {e.strerror or e}") from e
     root = cache_dir() / "gguf"
-    target = root / digest[:16]
+    target, lock = root / digest[:16], root / f"{digest[:16]}.lock"
     if not force and _is_complete(target, digest):
-        if _recorded(target) != _stat_record(path):  # moved, copied or touched: the file it was last read from
-            try:
-                with _locked(root / f"{digest[:16]}.lock"):
+        if _recorded(target) == _stat_record(path):
+            return target
+        try:  # moved, copied or touched: the record names the file the conversion was last read from
+            with _locked(lock):
+                if _is_complete(target, digest):  # (again, under the lock: a prune may have removed it meanwhile)
                     _record_source(target, path)
-            except (OSError, ModelSourceError):  # a cache that cannot be locked or written serves as it is
-                pass
-        return target
+                    return target
+        except (OSError, ModelSourceError):  # a cache that cannot be locked or written serves as it is
+            if _is_complete(target, digest):
+                return target
     make_cache_dir(root)
-    with _locked(root / f"{digest[:16]}.lock"):
+    with _locked(lock):
         if force or not _is_complete(target, digest):
             _convert_into_place(path, target, digest)
     return target
@@ -518,7 +521,7 @@ class Conversion:
 
 
 def _conversion(folder: Path) -> Conversion:
-    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    size = _folder_size(folder)
     record = _recorded(folder)
     if record is None:
         return Conversion(folder, size, None, False)
@@ -546,20 +549,22 @@ def gguf_conversions() -> list[Conversion]:
 def prune_conversions(removed: Callable[[Conversion], None]) -> None:
     """Removes the GGUF conversions whose source is gone or changed, each checked again under the lock that
     ``resolve_gguf`` converts under: a file that is there with other times but the same content (touched, copied
-    back) keeps its conversion. A conversion whose source is not recorded is kept; one that cannot be removed is
-    named in a ModelSourceError after the others."""
+    back) keeps its conversion; and the folders conversions killed midway left (``source`` None). A conversion
+    whose source is not recorded is kept; one that cannot be removed is named in a ModelSourceError after the
+    others."""
+    root = cache_dir() / "gguf"
     failed = []
-    for listed in gguf_conversions():
+    for listed in [*gguf_conversions(), *_orphans(root)]:
         if not listed.stale:
             continue
-        with _locked(listed.path.parent / f"{listed.path.name}.lock"):
+        with _locked(root / f"{listed.path.name.lstrip('.')[:16]}.lock"):  # (an orphan's name: .<digest>.tmp-...)
             try:
-                now = _conversion(listed.path)
-                if not now.stale or now.source is None:
-                    continue
-                if now.source.is_file() and sha256_file(now.source)[:16] == listed.path.name:
-                    _record_source(listed.path, now.source)  # the same content: touched, not changed
-                    continue
+                now = _conversion(listed.path) if listed.source is not None else listed
+            except OSError:  # removed meanwhile (another prune), or unreadable: nothing of it to remove here
+                continue
+            if not now.stale or (now.source is not None and _holds_its_source(now) is not False):
+                continue
+            try:
                 if listed.path.is_symlink():
                     raise OSError("a symbolic link (its folder is left where it points)")
                 shutil.rmtree(listed.path)
@@ -569,6 +574,42 @@ def prune_conversions(removed: Callable[[Conversion], None]) -> None:
         removed(now)
     if failed:
         raise ModelSourceError(f"cannot remove {len(failed)} conversion(s): {'; '.join(failed)}")
+
+
+def _holds_its_source(conversion: Conversion) -> bool | None:
+    """Whether the conversion's recorded file holds the bytes it was converted from (its record then refreshed);
+    None where that file cannot be read."""
+    assert conversion.source is not None
+    if not conversion.source.is_file():
+        return False
+    try:
+        digest = sha256_file(conversion.source)
+    except OSError:
+        return None
+    if not _is_complete(conversion.path, digest):
+        return False
+    with contextlib.suppress(OSError):
+        _record_source(conversion.path, conversion.source)
+    return True
+
+
+def _orphans(root: Path) -> list[Conversion]:
+    """Folders of conversions killed midway (``.<digest>.tmp-...``): with their digest's lock held, nothing writes
+    them (a later conversion of that digest removes them too)."""
+    try:
+        folders = sorted(root.glob(".*.tmp-*")) if root.is_dir() else []
+    except OSError:
+        return []
+    found = []
+    for folder in folders:
+        if folder.is_dir() and re.fullmatch(r"\.[0-9a-f]{16}\.tmp-.*", folder.name):
+            with contextlib.suppress(OSError):
+                found.append(Conversion(folder, _folder_size(folder), None, True))
+    return found
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def _unwritable(parent: Path, e: Exception, what: str = "the converted model") -> ModelSourceError:
