@@ -1001,14 +1001,22 @@ def test_prune_racing_a_load_or_another_prune_and_the_folders_of_killed_conversi
     monkeypatch.setattr(sources, "_locked", real_locked)
 
     gone = sources.Conversion(cache / "gguf" / "fedcba9876543210", 10, tmp_path / "x.gguf", True)
-    monkeypatch.setattr(sources, "gguf_conversions", lambda: [gone])  # listed, then removed by another prune
+    unreadable = cache / "gguf" / "00000000000000aa"  # a record whose file cannot be looked at (ENAMETOOLONG): kept
+    unreadable.mkdir()
+    (unreadable / sources.SOURCE_RECORD).write_text(json.dumps({"path": "/" + "n" * 300, "size": 1, "mtime_ns": 1}))
+    listed = sources.gguf_conversions()
+    assert [c.stale for c in listed if c.path == unreadable] == [True]
+    # listed, then removed by another prune; and an orphan renamed into place (a conversion in progress) meanwhile
+    vanished = sources.Conversion(cache / "gguf" / f".{converted.name}.tmp-renamed", 10, None, True)
+    monkeypatch.setattr(sources, "gguf_conversions", lambda: [gone, *listed])
+    monkeypatch.setattr(sources, "_orphans", lambda root, real=sources._orphans: [vanished, *real(root)])
     orphan = cache / "gguf" / f".{converted.name}.tmp-k1lled"
     orphan.mkdir()
     (orphan / "model.safetensors").write_bytes(b"x" * 1000)
     assert main(["models", "prune"]) == 0
     out = capsys.readouterr().out
     assert f"removed {orphan} (0.00 GB), left by a conversion that did not finish" in out
-    assert "1 conversion(s) removed" in out and not orphan.exists() and converted.is_dir()
+    assert "1 conversion(s) removed" in out and not orphan.exists() and converted.is_dir() and unreadable.is_dir()
 
 
 def test_a_whole_conversion_serves_from_a_cache_it_cannot_lock_though_its_record_is_out_of_date(

@@ -558,9 +558,11 @@ def prune_conversions(removed: Callable[[Conversion], None]) -> None:
         if not listed.stale:
             continue
         with _locked(root / f"{listed.path.name.lstrip('.')[:16]}.lock"):  # (an orphan's name: .<digest>.tmp-...)
+            if not listed.path.exists():  # removed meanwhile (another prune; an orphan that was a conversion then
+                continue  # in progress, renamed into place)
             try:
                 now = _conversion(listed.path) if listed.source is not None else listed
-            except OSError:  # removed meanwhile (another prune), or unreadable: nothing of it to remove here
+            except OSError:  # unreadable: nothing of it to remove here
                 continue
             if not now.stale or (now.source is not None and _holds_its_source(now) is not False):
                 continue
@@ -580,9 +582,9 @@ def _holds_its_source(conversion: Conversion) -> bool | None:
     """Whether the conversion's recorded file holds the bytes it was converted from (its record then refreshed);
     None where that file cannot be read."""
     assert conversion.source is not None
-    if not conversion.source.is_file():
-        return False
     try:
+        if not conversion.source.is_file():  # (gone: False; an error other than "no such file" raises)
+            return False
         digest = sha256_file(conversion.source)
     except OSError:
         return None
