@@ -1261,7 +1261,7 @@ def test_a_draft_model_with_another_tokenizer_of_the_target_s_size_is_named(
     from specserve.engine import Engine
 
     class Asked(Exception):
-        pass
+        """Raised by the patched check: the Engine asked, and need not load further."""
 
     def ask(t: ModelSpec, tok: object, d: object) -> None:
         asked.append((t, d, {}))
