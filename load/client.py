@@ -157,10 +157,10 @@ def parse_sse_data(data: str) -> SSEEvent:
         return SSEEvent(EventKind.done)
     try:
         chunk = read_chunk(json.loads(payload))
-    except json.JSONDecodeError:
-        return SSEEvent(EventKind.error, error=f"malformed SSE payload: {payload[:120]!r}")
     except MalformedChunkError as e:
         return SSEEvent(EventKind.error, error=f"unexpected SSE payload ({e}): {payload[:120]!r}")
+    except (ValueError, RecursionError):  # JSONDecodeError, an integer past int()'s digit limit, deep nesting
+        return SSEEvent(EventKind.error, error=f"malformed SSE payload: {payload[:120]!r}")
     if chunk.error is not None:
         return SSEEvent(EventKind.error, error=str(chunk.error.get("message", chunk.error)))
     if chunk.usage is not None and not chunk.has_choice:

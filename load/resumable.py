@@ -99,7 +99,7 @@ class ResumableStream:
                     return
                 try:
                     chunk = json.loads(data)
-                except json.JSONDecodeError as e:
+                except (ValueError, RecursionError) as e:  # also an integer past int()'s limit, deep nesting
                     raise StreamFailedError(f"malformed event in stream: {data[:200]!r}") from e
                 delta = self._parse(chunk)
                 if decoder.last_event_id is not None:

@@ -254,6 +254,21 @@ def test_a_misshapen_chunk_fails_its_request_in_the_sweeps_client_not_the_sweep(
     assert stats.text == "ok"
 
 
+@pytest.mark.parametrize("payload", ["1" * 5000, "[" * 100_000, '{"choices": [{"text": ' + "9" * 5000 + "}]}"])
+def test_json_python_refuses_to_read_fails_its_request_not_the_sweep(payload: str) -> None:
+    """An integer past int()'s digit limit is a ValueError and deep nesting a RecursionError, not a
+    JSONDecodeError: either ended the whole sweep with a traceback."""
+    import httpx
+
+    from load.straggler import _stream_one
+
+    body = (_chunk({"content": "ok"}) + f"data: {payload}\n\n" + "data: [DONE]\n\n").encode()
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body))) as client:
+        stats = _stream_one(client, "http://127.0.0.1:1", {}, 60.0)
+    assert stats.failure() is not None and "malformed SSE payload" in stats.failure()  # type: ignore[operator]
+    assert stats.text == "ok"
+
+
 def test_well_formed_chunks_read_with_their_optional_fields() -> None:
     usage = parse_sse_data('{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}')
     assert usage == SSEEvent(EventKind.usage, completion_tokens=2, prompt_tokens=4)

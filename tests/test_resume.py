@@ -456,6 +456,15 @@ def test_the_client_helper_fails_a_misshapen_chunk_with_its_own_error(payload: s
         stream.text()
 
 
+@pytest.mark.parametrize("payload", ["1" * 5000, "[" * 100_000])
+def test_the_client_helper_fails_json_python_refuses_to_read_with_its_own_error(payload: str) -> None:
+    body = f'id: 1-a\ndata: {{"choices": [{{"text": "a"}}]}}\n\nid: 1-b\ndata: {payload}\n\ndata: [DONE]\n\n'
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body.encode())))
+    stream = ResumableStream("http://127.0.0.1:1", COMPLETIONS, {"prompt": "x"}, client=client, heal_timeout_s=0)
+    with pytest.raises(StreamFailedError, match="malformed event"):
+        stream.text()
+
+
 def test_a_resumed_stream_is_kept_alive_while_it_replays_to_its_resume_point(monkeypatch: pytest.MonkeyPatch) -> None:
     """A resume regenerates everything before its point and sends none of it: with no bytes for longer than the
     client's read timeout, the client cut the connection, which aborted the replay, over and over (any resume past
