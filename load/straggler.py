@@ -66,7 +66,7 @@ from specserve.bench.stats import (
 from specserve.config import MODEL_PAIRS, Drafter, DType, HeadQuant, HeadSpec, SpecConfig, SpecMethod
 from specserve.console import console_safe
 from specserve.engine import Engine
-from specserve.errors import settings_problems
+from specserve.errors import SettingsError, settings_problems
 from specserve.guard import GuardConfig, ThroughputGuard
 from specserve.heap import freeze_loaded_objects
 from specserve.models.llama import LlamaModel
@@ -324,6 +324,17 @@ def make_workload(cfg: StudyConfig, kind: WorkloadKind, n: int, encode: Callable
 # ─────────────────────────── engine sweep ───────────────────────────
 
 
+def check_fits(wl: Workload, context_limit: int) -> None:
+    """Every request gets all its output tokens (EOS ignored): one the context limit cut short would make the
+    report's output lengths, and the simulator's replay of them, wrong."""
+    longest = max(len(p) + n for p, n in zip(wl.prompts, wl.lengths, strict=True))
+    if longest > context_limit:
+        raise SettingsError(
+            f"a request of {longest} tokens (prompt and output) does not fit the context limit of {context_limit}; "
+            "lower --max-tokens or --max-prompt-tokens"
+        )
+
+
 def run_engine_point(
     cfg: StudyConfig,
     models: Models,
@@ -348,6 +359,7 @@ def run_engine_point(
         throughput_guard=cfg.guard,
         guard=cfg.guard_config(),
     )
+    check_fits(wl, engine.loop.max_model_len)
     if guard is not None:
         engine.loop.planner.guard = guard
     if floor is not None:
@@ -963,7 +975,11 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"python -m load.straggler: error: --url: {e}", file=sys.stderr)
             return 2
     if cfg.workloads:
-        rows, traces = engine_sweep(cfg)
+        try:
+            rows, traces = engine_sweep(cfg)
+        except SettingsError as e:
+            print(f"python -m load.straggler: error: {e}", file=sys.stderr)
+            return 2
         write_csv(cfg.out / "straggler.csv", rows)
         images = plot_sweep(rows, cfg.out) + plot_sl_traces(traces, cfg.out)
         print(markdown_table(rows, REPORT_COLS))

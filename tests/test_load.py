@@ -978,6 +978,21 @@ def test_report_refuses_to_pool_runs_made_under_other_settings(
     )
 
 
+def test_straggler_refuses_outputs_the_context_limit_would_cut_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiny pair's context is 448 tokens: 600-token outputs stopped at 352 while the report said 600-600 and
+    the simulator replayed 600."""
+    from load import straggler
+
+    argv = ["--pair", "tiny", "--batch-sizes", "1", "--policies", "plain", "--workloads", "real"]
+    argv += ["--requests-per-slot", "1", "--min-tokens", "600", "--max-tokens", "600", "--out", str(tmp_path)]
+    assert straggler.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "does not fit the context limit of 448" in err and "--max-tokens" in err
+    assert not (tmp_path / "traces.jsonl").exists()
+
+
 def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from load import simulate as sim_cli
     from load import straggler
