@@ -68,6 +68,7 @@ from specserve.policy.planner import SLPlanner
 from specserve.step_events import idle_fraction
 
 T = TypeVar("T")
+TINY_SOURCE = "tiny"  # --measure-target / --measure-draft: the random-weight tiny model
 
 # ─────────────────────────── workload and settings ───────────────────────────
 
@@ -486,6 +487,11 @@ class SimStudy(BaseModel):
     repeats: int = Field(default=3, ge=1)
     seed: int = 0
 
+    @field_validator("profile_rows")
+    @classmethod
+    def _ascending(cls, rows: list[int]) -> list[int]:
+        return sorted(rows)  # a cost curve's x values ascend
+
     @field_validator("policies")
     @classmethod
     def _simulated(cls, ps: list[PolicyName]) -> list[PolicyName]:
@@ -502,6 +508,9 @@ class SimStudy(BaseModel):
             raise ValueError("need 1 <= --min-tokens <= --max-tokens")
         if self.measure_draft is not None and self.measure_target is None:
             raise ValueError("--measure-draft needs --measure-target (the draft is timed beside it)")
+        if self.measure_target not in (None, TINY_SOURCE) and self.measure_draft is None:
+            raise ValueError("--measure-target needs --measure-draft beside a real model (the draft timed with it)")
+        refuse_repeats("--profile-rows", self.profile_rows)
         refuse_repeats("--batch-sizes", self.batch_sizes)  # rows are keyed by batch size, policy and workload
         refuse_repeats("--policies", [p.value for p in self.policies])
         refuse_repeats("--workloads", [w.value for w in self.workloads])
@@ -602,7 +611,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-cost", type=out_file_arg, default=None, help="write the cost model used as JSON")
     p.add_argument("--roofline", choices=[r.value for r in RooflineName], default=None, help="a roofline estimate")
     p.add_argument("--measure-target", default=None, help="time batched forwards: target source (or 'tiny')")
-    p.add_argument("--measure-draft", default=None, help="... and draft source (or 'tiny')")
+    p.add_argument(
+        "--measure-draft",
+        default=None,
+        help="... and draft source (or 'tiny'); needed beside a real target (a tiny target's default: a noisy copy)",
+    )
     p.add_argument(
         "--measure-dtype",
         default="float32",
@@ -771,17 +784,19 @@ def _measured(study: SimStudy, fitted: CostModel) -> CostModel:
     from specserve.models.tiny import noisy_copy, tiny_model
 
     def load(source: str) -> LlamaModel:
-        if source == "tiny":
-            return tiny_model().to(study.device)
+        if source == TINY_SOURCE:
+            return tiny_model().to(study.device, study.measure_dtype.torch)
         return load_model(ModelSpec(source=source, dtype=study.measure_dtype), device=study.device)
 
-    target = load(study.measure_target or "tiny")
+    target = load(study.measure_target or TINY_SOURCE)
+    # the tiny pair's draft (a noisy copy) beside the tiny target; "tiny" beside a real target: the tiny model
     draft = (
-        noisy_copy(target, 0.1).to(study.device)
-        if study.measure_draft in (None, "tiny")
-        else load(study.measure_draft or "")
+        load(study.measure_draft)
+        if study.measure_draft is not None
+        else noisy_copy(target, 0.1).to(study.device, study.measure_dtype.torch)
     )
-    source = f"measured on {study.device}: {study.measure_target} + {study.measure_draft} ({study.measure_dtype})"
+    drafted_by = study.measure_draft or "a noisy copy"
+    source = f"measured on {study.device}: {study.measure_target} + {drafted_by} ({study.measure_dtype.value})"
     measured = measure_cost_model(target, draft, study.profile_rows, source=source)
     host = ("overhead", "host_drafting_row_s", "emit_token_s")
     return measured.model_copy(update={k: getattr(fitted, k) for k in host})

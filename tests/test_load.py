@@ -74,7 +74,7 @@ from specserve.bench.batch_sweep import run_one
 from specserve.bench.policies import PolicyName, policy_specs
 from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.engine import Engine
-from specserve.models.tiny import noisy_copy, tiny_model
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from tests.ports import serve_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1039,7 +1039,7 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
     )
     for argv, says in [
         (["--workloads", "real"], "holds no recorded runs of ['real']"),  # wrote an empty report, exit 0
-        (["--measure-target", str(tmp_path / "no-model")], "--measure-target / --measure-draft:"),  # a traceback
+        (["--measure-target", str(tmp_path / "no-model"), "--measure-draft", "tiny"], "--measure-target / --measure"),
         (["--cost", str(negative)], "verify_row_s: Input should be greater than or equal to 0"),
         (["--cost", str(free)], "free.json: a plain step of one row costs 0 s"),
     ]:
@@ -1060,6 +1060,33 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert straggler.summarize(runs) == straggler.summarize(list(reversed(runs)))
     with pytest.raises(ValueError, match="drafter"):  # the simulator replays draft-model steps only
         sim_cli.SimConfig(batch_size=1, policy=PolicyName.static, spec=lookup)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_measured_cost_times_the_draft_it_is_given(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--measure-draft tiny`` beside a real target timed a noisy copy of that target (the draft's curve was the
+    target's); the tiny models ignored ``--measure-dtype``; unsorted ``--profile-rows`` failed after loading."""
+    import load.simulate as sim_cli
+    import specserve.models.loader as loader
+    from specserve.config import DType
+
+    big = tiny_model(tiny_config(hidden_size=128, intermediate_size=256, num_hidden_layers=4))
+    monkeypatch.setattr(loader, "load_model", lambda spec, device: big.to(device, spec.dtype.torch))
+    timed: dict[str, Any] = {}
+
+    def measure(target: Any, draft: Any, rows: list[int], source: str) -> None:
+        timed.update(target=target, draft=draft, rows=rows, source=source)
+        raise StopIteration
+
+    monkeypatch.setattr(sim_cli, "measure_cost_model", measure)
+    study = sim_cli.SimStudy(traces=Path("t.jsonl"), out=Path("o"), measure_target="real/dir", measure_draft="tiny",
+                             measure_dtype=DType(dtype), profile_rows=[8, 1, 2])  # fmt: skip
+    with pytest.raises(StopIteration):
+        sim_cli._measured(study, CostModel(source="f", draft_level=Curve.constant(0.0), verify=Curve.constant(1.0)))
+    size = {k: sum(p.numel() for p in timed[k].parameters()) for k in ("target", "draft")}
+    assert size["draft"] == sum(p.numel() for p in tiny_model().parameters()) < size["target"]
+    assert {next(timed[k].parameters()).dtype for k in ("target", "draft")} == {DType(dtype).torch}
+    assert timed["rows"] == [1, 2, 8] and timed["source"] == f"measured on cpu: real/dir + tiny ({dtype})"
 
 
 @pytest.mark.parametrize(
@@ -1083,6 +1110,9 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
         ("simulate", ["--traces", "t.jsonl", "--measure-dtype", "bogus"], "argument --measure-dtype: invalid choice"),
         ("simulate", ["--traces", "t.jsonl", "--profile-rows", "0"], "argument --profile-rows: must be at least 1"),
         ("simulate", ["--traces", "t.jsonl", "--write-cost", "/"], "is a directory"),
+        # a real target timed beside a noisy copy of itself (the tiny pair's draft); rows a Curve then refused late
+        ("simulate", ["--traces", "t.jsonl", "--measure-target", "some/dir"], "needs --measure-draft beside a real"),
+        ("simulate", ["--traces", "t.jsonl", "--profile-rows", "1", "1"], "--profile-rows repeats a value: [1, 1]"),
     ],
 )
 def test_study_settings_out_of_range_are_usage_errors(
