@@ -655,7 +655,8 @@ def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
                     done += 1
                     print(
                         f"[{done}/{total}] HTTP C={conc:3d} {pol.name:28s} {row['tok_s']:8.1f} tok/s  "
-                        f"failures {row['failures']}  p99 TTFT {row['p99_ttft_s']:.2f}s  mean SL {row['mean_sl']:.2f}",
+                        f"failures {row['failures']}  p99 TTFT {row['p99_ttft_s']:.2f}s  "
+                        f"mean SL of the drafting rows {row['mean_sl_drafting']:.2f}",
                         flush=True,
                     )
     rows = [
@@ -718,7 +719,8 @@ def _http_point(
         "steps": steps,
         "mean_step_s": delta("specserve_step_seconds_sum") / steps if steps else float("nan"),
         "mean_batch": delta("specserve_batch_size_sum") / steps if steps else float("nan"),
-        "mean_sl": delta("specserve_speculation_length_sum") / sl_n if sl_n else float("nan"),
+        # the lane histogram records the rows that drafted: not the engine sweep's mean_sl over every row of a step
+        "mean_sl_drafting": delta("specserve_speculation_length_sum") / sl_n if sl_n else float("nan"),
         "sl_cap_last": (after or {}).get("specserve_sl_cap", float("nan")),
         "idle_fraction_last": (after or {}).get("specserve_straggler_idle_fraction", float("nan")),
     }

@@ -1646,7 +1646,7 @@ def test_a_failed_metrics_scrape_leaves_the_points_server_columns_nan_and_its_re
     with httpx.Client(transport=httpx.MockTransport(handler)) as client:
         row = straggler._http_point(client, "http://127.0.0.1:1", 2, straggler.HTTP_POLICIES[0], [{}, {}], 60.0)
     assert row["requests"] == 2 and row["failures"] == 0 and row["tok_s"] > 0, row
-    assert all(math.isnan(row[k]) for k in ("steps", "mean_step_s", "mean_sl", "sl_cap_last")), row
+    assert all(math.isnan(row[k]) for k in ("steps", "mean_step_s", "mean_sl_drafting", "sl_cap_last")), row
     assert "/metrics could not be read" in capsys.readouterr().err
 
 
