@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.api.http_guard import MAX_TIMEOUT_S
+from specserve.api.http_guard import API_KEY_ENV, MAX_TIMEOUT_S
 from specserve.api.schemas import MAX_TEMPERATURE
 from specserve.bench.prompt_sets import BenchPrompt, mt_bench_prompts
 from specserve.bench.stats import tpot
@@ -279,6 +279,13 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def auth_headers(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``Authorization: Bearer`` with the key in SPECSERVE_API_KEY (the variable a keyed deployment reads its own
+    key from); none where it is unset or blank."""
+    key = (os.environ if env is None else env).get(API_KEY_ENV, "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def check_loopback(url: str | None, *, allow_remote: bool | None = None) -> str:

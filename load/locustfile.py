@@ -27,7 +27,15 @@ from locust import HttpUser, events, task
 from locust.env import Environment
 from pydantic import ValidationError
 
-from load.client import LoadSettings, RemoteHostError, StreamStats, check_loopback, read_stream, sse_lines
+from load.client import (
+    LoadSettings,
+    RemoteHostError,
+    StreamStats,
+    auth_headers,
+    check_loopback,
+    read_stream,
+    sse_lines,
+)
 from specserve.bench.prompt_sets import BenchPrompt
 
 DEFAULT_HOST = "http://127.0.0.1:8000"
@@ -92,6 +100,7 @@ class SpecServeUser(HttpUser):
         # id() differs every run, so an A/B pair of runs saw different prompt mixes)
         self.rng = random.Random(self.settings.seed * 1_000_003 + next(SpecServeUser.started))
         self.model: str | None = self.settings.model  # None: asked of the server before the next request
+        self.client.headers.update(auth_headers())  # a keyed deployment answered every request 401
 
     def wait_time(self) -> float:
         return self.rng.uniform(self.settings.wait_min_s, self.settings.wait_max_s)

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from load.client import RemoteHostError, StreamStats, check_loopback, read_stream, sse_lines
+from load.client import RemoteHostError, StreamStats, auth_headers, check_loopback, read_stream, sse_lines
 from load.traces import (
     RunSettings,
     RunTrace,
@@ -637,6 +637,7 @@ def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
         if client is None:
             limits = httpx.Limits(max_connections=max(cfg.batch_sizes) + 4)
             client = stack.enter_context(httpx.Client(timeout=600.0, limits=limits))
+        client.headers.update(auth_headers())  # a keyed deployment answered every request 401
         model = served_model(client, url)
         for pol in HTTP_POLICIES:  # untimed: the server's first forwards, and each policy's first drafts
             _stream_one(client, url, _http_body(model, prompts[0], cfg.min_tokens, cfg, pol), cfg.http_timeout_s)
@@ -971,7 +972,7 @@ def _main(argv: Sequence[str] | None) -> int:
         import httpx
 
         try:
-            with httpx.Client() as client:
+            with httpx.Client(headers=auth_headers()) as client:
                 served_model(client, check_loopback(cfg.url).rstrip("/"))
         except (RemoteHostError, ServerError) as e:
             print(f"python -m load.straggler: error: --url: {e}", file=sys.stderr)

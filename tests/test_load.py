@@ -1764,6 +1764,47 @@ def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_pa
     assert temperatures and set(temperatures) == {0.0}
 
 
+def test_the_http_sweep_and_locust_users_send_the_deployments_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keyed deployment (the cluster configs need SPECSERVE_API_KEY) answered every request of the HTTP sweep and
+    of the Locust users 401: neither sent a key."""
+    import json
+
+    import httpx
+
+    from load.straggler import StudyConfig, http_sweep
+
+    monkeypatch.setenv("SPECSERVE_API_KEY", " k3y\n")  # (a secret file's newline: the server strips it too)
+    auths: set[str | None] = set()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        auths.add(request.headers.get("authorization"))
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="")
+        sse = f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': 'hi'}}]})}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    cfg = StudyConfig(url="http://127.0.0.1:9", workloads=[], batch_sizes=[1], min_tokens=3, max_tokens=3, out=tmp_path)
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        rows = http_sweep(cfg, client)
+    assert rows and all(r["failures"] == 0 for r in rows) and auths == {"Bearer k3y"}
+    code = (
+        "from locust.env import Environment\n"
+        "from load.locustfile import SpecServeUser\n"
+        "user = SpecServeUser(Environment(user_classes=[SpecServeUser], host='http://127.0.0.1:9'))\n"
+        "user.on_start()\n"
+        "print(user.client.headers.get('Authorization'))\n"
+    )
+    for key, sent in (("k3y", "Bearer k3y"), ("", "None")):
+        env = {**os.environ, "SPECSERVE_MODEL": "m", "SPECSERVE_API_KEY": key}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == sent
+
+
 def test_locust_users_draw_the_same_prompt_streams_for_the_same_seed() -> None:
     """Each user's generator was seeded from id(self), a memory address: SPECSERVE_SEED did not reproduce a run, and
     two runs meant as an A/B pair (SPECSERVE_POLICY none vs dsde) sent different prompt mixes. In a child process,
