@@ -10,9 +10,10 @@ draft tokens accepted, each taken with probability ``accept`` up to ``--depth``.
 emitted the tokens the plain run did; its throughput over the plain run's is the row's figure, next to the ideal
 (the faster mode throughout).
 
-It measures guard variants (``--margins`` x refresh on/off) side by side on the same noise and draws (drawn per
-step index before the runs), so their difference is the guard's, not the host's. Not modelled: admissions (the
-loop does not time them), the ``Outlook`` check of whether a switch pays, and acceptance that changes within a run.
+It measures guard variants (refresh off at margin 0, then refresh on at each of ``--margins``, per ``--drift``)
+side by side on the same noise and draws (drawn per step index before the runs), so their difference is the
+guard's, not the host's. Not modelled: admissions (the loop does not time them), the ``Outlook`` check of whether a
+switch pays, and acceptance that changes within a run.
 
     .venv/bin/python -m load.guard_replay --traces bench_out/straggler/traces.jsonl --batch 16 --out bench_out/gr
 """
