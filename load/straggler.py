@@ -324,15 +324,31 @@ def make_workload(cfg: StudyConfig, kind: WorkloadKind, n: int, encode: Callable
 # ─────────────────────────── engine sweep ───────────────────────────
 
 
-def check_fits(wl: Workload, context_limit: int) -> None:
-    """Every request gets all its output tokens (EOS ignored): one the context limit cut short would make the
-    report's output lengths, and the simulator's replay of them, wrong."""
-    longest = max(len(p) + n for p, n in zip(wl.prompts, wl.lengths, strict=True))
-    if longest > context_limit:
-        raise SettingsError(
-            f"a request of {longest} tokens (prompt and output) does not fit the context limit of {context_limit}; "
-            "lower --max-tokens or --max-prompt-tokens"
-        )
+def check_fits(cfg: StudyConfig, models: Models, workloads: Sequence[Workload]) -> None:
+    """Every request of every point gets all its output tokens (EOS ignored), checked before the first run: one the
+    context limit cut short would make the report's output lengths, and the simulator's replay of them, wrong."""
+    longest = max(len(p) + n for wl in workloads for p, n in zip(wl.prompts, wl.lengths, strict=True))
+    for spec in cfg.specs().values():  # (the limit leaves each speculation its drafted tokens' room)
+        limit = sweep_engine(cfg, models, 1, spec).loop.max_model_len
+        if longest > limit:
+            raise SettingsError(
+                f"a request of {longest} tokens (prompt and output) does not fit the context limit of {limit}; "
+                "lower --max-tokens or --max-prompt-tokens"
+            )
+
+
+def sweep_engine(cfg: StudyConfig, models: Models, batch: int, spec: SpecConfig) -> Engine:
+    return Engine(
+        models.target,
+        models.tokenizer,
+        draft=models.draft,
+        speculation=spec,
+        max_batch_size=batch,
+        max_model_len=1024,
+        max_step_tokens=cfg.max_step_tokens or None,
+        throughput_guard=cfg.guard,
+        guard=cfg.guard_config(),
+    )
 
 
 def run_engine_point(
@@ -348,18 +364,7 @@ def run_engine_point(
 ) -> tuple[dict[str, Any], RunTrace]:
     """One run on a fresh engine; ``guard`` / ``floor``: a throughput guard / tree floor fit whose measurements
     carry over from earlier runs."""
-    engine = Engine(
-        models.target,
-        models.tokenizer,
-        draft=models.draft,
-        speculation=spec,
-        max_batch_size=batch,
-        max_model_len=1024,
-        max_step_tokens=cfg.max_step_tokens or None,
-        throughput_guard=cfg.guard,
-        guard=cfg.guard_config(),
-    )
-    check_fits(wl, engine.loop.max_model_len)
+    engine = sweep_engine(cfg, models, batch, spec)
     if guard is not None:
         engine.loop.planner.guard = guard
     if floor is not None:
@@ -431,26 +436,30 @@ def engine_sweep(cfg: StudyConfig) -> tuple[list[dict[str, Any]], list[RunTrace]
     start = time.perf_counter()
     done = 0
     cold = True  # the process's first forwards (allocator, thread pool, kernels) would be timed in the first run
-    for kind in cfg.workloads:
-        for batch in cfg.batch_sizes:
-            wl = make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode)
-            # untimed, every policy alike: with --warm-guard at every point (what a server that has served this
-            # batch size knows), else once, at the first point (not plain's first run alone paying for the start)
-            if cfg.warm_guard or cold:
-                cold = False
-                for policy, spec in specs.items():
-                    run_engine_point(
-                        cfg, models, wl, batch, policy, spec, guard=guards.get(policy), floor=floors.get(policy)
-                    )
-            for repeat in range(cfg.repeats):
-                for policy, spec in pass_order(specs, repeat, cfg.alternate):
-                    row, trace = run_engine_point(
-                        cfg, models, wl, batch, policy, spec, repeat, guards.get(policy), floors.get(policy)
-                    )
-                    traces.append(trace)
-                    append_trace(traces_path, trace)  # a long sweep keeps what it measured if it is stopped
-                    done += 1
-                    _progress(done, total, wl, batch, policy, row, time.perf_counter() - start)
+    points = [
+        (batch, make_workload(cfg, kind, batch * cfg.requests_per_slot, models.encode))
+        for kind in cfg.workloads
+        for batch in cfg.batch_sizes
+    ]
+    check_fits(cfg, models, [wl for _, wl in points])
+    for batch, wl in points:
+        # untimed, every policy alike: with --warm-guard at every point (what a server that has served this
+        # batch size knows), else once, at the first point (not plain's first run alone paying for the start)
+        if cfg.warm_guard or cold:
+            cold = False
+            for policy, spec in specs.items():
+                run_engine_point(
+                    cfg, models, wl, batch, policy, spec, guard=guards.get(policy), floor=floors.get(policy)
+                )
+        for repeat in range(cfg.repeats):
+            for policy, spec in pass_order(specs, repeat, cfg.alternate):
+                row, trace = run_engine_point(
+                    cfg, models, wl, batch, policy, spec, repeat, guards.get(policy), floors.get(policy)
+                )
+                traces.append(trace)
+                append_trace(traces_path, trace)  # a long sweep keeps what it measured if it is stopped
+                done += 1
+                _progress(done, total, wl, batch, policy, row, time.perf_counter() - start)
     return summarize(traces), traces
 
 

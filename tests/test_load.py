@@ -982,15 +982,19 @@ def test_straggler_refuses_outputs_the_context_limit_would_cut_short(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The tiny pair's context is 448 tokens: 600-token outputs stopped at 352 while the report said 600-600 and
-    the simulator replayed 600."""
+    the simulator replayed 600. Every point is checked before the first run: here batch 1's and 2's requests fit
+    (at most 413 and 428 tokens) and batch 8's do not (453), which would end the sweep after its first points."""
     from load import straggler
 
-    argv = ["--pair", "tiny", "--batch-sizes", "1", "--policies", "plain", "--workloads", "real"]
-    argv += ["--requests-per-slot", "1", "--min-tokens", "600", "--max-tokens", "600", "--out", str(tmp_path)]
-    assert straggler.main(argv) == 2
-    err = capsys.readouterr().err
-    assert "does not fit the context limit of 448" in err and "--max-tokens" in err
-    assert not (tmp_path / "traces.jsonl").exists()
+    argv = ["--pair", "tiny", "--policies", "plain", "--workloads", "real", "--requests-per-slot", "1"]
+    for batches, tokens, longest in ((["1"], "600", 696), (["1", "2", "8"], "300", 453)):
+        low, high = (tokens, tokens) if tokens == "600" else ("300", "360")
+        out = tmp_path / tokens
+        rest = ["--min-tokens", low, "--max-tokens", high, "--out", str(out)]
+        assert straggler.main([*argv, "--batch-sizes", *batches, *rest]) == 2
+        err = capsys.readouterr().err
+        assert f"a request of {longest} tokens" in err and "does not fit the context limit of 448" in err
+        assert not (out / "traces.jsonl").exists()
 
 
 def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
