@@ -273,3 +273,14 @@ def test_a_sequences_unsent_tokens_are_its_context_from_an_index() -> None:
     seq = Sequence(0, Request("r", [1, 2, 3, 4], SamplingParams()), None, output=[5, 6, 7])  # type: ignore[arg-type]
     assert [seq.unsent(seen) for seen in range(9)] == [[1, 2, 3, 4, 5, 6, 7][seen:] for seen in range(9)]
     assert seq.length == 7
+
+
+def test_an_empty_batch_is_an_empty_answer_from_every_worker(target: LlamaModel) -> None:
+    """The head's drafter answered [] and the others a bare ValueError from the forward batch: the same call, two
+    contracts."""
+    from specserve.models.tiny import tiny_head
+    from specserve.workers import HeadDraftWorker, TargetWorker
+
+    assert TargetWorker(target, num_slots=2, max_len=64).verify([]) == []
+    assert DraftWorker(noisy_copy(target, 0.1), num_slots=2, max_len=64).propose([]) == []
+    assert HeadDraftWorker(tiny_head(target), num_slots=2, max_len=64).propose([]) == []

@@ -45,6 +45,8 @@ class DraftWorker:
 
     @torch.inference_mode()
     def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        if not items:  # (a forward batch needs a sequence; the head's propose answers [] alike)
+            return []
         states = []
         for it in items:
             with blame(it.seq_id):

@@ -50,6 +50,8 @@ class TargetWorker:
 
     @torch.inference_mode()
     def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        if not items:  # (a forward batch needs a sequence)
+            return []
         trees, slots, tokens, positions, masks, starts, draw_positions = [], [], [], [], [], [], []
         greedy = [False] * len(items)  # per item: its tokens are the argmaxes of its logits (no KLD, not synthetic)
         for i, it in enumerate(items):
