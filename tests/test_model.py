@@ -36,6 +36,12 @@ ARCHS = [
     ("llama", {"head_dim": 32}),
     ("mistral", {"sliding_window": 4096}),
     ("qwen2", {}),
+    # flags transformers' Mistral and Qwen2 ignore (their biases are fixed by type): a checkpoint they load was
+    # refused here as missing o_proj / mlp biases
+    ("mistral", {"sliding_window": 4096, "attention_bias": True, "mlp_bias": True}),
+    ("qwen2", {"attention_bias": True, "mlp_bias": True}),
+    # Qwen2's switch on with no layer past max_window_layers: no layer slides (the context was cut to the window)
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}),
 ]
 
 
@@ -117,6 +123,23 @@ def test_a_mistral_window_applies_whatever_a_use_sliding_window_key_says() -> No
     assert LlamaModel(cfg).max_positions == 16
     qwen = tiny_config("qwen2", sliding_window=16, use_sliding_window=False, max_position_embeddings=256)
     assert LlamaModel(qwen).max_positions == 256  # Qwen2 slides only with its switch on
+    qwen = tiny_config(
+        "qwen2", sliding_window=16, use_sliding_window=True, max_window_layers=1, max_position_embeddings=256
+    )
+    assert LlamaModel(qwen).max_positions == 16  # its second layer slides
+    # ... in the layers its layer_types name sliding; transformers' Llama never slides
+    full = ["full_attention"] * 2
+    for model_type, extra in (("qwen2", {"layer_types": full}), ("llama", {})):
+        cfg = tiny_config(model_type, sliding_window=16, use_sliding_window=True, max_position_embeddings=256, **extra)
+        assert LlamaModel(cfg).max_positions == 256, model_type
+
+
+def test_rope_over_part_of_a_head_is_a_clear_error() -> None:
+    """transformers' scaled rope types honour partial_rotary_factor: the tables came out half a head wide and the
+    load died in its first forward with a torch RuntimeError."""
+    scaled = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(UnsupportedModelError, match=r"RoPE over 8 of the 16 dimensions.*partial_rotary_factor 0.5"):
+        LlamaModel(tiny_config("llama", partial_rotary_factor=0.5, rope_scaling=scaled))
 
 
 def test_query_heads_that_do_not_share_kv_heads_evenly_are_refused_when_built() -> None:

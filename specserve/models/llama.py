@@ -64,11 +64,18 @@ class ArchConfig:
             raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported (SwiGLU needs 'silu')")
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        attention_bias = bool(getattr(config, "attention_bias", False))
+        # the biases as transformers builds each type: Llama reads both flags, Mistral has none, Qwen2 q/k/v only
+        # (a flag those two ignore made a checkpoint they load "miss" a bias tensor here)
+        attention_bias = model_type == "llama" and bool(getattr(config, "attention_bias", False))
+        mlp_bias = model_type == "llama" and bool(getattr(config, "mlp_bias", False))
         max_pos = config.max_position_embeddings
         window = getattr(config, "sliding_window", None)
-        # Mistral slides whenever it has a window (transformers reads no switch there); Qwen2 only with its switch
-        if window and (model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+        # Mistral slides whenever it has a window (transformers reads no switch there); Qwen2 in the layers its
+        # layer_types name sliding (its config derives them from use_sliding_window and max_window_layers); Llama never
+        sliding = model_type == "mistral" or (
+            model_type == "qwen2" and "sliding_attention" in (getattr(config, "layer_types", None) or ())
+        )
+        if window and sliding:
             max_pos = min(max_pos, window)  # within the window sliding attention equals full attention
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
@@ -87,7 +94,7 @@ class ArchConfig:
             rms_norm_eps=config.rms_norm_eps,
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            mlp_bias=mlp_bias,
             tie_word_embeddings=bool(config.tie_word_embeddings),
             max_position_embeddings=max_pos,
         )
@@ -120,6 +127,11 @@ def rope_tables(config: PretrainedConfig, head_dim: int, max_positions: int) -> 
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     else:
         raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
+    if inv_freq.numel() * 2 != head_dim:  # transformers' scaled rope types honour partial_rotary_factor
+        raise UnsupportedModelError(
+            f"RoPE over {inv_freq.numel() * 2} of the {head_dim} dimensions of a head (partial_rotary_factor "
+            f"{params.get('partial_rotary_factor', getattr(config, 'partial_rotary_factor', None))!r}) is not supported"
+        )
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq.float())  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
