@@ -1301,6 +1301,15 @@ def test_checkpoint_tensors_the_config_does_not_use_are_refused(tmp_path: Path) 
     biases = {f"model.layers.{i}.self_attn.q_proj.bias": torch.zeros(64) for i in range(2)}
     with pytest.raises(UnsupportedModelError, match=r"tensors its config.json does not use \(model.layers.0.self_attn"):
         load_model_dir(write("bias", biases), spec)
+    # Qwen2 has q, k and v biases whatever attention_bias says (transformers' build): no flag turns o's on
+    from specserve.models.tiny import hf_state_dict, tiny_config, tiny_model
+
+    qwen = tiny_model(tiny_config("qwen2", attention_bias=True))
+    qwen.hf_config.save_pretrained(tmp_path / "qwen")
+    o_bias = {"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}
+    save_file(hf_state_dict(qwen) | o_bias, str(tmp_path / "qwen" / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="model_type 'qwen2' has biases on q, k and v only, whatever"):
+        load_model_dir(tmp_path / "qwen", spec)
 
 
 def test_a_cache_that_cannot_be_a_directory_is_named(

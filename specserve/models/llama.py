@@ -28,6 +28,8 @@ from specserve.timing import interleaved_medians
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# the biases of the types whose flags transformers ignores (Llama reads attention_bias and mlp_bias)
+MODEL_TYPE_BIASES = {"mistral": "no biases", "qwen2": "biases on q, k and v only"}
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's matmuls, fused as loaded
 GEMV_MAX_ROWS = 3  # at most this many rows take the transposed-copy path (``linear``, ``gemv_rows_for``)
 PAD_WIDTH = 16  # products of ``mod.pad_from`` .. PAD_WIDTH - 1 rows run padded to this many (``pad_rows_for``)

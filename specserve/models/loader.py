@@ -24,6 +24,7 @@ from specserve.errors import (
     UnsupportedModelError,
 )
 from specserve.models.llama import (
+    MODEL_TYPE_BIASES,
     ArchConfig,
     LlamaModel,
     attach_gemv_copies,
@@ -277,10 +278,13 @@ def _check_unused(path: Path, unused: set[str], model: LlamaModel, get: Callable
         unused.discard("lm_head.weight")
     if unused:
         shown = ", ".join(sorted(unused)[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
-        raise UnsupportedModelError(
-            f"the weights in {path} hold tensors its config.json does not use ({shown}): a bias flag "
-            "(attention_bias, mlp_bias) or another setting disagrees with the checkpoint"
+        why = (  # (transformers' Mistral and Qwen2 fix their biases by type, whatever the flags say)
+            "a bias flag (attention_bias, mlp_bias) or another setting disagrees with the checkpoint"
+            if model.cfg.model_type == "llama"
+            else f"model_type {model.cfg.model_type!r} has {MODEL_TYPE_BIASES[model.cfg.model_type]}, whatever its "
+            "config's bias flags say (as transformers builds it, which would drop these tensors)"
         )
+        raise UnsupportedModelError(f"the weights in {path} hold tensors its config.json does not use ({shown}): {why}")
 
 
 def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
