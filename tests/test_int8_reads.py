@@ -225,7 +225,7 @@ def test_q8_blocks_the_int8_head_does_not_take_are_refused() -> None:
     packed = ext.int8_pack_q8(blocks.q, blocks.d)
     with pytest.raises(RuntimeError, match=r"\[M, 64\] float32"):
         ext.int8_linear_q8(torch.randn(2, 32), packed)
-    with pytest.raises(RuntimeError, match="not a pack_q8 record set"):
+    with pytest.raises(RuntimeError, match="not an int8_pack_q8 record set"):
         ext.int8_linear_q8(torch.randn(2, 64), ext.int8_pack_q4(*random_blocks(64, 64, seed=1).__dict__.values()))
 
 
@@ -369,3 +369,25 @@ def test_speculation_on_int8_products_equals_their_plain_greedy() -> None:
         PAIR_SPECULATION["smollm2-eagle"],
     )
     _assert_each_equals_plain_greedy(target, draft, specs, num_prompts=4)
+
+
+@needs_int8
+def test_a_record_set_is_read_only_by_the_kernels_it_was_packed_for() -> None:
+    """The small kernel's and the int8 kernels' Q4_1 records are both uint8 of one size: each kernel took the
+    other's and returned infinities and NaNs. The int8 products' bias was added however it was shaped or typed."""
+    ext = extension()
+    blocks = random_blocks(64, 64, seed=3)
+    x = torch.randn(3, 64)
+    small, int8 = ext.small_pack_q4(blocks.q, blocks.d, blocks.m), ext.int8_pack_q4(blocks.q, blocks.d, blocks.m)
+    assert small.data.dtype == int8.data.dtype and small.data.numel() == int8.data.numel()
+    with pytest.raises(RuntimeError, match="not an int8_pack_q4 record set"):
+        ext.int8_linear(x, small)
+    with pytest.raises(RuntimeError, match="packed for the int8 kernels"):
+        ext.small_linear_packed(x, int8)
+    for bias in (torch.randn(3, 64), torch.randn(1), torch.randn(64, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match=r"a bias is float32 \[N\]"):
+            ext.int8_linear(x, int8, bias)
+    if Q8_KERNELS:
+        q8 = random_q8(64, 64, seed=3)
+        with pytest.raises(RuntimeError, match=r"a bias is float32 \[N\]"):
+            ext.int8_linear_q8(x, ext.int8_pack_q8(q8.q, q8.d), torch.randn(3, 64))

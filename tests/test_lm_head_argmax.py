@@ -108,6 +108,11 @@ def test_greedy_ids_on_a_model_with_and_without_the_switch() -> None:
     nan[1, 0] = float("nan")  # row 1's logits all NaN: no token, out of range for verification to reject
     assert greedy_ids(model, nan).tolist() == [int(want[0]), 3000]
     assert ModelSpec().bounded_argmax is True
+    # a subnormal weight is rounded by more than the bound's relative c_K: the copy is not used (it picked another
+    # token in 1 of 50 trials on a head of such weights)
+    model.bounded_argmax = None
+    model.lm_head.weight[7, 3] = 1e-39
+    assert attach_bounded_argmax(model) is False and model.bounded_argmax is None
 
 
 @torch.inference_mode()

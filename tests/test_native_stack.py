@@ -444,6 +444,8 @@ def test_the_extension_refuses_shapes_it_would_read_or_write_past() -> None:
     q, k, v = torch.randn(2, 4, 64), torch.randn(2, 2, 8, 64), torch.randn(2, 2, 8, 64)
     with pytest.raises(RuntimeError, match="attend to nothing"):
         ext.attend(q, k, v, ids(0, 1), ids(0, 1), ids(0, 1), torch.ones(2, 1, 1, 0, dtype=torch.bool), 1)
+    with pytest.raises(RuntimeError, match="q's head dim 128 is not the caches' 64"):  # was: "128 is not served"
+        ext.attend(torch.randn(2, 4, 128), k, v, ids(0, 1), ids(0, 1), ids(0, 1), None, 1)
     linear = proj(5, 64)
     linear.small_rows = 64
     for bias in (torch.randn(3, 5), torch.randn(5, dtype=torch.float64), torch.randn(4)):

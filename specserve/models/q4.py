@@ -103,7 +103,7 @@ class Q4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [M, K] (the int4 kernel's need)
         if self.dense is not None and self.dense_from is not None and flat.shape[0] >= self.dense_from:
             y = F.linear(flat, self.dense)
         else:

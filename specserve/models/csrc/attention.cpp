@@ -202,7 +202,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
               "attend: want q [N, Hq, D] and caches [S, Hkv, L, D]");
   const int64_t n_tok = q_in.size(0), hq = q_in.size(1), d = q_in.size(2);
   const int64_t slots = k_cache.size(0), hkv = k_cache.size(1), len = k_cache.size(2);
-  TORCH_CHECK(supported(d) && k_cache.size(3) == d, "attend: head dim ", d, " is not served here");
+  TORCH_CHECK(k_cache.size(3) == d, "attend: q's head dim ", d, " is not the caches' ", k_cache.size(3));
+  TORCH_CHECK(supported(d), "attend: head dim ", d, " is not served here");
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "attend: ", hq, " query heads over ", hkv, " KV heads");
   for (const at::Tensor* t : {&q_in, &k_cache, &v_cache}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "attend: float32 CPU tensors");

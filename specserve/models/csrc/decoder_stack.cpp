@@ -74,7 +74,7 @@ struct Proj {
           .reshape(shape);
     }
     if (q4) {
-      Tensor flat = x.reshape({-1, in_features}).to(at::kBFloat16);
+      Tensor flat = x.reshape({-1, in_features}).to(at::kBFloat16).contiguous();  // (the int4 kernel's need)
       Tensor y = (dense.has_value() && dense_from > 0 && flat.size(0) >= dense_from)
                      ? at::linear(flat, *dense)
                      : at::_weight_int4pack_mm_for_cpu(flat, packed, kQ4Group, scales_and_zeros);

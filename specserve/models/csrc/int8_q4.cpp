@@ -82,7 +82,7 @@ Packed pack_q4(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
       }
     }
   }
-  return Packed{out, N, K};
+  return Packed{out, N, K, specserve_small_gemm::Reader::int8};
 }
 
 Packed pack_q8(const at::Tensor& q, const at::Tensor& d) {
@@ -113,7 +113,7 @@ Packed pack_q8(const at::Tensor& q, const at::Tensor& d) {
       }
     }
   }
-  return Packed{out, N, K};
+  return Packed{out, N, K, specserve_small_gemm::Reader::int8};
 }
 
 #if SPECSERVE_X86_INT8
@@ -654,8 +654,8 @@ at::Tensor linear(const at::Tensor& x, const Packed& w, const std::optional<at::
                   const std::optional<std::string>& kernel) {
   const std::string name = chosen(kernel, kQ4Kernels, "int8 linear");
   check_x(x, w, "int8 linear");
-  TORCH_CHECK(w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRec,
-              "int8 linear: w is not a pack_q4 record set");
+  TORCH_CHECK(w.reader == specserve_small_gemm::Reader::int8 && w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRec,
+              "int8 linear: w is not an int8_pack_q4 record set");
   at::Tensor y = at::empty({x.size(0), w.n}, x.options());
   if (x.size(0) == 0) return y;
   const Quantised q = quantise(x, w, y, name != "avx2");
@@ -666,7 +666,7 @@ at::Tensor linear(const at::Tensor& x, const Packed& w, const std::optional<at::
   } else {
     avx2_product<Layout::q4_1>(q.args);
   }
-  if (bias.has_value()) y.add_(*bias);
+  specserve_small_gemm::add_bias(y, bias);
   return y;
 }
 
@@ -681,8 +681,8 @@ at::Tensor linear_q8(const at::Tensor& x, const Packed& w, const std::optional<a
                      const std::optional<std::string>& kernel) {
   const std::string name = chosen(kernel, kQ8Kernels, "int8 linear_q8");
   check_x(x, w, "int8 linear_q8");
-  TORCH_CHECK(w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRecOf<Layout::q8_0>,
-              "int8 linear_q8: w is not a pack_q8 record set");
+  TORCH_CHECK(w.reader == specserve_small_gemm::Reader::int8 && w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRecOf<Layout::q8_0>,
+              "int8 linear_q8: w is not an int8_pack_q8 record set");
   at::Tensor y = at::empty({x.size(0), w.n}, x.options());
   if (x.size(0) == 0) return y;
   const Quantised q = quantise(x, w, y, name != "avx2");
@@ -691,7 +691,7 @@ at::Tensor linear_q8(const at::Tensor& x, const Packed& w, const std::optional<a
   } else {
     avx2_product<Layout::q8_0>(q.args);
   }
-  if (bias.has_value()) y.add_(*bias);
+  specserve_small_gemm::add_bias(y, bias);
   return y;
 }
 

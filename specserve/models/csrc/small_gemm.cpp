@@ -579,12 +579,11 @@ int64_t rows_at(int64_t MB, int64_t rest) {
 // Weight rows per block (both paths and the packed layout); the N % 4 last rows run blocks of one.
 constexpr int64_t kBlockRows = 4;
 
-// y [M, N] += bias [N] (float32, CPU; checked: a per-row or other-typed bias would broadcast or convert silently)
 void add_bias(at::Tensor& y, const std::optional<at::Tensor>& bias) {
   if (!bias.has_value() || !bias->defined()) return;
   TORCH_CHECK(bias->dim() == 1 && bias->size(0) == y.size(1) && bias->scalar_type() == at::kFloat &&
                   bias->device().is_cpu(),
-              "small_gemm: a bias is float32 [N] = [", y.size(1), "] on the CPU, got ", bias->scalar_type(), " ",
+              "a bias is float32 [N] = [", y.size(1), "] on the CPU, got ", bias->scalar_type(), " ",
               bias->sizes(), " on ", bias->device());
   y.add_(*bias);
 }
@@ -836,6 +835,7 @@ at::Tensor run_records(const at::Tensor& x_in, const Packed& w, const std::optio
 
 at::Tensor linear_packed_with(const at::Tensor& x, const Packed& w, const std::optional<at::Tensor>& bias, Isa use,
                               std::optional<Prefetch> pf = std::nullopt) {
+  TORCH_CHECK(w.reader == Reader::small_gemm, "small_gemm: w is packed for the int8 kernels (int8_pack_q4 / q8)");
   if (w.data.defined() && w.data.scalar_type() == at::kByte) return run_records<Q4Fmt>(x, w, bias, use, pf);
   if (w.data.defined() && w.data.scalar_type() == at::kChar) return run_records<Q8Fmt>(x, w, bias, use, pf);
   const int64_t kp = padded_k(w.k);
@@ -867,7 +867,8 @@ at::Tensor linear_packed_isa(const at::Tensor& x, const Packed& w, const std::op
 std::tuple<at::Tensor, bool> bounded_argmax(const at::Tensor& x_in, const Packed& approx, const at::Tensor& w,
                                             const at::Tensor& row_norms, double bound) {
   TORCH_CHECK(supported(), "small_gemm: this CPU has neither AVX-512F nor AVX2+FMA");
-  TORCH_CHECK(approx.data.defined() && approx.data.scalar_type() == at::kBFloat16, "bounded_argmax: a bf16 packed copy");
+  TORCH_CHECK(approx.reader == Reader::small_gemm && approx.data.defined() && approx.data.scalar_type() == at::kBFloat16,
+              "bounded_argmax: a bf16 packed copy");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == approx.n &&
                   w.size(1) == approx.k && w.device().is_cpu(),
               "bounded_argmax: the float32 weight [N, K] the copy was made from, on the CPU");

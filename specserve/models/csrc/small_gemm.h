@@ -17,10 +17,17 @@ enum class Prefetch : int64_t { none = 0, l1 = 1, l2 = 2 };
 // A weight [n, k] in the kernel's packed layout (pack()): `data` holds n * (k rounded up to 16) floats (float32 or
 // bfloat16), or, from pack_q4(), n * k * 3 / 4 bytes of Q4_1 records (uint8), or, from pack_q8(), n * k * 9 / 8
 // bytes of Q8_0 records (int8).
+// `reader`: the kernels that read it: pack_q4's records and the int8 kernels' pack_q4's are both uint8 of one size,
+// and either read the other's as garbage.
+enum class Reader : int64_t { small_gemm = 0, int8 = 1 };
 struct Packed {
   at::Tensor data;
   int64_t n = 0, k = 0;
+  Reader reader = Reader::small_gemm;
 };
+
+// y [M, N] += bias [N] (float32, CPU; checked: a per-row or other-typed bias would broadcast or convert silently)
+void add_bias(at::Tensor& y, const std::optional<at::Tensor>& bias);
 
 bool supported();
 std::string isa_in_use();  // the path products take: "avx512", "avx2" or "none"
