@@ -1310,6 +1310,10 @@ def test_checkpoint_tensors_the_config_does_not_use_are_refused(tmp_path: Path) 
     save_file(hf_state_dict(qwen) | o_bias, str(tmp_path / "qwen" / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match="model_type 'qwen2' has biases on q, k and v only, whatever"):
         load_model_dir(tmp_path / "qwen", spec)
+    scale = {"model.layers.0.self_attn.q_proj.weight_scale": torch.ones(1)}  # not a bias: the general reason
+    save_file(hf_state_dict(qwen) | o_bias | scale, str(tmp_path / "qwen" / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match=r"weight_scale\): a bias flag .* or another setting disagrees"):
+        load_model_dir(tmp_path / "qwen", spec)
 
 
 def test_a_cache_that_cannot_be_a_directory_is_named(

@@ -280,7 +280,7 @@ def _check_unused(path: Path, unused: set[str], model: LlamaModel, get: Callable
         shown = ", ".join(sorted(unused)[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
         why = (  # (transformers' Mistral and Qwen2 fix their biases by type, whatever the flags say)
             "a bias flag (attention_bias, mlp_bias) or another setting disagrees with the checkpoint"
-            if model.cfg.model_type == "llama"
+            if model.cfg.model_type == "llama" or not all(n.endswith(".bias") for n in unused)
             else f"model_type {model.cfg.model_type!r} has {MODEL_TYPE_BIASES[model.cfg.model_type]}, whatever its "
             "config's bias flags say (as transformers builds it, which would drop these tensors)"
         )
