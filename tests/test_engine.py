@@ -117,6 +117,34 @@ def test_process_logits_top_p_keeps_smallest_prefix() -> None:
     assert torch.allclose(p, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]]))
 
 
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.8, None, 1.0), (2.5, 5, 1.0), (0.5, None, 0.9), (1.7, 7, 0.8)]
+)
+def test_process_logits_is_softmax_of_logits_over_temperature_then_cut(
+    temperature: float, top_k: int | None, top_p: float
+) -> None:
+    """Against a reference written here in float64 from the definitions (every other check took its expected
+    distribution from process_logits itself: a temperature applied as T**0.5 passed them all)."""
+    import math
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)) * 3
+    got = process_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    for row, p in zip(logits.double().tolist(), got.tolist(), strict=True):
+        weights = [math.exp(v / temperature) for v in row]
+        order = sorted(range(len(row)), key=lambda i: -row[i])  # (no ties among random logits)
+        kept = order[: top_k or len(row)]
+        total = sum(weights[i] for i in kept)
+        mass, nucleus = 0.0, []
+        for i in kept:  # the smallest prefix whose mass reaches top_p
+            if mass >= top_p:
+                break
+            nucleus.append(i)
+            mass += weights[i] / total
+        norm = sum(weights[i] for i in nucleus)
+        want = [weights[i] / norm if i in nucleus else 0.0 for i in range(len(row))]
+        assert p == pytest.approx(want, abs=1e-6)
+
+
 def test_a_top_p_cut_inside_tied_logits_keeps_their_lowest_ids() -> None:
     """An unstable sort picked an arbitrary subset of a tie group (ids up to 46079 of 49152 here), which could
     differ between a plain step's rows and a verify's on a device whose sort depends on the shape."""
