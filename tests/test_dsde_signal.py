@@ -20,7 +20,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.native_stack import NativeStackUnavailable, attach_native_stack, extension, lumped_kld_kernel
 from specserve.models.tiny import noisy_copy, tiny_model
-from specserve.policy.dsde import SequenceDSDE
+from specserve.policy.dsde import DSDEConfig, SequenceDSDE
 from specserve.policy.kld import PROB_FLOOR, SparseTail, kld_exact, kld_sparse
 from specserve.sampling import SamplingParams
 from specserve.spec_decode.draft_state import DraftState, draft_q, target_ids
@@ -63,6 +63,8 @@ CASES = {
     "chain-sparse-uniform": SpecConfig(method=SpecMethod.chain, kld_tail=SparseTail.uniform),
     # a budget that keeps every drafted level (no node reranked away), so the deepest node is the depth drafted
     "ddd-sparse-lumped": SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=64),
+    # the reference code's choice: a KLD at every drafted position, past the first rejection too
+    "chain-past-rejection": SpecConfig(method=SpecMethod.chain, dsde=DSDEConfig(record_past_rejection=True)),
 }
 
 
@@ -100,7 +102,8 @@ def test_dsde_is_fed_kl_of_target_against_draft_at_the_verified_positions(
                 # the root and each accepted node, where the draft has a q (a chain's last draft, a tree's
                 # leaves are never fed back)
                 fed = set(range(len(proposal.tokens))) if proposal.draft_q is None else set(proposal.draft_q.nodes)
-                nodes = [n for n in [0, *out.accepted] if n in fed]
+                verified = range(len(proposal.tokens) + 1) if spec.dsde.record_past_rejection else [0, *out.accepted]
+                nodes = [n for n in verified if n in fed]
                 assert len(out.kld) == len(nodes)
                 if seq.finish_reason is not None:
                     continue
@@ -115,6 +118,30 @@ def test_dsde_is_fed_kl_of_target_against_draft_at_the_verified_positions(
     got, want = np.array(checked).T
     assert want.max() > 0.05  # a draft that disagrees: the values are not all ~0
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-5)
+
+
+def test_a_requests_temperature_reaches_its_dsde_state() -> None:
+    """kld_over_temperature divides by the request's temperature: the engine must hand it over (the pure function's
+    tests cannot see a state built with the default 1). The engine's state predicts as a twin built with the
+    request's temperature does, not as one built with 1."""
+    import random
+
+    cfg = DSDEConfig(kld_over_temperature=True)
+    target = tiny_model(seed=0)
+    spec = SpecConfig(method=SpecMethod.chain, policy=SLPolicyKind.dsde, dsde=cfg)
+    engine = Engine(target, None, draft=noisy_copy(target, 0.4, seed=2), speculation=spec, eos_token_ids=set())
+    engine.submit([5, 9, 33], SamplingParams(temperature=0.25, seed=1, max_tokens=8))
+    state = engine.loop.waiting[0].sl_state
+    assert isinstance(state, SequenceDSDE)
+    twins = {t: SequenceDSDE(cfg, t) for t in (0.25, 1.0)}
+    rng = random.Random(0)
+    predicted: dict[object, list[int]] = {s: [] for s in (state, *twins.values())}
+    for _ in range(60):
+        klds = [rng.uniform(0.0, 0.3) for _ in range(3)]
+        for s, sls in predicted.items():
+            s.observe(klds, 3, 2)
+            sls.append(s.next_sl())
+    assert predicted[state] == predicted[twins[0.25]] != predicted[twins[1.0]]
 
 
 def _native_kernel() -> Callable[..., torch.Tensor]:
