@@ -49,6 +49,33 @@ def random_head(target: LlamaModel, kind: HeadKind = HeadKind.eagle, std: float 
 PROMPTS = [[5, 9, 33, 71, 2 + i] for i in range(4)]
 
 
+def last_token_target() -> LlamaModel:
+    """A target whose next-token logits are lm_head(embed(t)) of the last token t: its layers add nothing, its
+    embeddings have RMS 1 and its final norm weight is 1 (the norm then leaves them as they are)."""
+    target = tiny_model(seed=0)
+    with torch.no_grad():
+        e = target.embed_tokens.weight
+        e.div_(e.pow(2).mean(-1, keepdim=True).sqrt())
+        target.norm.fill_(1.0)
+        for layer in target.decoder_layers():
+            layer.o_proj.weight.zero_()
+            layer.down.weight.zero_()
+    return target
+
+
+def near_head(target: LlamaModel, noise: float) -> EagleHead:
+    """An EAGLE head that passes its token's embedding through (fc = [I + noise; 0], a layer that adds nothing):
+    over a last-token target its q is the target's p but for the noise, so it drafts what the target accepts."""
+    head = random_head(target)
+    h = target.cfg.hidden_size
+    with torch.no_grad():
+        head.layer.o_proj.weight.zero_()
+        head.layer.down.weight.zero_()
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h) + noise * torch.randn(h, h, generator=torch.Generator().manual_seed(7))
+    return head
+
+
 def test_a_full_size_draft_vocabulary_in_another_order_is_mapped(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A published EAGLE-3 head may map its V draft columns onto the target's V ids in another order (d2t not 0):
     the worker took a full-size vocabulary for the identity and drafted column c as target id c. The same head
@@ -109,12 +136,17 @@ def _plain(target: LlamaModel, params: SamplingParams) -> list[list[int]]:
 
 @pytest.mark.parametrize("spec", METHODS, ids=lambda s: f"{s.method.value}-{s.policy.value}")
 def test_head_drafting_is_greedy_equal(target: LlamaModel, spec: SpecConfig) -> None:
+    """A random head (its drafts nearly all rejected) and one the target mostly accepts (the accepted path's
+    commits, KV rollback and features in play)."""
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    head = random_head(target)
-    engine = Engine(target, None, draft=head, speculation=spec, eos_token_ids=set(), max_batch_size=4)
-    out = engine.generate(PROMPTS, params)
-    assert [o.token_ids for o in out] == _plain(target, params)
-    assert all(o.stats.draft_steps >= 30 for o in out)  # it drafted on every step after the first
+    agreeing = last_token_target()
+    for model, head in ((target, random_head(target)), (agreeing, near_head(agreeing, 0.01))):
+        engine = Engine(model, None, draft=head, speculation=spec, eos_token_ids=set(), max_batch_size=4)
+        out = engine.generate(PROMPTS, params)
+        assert [o.token_ids for o in out] == _plain(model, params)
+        assert all(o.stats.draft_steps >= (30 if model is target else 8) for o in out)  # every step after the first
+    accepted, steps = sum(o.stats.accepted for o in out), sum(o.stats.draft_steps for o in out)
+    assert accepted >= steps > 0, (accepted, steps)  # at least one drafted token accepted a step, on average
 
 
 def test_trees_pruned_by_path_probability_stay_greedy_equal(target: LlamaModel) -> None:

@@ -30,7 +30,7 @@ from specserve.spec_decode.eagle_head import EagleHead, HeadKind
 from specserve.spec_decode.verify import accept_tree
 from specserve.workers import target as target_module
 from specserve.workers.target import TargetWorker
-from tests.test_head_drafter import random_head
+from tests.test_head_drafter import last_token_target, near_head, random_head
 from tests.test_speculative import PROMPTS
 
 SPECS = {
@@ -260,33 +260,6 @@ CHI_SPECS = {
 }
 
 
-def _last_token_target() -> LlamaModel:
-    """A target whose next-token logits are lm_head(embed(t)) of the last token t: its layers add nothing, its
-    embeddings have RMS 1 and its final norm weight is 1 (the norm then leaves them as they are)."""
-    target = tiny_model(seed=0)
-    with torch.no_grad():
-        e = target.embed_tokens.weight
-        e.div_(e.pow(2).mean(-1, keepdim=True).sqrt())
-        target.norm.fill_(1.0)
-        for layer in target.decoder_layers():
-            layer.o_proj.weight.zero_()
-            layer.down.weight.zero_()
-    return target
-
-
-def _near_head(target: LlamaModel, noise: float) -> EagleHead:
-    """An EAGLE head that passes its token's embedding through (fc = [I + noise; 0], a layer that adds nothing):
-    over a last-token target its q is the target's p but for the noise, so it drafts what the target accepts."""
-    head = random_head(target)
-    h = target.cfg.hidden_size
-    with torch.no_grad():
-        head.layer.o_proj.weight.zero_()
-        head.layer.down.weight.zero_()
-        head.fc.weight.zero_()
-        head.fc.weight[:, :h] = torch.eye(h) + noise * torch.randn(h, h, generator=torch.Generator().manual_seed(7))
-    return head
-
-
 def _chi_case(target: LlamaModel, name: str) -> tuple[LlamaModel, LlamaModel | EagleHead]:
     """(target, draft) whose drafts the target accepts often (a test of the accepted path too), but the EAGLE-3
     head's: random weights, for the id mapping of a sampled chain."""
@@ -294,8 +267,8 @@ def _chi_case(target: LlamaModel, name: str) -> tuple[LlamaModel, LlamaModel | E
         return target, noisy_copy(target, 0.1, seed=4)
     if "eagle3" in name:
         return target, random_head(target, HeadKind.eagle3)
-    target = _last_token_target()
-    head = _near_head(target, 0.01)
+    target = last_token_target()
+    head = near_head(target, 0.01)
     if "reduced" in name:
         head.set_draft_vocab(torch.arange(1, target.cfg.vocab_size, 2))
     return target, head
