@@ -57,7 +57,7 @@ def target() -> LlamaModel:
 
 @pytest.fixture(scope="module")
 def draft(target: LlamaModel) -> LlamaModel:
-    return noisy_copy(target, 0.3, seed=3)
+    return noisy_copy(target, 0.05, seed=3)  # some of its drafts accepted even at temperature 0.9
 
 
 def _alone(target: LlamaModel, draft: LlamaModel, spec: SpecConfig, prompt: list[int]) -> list[int]:
@@ -175,7 +175,11 @@ def test_seeded_output_is_the_same_alone_batched_and_with_any_drafter(target: Ll
     reference = _alone(target, draft, SPECS["off"], prompt)
     assert len(reference) == 24
     for name, spec in SPECS.items():
-        assert _alone(target, draft, spec, prompt) == reference, name
+        engine = Engine(target, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=1)
+        alone = engine.generate(prompt, SEEDED)[0]
+        assert alone.token_ids == reference, name
+        # the accepted path in play (a draft it almost never accepted tested little beyond plain sampling)
+        assert alone.stats.accepted >= 3 or spec.method == SpecMethod.none or spec.drafter == Drafter.lookup, name
     # in a batch of 8 beside other requests (greedy, other seeds, unseeded, other drafters), each drafting differently
     for name, spec in SPECS.items():
         engine = Engine(target, None, draft=draft, speculation=spec, eos_token_ids=set(), max_batch_size=8)
