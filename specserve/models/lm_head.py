@@ -68,8 +68,9 @@ def attach_bounded_argmax(model: LlamaModel, *, measure: bool = False) -> bool:
     if getattr(head, "int8_records", None) is not None:  # greedy tokens are the int8 logits' argmax (greedy_ids)
         return False
     w = head.weight.detach()
-    if ((w != 0) & (w.abs() < torch.finfo(torch.float32).tiny)).any():  # subnormal: bf16 rounds it by more than
-        log.info("the LM head holds subnormal weights: greedy tokens from its full logits")  # c_K allows for
+    # a subnormal weight: bf16 rounds it by more than c_K allows for
+    if ((w != 0) & (w.abs() < torch.finfo(torch.float32).tiny)).any():
+        log.info("the LM head holds subnormal weights: greedy tokens from its full logits")
         return False
     model.bounded_argmax = BoundedArgmax(
         packed=extension().small_pack(w.to(torch.bfloat16)),

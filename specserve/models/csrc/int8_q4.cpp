@@ -654,7 +654,8 @@ at::Tensor linear(const at::Tensor& x, const Packed& w, const std::optional<at::
                   const std::optional<std::string>& kernel) {
   const std::string name = chosen(kernel, kQ4Kernels, "int8 linear");
   check_x(x, w, "int8 linear");
-  TORCH_CHECK(w.reader == specserve_small_gemm::Reader::int8 && w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRec,
+  TORCH_CHECK(w.reader == specserve_small_gemm::Reader::int8 && w.data.scalar_type() == at::kByte &&
+                  w.data.numel() == w.n / kCols * (w.k / kG) * kRec,
               "int8 linear: w is not an int8_pack_q4 record set");
   at::Tensor y = at::empty({x.size(0), w.n}, x.options());
   if (x.size(0) == 0) return y;
@@ -681,7 +682,8 @@ at::Tensor linear_q8(const at::Tensor& x, const Packed& w, const std::optional<a
                      const std::optional<std::string>& kernel) {
   const std::string name = chosen(kernel, kQ8Kernels, "int8 linear_q8");
   check_x(x, w, "int8 linear_q8");
-  TORCH_CHECK(w.reader == specserve_small_gemm::Reader::int8 && w.data.scalar_type() == at::kByte && w.data.numel() == w.n / kCols * (w.k / kG) * kRecOf<Layout::q8_0>,
+  TORCH_CHECK(w.reader == specserve_small_gemm::Reader::int8 && w.data.scalar_type() == at::kByte &&
+                  w.data.numel() == w.n / kCols * (w.k / kG) * kRecOf<Layout::q8_0>,
               "int8 linear_q8: w is not an int8_pack_q8 record set");
   at::Tensor y = at::empty({x.size(0), w.n}, x.options());
   if (x.size(0) == 0) return y;
