@@ -171,7 +171,7 @@ def test_chunks_carry_a_null_usage_only_when_the_usage_was_asked_for(url: str) -
     choices, has the usage; without it no chunk has the field (every chunk had a "usage": null)."""
     for path, body in ((COMPLETIONS, {"prompt": "hi"}), (CHAT, {"messages": USER})):
         for include in (False, True):
-            request = {"model": MODEL, "max_tokens": 3, "stream": True, **body}
+            request = {"model": MODEL, "max_tokens": 3, "stream": True, "ignore_eos": True, **body}  # (no EOS: 3)
             if include:
                 request["stream_options"] = {"include_usage": True}
             r = httpx.post(url + path, json=request, timeout=30)
