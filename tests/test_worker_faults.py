@@ -105,8 +105,8 @@ class Method:
 @dataclass
 class Actor:
     """A target worker actor's handle: ``fault`` decides how its start or its verify fails (None: they work; "late":
-    after LATE_AFTER verifies; "dies at N": its process is lost at its N-th verify, "loading, dies at N" too after a
-    start that waits for ``loaded``; "nan after N": its weights go non-finite after N verifies)."""
+    after LATE_AFTER verifies; "dies at N": its process is lost at its N-th verify; "nan after N": its weights go
+    non-finite after N verifies). "loading, " before a fault: that fault, after a start that waits for ``loaded``."""
 
     model: LlamaModel
     fault: str | None
@@ -115,8 +115,11 @@ class Actor:
     died: bool = False  # its process is gone: every call raises ActorDiedError
     broken: bool = False  # a "poisoning" actor after a hostile request: it fails its self-check from then on
     loaded: threading.Event = field(default_factory=threading.Event)  # a "loading" actor's start is done once set
+    waits_for_load: bool = False
 
     def __post_init__(self) -> None:
+        if self.fault is not None and self.fault.startswith("loading, "):
+            self.fault, self.waits_for_load = self.fault.removeprefix("loading, "), True
         self.start = Method(self._start)
         self.add = Method(lambda seq_id, params, position: self._fire(lambda w: w.add(seq_id, params, position)))
         self.release = Method(lambda ids: self._fire(lambda w: w.release(ids)))
@@ -134,8 +137,8 @@ class Actor:
             cause = RuntimeError("CUDA out of memory")
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("start", "Traceback ...", cause)))
         self.worker = TargetWorker(self.model, num_slots=geometry.num_slots, max_len=geometry.max_len)
-        loading = self.fault in ("loading", "deadly") or (self.fault or "").startswith("loading, ")
-        if loading:  # its model still loading: the start is done once ``loaded`` is set
+        if self.fault in ("loading", "deadly") or self.waits_for_load:
+            # its model still loading: the start is done once ``loaded`` is set
 
             def loading(timeout: float | None) -> None:
                 self.calls.append("wait")
@@ -172,7 +175,7 @@ class Actor:
             return Ref(lambda _: (_ for _ in ()).throw(RayTaskError("verify", "Traceback ...", POISONED)))
         count = self.calls.count("verify")
         # its process is lost at that verify, whatever the requests
-        self.died |= (self.fault or "").removeprefix("loading, ") == f"dies at {count}"
+        self.died |= self.fault == f"dies at {count}"
         if self.died:
             return Ref(gone)
         self.broken |= (self.fault or "").startswith("nan after ") and count > int((self.fault or "").split()[-1])
@@ -288,11 +291,23 @@ def test_a_step_result_lost_with_its_node_is_a_lost_worker_not_a_request_to_sear
         lane.stop()
 
 
+def _load_once_all_are_queued(lane: Lane, actor: Actor, requests: int) -> None:
+    """The first target finishes loading once the lane holds ``requests`` requests, so that its first step runs
+    them all together (a schedule of losses by verify count assumes it; one submitted late shifted it)."""
+
+    def release() -> None:
+        _wait(lambda: len(lane._sinks) >= requests)
+        actor.loaded.set()
+
+    threading.Thread(target=release, daemon=True).start()
+
+
 def test_a_lane_that_cannot_replace_its_worker_answers_and_stays_up(target: LlamaModel, alone: list[list[int]]) -> None:
     """The replacement cannot even be created (its placement is gone): the requests get a 503 body, the lane
     thread lives, and once a replacement can be made the next requests run."""
-    factory = Factory(target, {0: "unschedulable"}, broken={1})
+    factory = Factory(target, {0: "loading, unschedulable"}, broken={1})
     lane = _lane(target, factory)
+    _load_once_all_are_queued(lane, factory.actors[0], 2)  # (both in the first step, which loses its worker)
     try:
         results = _run(lane, PROMPTS[:2])
         assert all(isinstance(r, WorkerFailedError) for r in results), results
@@ -1042,25 +1057,15 @@ def test_a_request_first_in_the_batch_when_two_workers_break_in_turn_is_not_fail
         lane.stop()
 
 
-def _load_once_all_are_queued(lane: Lane, actor: Actor, requests: int) -> None:
-    """The first target finishes loading once the lane holds ``requests`` requests, so that its first step runs
-    them all together (a schedule of losses by verify count assumes it; one submitted late shifted it)."""
-
-    def release() -> None:
-        _wait(lambda: len(lane._sinks) >= requests)
-        actor.loaded.set()
-
-    threading.Thread(target=release, daemon=True).start()
-
-
 def test_a_request_that_breaks_the_fresh_worker_again_within_the_clean_steps_is_still_failed(
     target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The other side of the rule above: a request whose damage shows a step late (each worker breaks one clean
     step after it is named) is still failed the second time, the workers no longer replaced for it."""
     monkeypatch.setattr(lane_module, "SUSPECT_CLEAR_STEPS", 2)
-    factory = Factory(target, {0: "nan after 1", 1: "nan after 1"})  # each names the first row, request 0
+    factory = Factory(target, {0: "loading, nan after 1", 1: "nan after 1"})  # each names the first row, request 0
     lane = _lane(target, factory, max_worker_restarts=5)
+    _load_once_all_are_queued(lane, factory.actors[0], len(PROMPTS))
     try:
         results = _run(lane, PROMPTS)
         assert isinstance(results[0], RequestFailedError) and results[1:] == alone[1:], results
