@@ -44,6 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=finite_float, default=0.0)
     g.add_argument("--top-k", type=positive_int, default=None)
     g.add_argument("--top-p", type=finite_float, default=1.0)
+    g.add_argument("--min-p", type=finite_float, default=0.0, help="drop tokens below min-p x the likeliest's chance")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")

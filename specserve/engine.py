@@ -188,6 +188,8 @@ class Engine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt must be a non-empty string or None, not {cache_salt!r}")
         ids = self.encode(prompt, chat=chat)
+        if params is not None:
+            self.encoder.check_stop_token_ids(params.stop_token_ids)
         with self._lock, self._in_loop():
             request_id = f"req-{next(self._ids)}"
             self.loop.add_request(

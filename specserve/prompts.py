@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -34,6 +34,13 @@ class PromptEncoder:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return list(ids)
+
+    def check_stop_token_ids(self, ids: Iterable[int]) -> None:
+        """Stop ids the model cannot generate would never stop anything: refused, as prompt ids are."""
+        if outside := sorted(t for t in ids if not 0 <= t < self.vocab_size)[:3]:
+            raise InvalidRequestError(
+                f"stop_token_ids must be in [0, {self.vocab_size}), not {outside}", param="stop_token_ids"
+            )
 
     def text(self, prompt: str, *, room: int | None = None) -> list[int]:
         """A completion prompt's ids: a Llama-2/3 or Mistral tokenizer starts them with its BOS, which the model saw

@@ -1,8 +1,10 @@
-"""Sampling parameters and logits processing (temperature, top-k, top-p), shared by drafts and targets."""
+"""Sampling parameters and logits processing (temperature, min-p, top-k, top-p), shared by drafts and targets."""
 
 from __future__ import annotations
 
+import math
 import secrets
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -12,6 +14,7 @@ from specserve.validated import Validated
 
 MAX_CONTEXT = 1_048_576  # the longest context (EngineConfig.max_model_len) anything is sized for
 MAX_BATCH_SIZE = 1024  # sequences one loop runs at once (LoopConfig.max_batch_size)
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParams(Validated):
@@ -24,12 +27,21 @@ class SamplingParams(Validated):
         default=None, ge=1, description="keep the k most likely tokens (and any tied with the k-th); None = off"
     )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    min_p: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the most likely; 0 = off"
+    )
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1, description="any 64-bit signed integer")
     max_tokens: int = Field(default=128, ge=1, le=MAX_CONTEXT)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = Field(
+        default=frozenset(),
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="tokens that end generation when generated, as vLLM's: output (decoded unless special), and "
+        "whatever ignore_eos says",
+    )
 
-    @field_validator("temperature", "top_k", "top_p", "seed", "max_tokens", mode="before")
+    @field_validator("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", mode="before")
     @classmethod
     def _not_bool(cls, v: object) -> object:  # (pydantic reads True as 1: top_k=True made a sampled request greedy)
         if isinstance(v, bool | np.bool_):
@@ -49,6 +61,16 @@ class SamplingParams(Validated):
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _token_ids(cls, v: object) -> object:
+        if isinstance(v, str | bytes) or not isinstance(v, Iterable):
+            raise ValueError(f"a collection of token ids, not {type(v).__name__}")
+        items = list(v)
+        if any(isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer) or t < 0 for t in items):
+            raise ValueError("token ids are non-negative integers")
+        return frozenset(int(t) for t in items)
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +93,7 @@ def greedy_draw(logits: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [N, V] -> probabilities [N, V] float32 after temperature, top-k and top-p.
+    """logits [N, V] -> probabilities [N, V] float32 after temperature, min-p, top-k and top-p (vLLM's order).
 
     Greedy (temperature 0) returns the one-hot of the argmax, so greedy and sampling share one code path
     in verification (a point mass is accepted exactly when it is the argmax); a row without a finite maximum is
@@ -85,6 +107,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     # smallest normal (it could round to 0, and 0 / 0 is nan) divides as that smallest one
     temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
     logits = (logits - logits.max(-1, keepdim=True).values) / temperature
+    if params.min_p > 0.0:  # p_i / p_max = exp(logit_i) now that the maximum is 0: no softmax needed
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -472,11 +472,16 @@ class StepLoop:
             seq.stats.depth_sum += proposal.depth
         params = seq.request.params
         before = len(seq.output)
+        at_eos = False  # EOS ends the output without joining it; a stop token id joins it (as vLLM's)
         for tok in out.tokens:
             if tok in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = FinishReason.stop
+                at_eos = True
                 break
             seq.output.append(tok)
+            if tok in params.stop_token_ids:
+                seq.finish_reason = FinishReason.stop
+                break
             if (
                 len(seq.output) >= params.max_tokens
                 or len(seq.request.prompt_ids) + len(seq.output) >= self.max_model_len
@@ -492,7 +497,7 @@ class StepLoop:
         # the first of them the forward's own, so drafts cut with the rest of the step do not count (accepted +
         # forwards = tokens emitted; DSDE observes the verifier's own count)
         committed = max(0, len(seq.output) - before)
-        emitted = committed + (seq.finish_reason == FinishReason.stop and not seq.text.stopped)
+        emitted = committed + (at_eos and not seq.text.stopped)
         seq.stats.accepted += min(len(out.accepted), max(0, emitted - 1))
         # handed out: the tokens no later step can cut at a stop string (with byte fallback a stop string complete
         # at a token can be hidden in this step's text until its character's last byte comes)

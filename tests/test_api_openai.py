@@ -320,6 +320,55 @@ def test_top_k_minus_one_or_zero_is_no_top_k(url: str) -> None:
         )
 
 
+def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, client: openai.OpenAI) -> None:
+    """vLLM's sampling extensions as its clients send them (the OpenAI SDK's ``extra_body``): min_p 1 keeps the most
+    likely token alone, so a sampled answer is the greedy one; a stop token id ends the answer and is in it;
+    repetition_penalty only at its neutral 1; each bad value a 400 naming the field."""
+
+    def post(**fields: Any) -> httpx.Response:
+        body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 8, "return_token_ids": True, "ignore_eos": True}
+        return httpx.post(url + COMPLETIONS, json=body | fields, timeout=30)
+
+    def tokens(r: httpx.Response) -> list[int]:
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["token_ids"])
+
+    greedy = tokens(post(temperature=0))
+    sampled = dict(temperature=1.0, seed=11)
+    assert tokens(post(**sampled)) != greedy  # (this seed's sampled answer is another)
+    assert tokens(post(**sampled, min_p=1.0)) == greedy
+    assert tokens(post(**sampled, min_p=0)) == tokens(post(**sampled, min_p=None)) == tokens(post(**sampled))
+
+    stop = greedy[3]
+    r = post(temperature=0, stop_token_ids=[stop])
+    cut = greedy[: greedy.index(stop) + 1]
+    assert tokens(r) == cut and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["usage"]["completion_tokens"] == len(cut)
+    via_sdk = client.completions.create(
+        model=MODEL, prompt=[3, 4], max_tokens=8, temperature=0, extra_body={"stop_token_ids": [stop], "min_p": 0.5}
+    )
+    assert via_sdk.choices[0].finish_reason == "stop" and via_sdk.usage is not None
+    assert via_sdk.usage.completion_tokens == len(cut)
+    chat = httpx.post(
+        url + CHAT,
+        json={"model": MODEL, "messages": USER, "max_tokens": 4, "temperature": 0, "stop_token_ids": []},
+        timeout=30,
+    )
+    assert chat.status_code == 200, chat.text
+
+    assert tokens(post(temperature=0, repetition_penalty=1)) == tokens(post(temperature=0, repetition_penalty=None))
+    for field, value, says in (
+        ("repetition_penalty", 1.2, "not supported"),
+        ("min_p", 1.5, "less than or equal to 1"),
+        ("min_p", "0.1", "valid number"),
+        ("stop_token_ids", [3, True], "valid integer"),
+        ("stop_token_ids", 3, "valid list"),
+        ("stop_token_ids", [512], "must be in [0, 512)"),
+    ):
+        error = _error(post(temperature=0, **{field: value}))
+        assert error["param"] == field and says in error["message"], (field, value, error)
+
+
 # -- item 9 ------------------------------------------------------------------------------------------------
 
 

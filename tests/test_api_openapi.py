@@ -23,6 +23,9 @@ PROBES: dict[str, list[Any]] = {  # values on both sides of each documented cons
     "max_tokens": [0, 1, "2", None],
     "logprobs": [True, 1, 0, False, None],
     "presence_penalty": [0, 0.0, 0.5, -1, None],
+    "repetition_penalty": [1, 1.0, 1.2, 0.9, 0, "1", None],
+    "min_p": [-0.1, 0, 0.05, 1, 1.01, "0.1", True, None],
+    "stop_token_ids": [[], [3], [-1], [True], [1.5], "3", [3] * 1024, [3] * 1025, None],
     "stream": [True, False, "yes", 0, None],
     "stop": ["", "x", ["a", "b"], ["a"] * 5, "y" * 1024, "y" * 1025],
     "prompt": ["", "hello", [], [1, 2], [False], [-1], [1.5]],
@@ -115,7 +118,17 @@ def test_null_means_the_default_for_openais_nullable_fields(url: str, path: str)
     """OpenAI's schema makes these nullable and its SDKs send null for "unset": a 200 with the default, not a 400."""
     body = {**BASE} if path == COMPLETIONS else {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     body["max_tokens"] = 2
-    fields = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream", "ignore_eos")
+    fields = (
+        "temperature",
+        "top_p",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "stream",
+        "ignore_eos",
+    )
     for field in fields:
         r = httpx.post(url + path, json={**body, field: None}, timeout=30)
         assert r.status_code == 200, (field, r.text[:300])

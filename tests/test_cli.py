@@ -19,6 +19,7 @@ from tests.conftest import forbid_model_loads
         (["--max-tokens", "0"], "argument --max-tokens: must be at least 1, not 0"),
         (["--top-k", "x"], "argument --top-k: 'x' is not an integer"),
         (["--top-p", "2"], "top_p"),
+        (["--min-p", "1.5"], "min_p"),
         (["--temperature", "-1"], "temperature"),
         (["--device", "bogus"], "'bogus' is not a torch device"),
         (["--draft", "none", "--method", "ddd"], "--method ddd needs a draft"),  # was ignored: plain decoding

@@ -16,6 +16,7 @@ from specserve.detok import IncrementalText
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
 from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy
 from specserve.sampling import SamplingParams, process_logits
 from specserve.sequence import FinishReason
 from specserve.spec_decode.suffix_tree import SuffixTrie
@@ -53,6 +54,47 @@ def test_eos_stops_and_is_not_emitted(tiny: LlamaModel) -> None:
         PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True)
     )[0]
     assert ignoring.token_ids == ref
+
+
+def test_a_stop_token_id_ends_the_output_and_is_part_of_it(tiny: LlamaModel) -> None:
+    """As vLLM's ``stop_token_ids``: the first generated one ends the output, which keeps it, with ignore_eos too;
+    with speculation the tokens accepted past it are cut, and the counts still add up (accepted + forwards =
+    tokens emitted)."""
+    ref = greedy_reference(tiny, PROMPTS[1], 12)
+    stop = ref[5]
+    first = ref.index(stop)
+    unseen = min(set(range(tiny.cfg.vocab_size)) - set(ref))  # a second stop id, never generated
+    engines = {
+        "plain": Engine(tiny, None, eos_token_ids=set()),
+        "chain": Engine(  # an identical draft: every draft accepted, so the stop token comes inside an accepted run
+            tiny,
+            None,
+            draft=noisy_copy(tiny, 0.0),
+            speculation=SpecConfig(method=SpecMethod.chain, sl=4),
+            eos_token_ids=set(),
+        ),
+    }
+    for name, engine in engines.items():
+        for ignore_eos in (False, True):
+            params = SamplingParams(max_tokens=12, stop_token_ids=[stop, unseen], ignore_eos=ignore_eos)
+            out = engine.generate(PROMPTS[1], params)[0]
+            assert out.token_ids == ref[: first + 1], name
+            assert out.finish_reason == FinishReason.stop
+            assert out.stats.accepted + out.stats.target_forwards == len(out.token_ids), (name, out.stats)
+            if name == "chain":
+                assert out.stats.accepted > 0
+    # where it also is the EOS, EOS rules: not emitted, unless ignore_eos, when the stop token id ends the output
+    engine = Engine(tiny, None, eos_token_ids={stop})
+    assert engine.generate(PROMPTS[1], SamplingParams(max_tokens=12, stop_token_ids=[stop]))[0].token_ids == ref[:first]
+    both = SamplingParams(max_tokens=12, stop_token_ids=[stop], ignore_eos=True)
+    assert engine.generate(PROMPTS[1], both)[0].token_ids == ref[: first + 1]
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny: LlamaModel) -> None:
+    engine = Engine(tiny, None, eos_token_ids=set())
+    with pytest.raises(InvalidRequestError, match=rf"stop_token_ids must be in \[0, {tiny.cfg.vocab_size}\)"):
+        engine.generate(PROMPTS[1], SamplingParams(stop_token_ids=[3, tiny.cfg.vocab_size]))
+    assert not engine.loop.has_work
 
 
 def test_context_limit_ends_with_length(tiny: LlamaModel) -> None:
@@ -118,20 +160,32 @@ def test_process_logits_top_p_keeps_smallest_prefix() -> None:
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"), [(0.8, None, 1.0), (2.5, 5, 1.0), (0.5, None, 0.9), (1.7, 7, 0.8)]
+    ("temperature", "top_k", "top_p", "min_p"),
+    [
+        (0.8, None, 1.0, 0.0),
+        (2.5, 5, 1.0, 0.0),
+        (0.5, None, 0.9, 0.0),
+        (1.7, 7, 0.8, 0.0),
+        (1.3, None, 1.0, 0.05),
+        (2.0, None, 0.6, 0.2),  # min-p before top-p: top-p's prefix is of the renormalised min-p set
+        (0.9, 3, 0.95, 0.01),
+        (1.0, None, 1.0, 1.0),  # the most likely token alone
+    ],
 )
 def test_process_logits_is_softmax_of_logits_over_temperature_then_cut(
-    temperature: float, top_k: int | None, top_p: float
+    temperature: float, top_k: int | None, top_p: float, min_p: float
 ) -> None:
     """Against a reference written here in float64 from the definitions (every other check took its expected
     distribution from process_logits itself: a temperature applied as T**0.5 passed them all)."""
     import math
 
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1)) * 3
-    got = process_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    got = process_logits(logits, params)
     for row, p in zip(logits.double().tolist(), got.tolist(), strict=True):
         weights = [math.exp(v / temperature) for v in row]
         order = sorted(range(len(row)), key=lambda i: -row[i])  # (no ties among random logits)
+        order = [i for i in order if weights[i] >= min_p * max(weights)]  # min-p first, as vLLM's sampler
         kept = order[: top_k or len(row)]
         total = sum(weights[i] for i in kept)
         mass, nucleus = 0.0, []
@@ -257,6 +311,15 @@ def test_an_abort_cut_short_by_an_interrupt_leaves_later_aborts_running(
         {"seed": False},
         {"temperature": True},
         {"top_k": np.True_},  # numpy's bool is no Python bool
+        {"min_p": 1.5},
+        {"min_p": -0.1},
+        {"min_p": True},
+        {"stop_token_ids": 5},
+        {"stop_token_ids": "5"},
+        {"stop_token_ids": [True]},
+        {"stop_token_ids": [-1]},
+        {"stop_token_ids": [1.0]},
+        {"stop_token_ids": list(range(1025))},
     ],
 )
 def test_invalid_sampling_values_raise_naming_the_field(bad: dict) -> None:

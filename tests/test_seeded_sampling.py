@@ -215,9 +215,9 @@ CHI_PARAMS = {"temperature": 1.0, "top_k": 3, "max_tokens": 2, "ignore_eos": Tru
 N_SAMPLES = 2400
 
 
-def _exact_pairs(target: LlamaModel) -> dict[tuple[int, int], float]:
-    """P(x1, x2) of the next two tokens under top-k 3 at temperature 1, by enumeration."""
-    params = SamplingParams(**CHI_PARAMS)
+def _exact_pairs(target: LlamaModel, chi_params: dict[str, object] = CHI_PARAMS) -> dict[tuple[int, int], float]:
+    """P(x1, x2) of the next two tokens under top-k 3 at temperature 1 (or ``chi_params``), by enumeration."""
+    params = SamplingParams(**chi_params)  # type: ignore[arg-type]
 
     def next_probs(tokens: list[int]) -> torch.Tensor:
         cache = target.new_cache(1, len(tokens) + 1)
@@ -233,15 +233,22 @@ def _exact_pairs(target: LlamaModel) -> dict[tuple[int, int], float]:
     return table
 
 
-def _engine_outputs(engine: Engine, max_tokens: int = 2) -> list[Completion]:
+def _engine_outputs(
+    engine: Engine, max_tokens: int = 2, chi_params: dict[str, object] = CHI_PARAMS
+) -> list[Completion]:
     """``max_tokens`` 3: a head, which drafts from the step after the prompt's, drafts the second token with room
     for its bonus (with one token left a step's draft is counted as the target's token)."""
-    params = [SamplingParams(**{**CHI_PARAMS, "max_tokens": max_tokens}, seed=seed) for seed in range(N_SAMPLES)]
+    params = [
+        SamplingParams(**{**chi_params, "max_tokens": max_tokens}, seed=seed)  # type: ignore[arg-type]
+        for seed in range(N_SAMPLES)
+    ]
     return engine.generate([CHI_PROMPT] * N_SAMPLES, params)
 
 
-def _engine_pairs(engine: Engine, max_tokens: int = 2) -> list[tuple[int, int]]:
-    return [(o.token_ids[0], o.token_ids[1]) for o in _engine_outputs(engine, max_tokens)]
+def _engine_pairs(
+    engine: Engine, max_tokens: int = 2, chi_params: dict[str, object] = CHI_PARAMS
+) -> list[tuple[int, int]]:
+    return [(o.token_ids[0], o.token_ids[1]) for o in _engine_outputs(engine, max_tokens, chi_params)]
 
 
 def _pvalue(pairs: list[tuple[int, int]], table: dict[tuple[int, int], float]) -> float:
@@ -261,7 +268,12 @@ CHI_SPECS = {
     # sampled chains from heads whose draft columns are not target ids (q's support must be mapped to target ids)
     "head-reduced-chain-sampled": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
     "head-eagle3-chain-sampled": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
+    # min-p instead of top-k: the target's first token keeps 3 candidates (its probabilities 0.80, 0.061, 0.029,
+    # then 0.021, under 0.03 x 0.80), and draft and target cut the same way
+    "chain-keyed-min-p": SpecConfig(method=SpecMethod.chain, sl=2),
+    "chain-sampled-min-p": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
 }
+CHI_MIN_P = {"temperature": 1.0, "min_p": 0.03, "max_tokens": 2, "ignore_eos": True}
 
 
 def constant_target() -> LlamaModel:
@@ -314,17 +326,18 @@ def test_engine_samples_have_the_targets_distribution(target: LlamaModel, name: 
     """Drafts the target mostly rejects test little beyond plain sampling: each case has at least 10% of its drafts
     accepted (their tokens then come from the accepted path)."""
     target, draft = _chi_case(target, name)
+    chi_params = CHI_MIN_P if name.endswith("min-p") else CHI_PARAMS
     engine = Engine(target, None, draft=draft, speculation=CHI_SPECS[name], eos_token_ids=set(), max_batch_size=64)
-    outs = _engine_outputs(engine, 3 if isinstance(draft, EagleHead) else 2)
+    outs = _engine_outputs(engine, 3 if isinstance(draft, EagleHead) else 2, chi_params)
     pairs = [(o.token_ids[0], o.token_ids[1]) for o in outs]
-    assert _pvalue(pairs, _exact_pairs(target)) > 1e-3
+    assert _pvalue(pairs, _exact_pairs(target, chi_params)) > 1e-3
     accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
     assert accepted >= 0.1 * drafted > 0, (accepted, drafted)
     if isinstance(draft, EagleHead) and draft.maps_draft_ids:
         assert engine.loop.draft.token_ids is not None  # type: ignore[attr-defined]  # (the mapping is in play)
     if "sampled" not in name:  # keyed draws: the same seeds give the same samples with speculation off
         plain = Engine(target, None, eos_token_ids=set(), max_batch_size=64)
-        assert _engine_pairs(plain) == pairs
+        assert _engine_pairs(plain, 2, chi_params) == pairs
 
 
 def test_the_chi_square_catches_a_lossy_acceptance(target: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,10 +22,12 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
             temperature=request.temperature,
             top_k=request.top_k,
             top_p=request.top_p,
+            min_p=request.min_p,
             seed=request.seed,
             max_tokens=max_tokens,
             stop=(request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
             ignore_eos=request.ignore_eos,
+            stop_token_ids=frozenset(request.stop_token_ids or ()),
         ).seeded()
     except ValidationError as e:
         first = e.errors()[0]

@@ -1,6 +1,7 @@
 """OpenAI-compatible request and response schemas (completions, chat completions, models, errors).
 
-Extensions beyond OpenAI's API: ``top_k``, ``ignore_eos``, ``return_token_ids`` (as vLLM names them),
+Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` and
+``cache_salt`` (as vLLM names them; vLLM's ``repetition_penalty`` only at its neutral 1),
 ``speculation`` (per-request speculative decoding options) and ``resume_from`` (resume a stream);
 ``usage.speculation`` reports what speculation did, ``seed`` the seed a sampled request drew with.
 """
@@ -28,6 +29,7 @@ from pydantic import (
 )
 
 from specserve.config import Drafter, SLPolicyKind, SpecMethod
+from specserve.sampling import MAX_STOP_TOKEN_IDS
 
 # Past this many fields a request object does not define, it gets one error naming the first few: pydantic builds an
 # error per unknown key, and FastAPI and the handler copy the list, all on the event loop (a 3.7 MB body of 380k
@@ -86,6 +88,7 @@ StrictFloat = Annotated[float, Field(strict=True)]
 # the end of the signed 64-bit range, exclusive (OpenAPI bounds are floats, and 2**63 - 1 is not one): Python's JSON
 # parser takes integers of up to 4300 digits, and one of those in an error message cannot even be printed
 INT64_END = 2**63
+TokenId = Annotated[StrictInt, Field(ge=0, lt=INT64_END)]  # below the vocabulary size, which the model decides
 
 
 def _exactly(kind: type[bool] | type[int]) -> BeforeValidator:
@@ -159,6 +162,8 @@ NULLABLE_DEFAULTS = (
     "n",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
     "stream",
     "ignore_eos",
     "echo",
@@ -215,6 +220,21 @@ class GenerationRequest(ClosedModel):
     n: StrictInt = Field(default=1, ge=1, le=1, description="only 1 is supported")
     presence_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
     frequency_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    repetition_penalty: StrictFloat = Field(
+        default=1.0, ge=1.0, le=1.0, description="extension (vLLM's), not supported: only 1"
+    )
+    min_p: StrictFloat = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="extension (as vLLM's): drop tokens less likely than min_p times the most likely token, after "
+        "temperature and before top_k and top_p; 0: off",
+    )
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None = Field(
+        default=None,
+        description="extension (as vLLM's): token ids that end generation when generated (whatever ignore_eos "
+        "says); the stop token is part of the output (its text too, unless it is a special token)",
+    )
     logprobs: Literal[False] | None = Field(default=None, description="not supported: only false or null")
     user: str | None = None
     logit_bias: dict[str, float] | None = Field(default=None, description="not supported: only null or {}")
@@ -269,6 +289,13 @@ class GenerationRequest(ClosedModel):
             raise ValueError("presence and frequency penalties are not supported; use 0")
         return v
 
+    @field_validator("repetition_penalty", mode="before")
+    @classmethod
+    def _no_repetition_penalty(cls, v: object) -> object:
+        if isinstance(v, int | float) and not isinstance(v, bool) and v != 1:
+            raise ValueError("repetition_penalty is not supported; use 1")
+        return v
+
     @field_validator("logprobs", mode="before")
     @classmethod
     def _no_logprobs(cls, v: object) -> object:
@@ -315,7 +342,6 @@ def _utf8(text: str) -> str:
 
 
 Utf8Str = Annotated[str, AfterValidator(_utf8)]
-TokenId = Annotated[StrictInt, Field(ge=0, lt=INT64_END)]  # below the vocabulary size, which the model decides
 # Lists a request may fill up to the body limit validate up to their first bad item (fail_fast): an error per item
 # of a 4 MiB list of bad ids took pydantic and FastAPI ~30 s to build on the event loop, stalling every stream.
 Prompt = Annotated[
