@@ -8,8 +8,9 @@ import asyncio
 import concurrent.futures
 import json
 import pickle
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterable, Callable, Iterator
 
 import httpx
 import pytest
@@ -206,32 +207,58 @@ def test_a_commit_failure_fails_that_request_and_the_others_keep_every_token(
 
 
 def test_a_client_gone_before_admission_leaves_the_lane_running(
-    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request whose client left while it waited to be admitted (its admission future cancelled) is dropped;
-    the lane and the request it was stepping go on (this once killed the lane, failing every request on it)."""
+    the lane and the request it was stepping go on (this once killed the lane, failing every request on it). The
+    lane thread holds the request's admission until the client has gone (no sleeps to race the lane's steps)."""
     engine = _engine(models)
-    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0, step_delay_s=0.2)  # type: ignore[arg-type]
+    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0, step_delay_s=0.05)  # type: ignore[arg-type]
+    gone_left = threading.Event()
+    cancelled_when_applied: list[bool] = []
+    apply = lane._apply
 
-    async def tokens(request: Request) -> list[int]:
-        return [t async for out in await lane.submit(request) for t in out.token_ids]
+    def holding(command: object) -> None:  # on the lane thread
+        request = getattr(command, "request", None)
+        if request is not None and request.request_id == "gone":
+            assert gone_left.wait(30)
+            cancelled_when_applied.append(command.admitted.cancelled())  # type: ignore[attr-defined]
+        apply(command)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lane, "_apply", holding)
+    admitted: list[str] = []
+    add_request = engine.loop.add_request
+
+    def recording(request: Request) -> None:
+        admitted.append(request.request_id)
+        add_request(request)
+
+    monkeypatch.setattr(engine.loop, "add_request", recording)
 
     async def run() -> list[int]:
-        victim = asyncio.create_task(tokens(Request("victim", PROMPTS[0], GREEDY)))
-        await asyncio.sleep(0.3)  # the lane is stepping the victim, then sleeping its step delay
+        stream = await lane.submit(Request("victim", PROMPTS[0], GREEDY))  # admitted: the lane is stepping it
+        victim = asyncio.create_task(_collect(stream))
         gone = asyncio.create_task(lane.submit(Request("gone", PROMPTS[1], GREEDY)))
-        await asyncio.sleep(0.01)  # queued, awaiting admission
+        await asyncio.sleep(0)  # queued, its admission held
         gone.cancel()
         with pytest.raises(asyncio.CancelledError):
             await gone
+        gone_left.set()
         return await asyncio.wait_for(victim, 60)
 
     try:
         assert asyncio.run(run()) == alone[0]
+        assert cancelled_when_applied == [True]
+        assert admitted == ["victim"]  # the request whose client left never reached the step loop
         _settle(lane)
         assert not engine.loop.has_work
     finally:
+        gone_left.set()
         lane.stop()
+
+
+async def _collect(stream: AsyncIterable[RequestOutput]) -> list[int]:
+    return [t async for out in stream for t in out.token_ids]
 
 
 def test_unattributed_failure_is_bisected_to_its_request(
