@@ -37,8 +37,8 @@ class SamplingParams(Validated):
     stop_token_ids: frozenset[int] = Field(
         default=frozenset(),
         max_length=MAX_STOP_TOKEN_IDS,
-        description="tokens that end generation when generated, as vLLM's: output (decoded unless special), and "
-        "whatever ignore_eos says",
+        description="tokens that end generation when generated, with ignore_eos too (an EOS id without it stays "
+        "EOS, left out); as vLLM's, the one that ends it is in the output's ids but not in its text",
     )
 
     @field_validator("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", mode="before")

@@ -472,7 +472,8 @@ class StepLoop:
             seq.stats.depth_sum += proposal.depth
         params = seq.request.params
         before = len(seq.output)
-        at_eos = False  # EOS ends the output without joining it; a stop token id joins it (as vLLM's)
+        # EOS ends the output without joining it; a stop token id joins the token ids but not the text (as vLLM's)
+        at_eos = at_stop_id = False
         for tok in out.tokens:
             if tok in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = FinishReason.stop
@@ -481,6 +482,7 @@ class StepLoop:
             seq.output.append(tok)
             if tok in params.stop_token_ids:
                 seq.finish_reason = FinishReason.stop
+                at_stop_id = True
                 break
             if (
                 len(seq.output) >= params.max_tokens
@@ -488,7 +490,7 @@ class StepLoop:
             ):
                 seq.finish_reason = FinishReason.length
                 break
-        text = seq.text.update(seq.output, final=seq.finish_reason is not None)
+        text = seq.text.update(seq.output[:-1] if at_stop_id else seq.output, final=seq.finish_reason is not None)
         if seq.text.stopped:
             seq.finish_reason = FinishReason.stop
             # a speculative step can accept tokens past the stop string: they are not output

@@ -339,16 +339,27 @@ def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, cli
     assert tokens(post(**sampled, min_p=1.0)) == greedy
     assert tokens(post(**sampled, min_p=0)) == tokens(post(**sampled, min_p=None)) == tokens(post(**sampled))
 
-    stop = greedy[3]
+    stop = next(t for t in greedy[2:] if greedy.index(t) >= 2)
     r = post(temperature=0, stop_token_ids=[stop])
     cut = greedy[: greedy.index(stop) + 1]
     assert tokens(r) == cut and r.json()["choices"][0]["finish_reason"] == "stop"
     assert r.json()["usage"]["completion_tokens"] == len(cut)
+    # as vLLM's (without include_stop_str_in_output): the stop token's id is output, its text is not
+    before_stop = post(temperature=0, max_tokens=len(cut) - 1).json()["choices"][0]["text"]
+    through_stop = post(temperature=0, max_tokens=len(cut)).json()["choices"][0]["text"]
+    assert r.json()["choices"][0]["text"] == before_stop != through_stop
     via_sdk = client.completions.create(
         model=MODEL, prompt=[3, 4], max_tokens=8, temperature=0, extra_body={"stop_token_ids": [stop], "min_p": 0.5}
     )
     assert via_sdk.choices[0].finish_reason == "stop" and via_sdk.usage is not None
-    assert via_sdk.usage.completion_tokens == len(cut)
+    assert via_sdk.usage.completion_tokens == len(cut) and via_sdk.choices[0].text == before_stop
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=[3, 4], max_tokens=8, temperature=0, stream=True, extra_body={"stop_token_ids": [stop]}
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == before_stop
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     chat = httpx.post(
         url + CHAT,
         json={"model": MODEL, "messages": USER, "max_tokens": 4, "temperature": 0, "stop_token_ids": []},

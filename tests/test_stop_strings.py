@@ -75,6 +75,27 @@ def test_speculation_returns_no_tokens_past_a_stop_string(name: str) -> None:
                 assert cache is not None and cache.entries[-1][1] == drafted.token_ids
 
 
+@pytest.mark.parametrize("name", ["plain", *STOP_SPECS])
+def test_a_stop_token_id_is_output_without_its_text(name: str) -> None:
+    """As vLLM's ``stop_token_ids``: the first one generated ends the answer; its id is output (and counted), its
+    text is not, from the first output token on, wherever in a speculative step's accepted run it comes."""
+    target = tiny_model(tiny_config(), seed=0)
+    tok = tiny_tokenizer()
+    plain = Engine(target, tok, eos_token_ids=set())
+    spec = SpecConfig(method=SpecMethod.none) if name == "plain" else STOP_SPECS[name]
+    engine = Engine(target, tok, draft=noisy_copy(target, 0.02, seed=1), speculation=spec, eos_token_ids=set())
+    for prompt in PROMPTS:
+        ids = plain.generate(prompt, SamplingParams(max_tokens=30))[0].token_ids
+        for i in (0, 6, 13, 21):
+            first = ids.index(ids[i])
+            out = engine.generate(prompt, SamplingParams(max_tokens=30, stop_token_ids=[ids[i]]))[0]
+            assert out.token_ids == ids[: first + 1] and out.finish_reason == FinishReason.stop
+            assert out.text == tok.decode(ids[:first], skip_special_tokens=True)
+            assert out.stats.accepted + out.stats.target_forwards == len(out.token_ids)
+        if name != "plain":
+            assert engine.generate(prompt, SamplingParams(max_tokens=30))[0].stats.accepted > 0
+
+
 def test_nested_stop_strings_cut_where_one_token_a_step_cuts() -> None:
     """Stop strings one inside the other ("the end." holds "end"): decoding one token a step stops at the token
     that completes "end", before "the end." is complete, and cuts at "end"; a step bringing every token at once

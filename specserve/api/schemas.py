@@ -232,8 +232,9 @@ class GenerationRequest(ClosedModel):
     )
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None = Field(
         default=None,
-        description="extension (as vLLM's): token ids that end generation when generated (whatever ignore_eos "
-        "says); the stop token is part of the output (its text too, unless it is a special token)",
+        description="extension (as vLLM's): token ids that end generation when generated, with ignore_eos too; "
+        "the one that ends it is in token_ids and completion_tokens but not in the text (an EOS id without "
+        "ignore_eos stays EOS: not in either)",
     )
     logprobs: Literal[False] | None = Field(default=None, description="not supported: only false or null")
     user: str | None = None
