@@ -113,6 +113,7 @@ class IncrementalText:
         self.emitted = 0  # characters of self.text already handed out
         self.stopped = False
         self.stop_tokens: int | None = None  # once stopped: output tokens through the one completing the stop string
+        self.stop_string: str | None = None  # ... and that stop string (the earliest to start; ties in list order)
         self._seen = 0  # tokens of the last update that found no stop string, short of a run of byte tokens at its end
         self._seen_chars = 0  # ... and the length of their text: no text past it is handed out before they settle
         self._checked = 0  # prefixes whose text was searched for a stop string, without a match
@@ -146,6 +147,7 @@ class IncrementalText:
             whole = final and stop_at == len(token_ids)
             through = _settled(self._decode(token_ids[:stop_at]), whole)
             cut = min(i for i in (through.find(s) for s in self.stop) if i >= 0)
+            self.stop_string = next(s for s in self.stop if through.find(s) == cut)
             self.text, self.stopped, final = through[:cut], True, True
         else:
             self.text = full

@@ -39,6 +39,7 @@ class Completion:
     text: str
     finish_reason: FinishReason
     stats: RequestStats
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or a limit)
 
 
 class Engine:
@@ -289,7 +290,9 @@ class Engine:
                     last = out
                 else:
                     assert last is not None and last.finish_reason is not None
-                    completions.append(Completion(rid, prompt_ids[rid], tokens, text, last.finish_reason, last.stats))
+                    completions.append(
+                        Completion(rid, prompt_ids[rid], tokens, text, last.finish_reason, last.stats, last.stop_reason)
+                    )
         return completions  # only Completions unless return_exceptions
 
     def _step(self) -> None:

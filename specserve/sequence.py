@@ -76,6 +76,8 @@ class RequestOutput:
     num_output_tokens: int
     stats: RequestStats
     committed: int = 0  # tokens this step added to the output (``token_ids`` may hand some out a step later)
+    # what ended a finish_reason ``stop`` other than EOS (vLLM's ``stop_reason``): the stop string, or the stop token id
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:

@@ -515,6 +515,7 @@ class StepLoop:
             num_output_tokens=seq.delivered,
             stats=replace(seq.stats),  # a snapshot: the sequence's own goes on counting
             committed=committed,
+            stop_reason=seq.text.stop_string if seq.text.stopped else seq.output[-1] if at_stop_id else None,
         )
 
     def _retire(self) -> None:

@@ -322,8 +322,9 @@ def test_top_k_minus_one_or_zero_is_no_top_k(url: str) -> None:
 
 def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, client: openai.OpenAI) -> None:
     """vLLM's sampling extensions as its clients send them (the OpenAI SDK's ``extra_body``): min_p 1 keeps the most
-    likely token alone, so a sampled answer is the greedy one; a stop token id ends the answer and is in it;
-    repetition_penalty only at its neutral 1; each bad value a 400 naming the field."""
+    likely token alone, so a sampled answer is the greedy one; a stop token id ends the answer, its id in it and
+    its text not; ``stop_reason`` names the stop token id or string; repetition_penalty only at its neutral 1; each
+    bad value a 400 naming the field."""
 
     def post(**fields: Any) -> httpx.Response:
         body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 8, "return_token_ids": True, "ignore_eos": True}
@@ -343,6 +344,7 @@ def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, cli
     r = post(temperature=0, stop_token_ids=[stop])
     cut = greedy[: greedy.index(stop) + 1]
     assert tokens(r) == cut and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["choices"][0]["stop_reason"] == stop  # (vLLM's: the stop token id, or stop string, that ended it)
     assert r.json()["usage"]["completion_tokens"] == len(cut)
     # as vLLM's (without include_stop_str_in_output): the stop token's id is output, its text is not
     before_stop = post(temperature=0, max_tokens=len(cut) - 1).json()["choices"][0]["text"]
@@ -359,13 +361,29 @@ def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, cli
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == before_stop
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    chat = httpx.post(
-        url + CHAT,
-        json={"model": MODEL, "messages": USER, "max_tokens": 4, "temperature": 0, "stop_token_ids": []},
-        timeout=30,
+    assert [(c.choices[0].finish_reason, c.choices[0].stop_reason) for c in chunks if c.choices][-1] == ("stop", stop)
+    assert all(c.choices[0].stop_reason is None for c in chunks[:-1])
+    text = post(temperature=0).json()["choices"][0]["text"]
+    by_string = post(temperature=0, stop=[text[3:5], "never"]).json()["choices"][0]
+    assert (by_string["finish_reason"], by_string["stop_reason"]) == ("stop", text[3:5])
+    assert post(temperature=0).json()["choices"][0]["stop_reason"] is None  # a length limit (EOS too)
+
+    def chat(**fields: Any) -> dict[str, Any]:
+        body = {"model": MODEL, "messages": USER, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + CHAT, json=body | fields, timeout=30)
+        assert r.status_code == 200, r.text
+        return dict(r.json()["choices"][0])
+
+    answer = chat(stop_token_ids=[], return_token_ids=True)
+    assert answer["stop_reason"] is None
+    chat_stop = answer["token_ids"][2]
+    stopped = chat(stop_token_ids=[chat_stop])
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", chat_stop)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=6, temperature=0, stream=True, extra_body={"stop_token_ids": [chat_stop]}
     )
-    assert chat.status_code == 200, chat.text
+    ends = [(c.choices[0].finish_reason, c.choices[0].stop_reason) for c in streamed if c.choices]
+    assert ends[-1] == ("stop", chat_stop) and all(end == (None, None) for end in ends[:-1])
 
     assert tokens(post(temperature=0, repetition_penalty=1)) == tokens(post(temperature=0, repetition_penalty=None))
     for field, value, says in (

@@ -79,13 +79,14 @@ def test_a_stop_token_id_ends_the_output_and_is_part_of_it(tiny: LlamaModel) -> 
             params = SamplingParams(max_tokens=12, stop_token_ids=[stop, unseen], ignore_eos=ignore_eos)
             out = engine.generate(PROMPTS[1], params)[0]
             assert out.token_ids == ref[: first + 1], name
-            assert out.finish_reason == FinishReason.stop
+            assert out.finish_reason == FinishReason.stop and out.stop_reason == stop
             assert out.stats.accepted + out.stats.target_forwards == len(out.token_ids), (name, out.stats)
             if name == "chain":
                 assert out.stats.accepted > 0
     # where it also is the EOS, EOS rules: not emitted, unless ignore_eos, when the stop token id ends the output
     engine = Engine(tiny, None, eos_token_ids={stop})
-    assert engine.generate(PROMPTS[1], SamplingParams(max_tokens=12, stop_token_ids=[stop]))[0].token_ids == ref[:first]
+    at_eos = engine.generate(PROMPTS[1], SamplingParams(max_tokens=12, stop_token_ids=[stop]))[0]
+    assert at_eos.token_ids == ref[:first] and at_eos.stop_reason is None  # (vLLM's: None for EOS)
     both = SamplingParams(max_tokens=12, stop_token_ids=[stop], ignore_eos=True)
     assert engine.generate(PROMPTS[1], both)[0].token_ids == ref[: first + 1]
 

@@ -69,6 +69,7 @@ def test_speculation_returns_no_tokens_past_a_stop_string(name: str) -> None:
             assert drafted.stats.accepted > 0 and drafted.text == alone.text
             assert drafted.token_ids == alone.token_ids  # the usage count and return_token_ids
             assert drafted.finish_reason == FinishReason.stop
+            assert drafted.stop_reason == alone.stop_reason == text[i : i + 2]
             assert drafted.stats.accepted + drafted.stats.target_forwards == len(drafted.token_ids)
             cache = spec.loop.model_free.cache
             if name == "suffix":
@@ -90,6 +91,7 @@ def test_a_stop_token_id_is_output_without_its_text(name: str) -> None:
             first = ids.index(ids[i])
             out = engine.generate(prompt, SamplingParams(max_tokens=30, stop_token_ids=[ids[i]]))[0]
             assert out.token_ids == ids[: first + 1] and out.finish_reason == FinishReason.stop
+            assert out.stop_reason == ids[i]
             assert out.text == tok.decode(ids[:first], skip_special_tokens=True)
             assert out.stats.accepted + out.stats.target_forwards == len(out.token_ids)
         if name != "plain":

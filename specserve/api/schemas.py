@@ -3,7 +3,8 @@
 Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` and
 ``cache_salt`` (as vLLM names them; vLLM's ``repetition_penalty`` only at its neutral 1),
 ``speculation`` (per-request speculative decoding options) and ``resume_from`` (resume a stream);
-``usage.speculation`` reports what speculation did, ``seed`` the seed a sampled request drew with.
+``usage.speculation`` reports what speculation did, ``seed`` the seed a sampled request drew with, a choice's
+``stop_reason`` (vLLM's) the stop string or stop token id that ended it.
 """
 
 from __future__ import annotations
@@ -544,6 +545,8 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReasonOut | None = None
+    # extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet
+    stop_reason: str | int | None = None
     logprobs: None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
 
@@ -567,6 +570,8 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReasonOut | None = None
+    # extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet
+    stop_reason: str | int | None = None
     logprobs: None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
 
@@ -590,6 +595,8 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReasonOut | None = None
+    # extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet
+    stop_reason: str | int | None = None
     logprobs: None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
 

@@ -655,14 +655,18 @@ class _CompletionFormat(_Stamped):
         return None
 
     def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
-        choice = CompletionChoice(text=out.text, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
+        choice = CompletionChoice(
+            text=out.text, finish_reason=_finish(out.finish_reason), stop_reason=out.stop_reason, token_ids=token_ids
+        )
         return CompletionChunk(**self.stamp(), choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return CompletionChunk(**self.stamp(), choices=[], usage=usage)
 
     def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
-        choice = CompletionChoice(text=text, finish_reason=_finish(last.finish_reason), token_ids=token_ids)
+        choice = CompletionChoice(
+            text=text, finish_reason=_finish(last.finish_reason), stop_reason=last.stop_reason, token_ids=token_ids
+        )
         return CompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
 
 
@@ -675,7 +679,9 @@ class _ChatFormat(_Stamped):
 
     def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
         delta = ChatDelta(content=out.text or None)
-        choice = ChatChunkChoice(delta=delta, finish_reason=_finish(out.finish_reason), token_ids=token_ids)
+        choice = ChatChunkChoice(
+            delta=delta, finish_reason=_finish(out.finish_reason), stop_reason=out.stop_reason, token_ids=token_ids
+        )
         return ChatCompletionChunk(**self.stamp(), choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
@@ -683,7 +689,10 @@ class _ChatFormat(_Stamped):
 
     def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
         choice = ChatChoice(
-            message=AssistantMessage(content=text), finish_reason=_finish(last.finish_reason), token_ids=token_ids
+            message=AssistantMessage(content=text),
+            finish_reason=_finish(last.finish_reason),
+            stop_reason=last.stop_reason,
+            token_ids=token_ids,
         )
         return ChatCompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
 
