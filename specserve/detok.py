@@ -86,14 +86,18 @@ class IncrementalText:
         stop: Sequence[str] = (),
         prompt_ids: Sequence[int] = (),
         runs: ByteRuns | None = None,
+        *,
+        include_stop: bool = False,
     ) -> None:
         """``prompt_ids``: its last CONTEXT tokens are decoded before the output's first ones, whose text may
         depend on them (a SentencePiece tokenizer drops the leading space of the first token it decodes);
-        ``runs``: ``ByteRuns.of(tokenizer)``, which a caller with many requests computes once."""
+        ``runs``: ``ByteRuns.of(tokenizer)``, which a caller with many requests computes once; ``include_stop``:
+        the text ends with the stop string that stopped it (vLLM's ``include_stop_str_in_output``), not before it."""
         if stop and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop
         self.runs = ByteRuns.of(tokenizer) if runs is None else runs
         # (not from inside a character spelt in byte tokens: a run's bytes decode as a whole, and the output's
         # first bytes may join the prompt's last run)
@@ -148,7 +152,8 @@ class IncrementalText:
             through = _settled(self._decode(token_ids[:stop_at]), whole)
             cut = min(i for i in (through.find(s) for s in self.stop) if i >= 0)
             self.stop_string = next(s for s in self.stop if through.find(s) == cut)
-            self.text, self.stopped, final = through[:cut], True, True
+            end = cut + len(self.stop_string) if self.include_stop else cut
+            self.text, self.stopped, final = through[:end], True, True
         else:
             self.text = full
             # not past a text ending in U+FFFD, nor into a run of byte tokens at the end: with a byte-fallback

@@ -40,6 +40,9 @@ class SamplingParams(Validated):
         description="tokens that end generation when generated, with ignore_eos too (an EOS id without it stays "
         "EOS, left out); as vLLM's, the one that ends it is in the output's ids but not in its text",
     )
+    include_stop_str_in_output: bool = Field(
+        default=False, description="the text keeps the stop string, or stop token's text, that ended it (vLLM's)"
+    )
 
     @field_validator("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", mode="before")
     @classmethod

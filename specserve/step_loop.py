@@ -103,7 +103,13 @@ class StepLoop:
                     param="speculation",
                 )
             spec = spec.fit_draft_rows(self.spec_headroom)  # its trees no deeper than the KV slot's room
-        text = IncrementalText(self.tokenizer, request.params.stop, request.prompt_ids, self.byte_runs)
+        text = IncrementalText(
+            self.tokenizer,
+            request.params.stop,
+            request.prompt_ids,
+            self.byte_runs,
+            include_stop=request.params.include_stop_str_in_output,
+        )
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)
         seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done))
@@ -472,7 +478,8 @@ class StepLoop:
             seq.stats.depth_sum += proposal.depth
         params = seq.request.params
         before = len(seq.output)
-        # EOS ends the output without joining it; a stop token id joins the token ids but not the text (as vLLM's)
+        # EOS ends the output without joining it; a stop token id joins the token ids, and the text only with
+        # include_stop_str_in_output (as vLLM's)
         at_eos = at_stop_id = False
         for tok in out.tokens:
             if tok in self.eos_token_ids and not params.ignore_eos:
@@ -490,7 +497,8 @@ class StepLoop:
             ):
                 seq.finish_reason = FinishReason.length
                 break
-        text = seq.text.update(seq.output[:-1] if at_stop_id else seq.output, final=seq.finish_reason is not None)
+        decoded = seq.output[:-1] if at_stop_id and not params.include_stop_str_in_output else seq.output
+        text = seq.text.update(decoded, final=seq.finish_reason is not None)
         if seq.text.stopped:
             seq.finish_reason = FinishReason.stop
             # a speculative step can accept tokens past the stop string: they are not output

@@ -367,6 +367,10 @@ def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, cli
     by_string = post(temperature=0, stop=[text[3:5], "never"]).json()["choices"][0]
     assert (by_string["finish_reason"], by_string["stop_reason"]) == ("stop", text[3:5])
     assert post(temperature=0).json()["choices"][0]["stop_reason"] is None  # a length limit (EOS too)
+    kept = post(temperature=0, stop=[text[3:5]], include_stop_str_in_output=True).json()["choices"][0]
+    assert kept["text"] == by_string["text"] + text[3:5]
+    kept_id = post(temperature=0, stop_token_ids=[stop], include_stop_str_in_output=True).json()["choices"][0]
+    assert kept_id["text"] == through_stop and kept_id["token_ids"] == cut
 
     def chat(**fields: Any) -> dict[str, Any]:
         body = {"model": MODEL, "messages": USER, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -393,6 +397,7 @@ def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, cli
         ("stop_token_ids", [3, True], "valid integer"),
         ("stop_token_ids", 3, "valid list"),
         ("stop_token_ids", [512], "must be in [0, 512)"),
+        ("include_stop_str_in_output", 1, "valid boolean"),
     ):
         error = _error(post(temperature=0, **{field: value}))
         assert error["param"] == field and says in error["message"], (field, value, error)

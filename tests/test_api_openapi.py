@@ -26,6 +26,7 @@ PROBES: dict[str, list[Any]] = {  # values on both sides of each documented cons
     "repetition_penalty": [1, 1.0, 1.2, 0.9, 0, "1", None],
     "min_p": [-0.1, 0, 0.05, 1, 1.01, "0.1", True, None],
     "stop_token_ids": [[], [3], [-1], [True], [1.5], "3", [3] * 1024, [3] * 1025, None],
+    "include_stop_str_in_output": [True, False, 1, "true", None],
     "stream": [True, False, "yes", 0, None],
     "stop": ["", "x", ["a", "b"], ["a"] * 5, "y" * 1024, "y" * 1025],
     "prompt": ["", "hello", [], [1, 2], [False], [-1], [1.5]],
@@ -126,6 +127,7 @@ def test_null_means_the_default_for_openais_nullable_fields(url: str, path: str)
         "frequency_penalty",
         "repetition_penalty",
         "min_p",
+        "include_stop_str_in_output",
         "stream",
         "ignore_eos",
     )

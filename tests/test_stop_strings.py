@@ -98,6 +98,33 @@ def test_a_stop_token_id_is_output_without_its_text(name: str) -> None:
             assert engine.generate(prompt, SamplingParams(max_tokens=30))[0].stats.accepted > 0
 
 
+@pytest.mark.parametrize("name", ["plain", *STOP_SPECS])
+def test_include_stop_str_in_output_keeps_the_stop_in_the_text(name: str) -> None:
+    """vLLM's ``include_stop_str_in_output``: the text ends with the stop string (nothing of its token past it), or
+    with the stop token's text; the token ids are those without it."""
+    target = tiny_model(tiny_config(), seed=0)
+    tok = tiny_tokenizer()
+    plain = Engine(target, tok, eos_token_ids=set())
+    spec = SpecConfig(method=SpecMethod.none) if name == "plain" else STOP_SPECS[name]
+    engine = Engine(target, tok, draft=noisy_copy(target, 0.02, seed=1), speculation=spec, eos_token_ids=set())
+    for prompt in PROMPTS:
+        whole = plain.generate(prompt, SamplingParams(max_tokens=30))[0]
+        for i in (4, 11, 19):
+            stop = whole.text[i : i + 2]
+            without = plain.generate(prompt, SamplingParams(max_tokens=30, stop=(stop,)))[0]
+            keep = SamplingParams(max_tokens=30, stop=(stop,), include_stop_str_in_output=True)
+            out = engine.generate(prompt, keep)[0]
+            assert out.text == without.text + stop and out.token_ids == without.token_ids
+            assert (out.finish_reason, out.stop_reason) == (FinishReason.stop, stop)
+            stop_id = whole.token_ids[i]
+            first = whole.token_ids.index(stop_id)
+            keep = SamplingParams(max_tokens=30, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+            out = engine.generate(prompt, keep)[0]
+            assert out.token_ids == whole.token_ids[: first + 1]
+            assert out.text == tok.decode(whole.token_ids[: first + 1], skip_special_tokens=True)
+            assert out.stats.accepted + out.stats.target_forwards == len(out.token_ids)
+
+
 def test_nested_stop_strings_cut_where_one_token_a_step_cuts() -> None:
     """Stop strings one inside the other ("the end." holds "end"): decoding one token a step stops at the token
     that completes "end", before "the end." is complete, and cuts at "end"; a step bringing every token at once

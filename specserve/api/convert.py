@@ -28,6 +28,7 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
             stop=(request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
             ignore_eos=request.ignore_eos,
             stop_token_ids=frozenset(request.stop_token_ids or ()),
+            include_stop_str_in_output=request.include_stop_str_in_output,
         ).seeded()
     except ValidationError as e:
         first = e.errors()[0]

@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response schemas (completions, chat completions, models, errors).
 
-Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` and
-``cache_salt`` (as vLLM names them; vLLM's ``repetition_penalty`` only at its neutral 1),
-``speculation`` (per-request speculative decoding options) and ``resume_from`` (resume a stream);
+Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``ignore_eos``, ``return_token_ids`` and ``cache_salt`` (as vLLM names them; vLLM's ``repetition_penalty`` only at
+its neutral 1), ``speculation`` (per-request speculative decoding options) and ``resume_from`` (resume a stream);
 ``usage.speculation`` reports what speculation did, ``seed`` the seed a sampled request drew with, a choice's
 ``stop_reason`` (vLLM's) the stop string or stop token id that ended it.
 """
@@ -165,6 +165,7 @@ NULLABLE_DEFAULTS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_p",
+    "include_stop_str_in_output",
     "stream",
     "ignore_eos",
     "echo",
@@ -236,6 +237,10 @@ class GenerationRequest(ClosedModel):
         description="extension (as vLLM's): token ids that end generation when generated, with ignore_eos too; "
         "the one that ends it is in token_ids and completion_tokens but not in the text (an EOS id without "
         "ignore_eos stays EOS: not in either)",
+    )
+    include_stop_str_in_output: StrictBool = Field(
+        default=False,
+        description="extension (as vLLM's): the text keeps the stop string, or the stop token's text, that ended it",
     )
     logprobs: Literal[False] | None = Field(default=None, description="not supported: only false or null")
     user: str | None = None
