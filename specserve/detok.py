@@ -124,11 +124,14 @@ class IncrementalText:
         self._fixed = 0  # leading output tokens whose text is settled: decoded once, not again every update
         self._fixed_text = ""  # their text
 
-    def update(self, token_ids: Sequence[int], *, final: bool = False) -> str:
-        """Feed all output token ids so far; return the new stable text (everything left when final)."""
+    def update(self, token_ids: Sequence[int], *, final: bool = False, drop_open: bool = False) -> str:
+        """Feed all output token ids so far; return the new stable text (everything left when final). ``drop_open``
+        (with ``final``): the output goes on with a token that is not decoded (a stop token id, as vLLM's), so an
+        incomplete character at the end is dropped, not output as U+FFFD, and no stop string is looked for in it."""
         if self.tokenizer is None or self.stopped:
             return ""
         full = self._text_of(token_ids)
+        whole_text = final and not drop_open  # a trailing U+FFFD is a character of the text (no byte will follow)
         run = 0 if final else self.runs.open_run(token_ids)  # a run of byte tokens at the end may still change
         if run:
             kept, added = self._since_seen(token_ids, len(token_ids) - run, self._seen_window(token_ids))
@@ -137,25 +140,25 @@ class IncrementalText:
             before_run = len(full)
         stop_at = None
         # (only where a stop string may end past the text an earlier update searched: that text cannot change)
-        searched = _settled(full[max(0, self._seen_chars - self._reach) :], final)
+        searched = _settled(full[max(0, self._seen_chars - self._reach) :], whole_text)
         found = any(s in searched for s in self.stop)
         # ... or one that may have been complete in the text of a shorter prefix only (bytes since joined a run of
         # byte tokens and turned its characters into U+FFFD)
         if found or (self.stop and any(t in self.runs.bytes for t in token_ids[self._seen :])):
-            stop_at = self._tokens_through_stop(token_ids, final) or (len(token_ids) if found else None)
+            stop_at = self._tokens_through_stop(token_ids, whole_text) or (len(token_ids) if found else None)
         if stop_at is not None:
             # the text as decoding one token a step would stop it: at the first token that completes a stop
             # string, cut at the earliest stop string in that prefix's text (a later, longer one that starts
             # earlier was not complete yet), however many tokens this update brought
             self.stop_tokens = stop_at
-            whole = final and stop_at == len(token_ids)
+            whole = whole_text and stop_at == len(token_ids)
             through = _settled(self._decode(token_ids[:stop_at]), whole)
             cut = min(i for i in (through.find(s) for s in self.stop) if i >= 0)
             self.stop_string = next(s for s in self.stop if through.find(s) == cut)
             end = cut + len(self.stop_string) if self.include_stop else cut
             self.text, self.stopped, final = through[:end], True, True
         else:
-            self.text = full
+            self.text = full if not drop_open else _settled(full, whole_text)
             # not past a text ending in U+FFFD, nor into a run of byte tokens at the end: with a byte-fallback
             # tokenizer, a later byte can hide a run's characters (a stop string's, complete a token before)
             if not full.endswith("\ufffd"):

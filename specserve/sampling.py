@@ -38,7 +38,8 @@ class SamplingParams(Validated):
         default=frozenset(),
         max_length=MAX_STOP_TOKEN_IDS,
         description="tokens that end generation when generated, with ignore_eos too (an EOS id without it stays "
-        "EOS, left out); as vLLM's, the one that ends it is in the output's ids but not in its text",
+        "EOS, left out); as vLLM's, the one that ends it is in the output's ids, and in its text only with "
+        "include_stop_str_in_output; as the last token max_tokens allows, it ends with length",
     )
     include_stop_str_in_output: bool = Field(
         default=False, description="the text keeps the stop string, or stop token's text, that ended it (vLLM's)"

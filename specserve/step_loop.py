@@ -487,18 +487,20 @@ class StepLoop:
                 at_eos = True
                 break
             seq.output.append(tok)
-            if tok in params.stop_token_ids:
-                seq.finish_reason = FinishReason.stop
-                at_stop_id = True
-                break
-            if (
+            if (  # first, as vLLM's: a stop token id that is the last token allowed ends with length, its text kept
                 len(seq.output) >= params.max_tokens
                 or len(seq.request.prompt_ids) + len(seq.output) >= self.max_model_len
             ):
                 seq.finish_reason = FinishReason.length
                 break
-        decoded = seq.output[:-1] if at_stop_id and not params.include_stop_str_in_output else seq.output
-        text = seq.text.update(decoded, final=seq.finish_reason is not None)
+            if tok in params.stop_token_ids:
+                seq.finish_reason = FinishReason.stop
+                at_stop_id = True
+                break
+        unseen = at_stop_id and not params.include_stop_str_in_output  # the stop token's text is left out
+        text = seq.text.update(
+            seq.output[:-1] if unseen else seq.output, final=seq.finish_reason is not None, drop_open=unseen
+        )
         if seq.text.stopped:
             seq.finish_reason = FinishReason.stop
             # a speculative step can accept tokens past the stop string: they are not output

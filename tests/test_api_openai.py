@@ -369,6 +369,16 @@ def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, cli
     assert post(temperature=0).json()["choices"][0]["stop_reason"] is None  # a length limit (EOS too)
     kept = post(temperature=0, stop=[text[3:5]], include_stop_str_in_output=True).json()["choices"][0]
     assert kept["text"] == by_string["text"] + text[3:5]
+    kept_stream = client.completions.create(
+        model=MODEL,
+        prompt=[3, 4],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stop=[text[3:5]],
+        extra_body={"include_stop_str_in_output": True, "ignore_eos": True},
+    )
+    assert "".join(c.choices[0].text for c in kept_stream if c.choices) == kept["text"]
     kept_id = post(temperature=0, stop_token_ids=[stop], include_stop_str_in_output=True).json()["choices"][0]
     assert kept_id["text"] == through_stop and kept_id["token_ids"] == cut
 

@@ -92,10 +92,30 @@ def test_a_stop_token_id_is_output_without_its_text(name: str) -> None:
             out = engine.generate(prompt, SamplingParams(max_tokens=30, stop_token_ids=[ids[i]]))[0]
             assert out.token_ids == ids[: first + 1] and out.finish_reason == FinishReason.stop
             assert out.stop_reason == ids[i]
-            assert out.text == tok.decode(ids[:first], skip_special_tokens=True)
+            # (less an unfinished character at its end: the byte that may end it is not decoded)
+            assert out.text == tok.decode(ids[:first], skip_special_tokens=True).rstrip("\ufffd")
             assert out.stats.accepted + out.stats.target_forwards == len(out.token_ids)
         if name != "plain":
             assert engine.generate(prompt, SamplingParams(max_tokens=30))[0].stats.accepted > 0
+        j = next(j for j in range(8, 30) if ids.index(ids[j]) == j)  # a token's first place, well into the answer
+        # the last token allowed: a length finish with its text (vLLM checks the length first)
+        capped = engine.generate(prompt, SamplingParams(max_tokens=j + 1, stop_token_ids=[ids[j]]))[0]
+        assert (capped.token_ids, capped.finish_reason, capped.stop_reason) == (ids[: j + 1], FinishReason.length, None)
+        assert capped.text == tok.decode(ids[: j + 1], skip_special_tokens=True)
+        # beside a stop string, whichever comes first ends the answer
+        text_before = tok.decode(ids[:j], skip_special_tokens=True).rstrip("\ufffd")  # (complete characters)
+        earlier = next(
+            text_before[k : k + 2]
+            for k in range(len(text_before) - 2, -1, -1)
+            if "\ufffd" not in text_before[k : k + 2]
+        )
+        by_string = plain.generate(prompt, SamplingParams(max_tokens=30, stop=(earlier,)))[0]
+        both = engine.generate(prompt, SamplingParams(max_tokens=30, stop=(earlier,), stop_token_ids=[ids[j]]))[0]
+        assert (both.token_ids, both.text, both.stop_reason) == (by_string.token_ids, by_string.text, earlier)
+        later = tok.decode(ids, skip_special_tokens=True)[-2:]
+        if later not in tok.decode(ids[: j + 1], skip_special_tokens=True):
+            both = engine.generate(prompt, SamplingParams(max_tokens=30, stop=(later,), stop_token_ids=[ids[j]]))[0]
+            assert (both.token_ids, both.stop_reason) == (ids[: j + 1], ids[j])
 
 
 @pytest.mark.parametrize("name", ["plain", *STOP_SPECS])
@@ -332,6 +352,49 @@ def _delivered(
                 moved = Request("m", [1, 259], params, delivered=Delivered(tuple(got), text))
                 _scripted_loop(tok, []).add_request(moved)  # InvalidRequestError where the two disagree
     return got, text, reason
+
+
+def _finished(tok: PreTrainedTokenizerBase, steps: list[list[int]], params: SamplingParams) -> tuple[Any, ...]:
+    """The ids, text, finish reason, stop reason and counts (accepted + forwards) of a request whose steps bring
+    ``steps``."""
+    loop = _scripted_loop(tok, steps)
+    loop.add_request(Request("r", [1, 259], params))
+    got: list[int] = []
+    text = ""
+    while loop.has_work:
+        for out in loop.step():
+            got += out.token_ids
+            text += out.text
+            if out.finished:
+                ends = (out.finish_reason, out.stop_reason, out.stats.accepted + out.stats.target_forwards)
+    return got, text, *ends
+
+
+def test_a_stop_token_id_after_an_incomplete_character_keeps_its_id_and_drops_the_bytes() -> None:
+    """The stop token's text is not decoded (vLLM's): the bytes before it that began a character are dropped, not
+    output as U+FFFD, so a stop string of U+FFFD (which waits for a character's last byte) does not match them and
+    cut the stop token off: it did, and the ids lost the stop token and the counts an emitted token."""
+    tok = _byte_fallback_tokenizer()
+    ids = [259, *_bytes("€"), 260]  # " a", the euro sign's three bytes, " x"
+    stop_id = ids[3]  # the euro sign's last byte
+    for steps in ([[t] for t in ids], [ids[:2], ids[2:]], [ids]):
+        for stop in ((), ("\ufffd",)):
+            params = SamplingParams(max_tokens=20, stop=stop, stop_token_ids=[stop_id])
+            assert _finished(tok, steps, params) == (ids[:4], " a", FinishReason.stop, stop_id, 4), (steps, stop)
+            keep = params.model_copy(update={"include_stop_str_in_output": True})
+            assert _finished(tok, steps, keep) == (ids[:4], " a€", FinishReason.stop, stop_id, 4), (steps, stop)
+
+
+def test_the_stop_string_that_starts_first_ends_the_text() -> None:
+    """Two stop strings one token completes: the text is cut where the first of them starts (the shortest text
+    holding neither), and ``stop_reason`` names that one; with include_stop_str_in_output the text ends with it."""
+    tok = _byte_fallback_tokenizer()
+    ids = [260, 259, 260]  # " x", " a", " x"
+    for stop in (("a", "x a"), ("x a", "a")):  # (whatever their order)
+        params = SamplingParams(max_tokens=20, stop=stop)
+        assert _finished(tok, [ids], params) == (ids[:2], " ", FinishReason.stop, "x a", 2)
+        keep = params.model_copy(update={"include_stop_str_in_output": True})
+        assert _finished(tok, [[t] for t in ids], keep) == (ids[:2], " x a", FinishReason.stop, "x a", 2)
 
 
 def test_the_loop_hands_out_no_token_a_later_step_cuts_at_a_stop_string() -> None:

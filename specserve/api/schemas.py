@@ -235,8 +235,8 @@ class GenerationRequest(ClosedModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None = Field(
         default=None,
         description="extension (as vLLM's): token ids that end generation when generated, with ignore_eos too; "
-        "the one that ends it is in token_ids and completion_tokens but not in the text (an EOS id without "
-        "ignore_eos stays EOS: not in either)",
+        "the one that ends it is in token_ids and completion_tokens, and in the text only with "
+        "include_stop_str_in_output (an EOS id without ignore_eos stays EOS: in neither)",
     )
     include_stop_str_in_output: StrictBool = Field(
         default=False,
