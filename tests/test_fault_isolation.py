@@ -856,11 +856,11 @@ def test_an_interrupt_in_the_commit_loses_and_repeats_no_token(
     real_update = IncrementalText.update
     fired: list[int] = []
 
-    def update(text: IncrementalText, token_ids: list[int], *, final: bool = False) -> str:
+    def update(text: IncrementalText, token_ids: list[int], *, final: bool = False, drop_open: bool = False) -> str:
         if text is cut.text and finishing.finish_reason is not None and not fired:
             fired.append(len(token_ids) - cut.delivered)  # tokens the cut row had added to its output
             raise KeyboardInterrupt
-        return real_update(text, token_ids, final=final)
+        return real_update(text, token_ids, final=final, drop_open=drop_open)
 
     monkeypatch.setattr(IncrementalText, "update", update)
     with pytest.raises(KeyboardInterrupt):

@@ -686,11 +686,11 @@ def test_an_interrupted_commit_leaves_no_features_past_the_kept_tokens(
     real_update = IncrementalText.update
     fired: list[int] = []
 
-    def update(text: IncrementalText, token_ids: list[int], *, final: bool = False) -> str:
+    def update(text: IncrementalText, token_ids: list[int], *, final: bool = False, drop_open: bool = False) -> str:
         if text is cut.text and len(cut.output) > 8 and not fired:
             fired.append(cut.features_from + cut.features_queued)
             raise KeyboardInterrupt
-        return real_update(text, token_ids, final=final)
+        return real_update(text, token_ids, final=final, drop_open=drop_open)
 
     monkeypatch.setattr(IncrementalText, "update", update)
     with pytest.raises(KeyboardInterrupt):
