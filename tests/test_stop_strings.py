@@ -76,15 +76,20 @@ def test_speculation_returns_no_tokens_past_a_stop_string(name: str) -> None:
                 assert cache is not None and cache.entries[-1][1] == drafted.token_ids
 
 
+def _plain_and(name: str) -> tuple[PreTrainedTokenizerBase, Engine, Engine]:
+    """The tiny tokenizer, a plain engine, and one speculating as ``STOP_SPECS[name]`` ("plain": not at all)."""
+    target = tiny_model(tiny_config(), seed=0)
+    tok = tiny_tokenizer()
+    spec = SpecConfig(method=SpecMethod.none) if name == "plain" else STOP_SPECS[name]
+    drafting = Engine(target, tok, draft=noisy_copy(target, 0.02, seed=1), speculation=spec, eos_token_ids=set())
+    return tok, Engine(target, tok, eos_token_ids=set()), drafting
+
+
 @pytest.mark.parametrize("name", ["plain", *STOP_SPECS])
 def test_a_stop_token_id_is_output_without_its_text(name: str) -> None:
     """As vLLM's ``stop_token_ids``: the first one generated ends the answer; its id is output (and counted), its
     text is not, from the first output token on, wherever in a speculative step's accepted run it comes."""
-    target = tiny_model(tiny_config(), seed=0)
-    tok = tiny_tokenizer()
-    plain = Engine(target, tok, eos_token_ids=set())
-    spec = SpecConfig(method=SpecMethod.none) if name == "plain" else STOP_SPECS[name]
-    engine = Engine(target, tok, draft=noisy_copy(target, 0.02, seed=1), speculation=spec, eos_token_ids=set())
+    tok, plain, engine = _plain_and(name)
     for prompt in PROMPTS:
         ids = plain.generate(prompt, SamplingParams(max_tokens=30))[0].token_ids
         for i in (0, 6, 13, 21):
@@ -122,11 +127,7 @@ def test_a_stop_token_id_is_output_without_its_text(name: str) -> None:
 def test_include_stop_str_in_output_keeps_the_stop_in_the_text(name: str) -> None:
     """vLLM's ``include_stop_str_in_output``: the text ends with the stop string (nothing of its token past it), or
     with the stop token's text; the token ids are those without it."""
-    target = tiny_model(tiny_config(), seed=0)
-    tok = tiny_tokenizer()
-    plain = Engine(target, tok, eos_token_ids=set())
-    spec = SpecConfig(method=SpecMethod.none) if name == "plain" else STOP_SPECS[name]
-    engine = Engine(target, tok, draft=noisy_copy(target, 0.02, seed=1), speculation=spec, eos_token_ids=set())
+    tok, plain, engine = _plain_and(name)
     for prompt in PROMPTS:
         whole = plain.generate(prompt, SamplingParams(max_tokens=30))[0]
         for i in (4, 11, 19):
