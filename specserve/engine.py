@@ -190,7 +190,7 @@ class Engine:
             raise InvalidRequestError(f"cache_salt must be a non-empty string or None, not {cache_salt!r}")
         ids = self.encode(prompt, chat=chat)
         if params is not None:
-            self.encoder.check_stop_token_ids(params.stop_token_ids)
+            self.encoder.check_token_ids(params)
         with self._lock, self._in_loop():
             request_id = f"req-{next(self._ids)}"
             self.loop.add_request(

@@ -7,12 +7,13 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from specserve.errors import InvalidRequestError, PromptTooLongError
+from specserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +36,16 @@ class PromptEncoder:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return list(ids)
 
-    def check_stop_token_ids(self, ids: Iterable[int]) -> None:
-        """Stop ids the model cannot generate would never stop anything: refused, as prompt ids are."""
-        if outside := sorted(t for t in ids if not 0 <= t < self.vocab_size)[:3]:
-            raise InvalidRequestError(
-                f"stop_token_ids must be in [0, {self.vocab_size}), not {outside}", param="stop_token_ids"
-            )
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Stop ids the model cannot generate would never stop anything, and a bias on one would bias nothing:
+        refused, as prompt ids are."""
+        named: tuple[tuple[str, str, Collection[int]], ...] = (
+            ("stop_token_ids", "stop_token_ids", params.stop_token_ids),
+            ("logit_bias", "logit_bias token ids", params.logit_bias),
+        )
+        for param, what, ids in named:
+            if outside := sorted(t for t in ids if not 0 <= t < self.vocab_size)[:3]:
+                raise InvalidRequestError(f"{what} must be in [0, {self.vocab_size}), not {outside}", param=param)
 
     def text(self, prompt: str, *, room: int | None = None) -> list[int]:
         """A completion prompt's ids: a Llama-2/3 or Mistral tokenizer starts them with its BOS, which the model saw

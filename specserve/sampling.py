@@ -1,10 +1,11 @@
-"""Sampling parameters and logits processing (temperature, min-p, top-k, top-p), shared by drafts and targets."""
+"""Sampling parameters and logits processing (temperature, min-p, top-k, top-p), shared by drafts and targets; the
+target's logit bias."""
 
 from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -15,6 +16,8 @@ from specserve.validated import Validated
 MAX_CONTEXT = 1_048_576  # the longest context (EngineConfig.max_model_len) anything is sized for
 MAX_BATCH_SIZE = 1024  # sequences one loop runs at once (LoopConfig.max_batch_size)
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
+LOGIT_BIAS_BOUND = 100.0  # OpenAI's: each bias is in [-100, 100]
 
 
 class SamplingParams(Validated):
@@ -43,6 +46,12 @@ class SamplingParams(Validated):
     )
     include_stop_str_in_output: bool = Field(
         default=False, description="the text keeps the stop string, or stop token's text, that ended it (vLLM's)"
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict,
+        max_length=MAX_LOGIT_BIAS,
+        description="token id -> a value in [-100, 100] added to its logit before any other processing (OpenAI's); "
+        "the target applies it, drafts do not (verification keeps the output the target's)",
     )
 
     @field_validator("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", mode="before")
@@ -76,9 +85,30 @@ class SamplingParams(Validated):
             raise ValueError("token ids are non-negative integers")
         return frozenset(int(t) for t in items)
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_entries(cls, v: object) -> object:
+        if not isinstance(v, Mapping):
+            raise ValueError(f"a mapping of token ids to biases, not {type(v).__name__}")
+        if len(v) > MAX_LOGIT_BIAS:  # (before its entries: one error for the map, not one per entry)
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, not {len(v)}")
+        for t, b in v.items():
+            if isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer) or t < 0:
+                raise ValueError(f"token ids are non-negative integers, not {t!r}")
+            if isinstance(b, bool | np.bool_) or not isinstance(b, int | float | np.number):
+                raise ValueError(f"a bias is a number, not {b!r}")
+            if not -LOGIT_BIAS_BOUND <= float(b) <= LOGIT_BIAS_BOUND:  # (nan fails too)
+                raise ValueError(f"a bias is in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], not {b!r}")
+        return {int(t): float(b) for t, b in v.items()}
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def raw_argmax(self) -> bool:
+        """Greedy without a logit bias: the tokens are the argmaxes of the target's logits as computed."""
+        return self.greedy and not self.logit_bias
 
     def seeded(self) -> SamplingParams:
         """These params with a seed: sampled requests draw by (seed, position) (docs/algorithms.md §1.4), so one
@@ -94,6 +124,17 @@ def greedy_draw(logits: torch.Tensor) -> torch.Tensor:
     for a row of NaN) and +inf ones a token no distribution gives; a sampled row with either has no mass too."""
     top, best = logits.max(-1)  # [N] each; the first maximum's index, as argmax (a NaN counts as the maximum)
     return torch.where(torch.isfinite(top), best, logits.shape[-1])
+
+
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [N, V] -> float32 [N, V] with the request's logit bias added (a new tensor; the same one without a
+    bias). Only the target applies it: a draft's columns need not be target ids, and verification against the biased
+    target keeps the output the biased target's whatever the draft proposed."""
+    if not params.logit_bias:
+        return logits.float()
+    ids = torch.tensor(list(params.logit_bias), dtype=torch.long).to(logits.device, non_blocking=True)  # [B]
+    bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32).to(logits.device, non_blocking=True)
+    return logits.float().index_add(-1, ids, bias.expand(logits.shape[0], -1))
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -33,6 +33,11 @@ PROBES: dict[str, list[Any]] = {  # values on both sides of each documented cons
     "echo": [False, True],
     "stream_options": [{"include_usage": True}],
     "cache_salt": ["", "s", "s" * 256, "s" * 257, 5, None],
+    # (ids below the vocabulary, which the schema cannot know: the model decides it)
+    "logit_bias": [
+        *({}, {"3": 5}, {"3": 100}, {"3": -100}, {"3": 100.5}, {"3": -100.01}, {"3": "5"}, {"3": True}),
+        *({"03": 1}, {"0": 1}, {"-1": 1}, {"x": 1}, {"3": 1, "4": -1.5}, [3], None),
+    ],
 }
 
 

@@ -217,12 +217,16 @@ N_SAMPLES = 2400
 
 def _exact_pairs(target: LlamaModel, chi_params: dict[str, object] = CHI_PARAMS) -> dict[tuple[int, int], float]:
     """P(x1, x2) of the next two tokens under top-k 3 at temperature 1 (or ``chi_params``), by enumeration."""
-    params = SamplingParams(**chi_params)  # type: ignore[arg-type]
+    params = SamplingParams(**{k: v for k, v in chi_params.items() if k != "logit_bias"})  # type: ignore[arg-type]
+    bias = chi_params.get("logit_bias", {})
+    assert isinstance(bias, dict)
 
     def next_probs(tokens: list[int]) -> torch.Tensor:
         cache = target.new_cache(1, len(tokens) + 1)
-        logits = target(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)
-        return process_logits(logits[-1:], params)[0].double()
+        logits = target(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)[-1:].clone()
+        for t, b in bias.items():  # (added here, not by the code under test)
+            logits[0, t] += b
+        return process_logits(logits, params)[0].double()
 
     p1 = next_probs(CHI_PROMPT)
     table = {}
@@ -272,6 +276,11 @@ CHI_SPECS = {
     # then 0.021, under 0.03 x 0.80), and draft and target cut the same way
     "chain-keyed-min-p": SpecConfig(method=SpecMethod.chain, sl=2),
     "chain-sampled-min-p": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
+    # a logit bias the target applies and the drafts do not: +1.5 on every even id (which reorders the top 3 at
+    # both positions), -100 on the unbiased target's likeliest first token
+    "chain-keyed-bias": SpecConfig(method=SpecMethod.chain, sl=2),
+    "chain-sampled-bias": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
+    "tree-bias": SpecConfig(method=SpecMethod.eagle2, tree_depth=2, beam_width=3, budget=8),
 }
 CHI_MIN_P = {"temperature": 1.0, "min_p": 0.03, "max_tokens": 2, "ignore_eos": True}
 
@@ -321,12 +330,19 @@ def _chi_case(target: LlamaModel, name: str) -> tuple[LlamaModel, LlamaModel | E
     return target, head
 
 
+def _chi_bias(target: LlamaModel) -> dict[str, object]:
+    cache = target.new_cache(1, len(CHI_PROMPT))
+    logits = target(ForwardBatch.build(cache, [cache.allocate()], [CHI_PROMPT], num_logits=[1]), cache)[-1]
+    bias = {t: 1.5 for t in range(0, target.cfg.vocab_size, 2)} | {int(logits.argmax()): -100.0}
+    return {**CHI_PARAMS, "logit_bias": bias}
+
+
 @pytest.mark.parametrize("name", list(CHI_SPECS))
 def test_engine_samples_have_the_targets_distribution(target: LlamaModel, name: str) -> None:
     """Drafts the target mostly rejects test little beyond plain sampling: each case has at least 10% of its drafts
     accepted (their tokens then come from the accepted path)."""
     target, draft = _chi_case(target, name)
-    chi_params = CHI_MIN_P if name.endswith("min-p") else CHI_PARAMS
+    chi_params = CHI_MIN_P if name.endswith("min-p") else _chi_bias(target) if name.endswith("bias") else CHI_PARAMS
     engine = Engine(target, None, draft=draft, speculation=CHI_SPECS[name], eos_token_ids=set(), max_batch_size=64)
     outs = _engine_outputs(engine, 3 if isinstance(draft, EagleHead) else 2, chi_params)
     pairs = [(o.token_ids[0], o.token_ids[1]) for o in outs]

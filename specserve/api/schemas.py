@@ -9,6 +9,7 @@ its neutral 1), ``speculation`` (per-request speculative decoding options) and `
 
 from __future__ import annotations
 
+import re
 import time
 from enum import Enum
 from typing import Annotated, Any, ClassVar, Literal
@@ -30,7 +31,7 @@ from pydantic import (
 )
 
 from specserve.config import Drafter, SLPolicyKind, SpecMethod
-from specserve.sampling import MAX_STOP_TOKEN_IDS
+from specserve.sampling import LOGIT_BIAS_BOUND, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 # Past this many fields a request object does not define, it gets one error naming the first few: pydantic builds an
 # error per unknown key, and FastAPI and the handler copy the list, all on the event loop (a 3.7 MB body of 380k
@@ -90,6 +91,12 @@ StrictFloat = Annotated[float, Field(strict=True)]
 # parser takes integers of up to 4300 digits, and one of those in an error message cannot even be printed
 INT64_END = 2**63
 TokenId = Annotated[StrictInt, Field(ge=0, lt=INT64_END)]  # below the vocabulary size, which the model decides
+# a token id as a JSON object's key: canonical decimal ("03" would be a second key for id 3), at most 18 digits
+BIAS_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
+BiasTokenId = Annotated[str, Field(pattern=f"^({BIAS_KEY.pattern})$")]
+Bias = Annotated[StrictFloat, Field(ge=-LOGIT_BIAS_BOUND, le=LOGIT_BIAS_BOUND)]
+# (pydantic writes the key pattern as patternProperties, which alone would document any other key as allowed)
+LogitBias = Annotated[dict[BiasTokenId, Bias], Field(json_schema_extra={"additionalProperties": False})]
 
 
 def _exactly(kind: type[bool] | type[int]) -> BeforeValidator:
@@ -244,7 +251,12 @@ class GenerationRequest(ClosedModel):
     )
     logprobs: Literal[False] | None = Field(default=None, description="not supported: only false or null")
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(default=None, description="not supported: only null or {}")
+    logit_bias: LogitBias | None = Field(
+        default=None,
+        max_length=MAX_LOGIT_BIAS,
+        description="token id (a decimal string) -> a bias in [-100, 100] added to its logit before sampling (at -100 "
+        "a token is practically never drawn, at 100 practically always); ids below the model's vocabulary size",
+    )
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         default=None,
         max_length=MAX_METADATA_KEYS,
@@ -322,9 +334,19 @@ class GenerationRequest(ClosedModel):
     # the event loop for a few MiB of them)
     @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_logit_bias(cls, v: object) -> object:
-        if isinstance(v, dict) and v:
-            raise ValueError("logit_bias is not supported; send null or {}")
+    def _logit_bias_entries(cls, v: object) -> object:
+        """One error for the map, naming its first bad entry (the typed checks after this find none)."""
+        if not isinstance(v, dict):
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has at most {MAX_LOGIT_BIAS} entries, not {len(v)}")
+        for key, bias in v.items():
+            if not isinstance(key, str) or not BIAS_KEY.fullmatch(key):
+                raise ValueError(f"logit_bias keys are token ids in decimal ('42'), not {str(key)[:24]!r}")
+            number = isinstance(bias, int | float) and not isinstance(bias, bool)
+            if not (number and -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND):  # (nan fails the bounds)
+                shown = (str(bias) if number else repr(bias))[:24]
+                raise ValueError(f"logit_bias values are numbers in [-100, 100], not {shown} (token {key})")
         return v
 
     @field_validator("metadata", mode="before")

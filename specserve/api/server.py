@@ -395,7 +395,7 @@ class _Routes:
                     param=RESUME_PARAM,
                 )
             params = sampling_params_for(body, max_tokens=max_tokens)
-            self.backend.encoder.check_stop_token_ids(params.stop_token_ids)
+            self.backend.encoder.check_token_ids(params)
             fmt.seed = params.seed
             spec = speculation_for(body.speculation, self.backend.default_speculation)
             if resume is not None and not params.greedy:

@@ -17,7 +17,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.lm_head import argmax_rows, greedy_ids
 from specserve.models.native_stack import lumped_kld_kernel
 from specserve.policy import PROB_FLOOR, SparseTail, kld_exact, kld_nodes, kld_sparse
-from specserve.sampling import SamplingParams, keyed_sample, make_generator, process_logits
+from specserve.sampling import SamplingParams, apply_logit_bias, keyed_sample, make_generator, process_logits
 from specserve.spec_decode.draft_tree import DraftTree, step_layout
 from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
 from specserve.spec_decode.verify import accept_tree, verify_chain_sampled, verify_tree
@@ -57,7 +57,7 @@ class TargetWorker:
         for i, it in enumerate(items):
             with blame(it.seq_id):
                 params = self.params[it.seq_id]
-                greedy[i] = params.greedy and it.synthetic_accept is None
+                greedy[i] = params.raw_argmax and it.synthetic_accept is None  # (biased: from the biased logits)
                 slot = self.table.slot(it.seq_id)
                 tree = DraftTree(
                     tokens=torch.tensor([it.new_tokens[-1], *it.draft_tokens]),
@@ -116,24 +116,22 @@ class TargetWorker:
         params = self.params[it.seq_id]
         gen = self.generators[it.seq_id]
         vocab = self.model.cfg.vocab_size
-        if params.greedy and it.synthetic_accept is None:  # the argmaxes (process_logits would make their one-hot rows)
+        if params.raw_argmax and it.synthetic_accept is None:
             assert greedy is not None
-            res = accept_tree(tree, greedy, vocab)
+            res = accept_tree(tree, greedy, vocab)  # the argmaxes (process_logits would make their one-hot rows)
         elif logits is None:
-            raise AssertionError("a sampled or synthetic item in a step verified by argmax only")
-        elif it.synthetic_accept is not None:
-            tokens_h = [it.new_tokens[-1], *it.draft_tokens]
-            p = process_logits(logits, params)
-            res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
-        elif it.q_idx is not None and it.q_prob is not None:
-            p = process_logits(logits, params)
-            res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
-        elif params.seed is not None:  # drawn by position: the same tokens alone, in any batch, any drafter
-            res = accept_tree(
-                tree, keyed_sample(process_logits(logits, params), params.seed, draw_positions, vocab), vocab
-            )
+            raise AssertionError("a sampled, biased or synthetic item in a step verified by argmax only")
         else:
-            res = verify_tree(tree, process_logits(logits, params), gen)
+            p = process_logits(apply_logit_bias(logits, params), params)  # [T, V]
+            if it.synthetic_accept is not None:
+                tokens_h = [it.new_tokens[-1], *it.draft_tokens]
+                res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
+            elif it.q_idx is not None and it.q_prob is not None:
+                res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
+            elif params.seed is not None:  # drawn by position: the same tokens alone, in any batch, any drafter
+                res = accept_tree(tree, keyed_sample(p, params.seed, draw_positions, vocab), vocab)
+            else:
+                res = verify_tree(tree, p, gen)
         num_pending = len(it.new_tokens) - 1
         self._rollback(slot, start, num_pending, res.accepted_nodes)
         return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens)

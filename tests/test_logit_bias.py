@@ -1,0 +1,138 @@
+"""OpenAI's ``logit_bias``: the target adds each bias to its token's logit before any other processing; drafts do not
+see it, and verification keeps every token the biased target's (greedy equality here, its sampled distribution in
+tests/test_seeded_sampling.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from specserve.config import Drafter, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.errors import InvalidRequestError
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.sampling import SamplingParams, apply_logit_bias, process_logits
+from specserve.spec_decode.eagle_head import EagleHead
+from tests.test_head_drafter import last_token_target, near_head
+
+PROMPT = [5, 9, 13, 21, 2, 7]
+SPECS = {
+    "plain": SpecConfig(method=SpecMethod.none),
+    "chain": SpecConfig(method=SpecMethod.chain, sl=4),
+    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=5, beam_width=2, budget=10),
+    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
+    "lookup": SpecConfig(method=SpecMethod.chain, sl=6, drafter=Drafter.lookup),
+    "head-ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
+}
+
+
+def biased_greedy_reference(model: LlamaModel, prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:
+    """Greedy decoding over the whole sequence each token, the bias added to the logits here in float64."""
+    tokens, out = list(prompt), []
+    for _ in range(n):
+        cache = model.new_cache(1, len(tokens) + 1)
+        logits = model(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)[-1].double()
+        for t, b in bias.items():
+            logits[t] += b
+        out.append(int(logits.argmax()))
+        tokens.append(out[-1])
+    return out
+
+
+def test_apply_logit_bias_adds_each_bias_to_its_column_only() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(torch.bfloat16)
+    bias = {0: -100.0, 7: 2.5, 39: 0.25}
+    got = apply_logit_bias(logits, SamplingParams(logit_bias=bias))
+    want = logits.double().tolist()
+    for row in want:
+        for t, b in bias.items():
+            row[t] += b
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64))
+    assert torch.equal(logits.float(), apply_logit_bias(logits, SamplingParams()))  # no bias: unchanged
+    # before the temperature, as OpenAI and vLLM apply it: the biased logits are what is divided
+    p = process_logits(apply_logit_bias(logits, SamplingParams(logit_bias=bias)), SamplingParams(temperature=0.5))
+    assert torch.allclose(p.double(), torch.tensor(want, dtype=torch.float64).div(0.5).softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("bias", "says"),
+    [
+        ({-1: 1.0}, "non-negative"),
+        ({True: 1.0}, "non-negative"),
+        ({"3": 1.0}, "non-negative"),
+        ({3: 100.5}, r"\[-100, 100\]"),
+        ({3: -101}, r"\[-100, 100\]"),
+        ({3: float("nan")}, r"\[-100, 100\]"),
+        ({3: True}, "a number"),
+        ({3: "1"}, "a number"),
+        ({t: 1.0 for t in range(1025)}, "at most 1024"),
+        ([(3, 1.0)], "a mapping"),
+    ],
+)
+def test_sampling_params_refuse_a_bad_logit_bias(bias: object, says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
+
+
+def test_sampling_params_take_a_logit_bias_of_ints_and_bounds() -> None:
+    params = SamplingParams(logit_bias={3: 100, 4: -100, 5: 0.5})
+    assert params.logit_bias == {3: 100.0, 4: -100.0, 5: 0.5} and not params.raw_argmax
+    assert SamplingParams().raw_argmax and not SamplingParams(temperature=1.0).raw_argmax
+
+
+def _engines(name: str) -> tuple[LlamaModel, Engine]:
+    if name.startswith("head"):
+        target = last_token_target()
+        draft: LlamaModel | EagleHead = near_head(target, 0.01)
+    else:
+        target = tiny_model(tiny_config(), seed=0)
+        draft = noisy_copy(target, 0.02, seed=1)
+    spec = SPECS[name]
+    drafting = Engine(target, None, draft=None if name == "plain" else draft, speculation=spec, eos_token_ids=set())
+    return target, drafting
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_output_with_a_logit_bias_is_the_biased_targets(name: str) -> None:
+    """Drafts ignore the bias (the head's and the copy's argmaxes are the unbiased target's), so a biased step
+    rejects them where the bias moved the target's argmax and keeps them elsewhere."""
+    target, engine = _engines(name)
+    unbiased = biased_greedy_reference(target, PROMPT, 24, {})
+    other = next(t for t in range(target.cfg.vocab_size) if t not in unbiased)
+    for bias in ({unbiased[0]: -100.0, unbiased[5]: -100.0}, {other: 20.0}, {unbiased[2]: -20.0, other: 1.5}):
+        want = biased_greedy_reference(target, PROMPT, 24, bias)
+        assert want != unbiased, bias  # (the bias moves the output: the check below can tell it was applied)
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True, logit_bias=bias))[0]
+        assert out.token_ids == want, bias
+        assert out.stats.accepted + out.stats.target_forwards == len(out.token_ids)
+    if name != "plain":  # the unbiased tokens the bias left alone are still drafted and accepted
+        assert out.stats.accepted > 0
+    assert engine.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids == unbiased
+
+
+@pytest.mark.parametrize("name", ["plain", "chain", "head-ddd"])
+def test_sampled_output_follows_a_large_bias(name: str) -> None:
+    """At +100 a token is all but certain at temperature 1, at -100 all but impossible."""
+    _, engine = _engines(name)
+    forced = 11
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in range(8)]
+    outs = engine.generate([PROMPT] * 8, [p.model_copy(update={"logit_bias": {forced: 100.0}}) for p in params])
+    assert all(o.token_ids == [forced] * 12 for o in outs)
+    free = engine.generate([PROMPT] * 8, params)
+    banned = sorted({t for o in free for t in o.token_ids})[:20]
+    outs = engine.generate(
+        [PROMPT] * 8, [p.model_copy(update={"logit_bias": dict.fromkeys(banned, -100.0)}) for p in params]
+    )
+    assert not {t for o in outs for t in o.token_ids} & set(banned)
+
+
+def test_a_bias_on_a_token_the_model_does_not_have_is_refused() -> None:
+    target = tiny_model(tiny_config(), seed=0)
+    engine = Engine(target, None, eos_token_ids=set())
+    vocab = target.cfg.vocab_size
+    with pytest.raises(InvalidRequestError, match=rf"logit_bias token ids must be in \[0, {vocab}\)") as e:
+        engine.submit(PROMPT, SamplingParams(logit_bias={3: 1.0, vocab: 1.0}))
+    assert e.value.param == "logit_bias" and not engine.loop.has_work
