@@ -20,6 +20,7 @@ from specserve.errors import InvalidRequestError, PartialStepError, SettingsErro
 from specserve.guard import GuardConfig
 from specserve.heap import freeze_loaded_objects
 from specserve.limits import MemoryShare, context_limits, device_kv_slots
+from specserve.messages import TokenLogprob
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import load_draft, load_model, load_tokenizer, warn_on_another_tokenizer
 from specserve.prompts import PromptEncoder
@@ -40,6 +41,7 @@ class Completion:
     finish_reason: FinishReason
     stats: RequestStats
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or a limit)
+    logprobs: list[TokenLogprob] | None = None  # per token of ``token_ids``, where its params asked for them
 
 
 class Engine:
@@ -281,17 +283,30 @@ class Engine:
         with self._consuming(ids):
             for rid in ids:  # the others' outputs wait in their outboxes meanwhile
                 tokens, text, last = [], "", None
+                logprobs: list[TokenLogprob] | None = None
                 for out in self._outputs(rid, errors_as_values=return_exceptions):
                     if isinstance(out, Exception):
                         completions.append(out)
                         break
                     tokens += out.token_ids
                     text += out.text
+                    if out.logprobs is not None:
+                        logprobs = [] if logprobs is None else logprobs
+                        logprobs += out.logprobs
                     last = out
                 else:
                     assert last is not None and last.finish_reason is not None
                     completions.append(
-                        Completion(rid, prompt_ids[rid], tokens, text, last.finish_reason, last.stats, last.stop_reason)
+                        Completion(
+                            rid,
+                            prompt_ids[rid],
+                            tokens,
+                            text,
+                            last.finish_reason,
+                            last.stats,
+                            last.stop_reason,
+                            logprobs,
+                        )
                     )
         return completions  # only Completions unless return_exceptions
 

@@ -18,6 +18,15 @@ from specserve.config import KLDMode, SpecConfig
 from specserve.policy import SparseTail
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target, and the likeliest tokens' (id, log-probability), most
+    likely first (as many as the request asked for)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True, eq=False)  # arrays: compared by identity (an elementwise == has no truth value)
 class DraftQ:
     """The draft's temperature-1 next-token distribution at some tree nodes (node 0 = the root).
@@ -93,6 +102,7 @@ class VerifyOutput:
     kld: list[float] = field(default_factory=list)  # KL(p || q) per verified position, when draft_q was sent
     features: torch.Tensor | None = None  # [n, F] hidden states of the positions cached this step, in order
     # (the pending tokens, the root, the accepted path), when VerifyItem.features asked for them
+    logprobs: list[TokenLogprob] | None = None  # per token of ``tokens``, where the request asked for them
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ class PromptEncoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._token_texts: dict[int, str] = {}  # (at most the vocabulary's)
         if tokenizer is not None and len(tokenizer) > vocab_size:  # added tokens past the embedding's rows
             logger.warning(
                 "the tokenizer has %d tokens but the model embeds only %d (ids %d and up, added tokens the model was "
@@ -30,6 +31,14 @@ class PromptEncoder:
                 vocab_size,
                 vocab_size,
             )
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text, as logprobs show it (``token_id:N`` without a tokenizer, as vLLM shows ids)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        if token_id not in self._token_texts:
+            self._token_texts[token_id] = str(self.tokenizer.decode([token_id]))
+        return self._token_texts[token_id]
 
     def token_ids(self, ids: list[int]) -> list[int]:
         if any(not 0 <= t < self.vocab_size for t in ids):
@@ -41,7 +50,7 @@ class PromptEncoder:
         refused, as prompt ids are."""
         named: tuple[tuple[str, str, Collection[int]], ...] = (
             ("stop_token_ids", "stop_token_ids", params.stop_token_ids),
-            ("logit_bias", "logit_bias token ids", params.logit_bias),
+            ("logit_bias", "logit_bias token ids", [t for t, _ in params.logit_bias]),
         )
         for param, what, ids in named:
             if outside := sorted(t for t in ids if not 0 <= t < self.vocab_size)[:3]:

@@ -17,6 +17,7 @@ MAX_CONTEXT = 1_048_576  # the longest context (EngineConfig.max_model_len) anyt
 MAX_BATCH_SIZE = 1024  # sequences one loop runs at once (LoopConfig.max_batch_size)
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
+MAX_LOGPROBS = 20  # likeliest alternatives a request may ask for per output token (vLLM's default max_logprobs)
 LOGIT_BIAS_BOUND = 100.0  # OpenAI's: each bias is in [-100, 100]
 
 
@@ -47,14 +48,23 @@ class SamplingParams(Validated):
     include_stop_str_in_output: bool = Field(
         default=False, description="the text keeps the stop string, or stop token's text, that ended it (vLLM's)"
     )
-    logit_bias: dict[int, float] = Field(
-        default_factory=dict,
+    logit_bias: tuple[tuple[int, float], ...] = Field(
+        default=(),
         max_length=MAX_LOGIT_BIAS,
-        description="token id -> a value in [-100, 100] added to its logit before any other processing (OpenAI's); "
-        "the target applies it, drafts do not (verification keeps the output the target's)",
+        description="given as a mapping token id -> a value in [-100, 100] added to its logit before any other "
+        "processing (OpenAI's), kept as (id, bias) pairs in id order without the zeros; the target applies it, "
+        "drafts do not (verification keeps the output the target's)",
     )
 
-    @field_validator("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", mode="before")
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each output token's log-probability under the target and this many likeliest tokens' (None: "
+        "none); of the target's own distribution, before the logit bias, temperature or any cut (vLLM's default)",
+    )
+
+    @field_validator("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "logprobs", mode="before")
     @classmethod
     def _not_bool(cls, v: object) -> object:  # (pydantic reads True as 1: top_k=True made a sampled request greedy)
         if isinstance(v, bool | np.bool_):
@@ -88,18 +98,26 @@ class SamplingParams(Validated):
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _bias_entries(cls, v: object) -> object:
-        if not isinstance(v, Mapping):
+        """A mapping (or the pairs a validated one keeps) as sorted pairs: immutable and hashable, as the params
+        are (a dict would be shared with, and could be changed under, the request it was checked for)."""
+        items = list(v.items()) if isinstance(v, Mapping) else v if isinstance(v, tuple) else None
+        if items is None:
             raise ValueError(f"a mapping of token ids to biases, not {type(v).__name__}")
-        if len(v) > MAX_LOGIT_BIAS:  # (before its entries: one error for the map, not one per entry)
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, not {len(v)}")
-        for t, b in v.items():
+        if len(items) > MAX_LOGIT_BIAS:  # (before its entries: one error for the map, not one per entry)
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, not {len(items)}")
+        pairs: dict[int, float] = {}
+        for entry in items:
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise ValueError(f"(token id, bias) pairs, not {entry!r:.40}")
+            t, b = entry
             if isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer) or t < 0:
-                raise ValueError(f"token ids are non-negative integers, not {t!r}")
-            if isinstance(b, bool | np.bool_) or not isinstance(b, int | float | np.number):
-                raise ValueError(f"a bias is a number, not {b!r}")
-            if not -LOGIT_BIAS_BOUND <= float(b) <= LOGIT_BIAS_BOUND:  # (nan fails too)
-                raise ValueError(f"a bias is in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], not {b!r}")
-        return {int(t): float(b) for t, b in v.items()}
+                raise ValueError(f"token ids are non-negative integers, not {t!r:.40}")
+            if isinstance(b, bool | np.bool_) or not isinstance(b, int | float | np.integer | np.floating):
+                raise ValueError(f"a bias is a number, not {b!r:.40}")
+            if not -LOGIT_BIAS_BOUND <= b <= LOGIT_BIAS_BOUND:  # (nan fails too; compared exactly, not as a float)
+                raise ValueError(f"a bias is in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], not {b!r:.40}")
+            pairs[int(t)] = float(b)
+        return tuple(sorted((t, b) for t, b in pairs.items() if b != 0.0))  # (a bias of 0 changes nothing)
 
     @property
     def greedy(self) -> bool:
@@ -132,8 +150,8 @@ def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     target keeps the output the biased target's whatever the draft proposed."""
     if not params.logit_bias:
         return logits.float()
-    ids = torch.tensor(list(params.logit_bias), dtype=torch.long).to(logits.device, non_blocking=True)  # [B]
-    bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32).to(logits.device, non_blocking=True)
+    ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long).to(logits.device, non_blocking=True)  # [B]
+    bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32).to(logits.device, non_blocking=True)
     return logits.float().index_add(-1, ids, bias.expand(logits.shape[0], -1))
 
 

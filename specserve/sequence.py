@@ -11,6 +11,7 @@ import torch
 
 from specserve.config import SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
+from specserve.messages import TokenLogprob
 from specserve.policy import SequenceDSDE
 from specserve.sampling import SamplingParams
 
@@ -78,6 +79,7 @@ class RequestOutput:
     committed: int = 0  # tokens this step added to the output (``token_ids`` may hand some out a step later)
     # what ended a finish_reason ``stop`` other than EOS (vLLM's ``stop_reason``): the stop string, or the stop token id
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None  # per token of ``token_ids``, where the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -93,6 +95,7 @@ class RequestOutput:
             later,
             token_ids=self.token_ids + later.token_ids,
             text=self.text + later.text,
+            logprobs=None if self.logprobs is None or later.logprobs is None else self.logprobs + later.logprobs,
             committed=self.committed + later.committed,
         )
 
@@ -104,6 +107,7 @@ class Checkpoint:
 
     delivered: int
     pending: list[int]  # the output after its delivered tokens (a commit never changes a delivered token)
+    pending_logprobs: list[TokenLogprob]
     finish_reason: FinishReason | None
     text: IncrementalText
     stats: RequestStats
@@ -121,6 +125,7 @@ class Sequence:
     sl_state: SequenceDSDE | None = None  # DSDE history and calibration (None under the static policy)
     output: list[int] = field(default_factory=list)
     delivered: int = 0  # output tokens handed out (RequestOutput.token_ids so far)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # of output[delivered:], if asked for
     registered: bool = False  # added to the workers (False: on its next step, after admission or a reset)
     target_seen: int = 0  # committed tokens the target worker has been sent
     draft_seen: int = 0  # ... and the draft worker
@@ -145,13 +150,20 @@ class Sequence:
         pending = self.output[self.delivered :]
         features = (list(self.features), self.features_from, self.features_queued)
         return Checkpoint(
-            self.delivered, pending, self.finish_reason, copy.copy(self.text), replace(self.stats), features
+            self.delivered,
+            pending,
+            list(self.pending_logprobs),
+            self.finish_reason,
+            copy.copy(self.text),
+            replace(self.stats),
+            features,
         )
 
     def rollback(self, saved: Checkpoint) -> None:
         """Back to a checkpoint's token state. The workers' caches and the loop's counters of what they were sent
         are not in it: the caller of a failed step resets them (``StepLoop.reset``), and they re-prefill."""
         self.output[saved.delivered :] = saved.pending
+        self.pending_logprobs = saved.pending_logprobs
         self.delivered, self.finish_reason = saved.delivered, saved.finish_reason
         self.text, self.stats = saved.text, saved.stats
         self.features, self.features_from, self.features_queued = saved.features  # (rows past the kept tokens

@@ -481,12 +481,14 @@ class StepLoop:
         # EOS ends the output without joining it; a stop token id joins the token ids, and the text only with
         # include_stop_str_in_output (as vLLM's)
         at_eos = at_stop_id = False
-        for tok in out.tokens:
+        for i, tok in enumerate(out.tokens):
             if tok in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = FinishReason.stop
                 at_eos = True
                 break
             seq.output.append(tok)
+            if out.logprobs is not None:
+                seq.pending_logprobs.append(out.logprobs[i])
             if (  # first, as vLLM's: a stop token id that is the last token allowed ends with length, its text kept
                 len(seq.output) >= params.max_tokens
                 or len(seq.request.prompt_ids) + len(seq.output) >= self.max_model_len
@@ -515,6 +517,9 @@ class StepLoop:
         # at a token can be hidden in this step's text until its character's last byte comes)
         settled = len(seq.output) if seq.finish_reason is not None else seq.text.settled(len(seq.output))
         new = seq.output[seq.delivered : settled]
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs, seq.pending_logprobs = seq.pending_logprobs[: len(new)], seq.pending_logprobs[len(new) :]
         seq.delivered = max(seq.delivered, settled)
         return RequestOutput(
             request_id=seq.request.request_id,
@@ -526,6 +531,7 @@ class StepLoop:
             stats=replace(seq.stats),  # a snapshot: the sequence's own goes on counting
             committed=committed,
             stop_reason=seq.text.stop_string if seq.text.stopped else seq.output[-1] if at_stop_id else None,
+            logprobs=logprobs,
         )
 
     def _retire(self) -> None:

@@ -75,7 +75,9 @@ class Bodies:
             "return_token_ids": lambda: r.choice([True, False]),
             "speculation": lambda: self.pick(speculation, 0.4),
             "n": lambda: 1,
-            "logprobs": lambda: r.choice([False, None]),
+            "logprobs": lambda: r.choice([False, None, 0, 3, True]),  # (a count in completions, a flag in chat)
+            "top_logprobs": lambda: r.choice([0, 2, None]),  # (chat's: in completions an unknown field)
+            "logit_bias": lambda: r.choice([{}, {"3": 5}, {"7": -100, "9": 100}, {str(VOCAB): 1}]),
         }  # fmt: skip
         body = self.pick(fields, 0.35)
         if body.get("stream") and r.random() < 0.5:

@@ -119,7 +119,7 @@ def test_sdk_default_no_op_fields_are_accepted(client: openai.OpenAI, url: str) 
     assert spelled_out.choices[0].message.content == out.choices[0].message.content
     zero = {"model": MODEL, "messages": USER, "max_tokens": 1, "logprobs": False, "top_logprobs": 0}
     assert httpx.post(url + CHAT, json=zero).status_code == 200
-    invalid = [("response_format", {"type": "json_object"}), ("store", True), ("store", "no"), ("top_logprobs", 2)]
+    invalid = [("response_format", {"type": "json_object"}), ("store", True), ("store", "no"), ("top_logprobs", -1)]
     invalid += [("modalities", ["text", "audio"]), ("service_tier", "flex"), ("prompt_cache_retention", "24h")]
     for field, value in invalid:
         body = {"model": MODEL, "messages": USER, field: value}
@@ -454,6 +454,75 @@ def test_logit_bias_moves_the_answer_over_http_and_the_sdk(url: str, client: ope
         assert error["param"] == "logit_bias" and says in error["message"], (value, error)
 
 
+def test_logprobs_over_http_streamed_and_through_the_sdk(url: str, client: openai.OpenAI) -> None:
+    """OpenAI's logprobs in both endpoints' shapes: per output token its text, log-probability and the likeliest
+    tokens' (the engine's values, tests/test_logprobs.py), the same streamed as whole, through the SDK's types; a
+    count past 20, or top_logprobs without logprobs, a 400 naming the field."""
+
+    def post(path: str, **fields: Any) -> dict[str, Any]:
+        body = {"model": MODEL, "max_tokens": 8, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+        body |= {"prompt": [3, 4]} if path == COMPLETIONS else {"messages": USER}
+        r = httpx.post(url + path, json=body | fields, timeout=30)
+        assert r.status_code == 200, r.text
+        return dict(r.json()["choices"][0])
+
+    tok = tiny_tokenizer()
+    whole = post(COMPLETIONS, logprobs=2)
+    lp = whole["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in whole["token_ids"]]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(8)]
+    for token, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert value < 0 and top[token] == value and max(top.values()) == value  # greedy: the likeliest
+        assert 1 <= len(top) <= 2
+    sampled = post(COMPLETIONS, logprobs=0, temperature=1.0, seed=5)["logprobs"]
+    assert all(list(top) == [t] for t, top in zip(sampled["tokens"], sampled["top_logprobs"], strict=True))
+    events = [
+        json.loads(line[6:])
+        for line in httpx.post(
+            url + COMPLETIONS,
+            json={"model": MODEL, "prompt": [3, 4], "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+            | {"logprobs": 2, "stream": True},
+            timeout=30,
+        ).text.splitlines()
+        if line.startswith("data: {")
+    ]
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for chunk in streamed for x in chunk[field]] == lp[field], field
+
+    chat = post(CHAT, logprobs=True, top_logprobs=3)
+    content = chat["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tok.decode([t]) for t in chat["token_ids"]]
+    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 3 for c in content)
+    assert all(c["top_logprobs"][0]["logprob"] == c["logprob"] for c in content)  # greedy: the likeliest first
+    assert post(CHAT, logprobs=True)["logprobs"]["content"][0]["top_logprobs"] == []
+    assert post(CHAT)["logprobs"] is None and post(CHAT, logprobs=False, top_logprobs=0)["logprobs"] is None
+    via_sdk = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    sdk_content = [
+        c
+        for chunk in via_sdk
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content or []
+    ]
+    assert [(c.token, c.logprob) for c in sdk_content] == [(c["token"], c["logprob"]) for c in content]
+    legacy = client.completions.create(model=MODEL, prompt=[3, 4], max_tokens=8, temperature=0, logprobs=2)
+    assert legacy.choices[0].logprobs is not None and legacy.choices[0].logprobs.token_logprobs == lp["token_logprobs"]
+
+    for path, fields, param, says in (
+        (COMPLETIONS, {"logprobs": 21}, "logprobs", "less than or equal to 20"),
+        (COMPLETIONS, {"logprobs": True}, "logprobs", ""),
+        (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        (CHAT, {"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+        (CHAT, {"logprobs": False, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+        (CHAT, {"logprobs": 1}, "logprobs", "valid boolean"),
+    ):
+        body = {"model": MODEL} | ({"prompt": "hi"} if path == COMPLETIONS else {"messages": USER}) | fields
+        error = _error(httpx.post(url + path, json=body))
+        assert error["param"] == param and says in error["message"], (fields, error)
+
+
 # -- item 9 ------------------------------------------------------------------------------------------------
 
 
@@ -597,6 +666,7 @@ def test_a_cancel_landing_as_a_left_clients_answer_is_cancelled_still_cancels_th
     class Body:
         stream = False
         return_token_ids = False
+        logprob_count = None
 
     async def trial() -> None:
         loop = asyncio.get_running_loop()

@@ -21,7 +21,7 @@ PROBES: dict[str, list[Any]] = {  # values on both sides of each documented cons
     "n": [0, 1, 2, True, None],
     "seed": [-(2**63) - 1, -(2**63), 7, 2**63 - 1, 2**63],
     "max_tokens": [0, 1, "2", None],
-    "logprobs": [True, 1, 0, False, None],
+    "logprobs": [True, 1, 0, 20, 21, -1, "1", False, None],
     "presence_penalty": [0, 0.0, 0.5, -1, None],
     "repetition_penalty": [1, 1.0, 1.2, 0.9, 0, "1", None],
     "min_p": [-0.1, 0, 0.05, 1, 1.01, "0.1", True, None],
@@ -109,14 +109,17 @@ def test_documented_statuses_are_the_ones_sent(url: str, doc: dict[str, Any]) ->
     assert _validator(doc, "ModelCard").is_valid(card)
 
 
-def test_logprobs_are_refused_in_every_form_that_asks_for_them(url: str) -> None:
-    """OpenAI answers logprobs=0 with the sampled tokens' log-probabilities; this server computes none, so 0 is a
-    400 like 1 or true, not a 200 whose logprobs are silently null."""
-    for value in (0, 1, True):
+def test_logprobs_are_answered_in_every_form_that_asks_for_them(url: str) -> None:
+    """OpenAI answers logprobs=0 with the sampled tokens' log-probabilities (no alternatives): 0 gets them as 1
+    does, not a choice whose logprobs are null; false or null gets none."""
+    for value, listed in ((0, 1), (1, 1), (3, 3)):  # (vLLM's and OpenAI's: the output token's entry among them)
         r = httpx.post(url + COMPLETIONS, json={**BASE, "logprobs": value}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", (value, r.text)
+        lp = r.json()["choices"][0]["logprobs"]
+        assert r.status_code == 200 and len(lp["token_logprobs"]) == BASE["max_tokens"], r.text
+        assert all(len(top) <= listed for top in lp["top_logprobs"]) and len(lp["top_logprobs"][0]) >= 1
     for value in (False, None):
-        assert httpx.post(url + COMPLETIONS, json={**BASE, "logprobs": value}, timeout=30).status_code == 200
+        r = httpx.post(url + COMPLETIONS, json={**BASE, "logprobs": value}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])

@@ -4,6 +4,7 @@ tests/test_seeded_sampling.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -68,6 +69,8 @@ def test_apply_logit_bias_adds_each_bias_to_its_column_only() -> None:
         ({3: float("nan")}, r"\[-100, 100\]"),
         ({3: True}, "a number"),
         ({3: "1"}, "a number"),
+        ({3: np.complex128(1 + 5j)}, "a number"),
+        ({3: 10**400}, r"\[-100, 100\]"),
         ({t: 1.0 for t in range(1025)}, "at most 1024"),
         ([(3, 1.0)], "a mapping"),
     ],
@@ -77,9 +80,15 @@ def test_sampling_params_refuse_a_bad_logit_bias(bias: object, says: str) -> Non
         SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
 
 
-def test_sampling_params_take_a_logit_bias_of_ints_and_bounds() -> None:
-    params = SamplingParams(logit_bias={3: 100, 4: -100, 5: 0.5})
-    assert params.logit_bias == {3: 100.0, 4: -100.0, 5: 0.5} and not params.raw_argmax
+def test_sampling_params_keep_a_logit_bias_as_sorted_pairs_without_zeros() -> None:
+    """Kept as pairs, immutable: the params stay hashable, and the mapping a caller passed in can be changed after
+    the engine checked its ids without changing the request (it indexed past the vocabulary, mid-step)."""
+    given = {5: 0.5, 3: 100, 4: -100, 9: 0.0, 2: np.float32(1.5)}
+    params = SamplingParams(logit_bias=given)
+    assert params.logit_bias == ((2, 1.5), (3, 100.0), (4, -100.0), (5, 0.5)) and not params.raw_argmax
+    given[10**6] = 1.0
+    assert len(params.logit_bias) == 4 and hash(params) == hash(SamplingParams(logit_bias=params.logit_bias))
+    assert SamplingParams(logit_bias={3: 0.0}).raw_argmax  # (nothing to add: the argmax-only path)
     assert SamplingParams().raw_argmax and not SamplingParams(temperature=1.0).raw_argmax
 
 

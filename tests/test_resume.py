@@ -116,6 +116,27 @@ def test_resuming_after_any_event_gives_the_rest_token_identical(url: str, route
             assert all(e["data"]["choices"][0].get("delta", {}).get("role") is None for e in rest if _is_choice(e))
 
 
+def test_a_resumed_stream_goes_on_with_the_logprobs_and_text_offsets_after_its_point(url: str) -> None:
+    """The logprobs of a resumed stream are those of the tokens it sends, and its text offsets count the texts of
+    the tokens the client had before (they are offsets into the whole answer)."""
+    body = {**SAMPLED, "prompt": "once upon", "ignore_eos": True, "seed": 3, "logprobs": 2}
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def logprobs(events: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        chunks = [e["data"]["choices"][0]["logprobs"] for e in events if _is_choice(e)]
+        return {f: [x for c in chunks if c for x in c[f]] for f in fields}
+
+    full = _events(url, COMPLETIONS, body)
+    whole = logprobs(full)
+    assert len(whole["tokens"]) == 40 and whole["text_offset"][-1] > 0
+    marks = [e["id"] for e in full if "id" in e]
+    for k in (1, len(marks) // 2, len(marks) - 2):
+        head, rest = logprobs(full[: k + 1]), logprobs(_events(url, COMPLETIONS, {**body, "resume_from": marks[k]}))
+        assert len(rest["tokens"]) > 0, k
+        for f in fields:
+            assert head[f] + rest[f] == whole[f], (k, f)
+
+
 def _is_choice(e: dict[str, Any]) -> bool:
     return e["data"] != "[DONE]" and bool(e["data"]["choices"])
 

@@ -409,26 +409,33 @@ def test_lane_limits_match_the_engine() -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_completions_equal_engine(client: openai.OpenAI, engine: Engine, stream: bool) -> None:
     prompt = "The quick brown fox"
-    ref = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    ref = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2))[0]
     extra = {"return_token_ids": True, "ignore_eos": True}
     if stream:
         chunks = list(
             client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body=extra
+                model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True, logprobs=2, extra_body=extra
             )
         )
         text = "".join(c.choices[0].text for c in chunks)
         ids = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
         finish = chunks[-1].choices[0].finish_reason
+        logprobs = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs or []]
     else:
-        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=2, extra_body=extra
+        )
         text, ids, finish = out.choices[0].text, out.choices[0].model_extra["token_ids"], out.choices[0].finish_reason
+        assert out.choices[0].logprobs is not None
+        logprobs = list(out.choices[0].logprobs.token_logprobs or [])
         assert out.usage is not None and out.usage.completion_tokens == 24
         assert out.usage.prompt_tokens == len(ref.prompt_ids)
         spec = out.usage.model_extra["speculation"]
         assert spec["target_forwards"] == ref.stats.target_forwards and spec["accepted"] == ref.stats.accepted
         assert spec["mean_accepted_length"] > 1.0
     assert ids == ref.token_ids and text == ref.text and finish == "length"
+    # through the actors too (the target actor's logprobs travel with the step's results)
+    assert ref.logprobs is not None and logprobs == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

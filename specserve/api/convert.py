@@ -29,7 +29,8 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
             ignore_eos=request.ignore_eos,
             stop_token_ids=frozenset(request.stop_token_ids or ()),
             include_stop_str_in_output=request.include_stop_str_in_output,
-            logit_bias={int(t): b for t, b in (request.logit_bias or {}).items()},
+            logit_bias=tuple((int(t), b) for t, b in (request.logit_bias or {}).items()),
+            logprobs=request.logprob_count,
         ).seeded()
     except ValidationError as e:
         first = e.errors()[0]

@@ -138,7 +138,9 @@ class StreamCursor:
             )
         if not new_text and not new_ids and (not out.finished or self.sent(StreamPhase.finished)):
             return None
-        return replace(out, token_ids=new_ids, text=new_text.decode(errors="replace"))
+        skipped = len(out.token_ids) - len(new_ids)
+        logprobs = None if out.logprobs is None else out.logprobs[skipped:]
+        return replace(out, token_ids=new_ids, text=new_text.decode(errors="replace"), logprobs=logprobs)
 
     def sent(self, phase: StreamPhase) -> bool:
         """Whether the client had this phase's event before it resumed."""

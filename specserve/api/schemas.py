@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from enum import Enum
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from specserve.config import Drafter, SLPolicyKind, SpecMethod
-from specserve.sampling import LOGIT_BIAS_BOUND, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from specserve.sampling import LOGIT_BIAS_BOUND, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 # Past this many fields a request object does not define, it gets one error naming the first few: pydantic builds an
 # error per unknown key, and FastAPI and the handler copy the list, all on the event loop (a 3.7 MB body of 380k
@@ -249,7 +249,6 @@ class GenerationRequest(ClosedModel):
         default=False,
         description="extension (as vLLM's): the text keeps the stop string, or the stop token's text, that ended it",
     )
-    logprobs: Literal[False] | None = Field(default=None, description="not supported: only false or null")
     user: str | None = None
     logit_bias: LogitBias | None = Field(
         default=None,
@@ -315,13 +314,6 @@ class GenerationRequest(ClosedModel):
             raise ValueError("repetition_penalty is not supported; use 1")
         return v
 
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _no_logprobs(cls, v: object) -> object:
-        if v is not None and v is not False:  # 0 too: OpenAI returns the sampled tokens' logprobs for it
-            raise ValueError("logprobs are not supported")
-        return v
-
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
@@ -357,6 +349,11 @@ class GenerationRequest(ClosedModel):
         return v
 
     @property
+    def logprob_count(self) -> int | None:
+        """The likeliest tokens to list beside each output token's log-probability (None: no logprobs)."""
+        return None
+
+    @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
@@ -388,11 +385,30 @@ class CompletionRequest(GenerationRequest):
     echo: Annotated[Literal[False], _exactly(bool)] = Field(default=False, description="not supported: only false")
     best_of: Annotated[Literal[1] | None, _exactly(int)] = Field(default=None, description="not supported: only 1")
     suffix: None = Field(default=None, description="not supported (text after an insertion): only null")
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        default=None,
+        description="each output token's log-probability under the model (before the temperature, logit bias or any "
+        "cut, as vLLM's default) and this many likeliest tokens'; null or false: none",
+        json_schema_extra=lambda schema: cast(list[Any], schema["anyOf"]).insert(
+            1, {"type": "boolean", "const": False}
+        ),
+    )
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, v: object) -> object:
+        if v is True:  # (one error: a union of int and false named its members' internals)
+            raise ValueError("logprobs is a count of likeliest tokens, 0 to 20 (false or null: none), not true")
+        return None if v is False else v
 
     @field_validator("echo", "best_of", "suffix", mode="before")
     @classmethod
     def _no_echo_best_of_or_suffix(cls, v: object, info: ValidationInfo) -> object:
-        # each by name, as n and logprobs are, not as a bare "Input should be False / 1 / None"
+        # each by name, as n is, not as a bare "Input should be False / 1 / None"
         if info.field_name == "echo" and v is True:
             raise ValueError("echo is not supported; send false or null")
         if info.field_name == "best_of" and type(v) is int and v != 1:
@@ -484,7 +500,14 @@ class ChatCompletionRequest(GenerationRequest):
     store: Annotated[Literal[False] | None, _exactly(bool)] = Field(
         default=None, description="only the no-op false: nothing is stored"
     )
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=0, description="not supported: only 0 or null")
+    logprobs: StrictBool | None = Field(
+        default=None,
+        description="each output token's log-probability under the model (before the temperature, logit bias or any "
+        "cut, as vLLM's default), in choices[].logprobs.content",
+    )
+    top_logprobs: StrictInt | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many likeliest tokens' beside each"
+    )
     # what this server does, sent as values by clients that spell them out: accepted; other values are refused
     modalities: list[Literal["text"]] | None = Field(default=None, max_length=1, description="only ['text']")
     service_tier: Literal["auto", "default"] | None = Field(
@@ -507,12 +530,17 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all messages together, got {parts}")
         return v
 
-    @field_validator("top_logprobs", mode="before")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v: object) -> object:
-        if isinstance(v, int) and not isinstance(v, bool) and v != 0:
-            raise ValueError("logprobs are not supported: top_logprobs must be 0 or null")
+    def _top_logprobs_need_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # (declared after ``logprobs``: validated after it; an invalid logprobs has its own error, not this one too)
+        if v and "logprobs" in info.data and not info.data["logprobs"]:
+            raise ValueError("top_logprobs needs logprobs: true")
         return v
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("service_tier", mode="before")
     @classmethod
@@ -568,13 +596,23 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: per output token its text, log-probability, the likeliest tokens' (text ->
+    log-probability) and where its text starts in the answer (counted over the tokens' own texts)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReasonOut | None = None
     # extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet
     stop_reason: str | int | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
 
 
@@ -593,13 +631,28 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's text in UTF-8
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReasonOut | None = None
     # extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet
     stop_reason: str | int | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
 
 
@@ -624,7 +677,7 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReasonOut | None = None
     # extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet
     stop_reason: str | int | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
 
 

@@ -49,8 +49,11 @@ from specserve.api.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorCode,
@@ -62,11 +65,13 @@ from specserve.api.schemas import (
     HealthStatus,
     ModelCard,
     ModelList,
+    TopLogprob,
     Usage,
     is_union_member,
 )
 from specserve.config import SpecConfig
 from specserve.errors import InvalidRequestError, PromptTooLongError
+from specserve.messages import TokenLogprob
 from specserve.prompts import PromptEncoder
 from specserve.sequence import FinishReason, Request, RequestOutput
 
@@ -318,7 +323,7 @@ class _Routes:
             return encoder.token_ids(body.prompt)
 
         limit = _TokenLimit(body.max_tokens, "max_tokens", "prompt")
-        fmt = _CompletionFormat(self._model())
+        fmt = _CompletionFormat(self._model(), encoder.token_text)
         return await self._generate(body, encode, limit, fmt, tracker, http.receive, last_event_id)
 
     async def chat_completions(
@@ -331,7 +336,7 @@ class _Routes:
             return encoder.chat([m.for_template() for m in body.messages], room=room)
 
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
-        fmt = _ChatFormat(self._model())
+        fmt = _ChatFormat(self._model(), encoder.token_text)
         return await self._generate(body, encode, limit, fmt, tracker, http.receive, last_event_id)
 
     async def models(self) -> ModelList:
@@ -458,14 +463,17 @@ class _Routes:
         stream, tracker = outcome.stream, outcome.tracker
         text: list[str] = []
         ids: list[int] = []
+        logprobs: list[TokenLogprob] | None = None if body.logprob_count is None else []
         try:
             async for out in stream:
                 tracker.see(out)
                 text.append(out.text)
                 ids += out.token_ids
+                if logprobs is not None and out.logprobs is not None:
+                    logprobs += out.logprobs
                 if out.finished:
                     outcome.finished(out)
-                    response = fmt.response("".join(text), ids if body.return_token_ids else None, out)
+                    response = fmt.response("".join(text), ids, logprobs, out, with_ids=body.return_token_ids)
                     return JSONResponse(response.model_dump(mode="json"))
             raise RuntimeError("the output stream ended before the request finished")
         except APIError as e:  # its status, counted as a stream's is
@@ -502,14 +510,15 @@ class _Routes:
                     sent_at = time.monotonic()
                     continue
                 part = cursor.advance(out)  # None: delivered before the resume point
+                if part is None or len(part.token_ids) < len(out.token_ids):  # (text offsets count them too)
+                    fmt.skip(out.token_ids[: len(out.token_ids) - (0 if part is None else len(part.token_ids))])
                 tracker.see(out, 0 if part is None else len(part.token_ids))
                 if out.finished:
                     cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
-                if part is not None and (part.text or (body.return_token_ids and part.token_ids) or part.finished):
+                per_token = body.return_token_ids or body.logprob_count is not None  # (tokens without text yet too)
+                if part is not None and (part.text or (per_token and part.token_ids) or part.finished):
                     mark = cursor.mark.at(StreamPhase.finished) if part.finished else cursor.mark
-                    yield _sse(
-                        fmt.chunk(part, part.token_ids if body.return_token_ids else None), mark, without=without
-                    )
+                    yield _sse(fmt.chunk(part, with_ids=body.return_token_ids), mark, without=without)
                     sent_at = time.monotonic()
                 if out.finished:
                     outcome.finished(out)
@@ -625,47 +634,89 @@ class _Format(Protocol):
 
     def first_chunk(self) -> BaseModel | None: ...
 
-    def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel: ...
+    def chunk(self, out: RequestOutput, *, with_ids: bool) -> BaseModel: ...
+
+    def skip(self, token_ids: list[int]) -> None: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
-    def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel: ...
+    def response(
+        self, text: str, ids: list[int], logprobs: list[TokenLogprob] | None, last: RequestOutput, *, with_ids: bool
+    ) -> BaseModel: ...
+
+
+def _id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"  # (vLLM's form for a token shown by its id)
 
 
 class _Stamped:
     """What every chunk and response of one request carries: its id, one created time (as OpenAI's, the same on
-    every chunk of a stream), the model and the seed drawn with."""
+    every chunk of a stream), the model and the seed drawn with. ``token_text``: a token's text in logprobs."""
 
     prefix = ""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, token_text: Callable[[int], str] = _id_text) -> None:
         self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.model = model
         self.seed: int | None = None
         self.created = int(time.time())
+        self.token_text = token_text
 
     def stamp(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model, "seed": self.seed}
+
+    def skip(self, token_ids: list[int]) -> None:
+        """Tokens a resumed stream does not send again (their texts still count in the offsets after them)."""
 
 
 class _CompletionFormat(_Stamped):
     prefix = "cmpl"
 
+    def __init__(self, model: str, token_text: Callable[[int], str] = _id_text) -> None:
+        super().__init__(model, token_text)
+        self.text_offset = 0  # where the next token's text starts, over the tokens' own texts (as vLLM counts)
+
     def first_chunk(self) -> BaseModel | None:
         return None
 
-    def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
+    def skip(self, token_ids: list[int]) -> None:
+        self.text_offset += sum(len(self.token_text(t)) for t in token_ids)
+
+    def _logprobs(self, ids: list[int], logprobs: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+        """OpenAI's legacy shape: the likeliest tokens' (as many as asked for) and the output token's own, as vLLM's."""
+        if logprobs is None:
+            return None
+        tokens = [self.token_text(t) for t in ids]
+        offsets, top = [], []
+        for token, lp in zip(tokens, logprobs, strict=True):
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+            top.append({self.token_text(t): v for t, v in lp.top} | {token: lp.logprob})
+        token_logprobs = [lp.logprob for lp in logprobs]
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+
+    def chunk(self, out: RequestOutput, *, with_ids: bool) -> BaseModel:
         choice = CompletionChoice(
-            text=out.text, finish_reason=_finish(out.finish_reason), stop_reason=out.stop_reason, token_ids=token_ids
+            text=out.text,
+            finish_reason=_finish(out.finish_reason),
+            stop_reason=out.stop_reason,
+            logprobs=self._logprobs(out.token_ids, out.logprobs),
+            token_ids=out.token_ids if with_ids else None,
         )
         return CompletionChunk(**self.stamp(), choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return CompletionChunk(**self.stamp(), choices=[], usage=usage)
 
-    def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
+    def response(
+        self, text: str, ids: list[int], logprobs: list[TokenLogprob] | None, last: RequestOutput, *, with_ids: bool
+    ) -> BaseModel:
         choice = CompletionChoice(
-            text=text, finish_reason=_finish(last.finish_reason), stop_reason=last.stop_reason, token_ids=token_ids
+            text=text,
+            finish_reason=_finish(last.finish_reason),
+            stop_reason=last.stop_reason,
+            logprobs=self._logprobs(ids, logprobs),
+            token_ids=ids if with_ids else None,
         )
         return CompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
 
@@ -677,22 +728,44 @@ class _ChatFormat(_Stamped):
         choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
         return ChatCompletionChunk(**self.stamp(), choices=[choice])
 
-    def chunk(self, out: RequestOutput, token_ids: list[int] | None) -> BaseModel:
+    def _entry(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8", errors="replace")))
+
+    def _logprobs(self, ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if logprobs is None:
+            return None
+        content = [
+            ChatTokenLogprob(
+                **self._entry(t, lp.logprob).model_dump(), top_logprobs=[self._entry(i, v) for i, v in lp.top]
+            )
+            for t, lp in zip(ids, logprobs, strict=True)
+        ]
+        return ChatLogprobs(content=content)
+
+    def chunk(self, out: RequestOutput, *, with_ids: bool) -> BaseModel:
         delta = ChatDelta(content=out.text or None)
         choice = ChatChunkChoice(
-            delta=delta, finish_reason=_finish(out.finish_reason), stop_reason=out.stop_reason, token_ids=token_ids
+            delta=delta,
+            finish_reason=_finish(out.finish_reason),
+            stop_reason=out.stop_reason,
+            logprobs=self._logprobs(out.token_ids, out.logprobs),
+            token_ids=out.token_ids if with_ids else None,
         )
         return ChatCompletionChunk(**self.stamp(), choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(**self.stamp(), choices=[], usage=usage)
 
-    def response(self, text: str, token_ids: list[int] | None, last: RequestOutput) -> BaseModel:
+    def response(
+        self, text: str, ids: list[int], logprobs: list[TokenLogprob] | None, last: RequestOutput, *, with_ids: bool
+    ) -> BaseModel:
         choice = ChatChoice(
             message=AssistantMessage(content=text),
             finish_reason=_finish(last.finish_reason),
             stop_reason=last.stop_reason,
-            token_ids=token_ids,
+            logprobs=self._logprobs(ids, logprobs),
+            token_ids=ids if with_ids else None,
         )
         return ChatCompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from specserve.errors import blame
-from specserve.messages import VerifyItem, VerifyOutput
+from specserve.messages import TokenLogprob, VerifyItem, VerifyOutput
 from specserve.models.batch import ForwardBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.llama import LlamaModel
@@ -84,7 +84,10 @@ class TargetWorker:
             num_logits=[t.num_nodes for t in trees],
             device=self.model.device,
         )
-        argmax_only = all(g and it.draft_q is None for g, it in zip(greedy, items, strict=True))
+        want_logprobs = [self.params[it.seq_id].logprobs is not None for it in items]
+        argmax_only = not any(want_logprobs) and all(
+            g and it.draft_q is None for g, it in zip(greedy, items, strict=True)
+        )
         logits, ids, features = self._forward(batch, items, argmax_only=argmax_only, any_greedy=any(greedy))
         if ids is not None:
             ids = ids.cpu()  # host sync: the step's argmaxes, once for every greedy sequence
@@ -98,6 +101,8 @@ class TargetWorker:
                 outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, top))
         if logits is not None and any(it.draft_q is not None for it in items):
             outputs = self._with_klds(items, outputs, logits, sizes)
+        if logits is not None and any(want_logprobs):
+            outputs = self._with_logprobs(items, outputs, logits, sizes)
         return outputs if features is None else self._with_features(items, outputs, features, batch.num_new)
 
     def _verify_one(
@@ -135,6 +140,43 @@ class TargetWorker:
         num_pending = len(it.new_tokens) - 1
         self._rollback(slot, start, num_pending, res.accepted_nodes)
         return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens)
+
+    def _with_logprobs(
+        self, items: list[VerifyItem], outputs: list[VerifyOutput], logits: torch.Tensor, sizes: list[int]
+    ) -> list[VerifyOutput]:
+        """Each output whose request asked for logprobs gets, per emitted token, its log-probability under the
+        target's raw distribution (before bias, temperature or cuts, as vLLM's default) and the likeliest tokens':
+        a token is drawn at the root's row or the accepted node before it. One computation over the step's rows of
+        those outputs, read to the host once."""
+        rows: list[int] = []  # logits rows, each output's emitted tokens in order
+        chosen: list[int] = []
+        asking: list[int] = []  # indices of the outputs that asked
+        first = 0
+        for i, (it, out, size) in enumerate(zip(items, outputs, sizes, strict=True)):
+            if self.params[it.seq_id].logprobs is not None:
+                asking.append(i)
+                rows += (first + node for node in [0, *out.accepted])
+                chosen += out.tokens
+            first += size
+        logprobs = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(-1)  # [n, V]
+        picked = logprobs.gather(-1, torch.tensor(chosen, device=logits.device)[:, None])[:, 0]  # [n]
+        k = max(cast(int, self.params[items[i].seq_id].logprobs) for i in asking)
+        top = logprobs.topk(k, -1) if k > 0 else None  # [n, k] values and ids, most likely first
+        parts = [picked] if top is None else [picked, top.values.flatten(), top.indices.flatten().float()]
+        host = torch.cat(parts).cpu().tolist()  # host sync: the step's logprobs, once (ids < 2**24: exact as float)
+        n = len(rows)
+        values, ids = host[n : n + n * k], host[n + n * k :]
+        updated = list(outputs)
+        at = 0
+        for i in asking:
+            want = cast(int, self.params[items[i].seq_id].logprobs)
+            per_token = []
+            for r in range(at, at + len(outputs[i].tokens)):
+                top_r = tuple((int(ids[r * k + j]), _finite(values[r * k + j])) for j in range(want))
+                per_token.append(TokenLogprob(_finite(host[r]), top_r))
+            updated[i] = replace(outputs[i], logprobs=per_token)
+            at += len(outputs[i].tokens)
+        return updated
 
     @staticmethod
     def _with_features(
@@ -277,6 +319,13 @@ class KLDRows:
         ids, prob = ids.to(device), prob.to(device)
         pieces = _pieces(index, ids, prob)
         return _joined([kld_sparse(logits.index_select(0, rows), i, p, tail=self.tail) for rows, i, p in pieces])
+
+
+LOGPROB_FLOOR = -9999.0  # a log-probability of -inf as JSON can carry it (vLLM's)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # (nan too: never a number JSON cannot carry)
 
 
 def _pieces(*tensors: torch.Tensor) -> Iterable[tuple[torch.Tensor, ...]]:

@@ -1,0 +1,174 @@
+"""Log-probabilities of the output (OpenAI's ``logprobs``): per output token its log-probability under the target's
+own distribution (before bias, temperature or cuts, as vLLM's default) and the likeliest tokens', whichever drafter
+proposed it; checked against a reference written here that re-runs the whole sequence each token."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.api.resume import StreamCursor, StreamMark
+from specserve.config import Drafter, SpecConfig, SpecMethod
+from specserve.detok import IncrementalText
+from specserve.engine import Completion, Engine
+from specserve.messages import TokenLogprob
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.sampling import SamplingParams
+from specserve.sequence import FinishReason, RequestOutput, RequestStats
+from specserve.spec_decode.eagle_head import EagleHead
+from tests.test_head_drafter import last_token_target, near_head
+
+PROMPT = [5, 9, 13, 21, 2, 7]
+SPECS = {
+    "plain": SpecConfig(method=SpecMethod.none),
+    "chain": SpecConfig(method=SpecMethod.chain, sl=4),
+    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=5, beam_width=2, budget=10),
+    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
+    "lookup": SpecConfig(method=SpecMethod.chain, sl=6, drafter=Drafter.lookup),
+    "head-ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
+}
+
+
+def reference_logprobs(model: LlamaModel, prompt: list[int], tokens: list[int], k: int) -> list[TokenLogprob]:
+    """Each token's log-probability after the prompt and the tokens before it, from a fresh forward of the whole
+    sequence, in float64, and the k likeliest tokens'."""
+    out = []
+    for i, tok in enumerate(tokens):
+        seq = [*prompt, *tokens[:i]]
+        cache = model.new_cache(1, len(seq) + 1)
+        logits = model(ForwardBatch.build(cache, [cache.allocate()], [seq], num_logits=[1]), cache)[-1]
+        lp = logits.double().log_softmax(-1)
+        top = lp.topk(k)
+        out.append(TokenLogprob(float(lp[tok]), tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))))
+    return out
+
+
+def assert_close(got: list[TokenLogprob], want: list[TokenLogprob]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-4)
+
+
+def _engine(name: str, tokenizer: object = None) -> tuple[LlamaModel, Engine]:
+    if name.startswith("head"):
+        target = last_token_target()
+        draft: LlamaModel | EagleHead = near_head(target, 0.01)
+    else:
+        target = tiny_model(tiny_config(), seed=0)
+        draft = noisy_copy(target, 0.02, seed=1)
+    spec = SPECS[name]
+    engine = Engine(
+        target,
+        tokenizer,  # type: ignore[arg-type]
+        draft=None if name == "plain" else draft,
+        speculation=spec,
+        eos_token_ids=set(),
+    )
+    return target, engine
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_logprobs_are_the_targets_whoever_drafted(name: str) -> None:
+    """Greedy, sampled and with a logit bias (the values are the unbiased distribution's, as vLLM's default): one
+    entry per output token, drafted and accepted or the step's own, with the likeliest tokens in order."""
+    target, engine = _engine(name)
+    cases = [
+        SamplingParams(max_tokens=20, logprobs=3),
+        SamplingParams(max_tokens=20, logprobs=0, temperature=1.0, seed=4),
+        SamplingParams(max_tokens=20, logprobs=5, logit_bias={PROMPT[0]: 3.0, 40: -100.0}),
+    ]
+    accepted = 0
+    for params in cases:
+        out = engine.generate([PROMPT], params)[0]
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 20
+        assert_close(out.logprobs, reference_logprobs(target, PROMPT, out.token_ids, params.logprobs or 0))
+        accepted += out.stats.accepted
+    if name != "plain":
+        assert accepted > 0  # (drafted tokens' logprobs are among those checked)
+    assert engine.generate([PROMPT], SamplingParams(max_tokens=5))[0].logprobs is None  # not asked for
+
+
+@pytest.mark.parametrize("name", ["plain", "chain", "ddd"])
+def test_logprobs_follow_the_tokens_a_stop_cuts(name: str) -> None:
+    """A stop string cuts accepted tokens off a step, a stop token id ends it: their logprobs go with them."""
+    target, engine = _engine(name, tiny_tokenizer())
+    whole = engine.generate([PROMPT], SamplingParams(max_tokens=30, logprobs=1))[0]
+    for i in (6, 13, 21):
+        stop = whole.text[i : i + 2]
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=30, logprobs=1, stop=(stop,)))[0]
+        assert out.finish_reason == FinishReason.stop and 0 < len(out.token_ids) < 30
+        assert out.logprobs == whole.logprobs[: len(out.token_ids)]  # type: ignore[index]
+        stop_id = whole.token_ids[i]
+        by_id = engine.generate([PROMPT], SamplingParams(max_tokens=30, logprobs=1, stop_token_ids=[stop_id]))[0]
+        assert by_id.token_ids[-1] == stop_id and by_id.logprobs == whole.logprobs[: len(by_id.token_ids)]  # type: ignore[index]
+    assert_close(whole.logprobs or [], reference_logprobs(target, PROMPT, whole.token_ids, 1))
+
+
+def test_a_batch_of_requests_asking_for_different_counts() -> None:
+    """One step's rows: some ask for logprobs (different counts), some not, greedy and sampled side by side."""
+    target, engine = _engine("chain")
+    params = [
+        SamplingParams(max_tokens=12, logprobs=2),
+        SamplingParams(max_tokens=12),
+        SamplingParams(max_tokens=12, logprobs=0, temperature=0.8, seed=1),
+        SamplingParams(max_tokens=12, logprobs=7, temperature=1.0, seed=2),
+    ]
+    prompts = [PROMPT, PROMPT[1:], [3, 4], PROMPT[::-1]]
+    for prompt, p, out in zip(prompts, params, engine.generate(prompts, params), strict=True):
+        if p.logprobs is None:
+            assert out.logprobs is None
+        else:
+            assert_close(out.logprobs or [], reference_logprobs(target, prompt, out.token_ids, p.logprobs))
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 1.5])
+def test_sampling_params_refuse_a_bad_logprobs_count(bad: object) -> None:
+    with pytest.raises(ValidationError, match="logprobs"):
+        SamplingParams(logprobs=bad)  # type: ignore[arg-type]
+
+
+def test_joined_and_resumed_outputs_keep_their_logprobs_with_their_tokens() -> None:
+    lps = [TokenLogprob(-0.5 - i, ((i, -0.1),)) for i in range(5)]
+
+    def output(ids: list[int], text: str, logprobs: list[TokenLogprob], finished: bool = False) -> RequestOutput:
+        reason = FinishReason.length if finished else None
+        return RequestOutput("r", ids, text, reason, 3, len(ids), RequestStats(), logprobs=logprobs)
+
+    first, second = output([1, 2], "ab", lps[:2]), output([3, 4, 5], "cde", lps[2:], finished=True)
+    assert first.then(second).logprobs == lps
+    cursor = StreamCursor(StreamMark().after([1, 2, 3], b"abc"))
+    assert cursor.advance(first) is None
+    rest = cursor.advance(second)
+    assert rest is not None and rest.token_ids == [4, 5] and rest.logprobs == lps[3:]
+
+
+def test_an_interrupted_commit_keeps_logprobs_in_step_with_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in a row's detokenisation, after its output (and logprobs) grew: the row's state goes back, logprobs
+    included, so the step committed again adds each token's entry once."""
+    target, engine = _engine("chain", tiny_tokenizer())
+    params = SamplingParams(max_tokens=16, logprobs=2, ignore_eos=True)
+    alone = engine.generate([PROMPT], params)[0]
+    rid, other = engine.submit(PROMPT, params), engine.submit(PROMPT[1:], params)
+    seq = engine.loop.waiting[0]
+    real_update = IncrementalText.update
+    fired: list[int] = []
+
+    def update(text: IncrementalText, token_ids: list[int], *, final: bool = False, drop_open: bool = False) -> str:
+        if text is seq.text and len(token_ids) > 4 and not fired:
+            fired.append(len(seq.pending_logprobs))
+            raise KeyboardInterrupt
+        return real_update(text, token_ids, final=final, drop_open=drop_open)
+
+    monkeypatch.setattr(IncrementalText, "update", update)
+    with pytest.raises(KeyboardInterrupt):
+        engine.collect([other])  # (the interrupted caller's request goes)
+    assert fired and fired[0] > 0
+    done: Completion = engine.collect([rid])[0]
+    assert done.token_ids == alone.token_ids
+    assert_close(done.logprobs or [], alone.logprobs or [])  # (one entry per token: none twice, none lost)
+    assert_close(done.logprobs or [], reference_logprobs(target, PROMPT, done.token_ids, 2))
