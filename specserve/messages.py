@@ -92,6 +92,14 @@ class VerifyItem:
     kld_tail: SparseTail = SparseTail.lumped  # how a sparse q's leftover mass is modelled
     synthetic_accept: float | None = None  # SYNTHETIC benchmark mode (see SpecConfig.synthetic_accept)
     features: FeatureRequest | None = None  # return the hidden states of the positions this step caches
+    banned: tuple[int, ...] = ()  # tokens the target does not draw at sequence positions below ``banned_below``
+    banned_below: int = 0  # (min_tokens: EOS and the stop ids, before that many output tokens)
+
+    def banned_rows(self, draw_positions: list[int]) -> list[int]:
+        """The tree nodes whose token is drawn without ``banned``: ``draw_positions`` [T] per node."""
+        if not self.banned:
+            return []
+        return [i for i, pos in enumerate(draw_positions) if pos < self.banned_below]
 
 
 @dataclass(frozen=True)

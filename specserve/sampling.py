@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from specserve.validated import Validated
 
@@ -64,7 +64,27 @@ class SamplingParams(Validated):
         "none); of the target's own distribution, before the logit bias, temperature or any cut (vLLM's default)",
     )
 
-    @field_validator("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "logprobs", mode="before")
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_CONTEXT,
+        description="output tokens before EOS (unless ignore_eos) or a stop token id may be drawn: the target draws "
+        "without them until then (vLLM's); at most max_tokens; not with stop strings",
+    )
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_fit(cls, v: int, info: ValidationInfo) -> int:
+        # (declared after max_tokens and stop: validated after them; an invalid one has its own error)
+        if v and "max_tokens" in info.data and v > info.data["max_tokens"]:
+            raise ValueError(f"min_tokens ({v}) must be at most max_tokens ({info.data['max_tokens']})")
+        if v and info.data.get("stop"):  # vLLM ignores a stop string completed before min_tokens: not done here
+            raise ValueError("min_tokens with stop strings is not supported")
+        return v
+
+    @field_validator(
+        "temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "logprobs", "min_tokens", mode="before"
+    )
     @classmethod
     def _not_bool(cls, v: object) -> object:  # (pydantic reads True as 1: top_k=True made a sampled request greedy)
         if isinstance(v, bool | np.bool_):
@@ -122,6 +142,12 @@ class SamplingParams(Validated):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def banned_before(self, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
+        """The tokens not drawn before ``min_tokens`` output tokens: EOS (unless ignore_eos) and the stop ids."""
+        if not self.min_tokens:
+            return ()
+        return tuple(sorted(self.stop_token_ids | (set() if self.ignore_eos else set(eos_token_ids))))
 
     @property
     def raw_argmax(self) -> bool:

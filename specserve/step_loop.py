@@ -344,8 +344,12 @@ class StepLoop:
     def _verify_item(self, seq: Sequence, proposal: Proposal | None) -> VerifyItem:
         spec = seq.spec
         features = self.features if spec.uses_model else None  # the head reads them only where it may draft
+        params = seq.request.params
+        banned = params.banned_before(self.eos_token_ids) if len(seq.output) < params.min_tokens else ()
+        below = len(seq.request.prompt_ids) + params.min_tokens if banned else 0  # (the sequence position)
         if proposal is None:
-            return VerifyItem(seq.seq_id, seq.unsent(seq.target_seen), features=features)
+            item = VerifyItem(seq.seq_id, seq.unsent(seq.target_seen), features=features)
+            return replace(item, banned=banned, banned_below=below) if banned else item
         return VerifyItem(
             seq.seq_id,
             seq.unsent(seq.target_seen),
@@ -358,6 +362,8 @@ class StepLoop:
             kld_tail=spec.kld_tail,
             synthetic_accept=spec.synthetic_accept,
             features=features,
+            banned=banned,
+            banned_below=below,
         )
 
     def _commit_rows(

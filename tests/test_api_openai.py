@@ -454,6 +454,39 @@ def test_logit_bias_moves_the_answer_over_http_and_the_sdk(url: str, client: ope
         assert error["param"] == "logit_bias" and says in error["message"], (value, error)
 
 
+def test_min_tokens_keeps_stop_ids_out_until_then_over_http(url: str, client: openai.OpenAI) -> None:
+    """vLLM's min_tokens: a stop token id the answer would end at is not generated before that many tokens; more
+    than max_tokens, or beside stop strings, a 400 naming it."""
+
+    def post(**fields: Any) -> dict[str, Any]:
+        body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 10, "return_token_ids": True, "temperature": 0}
+        r = httpx.post(url + COMPLETIONS, json=body | fields, timeout=30)
+        assert r.status_code == 200, r.text
+        return dict(r.json()["choices"][0])
+
+    greedy = post(ignore_eos=True)["token_ids"]
+    stop = greedy[1]
+    assert post(stop_token_ids=[stop])["token_ids"] == greedy[:2]
+    held = post(stop_token_ids=[stop], min_tokens=6)
+    assert len(held["token_ids"]) >= 6 and stop not in held["token_ids"][:6], held
+    assert (held["finish_reason"] == "stop") == (held["token_ids"][-1] == stop)
+    via_sdk = client.completions.create(
+        model=MODEL, prompt=[3, 4], max_tokens=10, temperature=0, extra_body={"stop_token_ids": [stop], "min_tokens": 6}
+    )
+    assert via_sdk.choices[0].text == tiny_tokenizer().decode(
+        held["token_ids"][: 10 if held["finish_reason"] == "length" else -1]
+    )
+    for fields, says in (
+        ({"min_tokens": 11}, "min_tokens (11) must be at most max_tokens (10)"),
+        ({"min_tokens": 2, "stop": ["x"]}, "min_tokens with stop strings is not supported"),
+        ({"min_tokens": -1}, "greater than or equal to 0"),
+        ({"min_tokens": "2"}, "valid integer"),
+    ):
+        body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 10} | fields
+        error = _error(httpx.post(url + COMPLETIONS, json=body))
+        assert error["param"] == "min_tokens" and says in error["message"], (fields, error)
+
+
 def test_logprobs_over_http_streamed_and_through_the_sdk(url: str, client: openai.OpenAI) -> None:
     """OpenAI's logprobs in both endpoints' shapes: per output token its text, log-probability and the likeliest
     tokens' (the engine's values, tests/test_logprobs.py), the same streamed as whole, through the SDK's types; a

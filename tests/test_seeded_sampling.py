@@ -220,12 +220,15 @@ def _exact_pairs(target: LlamaModel, chi_params: dict[str, object] = CHI_PARAMS)
     params = SamplingParams(**{k: v for k, v in chi_params.items() if k != "logit_bias"})  # type: ignore[arg-type]
     bias = chi_params.get("logit_bias", {})
     assert isinstance(bias, dict)
+    banned = params.stop_token_ids if params.min_tokens >= 2 else frozenset()  # (both tokens drawn without them)
 
     def next_probs(tokens: list[int]) -> torch.Tensor:
         cache = target.new_cache(1, len(tokens) + 1)
         logits = target(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)[-1:].clone()
         for t, b in bias.items():  # (added here, not by the code under test)
             logits[0, t] += b
+        for t in banned:
+            logits[0, t] = float("-inf")
         return process_logits(logits, params)[0].double()
 
     p1 = next_probs(CHI_PROMPT)
@@ -281,6 +284,9 @@ CHI_SPECS = {
     "chain-keyed-bias": SpecConfig(method=SpecMethod.chain, sl=2),
     "chain-sampled-bias": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
     "tree-bias": SpecConfig(method=SpecMethod.eagle2, tree_depth=2, beam_width=3, budget=8),
+    # min_tokens 2 with the target's likeliest first token as a stop id: both tokens drawn without it
+    "chain-keyed-min-tokens": SpecConfig(method=SpecMethod.chain, sl=2),
+    "chain-sampled-min-tokens": SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),
 }
 CHI_MIN_P = {"temperature": 1.0, "min_p": 0.03, "max_tokens": 2, "ignore_eos": True}
 
@@ -330,11 +336,18 @@ def _chi_case(target: LlamaModel, name: str) -> tuple[LlamaModel, LlamaModel | E
     return target, head
 
 
-def _chi_bias(target: LlamaModel) -> dict[str, object]:
+def _first_argmax(target: LlamaModel) -> int:
     cache = target.new_cache(1, len(CHI_PROMPT))
-    logits = target(ForwardBatch.build(cache, [cache.allocate()], [CHI_PROMPT], num_logits=[1]), cache)[-1]
-    bias = {t: 1.5 for t in range(0, target.cfg.vocab_size, 2)} | {int(logits.argmax()): -100.0}
+    return int(target(ForwardBatch.build(cache, [cache.allocate()], [CHI_PROMPT], num_logits=[1]), cache)[-1].argmax())
+
+
+def _chi_bias(target: LlamaModel) -> dict[str, object]:
+    bias = {t: 1.5 for t in range(0, target.cfg.vocab_size, 2)} | {_first_argmax(target): -100.0}
     return {**CHI_PARAMS, "logit_bias": bias}
+
+
+def _chi_min_tokens(target: LlamaModel) -> dict[str, object]:
+    return {**CHI_PARAMS, "min_tokens": 2, "stop_token_ids": [_first_argmax(target)]}
 
 
 @pytest.mark.parametrize("name", list(CHI_SPECS))
@@ -342,7 +355,15 @@ def test_engine_samples_have_the_targets_distribution(target: LlamaModel, name: 
     """Drafts the target mostly rejects test little beyond plain sampling: each case has at least 10% of its drafts
     accepted (their tokens then come from the accepted path)."""
     target, draft = _chi_case(target, name)
-    chi_params = CHI_MIN_P if name.endswith("min-p") else _chi_bias(target) if name.endswith("bias") else CHI_PARAMS
+    chi_params = (
+        CHI_MIN_P
+        if name.endswith("min-p")
+        else _chi_bias(target)
+        if name.endswith("bias")
+        else _chi_min_tokens(target)
+        if name.endswith("min-tokens")
+        else CHI_PARAMS
+    )
     engine = Engine(target, None, draft=draft, speculation=CHI_SPECS[name], eos_token_ids=set(), max_batch_size=64)
     outs = _engine_outputs(engine, 3 if isinstance(draft, EagleHead) else 2, chi_params)
     pairs = [(o.token_ids[0], o.token_ids[1]) for o in outs]

@@ -1,10 +1,10 @@
 """OpenAI-compatible request and response schemas (completions, chat completions, models, errors).
 
 Extensions beyond OpenAI's API: ``top_k``, ``min_p``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``ignore_eos``, ``return_token_ids`` and ``cache_salt`` (as vLLM names them; vLLM's ``repetition_penalty`` only at
-its neutral 1), ``speculation`` (per-request speculative decoding options) and ``resume_from`` (resume a stream);
-``usage.speculation`` reports what speculation did, ``seed`` the seed a sampled request drew with, a choice's
-``stop_reason`` (vLLM's) the stop string or stop token id that ended it.
+``min_tokens``, ``ignore_eos``, ``return_token_ids`` and ``cache_salt`` (as vLLM names them; vLLM's
+``repetition_penalty`` only at its neutral 1), ``speculation`` (per-request speculative decoding options) and
+``resume_from`` (resume a stream); ``usage.speculation`` reports what speculation did, ``seed`` the seed a sampled
+request drew with, a choice's ``stop_reason`` (vLLM's) the stop string or stop token id that ended it.
 """
 
 from __future__ import annotations
@@ -248,6 +248,13 @@ class GenerationRequest(ClosedModel):
     include_stop_str_in_output: StrictBool = Field(
         default=False,
         description="extension (as vLLM's): the text keeps the stop string, or the stop token's text, that ended it",
+    )
+    min_tokens: StrictInt = Field(
+        default=0,
+        ge=0,
+        lt=INT64_END,
+        description="extension (as vLLM's): output tokens before EOS (unless ignore_eos) or a stop token id may be "
+        "generated; at most max_tokens, and not with stop strings",
     )
     user: str | None = None
     logit_bias: LogitBias | None = Field(

@@ -57,7 +57,8 @@ class TargetWorker:
         for i, it in enumerate(items):
             with blame(it.seq_id):
                 params = self.params[it.seq_id]
-                greedy[i] = params.raw_argmax and it.synthetic_accept is None  # (biased: from the biased logits)
+                # (biased, or with tokens not drawn yet: from the logits as processed)
+                greedy[i] = params.raw_argmax and it.synthetic_accept is None and not it.banned
                 slot = self.table.slot(it.seq_id)
                 tree = DraftTree(
                     tokens=torch.tensor([it.new_tokens[-1], *it.draft_tokens]),
@@ -121,13 +122,17 @@ class TargetWorker:
         params = self.params[it.seq_id]
         gen = self.generators[it.seq_id]
         vocab = self.model.cfg.vocab_size
-        if params.raw_argmax and it.synthetic_accept is None:
+        if params.raw_argmax and it.synthetic_accept is None and not it.banned:
             assert greedy is not None
             res = accept_tree(tree, greedy, vocab)  # the argmaxes (process_logits would make their one-hot rows)
         elif logits is None:
             raise AssertionError("a sampled, biased or synthetic item in a step verified by argmax only")
         else:
-            p = process_logits(apply_logit_bias(logits, params), params)  # [T, V]
+            logits = apply_logit_bias(logits, params)  # [T, V] float32 (the step's own rows without a bias)
+            if rows := it.banned_rows(draw_positions):  # min_tokens: EOS and the stop ids not drawn yet
+                at = torch.tensor(rows, device=logits.device)[:, None], torch.tensor(it.banned, device=logits.device)
+                logits = logits.index_put(at, torch.tensor(float("-inf"), device=logits.device))  # (out of place)
+            p = process_logits(logits, params)  # [T, V]
             if it.synthetic_accept is not None:
                 tokens_h = [it.new_tokens[-1], *it.draft_tokens]
                 res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)

@@ -1,0 +1,95 @@
+"""vLLM's ``min_tokens``: before that many output tokens the target draws without EOS (unless ignore_eos) and the stop
+token ids; drafts may propose them, and verification rejects them there."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from specserve.config import Drafter, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.sampling import SamplingParams
+from specserve.sequence import FinishReason
+from specserve.spec_decode.eagle_head import EagleHead
+from tests.test_head_drafter import last_token_target, near_head
+
+PROMPT = [5, 9, 13, 21, 2, 7]
+SPECS = {
+    "plain": SpecConfig(method=SpecMethod.none),
+    "chain": SpecConfig(method=SpecMethod.chain, sl=4),
+    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=5, beam_width=2, budget=10),
+    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
+    "lookup": SpecConfig(method=SpecMethod.chain, sl=6, drafter=Drafter.lookup),
+    "head-ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
+}
+
+
+def reference(model: LlamaModel, n: int, *, ends: set[int], banned: set[int], min_tokens: int) -> list[int]:
+    """Greedy decoding over the whole sequence each token; before ``min_tokens`` outputs the argmax is taken over
+    the tokens outside ``banned``; a token of ``ends`` ends the output (its own place in it left to the caller)."""
+    tokens, out = list(PROMPT), []
+    for _ in range(n):
+        cache = model.new_cache(1, len(tokens) + 1)
+        logits = model(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)[-1].tolist()
+        allowed = [t for t in range(len(logits)) if len(out) >= min_tokens or t not in banned]
+        tok = max(allowed, key=lambda t: logits[t])
+        out.append(tok)
+        tokens.append(tok)
+        if tok in ends:
+            break
+    return out
+
+
+def _engine(name: str, eos: set[int]) -> tuple[LlamaModel, Engine]:
+    if name.startswith("head"):
+        target = last_token_target()
+        draft: LlamaModel | EagleHead = near_head(target, 0.01)
+    else:
+        target = tiny_model(tiny_config(), seed=0)
+        draft = noisy_copy(target, 0.02, seed=1)
+    engine = Engine(target, None, draft=None if name == "plain" else draft, speculation=SPECS[name], eos_token_ids=eos)
+    return target, engine
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_no_eos_or_stop_id_before_min_tokens(name: str) -> None:
+    target, _ = _engine(name, set())
+    free = reference(target, 24, ends=set(), banned=set(), min_tokens=0)
+    eos, stop = free[3], free[5]
+    _, engine = _engine(name, {eos})
+    assert engine.generate([PROMPT], SamplingParams(max_tokens=24))[0].token_ids == free[:3]  # (EOS at index 3)
+    for m in (4, 9):
+        want = reference(target, 24, ends={eos, stop}, banned={eos, stop}, min_tokens=m)
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=24, min_tokens=m, stop_token_ids=[stop]))[0]
+        assert len(want) > m and not {eos, stop} & set(want[:m])  # (the ban changed the output)
+        assert out.token_ids == [t for t in want if t != eos], m  # (EOS ends it, not in the output; a stop id is)
+        assert out.stats.accepted + out.stats.target_forwards == len(out.token_ids) + (want[-1] == eos)
+    # ignore_eos: EOS is no stop, so min_tokens keeps only the stop id out
+    want = reference(target, 24, ends={stop}, banned={stop}, min_tokens=9)
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=24, min_tokens=9, stop_token_ids=[stop], ignore_eos=True))
+    assert out[0].token_ids == want
+
+
+def test_min_tokens_as_large_as_max_tokens_runs_to_the_length() -> None:
+    target, _ = _engine("chain", set())
+    free = reference(target, 12, ends=set(), banned=set(), min_tokens=0)
+    _, engine = _engine("chain", {free[1]})
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=12, min_tokens=12))[0]
+    assert out.finish_reason == FinishReason.length and len(out.token_ids) == 12 and free[1] not in out.token_ids
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"min_tokens": -1}, "greater than or equal to 0"),
+        ({"min_tokens": 9, "max_tokens": 8}, r"min_tokens \(9\) must be at most max_tokens \(8\)"),
+        ({"min_tokens": 2, "stop": ["x"]}, "min_tokens with stop strings is not supported"),
+        ({"min_tokens": True}, "a number"),
+    ],
+)
+def test_sampling_params_refuse_a_min_tokens_they_cannot_keep(fields: dict[str, object], says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        SamplingParams(**fields)  # type: ignore[arg-type]
