@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ from specserve.errors import InvalidRequestError, PromptTooLongError
 from specserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback pieces
 
 
 class PromptEncoder:
@@ -23,6 +25,7 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._token_texts: dict[int, str] = {}  # (at most the vocabulary's)
+        self._token_bytes: dict[int, bytes] = {}
         if tokenizer is not None and len(tokenizer) > vocab_size:  # added tokens past the embedding's rows
             logger.warning(
                 "the tokenizer has %d tokens but the model embeds only %d (ids %d and up, added tokens the model was "
@@ -39,6 +42,34 @@ class PromptEncoder:
         if token_id not in self._token_texts:
             self._token_texts[token_id] = str(self.tokenizer.decode([token_id]))
         return self._token_texts[token_id]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes, which a character split over tokens spans (its text shows each part as U+FFFD): a
+        byte-level BPE piece through its byte alphabet, a SentencePiece byte token ``<0xNN>`` as that byte, any
+        other token as its text in UTF-8."""
+        if token_id not in self._token_bytes:
+            piece = None if self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(token_id)
+            alphabet = self._byte_alphabet
+            if isinstance(piece, str) and _BYTE_TOKEN.fullmatch(piece):
+                found = bytes([int(piece[3:5], 16)])
+            elif isinstance(piece, str) and alphabet and piece and all(c in alphabet for c in piece):
+                found = bytes(alphabet[c] for c in piece)
+            else:
+                found = self.token_text(token_id).encode("utf-8")
+            self._token_bytes[token_id] = found
+        return self._token_bytes[token_id]
+
+    @functools.cached_property
+    def _byte_alphabet(self) -> dict[str, int]:
+        """A byte-level BPE tokenizer's character for each byte, reversed (empty for other tokenizers)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+            return {}
+        try:  # GPT-2's table, which every byte-level BPE tokenizer shares
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+        except ImportError:  # (a transformers without it: texts, not bytes)
+            return {}
+        return {c: b for b, c in bytes_to_unicode().items()}
 
     def token_ids(self, ids: list[int]) -> list[int]:
         if any(not 0 <= t < self.vocab_size for t in ids):

@@ -120,14 +120,15 @@ class SamplingParams(Validated):
     def _bias_entries(cls, v: object) -> object:
         """A mapping (or the pairs a validated one keeps) as sorted pairs: immutable and hashable, as the params
         are (a dict would be shared with, and could be changed under, the request it was checked for)."""
-        items = list(v.items()) if isinstance(v, Mapping) else v if isinstance(v, tuple) else None
+        # (pairs also as lists of two: the params' own JSON, model_dump_json, writes them so)
+        items = list(v.items()) if isinstance(v, Mapping) else v if isinstance(v, tuple | list) else None
         if items is None:
             raise ValueError(f"a mapping of token ids to biases, not {type(v).__name__}")
         if len(items) > MAX_LOGIT_BIAS:  # (before its entries: one error for the map, not one per entry)
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, not {len(items)}")
         pairs: dict[int, float] = {}
         for entry in items:
-            if not isinstance(entry, tuple) or len(entry) != 2:
+            if not isinstance(entry, tuple | list) or len(entry) != 2:
                 raise ValueError(f"(token id, bias) pairs, not {entry!r:.40}")
             t, b = entry
             if isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer) or t < 0:

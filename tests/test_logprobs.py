@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.resume import StreamCursor, StreamMark
+from specserve.api.server import _CompletionFormat
 from specserve.config import Drafter, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.engine import Completion, Engine
@@ -16,6 +17,7 @@ from specserve.messages import TokenLogprob
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
 from specserve.sequence import FinishReason, RequestOutput, RequestStats
 from specserve.spec_decode.eagle_head import EagleHead
@@ -132,6 +134,29 @@ def test_sampling_params_refuse_a_bad_logprobs_count(bad: object) -> None:
         SamplingParams(logprobs=bad)  # type: ignore[arg-type]
 
 
+def test_a_vocabulary_smaller_than_the_count_lists_every_token() -> None:
+    target = tiny_model(tiny_config(vocab_size=16), seed=0)
+    out = Engine(target, None, eos_token_ids=set()).generate([[1, 2, 3]], SamplingParams(max_tokens=3, logprobs=20))[0]
+    assert out.logprobs is not None and [len(lp.top) for lp in out.logprobs] == [16, 16, 16]
+    assert_close(out.logprobs, reference_logprobs(target, [1, 2, 3], out.token_ids, 16))
+
+
+def test_params_with_logprobs_and_a_bias_go_through_their_own_json() -> None:
+    params = SamplingParams(logprobs=3, logit_bias={7: -2.0, 3: 1.0}, min_tokens=2)
+    assert SamplingParams.model_validate_json(params.model_dump_json()) == params
+
+
+def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character() -> None:
+    """A byte-level BPE piece maps back to its bytes: the two tokens of "é" each decode to U+FFFD, and their bytes
+    join to the character (what OpenAI's ``bytes`` is for)."""
+    tok = tiny_tokenizer()
+    encoder = PromptEncoder(tok, 512)
+    ids = tok.encode("é café", add_special_tokens=False)
+    assert [encoder.token_text(t) for t in ids[:2]] == ["\ufffd", "\ufffd"]
+    assert b"".join(encoder.token_bytes(t) for t in ids) == "é café".encode()
+    assert PromptEncoder(None, 512).token_bytes(7) == b"token_id:7"
+
+
 def test_joined_and_resumed_outputs_keep_their_logprobs_with_their_tokens() -> None:
     lps = [TokenLogprob(-0.5 - i, ((i, -0.1),)) for i in range(5)]
 
@@ -143,8 +168,16 @@ def test_joined_and_resumed_outputs_keep_their_logprobs_with_their_tokens() -> N
     assert first.then(second).logprobs == lps
     cursor = StreamCursor(StreamMark().after([1, 2, 3], b"abc"))
     assert cursor.advance(first) is None
-    rest = cursor.advance(second)
+    assert StreamCursor.passed_over(first, None) == [1, 2]
+    rest = cursor.advance(second)  # (the resume point inside this output: its first token was sent before)
     assert rest is not None and rest.token_ids == [4, 5] and rest.logprobs == lps[3:]
+    assert StreamCursor.passed_over(second, rest) == [3]
+    # a completions stream's text offsets count the tokens it passed over: those of the whole answer
+    fmt = _CompletionFormat("m", PromptEncoder(tiny_tokenizer(), 512))
+    fmt.skip([1, 2, 3])
+    chunk = fmt.chunk(rest, with_ids=False)
+    texts = [fmt.token_text(t) for t in [1, 2, 3, 4, 5]]
+    assert chunk.choices[0].logprobs.text_offset == [len("".join(texts[:3])), len("".join(texts[:4]))]  # type: ignore[attr-defined]
 
 
 def test_an_interrupted_commit_keeps_logprobs_in_step_with_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -142,6 +142,11 @@ class StreamCursor:
         logprobs = None if out.logprobs is None else out.logprobs[skipped:]
         return replace(out, token_ids=new_ids, text=new_text.decode(errors="replace"), logprobs=logprobs)
 
+    @staticmethod
+    def passed_over(out: RequestOutput, part: RequestOutput | None) -> list[int]:
+        """The tokens of ``out`` that ``advance`` did not pass on (``part``: what it did)."""
+        return out.token_ids[: len(out.token_ids) - (0 if part is None else len(part.token_ids))]
+
     def sent(self, phase: StreamPhase) -> bool:
         """Whether the client had this phase's event before it resumed."""
         return self.resuming and self.resume.phase.rank >= phase.rank

@@ -513,7 +513,10 @@ class ChatCompletionRequest(GenerationRequest):
         "cut, as vLLM's default), in choices[].logprobs.content",
     )
     top_logprobs: StrictInt | None = Field(
-        default=None, ge=0, le=MAX_LOGPROBS, description="with logprobs: this many likeliest tokens' beside each"
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="this many likeliest tokens' beside each output token's; above 0 only with logprobs: true",
     )
     # what this server does, sent as values by clients that spell them out: accepted; other values are refused
     modalities: list[Literal["text"]] | None = Field(default=None, max_length=1, description="only ['text']")
@@ -641,7 +644,7 @@ class AssistantMessage(BaseModel):
 class TopLogprob(BaseModel):
     token: str
     logprob: float
-    bytes: list[int] | None  # the token's text in UTF-8
+    bytes: list[int] | None  # the token's own bytes (of a character split over tokens, its part; its token: U+FFFD)
 
 
 class ChatTokenLogprob(TopLogprob):

@@ -323,7 +323,7 @@ class _Routes:
             return encoder.token_ids(body.prompt)
 
         limit = _TokenLimit(body.max_tokens, "max_tokens", "prompt")
-        fmt = _CompletionFormat(self._model(), encoder.token_text)
+        fmt = _CompletionFormat(self._model(), encoder)
         return await self._generate(body, encode, limit, fmt, tracker, http.receive, last_event_id)
 
     async def chat_completions(
@@ -336,7 +336,7 @@ class _Routes:
             return encoder.chat([m.for_template() for m in body.messages], room=room)
 
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
-        fmt = _ChatFormat(self._model(), encoder.token_text)
+        fmt = _ChatFormat(self._model(), encoder)
         return await self._generate(body, encode, limit, fmt, tracker, http.receive, last_event_id)
 
     async def models(self) -> ModelList:
@@ -510,8 +510,7 @@ class _Routes:
                     sent_at = time.monotonic()
                     continue
                 part = cursor.advance(out)  # None: delivered before the resume point
-                if part is None or len(part.token_ids) < len(out.token_ids):  # (text offsets count them too)
-                    fmt.skip(out.token_ids[: len(out.token_ids) - (0 if part is None else len(part.token_ids))])
+                fmt.skip(cursor.passed_over(out, part))  # (text offsets count them too)
                 tracker.see(out, 0 if part is None else len(part.token_ids))
                 if out.finished:
                     cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
@@ -651,16 +650,20 @@ def _id_text(token_id: int) -> str:
 
 class _Stamped:
     """What every chunk and response of one request carries: its id, one created time (as OpenAI's, the same on
-    every chunk of a stream), the model and the seed drawn with. ``token_text``: a token's text in logprobs."""
+    every chunk of a stream), the model and the seed drawn with; ``encoder``: a token's text and bytes in logprobs
+    (without one: ``token_id:N``)."""
 
     prefix = ""
 
-    def __init__(self, model: str, token_text: Callable[[int], str] = _id_text) -> None:
+    def __init__(self, model: str, encoder: PromptEncoder | None = None) -> None:
         self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.model = model
         self.seed: int | None = None
         self.created = int(time.time())
-        self.token_text = token_text
+        self.token_text: Callable[[int], str] = _id_text if encoder is None else encoder.token_text
+        self.token_bytes: Callable[[int], bytes] = (
+            (lambda t: _id_text(t).encode()) if encoder is None else encoder.token_bytes
+        )
 
     def stamp(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model, "seed": self.seed}
@@ -672,8 +675,8 @@ class _Stamped:
 class _CompletionFormat(_Stamped):
     prefix = "cmpl"
 
-    def __init__(self, model: str, token_text: Callable[[int], str] = _id_text) -> None:
-        super().__init__(model, token_text)
+    def __init__(self, model: str, encoder: PromptEncoder | None = None) -> None:
+        super().__init__(model, encoder)
         self.text_offset = 0  # where the next token's text starts, over the tokens' own texts (as vLLM counts)
 
     def first_chunk(self) -> BaseModel | None:
@@ -729,8 +732,7 @@ class _ChatFormat(_Stamped):
         return ChatCompletionChunk(**self.stamp(), choices=[choice])
 
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
-        text = self.token_text(token_id)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8", errors="replace")))
+        return TopLogprob(token=self.token_text(token_id), logprob=logprob, bytes=list(self.token_bytes(token_id)))
 
     def _logprobs(self, ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if logprobs is None:

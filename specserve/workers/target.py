@@ -165,7 +165,7 @@ class TargetWorker:
             first += size
         logprobs = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(-1)  # [n, V]
         picked = logprobs.gather(-1, torch.tensor(chosen, device=logits.device)[:, None])[:, 0]  # [n]
-        k = max(cast(int, self.params[items[i].seq_id].logprobs) for i in asking)
+        k = min(max(cast(int, self.params[items[i].seq_id].logprobs) for i in asking), logits.shape[-1])
         top = logprobs.topk(k, -1) if k > 0 else None  # [n, k] values and ids, most likely first
         parts = [picked] if top is None else [picked, top.values.flatten(), top.indices.flatten().float()]
         host = torch.cat(parts).cpu().tolist()  # host sync: the step's logprobs, once (ids < 2**24: exact as float)
@@ -174,7 +174,7 @@ class TargetWorker:
         updated = list(outputs)
         at = 0
         for i in asking:
-            want = cast(int, self.params[items[i].seq_id].logprobs)
+            want = min(cast(int, self.params[items[i].seq_id].logprobs), k)  # (no more than the vocabulary)
             per_token = []
             for r in range(at, at + len(outputs[i].tokens)):
                 top_r = tuple((int(ids[r * k + j]), _finite(values[r * k + j])) for j in range(want))
