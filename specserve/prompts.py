@@ -86,6 +86,11 @@ class PromptEncoder:
         for param, what, ids in named:
             if outside := sorted(t for t in ids if not 0 <= t < self.vocab_size)[:3]:
                 raise InvalidRequestError(f"{what} must be in [0, {self.vocab_size}), not {outside}", param=param)
+        if params.min_tokens and len(params.stop_token_ids) >= self.vocab_size - 1:  # (and EOS, maybe the last)
+            raise InvalidRequestError(
+                "min_tokens with stop_token_ids that cover the vocabulary leaves no token to generate",
+                param="min_tokens",
+            )
 
     def text(self, prompt: str, *, room: int | None = None) -> list[int]:
         """A completion prompt's ids: a Llama-2/3 or Mistral tokenizer starts them with its BOS, which the model saw

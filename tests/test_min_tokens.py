@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from specserve.config import Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
+from specserve.errors import InvalidRequestError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
@@ -71,6 +72,36 @@ def test_no_eos_or_stop_id_before_min_tokens(name: str) -> None:
     want = reference(target, 24, ends={stop}, banned={stop}, min_tokens=9)
     out = engine.generate([PROMPT], SamplingParams(max_tokens=24, min_tokens=9, stop_token_ids=[stop], ignore_eos=True))
     assert out[0].token_ids == want
+
+
+@pytest.mark.parametrize("name", ["plain", "chain", "eagle2", "lookup"])
+def test_the_ban_ends_at_exactly_min_tokens(name: str) -> None:
+    """EOS as the token at output index m: with min_tokens m it is drawn there (m tokens before it), and the raw
+    logprobs still show it at the banned positions before (the ban is on a copy of the step's logits)."""
+    target, _ = _engine(name, set())
+    free = reference(target, 14, ends=set(), banned=set(), min_tokens=0)
+    for m in range(1, 12):
+        if free[m] in free[:m]:
+            continue
+        _, engine = _engine(name, {free[m]})
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=14, min_tokens=m, logprobs=3))[0]
+        assert out.token_ids == free[:m] and out.finish_reason == FinishReason.stop, m
+        assert out.logprobs is not None and out.logprobs[m - 1].logprob < 0
+    eos = free[2]
+    _, engine = _engine(name, {eos})
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=14, min_tokens=4, logprobs=5))[0]
+    assert out.logprobs is not None and eos in [t for t, _ in out.logprobs[2].top]  # (banned there, still listed)
+
+
+def test_an_eos_id_past_the_vocabulary_is_no_ban_and_a_ban_of_every_token_is_refused() -> None:
+    target = tiny_model(tiny_config(), seed=0)
+    engine = Engine(target, None, eos_token_ids=set())
+    free = engine.generate([PROMPT], SamplingParams(max_tokens=8))[0].token_ids
+    engine.loop.eos_token_ids = frozenset({free[2], 600})  # (a config's EOS id the model cannot emit, vocab 512)
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=8, min_tokens=4))[0]
+    assert len(out.token_ids) >= 4 and free[2] not in out.token_ids[:4]
+    with pytest.raises(InvalidRequestError, match="no token to generate"):
+        engine.submit(PROMPT, SamplingParams(max_tokens=8, min_tokens=1, stop_token_ids=range(511)))
 
 
 def test_min_tokens_as_large_as_max_tokens_runs_to_the_length() -> None:

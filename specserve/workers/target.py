@@ -130,7 +130,8 @@ class TargetWorker:
         else:
             logits = apply_logit_bias(logits, params)  # [T, V] float32 (the step's own rows without a bias)
             if rows := it.banned_rows(draw_positions):  # min_tokens: EOS and the stop ids not drawn yet
-                at = torch.tensor(rows, device=logits.device)[:, None], torch.tensor(it.banned, device=logits.device)
+                ids = [t for t in it.banned if t < vocab]  # (a configured EOS id past the vocabulary is never drawn)
+                at = torch.tensor(rows, device=logits.device)[:, None], torch.tensor(ids, device=logits.device)
                 logits = logits.index_put(at, torch.tensor(float("-inf"), device=logits.device))  # (out of place)
             p = process_logits(logits, params)  # [T, V]
             if it.synthetic_accept is not None:
