@@ -400,6 +400,8 @@ def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, cli
     assert ends[-1] == ("stop", chat_stop) and all(end == (None, None) for end in ends[:-1])
 
     assert tokens(post(temperature=0, repetition_penalty=1)) == tokens(post(temperature=0, repetition_penalty=None))
+    spelled_out = post(temperature=0, skip_special_tokens=True, spaces_between_special_tokens=True)  # (the defaults)
+    assert tokens(spelled_out) == tokens(post(temperature=0, skip_special_tokens=None))
     for field, value, says in (
         ("repetition_penalty", 1.2, "not supported"),
         ("min_p", 1.5, "less than or equal to 1"),
@@ -408,6 +410,8 @@ def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, cli
         ("stop_token_ids", 3, "valid list"),
         ("stop_token_ids", [512], "must be in [0, 512)"),
         ("include_stop_str_in_output", 1, "valid boolean"),
+        ("skip_special_tokens", False, "false is not supported; special tokens are always skipped"),
+        ("spaces_between_special_tokens", False, "false is not supported"),
     ):
         error = _error(post(temperature=0, **{field: value}))
         assert error["param"] == field and says in error["message"], (field, value, error)

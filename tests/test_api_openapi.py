@@ -33,7 +33,9 @@ PROBES: dict[str, list[Any]] = {  # values on both sides of each documented cons
     "echo": [False, True],
     "stream_options": [{"include_usage": True}],
     "cache_salt": ["", "s", "s" * 256, "s" * 257, 5, None],
-    "min_tokens": [0, 1, 2, -1, "1", True, 1.5],  # (at most max_tokens, 2 here: the schema cannot say so)
+    "min_tokens": [0, 1, 2, -1, "1", True, 1.5],
+    "skip_special_tokens": [True, None, False, 1, "true"],  # (vLLM's, at its default only)
+    "spaces_between_special_tokens": [True, None, False, 0],  # (at most max_tokens, 2 here: the schema cannot say so)
     # (ids below the vocabulary, which the schema cannot know: the model decides it)
     "logit_bias": [
         *({}, {"3": 5}, {"3": 100}, {"3": -100}, {"3": 100.5}, {"3": -100.01}, {"3": "5"}, {"3": True}),

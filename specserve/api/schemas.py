@@ -249,6 +249,13 @@ class GenerationRequest(ClosedModel):
         default=False,
         description="extension (as vLLM's): the text keeps the stop string, or the stop token's text, that ended it",
     )
+    # vLLM's, sent by clients that spell out its defaults: accepted at them (true or null), other values refused
+    skip_special_tokens: Annotated[Literal[True] | None, _exactly(bool)] = Field(
+        default=None, description="extension (vLLM's): only true (or null): special tokens are left out of the text"
+    )
+    spaces_between_special_tokens: Annotated[Literal[True] | None, _exactly(bool)] = Field(
+        default=None, description="extension (vLLM's): only true (or null), which with skipped special tokens is moot"
+    )
     min_tokens: StrictInt = Field(
         default=0,
         ge=0,
@@ -312,6 +319,13 @@ class GenerationRequest(ClosedModel):
     def _no_penalty(cls, v: object) -> object:
         if isinstance(v, int | float) and not isinstance(v, bool) and v != 0:
             raise ValueError("presence and frequency penalties are not supported; use 0")
+        return v
+
+    @field_validator("skip_special_tokens", "spaces_between_special_tokens", mode="before")
+    @classmethod
+    def _special_tokens_skipped(cls, v: object, info: ValidationInfo) -> object:
+        if v is False:  # (named, not a bare "Input should be True")
+            raise ValueError(f"{info.field_name}: false is not supported; special tokens are always skipped")
         return v
 
     @field_validator("repetition_penalty", mode="before")
