@@ -42,6 +42,7 @@ class Completion:
     stats: RequestStats
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or a limit)
     logprobs: list[TokenLogprob] | None = None  # per token of ``token_ids``, where its params asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # per prompt token after the first, where they asked
 
 
 class Engine:
@@ -284,6 +285,7 @@ class Engine:
             for rid in ids:  # the others' outputs wait in their outboxes meanwhile
                 tokens, text, last = [], "", None
                 logprobs: list[TokenLogprob] | None = None
+                prompt_logprobs: list[TokenLogprob] | None = None
                 for out in self._outputs(rid, errors_as_values=return_exceptions):
                     if isinstance(out, Exception):
                         completions.append(out)
@@ -293,6 +295,7 @@ class Engine:
                     if out.logprobs is not None:
                         logprobs = [] if logprobs is None else logprobs
                         logprobs += out.logprobs
+                    prompt_logprobs = out.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
                     last = out
                 else:
                     assert last is not None and last.finish_reason is not None
@@ -306,6 +309,7 @@ class Engine:
                             last.stats,
                             last.stop_reason,
                             logprobs,
+                            prompt_logprobs,
                         )
                     )
         return completions  # only Completions unless return_exceptions

@@ -92,6 +92,7 @@ class VerifyItem:
     kld_tail: SparseTail = SparseTail.lumped  # how a sparse q's leftover mass is modelled
     synthetic_accept: float | None = None  # SYNTHETIC benchmark mode (see SpecConfig.synthetic_accept)
     features: FeatureRequest | None = None  # return the hidden states of the positions this step caches
+    prompt_logprobs: bool = False  # return the logprobs of new_tokens after the first (a first prefill: the prompt's)
     banned: tuple[int, ...] = ()  # tokens the target does not draw at sequence positions below ``banned_below``
     banned_below: int = 0  # (min_tokens: EOS and the stop ids, before that many output tokens)
 
@@ -111,6 +112,7 @@ class VerifyOutput:
     features: torch.Tensor | None = None  # [n, F] hidden states of the positions cached this step, in order
     # (the pending tokens, the root, the accepted path), when VerifyItem.features asked for them
     logprobs: list[TokenLogprob] | None = None  # per token of ``tokens``, where the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # per token of ``new_tokens`` after the first, where asked
 
 
 @dataclass(frozen=True)

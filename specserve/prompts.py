@@ -43,6 +43,10 @@ class PromptEncoder:
             self._token_texts[token_id] = str(self.tokenizer.decode([token_id]))
         return self._token_texts[token_id]
 
+    def text_of(self, token_ids: list[int]) -> str:
+        """Token ids' text as an answer's is decoded (special tokens left out; "" without a tokenizer)."""
+        return "" if self.tokenizer is None else str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes, which a character split over tokens spans (its text shows each part as U+FFFD): a
         byte-level BPE piece through its byte alphabet, a SentencePiece byte token ``<0xNN>`` as that byte, any

@@ -64,6 +64,12 @@ class SamplingParams(Validated):
         "none); of the target's own distribution, before the logit bias, temperature or any cut (vLLM's default)",
     )
 
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="as logprobs, for the prompt's tokens after its first (vLLM's), with the first output",
+    )
     min_tokens: int = Field(
         default=0,
         ge=0,
@@ -83,7 +89,16 @@ class SamplingParams(Validated):
         return v
 
     @field_validator(
-        "temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "logprobs", "min_tokens", mode="before"
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "logprobs",
+        "prompt_logprobs",
+        "min_tokens",
+        mode="before",
     )
     @classmethod
     def _not_bool(cls, v: object) -> object:  # (pydantic reads True as 1: top_k=True made a sampled request greedy)

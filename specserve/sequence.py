@@ -80,6 +80,8 @@ class RequestOutput:
     # what ended a finish_reason ``stop`` other than EOS (vLLM's ``stop_reason``): the stop string, or the stop token id
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None  # per token of ``token_ids``, where the request asked for them
+    # per prompt token after the first, on the request's first output, where it asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -96,6 +98,7 @@ class RequestOutput:
             token_ids=self.token_ids + later.token_ids,
             text=self.text + later.text,
             logprobs=None if self.logprobs is None or later.logprobs is None else self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
             committed=self.committed + later.committed,
         )
 
@@ -108,6 +111,7 @@ class Checkpoint:
     delivered: int
     pending: list[int]  # the output after its delivered tokens (a commit never changes a delivered token)
     pending_logprobs: list[TokenLogprob]
+    prompt_logprobs_sent: bool
     finish_reason: FinishReason | None
     text: IncrementalText
     stats: RequestStats
@@ -126,6 +130,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     delivered: int = 0  # output tokens handed out (RequestOutput.token_ids so far)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # of output[delivered:], if asked for
+    prompt_logprobs_sent: bool = False  # its prompt's logprobs went with an output (or it asked for none)
     registered: bool = False  # added to the workers (False: on its next step, after admission or a reset)
     target_seen: int = 0  # committed tokens the target worker has been sent
     draft_seen: int = 0  # ... and the draft worker
@@ -153,6 +158,7 @@ class Sequence:
             self.delivered,
             pending,
             list(self.pending_logprobs),
+            self.prompt_logprobs_sent,
             self.finish_reason,
             copy.copy(self.text),
             replace(self.stats),
@@ -163,7 +169,7 @@ class Sequence:
         """Back to a checkpoint's token state. The workers' caches and the loop's counters of what they were sent
         are not in it: the caller of a failed step resets them (``StepLoop.reset``), and they re-prefill."""
         self.output[saved.delivered :] = saved.pending
-        self.pending_logprobs = saved.pending_logprobs
+        self.pending_logprobs, self.prompt_logprobs_sent = saved.pending_logprobs, saved.prompt_logprobs_sent
         self.delivered, self.finish_reason = saved.delivered, saved.finish_reason
         self.text, self.stats = saved.text, saved.stats
         self.features, self.features_from, self.features_queued = saved.features  # (rows past the kept tokens

@@ -113,6 +113,8 @@ class StepLoop:
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)
         seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done))
+        # (a continuation's first lane sent them with its first output)
+        seq.prompt_logprobs_sent = request.params.prompt_logprobs is None or request.delivered is not None
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
             seq.sl_state = SequenceDSDE(spec.dsde, request.params.temperature)
         if spec.method != SpecMethod.none and spec.drafter == Drafter.suffix:
@@ -347,9 +349,10 @@ class StepLoop:
         params = seq.request.params
         banned = params.banned_before(self.eos_token_ids) if len(seq.output) < params.min_tokens else ()
         below = len(seq.request.prompt_ids) + params.min_tokens if banned else 0  # (the sequence position)
+        prompt = not seq.prompt_logprobs_sent and seq.target_seen == 0  # (its new tokens start with the prompt)
         if proposal is None:
             item = VerifyItem(seq.seq_id, seq.unsent(seq.target_seen), features=features)
-            return replace(item, banned=banned, banned_below=below) if banned else item
+            return replace(item, banned=banned, banned_below=below, prompt_logprobs=prompt)
         return VerifyItem(
             seq.seq_id,
             seq.unsent(seq.target_seen),
@@ -364,6 +367,7 @@ class StepLoop:
             features=features,
             banned=banned,
             banned_below=below,
+            prompt_logprobs=prompt,
         )
 
     def _commit_rows(
@@ -474,6 +478,10 @@ class StepLoop:
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
         if out.features is not None:
             seq.add_features(out.features, start=seq.target_seen)  # rows from the target's old cache length on
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs = out.prompt_logprobs[: len(seq.request.prompt_ids) - 1]
+            seq.prompt_logprobs_sent = True
         seq.target_seen = len(seq.tokens) + len(out.accepted)  # the target cached the accepted path
         if seq.model_proposed:  # the draft model's cache holds its own proposal's accepted nodes
             seq.last_accepted = out.accepted
@@ -538,6 +546,7 @@ class StepLoop:
             committed=committed,
             stop_reason=seq.text.stop_string if seq.text.stopped else seq.output[-1] if at_stop_id else None,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _retire(self) -> None:

@@ -208,7 +208,7 @@ def test_a_flood_of_unknown_fields_is_one_error(url: str) -> None:
         (CHAT, {"max_completion_tokens": HUGE}, "max_completion_tokens", f"less than {INT64_END}"),
         (COMPLETIONS, {"prompt": "hi", "top_k": HUGE}, "top_k", f"less than {INT64_END}"),
         (COMPLETIONS, {"prompt": [HUGE]}, "prompt", f"less than {INT64_END}"),
-        (COMPLETIONS, {"prompt": "hi", "echo": 0}, "echo", "must be a JSON boolean"),
+        (COMPLETIONS, {"prompt": "hi", "echo": 0}, "echo", "Input should be a valid boolean"),
         (COMPLETIONS, {"prompt": "hi", "best_of": True}, "best_of", "must be a JSON integer"),
         (COMPLETIONS, {"prompt": "hi", "best_of": 1.0}, "best_of", "must be a JSON integer"),
         (CHAT, {"store": 0}, "store", "must be a JSON boolean"),

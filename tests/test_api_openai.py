@@ -458,6 +458,34 @@ def test_logit_bias_moves_the_answer_over_http_and_the_sdk(url: str, client: ope
         assert error["param"] == "logit_bias" and says in error["message"], (value, error)
 
 
+def test_echo_starts_the_answer_with_the_prompt_and_its_logprobs(url: str, client: openai.OpenAI) -> None:
+    """OpenAI's echo (as lm-eval's loglikelihood requests send it: max_tokens 1, logprobs 1): the text starts with the
+    prompt's, and the logprobs list the prompt's tokens first, the first without a log-probability (nothing comes
+    before it), each other one the model's log-probability of it after the tokens before it."""
+    tok = tiny_tokenizer()
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    for prompt in ("the cat sat", [3, 40, 41, 7]):
+        plain = httpx.post(url + COMPLETIONS, json=body | {"prompt": prompt, "logprobs": 2}, timeout=30).json()
+        echoed = httpx.post(url + COMPLETIONS, json=body | {"prompt": prompt, "logprobs": 2, "echo": True}).json()
+        ids = tok.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
+        prompt_text = prompt if isinstance(prompt, str) else tok.decode(prompt)
+        choice, lp = echoed["choices"][0], echoed["choices"][0]["logprobs"]
+        assert choice["text"] == prompt_text + plain["choices"][0]["text"]
+        assert choice["token_ids"] == plain["choices"][0]["token_ids"]  # (the output's alone)
+        assert echoed["usage"] == plain["usage"]
+        assert lp["tokens"] == [tok.decode([t]) for t in ids] + plain["choices"][0]["logprobs"]["tokens"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][len(ids) :] == plain["choices"][0]["logprobs"]["token_logprobs"]
+        assert all(v is not None and v < 0 for v in lp["token_logprobs"][1:])
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        text_only = httpx.post(url + COMPLETIONS, json=body | {"prompt": prompt, "echo": True}).json()["choices"][0]
+        assert text_only["text"] == choice["text"] and text_only["logprobs"] is None
+    lm_eval = client.completions.create(model=MODEL, prompt=[3, 40, 41, 7], max_tokens=1, logprobs=1, echo=True)
+    assert lm_eval.choices[0].logprobs is not None and len(lm_eval.choices[0].logprobs.token_logprobs or []) == 5
+    error = _error(httpx.post(url + COMPLETIONS, json=body | {"prompt": "x", "echo": True, "stream": True}))
+    assert error["param"] == "echo" and "echo with stream is not supported" in error["message"]
+
+
 def test_min_tokens_keeps_stop_ids_out_until_then_over_http(url: str, client: openai.OpenAI) -> None:
     """vLLM's min_tokens: a stop token id the answer would end at is not generated before that many tokens; more
     than max_tokens, or beside stop strings, a 400 naming it."""
@@ -1311,7 +1339,7 @@ def test_openais_other_forms_of_a_request_read_as_they_mean_or_are_refused_by_na
         assert post(COMPLETIONS, prompt="hi", **unset).status_code == 200, unset
     for no_op in ({"echo": False}, {"best_of": 1}, {"best_of": None}, {"suffix": None}):
         assert post(COMPLETIONS, prompt="hi", **no_op).status_code == 200, no_op
-    for field, value in (("echo", True), ("best_of", 2), ("suffix", "and so on")):
+    for field, value in (("best_of", 2), ("suffix", "and so on")):
         error = _error(post(COMPLETIONS, prompt="hi", **{field: value}))
         assert error["param"] == field and f"{field} " in error["message"] and "not supported" in error["message"]
     assert _error(post(COMPLETIONS, prompt="hi", stream_options={"include_usage": True}))["param"] == "stream_options"

@@ -162,13 +162,14 @@ def _verify_logged(
     forward = worker._forward
 
     def logged(*args: Any, **kwargs: Any) -> tuple[torch.Tensor | None, ...]:
-        logits, ids, feats = forward(*args, **kwargs)
+        logits, ids, feats, prompt_rows = forward(*args, **kwargs)
         _Ids.log.clear()
         _Feats.log.clear()
         return (
             logits,
             None if ids is None else ids.as_subclass(_Ids),
             None if feats is None else feats.as_subclass(_Feats),
+            prompt_rows,
         )
 
     monkeypatch.setattr(worker, "_forward", logged)

@@ -72,7 +72,8 @@ def test_apply_logit_bias_adds_each_bias_to_its_column_only() -> None:
         ({3: np.complex128(1 + 5j)}, "a number"),
         ({3: 10**400}, r"\[-100, 100\]"),
         ({t: 1.0 for t in range(1025)}, "at most 1024"),
-        ([(3, 1.0)], "a mapping"),
+        ("3:1", "a mapping"),
+        ([3], r"\(token id, bias\) pairs"),
     ],
 )
 def test_sampling_params_refuse_a_bad_logit_bias(bias: object, says: str) -> None:

@@ -95,6 +95,24 @@ def test_logprobs_are_the_targets_whoever_drafted(name: str) -> None:
     assert engine.generate([PROMPT], SamplingParams(max_tokens=5))[0].logprobs is None  # not asked for
 
 
+@pytest.mark.parametrize("name", ["plain", "chain", "head-ddd"])
+def test_prompt_logprobs_come_with_the_first_output(name: str) -> None:
+    """vLLM's prompt_logprobs: each prompt token's after the ones before it, once, with the request's first output
+    (the step that prefilled it), beside a request that asks for none in the same step."""
+    target, engine = _engine(name)
+    params = SamplingParams(max_tokens=6, prompt_logprobs=3, logprobs=1)
+    first_ids = engine.submit(PROMPT, params), engine.submit(PROMPT[::-1], SamplingParams(max_tokens=6))
+    outputs = []
+    while engine.loop.has_work:
+        outputs += [o for o in engine.loop.step() if o.request_id == first_ids[0]]
+    assert outputs[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in outputs[1:])
+    assert_close(outputs[0].prompt_logprobs, reference_logprobs(target, PROMPT[:1], PROMPT[1:], 3))
+    done = engine.generate([PROMPT, PROMPT[1:]], [params, SamplingParams(max_tokens=6)])
+    assert done[0].prompt_logprobs is not None and len(done[0].prompt_logprobs) == len(PROMPT) - 1
+    assert done[1].prompt_logprobs is None
+    assert engine.generate([[7]], params)[0].prompt_logprobs == []  # (a prompt of one token: none before it)
+
+
 @pytest.mark.parametrize("name", ["plain", "chain", "ddd"])
 def test_logprobs_follow_the_tokens_a_stop_cuts(name: str) -> None:
     """A stop string cuts accepted tokens off a step, a stop token id ends it: their logprobs go with them."""

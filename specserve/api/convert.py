@@ -31,6 +31,7 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
             include_stop_str_in_output=request.include_stop_str_in_output,
             logit_bias=tuple((int(t), b) for t, b in (request.logit_bias or {}).items()),
             logprobs=request.logprob_count,
+            prompt_logprobs=request.logprob_count if request.echoes else None,
             min_tokens=request.min_tokens,
         ).seeded()
     except ValidationError as e:

@@ -375,6 +375,11 @@ class GenerationRequest(ClosedModel):
         return None
 
     @property
+    def echoes(self) -> bool:
+        """The answer starts with the prompt (completions' ``echo``)."""
+        return False
+
+    @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
@@ -403,7 +408,11 @@ class CompletionRequest(GenerationRequest):
     max_tokens: StrictInt | None = Field(
         default=16, ge=1, lt=INT64_END, description="at most the context length minus the prompt"
     )
-    echo: Annotated[Literal[False], _exactly(bool)] = Field(default=False, description="not supported: only false")
+    echo: StrictBool = Field(
+        default=False,
+        description="the answer's text starts with the prompt's, and with logprobs its tokens' come first (the first "
+        "null), as OpenAI's; not with stream",
+    )
     best_of: Annotated[Literal[1] | None, _exactly(int)] = Field(default=None, description="not supported: only 1")
     suffix: None = Field(default=None, description="not supported (text after an insertion): only null")
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
@@ -426,12 +435,22 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("logprobs is a count of likeliest tokens, 0 to 20 (false or null: none), not true")
         return None if v is False else v
 
-    @field_validator("echo", "best_of", "suffix", mode="before")
+    @field_validator("echo")
     @classmethod
-    def _no_echo_best_of_or_suffix(cls, v: object, info: ValidationInfo) -> object:
-        # each by name, as n is, not as a bare "Input should be False / 1 / None"
-        if info.field_name == "echo" and v is True:
-            raise ValueError("echo is not supported; send false or null")
+    def _echo_not_streamed(cls, v: bool, info: ValidationInfo) -> bool:
+        # (declared after ``stream``: validated after it; an invalid stream has its own error, not this one too)
+        if v and info.data.get("stream"):
+            raise ValueError("echo with stream is not supported")
+        return v
+
+    @property
+    def echoes(self) -> bool:
+        return self.echo
+
+    @field_validator("best_of", "suffix", mode="before")
+    @classmethod
+    def _no_best_of_or_suffix(cls, v: object, info: ValidationInfo) -> object:
+        # each by name, as n is, not as a bare "Input should be 1 / None"
         if info.field_name == "best_of" and type(v) is int and v != 1:
             raise ValueError("best_of is not supported; send 1 or null")
         if info.field_name == "suffix" and isinstance(v, str):
@@ -622,11 +641,12 @@ def _is_none(value: object) -> bool:
 
 class CompletionLogprobs(BaseModel):
     """OpenAI's legacy shape: per output token its text, log-probability, the likeliest tokens' (text ->
-    log-probability) and where its text starts in the answer (counted over the tokens' own texts)."""
+    log-probability) and where its text starts in the answer (counted over the tokens' own texts); with echo the
+    prompt's tokens first, the first of them without (null)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Annotated, Any, Protocol, cast
@@ -401,6 +401,9 @@ class _Routes:
                 )
             params = sampling_params_for(body, max_tokens=max_tokens)
             self.backend.encoder.check_token_ids(params)
+            if body.echoes:  # (the prompt's text as sent; a prompt of ids, decoded)
+                prompt = cast(CompletionRequest, body).prompt
+                fmt.echo(prompt if isinstance(prompt, str) else self.backend.encoder.text_of(prompt_ids), prompt_ids)
             fmt.seed = params.seed
             spec = speculation_for(body.speculation, self.backend.default_speculation)
             if resume is not None and not params.greedy:
@@ -464,6 +467,7 @@ class _Routes:
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] | None = None if body.logprob_count is None else []
+        prompt_logprobs: list[TokenLogprob] | None = None
         try:
             async for out in stream:
                 tracker.see(out)
@@ -471,9 +475,12 @@ class _Routes:
                 ids += out.token_ids
                 if logprobs is not None and out.logprobs is not None:
                     logprobs += out.logprobs
+                prompt_logprobs = out.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
                 if out.finished:
                     outcome.finished(out)
-                    response = fmt.response("".join(text), ids, logprobs, out, with_ids=body.return_token_ids)
+                    response = fmt.response(
+                        "".join(text), ids, logprobs, out, with_ids=body.return_token_ids, prompt=prompt_logprobs
+                    )
                     return JSONResponse(response.model_dump(mode="json"))
             raise RuntimeError("the output stream ended before the request finished")
         except APIError as e:  # its status, counted as a stream's is
@@ -640,8 +647,17 @@ class _Format(Protocol):
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
     def response(
-        self, text: str, ids: list[int], logprobs: list[TokenLogprob] | None, last: RequestOutput, *, with_ids: bool
+        self,
+        text: str,
+        ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        last: RequestOutput,
+        *,
+        with_ids: bool,
+        prompt: list[TokenLogprob] | None = None,
     ) -> BaseModel: ...
+
+    def echo(self, text: str, token_ids: list[int]) -> None: ...
 
 
 def _id_text(token_id: int) -> str:
@@ -671,6 +687,9 @@ class _Stamped:
     def skip(self, token_ids: list[int]) -> None:
         """Tokens a resumed stream does not send again (their texts still count in the offsets after them)."""
 
+    def echo(self, text: str, token_ids: list[int]) -> None:
+        raise AssertionError(f"{type(self).__name__} has no echo")  # (completions' alone: the schema says so)
+
 
 class _CompletionFormat(_Stamped):
     prefix = "cmpl"
@@ -678,6 +697,10 @@ class _CompletionFormat(_Stamped):
     def __init__(self, model: str, encoder: PromptEncoder | None = None) -> None:
         super().__init__(model, encoder)
         self.text_offset = 0  # where the next token's text starts, over the tokens' own texts (as vLLM counts)
+        self.echoed: tuple[str, list[int]] | None = None  # the prompt's text and ids, with echo
+
+    def echo(self, text: str, token_ids: list[int]) -> None:
+        self.echoed = text, token_ids
 
     def first_chunk(self) -> BaseModel | None:
         return None
@@ -685,17 +708,19 @@ class _CompletionFormat(_Stamped):
     def skip(self, token_ids: list[int]) -> None:
         self.text_offset += sum(len(self.token_text(t)) for t in token_ids)
 
-    def _logprobs(self, ids: list[int], logprobs: list[TokenLogprob] | None) -> CompletionLogprobs | None:
-        """OpenAI's legacy shape: the likeliest tokens' (as many as asked for) and the output token's own, as vLLM's."""
+    def _logprobs(self, ids: list[int], logprobs: Sequence[TokenLogprob | None] | None) -> CompletionLogprobs | None:
+        """OpenAI's legacy shape: the likeliest tokens' (as many as asked for) and the output token's own, as vLLM's
+        (None: a token without them, the prompt's first)."""
         if logprobs is None:
             return None
         tokens = [self.token_text(t) for t in ids]
-        offsets, top = [], []
+        offsets: list[int] = []
+        top: list[dict[str, float] | None] = []
         for token, lp in zip(tokens, logprobs, strict=True):
             offsets.append(self.text_offset)
             self.text_offset += len(token)
-            top.append({self.token_text(t): v for t, v in lp.top} | {token: lp.logprob})
-        token_logprobs = [lp.logprob for lp in logprobs]
+            top.append(None if lp is None else {self.token_text(t): v for t, v in lp.top} | {token: lp.logprob})
+        token_logprobs = [None if lp is None else lp.logprob for lp in logprobs]
         return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
 
     def chunk(self, out: RequestOutput, *, with_ids: bool) -> BaseModel:
@@ -712,13 +737,25 @@ class _CompletionFormat(_Stamped):
         return CompletionChunk(**self.stamp(), choices=[], usage=usage)
 
     def response(
-        self, text: str, ids: list[int], logprobs: list[TokenLogprob] | None, last: RequestOutput, *, with_ids: bool
+        self,
+        text: str,
+        ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        last: RequestOutput,
+        *,
+        with_ids: bool,
+        prompt: list[TokenLogprob] | None = None,
     ) -> BaseModel:
+        shown: list[TokenLogprob | None] | None = None if logprobs is None else list(logprobs)
+        if self.echoed is not None:  # the prompt first: its text, and its tokens' logprobs (the first has none)
+            text, shown_ids = self.echoed[0] + text, self.echoed[1] + ids
+            if shown is not None:
+                shown = [None, *(prompt or []), *shown] if self.echoed[1] else shown
         choice = CompletionChoice(
             text=text,
             finish_reason=_finish(last.finish_reason),
             stop_reason=last.stop_reason,
-            logprobs=self._logprobs(ids, logprobs),
+            logprobs=self._logprobs(shown_ids if self.echoed is not None else ids, shown),
             token_ids=ids if with_ids else None,
         )
         return CompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
@@ -760,7 +797,14 @@ class _ChatFormat(_Stamped):
         return ChatCompletionChunk(**self.stamp(), choices=[], usage=usage)
 
     def response(
-        self, text: str, ids: list[int], logprobs: list[TokenLogprob] | None, last: RequestOutput, *, with_ids: bool
+        self,
+        text: str,
+        ids: list[int],
+        logprobs: list[TokenLogprob] | None,
+        last: RequestOutput,
+        *,
+        with_ids: bool,
+        prompt: list[TokenLogprob] | None = None,
     ) -> BaseModel:
         choice = ChatChoice(
             message=AssistantMessage(content=text),

@@ -24,6 +24,7 @@ from specserve.spec_decode.verify import accept_tree, verify_chain_sampled, veri
 from specserve.workers.base import SlotTable
 
 PIN_LIMIT_BYTES = 1 << 20  # other sequences' feature rows one sequence's view may keep alive
+PROMPT_CHUNK = 256  # prompt rows whose logits are computed at once for prompt logprobs
 
 
 class TargetWorker:
@@ -89,7 +90,9 @@ class TargetWorker:
         argmax_only = not any(want_logprobs) and all(
             g and it.draft_q is None for g, it in zip(greedy, items, strict=True)
         )
-        logits, ids, features = self._forward(batch, items, argmax_only=argmax_only, any_greedy=any(greedy))
+        logits, ids, features, prompt_rows = self._forward(
+            batch, items, argmax_only=argmax_only, any_greedy=any(greedy)
+        )
         if ids is not None:
             ids = ids.cpu()  # host sync: the step's argmaxes, once for every greedy sequence
         sizes = [t.num_nodes for t in trees]
@@ -104,7 +107,37 @@ class TargetWorker:
             outputs = self._with_klds(items, outputs, logits, sizes)
         if logits is not None and any(want_logprobs):
             outputs = self._with_logprobs(items, outputs, logits, sizes)
+        if prompt_rows is not None:
+            outputs = self._with_prompt_logprobs(items, outputs, prompt_rows)
         return outputs if features is None else self._with_features(items, outputs, features, batch.num_new)
+
+    def _with_prompt_logprobs(
+        self, items: list[VerifyItem], outputs: list[VerifyOutput], prompt_rows: list[torch.Tensor | None]
+    ) -> list[VerifyOutput]:
+        """Each output whose item asked gets the logprobs of its new tokens after the first (row j of its final
+        hidden states [n - 1, H] predicts token j + 1), from the raw logits, computed PROMPT_CHUNK rows at a time
+        (a prompt's [n, V] logits at once could be hundreds of MiB)."""
+        updated = list(outputs)
+        for i, (it, hidden) in enumerate(zip(items, prompt_rows, strict=True)):
+            if hidden is None:
+                continue
+            want = min(cast(int, self.params[it.seq_id].prompt_logprobs), self.model.cfg.vocab_size)
+            entries: list[TokenLogprob] = []
+            for start in range(0, hidden.shape[0], PROMPT_CHUNK):
+                rows = hidden[start : start + PROMPT_CHUNK]  # [c, H]
+                lp = self.model.logits(rows).log_softmax(-1)  # [c, V]
+                chosen = torch.tensor(it.new_tokens[start + 1 : start + 1 + rows.shape[0]], device=lp.device)
+                picked = lp.gather(-1, chosen[:, None])[:, 0]  # [c]
+                top = lp.topk(want, -1) if want else None
+                parts = [picked] if top is None else [picked, top.values.flatten(), top.indices.flatten().float()]
+                host = torch.cat(parts).cpu().tolist()  # host sync: a prefill's prompt logprobs, a chunk at a time
+                c = rows.shape[0]
+                values, ids = host[c : c + c * want], host[c + c * want :]
+                for r in range(c):
+                    top_r = tuple((int(ids[r * want + j]), _finite(values[r * want + j])) for j in range(want))
+                    entries.append(TokenLogprob(_finite(host[r]), top_r))
+            updated[i] = replace(outputs[i], prompt_logprobs=entries)
+        return updated
 
     def _verify_one(
         self,
@@ -215,7 +248,7 @@ class TargetWorker:
 
     def _forward(
         self, batch: ForwardBatch, items: list[VerifyItem], *, argmax_only: bool, any_greedy: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None] | None]:
         """Logits [R, V] of the batch's logit rows (None with ``argmax_only``: every item greedy and sending no
         draft q for a KLD, so only the argmaxes are computed, ``lm_head.greedy_ids``), their argmaxes [R] (None
         where no item is greedy), and the hidden states [N, F] of every new token when an item asked for features
@@ -223,11 +256,18 @@ class TargetWorker:
         want = next((it.features for it in items if it.features is not None), None)
         final, aux = self.model.hidden_states(batch, self.cache, () if want is None else want.aux_layers or ())
         features = None if want is None else final if want.aux_layers is None else aux
+        prompt_rows = None  # per item, the final hidden states of its new tokens but the last, where it asked
+        if any(it.prompt_logprobs for it in items):
+            starts = np.cumsum([0, *batch.num_new]).tolist()
+            prompt_rows = [
+                final[a : a + len(it.new_tokens) - 1] if it.prompt_logprobs else None
+                for it, a in zip(items, starts, strict=False)
+            ]
         hidden = final[batch.logit_rows]
         if argmax_only:
-            return None, greedy_ids(self.model, hidden), features
+            return None, greedy_ids(self.model, hidden), features, prompt_rows
         logits = self.model.logits(hidden)
-        return logits, argmax_rows(self.model, logits) if any_greedy else None, features
+        return logits, argmax_rows(self.model, logits) if any_greedy else None, features, prompt_rows
 
     def _rollback(self, slot: int, start: int, num_pending: int, accepted: list[int]) -> None:
         """Keep the pending tokens, the root and the accepted path; drop the rejected nodes' KV."""
