@@ -20,9 +20,10 @@ from specserve.policy import SparseTail
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """An output token's log-probability under the target, and the likeliest tokens' (id, log-probability), most
-    likely first (as many as the request asked for)."""
+    """A token's log-probability under the target, and the likeliest tokens' (id, log-probability), most likely
+    first (as many as the request asked for)."""
 
+    token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
 

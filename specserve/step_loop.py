@@ -495,10 +495,12 @@ class StepLoop:
         # EOS ends the output without joining it; a stop token id joins the token ids, and the text only with
         # include_stop_str_in_output (as vLLM's)
         at_eos = at_stop_id = False
+        eos_logprob = None  # the EOS's entry: not in the output's ids, but in its logprobs (vLLM lists it)
         for i, tok in enumerate(out.tokens):
             if tok in self.eos_token_ids and not params.ignore_eos:
                 seq.finish_reason = FinishReason.stop
                 at_eos = True
+                eos_logprob = None if out.logprobs is None else out.logprobs[i]
                 break
             seq.output.append(tok)
             if out.logprobs is not None:
@@ -534,6 +536,8 @@ class StepLoop:
         logprobs = None
         if params.logprobs is not None:
             logprobs, seq.pending_logprobs = seq.pending_logprobs[: len(new)], seq.pending_logprobs[len(new) :]
+            if eos_logprob is not None and not seq.text.stopped:  # (the answer ended at EOS: all else delivered)
+                logprobs.append(eos_logprob)
         seq.delivered = max(seq.delivered, settled)
         return RequestOutput(
             request_id=seq.request.request_id,

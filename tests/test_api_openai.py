@@ -482,6 +482,19 @@ def test_echo_starts_the_answer_with_the_prompt_and_its_logprobs(url: str, clien
         assert text_only["text"] == choice["text"] and text_only["logprobs"] is None
     lm_eval = client.completions.create(model=MODEL, prompt=[3, 40, 41, 7], max_tokens=1, logprobs=1, echo=True)
     assert lm_eval.choices[0].logprobs is not None and len(lm_eval.choices[0].logprobs.token_logprobs or []) == 5
+    # an answer that is EOS at once: its entry is still the one after the prompt's (lm-eval reads [len(prompt):-1])
+    eos = tok.eos_token_id
+    at_eos = client.completions.create(
+        model=MODEL, prompt=[3, 40, 41, 7], max_tokens=1, logprobs=1, echo=True, logit_bias={str(eos): 100}
+    )
+    lp = at_eos.choices[0].logprobs
+    assert at_eos.choices[0].finish_reason == "stop" and lp is not None and lp.token_logprobs is not None
+    assert len(lp.token_logprobs) == 5 and lp.token_logprobs[:4] == lm_eval.choices[0].logprobs.token_logprobs[:4]
+    assert (
+        lp.tokens is not None
+        and lp.tokens[-1] == tok.decode([eos])
+        and at_eos.choices[0].text == tok.decode([3, 40, 41, 7])
+    )
     error = _error(httpx.post(url + COMPLETIONS, json=body | {"prompt": "x", "echo": True, "stream": True}))
     assert error["param"] == "echo" and "echo with stream is not supported" in error["message"]
 

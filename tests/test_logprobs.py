@@ -44,14 +44,15 @@ def reference_logprobs(model: LlamaModel, prompt: list[int], tokens: list[int], 
         logits = model(ForwardBatch.build(cache, [cache.allocate()], [seq], num_logits=[1]), cache)[-1]
         lp = logits.double().log_softmax(-1)
         top = lp.topk(k)
-        out.append(TokenLogprob(float(lp[tok]), tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))))
+        top_pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        out.append(TokenLogprob(tok, float(lp[tok]), top_pairs))
     return out
 
 
 def assert_close(got: list[TokenLogprob], want: list[TokenLogprob]) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
-        assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert g.token == w.token and g.logprob == pytest.approx(w.logprob, abs=1e-4)
         assert [t for t, _ in g.top] == [t for t, _ in w.top]
         assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-4)
 
@@ -95,6 +96,25 @@ def test_logprobs_are_the_targets_whoever_drafted(name: str) -> None:
     assert engine.generate([PROMPT], SamplingParams(max_tokens=5))[0].logprobs is None  # not asked for
 
 
+@pytest.mark.parametrize("name", ["plain", "chain", "ddd"])
+def test_an_answer_ended_by_eos_lists_the_eos_last(name: str) -> None:
+    """EOS is not an output token here (nor in the text or usage), but as in vLLM its log-probability is listed
+    after the output's: lm-eval reads the entry after the prompt's as the answer's first token's."""
+    target, _ = _engine(name)
+    free_ids = Engine(target, None, eos_token_ids=set()).generate([PROMPT], SamplingParams(max_tokens=12))[0].token_ids
+    for at in (0, 4, 9):
+        eos = free_ids[at]
+        if eos in free_ids[:at]:
+            continue
+        _, engine = _engine(name)
+        engine.loop.eos_token_ids = frozenset({eos})
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=12, logprobs=2))[0]
+        assert out.token_ids == free_ids[:at] and out.logprobs is not None and len(out.logprobs) == at + 1
+        assert_close(out.logprobs, reference_logprobs(target, PROMPT, free_ids[: at + 1], 2))
+        stopped = engine.generate([PROMPT], SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True))[0]
+        assert stopped.logprobs is not None and len(stopped.logprobs) == len(stopped.token_ids) == 12
+
+
 @pytest.mark.parametrize("name", ["plain", "chain", "head-ddd"])
 def test_prompt_logprobs_come_with_the_first_output(name: str) -> None:
     """vLLM's prompt_logprobs: each prompt token's after the ones before it, once, with the request's first output
@@ -105,6 +125,8 @@ def test_prompt_logprobs_come_with_the_first_output(name: str) -> None:
     outputs = []
     while engine.loop.has_work:
         outputs += [o for o in engine.loop.step() if o.request_id == first_ids[0]]
+        if len(outputs) == 1:  # a fresh target worker: it re-prefills the prompt, and does not send them again
+            engine.loop.recover(target=True, draft=False)
     assert outputs[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in outputs[1:])
     assert_close(outputs[0].prompt_logprobs, reference_logprobs(target, PROMPT[:1], PROMPT[1:], 3))
     done = engine.generate([PROMPT, PROMPT[1:]], [params, SamplingParams(max_tokens=6)])
@@ -176,7 +198,7 @@ def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character() -> N
 
 
 def test_joined_and_resumed_outputs_keep_their_logprobs_with_their_tokens() -> None:
-    lps = [TokenLogprob(-0.5 - i, ((i, -0.1),)) for i in range(5)]
+    lps = [TokenLogprob(i + 1, -0.5 - i, ((i, -0.1),)) for i in range(5)]
 
     def output(ids: list[int], text: str, logprobs: list[TokenLogprob], finished: bool = False) -> RequestOutput:
         reason = FinishReason.length if finished else None

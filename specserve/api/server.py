@@ -708,19 +708,19 @@ class _CompletionFormat(_Stamped):
     def skip(self, token_ids: list[int]) -> None:
         self.text_offset += sum(len(self.token_text(t)) for t in token_ids)
 
-    def _logprobs(self, ids: list[int], logprobs: Sequence[TokenLogprob | None] | None) -> CompletionLogprobs | None:
-        """OpenAI's legacy shape: the likeliest tokens' (as many as asked for) and the output token's own, as vLLM's
-        (None: a token without them, the prompt's first)."""
-        if logprobs is None:
+    def _logprobs(self, entries: Sequence[tuple[int, TokenLogprob | None]] | None) -> CompletionLogprobs | None:
+        """OpenAI's legacy shape from (token id, its logprobs) pairs: the likeliest tokens' (as many as asked for)
+        and the token's own, as vLLM's (None: a token without them, the prompt's first)."""
+        if entries is None:
             return None
-        tokens = [self.token_text(t) for t in ids]
+        tokens = [self.token_text(t) for t, _ in entries]
         offsets: list[int] = []
         top: list[dict[str, float] | None] = []
-        for token, lp in zip(tokens, logprobs, strict=True):
+        for token, (_, lp) in zip(tokens, entries, strict=True):
             offsets.append(self.text_offset)
             self.text_offset += len(token)
             top.append(None if lp is None else {self.token_text(t): v for t, v in lp.top} | {token: lp.logprob})
-        token_logprobs = [None if lp is None else lp.logprob for lp in logprobs]
+        token_logprobs = [None if lp is None else lp.logprob for _, lp in entries]
         return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
 
     def chunk(self, out: RequestOutput, *, with_ids: bool) -> BaseModel:
@@ -728,7 +728,7 @@ class _CompletionFormat(_Stamped):
             text=out.text,
             finish_reason=_finish(out.finish_reason),
             stop_reason=out.stop_reason,
-            logprobs=self._logprobs(out.token_ids, out.logprobs),
+            logprobs=self._logprobs(None if out.logprobs is None else [(lp.token, lp) for lp in out.logprobs]),
             token_ids=out.token_ids if with_ids else None,
         )
         return CompletionChunk(**self.stamp(), choices=[choice])
@@ -746,16 +746,18 @@ class _CompletionFormat(_Stamped):
         with_ids: bool,
         prompt: list[TokenLogprob] | None = None,
     ) -> BaseModel:
-        shown: list[TokenLogprob | None] | None = None if logprobs is None else list(logprobs)
+        entries: list[tuple[int, TokenLogprob | None]] | None = (
+            None if logprobs is None else [(lp.token, lp) for lp in logprobs]
+        )
         if self.echoed is not None:  # the prompt first: its text, and its tokens' logprobs (the first has none)
-            text, shown_ids = self.echoed[0] + text, self.echoed[1] + ids
-            if shown is not None:
-                shown = [None, *(prompt or []), *shown] if self.echoed[1] else shown
+            text, prompt_ids = self.echoed[0] + text, self.echoed[1]
+            if entries is not None and prompt_ids:
+                entries = [(prompt_ids[0], None), *((lp.token, lp) for lp in prompt or []), *entries]
         choice = CompletionChoice(
             text=text,
             finish_reason=_finish(last.finish_reason),
             stop_reason=last.stop_reason,
-            logprobs=self._logprobs(shown_ids if self.echoed is not None else ids, shown),
+            logprobs=self._logprobs(entries),
             token_ids=ids if with_ids else None,
         )
         return CompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
@@ -771,14 +773,14 @@ class _ChatFormat(_Stamped):
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
         return TopLogprob(token=self.token_text(token_id), logprob=logprob, bytes=list(self.token_bytes(token_id)))
 
-    def _logprobs(self, ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if logprobs is None:
             return None
         content = [
             ChatTokenLogprob(
-                **self._entry(t, lp.logprob).model_dump(), top_logprobs=[self._entry(i, v) for i, v in lp.top]
+                **self._entry(lp.token, lp.logprob).model_dump(), top_logprobs=[self._entry(i, v) for i, v in lp.top]
             )
-            for t, lp in zip(ids, logprobs, strict=True)
+            for lp in logprobs
         ]
         return ChatLogprobs(content=content)
 
@@ -788,7 +790,7 @@ class _ChatFormat(_Stamped):
             delta=delta,
             finish_reason=_finish(out.finish_reason),
             stop_reason=out.stop_reason,
-            logprobs=self._logprobs(out.token_ids, out.logprobs),
+            logprobs=self._logprobs(out.logprobs),
             token_ids=out.token_ids if with_ids else None,
         )
         return ChatCompletionChunk(**self.stamp(), choices=[choice])
@@ -810,7 +812,7 @@ class _ChatFormat(_Stamped):
             message=AssistantMessage(content=text),
             finish_reason=_finish(last.finish_reason),
             stop_reason=last.stop_reason,
-            logprobs=self._logprobs(ids, logprobs),
+            logprobs=self._logprobs(logprobs),
             token_ids=ids if with_ids else None,
         )
         return ChatCompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))

@@ -135,7 +135,7 @@ class TargetWorker:
                 values, ids = host[c : c + c * want], host[c + c * want :]
                 for r in range(c):
                     top_r = tuple((int(ids[r * want + j]), _finite(values[r * want + j])) for j in range(want))
-                    entries.append(TokenLogprob(_finite(host[r]), top_r))
+                    entries.append(TokenLogprob(it.new_tokens[start + 1 + r], _finite(host[r]), top_r))
             updated[i] = replace(outputs[i], prompt_logprobs=entries)
         return updated
 
@@ -212,7 +212,7 @@ class TargetWorker:
             per_token = []
             for r in range(at, at + len(outputs[i].tokens)):
                 top_r = tuple((int(ids[r * k + j]), _finite(values[r * k + j])) for j in range(want))
-                per_token.append(TokenLogprob(_finite(host[r]), top_r))
+                per_token.append(TokenLogprob(chosen[r], _finite(host[r]), top_r))
             updated[i] = replace(outputs[i], logprobs=per_token)
             at += len(outputs[i].tokens)
         return updated
