@@ -351,8 +351,14 @@ class StepLoop:
         below = len(seq.request.prompt_ids) + params.min_tokens if banned else 0  # (the sequence position)
         prompt = not seq.prompt_logprobs_sent and seq.target_seen == 0  # (its new tokens start with the prompt)
         if proposal is None:
-            item = VerifyItem(seq.seq_id, seq.unsent(seq.target_seen), features=features)
-            return replace(item, banned=banned, banned_below=below, prompt_logprobs=prompt)
+            return VerifyItem(
+                seq.seq_id,
+                seq.unsent(seq.target_seen),
+                features=features,
+                banned=banned,
+                banned_below=below,
+                prompt_logprobs=prompt,
+            )
         return VerifyItem(
             seq.seq_id,
             seq.unsent(seq.target_seen),
