@@ -9,25 +9,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from specserve.config import Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.models.tiny import tiny_config, tiny_model
 from specserve.sampling import SamplingParams, apply_logit_bias, process_logits
-from specserve.spec_decode.eagle_head import EagleHead
-from tests.test_head_drafter import last_token_target, near_head
-
-PROMPT = [5, 9, 13, 21, 2, 7]
-SPECS = {
-    "plain": SpecConfig(method=SpecMethod.none),
-    "chain": SpecConfig(method=SpecMethod.chain, sl=4),
-    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=5, beam_width=2, budget=10),
-    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
-    "lookup": SpecConfig(method=SpecMethod.chain, sl=6, drafter=Drafter.lookup),
-    "head-ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
-}
+from tests.drafting import PROMPT, SPECS, drafting_engine
 
 
 def biased_greedy_reference(model: LlamaModel, prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:
@@ -93,23 +81,11 @@ def test_sampling_params_keep_a_logit_bias_as_sorted_pairs_without_zeros() -> No
     assert SamplingParams().raw_argmax and not SamplingParams(temperature=1.0).raw_argmax
 
 
-def _engines(name: str) -> tuple[LlamaModel, Engine]:
-    if name.startswith("head"):
-        target = last_token_target()
-        draft: LlamaModel | EagleHead = near_head(target, 0.01)
-    else:
-        target = tiny_model(tiny_config(), seed=0)
-        draft = noisy_copy(target, 0.02, seed=1)
-    spec = SPECS[name]
-    drafting = Engine(target, None, draft=None if name == "plain" else draft, speculation=spec, eos_token_ids=set())
-    return target, drafting
-
-
 @pytest.mark.parametrize("name", list(SPECS))
 def test_greedy_output_with_a_logit_bias_is_the_biased_targets(name: str) -> None:
     """Drafts ignore the bias (the head's and the copy's argmaxes are the unbiased target's), so a biased step
     rejects them where the bias moved the target's argmax and keeps them elsewhere."""
-    target, engine = _engines(name)
+    target, engine = drafting_engine(name)
     unbiased = biased_greedy_reference(target, PROMPT, 24, {})
     other = next(t for t in range(target.cfg.vocab_size) if t not in unbiased)
     for bias in ({unbiased[0]: -100.0, unbiased[5]: -100.0}, {other: 20.0}, {unbiased[2]: -20.0, other: 1.5}):
@@ -126,7 +102,7 @@ def test_greedy_output_with_a_logit_bias_is_the_biased_targets(name: str) -> Non
 @pytest.mark.parametrize("name", ["plain", "chain", "head-ddd"])
 def test_sampled_output_follows_a_large_bias(name: str) -> None:
     """At +100 a token is all but certain at temperature 1, at -100 all but impossible."""
-    _, engine = _engines(name)
+    _, engine = drafting_engine(name)
     forced = 11
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in range(8)]
     outs = engine.generate([PROMPT] * 8, [p.model_copy(update={"logit_bias": {forced: 100.0}}) for p in params])

@@ -10,28 +10,16 @@ from pydantic import ValidationError
 from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.resume import StreamCursor, StreamMark
 from specserve.api.server import _CompletionFormat
-from specserve.config import Drafter, SpecConfig, SpecMethod
 from specserve.detok import IncrementalText
 from specserve.engine import Completion, Engine
 from specserve.messages import TokenLogprob
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.models.tiny import tiny_config, tiny_model
 from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
 from specserve.sequence import FinishReason, RequestOutput, RequestStats
-from specserve.spec_decode.eagle_head import EagleHead
-from tests.test_head_drafter import last_token_target, near_head
-
-PROMPT = [5, 9, 13, 21, 2, 7]
-SPECS = {
-    "plain": SpecConfig(method=SpecMethod.none),
-    "chain": SpecConfig(method=SpecMethod.chain, sl=4),
-    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=5, beam_width=2, budget=10),
-    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
-    "lookup": SpecConfig(method=SpecMethod.chain, sl=6, drafter=Drafter.lookup),
-    "head-ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
-}
+from tests.drafting import PROMPT, SPECS, drafting_engine
 
 
 def reference_logprobs(model: LlamaModel, prompt: list[int], tokens: list[int], k: int) -> list[TokenLogprob]:
@@ -57,29 +45,11 @@ def assert_close(got: list[TokenLogprob], want: list[TokenLogprob]) -> None:
         assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-4)
 
 
-def _engine(name: str, tokenizer: object = None) -> tuple[LlamaModel, Engine]:
-    if name.startswith("head"):
-        target = last_token_target()
-        draft: LlamaModel | EagleHead = near_head(target, 0.01)
-    else:
-        target = tiny_model(tiny_config(), seed=0)
-        draft = noisy_copy(target, 0.02, seed=1)
-    spec = SPECS[name]
-    engine = Engine(
-        target,
-        tokenizer,  # type: ignore[arg-type]
-        draft=None if name == "plain" else draft,
-        speculation=spec,
-        eos_token_ids=set(),
-    )
-    return target, engine
-
-
 @pytest.mark.parametrize("name", list(SPECS))
 def test_logprobs_are_the_targets_whoever_drafted(name: str) -> None:
     """Greedy, sampled and with a logit bias (the values are the unbiased distribution's, as vLLM's default): one
     entry per output token, drafted and accepted or the step's own, with the likeliest tokens in order."""
-    target, engine = _engine(name)
+    target, engine = drafting_engine(name)
     cases = [
         SamplingParams(max_tokens=20, logprobs=3),
         SamplingParams(max_tokens=20, logprobs=0, temperature=1.0, seed=4),
@@ -100,13 +70,13 @@ def test_logprobs_are_the_targets_whoever_drafted(name: str) -> None:
 def test_an_answer_ended_by_eos_lists_the_eos_last(name: str) -> None:
     """EOS is not an output token here (nor in the text or usage), but as in vLLM its log-probability is listed
     after the output's: lm-eval reads the entry after the prompt's as the answer's first token's."""
-    target, _ = _engine(name)
+    target, _ = drafting_engine(name)
     free_ids = Engine(target, None, eos_token_ids=set()).generate([PROMPT], SamplingParams(max_tokens=12))[0].token_ids
     for at in (0, 4, 9):
         eos = free_ids[at]
         if eos in free_ids[:at]:
             continue
-        _, engine = _engine(name)
+        _, engine = drafting_engine(name)
         engine.loop.eos_token_ids = frozenset({eos})
         out = engine.generate([PROMPT], SamplingParams(max_tokens=12, logprobs=2))[0]
         assert out.token_ids == free_ids[:at] and out.logprobs is not None and len(out.logprobs) == at + 1
@@ -119,7 +89,7 @@ def test_an_answer_ended_by_eos_lists_the_eos_last(name: str) -> None:
 def test_prompt_logprobs_come_with_the_first_output(name: str) -> None:
     """vLLM's prompt_logprobs: each prompt token's after the ones before it, once, with the request's first output
     (the step that prefilled it), beside a request that asks for none in the same step."""
-    target, engine = _engine(name)
+    target, engine = drafting_engine(name)
     params = SamplingParams(max_tokens=6, prompt_logprobs=3, logprobs=1)
     first_ids = engine.submit(PROMPT, params), engine.submit(PROMPT[::-1], SamplingParams(max_tokens=6))
     outputs = []
@@ -138,7 +108,7 @@ def test_prompt_logprobs_come_with_the_first_output(name: str) -> None:
 @pytest.mark.parametrize("name", ["plain", "chain", "ddd"])
 def test_logprobs_follow_the_tokens_a_stop_cuts(name: str) -> None:
     """A stop string cuts accepted tokens off a step, a stop token id ends it: their logprobs go with them."""
-    target, engine = _engine(name, tiny_tokenizer())
+    target, engine = drafting_engine(name, tokenizer=tiny_tokenizer())
     whole = engine.generate([PROMPT], SamplingParams(max_tokens=30, logprobs=1))[0]
     for i in (6, 13, 21):
         stop = whole.text[i : i + 2]
@@ -153,7 +123,7 @@ def test_logprobs_follow_the_tokens_a_stop_cuts(name: str) -> None:
 
 def test_a_batch_of_requests_asking_for_different_counts() -> None:
     """One step's rows: some ask for logprobs (different counts), some not, greedy and sampled side by side."""
-    target, engine = _engine("chain")
+    target, engine = drafting_engine("chain")
     params = [
         SamplingParams(max_tokens=12, logprobs=2),
         SamplingParams(max_tokens=12),
@@ -223,7 +193,7 @@ def test_joined_and_resumed_outputs_keep_their_logprobs_with_their_tokens() -> N
 def test_an_interrupted_commit_keeps_logprobs_in_step_with_the_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C in a row's detokenisation, after its output (and logprobs) grew: the row's state goes back, logprobs
     included, so the step committed again adds each token's entry once."""
-    target, engine = _engine("chain", tiny_tokenizer())
+    target, engine = drafting_engine("chain", tokenizer=tiny_tokenizer())
     params = SamplingParams(max_tokens=16, logprobs=2, ignore_eos=True)
     alone = engine.generate([PROMPT], params)[0]
     rid, other = engine.submit(PROMPT, params), engine.submit(PROMPT[1:], params)

@@ -6,26 +6,14 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from specserve.config import Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
-from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.models.tiny import tiny_config, tiny_model
 from specserve.sampling import SamplingParams
 from specserve.sequence import FinishReason
-from specserve.spec_decode.eagle_head import EagleHead
-from tests.test_head_drafter import last_token_target, near_head
-
-PROMPT = [5, 9, 13, 21, 2, 7]
-SPECS = {
-    "plain": SpecConfig(method=SpecMethod.none),
-    "chain": SpecConfig(method=SpecMethod.chain, sl=4),
-    "eagle2": SpecConfig(method=SpecMethod.eagle2, tree_depth=5, beam_width=2, budget=10),
-    "ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
-    "lookup": SpecConfig(method=SpecMethod.chain, sl=6, drafter=Drafter.lookup),
-    "head-ddd": SpecConfig(method=SpecMethod.ddd, beam_width=2, budget=10),
-}
+from tests.drafting import PROMPT, SPECS, drafting_engine
 
 
 def reference(model: LlamaModel, n: int, *, ends: set[int], banned: set[int], min_tokens: int) -> list[int]:
@@ -44,23 +32,12 @@ def reference(model: LlamaModel, n: int, *, ends: set[int], banned: set[int], mi
     return out
 
 
-def _engine(name: str, eos: set[int]) -> tuple[LlamaModel, Engine]:
-    if name.startswith("head"):
-        target = last_token_target()
-        draft: LlamaModel | EagleHead = near_head(target, 0.01)
-    else:
-        target = tiny_model(tiny_config(), seed=0)
-        draft = noisy_copy(target, 0.02, seed=1)
-    engine = Engine(target, None, draft=None if name == "plain" else draft, speculation=SPECS[name], eos_token_ids=eos)
-    return target, engine
-
-
 @pytest.mark.parametrize("name", list(SPECS))
 def test_no_eos_or_stop_id_before_min_tokens(name: str) -> None:
-    target, _ = _engine(name, set())
+    target, _ = drafting_engine(name)
     free = reference(target, 24, ends=set(), banned=set(), min_tokens=0)
     eos, stop = free[3], free[5]
-    _, engine = _engine(name, {eos})
+    _, engine = drafting_engine(name, eos=frozenset({eos}))
     assert engine.generate([PROMPT], SamplingParams(max_tokens=24))[0].token_ids == free[:3]  # (EOS at index 3)
     for m in (4, 9):
         want = reference(target, 24, ends={eos, stop}, banned={eos, stop}, min_tokens=m)
@@ -78,17 +55,17 @@ def test_no_eos_or_stop_id_before_min_tokens(name: str) -> None:
 def test_the_ban_ends_at_exactly_min_tokens(name: str) -> None:
     """EOS as the token at output index m: with min_tokens m it is drawn there (m tokens before it), and the raw
     logprobs still show it at the banned positions before (the ban is on a copy of the step's logits)."""
-    target, _ = _engine(name, set())
+    target, _ = drafting_engine(name)
     free = reference(target, 14, ends=set(), banned=set(), min_tokens=0)
     for m in range(1, 12):
         if free[m] in free[:m]:
             continue
-        _, engine = _engine(name, {free[m]})
+        _, engine = drafting_engine(name, eos=frozenset({free[m]}))
         out = engine.generate([PROMPT], SamplingParams(max_tokens=14, min_tokens=m, logprobs=3))[0]
         assert out.token_ids == free[:m] and out.finish_reason == FinishReason.stop, m
         assert out.logprobs is not None and out.logprobs[m - 1].logprob < 0
     eos = free[2]
-    _, engine = _engine(name, {eos})
+    _, engine = drafting_engine(name, eos=frozenset({eos}))
     out = engine.generate([PROMPT], SamplingParams(max_tokens=14, min_tokens=4, logprobs=5))[0]
     assert out.logprobs is not None and eos in [t for t, _ in out.logprobs[2].top]  # (banned there, still listed)
 
@@ -105,9 +82,9 @@ def test_an_eos_id_past_the_vocabulary_is_no_ban_and_a_ban_of_every_token_is_ref
 
 
 def test_min_tokens_as_large_as_max_tokens_runs_to_the_length() -> None:
-    target, _ = _engine("chain", set())
+    target, _ = drafting_engine("chain")
     free = reference(target, 12, ends=set(), banned=set(), min_tokens=0)
-    _, engine = _engine("chain", {free[1]})
+    _, engine = drafting_engine("chain", eos=frozenset({free[1]}))
     out = engine.generate([PROMPT], SamplingParams(max_tokens=12, min_tokens=12))[0]
     assert out.finish_reason == FinishReason.length and len(out.token_ids) == 12 and free[1] not in out.token_ids
 
