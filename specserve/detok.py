@@ -88,16 +88,21 @@ class IncrementalText:
         runs: ByteRuns | None = None,
         *,
         include_stop: bool = False,
+        floor: int = 0,
     ) -> None:
         """``prompt_ids``: its last CONTEXT tokens are decoded before the output's first ones, whose text may
         depend on them (a SentencePiece tokenizer drops the leading space of the first token it decodes);
         ``runs``: ``ByteRuns.of(tokenizer)``, which a caller with many requests computes once; ``include_stop``:
-        the text ends with the stop string that stopped it (vLLM's ``include_stop_str_in_output``), not before it."""
+        the text ends with the stop string that stopped it (vLLM's ``include_stop_str_in_output``), not before it;
+        ``floor``: a stop string counts only where a token after the first ``floor`` output tokens completes it, one
+        ending in their text does not (vLLM's ``min_tokens``)."""
         if stop and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop
+        self.floor = floor
+        self._floor_chars = 0  # (once more than ``floor`` tokens: the length of the first ``floor`` tokens' text)
         self.runs = ByteRuns.of(tokenizer) if runs is None else runs
         # (not from inside a character spelt in byte tokens: a run's bytes decode as a whole, and the output's
         # first bytes may join the prompt's last run)
@@ -139,12 +144,15 @@ class IncrementalText:
         else:
             before_run = len(full)
         stop_at = None
+        past_floor = len(token_ids) > self.floor
+        if past_floor and self.floor and not self._floor_chars:
+            self._floor_chars = len(_settled(self._decode(token_ids[: self.floor]), False))
         # (only where a stop string may end past the text an earlier update searched: that text cannot change)
-        searched = _settled(full[max(0, self._seen_chars - self._reach) :], whole_text)
-        found = any(s in searched for s in self.stop)
+        offset = max(0, self._seen_chars - self._reach)
+        found = past_floor and self._holds_stop(_settled(full[offset:], whole_text), offset)
         # ... or one that may have been complete in the text of a shorter prefix only (bytes since joined a run of
         # byte tokens and turned its characters into U+FFFD)
-        if found or (self.stop and any(t in self.runs.bytes for t in token_ids[self._seen :])):
+        if found or (past_floor and self.stop and any(t in self.runs.bytes for t in token_ids[self._seen :])):
             stop_at = self._tokens_through_stop(token_ids, whole_text) or (len(token_ids) if found else None)
         if stop_at is not None:
             # the text as decoding one token a step would stop it: at the first token that completes a stop
@@ -153,8 +161,9 @@ class IncrementalText:
             self.stop_tokens = stop_at
             whole = whole_text and stop_at == len(token_ids)
             through = _settled(self._decode(token_ids[:stop_at]), whole)
-            cut = min(i for i in (through.find(s) for s in self.stop) if i >= 0)
-            self.stop_string = next(s for s in self.stop if through.find(s) == cut)
+            starts = {s: through.find(s, self._first_start(s, 0)) for s in self.stop}
+            cut = min(i for i in starts.values() if i >= 0)
+            self.stop_string = next(s for s in self.stop if starts[s] == cut)
             end = cut + len(self.stop_string) if self.include_stop else cut
             self.text, self.stopped, final = through[:end], True, True
         else:
@@ -277,6 +286,14 @@ class IncrementalText:
         assert self.tokenizer is not None
         return cast(str, self.tokenizer.decode(cast(list[int], list(token_ids)), skip_special_tokens=True))
 
+    def _first_start(self, stop: str, offset: int) -> int:
+        """Where in a text starting at character ``offset`` of the output's a match of ``stop`` that counts may
+        start: one ending in the first ``floor`` tokens' text does not."""
+        return max(0, self._floor_chars - len(stop) + 1 - offset)
+
+    def _holds_stop(self, text: str, offset: int) -> bool:
+        return any(text.find(s, self._first_start(s, offset)) >= 0 for s in self.stop)
+
     def _tokens_through_stop(self, token_ids: Sequence[int], final: bool) -> int | None:
         """The shortest prefix whose text holds a stop string (None: none does): a step that emitted several tokens
         (speculation) may have gone past it, and those tokens are not part of the output. Searched from the last
@@ -285,11 +302,11 @@ class IncrementalText:
         whole). Prefixes searched by an earlier update are not searched again (their text cannot change)."""
         checked = self._checked if not final else min(self._checked, len(token_ids) - 1)
         window, reach = self._seen_window(token_ids), max(map(len, self.stop)) - 1
-        for n in range(max(self._seen, checked) + 1, len(token_ids) + 1):
+        for n in range(max(self._seen, checked, self.floor) + 1, len(token_ids) + 1):
             kept, added = self._since_seen(token_ids, n, window)
             # the text through ``_seen`` holds no stop string: only one ending in what the tokens after it add
-            prefix = _settled(self.text[max(0, kept - reach) : kept] + added, final and n == len(token_ids))
-            if any(s in prefix for s in self.stop):
+            offset = max(0, kept - reach)
+            if self._holds_stop(_settled(self.text[offset:kept] + added, final and n == len(token_ids)), offset):
                 return n
         self._checked = len(token_ids)
         return None

@@ -75,7 +75,8 @@ class SamplingParams(Validated):
         ge=0,
         le=MAX_CONTEXT,
         description="output tokens before EOS (unless ignore_eos) or a stop token id may be drawn: the target draws "
-        "without them until then (vLLM's); at most max_tokens; not with stop strings",
+        "without them until then, and a stop string completed by one of the first min_tokens tokens does not stop "
+        "it (vLLM's); at most max_tokens",
     )
 
     @field_validator("min_tokens")
@@ -84,8 +85,6 @@ class SamplingParams(Validated):
         # (declared after max_tokens and stop: validated after them; an invalid one has its own error)
         if v and "max_tokens" in info.data and v > info.data["max_tokens"]:
             raise ValueError(f"min_tokens ({v}) must be at most max_tokens ({info.data['max_tokens']})")
-        if v and info.data.get("stop"):  # vLLM ignores a stop string completed before min_tokens: not done here
-            raise ValueError("min_tokens with stop strings is not supported")
         return v
 
     @field_validator(

@@ -109,6 +109,7 @@ class StepLoop:
             request.prompt_ids,
             self.byte_runs,
             include_stop=request.params.include_stop_str_in_output,
+            floor=request.params.min_tokens,
         )
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)

@@ -31,6 +31,7 @@ from specserve.sampling import SamplingParams
 from specserve.sequence import Request, RequestOutput, RequestStats
 from specserve.step_events import StepMetrics
 from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
+from tests.test_min_tokens import one_token_a_step, stop_seen_twice
 
 CONTEXT = 128
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -500,8 +501,8 @@ def test_echo_starts_the_answer_with_the_prompt_and_its_logprobs(url: str, clien
 
 
 def test_min_tokens_keeps_stop_ids_out_until_then_over_http(url: str, client: openai.OpenAI) -> None:
-    """vLLM's min_tokens: a stop token id the answer would end at is not generated before that many tokens; more
-    than max_tokens, or beside stop strings, a 400 naming it."""
+    """vLLM's min_tokens: a stop token id the answer would end at is not generated before that many tokens, a stop
+    string completed before then does not stop it; more than max_tokens a 400 naming it."""
 
     def post(**fields: Any) -> dict[str, Any]:
         body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 10, "return_token_ids": True, "temperature": 0}
@@ -521,9 +522,20 @@ def test_min_tokens_keeps_stop_ids_out_until_then_over_http(url: str, client: op
     assert via_sdk.choices[0].text == tiny_tokenizer().decode(
         held["token_ids"][: 10 if held["finish_reason"] == "length" else -1]
     )
+    # a stop string the first tokens complete does not stop the answer before min_tokens, a later one does
+    tok = tiny_tokenizer()
+    long = post(ignore_eos=True, max_tokens=40)["token_ids"]
+    letter, first = stop_seen_twice(tok, long)
+    text, n = one_token_a_step(tok, long, [letter], first)
+    passed = post(ignore_eos=True, max_tokens=40, stop=[letter], min_tokens=first)
+    assert (passed["text"], passed["token_ids"], passed["finish_reason"]) == (text, long[:n], "stop")
+    streamed = client.completions.create(
+        model=MODEL, prompt=[3, 4], max_tokens=40, temperature=0, stop=[letter], stream=True,
+        extra_body={"ignore_eos": True, "min_tokens": first},
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
     for fields, says in (
         ({"min_tokens": 11}, "min_tokens (11) must be at most max_tokens (10)"),
-        ({"min_tokens": 2, "stop": ["x"]}, "min_tokens with stop strings is not supported"),
         ({"min_tokens": -1}, "greater than or equal to 0"),
         ({"min_tokens": "2"}, "valid integer"),
     ):

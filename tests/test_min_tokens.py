@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+from transformers import PreTrainedTokenizerBase
 
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.detok import IncrementalText
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
 from specserve.models.batch import ForwardBatch
@@ -94,10 +97,69 @@ def test_min_tokens_as_large_as_max_tokens_runs_to_the_length() -> None:
     [
         ({"min_tokens": -1}, "greater than or equal to 0"),
         ({"min_tokens": 9, "max_tokens": 8}, r"min_tokens \(9\) must be at most max_tokens \(8\)"),
-        ({"min_tokens": 2, "stop": ["x"]}, "min_tokens with stop strings is not supported"),
         ({"min_tokens": True}, "a number"),
     ],
 )
 def test_sampling_params_refuse_a_min_tokens_they_cannot_keep(fields: dict[str, object], says: str) -> None:
     with pytest.raises(ValidationError, match=says):
         SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+def one_token_a_step(tok: PreTrainedTokenizerBase, ids: list[int], stop: list[str], floor: int) -> tuple[str, int]:
+    """vLLM's rule, decoding one token at a time: after each token past the first ``floor``, a stop string counts
+    where it ends in the text that token added, and the text is cut where the earliest such match starts; (the
+    text, the tokens through the one that completed it), or (the whole text, len(ids)) where none does."""
+    before = ""
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n], skip_special_tokens=True)
+        if n > floor:
+            starts = [i for i in (text.find(s, max(0, len(before) - len(s) + 1)) for s in stop) if i >= 0]
+            if starts:
+                return text[: min(starts)], n
+        before = text
+    return before, len(ids)
+
+
+STOP_TEXTS = ("so ab then ab and the end. ab again, end.", "xx xxx x xxxx end end")
+
+
+@pytest.mark.parametrize("text", STOP_TEXTS)
+def test_a_stop_string_in_the_first_min_tokens_does_not_stop(text: str) -> None:
+    """At every floor (min_tokens) and any number of tokens an update brings (speculation), the streamed text and
+    the tokens kept are those of the one-token rule, and the deltas add up to the text."""
+    tok = tiny_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    stops = (["ab"], ["end", "the end."], ["x x"], [" "], ["end."])
+    for stop in stops:
+        for floor in range(len(ids) + 1):
+            want = one_token_a_step(tok, ids, stop, floor)
+            for per_step in (1, 2, 3, 5, len(ids)):
+                inc, streamed, n = IncrementalText(tok, stop, floor=floor), "", 0
+                while n < len(ids) and not inc.stopped:
+                    n = min(len(ids), n + per_step)
+                    streamed += inc.update(ids[:n], final=n == len(ids))
+                got = (inc.text, inc.stop_tokens if inc.stopped else len(ids))
+                assert got == want, (stop, floor, per_step)
+                assert streamed == inc.text
+
+
+def stop_seen_twice(tok: PreTrainedTokenizerBase, ids: list[int]) -> tuple[str, int]:
+    """(a letter the text of ``ids`` holds more than once, the tokens through its first one)."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    letter = next(c for c in text if c.isascii() and c.isalpha() and text.count(c) > 1)
+    return letter, one_token_a_step(tok, ids, [letter], 0)[1]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_min_tokens_with_a_stop_string_keeps_the_one_token_answer(name: str) -> None:
+    """A stop string the first tokens complete is passed over up to min_tokens; a later one stops the answer, its
+    text and tokens those of the one-token rule over plain greedy decoding, with every drafter."""
+    tok = tiny_tokenizer()
+    target, engine = drafting_engine(name, tokenizer=tok)
+    free = reference(target, 40, ends=set(), banned=set(), min_tokens=0)
+    stop, first = stop_seen_twice(tok, free)
+    for m in (first, first + 2):
+        text, n = one_token_a_step(tok, free, [stop], m)
+        assert n > first and n < len(free)  # (the floor passed over the first match; a later one stopped it)
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=40, min_tokens=m, stop=[stop]))[0]
+        assert (out.text, out.token_ids, out.finish_reason) == (text, free[:n], FinishReason.stop), m

@@ -261,7 +261,8 @@ class GenerationRequest(ClosedModel):
         ge=0,
         lt=INT64_END,
         description="extension (as vLLM's): output tokens before EOS (unless ignore_eos) or a stop token id may be "
-        "generated; at most max_tokens, and not with stop strings",
+        "generated, and a stop string completed by one of the first min_tokens tokens does not stop it; at most "
+        "max_tokens",
     )
     user: str | None = None
     logit_bias: LogitBias | None = Field(
