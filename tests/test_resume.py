@@ -137,6 +137,32 @@ def test_a_resumed_stream_goes_on_with_the_logprobs_and_text_offsets_after_its_p
             assert head[f] + rest[f] == whole[f], (k, f)
 
 
+def test_an_echoed_stream_starts_with_the_prompt_and_a_resumed_one_does_not_send_it_again(url: str) -> None:
+    """OpenAI's echo, streamed: the first chunk's text starts with the prompt's and its logprobs with the prompt's
+    tokens' (the first null), the chunks add up to the non-streamed answer; resumed after any event, the rest is
+    the answer's rest, its text offsets still counting the prompt's tokens."""
+    body = {**SAMPLED, "prompt": "once upon", "ignore_eos": True, "seed": 3, "logprobs": 2, "echo": True}
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def logprobs(events: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        chunks = [e["data"]["choices"][0]["logprobs"] for e in events if _is_choice(e)]
+        return {f: [x for c in chunks if c for x in c[f]] for f in fields}
+
+    whole = httpx.post(url + COMPLETIONS, json=body, timeout=60).json()["choices"][0]
+    assert whole["text"].startswith("once upon") and whole["logprobs"]["token_logprobs"][0] is None
+    full = _events(url, COMPLETIONS, body)
+    first = next(e for e in full if _is_choice(e))["data"]["choices"][0]
+    assert first["text"].startswith("once upon") and first["logprobs"]["token_logprobs"][0] is None
+    assert _content(full)[0] == whole["text"] and logprobs(full) == {f: whole["logprobs"][f] for f in fields}
+    marks = [e["id"] for e in full if "id" in e]
+    for k in (0, 1, len(marks) // 2, len(marks) - 2):
+        rest = _events(url, COMPLETIONS, {**body, "resume_from": marks[k]})
+        assert _content(full[: k + 1])[0] + _content(rest)[0] == whole["text"], k
+        head, tail = logprobs(full[: k + 1]), logprobs(rest)
+        for f in fields:
+            assert head[f] + tail[f] == whole["logprobs"][f], (k, f)
+
+
 def _is_choice(e: dict[str, Any]) -> bool:
     return e["data"] != "[DONE]" and bool(e["data"]["choices"])
 

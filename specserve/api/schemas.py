@@ -412,7 +412,7 @@ class CompletionRequest(GenerationRequest):
     echo: StrictBool = Field(
         default=False,
         description="the answer's text starts with the prompt's, and with logprobs its tokens' come first (the first "
-        "null), as OpenAI's; not with stream",
+        "null), as OpenAI's; streamed, the first chunk's text starts with the prompt's",
     )
     best_of: Annotated[Literal[1] | None, _exactly(int)] = Field(default=None, description="not supported: only 1")
     suffix: None = Field(default=None, description="not supported (text after an insertion): only null")
@@ -435,14 +435,6 @@ class CompletionRequest(GenerationRequest):
         if v is True:  # (one error: a union of int and false named its members' internals)
             raise ValueError("logprobs is a count of likeliest tokens, 0 to 20 (false or null: none), not true")
         return None if v is False else v
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_not_streamed(cls, v: bool, info: ValidationInfo) -> bool:
-        # (declared after ``stream``: validated after it; an invalid stream has its own error, not this one too)
-        if v and info.data.get("stream"):
-            raise ValueError("echo with stream is not supported")
-        return v
 
     @property
     def echoes(self) -> bool:

@@ -503,6 +503,8 @@ class _Routes:
             first = fmt.first_chunk()
             if first is not None and not cursor.resuming:
                 yield _sse(first, cursor.mark, without=without)
+            if cursor.resuming:
+                fmt.skip_echo()
             sent_at = time.monotonic()
             while True:
                 # nothing may be sent for long: while it replays, never more than a second
@@ -659,6 +661,11 @@ class _Format(Protocol):
 
     def echo(self, text: str, token_ids: list[int]) -> None: ...
 
+    def skip_echo(self) -> None: ...
+
+
+_Entries = list[tuple[int, TokenLogprob | None]]  # (token id, its logprobs; None: the prompt's first token)
+
 
 def _id_text(token_id: int) -> str:
     return f"token_id:{token_id}"  # (vLLM's form for a token shown by its id)
@@ -690,6 +697,9 @@ class _Stamped:
     def echo(self, text: str, token_ids: list[int]) -> None:
         raise AssertionError(f"{type(self).__name__} has no echo")  # (completions' alone: the schema says so)
 
+    def skip_echo(self) -> None:
+        """A resumed stream: the prompt went out with its first event."""
+
 
 class _CompletionFormat(_Stamped):
     prefix = "cmpl"
@@ -701,6 +711,22 @@ class _CompletionFormat(_Stamped):
 
     def echo(self, text: str, token_ids: list[int]) -> None:
         self.echoed = text, token_ids
+
+    def skip_echo(self) -> None:
+        if self.echoed is not None:
+            self.skip(self.echoed[1])  # (their texts count in the offsets after them)
+            self.echoed = None
+
+    def _with_echo(
+        self, text: str, entries: _Entries | None, prompt: list[TokenLogprob] | None
+    ) -> tuple[str, _Entries | None]:
+        """The prompt first, once: its text, and its tokens' logprobs (the first has none)."""
+        if self.echoed is None:
+            return text, entries
+        (prompt_text, prompt_ids), self.echoed = self.echoed, None
+        if entries is not None and prompt_ids:
+            entries = [(prompt_ids[0], None), *((lp.token, lp) for lp in prompt or []), *entries]
+        return prompt_text + text, entries
 
     def first_chunk(self) -> BaseModel | None:
         return None
@@ -724,11 +750,13 @@ class _CompletionFormat(_Stamped):
         return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
 
     def chunk(self, out: RequestOutput, *, with_ids: bool) -> BaseModel:
+        entries: _Entries | None = None if out.logprobs is None else [(lp.token, lp) for lp in out.logprobs]
+        text, entries = self._with_echo(out.text, entries, out.prompt_logprobs)  # (the first chunk, with echo)
         choice = CompletionChoice(
-            text=out.text,
+            text=text,
             finish_reason=_finish(out.finish_reason),
             stop_reason=out.stop_reason,
-            logprobs=self._logprobs(None if out.logprobs is None else [(lp.token, lp) for lp in out.logprobs]),
+            logprobs=self._logprobs(entries),
             token_ids=out.token_ids if with_ids else None,
         )
         return CompletionChunk(**self.stamp(), choices=[choice])
@@ -746,13 +774,8 @@ class _CompletionFormat(_Stamped):
         with_ids: bool,
         prompt: list[TokenLogprob] | None = None,
     ) -> BaseModel:
-        entries: list[tuple[int, TokenLogprob | None]] | None = (
-            None if logprobs is None else [(lp.token, lp) for lp in logprobs]
-        )
-        if self.echoed is not None:  # the prompt first: its text, and its tokens' logprobs (the first has none)
-            text, prompt_ids = self.echoed[0] + text, self.echoed[1]
-            if entries is not None and prompt_ids:
-                entries = [(prompt_ids[0], None), *((lp.token, lp) for lp in prompt or []), *entries]
+        entries: _Entries | None = None if logprobs is None else [(lp.token, lp) for lp in logprobs]
+        text, entries = self._with_echo(text, entries, prompt)
         choice = CompletionChoice(
             text=text,
             finish_reason=_finish(last.finish_reason),
