@@ -549,6 +549,14 @@ def test_min_tokens_keeps_stop_ids_out_until_then_over_http(url: str, client: op
         body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 10} | fields
         error = _error(httpx.post(url + COMPLETIONS, json=body))
         assert error["param"] == "min_tokens" and says in error["message"], (fields, error)
+    # chat: named as the client set the limit (or left it to the context)
+    for fields, says in (
+        ({"max_completion_tokens": 5, "min_tokens": 6}, "min_tokens (6) must be at most max_completion_tokens (5)"),
+        ({"max_tokens": 5, "min_tokens": 6}, "min_tokens (6) must be at most max_tokens (5)"),
+        ({"min_tokens": 10**6}, "min_tokens (1000000) must be at most the room the context leaves the answer ("),
+    ):
+        error = _error(httpx.post(url + CHAT, json={"model": MODEL, "messages": USER} | fields))
+        assert error["param"] == "min_tokens" and says in error["message"], (fields, error)
 
 
 def test_logprobs_over_http_streamed_and_through_the_sdk(url: str, client: openai.OpenAI) -> None:

@@ -393,6 +393,7 @@ class _Routes:
                 limit.check(e.fewest, context, at_least=True)
                 raise
             max_tokens = limit.check(len(prompt_ids), context)
+            limit.check_min(body.min_tokens, max_tokens)
             if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
                 raise ResumeMismatchError(
                     f"{RESUME_PARAM} is after output token {resume.tokens}, past this request's limit of "
@@ -580,6 +581,12 @@ class _TokenLimit:
                 param=self.max_tokens_param,
             )
         return self.max_tokens
+
+    def check_min(self, min_tokens: int, max_tokens: int) -> None:
+        """A 400 where min_tokens is more than may be generated, named as the client set that limit."""
+        if min_tokens > max_tokens:
+            most = self.max_tokens_param if self.max_tokens is not None else "the room the context leaves the answer"
+            raise APIError(f"min_tokens ({min_tokens}) must be at most {most} ({max_tokens})", param="min_tokens")
 
 
 def _status_of(error: APIError) -> RequestStatus:
