@@ -53,6 +53,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def logit_bias_arg(text: str) -> tuple[int, float]:
+    """``ID=BIAS``: a token id and the value added to its logit (the bias's range is SamplingParams')."""
+    token, sep, bias = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"ID=BIAS (a token id and a number), not {text!r}")
+    value = finite_float(bias)
+    return non_negative_int(token), value
+
+
 def _float(text: str) -> float:
     try:
         return float(text)

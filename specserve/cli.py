@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pydantic
 
-from specserve.arg_types import finite_float, positive_int, present_device_arg
+from specserve.arg_types import finite_float, logit_bias_arg, non_negative_int, positive_int, present_device_arg
 from specserve.config import (
     BUILTIN_HEADS_DIR,
     DEFAULT_PAIR,
@@ -48,6 +48,10 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
+        stop_token_ids=frozenset(args.stop_token_ids),
+        ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        logit_bias=tuple(args.logit_bias),
     )
     target = ModelSpec(source=args.model, dtype=DType(args.dtype))
     draft = _draft_for(args.draft, target, args.device)
@@ -161,7 +165,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=finite_float, default=1.0)
     g.add_argument("--min-p", type=finite_float, default=0.0, help="drop tokens below min-p x the likeliest's chance")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--stop", action="append", default=[], help="a string that ends the answer (repeatable)")
+    g.add_argument(
+        "--stop-token-id",
+        dest="stop_token_ids",
+        type=non_negative_int,
+        action="append",
+        default=[],
+        help="a token id that ends the answer (repeatable)",
+    )
+    g.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens through EOS")
+    g.add_argument(
+        "--min-tokens", type=non_negative_int, default=0, help="tokens before EOS, a stop id or a stop string ends it"
+    )
+    g.add_argument(
+        "--logit-bias",
+        type=logit_bias_arg,
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100 to 100) to token ID's logit (repeatable)",
+    )
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     g.add_argument(
         "--draft",

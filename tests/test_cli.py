@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specserve.cli import main
+from specserve.sampling import SamplingParams
 from tests.conftest import forbid_model_loads
 
 
@@ -26,6 +27,12 @@ from tests.conftest import forbid_model_loads
         (["--draft", "smollm2-eagel"], "--draft 'smollm2-eagel' is not 'auto'"),  # was "no config.json in ..."
         (["--temperature", "nan"], "argument --temperature: must be a finite number, not nan"),  # was "<= 100"
         (["--top-p", "inf"], "argument --top-p: must be a finite number, not inf"),
+        (["--logit-bias", "5"], "argument --logit-bias: ID=BIAS (a token id and a number), not '5'"),
+        (["--logit-bias", "x=1"], "argument --logit-bias: 'x' is not an integer"),
+        (["--logit-bias", "5=nan"], "argument --logit-bias: must be a finite number, not nan"),
+        (["--logit-bias", "5=101"], "a bias is in [-100, 100], not 101.0"),
+        (["--stop-token-id", "-1"], "argument --stop-token-id: must be at least 0, not -1"),
+        (["--min-tokens", "9", "--max-tokens", "8"], "min_tokens (9) must be at most max_tokens (8)"),
     ],
 )
 def test_bad_generate_arguments_are_usage_errors(
@@ -538,6 +545,31 @@ def test_every_command_writes_text_its_console_cannot_encode_escaped(
     assert command.main([]) == 0
     console.flush()
     assert console.buffer.getvalue() == b"wrote caf\\xe9/report.md\n" and console.errors == "strict"
+
+
+def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from specserve.engine import Engine
+
+    asked: list[SamplingParams] = []
+    engine = SimpleNamespace(
+        tokenizer=SimpleNamespace(chat_template="t"), stream=lambda prompt, params, chat: asked.append(params) or []
+    )
+    monkeypatch.setattr(Engine, "from_config", lambda config, tokenizer: engine)
+    monkeypatch.setattr("specserve.models.loader.load_tokenizer", lambda spec: engine.tokenizer)
+    flags = ["--stop-token-id", "7", "--stop-token-id", "9", "--ignore-eos", "--min-tokens", "4", "--stop", "x"]
+    bias = ["--logit-bias", "5=-100", "--logit-bias", "3=2.5", "--logit-bias", "5=1"]  # (the last for an id wins)
+    assert main(["generate", "hi", "--draft", "none", *flags, *bias]) == 0
+    assert asked == [
+        SamplingParams(
+            max_tokens=256, stop=("x",), stop_token_ids=frozenset({7, 9}), ignore_eos=True, min_tokens=4,
+            logit_bias={3: 2.5, 5: 1.0},
+        )
+    ]  # fmt: skip
+    asked.clear()
+    assert main(["generate", "hi", "--draft", "none"]) == 0
+    assert asked == [SamplingParams(max_tokens=256)]
 
 
 def test_generate_says_a_tokenizer_has_no_chat_template_before_the_models_load(
