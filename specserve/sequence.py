@@ -130,7 +130,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     delivered: int = 0  # output tokens handed out (RequestOutput.token_ids so far)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # of output[delivered:], if asked for
-    prompt_logprobs_sent: bool = False  # its prompt's logprobs went with an output (or it asked for none)
+    prompt_logprobs_sent: bool = False  # its prompt's logprobs (if asked for) went with an output
     registered: bool = False  # added to the workers (False: on its next step, after admission or a reset)
     target_seen: int = 0  # committed tokens the target worker has been sent
     draft_seen: int = 0  # ... and the draft worker

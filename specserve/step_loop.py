@@ -114,8 +114,7 @@ class StepLoop:
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)
         seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done))
-        # (a continuation's first lane sent them with its first output)
-        seq.prompt_logprobs_sent = request.params.prompt_logprobs is None or request.delivered is not None
+        seq.prompt_logprobs_sent = request.delivered is not None  # (a continuation's first lane sent them)
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
             seq.sl_state = SequenceDSDE(spec.dsde, request.params.temperature)
         if spec.method != SpecMethod.none and spec.drafter == Drafter.suffix:
@@ -350,7 +349,8 @@ class StepLoop:
         params = seq.request.params
         banned = params.banned_before(self.eos_token_ids) if len(seq.output) < params.min_tokens else ()
         below = len(seq.request.prompt_ids) + params.min_tokens if banned else 0  # (the sequence position)
-        prompt = not seq.prompt_logprobs_sent and seq.target_seen == 0  # (its new tokens start with the prompt)
+        # (its new tokens start with the prompt)
+        prompt = params.prompt_logprobs is not None and not seq.prompt_logprobs_sent and seq.target_seen == 0
         if proposal is None:
             return VerifyItem(
                 seq.seq_id,

@@ -18,7 +18,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
 from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
-from specserve.sequence import FinishReason, RequestOutput, RequestStats
+from specserve.sequence import Delivered, FinishReason, Request, RequestOutput, RequestStats, Sequence
 from tests.drafting import PROMPT, SPECS, drafting_engine
 
 
@@ -103,6 +103,25 @@ def test_prompt_logprobs_come_with_the_first_output(name: str) -> None:
     assert done[0].prompt_logprobs is not None and len(done[0].prompt_logprobs) == len(PROMPT) - 1
     assert done[1].prompt_logprobs is None
     assert engine.generate([[7]], params)[0].prompt_logprobs == []  # (a prompt of one token: none before it)
+
+
+def test_a_sequence_asks_the_target_for_prompt_logprobs_only_if_its_request_does() -> None:
+    """A Sequence made without the step loop's add_request (its prompt_logprobs_sent at the default) asked for
+    them whatever its request said, and a target worker then failed on the count it had not been given."""
+    loop = Engine(tiny_model(tiny_config(), seed=0), None, eos_token_ids=set()).loop
+    for params, asks in ((SamplingParams(), False), (SamplingParams(prompt_logprobs=2), True)):
+        seq = Sequence(0, Request("r", [1, 2, 3], params), IncrementalText(None, ()))
+        assert loop._verify_item(seq, None).prompt_logprobs is asks
+    # a continuation of a request another lane started: that lane sent them with its first output
+    params = SamplingParams(max_tokens=6, prompt_logprobs=2)
+    started = Engine(tiny_model(tiny_config(), seed=0), None, eos_token_ids=set()).generate([PROMPT], params)[0]
+    assert started.prompt_logprobs is not None
+    loop.add_request(Request("c", PROMPT, params, delivered=Delivered(tuple(started.token_ids[:2]), "")))
+    outputs = []
+    while loop.has_work:
+        outputs += loop.step()
+    assert [t for o in outputs for t in o.token_ids] == started.token_ids[2:]
+    assert outputs and all(o.prompt_logprobs is None for o in outputs)
 
 
 @pytest.mark.parametrize("name", ["plain", "chain", "ddd"])
