@@ -147,3 +147,14 @@ def test_null_means_the_default_for_openais_nullable_fields(url: str, path: str)
         assert r.status_code == 200, (field, r.text[:300])
     everything = httpx.post(url + path, json={**body, **dict.fromkeys(fields)}, timeout=30)
     assert everything.status_code == 200 and "choices" in everything.json()
+
+
+@pytest.mark.parametrize(
+    "schema", ["CompletionResponse", "ChatCompletionResponse", "CompletionChunk", "ChatCompletionChunk"]
+)
+def test_the_response_extensions_are_described(doc: dict[str, Any], schema: str) -> None:
+    """A client reading /openapi.json learns what vLLM's and this server's own response fields mean."""
+    schemas = doc["components"]["schemas"]
+    choice = schemas[schema]["properties"]["choices"]["items"]["$ref"].rsplit("/", 1)[-1]
+    for name, field in (("seed", schemas[schema]), ("stop_reason", schemas[choice]), ("token_ids", schemas[choice])):
+        assert "extension" in field["properties"][name].get("description", ""), (schema, name)

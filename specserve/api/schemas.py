@@ -643,14 +643,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+STOP_REASON = (
+    "extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet"
+)
+TOKEN_IDS = "extension (vLLM's, with return_token_ids): the output's token ids (of this chunk, streamed)"
+SEED = "extension: the seed a sampled request drew with (resend it to regenerate the same answer)"
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReasonOut | None = None
-    # extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet
-    stop_reason: str | int | None = None
+    stop_reason: str | int | None = Field(default=None, description=STOP_REASON)
     logprobs: CompletionLogprobs | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none, description=TOKEN_IDS)
 
 
 class CompletionResponse(BaseModel):
@@ -660,7 +666,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    seed: int | None = Field(default=None, exclude_if=_is_none)  # extension: the seed a sampled request drew with
+    seed: int | None = Field(default=None, exclude_if=_is_none, description=SEED)
 
 
 class AssistantMessage(BaseModel):
@@ -687,10 +693,9 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReasonOut | None = None
-    # extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet
-    stop_reason: str | int | None = None
+    stop_reason: str | int | None = Field(default=None, description=STOP_REASON)
     logprobs: ChatLogprobs | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none, description=TOKEN_IDS)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -700,7 +705,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
-    seed: int | None = Field(default=None, exclude_if=_is_none)  # extension: the seed a sampled request drew with
+    seed: int | None = Field(default=None, exclude_if=_is_none, description=SEED)
 
 
 class ChatDelta(BaseModel):
@@ -712,10 +717,9 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: FinishReasonOut | None = None
-    # extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet
-    stop_reason: str | int | None = None
+    stop_reason: str | int | None = Field(default=None, description=STOP_REASON)
     logprobs: ChatLogprobs | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none)  # extension: return_token_ids
+    token_ids: list[int] | None = Field(default=None, exclude_if=_is_none, description=TOKEN_IDS)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -725,7 +729,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    seed: int | None = Field(default=None, exclude_if=_is_none)  # extension: the seed a sampled request drew with
+    seed: int | None = Field(default=None, exclude_if=_is_none, description=SEED)
 
 
 class CompletionChunk(BaseModel):
@@ -737,7 +741,7 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    seed: int | None = Field(default=None, exclude_if=_is_none)  # extension: the seed a sampled request drew with
+    seed: int | None = Field(default=None, exclude_if=_is_none, description=SEED)
 
 
 class ModelCard(BaseModel):
