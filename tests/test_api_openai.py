@@ -757,7 +757,8 @@ def test_a_cancel_landing_as_a_left_clients_answer_is_cancelled_still_cancels_th
     to end. A cancel of the handler itself (Serve's for a client that left, a caller's timeout) landing ``hops``
     loop iterations after the disconnect was swallowed with the answer's own CancelledError at 3 hops: the handler
     returned a 204 and its task ended not cancelled."""
-    from specserve.api.server import _Outcome, _Routes, _Tracker
+    from specserve.api.resume import StreamCursor
+    from specserve.api.server import _Choice, _Outcome, _Routes, _Tracker
 
     class Never:  # an admitted request's stream that has produced nothing yet
         def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -791,7 +792,8 @@ def test_a_cancel_landing_as_a_left_clients_answer_is_cancelled_still_cancels_th
             return {"type": "http.disconnect"}
 
         routes = _Routes(None)  # type: ignore[arg-type]
-        task = asyncio.ensure_future(routes._collect(outcome, Body(), None, receive))  # type: ignore[arg-type]
+        choice = _Choice(outcome, None, StreamCursor())  # type: ignore[arg-type]
+        task = asyncio.ensure_future(routes._collect([choice], Body(), receive))  # type: ignore[arg-type]
         with pytest.raises(asyncio.CancelledError):
             await task
         assert task.cancelled() and outcome.closed

@@ -69,8 +69,11 @@ def speculation_for(options: SpeculationOptions | None, default: SpecConfig) -> 
     return None if spec == default else spec
 
 
-def usage_for(out: RequestOutput) -> Usage:
-    stats = out.stats
+def usage_for(out: RequestOutput, *more: RequestOutput) -> Usage:
+    """A request's usage from its last output; with ``more``, its other choices' last outputs: the prompt counted
+    once (as OpenAI's), the completion tokens and speculation counts summed."""
+    stats = sum((o.stats for o in more), out.stats)
+    completion = out.num_output_tokens + sum(o.num_output_tokens for o in more)
     speculation = SpeculationUsage(
         target_forwards=stats.target_forwards,
         drafted=stats.drafted,
@@ -80,7 +83,7 @@ def usage_for(out: RequestOutput) -> Usage:
     )
     return Usage(
         prompt_tokens=out.num_prompt_tokens,
-        completion_tokens=out.num_output_tokens,
-        total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+        completion_tokens=completion,
+        total_tokens=out.num_prompt_tokens + completion,
         speculation=speculation,
     )

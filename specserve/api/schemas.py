@@ -193,6 +193,7 @@ def _document_nullable(schema: dict[str, Any]) -> None:
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_METADATA_KEYS = 16  # OpenAI's bound
+MAX_CHOICES = 16  # a request's n: each choice is a sequence of the batch (OpenAI allows up to 128)
 # a conversation's messages: validating 120k one-character messages (a 3.9 MiB body, under the size limit) held the
 # event loop 1.5 s and the chat template another 3.5 s, stalling every stream of the replica
 MAX_MESSAGES = 4096
@@ -226,7 +227,14 @@ class GenerationRequest(ClosedModel):
     stop: StopStrings | None = Field(default=None, description="up to 4 non-empty stop strings")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    n: StrictInt = Field(
+        default=1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="answers to generate, each a choice with its index; a sampled one draws with the request's seed "
+        "(or the one drawn, returned as seed) plus its index, as vLLM's; streamed, their chunks come as they are "
+        "made, without event ids (not resumable)",
+    )
     presence_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
     frequency_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
     repetition_penalty: StrictFloat = Field(
@@ -307,13 +315,6 @@ class GenerationRequest(ClosedModel):
     @classmethod
     def _top_k_off(cls, v: int | None) -> int | None:
         return None if v is not None and v <= 0 else v
-
-    @field_validator("n", mode="before")
-    @classmethod
-    def _single_choice(cls, v: object) -> object:
-        if isinstance(v, int) and not isinstance(v, bool) and v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("presence_penalty", "frequency_penalty", mode="before")
     @classmethod

@@ -10,14 +10,16 @@ Before any route, ``RequestGuard`` checks the API key, the body size (413) and t
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from http import HTTPStatus
-from typing import Annotated, Any, Protocol, cast
+from typing import Annotated, Any, Protocol, Self, cast
 
 from fastapi import FastAPI, Header
 from fastapi import Request as HTTPRequest
@@ -73,6 +75,7 @@ from specserve.config import SpecConfig
 from specserve.errors import InvalidRequestError, PromptTooLongError
 from specserve.messages import TokenLogprob
 from specserve.prompts import PromptEncoder
+from specserve.sampling import SamplingParams
 from specserve.sequence import FinishReason, Request, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -234,18 +237,22 @@ class _Outcome:
     _read: asyncio.Queue[object] = field(default_factory=asyncio.Queue, init=False)
     _reader: asyncio.Task[None] | None = field(default=None, init=False)
 
-    async def next_output(self, within: float | None = None) -> RequestOutput | None:
-        """The stream's next output; None when it has not come within ``within`` seconds (still awaited, by the
-        next call: the stream is never interrupted). Raises StopAsyncIteration at the stream's end."""
+    def start(self) -> None:
+        """Reads the stream from now on (else from the first ``next_output``)."""
         if self._reader is None:
             self._reader = asyncio.ensure_future(self._read_stream())
+
+    async def next_output(self, within: float | None = None) -> RequestOutput | None:
+        """The stream's next output; None when it has not come within ``within`` seconds (still awaited, by the
+        next call: the stream is never interrupted). Raises RuntimeError where the stream ends unfinished."""
+        self.start()
         try:
             async with asyncio.timeout(within):
                 item = await self._read.get()
         except TimeoutError:
             return None
-        if item is _END:
-            raise StopAsyncIteration
+        if item is _END:  # (a 500, never a silent end)
+            raise RuntimeError("the output stream ended before the request finished")
         if isinstance(item, BaseException):
             raise item
         return cast(RequestOutput, item)
@@ -288,6 +295,53 @@ class _Outcome:
             await self.stream.aclose()
             if self.status != RequestStatus.ok:
                 self.metrics.request_unfinished(self.status, self.tracker.latest, ttft_s=self.tracker.ttft())
+
+
+@dataclass
+class _Choice:
+    """One of a request's ``n`` answers: its stream's outcome, its format (its index, logprob offsets) and where
+    its client's stream resumes (one choice only)."""
+
+    outcome: _Outcome
+    fmt: _Format
+    cursor: StreamCursor
+
+
+async def _close_all(choices: Sequence[_Choice]) -> None:
+    for c in choices:
+        await c.outcome.close()
+
+
+class _Merged:
+    """The outputs of a request's choices as they come, each choice's in order (one choice: its own wait, without
+    a task per output)."""
+
+    def __init__(self, choices: Sequence[_Choice]) -> None:
+        self.choices = choices
+        self.open = set(range(len(choices)))  # choices not finished yet
+        self._waits: dict[int, asyncio.Future[RequestOutput | None]] = {}
+
+    async def next_output(self, within: float | None) -> tuple[int, RequestOutput] | None:
+        """(choice, its next output); None when none came within ``within`` seconds."""
+        if len(self.choices) == 1:
+            i, out = 0, await self.choices[0].outcome.next_output(within)
+        else:
+            for j in self.open - self._waits.keys():
+                self._waits[j] = asyncio.ensure_future(self.choices[j].outcome.next_output())
+            done, _ = await asyncio.wait(self._waits.values(), timeout=within, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                return None
+            i = min(j for j, wait in self._waits.items() if wait in done)
+            out = self._waits.pop(i).result()
+        if out is None:
+            return None
+        if out.finished:
+            self.open.discard(i)
+        return i, out
+
+    def close(self) -> None:
+        for wait in self._waits.values():
+            wait.cancel()
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -386,7 +440,8 @@ class _Routes:
                     param="model",
                 )
             context = self.backend.max_model_len
-            self.backend.check_capacity(pending=self._encoding)  # a 429 before the prompt's tokenisation is paid for
+            # a 429 before the prompt's tokenisation is paid for (each choice takes a place)
+            self.backend.check_capacity(pending=self._encoding + body.n - 1)
             try:
                 prompt_ids = await asyncio.shield(self._tokenise(encode, limit.room(context)))
             except PromptTooLongError as e:  # refused before it was tokenised: named as a tokenised one would be
@@ -409,8 +464,12 @@ class _Routes:
             spec = speculation_for(body.speculation, self.backend.default_speculation)
             if resume is not None and not params.greedy:
                 _check_resumable(spec or self.backend.default_speculation)
-            request = Request(fmt.request_id, prompt_ids, params, spec, cache_salt=body.cache_salt)
-            stream = await self.backend.submit(request)
+            requests = [
+                Request(_choice_id(fmt.request_id, i, body.n), prompt_ids, _choice_params(params, i), spec,
+                        cache_salt=body.cache_salt)
+                for i in range(body.n)
+            ]  # fmt: skip
+            streams = await self._submit(requests)
         except InvalidRequestError:
             metrics.request_done(RequestStatus.invalid)
             raise
@@ -423,11 +482,26 @@ class _Routes:
         except Exception:  # a 500 (internal_error): counted here, where it is known to be a generation request
             metrics.request_done(RequestStatus.failed)
             raise
+        choices = [
+            _Choice(_Outcome(s, metrics, replace(tracker)), fmt.for_choice(i), StreamCursor(resume))
+            for i, s in enumerate(streams)
+        ]
         if body.stream:
-            outcome = _Outcome(stream, metrics, tracker)
-            events = self._events(outcome, body, fmt, StreamCursor(resume))
-            return _ClosingStreamingResponse(events, on_close=outcome.close, media_type=SSE_MEDIA_TYPE)
-        return await self._collect(_Outcome(stream, metrics, tracker), body, fmt, receive)
+            events = self._events(choices, body)
+            return _ClosingStreamingResponse(events, on_close=partial(_close_all, choices), media_type=SSE_MEDIA_TYPE)
+        return await self._collect(choices, body, receive)
+
+    async def _submit(self, requests: list[Request]) -> list[OutputStream]:
+        """Every choice's stream, or none: one the backend refuses aborts those submitted before it."""
+        streams: list[OutputStream] = []
+        try:
+            for request in requests:
+                streams.append(await self.backend.submit(request))
+        except BaseException:
+            for stream in streams:
+                await asyncio.shield(stream.aclose())
+            raise
+        return streams
 
     def _tokenise(self, encode: Callable[[int], list[int]], room: int) -> asyncio.Future[list[int]]:
         """``encode(room)`` on a thread, off the event loop. Until it ends it holds a place against the capacity (a
@@ -444,10 +518,10 @@ class _Routes:
         work.add_done_callback(done)
         return work
 
-    async def _collect(self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, receive: Receive) -> Response:
+    async def _collect(self, choices: list[_Choice], body: GenerationRequest, receive: Receive) -> Response:
         """The whole answer, or, where the client leaves first, the request aborted (a streaming response listens
         for the disconnect itself; this one would otherwise generate to the end for nobody)."""
-        answer = asyncio.ensure_future(self._answer(outcome, body, fmt))
+        answer = asyncio.ensure_future(self._answer(choices, body))
         left = asyncio.ensure_future(_client_left(receive))
         try:
             await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -461,89 +535,111 @@ class _Routes:
         finally:
             for task in (answer, left):
                 task.cancel()
-            await outcome.close()
+            await _close_all(choices)
 
-    async def _answer(self, outcome: _Outcome, body: GenerationRequest, fmt: _Format) -> Response:
-        stream, tracker = outcome.stream, outcome.tracker
+    async def _answer(self, choices: list[_Choice], body: GenerationRequest) -> Response:
+        for c in choices:
+            c.outcome.start()  # (every choice's stream read as it comes, while the first is awaited)
+        try:
+            answers = [await self._choice_answer(c, body) for c in choices]
+            response, usage = answers[0][0], usage_for(*(last for _, last in answers))
+            if len(answers) > 1:
+                every = [choice for answer, _ in answers for choice in cast(Any, answer).choices]
+                response = response.model_copy(update={"choices": every, "usage": usage})
+            return JSONResponse(response.model_dump(mode="json"))
+        except APIError as e:  # its status, counted as a stream's is
+            for c in choices:
+                c.outcome.ended(_status_of(e))
+            raise
+        except Exception as e:  # a 500, answered here: raised, the ASGI server would log it again, without the id
+            log.exception("request %s failed", choices[0].fmt.request_id)  # (the id the lanes' lines carry)
+            for c in choices:
+                c.outcome.ended(RequestStatus.failed)
+            return _error(HTTPStatus.INTERNAL_SERVER_ERROR, internal_error_body(e))
+
+    async def _choice_answer(self, choice: _Choice, body: GenerationRequest) -> tuple[BaseModel, RequestOutput]:
+        """(the response with this choice alone, its last output)."""
+        outcome = choice.outcome
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] | None = None if body.logprob_count is None else []
         prompt_logprobs: list[TokenLogprob] | None = None
-        try:
-            async for out in stream:
-                tracker.see(out)
-                text.append(out.text)
-                ids += out.token_ids
-                if logprobs is not None and out.logprobs is not None:
-                    logprobs += out.logprobs
-                prompt_logprobs = out.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
-                if out.finished:
-                    outcome.finished(out)
-                    response = fmt.response(
-                        "".join(text), ids, logprobs, out, with_ids=body.return_token_ids, prompt=prompt_logprobs
-                    )
-                    return JSONResponse(response.model_dump(mode="json"))
-            raise RuntimeError("the output stream ended before the request finished")
-        except APIError as e:  # its status, counted as a stream's is
-            outcome.ended(_status_of(e))
-            raise
-        except Exception as e:  # a 500, answered here: raised, the ASGI server would log it again, without the id
-            log.exception("request %s failed", fmt.request_id)  # (the id the lanes' lines carry, as a stream's)
-            outcome.ended(RequestStatus.failed)
-            return _error(HTTPStatus.INTERNAL_SERVER_ERROR, internal_error_body(e))
+        while True:
+            out = cast(RequestOutput, await outcome.next_output())
+            outcome.tracker.see(out)
+            text.append(out.text)
+            ids += out.token_ids
+            if logprobs is not None and out.logprobs is not None:
+                logprobs += out.logprobs
+            prompt_logprobs = out.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+            if out.finished:
+                outcome.finished(out)
+                joined = "".join(text)
+                response = choice.fmt.response(
+                    joined, ids, logprobs, out, with_ids=body.return_token_ids, prompt=prompt_logprobs
+                )
+                return response, out
 
-    async def _events(
-        self, outcome: _Outcome, body: GenerationRequest, fmt: _Format, cursor: StreamCursor
-    ) -> AsyncIterator[str]:
-        """SSE events, each with an id a client can resume after (``specserve.api.resume``); a resumed stream
-        regenerates the request and sends only what follows the client's last id."""
-        tracker = outcome.tracker
+    async def _events(self, choices: list[_Choice], body: GenerationRequest) -> AsyncIterator[str]:
+        """SSE events; those of a request with one choice each with an id a client can resume after
+        (``specserve.api.resume``): a resumed stream regenerates the request and sends only what follows the
+        client's last id. Several choices' events come as their outputs do, and carry no ids."""
+        marked = len(choices) == 1
         # OpenAI's chunks carry "usage": null only with stream_options.include_usage (the last one then has it)
         without = frozenset() if body.include_usage_in_stream else frozenset({"usage"})
+        per_token = body.return_token_ids or body.logprob_count is not None  # (tokens without text yet too)
+        merged = _Merged(choices)
+        last: list[RequestOutput] = []
         try:
-            first = fmt.first_chunk()
-            if first is not None and not cursor.resuming:
-                yield _sse(first, cursor.mark, without=without)
-            if cursor.resuming:
-                fmt.skip_echo()
+            for c in choices:
+                c.outcome.start()
+                first = c.fmt.first_chunk()
+                if first is not None and not c.cursor.resuming:
+                    yield _sse(first, c.cursor.mark if marked else None, without=without)
+                if c.cursor.resuming:
+                    c.fmt.skip_echo()
             sent_at = time.monotonic()
-            while True:
+            while merged.open:
                 # nothing may be sent for long: while it replays, never more than a second
-                every = SSE_KEEPALIVE_S if cursor.checked else REPLAY_KEEPALIVE_S
-                wait = max(0.0, sent_at + every - time.monotonic())
-                try:
-                    out = await outcome.next_output(within=wait)
-                except StopAsyncIteration:  # a 500 in the stream, as the non-streaming answer's: never a silent end
-                    raise RuntimeError("the output stream ended before the request finished") from None
-                if out is None:
-                    yield SSE_KEEPALIVE if cursor.checked else SSE_REPLAYING
+                checked = all(c.cursor.checked for c in choices)
+                every = SSE_KEEPALIVE_S if checked else REPLAY_KEEPALIVE_S
+                got = await merged.next_output(within=max(0.0, sent_at + every - time.monotonic()))
+                if got is None:
+                    yield SSE_KEEPALIVE if checked else SSE_REPLAYING
                     sent_at = time.monotonic()
                     continue
-                part = cursor.advance(out)  # None: delivered before the resume point
-                fmt.skip(cursor.passed_over(out, part))  # (text offsets count them too)
-                tracker.see(out, 0 if part is None else len(part.token_ids))
+                c, out = choices[got[0]], got[1]
+                part = c.cursor.advance(out)  # None: delivered before the resume point
+                c.fmt.skip(c.cursor.passed_over(out, part))  # (text offsets count them too)
+                c.outcome.tracker.see(out, 0 if part is None else len(part.token_ids))
                 if out.finished:
-                    cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
-                per_token = body.return_token_ids or body.logprob_count is not None  # (tokens without text yet too)
+                    c.cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
                 if part is not None and (part.text or (per_token and part.token_ids) or part.finished):
-                    mark = cursor.mark.at(StreamPhase.finished) if part.finished else cursor.mark
-                    yield _sse(fmt.chunk(part, with_ids=body.return_token_ids), mark, without=without)
+                    mark = c.cursor.mark.at(StreamPhase.finished) if part.finished else c.cursor.mark
+                    yield _sse(
+                        c.fmt.chunk(part, with_ids=body.return_token_ids), mark if marked else None, without=without
+                    )
                     sent_at = time.monotonic()
                 if out.finished:
-                    outcome.finished(out)
-                    if body.include_usage_in_stream and not cursor.sent(StreamPhase.usage):
-                        yield _sse(fmt.usage_chunk(usage_for(out)), cursor.mark.at(StreamPhase.usage))
-                    yield SSE_DONE
-                    return
+                    c.outcome.finished(out)
+                    last.append(out)
+            cursor = choices[0].cursor
+            if body.include_usage_in_stream and not cursor.sent(StreamPhase.usage):
+                usage = choices[0].fmt.usage_chunk(usage_for(*last))
+                yield _sse(usage, cursor.mark.at(StreamPhase.usage) if marked else None)
+            yield SSE_DONE
         except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
-            outcome.ended(_status_of(e))
+            for c in choices:
+                c.outcome.ended(_status_of(e))
             yield _sse(e.body())
         except Exception as e:  # a 500's body, in the stream: raised, it would only cut the connection
-            log.exception("request %s failed mid-stream", fmt.request_id)
-            outcome.ended(RequestStatus.failed)
+            log.exception("request %s failed mid-stream", choices[0].fmt.request_id)
+            for c in choices:
+                c.outcome.ended(RequestStatus.failed)
             yield _sse(internal_error_body(e))
         finally:
-            await outcome.close()
+            merged.close()
+            await _close_all(choices)
 
 
 @dataclass(frozen=True)
@@ -621,7 +717,20 @@ def _resume_mark(body: GenerationRequest, last_event_id: str | None) -> StreamMa
         raise APIError(
             "resuming a sampled stream needs the seed it drew with (the `seed` field of its chunks)", param="seed"
         )
+    if body.n > 1:
+        raise APIError(f"{RESUME_PARAM} needs n=1: the events of several choices carry no ids", param=RESUME_PARAM)
     return StreamMark.parse(value)
+
+
+def _choice_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s: a sampled request's seed plus the index (as vLLM's), within the 64-bit signed range."""
+    if params.seed is None or index == 0:
+        return params
+    return params.model_copy(update={"seed": (params.seed + index + 2**63) % 2**64 - 2**63})
 
 
 def _check_resumable(spec: SpecConfig) -> None:
@@ -670,6 +779,8 @@ class _Format(Protocol):
 
     def skip_echo(self) -> None: ...
 
+    def for_choice(self, index: int) -> Self: ...
+
 
 _Entries = list[tuple[int, TokenLogprob | None]]  # (token id, its logprobs; None: the prompt's first token)
 
@@ -695,8 +806,16 @@ class _Stamped:
             (lambda t: _id_text(t).encode()) if encoder is None else encoder.token_bytes
         )
 
+        self.index = 0  # the choice its chunks and response are of
+
     def stamp(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model, "seed": self.seed}
+
+    def for_choice(self, index: int) -> Self:
+        """This request's format for its choice ``index``: its own offsets and echo, the same id, time and seed."""
+        other = copy.copy(self)
+        other.index = index
+        return other
 
     def skip(self, token_ids: list[int]) -> None:
         """Tokens a resumed stream does not send again (their texts still count in the offsets after them)."""
@@ -760,6 +879,7 @@ class _CompletionFormat(_Stamped):
         entries: _Entries | None = None if out.logprobs is None else [(lp.token, lp) for lp in out.logprobs]
         text, entries = self._with_echo(out.text, entries, out.prompt_logprobs)  # (the first chunk, with echo)
         choice = CompletionChoice(
+            index=self.index,
             text=text,
             finish_reason=_finish(out.finish_reason),
             stop_reason=out.stop_reason,
@@ -784,6 +904,7 @@ class _CompletionFormat(_Stamped):
         entries: _Entries | None = None if logprobs is None else [(lp.token, lp) for lp in logprobs]
         text, entries = self._with_echo(text, entries, prompt)
         choice = CompletionChoice(
+            index=self.index,
             text=text,
             finish_reason=_finish(last.finish_reason),
             stop_reason=last.stop_reason,
@@ -797,7 +918,7 @@ class _ChatFormat(_Stamped):
     prefix = "chatcmpl"
 
     def first_chunk(self) -> BaseModel | None:
-        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
+        choice = ChatChunkChoice(index=self.index, delta=ChatDelta(role="assistant", content=""))
         return ChatCompletionChunk(**self.stamp(), choices=[choice])
 
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
@@ -817,6 +938,7 @@ class _ChatFormat(_Stamped):
     def chunk(self, out: RequestOutput, *, with_ids: bool) -> BaseModel:
         delta = ChatDelta(content=out.text or None)
         choice = ChatChunkChoice(
+            index=self.index,
             delta=delta,
             finish_reason=_finish(out.finish_reason),
             stop_reason=out.stop_reason,
@@ -839,6 +961,7 @@ class _ChatFormat(_Stamped):
         prompt: list[TokenLogprob] | None = None,
     ) -> BaseModel:
         choice = ChatChoice(
+            index=self.index,
             message=AssistantMessage(content=text),
             finish_reason=_finish(last.finish_reason),
             stop_reason=last.stop_reason,

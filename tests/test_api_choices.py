@@ -1,0 +1,187 @@
+"""OpenAI's ``n``: several answers to one request, each a choice with its index. A sampled choice i draws with the
+request's seed plus i (vLLM's rule), so each is the answer a request of one choice with that seed gets; the usage
+counts the prompt once and every choice's tokens."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from specserve.api.error_bodies import OverloadedError
+from specserve.sequence import Request
+from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+SAMPLED: dict[str, Any] = {
+    "model": MODEL,
+    "prompt": "once upon",
+    "max_tokens": 12,
+    "temperature": 1.0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+}
+USER = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[LocalBackend]:
+    backend = LocalBackend(max_model_len=256, max_batch_size=4)
+    yield backend
+    backend.stop()
+
+
+@pytest.fixture(scope="module")
+def url(backend: LocalBackend) -> Iterator[str]:
+    with api_server(backend) as url:
+        yield url
+
+
+def post(url: str, body: dict[str, Any], path: str = COMPLETIONS) -> dict[str, Any]:
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def events(url: str, body: dict[str, Any], path: str = COMPLETIONS) -> tuple[list[str], list[Any]]:
+    """(the stream's lines that are not data, the data of each event: parsed JSON or "[DONE]")."""
+    other, data = [], []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+            elif line:
+                other.append(line)
+    return other, data
+
+
+def same_answer(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert (got["text"], got["token_ids"], got["finish_reason"]) == (want["text"], want["token_ids"], "length")
+    if want.get("logprobs"):
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["text_offset"] == want["logprobs"]["text_offset"]
+        got_lp, want_lp = got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"]
+        assert [v is None for v in got_lp] == [v is None for v in want_lp]
+        assert [v for v in got_lp if v is not None] == pytest.approx([v for v in want_lp if v is not None], abs=1e-4)
+
+
+def test_each_choice_is_the_answer_its_seed_gives(backend: LocalBackend, url: str) -> None:
+    before = requests_by_status(backend).get("ok", 0)
+    several = post(url, SAMPLED | {"n": 3, "seed": 5, "logprobs": 1})
+    assert several["seed"] == 5 and [c["index"] for c in several["choices"]] == [0, 1, 2]
+    alone = [post(url, SAMPLED | {"seed": 5 + i, "logprobs": 1}) for i in range(3)]
+    for choice, one in zip(several["choices"], alone, strict=True):
+        same_answer(choice, one["choices"][0])
+    assert len({c["text"] for c in several["choices"]}) == 3  # (three draws, not one answer three times)
+    prompt = alone[0]["usage"]["prompt_tokens"]
+    assert several["usage"] | {"speculation": None} == {
+        "prompt_tokens": prompt,  # once, as OpenAI counts it
+        "completion_tokens": 36,
+        "total_tokens": prompt + 36,
+        "speculation": None,
+    }
+    spec = several["usage"]["speculation"]
+    assert spec["target_forwards"] == sum(a["usage"]["speculation"]["target_forwards"] for a in alone)
+    assert requests_by_status(backend).get("ok", 0) == before + 6  # (each choice a request in the metrics)
+    # unseeded: the seed drawn is returned and choice i drew with it plus i; at the top of the range it wraps
+    drawn = post(url, SAMPLED | {"n": 2})
+    same_answer(drawn["choices"][1], post(url, SAMPLED | {"seed": drawn["seed"] + 1})["choices"][0])
+    top = post(url, SAMPLED | {"n": 2, "seed": 2**63 - 1})
+    same_answer(top["choices"][1], post(url, SAMPLED | {"seed": -(2**63)})["choices"][0])
+
+
+def test_greedy_choices_are_one_answer(url: str) -> None:
+    body = {"model": MODEL, "messages": USER, "max_tokens": 8, "temperature": 0, "n": 2}
+    out = post(url, body, CHAT)
+    one, two = out["choices"]
+    assert (one["index"], two["index"]) == (0, 1) and one["message"] == two["message"] and "seed" not in out
+
+
+def test_choices_stream_with_their_index_and_without_event_ids(url: str) -> None:
+    body = {"model": MODEL, "messages": USER, "max_tokens": 10, "temperature": 1.0, "seed": 9, "ignore_eos": True}
+    whole = post(url, body | {"n": 3}, CHAT)
+    other, data = events(url, body | {"n": 3, "stream_options": {"include_usage": True}}, CHAT)
+    assert not any(line.startswith("id:") for line in other)  # (several choices' events cannot be resumed after)
+    assert data[-1] == "[DONE]" and data[-2]["choices"] == [] and data[-2]["usage"] == whole["usage"]
+    chunks = [d["choices"][0] for d in data[:-2]]
+    for i, choice in enumerate(whole["choices"]):
+        mine = [c for c in chunks if c["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine[1:]) == choice["message"]["content"]
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + ["length"]
+    # completions with echo and logprobs: each choice's chunks start with the prompt, its offsets count from it
+    text = SAMPLED | {"n": 2, "seed": 4, "echo": True, "logprobs": 1}
+    whole = post(url, text)
+    _, data = events(url, text)
+    for i, choice in enumerate(whole["choices"]):
+        mine = [d["choices"][0] for d in data[:-1] if d["choices"][0]["index"] == i]
+        assert mine[0]["text"].startswith("once upon")
+        streamed = {
+            "text": "".join(c["text"] for c in mine),
+            "token_ids": [t for c in mine for t in c["token_ids"]],
+            "finish_reason": mine[-1]["finish_reason"],
+            "logprobs": {f: [x for c in mine for x in c["logprobs"][f]] for f in choice["logprobs"]},
+        }
+        same_answer(streamed, choice)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"n": 0}, "n", "greater than or equal to 1"),
+        ({"n": 17}, "n", "less than or equal to 16"),
+        ({"n": 2, "stream": True, "resume_from": "1-1-00000000"}, "resume_from", "needs n=1"),
+    ],
+)
+def test_a_count_out_of_range_or_a_resume_is_a_400(url: str, fields: dict[str, Any], param: str, says: str) -> None:
+    r = httpx.post(url + COMPLETIONS, json=SAMPLED | {"temperature": 0} | fields, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_choices_that_do_not_all_fit_are_refused_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each choice takes a place: more than the free places is a 429 before the prompt is tokenised; a choice
+    the backend refuses after others were submitted aborts them (no answer is half sent, nothing is left running)."""
+    backend = LocalBackend(max_model_len=256, capacity=3, step_delay_s=0.1)  # (200 tokens: seconds)
+    submit, submitted = backend.submit, []
+
+    async def refusing_the_third(request: Request) -> Any:
+        if len(submitted) == 2:
+            raise OverloadedError("at capacity", retry_after_s=1)
+        submitted.append(request.request_id)
+        return await submit(request)
+
+    try:
+        with api_server(backend) as url:
+            r = httpx.post(url + COMPLETIONS, json=SAMPLED | {"n": 4}, timeout=30)
+            assert r.status_code == 429 and submitted == [], r.text
+            monkeypatch.setattr(backend, "submit", refusing_the_third)
+            r = httpx.post(url + COMPLETIONS, json=SAMPLED | {"n": 3, "max_tokens": 200}, timeout=30)
+            assert r.status_code == 429 and len(submitted) == 2, r.text
+            deadline = time.monotonic() + 2
+            while backend.lane.in_flight:
+                assert time.monotonic() < deadline, "the submitted choices were left running"
+                time.sleep(0.05)
+    finally:
+        backend.stop()
+
+
+def test_a_client_leaving_a_stream_aborts_every_choice(backend: LocalBackend, url: str) -> None:
+    before = requests_by_status(backend).get("aborted", 0)
+    body = SAMPLED | {"n": 2, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=30) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break
+    deadline = time.monotonic() + 10
+    while requests_by_status(backend).get("aborted", 0) < before + 2:
+        assert time.monotonic() < deadline, requests_by_status(backend)
+        time.sleep(0.05)
