@@ -108,7 +108,8 @@ def test_sampling_params_refuse_a_min_tokens_they_cannot_keep(fields: dict[str, 
 def one_token_a_step(tok: PreTrainedTokenizerBase, ids: list[int], stop: list[str], floor: int) -> tuple[str, int]:
     """vLLM's rule, decoding one token at a time: after each token past the first ``floor``, a stop string counts
     where it ends in the text that token added, and the text is cut where the earliest such match starts; (the
-    text, the tokens through the one that completed it), or (the whole text, len(ids)) where none does."""
+    text, the tokens through the one that completed it), or (the whole text, len(ids)) where none does. (For stop
+    strings and texts of whole characters: a character completed by a later byte replaces the U+FFFD before it.)"""
     before = ""
     for n in range(1, len(ids) + 1):
         text = tok.decode(ids[:n], skip_special_tokens=True)

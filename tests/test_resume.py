@@ -161,6 +161,12 @@ def test_an_echoed_stream_starts_with_the_prompt_and_a_resumed_one_does_not_send
         head, tail = logprobs(full[: k + 1]), logprobs(rest)
         for f in fields:
             assert head[f] + tail[f] == whole["logprobs"][f], (k, f)
+    # a first output that sends nothing (its token is the first byte of a character, held back beside a stop
+    # string): the prompt's logprobs come with the first chunk that is sent
+    held = {**body, "temperature": 0, "max_tokens": 4, "stop": ["zz"], "logit_bias": {"229": 100}}  # (byte 0xE2)
+    whole = httpx.post(url + COMPLETIONS, json=held, timeout=60).json()["choices"][0]
+    streamed = logprobs(_events(url, COMPLETIONS, held))
+    assert streamed == {f: whole["logprobs"][f] for f in fields}
 
 
 def _is_choice(e: dict[str, Any]) -> bool:

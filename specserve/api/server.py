@@ -305,6 +305,8 @@ class _Choice:
     outcome: _Outcome
     fmt: _Format
     cursor: StreamCursor
+    # its prompt's logprobs (echo), from an output that sent nothing (its text held back): for the next chunk sent
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 async def _close_all(choices: Sequence[_Choice]) -> None:
@@ -610,11 +612,14 @@ class _Routes:
                     continue
                 c, out = choices[got[0]], got[1]
                 part = c.cursor.advance(out)  # None: delivered before the resume point
+                c.prompt_logprobs = out.prompt_logprobs or c.prompt_logprobs
                 c.fmt.skip(c.cursor.passed_over(out, part))  # (text offsets count them too)
                 c.outcome.tracker.see(out, 0 if part is None else len(part.token_ids))
                 if out.finished:
                     c.cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
                 if part is not None and (part.text or (per_token and part.token_ids) or part.finished):
+                    if c.prompt_logprobs is not None:
+                        part, c.prompt_logprobs = replace(part, prompt_logprobs=c.prompt_logprobs), None
                     mark = c.cursor.mark.at(StreamPhase.finished) if part.finished else c.cursor.mark
                     yield _sse(
                         c.fmt.chunk(part, with_ids=body.return_token_ids), mark if marked else None, without=without
