@@ -74,7 +74,7 @@ class Bodies:
             "ignore_eos": lambda: r.choice([True, False]),
             "return_token_ids": lambda: r.choice([True, False]),
             "speculation": lambda: self.pick(speculation, 0.4),
-            "n": lambda: 1,
+            "n": lambda: r.choice([1, 2, 3]),
             "logprobs": lambda: r.choice([False, None, 0, 3, True]),  # (a count in completions, a flag in chat)
             "top_logprobs": lambda: r.choice([0, 2, None]),  # (chat's: in completions an unknown field)
             "logit_bias": lambda: r.choice([{}, {"3": 5}, {"7": -100, "9": 100}, {str(VOCAB): 1}]),
