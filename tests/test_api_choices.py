@@ -4,16 +4,22 @@ counts the prompt once and every choice's tokens."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from specserve.api.error_bodies import OverloadedError
-from specserve.sequence import Request
+from specserve.api.metrics import ServeMetrics
+from specserve.api.resume import StreamCursor
+from specserve.api.server import _Choice, _CompletionFormat, _Outcome, _Routes, _Tracker
+from specserve.sequence import Request, RequestOutput, RequestStats
 from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -146,10 +152,18 @@ def test_a_count_out_of_range_or_a_resume_is_a_400(url: str, fields: dict[str, A
 
 
 def test_choices_that_do_not_all_fit_are_refused_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each choice takes a place: more than the free places is a 429 before the prompt is tokenised; a choice
-    the backend refuses after others were submitted aborts them (no answer is half sent, nothing is left running)."""
+    """Each choice takes a place: more than the server ever holds is a 400; more than the free places (counting
+    the choices of requests still being tokenised) a 429 before the prompt is tokenised; a choice the backend
+    refuses after others were submitted aborts them (no answer is half sent, nothing is left running)."""
     backend = LocalBackend(max_model_len=256, capacity=3, step_delay_s=0.1)  # (200 tokens: seconds)
     submit, submitted = backend.submit, []
+    text, tokenised, started, release = backend.encoder.text, [], threading.Event(), threading.Event()
+
+    def slow_text(prompt: str, **kw: Any) -> list[int]:
+        tokenised.append(prompt)
+        started.set()
+        assert release.wait(30)
+        return text(prompt, **kw)
 
     async def refusing_the_third(request: Request) -> Any:
         if len(submitted) == 2:
@@ -158,9 +172,17 @@ def test_choices_that_do_not_all_fit_are_refused_whole(monkeypatch: pytest.Monke
         return await submit(request)
 
     try:
-        with api_server(backend) as url:
+        with api_server(backend) as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
             r = httpx.post(url + COMPLETIONS, json=SAMPLED | {"n": 4}, timeout=30)
-            assert r.status_code == 429 and submitted == [], r.text
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+            assert "more than this server runs or queues at once (3 requests" in r.json()["error"]["message"]
+            monkeypatch.setattr(backend.encoder, "text", slow_text)
+            first = pool.submit(httpx.post, url + COMPLETIONS, json=SAMPLED | {"n": 2}, timeout=30)
+            assert started.wait(30)  # its two choices hold two of the three places while it is tokenised
+            r = httpx.post(url + COMPLETIONS, json=SAMPLED | {"n": 2}, timeout=30)
+            assert r.status_code == 429 and tokenised == ["once upon"], r.text
+            release.set()
+            assert first.result().status_code == 200
             monkeypatch.setattr(backend, "submit", refusing_the_third)
             r = httpx.post(url + COMPLETIONS, json=SAMPLED | {"n": 3, "max_tokens": 200}, timeout=30)
             assert r.status_code == 429 and len(submitted) == 2, r.text
@@ -185,3 +207,89 @@ def test_a_client_leaving_a_stream_aborts_every_choice(backend: LocalBackend, ur
     while requests_by_status(backend).get("aborted", 0) < before + 2:
         assert time.monotonic() < deadline, requests_by_status(backend)
         time.sleep(0.05)
+
+
+class _Stream:
+    """An admitted choice's stream: ``outputs`` then, with ``fail``, an error; else it waits for ever. Its close
+    awaits (an RPC to abort it) before it counts as closed."""
+
+    def __init__(self, closed: list[int], index: int, outputs: int = 0, fail: bool = False) -> None:
+        self.closed, self.index, self.outputs, self.fail = closed, index, outputs, fail
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        for i in range(self.outputs):
+            yield RequestOutput("r", [5], "a", None, 1, i + 1, RequestStats())
+        if self.fail:
+            raise RuntimeError("the lane broke")
+        await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        await asyncio.sleep(0)
+        self.closed.append(self.index)
+
+
+class _Body:
+    stream = False
+    return_token_ids = False
+    logprob_count = None
+
+
+@pytest.mark.parametrize("hops", range(12))
+def test_a_cancel_while_choices_close_closes_every_choice(hops: int) -> None:
+    """A client leaves a non-streamed request of two choices and the handler is cancelled ``hops`` turns of the
+    loop later (Serve cancels the handler of a client that left): the choices were closed one after another, and a
+    cancel landing while the first closed left the second generating for nobody, never counted."""
+
+    async def trial() -> None:
+        loop, closed = asyncio.get_running_loop(), []
+        choices = [
+            _Choice(_Outcome(_Stream(closed, i), ServeMetrics(), _Tracker()), _CompletionFormat(MODEL), StreamCursor())  # type: ignore[arg-type]
+            for i in range(2)
+        ]
+
+        def cancel_after(n: int) -> None:
+            if n == 0:
+                task.cancel()
+            else:
+                loop.call_soon(cancel_after, n - 1)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(0.01)
+            cancel_after(hops)
+            return {"type": "http.disconnect"}
+
+        task = asyncio.ensure_future(_Routes(None)._collect(choices, _Body(), receive))  # type: ignore[arg-type]
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        assert sorted(closed) == [0, 1] and all(c.outcome.closed for c in choices)
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []  # (no reader left)
+
+    asyncio.run(trial())
+
+
+def test_a_choice_that_fails_fails_the_answer_at_once() -> None:
+    """A non-streamed answer read its choices one after another: one failing was seen only once the others had
+    finished (here: never), and those were counted as served."""
+
+    async def trial() -> None:
+        closed: list[int] = []
+        metrics = ServeMetrics()
+        streams = [_Stream(closed, 0), _Stream(closed, 1, outputs=1, fail=True)]
+        choices = [
+            _Choice(_Outcome(s, metrics, _Tracker()), _CompletionFormat(MODEL).for_choice(i), StreamCursor())  # type: ignore[arg-type]
+            for i, s in enumerate(streams)
+        ]
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()  # the client stays
+            return {}
+
+        response = await _Routes(None)._collect(choices, _Body(), receive)  # type: ignore[arg-type]
+        assert response.status_code == 500 and sorted(closed) == [0, 1]
+        assert 'status="failed"} 2.0' in metrics.render().decode()
+
+    asyncio.run(asyncio.wait_for(trial(), 10))

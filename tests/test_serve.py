@@ -499,6 +499,13 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI, engine: Engine) 
     assert a.choices[0].model_extra["token_ids"] == engine.generate("abc", sampled)[0].token_ids
     greedy = engine.generate("abc", SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
     assert a.choices[0].model_extra["token_ids"] != greedy
+    # n choices through the Serve app: choice i is the engine's answer with the seed plus i
+    several = client.completions.create(**kwargs, n=3, extra_body=extra)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    for i, c in enumerate(several.choices):
+        want = engine.generate("abc", sampled.model_copy(update={"seed": 7 + i}))[0].token_ids
+        assert c.model_extra is not None and c.model_extra["token_ids"] == want, i
+    assert several.usage is not None and several.usage.completion_tokens == 48
 
 
 def test_speculation_options(client: openai.OpenAI, engine: Engine) -> None:

@@ -63,7 +63,12 @@ class ServeMetrics:
         self.load = LoadEstimate()
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("specserve_requests", "Finished HTTP generation requests", ["status"], registry=r)
+        self.requests = Counter(
+            "specserve_requests",
+            "Finished HTTP generation requests (each choice of an admitted one)",
+            ["status"],
+            registry=r,
+        )
         self.running = Gauge("specserve_running_sequences", "Sequences in the lane's batch", ["lane"], registry=r)
         self.queue_depth = Gauge("specserve_queue_depth", "Requests waiting for a batch slot", ["lane"], registry=r)
         self.ttft = Histogram(

@@ -124,6 +124,11 @@ class Backend(Protocol):
     @property
     def metrics(self) -> ServeMetrics: ...
 
+    @property
+    def capacity(self) -> int:
+        """Requests it runs or queues at most (a request of n choices takes n)."""
+        ...
+
     def check_capacity(self, *, pending: int = 0) -> None:
         """Raise OverloadedError where a request submitted now would be refused as over capacity, counting
         ``pending`` requests on their way in: asked before the prompt is tokenised, so that a full server spends
@@ -309,9 +314,28 @@ class _Choice:
     prompt_logprobs: list[TokenLogprob] | None = None
 
 
+@dataclass
+class _Answer:
+    """A choice's outputs so far, joined (a non-streamed answer)."""
+
+    logprobs: list[TokenLogprob] | None  # (None: not asked for)
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    prompt: list[TokenLogprob] | None = None
+    last: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text)
+        self.ids += out.token_ids
+        if self.logprobs is not None and out.logprobs is not None:
+            self.logprobs += out.logprobs
+        self.prompt = out.prompt_logprobs if self.prompt is None else self.prompt
+        self.last = out
+
+
 async def _close_all(choices: Sequence[_Choice]) -> None:
-    for c in choices:
-        await c.outcome.close()
+    """Every choice closed, together: a cancel of the caller (a client that left) cuts none of them short."""
+    await asyncio.shield(asyncio.gather(*(c.outcome.close() for c in choices)))
 
 
 class _Merged:
@@ -442,10 +466,16 @@ class _Routes:
                     param="model",
                 )
             context = self.backend.max_model_len
+            if body.n > 1 and body.n > self.backend.capacity:  # (a 429 would never clear)
+                raise APIError(
+                    f"n ({body.n}) is more than this server runs or queues at once ({self.backend.capacity} "
+                    "requests; each choice is one)",
+                    param="n",
+                )
             # a 429 before the prompt's tokenisation is paid for (each choice takes a place)
             self.backend.check_capacity(pending=self._encoding + body.n - 1)
             try:
-                prompt_ids = await asyncio.shield(self._tokenise(encode, limit.room(context)))
+                prompt_ids = await asyncio.shield(self._tokenise(encode, limit.room(context), body.n))
             except PromptTooLongError as e:  # refused before it was tokenised: named as a tokenised one would be
                 limit.check(e.fewest, context, at_least=True)
                 raise
@@ -500,20 +530,19 @@ class _Routes:
             for request in requests:
                 streams.append(await self.backend.submit(request))
         except BaseException:
-            for stream in streams:
-                await asyncio.shield(stream.aclose())
+            await asyncio.shield(asyncio.gather(*(stream.aclose() for stream in streams)))
             raise
         return streams
 
-    def _tokenise(self, encode: Callable[[int], list[int]], room: int) -> asyncio.Future[list[int]]:
-        """``encode(room)`` on a thread, off the event loop. Until it ends it holds a place against the capacity (a
-        flood of prompts being tokenised would fill it): given back when the thread's work ends, not when a caller
-        that left stops waiting (the thread works on)."""
+    def _tokenise(self, encode: Callable[[int], list[int]], room: int, places: int) -> asyncio.Future[list[int]]:
+        """``encode(room)`` on a thread, off the event loop. Until it ends it holds ``places`` (its request's
+        choices) against the capacity (a flood of prompts being tokenised would fill it): given back when the
+        thread's work ends, not when a caller that left stops waiting (the thread works on)."""
         work = asyncio.get_running_loop().run_in_executor(None, encode, room)
-        self._encoding += 1
+        self._encoding += places
 
         def done(f: asyncio.Future[list[int]]) -> None:
-            self._encoding -= 1
+            self._encoding -= places
             if not f.cancelled():
                 f.exception()  # retrieved, where the caller left: not logged as never retrieved
 
@@ -540,13 +569,30 @@ class _Routes:
             await _close_all(choices)
 
     async def _answer(self, choices: list[_Choice], body: GenerationRequest) -> Response:
-        for c in choices:
-            c.outcome.start()  # (every choice's stream read as it comes, while the first is awaited)
+        merged = _Merged(choices)  # (every choice read as its outputs come: its latency and errors seen then)
+        answers = [_Answer(None if body.logprob_count is None else []) for _ in choices]
         try:
-            answers = [await self._choice_answer(c, body) for c in choices]
-            response, usage = answers[0][0], usage_for(*(last for _, last in answers))
-            if len(answers) > 1:
-                every = [choice for answer, _ in answers for choice in cast(Any, answer).choices]
+            while merged.open:
+                i, out = cast(tuple[int, RequestOutput], await merged.next_output(within=None))
+                choices[i].outcome.tracker.see(out)
+                answers[i].add(out)
+                if out.finished:
+                    choices[i].outcome.finished(out)
+            responses = [
+                c.fmt.response(
+                    "".join(a.text),
+                    a.ids,
+                    a.logprobs,
+                    cast(RequestOutput, a.last),
+                    with_ids=body.return_token_ids,
+                    prompt=a.prompt,
+                )
+                for c, a in zip(choices, answers, strict=True)
+            ]
+            response = responses[0]
+            if len(responses) > 1:
+                every = [choice for r in responses for choice in cast(Any, r).choices]
+                usage = usage_for(*(cast(RequestOutput, a.last) for a in answers))
                 response = response.model_copy(update={"choices": every, "usage": usage})
             return JSONResponse(response.model_dump(mode="json"))
         except APIError as e:  # its status, counted as a stream's is
@@ -558,29 +604,8 @@ class _Routes:
             for c in choices:
                 c.outcome.ended(RequestStatus.failed)
             return _error(HTTPStatus.INTERNAL_SERVER_ERROR, internal_error_body(e))
-
-    async def _choice_answer(self, choice: _Choice, body: GenerationRequest) -> tuple[BaseModel, RequestOutput]:
-        """(the response with this choice alone, its last output)."""
-        outcome = choice.outcome
-        text: list[str] = []
-        ids: list[int] = []
-        logprobs: list[TokenLogprob] | None = None if body.logprob_count is None else []
-        prompt_logprobs: list[TokenLogprob] | None = None
-        while True:
-            out = cast(RequestOutput, await outcome.next_output())
-            outcome.tracker.see(out)
-            text.append(out.text)
-            ids += out.token_ids
-            if logprobs is not None and out.logprobs is not None:
-                logprobs += out.logprobs
-            prompt_logprobs = out.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
-            if out.finished:
-                outcome.finished(out)
-                joined = "".join(text)
-                response = choice.fmt.response(
-                    joined, ids, logprobs, out, with_ids=body.return_token_ids, prompt=prompt_logprobs
-                )
-                return response, out
+        finally:
+            merged.close()
 
     async def _events(self, choices: list[_Choice], body: GenerationRequest) -> AsyncIterator[str]:
         """SSE events; those of a request with one choice each with an id a client can resume after
