@@ -3,6 +3,7 @@ uvicorn on a free loopback port, so tests talk real HTTP (partial bodies, discon
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -108,6 +109,27 @@ class LocalBackend:
 
     def stop(self) -> None:
         self.lane.stop()
+
+
+class LeavingClient:
+    """An ASGI ``receive`` whose client leaves after 10 ms; the handler's task (``task``, set once made) is then
+    cancelled ``hops`` turns of the loop later, as Serve cancels the handler of a client that left."""
+
+    def __init__(self, hops: int) -> None:
+        self.hops = hops
+        self.task: asyncio.Future[Any] | None = None
+
+    async def __call__(self) -> dict[str, Any]:
+        await asyncio.sleep(0.01)
+        self._cancel_after(self.hops)
+        return {"type": "http.disconnect"}
+
+    def _cancel_after(self, n: int) -> None:
+        if n == 0:
+            assert self.task is not None
+            self.task.cancel()
+        else:
+            asyncio.get_running_loop().call_soon(self._cancel_after, n - 1)
 
 
 def requests_by_status(backend: LocalBackend) -> dict[str, float]:

@@ -20,7 +20,7 @@ from specserve.api.metrics import ServeMetrics
 from specserve.api.resume import StreamCursor
 from specserve.api.server import _Choice, _CompletionFormat, _Outcome, _Routes, _Tracker
 from specserve.sequence import Request, RequestOutput, RequestStats
-from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
+from tests.api_backend import MODEL, LeavingClient, LocalBackend, api_server, requests_by_status
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SAMPLED: dict[str, Any] = {
@@ -244,24 +244,14 @@ def test_a_cancel_while_choices_close_closes_every_choice(hops: int) -> None:
     cancel landing while the first closed left the second generating for nobody, never counted."""
 
     async def trial() -> None:
-        loop, closed = asyncio.get_running_loop(), []
+        closed: list[int] = []
         choices = [
             _Choice(_Outcome(_Stream(closed, i), ServeMetrics(), _Tracker()), _CompletionFormat(MODEL), StreamCursor())  # type: ignore[arg-type]
             for i in range(2)
         ]
 
-        def cancel_after(n: int) -> None:
-            if n == 0:
-                task.cancel()
-            else:
-                loop.call_soon(cancel_after, n - 1)
-
-        async def receive() -> dict[str, Any]:
-            await asyncio.sleep(0.01)
-            cancel_after(hops)
-            return {"type": "http.disconnect"}
-
-        task = asyncio.ensure_future(_Routes(None)._collect(choices, _Body(), receive))  # type: ignore[arg-type]
+        receive = LeavingClient(hops)
+        task = receive.task = asyncio.ensure_future(_Routes(None)._collect(choices, _Body(), receive))  # type: ignore[arg-type]
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.sleep(0.05)

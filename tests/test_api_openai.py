@@ -30,7 +30,7 @@ from specserve.errors import InvalidRequestError
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request, RequestOutput, RequestStats
 from specserve.step_events import StepMetrics
-from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
+from tests.api_backend import MODEL, LeavingClient, LocalBackend, api_server, requests_by_status
 from tests.test_min_tokens import one_token_a_step, stop_seen_twice
 
 CONTEXT = 128
@@ -777,23 +777,10 @@ def test_a_cancel_landing_as_a_left_clients_answer_is_cancelled_still_cancels_th
         logprob_count = None
 
     async def trial() -> None:
-        loop = asyncio.get_running_loop()
         outcome = _Outcome(Never(), ServeMetrics(), _Tracker())  # type: ignore[arg-type]
-
-        def cancel_after(n: int) -> None:
-            if n == 0:
-                task.cancel()
-            else:
-                loop.call_soon(cancel_after, n - 1)
-
-        async def receive() -> dict[str, Any]:
-            await asyncio.sleep(0.01)
-            cancel_after(hops)
-            return {"type": "http.disconnect"}
-
-        routes = _Routes(None)  # type: ignore[arg-type]
+        routes, receive = _Routes(None), LeavingClient(hops)  # type: ignore[arg-type]
         choice = _Choice(outcome, None, StreamCursor())  # type: ignore[arg-type]
-        task = asyncio.ensure_future(routes._collect([choice], Body(), receive))  # type: ignore[arg-type]
+        task = receive.task = asyncio.ensure_future(routes._collect([choice], Body(), receive))  # type: ignore[arg-type]
         with pytest.raises(asyncio.CancelledError):
             await task
         assert task.cancelled() and outcome.closed
