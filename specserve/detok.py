@@ -102,7 +102,8 @@ class IncrementalText:
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self.floor = floor
-        self._floor_chars = 0  # (once more than ``floor`` tokens: the length of the first ``floor`` tokens' text)
+        # the length of the first ``floor`` tokens' text (None: not known yet, before more than ``floor`` tokens)
+        self._floor_chars: int | None = None if floor else 0
         self.runs = ByteRuns.of(tokenizer) if runs is None else runs
         # (not from inside a character spelt in byte tokens: a run's bytes decode as a whole, and the output's
         # first bytes may join the prompt's last run)
@@ -145,7 +146,7 @@ class IncrementalText:
             before_run = len(full)
         stop_at = None
         past_floor = len(token_ids) > self.floor
-        if past_floor and self.floor and not self._floor_chars:
+        if past_floor and self._floor_chars is None:
             self._floor_chars = len(_settled(self._decode(token_ids[: self.floor]), False))
         # (only where a stop string may end past the text an earlier update searched: that text cannot change)
         offset = max(0, self._seen_chars - self._reach)
@@ -289,7 +290,7 @@ class IncrementalText:
     def _first_start(self, stop: str, offset: int) -> int:
         """Where in a text starting at character ``offset`` of the output's a match of ``stop`` that counts may
         start: one ending in the first ``floor`` tokens' text does not."""
-        return max(0, self._floor_chars - len(stop) + 1 - offset)
+        return max(0, (self._floor_chars or 0) - len(stop) + 1 - offset)
 
     def _holds_stop(self, text: str, offset: int) -> bool:
         return any(text.find(s, self._first_start(s, offset)) >= 0 for s in self.stop)

@@ -496,11 +496,11 @@ class _Routes:
             spec = speculation_for(body.speculation, self.backend.default_speculation)
             if resume is not None and not params.greedy:
                 _check_resumable(spec or self.backend.default_speculation)
+            ids = [fmt.request_id] if body.n == 1 else [f"{fmt.request_id}-{i}" for i in range(body.n)]
             requests = [
-                Request(_choice_id(fmt.request_id, i, body.n), prompt_ids, _choice_params(params, i), spec,
-                        cache_salt=body.cache_salt)
-                for i in range(body.n)
-            ]  # fmt: skip
+                Request(rid, prompt_ids, _choice_params(params, i), spec, cache_salt=body.cache_salt)
+                for i, rid in enumerate(ids)
+            ]
             streams = await self._submit(requests)
         except InvalidRequestError:
             metrics.request_done(RequestStatus.invalid)
@@ -750,10 +750,6 @@ def _resume_mark(body: GenerationRequest, last_event_id: str | None) -> StreamMa
     if body.n > 1:
         raise APIError(f"{RESUME_PARAM} needs n=1: the events of several choices carry no ids", param=RESUME_PARAM)
     return StreamMark.parse(value)
-
-
-def _choice_id(request_id: str, index: int, n: int) -> str:
-    return request_id if n == 1 else f"{request_id}-{index}"
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
