@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from deployments.tiny_tokenizer import tiny_tokenizer
 from specserve.api.error_bodies import OverloadedError
 from specserve.api.metrics import ServeMetrics
 from specserve.api.resume import StreamCursor
@@ -136,12 +137,46 @@ def test_choices_stream_with_their_index_and_without_event_ids(url: str) -> None
         same_answer(streamed, choice)
 
 
+def test_a_batch_of_prompts_answers_each_with_its_choices(url: str) -> None:
+    """OpenAI's batch (a list of texts or of token lists), as lm-eval's batched requests send it: choice p * n + i is
+    prompt p's i-th, the answer a request of that prompt with the seed plus i gets; with echo each starts with its
+    own prompt; the usage counts each prompt once."""
+    tok = tiny_tokenizer()
+    texts = ["once upon", "the cat sat on", "hello"]
+    body = SAMPLED | {"seed": 3, "logprobs": 1, "echo": True}
+    for prompts in (texts, [tok.encode(t, add_special_tokens=False) for t in texts]):
+        batch = post(url, body | {"prompt": prompts, "n": 2})
+        assert [c["index"] for c in batch["choices"]] == list(range(6)) and batch["seed"] == 3
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        for k, choice in enumerate(batch["choices"]):
+            one = post(url, body | {"prompt": prompts[k // 2], "seed": 3 + k % 2})
+            same_answer(choice, one["choices"][0])
+            assert choice["text"].startswith(texts[k // 2])
+            usage["prompt_tokens"] += one["usage"]["prompt_tokens"] * (k % 2 == 0)
+            usage["completion_tokens"] += one["usage"]["completion_tokens"]
+        assert {k: batch["usage"][k] for k in usage} == usage
+        _, data = events(url, body | {"prompt": prompts, "n": 2})
+        for k, choice in enumerate(batch["choices"]):
+            assert (
+                "".join(d["choices"][0]["text"] for d in data[:-1] if d["choices"][0]["index"] == k) == choice["text"]
+            )
+    # left to the context, each prompt's limit is its own room
+    ids = [[5] * 10, [5] * 100]
+    room = post(url, {"model": MODEL, "prompt": ids, "max_tokens": None, "ignore_eos": True, "temperature": 0})
+    assert [c["finish_reason"] for c in room["choices"]] == ["length"] * 2
+    assert room["usage"]["completion_tokens"] == (256 - 10) + (256 - 100)
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "says"),
     [
         ({"n": 0}, "n", "greater than or equal to 1"),
         ({"n": 17}, "n", "less than or equal to 16"),
-        ({"n": 2, "stream": True, "resume_from": "1-1-00000000"}, "resume_from", "needs n=1"),
+        ({"n": 2, "stream": True, "resume_from": "1-1-00000000"}, "resume_from", "needs one choice"),
+        ({"prompt": ["a", "b"], "stream": True, "resume_from": "1-1-00000000"}, "resume_from", "needs one choice"),
+        ({"prompt": ["a"] * 129}, "prompt", "List should have at most 128 items"),
+        ({"prompt": ["a", "b"], "n": 5}, "prompt", "10 choices (n x prompts) are more than this server runs or"),
+        ({"prompt": [[5] * 300, [5]]}, "prompt", "maximum context length is 256 tokens"),
     ],
 )
 def test_a_count_out_of_range_or_a_resume_is_a_400(url: str, fields: dict[str, Any], param: str, says: str) -> None:

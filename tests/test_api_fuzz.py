@@ -143,7 +143,13 @@ def test_random_bodies_never_fail_the_server(url: str) -> None:
 @pytest.mark.parametrize(
     ("path", "fields", "param", "message"),
     [
-        (COMPLETIONS, {"prompt": 5}, "prompt", "prompt: Input should be text or a list of token ids"),
+        (COMPLETIONS, {"prompt": 5}, "prompt",
+         "prompt: Input should be text, a list of token ids, or a list of either"),
+        (COMPLETIONS, {"prompt": ["a", ""]}, "prompt", "prompt.1: String should have at least 1 character"),
+        (COMPLETIONS, {"prompt": [[3], [-1]]}, "prompt", "prompt.1.0: Input should be greater than or equal to 0"),
+        (COMPLETIONS, {"prompt": [[3], []]}, "prompt",
+         "prompt.1: List should have at least 1 item after validation, not 0"),
+        (COMPLETIONS, {"prompt": ["a", [3]]}, "prompt", "prompt.1: Input should be a valid string"),
         (COMPLETIONS, {"prompt": ""}, "prompt", "prompt: String should have at least 1 character"),
         (COMPLETIONS, {"prompt": [3, -1]}, "prompt", "prompt.1: Input should be greater than or equal to 0"),
         (COMPLETIONS, {"prompt": [3, VOCAB]}, "prompt", f"prompt token ids must be in [0, {VOCAB})"),

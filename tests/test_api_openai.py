@@ -1361,9 +1361,9 @@ def test_openais_other_forms_of_a_request_read_as_they_mean_or_are_refused_by_na
     ids = dict(return_token_ids=True, ignore_eos=True)
     assert tokens(post(COMPLETIONS, prompt=["hello"], **ids)) == tokens(post(COMPLETIONS, prompt="hello", **ids))
     assert tokens(post(COMPLETIONS, prompt=[[5, 6, 7]], **ids)) == tokens(post(COMPLETIONS, prompt=[5, 6, 7], **ids))
-    for batch in (["a", "b"], [[5], [6]]):
-        error = _error(post(COMPLETIONS, prompt=batch))
-        assert error["param"] == "prompt" and "batch prompts (2 in one request) are not supported" in error["message"]
+    for batch in (["a", "b"], [[5], [6]]):  # (OpenAI's batch: tests/test_api_choices.py)
+        answer = post(COMPLETIONS, prompt=batch, **ids)
+        assert answer.status_code == 200 and [c["index"] for c in answer.json()["choices"]] == [0, 1], answer.text
     for unset in ({"echo": None}, {"logit_bias": None}, {"logit_bias": {}}, {"metadata": {"run": "a"}}):
         assert post(COMPLETIONS, prompt="hi", **unset).status_code == 200, unset
     for no_op in ({"echo": False}, {"best_of": 1}, {"best_of": None}, {"suffix": None}):

@@ -29,7 +29,7 @@ PROBES: dict[str, list[Any]] = {  # values on both sides of each documented cons
     "include_stop_str_in_output": [True, False, 1, "true", None],
     "stream": [True, False, "yes", 0, None],
     "stop": ["", "x", ["a", "b"], ["a"] * 5, "y" * 1024, "y" * 1025],
-    "prompt": ["", "hello", [], [1, 2], [False], [-1], [1.5]],
+    "prompt": ["", "hello", [], [1, 2], [False], [-1], [1.5], ["a", "b"], ["a", ""], [[1], [2]], [[1], []], ["a", [1]]],
     "echo": [False, True],
     "stream_options": [{"include_usage": True}],
     "cache_salt": ["", "s", "s" * 256, "s" * 257, 5, None],

@@ -69,9 +69,10 @@ def speculation_for(options: SpeculationOptions | None, default: SpecConfig) -> 
     return None if spec == default else spec
 
 
-def usage_for(out: RequestOutput, *more: RequestOutput) -> Usage:
-    """A request's usage from its last output; with ``more``, its other choices' last outputs: the prompt counted
-    once (as OpenAI's), the completion tokens and speculation counts summed."""
+def usage_for(out: RequestOutput, *more: RequestOutput, prompt_tokens: int | None = None) -> Usage:
+    """A request's usage from its last output; with ``more``, its other choices' last outputs: the completion tokens
+    and speculation counts summed, the prompt counted once (as OpenAI's) or as ``prompt_tokens`` (a batch's)."""
+    prompt = out.num_prompt_tokens if prompt_tokens is None else prompt_tokens
     stats = sum((o.stats for o in more), out.stats)
     completion = out.num_output_tokens + sum(o.num_output_tokens for o in more)
     speculation = SpeculationUsage(
@@ -82,8 +83,8 @@ def usage_for(out: RequestOutput, *more: RequestOutput) -> Usage:
         mean_accepted_length=stats.tokens_per_forward,
     )
     return Usage(
-        prompt_tokens=out.num_prompt_tokens,
+        prompt_tokens=prompt,
         completion_tokens=completion,
-        total_tokens=out.num_prompt_tokens + completion,
+        total_tokens=prompt + completion,
         speculation=speculation,
     )

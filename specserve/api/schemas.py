@@ -133,10 +133,20 @@ def _json_kind(value: Any) -> str | None:
 # Tags of a union's members appear in an error's location; they are written so that no field name can be one, and
 # the error body leaves them out (``prompt.0: ...``, not the member's type).
 STRING_MEMBER, LIST_MEMBER = "<string>", "<list>"
+TEXTS_MEMBER, ID_LISTS_MEMBER = "<texts>", "<id lists>"  # a completions batch: a list of texts, or of id lists
 
 
 def is_union_member(loc_part: object) -> bool:
-    return loc_part in (STRING_MEMBER, LIST_MEMBER)
+    return loc_part in (STRING_MEMBER, LIST_MEMBER, TEXTS_MEMBER, ID_LISTS_MEMBER)
+
+
+def _prompt_kind(value: Any) -> str | None:
+    """A completions prompt's form: a text, token ids, or OpenAI's batch of either (by its first item)."""
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return TEXTS_MEMBER
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return ID_LISTS_MEMBER
+    return _json_kind(value)
 
 
 def by_json_type(expected: str) -> Discriminator:
@@ -382,6 +392,11 @@ class GenerationRequest(ClosedModel):
         return False
 
     @property
+    def prompt_count(self) -> int:
+        """Prompts it asks answers to (a completions batch has several): each has ``n`` choices."""
+        return 1
+
+    @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
@@ -398,15 +413,26 @@ def _utf8(text: str) -> str:
 Utf8Str = Annotated[str, AfterValidator(_utf8)]
 # Lists a request may fill up to the body limit validate up to their first bad item (fail_fast): an error per item
 # of a 4 MiB list of bad ids took pydantic and FastAPI ~30 s to build on the event loop, stalling every stream.
+PromptText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
+PromptIds = Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]
+MAX_PROMPTS = 128  # a completions batch (OpenAI's allows 2048); each prompt's choices take places in the batch
 Prompt = Annotated[
-    Annotated[str, Field(min_length=1), AfterValidator(_utf8), Tag(STRING_MEMBER)]
-    | Annotated[list[TokenId], Field(min_length=1, fail_fast=True), Tag(LIST_MEMBER)],
-    by_json_type("text or a list of token ids"),
+    Annotated[PromptText, Tag(STRING_MEMBER)]
+    | Annotated[PromptIds, Tag(LIST_MEMBER)]
+    | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS), Tag(TEXTS_MEMBER)]
+    | Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS, fail_fast=True), Tag(ID_LISTS_MEMBER)],
+    Discriminator(
+        _prompt_kind,
+        custom_error_type="union_type",
+        custom_error_message="Input should be text, a list of token ids, or a list of either",
+    ),
 ]
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: Prompt = Field(description="text, or token ids")
+    prompt: Prompt = Field(
+        description=f"text, token ids, or a batch of up to {MAX_PROMPTS} of either (choices index prompt * n + i)"
+    )
     max_tokens: StrictInt | None = Field(
         default=16, ge=1, lt=INT64_END, description="at most the context length minus the prompt"
     )
@@ -451,16 +477,15 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("suffix (text after an insertion) is not supported; send null")
         return v
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, v: object) -> object:
-        """OpenAI's batch forms: a list of texts or of token lists. One is that prompt (clients send ``["text"]``);
-        more are refused by name, not read as malformed token ids."""
-        if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) > 1:
-                raise ValueError(f"batch prompts ({len(v)} in one request) are not supported; send one per request")
-            return v[0]
-        return v
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Its prompts: one, or a batch's (OpenAI's list of texts or of token lists)."""
+        single = isinstance(self.prompt, str) or not isinstance(self.prompt[0], str | list)
+        return [cast(str | list[int], self.prompt)] if single else cast(list[str | list[int]], self.prompt)
+
+    @property
+    def prompt_count(self) -> int:
+        return len(self.prompts)
 
 
 class ChatRole(str, Enum):

@@ -333,6 +333,12 @@ class _Answer:
         self.last = out
 
 
+def _usage(lasts: list[RequestOutput], n: int) -> Usage:
+    """The usage of a request's choices from their last outputs, in index order: each prompt counted once (choices
+    p * n to p * n + n - 1 share prompt p)."""
+    return usage_for(*lasts, prompt_tokens=sum(out.num_prompt_tokens for out in lasts[::n]))
+
+
 async def _close_all(choices: Sequence[_Choice]) -> None:
     """Every choice closed, together: a cancel of the caller (a client that left) cuts none of them short."""
     await asyncio.shield(asyncio.gather(*(c.outcome.close() for c in choices)))
@@ -397,10 +403,8 @@ class _Routes:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
-        def encode(room: int) -> list[int]:
-            if isinstance(body.prompt, str):
-                return encoder.text(body.prompt, room=room)
-            return encoder.token_ids(body.prompt)
+        def encode(room: int) -> list[list[int]]:
+            return [encoder.text(p, room=room) if isinstance(p, str) else encoder.token_ids(p) for p in body.prompts]
 
         limit = _TokenLimit(body.max_tokens, "max_tokens", "prompt")
         fmt = _CompletionFormat(self._model(), encoder)
@@ -412,8 +416,8 @@ class _Routes:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
-        def encode(room: int) -> list[int]:
-            return encoder.chat([m.for_template() for m in body.messages], room=room)
+        def encode(room: int) -> list[list[int]]:
+            return [encoder.chat([m.for_template() for m in body.messages], room=room)]
 
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
         fmt = _ChatFormat(self._model(), encoder)
@@ -450,7 +454,7 @@ class _Routes:
     async def _generate(
         self,
         body: GenerationRequest,
-        encode: Callable[[int], list[int]],  # the prompt's ids, given the most tokens it may have
+        encode: Callable[[int], list[list[int]]],  # each prompt's ids, given the most tokens one may have
         limit: _TokenLimit,
         fmt: _Format,
         tracker: _Tracker,
@@ -466,21 +470,23 @@ class _Routes:
                     param="model",
                 )
             context = self.backend.max_model_len
-            if body.n > 1 and body.n > self.backend.capacity:  # (a 429 would never clear)
+            places = body.n * body.prompt_count  # each prompt's n choices
+            if places > 1 and places > self.backend.capacity:  # (a 429 would never clear)
                 raise APIError(
-                    f"n ({body.n}) is more than this server runs or queues at once ({self.backend.capacity} "
-                    "requests; each choice is one)",
-                    param="n",
+                    f"{places} choices (n x prompts) are more than this server runs or queues at once "
+                    f"({self.backend.capacity} requests; each choice is one)",
+                    param="n" if body.prompt_count == 1 else "prompt",
                 )
-            # a 429 before the prompt's tokenisation is paid for (each choice takes a place)
-            self.backend.check_capacity(pending=self._encoding + body.n - 1)
+            # a 429 before the prompts' tokenisation is paid for (each choice takes a place)
+            self.backend.check_capacity(pending=self._encoding + places - 1)
             try:
-                prompt_ids = await asyncio.shield(self._tokenise(encode, limit.room(context), body.n))
+                prompts = await asyncio.shield(self._tokenise(encode, limit.room(context), places))
             except PromptTooLongError as e:  # refused before it was tokenised: named as a tokenised one would be
                 limit.check(e.fewest, context, at_least=True)
                 raise
-            max_tokens = limit.check(len(prompt_ids), context)
-            limit.check_min(body.min_tokens, max_tokens)
+            limits = [limit.check(len(ids), context) for ids in prompts]  # (each prompt's max_tokens)
+            limit.check_min(body.min_tokens, min(limits))
+            max_tokens = limits[0]
             if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
                 raise ResumeMismatchError(
                     f"{RESUME_PARAM} is after output token {resume.tokens}, past this request's limit of "
@@ -489,17 +495,20 @@ class _Routes:
                 )
             params = sampling_params_for(body, max_tokens=max_tokens)
             self.backend.encoder.check_token_ids(params)
-            if body.echoes:  # (the prompt's text as sent; a prompt of ids, decoded)
-                prompt = cast(CompletionRequest, body).prompt
-                fmt.echo(prompt if isinstance(prompt, str) else self.backend.encoder.text_of(prompt_ids), prompt_ids)
             fmt.seed = params.seed
             spec = speculation_for(body.speculation, self.backend.default_speculation)
             if resume is not None and not params.greedy:
                 _check_resumable(spec or self.backend.default_speculation)
-            ids = [fmt.request_id] if body.n == 1 else [f"{fmt.request_id}-{i}" for i in range(body.n)]
-            requests = [
-                Request(rid, prompt_ids, _choice_params(params, i), spec, cache_salt=body.cache_salt)
-                for i, rid in enumerate(ids)
+            requests = [  # choice p * n + i: prompt p's i-th
+                Request(
+                    fmt.request_id if places == 1 else f"{fmt.request_id}-{p * body.n + i}",
+                    ids,
+                    _choice_params(params, i, limits[p]),
+                    spec,
+                    cache_salt=body.cache_salt,
+                )
+                for p, ids in enumerate(prompts)
+                for i in range(body.n)
             ]
             streams = await self._submit(requests)
         except InvalidRequestError:
@@ -515,9 +524,14 @@ class _Routes:
             metrics.request_done(RequestStatus.failed)
             raise
         choices = [
-            _Choice(_Outcome(s, metrics, replace(tracker)), fmt.for_choice(i), StreamCursor(resume))
-            for i, s in enumerate(streams)
+            _Choice(_Outcome(s, metrics, replace(tracker)), fmt.for_choice(k), StreamCursor(resume))
+            for k, s in enumerate(streams)
         ]
+        if body.echoes:  # each choice starts with its prompt: the text as sent, a prompt of ids decoded
+            sent = cast(CompletionRequest, body).prompts
+            for k, c in enumerate(choices):
+                text, ids = sent[k // body.n], prompts[k // body.n]
+                c.fmt.echo(text if isinstance(text, str) else self.backend.encoder.text_of(ids), ids)
         if body.stream:
             events = self._events(choices, body)
             return _ClosingStreamingResponse(events, on_close=partial(_close_all, choices), media_type=SSE_MEDIA_TYPE)
@@ -534,14 +548,16 @@ class _Routes:
             raise
         return streams
 
-    def _tokenise(self, encode: Callable[[int], list[int]], room: int, places: int) -> asyncio.Future[list[int]]:
+    def _tokenise(
+        self, encode: Callable[[int], list[list[int]]], room: int, places: int
+    ) -> asyncio.Future[list[list[int]]]:
         """``encode(room)`` on a thread, off the event loop. Until it ends it holds ``places`` (its request's
         choices) against the capacity (a flood of prompts being tokenised would fill it): given back when the
         thread's work ends, not when a caller that left stops waiting (the thread works on)."""
         work = asyncio.get_running_loop().run_in_executor(None, encode, room)
         self._encoding += places
 
-        def done(f: asyncio.Future[list[int]]) -> None:
+        def done(f: asyncio.Future[list[list[int]]]) -> None:
             self._encoding -= places
             if not f.cancelled():
                 f.exception()  # retrieved, where the caller left: not logged as never retrieved
@@ -592,7 +608,7 @@ class _Routes:
             response = responses[0]
             if len(responses) > 1:
                 every = [choice for r in responses for choice in cast(Any, r).choices]
-                usage = usage_for(*(cast(RequestOutput, a.last) for a in answers))
+                usage = _usage([cast(RequestOutput, a.last) for a in answers], body.n)
                 response = response.model_copy(update={"choices": every, "usage": usage})
             return JSONResponse(response.model_dump(mode="json"))
         except APIError as e:  # its status, counted as a stream's is
@@ -616,7 +632,7 @@ class _Routes:
         without = frozenset() if body.include_usage_in_stream else frozenset({"usage"})
         per_token = body.return_token_ids or body.logprob_count is not None  # (tokens without text yet too)
         merged = _Merged(choices)
-        last: list[RequestOutput] = []
+        last: dict[int, RequestOutput] = {}  # each choice's last output
         try:
             for c in choices:
                 c.outcome.start()
@@ -652,10 +668,10 @@ class _Routes:
                     sent_at = time.monotonic()
                 if out.finished:
                     c.outcome.finished(out)
-                    last.append(out)
+                    last[got[0]] = out
             cursor = choices[0].cursor
             if body.include_usage_in_stream and not cursor.sent(StreamPhase.usage):
-                usage = choices[0].fmt.usage_chunk(usage_for(*last))
+                usage = choices[0].fmt.usage_chunk(_usage([last[k] for k in sorted(last)], body.n))
                 yield _sse(usage, cursor.mark.at(StreamPhase.usage) if marked else None)
             yield SSE_DONE
         except APIError as e:  # the status line is gone: report in the stream, as OpenAI does
@@ -747,16 +763,23 @@ def _resume_mark(body: GenerationRequest, last_event_id: str | None) -> StreamMa
         raise APIError(
             "resuming a sampled stream needs the seed it drew with (the `seed` field of its chunks)", param="seed"
         )
-    if body.n > 1:
-        raise APIError(f"{RESUME_PARAM} needs n=1: the events of several choices carry no ids", param=RESUME_PARAM)
+    if body.n * body.prompt_count > 1:
+        raise APIError(
+            f"{RESUME_PARAM} needs one choice (n=1, one prompt): the events of several choices carry no ids",
+            param=RESUME_PARAM,
+        )
     return StreamMark.parse(value)
 
 
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index``'s: a sampled request's seed plus the index (as vLLM's), within the 64-bit signed range."""
-    if params.seed is None or index == 0:
-        return params
-    return params.model_copy(update={"seed": (params.seed + index + 2**63) % 2**64 - 2**63})
+def _choice_params(params: SamplingParams, index: int, max_tokens: int) -> SamplingParams:
+    """A prompt's choice ``index``: a sampled request's seed plus the index (as vLLM's), within the 64-bit signed
+    range; ``max_tokens``, its prompt's (where the request left it to the context, each prompt has its own)."""
+    update: dict[str, object] = {}
+    if params.seed is not None and index:
+        update["seed"] = (params.seed + index + 2**63) % 2**64 - 2**63
+    if max_tokens != params.max_tokens:
+        update["max_tokens"] = max_tokens
+    return params.model_copy(update=update) if update else params
 
 
 def _check_resumable(spec: SpecConfig) -> None:
