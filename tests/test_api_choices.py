@@ -155,16 +155,17 @@ def test_a_batch_of_prompts_answers_each_with_its_choices(url: str) -> None:
             usage["prompt_tokens"] += one["usage"]["prompt_tokens"] * (k % 2 == 0)
             usage["completion_tokens"] += one["usage"]["completion_tokens"]
         assert {k: batch["usage"][k] for k in usage} == usage
-        _, data = events(url, body | {"prompt": prompts, "n": 2})
+        _, data = events(url, body | {"prompt": prompts, "n": 2, "stream_options": {"include_usage": True}})
+        assert data[-2]["choices"] == [] and data[-2]["usage"] == batch["usage"]
         for k, choice in enumerate(batch["choices"]):
-            assert (
-                "".join(d["choices"][0]["text"] for d in data[:-1] if d["choices"][0]["index"] == k) == choice["text"]
-            )
-    # left to the context, each prompt's limit is its own room
-    ids = [[5] * 10, [5] * 100]
+            mine = [d["choices"][0]["text"] for d in data[:-2] if d["choices"][0]["index"] == k]
+            assert "".join(mine) == choice["text"]
+    # left to the context, each prompt's limit is its own room (the longest not first: not the first one's)
+    ids = [[5] * 100, [5] * 10]
     room = post(url, {"model": MODEL, "prompt": ids, "max_tokens": None, "ignore_eos": True, "temperature": 0})
     assert [c["finish_reason"] for c in room["choices"]] == ["length"] * 2
-    assert room["usage"]["completion_tokens"] == (256 - 10) + (256 - 100)
+    assert room["usage"]["completion_tokens"] == (256 - 100) + (256 - 10)
+    assert room["usage"]["prompt_tokens"] == 110
 
 
 @pytest.mark.parametrize(
@@ -177,6 +178,11 @@ def test_a_batch_of_prompts_answers_each_with_its_choices(url: str) -> None:
         ({"prompt": ["a"] * 129}, "prompt", "List should have at most 128 items"),
         ({"prompt": ["a", "b"], "n": 5}, "prompt", "10 choices (n x prompts) are more than this server runs or"),
         ({"prompt": [[5] * 300, [5]]}, "prompt", "maximum context length is 256 tokens"),
+        (  # each prompt's room where max_tokens is left to the context: the least of them bounds min_tokens
+            {"prompt": [[5] * 10, [5] * 250], "max_tokens": None, "min_tokens": 8},
+            "min_tokens",
+            "min_tokens (8) must be at most the room the context leaves the answer (6)",
+        ),
     ],
 )
 def test_a_count_out_of_range_or_a_resume_is_a_400(url: str, fields: dict[str, Any], param: str, says: str) -> None:
