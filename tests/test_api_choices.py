@@ -177,7 +177,7 @@ def test_a_batch_of_prompts_answers_each_with_its_choices(url: str) -> None:
         ({"prompt": ["a", "b"], "stream": True, "resume_from": "1-1-00000000"}, "resume_from", "needs one choice"),
         ({"prompt": ["a"] * 129}, "prompt", "List should have at most 128 items"),
         ({"prompt": ["a", "b"], "n": 5}, "prompt", "10 choices (n x prompts) are more than this server runs or"),
-        ({"prompt": [[5] * 300, [5]]}, "prompt", "maximum context length is 256 tokens"),
+        ({"prompt": [[5], [5] * 300]}, "prompt", "your prompt at index 1 of the batch resulted in 300 tokens"),
         (  # each prompt's room where max_tokens is left to the context: the least of them bounds min_tokens
             {"prompt": [[5] * 10, [5] * 250], "max_tokens": None, "min_tokens": 8},
             "min_tokens",

@@ -484,7 +484,8 @@ class _Routes:
             except PromptTooLongError as e:  # refused before it was tokenised: named as a tokenised one would be
                 limit.check(e.fewest, context, at_least=True)
                 raise
-            limits = [limit.check(len(ids), context) for ids in prompts]  # (each prompt's max_tokens)
+            batch = len(prompts) > 1
+            limits = [limit.check(len(ids), context, item=p if batch else None) for p, ids in enumerate(prompts)]
             limit.check_min(body.min_tokens, min(limits))
             max_tokens = limits[0]
             if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
@@ -700,16 +701,17 @@ class _TokenLimit:
         """The most tokens the prompt may have (at least one: a max_tokens with no room is refused by ``check``)."""
         return max(1, context - (1 if self.max_tokens is None else self.max_tokens))
 
-    def check(self, prompt_tokens: int, context: int, *, at_least: bool = False) -> int:
+    def check(self, prompt_tokens: int, context: int, *, at_least: bool = False, item: int | None = None) -> int:
         """The max_tokens to generate; a 400 context_length_exceeded when the prompt or prompt + max_tokens does
         not fit (OpenAI's behaviour: never silently clamped). ``at_least``: the prompt was not tokenised, and has at
-        least ``prompt_tokens``."""
+        least ``prompt_tokens``; ``item``: its index in a batch of prompts, which the message names."""
         some = "at least " if at_least else ""
+        prompt = self.prompt_param if item is None else f"{self.prompt_param} at index {item} of the batch"
         if prompt_tokens >= context:
             raise ContextLengthError(
-                f"This model's maximum context length is {context} tokens. However, your {self.prompt_param} "
+                f"This model's maximum context length is {context} tokens. However, your {prompt} "
                 f"resulted in {some}{prompt_tokens} tokens, which leaves no room to generate. Please reduce the length "
-                f"of the {self.prompt_param}.",
+                f"of the {prompt}.",
                 param=self.prompt_param,
             )
         if self.max_tokens is None:
@@ -717,8 +719,8 @@ class _TokenLimit:
         if prompt_tokens + self.max_tokens > context:
             raise ContextLengthError(
                 f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{some}{prompt_tokens + self.max_tokens} tokens ({some}{prompt_tokens} in the {self.prompt_param}, "
-                f"{self.max_tokens} in the completion). Please reduce the length of the {self.prompt_param} "
+                f"{some}{prompt_tokens + self.max_tokens} tokens ({some}{prompt_tokens} in the {prompt}, "
+                f"{self.max_tokens} in the completion). Please reduce the length of the {prompt} "
                 f"or {self.max_tokens_param}.",
                 param=self.max_tokens_param,
             )
