@@ -102,7 +102,9 @@ class Bodies:
             path, body = CHAT, {"model": MODEL, "messages": [self.message() for _ in range(r.randint(1, 4))]}
             body |= self.pick({"max_completion_tokens": lambda: r.choice([1, 5, 100])}, 0.1)
         else:
-            prompt = r.choice([self.text() or "x", [r.randrange(VOCAB) for _ in range(r.randint(1, CONTEXT + 2))]])
+            ids = [r.randrange(VOCAB) for _ in range(r.randint(1, CONTEXT + 2))]
+            batch = [self.text() or "x" for _ in range(r.randint(1, 3))]  # (OpenAI's batch of prompts)
+            prompt = r.choice([self.text() or "x", ids, batch])
             path, body = COMPLETIONS, {"model": MODEL, "prompt": prompt}
         body |= self.common()
         if r.random() < 0.3:
