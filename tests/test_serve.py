@@ -559,7 +559,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("seed-beyond-int64", COMPLETIONS, {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),  # OpenAI: int64
     ("stop-empty", COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop"),
     ("stop-wrong-type", COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop"),
-    ("n-two", COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("n-seventeen", COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
     ("unknown-field", COMPLETIONS, {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ("empty-prompt", COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, None),
     ("token-out-of-vocab", COMPLETIONS, {"model": MODEL, "prompt": [1, 99999]}, 400, None),
@@ -572,7 +572,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("chat-messages-string", CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("chat-empty-messages", CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
     ("chat-bad-role", CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
-    ("chat-n-three", CHAT, {**OK_CHAT, "n": 3}, 400, "n"),
+    ("chat-n-zero", CHAT, {**OK_CHAT, "n": 0}, 400, "n"),
     ("chat-unknown-model", CHAT, {**OK_CHAT, "model": "nope"}, 404, "model"),
     ("lone-surrogate", COMPLETIONS, b'{"model": "tiny", "prompt": "ab\\ud800cd"}', 400, None),
     ("chat-surrogate", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
@@ -624,7 +624,7 @@ def test_unknown_route_and_method(main_url: str) -> None:
 
 def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="x", n=2)
+        client.completions.create(model=MODEL, prompt="x", n=17)
     assert info.value.body["param"] == "n"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
