@@ -187,6 +187,30 @@ def test_chunks_carry_a_null_usage_only_when_the_usage_was_asked_for(url: str) -
             assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3, last
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_content_chunk(url: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each content chunk carries its choice's
+    usage so far, its completion tokens the tokens its choice was sent through that chunk; the last chunk's stays
+    the request's; without include_usage it asks for nothing."""
+    for path, body in ((COMPLETIONS, {"prompt": [3, 4]}), (CHAT, {"messages": USER})):
+        request = {"model": MODEL, "max_tokens": 12, "stream": True, "ignore_eos": True, "return_token_ids": True}
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        r = httpx.post(url + path, json=request | body | {"n": 2, "stream_options": options}, timeout=30)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        *content, last = chunks
+        sent = [0, 0]
+        for chunk in content:
+            choice = chunk["choices"][0]
+            sent[choice["index"]] += len(choice.get("token_ids") or [])
+            if chunk["usage"] is not None:  # (chat's role chunks come before any output)
+                assert chunk["usage"]["completion_tokens"] == sent[choice["index"]], (path, chunk)
+                assert chunk["usage"]["total_tokens"] == chunk["usage"]["prompt_tokens"] + sent[choice["index"]]
+        assert sum(c["usage"] is not None for c in content) >= 2 and sent == [12, 12]
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 24
+        alone = httpx.post(url + path, json=request | body | {"stream_options": {"continuous_usage_stats": True}})
+        datas = [json.loads(line[6:]) for line in alone.text.splitlines() if line.startswith("data: {")]
+        assert alone.status_code == 200 and all("usage" not in d for d in datas)
+
+
 def test_a_stream_tells_proxies_to_pass_its_events_on_unbuffered(url: str) -> None:
     """nginx, the reverse proxy deployments/README.md suggests, buffers a proxied body unless told not to: tokens
     (and the keep-alives) would reach the client in bursts."""

@@ -116,6 +116,10 @@ class StreamOptions(ClosedModel):
     include_obfuscation: Annotated[Literal[False] | None, _exactly(bool)] = Field(
         default=None, description="only false or null: chunks carry no obfuscation padding"
     )
+    continuous_usage_stats: StrictBool | None = Field(
+        default=False,
+        description="extension (vLLM's), with include_usage: every content chunk carries its choice's usage so far",
+    )
 
 
 MAX_STOP_CHARS = 1024  # the step loop looks for every stop string's prefixes at the end of the text each step
@@ -399,6 +403,10 @@ class GenerationRequest(ClosedModel):
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage_in_stream and bool(cast(StreamOptions, self.stream_options).continuous_usage_stats)
 
 
 def _utf8(text: str) -> str:

@@ -632,6 +632,7 @@ class _Routes:
         # OpenAI's chunks carry "usage": null only with stream_options.include_usage (the last one then has it)
         without = frozenset() if body.include_usage_in_stream else frozenset({"usage"})
         per_token = body.return_token_ids or body.logprob_count is not None  # (tokens without text yet too)
+        every_usage = body.usage_in_every_chunk
         merged = _Merged(choices)
         last: dict[int, RequestOutput] = {}  # each choice's last output
         try:
@@ -663,9 +664,10 @@ class _Routes:
                     if c.prompt_logprobs is not None:
                         part, c.prompt_logprobs = replace(part, prompt_logprobs=c.prompt_logprobs), None
                     mark = c.cursor.mark.at(StreamPhase.finished) if part.finished else c.cursor.mark
-                    yield _sse(
-                        c.fmt.chunk(part, with_ids=body.return_token_ids), mark if marked else None, without=without
-                    )
+                    chunk = c.fmt.chunk(part, with_ids=body.return_token_ids)
+                    if every_usage:  # (its choice's so far: vLLM's continuous_usage_stats)
+                        chunk = chunk.model_copy(update={"usage": usage_for(out)})
+                    yield _sse(chunk, mark if marked else None, without=without)
                     sent_at = time.monotonic()
                 if out.finished:
                     c.outcome.finished(out)
