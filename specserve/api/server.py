@@ -332,6 +332,11 @@ class _Answer:
         self.prompt = out.prompt_logprobs if self.prompt is None else self.prompt
         self.last = out
 
+    @property
+    def finished(self) -> RequestOutput:
+        """Its last output, once the choice has finished."""
+        return cast(RequestOutput, self.last)
+
 
 def _usage(lasts: list[RequestOutput], n: int) -> Usage:
     """The usage of a request's choices from their last outputs, in index order: each prompt counted once (choices
@@ -596,20 +601,12 @@ class _Routes:
                 if out.finished:
                     choices[i].outcome.finished(out)
             responses = [
-                c.fmt.response(
-                    "".join(a.text),
-                    a.ids,
-                    a.logprobs,
-                    cast(RequestOutput, a.last),
-                    with_ids=body.return_token_ids,
-                    prompt=a.prompt,
-                )
-                for c, a in zip(choices, answers, strict=True)
+                c.fmt.response(a, with_ids=body.return_token_ids) for c, a in zip(choices, answers, strict=True)
             ]
             response = responses[0]
             if len(responses) > 1:
                 every = [choice for r in responses for choice in cast(Any, r).choices]
-                usage = _usage([cast(RequestOutput, a.last) for a in answers], body.n)
+                usage = _usage([a.finished for a in answers], body.n)
                 response = response.model_copy(update={"choices": every, "usage": usage})
             return JSONResponse(response.model_dump(mode="json"))
         except APIError as e:  # its status, counted as a stream's is
@@ -817,16 +814,7 @@ class _Format(Protocol):
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
 
-    def response(
-        self,
-        text: str,
-        ids: list[int],
-        logprobs: list[TokenLogprob] | None,
-        last: RequestOutput,
-        *,
-        with_ids: bool,
-        prompt: list[TokenLogprob] | None = None,
-    ) -> BaseModel: ...
+    def response(self, answer: _Answer, *, with_ids: bool) -> BaseModel: ...
 
     def echo(self, text: str, token_ids: list[int]) -> None: ...
 
@@ -944,25 +932,18 @@ class _CompletionFormat(_Stamped):
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return CompletionChunk(**self.stamp(), choices=[], usage=usage)
 
-    def response(
-        self,
-        text: str,
-        ids: list[int],
-        logprobs: list[TokenLogprob] | None,
-        last: RequestOutput,
-        *,
-        with_ids: bool,
-        prompt: list[TokenLogprob] | None = None,
-    ) -> BaseModel:
-        entries: _Entries | None = None if logprobs is None else [(lp.token, lp) for lp in logprobs]
-        text, entries = self._with_echo(text, entries, prompt)
+    def response(self, answer: _Answer, *, with_ids: bool) -> BaseModel:
+        lps = answer.logprobs
+        entries: _Entries | None = None if lps is None else [(lp.token, lp) for lp in lps]
+        text, entries = self._with_echo("".join(answer.text), entries, answer.prompt)
+        last = answer.finished
         choice = CompletionChoice(
             index=self.index,
             text=text,
             finish_reason=_finish(last.finish_reason),
             stop_reason=last.stop_reason,
             logprobs=self._logprobs(entries),
-            token_ids=ids if with_ids else None,
+            token_ids=answer.ids if with_ids else None,
         )
         return CompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
 
@@ -1003,23 +984,15 @@ class _ChatFormat(_Stamped):
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(**self.stamp(), choices=[], usage=usage)
 
-    def response(
-        self,
-        text: str,
-        ids: list[int],
-        logprobs: list[TokenLogprob] | None,
-        last: RequestOutput,
-        *,
-        with_ids: bool,
-        prompt: list[TokenLogprob] | None = None,
-    ) -> BaseModel:
+    def response(self, answer: _Answer, *, with_ids: bool) -> BaseModel:
+        last = answer.finished
         choice = ChatChoice(
             index=self.index,
-            message=AssistantMessage(content=text),
+            message=AssistantMessage(content="".join(answer.text)),
             finish_reason=_finish(last.finish_reason),
             stop_reason=last.stop_reason,
-            logprobs=self._logprobs(logprobs),
-            token_ids=ids if with_ids else None,
+            logprobs=self._logprobs(answer.logprobs),
+            token_ids=answer.ids if with_ids else None,
         )
         return ChatCompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
 
