@@ -80,11 +80,12 @@ class InvalidRequestError(SpecServeError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """A prompt that cannot fit the room it is given, found before it is tokenized: it has at least ``fewest``
-    tokens."""
+    tokens. ``item``: its index in a batch of prompts, where it is one."""
 
-    def __init__(self, message: str, *, param: str, fewest: int) -> None:
+    def __init__(self, message: str, *, param: str, fewest: int, item: int | None = None) -> None:
         super().__init__(message, param=param)
         self.fewest = fewest
+        self.item = item
 
 
 class SequenceError(SpecServeError):

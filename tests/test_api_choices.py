@@ -178,6 +178,9 @@ def test_a_batch_of_prompts_answers_each_with_its_choices(url: str) -> None:
         ({"prompt": ["a"] * 129}, "prompt", "List should have at most 128 items"),
         ({"prompt": ["a", "b"], "n": 5}, "prompt", "10 choices (n x prompts) are more than this server runs or"),
         ({"prompt": [[5], [5] * 300]}, "prompt", "your prompt at index 1 of the batch resulted in 300 tokens"),
+        # refused before it is tokenised (5 characters a token at most: at least 300 tokens)
+        ({"prompt": ["a", "b", "c" * 1500]}, "prompt", "prompt at index 2 of the batch resulted in at least 300 tok"),
+        ({"prompt": [[5], [5, 512]]}, "prompt", "prompt token ids must be in [0, 512) (the prompt at index 1 of the"),
         (  # each prompt's room where max_tokens is left to the context: the least of them bounds min_tokens
             {"prompt": [[5] * 10, [5] * 250], "max_tokens": None, "min_tokens": 8},
             "min_tokens",

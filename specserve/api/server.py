@@ -409,7 +409,9 @@ class _Routes:
         encoder = self.backend.encoder
 
         def encode(room: int) -> list[list[int]]:
-            return [encoder.text(p, room=room) if isinstance(p, str) else encoder.token_ids(p) for p in body.prompts]
+            return _each_prompt(
+                body.prompts, lambda p: encoder.text(p, room=room) if isinstance(p, str) else encoder.token_ids(p)
+            )
 
         limit = _TokenLimit(body.max_tokens, "max_tokens", "prompt")
         fmt = _CompletionFormat(self._model(), encoder)
@@ -487,7 +489,7 @@ class _Routes:
             try:
                 prompts = await asyncio.shield(self._tokenise(encode, limit.room(context), places))
             except PromptTooLongError as e:  # refused before it was tokenised: named as a tokenised one would be
-                limit.check(e.fewest, context, at_least=True)
+                limit.check(e.fewest, context, at_least=True, item=e.item)
                 raise
             batch = len(prompts) > 1
             limits = [limit.check(len(ids), context, item=p if batch else None) for p, ids in enumerate(prompts)]
@@ -730,6 +732,21 @@ class _TokenLimit:
         if min_tokens > max_tokens:
             most = self.max_tokens_param if self.max_tokens is not None else "the room the context leaves the answer"
             raise APIError(f"min_tokens ({min_tokens}) must be at most {most} ({max_tokens})", param="min_tokens")
+
+
+def _each_prompt(prompts: Sequence[str | list[int]], encode: Callable[[str | list[int]], list[int]]) -> list[list[int]]:
+    """Each prompt's ids; in a batch, an error names the prompt it is about by its index."""
+    if len(prompts) == 1:
+        return [encode(prompts[0])]
+    ids = []
+    for k, prompt in enumerate(prompts):
+        try:
+            ids.append(encode(prompt))
+        except PromptTooLongError as e:  # (named by _TokenLimit.check, from its fewest tokens)
+            raise PromptTooLongError(str(e), param="prompt", fewest=e.fewest, item=k) from e
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{e} (the prompt at index {k} of the batch)", param=e.param) from e
+    return ids
 
 
 def _status_of(error: APIError) -> RequestStatus:
