@@ -47,6 +47,17 @@ class PromptEncoder:
         """Token ids' text as an answer's is decoded (special tokens left out; "" without a tokenizer)."""
         return "" if self.tokenizer is None else str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
+    def decode(self, token_ids: list[int], *, param: str = "tokens") -> str:
+        """Token ids' whole text, special tokens included (what ``text`` without ``room`` reads back)."""
+        tokenizer = self._tokenizer(advice=" to decode them")
+        if outside := sorted({t for t in token_ids if not 0 <= t < self.vocab_size})[:3]:
+            raise InvalidRequestError(f"{param} must be in [0, {self.vocab_size}), not {outside}", param=param)
+        return str(tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token as the tokenizer's vocabulary spells it (``Ġthe`` for a byte-level BPE's " the")."""
+        return [str(p) for p in self._tokenizer(advice=" to spell them").convert_ids_to_tokens(token_ids)]
+
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes, which a character split over tokens spans (its text shows each part as U+FFFD): a
         byte-level BPE piece through its byte alphabet, a SentencePiece byte token ``<0xNN>`` as that byte, any
@@ -96,21 +107,25 @@ class PromptEncoder:
                 param="min_tokens",
             )
 
-    def text(self, prompt: str, *, room: int | None = None) -> list[int]:
+    def text(self, prompt: str, *, room: int | None = None, special: bool = True) -> list[int]:
         """A completion prompt's ids: a Llama-2/3 or Mistral tokenizer starts them with its BOS, which the model saw
-        at the start of every training text (the chat templates write it themselves). ``room``: the most tokens the
-        prompt may have; one that cannot fit, whatever it tokenizes to, is refused before it is tokenized."""
+        at the start of every training text (the chat templates write it themselves; ``special=False``: without it).
+        ``room``: the most tokens the prompt may have; one that cannot fit, whatever it tokenizes to, is refused
+        before it is tokenized."""
         tokenizer = self._tokenizer()
         _check_text(prompt, "the prompt", "prompt")
         self._check_fits(prompt, room, "prompt")
-        return self._in_vocabulary(tokenizer.encode(prompt, add_special_tokens=True), "prompt")
+        return self._in_vocabulary(tokenizer.encode(prompt, add_special_tokens=special), "prompt")
 
-    def chat(self, messages: list[dict[str, Any]], *, room: int | None = None) -> list[int]:
+    def chat(
+        self, messages: list[dict[str, Any]], *, room: int | None = None, generation_prompt: bool = True
+    ) -> list[int]:
         """The chat template's ids. A message's text is text: a control token's string typed in it (``<|im_end|>``)
         is tokenized as its characters, as the OpenAI API does, so no message can close its turn and forge another
         (transformers' ``sanitize_control_tokens``: it marks the spellings in the inputs before rendering and encodes
         them as text, each piece in the context of the text before it, so the ids decode to the rendered prompt).
-        ``room`` as for ``text``, checked on the rendered prompt (a template may trim or drop text)."""
+        ``room`` as for ``text``, checked on the rendered prompt (a template may trim or drop text).
+        ``generation_prompt``: the assistant turn's opening, which a request's answer follows, at the end."""
         if self.tokenizer is None:  # (not _tokenizer's advice: messages cannot be token ids)
             raise InvalidRequestError(
                 "this model has no tokenizer, so no chat template: pass the prompt as a list of token ids, not chat "
@@ -123,10 +138,12 @@ class PromptEncoder:
         _check_text(messages, "a message", "messages")
         try:
             if room is not None and self.max_token_chars and _text_chars(messages) > room * self.max_token_chars:
-                rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                rendered = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=generation_prompt, tokenize=False
+                )
                 self._check_fits(str(rendered), room, "messages")
             out: Any = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, sanitize_control_tokens=True
+                messages, add_generation_prompt=generation_prompt, tokenize=True, sanitize_control_tokens=True
             )
         except PromptTooLongError:
             raise
@@ -171,9 +188,9 @@ class PromptEncoder:
             )
         return ids
 
-    def _tokenizer(self) -> PreTrainedTokenizerBase:
+    def _tokenizer(self, advice: str = ": pass the prompt as a list of token ids") -> PreTrainedTokenizerBase:
         if self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer: pass the prompt as a list of token ids")
+            raise InvalidRequestError(f"this model has no tokenizer{advice}")
         return self.tokenizer
 
 

@@ -112,6 +112,26 @@ def test_documented_statuses_are_the_ones_sent(url: str, doc: dict[str, Any]) ->
     assert _validator(doc, "ModelCard").is_valid(card)
 
 
+def test_tokenize_and_detokenize_are_documented_as_answered(url: str, doc: dict[str, Any]) -> None:
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, request, response, body in (
+        ("/tokenize", "TokenizeRequest", "TokenizeResponse", {"prompt": "hi there", "return_token_strs": True}),
+        ("/detokenize", "DetokenizeRequest", "DetokenizeResponse", {"tokens": [5, 6]}),
+    ):
+        post = doc["paths"][path]["post"]
+        assert post["requestBody"]["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{request}"
+        }
+        for status in ("400", "404", "413"):
+            assert post["responses"][status]["content"]["application/json"]["schema"] == error_ref, (path, status)
+        assert _validator(doc, request).is_valid(body)
+        r = httpx.post(url + path, json=body, timeout=30)
+        assert r.status_code == 200 and _validator(doc, response).is_valid(r.json()), r.text
+        bad = httpx.post(url + path, json={**body, "model": 5}, timeout=30)
+        assert bad.status_code == 400 and _validator(doc, "ErrorResponse").is_valid(bad.json())
+        assert not _validator(doc, request).is_valid({**body, "model": 5})
+
+
 def test_logprobs_are_answered_in_every_form_that_asks_for_them(url: str) -> None:
     """OpenAI answers logprobs=0 with the sampled tokens' log-probabilities (no alternatives): 0 gets them as 1
     does, not a choice whose logprobs are null; false or null gets none."""

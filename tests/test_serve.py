@@ -878,6 +878,14 @@ def test_models_health_metrics(client: openai.OpenAI, main_url: str) -> None:
         assert name in text, name
 
 
+def test_tokenize_through_the_app_counts_the_prompt_a_request_is_made_of(main_url: str, engine: Engine) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    got = httpx.post(f"{main_url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=TIMEOUT_S)
+    assert got.status_code == 200 and got.json()["tokens"] == engine.encode(messages, chat=True), got.text
+    back = httpx.post(f"{main_url}/detokenize", json={"tokens": engine.encode("a red fox")}, timeout=TIMEOUT_S)
+    assert back.status_code == 200 and back.json() == {"prompt": "a red fox"}, back.text
+
+
 # -- the Router itself killed mid-stream (last: its replica is replaced) ------------------------------------
 
 

@@ -552,6 +552,18 @@ class ChatMessage(ClosedModel):
         return self.content or ""
 
 
+def _few_enough_messages(v: object) -> object:
+    """Messages and their parts counted before they are validated one by one (max_length alone counts after)."""
+    if not isinstance(v, list):
+        return v
+    if len(v) > MAX_MESSAGES:
+        raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(v)}")
+    parts = sum(len(m["content"]) for m in v if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if parts > MAX_CONTENT_PARTS:
+        raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all messages together, got {parts}")
+    return v
+
+
 class ChatCompletionRequest(GenerationRequest):
     unset_when_empty = frozenset(
         {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort", "audio"}
@@ -587,18 +599,7 @@ class ChatCompletionRequest(GenerationRequest):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
 
-    @field_validator("messages", mode="before")
-    @classmethod
-    def _few_enough_messages(cls, v: object) -> object:
-        # before the messages (and their parts) are validated one by one: max_length alone counts them after
-        if not isinstance(v, list):
-            return v
-        if len(v) > MAX_MESSAGES:
-            raise ValueError(f"at most {MAX_MESSAGES} messages, got {len(v)}")
-        parts = sum(len(m["content"]) for m in v if isinstance(m, dict) and isinstance(m.get("content"), list))
-        if parts > MAX_CONTENT_PARTS:
-            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all messages together, got {parts}")
-        return v
+    _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -633,6 +634,42 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def token_limit_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+class TokenizeRequest(ClosedModel):
+    """vLLM's /tokenize: a completion prompt's token ids, or a chat's with its template applied."""
+
+    model: str | None = Field(default=None, description="the served model's name; left out: it")
+    prompt: Utf8Str | None = Field(default=None, description="a completion prompt's text (or messages)")
+    messages: list[ChatMessage] | None = Field(
+        default=None, min_length=1, max_length=MAX_MESSAGES, fail_fast=True, description="a chat (or prompt)"
+    )
+    add_special_tokens: StrictBool = Field(
+        default=True, description="a prompt's: the tokens (a BOS) a completion's prompt starts with"
+    )
+    add_generation_prompt: StrictBool = Field(
+        default=True, description="messages': end with the assistant turn's opening, as a chat request's prompt does"
+    )
+    return_token_strs: StrictBool = Field(default=False, description="each token as the vocabulary spells it")
+
+    _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send a prompt or messages (one of them)")
+        if self.messages is not None and "add_special_tokens" in self.model_fields_set:
+            raise ValueError("add_special_tokens is a prompt's: a chat's special tokens are its template's")
+        if self.prompt is not None and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("add_generation_prompt is a chat's: send messages")
+        return self
+
+
+class DetokenizeRequest(ClosedModel):
+    """vLLM's /detokenize: token ids' text, special tokens included."""
+
+    model: str | None = Field(default=None, description="the served model's name; left out: it")
+    tokens: list[TokenId] = Field(fail_fast=True)
 
 
 # -- responses ----------------------------------------------------------------------------------------
@@ -825,6 +862,17 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int = Field(description="the context length a prompt and its answer share")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(default=None, description="with return_token_strs")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class HealthStatus(str, Enum):

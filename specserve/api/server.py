@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from http import HTTPStatus
-from typing import Annotated, Any, Protocol, Self, cast
+from typing import Annotated, Any, Protocol, Self, TypeVar, cast
 
 from fastapi import FastAPI, Header
 from fastapi import Request as HTTPRequest
@@ -58,6 +58,8 @@ from specserve.api.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorCode,
     ErrorResponse,
     ErrorType,
@@ -67,6 +69,8 @@ from specserve.api.schemas import (
     HealthStatus,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     TopLogprob,
     Usage,
     is_union_member,
@@ -163,6 +167,8 @@ def build_api(backend: Backend, options: HTTPOptions | None = None) -> FastAPI:
         response_model=None,
         responses={200: _generation_response(ChatCompletionResponse, ChatCompletionChunk), **generation},
     )
+    for path, route in (("/tokenize", routes.tokenize), ("/detokenize", routes.detokenize)):
+        api.add_api_route(path, route, methods=["POST"], responses=_error_responses(options, 400, 404, 413, 500))
     api.add_api_route("/v1/models", routes.models, methods=["GET"], responses=_error_responses(options))
     api.add_api_route(
         "/v1/models/{model:path}", routes.model, methods=["GET"], responses=_error_responses(options, 404)
@@ -397,10 +403,65 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self._on_close()
 
 
+_T = TypeVar("_T")
+MAX_TOKENIZING = 2  # /tokenize and /detokenize calls on threads at once (more wait on the event loop)
+
+
 class _Routes:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self._encoding = 0  # requests past the capacity check whose prompts are being tokenised
+        self._tokenizing = asyncio.Semaphore(MAX_TOKENIZING)  # (a flood of them leaves the executor to generation)
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """A prompt's token ids as a completion request's are made, or a chat's as a chat request's, and the
+        context length: a client counts its tokens before it sends a request (vLLM's)."""
+        self._check_model(body.model)
+        encoder = self.backend.encoder
+
+        def encode() -> TokenizeResponse:
+            if body.messages is not None:
+                messages = [m.for_template() for m in body.messages]
+                ids = encoder.chat(messages, generation_prompt=body.add_generation_prompt)
+            else:
+                ids = encoder.text(cast(str, body.prompt), special=body.add_special_tokens)
+            return TokenizeResponse(
+                count=len(ids),
+                max_model_len=self.backend.max_model_len,
+                tokens=ids,
+                token_strs=encoder.pieces(ids) if body.return_token_strs else None,
+            )
+
+        return await self._on_thread(encode)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        return await self._on_thread(lambda: DetokenizeResponse(prompt=self.backend.encoder.decode(body.tokens)))
+
+    async def _on_thread(self, work: Callable[[], _T]) -> _T:
+        """``work`` on the executor, at most MAX_TOKENIZING at once, each holding its place until its thread ends
+        (not until a caller that left stops waiting)."""
+        await self._tokenizing.acquire()
+        try:
+            future = asyncio.get_running_loop().run_in_executor(None, work)
+        except BaseException:
+            self._tokenizing.release()
+            raise
+
+        def done(f: asyncio.Future[_T]) -> None:
+            self._tokenizing.release()
+            if not f.cancelled():
+                f.exception()  # retrieved, where the caller left: not logged as never retrieved
+
+        future.add_done_callback(done)
+        return await asyncio.shield(future)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.backend.model_name:
+            raise ModelNotFoundError(
+                f"the model {model[:40]!r} does not exist; this server serves {self.backend.model_name!r}",
+                param="model",
+            )
 
     async def completions(
         self, body: CompletionRequest, http: HTTPRequest, last_event_id: LastEventID = None
@@ -471,11 +532,7 @@ class _Routes:
         metrics = self.backend.metrics
         try:
             resume = _resume_mark(body, last_event_id)
-            if body.model != self.backend.model_name:
-                raise ModelNotFoundError(
-                    f"the model {body.model[:40]!r} does not exist; this server serves {self.backend.model_name!r}",
-                    param="model",
-                )
+            self._check_model(body.model)
             context = self.backend.max_model_len
             places = body.n * body.prompt_count  # each prompt's n choices
             if places > 1 and places > self.backend.capacity:  # (a 429 would never clear)
@@ -1024,8 +1081,13 @@ def internal_error_body(exc: Exception) -> ErrorResponse:
 def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
     """Bad input of any kind becomes a 4xx with OpenAI's error body; anything else a 500 with the same shape."""
 
+    def counted(request: HTTPRequest) -> None:
+        """A generation request refused before its route ran, counted as one (not a /tokenize call)."""
+        if getattr(request.scope.get("route"), "path", None) in (COMPLETIONS_PATH, CHAT_PATH):
+            metrics.request_done(RequestStatus.invalid)
+
     async def request_validation(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
-        metrics.request_done(RequestStatus.invalid)
+        counted(request)
         errors = [dict(e) for e in exc.errors()]
         problem = _body_problem(errors, request.headers.get("content-type"))
         if problem is not None:
@@ -1043,10 +1105,10 @@ def _install_error_handlers(api: FastAPI, metrics: ServeMetrics) -> None:
         body = error_body(str(exc), ErrorType.invalid_request, code=ErrorCode.invalid_value, param=exc.param)
         return _error(HTTPStatus.BAD_REQUEST, body)
 
-    async def http_error(_: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
         status = HTTPStatus(exc.status_code)
         if status == HTTPStatus.BAD_REQUEST and exc.detail == _FASTAPI_BODY_PARSE_ERROR:  # bytes that are not UTF-8
-            metrics.request_done(RequestStatus.invalid)
+            counted(request)
             body = error_body(_NOT_JSON, ErrorType.invalid_request, code=ErrorCode.invalid_json)
             return _error(status, body)
         codes = {HTTPStatus.NOT_FOUND: ErrorCode.not_found, HTTPStatus.METHOD_NOT_ALLOWED: ErrorCode.method_not_allowed}
