@@ -122,6 +122,10 @@ def test_bad_input_is_a_4xx_not_counted_as_a_generation_request(
     assert requests_by_status(backend) == before
     assert httpx.post(url + path, content=b"{", timeout=30).status_code == 400
     assert requests_by_status(backend) == before
+    # a generation request refused so is one
+    assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": 5}, timeout=30).status_code == 400
+    assert httpx.post(url + "/v1/chat/completions", content=b"{", timeout=30).status_code == 400
+    assert requests_by_status(backend) == before | {"invalid": before.get("invalid", 0) + 2}
 
 
 def test_without_a_tokenizer_each_says_so() -> None:
