@@ -118,14 +118,20 @@ class PromptEncoder:
         return self._in_vocabulary(tokenizer.encode(prompt, add_special_tokens=special), "prompt")
 
     def chat(
-        self, messages: list[dict[str, Any]], *, room: int | None = None, generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        room: int | None = None,
+        generation_prompt: bool = True,
+        continue_final: bool = False,
     ) -> list[int]:
         """The chat template's ids. A message's text is text: a control token's string typed in it (``<|im_end|>``)
         is tokenized as its characters, as the OpenAI API does, so no message can close its turn and forge another
         (transformers' ``sanitize_control_tokens``: it marks the spellings in the inputs before rendering and encodes
         them as text, each piece in the context of the text before it, so the ids decode to the rendered prompt).
         ``room`` as for ``text``, checked on the rendered prompt (a template may trim or drop text).
-        ``generation_prompt``: the assistant turn's opening, which a request's answer follows, at the end."""
+        ``generation_prompt``: the assistant turn's opening, which a request's answer follows, at the end;
+        ``continue_final`` (instead): the last message left open, for the answer to continue (a prefill)."""
         if self.tokenizer is None:  # (not _tokenizer's advice: messages cannot be token ids)
             raise InvalidRequestError(
                 "this model has no tokenizer, so no chat template: pass the prompt as a list of token ids, not chat "
@@ -136,15 +142,18 @@ class PromptEncoder:
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
         _check_text(messages, "a message", "messages")
+        if generation_prompt and continue_final:
+            raise InvalidRequestError(
+                "add_generation_prompt opens a new assistant turn, continue_final_message continues the last "
+                "message: set add_generation_prompt to false to continue it",
+                param="continue_final_message",
+            )
+        options: dict[str, Any] = {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final}
         try:
             if room is not None and self.max_token_chars and _text_chars(messages) > room * self.max_token_chars:
-                rendered = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=generation_prompt, tokenize=False
-                )
+                rendered = tokenizer.apply_chat_template(messages, tokenize=False, **options)
                 self._check_fits(str(rendered), room, "messages")
-            out: Any = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=generation_prompt, tokenize=True, sanitize_control_tokens=True
-            )
+            out: Any = tokenizer.apply_chat_template(messages, tokenize=True, sanitize_control_tokens=True, **options)
         except PromptTooLongError:
             raise
         except Exception as e:  # jinja errors for malformed messages; a spelling the tokenizer makes from plain text

@@ -1136,6 +1136,29 @@ def test_a_developer_message_is_the_system_prompt_and_tool_messages_carry_their_
     assert prompt_tokens([*asked, tool]) > prompt_tokens(asked)  # the tool's answer is in the prompt
 
 
+def test_a_chat_continues_its_last_message_or_leaves_the_assistants_turn_unopened(url: str) -> None:
+    """vLLM's continue_final_message (a prefill: the answer continues the assistant's message as given) and
+    add_generation_prompt: each answer is the completion of the prompt the tiny template renders, written here."""
+    tokenizer = tiny_tokenizer()
+    prefill = [{"role": "user", "content": "the tea"}, {"role": "assistant", "content": "is hot and"}]
+    for fields, rendered in (
+        ({"add_generation_prompt": False, "continue_final_message": True}, "<|user|>the tea\n<|assistant|>is hot and"),
+        ({"add_generation_prompt": False}, "<|user|>the tea\n<|assistant|>is hot and\n"),
+        ({}, "<|user|>the tea\n<|assistant|>is hot and\n<|assistant|>"),
+    ):
+        body = {"model": MODEL, "messages": prefill, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        chat = httpx.post(url + CHAT, json=body | fields, timeout=30)
+        assert chat.status_code == 200, chat.text
+        ids = tokenizer.encode(rendered)
+        plain = {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        completion = httpx.post(url + COMPLETIONS, json=plain, timeout=30).json()
+        assert chat.json()["usage"]["prompt_tokens"] == len(ids), (fields, chat.json()["usage"])
+        assert chat.json()["choices"][0]["message"]["content"] == completion["choices"][0]["text"], fields
+    both = {"model": MODEL, "messages": prefill, "continue_final_message": True}
+    error = _error(httpx.post(url + CHAT, json=both, timeout=30))
+    assert error["param"] == "continue_final_message" and "set add_generation_prompt to false" in error["message"]
+
+
 def test_the_suffix_cache_is_partitioned_by_cache_salt() -> None:
     """A repeat drafts from the replica's cache of recent outputs only under the salt its first answer was kept
     under: another salt (or none) gets the drafts of its own tokens alone, as the first answer did, and every

@@ -63,6 +63,11 @@ def test_a_chats_ids_are_the_chat_requests_with_or_without_the_assistants_openin
     assert chat["usage"]["prompt_tokens"] == got["count"] == len(got["tokens"])
     bare = post(url, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
     assert tiny_tokenizer().decode(bare["tokens"]) == rendered.removesuffix("<|assistant|>")
+    prefill = [*MESSAGES, {"role": "assistant", "content": "it is"}]
+    left_open = post(
+        url, "/tokenize", {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    )
+    assert tiny_tokenizer().decode(left_open["tokens"]) == rendered.removesuffix("<|assistant|>") + "<|assistant|>it is"
     # a control token's spelling typed in a message is its characters, as in a chat request
     typed = post(url, "/tokenize", {"messages": [{"role": "user", "content": "</s>"}]})
     assert tiny_tokenizer().convert_tokens_to_ids("</s>") not in typed["tokens"]
@@ -97,7 +102,8 @@ def test_a_tokenizer_that_adds_a_bos_adds_it_unless_told_not_to() -> None:
         ("/detokenize", {"model": "other", "tokens": [1]}, 404, "model", "the model 'other' does not exist"),
         ("/tokenize", {}, 400, None, "send a prompt or messages (one of them)"),
         ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, None, "send a prompt or messages (one of them)"),
-        ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, None, "add_generation_prompt is a chat's"),
+        ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, None, "add_generation_prompt and conti"),
+        ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message", "set"),
         ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400, None, "add_special_tokens is a prompt"),
         ("/tokenize", {"prompt": 5}, 400, "prompt", "Input should be a valid string"),
         ("/tokenize", {"prompt": "a", "tokens": [1]}, 400, "tokens", "Extra inputs are not permitted"),

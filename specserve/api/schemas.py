@@ -564,6 +564,16 @@ def _few_enough_messages(v: object) -> object:
     return v
 
 
+def _continue_without_a_new_turn(continue_final_message: bool, info: ValidationInfo) -> bool:
+    """(A validator of continue_final_message, declared after add_generation_prompt: validated after it.)"""
+    if continue_final_message and info.data.get("add_generation_prompt", False):
+        raise ValueError(
+            "continue_final_message continues the last message, add_generation_prompt (on by default) opens a new "
+            "assistant turn: set add_generation_prompt to false to continue it"
+        )
+    return continue_final_message
+
+
 class ChatCompletionRequest(GenerationRequest):
     unset_when_empty = frozenset(
         {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort", "audio"}
@@ -598,6 +608,16 @@ class ChatCompletionRequest(GenerationRequest):
     # OpenAI's hints for its abuse detection and its prompt-cache routing, accepted and unused here (as ``user``)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    add_generation_prompt: StrictBool = Field(
+        default=True, description="extension (vLLM's): the prompt ends with the assistant turn's opening"
+    )
+    continue_final_message: StrictBool = Field(
+        default=False,
+        description="extension (vLLM's): the answer continues the last message, left open (a prefill of the "
+        "assistant's answer); needs add_generation_prompt: false",
+    )
+
+    _continue = field_validator("continue_final_message")(_continue_without_a_new_turn)
 
     _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
 
@@ -650,9 +670,13 @@ class TokenizeRequest(ClosedModel):
     add_generation_prompt: StrictBool = Field(
         default=True, description="messages': end with the assistant turn's opening, as a chat request's prompt does"
     )
+    continue_final_message: StrictBool = Field(
+        default=False, description="messages': the last one left open (needs add_generation_prompt: false)"
+    )
     return_token_strs: StrictBool = Field(default=False, description="each token as the vocabulary spells it")
 
     _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
+    _continue = field_validator("continue_final_message")(_continue_without_a_new_turn)
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:
@@ -660,8 +684,8 @@ class TokenizeRequest(ClosedModel):
             raise ValueError("send a prompt or messages (one of them)")
         if self.messages is not None and "add_special_tokens" in self.model_fields_set:
             raise ValueError("add_special_tokens is a prompt's: a chat's special tokens are its template's")
-        if self.prompt is not None and "add_generation_prompt" in self.model_fields_set:
-            raise ValueError("add_generation_prompt is a chat's: send messages")
+        if self.prompt is not None and {"add_generation_prompt", "continue_final_message"} & self.model_fields_set:
+            raise ValueError("add_generation_prompt and continue_final_message are a chat's: send messages")
         return self
 
 

@@ -422,7 +422,11 @@ class _Routes:
         def encode() -> TokenizeResponse:
             if body.messages is not None:
                 messages = [m.for_template() for m in body.messages]
-                ids = encoder.chat(messages, generation_prompt=body.add_generation_prompt)
+                options = {
+                    "generation_prompt": body.add_generation_prompt,
+                    "continue_final": body.continue_final_message,
+                }
+                ids = encoder.chat(messages, **options)
             else:
                 ids = encoder.text(cast(str, body.prompt), special=body.add_special_tokens)
             return TokenizeResponse(
@@ -485,7 +489,9 @@ class _Routes:
         encoder = self.backend.encoder
 
         def encode(room: int) -> list[list[int]]:
-            return [encoder.chat([m.for_template() for m in body.messages], room=room)]
+            messages = [m.for_template() for m in body.messages]
+            options = {"generation_prompt": body.add_generation_prompt, "continue_final": body.continue_final_message}
+            return [encoder.chat(messages, room=room, **options)]
 
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
         fmt = _ChatFormat(self._model(), encoder)
