@@ -1159,6 +1159,42 @@ def test_a_chat_continues_its_last_message_or_leaves_the_assistants_turn_unopene
     assert error["param"] == "continue_final_message" and "set add_generation_prompt to false" in error["message"]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(url: str) -> None:
+    """vLLM's truncate_prompt_tokens: the answer, usage and echo are those of a prompt of the last k tokens, written
+    here; a text too long for the context before tokenisation is not refused where its kept tokens fit."""
+    tokenizer = tiny_tokenizer()
+    base = {"model": MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def answer(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = httpx.post(url + path, json=base | body, timeout=30)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    ids, text = list(range(5, 45)), "the tea is hot " * 100  # (1500 characters: at least 300 tokens, over CONTEXT)
+    for prompt, kept in ((ids, ids[-10:]), (text, tokenizer.encode(text)[-10:])):
+        cut = answer(COMPLETIONS, {"prompt": prompt, "truncate_prompt_tokens": 10, "echo": True})
+        whole = answer(COMPLETIONS, {"prompt": kept})
+        assert cut["usage"]["prompt_tokens"] == 10
+        assert cut["choices"][0]["text"] == tokenizer.decode(kept) + whole["choices"][0]["text"]
+    assert _error(httpx.post(url + COMPLETIONS, json=base | {"prompt": text}))["code"] == "context_length_exceeded"
+    short = answer(COMPLETIONS, {"prompt": ids, "truncate_prompt_tokens": -1})  # (the context: all of these)
+    assert short["usage"]["prompt_tokens"] == len(ids)
+    long = httpx.post(url + COMPLETIONS, json=base | {"prompt": [5] * 300, "truncate_prompt_tokens": -1})
+    assert _error(long)["code"] == "context_length_exceeded"  # 128 kept leave no room for 4
+    chat = answer(CHAT, {"messages": USER, "truncate_prompt_tokens": 3})
+    rendered = tokenizer.encode("<|user|>hi\n<|assistant|>")
+    assert chat["usage"]["prompt_tokens"] == 3 < len(rendered)
+    plain = answer(COMPLETIONS, {"prompt": rendered[-3:]})
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    for value, says in (
+        (CONTEXT + 1, "more than this model's context length (128)"),
+        (0, "at least 1"),
+        (-2, "greater than or equal to -1"),
+    ):
+        error = _error(httpx.post(url + COMPLETIONS, json=base | {"prompt": ids, "truncate_prompt_tokens": value}))
+        assert error["param"] == "truncate_prompt_tokens" and says in error["message"], error
+
+
 def test_the_suffix_cache_is_partitioned_by_cache_salt() -> None:
     """A repeat drafts from the replica's cache of recent outputs only under the salt its first answer was kept
     under: another salt (or none) gets the drafts of its own tokens alone, as the first answer did, and every

@@ -286,6 +286,13 @@ class GenerationRequest(ClosedModel):
         "generated, and a stop string completed by one of the first min_tokens tokens does not stop it; at most "
         "max_tokens",
     )
+    truncate_prompt_tokens: StrictInt | None = Field(
+        default=None,
+        ge=-1,
+        lt=INT64_END,
+        description="extension (vLLM's): the prompt is its last this many tokens (a chat's of the rendered "
+        "template; -1: the context length), at most the context length",
+    )
     user: str | None = None
     logit_bias: LogitBias | None = Field(
         default=None,
@@ -329,6 +336,15 @@ class GenerationRequest(ClosedModel):
     @classmethod
     def _top_k_off(cls, v: int | None) -> int | None:
         return None if v is not None and v <= 0 else v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError(
+                "truncate_prompt_tokens keeps the prompt's last tokens: at least 1 (-1: the context length)"
+            )
+        return v
 
     @field_validator("presence_penalty", "frequency_penalty", mode="before")
     @classmethod

@@ -473,7 +473,7 @@ class _Routes:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
-        def encode(room: int) -> list[list[int]]:
+        def encode(room: int | None) -> list[list[int]]:
             return _each_prompt(
                 body.prompts, lambda p: encoder.text(p, room=room) if isinstance(p, str) else encoder.token_ids(p)
             )
@@ -488,7 +488,7 @@ class _Routes:
         tracker = _Tracker()
         encoder = self.backend.encoder
 
-        def encode(room: int) -> list[list[int]]:
+        def encode(room: int | None) -> list[list[int]]:
             messages = [m.for_template() for m in body.messages]
             options = {"generation_prompt": body.add_generation_prompt, "continue_final": body.continue_final_message}
             return [encoder.chat(messages, room=room, **options)]
@@ -528,7 +528,9 @@ class _Routes:
     async def _generate(
         self,
         body: GenerationRequest,
-        encode: Callable[[int], list[list[int]]],  # each prompt's ids, given the most tokens one may have
+        encode: Callable[
+            [int | None], list[list[int]]
+        ],  # each prompt's ids, given the most tokens one may have (None: any)
         limit: _TokenLimit,
         fmt: _Format,
         tracker: _Tracker,
@@ -547,13 +549,18 @@ class _Routes:
                     f"({self.backend.capacity} requests; each choice is one)",
                     param="n" if body.prompt_count == 1 else "prompt",
                 )
+            keep = _kept_prompt_tokens(body.truncate_prompt_tokens, context)
             # a 429 before the prompts' tokenisation is paid for (each choice takes a place)
             self.backend.check_capacity(pending=self._encoding + places - 1)
-            try:
-                prompts = await asyncio.shield(self._tokenise(encode, limit.room(context), places))
+            room = limit.room(context)
+            try:  # (no text is refused before it is tokenised where truncation leaves what fits)
+                refuse_past = room if keep is None or keep > room else None
+                prompts = await asyncio.shield(self._tokenise(encode, refuse_past, places))
             except PromptTooLongError as e:  # refused before it was tokenised: named as a tokenised one would be
-                limit.check(e.fewest, context, at_least=True, item=e.item)
+                limit.check(e.fewest if keep is None else min(e.fewest, keep), context, at_least=True, item=e.item)
                 raise
+            cut = [keep is not None and len(ids) > keep for ids in prompts]
+            prompts = [ids[-keep:] if keep is not None else ids for ids in prompts]
             batch = len(prompts) > 1
             limits = [limit.check(len(ids), context, item=p if batch else None) for p, ids in enumerate(prompts)]
             limit.check_min(body.min_tokens, min(limits))
@@ -598,11 +605,12 @@ class _Routes:
             _Choice(_Outcome(s, metrics, replace(tracker)), fmt.for_choice(k), StreamCursor(resume))
             for k, s in enumerate(streams)
         ]
-        if body.echoes:  # each choice starts with its prompt: the text as sent, a prompt of ids decoded
+        if body.echoes:  # each choice starts with its prompt: the text as sent, a prompt of ids (or cut) decoded
             sent = cast(CompletionRequest, body).prompts
             for k, c in enumerate(choices):
                 text, ids = sent[k // body.n], prompts[k // body.n]
-                c.fmt.echo(text if isinstance(text, str) else self.backend.encoder.text_of(ids), ids)
+                whole = isinstance(text, str) and not cut[k // body.n]
+                c.fmt.echo(cast(str, text) if whole else self.backend.encoder.text_of(ids), ids)
         if body.stream:
             events = self._events(choices, body)
             return _ClosingStreamingResponse(events, on_close=partial(_close_all, choices), media_type=SSE_MEDIA_TYPE)
@@ -620,7 +628,7 @@ class _Routes:
         return streams
 
     def _tokenise(
-        self, encode: Callable[[int], list[list[int]]], room: int, places: int
+        self, encode: Callable[[int | None], list[list[int]]], room: int | None, places: int
     ) -> asyncio.Future[list[list[int]]]:
         """``encode(room)`` on a thread, off the event loop. Until it ends it holds ``places`` (its request's
         choices) against the capacity (a flood of prompts being tokenised would fill it): given back when the
@@ -795,6 +803,21 @@ class _TokenLimit:
         if min_tokens > max_tokens:
             most = self.max_tokens_param if self.max_tokens is not None else "the room the context leaves the answer"
             raise APIError(f"min_tokens ({min_tokens}) must be at most {most} ({max_tokens})", param="min_tokens")
+
+
+def _kept_prompt_tokens(truncate: int | None, context: int) -> int | None:
+    """How many of a prompt's last tokens it keeps (vLLM's truncate_prompt_tokens; at most the context; None: all,
+    and one past the context is refused)."""
+    if truncate is None:
+        return None
+    if truncate == -1:
+        return context
+    if truncate > context:
+        raise APIError(
+            f"truncate_prompt_tokens ({truncate}) is more than this model's context length ({context})",
+            param="truncate_prompt_tokens",
+        )
+    return truncate
 
 
 def _each_prompt(prompts: Sequence[str | list[int]], encode: Callable[[str | list[int]], list[int]]) -> list[list[int]]:
