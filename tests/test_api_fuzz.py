@@ -17,6 +17,7 @@ from specserve.api.schemas import INT64_END, MAX_CONTENT_PARTS, MAX_MESSAGES
 from tests.api_backend import MODEL, LocalBackend, api_server
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+TOKENIZE = ("/tokenize", "/detokenize")
 CONTEXT = 128
 VOCAB = 512  # the tiny model's
 # what a message may not show a user: pydantic's names for a union's members, function reprs, memory addresses
@@ -78,6 +79,7 @@ class Bodies:
             "logprobs": lambda: r.choice([False, None, 0, 3, True]),  # (a count in completions, a flag in chat)
             "top_logprobs": lambda: r.choice([0, 2, None]),  # (chat's: in completions an unknown field)
             "logit_bias": lambda: r.choice([{}, {"3": 5}, {"7": -100, "9": 100}, {str(VOCAB): 1}]),
+            "truncate_prompt_tokens": lambda: r.choice([-1, 1, 5, CONTEXT - 1, CONTEXT, CONTEXT + 1]),
         }  # fmt: skip
         body = self.pick(fields, 0.35)
         if body.get("stream") and r.random() < 0.5:
@@ -96,11 +98,29 @@ class Bodies:
             message["content"] = None
         return message | self.pick({"name": self.text, "tool_call_id": self.text}, 0.1)
 
+    def chat_options(self) -> dict[str, Any]:
+        flags = {"add_generation_prompt": lambda: self.r.choice([True, False]), "continue_final_message": lambda: True}
+        return self.pick(flags, 0.1)
+
+    def tokenize(self) -> tuple[str, dict[str, Any]]:
+        r = self.r
+        if r.random() < 0.3:
+            return TOKENIZE[1], {"tokens": [r.randrange(VOCAB + 2) - 1 for _ in range(r.randint(0, 40))]}
+        if r.random() < 0.5:
+            body = {"messages": [self.message() for _ in range(r.randint(1, 3))]} | self.chat_options()
+        else:
+            body = {"prompt": self.text()} | self.pick({"add_special_tokens": lambda: r.choice([True, False])}, 0.3)
+        return TOKENIZE[0], body | self.pick(
+            {"model": lambda: r.choice([MODEL, "x"]), "return_token_strs": lambda: True}, 0.3
+        )
+
     def __call__(self) -> tuple[str, dict[str, Any]]:
         r = self.r
+        if r.random() < 0.15:
+            return self.tokenize()
         if r.random() < 0.5:
             path, body = CHAT, {"model": MODEL, "messages": [self.message() for _ in range(r.randint(1, 4))]}
-            body |= self.pick({"max_completion_tokens": lambda: r.choice([1, 5, 100])}, 0.1)
+            body |= self.pick({"max_completion_tokens": lambda: r.choice([1, 5, 100])}, 0.1) | self.chat_options()
         else:
             ids = [r.randrange(VOCAB) for _ in range(r.randint(1, CONTEXT + 2))]
             batch = [self.text() or "x" for _ in range(r.randint(1, 3))]  # (OpenAI's batch of prompts)
@@ -123,6 +143,9 @@ def _check(path: str, body: dict[str, Any], status: int, content_type: str, raw:
     elif content_type.startswith("text/event-stream"):
         text = raw.decode()
         assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, f"{where}: {text[-300:]}"
+    elif path in TOKENIZE:
+        answer = json.loads(raw)
+        assert answer["count"] == len(answer["tokens"]) if path == TOKENIZE[0] else isinstance(answer["prompt"], str)
     else:
         assert json.loads(raw)["choices"], where
 
@@ -139,7 +162,7 @@ def test_random_bodies_never_fail_the_server(url: str) -> None:
         # still serving; ignore_eos: a sampled answer of the tiny model may end early
         r = client.post(COMPLETIONS, json={"model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-    assert {200, 400} <= statuses  # the bodies reach generation as well as validation
+    assert {200, 400, 404} <= statuses  # the bodies reach generation as well as validation
 
 
 @pytest.mark.parametrize(
