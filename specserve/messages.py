@@ -1,6 +1,7 @@
 """The small data objects that cross between the scheduler (router) and the workers.
 
-Only token ids, small index lists and sparse top-K probabilities cross; never [B, SL, |V|] tensors.
+Only token ids, small index lists and sparse top-K probabilities cross, and for a structured answer its grammar's
+allowed tokens as bits (|V| / 8 bytes a row); never [B, SL, |V|] tensors.
 Cache convention shared by both workers: after a call, a worker's KV for a sequence holds every committed
 token except the last one, which is the root of the next step's tree. ``new_tokens`` carries the committed
 tokens the worker has not seen yet (the whole prompt on the first call, the whole token state after a
@@ -96,6 +97,7 @@ class VerifyItem:
     prompt_logprobs: bool = False  # return the logprobs of new_tokens after the first (a first prefill: the prompt's)
     banned: tuple[int, ...] = ()  # tokens the target does not draw at sequence positions below ``banned_below``
     banned_below: int = 0  # (min_tokens: EOS and the stop ids, before that many output tokens)
+    allowed: np.ndarray | None = None  # [T, ceil(V / 32)] int32: the tokens a grammar allows at each node's row
 
     def banned_rows(self, draw_positions: list[int]) -> list[int]:
         """The tree nodes whose token is drawn without ``banned``: ``draw_positions`` [T] per node."""

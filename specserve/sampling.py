@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
+from specserve.structured import OutputFormat
 from specserve.validated import Validated
 
 MAX_CONTEXT = 1_048_576  # the longest context (EngineConfig.max_model_len) anything is sized for
@@ -78,6 +79,22 @@ class SamplingParams(Validated):
         "without them until then, and a stop string completed by one of the first min_tokens tokens does not stop "
         "it (vLLM's); at most max_tokens",
     )
+
+    output_format: OutputFormat | None = Field(
+        default=None,
+        description="the form the answer must take (structured output): the target draws only the tokens its "
+        "grammar allows after the answer so far, so the answer ends (with EOS) only where the grammar is satisfied",
+    )
+
+    @field_validator("output_format")
+    @classmethod
+    def _format_can_end(cls, v: OutputFormat | None, info: ValidationInfo) -> OutputFormat | None:
+        # (declared last: the others were validated before it)
+        if v is not None and info.data.get("ignore_eos"):
+            raise ValueError("a structured answer ends where its grammar is satisfied: not with ignore_eos")
+        if v is not None and info.data.get("min_tokens"):
+            raise ValueError("a structured answer's length is its grammar's: not with min_tokens")
+        return v
 
     @field_validator("min_tokens")
     @classmethod
@@ -166,8 +183,9 @@ class SamplingParams(Validated):
 
     @property
     def raw_argmax(self) -> bool:
-        """Greedy without a logit bias: the tokens are the argmaxes of the target's logits as computed."""
-        return self.greedy and not self.logit_bias
+        """Greedy without a logit bias or a grammar: the tokens are the argmaxes of the target's logits as
+        computed."""
+        return self.greedy and not self.logit_bias and self.output_format is None
 
     def seeded(self) -> SamplingParams:
         """These params with a seed: sampled requests draw by (seed, position) (docs/algorithms.md §1.4), so one
@@ -175,6 +193,18 @@ class SamplingParams(Validated):
         if self.greedy or self.seed is not None:
             return self
         return self.model_copy(update={"seed": secrets.randbits(63)})
+
+
+def allowed_only(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [T, V] and bit rows [T, W] int32 (bit j of word w: token 32 w + j may be drawn; tokens past 32 W
+    may not: ids the tokenizer never names) -> logits [T, V] with every other token at -inf (out of place): a
+    grammar's tokens, which sampling renormalises over."""
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()  # [T, min(V, 32 W)]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))  # [T, V] (False past them)
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def greedy_draw(logits: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from specserve.detok import IncrementalText
 from specserve.messages import TokenLogprob
 from specserve.policy import SequenceDSDE
 from specserve.sampling import SamplingParams
+from specserve.structured import AnswerGrammar
 
 
 class FinishReason(str, Enum):
@@ -147,6 +148,7 @@ class Sequence:
     features_from: int = 0  # position of the first of them
     features_queued: int = 0  # rows in ``features`` (counted as they come: a plain step adds one, every step)
     features_sent: int = 0  # positions below this went to the draft worker (0: a new worker, or one that was reset)
+    grammar: AnswerGrammar | None = None  # a structured answer's: follows ``output`` (its own record of what it fed)
 
     def checkpoint(self) -> Checkpoint:
         """Its token state now: the output, what of it was handed out, the text, the counts and the draft head's

@@ -25,6 +25,7 @@ from specserve.policy.planner import SLPlanner, StepPlan
 from specserve.sequence import FinishReason, Request, RequestOutput, Sequence
 from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver, StepStats
+from specserve.structured import GrammarCompiler
 from specserve.workers.base import DraftWorkerAPI, TargetWorkerAPI
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class StepLoop:
         self.spec_headroom = spec_headroom  # KV room beyond max_model_len for one step's drafted tokens
         self.tokenizer = tokenizer
         self.byte_runs = ByteRuns.of(tokenizer)  # once: a vocabulary's worth of names to read
+        self.grammars = GrammarCompiler(tokenizer, eos_token_ids)  # structured answers' (its vocabulary on first use)
         self.eos_token_ids = eos_token_ids
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
@@ -114,6 +116,8 @@ class StepLoop:
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)
         seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done))
+        if request.params.output_format is not None:
+            seq.grammar = self.grammars.compile(request.params.output_format)
         seq.prompt_logprobs_sent = request.delivered is not None  # (a continuation's first lane sent them)
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
             seq.sl_state = SequenceDSDE(spec.dsde, request.params.temperature)
@@ -351,6 +355,11 @@ class StepLoop:
         below = len(seq.request.prompt_ids) + params.min_tokens if banned else 0  # (the sequence position)
         # (its new tokens start with the prompt)
         prompt = params.prompt_logprobs is not None and not seq.prompt_logprobs_sent and seq.target_seen == 0
+        allowed = None
+        if seq.grammar is not None:  # a structured answer: the tokens its grammar allows at each row
+            with blame(seq.seq_id):
+                seq.grammar.follow(seq.output)
+                allowed = seq.grammar.masks(*(([], []) if proposal is None else (proposal.tokens, proposal.parents)))
         if proposal is None:
             return VerifyItem(
                 seq.seq_id,
@@ -359,6 +368,7 @@ class StepLoop:
                 banned=banned,
                 banned_below=below,
                 prompt_logprobs=prompt,
+                allowed=allowed,
             )
         return VerifyItem(
             seq.seq_id,
@@ -375,6 +385,7 @@ class StepLoop:
             banned=banned,
             banned_below=below,
             prompt_logprobs=prompt,
+            allowed=allowed,
         )
 
     def _commit_rows(

@@ -120,7 +120,7 @@ def test_sdk_default_no_op_fields_are_accepted(client: openai.OpenAI, url: str) 
     assert spelled_out.choices[0].message.content == out.choices[0].message.content
     zero = {"model": MODEL, "messages": USER, "max_tokens": 1, "logprobs": False, "top_logprobs": 0}
     assert httpx.post(url + CHAT, json=zero).status_code == 200
-    invalid = [("response_format", {"type": "json_object"}), ("store", True), ("store", "no"), ("top_logprobs", -1)]
+    invalid = [("response_format", {"type": "json_xml"}), ("store", True), ("store", "no"), ("top_logprobs", -1)]
     invalid += [("modalities", ["text", "audio"]), ("service_tier", "flex"), ("prompt_cache_retention", "24h")]
     for field, value in invalid:
         body = {"model": MODEL, "messages": USER, field: value}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,7 @@ from specserve.errors import UnsupportedModelError
 from specserve.limits import MemoryShare
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams
+from specserve.structured import FormatKind, OutputFormat
 from tests.ports import start_serve_on_free_port
 
 HEAD_RESOURCE, WORKER_RESOURCE = "node_head", "node_worker"
@@ -436,6 +438,22 @@ def test_completions_equal_engine(client: openai.OpenAI, engine: Engine, stream:
     assert ids == ref.token_ids and text == ref.text and finish == "length"
     # through the actors too (the target actor's logprobs travel with the step's results)
     assert ref.logprobs is not None and logprobs == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+
+
+def test_a_structured_answer_equals_the_engines_through_the_actors(client: openai.OpenAI, engine: Engine) -> None:
+    """The grammar's bit rows travel to the target actor with the step: the held answer is the engine's."""
+    pattern = "[a-f]{3,8}-[0-9]{2}"
+    fmt = OutputFormat(kind=FormatKind.regex, pattern=pattern, param="structured_outputs")
+    ref = engine.generate("A code:", SamplingParams(max_tokens=20, output_format=fmt))[0]
+    out = client.completions.create(
+        model=MODEL,
+        prompt="A code:",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": pattern}, "return_token_ids": True},
+    )
+    assert out.choices[0].model_extra["token_ids"] == ref.token_ids and out.choices[0].text == ref.text
+    assert ref.finish_reason.value == "stop" and re.fullmatch(pattern, ref.text)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

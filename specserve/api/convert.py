@@ -9,6 +9,7 @@ from specserve.api.schemas import GenerationRequest, SpeculationOptions, Specula
 from specserve.config import SpecConfig, SpecMethod
 from specserve.sampling import SamplingParams
 from specserve.sequence import RequestOutput
+from specserve.structured import OutputFormat
 
 
 def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> SamplingParams:
@@ -33,10 +34,13 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
             logprobs=request.logprob_count,
             prompt_logprobs=request.logprob_count if request.echoes else None,
             min_tokens=request.min_tokens,
+            output_format=request.output_format(),
         ).seeded()
-    except ValidationError as e:
+    except ValidationError as e:  # (a format's own fields, or a field beside it, are named as the request's)
         first = e.errors()[0]
         param = str(first["loc"][0]) if first["loc"] else None
+        if param in ("output_format", *OutputFormat.model_fields) or e.title == OutputFormat.__name__:
+            param = "structured_outputs" if request.structured_outputs is not None else "response_format"
         raise APIError(f"{param}: {first['msg']}" if param else first["msg"], param=param) from e
 
 

@@ -9,6 +9,7 @@ request drew with, a choice's ``stop_reason`` (vLLM's) the stop string or stop t
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from enum import Enum
@@ -32,6 +33,8 @@ from pydantic import (
 
 from specserve.config import Drafter, SLPolicyKind, SpecMethod
 from specserve.sampling import LOGIT_BIAS_BOUND, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from specserve.structured import MAX_CHOICES as MAX_FORMAT_CHOICES
+from specserve.structured import MAX_SCHEMA_CHARS, FormatKind, OutputFormat
 
 # Past this many fields a request object does not define, it gets one error naming the first few: pydantic builds an
 # error per unknown key, and FastAPI and the handler copy the list, all on the event loop (a 3.7 MB body of 380k
@@ -165,17 +168,65 @@ StopStrings = Annotated[
 ]
 
 
-class ResponseFormat(ClosedModel):
-    """Only plain text: SDK wrappers send ``{"type": "text"}`` by default; structured output is not supported."""
+class JsonSchemaSpec(ClosedModel):
+    """OpenAI's ``response_format.json_schema``."""
 
-    type: Literal["text"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="the JSON schema ({}: any JSON)")
+    strict: StrictBool | None = Field(default=None, description="always strict here: the answer is held to the schema")
+
+
+class ResponseFormat(ClosedModel):
+    """OpenAI's: plain text (``{"type": "text"}``, what SDK wrappers send by default), any JSON object
+    (``json_object``) or JSON valid against a schema (``json_schema``), the answer held to it as it is drawn."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = Field(default=None, description="json_schema's: the schema, with a name")
 
     @field_validator("type", mode="before")
     @classmethod
-    def _text_only(cls, v: object) -> object:
-        if v != "text":
-            raise ValueError(f"response_format type {str(v)[:40]!r} is not supported; only 'text'")
+    def _known_type(cls, v: object) -> object:
+        if isinstance(v, str) and v not in ("text", "json_object", "json_schema"):
+            raise ValueError(
+                f"response_format type {v[:40]!r} is not supported: 'text', 'json_object' or 'json_schema'"
+            )
         return v
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("a json_schema response_format takes its json_schema (and only it does)")
+        return self
+
+    def output_format(self) -> OutputFormat | None:
+        if self.type == "text":
+            return None
+        if self.json_schema is None:
+            return OutputFormat(kind=FormatKind.json_object)
+        return OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(self.json_schema.schema_))
+
+
+class StructuredOutputs(ClosedModel):
+    """vLLM's ``structured_outputs``: one of a JSON schema, a regular expression or a choice of strings."""
+
+    json_: dict[str, Any] | None = Field(default=None, alias="json", description="a JSON schema")
+    regex: str | None = Field(default=None, min_length=1, max_length=MAX_SCHEMA_CHARS)
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_FORMAT_CHOICES)
+
+    @model_validator(mode="after")
+    def _one_of_them(self) -> StructuredOutputs:
+        if sum(v is not None for v in (self.json_, self.regex, self.choice)) != 1:
+            raise ValueError("structured_outputs takes one of json, regex or choice")
+        return self
+
+    def output_format(self) -> OutputFormat:
+        param = "structured_outputs"
+        if self.json_ is not None:
+            return OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(self.json_), param=param)
+        if self.regex is not None:
+            return OutputFormat(kind=FormatKind.regex, pattern=self.regex, param=param)
+        return OutputFormat(kind=FormatKind.choice, choices=tuple(cast(list[str], self.choice)), param=param)
 
 
 NULLABLE_DEFAULTS = (
@@ -286,6 +337,14 @@ class GenerationRequest(ClosedModel):
         "generated, and a stop string completed by one of the first min_tokens tokens does not stop it; at most "
         "max_tokens",
     )
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description="text (the default), any JSON object (json_object) or JSON valid against a schema (json_schema): "
+        "the target draws only tokens the format allows, so the answer ends only where it is complete",
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="extension (vLLM's): the answer held to a JSON schema, a regex or a choice"
+    )
     truncate_prompt_tokens: StrictInt | None = Field(
         default=None,
         ge=-1,
@@ -336,6 +395,21 @@ class GenerationRequest(ClosedModel):
     @classmethod
     def _top_k_off(cls, v: int | None) -> int | None:
         return None if v is not None and v <= 0 else v
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_format(cls, v: StructuredOutputs | None, info: ValidationInfo) -> StructuredOutputs | None:
+        # (declared after response_format)
+        held = info.data.get("response_format")
+        if v is not None and held is not None and held.type != "text":
+            raise ValueError("send response_format or structured_outputs, not both")
+        return v
+
+    def output_format(self) -> OutputFormat | None:
+        """The form its answer must take (None: free text)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.output_format()
+        return None if self.response_format is None else self.response_format.output_format()
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -601,7 +675,6 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: StrictInt | None = Field(
         default=None, ge=1, lt=INT64_END, description="OpenAI's newer name of max_tokens"
     )
-    response_format: ResponseFormat | None = Field(default=None, description="only the no-op {'type': 'text'}")
     store: Annotated[Literal[False] | None, _exactly(bool)] = Field(
         default=None, description="only the no-op false: nothing is stored"
     )

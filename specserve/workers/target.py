@@ -17,7 +17,14 @@ from specserve.models.llama import LlamaModel
 from specserve.models.lm_head import argmax_rows, greedy_ids
 from specserve.models.native_stack import lumped_kld_kernel
 from specserve.policy import PROB_FLOOR, SparseTail, kld_exact, kld_nodes, kld_sparse
-from specserve.sampling import SamplingParams, apply_logit_bias, keyed_sample, make_generator, process_logits
+from specserve.sampling import (
+    SamplingParams,
+    allowed_only,
+    apply_logit_bias,
+    keyed_sample,
+    make_generator,
+    process_logits,
+)
 from specserve.spec_decode.draft_tree import DraftTree, step_layout
 from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
 from specserve.spec_decode.verify import accept_tree, verify_chain_sampled, verify_tree
@@ -59,7 +66,7 @@ class TargetWorker:
             with blame(it.seq_id):
                 params = self.params[it.seq_id]
                 # (biased, or with tokens not drawn yet: from the logits as processed)
-                greedy[i] = params.raw_argmax and it.synthetic_accept is None and not it.banned
+                greedy[i] = params.raw_argmax and it.synthetic_accept is None and not it.banned and it.allowed is None
                 slot = self.table.slot(it.seq_id)
                 tree = DraftTree(
                     tokens=torch.tensor([it.new_tokens[-1], *it.draft_tokens]),
@@ -155,7 +162,7 @@ class TargetWorker:
         params = self.params[it.seq_id]
         gen = self.generators[it.seq_id]
         vocab = self.model.cfg.vocab_size
-        if params.raw_argmax and it.synthetic_accept is None and not it.banned:
+        if params.raw_argmax and it.synthetic_accept is None and not it.banned and it.allowed is None:
             assert greedy is not None
             res = accept_tree(tree, greedy, vocab)  # the argmaxes (process_logits would make their one-hot rows)
         elif logits is None:
@@ -166,6 +173,8 @@ class TargetWorker:
                 ids = [t for t in it.banned if t < vocab]  # (a configured EOS id past the vocabulary is never drawn)
                 at = torch.tensor(rows, device=logits.device)[:, None], torch.tensor(ids, device=logits.device)
                 logits = logits.index_put(at, torch.tensor(float("-inf"), device=logits.device))  # (out of place)
+            if it.allowed is not None:  # a structured answer: its grammar's tokens at each row
+                logits = allowed_only(logits, torch.from_numpy(it.allowed))
             p = process_logits(logits, params)  # [T, V]
             if it.synthetic_accept is not None:
                 tokens_h = [it.new_tokens[-1], *it.draft_tokens]

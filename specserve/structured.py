@@ -1,0 +1,177 @@
+"""Structured output: an answer held to a JSON schema, to JSON, to a regular expression or to one of a few strings.
+
+A grammar (llguidance's) tells, after each prefix of the answer, which tokens may come next. The target draws from
+its distribution renormalised over those tokens, at every row it verifies: a draft tree's node row gets the tokens
+allowed after the answer and the node's path. Drafts never see the grammar; verification against the held target
+keeps greedy output equal to plain decoding under the grammar and sampled output distributed as the held target
+(docs/algorithms.md §1.5)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from enum import Enum
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import ConfigDict, Field, model_validator
+
+from specserve.errors import InvalidRequestError
+from specserve.validated import Validated
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+MAX_SCHEMA_CHARS = 65_536  # a JSON schema's (as sent): compiling a grammar holds the step loop while it runs
+MAX_CHOICES = 256
+BITS = 32  # tokens per word of a mask row
+
+
+class FormatKind(str, Enum):
+    json_schema = "json_schema"  # JSON valid against a schema
+    json_object = "json_object"  # any JSON object (OpenAI's JSON mode)
+    regex = "regex"  # text matching a regular expression, whole
+    choice = "choice"  # exactly one of a few strings
+
+
+class OutputFormat(Validated):
+    """The form a request's answer must take; ``param`` names the request field it came from, for errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: FormatKind
+    schema_text: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS, description="json_schema's, as JSON")
+    pattern: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS, description="regex's")
+    choices: tuple[str, ...] = Field(default=(), max_length=MAX_CHOICES, description="choice's")
+    param: str = "response_format"
+
+    @model_validator(mode="after")
+    def _its_own_fields(self) -> OutputFormat:
+        given = {"schema_text": self.schema_text is not None, "pattern": self.pattern is not None}
+        given["choices"] = bool(self.choices)
+        wanted = {FormatKind.json_schema: "schema_text", FormatKind.regex: "pattern", FormatKind.choice: "choices"}
+        need = wanted.get(self.kind)
+        if any(v for k, v in given.items() if k != need) or (need is not None and not given[need]):
+            raise ValueError(f"a {self.kind.value} format takes {need or 'nothing else'}")
+        if self.schema_text is not None and not isinstance(json.loads(self.schema_text), dict | bool):
+            raise ValueError("a JSON schema is an object (or true / false)")
+        return self
+
+    def grammar(self) -> str:
+        """The llguidance grammar (checked where it is compiled against a tokenizer)."""
+        from llguidance import LLMatcher
+
+        if self.kind == FormatKind.json_schema:
+            return LLMatcher.grammar_from_json_schema(json.loads(str(self.schema_text)), defaults=_json_layout())
+        if self.kind == FormatKind.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_json_layout())
+        if self.kind == FormatKind.regex:
+            return LLMatcher.grammar_from_regex(str(self.pattern))
+        # each choice a string literal of a Lark grammar (JSON's escapes: any text is one)
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choices))
+
+
+def _json_layout() -> Any:
+    """JSON on one line, spaced as Python's json.dumps spaces it: free whitespace would let a model pad an answer
+    with blanks up to its max_tokens (a schema's "x-guidance" options may still ask for it)."""
+    return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarCompiler:
+    """A step loop's: the tokenizer's vocabulary as the grammars read it (built on the first structured request:
+    about a second for a 50k vocabulary), and each request's grammar checked and compiled against it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: Collection[int]) -> None:
+        self._hf = tokenizer
+        self.eos_token_ids = sorted(eos_token_ids)
+
+    @cached_property
+    def _tokenizer(self) -> Any:
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(self._hf, eos_token=self.eos_token_ids)  # type: ignore[arg-type]
+
+    def compile(self, fmt: OutputFormat) -> AnswerGrammar:
+        from llguidance import LLMatcher
+
+        if self._hf is None:
+            raise InvalidRequestError(
+                "structured output needs the model's tokenizer; this model has none", param=fmt.param
+            )
+        try:
+            grammar = fmt.grammar()
+        except ValueError as e:  # (a schema llguidance cannot read as JSON)
+            raise InvalidRequestError(f"{fmt.param}: {e}", param=fmt.param) from None
+        if error := LLMatcher.validate_grammar(grammar, self._tokenizer):
+            raise InvalidRequestError(f"{fmt.param}: {error.strip()[:500]}", param=fmt.param)
+        return AnswerGrammar(LLMatcher(self._tokenizer, grammar, log_level=0), self._tokenizer.vocab_size)
+
+
+class AnswerGrammar:
+    """One sequence's grammar state: the matcher fed its committed answer (``follow``), and the tokens allowed at
+    each row of a step's tree (``masks``)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.width = (vocab_size + BITS - 1) // BITS
+        self.fed: list[int] = []  # the answer's tokens the matcher has consumed
+
+    def follow(self, output: list[int]) -> None:
+        """Bring the matcher to the end of ``output``: back past tokens a rollback took away, then on through the
+        new ones. A token the grammar refuses (none the target drew under it can be) is an error."""
+        same = 0
+        for a, b in zip(self.fed, output, strict=False):
+            if a != b:
+                break
+            same += 1
+        if same < len(self.fed):
+            self._check(self.matcher.rollback(len(self.fed) - same), "rolling back")
+            del self.fed[same:]
+        for token in output[same:]:
+            self._check(self.matcher.consume_token(token), f"token {token}")
+            self.fed.append(token)
+
+    def masks(self, draft_tokens: list[int], draft_parents: list[int]) -> np.ndarray:
+        """[T, W] int32 bit rows (bit j of word w: token 32 w + j allowed) for a tree of T = 1 + len(draft_tokens)
+        nodes: node 0, the root (the answer's last token, fed already), then the drafts, each after its parent
+        (``draft_parents``: 0 for the root). A node the grammar refuses after its path is never accepted: its row
+        and its subtree's allow everything (never read)."""
+        rows = np.full((1 + len(draft_tokens), self.width), -1, dtype=np.int32)
+        children: list[list[int]] = [[] for _ in range(len(rows))]
+        for node, parent in enumerate(draft_parents, start=1):
+            children[parent].append(node)
+        self._fill(rows, 0)
+        stack = [(child, False) for child in reversed(children[0])]
+        while stack:  # depth-first; (node, True): the walk leaves node, whose token the matcher fed
+            node, leaving = stack.pop()
+            if leaving:
+                self._check(self.matcher.rollback(1), "rolling back")
+                continue
+            token = draft_tokens[node - 1]
+            if not _allowed(rows[draft_parents[node - 1]], token):
+                continue
+            self._check(self.matcher.consume_token(token), f"draft token {token}")
+            self._fill(rows, node)
+            stack.append((node, True))
+            stack.extend((child, False) for child in reversed(children[node]))
+        return rows
+
+    @property
+    def complete(self) -> bool:
+        """The answer so far satisfies the grammar (EOS may come next)."""
+        return bool(self.matcher.is_accepting())
+
+    def _fill(self, rows: np.ndarray, node: int) -> None:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, rows, node)
+        self._check(not self.matcher.is_error(), "computing a mask")
+
+    def _check(self, ok: bool, doing: str) -> None:
+        if not ok:
+            raise ValueError(f"the answer's grammar failed {doing}: {self.matcher.get_error()}")
+
+
+def _allowed(row: np.ndarray, token: int) -> bool:
+    return token < row.shape[0] * BITS and bool((int(row[token // BITS]) >> (token % BITS)) & 1)

@@ -1,0 +1,288 @@
+"""Structured output (specserve/structured.py): the target draws only what a grammar allows, at every row of a
+draft tree, so greedy answers equal grammar-held plain decoding with every drafter and sampled answers are
+always in the grammar's language."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import llguidance
+import llguidance.hf
+import numpy as np
+import openai
+import pytest
+import torch
+from jsonschema import Draft202012Validator
+
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.config import Drafter, SpecConfig, SpecMethod
+from specserve.engine import Engine
+from specserve.errors import InvalidRequestError
+from specserve.models.batch import ForwardBatch
+from specserve.models.llama import LlamaModel
+from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
+from specserve.sampling import SamplingParams, allowed_only
+from specserve.structured import FormatKind, GrammarCompiler, OutputFormat
+from tests.api_backend import MODEL, LocalBackend, api_server
+
+EOS = 2  # the tiny tokenizer's </s>
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}, "n": {"type": "integer"}},
+    "required": ["colour", "ok"],
+    "additionalProperties": False,
+}
+FORMATS = [
+    OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(SCHEMA)),
+    OutputFormat(kind=FormatKind.json_object),
+    OutputFormat(kind=FormatKind.regex, pattern="[a-e]{2,6}-[0-9]{1,3}"),
+    OutputFormat(kind=FormatKind.choice, choices=("yes", "no", 'a "quoted" one')),
+]
+SPECS = [
+    SpecConfig(method=SpecMethod.none),
+    SpecConfig(method=SpecMethod.chain, sl=4),
+    SpecConfig(method=SpecMethod.eagle2),
+    SpecConfig(method=SpecMethod.ddd),
+    SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.lookup),
+]
+
+
+def _bits(row: np.ndarray, vocab: int) -> set[int]:
+    return {t for t in range(vocab) if (int(row[t // 32]) >> (t % 32)) & 1}
+
+
+def _fresh_matcher(fmt: OutputFormat, tokens: list[int]) -> Any:
+    """A new llguidance matcher fed ``tokens``: the reference each test compares with."""
+    lltok = llguidance.hf.from_tokenizer(tiny_tokenizer(), eos_token=[EOS])
+    matcher = llguidance.LLMatcher(lltok, fmt.grammar(), log_level=0)
+    assert matcher.consume_tokens(tokens) if tokens else True, matcher.get_error()
+    return matcher
+
+
+def _allowed_by(matcher: Any, vocab: int) -> set[int]:
+    bias = np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)  # one byte a token: 200 where allowed
+    return {t for t in range(vocab) if t < len(bias) and bias[t]}
+
+
+def test_allowed_only_keeps_each_rows_bits_and_nothing_past_them() -> None:
+    vocab = 70  # (3 words: the last one's bits past 70 are no tokens)
+    rows = [{0, 31, 32, 63, 64, 69}, set(range(vocab)), {5}]
+    bitmask = np.zeros((3, 3), dtype=np.int64)
+    for r, allowed in enumerate(rows):
+        for t in allowed:
+            bitmask[r, t // 32] |= 1 << (t % 32)
+    bitmask = bitmask.astype(np.uint32).view(np.int32)  # (bit 31 is the sign bit)
+    logits = torch.randn(3, vocab)
+    out = allowed_only(logits, torch.from_numpy(bitmask))
+    for r, allowed in enumerate(rows):
+        for t in range(vocab):
+            assert out[r, t] == (logits[r, t] if t in allowed else float("-inf")), (r, t)
+    narrow = allowed_only(torch.randn(1, vocab), torch.from_numpy(np.full((1, 2), -1, dtype=np.int32)))
+    assert torch.isinf(narrow[0, 64:]).all() and torch.isfinite(narrow[0, :64]).all()  # ids no bit names
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.kind.value)
+def test_a_trees_rows_are_what_a_fresh_matcher_allows_after_each_nodes_path(fmt: OutputFormat) -> None:
+    tok = tiny_tokenizer()
+    grammar = GrammarCompiler(tok, [EOS]).compile(fmt)
+    vocab = len(tok)
+    answer = {FormatKind.regex: "ab", FormatKind.choice: "", FormatKind.json_object: '{"a'}.get(fmt.kind, '{"colo')
+    committed = tok.encode(answer)
+    first = sorted(_allowed_by(_fresh_matcher(fmt, committed), vocab))
+    grammar.follow([*committed, first[-1]])  # (then back: a rollback took a token away)
+    grammar.follow(committed)
+    # a tree of tokens the grammar allows and of ones it refuses (their subtrees are never reached)
+    tokens = [first[0], first[-1], 300, first[0], 7, 300]
+    parents = [0, 0, 0, 1, 1, 3]
+    rows = grammar.masks(tokens, parents)
+    assert rows.shape == (7, (vocab + 31) // 32)
+    nodes = [0, *tokens]
+    for node in range(7):
+        path, at = [], node
+        while at:
+            path.append(nodes[at])
+            at = parents[at - 1]
+        matcher = _fresh_matcher(fmt, committed)
+        if all(matcher.consume_token(t) for t in reversed(path)):
+            assert _bits(rows[node], vocab) == _allowed_by(matcher, vocab), (node, path)
+        else:
+            assert (rows[node] == -1).all(), node  # never read: the target rejects its node first
+    assert grammar.fed == committed  # the walk left the matcher where it found it
+    np.testing.assert_array_equal(grammar.masks([], [])[0], rows[0])
+
+
+def _held_greedy(model: LlamaModel, fmt: OutputFormat, prompt: list[int], n: int) -> list[int]:
+    """Grammar-held greedy decoding, written out: the whole sequence re-run for every token, its next token the
+    likeliest one a fresh matcher fed the answer allows."""
+    matcher = _fresh_matcher(fmt, [])
+    tokens, out = list(prompt), []
+    for _ in range(n):
+        cache = model.new_cache(1, len(tokens) + 1)
+        logits = model(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)[-1]
+        allowed = sorted(_allowed_by(matcher, logits.shape[-1]))
+        token = allowed[int(torch.argmax(logits[allowed]))]
+        if token == EOS:
+            break
+        assert matcher.consume_token(token)
+        out.append(token)
+        tokens.append(token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[LlamaModel, LlamaModel]:
+    target = tiny_model(tiny_config(), seed=0)
+    return target, noisy_copy(target, 0.02, seed=1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.kind.value)
+def test_greedy_answers_equal_grammar_held_plain_decoding_with_every_drafter(
+    models: tuple[LlamaModel, LlamaModel], fmt: OutputFormat
+) -> None:
+    target, draft = models
+    tok = tiny_tokenizer()
+    prompts = ["hello", "the tea is", "once upon a time"]
+    want = [_held_greedy(target, fmt, tok.encode(p), 40) for p in prompts]
+    for spec in SPECS:
+        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=3, max_model_len=128)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=40, output_format=fmt))
+        assert [o.token_ids for o in outs] == want, spec.method.value
+    finished = [tok.decode(w) for w, o in zip(want, outs, strict=True) if o.finish_reason.value == "stop"]
+    assert finished  # (the tiny model ends some answers within 40 tokens)
+    for text in finished:
+        if fmt.kind == FormatKind.json_schema:
+            Draft202012Validator(SCHEMA).validate(json.loads(text))
+        elif fmt.kind == FormatKind.json_object:
+            assert isinstance(json.loads(text), dict)
+        elif fmt.kind == FormatKind.regex:
+            assert re.fullmatch(str(fmt.pattern), text)
+        else:
+            assert text in fmt.choices
+
+
+@pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s.method.value)
+def test_sampled_answers_are_always_in_the_grammars_language(
+    models: tuple[LlamaModel, LlamaModel], spec: SpecConfig
+) -> None:
+    target, draft = models
+    tok = tiny_tokenizer()
+    engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=4, max_model_len=128)
+    fmt = FORMATS[2]
+    for seed in range(3):
+        params = SamplingParams(max_tokens=30, temperature=1.5, seed=seed, output_format=fmt)
+        for out in engine.generate(["a", "b c", "the", "xyz"], params):
+            if out.finish_reason.value == "stop":
+                assert re.fullmatch(str(fmt.pattern), out.text), out.text
+            else:  # cut by max_tokens: a prefix of one
+                assert _fresh_matcher(fmt, out.token_ids).is_error() is False
+
+
+def test_a_format_that_cannot_be_compiled_or_cannot_end_is_refused() -> None:
+    tok = tiny_tokenizer()
+    compiler = GrammarCompiler(tok, [EOS])
+    with pytest.raises(InvalidRequestError, match="unclosed character class") as e:
+        compiler.compile(OutputFormat(kind=FormatKind.regex, pattern="[a-"))
+    assert e.value.param == "response_format"
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs: .*foo"):
+        compiler.compile(
+            OutputFormat(kind=FormatKind.json_schema, schema_text='{"type": "foo"}', param="structured_outputs")
+        )
+    with pytest.raises(InvalidRequestError, match="needs the model's tokenizer"):
+        GrammarCompiler(None, [EOS]).compile(FORMATS[1])
+    for fields in ({"ignore_eos": True}, {"min_tokens": 3}):
+        with pytest.raises(ValueError, match="structured answer"):
+            SamplingParams(max_tokens=5, output_format=FORMATS[1], **fields)
+    with pytest.raises(ValueError, match="a regex format takes pattern"):
+        OutputFormat(kind=FormatKind.regex)
+    with pytest.raises(ValueError, match="a json_object format takes nothing else"):
+        OutputFormat(kind=FormatKind.json_object, pattern="x")
+
+
+# -- over HTTP ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    backend = LocalBackend(max_model_len=128)
+    with api_server(backend) as url:
+        yield url
+    backend.stop()
+
+
+def test_response_format_and_structured_outputs_hold_the_answer_over_http(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30.0)
+    messages = [{"role": "user", "content": "pick a colour"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+    seen = set()
+    for seed in range(6):
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=60,
+            temperature=1.0,
+            seed=seed,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+        choice = out.choices[0]
+        if choice.finish_reason == "stop":
+            Draft202012Validator(SCHEMA).validate(json.loads(str(choice.message.content)))
+        seen.add(choice.finish_reason)
+    assert "stop" in seen
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+        stream=True,  # type: ignore[arg-type]
+    )
+    chunks = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    if chunks[-1].choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert text.startswith("{")
+    for held, check in (
+        ({"regex": "[a-e]{2,6}-[0-9]{1,3}"}, lambda t: re.fullmatch("[a-e]{2,6}-[0-9]{1,3}", t)),
+        ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+        ({"json": SCHEMA}, lambda t: Draft202012Validator(SCHEMA).validate(json.loads(t)) is None),
+    ):
+        body = {"model": MODEL, "prompt": "answer:", "max_tokens": 60, "temperature": 0, "structured_outputs": held}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and check(choice["text"]), (held, choice)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "unclosed character class"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+         "response_format", "foo"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "takes its json_schema"),
+        ({"response_format": {"type": "json_object", "json_schema": {"name": "x"}}}, "response_format", "takes its"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, "response_format",
+         "String should match pattern"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not supported"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "one of json, regex or choice"),
+        ({"structured_outputs": {}}, "structured_outputs", "one of json, regex or choice"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+         "not both"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format", "not with ignore_eos"),
+        ({"structured_outputs": {"regex": "a"}, "min_tokens": 2}, "structured_outputs", "not with min_tokens"),
+        ({"structured_outputs": {"json": {"a": "b" * 70_000}}}, "structured_outputs", "at most 65536 characters"),
+    ],
+)  # fmt: skip
+def test_a_format_the_server_cannot_hold_an_answer_to_is_a_400(
+    url: str, fields: dict[str, Any], param: str, says: str
+) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | fields
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
