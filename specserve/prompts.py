@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback pieces
 
 
+MAX_TEMPLATE_ERROR = 500  # characters of a template's error a 400 quotes (transformers' may quote the whole chat)
+
+
 class PromptEncoder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> None:
         self.tokenizer = tokenizer
@@ -157,7 +160,8 @@ class PromptEncoder:
         except PromptTooLongError:
             raise
         except Exception as e:  # jinja errors for malformed messages; a spelling the tokenizer makes from plain text
-            raise InvalidRequestError(f"cannot apply the chat template: {e}") from e
+            message = str(e) if len(str(e)) <= MAX_TEMPLATE_ERROR else f"{str(e)[:MAX_TEMPLATE_ERROR]}..."
+            raise InvalidRequestError(f"cannot apply the chat template: {message}") from e
         return self._in_vocabulary(list(out["input_ids"] if isinstance(out, Mapping) else out), "messages")
 
     @functools.cached_property

@@ -122,7 +122,7 @@ def test_tokenize_and_detokenize_are_documented_as_answered(url: str, doc: dict[
         assert post["requestBody"]["content"]["application/json"]["schema"] == {
             "$ref": f"#/components/schemas/{request}"
         }
-        for status in ("400", "404", "413"):
+        for status in ("400", "404", "408", "413"):
             assert post["responses"][status]["content"]["application/json"]["schema"] == error_ref, (path, status)
         assert _validator(doc, request).is_valid(body)
         r = httpx.post(url + path, json=body, timeout=30)

@@ -61,6 +61,8 @@ def test_a_chats_ids_are_the_chat_requests_with_or_without_the_assistants_openin
     assert tiny_tokenizer().decode(got["tokens"]) == rendered
     chat = post(url, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 1})
     assert chat["usage"]["prompt_tokens"] == got["count"] == len(got["tokens"])
+    as_vllm_sends = {"messages": MESSAGES, "add_special_tokens": False, "return_token_strs": None}
+    assert post(url, "/tokenize", as_vllm_sends)["tokens"] == got["tokens"]  # (vLLM's defaults, spelled out)
     bare = post(url, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
     assert tiny_tokenizer().decode(bare["tokens"]) == rendered.removesuffix("<|assistant|>")
     prefill = [*MESSAGES, {"role": "assistant", "content": "it is"}]
@@ -104,7 +106,8 @@ def test_a_tokenizer_that_adds_a_bos_adds_it_unless_told_not_to() -> None:
         ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, None, "send a prompt or messages (one of them)"),
         ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, None, "add_generation_prompt and conti"),
         ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message", "set"),
-        ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400, None, "add_special_tokens is a prompt"),
+        ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400, None, "add_special_tokens: true is a"),
+        ("/tokenize", {"prompt": "a", "continue_final_message": True}, 400, None, "are a chat's: send messages"),
         ("/tokenize", {"prompt": 5}, 400, "prompt", "Input should be a valid string"),
         ("/tokenize", {"prompt": "a", "tokens": [1]}, 400, "tokens", "Extra inputs are not permitted"),
         ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages", "a user message needs its content"),
@@ -184,3 +187,12 @@ def test_calls_hold_a_thread_each_until_it_ends_and_at_most_a_few_run_at_once() 
     finally:
         release.set()
         backend.stop()
+
+
+def test_a_chat_templates_error_is_quoted_in_part() -> None:
+    """transformers' errors may quote the whole rendered chat: a 400 quotes its start."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = "{{ raise_exception(messages[0]['content']) }}"
+    with pytest.raises(InvalidRequestError) as e:
+        PromptEncoder(tokenizer, VOCAB).chat([{"role": "user", "content": "x" * 5000}])
+    assert str(e.value).startswith("cannot apply the chat template: ") and 500 < len(str(e.value)) < 600

@@ -753,8 +753,10 @@ class TokenizeRequest(ClosedModel):
     messages: list[ChatMessage] | None = Field(
         default=None, min_length=1, max_length=MAX_MESSAGES, fail_fast=True, description="a chat (or prompt)"
     )
-    add_special_tokens: StrictBool = Field(
-        default=True, description="a prompt's: the tokens (a BOS) a completion's prompt starts with"
+    add_special_tokens: StrictBool | None = Field(
+        default=None,
+        description="a prompt's (default true): the tokens (a BOS) a completion's prompt starts with; messages' only "
+        "false (their special tokens are the template's)",
     )
     add_generation_prompt: StrictBool = Field(
         default=True, description="messages': end with the assistant turn's opening, as a chat request's prompt does"
@@ -762,17 +764,23 @@ class TokenizeRequest(ClosedModel):
     continue_final_message: StrictBool = Field(
         default=False, description="messages': the last one left open (needs add_generation_prompt: false)"
     )
-    return_token_strs: StrictBool = Field(default=False, description="each token as the vocabulary spells it")
+    return_token_strs: StrictBool | None = Field(default=False, description="each token as the vocabulary spells it")
 
     _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
-    _continue = field_validator("continue_final_message")(_continue_without_a_new_turn)
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, v: bool, info: ValidationInfo) -> bool:
+        if info.data.get("prompt") is not None:  # (the prompt's own error says what is wrong)
+            return v
+        return _continue_without_a_new_turn(v, info)
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send a prompt or messages (one of them)")
-        if self.messages is not None and "add_special_tokens" in self.model_fields_set:
-            raise ValueError("add_special_tokens is a prompt's: a chat's special tokens are its template's")
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError("add_special_tokens: true is a prompt's: a chat's special tokens are its template's")
         if self.prompt is not None and {"add_generation_prompt", "continue_final_message"} & self.model_fields_set:
             raise ValueError("add_generation_prompt and continue_final_message are a chat's: send messages")
         return self

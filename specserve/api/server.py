@@ -168,7 +168,7 @@ def build_api(backend: Backend, options: HTTPOptions | None = None) -> FastAPI:
         responses={200: _generation_response(ChatCompletionResponse, ChatCompletionChunk), **generation},
     )
     for path, route in (("/tokenize", routes.tokenize), ("/detokenize", routes.detokenize)):
-        api.add_api_route(path, route, methods=["POST"], responses=_error_responses(options, 400, 404, 413, 500))
+        api.add_api_route(path, route, methods=["POST"], responses=_error_responses(options, 400, 404, 408, 413, 500))
     api.add_api_route("/v1/models", routes.models, methods=["GET"], responses=_error_responses(options))
     api.add_api_route(
         "/v1/models/{model:path}", routes.model, methods=["GET"], responses=_error_responses(options, 404)
@@ -418,6 +418,8 @@ class _Routes:
         context length: a client counts its tokens before it sends a request (vLLM's)."""
         self._check_model(body.model)
         encoder = self.backend.encoder
+        if encoder.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer", param="messages" if body.messages else "prompt")
 
         def encode() -> TokenizeResponse:
             if body.messages is not None:
@@ -428,7 +430,7 @@ class _Routes:
                 }
                 ids = encoder.chat(messages, **options)
             else:
-                ids = encoder.text(cast(str, body.prompt), special=body.add_special_tokens)
+                ids = encoder.text(cast(str, body.prompt), special=body.add_special_tokens is not False)
             return TokenizeResponse(
                 count=len(ids),
                 max_model_len=self.backend.max_model_len,
