@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import pydantic
 
@@ -28,6 +30,7 @@ from specserve.config import (
 from specserve.console import console_safe
 from specserve.errors import SettingsError, SpecServeError, settings_problems
 from specserve.sampling import SamplingParams
+from specserve.structured import FormatKind, OutputFormat
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +55,7 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens,
         logit_bias=tuple(args.logit_bias),
+        output_format=_output_format(args),
     )
     target = ModelSpec(source=args.model, dtype=DType(args.dtype))
     draft = _draft_for(args.draft, target, args.device)
@@ -89,6 +93,29 @@ def _generate(args: argparse.Namespace) -> int:
         reason = last.finish_reason.value if last.finish_reason else None
         print(f"[{last.num_output_tokens} tokens, finish_reason={reason}]", file=sys.stderr)
     return 0
+
+
+def _output_format(args: argparse.Namespace) -> OutputFormat | None:
+    """--json, --json-schema, --regex or --choice (at most one: argparse's group) as the answer's format."""
+    if args.json:
+        return OutputFormat(kind=FormatKind.json_object, param="--json")
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):  # a file's name
+            try:
+                text = Path(text).read_text()
+            except OSError as e:
+                raise SettingsError(f"--json-schema: cannot read {args.json_schema!r}: {e.strerror}") from None
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise SettingsError(f"--json-schema: not JSON: {e}") from None
+        return OutputFormat(kind=FormatKind.json_schema, schema_text=text, param="--json-schema")
+    if args.regex is not None:
+        return OutputFormat(kind=FormatKind.regex, pattern=args.regex, param="--regex")
+    if args.choice:
+        return OutputFormat(kind=FormatKind.choice, choices=tuple(args.choice), param="--choice")
+    return None
 
 
 def _pair_for(name: str, target: ModelSpec) -> str | None:
@@ -186,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID=BIAS",
         help="add BIAS (-100 to 100) to token ID's logit (repeatable)",
     )
+    held = g.add_mutually_exclusive_group()
+    held.add_argument("--json", action="store_true", help="the answer is a JSON object")
+    held.add_argument("--json-schema", metavar="SCHEMA", help="the answer is JSON valid against this schema (or file)")
+    held.add_argument("--regex", help="the answer matches this regular expression, whole")
+    held.add_argument("--choice", action="append", default=[], help="the answer is one of these (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     g.add_argument(
         "--draft",

@@ -120,11 +120,9 @@ class AnswerGrammar:
     def follow(self, output: list[int]) -> None:
         """Bring the matcher to the end of ``output``: back past tokens a rollback took away, then on through the
         new ones. A token the grammar refuses (none the target drew under it can be) is an error."""
-        same = 0
-        for a, b in zip(self.fed, output, strict=False):
-            if a != b:
-                break
-            same += 1
+        same = len(self.fed)
+        if output[:same] != self.fed:  # (a list comparison in C: the common case, an answer grown, costs no loop)
+            same = next((i for i, (a, b) in enumerate(zip(self.fed, output, strict=False)) if a != b), len(output))
         if same < len(self.fed):
             self._check(self.matcher.rollback(len(self.fed) - same), "rolling back")
             del self.fed[same:]

@@ -11,6 +11,7 @@ import torch
 
 from specserve.cli import main
 from specserve.sampling import SamplingParams
+from specserve.structured import FormatKind, OutputFormat
 from tests.conftest import forbid_model_loads
 
 
@@ -33,6 +34,10 @@ from tests.conftest import forbid_model_loads
         (["--logit-bias", "5=101"], "a bias is in [-100, 100], not 101.0"),
         (["--stop-token-id", "-1"], "argument --stop-token-id: must be at least 0, not -1"),
         (["--min-tokens", "9", "--max-tokens", "8"], "min_tokens (9) must be at most max_tokens (8)"),
+        (["--json", "--regex", "a"], "argument --regex: not allowed with argument --json"),
+        (["--json-schema", "{not json"], "--json-schema: not JSON"),
+        (["--json-schema", "/no/such/schema.json"], "--json-schema: cannot read '/no/such/schema.json'"),
+        (["--json", "--ignore-eos"], "a structured answer ends where its grammar is satisfied: not with ignore_eos"),
     ],
 )
 def test_bad_generate_arguments_are_usage_errors(
@@ -547,7 +552,7 @@ def test_every_command_writes_text_its_console_cannot_encode_escaped(
     assert console.buffer.getvalue() == b"wrote caf\\xe9/report.md\n" and console.errors == "strict"
 
 
-def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from specserve.engine import Engine
@@ -570,6 +575,24 @@ def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pyte
     asked.clear()
     assert main(["generate", "hi", "--draft", "none"]) == 0
     assert asked == [SamplingParams(max_tokens=256)]
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(schema)
+    held = {
+        "--json": OutputFormat(kind=FormatKind.json_object, param="--json"),
+        "--regex=[a-z]+": OutputFormat(kind=FormatKind.regex, pattern="[a-z]+", param="--regex"),
+        "--json-schema=" + schema: OutputFormat(kind=FormatKind.json_schema, schema_text=schema, param="--json-schema"),
+        f"--json-schema={schema_file}": OutputFormat(
+            kind=FormatKind.json_schema, schema_text=schema, param="--json-schema"
+        ),
+    }
+    for flag, fmt in held.items():
+        asked.clear()
+        assert main(["generate", "hi", "--draft", "none", flag]) == 0
+        assert asked == [SamplingParams(max_tokens=256, output_format=fmt)], flag
+    asked.clear()
+    assert main(["generate", "hi", "--draft", "none", "--choice", "yes", "--choice", "no"]) == 0
+    assert asked[0].output_format == OutputFormat(kind=FormatKind.choice, choices=("yes", "no"), param="--choice")
 
 
 def test_generate_says_a_tokenizer_has_no_chat_template_before_the_models_load(

