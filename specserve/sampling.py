@@ -200,11 +200,12 @@ def allowed_only(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     may not: ids the tokenizer never names) -> logits [T, V] with every other token at -inf (out of place): a
     grammar's tokens, which sampling renormalises over."""
     vocab = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bitmask = bitmask.to(logits.device, non_blocking=True)  # (unpacked where the logits are: |V| / 8 bytes a row)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
     allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()  # [T, min(V, 32 W)]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))  # [T, V] (False past them)
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def greedy_draw(logits: torch.Tensor) -> torch.Tensor:

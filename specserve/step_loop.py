@@ -117,6 +117,8 @@ class StepLoop:
             text.resume(done, request.delivered.text)
         seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done))
         if request.params.output_format is not None:
+            if spec.synthetic_accept is not None:  # (its accepted paths are made up: the grammar would not hold)
+                raise InvalidRequestError("a structured answer cannot be drafted in the synthetic benchmark mode")
             seq.grammar = self.grammars.compile(request.params.output_format)
         seq.prompt_logprobs_sent = request.delivered is not None  # (a continuation's first lane sent them)
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:

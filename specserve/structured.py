@@ -25,7 +25,18 @@ if TYPE_CHECKING:
 
 MAX_SCHEMA_CHARS = 65_536  # a JSON schema's (as sent): compiling a grammar holds the step loop while it runs
 MAX_CHOICES = 256
+MAX_SCHEMA_DEPTH = 64  # objects and lists within each other in a schema (Python's JSON recursion stops near 1000)
 BITS = 32  # tokens per word of a mask row
+
+
+def check_depth(value: object, limit: int = MAX_SCHEMA_DEPTH) -> object:
+    """``value`` (JSON data) if its objects and lists nest at most ``limit`` deep (walked without recursion)."""
+    level: list[object] = [value]
+    for _ in range(limit + 1):
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())]
+        if not level:
+            return value
+    raise ValueError(f"a JSON schema nested deeper than {limit} levels")
 
 
 class FormatKind(str, Enum):
@@ -54,8 +65,14 @@ class OutputFormat(Validated):
         need = wanted.get(self.kind)
         if any(v for k, v in given.items() if k != need) or (need is not None and not given[need]):
             raise ValueError(f"a {self.kind.value} format takes {need or 'nothing else'}")
-        if self.schema_text is not None and not isinstance(json.loads(self.schema_text), dict | bool):
-            raise ValueError("a JSON schema is an object (or true / false)")
+        if self.schema_text is not None:
+            try:
+                schema = json.loads(self.schema_text)
+            except RecursionError:
+                raise ValueError(f"a JSON schema nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("a JSON schema is an object (or true / false)")
+            check_depth(schema)
         return self
 
     def grammar(self) -> str:
@@ -88,33 +105,44 @@ class GrammarCompiler:
 
     @cached_property
     def _tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, or the reason there is none (kept: not rebuilt per request)."""
         from llguidance.hf import from_tokenizer
 
-        return from_tokenizer(self._hf, eos_token=self.eos_token_ids)  # type: ignore[arg-type]
+        if self._hf is None:
+            return "this model has no tokenizer"
+        try:
+            return from_tokenizer(self._hf, eos_token=self.eos_token_ids)  # type: ignore[arg-type]
+        except (ValueError, TypeError) as e:  # a slow tokenizer, an EOS id it does not name
+            return f"its tokenizer cannot be read as a grammar's vocabulary ({e})"
 
     def compile(self, fmt: OutputFormat) -> AnswerGrammar:
         from llguidance import LLMatcher
 
-        if self._hf is None:
+        tokenizer = self._tokenizer
+        if isinstance(tokenizer, str):
             raise InvalidRequestError(
-                "structured output needs the model's tokenizer; this model has none", param=fmt.param
+                f"{fmt.param}: this server cannot hold answers to a format: {tokenizer}", param=fmt.param
             )
         try:
             grammar = fmt.grammar()
-        except ValueError as e:  # (a schema llguidance cannot read as JSON)
+        except (ValueError, RecursionError) as e:  # (a schema llguidance cannot read as JSON)
             raise InvalidRequestError(f"{fmt.param}: {e}", param=fmt.param) from None
-        if error := LLMatcher.validate_grammar(grammar, self._tokenizer):
+        if error := LLMatcher.validate_grammar(grammar, tokenizer):
             raise InvalidRequestError(f"{fmt.param}: {error.strip()[:500]}", param=fmt.param)
-        return AnswerGrammar(LLMatcher(self._tokenizer, grammar, log_level=0), self._tokenizer.vocab_size)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():  # (some grammars validate and still fail to build: a lexer too large)
+            raise InvalidRequestError(f"{fmt.param}: {matcher.get_error().strip()[:500]}", param=fmt.param)
+        return AnswerGrammar(matcher, tokenizer.vocab_size, self.eos_token_ids)
 
 
 class AnswerGrammar:
     """One sequence's grammar state: the matcher fed its committed answer (``follow``), and the tokens allowed at
     each row of a step's tree (``masks``)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: Collection[int]) -> None:
         self.matcher = matcher
         self.width = (vocab_size + BITS - 1) // BITS
+        self.eos = frozenset(eos_token_ids)
         self.fed: list[int] = []  # the answer's tokens the matcher has consumed
 
     def follow(self, output: list[int]) -> None:
@@ -134,7 +162,9 @@ class AnswerGrammar:
         """[T, W] int32 bit rows (bit j of word w: token 32 w + j allowed) for a tree of T = 1 + len(draft_tokens)
         nodes: node 0, the root (the answer's last token, fed already), then the drafts, each after its parent
         (``draft_parents``: 0 for the root). A node the grammar refuses after its path is never accepted: its row
-        and its subtree's allow everything (never read)."""
+        and its subtree's allow everything (never read). An EOS node ends the answer: its subtree is never emitted,
+        and it is not fed (a matcher whose grammar is complete takes EOS without recording it, so the walk's
+        rollback would undo a token of the answer)."""
         rows = np.full((1 + len(draft_tokens), self.width), -1, dtype=np.int32)
         children: list[list[int]] = [[] for _ in range(len(rows))]
         for node, parent in enumerate(draft_parents, start=1):
@@ -147,18 +177,13 @@ class AnswerGrammar:
                 self._check(self.matcher.rollback(1), "rolling back")
                 continue
             token = draft_tokens[node - 1]
-            if not _allowed(rows[draft_parents[node - 1]], token):
+            if token in self.eos or not _allowed(rows[draft_parents[node - 1]], token):
                 continue
             self._check(self.matcher.consume_token(token), f"draft token {token}")
             self._fill(rows, node)
             stack.append((node, True))
             stack.extend((child, False) for child in reversed(children[node]))
         return rows
-
-    @property
-    def complete(self) -> bool:
-        """The answer so far satisfies the grammar (EOS may come next)."""
-        return bool(self.matcher.is_accepting())
 
     def _fill(self, rows: np.ndarray, node: int) -> None:
         from llguidance.numpy import fill_next_token_bitmask

@@ -19,17 +19,19 @@ import openai
 import pytest
 import torch
 from jsonschema import Draft202012Validator
+from scipy.stats import chisquare
 
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.config import Drafter, SpecConfig, SpecMethod
+from specserve.config import ChainDraft, Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
-from specserve.sampling import SamplingParams, allowed_only
+from specserve.sampling import SamplingParams, allowed_only, process_logits
 from specserve.structured import FormatKind, GrammarCompiler, OutputFormat
 from tests.api_backend import MODEL, LocalBackend, api_server
+from tests.test_head_drafter import last_token_target, near_head
 
 EOS = 2  # the tiny tokenizer's </s>
 SCHEMA = {
@@ -117,6 +119,44 @@ def test_a_trees_rows_are_what_a_fresh_matcher_allows_after_each_nodes_path(fmt:
     np.testing.assert_array_equal(grammar.masks([], [])[0], rows[0])
 
 
+def test_a_drafted_eos_after_a_complete_answer_leaves_the_grammar_where_it_was() -> None:
+    """A matcher whose grammar is complete takes EOS without recording it: fed in the walk and rolled back, it
+    undid a token of the answer, and the next branch and the next step read the wrong state."""
+    tok = tiny_tokenizer()
+    fmt = OutputFormat(kind=FormatKind.choice, choices=("12", "13"))
+    grammar = GrammarCompiler(tok, [EOS]).compile(fmt)
+    one, two, three = (tok.encode(c)[0] for c in "123")
+    grammar.follow([one])
+    rows = grammar.masks([two, EOS, three, EOS], [0, 1, 0, 3])  # "2" EOS and "3" EOS: both complete the answer
+    for node, path in ((0, []), (1, [two]), (3, [three])):
+        assert _bits(rows[node], len(tok)) == _allowed_by(_fresh_matcher(fmt, [one, *path]), len(tok)), node
+    assert _bits(rows[1], len(tok)) == {EOS} and (rows[2] == -1).all() and (rows[4] == -1).all()
+    assert grammar.fed == [one]
+    grammar.follow([one, three])  # the target took the sibling branch
+    assert _bits(grammar.masks([], [])[0], len(tok)) == {EOS}
+
+
+def test_answers_that_end_in_a_drafted_eos_equal_plain_decodings() -> None:
+    """Prompt lookup proposes "1 2 EOS" (the prompt's own continuation) where the target, biased towards "3",
+    answers "13": greedy and keyed sampled answers are plain decoding's."""
+    tok = tiny_tokenizer()
+    target = tiny_model(tiny_config(), seed=0)
+    fmt = OutputFormat(kind=FormatKind.choice, choices=("12", "13"))
+    one, two, three, q, z = (tok.encode(c)[0] for c in "123qz")
+    prompt = [q, one, two, EOS, z, q]
+    params = [
+        SamplingParams(
+            max_tokens=10, logit_bias={three: 50.0}, seed=seed, temperature=seed % 2 * 1.0, output_format=fmt
+        )
+        for seed in range(8)
+    ]
+    answers = []
+    for spec in (SPECS[0], SpecConfig(method=SpecMethod.chain, sl=4, drafter=Drafter.lookup)):
+        engine = Engine(target, tok, speculation=spec, max_batch_size=8, max_model_len=64)
+        answers.append([o.text for o in engine.generate([prompt] * 8, params)])
+    assert answers[0] == answers[1] and set(answers[0]) <= {"12", "13"}
+
+
 def _held_greedy(model: LlamaModel, fmt: OutputFormat, prompt: list[int], n: int) -> list[int]:
     """Grammar-held greedy decoding, written out: the whole sequence re-run for every token, its next token the
     likeliest one a fresh matcher fed the answer allows."""
@@ -183,6 +223,76 @@ def test_sampled_answers_are_always_in_the_grammars_language(
                 assert _fresh_matcher(fmt, out.token_ids).is_error() is False
 
 
+CHI_FORMAT = OutputFormat(kind=FormatKind.regex, pattern="[a-h]{4}")  # (no EOS within two tokens: pairs at most)
+CHI_PROMPT = [5, 9, 13, 21]
+N_SAMPLES = 1200
+
+
+def _held_pairs(target: LlamaModel, params: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(x1, x2) of the next two tokens under the grammar, top-k 3 at temperature 1, by enumeration: the model's
+    logits with every token a fresh matcher refuses at -inf, then the cuts."""
+
+    def next_probs(answer: list[int]) -> torch.Tensor:
+        tokens = CHI_PROMPT + answer
+        cache = target.new_cache(1, len(tokens) + 1)
+        logits = target(ForwardBatch.build(cache, [cache.allocate()], [tokens], num_logits=[1]), cache)[-1:].clone()
+        refused = set(range(logits.shape[-1])) - _allowed_by(_fresh_matcher(CHI_FORMAT, answer), logits.shape[-1])
+        logits[0, sorted(refused)] = float("-inf")
+        return process_logits(logits, params)[0].double()
+
+    p1 = next_probs([])
+    table = {}
+    for x1 in p1.nonzero().flatten().tolist():
+        p2 = next_probs([x1])
+        for x2 in p2.nonzero().flatten().tolist():
+            table[(x1, x2)] = float(p1[x1] * p2[x2])
+    return table
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpecConfig(method=SpecMethod.chain, sl=2),
+        SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.sampled),  # (verified from q, not keyed)
+        SpecConfig(method=SpecMethod.eagle2, tree_depth=2, beam_width=3, budget=8),
+    ],
+    ids=["chain-keyed", "chain-sampled", "tree"],
+)
+def test_sampled_answers_have_the_held_targets_distribution(spec: SpecConfig) -> None:
+    target = tiny_model(tiny_config(), seed=0)
+    engine = Engine(
+        target, tiny_tokenizer(), draft=noisy_copy(target, 0.1, seed=4), speculation=spec, max_batch_size=64
+    )
+    base = SamplingParams(temperature=1.0, top_k=3, max_tokens=2, output_format=CHI_FORMAT)
+    outs = engine.generate([CHI_PROMPT] * N_SAMPLES, [base.model_copy(update={"seed": s}) for s in range(N_SAMPLES)])
+    pairs = [(o.token_ids[0], o.token_ids[1]) for o in outs]
+    table = _held_pairs(target, base)
+    cells = sorted(table)
+    assert set(pairs) <= set(cells)  # nothing the grammar refuses, nothing the cuts drop
+    observed = np.array([pairs.count(c) for c in cells], dtype=float)
+    expected = np.array([table[c] for c in cells])
+    assert chisquare(observed, expected / expected.sum() * observed.sum()).pvalue > 1e-3
+    accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
+    assert accepted > 100 and drafted > 0, (accepted, drafted)  # (the accepted path is tested too)
+
+
+def test_an_eagle_head_drafts_held_answers_as_plain_decoding_gives_them() -> None:
+    target = last_token_target()
+    head = near_head(target, 0.01)
+    tok = tiny_tokenizer()
+    prompts = [tok.encode(p) for p in ("hello", "the tea is")]
+    accepted = 0
+    loose = OutputFormat(kind=FormatKind.regex, pattern="[^q]{0,200}")  # (most of what the head guesses it allows)
+    for fmt in [*FORMATS, loose]:
+        want = [_held_greedy(target, fmt, p, 30) for p in prompts]
+        for spec in (SpecConfig(method=SpecMethod.chain, sl=3), SpecConfig(method=SpecMethod.ddd)):
+            engine = Engine(target, tok, draft=head, speculation=spec, max_batch_size=2, max_model_len=96)
+            outs = engine.generate(prompts, SamplingParams(max_tokens=30, output_format=fmt))
+            assert [o.token_ids for o in outs] == want, (fmt.kind, spec.method)
+            accepted += sum(o.stats.accepted for o in outs) if fmt is loose else 0
+    assert accepted > 20  # (the head drafts the unheld target: a strict grammar's tokens are rarely its guess)
+
+
 def test_a_format_that_cannot_be_compiled_or_cannot_end_is_refused() -> None:
     tok = tiny_tokenizer()
     compiler = GrammarCompiler(tok, [EOS])
@@ -193,8 +303,17 @@ def test_a_format_that_cannot_be_compiled_or_cannot_end_is_refused() -> None:
         compiler.compile(
             OutputFormat(kind=FormatKind.json_schema, schema_text='{"type": "foo"}', param="structured_outputs")
         )
-    with pytest.raises(InvalidRequestError, match="needs the model's tokenizer"):
+    with pytest.raises(InvalidRequestError, match="this model has no tokenizer"):
         GrammarCompiler(None, [EOS]).compile(FORMATS[1])
+    with pytest.raises(InvalidRequestError, match="cannot be read as a grammar's vocabulary"):  # (an EOS it lacks)
+        GrammarCompiler(tok, [10_000]).compile(FORMATS[1])
+    with pytest.raises(ValueError, match="nested deeper than 64 levels"):
+        OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(_nested(100)))
+    model = tiny_model(tiny_config(), seed=0)
+    spec = SpecConfig(method=SpecMethod.chain, sl=2, synthetic_accept=0.5)
+    synthetic = Engine(model, tok, draft=noisy_copy(model, 0.1), speculation=spec)
+    with pytest.raises(InvalidRequestError, match="synthetic benchmark mode"):
+        synthetic.generate("hi", SamplingParams(max_tokens=4, output_format=FORMATS[1]))
     for fields in ({"ignore_eos": True}, {"min_tokens": 3}):
         with pytest.raises(ValueError, match="structured answer"):
             SamplingParams(max_tokens=5, output_format=FORMATS[1], **fields)
@@ -260,6 +379,13 @@ def test_response_format_and_structured_outputs_hold_the_answer_over_http(url: s
         assert choice["finish_reason"] == "stop" and check(choice["text"]), (held, choice)
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"a": 1}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "says"),
     [
@@ -278,6 +404,9 @@ def test_response_format_and_structured_outputs_hold_the_answer_over_http(url: s
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format", "not with ignore_eos"),
         ({"structured_outputs": {"regex": "a"}, "min_tokens": 2}, "structured_outputs", "not with min_tokens"),
         ({"structured_outputs": {"json": {"a": "b" * 70_000}}}, "structured_outputs", "at most 65536 characters"),
+        ({"structured_outputs": {"json": _nested(500)}}, "structured_outputs", "nested deeper than 64 levels"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(500)}}},
+         "response_format", "nested deeper than 64 levels"),
     ],
 )  # fmt: skip
 def test_a_format_the_server_cannot_hold_an_answer_to_is_a_400(
@@ -306,3 +435,16 @@ def test_bench_structured_runs_every_method_and_format_side_by_side(tmp_path: Pa
         assert (r["format"] == "text") <= (float(r["x_own_text"]) == 1.0)
         assert (r["method"] == "plain") <= (float(r["x_plain_same_format"]) == 1.0 == float(r["tau"]))
         assert float(r["tau"]) >= 1.0 and 0 < float(r["mean_tokens"]) <= 12
+
+
+@pytest.mark.real_model
+def test_a_grammar_that_validates_and_cannot_be_built_is_refused_at_admission() -> None:
+    """llguidance validates some grammars whose matcher is in error once built (a lexer too large for SmolLM2's
+    vocabulary): admitted, the request's first step failed, and its batch re-prefilled with it."""
+    from specserve.config import DEFAULT_PAIR, MODEL_PAIRS
+    from specserve.models.loader import load_tokenizer
+
+    tok = load_tokenizer(MODEL_PAIRS[DEFAULT_PAIR][0])
+    compiler = GrammarCompiler(tok, [tok.eos_token_id])
+    with pytest.raises(InvalidRequestError, match=r"response_format: .*lexer"):
+        compiler.compile(OutputFormat(kind=FormatKind.regex, pattern="(a|aa)*" * 500 + "b"))

@@ -34,7 +34,7 @@ from pydantic import (
 from specserve.config import Drafter, SLPolicyKind, SpecMethod
 from specserve.sampling import LOGIT_BIAS_BOUND, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from specserve.structured import MAX_CHOICES as MAX_FORMAT_CHOICES
-from specserve.structured import MAX_SCHEMA_CHARS, FormatKind, OutputFormat
+from specserve.structured import MAX_SCHEMA_CHARS, FormatKind, OutputFormat, check_depth
 
 # Past this many fields a request object does not define, it gets one error naming the first few: pydantic builds an
 # error per unknown key, and FastAPI and the handler copy the list, all on the event loop (a 3.7 MB body of 380k
@@ -173,7 +173,9 @@ class JsonSchemaSpec(ClosedModel):
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="the JSON schema ({}: any JSON)")
+    schema_: Annotated[dict[str, Any], BeforeValidator(check_depth)] = Field(
+        default_factory=dict, alias="schema", description="the JSON schema ({}: any JSON)"
+    )
     strict: StrictBool | None = Field(default=None, description="always strict here: the answer is held to the schema")
 
 
@@ -210,7 +212,9 @@ class ResponseFormat(ClosedModel):
 class StructuredOutputs(ClosedModel):
     """vLLM's ``structured_outputs``: one of a JSON schema, a regular expression or a choice of strings."""
 
-    json_: dict[str, Any] | None = Field(default=None, alias="json", description="a JSON schema")
+    json_: Annotated[dict[str, Any], BeforeValidator(check_depth)] | None = Field(
+        default=None, alias="json", description="a JSON schema"
+    )
     regex: str | None = Field(default=None, min_length=1, max_length=MAX_SCHEMA_CHARS)
     choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_FORMAT_CHOICES)
 
@@ -340,7 +344,8 @@ class GenerationRequest(ClosedModel):
     response_format: ResponseFormat | None = Field(
         default=None,
         description="text (the default), any JSON object (json_object) or JSON valid against a schema (json_schema): "
-        "the target draws only tokens the format allows, so the answer ends only where it is complete",
+        "the target draws only tokens the format allows, so EOS ends the answer only where it is complete (max_tokens, a "
+        "stop string or a stop token id may cut it short)",
     )
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="extension (vLLM's): the answer held to a JSON schema, a regex or a choice"
