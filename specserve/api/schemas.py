@@ -344,8 +344,8 @@ class GenerationRequest(ClosedModel):
     response_format: ResponseFormat | None = Field(
         default=None,
         description="text (the default), any JSON object (json_object) or JSON valid against a schema (json_schema): "
-        "the target draws only tokens the format allows, so EOS ends the answer only where it is complete (max_tokens, a "
-        "stop string or a stop token id may cut it short)",
+        "the target draws only tokens the format allows, so EOS ends the answer only where it is complete "
+        "(max_tokens, a stop string or a stop token id may cut it short)",
     )
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="extension (vLLM's): the answer held to a JSON schema, a regex or a choice"
