@@ -248,7 +248,50 @@ def test_the_plan_reads_records_where_they_measure_faster(
     again, blocks = q4_tiny_model(seed=4)
     assert attach_small_gemm(again, packed=True) and attach_q4_reads(again, blocks)
     assert native_stack.cached_kernel_plan(again, (True, False), (1, 2, 4)).q4_rows == plan.q4_rows
-    assert timed == []
+    assert timed == [1]  # the stored choice at one row, timed against the other: not contradicted
+
+
+@torch.no_grad()
+def test_a_stored_plan_that_a_one_row_check_contradicts_is_measured_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A plan measured while another process timed beside it chose float32 weights at one row where the records
+    read 3.5x faster, and every later load kept it: a load times the stored choice at one row against the other,
+    and a choice more than RECHECK_MARGIN slower is measured again (and stored); a closer one is kept."""
+    from specserve.models import native_stack
+    from specserve.models.llama import reads_copy
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    records_s = {1: 2.0, 2: 0.5, 4: 2.0}  # the busy machine's timing: the records lost at one row
+    measured: list[int] = []
+
+    def fake_q4(
+        lins: list, rows: int, packed: bool, prefetch: object, record_prefetches: tuple, repeats: int
+    ) -> tuple[float, tuple[float, ...]]:
+        return 1.0, tuple(records_s[rows] for _ in record_prefetches)
+
+    def fake_variants(lins: list, rows: int, variants: list, repeats: int) -> list[float]:
+        measured.append(rows)
+        return [1.0] * len(variants)
+
+    monkeypatch.setattr(native_stack, "time_records", fake_q4)
+    monkeypatch.setattr(native_stack, "time_variants", fake_variants)
+
+    def load() -> native_stack.KernelPlan:
+        model, blocks = q4_tiny_model(seed=4)
+        assert attach_small_gemm(model, packed=True) and attach_q4_reads(model, blocks)
+        return native_stack.cached_kernel_plan(model, (True, False), (1, 2, 4))
+
+    busy = load()
+    assert [r for r in range(1, 65) if reads_copy(busy.q4_rows, r)] == [2, 3] and measured == [1, 2, 4]
+    records_s[1] = 1.0 / native_stack.RECHECK_MARGIN * 1.01  # quiet now: within the margin, kept
+    measured.clear()
+    assert load() == busy and measured == []
+    records_s[1] = 0.3  # the records read 3.3x faster at one row: measured again, and the new plan stored
+    fresh = load()
+    assert [r for r in range(1, 65) if reads_copy(fresh.q4_rows, r)] == [1, 2, 3] and measured == [1, 2, 4]
+    measured.clear()
+    assert load() == fresh and measured == []
 
 
 @torch.no_grad()
@@ -284,7 +327,8 @@ def test_the_records_prefetch_as_measured_on_the_records(monkeypatch: pytest.Mon
     asked.clear()
     again, blocks = q4_tiny_model(seed=4)
     assert attach_small_gemm(again, packed=True) and attach_q4_reads(again, blocks)
-    assert native_stack.cached_kernel_plan(again, (True, False), (1, 2, 4)) == plan and asked == []
+    assert native_stack.cached_kernel_plan(again, (True, False), (1, 2, 4)) == plan
+    assert asked == [(1, none, (l2,))]  # (the one-row check of the stored choice, with the records' own prefetch)
     assert again.decoder_layers()[0].down.small_prefetch == down.small_prefetch
 
 

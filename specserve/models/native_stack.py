@@ -60,6 +60,10 @@ PLAN_PROBES = (1, 2, 4, 6, 8, 16)
 # A variant other than the built-in one (packed copies, another prefetch) must be this much faster to be chosen: the
 # variants at 1-3 rows measure within a few % of each other, and noise alone would flip them from load to load.
 PLAN_MARGIN = 0.97
+# A stored plan's choice at one row is timed again at each load (about 0.1-0.2 s): this much slower than the other
+# choice, and the plan is measured again (a plan measured on a busy machine stays wrong for every later load)
+RECHECK_MARGIN = 1.25
+RECHECK_REPEATS = 5
 Q8_HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")  # the LM head's blocks: tied, or its own
 # No -march: portable code. No contraction: RoPE rounds as the Python loop. OpenMP: at::parallel_for is a header
 # template that runs serially without it, and the kernel's products then used one core (small_gemm.cpp,
@@ -638,13 +642,22 @@ def cached_kernel_plan(
 ) -> KernelPlan:
     """``kernel_plan_for``, measured once per machine and model: kept in the specserve cache (``profiles/``, as the
     verify profile is) under a key of the CPU, the kernel's build and instruction set, torch's version and thread
-    count, the products' shapes and the variants measured; later loads set it without timing anything (2-5 s a
-    load). Delete the file to measure again; an unreadable one is measured again and replaced."""
+    count, the products' shapes and the variants measured; later loads set it timing only its choice at one row
+    against the other (``contradicted_at_one_row``), not the whole plan (2-5 s a load), and measure it again where
+    that contradicts it. Delete the file to measure again; an unreadable one is measured again and replaced."""
     lins = kernel_linears(model)
     if not lins:
         return KernelPlan(0, ())
     path = cache_dir() / "profiles" / f"kernel-plan-{plan_key(lins, layouts, probes)}.json"
     plan = read_plan(path)
+    if plan is not None and (slower := contradicted_at_one_row(model, plan, lins)) is not None:
+        log.warning(
+            "the kernel's stored plan %s reads %.1fx slower at one row than its other choice measures now (measured "
+            "while the machine was busy?): measuring it again",
+            path,
+            slower,
+        )
+        plan = None
     if plan is not None:
         apply_plan(model, plan)
         log.info("the kernel's plan, measured on this machine before (%s): %s", path, plan.describe())
@@ -660,6 +673,33 @@ def cached_kernel_plan(
     }
     store_json(path, stored)  # whole or not at all, for a process loading beside this one
     return plan
+
+
+def contradicted_at_one_row(
+    model: LlamaModel, plan: KernelPlan, lins: list[nn.Linear], repeats: int = RECHECK_REPEATS
+) -> float | None:
+    """How many times slower a stored plan's choice of records or float32 weights at one row (a decode step's
+    products) reads than the other choice, timed now, where that is more than RECHECK_MARGIN (else None). A plan
+    measured while another process timed beside it chose float32 weights at one row where the Q4_1 records read
+    3.5x faster, and every later load kept it (docs/benchmarks.md, "A kernel plan measured on a busy machine")."""
+    held = [m for m in lins if getattr(m, "small_records", None) is not None]
+    groups = (
+        ([m for m in held if m is not model.lm_head], plan.q4_rows, plan.q4_prefetch),
+        ([m for m in held if m is model.lm_head], plan.q8_rows, plan.q8_prefetch),
+    )
+    for group, record_rows, record_prefetch in groups:
+        if not group:
+            continue
+        packed = bool(plan.packed_rows & 1) and all(
+            isinstance(getattr(m, "small_packed", None), extension().SmallPacked) for m in group
+        )
+        prefetch = record_prefetch[0] if record_prefetch else plan.prefetch[0]
+        f32_s, records_s = time_records(group, 1, packed, plan.prefetch[0], (prefetch,), repeats)
+        record_s = records_s[0]
+        chosen, other = (record_s, f32_s) if record_rows & 1 else (f32_s, record_s)
+        if chosen > RECHECK_MARGIN * other:
+            return chosen / other
+    return None
 
 
 def plan_key(lins: list[nn.Linear], layouts: tuple[bool, ...], probes: tuple[int, ...]) -> str:
