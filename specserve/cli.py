@@ -30,7 +30,7 @@ from specserve.config import (
 from specserve.console import console_safe
 from specserve.errors import SettingsError, SpecServeError, settings_problems
 from specserve.sampling import SamplingParams
-from specserve.structured import FormatKind, OutputFormat
+from specserve.structured import FormatKind, GrammarCompiler, OutputFormat
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +70,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise SettingsError(
             f"{args.model}'s tokenizer has no chat template: pass --no-chat to send the prompt as it is"
         )
+    if params.output_format is not None:  # a format its grammar compiler refuses: said before the models load too
+        eos = [t for t in (tokenizer.eos_token_id,) if t is not None]
+        GrammarCompiler(tokenizer, eos).compile(params.output_format)
     engine = Engine.from_config(
         EngineConfig(
             target=target,
@@ -101,7 +104,7 @@ def _output_format(args: argparse.Namespace) -> OutputFormat | None:
         return OutputFormat(kind=FormatKind.json_object, param="--json")
     if args.json_schema is not None:
         text = args.json_schema
-        if not text.lstrip().startswith("{"):  # a file's name
+        if not text.lstrip().startswith("{") and text.strip() not in ("true", "false"):  # a file's name
             try:
                 text = Path(text).read_text()
             except OSError as e:

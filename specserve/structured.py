@@ -80,7 +80,10 @@ class OutputFormat(Validated):
         from llguidance import LLMatcher
 
         if self.kind == FormatKind.json_schema:
-            return LLMatcher.grammar_from_json_schema(json.loads(str(self.schema_text)), defaults=_json_layout())
+            schema = json.loads(str(self.schema_text))
+            if schema is False:
+                raise ValueError("the JSON schema false accepts no answer")
+            return LLMatcher.grammar_from_json_schema({} if schema is True else schema, defaults=_json_layout())
         if self.kind == FormatKind.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_json_layout())
         if self.kind == FormatKind.regex:
@@ -110,8 +113,11 @@ class GrammarCompiler:
 
         if self._hf is None:
             return "this model has no tokenizer"
+        named = [t for t in self.eos_token_ids if t < len(self._hf)]  # (an id past the tokenizer's: never allowed)
+        if not named:
+            return f"none of its EOS ids {self.eos_token_ids} is a token of its tokenizer"
         try:
-            return from_tokenizer(self._hf, eos_token=self.eos_token_ids)  # type: ignore[arg-type]
+            return from_tokenizer(self._hf, eos_token=named)  # type: ignore[arg-type]
         except (ValueError, TypeError) as e:  # a slow tokenizer, an EOS id it does not name
             return f"its tokenizer cannot be read as a grammar's vocabulary ({e})"
 

@@ -555,11 +555,12 @@ def test_every_command_writes_text_its_console_cannot_encode_escaped(
 def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from types import SimpleNamespace
 
+    from deployments.tiny_tokenizer import tiny_tokenizer
     from specserve.engine import Engine
 
     asked: list[SamplingParams] = []
-    engine = SimpleNamespace(
-        tokenizer=SimpleNamespace(chat_template="t"), stream=lambda prompt, params, chat: asked.append(params) or []
+    engine = SimpleNamespace(  # (a real tokenizer: a format is compiled against it before the models load)
+        tokenizer=tiny_tokenizer(), stream=lambda prompt, params, chat: asked.append(params) or []
     )
     monkeypatch.setattr(Engine, "from_config", lambda config, tokenizer: engine)
     monkeypatch.setattr("specserve.models.loader.load_tokenizer", lambda spec: engine.tokenizer)
@@ -593,6 +594,13 @@ def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pyte
     asked.clear()
     assert main(["generate", "hi", "--draft", "none", "--choice", "yes", "--choice", "no"]) == 0
     assert asked[0].output_format == OutputFormat(kind=FormatKind.choice, choices=("yes", "no"), param="--choice")
+    asked.clear()
+    assert main(["generate", "hi", "--draft", "none", "--json-schema", "true"]) == 0  # (a schema, not a file)
+    assert asked[0].output_format == OutputFormat(
+        kind=FormatKind.json_schema, schema_text="true", param="--json-schema"
+    )
+    asked.clear()
+    assert main(["generate", "hi", "--draft", "none", "--regex", "[a-"]) == 2 and asked == []  # refused before
 
 
 def test_generate_says_a_tokenizer_has_no_chat_template_before_the_models_load(

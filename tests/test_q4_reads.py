@@ -264,10 +264,13 @@ def test_a_stored_plan_that_a_one_row_check_contradicts_is_measured_again(
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
     records_s = {1: 2.0, 2: 0.5, 4: 2.0}  # the busy machine's timing: the records lost at one row
     measured: list[int] = []
+    checked: list[tuple[bool, object]] = []  # the check's float32 layout and the records' prefetch
 
     def fake_q4(
         lins: list, rows: int, packed: bool, prefetch: object, record_prefetches: tuple, repeats: int
     ) -> tuple[float, tuple[float, ...]]:
+        if repeats == native_stack.RECHECK_REPEATS:
+            checked.append((packed, record_prefetches))
         return 1.0, tuple(records_s[rows] for _ in record_prefetches)
 
     def fake_variants(lins: list, rows: int, variants: list, repeats: int) -> list[float]:
@@ -287,6 +290,7 @@ def test_a_stored_plan_that_a_one_row_check_contradicts_is_measured_again(
     records_s[1] = 1.0 / native_stack.RECHECK_MARGIN * 1.01  # quiet now: within the margin, kept
     measured.clear()
     assert load() == busy and measured == []
+    assert checked == [(bool(busy.packed_rows & 1), (busy.q4_prefetch[0],))]  # as the plan reads one row
     records_s[1] = 0.3  # the records read 3.3x faster at one row: measured again, and the new plan stored
     fresh = load()
     assert [r for r in range(1, 65) if reads_copy(fresh.q4_rows, r)] == [1, 2, 3] and measured == [1, 2, 4]

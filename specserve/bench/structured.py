@@ -3,9 +3,10 @@
 For each prompt (MT-bench's first turns, through the chat template) every (method, format) pair generates the
 answer greedily at batch 1, pairs interleaved prompt by prompt and pass by pass. Formats: free text, any JSON
 object (``json_object``) and a small JSON schema. Methods: plain decoding and the pair's serving speculation
-(its default drafter and trees, no guard). Per pair it prints the median tokens/s, the ratio to the same method's
-free text (the format's cost) and to plain decoding under the same format (what speculation buys there), tau,
-and whether every answer equals plain decoding's under its format; a CSV beside it.
+(its default drafter and trees, no guard). Per pair it prints the median decoding rate (tokens after the first
+output's over the time after it: the prefill left out, so an answer a format ends early is not slower for it), the
+paired ratio to the same method's free text (the format's cost) and to plain decoding under the same format (what
+speculation buys there), tau, and whether every answer equals plain decoding's under its format; a CSV.
 
     .venv/bin/specserve bench structured --num-prompts 8 --max-tokens 64 --passes 3 --out bench_out/structured
 """
@@ -24,11 +25,12 @@ from specserve.bench.machine import device_summary
 from specserve.bench.prompt_sets import mt_bench_prompts
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import DEFAULT_PAIR, MODEL_PAIRS, SpecConfig, SpecMethod, serving_speculation
-from specserve.engine import Completion, Engine
+from specserve.engine import Engine
 from specserve.heap import freeze_loaded_objects
 from specserve.models.loader import load_draft, load_model, load_tokenizer
 from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
+from specserve.sequence import RequestOutput
 from specserve.structured import FormatKind, OutputFormat
 
 SCHEMA = {  # a small record: strings, an integer, an enum and a list
@@ -86,17 +88,18 @@ def run(args: argparse.Namespace) -> int:
     freeze_loaded_objects()
     for m, f in pairs:  # untimed: first calls' one-off costs (and each format's grammar's first compile)
         engines[m].generate(prompts[0], params[f])
-    secs: dict[tuple[str, str], list[float]] = {k: [] for k in pairs}
-    outs: dict[tuple[str, str], list[Completion]] = {k: [] for k in pairs}
+    rates: dict[tuple[str, str], list[float]] = {k: [] for k in pairs}
+    outs: dict[tuple[str, str], list[list[int]]] = {k: [] for k in pairs}
+    ends: dict[tuple[str, str], list[RequestOutput]] = {k: [] for k in pairs}
     for r in range(args.passes * len(prompts)):
         prompt = prompts[r % len(prompts)]
         order = pairs if r % 2 == 0 else pairs[::-1]  # interleaved, alternating order
         for m, f in order:
-            t0 = time.perf_counter()
-            out = engines[m].generate(prompt, params[f])[0]
-            secs[(m, f)].append(time.perf_counter() - t0)
-            outs[(m, f)].append(out)
-    rows = [_row(m, f, secs, outs) for m, f in pairs]
+            ids, last, rate = _decoded(engines[m], prompt, params[f])
+            rates[(m, f)].append(rate)
+            outs[(m, f)].append(ids)
+            ends[(m, f)].append(last)
+    rows = [_row(m, f, rates, outs, ends) for m, f in pairs]
     print(f"# bench structured: {args.pair}, {len(prompts)} MT-bench prompts x {args.passes} passes, greedy, "
           f"up to {args.max_tokens} tokens; {device_summary(args.device)}")  # fmt: skip
     print(markdown_table(rows))
@@ -106,23 +109,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(
-    method: str, fmt: str, secs: dict[tuple[str, str], list[float]], outs: dict[tuple[str, str], list[Completion]]
-) -> dict[str, Any]:
-    def tok_s(m: str, f: str) -> list[float]:
-        return [len(o.token_ids) / s for o, s in zip(outs[(m, f)], secs[(m, f)], strict=True)]
+def _decoded(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], RequestOutput, float]:
+    """The answer's ids, its last output and its decoding rate: tokens after the first output's over the time from
+    that output to the last (the prefill left out: an answer a format ends early would otherwise read slower for
+    its share of a shorter run)."""
+    ids: list[int] = []
+    first_at, first_n = 0.0, 0
+    last = None
+    for out in engine.stream(prompt, params):
+        if last is None:
+            first_at, first_n = time.perf_counter(), len(out.token_ids)
+        ids += out.token_ids
+        last = out
+    assert last is not None
+    seconds = time.perf_counter() - first_at
+    return ids, last, (len(ids) - first_n) / seconds if seconds > 0 and len(ids) > first_n else float("nan")
 
-    mine, text, plain = tok_s(method, fmt), tok_s(method, "text"), tok_s("plain", fmt)
-    done = outs[(method, fmt)]
+
+def _row(
+    method: str,
+    fmt: str,
+    rates: dict[tuple[str, str], list[float]],
+    outs: dict[tuple[str, str], list[list[int]]],
+    ends: dict[tuple[str, str], list[RequestOutput]],
+) -> dict[str, Any]:
+    def ratio(a: list[float], b: list[float]) -> float:
+        paired = [x / y for x, y in zip(a, b, strict=True) if x == x and y == y]  # (NaN: no rate, one output)
+        return statistics.median(paired) if paired else float("nan")
+
+    mine, done = rates[(method, fmt)], ends[(method, fmt)]
     forwards = sum(o.stats.target_forwards for o in done)
+    finished = sum(o.finish_reason is not None and o.finish_reason.value == "stop" for o in done)
     return {
         "method": method,
         "format": fmt,
-        "tok_s": statistics.median(mine),
-        "x_own_text": statistics.median(a / b for a, b in zip(mine, text, strict=True)),
-        "x_plain_same_format": statistics.median(a / b for a, b in zip(mine, plain, strict=True)),
-        "tau": (sum(len(o.token_ids) for o in done) / forwards) if forwards else float("nan"),
-        "mean_tokens": statistics.mean(len(o.token_ids) for o in done),
-        "ended_by_format": sum(o.finish_reason.value == "stop" for o in done) / len(done),
-        "greedy_eq_plain": all(a.token_ids == b.token_ids for a, b in zip(done, outs[("plain", fmt)], strict=True)),
+        "decode_tok_s": statistics.median(x for x in mine if x == x),
+        "x_own_text": ratio(mine, rates[(method, "text")]),
+        "x_plain_same_format": ratio(mine, rates[("plain", fmt)]),
+        "tau": sum(len(ids) for ids in outs[(method, fmt)]) / forwards if forwards else float("nan"),
+        "mean_tokens": statistics.mean(len(ids) for ids in outs[(method, fmt)]),
+        "ended_by_format": finished / len(done),
+        "greedy_eq_plain": "-" if method == "plain" else str(outs[(method, fmt)] == outs[("plain", fmt)]),
     }
