@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
@@ -166,3 +167,21 @@ def serving(app: FastAPI) -> Iterator[str]:
 def api_server(backend: LocalBackend, **options: Any) -> Iterator[str]:
     with serving(build_api(backend, HTTPOptions(**options))) as url:
         yield url
+
+
+def module_server(**backend_args: Any) -> tuple[Any, Any]:
+    """A test module's ``backend`` (a LocalBackend of ``backend_args``) and ``url`` (the API served over it)
+    fixtures, one of each per module: ``backend, url = module_server(max_model_len=128)``."""
+
+    @pytest.fixture(scope="module")
+    def backend() -> Iterator[LocalBackend]:
+        local = LocalBackend(**backend_args)
+        yield local
+        local.stop()
+
+    @pytest.fixture(scope="module")
+    def url(backend: LocalBackend) -> Iterator[str]:
+        with api_server(backend) as served:
+            yield served
+
+    return backend, url

@@ -9,7 +9,7 @@ import concurrent.futures
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -21,7 +21,7 @@ from specserve.api.metrics import ServeMetrics
 from specserve.api.resume import StreamCursor
 from specserve.api.server import _Choice, _CompletionFormat, _Outcome, _Routes, _Tracker
 from specserve.sequence import Request, RequestOutput, RequestStats
-from tests.api_backend import MODEL, LeavingClient, LocalBackend, api_server, requests_by_status
+from tests.api_backend import MODEL, LeavingClient, LocalBackend, api_server, module_server, requests_by_status
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SAMPLED: dict[str, Any] = {
@@ -35,17 +35,7 @@ SAMPLED: dict[str, Any] = {
 USER = [{"role": "user", "content": "hello there"}]
 
 
-@pytest.fixture(scope="module")
-def backend() -> Iterator[LocalBackend]:
-    backend = LocalBackend(max_model_len=256, max_batch_size=4)
-    yield backend
-    backend.stop()
-
-
-@pytest.fixture(scope="module")
-def url(backend: LocalBackend) -> Iterator[str]:
-    with api_server(backend) as url:
-        yield url
+backend, url = module_server(max_model_len=256, max_batch_size=4)
 
 
 def post(url: str, body: dict[str, Any], path: str = COMPLETIONS) -> dict[str, Any]:

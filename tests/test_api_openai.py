@@ -10,7 +10,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -30,7 +30,7 @@ from specserve.errors import InvalidRequestError
 from specserve.sampling import SamplingParams
 from specserve.sequence import Request, RequestOutput, RequestStats
 from specserve.step_events import StepMetrics
-from tests.api_backend import MODEL, LeavingClient, LocalBackend, api_server, requests_by_status
+from tests.api_backend import MODEL, LeavingClient, LocalBackend, api_server, module_server, requests_by_status
 from tests.test_min_tokens import one_token_a_step, stop_seen_twice
 
 CONTEXT = 128
@@ -38,17 +38,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def backend() -> Iterator[LocalBackend]:
-    backend = LocalBackend(max_model_len=CONTEXT)
-    yield backend
-    backend.stop()
-
-
-@pytest.fixture(scope="module")
-def url(backend: LocalBackend) -> Iterator[str]:
-    with api_server(backend) as url:
-        yield url
+backend, url = module_server(max_model_len=CONTEXT)
 
 
 @pytest.fixture(scope="module")

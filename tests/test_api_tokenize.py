@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,23 +16,13 @@ from specserve.api.schemas import TokenizeRequest
 from specserve.api.server import MAX_TOKENIZING, _Routes
 from specserve.errors import InvalidRequestError
 from specserve.prompts import PromptEncoder
-from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
+from tests.api_backend import MODEL, LocalBackend, api_server, module_server, requests_by_status
 
 VOCAB = 512  # the tiny model's
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the tea is hot"}]
 
 
-@pytest.fixture(scope="module")
-def backend() -> Iterator[LocalBackend]:
-    backend = LocalBackend(max_model_len=128)
-    yield backend
-    backend.stop()
-
-
-@pytest.fixture(scope="module")
-def url(backend: LocalBackend) -> Iterator[str]:
-    with api_server(backend) as url:
-        yield url
+backend, url = module_server(max_model_len=128)
 
 
 def post(url: str, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from load.resumable import ResumableStream, StreamFailedError
 from specserve.api.resume import StreamMark
 from specserve.config import ChainDraft, SpecConfig, SpecMethod
 from specserve.sequence import Request, RequestOutput
-from tests.api_backend import MODEL, LocalBackend, api_server, requests_by_status
+from tests.api_backend import MODEL, LocalBackend, api_server, module_server, requests_by_status
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SAMPLED: dict[str, Any] = {"model": MODEL, "prompt": "the cat", "max_tokens": 40, "temperature": 0.9, "top_p": 0.95}
@@ -35,17 +35,7 @@ CHAT_BODY: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def backend() -> Iterator[LocalBackend]:
-    backend = LocalBackend(max_model_len=256, max_batch_size=4)
-    yield backend
-    backend.stop()
-
-
-@pytest.fixture(scope="module")
-def url(backend: LocalBackend) -> Iterator[str]:
-    with api_server(backend) as url:
-        yield url
+backend, url = module_server(max_model_len=256, max_batch_size=4)
 
 
 def _events(url: str, route: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[dict[str, Any]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams, allowed_only, process_logits
 from specserve.structured import FormatKind, GrammarCompiler, OutputFormat
-from tests.api_backend import MODEL, LocalBackend, api_server
+from tests.api_backend import MODEL, module_server
 from tests.test_head_drafter import last_token_target, near_head
 
 EOS = 2  # the tiny tokenizer's </s>
@@ -330,12 +329,7 @@ def test_a_format_that_cannot_be_compiled_or_cannot_end_is_refused() -> None:
 # -- over HTTP ------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    backend = LocalBackend(max_model_len=128)
-    with api_server(backend) as url:
-        yield url
-    backend.stop()
+backend, url = module_server(max_model_len=128)
 
 
 def test_response_format_and_structured_outputs_hold_the_answer_over_http(url: str) -> None:
