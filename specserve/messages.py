@@ -99,6 +99,11 @@ class VerifyItem:
     banned_below: int = 0  # (min_tokens: EOS and the stop ids, before that many output tokens)
     allowed: np.ndarray | None = None  # [T, ceil(V / 32)] int32: the tokens a grammar allows at each node's row
 
+    def by_argmax(self, raw_argmax: bool) -> bool:
+        """Its tokens are the argmaxes of the target's logits as computed (``SamplingParams.raw_argmax``): nothing
+        moves a row (no synthetic acceptance, no banned tokens, no grammar's rows)."""
+        return raw_argmax and self.synthetic_accept is None and not self.banned and self.allowed is None
+
     def banned_rows(self, draw_positions: list[int]) -> list[int]:
         """The tree nodes whose token is drawn without ``banned``: ``draw_positions`` [T] per node."""
         if not self.banned:

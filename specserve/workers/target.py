@@ -66,7 +66,7 @@ class TargetWorker:
             with blame(it.seq_id):
                 params = self.params[it.seq_id]
                 # (biased, or with tokens not drawn yet: from the logits as processed)
-                greedy[i] = params.raw_argmax and it.synthetic_accept is None and not it.banned and it.allowed is None
+                greedy[i] = it.by_argmax(params.raw_argmax)
                 slot = self.table.slot(it.seq_id)
                 tree = DraftTree(
                     tokens=torch.tensor([it.new_tokens[-1], *it.draft_tokens]),
@@ -162,7 +162,7 @@ class TargetWorker:
         params = self.params[it.seq_id]
         gen = self.generators[it.seq_id]
         vocab = self.model.cfg.vocab_size
-        if params.raw_argmax and it.synthetic_accept is None and not it.banned and it.allowed is None:
+        if it.by_argmax(params.raw_argmax):
             assert greedy is not None
             res = accept_tree(tree, greedy, vocab)  # the argmaxes (process_logits would make their one-hot rows)
         elif logits is None:
