@@ -99,7 +99,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _output_format(args: argparse.Namespace) -> OutputFormat | None:
-    """--json, --json-schema, --regex or --choice (at most one: argparse's group) as the answer's format."""
+    """--json, --json-schema, --regex, --choice or --grammar (at most one: argparse's group) as the answer's
+    format."""
     if args.json:
         return OutputFormat(kind=FormatKind.json_object, param="--json")
     if args.json_schema is not None:
@@ -118,6 +119,14 @@ def _output_format(args: argparse.Namespace) -> OutputFormat | None:
         return OutputFormat(kind=FormatKind.regex, pattern=args.regex, param="--regex")
     if args.choice:
         return OutputFormat(kind=FormatKind.choice, choices=tuple(args.choice), param="--choice")
+    if args.grammar is not None:
+        text = args.grammar
+        if ":" not in text:  # a file's name (every Lark or GBNF rule has a colon)
+            try:
+                text = Path(text).read_text()
+            except OSError as e:
+                raise SettingsError(f"--grammar: cannot read {args.grammar!r}: {e.strerror}") from None
+        return OutputFormat(kind=FormatKind.grammar, grammar_text=text, param="--grammar")
     return None
 
 
@@ -221,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     held.add_argument("--json-schema", metavar="SCHEMA", help="the answer is JSON valid against this schema (or file)")
     held.add_argument("--regex", help="the answer matches this regular expression, whole")
     held.add_argument("--choice", action="append", default=[], help="the answer is one of these (repeatable)")
+    held.add_argument("--grammar", help="the answer is derived by this Lark or GBNF grammar (or file)")
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     g.add_argument(
         "--draft",

@@ -1,4 +1,5 @@
-"""Structured output: an answer held to a JSON schema, to JSON, to a regular expression or to one of a few strings.
+"""Structured output: an answer held to a JSON schema, to JSON, to a regular expression, to one of a few strings or
+to a context-free grammar (Lark or GBNF).
 
 A grammar (llguidance's) tells, after each prefix of the answer, which tokens may come next. The target draws from
 its distribution renormalised over those tokens, at every row it verifies: a draft tree's node row gets the tokens
@@ -44,6 +45,7 @@ class FormatKind(str, Enum):
     json_object = "json_object"  # any JSON object (OpenAI's JSON mode)
     regex = "regex"  # text matching a regular expression, whole
     choice = "choice"  # exactly one of a few strings
+    grammar = "grammar"  # text a context-free grammar derives (Lark, llguidance's dialect, or llama.cpp's GBNF)
 
 
 class OutputFormat(Validated):
@@ -55,13 +57,15 @@ class OutputFormat(Validated):
     schema_text: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS, description="json_schema's, as JSON")
     pattern: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS, description="regex's")
     choices: tuple[str, ...] = Field(default=(), max_length=MAX_CHOICES, description="choice's")
+    grammar_text: str | None = Field(default=None, min_length=1, max_length=MAX_SCHEMA_CHARS, description="grammar's")
     param: str = "response_format"
 
     @model_validator(mode="after")
     def _its_own_fields(self) -> OutputFormat:
         given = {"schema_text": self.schema_text is not None, "pattern": self.pattern is not None}
-        given["choices"] = bool(self.choices)
+        given |= {"choices": bool(self.choices), "grammar_text": self.grammar_text is not None}
         wanted = {FormatKind.json_schema: "schema_text", FormatKind.regex: "pattern", FormatKind.choice: "choices"}
+        wanted[FormatKind.grammar] = "grammar_text"
         need = wanted.get(self.kind)
         if any(v for k, v in given.items() if k != need) or (need is not None and not given[need]):
             raise ValueError(f"a {self.kind.value} format takes {need or 'nothing else'}")
@@ -77,7 +81,7 @@ class OutputFormat(Validated):
 
     def grammar(self) -> str:
         """The llguidance grammar (checked where it is compiled against a tokenizer)."""
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, grammar_from
 
         if self.kind == FormatKind.json_schema:
             schema = json.loads(str(self.schema_text))
@@ -88,6 +92,8 @@ class OutputFormat(Validated):
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_json_layout())
         if self.kind == FormatKind.regex:
             return LLMatcher.grammar_from_regex(str(self.pattern))
+        if self.kind == FormatKind.grammar:  # (GBNF, told by its "::=", is rewritten as Lark: a ValueError if it fails)
+            return grammar_from("grammar", str(self.grammar_text))
         # each choice a string literal of a Lark grammar (JSON's escapes: any text is one)
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choices))
 

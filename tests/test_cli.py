@@ -37,6 +37,8 @@ from tests.conftest import forbid_model_loads
         (["--json", "--regex", "a"], "argument --regex: not allowed with argument --json"),
         (["--json-schema", "{not json"], "--json-schema: not JSON"),
         (["--json-schema", "/no/such/schema.json"], "--json-schema: cannot read '/no/such/schema.json'"),
+        (["--grammar", "/no/such.lark"], "--grammar: cannot read '/no/such.lark'"),
+        (["--choice", "a", "--grammar", "start: x"], "argument --grammar: not allowed with argument --choice"),
         (["--json", "--ignore-eos"], "a structured answer ends where its grammar is satisfied: not with ignore_eos"),
     ],
 )
@@ -579,6 +581,8 @@ def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pyte
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(schema)
+    lark, lark_file = 'start: "a" | "b"', tmp_path / "ab.lark"
+    lark_file.write_text(lark)
     held = {
         "--json": OutputFormat(kind=FormatKind.json_object, param="--json"),
         "--regex=[a-z]+": OutputFormat(kind=FormatKind.regex, pattern="[a-z]+", param="--regex"),
@@ -586,6 +590,8 @@ def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pyte
         f"--json-schema={schema_file}": OutputFormat(
             kind=FormatKind.json_schema, schema_text=schema, param="--json-schema"
         ),
+        "--grammar=" + lark: OutputFormat(kind=FormatKind.grammar, grammar_text=lark, param="--grammar"),
+        f"--grammar={lark_file}": OutputFormat(kind=FormatKind.grammar, grammar_text=lark, param="--grammar"),
     }
     for flag, fmt in held.items():
         asked.clear()
@@ -601,6 +607,7 @@ def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pyte
     )
     asked.clear()
     assert main(["generate", "hi", "--draft", "none", "--regex", "[a-"]) == 2 and asked == []  # refused before
+    assert main(["generate", "hi", "--draft", "none", "--grammar", "start: foo"]) == 2 and asked == []
 
 
 def test_generate_says_a_tokenizer_has_no_chat_template_before_the_models_load(

@@ -44,7 +44,18 @@ FORMATS = [
     OutputFormat(kind=FormatKind.json_object),
     OutputFormat(kind=FormatKind.regex, pattern="[a-e]{2,6}-[0-9]{1,3}"),
     OutputFormat(kind=FormatKind.choice, choices=("yes", "no", 'a "quoted" one')),
+    OutputFormat(kind=FormatKind.grammar, grammar_text='start: "(" N ("," N)? ")"\nN: /[0-9]{1,2}/'),  # Lark
+    OutputFormat(kind=FormatKind.grammar, grammar_text='root ::= w "-" w\nw ::= [a-e] [a-e]? [a-e]?'),  # GBNF
 ]
+# each grammar's language as a Python regular expression (the reference its answers are checked against)
+GRAMMAR_REGEX = {FORMATS[4]: r"\([0-9]{1,2}(,[0-9]{1,2})?\)", FORMATS[5]: "[a-e]{1,3}-[a-e]{1,3}"}
+ANSWER_SO_FAR = {FORMATS[2]: "ab", FORMATS[3]: "", FORMATS[1]: '{"a', FORMATS[4]: "(1", FORMATS[5]: "ab"}
+
+
+def _fmt_id(fmt: OutputFormat) -> str:
+    return fmt.kind.value + ("-gbnf" if "::=" in str(fmt.grammar_text) else "")
+
+
 SPECS = [
     SpecConfig(method=SpecMethod.none),
     SpecConfig(method=SpecMethod.chain, sl=4),
@@ -88,13 +99,12 @@ def test_allowed_only_keeps_each_rows_bits_and_nothing_past_them() -> None:
     assert torch.isinf(narrow[0, 64:]).all() and torch.isfinite(narrow[0, :64]).all()  # ids no bit names
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.kind.value)
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
 def test_a_trees_rows_are_what_a_fresh_matcher_allows_after_each_nodes_path(fmt: OutputFormat) -> None:
     tok = tiny_tokenizer()
     grammar = GrammarCompiler(tok, [EOS]).compile(fmt)
     vocab = len(tok)
-    answer = {FormatKind.regex: "ab", FormatKind.choice: "", FormatKind.json_object: '{"a'}.get(fmt.kind, '{"colo')
-    committed = tok.encode(answer)
+    committed = tok.encode(ANSWER_SO_FAR.get(fmt, '{"colo'))
     first = sorted(_allowed_by(_fresh_matcher(fmt, committed), vocab))
     grammar.follow([*committed, first[-1]])  # (then back: a rollback took a token away)
     grammar.follow(committed)
@@ -180,7 +190,7 @@ def models() -> tuple[LlamaModel, LlamaModel]:
     return target, noisy_copy(target, 0.02, seed=1)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.kind.value)
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
 def test_greedy_answers_equal_grammar_held_plain_decoding_with_every_drafter(
     models: tuple[LlamaModel, LlamaModel], fmt: OutputFormat
 ) -> None:
@@ -201,6 +211,8 @@ def test_greedy_answers_equal_grammar_held_plain_decoding_with_every_drafter(
             assert isinstance(json.loads(text), dict)
         elif fmt.kind == FormatKind.regex:
             assert re.fullmatch(str(fmt.pattern), text)
+        elif fmt.kind == FormatKind.grammar:
+            assert re.fullmatch(GRAMMAR_REGEX[fmt], text), text
         else:
             assert text in fmt.choices
 
@@ -369,12 +381,20 @@ def test_response_format_and_structured_outputs_hold_the_answer_over_http(url: s
         ({"regex": "[a-e]{2,6}-[0-9]{1,3}"}, lambda t: re.fullmatch("[a-e]{2,6}-[0-9]{1,3}", t)),
         ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
         ({"json": SCHEMA}, lambda t: Draft202012Validator(SCHEMA).validate(json.loads(t)) is None),
+        ({"grammar": FORMATS[5].grammar_text}, lambda t: re.fullmatch(GRAMMAR_REGEX[FORMATS[5]], t)),
     ):
         body = {"model": MODEL, "prompt": "answer:", "max_tokens": 60, "temperature": 0, "structured_outputs": held}
         r = httpx.post(url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "stop" and check(choice["text"]), (held, choice)
+    body = {"model": MODEL, "prompt": "answer:", "max_tokens": 8, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body | {"structured_outputs": {"json_object": True}}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("{"), r.text
+    assert not httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"].startswith("{")
+
+
+ONE_FORMAT = "structured_outputs takes one of json, regex, choice, grammar or json_object"
 
 
 def _nested(depth: int) -> dict[str, Any]:
@@ -395,8 +415,14 @@ def _nested(depth: int) -> dict[str, Any]:
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}}, "response_format",
          "String should match pattern"),
         ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not supported"),
-        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "one of json, regex or choice"),
-        ({"structured_outputs": {}}, "structured_outputs", "one of json, regex or choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", ONE_FORMAT),
+        ({"structured_outputs": {}}, "structured_outputs", ONE_FORMAT),
+        ({"structured_outputs": {"grammar": "x", "json_object": True}}, "structured_outputs", ONE_FORMAT),
+        ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", 'unknown name: "foo"'),
+        ({"structured_outputs": {"grammar": "root ::= [a-"}}, "structured_outputs", "from GBNF to Lark"),
+        ({"structured_outputs": {"grammar": ""}}, "structured_outputs", "at least 1 character"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs", "Input should be True"),
+        ({"structured_outputs": {"json_object": 1}}, "structured_outputs", "must be a JSON boolean"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
          "not both"),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "response_format", "not with ignore_eos"),

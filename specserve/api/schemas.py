@@ -210,18 +210,21 @@ class ResponseFormat(ClosedModel):
 
 
 class StructuredOutputs(ClosedModel):
-    """vLLM's ``structured_outputs``: one of a JSON schema, a regular expression or a choice of strings."""
+    """vLLM's ``structured_outputs``: one of a JSON schema, any JSON object, a regular expression, a choice of
+    strings or a grammar (Lark or GBNF)."""
 
     json_: Annotated[dict[str, Any], BeforeValidator(check_depth)] | None = Field(
         default=None, alias="json", description="a JSON schema"
     )
     regex: str | None = Field(default=None, min_length=1, max_length=MAX_SCHEMA_CHARS)
     choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_FORMAT_CHOICES)
+    grammar: str | None = Field(default=None, min_length=1, max_length=MAX_SCHEMA_CHARS, description="Lark or GBNF")
+    json_object: Annotated[Literal[True] | None, _exactly(bool)] = Field(default=None, description="any JSON object")
 
     @model_validator(mode="after")
     def _one_of_them(self) -> StructuredOutputs:
-        if sum(v is not None for v in (self.json_, self.regex, self.choice)) != 1:
-            raise ValueError("structured_outputs takes one of json, regex or choice")
+        if sum(v is not None for v in (self.json_, self.regex, self.choice, self.grammar, self.json_object)) != 1:
+            raise ValueError("structured_outputs takes one of json, regex, choice, grammar or json_object")
         return self
 
     def output_format(self) -> OutputFormat:
@@ -230,6 +233,10 @@ class StructuredOutputs(ClosedModel):
             return OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(self.json_), param=param)
         if self.regex is not None:
             return OutputFormat(kind=FormatKind.regex, pattern=self.regex, param=param)
+        if self.grammar is not None:
+            return OutputFormat(kind=FormatKind.grammar, grammar_text=self.grammar, param=param)
+        if self.json_object:
+            return OutputFormat(kind=FormatKind.json_object, param=param)
         return OutputFormat(kind=FormatKind.choice, choices=tuple(cast(list[str], self.choice)), param=param)
 
 
