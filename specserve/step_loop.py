@@ -25,7 +25,7 @@ from specserve.policy.planner import SLPlanner, StepPlan
 from specserve.sequence import FinishReason, Request, RequestOutput, Sequence
 from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver, StepStats
-from specserve.structured import GrammarCompiler
+from specserve.structured import AnswerGrammar, GrammarCompiler
 from specserve.workers.base import DraftWorkerAPI, TargetWorkerAPI
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,9 @@ class StepLoop:
         self.observers: list[StepObserver] = [self.stats]
 
     # -- requests in and out --------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, grammar: AnswerGrammar | None = None) -> None:
+        """``grammar``: the request's format compiled already (by ``self.grammars``, off the thread that steps);
+        None: compiled here."""
         if request.request_id in self._by_request:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if not request.prompt_ids:
@@ -119,7 +121,7 @@ class StepLoop:
         if request.params.output_format is not None:
             if spec.synthetic_accept is not None:  # (its accepted paths are made up: the grammar would not hold)
                 raise InvalidRequestError("a structured answer cannot be drafted in the synthetic benchmark mode")
-            seq.grammar = self.grammars.compile(request.params.output_format)
+            seq.grammar = grammar or self.grammars.compile(request.params.output_format)
         seq.prompt_logprobs_sent = request.delivered is not None  # (a continuation's first lane sent them)
         if spec.policy == SLPolicyKind.dsde and spec.method != SpecMethod.none:
             seq.sl_state = SequenceDSDE(spec.dsde, request.params.temperature)

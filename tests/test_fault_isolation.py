@@ -41,6 +41,7 @@ from specserve.sequence import Request, RequestOutput, Sequence
 from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver
 from specserve.step_loop import StepLoop
+from specserve.structured import AnswerGrammar
 from specserve.workers import DraftWorker, HeadDraftWorker, TargetWorker
 from specserve.workers import draft as draft_module
 from specserve.workers.base import TargetWorkerAPI
@@ -229,9 +230,9 @@ def test_a_client_gone_before_admission_leaves_the_lane_running(
     admitted: list[str] = []
     add_request = engine.loop.add_request
 
-    def recording(request: Request) -> None:
+    def recording(request: Request, grammar: AnswerGrammar | None = None) -> None:
         admitted.append(request.request_id)
-        add_request(request)
+        add_request(request, grammar)
 
     monkeypatch.setattr(engine.loop, "add_request", recording)
 

@@ -4,9 +4,11 @@ always in the grammar's language."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,9 @@ import torch
 from jsonschema import Draft202012Validator
 from scipy.stats import chisquare
 
+from deployments.lane import Lane
 from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.api.metrics import ServeMetrics
 from specserve.config import ChainDraft, Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
@@ -28,7 +32,8 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams, allowed_only, process_logits
-from specserve.structured import FormatKind, GrammarCompiler, OutputFormat
+from specserve.sequence import Request
+from specserve.structured import AnswerGrammar, FormatKind, GrammarCompiler, OutputFormat
 from tests.api_backend import MODEL, module_server
 from tests.test_head_drafter import last_token_target, near_head
 
@@ -472,3 +477,47 @@ def test_a_grammar_that_validates_and_cannot_be_built_is_refused_at_admission() 
     compiler = GrammarCompiler(tok, [tok.eos_token_id])
     with pytest.raises(InvalidRequestError, match=r"response_format: .*lexer"):
         compiler.compile(OutputFormat(kind=FormatKind.regex, pattern="(a|aa)*" * 500 + "b"))
+
+
+def test_a_lane_compiles_a_format_off_its_thread_and_steps_its_batch_meanwhile(
+    models: tuple[LlamaModel, LlamaModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A format compiled at admission held the lane's thread, and every request it was stepping waited (tens of ms
+    for a large grammar; the first on a lane also reads the vocabulary, 0.3 s for SmolLM2's). Here the compile
+    waits for a plain request submitted after it to finish: on the lane's thread, neither would."""
+    target, draft = models
+    tok = tiny_tokenizer()
+    engine = Engine(target, tok, draft=draft, speculation=SPECS[1], max_batch_size=2, max_model_len=128)
+    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0)  # type: ignore[arg-type]
+    prompts = [tok.encode("hello"), tok.encode("the tea is")]
+    held = SamplingParams(max_tokens=20, output_format=FORMATS[2])
+    plain_done, compiled_on = threading.Event(), []
+    compile_format = engine.loop.grammars.compile
+
+    def waiting(fmt: OutputFormat) -> AnswerGrammar:
+        compiled_on.append(threading.current_thread())
+        assert plain_done.wait(60)
+        return compile_format(fmt)
+
+    monkeypatch.setattr(engine.loop.grammars, "compile", waiting)
+
+    async def tokens(request: Request) -> list[int]:
+        return [t async for out in await lane.submit(request) for t in out.token_ids]
+
+    async def run() -> tuple[list[int], list[int]]:
+        held_answer = asyncio.create_task(tokens(Request("held", prompts[0], held)))
+        while not compiled_on:
+            await asyncio.sleep(0.01)
+        plain = await tokens(Request("plain", prompts[1], SamplingParams(max_tokens=20, ignore_eos=True)))
+        plain_done.set()
+        return await held_answer, plain
+
+    try:
+        held_answer, plain = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        plain_done.set()
+        lane.stop()
+    assert held_answer == _held_greedy(target, FORMATS[2], prompts[0], 20)
+    reference = Engine(target, tok, max_batch_size=1, max_model_len=128)
+    assert plain == reference.generate([prompts[1]], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
+    assert len(compiled_on) == 1 and compiled_on[0].name != "lane-0"
