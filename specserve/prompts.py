@@ -127,6 +127,7 @@ class PromptEncoder:
         room: int | None = None,
         generation_prompt: bool = True,
         continue_final: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The chat template's ids. A message's text is text: a control token's string typed in it (``<|im_end|>``)
         is tokenized as its characters, as the OpenAI API does, so no message can close its turn and forge another
@@ -134,7 +135,8 @@ class PromptEncoder:
         them as text, each piece in the context of the text before it, so the ids decode to the rendered prompt).
         ``room`` as for ``text``, checked on the rendered prompt (a template may trim or drop text).
         ``generation_prompt``: the assistant turn's opening, which a request's answer follows, at the end;
-        ``continue_final`` (instead): the last message left open, for the answer to continue (a prefill)."""
+        ``continue_final`` (instead): the last message left open, for the answer to continue (a prefill).
+        ``tools``: the functions a request offers, for templates that describe them (as OpenAI's ``tools``)."""
         if self.tokenizer is None:  # (not _tokenizer's advice: messages cannot be token ids)
             raise InvalidRequestError(
                 "this model has no tokenizer, so no chat template: pass the prompt as a list of token ids, not chat "
@@ -152,6 +154,8 @@ class PromptEncoder:
                 param="continue_final_message",
             )
         options: dict[str, Any] = {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final}
+        if tools is not None:
+            options["tools"] = tools
         try:
             if room is not None and self.max_token_chars and _text_chars(messages) > room * self.max_token_chars:
                 rendered = tokenizer.apply_chat_template(messages, tokenize=False, **options)

@@ -96,7 +96,23 @@ class Bodies:
             message["content"] = [{"type": "text", "text": self.text()} for _ in range(r.randint(0, 3))]
         elif kind < 0.9:
             message["content"] = None
-        return message | self.pick({"name": self.text, "tool_call_id": self.text}, 0.1)
+        arguments = r.choice(["{}", '{"a": 1}', "x"])
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return message | self.pick({"name": self.text, "tool_call_id": self.text, "tool_calls": lambda: [call]}, 0.1)
+
+    def tools(self) -> dict[str, Any]:
+        """OpenAI's tools and tool_choice (held calls, the 'auto' default refused, unknown names, a format beside)."""
+        r = self.r
+        schema = r.choice([None, {}, {"type": "object", "properties": {"a": {"enum": [1, 2]}}}, {"type": "foo"}])
+        tool = {"type": "function", "function": {"name": r.choice(["f", "g"])} | ({} if schema is None else {
+            "parameters": schema})}  # fmt: skip
+        named = {"type": "function", "function": {"name": r.choice(["f", "g", "h"])}}
+        options = {
+            "tool_choice": lambda: r.choice(["none", "auto", "required", named, None]),
+            "parallel_tool_calls": lambda: r.choice([True, False, None]),
+            "response_format": lambda: {"type": "json_object"},
+        }
+        return {"tools": r.choice([[tool], [tool, tool], []])} | self.pick(options, 0.5)
 
     def chat_options(self) -> dict[str, Any]:
         flags = {"add_generation_prompt": lambda: self.r.choice([True, False]), "continue_final_message": lambda: True}
@@ -121,6 +137,8 @@ class Bodies:
         if r.random() < 0.5:
             path, body = CHAT, {"model": MODEL, "messages": [self.message() for _ in range(r.randint(1, 4))]}
             body |= self.pick({"max_completion_tokens": lambda: r.choice([1, 5, 100])}, 0.1) | self.chat_options()
+            if r.random() < 0.2:
+                body |= self.tools()
         else:
             ids = [r.randrange(VOCAB) for _ in range(r.randint(1, CONTEXT + 2))]
             batch = [self.text() or "x" for _ in range(r.randint(1, 3))]  # (OpenAI's batch of prompts)

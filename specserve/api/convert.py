@@ -40,7 +40,7 @@ def sampling_params_for(request: GenerationRequest, *, max_tokens: int) -> Sampl
         first = e.errors()[0]
         param = str(first["loc"][0]) if first["loc"] else None
         if param in ("output_format", *OutputFormat.model_fields) or e.title == OutputFormat.__name__:
-            param = "structured_outputs" if request.structured_outputs is not None else "response_format"
+            param = request.format_param
         raise APIError(f"{param}: {first['msg']}" if param else first["msg"], param=param) from e
 
 

@@ -273,6 +273,7 @@ MAX_CHOICES = 16  # a request's n: each choice is a sequence of the batch (OpenA
 # a conversation's messages: validating 120k one-character messages (a 3.9 MiB body, under the size limit) held the
 # event loop 1.5 s and the chat template another 3.5 s, stalling every stream of the replica
 MAX_MESSAGES = 4096
+MAX_TOOLS = 128  # tools a request offers, and calls an assistant message made
 # and their content parts, counted over all messages: 39 messages of 4096 empty parts (a 4.8 MB body) held it 0.8 s
 # (docs/benchmarks.md, "Content parts counted before validation")
 MAX_CONTENT_PARTS = 4096
@@ -422,6 +423,11 @@ class GenerationRequest(ClosedModel):
         if self.structured_outputs is not None:
             return self.structured_outputs.output_format()
         return None if self.response_format is None else self.response_format.output_format()
+
+    @property
+    def format_param(self) -> str:
+        """The field that sets the answer's form, for errors."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -618,27 +624,60 @@ MessageContent = Annotated[
 ]
 
 
+class FunctionCallIn(ClosedModel):
+    name: Utf8Str
+    arguments: Utf8Str = Field(description="the arguments as JSON text")
+
+
+class ToolCallIn(ClosedModel):
+    """A call an earlier assistant message made (its answer follows in a tool message with its id)."""
+
+    id: Utf8Str
+    type: Literal["function"]
+    function: FunctionCallIn
+
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates read a call: the arguments as an object where they are JSON (as vLLM hands them)."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(ClosedModel):
-    unset_when_empty = frozenset({"refusal", "tool_calls", "function_call", "audio", "annotations", "parsed"})
+    unset_when_empty = frozenset({"refusal", "function_call", "audio", "annotations", "parsed"})
 
     role: ChatRole
     content: MessageContent | None = None
     name: Utf8Str | None = Field(default=None, description="the participant, handed to the chat template")
     tool_call_id: Utf8Str | None = Field(default=None, description="a tool message's call (required there)")
+    tool_calls: list[ToolCallIn] | None = Field(
+        default=None, max_length=MAX_TOOLS, description="an assistant message's calls ([] or null: none)"
+    )
+
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _none_when_empty(cls, v: object) -> object:
+        return None if v == [] else v
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:
-        # OpenAI lets an assistant message leave it out only beside tool_calls, which this server does not take
-        if self.content is None:
+        if self.tool_calls is not None and self.role != ChatRole.assistant:
+            raise ValueError(f"only an assistant message makes tool_calls, not a {self.role.value} message")
+        if self.content is None and self.tool_calls is None:  # (OpenAI's: an assistant's may be its calls alone)
             article = "an" if self.role == ChatRole.assistant else "a"
             raise ValueError(f"{article} {self.role.value} message needs its content")
         if self.role == ChatRole.tool and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
-    def for_template(self) -> dict[str, str]:
-        """The message as the chat template reads it (templates that know ``name`` or ``tool_call_id`` use them)."""
-        extra = {"name": self.name, "tool_call_id": self.tool_call_id}
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (templates that know ``name``, ``tool_call_id`` or
+        ``tool_calls`` use them)."""
+        extra: dict[str, Any] = {"name": self.name, "tool_call_id": self.tool_call_id}
+        if self.tool_calls is not None:
+            extra["tool_calls"] = [call.for_template() for call in self.tool_calls]
         return {"role": self.template_role, "content": self.text} | {k: v for k, v in extra.items() if v is not None}
 
     @property
@@ -676,9 +715,55 @@ def _continue_without_a_new_turn(continue_final_message: bool, info: ValidationI
     return continue_final_message
 
 
+class FunctionSpec(ClosedModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Utf8Str | None = None
+    parameters: Annotated[dict[str, Any], BeforeValidator(check_depth)] | None = Field(
+        default=None, description="a JSON schema of the arguments object (left out or {}: the function takes none)"
+    )
+    strict: StrictBool | None = Field(default=None, description="always strict here where a call is forced")
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters or NO_ARGUMENTS  # ({} too: OpenAI's "no parameters")
+
+
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class ToolSpec(ClosedModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(ClosedModel):
+    name: str
+
+
+class NamedToolChoice(ClosedModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolMode(str, Enum):
+    """How a request's answer calls its tools: ``named``, one call of the function tool_choice names (the answer
+    is its arguments); ``required``, one or more calls of any of them (the answer a JSON list of
+    ``{"name", "parameters"}``, as vLLM's)."""
+
+    named = "named"
+    required = "required"
+
+
+AUTO_TOOL_CHOICE = (
+    "tool_choice 'auto' (the default beside tools) lets the model answer or call a tool in its own format, which "
+    'this server has no parser for: send tool_choice \'required\' (one or more calls) or {"type": "function", '
+    '"function": {"name": ...}} (that call), each held to the tools\' schemas as it is drawn, or \'none\''
+)
+
+
 class ChatCompletionRequest(GenerationRequest):
     unset_when_empty = frozenset(
-        {"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "reasoning_effort", "audio"}
+        {"functions", "function_call", "reasoning_effort", "audio"}
         | {"prediction", "web_search_options", "verbosity", "prompt_cache_retention", "prompt_cache_options"}
         | {"moderation"}
     )
@@ -718,7 +803,89 @@ class ChatCompletionRequest(GenerationRequest):
         "assistant's answer); needs add_generation_prompt: false",
     )
 
+    tools: list[ToolSpec] | None = Field(
+        default=None,
+        max_length=MAX_TOOLS,
+        description="functions the answer may call: handed to the chat template, and with tool_choice 'required' or "
+        "a named function the answer is held to their schemas and read back as tool_calls ([] or null: none)",
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        validate_default=True,
+        description="'none' (no calls; the default without tools), 'required' (one or more calls) or a named "
+        "function (one call of it); 'auto', the default beside tools, is refused: no parser reads this model's own "
+        "tool-call format",
+    )
+    parallel_tool_calls: StrictBool | None = Field(
+        default=None, description="false: tool_choice 'required' makes exactly one call (null: true)"
+    )
+
     _continue = field_validator("continue_final_message")(_continue_without_a_new_turn)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _no_tools_when_empty(cls, v: object) -> object:
+        return None if v == [] else v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_of_the_tools(
+        cls, v: Literal["none", "auto", "required"] | NamedToolChoice | None, info: ValidationInfo
+    ) -> Literal["none", "auto", "required"] | NamedToolChoice | None:
+        # (declared after tools, response_format and structured_outputs: validated after them)
+        if "tools" not in info.data:  # (the tools' own error says what is wrong)
+            return v
+        tools: list[ToolSpec] = info.data["tools"] or []
+        names = [t.function.name for t in tools]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools name a function twice: {sorted({n for n in names if names.count(n) > 1})}")
+        choice = v if v is not None else "auto" if tools else "none"
+        if choice == "none":
+            return v
+        if not tools:
+            raise ValueError("a tool_choice other than 'none' needs tools")
+        if choice == "auto":
+            raise ValueError(AUTO_TOOL_CHOICE)
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name[:64]!r}, which is not one of the tools")
+        held = info.data.get("response_format")
+        if info.data.get("structured_outputs") is not None or (held is not None and held.type != "text"):
+            raise ValueError("a tool call's arguments are held to its tool's schema: send no response format beside")
+        return v
+
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        """How the answer calls the tools (None: it makes no calls)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolMode.named
+        return ToolMode.required if self.tool_choice == "required" else None
+
+    def output_format(self) -> OutputFormat | None:
+        """A forced call's arguments, or the required calls, as JSON their tools' schemas hold; else as asked."""
+        if self.tool_mode is None:
+            return super().output_format()
+        tools = [t.function for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            named = self.tool_choice.function.name
+            schema = next(f for f in tools if f.name == named).arguments_schema
+        else:
+            call = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f.name}, "parameters": f.arguments_schema},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for f in tools
+            ]
+            schema = {"type": "array", "items": {"anyOf": call}, "minItems": 1}
+            if self.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+        return OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(schema), param="tools")
+
+    @property
+    def format_param(self) -> str:
+        return "tools" if self.tool_mode is not None else super().format_param
 
     _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
 
@@ -777,6 +944,9 @@ class TokenizeRequest(ClosedModel):
         default=False, description="messages': the last one left open (needs add_generation_prompt: false)"
     )
     return_token_strs: StrictBool | None = Field(default=False, description="each token as the vocabulary spells it")
+    tools: list[ToolSpec] | None = Field(
+        default=None, max_length=MAX_TOOLS, description="messages': the tools a chat request offers its template"
+    )
 
     _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
 
@@ -795,6 +965,8 @@ class TokenizeRequest(ClosedModel):
             raise ValueError("add_special_tokens: true is a prompt's: a chat's special tokens are its template's")
         if self.prompt is not None and {"add_generation_prompt", "continue_final_message"} & self.model_fields_set:
             raise ValueError("add_generation_prompt and continue_final_message are a chat's: send messages")
+        if self.prompt is not None and self.tools:
+            raise ValueError("tools are a chat's: send messages")
         return self
 
 
@@ -811,6 +983,7 @@ class DetokenizeRequest(ClosedModel):
 class FinishReasonOut(str, Enum):
     stop = "stop"
     length = "length"
+    tool_calls = "tool_calls"  # the answer is the calls tool_choice 'required' asked for
 
 
 class SpeculationUsage(BaseModel):
@@ -873,9 +1046,21 @@ class CompletionResponse(BaseModel):
     seed: int | None = Field(default=None, exclude_if=_is_none, description=SEED)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments object as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="the answer's text (null: it is its tool_calls)")
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_is_none)
 
 
 class TopLogprob(BaseModel):
@@ -912,9 +1097,24 @@ class ChatCompletionResponse(BaseModel):
     seed: int | None = Field(default=None, exclude_if=_is_none, description=SEED)
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_is_none)
+    arguments: str | None = Field(default=None, exclude_if=_is_none)
+
+
+class ToolCallDelta(BaseModel):
+    """A call's part in a chunk: its first carries its id, type and name; the rest more of its arguments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_is_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_is_none)
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):

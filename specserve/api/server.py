@@ -31,6 +31,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from specserve.api import tools
 from specserve.api.convert import sampling_params_for, speculation_for, usage_for
 from specserve.api.error_bodies import (
     APIError,
@@ -64,17 +65,22 @@ from specserve.api.schemas import (
     ErrorResponse,
     ErrorType,
     FinishReasonOut,
+    FunctionCallDelta,
     GenerationRequest,
     Health,
     HealthStatus,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallDelta,
+    ToolMode,
     TopLogprob,
     Usage,
     is_union_member,
 )
+from specserve.api.tools import offered_tools
 from specserve.config import SpecConfig
 from specserve.errors import InvalidRequestError, PromptTooLongError
 from specserve.messages import TokenLogprob
@@ -423,12 +429,12 @@ class _Routes:
 
         def encode() -> TokenizeResponse:
             if body.messages is not None:
-                messages = [m.for_template() for m in body.messages]
-                options = {
-                    "generation_prompt": body.add_generation_prompt,
-                    "continue_final": body.continue_final_message,
-                }
-                ids = encoder.chat(messages, **options)
+                ids = encoder.chat(
+                    [m.for_template() for m in body.messages],
+                    generation_prompt=body.add_generation_prompt,
+                    continue_final=body.continue_final_message,
+                    tools=offered_tools(body.tools),
+                )
             else:
                 ids = encoder.text(cast(str, body.prompt), special=body.add_special_tokens is not False)
             return TokenizeResponse(
@@ -493,10 +499,18 @@ class _Routes:
         def encode(room: int | None) -> list[list[int]]:
             messages = [m.for_template() for m in body.messages]
             options = {"generation_prompt": body.add_generation_prompt, "continue_final": body.continue_final_message}
-            return [encoder.chat(messages, room=room, **options)]
+            return [encoder.chat(messages, room=room, tools=offered_tools(body.tools), **options)]
 
+        if body.tool_mode == ToolMode.required and body.stream and (last_event_id or body.resume_from):
+            self.backend.metrics.request_done(RequestStatus.invalid)
+            raise InvalidRequestError(
+                "a stream of tool_choice 'required' sends its calls whole in its last event: it cannot be resumed "
+                "(send the request again, or without stream)",
+                param=RESUME_PARAM,
+            )
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
-        fmt = _ChatFormat(self._model(), encoder)
+        named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+        fmt = _ChatFormat(self._model(), encoder, body.tool_mode, named)
         return await self._generate(body, encode, limit, fmt, tracker, http.receive, last_event_id)
 
     async def models(self) -> ModelList:
@@ -1054,11 +1068,31 @@ class _CompletionFormat(_Stamped):
 
 
 class _ChatFormat(_Stamped):
+    """``calling``: how the answer calls tools (None: it is text); ``named``, the function tool_choice names: its
+    call's id, type and name go in the first chunk, its arguments' text in the next ones; 'required''s calls
+    come whole in the last chunk (their list is read once it is complete)."""
+
     prefix = "chatcmpl"
 
+    def __init__(
+        self,
+        model: str,
+        encoder: PromptEncoder | None = None,
+        calling: ToolMode | None = None,
+        named: str | None = None,
+    ) -> None:
+        super().__init__(model, encoder)
+        self.calling = calling
+        self.named = named
+        self.answer = ""  # a 'required' stream's text so far
+
     def first_chunk(self) -> BaseModel | None:
-        choice = ChatChunkChoice(index=self.index, delta=ChatDelta(role="assistant", content=""))
-        return ChatCompletionChunk(**self.stamp(), choices=[choice])
+        if self.calling == ToolMode.named:
+            call = tools.call_deltas([tools.named_call(cast(str, self.named), "")])
+            delta = ChatDelta(role="assistant", tool_calls=call)
+        else:
+            delta = ChatDelta(role="assistant", content="")
+        return ChatCompletionChunk(**self.stamp(), choices=[ChatChunkChoice(index=self.index, delta=delta)])
 
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
         return TopLogprob(token=self.token_text(token_id), logprob=logprob, bytes=list(self.token_bytes(token_id)))
@@ -1075,11 +1109,22 @@ class _ChatFormat(_Stamped):
         return ChatLogprobs(content=content)
 
     def chunk(self, out: RequestOutput, *, with_ids: bool) -> BaseModel:
-        delta = ChatDelta(content=out.text or None)
+        delta, finish = ChatDelta(content=out.text or None), _finish(out.finish_reason)
+        if self.calling == ToolMode.named and out.text:
+            delta = ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments=out.text))])
+        elif self.calling == ToolMode.required:
+            self.answer += out.text
+            delta = ChatDelta()
+            if out.finished:
+                calls = tools.required_calls(self.answer)
+                if calls is None:  # (cut before its list closed: the text)
+                    delta = ChatDelta(content=self.answer)
+                else:
+                    delta, finish = ChatDelta(tool_calls=tools.call_deltas(calls)), FinishReasonOut.tool_calls
         choice = ChatChunkChoice(
             index=self.index,
             delta=delta,
-            finish_reason=_finish(out.finish_reason),
+            finish_reason=finish,
             stop_reason=out.stop_reason,
             logprobs=self._logprobs(out.logprobs),
             token_ids=out.token_ids if with_ids else None,
@@ -1091,10 +1136,16 @@ class _ChatFormat(_Stamped):
 
     def response(self, answer: _Answer, *, with_ids: bool) -> BaseModel:
         last = answer.finished
+        text, finish = "".join(answer.text), _finish(last.finish_reason)
+        message = AssistantMessage(content=text)
+        if self.calling == ToolMode.named:
+            message = AssistantMessage(content=None, tool_calls=[tools.named_call(cast(str, self.named), text)])
+        elif self.calling == ToolMode.required and (calls := tools.required_calls(text)) is not None:
+            message, finish = AssistantMessage(content=None, tool_calls=calls), FinishReasonOut.tool_calls
         choice = ChatChoice(
             index=self.index,
-            message=AssistantMessage(content="".join(answer.text)),
-            finish_reason=_finish(last.finish_reason),
+            message=message,
+            finish_reason=finish,
             stop_reason=last.stop_reason,
             logprobs=self._logprobs(answer.logprobs),
             token_ids=answer.ids if with_ids else None,

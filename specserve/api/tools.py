@@ -1,0 +1,50 @@
+"""Tool calls read back from an answer held to its tools' schemas (``ChatCompletionRequest.output_format``):
+a named function's answer is its arguments; tool_choice 'required''s a JSON list of ``{"name", "parameters"}``."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from specserve.api.schemas import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta, ToolSpec
+
+
+def offered_tools(tools: list[ToolSpec] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates read them (OpenAI's form, unset fields left out)."""
+    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def named_call(name: str, arguments: str) -> ToolCall:
+    """The call of the function tool_choice names: the answer is its arguments (a prefix of them where it was cut,
+    as vLLM's)."""
+    return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments))
+
+
+def required_calls(answer: str) -> list[ToolCall] | None:
+    """tool_choice 'required''s calls (None: the answer was cut before its list closed)."""
+    try:
+        listed = json.loads(answer)
+        return [
+            ToolCall(id=call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
+            for c in listed
+        ]
+    except (ValueError, TypeError, KeyError):  # (not JSON, or JSON of another shape: a stop string cut it)
+        return None
+
+
+def call_deltas(calls: list[ToolCall]) -> list[ToolCallDelta]:
+    """Whole calls as one chunk's parts."""
+    return [
+        ToolCallDelta(
+            index=i,
+            id=c.id,
+            type=c.type,
+            function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments),
+        )
+        for i, c in enumerate(calls)
+    ]

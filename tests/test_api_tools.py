@@ -1,0 +1,230 @@
+"""Tool calls (specserve/api/tools.py): OpenAI's ``tools`` and ``tool_choice``. A named function's call and
+tool_choice 'required''s calls are answers held to the tools' schemas, read back as ``tool_calls``; each is checked
+against the same request answered as structured output under a schema written here, and against the schemas."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from jsonschema import Draft202012Validator
+
+from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.api.schemas import ChatMessage
+from tests.api_backend import MODEL, module_server
+
+# renders the tools and earlier calls, so a test can see them in the prompt
+TEMPLATE = (
+    "{% if tools %}<|tools|>{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% for c in m.get('tool_calls') or [] %}<call {{ c['function']['name'] }} "
+    "unit={{ c['function']['arguments']['unit'] }}>{% endfor %}{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["c", "f"]}, "windy": {"type": "boolean"}},
+    "required": ["unit", "windy"],
+    "additionalProperties": False,
+}
+DICE = {
+    "type": "object",
+    "properties": {"sides": {"enum": [4, 6, 20]}},
+    "required": ["sides"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "roll", "parameters": DICE}},
+    {"type": "function", "function": {"name": "now"}},  # (no parameters: it takes none)
+]
+SCHEMAS = {
+    "get_weather": WEATHER,
+    "roll": DICE,
+    "now": {"type": "object", "properties": {}, "additionalProperties": False},
+}
+MESSAGES = [{"role": "user", "content": "what is the weather?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _calls_schema(one: bool) -> dict[str, Any]:
+    """tool_choice 'required''s answer, written out: a list of {"name", "parameters"} objects, one per call."""
+    call = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": schema},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, schema in SCHEMAS.items()
+    ]
+    return {"type": "array", "items": {"anyOf": call}, "minItems": 1} | ({"maxItems": 1} if one else {})
+
+
+def _tool_tokenizer() -> Any:
+    tok = tiny_tokenizer()
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+backend, url = module_server(max_model_len=256, tokenizer=_tool_tokenizer())
+
+
+def _chat(url: str, **fields: Any) -> httpx.Response:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 120, "temperature": 0, "tools": TOOLS} | fields
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _held_text(url: str, schema: dict[str, Any]) -> str:
+    """The same request answered as structured output (tools offered, none called): the reference."""
+    r = _chat(url, tool_choice="none", structured_outputs={"json": schema})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice  # (the schemas' answers are short: enums and booleans)
+    return str(choice["message"]["content"])
+
+
+def test_a_named_function_is_called_with_arguments_its_schema_holds(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60.0)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        max_tokens=120,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None  # (OpenAI's for a forced call)
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments == _held_text(url, WEATHER)
+    Draft202012Validator(WEATHER).validate(json.loads(call.function.arguments))
+
+
+def test_a_named_call_streams_its_name_first_then_its_arguments(url: str) -> None:
+    whole = _chat(url, tool_choice=NAMED).json()["choices"][0]["message"]["tool_calls"][0]
+    r = _chat(url, tool_choice=NAMED, stream=True)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    first = deltas[0]["tool_calls"][0]
+    assert deltas[0]["role"] == "assistant" and "content" not in deltas[0]
+    assert first["index"] == 0 and first["type"] == "function" and first["id"].startswith("call_")
+    assert first["function"] == {"name": "get_weather", "arguments": ""}
+    parts = [d["tool_calls"] for d in deltas[1:] if d]
+    assert all(p[0].keys() == {"index", "function"} and p[0]["function"].keys() == {"arguments"} for p in parts)
+    assert "".join(p[0]["function"]["arguments"] for p in parts) == whole["function"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("parallel", [False, None], ids=["one-call", "parallel"])
+def test_required_calls_are_the_held_list_read_back(url: str, parallel: bool | None) -> None:
+    fields: dict[str, Any] = {"tool_choice": "required"}
+    if parallel is not None:
+        fields["parallel_tool_calls"] = parallel
+    choice = _chat(url, **fields).json()["choices"][0]
+    listed = json.loads(_held_text(url, _calls_schema(one=parallel is False)))
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (c["name"], c["parameters"]) for c in listed
+    ]
+    assert len({c["id"] for c in calls}) == len(calls) and (parallel is not False or len(calls) == 1)
+    for c in calls:
+        Draft202012Validator(SCHEMAS[c["function"]["name"]]).validate(json.loads(c["function"]["arguments"]))
+    r = _chat(url, stream=True, **fields)  # streamed: the calls whole in the last chunk, nothing before
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert all(c["choices"][0]["delta"] == {} for c in chunks[1:-1])
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "tool_calls"
+    streamed = [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in last["delta"]["tool_calls"]]
+    assert streamed == [(i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(calls)]
+
+
+def test_required_calls_cut_by_max_tokens_come_back_as_text(url: str) -> None:
+    choice = _chat(url, tool_choice="required", max_tokens=3).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == _chat(url, tool_choice="none", max_tokens=3, structured_outputs={
+        "json": _calls_schema(one=False)}).json()["choices"][0]["message"]["content"]  # fmt: skip
+
+
+def test_tool_choice_none_answers_in_text_and_the_template_sees_the_tools_and_earlier_calls(url: str) -> None:
+    choice = _chat(url, tool_choice="none").json()["choices"][0]
+    assert "tool_calls" not in choice["message"] and isinstance(choice["message"]["content"], str)
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "f"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    r = httpx.post(url + "/tokenize", json={"messages": history, "tools": TOOLS}, timeout=30)
+    assert r.status_code == 200, r.text
+    text = httpx.post(url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()["prompt"]
+    assert text == (
+        "<|tools|>[get_weather][roll][now]<|user|>what is the weather?\n"  # (jinja's trim_blocks: no newline)
+        "<|assistant|><call get_weather unit=f>\n<|tool|>sunny\n<|assistant|>"
+    )
+    assert _chat(url, messages=history, tool_choice=NAMED).status_code == 200
+
+
+def test_an_earlier_calls_arguments_reach_the_template_as_an_object_where_they_are_json() -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": [1, 2]}'}}
+    message = ChatMessage.model_validate({"role": "assistant", "tool_calls": [call, call | {"function": {
+        "name": "g", "arguments": "not json"}}]})  # fmt: skip
+    assert message.for_template()["tool_calls"] == [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": [1, 2]}}},
+        {"id": "c", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({}, "tool_choice", "tool_choice 'auto' (the default beside tools)"),
+        ({"tool_choice": "auto"}, "tool_choice", "no parser"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [], "tool_choice": NAMED}, "tool_choice", "needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice", "'fly', which is not one"),
+        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tool_choice", "twice: ['get_weather']"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "no response format"),
+        ({"tool_choice": NAMED, "structured_outputs": {"regex": "a"}}, "tool_choice", "no response format"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"}, "tools",
+         "String should match pattern"),
+        ({"tool_choice": "required", "ignore_eos": True}, "tools", "not with ignore_eos"),
+        ({"tool_choice": "required", "stream": True, "resume_from": "1-2-00000000"}, "resume_from",
+         "cannot be resumed"),
+        ({"tool_choice": "none", "messages": [{"role": "user", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages",
+         "only an assistant message makes tool_calls"),
+    ],
+)  # fmt: skip
+def test_a_tool_request_this_server_cannot_answer_is_a_400(
+    url: str, fields: dict[str, Any], param: str, says: str
+) -> None:
+    r = _chat(url, **fields)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    if "tool_choice" not in fields:
+        assert "'required'" in error["message"]  # (it says what to send instead)
+
+
+def test_tokenize_takes_tools_with_messages_only(url: str) -> None:
+    r = httpx.post(url + "/tokenize", json={"prompt": "hi", "tools": TOOLS}, timeout=30)
+    assert r.status_code == 400 and "tools are a chat's" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("parameters", [{}, None], ids=["empty", "left-out"])
+def test_a_function_without_parameters_is_called_with_an_empty_object(url: str, parameters: Any) -> None:
+    tool = {"type": "function", "function": {"name": "now"} | ({} if parameters is None else {"parameters": {}})}
+    named = {"type": "function", "function": {"name": "now"}}
+    choice = _chat(url, tools=[tool], tool_choice=named).json()["choices"][0]
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == "{}" and choice["finish_reason"] == "stop"
