@@ -63,7 +63,7 @@ from specserve.coalesce import OutputCoalescer
 from specserve.errors import InvalidRequestError, PartialStepError, SequenceError, blamed_sequence
 from specserve.sequence import Request, RequestOutput
 from specserve.step_loop import StepLoop
-from specserve.structured import AnswerGrammar
+from specserve.structured import AnswerGrammar, GrammarDeadEnd
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +254,10 @@ class Lane:
         self._stopping = threading.Event()  # set (under _restore_lock) once the lane thread stops or is told to
         self._stop_asked = False  # told to stop (``request_stop``), as against a lane thread that failed
         self._restore_lock = threading.Lock()
+        # formats are compiled on a thread of their own, one at a time (a lane's batch waits for nothing compiled on
+        # its thread: tens of ms for a large grammar, and the first one also reads the vocabulary, 0.3 s for 49k
+        # tokens); the thread starts with the first
+        self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"lane-{index}-grammars")
         self._thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
         self._thread.start()
 
@@ -297,17 +301,20 @@ class Lane:
 
     async def submit(self, request: Request) -> LaneStream:
         """Queue the request on the lane; returns once the StepLoop accepted it (raises what add_request raises)."""
-        grammar = None
-        if request.params.output_format is not None:  # compiled on a thread: not the lane's, whose batch would wait
-            # (tens of ms for a large grammar; the first one also reads the vocabulary, 0.3 s for 49k tokens)
-            grammar = await asyncio.to_thread(self.loop.grammars.compile, request.params.output_format)
         if request.request_id in self._active:  # refused here: the lane thread would forget the live one's stream
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}")
         if not self.alive:  # it never ran here: its move to another lane is no failover
             raise LaneHandoffError(f"lane {self.index} has stopped")
+        self._active.add(request.request_id)  # in flight from here: a compile holds its place (capacity, lane choice)
+        try:
+            grammar = await self._compiled(request)
+            if not self.alive:  # it stopped while the format compiled
+                raise LaneHandoffError(f"lane {self.index} has stopped")
+        except BaseException:
+            self._active.discard(request.request_id)
+            raise
         sink = _Sink(asyncio.get_running_loop())
         admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._active.add(request.request_id)
         self._commands.put(_Submit(request, sink, admitted, grammar))
         if not self.alive:  # it stopped after the check above and may have drained its queue before this put
             self._fail_pending()
@@ -317,6 +324,12 @@ class Lane:
             self.abort(request.request_id)  # it may be admitted after all
             raise
         return LaneStream(self, request.request_id, sink)
+
+    async def _compiled(self, request: Request) -> AnswerGrammar | None:
+        fmt = request.params.output_format
+        if fmt is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(self._grammar_thread, self.loop.grammars.compile, fmt)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -336,6 +349,7 @@ class Lane:
         as it exits, any it attached meanwhile included: it makes no new one once told to stop)."""
         self._thread.join(max(0.0, by - time.monotonic()))
         self._kill_workers()
+        self._grammar_thread.shutdown(wait=False)
 
     def _kill_workers(self) -> None:
         for worker in list(self.workers.values()):  # a copy: a lane thread still in a long step may replace one
@@ -861,6 +875,10 @@ class Lane:
     def _fail_sequence(self, seq_id: int, error: Exception) -> None:
         request_id = self.loop.request_id(seq_id)
         if request_id is None:
+            return
+        if isinstance(cause := error.__cause__, GrammarDeadEnd):  # the request's format at fault: a 400 of its own
+            logger.info("lane %d: request %s ended in its grammar: %s", self.index, request_id, cause)
+            self._drop(request_id, APIError(str(cause), param=cause.param))
             return
         logger.warning("lane %d: request %s failed on its own: %s", self.index, request_id, error, exc_info=error)
         self._drop(request_id, RequestFailedError("the request failed while generating; it was dropped"))

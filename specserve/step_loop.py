@@ -25,7 +25,7 @@ from specserve.policy.planner import SLPlanner, StepPlan
 from specserve.sequence import FinishReason, Request, RequestOutput, Sequence
 from specserve.spec_decode.model_free import ModelFreeDrafter
 from specserve.step_events import StepEvent, StepObserver, StepStats
-from specserve.structured import AnswerGrammar, GrammarCompiler
+from specserve.structured import AnswerGrammar, GrammarCompiler, GrammarDeadEnd
 from specserve.workers.base import DraftWorkerAPI, TargetWorkerAPI
 
 logger = logging.getLogger(__name__)
@@ -219,7 +219,12 @@ class StepLoop:
         plan = self._plan(batch, prefills=prefills, guarded=guarded)
         proposals = self._propose(batch, plan)
         t1 = time.perf_counter()
-        items = [self._verify_item(s, p) for s, p in zip(batch, proposals, strict=True)]
+        items, dead = self._verify_items(batch, proposals)
+        if dead:  # held answers their grammar lets go no further: failed alone, before the target sees the step
+            ok = [i for i, s in enumerate(batch) if s.seq_id not in dead]
+            batch, plan, proposals = [batch[i] for i in ok], plan.select(ok), [proposals[i] for i in ok]
+            if not batch:
+                raise PartialStepError(self._hand_out(), dead)
         verified = self.target.verify(items)
         t2 = time.perf_counter()
         outputs, failures = self._commit_rows(batch, proposals, verified)
@@ -231,7 +236,7 @@ class StepLoop:
             proposals, items = [proposals[i] for i in ok], [items[i] for i in ok]
             verified = [verified[i] for i in ok]
         event = StepEvent(batch, plan, proposals, items, verified, outputs, t0, t1, t2, time.perf_counter())
-        failures |= self._after_commit(event)
+        failures |= self._after_commit(event) | dead
         if failures:
             raise PartialStepError(self._hand_out(), failures)
         return self._hand_out()
@@ -350,6 +355,21 @@ class StepLoop:
                 s.model_proposed = True
         # a draft head without features for a sequence yet (its first step) drafts nothing: a plain step
         return [p if (p := proposals.get(s.seq_id)) is not None and p.tokens else None for s in batch]
+
+    def _verify_items(
+        self, batch: list[Sequence], proposals: list[Proposal | None]
+    ) -> tuple[list[VerifyItem], dict[int, SequenceError]]:
+        """Each sequence's verify item, but for a held answer whose grammar allows nothing after it (its request's
+        format is at fault: failed alone, its batch unharmed)."""
+        items, dead = [], {}
+        for seq, proposal in zip(batch, proposals, strict=True):
+            try:
+                items.append(self._verify_item(seq, proposal))
+            except SequenceError as e:
+                if not isinstance(e.__cause__, GrammarDeadEnd):
+                    raise
+                dead[seq.seq_id] = e
+        return items, dead
 
     def _verify_item(self, seq: Sequence, proposal: Proposal | None) -> VerifyItem:
         spec = seq.spec

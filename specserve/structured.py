@@ -10,7 +10,8 @@ keeps greedy output equal to plain decoding under the grammar and sampled output
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+import re
+from collections.abc import Callable, Collection
 from enum import Enum
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ MAX_SCHEMA_CHARS = 65_536  # a JSON schema's (as sent) or a grammar's: each comp
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 64  # objects and lists within each other in a schema (Python's JSON recursion stops near 1000)
 BITS = 32  # tokens per word of a mask row
+GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z0-9_-]+\s*::=")  # a grammar with one is GBNF (llama.cpp's), else Lark
 
 
 def check_depth(value: object, limit: int = MAX_SCHEMA_DEPTH) -> object:
@@ -81,7 +83,7 @@ class OutputFormat(Validated):
 
     def grammar(self) -> str:
         """The llguidance grammar (checked where it is compiled against a tokenizer)."""
-        from llguidance import LLMatcher, grammar_from
+        from llguidance import LLMatcher
 
         if self.kind == FormatKind.json_schema:
             schema = json.loads(str(self.schema_text))
@@ -92,10 +94,23 @@ class OutputFormat(Validated):
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_json_layout())
         if self.kind == FormatKind.regex:
             return LLMatcher.grammar_from_regex(str(self.pattern))
-        if self.kind == FormatKind.grammar:  # (GBNF, told by its "::=", is rewritten as Lark: a ValueError if it fails)
-            return grammar_from("grammar", str(self.grammar_text))
+        if self.kind == FormatKind.grammar:
+            return LLMatcher.grammar_from_lark(_as_lark(str(self.grammar_text)))
         # each choice a string literal of a Lark grammar (JSON's escapes: any text is one)
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choices))
+
+
+def _as_lark(text: str) -> str:
+    """A grammar as Lark: GBNF (a rule defined with ``::=``) rewritten, Lark as it is (llguidance's own test for
+    Lark, a ``start:`` line, misreads GBNF with a rule named start and Lark that starts ``?start:``)."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    if not GBNF_RULE.search(text):
+        return text
+    try:
+        return gbnf_to_lark(text)
+    except Exception as e:  # (its parser's own errors, a RecursionError for deep nesting)
+        raise ValueError(f"cannot read the grammar as GBNF: {e}") from None
 
 
 def _json_layout() -> Any:
@@ -142,25 +157,39 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{fmt.param}: {e}", param=fmt.param) from None
         if error := LLMatcher.validate_grammar(grammar, tokenizer):
             raise InvalidRequestError(f"{fmt.param}: {error.strip()[:500]}", param=fmt.param)
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():  # (some grammars validate and still fail to build: a lexer too large)
-            raise InvalidRequestError(f"{fmt.param}: {matcher.get_error().strip()[:500]}", param=fmt.param)
-        return AnswerGrammar(matcher, tokenizer.vocab_size, self.eos_token_ids)
+        answer = AnswerGrammar(
+            lambda: LLMatcher(tokenizer, grammar, log_level=0), tokenizer.vocab_size, self.eos_token_ids, fmt.param
+        )
+        if answer.matcher.is_error():  # (some grammars validate and still fail to build: a lexer too large)
+            raise InvalidRequestError(f"{fmt.param}: {answer.matcher.get_error().strip()[:500]}", param=fmt.param)
+        answer.masks([], [])  # (a GrammarDeadEnd where it allows no first token: a rule without a way out)
+        return answer
+
+
+class GrammarDeadEnd(InvalidRequestError):
+    """A format's grammar allows no token after the answer so far (nor its end): a rule that never ends, say
+    ``b: b "x"``, which llguidance validates. The request is at fault; the answer cannot go on."""
 
 
 class AnswerGrammar:
     """One sequence's grammar state: the matcher fed its committed answer (``follow``), and the tokens allowed at
-    each row of a step's tree (``masks``)."""
+    each row of a step's tree (``masks``). ``new_matcher`` makes a fresh matcher: one that met a dead end is in
+    error for good (its rollback fails too), so the walk starts a fresh one and feeds it the answer again."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: Collection[int]) -> None:
-        self.matcher = matcher
+    def __init__(
+        self, new_matcher: Callable[[], Any], vocab_size: int, eos_token_ids: Collection[int], param: str
+    ) -> None:
+        self.new_matcher = new_matcher
+        self.matcher = new_matcher()
+        self.param = param  # the request field the format came from, for errors
         self.width = (vocab_size + BITS - 1) // BITS
         self.eos = frozenset(eos_token_ids)
         self.fed: list[int] = []  # the answer's tokens the matcher has consumed
 
     def follow(self, output: list[int]) -> None:
         """Bring the matcher to the end of ``output``: back past tokens a rollback took away, then on through the
-        new ones. A token the grammar refuses (none the target drew under it can be) is an error."""
+        new ones. A token the grammar refuses is a GrammarDeadEnd: the target drew it from a row that allowed
+        everything, after a drafted node the grammar had no way on from (plain decoding fails there too)."""
         same = len(self.fed)
         if output[:same] != self.fed:  # (a list comparison in C: the common case, an answer grown, costs no loop)
             same = next((i for i, (a, b) in enumerate(zip(self.fed, output, strict=False)) if a != b), len(output))
@@ -168,7 +197,8 @@ class AnswerGrammar:
             self._check(self.matcher.rollback(len(self.fed) - same), "rolling back")
             del self.fed[same:]
         for token in output[same:]:
-            self._check(self.matcher.consume_token(token), f"token {token}")
+            if not self.matcher.consume_token(token):
+                raise self._dead_end(f"refuses token {token} after the answer so far")
             self.fed.append(token)
 
     def masks(self, draft_tokens: list[int], draft_parents: list[int]) -> np.ndarray:
@@ -177,36 +207,63 @@ class AnswerGrammar:
         (``draft_parents``: 0 for the root). A node the grammar refuses after its path is never accepted: its row
         and its subtree's allow everything (never read). An EOS node ends the answer: its subtree is never emitted,
         and it is not fed (a matcher whose grammar is complete takes EOS without recording it, so the walk's
-        rollback would undo a token of the answer)."""
+        rollback would undo a token of the answer). A node after which the grammar allows nothing (a dead end)
+        keeps a row that allows everything and its subtree is not walked: accepted, the answer fails at its next
+        token (``follow``), as it would in plain decoding. A dead end at the root is a GrammarDeadEnd."""
         rows = np.full((1 + len(draft_tokens), self.width), -1, dtype=np.int32)
         children: list[list[int]] = [[] for _ in range(len(rows))]
         for node, parent in enumerate(draft_parents, start=1):
             children[parent].append(node)
-        self._fill(rows, 0)
+        if not self._fill(rows, 0):
+            raise self._dead_end("allows no token after the answer so far, nor its end")
         stack = [(child, False) for child in reversed(children[0])]
         while stack:  # depth-first; (node, True): the walk leaves node, whose token the matcher fed
             node, leaving = stack.pop()
             if leaving:
                 self._check(self.matcher.rollback(1), "rolling back")
                 continue
+            parent = draft_parents[node - 1]
             token = draft_tokens[node - 1]
-            if token in self.eos or not _allowed(rows[draft_parents[node - 1]], token):
+            if token in self.eos or not _allowed(rows[parent], token):
                 continue
             self._check(self.matcher.consume_token(token), f"draft token {token}")
-            self._fill(rows, node)
+            if not self._fill(rows, node):  # a fresh matcher, fed the answer and the path to the parent
+                rows[node] = -1
+                self._restart(_path(parent, draft_tokens, draft_parents))
+                continue
             stack.append((node, True))
             stack.extend((child, False) for child in reversed(children[node]))
         return rows
 
-    def _fill(self, rows: np.ndarray, node: int) -> None:
+    def _fill(self, rows: np.ndarray, node: int) -> bool:
+        """Node's row of allowed tokens; False: the grammar allows none there (the matcher is then in error)."""
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, rows, node)
-        self._check(not self.matcher.is_error(), "computing a mask")
+        return not self.matcher.is_error()
+
+    def _restart(self, path: list[int]) -> None:
+        matcher = self.new_matcher()
+        self._check(matcher.consume_tokens([*self.fed, *path]) if self.fed or path else True, "starting afresh")
+        self.matcher = matcher
+
+    def _dead_end(self, what: str) -> GrammarDeadEnd:
+        error = self.matcher.get_error().strip()[:300] if self.matcher.is_error() else ""
+        detail = f" ({error})" if error else ""
+        return GrammarDeadEnd(f"{self.param}: the format's grammar {what}{detail}", param=self.param)
 
     def _check(self, ok: bool, doing: str) -> None:
         if not ok:
             raise ValueError(f"the answer's grammar failed {doing}: {self.matcher.get_error()}")
+
+
+def _path(node: int, draft_tokens: list[int], draft_parents: list[int]) -> list[int]:
+    """The drafted tokens from the root's child down to ``node`` (none for the root)."""
+    path = []
+    while node:
+        path.append(draft_tokens[node - 1])
+        node = draft_parents[node - 1]
+    return path[::-1]
 
 
 def _allowed(row: np.ndarray, token: int) -> bool:

@@ -9,6 +9,7 @@ import csv
 import json
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -424,7 +425,7 @@ def _nested(depth: int) -> dict[str, Any]:
         ({"structured_outputs": {}}, "structured_outputs", ONE_FORMAT),
         ({"structured_outputs": {"grammar": "x", "json_object": True}}, "structured_outputs", ONE_FORMAT),
         ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", 'unknown name: "foo"'),
-        ({"structured_outputs": {"grammar": "root ::= [a-"}}, "structured_outputs", "from GBNF to Lark"),
+        ({"structured_outputs": {"grammar": "root ::= [a-"}}, "structured_outputs", "cannot read the grammar as GBNF"),
         ({"structured_outputs": {"grammar": ""}}, "structured_outputs", "at least 1 character"),
         ({"structured_outputs": {"json_object": False}}, "structured_outputs", "Input should be True"),
         ({"structured_outputs": {"json_object": 1}}, "structured_outputs", "must be a JSON boolean"),
@@ -508,6 +509,7 @@ def test_a_lane_compiles_a_format_off_its_thread_and_steps_its_batch_meanwhile(
         held_answer = asyncio.create_task(tokens(Request("held", prompts[0], held)))
         while not compiled_on:
             await asyncio.sleep(0.01)
+        assert lane.in_flight == 1  # (the request compiling holds its place: capacity, the router's lane choice)
         plain = await tokens(Request("plain", prompts[1], SamplingParams(max_tokens=20, ignore_eos=True)))
         plain_done.set()
         return await held_answer, plain
@@ -521,3 +523,130 @@ def test_a_lane_compiles_a_format_off_its_thread_and_steps_its_batch_meanwhile(
     reference = Engine(target, tok, max_batch_size=1, max_model_len=128)
     assert plain == reference.generate([prompts[1]], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
     assert len(compiled_on) == 1 and compiled_on[0].name != "lane-0"
+
+
+DEAD_END = OutputFormat(kind=FormatKind.grammar, grammar_text='start: "a" b | "c"\nb: b "x"')  # (b never ends)
+
+
+def test_a_grammar_with_no_first_token_is_refused_at_admission() -> None:
+    """llguidance validates a rule without a way out; its first mask is in error (it was admitted, and its first
+    step failed its whole batch)."""
+    with pytest.raises(InvalidRequestError, match="allows no token after the answer so far") as e:
+        GrammarCompiler(tiny_tokenizer(), [EOS]).compile(
+            OutputFormat(kind=FormatKind.grammar, grammar_text='start: a\na: a "x"', param="structured_outputs")
+        )
+    assert e.value.param == "structured_outputs"
+
+
+def test_a_drafted_node_the_grammar_has_no_way_on_from_is_left_unwalked() -> None:
+    """After "a" the grammar allows nothing: the matcher is then in error for good (its rollback fails), which
+    failed the request though the target might never take "a". The node keeps an allow-all row, its subtree is
+    not walked, and the walk goes on with a fresh matcher: the sibling's row is a fresh matcher's."""
+    tok = tiny_tokenizer()
+    grammar = GrammarCompiler(tok, [EOS]).compile(DEAD_END)
+    a, c, x = (tok.encode(t)[0] for t in "acx")
+    rows = grammar.masks([a, x, c], [0, 1, 0])
+    assert (rows[1] == -1).all() and (rows[2] == -1).all()
+    assert _bits(rows[0], len(tok)) == _allowed_by(_fresh_matcher(DEAD_END, []), len(tok)) >= {a, c}
+    assert _bits(rows[3], len(tok)) == {EOS} == _allowed_by(_fresh_matcher(DEAD_END, [c]), len(tok))
+    assert grammar.fed == [] and not grammar.matcher.is_error()
+    grammar.follow([c])  # (the target took the sibling)
+    assert _bits(grammar.masks([], [])[0], len(tok)) == {EOS}
+
+
+def test_an_answer_that_reaches_a_dead_end_fails_alone_with_the_same_error_speculating_or_not(
+    models: tuple[LlamaModel, LlamaModel],
+) -> None:
+    """Biased to "a", the answer reaches the dead end: its request fails alone (a GrammarDeadEnd), the others keep
+    plain decoding's tokens. Biased to "c", a drafted "a" (prompt lookup proposes it) costs nothing."""
+    target, draft = models
+    tok = tiny_tokenizer()
+    a, c, q, x = (tok.encode(t)[0] for t in "acqx")
+    prompt = [q, a, x, x, q]  # (lookup proposes "a x x" after the last q)
+    dead = SamplingParams(max_tokens=8, logit_bias={a: 50.0}, output_format=DEAD_END)
+    fine = SamplingParams(max_tokens=8, logit_bias={c: 50.0}, output_format=DEAD_END)
+    free = SamplingParams(max_tokens=8, ignore_eos=True)
+    reference = Engine(target, tok, max_batch_size=1, max_model_len=64).generate([prompt], free)[0].token_ids
+    lookup = SpecConfig(method=SpecMethod.chain, sl=3, drafter=Drafter.lookup)
+    for spec in (SPECS[0], SPECS[1], lookup):
+        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=3, max_model_len=64)
+        resets: list[object] = []
+        reset = engine.loop.reset
+
+        def counted(ids: Any, resets: list[object] = resets, reset: Any = reset) -> None:
+            resets.append(ids)
+            reset(ids)
+
+        engine.loop.reset = counted  # type: ignore[method-assign]
+        outs = engine.generate([prompt] * 3, [dead, fine, free], return_exceptions=True)
+        assert resets == []  # (the batch's other sequences were not reset to re-prefill)
+        assert isinstance(outs[0], Exception) and "allows no token after the answer so far" in str(outs[0]), outs[0]
+        assert not isinstance(outs[1], Exception) and outs[1].token_ids == [c], spec.method.value
+        assert not isinstance(outs[2], Exception) and outs[2].token_ids == reference, spec.method.value
+
+
+def test_a_dead_end_over_http_is_a_400_and_its_neighbours_finish(url: str) -> None:
+    body = {"model": MODEL, "prompt": "answer:", "max_tokens": 8, "temperature": 0}
+    held = {
+        "structured_outputs": {"grammar": DEAD_END.grammar_text},
+        "logit_bias": {str(tiny_tokenizer().encode("a")[0]): 50},
+    }
+    r = httpx.post(url + "/v1/completions", json=body | held, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "structured_outputs" and "allows no token after the answer so far" in error["message"]
+    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "text", ['root ::= "x" z\nz ::= "z"', '?start: "x" "z"', 'start: "x" Z\nZ: "z"'], ids=["gbnf", "lark?", "lark"]
+)
+def test_gbnf_is_told_from_lark_by_a_rule_defined_with_its_own_operator(text: str) -> None:
+    """llguidance's own test (a line starting ``start:`` means Lark) read Lark that starts ``?start:`` as GBNF, and
+    refused it. Each grammar here derives "xz" alone (two tokens the tiny tokenizer never merges)."""
+    tok = tiny_tokenizer()
+    x, z = tok.encode("x")[0], tok.encode("z")[0]
+    grammar = GrammarCompiler(tok, [EOS]).compile(OutputFormat(kind=FormatKind.grammar, grammar_text=text))
+    assert _bits(grammar.masks([], [])[0], len(tok)) == {x}
+    grammar.follow([x])
+    assert _bits(grammar.masks([], [])[0], len(tok)) == {z}
+    grammar.follow([x, z])
+    assert _bits(grammar.masks([], [])[0], len(tok)) == {EOS}
+
+
+def test_a_client_gone_while_its_format_compiles_leaves_no_place_held(
+    models: tuple[LlamaModel, LlamaModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target, _ = models
+    tok = tiny_tokenizer()
+    engine = Engine(target, tok, max_batch_size=2, max_model_len=128)
+    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0)  # type: ignore[arg-type]
+    release, started = threading.Event(), threading.Event()
+    compile_format = engine.loop.grammars.compile
+
+    def waiting(fmt: OutputFormat) -> AnswerGrammar:
+        started.set()
+        assert release.wait(60)
+        return compile_format(fmt)
+
+    monkeypatch.setattr(engine.loop.grammars, "compile", waiting)
+
+    async def run() -> None:
+        submit = asyncio.create_task(lane.submit(Request("gone", tok.encode("hi"), SamplingParams(
+            max_tokens=4, output_format=FORMATS[2]))))  # fmt: skip
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        assert lane.in_flight == 1
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        assert lane.in_flight == 0
+        release.set()
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+        time.sleep(0.3)  # (the compile ends on its thread; nothing may be queued after it)
+        assert not engine.loop.has_work and lane.in_flight == 0
+    finally:
+        release.set()
+        lane.stop()
