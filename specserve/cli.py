@@ -106,10 +106,7 @@ def _output_format(args: argparse.Namespace) -> OutputFormat | None:
     if args.json_schema is not None:
         text = args.json_schema
         if not text.lstrip().startswith("{") and text.strip() not in ("true", "false"):  # a file's name
-            try:
-                text = Path(text).read_text()
-            except OSError as e:
-                raise SettingsError(f"--json-schema: cannot read {args.json_schema!r}: {e.strerror}") from None
+            text = _read_file(text, "--json-schema")
         try:
             json.loads(text)
         except ValueError as e:
@@ -121,13 +118,19 @@ def _output_format(args: argparse.Namespace) -> OutputFormat | None:
         return OutputFormat(kind=FormatKind.choice, choices=tuple(args.choice), param="--choice")
     if args.grammar is not None:
         text = args.grammar
-        if ":" not in text:  # a file's name (every Lark or GBNF rule has a colon)
-            try:
-                text = Path(text).read_text()
-            except OSError as e:
-                raise SettingsError(f"--grammar: cannot read {args.grammar!r}: {e.strerror}") from None
+        if Path(text).is_file() or ":" not in text:  # a file's name (every Lark or GBNF rule has a colon)
+            text = _read_file(text, "--grammar")
         return OutputFormat(kind=FormatKind.grammar, grammar_text=text, param="--grammar")
     return None
+
+
+def _read_file(name: str, flag: str) -> str:
+    try:
+        return Path(name).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SettingsError(f"{flag}: cannot read {name!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"{flag}: {name!r} is not UTF-8 text ({e.reason})") from None
 
 
 def _pair_for(name: str, target: ModelSpec) -> str | None:

@@ -581,8 +581,9 @@ def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pyte
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(schema)
-    lark, lark_file = 'start: "a" | "b"', tmp_path / "ab.lark"
+    lark, lark_file = 'start: "a" | "b"', tmp_path / "v1:ab.lark"  # (a file's name may have a colon)
     lark_file.write_text(lark)
+    (tmp_path / "latin1.lark").write_bytes(b'start: "\xe9"')
     held = {
         "--json": OutputFormat(kind=FormatKind.json_object, param="--json"),
         "--regex=[a-z]+": OutputFormat(kind=FormatKind.regex, pattern="[a-z]+", param="--regex"),
@@ -608,6 +609,8 @@ def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pyte
     asked.clear()
     assert main(["generate", "hi", "--draft", "none", "--regex", "[a-"]) == 2 and asked == []  # refused before
     assert main(["generate", "hi", "--draft", "none", "--grammar", "start: foo"]) == 2 and asked == []
+    for flag in ("--grammar", "--json-schema"):  # (was a traceback)
+        assert main(["generate", "hi", "--draft", "none", flag, str(tmp_path / "latin1.lark")]) == 2 and asked == []
 
 
 def test_generate_says_a_tokenizer_has_no_chat_template_before_the_models_load(
