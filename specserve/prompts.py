@@ -147,6 +147,7 @@ class PromptEncoder:
         if tokenizer.chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
         _check_text(messages, "a message", "messages")
+        _check_text(tools, "a tool", "tools")
         if generation_prompt and continue_final:
             raise InvalidRequestError(
                 "add_generation_prompt opens a new assistant turn, continue_final_message continues the last "

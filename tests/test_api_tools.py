@@ -13,7 +13,8 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.api.schemas import ChatMessage
+from specserve.api.schemas import ChatMessage, TokenizeRequest, ToolCallIn
+from specserve.api.tools import required_calls
 from tests.api_backend import MODEL, module_server
 
 # renders the tools and earlier calls, so a test can see them in the prompt
@@ -75,7 +76,8 @@ backend, url = module_server(max_model_len=256, tokenizer=_tool_tokenizer())
 
 def _chat(url: str, **fields: Any) -> httpx.Response:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 120, "temperature": 0, "tools": TOOLS} | fields
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    headers = {"content-type": "application/json"}  # (JSON's own escapes: a lone surrogate as \\ud800)
+    return httpx.post(url + "/v1/chat/completions", content=json.dumps(body), headers=headers, timeout=60)
 
 
 def _held_text(url: str, schema: dict[str, Any]) -> str:
@@ -193,7 +195,14 @@ def test_an_earlier_calls_arguments_reach_the_template_as_an_object_where_they_a
         ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [], "tool_choice": NAMED}, "tool_choice", "needs tools"),
         ({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice", "'fly', which is not one"),
-        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tool_choice", "twice: ['get_weather']"),
+        ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "none"}, "tools", "twice: ['get_weather']"),
+        ({"tool_choice": NAMED, "continue_final_message": True, "add_generation_prompt": False}, "tool_choice",
+         "not a continuation"),
+        ({"tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "description": "\ud800"}}}]}, "tools", "a tool is not UTF-8 text"),
+        ({"tool_choice": "none", "messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * 129}]}, "messages",
+         "at most 128"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "no response format"),
         ({"tool_choice": NAMED, "structured_outputs": {"regex": "a"}}, "tool_choice", "no response format"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"}, "tools",
@@ -228,3 +237,39 @@ def test_a_function_without_parameters_is_called_with_an_empty_object(url: str, 
     named = {"type": "function", "function": {"name": "now"}}
     choice = _chat(url, tools=[tool], tool_choice=named).json()["choices"][0]
     assert choice["message"]["tool_calls"][0]["function"]["arguments"] == "{}" and choice["finish_reason"] == "stop"
+
+
+def test_each_choice_reads_back_its_own_calls(url: str) -> None:
+    """n choices of a 'required' stream: each format kept the texts of its own choice (a shared list doubled them,
+    and the calls came back as text)."""
+    whole = _chat(url, tool_choice="required").json()["choices"][0]["message"]["tool_calls"]
+    r = _chat(url, tool_choice="required", stream=True, n=2)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    last = {c["choices"][0]["index"]: c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]}
+    for index in (0, 1):
+        calls = last[index]["delta"]["tool_calls"]
+        assert [c["function"] for c in calls] == [c["function"] for c in whole], index
+
+
+def test_a_blank_last_event_id_is_no_resume_and_deep_arguments_are_text(url: str) -> None:
+    r = httpx.post(url + "/v1/chat/completions", headers={"Last-Event-ID": ""}, timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 120, "temperature": 0, "tools": TOOLS,
+        "tool_choice": "required", "stream": True})  # fmt: skip
+    assert r.status_code == 200 and '"finish_reason":"tool_calls"' in r.text, r.text
+    deep = "[" * 3000 + "]" * 3000  # (past Python's JSON recursion: was a 500)
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": deep}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    r = httpx.post(url + "/tokenize", json={"messages": history, "tools": TOOLS}, timeout=30)
+    assert r.status_code == 200, r.text  # (the text: the template's ['unit'] of it is undefined, rendered empty)
+    call["function"]["arguments"] = '{"unit": ' + "[" * 70 + "]" * 70 + "}"  # (past MAX_SCHEMA_DEPTH: the text)
+    assert ToolCallIn.model_validate(call).for_template()["function"]["arguments"] == call["function"]["arguments"]
+
+
+def test_required_calls_with_numbers_json_cannot_write_come_back_as_text() -> None:
+    assert required_calls('[{"name": "f", "parameters": {"a": 1e999}}]') is None  # (json.dumps: Infinity)
+    (call,) = required_calls('[{"name": "f", "parameters": {"a": 1.5}}]') or []
+    assert call.function.name == "f" and call.function.arguments == '{"a": 1.5}'
+
+
+def test_tokenize_reads_no_tools_as_chat_does() -> None:
+    assert TokenizeRequest.model_validate({"messages": MESSAGES, "tools": []}).tools is None

@@ -638,9 +638,9 @@ class ToolCallIn(ClosedModel):
 
     def for_template(self) -> dict[str, Any]:
         """As chat templates read a call: the arguments as an object where they are JSON (as vLLM hands them)."""
-        try:
-            arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
+        try:  # (nested past MAX_SCHEMA_DEPTH, or past what Python's JSON parser recurses into: the text)
+            arguments: Any = check_depth(json.loads(self.function.arguments))
+        except (ValueError, RecursionError):
             arguments = self.function.arguments
         return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
 
@@ -702,6 +702,9 @@ def _few_enough_messages(v: object) -> object:
     parts = sum(len(m["content"]) for m in v if isinstance(m, dict) and isinstance(m.get("content"), list))
     if parts > MAX_CONTENT_PARTS:
         raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts in all messages together, got {parts}")
+    calls = sum(len(m["tool_calls"]) for m in v if isinstance(m, dict) and isinstance(m.get("tool_calls"), list))
+    if calls > MAX_CONTENT_PARTS:
+        raise ValueError(f"at most {MAX_CONTENT_PARTS} tool_calls in all messages together, got {calls}")
     return v
 
 
@@ -827,6 +830,14 @@ class ChatCompletionRequest(GenerationRequest):
     def _no_tools_when_empty(cls, v: object) -> object:
         return None if v == [] else v
 
+    @field_validator("tools")
+    @classmethod
+    def _named_once(cls, v: list[ToolSpec] | None) -> list[ToolSpec] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools name a function twice: {sorted({n for n in names if names.count(n) > 1})}")
+        return v
+
     @field_validator("tool_choice")
     @classmethod
     def _choice_of_the_tools(
@@ -837,8 +848,6 @@ class ChatCompletionRequest(GenerationRequest):
             return v
         tools: list[ToolSpec] = info.data["tools"] or []
         names = [t.function.name for t in tools]
-        if len(set(names)) < len(names):
-            raise ValueError(f"tools name a function twice: {sorted({n for n in names if names.count(n) > 1})}")
         choice = v if v is not None else "auto" if tools else "none"
         if choice == "none":
             return v
@@ -846,6 +855,8 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("a tool_choice other than 'none' needs tools")
         if choice == "auto":
             raise ValueError(AUTO_TOOL_CHOICE)
+        if info.data.get("continue_final_message"):
+            raise ValueError("a tool call is a whole answer: not a continuation (continue_final_message)")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name[:64]!r}, which is not one of the tools")
         held = info.data.get("response_format")
@@ -947,6 +958,11 @@ class TokenizeRequest(ClosedModel):
     tools: list[ToolSpec] | None = Field(
         default=None, max_length=MAX_TOOLS, description="messages': the tools a chat request offers its template"
     )
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _no_tools_when_empty(cls, v: object) -> object:
+        return None if v == [] else v  # (as a chat request reads them: the same tokens)
 
     _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
 

@@ -501,17 +501,12 @@ class _Routes:
             options = {"generation_prompt": body.add_generation_prompt, "continue_final": body.continue_final_message}
             return [encoder.chat(messages, room=room, tools=offered_tools(body.tools), **options)]
 
-        if body.tool_mode == ToolMode.required and body.stream and (last_event_id or body.resume_from):
-            self.backend.metrics.request_done(RequestStatus.invalid)
-            raise InvalidRequestError(
-                "a stream of tool_choice 'required' sends its calls whole in its last event: it cannot be resumed "
-                "(send the request again, or without stream)",
-                param=RESUME_PARAM,
-            )
         limit = _TokenLimit(body.token_limit, body.token_limit_param, "messages")
         named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
         fmt = _ChatFormat(self._model(), encoder, body.tool_mode, named)
-        return await self._generate(body, encode, limit, fmt, tracker, http.receive, last_event_id)
+        # a stream of tool_choice 'required' sends its calls whole in its last event, read from all its text
+        resumable = body.tool_mode != ToolMode.required
+        return await self._generate(body, encode, limit, fmt, tracker, http.receive, last_event_id, resumable)
 
     async def models(self) -> ModelList:
         return ModelList(data=[self._card()])
@@ -552,10 +547,17 @@ class _Routes:
         tracker: _Tracker,
         receive: Receive,
         last_event_id: str | None = None,
+        resumable: bool = True,
     ) -> Response:
         metrics = self.backend.metrics
         try:
             resume = _resume_mark(body, last_event_id)
+            if resume is not None and not resumable:
+                raise InvalidRequestError(
+                    "a stream of tool_choice 'required' sends its calls whole in its last event: it cannot be "
+                    "resumed (send the request again, or without stream)",
+                    param=RESUME_PARAM,
+                )
             self._check_model(body.model)
             context = self.backend.max_model_len
             places = body.n * body.prompt_count  # each prompt's n choices
@@ -1084,7 +1086,12 @@ class _ChatFormat(_Stamped):
         super().__init__(model, encoder)
         self.calling = calling
         self.named = named
-        self.answer = ""  # a 'required' stream's text so far
+        self.answer: list[str] = []  # a 'required' stream's texts so far
+
+    def for_choice(self, index: int) -> Self:
+        other = super().for_choice(index)
+        other.answer = []  # (its own: a copy would share the list)
+        return other
 
     def first_chunk(self) -> BaseModel | None:
         if self.calling == ToolMode.named:
@@ -1113,12 +1120,13 @@ class _ChatFormat(_Stamped):
         if self.calling == ToolMode.named and out.text:
             delta = ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments=out.text))])
         elif self.calling == ToolMode.required:
-            self.answer += out.text
+            self.answer.append(out.text)
             delta = ChatDelta()
             if out.finished:
-                calls = tools.required_calls(self.answer)
+                answer = "".join(self.answer)
+                calls = tools.required_calls(answer)
                 if calls is None:  # (cut before its list closed: the text)
-                    delta = ChatDelta(content=self.answer)
+                    delta = ChatDelta(content=answer)
                 else:
                     delta, finish = ChatDelta(tool_calls=tools.call_deltas(calls)), FinishReasonOut.tool_calls
         choice = ChatChunkChoice(

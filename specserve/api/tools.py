@@ -29,11 +29,9 @@ def required_calls(answer: str) -> list[ToolCall] | None:
     """tool_choice 'required''s calls (None: the answer was cut before its list closed)."""
     try:
         listed = json.loads(answer)
-        return [
-            ToolCall(id=call_id(), function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
-            for c in listed
-        ]
-    except (ValueError, TypeError, KeyError):  # (not JSON, or JSON of another shape: a stop string cut it)
+        calls = [FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], allow_nan=False)) for c in listed]
+        return [ToolCall(id=call_id(), function=call) for call in calls]
+    except (ValueError, TypeError, KeyError):  # (cut: not JSON, or of another shape; or a number JSON cannot write)
         return None
 
 
