@@ -255,9 +255,11 @@ class Lane:
         self._stop_asked = False  # told to stop (``request_stop``), as against a lane thread that failed
         self._restore_lock = threading.Lock()
         # formats are compiled on a thread of their own, one at a time (a lane's batch waits for nothing compiled on
-        # its thread: tens of ms for a large grammar, and the first one also reads the vocabulary, 0.3 s for 49k
-        # tokens); the thread starts with the first
+        # its thread: tens of ms for a large grammar), which first reads the vocabulary as grammars see it (0.3 s for
+        # 49k tokens, holding the GIL: done as the lane starts, while its workers load, not at the first request)
         self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"lane-{index}-grammars")
+        if loop.tokenizer is not None:
+            self._grammar_thread.submit(loop.grammars.prepare)
         self._thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
         self._thread.start()
 

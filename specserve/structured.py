@@ -143,6 +143,10 @@ class GrammarCompiler:
         except (ValueError, TypeError) as e:  # a slow tokenizer, an EOS id it does not name
             return f"its tokenizer cannot be read as a grammar's vocabulary ({e})"
 
+    def prepare(self) -> None:
+        """Read the vocabulary now (it holds the GIL: a lane's first structured request stalled its batch ~0.3 s)."""
+        _ = self._tokenizer
+
     def compile(self, fmt: OutputFormat) -> AnswerGrammar:
         from llguidance import LLMatcher
 

@@ -650,3 +650,18 @@ def test_a_client_gone_while_its_format_compiles_leaves_no_place_held(
     finally:
         release.set()
         lane.stop()
+
+
+def test_a_lane_reads_the_vocabulary_for_grammars_as_it_starts(models: tuple[LlamaModel, LlamaModel]) -> None:
+    """Reading it holds the GIL (0.3 s for SmolLM2's 49k tokens): at a lane's first structured request it stalled
+    the lane's batch as long."""
+    engine = Engine(models[0], tiny_tokenizer(), max_batch_size=1, max_model_len=64)
+    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0)  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 30
+        while "_tokenizer" not in vars(engine.loop.grammars):  # (functools.cached_property's place)
+            assert time.monotonic() < deadline, "the lane never read the vocabulary"
+            time.sleep(0.01)
+        assert not isinstance(engine.loop.grammars._tokenizer, str)  # (a view, not the reason there is none)
+    finally:
+        lane.stop()
