@@ -356,7 +356,9 @@ class GenerationRequest(ClosedModel):
         "(max_tokens, a stop string or a stop token id may cut it short)",
     )
     structured_outputs: StructuredOutputs | None = Field(
-        default=None, description="extension (vLLM's): the answer held to a JSON schema, a regex or a choice"
+        default=None,
+        description="extension (vLLM's): the answer held to a JSON schema, any JSON object, a regex, a choice or a "
+        "grammar (Lark or GBNF)",
     )
     truncate_prompt_tokens: StrictInt | None = Field(
         default=None,
