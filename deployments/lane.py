@@ -309,8 +309,13 @@ class Lane:
             raise LaneHandoffError(f"lane {self.index} has stopped")
         self._active.add(request.request_id)  # in flight from here: a compile holds its place (capacity, lane choice)
         try:
-            grammar = await self._compiled(request)
-            if not self.alive:  # it stopped while the format compiled
+            try:
+                grammar = await self._compiled(request)
+            except RuntimeError:  # the grammar thread was shut down: the lane is stopping
+                if self.alive and not self._stopping.is_set():
+                    raise
+                grammar = None
+            if not self.alive or self._stopping.is_set():  # it stopped, or was told to, while the format compiled
                 raise LaneHandoffError(f"lane {self.index} has stopped")
         except BaseException:
             self._active.discard(request.request_id)
@@ -524,6 +529,7 @@ class Lane:
         t0 = time.perf_counter()
         failures: dict[int, SequenceError] = {}
         ran = False  # whether the step reached its workers (a new target that fails to start is no request's doing)
+        steps_before = self.loop.stats.timing.steps
         try:
             if self._starting():
                 self._flush_held()  # a target loading may take minutes
@@ -576,7 +582,8 @@ class Lane:
                 sink.put(ready)
             if out.finished:
                 self._forget(out.request_id)
-        if outputs:  # the loop recorded this step
+        # the loop recorded this step (one whose every sequence failed before the target recorded none)
+        if outputs and self.loop.stats.timing.steps > steps_before:
             step = self.loop.stats.metrics[-1]
             if WorkerRole.draft in self.workers and step.model_drafted:  # (also for rows that finished in it)
                 self._draft_losses = 0  # the draft model proposed in a step that went through: no longer suspect

@@ -27,6 +27,7 @@ from specserve.prompts import PromptEncoder
 from specserve.sampling import SamplingParams
 from specserve.sequence import FinishReason, Request, RequestOutput, RequestStats
 from specserve.spec_decode.eagle_head import EagleHead
+from specserve.structured import GrammarDeadEnd
 from specserve.workers import HeadDraftWorker, TargetWorker
 
 Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
@@ -324,8 +325,10 @@ class Engine:
                 outputs = self.loop.step()
         except PartialStepError as e:
             self._deliver(e.outputs)
-            for seq_id, error in e.failures.items():
-                self._fail(seq_id, PartialStepError([], {seq_id: error}))
+            for seq_id, error in e.failures.items():  # (a held answer at its grammar's dead end: that error itself)
+                cause = error.__cause__
+                failed = cause if isinstance(cause, GrammarDeadEnd) else PartialStepError([], {seq_id: error})
+                self._fail(seq_id, failed)
             return
         except BaseException as e:  # KeyboardInterrupt too: the others must not keep the failed step's caches
             with self._in_loop():

@@ -421,6 +421,8 @@ class StepLoop:
         for seq, proposal, out in zip(batch, proposals, verified, strict=True):
             try:
                 with blame(seq.seq_id):
+                    if seq.grammar is not None:
+                        seq.grammar.check_accepted(out.accepted)
                     outputs.append(self._commit_row(seq, proposal, out))
             except SequenceError as e:
                 failures[seq.seq_id] = e

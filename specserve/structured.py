@@ -189,15 +189,17 @@ class AnswerGrammar:
         self.width = (vocab_size + BITS - 1) // BITS
         self.eos = frozenset(eos_token_ids)
         self.fed: list[int] = []  # the answer's tokens the matcher has consumed
+        self.dead: frozenset[int] = frozenset()  # the last walk's nodes the grammar has no way on from
 
     def follow(self, output: list[int]) -> None:
         """Bring the matcher to the end of ``output``: back past tokens a rollback took away, then on through the
-        new ones. A token the grammar refuses is a GrammarDeadEnd: the target drew it from a row that allowed
-        everything, after a drafted node the grammar had no way on from (plain decoding fails there too)."""
+        new ones. A token the grammar refuses (none the target drew under it can be) is a GrammarDeadEnd."""
         same = len(self.fed)
         if output[:same] != self.fed:  # (a list comparison in C: the common case, an answer grown, costs no loop)
             same = next((i for i, (a, b) in enumerate(zip(self.fed, output, strict=False)) if a != b), len(output))
         if same < len(self.fed):
+            if self.matcher.is_error():  # (a dead end met here before: its rollback fails too)
+                raise self._dead_end("allows no token after the answer so far, nor its end")
             self._check(self.matcher.rollback(len(self.fed) - same), "rolling back")
             del self.fed[same:]
         for token in output[same:]:
@@ -212,14 +214,15 @@ class AnswerGrammar:
         and its subtree's allow everything (never read). An EOS node ends the answer: its subtree is never emitted,
         and it is not fed (a matcher whose grammar is complete takes EOS without recording it, so the walk's
         rollback would undo a token of the answer). A node after which the grammar allows nothing (a dead end)
-        keeps a row that allows everything and its subtree is not walked: accepted, the answer fails at its next
-        token (``follow``), as it would in plain decoding. A dead end at the root is a GrammarDeadEnd."""
+        keeps a row that allows everything and its subtree is not walked: accepted, its row fails
+        (``check_accepted``), as plain decoding fails after its token. A dead end at the root is a GrammarDeadEnd."""
         rows = np.full((1 + len(draft_tokens), self.width), -1, dtype=np.int32)
         children: list[list[int]] = [[] for _ in range(len(rows))]
         for node, parent in enumerate(draft_parents, start=1):
             children[parent].append(node)
         if not self._fill(rows, 0):
             raise self._dead_end("allows no token after the answer so far, nor its end")
+        dead = set()
         stack = [(child, False) for child in reversed(children[0])]
         while stack:  # depth-first; (node, True): the walk leaves node, whose token the matcher fed
             node, leaving = stack.pop()
@@ -233,11 +236,19 @@ class AnswerGrammar:
             self._check(self.matcher.consume_token(token), f"draft token {token}")
             if not self._fill(rows, node):  # a fresh matcher, fed the answer and the path to the parent
                 rows[node] = -1
+                dead.add(node)
                 self._restart(_path(parent, draft_tokens, draft_parents))
                 continue
             stack.append((node, True))
             stack.extend((child, False) for child in reversed(children[node]))
+        self.dead = frozenset(dead)
         return rows
+
+    def check_accepted(self, accepted: list[int]) -> None:
+        """A GrammarDeadEnd where the target accepted a drafted node of the last walk the grammar has no way on
+        from (the token after it came from a row that allowed everything: the row fails, uncommitted)."""
+        if self.dead.intersection(accepted):
+            raise self._dead_end("allows no token after a drafted token the answer took, nor its end")
 
     def _fill(self, rows: np.ndarray, node: int) -> bool:
         """Node's row of allowed tokens; False: the grammar allows none there (the matcher is then in error)."""

@@ -267,6 +267,8 @@ def test_a_blank_last_event_id_is_no_resume_and_deep_arguments_are_text(url: str
 
 def test_required_calls_with_numbers_json_cannot_write_come_back_as_text() -> None:
     assert required_calls('[{"name": "f", "parameters": {"a": 1e999}}]') is None  # (json.dumps: Infinity)
+    deep = "[" * 1500 + "]" * 1500  # (past Python's JSON recursion: a RecursionError, a 500)
+    assert required_calls('[{"name": "f", "parameters": {"a": ' + deep + "}}]") is None
     (call,) = required_calls('[{"name": "f", "parameters": {"a": 1.5}}]') or []
     assert call.function.name == "f" and call.function.arguments == '{"a": 1.5}'
 

@@ -25,6 +25,7 @@ from scipy.stats import chisquare
 
 from deployments.lane import Lane
 from deployments.tiny_tokenizer import tiny_tokenizer
+from specserve.api.error_bodies import LaneHandoffError
 from specserve.api.metrics import ServeMetrics
 from specserve.config import ChainDraft, Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
@@ -34,7 +35,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams, allowed_only, process_logits
 from specserve.sequence import Request
-from specserve.structured import AnswerGrammar, FormatKind, GrammarCompiler, OutputFormat
+from specserve.structured import AnswerGrammar, FormatKind, GrammarCompiler, GrammarDeadEnd, OutputFormat
 from tests.api_backend import MODEL, module_server
 from tests.test_head_drafter import last_token_target, near_head
 
@@ -561,15 +562,19 @@ def test_an_answer_that_reaches_a_dead_end_fails_alone_with_the_same_error_specu
     plain decoding's tokens. Biased to "c", a drafted "a" (prompt lookup proposes it) costs nothing."""
     target, draft = models
     tok = tiny_tokenizer()
-    a, c, q, x = (tok.encode(t)[0] for t in "acqx")
-    prompt = [q, a, x, x, q]  # (lookup proposes "a x x" after the last q)
+    a, c, q, x, z = (tok.encode(t)[0] for t in "acqxz")
+    prompt = [z, q, a, x, x, z]  # (lookup proposes "a x x" after an answer's q: "z q" matches)
     dead = SamplingParams(max_tokens=8, logit_bias={a: 50.0}, output_format=DEAD_END)
     fine = SamplingParams(max_tokens=8, logit_bias={c: 50.0}, output_format=DEAD_END)
     free = SamplingParams(max_tokens=8, ignore_eos=True)
+    # "q" first (its first step prefills: nothing drafted), then lookup drafts "a" after it, a node with no way on,
+    # whose row allows everything: the target takes "a", then EOS (outbidding "a" there) ended an answer "qa", a 200
+    after_q = OutputFormat(kind=FormatKind.grammar, grammar_text='start: "q" ("a" b | "c")\nb: b "x"')
+    dead_eos = SamplingParams(max_tokens=8, logit_bias={a: 50.0, EOS: 60.0}, output_format=after_q)
     reference = Engine(target, tok, max_batch_size=1, max_model_len=64).generate([prompt], free)[0].token_ids
     lookup = SpecConfig(method=SpecMethod.chain, sl=3, drafter=Drafter.lookup)
     for spec in (SPECS[0], SPECS[1], lookup):
-        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=3, max_model_len=64)
+        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=4, max_model_len=64)
         resets: list[object] = []
         reset = engine.loop.reset
 
@@ -578,9 +583,10 @@ def test_an_answer_that_reaches_a_dead_end_fails_alone_with_the_same_error_specu
             reset(ids)
 
         engine.loop.reset = counted  # type: ignore[method-assign]
-        outs = engine.generate([prompt] * 3, [dead, fine, free], return_exceptions=True)
+        outs = engine.generate([prompt] * 4, [dead, fine, free, dead_eos], return_exceptions=True)
         assert resets == []  # (the batch's other sequences were not reset to re-prefill)
-        assert isinstance(outs[0], Exception) and "allows no token after the answer so far" in str(outs[0]), outs[0]
+        assert isinstance(outs[0], GrammarDeadEnd) and "allows no token after" in str(outs[0]), outs[0]
+        assert isinstance(outs[3], GrammarDeadEnd), (spec.method.value, outs[3])
         assert not isinstance(outs[1], Exception) and outs[1].token_ids == [c], spec.method.value
         assert not isinstance(outs[2], Exception) and outs[2].token_ids == reference, spec.method.value
 
@@ -663,5 +669,35 @@ def test_a_lane_reads_the_vocabulary_for_grammars_as_it_starts(models: tuple[Lla
             assert time.monotonic() < deadline, "the lane never read the vocabulary"
             time.sleep(0.01)
         assert not isinstance(engine.loop.grammars._tokenizer, str)  # (a view, not the reason there is none)
+    finally:
+        lane.stop()
+
+
+def test_a_matcher_at_a_dead_end_says_so_when_rolled_back_too() -> None:
+    tok = tiny_tokenizer()
+    grammar = GrammarCompiler(tok, [EOS]).compile(DEAD_END)
+    a, x = tok.encode("a")[0], tok.encode("x")[0]
+    grammar.follow([a])
+    with pytest.raises(GrammarDeadEnd):
+        grammar.masks([], [])
+    with pytest.raises(GrammarDeadEnd):  # (was a ValueError from the failed rollback: a 500)
+        grammar.follow([])
+    with pytest.raises(GrammarDeadEnd, match=f"refuses token {x}"):
+        GrammarCompiler(tok, [EOS]).compile(DEAD_END).follow([x])
+
+
+def test_a_lane_told_to_stop_hands_a_structured_request_on(models: tuple[LlamaModel, LlamaModel]) -> None:
+    """Its grammar thread shut down while its thread still runs (a stop whose join timed out): a RuntimeError, a
+    500. (Told to stop as ``request_stop`` tells it, short of the command that ends its thread.)"""
+    engine = Engine(models[0], tiny_tokenizer(), max_batch_size=1, max_model_len=64)
+    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=0)  # type: ignore[arg-type]
+    lane._stopping.set()
+    lane._grammar_thread.shutdown()
+    assert lane.alive
+    request = Request("r", [5, 6], SamplingParams(max_tokens=2, output_format=FORMATS[2]))
+    try:
+        with pytest.raises(LaneHandoffError):
+            asyncio.run(lane.submit(request))
+        assert lane.in_flight == 0
     finally:
         lane.stop()

@@ -31,7 +31,7 @@ def required_calls(answer: str) -> list[ToolCall] | None:
         listed = json.loads(answer)
         calls = [FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], allow_nan=False)) for c in listed]
         return [ToolCall(id=call_id(), function=call) for call in calls]
-    except (ValueError, TypeError, KeyError):  # (cut: not JSON, or of another shape; or a number JSON cannot write)
+    except (ValueError, TypeError, KeyError, RecursionError):  # (cut; of another shape; too deep; 1e999)
         return None
 
 
