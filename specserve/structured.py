@@ -120,8 +120,8 @@ def _json_layout() -> Any:
 
 
 class GrammarCompiler:
-    """A step loop's: the tokenizer's vocabulary as the grammars read it (built on the first structured request:
-    0.3 s for SmolLM2's 49k tokens), and each request's grammar checked and compiled against it. Thread-safe: a
+    """A step loop's: the tokenizer's vocabulary as the grammars read it (built on first use, or as a Serve lane
+    starts: 0.3 s for SmolLM2's 49k tokens), and each request's grammar checked and compiled against it. Thread-safe: a
     Serve lane compiles on other threads (``Lane.submit``) while its own steps."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: Collection[int]) -> None:

@@ -273,5 +273,7 @@ def test_required_calls_with_numbers_json_cannot_write_come_back_as_text() -> No
     assert call.function.name == "f" and call.function.arguments == '{"a": 1.5}'
 
 
-def test_tokenize_reads_no_tools_as_chat_does() -> None:
+def test_tokenize_reads_tools_as_chat_does() -> None:
     assert TokenizeRequest.model_validate({"messages": MESSAGES, "tools": []}).tools is None
+    with pytest.raises(ValueError, match="twice"):
+        TokenizeRequest.model_validate({"messages": MESSAGES, "tools": [TOOLS[0], TOOLS[0]]})

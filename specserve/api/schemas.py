@@ -741,6 +741,13 @@ class ToolSpec(ClosedModel):
     function: FunctionSpec
 
 
+def _each_tool_named_once(tools: list[ToolSpec] | None) -> list[ToolSpec] | None:
+    names = [t.function.name for t in tools or []]
+    if len(set(names)) < len(names):
+        raise ValueError(f"tools name a function twice: {sorted({n for n in names if names.count(n) > 1})}")
+    return tools
+
+
 class NamedFunction(ClosedModel):
     name: str
 
@@ -832,13 +839,7 @@ class ChatCompletionRequest(GenerationRequest):
     def _no_tools_when_empty(cls, v: object) -> object:
         return None if v == [] else v
 
-    @field_validator("tools")
-    @classmethod
-    def _named_once(cls, v: list[ToolSpec] | None) -> list[ToolSpec] | None:
-        names = [t.function.name for t in v or []]
-        if len(set(names)) < len(names):
-            raise ValueError(f"tools name a function twice: {sorted({n for n in names if names.count(n) > 1})}")
-        return v
+    _named_once = field_validator("tools")(_each_tool_named_once)
 
     @field_validator("tool_choice")
     @classmethod
@@ -965,6 +966,8 @@ class TokenizeRequest(ClosedModel):
     @classmethod
     def _no_tools_when_empty(cls, v: object) -> object:
         return None if v == [] else v  # (as a chat request reads them: the same tokens)
+
+    _named_once = field_validator("tools")(_each_tool_named_once)
 
     _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
 
