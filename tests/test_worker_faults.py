@@ -1267,6 +1267,7 @@ def test_lanes_stopped_together_share_one_wait(monkeypatch: pytest.MonkeyPatch) 
     def stuck_lane(i: int) -> Any:  # its thread never ends (a step stuck in a call to a hung worker)
         thread = SimpleNamespace(join=lambda timeout: (waited.append(timeout), time.sleep(timeout)))
         fake = SimpleNamespace(_thread=thread, request_stop=lambda: None, _kill_workers=lambda: killed.append(i))
+        fake._grammar_thread = SimpleNamespace(shutdown=lambda wait: None)
         fake.finish_stop = lambda by: Lane.finish_stop(fake, by)  # type: ignore[arg-type]
         return fake
 
