@@ -626,6 +626,11 @@ MessageContent = Annotated[
 ]
 
 
+def _none_if_empty(v: object) -> object:
+    """A list field sent as [] is unset (OpenAI's SDKs send [] and null alike)."""
+    return None if v == [] else v
+
+
 class FunctionCallIn(ClosedModel):
     name: Utf8Str
     arguments: Utf8Str = Field(description="the arguments as JSON text")
@@ -658,10 +663,7 @@ class ChatMessage(ClosedModel):
         default=None, max_length=MAX_TOOLS, description="an assistant message's calls ([] or null: none)"
     )
 
-    @field_validator("tool_calls", mode="before")
-    @classmethod
-    def _none_when_empty(cls, v: object) -> object:
-        return None if v == [] else v
+    _none_when_empty = field_validator("tool_calls", mode="before")(_none_if_empty)
 
     @model_validator(mode="after")
     def _content(self) -> ChatMessage:
@@ -834,11 +836,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     _continue = field_validator("continue_final_message")(_continue_without_a_new_turn)
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _no_tools_when_empty(cls, v: object) -> object:
-        return None if v == [] else v
-
+    _no_tools_when_empty = field_validator("tools", mode="before")(_none_if_empty)
     _named_once = field_validator("tools")(_each_tool_named_once)
 
     @field_validator("tool_choice")
@@ -962,11 +960,7 @@ class TokenizeRequest(ClosedModel):
         default=None, max_length=MAX_TOOLS, description="messages': the tools a chat request offers its template"
     )
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _no_tools_when_empty(cls, v: object) -> object:
-        return None if v == [] else v  # (as a chat request reads them: the same tokens)
-
+    _no_tools_when_empty = field_validator("tools", mode="before")(_none_if_empty)  # (as chat reads them)
     _named_once = field_validator("tools")(_each_tool_named_once)
 
     _few_enough_messages = field_validator("messages", mode="before")(_few_enough_messages)
