@@ -421,8 +421,6 @@ class StepLoop:
         for seq, proposal, out in zip(batch, proposals, verified, strict=True):
             try:
                 with blame(seq.seq_id):
-                    if seq.grammar is not None:
-                        seq.grammar.check_accepted(out.accepted)
                     outputs.append(self._commit_row(seq, proposal, out))
             except SequenceError as e:
                 failures[seq.seq_id] = e
@@ -520,6 +518,13 @@ class StepLoop:
                 floor.record_rate(len(event.batch), event.emitted, event.total_s)
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:
+        # a drafted node the grammar has no way on from, accepted: the tokens after it were drawn from a row that
+        # allowed everything, so the answer stops there; unless that ends it, it fails (plain decoding's fails at
+        # the next step, its dead end at the root) and the row is rolled back (``_commit_row``)
+        dead = None if seq.grammar is None else seq.grammar.first_dead(out.accepted)
+        if dead is not None:
+            logprobs = None if out.logprobs is None else out.logprobs[: dead + 1]
+            out = replace(out, accepted=out.accepted[: dead + 1], tokens=out.tokens[: dead + 1], logprobs=logprobs)
         if out.features is not None:
             seq.add_features(out.features, start=seq.target_seen)  # rows from the target's old cache length on
         prompt_logprobs = None
@@ -567,6 +572,8 @@ class StepLoop:
             seq.finish_reason = FinishReason.stop
             # a speculative step can accept tokens past the stop string: they are not output
             del seq.output[seq.text.settled(len(seq.output)) :]
+        if dead is not None and seq.finish_reason is None:
+            raise seq.grammar.dead_after_accepted()  # type: ignore[union-attr]
         # accepted drafts that were emitted: a step emits its tokens up to EOS (counted), max_tokens or a stop string,
         # the first of them the forward's own, so drafts cut with the rest of the step do not count (accepted +
         # forwards = tokens emitted; DSDE observes the verifier's own count)

@@ -214,8 +214,9 @@ class AnswerGrammar:
         and its subtree's allow everything (never read). An EOS node ends the answer: its subtree is never emitted,
         and it is not fed (a matcher whose grammar is complete takes EOS without recording it, so the walk's
         rollback would undo a token of the answer). A node after which the grammar allows nothing (a dead end)
-        keeps a row that allows everything and its subtree is not walked: accepted, its row fails
-        (``check_accepted``), as plain decoding fails after its token. A dead end at the root is a GrammarDeadEnd."""
+        keeps a row that allows everything and its subtree is not walked: accepted, the answer is cut after it
+        (``first_dead``) and fails unless it ends there, as plain decoding's fails at the next step. A dead end at
+        the root is a GrammarDeadEnd."""
         rows = np.full((1 + len(draft_tokens), self.width), -1, dtype=np.int32)
         children: list[list[int]] = [[] for _ in range(len(rows))]
         for node, parent in enumerate(draft_parents, start=1):
@@ -244,11 +245,13 @@ class AnswerGrammar:
         self.dead = frozenset(dead)
         return rows
 
-    def check_accepted(self, accepted: list[int]) -> None:
-        """A GrammarDeadEnd where the target accepted a drafted node of the last walk the grammar has no way on
-        from (the token after it came from a row that allowed everything: the row fails, uncommitted)."""
-        if self.dead.intersection(accepted):
-            raise self._dead_end("allows no token after a drafted token the answer took, nor its end")
+    def first_dead(self, accepted: list[int]) -> int | None:
+        """The index in ``accepted`` of a drafted node of the last walk the grammar has no way on from (at most
+        one: its subtree is not walked), or None. The tokens after it came from a row that allowed everything."""
+        return next((i for i, node in enumerate(accepted) if node in self.dead), None)
+
+    def dead_after_accepted(self) -> GrammarDeadEnd:
+        return self._dead_end("allows no token after a drafted token the answer took, nor its end")
 
     def _fill(self, rows: np.ndarray, node: int) -> bool:
         """Node's row of allowed tokens; False: the grammar allows none there (the matcher is then in error)."""

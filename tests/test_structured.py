@@ -591,6 +591,31 @@ def test_an_answer_that_reaches_a_dead_end_fails_alone_with_the_same_error_specu
         assert not isinstance(outs[2], Exception) and outs[2].token_ids == reference, spec.method.value
 
 
+def test_an_answer_that_ends_at_a_drafted_dead_end_finishes_as_plain_decoding_does(
+    models: tuple[LlamaModel, LlamaModel],
+) -> None:
+    """Lookup drafts "a" after "q", a node with no way on, and the target takes it: where "a" ends the answer (its
+    last token allowed, a stop token, a stop string) plain decoding finishes it with a 200; speculation failed the
+    row as a dead end (a 400) without looking where the answer ended."""
+    target, draft = models
+    tok = tiny_tokenizer()
+    a, q, x, z = (tok.encode(t)[0] for t in "aqxz")
+    prompt = [z, q, a, x, x, z]  # (after the answer's "q", lookup proposes "a x x": "z q" matches)
+    after_q = OutputFormat(kind=FormatKind.grammar, grammar_text='start: "q" ("a" b | "c")\nb: b "x"')
+    ending = [
+        SamplingParams(max_tokens=2, logit_bias={a: 50.0}, output_format=after_q),
+        SamplingParams(max_tokens=8, logit_bias={a: 50.0}, stop_token_ids=[a], output_format=after_q),
+        SamplingParams(max_tokens=8, logit_bias={a: 50.0}, stop=["a"], output_format=after_q),
+    ]
+    expected = [([q, a], "qa", "length"), ([q, a], "q", "stop"), ([q, a], "q", "stop")]
+    lookup = SpecConfig(method=SpecMethod.chain, sl=3, drafter=Drafter.lookup)
+    for spec in (SPECS[0], SPECS[1], lookup):
+        engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=4, max_model_len=64)
+        outs = engine.generate([prompt] * 3, ending, return_exceptions=True)
+        got = [o if isinstance(o, Exception) else (o.token_ids, o.text, o.finish_reason.value) for o in outs]
+        assert got == expected, spec.method.value
+
+
 def test_a_dead_end_over_http_is_a_400_and_its_neighbours_finish(url: str) -> None:
     body = {"model": MODEL, "prompt": "answer:", "max_tokens": 8, "temperature": 0}
     held = {
