@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from specserve.api.error_bodies import LaneFullError, LaneHandoffError, LaneLostError, WorkerFailedError
+from specserve.api.error_bodies import LaneFullError, LaneHandoffError, LaneLostError, StepLostError, WorkerFailedError
 from specserve.api.server import OutputStream
 from specserve.errors import InvalidRequestError
 from specserve.sequence import Delivered, Request, RequestOutput, RequestStats
@@ -161,6 +161,8 @@ class FailoverStream:
         if not isinstance(error, LaneHandoffError):  # (a handoff moves a request that never ran on the lane since
             # its loss, to a lane that has its model; one that was running there is dropped as lost, and counts)
             self._failovers += 1
+        if isinstance(error, StepLostError):  # in a step that took the target down: alone first on the next lane
+            self._request = replace(self._request, suspect=True)
         if self._failovers > self._max_failovers:
             logger.warning(
                 "request %s: lane %d lost it (%s) after %d failovers, the most allowed: it fails",

@@ -56,6 +56,7 @@ from specserve.api.error_bodies import (
     LaneHandoffError,
     LaneLostError,
     RequestFailedError,
+    StepLostError,
     WorkerFailedError,
 )
 from specserve.api.metrics import ServeMetrics
@@ -226,6 +227,7 @@ class Lane:
         # running when the lane lost its target and no other lane could take them: their loss counts against
         # max_failovers when they are handed on (lane thread only; forgotten at the next step that runs)
         self._kept: set[str] = set()
+        self._kept_suspects: set[str] = set()  # ... those of them that were in the step that lost it
         self._failures = 0  # consecutive failed steps
         self._probes: deque[frozenset[int]] = deque()  # suspect groups (seq ids) to step alone, the first next
         self._splits = 0  # splits made by the isolation under way
@@ -537,16 +539,27 @@ class Lane:
                     # or kept while no other lane was loaded: on at once on a lane that has its model. Only the
                     # ones kept have lost a lane here (counted now); the others merely waited (a handoff)
                     for request_id in list(self._sinks):
-                        lost = LaneLostError if request_id in self._kept else LaneHandoffError
+                        lost = (
+                            StepLostError
+                            if request_id in self._kept_suspects
+                            else LaneLostError
+                            if request_id in self._kept
+                            else LaneHandoffError
+                        )
                         self._drop(request_id, lost(f"lane {self.index} is starting its workers; handed on"))
                     self._kept.clear()
+                    self._kept_suspects.clear()
                     self._report_queue()
                 return
+            if only is not None and not self._probes and not self._workers_answer():  # a suspect's first step
+                return  # here: its workers replaced first (a node under two lanes that failed took both targets;
+                # the one lost before the suspect's step is not its doing)
             if only is not None:
                 self._flush_held()  # the step leaves the others waiting
             ran = True
             outputs = self.loop.step(only)
             self._kept.clear()
+            self._kept_suspects.clear()
         except PartialStepError as e:  # verified and committed but for a few: deliver, then fail those alone
             outputs, failures = e.outputs, e.failures
         except (RayActorError, WorkerLostError) as e:
@@ -554,7 +567,8 @@ class Lane:
             generation = self.generations[WorkerRole.target]
             # a loss that convicts a request (its second alone) is explained: not one more in a row for the lane
             # (two killers in a batch lost four targets in a row and, at max_worker_restarts 3, the lane)
-            self._replace_lost(e, counted=not (ran and self._repeat_killer(group, only) is not None))
+            convicted = self._repeat_killer(group, only) if ran else None
+            self._replace_lost(e, counted=convicted is None, step=group if ran else frozenset(), convicted=convicted)
             if ran and self.generations[WorkerRole.target] != generation:  # its target was replaced (not its draft)
                 self._suspect_loss(group, only)
             self._report_queue()
@@ -573,8 +587,8 @@ class Lane:
         self.lost_workers, self._retry_pause = False, self.worker_retry_s
         if only is None:
             self._failed_steps = 0
-        else:
-            self._probes.popleft()  # the group passed
+        elif self._probes and self._probes[0] == only:  # the group passed (not a suspect's first step here)
+            self._probes.popleft()
         step_s = time.perf_counter() - t0
         for out in outputs:
             sink, ready = self._sinks.get(out.request_id), self._coalescer.offer(out)
@@ -636,14 +650,16 @@ class Lane:
         return not all(waits)
 
     def _next_probe(self) -> frozenset[int] | None:
-        """The suspect group to step next, less its sequences that finished or were aborted (None: a full step)."""
+        """The suspect group to step next, less its sequences that finished or were aborted; with none, a suspect
+        another lane lost its target with, alone (None: a full step)."""
         running = {s.seq_id for s in self.loop.running}
         while self._probes:
             if group := self._probes[0] & running:
                 self._probes[0] = group
                 return group
             self._probes.popleft()
-        return None
+        arrived = self.loop.next_suspect()
+        return None if arrived is None else frozenset((arrived,))
 
     def _isolate(self, error: Exception, only: frozenset[int] | None) -> None:
         """Reset the failed step's sequences on the workers, then fail the one the error names; with none named,
@@ -659,7 +675,7 @@ class Lane:
         if only is None:
             self._failed_steps += 1
             self._splits = 0
-        else:
+        elif self._probes and self._probes[0] == only:
             self._probes.popleft()
         blamed = blamed_sequence(error)
         named = blamed in group  # (a broken worker names a sequence too: its NaN logits have no mass to sample)
@@ -712,7 +728,7 @@ class Lane:
         if len(group) == 1:
             (suspect,) = group
             if suspect == repeat:
-                del self._killers[suspect]
+                self._killers.pop(suspect, None)  # (one that came here a suspect may have no entry)
                 self._fail_sequence(suspect, WorkerLostError("its step took the target down twice, stepped alone"))
                 return
             self._killers[suspect] = 0
@@ -724,13 +740,13 @@ class Lane:
 
     def _repeat_killer(self, group: frozenset[int], only: frozenset[int] | None) -> int | None:
         """The one running sequence of ``group`` if its step alone (a probe: never a full step, which a lone request
-        on a flaky node takes too) has taken a target down before, with other steps run since: the target lost now
-        is its doing too."""
+        on a flaky node takes too) has taken a target down before, here or, in a batch, on the lane it came from (a
+        suspect's first step here), with other steps run since: the target lost now is its doing too."""
         running = group & {s.seq_id for s in self.loop.running}
         if only is None or len(running) != 1 or not self._stepped:
             return None
         (suspect,) = running
-        return suspect if suspect in self._killers else None
+        return suspect if suspect in self._killers or self.loop.is_suspect(suspect) else None
 
     def _queue_halves(self, group: frozenset[int]) -> None:
         """Step ``group``'s sequences in halves, each alone, before any other (a lone sequence: alone again)."""
@@ -738,14 +754,33 @@ class Lane:
         halves = [frozenset(h) for h in (ids[: len(ids) // 2], ids[len(ids) // 2 :]) if h]
         self._probes.extendleft(reversed(halves))
 
+    def _workers_answer(self) -> bool:
+        """Whether every worker answers (those that do not are replaced now, as found while idle)."""
+        try:
+            dead = sorted(role.value for role, worker in self.workers.items() if not worker.answers())
+        except Exception:  # not a worker's death (those are answers' False): the step will tell
+            logger.exception("lane %d: asking its workers failed", self.index)
+            return True
+        if dead:
+            self._replace_lost(WorkerLostError(f"{', '.join(dead)} did not answer before a suspect's step"))
+        return not dead
+
     def _workers_pass_check(self) -> bool:
         """Whether every worker passes its self-check (those that fail it are marked dead)."""
         results = [worker.check() for worker in self.workers.values()]  # every one: each failing one is marked
         return all(results)
 
-    def _replace_lost(self, error: Exception, *, counted: bool = True) -> None:
+    def _replace_lost(
+        self,
+        error: Exception,
+        *,
+        counted: bool = True,
+        step: frozenset[int] = frozenset(),
+        convicted: int | None = None,
+    ) -> None:
+        """``step``: the sequences of the step the loss happened in; ``convicted``: the one of them it convicts."""
         try:
-            self._recover(error, counted=counted)
+            self._recover(error, counted=counted, step=step, convicted=convicted)
         except Exception:  # no replacement could be made (placement, a failed create): the lane stays up,
             # answers its requests, and tries again with the next step's worker failure
             logger.exception("lane %d: replacing its workers failed", self.index)
@@ -775,11 +810,20 @@ class Lane:
             return
         self.lost_workers, self._retry_pause = False, self.worker_retry_s
 
-    def _recover(self, error: Exception, *, counted: bool = True) -> None:
+    def _recover(
+        self,
+        error: Exception,
+        *,
+        counted: bool = True,
+        step: frozenset[int] = frozenset(),
+        convicted: int | None = None,
+    ) -> None:
         """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
         plainly meanwhile), reset any worker whose state ran ahead of the failed step, and let the loop re-prefill
         its running sequences on the next step. A target's loss counts as one more in a row unless ``counted`` is
-        False (one request's doing, that request failed for it)."""
+        False (one request's doing, that request failed for it). The requests of the step it was lost in (``step``)
+        go on elsewhere as suspects, each stepped alone there before it joins a batch (a request whose input kills
+        the target went on with them and took the next lane's batch down too); ``convicted`` is failed, not moved."""
         if self._stop_asked:  # failed as the lane was being stopped (its workers killed under it): no new worker;
             # its requests go on elsewhere, none left to step on caches that may have run ahead
             self._fail_all(f"lane {self.index} stopped", LaneLostError)
@@ -789,18 +833,28 @@ class Lane:
         if WorkerRole.target in dead and counted:  # a lost draft costs only speculation: it never counts against
             self._failures += 1  # the lane
         exhausted = self._failures > self.max_worker_restarts
+        # the step's requests go on as suspects; those that were not in it (a suspect group stepped alone) are
+        # blameless: handed on, no failover spent
+        suspects = {seq.request.request_id for seq in self.loop.running if seq.seq_id in step}
+        blameless = {seq.request.request_id for seq in self.loop.running if step and seq.seq_id not in step}
         if exhausted:  # its requests go to other lanes; the lane reports itself lost and goes on replacing
             # lost until a step succeeds or a replacement has started (``_retry_target``); set before the requests
             # hear of it: a caller may look at the health next
             self.lost_workers = True
             self._retry_at = time.monotonic() + self._retry_pause
-            self._fail_all(f"lane {self.index} lost its workers {self._failures} times in a row", LaneLostError)
+            reason = f"lane {self.index} lost its workers {self._failures} times in a row"
+            self._fail_all(reason, LaneLostError, suspects=suspects, blameless=blameless)
         if WorkerRole.target in dead and not exhausted:  # (when exhausted, ``_retry_target`` makes the next one)
             self._replace_target()
             if self.spare():  # its requests go on at once on a lane that has its model, not after this one's load
-                self._drop_all(f"lane {self.index} is bringing its target back", LaneLostError)
+                if convicted is not None:  # (the step's survivors below go on as suspects; this one is failed)
+                    twice = WorkerLostError("its step took a target down twice, the second alone")
+                    self._fail_sequence(convicted, twice)
+                reason = f"lane {self.index} is bringing its target back"
+                self._drop_all(reason, LaneLostError, suspects=suspects, blameless=blameless)
             else:  # kept for the new target, or handed on once a lane is up: a loss either way
-                self._kept = {seq.request.request_id for seq in self.loop.running}
+                self._kept = {seq.request.request_id for seq in self.loop.running} - blameless
+                self._kept_suspects = suspects
         if WorkerRole.draft in dead:
             self._detach_draft()
         target_reset = WorkerRole.target in dead
@@ -892,19 +946,38 @@ class Lane:
         logger.warning("lane %d: request %s failed on its own: %s", self.index, request_id, error, exc_info=error)
         self._drop(request_id, RequestFailedError("the request failed while generating; it was dropped"))
 
-    def _fail_all(self, reason: str, error: type[WorkerFailedError] = WorkerFailedError) -> None:
+    def _fail_all(
+        self,
+        reason: str,
+        error: type[WorkerFailedError] = WorkerFailedError,
+        *,
+        suspects: Collection[str] = (),
+        blameless: Collection[str] = (),
+    ) -> None:
         """Drop every request with ``error`` and start counting failures afresh."""
-        self._drop_all(reason, error)
+        self._drop_all(reason, error, suspects=suspects, blameless=blameless)
         self._failures = 0
 
-    def _drop_all(self, reason: str, error: type[WorkerFailedError]) -> None:
+    def _drop_all(
+        self,
+        reason: str,
+        error: type[WorkerFailedError],
+        *,
+        suspects: Collection[str] = (),
+        blameless: Collection[str] = (),
+    ) -> None:
         """Drop every request with ``error``: LaneLostError when the lane, not a request, is at fault (the router
-        then moves them to another lane; those still queued, which never ran here, are handed on: LaneHandoffError,
-        no failover spent). The lane's count of failed steps and its suspects go with them."""
+        then moves them to another lane; those still queued, which never ran here, and ``blameless``, not in the
+        step that lost the target, are handed on: LaneHandoffError, no failover spent; ``suspects``, in that step,
+        as StepLostError). The lane's count of failed steps and its suspects go with them."""
         ran = {seq.request.request_id for seq in self.loop.running}
         for request_id in list(self._sinks):
-            queued = issubclass(error, LaneLostError) and request_id not in ran
-            self._drop(request_id, (LaneHandoffError if queued else error)(f"{reason}; the request was dropped"))
+            kind = error
+            if issubclass(error, LaneLostError) and (request_id not in ran or request_id in blameless):
+                kind = LaneHandoffError
+            elif issubclass(error, LaneLostError) and request_id in suspects:
+                kind = StepLostError
+            self._drop(request_id, kind(f"{reason}; the request was dropped"))
         self._failed_steps = self._splits = 0
         self._probes.clear()
         self._report_queue()  # they left the queue and the batch: the lane's gauges must not count them on
@@ -932,6 +1005,7 @@ class Lane:
 
     def _forget(self, request_id: str) -> None:
         self._kept.discard(request_id)  # (its id may come back: a request moved away and back again)
+        self._kept_suspects.discard(request_id)
         self._sinks.pop(request_id, None)
         self._coalescer.take(request_id)
         self._active.discard(request_id)

@@ -39,6 +39,9 @@ class Request:
     speculation: SpecConfig | None = None  # None: the loop's default
     delivered: Delivered | None = None  # continue after this output (a request moved between lanes)
     cache_salt: str | None = None  # the partition of the cross-request suffix cache it drafts from and adds to
+    # it was in a step that took its lane's target down, the culprit not yet found: its next lane steps it alone
+    # before it joins a batch (a request whose input kills the target would take that batch down too)
+    suspect: bool = False
 
 
 @dataclass
@@ -149,6 +152,7 @@ class Sequence:
     features_queued: int = 0  # rows in ``features`` (counted as they come: a plain step adds one, every step)
     features_sent: int = 0  # positions below this went to the draft worker (0: a new worker, or one that was reset)
     grammar: AnswerGrammar | None = None  # a structured answer's: follows ``output`` (its own record of what it fed)
+    suspect: bool = False  # ``Request.suspect``: admitted only to step alone, until a step of it commits
 
     def checkpoint(self) -> Checkpoint:
         """Its token state now: the output, what of it was handed out, the text, the counts and the draft head's

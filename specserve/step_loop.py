@@ -118,6 +118,7 @@ class StepLoop:
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)
         seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done))
+        seq.suspect = request.suspect
         if request.params.output_format is not None:
             if spec.synthetic_accept is not None:  # (its accepted paths are made up: the grammar would not hold)
                 raise InvalidRequestError("a structured answer cannot be drafted in the synthetic benchmark mode")
@@ -200,16 +201,16 @@ class StepLoop:
     def step(self, only: Collection[int] | None = None) -> list[RequestOutput]:
         """plan SL -> propose -> verify -> commit/stream -> policy update.
 
-        ``only``: step just these running sequences (by seq_id), as drafted without the throughput guard; the rest
-        wait and no new request is admitted.
+        ``only``: step just these sequences (by seq_id), as drafted without the throughput guard; the rest wait,
+        and no new request is admitted but those among them (a suspect, which joins no batch before a step of it
+        alone has committed: ``next_suspect``).
 
         A step cut short in its commit or after it (an interrupt) loses no output: each row commits whole or not at
         all, and the outputs of the rows it committed come first in the next step's return.
         """
         t0 = time.perf_counter()
         self._retire()  # sequences a step cut short had finished (they must not run past their end)
-        if only is None:
-            self._admit()
+        self._admit(only)
         if not (batch := [s for s in self.running if only is None or s.seq_id in only]):
             return self._hand_out()
         self._register(batch)
@@ -262,11 +263,27 @@ class StepLoop:
         behind = seq.draft_behind()
         return behind if self.features is None else min(behind, seq.spec.catch_up_window)
 
-    def _admit(self) -> None:
+    def _admit(self, only: Collection[int] | None = None) -> None:
+        """The waiting sequences in order while there is room (``only``: those among them), but suspects, which
+        only a step of their own admits."""
         if self._unreleased:  # slots a failed release left held: free them before anyone new needs one
             self._release_ids(sorted(self._unreleased))
-        while self.waiting and len(self.running) < self.max_batch_size:
-            self.running.append(self.waiting.popleft())
+        while len(self.running) < self.max_batch_size:
+            admitted = (s for s in self.waiting if (not s.suspect if only is None else s.seq_id in only))
+            if (seq := next(admitted, None)) is None:
+                return
+            self.waiting.remove(seq)
+            self.running.append(seq)
+
+    def next_suspect(self) -> int | None:
+        """A waiting suspect to step alone now (None: none, or no room for it)."""
+        if len(self.running) >= self.max_batch_size:
+            return None
+        return next((s.seq_id for s in self.waiting if s.suspect), None)
+
+    def is_suspect(self, seq_id: int) -> bool:
+        """Whether this running sequence came as a suspect and has not yet committed a step here."""
+        return any(s.seq_id == seq_id and s.suspect for s in self.running)
 
     def _register(self, batch: list[Sequence]) -> None:
         """Add newly admitted (or reset) sequences to the workers; their first step sends all their tokens."""
@@ -434,6 +451,7 @@ class StepLoop:
         try:
             output = self._commit(seq, proposal, out)
             self._undelivered.append(output)
+            seq.suspect = False  # a step of it alone went through: it joins the batch
         except BaseException:
             seq.rollback(saved)
             raise

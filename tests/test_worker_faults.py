@@ -1795,7 +1795,8 @@ def test_a_request_that_kills_every_target_it_runs_on_runs_out_of_failovers(targ
     """A request whose input kills the target's process, on two lanes whose new targets take a while to load: each
     lane it kills keeps it until the other has loaded, then hands it there, where it kills that target too. Those
     handoffs were not counted as failovers (only requests that never ran on the loading lane should be), so it
-    went round the lanes for ever, taking every new target down; it ends with a 503 after ``max_failovers``."""
+    went round the lanes for ever, taking every new target down. Moved as a suspect, it steps alone on the next
+    lane, and the second target it takes down there convicts it: a 500 (RequestFailedError), not one more lap."""
     factories = [Factory(target, dict.fromkeys(range(20), "deadly")) for _ in range(2)]
     stop_loading = threading.Event()
 
@@ -1827,11 +1828,126 @@ def test_a_request_that_kills_every_target_it_runs_on_runs_out_of_failovers(targ
 
     try:
         outcome = asyncio.run(asyncio.wait_for(run(), 30))
-        assert isinstance(outcome, LaneLostError), outcome
-        # a few targets taken down, not the 40 deadly ones the lanes have (which the old counting went through)
-        assert sum(len(f.actors) for f in factories) <= 12
+        assert isinstance(outcome, RequestFailedError), outcome
+        # two targets taken down and replaced, not the 40 deadly ones the lanes have (the old counting went through
+        # them; counted, through max_failovers + 1 of them)
+        assert sum(len(f.actors) for f in factories) == 4, [len(f.actors) for f in factories]
     finally:
         stop_loading.set()
+        _release_and_stop(lanes, factories)
+
+
+def test_a_request_that_kills_its_target_among_others_is_failed_and_they_go_on_across_lanes(
+    target: LlamaModel,
+) -> None:
+    """Two lanes, each new target loading a while. A request whose input kills the target is batched with others:
+    with the other lane loaded, the whole batch moved there and took that lane's batch down too, both lanes handed
+    their batches to each other as they reloaded, and the innocent requests spent their failovers with the killer
+    (here charged two or more losses each, the killer ending with a 503). Now the requests of a step that lost its
+    target go on as suspects, each stepped alone first on the next lane: the killer, alone, takes one more target
+    down and is failed; every other request finishes with its greedy tokens, charged at most the one loss it was
+    in."""
+    from tests.conftest import greedy_reference
+
+    factories = [Factory(target, dict.fromkeys(range(20), "deadly")) for _ in range(2)]
+    stop_loading = threading.Event()
+
+    def load_after_a_while() -> None:  # each new target finishes loading 0.2 s after it was made
+        made: dict[int, float] = {}
+        while not stop_loading.wait(0.02):
+            for actor in (a for f in factories for a in f.actors):
+                made.setdefault(id(actor), time.monotonic())
+                if time.monotonic() - made[id(actor)] > 0.2:
+                    actor.loaded.set()
+
+    loader = threading.Thread(target=load_after_a_while, daemon=True)
+    loader.start()
+    lanes = _spare_lanes(target, factories, max_worker_restarts=50)
+    innocent = [[5, 9, 13], [100, 200, 300, 400, 7], [7, 8, 9, 10], [11, 12], [60, 61, 62]]
+    prompts = [innocent[0], [*HOSTILE, 7], *innocent[1:]]  # three to a lane: the killer with two others
+    long = SamplingParams(max_tokens=24, ignore_eos=True)
+    streams: list[FailoverStream] = []
+
+    async def one(i: int, prompt: list[int]) -> Result:
+        stream = FailoverStream(lambda: lanes, Request(f"r{i}", prompt, long), max_failovers=2, backoff_s=0.0)
+        streams.append(stream)
+        try:
+            await stream.open()
+            return [t async for out in stream for t in out.token_ids]
+        except APIError as e:
+            return e
+
+    async def run() -> list[Result]:
+        deadline = time.monotonic() + 30
+        while any(lane.loading for lane in lanes):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        return list(await asyncio.wait_for(asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))), 60))
+
+    try:
+        results = asyncio.run(run())
+        assert isinstance(results[1], RequestFailedError), results[1]
+        others = [r for i, r in enumerate(results) if i != 1]
+        assert others == [greedy_reference(target, p, 24) for p in innocent], others
+        assert all(s._failovers <= 1 for s in streams if s._request.prompt_ids != prompts[1])
+    finally:
+        stop_loading.set()
+        _release_and_stop(lanes, factories)
+
+
+def test_a_suspect_that_kills_a_target_alone_is_failed_and_the_lanes_others_move_on_uncharged(
+    target: LlamaModel,
+) -> None:
+    """A request moved here as a suspect steps alone and takes this lane's target down: it is failed (lost in a
+    batch before, now alone), and the lane's running request, which was not in that step, goes on on the loaded
+    lane with its greedy tokens, handed on (no failover spent: the loss was not its doing)."""
+    from tests.conftest import greedy_reference
+
+    factories = [Factory(target, dict.fromkeys(range(20), "deadly")), Factory(target, {})]
+    lanes = _spare_lanes(target, [factories[0]], step_delay_s=0.02)
+    factories[0].actors[0].loaded.set()  # (its replacement never finishes loading)
+    lanes += [_lane(target, factories[1])]
+    lanes[1].index = 1
+    offered = [lanes[0]]  # the lanes the router offers: the first alone until the bystander runs there
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    tokens: list[int] = []
+
+    async def run() -> tuple[FailoverStream, Result, Result]:
+        bystander = FailoverStream(lambda: offered, Request("b", [5, 9, 13], long), max_failovers=2, backoff_s=0.0)
+        await bystander.open()
+
+        async def read() -> Result:
+            try:
+                async for out in bystander:
+                    tokens.extend(out.token_ids)
+            except APIError as e:
+                return e
+            return tokens
+
+        reader = asyncio.ensure_future(read())
+        deadline = time.monotonic() + 30
+        while len(tokens) < 3:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        offered.append(lanes[1])
+        killer = FailoverStream(
+            lambda: offered[:1], Request("k", [*HOSTILE, 7], long, suspect=True), max_failovers=2, backoff_s=0.0
+        )
+        await killer.open()
+        try:
+            async for _ in killer:
+                pass
+            outcome: Result = []
+        except APIError as e:
+            outcome = e
+        return bystander, outcome, await asyncio.wait_for(reader, 30)
+
+    try:
+        bystander, killed, read = asyncio.run(asyncio.wait_for(run(), 60))
+        assert isinstance(killed, RequestFailedError), killed
+        assert read == greedy_reference(target, [5, 9, 13], 40)
+        assert bystander._failovers == 0 and bystander._lane is lanes[1]
+    finally:
         _release_and_stop(lanes, factories)
 
 

@@ -59,9 +59,15 @@ class LaneLostError(WorkerFailedError):
     (``deployments/failover.py``); the same 503 body when none can take them."""
 
 
+class StepLostError(LaneLostError):
+    """The lane's target died in a step this request was part of and the culprit is not found yet: a failover like
+    any lost lane's, and the next lane steps the request alone before it joins a batch (``Request.suspect``)."""
+
+
 class LaneHandoffError(LaneLostError):
     """A lane still starting its workers hands a request it holds, run no further there since the loss, to a lane
-    that has its model: a move that loses nothing, so not a failover counted against ``max_failovers``."""
+    that has its model, or a lane that lost its target in a step the request was not part of (a suspect's, alone)
+    hands it on: a move at no fault of the request's, so not a failover counted against ``max_failovers``."""
 
 
 class LaneFullError(LaneHandoffError):
