@@ -581,10 +581,12 @@ class Lane:
                 self._fail_all("the step failed")
             self._report_queue()  # failed requests left the queue and the batch
             return
-        self._failures = 0
-        self._stepped = True
-        self._note_clean_step(only)
-        self.lost_workers, self._retry_pause = False, self.worker_retry_s
+        if self.loop.stats.timing.steps > steps_before:  # the target answered (a step whose every row met its
+            # grammar's dead end before it, say, never called it: it says nothing of the workers' health)
+            self._failures = 0
+            self._stepped = True
+            self._note_clean_step(only)
+            self.lost_workers, self._retry_pause = False, self.worker_retry_s
         if only is None:
             self._failed_steps = 0
         elif self._probes and self._probes[0] == only:  # the group passed (not a suspect's first step here)

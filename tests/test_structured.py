@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import math
 import re
 import threading
 import time
@@ -25,7 +26,7 @@ from scipy.stats import chisquare
 
 from deployments.lane import Lane
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.api.error_bodies import LaneHandoffError
+from specserve.api.error_bodies import APIError, LaneHandoffError
 from specserve.api.metrics import ServeMetrics
 from specserve.config import ChainDraft, Drafter, SpecConfig, SpecMethod
 from specserve.engine import Engine
@@ -34,7 +35,7 @@ from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import noisy_copy, tiny_config, tiny_model
 from specserve.sampling import SamplingParams, allowed_only, process_logits
-from specserve.sequence import Request
+from specserve.sequence import Delivered, Request
 from specserve.structured import AnswerGrammar, FormatKind, GrammarCompiler, GrammarDeadEnd, OutputFormat
 from tests.api_backend import MODEL, module_server
 from tests.test_head_drafter import last_token_target, near_head
@@ -614,6 +615,35 @@ def test_an_answer_that_ends_at_a_drafted_dead_end_finishes_as_plain_decoding_do
         outs = engine.generate([prompt] * 3, ending, return_exceptions=True)
         got = [o if isinstance(o, Exception) else (o.token_ids, o.text, o.finish_reason.value) for o in outs]
         assert got == expected, spec.method.value
+
+
+def test_a_step_whose_every_row_met_a_dead_end_says_nothing_of_the_lanes_workers(
+    models: tuple[LlamaModel, LlamaModel],
+) -> None:
+    """A request moved here with an output its grammar has no way on from fails before the target sees the step; the
+    lane took that step, which called no worker, for one that went through: a lane that had lost its workers
+    reported itself healthy again and its count of losses in a row started afresh."""
+    target, _ = models
+    tok = tiny_tokenizer()
+    a = tok.encode("a")[0]
+    engine = Engine(target, tok, max_batch_size=2, max_model_len=64)
+    lane = Lane(0, engine.loop, {}, None, None, metrics=ServeMetrics(), max_worker_restarts=9)  # type: ignore[arg-type]
+    lane.lost_workers, lane._failures, lane._retry_at = True, 2, math.inf  # (its target lost: not tried again here)
+    params = SamplingParams(max_tokens=8, output_format=DEAD_END)
+    moved = Request("moved", tok.encode("hi"), params, delivered=Delivered((a,), "a"))
+
+    async def run() -> APIError:
+        with pytest.raises(APIError) as e:
+            async for _ in await lane.submit(moved):
+                pass
+        return e.value
+
+    try:
+        error = asyncio.run(asyncio.wait_for(run(), 60))
+        assert error.status == 400 and "allows no token after" in str(error), error
+        assert lane.lost_workers and lane._failures == 2 and not lane.healthy
+    finally:
+        lane.stop()
 
 
 def test_a_dead_end_over_http_is_a_400_and_its_neighbours_finish(url: str) -> None:
