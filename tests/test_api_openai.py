@@ -339,6 +339,49 @@ def test_top_k_minus_one_or_zero_is_no_top_k(url: str) -> None:
         )
 
 
+def test_return_token_ids_sends_the_prompts_ids_where_vllm_does(url: str) -> None:
+    """vLLM's return_token_ids returns the prompt's token ids beside the output's: on each completion choice (a
+    batch's each its own prompt's; streamed, in each choice's first chunk) and at a chat answer's top level (the
+    template's ids; streamed, in its first chunk). Only the output's came back; without it, neither does."""
+    tok = tiny_tokenizer()
+    base = {"model": MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def events(path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        r = httpx.post(url + path, json=body | {"stream": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+    batch = base | {"prompt": [[3, 4], [5, 6, 7]], "n": 2}
+    r = httpx.post(url + COMPLETIONS, json=batch, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["prompt_token_ids"] for c in r.json()["choices"]] == [[3, 4], [3, 4], [5, 6, 7], [5, 6, 7]]
+    firsts: dict[int, list[int]] = {}
+    for event in events(COMPLETIONS, batch):
+        for choice in event["choices"]:
+            if choice["index"] in firsts:
+                assert "prompt_token_ids" not in choice, choice
+            else:
+                firsts[choice["index"]] = choice["prompt_token_ids"]
+    assert firsts == {0: [3, 4], 1: [3, 4], 2: [5, 6, 7], 3: [5, 6, 7]}
+    text = base | {"prompt": "the cat"}
+    r = httpx.post(url + COMPLETIONS, json=text, timeout=60)
+    assert r.json()["choices"][0]["prompt_token_ids"] == tok.encode("the cat")
+
+    template = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    chat = base | {"messages": USER}
+    answer = httpx.post(url + CHAT, json=chat, timeout=60).json()
+    assert answer["prompt_token_ids"] == template and "prompt_token_ids" not in answer["choices"][0]
+    streamed = events(CHAT, chat)
+    assert streamed[0]["prompt_token_ids"] == template
+    assert all("prompt_token_ids" not in e for e in streamed[1:])
+
+    plain = {k: v for k, v in base.items() if k != "return_token_ids"}
+    for path, body in ((COMPLETIONS, plain | {"prompt": [3, 4]}), (CHAT, plain | {"messages": USER})):
+        answer = httpx.post(url + path, json=body, timeout=60).json()
+        assert "prompt_token_ids" not in json.dumps(answer)
+        assert all("prompt_token_ids" not in json.dumps(e) for e in events(path, body))
+
+
 def test_vllms_min_p_stop_token_ids_and_neutral_repetition_penalty(url: str, client: openai.OpenAI) -> None:
     """vLLM's sampling extensions as its clients send them (the OpenAI SDK's ``extra_body``): min_p 1 keeps the most
     likely token alone, so a sampled answer is the greedy one; a stop token id ends the answer, its id in it and

@@ -104,6 +104,8 @@ def test_resuming_after_any_event_gives_the_rest_token_identical(url: str, route
             assert head_text + rest_text == text and head_ids + rest_ids == ids, k
             assert rest[-1]["data"] == "[DONE]"
             assert all(e["data"]["choices"][0].get("delta", {}).get("role") is None for e in rest if _is_choice(e))
+            assert not any("prompt_token_ids" in json.dumps(e["data"]) for e in rest), k  # (the first event's)
+    assert sum("prompt_token_ids" in json.dumps(e["data"]) for e in full) == 1
 
 
 def test_a_resumed_stream_goes_on_with_the_logprobs_and_text_offsets_after_its_point(url: str) -> None:

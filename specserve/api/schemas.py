@@ -1039,6 +1039,10 @@ STOP_REASON = (
     "extension (vLLM's): the stop string or stop token id that ended the answer; null for EOS, a limit, or not yet"
 )
 TOKEN_IDS = "extension (vLLM's, with return_token_ids): the output's token ids (of this chunk, streamed)"
+PROMPT_TOKEN_IDS = (
+    "extension (vLLM's, with return_token_ids): the prompt's token ids, as the model read them (streamed: in the "
+    "first chunk)"
+)
 SEED = "extension: the seed a sampled request drew with (resend it to regenerate the same answer)"
 
 
@@ -1049,6 +1053,7 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = Field(default=None, description=STOP_REASON)
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_is_none, description=TOKEN_IDS)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none, description=PROMPT_TOKEN_IDS)
 
 
 class CompletionResponse(BaseModel):
@@ -1110,6 +1115,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     seed: int | None = Field(default=None, exclude_if=_is_none, description=SEED)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none, description=PROMPT_TOKEN_IDS)
 
 
 class FunctionCallDelta(BaseModel):
@@ -1149,6 +1155,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     seed: int | None = Field(default=None, exclude_if=_is_none, description=SEED)
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_is_none, description=PROMPT_TOKEN_IDS)
 
 
 class CompletionChunk(BaseModel):

@@ -623,6 +623,9 @@ class _Routes:
             _Choice(_Outcome(s, metrics, replace(tracker)), fmt.for_choice(k), StreamCursor(resume))
             for k, s in enumerate(streams)
         ]
+        if body.return_token_ids:
+            for k, c in enumerate(choices):
+                c.fmt.prompt_ids = prompts[k // body.n]
         if body.echoes:  # each choice starts with its prompt: the text as sent, a prompt of ids (or cut) decoded
             sent = cast(CompletionRequest, body).prompts
             for k, c in enumerate(choices):
@@ -729,8 +732,9 @@ class _Routes:
                 first = c.fmt.first_chunk()
                 if first is not None and not c.cursor.resuming:
                     yield _sse(first, c.cursor.mark if marked else None, without=without)
-                if c.cursor.resuming:
+                if c.cursor.resuming:  # (its first event sent the prompt, and its ids)
                     c.fmt.skip_echo()
+                    c.fmt.prompt_ids = None
             sent_at = time.monotonic()
             while merged.open:
                 # nothing may be sent for long: while it replays, never more than a second
@@ -969,6 +973,7 @@ class _Stamped:
         )
 
         self.index = 0  # the choice its chunks and response are of
+        self.prompt_ids: list[int] | None = None  # with return_token_ids: its prompt's, in its first chunk
 
     def stamp(self) -> dict[str, Any]:
         return {"id": self.request_id, "created": self.created, "model": self.model, "seed": self.seed}
@@ -1047,7 +1052,9 @@ class _CompletionFormat(_Stamped):
             stop_reason=out.stop_reason,
             logprobs=self._logprobs(entries),
             token_ids=out.token_ids if with_ids else None,
+            prompt_token_ids=self.prompt_ids,
         )
+        self.prompt_ids = None  # (the first chunk's alone)
         return CompletionChunk(**self.stamp(), choices=[choice])
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
@@ -1065,6 +1072,7 @@ class _CompletionFormat(_Stamped):
             stop_reason=last.stop_reason,
             logprobs=self._logprobs(entries),
             token_ids=answer.ids if with_ids else None,
+            prompt_token_ids=self.prompt_ids,
         )
         return CompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
 
@@ -1099,7 +1107,8 @@ class _ChatFormat(_Stamped):
             delta = ChatDelta(role="assistant", tool_calls=call)
         else:
             delta = ChatDelta(role="assistant", content="")
-        return ChatCompletionChunk(**self.stamp(), choices=[ChatChunkChoice(index=self.index, delta=delta)])
+        choice = ChatChunkChoice(index=self.index, delta=delta)
+        return ChatCompletionChunk(**self.stamp(), choices=[choice], prompt_token_ids=self.prompt_ids)
 
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
         return TopLogprob(token=self.token_text(token_id), logprob=logprob, bytes=list(self.token_bytes(token_id)))
@@ -1158,7 +1167,8 @@ class _ChatFormat(_Stamped):
             logprobs=self._logprobs(answer.logprobs),
             token_ids=answer.ids if with_ids else None,
         )
-        return ChatCompletionResponse(**self.stamp(), choices=[choice], usage=usage_for(last))
+        usage = usage_for(last)
+        return ChatCompletionResponse(**self.stamp(), choices=[choice], usage=usage, prompt_token_ids=self.prompt_ids)
 
 
 # -- errors -------------------------------------------------------------------------------------------
