@@ -930,6 +930,7 @@ def _finish(reason: FinishReason | None) -> FinishReasonOut | None:
 class _Format(Protocol):
     request_id: str
     seed: int | None
+    prompt_ids: list[int] | None
 
     def first_chunk(self) -> BaseModel | None: ...
 
