@@ -137,6 +137,8 @@ class FailoverStream:
             assert self._stream is not None, "open() first"
             try:
                 async for out in self._stream:
+                    if self._request.suspect:  # its step alone there went through: no longer a suspect
+                        self._request = replace(self._request, suspect=False)
                     ids += out.token_ids
                     text.append(out.text)
                     last = out.stats

@@ -228,6 +228,7 @@ class Lane:
         # max_failovers when they are handed on (lane thread only; forgotten at the next step that runs)
         self._kept: set[str] = set()
         self._kept_suspects: set[str] = set()  # ... those of them that were in the step that lost it
+        self._failed_alone: set[int] = set()  # suspects moved here whose first step alone failed (not a loss)
         self._failures = 0  # consecutive failed steps
         self._probes: deque[frozenset[int]] = deque()  # suspect groups (seq ids) to step alone, the first next
         self._splits = 0  # splits made by the isolation under way
@@ -682,6 +683,12 @@ class Lane:
         blamed = blamed_sequence(error)
         named = blamed in group  # (a broken worker names a sequence too: its NaN logits have no mass to sample)
         lone = not named and only is not None and len(group) == 1  # it failed with others and again alone
+        if lone and self.loop.is_suspect(first := next(iter(group))) and first not in self._failed_alone:
+            # a suspect moved here (another lane's loss, maybe not its doing) failed its first step alone: it steps
+            # alone once more before it is failed, as a request that failed in a batch here would
+            self._failed_alone = {s for s in self._failed_alone if self.loop.request_id(s) is not None} | {first}
+            self._probes.append(group)
+            return
         drop = not named and only is None and self._failed_steps > self.max_failed_steps
         exhausted = not named and self._splits >= self.max_bisection_splits
         if (named or lone or drop or exhausted) and not self._workers_pass_check():
@@ -835,10 +842,12 @@ class Lane:
         if WorkerRole.target in dead and counted:  # a lost draft costs only speculation: it never counts against
             self._failures += 1  # the lane
         exhausted = self._failures > self.max_worker_restarts
-        # the step's requests go on as suspects; those that were not in it (a suspect group stepped alone) are
-        # blameless: handed on, no failover spent
-        suspects = {seq.request.request_id for seq in self.loop.running if seq.seq_id in step}
-        blameless = {seq.request.request_id for seq in self.loop.running if step and seq.seq_id not in step}
+        # the step's requests go on as suspects, with those kept through earlier losses since the last step that
+        # went through (the halves of a batch still to step alone); the others that ran here, not in the step (a
+        # suspect group stepped alone), are blameless: handed on, no failover spent (unless a kept loss counts)
+        ran = {seq.seq_id: seq.request.request_id for seq in self.loop.running}
+        suspects = {r for s, r in ran.items() if s in step} | (self._kept_suspects & set(ran.values()))
+        blameless = {r for s, r in ran.items() if step and s not in step} - suspects - self._kept
         if exhausted:  # its requests go to other lanes; the lane reports itself lost and goes on replacing
             # lost until a step succeeds or a replacement has started (``_retry_target``); set before the requests
             # hear of it: a caller may look at the health next
@@ -855,8 +864,8 @@ class Lane:
                 reason = f"lane {self.index} is bringing its target back"
                 self._drop_all(reason, LaneLostError, suspects=suspects, blameless=blameless)
             else:  # kept for the new target, or handed on once a lane is up: a loss either way
-                self._kept = {seq.request.request_id for seq in self.loop.running} - blameless
-                self._kept_suspects = suspects
+                self._kept |= set(ran.values()) - blameless
+                self._kept_suspects |= suspects
         if WorkerRole.draft in dead:
             self._detach_draft()
         target_reset = WorkerRole.target in dead

@@ -265,9 +265,13 @@ class StepLoop:
 
     def _admit(self, only: Collection[int] | None = None) -> None:
         """The waiting sequences in order while there is room (``only``: those among them), but suspects, which
-        only a step of their own admits."""
+        only a step of their own admits (or, first in line, one with nothing running beside it: a caller that
+        never steps one alone, the Engine, would otherwise wait for ever)."""
         if self._unreleased:  # slots a failed release left held: free them before anyone new needs one
             self._release_ids(sorted(self._unreleased))
+        if only is None and not self.running and self.waiting and self.waiting[0].suspect:
+            self.running.append(self.waiting.popleft())
+            return
         while len(self.running) < self.max_batch_size:
             admitted = (s for s in self.waiting if (not s.suspect if only is None else s.seq_id in only))
             if (seq := next(admitted, None)) is None:
@@ -276,7 +280,10 @@ class StepLoop:
             self.running.append(seq)
 
     def next_suspect(self) -> int | None:
-        """A waiting suspect to step alone now (None: none, or no room for it)."""
+        """A suspect to step alone now: one running already (its step alone did not commit: a lost draft, a worker
+        replaced), else a waiting one there is room for (None: none)."""
+        if (running := next((s.seq_id for s in self.running if s.suspect), None)) is not None:
+            return running
         if len(self.running) >= self.max_batch_size:
             return None
         return next((s.seq_id for s in self.waiting if s.suspect), None)

@@ -15,7 +15,7 @@ import pytest
 from deployments import failover
 from deployments.failover import FailoverStream, Moving, pick_lane
 from deployments.tiny_tokenizer import tiny_tokenizer
-from specserve.api.error_bodies import APIError, LaneHandoffError, LaneLostError, WorkerFailedError
+from specserve.api.error_bodies import APIError, LaneHandoffError, LaneLostError, StepLostError, WorkerFailedError
 from specserve.config import SpecConfig, SpecMethod
 from specserve.engine import Engine
 from specserve.errors import InvalidRequestError
@@ -66,6 +66,7 @@ class FakeLane:
     draft_lost: bool = False
     lost_after: int | None = None
     refuse: bool = False  # its submit raises LaneHandoffError, as a lane's does (its thread stopped after the pick)
+    lost_as: type[LaneLostError] = LaneLostError  # how it loses the request
     tokens: list[int] = field(default_factory=lambda: list(TOKENS))
     submitted: list[Request] = field(default_factory=list)
 
@@ -76,7 +77,7 @@ class FakeLane:
         n = len(self.tokens) if self.lost_after is None else self.lost_after
         start = 0 if request.delivered is None else len(request.delivered.token_ids)
         outs = [_output(i, self.tokens, WORDS, start) for i in range(start, n)]
-        lost = None if self.lost_after is None else LaneLostError("the lane could not replace a lost worker")
+        lost = None if self.lost_after is None else self.lost_as("the lane could not replace a lost worker")
         return Stream(outs, lost)
 
 
@@ -143,6 +144,24 @@ def test_a_request_its_lane_loses_continues_on_another_lane_where_it_stopped(sle
     assert first.submitted == [REQUEST] and moved == [0]
     assert second.submitted == [replace(REQUEST, delivered=Delivered(tuple(TOKENS[:4]), "abcé"))]
     assert sleeps == []  # a healthy lane took it at once
+
+
+@pytest.mark.parametrize("ran_on_second", [True, False])
+def test_a_request_lost_in_a_step_is_a_suspect_until_a_lane_delivers_for_it(
+    sleeps: list[float], ran_on_second: bool
+) -> None:
+    """Lost in a step (StepLostError) it moves as a suspect; once a lane delivered output for it (its step alone
+    there went through) it is none: handed on later for another reason, it went on as one, stepped alone again
+    and, were that lane's target to die then, failed for it."""
+    first = FakeLane(0, lost_after=2, lost_as=StepLostError)
+    second = FakeLane(1, in_flight=1, lost_after=4 if ran_on_second else 2, lost_as=LaneHandoffError)
+    last = FakeLane(2, in_flight=2)
+    lanes = [first, second, last]
+    stream = FailoverStream(
+        lambda: [lane for lane in lanes if not lane.submitted], REQUEST, max_failovers=2, backoff_s=0
+    )
+    assert _collect(stream)[0] == TOKENS
+    assert [lane.submitted[0].suspect for lane in lanes] == [False, True, not ran_on_second]
 
 
 def test_usage_counts_every_lanes_forwards_across_two_moves(sleeps: list[float]) -> None:

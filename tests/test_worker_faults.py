@@ -33,6 +33,7 @@ from specserve.api.error_bodies import (
     LaneHandoffError,
     LaneLostError,
     RequestFailedError,
+    StepLostError,
     WorkerFailedError,
 )
 from specserve.api.metrics import ServeMetrics
@@ -1949,6 +1950,72 @@ def test_a_suspect_that_kills_a_target_alone_is_failed_and_the_lanes_others_move
         assert bystander._failovers == 0 and bystander._lane is lanes[1]
     finally:
         _release_and_stop(lanes, factories)
+
+
+def test_a_suspect_steps_alone_until_a_step_of_it_commits(target: LlamaModel, alone: list[list[int]]) -> None:
+    """A suspect joins no batch before a step of it alone has committed: one whose step alone did not (a lost
+    draft, a worker replaced) was left running, out of the lane's probes, and joined the next full step. With
+    nothing running beside it, a loop stepped without probes (the Engine's) steps it alone (it never ran)."""
+    loop = _engine(target).loop
+    loop.add_request(Request("s", PROMPTS[0], GREEDY, suspect=True))
+    loop.add_request(Request("o", PROMPTS[1], GREEDY))
+    (suspect,) = [seq.seq_id for seq in loop.waiting if seq.suspect]
+    assert loop.next_suspect() == suspect
+    verify = loop.target.verify
+    loop.target.verify = lambda items: (_ for _ in ()).throw(actors.WorkerLostError("lost"))  # type: ignore[method-assign]
+    with pytest.raises(actors.WorkerLostError):
+        loop.step(only={suspect})
+    loop.target.verify = verify  # type: ignore[method-assign]
+    loop.reset({suspect})
+    assert loop.is_suspect(suspect) and loop.next_suspect() == suspect  # running, still to step alone
+    assert [out.request_id for out in loop.step(only={suspect})] == ["s"]
+    assert loop.next_suspect() is None and not loop.is_suspect(suspect)
+
+    engine_loop = _engine(target).loop  # the Engine's way: full steps only
+    engine_loop.add_request(Request("s", PROMPTS[0], GREEDY, suspect=True))
+    engine_loop.add_request(Request("o", PROMPTS[1], GREEDY))
+    first = engine_loop.step()
+    assert [out.request_id for out in first] == ["s"]  # alone first
+    tokens: dict[str, list[int]] = {"s": list(first[0].token_ids), "o": []}
+    for _ in range(40):
+        for out in engine_loop.step():
+            tokens[out.request_id] += out.token_ids
+    assert not engine_loop.has_work and [tokens["s"], tokens["o"]] == alone[:2]
+
+
+def test_a_suspect_whose_first_step_alone_fails_steps_alone_once_more_before_it_is_failed(
+    target: LlamaModel,
+) -> None:
+    """A suspect (lost in a batch on another lane, maybe not its doing) whose first step here fails naming no one:
+    failed at once, as a request that had failed in a batch here and again alone. It steps alone once more."""
+    factory = Factory(target, {0: "hostile"})
+    lane = _lane(target, factory)
+    try:
+        outcome = asyncio.run(asyncio.wait_for(_one(lane, Request("s", [*HOSTILE, 7], GREEDY, suspect=True)), 30))
+        assert isinstance(outcome, RequestFailedError), outcome
+        assert factory.actors[0].calls.count("verify") == 2
+        assert _run(lane, PROMPTS[:1]) == [_engine(target).generate(PROMPTS[:1], GREEDY)[0].token_ids]
+    finally:
+        lane.stop()
+
+
+def test_groups_still_to_step_alone_stay_suspects_when_a_probe_loses_the_target(target: LlamaModel) -> None:
+    """A batch with a killer loses the target; no other lane is loaded, so its halves are to step alone here. The
+    first half's step loses the new target too (its node), now with a loaded lane to go to: the half still to step
+    alone went on as not in that step, blameless, and the killer with it into the other lane's batch."""
+    factory = Factory(target, {0: "deadly", 1: "dies at 1"})
+    lane = _lane(target, factory, spare=lambda: len(factory.actors) > 1 and factory.actors[1].died)
+    factory.actors[0].loaded.set()
+    requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate([PROMPTS[0], PROMPTS[1], [*HOSTILE, 7]])]
+
+    async def run() -> list[Result]:
+        return list(await asyncio.wait_for(asyncio.gather(*(_one(lane, r) for r in requests)), 30))
+
+    try:
+        results = asyncio.run(run())
+        assert [type(r) for r in results] == [StepLostError] * 3, results
+    finally:
+        lane.stop()
 
 
 def test_a_request_that_leaves_a_lane_is_no_longer_counted_as_kept_there(target: LlamaModel) -> None:
