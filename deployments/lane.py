@@ -787,15 +787,24 @@ class Lane:
         step: frozenset[int] = frozenset(),
         convicted: int | None = None,
     ) -> None:
-        """``step``: the sequences of the step the loss happened in; ``convicted``: the one of them it convicts."""
+        """``step``: the sequences of the step the loss happened in; ``convicted``: the one of them it convicts.
+        The step's requests go on as suspects, with those kept through earlier losses since the last step that went
+        through (the halves of a batch still to step alone); the others that ran here, not in the step (a suspect
+        group stepped alone), are blameless: handed on, no failover spent (unless a kept loss counts)."""
+        ran = {seq.seq_id: seq.request.request_id for seq in self.loop.running}
+        suspects = {r for s, r in ran.items() if s in step} | (self._kept_suspects & set(ran.values()))
+        blameless = {r for s, r in ran.items() if step and s not in step} - suspects - self._kept
         try:
-            self._recover(error, counted=counted, step=step, convicted=convicted)
+            self._recover(error, counted=counted, suspects=suspects, blameless=blameless, convicted=convicted)
         except Exception:  # no replacement could be made (placement, a failed create): the lane stays up,
             # answers its requests, and tries again with the next step's worker failure
             logger.exception("lane %d: replacing its workers failed", self.index)
             self.lost_workers = True  # before the requests hear of it: a caller may look at the health next
             self._retry_at = time.monotonic() + self._retry_pause  # with no request to step, tried again then
-            self._fail_all("the lane could not replace a lost worker", LaneLostError)
+            if convicted is not None:
+                self._fail_sequence(convicted, WorkerLostError("its step took a target down twice, the second alone"))
+            reason = "the lane could not replace a lost worker"
+            self._fail_all(reason, LaneLostError, suspects=suspects, blameless=blameless)
 
     def _retry_target(self) -> None:
         """A lost target's replacement tried again while the lane has nothing to step (its requests went to other
@@ -824,15 +833,16 @@ class Lane:
         error: Exception,
         *,
         counted: bool = True,
-        step: frozenset[int] = frozenset(),
+        suspects: Collection[str] = (),
+        blameless: Collection[str] = (),
         convicted: int | None = None,
     ) -> None:
         """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
         plainly meanwhile), reset any worker whose state ran ahead of the failed step, and let the loop re-prefill
         its running sequences on the next step. A target's loss counts as one more in a row unless ``counted`` is
-        False (one request's doing, that request failed for it). The requests of the step it was lost in (``step``)
-        go on elsewhere as suspects, each stepped alone there before it joins a batch (a request whose input kills
-        the target went on with them and took the next lane's batch down too); ``convicted`` is failed, not moved."""
+        False (one request's doing, that request failed for it). ``suspects`` go on elsewhere each stepped alone
+        there before it joins a batch (a request whose input kills the target went on with its batch and took the
+        next lane's batch down too), ``blameless`` without a failover spent; ``convicted`` is failed, not moved."""
         if self._stop_asked:  # failed as the lane was being stopped (its workers killed under it): no new worker;
             # its requests go on elsewhere, none left to step on caches that may have run ahead
             self._fail_all(f"lane {self.index} stopped", LaneLostError)
@@ -842,12 +852,6 @@ class Lane:
         if WorkerRole.target in dead and counted:  # a lost draft costs only speculation: it never counts against
             self._failures += 1  # the lane
         exhausted = self._failures > self.max_worker_restarts
-        # the step's requests go on as suspects, with those kept through earlier losses since the last step that
-        # went through (the halves of a batch still to step alone); the others that ran here, not in the step (a
-        # suspect group stepped alone), are blameless: handed on, no failover spent (unless a kept loss counts)
-        ran = {seq.seq_id: seq.request.request_id for seq in self.loop.running}
-        suspects = {r for s, r in ran.items() if s in step} | (self._kept_suspects & set(ran.values()))
-        blameless = {r for s, r in ran.items() if step and s not in step} - suspects - self._kept
         if exhausted:  # its requests go to other lanes; the lane reports itself lost and goes on replacing
             # lost until a step succeeds or a replacement has started (``_retry_target``); set before the requests
             # hear of it: a caller may look at the health next
@@ -864,8 +868,8 @@ class Lane:
                 reason = f"lane {self.index} is bringing its target back"
                 self._drop_all(reason, LaneLostError, suspects=suspects, blameless=blameless)
             else:  # kept for the new target, or handed on once a lane is up: a loss either way
-                self._kept |= set(ran.values()) - blameless
-                self._kept_suspects |= suspects
+                self._kept |= {seq.request.request_id for seq in self.loop.running} - set(blameless)
+                self._kept_suspects |= set(suspects)
         if WorkerRole.draft in dead:
             self._detach_draft()
         target_reset = WorkerRole.target in dead

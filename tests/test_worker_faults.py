@@ -2018,6 +2018,25 @@ def test_groups_still_to_step_alone_stay_suspects_when_a_probe_loses_the_target(
         lane.stop()
 
 
+def test_a_batch_that_lost_its_target_moves_as_suspects_where_no_replacement_can_be_made(target: LlamaModel) -> None:
+    """The lane cannot make a new target (its placement is gone): the batch that lost the old one went on as lost
+    alone, not as suspects, and the killer among them took the next lane's batch down too."""
+    factory = Factory(target, {0: "deadly"}, broken={1})
+    lane = _lane(target, factory)
+    factory.actors[0].loaded.set()
+    requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate([PROMPTS[0], PROMPTS[1], [*HOSTILE, 7]])]
+
+    async def run() -> list[Result]:
+        return list(await asyncio.wait_for(asyncio.gather(*(_one(lane, r) for r in requests)), 30))
+
+    try:
+        results = asyncio.run(run())
+        assert [type(r) for r in results] == [StepLostError] * 3, results
+        assert lane.lost_workers
+    finally:
+        lane.stop()
+
+
 def test_a_request_that_leaves_a_lane_is_no_longer_counted_as_kept_there(target: LlamaModel) -> None:
     """A request kept across a loss counts that loss when handed on; once it leaves the lane (finished, aborted,
     moved) its id is forgotten, or the same request moved back later would be charged for a loss it never saw."""
