@@ -1792,25 +1792,30 @@ def test_a_node_that_kills_every_target_fails_no_request_for_it(target: LlamaMod
         lane.stop()
 
 
-def test_a_request_that_kills_every_target_it_runs_on_runs_out_of_failovers(target: LlamaModel) -> None:
+def _loading_after(factories: list[Factory], seconds: float) -> threading.Event:
+    """Each new target of ``factories`` finishes loading ``seconds`` after it was made, until the event is set."""
+    stop = threading.Event()
+
+    def load() -> None:
+        made: dict[int, float] = {}
+        while not stop.wait(0.02):
+            for actor in (a for f in factories for a in f.actors):
+                made.setdefault(id(actor), time.monotonic())
+                if time.monotonic() - made[id(actor)] > seconds:
+                    actor.loaded.set()
+
+    threading.Thread(target=load, daemon=True).start()
+    return stop
+
+
+def test_a_request_that_kills_every_target_it_runs_on_is_failed_on_the_next_lane(target: LlamaModel) -> None:
     """A request whose input kills the target's process, on two lanes whose new targets take a while to load: each
     lane it kills keeps it until the other has loaded, then hands it there, where it kills that target too. Those
     handoffs were not counted as failovers (only requests that never ran on the loading lane should be), so it
     went round the lanes for ever, taking every new target down. Moved as a suspect, it steps alone on the next
     lane, and the second target it takes down there convicts it: a 500 (RequestFailedError), not one more lap."""
     factories = [Factory(target, dict.fromkeys(range(20), "deadly")) for _ in range(2)]
-    stop_loading = threading.Event()
-
-    def load_after_a_while() -> None:  # each new target finishes loading 0.2 s after it was made
-        made: dict[int, float] = {}
-        while not stop_loading.wait(0.02):
-            for actor in (a for f in factories for a in f.actors):
-                made.setdefault(id(actor), time.monotonic())
-                if time.monotonic() - made[id(actor)] > 0.2:
-                    actor.loaded.set()
-
-    loader = threading.Thread(target=load_after_a_while, daemon=True)
-    loader.start()
+    stop_loading = _loading_after(factories, 0.2)
     lanes = _spare_lanes(target, factories, max_worker_restarts=50)
 
     async def run() -> Result:
@@ -1851,18 +1856,7 @@ def test_a_request_that_kills_its_target_among_others_is_failed_and_they_go_on_a
     from tests.conftest import greedy_reference
 
     factories = [Factory(target, dict.fromkeys(range(20), "deadly")) for _ in range(2)]
-    stop_loading = threading.Event()
-
-    def load_after_a_while() -> None:  # each new target finishes loading 0.2 s after it was made
-        made: dict[int, float] = {}
-        while not stop_loading.wait(0.02):
-            for actor in (a for f in factories for a in f.actors):
-                made.setdefault(id(actor), time.monotonic())
-                if time.monotonic() - made[id(actor)] > 0.2:
-                    actor.loaded.set()
-
-    loader = threading.Thread(target=load_after_a_while, daemon=True)
-    loader.start()
+    stop_loading = _loading_after(factories, 0.2)
     lanes = _spare_lanes(target, factories, max_worker_restarts=50)
     innocent = [[5, 9, 13], [100, 200, 300, 400, 7], [7, 8, 9, 10], [11, 12], [60, 61, 62]]
     prompts = [innocent[0], [*HOSTILE, 7], *innocent[1:]]  # three to a lane: the killer with two others
