@@ -569,7 +569,10 @@ class Lane:
             # a loss that convicts a request (its second alone) is explained: not one more in a row for the lane
             # (two killers in a batch lost four targets in a row and, at max_worker_restarts 3, the lane)
             convicted = self._repeat_killer(group, only) if ran else None
-            self._replace_lost(e, counted=convicted is None, step=group if ran else frozenset(), convicted=convicted)
+            if convicted is not None:  # failed, not moved with the others (a spare lane takes them at once)
+                self._killers.pop(convicted, None)
+                self._fail_sequence(convicted, WorkerLostError("its step took a target down twice, the second alone"))
+            self._replace_lost(e, counted=convicted is None, step=group if ran else frozenset())
             if ran and self.generations[WorkerRole.target] != generation:  # its target was replaced (not its draft)
                 self._suspect_loss(group, only)
             self._report_queue()
@@ -724,22 +727,17 @@ class Lane:
     def _suspect_loss(self, group: frozenset[int], only: frozenset[int] | None) -> None:
         """The target died during a step of ``group`` and was replaced: its sequences step in halves on the new
         target, as after a failure naming none (a request whose input kills the target's process took it down with
-        its whole batch after every replacement, until all of them had spent their failovers). A sequence whose step
-        alone kills a fresh target twice, with other steps run since the first loss, is failed."""
+        its whole batch after every replacement, until all of them had spent their failovers). One whose step alone
+        convicts it (``_repeat_killer``) was failed already."""
         group &= {s.seq_id for s in self.loop.running}  # (none left: a free lane took them, or they were dropped)
         if not group:
             return
-        repeat = self._repeat_killer(group, only)
         if only is None:
             self._stepped = False
         elif self._probes and self._probes[0] == only:
             self._probes.popleft()
         if len(group) == 1:
             (suspect,) = group
-            if suspect == repeat:
-                self._killers.pop(suspect, None)  # (one that came here a suspect may have no entry)
-                self._fail_sequence(suspect, WorkerLostError("its step took the target down twice, stepped alone"))
-                return
             self._killers[suspect] = 0
             if only is None:  # a full step of one: retried as it was
                 return
@@ -785,24 +783,21 @@ class Lane:
         *,
         counted: bool = True,
         step: frozenset[int] = frozenset(),
-        convicted: int | None = None,
     ) -> None:
-        """``step``: the sequences of the step the loss happened in; ``convicted``: the one of them it convicts.
-        The step's requests go on as suspects, with those kept through earlier losses since the last step that went
-        through (the halves of a batch still to step alone); the others that ran here, not in the step (a suspect
-        group stepped alone), are blameless: handed on, no failover spent (unless a kept loss counts)."""
+        """``step``: the sequences of the step the loss happened in. The step's requests go on as suspects, with
+        those kept through earlier losses since the last step that went through (the halves of a batch still to
+        step alone); the others that ran here, not in the step (a suspect group stepped alone), are blameless:
+        handed on, no failover spent (unless a kept loss counts)."""
         ran = {seq.seq_id: seq.request.request_id for seq in self.loop.running}
         suspects = {r for s, r in ran.items() if s in step} | (self._kept_suspects & set(ran.values()))
         blameless = {r for s, r in ran.items() if step and s not in step} - suspects - self._kept
         try:
-            self._recover(error, counted=counted, suspects=suspects, blameless=blameless, convicted=convicted)
+            self._recover(error, counted=counted, suspects=suspects, blameless=blameless)
         except Exception:  # no replacement could be made (placement, a failed create): the lane stays up,
             # answers its requests, and tries again with the next step's worker failure
             logger.exception("lane %d: replacing its workers failed", self.index)
             self.lost_workers = True  # before the requests hear of it: a caller may look at the health next
             self._retry_at = time.monotonic() + self._retry_pause  # with no request to step, tried again then
-            if convicted is not None:
-                self._fail_sequence(convicted, WorkerLostError("its step took a target down twice, the second alone"))
             reason = "the lane could not replace a lost worker"
             self._fail_all(reason, LaneLostError, suspects=suspects, blameless=blameless)
 
@@ -835,14 +830,13 @@ class Lane:
         counted: bool = True,
         suspects: Collection[str] = (),
         blameless: Collection[str] = (),
-        convicted: int | None = None,
     ) -> None:
         """Replace a dead target, detach a dead draft (brought back in the background, its sequences decoding
         plainly meanwhile), reset any worker whose state ran ahead of the failed step, and let the loop re-prefill
         its running sequences on the next step. A target's loss counts as one more in a row unless ``counted`` is
         False (one request's doing, that request failed for it). ``suspects`` go on elsewhere each stepped alone
         there before it joins a batch (a request whose input kills the target went on with its batch and took the
-        next lane's batch down too), ``blameless`` without a failover spent; ``convicted`` is failed, not moved."""
+        next lane's batch down too), ``blameless`` without a failover spent."""
         if self._stop_asked:  # failed as the lane was being stopped (its workers killed under it): no new worker;
             # its requests go on elsewhere, none left to step on caches that may have run ahead
             self._fail_all(f"lane {self.index} stopped", LaneLostError)
@@ -862,9 +856,6 @@ class Lane:
         if WorkerRole.target in dead and not exhausted:  # (when exhausted, ``_retry_target`` makes the next one)
             self._replace_target()
             if self.spare():  # its requests go on at once on a lane that has its model, not after this one's load
-                if convicted is not None:  # (the step's survivors below go on as suspects; this one is failed)
-                    twice = WorkerLostError("its step took a target down twice, the second alone")
-                    self._fail_sequence(convicted, twice)
                 reason = f"lane {self.index} is bringing its target back"
                 self._drop_all(reason, LaneLostError, suspects=suspects, blameless=blameless)
             else:  # kept for the new target, or handed on once a lane is up: a loss either way
