@@ -117,8 +117,9 @@ class StepLoop:
         )
         if request.delivered is not None:  # a continuation: its first step prefills prompt and output
             text.resume(done, request.delivered.text)
-        seq = Sequence(next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done))
-        seq.suspect = request.suspect
+        seq = Sequence(
+            next(self._ids), request, text, spec=spec, output=list(done), delivered=len(done), suspect=request.suspect
+        )
         if request.params.output_format is not None:
             if spec.synthetic_accept is not None:  # (its accepted paths are made up: the grammar would not hold)
                 raise InvalidRequestError("a structured answer cannot be drafted in the synthetic benchmark mode")
