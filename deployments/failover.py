@@ -26,6 +26,9 @@ from specserve.sequence import Delivered, Request, RequestOutput, RequestStats
 logger = logging.getLogger(__name__)
 
 MAX_PAUSE_S = 60.0  # the longest pause before a moved request tries a lane that is bringing its workers back
+# the pause after a lane refused a submit at once: a lane told to stop refuses until its thread ends (up to the stop's
+# deadline, after a long step), and, the only lane left, it would be picked again and again on the event loop
+REFUSED_PAUSE_S = 0.05
 
 
 class LaneLike(Protocol):
@@ -116,6 +119,8 @@ class FailoverStream:
             except LaneLostError as e:  # it stopped between the pick and the submit
                 self._lane = lane
                 self._moved(lane, e)
+                with self._moving.pausing():
+                    await asyncio.sleep(REFUSED_PAUSE_S)
                 continue
             self._lane = lane
             return

@@ -283,6 +283,22 @@ def test_a_lane_that_stops_between_the_pick_and_the_submit_is_skipped(sleeps: li
     assert moved == [0] and len(other.submitted) == 1
 
 
+def test_a_lane_that_refuses_submits_until_its_thread_ends_is_retried_after_a_pause(sleeps: list[float]) -> None:
+    """A lane told to stop, its thread still in a long step, refuses each submit at once; the only lane left, it
+    was picked again and again without the event loop ever running anything else until the thread ended."""
+
+    class Stopping(FakeLane):
+        async def submit(self, request: Request) -> Stream:
+            if len(self.submitted) < 3:
+                self.submitted.append(request)
+                raise LaneHandoffError(f"lane {self.index} has stopped")
+            return await super().submit(request)
+
+    lane = Stopping(0)
+    assert _collect(_stream([lane], max_failovers=0))[0] == TOKENS
+    assert sleeps == [failover.REFUSED_PAUSE_S] * 3
+
+
 def test_no_running_lane_is_a_503() -> None:
     with pytest.raises(WorkerFailedError, match="no lane"):
         asyncio.run(_stream([FakeLane(0, alive=False)]).open())
