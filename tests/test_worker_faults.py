@@ -2000,13 +2000,8 @@ def test_groups_still_to_step_alone_stay_suspects_when_a_probe_loses_the_target(
     factory = Factory(target, {0: "deadly", 1: "dies at 1"})
     lane = _lane(target, factory, spare=lambda: len(factory.actors) > 1 and factory.actors[1].died)
     factory.actors[0].loaded.set()
-    requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate([PROMPTS[0], PROMPTS[1], [*HOSTILE, 7]])]
-
-    async def run() -> list[Result]:
-        return list(await asyncio.wait_for(asyncio.gather(*(_one(lane, r) for r in requests)), 30))
-
     try:
-        results = asyncio.run(run())
+        results = _run(lane, [PROMPTS[0], PROMPTS[1], [*HOSTILE, 7]])
         assert [type(r) for r in results] == [StepLostError] * 3, results
     finally:
         lane.stop()
@@ -2018,13 +2013,8 @@ def test_a_batch_that_lost_its_target_moves_as_suspects_where_no_replacement_can
     factory = Factory(target, {0: "deadly"}, broken={1})
     lane = _lane(target, factory)
     factory.actors[0].loaded.set()
-    requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate([PROMPTS[0], PROMPTS[1], [*HOSTILE, 7]])]
-
-    async def run() -> list[Result]:
-        return list(await asyncio.wait_for(asyncio.gather(*(_one(lane, r) for r in requests)), 30))
-
     try:
-        results = asyncio.run(run())
+        results = _run(lane, [PROMPTS[0], PROMPTS[1], [*HOSTILE, 7]])
         assert [type(r) for r in results] == [StepLostError] * 3, results
         assert lane.lost_workers
     finally:
