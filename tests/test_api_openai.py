@@ -568,6 +568,40 @@ def test_echo_starts_the_answer_with_the_prompt_and_its_logprobs(url: str, clien
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(url: str, client: openai.OpenAI) -> None:
+    """vLLM's prompt-only scoring (lm-eval's loglikelihood with max_tokens 0): the prompt's text and logprobs as echo
+    gives them, no output token, the answer ended by its length; without echo, or with min_tokens, a 400."""
+    tok = tiny_tokenizer()
+    prompt = [3, 40, 41, 7]
+    body = {"model": MODEL, "prompt": prompt, "logprobs": 2, "echo": True, "return_token_ids": True}
+    one = httpx.post(url + COMPLETIONS, json=body | {"max_tokens": 1, "temperature": 0}, timeout=30).json()
+    for temperature in (0, 1.0):  # (a sampled token is dropped as well)
+        r = httpx.post(url + COMPLETIONS, json=body | {"max_tokens": 0, "temperature": temperature}, timeout=30)
+        assert r.status_code == 200, r.text
+        choice, lp = r.json()["choices"][0], r.json()["choices"][0]["logprobs"]
+        assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == (tok.decode(prompt), [], "length")
+        assert lp["tokens"] == [tok.decode([t]) for t in prompt] and lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"] == one["choices"][0]["logprobs"]["token_logprobs"][:4]
+        assert lp["top_logprobs"] == one["choices"][0]["logprobs"]["top_logprobs"][:4]
+        assert r.json()["usage"] | {"speculation": None} == {
+            "prompt_tokens": 4,
+            "completion_tokens": 0,
+            "total_tokens": 4,
+            "speculation": None,
+        }
+    sdk = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    assert sdk.choices[0].logprobs is not None and len(sdk.choices[0].logprobs.token_logprobs or []) == 4
+    chunks = list(client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "the cat sat"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    without_echo = _error(httpx.post(url + COMPLETIONS, json={"model": MODEL, "prompt": prompt, "max_tokens": 0}))
+    assert without_echo["param"] == "max_tokens" and "echo" in without_echo["message"]
+    floor = _error(httpx.post(url + COMPLETIONS, json=body | {"max_tokens": 0, "min_tokens": 1}))
+    assert floor["param"] == "min_tokens"
+    whole = _error(httpx.post(url + COMPLETIONS, json=body | {"prompt": [5] * CONTEXT, "max_tokens": 0}))
+    assert whole["code"] == "context_length_exceeded"
+
+
 def test_min_tokens_keeps_stop_ids_out_until_then_over_http(url: str, client: openai.OpenAI) -> None:
     """vLLM's min_tokens: a stop token id the answer would end at is not generated before that many tokens, a stop
     string completed before then does not stop it; more than max_tokens a 400 naming it."""

@@ -506,6 +506,11 @@ class GenerationRequest(ClosedModel):
         return False
 
     @property
+    def scores_prompt(self) -> bool:
+        """It asks for no tokens (completions' ``max_tokens`` 0): only its prompt, with echo, and its logprobs."""
+        return False
+
+    @property
     def prompt_count(self) -> int:
         """Prompts it asks answers to (a completions batch has several): each has ``n`` choices."""
         return 1
@@ -547,12 +552,25 @@ Prompt = Annotated[
 ]
 
 
+def _document_completion(schema: dict[str, Any]) -> None:
+    _document_nullable(schema)
+    # max_tokens 0 scores a prompt: only with echo (its 400 names max_tokens)
+    scoring = {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]}
+    schema["if"], schema["then"] = scoring, {"properties": {"echo": {"const": True}}, "required": ["echo"]}
+
+
 class CompletionRequest(GenerationRequest):
+    model_config = ConfigDict(json_schema_extra=_document_completion)
+
     prompt: Prompt = Field(
         description=f"text, token ids, or a batch of up to {MAX_PROMPTS} of either (choices index prompt * n + i)"
     )
     max_tokens: StrictInt | None = Field(
-        default=16, ge=1, lt=INT64_END, description="at most the context length minus the prompt"
+        default=16,
+        ge=0,
+        lt=INT64_END,
+        description="at most the context length minus the prompt; 0, with echo alone: the prompt scored, nothing "
+        "generated (vLLM's prompt-only scoring)",
     )
     echo: StrictBool = Field(
         default=False,
@@ -584,6 +602,10 @@ class CompletionRequest(GenerationRequest):
     @property
     def echoes(self) -> bool:
         return self.echo
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.max_tokens == 0
 
     @field_validator("best_of", "suffix", mode="before")
     @classmethod

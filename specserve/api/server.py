@@ -238,6 +238,31 @@ class _Tracker:
 
 
 _END = object()  # the end of a stream, in _Outcome's queue
+_ENDED = (FinishReason.stop, FinishReason.length)  # (an answer that ended, not one aborted)
+
+
+@dataclass
+class _PromptScored:
+    """A prompt-only request's stream (completions' ``max_tokens`` 0, with echo): its one generated token dropped,
+    as vLLM's scoring drops it; the prompt's logprobs kept, and the answer ended by its length (of 0)."""
+
+    stream: OutputStream
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for out in self.stream:
+            yield replace(
+                out,
+                token_ids=[],
+                text="",
+                logprobs=None if out.logprobs is None else [],
+                num_output_tokens=0,
+                committed=0,
+                finish_reason=FinishReason.length if out.finish_reason in _ENDED else out.finish_reason,
+                stop_reason=None,
+            )
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 @dataclass
@@ -559,6 +584,8 @@ class _Routes:
                     param=RESUME_PARAM,
                 )
             self._check_model(body.model)
+            if body.scores_prompt and not body.echoes:
+                raise APIError("max_tokens 0 generates nothing: it only scores a prompt, with echo", param="max_tokens")
             context = self.backend.max_model_len
             places = body.n * body.prompt_count  # each prompt's n choices
             if places > 1 and places > self.backend.capacity:  # (a 429 would never clear)
@@ -582,6 +609,8 @@ class _Routes:
             batch = len(prompts) > 1
             limits = [limit.check(len(ids), context, item=p if batch else None) for p, ids in enumerate(prompts)]
             limit.check_min(body.min_tokens, min(limits))
+            if body.scores_prompt:  # (one token is generated, and dropped: the prompt's logprobs come with it)
+                limits = [1] * len(limits)
             max_tokens = limits[0]
             if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
                 raise ResumeMismatchError(
@@ -607,6 +636,8 @@ class _Routes:
                 for i in range(body.n)
             ]
             streams = await self._submit(requests)
+            if body.scores_prompt:
+                streams = [_PromptScored(s) for s in streams]
         except InvalidRequestError:
             metrics.request_done(RequestStatus.invalid)
             raise
