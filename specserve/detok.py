@@ -130,10 +130,13 @@ class IncrementalText:
         self._fixed = 0  # leading output tokens whose text is settled: decoded once, not again every update
         self._fixed_text = ""  # their text
 
-    def update(self, token_ids: Sequence[int], *, final: bool = False, drop_open: bool = False) -> str:
+    def update(
+        self, token_ids: Sequence[int], *, final: bool = False, drop_open: bool = False, search: bool = True
+    ) -> str:
         """Feed all output token ids so far; return the new stable text (everything left when final). ``drop_open``
         (with ``final``): the output goes on with a token that is not decoded (a stop token id, as vLLM's), so an
-        incomplete character at the end is dropped, not output as U+FFFD, and no stop string is looked for in it."""
+        incomplete character at the end is dropped, not output as U+FFFD, and no stop string is looked for in it.
+        ``search`` False: no stop string is looked for (the text a stop token id adds, as vLLM's)."""
         if self.tokenizer is None or self.stopped:
             return ""
         full = self._text_of(token_ids)
@@ -148,6 +151,7 @@ class IncrementalText:
         past_floor = len(token_ids) > self.floor
         if past_floor and self._floor_chars is None:
             self._floor_chars = len(_settled(self._decode(token_ids[: self.floor]), False))
+        past_floor = past_floor and search
         # (only where a stop string may end past the text an earlier update searched: that text cannot change)
         offset = max(0, self._seen_chars - self._reach)
         found = past_floor and self._holds_stop(_settled(full[offset:], whole_text), offset)

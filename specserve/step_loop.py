@@ -590,10 +590,13 @@ class StepLoop:
                 seq.finish_reason = FinishReason.stop
                 at_stop_id = True
                 break
-        unseen = at_stop_id and not params.include_stop_str_in_output  # the stop token's text is left out
-        text = seq.text.update(
-            seq.output[:-1] if unseen else seq.output, final=seq.finish_reason is not None, drop_open=unseen
-        )
+        if at_stop_id:  # its own text completes no stop string (vLLM checks stop ids first), and joins the text
+            # only with include_stop_str_in_output
+            text = seq.text.update(seq.output[:-1], final=True, drop_open=True)
+            if params.include_stop_str_in_output and not seq.text.stopped:
+                text += seq.text.update(seq.output, final=True, search=False)
+        else:
+            text = seq.text.update(seq.output, final=seq.finish_reason is not None)
         if seq.text.stopped:
             seq.finish_reason = FinishReason.stop
             # a speculative step can accept tokens past the stop string: they are not output

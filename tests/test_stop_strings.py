@@ -386,6 +386,23 @@ def test_a_stop_token_id_after_an_incomplete_character_keeps_its_id_and_drops_th
             assert _finished(tok, steps, keep) == (ids[:4], " a€", FinishReason.stop, stop_id, 4), (steps, stop)
 
 
+def test_a_stop_token_ids_own_text_completes_no_stop_string() -> None:
+    """A stop token id ends the answer before any stop string its own text would complete (vLLM checks stop ids
+    first), with include_stop_str_in_output as without: its text was cut inside the token at the stop string,
+    and the stop string named as the reason. A stop string the tokens before it complete still ends it first."""
+    tok = tiny_tokenizer()
+    ids = tok.encode("say hello wor", add_special_tokens=False)  # ..., " w", "or"
+    stop_id = ids[-1]
+    assert tok.decode(ids[-2:]) == " wor"
+    for steps in ([[t] for t in ids], [ids[:3], ids[3:]], [ids]):
+        params = SamplingParams(max_tokens=20, stop=(" wo",), stop_token_ids=[stop_id])
+        assert _finished(tok, steps, params) == (ids, "say hello w", FinishReason.stop, stop_id, len(ids)), steps
+        keep = params.model_copy(update={"include_stop_str_in_output": True})
+        assert _finished(tok, steps, keep) == (ids, "say hello wor", FinishReason.stop, stop_id, len(ids)), steps
+        before = keep.model_copy(update={"stop": (" w",)})  # complete at the token before it
+        assert _finished(tok, steps, before) == (ids[:-1], "say hello w", FinishReason.stop, " w", len(ids) - 1)
+
+
 def test_the_stop_string_that_starts_first_ends_the_text() -> None:
     """Two stop strings one token completes: the text is cut where the first of them starts (the shortest text
     holding neither), and ``stop_reason`` names that one; with include_stop_str_in_output the text ends with it."""
