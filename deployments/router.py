@@ -242,6 +242,11 @@ class Router:
         queue."""
         return self.running_slots + self.args.max_queued_requests
 
+    @property
+    def most_capacity(self) -> int:
+        """``capacity`` with every lane serving."""
+        return self._lane_slots * len(self.lanes) + self.args.max_queued_requests
+
     def health(self) -> Health:
         """Degraded while a lane brings its workers back, or loads one, and another serves (its requests went
         there); failing, and Serve's health check then replaces the replica (new placement, new actors), once a

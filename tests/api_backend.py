@@ -94,6 +94,10 @@ class LocalBackend:
     def metrics(self) -> ServeMetrics:
         return self._metrics
 
+    @property
+    def most_capacity(self) -> int:
+        return self.capacity
+
     def check_capacity(self, *, pending: int = 0) -> None:
         if self.lane.in_flight + pending >= self.capacity:
             raise OverloadedError("at capacity", retry_after_s=1)

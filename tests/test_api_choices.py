@@ -185,6 +185,29 @@ def test_a_count_out_of_range_or_a_resume_is_a_400(url: str, fields: dict[str, A
     assert error["param"] == param and says in error["message"], error
 
 
+class _LaneDown(LocalBackend):
+    """A server one of whose two lanes is down: it holds half of what it holds with both serving."""
+
+    @property
+    def most_capacity(self) -> int:
+        return 2 * self.capacity
+
+
+def test_more_choices_than_fit_while_part_of_the_server_is_down_wait() -> None:
+    """What a server holds shrinks while a lane is down: a request of more choices than that, and no more than it
+    holds with every lane serving, is a 429 to retry (a 400, which clients never retry, refused it for good)."""
+    backend = _LaneDown(capacity=3)
+    try:
+        with api_server(backend) as url:
+            r = httpx.post(url + COMPLETIONS, json=SAMPLED | {"n": 5}, timeout=30)
+            assert r.status_code == 429 and r.headers["retry-after"], r.text
+            r = httpx.post(url + COMPLETIONS, json=SAMPLED | {"n": 7}, timeout=30)
+            assert r.status_code == 400 and "at once (6 requests" in r.json()["error"]["message"], r.text
+            assert httpx.post(url + COMPLETIONS, json=SAMPLED | {"n": 3}, timeout=30).status_code == 200
+    finally:
+        backend.stop()
+
+
 def test_choices_that_do_not_all_fit_are_refused_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each choice takes a place: more than the server ever holds is a 400; more than the free places (counting
     the choices of requests still being tokenised) a 429 before the prompt is tokenised; a choice the backend

@@ -1349,6 +1349,7 @@ def test_capacity_counts_the_kv_slots_that_fit_not_the_configured_batch() -> Non
     # else the other lane queued more than max_queued_requests and Retry-After came out too short
     router.lanes[1].healthy = False
     assert router.capacity == 3 + 5 and router.running_slots == 3
+    assert router.most_capacity == 6 + 5  # (a request of more choices than 8 and at most 11 waits: a 429)
     # ... nor one loading a replacement while the other serves (it hands its requests on): it was counted
     router.lanes[1].healthy, router.lanes[1].loading = True, True
     assert router.capacity == 3 + 5 and router.running_slots == 3

@@ -136,7 +136,13 @@ class Backend(Protocol):
 
     @property
     def capacity(self) -> int:
-        """Requests it runs or queues at most (a request of n choices takes n)."""
+        """Requests it runs or queues at once now (a request of n choices takes n)."""
+        ...
+
+    @property
+    def most_capacity(self) -> int:
+        """Requests it runs or queues at once at most, with all it has serving: a request of more choices is refused
+        outright (a 400), one of more than ``capacity`` but no more waits (a 429) while some of it is down."""
         ...
 
     def check_capacity(self, *, pending: int = 0) -> None:
@@ -588,10 +594,10 @@ class _Routes:
                 raise APIError("max_tokens 0 generates nothing: it only scores a prompt, with echo", param="max_tokens")
             context = self.backend.max_model_len
             places = body.n * body.prompt_count  # each prompt's n choices
-            if places > 1 and places > self.backend.capacity:  # (a 429 would never clear)
+            if places > 1 and places > self.backend.most_capacity:  # (a 429 would never clear)
                 raise APIError(
                     f"{places} choices (n x prompts) are more than this server runs or queues at once "
-                    f"({self.backend.capacity} requests; each choice is one)",
+                    f"({self.backend.most_capacity} requests; each choice is one)",
                     param="n" if body.prompt_count == 1 else "prompt",
                 )
             keep = _kept_prompt_tokens(body.truncate_prompt_tokens, context)
