@@ -183,6 +183,17 @@ def test_a_changed_request_is_refused_not_spliced(url: str) -> None:
     assert r.json()["error"]["code"] == "resume_mismatch" and r.json()["error"]["param"] == "resume_from"
     # OpenAI's SDK retries a 409 unless told not to: the same request would meet the same mismatch
     assert r.headers["x-should-retry"] == "false"
+    # chat's opening event (no output yet): no event of a completions stream, whose first event has output (it sent
+    # the whole answer again, without its echo and prompt ids, as if the client had had them)
+    opening = StreamMark().render()
+    for route, sent, opens in ((CHAT, CHAT_BODY | {"seed": 11}, True), (COMPLETIONS, body, False)):
+        r = httpx.post(url + route, json=sent | {"stream": True, "resume_from": opening}, timeout=30)
+        assert (r.status_code == 200) == opens, (route, r.text)
+    assert (
+        r.status_code == 409
+        and "has no opening event" in r.json()["error"]["message"]
+        and r.json()["error"]["param"] == "resume_from"
+    )
     sent: list[httpx.Request] = []
     with httpx.Client(event_hooks={"request": [sent.append]}) as http:
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=2, timeout=30.0, http_client=http)

@@ -589,6 +589,11 @@ class _Routes:
                     "resumed (send the request again, or without stream)",
                     param=RESUME_PARAM,
                 )
+            if resume == StreamMark() and not fmt.opens:
+                raise ResumeMismatchError(
+                    f"{RESUME_PARAM} {resume.render()} is no event of this stream: it has no opening event",
+                    param=RESUME_PARAM,
+                )
             self._check_model(body.model)
             if body.scores_prompt and not body.echoes:
                 raise APIError("max_tokens 0 generates nothing: it only scores a prompt, with echo", param="max_tokens")
@@ -968,6 +973,7 @@ class _Format(Protocol):
     request_id: str
     seed: int | None
     prompt_ids: list[int] | None
+    opens: bool  # its streams start with an event of no output (whose id is 0-0-00000000)
 
     def first_chunk(self) -> BaseModel | None: ...
 
@@ -1034,6 +1040,7 @@ class _Stamped:
 
 class _CompletionFormat(_Stamped):
     prefix = "cmpl"
+    opens = False
 
     def __init__(self, model: str, encoder: PromptEncoder | None = None) -> None:
         super().__init__(model, encoder)
@@ -1121,6 +1128,7 @@ class _ChatFormat(_Stamped):
     come whole in the last chunk (their list is read once it is complete)."""
 
     prefix = "chatcmpl"
+    opens = True
 
     def __init__(
         self,
