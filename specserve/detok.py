@@ -150,7 +150,10 @@ class IncrementalText:
         stop_at = None
         past_floor = len(token_ids) > self.floor
         if past_floor and self._floor_chars is None:
-            self._floor_chars = len(_settled(self._decode(token_ids[: self.floor]), False))
+            # (the characters they complete: of a run of byte tokens they leave open, not the U+FFFD the run is
+            # while a character of it is incomplete)
+            complete = self.runs.char_start(token_ids, self.floor)
+            self._floor_chars = len(_settled(self._decode(token_ids[:complete]), False))
         past_floor = past_floor and search
         # (only where a stop string may end past the text an earlier update searched: that text cannot change)
         offset = max(0, self._seen_chars - self._reach)

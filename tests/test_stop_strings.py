@@ -403,6 +403,20 @@ def test_a_stop_token_ids_own_text_completes_no_stop_string() -> None:
         assert _finished(tok, steps, before) == (ids[:-1], "say hello w", FinishReason.stop, " w", len(ids) - 1)
 
 
+def test_min_tokens_ending_inside_a_run_of_byte_tokens_counts_the_characters_before_it() -> None:
+    """vLLM's min_tokens: a stop string in the text of the first min_tokens tokens does not stop the answer. With
+    byte fallback those tokens can end inside a character, whose incomplete bytes turned the run of byte tokens
+    they end in into U+FFFD: the characters complete before it were not counted as theirs, and a stop string
+    among them stopped the answer, at some min_tokens and not at others."""
+    tok = _byte_fallback_tokenizer()
+    ids = [259, *_bytes("€"), *_bytes("😀"), 260, 259]  # " a", the euro sign's 3 bytes, the emoji's 4, " x", " a"
+    for floor in range(4, 9):  # (the euro sign complete in the first 4 tokens)
+        params = SamplingParams(max_tokens=len(ids), stop=("€",), min_tokens=floor)
+        for steps in ([[t] for t in ids], [ids]):
+            got = _finished(tok, steps, params)
+            assert got == (ids, " a€😀 x a", FinishReason.length, None, len(ids)), (floor, steps)
+
+
 def test_the_stop_string_that_starts_first_ends_the_text() -> None:
     """Two stop strings one token completes: the text is cut where the first of them starts (the shortest text
     holding neither), and ``stop_reason`` names that one; with include_stop_str_in_output the text ends with it."""
