@@ -163,15 +163,15 @@ def parse_sse_data(data: str) -> SSEEvent:
         return SSEEvent(EventKind.error, error=f"malformed SSE payload: {payload[:120]!r}")
     if chunk.error is not None:
         return SSEEvent(EventKind.error, error=str(chunk.error.get("message", chunk.error)))
+    # (usage may also come on a chunk with choices: a server that sends it with the last one, or in every chunk as
+    # vLLM's continuous_usage_stats)
+    usage = {} if chunk.usage is None else chunk.usage
+    counts = {"completion_tokens": usage.get("completion_tokens"), "prompt_tokens": usage.get("prompt_tokens")}
     if chunk.usage is not None and not chunk.has_choice:
-        return SSEEvent(
-            EventKind.usage,
-            completion_tokens=chunk.usage.get("completion_tokens"),
-            prompt_tokens=chunk.usage.get("prompt_tokens"),
-        )
+        return SSEEvent(EventKind.usage, **counts)
     if chunk.text:
-        return SSEEvent(EventKind.content, text=chunk.text, finish_reason=chunk.finish_reason)
-    return SSEEvent(EventKind.other, finish_reason=chunk.finish_reason)
+        return SSEEvent(EventKind.content, text=chunk.text, finish_reason=chunk.finish_reason, **counts)
+    return SSEEvent(EventKind.other, finish_reason=chunk.finish_reason, **counts)
 
 
 @dataclass
@@ -189,12 +189,11 @@ class StreamStats:
 
     def add(self, event: SSEEvent, t: float) -> None:
         self.end_s = t
+        if event.completion_tokens is not None:  # (the last usage seen: a server may send it with every chunk)
+            self.completion_tokens, self.prompt_tokens = event.completion_tokens, event.prompt_tokens
         if event.kind == EventKind.content:
             self.chunk_times.append(t)
             self.text += event.text
-        elif event.kind == EventKind.usage:
-            self.completion_tokens = event.completion_tokens
-            self.prompt_tokens = event.prompt_tokens
         elif event.kind == EventKind.done:
             self.done = True
         elif event.kind == EventKind.error and self.error is None:

@@ -129,6 +129,20 @@ def test_sse_stream_statistics() -> None:
     assert stats.ttft_s == pytest.approx(0.03)
     assert stats.tpot_s == pytest.approx((0.09 - 0.03) / 4)  # per token after the first, from usage
     assert stats.itl_s == pytest.approx([0.04, 0.02])
+    # usage on the last chunk with text (servers that send it there), or on every chunk (vLLM's
+    # continuous_usage_stats): the last one counts, as the usage chunk's does (it was read off no chunk with a choice,
+    # and the TPOT came from 3 chunks for 8 tokens)
+    with_choices = "".join(
+        [
+            _chunk({"content": "Hel"}, usage={"prompt_tokens": 7, "completion_tokens": 2}),
+            _chunk({"content": "lo"}),
+            _chunk({"content": " world"}, "length", usage={"prompt_tokens": 7, "completion_tokens": 8}),
+            "data: [DONE]\n\n",
+        ]
+    )
+    stats = parse_sse_text(with_choices, dt=0.01)
+    assert (stats.prompt_tokens, stats.completion_tokens, stats.output_tokens) == (7, 8, 8)
+    assert stats.tpot_s == pytest.approx((stats.chunk_times[-1] - stats.chunk_times[0]) / 7)
 
 
 def test_sse_events_and_failures() -> None:
