@@ -166,12 +166,16 @@ def parse_sse_data(data: str) -> SSEEvent:
     # (usage may also come on a chunk with choices: a server that sends it with the last one, or in every chunk as
     # vLLM's continuous_usage_stats)
     usage = {} if chunk.usage is None else chunk.usage
-    counts = {"completion_tokens": usage.get("completion_tokens"), "prompt_tokens": usage.get("prompt_tokens")}
+    kind = EventKind.content if chunk.text else EventKind.other
     if chunk.usage is not None and not chunk.has_choice:
-        return SSEEvent(EventKind.usage, **counts)
-    if chunk.text:
-        return SSEEvent(EventKind.content, text=chunk.text, finish_reason=chunk.finish_reason, **counts)
-    return SSEEvent(EventKind.other, finish_reason=chunk.finish_reason, **counts)
+        kind = EventKind.usage
+    return SSEEvent(
+        kind,
+        text=chunk.text if kind == EventKind.content else "",
+        completion_tokens=usage.get("completion_tokens"),
+        prompt_tokens=usage.get("prompt_tokens"),
+        finish_reason=None if kind == EventKind.usage else chunk.finish_reason,
+    )
 
 
 @dataclass
