@@ -84,6 +84,19 @@ def fit_knots(lo: float, hi: float, xs: Sequence[float] | None = None) -> list[f
 
 KNOT_MIN_SAMPLES = 3
 PLAIN_FIT_MIN_STEPS = 8  # plain decoding steps needed for their own cost model (else the joint fit covers them)
+# the terms of host work (per row, per step, per token emitted): a model timed on a device takes them from a fit
+HOST_TERMS = (
+    "draft_row_s",
+    "tree_row_s",
+    "tree_level_row_s",
+    "verify_row_s",
+    "verify_drafting_row_s",
+    "verify_tree_row_s",
+    "overhead",
+    "host_drafting_row_s",
+    "emit_token_s",
+)
+PREFILL_TIMING_TOKENS = 128  # a prompt chunk the draft reads in one forward, to time its cost per token
 
 
 class FitKind(str, Enum):
@@ -125,6 +138,12 @@ class CostModel(BaseModel):
     tree_level_row_s: Seconds = 0.0
     verify_tree_row_s: Seconds = 0.0
     plain: CostModel | None = None  # steps where no row drafts (None: the terms above with no drafting rows)
+
+    def with_host_of(self, fitted: CostModel) -> CostModel:
+        """This model's forwards with ``fitted``'s host terms, its plain steps' too (model time measured on a
+        device, the scheduler's host work from the recorded steps)."""
+        plain = None if fitted.plain is None else self.with_host_of(fitted.plain)
+        return self.model_copy(update={k: getattr(fitted, k) for k in HOST_TERMS} | {"plain": plain})
 
     def draft_s(self, depths: Sequence[int], extra_fed: int = 0, widths: Sequence[int] | None = None) -> float:
         """Draft seconds of one lock-step batch; ``widths``: each row's beam width (1: a chain, the default)."""
@@ -278,6 +297,8 @@ class CostModel(BaseModel):
         return cls(
             source=source,
             draft_level=forward(draft_params, draft_launch_s),
+            # a prompt the draft reads (beyond a row's one token): the compute of each of its tokens
+            draft_prefill_token_s=2.0 * draft_params / flops_per_s,
             verify=forward(target_params, target_launch_s),
             overhead=Curve.linear(0.0, host_row_s),
         )
@@ -318,14 +339,21 @@ def measure_cost_model(
     context: int = 256,
     source: str = "measured",
 ) -> CostModel:
-    """Draft level vs rows and verify vs total tokens from timed batched forwards on this device (model time only:
-    the host overhead of the scheduler is not in it)."""
+    """Draft level vs rows, the draft's cost per prompt token it reads and verify vs total tokens from timed
+    batched forwards on this device (model time only: the host overhead of the scheduler is not in it)."""
     draft_pts = [(float(r), time_forward(draft, r, 1, context=context)) for r in rows]
     verify_pts = [
         (float(r * verify_tokens_per_row), time_forward(target, r, verify_tokens_per_row, context=context))
         for r in rows
     ]
-    return CostModel(source=source, draft_level=Curve(points=draft_pts), verify=Curve(points=verify_pts))
+    chunk, one = (time_forward(draft, 1, n, context=context) for n in (PREFILL_TIMING_TOKENS, 1))
+    per_prompt_token = max(0.0, (chunk - one) / (PREFILL_TIMING_TOKENS - 1))
+    return CostModel(
+        source=source,
+        draft_level=Curve(points=draft_pts),
+        draft_prefill_token_s=per_prompt_token,
+        verify=Curve(points=verify_pts),
+    )
 
 
 def level_rows(depths: Sequence[int]) -> list[int]:

@@ -778,7 +778,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _measured(study: SimStudy, fitted: CostModel) -> CostModel:
-    """Batched-forward timings of the given models; the host terms (overhead, per emitted token) from the fit."""
+    """Batched-forward timings of the given models; the host terms (per row, per step, per emitted token; plain
+    steps' their own) from the fit."""
     from specserve.config import ModelSpec
     from specserve.models.loader import load_model
     from specserve.models.tiny import noisy_copy, tiny_model
@@ -798,8 +799,7 @@ def _measured(study: SimStudy, fitted: CostModel) -> CostModel:
     drafted_by = study.measure_draft or "a noisy copy"
     source = f"measured on {study.device}: {study.measure_target} + {drafted_by} ({study.measure_dtype.value})"
     measured = measure_cost_model(target, draft, study.profile_rows, source=source)
-    host = ("overhead", "host_drafting_row_s", "emit_token_s")
-    return measured.model_copy(update={k: getattr(fitted, k) for k in host})
+    return measured.with_host_of(fitted)
 
 
 def plot_sim(rows: Sequence[dict[str, Any]], out: Path, cost_source: str = "") -> None:

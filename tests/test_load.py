@@ -36,9 +36,11 @@ from load.client import (
     sse_lines,
 )
 from load.cost import (
+    HOST_TERMS,
     CostModel,
     Curve,
     FitKind,
+    RooflineName,
     fit_knots,
     fit_quality,
     level_rows,
@@ -751,6 +753,39 @@ def test_measure_cost_model_times_batched_forwards() -> None:
     assert [x for x, _ in cost.verify.points] == [5.0, 20.0]  # SL 4 + the root per row
     assert all(y > 0 for _, y in cost.draft_level.points + cost.verify.points)
     assert CostModel.model_validate_json(cost.model_dump_json()) == cost  # a JSON profile round trip
+
+
+def test_a_timed_or_roofline_model_prices_the_drafts_prompt_reads_and_the_fitted_host_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The draft reads each admitted prompt: a timed model priced that at nothing, as did the roofline (while the
+    target's read of it cost 82 ms), and a timed model kept three of the fit's host terms, so speculative steps came
+    out cheap beside plain ones."""
+    import load.cost as cost_mod
+
+    # a device whose forward costs 1 ms + 0.1 ms a token: the draft's prompt read costs 0.1 ms a token
+    monkeypatch.setattr(cost_mod, "time_forward", lambda model, rows, n, context: 1e-3 + 1e-4 * rows * n)
+    target = tiny_model(seed=0)
+    timed = measure_cost_model(target, target, rows=(1, 4))
+    assert timed.draft_prefill_token_s == pytest.approx(1e-4)
+    assert timed.draft_s([1], 100) == pytest.approx(timed.draft_s([1], 0) + 100 * 1e-4)
+    roofline = RooflineName.h100_llama8b_1b.cost_model()
+    draft_read = roofline.draft_s([1], 2000) - roofline.draft_s([1], 0)
+    target_read = roofline.verify_s(1, 2001) - roofline.verify_s(1, 1)
+    assert 0.1 < draft_read / target_read < 0.25  # about the draft's share of the parameters (1.24e9 / 8.03e9)
+    host = {k: 1e-3 * (i + 1) for i, k in enumerate(HOST_TERMS) if k != "overhead"}
+    plain_fit = CostModel(source="p", draft_level=Curve.constant(9.0), verify=Curve.constant(9.0), verify_row_s=7e-4)
+    fitted = CostModel(source="f", draft_level=Curve.constant(9.0), verify=Curve.constant(9.0), plain=plain_fit)
+    fitted = fitted.model_copy(update=host | {"overhead": Curve.linear(2e-3, 3e-4)})
+    priced = timed.with_host_of(fitted)
+    assert {k: getattr(priced, k) for k in HOST_TERMS} == {k: getattr(fitted, k) for k in HOST_TERMS}
+    assert (priced.draft_level, priced.verify, priced.draft_prefill_token_s) == (
+        timed.draft_level,
+        timed.verify,
+        timed.draft_prefill_token_s,
+    )
+    assert priced.plain is not None and priced.plain.verify == timed.verify and priced.plain.verify_row_s == 7e-4
+    assert priced.verify_s(4, 20, drafting_rows=0) == pytest.approx(timed.verify(20) + 4 * 7e-4)
 
 
 # ─────────────────────────── recording from the engine ───────────────────────────
