@@ -853,6 +853,13 @@ def test_checkpoints_that_contradict_themselves_are_refused(tmp_path: Path, targ
         ("int_weights", {k: (v * 10).long() for k, v in sd1.items()}, {}, UnsupportedModelError, "must be float32"),
         ("fp8", sd1 | {"fc.weight": sd1["fc.weight"].to(torch.float8_e4m3fn)}, {}, UnsupportedModelError, "float8"),
         ("huge", sd1, {"intermediate_size": 10**9}, UnsupportedModelError, "intermediate_size is 1000000000"),
+        (  # (its size could not be checked: the head was built with the config's 400 GB first)
+            "huge_missing",
+            {k: v for k, v in sd1.items() if k != "layers.0.mlp.gate_proj.weight"},
+            {"intermediate_size": 10**11},
+            UnsupportedModelError,
+            r"missing \['layers.0.mlp.gate_proj.weight'\]",
+        ),
         ("heads", sd1, {"head_dim": 2 * D}, UnsupportedModelError, "num_attention_heads x head_dim"),
     ]
     for name, sd, config, error, match in cases:

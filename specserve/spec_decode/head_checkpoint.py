@@ -486,8 +486,9 @@ def check_weight_tensors(sd: dict[str, torch.Tensor], cfg: EagleHeadConfig) -> N
         "intermediate_size": (cfg.intermediate_size, f"{prefix}mlp.gate_proj.weight"),
     }
     for field, (value, name) in rows.items():
-        t = sd.get(name)
-        if t is not None and (t.ndim != 2 or t.shape[0] != value):
+        if (t := sd.get(name)) is None:  # (its size unchecked, the head would be built with the config's first)
+            raise UnsupportedModelError(f"the head checkpoint is missing {[name]}")
+        if t.ndim != 2 or t.shape[0] != value:
             raise UnsupportedModelError(f"config.json's {field} is {value}; {name} has shape {tuple(t.shape)}")
 
 
