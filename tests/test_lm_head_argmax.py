@@ -116,6 +116,16 @@ def test_greedy_ids_on_a_model_with_and_without_the_switch() -> None:
 
 
 @torch.inference_mode()
+def test_a_context_shorter_than_the_probes_is_measured_within_it() -> None:
+    """The load's timing probes hold up to 8 rows in one cache: a model of 2 to 8 positions failed its load there
+    with a KV capacity error."""
+    for positions in (2, 4, 8):
+        model = tiny_model(tiny_config("llama", max_position_embeddings=positions), seed=4).requires_grad_(False)
+        assert attach_small_gemm(model)
+        attach_bounded_argmax(model, measure=True)  # (a mask or no copy: either is a load)
+
+
+@torch.inference_mode()
 def test_the_copy_serves_the_row_counts_it_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """attach_bounded_argmax(measure=True) times the copy against the full logits at the probes: a valid mask, or no
     copy where it won no count; greedy_ids reads the copy exactly for the counts in the mask, the full logits

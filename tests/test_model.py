@@ -149,6 +149,16 @@ def test_query_heads_that_do_not_share_kv_heads_evenly_are_refused_when_built() 
         LlamaModel(tiny_config("llama", num_attention_heads=6, num_key_value_heads=4, hidden_size=96))
 
 
+def test_a_context_too_short_to_answer_in_is_refused_by_name() -> None:
+    """max_position_embeddings (transformers takes any value) of 0 or below failed at load inside a KV cache or a
+    range, naming neither (a short one loads: tests/test_lm_head_argmax.py)."""
+    for value in (0, 1, -5):
+        with pytest.raises(UnsupportedModelError, match=f"max_position_embeddings {value} leaves no room"):
+            LlamaModel(tiny_config("llama", max_position_embeddings=value))
+    with pytest.raises(UnsupportedModelError, match="sliding_window 1 leaves no room"):
+        LlamaModel(tiny_config("mistral", sliding_window=1, max_position_embeddings=256))
+
+
 def test_unsupported_architecture_is_a_clear_error() -> None:
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         LlamaModel(tiny_config("gpt2"))

@@ -79,6 +79,9 @@ class ArchConfig:
         )
         if window and sliding:
             max_pos = min(max_pos, window)  # within the window sliding attention equals full attention
+        if max_pos < 2:  # (a prompt's one token and one to generate)
+            named = "sliding_window" if max_pos != config.max_position_embeddings else "max_position_embeddings"
+            raise UnsupportedModelError(f"{named} {max_pos} leaves no room for a prompt and its answer (at least 2)")
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         if num_heads % num_kv_heads:
             raise UnsupportedModelError(

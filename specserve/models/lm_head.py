@@ -97,7 +97,7 @@ def bounded_rows(model: LlamaModel, repeats: int = 5) -> int:
     final-norm states over fixed tokens, as a decode step's are (random states would leave the bound many
     candidates to recompute). On a 2-core Zen 4 EPYC the copy won at 1-3 rows and lost at 4-8, where the float32
     product streams the head once for all rows (docs/benchmarks.md, "Q8_0 records for the LM head")."""
-    probes = [r for r in ARGMAX_PROBES if r <= ARGMAX_ROWS]
+    probes = [r for r in ARGMAX_PROBES if r <= min(ARGMAX_ROWS, model.max_positions - 1)]  # (a short context's)
     cache = model.new_cache(1, max(probes) + 1)
     slot = cache.allocate()
     tokens = torch.randint(0, model.cfg.vocab_size, (max(probes),), generator=torch.Generator().manual_seed(0))
