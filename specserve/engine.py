@@ -8,8 +8,9 @@ import itertools
 import numbers
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, cast, overload
 
 from transformers import PreTrainedTokenizerBase
@@ -377,16 +378,13 @@ class Engine:
         chat: bool = False,
         speculation: SpecConfig | None = None,
         cache_salt: str | None = None,
-    ) -> Iterator[RequestOutput]:
+    ) -> RequestStream:
         """One RequestOutput per step for this request (other queued requests keep running, and other streams and
         ``generate`` calls of this engine may be consumed in between). The request is submitted here: bad input
         raises at the call, not at the first ``next``."""
         rid = self.submit(prompt, params, chat=chat, speculation=speculation, cache_salt=cache_salt)
         self._claim([rid])
-        stream = self._stream(rid)
-        # a stream dropped before its first ``next`` never enters its generator, whose exit would abort it
-        weakref.finalize(stream, self._drop, [rid]).atexit = False
-        return stream
+        return RequestStream(self._stream(rid), partial(self._drop, [rid]))
 
     def abort(self, request_id: str) -> None:
         """Stop a submitted request no stream or collect is reading, and forget its outputs (its KV is freed): one
@@ -399,7 +397,7 @@ class Engine:
                 raise InvalidRequestError(f"request {request_id!r} is read by a stream or a collect: close that")
             self._drop([request_id])
 
-    def _stream(self, rid: str) -> Iterator[RequestOutput]:
+    def _stream(self, rid: str) -> Generator[RequestOutput, None, None]:
         with self._consuming([rid]):
             yield from self._outputs(rid)
 
@@ -456,6 +454,24 @@ class Engine:
                 if not self.loop.has_work:
                     raise RuntimeError(f"request {rid} is no longer running and its outputs ended unfinished")
                 self._step()
+
+
+class RequestStream(Iterator[RequestOutput]):
+    """A request's outputs (``Engine.stream``). Closed, or dropped, before its end, read from or not, it aborts the
+    request (a generator's own exit runs only once it was entered: one closed before its first ``next`` left the
+    request running to its end)."""
+
+    def __init__(self, outputs: Generator[RequestOutput, None, None], abort: Callable[[], None]) -> None:
+        self._outputs = outputs
+        self._abort = weakref.finalize(self, abort)
+        self._abort.atexit = False
+
+    def __next__(self) -> RequestOutput:
+        return next(self._outputs)
+
+    def close(self) -> None:
+        self._outputs.close()
+        self._abort()
 
 
 @dataclass

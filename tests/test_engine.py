@@ -228,6 +228,14 @@ def test_stream_yields_steps_and_an_abandoned_stream_frees_its_slot(tiny: LlamaM
     del unstarted
     gc.collect()
     assert not engine.loop.has_work and not engine._outbox
+    # ... and one closed before its first ``next`` (contextlib.closing, a client gone before its first chunk): it
+    # ran on to its end beside the others, its outputs kept, until the garbage collector took the stream
+    unread = engine.stream(PROMPTS[1], SamplingParams(max_tokens=50))
+    unread.close()
+    assert not engine.loop.has_work and not engine._outbox
+    unread.close()  # (again: nothing)
+    with pytest.raises(StopIteration):
+        next(unread)
     chains = SpecConfig(method=SpecMethod.chain, drafter=Drafter.lookup)  # per-request speculation, as submit
     looked_up = list(engine.stream([7, 7, 7, 7, 7], SamplingParams(max_tokens=8), speculation=chains))
     assert sum(o.stats.drafted > 0 for o in looked_up) > 0
