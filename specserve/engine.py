@@ -271,10 +271,10 @@ class Engine:
         self, request_ids: Sequence[str], *, return_exceptions: bool = False
     ) -> list[Completion] | list[Completion | Exception]:
         """Run submitted requests to completion (batched with whatever else is queued); completions in the order
-        given. A request that failed on its own (its sequence's error: the others keep running) raises its error,
-        and the requests not yet consumed are aborted; with ``return_exceptions`` every request runs to its end and a
-        failed one's error takes its place in the list, as ``asyncio.gather`` does. A failure of the whole step
-        raises either way."""
+        given. A request that failed on its own (its sequence's error: the others keep running) raises its error as
+        soon as the step that failed it ends, and the requests not yet consumed are aborted; with
+        ``return_exceptions`` every request runs to its end and a failed one's error takes its place in the list, as
+        ``asyncio.gather`` does. A failure of the whole step raises either way."""
         if isinstance(request_ids, str):  # (a Sequence: its characters were taken for ids)
             raise InvalidRequestError(f"request_ids are a list of ids, not a str: [{request_ids!r}]?")
         ids = list(request_ids)
@@ -284,7 +284,7 @@ class Engine:
         prompt_ids = {rid: self._outbox[rid].prompt_ids for rid in ids}
         completions: list[Completion | Exception] = []
         with self._consuming(ids):
-            for rid in ids:  # the others' outputs wait in their outboxes meanwhile
+            for k, rid in enumerate(ids):  # the others' outputs wait in their outboxes meanwhile
                 tokens, text, last = [], "", None
                 logprobs: list[TokenLogprob] | None = None
                 prompt_logprobs: list[TokenLogprob] | None = None
@@ -292,6 +292,8 @@ class Engine:
                     if isinstance(out, Exception):
                         completions.append(out)
                         break
+                    if not return_exceptions:  # one that failed later in the list raises now, not at its turn
+                        self._raise_failed(ids[k + 1 :])
                     tokens += out.token_ids
                     text += out.text
                     if out.logprobs is not None:
@@ -315,6 +317,11 @@ class Engine:
                         )
                     )
         return completions  # only Completions unless return_exceptions
+
+    def _raise_failed(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:  # (an error is the last output of its box: its request was aborted there)
+            if (box := self._outbox[rid].outputs) and isinstance(failed := box[-1], Exception):
+                raise failed
 
     def _step(self) -> None:
         """One loop step, its outputs put in their requests' outboxes. A request whose sequence failed is aborted

@@ -970,8 +970,13 @@ def test_collect_with_return_exceptions_keeps_every_other_completion(
     assert [r.token_ids for r in results if isinstance(r, Completion)] == [alone[i] for i in (0, 2, 3)]
     assert not engine.loop.has_work
     ids = [engine.submit(p, poison if i == 1 else GREEDY) for i, p in enumerate(PROMPTS)]
+    steps: list[int] = []
+    step = engine.loop.step
+    monkeypatch.setattr(engine.loop, "step", lambda *a, **k: steps.append(1) or step(*a, **k))
     with pytest.raises(SequenceError, match="poisoned"):
         engine.collect(ids)
+    # raised as the step that failed it ended, not once the request before it in the list had run to its end
+    assert len(steps) == 2  # (the prefill, then the verify that fails it; 6 before)
     assert not engine.loop.has_work  # the ones after it aborted, not left running
 
 
