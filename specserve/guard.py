@@ -164,6 +164,9 @@ class ThroughputGuard:
     overdue: set[int] = field(default_factory=set)  # buckets whose switch ran though it would not pay, deferred
     # ``max_try_spacing`` steps: its catch-up's cost replaces the estimate that had kept it from paying
     chosen: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode its last recorded step was planned in
+    # the mode the last recorded step of any bucket was planned in: how far the draft fell behind depends on the
+    # steps that ran, whatever their batch size (a switch is the speculative step after plain ones, of any bucket)
+    last_planned: bool = False
     catch_up_work: tuple[float, float] | None = None  # avg (tokens re-read, seconds beyond a measured step) of a
     # catch-up: their ratio weighs each by its size (a catch-up of 3 tokens costs about a step, nothing per token)
     trying: set[int] = field(default_factory=set)  # buckets whose try of speculation is measuring on
@@ -320,7 +323,7 @@ class ThroughputGuard:
             tok, sec = new if b in self.overdue else self.catch_up_work or new
             self.overdue.discard(b)
             self.catch_up_work = (tok + self.cfg.smoothing * (new[0] - tok), sec + self.cfg.smoothing * (new[1] - sec))
-            if not self.chosen.get(b, False):  # after steps planned plain, a switch: not speculation's rate (module
+            if not self.last_planned:  # after steps planned plain, a switch: not speculation's rate (module
                 # docstring); it costs its time beyond plain decoding's for the tokens it emitted (the whole step
                 # while plain decoding is unmeasured), and the steps after it are speculation's own
                 switch = self.catch_up_s[b] = self._excess_over_plain(
@@ -330,13 +333,13 @@ class ThroughputGuard:
                     # chooses plain. Any other switch is a try's (which takes it up) or a return to the faster
                     # speculation (forgotten): ``switch_s`` stays the last try's cost
                     self.switch_s[b] = switch
-                self.chosen[b] = True
+                self.chosen[b] = self.last_planned = True
                 return
             # within speculation (rows a step's token budget left undrafted for a few steps, a draft worker attached
             # afresh, the draft model after model-free drafts) the catch-up is part of what speculating costs here:
             # measured as speculation's step (not a switch, which would space the tries by what no try costs)
         before = self.faster(batch_size)
-        chosen = self.chosen[b] = speculative if planned is None else planned
+        chosen = self.chosen[b] = self.last_planned = speculative if planned is None else planned
         # a try ran the mode it was planned in: a try of speculation whose drafters found nothing was a plain step,
         # measured as one, and the try stays due
         tried = (

@@ -27,6 +27,9 @@ class StepEvent:
     drafted: float
     verified_at: float
     ended: float
+    # rows the step dropped (failed in its commit, or at a grammar's dead end): its time holds their work (perhaps
+    # a prompt's prefill), the lists above only the rows that committed
+    rows_cut: int = 0
 
     @property
     def draft_s(self) -> float:

@@ -237,7 +237,8 @@ class StepLoop:
             batch, plan = [batch[i] for i in ok], plan.select(ok)
             proposals, items = [proposals[i] for i in ok], [items[i] for i in ok]
             verified = [verified[i] for i in ok]
-        event = StepEvent(batch, plan, proposals, items, verified, outputs, t0, t1, t2, time.perf_counter())
+        cut = len(failures) + len(dead)
+        event = StepEvent(batch, plan, proposals, items, verified, outputs, t0, t1, t2, time.perf_counter(), cut)
         failures |= self._after_commit(event) | dead
         if failures:
             raise PartialStepError(self._hand_out(), failures)
@@ -511,13 +512,13 @@ class StepLoop:
             logger.exception("calibrating the model-free drafter failed; the step's outputs stand")
 
     def _record(self, event: StepEvent) -> None:
-        """The throughput guard records the step unless some sequence (re-)prefilled in it: a prompt's prefill costs
-        both modes alike and takes several decode steps' time, so a mode's average would say more about admissions
-        than about its decoding (docs/algorithms.md §7). The tree floor's fit takes the same steps where they were
-        planned to speculate: their verify seconds against verified rows, their tokens a second
+        """The throughput guard records the step unless some sequence (re-)prefilled in it or it cut rows: a prompt's
+        prefill costs both modes alike and takes several decode steps' time, so a mode's average would say more
+        about admissions than about its decoding (docs/algorithms.md §7). The tree floor's fit takes the same steps
+        where they were planned to speculate: their verify seconds against verified rows, their tokens a second
         (docs/algorithms.md §2.3)."""
-        if event.prefills or not any(s.spec.method != SpecMethod.none for s in event.batch):
-            return
+        if event.prefills or event.rows_cut or not any(s.spec.method != SpecMethod.none for s in event.batch):
+            return  # (a step rows were cut from: its time is not the committed rows', nor perhaps a decode step's)
         # a draft head's prefill (it read an admitted prompt's features: 19 ms against a step's 12 on the Zen 4, 20%
         # on speculation's average step time at once) is a request's cost, as the target's is, not a step's rate
         draft_prefill = any(s.draft_prefilled for s in event.batch)

@@ -849,6 +849,41 @@ def test_the_guard_times_no_step_in_which_a_request_is_admitted(target: LlamaMod
     assert guard.measured == [not p for p in events.prefills]  # the guard is told which steps go unrecorded
 
 
+def test_the_guard_times_no_step_that_cut_rows(target: LlamaModel) -> None:
+    """An admitted prompt whose row fails in its commit: the step's time holds that prompt's prefill, its event only
+    the rows that committed, which decoded. It was recorded as a decode step of the smaller batch (0.04 s against
+    plain steps' 0.002-0.01 s in a review's run)."""
+    from specserve.errors import PartialStepError, SequenceError
+
+    engine = Engine(
+        target, None, draft=noisy_copy(target, 0.02), speculation=DSDE_CHAIN, max_batch_size=4, eos_token_ids=set()
+    )
+    loop = engine.loop
+    guard = loop.planner.guard = _ScriptedGuard([])
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
+        loop.add_request(Request(rid, prompt, params))
+    for _ in range(3):
+        loop.step()
+    recorded = len(guard.recorded)
+    assert recorded > 0
+    commit = loop._commit
+
+    def failing(seq: Any, proposal: Any, out: Any) -> Any:
+        if seq.request.request_id == "c":
+            raise SequenceError(seq.seq_id, "detokenising failed")
+        return commit(seq, proposal, out)
+
+    loop._commit = failing  # type: ignore[method-assign]
+    loop.add_request(Request("c", list(range(10, 200)), params))
+    with pytest.raises(PartialStepError):
+        loop.step()
+    assert len(guard.recorded) == recorded  # not timed
+    loop.abort("c")  # (as its lane or the Engine does)
+    loop.step()  # (the next, every row decoding: timed)
+    assert len(guard.recorded) == recorded + 1
+
+
 def test_the_guard_starts_no_try_in_a_step_it_will_not_time() -> None:
     """A try is one recorded step; begun in an admission step (unrecorded), it would run the slower mode until the
     next recorded step. Unrecorded steps run the mode measured faster (plain before the first decision)."""
@@ -923,6 +958,39 @@ def test_catch_ups_within_speculation_are_measured_as_its_steps() -> None:
     # beyond plain decoding's time for its tokens
     assert guard.switch_s[32] == pytest.approx(2 * (0.064 - 35 / 32 * 0.035))
     assert 4 <= speculated <= 30  # the warm-up, then tries spaced by what they cost
+
+
+def test_a_switch_after_plain_steps_of_another_batch_size_is_no_measured_step() -> None:
+    """Whether a catch-up is a switch depends on the steps that ran, whatever their bucket: the batch shrank from
+    16, whose steps ran plain, to 8, where speculation runs. Its first step there re-read what the draft missed at 16
+    and was blended into bucket 8's speculative step time as speculation's own (its bucket's last step had
+    speculated): 0.0325 s for 0.025 s here, which can flip the choice to plain (a review's scenario stayed plain 800
+    steps before its next try)."""
+
+    def after_plain_at_16(guard: ThroughputGuard) -> int:
+        """Plain steps at batch 8 before it speculates again, after a switch from batch 16's plain steps."""
+        for _ in range(60):  # (recorded as planned: no try of speculation among them)
+            guard.record(16, False, tokens=16, seconds=0.03)
+        assert guard.speculate(8)
+        guard.record(8, True, tokens=12, seconds=0.15, caught_up_tokens=320)  # the switch: 6x a speculative step
+        plain = 0
+        while not guard.speculate(8) and plain < 2000:
+            guard.record(8, False, tokens=8, seconds=0.02)
+            plain += 1
+        return plain
+
+    guard = ThroughputGuard()
+    for bucket_size, tokens, seconds in ((16, 16, 0.03), (8, 8, 0.02)):  # plain decoding measured ...
+        for _ in range(3):
+            guard.record(bucket_size, False, tokens=tokens, seconds=seconds)
+    for _ in range(3):  # ... then batch 16's speculation, slower, and batch 8's, 1.2x faster
+        guard.record(16, True, tokens=18, seconds=0.045)
+    guard.record(8, True, tokens=12, seconds=0.15, caught_up_tokens=320)
+    for _ in range(3):
+        guard.record(8, True, tokens=12, seconds=0.025)
+    assert guard.faster(16) is False and guard.faster(8) is True
+    assert after_plain_at_16(guard) == 0
+    assert guard.work[(8, True)][1] == pytest.approx(0.025)  # (the switch's 0.15 s is not speculation's step time)
 
 
 def test_two_short_speculative_steps_do_not_flip_a_long_held_choice() -> None:
