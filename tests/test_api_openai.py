@@ -569,8 +569,9 @@ def test_echo_starts_the_answer_with_the_prompt_and_its_logprobs(url: str, clien
 
 
 def test_max_tokens_0_with_echo_scores_the_prompt_alone(url: str, client: openai.OpenAI) -> None:
-    """vLLM's prompt-only scoring (lm-eval's loglikelihood with max_tokens 0): the prompt's text and logprobs as echo
-    gives them, no output token, the answer ended by its length; without echo, or with min_tokens, a 400."""
+    """vLLM's prompt-only scoring (max_tokens 0, as lm-eval's older OpenAI client sent it): the prompt's text and
+    logprobs as echo gives them, no output token, the answer ended by its length; without echo, or with min_tokens,
+    a 400."""
     tok = tiny_tokenizer()
     prompt = [3, 40, 41, 7]
     body = {"model": MODEL, "prompt": prompt, "logprobs": 2, "echo": True, "return_token_ids": True}
@@ -600,6 +601,9 @@ def test_max_tokens_0_with_echo_scores_the_prompt_alone(url: str, client: openai
     assert floor["param"] == "min_tokens"
     whole = _error(httpx.post(url + COMPLETIONS, json=body | {"prompt": [5] * CONTEXT, "max_tokens": 0}))
     assert whole["code"] == "context_length_exceeded"
+    # a resume point after an output token is no event of its stream (which has none): refused before it is scored
+    past = body | {"max_tokens": 0, "stream": True, "temperature": 0, "resume_from": "1-1-00000000"}
+    assert _error(httpx.post(url + COMPLETIONS, json=past), 409)["param"] == "resume_from"
 
 
 def test_min_tokens_keeps_stop_ids_out_until_then_over_http(url: str, client: openai.OpenAI) -> None:

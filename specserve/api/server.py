@@ -620,8 +620,6 @@ class _Routes:
             batch = len(prompts) > 1
             limits = [limit.check(len(ids), context, item=p if batch else None) for p, ids in enumerate(prompts)]
             limit.check_min(body.min_tokens, min(limits))
-            if body.scores_prompt:  # (one token is generated, and dropped: the prompt's logprobs come with it)
-                limits = [1] * len(limits)
             max_tokens = limits[0]
             if resume is not None and resume.tokens > max_tokens:  # known now: no need to regenerate to find out
                 raise ResumeMismatchError(
@@ -629,6 +627,8 @@ class _Routes:
                     f"{max_tokens} tokens: not an event of its stream",
                     param=RESUME_PARAM,
                 )
+            if body.scores_prompt:  # (one token is generated, and dropped: the prompt's logprobs come with it)
+                limits, max_tokens = [1] * len(limits), 1
             params = sampling_params_for(body, max_tokens=max_tokens)
             self.backend.encoder.check_token_ids(params)
             fmt.seed = params.seed
