@@ -127,6 +127,7 @@ class Engine:
         self._outbox: dict[str, _Outbox] = {}
         self._loop_depth = 0  # calls into the loop this thread is inside (``_in_loop``)
         self._deferred_aborts: collections.deque[str] = collections.deque()
+        self._failed: set[str] = set()  # requests whose error waits in their outbox
         # one thread at a time in the loop and the outboxes (re-entrant: a stream finalised inside a loop call aborts)
         self._lock = threading.RLock()
 
@@ -283,17 +284,19 @@ class Engine:
         self._claim(ids)
         prompt_ids = {rid: self._outbox[rid].prompt_ids for rid in ids}
         completions: list[Completion | Exception] = []
+        later = set(ids)  # the requests not yet read: one that fails raises at once (without return_exceptions)
         with self._consuming(ids):
-            for k, rid in enumerate(ids):  # the others' outputs wait in their outboxes meanwhile
+            for rid in ids:  # the others' outputs wait in their outboxes meanwhile
+                later.discard(rid)
                 tokens, text, last = [], "", None
                 logprobs: list[TokenLogprob] | None = None
                 prompt_logprobs: list[TokenLogprob] | None = None
-                for out in self._outputs(rid, errors_as_values=return_exceptions):
+                for out in self._outputs(
+                    rid, errors_as_values=return_exceptions, watch=None if return_exceptions else later
+                ):
                     if isinstance(out, Exception):
                         completions.append(out)
                         break
-                    if not return_exceptions:  # one that failed later in the list raises now, not at its turn
-                        self._raise_failed(ids[k + 1 :])
                     tokens += out.token_ids
                     text += out.text
                     if out.logprobs is not None:
@@ -317,11 +320,6 @@ class Engine:
                         )
                     )
         return completions  # only Completions unless return_exceptions
-
-    def _raise_failed(self, request_ids: Sequence[str]) -> None:
-        for rid in request_ids:  # (an error is the last output of its box: its request was aborted there)
-            if (box := self._outbox[rid].outputs) and isinstance(failed := box[-1], Exception):
-                raise failed
 
     def _step(self) -> None:
         """One loop step, its outputs put in their requests' outboxes. A request whose sequence failed is aborted
@@ -376,6 +374,7 @@ class Engine:
             self.loop.abort(request_id)
         if (box := self._outbox.get(request_id)) is not None:
             box.outputs.append(error)
+            self._failed.add(request_id)
 
     def stream(
         self,
@@ -433,16 +432,21 @@ class Engine:
         with self._lock, self._in_loop():  # aborted as the outermost loop call ends
             for rid in request_ids:
                 self._outbox.pop(rid, None)
+                self._failed.discard(rid)
                 self._deferred_aborts.append(rid)
 
     @overload
     def _outputs(self, rid: str) -> Iterator[RequestOutput]: ...
     @overload
-    def _outputs(self, rid: str, *, errors_as_values: bool) -> Iterator[RequestOutput | Exception]: ...
-    def _outputs(self, rid: str, *, errors_as_values: bool = False) -> Iterator[RequestOutput | Exception]:
+    def _outputs(
+        self, rid: str, *, errors_as_values: bool, watch: set[str] | None = None
+    ) -> Iterator[RequestOutput | Exception]: ...
+    def _outputs(
+        self, rid: str, *, errors_as_values: bool = False, watch: set[str] | None = None
+    ) -> Iterator[RequestOutput | Exception]:
         """This request's outputs through its finished one, or the error that ended it (raised, or yielded last with
         ``errors_as_values``), stepping the loop while none waits; a step's outputs for other submitted requests go
-        to their outboxes."""
+        to their outboxes. ``watch``: requests whose error a step puts in their outbox is raised after that step."""
         box = self._outbox[rid].outputs
         while True:
             while box:
@@ -461,6 +465,8 @@ class Engine:
                 if not self.loop.has_work:
                     raise RuntimeError(f"request {rid} is no longer running and its outputs ended unfinished")
                 self._step()
+                if watch and (failed := self._failed & watch):
+                    raise cast(Exception, self._outbox[min(failed)].outputs[-1])  # (its error: its last output)
 
 
 class RequestStream(Iterator[RequestOutput]):

@@ -976,7 +976,7 @@ def test_collect_with_return_exceptions_keeps_every_other_completion(
     with pytest.raises(SequenceError, match="poisoned"):
         engine.collect(ids)
     # raised as the step that failed it ended, not once the request before it in the list had run to its end
-    assert len(steps) == 2  # (the prefill, then the verify that fails it; 6 before)
+    assert len(steps) == 1  # (the step that fails it; 6 before)
     assert not engine.loop.has_work  # the ones after it aborted, not left running
 
 
