@@ -350,8 +350,9 @@ def aux_layer_inputs(ids: list[int], marked: bool) -> tuple[int, ...]:
 
     Checkpoints ship two conventions (docs/algorithms.md §8.3): layer inputs (vLLM's reading; EAGLE-3's default
     (2, L/2, L-3) is one) and layer outputs (SpecForge's, whose default list starts at 1, the first block's output,
-    i.e. the input of layer 2). As SGLang does, a list that starts at 1 is read as outputs, unless this project
-    wrote it (``marked``): no EAGLE-3 recipe fuses the embedding block's output as its low feature."""
+    i.e. the input of layer 2). SGLang reads every list as outputs, vLLM as inputs; here a list that starts at 1 is
+    read as outputs, any other as inputs, unless this project wrote it (``marked``): no EAGLE-3 recipe fuses the
+    embedding block's output as its low feature."""
     if marked or not ids or ids[0] != 1:
         return tuple(ids)
     return tuple(i + 1 for i in ids)
