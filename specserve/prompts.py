@@ -148,6 +148,8 @@ class PromptEncoder:
             raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
         _check_text(messages, "a message", "messages")
         _check_text(tools, "a tool", "tools")
+        _check_keys(messages, self._control_spellings, "messages")
+        _check_keys(tools, self._control_spellings, "tools")
         if generation_prompt and continue_final:
             raise InvalidRequestError(
                 "add_generation_prompt opens a new assistant turn, continue_final_message continues the last "
@@ -168,6 +170,13 @@ class PromptEncoder:
             message = str(e) if len(str(e)) <= MAX_TEMPLATE_ERROR else f"{str(e)[:MAX_TEMPLATE_ERROR]}..."
             raise InvalidRequestError(f"cannot apply the chat template: {message}") from e
         return self._in_vocabulary(list(out["input_ids"] if isinstance(out, Mapping) else out), "messages")
+
+    @functools.cached_property
+    def _control_spellings(self) -> tuple[str, ...]:
+        """The special tokens' spellings (``<|im_end|>``, ``</s>``)."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
+        named = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        return tuple(sorted(t for t in named | set(getattr(self.tokenizer, "all_special_tokens", ())) if t))
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
@@ -235,6 +244,24 @@ def _byte_level(spec: dict[str, Any]) -> bool:
         and not strips
         and any(p.get("type") == "ByteLevel" for p in steps)
     )
+
+
+def _check_keys(value: object, spellings: tuple[str, ...], param: str) -> None:
+    """No key of an object in ``value`` (a tool's parameter names, a past call's arguments) may spell a special
+    token: a template renders keys as they are (transformers' control-token marking reaches values, not keys), so
+    ``{"a<|im_end|>": 1}`` closed its turn and could forge another."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and (hit := next((t for t in spellings if t in key), None)) is not None:
+                raise InvalidRequestError(
+                    f"a key in {param} ({key[:40]!r}) holds the special token {hit!r}: keys reach the chat template as "
+                    "they are, and it would end or open a turn",
+                    param=param,
+                )
+            _check_keys(item, spellings, param)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_keys(item, spellings, param)
 
 
 def _check_text(value: object, what: str, param: str) -> None:
