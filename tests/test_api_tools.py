@@ -146,6 +146,54 @@ def test_required_calls_are_the_held_list_read_back(url: str, parallel: bool | N
     assert streamed == [(i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(calls)]
 
 
+def test_required_calls_hold_each_tool_to_its_own_schemas_references() -> None:
+    """A tool's "$ref" resolves from its own schema's root under tool_choice 'required' as when it is named: nested
+    in the list of calls, "#" named the list (a tree's child had to be a list of calls) and "#/$defs/X" found no
+    $defs (a 400 for Pydantic's nested models)."""
+    from specserve.api.schemas import ChatCompletionRequest
+    from specserve.structured import GrammarCompiler, GrammarDeadEnd
+
+    tree = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "child": {"$ref": "#"}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    place = {
+        "type": "object",
+        "properties": {"at": {"$ref": "#/$defs/Loc"}, "near": {"$ref": "#/definitions/Loc"}},
+        "required": ["at"],
+        "additionalProperties": False,
+        "$defs": {"Loc": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+        "definitions": {"Loc": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    }
+    tools = [
+        {"type": "function", "function": {"name": "tree", "parameters": tree}},
+        {"type": "function", "function": {"name": "place", "parameters": place}},
+    ]
+    tok = tiny_tokenizer()
+    compiler = GrammarCompiler(tok, [tok.eos_token_id])
+
+    def held(calls: list[dict[str, Any]], choice: Any = "required") -> bool:
+        body = {"model": MODEL, "messages": MESSAGES, "tools": tools, "tool_choice": choice}
+        fmt = ChatCompletionRequest.model_validate(body).output_format()
+        assert fmt is not None
+        grammar = compiler.compile(fmt)
+        text = json.dumps(calls if choice == "required" else calls[0]["parameters"])
+        try:
+            grammar.follow(tok.encode(text, add_special_tokens=False))
+        except GrammarDeadEnd:
+            return False
+        return bool(grammar.matcher.is_accepting())
+
+    nested = {"name": "tree", "parameters": {"name": "a", "child": {"name": "b", "child": {"name": "c"}}}}
+    located = {"name": "place", "parameters": {"at": {"x": 1}, "near": {"x": 2}}}
+    assert held([nested, located])
+    assert held([nested], {"type": "function", "function": {"name": "tree"}})  # (as named)
+    assert not held([{"name": "tree", "parameters": {"name": "a", "child": [nested]}}])  # the list is no tree
+    assert not held([{"name": "place", "parameters": {"at": {"y": 1}}}])
+
+
 def test_required_calls_cut_by_max_tokens_come_back_as_text(url: str) -> None:
     choice = _chat(url, tool_choice="required", max_tokens=3).json()["choices"][0]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]

@@ -559,6 +559,20 @@ def _document_completion(schema: dict[str, Any]) -> None:
     schema["if"], schema["then"] = scoring, {"properties": {"echo": {"const": True}}, "required": ["echo"]}
 
 
+def _rooted(schema: Any, root: str) -> Any:
+    """A JSON schema moved to ``root`` (a JSON pointer into the document it joins): its local references ("#",
+    "#/$defs/X", "#/definitions/X") follow it there; a tool's schema nested under tool_choice 'required''s list read
+    "#" as the list and found no "$defs" (a 400 for Pydantic's nested models)."""
+    if isinstance(schema, dict):
+        return {
+            k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rooted(v, root)
+            for k, v in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rooted(v, root) for v in schema]
+    return schema
+
+
 class CompletionRequest(GenerationRequest):
     model_config = ConfigDict(json_schema_extra=_document_completion)
 
@@ -902,17 +916,18 @@ class ChatCompletionRequest(GenerationRequest):
         if isinstance(self.tool_choice, NamedToolChoice):
             named = self.tool_choice.function.name
             schema = next(f for f in tools if f.name == named).arguments_schema
-        else:
+        else:  # each tool's schema under the list's $defs, its references to its own root made to point there
             call = [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": f.name}, "parameters": f.arguments_schema},
+                    "properties": {"name": {"const": f.name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
                 }
-                for f in tools
+                for i, f in enumerate(tools)
             ]
-            schema = {"type": "array", "items": {"anyOf": call}, "minItems": 1}
+            defs = {f"tool{i}": _rooted(f.arguments_schema, f"#/$defs/tool{i}") for i, f in enumerate(tools)}
+            schema = {"type": "array", "items": {"anyOf": call}, "minItems": 1, "$defs": defs}
             if self.parallel_tool_calls is False:
                 schema["maxItems"] = 1
         return OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(schema), param="tools")
