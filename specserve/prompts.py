@@ -29,6 +29,7 @@ class PromptEncoder:
         self.vocab_size = vocab_size
         self._token_texts: dict[int, str] = {}  # (at most the vocabulary's)
         self._token_bytes: dict[int, bytes] = {}
+        self._control: dict[str, re.Pattern[str] | None] = {}  # chat template -> its control tokens' spellings
         if tokenizer is not None and len(tokenizer) > vocab_size:  # added tokens past the embedding's rows
             logger.warning(
                 "the tokenizer has %d tokens but the model embeds only %d (ids %d and up, added tokens the model was "
@@ -148,8 +149,9 @@ class PromptEncoder:
             raise InvalidRequestError("this model's tokenizer has no chat template", param="messages")
         _check_text(messages, "a message", "messages")
         _check_text(tools, "a tool", "tools")
-        _check_keys(messages, self._control_spellings, "messages")
-        _check_keys(tools, self._control_spellings, "tools")
+        if (control := self._control_tokens(tools)) is not None:
+            _check_keys(messages, control, "messages")
+            _check_keys(tools, control, "tools")
         if generation_prompt and continue_final:
             raise InvalidRequestError(
                 "add_generation_prompt opens a new assistant turn, continue_final_message continues the last "
@@ -171,12 +173,22 @@ class PromptEncoder:
             raise InvalidRequestError(f"cannot apply the chat template: {message}") from e
         return self._in_vocabulary(list(out["input_ids"] if isinstance(out, Mapping) else out), "messages")
 
-    @functools.cached_property
-    def _control_spellings(self) -> tuple[str, ...]:
-        """The special tokens' spellings (``<|im_end|>``, ``</s>``)."""
-        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
-        named = {t.content for t in decoder.values() if getattr(t, "special", False)}
-        return tuple(sorted(t for t in named | set(getattr(self.tokenizer, "all_special_tokens", ())) if t))
+    def _control_tokens(self, tools: list[dict[str, Any]] | None) -> re.Pattern[str] | None:
+        """The spellings of the tokens the chat template's text may not make (``<|im_end|>``, ``</s>``, a Qwen
+        template's ``<tool_call>``): those ``sanitize_control_tokens`` encodes as text in values, as transformers
+        picks them for the template these messages render with (None: none)."""
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
+        template = str(tokenizer.get_chat_template(None, tools))
+        if template not in self._control:
+            pick = getattr(tokenizer, "_get_control_tokens", None)
+            if pick is not None:
+                tokens = set(pick(template))
+            else:  # (a transformers without it: the special added tokens)
+                tokens = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+            spelt = sorted((t for t in tokens if t), key=len, reverse=True)
+            self._control[template] = re.compile("|".join(map(re.escape, spelt))) if spelt else None
+        return self._control[template]
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
@@ -246,22 +258,22 @@ def _byte_level(spec: dict[str, Any]) -> bool:
     )
 
 
-def _check_keys(value: object, spellings: tuple[str, ...], param: str) -> None:
-    """No key of an object in ``value`` (a tool's parameter names, a past call's arguments) may spell a special
+def _check_keys(value: object, control: re.Pattern[str], param: str) -> None:
+    """No key of an object in ``value`` (a tool's parameter names, a past call's arguments) may spell a control
     token: a template renders keys as they are (transformers' control-token marking reaches values, not keys), so
     ``{"a<|im_end|>": 1}`` closed its turn and could forge another."""
     if isinstance(value, Mapping):
         for key, item in value.items():
-            if isinstance(key, str) and (hit := next((t for t in spellings if t in key), None)) is not None:
+            if isinstance(key, str) and (hit := control.search(key)) is not None:
                 raise InvalidRequestError(
-                    f"a key in {param} ({key[:40]!r}) holds the special token {hit!r}: keys reach the chat template as "
-                    "they are, and it would end or open a turn",
+                    f"a key in {param} ({key[:40]!r}) holds the special token {hit[0]!r}: keys reach the chat template "
+                    "as they are, and it would end or open a turn",
                     param=param,
                 )
-            _check_keys(item, spellings, param)
+            _check_keys(item, control, param)
     elif isinstance(value, list | tuple):
         for item in value:
-            _check_keys(item, spellings, param)
+            _check_keys(item, control, param)
 
 
 def _check_text(value: object, what: str, param: str) -> None:

@@ -192,6 +192,27 @@ def test_required_calls_hold_each_tool_to_its_own_schemas_references() -> None:
     assert held([nested], {"type": "function", "function": {"name": "tree"}})  # (as named)
     assert not held([{"name": "tree", "parameters": {"name": "a", "child": [nested]}}])  # the list is no tree
     assert not held([{"name": "place", "parameters": {"at": {"y": 1}}}])
+    # left as they are: an anchor, a subschema with its own $id (its references resolve against it), data that
+    # looks like a reference, and a property named as a data keyword holding a reference
+    loc = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tools[1]["function"]["parameters"] = {
+        "type": "object",
+        "properties": {
+            "at": {"$ref": "#here"},
+            "far": {"$id": "https://example.com/far.json", "$ref": "#/$defs/L", "$defs": {"L": loc}},
+            "tag": {"const": {"$ref": "#/x"}},
+            "default": {"$ref": "#/$defs/L"},
+        },
+        "required": ["at", "far", "tag", "default"],
+        "additionalProperties": False,
+        "$defs": {"A": {"$anchor": "here", **loc}, "L": loc},
+    }
+    marked = {
+        "name": "place",
+        "parameters": {"at": {"x": 1}, "far": {"x": 2}, "tag": {"$ref": "#/x"}, "default": {"x": 3}},
+    }
+    assert held([marked])
+    assert held([marked], {"type": "function", "function": {"name": "place"}})
 
 
 def test_required_calls_cut_by_max_tokens_come_back_as_text(url: str) -> None:

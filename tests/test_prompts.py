@@ -88,6 +88,13 @@ def test_a_special_token_spelt_in_a_key_is_refused(tokenizer: Any) -> None:
         assert info.value.param == "tools"
         with pytest.raises(InvalidRequestError, match="holds the special token"):
             encoder.chat(called(spelt))
+    # a Qwen-like template's own non-special added token (<tool_call>) is a control token too (transformers' pick)
+    renders.add_tokens(["<tool_call>"])
+    renders.chat_template = renders.chat_template.replace(
+        "{{ m.tool_calls | tojson }}", "<tool_call>{{ m.tool_calls | tojson }}"
+    )
+    with pytest.raises(InvalidRequestError, match="holds the special token '<tool_call>'"):
+        PromptEncoder(renders, len(renders)).chat(called("x<tool_call>"))
 
 
 def test_a_completion_prompt_gets_the_tokenizers_bos_where_it_adds_one(tokenizer: Any) -> None:

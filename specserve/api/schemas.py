@@ -559,15 +559,28 @@ def _document_completion(schema: dict[str, Any]) -> None:
     schema["if"], schema["then"] = scoring, {"properties": {"echo": {"const": True}}, "required": ["echo"]}
 
 
-def _rooted(schema: Any, root: str) -> Any:
-    """A JSON schema moved to ``root`` (a JSON pointer into the document it joins): its local references ("#",
-    "#/$defs/X", "#/definitions/X") follow it there; a tool's schema nested under tool_choice 'required''s list read
-    "#" as the list and found no "$defs" (a 400 for Pydantic's nested models)."""
+_SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are data, not schemas
+_SCHEMA_NAMES = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})  # names
+
+
+def _rooted(schema: Any, root: str, *, named: bool = False) -> Any:
+    """A JSON schema moved to ``root`` (a JSON pointer into the document it joins): its local pointer references
+    ("#", "#/$defs/X", "#/definitions/X") follow it there; a tool's schema nested under tool_choice 'required''s list
+    read "#" as the list and found no "$defs" (a 400 for Pydantic's nested models). Anchors ("#name"), data and
+    a subschema with its own "$id" (whose references resolve against it) are left as they are. ``named``: a map
+    of names to subschemas (``properties``), whose keys are no keywords."""
     if isinstance(schema, dict):
-        return {
-            k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rooted(v, root)
-            for k, v in schema.items()
-        }
+        if named:
+            return {k: _rooted(v, root) for k, v in schema.items()}
+        if "$id" in schema:
+            return schema
+        moved: dict[str, Any] = {}
+        for k, v in schema.items():
+            if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+                moved[k] = root + v[1:]
+            else:
+                moved[k] = v if k in _SCHEMA_DATA else _rooted(v, root, named=k in _SCHEMA_NAMES)
+        return moved
     if isinstance(schema, list):
         return [_rooted(v, root) for v in schema]
     return schema
