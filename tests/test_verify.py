@@ -310,6 +310,17 @@ def test_all_zero_residual_falls_back_to_p() -> None:
     assert chisquare(counts[support], expected / expected.sum() * n).pvalue > 1e-3
 
 
+def test_verify_chain_sampled_refuses_a_draft_outside_q() -> None:
+    """A drafted token q gives no mass could not have been drawn from q; p_x / 0 would accept it every time (here
+    where p allows it 10% of the time), so the proposal is refused rather than silently biasing the output."""
+    p = torch.tensor([[0.1, 0.9], [0.5, 0.5]])
+    q_idx, q_prob = torch.tensor([[0, 1]]), torch.tensor([[0.0, 1.0]])
+    with pytest.raises(ValueError, match="outside the support"):
+        verify_chain_sampled(torch.tensor([0]), q_idx, q_prob, p, torch.Generator().manual_seed(0))
+    res = verify_chain_sampled(torch.tensor([1]), q_idx, q_prob, p, torch.Generator().manual_seed(0))
+    assert res.num_drafted == 1
+
+
 def test_inverse_cdf_sample_edges() -> None:
     """u = 0 and the largest u below 1 land on the first and last tokens with mass, never on a zero one."""
     row = torch.tensor([0.0, 0.3, 0.0, 0.7, 0.0, 0.0])

@@ -116,8 +116,11 @@ def verify_chain_sampled(
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_stop)  # [1, V]
     next_token = inverse_cdf_sample(residual, u[sl:])  # [1]
 
-    packed = torch.cat([num_accepted, next_token, drafted]).tolist()  # host sync
-    n_acc, next_tok, drafted_h = packed[0], packed[1], packed[2:]
+    outside = (q_x <= 0).long().sum().view(1)  # [1]; drafts q could not have drawn (p_x / 0 would accept them all)
+    packed = torch.cat([num_accepted, next_token, outside, drafted]).tolist()  # host sync
+    n_acc, next_tok, n_outside, drafted_h = packed[0], packed[1], packed[2], packed[3:]
+    if n_outside:
+        raise ValueError(f"{n_outside} drafted token(s) lie outside the support of the q they were drawn from")
     check_token(next_tok, p.shape[-1], n_acc)
     return VerifyResult(
         accepted_nodes=list(range(ROOT + 1, ROOT + 1 + n_acc)),
