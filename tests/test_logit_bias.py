@@ -99,6 +99,26 @@ def test_greedy_output_with_a_logit_bias_is_the_biased_targets(name: str) -> Non
     assert engine.generate([PROMPT], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids == unbiased
 
 
+@pytest.mark.parametrize("name", ["plain", "head-ddd"])
+def test_a_seeded_greedy_request_with_a_bias_takes_the_argmax_without_drawing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seed on a greedy request changes nothing it returns; its biased rows' argmaxes are the tokens, with no
+    distribution built and no keyed noise (T x V of it a step) drawn to pick the one-hot's single token."""
+    target, engine = drafting_engine(name)
+    unbiased = biased_greedy_reference(target, PROMPT, 16, {})
+    bias = {unbiased[0]: -100.0, unbiased[4]: -100.0}
+    want = biased_greedy_reference(target, PROMPT, 16, bias)
+
+    def no_draw(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a greedy row was drawn from a distribution")
+
+    monkeypatch.setattr("specserve.workers.target.keyed_sample", no_draw)
+    monkeypatch.setattr("specserve.workers.target.process_logits", no_draw)
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=16, ignore_eos=True, logit_bias=bias, seed=5))[0]
+    assert out.token_ids == want
+
+
 @pytest.mark.parametrize("name", ["plain", "chain", "head-ddd"])
 def test_sampled_output_follows_a_large_bias(name: str) -> None:
     """At +100 a token is all but certain at temperature 1, at -100 all but impossible."""

@@ -21,13 +21,14 @@ from specserve.sampling import (
     SamplingParams,
     allowed_only,
     apply_logit_bias,
+    greedy_draw,
     keyed_sample,
     make_generator,
     process_logits,
 )
 from specserve.spec_decode.draft_tree import DraftTree, step_layout
 from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
-from specserve.spec_decode.verify import accept_tree, verify_chain_sampled, verify_tree
+from specserve.spec_decode.verify import VerifyResult, accept_tree, verify_chain_sampled, verify_tree
 from specserve.workers.base import SlotTable
 
 PIN_LIMIT_BYTES = 1 << 20  # other sequences' feature rows one sequence's view may keep alive
@@ -160,7 +161,6 @@ class TargetWorker:
         and needs no KLD: only their argmaxes ``greedy`` [T] were computed) and roll its KV back to the accepted
         path."""
         params = self.params[it.seq_id]
-        gen = self.generators[it.seq_id]
         vocab = self.model.cfg.vocab_size
         if it.by_argmax(params.raw_argmax):
             assert greedy is not None
@@ -175,19 +175,24 @@ class TargetWorker:
                 logits = logits.index_put(at, torch.tensor(float("-inf"), device=logits.device))  # (out of place)
             if it.allowed is not None:  # a structured answer: its grammar's tokens at each row
                 logits = allowed_only(logits, torch.from_numpy(it.allowed))
-            p = process_logits(logits, params)  # [T, V]
-            if it.synthetic_accept is not None:
-                tokens_h = [it.new_tokens[-1], *it.draft_tokens]
-                res = synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
-            elif it.q_idx is not None and it.q_prob is not None:
-                res = verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
-            elif params.seed is not None:  # drawn by position: the same tokens alone, in any batch, any drafter
-                res = accept_tree(tree, keyed_sample(p, params.seed, draw_positions, vocab), vocab)
+            if params.greedy and it.synthetic_accept is None:  # what the one-hot rows of process_logits would draw
+                res = accept_tree(tree, greedy_draw(logits), vocab)  # (and a seed's T x V keyed noise, spent for it)
             else:
-                res = verify_tree(tree, p, gen)
+                res = self._draw(it, tree, process_logits(logits, params), draw_positions)  # p [T, V]
         num_pending = len(it.new_tokens) - 1
         self._rollback(slot, start, num_pending, res.accepted_nodes)
         return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens)
+
+    def _draw(self, it: VerifyItem, tree: DraftTree, p: torch.Tensor, draw_positions: list[int]) -> VerifyResult:
+        params, gen, vocab = self.params[it.seq_id], self.generators[it.seq_id], self.model.cfg.vocab_size
+        if it.synthetic_accept is not None:
+            tokens_h = [it.new_tokens[-1], *it.draft_tokens]
+            return synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
+        if it.q_idx is not None and it.q_prob is not None:
+            return verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
+        if params.seed is not None:  # drawn by position: the same tokens alone, in any batch, any drafter
+            return accept_tree(tree, keyed_sample(p, params.seed, draw_positions, vocab), vocab)
+        return verify_tree(tree, p, gen)
 
     def _with_logprobs(
         self, items: list[VerifyItem], outputs: list[VerifyOutput], logits: torch.Tensor, sizes: list[int]
