@@ -1293,3 +1293,29 @@ def test_provenance_records_the_text_passages_used_not_asked_for(
     provenance = json.loads((tmp_path / "h" / "provenance.json").read_text())
     assert given == [5] and provenance["data"]["text_passages"] == 2
     assert any("--text-passages 5: the stdlib's docstrings give 2; using those" in line for line in said), said
+
+
+@pytest.mark.real_model
+def test_prompts_rendered_by_a_template_that_prints_the_date_do_not_change_with_the_clock() -> None:
+    """Llama 3's template prints strftime_now's date unless given a date_string: the data (and the tokenizer
+    fingerprint a resume checks) would depend on the day it was written. Here the clock is read to the microsecond,
+    so two renderings differ unless the date is fixed."""
+    import copy
+
+    from specserve.config import ModelSpec
+    from specserve.models.loader import load_tokenizer
+    from specserve.train.distill import TRAINING_DATE, chat_ids
+    from specserve.train.pipeline import tokenizer_fingerprint
+
+    tokenizer = copy.deepcopy(load_tokenizer(ModelSpec()))
+    tokenizer.chat_template = (
+        '{%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y %H:%M:%S.%f") %}'
+        "{%- endif %}<|im_start|>system\nToday Date: {{ date_string }}<|im_end|>\n"
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    )
+    first = chat_ids(tokenizer, "Name a river.")
+    assert TRAINING_DATE in tokenizer.decode(first)
+    assert chat_ids(tokenizer, "Name a river.") == first
+    assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(tokenizer)
+    assert f"Today Date: {TRAINING_DATE}<|im_end|>" in tokenizer.decode(user_turn_prefix(tokenizer))

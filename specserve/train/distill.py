@@ -49,9 +49,19 @@ class Conversation:
     prompt_len: int
 
 
+TRAINING_DATE = "26 Jul 2024"  # the date Llama 3's template prints where it has no clock
+
+
 def chat_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """The prompt as the target's chat template renders it, with a fixed ``date_string``: a template that prints
+    today's date (Llama 3's) would otherwise make the data depend on the day it was written, and a resumed run's
+    tokenizer fingerprint change at midnight."""
     ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        date_string=TRAINING_DATE,
     )
     return list(ids)  # type: ignore[arg-type]
 

@@ -17,6 +17,8 @@ from importlib import resources
 
 from transformers import PreTrainedTokenizerBase
 
+from specserve.train.distill import TRAINING_DATE
+
 # (user-turn prefix ids, how many, seed) -> each sampled request's ids, or None where it did not finish
 AskFn = Callable[[list[int], int, int], list[list[int] | None]]
 
@@ -27,7 +29,9 @@ SHINGLE_WORDS = 8
 def user_turn_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The chat template's tokens before a user's first word (the default system turn, then the user header)."""
     marker = "\x00MARK\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, date_string=TRAINING_DATE
+    )
     if not isinstance(text, str) or marker not in text:
         raise ValueError("the tokenizer's chat template does not place the user's text verbatim")
     return list(tokenizer.encode(text[: text.index(marker)], add_special_tokens=False))
