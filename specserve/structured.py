@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Collection
 from enum import Enum
 from functools import cached_property
@@ -29,6 +30,11 @@ MAX_SCHEMA_CHARS = 65_536  # a JSON schema's (as sent) or a grammar's: each comp
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 64  # objects and lists within each other in a schema (Python's JSON recursion stops near 1000)
 BITS = 32  # tokens per word of a mask row
+# one answer's rows of a step, computed on its lane's thread while the batch waits: a JSON schema's take ~1 ms, yet a
+# short regex such as (x{600}){600} compiles and then costs ~0.3 s a step, every step; an answer over budget this many
+# steps in a row (one slow step is the host's noise) is failed as its format's fault
+MASK_BUDGET_S = 0.1
+MASK_STRIKES = 3
 GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z0-9_-]+\s*::=")  # a grammar with one is GBNF (llama.cpp's), else Lark
 
 
@@ -175,6 +181,11 @@ class GrammarDeadEnd(InvalidRequestError):
     ``b: b "x"``, which llguidance validates. The request is at fault; the answer cannot go on."""
 
 
+class GrammarTooCostly(GrammarDeadEnd):
+    """A format whose allowed tokens cost more than ``MASK_BUDGET_S`` a step, ``MASK_STRIKES`` steps in a row: the
+    answer cannot go on without holding up every answer on its lane."""
+
+
 class AnswerGrammar:
     """One sequence's grammar state: the matcher fed its committed answer (``follow``), and the tokens allowed at
     each row of a step's tree (``masks``). ``new_matcher`` makes a fresh matcher: one that met a dead end is in
@@ -190,6 +201,7 @@ class AnswerGrammar:
         self.eos = frozenset(eos_token_ids)
         self.fed: list[int] = []  # the answer's tokens the matcher has consumed
         self.dead: frozenset[int] = frozenset()  # the last walk's nodes the grammar has no way on from
+        self.slow_steps = 0  # masks calls over MASK_BUDGET_S in a row
 
     def follow(self, output: list[int]) -> None:
         """Bring the matcher to the end of ``output``: back past tokens a rollback took away, then on through the
@@ -213,10 +225,25 @@ class AnswerGrammar:
         (``draft_parents``: 0 for the root). A node the grammar refuses after its path is never accepted: its row
         and its subtree's allow everything (never read). An EOS node ends the answer: its subtree is never emitted,
         and it is not fed (a matcher whose grammar is complete takes EOS without recording it, so the walk's
-        rollback would undo a token of the answer). A node after which the grammar allows nothing (a dead end)
+        rollback would undo a token of the answer). A node after which the grammar allows nothing (a dead end), or
+        whose token the matcher refuses although its parent's row allows it (a limit llguidance meets feeding it),
         keeps a row that allows everything and its subtree is not walked: accepted, the answer is cut after it
         (``first_dead``) and fails unless it ends there, as plain decoding's fails at the next step. A dead end at
-        the root is a GrammarDeadEnd."""
+        the root is a GrammarDeadEnd; ``MASK_STRIKES`` calls in a row over ``MASK_BUDGET_S`` a GrammarTooCostly."""
+        start = time.perf_counter()
+        rows = self._walk(draft_tokens, draft_parents)
+        spent = time.perf_counter() - start
+        self.slow_steps = self.slow_steps + 1 if spent > MASK_BUDGET_S else 0
+        if self.slow_steps >= MASK_STRIKES:
+            raise GrammarTooCostly(
+                f"{self.param}: the format's grammar took {spent * 1e3:.0f} ms to find the tokens it allows, over "
+                f"{MASK_BUDGET_S * 1e3:.0f} ms for {self.slow_steps} steps in a row; a format this costly to follow "
+                "would hold up every answer beside it (a regex of nested counted repeats?)",
+                param=self.param,
+            )
+        return rows
+
+    def _walk(self, draft_tokens: list[int], draft_parents: list[int]) -> np.ndarray:
         rows = np.full((1 + len(draft_tokens), self.width), -1, dtype=np.int32)
         children: list[list[int]] = [[] for _ in range(len(rows))]
         for node, parent in enumerate(draft_parents, start=1):
@@ -234,8 +261,10 @@ class AnswerGrammar:
             token = draft_tokens[node - 1]
             if token in self.eos or not _allowed(rows[parent], token):
                 continue
-            self._check(self.matcher.consume_token(token), f"draft token {token}")
-            if not self._fill(rows, node):  # a fresh matcher, fed the answer and the path to the parent
+            # refused although its parent's row allows it (a limit llguidance meets feeding it, as plain decoding's
+            # follow would meet it: a dead end there) or nothing allowed after it: a fresh matcher, fed the answer
+            # and the path to the parent
+            if not self.matcher.consume_token(token) or not self._fill(rows, node):
                 rows[node] = -1
                 dead.add(node)
                 self._restart(_path(parent, draft_tokens, draft_parents))

@@ -756,3 +756,50 @@ def test_a_lane_told_to_stop_hands_a_structured_request_on(models: tuple[LlamaMo
         assert lane.in_flight == 0
     finally:
         lane.stop()
+
+
+def test_a_drafted_token_the_matcher_refuses_past_a_limit_is_a_dead_node_not_an_error() -> None:
+    """(x{800}){800} allows "x" first, yet llguidance refuses to feed it after finding its row (too many
+    expressions). Plain decoding meets that in ``follow`` (a GrammarDeadEnd, a 400); a drafted "x" raised a ValueError
+    from ``masks`` (a 500)."""
+    tok = tiny_tokenizer()
+    x = tok.encode("x")[0]
+    grammar = GrammarCompiler(tok, [EOS]).compile(OutputFormat(kind=FormatKind.regex, pattern="(x{800}){800}"))
+    rows = grammar.masks([x, x], [0, 1])
+    assert x in _bits(rows[0], len(tok))
+    assert grammar.dead == {1} and (rows[1] == -1).all()
+
+
+def test_a_drafted_token_the_matcher_refuses_over_http_is_a_400(url: str) -> None:
+    x = tiny_tokenizer().encode("x")[0]
+    body = {"model": MODEL, "prompt": [x] * 20, "max_tokens": 10, "temperature": 0}
+    held = {"speculation": {"drafter": "lookup"}, "structured_outputs": {"regex": "(x{800}){800}"}}
+    r = httpx.post(url + "/v1/completions", json=body | held, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "structured_outputs"
+
+
+def test_a_format_over_its_mask_budget_step_after_step_is_a_400_and_its_neighbours_finish(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step over budget here (a budget of 0): the answer fails on its MASK_STRIKES-th (the compile's first
+    rows count), a 400 naming the format, while one slow step alone is forgiven."""
+    import specserve.structured as structured
+
+    grammar = GrammarCompiler(tiny_tokenizer(), [EOS]).compile(FORMATS[2])  # within the budget
+    monkeypatch.setattr(structured, "MASK_BUDGET_S", 0.0)
+    for _ in range(structured.MASK_STRIKES - 1):
+        grammar.masks([], [])
+    monkeypatch.setattr(structured, "MASK_BUDGET_S", 10.0)
+    grammar.masks([], [])  # a step within it starts the count again
+    monkeypatch.setattr(structured, "MASK_BUDGET_S", 0.0)
+    for _ in range(structured.MASK_STRIKES - 1):
+        grammar.masks([], [])
+    with pytest.raises(structured.GrammarTooCostly):
+        grammar.masks([], [])
+    body = {"model": MODEL, "prompt": "answer:", "max_tokens": 8, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body | {"structured_outputs": {"regex": "[a-e]{40}"}}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "structured_outputs" and "steps in a row" in error["message"], error
+    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
