@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from specserve.errors import SettingsError, TrainingDivergedError, UnsupportedModelError
+from specserve.errors import InvalidRequestError, SettingsError, TrainingDivergedError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
@@ -1093,7 +1093,19 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     fewer = replace(tuned, data=replace(tuned.data, num_prompts=2))
     train_draft(target, tok, distill, fewer, tmp_path / "w12", tmp_path / "h12", log=lambda _: None)
     seen = json.loads((tmp_path / "h12" / "provenance.json").read_text())["prompts_seen"]
-    assert seen == {"seeds": 4, "lexicon": 0} == trained_prompts([str(tmp_path / "h12")])
+    assert seen == {"seeds": 4, "lexicon": 0, "seed": 0}
+    assert trained_prompts([str(tmp_path / "h12")]) == {"seeds": 4, "lexicon": 0}
+    # prompts of another data seed are other prompts: the held-out sets (seed 0's past the count) may hold them
+    other_seed = replace(tuned, data=replace(tuned.data, num_prompts=2, seed=3))
+    train_draft(target, tok, distill, other_seed, tmp_path / "w13", tmp_path / "h13", log=lambda _: None)
+    assert json.loads((tmp_path / "h13" / "provenance.json").read_text())["prompts_seen"]["seed"] is None  # mixed
+    with pytest.raises(InvalidRequestError, match="several data seeds"):
+        trained_prompts([str(head_dir), str(tmp_path / "h13")])
+    assert trained_prompts([str(tmp_path / "h13")], ["mt-bench"])  # (MT-bench alone: compared)
+    fresh = replace(cfg, data=replace(cfg.data, seed=3))
+    train_draft(target, tok, distill, fresh, tmp_path / "w14", tmp_path / "h14", log=lambda _: None)
+    with pytest.raises(InvalidRequestError, match="seeds prompts of data seed 3"):
+        trained_prompts([str(tmp_path / "h14")], ["seeds"])
     said: list[str] = []  # a head trained for another target: fine-tuned (its shapes fit), with a note
     train_draft(
         target, tok, distill, replace(tuned, target_name="other"), tmp_path / "w7", tmp_path / "h7", log=said.append

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -58,7 +59,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-tokens", type=positive_int, default=128, help="greedy answer tokens per prompt")
     p.add_argument("--depths", type=positive_int, default=3)
-    held_out = "; default: past every compared head's training prompts (its provenance.json)"
+    held_out = (
+        "; default: past every compared head's training prompts (its provenance.json; seed 0's, and a head that drew "
+        "them with another data seed is refused)"
+    )
     p.add_argument(
         "--seed-offset", type=non_negative_int, default=None, help="held-out seed prompts start here" + held_out
     )
@@ -157,20 +161,27 @@ def confidence_rows(
     return rows
 
 
-def trained_prompts(heads: list[str]) -> dict[str, int]:
+def trained_prompts(heads: list[str], sets: Iterable[str] = ("seeds", "lexicon")) -> dict[str, int]:
     """How many of the seed and lexicon prompts (each set's first n, seed 0) any of ``heads`` trained on, from
-    their provenance.json (``prompts_seen``)."""
+    their provenance.json (``prompts_seen``). A head that drew them with another data seed is refused where ``sets``
+    reads them: seed 0's prompts past its count are not held out from it."""
     counts = {"seeds": 0, "lexicon": 0}
     for h in heads:
         seen = prompts_seen(HeadSpec(head=h).path())
-        counts = {k: max(v, seen[k]) for k, v in counts.items()}
+        if seen["seed"] != 0 and (reads := [k for k in counts if k in sets and seen[k]]):
+            drawn = "several data seeds" if seen["seed"] is None else f"data seed {seen['seed']}"
+            raise InvalidRequestError(
+                f"head {h} trained on {' and '.join(reads)} prompts of {drawn}; the held-out sets are seed 0's, "
+                "which may hold them: compare it on --sets mt-bench"
+            )
+        counts = {k: max(v, seen[k] or 0) for k, v in counts.items()}
     return counts
 
 
 def held_out_offsets(args: argparse.Namespace) -> dict[str, int]:
     """Where each held-out set starts: past every compared head's training prompts (a prompt set's first k prompts
     are the same for any size >= k) and ``FIRST_HELD_OUT``, or the offset given, which may not reach into them."""
-    trained = trained_prompts(args.heads)
+    trained = trained_prompts(args.heads, args.sets)
     given = {"seeds": args.seed_offset, "lexicon": args.lexicon_offset}
     for name, offset in given.items():
         if offset is not None and offset < trained[name]:

@@ -257,7 +257,11 @@ def train_draft(
     inherited_ids = frequent_ids(source, size, target.cfg.vocab_size) if source is not None and has_map else None
     inherited = (source / VOCAB_MAP).read_text() if source is not None and has_map else None  # (checked readable)
     init_sha256 = None if source is None else sha256_file(weights_path(source))  # (before --out overwrites it)
-    init_seen = {"seeds": 0, "lexicon": 0} if source is None else prompts_seen(source)  # (... and its provenance)
+    init_seen = {"seeds": 0, "lexicon": 0, "seed": 0} if source is None else prompts_seen(source)  # (... and its
+    # provenance); prompts of two data seeds are two sets, which counts cannot name
+    seen_seed = cfg.data.seed if init_seen["seeds"] == init_seen["lexicon"] == 0 else init_seen["seed"]
+    if seen_seed != cfg.data.seed and cfg.data.num_prompts + cfg.lexicon_prompts > 0:
+        seen_seed = None
     # (an EAGLE-3 head keeps its own draft ids whatever --draft-vocab says: its vocab_map's prefix is not them)
     kept = start.draft_ids.cpu() if start is not None and eagle3 else inherited_ids
     if kept is not None and (missing := sorted(set(forced) - set(kept.tolist()))):  # said, not refused (as above)
@@ -410,8 +414,9 @@ def train_draft(
             # what it has trained on, its starting head's included: the agreement benchmark's held-out sets start
             # past them (a fine-tune's own counts alone put them inside its starting head's training prompts)
             "prompts_seen": {
-                "seeds": max(cfg.data.num_prompts, init_seen["seeds"]),
-                "lexicon": max(cfg.lexicon_prompts, init_seen["lexicon"]),
+                "seeds": max(cfg.data.num_prompts, init_seen["seeds"] or 0),
+                "lexicon": max(cfg.lexicon_prompts, init_seen["lexicon"] or 0),
+                "seed": seen_seed,
             },
             "init_head_sha256": init_sha256,
             "init_head_trained_for": None if start is None else start.trained_for,

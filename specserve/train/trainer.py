@@ -395,19 +395,26 @@ def write_provenance(out: Path, info: dict[str, object]) -> None:
     write_durably(out / PROVENANCE_FILE, lambda tmp: tmp.write_text(text))
 
 
-def prompts_seen(head_dir: Path) -> dict[str, int]:
-    """How many of the seed and lexicon prompts (each set's first n) a head trained on, its starting heads' included,
-    from its provenance.json ({"seeds": 0, "lexicon": 0} for a head without one, a published head)."""
+def prompts_seen(head_dir: Path) -> dict[str, int | None]:
+    """How many of the seed and lexicon prompts (each set's first n of the data seed ``seed``) a head trained on, its
+    starting heads' included, from its provenance.json ({"seeds": 0, "lexicon": 0, "seed": 0} for a head without one,
+    a published head). ``seed`` is None where a fine-tune drew its prompts with another seed than its starting head:
+    which prompts those were is not on record."""
     provenance = head_dir / PROVENANCE_FILE
     if not provenance.exists():
-        return {"seeds": 0, "lexicon": 0}
+        return {"seeds": 0, "lexicon": 0, "seed": 0}
     try:  # (a train-draft run cut off while writing it, or a file of another kind)
         record = json.loads(provenance.read_text())
         seen = record.get("prompts_seen")  # (recorded since fine-tunes carry their starting head's counts)
+        data = record.get("data", {})
         if seen is None:
-            data = record.get("data", {})
             seen = {"seeds": data.get("num_prompts"), "lexicon": data.get("lexicon_prompts")}
-        return {"seeds": int(seen.get("seeds") or 0), "lexicon": int(seen.get("lexicon") or 0)}
+        seed = seen.get("seed", data.get("seed", 0))  # (recorded since; earlier records' data seed)
+        return {
+            "seeds": int(seen.get("seeds") or 0),
+            "lexicon": int(seen.get("lexicon") or 0),
+            "seed": None if seed is None else int(seed),
+        }
     except (OSError, UnicodeDecodeError, ValueError, AttributeError, TypeError) as e:
         raise CorruptModelError(f"{provenance}: not a provenance record of train-draft ({e})") from None
 
