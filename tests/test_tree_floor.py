@@ -123,6 +123,17 @@ def test_a_cold_step_among_first_steps_of_one_size_counts_as_their_median() -> N
     assert floor.row_cost(1) == pytest.approx(0.0011, rel=0.15)
 
 
+@pytest.mark.parametrize("at", [17, 30])
+def test_a_pause_among_whole_trees_after_the_first_steps_is_clipped(at: int) -> None:
+    """Past the first steps, rows that never varied give the fit no line, yet a step still counts as at most twice
+    their mean: unclipped, a 10x step there read a row at twice its cost once the rows varied."""
+    floor = TreeFloor()
+    for i in range(40):
+        floor.record_verify(1, 6, 0.1 if i == at else 0.0113)
+    _steps(floor, 20, base=0.0047, per_row=0.0011)
+    assert floor.row_cost(1) == pytest.approx(0.0011, rel=0.15)
+
+
 def test_buckets_and_bounds() -> None:
     floor = TreeFloor(max_floor=0.5)
     _steps(floor, 64, base=0.060, per_row=0.002, batch=16)

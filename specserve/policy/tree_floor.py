@@ -106,13 +106,14 @@ class TreeFloor:
 
     def record_verify(self, batch_size: int, rows: int, seconds: float) -> None:
         """One step's verification: ``rows`` tokens verified over the batch (roots included) in ``seconds``. A step
-        counts as at most ``outlier_clip`` times the fit's prediction; the first ``min_steps`` steps, before the fit
-        predicts anything, are checked against their own Theil-Sen line once they are all in (a cold first step
-        alone, 10x a step at one row, had read a row's cost below zero). Only a slope above zero, read once the fit
-        has ``min_steps`` steps, is a row's cost."""
+        counts as at most ``outlier_clip`` times the fit's prediction (its steps' mean while their rows never
+        varied); the first ``min_steps`` steps, before the fit predicts anything, are checked against their own
+        Theil-Sen line once they are all in (a cold first step alone, 10x a step at one row, had read a row's cost
+        below zero). Only a slope above zero, read once the fit has ``min_steps`` steps, is a row's cost."""
         b = bucket(batch_size)
         fit = self.fits.setdefault(b, RowFit())
-        line = fit.line() if fit.steps >= self.min_steps else None
+        # (rows that never varied predict their weighted mean: a pause among whole trees went in unclipped)
+        line = (fit.line() or (fit.sy / fit.weight, 0.0)) if fit.steps >= self.min_steps else None
         if line is not None and (predicted := line[0] + line[1] * rows) > 0:
             seconds = min(seconds, self.outlier_clip * predicted)
         fit.add(float(rows), seconds, self.keep)
