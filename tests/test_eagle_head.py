@@ -441,8 +441,25 @@ def test_malformed_checkpoints_get_clear_errors(tmp_path: Path) -> None:
         case(f"factor_{factor}", sd1, rope, UnsupportedModelError, "RoPE scaling factor must be a finite number")
     for eps in (1e30, float("inf")):  # loaded, every norm's output zero
         case(f"eps_{eps}", sd1, {"rms_norm_eps": eps}, UnsupportedModelError, "rms_norm_eps")
+    llama3 = {"rope_type": "llama3", "factor": 8, "low_freq_factor": 0, "high_freq_factor": 4}
+    llama3 |= {"original_max_position_embeddings": 64}  # (a ZeroDivisionError)
+    case("llama3_0", sd1, {"rope_scaling": llama3}, UnsupportedModelError, "cannot build the head's RoPE")
+    yarn = {"rope_type": "yarn", "factor": 2, "beta_fast": "x"}  # (transformers' own validation error)
+    case("yarn_str", sd1, {"rope_scaling": yarn}, UnsupportedModelError, "cannot build the head's RoPE")
+    # one tensor under two spellings: one copy was dropped, whichever came last
+    both = sd3 | {"layers.0.hidden_norm.weight": torch.zeros_like(sd3["midlayer.hidden_norm.weight"])}
+    case("both3", both, e3, UnsupportedModelError, "midlayer.hidden_norm.weight twice")
     for name, error, match in cases:
         with pytest.raises(error, match=match):
+            load_eagle_head(tmp_path / name, target)
+    # a pickle states any view of any storage: a 200 KB file's expanded one was read as 40 TB (a raw RuntimeError)
+    for name, odd in {
+        "expanded": torch.zeros(1).expand(10**7, 10**6),
+        "sparse": sd1["fc.weight"].to_sparse(),
+        "meta": torch.empty(3, device="meta"),
+    }.items():
+        write_head(tmp_path / name, sd1 | {"zzz": odd}, {}, bin_format=True)
+        with pytest.raises(CorruptModelError, match="zzz is not a dense tensor holding its own values"):
             load_eagle_head(tmp_path / name, target)
     listed = write_head(tmp_path / "bin", sd1, {}, bin_format=True)
     torch.save([1, 2], listed / "pytorch_model.bin")
@@ -1031,6 +1048,12 @@ def test_an_eagle1_head_in_the_speculators_format_loads(tmp_path: Path, target: 
     ref_h, ref_logits = reference_eagle1(sd, emb, lm, tokens, feats)
     assert_close_to(hidden, ref_h, kernel=False)
     assert_close_to(logits, ref_logits, kernel=False)
+    if names == "eagle":  # fc beside the speculators' spelling of it: one copy was dropped, whichever came last
+        both = saved | {"fusion_fc.weight": torch.zeros_like(sd["fc.weight"])}
+        twice = write_head(tmp_path / "twice", both | {"embed_tokens.weight": emb.clone()}, {})
+        (twice / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UnsupportedModelError, match=r"fc\.weight twice \(as fusion_fc\.weight"):
+            load_eagle_head(twice, target)
 
 
 def test_a_heads_own_embedding_and_lm_head_are_drafted_with_where_not_the_targets(

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
@@ -213,9 +215,35 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CorruptModelError(f"cannot read the head's weights {weights}: {e!r}") from e
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
         raise CorruptModelError(f"{weights} is not a mapping of tensor names to tensors")
+    for name, t in sd.items():  # a pickle states any view: a 200 KB file's expanded one read as 40 TB when checked
+        if t.layout != torch.strided or t.device.type != "cpu" or _stored_bytes(t) < t.numel() * t.element_size():
+            raise CorruptModelError(
+                f"{weights}: {name} is not a dense tensor holding its own values ({t.layout}, {t.device}, shape "
+                f"{tuple(t.shape)})"
+            )
     if _EAGLE3_IN_LAYERS_0 in sd:  # one spelling from here on
-        sd = {"midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k: v for k, v in sd.items()}
+        sd = renamed_tensors(
+            sd, lambda k: "midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k
+        )
     return sd
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # (no storage to read)
+        return 0
+
+
+def renamed_tensors(sd: dict[str, torch.Tensor], rename: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    """``sd`` with each name renamed; two names that become one are refused by name (one of them was dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        new = rename(name)
+        if new in out:
+            raise UnsupportedModelError(f"the head's weights hold {new} twice (as {name} and under another name)")
+        out[new] = t
+    return out
 
 
 def config_from_checkpoint(raw: dict[str, Any], sd: dict[str, torch.Tensor], target: LlamaModel) -> EagleHeadConfig:
@@ -349,7 +377,7 @@ def speculators_tensor_names(raw: dict[str, Any], sd: dict[str, torch.Tensor]) -
                 return new + name.removeprefix(old)
         return name
 
-    return {renamed(k): v for k, v in sd.items()}
+    return renamed_tensors(sd, renamed)
 
 
 TARGET_SAMPLE_KEY = "specserve_target_embedding_sample"  # config.json: what the head's target embedding looked like
@@ -437,7 +465,8 @@ def load_eagle_head(
     trained_for = raw.get("specserve_target")
     try:
         head = EagleHead(cfg)
-    except (KeyError, TypeError, ValueError) as e:  # RoPE parameters transformers cannot build tables from
+    except (KeyError, TypeError, ValueError, ArithmeticError, StrictDataclassError) as e:  # RoPE
+        # parameters transformers cannot build tables from
         raise UnsupportedModelError(f"{path / 'config.json'}: cannot build the head's RoPE ({e!r})") from e
     _load_tensors(head, sd)
     if trained_for is not None:
