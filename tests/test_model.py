@@ -149,6 +149,15 @@ def test_query_heads_that_do_not_share_kv_heads_evenly_are_refused_when_built() 
         LlamaModel(tiny_config("llama", num_attention_heads=6, num_key_value_heads=4, hidden_size=96))
 
 
+def test_an_rms_norm_eps_outside_zero_to_one_is_refused_by_name() -> None:
+    """-1 loaded, and every logit was NaN: greedy decoding emitted token 0 for ever (a head's config and a GGUF
+    already refused such values)."""
+    for eps in (-1.0, 0.0, float("nan"), 2.0):  # (transformers refuses a string)
+        with pytest.raises(UnsupportedModelError, match=r"rms_norm_eps .* is not a number between 0 and 1"):
+            LlamaModel(tiny_config("llama", rms_norm_eps=eps))
+    assert LlamaModel(tiny_config("llama", rms_norm_eps=1e-6)).cfg.rms_norm_eps == 1e-6
+
+
 def test_a_context_too_short_to_answer_in_is_refused_by_name() -> None:
     """max_position_embeddings (transformers takes any value) of 0 or below failed at load inside a KV cache or a
     range, naming neither (a short one loads: tests/test_lm_head_argmax.py)."""

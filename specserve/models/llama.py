@@ -64,6 +64,9 @@ class ArchConfig:
             )
         if config.hidden_act != "silu":
             raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported (SwiGLU needs 'silu')")
+        eps = config.rms_norm_eps
+        if not (isinstance(eps, numbers.Real) and 0 < float(eps) < 1):  # (NaN fails both; at or below 0: NaN logits)
+            raise UnsupportedModelError(f"rms_norm_eps {eps!r} is not a number between 0 and 1")
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         # the biases as transformers builds each type: Llama reads both flags, Mistral has none, Qwen2 q/k/v only
