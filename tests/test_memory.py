@@ -4,6 +4,7 @@ memory, loading straight to the serving dtype, and the shipped GPU configs again
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pydantic
@@ -143,6 +144,19 @@ def test_loading_builds_the_serving_dtype_directly(tmp_path: Path, dtype: str, t
     for (name, p), (_, q) in zip(loaded.state_dict().items(), want.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
     assert torch.equal(_logits(loaded, [3, 4, 5, 6]), _logits(want, [3, 4, 5, 6]))
+
+
+def test_a_named_pipe_called_safetensors_is_not_read_as_weights(tmp_path: Path) -> None:
+    """open() on a FIFO blocks until a writer comes, past Ctrl-C: a folder holding one loaded for ever."""
+    from specserve.models.loader import weight_files
+    from specserve.models.sources import validate_hf_dir
+
+    path = _write_hf_dir(tiny_model(tiny_config(num_hidden_layers=1), seed=3), tmp_path / "m")
+    os.mkfifo(path / "zz.safetensors")
+    assert weight_files(path) == [path / "model.safetensors"]
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ModelSourceError, match=r"no \*\.safetensors weights"):
+        validate_hf_dir(path)
 
 
 def test_a_cpu_kernel_model_on_another_device_is_refused_with_a_clear_error(

@@ -355,6 +355,20 @@ def test_ggufs_whose_rope_differs_from_plain_rope_are_refused(tmp_path: Path) ->
     assert (convert_gguf(unscaled, tmp_path / "one") / "config.json").exists()  # a factor of 1 scales nothing
 
 
+def test_a_ggufs_rotary_dimensions_are_read_against_its_tensors_head_size(tmp_path: Path) -> None:
+    """Heads of 32 in a 64-wide model of 4 heads: its rope.dimension_count of 16 was compared with key_length, or
+    without one with 64 / 4, and the model converted with all 32 dimensions turned where the file turns 16."""
+    model = make_tiny_model(False, len(byte_level_vocab()[0]))
+    wide = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "head_dim": 32})).eval()
+    with pytest.raises(UnsupportedModelError, match="RoPE turns 16 of each head's 32 dimensions"):
+        convert_gguf(write_gguf(wide, tmp_path / "partial.gguf"), tmp_path / "partial")
+    whole = write_gguf(wide, tmp_path / "whole.gguf", rope_dims=32)
+    assert json.loads((convert_gguf(whole, tmp_path / "whole") / "config.json").read_text())["head_dim"] == 32
+    lying = write_gguf(model, tmp_path / "lying.gguf", ints={"llama.attention.key_length": 32})
+    with pytest.raises(CorruptModelError, match=r"key_length 32, but attn_q\.weight holds heads of 16"):
+        convert_gguf(lying, tmp_path / "lying")
+
+
 def test_a_llama3_gguf_loads_with_the_rope_scaling_its_rope_freqs_stand_for(tmp_path: Path) -> None:
     """llama.cpp writes Llama 3.1-3.3's RoPE scaling as a rope_freqs tensor of per-frequency divisors and no
     metadata: every such GGUF was refused, while the same model loaded from its HF directory."""

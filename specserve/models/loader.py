@@ -130,7 +130,8 @@ def weight_files(path: Path) -> list[Path]:
             raise ModelSourceError(f"{index} names weight files that are not there: {', '.join(missing[:3])}")
         files = sorted(path / n for n in names)
     else:
-        files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
+        # (a file: a named pipe of that name blocked the load in open(), past Ctrl-C)
+        files = sorted(f for f in path.glob("*.safetensors") if f.is_file() and not f.name.startswith("consolidated"))
     if not files:
         raise ModelSourceError(f"no *.safetensors weights in {path}")
     return files

@@ -183,7 +183,7 @@ def validate_hf_dir(path: Path) -> None:
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
-    if not any(path.glob("*.safetensors")):
+    if not any(f.is_file() for f in path.glob("*.safetensors")):
         missing.append("*.safetensors weights")
     if missing:
         raise ModelSourceError(f"model directory {str(path)!r} has no {' and no '.join(missing)}")
@@ -882,9 +882,13 @@ def _hf_config(
     layers = _count(reader, gguf_path, f"{arch}.block_count")
     special = {role: _token_id(reader, gguf_path, role) for role in ("bos", "eos", "padding")}
     head_dim = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
-    declared = _field(reader, f"{arch}.attention.key_length", hidden // n_heads)  # (the shapes are checked later)
-    if (rotary := _field(reader, f"{arch}.rope.dimension_count", declared)) != declared:  # partial rotary
-        raise UnsupportedModelError(f"{gguf_path.name}: RoPE turns {rotary} of each head's {declared} dimensions")
+    if (declared := _field(reader, f"{arch}.attention.key_length", head_dim)) != head_dim:
+        raise CorruptModelError(
+            f"{gguf_path.name}: {arch}.attention.key_length {declared}, but attn_q.weight holds heads of {head_dim}"
+        )
+    # (read against the tensors' head size, not key_length's: a file without key_length turned every dimension)
+    if (rotary := _field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:  # partial rotary
+        raise UnsupportedModelError(f"{gguf_path.name}: RoPE turns {rotary} of each head's {head_dim} dimensions")
     theta = _f32(_positive(reader, gguf_path, f"{arch}.rope.freq_base", 10000.0))
     # rope_theta (for transformers 4.x) is not in 5.x's signature, but 5.x still folds it into rope_parameters
     return LlamaConfig(  # type: ignore[call-arg]
