@@ -134,6 +134,21 @@ def test_a_pause_among_whole_trees_after_the_first_steps_is_clipped(at: int) -> 
     assert floor.row_cost(1) == pytest.approx(0.0011, rel=0.15)
 
 
+def test_a_wider_step_after_steps_of_one_size_counts_whole_and_a_pause_among_them_is_clipped() -> None:
+    """Steps whose trees the floor pruned to their roots (16 rows at batch 16, one size, no line): a step of 40
+    rows after them is not a pause, though it takes 2.5x their mean; one of 16 rows taking 10x is."""
+    floor = TreeFloor()
+    for _ in range(20):
+        floor.record_verify(16, 16, 0.06)
+    fit = floor.fits[16]
+    before = fit.sy * floor.keep
+    floor.record_verify(16, 40, 0.15)
+    assert fit.sy - before == pytest.approx(0.15)
+    before = fit.sy * floor.keep
+    floor.record_verify(16, 16, 0.6)
+    assert fit.sy - before < 0.2
+
+
 def test_buckets_and_bounds() -> None:
     floor = TreeFloor(max_floor=0.5)
     _steps(floor, 64, base=0.060, per_row=0.002, batch=16)

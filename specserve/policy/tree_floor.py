@@ -106,15 +106,14 @@ class TreeFloor:
 
     def record_verify(self, batch_size: int, rows: int, seconds: float) -> None:
         """One step's verification: ``rows`` tokens verified over the batch (roots included) in ``seconds``. A step
-        counts as at most ``outlier_clip`` times the fit's prediction (its steps' mean while their rows never
-        varied); the first ``min_steps`` steps, before the fit predicts anything, are checked against their own
-        Theil-Sen line once they are all in (a cold first step alone, 10x a step at one row, had read a row's cost
-        below zero). Only a slope above zero, read once the fit has ``min_steps`` steps, is a row's cost."""
+        counts as at most ``outlier_clip`` times the fit's prediction (``_predicted``); the first ``min_steps``
+        steps, before the fit predicts anything, are checked against their own Theil-Sen line once they are all in (a
+        cold first step alone, 10x a step at one row, had read a row's cost below zero). Only a slope above zero,
+        read once the fit has ``min_steps`` steps, is a row's cost."""
         b = bucket(batch_size)
         fit = self.fits.setdefault(b, RowFit())
-        # (rows that never varied predict their weighted mean: a pause among whole trees went in unclipped)
-        line = (fit.line() or (fit.sy / fit.weight, 0.0)) if fit.steps >= self.min_steps else None
-        if line is not None and (predicted := line[0] + line[1] * rows) > 0:
+        predicted = self._predicted(fit, rows) if fit.steps >= self.min_steps else None
+        if predicted is not None and predicted > 0:
             seconds = min(seconds, self.outlier_clip * predicted)
         fit.add(float(rows), seconds, self.keep)
         if fit.steps <= self.min_steps:
@@ -128,6 +127,17 @@ class TreeFloor:
             return
         if fit.spread >= self.min_spread and (line := fit.line()) is not None and line[1] > 0:
             self.slopes[b] = line[1]
+
+    @staticmethod
+    def _predicted(fit: RowFit, rows: int) -> float | None:
+        """The fit's seconds for a step of ``rows``. Where its rows never varied there is no line: their mean
+        seconds, scaled up in proportion for more rows than theirs (a pause among whole trees went in unclipped,
+        and the mean alone clipped batches of trees after plain steps of one row a sequence)."""
+        if (line := fit.line()) is not None:
+            return line[0] + line[1] * rows
+        if fit.weight <= 0 or fit.sx <= 0:
+            return None
+        return fit.sy / fit.weight * max(1.0, rows * fit.weight / fit.sx)
 
     def _clipped_start(self, steps: list[tuple[float, float]]) -> RowFit:
         """A fit of a bucket's first steps in which a step above ``outlier_clip`` times the Theil-Sen line through
