@@ -735,6 +735,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         raise CorruptModelError(f"{gguf_path.name} lacks tensors for {sorted(missing)[:5]} ({len(missing)} in all)")
     config = _hf_config(reader, gguf_path, arch, state, n_heads, n_kv_heads, tied)
     _check_shapes(gguf_path, state, config)
+    _check_head_size(reader, gguf_path, arch, config.head_dim)
 
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -882,13 +883,6 @@ def _hf_config(
     layers = _count(reader, gguf_path, f"{arch}.block_count")
     special = {role: _token_id(reader, gguf_path, role) for role in ("bos", "eos", "padding")}
     head_dim = state["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
-    if (declared := _field(reader, f"{arch}.attention.key_length", head_dim)) != head_dim:
-        raise CorruptModelError(
-            f"{gguf_path.name}: {arch}.attention.key_length {declared}, but attn_q.weight holds heads of {head_dim}"
-        )
-    # (read against the tensors' head size, not key_length's: a file without key_length turned every dimension)
-    if (rotary := _field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:  # partial rotary
-        raise UnsupportedModelError(f"{gguf_path.name}: RoPE turns {rotary} of each head's {head_dim} dimensions")
     theta = _f32(_positive(reader, gguf_path, f"{arch}.rope.freq_base", 10000.0))
     # rope_theta (for transformers 4.x) is not in 5.x's signature, but 5.x still folds it into rope_parameters
     return LlamaConfig(  # type: ignore[call-arg]
@@ -957,6 +951,18 @@ def _llama3_rope(reader: GGUFReader, gguf_path: Path, arch: str, theta: float, h
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": original,
     }
+
+
+def _check_head_size(reader: Any, gguf_path: Path, arch: str, head_dim: int) -> None:
+    """key_length and the rotary dimensions against the head size the tensors hold (their shapes checked first): a
+    file without key_length had its rotary count compared with hidden / heads, and heads of 32 with 16 rotary
+    dimensions converted as fully rotary."""
+    if (declared := _field(reader, f"{arch}.attention.key_length", head_dim)) != head_dim:
+        raise CorruptModelError(
+            f"{gguf_path.name}: {arch}.attention.key_length {declared}, but attn_q.weight holds heads of {head_dim}"
+        )
+    if (rotary := _field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:  # partial rotary
+        raise UnsupportedModelError(f"{gguf_path.name}: RoPE turns {rotary} of each head's {head_dim} dimensions")
 
 
 def _check_shapes(gguf_path: Path, state: dict[str, torch.Tensor], config: Any) -> None:
