@@ -132,7 +132,7 @@ class TreeFloor:
     def _predicted(fit: RowFit, rows: int) -> float | None:
         """The fit's seconds for a step of ``rows``. Where its rows never varied there is no line: their mean
         seconds, scaled up in proportion for more rows than theirs (a pause among whole trees went in unclipped,
-        and the mean alone clipped batches of trees after plain steps of one row a sequence)."""
+        and the mean alone clipped batches of trees after steps the floor had pruned to their roots)."""
         if (line := fit.line()) is not None:
             return line[0] + line[1] * rows
         if fit.weight <= 0 or fit.sx <= 0:
