@@ -96,6 +96,40 @@ def test_bench_spec_runs_methods_side_by_side_and_checks_equality(tmp_path: Path
 
 
 @pytest.mark.real_model
+def test_a_repeat_that_differs_from_plain_is_reported_though_another_was_faster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --repeats, only the fastest run's tokens were held against plain's: a guard or a measured floor learns
+    across repeats, so a speculative run that went wrong in a slower repeat passed as greedy-equal."""
+    from dataclasses import replace
+
+    from specserve.bench import spec
+    from specserve.cli import main
+
+    calls: dict[int, int] = {}
+    generate = spec._generate_timed
+
+    def second_of_chain_differs(engine: Any, prompt: list[int], params: Any, times: list[float]) -> Any:
+        out = generate(engine, prompt, params, times)
+        calls[id(engine)] = calls.get(id(engine), 0) + 1
+        if len(calls) == 2 and calls[id(engine)] == 2:  # the chain engine's second repeat: wrong, and slowest
+            times[-1] += 100.0
+            return replace(out, token_ids=[*out.token_ids[:-1], out.token_ids[-1] + 1])
+        return out
+
+    monkeypatch.setattr(spec, "_generate_timed", second_of_chain_differs)
+    prompts = _write(tmp_path / "p.jsonl", [{"question_id": 1, "category": "a", "turns": ["Name a river."]}])
+    argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "--methods", "chain"]
+    argv += ["--chain-sl", "1", "--repeats", "2", "--max-tokens", "4", "--out", str(tmp_path / "o")]
+    assert main(argv) == 0
+    rows = list(csv.DictReader((tmp_path / "o" / "spec.csv").open()))
+    assert [(r["method"], float(r["greedy_equal"])) for r in rows] == [("plain", 1.0), ("chain SL=1", 0.5)]
+    assert (
+        "chain SL=1 (smollm2-eagle, pass 1, all) differs from plain greedy decoding on 50.0%" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.real_model
 def test_every_engine_of_a_run_holds_the_longest_prompt_and_its_answer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -393,6 +427,11 @@ def test_a_rows_greedy_column_and_tau_come_from_the_outputs_against_plain() -> N
     same = _row(Method("plain", None, SpecConfig(method=SpecMethod.none)), outs[:1], 1.0, plain[:1], None)
     said = greedy_mismatches([same | {"pass": 1, "category": "all"}, row | {"pass": 1, "category": "all"}])
     assert said == ["warning: chain (pair, pass 1, all) differs from plain greedy decoding on 33.3% of its runs"]
+    # with --repeats, a repeat that differs counts though a run that agreed was faster (the guard and the measured
+    # floor learn across repeats: only the fastest run's tokens were held against plain's)
+    repeats = [[[5, 6, 7, 8], [5, 6, 7, 0]], [[9, 9, 9, 3]] * 2, [[1, 2, 3, 4]] * 2]
+    every = _row(Method("chain", "pair", SpecConfig(method=SpecMethod.chain, sl=3)), outs, 2.0, plain, None, repeats)
+    assert every["greedy_equal"] == pytest.approx(3 / 6)
     assert row["tau"] == pytest.approx(12 / 6) and row["rows_step"] == pytest.approx(10 / 6)
     assert row["tok_s"] == pytest.approx(6.0) and row["mean_depth"] == pytest.approx(2.0)
     # --stop-at-eos: the EOS the last forward emitted counts (token_ids leave it out): plain decoding's tau is 1
@@ -444,10 +483,11 @@ def test_a_rows_step_times_come_from_the_repeat_its_tok_s_counts(monkeypatch: py
     engine = SimpleNamespace(
         loop=SimpleNamespace(model_free=SimpleNamespace(cache=None), stats=SimpleNamespace(timing=timing))
     )
-    runs = iter([(3.0, 2.0, "first"), (1.0, 0.5, "second"), (2.0, 1.0, "third")])  # (seconds, drafting, output)
+    runs = iter([(3.0, 2.0, [3]), (1.0, 0.5, [2]), (2.0, 1.0, [3])])  # (seconds, drafting, tokens)
 
-    def run(engine: Any, prompt: list[int], params: SamplingParams, times: list[float]) -> str:
-        secs, draft, out = next(runs)
+    def run(engine: Any, prompt: list[int], params: SamplingParams, times: list[float]) -> Any:
+        secs, draft, tokens = next(runs)
+        out = SimpleNamespace(token_ids=tokens)
         t = engine.loop.stats.timing
         t.steps, t.decode_steps = t.steps + 5, t.decode_steps + 4
         t.draft_s, t.decode_draft_s = t.draft_s + draft + 0.1, t.decode_draft_s + draft
@@ -455,8 +495,9 @@ def test_a_rows_step_times_come_from_the_repeat_its_tok_s_counts(monkeypatch: py
         return out
 
     monkeypatch.setattr(spec, "_generate_timed", run)
-    out, secs, steps = spec._timed(engine, [1], SamplingParams(max_tokens=4), 3)  # type: ignore[arg-type]
-    assert (out, secs) == ("second", 1.0)  # tau and depth come from the fastest run too, not the last
+    out, secs, steps, every = spec._timed(engine, [1], SamplingParams(max_tokens=4), 3)  # type: ignore[arg-type]
+    assert (out.token_ids, secs) == ([2], 1.0)  # tau and depth come from the fastest run too, not the last
+    assert every == [[3], [2], [3]]  # every run's tokens, for the greedy check
     assert (steps.steps, steps.decode_steps) == (5, 4) and steps.decode_draft_s == pytest.approx(0.5)
     assert timing.decode_steps == 12  # the engine's running total is left as it was
 

@@ -458,10 +458,17 @@ def _assisted_twins(
 
 
 def _row(
-    method: Method, outs: list[Completion], secs: float, reference: list[list[int]], timing: StepTiming | None
+    method: Method,
+    outs: list[Completion],
+    secs: float,
+    reference: list[list[int]],
+    timing: StepTiming | None,
+    runs: list[list[list[int]]] | None = None,
 ) -> dict[str, object]:
-    """``timing``: the steps of the timed runs behind ``secs`` (None: no per-step times)."""
+    """``timing``: the steps of the timed runs behind ``secs`` (None: no per-step times). ``runs``: every repeat's
+    tokens for each prompt, each held against plain's (None: the completion alone)."""
     tokens = [o.token_ids for o in outs]
+    every = [[t] for t in tokens] if runs is None else runs
     n = sum(len(t) for t in tokens)
     forwards = sum(o.stats.target_forwards for o in outs)
     # tau as the engine counts it (RequestStats.tokens_per_forward): the EOS a stopped answer ends at was emitted by
@@ -471,7 +478,8 @@ def _row(
     return {
         "method": method.name,
         "draft": method.draft or "-",
-        "greedy_equal": sum(a == b for a, b in zip(tokens, reference, strict=True)) / len(tokens),
+        "greedy_equal": sum(a == b for rs, b in zip(every, reference, strict=True) for a in rs)
+        / sum(len(rs) for rs in every),
         "tau": emitted / max(1, forwards),
         "mean_depth": sum(o.stats.depth_sum for o in outs) / max(1, sum(o.stats.draft_steps for o in outs)),
         "tok_s": n / secs,
@@ -498,13 +506,19 @@ def run_order(n_methods: int, run: int) -> list[int]:
     return orders[run % len(orders)]
 
 
-def _timed(
-    engine: Engine, prompt: list[int], params: SamplingParams, repeats: int
-) -> tuple[Completion, float, StepTiming]:
+class Timed(NamedTuple):
+    out: Completion  # the fastest run's
+    secs: float
+    steps: StepTiming
+    runs: list[list[int]]  # every run's tokens: greedy equality is checked on each, not the fastest alone
+
+
+def _timed(engine: Engine, prompt: list[int], params: SamplingParams, repeats: int) -> Timed:
     """The fastest of ``repeats`` back-to-back runs (the least disturbed on a shared machine): its completion, time
     and steps, so that every column (tau, depth and rows a step from the completion's counts) comes from the run
-    tok/s does; a guard or a measured floor learns across repeats, so the runs may differ. The suffix drafter's
-    cross-request cache takes the output once, after the last repeat, so every repeat drafts from the same cache."""
+    tok/s does; a guard or a measured floor learns across repeats, so the runs may differ, and each run's tokens
+    come back for the greedy-equality check. The suffix drafter's cross-request cache takes the output once, after
+    the last repeat, so every repeat drafts from the same cache."""
     cache = engine.loop.model_free.cache
     times: list[float] = []
     steps: list[StepTiming] = []
@@ -518,7 +532,7 @@ def _timed(
             outs.append(_generate_timed(engine, prompt, params, times))
         steps.append(engine.loop.stats.timing - before)
     fastest = min(range(repeats), key=times.__getitem__)
-    return outs[fastest], times[fastest], steps[fastest]
+    return Timed(outs[fastest], times[fastest], steps[fastest], [o.token_ids for o in outs])
 
 
 def _warm_up(engines: list[Engine], prompt: list[int], params: SamplingParams) -> None:
@@ -556,6 +570,7 @@ def _grouped_rows(
     steps: list[list[StepTiming]],
     plain_of: list[int],
     keep: list[int],
+    runs: list[list[list[list[int]]]],
 ) -> list[dict[str, object]]:
     """One row per method over the prompts ``keep``; ratios to the first plain row of the same prompts."""
     rows = [
@@ -565,6 +580,7 @@ def _grouped_rows(
             sum(secs[i][k] for k in keep),
             [outs[plain_of[i]][k].token_ids for k in keep],
             sum((steps[i][k] for k in keep), StepTiming()),
+            [runs[i][k] for k in keep],
         )
         for i, m in enumerate(methods)
     ]
@@ -816,6 +832,7 @@ def run(args: argparse.Namespace) -> int:
     secs: list[list[float]] = [[] for _ in methods]  # per method, per (pass, prompt)
     outs: list[list[Completion]] = [[] for _ in methods]
     steps: list[list[StepTiming]] = [[] for _ in methods]
+    every_run: list[list[list[list[int]]]] = [[] for _ in methods]  # per method, (pass, prompt): every repeat
     _warm_up(engines, prompts[0], params)
     for _, hf_t, hf_d in assisted:  # transformers' first call as well
         _assisted(hf_t, hf_d, prompts[0], args.max_tokens, 1, stop_at_eos=args.stop_at_eos)
@@ -824,10 +841,11 @@ def run(args: argparse.Namespace) -> int:
     for r in range(n_runs):  # interleaved: load changes on a shared machine hit every method alike
         p = prompts[r % len(prompts)]
         for m in run_order(len(engines), r):
-            out, seconds, timing = _timed(engines[m], p, params, args.repeats)
-            outs[m].append(out)
-            secs[m].append(seconds)
-            steps[m].append(timing)
+            timed = _timed(engines[m], p, params, args.repeats)
+            outs[m].append(timed.out)
+            secs[m].append(timed.secs)
+            steps[m].append(timed.steps)
+            every_run[m].append(timed.runs)
         for j, (_, hf_t, hf_d) in enumerate(assisted):
             tokens, seconds = _assisted(hf_t, hf_d, p, args.max_tokens, args.repeats, stop_at_eos=args.stop_at_eos)
             hf_outs[j].append(tokens)
@@ -842,7 +860,7 @@ def run(args: argparse.Namespace) -> int:
             (c, [k for k in runs if bench[k % len(prompts)].category == c]) for c in categories
         ]
         for cat, keep in groups:
-            for row in _grouped_rows(methods, outs, secs, steps, plain_of, keep):
+            for row in _grouped_rows(methods, outs, secs, steps, plain_of, keep, every_run):
                 rows.append({"pass": pass_i + 1, "category": cat} | row)
     eos = first.loop.eos_token_ids
     plain_tok_s = sum(len(o.token_ids) for o in outs[0]) / sum(secs[0])  # over every run, as the assisted rows
