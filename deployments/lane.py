@@ -426,11 +426,21 @@ class Lane:
             if self._stop_asked:  # a stop that timed out waiting for a long step ended the workers it saw then
                 self._kill_workers()
 
+    @property
+    def _target_gone(self) -> bool:
+        """Whether its target was found dead and not yet replaced (a lane over in-process workers has none)."""
+        target = self.workers.get(WorkerRole.target)
+        return target is not None and target.dead
+
     def _idle_wait(self) -> float | None:
-        """How long to wait for a command: not at all with work to do; while its target is lost, until the next
-        try to bring it back; else until the next check of its workers (for ever without checks)."""
-        if self.loop.has_work or (not self.lost_workers and self.loading):
+        """How long to wait for a command: not at all with work to do (but for a target known gone, a slice at a
+        time until the next try to bring it back); while its target is lost, until that try; else until the next
+        check of its workers (for ever without checks)."""
+        gone = self._target_gone
+        if (self.loop.has_work and not gone) or (not self.lost_workers and self.loading):
             return 0.0
+        if gone and self.loop.has_work:  # its requests wait for the next try, or for a lane to hand them to
+            return max(0.0, min(self._retry_at - time.monotonic(), self.start_poll_s))
         due = self._retry_at if self.lost_workers else self._check_at
         return None if math.isinf(due) else max(0.0, due - time.monotonic())
 
@@ -534,7 +544,9 @@ class Lane:
         ran = False  # whether the step reached its workers (a new target that fails to start is no request's doing)
         steps_before = self.loop.stats.timing.steps
         try:
-            if self._starting():
+            gone = self._target_gone  # lost before these requests came (the lane was out of replacements, or none
+            # could be made): none of them is stepped on it, nor blamed for it
+            if gone or self._starting():
                 self._flush_held()  # a target loading may take minutes
                 if self._sinks and self.spare():  # requests admitted since the loss (queued during the failed step),
                     # or kept while no other lane was loaded: on at once on a lane that has its model. Only the
@@ -551,6 +563,8 @@ class Lane:
                     self._kept.clear()
                     self._kept_suspects.clear()
                     self._report_queue()
+                elif gone and time.monotonic() >= self._retry_at:  # work waits for it: its replacement, now
+                    self._retry_target()
                 return
             if only is not None and not self._probes and not self._workers_answer():  # a suspect's first step
                 return  # here: its workers replaced first (a node under two lanes that failed took both targets;
@@ -712,9 +726,15 @@ class Lane:
         if blamed is not None and blamed in group:
             self._fail_sequence(blamed, error)
             self._failed_steps = 0  # found
-        elif drop:
+        elif drop:  # the batch that failed; requests still queued never ran in it and go on here (nor is it a
+            # worker's loss: the lane's count of those stays)
             logger.error("lane %d: %d steps failed in a row", self.index, self._failed_steps, exc_info=error)
-            self._fail_all(f"{self._failed_steps} steps failed in a row")
+            reason = f"{self._failed_steps} steps failed in a row; the request was dropped"
+            for seq_id in group:
+                if (request_id := self.loop.request_id(seq_id)) is not None:
+                    self._drop(request_id, WorkerFailedError(reason))
+            self._failed_steps = self._splits = 0
+            self._probes.clear()
         elif exhausted:
             logger.error("lane %d: no culprit after %d splits", self.index, self._splits, exc_info=error)
             for seq_id in group:

@@ -322,6 +322,26 @@ def test_a_failure_no_sequence_causes_alone_drops_the_batch_after_a_bounded_numb
     _assert_kv_free(engine, faulty)
 
 
+def test_a_dropped_batch_takes_none_of_the_requests_still_queued(
+    models: tuple[LlamaModel, LlamaModel], alone: list[list[int]]
+) -> None:
+    """The batch dropped after max_failed_steps held two requests; the two queued behind it (the lane holds two at
+    a time) never ran in those steps. They were dropped with it, 503s for a fault not theirs; they run next."""
+    target, draft = models
+    engine = Engine(
+        target, None, draft=draft, speculation=SPEC, max_batch_size=2, max_model_len=64, eos_token_ids=set()
+    )
+    pair = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    faulty = _faulty(engine, pair, lambda batch, bad: RuntimeError("pair") if len(bad & batch) == 2 else None)
+    requests = [Request(f"r{i}", p, pair if i < 2 else GREEDY) for i, p in enumerate(PROMPTS)]
+    results = _run_lane(engine, requests, max_failed_steps=2)
+    assert isinstance(results[0], WorkerFailedError) and isinstance(results[1], WorkerFailedError)
+    assert "steps failed in a row" in str(results[0])
+    assert results[2:] == alone[2:]
+    assert sum(len(f) == 2 for f in faulty.failed) == 3  # three full steps failed, then the batch was dropped
+    _assert_kv_free(engine, faulty)
+
+
 # -- the pieces ------------------------------------------------------------------------------------------
 
 

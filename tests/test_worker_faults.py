@@ -2022,6 +2022,26 @@ def test_a_batch_that_lost_its_target_moves_as_suspects_where_no_replacement_can
         lane.stop()
 
 
+def test_a_request_sent_to_a_lane_whose_target_is_gone_waits_for_its_replacement_unblamed(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """The lane is out of replacements (max_worker_restarts 0) and keeps its dead target until the next try. A
+    request that came meanwhile was stepped on it: the proxy refused the call, and the request was taken for the
+    target's killer (StepLostError, a failover spent, alone first on the next lane). It waits for the replacement
+    and finishes as it would alone."""
+    factory = Factory(target, {0: "dies at 1"})
+    lane = _lane(target, factory, max_worker_restarts=0, worker_retry_s=1.0)
+    lane.start_poll_s = 0.02
+    try:
+        (first,) = _run(lane, [PROMPTS[0]])
+        assert isinstance(first, StepLostError) and lane.lost_workers  # in the step that lost the target
+        assert lane.workers[WorkerRole.target].dead
+        assert _run(lane, [PROMPTS[1]], tag="s") == [alone[1]]
+        assert lane.generations[WorkerRole.target] == 1 and factory.actors[0].calls.count("verify") == 1
+    finally:
+        lane.stop()
+
+
 def test_a_request_that_leaves_a_lane_is_no_longer_counted_as_kept_there(target: LlamaModel) -> None:
     """A request kept across a loss counts that loss when handed on; once it leaves the lane (finished, aborted,
     moved) its id is forgotten, or the same request moved back later would be charged for a loss it never saw."""
