@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
@@ -14,6 +14,7 @@ from specserve.errors import InvalidRequestError
 CONTEXT = 4  # tokens decoded before the settled point with the ones after it (a token's text may depend on them)
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte fallback (Llama-2, Mistral): one byte a token
 MAX_CHAR_BYTES = 4  # UTF-8
+RESUME_STEP = 16  # output tokens a resume feeds at a time, as steps would (``IncrementalText.resume``)
 
 
 def skipped_ids(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
@@ -35,6 +36,7 @@ class ByteRuns:
     bytes: frozenset[int] = frozenset()
     skipped: frozenset[int] = frozenset()
     continuation: frozenset[int] = frozenset()  # the byte tokens 0x80-0xBF: never a character's first byte
+    widths: Mapping[int, int] = field(default_factory=dict, hash=False)  # a first byte's token: its character's bytes
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase | None) -> ByteRuns:
@@ -44,16 +46,22 @@ class ByteRuns:
         if not found:
             return cls()
         continuation = frozenset(i for i, b in found.items() if 0x80 <= b < 0xC0)
-        return cls(frozenset(found), skipped_ids(tokenizer), continuation)
+        widths = {i: 2 if b < 0xE0 else 3 if b < 0xF0 else 4 for i, b in found.items() if 0xC0 <= b < 0xF8}
+        return cls(frozenset(found), skipped_ids(tokenizer), continuation, widths)
 
     def char_start(self, token_ids: Sequence[int], i: int) -> int:
-        """``i``, or where it falls inside a run of byte tokens after a character's first byte, that byte's index:
-        the run decoded from there is its characters, from inside one U+FFFD for every byte. At most
-        ``MAX_CHAR_BYTES`` back: a run of more continuation bytes is not UTF-8 wherever it starts."""
-        for _ in range(MAX_CHAR_BYTES):
-            if not (self.inside(token_ids, i) and (token_ids[i] in self.continuation or token_ids[i] in self.skipped)):
-                break
-            i -= 1
+        """``i``, or where the tokens before it end inside a character spelt in byte tokens (its first byte and
+        fewer of the rest than it has; skipped tokens among them join the run), that first byte's index: the run
+        decoded from there is its characters, from inside one U+FFFD for every byte. A complete character before
+        ``i`` is not gone back into (a skipped token after it was taken for the middle of one). At most
+        ``MAX_CHAR_BYTES`` bytes back: a run of more continuation bytes is not UTF-8 wherever it starts."""
+        k, rest = i, 0
+        while 0 < k <= len(token_ids) and self._in_run(token_ids[k - 1]) and rest < MAX_CHAR_BYTES:
+            k -= 1
+            if token_ids[k] in self.continuation:
+                rest += 1
+            elif token_ids[k] not in self.skipped:
+                return k if rest + 1 < self.widths.get(token_ids[k], 1) else i
         return i
 
     def open_run(self, token_ids: Sequence[int]) -> int:
@@ -202,7 +210,14 @@ class IncrementalText:
 
     def resume(self, token_ids: Sequence[int], text: str) -> None:
         """Take up an output that was produced and ``text`` of it handed out elsewhere: the next update's delta
-        starts after that text. Raises InvalidRequestError where the tokens do not decode to it, or stop."""
+        starts after that text. Raises InvalidRequestError where the tokens do not decode to it, or stop. Fed
+        ``RESUME_STEP`` tokens at a time: one update of them all searched every prefix for a stop string from the
+        first token (a byte token anywhere leaves no earlier search to start from), each decoded whole, quadratic
+        in the output on the lane's thread."""
+        for n in range(RESUME_STEP, len(token_ids), RESUME_STEP):
+            self.update(token_ids[:n])
+            if self.stopped:
+                break
         self.update(token_ids)
         if self.stopped or not self.text.startswith(text):
             raise InvalidRequestError("the delivered text is not what the delivered tokens decode to")

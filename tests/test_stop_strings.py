@@ -4,7 +4,7 @@ the ones after the token that completed the stop string must not be counted or r
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from transformers import PreTrainedTokenizerBase
@@ -355,6 +355,29 @@ def _delivered(
     return got, text, reason
 
 
+def test_a_resume_takes_up_a_long_output_in_steps_not_every_prefix_decoded_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request moved to another lane takes up its delivered output in one update: with a stop string and a byte
+    token anywhere in it, that update searched every prefix for the stop string, each decoded from the first
+    token, on the lane's thread (2.3 million tokens decoded for a 2161-token output). The text goes on the same."""
+    tok = _byte_fallback_tokenizer()
+    ids = ([259, 260] * 5 + _bytes("é")) * 180 + [259]  # 2161 tokens, a character in byte tokens every 12
+    whole = tok.decode([*ids, 260], skip_special_tokens=True)
+    decoded: list[int] = []
+    decode = tok.decode
+
+    def counting(token_ids: list[int], **kwargs: Any) -> str:
+        decoded.append(len(token_ids))
+        return cast(str, decode(token_ids, **kwargs))
+
+    monkeypatch.setattr(tok, "decode", counting)
+    text = IncrementalText(tok, ("zz",))
+    text.resume(ids, whole[:5])
+    assert sum(decoded) < 100 * len(ids), sum(decoded)
+    assert whole[:5] + text.update([*ids, 260], final=True) == whole
+
+
 def _finished(tok: PreTrainedTokenizerBase, steps: list[list[int]], params: SamplingParams) -> tuple[Any, ...]:
     """The ids, text, finish reason, stop reason and counts (accepted + forwards) of a request whose steps bring
     ``steps``."""
@@ -415,6 +438,17 @@ def test_min_tokens_ending_inside_a_run_of_byte_tokens_counts_the_characters_bef
         for steps in ([[t] for t in ids], [ids]):
             got = _finished(tok, steps, params)
             assert got == (ids, " a€😀 x a", FinishReason.length, None, len(ids)), (floor, steps)
+    # a skipped token right after a complete character: the count went back over it into the character, and the
+    # stop string the first 4 tokens complete stopped the answer
+    ids = [259, *_bytes("€"), 0, 260]  # (0 is <unk>, a special token decoding skips)
+    params = SamplingParams(max_tokens=len(ids), stop=("€",), min_tokens=4)
+    for steps in ([[t] for t in ids], [ids]):
+        assert _finished(tok, steps, params) == (ids, " a€ x", FinishReason.length, None, len(ids)), steps
+    # ... but one inside a character is (its bytes on both sides of it join): the euro sign ends past 4 tokens
+    ids = [259, *_bytes("€")[:2], 0, _bytes("€")[2], 260]
+    for steps in ([[t] for t in ids], [ids]):
+        got = _finished(tok, steps, params)
+        assert got == (ids[:5], " a", FinishReason.stop, "€", 5), steps
 
 
 def test_the_stop_string_that_starts_first_ends_the_text() -> None:
