@@ -5,6 +5,7 @@ process with gevent on import)."""
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
 import math
 import os
@@ -190,6 +191,7 @@ class StreamStats:
     done: bool = False
     error: str | None = None
     end_s: float | None = None  # arrival of [DONE] (or of the last event seen)
+    finish_s: float | None = None  # arrival of the chunk with the finish reason: the last token's, text or none
 
     def add(self, event: SSEEvent, t: float) -> None:
         self.end_s = t
@@ -203,7 +205,7 @@ class StreamStats:
         elif event.kind == EventKind.error and self.error is None:
             self.error = event.error
         if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
+            self.finish_reason, self.finish_s = event.finish_reason, t
 
     @property
     def output_tokens(self) -> int:
@@ -215,16 +217,28 @@ class StreamStats:
         return self.chunk_times[0] if self.chunk_times else None
 
     @property
+    def token_times(self) -> list[float]:
+        """Arrivals of the chunks that carry tokens: those with text, and the one with the finish reason after them
+        (a last step whose tokens have no text, an EOS run under ignore_eos, sends its chunk without content: the
+        tokens usage counts then ended there, not at the last text)."""
+        times = self.chunk_times
+        if times and self.finish_s is not None and self.finish_s > times[-1]:
+            return [*times, self.finish_s]
+        return times
+
+    @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (the server's definition)."""
-        if len(self.chunk_times) < 2:
+        times = self.token_times
+        if len(times) < 2:
             return None
-        return tpot(self.chunk_times[0], self.chunk_times[-1], self.output_tokens)
+        return tpot(times[0], times[-1], self.output_tokens)
 
     @property
     def itl_s(self) -> list[float]:
-        """Gaps between content chunks (one chunk may carry several tokens under speculation)."""
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+        """Gaps between chunks that carry tokens (one chunk may carry several under speculation)."""
+        times = self.token_times
+        return [b - a for a, b in itertools.pairwise(times)]
 
     def failure(self) -> str | None:
         """Why this stream counts as failed, or None."""

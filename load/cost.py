@@ -304,9 +304,18 @@ class CostModel(BaseModel):
         )
 
 
-def time_forward(model: LlamaModel, rows: int, tokens_per_row: int, *, context: int = 256, repeats: int = 3) -> float:
+def time_forward(
+    model: LlamaModel,
+    rows: int,
+    tokens_per_row: int,
+    *,
+    context: int = 256,
+    repeats: int = 3,
+    logits: int | None = None,
+) -> float:
     """Median seconds of one batched forward: ``rows`` sequences with ``context`` cached tokens each append
-    ``tokens_per_row`` causal tokens (a draft level: 1; a chain verify: SL + 1)."""
+    ``tokens_per_row`` causal tokens (a draft level: 1; a chain verify: SL + 1); ``logits``: the LM head's rows
+    for each sequence's last tokens (None: every token's, as a verify's; a prompt read takes its last one's)."""
     from specserve.models.batch import ForwardBatch
 
     gen = torch.Generator().manual_seed(0)
@@ -318,16 +327,17 @@ def time_forward(model: LlamaModel, rows: int, tokens_per_row: int, *, context: 
     times = []
     for _ in range(repeats + 1):  # the first one warms up
         new = [torch.randint(0, vocab, (tokens_per_row,), generator=gen).tolist() for _ in slots]
-        times.append(timed(model.device, _forward, model, cache, slots, new))
+        times.append(timed(model.device, _forward, model, cache, slots, new, logits))
         for slot in slots:
             cache.truncate(slot, context)
     return statistics.median(times[1:])
 
 
-def _forward(model: LlamaModel, cache: KVCache, slots: list[int], new: list[list[int]]) -> None:
+def _forward(model: LlamaModel, cache: KVCache, slots: list[int], new: list[list[int]], logits: int | None) -> None:
     from specserve.models.batch import ForwardBatch
 
-    model(ForwardBatch.build(cache, slots, new, device=model.device), cache)
+    num_logits = None if logits is None else [logits] * len(slots)
+    model(ForwardBatch.build(cache, slots, new, num_logits=num_logits, device=model.device), cache)
 
 
 def measure_cost_model(
@@ -346,7 +356,8 @@ def measure_cost_model(
         (float(r * verify_tokens_per_row), time_forward(target, r, verify_tokens_per_row, context=context))
         for r in rows
     ]
-    chunk, one = (time_forward(draft, 1, n, context=context) for n in (PREFILL_TIMING_TOKENS, 1))
+    # (the draft's prompt read takes one logit row, as the draft worker's does: not the LM head over every token)
+    chunk, one = (time_forward(draft, 1, n, context=context, logits=1) for n in (PREFILL_TIMING_TOKENS, 1))
     per_prompt_token = max(0.0, (chunk - one) / (PREFILL_TIMING_TOKENS - 1))
     return CostModel(
         source=source,

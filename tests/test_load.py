@@ -145,6 +145,21 @@ def test_sse_stream_statistics() -> None:
     stats = parse_sse_text(with_choices, dt=0.01)
     assert (stats.prompt_tokens, stats.completion_tokens, stats.output_tokens) == (7, 8, 8)
     assert stats.tpot_s == pytest.approx((stats.chunk_times[-1] - stats.chunk_times[0]) / 7)
+    # the last step's tokens have no text (an EOS run under ignore_eos): its chunk, finish reason and no content,
+    # is when they came (TPOT read 2 chunks' time over 9 tokens, half its value, and ITL lost the last gap)
+    textless_end = "".join(
+        [
+            _chunk({"content": "Hel"}),
+            _chunk({"content": "lo"}),
+            _chunk({}, "length"),
+            _chunk(usage={"prompt_tokens": 7, "completion_tokens": 10}),
+            "data: [DONE]\n\n",
+        ]
+    )
+    stats = parse_sse_text(textless_end, dt=0.01)
+    assert stats.chunk_times == pytest.approx([0.01, 0.03])
+    assert stats.tpot_s == pytest.approx((0.05 - 0.01) / 9)
+    assert stats.itl_s == pytest.approx([0.02, 0.02])
 
 
 def test_sse_events_and_failures() -> None:
@@ -755,6 +770,31 @@ def test_measure_cost_model_times_batched_forwards() -> None:
     assert CostModel.model_validate_json(cost.model_dump_json()) == cost  # a JSON profile round trip
 
 
+def test_the_drafts_prompt_read_is_timed_with_one_logit_row_as_the_draft_worker_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The timed prompt read ran the LM head over all 128 tokens (a 49k vocabulary's projection each), the draft
+    worker's over the last one: every prompt token the draft reads was overpriced. Verify forwards keep a row per
+    token (each verified token's distribution)."""
+    from load.cost import PREFILL_TIMING_TOKENS
+    from specserve.models.batch import ForwardBatch
+
+    seen: list[tuple[int, list[int] | None]] = []
+    build = ForwardBatch.build
+
+    def recording(cache: Any, slots: Any, tokens: list[list[int]], **kwargs: Any) -> Any:
+        seen.append((len(tokens[0]), kwargs.get("num_logits")))
+        return build(cache, slots, tokens, **kwargs)
+
+    monkeypatch.setattr(ForwardBatch, "build", staticmethod(recording))
+    target = tiny_model(seed=0)
+    measure_cost_model(target, target, rows=(1,), context=8)
+    prompt_reads = [logits for n, logits in seen if n == PREFILL_TIMING_TOKENS]
+    assert len(prompt_reads) == 4 and all(logits == [1] for logits in prompt_reads)  # a warm-up and 3 timed
+    verifies = [logits for n, logits in seen if n == 5]  # SL 4 + the root
+    assert verifies and all(logits is None for logits in verifies)
+
+
 def test_a_timed_or_roofline_model_prices_the_drafts_prompt_reads_and_the_fitted_host_work(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -764,7 +804,7 @@ def test_a_timed_or_roofline_model_prices_the_drafts_prompt_reads_and_the_fitted
     import load.cost as cost_mod
 
     # a device whose forward costs 1 ms + 0.1 ms a token: the draft's prompt read costs 0.1 ms a token
-    monkeypatch.setattr(cost_mod, "time_forward", lambda model, rows, n, context: 1e-3 + 1e-4 * rows * n)
+    monkeypatch.setattr(cost_mod, "time_forward", lambda model, rows, n, context, **_: 1e-3 + 1e-4 * rows * n)
     target = tiny_model(seed=0)
     timed = measure_cost_model(target, target, rows=(1, 4))
     assert timed.draft_prefill_token_s == pytest.approx(1e-4)
