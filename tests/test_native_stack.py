@@ -168,6 +168,28 @@ def test_fused_stack_matches_python_loop_to_rounding(
     assert "aten.neg.default" not in ops
 
 
+def wide_decode(model: LlamaModel, cache: KVCache) -> list[torch.Tensor]:
+    """One token for each of 40 sequences: an MLP activation of 40 x 1000 elements, past ATen's grain."""
+    slots = [cache.allocate() for _ in range(40)]
+    return [model(ForwardBatch.build(cache, slots, [[i + 1] for i in range(40)]), cache)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_stack_takes_a_wide_mlp_activation_in_row_groups_as_python_does(fused: bool) -> None:
+    """ATen splits SiLU past 32768 elements between threads at element counts, and a split inside a row moved some
+    of its elements between a vectorised and a scalar exp: a row's values depended on the batch. Both paths take
+    the activation in groups of rows below the grain (``llama.silu_mul``), each SiLU one thread's."""
+    model = tiny_model(tiny_config(num_hidden_layers=2, intermediate_size=1000), seed=4)
+    if not fused:
+        both_paths(model, wide_decode, num_slots=40)
+        return
+    model.native_stack = build_stack(model, fused=True)
+    with DispatchedOps() as dispatched:
+        wide_decode(model, model.new_cache(40, 8))
+    silu = [shapes[0] for name, shapes in dispatched.ops if name == "aten.silu.default"]
+    assert len(silu) == 2 * 2 and all(rows * cols < 32768 for rows, cols in silu), silu  # 2 groups a layer
+
+
 def test_fused_stack_runs_the_aten_ops_where_it_cannot_fuse() -> None:
     """float16 activations: the fused stack falls back to exactly the Python loop's ops and values."""
     model = tiny_model(tiny_config("llama", num_hidden_layers=2), seed=12).to(torch.float16)

@@ -33,6 +33,7 @@ MODEL_TYPE_BIASES = {"mistral": "no biases", "qwen2": "biases on q, k and v only
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a decoder layer's matmuls, fused as loaded
 GEMV_MAX_ROWS = 3  # at most this many rows take the transposed-copy path (``linear``, ``gemv_rows_for``)
 PAD_WIDTH = 16  # products of ``mod.pad_from`` .. PAD_WIDTH - 1 rows run padded to this many (``pad_rows_for``)
+ELEMENTWISE_GRAIN = 32768  # ATen's GRAIN_SIZE: a CPU elementwise op of this many elements or more is split
 # positions a model serves at most: its RoPE tables are built for every one up front (128k positions of head_dim 128
 # are 128 MiB; a 1M-context config's would be 1 GiB, and a malformed one's 2**26 several GiB before any check)
 MAX_POSITIONS = 1 << 17
@@ -290,6 +291,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up [N, I], each row's values whatever rows share the forward. On a CPU, ATen splits an
+    elementwise op past ``ELEMENTWISE_GRAIN`` elements between threads at element counts, and a split inside a row
+    moved some of its elements between its vectorised exp and its scalar one, which round differently: a row's
+    hidden state then depended on the batch (plain decoding's, alone, differed by an ulp from a verify's; with 16
+    threads or an intermediate size off a multiple of 16). Rows go in groups below the grain (each on one thread,
+    every row's elements in the same vector blocks), one op each; the C++ stack does the same."""
+    if gate.device.type != "cpu" or gate.numel() < ELEMENTWISE_GRAIN:
+        return F.silu(gate) * up
+    rows = max(1, (ELEMENTWISE_GRAIN - 1) // gate.shape[-1])
+    return torch.cat([F.silu(g) * u for g, u in zip(gate.split(rows), up.split(rows), strict=True)])
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -333,7 +347,7 @@ class DecoderLayer(nn.Module):
         out = attention(q, k_cache, v_cache, batch, use_flash=use_flash, kernel=kernel)  # [N, H, D]
         x = x + linear(self.o_proj, out.reshape(n_tok, -1))
         gate, up = linear(self.gate_up, rms_norm(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + linear(self.down, F.silu(gate) * up)
+        return x + linear(self.down, silu_mul(gate, up))
 
 
 def token_id_set(value: object) -> frozenset[int]:

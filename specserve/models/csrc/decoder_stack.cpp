@@ -9,6 +9,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -123,6 +124,22 @@ struct Layer {
   Tensor input_norm, post_norm;
   Proj qkv, o_proj, gate_up, down;
 };
+
+// llama.silu_mul: SiLU(gate) * up with every row's values whatever rows share the forward (ATen splits an
+// elementwise op of GRAIN_SIZE elements or more between threads at element counts, and a split inside a row moved
+// some of its elements between its vectorised exp and its scalar one), rows in groups below the grain, the same ops
+constexpr int64_t kElementwiseGrain = 32768;  // llama.ELEMENTWISE_GRAIN, ATen's at::internal::GRAIN_SIZE
+
+Tensor silu_mul(const Tensor& gate, const Tensor& up) {
+  if (gate.numel() < kElementwiseGrain) return at::silu(gate) * up;
+  const int64_t rows = std::max<int64_t>(1, (kElementwiseGrain - 1) / gate.size(-1));
+  auto gates = gate.split(rows);
+  auto ups = up.split(rows);
+  std::vector<Tensor> parts;
+  parts.reserve(gates.size());
+  for (size_t i = 0; i < gates.size(); ++i) parts.push_back(at::silu(gates[i]) * ups[i]);
+  return at::cat(parts);
+}
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   const int64_t h = x.size(-1);
@@ -374,7 +391,7 @@ class DecoderStack {
         auto [sum, normed] = add_rms_norm(x, o, layer.post_norm, eps_);
         Tensor gate_up = layer.gate_up(normed);
         auto gu = gate_up.chunk(2, -1);  // ATen's SiLU: vectorised exp (a scalar loop was 2-4x slower)
-        Tensor d = layer.down(at::silu(gu[0]) * gu[1]).contiguous();
+        Tensor d = layer.down(silu_mul(gu[0], gu[1])).contiguous();
         if (i + 1 < num_layers()) {
           std::tie(x, h) = add_rms_norm(sum, d, layers_[i + 1].input_norm, eps_);
         } else {
@@ -384,7 +401,7 @@ class DecoderStack {
       }
       x = x + o;
       auto gu = layer.gate_up(rms_norm(x, layer.post_norm, eps_)).chunk(2, -1);
-      x = x + layer.down(at::silu(gu[0]) * gu[1]);
+      x = x + layer.down(silu_mul(gu[0], gu[1]));
     }
     out.insert(out.begin(), x);
     return out;
