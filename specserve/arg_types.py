@@ -115,8 +115,8 @@ def out_dir_arg(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path is no directory to write results to")
     path = Path(text)
-    existing = next((p for p in (path, *path.parents) if p.exists()), Path.cwd())
-    try:
+    try:  # (a name too long for a path, or a part this process may not look into: OSError from exists() too)
+        existing = next((p for p in (path, *path.parents) if p.exists()), Path.cwd())
         if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is not a directory")
         with tempfile.TemporaryFile(dir=existing):
@@ -130,7 +130,11 @@ def out_file_arg(text: str) -> Path:
     """``--out`` naming a file: its directory as ``out_dir_arg``, and not a directory itself."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path is no file to write results to")
-    if Path(text).is_dir():
+    try:
+        is_dir = Path(text).is_dir()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file results can be written to ({e})") from None
+    if is_dir:
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; this --out names the file results go to")
     out_dir_arg(str(Path(text).parent))
     return Path(text)

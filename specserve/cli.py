@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pydantic
@@ -118,10 +118,19 @@ def _output_format(args: argparse.Namespace) -> OutputFormat | None:
         return OutputFormat(kind=FormatKind.choice, choices=tuple(args.choice), param="--choice")
     if args.grammar is not None:
         text = args.grammar
-        if Path(text).is_file() or ":" not in text:  # a file's name (every Lark or GBNF rule has a colon)
+        if ":" not in text or _names(Path(text), Path.is_file):  # a file's name (every Lark or GBNF rule has a colon)
             text = _read_file(text, "--grammar")
         return OutputFormat(kind=FormatKind.grammar, grammar_text=text, param="--grammar")
     return None
+
+
+def _names(path: Path, kind: Callable[[Path], bool]) -> bool:
+    """Whether ``path`` names a file or directory (``kind``): an inline text too long for a path (a grammar), or one
+    this process may not look into, names none (``Path.is_file`` raises for those)."""
+    try:
+        return kind(path)
+    except OSError:
+        return False
 
 
 def _read_file(name: str, flag: str) -> str:
@@ -151,7 +160,7 @@ def _draft_for(name: str, target: ModelSpec, device: str = "cpu") -> DraftSpec |
                   f"{device}); generating without speculation", file=sys.stderr)  # fmt: skip
         return None if pair is None else MODEL_PAIRS[pair][1]
     head = HeadSpec(head=name)
-    if not head.path().is_dir():
+    if not _names(head.path(), Path.is_dir):
         shipped = sorted(p.name for p in BUILTIN_HEADS_DIR.iterdir() if p.is_dir())
         raise SettingsError(
             f"--draft {name!r} is not 'auto', 'none', a built-in pair ({', '.join(sorted(MODEL_PAIRS))}), a shipped "

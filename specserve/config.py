@@ -235,7 +235,12 @@ class HeadSpec(Validated):
     @property
     def shipped(self) -> bool:
         """``head`` names a head shipped in ``specserve/heads/``."""
-        return "/" not in self.head and self.head not in ("", ".", "..") and (BUILTIN_HEADS_DIR / self.head).is_dir()
+        if "/" in self.head or self.head in ("", ".", ".."):
+            return False
+        try:
+            return (BUILTIN_HEADS_DIR / self.head).is_dir()
+        except OSError:  # a name too long for a path (Path.is_dir raises for that): no shipped head's
+            return False
 
 
 _HEAD_ONLY = frozenset(HeadSpec.model_fields) - frozenset(ModelSpec.model_fields)

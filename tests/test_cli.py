@@ -26,6 +26,7 @@ from tests.conftest import forbid_model_loads
         (["--device", "bogus"], "'bogus' is not a torch device"),
         (["--draft", "none", "--method", "ddd"], "--method ddd needs a draft"),  # was ignored: plain decoding
         (["--draft", "smollm2-eagel"], "--draft 'smollm2-eagel' is not 'auto'"),  # was "no config.json in ..."
+        (["--draft", "h" * 300], "is not 'auto', 'none', a built-in pair"),  # a name too long for a path: a traceback
         (["--temperature", "nan"], "argument --temperature: must be a finite number, not nan"),  # was "<= 100"
         (["--top-p", "inf"], "argument --top-p: must be a finite number, not inf"),
         (["--logit-bias", "5"], "argument --logit-bias: ID=BIAS (a token id and a number), not '5'"),
@@ -76,6 +77,9 @@ def test_bad_generate_arguments_are_usage_errors(
         (["train-draft", "--out", "x", "--batch-size", "2048"], "argument --batch-size: must be at most 1024"),
         (["train-draft", "--out", "x", "--lr", "inf"], "argument --lr: must be a positive finite number"),
         (["train-draft", "--out", "x", "--work-dir", __file__], "is not a directory results can be written to"),
+        # a name too long for a path: OSError from exists() or is_dir(), a traceback past argparse
+        (["train-draft", "--out", "o" * 300], "argument --out: " + repr("o" * 300) + " is not a directory results"),
+        (["bench", "overhead", "--out", "o" * 300 + "/x.csv"], "argument --out: " + repr("o" * 300 + "/x.csv")),
         # an empty path was the current directory: a head's files and its work data went there
         (["train-draft", "--out", ""], "argument --out: an empty path is no directory to write results to"),
         (["train-draft", "--out", "x", "--work-dir", " "], "argument --work-dir: an empty path is no directory"),
@@ -582,6 +586,7 @@ def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pyte
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(schema)
     lark, lark_file = 'start: "a" | "b"', tmp_path / "v1:ab.lark"  # (a file's name may have a colon)
+    long_lark = 'start: "a"' + ' | "a"' * 60
     lark_file.write_text(lark)
     (tmp_path / "latin1.lark").write_bytes(b'start: "\xe9"')
     held = {
@@ -593,6 +598,8 @@ def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pyte
         ),
         "--grammar=" + lark: OutputFormat(kind=FormatKind.grammar, grammar_text=lark, param="--grammar"),
         f"--grammar={lark_file}": OutputFormat(kind=FormatKind.grammar, grammar_text=lark, param="--grammar"),
+        # a grammar too long for a path (ENAMETOOLONG from is_file: a traceback)
+        "--grammar=" + long_lark: OutputFormat(kind=FormatKind.grammar, grammar_text=long_lark, param="--grammar"),
     }
     for flag, fmt in held.items():
         asked.clear()
