@@ -220,7 +220,9 @@ class _Seq:
         r = trace.steps[self.cursor % len(trace.steps)]
         self.cursor += 1
         depth = min(r.depth, budget)
-        nodes = r.drafted if depth == r.depth else tree_nodes(depth, spec.beam_width, spec.budget)
+        # (a cut tree: what the rerank keeps of its levels, within the drafter's own budget and the nodes recorded)
+        cut = min(r.drafted, tree_nodes(depth, spec.beam_width, spec.max_tree_nodes + 1))
+        nodes = r.drafted if depth == r.depth else cut
         accepted = min(r.accepted, depth)
         verified = depth if r.verified is None else max(accepted, min(r.verified, depth))
         return depth, verified, nodes, accepted, r.kld[: accepted + 1]
@@ -508,6 +510,9 @@ class SimStudy(BaseModel):
             raise ValueError("need 1 <= --min-tokens <= --max-tokens")
         if self.measure_draft is not None and self.measure_target is None:
             raise ValueError("--measure-draft needs --measure-target (the draft is timed beside it)")
+        given = [flag for flag, v in (("--cost", self.cost), ("--roofline", self.roofline)) if v is not None]
+        if self.measure_target is not None and given:  # (the timed models were ignored, or the file)
+            raise ValueError(f"--measure-target and {given[0]}: give one cost source")
         if self.measure_target not in (None, TINY_SOURCE) and self.measure_draft is None:
             raise ValueError("--measure-target needs --measure-draft beside a real model (the draft timed with it)")
         refuse_repeats("--profile-rows", self.profile_rows)

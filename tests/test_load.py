@@ -628,6 +628,23 @@ def test_tree_replay_matches_analytic_throughput() -> None:
     assert [tree_nodes(d, 4, 16) for d in (0, 1, 2, 5)] == [0, 4, 15, 15]
 
 
+def test_a_cut_tree_is_priced_within_the_draft_models_own_budget_and_the_recorded_nodes() -> None:
+    """A tree the replay cuts shorter than recorded verified what reranking keeps within ``budget``, though the
+    draft model's trees are reranked within its own ``model_budget``: a recorded 4-level tree of 7 nodes cut to 2
+    levels verified 15."""
+    from load.simulate import _Seq
+
+    spec = SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=16, model_budget=8)
+    trace = TreeSeqTrace(
+        cls="c", prompt_len=8, max_tokens=32, steps=[TreeStep(depth=4, stopped=False, drafted=7, accepted=3)]
+    )
+    depth, _, nodes, accepted, _ = _Seq(SimRequest(trace, 32, 8), spec, None).tree_outcome(2, spec)
+    assert (depth, accepted, nodes) == (2, 2, 7)
+    wide = SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=16)  # a recorded tree of 40 nodes (fewer kept)
+    trace = trace.model_copy(update={"steps": [TreeStep(depth=4, stopped=False, drafted=40, accepted=3)]})
+    assert _Seq(SimRequest(trace, 32, 8), wide, None).tree_outcome(2, wide)[2] == 15  # min(T - 1, 4 + 16)
+
+
 def test_the_replay_tells_dsde_the_verified_depth_as_serving_does(dsde_observed: list[tuple[int, int]]) -> None:
     """Serving's DSDE observes the depth of the tree verified (the rerank may drop levels the draft grew); the
     replay passed the levels grown, so its fully accepted trees counted as partly rejected. Recorded steps carry
@@ -1206,6 +1223,17 @@ def test_measured_cost_times_the_draft_it_is_given(dtype: str, monkeypatch: pyte
         # a real target timed beside a noisy copy of itself (the tiny pair's draft); rows a Curve then refused late
         ("simulate", ["--traces", "t.jsonl", "--measure-target", "some/dir"], "needs --measure-draft beside a real"),
         ("simulate", ["--traces", "t.jsonl", "--profile-rows", "1", "1"], "--profile-rows repeats a value: [1, 1]"),
+        # two cost sources: the timed models were ignored under a roofline, the file under the timed models
+        (
+            "simulate",
+            ["--traces", "t.jsonl", "--roofline", "h100-llama8b-1b", "--measure-target", "tiny"],
+            "--measure-target and --roofline: give one cost source",
+        ),
+        (
+            "simulate",
+            ["--traces", "t.jsonl", "--cost", "c.json", "--measure-target", "tiny"],
+            "--measure-target and --cost: give one cost source",
+        ),
     ],
 )
 def test_study_settings_out_of_range_are_usage_errors(
