@@ -11,9 +11,19 @@ set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="$(realpath -m "${1:-$REPO/bench_out/gpu}")" # absolute: the stages run from the repository
-PY="${PYTHON:-$REPO/.venv/bin/python}"
-[ -x "$PY" ] || PY="$(command -v "$PY" || command -v python3)" # a bare name (PYTHON=python3.12) from the PATH
+if [ -n "${PYTHON:-}" ]; then # a path, or a bare name (PYTHON=python3.12) from the PATH; none other in its place
+  PY="$(command -v "$PYTHON")" || { echo "PYTHON=$PYTHON: no such interpreter" >&2; exit 2; }
+else
+  PY="$REPO/.venv/bin/python"
+  [ -x "$PY" ] || PY="$(command -v python3)"
+fi
 STAGES="${STAGES:-suite spec bf16 straggler}"
+for stage in $STAGES; do # a misspelt stage is named before any stage runs (not a failure among the stages')
+  case "$stage" in
+    suite | spec | bf16 | straggler) ;;
+    *) echo "unknown stage $stage (suite, spec, bf16, straggler)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$OUT_DIR"
 cd "$REPO" || exit 1
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')" || exit 1
@@ -37,7 +47,6 @@ for stage in $STAGES; do
         --categories coding writing --min-tokens 48 --max-tokens 64 --workloads real --batch-sizes 1 4 16 32 \
         --policies plain ddd --budget 32 --beam-width 10 --ddd-checks 2,3,4 --ddd-x -0.03 --guard --warm-guard \
         --max-step-tokens 64 --out "$OUT_DIR/straggler_guarded" || status=1 ;;
-    *) echo "unknown stage $stage (suite, spec, bf16, straggler)" >&2; status=2 ;;
   esac
 done
 exit $status
