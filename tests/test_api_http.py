@@ -320,6 +320,12 @@ def test_api_key(backend: LocalBackend) -> None:
         assert httpx.post(url + COMPLETIONS, json=OK_BODY, headers=auth).status_code == 200
         assert httpx.get(url + "/v1/models", headers=auth).status_code == 200
         assert httpx.get(url + "/health").status_code == 200  # load balancers and Serve probe without a key
+        # ... but a body sent there without the key is not read: a POST that never sent the body it announced held
+        # a request slot for the body timeout (30 s here), then got a 408
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 401 ")  # (a socket.timeout after 10 s before)
         doc = httpx.get(url + "/openapi.json").json()
         assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
         assert "401" in doc["paths"][COMPLETIONS]["post"]["responses"]
@@ -360,6 +366,16 @@ def test_whitespace_around_the_api_key_is_not_part_of_it(backend: LocalBackend) 
         HTTPOptions(api_key=SecretStr(" "))
 
 
+def test_a_path_with_a_trailing_slash_is_a_404_with_an_error_body(backend: LocalBackend) -> None:
+    """Starlette redirected it (a bare 307 to a Location built from the client's Host header, http:// behind a TLS
+    proxy, outside the error shape and the request counts)."""
+    with api_server(backend) as url:
+        for method, path in (("POST", COMPLETIONS + "/"), ("POST", "/v1/chat/completions/"), ("GET", "/metrics/")):
+            r = httpx.request(method, url + path, json=OK_BODY if method == "POST" else None)
+            assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found"), r.text
+            assert "location" not in r.headers
+
+
 def test_debug_routes_only_when_enabled(backend: LocalBackend) -> None:
     with api_server(backend) as url:
         assert httpx.get(url + "/debug/lanes").status_code == 404
@@ -387,6 +403,8 @@ def test_a_body_that_is_not_a_json_object_is_named_as_such(backend: LocalBackend
     json_ct = {"content-type": "application/json"}
     cases = [
         (b'\xff\xfe{"model": "tiny"}', json_ct, "not valid JSON"),
+        # JSON text in UTF-16 or UTF-32 (json.loads reads bytes in any of them): a 200 before
+        *((json.dumps(OK_BODY).encode(wide), json_ct, "UTF-16 or UTF-32") for wide in ("utf-16", "utf-16-le", "utf-32")),
         (b'{"model":', json_ct, "not valid JSON"),
         (b"", json_ct, "empty"),
         (b"[1, 2]", json_ct, "must be a JSON object"),

@@ -33,6 +33,7 @@ COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 GENERATION_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})  # the requests specserve_requests_total counts
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})  # no key needed
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+WIDE_TEXT = "the request body is not valid JSON (UTF-8 text): it is UTF-16 or UTF-32"
 # a 503's Retry-After where nothing configures one: deployments' default worker_retry_s, the pause before a lane that
 # lost its workers tries again to bring them back
 UNAVAILABLE_RETRY_AFTER_S = 5
@@ -140,6 +141,10 @@ class RequestGuard:
                 return
             if content is None:  # the client left before it finished sending
                 return
+            if _wide_text(content):  # UTF-16 or UTF-32: json.loads takes bytes in any of them, RFC 8259 only UTF-8
+                body = error_body(WIDE_TEXT, ErrorType.invalid_request, code=ErrorCode.invalid_json)
+                await self._refuse(scope, send, HTTPStatus.BAD_REQUEST, body)
+                return
             receive = _replay(content, receive)
         await self.app(scope, receive, send)
 
@@ -168,7 +173,9 @@ class RequestGuard:
         return name in allowed or _is_ip(name)  # (rebinding takes a name: an address in Host is no page's own)
 
     def _authorized(self, scope: Scope) -> bool:
-        if self.options.api_key is None or _route_path(scope) in OPEN_PATHS:
+        # (the open paths are open to reading: a body sent to one without the key is not read, it held a request
+        # slot for the whole body timeout)
+        if self.options.api_key is None or (_route_path(scope) in OPEN_PATHS and scope["method"] not in BODY_METHODS):
             return True
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
@@ -298,3 +305,9 @@ async def _send_error(
         }
     )
     await send({"type": "http.response.body", "body": payload})
+
+
+def _wide_text(content: bytes) -> bool:
+    """Whether a body is text in UTF-16 or UTF-32, as json.loads tells them: a byte order mark, or a zero byte in
+    the first four (JSON text in UTF-8 has none)."""
+    return content[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in content[:4]

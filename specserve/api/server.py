@@ -162,7 +162,11 @@ class Backend(Protocol):
 
 def build_api(backend: Backend, options: HTTPOptions | None = None) -> FastAPI:
     options = options or HTTPOptions()
-    api = FastAPI(title="specserve", description="OpenAI-compatible LLM serving with speculative decoding")
+    api = FastAPI(
+        title="specserve",
+        description="OpenAI-compatible LLM serving with speculative decoding",
+        redirect_slashes=False,  # a path with a trailing slash is a 404 with an error body, not a bare 307
+    )
     routes = _Routes(backend)
     generation = _error_responses(options, 400, 404, 408, 413, 429, 500, 503)
     api.add_api_route(
