@@ -404,7 +404,7 @@ def test_a_body_that_is_not_a_json_object_is_named_as_such(backend: LocalBackend
     cases = [
         (b'\xff\xfe{"model": "tiny"}', json_ct, "not valid JSON"),
         # JSON text in UTF-16 or UTF-32 (json.loads reads bytes in any of them): a 200 before
-        *((json.dumps(OK_BODY).encode(wide), json_ct, "UTF-16 or UTF-32") for wide in ("utf-16", "utf-16-le", "utf-32")),
+        *((json.dumps(OK_BODY).encode(enc), json_ct, "UTF-16 or UTF-32") for enc in ("utf-16", "utf-16-le", "utf-32")),
         (b'{"model":', json_ct, "not valid JSON"),
         (b"", json_ct, "empty"),
         (b"[1, 2]", json_ct, "must be a JSON object"),
