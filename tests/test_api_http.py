@@ -3,12 +3,14 @@ and /health staying fast whatever other clients send. Real HTTP against the in-p
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -364,6 +366,33 @@ def test_whitespace_around_the_api_key_is_not_part_of_it(backend: LocalBackend) 
         AppArgs.model_validate({"api_key": "\t\n"})
     with pytest.raises(ValueError, match="api_key is empty"):
         HTTPOptions(api_key=SecretStr(" "))
+
+
+def test_a_body_without_a_content_type_is_refused_before_the_app_whatever_fastapis_version() -> None:
+    """A page's no-cors fetch posts a JSON body with no Content-Type (no preflight), and FastAPI before its
+    strict_content_type parsed such a body as JSON: a keyless server on loopback spent its compute on any page's
+    requests. The guard refuses it before the app sees it."""
+    from specserve.api.http_guard import RequestGuard
+    from specserve.api.metrics import ServeMetrics
+
+    reached: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guarded = RequestGuard(app, HTTPOptions(), ServeMetrics())
+    transport = httpx.ASGITransport(app=guarded)
+
+    async def post(headers: dict[str, str]) -> httpx.Response:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            return await client.post(COMPLETIONS, content=json.dumps(OK_BODY).encode(), headers=headers)
+
+    r = asyncio.run(post({}))
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json") and "(got none)" in r.text
+    assert reached == []
+    assert asyncio.run(post({"content-type": "application/json"})).status_code == 200 and reached == [COMPLETIONS]
 
 
 def test_a_path_with_a_trailing_slash_is_a_404_with_an_error_body(backend: LocalBackend) -> None:

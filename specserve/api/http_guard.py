@@ -34,6 +34,7 @@ GENERATION_PATHS = frozenset({COMPLETIONS_PATH, CHAT_PATH})  # the requests spec
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})  # no key needed
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 WIDE_TEXT = "the request body is not valid JSON (UTF-8 text): it is UTF-16 or UTF-32"
+NO_CONTENT_TYPE = "the request body must be a JSON object sent as Content-Type: application/json (got none)"
 # a 503's Retry-After where nothing configures one: deployments' default worker_retry_s, the pause before a lane that
 # lost its workers tries again to bring them back
 UNAVAILABLE_RETRY_AFTER_S = 5
@@ -143,6 +144,13 @@ class RequestGuard:
                 return
             if _wide_text(content):  # UTF-16 or UTF-32: json.loads takes bytes in any of them, RFC 8259 only UTF-8
                 body = error_body(WIDE_TEXT, ErrorType.invalid_request, code=ErrorCode.invalid_json)
+                await self._refuse(scope, send, HTTPStatus.BAD_REQUEST, body)
+                return
+            if content and not any(key == b"content-type" for key, _ in scope["headers"]):
+                # a page's no-cors fetch sends a body with none (no preflight, and an address in Host passes the
+                # rebinding check): FastAPI before its strict_content_type parsed it as JSON, whatever the version
+                # installed, refused here
+                body = error_body(NO_CONTENT_TYPE, ErrorType.invalid_request, code=ErrorCode.invalid_json)
                 await self._refuse(scope, send, HTTPStatus.BAD_REQUEST, body)
                 return
             receive = _replay(content, receive)
