@@ -142,15 +142,9 @@ class RequestGuard:
                 return
             if content is None:  # the client left before it finished sending
                 return
-            if _wide_text(content):  # UTF-16 or UTF-32: json.loads takes bytes in any of them, RFC 8259 only UTF-8
-                body = error_body(WIDE_TEXT, ErrorType.invalid_request, code=ErrorCode.invalid_json)
-                await self._refuse(scope, send, HTTPStatus.BAD_REQUEST, body)
-                return
-            if content and not any(key == b"content-type" for key, _ in scope["headers"]):
-                # a page's no-cors fetch sends a body with none (no preflight, and an address in Host passes the
-                # rebinding check): FastAPI before its strict_content_type parsed it as JSON, whatever the version
-                # installed, refused here
-                body = error_body(NO_CONTENT_TYPE, ErrorType.invalid_request, code=ErrorCode.invalid_json)
+            problem = _not_json(content, scope)
+            if problem is not None:
+                body = error_body(problem, ErrorType.invalid_request, code=ErrorCode.invalid_json)
                 await self._refuse(scope, send, HTTPStatus.BAD_REQUEST, body)
                 return
             receive = _replay(content, receive)
@@ -315,7 +309,13 @@ async def _send_error(
     await send({"type": "http.response.body", "body": payload})
 
 
-def _wide_text(content: bytes) -> bool:
-    """Whether a body is text in UTF-16 or UTF-32, as json.loads tells them: a byte order mark, or a zero byte in
-    the first four (JSON text in UTF-8 has none)."""
-    return content[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in content[:4]
+def _not_json(content: bytes, scope: Scope) -> str | None:
+    """Why a body is no JSON for the app to parse, or None: text in UTF-16 or UTF-32 (json.loads takes bytes in any
+    of them, as a byte order mark or a zero byte in the first four tells; RFC 8259's JSON is UTF-8), or a body with
+    no Content-Type (a page's no-cors fetch sends none: no preflight, and an address in Host passes the rebinding
+    check; FastAPI before its strict_content_type parsed it as JSON, whatever the version installed)."""
+    if content[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in content[:4]:
+        return WIDE_TEXT
+    if content and not any(key == b"content-type" for key, _ in scope["headers"]):
+        return NO_CONTENT_TYPE
+    return None
