@@ -37,7 +37,8 @@ from deployments.recipe_models import build_model
 from deployments.wire import FeatureWire, WireFeatures, attach_features, strip_features
 from specserve.build import local_draft_worker
 from specserve.heap import freeze_loaded_objects
-from specserve.limits import MemoryShare, device_kv_slots
+from specserve.host_memory import host_available_bytes
+from specserve.limits import MemoryShare, device_kv_slots, slot_bytes
 from specserve.messages import FeatureRequest, Proposal, ProposeItem, VerifyItem, VerifyOutput
 from specserve.models.llama import LlamaModel
 from specserve.sampling import SamplingParams
@@ -69,6 +70,16 @@ class KVGeometry:
 class WorkerState:
     node_id: str
     kv_slots_in_use: int
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """What a CPU worker's KV cache and its slots' shares of a step's activations take of its node's memory."""
+
+    node_id: str
+    kv_bytes: int
+    activation_bytes: int
+    available: int  # the memory its node had available when asked (``host_available_bytes``)
 
 
 class _WorkerHost:
@@ -103,6 +114,14 @@ class _WorkerHost:
         return device_kv_slots(
             [self.model], requested=geometry.num_slots, max_len=geometry.max_len, step_tokens=step_tokens, share=share
         )
+
+    def host_need(self, geometry: KVGeometry, step_tokens: int) -> HostNeed | None:
+        """None: the model is on a GPU (``kv_slots`` sizes its cache)."""
+        if self.model.device.type != "cpu":
+            return None
+        kv, act = slot_bytes([self.model], max_len=geometry.max_len, step_tokens=step_tokens)
+        node = ray.get_runtime_context().get_node_id()
+        return HostNeed(node, geometry.num_slots * kv, geometry.num_slots * act, host_available_bytes())
 
     def add(self, seq_id: int, params: SamplingParams, position: int) -> None:
         self._worker().add(seq_id, params, position)

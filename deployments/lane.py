@@ -283,6 +283,11 @@ class Lane:
         return any(worker.starting for worker in list(self.workers.values()))  # (a copy: the lane thread's dict)
 
     @property
+    def starting_up(self) -> bool:
+        """Loading its first workers (its replica starting), not a replacement for one lost."""
+        return self.loading and not any(self.generations.values())
+
+    @property
     def draft_lost(self) -> bool:
         """Its draft worker was lost and is being brought back: meanwhile every sequence decodes plainly."""
         return self._lacks_draft(self.workers)

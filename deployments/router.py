@@ -23,7 +23,7 @@ from ray import serve
 from ray.util import get_current_placement_group
 from transformers import PreTrainedTokenizerBase
 
-from deployments.actors import KVGeometry, ModelInfo, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
+from deployments.actors import HostNeed, KVGeometry, ModelInfo, RemoteDraft, RemoteTarget, RemoteWorker, WorkerFactory
 from deployments.app_args import MAX_RETRY_AFTER_S, AppArgs, WorkerRole
 from deployments.failover import FailoverStream, Moving
 from deployments.lane import Lane, LaneDebug, stop_lanes
@@ -34,7 +34,9 @@ from specserve.api.schemas import Health, HealthStatus
 from specserve.api.server import build_api
 from specserve.build import build_step_loop, eos_ids_of, new_suffix_cache
 from specserve.config import ModelSpec, SpecConfig
+from specserve.errors import KVCapacityError
 from specserve.heap import freeze_loaded_objects
+from specserve.host_memory import check_host_fits
 from specserve.limits import ContextLimits, context_limits
 from specserve.models.loader import load_tokenizer, warn_on_another_tokenizer
 from specserve.prompts import PromptEncoder
@@ -59,6 +61,28 @@ def lane_limits(args: AppArgs, target: ModelInfo, draft: ModelInfo | None) -> Co
         draft_positions=None if draft is None else draft.max_positions,
         draft_vocab=None if draft is None else draft.vocab_size,
     )
+
+
+def hosts_fit(needs: Sequence[HostNeed | None], geometry: KVGeometry) -> None:
+    """Refuse CPU workers whose KV caches, with their slots' shares of a step's activations, would together take more
+    of a node than it has available: each worker's own check counts only itself, and every one is asked before
+    any has allocated, so lanes packed on one host each passed and the kernel's OOM killer ended them later."""
+    nodes: dict[str, list[HostNeed]] = {}
+    for need in needs:
+        if need is not None:
+            nodes.setdefault(need.node_id, []).append(need)
+    for node, on_node in nodes.items():
+        kv, act = sum(n.kv_bytes for n in on_node), sum(n.activation_bytes for n in on_node)
+        try:
+            check_host_fits(
+                kv,
+                geometry.num_slots,
+                geometry.max_len,
+                available=min(n.available for n in on_node),
+                activation_bytes=act,
+            )
+        except KVCapacityError as e:
+            raise KVCapacityError(f"the {len(on_node)} CPU workers on node {node[:12]} together: {e}") from None
 
 
 async def _within(waiting: Awaitable[T], timeout_s: float, done: str) -> T:
@@ -153,8 +177,12 @@ class Router:
     async def _fit_geometry(
         self, workers: list[dict[WorkerRole, RemoteWorker]], geometry: KVGeometry, limits: ContextLimits
     ) -> KVGeometry:
-        """With ``gpu_memory_utilization``, as many slots as fit on every worker's device (each sizes its own, within
-        its share of the GPU: ``AppArgs.memory_share``)."""
+        """Refused where the CPU workers on one node would need more than it has available (``hosts_fit``); with
+        ``gpu_memory_utilization``, as many slots as fit on every worker's device (each sizes its own, within its
+        share of the GPU: ``AppArgs.memory_share``)."""
+        timeout_s = self.args.worker_start_timeout_s
+        needs = (w.handle.host_need.remote(geometry, limits.spec_headroom) for lane in workers for w in lane.values())
+        hosts_fit(await _within(asyncio.gather(*needs), timeout_s, "sized their KV"), geometry)
         if self.args.gpu_memory_utilization is None:
             return geometry
         asked = (
@@ -162,7 +190,7 @@ class Router:
             for lane in workers
             for role, w in lane.items()
         )
-        fits: list[int] = await _within(asyncio.gather(*asked), self.args.worker_start_timeout_s, "sized their KV")
+        fits: list[int] = await _within(asyncio.gather(*asked), timeout_s, "sized their KV")
         return KVGeometry(min(fits), geometry.max_len)
 
     @staticmethod
@@ -248,14 +276,15 @@ class Router:
         return self._lane_slots * len(self.lanes) + self.args.max_queued_requests
 
     def health(self) -> Health:
-        """Degraded while a lane brings its workers back, or loads one, and another serves (its requests went
-        there); failing, and Serve's health check then replaces the replica (new placement, new actors), once a
-        lane thread has stopped or no lane has its workers."""
+        """Ok while every lane serves, or every one loads its first workers (the replica starting); degraded while a
+        lane brings its workers back or loads a replacement (also with no other lane serving: a 200 still, so Serve
+        keeps the replica); failing, and Serve's health check then replaces the replica (new placement, new
+        actors), once a lane thread has stopped or no lane has its workers."""
         healthy = sum(lane.healthy for lane in self.lanes)
         serving = sum(lane.healthy and not lane.loading for lane in self.lanes)
         if healthy == 0 or not all(lane.alive for lane in self.lanes):
             status = HealthStatus.failing
-        elif healthy == len(self.lanes) and serving in (0, healthy):  # (none serving yet: every lane starting)
+        elif healthy == len(self.lanes) and (serving == healthy or all(lane.starting_up for lane in self.lanes)):
             status = HealthStatus.ok
         else:
             status = HealthStatus.degraded

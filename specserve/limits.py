@@ -98,6 +98,20 @@ def kv_dtype(model: LlamaModel | EagleHead) -> torch.dtype:
     return model.dtype if isinstance(model, LlamaModel) else model.fc.weight.dtype
 
 
+def slot_bytes(models: Sequence[LlamaModel | EagleHead], *, max_len: int, step_tokens: int) -> tuple[int, int]:
+    """A KV slot of ``max_len`` in every one of ``models``, and its share of their largest forwards (a prefill of
+    ``max_len`` or a step of ``step_tokens``): (KV bytes, activation bytes)."""
+    kv = sum(kv_bytes_per_slot(model_shape(m), kv_dtype(m).itemsize, max_len) for m in models)
+    act = 0
+    for model in models:
+        shape, size = model_shape(model), kv_dtype(model).itemsize
+        act += max(
+            activation_bytes(shape, size, batch=1, q_len=max_len, kv_len=max_len, logit_rows=1),
+            activation_bytes(shape, size, batch=1, q_len=step_tokens, kv_len=max_len, logit_rows=step_tokens),
+        )
+    return kv, act
+
+
 def device_kv_slots(
     models: Sequence[LlamaModel | EagleHead],
     *,
@@ -115,14 +129,7 @@ def device_kv_slots(
     counts against its fraction only what this process holds (``reserved``: torch's reserved memory); the
     others' weights are in the device's free memory, which it may not exceed."""
     device = models[0].device
-    slot = sum(kv_bytes_per_slot(model_shape(m), kv_dtype(m).itemsize, max_len) for m in models)
-    act = 0
-    for model in models:
-        shape, size = model_shape(model), kv_dtype(model).itemsize
-        act += max(
-            activation_bytes(shape, size, batch=1, q_len=max_len, kv_len=max_len, logit_rows=1),
-            activation_bytes(shape, size, batch=1, q_len=step_tokens, kv_len=max_len, logit_rows=step_tokens),
-        )
+    slot, act = slot_bytes(models, max_len=max_len, step_tokens=step_tokens)
     if device.type == "cpu":
         available = host_available_bytes()
         check_host_fits(requested * slot, requested, max_len, available=available, activation_bytes=requested * act)

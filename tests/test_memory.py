@@ -421,3 +421,55 @@ def test_a_cpu_kv_cache_larger_than_the_host_can_give_is_refused_before_it_is_al
     TargetWorker(model, num_slots=4, max_len=64)
     with pytest.raises(KVCapacityError, match="a KV cache of 4 slots x 65 tokens"):
         TargetWorker(model, num_slots=4, max_len=65)
+
+
+def test_cpu_workers_on_one_node_are_refused_when_their_caches_together_do_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The deployment checked a CPU worker's cache only inside its own ``start`` (never awaited, and counting the
+    cache alone), and only with ``gpu_memory_utilization`` set (not in app.yaml) its activations: a cache that fit
+    alone was ended by the OOM killer at its first full batch. Lanes packed on one host were each checked as if
+    alone."""
+    import asyncio
+    import dataclasses
+    from types import SimpleNamespace
+
+    from deployments import actors
+    from deployments.actors import HostNeed, KVGeometry, TargetActor
+    from deployments.router import Router, hosts_fit
+
+    model = tiny_model(tiny_config(), seed=0)
+    per_token = 2 * model.cfg.num_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 4  # K and V, float32
+    geometry = KVGeometry(num_slots=4, max_len=64)
+    monkeypatch.setattr(actors, "host_available_bytes", lambda: 10 * GIB)
+    monkeypatch.setattr(actors.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node-a"))
+    host = TargetActor.__new__(TargetActor)
+    host.model = model
+    need = host.host_need(geometry, 16)
+    assert need is not None and need.node_id == "node-a" and need.available == 10 * GIB
+    assert need.kv_bytes == 4 * 64 * per_token and 0 < need.activation_bytes < GIB
+
+    alone = dataclasses.replace(need, available=need.kv_bytes + need.activation_bytes)  # one worker's, exactly
+    hosts_fit([alone, None], geometry)  # (None: a worker on a GPU)
+    hosts_fit([alone, dataclasses.replace(alone, node_id="node-b")], geometry)  # one a node
+    with pytest.raises(KVCapacityError, match=r"the 2 CPU workers on node node-a together: .* 4 slots x 64 tokens"):
+        hosts_fit([alone, alone], geometry)
+    with pytest.raises(KVCapacityError, match="GiB for a step's activations"):  # the cache alone fits
+        hosts_fit([dataclasses.replace(alone, available=need.kv_bytes)], geometry)
+
+    cls = Router.func_or_class
+    router = cls.__new__(cls)
+    router.args = SimpleNamespace(gpu_memory_utilization=None, worker_start_timeout_s=5.0)  # app.yaml's default
+
+    async def answer(host_need: HostNeed) -> HostNeed:
+        return host_need
+
+    def worker(host_need: HostNeed) -> SimpleNamespace:
+        return SimpleNamespace(handle=SimpleNamespace(host_need=SimpleNamespace(remote=lambda g, t: answer(host_need))))
+
+    limits = SimpleNamespace(spec_headroom=16)
+    one_lane = [{WorkerRole.target: worker(alone)}]
+    assert asyncio.run(router._fit_geometry(one_lane, geometry, limits)) == geometry  # type: ignore[arg-type]
+    two_lanes = [{WorkerRole.target: worker(alone)}, {WorkerRole.target: worker(alone)}]
+    with pytest.raises(KVCapacityError, match="2 CPU workers"):
+        asyncio.run(router._fit_geometry(two_lanes, geometry, limits))  # type: ignore[arg-type]

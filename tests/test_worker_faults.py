@@ -905,6 +905,7 @@ def test_a_lost_lane_admits_requests_while_its_new_target_loads(target: LlamaMod
         except TimeoutError:
             return False, []
         admitted_while_loading = not factory.actors[3].loaded.is_set()
+        assert lane.loading and not lane.starting_up  # a replacement, not a first start: /health says degraded
         factory.actors[3].loaded.set()
         return admitted_while_loading, [t async for out in coming for t in out.token_ids]
 
@@ -1369,16 +1370,20 @@ def test_a_replica_whose_lane_lost_its_workers_is_degraded_and_kept_while_anothe
 
     cls = Router.func_or_class
     router = cls.__new__(cls)
-    router.lanes = [SimpleNamespace(alive=True, healthy=True, loading=True) for _ in range(2)]
+    router.lanes = [SimpleNamespace(alive=True, healthy=True, loading=True, starting_up=True) for _ in range(2)]
     assert router.health().status.value == "ok"  # a replica starting: every lane loading its models
-    router.lanes[0].loading = False
+    router.lanes[0].loading = router.lanes[0].starting_up = False
     assert router.health().status.value == "degraded"  # one serves, the other hands its requests to it
-    router.lanes[1].loading = False
+    router.lanes[1].loading = router.lanes[1].starting_up = False
     assert router.health().status.value == "ok"
     router.check_health()
     router.lanes[1].loading = True  # loading a replacement target: it was reported ok
     assert router.health().model_dump(mode="json") == {"status": "degraded", "lanes": 2, "lanes_alive": 2}
     router.check_health()
+    router.lanes[0].loading = True  # both reloading lost targets: nothing serves, and it was reported ok
+    assert router.health().model_dump(mode="json") == {"status": "degraded", "lanes": 2, "lanes_alive": 2}
+    router.check_health()  # (still kept: each lane has its workers coming)
+    router.lanes[0].loading = False
     router.lanes[1].healthy = False  # lost its workers: the replica says so, and is kept
     assert router.health().model_dump(mode="json") == {"status": "degraded", "lanes": 2, "lanes_alive": 1}
     router.check_health()
@@ -1386,7 +1391,7 @@ def test_a_replica_whose_lane_lost_its_workers_is_degraded_and_kept_while_anothe
     assert router.health().status.value == "failing" and router.health().lanes_alive == 0
     with pytest.raises(RuntimeError, match="no lane has its workers"):
         router.check_health()
-    router.lanes[0] = SimpleNamespace(alive=False, healthy=False, loading=False)  # a lane thread stopped
+    router.lanes[0] = SimpleNamespace(alive=False, healthy=False, loading=False, starting_up=False)  # thread stopped
     router.lanes[1].healthy = True
     assert router.health().status.value == "failing" and router.health().lanes_alive == 1
     with pytest.raises(RuntimeError, match="thread has stopped"):
@@ -1583,7 +1588,7 @@ def test_a_lane_whose_draft_is_still_starting_gets_no_requests_while_another_lan
         return [await asyncio.wait_for(one(Request(f"r{i}", p, GREEDY)), 30) for i, p in enumerate(PROMPTS)]
 
     try:
-        assert drafting.loading and not lanes[0].loading
+        assert drafting.loading and drafting.starting_up and not lanes[0].loading
         assert asyncio.run(run()) == [(tokens, 0) for tokens in alone]
         assert moved == [] and drafting.in_flight == 0
     finally:

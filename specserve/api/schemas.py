@@ -1282,7 +1282,7 @@ class DetokenizeResponse(BaseModel):
 
 class HealthStatus(str, Enum):
     ok = "ok"
-    degraded = "degraded"  # a lane is without its workers, or loading one, while another serves its requests
+    degraded = "degraded"  # a lane is without its workers, or loading a replacement for one it lost
     # a lane thread has stopped, or no lane has its workers: the replica fails Serve's health check (503)
     failing = "failing"
 
