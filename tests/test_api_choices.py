@@ -1,6 +1,6 @@
 """OpenAI's ``n``: several answers to one request, each a choice with its index. A sampled choice i draws with the
-request's seed plus i (vLLM's rule), so each is the answer a request of one choice with that seed gets; the usage
-counts the prompt once and every choice's tokens."""
+request's seed plus i (vLLM's rule for one prompt; a batch's choice k, the seed plus k), so each is the answer a
+request of one choice with that seed gets; the usage counts the prompt once and every choice's tokens."""
 
 from __future__ import annotations
 
@@ -128,9 +128,10 @@ def test_choices_stream_with_their_index_and_without_event_ids(url: str) -> None
 
 
 def test_a_batch_of_prompts_answers_each_with_its_choices(url: str) -> None:
-    """OpenAI's batch (a list of texts or of token lists), as lm-eval's batched requests send it: choice p * n + i is
-    prompt p's i-th, the answer a request of that prompt with the seed plus i gets; with echo each starts with its
-    own prompt; the usage counts each prompt once."""
+    """OpenAI's batch (a list of texts or of token lists), as lm-eval's batched requests send it: choice k = p * n + i
+    is prompt p's i-th, the answer a request of that prompt with the seed plus k gets (with the seed plus i, a prompt
+    sent twice for two samples got one answer twice); with echo each starts with its own prompt; the usage counts
+    each prompt once."""
     tok = tiny_tokenizer()
     texts = ["once upon", "the cat sat on", "hello"]
     body = SAMPLED | {"seed": 3, "logprobs": 1, "echo": True}
@@ -139,7 +140,7 @@ def test_a_batch_of_prompts_answers_each_with_its_choices(url: str) -> None:
         assert [c["index"] for c in batch["choices"]] == list(range(6)) and batch["seed"] == 3
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         for k, choice in enumerate(batch["choices"]):
-            one = post(url, body | {"prompt": prompts[k // 2], "seed": 3 + k % 2})
+            one = post(url, body | {"prompt": prompts[k // 2], "seed": 3 + k})
             same_answer(choice, one["choices"][0])
             assert choice["text"].startswith(texts[k // 2])
             usage["prompt_tokens"] += one["usage"]["prompt_tokens"] * (k % 2 == 0)
@@ -150,6 +151,9 @@ def test_a_batch_of_prompts_answers_each_with_its_choices(url: str) -> None:
         for k, choice in enumerate(batch["choices"]):
             mine = [d["choices"][0]["text"] for d in data[:-2] if d["choices"][0]["index"] == k]
             assert "".join(mine) == choice["text"]
+    for seed in ({"seed": 3}, {}):  # (without one, the seed the server draws)
+        twice = post(url, SAMPLED | seed | {"prompt": [texts[0]] * 2, "ignore_eos": True})
+        assert twice["choices"][0]["text"] != twice["choices"][1]["text"]
     # left to the context, each prompt's limit is its own room (the longest not first: not the first one's)
     ids = [[5] * 100, [5] * 10]
     room = post(url, {"model": MODEL, "prompt": ids, "max_tokens": None, "ignore_eos": True, "temperature": 0})

@@ -308,9 +308,9 @@ class GenerationRequest(ClosedModel):
         default=1,
         ge=1,
         le=MAX_CHOICES,
-        description="answers to generate (per prompt of a completions batch), each a choice with its index; a "
-        "prompt's sampled choice i draws with the request's seed (or the one drawn, returned as seed) plus i, as "
-        "vLLM's; streamed, their chunks come as they are made, without event ids (not resumable)",
+        description="answers to generate (per prompt of a completions batch), each a choice with its index; "
+        "sampled choice k (prompt p's i-th is k = p * n + i) draws with the request's seed (or the one drawn, "
+        "returned as seed) plus k; streamed, their chunks come as they are made, without event ids (not resumable)",
     )
     presence_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")
     frequency_penalty: StrictFloat = Field(default=0.0, ge=0.0, le=0.0, description="not supported: only 0")

@@ -643,7 +643,7 @@ class _Routes:
                 Request(
                     fmt.request_id if places == 1 else f"{fmt.request_id}-{p * body.n + i}",
                     ids,
-                    _choice_params(params, i, limits[p]),
+                    _choice_params(params, p * body.n + i, limits[p]),
                     spec,
                     cache_salt=body.cache_salt,
                 )
@@ -944,8 +944,10 @@ def _resume_mark(body: GenerationRequest, last_event_id: str | None) -> StreamMa
 
 
 def _choice_params(params: SamplingParams, index: int, max_tokens: int) -> SamplingParams:
-    """A prompt's choice ``index``: a sampled request's seed plus the index (as vLLM's), within the 64-bit signed
-    range; ``max_tokens``, its prompt's (where the request left it to the context, each prompt has its own)."""
+    """The response's choice ``index`` (prompt p's i-th is p * n + i): a sampled request's seed plus the index,
+    within the 64-bit signed range (a batch's prompts drew with one seed, so a prompt sent k times for k samples got
+    one answer k times); ``max_tokens``, its prompt's (where the request left it to the context, each prompt has its
+    own)."""
     update: dict[str, object] = {}
     if params.seed is not None and index:
         update["seed"] = (params.seed + index + 2**63) % 2**64 - 2**63
