@@ -248,6 +248,16 @@ def test_a_flood_of_unknown_fields_is_one_error(url: str) -> None:
     nine = {f"k{i}": 0 for i in range(9)}  # one past the limit, far fewer keys than the request's own fields
     r = httpx.post(f"{url}{COMPLETIONS}", json={"model": MODEL, "prompt": "hi", **nine}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"].endswith("9 unknown fields ('k0', 'k1', 'k2', ...)")
+    # a field the body names by its alias (``schema``, ``json``) is no unknown one: it led the list, counted in it
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {}, **nine}}
+    r = httpx.post(f"{url}{COMPLETIONS}", json={"model": MODEL, "prompt": "hi", "response_format": schema}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].endswith("9 unknown fields ('k0', 'k1', 'k2', ...)")
+    eight = {f"k{i}": 0 for i in range(8)}  # as many as the limit: an error each
+    r = httpx.post(
+        f"{url}{COMPLETIONS}", json={"model": MODEL, "prompt": "hi", "structured_outputs": {"json": {}, **eight}}
+    )
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("structured_outputs.k0: Extra inputs are not permitted"), r.text
 
 
 @pytest.mark.parametrize(

@@ -80,6 +80,15 @@ def test_context_length_exceeded_names_the_parameter(url: str) -> None:
         assert f"maximum context length is {CONTEXT} tokens" in error["message"]
 
 
+def test_nan_and_infinity_are_refused_as_not_finite(url: str) -> None:
+    """Python's JSON parser takes NaN and Infinity (JSON has neither): the 400 said a NaN temperature was above 2."""
+    for field, value in (("temperature", "NaN"), ("top_p", "Infinity"), ("temperature", "-Infinity")):
+        content = f'{{"model": "{MODEL}", "prompt": "x", "{field}": {value}}}'
+        r = httpx.post(url + COMPLETIONS, content=content, headers={"Content-Type": "application/json"})
+        error = _error(r)
+        assert error["param"] == field and "finite number" in error["message"], error
+
+
 def test_chat_without_a_limit_generates_up_to_the_context(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model=MODEL, messages=USER, temperature=0, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
     assert out.usage is not None and out.usage.total_tokens == CONTEXT and out.choices[0].finish_reason == "length"

@@ -56,7 +56,8 @@ class ClosedModel(BaseModel):
         if isinstance(data, dict) and cls.unset_when_empty:
             data = {k: v for k, v in data.items() if not (k in cls.unset_when_empty and (v is None or v == []))}
         if isinstance(data, dict) and len(data) > MAX_UNKNOWN_FIELDS:
-            unknown = [k for k in data if k not in cls.model_fields]
+            known = {f.alias or name for name, f in cls.model_fields.items()}  # a body names a field by its alias
+            unknown = [k for k in data if k not in known]
             if len(unknown) > MAX_UNKNOWN_FIELDS:
                 first = ", ".join(repr(str(k)[:40]) for k in unknown[:3])
                 raise ValueError(f"{len(unknown)} unknown fields ({first}, ...)")
@@ -89,7 +90,7 @@ class SpeculationOptions(ClosedModel):
 # JSON types are strict (``"stream": "yes"`` and ``"max_tokens": "10"`` are 400s, not coerced); numbers may be given
 # as integers where a float is expected. Every constraint below is one the server enforces, so /openapi.json (built
 # from these models) documents exactly what is accepted.
-StrictFloat = Annotated[float, Field(strict=True)]
+StrictFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # NaN, Infinity: JSON has neither
 # the end of the signed 64-bit range, exclusive (OpenAPI bounds are floats, and 2**63 - 1 is not one): Python's JSON
 # parser takes integers of up to 4300 digits, and one of those in an error message cannot even be printed
 INT64_END = 2**63
