@@ -56,6 +56,12 @@ class PromptEncoder:
         tokenizer = self._tokenizer(advice=" to decode them")
         if outside := sorted({t for t in token_ids if not 0 <= t < self.vocab_size})[:3]:
             raise InvalidRequestError(f"{param} must be in [0, {self.vocab_size}), not {outside}", param=param)
+        if unknown := sorted({t for t in token_ids if t >= len(tokenizer)})[:3]:  # (the decoder dropped them)
+            raise InvalidRequestError(
+                f"{param}: the tokenizer has no token {unknown} (it has {len(tokenizer)}; the model embeds "
+                f"{self.vocab_size}, rows past the tokenizer's padding)",
+                param=param,
+            )
         return str(tokenizer.decode(token_ids, skip_special_tokens=False))
 
     def pieces(self, token_ids: list[int]) -> list[str]:

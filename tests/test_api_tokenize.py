@@ -134,6 +134,16 @@ def test_without_a_tokenizer_each_says_so() -> None:
         encoder.pieces([1])
 
 
+def test_an_id_the_model_embeds_but_the_tokenizer_lacks_is_refused_not_dropped() -> None:
+    """Checkpoints pad the embedding past the tokenizer (Qwen2: 151936 rows, 151665 tokens): such an id was
+    silently left out of /detokenize's text."""
+    tok = tiny_tokenizer()
+    encoder = PromptEncoder(tok, len(tok) + 8)
+    assert encoder.decode([5, len(tok) - 1]) == tok.decode([5, len(tok) - 1], skip_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match=rf"tokens: the tokenizer has no token \[{len(tok)}\]"):
+        encoder.decode([5, len(tok)])
+
+
 def test_calls_hold_a_thread_each_until_it_ends_and_at_most_a_few_run_at_once() -> None:
     """A flood of /tokenize calls would take the executor's threads from generation's prompts: at most
     MAX_TOKENIZING run, the rest wait; a caller that leaves frees its place when its thread ends, not before."""
