@@ -10,6 +10,7 @@ import torch
 from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from specserve.arg_types import device_problem
+from specserve.errors import ModelSourceError
 from specserve.guard import GuardConfig
 from specserve.policy import DSDEConfig, SparseTail
 from specserve.sampling import MAX_BATCH_SIZE, MAX_CONTEXT
@@ -183,7 +184,7 @@ class ModelSpec(Validated):
 
         if self.source in BUILTIN_MODELS:
             return SourceKind.builtin
-        path = Path(self.source).expanduser()
+        path = local_path(self.source)
         if path.is_dir():  # (before the suffix: a checkpoint directory may be named like a GGUF file)
             return SourceKind.hf_dir
         if self.source.endswith(".gguf"):
@@ -191,6 +192,23 @@ class ModelSpec(Validated):
         if self.source.count("/") == 1 and not self.source.startswith((".", "/", "~")):
             return SourceKind.hub
         return SourceKind.hf_dir  # a path that does not exist: loading reports it clearly
+
+
+NAME_MAX = 255  # bytes in one part of a path on Linux's filesystems
+
+
+def local_path(text: str | Path) -> Path:
+    """``text`` as a path on this machine, ``~`` expanded; a ModelSourceError where it can name no file (a ``~user``
+    of no user, a part longer than NAME_MAX): Path.expanduser and Path.is_dir raise for those."""
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError as e:
+        raise ModelSourceError(f"{str(text)[:200]!r}: {e}") from None
+    if long := next((part for part in path.parts if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX), None):
+        raise ModelSourceError(
+            f"{str(text)[:80]!r}...: its part {long[:40]!r}... is longer than {NAME_MAX} bytes, which no file's name is"
+        )
+    return path
 
 
 BUILTIN_HEADS_DIR = Path(__file__).parent / "heads"  # heads shipped with the package: heads/<name>/
@@ -230,7 +248,7 @@ class HeadSpec(Validated):
     )
 
     def path(self) -> Path:
-        return BUILTIN_HEADS_DIR / self.head if self.shipped else Path(self.head).expanduser()
+        return BUILTIN_HEADS_DIR / self.head if self.shipped else local_path(self.head)
 
     @property
     def shipped(self) -> bool:

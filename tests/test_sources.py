@@ -1549,3 +1549,22 @@ def test_a_forced_reconversion_flushes_before_it_moves_the_old_directory_aside(
     assert flushed_without_target == []
     assert (target / COMPLETE_MARKER).is_file() and (target / "model.safetensors").is_file()
     assert not list(target.parent.glob(f".{target.name}.tmp-*"))
+
+
+@pytest.mark.parametrize("where", ["~no-such-user-here/model", "/tmp/" + "a" * 300, "/tmp/" + "a" * 300 + ".gguf"])
+def test_a_path_no_file_can_have_is_a_source_error_not_a_traceback(where: str) -> None:
+    """Path.expanduser raises RuntimeError for a ``~user`` of no user, and Path.is_dir OSError (ENAMETOOLONG) for a
+    part past 255 bytes: both came out of --model, --draft and a head's path as tracebacks."""
+    from specserve.config import HeadSpec
+    from specserve.models.tiny import tiny_config, tiny_model
+    from specserve.spec_decode.head_checkpoint import load_eagle_head
+
+    says = "Could not determine home directory" if where.startswith("~") else "longer than 255 bytes"
+    with pytest.raises(ModelSourceError, match=says):
+        ModelSpec(source=where).resolved_kind()
+    with pytest.raises(ModelSourceError, match=says):
+        ModelSpec(source=where, native_q4=True)
+    with pytest.raises(ModelSourceError, match=says):
+        HeadSpec(head=where).path()
+    with pytest.raises(ModelSourceError, match=says):
+        load_eagle_head(Path(where), tiny_model(tiny_config(), seed=0))

@@ -418,7 +418,7 @@ def load_eagle_head(
     ``check_target``, its record of its target's embedding too, and its own copies of the target's embedding or LM
     head bound where they are not the target's: off to fine-tune a head for a new target; a head shipped in the
     package must carry its ``.sha256``)."""
-    path = Path(path)
+    path = config.local_path(path)
     if not (path / "config.json").is_file():
         raise UnsupportedModelError(f"no config.json in {path}")
     try:
