@@ -1025,6 +1025,49 @@ def test_self_written_requests_whose_answers_would_not_fit_are_dropped(tmp_path:
     assert (prov["self_prompts_asked"], prov["self_prompts_kept"]) == (3, 2)
 
 
+def test_self_written_requests_kept_by_another_filter_are_refused_on_a_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MT-bench filter runs when a chunk is written: a rerun reused chunks an older filter had kept (one that let
+    "Prove the Pythagorean theorem." through) and trained on them, its provenance saying none shares a run with
+    MT-bench. The manifest records the filter, so such chunks are refused."""
+    from specserve.train import pipeline, self_prompts
+
+    target, _, distill, _, cfg = _tiny_train_draft()
+    tok = _SelfWritingTokenizer()
+
+    def ask(prefix: list[int], n: int, seed: int) -> list[list[int] | None]:
+        return [tok.encode(t) for t in ("Prove the Pythagorean theorem.", "a harmless request of mine")[:n]]
+
+    settings = replace(cfg, self_prompts=2, data=replace(cfg.data, num_prompts=0))
+    older = self_prompts.BannedRuns.of([])  # a filter that bans nothing
+    monkeypatch.setattr(pipeline, "mt_bench_runs", lambda: older)
+    pipeline.train_draft(target, tok, distill, settings, tmp_path / "w", tmp_path / "h0", ask=ask, log=lambda _: None)
+    assert json.loads((tmp_path / "h0" / "provenance.json").read_text())["data"]["self_prompts_kept"] == 2
+    monkeypatch.setattr(pipeline, "mt_bench_runs", self_prompts.mt_bench_runs)
+    with pytest.raises(SettingsError, match=r"data written with other settings \(filter: "):
+        pipeline.train_draft(
+            target, tok, distill, settings, tmp_path / "w", tmp_path / "h1", ask=ask, log=lambda _: None
+        )
+    pipeline.train_draft(target, tok, distill, settings, tmp_path / "w2", tmp_path / "h2", ask=ask, log=lambda _: None)
+    assert json.loads((tmp_path / "h2" / "provenance.json").read_text())["data"]["self_prompts_kept"] == 1
+
+
+def test_data_written_for_another_eos_is_not_reused(tmp_path: Path) -> None:
+    """EOS decides where greedy answers stop and ends every text answer: a tokenizer whose EOS moved between two of
+    its special tokens had the same fingerprint, and its old chunks were mixed with new ones."""
+    from specserve.train.pipeline import tokenizer_fingerprint, train_draft
+
+    target, tok, distill, _, cfg = _tiny_train_draft()
+    other = _SpecialChatTokenizer()
+    other.eos_token_id = 1  # (2 before: both special)
+    assert sorted(other.all_special_ids) == sorted(tok.all_special_ids) and other.eos_token_id != tok.eos_token_id
+    assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tok)
+    train_draft(target, tok, distill, cfg, tmp_path / "w", tmp_path / "h0", log=lambda _: None)
+    with pytest.raises(SettingsError, match=r"data written with other settings \(eos_ids: .*tokenizer: "):
+        train_draft(target, other, distill, cfg, tmp_path / "w", tmp_path / "h1", log=lambda _: None)
+
+
 def test_an_eagle3_fine_tune_notes_special_ids_its_own_vocabulary_lacks(tmp_path: Path) -> None:
     """An EAGLE-3 head keeps its own draft ids, but the note on special ids it lacks read the first --draft-vocab
     ids of its vocab_map.json: with a --draft-vocab larger than the head's 64 ids the note was not said."""

@@ -58,7 +58,7 @@ from specserve.train.distill import (
 )
 from specserve.train.lexicon_prompts import WORDNET_DIR, check_wordnet, lexicon_prompts, load_nouns
 from specserve.train.seed_prompts import seed_prompts, text_passages
-from specserve.train.self_prompts import AskFn, mt_bench_runs, self_prompts, user_turn_prefix
+from specserve.train.self_prompts import AskFn, filter_record, mt_bench_runs, self_prompts, user_turn_prefix
 from specserve.train.trainer import (
     PROVENANCE_FILE,
     TrainConfig,
@@ -150,6 +150,7 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     h.update(backend.to_str().encode() if backend is not None else b"-")
     h.update(repr(getattr(tokenizer, "chat_template", None)).encode())
     h.update(repr(sorted(getattr(tokenizer, "all_special_ids", ()))).encode())
+    h.update(repr(getattr(tokenizer, "eos_token_id", None)).encode())  # (text answers end with it; one of the above)
     for probe in ("a", "Write a short poem."):
         h.update(repr(chat_ids(tokenizer, probe)).encode())
     return h.hexdigest()
@@ -281,6 +282,7 @@ def train_draft(
     written["target_weights"] = weights_fingerprint(target)  # the name alone: a file replaced under it went unseen
     written["tokenizer"] = tokenizer_fingerprint(tokenizer)  # a new chat template under the same weights too
     written["python"] = platform.python_version()  # seed prompts and text passages read its stdlib's docs
+    written["eos_ids"] = sorted(eos_ids_of(sorted(target.eos_token_ids), tokenizer))  # where greedy answers stop
     answered = written | {"max_new_tokens": cfg.data.max_new_tokens, "chunk_size": cfg.data.chunk_size}
     if cfg.data.num_prompts:
         claim_data_dir(data_dir, answered | {"prompts": "seed_prompts"})
@@ -342,7 +344,7 @@ def train_draft(
             return [r for r in written if len(chat_ids(tokenizer, r)) <= room]
 
         self_dir = work_dir / "self"
-        claim_data_dir(self_dir, answered | {"prompts": "self_prompts"})
+        claim_data_dir(self_dir, answered | {"prompts": "self_prompts", "filter": filter_record(banned)})
         chunks = build_self_dataset(
             distill,
             tokenizer,

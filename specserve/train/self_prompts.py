@@ -9,6 +9,7 @@ set.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -64,6 +65,10 @@ class BannedRuns:
         short = {" " + " ".join(w) + " " for t in texts if 0 < len(w := words(t)) < n}
         return cls(frozenset().union(*(shingles(t, n) for t in texts)), tuple(sorted(short)), n)
 
+    def digest(self) -> str:
+        h = hashlib.sha256(repr((self.n, sorted(self.runs), self.short)).encode())
+        return h.hexdigest()
+
     def hit(self, text: str) -> bool:
         w = words(text)
         if not _runs(w, self.n).isdisjoint(self.runs):
@@ -75,6 +80,15 @@ class BannedRuns:
 def mt_bench_runs(n: int = SHINGLE_WORDS) -> BannedRuns:
     raw = resources.files("specserve.bench").joinpath("data/mt_bench.jsonl").read_text()
     return BannedRuns.of((t for line in raw.splitlines() if line.strip() for t in json.loads(line)["turns"]), n)
+
+
+FILTER_VERSION = 2  # bumped with every change to what keep_requests keeps (2: short MT-bench turns held whole)
+
+
+def filter_record(banned: BannedRuns) -> dict[str, object]:
+    """What decided which written requests were kept, for a data directory's manifest: chunks kept under another
+    filter (an older one that let an MT-bench turn through) are refused on a resume, not trained on."""
+    return {"version": FILTER_VERSION, "chars": [MIN_CHARS, MAX_CHARS], "banned_sha256": banned.digest()}
 
 
 def keep_requests(texts: Iterable[str | None], banned: BannedRuns, special: Iterable[str]) -> list[str]:
