@@ -28,7 +28,7 @@ from specserve.config import (
     serving_speculation,
 )
 from specserve.console import console_safe
-from specserve.errors import SettingsError, SpecServeError, settings_problems
+from specserve.errors import ModelSourceError, SettingsError, SpecServeError, settings_problems
 from specserve.sampling import SamplingParams
 from specserve.structured import FormatKind, GrammarCompiler, OutputFormat
 
@@ -160,7 +160,11 @@ def _draft_for(name: str, target: ModelSpec, device: str = "cpu") -> DraftSpec |
                   f"{device}); generating without speculation", file=sys.stderr)  # fmt: skip
         return None if pair is None else MODEL_PAIRS[pair][1]
     head = HeadSpec(head=name)
-    if not _names(head.path(), Path.is_dir):
+    try:
+        found = _names(head.path(), Path.is_dir)
+    except ModelSourceError:  # (a ~user of no user, a part too long for a path: the list below says more)
+        found = False
+    if not found:
         shipped = sorted(p.name for p in BUILTIN_HEADS_DIR.iterdir() if p.is_dir())
         raise SettingsError(
             f"--draft {name!r} is not 'auto', 'none', a built-in pair ({', '.join(sorted(MODEL_PAIRS))}), a shipped "

@@ -27,6 +27,7 @@ from tests.conftest import forbid_model_loads
         (["--draft", "none", "--method", "ddd"], "--method ddd needs a draft"),  # was ignored: plain decoding
         (["--draft", "smollm2-eagel"], "--draft 'smollm2-eagel' is not 'auto'"),  # was "no config.json in ..."
         (["--draft", "h" * 300], "is not 'auto', 'none', a built-in pair"),  # a name too long for a path: a traceback
+        (["--draft", "~no-such-user-here/head"], "is not 'auto', 'none', a built-in pair"),  # expanduser raised
         (["--temperature", "nan"], "argument --temperature: must be a finite number, not nan"),  # was "<= 100"
         (["--top-p", "inf"], "argument --top-p: must be a finite number, not inf"),
         (["--logit-bias", "5"], "argument --logit-bias: ID=BIAS (a token id and a number), not '5'"),

@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from specserve.errors import InvalidRequestError, SettingsError, TrainingDivergedError, UnsupportedModelError
+from specserve.errors import (
+    CorruptModelError,
+    InvalidRequestError,
+    SettingsError,
+    TrainingDivergedError,
+    UnsupportedModelError,
+)
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
 from specserve.models.tiny import tiny_config, tiny_model
@@ -1066,6 +1072,26 @@ def test_data_written_for_another_eos_is_not_reused(tmp_path: Path) -> None:
     train_draft(target, tok, distill, cfg, tmp_path / "w", tmp_path / "h0", log=lambda _: None)
     with pytest.raises(SettingsError, match=r"data written with other settings \(eos_ids: .*tokenizer: "):
         train_draft(target, other, distill, cfg, tmp_path / "w", tmp_path / "h1", log=lambda _: None)
+
+
+def test_a_fine_tune_keeps_its_heads_draft_vocabulary_size_unless_told_otherwise(tmp_path: Path) -> None:
+    """--init-head says it keeps the head's vocabulary, but the size was --draft-vocab's default (8192): a head
+    trained with 16384 ids came out drafting over 8192. Here: trained with 64, fine-tuned without a size."""
+    from specserve.train.pipeline import DRAFT_VOCAB, train_draft
+    from specserve.train.trainer import trained_vocab_size
+
+    target, tok, distill, train, cfg = _tiny_train_draft()
+    assert target.cfg.vocab_size < DRAFT_VOCAB  # (the default alone is refused for this 512-token target)
+    train_draft(target, tok, distill, replace(cfg, draft_vocab=64), tmp_path / "w0", tmp_path / "h", log=lambda _: None)
+    assert trained_vocab_size(tmp_path / "h") == 64 and trained_vocab_size(tmp_path) is None
+    start = replace(train, init_head=tmp_path / "h", lr=1e-4)
+    for size, out in ((None, "kept"), (96, "told")):
+        tuned = replace(cfg, draft_vocab=size, train=start)
+        train_draft(target, tok, distill, tuned, tmp_path / f"w-{out}", tmp_path / out, log=lambda _: None)
+        assert load_eagle_head(tmp_path / out, target).draft_ids.numel() == (size or 64)
+    (tmp_path / "h" / "provenance.json").write_text('{"draft_vocab": {"size": "many"}}')
+    with pytest.raises(CorruptModelError, match=r"draft_vocab\.size must be a positive integer"):
+        trained_vocab_size(tmp_path / "h")
 
 
 def test_an_eagle3_fine_tune_notes_special_ids_its_own_vocabulary_lacks(tmp_path: Path) -> None:

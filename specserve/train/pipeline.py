@@ -65,10 +65,12 @@ from specserve.train.trainer import (
     check_starting_head,
     prompts_seen,
     train_head,
+    trained_vocab_size,
     write_provenance,
 )
 from specserve.train.vocab import coverage, frequency_order, token_counts, top_vocab
 
+DRAFT_VOCAB, QUICK_DRAFT_VOCAB = 8192, 512
 NO_DATA = "no training data: ask for seed prompts, text passages, corpus passages, lexicon or self-written prompts"
 
 
@@ -77,7 +79,7 @@ class TrainDraftConfig:
     target_name: str
     data: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    draft_vocab: int = 8192
+    draft_vocab: int | None = None  # None: DRAFT_VOCAB (QUICK_DRAFT_VOCAB quick), a fine-tuned head's own size
     text_passages: int = 0  # teacher-forced offline texts (stdlib docstrings) next to the distilled answers
     self_prompts: int = 0  # requests the target writes itself (Magpie), answered like the seed prompts
     lexicon_prompts: int = 0  # task templates over WordNet's nouns (specserve.train.lexicon_prompts)
@@ -101,7 +103,6 @@ class TrainDraftConfig:
             target_name,
             DistillConfig(num_prompts=8, max_new_tokens=16, chunk_size=4),
             TrainConfig(epochs=1, batch_tokens=256, max_len=128, warmup_steps=2, checkpoint_every=2),
-            draft_vocab=512,
             quick=True,
         )
 
@@ -221,11 +222,13 @@ def train_draft(
                 f"note: {cfg.train.init_head} was trained for {start.trained_for}; fine-tuning it for {cfg.target_name}"
             )
     forced = special_ids(tokenizer, sorted(target.eos_token_ids))
-    if cfg.draft_vocab > target.cfg.vocab_size:
-        raise SettingsError(
-            f"draft_vocab {cfg.draft_vocab} is larger than the target's vocabulary ({target.cfg.vocab_size})"
-        )
-    size = cfg.draft_vocab
+    source = cfg.train.init_head
+    # a fine-tune keeps its head's size too (it took the default's 8192 of a head trained with 16384)
+    size = (
+        cfg.draft_vocab or (source and trained_vocab_size(source)) or (QUICK_DRAFT_VOCAB if cfg.quick else DRAFT_VOCAB)
+    )
+    if size > target.cfg.vocab_size:
+        raise SettingsError(f"draft_vocab {size} is larger than the target's vocabulary ({target.cfg.vocab_size})")
     if size < len(forced):
         raise SettingsError(f"draft_vocab {size} cannot hold the {len(forced)} special ids forced into it: {forced}")
     answers = {"max_new_tokens": cfg.data.max_new_tokens if cfg.data.num_prompts or cfg.self_prompts else 0}
@@ -235,7 +238,6 @@ def train_draft(
             raise SettingsError(
                 f"{name} {n}: answers that long do not fit the target's {target.max_positions} positions"
             )
-    source = cfg.train.init_head
     has_map = source is not None and (source / VOCAB_MAP).exists()
     beyond = [i for i in forced if not 0 <= i < target.cfg.vocab_size]
     if beyond and not has_map:  # a new vocabulary forces them in (a ValueError after all the data had been made); a
@@ -505,7 +507,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=None)
     p.add_argument("--epochs", type=positive_int, default=None)
     p.add_argument(
-        "--draft-vocab", type=positive_int, default=None, help="reduced draft vocabulary size (default 8192)"
+        "--draft-vocab",
+        type=positive_int,
+        default=None,
+        help=f"reduced draft vocabulary size (default {DRAFT_VOCAB}, {QUICK_DRAFT_VOCAB} with --quick; with "
+        "--init-head the starting head's)",
     )
     p.add_argument("--text-passages", type=non_negative_int, default=0, help="teacher-forced stdlib docstrings to add")
     p.add_argument(
@@ -542,7 +548,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--init-head",
         default=None,
         help="fine-tune this head (shipped name or directory) instead of starting from scratch; keeps its vocabulary "
-        "(an EAGLE-1/2 head without a vocab_map.json takes the new data's top --draft-vocab ids)",
+        "and its size (an EAGLE-1/2 head without a vocab_map.json takes the new data's top --draft-vocab ids)",
     )
     p.add_argument(
         "--lr", type=positive_float, default=None, help="peak learning rate (default 6e-4; lower to fine-tune)"

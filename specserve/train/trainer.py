@@ -419,4 +419,27 @@ def prompts_seen(head_dir: Path) -> dict[str, int | None]:
         raise CorruptModelError(f"{provenance}: not a provenance record of train-draft ({e})") from None
 
 
-__all__ = ["TrainConfig", "column_of", "prompts_seen", "train_head", "ttt_loss", "ttt_mask", "write_provenance"]
+def trained_vocab_size(head_dir: Path) -> int | None:
+    """The draft vocabulary size a head was trained with, from its provenance.json (None: a head without one)."""
+    provenance = head_dir / PROVENANCE_FILE
+    if not provenance.exists():
+        return None
+    try:
+        size = json.loads(provenance.read_text())["draft_vocab"]["size"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise CorruptModelError(f"{provenance}: not a provenance record of train-draft ({e!r})") from None
+    if type(size) is not int or size < 1:
+        raise CorruptModelError(f"{provenance}: draft_vocab.size must be a positive integer, not {size!r}")
+    return size
+
+
+__all__ = [
+    "TrainConfig",
+    "column_of",
+    "prompts_seen",
+    "train_head",
+    "trained_vocab_size",
+    "ttt_loss",
+    "ttt_mask",
+    "write_provenance",
+]
