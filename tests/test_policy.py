@@ -503,6 +503,43 @@ def test_observe_validates_and_drops_nonfinite():
     assert list(s.history) == [0.1] and s.dropped_klds == 2
 
 
+def test_sf_reads_the_mean_of_the_last_steps_finite_klds() -> None:
+    """m (§4.4) is the last step's mean KLD, also over unequal values; a step with no finite KLD leaves it at the
+    step before's (§4.7), not at 0 (which reads as perfect agreement)."""
+    cfg = DSDEConfig()
+    s = _run(cfg, 0.05, 40)
+    assert (s.sl_min, s.sl_max) == (2, 16) and s.last_step_mean_kld == pytest.approx(0.05)
+    s.observe([0.0, 0.2], 2, 2)
+    assert s.last_step_mean_kld == pytest.approx(0.1)
+    assert s.next_sl() == predict_sl(wvir(s.history, cfg), scale_factor(0.1, cfg.alpha), 2, 16)
+    t = _run(cfg, 0.05, 40)
+    t.observe([float("nan")], 2, 0)
+    assert t.last_step_mean_kld == pytest.approx(0.05) and t.dropped_klds == 1
+    assert t.next_sl() == predict_sl(wvir(t.history, cfg), scale_factor(0.05, cfg.alpha), 2, 16)
+
+
+def test_calibration_reads_the_largest_kld_of_the_whole_warm_up() -> None:
+    """M (§4.5) is the maximum over every warm-up KLD, not the last step's: one step at 1.0, then 0.1s."""
+    s = SequenceDSDE(DSDEConfig())
+    s.observe([1.0], 4, 0)  # 1 position
+    while s.in_warmup:
+        s.observe([0.1] * 4, 4, 4)  # 4 positions each: 8 of them end warm-up at 33
+    assert s.positions == 33 and s.warmup_kld_max == 1.0
+    # A_max 4, mu = (1.0 + 32 x 0.1) / 33 = 0.1273, M = 1.0: round(4 x 1.1273) = round(4.51) = 5 (M = 0.1: 9)
+    assert (s.sl_min, s.sl_max) == (2, 5)
+
+
+def test_warmup_doubles_only_after_a_step_that_accepted_every_drafted_token() -> None:
+    """Not after one that drafted none (a tree its floor pruned to its root: 0 of 0), nor one short by a token."""
+    s = SequenceDSDE(DSDEConfig())
+    s.observe([0.1], 0, 0)
+    assert s.next_sl() == 4
+    s.observe([0.1] * 4, 4, 3)
+    assert s.next_sl() == 4
+    s.observe([0.1] * 4, 4, 4)
+    assert s.next_sl() == 8
+
+
 def _run(cfg: DSDEConfig, kld: float, steps: int) -> SequenceDSDE:
     """A sequence whose every drafted token is accepted and whose KLD is constant."""
     s = SequenceDSDE(cfg)

@@ -123,7 +123,7 @@ def test_a_cold_step_among_first_steps_of_one_size_counts_as_their_median() -> N
     assert floor.row_cost(1) == pytest.approx(0.0011, rel=0.15)
 
 
-@pytest.mark.parametrize("at", [17, 30])
+@pytest.mark.parametrize("at", [16, 17, 30])  # (16: the first step the fit clips)
 def test_a_pause_among_whole_trees_after_the_first_steps_is_clipped(at: int) -> None:
     """Past the first steps, rows that never varied give the fit no line, yet a step still counts as at most twice
     their mean: unclipped, a 10x step there read a row at twice its cost once the rows varied."""
@@ -226,3 +226,16 @@ def test_the_plan_carries_the_floor_only_where_a_tree_asks_for_it() -> None:
     chain = SpecConfig(method=SpecMethod.chain, sl=2, adaptive_floor=True)
     assert planner.plan([_Row(chain)]).min_prob is None  # chains have no floor to set
     assert SLPlanner().plan([_Row(ddd.model_copy(update={"adaptive_floor": True}))]).min_prob is None
+
+
+def test_the_rate_forgets_old_steps_at_its_memory() -> None:
+    """R is a decayed ratio (docs/algorithms.md §2.3): after 100 steps at 60 tokens/s and 200 at 20 it reads close to
+    20, as the geometric weights say, where a cumulative ratio read 33."""
+    floor = TreeFloor()
+    for tokens_per_s, steps in ((60.0, 100), (20.0, 200)):
+        for _ in range(steps):
+            floor.record_rate(1, 2, 2 / tokens_per_s)
+    k = 1.0 - 1.0 / floor.memory
+    new, old = (1 - k**200) / (1 - k), k**200 * (1 - k**100) / (1 - k)  # the steps' summed weights
+    assert floor.tokens_per_s(1) == pytest.approx(2 * (new + old) / (new * 2 / 20 + old * 2 / 60), rel=1e-9)
+    assert floor.tokens_per_s(1) < 22
