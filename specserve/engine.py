@@ -95,9 +95,9 @@ class Engine:
             # ask for it on a plain engine and gets an InvalidRequestError then)
             raise SettingsError(f"speculation {cfg.speculation.method.value!r} needs a draft model; none is given")
         draft_positions, draft_vocab = draft_geometry(draft)
-        limits = context_limits(
-            max_model_len=max_model_len,
-            spec_headroom=spec_headroom,
+        limits = context_limits(  # (cfg's values: the arguments as validated, "256" or 256.0 made 256)
+            max_model_len=cfg.max_model_len,
+            spec_headroom=cfg.spec_headroom,
             speculation=cfg.speculation,
             target_positions=model.max_positions,
             target_vocab=model.cfg.vocab_size,
@@ -112,10 +112,10 @@ class Engine:
         )
         num_slots = device_kv_slots(
             [model] if draft is None else [model, draft],
-            requested=max_batch_size,
+            requested=cfg.max_batch_size,
             max_len=limits.kv_len,
             step_tokens=limits.spec_headroom,
-            share=None if gpu_memory_utilization is None else MemoryShare(gpu_memory_utilization),
+            share=None if cfg.gpu_memory_utilization is None else MemoryShare(cfg.gpu_memory_utilization),
         )
         cfg = cfg.model_copy(update={"max_batch_size": num_slots})  # fewer slots fit: fewer sequences at once
         slots = {"num_slots": num_slots, "max_len": limits.kv_len}
@@ -160,7 +160,12 @@ class Engine:
     def encode(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """A prompt's ids: text (through the chat template with ``chat``), chat messages (the template always) or
         token ids (as they are: ``chat`` applies to text)."""
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):  # chat messages
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages
+            if (bad_at := next((i for i, m in enumerate(prompt) if not isinstance(m, dict)), None)) is not None:
+                item = prompt[bad_at]
+                raise InvalidRequestError(
+                    f"chat messages are dicts; message {bad_at} is {type(item).__name__} {str(item)[:80]!r}"
+                )
             return self.encoder.chat(prompt)  # type: ignore[arg-type]
         if isinstance(prompt, list):
             bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
@@ -278,6 +283,8 @@ class Engine:
         ``asyncio.gather`` does. A failure of the whole step raises either way."""
         if isinstance(request_ids, str):  # (a Sequence: its characters were taken for ids)
             raise InvalidRequestError(f"request_ids are a list of ids, not a str: [{request_ids!r}]?")
+        if not isinstance(request_ids, Sequence):
+            raise InvalidRequestError(f"request_ids are a list of ids, not {type(request_ids).__name__}")
         ids = list(request_ids)
         if len(set(ids)) != len(ids):
             raise InvalidRequestError(f"request ids given twice: {sorted({r for r in ids if ids.count(r) > 1})}")

@@ -645,6 +645,19 @@ def test_a_str_where_a_list_of_ids_or_params_goes_is_refused_by_name(tiny: Llama
         engine.generate([PROMPTS[0]], "ab")  # type: ignore[arg-type]
 
 
+def test_misused_arguments_get_errors_that_name_them(tiny: LlamaModel) -> None:
+    """Values the engine's settings accept as numbers ("256", 256.0) were then used as given (a TypeError from the KV
+    cache's torch.zeros); collect(None) was a bare TypeError; a chat list with one item not a dict was blamed on its
+    first, valid message."""
+    for kw in ({"max_model_len": 256.0}, {"max_model_len": "256"}, {"max_batch_size": 4.0}, {"spec_headroom": "8"}):
+        engine = Engine(tiny, None, eos_token_ids=set(), **kw)  # type: ignore[arg-type]
+        assert engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4))[0].token_ids
+    with pytest.raises(InvalidRequestError, match="request_ids are a list of ids, not NoneType"):
+        engine.collect(None)  # type: ignore[call-overload]
+    with pytest.raises(InvalidRequestError, match="chat messages are dicts; message 1 is str 'and more'"):
+        engine.encode([{"role": "user", "content": "hi"}, "and more"])  # type: ignore[arg-type]
+
+
 def test_the_library_errors_pickle_with_their_fields() -> None:
     """Errors that cross a Ray call are pickled: a PromptTooLongError or PartialStepError could not be rebuilt
     (their __init__ takes fields the message arguments leave out)."""
