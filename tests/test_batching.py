@@ -1384,8 +1384,8 @@ def test_a_catch_up_put_off_for_max_try_spacing_steps_runs_and_its_cost_replaces
     later switch look unpaying, and speculation, 4x faster, never ran again. Now the switch runs once it has been
     put off ``max_try_spacing`` steps, though a try of plain decoding came due meanwhile (the default tries come due
     every 20-640 steps, long before the cap), and its catch-up's cost replaces the estimate (blended, a 1000x
-    estimate would take dozens of such switches to come down)."""
-    cfg = GuardConfig(warmup=1, warmup_z=0.0, smoothing=1.0, token_smoothing=1.0, outlier_clip=100.0)
+    estimate would take dozens of such switches to come down: at smoothing 1 the two are one)."""
+    cfg = GuardConfig(warmup=1, warmup_z=0.0, smoothing=0.3, token_smoothing=1.0, outlier_clip=100.0)
     guard = ThroughputGuard(cfg)
     guard.record(16, False, tokens=16, seconds=1.0)
     guard.record(16, True, tokens=0, seconds=1001.0, caught_up_tokens=MISSED)  # the host swamped

@@ -519,3 +519,32 @@ def test_a_compiler_that_fails_its_version_check_leaves_the_python_loop(tmp_path
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "unavailable: building" in done.stdout
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "stack"])
+def test_aux_features_are_the_inputs_of_their_layers_as_transformers_numbers_them(native: bool) -> None:
+    """EAGLE-3's aux layer i is the input of decoder layer i: transformers' ``hidden_states[i]`` (0: the embeddings).
+    Every other test compares hidden_states with itself (loop, stack, training, serving), so outputs taken one
+    layer late passed them all, and a published head would read features it was not trained on."""
+    from transformers import LlamaForCausalLM
+
+    from specserve.models.tiny import hf_state_dict
+
+    config = tiny_config("llama", num_hidden_layers=3)
+    model = tiny_model(config, seed=4)
+    cfg = model.cfg
+    hf = LlamaForCausalLM(config).eval()
+    hf.load_state_dict({k: v.detach().clone() for k, v in hf_state_dict(model).items()}, strict=True)
+    tokens = [3, 1, 4, 1, 5]
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states  # (L + 1) x [1, T, hidden]
+    model.native_stack = build_stack(model, fused=False) if native else None
+    cache = model.new_cache(1, 64)
+    _, aux = model.hidden_states(ForwardBatch.build(cache, [cache.allocate()], [tokens]), cache, (0, 1, 2))
+    assert aux is not None
+    blocks = aux.split(cfg.hidden_size, dim=-1)
+    assert torch.equal(blocks[0], model.embed_tokens(torch.tensor(tokens)))
+    for i, block in enumerate(blocks):
+        torch.testing.assert_close(block, want[i][0], rtol=1e-4, atol=1e-4)
+        if i:
+            assert not torch.allclose(block, want[i + 1][0], rtol=1e-2, atol=1e-2)  # (not the layer's output)

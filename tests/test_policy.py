@@ -651,6 +651,16 @@ def test_kld_sparse_by_hand():
     # lumped: 0.25 ln(0.25/0.7) + 0.75 ln(0.75/0.3)
     want_l = 0.25 * math.log(0.25 / 0.7) + 0.75 * math.log(0.75 / 0.3)
     assert kld_sparse(p, idx, prob, tail=SparseTail.lumped).item() == pytest.approx(want_l, rel=1e-6)
+    # a probability of q's top-K that underflowed to 0 counts as the floor, in either tail (inf before, in lumped:
+    # observe drops it, and the sequence loses its signal)
+    from specserve.policy.kld import PROB_FLOOR
+
+    idx, prob = torch.tensor([[0, 1]]), torch.tensor([[0.0, 0.7]])
+    floored = 0.25 * math.log(0.25 / PROB_FLOOR) + 0.25 * math.log(0.25 / 0.7)
+    want = floored + 2 * 0.25 * math.log(0.25 / 0.15)  # the leftover 0.3 over the other two
+    assert kld_sparse(p, idx, prob).item() == pytest.approx(want, rel=1e-5)
+    want_l = floored + 0.5 * math.log(0.5 / 0.3)
+    assert kld_sparse(p, idx, prob, tail=SparseTail.lumped).item() == pytest.approx(want_l, rel=1e-5)
 
 
 def test_kld_sparse_equals_exact_when_k_is_v():
