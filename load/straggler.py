@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import hashlib
 import math
 import random
 import statistics
@@ -923,8 +924,18 @@ def merged_traces(paths: Sequence[Path]) -> list[RunTrace]:
     plain decoding's from the same sweep; a point first seen keeps its numbers (its pass 0 is the one plotted)."""
     traces: list[RunTrace] = []
     next_pass: dict[tuple[str, int], int] = {}
+    if len({p.resolve() for p in paths}) != len(paths):  # (counted its passes twice: a narrower interval)
+        raise ValueError(f"a traces file is given twice: {[str(p) for p in paths]}")
+    seen: dict[str, Path] = {}  # a run's content (its pass number left out) -> the file it came from
     for path in paths:
         runs = read_traces(path)
+        for t in runs:  # ... or a copy of one (a backup directory a glob matched)
+            content = hashlib.sha256(t.model_copy(update={"repeat": 0}).model_dump_json().encode()).hexdigest()
+            if (earlier := seen.setdefault(content, path)) != path:
+                raise ValueError(
+                    f"{path} and {earlier} hold the same run ({t.policy.value} at batch {t.batch}, {t.label}): a "
+                    "sweep merged twice would count its passes twice"
+                )
         first = {(t.label, t.batch): next_pass.get((t.label, t.batch), 0) for t in runs}
         runs = [t.model_copy(update={"repeat": first[t.label, t.batch] + t.repeat}) for t in runs]
         for t in runs:

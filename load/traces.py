@@ -111,6 +111,7 @@ class RunSettings(BaseModel):
     tiny_noise: float | None = None  # the tiny pair only
     threads: int | None = None
     freeze_gc: bool = True
+    seed: int = 0  # the workloads' prompts and lengths (and the tiny pair's weights)
 
     def describe(self, baseline: RunSettings) -> str:
         """What differs from ``baseline`` (the sweep's defaults for the pair)."""

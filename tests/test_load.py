@@ -1046,6 +1046,17 @@ def test_the_study_pairs_each_policy_with_plain_decoding_in_the_same_pass(tmp_pa
         (16, 0),
         (16, 0),
     ]
+    # a sweep given twice, or a copy of it, counted its passes twice: the same interval reported at 97% coverage
+    with pytest.raises(ValueError, match="a traces file is given twice"):
+        straggler.merged_traces([*files, files[0]])
+    (tmp_path / "a-backup").mkdir()
+    (tmp_path / "a-backup" / "traces.jsonl").write_text((tmp_path / "a" / "traces.jsonl").read_text())
+    with pytest.raises(ValueError, match=r"a-backup/traces\.jsonl and .*/a/traces\.jsonl hold the same run"):
+        straggler.merged_traces([*files, tmp_path / "a-backup" / "traces.jsonl"])
+    # sweeps of other seeds (other prompts and lengths; for the tiny pair, other weights) are not one workload
+    seeded = [_timed_run(plain, 0, 100.0).model_copy(update={"settings": RunSettings(seed=s)}) for s in (0, 1)]
+    with pytest.raises(ValueError, match=r"different settings: tiny_noise None; and tiny_noise None, seed 1$"):
+        straggler.summarize(seeded)
     out = tmp_path / "merged"
     straggler.report_from_traces(files, out)
     merged = {(r["batch"], r["policy"]): r for r in csv.DictReader((out / "straggler.csv").open())}
