@@ -133,7 +133,7 @@ def test_sdk_default_no_op_fields_are_accepted(client: openai.OpenAI, url: str) 
 
 def test_the_sdks_own_assistant_message_can_be_sent_back(client: openai.OpenAI, url: str) -> None:
     """The usual multi-turn loop appends the message the SDK returned: its model carries OpenAI's other fields as
-    null (refusal, tool_calls, audio, ..., and ``parsed`` after ``parse``/``stream``). Null or [] is unset and
+    null (refusal, tool_calls, audio, ...). Null or [] is unset and
     accepted; a value is refused by name, as are OpenAI's request fields this server does not take, unless null (an
     assistant message's tool_calls are taken: tests/test_api_tools.py)."""
     first = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3, temperature=0)
@@ -142,6 +142,18 @@ def test_the_sdks_own_assistant_message_can_be_sent_back(client: openai.OpenAI, 
     again = [*USER, sent_back, {"role": "user", "content": "and then?"}]
     out = client.chat.completions.create(model=MODEL, messages=again, max_tokens=3, temperature=0)  # type: ignore[arg-type]
     assert out.choices[0].message.content
+    # what the SDK's stream and parse helpers add, whatever its value: the message's ``parsed`` (a parsed response
+    # format), a call's ``index`` and ``parsed_arguments`` (400s before: a tool loop on those helpers failed on its
+    # second request)
+    read = {
+        "id": "c",
+        "type": "function",
+        "index": 0,
+        "function": {"name": "f", "arguments": "{}", "parsed_arguments": {}},
+    }
+    helper = {"role": "assistant", "content": "{}", "parsed": {"unit": "f"}, "tool_calls": [read]}
+    r = httpx.post(url + CHAT, json={"model": MODEL, "messages": [*USER, helper, *USER], "max_tokens": 1})
+    assert r.status_code == 200, r.text
     call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     for field, value in [("tool_calls", call), ("refusal", "no")]:
         messages = [*USER, {"role": "assistant", "content": "x", field: value}, {"role": "user", "content": "y"}]

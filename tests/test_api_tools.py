@@ -346,3 +346,20 @@ def test_tokenize_reads_tools_as_chat_does() -> None:
     assert TokenizeRequest.model_validate({"messages": MESSAGES, "tools": []}).tools is None
     with pytest.raises(ValueError, match="twice"):
         TokenizeRequest.model_validate({"messages": MESSAGES, "tools": [TOOLS[0], TOOLS[0]]})
+
+
+def test_required_tools_whose_schemas_together_pass_the_limit_are_refused_saying_so(url: str) -> None:
+    """Each tool's schema within the 65536-character limit, the three together past it: 'required' holds them in one
+    schema the server builds, and the 400 quoted the limit of a string the client never sent."""
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 300} for i in range(100)}}
+    tools = [{"type": "function", "function": {"name": f"t{k}", "parameters": big}} for k in range(3)]
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "tools": tools}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body | {"tool_choice": "required"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and "'required' holds every tool's schema in one" in error["message"], error
+    named = {"type": "function", "function": {"name": "t1"}}  # (its own schema alone: not this refusal)
+    assert (
+        "holds every tool's schema"
+        not in httpx.post(f"{url}/v1/chat/completions", json=body | {"tool_choice": named}, timeout=60).text
+    )

@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from specserve.config import Drafter, SLPolicyKind, SpecMethod
+from specserve.errors import InvalidRequestError
 from specserve.sampling import LOGIT_BIAS_BOUND, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from specserve.structured import MAX_CHOICES as MAX_FORMAT_CHOICES
 from specserve.structured import MAX_SCHEMA_CHARS, FormatKind, OutputFormat, check_depth
@@ -49,10 +50,16 @@ class ClosedModel(BaseModel):
     # OpenAI fields this object does not take, accepted when null or [] (unset: OpenAI's SDK sends them so in an
     # assistant message it returned) and refused by name otherwise
     unset_when_empty: ClassVar[frozenset[str]] = frozenset()
+    # what the OpenAI SDK's stream and parse helpers add to a message they return (their client-side readings of its
+    # content or calls: ``parsed``, a call's ``index``, ``parsed_arguments``), dropped whatever their value, so that
+    # message can be sent back as it is
+    sdk_readings: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _few_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.sdk_readings:
+            data = {k: v for k, v in data.items() if k not in cls.sdk_readings}
         if isinstance(data, dict) and cls.unset_when_empty:
             data = {k: v for k, v in data.items() if not (k in cls.unset_when_empty and (v is None or v == []))}
         if isinstance(data, dict) and len(data) > MAX_UNKNOWN_FIELDS:
@@ -682,12 +689,16 @@ def _none_if_empty(v: object) -> object:
 
 
 class FunctionCallIn(ClosedModel):
+    sdk_readings = frozenset({"parsed_arguments"})
+
     name: Utf8Str
     arguments: Utf8Str = Field(description="the arguments as JSON text")
 
 
 class ToolCallIn(ClosedModel):
     """A call an earlier assistant message made (its answer follows in a tool message with its id)."""
+
+    sdk_readings = frozenset({"index"})
 
     id: Utf8Str
     type: Literal["function"]
@@ -703,7 +714,8 @@ class ToolCallIn(ClosedModel):
 
 
 class ChatMessage(ClosedModel):
-    unset_when_empty = frozenset({"refusal", "function_call", "audio", "annotations", "parsed"})
+    unset_when_empty = frozenset({"refusal", "function_call", "audio", "annotations"})
+    sdk_readings = frozenset({"parsed"})
 
     role: ChatRole
     content: MessageContent | None = None
@@ -944,7 +956,15 @@ class ChatCompletionRequest(GenerationRequest):
             schema = {"type": "array", "items": {"anyOf": call}, "minItems": 1, "$defs": defs}
             if self.parallel_tool_calls is False:
                 schema["maxItems"] = 1
-        return OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(schema), param="tools")
+        text = json.dumps(schema)
+        if self.tool_mode is ToolMode.required and len(text) > MAX_SCHEMA_CHARS:  # (the limit's own message named a
+            # string the client never sent)
+            raise InvalidRequestError(
+                f"tools: tool_choice 'required' holds every tool's schema in one: {len(text)} characters as JSON, at "
+                f"most {MAX_SCHEMA_CHARS} (each tool's own is within it: name one, or send fewer)",
+                param="tools",
+            )
+        return OutputFormat(kind=FormatKind.json_schema, schema_text=text, param="tools")
 
     @property
     def format_param(self) -> str:
