@@ -15,7 +15,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec, SourceKind
+from specserve.config import DraftSpec, DType, HeadSpec, ModelSpec, SourceKind, local_path
 from specserve.errors import (
     CorruptModelError,
     ModelSourceError,
@@ -84,7 +84,7 @@ def use_native_q4(model: LlamaModel, spec: ModelSpec) -> None:
         raise UnsupportedModelError(
             "native_q4 runs on the CPU, from float32, without int8_dynamic, on a torch with the int4 CPU kernel"
         )
-    gguf = builtin_gguf(spec.source) if kind == SourceKind.builtin else Path(spec.source).expanduser()
+    gguf = builtin_gguf(spec.source) if kind == SourceKind.builtin else local_path(spec.source)
     cfg = model.cfg
     blocks = gguf_layer_blocks(gguf_tensors(gguf), cfg.num_heads, cfg.num_kv_heads)
     dense_from = dense_rows_on_this_cpu(spec.q4_dense_from)
@@ -326,7 +326,7 @@ def record_source(model: LlamaModel, spec: ModelSpec) -> Path | None:
         return None
     if kind not in (SourceKind.builtin, SourceKind.gguf) or model.device.type != "cpu" or model.dtype != torch.float32:
         return None
-    gguf = builtin_gguf_path(spec.source) if kind == SourceKind.builtin else Path(spec.source).expanduser()
+    gguf = builtin_gguf_path(spec.source) if kind == SourceKind.builtin else local_path(spec.source)
     if not gguf.is_file():
         log.warning("quantised reads: %s is not on disk; the kernel reads float32 weights", gguf)
         return None

@@ -40,7 +40,7 @@ from typing import IO, TYPE_CHECKING, Any
 from filelock import FileLock
 from safetensors import SafetensorError
 
-from specserve.config import ModelSpec, SourceKind
+from specserve.config import ModelSpec, SourceKind, local_path
 from specserve.durable import replace_durably, swap_durably, write_durably
 from specserve.errors import (
     CorruptModelError,
@@ -151,7 +151,7 @@ def resolve(spec: ModelSpec, *, force: bool = False) -> Path:
     if kind is SourceKind.builtin:
         return pull_builtin(spec.source, force=force)
     if kind is SourceKind.gguf:
-        return resolve_gguf(Path(spec.source).expanduser(), force=force)
+        return resolve_gguf(local_path(spec.source), force=force)
     if force:
         raise ModelSourceError(f"{spec.source!r} is a {kind.value} source: only builtins and .gguf files are converted")
     if kind is SourceKind.hub:
@@ -160,7 +160,7 @@ def resolve(spec: ModelSpec, *, force: bool = False) -> Path:
 
 
 def _resolve_hf_dir(source: str) -> Path:
-    path = Path(source).expanduser()
+    path = local_path(source)
     if not path.exists():
         if _looks_like_name(source):
             raise UnknownModelError(
