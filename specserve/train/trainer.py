@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -400,11 +401,11 @@ def prompts_seen(head_dir: Path) -> dict[str, int | None]:
     starting heads' included, from its provenance.json ({"seeds": 0, "lexicon": 0, "seed": 0} for a head without one,
     a published head). ``seed`` is None where a fine-tune drew its prompts with another seed than its starting head:
     which prompts those were is not on record."""
-    provenance = head_dir / PROVENANCE_FILE
-    if not provenance.exists():
+    record = _provenance(head_dir)
+    if record is None:
         return {"seeds": 0, "lexicon": 0, "seed": 0}
+    provenance = head_dir / PROVENANCE_FILE
     try:  # (a train-draft run cut off while writing it, or a file of another kind)
-        record = json.loads(provenance.read_text())
         seen = record.get("prompts_seen")  # (recorded since fine-tunes carry their starting head's counts)
         data = record.get("data", {})
         if seen is None:
@@ -419,14 +420,29 @@ def prompts_seen(head_dir: Path) -> dict[str, int | None]:
         raise CorruptModelError(f"{provenance}: not a provenance record of train-draft ({e})") from None
 
 
-def trained_vocab_size(head_dir: Path) -> int | None:
-    """The draft vocabulary size a head was trained with, from its provenance.json (None: a head without one)."""
+def _provenance(head_dir: Path) -> dict[str, Any] | None:
+    """A head's provenance.json (None: a head without one, a published head)."""
     provenance = head_dir / PROVENANCE_FILE
     if not provenance.exists():
         return None
     try:
-        size = json.loads(provenance.read_text())["draft_vocab"]["size"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        record = json.loads(provenance.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CorruptModelError(f"{provenance}: not a provenance record of train-draft ({e})") from None
+    if not isinstance(record, dict):
+        raise CorruptModelError(f"{provenance}: not a provenance record of train-draft (a {type(record).__name__})")
+    return record
+
+
+def trained_vocab_size(head_dir: Path) -> int | None:
+    """The draft vocabulary size a head was trained with, from its provenance.json (None: a head without one)."""
+    record = _provenance(head_dir)
+    if record is None:
+        return None
+    provenance = head_dir / PROVENANCE_FILE
+    try:
+        size = record["draft_vocab"]["size"]
+    except (KeyError, TypeError) as e:
         raise CorruptModelError(f"{provenance}: not a provenance record of train-draft ({e!r})") from None
     if type(size) is not int or size < 1:
         raise CorruptModelError(f"{provenance}: draft_vocab.size must be a positive integer, not {size!r}")
