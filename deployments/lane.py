@@ -224,6 +224,9 @@ class Lane:
         # dropped with LaneLostError, its stream not yet told: still held (the router moves it once told);
         # added on the lane thread, removed on the event loop
         self._lost: set[str] = set()
+        # a request moves from _active to _lost under this lock, which ``in_flight`` reads under: an event loop that
+        # read the two between the moves counted it twice (a request dropped as lost was in both for an instant)
+        self._held_lock = threading.Lock()
         # running when the lane lost its target and no other lane could take them: their loss counts against
         # max_failovers when they are handed on (lane thread only; forgotten at the next step that runs)
         self._kept: set[str] = set()
@@ -298,7 +301,8 @@ class Lane:
     @property
     def in_flight(self) -> int:
         """The requests it holds: submitted and not finished, or lost and not yet told so (then moved)."""
-        return len(self._active) + len(self._lost)
+        with self._held_lock:
+            return len(self._active) + len(self._lost)
 
     @property
     def handing_on(self) -> int:
@@ -1016,7 +1020,9 @@ class Lane:
     def _drop(self, request_id: str, error: APIError) -> None:
         sink = self._sinks.get(request_id)
         if sink is not None and isinstance(error, LaneLostError):
-            self._lost.add(request_id)  # before it leaves _active: never out of the count
+            with self._held_lock:  # counted once throughout: never in both, never in neither
+                self._lost.add(request_id)
+                self._active.discard(request_id)
         try:  # (one moving to another lane joins the replica's shared suffix cache when it finishes there)
             self.loop.abort(request_id, remember=not isinstance(error, LaneLostError))
         except Exception:

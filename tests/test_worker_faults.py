@@ -516,6 +516,41 @@ def test_a_request_its_lane_lost_counts_there_until_its_stream_hears_of_it(targe
         lane.stop()
 
 
+def test_a_request_dropped_as_lost_is_counted_once_while_it_moves(target: LlamaModel) -> None:
+    """A request the lane drops as lost moves from its running count to its handing-on count in one go: the router's
+    capacity check, reading ``in_flight`` from the event loop while the lane thread drops it (here: inside the
+    loop's abort, between the two), counted it twice, so a full replica refused a request it had room for (and the
+    test above, reading as the lane dropped its last request, saw one request too many)."""
+    lane = _lane(target, Factory(target, {0: "late"}, broken={1}))
+    seen: list[int] = []
+    abort = lane.loop.abort
+
+    def counting_abort(request_id: str, *, remember: bool = True) -> bool:
+        seen.append(lane.in_flight)
+        return abort(request_id, remember=remember)
+
+    lane.loop.abort = counting_abort  # type: ignore[method-assign]
+
+    async def run() -> None:
+        requests = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:2])]
+        streams = await asyncio.gather(*(lane.submit(r) for r in requests))
+        deadline = time.monotonic() + 60
+        while len(seen) < len(requests):  # both dropped before either stream reads its drop
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        for stream in streams:
+            with pytest.raises(LaneLostError):
+                async for _ in stream:
+                    pass
+
+    try:
+        asyncio.run(run())
+        assert seen == [2, 2]  # each drop, read as it happens: both requests, each once
+        assert lane.in_flight == 0
+    finally:
+        lane.stop()
+
+
 def test_a_request_closed_while_its_lane_loses_it_is_not_counted_for_ever(target: LlamaModel) -> None:
     """The client leaves (its stream closes) while the lane is in the step that loses its workers: the lane drops
     the request as lost after its stream stopped listening, and the abort the close queued then ends its count."""
