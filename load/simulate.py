@@ -136,18 +136,43 @@ class SimRequest:
 Pool = dict[str, list[SeqTrace | TreeSeqTrace]]
 
 
-def make_requests(pool: Pool, spec: WorkloadSpec, rng: random.Random) -> list[SimRequest]:
-    missing = [c for c in spec.classes if not pool.get(c)]
+Prompts = dict[str, list[RequestTrace]]  # by class: the recorded requests a simulated workload draws from
+
+
+def recorded_prompts(runs: Iterable[RunTrace]) -> Prompts:
+    """The runs' distinct requests by class, in a fixed order: every policy's workload is drawn from these with one
+    seed, so each replays the same prompts and lengths (its own recording of each where its pool has one)."""
+    seen: dict[str, dict[tuple[str | None, int, int], RequestTrace]] = {}
+    for run in runs:
+        for q in run.requests:
+            seen.setdefault(request_class(q), {}).setdefault((q.prompt_key, q.prompt_len, q.max_tokens), q)
+    return {c: [qs[k] for k in sorted(qs, key=lambda k: (k[0] or "", k[1], k[2]))] for c, qs in seen.items()}
+
+
+def make_requests(
+    pool: Pool, spec: WorkloadSpec, rng: random.Random, prompts: Prompts | None = None
+) -> list[SimRequest]:
+    """``prompts``: draw recorded requests (prompt and max_tokens) and replay each with the pool's recording of that
+    prompt (the pool's i-th sequence of its class where it has none), so that draws with one seed give every policy
+    the same workload however its pool differs; without, draw the pool's sequences themselves."""
+    missing = [c for c in spec.classes if not pool.get(c) or (prompts is not None and not prompts.get(c))]
     if missing:
         raise ValueError(f"no recorded sequences of class {missing}; have {sorted(pool)}")
     out, t = [], 0.0
     for i in range(spec.num_requests):
-        trace = rng.choice(pool[spec.classes[i % len(spec.classes)]])
-        n = trace.max_tokens if spec.min_tokens is None else rng.randint(spec.min_tokens, spec.max_tokens or 1)
+        cls = spec.classes[i % len(spec.classes)]
+        if prompts is None:
+            trace = rng.choice(pool[cls])
+            recorded_n, prompt_len = trace.max_tokens, trace.prompt_len
+        else:
+            q = rng.choice(prompts[cls])
+            trace = _same_prompt(pool, q) or pool[cls][i % len(pool[cls])]  # (no draw: the next ones stay shared)
+            recorded_n, prompt_len = q.max_tokens, q.prompt_len
+        n = recorded_n if spec.min_tokens is None else rng.randint(spec.min_tokens, spec.max_tokens or 1)
         if spec.arrival == ArrivalKind.poisson:
             assert spec.rate_per_s is not None
             t += rng.expovariate(spec.rate_per_s)
-        out.append(SimRequest(trace, n, trace.prompt_len, t))
+        out.append(SimRequest(trace, n, prompt_len, t))
     return out
 
 
@@ -530,6 +555,7 @@ def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[di
     for i, (workload, bs, pol) in enumerate(todo, 1):
         wruns = [r for r in runs if r.workload == workload]
         pool = trace_pool(wruns, pol)
+        prompts = recorded_prompts(wruns)  # one workload for every policy: chains' and trees' pools differ
         if not pool:
             print(f"  no recorded sequences to replay {pol.label} on {workload.value}; skipped", file=sys.stderr)
             continue
@@ -544,7 +570,7 @@ def sweep(study: SimStudy, runs: Sequence[RunTrace], cost: CostModel) -> list[di
         for k in range(study.repeats):
             rng = random.Random(study.seed * 7919 + k)
             cfg = SimConfig(batch_size=bs, policy=pol, spec=specs[pol], max_step_tokens=budget)
-            sims.append(simulate(make_requests(pool, wl, rng), cfg, cost))
+            sims.append(simulate(make_requests(pool, wl, rng, prompts), cfg, cost))
         summary = {k: statistics.mean(s.summary()[k] for s in sims) for k in sims[0].summary()}
         label = _workload_label(wruns[0])
         rows.append({"workload": label, "batch": bs, "policy": pol.label, **summary, "_sims": sims})

@@ -13,7 +13,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from load.cost import (
 from load.simulate import (
     SimConfig,
     SimRequest,
+    SimResult,
     ValidationMode,
     simulate,
     trace_pool,
@@ -939,6 +940,37 @@ def test_tree_traces_from_engine(tiny_pair: tuple[Any, Any]) -> None:
     # and validating it was an IndexError from an empty pool
     plain = _record(tiny_pair, PolicyName.plain, 3, [None] * 6)
     assert [r["policy"] for r in validate([plain, ddd], ValidationMode.in_sample, repeats=1)] == ["DDD"]
+
+
+def test_simulated_sweep_gives_chain_and_tree_policies_one_workload(
+    tiny_pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chains replay the chain runs' sequences and trees the tree runs': pools of other sizes. Each policy drew from
+    its own pool with one seed, so the picks differed and sim.csv's tree-vs-chain columns compared other prompts
+    and lengths; both now draw the runs' recorded requests and replay their own recording of each."""
+    from load import simulate as sim_cli
+
+    chains = [_record(tiny_pair, PolicyName.dsde_cap, 2, [None] * 4)]
+    trees = [_record(tiny_pair, PolicyName.ddd, b, [None] * 4) for b in (1, 2)]  # the same 4 prompts, twice over
+    drawn: list[list[SimRequest]] = []
+    real_simulate = sim_cli.simulate
+
+    def recording(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) -> SimResult:
+        drawn.append(list(requests))
+        return real_simulate(requests, cfg, cost)
+
+    monkeypatch.setattr(sim_cli, "simulate", recording)
+    study = sim_cli.SimStudy(
+        traces=Path("t.jsonl"), batch_sizes=[2], policies=[PolicyName.dsde_cap, PolicyName.ddd],
+        workloads=[WorkloadKind.real], requests_per_slot=3, repeats=2,
+    )  # fmt: skip
+    sim_cli.sweep(study, chains + trees, CostModel.fit(cost_samples(chains + trees)))
+    assert len(drawn) == 4 and all(len(reqs) == 6 for reqs in drawn)  # (policy, repeat) in that order
+    keys = [[(r.trace.prompt_key, r.prompt_len, r.max_tokens) for r in reqs] for reqs in drawn]
+    assert keys[:2] == keys[2:]  # chain and tree, repeat by repeat: the same prompts, lengths and order
+    assert keys[0] != keys[1]  # (repeats draw afresh)
+    recorded = {(q.prompt_key, q.prompt_len, q.max_tokens) for q in chains[0].requests}
+    assert all(k in recorded for ks in keys for k in ks)  # each its own prompt's recording
 
 
 def test_simulator_replays_recorded_traces(tiny_pair: tuple[Any, Any]) -> None:
