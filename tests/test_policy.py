@@ -137,9 +137,11 @@ def test_wvir_by_hand():
     h6 = [0.0, 0.0, 0.0, 0.0, 1.0, 3.0]
     cfg6 = DSDEConfig(n_long=6, n_short=2, delta=0.5, short_window=ShortWindow.reference)
     assert wvir(h6, cfg6) == pytest.approx((8 / 9) / weighted_variance(h6, 0.5), rel=1e-12)
-    # fewer than 2 values
+    # fewer than 2 values; 2 already give a ratio: long [1, 3] (w [1/2, 1], var 8/9) over short = newest 1 (var 0)
     assert wvir([], cfg) == 0.0
     assert wvir([0.7], cfg) == 0.0
+    assert wvir([1.0, 3.0], cfg.model_copy(update={"n_short": 1})) == 0.0
+    assert wvir([1.0, 3.0], cfg.model_copy(update={"n_short": 3})) == pytest.approx(1.0, rel=1e-12)  # short = both
 
 
 def test_wvir_flat_history_both_variants():
@@ -661,6 +663,21 @@ def test_kld_sparse_by_hand():
     assert kld_sparse(p, idx, prob).item() == pytest.approx(want, rel=1e-5)
     want_l = floored + 0.5 * math.log(0.5 / 0.3)
     assert kld_sparse(p, idx, prob, tail=SparseTail.lumped).item() == pytest.approx(want_l, rel=1e-5)
+
+
+def test_lumped_kld_floors_the_rest_of_either_distribution() -> None:
+    """Lumped tail, the mass outside q's top-K: where q's top-K holds all of q's mass, Q_rest is the floor, not 0
+    (ln 0: an infinite KLD, which ``observe`` drops); where it holds all of p's, P_rest is the floor (0 ln 0: NaN)."""
+    from specserve.policy.kld import PROB_FLOOR
+
+    p = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))  # 0.2 of p outside q's top-2
+    idx, prob = torch.tensor([[0, 1]]), torch.tensor([[0.6, 0.4]])  # q: all its mass in its top-2
+    want = 0.5 * math.log(0.5 / 0.6) + 0.3 * math.log(0.3 / 0.4) + 0.2 * math.log(0.2 / PROB_FLOOR)
+    assert kld_sparse(p, idx, prob, tail=SparseTail.lumped).item() == pytest.approx(want, rel=1e-5)
+    p = torch.log(torch.tensor([[0.6, 0.4, 0.0]]))  # all of p inside q's top-2; q keeps 0.1 outside
+    idx, prob = torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.4]])
+    want = 0.6 * math.log(0.6 / 0.5) + 0.4 * math.log(0.4 / 0.4) + PROB_FLOOR * math.log(PROB_FLOOR / 0.1)
+    assert kld_sparse(p, idx, prob, tail=SparseTail.lumped).item() == pytest.approx(want, rel=1e-5)
 
 
 def test_kld_sparse_equals_exact_when_k_is_v():

@@ -239,3 +239,26 @@ def test_the_rate_forgets_old_steps_at_its_memory() -> None:
     new, old = (1 - k**200) / (1 - k), k**200 * (1 - k**100) / (1 - k)  # the steps' summed weights
     assert floor.tokens_per_s(1) == pytest.approx(2 * (new + old) / (new * 2 / 20 + old * 2 / 60), rel=1e-9)
     assert floor.tokens_per_s(1) < 22
+
+
+def test_the_first_steps_clip_only_steps_above_their_line() -> None:
+    """Once a bucket's first ``min_steps`` are in, its fit is rebuilt from them with a step above ``outlier_clip``
+    times their Theil-Sen line counted as the line's value; a step below the line (a quick one) is kept as it was,
+    not raised to the line."""
+    floor = TreeFloor(min_steps=8, memory=64.0)
+    steps = [(float(x), 1.0 + x + (0.1 if x % 2 else -0.1)) for x in range(1, 9)]  # off their line a little
+    steps[1] = (2.0, 30.0)  # a cold step, 10x its line
+    steps[5] = (6.0, 2.0)  # a quick one, under a third of its line (and of twice it)
+    for rows, seconds in steps:
+        floor.record_verify(1, int(rows), seconds)
+    line = theil_sen(steps)
+    assert line is not None
+    intercept, slope = line
+    want = RowFit()
+    for i, (x, y) in enumerate(steps):
+        want.add(x, intercept + slope * x if i == 1 else y, floor.keep)
+    got = floor.fits[1]
+    assert got.steps == want.steps == 8
+    assert (got.weight, got.sx, got.sy, got.sxx, got.sxy) == pytest.approx(
+        (want.weight, want.sx, want.sy, want.sxx, want.sxy), rel=1e-12
+    )
