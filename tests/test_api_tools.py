@@ -4,6 +4,7 @@ against the same request answered as structured output under a schema written he
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -146,12 +147,36 @@ def test_required_calls_are_the_held_list_read_back(url: str, parallel: bool | N
     assert streamed == [(i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(calls)]
 
 
+@functools.cache
+def _compiler() -> Any:
+    from specserve.structured import GrammarCompiler
+
+    tok = tiny_tokenizer()
+    return GrammarCompiler(tok, [tok.eos_token_id])
+
+
+def _held(tools: list[dict[str, Any]], calls: list[dict[str, Any]], choice: Any = "required") -> bool:
+    """Whether the grammar of a request offering ``tools`` under ``choice`` lets the answer be ``calls`` (named: the
+    first call's arguments)."""
+    from specserve.api.schemas import ChatCompletionRequest
+    from specserve.structured import GrammarDeadEnd
+
+    body = {"model": MODEL, "messages": MESSAGES, "tools": tools, "tool_choice": choice}
+    fmt = ChatCompletionRequest.model_validate(body).output_format()
+    assert fmt is not None
+    grammar = _compiler().compile(fmt)
+    text = json.dumps(calls if choice == "required" else calls[0]["parameters"])
+    try:
+        grammar.follow(tiny_tokenizer().encode(text, add_special_tokens=False))
+    except GrammarDeadEnd:
+        return False
+    return bool(grammar.matcher.is_accepting())
+
+
 def test_required_calls_hold_each_tool_to_its_own_schemas_references() -> None:
     """A tool's "$ref" resolves from its own schema's root under tool_choice 'required' as when it is named: nested
     in the list of calls, "#" named the list (a tree's child had to be a list of calls) and "#/$defs/X" found no
     $defs (a 400 for Pydantic's nested models)."""
-    from specserve.api.schemas import ChatCompletionRequest
-    from specserve.structured import GrammarCompiler, GrammarDeadEnd
 
     tree = {
         "type": "object",
@@ -171,20 +196,9 @@ def test_required_calls_hold_each_tool_to_its_own_schemas_references() -> None:
         {"type": "function", "function": {"name": "tree", "parameters": tree}},
         {"type": "function", "function": {"name": "place", "parameters": place}},
     ]
-    tok = tiny_tokenizer()
-    compiler = GrammarCompiler(tok, [tok.eos_token_id])
 
     def held(calls: list[dict[str, Any]], choice: Any = "required") -> bool:
-        body = {"model": MODEL, "messages": MESSAGES, "tools": tools, "tool_choice": choice}
-        fmt = ChatCompletionRequest.model_validate(body).output_format()
-        assert fmt is not None
-        grammar = compiler.compile(fmt)
-        text = json.dumps(calls if choice == "required" else calls[0]["parameters"])
-        try:
-            grammar.follow(tok.encode(text, add_special_tokens=False))
-        except GrammarDeadEnd:
-            return False
-        return bool(grammar.matcher.is_accepting())
+        return _held(tools, calls, choice)
 
     nested = {"name": "tree", "parameters": {"name": "a", "child": {"name": "b", "child": {"name": "c"}}}}
     located = {"name": "place", "parameters": {"at": {"x": 1}, "near": {"x": 2}}}
@@ -213,6 +227,41 @@ def test_required_calls_hold_each_tool_to_its_own_schemas_references() -> None:
     }
     assert held([marked])
     assert held([marked], {"type": "function", "function": {"name": "place"}})
+
+
+def test_required_calls_keep_each_tools_anchors_and_ids_its_own() -> None:
+    """Under tool_choice 'required' each tool's schema is a resource of its own: two tools that declare one anchor,
+    or nest subschemas under one relative "$id", each read their own. Moved under the list as pointers, they shared
+    anchors and ids: the first tool's "#num" read the second's string, so its own integer was refused and a string
+    it refuses was forced."""
+    int_field, str_field = {"type": "integer"}, {"type": "string"}
+
+    def tool(name: str, key: str, field: dict[str, Any], how: str) -> dict[str, Any]:
+        if how == "anchor":
+            params = {"properties": {key: {"$ref": "#num"}}, "$defs": {"n": {"$anchor": "num", **field}}}
+        else:  # a nested resource, relative to its tool's
+            params = {"properties": {key: {"$id": "part.json", "$ref": "#/$defs/N", "$defs": {"N": field}}}}
+        parameters = {"type": "object", "required": [key], "additionalProperties": False, **params}
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    for how in ("anchor", "id"):
+        tools = [tool("count", "n", int_field, how), tool("label", "s", str_field, how)]
+        assert _held(tools, [{"name": "count", "parameters": {"n": 1}}, {"name": "label", "parameters": {"s": "a"}}])
+        assert not _held(tools, [{"name": "count", "parameters": {"n": "a"}}]), how
+        assert not _held(tools, [{"name": "label", "parameters": {"s": 1}}]), how
+    # a tool whose schema has a root "$id" is referred to by it
+    own = {"$id": "https://example.com/count.json", "type": "object", "properties": {"n": {"$ref": "#/$defs/N"}},
+           "required": ["n"], "additionalProperties": False, "$defs": {"N": int_field}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "count", "parameters": own}}]
+    tools.append(tool("label", "s", str_field, "id"))
+    assert _held(tools, [{"name": "count", "parameters": {"n": 1}}])
+    assert not _held(tools, [{"name": "count", "parameters": {"n": "a"}}])
+    # ... unless another tool's has it too (a copied template's): each then its own
+    label = {**own, "properties": {"n": {"$ref": "#/$defs/N"}}, "$defs": {"N": str_field}}
+    tools[1] = {"type": "function", "function": {"name": "label", "parameters": label}}
+    assert _held(tools, [{"name": "count", "parameters": {"n": 1}}, {"name": "label", "parameters": {"n": "a"}}])
+    assert not _held(tools, [{"name": "count", "parameters": {"n": "a"}}])
+    assert not _held(tools, [{"name": "label", "parameters": {"n": 1}}])
 
 
 def test_required_calls_cut_by_max_tokens_come_back_as_text(url: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 from enum import Enum
 from typing import Annotated, Any, ClassVar, Literal, cast
 
@@ -567,31 +568,24 @@ def _document_completion(schema: dict[str, Any]) -> None:
     schema["if"], schema["then"] = scoring, {"properties": {"echo": {"const": True}}, "required": ["echo"]}
 
 
-_SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are data, not schemas
-_SCHEMA_NAMES = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})  # names
+TOOL_BASE = "https://specserve.invalid/tools/"  # each tool's base URI under tool_choice 'required' (never fetched)
 
 
-def _rooted(schema: Any, root: str, *, named: bool = False) -> Any:
-    """A JSON schema moved to ``root`` (a JSON pointer into the document it joins): its local pointer references
-    ("#", "#/$defs/X", "#/definitions/X") follow it there; a tool's schema nested under tool_choice 'required''s list
-    read "#" as the list and found no "$defs" (a 400 for Pydantic's nested models). Anchors ("#name"), data and
-    a subschema with its own "$id" (whose references resolve against it) are left as they are. ``named``: a map
-    of names to subschemas (``properties``), whose keys are no keywords."""
-    if isinstance(schema, dict):
-        if named:
-            return {k: _rooted(v, root) for k, v in schema.items()}
-        if "$id" in schema:
-            return schema
-        moved: dict[str, Any] = {}
-        for k, v in schema.items():
-            if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
-                moved[k] = root + v[1:]
-            else:
-                moved[k] = v if k in _SCHEMA_DATA else _rooted(v, root, named=k in _SCHEMA_NAMES)
-        return moved
-    if isinstance(schema, list):
-        return [_rooted(v, root) for v in schema]
-    return schema
+def _own_resources(schemas: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+    """Each tool's arguments schema as a resource of its own in 'required''s list of calls, and the URI the list
+    refers to it by: its references ("#", "#/$defs/X", an anchor "#name") and its subschemas' relative "$id"s resolve
+    in it, as when the tool is named. Pointers rewritten to its place in the list had left anchors and "$id"s shared,
+    so two tools declaring one anchor each read the other's schema. A schema with a root "$id" no other tool has is
+    one already; one several share (a copied template's) is given a base of its own like the rest."""
+    ids = Counter(str(s["$id"]) for s in schemas if "$id" in s)
+    owned = []
+    for i, schema in enumerate(schemas):
+        if "$id" in schema and ids[str(schema["$id"])] == 1:
+            owned.append((schema, str(schema["$id"])))
+        else:
+            uri = f"{TOOL_BASE}{i}/"
+            owned.append((schema | {"$id": uri}, uri))
+    return owned
 
 
 class CompletionRequest(GenerationRequest):
@@ -942,17 +936,18 @@ class ChatCompletionRequest(GenerationRequest):
         if isinstance(self.tool_choice, NamedToolChoice):
             named = self.tool_choice.function.name
             schema = next(f for f in tools if f.name == named).arguments_schema
-        else:  # each tool's schema under the list's $defs, its references to its own root made to point there
+        else:  # each tool's schema under the list's $defs, a resource of its own
+            owned = _own_resources([f.arguments_schema for f in tools])
             call = [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": f.name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
+                    "properties": {"name": {"const": f.name}, "parameters": {"$ref": uri}},
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
                 }
-                for i, f in enumerate(tools)
+                for f, (_, uri) in zip(tools, owned, strict=True)
             ]
-            defs = {f"tool{i}": _rooted(f.arguments_schema, f"#/$defs/tool{i}") for i, f in enumerate(tools)}
+            defs = {f"tool{i}": own for i, (own, _) in enumerate(owned)}
             schema = {"type": "array", "items": {"anyOf": call}, "minItems": 1, "$defs": defs}
             if self.parallel_tool_calls is False:
                 schema["maxItems"] = 1
