@@ -39,6 +39,9 @@ def test_prompts_file_in_the_mt_bench_layout(tmp_path: Path) -> None:
     assert [p.text for p in load_prompts(tmp_path / "s.jsonl")] == ["a\u2028b\u2029c\x85d"]
 
 
+SURROGATE_CATEGORY = '{"question_id": 2, "category": "\\udc00", "turns": ["a"]}'
+
+
 @pytest.mark.parametrize(
     ("rows", "match"),
     [
@@ -51,6 +54,9 @@ def test_prompts_file_in_the_mt_bench_layout(tmp_path: Path) -> None:
         (['{"question_id": 1, "category": null, "turns": ["a"]}'], "must be a string"),
         (['{"question_id": 1, "category": ["a", "b"], "turns": ["a"]}'], "must be a string"),
         (["[" * 100_000 + "]" * 100_000], "line 1"),  # nested past the parser's recursion limit
+        # a lone surrogate, which JSON's escapes reach: the template's encoding refused it after the models loaded
+        (['{"question_id": 1, "category": "x", "turns": ["a \\ud800 b"]}'], r"line 1.*'turns\[0\]' is not UTF-8"),
+        (['{"question_id": 1, "category": "x", "turns": ["a"]}', SURROGATE_CATEGORY], "line 2.*'category' is not UTF"),
     ],
 )
 def test_bad_prompts_files_name_the_problem(tmp_path: Path, rows: list[str], match: str) -> None:
@@ -207,17 +213,28 @@ def test_assisted_generation_skips_a_draft_transformers_cannot_hold(
     loaded: list[bool] = []
     monkeypatch.setattr(spec, "resolve", lambda s: Path("/nowhere"))
     monkeypatch.setattr(spec, "_hf_twin", lambda model, path, int8: loaded.append(int8) or torch.nn.Linear(1, 1))
-    args = argparse.Namespace(pairs=["smollm2-q4", "smollm2-int8", "smollm2-eagle", "smollm2-bf16"])
-    twins = spec._assisted_twins(args, ModelSpec(), None)  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    spec.add_args(parser)
+    names = ["smollm2-q4", "smollm2-int8", "smollm2-eagle", "smollm2-bf16"]
+    pairs = spec.draft_pairs(parser.parse_args(["--pairs", *names]))
+    twins = spec._assisted_twins(pairs, ModelSpec(), None)  # type: ignore[arg-type]
     assert [pair for pair, _, _ in twins] == ["smollm2-int8", "smollm2-bf16"]
+    assert twins[1][2].weight.dtype == torch.bfloat16  # smollm2-bf16's draft, as the pair has it
     said = capsys.readouterr().out
     assert "no transformers twin for smollm2-q4's draft" in said and "for smollm2-eagle's draft (an EAGLE head)" in said
     assert loaded == [False, True, False, False]  # (target, draft) per twin: int8 for smollm2-int8's draft only
+    # --dtype retypes every pair's draft for the engine rows: the twin drafts as they do (it kept bf16, another
+    # draft under the pair's name)
+    retyped = spec.draft_pairs(parser.parse_args(["--pairs", "smollm2-bf16", "--dtype", "float32"]))
+    assert retyped[0].target == ModelSpec()  # (the target float32 already: still the benchmarked one)
+    twins = spec._assisted_twins(retyped, ModelSpec(), None)  # type: ignore[arg-type]
+    assert [(pair, d.weight.dtype) for pair, _, d in twins] == [("smollm2-bf16", torch.float32)]
     # a retyped target (--target-argmax full here) is not the pairs' own: every twin skipped, each saying so (the
     # row vanished unexplained)
-    twins = spec._assisted_twins(args, ModelSpec(bounded_argmax=False), None)  # type: ignore[arg-type]
+    capsys.readouterr()
+    twins = spec._assisted_twins(pairs, ModelSpec(bounded_argmax=False), None)  # type: ignore[arg-type]
     said = capsys.readouterr().out
-    assert twins == [] and all(f"{p}'s target is not the benchmarked target as loaded" in said for p in args.pairs)
+    assert twins == [] and all(f"{p}'s target is not the benchmarked target as loaded" in said for p in names)
 
 
 def test_extra_heads_load_like_the_shipped_head_of_their_layout(tmp_path: Path) -> None:
@@ -528,6 +545,23 @@ def test_every_engine_runs_once_untimed_before_its_timed_runs(tmp_path: Path, mo
     assert all(tokens == 0 for _, tokens in first.values())  # every engine here keeps the cache
 
 
+@pytest.mark.real_model
+def test_draft_free_rows_run_once_per_target_named_by_it(tmp_path: Path) -> None:
+    """A model-free drafter with no model fallback uses no draft: its rows ran once per pair and per draft variant of
+    a target (identical engines timed again), and, with two targets, under one name for both."""
+    from specserve.cli import main
+
+    prompts = _write(tmp_path / "p.jsonl", [{"question_id": 1, "category": "a", "turns": ["Name a river."]}])
+    out = tmp_path / "o"
+    argv = ["bench", "spec", "--prompts", str(prompts), "--pairs", "smollm2-eagle", "smollm2-eagle1"]
+    argv += ["--methods", "chain", "--drafters", "lookup", "--free-sl", "2", "--max-tokens", "4"]
+    assert main([*argv, "--target-reads", "q4+q8", "f32", "--out", str(out)]) == 0
+    names = [r["method"] for r in csv.DictReader((out / "spec.csv").open())]
+    plain = [n for n in names if n.startswith("plain")]
+    assert len(plain) == 2 and len(set(plain)) == 2  # two targets
+    assert names == [m for p in plain for m in (p, p.replace("plain", "lookup: chain SL=2", 1))]
+
+
 def test_the_guarded_default_of_a_draft_variant_is_its_pairs() -> None:
     """``--head-quant`` (and the other draft variants) label each draft "<pair> <variant>"; the guarded row still
     runs what the pair serves with, not the generic serving default an unknown name would get."""
@@ -598,6 +632,8 @@ def test_model_free_drafters_with_only_methods_they_cannot_draft_are_refused(
     for extra, says in (
         (["--drafters", "lookup", "--methods", "chain", "eagle2"], "--methods eagle2: EAGLE-2 trees are drafted by"),
         (["--drafters", "model", "lookup", "--model-budget", "6"], "--model-budget: the model's tree budget under an"),
+        # chains read it nowhere
+        (["--drafters", "lookup+model", "--methods", "chain", "--model-budget", "6"], "budget in an X+model drafter's"),
     ):
         assert main(["bench", "spec", *extra, "--out", str(tmp_path / "o")]) == 2
         assert says in capsys.readouterr().err
@@ -634,6 +670,24 @@ def test_draft_vocab_sizes_a_head_cannot_take_are_refused_before_any_model_loads
     ):
         assert main(["bench", "spec", *argv, "--out", str(tmp_path / "o")]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_a_category_named_all_is_refused_by_category(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--by-category names the whole set's rows 'all': a category of that name gave two groups of rows under one
+    name, in the table and the CSV."""
+    from specserve.bench import spec
+    from specserve.cli import main
+    from tests.conftest import forbid_model_loads
+
+    forbid_model_loads(monkeypatch, spec)
+    rows = [{"question_id": i, "category": c, "turns": ["Question."]} for i, c in enumerate(("all", "math"))]
+    argv = ["bench", "spec", "--prompts", str(_write(tmp_path / "p.jsonl", rows)), "--out", str(tmp_path / "o")]
+    assert main([*argv, "--by-category"]) == 2
+    assert "a prompt's category is 'all'" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="a model was loaded"):  # without --by-category: no groups to mix
+        main(argv)
 
 
 def test_a_set_cut_to_num_prompts_says_so(

@@ -64,6 +64,8 @@ def parse_prompts(raw: str, name: str) -> list[BenchPrompt]:
                 raise ValueError(f"'question_id' must be an integer, not {question_id!r}")
             if not isinstance(category, str):
                 raise ValueError(f"'category' must be a string, not {category!r}")
+            for field, text in (("turns[0]", turns[0]), ("category", category)):
+                _check_utf8(field, text)
             out.append(BenchPrompt(int(question_id), category, turns[0]))
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
             raise InvalidRequestError(
@@ -72,3 +74,12 @@ def parse_prompts(raw: str, name: str) -> list[BenchPrompt]:
     if not out:
         raise InvalidRequestError(f"{name} holds no prompts")
     return out
+
+
+def _check_utf8(field: str, text: str) -> None:
+    """JSON's escapes reach lone surrogates (``"\\ud800"``), which no UTF-8 text holds: the chat template's encoding
+    failed on them only after every model had loaded, naming neither the file nor the line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"'{field}' is not UTF-8 text: character {e.start} is a lone surrogate") from None

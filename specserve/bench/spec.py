@@ -228,12 +228,14 @@ def methods_for(
     prompts: list[list[int]],
     *,
     label: str | None = None,
+    free: bool = True,
+    target_label: str = "",
 ) -> list[Method]:
     """The methods run with one draft of ``pair`` (None: a head directory); ``label``: that draft's name in the table
     (a variant of the pair's draft or target: ``draft_variants``, ``draft_pairs``), the pair's name by default. The
-    guarded default is the pair's own, whatever the variant."""
+    guarded default is the pair's own, whatever the variant. ``free``, ``target_label``: ``model_free_methods``'."""
     label = label or pair or "draft"
-    out = model_free_methods(args, label)
+    out = model_free_methods(args, label, free=free, target_label=target_label)
     if "model" not in args.drafters:
         return out + _guarded(args, pair, label)
     model: list[Method] = []
@@ -339,13 +341,19 @@ def _guarded(args: argparse.Namespace, pair: str | None, label: str) -> list[Met
     return [Method("serving default (guarded)", label, serving_speculation(pair, args.device), guard=True)]
 
 
-def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
+def model_free_methods(
+    args: argparse.Namespace, pair: str, *, free: bool = True, target_label: str = ""
+) -> list[Method]:
     """The model-free drafters of ``--drafters``: chains of ``--free-sl``, DDD trees of ``--free-budget`` (with the
     tree options given and the first ``--ddd-checks``); the ``X+model`` forms fall back to the pair's draft capped
-    at the first ``--chain-sl`` (``model_max_sl``) and, in trees, at ``--model-budget``."""
+    at the first ``--chain-sl`` (``model_max_sl``) and, in trees, at ``--model-budget``. ``free``: also the forms
+    with no fallback, which use no draft: once per target (``target_label`` its name, as its plain row's), not once
+    per pair or draft variant of it (identical engines timed again, rows that could not be told apart)."""
     out = []
     for d in (d for d in args.drafters if d != "model"):
         kind, fallback = d.removesuffix("+model"), d.endswith("+model")
+        if not (fallback or free):
+            continue
         base: dict[str, object] = {
             "drafter": Drafter(kind),
             "model_fallback": fallback,
@@ -372,7 +380,11 @@ def model_free_methods(args: argparse.Namespace, pair: str) -> list[Method]:
         for scores in args.count_scores:
             shown = "" if args.count_scores == ["measured"] else f" ({scores} scores)"
             methods = [
-                Method(f"{d}: {name}{shown}", pair if fallback else "", _scored(spec, scores == "measured"))
+                Method(
+                    f"{d}: {name}{shown}" + ("" if fallback else target_label),
+                    pair if fallback else "",
+                    _scored(spec, scores == "measured"),
+                )
                 for name, spec in specs
             ]
             out += _with_dsde(args, methods)
@@ -433,14 +445,15 @@ def _same_greedy(theirs: list[int], ours: list[int], eos: set[int]) -> bool:
 
 
 def _assisted_twins(
-    args: argparse.Namespace, target_spec: ModelSpec, target: LlamaModel
+    pairs: list[BenchPair], target_spec: ModelSpec, target: LlamaModel
 ) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
-    """(pair, transformers target, transformers draft) for each ``--pairs`` entry transformers can run: a draft
-    model (no EAGLE head) of the first target whose weights transformers can hold (not the int4 kernel's)."""
+    """(pair, transformers target, transformers draft) for each pair transformers can run: a draft model (no EAGLE
+    head) of the first target whose weights transformers can hold (not the int4 kernel's), as the engine rows load
+    it (``--dtype`` retypes the draft too: its twin had kept the pair's own dtype, another draft under one name)."""
     twins = []
-    for pair in args.pairs:
-        draft_spec = MODEL_PAIRS[pair][1]
-        if MODEL_PAIRS[pair][0] != target_spec:  # another model, or the same one retyped (--dtype, --target-*)
+    for bp in pairs:
+        pair, draft_spec = bp.label, bp.draft
+        if bp.target != target_spec:  # another model, or the same one as another variant (--target-*)
             print(f"--assisted: {pair}'s target is not the benchmarked target as loaded; skipped")
             continue
         if isinstance(draft_spec, HeadSpec):
@@ -711,6 +724,8 @@ def check_settings(args: argparse.Namespace) -> None:
         raise SettingsError("--methods eagle2: EAGLE-2 trees are drafted by the model alone (add --drafters model)")
     if args.model_budget is not None and not any(d.endswith("+model") for d in args.drafters):
         raise SettingsError("--model-budget: the model's tree budget under an X+model drafter (give one in --drafters)")
+    if args.model_budget is not None and "ddd" not in args.methods:  # chains read it nowhere: ignored unsaid
+        raise SettingsError("--model-budget: the model's budget in an X+model drafter's DDD trees (add --methods ddd)")
 
 
 def check_head_flags(args: argparse.Namespace, pairs: list[BenchPair]) -> None:
@@ -773,6 +788,8 @@ def run(args: argparse.Namespace) -> int:
     bench = every[: args.num_prompts]
     if len(every) > len(bench):
         print(f"--num-prompts {args.num_prompts}: the first {len(bench)} of the set's {len(every)} prompts")
+    if args.by_category and any(b.category == "all" for b in bench):  # its rows and the whole set's, one name
+        raise SettingsError("--by-category: a prompt's category is 'all', the name of the whole set's rows")
     packed = {"mkl_packed_widths": tuple(args.mkl_packed)}
     targets = {t: load_model(t.model_copy(update=packed), device=args.device) for t in target_specs}
     tok = load_tokenizer(target_specs[0])
@@ -801,10 +818,15 @@ def run(args: argparse.Namespace) -> int:
         methods.append(Method("plain" + t_label, "", SpecConfig(method=SpecMethod.none)))
         engines.append(first if plain_row == 0 else Engine(target, tok, max_batch_size=1, max_model_len=context))
         plain_of.append(plain_row)
+        free = True  # the draft-free rows: with this target's first draft
         for bp in (p for p in pairs if p.target == t_spec):
             for label, d_spec in draft_variants(args, bp.label, bp.draft).items():
                 draft = load_draft(d_spec, target, device=args.device)
-                for method in methods_for(args, bp.pair, target, draft, prompts, label=label):
+                chosen = methods_for(
+                    args, bp.pair, target, draft, prompts, label=label, free=free, target_label=t_label
+                )
+                free = False
+                for method in chosen:
                     methods.append(method)
                     engines.append(
                         Engine(
@@ -826,7 +848,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{method.name} keeps {engine.loop.max_model_len} (its models' positions less one speculative "
                 "step's headroom): its answers would stop short of plain decoding's"
             )
-    assisted = _assisted_twins(args, target_specs[0], targets[target_specs[0]]) if args.assisted else []
+    assisted = _assisted_twins(pairs, target_specs[0], targets[target_specs[0]]) if args.assisted else []
     freeze_loaded_objects()  # as serving does after loading (specserve/heap.py): no full collection mid-run
     n_runs = len(prompts) * args.passes
     secs: list[list[float]] = [[] for _ in methods]  # per method, per (pass, prompt)
