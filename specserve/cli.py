@@ -83,6 +83,7 @@ def _generate(args: argparse.Namespace) -> int:
             device=args.device,
             max_batch_size=1,
             freeze_gc=True,  # this process serves one engine until it exits
+            **({} if args.max_model_len is None else {"max_model_len": args.max_model_len}),
         ),
         tokenizer=tokenizer,  # (loaded once: a GGUF source's is hashed whole to find its conversion)
     )
@@ -215,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     _model_args(g)
     g.add_argument("--max-tokens", type=positive_int, default=256)
+    g.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="the context: prompt and answer, in tokens (default 2048, within the model's positions)",
+    )
     g.add_argument("--temperature", type=finite_float, default=0.0)
     g.add_argument("--top-k", type=positive_int, default=None)
     g.add_argument("--top-p", type=finite_float, default=1.0)

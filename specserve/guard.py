@@ -276,6 +276,9 @@ class ThroughputGuard:
             if hold:
                 self.next_try[b] = self._steps(b) + self.intervals.get(b, self.cfg.explore_every)
             go = True
+        if not (measured or go):  # a step not recorded (an admission) considers no try: one put off stays put off,
+            # its wait counted on (cleared here, steady admissions had kept an overdue try from ever running)
+            return go
         self.deferred.discard(b)
         self.deferred_since.pop(b, None)
         return go

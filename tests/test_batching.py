@@ -1407,6 +1407,34 @@ def test_a_catch_up_put_off_for_max_try_spacing_steps_runs_and_its_cost_replaces
     assert guard.speculate(16, outlook=Outlook(draft_missed=0, horizon=16 * 40)) is True
 
 
+def test_admission_steps_do_not_restart_the_wait_of_a_try_put_off() -> None:
+    """A try of speculation put off (its catch-up measured on a swamped host, so it looks unpaying) runs once put off
+    ``max_try_spacing`` recorded steps. An admission step (not recorded, it considers no try) cleared that wait, so
+    on a server admitting a request every few hundred steps the try never ran: plain decoding for good."""
+    guard = ThroughputGuard()
+    for _ in range(guard.cfg.warmup):
+        assert not guard.speculate(1)
+        guard.record(1, False, tokens=1, seconds=0.02)
+    assert guard.speculate(1)
+    guard.record(1, True, tokens=2, seconds=100.0, caught_up_tokens=3, planned=True)  # a swamped host's catch-up
+    while guard.faster(1) is None:
+        guard.record(1, True, tokens=1, seconds=0.05, planned=True)
+    assert guard.faster(1) is False
+    due = Outlook(draft_missed=50, horizon=1000)
+    recorded = 0
+    for step in range(1, 4 * guard.cfg.max_try_spacing):
+        if step % 500 == 0:  # an admission
+            assert not guard.speculate(1, measured=False, outlook=due)
+            continue
+        if guard.speculate(1, outlook=due):
+            break
+        guard.record(1, False, tokens=1, seconds=0.02)
+        recorded += 1
+    else:
+        pytest.fail("the try put off never ran")
+    assert recorded <= 2 * guard.cfg.max_try_spacing  # due within the spacing's cap, then put off at most as long
+
+
 def test_an_overdue_switch_that_ran_no_catch_up_leaves_the_next_one_blended() -> None:
     """The forced switch's step found nothing to draft (a plain step as run): the overdue mark stayed, and a later,
     unrelated catch-up replaced the estimate instead of joining its average."""
