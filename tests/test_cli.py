@@ -559,6 +559,24 @@ def test_every_command_writes_text_its_console_cannot_encode_escaped(
     assert console.buffer.getvalue() == b"wrote caf\\xe9/report.md\n" and console.errors == "strict"
 
 
+def test_generate_sets_the_context_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-model-len reaches the engine's config (the default, 2048, refused prompts the model's 8192 positions
+    hold, with no flag to change it); a context out of bounds is a usage error naming the field."""
+    from types import SimpleNamespace
+
+    from deployments.tiny_tokenizer import tiny_tokenizer
+    from specserve.engine import Engine
+
+    configs: list[Any] = []
+    engine = SimpleNamespace(tokenizer=tiny_tokenizer(), stream=lambda prompt, params, chat: [])
+    monkeypatch.setattr(Engine, "from_config", lambda config, tokenizer: configs.append(config) or engine)
+    monkeypatch.setattr("specserve.models.loader.load_tokenizer", lambda spec: engine.tokenizer)
+    assert main(["generate", "hi", "--draft", "none", "--max-model-len", "6000"]) == 0
+    assert main(["generate", "hi", "--draft", "none"]) == 0
+    assert [c.max_model_len for c in configs] == [6000, 2048]
+    assert main(["generate", "hi", "--draft", "none", "--max-model-len", "8"]) == 2  # under LoopConfig's 16
+
+
 def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from types import SimpleNamespace
 
