@@ -76,6 +76,7 @@ class StepLoop:
         self._undelivered: list[RequestOutput] = []
         self.stats = StepStats(metrics_window)
         self.observers: list[StepObserver] = [self.stats]
+        self._last_planned = False  # the last recorded step was planned to speculate (a catch-up after: within it)
 
     # -- requests in and out --------------------------------------------------------------------------
     def add_request(self, request: Request, grammar: AnswerGrammar | None = None) -> None:
@@ -529,6 +530,8 @@ class StepLoop:
         guard = self.planner.guard
         # a step planned to speculate may find no draft, or have no draft worker: then plain, but not a try of plain
         planned = event.plan.speculate
+        switch = caught_up > 0 and not self._last_planned  # the draft re-read what plain steps left it
+        self._last_planned = planned
         # the floor fits steps that were to draft (their trees may have kept no node), not plain ones
         floor = self.planner.floor if any(event.plan.depths) and self.planner.adaptive(event.batch) else None
         # trees sized before their floor was measured (a cold start's wide ones: 2x a step on some CPUs) are not the
@@ -541,7 +544,10 @@ class StepLoop:
         if floor is not None:
             rows = sum(len(it.new_tokens) + len(it.draft_tokens) for it in event.items)
             floor.record_verify(len(event.batch), rows, event.verify_s)
-            if not caught_up and not draft_prefill:
+            # a catch-up within speculation (rows the token budget left undrafted: at batch 16 under the serving
+            # budget, some row in every step) is what speculating costs there, as the guard times it; one after plain
+            # steps is a switch's, not speculation's rate (left out, every such bucket went unmeasured for good)
+            if not switch and not draft_prefill:
                 floor.record_rate(len(event.batch), event.emitted, event.total_s)
 
     def _commit(self, seq: Sequence, proposal: Proposal | None, out: VerifyOutput) -> RequestOutput:

@@ -262,3 +262,71 @@ def test_the_first_steps_clip_only_steps_above_their_line() -> None:
     assert (got.weight, got.sx, got.sy, got.sxx, got.sxy) == pytest.approx(
         (want.weight, want.sx, want.sy, want.sxx, want.sxy), rel=1e-12
     )
+
+
+class _PlainFirst:
+    """A guard that holds plain decoding for its first ``plain`` recorded steps, then speculation for good."""
+
+    def __init__(self, plain: int) -> None:
+        self.plain, self.steps = plain, 0
+
+    def speculate(self, batch_size: int, *, measured: bool = True, outlook: object = None) -> bool:
+        return self.steps >= self.plain
+
+    def record(self, batch_size: int, speculative: bool, tokens: int, seconds: float, **kw: object) -> None:
+        self.steps += 1
+
+
+def _loop_rates(max_step_tokens: int | None, guard: _PlainFirst | None) -> tuple[TreeFloor, list[int], list[int]]:
+    """A DDD loop with the measured floor over 16 sequences (tiny models): the floor, and the catch-up tokens of
+    each step it fitted and of each whose rate it took."""
+    from specserve.config import SLPolicyKind
+    from specserve.engine import Engine
+    from specserve.models.tiny import noisy_copy, tiny_model
+    from specserve.sampling import SamplingParams
+
+    target = tiny_model(seed=0)
+    spec = SpecConfig(
+        method=SpecMethod.ddd, budget=8, ddd_check_steps=(1, 2, 3), tree_min_prob=0.06, adaptive_floor=True,
+        policy=SLPolicyKind.dsde,
+    )  # fmt: skip
+    engine = Engine(
+        target, None, draft=noisy_copy(target, 0.05), speculation=spec, max_batch_size=16,
+        max_step_tokens=max_step_tokens, eos_token_ids=set(), throughput_guard=guard is not None,
+    )  # fmt: skip
+    floor = engine.loop.planner.floor = TreeFloor()
+    if guard is not None:
+        engine.loop.planner.guard = guard  # type: ignore[assignment]
+    fitted: list[int] = []
+    rated: list[int] = []
+    record_verify, record_rate = floor.record_verify, floor.record_rate
+
+    def caught_up() -> int:
+        return sum(s.draft_caught_up for s in engine.loop.running)
+
+    def verifying(batch_size: int, rows: int, seconds: float) -> None:
+        fitted.append(caught_up())
+        record_verify(batch_size, rows, seconds)
+
+    def rating(batch_size: int, tokens: int, seconds: float) -> None:
+        rated.append(caught_up())
+        record_rate(batch_size, tokens, seconds)
+
+    floor.record_verify, floor.record_rate = verifying, rating  # type: ignore[method-assign]
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(6)] for i in range(16)]
+    engine.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
+    return floor, fitted, rated
+
+
+def test_the_loop_rate_counts_catch_ups_within_speculation_not_a_switchs() -> None:
+    """Under a step token budget some row is caught up in every step (the budget drops whole trees in turn): R left
+    out every such step, so at batch 16 under the serving budget the floor was never measured (the fixed
+    ``tree_min_prob`` sized every tree) and the guard judged no step until ``max_settle_steps``. A catch-up after
+    plain steps (the guard's switch) stays out: its re-read is the switch's cost, not speculation's rate."""
+    floor, fitted, rated = _loop_rates(64, None)
+    assert floor.rates.get(16) and floor.floor(16) is not None
+    # every speculative step's, catch-ups among them, but the first's (no step planned to speculate came before)
+    assert any(rated) and rated == fitted[1:]
+    floor, fitted, rated = _loop_rates(None, _PlainFirst(plain=5))
+    assert fitted[0] == 16 * 12  # the switch: 16 sequences re-read the 12 tokens plain steps left them
+    assert rated == fitted[1:] and floor.rates.get(16)  # every speculative step's but the switch's
