@@ -621,10 +621,11 @@ class Lane:
         step_s = time.perf_counter() - t0
         for out in outputs:
             sink, ready = self._sinks.get(out.request_id), self._coalescer.offer(out)
+            if out.finished:  # before its client can read the end: its place is free once it has its answer (the
+                # router's capacity check, reading in between, refused the client's next request with a 429)
+                self._forget(out.request_id)
             if sink is not None and ready is not None:
                 sink.put(ready)
-            if out.finished:
-                self._forget(out.request_id)
         # the loop recorded this step (one whose every sequence failed before the target recorded none)
         if outputs and self.loop.stats.timing.steps > steps_before:
             step = self.loop.stats.metrics[-1]

@@ -551,6 +551,36 @@ def test_a_request_dropped_as_lost_is_counted_once_while_it_moves(target: LlamaM
         lane.stop()
 
 
+def test_a_finished_request_leaves_the_count_before_its_client_reads_the_end(target: LlamaModel) -> None:
+    """The lane handed a request's last output to its stream, then forgot it: a client that read its answer and sent
+    the next request at once met a capacity check still counting the finished one (a 429 at full capacity; 1 in 200
+    here unaided). Here the lane thread is slow to forget (0.3 s): the count must be down by the time the stream
+    ends."""
+    lane = _lane(target, Factory(target, {}))
+    forget = lane._forget
+
+    def slow_forget(request_id: str) -> None:
+        if threading.current_thread() is lane._thread:
+            time.sleep(0.3)
+        forget(request_id)
+
+    lane._forget = slow_forget  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        counts = []
+        for i in range(2):
+            stream = await lane.submit(Request(f"r{i}", PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True)))
+            outs = [out async for out in stream]
+            assert outs[-1].finished
+            counts.append(lane.in_flight)  # what Router.check_capacity reads as the answer ends
+        return counts
+
+    try:
+        assert asyncio.run(run()) == [0, 0]
+    finally:
+        lane.stop()
+
+
 def test_a_request_closed_while_its_lane_loses_it_is_not_counted_for_ever(target: LlamaModel) -> None:
     """The client leaves (its stream closes) while the lane is in the step that loses its workers: the lane drops
     the request as lost after its stream stopped listening, and the abort the close queued then ends its count."""
@@ -1723,6 +1753,10 @@ def test_a_lost_lane_hands_on_its_queued_requests_without_spending_their_failove
                 visible, Request(f"r{i}", PROMPTS[i], GREEDY), max_failovers=2, backoff_s=0.0
             )
             await streams[f"r{i}"].open()
+        deadline = time.monotonic() + 10  # both admitted; the lane thread's next step runs the first
+        while not lanes[0].loop.running:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
         assert lanes[0].in_flight == 2 and len(lanes[0].loop.running) == 1
         opened.set()
         return list(await asyncio.wait_for(asyncio.gather(*(one(st, n) for n, st in streams.items())), 30))
