@@ -145,7 +145,7 @@ def test_sequential_rule_matches_single_draw() -> None:
     assert accept_probs == pytest.approx([p_list[3], p_list[7], 0.0, p_list[0]], abs=1e-6)
     # and verify_tree's single draw accepts each of a node's children as often as the sequential rule says
     distinct = [3, 7, 0]
-    tree = DraftTree(torch.tensor([5, *distinct]), torch.tensor([-1, 0, 0, 0]))
+    tree = DraftTree(torch.tensor([5, *distinct]), torch.tensor([0, 0, 0, 0]))  # (the root its own parent)
     rows = p.unsqueeze(0).expand(tree.num_nodes, -1)  # [T, V]
     firsts = Counter(
         tuple(r.accepted_tokens[:1]) for r in (verify_tree(tree, rows, gen) for _ in range(NUM_DRAWS // 5))
