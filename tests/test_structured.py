@@ -389,6 +389,7 @@ def test_response_format_and_structured_outputs_hold_the_answer_over_http(url: s
         ({"regex": "[a-e]{2,6}-[0-9]{1,3}"}, lambda t: re.fullmatch("[a-e]{2,6}-[0-9]{1,3}", t)),
         ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
         ({"json": SCHEMA}, lambda t: Draft202012Validator(SCHEMA).validate(json.loads(t)) is None),
+        ({"json": json.dumps(SCHEMA)}, lambda t: Draft202012Validator(SCHEMA).validate(json.loads(t)) is None),
         ({"grammar": FORMATS[5].grammar_text}, lambda t: re.fullmatch(GRAMMAR_REGEX[FORMATS[5]], t)),
     ):
         body = {"model": MODEL, "prompt": "answer:", "max_tokens": 60, "temperature": 0, "structured_outputs": held}
@@ -437,6 +438,12 @@ def _nested(depth: int) -> dict[str, Any]:
         ({"structured_outputs": {"regex": "a"}, "min_tokens": 2}, "structured_outputs", "not with min_tokens"),
         ({"structured_outputs": {"json": {"a": "b" * 70_000}}}, "structured_outputs", "at most 65536 characters"),
         ({"structured_outputs": {"json": _nested(500)}}, "structured_outputs", "nested deeper than 64 levels"),
+        ({"structured_outputs": {"json": json.dumps(_nested(500))}}, "structured_outputs", "nested deeper than 64"),
+        ({"structured_outputs": {"json": "[" * 60_000}}, "structured_outputs", "nested too deep to read"),
+        ({"structured_outputs": {"json": "{" + " " * 70_000 + "}"}}, "structured_outputs", "at most 65536 characters"),
+        ({"structured_outputs": {"json": '{"type": "foo"}'}}, "structured_outputs", "foo"),
+        ({"structured_outputs": {"json": "{"}}, "structured_outputs", "json is not valid JSON"),
+        ({"structured_outputs": {"json": "[1]"}}, "structured_outputs", "must hold a JSON object (a schema), not list"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(500)}}},
          "response_format", "nested deeper than 64 levels"),
     ],

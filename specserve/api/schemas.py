@@ -218,12 +218,30 @@ class ResponseFormat(ClosedModel):
         return OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(self.json_schema.schema_))
 
 
-class StructuredOutputs(ClosedModel):
-    """vLLM's ``structured_outputs``: one of a JSON schema, any JSON object, a regular expression, a choice of
-    strings or a grammar (Lark or GBNF)."""
+def _schema_from_text(value: object) -> object:
+    """A JSON schema sent as its text (vLLM takes ``structured_outputs.json`` as a string or an object) read into
+    the object; other values pass as they came."""
+    if not isinstance(value, str):
+        return value
+    if len(value) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"a JSON schema as text takes at most {MAX_SCHEMA_CHARS} characters")
+    try:
+        schema = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"json is not valid JSON: {e}") from None
+    except RecursionError:  # nested past the parser's own limit, far past check_depth's
+        raise ValueError("a JSON schema nested too deep to read") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"json as text must hold a JSON object (a schema), not {type(schema).__name__}")
+    return schema
 
-    json_: Annotated[dict[str, Any], BeforeValidator(check_depth)] | None = Field(
-        default=None, alias="json", description="a JSON schema"
+
+class StructuredOutputs(ClosedModel):
+    """vLLM's ``structured_outputs``: one of a JSON schema (an object or its text), any JSON object, a regular
+    expression, a choice of strings or a grammar (Lark or GBNF)."""
+
+    json_: Annotated[dict[str, Any], BeforeValidator(check_depth), BeforeValidator(_schema_from_text)] | None = Field(
+        default=None, alias="json", description="a JSON schema, as an object or as its text"
     )
     regex: str | None = Field(default=None, min_length=1, max_length=MAX_SCHEMA_CHARS)
     choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_FORMAT_CHOICES)
