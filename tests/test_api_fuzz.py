@@ -205,6 +205,10 @@ def test_random_bodies_never_fail_the_server(url: str) -> None:
          "messages.0.content.0.text: Input should be a valid string"),
         (CHAT, {"messages": [{"role": "user"}]}, "messages",
          "messages.0: Value error, a user message needs its content"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages", "messages.0.content.1: Value error, content parts of type 'image_url' are not supported: this "
+         "server reads text parts"),
         (CHAT, {"messages": [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)}, "messages",
          f"messages: Value error, at most {MAX_MESSAGES} messages, got {MAX_MESSAGES + 1}"),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)}]},

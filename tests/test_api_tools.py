@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+from decimal import Decimal
 from typing import Any
 
 import httpx
@@ -158,6 +159,11 @@ def _compiler() -> Any:
 def _held(tools: list[dict[str, Any]], calls: list[dict[str, Any]], choice: Any = "required") -> bool:
     """Whether the grammar of a request offering ``tools`` under ``choice`` lets the answer be ``calls`` (named: the
     first call's arguments)."""
+    return _holds(tools, json.dumps(calls if choice == "required" else calls[0]["parameters"]), choice)
+
+
+def _holds(tools: list[dict[str, Any]], text: str, choice: Any = "required") -> bool:
+    """Whether that grammar lets the answer be ``text``."""
     from specserve.api.schemas import ChatCompletionRequest
     from specserve.structured import GrammarDeadEnd
 
@@ -165,7 +171,6 @@ def _held(tools: list[dict[str, Any]], calls: list[dict[str, Any]], choice: Any 
     fmt = ChatCompletionRequest.model_validate(body).output_format()
     assert fmt is not None
     grammar = _compiler().compile(fmt)
-    text = json.dumps(calls if choice == "required" else calls[0]["parameters"])
     try:
         grammar.follow(tiny_tokenizer().encode(text, add_special_tokens=False))
     except GrammarDeadEnd:
@@ -262,6 +267,18 @@ def test_required_calls_keep_each_tools_anchors_and_ids_its_own() -> None:
     assert _held(tools, [{"name": "count", "parameters": {"n": 1}}, {"name": "label", "parameters": {"n": "a"}}])
     assert not _held(tools, [{"name": "count", "parameters": {"n": "a"}}])
     assert not _held(tools, [{"name": "label", "parameters": {"n": 1}}])
+
+
+@pytest.mark.parametrize("root_id", ["", "#", 5])
+def test_a_tool_whose_root_id_names_no_resource_gets_a_base_of_its_own(root_id: Any) -> None:
+    """Kept as the tool's name in the list, "" and "#" named the list itself, whose root the tool's schema then
+    became (the answer: bare arguments, as text); 5 (no URI) was a 400."""
+    count = {"$id": root_id, "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+             "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "count", "parameters": count}}]
+    assert _held(tools, [{"name": "count", "parameters": {"n": 1}}])
+    assert not _held(tools, [{"name": "count", "parameters": {"n": "a"}}])
+    assert not _holds(tools, '{"n": 1}')
 
 
 def test_required_calls_cut_by_max_tokens_come_back_as_text(url: str) -> None:
@@ -383,12 +400,25 @@ def test_a_blank_last_event_id_is_no_resume_and_deep_arguments_are_text(url: str
     assert ToolCallIn.model_validate(call).for_template()["function"]["arguments"] == call["function"]["arguments"]
 
 
-def test_required_calls_with_numbers_json_cannot_write_come_back_as_text() -> None:
-    assert required_calls('[{"name": "f", "parameters": {"a": 1e999}}]') is None  # (json.dumps: Infinity)
+def test_required_calls_too_deep_to_read_come_back_as_text() -> None:
     deep = "[" * 1500 + "]" * 1500  # (past Python's JSON recursion: a RecursionError, a 500)
     assert required_calls('[{"name": "f", "parameters": {"a": ' + deep + "}}]") is None
     (call,) = required_calls('[{"name": "f", "parameters": {"a": 1.5}}]') or []
     assert call.function.name == "f" and call.function.arguments == '{"a": 1.5}'
+
+
+def test_required_calls_keep_the_numbers_and_characters_the_answer_wrote() -> None:
+    """Read through a float, 0.99999999999999999 (which the schema's exclusiveMaximum 1 allows, and the grammar
+    held) came back 1.0, which the schema refuses; 1e999 could not be written back (json.dumps: Infinity) and
+    the call came back as text; non-ASCII came back escaped. A named function's arguments are the answer as is."""
+    schema = {"type": "object", "properties": {"x": {"type": "number", "exclusiveMaximum": 1}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    written = '{"x": 0.99999999999999999, "n": [12345678901234567890, 1e999, -0.0], "city": "Zürich"}'
+    answer = '[{"name": "f", "parameters": ' + written + "}]"
+    assert _holds(tools, answer)  # (an answer the grammar allows)
+    (call,) = required_calls(answer) or []
+    assert call.function.arguments == written
+    assert json.loads(call.function.arguments, parse_float=Decimal)["x"] < 1
 
 
 def test_tokenize_reads_tools_as_chat_does() -> None:

@@ -589,17 +589,25 @@ def _document_completion(schema: dict[str, Any]) -> None:
 TOOL_BASE = "https://specserve.invalid/tools/"  # each tool's base URI under tool_choice 'required' (never fetched)
 
 
+def _root_id(schema: dict[str, Any]) -> str | None:
+    """A schema's root "$id" where it names a resource: a string with more than a fragment ("" and "#" name the
+    document they are in, under 'required' the whole list; a number is no URI)."""
+    found = schema.get("$id")
+    return found if isinstance(found, str) and found.partition("#")[0] else None
+
+
 def _own_resources(schemas: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
     """Each tool's arguments schema as a resource of its own in 'required''s list of calls, and the URI the list
     refers to it by: its references ("#", "#/$defs/X", an anchor "#name") and its subschemas' relative "$id"s resolve
     in it, as when the tool is named. Pointers rewritten to its place in the list had left anchors and "$id"s shared,
     so two tools declaring one anchor each read the other's schema. A schema with a root "$id" no other tool has is
-    one already; one several share (a copied template's) is given a base of its own like the rest."""
-    ids = Counter(str(s["$id"]) for s in schemas if "$id" in s)
+    one already; one several share (a copied template's), or one that names no resource, is given a base of its own
+    like the rest."""
+    ids = Counter(_root_id(s) for s in schemas)
     owned = []
     for i, schema in enumerate(schemas):
-        if "$id" in schema and ids[str(schema["$id"])] == 1:
-            owned.append((schema, str(schema["$id"])))
+        if (found := _root_id(schema)) is not None and ids[found] == 1:
+            owned.append((schema, found))
         else:
             uri = f"{TOOL_BASE}{i}/"
             owned.append((schema | {"$id": uri}, uri))
@@ -686,6 +694,14 @@ class ChatRole(str, Enum):
 class TextPart(ClosedModel):
     type: Literal["text"]
     text: Utf8Str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, v: object) -> object:
+        # an image, audio, file or refusal part by its type, not as a missing "text" and an unknown field
+        if isinstance(v, dict) and isinstance(kind := v.get("type"), str) and kind != "text":
+            raise ValueError(f"content parts of type {kind[:40]!r} are not supported: this server reads text parts")
+        return v
 
 
 MessageContent = Annotated[

@@ -28,11 +28,28 @@ def named_call(name: str, arguments: str) -> ToolCall:
 def required_calls(answer: str) -> list[ToolCall] | None:
     """tool_choice 'required''s calls (None: the answer was cut before its list closed)."""
     try:
-        listed = json.loads(answer)
-        calls = [FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"], allow_nan=False)) for c in listed]
+        listed = json.loads(answer, parse_float=_Number, parse_int=_Number)
+        calls = [FunctionCall(name=c["name"], arguments=_as_json(c["parameters"])) for c in listed]
         return [ToolCall(id=call_id(), function=call) for call in calls]
-    except (ValueError, TypeError, KeyError, RecursionError):  # (cut; of another shape; too deep; 1e999)
+    except (ValueError, TypeError, KeyError, RecursionError):  # (cut; of another shape; too deep)
         return None
+
+
+class _Number(str):
+    """A JSON number as the answer wrote it. Read as a float, 0.99999999999999999 (which a schema's
+    exclusiveMaximum 1 allows) came back 1.0, and 1e999 could not be written back at all."""
+
+
+def _as_json(value: Any) -> str:
+    """Arguments read from the answer written back as JSON (", " and ": " between items), numbers and characters
+    as the answer had them, as a named function's arguments are the answer itself."""
+    if isinstance(value, _Number):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_as_json(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_as_json(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
 
 
 def call_deltas(calls: list[ToolCall]) -> list[ToolCallDelta]:
