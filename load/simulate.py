@@ -321,15 +321,16 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
             continue
         # plan: the serving planner (SL_i per sequence, SL_cap over the lock-step batch, max_sl)
         if planner is None:
-            planned, uncapped, cap = [0] * len(running), [], None
+            planned, uncapped, cap, cuts = [0] * len(running), [], None, [False] * len(running)
         else:
             plan = planner.plan(running, room=[s.req.max_tokens - s.emitted for s in running])
             planned, uncapped, cap = plan.depths, plan.uncapped, plan.cap
+            cuts = [plan.was_cut(i) for i in range(len(running))]
         extra_fed = sum(s.fed - 1 for s, d in zip(running, planned, strict=True) if d > 0)
         verify_tokens = emitted_step = 0
         emits: list[int] = []
         depths: list[int] = []  # levels each row drafted (a DDD tree may stop before its planned depth)
-        for s, d in zip(running, planned, strict=True):
+        for s, d, cut in zip(running, planned, cuts, strict=True):
             kld: list[float] = []
             if d == 0:
                 depth = verified = nodes = a = 0
@@ -339,7 +340,7 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
                 depth = verified = nodes = cfg.spec.model_depth(d)
                 a, kld = s.outcome(depth)
             if depth > 0 and s.sl_state is not None:
-                s.sl_state.observe(kld, verified, a)  # as the step loop: a tree's verified depth
+                s.sl_state.observe(kld, verified, a, cut=cut)  # as the step loop: a tree's verified depth
             n = min(a + 1, s.req.max_tokens - s.emitted)
             emits.append(n)
             depths.append(depth)

@@ -482,13 +482,14 @@ class StepLoop:
     def _update_sl(self, event: StepEvent) -> dict[int, SequenceError]:
         """This step's KLD values set each DSDE sequence's next SL (docs/algorithms.md §4.6)."""
         failures: dict[int, SequenceError] = {}
-        for seq, proposal, out in zip(event.batch, event.proposals, event.verified, strict=True):
+        for i, (seq, proposal, out) in enumerate(zip(event.batch, event.proposals, event.verified, strict=True)):
             if seq.sl_state is None or proposal is None:
                 continue
             drafted = proposal.verified_depth  # a tree's levels the target verified (§3.3), not those grown
             try:
                 with blame(seq.seq_id):
-                    seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted))
+                    cut = event.plan.was_cut(i)
+                    seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted), cut=cut)
             except SequenceError as e:
                 if seq.finish_reason is None:
                     failures[seq.seq_id] = e

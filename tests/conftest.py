@@ -32,9 +32,9 @@ def dsde_observed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     observed: list[tuple[int, int]] = []
     observe = SequenceDSDE.observe
 
-    def recording(self: SequenceDSDE, klds: list[float], num_drafted: int, num_accepted: int) -> None:
+    def recording(self: SequenceDSDE, klds: list[float], num_drafted: int, num_accepted: int, *, cut: bool) -> None:
         observed.append((num_drafted, num_accepted))
-        observe(self, klds, num_drafted, num_accepted)
+        observe(self, klds, num_drafted, num_accepted, cut=cut)
 
     monkeypatch.setattr(SequenceDSDE, "observe", recording)
     return observed

@@ -159,6 +159,33 @@ def test_max_sl_override_and_the_token_guard(target: LlamaModel) -> None:
         assert out.token_ids == greedy_reference(target, prompt, 12)
 
 
+def test_warmup_under_the_token_budget_calibrates_to_the_draft_not_to_the_budget(
+    target: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A perfect draft warmed up in a full batch whose step budget cuts its chains to 4 tokens or fewer: those steps
+    (all accepted) leave warm-up running, and the sequence left alone calibrates to the depth its draft reaches
+    (docs/algorithms.md §4.5). Counted, SL_max stayed about the budget's depth for the sequence's life."""
+    from specserve.policy import SequenceDSDE
+
+    states: dict[int, SequenceDSDE] = {}
+    observe = SequenceDSDE.observe
+
+    def recording(self: SequenceDSDE, klds: list[float], drafted: int, accepted: int, *, cut: bool) -> None:
+        states[id(self)] = self
+        observe(self, klds, drafted, accepted, cut=cut)
+
+    monkeypatch.setattr(SequenceDSDE, "observe", recording)
+    engine = Engine(target, None, draft=target, speculation=DSDE_CHAIN, max_step_tokens=20, eos_token_ids=set())
+    params = [SamplingParams(max_tokens=n) for n in (20, 20, 20, 48)]
+    outs = engine.generate(PROMPTS[:4], params)
+    for prompt, p, out in zip(PROMPTS[:4], params, outs, strict=True):
+        assert out.token_ids == greedy_reference(target, prompt, p.max_tokens)
+    *short, alone = sorted(states.values(), key=lambda st: st.positions)
+    seen = [(st.in_warmup, st.positions, st.a_max) for st in short]
+    assert all(warm and positions >= 8 and a_max <= 4 for warm, positions, a_max in seen), seen
+    assert not alone.in_warmup and alone.a_max >= 8 and alone.sl_max is not None and alone.sl_max >= 8
+
+
 def test_synthetic_acceptance_follows_the_configured_rates(target: LlamaModel) -> None:
     engine = Engine(
         target, None, draft=target, speculation=SpecConfig(method=SpecMethod.chain, sl=6), eos_token_ids=set()

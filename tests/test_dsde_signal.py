@@ -79,9 +79,9 @@ def test_dsde_is_fed_kl_of_target_against_draft_at_the_verified_positions(
     observed: list[tuple[list[float], int, int]] = []
     real_observe = SequenceDSDE.observe
 
-    def observe(self: SequenceDSDE, klds: list[float], num_drafted: int, num_accepted: int) -> None:
+    def observe(self: SequenceDSDE, klds: list[float], num_drafted: int, num_accepted: int, *, cut: bool) -> None:
         observed.append((list(klds), num_drafted, num_accepted))
-        real_observe(self, klds, num_drafted, num_accepted)
+        real_observe(self, klds, num_drafted, num_accepted, cut=cut)
 
     monkeypatch.setattr(SequenceDSDE, "observe", observe)
     expected: list[tuple[list[float], int, int]] = []

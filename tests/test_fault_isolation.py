@@ -566,11 +566,11 @@ def test_a_failed_sl_update_after_the_commit_fails_its_request_alone(
     real = SequenceDSDE.observe
     calls = []
 
-    def observe(self: SequenceDSDE, klds, drafted, accepted):  # type: ignore[no-untyped-def]
+    def observe(self: SequenceDSDE, klds, drafted, accepted, *, cut):  # type: ignore[no-untyped-def]
         calls.append(1)
         if len(calls) == 3:
             raise ValueError("accepted tokens exceed drafted tokens")
-        return real(self, klds, drafted, accepted)
+        return real(self, klds, drafted, accepted, cut=cut)
 
     monkeypatch.setattr(SequenceDSDE, "observe", observe)
     dsde = SpecConfig(method=SpecMethod.chain, sl=3, policy=SLPolicyKind.dsde)
@@ -590,13 +590,13 @@ def test_an_engine_stream_gets_the_tokens_committed_before_its_failed_sl_update(
     dsde = SpecConfig(method=SpecMethod.chain, sl=3, policy=SLPolicyKind.dsde)
     engine = Engine(models[0], None, draft=models[1], speculation=dsde, max_model_len=64, eos_token_ids=set())
 
-    def observe(self: SequenceDSDE, klds, drafted, accepted):  # type: ignore[no-untyped-def]
+    def observe(self: SequenceDSDE, klds, drafted, accepted, *, cut):  # type: ignore[no-untyped-def]
         if len(committed) == 2:
             (seq,) = engine.loop.running
             committed.append(len(seq.tokens) - len(PROMPTS[0]))  # the step committed its row before this update
             raise ValueError("accepted tokens exceed drafted tokens")
         committed.append(0)
-        return real(self, klds, drafted, accepted)
+        return real(self, klds, drafted, accepted, cut=cut)
 
     monkeypatch.setattr(SequenceDSDE, "observe", observe)
     delivered: list[int] = []

@@ -410,6 +410,23 @@ def test_planner_token_guard():
     assert SLPlanner(max_step_tokens=10).plan([Row(lookup, None), Row(lookup, None)]).depths == [0, 6]
 
 
+def test_the_plan_marks_the_rows_the_batch_cut():
+    chain = SpecConfig(method=SpecMethod.chain, sl=6)
+    rows = [Row(chain, None), Row(chain.model_copy(update={"sl": 2}), None)]
+    assert SLPlanner(max_step_tokens=7).plan(rows).cut == [True, False]  # depths [3, 2]: the budget
+    assert SLPlanner().plan(rows, room=[3, 10]).cut == [True, False]  # depths [2, 2]: the first row's room
+    assert SLPlanner().plan(rows, room=[10, 10]).cut == [False, False]
+    # a tree's own depth, a request's max_sl and a tree dropped whole (not observed) are not cuts
+    tree = SpecConfig(method=SpecMethod.eagle2, budget=8)
+    limited = chain.model_copy(update={"max_sl": 2})
+    plan = SLPlanner(max_step_tokens=12).plan([Row(tree, None), Row(tree, None), Row(limited, None)])
+    assert (plan.depths, plan.cut) == ([0, 6, 2], [False, False, False])
+    # SL_cap: a calibrated DSDE chain past the mean of its batch's SLs
+    dsde = [Row(DSDE_CHAIN, FakeState(9, False)), Row(DSDE_CHAIN, FakeState(3, False))]
+    plan = SLPlanner().plan(dsde)
+    assert (plan.depths, plan.cut, plan.select([1, 0]).cut) == ([6, 3], [True, False], [False, True])
+
+
 def _shrunk_by_the_rule(rows: list[Row], depths: list[int], limit: int, turn: int) -> list[int]:
     """The token guard of docs/algorithms.md §7, one token (or tree) at a time over a scan of every row."""
     depths, n = list(depths), len(rows)
@@ -495,6 +512,21 @@ def test_warmup_doubling_is_capped_and_counts_positions_not_steps():
     assert not s2.in_warmup
     assert (s2.sl_min, s2.sl_max) == (2, 2)  # A_max 0 -> SL_max clamps up to SL_min
     assert s2.next_sl() == 2
+
+
+def test_warmup_does_not_count_a_step_the_batch_cut_and_the_draft_passed_whole():
+    """A chain the batch shortened (its room, SL_cap, the step token budget) and accepted whole only says A >= its
+    length: counted, a full batch calibrated SL_max to the budget's depth for the sequence's life."""
+    s = SequenceDSDE(DSDEConfig(n_long=8, n_short=3))
+    s.observe([0.1] * 2, 2, 2, cut=True)  # all accepted: A_max and the doubling as ever, no warm-up positions
+    s.observe([0.1] * 2, 2, 2, cut=True)
+    s.observe([0.1] * 3, 3, 3, cut=True)
+    s.observe([0.1] * 3, 3, 3, cut=True)
+    assert s.in_warmup and (s.positions, s.warmup_positions, s.a_max, s.next_sl()) == (10, 0, 3, 16)
+    s.observe([0.1] * 3, 3, 2, cut=True)  # a rejection: A of this step is known, its positions count
+    assert s.in_warmup and (s.positions, s.warmup_positions) == (13, 3)
+    s.observe([0.1] * 5, 5, 5)  # not cut: counts; 8 positions end warm-up
+    assert not s.in_warmup and s.a_max == 5 and s.sl_max == 10  # round(5 * (1 + 0.1 / 0.1))
 
 
 def test_observe_validates_and_drops_nonfinite():

@@ -256,7 +256,8 @@ class SequenceDSDE:
     Warm-up (docs/algorithms.md §4.5): SL starts at sl_init and doubles (up to sl_hard_max) after every step in which
     all drafted tokens were accepted (num_drafted > 0 and num_accepted == num_drafted); otherwise it stays.
     Warm-up lasts for the first n_long *verified positions* (accepted + the first rejected, see
-    `verified_positions`), counted over steps, independent of how many KLD values the caller records.
+    `verified_positions`), counted over steps, independent of how many KLD values the caller records; a step the
+    batch cut short (``cut``) whose drafts were all accepted does not count (its A is only a lower bound).
     During warm-up it tracks A_max (most tokens accepted in one step) and the mean mu and max M of the
     warm-up KLDs. The step whose positions reach n_long still counts as warm-up; right after it, SL_min and
     SL_max are calibrated and from then on SL_i = predict_sl(WVIR(h), SF(mean KLD of the last step)).
@@ -280,6 +281,7 @@ class SequenceDSDE:
         "sl_max",
         "sl_min",
         "steps",
+        "warmup_positions",
     )
 
     def __init__(self, cfg: DSDEConfig, temperature: float = 1.0) -> None:
@@ -287,6 +289,7 @@ class SequenceDSDE:
         self._temperature = temperature  # the request's sampling temperature (kld_over_temperature)
         self.history: deque[float] = deque(maxlen=cfg.n_long)
         self.positions = 0  # verified positions so far
+        self.warmup_positions = 0  # those that count towards warm-up: all but a cut step's accepted whole
         self.steps = 0  # observed steps
         self.dropped_klds = 0
         self._sl = cfg.sl_init  # SL for the next step (uncapped)
@@ -326,9 +329,11 @@ class SequenceDSDE:
         """The uncapped SL_i for the next step."""
         return self._sl
 
-    def observe(self, klds: Sequence[float], num_drafted: int, num_accepted: int) -> None:
+    def observe(self, klds: Sequence[float], num_drafted: int, num_accepted: int, *, cut: bool = False) -> None:
         """Feed one verified step: its KLD values (one per verified position, or per drafted position with
         record_past_rejection), the number of drafted tokens and of accepted drafted tokens (bonus excluded).
+        ``cut``: the batch gave this sequence fewer levels than its SL asked for (the room, SL_cap, the step token
+        budget); all of them accepted, the step only bounds A from below and does not count towards warm-up.
         Updates the history and the SL for the next step."""
         _check_counts(num_drafted, num_accepted)
         vals = [float(v) for v in klds]
@@ -339,6 +344,9 @@ class SequenceDSDE:
             self._last_mean = sum(finite) / len(finite)
         self.steps += 1
         self.positions += verified_positions(num_drafted, num_accepted)
+        censored = cut and num_accepted == num_drafted
+        if not censored:
+            self.warmup_positions += verified_positions(num_drafted, num_accepted)
 
         cfg = self._cfg
         if self.in_warmup:
@@ -349,7 +357,7 @@ class SequenceDSDE:
                 self._kld_max = max(self._kld_max, max(finite))
             if num_drafted > 0 and num_accepted == num_drafted:
                 self._sl = min(self._sl * 2, cfg.sl_hard_max)
-            if self.positions < cfg.n_long:
+            if self.warmup_positions < cfg.n_long:
                 return
             self.sl_min, self.sl_max = calibrate(self._a_max, self.warmup_kld_mean, self._kld_max, cfg)
         assert self.sl_min is not None and self.sl_max is not None

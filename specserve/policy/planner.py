@@ -41,6 +41,9 @@ class StepPlan:
     # levels a model-free drafter may draft per sequence (None: ``depths``): a priced count tree
     # (``SpecConfig.free_tree_priced``) is bounded by its static depth, max_sl and the room, not by its SL or SL_cap
     free_depths: list[int] | None = None
+    # rows the batch gave fewer levels than their own depth (the room, SL_cap or ``max_step_tokens``): a draft
+    # accepted whole there says only that the sequence could go at least that deep (DSDE's warm-up, §4.5)
+    cut: list[bool] | None = None
 
     def free_depth(self, i: int) -> int:
         return self.depths[i] if self.free_depths is None else self.free_depths[i]
@@ -52,7 +55,11 @@ class StepPlan:
     def select(self, rows: list[int]) -> StepPlan:
         pick = [self.depths[i] for i in rows], [self.uncapped[i] for i in rows], [self.post_warmup[i] for i in rows]
         free = None if self.free_depths is None else [self.free_depths[i] for i in rows]
-        return StepPlan(pick[0], pick[1], self.cap, pick[2], self.min_prob, self.speculate, free)
+        cut = None if self.cut is None else [self.cut[i] for i in rows]
+        return StepPlan(pick[0], pick[1], self.cap, pick[2], self.min_prob, self.speculate, free, cut)
+
+    def was_cut(self, i: int) -> bool:
+        return self.cut is not None and self.cut[i]
 
 
 class SLPlanner:
@@ -86,14 +93,16 @@ class SLPlanner:
         left (a step planned to speculate stays one: the guard times the two modes' steps apart); ``model``: a draft
         model is attached (without one no row is in a lock-step draft loop: none counts towards SL_cap or is capped)."""
         uncapped = [r.sl_state.next_sl() if r.sl_state is not None else r.spec.static_depth for r in rows]
-        reach = [self._depth(r.spec, sl) for r, sl in zip(rows, uncapped, strict=True)]
+        own = [self._depth(r.spec, sl) for r, sl in zip(rows, uncapped, strict=True)]
+        reach = own
         if room is not None:  # before the cap: a level past a row's room is never drafted, so nobody waits for it
-            reach = [min(d, max(1, n - 1)) for d, n in zip(reach, room, strict=True)]
+            reach = [min(d, max(1, n - 1)) for d, n in zip(own, room, strict=True)]
         depths, cap = self._cap(rows, reach) if model else (reach, None)
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
         min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
         depths, speculate = self._guard(rows, depths, prefills, outlook, guarded)
-        return StepPlan(depths, uncapped, cap, post, min_prob, speculate, self._free_depths(rows, depths, room))
+        cut = [0 < d < o for d, o in zip(depths, own, strict=True)]
+        return StepPlan(depths, uncapped, cap, post, min_prob, speculate, self._free_depths(rows, depths, room), cut)
 
     @classmethod
     def _free_depths(cls, rows: Sequence[PlanRow], depths: list[int], room: Sequence[int] | None) -> list[int] | None:
