@@ -417,6 +417,37 @@ def test_follow_drift_waits_for_tries_in_a_row_that_confirm_plain_decoding() -> 
     assert guard.faster(32) is True and 32 not in guard.confirmed_plain and 32 not in guard.drift_base
 
 
+def test_the_guards_first_decision_has_no_margin() -> None:
+    """§7: the first decision, from the two warm-ups, takes the faster mode whatever the margin."""
+    guard = ThroughputGuard(GuardConfig(warmup=1, margin=0.05))
+    guard.record(1, False, 100, 1.0)
+    guard.record(1, True, 0, 1.0, caught_up_tokens=MISSED)  # the switch: not timed
+    guard.record(1, True, 102, 1.0)  # 2% faster, within the margin
+    assert guard.faster(1) is True
+
+
+def test_a_guard_try_that_flips_the_choice_starts_the_interval_over() -> None:
+    """§7: a try that flips the choice resets the interval to ``explore_every``, however far it had grown."""
+    cfg = GuardConfig(explore_every=5, warmup=1, explore_cost=1.0, smoothing=1.0, token_smoothing=1.0)
+    guard = ThroughputGuard(cfg)
+    for spec, tokens, missed in ((False, 40, 0), (True, 8, MISSED), (True, 8, 0)):
+        guard.record(8, spec, tokens, 1.0, caught_up_tokens=missed)
+    assert guard.faster(8) is False
+    before = False
+    for _ in range(80):  # plain 5x faster: every try confirms it and the interval doubles
+        spec = guard.speculate(8)
+        guard.record(8, spec, 8 if spec else 40, 1.0, caught_up_tokens=MISSED if spec and not before else 0)
+        before = spec
+    assert guard.intervals[8] >= 20
+    for _ in range(200):  # now speculation 4x faster: the next try flips the choice
+        spec = guard.speculate(8)
+        guard.record(8, spec, 160 if spec else 40, 1.0, caught_up_tokens=MISSED if spec and not before else 0)
+        before = spec
+        if guard.faster(8):
+            break
+    assert guard.faster(8) is True and guard.intervals[8] == cfg.explore_every
+
+
 def test_throughput_guard_spaces_its_tries_by_what_they_cost() -> None:
     # plain steps take 0.125 s for 5 tokens a sequence; switching to speculation costs a 10 s catch-up (the draft
     # re-reads what it missed), then speculation measures slower (1 s for 1.25 tokens a sequence, where plain

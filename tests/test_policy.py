@@ -25,6 +25,7 @@ from specserve.policy import (
     kld_sparse,
     predict_sl,
     scale_factor,
+    short_window_size,
     sl_cap,
     sparse_topk_q,
     weighted_variance,
@@ -133,6 +134,10 @@ def test_wvir_by_hand():
     assert wvir([100.0, -50.0, *h], cfg) == pytest.approx(150 / 267, rel=1e-12)
     # reference short window: newest max(1, 4 // 3) = 1 value -> Var_w(short) = 0 -> WVIR 0
     assert wvir(h, cfg.model_copy(update={"short_window": ShortWindow.reference})) == 0.0
+    # reference short window: the floor of a third (round would give 2 and 3 for 5 and 8 values)
+    ref8 = DSDEConfig(n_long=8, n_short=2, delta=0.5, short_window=ShortWindow.reference)
+    assert [short_window_size(n, ref8) for n in (2, 5, 8)] == [1, 1, 2]
+    assert wvir([0.0, 0.0, 0.0, 1.0, 3.0], ref8) == 0.0  # 5 values: the newest alone
     # 6 values, reference short = newest 2 = [1, 3] again (8/9), long over all 6 with delta 0.5
     h6 = [0.0, 0.0, 0.0, 0.0, 1.0, 3.0]
     cfg6 = DSDEConfig(n_long=6, n_short=2, delta=0.5, short_window=ShortWindow.reference)
@@ -200,9 +205,10 @@ def test_calibrate_both_c_and_both_sl_min_rules():
     # clamped to SL_hard_max / up to SL_min
     assert calibrate(16, 0.5, 0.5, DSDEConfig()) == (2, 16)  # 16 * 2 = 32 -> 16
     assert calibrate(0, 0.0, 0.0, DSDEConfig()) == (2, 2)  # nothing accepted -> SL_min
-    # round(): 3 * (1 + 0.5) = 4.5 -> 4 (Python rounds half to even, as the reference code does; the 1e-8
-    # in the denominator puts it just under 4.5 anyway)
-    assert calibrate(3, 0.5, 1.0, DSDEConfig())[1] == 4
+    # round(): half to even, as the reference code. With M + 1e-8 exact in floats the product lands on the half:
+    # 3 * (1 + 0.5 / 1) = 4.5 -> 4 and 1 * (1 + 3 * 0.25 / 0.5) = 2.5 -> 2 (half up would give 5 and 3)
+    assert calibrate(3, 0.5, 1 - 1e-8, DSDEConfig())[1] == 4
+    assert calibrate(1, 0.25, 0.5 - 1e-8, DSDEConfig(calibration_c=3.0, sl_min=1))[1] == 2
     # SL_min rules: paper = cfg.sl_min; reference = min(SL_max, max(cfg.sl_min, ceil(0.1 SL_max)))
     assert calibrate(8, 0.3, 0.6, DSDEConfig(sl_min=1)) == (1, 12)
     assert calibrate(8, 0.3, 0.6, DSDEConfig(sl_min=1, sl_min_rule=SLMinRule.reference)) == (2, 12)  # ceil(1.2)
@@ -561,6 +567,10 @@ def test_calibration_reads_the_largest_kld_of_the_whole_warm_up() -> None:
     assert s.positions == 33 and s.warmup_kld_max == 1.0
     # A_max 4, mu = (1.0 + 32 x 0.1) / 33 = 0.1273, M = 1.0: round(4 x 1.1273) = round(4.51) = 5 (M = 0.1: 9)
     assert (s.sl_min, s.sl_max) == (2, 5)
+    # ... and within a step: its largest value, wherever it sits
+    t = SequenceDSDE(DSDEConfig())
+    t.observe([0.1, 1.0, 0.2], 4, 2)
+    assert t.warmup_kld_max == 1.0
 
 
 def test_warmup_doubles_only_after_a_step_that_accepted_every_drafted_token() -> None:
