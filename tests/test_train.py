@@ -1400,3 +1400,20 @@ def test_prompts_rendered_by_a_template_that_prints_the_date_do_not_change_with_
     assert chat_ids(tokenizer, "Name a river.") == first
     assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(tokenizer)
     assert f"Today Date: {TRAINING_DATE}<|im_end|>" in tokenizer.decode(user_turn_prefix(tokenizer))
+
+
+def test_a_checkpoint_this_run_cannot_resume_is_refused_before_any_data(tmp_path: Path) -> None:
+    """A finished run leaves its ckpt.pt in the work dir: a rerun there with other training settings (--epochs) and
+    more prompts made all its data first (hours on the CPU), then stopped on that checkpoint."""
+    from specserve.train.pipeline import train_draft
+
+    asked: list[int] = []
+    target, tok, distill, train, cfg = _tiny_train_draft(asked)
+    train_draft(target, tok, distill, cfg, tmp_path / "w", tmp_path / "h", log=lambda _: None)
+    asked.clear()
+    more = replace(cfg, data=replace(cfg.data, num_prompts=8), train=replace(train, epochs=2))
+    with pytest.raises(SettingsError, match=r"ckpt\.pt was written with other settings"):
+        train_draft(target, tok, distill, more, tmp_path / "w", tmp_path / "h", log=lambda _: None)
+    assert asked == []  # refused before the target answered a prompt
+    train_draft(target, tok, distill, cfg, tmp_path / "w", tmp_path / "h", log=lambda _: None)  # the same: resumes
+    assert asked == []  # (its data is on disk)

@@ -62,6 +62,7 @@ from specserve.train.self_prompts import AskFn, filter_record, mt_bench_runs, se
 from specserve.train.trainer import (
     PROVENANCE_FILE,
     TrainConfig,
+    check_checkpoint,
     check_starting_head,
     prompts_seen,
     train_head,
@@ -278,6 +279,7 @@ def train_draft(
     asks = lexicon_prompts(cfg.lexicon_prompts, cfg.data.seed, cfg.wordnet_dir) if cfg.lexicon_prompts else []
     check_answers_fit(tokenizer, prompts, cfg.data.max_new_tokens, target.max_positions, "max_new_tokens")
     check_answers_fit(tokenizer, asks, cfg.lexicon_max_new_tokens, target.max_positions, "lexicon_max_new_tokens")
+    check_checkpoint(work_dir / "train", cfg.train, system_len=system_prefix_len(tokenizer))
     data_dir = work_dir / "data"
     samples: list[Sample] = []
     written = {"target": cfg.target_name, "seed": cfg.data.seed, "aux_layers": aux_layers}  # what a chunk depends on

@@ -316,16 +316,7 @@ def train_head(
     if cfg.init_head is not None:  # the path alone would not tell a head trained again there since
         trained_on["init_head_sha256"] = sha256_file(weights_path(cfg.init_head))
     if ckpt.exists():
-        try:  # tensors and plain values only: unpickling anything else could run code from the file
-            state = torch.load(ckpt, weights_only=True, map_location=device)
-        except pickle.UnpicklingError as e:
-            what = "holds more than tensors and plain values (an older version's?)"
-            raise SettingsError(f"{ckpt} {what}: remove it") from e
-        if state["config"] != config_record(cfg):
-            raise SettingsError(f"{ckpt} was written with other settings; remove it or use the same ones")
-        for key, now in trained_on.items():
-            if state.get(key) != now:
-                raise SettingsError(f"{ckpt} was trained {TRAINED_ON[key]}; remove it or rebuild the same data")
+        state = _resumable(ckpt, cfg, trained_on, device)
         try:
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
@@ -366,6 +357,35 @@ def train_head(
             save_checkpoint(step)
     head.eval()
     return head
+
+
+def _resumable(ckpt: Path, cfg: TrainConfig, trained_on: dict[str, object], device: torch.device | str) -> Any:
+    """The checkpoint's state, where it was written with ``cfg`` and on ``trained_on`` (a SettingsError naming what
+    differs where not)."""
+    try:  # tensors and plain values only: unpickling anything else could run code from the file
+        state = torch.load(ckpt, weights_only=True, map_location=device)
+    except pickle.UnpicklingError as e:
+        what = "holds more than tensors and plain values (an older version's?)"
+        raise SettingsError(f"{ckpt} {what}: remove it") from e
+    if state["config"] != config_record(cfg):
+        raise SettingsError(f"{ckpt} was written with other settings; remove it or use the same ones")
+    for key, now in trained_on.items():
+        if state.get(key) != now:
+            raise SettingsError(f"{ckpt} was trained {TRAINED_ON[key]}; remove it or rebuild the same data")
+    return state
+
+
+def check_checkpoint(work_dir: Path, cfg: TrainConfig, *, system_len: int) -> None:
+    """Before any data is made: a checkpoint in ``work_dir`` (a finished run's stays there) that ``train_head``
+    would refuse for its settings, its chat template's system prefix or its starting head is refused now, not
+    after the data step (hours). Whether it was trained on the data this run makes is known only after it."""
+    ckpt = work_dir / "ckpt.pt"
+    if not ckpt.exists():
+        return
+    trained_on: dict[str, object] = {"system_len": system_len}
+    if cfg.init_head is not None:
+        trained_on["init_head_sha256"] = sha256_file(weights_path(cfg.init_head))
+    _resumable(ckpt, cfg, trained_on, "cpu")
 
 
 def config_record(cfg: TrainConfig) -> dict[str, object]:
