@@ -141,6 +141,9 @@ def test_required_calls_are_the_held_list_read_back(url: str, parallel: bool | N
         Draft202012Validator(SCHEMAS[c["function"]["name"]]).validate(json.loads(c["function"]["arguments"]))
     r = _chat(url, stream=True, **fields)  # streamed: the calls whole in the last chunk, nothing before
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    # the first chunk opens the message with no content (content "" there made the SDK's accumulated message
+    # "" where the whole one has null)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
     assert all(c["choices"][0]["delta"] == {} for c in chunks[1:-1])
     last = chunks[-1]["choices"][0]
     assert last["finish_reason"] == "tool_calls"

@@ -1157,6 +1157,8 @@ class _ChatFormat(_Stamped):
         if self.calling == ToolMode.named:
             call = tools.call_deltas([tools.named_call(cast(str, self.named), "")])
             delta = ChatDelta(role="assistant", tool_calls=call)
+        elif self.calling == ToolMode.required:  # calls, or (cut) text, come whole at the end
+            delta = ChatDelta(role="assistant")
         else:
             delta = ChatDelta(role="assistant", content="")
         choice = ChatChunkChoice(index=self.index, delta=delta)
