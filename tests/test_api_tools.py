@@ -408,6 +408,20 @@ def test_required_calls_too_deep_to_read_come_back_as_text() -> None:
     assert required_calls('[{"name": "f", "parameters": {"a": ' + deep + "}}]") is None
     (call,) = required_calls('[{"name": "f", "parameters": {"a": 1.5}}]') or []
     assert call.function.name == "f" and call.function.arguments == '{"a": 1.5}'
+    # as deep as JSON reads is a call (written back through Python's own recursion, it came back as text)
+    written = '{"a": ' + "[" * 400 + "]" * 400 + "}"
+    answer = '[{"name": "f", "parameters": ' + written + "}]"
+    assert _holds([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], answer)
+    (call,) = required_calls(answer) or []
+    assert call.function.arguments == written
+
+
+@pytest.mark.parametrize(
+    "answer",
+    ['{"name": "f"}', '["f"]', '[{"name": "f"}]', '[{"parameters": {}}]', '[{"name": 1, "parameters": {}}]', "[1]"],
+)
+def test_required_calls_of_another_shape_come_back_as_text(answer: str) -> None:
+    assert required_calls(answer) is None
 
 
 def test_required_calls_keep_the_numbers_and_characters_the_answer_wrote() -> None:
@@ -422,6 +436,18 @@ def test_required_calls_keep_the_numbers_and_characters_the_answer_wrote() -> No
     (call,) = required_calls(answer) or []
     assert call.function.arguments == written
     assert json.loads(call.function.arguments, parse_float=Decimal)["x"] < 1
+    written = '{"x": 0.5, "s": "a\\tb\\n\\"c\\\\", "y": [1, 2]}'
+    answer = '[{"name": "f", "parameters": ' + written + '}, {"name": "f", "parameters": {}}]'
+    assert _holds(tools, answer)
+    assert [c.function.arguments for c in required_calls(answer) or []] == [written, "{}"]
+    # escapes the grammar does not write, as written too (read, a lone surrogate's could not be encoded as UTF-8: the
+    # response was a 500)
+    written = '{"s": "\\ud800 \\u00fc \\/", "\\ud83d": 1}'
+    (call,) = required_calls('[{"name": "f", "parameters": ' + written + "}]") or []
+    assert json.loads(call.model_dump_json())["function"]["arguments"] == written
+    # a repeated key: its last value, as JSON is read
+    (call,) = required_calls('[{"name": "f", "parameters": {"a": 1}, "name": "g", "parameters": {"b": 2}}]') or []
+    assert (call.function.name, call.function.arguments) == ("g", '{"b": 2}')
 
 
 def test_tokenize_reads_tools_as_chat_does() -> None:

@@ -28,28 +28,51 @@ def named_call(name: str, arguments: str) -> ToolCall:
 def required_calls(answer: str) -> list[ToolCall] | None:
     """tool_choice 'required''s calls (None: the answer was cut before its list closed)."""
     try:
-        listed = json.loads(answer, parse_float=_Number, parse_int=_Number)
-        calls = [FunctionCall(name=c["name"], arguments=_as_json(c["parameters"])) for c in listed]
+        listed = json.loads(answer)
+        if not all(isinstance(c, dict) and {"name", "parameters"} <= c.keys() for c in listed):
+            return None  # (of another shape)
+        written = _parameters_as_written(answer)
+        calls = [FunctionCall(name=c["name"], arguments=a) for c, a in zip(listed, written, strict=True)]
         return [ToolCall(id=call_id(), function=call) for call in calls]
-    except (ValueError, TypeError, KeyError, RecursionError):  # (cut; of another shape; too deep)
+    except (ValueError, TypeError, RecursionError):  # (cut; not a list; too deep)
         return None
 
 
-class _Number(str):
-    """A JSON number as the answer wrote it. Read as a float, 0.99999999999999999 (which a schema's
-    exclusiveMaximum 1 allows) came back 1.0, and 1e999 could not be written back at all."""
+_VALUE = json.JSONDecoder().raw_decode
 
 
-def _as_json(value: Any) -> str:
-    """Arguments read from the answer written back as JSON (", " and ": " between items), numbers and characters
-    as the answer had them, as a named function's arguments are the answer itself."""
-    if isinstance(value, _Number):
-        return str(value)
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_as_json(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_as_json(v) for v in value) + "]"
-    return json.dumps(value, ensure_ascii=False)
+def _parameters_as_written(listed: str) -> list[str]:
+    """Each call's ``parameters`` in a JSON list of call objects, as the text the answer wrote (numbers, escapes and
+    spacing unchanged, as a named function's arguments are the answer itself: read and written back, a float made
+    0.99999999999999999, which an exclusiveMaximum of 1 allows, 1.0; a repeated key: its last value, as json.loads
+    reads it). ``listed`` is valid JSON of that shape."""
+    texts: list[str] = []
+    i = _past(listed, 0, "[")
+    while listed[i] != "]":
+        i = _past(listed, i, "{")
+        while listed[i] != "}":
+            key, i = _VALUE(listed, i)
+            start = _past(listed, i, ":")
+            _, i = _VALUE(listed, start)
+            if key == "parameters":
+                text = listed[start:i]
+            i = _past(listed, i, ",")
+        texts.append(text)
+        i = _past(listed, i, "}")
+        i = _past(listed, i, ",")
+    return texts
+
+
+def _past(text: str, i: int, mark: str) -> int:
+    """Where the next value starts after ``text[i:]``'s spaces and ``mark`` (if it comes next) and their spaces."""
+    i = _past_space(text, i)
+    return _past_space(text, i + 1) if text[i] == mark else i
+
+
+def _past_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    return i
 
 
 def call_deltas(calls: list[ToolCall]) -> list[ToolCallDelta]:
