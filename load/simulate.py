@@ -325,7 +325,7 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
         else:
             plan = planner.plan(running, room=[s.req.max_tokens - s.emitted for s in running])
             planned, uncapped, cap = plan.depths, plan.uncapped, plan.cap
-            cuts = [plan.was_cut(i) for i in range(len(running))]
+            cuts = [plan.was_cut(i, by_model=True) for i in range(len(running))]  # (draft-model steps only)
         extra_fed = sum(s.fed - 1 for s, d in zip(running, planned, strict=True) if d > 0)
         verify_tokens = emitted_step = 0
         emits: list[int] = []

@@ -488,7 +488,7 @@ class StepLoop:
             drafted = proposal.verified_depth  # a tree's levels the target verified (§3.3), not those grown
             try:
                 with blame(seq.seq_id):
-                    cut = event.plan.was_cut(i)
+                    cut = event.plan.was_cut(i, by_model=seq.model_proposed)
                     seq.sl_state.observe(out.kld, drafted, min(len(out.accepted), drafted), cut=cut)
             except SequenceError as e:
                 if seq.finish_reason is None:

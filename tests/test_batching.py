@@ -184,6 +184,14 @@ def test_warmup_under_the_token_budget_calibrates_to_the_draft_not_to_the_budget
     seen = [(st.in_warmup, st.positions, st.a_max) for st in short]
     assert all(warm and positions >= 8 and a_max <= 4 for warm, positions, a_max in seen), seen
     assert not alone.in_warmup and alone.a_max >= 8 and alone.sl_max is not None and alone.sl_max >= 8
+    # a draft model that drafts at most 4 levels (model_max_sl) is not cut by a budget of 4 a row: its steps count,
+    # and warm-up ends in the full batch (read as cut, it never did while the batch stayed full)
+    states.clear()
+    spec = DSDE_CHAIN.model_copy(update={"model_max_sl": 4})
+    engine = Engine(target, None, draft=target, speculation=spec, max_step_tokens=20, eos_token_ids=set())
+    engine.generate(PROMPTS[:4], SamplingParams(max_tokens=20))
+    seen = [(st.in_warmup, st.positions, st.a_max) for st in states.values()]
+    assert len(seen) == 4 and all(not warm and a_max == 4 for warm, _, a_max in seen), seen
 
 
 def test_synthetic_acceptance_follows_the_configured_rates(target: LlamaModel) -> None:

@@ -365,6 +365,8 @@ def test_a_priced_count_tree_is_bounded_by_its_static_depth_not_by_the_sl():
     plan = SLPlanner().plan([Row(lookup, FakeState(9, False)), *heads])
     assert plan.cap == 3 and plan.depths == [3, 2, 2] and plan.free_depths == [7, 2, 2]
     assert (plan.limit(0, by_model=True), plan.limit(0, by_model=False)) == (3, 7)
+    assert (plan.was_cut(0, by_model=True), plan.was_cut(0, by_model=False)) == (True, False)
+    assert SLPlanner().plan([Row(lookup, FakeState(9, False))], room=[4]).cut == [True]  # (the room bounds it)
     assert SLPlanner().plan(rows, room=[3, 100, 100]).free_depths == [2, 7, 8]
     capped = lookup.model_copy(update={"max_sl": 3})
     assert SLPlanner().plan([Row(capped, FakeState(9, False))]).free_depths == [3]
@@ -431,6 +433,15 @@ def test_the_plan_marks_the_rows_the_batch_cut():
     dsde = [Row(DSDE_CHAIN, FakeState(9, False)), Row(DSDE_CHAIN, FakeState(3, False))]
     plan = SLPlanner().plan(dsde)
     assert (plan.depths, plan.cut, plan.select([1, 0]).cut) == ([6, 3], [True, False], [False, True])
+    assert plan.model_cut == [True, False] and plan.select([1, 0]).model_cut == [False, True]
+    # the draft model's own limit: two chains in warm-up at SL 16 that the budget cuts to 9 each still draft
+    # model_max_sl = 4 (the model was not cut: counted, warm-up ended in a full batch), at 3 each they are cut
+    warm = [Row(DSDE_CHAIN.model_copy(update={"model_max_sl": 4}), FakeState(16, True))] * 2
+    plan = SLPlanner(max_step_tokens=20).plan(warm)
+    assert (plan.depths, plan.model_cut, plan.cut) == ([9, 9], [False, False], [True, True])
+    assert [plan.was_cut(i, by_model=True) for i in (0, 1)] == [False, False]
+    plan = SLPlanner(max_step_tokens=8).plan(warm)
+    assert (plan.depths, plan.model_cut) == ([3, 3], [True, True])
 
 
 def _shrunk_by_the_rule(rows: list[Row], depths: list[int], limit: int, turn: int) -> list[int]:

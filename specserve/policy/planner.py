@@ -41,9 +41,12 @@ class StepPlan:
     # levels a model-free drafter may draft per sequence (None: ``depths``): a priced count tree
     # (``SpecConfig.free_tree_priced``) is bounded by its static depth, max_sl and the room, not by its SL or SL_cap
     free_depths: list[int] | None = None
-    # rows the batch gave fewer levels than their own depth (the room, SL_cap or ``max_step_tokens``): a draft
-    # accepted whole there says only that the sequence could go at least that deep (DSDE's warm-up, §4.5)
+    # rows whose drafter the batch gave fewer levels than it would draft alone (the room, SL_cap or
+    # ``max_step_tokens``), for a model-free drafter and for the draft model (whose own limits, ``model_max_sl`` and
+    # its tree budget, may leave it as deep either way): a draft accepted whole there says only that the sequence
+    # could go at least that deep (DSDE's warm-up, §4.5)
     cut: list[bool] | None = None
+    model_cut: list[bool] | None = None
 
     def free_depth(self, i: int) -> int:
         return self.depths[i] if self.free_depths is None else self.free_depths[i]
@@ -56,10 +59,13 @@ class StepPlan:
         pick = [self.depths[i] for i in rows], [self.uncapped[i] for i in rows], [self.post_warmup[i] for i in rows]
         free = None if self.free_depths is None else [self.free_depths[i] for i in rows]
         cut = None if self.cut is None else [self.cut[i] for i in rows]
-        return StepPlan(pick[0], pick[1], self.cap, pick[2], self.min_prob, self.speculate, free, cut)
+        model_cut = None if self.model_cut is None else [self.model_cut[i] for i in rows]
+        return StepPlan(pick[0], pick[1], self.cap, pick[2], self.min_prob, self.speculate, free, cut, model_cut)
 
-    def was_cut(self, i: int) -> bool:
-        return self.cut is not None and self.cut[i]
+    def was_cut(self, i: int, *, by_model: bool) -> bool:
+        """Whether the batch cut row ``i``'s drafter: the draft model's (``by_model``) or a model-free one's."""
+        cut = self.model_cut if by_model else self.cut
+        return cut is not None and cut[i]
 
 
 class SLPlanner:
@@ -101,8 +107,13 @@ class SLPlanner:
         post = [r.sl_state is not None and not r.sl_state.in_warmup for r in rows]
         min_prob = self.floor.floor(len(rows)) if self.floor is not None and self.adaptive(rows) else None
         depths, speculate = self._guard(rows, depths, prefills, outlook, guarded)
-        cut = [0 < d < o for d, o in zip(depths, own, strict=True)]
-        return StepPlan(depths, uncapped, cap, post, min_prob, speculate, self._free_depths(rows, depths, room), cut)
+        free = self._free_depths(rows, depths, room)
+        alone = self._free_depths(rows, own, None) or own  # (what each drafter would draft with the batch away)
+        cut = [0 < d < o for d, o in zip(free or depths, alone, strict=True)]
+        model_cut = [
+            0 < r.spec.model_depth(d) < r.spec.model_depth(o) for r, d, o in zip(rows, depths, own, strict=True)
+        ]
+        return StepPlan(depths, uncapped, cap, post, min_prob, speculate, free, cut, model_cut)
 
     @classmethod
     def _free_depths(cls, rows: Sequence[PlanRow], depths: list[int], room: Sequence[int] | None) -> list[int] | None:
