@@ -359,11 +359,13 @@ def train_head(
     return head
 
 
-def _resumable(ckpt: Path, cfg: TrainConfig, trained_on: dict[str, object], device: torch.device | str) -> Any:
+def _resumable(
+    ckpt: Path, cfg: TrainConfig, trained_on: dict[str, object], device: torch.device | str, *, mmap: bool = False
+) -> Any:
     """The checkpoint's state, where it was written with ``cfg`` and on ``trained_on`` (a SettingsError naming what
-    differs where not)."""
+    differs where not). ``mmap``: its tensors stay in the file until read (a check that reads only the records)."""
     try:  # tensors and plain values only: unpickling anything else could run code from the file
-        state = torch.load(ckpt, weights_only=True, map_location=device)
+        state = torch.load(ckpt, weights_only=True, map_location=device, mmap=mmap)
     except pickle.UnpicklingError as e:
         what = "holds more than tensors and plain values (an older version's?)"
         raise SettingsError(f"{ckpt} {what}: remove it") from e
@@ -385,7 +387,7 @@ def check_checkpoint(work_dir: Path, cfg: TrainConfig, *, system_len: int) -> No
     trained_on: dict[str, object] = {"system_len": system_len}
     if cfg.init_head is not None:
         trained_on["init_head_sha256"] = sha256_file(weights_path(cfg.init_head))
-    _resumable(ckpt, cfg, trained_on, "cpu")
+    _resumable(ckpt, cfg, trained_on, "cpu", mmap=True)  # (the head and its optimiser's state: not read)
 
 
 def config_record(cfg: TrainConfig) -> dict[str, object]:
