@@ -418,7 +418,10 @@ def test_required_calls_too_deep_to_read_come_back_as_text() -> None:
 
 @pytest.mark.parametrize(
     "answer",
-    ['{"name": "f"}', '["f"]', '[{"name": "f"}]', '[{"parameters": {}}]', '[{"name": 1, "parameters": {}}]', "[1]"],
+    [
+        *('{"name": "f"}', '["f"]', '[{"name": "f"}]', '[{"parameters": {}}]', '[{"name": 1, "parameters": {}}]'),
+        *("[1]", "{}", '""', "[]", "1"),
+    ],
 )
 def test_required_calls_of_another_shape_come_back_as_text(answer: str) -> None:
     assert required_calls(answer) is None

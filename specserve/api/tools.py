@@ -29,12 +29,14 @@ def required_calls(answer: str) -> list[ToolCall] | None:
     """tool_choice 'required''s calls (None: the answer was cut before its list closed)."""
     try:
         listed = json.loads(answer)
+        if not isinstance(listed, list) or not listed:
+            return None  # (of another shape: the grammar holds the answer to a list of one call or more)
         if not all(isinstance(c, dict) and {"name", "parameters"} <= c.keys() for c in listed):
-            return None  # (of another shape)
+            return None
         written = _parameters_as_written(answer)
         calls = [FunctionCall(name=c["name"], arguments=a) for c, a in zip(listed, written, strict=True)]
         return [ToolCall(id=call_id(), function=call) for call in calls]
-    except (ValueError, TypeError, RecursionError):  # (cut; not a list; too deep)
+    except (ValueError, RecursionError):  # (cut; too deep)
         return None
 
 
