@@ -436,6 +436,11 @@ class Lane:
                 self._kill_workers()
 
     @property
+    def _lost_roles(self) -> set[WorkerRole]:
+        """The workers a failed call found dead (none marked: all of them, as the failure names none)."""
+        return {role for role, w in self.workers.items() if w.dead} or set(self.workers)
+
+    @property
     def _target_gone(self) -> bool:
         """Whether its target was found dead and not yet replaced (a lane over in-process workers has none)."""
         target = self.workers.get(WorkerRole.target)
@@ -591,7 +596,8 @@ class Lane:
             generation = self.generations[WorkerRole.target]
             # a loss that convicts a request (its second alone) is explained: not one more in a row for the lane
             # (two killers in a batch lost four targets in a row and, at max_worker_restarts 3, the lane)
-            convicted = self._repeat_killer(group, only) if ran else None
+            # (a lost draft convicts no one: it costs only speculation, and the suspect steps alone again)
+            convicted = self._repeat_killer(group, only) if ran and WorkerRole.target in self._lost_roles else None
             if convicted is not None:  # failed, not moved with the others (a spare lane takes them at once)
                 self._killers.pop(convicted, None)
                 self._fail_sequence(convicted, WorkerLostError("its step took a target down twice, the second alone"))
@@ -871,7 +877,7 @@ class Lane:
             # its requests go on elsewhere, none left to step on caches that may have run ahead
             self._fail_all(f"lane {self.index} stopped", LaneLostError)
             return
-        dead = {role for role, w in self.workers.items() if w.dead} or set(self.workers)
+        dead = self._lost_roles
         logger.warning("lane %d: %s worker died (%s); recreating", self.index, sorted(r.value for r in dead), error)
         if WorkerRole.target in dead and counted:  # a lost draft costs only speculation: it never counts against
             self._failures += 1  # the lane

@@ -752,6 +752,21 @@ def test_a_lost_draft_never_counts_against_its_lanes_target(target: LlamaModel, 
         lane.stop()
 
 
+def test_a_suspect_whose_step_alone_loses_the_draft_is_not_failed(target: LlamaModel) -> None:
+    """A suspect (lost in a batch on another lane) whose first step here loses the draft, not the target: a lost
+    draft costs only speculation, so it steps alone again and finishes with its tokens. It was failed (a 500) as
+    a request whose step alone had taken a target down."""
+    drafts = DraftFactory(target, {0: "hostile"}, broken=set())
+    lane = _drafting_lane(target, drafts)
+    prompt = [*HOSTILE, 7]
+    try:
+        outcome = asyncio.run(asyncio.wait_for(_one(lane, Request("s", prompt, GREEDY, suspect=True)), 30))
+        assert outcome == _engine(target).generate([prompt], GREEDY)[0].token_ids, outcome
+        assert drafts.actors[0].calls.count("propose") == 1 and lane.generations[WorkerRole.target] == 0
+    finally:
+        lane.stop()
+
+
 class _RecordedWaits(threading.Event):
     """The lane's stop event, recording the pauses the draft's restorer waits on it."""
 
