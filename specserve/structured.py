@@ -10,9 +10,10 @@ keeps greedy output equal to plain decoding under the grammar and sampled output
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from enum import Enum
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -38,14 +39,26 @@ MASK_STRIKES = 3
 GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z0-9_-]+\s*::=")  # a grammar with one is GBNF (llama.cpp's), else Lark
 
 
-def check_depth(value: object, limit: int = MAX_SCHEMA_DEPTH) -> object:
-    """``value`` (JSON data) if its objects and lists nest at most ``limit`` deep (walked without recursion)."""
+def check_json_data(value: object, limit: int = MAX_SCHEMA_DEPTH) -> object:
+    """``value`` (JSON data, a schema) if its objects and lists nest at most ``limit`` deep (walked without
+    recursion) and its numbers are finite: Python's JSON reader takes NaN and Infinity, which JSON has not, and
+    llguidance read them as null (``{"const": NaN}`` held the answer to null)."""
     level: list[object] = [value]
     for _ in range(limit + 1):
+        if any(isinstance(x, float) and not math.isfinite(x) for x in level):
+            raise ValueError("a JSON schema holds NaN or Infinity, which are not JSON numbers")
         level = [v for x in level for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())]
         if not level:
             return value
     raise ValueError(f"a JSON schema nested deeper than {limit} levels")
+
+
+def check_choices(choices: Sequence[str]) -> Sequence[str]:
+    """A choice format's strings, if they hold at most MAX_SCHEMA_CHARS characters together (each compile holds
+    the lane's one grammar thread, as a schema's does: a 3 MB choice took a second)."""
+    if sum(len(c) for c in choices) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"a choice format's strings take at most {MAX_SCHEMA_CHARS} characters together")
+    return choices
 
 
 class FormatKind(str, Enum):
@@ -77,6 +90,7 @@ class OutputFormat(Validated):
         need = wanted.get(self.kind)
         if any(v for k, v in given.items() if k != need) or (need is not None and not given[need]):
             raise ValueError(f"a {self.kind.value} format takes {need or 'nothing else'}")
+        check_choices(self.choices)
         if self.schema_text is not None:
             try:
                 schema = json.loads(self.schema_text)
@@ -84,7 +98,7 @@ class OutputFormat(Validated):
                 raise ValueError(f"a JSON schema nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema is an object (or true / false)")
-            check_depth(schema)
+            check_json_data(schema)
         return self
 
     def grammar(self) -> str:

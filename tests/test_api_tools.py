@@ -346,6 +346,8 @@ def test_an_earlier_calls_arguments_reach_the_template_as_an_object_where_they_a
         ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"}, "tools",
          "String should match pattern"),
         ({"tool_choice": "required", "ignore_eos": True}, "tools", "not with ignore_eos"),
+        ({"tool_choice": "none", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"maximum": float("nan")}}}}}]}, "tools", "NaN or Infinity"),
         ({"tool_choice": "required", "stream": True, "resume_from": "1-2-00000000"}, "resume_from",
          "cannot be resumed"),
         ({"tool_choice": "none", "messages": [{"role": "user", "content": "x", "tool_calls": [

@@ -183,6 +183,8 @@ def test_speculation_options_map_onto_the_default() -> None:
     default = SpecConfig(sl=5)
     assert speculation_for(None, default) is None
     assert speculation_for(SpeculationOptions(), default) is None  # nothing to change
+    with pytest.raises(pydantic.ValidationError, match="valid boolean"):  # ("none" took any enabled, of any type)
+        SpeculationOptions.model_validate({"policy": "none", "enabled": "yes"})
     for off in (SpeculationOptions(enabled=False), SpeculationOptions.model_validate({"policy": "none"})):
         assert speculation_for(off, default) == SpecConfig(method=SpecMethod.none)
     dsde = speculation_for(SpeculationOptions(policy=SLPolicyKind.dsde, max_sl=3), default)

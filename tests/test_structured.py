@@ -444,6 +444,11 @@ def _nested(depth: int) -> dict[str, Any]:
         ({"structured_outputs": {"json": '{"type": "foo"}'}}, "structured_outputs", "foo"),
         ({"structured_outputs": {"json": "{"}}, "structured_outputs", "json is not valid JSON"),
         ({"structured_outputs": {"json": "[1]"}}, "structured_outputs", "must hold a JSON object (a schema), not list"),
+        # Python's JSON reader takes NaN and Infinity, which llguidance read as null: {"const": NaN} held to null
+        ({"structured_outputs": {"json": '{"const": NaN}'}}, "structured_outputs", "NaN or Infinity"),
+        ({"structured_outputs": {"json": '{"enum": [1, [-Infinity]]}'}}, "structured_outputs", "NaN or Infinity"),
+        ({"structured_outputs": {"choice": ["ab" * 20_000, "cd" * 20_000]}}, "structured_outputs",
+         "at most 65536 characters together"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(500)}}},
          "response_format", "nested deeper than 64 levels"),
     ],

@@ -36,7 +36,7 @@ from specserve.config import Drafter, SLPolicyKind, SpecMethod
 from specserve.errors import InvalidRequestError
 from specserve.sampling import LOGIT_BIAS_BOUND, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from specserve.structured import MAX_CHOICES as MAX_FORMAT_CHOICES
-from specserve.structured import MAX_SCHEMA_CHARS, FormatKind, OutputFormat, check_depth
+from specserve.structured import MAX_SCHEMA_CHARS, FormatKind, OutputFormat, check_choices, check_json_data
 
 # Past this many fields a request object does not define, it gets one error naming the first few: pydantic builds an
 # error per unknown key, and FastAPI and the handler copy the list, all on the event loop (a 3.7 MB body of 380k
@@ -91,7 +91,8 @@ class SpeculationOptions(ClosedModel):
     @classmethod
     def _policy_none_is_off(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("policy") == "none":
-            return {**data, "policy": None, "enabled": False}
+            enabled = data.get("enabled", False)  # (one that is not a boolean is left for its own 400)
+            return {**data, "policy": None, "enabled": False if isinstance(enabled, bool) else enabled}
         return data
 
 
@@ -182,7 +183,7 @@ class JsonSchemaSpec(ClosedModel):
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
-    schema_: Annotated[dict[str, Any], BeforeValidator(check_depth)] = Field(
+    schema_: Annotated[dict[str, Any], BeforeValidator(check_json_data)] = Field(
         default_factory=dict, alias="schema", description="the JSON schema ({}: any JSON)"
     )
     strict: StrictBool | None = Field(default=None, description="always strict here: the answer is held to the schema")
@@ -229,7 +230,7 @@ def _schema_from_text(value: object) -> object:
         schema = json.loads(value)
     except json.JSONDecodeError as e:
         raise ValueError(f"json is not valid JSON: {e}") from None
-    except RecursionError:  # nested past the parser's own limit, far past check_depth's
+    except RecursionError:  # nested past the parser's own limit, far past check_json_data's
         raise ValueError("a JSON schema nested too deep to read") from None
     if not isinstance(schema, dict):
         raise ValueError(f"json as text must hold a JSON object (a schema), not {type(schema).__name__}")
@@ -240,11 +241,13 @@ class StructuredOutputs(ClosedModel):
     """vLLM's ``structured_outputs``: one of a JSON schema (an object or its text), any JSON object, a regular
     expression, a choice of strings or a grammar (Lark or GBNF)."""
 
-    json_: Annotated[dict[str, Any], BeforeValidator(check_depth), BeforeValidator(_schema_from_text)] | None = Field(
-        default=None, alias="json", description="a JSON schema, as an object or as its text"
+    json_: Annotated[dict[str, Any], BeforeValidator(check_json_data), BeforeValidator(_schema_from_text)] | None = (
+        Field(default=None, alias="json", description="a JSON schema, as an object or as its text")
     )
     regex: str | None = Field(default=None, min_length=1, max_length=MAX_SCHEMA_CHARS)
-    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_FORMAT_CHOICES)
+    choice: Annotated[list[str], AfterValidator(check_choices)] | None = Field(
+        default=None, min_length=1, max_length=MAX_FORMAT_CHOICES
+    )
     grammar: str | None = Field(default=None, min_length=1, max_length=MAX_SCHEMA_CHARS, description="Lark or GBNF")
     json_object: Annotated[Literal[True] | None, _exactly(bool)] = Field(default=None, description="any JSON object")
 
@@ -735,7 +738,7 @@ class ToolCallIn(ClosedModel):
     def for_template(self) -> dict[str, Any]:
         """As chat templates read a call: the arguments as an object where they are JSON (as vLLM hands them)."""
         try:  # (nested past MAX_SCHEMA_DEPTH, or past what Python's JSON parser recurses into: the text)
-            arguments: Any = check_depth(json.loads(self.function.arguments))
+            arguments: Any = check_json_data(json.loads(self.function.arguments))
         except (ValueError, RecursionError):
             arguments = self.function.arguments
         return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
@@ -815,7 +818,7 @@ def _continue_without_a_new_turn(continue_final_message: bool, info: ValidationI
 class FunctionSpec(ClosedModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: Utf8Str | None = None
-    parameters: Annotated[dict[str, Any], BeforeValidator(check_depth)] | None = Field(
+    parameters: Annotated[dict[str, Any], BeforeValidator(check_json_data)] | None = Field(
         default=None, description="a JSON schema of the arguments object (left out or {}: the function takes none)"
     )
     strict: StrictBool | None = Field(default=None, description="always strict here where a call is forced")
