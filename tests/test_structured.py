@@ -332,6 +332,10 @@ def test_a_format_that_cannot_be_compiled_or_cannot_end_is_refused() -> None:
     assert _bits(compiler.compile(OutputFormat(kind=FormatKind.json_schema, schema_text="true")).masks([], [])[0], 512)
     with pytest.raises(ValueError, match="nested deeper than 64 levels"):
         OutputFormat(kind=FormatKind.json_schema, schema_text=json.dumps(_nested(100)))
+    with pytest.raises(ValueError, match="NaN or Infinity"):
+        OutputFormat(kind=FormatKind.json_schema, schema_text='{"const": NaN}')
+    with pytest.raises(ValueError, match="65536 characters together"):
+        OutputFormat(kind=FormatKind.choice, choices=("a" * 40_000, "b" * 40_000))
     model = tiny_model(tiny_config(), seed=0)
     spec = SpecConfig(method=SpecMethod.chain, sl=2, synthetic_accept=0.5)
     synthetic = Engine(model, tok, draft=noisy_copy(model, 0.1), speculation=spec)
