@@ -48,6 +48,7 @@ SURROGATE_CATEGORY = '{"question_id": 2, "category": "\\udc00", "turns": ["a"]}'
         (['{"question_id": 1, "category": "x"}'], "line 1"),
         (['{"question_id": 1, "category": "x", "turns": ["a"]}', "not json"], "line 2"),
         (['{"question_id": 1, "category": "x", "turns": []}'], "non-empty list"),
+        (['{"question_id": 1, "category": "x", "turns": [" \\n"]}'], "is blank"),
         ([""], "no prompts"),
         (['{"question_id": 1.9, "category": "x", "turns": ["a"]}'], "must be an integer"),
         (['{"question_id": true, "category": "x", "turns": ["a"]}'], "must be an integer"),

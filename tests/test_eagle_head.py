@@ -435,6 +435,13 @@ def test_malformed_checkpoints_get_clear_errors(tmp_path: Path) -> None:
     case("kv_float", sd1, {"num_key_value_heads": 2.0}, UnsupportedModelError, "num_key_value_heads .* got 2.0")
     case("positions_bool", sd1, {"max_position_embeddings": True}, UnsupportedModelError, "max_position_embeddings")
     case("wide_str", sd3, e3 | {"target_hidden_size": str(H)}, UnsupportedModelError, "target_hidden_size .* got '")
+    # a flag as text: "true" was read as not true (the other variant, loaded without a word)
+    residual = e3 | {"norm_before_residual": "true"}
+    case("residual_str", sd3, residual, UnsupportedModelError, "norm_before_residual is 'true': true or false")
+    nested = {"eagle_config": {"norm_output": 1}}
+    case("norm_int", sd1, nested, UnsupportedModelError, "norm_output is 1: true or false")
+    # a config its own tensors contradict is blamed on itself, not on the target (both are H wide here)
+    case("half", sd1, {"hidden_size": H // 2}, UnsupportedModelError, f"hidden_size is {H // 2}; .* has shape")
     case("theta_digits", sd1, {"rope_theta": 10**400}, UnsupportedModelError, "malformed field .*OverflowError")
     for factor in (0, -2.0, float("nan")):  # factor 0 loaded with every RoPE table NaN, -2 loaded
         rope = {"rope_scaling": {"rope_type": "linear", "factor": factor}}

@@ -60,6 +60,8 @@ def parse_prompts(raw: str, name: str) -> list[BenchPrompt]:
             turns, question_id, category = r["turns"], r["question_id"], r["category"]
             if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
                 raise ValueError("'turns' must be a non-empty list of strings")
+            if not turns[0].strip():  # (benchmarked as an empty user message: the chat template alone)
+                raise ValueError("'turns[0]' is blank")
             if isinstance(question_id, bool) or not isinstance(question_id, int | str):
                 raise ValueError(f"'question_id' must be an integer, not {question_id!r}")
             if not isinstance(category, str):

@@ -332,12 +332,15 @@ _UNSUPPORTED_NORMS = {
 }
 
 
-def _flag(raw: dict[str, Any], key: str) -> Any:
-    """A config flag at the top, else under ``eagle_config`` (where NVIDIA's heads put some), else None."""
-    if key in raw:
-        return raw[key]
+def _flag(raw: dict[str, Any], key: str) -> bool | None:
+    """A config flag at the top, else under ``eagle_config`` (where NVIDIA's heads put some), else None. One that is
+    not a JSON boolean is an error (``"true"`` read as not true: a head of the other variant, drafting mostly
+    rejected tokens without a word)."""
     nested = raw.get("eagle_config")
-    return nested.get(key) if isinstance(nested, dict) else None
+    value = raw[key] if key in raw else nested.get(key) if isinstance(nested, dict) else None
+    if value is not None and not isinstance(value, bool):
+        raise UnsupportedModelError(f"config.json's {key} is {value!r}: true or false")
+    return value
 
 
 def lifted_speculators_config(raw: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -440,8 +443,8 @@ def load_eagle_head(
         raise UnsupportedModelError(f"{path / 'config.json'}: {fields}") from e
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:  # (int(inf): OverflowError)
         raise UnsupportedModelError(f"{path / 'config.json'}: a missing or malformed field ({e!r})") from e
+    check_weight_tensors(sd, cfg)  # (first: a config its own tensors contradict is not the target's mismatch)
     check_compatible(cfg, target)
-    check_weight_tensors(sd, cfg)
     emb = sd.get("embed_tokens.weight")
     if emb is not None and tuple(emb.shape) != tuple(target.embed_tokens.weight.shape):
         raise UnsupportedModelError(
