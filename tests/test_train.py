@@ -1111,6 +1111,10 @@ def test_an_eagle3_fine_tune_notes_special_ids_its_own_vocabulary_lacks(tmp_path
     train_draft(target, _MoreSpecial(), distill, tuned, tmp_path / "w1", tmp_path / "t", log=said.append)
     assert 499 not in load_eagle_head(tmp_path / "t", target).draft_ids.tolist()
     assert any("lacks this target's special ids [499]" in line for line in said), said
+    assert any("keeps its own 64 draft ids; --draft-vocab 512 is not used" in line for line in said), said
+    from specserve.train.trainer import trained_vocab_size
+
+    assert trained_vocab_size(tmp_path / "t") == 64  # (the size it drafts over)
 
 
 def test_a_checkpoint_trained_for_another_target_is_not_resumed(tmp_path: Path) -> None:
@@ -1188,6 +1192,10 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     said.clear()
     train_draft(target, _MoreSpecial(), distill, tuned, tmp_path / "w8", tmp_path / "h8", log=said.append)
     assert any("lacks this target's special ids [499]" in line for line in said), said
+    assert any("keeps its own 64 draft ids; --draft-vocab 512 is not used" in line for line in said), said
+    from specserve.train.trainer import trained_vocab_size
+
+    assert trained_vocab_size(tmp_path / "t") == 64  # (the size it drafts over)
 
     asked.clear()
     for broken in (b'{"by_frequency": [1, 2', b"\xff\xfe not UTF-8"):  # the second was a UnicodeDecodeError traceback

@@ -228,9 +228,16 @@ def train_draft(
     size = (
         cfg.draft_vocab or (source and trained_vocab_size(source)) or (QUICK_DRAFT_VOCAB if cfg.quick else DRAFT_VOCAB)
     )
-    if size > target.cfg.vocab_size:
+    if eagle3 and start is not None:  # an EAGLE-3 head's LM head is over its own draft ids: it keeps them
+        if cfg.draft_vocab is not None and cfg.draft_vocab != (own := start.draft_ids.numel()):
+            log(
+                f"note: the EAGLE-3 head {source} keeps its own {own} draft ids; "
+                f"--draft-vocab {cfg.draft_vocab} is not used"
+            )
+        size = start.draft_ids.numel()  # (checked against the target as it loaded; special ids it lacks: a note)
+    elif size > target.cfg.vocab_size:
         raise SettingsError(f"draft_vocab {size} is larger than the target's vocabulary ({target.cfg.vocab_size})")
-    if size < len(forced):
+    elif size < len(forced):
         raise SettingsError(f"draft_vocab {size} cannot hold the {len(forced)} special ids forced into it: {forced}")
     answers = {"max_new_tokens": cfg.data.max_new_tokens if cfg.data.num_prompts or cfg.self_prompts else 0}
     answers["lexicon_max_new_tokens"] = cfg.lexicon_max_new_tokens if cfg.lexicon_prompts else 0
