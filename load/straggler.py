@@ -498,6 +498,7 @@ def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
     points: dict[tuple[str, int, PolicyName], list[dict[str, Any]]] = {}
     specs: dict[tuple[str, int, PolicyName], tuple[str, SpecConfig]] = {}
     settings: dict[tuple[str, int], RunSettings] = {}  # per workload and batch size: plain's runs pair with all
+    pairs: dict[tuple[str, int], str] = {}  # (and so must be of the same model pair)
     for t in traces:
         key = (t.label, t.batch, t.policy)
         # sweeps of other pairs or settings merged by `report`: their medians would pool unlike runs
@@ -505,6 +506,11 @@ def summarize(traces: Sequence[RunTrace]) -> list[dict[str, Any]]:
             raise ValueError(
                 f"runs of {t.policy.value} at batch {t.batch} ({t.label}) with different settings or model pairs "
                 f"({specs[key][0]}, {t.pair})"
+            )
+        if pairs.setdefault(key[:2], t.pair) != t.pair:
+            raise ValueError(
+                f"runs at batch {t.batch} ({t.label}) of different model pairs ({pairs[key[:2]]}, {t.pair}): "
+                "a policy's ratio to plain decoding would be to another pair's"
             )
         if t.settings is not None and settings.setdefault(key[:2], t.settings) != t.settings:
             defaults = sweep_defaults(t.pair)
@@ -912,7 +918,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     try:
         cfg = StudyConfig.model_validate(args)
     except ValidationError as e:
-        p.error(settings_problems(e, as_flags=True))
+        p.error(settings_problems(e, as_flags=True, flags=SPEC_FLAGS))
     if http_only and cfg.url is None:
         p.error("--http-only needs --url")
     return cfg.model_copy(update={"workloads": [] if http_only else cfg.workloads})
@@ -1011,7 +1017,11 @@ def _main(argv: Sequence[str] | None) -> int:
             print(markdown_table(gains))
         print(f"wrote {write_report(cfg, rows, images)}, straggler.csv, traces.jsonl and {len(images)} plots")
     if cfg.url is not None:
-        http_rows = http_sweep(cfg)
+        try:
+            http_rows = http_sweep(cfg)
+        except (RemoteHostError, ServerError) as e:  # (gone since the check above: the engine sweep took hours)
+            print(f"python -m load.straggler: error: --url: {e}", file=sys.stderr)
+            return 2
         write_csv(cfg.out / "http.csv", http_rows)
         print(markdown_table(http_rows))
         if any(r["failures"] for r in http_rows):

@@ -1211,6 +1211,12 @@ def test_straggler_and_simulator_cli(tmp_path: Path, capsys: pytest.CaptureFixtu
     with pytest.raises(ValueError, match=r"different settings or model pairs \(tiny, smollm2-int8\)"):
         straggler.summarize([*runs, other_pair])
     assert straggler.summarize(runs) == straggler.summarize(list(reversed(runs)))
+    # a policy of one pair beside plain of another (sweeps merged by `report`): its ratio was to the other's plain
+    policy = next(t.policy for t in runs if t.policy != PolicyName.plain)
+    mixed = [t for t in runs if t.policy != policy]
+    mixed += [t.model_copy(update={"pair": "smollm2-int8"}) for t in runs if t.policy == policy]
+    with pytest.raises(ValueError, match=r"of different model pairs \(tiny, smollm2-int8\)"):
+        straggler.summarize(mixed)
     with pytest.raises(ValueError, match="drafter"):  # the simulator replays draft-model steps only
         sim_cli.SimConfig(batch_size=1, policy=PolicyName.static, spec=lookup)
 
@@ -1841,6 +1847,26 @@ def test_the_straggler_studys_url_check_takes_a_trailing_slash(tmp_path: Path, m
     assert asked == ["http://127.0.0.1:1"]
 
 
+def test_a_server_gone_by_the_http_sweep_is_an_error_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The server answered the check before the engine sweep (hours, for a real pair) and not the HTTP sweep's own:
+    its ServerError was a traceback."""
+    from load import straggler
+
+    answers = iter(["m"])
+
+    def served_model(client: object, url: str) -> str:
+        if (model := next(answers, None)) is None:
+            raise straggler.ServerError("the server went away")
+        return model
+
+    monkeypatch.setattr(straggler, "served_model", served_model)
+    assert straggler.main(["--url", "http://127.0.0.1:1", "--http-only", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error: --url: the server went away" in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -1853,6 +1879,7 @@ def test_the_straggler_studys_url_check_takes_a_trailing_slash(tmp_path: Path, m
         (["--seed", str(10**23)], "--seed: Input should be less than"),
         (["--tiny-noise", "1e300"], "--tiny-noise: Input should be less than or equal to 10"),
         (["--batch-sizes", "1", "2000"], "argument --batch-sizes: must be at most 1024"),  # after batch 1's runs
+        (["--ddd-x", "0.5"], "--ddd-x: Input should be less than or equal to 0"),  # (named --ddd-threshold)
     ],
 )
 def test_straggler_speculation_settings_are_usage_errors_before_any_model_loads(
