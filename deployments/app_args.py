@@ -137,9 +137,9 @@ class TinyModels(Validated):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**63)  # (torch's generator takes 64 bits: more failed in the actor)
     draft_noise: float = Field(default=0.05, ge=0.0)
-    draft_seed: int = 1
+    draft_seed: int = Field(default=1, ge=0, lt=2**63)
     draft_head: bool = Field(default=False, description="draft with a random EAGLE head over the target instead")
 
 

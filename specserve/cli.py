@@ -65,6 +65,17 @@ def _generate(args: argparse.Namespace) -> int:
         raise SettingsError(f"--method {args.method} needs a draft; --draft {args.draft} gives none for this model")
     if draft is not None and args.method is not None:
         speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
+    config = EngineConfig(  # (checked before the tokenizer's model is fetched: a bad --max-model-len said at once)
+        target=target,
+        draft=draft,
+        speculation=speculation,
+        throughput_guard=draft is not None and SERVING_THROUGHPUT_GUARD,
+        max_step_tokens=SERVING_MAX_STEP_TOKENS if draft is not None else None,
+        device=args.device,
+        max_batch_size=1,
+        freeze_gc=True,  # this process serves one engine until it exits
+        **({} if args.max_model_len is None else {"max_model_len": args.max_model_len}),
+    )
     tokenizer = load_tokenizer(target)
     if not args.no_chat and tokenizer.chat_template is None:  # (before the models load, not after)
         raise SettingsError(
@@ -73,20 +84,8 @@ def _generate(args: argparse.Namespace) -> int:
     if params.output_format is not None:  # a format its grammar compiler refuses: said before the models load too
         eos = [t for t in (tokenizer.eos_token_id,) if t is not None]
         GrammarCompiler(tokenizer, eos).compile(params.output_format)
-    engine = Engine.from_config(
-        EngineConfig(
-            target=target,
-            draft=draft,
-            speculation=speculation,
-            throughput_guard=draft is not None and SERVING_THROUGHPUT_GUARD,
-            max_step_tokens=SERVING_MAX_STEP_TOKENS if draft is not None else None,
-            device=args.device,
-            max_batch_size=1,
-            freeze_gc=True,  # this process serves one engine until it exits
-            **({} if args.max_model_len is None else {"max_model_len": args.max_model_len}),
-        ),
-        tokenizer=tokenizer,  # (loaded once: a GGUF source's is hashed whole to find its conversion)
-    )
+    # (the tokenizer loaded once: a GGUF source's is hashed whole to find its conversion)
+    engine = Engine.from_config(config, tokenizer=tokenizer)
     last = None
     for out in engine.stream(args.prompt, params, chat=not args.no_chat):
         sys.stdout.write(out.text)
@@ -99,6 +98,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def _output_format(args: argparse.Namespace) -> OutputFormat | None:
     """--json, --json-schema, --regex, --choice or --grammar (at most one: argparse's group) as the answer's
     format."""
@@ -107,6 +114,8 @@ def _output_format(args: argparse.Namespace) -> OutputFormat | None:
     if args.json_schema is not None:
         text = args.json_schema
         if not text.lstrip().startswith("{") and text.strip() not in ("true", "false"):  # a file's name
+            if not Path(text).exists() and _is_json(text):  # ('[1]' was "cannot read '[1]'")
+                raise SettingsError("--json-schema: a JSON schema is an object (or true / false)")
             text = _read_file(text, "--json-schema")
         try:
             json.loads(text)

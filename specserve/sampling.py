@@ -104,24 +104,6 @@ class SamplingParams(Validated):
             raise ValueError(f"min_tokens ({v}) must be at most max_tokens ({info.data['max_tokens']})")
         return v
 
-    @field_validator(
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "seed",
-        "max_tokens",
-        "logprobs",
-        "prompt_logprobs",
-        "min_tokens",
-        mode="before",
-    )
-    @classmethod
-    def _not_bool(cls, v: object) -> object:  # (pydantic reads True as 1: top_k=True made a sampled request greedy)
-        if isinstance(v, bool | np.bool_):
-            raise ValueError(f"a number, not {v}")
-        return v
-
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, v: object) -> object:

@@ -39,6 +39,7 @@ from tests.conftest import forbid_model_loads
         (["--json", "--regex", "a"], "argument --regex: not allowed with argument --json"),
         (["--json-schema", "{not json"], "--json-schema: not JSON"),
         (["--json-schema", "/no/such/schema.json"], "--json-schema: cannot read '/no/such/schema.json'"),
+        (["--json-schema", "[1]"], "--json-schema: a JSON schema is an object (or true / false)"),  # "cannot read"
         (["--grammar", "/no/such.lark"], "--grammar: cannot read '/no/such.lark'"),
         (["--choice", "a", "--grammar", "start: x"], "argument --grammar: not allowed with argument --choice"),
         (["--json", "--ignore-eos"], "a structured answer ends where its grammar is satisfied: not with ignore_eos"),
@@ -570,11 +571,13 @@ def test_generate_sets_the_context_it_is_given(monkeypatch: pytest.MonkeyPatch) 
     configs: list[Any] = []
     engine = SimpleNamespace(tokenizer=tiny_tokenizer(), stream=lambda prompt, params, chat: [])
     monkeypatch.setattr(Engine, "from_config", lambda config, tokenizer: configs.append(config) or engine)
-    monkeypatch.setattr("specserve.models.loader.load_tokenizer", lambda spec: engine.tokenizer)
+    loaded: list[Any] = []
+    monkeypatch.setattr("specserve.models.loader.load_tokenizer", lambda spec: loaded.append(spec) or engine.tokenizer)
     assert main(["generate", "hi", "--draft", "none", "--max-model-len", "6000"]) == 0
     assert main(["generate", "hi", "--draft", "none"]) == 0
     assert [c.max_model_len for c in configs] == [6000, 2048]
     assert main(["generate", "hi", "--draft", "none", "--max-model-len", "8"]) == 2  # under LoopConfig's 16
+    assert len(loaded) == 2  # (said before the tokenizer's model is fetched: a hub model was downloaded first)
 
 
 def test_generate_passes_the_target_side_options_to_the_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -267,9 +267,17 @@ def test_app_args_layout_and_validation() -> None:
         {"speculation": {"dsde": {"alpha": float("inf")}}},  # a range check alone lets infinity through
         {"speculation": {"ddd_threshold": float("-inf")}},
         {"guard": {"warmup_z": float("inf")}},
+        # a boolean for a number (pydantic reads True as 1; YAML's no is false: max_queued_requests 0, no queue)
+        {"max_queued_requests": False},
+        {"max_batch_size": True},
+        {"speculation": {"sl": True}},
+        {"target_resources": {"num_cpus": True}},
+        {"tiny": {"seed": 2**70}},  # (torch's generator takes 64 bits: it failed inside the actor)
     ):
         with pytest.raises(pydantic.ValidationError):
             AppArgs.model_validate(bad)
+    flags = AppArgs.model_validate({"tiny": {"draft_head": True}, "speculation": {"adaptive_floor": True}})
+    assert flags.tiny is not None and flags.tiny.draft_head and flags.speculation.adaptive_floor  # (bools still)
 
 
 @pytest.mark.parametrize(
