@@ -1325,6 +1325,10 @@ def test_a_changed_chat_template_under_the_same_weights_is_not_served_the_old_da
     train = TrainConfig(epochs=1, batch_tokens=64, max_len=64, warmup_steps=1, checkpoint_every=100)
     cfg = TrainDraftConfig("tiny", DistillConfig(num_prompts=4, max_new_tokens=4, chunk_size=4), train, draft_vocab=64)
     train_draft(target, old, distill, cfg, tmp_path / "w", tmp_path / "h0", log=lambda _: None)
+    # the checkpoint's system prefix is read first (before the data step); without it, the data's tokenizer
+    with pytest.raises(SettingsError, match=r"ckpt\.pt was trained with another chat template"):
+        train_draft(target, new, distill, cfg, tmp_path / "w", tmp_path / "h1", log=lambda _: None)
+    (tmp_path / "w" / "train" / "ckpt.pt").unlink()
     with pytest.raises(SettingsError, match=r"data written with other settings \(tokenizer: "):
         train_draft(target, new, distill, cfg, tmp_path / "w", tmp_path / "h1", log=lambda _: None)
     samples, ids = _training_setup(HeadKind.eagle)[1:]
