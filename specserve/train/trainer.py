@@ -312,9 +312,8 @@ def train_head(
     stop = total if max_steps is None else min(total, max_steps)
     step = 0
     ckpt = work_dir / "ckpt.pt"
-    trained_on = {"data": data_fingerprint(samples), "draft_ids": head.draft_ids.tolist(), "system_len": system_len}
-    if cfg.init_head is not None:  # the path alone would not tell a head trained again there since
-        trained_on["init_head_sha256"] = sha256_file(weights_path(cfg.init_head))
+    trained_on: dict[str, object] = {"data": data_fingerprint(samples), "draft_ids": head.draft_ids.tolist()}
+    trained_on |= _known_before_data(cfg, system_len)
     if ckpt.exists():
         state = _resumable(ckpt, cfg, trained_on, device)
         try:
@@ -382,12 +381,17 @@ def check_checkpoint(work_dir: Path, cfg: TrainConfig, *, system_len: int) -> No
     would refuse for its settings, its chat template's system prefix or its starting head is refused now, not
     after the data step (hours). Whether it was trained on the data this run makes is known only after it."""
     ckpt = work_dir / "ckpt.pt"
-    if not ckpt.exists():
-        return
-    trained_on: dict[str, object] = {"system_len": system_len}
+    if ckpt.exists():  # (mapped: the head and its optimiser's state are not read)
+        _resumable(ckpt, cfg, _known_before_data(cfg, system_len), "cpu", mmap=True)
+
+
+def _known_before_data(cfg: TrainConfig, system_len: int) -> dict[str, object]:
+    """What a checkpoint records it was trained on that is known before the data step: the chat template's system
+    prefix and the starting head's digest (the path alone would not tell a head trained again there since)."""
+    known: dict[str, object] = {"system_len": system_len}
     if cfg.init_head is not None:
-        trained_on["init_head_sha256"] = sha256_file(weights_path(cfg.init_head))
-    _resumable(ckpt, cfg, trained_on, "cpu", mmap=True)  # (the head and its optimiser's state: not read)
+        known["init_head_sha256"] = sha256_file(weights_path(cfg.init_head))
+    return known
 
 
 def config_record(cfg: TrainConfig) -> dict[str, object]:
