@@ -889,6 +889,8 @@ class Lane:
             self._retry_at = time.monotonic() + self._retry_pause
             reason = f"lane {self.index} lost its workers {self._failures} times in a row"
             self._fail_all(reason, LaneLostError, suspects=suspects, blameless=blameless)
+        if WorkerRole.draft in dead:  # first: a target's replacement that cannot be made must not leave it attached
+            self._detach_draft()
         if WorkerRole.target in dead and not exhausted:  # (when exhausted, ``_retry_target`` makes the next one)
             self._replace_target()
             if self.spare():  # its requests go on at once on a lane that has its model, not after this one's load
@@ -897,8 +899,6 @@ class Lane:
             else:  # kept for the new target, or handed on once a lane is up: a loss either way
                 self._kept |= {seq.request.request_id for seq in self.loop.running} - set(blameless)
                 self._kept_suspects |= set(suspects)
-        if WorkerRole.draft in dead:
-            self._detach_draft()
         target_reset = WorkerRole.target in dead
         # the draft proposed before the target failed: its cache holds an unverified proposal, so reset it too
         draft_reset = WorkerRole.draft in self.workers and target_reset

@@ -685,7 +685,30 @@ class DraftFactory:
         return RemoteDraft(actor, f"draft:{generation}", role, start_timeout_s=60.0, call_timeout_s=30.0)  # type: ignore[arg-type]
 
 
-def _drafting_lane(target: LlamaModel, drafts: DraftFactory, *, max_worker_restarts: int = 2) -> Lane:
+@dataclass
+class BothFactory:
+    """A lane's one factory for both roles: its targets from ``targets``, its drafts from ``drafts``."""
+
+    targets: Factory
+    drafts: DraftFactory
+
+    def create(self, lane: int, role: WorkerRole, generation: int) -> RemoteTarget | RemoteDraft:
+        return (self.targets if role == WorkerRole.target else self.drafts).create(lane, role, generation)
+
+    def kill(self) -> None:
+        pass
+
+
+def _drafting_lane(
+    target: LlamaModel,
+    drafts: DraftFactory,
+    *,
+    max_worker_restarts: int = 2,
+    targets: Factory | None = None,
+    **options: Any,
+) -> Lane:
+    """A lane drafting with ``drafts``' workers; its targets from ``targets`` (by default one that never fails,
+    never replaced)."""
     engine = Engine(
         target,
         None,
@@ -697,14 +720,15 @@ def _drafting_lane(target: LlamaModel, drafts: DraftFactory, *, max_worker_resta
     )
     loop = engine.loop
     geometry = KVGeometry(4, loop.max_model_len + loop.spec_headroom)
-    target_worker = Factory(target, {}).create(0, WorkerRole.target, 0)
+    target_worker = (targets or Factory(target, {})).create(0, WorkerRole.target, 0)
     draft_worker = drafts.create(0, WorkerRole.draft, 0)
     for worker in (target_worker, draft_worker):
         worker.start(geometry)
     loop.target, loop.draft = target_worker, draft_worker
-    options: dict[str, Any] = {"max_worker_restarts": max_worker_restarts, "worker_retry_s": 0.01}
+    options = {"max_worker_restarts": max_worker_restarts, "worker_retry_s": 0.01} | options
     workers = {WorkerRole.target: target_worker, WorkerRole.draft: draft_worker}
-    return Lane(0, loop, workers, drafts, geometry, metrics=ServeMetrics(), **options)  # type: ignore[arg-type]
+    factory = drafts if targets is None else BothFactory(targets, drafts)
+    return Lane(0, loop, workers, factory, geometry, metrics=ServeMetrics(), **options)  # type: ignore[arg-type]
 
 
 def _wait(condition: Callable[[], bool]) -> None:
@@ -763,6 +787,37 @@ def test_a_suspect_whose_step_alone_loses_the_draft_is_not_failed(target: LlamaM
         outcome = asyncio.run(asyncio.wait_for(_one(lane, Request("s", prompt, GREEDY, suspect=True)), 30))
         assert outcome == _engine(target).generate([prompt], GREEDY)[0].token_ids, outcome
         assert drafts.actors[0].calls.count("propose") == 1 and lane.generations[WorkerRole.target] == 0
+    finally:
+        lane.stop()
+
+
+def test_a_dead_draft_is_detached_even_where_its_dead_targets_replacement_cannot_be_made(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """Both workers die while the lane is idle and the target's first replacement cannot be made: the dead draft is
+    detached and a new one made at once. It stayed attached until the next request's step found it dead (a step
+    wasted, and no draft for the requests meanwhile), as the detach came after the target's replacement."""
+    targets = Factory(target, {}, broken={1})
+    drafts = DraftFactory(target, {}, broken=set())
+    lane = _drafting_lane(target, drafts, targets=targets, idle_check_s=0.05)
+    asked: list[str] = []
+
+    def state() -> Ref:
+        asked.append("state")
+        return Ref(lambda _: None)
+
+    drafts.actors[0].state = Method(state)
+    try:
+        assert _run(lane, PROMPTS[:1]) == alone[:1]
+        _wait(lambda: bool(asked))  # an idle check asked both workers (the draft last); one more check is due
+        lane.idle_check_s = None  # ... and that one is the last: no later check finds the dead draft instead
+        drafts.actors[0].state = Method(lambda: Ref(gone))
+        targets.actors[0].died = True
+        _wait(lambda: lane.healthy and lane.generations[WorkerRole.target] == 2)  # the second try is made
+        _wait(lambda: len(drafts.actors) == 2)  # with no request to step: the dead draft was detached
+        _wait(lambda: not lane.draft_lost)
+        assert _run(lane, PROMPTS, "s") == alone
+        assert "propose" in drafts.actors[1].calls
     finally:
         lane.stop()
 
