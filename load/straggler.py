@@ -19,6 +19,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import hashlib
+import json
 import math
 import random
 import statistics
@@ -641,8 +642,9 @@ def served_model(client: Any, url: str) -> str:  # client: httpx.Client (importe
 def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
     """Per concurrency, one set of requests (prompts and lengths) that every policy runs, ``repeats`` round-robin
     passes over the policies (in balanced orders with ``alternate``), after one untimed request per policy;
-    the medians per (concurrency, policy), with ``vs_plain`` within the sweep. ``client``: an httpx.Client (a
-    test's transport; default one of its own)."""
+    the medians per (concurrency, policy), with ``vs_plain`` within the sweep. Each pass's row is appended to
+    ``http_passes.jsonl`` in ``cfg.out`` as it ends (a sweep stopped part way keeps what it measured). ``client``:
+    an httpx.Client (a test's transport; default one of its own)."""
     import httpx
 
     assert cfg.url is not None
@@ -659,6 +661,8 @@ def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
             _stream_one(client, url, _http_body(model, prompts[0], cfg.min_tokens, cfg, pol), cfg.http_timeout_s)
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
         total, done = len(cfg.batch_sizes) * cfg.repeats * len(HTTP_POLICIES), 0
+        passes_path = cfg.out / HTTP_PASSES
+        passes_path.unlink(missing_ok=True)
         for conc in cfg.batch_sizes:
             asks = [  # the same requests for every policy: side by side, not different prompts
                 (rng.choice(prompts), rng.randint(cfg.min_tokens, cfg.max_tokens))
@@ -669,6 +673,8 @@ def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
                     bodies = [_http_body(model, prompt, n, cfg, pol) for prompt, n in asks]
                     row = _http_point(client, url, conc, pol, bodies, cfg.http_timeout_s)
                     runs.setdefault((conc, pol.name), []).append(row)
+                    with passes_path.open("a") as f:
+                        f.write(json.dumps({**row, "repeat": repeat}) + "\n")
                     done += 1
                     print(
                         f"[{done}/{total}] HTTP C={conc:3d} {pol.name:28s} {row['tok_s']:8.1f} tok/s  "
@@ -688,6 +694,12 @@ def http_sweep(cfg: StudyConfig, client: Any = None) -> list[dict[str, Any]]:
 
 
 COUNTS = ("requests", "failures")  # an HTTP point's counts: summed over its passes, not their median
+HTTP_PASSES = "http_passes.jsonl"  # in --out: every HTTP pass's row, written as the sweep goes
+# what the HTTP sweep reads of the settings (it runs HTTP_POLICIES against the deployment's own models and settings)
+HTTP_FIELDS = frozenset({
+    "url", "batch_sizes", "categories", "requests_per_slot", "repeats", "alternate", "min_tokens", "max_tokens",
+    "seed", "out", "http_max_prompt_chars", "http_timeout_s",
+})  # fmt: skip
 
 
 def _http_body(model: str, prompt: str, max_tokens: int, cfg: StudyConfig, pol: HttpPolicy) -> dict[str, Any]:
@@ -907,7 +919,12 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
         "(ModelSpec.int8_reads)",
     )
     p.add_argument("--out", type=out_dir_arg, default=d.out)
-    p.add_argument("--url", default=None, help="also sweep a deployment over HTTP, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="also sweep a deployment over HTTP, e.g. http://127.0.0.1:8000 (its own policies, on the deployment's "
+        "models and settings: --pair, --policies and the speculation flags set the engine sweep only)",
+    )
     p.add_argument("--http-only", action="store_true", help="skip the in-process engine sweep")
     p.add_argument("--http-max-prompt-chars", type=int, default=None, help="truncate prompts (tiny deployments)")
     p.add_argument(
@@ -915,6 +932,13 @@ def parse_args(argv: Sequence[str] | None = None) -> StudyConfig:
     )
     args = vars(p.parse_args(argv))
     http_only = args.pop("http_only")
+    if http_only and (engine_only := [k for k, v in args.items() if k not in HTTP_FIELDS and v != p.get_default(k)]):
+        flags = SPEC_FLAGS | {"freeze_gc": "--no-freeze-gc"}
+        names = ", ".join(flags.get(k, "--" + k.replace("_", "-")) for k in engine_only)
+        p.error(
+            f"{names} set the in-process engine sweep, which --http-only skips (the HTTP sweep runs its own policies "
+            "against the deployment's models and settings)"
+        )
     try:
         cfg = StudyConfig.model_validate(args)
     except ValidationError as e:

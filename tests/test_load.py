@@ -1847,6 +1847,34 @@ def test_the_straggler_studys_url_check_takes_a_trailing_slash(tmp_path: Path, m
     assert asked == ["http://127.0.0.1:1"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--pair", "smollm2-eagle"], "--pair"),
+        (["--policies", "plain", "dsde_ddd"], "--policies"),
+        (["--ddd-x", "-0.1", "--no-freeze-gc"], "--ddd-x, --no-freeze-gc"),
+    ],
+)
+def test_http_only_refuses_the_engine_sweeps_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    """The HTTP sweep runs its own policies against the deployment's models: with --http-only such flags were
+    accepted and did nothing, so a sweep the user believed was of DSDE on the head measured the server's settings."""
+    from load import straggler
+
+    with pytest.raises(SystemExit) as exit_:
+        straggler.parse_args(["--url", "http://127.0.0.1:1", "--http-only", "--out", str(tmp_path), *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: {named} set the in-process engine sweep" in err, err
+    # the HTTP sweep's own settings are taken
+    cfg = straggler.parse_args(
+        ["--url", "http://127.0.0.1:1", "--http-only", "--repeats", "3", "--batch-sizes", "2", "--seed", "5"]
+    )
+    assert (cfg.repeats, cfg.batch_sizes, cfg.seed, cfg.workloads) == (3, [2], 5, [])
+    # and without --http-only, the engine sweep's flags are its own
+    assert straggler.parse_args(["--url", "http://127.0.0.1:1", "--pair", "smollm2-eagle"]).pair == "smollm2-eagle"
+
+
 def test_a_server_gone_by_the_http_sweep_is_an_error_not_a_traceback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1953,6 +1981,13 @@ def test_the_http_sweep_runs_every_policy_on_the_same_requests_in_alternating_pa
     assert [(r["concurrency"], r["policy"]) for r in rows if r["failures"]] == [(1, "plain")]
     assert all(r["requests"] == 2 * 2 * r["concurrency"] for r in rows) and sum(r["failures"] for r in rows) == 1
     assert temperatures and set(temperatures) == {0.0}
+    # every pass's row was kept as it ended: a sweep stopped part way keeps its passes (http.csv is written at the end)
+    passes = [json.loads(line) for line in (tmp_path / "http_passes.jsonl").read_text().splitlines()]
+    assert len(passes) == 2 * 2 * len(policies)  # 2 concurrencies x 2 repeats x the policies
+    assert sorted((r["concurrency"], r["policy"], r["repeat"]) for r in passes) == sorted(
+        (c, p, k) for c in (1, 2) for p in policies for k in (0, 1)
+    )
+    assert [r for r in passes if r["failures"]] and sum(r["failures"] for r in passes) == 1
 
 
 def test_the_http_sweep_and_locust_users_send_the_deployments_api_key(
