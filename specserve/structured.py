@@ -79,6 +79,12 @@ class OutputFormat(Validated):
     pattern: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS, description="regex's")
     choices: tuple[str, ...] = Field(default=(), max_length=MAX_CHOICES, description="choice's")
     grammar_text: str | None = Field(default=None, min_length=1, max_length=MAX_SCHEMA_CHARS, description="grammar's")
+    max_depth: int = Field(
+        default=MAX_SCHEMA_DEPTH,
+        ge=1,
+        le=2 * MAX_SCHEMA_DEPTH,
+        description="json_schema's nesting limit (more where the schema wraps client schemas checked on their own)",
+    )
     param: str = "response_format"
 
     @model_validator(mode="after")
@@ -95,10 +101,10 @@ class OutputFormat(Validated):
             try:
                 schema = json.loads(self.schema_text)
             except RecursionError:
-                raise ValueError(f"a JSON schema nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
+                raise ValueError(f"a JSON schema nested deeper than {self.max_depth} levels") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema is an object (or true / false)")
-            check_json_data(schema)
+            check_json_data(schema, self.max_depth)
         return self
 
     def grammar(self) -> str:

@@ -181,6 +181,34 @@ def _holds(tools: list[dict[str, Any]], text: str, choice: Any = "required") -> 
     return bool(grammar.matcher.is_accepting())
 
 
+def test_required_takes_tools_as_deep_as_a_named_call_does() -> None:
+    """'required''s list of calls holds each tool's schema two levels down: a tool within the nesting limit on its
+    own was a 400 under 'required' (and only there) for the last two levels."""
+    from pydantic import ValidationError
+
+    from specserve.api.schemas import ChatCompletionRequest
+
+    def level(k: int) -> dict[str, Any]:  # objects within objects: 2k + 1 levels of containers
+        if k == 0:
+            return {"type": "integer"}
+        props = {"x": level(k - 1)}
+        return {"type": "object", "properties": props, "required": ["x"], "additionalProperties": False}
+
+    def value(k: int) -> Any:
+        return 1 if k == 0 else {"x": value(k - 1)}
+
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": level(31)}}]  # 63 levels: the limit's 64
+    call = {"name": "deep", "parameters": value(31)}
+    assert _held(tools, [call], {"type": "function", "function": {"name": "deep"}})
+    assert _held(tools, [call])
+    assert not _held(tools, [{"name": "deep", "parameters": value(30)}])
+    too_deep = [{"type": "function", "function": {"name": "deep", "parameters": {"a": level(32)}}}]  # 66 levels
+    for choice in ("required", {"type": "function", "function": {"name": "deep"}}):
+        body = {"model": MODEL, "messages": MESSAGES, "tools": too_deep, "tool_choice": choice}
+        with pytest.raises(ValidationError, match="nested deeper than 64 levels"):
+            ChatCompletionRequest.model_validate(body)
+
+
 def test_required_calls_hold_each_tool_to_its_own_schemas_references() -> None:
     """A tool's "$ref" resolves from its own schema's root under tool_choice 'required' as when it is named: nested
     in the list of calls, "#" named the list (a tree's child had to be a list of calls) and "#/$defs/X" found no

@@ -36,7 +36,14 @@ from specserve.config import Drafter, SLPolicyKind, SpecMethod
 from specserve.errors import InvalidRequestError
 from specserve.sampling import LOGIT_BIAS_BOUND, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from specserve.structured import MAX_CHOICES as MAX_FORMAT_CHOICES
-from specserve.structured import MAX_SCHEMA_CHARS, FormatKind, OutputFormat, check_choices, check_json_data
+from specserve.structured import (
+    MAX_SCHEMA_CHARS,
+    MAX_SCHEMA_DEPTH,
+    FormatKind,
+    OutputFormat,
+    check_choices,
+    check_json_data,
+)
 
 # Past this many fields a request object does not define, it gets one error naming the first few: pydantic builds an
 # error per unknown key, and FastAPI and the handler copy the list, all on the event loop (a 3.7 MB body of 380k
@@ -599,6 +606,9 @@ def _root_id(schema: dict[str, Any]) -> str | None:
     return found if isinstance(found, str) and found.partition("#")[0] else None
 
 
+REQUIRED_NESTING = 2  # 'required''s list of calls holds each tool's schema this deep: "$defs", then its own name
+
+
 def _own_resources(schemas: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
     """Each tool's arguments schema as a resource of its own in 'required''s list of calls, and the URI the list
     refers to it by: its references ("#", "#/$defs/X", an anchor "#name") and its subschemas' relative "$id"s resolve
@@ -996,7 +1006,8 @@ class ChatCompletionRequest(GenerationRequest):
                 f"most {MAX_SCHEMA_CHARS} (each tool's own is within it: name one, or send fewer)",
                 param="tools",
             )
-        return OutputFormat(kind=FormatKind.json_schema, schema_text=text, param="tools")
+        depth = MAX_SCHEMA_DEPTH + (REQUIRED_NESTING if self.tool_mode is ToolMode.required else 0)
+        return OutputFormat(kind=FormatKind.json_schema, schema_text=text, max_depth=depth, param="tools")
 
     @property
     def format_param(self) -> str:
