@@ -80,6 +80,11 @@ def test_an_eos_id_past_the_vocabulary_is_no_ban_and_a_ban_of_every_token_is_ref
     engine.loop.eos_token_ids = frozenset({free[2], 600})  # (a config's EOS id the model cannot emit, vocab 512)
     out = engine.generate([PROMPT], SamplingParams(max_tokens=8, min_tokens=4))[0]
     assert len(out.token_ids) >= 4 and free[2] not in out.token_ids[:4]
+    engine.loop.eos_token_ids = frozenset({600})  # its only EOS past the vocabulary: nothing to ban (the empty id
+    # list made a float index, and every such request failed its first step)
+    for params in (SamplingParams(max_tokens=8, min_tokens=4), SamplingParams(max_tokens=8, min_tokens=4, seed=1)):
+        assert engine.generate([PROMPT], params)[0].token_ids == engine.generate([PROMPT], params.model_copy(
+            update={"min_tokens": 0}))[0].token_ids  # fmt: skip
     with pytest.raises(InvalidRequestError, match="no token to generate"):
         engine.submit(PROMPT, SamplingParams(max_tokens=8, min_tokens=1, stop_token_ids=range(511)))
 

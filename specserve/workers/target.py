@@ -169,8 +169,9 @@ class TargetWorker:
             raise AssertionError("a sampled, biased or synthetic item in a step verified by argmax only")
         else:
             logits = apply_logit_bias(logits, params)  # [T, V] float32 (the step's own rows without a bias)
-            if rows := it.banned_rows(draw_positions):  # min_tokens: EOS and the stop ids not drawn yet
-                ids = [t for t in it.banned if t < vocab]  # (a configured EOS id past the vocabulary is never drawn)
+            # min_tokens: EOS and the stop ids not drawn yet (a configured EOS id past the vocabulary is never drawn)
+            ids = [t for t in it.banned if t < vocab]
+            if ids and (rows := it.banned_rows(draw_positions)):
                 at = torch.tensor(rows, device=logits.device)[:, None], torch.tensor(ids, device=logits.device)
                 logits = logits.index_put(at, torch.tensor(float("-inf"), device=logits.device))  # (out of place)
             if it.allowed is not None:  # a structured answer: its grammar's tokens at each row
