@@ -20,7 +20,7 @@ from specserve.api.error_bodies import OverloadedError
 from specserve.api.metrics import ServeMetrics
 from specserve.api.resume import StreamCursor
 from specserve.api.server import _Choice, _CompletionFormat, _Outcome, _Routes, _Tracker
-from specserve.sequence import Request, RequestOutput, RequestStats
+from specserve.sequence import FinishReason, Request, RequestOutput, RequestStats
 from tests.api_backend import MODEL, LeavingClient, LocalBackend, api_server, module_server, requests_by_status
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -274,15 +274,16 @@ class _Stream:
     """An admitted choice's stream: ``outputs`` then, with ``fail``, an error; else it waits for ever. Its close
     awaits (an RPC to abort it) before it counts as closed."""
 
-    def __init__(self, closed: list[int], index: int, outputs: int = 0, fail: bool = False) -> None:
-        self.closed, self.index, self.outputs, self.fail = closed, index, outputs, fail
+    def __init__(self, closed: list[int], index: int, outputs: int = 0, fail: bool = False, ends: bool = False) -> None:
+        self.closed, self.index, self.outputs, self.fail, self.ends = closed, index, outputs, fail, ends
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._outputs()
 
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
         for i in range(self.outputs):
-            yield RequestOutput("r", [5], "a", None, 1, i + 1, RequestStats())
+            finish = FinishReason.length if self.ends and i == self.outputs - 1 else None  # (``ends``: its last one)
+            yield RequestOutput("r", [5], "a", finish, 1, i + 1, RequestStats())
         if self.fail:
             raise RuntimeError("the lane broke")
         await asyncio.Event().wait()
@@ -296,6 +297,43 @@ class _Body:
     stream = False
     return_token_ids = False
     logprob_count = None
+
+
+class _StreamedBody(_Body):
+    stream = True
+    include_usage_in_stream = False
+    usage_in_every_chunk = False
+    n = 1
+
+
+def test_a_client_that_leaves_as_the_last_chunk_is_sent_leaves_a_finished_request() -> None:
+    """The answer had finished: the client left while its finish chunk was being sent (the response cancelled at
+    that send). It was counted aborted, not served, and its tokens and latencies were left out of the finished
+    request's counters."""
+
+    async def trial() -> None:
+        closed: list[int] = []
+        metrics = ServeMetrics()
+        choice = _Choice(
+            _Outcome(_Stream(closed, 0, outputs=2, ends=True), metrics, _Tracker()),  # type: ignore[arg-type]
+            _CompletionFormat(MODEL),
+            StreamCursor(),
+        )
+        events = _Routes(None)._events([choice], _StreamedBody())  # type: ignore[arg-type]
+        async for event in events:
+            if '"finish_reason":"length"' in event:
+                break
+        else:
+            raise AssertionError("no finish chunk")
+        await events.aclose()  # the client left: the generator is closed at the yield of that chunk
+        counted = {
+            line.split('"')[1]: float(line.split()[-1])
+            for line in metrics.render().decode().splitlines()
+            if line.startswith('specserve_requests_total{status="')
+        }
+        assert closed == [0] and counted == {"ok": 1.0}, counted
+
+    asyncio.run(asyncio.wait_for(trial(), 10))
 
 
 @pytest.mark.parametrize("hops", range(12))

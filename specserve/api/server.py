@@ -798,6 +798,7 @@ class _Routes:
                 c.outcome.tracker.see(out, 0 if part is None else len(part.token_ids))
                 if out.finished:
                     c.cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
+                event = None
                 if part is not None and (part.text or (per_token and part.token_ids) or part.finished):
                     if c.prompt_logprobs is not None:
                         part, c.prompt_logprobs = replace(part, prompt_logprobs=c.prompt_logprobs), None
@@ -805,11 +806,13 @@ class _Routes:
                     chunk = c.fmt.chunk(part, with_ids=body.return_token_ids)
                     if every_usage:  # (its choice's so far: vLLM's continuous_usage_stats)
                         chunk = chunk.model_copy(update={"usage": usage_for(out)})
-                    yield _sse(chunk, mark if marked else None, without=without)
-                    sent_at = time.monotonic()
-                if out.finished:
-                    c.outcome.finished(out)
+                    event = _sse(chunk, mark if marked else None, without=without)
+                if out.finished:  # counted before its last chunk is sent: a client leaving during that send left a
+                    c.outcome.finished(out)  # finished answer (it was counted aborted)
                     last[got[0]] = out
+                if event is not None:
+                    yield event
+                    sent_at = time.monotonic()
             cursor = choices[0].cursor
             if body.include_usage_in_stream and not cursor.sent(StreamPhase.usage):
                 usage = choices[0].fmt.usage_chunk(_usage([last[k] for k in sorted(last)], body.n))
