@@ -747,8 +747,26 @@ def test_weights_that_do_not_match_their_sha256_file_are_refused(tmp_path: Path,
     with pytest.raises(CorruptModelError, match=r"does not match model\.safetensors\.sha256"):
         load_eagle_head(path, target)
     digest_file.write_text("")
-    with pytest.raises(CorruptModelError, match="does not hold a sha256"):
+    with pytest.raises(CorruptModelError, match=r"does not hold a sha256 digest of model\.safetensors"):
         load_eagle_head(path, target)
+    # sha256sum's lines: every file listed is checked (config.json here), each named file must be there
+    weights.write_bytes(bytes(altered[:-1] + bytes([altered[-1] ^ 1])))  # the original weights back
+    good = f"{hashlib.sha256(weights.read_bytes()).hexdigest()}  model.safetensors\n"
+    config_digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
+    digest_file.write_text(good + f"{config_digest}  *config.json\n")  # (sha256sum -b marks a name with *)
+    load_eagle_head(path, target)
+    (path / "config.json").write_text((path / "config.json").read_text() + " ")
+    with pytest.raises(CorruptModelError, match=r"config\.json does not match model\.safetensors\.sha256"):
+        load_eagle_head(path, target)
+    for bad, says in [
+        (good + f"{config_digest}  vocab_map.json\n", "lists vocab_map.json, which is not in"),
+        (good + f"{config_digest}  ../config.json\n", "line 2 is not a sha256 digest and a file name"),
+        (good + "abc  config.json\n", "line 2 is not"),
+        (good + good, "line 2 is not"),
+    ]:
+        digest_file.write_text(bad)
+        with pytest.raises(CorruptModelError, match=says):
+            load_eagle_head(path, target)
 
 
 def test_a_shipped_head_without_its_sha256_file_is_refused(
@@ -772,9 +790,20 @@ def test_a_shipped_head_without_its_sha256_file_is_refused(
         load_eagle_head(path, target, check_target=False)  # as train-draft --init-head loads it
     own = shutil.copytree(path, tmp_path / "own")
     load_eagle_head(own, target)  # a directory of its own: nothing to check
-    digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
-    (path / "model.safetensors.sha256").write_text(f"{digest}  model.safetensors\n")
+
+    def digest(name: str) -> str:
+        return f"{hashlib.sha256((path / name).read_bytes()).hexdigest()}  {name}\n"
+
+    (path / "vocab_map.json").write_text(json.dumps({"by_frequency": [0, 1], "forced": [0]}))
+    record = path / "model.safetensors.sha256"
+    record.write_text(digest("model.safetensors"))  # the weights alone: enough for a head of one's own ...
+    with pytest.raises(CorruptModelError, match=r"lists no digest of config\.json, vocab_map\.json, which a shipped"):
+        load_draft(spec, target)  # ... not for a shipped one: its config and vocabulary map are read too
+    record.write_text(digest("model.safetensors") + digest("config.json") + digest("vocab_map.json"))
     load_draft(spec, target)
+    (path / "vocab_map.json").write_text(json.dumps({"by_frequency": [1, 0], "forced": [1]}))  # edited after
+    with pytest.raises(CorruptModelError, match=r"vocab_map\.json does not match model\.safetensors\.sha256"):
+        load_draft(spec, target)
 
 
 def test_a_t2d_that_disagrees_with_d2t_is_refused(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import platform
 import re
 import shlex
 import shutil
+import subprocess
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -647,6 +648,10 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path, capsys: pytest
     assert len(answer_lens["lexicon"]) == 6 and max(answer_lens["lexicon"]) <= 3  # their own answer length
     assert max(answer_lens["data"]) > 3  # the seed prompts' answers run to the quick mode's 16 tokens
     assert prov["sha256"] in (out / "model.safetensors.sha256").read_text()
+    # sha256sum's record of every file a load reads (a head shipped from it must have them all)
+    assert subprocess.run(["sha256sum", "--check", "--strict", "model.safetensors.sha256"], cwd=out).returncode == 0
+    listed = [line.split()[1] for line in (out / "model.safetensors.sha256").read_text().splitlines()]
+    assert listed == ["model.safetensors", "config.json", "vocab_map.json"]
     vocab = json.loads((out / "vocab_map.json").read_text())
     assert vocab["by_frequency"][: len(vocab["forced"])] == vocab["forced"]
     target = load_model(ModelSpec())

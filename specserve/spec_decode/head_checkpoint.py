@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -185,22 +186,43 @@ def checkpoint_kind(path: Path) -> HeadKind:
     return _kind_of(set(names))
 
 
+DIGESTED_BESIDE = ("config.json", "vocab_map.json")  # what a head's load reads beside its weights
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
 def check_digest(weights: Path, *, required: bool = False) -> None:
-    """Refuse weights whose ``<name>.sha256`` beside them (as ``train-draft`` writes and the shipped heads carry)
-    names another digest: a truncated or altered copy. Without that file there is nothing to check, unless
-    ``required`` (a shipped head: a package that lost the file would otherwise load whatever weights it kept)."""
+    """Refuse a head whose ``<weights>.sha256`` beside the weights names another digest for a file it lists: a
+    truncated or altered copy. Its lines are sha256sum's, ``<digest>  <name>`` (a first line of the digest alone
+    names the weights), as ``train-draft`` writes them: the weights, then DIGESTED_BESIDE. Without that file there
+    is nothing to check, unless ``required`` (a shipped head: a package that lost the file would otherwise load
+    whatever weights it kept; it must also list every file of DIGESTED_BESIDE the head has)."""
     digest_file = weights.with_name(weights.name + ".sha256")
     if not digest_file.is_file():
         if required:
             raise CorruptModelError(f"{weights} has no {digest_file.name} beside it to check it against")
         return
     try:
-        expected = digest_file.read_text().split()[0].lower()
-    except (OSError, UnicodeDecodeError, IndexError) as e:
-        raise CorruptModelError(f"{digest_file} does not hold a sha256 digest") from e
-    actual = sha256_file(weights)
-    if actual != expected:
-        raise CorruptModelError(f"{weights} does not match {digest_file.name}: sha256 {actual}, expected {expected}")
+        lines = [line.split(maxsplit=1) for line in digest_file.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorruptModelError(f"{digest_file} is not readable: {e}") from e
+    listed: dict[str, str] = {}
+    for i, fields in enumerate(lines):
+        name = fields[1].strip().removeprefix("*") if len(fields) > 1 else weights.name if i == 0 else ""
+        if not _SHA256.fullmatch(fields[0]) or not name or Path(name).name != name or name in listed:
+            raise CorruptModelError(f"{digest_file}: line {i + 1} is not a sha256 digest and a file name beside it")
+        listed[name] = fields[0].lower()
+    if weights.name not in listed:
+        raise CorruptModelError(f"{digest_file} does not hold a sha256 digest of {weights.name}")
+    unlisted = [n for n in DIGESTED_BESIDE if required and n not in listed and (weights.parent / n).exists()]
+    if unlisted:
+        raise CorruptModelError(f"{digest_file} lists no digest of {', '.join(unlisted)}, which a shipped head must")
+    for name, expected in listed.items():
+        path = weights.parent / name
+        if not path.is_file():
+            raise CorruptModelError(f"{digest_file} lists {name}, which is not in {weights.parent}")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise CorruptModelError(f"{path} does not match {digest_file.name}: sha256 {actual}, expected {expected}")
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

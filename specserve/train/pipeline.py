@@ -37,6 +37,7 @@ from specserve.models.llama import LlamaModel
 from specserve.models.sources import sha256_file
 from specserve.spec_decode.eagle_head import EagleHead, HeadKind, default_aux_layers
 from specserve.spec_decode.head_checkpoint import (
+    DIGESTED_BESIDE,
     TARGET_SAMPLE_KEY,
     embedding_sample,
     load_eagle_head,
@@ -440,7 +441,9 @@ def train_draft(
             "python": platform.python_version(),  # the text passages come from this interpreter's stdlib
         },
     )
-    write_durably(digest_file, lambda tmp: tmp.write_text(f"{digest}  {weights.name}\n"))
+    beside = [out_dir / name for name in DIGESTED_BESIDE]  # (both written above)
+    record = "".join(f"{d}  {f.name}\n" for d, f in [(digest, weights), *((sha256_file(f), f) for f in beside)])
+    write_durably(digest_file, lambda tmp: tmp.write_text(record))
     return head
 
 
