@@ -337,6 +337,22 @@ def test_each_checkout_builds_into_its_own_directory(tmp_path: Path) -> None:
     assert extension_build_dir(sources, headers) not in (copy, here)  # and the code still names it
 
 
+def test_a_new_compiler_builds_into_a_directory_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiler decides what is built (the int8 kernels need GCC 11 or clang 12): an upgraded ``c++`` under the
+    same name reused the old directory, and ninja, seeing the same command, kept loading the old build."""
+    compiler = tmp_path / "c++"
+    monkeypatch.setenv("CXX", str(compiler))
+    builds = []
+    for version in ("c++ (Debian 10.2.1-6) 10.2.1", "c++ (Debian 12.2.0-14) 12.2.0"):
+        compiler.write_text(f"#!/bin/sh\necho '{version}'\n")
+        compiler.chmod(0o755)
+        builds.append(extension_build_dir())
+        assert extension_build_dir() == builds[-1]
+    assert builds[0] != builds[1]
+    monkeypatch.delenv("CXX")
+    assert extension_build_dir() not in builds
+
+
 def test_a_lock_left_by_a_killed_load_does_not_hang_the_next_process() -> None:
     """torch's build lock is a plain file: a process killed while loading the extension (a timeout, a killed
     actor) left it behind, and every later process then waited for it for ever (found with a stale lock here)."""

@@ -78,14 +78,26 @@ class NativeStackUnavailable(RuntimeError):
     """The C++ stack could not be built or does not cover this model."""
 
 
+def compiler_identity(cxx: str) -> str:
+    """What ``cxx --version`` says (empty where it does not run): the int8 kernels are built only by a compiler
+    new enough (csrc/int8_q4.cpp), and torch's build file names the compiler by command alone, so an upgraded
+    ``c++`` would have kept loading the old build without them."""
+    try:
+        run = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return run.stdout.strip()
+
+
 def extension_build_dir(sources: tuple[Path, ...] = SOURCES, headers: tuple[Path, ...] = HEADERS) -> Path:
-    """The build directory of these sources: named by their code, torch's version and the flags, and by where the
-    sources, torch and Python's headers lie. The build file torch writes holds those paths, so two checkouts or
-    virtual environments sharing one directory rewrote it in turn, and each rebuilt the extension (minutes on 2
-    cores) after the other had used it."""
+    """The build directory of these sources: named by their code, torch's version, the flags and the compiler, and
+    by where the sources, torch and Python's headers lie. The build file torch writes holds those paths, so two
+    checkouts or virtual environments sharing one directory rewrote it in turn, and each rebuilt the extension
+    (minutes on 2 cores) after the other had used it."""
     code = b"".join(path.read_bytes() for path in (*sources, *headers))
     places = [str(p.resolve().parent) for p in (sources[0], Path(torch.__file__))] + [sysconfig.get_path("include")]
-    setting = f"{torch.__version__} {list(CFLAGS)} {list(LDFLAGS)} {places}"
+    cxx = os.environ.get("CXX", "c++")  # (torch.utils.cpp_extension's choice)
+    setting = f"{torch.__version__} {list(CFLAGS)} {list(LDFLAGS)} {places} {cxx} {compiler_identity(cxx)}"
     ident = hashlib.sha256(code + setting.encode()).hexdigest()[:12]
     return cache_dir() / "extensions" / f"specserve_decoder_stack_{ident}"
 
