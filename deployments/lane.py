@@ -250,6 +250,7 @@ class Lane:
         # takes each fresh one down at its first proposal): each comes back after a longer pause than the last
         self._draft_losses = 0
         self.lost_workers = False  # its target could not be brought back (until a replacement or a step succeeds)
+        self._lost_target: RemoteWorker | None = None  # ... the one it lost (one made since: replaced if found dead)
         self._retry_pause = worker_retry_s  # while lost: the pause before the next try (doubles)
         self._retry_at = 0.0  # ... and when that try is due (time.monotonic)
         self.spare = spare  # whether another lane could take this one's requests now (running, healthy, loaded)
@@ -833,6 +834,7 @@ class Lane:
             # answers its requests, and tries again with the next step's worker failure
             logger.exception("lane %d: replacing its workers failed", self.index)
             self.lost_workers = True  # before the requests hear of it: a caller may look at the health next
+            self._lost_target = self.workers.get(WorkerRole.target)
             self._retry_at = time.monotonic() + self._retry_pause  # with no request to step, tried again then
             reason = "the lane could not replace a lost worker"
             self._fail_all(reason, LaneLostError, suspects=suspects, blameless=blameless)
@@ -844,7 +846,8 @@ class Lane:
         load, its device is out of memory) would otherwise pass for a lane back in order."""
         target = self.workers[WorkerRole.target]
         try:
-            if not target.starting:
+            # the target lost, or one made since and found dead; not one made since whose start a step saw done
+            if target is self._lost_target or target.dead:
                 self._replace_target()
                 target = self.workers[WorkerRole.target]
             if not target.wait_started(self._stopping, within=self.start_poll_s):
@@ -886,6 +889,7 @@ class Lane:
             # lost until a step succeeds or a replacement has started (``_retry_target``); set before the requests
             # hear of it: a caller may look at the health next
             self.lost_workers = True
+            self._lost_target = self.workers.get(WorkerRole.target)
             self._retry_at = time.monotonic() + self._retry_pause
             reason = f"lane {self.index} lost its workers {self._failures} times in a row"
             self._fail_all(reason, LaneLostError, suspects=suspects, blameless=blameless)

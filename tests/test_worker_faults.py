@@ -1001,6 +1001,35 @@ def test_a_lane_whose_target_could_not_be_replaced_tries_again_with_no_request_t
     assert pauses == [0.01, 0.01, 0.02, 0.03]
 
 
+def test_a_lost_lanes_new_target_seen_started_by_a_step_is_kept_when_that_step_fails_on_its_request(
+    target: LlamaModel, alone: list[list[int]]
+) -> None:
+    """A lost lane's replacement finished loading while a request's step waited for it, and that step then failed on
+    the request's own input (the worker passing its self-check): the lane, still lost, killed that loaded target and
+    made another (a whole model load more), as it replaced any target not starting."""
+    factory = Factory(target, {0: "unschedulable", 2: "loading, hostile"}, broken={1})
+    lane = _lane(target, factory, worker_retry_s=0.2)
+    lane.start_poll_s = 0.05
+    try:
+        assert all(isinstance(r, LaneLostError) for r in _run(lane, PROMPTS[:1]))  # generation 1 cannot be made
+        assert lane.lost_workers
+
+        async def hostile() -> Result:
+            task = asyncio.ensure_future(_one(lane, Request("h", [*HOSTILE, 1], GREEDY)))
+            _wait(lambda: len(factory.actors) == 2)  # the lane's retry made generation 2, still loading
+            await asyncio.sleep(0.2)  # the request's step waits for it
+            factory.actors[1].loaded.set()
+            return await asyncio.wait_for(task, 30)
+
+        assert isinstance(asyncio.run(hostile()), RequestFailedError)  # its own input: failed alone
+        time.sleep(0.5)  # (the lane's next retries, 0.2 s apart)
+        assert lane.generations[WorkerRole.target] == 2 and len(factory.actors) == 2
+        assert _wait(lambda: lane.healthy) is None and "check" in factory.actors[1].calls
+        assert _run(lane, PROMPTS[:2], "s") == alone[:2]  # (the third is the hostile prompt)
+    finally:
+        _release_and_stop([lane], [factory])
+
+
 def test_a_lane_whose_replacements_never_start_stays_degraded_until_one_does(
     target: LlamaModel, alone: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
