@@ -1,5 +1,6 @@
-"""Every `specserve ...`, `python -m load.straggler ...` and `python -m load.simulate ...` command in the README and
-docs/ parses with today's command line (a renamed or removed flag fails here, so that the recorded commands stay
+"""Every `specserve ...`, `python -m load.straggler ...`, `python -m load.simulate ...` and `python -m load.guard_replay
+...` command in the README and docs/ parses with today's command line, its flags spelt out (a renamed or removed flag
+fails here, and so does one that parses only as an abbreviation of another, so that the recorded commands stay
 runnable); the straggler study's also passes its settings' checks."""
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from load import simulate, straggler
+from load import guard_replay, simulate, straggler
 from specserve import cli
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "deployments" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-COMMAND = re.compile(r"(?:\.venv/bin/)?(?:specserve|python -m load\.(?:straggler|simulate))(?= |$)")
+COMMAND = re.compile(r"(?:\.venv/bin/)?(?:specserve|python -m load\.(?:straggler|simulate|guard_replay))(?= |$)")
 BLOCK = re.compile(r"^```(?:bash|sh)\n(.*?)^```", re.S | re.M)
 ASSIGNMENT = re.compile(r"^(\w+)=[\"']([^\"']*)[\"']", re.M)
 PLACEHOLDER = re.compile(r"\.\.\.|<[^>]*>")  # "--pair X ... --out", "<target dir>": elided on purpose
@@ -46,7 +47,9 @@ COMMANDS = list(doc_commands())
 
 def test_the_docs_hold_commands_of_each_tool() -> None:
     tools = {COMMAND.findall(c)[0].removeprefix(".venv/bin/") for _, c in COMMANDS}
-    assert tools == {"specserve", "python -m load.straggler", "python -m load.simulate"}, tools
+    assert tools == {
+        "specserve", "python -m load.straggler", "python -m load.simulate", "python -m load.guard_replay"
+    }, tools  # fmt: skip
     assert len(COMMANDS) > 50
 
 
@@ -61,6 +64,7 @@ def _raise(self: argparse.ArgumentParser, message: str) -> None:
 @pytest.mark.parametrize("command", [c for _, c in COMMANDS], ids=[w for w, _ in COMMANDS])
 def test_documented_command_parses(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(argparse.ArgumentParser, "error", _raise)
+    monkeypatch.setattr(argparse.ArgumentParser, "_get_option_tuples", lambda self, option: [])  # no abbreviations
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # GPU commands parse on this CPU too
     argv = shlex.split(command)
     if "--help" in argv:
@@ -78,8 +82,10 @@ def _parse(argv: list[str]) -> None:
             assert argv[4:], "report needs traces"
         else:
             straggler.parse_args(argv[3:])
-    else:
+    elif argv[2] == "load.simulate":
         simulate.build_parser().parse_args(argv[3:])
+    else:
+        guard_replay.build_parser().parse_args(argv[3:])
 
 
 def test_the_makefiles_bench_targets_parse_spelt_out_and_take_args(monkeypatch: pytest.MonkeyPatch) -> None:
