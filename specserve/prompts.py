@@ -70,15 +70,19 @@ class PromptEncoder:
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes, which a character split over tokens spans (its text shows each part as U+FFFD): a
-        byte-level BPE piece through its byte alphabet, a SentencePiece byte token ``<0xNN>`` as that byte, any
-        other token as its text in UTF-8."""
+        byte-level BPE piece through its byte alphabet, a SentencePiece byte token ``<0xNN>`` as that byte, another
+        SentencePiece piece with its word-boundary marker as the space it stands for (its own decode drops a leading
+        one: "▁the" came back as "the", and an answer's bytes joined ran its words together), any other token as its
+        text in UTF-8."""
         if token_id not in self._token_bytes:
             piece = None if self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(token_id)
-            alphabet = self._byte_alphabet
+            alphabet, marker = self._byte_alphabet, self._space_marker
             if isinstance(piece, str) and _BYTE_TOKEN.fullmatch(piece):
                 found = bytes([int(piece[3:5], 16)])
             elif isinstance(piece, str) and alphabet and piece and all(c in alphabet for c in piece):
                 found = bytes(alphabet[c] for c in piece)
+            elif isinstance(piece, str) and marker and token_id not in self._added_ids:
+                found = piece.replace(marker, " ").encode("utf-8")
             else:
                 found = self.token_text(token_id).encode("utf-8")
             self._token_bytes[token_id] = found
@@ -95,6 +99,30 @@ class PromptEncoder:
         except ImportError:  # (a transformers without it: texts, not bytes)
             return {}
         return {c: b for b, c in bytes_to_unicode().items()}
+
+    @functools.cached_property
+    def _space_marker(self) -> str | None:
+        """A SentencePiece tokenizer's word-boundary character, which its decoder turns into a space (Metaspace, or
+        Llama-2's Replace of "▁"); None for other tokenizers."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        try:
+            decoder = json.loads(backend.to_str()).get("decoder") or {}
+        except (ValueError, AttributeError):
+            return None
+        for step in decoder.get("decoders") or [decoder]:
+            if step.get("type") == "Metaspace" and isinstance(step.get("replacement"), str):
+                return str(step["replacement"])
+            pattern = step.get("pattern") or {}
+            if step.get("type") == "Replace" and step.get("content") == " " and isinstance(pattern.get("String"), str):
+                return str(pattern["String"])
+        return None
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        """Added tokens (special ones among them): their text is their own, not a piece of the model's."""
+        return frozenset(getattr(self.tokenizer, "added_tokens_decoder", {}) or {})
 
     def token_ids(self, ids: list[int]) -> list[int]:
         if any(not 0 <= t < self.vocab_size for t in ids):

@@ -186,6 +186,30 @@ def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character() -> N
     assert PromptEncoder(None, 512).token_bytes(7) == b"token_id:7"
 
 
+@pytest.mark.parametrize("decoder", ["metaspace", "replace"])
+def test_a_sentencepiece_tokens_bytes_keep_the_space_its_marker_stands_for(decoder: str) -> None:
+    """A SentencePiece piece decoded alone drops its leading space ("▁and" -> "and"): an answer's bytes joined ran
+    its words together ("aband" for " a b and", the answer's text in context). Its marker is the space; an added
+    token's bytes stay its text."""
+    from tokenizers import decoders
+
+    from specserve.detok import IncrementalText
+    from tests.test_prompts import _metaspace_tokenizer
+
+    tok = _metaspace_tokenizer()
+    if decoder == "replace":  # Llama-2's: the marker replaced, byte fallback, then the first space stripped
+        tok.backend_tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+    encoder = PromptEncoder(tok, len(tok))
+    ids = tok.encode("a b and", add_special_tokens=False)
+    text = IncrementalText(tok, prompt_ids=tok.encode("[INST] x", add_special_tokens=False))
+    answer = text.update(ids, final=True)
+    assert answer == " a b and"  # (the answer keeps its leading space in context)
+    assert b"".join(encoder.token_bytes(t) for t in ids) == answer.encode()
+    assert encoder.token_bytes(tok.eos_token_id) == b"</s>"
+
+
 def test_joined_and_resumed_outputs_keep_their_logprobs_with_their_tokens() -> None:
     lps = [TokenLogprob(i + 1, -0.5 - i, ((i, -0.1),)) for i in range(5)]
 
