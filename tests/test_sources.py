@@ -498,6 +498,69 @@ def test_a_gguf_field_running_past_the_end_is_refused(tmp_path: Path) -> None:
         convert_gguf(dup, tmp_path / "dup")
 
 
+def test_a_tensor_whose_offset_points_elsewhere_in_the_file_is_refused(tiny_gguf: Path, tmp_path: Path) -> None:
+    """gguf-py takes any offset inside the file: a tensor pointing into another one loaded that one's bytes (attn_v
+    read as token_embd) and converted without a word; llama.cpp requires each right after the one before."""
+    import struct
+
+    import gguf
+
+    reader = gguf.GGUFReader(tiny_gguf)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight")
+    where = int(tensor.field.offset) + sum(int(p.nbytes) for p in tensor.field.parts[:-1])  # its offset field
+    data = bytearray(tiny_gguf.read_bytes())
+    assert struct.unpack_from("<Q", data, where)[0] == tensor.data_offset - reader.data_offset
+    struct.pack_into("<Q", data, where, 0)  # the first tensor's place
+    moved = tmp_path / "moved.gguf"
+    moved.write_bytes(bytes(data))
+    with pytest.raises(CorruptModelError, match=r"tensor 'blk\.0\.attn_v\.weight' has offset 0, expected \d+"):
+        convert_gguf(moved, tmp_path / "out")
+    convert_gguf(tiny_gguf, tmp_path / "ok")  # (every tensor where it belongs)
+
+
+def test_arrays_of_arrays_too_deep_for_gguf_py_are_a_corrupt_gguf(tmp_path: Path) -> None:
+    """gguf-py recurses once a level of arrays within arrays: 3000 levels (36 KB) were a RecursionError traceback."""
+    import struct
+
+    def text(t: str) -> bytes:
+        return struct.pack("<Q", len(t)) + t.encode()
+
+    nested = struct.pack("<IQ", 9, 1) * 3000 + struct.pack("<IQ", 4, 0)  # ARRAY of one ARRAY ... of no UINT32
+    path = tmp_path / "deep.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + text("general.junk") + struct.pack("<I", 9) + nested)
+    with pytest.raises(CorruptModelError, match="not a readable GGUF file: RecursionError"):
+        convert_gguf(path, tmp_path / "out")
+
+
+def test_q8_head_blocks_skip_tensors_of_other_types_before_naming_them() -> None:
+    """A Llama 3.x GGUF's rope_freqs (F32) has no HF name: read first, it failed the whole Q8_0 read (its head and
+    its int8 head dropped, with a warning naming the file as unreadable)."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+
+    from specserve.models.q4 import gguf_q8_blocks
+
+    blocks = np.zeros((4, 34), np.uint8)  # 4 rows of one Q8_0 block (2 bytes of scale, 32 of values) each
+    tensors = [
+        SimpleNamespace(name="rope_freqs.weight", tensor_type=GGMLQuantizationType.F32, shape=[32], data=None),
+        SimpleNamespace(name="token_embd.weight", tensor_type=GGMLQuantizationType.Q8_0, shape=[32, 4], data=blocks),
+    ]
+    assert list(gguf_q8_blocks(tensors, {"model.embed_tokens.weight"})) == ["model.embed_tokens.weight"]  # type: ignore[arg-type]
+
+
+def test_no_home_directory_is_a_clear_error_naming_specserve_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("SPECSERVE_CACHE", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.raises(ModelSourceError, match="set SPECSERVE_CACHE"):
+        sources.cache_dir()
+    monkeypatch.setenv("SPECSERVE_CACHE", "/tmp/x")
+    assert sources.cache_dir() == Path("/tmp/x")
+
+
 @pytest.mark.parametrize("big_endian", [False, True], ids=["little", "big"])
 def test_the_bounded_reader_reads_what_gguf_py_reads(tmp_path: Path, big_endian: bool) -> None:
     """Our reader's own slicing (a plain view of the memmap, bounds-checked) against gguf-py's reader: the same

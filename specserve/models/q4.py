@@ -182,8 +182,10 @@ def gguf_q8_blocks(tensors: Iterable[ReaderTensor], names: Collection[str]) -> d
 
     out = {}
     for tensor in tensors:
+        if tensor.tensor_type != GGMLQuantizationType.Q8_0:  # (first: a Llama 3 GGUF's rope_freqs has no HF name)
+            continue
         name = hf_tensor_name(tensor.name)
-        if tensor.tensor_type == GGMLQuantizationType.Q8_0 and name in names:
+        if name in names:
             shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml's order is reversed
             out[name] = q8_0_blocks(np.asarray(tensor.data), shape)
     return out

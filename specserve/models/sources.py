@@ -79,7 +79,12 @@ Downloader = Callable[[BuiltinModel, Path], Path]
 
 def cache_dir() -> Path:
     env = os.environ.get("SPECSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specserve"
+    if env:
+        return Path(env).expanduser()
+    try:
+        return Path.home() / ".cache" / "specserve"
+    except RuntimeError as e:  # no HOME and no passwd entry (an arbitrary container user)
+        raise ModelSourceError(f"no home directory for the specserve cache ({e}): set SPECSERVE_CACHE") from e
 
 
 def make_cache_dir(path: Path) -> None:
@@ -783,9 +788,25 @@ def _open_gguf(gguf_path: Path) -> GGUFReader:
             return raw.view(dt.newbyteorder(self.byte_order if override_order is None else override_order))
 
     try:
-        return BoundedReader(gguf_path)
-    except (ValueError, OSError, IndexError, KeyError) as exc:  # KeyError: a metadata key given twice
-        raise CorruptModelError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+        reader = BoundedReader(gguf_path)
+    # KeyError: a metadata key given twice; RecursionError: arrays of arrays thousands deep (gguf-py recurses)
+    except (ValueError, OSError, IndexError, KeyError, RecursionError) as exc:
+        raise CorruptModelError(f"{gguf_path} is not a readable GGUF file: {exc!r}") from exc
+    _check_tensor_offsets(reader, gguf_path)
+    return reader
+
+
+def _check_tensor_offsets(reader: GGUFReader, gguf_path: Path) -> None:
+    """Each tensor's data where llama.cpp requires it: right after the one before, padded to the file's alignment
+    (gguf-py takes any offset inside the file: one pointing into another tensor loaded its bytes without a word)."""
+    expected = 0
+    for tensor in reader.tensors:
+        if tensor.data_offset - reader.data_offset != expected:
+            raise CorruptModelError(
+                f"{gguf_path} is not a readable GGUF file: tensor {tensor.name!r} has offset "
+                f"{tensor.data_offset - reader.data_offset}, expected {expected}"
+            )
+        expected += -(-int(tensor.n_bytes) // reader.alignment) * reader.alignment
 
 
 def _count(reader: GGUFReader, gguf_path: Path, key: str, default: int | None = None) -> int:
