@@ -1199,6 +1199,11 @@ def test_train_draft_checks_the_starting_head_before_the_data_and_records_its_di
     assert any("lacks this target's special ids [499]" in line for line in said), said
 
     asked.clear()
+    (head_dir / "vocab_map.json").write_bytes(b'{"by_frequency": [1, 2')  # its digest, beside the weights, says so
+    with pytest.raises(CorruptModelError, match=r"vocab_map\.json does not match model\.safetensors\.sha256"):
+        train_draft(target, tok, distill, tuned, tmp_path / "w2", tmp_path / "h2", log=lambda _: None)
+    record = head_dir / "model.safetensors.sha256"
+    record.write_text(record.read_text().splitlines()[0] + "\n")  # the weights' digest alone: the map is read
     for broken in (b'{"by_frequency": [1, 2', b"\xff\xfe not UTF-8"):  # the second was a UnicodeDecodeError traceback
         (head_dir / "vocab_map.json").write_bytes(broken)
         with pytest.raises(ModelSourceError, match="vocabulary map"):
