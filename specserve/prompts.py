@@ -104,12 +104,10 @@ class PromptEncoder:
     def _space_marker(self) -> str | None:
         """A SentencePiece tokenizer's word-boundary character, which its decoder turns into a space (Metaspace, or
         Llama-2's Replace of "▁"); None for other tokenizers."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            return None
-        try:
-            decoder = json.loads(backend.to_str()).get("decoder") or {}
-        except (ValueError, AttributeError):
+        found = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+        try:  # the decoder's own JSON (the whole tokenizer's holds its vocabulary)
+            decoder = json.loads(found.__getstate__()) if found is not None else {}
+        except (ValueError, TypeError, AttributeError):
             return None
         for step in decoder.get("decoders") or [decoder]:
             if step.get("type") == "Metaspace" and isinstance(step.get("replacement"), str):

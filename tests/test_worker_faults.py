@@ -696,7 +696,7 @@ class BothFactory:
         return (self.targets if role == WorkerRole.target else self.drafts).create(lane, role, generation)
 
     def kill(self) -> None:
-        pass
+        """Nothing of its own to end (as a factory's)."""
 
 
 def _drafting_lane(
