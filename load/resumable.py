@@ -1,6 +1,7 @@
 """A streaming client that survives a lost connection: it remembers the last SSE event id and the seed the server
 returned, and on a cut (connection error, a 5xx or 429 while the server heals, a stream that ends without
-``[DONE]``) resends the same request with ``resume_from`` set, until the stream completes.
+``[DONE]``) resends the same request with ``resume_from`` set, until the stream completes. A stream without event
+ids (several choices) is resent only while nothing has been delivered: past that, a cut fails it.
 
     for delta in ResumableStream(url, "/v1/chat/completions", body).deltas():
         print(delta.text, end="")
@@ -45,6 +46,7 @@ class ResumableStream:
     last_event_id: str | None = None
     seed: int | None = None
     resumes: int = 0
+    delivered: bool = False  # content was yielded (once it has, only a resume point lets a cut go on)
     usage: dict[str, Any] | None = field(default=None, repr=False)
 
     def deltas(self) -> Iterator[Delta]:
@@ -58,6 +60,11 @@ class ResumableStream:
                     yield from self._one_connection(client)
                     return
                 except (httpx.TransportError, _Retryable) as e:
+                    if self.delivered and not self.last_event_id:  # a resend starts over: all again, not the rest
+                        raise StreamFailedError(
+                            f"the stream was cut ({e}) after content was delivered with no event id to resume from "
+                            "(a stream of several choices carries none; an empty id resets it)"
+                        ) from e
                     now = time.monotonic()
                     if self.last_event_id != seen:  # that connection made progress: a new outage starts now
                         deadline = None
@@ -105,6 +112,7 @@ class ResumableStream:
                 if decoder.last_event_id is not None:
                     self.last_event_id = decoder.last_event_id
                 if delta is not None:
+                    self.delivered = self.delivered or bool(delta.text or delta.token_ids or delta.finish_reason)
                     yield delta
         raise _Retryable("the stream ended without [DONE]")
 

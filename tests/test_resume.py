@@ -481,7 +481,8 @@ def test_the_client_helper_joins_an_events_data_lines_and_fails_a_whole_malforme
 
 def test_the_client_helper_resumes_from_an_id_sent_without_data_and_not_from_an_empty_one() -> None:
     """An event with an ``id`` and no data moves the point a reconnect resumes from (the SSE format sets the last
-    event id at every dispatch); an empty ``id`` resets it, so the resend starts over (it sent ``resume_from: ""``)."""
+    event id at every dispatch); an empty ``id`` resets it: a cut past it, with content delivered, cannot go on
+    without sending that content again, so it fails (it sent ``resume_from: ""`` once, then started over: "abab")."""
     answers = iter(
         [
             b'id: 1-a\ndata: {"choices":[{"text":"a","finish_reason":null}]}\n\nid: 1-b\n\n',  # cut after an ack
@@ -497,8 +498,38 @@ def test_the_client_helper_resumes_from_an_id_sent_without_data_and_not_from_an_
 
     client = httpx.Client(transport=httpx.MockTransport(handler))
     stream = ResumableStream("http://127.0.0.1:1", COMPLETIONS, {"prompt": "x"}, client=client, retry_interval_s=0)
-    assert stream.text() == "abab" and stream.resumes == 2
-    assert "resume_from" not in bodies[0] and bodies[1]["resume_from"] == "1-b" and "resume_from" not in bodies[2]
+    got: list[str] = []
+    with pytest.raises(StreamFailedError, match="no event id to resume from"):
+        got.extend(d.text for d in stream.deltas())
+    assert got == ["a", "b"] and stream.resumes == 1
+    assert "resume_from" not in bodies[0] and bodies[1]["resume_from"] == "1-b" and len(bodies) == 2
+
+
+def test_the_client_helper_resends_a_stream_without_ids_only_while_nothing_was_delivered() -> None:
+    """A stream of several choices carries no event ids: a cut before any content is resent from the start; a cut
+    after content fails rather than deliver that content twice (it restarted: "Hello worldHello world!")."""
+    part = b'data: {"choices":[{"index":0,"text":"Hello","finish_reason":null}]}\n\n'
+    part += b'data: {"choices":[{"index":1,"text":" world","finish_reason":null}]}\n\n'
+    whole = part + b'data: {"choices":[{"index":0,"text":"!","finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+    role_only = b'data: {"choices":[{"index":0,"text":"","finish_reason":null}]}\n\n'
+
+    def run(answers: list[httpx.Response]) -> tuple[ResumableStream, list[str]]:
+        queue = iter(answers)
+        client = httpx.Client(transport=httpx.MockTransport(lambda request: next(queue)))
+        stream = ResumableStream(
+            "http://127.0.0.1:1", COMPLETIONS, {"prompt": "x", "n": 2}, client=client, retry_interval_s=0
+        )
+        got: list[str] = []
+        try:
+            got.extend(d.text for d in stream.deltas())
+        except StreamFailedError:
+            got.append("<failed>")
+        return stream, got
+
+    stream, got = run([httpx.Response(503), httpx.Response(200, content=role_only), httpx.Response(200, content=whole)])
+    assert "".join(got) == "Hello world!" and stream.resumes == 2
+    stream, got = run([httpx.Response(200, content=part), httpx.Response(200, content=whole)])
+    assert got == ["Hello", " world", "<failed>"] and stream.resumes == 0
 
 
 @pytest.mark.parametrize(
