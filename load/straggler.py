@@ -959,6 +959,14 @@ def merged_traces(paths: Sequence[Path]) -> list[RunTrace]:
     seen: dict[str, Path] = {}  # a run's content (its pass number left out) -> the file it came from
     for path in paths:
         runs = read_traces(path)
+        keys = Counter((t.label, t.batch, t.policy, t.repeat) for t in runs)
+        if twice := [k for k, n in keys.items() if n > 1]:  # a sweep runs each once: several sweeps in one file
+            label, batch, policy, repeat = twice[0]
+            raise ValueError(
+                f"{path} holds {keys[twice[0]]} runs of {policy.value} at batch {batch}, {label}, pass {repeat}: "
+                "several sweeps in one file (a cat of them?) pair with each other's plain runs; give each sweep's "
+                "traces.jsonl on its own"
+            )
         for t in runs:  # ... or a copy of one (a backup directory a glob matched)
             content = hashlib.sha256(t.model_copy(update={"repeat": 0}).model_dump_json().encode()).hexdigest()
             if (earlier := seen.setdefault(content, path)) != path:

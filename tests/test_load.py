@@ -1085,6 +1085,13 @@ def test_the_study_pairs_each_policy_with_plain_decoding_in_the_same_pass(tmp_pa
     (tmp_path / "a-backup" / "traces.jsonl").write_text((tmp_path / "a" / "traces.jsonl").read_text())
     with pytest.raises(ValueError, match=r"a-backup/traces\.jsonl and .*/a/traces\.jsonl hold the same run"):
         straggler.merged_traces([*files, tmp_path / "a-backup" / "traces.jsonl"])
+    # several sweeps in one file (a cat of them) paired a's ddd with b's plain (0.45): refused, as is one sweep twice
+    for name, parts in {"ab": "ab", "aa": "aa"}.items():
+        text = "".join((tmp_path / part / "traces.jsonl").read_text() for part in parts)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "traces.jsonl").write_text(text)
+        with pytest.raises(ValueError, match=rf"{name}/traces\.jsonl holds 2 runs of plain at batch 4, real, pass 0"):
+            straggler.merged_traces([tmp_path / name / "traces.jsonl"])
     # sweeps of other seeds (other prompts and lengths; for the tiny pair, other weights) are not one workload
     seeded = [_timed_run(plain, 0, 100.0).model_copy(update={"settings": RunSettings(seed=s)}) for s in (0, 1)]
     with pytest.raises(ValueError, match=r"different settings: tiny_noise None; and tiny_noise None, seed 1$"):
