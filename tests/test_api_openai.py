@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -1342,6 +1343,50 @@ class _CutShort(LocalBackend):
                 await stream.aclose()
 
         return Cut()
+
+
+class _SplitCharacterFirst(LocalBackend):
+    """A backend whose streams' first token has no text yet (a character's first byte) and whose next output, with
+    that text, comes half a second later."""
+
+    async def submit(self, request: Request) -> Any:
+        stream = await super().submit(request)
+
+        class Held:
+            def __aiter__(self) -> AsyncIterator[RequestOutput]:
+                return self._outputs()
+
+            async def _outputs(self) -> AsyncIterator[RequestOutput]:
+                held: str | None = None
+                async for out in stream:
+                    if held is None:
+                        held = out.text
+                        yield replace(out, text="")
+                        await asyncio.sleep(0.5)
+                    else:
+                        yield replace(out, text=held + out.text)
+                        held = ""
+
+            async def aclose(self) -> None:
+                await stream.aclose()
+
+        return Held()
+
+
+def test_a_streams_first_token_latency_is_of_the_first_chunk_sent() -> None:
+    """A first token whose text is held back (no chunk goes out for it) was counted sent: the TTFT histogram took
+    its step (~ms) for the client's first token, half a second later, and TPOT took the wait instead."""
+    backend = _SplitCharacterFirst(max_model_len=256, max_batch_size=2)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True}
+    try:
+        with api_server(backend) as url:
+            before = _sample(backend, "specserve_time_to_first_token_seconds_sum")
+            with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+            assert r.status_code == 200 and len(lines) >= 3
+            assert _sample(backend, "specserve_time_to_first_token_seconds_sum") - before >= 0.45
+    finally:
+        backend.stop()
 
 
 class _FailsMidway(LocalBackend):

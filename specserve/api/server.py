@@ -226,12 +226,17 @@ class _Tracker:
     first: float | None = None
     last: float | None = None
     sent: int = 0  # tokens sent
+    held: int = 0  # tokens to send, in no chunk yet (a character's first bytes: its text is not whole)
     latest: RequestOutput | None = None  # the request's totals so far
 
-    def see(self, out: RequestOutput, sent: int | None = None) -> None:
-        """An output; ``sent``: how many of its tokens the client is sent (None: all)."""
+    def see(self, out: RequestOutput, sent: int | None = None, *, shown: bool = True) -> None:
+        """An output; ``sent``: how many of its tokens the client is sent (None: all); ``shown``: whether they go
+        now (else with the next chunk sent: its time is theirs)."""
         self.latest = out
-        n = len(out.token_ids) if sent is None else sent
+        self.held += len(out.token_ids) if sent is None else sent
+        if not shown:
+            return
+        n, self.held = self.held, 0
         if n:
             now = time.perf_counter()
             self.first = now if self.first is None else self.first
@@ -795,11 +800,12 @@ class _Routes:
                 part = c.cursor.advance(out)  # None: delivered before the resume point
                 c.prompt_logprobs = out.prompt_logprobs or c.prompt_logprobs
                 c.fmt.skip(c.cursor.passed_over(out, part))  # (text offsets count them too)
-                c.outcome.tracker.see(out, 0 if part is None else len(part.token_ids))
                 if out.finished:
                     c.cursor.check_reached()  # before the finish event: a resume point past the end gets the error only
+                shown = part is not None and bool(part.text or (per_token and part.token_ids) or part.finished)
+                c.outcome.tracker.see(out, 0 if part is None else len(part.token_ids), shown=shown)
                 event = None
-                if part is not None and (part.text or (per_token and part.token_ids) or part.finished):
+                if shown and part is not None:
                     if c.prompt_logprobs is not None:
                         part, c.prompt_logprobs = replace(part, prompt_logprobs=c.prompt_logprobs), None
                     mark = c.cursor.mark.at(StreamPhase.finished) if part.finished else c.cursor.mark
