@@ -85,7 +85,7 @@ class ServeMetrics:
         )
         self.prompt_tokens = Counter(
             "specserve_prompt_tokens",
-            "Prompt tokens of requests that got output (finished, aborted or failed)",
+            "Prompt tokens of requests that got output (finished, aborted or failed), per choice: n choices, n times",
             registry=r,
         )
         self.generation_tokens = Counter(
