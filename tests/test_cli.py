@@ -405,8 +405,9 @@ def test_bench_batch_runs_the_policies_in_balanced_orders(tmp_path: Path, monkey
 
     def fake_run(engine: object, prompts: object, lengths: object, spec: object, accepts: object) -> dict[str, float]:
         specs.append(spec)
-        keys = ("tok_s", "seconds", "steps", "idle_fraction", "mean_sl", "mean_cap", "p50_latency_s", "p99_latency_s")
-        return dict.fromkeys((*keys, "draft_frac", "verify_frac"), 1000.0 if len(specs) <= 3 else 1.0)  # cold: slow
+        keys = ("tok_s", "seconds", "steps", "idle_fraction", "mean_sl", "spec_steps", "mean_cap", "p50_latency_s")
+        keys += ("p99_latency_s", "draft_frac", "verify_frac")
+        return dict.fromkeys(keys, 1000.0 if len(specs) <= 3 else 1.0)  # cold: slow
 
     monkeypatch.setattr(batch_sweep, "run_one", fake_run)
     argv = ["bench", "batch", "--pair", "smollm2-int8", "--batch-sizes", "1", "--workloads", "real"]

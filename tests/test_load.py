@@ -61,8 +61,10 @@ from load.traces import (
     CostSample,
     RunSettings,
     RunTrace,
+    SeqStep,
     SeqTrace,
     StepRecorder,
+    StepTrace,
     TreeSeqTrace,
     TreeStep,
     WorkloadKind,
@@ -1105,6 +1107,29 @@ def test_the_study_pairs_each_policy_with_plain_decoding_in_the_same_pass(tmp_pa
         "| vs_plain | idle_fraction | mean_sl | mean_cap | paired_vs_plain | paired_lo | paired_hi | paired_coverage |"
         in (out / "report.md").read_text()
     )
+
+
+def _step(levels: int, depth: int, drafted: int, accepted: int) -> StepTrace:
+    seq = SeqStep(req=0, fed=1, depth=depth, drafted=drafted, accepted=accepted)
+    return StepTrace(t_end=0.0, batch=1, levels=levels, cap=None, draft_s=0.0, verify_s=0.0, overhead_s=0.0,
+                     emitted=1 + accepted, seqs=[seq])  # fmt: skip
+
+
+def test_a_pass_that_drafted_on_no_step_is_left_out_of_the_mean_sl_and_acceptance_medians() -> None:
+    """A guarded pass that decoded plainly on every step has no mean SL and no acceptance: it gave 0.0 for both,
+    and the median over passes mixed those in (0.05 reported where the passes that drafted went 0.09 deep)."""
+    from load import straggler
+
+    ddd = PolicyName.ddd
+    drafting = [_step(2, 2, 4, 2), _step(0, 0, 0, 0), _step(0, 0, 0, 0), _step(0, 0, 0, 0)]  # drafted 1 step of 4
+    plain = [_step(0, 0, 0, 0)] * 4
+    runs = [_timed_run(ddd, r, 100.0).model_copy(update={"steps": s}) for r, s in enumerate([drafting, plain, plain])]
+    row = straggler.row_from_trace(runs[1])
+    assert math.isnan(row["mean_sl"]) and math.isnan(row["acceptance"]) and row["spec_steps"] == 0.0
+    (summary,) = straggler.summarize(runs)
+    assert summary["mean_sl"] == 2.0 and summary["acceptance"] == 0.5
+    assert summary["spec_steps"] == 0.0  # the median pass drafted on no step
+    assert straggler.row_from_trace(runs[0])["spec_steps"] == 0.25
 
 
 def test_report_refuses_to_pool_runs_made_under_other_settings(

@@ -6,6 +6,7 @@ SYNTHETIC heterogeneous acceptance mix (labelled as such everywhere). Writes CSV
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
@@ -95,7 +96,8 @@ def run_one(
         "seconds": seconds,
         "steps": len(steps),
         "idle_fraction": statistics.mean(m.idle_fraction for m in drafting) if drafting else 0.0,
-        "mean_sl": statistics.mean(d for m in drafting for d in m.depths) if drafting else 0.0,
+        "mean_sl": statistics.mean(d for m in drafting for d in m.depths) if drafting else math.nan,  # (none drafted)
+        "spec_steps": len(drafting) / len(steps) if steps else math.nan,  # the fraction of steps that drafted
         "mean_cap": statistics.mean(caps) if caps else 0.0,
         **p50_p99("latency_s", list(finish.values())),
         "draft_frac": sum(m.draft_s for m in steps) / seconds,
@@ -178,6 +180,6 @@ def run(args: argparse.Namespace) -> int:
         dpi=110,
     )
     print(f"static SL = {args.static_sl}; trees: beam width {args.beam_width}, budget {args.budget}")
-    print(markdown_table(rows, (*SWEEP_COLS, "p50_latency_s", "p99_latency_s")))
+    print(markdown_table(rows, (*SWEEP_COLS, "spec_steps", "p50_latency_s", "p99_latency_s")))
     print(cpu)
     return 0
