@@ -315,14 +315,17 @@ class StepLoop:
         model = self.draft is not None  # (none loaded, or detached: model_fallback rows draft from lookup alone)
         plan = self.planner.plan(batch, prefills=prefills, outlook=outlook, guarded=guarded, room=room, model=model)
         if self.draft is None and self.serves_drafts:  # detached: no model drafts, and none planned (nor timed)
-            model_only = [s.spec.drafter == Drafter.model for s in batch]
-
-            def undrafted(levels: list[int]) -> list[int]:
-                return [0 if m else d for m, d in zip(model_only, levels, strict=True)]
-
-            free = None if plan.free_depths is None else undrafted(plan.free_depths)
-            plan = replace(plan, depths=undrafted(plan.depths), free_depths=free)
-        return plan
+            plan = _undrafted(plan, [s.spec.drafter == Drafter.model for s in batch])
+        # a structured answer whose grammar would take longer than its budget over a drafted tree's rows (its cost
+        # a row times the nodes the tree may hold) decodes plainly: the batch would wait on it
+        levels = [max(d, plan.free_depth(i)) for i, d in enumerate(plan.depths)]
+        costly = [
+            s.grammar is not None
+            and d > 0
+            and not s.grammar.affords(1 + (s.spec.max_tree_nodes if s.spec.is_tree else d))
+            for s, d in zip(batch, levels, strict=True)
+        ]
+        return _undrafted(plan, costly) if any(costly) else plan
 
     def _propose(self, batch: list[Sequence], plan: StepPlan) -> list[Proposal | None]:
         """Model-free drafters first (where a sequence asks for one); the draft model for the rest, and where they
@@ -680,3 +683,14 @@ class StepLoop:
                 logger.exception("%s of sequences %s failed; retried before the next admission", release, ids)
         if not failed:
             self._unreleased.difference_update(ids)
+
+
+def _undrafted(plan: StepPlan, rows: list[bool]) -> StepPlan:
+    """``plan`` with no levels for the ``rows`` marked."""
+
+    def zeroed(levels: list[int]) -> list[int]:
+        return [0 if r else d for r, d in zip(rows, levels, strict=True)]
+
+    return replace(
+        plan, depths=zeroed(plan.depths), free_depths=None if plan.free_depths is None else zeroed(plan.free_depths)
+    )

@@ -32,8 +32,9 @@ MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 64  # objects and lists within each other in a schema (Python's JSON recursion stops near 1000)
 BITS = 32  # tokens per word of a mask row
 # one answer's rows of a step, computed on its lane's thread while the batch waits: a JSON schema's take ~1 ms, yet a
-# short regex such as (x{600}){600} compiles and then costs ~0.3 s a step, every step; an answer over budget this many
-# steps in a row (one slow step is the host's noise) is failed as its format's fault
+# short regex such as (x{600}){600} compiles and then costs ~0.3 s a step, every step; an answer over budget a row
+# this many steps in a row (one slow step is the host's noise) is failed as its format's fault. A drafted tree's rows
+# cost as many times more: an answer whose tree would cost more than the budget decodes plainly (``affords``)
 MASK_BUDGET_S = 0.1
 MASK_STRIKES = 3
 GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z0-9_-]+\s*::=")  # a grammar with one is GBNF (llama.cpp's), else Lark
@@ -221,7 +222,8 @@ class AnswerGrammar:
         self.eos = frozenset(eos_token_ids)
         self.fed: list[int] = []  # the answer's tokens the matcher has consumed
         self.dead: frozenset[int] = frozenset()  # the last walk's nodes the grammar has no way on from
-        self.slow_steps = 0  # masks calls over MASK_BUDGET_S in a row
+        self.slow_steps = 0  # masks calls over MASK_BUDGET_S a row, in a row
+        self.row_s = 0.0  # seconds a row of the last masks call took
 
     def follow(self, output: list[int]) -> None:
         """Bring the matcher to the end of ``output``: back past tokens a rollback took away, then on through the
@@ -249,19 +251,26 @@ class AnswerGrammar:
         whose token the matcher refuses although its parent's row allows it (a limit llguidance meets feeding it),
         keeps a row that allows everything and its subtree is not walked: accepted, the answer is cut after it
         (``first_dead``) and fails unless it ends there, as plain decoding's fails at the next step. A dead end at
-        the root is a GrammarDeadEnd; ``MASK_STRIKES`` calls in a row over ``MASK_BUDGET_S`` a GrammarTooCostly."""
+        the root is a GrammarDeadEnd; ``MASK_STRIKES`` calls in a row over ``MASK_BUDGET_S`` a row a
+        GrammarTooCostly (a row: as plain decoding's step, so a tree never fails an answer plain decoding finishes;
+        the whole call, it failed a format of 2-5 ms a row at its third 60-node tree)."""
         start = time.perf_counter()
         rows = self._walk(draft_tokens, draft_parents)
-        spent = time.perf_counter() - start
-        self.slow_steps = self.slow_steps + 1 if spent > MASK_BUDGET_S else 0
+        self.row_s = (time.perf_counter() - start) / len(rows)
+        self.slow_steps = self.slow_steps + 1 if self.row_s > MASK_BUDGET_S else 0
         if self.slow_steps >= MASK_STRIKES:
             raise GrammarTooCostly(
-                f"{self.param}: the format's grammar took {spent * 1e3:.0f} ms to find the tokens it allows, over "
+                f"{self.param}: the format's grammar took {self.row_s * 1e3:.0f} ms to find the tokens it allows, over "
                 f"{MASK_BUDGET_S * 1e3:.0f} ms for {self.slow_steps} steps in a row; a format this costly to follow "
                 "would hold up every answer beside it (a regex of nested counted repeats?)",
                 param=self.param,
             )
         return rows
+
+    def affords(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows (the root and its drafts) keeps within MASK_BUDGET_S at the last call's
+        cost a row."""
+        return self.row_s * rows <= MASK_BUDGET_S
 
     def _walk(self, draft_tokens: list[int], draft_parents: list[int]) -> np.ndarray:
         rows = np.full((1 + len(draft_tokens), self.width), -1, dtype=np.int32)

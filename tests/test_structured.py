@@ -795,6 +795,55 @@ def test_a_drafted_token_the_matcher_refuses_over_http_is_a_400(url: str) -> Non
     assert r.json()["error"]["param"] == "structured_outputs"
 
 
+def test_the_mask_budget_is_a_rows_so_a_drafted_tree_never_fails_what_plain_decoding_finishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The budget held the whole call: a format of 2-5 ms a row failed at an EAGLE-2 tree's third step (~150 ms for
+    60 rows) though plain decoding finishes it. Each call here takes 0.25 s (a fake clock): over 10 rows that is
+    25 ms a row, no strike; alone, a strike each."""
+    import itertools
+
+    import specserve.structured as structured
+
+    tok = tiny_tokenizer()
+    x = tok.encode("x")[0]
+    grammar = GrammarCompiler(tok, [EOS]).compile(OutputFormat(kind=FormatKind.regex, pattern="x{1,40}"))
+    ticks = itertools.count(step=0.25)  # two reads a call, 0.25 s apart
+    with monkeypatch.context() as m:
+        m.setattr(structured.time, "perf_counter", lambda: next(ticks) * 1.0)
+        for _ in range(structured.MASK_STRIKES + 1):
+            rows = grammar.masks([x] * 9, list(range(9)))  # a chain of 9 drafts: 10 rows
+        assert rows.shape[0] == 10 and grammar.row_s == pytest.approx(0.025)
+        assert grammar.affords(4) and not grammar.affords(5)  # 4 rows: 0.1 s, the budget
+        for _ in range(structured.MASK_STRIKES - 1):
+            grammar.masks([], [])
+        with pytest.raises(structured.GrammarTooCostly, match="250 ms"):
+            grammar.masks([], [])
+
+
+@pytest.mark.parametrize("spec", SPECS[1:], ids=lambda s: f"{s.method.value}-{s.drafter.value}")
+def test_an_answer_whose_grammar_cannot_afford_a_tree_decodes_plainly_and_the_same(
+    models: tuple[LlamaModel, LlamaModel], spec: SpecConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A structured answer whose tree's rows would cost its grammar more than the budget is planned no draft (the
+    batch would wait on its walk); its neighbour without a format drafts on, and both answers are plain decoding's."""
+    target, draft = models
+    tok = tiny_tokenizer()
+    fmt = FORMATS[2]
+    prompts = ["the tea is", "the tea is"]
+    want = _held_greedy(target, fmt, tok.encode(prompts[0]), 30)
+    free = Engine(target, tok, max_batch_size=1, max_model_len=128).generate(
+        [prompts[1]], SamplingParams(max_tokens=30)
+    )[0]
+    monkeypatch.setattr(AnswerGrammar, "affords", lambda self, rows: rows <= 1)
+    engine = Engine(target, tok, draft=draft, speculation=spec, max_batch_size=2, max_model_len=128)
+    held, other = engine.generate(
+        prompts, [SamplingParams(max_tokens=30, output_format=fmt), SamplingParams(max_tokens=30)]
+    )
+    assert held.token_ids == want and other.token_ids == free.token_ids
+    assert held.stats.drafted == 0 and other.stats.drafted > 0
+
+
 def test_a_format_over_its_mask_budget_step_after_step_is_a_400_and_its_neighbours_finish(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
