@@ -190,7 +190,6 @@ def test_a_measured_floor_reaches_the_drafter_and_stays_greedy_equal(target: Lla
     # the rows varied enough for the slope to be read; its sign is timing noise here (a tiny model's row costs
     # ~10-20 us, and on a loaded CI host the fit once read none above zero), so only a slope kept is checked
     assert measured.fits[4].spread >= measured.min_spread and measured.tokens_per_s(4) is not None
-    assert all(slope > 0 for slope in measured.slopes.values())
 
 
 def test_reduced_vocabulary_and_eagle3_heads_stay_lossless(target: LlamaModel) -> None:

@@ -63,7 +63,7 @@ def test_config_defaults_are_the_papers():
         {"sl_hard_max": 65},  # past any SL a step can verify: it would leave the models no context
         {"delta": 0.0},
         {"delta": 1.5},
-        {"n_long": 1},
+        {"n_long": 1, "n_short": 1},  # its own bound (n_long 1 alone also fails n_short <= n_long)
         {"flat_kld": "bogus"},
         {"unknown_field": 1},
     ],
@@ -81,7 +81,8 @@ def test_config_is_frozen():
 @pytest.mark.parametrize(
     ("settings", "update"),
     [
-        (DSDEConfig(), {"n_short": 31}),  # a field's bound
+        (DSDEConfig(), {"delta": 0.0}),  # a field's bound
+        (DSDEConfig(), {"n_short": 31}),  # a check across fields (n_short <= n_long)
         (DSDEConfig(), {"sl_min": 17}),  # a check across fields
         (SpecConfig(), {"catch_up_window": 0}),
         (SpecConfig(), {"budget": 1}),

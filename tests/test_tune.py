@@ -129,7 +129,9 @@ def test_autotunes_draft_cost_leaves_out_the_first_calls_and_the_prompts_forward
     target = tiny_model(seed=0)
     spec = SpecConfig(method=SpecMethod.chain)
     result = autotune(target, noisy_copy(target, 0.02), [[5, 9, 13], [42, 7]], spec, max_tokens=12)
-    assert len(steps) > 2 and all(0.0 < r.draft_s < 0.1 for r in result.rows)
+    # one 100 s step counted among a row's (12 tokens: at most 12 steps) puts its mean over 8 s; a tiny model's real
+    # draft costs ~ms, so 5 s bounds no speed, only whether the one-off costs were left out
+    assert len(steps) > 2 and all(0.0 < r.draft_s < 5.0 for r in result.rows)
 
 
 def test_the_verify_profile_is_keyed_by_the_cpu_and_the_models_execution_path(
