@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from specserve.config import ChainDraft, SpecConfig, SpecMethod
+from specserve.config import ChainDraft, Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.cpu import cpu_info
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel
@@ -195,10 +195,18 @@ def autotune(
     is_chain = spec.method == SpecMethod.chain
     cands = sorted(candidates or ((1, 2, 3, 4, 5, 6, 8, 10, 12) if is_chain else (4, 6, 8, 10, 12, 16, 24, 32, 48, 64)))
     biggest = cands[-1]
-    calib = (
-        spec.model_copy(update={"sl": biggest, "chain_draft": ChainDraft.greedy})
-        if is_chain
-        else spec.model_copy(update={"budget": biggest, "model_budget": None})
+    # the draft model at a fixed length or budget every step: DSDE would set each step's depth, a cap or a floor cut
+    # it, and a model-free drafter draft instead, while the costs below are read as ``biggest``'s
+    fixed: dict[str, object] = {
+        "policy": SLPolicyKind.static,
+        "drafter": Drafter.model,
+        "max_sl": None,
+        "model_max_sl": None,
+    }
+    fixed |= {"tree_min_prob": 0.0, "adaptive_floor": False}
+    calib = spec.model_copy(
+        update=fixed
+        | ({"sl": biggest, "chain_draft": ChainDraft.greedy} if is_chain else {"budget": biggest, "model_budget": None})
     )
     engine = Engine(target, None, draft=draft, speculation=calib, max_batch_size=1, spec_headroom=biggest + 1)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

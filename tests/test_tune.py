@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.config import SpecConfig, SpecMethod
+from specserve.config import Drafter, SLPolicyKind, SpecConfig, SpecMethod
 from specserve.models.tiny import noisy_copy, tiny_model
 from specserve.tune import autotune, tau_at_budget, tau_at_length, verify_profile
 
@@ -101,6 +101,33 @@ def test_autotune_picks_the_hand_computed_optimum(
     rates = [r.tau / (r.draft_s + 1e-3 * v * v) for r, v in zip(result.rows, verified, strict=True)]
     assert result.best == result.rows[rates.index(max(rates))].size
     assert result.best != result.rows[-1].size  # the quadratic cost makes the largest candidate lose
+
+
+@pytest.mark.parametrize("method", [SpecMethod.chain, SpecMethod.eagle2])
+def test_autotune_calibrates_the_draft_model_at_a_fixed_size_whatever_the_spec_serves_with(
+    method: SpecMethod, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spec served with DSDE, prompt lookup in front, caps and a tree floor calibrated under them: DSDE set the
+    depths, lookup drafted, and the taus (read as the largest size's) came out other than the draft model's."""
+    import specserve.tune as tune
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(tune, "verify_profile", lambda model, sizes, **kw: {t: 1e-3 * t for t in sizes})
+    target, prompts = tiny_model(seed=0), [[5, 9, 13, 5, 9, 13, 5, 9], [42, 7]]
+    draft = noisy_copy(target, 0.02)
+    plain = SpecConfig(method=method, beam_width=3, tree_depth=4)
+    served = plain.model_copy(
+        update={
+            "policy": SLPolicyKind.dsde,
+            "drafter": Drafter.lookup,
+            "model_fallback": True,
+            "max_sl": 2,
+            "model_max_sl": 2,
+            "tree_min_prob": 0.2,
+        }
+    )
+    taus = [[r.tau for r in autotune(target, draft, prompts, s, max_tokens=12).rows] for s in (plain, served)]
+    assert taus[0] == taus[1]
 
 
 def test_autotunes_draft_cost_leaves_out_the_first_calls_and_the_prompts_forwards(
