@@ -272,12 +272,17 @@ def test_app_args_layout_and_validation() -> None:
         {"max_batch_size": True},
         {"speculation": {"sl": True}},
         {"target_resources": {"num_cpus": True}},
+        {"speculation": {"ddd_check_steps": [True, 2]}},  # ... within a list (YAML's yes read as check step 1)
+        {"target_resources": {"num_cpus": 1, "resources": {"node_a": True}}},  # ... or a mapping
         {"tiny": {"seed": 2**70}},  # (torch's generator takes 64 bits: it failed inside the actor)
     ):
         with pytest.raises(pydantic.ValidationError):
             AppArgs.model_validate(bad)
     flags = AppArgs.model_validate({"tiny": {"draft_head": True}, "speculation": {"adaptive_floor": True}})
     assert flags.tiny is not None and flags.tiny.draft_head and flags.speculation.adaptive_floor  # (bools still)
+    numbers = {"speculation": {"ddd_check_steps": [1, 2]}, "target_resources": {"resources": {"node_a": 0.5}}}
+    nested = AppArgs.model_validate(numbers)
+    assert nested.speculation.ddd_check_steps == (1, 2) and nested.target_resources.resources == {"node_a": 0.5}
 
 
 @pytest.mark.parametrize(
