@@ -297,9 +297,9 @@ class AppArgs(LoopConfig):
     @model_validator(mode="wrap")
     @classmethod
     def _serving_defaults(cls, data: Any, handler: ModelWrapValidatorHandler[AppArgs]) -> AppArgs:
-        """Left unset, a pair speculates as measured fastest for it on its draft's device, with the serving loop's
-        guard and step budget (what `specserve generate` and app.yaml use; SpecConfig's own defaults are static
-        chains of 4), and a target without a draft decodes plainly (chains would need a draft)."""
+        """Left unset, a pair speculates as measured fastest for it on its devices (``speculation_device``), with
+        the serving loop's guard and step budget (what `specserve generate` and app.yaml use; SpecConfig's own
+        defaults are static chains of 4), and a target without a draft decodes plainly (chains would need a draft)."""
         if not isinstance(data, dict):
             return handler(data)
         if "speculation" not in data and data.get("target") is not None and data.get("draft") is None:
@@ -308,12 +308,19 @@ class AppArgs(LoopConfig):
         if args.pair_name is None:
             return args
         unset = {
-            "speculation": serving_speculation(args.pair_name, args.draft_resources.device),
+            "speculation": serving_speculation(args.pair_name, args.speculation_device),
             "throughput_guard": SERVING_THROUGHPUT_GUARD,
             "max_step_tokens": SERVING_MAX_STEP_TOKENS,
         }
         unset = {k: v for k, v in unset.items() if k not in data}
         return handler({**data, **unset}) if unset else args
+
+    @property
+    def speculation_device(self) -> str:
+        """Where the pair's speculation defaults are read for: cuda only where both actors have a GPU (the GPU's
+        large trees on a CPU target, or on a CPU draft, were never measured and cost what the CPU's avoid)."""
+        devices = {self.target_resources.device, self.draft_resources.device}
+        return "cuda" if devices == {"cuda"} else "cpu"
 
     @model_validator(mode="after")
     def _one_model_source(self) -> AppArgs:

@@ -330,8 +330,11 @@ def test_a_pair_left_without_speculation_settings_gets_its_measured_serving_defa
     eagle = AppArgs.model_validate({"pair": "smollm2-eagle"})
     assert eagle.speculation.method == SpecMethod.ddd and eagle.speculation == serving_speculation("smollm2-eagle")
     assert eagle.throughput_guard and eagle.max_step_tokens == SERVING_MAX_STEP_TOKENS
-    gpu = AppArgs.model_validate({"pair": "smollm2-eagle", "draft_resources": {"num_cpus": 1, "num_gpus": 1}})
+    on_gpus = {"num_cpus": 1, "num_gpus": 1}
+    gpu = AppArgs.model_validate({"pair": "smollm2-eagle", "draft_resources": on_gpus, "target_resources": on_gpus})
     assert gpu.speculation == serving_speculation("smollm2-eagle", "cuda") != eagle.speculation
+    for side in ("draft_resources", "target_resources"):  # one actor on a GPU: the CPU's trees (its own rows cost)
+        assert AppArgs.model_validate({"pair": "smollm2-eagle", side: on_gpus}).speculation == eagle.speculation
     assert AppArgs.model_validate({}).speculation == eagle.speculation  # the default pair's
     assert AppArgs.model_validate({"pair": "smollm2-q4"}).speculation == SERVING_SPECULATION
     alone = AppArgs.model_validate({"target": {"source": "smollm2-135m-instruct"}})
