@@ -58,11 +58,14 @@ def _generate(args: argparse.Namespace) -> int:
         output_format=_output_format(args),
     )
     target = ModelSpec(source=args.model, dtype=DType(args.dtype))
-    draft = _draft_for(args.draft, target, args.device)
+    draft = _draft_for(args.draft, target)
     pair = _pair_for(args.draft, target)
     speculation = serving_speculation(pair, args.device) if draft is not None else SpecConfig(method=SpecMethod.none)
     if draft is None and args.method is not None:
         raise SettingsError(f"--method {args.method} needs a draft; --draft {args.draft} gives none for this model")
+    if draft is None and args.draft == "auto":  # said, not silent: the README promises speculation by default
+        print(f"--draft auto: no built-in pair has this target ({target.source}, {target.dtype.value} on "
+              f"{args.device}); generating without speculation", file=sys.stderr)  # fmt: skip
     if draft is not None and args.method is not None:
         speculation = speculation.model_copy(update={"method": SpecMethod(args.method)})
     config = EngineConfig(  # (checked before the tokenizer's model is fetched: a bad --max-model-len said at once)
@@ -160,14 +163,11 @@ def _pair_for(name: str, target: ModelSpec) -> str | None:
     return name if name in MODEL_PAIRS else None
 
 
-def _draft_for(name: str, target: ModelSpec, device: str = "cpu") -> DraftSpec | None:
+def _draft_for(name: str, target: ModelSpec) -> DraftSpec | None:
     """'auto': the default pair's draft when its target is this one (else none); 'none'; a pair
     name; or a head directory."""
     if name in ("none", "auto") or name in MODEL_PAIRS:
         pair = _pair_for(name, target)
-        if pair is None and name == "auto":  # said, not silent: the README promises speculation by default
-            print(f"--draft auto: no built-in pair has this target ({target.source}, {target.dtype.value} on "
-                  f"{device}); generating without speculation", file=sys.stderr)  # fmt: skip
         return None if pair is None else MODEL_PAIRS[pair][1]
     head = HeadSpec(head=name)
     try:
@@ -306,8 +306,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
 
 
+def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option's destination -> its long flag, over ``parser`` and its subcommands (a setting named by its flag)."""
+    flags: dict[str, str] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags |= _flags(sub)
+        elif longs := [o for o in action.option_strings if o.startswith("--")]:
+            flags.setdefault(action.dest, longs[0])
+    return flags
+
+
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     args.command_line = ["specserve", *(sys.argv[1:] if argv is None else argv)]  # as given (provenance records it)
     try:
         status = int(args.func(args))
@@ -317,7 +330,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
     except pydantic.ValidationError as e:  # an argument out of a setting's range (--max-tokens 0, --top-p 2)
-        print(f"specserve: error: invalid arguments: {settings_problems(e)}", file=sys.stderr)
+        print(f"specserve: error: invalid arguments: {settings_problems(e, flags=_flags(parser))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error when Python flushes)

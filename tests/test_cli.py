@@ -20,9 +20,10 @@ from tests.conftest import forbid_model_loads
     [
         (["--max-tokens", "0"], "argument --max-tokens: must be at least 1, not 0"),
         (["--top-k", "x"], "argument --top-k: 'x' is not an integer"),
-        (["--top-p", "2"], "top_p"),
-        (["--min-p", "1.5"], "min_p"),
-        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "2"], "--top-p: Input should be less than or equal to 1"),  # (named top_p: not a flag)
+        (["--min-p", "1.5"], "--min-p: "),
+        (["--temperature", "-1"], "--temperature: "),
+        (["--max-model-len", "8"], "--max-model-len: Input should be greater than or equal to 16"),
         (["--device", "bogus"], "'bogus' is not a torch device"),
         (["--draft", "none", "--method", "ddd"], "--method ddd needs a draft"),  # was ignored: plain decoding
         (["--draft", "smollm2-eagel"], "--draft 'smollm2-eagel' is not 'auto'"),  # was "no config.json in ..."
@@ -379,15 +380,24 @@ def test_train_draft_counts_its_corpus_passages_before_loading_the_target(
     assert f"--corpus {one}: 1 passages, not the 5 asked for" in capsys.readouterr().err
 
 
-def test_draft_auto_says_when_it_finds_no_pair_for_the_target(capsys: pytest.CaptureFixture[str]) -> None:
-    """--dtype bfloat16 has no built-in pair: 'auto' turned speculation off without a word."""
-    from specserve.cli import _draft_for
-    from specserve.config import DType, ModelSpec
+def test_draft_auto_says_when_it_finds_no_pair_for_the_target(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--dtype bfloat16 has no built-in pair: 'auto' turned speculation off without a word. Said only for a run that
+    goes on: with --method it announced a run, then refused it."""
+    import specserve.models.loader as loader
 
-    assert _draft_for("auto", ModelSpec()) is not None and capsys.readouterr().err == ""
-    assert _draft_for("auto", ModelSpec(dtype=DType.bfloat16)) is None
-    assert "--draft auto: no built-in pair has this target" in capsys.readouterr().err
-    assert _draft_for("none", ModelSpec(dtype=DType.bfloat16)) is None and capsys.readouterr().err == ""
+    def no_load(*args: object) -> None:
+        raise AssertionError("the run went on to load the tokenizer")
+
+    monkeypatch.setattr(loader, "load_tokenizer", no_load)
+    for argv, said in (([], True), (["--draft", "none"], False), (["--dtype", "float32"], False)):
+        with pytest.raises(AssertionError, match="the run went on"):
+            main(["generate", "hi", "--dtype", "bfloat16", *argv])
+        assert ("--draft auto: no built-in pair has this target" in capsys.readouterr().err) == said, argv
+    assert main(["generate", "hi", "--dtype", "bfloat16", "--method", "ddd"]) == 2
+    err = capsys.readouterr().err
+    assert "--method ddd needs a draft" in err and "--draft auto" not in err.split("--method")[0], err
 
 
 @pytest.mark.real_model

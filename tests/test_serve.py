@@ -384,9 +384,9 @@ def test_generate_drafts_with_the_default_pair_of_its_device() -> None:
     from specserve.cli import _draft_for
     from specserve.config import MODEL_PAIRS, HeadSpec
 
-    assert _draft_for("auto", ModelSpec(), "cpu") == MODEL_PAIRS["smollm2-eagle"][1]
-    assert isinstance(_draft_for("auto", ModelSpec(), "cuda:0"), HeadSpec)
-    assert _draft_for("auto", ModelSpec(source="/some/other/model"), "cpu") is None
+    assert _draft_for("auto", ModelSpec()) == MODEL_PAIRS["smollm2-eagle"][1]
+    assert isinstance(_draft_for("auto", ModelSpec()), HeadSpec)
+    assert _draft_for("auto", ModelSpec(source="/some/other/model")) is None
     assert _draft_for("none", ModelSpec()) is None
 
 

@@ -67,8 +67,8 @@ def policy_specs(
     ddd_check_steps: tuple[int, ...] | None = None,
     ddd_threshold: float | None = None,
 ) -> dict[PolicyName, SpecConfig]:
-    """Every policy's speculation settings. Chains keep ``chain_draft = sampled`` (greedy requests draft greedily
-    anyway); trees use beam width ``beam_width``, verify budget ``budget`` and DDD's check steps and threshold x
+    """Every policy's speculation settings. Chains keep SpecConfig's ``chain_draft`` (greedy requests draft greedily
+    whatever it is); trees use beam width ``beam_width``, verify budget ``budget`` and DDD's check steps and threshold x
     (None: the paper's)."""
     dsde, no_cap = SLPolicyKind.dsde, DSDEConfig(cap_enabled=False)
     paper = SpecConfig()
