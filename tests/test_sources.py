@@ -1238,6 +1238,36 @@ def test_a_partial_hub_snapshot_is_downloaded_whole(tmp_path: Path, monkeypatch:
     assert resolve(ModelSpec(source="someorg/sharded")) == partial and asked == [1]
 
 
+def test_a_hub_models_tokenizer_and_config_are_read_without_its_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Serve router reads its target's tokenizer only: it fetched the whole snapshot (an 8B model's 16 GB of
+    safetensors on the router's node) and refused one without weights."""
+    import huggingface_hub
+
+    from deployments.tiny_tokenizer import tiny_tokenizer
+    from specserve.models.loader import load_tokenizer, model_config
+
+    folder = tmp_path / "snapshot"
+    tiny_tokenizer().save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 77}))
+    patterns: list[list[str]] = []
+
+    def snapshot_download(repo_id: str, *, allow_patterns: list[str], **kwargs: object) -> str:
+        patterns.append(allow_patterns)
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(sources, "_hub_unreachable_reason", lambda: None)
+    spec = ModelSpec(source="someorg/somemodel")
+    assert len(load_tokenizer(spec)) == len(tiny_tokenizer())
+    assert model_config(spec).max_position_embeddings == 77
+    assert patterns and all("*.safetensors" not in p and "tokenizer*" in p for p in patterns)
+    with pytest.raises(ModelSourceError, match="no \\*\\.safetensors"):  # the model's own load still wants them
+        resolve(spec)
+    assert "*.safetensors" in patterns[-1]
+
+
 def test_list_models(cache: Path) -> None:
     assert list_models() == [("smollm2-135m-instruct", False, cache / "smollm2-135m-instruct")]
 

@@ -238,7 +238,7 @@ def read_config(path: Path) -> PretrainedConfig:
 def model_config(spec: ModelSpec) -> PretrainedConfig:
     """The model's config.json, read as its load reads it (without its weights)."""
     try:
-        return read_config(resolve(spec))
+        return read_config(resolve(spec, weights=False))
     except ModelSourceError as e:
         _raise_in_conversion(spec, e)
 
@@ -397,7 +397,7 @@ def frequent_ids(head_dir: Path, size: int, vocab_size: int) -> torch.Tensor:
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
-    path = resolve(spec)
+    path = resolve(spec, weights=False)  # (a hub repo's weights are fetched where its model loads, not here)
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # the tokenizers library raises bare Exceptions (a tokenizer.json it cannot parse)

@@ -149,9 +149,10 @@ def _locked(lock: Path) -> Iterator[None]:
 # resolve
 
 
-def resolve(spec: ModelSpec, *, force: bool = False) -> Path:
+def resolve(spec: ModelSpec, *, force: bool = False, weights: bool = True) -> Path:
     """A local HF-format directory for `spec`, fetching and converting on first use (``force``: a builtin or a GGUF
-    converted again, a builtin's verified download reused)."""
+    converted again, a builtin's verified download reused; ``weights=False``: a hub repo's config and tokenizer
+    files only, for a process that reads its tokenizer and loads no weights, such as the Serve router)."""
     kind = spec.resolved_kind()
     if kind is SourceKind.builtin:
         return pull_builtin(spec.source, force=force)
@@ -160,7 +161,7 @@ def resolve(spec: ModelSpec, *, force: bool = False) -> Path:
     if force:
         raise ModelSourceError(f"{spec.source!r} is a {kind.value} source: only builtins and .gguf files are converted")
     if kind is SourceKind.hub:
-        return resolve_hub(spec.source, revision=spec.revision)
+        return resolve_hub(spec.source, revision=spec.revision, weights=weights)
     return _resolve_hf_dir(spec.source)
 
 
@@ -374,19 +375,28 @@ def resolve_gguf(path: Path, *, force: bool = False) -> Path:
 # the hub
 
 
-def resolve_hub(repo_id: str, *, revision: str | None = None) -> Path:
-    """A snapshot of hub repo `repo_id` (weights as safetensors), from the local HF cache when offline."""
+def resolve_hub(repo_id: str, *, revision: str | None = None, weights: bool = True) -> Path:
+    """A snapshot of hub repo `repo_id` (weights as safetensors), from the local HF cache when offline;
+    ``weights=False``: its config and tokenizer files only (an 8B model's 16 GB were fetched for its tokenizer)."""
     from huggingface_hub import snapshot_download
 
-    kwargs: dict[str, Any] = {"revision": revision, "allow_patterns": HUB_ALLOW_PATTERNS}
+    patterns = HUB_ALLOW_PATTERNS if weights else [p for p in HUB_ALLOW_PATTERNS if p != "*.safetensors"]
+    kwargs: dict[str, Any] = {"revision": revision, "allow_patterns": patterns}
     kwargs["ignore_patterns"] = HUB_IGNORE_PATTERNS
     from specserve.models.loader import weight_files
+
+    def check(path: Path) -> None:
+        if not weights:
+            if not (path / "config.json").is_file():
+                raise ModelSourceError(f"model directory {str(path)!r} has no config.json")
+            return
+        validate_hf_dir(path)
+        weight_files(path)
 
     try:  # already downloaded: no network needed (a partial snapshot, a config fetched alone or some of the shards
         # an index names, is downloaded whole)
         path = Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
-        validate_hf_dir(path)
-        weight_files(path)
+        check(path)
     except Exception:
         path = None
     if path is None:
@@ -402,8 +412,7 @@ def resolve_hub(repo_id: str, *, revision: str | None = None) -> Path:
         except Exception as exc:
             raise ModelSourceError(f"cannot download {repo_id!r} from the hub: {type(exc).__name__}: {exc}") from exc
     try:
-        validate_hf_dir(path)
-        weight_files(path)
+        check(path)
     except ModelSourceError as exc:
         raise ModelSourceError(f"hub repo {repo_id!r} is not usable: {exc}") from exc
     return path
