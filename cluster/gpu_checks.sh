@@ -5,8 +5,9 @@
 #
 #   cluster/gpu_checks.sh [OUT_DIR]        # default bench_out/gpu
 #
-# Environment: PYTHON (default: .venv/bin/python of this repo, else python3), STAGES (default "suite spec bf16
-# straggler"; any subset, in that order).
+# Environment: PYTHON (default: .venv/bin/python of this repo, else python3; on a `ray up` node or in the image,
+# PYTHON=~/venv/bin/python), STAGES (default "suite spec bf16 straggler"; any subset, in that order). The suite stage
+# needs pytest (the `dev` extra: `make install` has it; the cluster's and the image's `.[gpu]` install has not).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +33,7 @@ status=0
 for stage in $STAGES; do
   case "$stage" in
     suite)
+      "$PY" -c "import pytest" 2>/dev/null || { echo "suite: no pytest for $PY (pip install -e '.[dev]')" >&2; status=1; continue; }
       "$PY" -m pytest -q -rs tests/test_cuda.py tests/test_model.py::test_flash_attn_varlen_matches_sdpa_on_cuda \
         2>&1 | tee "$OUT_DIR/suite.log" || status=1 ;;
     spec)
