@@ -51,6 +51,20 @@ def test_arm_cores_are_told_apart_by_their_part_ids_and_features(tmp_path: Path)
     assert "asimd" in n1_flags and {"sve", "bf16"} <= v1_flags and "sve" not in n1_flags
 
 
+def test_the_summary_names_the_flags_the_kernels_choose_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 kernels need AVX2 with FMA, AVX512-VNNI with BW and VL, AMX-INT8: a CPU with avx512f and no
+    avx512bw (which runs the AVX2 kernel) read as 'avx2 avx512f', and an Arm CPU as 'no AVX2/AVX-512 flags'."""
+    import specserve.bench.machine as machine
+
+    x86 = "avx2 fma avx512f avx512_vnni amx_tile amx_int8 sse2"  # (no bw/vl: no VNNI or AMX kernel)
+    monkeypatch.setattr(machine, "cpu_info", lambda: ("x", frozenset(x86.split())))
+    assert ", avx2 fma avx512f avx512_vnni amx_tile amx_int8, " in machine.cpu_summary()
+    monkeypatch.setattr(machine, "cpu_info", lambda: ("arm", frozenset(["fp", "asimd", "asimddp", "i8mm", "sve"])))
+    assert ", asimd asimddp i8mm sve, " in machine.cpu_summary()
+    monkeypatch.setattr(machine, "cpu_info", lambda: ("old", frozenset({"sse2"})))
+    assert ", no vector extension flags seen, " in machine.cpu_summary()
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores to leave one")
 def test_the_summary_counts_the_cores_this_process_may_use() -> None:
     """Under a cpuset or taskset the summary named the host's core count, and figures were labelled with it."""

@@ -786,14 +786,15 @@ def test_depth_zero_agreement_is_the_serving_heads_top_1_against_the_targets() -
     target_next = (final @ lm.t()).argmax(-1)  # the target's token after each position
     # a few-token draft vocabulary holding every 4th scored target token: a random head then hits some of them,
     # and the other scored tokens cannot be drafted at all
-    vocab = sorted({int(target_next[j + 1]) for j in range(prompt_len - 2, 28, 4)})
+    vocab = sorted({int(target_next[j + 1]) for j in range(prompt_len - 1, 28, 4)})
     head.set_draft_vocab(torch.tensor(vocab))
     hcache = head.new_cache(1, 30)
     batch = ForwardBatch.build(hcache, [hcache.allocate()], [tokens[1:].tolist()], positions=[list(range(29))])
     drafted = head.draft_ids[head.logits(head(batch.tokens, head.fuse(final[:-1]), batch, hcache)).argmax(-1)]
-    # pair j (token j+1, feature j) drafts token j+2; scored: the answer's tokens after its first
-    hits = [int(drafted[j] == target_next[j + 1]) for j in range(prompt_len - 2, 28)]
-    in_vocab = [int(int(target_next[j + 1]) in vocab) for j in range(prompt_len - 2, 28)]
+    # pair j (token j+1, feature j) drafts token j+2; scored: the answer's tokens after its first (token prompt_len,
+    # drafted by pair prompt_len - 2, is the target's at prefill: never drafted)
+    hits = [int(drafted[j] == target_next[j + 1]) for j in range(prompt_len - 1, 28)]
+    in_vocab = [int(int(target_next[j + 1]) in vocab) for j in range(prompt_len - 1, 28)]
     rate, agree = depth_agreement(head, lm, tokens, final, None, prompt_len, depths=2)
     assert 0 < sum(in_vocab) < len(in_vocab) and sum(hits) > 0  # both kinds of position occur
     assert rate == pytest.approx(sum(in_vocab) / len(in_vocab))
@@ -817,12 +818,12 @@ def test_agreement_by_confidence_splits_positions_by_the_targets_probability_of_
     lm = dense_weight(target.lm_head).float()
     probs = torch.softmax(final @ lm.t(), -1)
     target_next = probs.argmax(-1)
-    vocab = sorted({int(target_next[j + 1]) for j in range(prompt_len - 2, 28, 3)})
+    vocab = sorted({int(target_next[j + 1]) for j in range(prompt_len - 1, 28, 3)})
     head.set_draft_vocab(torch.tensor(vocab))
     hcache = head.new_cache(1, 30)
     batch = ForwardBatch.build(hcache, [hcache.allocate()], [tokens[1:].tolist()], positions=[list(range(29))])
     drafted = head.draft_ids[head.logits(head(batch.tokens, head.fuse(final[:-1]), batch, hcache)).argmax(-1)]
-    scored = range(prompt_len - 2, 28)
+    scored = range(prompt_len - 1, 28)  # (the answer's first token is the target's at prefill: never drafted)
     p_own = [float(probs[j + 1, target_next[j + 1]]) for j in scored]
     edges = (0.0, sorted(p_own)[len(p_own) // 3], sorted(p_own)[2 * len(p_own) // 3])  # three filled buckets
     expected = [[0, 0], [0, 0], [0, 0]]

@@ -90,13 +90,15 @@ def depth_agreement(
     in_vocab[head.draft_ids] = True
     inv = in_vocab[target_next].float()  # [n]
     weight = torch.zeros(1, n)
-    weight[0, prompt_len - 2 : n - 2] = 1.0  # row j predicts token j + 2: the answer's tokens after its first
+    # row j predicts token j + 2: the answer's tokens after its first (row prompt_len - 2 predicts the first, which
+    # the target gives at prefill: no head ever drafts it)
+    weight[0, prompt_len - 1 : n - 2] = 1.0
     weight[0, : n - 1] *= inv[1:]  # scored where the target's token is one the head can draft
     feats = None if aux is None else aux.float()[None]
     _, stats = ttt_loss(
         head, tokens[None], final.float()[None], weight, lm_full[head.draft_ids], TrainConfig(unroll=depths), aux=feats
     )
-    rate = float(inv[prompt_len - 1 : n - 1].mean())
+    rate = float(inv[prompt_len : n - 1].mean())
     return rate, [stats[f"acc{d}"] * rate for d in range(depths)]
 
 
@@ -119,7 +121,7 @@ def confidence_agreement(
     in_vocab = torch.zeros(lm_full.shape[0], dtype=torch.bool)
     in_vocab[head.draft_ids] = True
     scored = torch.zeros(n, dtype=torch.bool)
-    scored[prompt_len - 2 : n - 2] = True  # row j predicts token j + 2, which the target chose at position j + 1
+    scored[prompt_len - 1 : n - 2] = True  # row j predicts token j + 2, which the target chose at position j + 1
     bucket = torch.bucketize(p_top[1:], torch.tensor(edges[1:]), right=True)  # [n-1]: row j's bucket
     feats = None if aux is None else aux.float()[None]
     out = []

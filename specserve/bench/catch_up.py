@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specserve.arg_types import batch_size, finite_float, non_negative_int, out_dir_arg, positive_int
+from specserve.bench.machine import cpu_summary
 from specserve.bench.prompt_sets import mt_bench_prompts, per_category
 from specserve.bench.stats import markdown_table, write_csv
 from specserve.config import MODEL_PAIRS, PAIR_SPECULATION, Drafter, SpecConfig, SpecMethod
@@ -206,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(rows))
     cost = switch_cost(target, head, batch, specs["DDD"], args.switch_windows, args.switch_after, args.repeats)
     print(markdown_table(cost))
+    cpu = cpu_summary()  # (the switch's costs are this CPU's)
+    print(cpu)
     write_csv(args.out / "acceptance.csv", rows)
-    write_csv(args.out / "switch.csv", cost)
+    write_csv(args.out / "switch.csv", [row | {"cpu": cpu} for row in cost])
     print(f"wrote {args.out / 'acceptance.csv'} and {args.out / 'switch.csv'}")
     return 0

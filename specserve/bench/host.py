@@ -97,12 +97,13 @@ def drafter_rows(continuations: list[int], repeats: int) -> list[dict[str, Any]]
 
 
 def run(args: argparse.Namespace) -> int:
-    print(cpu_summary())
+    cpu = cpu_summary()
+    print(cpu)
     planned = planner_rows(args.batch_sizes, args.sl, args.max_step_tokens, args.repeats)
     print(markdown_table(planned))
     drafted = drafter_rows(args.continuations, args.repeats)
     print(markdown_table(drafted))
-    write_csv(args.out / "planner.csv", planned)
-    write_csv(args.out / "drafters.csv", drafted)
+    write_csv(args.out / "planner.csv", [row | {"cpu": cpu} for row in planned])
+    write_csv(args.out / "drafters.csv", [row | {"cpu": cpu} for row in drafted])
     print(f"wrote {args.out / 'planner.csv'} and {args.out / 'drafters.csv'}")
     return 0

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
           f"up to {args.max_tokens} tokens; {device_summary(args.device)}")  # fmt: skip
     print(markdown_table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "structured.csv", rows)
+    write_csv(args.out / "structured.csv", [row | {"device": device_summary(args.device)} for row in rows])
     print(f"wrote {args.out / 'structured.csv'}")
     return 0
 
