@@ -58,7 +58,18 @@ def greedy_reference(model: LlamaModel, prompt: list[int], n: int, eos: int | No
 
 
 def forbid_model_loads(monkeypatch: pytest.MonkeyPatch, *modules: ModuleType) -> None:
-    """``load_model`` in these modules fails the test: what is checked must be checked before any model loads."""
+    """``load_model`` in these modules fails the test: what is checked must be checked before any model loads. The
+    modules that bind ``load_model`` by name are imported first: one first imported while the loader's is replaced
+    kept the replacement for good (a later real-model test of it failed, in some test orders only)."""
+    import importlib
+    import pkgutil
+
+    import specserve.bench
+
+    for found in pkgutil.iter_modules(specserve.bench.__path__):
+        importlib.import_module(f"specserve.bench.{found.name}")
+    for name in ("specserve.engine", "deployments.recipe_models", "load.straggler", "load.simulate"):
+        importlib.import_module(name)
 
     def no_load(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model was loaded before the arguments were checked")

@@ -111,11 +111,7 @@ def test_bad_bench_and_training_arguments_are_usage_errors(
     import specserve.bench.spec
     import specserve.models.loader
 
-    def no_model(*_: object, **__: object) -> None:
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    for module in (specserve.models.loader, specserve.bench.spec):
-        monkeypatch.setattr(module, "load_model", no_model)
+    forbid_model_loads(monkeypatch, specserve.models.loader, specserve.bench.spec)
     try:
         status = main(argv)
     except SystemExit as e:
