@@ -217,7 +217,8 @@ class _Seq:
     sl_state: SequenceDSDE | None  # None: static SL
     cursor: int = 0
     emitted: int = 0
-    fed: int = 0  # tokens the next step feeds (the prompt first)
+    fed: int = 0  # tokens the next step feeds the target (the prompt first)
+    unseen: int = 0  # tokens before those its draft has not read (steps it did not draft in)
     first: float | None = None
     last: float | None = None
 
@@ -326,7 +327,8 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
             plan = planner.plan(running, room=[s.req.max_tokens - s.emitted for s in running])
             planned, uncapped, cap = plan.depths, plan.uncapped, plan.cap
             cuts = [plan.was_cut(i, by_model=True) for i in range(len(running))]  # (draft-model steps only)
-        extra_fed = sum(s.fed - 1 for s, d in zip(running, planned, strict=True) if d > 0)
+        # a drafting row's draft reads every token it has not seen: the prompt, and what it missed while not drafting
+        extra_fed = sum(s.unseen + s.fed - 1 for s, d in zip(running, planned, strict=True) if d > 0)
         verify_tokens = emitted_step = 0
         emits: list[int] = []
         depths: list[int] = []  # levels each row drafted (a DDD tree may stop before its planned depth)
@@ -346,6 +348,7 @@ def simulate(requests: Sequence[SimRequest], cfg: SimConfig, cost: CostModel) ->
             depths.append(depth)
             emitted_step += n
             verify_tokens += s.fed + nodes
+            s.unseen = 0 if d > 0 else s.unseen + s.fed
             s.fed = 1
         drafting_rows = sum(d > 0 for d in depths)
         dr = cost.draft_s(depths, extra_fed, [width] * len(depths))

@@ -410,7 +410,9 @@ class CostSample(BaseModel):
     tree_rows: int = 0  # drafting rows that grow trees
     tree_row_levels: int = 0  # sum over tree rows of their levels after the first (beam forwards)
     drafting_rows: int
-    draft_extra_fed: int  # tokens drafting rows fed beyond one at level 0 (prompts of newly admitted rows, mostly)
+    # tokens drafting rows' drafts read beyond one at level 0: a newly admitted row's prompt, and what a row skipped
+    # by the step budget missed meanwhile (its draft reads every token it has not seen)
+    draft_extra_fed: int
     verify_tokens: int  # all tokens in the verify forward (fed + drafted)
     emitted: int
     draft_s: float
@@ -424,8 +426,12 @@ def cost_samples(runs: Iterable[RunTrace]) -> Iterator[CostSample]:
         if run.policy not in SIMULATED_POLICIES:
             continue
         width = run.spec.beam_width if run.spec.is_tree else 1
+        unseen: dict[int, int] = {}  # per request: tokens its draft has not read, before this step's new ones
         for st in run.steps:
             drafting = [s for s in st.seqs if s.depth > 0]
+            extra = sum(unseen.get(s.req, 0) + s.fed - 1 for s in drafting)
+            for s in st.seqs:  # (a row that drafted read all it had not: the accepted drafts are its own)
+                unseen[s.req] = 0 if s.depth > 0 else unseen.get(s.req, 0) + s.fed
             depths = [s.depth for s in drafting]
             yield CostSample(
                 batch=st.batch,
@@ -436,7 +442,7 @@ def cost_samples(runs: Iterable[RunTrace]) -> Iterator[CostSample]:
                 tree_rows=len(drafting) if width > 1 else 0,
                 tree_row_levels=sum(d - 1 for d in depths) if width > 1 else 0,
                 drafting_rows=len(drafting),
-                draft_extra_fed=sum(s.fed - 1 for s in drafting),
+                draft_extra_fed=extra,
                 verify_tokens=sum(s.fed + s.drafted for s in st.seqs),
                 emitted=st.emitted,
                 draft_s=st.draft_s,

@@ -515,6 +515,41 @@ def test_the_simulator_replays_the_step_budget_a_sweep_ran_with() -> None:
     assert few.mean_sl == pytest.approx(drafted / (batch * few.steps), rel=0.05)
 
 
+def test_a_row_the_step_budget_skips_has_its_draft_read_what_it_missed() -> None:
+    """The draft reads every token it has not seen when its row drafts: the simulator charged a prompt only where
+    its row drafted on its first step, and never what a skipped row missed (a budget of one drafted token a step:
+    the two rows take turns; the second's prompt was never priced)."""
+    spec = policy_specs(static_sl=4)[PolicyName.static]
+    prompt, m = 10, 20
+    pool = _seq("a", [True, True, False] * 20, [0.1] * 60, max_tokens=m, prompt_len=prompt)
+    cost = CostModel(source="t", draft_level=Curve.constant(0.0), draft_prefill_token_s=1.0,
+                     verify=Curve.constant(0.0), overhead=Curve.constant(0.001))  # fmt: skip
+    reqs = [SimRequest(pool, m, prompt)] * 2
+    free = simulate(reqs, SimConfig(batch_size=2, policy=PolicyName.static, spec=spec), cost)
+    assert free.draft_s == 2 * (prompt - 1)  # both draft at their prefill: each reads its prompt, one token beyond
+    turns = simulate(reqs, SimConfig(batch_size=2, policy=PolicyName.static, spec=spec, max_step_tokens=3), cost)
+    drafting_steps = sum(turns.sl_hist.values())
+    assert turns.sl_hist.keys() == {1} and drafting_steps == turns.steps  # one row drafts a step, in turn
+    # the first: its prompt (9 beyond one); the second: its prompt and the token of the step it missed (10); every
+    # later drafting step: the one token its row took while the other drafted
+    assert turns.draft_s == (prompt - 1) + prompt + (drafting_steps - 2)
+
+
+def test_the_cost_fit_counts_what_a_skipped_rows_draft_reads() -> None:
+    """The fit took a drafting row's extra level-0 tokens as the target's (its prompt at its first step, else 0): a
+    row that drafted only after plain steps read its prompt and those steps' tokens unpriced."""
+
+    def step(*seqs: tuple[int, int, int]) -> StepTrace:  # (req, fed, depth)
+        rows = [SeqStep(req=r, fed=f, depth=d, drafted=d, accepted=0) for r, f, d in seqs]
+        return StepTrace(t_end=0.0, batch=len(rows), levels=max(d for _, _, d in seqs), cap=None, draft_s=0.0,
+                         verify_s=0.0, overhead_s=0.0, emitted=len(rows), seqs=rows)  # fmt: skip
+
+    steps = [step((0, 10, 2), (1, 7, 0)), step((0, 1, 0), (1, 1, 0)), step((0, 1, 2), (1, 1, 2))]
+    run = _timed_run(PolicyName.static, 0, 100.0).model_copy(update={"steps": steps})
+    # row 0: its prompt at once (9), then a step missed (1); row 1: prompt 7 and two steps' tokens (8)
+    assert [x.draft_extra_fed for x in cost_samples([run])] == [9, 0, 1 + 8]
+
+
 def test_the_simulator_drafts_a_chains_model_share_as_the_engine_does() -> None:
     """With model_max_sl a chain's draft model drafts at most that many levels of the planned SL (the step loop's
     model_depth); the simulator drafted, verified and accepted the whole planned SL."""
