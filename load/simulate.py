@@ -251,7 +251,9 @@ class _Seq:
         nodes = r.drafted if depth == r.depth else cut
         accepted = min(r.accepted, depth)
         verified = depth if r.verified is None else max(accepted, min(r.verified, depth))
-        return depth, verified, nodes, accepted, r.kld[: accepted + 1]
+        # a KLD at each accepted node that was a beam (the root and levels 1..depth-1): a path accepted to the cut's
+        # last level ends at a leaf with no q, whatever the recorded tree grew below it
+        return depth, verified, nodes, accepted, r.kld[: min(accepted + 1, depth)]
 
 
 @dataclass

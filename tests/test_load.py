@@ -681,6 +681,12 @@ def test_a_cut_tree_is_priced_within_the_draft_models_own_budget_and_the_recorde
     wide = SpecConfig(method=SpecMethod.ddd, beam_width=4, budget=16)  # a recorded tree of 40 nodes (fewer kept)
     trace = trace.model_copy(update={"steps": [TreeStep(depth=4, stopped=False, drafted=40, accepted=3)]})
     assert _Seq(SimRequest(trace, 32, 8), wide, None).tree_outcome(2, wide)[2] == 15  # min(T - 1, 4 + 16)
+    # KLDs where the accepted path had beams: a path accepted to the cut's last level ends at a leaf without q (the
+    # engine's tree gives 2 values there; the replay gave 3, one from a node that is a leaf once cut)
+    klds = [0.1, 0.2, 0.3, 0.4, 0.5]
+    trace = trace.model_copy(update={"steps": [TreeStep(depth=5, stopped=False, drafted=30, accepted=4, kld=klds)]})
+    assert _Seq(SimRequest(trace, 32, 8), wide, None).tree_outcome(2, wide)[4] == [0.1, 0.2]
+    assert _Seq(SimRequest(trace, 32, 8), wide, None).tree_outcome(5, wide)[4] == klds  # uncut: as recorded
 
 
 def test_the_replay_tells_dsde_the_verified_depth_as_serving_does(dsde_observed: list[tuple[int, int]]) -> None:
