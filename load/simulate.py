@@ -32,6 +32,7 @@ from load.cost import CostModel, FitKind, RooflineName, fit_quality, measure_cos
 from load.traces import (
     SIMULATED_POLICIES,
     RequestTrace,
+    RunSettings,
     RunTrace,
     SeqTrace,
     TreeSeqTrace,
@@ -607,7 +608,34 @@ def replay_problem(runs: Sequence[RunTrace]) -> str | None:
         step_budget(runs)
     except ValueError as e:
         return f"holds {e}: simulate one sweep's traces"
+    if len(pairs := sorted({r.pair for r in runs})) > 1:
+        return (
+            f"holds runs of different model pairs ({', '.join(pairs)}): one cost model and one acceptance pool would "
+            "mix their steps; simulate one pair's traces"
+        )
+    # what prices a step (a seed or answer lengths only draw other requests, which the pool may mix)
+    unpriced = {name: getattr(RunSettings(), name) for name in UNPRICED}
+    costs = {r.settings.model_copy(update=unpriced) for r in runs if r.settings is not None}
+    if len(costs) > 1:
+        first, *rest = costs
+        return (
+            f"holds runs whose steps cost differently ({first.describe(RunSettings())}; and "
+            f"{rest[0].describe(RunSettings())}): one cost model would be fitted on both; simulate one sweep's traces"
+        )
     return None
+
+
+# RunSettings fields that do not change what a step costs (the prompts and lengths drawn, the guard's own checks)
+UNPRICED = (
+    "guard",
+    "warm_guard",
+    "follow_drift",
+    "requests_per_slot",
+    "min_tokens",
+    "max_tokens",
+    "max_prompt_tokens",
+    "seed",
+)
 
 
 def _specs_from_runs(runs: Sequence[RunTrace]) -> dict[PolicyName, SpecConfig]:

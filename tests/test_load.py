@@ -595,6 +595,8 @@ def test_the_simulator_refuses_guarded_traces_and_mixed_step_budgets(
     for name, settings, says in [
         ("guarded", [guarded, guarded], "under the throughput guard"),
         ("mixed", [base, base.model_copy(update={"max_step_tokens": 64})], "different step budgets"),
+        ("threads", [base, base.model_copy(update={"threads": 1})], "whose steps cost differently"),
+        ("pairs", [base, base.model_copy(update={"tiny_noise": 0.5})], "whose steps cost differently"),
     ]:
         pairs = zip((plain, ddd), settings, strict=True)
         runs = [_timed_run(p, 0, 50.0).model_copy(update={"settings": s}) for p, s in pairs]
@@ -604,6 +606,13 @@ def test_the_simulator_refuses_guarded_traces_and_mixed_step_budgets(
             sim_cli.main(["--traces", str(tmp_path / name / "traces.jsonl"), "--out", str(tmp_path / "sim")])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
     assert sim_cli.step_budget([_timed_run(plain, 0, 50.0)]) is None  # traces recorded before runs kept settings
+    # sweeps of other model pairs, or of other devices, threads or kernels, cannot share a cost model or a pool;
+    # other seeds and lengths only draw other requests
+    other_pair = _timed_run(ddd, 0, 50.0).model_copy(update={"pair": "smollm2-int8", "settings": base})
+    assert "different model pairs" in str(sim_cli.replay_problem([_timed_run(plain, 0, 50.0), other_pair]))
+    seeded = base.model_copy(update={"seed": 3, "min_tokens": 8, "max_tokens": 40})
+    runs = [_timed_run(p, 0, 50.0).model_copy(update={"settings": s}) for p, s in ((plain, base), (ddd, seeded))]
+    assert sim_cli.replay_problem(runs) is None
 
 
 def _hetero_pool(seed: int = 0) -> dict[str, list[SeqTrace]]:
