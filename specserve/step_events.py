@@ -30,6 +30,7 @@ class StepEvent:
     # rows the step dropped (failed in its commit, or at a grammar's dead end): its time holds their work (perhaps
     # a prompt's prefill), the lists above only the rows that committed
     rows_cut: int = 0
+    cut_prefilled: bool = False  # one of them fed the target more than its root (its prompt's forward is in the time)
 
     @property
     def draft_s(self) -> float:
@@ -63,8 +64,9 @@ class StepEvent:
 
     @property
     def prefills(self) -> bool:
-        """Some sequence of the step fed more than its root (an admission, or a re-prefill after a recovery)."""
-        return any(len(it.new_tokens) > 1 for it in self.items)
+        """Some sequence of the step fed more than its root (an admission, or a re-prefill after a recovery), a row
+        the step cut too (its prefill was booked as a decode step's time)."""
+        return self.cut_prefilled or any(len(it.new_tokens) > 1 for it in self.items)
 
 
 class StepObserver:

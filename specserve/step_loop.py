@@ -233,13 +233,15 @@ class StepLoop:
         outputs, failures = self._commit_rows(batch, proposals, verified)
         self._calibrate(batch, proposals, verified, failures)  # before the finished ones' release forgets them
         self._retire()
+        cut_prefilled = any(len(it.new_tokens) > 1 for it, s in zip(items, batch, strict=True) if s.seq_id in failures)
         if failures:  # the step as the committed rows saw it
             ok = [i for i, s in enumerate(batch) if s.seq_id not in failures]
             batch, plan = [batch[i] for i in ok], plan.select(ok)
             proposals, items = [proposals[i] for i in ok], [items[i] for i in ok]
             verified = [verified[i] for i in ok]
         cut = len(failures) + len(dead)
-        event = StepEvent(batch, plan, proposals, items, verified, outputs, t0, t1, t2, time.perf_counter(), cut)
+        end = time.perf_counter()
+        event = StepEvent(batch, plan, proposals, items, verified, outputs, t0, t1, t2, end, cut, cut_prefilled)
         failures |= self._after_commit(event) | dead
         if failures:
             raise PartialStepError(self._hand_out(), failures)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -942,9 +943,13 @@ def test_the_guard_times_no_step_that_cut_rows(target: LlamaModel) -> None:
 
     loop._commit = failing  # type: ignore[method-assign]
     loop.add_request(Request("c", list(range(10, 200)), params))
+    before = replace(loop.stats.timing)
     with pytest.raises(PartialStepError):
         loop.step()
     assert len(guard.recorded) == recorded  # not timed
+    # nor booked as a decode step's time: its prefill is in it (the step timings of tune and bench spec read these)
+    cut_step = loop.stats.timing - before
+    assert cut_step.decode_steps == 0 and cut_step.prefill_s == cut_step.total_s > 0
     loop.abort("c")  # (as its lane or the Engine does)
     loop.step()  # (the next, every row decoding: timed)
     assert len(guard.recorded) == recorded + 1
