@@ -118,6 +118,25 @@ def models() -> tuple[LlamaModel, LlamaModel]:
 
 
 @pytest.mark.real_model
+def test_native_q4_reads_its_lm_head_from_the_ggufs_q8_blocks(models: tuple[LlamaModel, LlamaModel]) -> None:
+    """q8_head_reads did nothing under native_q4 (the loader took no records there at all): the 4-bit draft's LM
+    head, most of what it reads a step, read its float32 copy. The records are its weights exactly: the same logits."""
+    _, q4 = models
+    assert getattr(q4.lm_head, "small_records", None) is not None
+    assert all(isinstance(layer.down, Q4Linear) for layer in q4.decoder_layers())  # (its own Q4_1 decoder)
+    plain_head = load_model(ModelSpec(native_q4=True, q8_head_reads=False))
+    assert getattr(plain_head.lm_head, "small_records", None) is None
+    ids = [int(t) for t in torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(2))]
+
+    def logits(model: LlamaModel) -> torch.Tensor:
+        cache = model.new_cache(1, len(ids))
+        with torch.inference_mode():
+            return model(ForwardBatch.build(cache, [cache.allocate()], [ids]), cache)
+
+    assert torch.equal(logits(q4), logits(plain_head))
+
+
+@pytest.mark.real_model
 def test_real_blocks_decode_as_gguf_py_does() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

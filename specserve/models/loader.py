@@ -299,8 +299,8 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
         and attach_small_gemm(model, packed=packed, chunks=spec.small_gemm_chunks)
     )
     gguf = record_source(model, spec) if small else None
-    if gguf is not None:
-        attach_records(model, spec, gguf)
+    if gguf is not None:  # (under native_q4 the decoder's linears are its own Q4_1 ones: the LM head's records only)
+        attach_records(model, spec.model_copy(update={"q4_reads": False}) if spec.native_q4 else spec, gguf)
     if small and spec.small_gemm_plan:  # layouts and prefetches timed on this machine (the same bits either way)
         cached_kernel_plan(model, (True, False) if spec.small_gemm_packed is None else (spec.small_gemm_packed,))
     if model.device.type == "cpu" and not small:  # the kernel serves the rows these switches are for
@@ -319,10 +319,10 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
 
 def record_source(model: LlamaModel, spec: ModelSpec) -> Path | None:
     """The spec's GGUF, whose quantised blocks the kernel may read as records (``ModelSpec.q4_reads``,
-    ``q8_head_reads``), where either is on, the model float32 on the CPU and its source a GGUF still on disk; else
-    None."""
+    ``q8_head_reads``), where either is on (under ``native_q4`` the head's: the decoder's linears are Q4_1 already),
+    the model float32 on the CPU and its source a GGUF still on disk; else None."""
     kind = spec.resolved_kind()
-    if not (spec.q4_reads or spec.q8_head_reads) or not spec.small_gemm or spec.native_q4:
+    if not (spec.q8_head_reads or (spec.q4_reads and not spec.native_q4)) or not spec.small_gemm:
         return None
     if kind not in (SourceKind.builtin, SourceKind.gguf) or model.device.type != "cpu" or model.dtype != torch.float32:
         return None
