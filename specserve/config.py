@@ -137,7 +137,7 @@ class ModelSpec(Validated):
         description="CPU float32: weight copies in MKL's packed layout for these row counts: the first width "
         "serves exactly its rows, each later width w the rows above the previous one, zero-padded to w (2-5x "
         "the weights per width; e.g. (4, 16): 4 rows, and 5-16 rows, packed); rows the small_gemm kernel serves "
-        "(1-64) take the kernel instead",
+        "(1-64, and its chunks up to small_gemm_chunks) take the kernel instead and get no copy",
     )
     native_stack: bool = Field(
         default=True,

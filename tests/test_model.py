@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pydantic
 import pytest
@@ -9,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from deployments.app_args import AppArgs
-from specserve.config import EngineConfig, ModelSpec, derived_draft
+from specserve.config import EngineConfig, ModelSpec, SourceKind, derived_draft
 from specserve.errors import KVCapacityError, UnsupportedModelError
 from specserve.models.batch import ForwardBatch
 from specserve.models.llama import LlamaModel, quantize_int8_dynamic
@@ -490,6 +492,32 @@ def test_mkl_packed_weights_serve_their_row_ranges_with_the_same_products() -> N
     x = torch.randn(7, mod.in_features)
     assert torch.equal(linear(mod, x), linear(mod, torch.cat([x, torch.randn(3, mod.in_features)]))[:7])
     assert not attach_mkl_packed(tiny_model(seed=0).to(torch.bfloat16), (4,))  # float32 only
+    # rows the small-product kernel serves (its 64 and its chunks) get no copy: built, they were never read
+    served = tiny_model(seed=0)
+    assert attach_mkl_packed(served, (4, 16, 200), served=128)
+    assert [(lo, hi) for lo, hi, _ in served.decoder_layers()[0].gate_up.mkl_packed] == [(129, 200)]
+    unserved = tiny_model(seed=0)
+    assert not attach_mkl_packed(unserved, (4, 16), served=64)
+    assert not any(hasattr(m, "mkl_packed") for m in unserved.modules())
+
+
+def test_the_loader_packs_no_mkl_copy_for_rows_the_kernel_serves(tmp_path: Path) -> None:
+    from specserve.models.llama import mkl_packing_available
+    from specserve.models.loader import attach_cpu_paths
+    from specserve.models.native_stack import NativeStackUnavailable, extension
+
+    try:
+        extension()
+    except NativeStackUnavailable as e:
+        pytest.skip(f"no small-product kernel: {e}")
+    if not mkl_packing_available():
+        pytest.skip("torch without MKL")
+    model = tiny_model(seed=0)
+    local = {"source": str(tmp_path), "kind": SourceKind.hf_dir, "small_gemm_plan": False, "native_stack": False}
+    attach_cpu_paths(model, ModelSpec(**local, mkl_packed_widths=(4, 16)))  # the kernel serves 1-128 rows
+    assert not any(hasattr(m, "mkl_packed") for m in model.modules())
+    attach_cpu_paths(model, ModelSpec(**local, mkl_packed_widths=(4, 16), small_gemm=False))  # no kernel: copies
+    assert all(hasattr(m, "mkl_packed") for m in model.modules() if type(m) is torch.nn.Linear)
 
 
 def test_a_config_with_a_huge_context_serves_up_to_max_positions() -> None:

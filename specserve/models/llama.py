@@ -603,17 +603,23 @@ def mkl_packing_available() -> bool:
         return False
 
 
-def attach_mkl_packed(model: LlamaModel, widths: tuple[int, ...]) -> bool:
+def attach_mkl_packed(model: LlamaModel, widths: tuple[int, ...], *, served: int = 0) -> bool:
     """Switch: for each width w (ascending), a copy of every float32 linear weight in MKL's packed sgemm layout
     for w rows; the first width serves products of exactly w rows, each later one those of (previous width, w]
     rows, padded with zero rows to w (``linear``). On the AMX Xeon MKL's packed product over 4 rows took
     SmolLM2's matmuls from 36 to 24 ms and over 16 from 47 to 36 ms (2-3 rows gained nothing), at 2-5x the weight
-    memory per width (docs/benchmarks.md). Returns False (nothing attached) where torch has no MKL or the model is
-    not float32 on the CPU."""
+    memory per width (docs/benchmarks.md). ``served``: products of up to this many rows take the small-product kernel
+    (its rows and chunks): a width's rows among them get no copy (it was built and never read). Returns False
+    (nothing attached) where torch has no MKL, the model is not float32 on the CPU, or the kernel serves every
+    width's rows."""
     if not widths or model.device.type != "cpu" or model.dtype != torch.float32 or not mkl_packing_available():
         return False
     bounds = sorted(set(widths))
     ranges = [(lo + 1, hi) for lo, hi in zip([bounds[0] - 1, *bounds[:-1]], bounds, strict=True)]
+    ranges = [(max(lo, served + 1), hi) for lo, hi in ranges if hi > served]
+    if not ranges:
+        logger.warning("mkl_packed_widths %s: the small-product kernel serves all their rows; no copy", list(widths))
+        return False
     for mod in (m for m in model.modules() if type(m) is nn.Linear):
         w = mod.weight.detach()
         mod.mkl_packed = tuple(  # type: ignore[assignment]

@@ -36,6 +36,7 @@ from specserve.models.llama import (
 from specserve.models.lm_head import attach_bounded_argmax
 from specserve.models.native_stack import (
     Q8_HEAD_NAMES,
+    SMALL_GEMM_ROWS,
     attach_head_records,
     attach_head_stack,
     attach_int8_head,
@@ -308,7 +309,8 @@ def attach_cpu_paths(model: LlamaModel, spec: ModelSpec) -> None:
             attach_gemv_copies(model)
         if spec.pad_rows:
             attach_row_padding(model)
-    attach_mkl_packed(model, spec.mkl_packed_widths)
+    served = max(SMALL_GEMM_ROWS, spec.small_gemm_chunks) if small else 0  # (those rows take the kernel)
+    attach_mkl_packed(model, spec.mkl_packed_widths, served=served)
     if small and spec.bounded_argmax:  # the row counts it serves timed at load with the kernel's plan
         attach_bounded_argmax(model, measure=spec.small_gemm_plan)
     if spec.native_attention:
