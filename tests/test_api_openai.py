@@ -1383,7 +1383,7 @@ def test_a_streams_first_token_latency_is_of_the_first_chunk_sent() -> None:
             before = _sample(backend, "specserve_time_to_first_token_seconds_sum")
             with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
                 lines = [line for line in r.iter_lines() if line.startswith("data: {")]
-            assert r.status_code == 200 and len(lines) >= 3
+            assert r.status_code == 200 and len(lines) >= 2  # (the rest may come in one chunk, after the wait)
             assert _sample(backend, "specserve_time_to_first_token_seconds_sum") - before >= 0.45
     finally:
         backend.stop()

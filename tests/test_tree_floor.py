@@ -324,7 +324,9 @@ def test_the_loop_rate_counts_catch_ups_within_speculation_not_a_switchs() -> No
     ``tree_min_prob`` sized every tree) and the guard judged no step until ``max_settle_steps``. A catch-up after
     plain steps (the guard's switch) stays out: its re-read is the switch's cost, not speculation's rate."""
     floor, fitted, rated = _loop_rates(64, None)
-    assert floor.rates.get(16) and floor.floor(16) is not None
+    # (the rate, what this is about; the floor also needs a positive row-cost slope, which a loaded host's timings
+    # may not give a tiny model: it failed a CI run so)
+    assert floor.rates.get(16) and floor.tokens_per_s(16) is not None
     # every speculative step's, catch-ups among them, but the first's (no step planned to speculate came before)
     assert any(rated) and rated == fitted[1:]
     floor, fitted, rated = _loop_rates(None, _PlainFirst(plain=5))
