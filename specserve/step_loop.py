@@ -318,6 +318,8 @@ class StepLoop:
         plan = self.planner.plan(batch, prefills=prefills, outlook=outlook, guarded=guarded, room=room, model=model)
         if self.draft is None and self.serves_drafts:  # detached: no model drafts, and none planned (nor timed)
             plan = _undrafted(plan, [s.spec.drafter == Drafter.model for s in batch])
+        if all(s.grammar is None for s in batch):
+            return plan
         # a structured answer whose grammar would take longer than its budget over a drafted tree's rows (its cost
         # a row times the nodes the tree may hold) decodes plainly: the batch would wait on it
         levels = [max(d, plan.free_depth(i)) for i, d in enumerate(plan.depths)]
