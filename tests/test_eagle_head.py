@@ -686,7 +686,7 @@ def test_shipped_head_is_intact_and_documented(name: str) -> None:
     assert (d / "model.safetensors.sha256").read_text().split()[0] == digest
     prov = json.loads((d / "provenance.json").read_text())
     assert prov["sha256"] == digest and prov["command"].startswith("specserve train-draft")
-    assert {"data", "train", "draft_vocab", "seconds"} <= set(prov) and prov["train"]["seed"] == 0
+    assert {"data", "train", "steps", "draft_vocab", "seconds"} <= set(prov) and prov["train"]["seed"] == 0
     assert "never MT-bench" in prov["data"]["source"]
     vocab = json.loads((d / "vocab_map.json").read_text())
     cfg = json.loads((d / "config.json").read_text())

@@ -629,6 +629,8 @@ def test_train_draft_quick_writes_a_loadable_head(tmp_path: Path, capsys: pytest
     corpus_answers = sorted(tokenizer.decode(s.tokens[s.prompt_len :]) for s in iter_samples(out / "work" / "corpus"))
     assert corpus_answers[0].startswith("0: Sentence 0") and corpus_answers[1].startswith("5: Sentence 0")
     assert prov["data"]["lexicon_prompts"] == 6
+    lexicon_manifest = json.loads((out / "work" / "lexicon" / "manifest.json").read_text())
+    assert prov["data"]["lexicon"] == {"wordnet_dir": str(wn), "wordnet_sha256": lexicon_manifest["wordnet_sha256"]}
     assert len(list((out / "work" / "self").glob("chunk_*.safetensors"))) == 2  # 5 requests in chunks of 4
     # the seed prompts and text passages come from this interpreter's stdlib docs: a resume under another Python
     # would add chunks drawn from another list (its manifest then refuses the work dir)
@@ -1035,6 +1037,25 @@ def test_self_written_requests_whose_answers_would_not_fit_are_dropped(tmp_path:
     train_draft(target, tok, distill, settings, tmp_path / "w", tmp_path / "h", ask=ask, log=lambda _: None)
     prov = json.loads((tmp_path / "h" / "provenance.json").read_text())["data"]
     assert (prov["self_prompts_asked"], prov["self_prompts_kept"]) == (3, 2)
+
+
+def test_provenance_records_the_optimiser_steps_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head's record says how many steps it trained (they follow from the data's lengths, not the command)."""
+    from specserve.train.pipeline import train_draft
+
+    target, tok, distill, train, cfg = _tiny_train_draft()
+    taken: list[int] = []
+    adamw_step = torch.optim.AdamW.step
+
+    def counted(self: torch.optim.AdamW, *a: Any, **kw: Any) -> Any:
+        taken.append(1)
+        return adamw_step(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    settings = replace(cfg, train=replace(train, epochs=2, batch_tokens=16))
+    train_draft(target, tok, distill, settings, tmp_path / "w", tmp_path / "h", log=lambda _: None)
+    assert len(taken) > 2
+    assert json.loads((tmp_path / "h" / "provenance.json").read_text())["steps"] == len(taken)
 
 
 def test_self_written_requests_kept_by_another_filter_are_refused_on_a_resume(

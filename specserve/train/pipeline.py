@@ -66,6 +66,7 @@ from specserve.train.trainer import (
     check_checkpoint,
     check_starting_head,
     prompts_seen,
+    schedule,
     train_head,
     trained_vocab_size,
     write_provenance,
@@ -321,7 +322,7 @@ def train_draft(
         log(f"note: --text-passages {cfg.text_passages}: the stdlib's docstrings give {len(texts)}; using those")
     if texts:
         samples += teacher_forced("text", texts, {"prompts": "text_passages"})
-    corpus_record = None
+    corpus_record = lexicon_record = None
     if cfg.corpus_passages:
         files = corpus_files(list(cfg.corpus))
         digest = corpus_digest(files)
@@ -332,6 +333,7 @@ def train_draft(
         lexicon_dir = work_dir / "lexicon"
         wordnet = hashlib.sha256(b"".join(sha256_file(f).encode() for f in check_wordnet(cfg.wordnet_dir)))
         lexicon = answered | {"max_new_tokens": cfg.lexicon_max_new_tokens, "wordnet_sha256": wordnet.hexdigest()}
+        lexicon_record = {"wordnet_dir": str(cfg.wordnet_dir), "wordnet_sha256": wordnet.hexdigest()}
         claim_data_dir(lexicon_dir, lexicon | {"prompts": "lexicon_prompts"})
         chunks = build_dataset(
             distill,
@@ -409,9 +411,10 @@ def train_draft(
                 "teacher-forced answers",
                 "lexicon_prompts": cfg.lexicon_prompts,
                 "lexicon_max_new_tokens": cfg.lexicon_max_new_tokens,
+                "lexicon": lexicon_record,
                 "lexicon_source": "specserve.train.lexicon_prompts: task templates filled with WordNet 3.0 nouns "
-                "(Debian wordnet-base, /usr/share/wordnet) seen in its tagged corpus, and their glosses; answered "
-                "greedily; none sharing an 8-word run with MT-bench",
+                "(Debian wordnet-base's files, the folder and digest in `lexicon`) seen in its tagged corpus, and "
+                "their glosses; answered greedily; none sharing an 8-word run with MT-bench",
                 "corpus": corpus_record,
                 "corpus_source": "specserve.train.corpus: passages of the named plain-text files as teacher-forced "
                 "answers to generic requests; none sharing an 8-word run with MT-bench",
@@ -424,6 +427,7 @@ def train_draft(
                 "tokens": int(sum(len(s.tokens) for s in samples)),
             },
             "train": asdict(cfg.train),
+            "steps": len(schedule(samples, cfg.train)),  # the optimiser steps trained (a resumed run's included)
             "draft_vocab": {"size": int(draft_ids.numel()), "coverage": coverage(counts, draft_ids)},
             # what it has trained on, its starting head's included: the agreement benchmark's held-out sets start
             # past them (a fine-tune's own counts alone put them inside its starting head's training prompts)

@@ -287,6 +287,11 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 LogFn = Callable[[int, int, float, dict[str, float]], None]  # step, total, loss, stats
 
 
+def schedule(samples: list[Sample], cfg: TrainConfig) -> list[list[int]]:
+    """The optimiser steps' sample groups, every epoch's, in order: a function of the data and the settings alone."""
+    return [g for e in range(cfg.epochs) for g in batch_groups(samples, cfg, random.Random(cfg.seed * 1000 + e))]
+
+
 def train_head(
     target: LlamaModel,
     samples: list[Sample],
@@ -307,7 +312,7 @@ def train_head(
     params = [p for n, p in head.named_parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     lm_w = dense_weight(target.lm_head).float()[head.draft_ids].contiguous()  # [V_d, H] the target's rows
-    plan = [g for e in range(cfg.epochs) for g in batch_groups(samples, cfg, random.Random(cfg.seed * 1000 + e))]
+    plan = schedule(samples, cfg)
     total = len(plan)  # the schedule's length; max_steps only stops early (a later call resumes)
     stop = total if max_steps is None else min(total, max_steps)
     step = 0
