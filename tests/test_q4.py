@@ -118,13 +118,15 @@ def models() -> tuple[LlamaModel, LlamaModel]:
 
 
 @pytest.mark.real_model
-def test_native_q4_reads_its_lm_head_from_the_ggufs_q8_blocks(models: tuple[LlamaModel, LlamaModel]) -> None:
+def test_native_q4_reads_its_lm_head_from_the_ggufs_q8_blocks() -> None:
     """q8_head_reads did nothing under native_q4 (the loader took no records there at all): the 4-bit draft's LM
-    head, most of what it reads a step, read its float32 copy. The records are its weights exactly: the same logits."""
-    _, q4 = models
+    head, most of what it reads a step, read its float32 copy. The records are its weights exactly: the same logits.
+    (Without the kernel's plan the records serve every row count: the plan keeps them where they time faster, and
+    a CI run beside other work timed them slower and dropped them.)"""
+    q4 = load_model(ModelSpec(native_q4=True, small_gemm_plan=False))
     assert getattr(q4.lm_head, "small_records", None) is not None
     assert all(isinstance(layer.down, Q4Linear) for layer in q4.decoder_layers())  # (its own Q4_1 decoder)
-    plain_head = load_model(ModelSpec(native_q4=True, q8_head_reads=False))
+    plain_head = load_model(ModelSpec(native_q4=True, q8_head_reads=False, small_gemm_plan=False))
     assert getattr(plain_head.lm_head, "small_records", None) is None
     ids = [int(t) for t in torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(2))]
 
