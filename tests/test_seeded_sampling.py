@@ -380,15 +380,14 @@ def test_engine_samples_have_the_targets_distribution(target: LlamaModel, name: 
 def test_the_chi_square_catches_a_lossy_acceptance(target: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """Accepting the first drafted child whatever the target drew makes the first token the draft's argmax (an
     identical draft keeps it inside the target's support): the same test must fail on the distribution."""
-    real = target_module.accept_tree
+    real = target_module.walk_tree
 
-    def lossy(tree, draws, vocab):  # type: ignore[no-untyped-def]
+    def lossy(tree, draws_h, vocab):  # type: ignore[no-untyped-def]
         if tree.num_nodes > 1:
-            draws = draws.clone()
-            draws[0] = tree.tokens[1]
-        return real(tree, draws, vocab)
+            draws_h = [int(tree.tokens[1]), *draws_h[1:]]
+        return real(tree, draws_h, vocab)
 
-    monkeypatch.setattr(target_module, "accept_tree", lossy)
+    monkeypatch.setattr(target_module, "walk_tree", lossy)
     spec = SpecConfig(method=SpecMethod.chain, sl=2, chain_draft=ChainDraft.greedy)
     engine = Engine(
         target, None, draft=noisy_copy(target, 0.0), speculation=spec, eos_token_ids=set(), max_batch_size=64
@@ -428,3 +427,40 @@ def test_a_sequence_registered_again_draws_afresh(target: LlamaModel, draft: Lla
     emitted = [t for _ in range(2) for out in engine.loop.step() for t in out.token_ids]
     engine.loop.recover(target=True, draft=False)
     assert emitted and positions == [len(PROMPTS[1]), len(PROMPTS[1]) + len(emitted)]
+
+
+def test_a_step_reads_every_sampled_rows_draws_back_at_once(
+    target: LlamaModel, draft: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sampled rules' draws (keyed trees) and outcomes (sampled chains) of all of a step's sequences reach the
+    host in one transfer: on a GPU one host sync a step, not one a sequence; and each row is finished with its own
+    slice of it (the seeded row's tokens are those it draws alone)."""
+    reference = _alone(target, draft, SPECS["off"], PROMPTS[1])
+    joined: list[int] = []
+    read_back = target_module.read_back
+
+    def spy(values: list[torch.Tensor]) -> list[int]:
+        joined.append(len(values))
+        return read_back(values)
+
+    monkeypatch.setattr(target_module, "read_back", spy)
+    engine = Engine(target, None, draft=draft, speculation=SPECS["eagle2"], eos_token_ids=set(), max_batch_size=4)
+    verifies: list[int] = []
+    verify = engine.loop.target.verify
+
+    def counted(items: list) -> list:  # type: ignore[type-arg]
+        verifies.append(len(items))
+        return verify(items)
+
+    engine.loop.target.verify = counted  # type: ignore[method-assign]
+    unseeded = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
+    sampled_chain = SpecConfig(method=SpecMethod.chain, sl=3, chain_draft=ChainDraft.sampled)
+    engine.submit(PROMPTS[0], unseeded)  # (the engine gives it a seed: keyed draws)
+    engine.submit(PROMPTS[2], unseeded, speculation=sampled_chain)
+    seeded_id = engine.submit(PROMPTS[1], SEEDED)  # after two rows whose draws come first in the joined read
+    engine.submit(PROMPTS[3], SamplingParams(max_tokens=24, ignore_eos=True))  # greedy: its argmaxes read before
+    got: list[int] = []
+    while engine.loop.has_work:
+        got += [t for out in engine.loop.step() if out.request_id == seeded_id for t in out.token_ids]
+    assert got == reference
+    assert len(joined) == len(verifies) and max(joined) == 3  # the three sampled rows, the greedy one not among them

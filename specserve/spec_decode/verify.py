@@ -1,8 +1,11 @@
 """Lossless verification of drafted tokens (docs/algorithms.md §1): deterministic chains and trees, sampled chains.
 
 All distributions are probabilities after ``sampling.process_logits`` (the same processing for draft and target);
-greedy is the one-hot case and goes through the same code. Each function does at most one device->host
-transfer, marked ``# host sync``.
+greedy is the one-hot case and goes through the same code. Each rule comes in two halves: one on the logits'
+device that reads nothing back (``tree_draws``, ``chain_outcome``), one on the host over its result read back
+(``walk_tree``, ``chain_result``), so that a batch reads every sequence's result in one transfer (the target
+worker's); ``accept_tree`` (so ``verify_tree``) and ``verify_chain_sampled`` join the halves with one device->host
+transfer each, marked ``# host sync``.
 """
 
 from __future__ import annotations
@@ -43,10 +46,15 @@ def verify_tree(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | N
     only those on the walked path are used. If two children of a node carry the same token, the first one wins
     (the sequential rule rejects the later ones with probability 1).
     """
+    return accept_tree(tree, tree_draws(tree, p, generator), p.shape[-1])
+
+
+def tree_draws(tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``verify_tree``'s draw at every node, p [T, V] -> [T] long on p's device (V where a row has no mass)."""
     if p.ndim != 2 or p.shape[0] != tree.num_nodes:
         raise ValueError(f"p must have shape [{tree.num_nodes}, V], got {tuple(p.shape)}")
     u = torch.rand(tree.num_nodes, generator=generator, device=p.device, dtype=torch.float64)  # [T]
-    return accept_tree(tree, inverse_cdf_sample(p, u), p.shape[-1])
+    return inverse_cdf_sample(p, u)
 
 
 def accept_tree(tree: DraftTree, draws: torch.Tensor, vocab: int) -> VerifyResult:
@@ -58,8 +66,14 @@ def accept_tree(tree: DraftTree, draws: torch.Tensor, vocab: int) -> VerifyResul
     """
     if draws.shape != (tree.num_nodes,):
         raise ValueError(f"draws must have shape [{tree.num_nodes}], got {tuple(draws.shape)}")
-    packed = torch.stack([draws, tree.tokens.to(draws.device), tree.parents.to(draws.device)])  # [3, T]
-    draws_h, tokens_h, parents_h = packed.tolist()  # host sync
+    return walk_tree(tree, draws.tolist(), vocab)  # host sync
+
+
+def walk_tree(tree: DraftTree, draws_h: list[int], vocab: int) -> VerifyResult:
+    """``accept_tree``'s walk over draws already on the host (the tree's tokens and parents are host tensors)."""
+    if len(draws_h) != tree.num_nodes:
+        raise ValueError(f"{len(draws_h)} draws for a tree of {tree.num_nodes} nodes")
+    tokens_h, parents_h = tree.tokens.tolist(), tree.parents.tolist()
 
     child_by_token: list[dict[int, int]] = [{} for _ in tokens_h]  # node -> {token: first child carrying it}
     for node in range(1, len(tokens_h)):
@@ -94,6 +108,18 @@ def verify_chain_sampled(
 
     ``accepted_nodes`` uses DraftTree.chain numbering: drafted[i] is node i + 1.
     """
+    return chain_result(chain_outcome(drafted, q_idx, q_prob, p, generator).tolist(), p.shape[-1])  # host sync
+
+
+def chain_outcome(
+    drafted: torch.Tensor,  # [SL] long, x_i ~ q_i
+    q_idx: torch.Tensor,  # [SL, K] long, support of q_i (distinct per row)
+    q_prob: torch.Tensor,  # [SL, K] float, q_i on that support
+    p: torch.Tensor,  # [SL+1, V] float, p[i] = target after the context and drafted[:i]
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """``verify_chain_sampled``'s draws on p's device: [3 + SL] long, (accepted count, next token, drafts outside
+    q's support, the drafts), read by ``chain_result``."""
     sl = drafted.shape[0]
     if q_idx.shape != q_prob.shape or q_idx.shape[0] != sl or p.ndim != 2 or p.shape[0] != sl + 1:
         raise ValueError(
@@ -117,16 +143,20 @@ def verify_chain_sampled(
     next_token = inverse_cdf_sample(residual, u[sl:])  # [1]
 
     outside = (q_x <= 0).long().sum().view(1)  # [1]; drafts q could not have drawn (p_x / 0 would accept them all)
-    packed = torch.cat([num_accepted, next_token, outside, drafted]).tolist()  # host sync
-    n_acc, next_tok, n_outside, drafted_h = packed[0], packed[1], packed[2], packed[3:]
+    return torch.cat([num_accepted, next_token, outside, drafted])  # [3 + SL]
+
+
+def chain_result(outcome_h: list[int], vocab: int) -> VerifyResult:
+    """``chain_outcome``'s result read back to the host."""
+    n_acc, next_tok, n_outside, drafted_h = outcome_h[0], outcome_h[1], outcome_h[2], outcome_h[3:]
     if n_outside:
         raise ValueError(f"{n_outside} drafted token(s) lie outside the support of the q they were drawn from")
-    check_token(next_tok, p.shape[-1], n_acc)
+    check_token(next_tok, vocab, n_acc)
     return VerifyResult(
         accepted_nodes=list(range(ROOT + 1, ROOT + 1 + n_acc)),
         accepted_tokens=drafted_h[:n_acc],
         next_token=next_tok,
-        num_drafted=sl,
+        num_drafted=len(drafted_h),
     )
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import cast
 
 import numpy as np
@@ -28,7 +30,7 @@ from specserve.sampling import (
 )
 from specserve.spec_decode.draft_tree import DraftTree, step_layout
 from specserve.spec_decode.synthetic import synthetic_kld, synthetic_verify
-from specserve.spec_decode.verify import VerifyResult, accept_tree, verify_chain_sampled, verify_tree
+from specserve.spec_decode.verify import VerifyResult, chain_outcome, chain_result, tree_draws, walk_tree
 from specserve.workers.base import SlotTable
 
 PIN_LIMIT_BYTES = 1 << 20  # other sequences' feature rows one sequence's view may keep alive
@@ -107,10 +109,20 @@ class TargetWorker:
         logits_per_seq = [None] * len(items) if logits is None else logits.split(sizes)  # per sequence [T, V]
         outputs = []
         ids_per_seq = [None] * len(items) if ids is None else ids.split(sizes)  # per sequence [T], on the host
-        rows = zip(items, trees, slots, starts, draw_positions, logits_per_seq, ids_per_seq, strict=True)
-        for it, tree, slot, start, draw_pos, lg, top in rows:
+        staged: list[_Staged] = []
+        rows = zip(items, trees, draw_positions, logits_per_seq, ids_per_seq, strict=True)
+        for it, tree, draw_pos, lg, top in rows:
             with blame(it.seq_id):
-                outputs.append(self._verify_one(it, tree, slot, start, draw_pos, lg, top))
+                staged.append(self._stage_one(it, tree, draw_pos, lg, top))
+        read = iter(read_back([st.values for st in staged if st.values is not None]))
+        for it, st, slot, start in zip(items, staged, slots, starts, strict=True):
+            with blame(it.seq_id):
+                res = st.result
+                if st.finish is not None:
+                    res = st.finish(st.host if st.values is None else list(islice(read, st.values.numel())))
+                assert res is not None
+                self._rollback(slot, start, len(it.new_tokens) - 1, res.accepted_nodes)
+                outputs.append(VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens))
         if logits is not None and any(it.draft_q is not None for it in items):
             outputs = self._with_klds(items, outputs, logits, sizes)
         if logits is not None and any(want_logprobs):
@@ -147,53 +159,48 @@ class TargetWorker:
             updated[i] = replace(outputs[i], prompt_logprobs=entries)
         return updated
 
-    def _verify_one(
+    def _stage_one(
         self,
         it: VerifyItem,
         tree: DraftTree,
-        slot: int,
-        start: int,
         draw_positions: list[int],
         logits: torch.Tensor | None,
         greedy: torch.Tensor | None,
-    ) -> VerifyOutput:
-        """Sample-verify one sequence's draft from its logits [T, V] (None where every item of the step is greedy
-        and needs no KLD: only their argmaxes ``greedy`` [T] were computed) and roll its KV back to the accepted
-        path."""
+    ) -> _Staged:
+        """One sequence's verification up to what the host must read: its draws (or a sampled chain's outcome)
+        from its logits [T, V] (None where every item of the step is greedy and needs no KLD: only their argmaxes
+        ``greedy`` [T], on the host, were computed)."""
         params = self.params[it.seq_id]
         vocab = self.model.cfg.vocab_size
+        walk = functools.partial(walk_tree, tree, vocab=vocab)
         if it.by_argmax(params.raw_argmax):
             assert greedy is not None
-            res = accept_tree(tree, greedy, vocab)  # the argmaxes (process_logits would make their one-hot rows)
-        elif logits is None:
+            return _Staged(finish=walk, host=greedy.tolist())  # the argmaxes, read (as one-hot rows would draw)
+        if logits is None:
             raise AssertionError("a sampled, biased or synthetic item in a step verified by argmax only")
-        else:
-            logits = apply_logit_bias(logits, params)  # [T, V] float32 (the step's own rows without a bias)
-            # min_tokens: EOS and the stop ids not drawn yet (a configured EOS id past the vocabulary is never drawn)
-            ids = [t for t in it.banned if t < vocab]
-            if ids and (rows := it.banned_rows(draw_positions)):
-                at = torch.tensor(rows, device=logits.device)[:, None], torch.tensor(ids, device=logits.device)
-                logits = logits.index_put(at, torch.tensor(float("-inf"), device=logits.device))  # (out of place)
-            if it.allowed is not None:  # a structured answer: its grammar's tokens at each row
-                logits = allowed_only(logits, torch.from_numpy(it.allowed))
-            if params.greedy and it.synthetic_accept is None:  # what the one-hot rows of process_logits would draw
-                res = accept_tree(tree, greedy_draw(logits), vocab)  # (and a seed's T x V keyed noise, spent for it)
-            else:
-                res = self._draw(it, tree, process_logits(logits, params), draw_positions)  # p [T, V]
-        num_pending = len(it.new_tokens) - 1
-        self._rollback(slot, start, num_pending, res.accepted_nodes)
-        return VerifyOutput(it.seq_id, res.accepted_nodes, res.tokens)
-
-    def _draw(self, it: VerifyItem, tree: DraftTree, p: torch.Tensor, draw_positions: list[int]) -> VerifyResult:
-        params, gen, vocab = self.params[it.seq_id], self.generators[it.seq_id], self.model.cfg.vocab_size
-        if it.synthetic_accept is not None:
+        logits = apply_logit_bias(logits, params)  # [T, V] float32 (the step's own rows without a bias)
+        # min_tokens: EOS and the stop ids not drawn yet (a configured EOS id past the vocabulary is never drawn)
+        ids = [t for t in it.banned if t < vocab]
+        if ids and (rows := it.banned_rows(draw_positions)):
+            at = torch.tensor(rows, device=logits.device)[:, None], torch.tensor(ids, device=logits.device)
+            logits = logits.index_put(at, torch.tensor(float("-inf"), device=logits.device))  # (out of place)
+        if it.allowed is not None:  # a structured answer: its grammar's tokens at each row
+            logits = allowed_only(logits, torch.from_numpy(it.allowed))
+        if params.greedy and it.synthetic_accept is None:  # what the one-hot rows of process_logits would draw
+            return _Staged(greedy_draw(logits), walk)  # (and a seed's T x V keyed noise, spent for it)
+        p = process_logits(logits, params)  # [T, V]
+        gen = self.generators[it.seq_id]
+        if it.synthetic_accept is not None:  # (not lossless, §9: read to the host in its own calls)
             tokens_h = [it.new_tokens[-1], *it.draft_tokens]
-            return synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen)
+            return _Staged(result=synthetic_verify(tokens_h, [0, *it.draft_parents], p, it.synthetic_accept, gen))
         if it.q_idx is not None and it.q_prob is not None:
-            return verify_chain_sampled(tree.tokens[1:], torch.tensor(it.q_idx), torch.tensor(it.q_prob), p, gen)
+            q_idx, q_prob = torch.tensor(it.q_idx), torch.tensor(it.q_prob)
+            return _Staged(
+                chain_outcome(tree.tokens[1:], q_idx, q_prob, p, gen), functools.partial(chain_result, vocab=vocab)
+            )
         if params.seed is not None:  # drawn by position: the same tokens alone, in any batch, any drafter
-            return accept_tree(tree, keyed_sample(p, params.seed, draw_positions, vocab), vocab)
-        return verify_tree(tree, p, gen)
+            return _Staged(keyed_sample(p, params.seed, draw_positions, vocab), walk)
+        return _Staged(tree_draws(tree, p, gen), walk)
 
     def _with_logprobs(
         self, items: list[VerifyItem], outputs: list[VerifyOutput], logits: torch.Tensor, sizes: list[int]
@@ -330,6 +337,22 @@ class TargetWorker:
                 kld = synthetic_kld(it.synthetic_accept, len(kld), self.generators[it.seq_id])
             done.append(out if it.draft_q is None else replace(out, kld=kld))
         return done
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A sequence's verification before the step's host sync: ``values`` for the host to read (draws [T], or a
+    sampled chain's outcome; or ``host``, read already) and ``finish`` to read them with, or its ``result``."""
+
+    values: torch.Tensor | None = None
+    finish: Callable[[list[int]], VerifyResult] | None = None
+    host: list[int] = field(default_factory=list)
+    result: VerifyResult | None = None
+
+
+def read_back(values: list[torch.Tensor]) -> list[int]:
+    """The step's sampled rows' draws and outcomes ([T_i] long each, on the logits' device), joined."""
+    return torch.cat(values).tolist() if values else []  # host sync: every sampled row's, once for the step
 
 
 KLD_ROWS = 32  # logits rows one KLD computation takes: [32, 49k] float32 is 6 MB; 128 rows at once ran 1.5-2.3x slower
